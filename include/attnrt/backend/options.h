@@ -1,0 +1,27 @@
+// Options that choose and configure attention backends (names follow the reference engine's flags).
+#pragma once
+
+#include <string>
+
+namespace attnrt {
+
+struct Options {
+  std::string attention_backend;          // "" = auto-select
+  std::string prefill_attention_backend;  // "" = inherit attention_backend
+  std::string decode_attention_backend;   // "" = inherit attention_backend
+  std::string speculative_attention_mode = "prefill";  // prefill | decode
+  int page_size = 1;
+  std::string kv_cache_dtype = "auto";    // auto | bf16 | fp16 | fp32 | fp8_e4m3 | fp8_e5m2
+  int speculative_num_steps = 0;          // 0 = speculative decoding off
+  int speculative_eagle_topk = 0;         // 0 = unset
+  int speculative_num_draft_tokens = 0;   // 0 = unset
+  std::string linear_attn_backend;        // "" = auto
+  std::string linear_attn_prefill_backend;
+  std::string linear_attn_decode_backend;
+  int num_threads = 0;                    // cpu backends; 0 = ATTNRT_NUM_THREADS or all cores
+  bool deterministic = false;             // fixed split sizes: batch-invariant results
+
+  bool speculative() const { return speculative_num_steps > 0 || speculative_num_draft_tokens > 0; }
+};
+
+}  // namespace attnrt

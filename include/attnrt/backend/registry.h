@@ -1,0 +1,60 @@
+// The backend registry: named factories with their capabilities; lazy creation.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "attnrt/backend/attention_backend.h"
+#include "attnrt/core/dtype.h"
+#include "attnrt/model/model_spec.h"
+
+namespace attnrt {
+
+struct BackendCaps {
+  std::vector<DeviceKind> devices;
+  std::vector<int> page_sizes;        // native page sizes; empty = any page size
+  std::vector<DType> kv_dtypes;
+  std::vector<int> head_dims;         // empty = any head dim
+  bool full_attention = true;         // serves full / swa layers
+  bool spec_topk1 = false;            // TARGET_VERIFY chain, DRAFT_EXTEND
+  bool spec_topk_gt1 = false;         // TARGET_VERIFY tree
+  bool sliding_window = false;
+  bool softcap = false;
+  bool sinks = false;
+  bool mla = false;
+  bool non_causal = false;
+  bool cuda_graphs = false;
+  std::vector<LayerKind> linear_kinds;  // gdn / mamba2 / kda served by this backend
+};
+
+struct BackendEntry {
+  std::string name;
+  std::string summary;   // one line for `attnrt info`
+  BackendCaps caps;
+  // Never auto-selected when false (reference).
+  bool auto_selectable = true;
+  // "" when usable on this machine, else why not (no CUDA device, built without CUDA, ...).
+  std::function<std::string()> unavailable_reason;
+  std::function<std::unique_ptr<AttentionBackend>(const BackendContext&)> factory;
+};
+
+class Registry {
+ public:
+  static Registry& global();  // with the built-in backends registered
+  void add(BackendEntry entry);  // throws attnrt::Error on a duplicate name
+  const BackendEntry* find(const std::string& name) const;
+  // Throws attnrt::Error naming the value and listing the registered names.
+  const BackendEntry& get(const std::string& name) const;
+  std::vector<std::string> names() const;
+  const std::vector<BackendEntry>& entries() const { return entries_; }
+
+ private:
+  std::vector<BackendEntry> entries_;
+};
+
+// Registers reference, cpu (and cuda when built with it). Called once by Registry::global().
+void register_builtin_backends(Registry& registry);
+
+}  // namespace attnrt

@@ -1,0 +1,39 @@
+// Option validation, the inheritance rule, auto-selection, and construction of the (possibly hybrid)
+// backend for a run (reference-semantics §5, §6, §9; attnrt turns every silent rewrite into an error
+// or an explained auto-choice).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "attnrt/backend/attention_backend.h"
+#include "attnrt/backend/options.h"
+#include "attnrt/backend/registry.h"
+#include "attnrt/core/dtype.h"
+#include "attnrt/model/model_spec.h"
+
+namespace attnrt {
+
+struct Selection {
+  std::string prefill;         // full-attention backend for EXTEND / MIXED (and verify in prefill mode)
+  std::string decode;          // full-attention backend for DECODE / IDLE (and verify in decode mode)
+  std::string linear_prefill;  // "" when the model has no linear layers
+  std::string linear_decode;
+  DType kv_dtype = DType::bf16;
+  bool hybrid() const { return prefill != decode; }
+  std::vector<std::string> reasons;  // one line per choice: what was chosen and why
+};
+
+// Validates the options against the model, the machine and the backends' caps before anything is
+// allocated. Throws attnrt::Error naming the option, the value, what is supported and what to use.
+Selection resolve_backends(const Options& options, const ModelSpec& model,
+                           const Registry& registry = Registry::global());
+
+// Builds the backend for a resolved selection: a single backend, or HybridAttnBackend when the
+// phase backends differ (and the linear wrapper when the model has linear layers, later issue).
+std::unique_ptr<AttentionBackend> create_backend(const Selection& selection,
+                                                 const BackendContext& ctx,
+                                                 const Registry& registry = Registry::global());
+
+}  // namespace attnrt

@@ -1,0 +1,24 @@
+// Run-time discovery of CUDA devices. The binary links the CUDA runtime statically and must start on a
+// machine with no GPU or no driver: query_cuda() then says why no device is usable.
+#pragma once
+
+#include <string>
+
+namespace attnrt {
+
+struct CudaDeviceInfo {
+  bool usable = false;
+  std::string reason;  // why not usable (no driver, no device, built without CUDA, ...)
+  std::string name;
+  int device_count = 0;
+  int cc_major = 0, cc_minor = 0;
+  int sm_count = 0;
+  size_t total_memory = 0;
+  int driver_version = 0, runtime_version = 0;
+};
+
+// Cached after the first call.
+const CudaDeviceInfo& query_cuda();
+bool built_with_cuda();
+
+}  // namespace attnrt

@@ -1,0 +1,92 @@
+// KV caches: token-major per-layer K and V buffers (reference-semantics §4.3, §4.4).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "attnrt/core/tensor.h"
+#include "attnrt/model/model_spec.h"
+
+namespace attnrt {
+
+struct ForwardBatch;
+
+// What a backend reads for one layer. Row `s` of K is at k + s * k_row_stride elements
+// ([kv_heads, head_dim] contiguous), likewise V.
+struct KVLayerView {
+  void* k = nullptr;
+  void* v = nullptr;
+  DType dtype = DType::bf16;  // storage dtype (fp8 stored as raw bytes)
+  Device device;
+  int64_t num_rows = 0;       // slots, including the reserved rows
+  int kv_heads = 0, head_dim = 0, v_head_dim = 0;
+  int64_t k_row_stride = 0, v_row_stride = 0;
+  float k_scale = 1.f, v_scale = 1.f;
+  // SWA layers: full-pool slot -> this pool's slot (0 = no slot; length full rows + 1, last = -1).
+  // nullptr = identity (full-attention layers).
+  const int64_t* slot_map = nullptr;
+  // This step's write slots in this pool's slot space ([num_tokens]), translated once per step.
+  const int64_t* step_write_loc = nullptr;
+  bool is_swa = false;
+};
+
+class KVCache {
+ public:
+  virtual ~KVCache() = default;
+  virtual KVLayerView layer(int layer_id) const = 0;
+  // Per step, once, before any layer: translation of out_cache_loc for SWA layers (into a
+  // preallocated buffer) and validation of the step's slots. Throws attnrt::Error on a bad slot.
+  virtual void begin_step(const ForwardBatch& batch) = 0;
+  // Stores k [T, Hkv, Dqk] and v [T, Hkv, Dv] (any float dtype; quantised with the layer's scale for
+  // fp8) at the step's write slots of this layer. Checks shapes and slots before writing anything.
+  virtual void store_step_kv(int layer_id, const TensorView& k, const TensorView& v) = 0;
+  virtual Device device() const = 0;
+  virtual DType dtype() const = 0;
+  virtual int page_size() const = 0;
+};
+
+// One pool for a set of layers with the same [kv_heads, head_dim, v_head_dim] per layer.
+class MHATokenToKVPool {
+ public:
+  // rows = slots including the reserved page; layer_ids = the global ids this pool holds.
+  MHATokenToKVPool(int64_t rows, DType dtype, const std::vector<LayerSpec>& layers);
+
+  bool holds(int layer_id) const;
+  KVLayerView layer(int layer_id) const;
+  void set_scales(int layer_id, float k_scale, float v_scale);
+  // Writes rows `loc` (slots in this pool); validates all slots and shapes first.
+  void set_kv_buffer(int layer_id, std::span<const int64_t> loc, const TensorView& k,
+                     const TensorView& v);
+  int64_t rows() const { return rows_; }
+  DType dtype() const { return dtype_; }
+  size_t bytes() const;
+
+ private:
+  struct Layer {
+    int layer_id;
+    int kv_heads, head_dim, v_head_dim;
+    float k_scale = 1.f, v_scale = 1.f;
+    HostBuffer k, v;
+  };
+  const Layer& find(int layer_id) const;
+  int64_t rows_;
+  DType dtype_;
+  std::vector<Layer> layers_;
+  std::vector<int> index_of_;  // global layer id -> index in layers_, -1 if not held
+};
+
+// Builds the KV cache a model needs on the host: a single MHA pool, or a full pool plus a smaller
+// SWA pool when the model mixes sliding-window and full layers.
+struct KVCacheConfig {
+  int64_t full_slots = 0;   // usable slots of the full pool
+  int64_t swa_slots = 0;    // usable slots of the SWA pool (0 = derive: swa_full_tokens_ratio)
+  double swa_full_tokens_ratio = 0.8;
+  int page_size = 1;
+  DType dtype = DType::bf16;
+  int max_num_tokens = 8192;  // size of the per-step translated write-slot buffer
+};
+std::unique_ptr<KVCache> make_host_kv_cache(const ModelSpec& model, const KVCacheConfig& config);
+
+}  // namespace attnrt

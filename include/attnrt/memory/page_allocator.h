@@ -1,0 +1,46 @@
+// PageAllocator: token slots handed out in pages (reference-semantics §4.2).
+// Slot = page_id * page_size + offset; page 0 is reserved (dummy rows of padded graph replays write
+// there), so a pool backing this allocator has (num_pages + 1) * page_size rows.
+// Every failing call throws attnrt::Error and leaves the allocator unchanged.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace attnrt {
+
+class PageAllocator {
+ public:
+  // `size` usable token slots (rounded down to whole pages); page_size >= 1.
+  PageAllocator(int64_t size, int page_size);
+
+  // Per request: fill the rest of its partial last page (contiguous after last_loc), then whole new
+  // pages, then one partial page. last_loc = slot of the request's last existing token, -1 if none.
+  // Returns sum(seq_lens - prefix_lens) slots, request-major.
+  std::vector<int64_t> alloc_extend(std::span<const int32_t> prefix_lens,
+                                    std::span<const int32_t> seq_lens,
+                                    std::span<const int64_t> last_locs);
+  // One slot per request: last_loc + 1 inside the partial page, else the first slot of a new page.
+  // seq_lens include the token being allocated.
+  std::vector<int64_t> alloc_decode(std::span<const int32_t> seq_lens,
+                                    std::span<const int64_t> last_locs);
+  // Frees the pages that hold these slots (every page once; freeing a free page is an error).
+  void free(std::span<const int64_t> slots);
+
+  int page_size() const { return page_size_; }
+  int64_t num_pages() const { return num_pages_; }
+  int64_t free_pages() const { return static_cast<int64_t>(free_list_.size()); }
+  int64_t available_size() const { return free_pages() * page_size_; }
+  int64_t pool_rows() const { return (num_pages_ + 1) * page_size_; }  // rows a KV pool needs
+  bool page_in_use(int64_t page) const { return in_use_[page] != 0; }
+
+ private:
+  int64_t take_page();
+  int page_size_;
+  int64_t num_pages_;
+  std::vector<int64_t> free_list_;  // popped from the back
+  std::vector<uint8_t> in_use_;     // [num_pages + 1], page 0 always "in use"
+};
+
+}  // namespace attnrt

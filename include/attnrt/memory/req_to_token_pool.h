@@ -1,0 +1,35 @@
+// ReqToTokenPool: request row -> token slots (reference-semantics §4.1).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace attnrt {
+
+class ReqToTokenPool {
+ public:
+  ReqToTokenPool(int size, int max_context_len);
+
+  int alloc();          // a free row; throws attnrt::Error when every row is in use
+  void free(int row);   // throws on a row that is not allocated
+  // req_to_token[row, start : start + slots.size()) = slots; checks bounds first.
+  void write(int row, int start, std::span<const int64_t> slots);
+  int32_t get(int row, int col) const { return table_[static_cast<size_t>(row) * max_context_len_ + col]; }
+  const int32_t* row_ptr(int row) const { return table_.data() + static_cast<size_t>(row) * max_context_len_; }
+  const int32_t* data() const { return table_.data(); }
+
+  int size() const { return size_; }
+  int max_context_len() const { return max_context_len_; }
+  int available() const { return static_cast<int>(free_rows_.size()); }
+  bool is_allocated(int row) const;
+
+ private:
+  int size_;
+  int max_context_len_;
+  std::vector<int32_t> table_;
+  std::vector<int> free_rows_;
+  std::vector<uint8_t> in_use_;
+};
+
+}  // namespace attnrt
