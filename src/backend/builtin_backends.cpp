@@ -1,0 +1,12 @@
+// The one place that lists the built-in backends. Adding a backend: its folder plus one line here.
+#include "attnrt/backend/registry.h"
+
+namespace attnrt {
+
+void register_reference_backend(Registry& registry);
+
+void register_builtin_backends(Registry& registry) {
+  register_reference_backend(registry);
+}
+
+}  // namespace attnrt

@@ -1,0 +1,42 @@
+#include "attnrt/backend/registry.h"
+
+#include <fmt/ranges.h>
+
+#include "attnrt/core/error.h"
+
+namespace attnrt {
+
+Registry& Registry::global() {
+  static Registry* registry = [] {
+    auto* r = new Registry();
+    register_builtin_backends(*r);
+    return r;
+  }();
+  return *registry;
+}
+
+void Registry::add(BackendEntry entry) {
+  ATTNRT_CHECK(find(entry.name) == nullptr, "backend '{}' is registered twice", entry.name);
+  entries_.push_back(std::move(entry));
+}
+
+const BackendEntry* Registry::find(const std::string& name) const {
+  for (const auto& e : entries_) {
+    if (e.name == name) return &e;
+  }
+  return nullptr;
+}
+
+const BackendEntry& Registry::get(const std::string& name) const {
+  if (const BackendEntry* e = find(name)) return *e;
+  fail("unknown attention backend '{}': registered backends are {}", name,
+       fmt::join(names(), ", "));
+}
+
+std::vector<std::string> Registry::names() const {
+  std::vector<std::string> out;
+  for (const auto& e : entries_) out.push_back(e.name);
+  return out;
+}
+
+}  // namespace attnrt
