@@ -1,12 +1,33 @@
-#include <CLI/CLI.hpp>
-
 #include <cstdio>
+#include <exception>
 
 #include "attnrt/core/error.h"
+#include "tools/attnrt/commands.h"
 
 int main(int argc, char** argv) {
-  CLI::App app{"attnrt: the attention layer of an LLM serving engine"};
-  app.require_subcommand(0, 1);
-  CLI11_PARSE(app, argc, argv);
+  CLI::App app{
+      "attnrt: the attention layer of an LLM serving engine.\n"
+      "Paged KV caches, every forward mode (prefill with cached prefix, decode, mixed, speculative\n"
+      "verify, draft extend) and backends chosen per phase by name or from the hardware and model."};
+  app.require_subcommand(1);
+  app.fallthrough(false);
+  attnrt::cli::add_info_command(app);
+  attnrt::cli::add_check_command(app);
+  attnrt::cli::add_run_command(app);
+  attnrt::cli::add_replay_command(app);
+  attnrt::cli::add_bench_command(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const attnrt::cli::ExitCode& e) {
+    return e.code;
+  } catch (const attnrt::Error& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "internal error: %s\n", e.what());
+    return 3;
+  }
   return 0;
 }
