@@ -83,6 +83,9 @@ ForwardBatch make_verify_batch(const std::vector<int64_t>& req_rows,
 ForwardBatch make_draft_extend_batch(const std::vector<int64_t>& req_rows,
                                      const std::vector<int32_t>& seq_lens_after_accept,
                                      const std::vector<int32_t>& accept_lengths);
+// DRAFT_EXTEND_V2: every request padded to `width` re-run tokens; seq_lens include them.
+ForwardBatch make_draft_extend_v2_batch(const std::vector<int64_t>& req_rows,
+                                        const std::vector<int32_t>& seq_lens, int width);
 ForwardBatch make_idle_batch();
 
 }  // namespace attnrt
