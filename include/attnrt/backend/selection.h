@@ -1,6 +1,6 @@
-// Option validation, the inheritance rule, auto-selection, and construction of the (possibly hybrid)
-// backend for a run (reference-semantics §5, §6, §9; attnrt turns every silent rewrite into an error
-// or an explained auto-choice).
+// Option validation, the inheritance rule, auto-selection, and construction of the (possibly
+// hybrid) backend for a run (reference-semantics §5, §6, §9; attnrt turns every silent rewrite into
+// an error or an explained auto-choice).
 #pragma once
 
 #include <memory>
@@ -10,18 +10,24 @@
 #include "attnrt/backend/attention_backend.h"
 #include "attnrt/backend/options.h"
 #include "attnrt/backend/registry.h"
+#include "attnrt/core/device.h"
 #include "attnrt/core/dtype.h"
 #include "attnrt/model/model_spec.h"
 
 namespace attnrt {
 
 struct Selection {
-  std::string prefill;         // full-attention backend for EXTEND / MIXED (and verify in prefill mode)
-  std::string decode;          // full-attention backend for DECODE / IDLE (and verify in decode mode)
+  std::string prefill;  // full-attention backend for EXTEND / MIXED (and verify in prefill mode)
+  std::string decode;   // full-attention backend for DECODE / IDLE (and verify in decode mode)
   std::string linear_prefill;  // "" when the model has no linear layers
   std::string linear_decode;
   DType kv_dtype = DType::bf16;
+  // Speculative decoding as resolved from the options (0 when off): topk 1 when
+  // --speculative-eagle-topk is unset, draft tokens num_steps + 1 for a chain when unset.
+  int spec_topk = 0;
+  int spec_num_draft_tokens = 0;
   bool hybrid() const { return prefill != decode; }
+  bool speculative() const { return spec_topk > 0; }
   std::vector<std::string> reasons;  // one line per choice: what was chosen and why
 };
 
@@ -29,11 +35,20 @@ struct Selection {
 // allocated. Throws attnrt::Error naming the option, the value, what is supported and what to use.
 Selection resolve_backends(const Options& options, const ModelSpec& model,
                            const Registry& registry = Registry::global());
+// Same, with the CUDA device described by `cuda` instead of query_cuda() (tests, "what if"
+// queries).
+Selection resolve_backends(const Options& options, const ModelSpec& model, const Registry& registry,
+                           const CudaDeviceInfo& cuda);
 
 // Builds the backend for a resolved selection: a single backend, or HybridAttnBackend when the
 // phase backends differ (and the linear wrapper when the model has linear layers, later issue).
+// Only the chosen backends are created.
 std::unique_ptr<AttentionBackend> create_backend(const Selection& selection,
                                                  const BackendContext& ctx,
                                                  const Registry& registry = Registry::global());
+
+// When `name` is a backend of the reference serving engine that attnrt does not have, a sentence
+// saying so and naming the attnrt backend that plays its role; "" for any other name.
+std::string foreign_backend_note(const std::string& name);
 
 }  // namespace attnrt

@@ -1,0 +1,87 @@
+#include "attnrt/backend/hybrid_attn_backend.h"
+
+#include "attnrt/backend/options.h"
+#include "attnrt/core/error.h"
+
+namespace attnrt {
+
+namespace {
+
+bool spec_mode_is_decode(const BackendContext& ctx) {
+  ATTNRT_CHECK(ctx.options != nullptr,
+               "HybridAttnBackend needs the run's options (BackendContext::options is null): "
+               "speculative_attention_mode decides where TARGET_VERIFY and DRAFT_EXTEND go");
+  const std::string& mode = ctx.options->speculative_attention_mode;
+  ATTNRT_CHECK(mode == "prefill" || mode == "decode",
+               "--speculative-attention-mode '{}' is not valid: use 'prefill' or 'decode'", mode);
+  return mode == "decode";
+}
+
+}  // namespace
+
+HybridAttnBackend::HybridAttnBackend(const BackendContext& ctx,
+                                     std::unique_ptr<AttentionBackend> prefill,
+                                     std::unique_ptr<AttentionBackend> decode)
+    : AttentionBackend(ctx),
+      prefill_(std::move(prefill)),
+      decode_(std::move(decode)),
+      spec_mode_is_decode_(spec_mode_is_decode(ctx)) {
+  ATTNRT_CHECK(prefill_ != nullptr && decode_ != nullptr,
+               "HybridAttnBackend needs both a prefill and a decode backend (got prefill {}, "
+               "decode {})",
+               prefill_ ? "set" : "null", decode_ ? "set" : "null");
+}
+
+// Mid-line table (reference-semantics §6.1): the speculative modes follow
+// speculative_attention_mode; DRAFT_EXTEND_V2 is a plain extend for routing purposes.
+AttentionBackend& HybridAttnBackend::select(ForwardMode mode) const {
+  if (is_decode_or_idle(mode)) return *decode_;
+  if (is_target_verify(mode) || is_draft_extend(mode)) {
+    return spec_mode_is_decode_ ? *decode_ : *prefill_;
+  }
+  return *prefill_;
+}
+
+void HybridAttnBackend::init_forward_metadata(const ForwardBatch& batch) {
+  select(batch.mode).init_forward_metadata(batch);
+}
+
+void HybridAttnBackend::forward(const AttnArgs& args, const LayerSpec& layer,
+                                const ForwardBatch& batch) {
+  select(batch.mode).forward(args, layer, batch);
+}
+
+void HybridAttnBackend::forward_decode(const AttnArgs& args, const LayerSpec& layer,
+                                       const ForwardBatch& batch) {
+  decode_->forward_decode(args, layer, batch);
+}
+
+void HybridAttnBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
+                                       const ForwardBatch& batch) {
+  select(batch.mode).forward_extend(args, layer, batch);
+}
+
+// TARGET_VERIFY graphs run on the prefill backend in prefill mode, so it needs graph buffers too;
+// otherwise only DECODE/IDLE (and verify in decode mode) are captured, all on the decode backend.
+void HybridAttnBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
+  decode_->init_cuda_graph_state(max_bs, max_num_tokens);
+  if (ctx_.options->speculative() && !spec_mode_is_decode_) {
+    prefill_->init_cuda_graph_state(max_bs, max_num_tokens);
+  }
+}
+
+void HybridAttnBackend::init_forward_metadata_capture_cuda_graph(int bs, int num_tokens,
+                                                                 const ForwardBatch& batch) {
+  select(batch.mode).init_forward_metadata_capture_cuda_graph(bs, num_tokens, batch);
+}
+
+void HybridAttnBackend::init_forward_metadata_replay_cuda_graph(int bs, int raw_bs,
+                                                                const ForwardBatch& batch) {
+  select(batch.mode).init_forward_metadata_replay_cuda_graph(bs, raw_bs, batch);
+}
+
+int HybridAttnBackend::cuda_graph_seq_len_fill_value() const {
+  return decode_->cuda_graph_seq_len_fill_value();
+}
+
+}  // namespace attnrt
