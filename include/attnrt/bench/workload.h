@@ -1,0 +1,88 @@
+// The standard benchmark workloads of WORKLOADS.md: their shapes, names, counting rules and the
+// ways to shrink them for small machines. One definition shared by `attnrt bench`, the tests and
+// (through the JSON rows) bench/torch_sdpa.py.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "attnrt/core/dtype.h"
+
+namespace attnrt::bench {
+
+enum class WorkloadKind : uint8_t { decode, prefill, extend, verify_chain, verify_tree };
+std::string_view workload_kind_name(WorkloadKind k);  // "decode", "prefill", ...
+bool is_verify(WorkloadKind k);
+
+// Which measured ceiling a row is judged against.
+enum class Bound : uint8_t { memory, compute };
+
+struct Workload {
+  std::string name;  // the standard row name, e.g. "decode-16x4096-fp8"; kept when scaled
+  WorkloadKind kind = WorkloadKind::decode;
+  int batch = 1;
+  // Tokens of each request already in the paged pool before the step. Decode B x L: L - 1 (the new
+  // token is the L-th key); verify: P; prefill: 0.
+  int prefix_len = 0;
+  // Query tokens per request: 1 for decode, S for prefill, E for extend, N (root included) for verify.
+  int new_tokens = 1;
+  int q_heads = 32;
+  int kv_heads = 8;
+  int head_dim = 128;
+  int page_size = 16;
+  DType kv_dtype = DType::bf16;
+  int topk = 1;  // verify trees: branching factor of the draft tree
+
+  // Empty for a standard row; else what was changed and why ("scaled x0.25 from 16x4096").
+  std::string scale_note;
+
+  int kv_len() const { return prefix_len + new_tokens; }  // keys of each request after the step
+  int64_t num_tokens() const { return static_cast<int64_t>(batch) * new_tokens; }
+  Bound bound() const;
+  // "16x4096", "1x8192 d64", "8x(2048+512)", "64x(4096+16, topk 4)", plus " page 1" / " fp8_e4m3".
+  std::string shape() const;
+  bool operator==(const Workload&) const = default;
+};
+
+// The counting rules of WORKLOADS.md.
+// Decode: B*L*Hkv*D*2*bytes(kv). Verify rows count their prefix and drafts the same way (they read
+// the same pages); prefill and extend count the K/V they read once.
+double counted_bytes(const Workload& w);
+// Prefill: B*4*S^2*Hq*D/2. Extend: B*4*Hq*D*(E*P + E^2/2). Decode and verify: 4*Hq*D per visible
+// (query, key) pair (informational: those rows are judged by bytes).
+double counted_flops(const Workload& w);
+// 4*Hq*D times the exact number of visible (query, key) pairs: the same work measure for every kind,
+// used to compare the speed of two runs of different sizes (backend vs a scaled-down reference).
+double attention_work(const Workload& w);
+
+// Verify rows: parent of each of the N block tokens of one request (root = index 0, parent -1).
+// Chain: t - 1. Tree: EAGLE-like levels of `topk` tokens, each hanging off a node of the level
+// above, chosen by a fixed pseudo-random sequence so every run builds the same tree.
+std::vector<int32_t> verify_parents(const Workload& w);
+// Decode B x P: the row a verify row's time is divided by.
+Workload decode_companion(const Workload& verify);
+
+// Every row of WORKLOADS.md, in a fixed order (decode, decode page 1, decode fp8, prefill, extend,
+// verify).
+std::vector<Workload> standard_workloads();
+
+// Selects rows: "all", a row name, a kind ("decode", "prefill", "extend", "verify"), or a
+// comma-separated list of those. Throws attnrt::Error naming the unknown entry and the valid names.
+std::vector<Workload> select_workloads(std::string_view selector);
+
+// Multiplies batch and lengths by `factor` in (0, 1] (batch >= 1; lengths rounded to whole pages,
+// at least one page; draft tokens, heads and dims never change). Records the change in scale_note.
+Workload scale_workload(const Workload& w, double factor);
+// Halves the batch, then the lengths, until counted_bytes <= max_bytes and attention_work <=
+// max_work; returns w unchanged when it already fits. `why` goes into scale_note.
+Workload fit_workload(const Workload& w, double max_bytes, double max_work, std::string_view why);
+
+// Named presets for small machines. "cpu-small": rows sized for a 2-core, 24 GB development box
+// (KV read per row <= 1.25 GiB, attention work per call <= 6e11 FLOPs, shrunk by fit_workload).
+// Throws attnrt::Error for an unknown name.
+std::vector<Workload> apply_preset(const std::vector<Workload>& rows, std::string_view preset);
+std::vector<std::string> preset_names();
+
+}  // namespace attnrt::bench
