@@ -1,30 +1,306 @@
 #include "backends/reference/reference_backend.h"
 
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <memory>
 
 #include "attnrt/core/error.h"
+#include "attnrt/memory/kv_cache.h"
+#include "attnrt/memory/req_to_token_pool.h"
 
 namespace attnrt {
+
+namespace {
+
+int64_t offset3(const TensorView& t, int64_t a, int64_t b, int64_t c) {
+  return a * t.strides[0] + b * t.strides[1] + c * t.strides[2];
+}
+
+void check_tensor(const char* what, const TensorView& t, int64_t d0, int64_t d1, int64_t d2,
+                  const char* dims) {
+  ATTNRT_CHECK(t.data != nullptr, "reference backend: {} is empty; expected [{}] = [{}, {}, {}]",
+               what, dims, d0, d1, d2);
+  ATTNRT_CHECK(t.device.kind == DeviceKind::cpu,
+               "reference backend: {} is {}; the reference backend reads host memory only", what,
+               t.describe());
+  ATTNRT_CHECK(is_float(t.dtype), "reference backend: {} is {}; expected a float dtype", what,
+               t.describe());
+  ATTNRT_CHECK(t.ndim == 3 && t.shape[0] == d0 && t.shape[1] == d1 && t.shape[2] == d2,
+               "reference backend: {} is {}; expected [{}] = [{}, {}, {}]", what, t.describe(),
+               dims, d0, d1, d2);
+}
+
+}  // namespace
 
 ReferenceBackend::ReferenceBackend(const BackendContext& ctx) : AttentionBackend(ctx) {}
 
 void ReferenceBackend::init_forward_metadata(const ForwardBatch& batch) {
-  layout_ = make_step_layout(batch);
-  planned_ = &batch;
+  Plan plan;
+  plan.layout = make_step_layout(batch);
+  plan.mode = batch.mode;
+  const StepLayout& l = plan.layout;
+  const int bs = batch.batch_size;
+  plan.key_start.assign(bs + 1, 0);
+  for (int i = 0; i < bs; ++i) plan.key_start[i + 1] = plan.key_start[i] + l.kv_len(i);
+  plan.key_slots.resize(plan.key_start[bs]);
+  plan.key_pos.resize(plan.key_start[bs]);
+  plan.query_pos.resize(l.num_tokens);
+  plan.query_block.resize(l.num_tokens);
+  if (bs > 0) {
+    ATTNRT_CHECK(ctx_.req_to_token != nullptr,
+                 "reference backend: BackendContext.req_to_token is null; the backend reads key "
+                 "slots from the request rows");
+  }
+  const bool verify = is_target_verify(batch.mode);
+  for (int i = 0; i < bs; ++i) {
+    const ReqToTokenPool& pool = *ctx_.req_to_token;
+    const int64_t row = batch.req_pool_indices[i];
+    ATTNRT_CHECK(row < pool.size(),
+                 "reference backend: req_pool_indices[{}] = {}; the request pool has rows [0, {})",
+                 i, row, pool.size());
+    ATTNRT_CHECK(l.kv_len(i) <= pool.max_context_len(),
+                 "reference backend: request {} needs {} keys but a request row holds at most "
+                 "max_context_len = {}",
+                 i, l.kv_len(i), pool.max_context_len());
+    const int32_t* slots = pool.row_ptr(static_cast<int>(row));
+    const int32_t prefix = l.prefix_lens[i];
+    for (int32_t j = 0; j < l.kv_len(i); ++j) {
+      const int64_t k = plan.key_start[i] + j;
+      plan.key_slots[k] = slots[j];
+      plan.key_pos[k] = (verify && j >= prefix) ? prefix + batch.spec_info->depth(i, j - prefix) : j;
+    }
+    for (int32_t t = 0; t < l.query_lens[i]; ++t) {
+      const int64_t q = l.query_start[i] + t;
+      // Keys are read through the request row only, so the row must already hold the slots this
+      // step writes (the scheduler maps them before the forward, reference-semantics §2.2).
+      ATTNRT_CHECK(slots[prefix + t] == batch.out_cache_loc[q],
+                   "reference backend: req_to_token[{}, {}] = {} but out_cache_loc[{}] = {} "
+                   "(request {}, new token {}); write the step's slots into the request row before "
+                   "the forward",
+                   row, prefix + t, slots[prefix + t], q, batch.out_cache_loc[q], i, t);
+      plan.query_pos[q] = plan.key_pos[plan.key_start[i] + prefix + t];
+      plan.query_block[q] = t;
+    }
+  }
+  plan_ = std::move(plan);
+  planned_ = true;
 }
 
 void ReferenceBackend::forward_decode(const AttnArgs& args, const LayerSpec& layer,
                                       const ForwardBatch& batch) {
-  run(args, layer, batch);
+  ATTNRT_CHECK(is_decode(batch.mode), "reference backend: forward_decode called for a {} batch",
+               forward_mode_name(batch.mode));
+  attend(args, layer, batch);
 }
 
 void ReferenceBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
                                       const ForwardBatch& batch) {
-  run(args, layer, batch);
+  ATTNRT_CHECK(!is_decode_or_idle(batch.mode),
+               "reference backend: forward_extend called for a {} batch",
+               forward_mode_name(batch.mode));
+  attend(args, layer, batch);
 }
 
-void ReferenceBackend::run(const AttnArgs&, const LayerSpec&, const ForwardBatch&) {
-  fail("reference backend: attention is being implemented in this revision");
+void ReferenceBackend::check_args(const AttnArgs& args, const LayerSpec& layer,
+                                  const ForwardBatch& batch, const KVLayerView& kv) const {
+  ATTNRT_CHECK(planned_ && plan_.mode == batch.mode &&
+                   static_cast<int>(plan_.layout.query_lens.size()) == batch.batch_size &&
+                   plan_.layout.num_tokens == batch.num_tokens(),
+               "reference backend: forward for a {} batch of {} requests / {} tokens without a "
+               "matching init_forward_metadata for this step",
+               forward_mode_name(batch.mode), batch.batch_size, batch.num_tokens());
+  ATTNRT_CHECK(layer.uses_kv_cache() && layer.kind != LayerKind::mla,
+               "reference backend: layer {} is {}; the reference backend serves full and swa layers",
+               layer.layer_id, layer_kind_name(layer.kind));
+  const int hq = layer.num_q_heads, hkv = layer.num_kv_heads;
+  ATTNRT_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0,
+               "reference backend: layer {} has {} q heads and {} kv heads; q heads must be a "
+               "positive multiple of kv heads",
+               layer.layer_id, hq, hkv);
+  const int dqk = layer.head_dim, dv = layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
+  ATTNRT_CHECK(dqk > 0, "reference backend: layer {} has head_dim {}; must be > 0", layer.layer_id,
+               dqk);
+  ATTNRT_CHECK(layer.causal() || layer.sliding_window < 0,
+               "reference backend: layer {} is non-causal with sliding_window {}; a window is "
+               "defined for causal layers only (use -1)",
+               layer.layer_id, layer.sliding_window);
+  const int64_t t = plan_.layout.num_tokens;
+  check_tensor("q", args.q, t, hq, dqk, "tokens, q heads, head_dim");
+  check_tensor("out", args.out, t, hq, dv, "tokens, q heads, v_head_dim");
+  ATTNRT_CHECK(args.k.empty() == args.v.empty(),
+               "reference backend: k is {} but v is {}; pass both (store this step's K/V) or "
+               "neither (already stored by another layer)",
+               args.k.empty() ? "empty" : args.k.describe(),
+               args.v.empty() ? "empty" : args.v.describe());
+  if (!args.k.empty()) {
+    check_tensor("k", args.k, t, hkv, dqk, "tokens, kv heads, head_dim");
+    check_tensor("v", args.v, t, hkv, dv, "tokens, kv heads, v_head_dim");
+  }
+  if (!args.lse.empty()) {
+    ATTNRT_CHECK(args.lse.device.kind == DeviceKind::cpu && args.lse.dtype == DType::f32 &&
+                     args.lse.ndim == 2 && args.lse.shape[0] == t && args.lse.shape[1] == hq,
+                 "reference backend: lse is {}; expected fp32[{}, {}] (tokens, q heads) on cpu",
+                 args.lse.describe(), t, hq);
+  }
+  ATTNRT_CHECK(layer.has_sinks == (args.sinks != nullptr),
+               "reference backend: layer {} {} sinks but AttnArgs.sinks is {}", layer.layer_id,
+               layer.has_sinks ? "has" : "has no", args.sinks ? "set" : "null");
+  ATTNRT_CHECK(kv.k != nullptr && kv.v != nullptr,
+               "reference backend: the KV cache returned no buffers for layer {}", layer.layer_id);
+  ATTNRT_CHECK(kv.device.kind == DeviceKind::cpu,
+               "reference backend: layer {} KV cache is on {}; the reference backend reads host "
+               "pools only",
+               layer.layer_id, device_name(kv.device));
+  ATTNRT_CHECK(kv.kv_heads == hkv && kv.head_dim == dqk && kv.v_head_dim == dv,
+               "reference backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer "
+               "needs [{} heads, {} / {} dims]",
+               layer.layer_id, kv.kv_heads, kv.head_dim, kv.v_head_dim, hkv, dqk, dv);
+}
+
+void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
+                              const ForwardBatch& batch) {
+  ATTNRT_CHECK(ctx_.kv_cache != nullptr,
+               "reference backend: BackendContext.kv_cache is null; attention needs the KV pools");
+  const KVLayerView kv = ctx_.kv_cache->layer(layer.layer_id);
+  check_args(args, layer, batch, kv);
+
+  const StepLayout& l = plan_.layout;
+  const int bs = batch.batch_size;
+  const int hq = layer.num_q_heads, hkv = layer.num_kv_heads, group = hq / hkv;
+  const int dqk = layer.head_dim, dv = layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
+
+  // Every key this layer reads, in this layer's slot space; range-checked before anything is
+  // stored so that a bad row leaves the pool untouched.
+  std::vector<int64_t> slots(plan_.key_slots.size());
+  for (size_t k = 0; k < slots.size(); ++k) {
+    const int64_t full = plan_.key_slots[k];
+    ATTNRT_CHECK(full >= 0 && (kv.slot_map != nullptr || full < kv.num_rows),
+                 "reference backend: a request row holds slot {}; layer {} KV rows are [0, {})",
+                 full, layer.layer_id, kv.num_rows);
+    const int64_t s = kv.slot_map ? kv.slot_map[full] : full;
+    ATTNRT_CHECK(s >= 0 && s < kv.num_rows,
+                 "reference backend: full slot {} maps to slot {} of layer {}; rows are [0, {})",
+                 full, s, layer.layer_id, kv.num_rows);
+    slots[k] = s;
+  }
+
+  if (args.save_kv && !args.k.empty()) {
+    ctx_.kv_cache->store_step_kv(layer.layer_id, args.k, args.v);
+  }
+
+  const double scale = layer.scaling > 0.f ? double{layer.scaling} : 1.0 / std::sqrt(static_cast<double>(dqk));
+  const double qk_scale = scale * kv.k_scale;
+  const double cap = layer.logit_cap;
+  const int64_t window = layer.sliding_window;
+  const bool causal = layer.causal();
+  const bool tree = is_target_verify(batch.mode);
+
+  std::vector<double> kbuf, vbuf;
+  for (int i = 0; i < bs; ++i) {
+    const int64_t k0 = plan_.key_start[i];
+    const int32_t nkeys = l.kv_len(i), prefix = l.prefix_lens[i];
+    const int32_t* parents =
+        tree ? batch.spec_info->parents.data() + static_cast<size_t>(i) * l.query_lens[i] : nullptr;
+
+    // Which keys each query row sees: the mode's mask, then the window on positions (§8.4, §8.5).
+    auto visible_keys = [&](int32_t t, std::vector<uint8_t>& vis) {
+      vis.assign(nkeys, 0);
+      if (!causal) {
+        std::fill(vis.begin(), vis.end(), uint8_t{1});
+      } else if (tree) {
+        std::fill(vis.begin(), vis.begin() + prefix, uint8_t{1});
+        for (int32_t a = t; a >= 0; a = parents[a]) vis[prefix + a] = 1;
+      } else {
+        std::fill(vis.begin(), vis.begin() + prefix + t + 1, uint8_t{1});
+      }
+      if (window >= 0) {
+        const int64_t qpos = plan_.query_pos[l.query_start[i] + t];
+        for (int32_t j = 0; j < nkeys; ++j) {
+          const int64_t d = qpos - plan_.key_pos[k0 + j];
+          if (d < 0 || d > window) vis[j] = 0;
+        }
+      }
+    };
+
+    // An SWA pool drops keys that left every window (mapped to slot 0); reading one would be a
+    // scheduling bug, so it is reported rather than silently attended.
+    if (kv.slot_map != nullptr) {
+      std::vector<uint8_t> vis;
+      for (int32_t t = 0; t < l.query_lens[i]; ++t) {
+        visible_keys(t, vis);
+        for (int32_t j = 0; j < nkeys; ++j) {
+          ATTNRT_CHECK(!vis[j] || slots[k0 + j] != 0,
+                       "reference backend: layer {} request {} key {} (full slot {}) is inside the "
+                       "window of query {} but has no slot in the SWA pool",
+                       layer.layer_id, i, j, plan_.key_slots[k0 + j], t);
+        }
+      }
+    }
+
+    kbuf.resize(static_cast<size_t>(nkeys) * hkv * dqk);
+    vbuf.resize(static_cast<size_t>(nkeys) * hkv * dv);
+    for (int32_t j = 0; j < nkeys; ++j) {
+      const int64_t s = slots[k0 + j];
+      for (int g = 0; g < hkv; ++g) {
+        for (int d = 0; d < dqk; ++d) {
+          kbuf[(static_cast<size_t>(j) * hkv + g) * dqk + d] =
+              load_as_float(kv.k, kv.dtype, s * kv.k_row_stride + g * dqk + d);
+        }
+        for (int d = 0; d < dv; ++d) {
+          vbuf[(static_cast<size_t>(j) * hkv + g) * dv + d] =
+              load_as_float(kv.v, kv.dtype, s * kv.v_row_stride + g * dv + d);
+        }
+      }
+    }
+
+#pragma omp parallel for schedule(dynamic)
+    for (int32_t t = 0; t < l.query_lens[i]; ++t) {
+      const int64_t row = l.query_start[i] + t;
+      std::vector<uint8_t> vis;
+      visible_keys(t, vis);
+      std::vector<double> q(dqk), scores(nkeys), acc(dv);
+      for (int h = 0; h < hq; ++h) {
+        const int g = h / group;
+        for (int d = 0; d < dqk; ++d) {
+          q[d] = load_as_float(args.q.data, args.q.dtype, offset3(args.q, row, h, d));
+        }
+        double m = -std::numeric_limits<double>::infinity();
+        for (int32_t j = 0; j < nkeys; ++j) {
+          if (!vis[j]) continue;
+          const double* kr = kbuf.data() + (static_cast<size_t>(j) * hkv + g) * dqk;
+          double dot = 0.0;
+          for (int d = 0; d < dqk; ++d) dot += q[d] * kr[d];
+          double s = qk_scale * dot;
+          if (cap > 0.0) s = cap * std::tanh(s / cap);
+          scores[j] = s;
+          m = std::max(m, s);
+        }
+        const double sink = args.sinks ? double{args.sinks[h]} : 0.0;
+        if (args.sinks) m = std::max(m, sink);
+        double den = args.sinks ? std::exp(sink - m) : 0.0;
+        std::fill(acc.begin(), acc.end(), 0.0);
+        for (int32_t j = 0; j < nkeys; ++j) {
+          if (!vis[j]) continue;
+          const double p = std::exp(scores[j] - m);
+          den += p;
+          const double* vr = vbuf.data() + (static_cast<size_t>(j) * hkv + g) * dv;
+          for (int d = 0; d < dv; ++d) acc[d] += p * vr[d];
+        }
+        // Every real row sees at least itself, so den > 0; the guard keeps an all-masked row at 0.
+        const double norm = den > 0.0 ? kv.v_scale / den : 0.0;
+        for (int d = 0; d < dv; ++d) {
+          store_from_float(args.out.data, args.out.dtype, offset3(args.out, row, h, d),
+                           static_cast<float>(acc[d] * norm));
+        }
+        if (!args.lse.empty()) {
+          const double lse = den > 0.0 ? m + std::log(den) : -std::numeric_limits<double>::infinity();
+          args.lse.ptr<float>()[row * args.lse.strides[0] + h * args.lse.strides[1]] =
+              static_cast<float>(lse);
+        }
+      }
+    }
+  }
 }
 
 BackendEntry reference_backend_entry() {

@@ -3,7 +3,9 @@
 // ReqToTokenPool rows; no performance work, every full-attention feature.
 #pragma once
 
+#include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "attnrt/backend/attention_backend.h"
 #include "attnrt/backend/registry.h"
@@ -11,11 +13,15 @@
 
 namespace attnrt {
 
+struct KVLayerView;
+
 class ReferenceBackend final : public AttentionBackend {
  public:
   explicit ReferenceBackend(const BackendContext& ctx);
 
   std::string_view name() const override { return "reference"; }
+  // Derives the layout, checks that every request row holds this step's out_cache_loc at its
+  // query positions (the write-before-read rule) and gathers each request's full-pool key slots.
   void init_forward_metadata(const ForwardBatch& batch) override;
   void forward_decode(const AttnArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override;
@@ -23,13 +29,25 @@ class ReferenceBackend final : public AttentionBackend {
                       const ForwardBatch& batch) override;
 
   // The plan of the current step (valid after init_forward_metadata).
-  const StepLayout& layout() const { return layout_; }
+  const StepLayout& layout() const { return plan_.layout; }
 
  private:
-  void run(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch);
+  struct Plan {
+    StepLayout layout;
+    ForwardMode mode = ForwardMode::IDLE;
+    std::vector<int64_t> key_start;   // [bs + 1] offsets into key_slots
+    std::vector<int64_t> key_slots;   // full-pool slot of every key of every request
+    std::vector<int64_t> key_pos;     // position of every key (verify drafts: seq_len + depth)
+    std::vector<int64_t> query_pos;   // [T]
+    std::vector<int32_t> query_block; // [T] index of the query inside its request's new tokens
+  };
 
-  StepLayout layout_;
-  const ForwardBatch* planned_ = nullptr;
+  void check_args(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch,
+                  const KVLayerView& kv) const;
+  void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch);
+
+  Plan plan_;
+  bool planned_ = false;
 };
 
 // The registry entry "reference": cpu only, any page size, every KV dtype, never auto-selected.

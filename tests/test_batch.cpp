@@ -1,0 +1,528 @@
+#include <gtest/gtest.h>
+
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/batch/forward_mode.h"
+#include "attnrt/core/error.h"
+
+using namespace attnrt;
+
+namespace {
+
+// Runs `fn`, expects attnrt::Error whose message contains every fragment.
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const auto& f : fragments) {
+      EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
+    }
+    return;
+  }
+  ADD_FAILURE() << "no attnrt::Error thrown; expected one mentioning '" << fragments.front() << "'";
+}
+
+void fill_slots(ForwardBatch& b) {
+  const int64_t t = static_cast<int64_t>(b.positions.size());
+  b.out_cache_loc.resize(t);
+  std::iota(b.out_cache_loc.begin(), b.out_cache_loc.end(), int64_t{1});
+}
+
+std::vector<int64_t> rows(int n) {
+  std::vector<int64_t> r(n);
+  for (int i = 0; i < n; ++i) r[i] = 3 * i + 1;
+  return r;
+}
+
+// Parents of a random tree of n nodes in which every parent precedes its children.
+std::vector<int32_t> random_tree(std::mt19937& rng, int n) {
+  std::vector<int32_t> p(n, -1);
+  for (int t = 1; t < n; ++t) p[t] = std::uniform_int_distribution<int>(0, t - 1)(rng);
+  return p;
+}
+
+// First-child / next-sibling links of a parents array (children in increasing index order).
+void to_retrive(const std::vector<int32_t>& parents, std::vector<int32_t>& next_token,
+                std::vector<int32_t>& next_sibling) {
+  const int n = static_cast<int>(parents.size());
+  next_token.assign(n, -1);
+  next_sibling.assign(n, -1);
+  std::vector<int32_t> last_child(n, -1);
+  for (int t = 1; t < n; ++t) {
+    const int p = parents[t];
+    if (last_child[p] < 0) next_token[p] = t;
+    else next_sibling[last_child[p]] = t;
+    last_child[p] = t;
+  }
+}
+
+}  // namespace
+
+// §1.2, one row per mode: is_extend, is_extend(v2), is_decode, is_mixed, is_idle,
+// is_decode_or_idle, is_target_verify, is_draft_extend, is_draft_extend(v2), is_draft_extend_v2,
+// is_extend_or_draft_extend_or_mixed, (v2), is_extend_without_speculative, is_cuda_graph.
+TEST(ForwardMode, PredicatesMatchTheReferenceTable) {
+  struct Row {
+    ForwardMode m;
+    bool ext, ext_v2, dec, mixed, idle, dec_idle, verify, dext, dext_v2, v2, edm, edm_v2, ews, graph;
+  };
+  const Row table[] = {
+      {ForwardMode::EXTEND, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0},
+      {ForwardMode::DECODE, 0, 0, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1},
+      {ForwardMode::MIXED, 1, 1, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0},
+      {ForwardMode::IDLE, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 1},
+      {ForwardMode::TARGET_VERIFY, 1, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 1},
+      {ForwardMode::DRAFT_EXTEND, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 1, 1, 0, 0},
+      {ForwardMode::DRAFT_EXTEND_V2, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1, 0, 0},
+  };
+  for (const Row& r : table) {
+    SCOPED_TRACE(std::string(forward_mode_name(r.m)));
+    EXPECT_EQ(is_extend(r.m), r.ext);
+    EXPECT_EQ(is_extend(r.m, true), r.ext_v2);
+    EXPECT_EQ(is_prefill(r.m), r.ext);
+    EXPECT_EQ(is_prefill(r.m, true), r.ext_v2);
+    EXPECT_EQ(is_decode(r.m), r.dec);
+    EXPECT_EQ(is_mixed(r.m), r.mixed);
+    EXPECT_EQ(is_idle(r.m), r.idle);
+    EXPECT_EQ(is_decode_or_idle(r.m), r.dec_idle);
+    EXPECT_EQ(is_target_verify(r.m), r.verify);
+    EXPECT_EQ(is_draft_extend(r.m), r.dext);
+    EXPECT_EQ(is_draft_extend(r.m, true), r.dext_v2);
+    EXPECT_EQ(is_draft_extend_v2(r.m), r.v2);
+    EXPECT_EQ(is_extend_or_draft_extend_or_mixed(r.m), r.edm);
+    EXPECT_EQ(is_extend_or_draft_extend_or_mixed(r.m, true), r.edm_v2);
+    EXPECT_EQ(is_extend_without_speculative(r.m), r.ews);
+    EXPECT_EQ(is_cuda_graph(r.m), r.graph);
+  }
+}
+
+TEST(ForwardMode, NamesRoundTripAndUnknownNamesAreListed) {
+  for (ForwardMode m : {ForwardMode::EXTEND, ForwardMode::DECODE, ForwardMode::MIXED,
+                        ForwardMode::IDLE, ForwardMode::TARGET_VERIFY, ForwardMode::DRAFT_EXTEND,
+                        ForwardMode::DRAFT_EXTEND_V2}) {
+    EXPECT_EQ(parse_forward_mode(forward_mode_name(m)), m);
+  }
+  EXPECT_EQ(parse_forward_mode("target_verify"), ForwardMode::TARGET_VERIFY);
+  EXPECT_EQ(forward_mode_name(ForwardMode::DRAFT_EXTEND_V2), "DRAFT_EXTEND_V2");
+  expect_error([] { parse_forward_mode("PREFILL"); }, {"'PREFILL'", "EXTEND", "DRAFT_EXTEND_V2"});
+}
+
+TEST(StepLayout, ExtendWithPrefixesIsRaggedAndOffsetsArePrefixSums) {
+  std::mt19937 rng(11);
+  for (ForwardMode mode : {ForwardMode::EXTEND, ForwardMode::MIXED}) {
+    const int bs = 5;
+    std::vector<int32_t> prefix(bs), ext(bs);
+    for (int i = 0; i < bs; ++i) {
+      prefix[i] = std::uniform_int_distribution<int>(0, 40)(rng);
+      ext[i] = std::uniform_int_distribution<int>(1, 9)(rng);
+    }
+    ForwardBatch b = make_extend_batch(rows(bs), prefix, ext, mode);
+    EXPECT_EQ(b.mode, mode);
+    EXPECT_TRUE(b.out_cache_loc.empty());
+    fill_slots(b);
+    StepLayout l = make_step_layout(b);
+    int64_t start = 0, pos_row = 0, sum = 0;
+    for (int i = 0; i < bs; ++i) {
+      EXPECT_EQ(l.prefix_lens[i], prefix[i]);
+      EXPECT_EQ(l.query_lens[i], ext[i]);
+      EXPECT_EQ(l.query_start[i], start);
+      EXPECT_EQ(b.extend_start_loc[i], start);
+      EXPECT_EQ(b.seq_lens[i], prefix[i] + ext[i]);
+      EXPECT_EQ(l.kv_len(i), prefix[i] + ext[i]);
+      for (int t = 0; t < ext[i]; ++t) EXPECT_EQ(b.positions[pos_row++], prefix[i] + t);
+      start += ext[i];
+      sum += prefix[i] + ext[i];
+    }
+    EXPECT_EQ(l.query_start[bs], start);
+    EXPECT_EQ(l.num_tokens, start);
+    EXPECT_EQ(l.max_query_len, *std::max_element(ext.begin(), ext.end()));
+    EXPECT_EQ(b.seq_lens_sum(), sum);
+  }
+}
+
+TEST(StepLayout, DecodeHasOneQueryAtTheLastPosition) {
+  ForwardBatch b = make_decode_batch(rows(3), {1, 17, 5});
+  fill_slots(b);
+  StepLayout l = make_step_layout(b);
+  EXPECT_EQ(l.prefix_lens, (std::vector<int32_t>{0, 16, 4}));
+  EXPECT_EQ(l.query_lens, (std::vector<int32_t>{1, 1, 1}));
+  EXPECT_EQ(b.positions, (std::vector<int64_t>{0, 16, 4}));
+  EXPECT_EQ(l.max_kv_len, 17);
+  EXPECT_EQ(b.seq_lens_sum(), 23);
+  // Engines may leave the extend fields of a decode batch empty.
+  b.extend_seq_lens.clear();
+  b.extend_prefix_lens.clear();
+  b.extend_start_loc.clear();
+  EXPECT_EQ(make_step_layout(b).num_tokens, 3);
+}
+
+TEST(StepLayout, VerifyChainAndTreePositionsFollowDepth) {
+  ForwardBatch chain = make_verify_batch(rows(2), {7, 3}, SpecInfo::chain(2, 4));
+  fill_slots(chain);
+  StepLayout l = make_step_layout(chain);
+  EXPECT_EQ(l.prefix_lens, (std::vector<int32_t>{7, 3}));
+  EXPECT_EQ(l.query_lens, (std::vector<int32_t>{4, 4}));
+  EXPECT_EQ(chain.positions, (std::vector<int64_t>{7, 8, 9, 10, 3, 4, 5, 6}));
+  EXPECT_EQ(l.kv_len(0), 11);
+
+  // Root 0 with children 1, 2; node 3 under 1; node 4 under 2; node 5 under 3.
+  SpecInfo tree;
+  tree.draft_token_num = 6;
+  tree.topk = 2;
+  tree.parents = {-1, 0, 0, 1, 2, 3};
+  ForwardBatch b = make_verify_batch(rows(1), {10}, tree);
+  fill_slots(b);
+  make_step_layout(b);
+  EXPECT_EQ(b.positions, (std::vector<int64_t>{10, 11, 11, 12, 12, 13}));
+}
+
+TEST(StepLayout, DraftExtendRerunsAcceptedTokensAtTheEnd) {
+  ForwardBatch b = make_draft_extend_batch(rows(3), {12, 5, 9}, {2, 0, 3});
+  fill_slots(b);
+  StepLayout l = make_step_layout(b);
+  EXPECT_EQ(l.query_lens, (std::vector<int32_t>{3, 1, 4}));
+  EXPECT_EQ(l.prefix_lens, (std::vector<int32_t>{9, 4, 5}));
+  EXPECT_EQ(b.positions, (std::vector<int64_t>{9, 10, 11, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(l.kv_len(2), 9);
+
+  ForwardBatch v2 = make_draft_extend_v2_batch(rows(2), {6, 9}, 3);
+  fill_slots(v2);
+  StepLayout l2 = make_step_layout(v2);
+  EXPECT_EQ(l2.query_lens, (std::vector<int32_t>{3, 3}));
+  EXPECT_EQ(l2.prefix_lens, (std::vector<int32_t>{3, 6}));
+  EXPECT_EQ(v2.positions, (std::vector<int64_t>{3, 4, 5, 6, 7, 8}));
+}
+
+TEST(StepLayout, IdleHasNoTokens) {
+  ForwardBatch b = make_idle_batch();
+  StepLayout l = make_step_layout(b);
+  EXPECT_EQ(l.num_tokens, 0);
+  EXPECT_EQ(l.query_start, (std::vector<int64_t>{0}));
+  b.batch_size = 1;
+  b.req_pool_indices = {0};
+  b.seq_lens = {1};
+  expect_error([&] { make_step_layout(b); }, {"IDLE", "batch_size = 1"});
+}
+
+TEST(StepLayout, RejectsInconsistentExtendBatches) {
+  auto good = [] {
+    ForwardBatch b = make_extend_batch({4, 9, 2}, {3, 0, 8}, {2, 5, 1});
+    fill_slots(b);
+    return b;
+  };
+  ASSERT_NO_THROW(make_step_layout(good()));
+  {
+    ForwardBatch b = good();
+    b.seq_lens.pop_back();
+    expect_error([&] { make_step_layout(b); }, {"seq_lens has 2 entries", "expected 3"});
+  }
+  {
+    ForwardBatch b = good();
+    b.req_pool_indices.push_back(7);
+    expect_error([&] { make_step_layout(b); }, {"req_pool_indices has 4 entries", "expected 3"});
+  }
+  {
+    ForwardBatch b = good();
+    b.extend_prefix_lens = {3, 0};
+    expect_error([&] { make_step_layout(b); }, {"extend_prefix_lens has 2 entries"});
+  }
+  {
+    ForwardBatch b = good();
+    b.extend_prefix_lens[1] = -1;
+    expect_error([&] { make_step_layout(b); }, {"extend_prefix_lens[1] = -1", ">= 0"});
+  }
+  {
+    ForwardBatch b = good();
+    b.extend_seq_lens[2] = 0;
+    expect_error([&] { make_step_layout(b); }, {"extend_seq_lens[2] = 0", ">= 1"});
+  }
+  {
+    ForwardBatch b = good();
+    b.seq_lens[0] = 6;
+    expect_error([&] { make_step_layout(b); }, {"seq_lens[0] = 6", "3 + 2 = 5"});
+  }
+  {
+    ForwardBatch b = good();
+    b.out_cache_loc.pop_back();
+    expect_error([&] { make_step_layout(b); }, {"out_cache_loc has 7 entries", "(8)"});
+  }
+  {
+    ForwardBatch b = good();
+    b.positions.push_back(0);
+    expect_error([&] { make_step_layout(b); }, {"positions has 9 entries", "(8)"});
+  }
+  {
+    ForwardBatch b = good();
+    b.positions[3] = 4;  // request 1 (no prefix), query 1 sits at position 1
+    expect_error([&] { make_step_layout(b); },
+                 {"positions[3] = 4", "request 1, query 1", "expected 1", "prefix length"});
+  }
+  {
+    ForwardBatch b = good();
+    b.extend_start_loc[2] = 6;
+    expect_error([&] { make_step_layout(b); },
+                 {"extend_start_loc[2] = 6", "exclusive prefix sum", "(7)"});
+  }
+  {
+    ForwardBatch b = good();
+    b.extend_start_loc.clear();
+    expect_error([&] { make_step_layout(b); }, {"extend_start_loc has 0 entries"});
+  }
+  {
+    ForwardBatch b = good();
+    b.req_pool_indices[2] = 4;
+    expect_error([&] { make_step_layout(b); },
+                 {"req_pool_indices[2] = 4 duplicates req_pool_indices[0]"});
+  }
+  {
+    ForwardBatch b = good();
+    b.req_pool_indices[1] = -2;
+    expect_error([&] { make_step_layout(b); }, {"req_pool_indices[1] = -2"});
+  }
+  {
+    ForwardBatch b = good();
+    b.batch_size = -1;
+    expect_error([&] { make_step_layout(b); }, {"batch_size = -1"});
+  }
+  expect_error([] { make_extend_batch({1}, {0}, {1}, ForwardMode::DECODE); },
+               {"make_extend_batch", "DECODE", "EXTEND, MIXED"});
+  expect_error([] { make_extend_batch({1, 2}, {0}, {1, 1}); },
+               {"prefix_lens has 1 entries but req_rows has 2"});
+}
+
+TEST(StepLayout, RejectsInconsistentDecodeBatches) {
+  auto good = [] {
+    ForwardBatch b = make_decode_batch({0, 5}, {4, 9});
+    fill_slots(b);
+    return b;
+  };
+  {
+    ForwardBatch b = good();
+    b.seq_lens[1] = 0;
+    b.positions[1] = -1;
+    expect_error([&] { make_step_layout(b); }, {"DECODE", "seq_lens[1] = 0", ">= 1"});
+  }
+  {
+    ForwardBatch b = good();
+    b.extend_seq_lens[0] = 2;
+    expect_error([&] { make_step_layout(b); }, {"extend_seq_lens[0] = 2", "exactly 1"});
+  }
+  {
+    ForwardBatch b = good();
+    b.extend_prefix_lens[1] = 9;
+    expect_error([&] { make_step_layout(b); }, {"extend_prefix_lens[1] = 9", "seq_lens - 1 = 8"});
+  }
+  {
+    ForwardBatch b = good();
+    b.positions[1] = 9;
+    expect_error([&] { make_step_layout(b); }, {"DECODE", "positions[1] = 9", "expected 8"});
+  }
+  {
+    ForwardBatch b = good();
+    b.extend_start_loc = {0, 2};
+    expect_error([&] { make_step_layout(b); }, {"extend_start_loc[1] = 2", "(1)"});
+  }
+}
+
+TEST(StepLayout, RejectsInconsistentVerifyBatches) {
+  SpecInfo tree;
+  tree.draft_token_num = 4;
+  tree.topk = 2;
+  tree.parents = {-1, 0, 0, 1, -1, 0, 1, 1};
+  auto good = [&] {
+    ForwardBatch b = make_verify_batch({2, 6}, {5, 8}, tree);
+    fill_slots(b);
+    return b;
+  };
+  ASSERT_NO_THROW(make_step_layout(good()));
+  {
+    ForwardBatch b = good();
+    b.spec_info.reset();
+    expect_error([&] { make_step_layout(b); }, {"TARGET_VERIFY", "spec_info is missing"});
+  }
+  {
+    ForwardBatch b = good();
+    b.spec_info->parents.pop_back();
+    expect_error([&] { make_step_layout(b); }, {"spec_info.parents has 7 entries", "expected 8"});
+  }
+  {
+    ForwardBatch b = good();
+    b.spec_info->parents[4] = 0;
+    expect_error([&] { make_step_layout(b); }, {"parents[4] = 0", "request 1, token 0", "-1"});
+  }
+  {
+    ForwardBatch b = good();
+    b.spec_info->parents[6] = 3;  // request 1 token 2: its parent must precede it
+    expect_error([&] { make_step_layout(b); },
+                 {"parents[6] = 3", "request 1, token 2", "earlier block token"});
+  }
+  {
+    ForwardBatch b = good();
+    b.spec_info->topk = 1;
+    expect_error([&] { make_step_layout(b); }, {"topk = 1 means a chain"});
+  }
+  {
+    ForwardBatch b = good();
+    b.positions[3] = 8;  // request 0 token 3 has depth 2: 5 + 2
+    expect_error([&] { make_step_layout(b); },
+                 {"positions[3] = 8", "expected 7", "seq_len + depth"});
+  }
+  {
+    ForwardBatch b = good();
+    b.extend_seq_lens[1] = 3;
+    expect_error([&] { make_step_layout(b); }, {"extend_seq_lens[1] = 3", "draft_token_num = 4"});
+  }
+  {
+    ForwardBatch b = good();
+    b.out_cache_loc.resize(6);
+    expect_error([&] { make_step_layout(b); }, {"out_cache_loc has 6 entries", "(8)"});
+  }
+  {
+    ForwardBatch b = good();
+    b.spec_info->draft_token_num = 0;
+    expect_error([&] { make_step_layout(b); }, {"draft_token_num = 0"});
+  }
+}
+
+TEST(StepLayout, RejectsInconsistentDraftExtendBatches) {
+  auto good = [] {
+    ForwardBatch b = make_draft_extend_batch({1, 2}, {6, 4}, {1, 3});
+    fill_slots(b);
+    return b;
+  };
+  ASSERT_NO_THROW(make_step_layout(good()));
+  {
+    ForwardBatch b = good();
+    b.extend_seq_lens[0] = 3;
+    expect_error([&] { make_step_layout(b); },
+                 {"extend_seq_lens[0] = 3", "accept_length[0] = 1", "accept_length + 1"});
+  }
+  {
+    ForwardBatch b = good();
+    b.seq_lens[1] = 3;
+    expect_error([&] { make_step_layout(b); }, {"seq_lens[1] = 3 < extend_seq_lens[1] = 4"});
+  }
+  {
+    ForwardBatch b = good();
+    b.positions[0] = 0;
+    expect_error([&] { make_step_layout(b); }, {"DRAFT_EXTEND", "positions[0] = 0", "expected 4"});
+  }
+  expect_error([] { make_draft_extend_batch({1}, {5}, {-1}); }, {"accept_lengths[0] = -1"});
+  {
+    ForwardBatch b = make_draft_extend_v2_batch({1, 2}, {6, 4}, 2);
+    fill_slots(b);
+    b.extend_seq_lens[1] = 1;
+    expect_error([&] { make_step_layout(b); },
+                 {"DRAFT_EXTEND_V2", "extend_seq_lens[1] = 1", "fixed width"});
+  }
+}
+
+TEST(SpecInfo, ChainHasConsecutiveParentsAndDepths) {
+  SpecInfo s = SpecInfo::chain(2, 5);
+  EXPECT_TRUE(s.is_chain());
+  EXPECT_EQ(s.parents, (std::vector<int32_t>{-1, 0, 1, 2, 3, -1, 0, 1, 2, 3}));
+  for (int t = 0; t < 5; ++t) {
+    EXPECT_EQ(s.depth(1, t), t);
+    for (int u = 0; u < 5; ++u) EXPECT_EQ(s.visible(1, t, u), u <= t);
+  }
+  expect_error([] { SpecInfo::chain(1, 0); }, {"num_draft_tokens = 0"});
+}
+
+TEST(SpecInfo, ParentsFromFirstChildNextSiblingWithSiblings) {
+  // Root 0 -> children 1, 2, 3 (siblings); 1 -> 4, 5; 3 -> 6; 5 -> 7.
+  const std::vector<int32_t> next_token = {1, 4, -1, 6, -1, 7, -1, -1};
+  const std::vector<int32_t> next_sibling = {-1, 2, 3, -1, 5, -1, -1, -1};
+  SpecInfo s = SpecInfo::from_retrive(1, 8, 3, next_token, next_sibling);
+  EXPECT_EQ(s.parents, (std::vector<int32_t>{-1, 0, 0, 0, 1, 1, 3, 5}));
+  EXPECT_FALSE(s.is_chain());
+  EXPECT_EQ(s.depth(0, 7), 3);
+  EXPECT_TRUE(s.visible(0, 7, 5));
+  EXPECT_TRUE(s.visible(0, 7, 1));
+  EXPECT_TRUE(s.visible(0, 7, 0));
+  EXPECT_TRUE(s.visible(0, 7, 7));
+  EXPECT_FALSE(s.visible(0, 7, 4));  // sibling of its parent
+  EXPECT_FALSE(s.visible(0, 2, 1));  // sibling
+  EXPECT_FALSE(s.visible(0, 1, 2));
+  EXPECT_FALSE(s.visible(0, 0, 1));  // a child is never visible to its parent
+}
+
+TEST(SpecInfo, FromRetriveInvertsRandomTrees) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 50; ++trial) {
+    const int bs = std::uniform_int_distribution<int>(1, 4)(rng);
+    const int n = std::uniform_int_distribution<int>(1, 12)(rng);
+    std::vector<int32_t> parents, next_token, next_sibling;
+    for (int r = 0; r < bs; ++r) {
+      std::vector<int32_t> p = random_tree(rng, n), nt, ns;
+      to_retrive(p, nt, ns);
+      parents.insert(parents.end(), p.begin(), p.end());
+      next_token.insert(next_token.end(), nt.begin(), nt.end());
+      next_sibling.insert(next_sibling.end(), ns.begin(), ns.end());
+    }
+    SpecInfo s = SpecInfo::from_retrive(bs, n, 4, next_token, next_sibling);
+    ASSERT_EQ(s.parents, parents);
+    for (int r = 0; r < bs; ++r) {
+      for (int t = 0; t < n; ++t) {
+        int depth = 0;
+        std::vector<bool> anc(n, false);
+        for (int a = t; a >= 0; a = parents[r * n + a]) {
+          anc[a] = true;
+          if (a != t) ++depth;
+        }
+        EXPECT_EQ(s.depth(r, t), depth);
+        for (int u = 0; u < n; ++u) EXPECT_EQ(s.visible(r, t, u), anc[u]);
+      }
+    }
+  }
+}
+
+TEST(SpecInfo, FromRetriveRejectsLinksThatAreNotATree) {
+  expect_error([] { SpecInfo::from_retrive(1, 3, 2, {1, -1}, {-1, -1, -1}); },
+               {"next_token has 2 entries", "1 * 3 = 3"});
+  expect_error([] { SpecInfo::from_retrive(1, 3, 2, {1, 5, -1}, {-1, -1, -1}); },
+               {"next_token[0, 1] = 5", "[0, 3)"});
+  expect_error([] { SpecInfo::from_retrive(1, 3, 2, {1, -1, -1}, {-1, -1, -1}); },
+               {"node 2 is not reachable"});
+  expect_error([] { SpecInfo::from_retrive(1, 3, 2, {1, 2, -1}, {-1, 2, -1}); },
+               {"node 2 is reached twice"});
+  expect_error([] { SpecInfo::from_retrive(1, 3, 2, {1, -1, -1}, {-1, 2, 1}); },
+               {"next_sibling[0, 2] = 1", "must come after"});
+  expect_error([] { SpecInfo::from_retrive(1, 2, 2, {-1, -1}, {1, -1}); },
+               {"the root has no siblings"});
+}
+
+TEST(SpecInfo, FullMaskHasPrefixColumnsAndAncestorOrSelf) {
+  std::mt19937 rng(9);
+  const int n = 6;
+  SpecInfo s;
+  s.draft_token_num = n;
+  s.topk = 3;
+  for (int r = 0; r < 3; ++r) {
+    auto p = random_tree(rng, n);
+    s.parents.insert(s.parents.end(), p.begin(), p.end());
+  }
+  const std::vector<int32_t> seq_lens = {4, 0, 7};
+  const std::vector<uint8_t> mask = s.full_mask(seq_lens);
+  size_t off = 0;
+  for (int r = 0; r < 3; ++r) {
+    const int cols = seq_lens[r] + n;
+    for (int t = 0; t < n; ++t) {
+      for (int c = 0; c < cols; ++c) {
+        bool want = c < seq_lens[r];
+        if (!want) {
+          for (int a = t; a >= 0; a = s.parents[r * n + a]) want |= (a == c - seq_lens[r]);
+        }
+        EXPECT_EQ(mask[off + static_cast<size_t>(t) * cols + c], want) << r << " " << t << " " << c;
+      }
+    }
+    off += static_cast<size_t>(n) * cols;
+  }
+  EXPECT_EQ(mask.size(), off);
+  expect_error([&] { s.full_mask({1, 2}); }, {"2 seq_lens", "3 requests"});
+}
