@@ -10,8 +10,9 @@ namespace attnrt::cli {
 void add_backend_options(CLI::App& cmd, Options& options) {
   const std::string names = fmt::format("{}", fmt::join(Registry::global().names(), ", "));
   CLI::Option_group* g = cmd.add_option_group(
-      "Backend options", "Which attention backends serve each phase, and how the KV cache is laid "
-                         "out (see docs/backends.md)");
+      kBackendOptionGroup,
+      "Which attention backends serve each phase, and how the KV cache is laid "
+      "out (see docs/backends.md)");
   g->add_option("--attention-backend", options.attention_backend,
                 fmt::format("Backend for every phase: {}. Unset: auto-select (cuda on a Hopper "
                             "GPU, else cpu; never reference)",
@@ -61,6 +62,14 @@ void add_backend_options(CLI::App& cmd, Options& options) {
       ->capture_default_str();
   g->add_flag("--deterministic", options.deterministic,
               "Fixed split sizes, so results do not depend on batch composition or thread count");
+}
+
+bool backend_options_given(CLI::App& cmd) {
+  CLI::App* group = cmd.get_option_group(kBackendOptionGroup);
+  for (const CLI::Option* opt : group->get_options()) {
+    if (opt->count() > 0) return true;
+  }
+  return false;
 }
 
 }  // namespace attnrt::cli

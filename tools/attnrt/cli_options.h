@@ -16,4 +16,10 @@ namespace attnrt::cli {
 // outlive the parse. Values are checked against the model and the backends by resolve_backends().
 void add_backend_options(CLI::App& cmd, Options& options);
 
+// The option group add_backend_options creates.
+inline constexpr const char* kBackendOptionGroup = "Backend options";
+
+// True when any option of that group appeared on the command line of `cmd` (after parsing).
+bool backend_options_given(CLI::App& cmd);
+
 }  // namespace attnrt::cli
