@@ -1,0 +1,97 @@
+// Runs benchmark rows: builds each workload in a paged pool with random data, checks the backend's
+// output, times it, and measures the reference backend on the same (or a scaled-down) shape.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attnrt/bench/ceilings.h"
+#include "attnrt/bench/timing.h"
+#include "attnrt/bench/workload.h"
+
+namespace attnrt::bench {
+
+struct BenchConfig {
+  std::string backend;              // registry name of the backend under test
+  std::vector<Workload> workloads;  // as they run (already scaled)
+  double scale = 1.0;               // --scale, for the report
+  std::string preset;               // --preset, for the report ("" = none)
+  int repeats = 10;
+  int warmup = 2;
+  int threads = 0;  // 0 = resolve_threads(0)
+  bool compare_reference = true;
+  uint64_t seed = 0x5eed;
+  // Shapes larger than these run on the reference backend scaled down (fit_workload) and the
+  // speed-up compares work per second, not time.
+  double reference_max_bytes = 64.0 * (1 << 20);
+  double reference_max_work = 2e8;
+  int reference_repeats = 3;
+  // Work budget (FLOPs) of the dense float check of each row: decides how many query rows it
+  // samples (at least 4, all of them when the row is small).
+  double check_max_work = 2e9;
+  double check_tolerance = 2e-2;  // relative L2 error per (query row, head)
+  Device device = Device::cpu();
+  CeilingOptions ceiling_options;
+  // Progress lines ("decode-16x4096: timing ..."), e.g. to stderr. May be empty.
+  std::function<void(const std::string&)> progress;
+};
+
+struct CheckResult {
+  std::string method;   // "dense float64 on 48 of 16 query rows x 32 heads", "full output vs reference"
+  int rows_checked = 0;
+  double max_rel_err = 0;  // max over checked (row, head) of |o - ref|_2 / |ref|_2
+  double tolerance = 0;
+  bool passed = false;
+};
+
+struct ReferenceResult {
+  Workload workload;  // the shape reference ran (== the row's unless scaled down)
+  TimingStats time;
+  double work_per_second = 0;  // attention_work / median time
+  double speedup = 0;          // backend work/s over reference work/s
+  CheckResult check;           // backend vs reference outputs on `workload`
+  std::string note;            // how it was measured
+};
+
+struct RowResult {
+  Workload standard;  // the row as WORKLOADS.md defines it
+  Workload workload;  // what ran (scale_note says how it differs)
+  std::string status = "ok";  // ok | mismatch | error
+  std::string error;          // status error: the message
+  CheckResult check;          // dense check of the full row
+  TimingStats time;           // seconds per forward call
+  TimingStats plan;           // seconds per init_forward_metadata
+  double bytes = 0;           // counted_bytes
+  double flops = 0;           // counted_flops
+  Bound bound = Bound::memory;
+  double rate = 0;            // GB/s (memory rows) or GFLOP/s (compute rows)
+  double pct_of_ceiling = 0;  // rate / the matching ceiling * 100; 0 when no ceiling
+  std::optional<ReferenceResult> reference;
+  // Verify rows: the decode B x P row at the same prefix and time / its time.
+  std::optional<Workload> decode_workload;
+  TimingStats decode_time;
+  double decode_ratio = 0;
+  std::vector<std::string> notes;
+
+  std::string metric_unit() const { return bound == Bound::memory ? "GB/s" : "GFLOP/s"; }
+};
+
+struct BenchResult {
+  std::string backend;
+  int threads = 0;
+  Ceilings ceilings;
+  std::vector<RowResult> rows;
+  std::string timer_method;
+  bool all_passed() const;
+};
+
+// Measures the ceilings, then every row. Errors of one row (an unsupported shape, a failed check)
+// are recorded in that row and the others still run; configuration errors throw attnrt::Error.
+BenchResult run_bench(const BenchConfig& config);
+// One row against already measured ceilings. `workload` may be a scaled standard row (found by
+// name) or any other shape.
+RowResult run_row(const BenchConfig& config, const Workload& workload, const Ceilings& ceilings);
+
+}  // namespace attnrt::bench

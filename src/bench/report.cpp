@@ -1,0 +1,273 @@
+#include "attnrt/bench/report.h"
+
+#include <fmt/chrono.h>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <ctime>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "attnrt/bench/git_commit.h"
+#include "attnrt/core/device.h"
+#include "attnrt/core/error.h"
+
+namespace attnrt::bench {
+
+namespace {
+
+using nlohmann::json;
+
+std::string trim(std::string s) {
+  size_t b = s.find_first_not_of(" \t");
+  size_t e = s.find_last_not_of(" \t\r\n");
+  return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+}
+
+json timing_json(const TimingStats& t, double unit) {
+  return {{"median", t.median * unit}, {"min", t.min * unit}, {"max", t.max * unit},
+          {"p10", t.p10 * unit},       {"p90", t.p90 * unit}, {"repeats", t.repeats}};
+}
+
+json shape_json(const Workload& w) {
+  json j = {{"kind", workload_kind_name(w.kind)},
+            {"batch", w.batch},
+            {"prefix_len", w.prefix_len},
+            {"new_tokens", w.new_tokens},
+            {"kv_len", w.kv_len()},
+            {"q_heads", w.q_heads},
+            {"kv_heads", w.kv_heads},
+            {"head_dim", w.head_dim},
+            {"page_size", w.page_size},
+            {"kv_dtype", dtype_name(w.kv_dtype)},
+            {"shape", w.shape()}};
+  if (is_verify(w.kind)) {
+    j["topk"] = w.topk;
+    j["tree_parents"] = verify_parents(w);
+  }
+  return j;
+}
+
+json check_json(const CheckResult& c) {
+  return {{"method", c.method},
+          {"rows_checked", c.rows_checked},
+          {"max_rel_err", c.max_rel_err},
+          {"tolerance", c.tolerance},
+          {"passed", c.passed}};
+}
+
+json ceiling_json(const Ceiling& c, const char* unit) {
+  if (!c.available()) return {{"available", false}, {"reason", c.unavailable}};
+  return {{"available", true}, {"value", c.value}, {"unit", unit}, {"method", c.method}};
+}
+
+std::string si(double v, const char* unit) {
+  if (v >= 1e12) return fmt::format("{:.2f} T{}", v / 1e12, unit);
+  if (v >= 1e9) return fmt::format("{:.2f} G{}", v / 1e9, unit);
+  return fmt::format("{:.1f} M{}", v / 1e6, unit);
+}
+
+std::string ms(double seconds) {
+  double m = seconds * 1e3;
+  if (m >= 100) return fmt::format("{:.0f}", m);
+  if (m >= 10) return fmt::format("{:.1f}", m);
+  return fmt::format("{:.2f}", m);
+}
+
+}  // namespace
+
+MachineInfo describe_machine() {
+  MachineInfo m;
+  m.logical_cpus = static_cast<int>(std::thread::hardware_concurrency());
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line, physical_id;
+  std::set<std::string> cores;
+  while (std::getline(cpuinfo, line)) {
+    size_t colon = line.find(':');
+    if (colon == std::string::npos) continue;
+    std::string key = trim(line.substr(0, colon)), value = trim(line.substr(colon + 1));
+    if (key == "model name" && m.cpu_model.empty()) m.cpu_model = value;
+    if (key == "physical id") physical_id = value;
+    if (key == "core id") cores.insert(physical_id + "/" + value);
+  }
+  m.physical_cores = cores.empty() ? m.logical_cpus : static_cast<int>(cores.size());
+  if (m.cpu_model.empty()) m.cpu_model = "unknown";
+  std::ifstream meminfo("/proc/meminfo");
+  while (std::getline(meminfo, line)) {
+    if (line.rfind("MemTotal:", 0) == 0) {
+      m.memory_gib = std::strtod(line.c_str() + 9, nullptr) / (1024.0 * 1024.0);
+    }
+  }
+  m.simd_target = cpu_simd_target();
+  const CudaDeviceInfo& cuda = query_cuda();
+  m.cuda = cuda.usable ? fmt::format("{} (sm_{}{}, {} SMs)", cuda.name, cuda.cc_major,
+                                     cuda.cc_minor, cuda.sm_count)
+                       : fmt::format("none: {}", cuda.reason);
+  return m;
+}
+
+std::string build_commit() { return ATTNRT_GIT_COMMIT; }
+
+RunInfo make_run_info(std::string command, double scale, std::string preset) {
+  RunInfo info;
+  info.command = std::move(command);
+  info.scale = scale;
+  info.preset = std::move(preset);
+  info.created = fmt::format("{:%Y-%m-%dT%H:%M:%SZ}", fmt::gmtime(std::time(nullptr)));
+  info.machine = describe_machine();
+  info.commit = build_commit();
+  return info;
+}
+
+json to_json(const BenchResult& r, const RunInfo& info) {
+  json j;
+  j["schema"] = "attnrt-bench/1";
+  j["implementation"] = "attnrt";
+  j["commit"] = info.commit;
+  j["created"] = info.created;
+  j["command"] = info.command;
+  j["machine"] = {{"cpu_model", info.machine.cpu_model},
+                  {"logical_cpus", info.machine.logical_cpus},
+                  {"physical_cores", info.machine.physical_cores},
+                  {"memory_gib", info.machine.memory_gib},
+                  {"simd_target", info.machine.simd_target},
+                  {"cuda", info.machine.cuda}};
+  j["backend"] = r.backend;
+  j["threads"] = r.threads;
+  j["timer"] = r.timer_method;
+  j["scale"] = {{"factor", info.scale}, {"preset", info.preset}};
+  j["ceilings"] = {{"device", device_name(r.ceilings.device)},
+                   {"threads", r.ceilings.threads},
+                   {"simd_target", r.ceilings.simd_target},
+                   {"memory", ceiling_json(r.ceilings.memory, "GB/s")},
+                   {"fp32", ceiling_json(r.ceilings.fp32, "GFLOP/s")},
+                   {"bf16", ceiling_json(r.ceilings.bf16, "GFLOP/s")},
+                   {"compute", r.ceilings.compute_name()}};
+  json rows = json::array();
+  for (const RowResult& row : r.rows) {
+    json x;
+    x["name"] = row.workload.name;
+    x["status"] = row.status;
+    if (!row.error.empty()) x["error"] = row.error;
+    x["standard"] = shape_json(row.standard);
+    x["shape"] = shape_json(row.workload);
+    x["scaled"] = !row.workload.scale_note.empty();
+    if (!row.workload.scale_note.empty()) x["scale_note"] = row.workload.scale_note;
+    x["counted"] = {{"bytes", row.bytes}, {"flops", row.flops}};
+    x["bound"] = row.bound == Bound::memory ? "memory" : "compute";
+    x["notes"] = row.notes;
+    if (row.check.rows_checked > 0) x["check"] = check_json(row.check);
+    if (row.time.repeats > 0) {
+      x["time_ms"] = timing_json(row.time, 1e3);
+      x["plan_us"] = timing_json(row.plan, 1e6);
+      x["metric"] = row.metric_unit();
+      x["rate"] = row.rate;
+      x["ceiling"] = row.bound == Bound::memory ? "memory" : r.ceilings.compute_name();
+      x["pct_of_ceiling"] = row.pct_of_ceiling;
+    }
+    if (row.decode_workload) {
+      x["decode"] = {{"shape", shape_json(*row.decode_workload)},
+                     {"time_ms", timing_json(row.decode_time, 1e3)},
+                     {"ratio", row.decode_ratio}};
+    }
+    if (row.reference) {
+      const ReferenceResult& ref = *row.reference;
+      x["reference"] = {{"shape", shape_json(ref.workload)},
+                        {"scaled", !(ref.workload == row.workload)},
+                        {"time_ms", timing_json(ref.time, 1e3)},
+                        {"work_per_second", ref.work_per_second},
+                        {"speedup", ref.speedup},
+                        {"check", check_json(ref.check)},
+                        {"note", ref.note}};
+    }
+    rows.push_back(std::move(x));
+  }
+  j["rows"] = std::move(rows);
+  return j;
+}
+
+void write_json(const std::string& path, const BenchResult& result, const RunInfo& info) {
+  std::ofstream out(path);
+  ATTNRT_CHECK(out.good(), "--json {}: cannot open the file for writing (does the folder exist?)",
+               path);
+  out << to_json(result, info).dump(2) << "\n";
+  ATTNRT_CHECK(out.good(), "--json {}: writing failed (disk full?)", path);
+}
+
+std::string format_report(const BenchResult& r, const RunInfo& info) {
+  std::ostringstream s;
+  const Ceilings& c = r.ceilings;
+  s << fmt::format("attnrt bench  backend {}  threads {}  commit {}\n", r.backend, r.threads,
+                   info.commit);
+  s << fmt::format("machine: {} ({} cores / {} threads, {:.1f} GiB), SIMD {}, CUDA: {}\n",
+                   info.machine.cpu_model, info.machine.physical_cores, info.machine.logical_cpus,
+                   info.machine.memory_gib, info.machine.simd_target, info.machine.cuda);
+  auto ceiling_line = [&s](const char* what, const Ceiling& x, const char* unit) {
+    if (x.available()) {
+      s << fmt::format("  {:<7} {:>9.1f} {:<8} {}\n", what, x.value, unit, x.method);
+    } else {
+      s << fmt::format("  {:<7} {:>9} {:<8} {}\n", what, "n/a", "", x.unavailable);
+    }
+  };
+  s << "ceilings (measured now):\n";
+  ceiling_line("memory", c.memory, "GB/s");
+  ceiling_line("fp32", c.fp32, "GFLOP/s");
+  ceiling_line("bf16", c.bf16, "GFLOP/s");
+  s << fmt::format("  decode/verify rows are judged against memory, prefill/extend against {}\n",
+                   c.compute_name());
+  if (!info.preset.empty() || info.scale != 1.0) {
+    s << fmt::format("SCALED RUN ({}): rows marked * are smaller than WORKLOADS.md defines; the "
+                     "notes say how\n",
+                     info.preset.empty() ? fmt::format("--scale {:g}", info.scale)
+                                         : fmt::format("--preset {}", info.preset));
+  }
+  s << "\n";
+  s << fmt::format("{:<30} {:<22} {:>9} {:>17} {:>10} {:>13} {:>7} {:>9} {:>9} {:>8}\n", "row",
+                   "shape", "ms", "p10..p90 ms", "counted", "rate", "% ceil", "vs ref",
+                   "plan us", "check");
+  std::vector<std::string> notes;
+  for (const RowResult& row : r.rows) {
+    const Workload& w = row.workload;
+    std::string name = w.name + (w.scale_note.empty() ? "" : "*");
+    if (row.status == "error") {
+      s << fmt::format("{:<30} {:<22} ERROR: {}\n", name, w.shape(), row.error);
+      continue;
+    }
+    std::string counted =
+        row.bound == Bound::memory ? si(row.bytes, "B") : si(row.flops, "FLOP");
+    std::string check = row.check.rows_checked == 0 ? "-"
+                        : row.status == "ok"        ? fmt::format("{:.1e}", row.check.max_rel_err)
+                                                    : "FAIL";
+    if (row.time.repeats == 0) {
+      s << fmt::format("{:<30} {:<22} {:>9} {:>17} {:>10} {:>13} {:>7} {:>9} {:>9} {:>8}\n", name,
+                       w.shape(), "-", "-", counted, "-", "-", "-", "-", check);
+    } else {
+      std::string vs_ref = row.reference ? fmt::format("{:.1f}x", row.reference->speedup) : "-";
+      s << fmt::format("{:<30} {:<22} {:>9} {:>17} {:>10} {:>13} {:>7} {:>9} {:>9.1f} {:>8}\n",
+                       name, w.shape(), ms(row.time.median),
+                       fmt::format("{}..{}", ms(row.time.p10), ms(row.time.p90)), counted,
+                       fmt::format("{:.1f} {}", row.rate, row.metric_unit()),
+                       fmt::format("{:.0f}%", row.pct_of_ceiling), vs_ref, row.plan.median * 1e6,
+                       check);
+    }
+    if (row.decode_workload) {
+      s << fmt::format("{:<30} {:<22} {:>9} = {:.2f}x the decode {} time\n", "", "",
+                       ms(row.decode_time.median), row.decode_ratio, row.decode_workload->shape());
+    }
+    if (!w.scale_note.empty()) notes.push_back(fmt::format("{}: {}", w.name, w.scale_note));
+    if (row.reference && !(row.reference->workload == w)) {
+      notes.push_back(fmt::format("{}: {}", w.name, row.reference->note));
+    }
+    for (const std::string& n : row.notes) notes.push_back(fmt::format("{}: {}", w.name, n));
+  }
+  if (!notes.empty()) {
+    s << "\nnotes:\n";
+    for (const std::string& n : notes) s << "  " << n << "\n";
+  }
+  s << fmt::format("\ntiming: median of repeats after warm-up; {}\n", r.timer_method);
+  return s.str();
+}
+
+}  // namespace attnrt::bench
