@@ -4,9 +4,11 @@
 namespace attnrt {
 
 void register_reference_backend(Registry& registry);
+void register_cpu_backend(Registry& registry);
 
 void register_builtin_backends(Registry& registry) {
   register_reference_backend(registry);
+  register_cpu_backend(registry);
 }
 
 }  // namespace attnrt

@@ -1,0 +1,510 @@
+#include "backends/cpu/cpu_backend.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "attnrt/backend/options.h"
+#include "attnrt/core/error.h"
+#include "attnrt/memory/kv_cache.h"
+#include "attnrt/memory/req_to_token_pool.h"
+#include "backends/cpu/kernels/attention_kernels.h"
+
+namespace attnrt {
+
+namespace {
+
+// Positions travel through the kernels as fp32, exact below 2^24.
+constexpr int64_t kMaxKeysPerRequest = int64_t{1} << 24;
+// A key split never makes pieces shorter than this: below it the merge costs more than it saves.
+constexpr int32_t kMinSplitKeys = 256;
+// Pieces start on multiples of this, so that every kernel block of a piece is full.
+constexpr int32_t kSplitAlign = 64;
+// Deterministic mode: keys split at fixed absolute boundaries, whatever the batch and the thread
+// count, so a request's result does not depend on its neighbours.
+constexpr int32_t kDeterministicSplitKeys = 2048;
+
+void check_tensor(const char* what, const TensorView& t, int64_t d0, int64_t d1, int64_t d2,
+                  const char* dims) {
+  ATTNRT_CHECK(t.data != nullptr, "cpu backend: {} is empty; expected [{}] = [{}, {}, {}]", what,
+               dims, d0, d1, d2);
+  ATTNRT_CHECK(t.device.kind == DeviceKind::cpu,
+               "cpu backend: {} is {}; the cpu backend reads host memory only", what,
+               t.describe());
+  ATTNRT_CHECK(is_float(t.dtype), "cpu backend: {} is {}; expected a float dtype", what,
+               t.describe());
+  ATTNRT_CHECK(t.ndim == 3 && t.shape[0] == d0 && t.shape[1] == d1 && t.shape[2] == d2,
+               "cpu backend: {} is {}; expected [{}] = [{}, {}, {}]", what, t.describe(), dims, d0,
+               d1, d2);
+}
+
+int v_dim_of(const LayerSpec& layer) {
+  return layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
+}
+
+}  // namespace
+
+int cpu_num_threads(const Options* options) {
+  if (options != nullptr) {
+    ATTNRT_CHECK(options->num_threads >= 0,
+                 "cpu backend: num_threads = {}; use a positive thread count, or 0 for "
+                 "ATTNRT_NUM_THREADS / every core",
+                 options->num_threads);
+    if (options->num_threads > 0) return options->num_threads;
+  }
+  if (const char* env = std::getenv("ATTNRT_NUM_THREADS"); env != nullptr && *env != '\0') {
+    const std::string text(env);
+    int value = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    ATTNRT_CHECK(ec == std::errc() && end == text.data() + text.size() && value > 0,
+                 "ATTNRT_NUM_THREADS = '{}'; expected a positive integer (threads of the cpu "
+                 "backend), or unset it to use every core",
+                 text);
+    return value;
+  }
+  return std::max(1, omp_get_num_procs());
+}
+
+std::string cpu_simd_target() { return cpu::simd_target_name(); }
+
+CpuBackend::CpuBackend(const BackendContext& ctx)
+    : AttentionBackend(ctx), num_threads_(cpu_num_threads(ctx.options)), tile_rows_(cpu::tile_rows()) {}
+
+void CpuBackend::init_forward_metadata(const ForwardBatch& batch) {
+  planned_ = false;
+  const StepLayout layout = make_step_layout(batch);
+  const int bs = batch.batch_size;
+  reqs_.assign(bs, cpu::RequestInfo{});
+  slots_.clear();
+  tree_depth_.clear();
+  tree_mask_.clear();
+  tree_words_ = 0;
+  variants_.clear();
+  if (bs > 0) {
+    ATTNRT_CHECK(ctx_.req_to_token != nullptr,
+                 "cpu backend: BackendContext.req_to_token is null; the backend reads key slots "
+                 "from the request rows");
+  }
+
+  // Verify blocks whose parents are not a plain chain get an ancestor-or-self mask; a chain is
+  // ordinary causal attention and runs unmasked.
+  bool tree = false;
+  int n_draft = 0;
+  if (is_target_verify(batch.mode) && batch.spec_info.has_value()) {
+    const SpecInfo& spec = *batch.spec_info;
+    n_draft = spec.draft_token_num;
+    for (size_t k = 0; k < spec.parents.size() && !tree; ++k) {
+      tree = spec.parents[k] != static_cast<int32_t>(k % n_draft) - 1;
+    }
+    if (tree) {
+      tree_words_ = (n_draft + 63) / 64;
+      tree_depth_.assign(static_cast<size_t>(bs) * n_draft, 0);
+      tree_mask_.assign(static_cast<size_t>(bs) * n_draft * tree_words_, 0);
+      for (int i = 0; i < bs; ++i) {
+        const int32_t* parents = spec.parents.data() + static_cast<size_t>(i) * n_draft;
+        for (int t = 0; t < n_draft; ++t) {
+          const size_t node = static_cast<size_t>(i) * n_draft + t;
+          uint64_t* bits = tree_mask_.data() + node * tree_words_;
+          if (parents[t] >= 0) {
+            const size_t parent = static_cast<size_t>(i) * n_draft + parents[t];
+            tree_depth_[node] = tree_depth_[parent] + 1;
+            std::copy_n(tree_mask_.data() + parent * tree_words_, tree_words_, bits);
+          }
+          bits[t / 64] |= uint64_t{1} << (t % 64);
+        }
+      }
+    }
+  }
+
+  int64_t total_keys = 0;
+  for (int i = 0; i < bs; ++i) total_keys += layout.kv_len(i);
+  slots_.resize(total_keys);
+  int64_t offset = 0;
+  for (int i = 0; i < bs; ++i) {
+    const ReqToTokenPool& pool = *ctx_.req_to_token;
+    const int64_t row = batch.req_pool_indices[i];
+    ATTNRT_CHECK(row >= 0 && row < pool.size(),
+                 "cpu backend: req_pool_indices[{}] = {}; the request pool has rows [0, {})", i,
+                 row, pool.size());
+    const int32_t kv_len = layout.kv_len(i), prefix = layout.prefix_lens[i];
+    ATTNRT_CHECK(kv_len <= pool.max_context_len() && kv_len < kMaxKeysPerRequest,
+                 "cpu backend: request {} needs {} keys but a request row holds at most "
+                 "max_context_len = {}",
+                 i, kv_len, std::min<int64_t>(pool.max_context_len(), kMaxKeysPerRequest - 1));
+    const int32_t* row_slots = pool.row_ptr(static_cast<int>(row));
+    std::copy_n(row_slots, kv_len, slots_.data() + offset);
+    for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
+      const int64_t q = layout.query_start[i] + t;
+      // Keys are read through the request row only, so it must already map this step's slots
+      // (the scheduler writes them before the forward, reference-semantics §2.2).
+      ATTNRT_CHECK(row_slots[prefix + t] == batch.out_cache_loc[q],
+                   "cpu backend: req_to_token[{}, {}] = {} but out_cache_loc[{}] = {} (request "
+                   "{}, new token {}); write the step's slots into the request row before the "
+                   "forward",
+                   row, prefix + t, row_slots[prefix + t], q, batch.out_cache_loc[q], i, t);
+    }
+    cpu::RequestInfo& r = reqs_[i];
+    r.q_row = layout.query_start[i];
+    r.slot_offset = offset;
+    r.prefix = prefix;
+    r.qlen = layout.query_lens[i];
+    r.kv_len = kv_len;
+    r.tree = tree ? i * n_draft : -1;
+    offset += kv_len;
+  }
+  mode_ = batch.mode;
+  num_tokens_ = layout.num_tokens;
+  planned_ = true;
+
+  // Work lists for every layer shape of the model, so that forward never plans.
+  if (ctx_.model != nullptr && ctx_.kv_cache != nullptr && bs > 0) {
+    int64_t partial = 0;
+    for (const LayerSpec& layer : ctx_.model->layers) {
+      if (!layer.uses_kv_cache() || layer.kind == LayerKind::mla) continue;
+      if (!layer.causal() && layer.sliding_window >= 0) continue;  // rejected at forward
+      const KVLayerView kv = ctx_.kv_cache->layer(layer.layer_id);
+      const VariantKey key = key_of(layer, kv);
+      if (find_variant(key) != nullptr) continue;
+      variants_.push_back(build_variant(key, kv, layer.layer_id));
+      partial = std::max(partial, variants_.back().partial_floats);
+    }
+    if (static_cast<int64_t>(partial_.size()) < partial) partial_.resize(partial);
+  }
+}
+
+CpuBackend::VariantKey CpuBackend::key_of(const LayerSpec& layer, const KVLayerView& kv) {
+  VariantKey key;
+  key.window = layer.sliding_window;
+  key.causal = layer.causal();
+  key.q_heads = layer.num_q_heads;
+  key.kv_heads = layer.num_kv_heads;
+  key.v_dim = v_dim_of(layer);
+  key.slot_map = kv.slot_map;
+  return key;
+}
+
+const CpuBackend::Variant* CpuBackend::find_variant(const VariantKey& key) const {
+  for (const Variant& v : variants_) {
+    if (v.key == key) return &v;
+  }
+  return nullptr;
+}
+
+CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLayerView& kv,
+                                              int layer_id) const {
+  Variant var;
+  var.key = key;
+  const int group = key.q_heads / key.kv_heads;
+  const int bs = static_cast<int>(reqs_.size());
+
+  // Key slots in this layer's pool, range-checked before anything is stored so that a bad request
+  // row leaves the pool untouched.
+  if (key.slot_map != nullptr) var.slots.resize(slots_.size());
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    const int64_t full = slots_[k];
+    ATTNRT_CHECK(full >= 0 && (key.slot_map != nullptr || full < kv.num_rows),
+                 "cpu backend: a request row holds slot {}; layer {} KV rows are [0, {})", full,
+                 layer_id, kv.num_rows);
+    if (key.slot_map == nullptr) continue;
+    const int64_t s = key.slot_map[full];
+    ATTNRT_CHECK(s >= 0 && s < kv.num_rows,
+                 "cpu backend: full slot {} maps to slot {} of layer {}; rows are [0, {})", full, s,
+                 layer_id, kv.num_rows);
+    var.slots[k] = static_cast<int32_t>(s);
+  }
+
+  auto query_pos = [&](const cpu::RequestInfo& r, int t) {
+    return r.prefix + (r.tree >= 0 && key.causal ? tree_depth_[r.tree + t] : t);
+  };
+
+  struct Pending {
+    cpu::WorkItem item;
+    int64_t cost;
+  };
+  std::vector<Pending> pending;
+  for (int i = 0; i < bs; ++i) {
+    const cpu::RequestInfo& r = reqs_[i];
+    if (r.qlen == 0) continue;
+    int tokens_per_item = 1, heads_per_item = group;
+    if (r.qlen > 1) {
+      if (group >= tile_rows_) {
+        heads_per_item = tile_rows_;
+      } else {
+        tokens_per_item = tile_rows_ / group;
+      }
+    }
+    for (int t0 = 0; t0 < r.qlen; t0 += tokens_per_item) {
+      const int t1 = std::min(r.qlen, t0 + tokens_per_item);
+      int k0 = 0, k1 = r.kv_len;
+      if (key.causal) {
+        int min_pos = query_pos(r, t0);
+        for (int t = t0 + 1; t < t1; ++t) min_pos = std::min(min_pos, query_pos(r, t));
+        k1 = r.prefix + t1;  // drafts come after their ancestors, so none beyond t1 is visible
+        if (key.window >= 0) k0 = std::max(0, min_pos - key.window);
+        // An SWA pool must still hold every key some query of this item can see.
+        if (!var.slots.empty()) {
+          for (int j = k0; j < k1; ++j) {
+            const int32_t s = var.slots[r.slot_offset + j];
+            const bool draft = r.tree >= 0 && j >= r.prefix;
+            ATTNRT_CHECK(s != 0 || draft,
+                         "cpu backend: layer {} request {} key {} (full slot {}) is inside the "
+                         "window of query {} but has no slot in the SWA pool",
+                         layer_id, i, j, slots_[r.slot_offset + j], t0);
+          }
+        }
+      }
+      for (int g0 = 0; g0 < group; g0 += heads_per_item) {
+        const int g1 = std::min(group, g0 + heads_per_item);
+        cpu::WorkItem it;
+        it.req = i;
+        it.t0 = t0;
+        it.t1 = t1;
+        it.g0 = g0;
+        it.g1 = g1;
+        it.k0 = k0;
+        it.k1 = k1;
+        pending.push_back({it, static_cast<int64_t>(t1 - t0) * (g1 - g0) * (k1 - k0)});
+      }
+    }
+  }
+  // Longest first: dynamic scheduling then ends with short items, whatever the lengths.
+  std::stable_sort(pending.begin(), pending.end(),
+                   [](const Pending& a, const Pending& b) { return a.cost > b.cost; });
+
+  int64_t total = 0;
+  for (const Pending& p : pending) total += p.cost * key.kv_heads;
+  const bool deterministic = ctx_.options != nullptr && ctx_.options->deterministic;
+  // Each (item, kv head) is one task; a task longer than a quarter of a thread's share is split
+  // over its keys so that a few long requests (or one) still occupy every thread.
+  const int64_t target = std::max<int64_t>(1, total / (4 * int64_t{num_threads_}));
+  for (const Pending& p : pending) {
+    const cpu::WorkItem& it = p.item;
+    std::vector<int32_t> cuts = {it.k0};
+    if (deterministic) {
+      for (int32_t b = (it.k0 / kDeterministicSplitKeys + 1) * kDeterministicSplitKeys; b < it.k1;
+           b += kDeterministicSplitKeys) {
+        cuts.push_back(b);
+      }
+    } else if (num_threads_ > 1) {
+      const int32_t keys = it.k1 - it.k0;
+      const int64_t by_work = (p.cost + target - 1) / target;
+      const int64_t pieces = std::min<int64_t>(by_work, keys / kMinSplitKeys);
+      if (pieces > 1) {
+        const int32_t step = static_cast<int32_t>(
+            (keys / pieces + kSplitAlign - 1) / kSplitAlign * kSplitAlign);
+        for (int32_t b = it.k0 + step; b < it.k1; b += step) cuts.push_back(b);
+      }
+    }
+    cuts.push_back(it.k1);
+    const int npieces = static_cast<int>(cuts.size()) - 1;
+    if (npieces == 1) {
+      var.items.push_back(it);
+      continue;
+    }
+    const int64_t rows = static_cast<int64_t>(it.t1 - it.t0) * (it.g1 - it.g0);
+    var.merges.push_back({static_cast<int32_t>(var.items.size()), npieces});
+    for (int s = 0; s < npieces; ++s) {
+      cpu::WorkItem piece = it;
+      piece.k0 = cuts[s];
+      piece.k1 = cuts[s + 1];
+      piece.part = var.partial_floats;
+      var.partial_floats += key.kv_heads * rows * (key.v_dim + 2);
+      var.items.push_back(piece);
+    }
+  }
+  return var;
+}
+
+CpuBackend::WorkSummary CpuBackend::work_summary(const LayerSpec& layer) const {
+  ATTNRT_CHECK(planned_ && ctx_.kv_cache != nullptr,
+               "cpu backend: no plan; call init_forward_metadata first");
+  const Variant* var = find_variant(key_of(layer, ctx_.kv_cache->layer(layer.layer_id)));
+  ATTNRT_CHECK(var != nullptr, "cpu backend: layer {} has no work list in this step's plan",
+               layer.layer_id);
+  WorkSummary s;
+  s.items = static_cast<int64_t>(var->items.size());
+  s.merges = static_cast<int64_t>(var->merges.size());
+  for (const cpu::WorkItem& it : var->items) {
+    const cpu::RequestInfo& r = reqs_[it.req];
+    if (it.t1 - it.t0 == 1 && (r.tree < 0 || !layer.causal() || r.qlen == 1)) ++s.single_query;
+  }
+  return s;
+}
+
+void CpuBackend::forward_decode(const AttnArgs& args, const LayerSpec& layer,
+                                const ForwardBatch& batch) {
+  ATTNRT_CHECK(is_decode(batch.mode), "cpu backend: forward_decode called for a {} batch",
+               forward_mode_name(batch.mode));
+  attend(args, layer, batch);
+}
+
+void CpuBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
+                                const ForwardBatch& batch) {
+  ATTNRT_CHECK(!is_decode_or_idle(batch.mode), "cpu backend: forward_extend called for a {} batch",
+               forward_mode_name(batch.mode));
+  attend(args, layer, batch);
+}
+
+void CpuBackend::check_args(const AttnArgs& args, const LayerSpec& layer,
+                            const ForwardBatch& batch, const KVLayerView& kv) const {
+  ATTNRT_CHECK(planned_ && mode_ == batch.mode &&
+                   static_cast<int>(reqs_.size()) == batch.batch_size &&
+                   num_tokens_ == batch.num_tokens(),
+               "cpu backend: forward for a {} batch of {} requests / {} tokens without a matching "
+               "init_forward_metadata for this step",
+               forward_mode_name(batch.mode), batch.batch_size, batch.num_tokens());
+  ATTNRT_CHECK(layer.uses_kv_cache() && layer.kind != LayerKind::mla,
+               "cpu backend: layer {} is {}; the cpu backend serves full and swa layers",
+               layer.layer_id, layer_kind_name(layer.kind));
+  const int hq = layer.num_q_heads, hkv = layer.num_kv_heads;
+  ATTNRT_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0,
+               "cpu backend: layer {} has {} q heads and {} kv heads; q heads must be a positive "
+               "multiple of kv heads",
+               layer.layer_id, hq, hkv);
+  const int dqk = layer.head_dim, dv = v_dim_of(layer);
+  ATTNRT_CHECK(dqk > 0 && dv > 0, "cpu backend: layer {} has head_dim {} / v_head_dim {}; both "
+               "must be > 0", layer.layer_id, dqk, dv);
+  ATTNRT_CHECK(layer.causal() || layer.sliding_window < 0,
+               "cpu backend: layer {} is non-causal with sliding_window {}; a window is defined "
+               "for causal layers only (use -1)",
+               layer.layer_id, layer.sliding_window);
+  ATTNRT_CHECK(layer.logit_cap >= 0.f,
+               "cpu backend: layer {} has logit_cap {}; use a positive cap, or 0 for none",
+               layer.layer_id, layer.logit_cap);
+  check_tensor("q", args.q, num_tokens_, hq, dqk, "tokens, q heads, head_dim");
+  check_tensor("out", args.out, num_tokens_, hq, dv, "tokens, q heads, v_head_dim");
+  ATTNRT_CHECK(args.k.empty() == args.v.empty(),
+               "cpu backend: k is {} but v is {}; pass both (store this step's K/V) or neither "
+               "(already stored by another layer)",
+               args.k.empty() ? "empty" : args.k.describe(),
+               args.v.empty() ? "empty" : args.v.describe());
+  if (!args.k.empty()) {
+    check_tensor("k", args.k, num_tokens_, hkv, dqk, "tokens, kv heads, head_dim");
+    check_tensor("v", args.v, num_tokens_, hkv, dv, "tokens, kv heads, v_head_dim");
+  }
+  if (!args.lse.empty()) {
+    ATTNRT_CHECK(args.lse.device.kind == DeviceKind::cpu && args.lse.dtype == DType::f32 &&
+                     args.lse.ndim == 2 && args.lse.shape[0] == num_tokens_ &&
+                     args.lse.shape[1] == hq,
+                 "cpu backend: lse is {}; expected fp32[{}, {}] (tokens, q heads) on cpu",
+                 args.lse.describe(), num_tokens_, hq);
+  }
+  ATTNRT_CHECK(layer.has_sinks == (args.sinks != nullptr),
+               "cpu backend: layer {} {} sinks but AttnArgs.sinks is {}", layer.layer_id,
+               layer.has_sinks ? "has" : "has no", args.sinks ? "set" : "null");
+  ATTNRT_CHECK(kv.k != nullptr && kv.v != nullptr,
+               "cpu backend: the KV cache returned no buffers for layer {}", layer.layer_id);
+  ATTNRT_CHECK(kv.device.kind == DeviceKind::cpu,
+               "cpu backend: layer {} KV cache is on {}; the cpu backend reads host pools only",
+               layer.layer_id, device_name(kv.device));
+  ATTNRT_CHECK(kv.dtype == DType::f32 || kv.dtype == DType::f16 || kv.dtype == DType::bf16 ||
+                   kv.dtype == DType::e4m3 || kv.dtype == DType::e5m2,
+               "cpu backend: layer {} KV cache stores {}; supported: fp32, fp16, bf16, fp8_e4m3, "
+               "fp8_e5m2",
+               layer.layer_id, dtype_name(kv.dtype));
+  ATTNRT_CHECK(kv.kv_heads == hkv && kv.head_dim == dqk && kv.v_head_dim == dv,
+               "cpu backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer needs "
+               "[{} heads, {} / {} dims]",
+               layer.layer_id, kv.kv_heads, kv.head_dim, kv.v_head_dim, hkv, dqk, dv);
+}
+
+void CpuBackend::attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) {
+  ATTNRT_CHECK(ctx_.kv_cache != nullptr,
+               "cpu backend: BackendContext.kv_cache is null; attention needs the KV pools");
+  const KVLayerView kv = ctx_.kv_cache->layer(layer.layer_id);
+  check_args(args, layer, batch, kv);
+  if (reqs_.empty()) return;
+
+  const VariantKey key = key_of(layer, kv);
+  const Variant* var = find_variant(key);
+  if (var == nullptr) {
+    // A layer outside ctx.model (or a model given no KV cache at plan time): planned once, then
+    // shared by the step's later layers of the same shape.
+    variants_.push_back(build_variant(key, kv, layer.layer_id));
+    var = &variants_.back();
+  }
+  if (static_cast<int64_t>(partial_.size()) < var->partial_floats) {
+    partial_.resize(var->partial_floats);
+  }
+
+  if (args.save_kv && !args.k.empty()) {
+    ctx_.kv_cache->store_step_kv(layer.layer_id, args.k, args.v);
+  }
+
+  cpu::LayerArgs a;
+  a.q = args.q.data;
+  a.q_dtype = args.q.dtype;
+  std::copy_n(args.q.strides.data(), 3, a.q_stride);
+  a.out = args.out.data;
+  a.out_dtype = args.out.dtype;
+  std::copy_n(args.out.strides.data(), 3, a.out_stride);
+  if (!args.lse.empty()) {
+    a.lse = args.lse.ptr<float>();
+    a.lse_stride[0] = args.lse.strides[0];
+    a.lse_stride[1] = args.lse.strides[1];
+  }
+  a.sinks = args.sinks;
+  a.k_cache = kv.k;
+  a.v_cache = kv.v;
+  a.kv_dtype = kv.dtype;
+  a.k_row_stride = kv.k_row_stride;
+  a.v_row_stride = kv.v_row_stride;
+  a.num_q_heads = layer.num_q_heads;
+  a.num_kv_heads = layer.num_kv_heads;
+  a.head_dim = layer.head_dim;
+  a.v_head_dim = v_dim_of(layer);
+  const float scale =
+      layer.scaling > 0.f ? layer.scaling : 1.f / std::sqrt(static_cast<float>(layer.head_dim));
+  a.qk_scale = scale * kv.k_scale;
+  a.v_scale = kv.v_scale;
+  a.softcap = layer.logit_cap;
+  a.window = layer.sliding_window;
+  a.causal = layer.causal();
+
+  cpu::KernelPlan p;
+  p.reqs = reqs_.data();
+  p.slots = var->slots.empty() ? slots_.data() : var->slots.data();
+  p.items = var->items.data();
+  p.num_items = static_cast<int64_t>(var->items.size());
+  p.merges = var->merges.data();
+  p.num_merges = static_cast<int64_t>(var->merges.size());
+  p.tree_depth = tree_depth_.data();
+  p.tree_mask = tree_mask_.data();
+  p.tree_words = tree_words_;
+  p.zero_slot_is_absent = kv.slot_map != nullptr;
+  p.partial = partial_.data();
+  p.num_threads = num_threads_;
+  cpu::run_attention(a, p);
+}
+
+BackendEntry cpu_backend_entry() {
+  BackendEntry e;
+  e.name = "cpu";
+  e.summary = "SIMD (Highway, " + cpu_simd_target() +
+              ") + OpenMP attention for every full-attention mode; the default without a GPU";
+  e.caps.devices = {DeviceKind::cpu};
+  e.caps.kv_dtypes = {DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2};
+  e.caps.spec_topk1 = true;
+  e.caps.spec_topk_gt1 = true;
+  e.caps.sliding_window = true;
+  e.caps.softcap = true;
+  e.caps.sinks = true;
+  e.caps.non_causal = true;
+  e.caps.mla = false;
+  e.caps.cuda_graphs = false;
+  e.auto_selectable = true;
+  e.unavailable_reason = [] { return std::string(); };
+  e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
+    return std::make_unique<CpuBackend>(ctx);
+  };
+  return e;
+}
+
+void register_cpu_backend(Registry& registry) { registry.add(cpu_backend_entry()); }
+
+}  // namespace attnrt

@@ -1,0 +1,96 @@
+// The cpu backend: SIMD (Highway, dynamic dispatch) and OpenMP attention for every full-attention
+// mode, with the semantics of the reference backend (reference-semantics §8).
+//
+// The plan (init_forward_metadata) gathers every request's key slots, the verify tree masks and,
+// per distinct layer shape, the work list (query tiles or single-query items, key ranges, key
+// splits and their merges); forward only stores the step's K/V and runs the kernels.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "attnrt/backend/attention_backend.h"
+#include "attnrt/backend/registry.h"
+#include "attnrt/batch/forward_batch.h"
+#include "backends/cpu/kernels/attention_plan.h"
+
+namespace attnrt {
+
+struct KVLayerView;
+
+class CpuBackend final : public AttentionBackend {
+ public:
+  explicit CpuBackend(const BackendContext& ctx);
+
+  std::string_view name() const override { return "cpu"; }
+  void init_forward_metadata(const ForwardBatch& batch) override;
+  void forward_decode(const AttnArgs& args, const LayerSpec& layer,
+                      const ForwardBatch& batch) override;
+  void forward_extend(const AttnArgs& args, const LayerSpec& layer,
+                      const ForwardBatch& batch) override;
+
+  int num_threads() const { return num_threads_; }
+
+  // The work list the current step's plan holds for a layer (for tests and logging): items and
+  // merges; throws attnrt::Error when the layer is not part of the plan.
+  struct WorkSummary {
+    int64_t items = 0;
+    int64_t merges = 0;          // rows whose keys were split over several items
+    int64_t single_query = 0;    // items run by the single-query kernel
+  };
+  WorkSummary work_summary(const LayerSpec& layer) const;
+
+ private:
+  // Layers with the same key share one work list.
+  struct VariantKey {
+    int window = -1;
+    bool causal = true;
+    int q_heads = 0, kv_heads = 0, v_dim = 0;
+    const int64_t* slot_map = nullptr;
+    bool operator==(const VariantKey&) const = default;
+  };
+  struct Variant {
+    VariantKey key;
+    std::vector<int32_t> slots;  // translated key slots (SWA pools); empty = the full-pool slots
+    std::vector<cpu::WorkItem> items;
+    std::vector<cpu::MergeItem> merges;
+    int64_t partial_floats = 0;
+  };
+
+  static VariantKey key_of(const LayerSpec& layer, const KVLayerView& kv);
+  Variant build_variant(const VariantKey& key, const KVLayerView& kv, int layer_id) const;
+  const Variant* find_variant(const VariantKey& key) const;
+  void check_args(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch,
+                  const KVLayerView& kv) const;
+  void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch);
+
+  int num_threads_ = 1;
+  int tile_rows_ = 0;
+
+  // The plan of the current step.
+  bool planned_ = false;
+  ForwardMode mode_ = ForwardMode::IDLE;
+  int64_t num_tokens_ = 0;
+  std::vector<cpu::RequestInfo> reqs_;
+  std::vector<int32_t> slots_;  // full-pool key slots of every request, request after request
+  std::vector<int32_t> tree_depth_;
+  std::vector<uint64_t> tree_mask_;
+  int tree_words_ = 0;
+  std::vector<Variant> variants_;
+  std::vector<float> partial_;
+};
+
+// Threads the cpu backend runs: options->num_threads when > 0, else the environment variable
+// ATTNRT_NUM_THREADS, else every core. Throws attnrt::Error for a malformed value.
+int cpu_num_threads(const Options* options);
+
+// The SIMD target the kernels dispatch to on this CPU ("AVX3", "AVX2", "NEON", ...).
+std::string cpu_simd_target();
+
+// The registry entry "cpu": cpu device, any page size, every KV dtype, auto-selectable.
+BackendEntry cpu_backend_entry();
+void register_cpu_backend(Registry& registry);
+
+}  // namespace attnrt

@@ -1,0 +1,757 @@
+// SIMD attention kernels of the cpu backend, compiled once per Highway target (foreach_target) and
+// chosen at run time (HWY_DYNAMIC_DISPATCH).
+//
+// Two kernels share one work list:
+// - single-query items (decode, the decode rows of MIXED) keep head_dim in the vector lanes: each
+//   K/V row is loaded and widened once, in registers, and used by every query head of its GQA
+//   group;
+// - multi-query items (extend, verify, draft extend) are flash-style tiles that put query rows
+//   (tokens x heads of a group) in the lanes: S^T = K Q^T and O^T += V^T P^T are register-blocked
+//   outer products, the online softmax runs lane-wise with no horizontal reductions, and each
+//   block of K/V rows is widened to fp32 once for the whole tile.
+// Both accumulate in fp32 and produce an unnormalised state (acc, running max m, sum l) that is
+// either finished in place or merged across key splits by log-sum-exp.
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "backends/cpu/kernels/attention_kernels.h"
+
+// Scalable-vector targets cannot hold vectors in arrays, which the register blocking relies on;
+// Arm builds use NEON instead.
+#ifndef HWY_DISABLED_TARGETS
+#define HWY_DISABLED_TARGETS (HWY_SVE | HWY_SVE2 | HWY_SVE_256 | HWY_SVE2_128 | HWY_RVV)
+#endif
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "backends/cpu/kernels/attention_kernels.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+
+#include "hwy/aligned_allocator.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace attnrt::cpu {
+namespace HWY_NAMESPACE {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+using VF = hn::Vec<DF>;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Keys per block of the single-query kernel: the block's K and V rows stay in L1 between the
+// score pass and the value pass.
+constexpr int kDecodeKeys = 64;
+// Keys per block of the tile kernel (a multiple of kTileKeyStep).
+constexpr int kTileKeys = 32;
+// Register blocking of the tile kernel: keys per S^T step and value dims per O^T step.
+constexpr int kTileKeyStep = 4;
+constexpr int kTileDvStep = 4;
+
+// ------------------------------------------------------------------------------------------------
+// Loading stored K/V elements as fp32 vectors.
+
+template <DType DT>
+struct KvElem;
+
+template <>
+struct KvElem<DType::f32> {
+  using T = float;
+  static HWY_INLINE VF Load(DF df, const T* p) { return hn::LoadU(df, p); }
+};
+
+template <>
+struct KvElem<DType::bf16> {
+  using T = hwy::bfloat16_t;
+  static HWY_INLINE VF Load(DF df, const T* p) {
+    const hn::Rebind<T, DF> d16;
+    return hn::PromoteTo(df, hn::LoadU(d16, p));
+  }
+};
+
+template <>
+struct KvElem<DType::f16> {
+  using T = hwy::float16_t;
+  static HWY_INLINE VF Load(DF df, const T* p) {
+    const hn::Rebind<T, DF> d16;
+    return hn::PromoteTo(df, hn::LoadU(d16, p));
+  }
+};
+
+// fp8 is widened through fp16, whose hardware conversion handles the subnormals: e5m2 is exactly
+// the top byte of an fp16; e4m3's exponent (bias 7) and mantissa fit an fp16 (bias 15) shifted by
+// 7 bits, off by a factor 2^8 for normals and subnormals alike.
+template <>
+struct KvElem<DType::e5m2> {
+  using T = uint8_t;
+  static HWY_INLINE VF Load(DF df, const T* p) {
+    const hn::Rebind<uint8_t, DF> d8;
+    const hn::Rebind<uint16_t, DF> d16;
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    const auto bits = hn::ShiftLeft<8>(hn::PromoteTo(d16, hn::LoadU(d8, p)));
+    return hn::PromoteTo(df, hn::BitCast(dh, bits));
+  }
+};
+
+template <>
+struct KvElem<DType::e4m3> {
+  using T = uint8_t;
+  static HWY_INLINE VF Load(DF df, const T* p) {
+    const hn::Rebind<uint8_t, DF> d8;
+    const hn::Rebind<uint16_t, DF> d16;
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    const auto u = hn::PromoteTo(d16, hn::LoadU(d8, p));
+    const auto magnitude = hn::And(u, hn::Set(d16, uint16_t{0x7f}));
+    const auto sign = hn::ShiftLeft<8>(hn::And(u, hn::Set(d16, uint16_t{0x80})));
+    auto half = hn::Or(sign, hn::ShiftLeft<7>(magnitude));
+    // e4m3fn has no infinities; its only NaN encodings are S.1111.111.
+    half = hn::IfThenElse(hn::Eq(magnitude, hn::Set(d16, uint16_t{0x7f})),
+                          hn::Or(sign, hn::Set(d16, uint16_t{0x7e00})), half);
+    return hn::Mul(hn::PromoteTo(df, hn::BitCast(dh, half)), hn::Set(df, 256.f));
+  }
+};
+
+// Widens n elements to fp32 (vector body, scalar tail through the shared dtype conversions).
+template <DType DT>
+HWY_INLINE void ConvertRow(const typename KvElem<DT>::T* src, int n, float* dst) {
+  const DF df;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  int i = 0;
+  for (; i + lanes <= n; i += lanes) hn::StoreU(KvElem<DT>::Load(df, src + i), df, dst + i);
+  for (; i < n; ++i) dst[i] = load_as_float(src, DT, static_cast<size_t>(i));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Per-thread scratch: grows to the largest request and is reused by every later item.
+
+class Scratch {
+ public:
+  float* get(size_t n) {
+    if (n > capacity_) {
+      buffer_ = hwy::AllocateAligned<float>(n);
+      capacity_ = n;
+    }
+    return buffer_.get();
+  }
+
+ private:
+  hwy::AlignedFreeUniquePtr<float[]> buffer_;
+  size_t capacity_ = 0;
+};
+
+thread_local Scratch t_scratch;
+
+// Carves 64-byte aligned regions out of one scratch buffer.
+class Arena {
+ public:
+  void reserve(size_t n) { total_ += Round(n); }
+  void bind(float* base) { next_ = base; }
+  float* take(size_t n) {
+    float* p = next_;
+    next_ += Round(n);
+    return p;
+  }
+  size_t total() const { return total_; }
+
+ private:
+  static size_t Round(size_t n) { return (n + 15) / 16 * 16; }
+  size_t total_ = 0;
+  float* next_ = nullptr;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Finishing a row: normalise (with the sink in the denominator), or hand the state to the merge.
+
+// Query row i of an item: token t0 + i / ng, head g0 + i % ng of the group.
+struct RowMap {
+  int64_t q_row0;
+  int32_t t0, g0, ng, group, kv_head;
+  int64_t token_row(int i) const { return q_row0 + t0 + i / ng; }
+  int head(int i) const { return kv_head * group + g0 + i % ng; }
+};
+
+// acc: the row's Dv accumulated values (stride acc_stride between dims); m, l its softmax state.
+HWY_INLINE void WriteRow(const LayerArgs& a, const RowMap& rows, int i, const float* acc,
+                         int64_t acc_stride, float m, float l) {
+  const int64_t t = rows.token_row(i);
+  const int h = rows.head(i);
+  float big = m;
+  if (a.sinks != nullptr) big = std::max(big, a.sinks[h]);
+  const float keep = big == kNegInf ? 0.f : std::exp(m - big);
+  float den = l * keep;
+  if (a.sinks != nullptr) den += std::exp(a.sinks[h] - big);
+  // Every real row sees at least its own key, so den > 0; an empty row is written as zeros.
+  const float norm = den > 0.f ? keep * a.v_scale / den : 0.f;
+  const int64_t base = t * a.out_stride[0] + h * a.out_stride[1];
+  for (int d = 0; d < a.v_head_dim; ++d) {
+    store_from_float(a.out, a.out_dtype, static_cast<size_t>(base + d * a.out_stride[2]),
+                     acc[d * acc_stride] * norm);
+  }
+  if (a.lse != nullptr) {
+    a.lse[t * a.lse_stride[0] + h * a.lse_stride[1]] =
+        den > 0.f ? big + std::log(den) : kNegInf;
+  }
+}
+
+// Partial state of an item for one kv head: acc[rows][Dv], then m[rows], then l[rows].
+struct PartView {
+  float* acc;
+  float* m;
+  float* l;
+};
+
+HWY_INLINE PartView Part(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head) {
+  const int64_t rows = static_cast<int64_t>(it.t1 - it.t0) * (it.g1 - it.g0);
+  float* base = p.partial + it.part + kv_head * rows * (a.v_head_dim + 2);
+  return {base, base + rows * a.v_head_dim, base + rows * a.v_head_dim + rows};
+}
+
+HWY_INLINE void EmitRow(const LayerArgs& a, const KernelPlan& p, const WorkItem& it,
+                        const RowMap& rows, int i, const float* acc, int64_t acc_stride, float m,
+                        float l) {
+  if (it.part < 0) {
+    WriteRow(a, rows, i, acc, acc_stride, m, l);
+    return;
+  }
+  const PartView part = Part(a, p, it, rows.kv_head);
+  float* dst = part.acc + static_cast<int64_t>(i) * a.v_head_dim;
+  for (int d = 0; d < a.v_head_dim; ++d) dst[d] = acc[d * acc_stride];
+  part.m[i] = m;
+  part.l[i] = l;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Online softmax over a block of scores held key-major in lanes (single-query kernel): s[0, n) of
+// one head, padded to whole vectors with -inf. Updates m and l; leaves p = exp(s - m) in s.
+
+HWY_INLINE float SoftmaxKeysInLanes(float* s, int n, float softcap, float& m, float& l) {
+  const DF df;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  const int padded = (n + lanes - 1) / lanes * lanes;
+  for (int j = n; j < padded; ++j) s[j] = kNegInf;
+  VF vmax = hn::Set(df, kNegInf);
+  if (softcap > 0.f) {
+    const VF cap = hn::Set(df, softcap), inv_cap = hn::Set(df, 1.f / softcap);
+    for (int j = 0; j < n; j += lanes) {
+      const VF v = hn::Mul(cap, hn::Tanh(df, hn::Mul(hn::Load(df, s + j), inv_cap)));
+      hn::Store(v, df, s + j);
+    }
+    for (int j = n; j < padded; ++j) s[j] = kNegInf;
+  }
+  for (int j = 0; j < padded; j += lanes) vmax = hn::Max(vmax, hn::Load(df, s + j));
+  const float block_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
+  const float m_new = std::max(m, block_max);
+  const float m_use = m_new == kNegInf ? 0.f : m_new;
+  const float alpha = std::exp(m - m_use);
+  const VF vm = hn::Set(df, m_use);
+  VF sum = hn::Zero(df);
+  for (int j = 0; j < padded; j += lanes) {
+    const VF e = hn::Exp(df, hn::Sub(hn::Load(df, s + j), vm));
+    hn::Store(e, df, s + j);
+    sum = hn::Add(sum, e);
+  }
+  l = l * alpha + hn::GetLane(hn::SumOfLanes(df, sum));
+  m = m_new;
+  return alpha;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Single-query kernel.
+
+// Scores of NG heads (q rows NG x q_stride, zero-padded to whole vectors) against n key rows.
+template <DType DT, int NG>
+HWY_INLINE void DecodeScores(const float* q, int q_stride, const typename KvElem<DT>::T* const* k,
+                             int n, int dim, float* tail, float* s, int s_stride) {
+  using T = typename KvElem<DT>::T;
+  const DF df;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  const int full = dim / lanes * lanes;
+  for (int j = 0; j < n; ++j) {
+    const T* kr = k[j];
+    VF acc[NG];
+    for (int g = 0; g < NG; ++g) acc[g] = hn::Zero(df);
+    for (int d = 0; d < full; d += lanes) {
+      const VF kv = KvElem<DT>::Load(df, kr + d);
+      for (int g = 0; g < NG; ++g) acc[g] = hn::MulAdd(hn::Load(df, q + g * q_stride + d), kv, acc[g]);
+    }
+    if (full < dim) {
+      for (int d = full; d < dim; ++d) tail[d - full] = load_as_float(kr, DT, d);
+      const VF kv = hn::Load(df, tail);
+      for (int g = 0; g < NG; ++g) {
+        acc[g] = hn::MulAdd(hn::Load(df, q + g * q_stride + full), kv, acc[g]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) s[g * s_stride + j] = hn::GetLane(hn::SumOfLanes(df, acc[g]));
+  }
+}
+
+// acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V_j for NG heads, one vector of value dims at a time.
+template <DType DT, int NG>
+HWY_INLINE void DecodeValues(const typename KvElem<DT>::T* const* v, int n, int dim, const float* p,
+                             int p_stride, const float* alpha, float* acc, int acc_stride,
+                             float* tail) {
+  const DF df;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  for (int c = 0; c < dim; c += lanes) {
+    const bool partial = c + lanes > dim;
+    if (partial) {
+      std::fill(tail, tail + static_cast<size_t>(n) * lanes, 0.f);
+      for (int j = 0; j < n; ++j) {
+        for (int d = c; d < dim; ++d) tail[j * lanes + d - c] = load_as_float(v[j], DT, d);
+      }
+    }
+    VF o[NG];
+    for (int g = 0; g < NG; ++g) {
+      o[g] = hn::Mul(hn::Load(df, acc + g * acc_stride + c), hn::Set(df, alpha[g]));
+    }
+    for (int j = 0; j < n; ++j) {
+      const VF vv = partial ? hn::Load(df, tail + j * lanes) : KvElem<DT>::Load(df, v[j] + c);
+      for (int g = 0; g < NG; ++g) o[g] = hn::MulAdd(hn::Set(df, p[g * p_stride + j]), vv, o[g]);
+    }
+    for (int g = 0; g < NG; ++g) hn::Store(o[g], df, acc + g * acc_stride + c);
+  }
+}
+
+template <DType DT>
+void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head) {
+  using T = typename KvElem<DT>::T;
+  const DF df;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  const RequestInfo& r = p.reqs[it.req];
+  const int ng = it.g1 - it.g0;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int dim = a.head_dim, vdim = a.v_head_dim;
+  const int dim_p = (dim + lanes - 1) / lanes * lanes;
+  const int vdim_p = (vdim + lanes - 1) / lanes * lanes;
+  const RowMap rows{r.q_row, it.t0, it.g0, ng, group, kv_head};
+
+  Arena arena;
+  arena.reserve(static_cast<size_t>(ng) * dim_p);        // q
+  arena.reserve(static_cast<size_t>(ng) * vdim_p);       // acc
+  arena.reserve(static_cast<size_t>(ng) * kDecodeKeys);  // scores / probabilities
+  arena.reserve(static_cast<size_t>(kDecodeKeys) * lanes);  // row tails
+  arena.reserve(3 * static_cast<size_t>(ng));            // m, l, alpha
+  arena.bind(t_scratch.get(arena.total()));
+  float* q = arena.take(static_cast<size_t>(ng) * dim_p);
+  float* acc = arena.take(static_cast<size_t>(ng) * vdim_p);
+  float* s = arena.take(static_cast<size_t>(ng) * kDecodeKeys);
+  float* tail = arena.take(static_cast<size_t>(kDecodeKeys) * lanes);
+  float* m = arena.take(ng);
+  float* l = arena.take(ng);
+  float* alpha = arena.take(ng);
+
+  for (int g = 0; g < ng; ++g) {
+    const int64_t base = rows.token_row(g) * a.q_stride[0] + rows.head(g) * a.q_stride[1];
+    float* qg = q + static_cast<size_t>(g) * dim_p;
+    for (int d = 0; d < dim; ++d) {
+      qg[d] = load_as_float(a.q, a.q_dtype, static_cast<size_t>(base + d * a.q_stride[2])) *
+              a.qk_scale;
+    }
+    std::fill(qg + dim, qg + dim_p, 0.f);
+    std::fill(acc + static_cast<size_t>(g) * vdim_p, acc + static_cast<size_t>(g + 1) * vdim_p, 0.f);
+    m[g] = kNegInf;
+    l[g] = 0.f;
+  }
+  std::fill(tail, tail + lanes, 0.f);
+
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  const int32_t* slots = p.slots + r.slot_offset;
+  const T* krows[kDecodeKeys];
+  const T* vrows[kDecodeKeys];
+  for (int kb = it.k0; kb < it.k1; kb += kDecodeKeys) {
+    const int n = std::min(kDecodeKeys, it.k1 - kb);
+    for (int j = 0; j < n; ++j) {
+      const int64_t slot = slots[kb + j];
+      krows[j] = k_cache + slot * a.k_row_stride + static_cast<int64_t>(kv_head) * dim;
+      vrows[j] = v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim;
+    }
+    for (int g = 0; g < ng;) {
+      const float* qg = q + static_cast<size_t>(g) * dim_p;
+      float* sg = s + static_cast<size_t>(g) * kDecodeKeys;
+      if (ng - g >= 4) {
+        DecodeScores<DT, 4>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
+        g += 4;
+      } else if (ng - g >= 2) {
+        DecodeScores<DT, 2>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
+        g += 2;
+      } else {
+        DecodeScores<DT, 1>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
+        g += 1;
+      }
+    }
+    // DecodeScores may leave its tail row in `tail`; the value pass needs it zeroed per use.
+    std::fill(tail, tail + lanes, 0.f);
+    for (int g = 0; g < ng; ++g) {
+      alpha[g] = SoftmaxKeysInLanes(s + static_cast<size_t>(g) * kDecodeKeys, n, a.softcap, m[g], l[g]);
+    }
+    for (int g = 0; g < ng;) {
+      const float* pg = s + static_cast<size_t>(g) * kDecodeKeys;
+      float* ag = acc + static_cast<size_t>(g) * vdim_p;
+      if (ng - g >= 8) {
+        DecodeValues<DT, 8>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
+        g += 8;
+      } else if (ng - g >= 4) {
+        DecodeValues<DT, 4>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
+        g += 4;
+      } else if (ng - g >= 2) {
+        DecodeValues<DT, 2>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
+        g += 2;
+      } else {
+        DecodeValues<DT, 1>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
+        g += 1;
+      }
+    }
+    std::fill(tail, tail + lanes, 0.f);
+  }
+  for (int g = 0; g < ng; ++g) {
+    EmitRow(a, p, it, rows, g, acc + static_cast<size_t>(g) * vdim_p, 1, m[g], l[g]);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Tile kernel: NV vectors of query rows.
+
+template <DType DT, int NV>
+void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head) {
+  using T = typename KvElem<DT>::T;
+  const DF df;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  const int rl = NV * lanes;  // row lanes
+  const RequestInfo& r = p.reqs[it.req];
+  const int ng = it.g1 - it.g0;
+  const int nrows = (it.t1 - it.t0) * ng;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int dim = a.head_dim, vdim = a.v_head_dim;
+  const int kdim = std::max(dim, vdim);
+  const bool tree = a.causal && r.tree >= 0;
+  const int ndraft = tree ? r.qlen : 0;
+  const RowMap rows{r.q_row, it.t0, it.g0, ng, group, kv_head};
+
+  Arena arena;
+  arena.reserve(static_cast<size_t>(dim) * rl);         // Q^T
+  arena.reserve(static_cast<size_t>(kTileKeys) * kdim);  // a block of K, then of V, in fp32
+  arena.reserve(static_cast<size_t>(kTileKeys) * rl);   // S^T, then P^T
+  arena.reserve(static_cast<size_t>(vdim) * rl);        // O^T
+  arena.reserve(5 * static_cast<size_t>(rl));           // m, l, alpha, query positions, scratch
+  arena.reserve(static_cast<size_t>(ndraft) * rl);      // tree visibility per draft key
+  arena.bind(t_scratch.get(arena.total()));
+  float* qt = arena.take(static_cast<size_t>(dim) * rl);
+  float* kvf = arena.take(static_cast<size_t>(kTileKeys) * kdim);
+  float* st = arena.take(static_cast<size_t>(kTileKeys) * rl);
+  float* ot = arena.take(static_cast<size_t>(vdim) * rl);
+  float* m = arena.take(rl);
+  float* l = arena.take(rl);
+  float* alpha = arena.take(rl);
+  float* qpos = arena.take(rl);
+  float* tvis = arena.take(static_cast<size_t>(ndraft) * rl);
+
+  // Q^T, pre-scaled; padding lanes stay zero and copy the last row's position so that they never
+  // see an empty key set.
+  std::fill(qt, qt + static_cast<size_t>(dim) * rl, 0.f);
+  float min_pos = std::numeric_limits<float>::max(), max_pos = 0.f;
+  for (int i = 0; i < rl; ++i) {
+    const int row = std::min(i, nrows - 1);
+    const int t = it.t0 + row / ng;
+    qpos[i] = static_cast<float>(r.prefix + (tree ? p.tree_depth[r.tree + t] : t));
+    if (i >= nrows) continue;
+    min_pos = std::min(min_pos, qpos[i]);
+    max_pos = std::max(max_pos, qpos[i]);
+    const int64_t base = rows.token_row(i) * a.q_stride[0] + rows.head(i) * a.q_stride[1];
+    for (int d = 0; d < dim; ++d) {
+      qt[static_cast<size_t>(d) * rl + i] =
+          load_as_float(a.q, a.q_dtype, static_cast<size_t>(base + d * a.q_stride[2])) *
+          a.qk_scale;
+    }
+  }
+  for (int u = 0; u < ndraft; ++u) {
+    for (int i = 0; i < rl; ++i) {
+      const int t = it.t0 + std::min(i, nrows - 1) / ng;
+      const uint64_t word = p.tree_mask[static_cast<size_t>(r.tree + t) * p.tree_words + u / 64];
+      tvis[static_cast<size_t>(u) * rl + i] = (word >> (u % 64)) & 1 ? 1.f : 0.f;
+    }
+  }
+  std::fill(ot, ot + static_cast<size_t>(vdim) * rl, 0.f);
+  std::fill(m, m + rl, kNegInf);
+  std::fill(l, l + rl, 0.f);
+
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  const int32_t* slots = p.slots + r.slot_offset;
+  const VF neg_inf = hn::Set(df, kNegInf);
+  const VF zero = hn::Zero(df);
+  const VF window = hn::Set(df, static_cast<float>(a.window));
+
+  for (int kb = it.k0; kb < it.k1; kb += kTileKeys) {
+    const int n = std::min(kTileKeys, it.k1 - kb);
+    const int n_step = (n + kTileKeyStep - 1) / kTileKeyStep * kTileKeyStep;
+
+    // K block in fp32. A translated slot 0 is a key the SWA pool no longer holds: it is outside
+    // every window of this tile, so zeros stand in for whatever the dummy row contains.
+    for (int j = 0; j < n_step; ++j) {
+      float* dst = kvf + static_cast<size_t>(j) * dim;
+      const int64_t slot = j < n ? slots[kb + j] : 0;
+      if (j >= n || (p.zero_slot_is_absent && slot == 0)) {
+        std::fill(dst, dst + dim, 0.f);
+      } else {
+        ConvertRow<DT>(k_cache + slot * a.k_row_stride + static_cast<int64_t>(kv_head) * dim, dim,
+                       dst);
+      }
+    }
+
+    // S^T[j][rows] = sum_d K[j][d] * Q^T[d][rows].
+    for (int j = 0; j < n_step; j += kTileKeyStep) {
+      VF acc[kTileKeyStep][NV];
+      for (int kk = 0; kk < kTileKeyStep; ++kk) {
+        for (int v = 0; v < NV; ++v) acc[kk][v] = zero;
+      }
+      const float* k0 = kvf + static_cast<size_t>(j) * dim;
+      for (int d = 0; d < dim; ++d) {
+        VF qv[NV];
+        for (int v = 0; v < NV; ++v) qv[v] = hn::Load(df, qt + static_cast<size_t>(d) * rl + v * lanes);
+        for (int kk = 0; kk < kTileKeyStep; ++kk) {
+          const VF kv = hn::Set(df, k0[static_cast<size_t>(kk) * dim + d]);
+          for (int v = 0; v < NV; ++v) acc[kk][v] = hn::MulAdd(kv, qv[v], acc[kk][v]);
+        }
+      }
+      for (int kk = 0; kk < kTileKeyStep; ++kk) {
+        for (int v = 0; v < NV; ++v) {
+          hn::Store(acc[kk][v], df, st + static_cast<size_t>(j + kk) * rl + v * lanes);
+        }
+      }
+    }
+
+    // Soft-cap, mask, online softmax, lane-wise. A block is masked only where some key may be
+    // invisible to some row: tree drafts, the causal edge, the window's far edge.
+    const bool tree_keys = tree && kb + n > r.prefix;
+    const bool causal_edge = a.causal && static_cast<float>(kb + n - 1) > min_pos;
+    const bool window_edge = a.window >= 0 && max_pos - static_cast<float>(kb) > a.window;
+    const bool masked = tree_keys || causal_edge || window_edge;
+    VF qp[NV], bmax[NV];
+    for (int v = 0; v < NV; ++v) {
+      qp[v] = hn::Load(df, qpos + v * lanes);
+      bmax[v] = neg_inf;
+    }
+    const VF cap = hn::Set(df, a.softcap);
+    const VF inv_cap = hn::Set(df, a.softcap > 0.f ? 1.f / a.softcap : 0.f);
+    for (int j = 0; j < n; ++j) {
+      const int key = kb + j;
+      const bool draft = tree && key >= r.prefix;
+      const int u = key - r.prefix;
+      const VF kpos = hn::Set(
+          df, static_cast<float>(draft ? r.prefix + p.tree_depth[r.tree + u] : key));
+      for (int v = 0; v < NV; ++v) {
+        float* sp = st + static_cast<size_t>(j) * rl + v * lanes;
+        VF s = hn::Load(df, sp);
+        if (a.softcap > 0.f) s = hn::Mul(cap, hn::Tanh(df, hn::Mul(s, inv_cap)));
+        if (masked) {
+          auto vis = draft ? hn::Gt(hn::Load(df, tvis + static_cast<size_t>(u) * rl + v * lanes), zero)
+                           : hn::Le(kpos, qp[v]);
+          if (a.window >= 0) vis = hn::And(vis, hn::Le(hn::Sub(qp[v], kpos), window));
+          s = hn::IfThenElse(vis, s, neg_inf);
+        }
+        hn::Store(s, df, sp);
+        bmax[v] = hn::Max(bmax[v], s);
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const VF m_old = hn::Load(df, m + v * lanes);
+      const VF m_new = hn::Max(m_old, bmax[v]);
+      const VF m_use = hn::IfThenElse(hn::Eq(m_new, neg_inf), zero, m_new);
+      const VF al = hn::Exp(df, hn::Sub(m_old, m_use));
+      VF sum = zero;
+      for (int j = 0; j < n; ++j) {
+        float* sp = st + static_cast<size_t>(j) * rl + v * lanes;
+        const VF e = hn::Exp(df, hn::Sub(hn::Load(df, sp), m_use));
+        hn::Store(e, df, sp);
+        sum = hn::Add(sum, e);
+      }
+      hn::Store(m_new, df, m + v * lanes);
+      hn::Store(al, df, alpha + v * lanes);
+      hn::Store(hn::MulAdd(hn::Load(df, l + v * lanes), al, sum), df, l + v * lanes);
+    }
+
+    // V block in fp32 (same buffer as K).
+    for (int j = 0; j < n; ++j) {
+      float* dst = kvf + static_cast<size_t>(j) * vdim;
+      const int64_t slot = slots[kb + j];
+      if (p.zero_slot_is_absent && slot == 0) {
+        std::fill(dst, dst + vdim, 0.f);
+      } else {
+        ConvertRow<DT>(v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim,
+                       vdim, dst);
+      }
+    }
+
+    // O^T[d][rows] = O^T[d][rows] * alpha + sum_j V[j][d] * P^T[j][rows].
+    VF al[NV];
+    for (int v = 0; v < NV; ++v) al[v] = hn::Load(df, alpha + v * lanes);
+    int d0 = 0;
+    for (; d0 + kTileDvStep <= vdim; d0 += kTileDvStep) {
+      VF o[kTileDvStep][NV];
+      for (int dd = 0; dd < kTileDvStep; ++dd) {
+        for (int v = 0; v < NV; ++v) {
+          o[dd][v] = hn::Mul(hn::Load(df, ot + static_cast<size_t>(d0 + dd) * rl + v * lanes), al[v]);
+        }
+      }
+      for (int j = 0; j < n; ++j) {
+        VF pv[NV];
+        for (int v = 0; v < NV; ++v) pv[v] = hn::Load(df, st + static_cast<size_t>(j) * rl + v * lanes);
+        const float* vr = kvf + static_cast<size_t>(j) * vdim + d0;
+        for (int dd = 0; dd < kTileDvStep; ++dd) {
+          const VF vv = hn::Set(df, vr[dd]);
+          for (int v = 0; v < NV; ++v) o[dd][v] = hn::MulAdd(vv, pv[v], o[dd][v]);
+        }
+      }
+      for (int dd = 0; dd < kTileDvStep; ++dd) {
+        for (int v = 0; v < NV; ++v) {
+          hn::Store(o[dd][v], df, ot + static_cast<size_t>(d0 + dd) * rl + v * lanes);
+        }
+      }
+    }
+    for (; d0 < vdim; ++d0) {
+      VF o[NV];
+      for (int v = 0; v < NV; ++v) o[v] = hn::Mul(hn::Load(df, ot + static_cast<size_t>(d0) * rl + v * lanes), al[v]);
+      for (int j = 0; j < n; ++j) {
+        const VF vv = hn::Set(df, kvf[static_cast<size_t>(j) * vdim + d0]);
+        for (int v = 0; v < NV; ++v) {
+          o[v] = hn::MulAdd(vv, hn::Load(df, st + static_cast<size_t>(j) * rl + v * lanes), o[v]);
+        }
+      }
+      for (int v = 0; v < NV; ++v) hn::Store(o[v], df, ot + static_cast<size_t>(d0) * rl + v * lanes);
+    }
+  }
+
+  for (int i = 0; i < nrows; ++i) EmitRow(a, p, it, rows, i, ot + i, rl, m[i], l[i]);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Merging the partial states of a split row set by log-sum-exp.
+
+void MergeRows(const LayerArgs& a, const KernelPlan& p, const MergeItem& mi, int kv_head) {
+  const WorkItem& first = p.items[mi.first_item];
+  const RequestInfo& r = p.reqs[first.req];
+  const int ng = first.g1 - first.g0;
+  const int nrows = (first.t1 - first.t0) * ng;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const RowMap rows{r.q_row, first.t0, first.g0, ng, group, kv_head};
+  const int vdim = a.v_head_dim;
+  float* acc = t_scratch.get(static_cast<size_t>(vdim));
+  for (int i = 0; i < nrows; ++i) {
+    float m = kNegInf;
+    for (int s = 0; s < mi.num_items; ++s) {
+      m = std::max(m, Part(a, p, p.items[mi.first_item + s], kv_head).m[i]);
+    }
+    std::fill(acc, acc + vdim, 0.f);
+    float l = 0.f;
+    if (m != kNegInf) {
+      for (int s = 0; s < mi.num_items; ++s) {
+        const PartView part = Part(a, p, p.items[mi.first_item + s], kv_head);
+        if (part.m[i] == kNegInf) continue;
+        const float w = std::exp(part.m[i] - m);
+        l += w * part.l[i];
+        const float* src = part.acc + static_cast<int64_t>(i) * vdim;
+        for (int d = 0; d < vdim; ++d) acc[d] += w * src[d];
+      }
+    }
+    WriteRow(a, rows, i, acc, 1, m, l);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+
+template <DType DT>
+void RunItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head) {
+  const RequestInfo& r = p.reqs[it.req];
+  const bool single = it.t1 - it.t0 == 1 && (r.tree < 0 || !a.causal || r.qlen == 1);
+  if (single) {
+    DecodeItem<DT>(a, p, it, kv_head);
+    return;
+  }
+  const int lanes = static_cast<int>(hn::Lanes(DF()));
+  if ((it.t1 - it.t0) * (it.g1 - it.g0) <= lanes) {
+    TileItem<DT, 1>(a, p, it, kv_head);
+  } else {
+    TileItem<DT, 2>(a, p, it, kv_head);
+  }
+}
+
+template <DType DT>
+void RunAll(const LayerArgs& a, const KernelPlan& p) {
+  const int64_t heads = a.num_kv_heads;
+  const int64_t work = p.num_items * heads;
+  const int64_t merges = p.num_merges * heads;
+#pragma omp parallel num_threads(p.num_threads) if (p.num_threads > 1 && work > 1)
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < work; ++w) {
+      RunItem<DT>(a, p, p.items[w / heads], static_cast<int>(w % heads));
+    }
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t w = 0; w < merges; ++w) {
+      MergeRows(a, p, p.merges[w / heads], static_cast<int>(w % heads));
+    }
+  }
+}
+
+void RunAttention(const LayerArgs& a, const KernelPlan& p) {
+  switch (a.kv_dtype) {
+    case DType::f32: return RunAll<DType::f32>(a, p);
+    case DType::f16: return RunAll<DType::f16>(a, p);
+    case DType::bf16: return RunAll<DType::bf16>(a, p);
+    case DType::e4m3: return RunAll<DType::e4m3>(a, p);
+    case DType::e5m2: return RunAll<DType::e5m2>(a, p);
+    default: break;
+  }
+}
+
+int TileRows() { return 2 * static_cast<int>(hn::Lanes(DF())); }
+
+const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+
+void ConvertToFloat(DType dtype, const void* src, int64_t n, float* dst) {
+  const int count = static_cast<int>(n);
+  switch (dtype) {
+    case DType::f32: return ConvertRow<DType::f32>(static_cast<const float*>(src), count, dst);
+    case DType::f16:
+      return ConvertRow<DType::f16>(static_cast<const hwy::float16_t*>(src), count, dst);
+    case DType::bf16:
+      return ConvertRow<DType::bf16>(static_cast<const hwy::bfloat16_t*>(src), count, dst);
+    case DType::e4m3: return ConvertRow<DType::e4m3>(static_cast<const uint8_t*>(src), count, dst);
+    case DType::e5m2: return ConvertRow<DType::e5m2>(static_cast<const uint8_t*>(src), count, dst);
+    default: break;
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace attnrt::cpu
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace attnrt::cpu {
+
+HWY_EXPORT(RunAttention);
+HWY_EXPORT(TileRows);
+HWY_EXPORT(TargetName);
+HWY_EXPORT(ConvertToFloat);
+
+void run_attention(const LayerArgs& args, const KernelPlan& plan) {
+  HWY_DYNAMIC_DISPATCH(RunAttention)(args, plan);
+}
+
+int tile_rows() { return HWY_DYNAMIC_DISPATCH(TileRows)(); }
+
+std::string simd_target_name() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+
+void convert_to_float(DType dtype, const void* src, int64_t n, float* dst) {
+  HWY_DYNAMIC_DISPATCH(ConvertToFloat)(dtype, src, n, dst);
+}
+
+}  // namespace attnrt::cpu
+#endif  // HWY_ONCE

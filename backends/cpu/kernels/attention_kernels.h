@@ -1,0 +1,26 @@
+// Entry points of the cpu attention kernels. Each call dispatches, through Highway, to the best
+// SIMD target the running CPU supports (chosen once, at the first call).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "backends/cpu/kernels/attention_plan.h"
+
+namespace attnrt::cpu {
+
+// Runs every work item of the plan for every kv head of the layer, then merges split items.
+void run_attention(const LayerArgs& args, const KernelPlan& plan);
+
+// Query rows (tokens x heads of one GQA group) one multi-token work item holds at most: the tile
+// height the blocked kernel is built for on this CPU.
+int tile_rows();
+
+// Name of the SIMD target in use ("AVX3", "AVX2", "NEON", ...).
+std::string simd_target_name();
+
+// Converts n stored KV elements (bf16, fp16, fp32, fp8 e4m3 / e5m2) to float with the same
+// in-register conversion the kernels use.
+void convert_to_float(DType dtype, const void* src, int64_t n, float* dst);
+
+}  // namespace attnrt::cpu
