@@ -197,7 +197,8 @@ struct BackendRun {
   HostBuffer out;
   RowData* data = nullptr;
 
-  BackendRun(RowData& d, const std::string& name, int threads) : data(&d) {
+  BackendRun(RowData& d, const std::string& name, int threads, const Registry& registry)
+      : data(&d) {
     const Workload& w = d.w;
     options.attention_backend = name;
     options.page_size = w.page_size;
@@ -210,14 +211,14 @@ struct BackendRun {
           w.topk > 1 ? std::max(1, tree_depth(d.parents)) : w.new_tokens - 1;
     }
     // Validation against the backend's caps gives the user the same message `attnrt run` would.
-    Selection selection = resolve_backends(options, d.model);
+    Selection selection = resolve_backends(options, d.model, registry);
     BackendContext ctx;
     ctx.model = &d.model;
     ctx.options = &options;
     ctx.kv_cache = d.kv.get();
     ctx.req_to_token = d.req_to_token.get();
     ctx.device = Device::cpu();
-    backend = create_backend(selection, ctx);
+    backend = create_backend(selection, ctx, registry);
     out = HostBuffer(DType::bf16, {w.num_tokens(), w.q_heads, w.head_dim});
   }
 
@@ -368,6 +369,10 @@ CheckResult compare_outputs(const HostBuffer& got, const HostBuffer& want, const
   return c;
 }
 
+const Registry& registry_of(const BenchConfig& config) {
+  return config.registry != nullptr ? *config.registry : Registry::global();
+}
+
 void say(const BenchConfig& config, const std::string& line) {
   if (config.progress) config.progress(line);
 }
@@ -383,8 +388,8 @@ ReferenceResult measure_reference(const BenchConfig& config, const Workload& w, 
   ref.workload = fit_workload(w, config.reference_max_bytes, config.reference_max_work,
                               "reference measured scaled down");
   RowData data(ref.workload, config.seed ^ 0x7e7e7e7e);
-  BackendRun tested(data, config.backend, threads);
-  BackendRun oracle(data, "reference", threads);
+  BackendRun tested(data, config.backend, threads, registry_of(config));
+  BackendRun oracle(data, "reference", threads, registry_of(config));
   tested.plan();
   tested.forward();
   oracle.plan();
@@ -408,6 +413,15 @@ ReferenceResult measure_reference(const BenchConfig& config, const Workload& w, 
 
 }  // namespace
 
+std::string auto_bench_backend(std::string* reason) {
+  Workload w = standard_workloads().front();
+  Options options;
+  options.page_size = w.page_size;
+  Selection selection = resolve_backends(options, bench_model(w));
+  if (reason != nullptr && !selection.reasons.empty()) *reason = selection.reasons.front();
+  return selection.decode;
+}
+
 bool BenchResult::all_passed() const {
   return std::all_of(rows.begin(), rows.end(), [](const RowResult& r) { return r.status == "ok"; });
 }
@@ -428,7 +442,7 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
     {
       say(config, fmt::format("{}: setting up {} ({} of KV)", w.name, w.shape(), fmt_bytes(row.bytes)));
       RowData data(w, config.seed);
-      BackendRun run(data, config.backend, threads);
+      BackendRun run(data, config.backend, threads, registry_of(config));
       run.plan();
       run.forward();
       say(config, fmt::format("{}: checking", w.name));
@@ -461,7 +475,7 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
       Workload dw = decode_companion(w);
       say(config, fmt::format("{}: timing the decode {} it is compared with", w.name, dw.shape()));
       RowData data(dw, config.seed + 17);
-      BackendRun run(data, config.backend, threads);
+      BackendRun run(data, config.backend, threads, registry_of(config));
       run.plan();
       run.forward();
       CheckResult c = dense_check(data, run.out, config.check_max_work / 4,

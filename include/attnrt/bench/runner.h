@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "attnrt/backend/registry.h"
 #include "attnrt/bench/ceilings.h"
 #include "attnrt/bench/timing.h"
 #include "attnrt/bench/workload.h"
@@ -34,6 +35,8 @@ struct BenchConfig {
   double check_tolerance = 2e-2;  // relative L2 error per (query row, head)
   Device device = Device::cpu();
   CeilingOptions ceiling_options;
+  // Where backends are looked up; nullptr = Registry::global().
+  const Registry* registry = nullptr;
   // Progress lines ("decode-16x4096: timing ..."), e.g. to stderr. May be empty.
   std::function<void(const std::string&)> progress;
 };
@@ -86,6 +89,10 @@ struct BenchResult {
   std::string timer_method;
   bool all_passed() const;
 };
+
+// The backend auto-selection picks for decode steps of the standard shape on this machine (what
+// `attnrt run` would use), with the reason; throws attnrt::Error when nothing is selectable.
+std::string auto_bench_backend(std::string* reason);
 
 // Measures the ceilings, then every row. Errors of one row (an unsupported shape, a failed check)
 // are recorded in that row and the others still run; configuration errors throw attnrt::Error.

@@ -1,0 +1,311 @@
+// Bench reporting: timing statistics, the JSON schema, the SVG chart, and the CPU ceiling probes'
+// error paths. No assertion here depends on how fast anything ran.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnrt/bench/ceilings.h"
+#include "attnrt/bench/chart.h"
+#include "attnrt/bench/report.h"
+#include "attnrt/bench/timing.h"
+#include "attnrt/core/error.h"
+
+using namespace attnrt;
+using namespace attnrt::bench;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+const Workload& by_name(const std::string& name) {
+  static const std::vector<Workload> rows = standard_workloads();
+  for (const Workload& w : rows) {
+    if (w.name == name) return w;
+  }
+  throw std::runtime_error("no row " + name);
+}
+
+TimingStats stats(double median_seconds) {
+  return TimingStats::from_samples({median_seconds * 0.9, median_seconds, median_seconds * 1.2});
+}
+
+// A result as run_bench would produce it, with one row of each kind of outcome.
+BenchResult synthetic_result() {
+  BenchResult r;
+  r.backend = "cpu";
+  r.threads = 2;
+  r.timer_method = "steady_clock";
+  r.ceilings.threads = 2;
+  r.ceilings.simd_target = "AVX3";
+  r.ceilings.memory = {20.0, "streaming read", ""};
+  r.ceilings.fp32 = {100.0, "fma", ""};
+  r.ceilings.bf16 = {0.0, "", "n/a: no AVX512-BF16"};
+
+  RowResult decode;
+  decode.standard = by_name("decode-16x4096");
+  decode.workload = scale_workload(decode.standard, 0.5);
+  decode.check = {"float64", 16, 1e-3, 2e-2, true};
+  decode.time = stats(0.010);
+  decode.plan = stats(2e-6);
+  decode.bytes = counted_bytes(decode.workload);
+  decode.rate = decode.bytes / 0.010 / 1e9;
+  decode.pct_of_ceiling = 100 * decode.rate / 20.0;
+  ReferenceResult ref;
+  ref.workload = fit_workload(decode.workload, 1e6, 1e30, "reference measured scaled down");
+  ref.time = stats(0.5);
+  ref.speedup = 42.0;
+  ref.check = {"vs reference", 4, 2e-3, 2e-2, true};
+  ref.note = "scaled";
+  decode.reference = ref;
+
+  RowResult prefill;
+  prefill.standard = prefill.workload = by_name("prefill-1x4096");
+  prefill.bound = Bound::compute;
+  prefill.check = {"float64", 64, 3e-3, 2e-2, true};
+  prefill.time = stats(2.0);
+  prefill.plan = stats(1e-6);
+  prefill.flops = counted_flops(prefill.workload);
+  prefill.rate = prefill.flops / 2.0 / 1e9;
+  prefill.pct_of_ceiling = 100 * prefill.rate / 100.0;
+
+  RowResult verify;
+  verify.standard = verify.workload = by_name("verify-tree-64x4096+16-topk4");
+  verify.check = {"float64", 8, 1e-3, 2e-2, true};
+  verify.time = stats(0.2);
+  verify.plan = stats(5e-6);
+  verify.rate = 5;
+  verify.pct_of_ceiling = 25;
+  verify.decode_workload = decode_companion(verify.workload);
+  verify.decode_time = stats(0.1);
+  verify.decode_ratio = 2.0;
+
+  RowResult broken;
+  broken.standard = broken.workload = by_name("decode-16x4096-fp8");
+  broken.status = "error";
+  broken.error = "backend 'cpu' does not support <fp8> & friends";
+
+  r.rows = {decode, prefill, verify, broken};
+  return r;
+}
+
+RunInfo synthetic_info() {
+  RunInfo info;
+  info.command = "attnrt bench --scale 0.5";
+  info.scale = 0.5;
+  info.created = "2026-01-01T00:00:00Z";
+  info.commit = "abc1234";
+  info.machine.cpu_model = "Test CPU <model>";
+  return info;
+}
+
+// Minimal XML well-formedness check: every tag closes in order, attributes are quoted, text holds
+// no raw '<' or unescaped '&'.
+std::string xml_problem(const std::string& xml) {
+  std::vector<std::string> open;
+  size_t i = 0;
+  while (i < xml.size()) {
+    if (xml[i] == '&') {
+      size_t semi = xml.find(';', i);
+      std::string ent = xml.substr(i, semi == std::string::npos ? 8 : semi - i + 1);
+      if (ent != "&amp;" && ent != "&lt;" && ent != "&gt;" && ent != "&quot;") {
+        return "bad entity at " + std::to_string(i) + ": " + ent;
+      }
+      i = semi + 1;
+      continue;
+    }
+    if (xml[i] != '<') {
+      ++i;
+      continue;
+    }
+    size_t close = i + 1;
+    bool in_quote = false;
+    for (; close < xml.size(); ++close) {
+      if (xml[close] == '"') in_quote = !in_quote;
+      if (xml[close] == '<' && !in_quote) return "'<' inside a tag at " + std::to_string(close);
+      if (xml[close] == '>' && !in_quote) break;
+    }
+    if (close >= xml.size()) return "unterminated tag at " + std::to_string(i);
+    std::string tag = xml.substr(i + 1, close - i - 1);
+    if (in_quote) return "unbalanced quote in <" + tag + ">";
+    if (tag[0] == '/') {
+      std::string name = tag.substr(1);
+      if (open.empty() || open.back() != name) return "</" + name + "> closes nothing open";
+      open.pop_back();
+    } else if (tag.back() != '/') {
+      open.push_back(tag.substr(0, tag.find_first_of(" \n")));
+    }
+    i = close + 1;
+  }
+  if (!open.empty()) return "<" + open.back() + "> never closed";
+  return "";
+}
+
+}  // namespace
+
+TEST(BenchTiming, StatisticsOfSamples) {
+  std::mt19937 rng(7);
+  std::vector<double> samples;
+  for (int i = 0; i < 11; ++i) samples.push_back(std::uniform_real_distribution<double>(1, 2)(rng));
+  TimingStats s = TimingStats::from_samples(samples);
+  std::sort(samples.begin(), samples.end());
+  EXPECT_EQ(s.repeats, 11);
+  EXPECT_DOUBLE_EQ(s.median, samples[5]);
+  EXPECT_DOUBLE_EQ(s.min, samples.front());
+  EXPECT_DOUBLE_EQ(s.max, samples.back());
+  EXPECT_DOUBLE_EQ(s.p10, samples[1]);  // 0.1 * 10 lands exactly on the second sample
+  EXPECT_DOUBLE_EQ(s.p90, samples[9]);
+  TimingStats even = TimingStats::from_samples({4, 1, 3, 2});
+  EXPECT_DOUBLE_EQ(even.median, 2.5);
+  EXPECT_NE(error_of([] { TimingStats::from_samples({}); }).find("no timing samples"),
+            std::string::npos);
+}
+
+TEST(BenchTiming, RepeatedTimingCallsTheBodyWarmupPlusRepeats) {
+  auto timer = make_device_timer(Device::cpu());
+  int calls = 0;
+  TimingStats s = time_repeated(*timer, [&] { ++calls; }, 3, 5);
+  EXPECT_EQ(calls, 8);
+  EXPECT_EQ(s.repeats, 5);
+  EXPECT_LE(s.min, s.median);
+  EXPECT_LE(s.median, s.max);
+  EXPECT_NE(error_of([&] { time_repeated(*timer, [] {}, 0, 0); }).find("--repeats 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { make_device_timer(Device::cuda(0)); }).find("no timer for cuda"),
+            std::string::npos);
+}
+
+TEST(BenchCeilings, CpuProbesMeasureSomethingAndGpuNeedsAProbe) {
+  EXPECT_GT(cpu_stream_read_gbps(size_t{8} << 20, 1, 1), 0);
+  EXPECT_GT(cpu_fma_gflops(1, 0.005, 1), 0);
+  std::string why;
+  double bf16 = cpu_bf16_dot_gflops(1, 0.005, 1, &why);
+  EXPECT_TRUE(bf16 > 0 ? why.empty() : why.find("n/a") == 0) << why;
+  EXPECT_FALSE(cpu_simd_target().empty());
+  std::string msg = error_of([] { measure_ceilings(Device::cuda(0)); });
+  EXPECT_NE(msg.find("no ceiling probe for cuda"), std::string::npos) << msg;
+}
+
+TEST(BenchCeilings, ThreadCountFromFlagThenEnvironment) {
+  EXPECT_EQ(resolve_threads(3), 3);
+  const char* saved = std::getenv("ATTNRT_NUM_THREADS");
+  std::string keep = saved ? saved : "";
+  setenv("ATTNRT_NUM_THREADS", "5", 1);
+  EXPECT_EQ(resolve_threads(0), 5);
+  EXPECT_EQ(resolve_threads(2), 2);
+  setenv("ATTNRT_NUM_THREADS", "five", 1);
+  EXPECT_NE(error_of([] { resolve_threads(0); }).find("ATTNRT_NUM_THREADS='five'"),
+            std::string::npos);
+  if (saved) {
+    setenv("ATTNRT_NUM_THREADS", keep.c_str(), 1);
+  } else {
+    unsetenv("ATTNRT_NUM_THREADS");
+  }
+  EXPECT_NE(error_of([] { resolve_threads(-1); }).find("--threads -1"), std::string::npos);
+}
+
+TEST(BenchReport, JsonCarriesMachineCommitCeilingsAndRows) {
+  BenchResult r = synthetic_result();
+  nlohmann::json j = to_json(r, synthetic_info());
+  EXPECT_EQ(j["schema"], "attnrt-bench/1");
+  EXPECT_EQ(j["commit"], "abc1234");
+  EXPECT_EQ(j["backend"], "cpu");
+  EXPECT_EQ(j["threads"], 2);
+  for (const char* key : {"cpu_model", "logical_cpus", "physical_cores", "memory_gib",
+                          "simd_target", "cuda"}) {
+    EXPECT_TRUE(j["machine"].contains(key)) << key;
+  }
+  EXPECT_DOUBLE_EQ(j["ceilings"]["memory"]["value"].get<double>(), 20.0);
+  EXPECT_EQ(j["ceilings"]["bf16"]["available"], false);
+  EXPECT_EQ(j["ceilings"]["bf16"]["reason"], "n/a: no AVX512-BF16");
+  EXPECT_EQ(j["ceilings"]["compute"], "fp32");
+  EXPECT_DOUBLE_EQ(j["scale"]["factor"].get<double>(), 0.5);
+
+  const auto& rows = j["rows"];
+  ASSERT_EQ(rows.size(), 4u);
+  const auto& d = rows[0];
+  EXPECT_EQ(d["name"], "decode-16x4096");
+  EXPECT_EQ(d["scaled"], true);
+  EXPECT_EQ(d["standard"]["batch"], 16);
+  EXPECT_EQ(d["shape"]["batch"], 8);
+  EXPECT_EQ(d["shape"]["kv_len"], 2048);
+  EXPECT_EQ(d["shape"]["kv_dtype"], "bf16");
+  EXPECT_DOUBLE_EQ(d["time_ms"]["median"].get<double>(), 10.0);
+  for (const char* key : {"min", "max", "p10", "p90", "repeats"}) {
+    EXPECT_TRUE(d["time_ms"].contains(key)) << key;
+  }
+  EXPECT_DOUBLE_EQ(d["plan_us"]["median"].get<double>(), 2.0);
+  EXPECT_EQ(d["metric"], "GB/s");
+  EXPECT_EQ(d["ceiling"], "memory");
+  EXPECT_DOUBLE_EQ(d["pct_of_ceiling"].get<double>(), r.rows[0].pct_of_ceiling);
+  EXPECT_DOUBLE_EQ(d["counted"]["bytes"].get<double>(), counted_bytes(r.rows[0].workload));
+  EXPECT_DOUBLE_EQ(d["reference"]["speedup"].get<double>(), 42.0);
+  EXPECT_EQ(d["reference"]["scaled"], true);
+  EXPECT_EQ(d["check"]["passed"], true);
+
+  EXPECT_EQ(rows[1]["metric"], "GFLOP/s");
+  EXPECT_EQ(rows[1]["ceiling"], "fp32");
+  EXPECT_FALSE(rows[1].contains("reference"));
+
+  const auto& v = rows[2];
+  EXPECT_DOUBLE_EQ(v["decode"]["ratio"].get<double>(), 2.0);
+  EXPECT_EQ(v["decode"]["shape"]["kind"], "decode");
+  EXPECT_EQ(v["shape"]["tree_parents"].size(), 16u);
+  EXPECT_EQ(v["shape"]["topk"], 4);
+
+  EXPECT_EQ(rows[3]["status"], "error");
+  EXPECT_EQ(rows[3]["error"], r.rows[3].error);
+  EXPECT_FALSE(rows[3].contains("time_ms"));
+}
+
+TEST(BenchReport, TableNamesEveryRowAndMarksScaledOnes) {
+  std::string table = format_report(synthetic_result(), synthetic_info());
+  EXPECT_NE(table.find("decode-16x4096*"), std::string::npos) << table;
+  EXPECT_NE(table.find("SCALED RUN (--scale 0.5)"), std::string::npos);
+  EXPECT_NE(table.find("scaled x0.5 from 16x4096"), std::string::npos);
+  EXPECT_NE(table.find("= 2.00x the decode 64x4096 time"), std::string::npos);
+  EXPECT_NE(table.find("ERROR: backend 'cpu' does not support"), std::string::npos);
+  EXPECT_NE(table.find("42.0x"), std::string::npos);
+  EXPECT_NE(table.find("n/a: no AVX512-BF16"), std::string::npos);
+}
+
+TEST(BenchChart, SvgIsWellFormedAndLabelsEveryRow) {
+  BenchResult r = synthetic_result();
+  std::string svg = render_svg(r, synthetic_info());
+  EXPECT_EQ(xml_problem(svg), "") << svg;
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  for (const RowResult& row : r.rows) EXPECT_NE(svg.find(row.workload.name), std::string::npos);
+  EXPECT_NE(svg.find(">100%<"), std::string::npos) << "the ceiling line is labelled";
+  EXPECT_NE(svg.find("Test CPU &lt;model&gt;"), std::string::npos) << "text is escaped";
+  EXPECT_NE(svg.find("&lt;fp8&gt; &amp; friends"), std::string::npos);
+  EXPECT_NE(svg.find("= 2.00x decode"), std::string::npos);
+  EXPECT_NE(svg.find("% of fp32 FMA peak"), std::string::npos);
+  // A bar whose value exceeds the axis still produces a well-formed chart.
+  r.rows[0].pct_of_ceiling = 1e6;
+  EXPECT_EQ(xml_problem(render_svg(r, synthetic_info())), "");
+  // The checker itself rejects broken markup.
+  EXPECT_NE(xml_problem("<svg><text>a & b</text></svg>"), "");
+  EXPECT_NE(xml_problem("<svg><g></svg>"), "");
+}
+
+TEST(BenchChart, FormatComesFromTheExtension) {
+  EXPECT_EQ(chart_format_for("out/chart.SVG"), ChartFormat::svg);
+  std::string msg = error_of([] { chart_format_for("chart.pdf"); });
+  EXPECT_NE(msg.find("--plot chart.pdf"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(".svg"), std::string::npos) << msg;
+  std::string png = error_of([] { chart_format_for("chart.png"); });
+  if (!png.empty()) EXPECT_NE(png.find("rsvg-convert"), std::string::npos) << png;
+  std::string unwritable = error_of(
+      [] { write_chart("/nonexistent-dir/chart.svg", synthetic_result(), synthetic_info()); });
+  EXPECT_NE(unwritable.find("/nonexistent-dir/chart.svg"), std::string::npos) << unwritable;
+}

@@ -1,0 +1,161 @@
+// End-to-end bench runs at tiny scale on the reference backend: every kind of row is built in a
+// permuted paged pool, checked against the float64 recomputation, timed and reported. Nothing here
+// asserts how fast anything ran.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "attnrt/bench/chart.h"
+#include "attnrt/bench/report.h"
+#include "attnrt/bench/runner.h"
+#include "attnrt/memory/kv_cache.h"
+#include "backends/reference/reference_backend.h"
+
+using namespace attnrt;
+using namespace attnrt::bench;
+
+namespace {
+
+Workload tiny(WorkloadKind kind, int batch, int prefix, int new_tokens, int page, DType dtype,
+              int topk = 1) {
+  Workload w;
+  w.kind = kind;
+  w.batch = batch;
+  w.prefix_len = prefix;
+  w.new_tokens = new_tokens;
+  w.page_size = page;
+  w.kv_dtype = dtype;
+  w.topk = topk;
+  w.name = fmt::format("tiny-{}-{}x{}+{}-p{}-{}", workload_kind_name(kind), batch, prefix,
+                       new_tokens, page, dtype_name(dtype));
+  return w;
+}
+
+BenchConfig tiny_config(const std::string& backend) {
+  BenchConfig c;
+  c.backend = backend;
+  c.repeats = 2;
+  c.warmup = 1;
+  c.threads = 2;
+  c.reference_repeats = 1;
+  c.ceiling_options.memory_bytes = size_t{16} << 20;
+  c.ceiling_options.passes = 1;
+  c.ceiling_options.compute_seconds = 0.005;
+  return c;
+}
+
+// The reference backend with one output element of the last query row pushed off by a large
+// amount: what a kernel bug looks like to the bench.
+class PerturbedBackend final : public AttentionBackend {
+ public:
+  explicit PerturbedBackend(const BackendContext& ctx)
+      : AttentionBackend(ctx), inner_(reference_backend_entry().factory(ctx)) {}
+  std::string_view name() const override { return "perturbed"; }
+  void init_forward_metadata(const ForwardBatch& batch) override {
+    inner_->init_forward_metadata(batch);
+  }
+  void forward_decode(const AttnArgs& args, const LayerSpec& layer,
+                      const ForwardBatch& batch) override {
+    inner_->forward_decode(args, layer, batch);
+    perturb(args);
+  }
+  void forward_extend(const AttnArgs& args, const LayerSpec& layer,
+                      const ForwardBatch& batch) override {
+    inner_->forward_extend(args, layer, batch);
+    perturb(args);
+  }
+
+ private:
+  static void perturb(const AttnArgs& args) {
+    auto* out = args.out.ptr<uint16_t>();
+    const int64_t last = args.out.numel() - 1;
+    out[last] = float_to_bf16(bf16_to_float(out[last]) + 4.0f);
+  }
+  std::unique_ptr<AttentionBackend> inner_;
+};
+
+}  // namespace
+
+TEST(BenchRun, TinyRowsOfEveryKindRunEndToEndOnReference) {
+  BenchConfig config = tiny_config("reference");
+  config.workloads = {
+      tiny(WorkloadKind::decode, 3, 39, 1, 16, DType::bf16),
+      tiny(WorkloadKind::decode, 2, 32, 1, 1, DType::e4m3),
+      tiny(WorkloadKind::prefill, 2, 0, 24, 16, DType::bf16),
+      tiny(WorkloadKind::extend, 2, 20, 12, 16, DType::bf16),
+      tiny(WorkloadKind::verify_chain, 2, 30, 4, 16, DType::bf16),
+      tiny(WorkloadKind::verify_tree, 2, 30, 16, 16, DType::bf16, 4),
+  };
+  // Small enough that the first row's reference measurement runs on a scaled-down shape.
+  config.reference_max_work = 1e6;
+  BenchResult r = run_bench(config);
+  ASSERT_EQ(r.rows.size(), config.workloads.size());
+  EXPECT_TRUE(r.all_passed());
+  EXPECT_TRUE(r.ceilings.memory.available());
+  EXPECT_TRUE(r.ceilings.fp32.available());
+  for (const RowResult& row : r.rows) {
+    SCOPED_TRACE(row.workload.name);
+    EXPECT_EQ(row.status, "ok") << row.error;
+    EXPECT_TRUE(row.check.passed) << row.check.max_rel_err;
+    EXPECT_EQ(row.check.rows_checked, row.workload.num_tokens()) << "tiny rows are checked in full";
+    EXPECT_EQ(row.time.repeats, 2);
+    EXPECT_EQ(row.plan.repeats, 2);
+    EXPECT_GT(row.time.median, 0);
+    EXPECT_GT(row.rate, 0);
+    ASSERT_TRUE(row.reference.has_value());
+    EXPECT_TRUE(row.reference->check.passed);
+    EXPECT_GT(row.reference->speedup, 0);
+    EXPECT_EQ(row.decode_workload.has_value(), is_verify(row.workload.kind));
+    if (row.decode_workload) {
+      EXPECT_EQ(row.decode_workload->kv_len(), row.workload.prefix_len);
+      EXPECT_GT(row.decode_ratio, 0);
+    }
+  }
+  EXPECT_LT(r.rows[0].reference->workload.batch, 3) << "reference ran scaled down";
+  EXPECT_NE(r.rows[0].reference->note.find("too long"), std::string::npos);
+
+  RunInfo info = make_run_info("test", 1.0, "");
+  nlohmann::json j = to_json(r, info);
+  EXPECT_EQ(j["rows"].size(), r.rows.size());
+  EXPECT_EQ(j["rows"][1]["shape"]["kv_dtype"], "fp8_e4m3");
+  EXPECT_EQ(j["rows"][1]["shape"]["page_size"], 1);
+  EXPECT_FALSE(j["commit"].get<std::string>().empty());
+  EXPECT_NE(render_svg(r, info).find("tiny-verify-tree"), std::string::npos);
+}
+
+TEST(BenchRun, WrongOutputIsReportedAndNotTimed) {
+  Registry registry;
+  registry.add(reference_backend_entry());
+  BackendEntry perturbed = reference_backend_entry();
+  perturbed.name = "perturbed";
+  perturbed.factory = [](const BackendContext& ctx) {
+    return std::make_unique<PerturbedBackend>(ctx);
+  };
+  registry.add(perturbed);
+
+  BenchConfig config = tiny_config("perturbed");
+  config.registry = &registry;
+  config.compare_reference = false;
+  Ceilings none;
+  for (const Workload& w : {tiny(WorkloadKind::decode, 2, 40, 1, 16, DType::bf16),
+                            tiny(WorkloadKind::verify_tree, 2, 24, 16, 16, DType::bf16, 4)}) {
+    RowResult row = run_row(config, w, none);
+    EXPECT_EQ(row.status, "mismatch") << w.name;
+    EXPECT_FALSE(row.check.passed);
+    EXPECT_GT(row.check.max_rel_err, row.check.tolerance);
+    EXPECT_EQ(row.time.repeats, 0) << "a wrong result is never timed";
+    ASSERT_FALSE(row.notes.empty());
+    EXPECT_NE(row.notes[0].find("not timed"), std::string::npos) << row.notes[0];
+  }
+
+  // The unperturbed reference passes the same check on the same row.
+  config.backend = "reference";
+  EXPECT_EQ(run_row(config, tiny(WorkloadKind::decode, 2, 40, 1, 16, DType::bf16), none).status,
+            "ok");
+}
+
+TEST(BenchRun, UnknownBackendIsARowErrorNamingIt) {
+  BenchConfig config = tiny_config("no-such-backend");
+  RowResult row = run_row(config, tiny(WorkloadKind::decode, 1, 15, 1, 16, DType::bf16), {});
+  EXPECT_EQ(row.status, "error");
+  EXPECT_NE(row.error.find("no-such-backend"), std::string::npos) << row.error;
+}

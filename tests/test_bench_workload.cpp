@@ -1,0 +1,229 @@
+// The benchmark workloads: names and shapes as WORKLOADS.md lists them, the counting formulas,
+// scaling and presets.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/bench/workload.h"
+#include "attnrt/core/error.h"
+
+using namespace attnrt;
+using namespace attnrt::bench;
+
+namespace {
+
+const Workload& by_name(const std::vector<Workload>& rows, const std::string& name) {
+  for (const Workload& w : rows) {
+    if (w.name == name) return w;
+  }
+  throw std::runtime_error("no row " + name);
+}
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// Visible (query, key) pairs of one request counted by brute force over the mask definitions of
+// reference-semantics §8.2 / §8.4 (ancestry walked explicitly, not through verify_parents' levels).
+double brute_force_pairs(const Workload& w) {
+  std::vector<int32_t> parent = verify_parents(w);
+  double pairs = 0;
+  for (int t = 0; t < w.new_tokens; ++t) {
+    for (int j = 0; j < w.kv_len(); ++j) {
+      bool visible;
+      if (j < w.prefix_len) {
+        visible = true;
+      } else if (w.kind == WorkloadKind::verify_tree) {
+        int u = j - w.prefix_len;
+        visible = false;
+        for (int a = t; a != -1; a = parent[a]) visible = visible || a == u;
+      } else {
+        visible = j - w.prefix_len <= t;
+      }
+      pairs += visible;
+    }
+  }
+  return pairs;
+}
+
+}  // namespace
+
+TEST(BenchWorkload, StandardSetIsTheWorkloadsMdList) {
+  std::vector<Workload> rows = standard_workloads();
+  std::set<std::string> names;
+  for (const Workload& w : rows) names.insert(w.name);
+  EXPECT_EQ(names.size(), rows.size()) << "row names must be unique";
+  const char* expected[] = {
+      "decode-1x32768",       "decode-16x4096",      "decode-64x4096",
+      "decode-128x8192",      "decode-256x2048",     "decode-32x32768",
+      "decode-1x32768-p1",    "decode-16x4096-p1",   "decode-64x4096-p1",
+      "decode-128x8192-p1",   "decode-256x2048-p1",  "decode-32x32768-p1",
+      "decode-1x32768-fp8",   "decode-16x4096-fp8",  "decode-64x4096-fp8",
+      "decode-128x8192-fp8",  "decode-256x2048-fp8", "decode-32x32768-fp8",
+      "prefill-1x1024",       "prefill-1x4096",      "prefill-1x16384",
+      "prefill-8x2048",       "prefill-1x8192-d64",  "prefill-1x8192-d256",
+      "extend-8x2048+512",    "verify-chain-64x4096+8", "verify-tree-64x4096+16-topk4"};
+  EXPECT_EQ(rows.size(), std::size(expected));
+  for (const char* name : expected) EXPECT_TRUE(names.count(name)) << name;
+  for (const Workload& w : rows) {
+    EXPECT_EQ(w.q_heads, 32) << w.name;
+    EXPECT_EQ(w.kv_heads, 8) << w.name;
+    EXPECT_TRUE(w.scale_note.empty()) << w.name;
+  }
+  const Workload& d = by_name(rows, "decode-128x8192-p1");
+  EXPECT_EQ(d.batch, 128);
+  EXPECT_EQ(d.kv_len(), 8192);
+  EXPECT_EQ(d.prefix_len, 8191);  // the new token is the 8192nd key
+  EXPECT_EQ(d.page_size, 1);
+  EXPECT_EQ(by_name(rows, "decode-16x4096-fp8").kv_dtype, DType::e4m3);
+  EXPECT_EQ(by_name(rows, "prefill-1x8192-d256").head_dim, 256);
+  const Workload& tree = by_name(rows, "verify-tree-64x4096+16-topk4");
+  EXPECT_EQ(tree.prefix_len, 4096);
+  EXPECT_EQ(tree.new_tokens, 16);
+  EXPECT_EQ(tree.topk, 4);
+  EXPECT_EQ(tree.shape(), "64x(4096+16, topk 4)");
+  EXPECT_EQ(by_name(rows, "prefill-1x8192-d64").shape(), "1x8192 d64");
+  EXPECT_EQ(by_name(rows, "decode-16x4096-fp8").shape(), "16x4096 fp8_e4m3");
+}
+
+TEST(BenchWorkload, CountsFollowTheWorkloadsMdFormulas) {
+  std::vector<Workload> rows = standard_workloads();
+  // decode B x L: B * L * Hkv * D * 2 (K and V) * bytes per element.
+  EXPECT_DOUBLE_EQ(counted_bytes(by_name(rows, "decode-16x4096")), 16.0 * 4096 * 8 * 128 * 2 * 2);
+  EXPECT_DOUBLE_EQ(counted_bytes(by_name(rows, "decode-32x32768")),
+                   32.0 * 32768 * 8 * 128 * 2 * 2);  // the 4.3 GB row
+  EXPECT_DOUBLE_EQ(counted_bytes(by_name(rows, "decode-16x4096-fp8")), 16.0 * 4096 * 8 * 128 * 2);
+  EXPECT_DOUBLE_EQ(counted_bytes(by_name(rows, "decode-16x4096-p1")),
+                   counted_bytes(by_name(rows, "decode-16x4096")));
+  // prefill B x S: B * 4 * S^2 * Hq * D / 2.
+  EXPECT_DOUBLE_EQ(counted_flops(by_name(rows, "prefill-1x4096")), 4.0 * 4096 * 4096 * 32 * 128 / 2);
+  EXPECT_DOUBLE_EQ(counted_flops(by_name(rows, "prefill-8x2048")),
+                   8 * 4.0 * 2048 * 2048 * 32 * 128 / 2);
+  EXPECT_DOUBLE_EQ(counted_flops(by_name(rows, "prefill-1x8192-d64")), 4.0 * 8192 * 8192 * 32 * 64 / 2);
+  // extend B x (P + E): B * 4 * Hq * D * (E * P + E^2 / 2).
+  EXPECT_DOUBLE_EQ(counted_flops(by_name(rows, "extend-8x2048+512")),
+                   8 * 4.0 * 32 * 128 * (512.0 * 2048 + 512.0 * 512 / 2));
+  // Only the bound decides which ceiling a row is held against.
+  EXPECT_EQ(by_name(rows, "decode-1x32768").bound(), Bound::memory);
+  EXPECT_EQ(by_name(rows, "verify-chain-64x4096+8").bound(), Bound::memory);
+  EXPECT_EQ(by_name(rows, "prefill-1x1024").bound(), Bound::compute);
+  EXPECT_EQ(by_name(rows, "extend-8x2048+512").bound(), Bound::compute);
+}
+
+TEST(BenchWorkload, AttentionWorkCountsEveryVisiblePair) {
+  std::vector<Workload> shapes;
+  for (const Workload& w : standard_workloads()) {
+    Workload small = w;
+    small.batch = 3;
+    small.prefix_len = w.kind == WorkloadKind::prefill ? 0 : 37;
+    if (w.kind == WorkloadKind::prefill || w.kind == WorkloadKind::extend) small.new_tokens = 11;
+    shapes.push_back(small);
+  }
+  for (const Workload& w : shapes) {
+    EXPECT_DOUBLE_EQ(attention_work(w), 3 * 4.0 * w.q_heads * w.head_dim * brute_force_pairs(w))
+        << w.name;
+  }
+}
+
+TEST(BenchWorkload, VerifyParentsFormAValidDraftTree) {
+  const Workload tree = by_name(standard_workloads(), "verify-tree-64x4096+16-topk4");
+  std::vector<int32_t> p = verify_parents(tree);
+  ASSERT_EQ(p.size(), 16u);
+  EXPECT_EQ(p[0], -1);
+  std::vector<int> children(16, 0), depth(16, 0);
+  for (int t = 1; t < 16; ++t) {
+    ASSERT_GE(p[t], 0) << t;
+    ASSERT_LT(p[t], t) << "a parent precedes its child";
+    ++children[p[t]];
+    depth[t] = depth[p[t]] + 1;
+  }
+  for (int t = 0; t < 16; ++t) EXPECT_LE(children[t], 4) << "node " << t;
+  EXPECT_EQ(children[0], 4);  // the first draft step expands the root into topk branches
+  EXPECT_GT(*std::max_element(depth.begin(), depth.end()), 1) << "a tree, not a fan";
+  EXPECT_EQ(verify_parents(tree), p) << "the same tree on every run";
+  // The batch layer accepts it as a tree of topk 4.
+  SpecInfo spec;
+  spec.draft_token_num = 16;
+  spec.topk = 4;
+  spec.parents = p;
+  ForwardBatch b = make_verify_batch({0}, {tree.prefix_len}, spec);
+  EXPECT_EQ(b.positions.back(), tree.prefix_len + depth[15]);
+
+  const Workload chain = by_name(standard_workloads(), "verify-chain-64x4096+8");
+  std::vector<int32_t> c = verify_parents(chain);
+  for (int t = 0; t < 8; ++t) EXPECT_EQ(c[t], t - 1);
+  Workload d = decode_companion(chain);
+  EXPECT_EQ(d.kind, WorkloadKind::decode);
+  EXPECT_EQ(d.batch, 64);
+  EXPECT_EQ(d.kv_len(), 4096);
+}
+
+TEST(BenchWorkload, ScalingShrinksBatchAndLengthsOnly) {
+  const Workload w = by_name(standard_workloads(), "decode-16x4096");
+  Workload s = scale_workload(w, 0.25);
+  EXPECT_EQ(s.name, w.name);
+  EXPECT_EQ(s.batch, 4);
+  EXPECT_EQ(s.kv_len(), 1024);
+  EXPECT_NE(s.scale_note.find("16x4096"), std::string::npos) << s.scale_note;
+  EXPECT_EQ(scale_workload(w, 1.0), w);
+
+  Workload v = scale_workload(by_name(standard_workloads(), "verify-tree-64x4096+16-topk4"), 0.1);
+  EXPECT_EQ(v.new_tokens, 16) << "draft tokens are never scaled";
+  EXPECT_EQ(v.topk, 4);
+  EXPECT_EQ(v.prefix_len % 16, 0);
+  Workload tiny = scale_workload(by_name(standard_workloads(), "prefill-1x1024"), 0.001);
+  EXPECT_EQ(tiny.new_tokens, 16) << "lengths keep at least one page";
+  EXPECT_EQ(tiny.batch, 1);
+
+  EXPECT_NE(error_of([&] { scale_workload(w, 0); }).find("(0, 1]"), std::string::npos);
+  EXPECT_NE(error_of([&] { scale_workload(w, 1.5); }).find("--scale 1.5"), std::string::npos);
+}
+
+TEST(BenchWorkload, FitHalvesBatchBeforeLength) {
+  const Workload w = by_name(standard_workloads(), "decode-128x8192");
+  Workload f = fit_workload(w, counted_bytes(w) / 8, 1e30, "test");
+  EXPECT_EQ(f.batch, 16);
+  EXPECT_EQ(f.kv_len(), 8192);
+  EXPECT_EQ(f.scale_note, "test from 128x8192");
+  Workload g = fit_workload(w, counted_bytes(w) / 512, 1e30, "test");
+  EXPECT_EQ(g.batch, 1);
+  EXPECT_EQ(g.kv_len(), 2048);
+  EXPECT_EQ(fit_workload(w, 1e30, 1e30, "test"), w);
+}
+
+TEST(BenchWorkload, CpuSmallPresetBoundsEveryRow) {
+  std::vector<Workload> rows = apply_preset(standard_workloads(), "cpu-small");
+  ASSERT_EQ(rows.size(), standard_workloads().size());
+  for (const Workload& w : rows) {
+    EXPECT_LE(counted_bytes(w), 1.25 * double(1ull << 30)) << w.name;
+    EXPECT_LE(attention_work(w), 6e11) << w.name;
+  }
+  // The rows the performance targets name keep their full size.
+  for (const char* name : {"decode-16x4096", "decode-64x4096", "prefill-1x4096",
+                           "decode-16x4096-fp8", "verify-chain-64x4096+8"}) {
+    EXPECT_TRUE(by_name(rows, name).scale_note.empty()) << name;
+  }
+  EXPECT_FALSE(by_name(rows, "decode-32x32768").scale_note.empty());
+  EXPECT_NE(error_of([] { apply_preset(standard_workloads(), "gpu-huge"); }).find("cpu-small"),
+            std::string::npos);
+}
+
+TEST(BenchWorkload, SelectorsPickRowsAndRejectUnknownNames) {
+  EXPECT_EQ(select_workloads("all").size(), standard_workloads().size());
+  EXPECT_EQ(select_workloads("decode").size(), 18u);
+  EXPECT_EQ(select_workloads("verify").size(), 2u);
+  std::vector<Workload> two = select_workloads("prefill-1x4096,decode-16x4096,prefill-1x4096");
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_EQ(two[0].name, "prefill-1x4096");
+  std::string msg = error_of([] { select_workloads("decode-3x3"); });
+  EXPECT_NE(msg.find("'decode-3x3'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("decode-16x4096"), std::string::npos) << "lists the valid names: " << msg;
+  EXPECT_NE(error_of([] { select_workloads(","); }).find("empty"), std::string::npos);
+}
