@@ -1,0 +1,222 @@
+#include "backends/cuda/cuda_kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/core/device.h"
+#include "backends/cuda/kernels/launch.h"
+
+namespace attnrt::cuda {
+
+CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, int64_t rows)
+    : dtype_(config.dtype),
+      page_size_(config.page_size),
+      rows_(rows),
+      max_num_tokens_(config.max_num_tokens) {
+  const CudaDeviceInfo& info = query_cuda();
+  ATTNRT_CHECK(info.usable, "CUDA KV cache: no usable CUDA device ({})", info.reason);
+  ATTNRT_CHECK(dtype_ == DType::bf16 || dtype_ == DType::f16 || is_fp8(dtype_),
+               "CUDA KV cache: dtype {} is not supported; use bf16, fp16, fp8_e4m3 or fp8_e5m2",
+               dtype_name(dtype_));
+  ATTNRT_CHECK(max_num_tokens_ > 0, "CUDA KV cache: max_num_tokens = {}; it must be > 0",
+               max_num_tokens_);
+  ATTNRT_CUDA_CHECK(cudaGetDevice(&device_));
+  int max_id = -1;
+  for (const LayerSpec& l : model.layers) max_id = std::max(max_id, l.layer_id);
+  layers_.resize(static_cast<size_t>(max_id + 1));
+  for (const LayerSpec& l : model.layers) {
+    if (!l.uses_kv_cache()) continue;
+    ATTNRT_CHECK(l.kind != LayerKind::mla,
+                 "CUDA KV cache: layer {} is an MLA layer; the CUDA backend has no MLA latent pool",
+                 l.layer_id);
+    Layer& e = layers_[l.layer_id];
+    e.present = true;
+    e.kv_heads = l.num_kv_heads;
+    e.head_dim = l.head_dim;
+    e.v_head_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+    e.k.reserve(k_bytes(e));
+    e.v.reserve(v_bytes(e));
+    // Unwritten rows are read by padded graph rows and masked keys: keep them finite.
+    ATTNRT_CUDA_CHECK(cudaMemset(e.k.data(), 0, k_bytes(e)));
+    ATTNRT_CUDA_CHECK(cudaMemset(e.v.data(), 0, v_bytes(e)));
+  }
+  loc_.reserve(static_cast<size_t>(max_num_tokens_) * sizeof(int64_t));
+  ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  owns_stream_ = true;
+}
+
+CudaKVCache::~CudaKVCache() {
+  if (owns_stream_ && stream_ != nullptr) {
+    cudaStreamSynchronize(stream_);
+    cudaStreamDestroy(stream_);
+  }
+}
+
+size_t CudaKVCache::k_bytes(const Layer& l) const {
+  return static_cast<size_t>(rows_) * l.kv_heads * l.head_dim * dtype_size(dtype_);
+}
+size_t CudaKVCache::v_bytes(const Layer& l) const {
+  return static_cast<size_t>(rows_) * l.kv_heads * l.v_head_dim * dtype_size(dtype_);
+}
+
+const CudaKVCache::Layer& CudaKVCache::find(int layer_id) const {
+  ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layers_.size(),
+               "CUDA KV cache: layer {} does not exist; the model has layers 0..{}", layer_id,
+               static_cast<int64_t>(layers_.size()) - 1);
+  const Layer& e = layers_[layer_id];
+  ATTNRT_CHECK(e.present, "CUDA KV cache: layer {} has no KV cache (linear-attention layer)",
+               layer_id);
+  return e;
+}
+
+KVLayerView CudaKVCache::layer(int layer_id) const {
+  const Layer& e = find(layer_id);
+  KVLayerView v;
+  v.k = e.k.data();
+  v.v = e.v.data();
+  v.dtype = dtype_;
+  v.device = device();
+  v.num_rows = rows_;
+  v.kv_heads = e.kv_heads;
+  v.head_dim = e.head_dim;
+  v.v_head_dim = e.v_head_dim;
+  v.k_row_stride = static_cast<int64_t>(e.kv_heads) * e.head_dim;
+  v.v_row_stride = static_cast<int64_t>(e.kv_heads) * e.v_head_dim;
+  v.k_scale = e.k_scale;
+  v.v_scale = e.v_scale;
+  v.step_write_loc = step_tokens_ >= 0 ? loc_.ptr<int64_t>() : nullptr;
+  return v;
+}
+
+void CudaKVCache::begin_step(const ForwardBatch& batch) {
+  step_tokens_ = -1;
+  const int64_t tokens = batch.num_tokens();
+  ATTNRT_CHECK(tokens <= max_num_tokens_,
+               "CUDA KV cache: the step has {} tokens but the cache was built for at most "
+               "max_num_tokens = {}; raise KVCacheConfig::max_num_tokens",
+               tokens, max_num_tokens_);
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t s = batch.out_cache_loc[i];
+    ATTNRT_CHECK(s >= 0 && s < rows_,
+                 "CUDA KV cache: out_cache_loc[{}] = {} is outside the KV pool's slots 0..{}", i,
+                 s, rows_ - 1);
+  }
+  const size_t bytes = static_cast<size_t>(tokens) * sizeof(int64_t);
+  void* host = staging_.acquire(bytes, stream_);
+  if (bytes > 0) std::memcpy(host, batch.out_cache_loc.data(), bytes);
+  staging_.upload(loc_.data(), bytes, stream_);
+  step_tokens_ = tokens;
+}
+
+namespace {
+
+void check_step_tensor(const char* what, const TensorView& t, int64_t tokens, int heads, int dim,
+                       int layer_id) {
+  ATTNRT_CHECK(t.data != nullptr && t.ndim == 3 && t.shape[0] == tokens && t.shape[1] == heads &&
+                   t.shape[2] == dim,
+               "CUDA KV cache: store_step_kv(layer {}): {} is {}; expected [{}, {}, {}] (tokens, "
+               "kv heads, dim)",
+               layer_id, what, t.empty() ? std::string("empty") : t.describe(), tokens, heads,
+               dim);
+  ATTNRT_CHECK(t.dtype == DType::f32 || t.dtype == DType::f16 || t.dtype == DType::bf16,
+               "CUDA KV cache: store_step_kv(layer {}): {} is {}; expected fp32, fp16 or bf16",
+               layer_id, what, t.describe());
+  ATTNRT_CHECK(t.strides[2] == 1,
+               "CUDA KV cache: store_step_kv(layer {}): {} has stride {} in its last dim; the "
+               "last dim must be contiguous",
+               layer_id, what, t.strides[2]);
+}
+
+}  // namespace
+
+void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorView& v) {
+  const Layer& e = find(layer_id);
+  ATTNRT_CHECK(step_tokens_ >= 0,
+               "CUDA KV cache: store_step_kv(layer {}): no step has begun; call begin_step(batch) "
+               "first",
+               layer_id);
+  check_step_tensor("k", k, step_tokens_, e.kv_heads, e.head_dim, layer_id);
+  check_step_tensor("v", v, step_tokens_, e.kv_heads, e.v_head_dim, layer_id);
+  if (step_tokens_ == 0) return;
+  auto device_view = [&](const TensorView& t, size_t offset) -> std::pair<const void*, TensorView> {
+    if (t.device.kind == DeviceKind::cuda) return {t.data, t};
+    ATTNRT_CHECK(t.is_contiguous(),
+                 "CUDA KV cache: store_step_kv(layer {}): host tensor {} must be contiguous",
+                 layer_id, t.describe());
+    const size_t bytes = static_cast<size_t>(t.numel()) * dtype_size(t.dtype);
+    char* dst = scratch_.ptr<char>() + offset;
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(dst, t.data, bytes, cudaMemcpyHostToDevice, stream_));
+    return {dst, t};
+  };
+  const size_t kb = k.device.kind == DeviceKind::cuda
+                        ? 0
+                        : (static_cast<size_t>(k.numel()) * dtype_size(k.dtype) + 255) / 256 * 256;
+  const size_t vb = v.device.kind == DeviceKind::cuda
+                        ? 0
+                        : static_cast<size_t>(v.numel()) * dtype_size(v.dtype);
+  if (kb + vb > 0) scratch_.reserve(kb + vb);
+  const auto [kp, kt] = device_view(k, 0);
+  const auto [vp, vt] = device_view(v, kb);
+  const float k_div = e.k_scale;
+  const float v_div = e.v_scale;
+  StoreParams p{};
+  p.src = kp;
+  p.src_stride_tok = kt.strides[0];
+  p.src_stride_head = kt.strides[1];
+  p.src_dtype = static_cast<int32_t>(kt.dtype);
+  p.dst = e.k.data();
+  p.dst_row_stride = static_cast<int64_t>(e.kv_heads) * e.head_dim;
+  p.dst_dtype = static_cast<int32_t>(dtype_);
+  p.loc = loc_.ptr<int64_t>();
+  p.num_tokens = step_tokens_;
+  p.heads = e.kv_heads;
+  p.dim = e.head_dim;
+  p.scale = k_div;
+  ATTNRT_CUDA_CHECK(launch_store_kv(p, stream_));
+  p.src = vp;
+  p.src_stride_tok = vt.strides[0];
+  p.src_stride_head = vt.strides[1];
+  p.src_dtype = static_cast<int32_t>(vt.dtype);
+  p.dst = e.v.data();
+  p.dst_row_stride = static_cast<int64_t>(e.kv_heads) * e.v_head_dim;
+  p.dim = e.v_head_dim;
+  p.scale = v_div;
+  ATTNRT_CUDA_CHECK(launch_store_kv(p, stream_));
+}
+
+void CudaKVCache::set_kv_scales(int layer_id, float k_scale, float v_scale) {
+  find(layer_id);
+  ATTNRT_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+               "CUDA KV cache: layer {} scales k = {}, v = {}; scales must be finite and > 0",
+               layer_id, k_scale, v_scale);
+  layers_[layer_id].k_scale = k_scale;
+  layers_[layer_id].v_scale = v_scale;
+}
+
+void CudaKVCache::copy_layer_from_host(int layer_id, const void* k, const void* v) {
+  const Layer& e = find(layer_id);
+  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.k.data(), k, k_bytes(e), cudaMemcpyHostToDevice, stream_));
+  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.v.data(), v, v_bytes(e), cudaMemcpyHostToDevice, stream_));
+  ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaKVCache::copy_layer_to_host(int layer_id, void* k, void* v) const {
+  const Layer& e = find(layer_id);
+  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(k, e.k.data(), k_bytes(e), cudaMemcpyDeviceToHost, stream_));
+  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(v, e.v.data(), v_bytes(e), cudaMemcpyDeviceToHost, stream_));
+  ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+KVStorage make_cuda_kv_storage(const ModelSpec& model, const KVCacheConfig& config) {
+  ATTNRT_CHECK(config.page_size >= 1, "CUDA KV cache: page_size {} is invalid; it must be >= 1",
+               config.page_size);
+  auto alloc = std::make_unique<PagedTokenAllocator>(config.full_slots, config.page_size);
+  KVStorage out;
+  out.cache = std::make_unique<CudaKVCache>(model, config, alloc->pages().pool_rows());
+  out.allocator = std::move(alloc);
+  return out;
+}
+
+}  // namespace attnrt::cuda

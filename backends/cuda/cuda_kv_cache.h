@@ -1,0 +1,75 @@
+// CudaKVCache: the MHA KV pools in GPU memory (reference-semantics §4.3). Per layer K and V are
+// token-major [rows, kv_heads, dim] device buffers (fp8 as raw bytes with per-layer scales); the
+// step's write slots live in a device buffer at a fixed address (so captured graphs can read it),
+// filled by one async copy per step; store_step_kv is a KV-write kernel that quantises to fp8.
+//
+// Sliding-window layers share the full slot space (no separate SWA pool yet): correct, since the
+// window is applied by the kernels on positions, but it spends full-pool memory on those layers.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <vector>
+
+#include "attnrt/memory/kv_cache.h"
+#include "backends/cuda/cuda_util.h"
+
+namespace attnrt::cuda {
+
+class CudaKVCache final : public KVCache {
+ public:
+  // rows = slots including the reserved page 0 (as PageAllocator::pool_rows()).
+  CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, int64_t rows);
+  ~CudaKVCache() override;
+
+  KVLayerView layer(int layer_id) const override;
+  void begin_step(const ForwardBatch& batch) override;
+  // k/v on the GPU are read in place; host tensors are staged through a device scratch first.
+  void store_step_kv(int layer_id, const TensorView& k, const TensorView& v) override;
+  void set_kv_scales(int layer_id, float k_scale, float v_scale) override;
+  Device device() const override { return Device::cuda(device_); }
+  DType dtype() const override { return dtype_; }
+  int page_size() const override { return page_size_; }
+
+  int64_t rows() const { return rows_; }
+  cudaStream_t stream() const { return stream_; }
+  void set_stream(cudaStream_t stream) { stream_ = stream; }
+  const int64_t* step_write_loc() const { return loc_.ptr<int64_t>(); }
+  int64_t step_tokens() const { return step_tokens_; }
+
+  // Whole-layer copies between this cache and host memory laid out like KVLayerView (tests,
+  // tooling, mirroring a host cache). They synchronise the stream.
+  void copy_layer_from_host(int layer_id, const void* k, const void* v);
+  void copy_layer_to_host(int layer_id, void* k, void* v) const;
+
+ private:
+  struct Layer {
+    bool present = false;
+    int kv_heads = 0, head_dim = 0, v_head_dim = 0;
+    float k_scale = 1.f, v_scale = 1.f;
+    DeviceBuffer k, v;
+  };
+  const Layer& find(int layer_id) const;
+  size_t k_bytes(const Layer& l) const;
+  size_t v_bytes(const Layer& l) const;
+
+  int device_ = 0;
+  DType dtype_;
+  int page_size_;
+  int64_t rows_;
+  int max_num_tokens_;
+  std::vector<Layer> layers_;  // by layer id
+  DeviceBuffer loc_;           // [max_num_tokens] int64, fixed address
+  DeviceBuffer scratch_;       // host k/v staged for the store kernel
+  StagingRing staging_;
+  int64_t step_tokens_ = -1;
+  cudaStream_t stream_ = nullptr;
+  bool owns_stream_ = false;
+};
+
+// A CUDA KV cache and its allocator (a PagedTokenAllocator over config.full_slots), the device
+// counterpart of make_host_kv_storage. Throws attnrt::Error when no CUDA device is usable.
+KVStorage make_cuda_kv_storage(const ModelSpec& model, const KVCacheConfig& config);
+
+}  // namespace attnrt::cuda

@@ -1,0 +1,89 @@
+// Plain-old-data shared by the host plan (g++) and the kernels (nvcc): the per-step metadata layout
+// and the per-launch parameters. No CUDA types, so host code can fill and log it.
+#pragma once
+
+#include <cstdint>
+
+namespace attnrt::cuda {
+
+// One request of the step, in the layout every kernel reads (reference-semantics §2.2 reduced to
+// "prefix keys already cached, query tokens appended after them").
+struct ReqInfo {
+  int32_t qo_start;    // first query row of the request in q/out
+  int32_t qlen;        // query tokens of the request this step
+  int32_t prefix;      // keys cached before this step's tokens
+  int32_t kv_len;      // keys visible to the last query: prefix + qlen
+  int32_t pt_start;    // offset of the request's page table in the step's page-table array
+  int32_t num_splits;  // split-KV count (1 = the attention kernel writes the output itself)
+  int32_t part_start;  // first partial row: rows part_start + s * qlen + t hold split s of token t
+  int32_t tree_start;  // offset of the request's tree mask / depths (tree verify), -1 otherwise
+};
+
+// One CTA's work: `rows` flattened (token, head-in-group) rows starting at f0 of request `req`,
+// keys of split `split` (the key range of a split is derived on the device from the lengths, so a
+// captured graph stays valid when the lengths change).
+struct WorkItem {
+  int32_t req;
+  int32_t f0;
+  int32_t split;
+  int32_t pad;
+};
+
+enum class KvKind : int32_t { same_as_q = 0, e4m3 = 1, e5m2 = 2 };
+
+struct AttnParams {
+  // Activations: q [T, Hq, D], out [T, Hq, Dv]; element strides of the token and head dims.
+  const void* q;
+  void* out;
+  int64_t q_stride_tok, q_stride_head;
+  int64_t o_stride_tok, o_stride_head;
+  float* lse_out;  // optional [T, Hq] (natural log), stride lse_stride_tok
+  int64_t lse_stride_tok;
+
+  // Paged KV of the layer: row `slot` of K at k + slot * k_row_stride (elements of the storage
+  // type), kv heads adjacent inside a row.
+  const void* k;
+  const void* v;
+  int64_t k_row_stride, v_row_stride;
+  KvKind kv_kind;
+  int32_t page_shift;  // log2(page_size)
+  // Full-pool slot -> this pool's slot (SWA pools); nullptr = identity.
+  const int64_t* slot_map;
+
+  // Step metadata (device).
+  const ReqInfo* reqs;
+  const int32_t* page_table;    // page ids
+  const WorkItem* work;
+  const uint64_t* tree_mask;    // per tree query token: bit u = draft u visible
+  const int32_t* tree_depth;    // per tree query token: depth in its tree (root 0)
+
+  // Split-KV partials: [rows, Hq, Dv] fp32 and [rows, Hq] lse (log2 domain).
+  float* part_o;
+  float* part_lse;
+
+  int32_t num_q_heads, num_kv_heads, group;  // group = Hq / Hkv
+  float scale_log2;     // softmax scale * k_scale * log2(e)
+  float softcap;        // 0 = off; applied to the scaled logit in natural units
+  float softmax_scale;  // softmax scale * k_scale (natural units, used with softcap)
+  float v_scale;
+  int32_t window;       // -1 = off; key j visible to query i iff 0 <= i - j <= window
+  int32_t causal;       // 0 = every key of the request is visible
+  int32_t tree;         // 1 = TARGET_VERIFY tree: drafts visible through tree_mask
+  const float* sinks;   // [Hq] sink logits (natural), nullptr = none
+};
+
+struct MergeParams {
+  const ReqInfo* reqs;
+  int32_t num_reqs;
+  const float* part_o;
+  const float* part_lse;
+  void* out;
+  int64_t o_stride_tok, o_stride_head;
+  float* lse_out;
+  int64_t lse_stride_tok;
+  int32_t num_q_heads, head_dim;
+  float v_scale;
+  const float* sinks;
+};
+
+}  // namespace attnrt::cuda

@@ -1,0 +1,47 @@
+// Host-callable launchers of the cuda backend's kernels (thin wrappers compiled by nvcc).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "backends/cuda/kernels/attention_params.h"
+
+namespace attnrt::cuda {
+
+// CTA shapes of the attention kernel. `decode`: 16 query rows, warps split every K/V tile (one or a
+// few query tokens per request); `prefill`: 128 query rows, one 16-row slice per warp.
+enum class TileShape : int32_t { decode = 0, prefill = 1 };
+int tile_rows(TileShape shape);
+
+// Head dims with compiled kernels: 64, 128, 256. `fp16`: q/out (and 16-bit KV) are fp16, else
+// bf16. `fp8_kv`: K/V are fp8 bytes (p.kv_kind says which). Grid: (kv heads, num_items).
+cudaError_t launch_attention(const AttnParams& p, int head_dim, bool fp16, bool fp8_kv,
+                             TileShape shape, int num_items, cudaStream_t stream);
+cudaError_t launch_attention_d64(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape,
+                                 int num_items, cudaStream_t stream);
+cudaError_t launch_attention_d128(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape,
+                                  int num_items, cudaStream_t stream);
+cudaError_t launch_attention_d256(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape,
+                                  int num_items, cudaStream_t stream);
+
+// Merges the split-KV partials of requests with num_splits > 1 (log-sum-exp, sinks, v_scale).
+cudaError_t launch_merge(const MergeParams& p, bool fp16, cudaStream_t stream);
+
+// Scatters rows src[t, h, :] to dst[loc[t] * dst_row_stride + h * dim ...], converting dtypes
+// (codes: attnrt::DType values) after dividing by the layer's `scale` (as the host pools do).
+struct StoreParams {
+  const void* src;
+  int64_t src_stride_tok, src_stride_head;
+  int32_t src_dtype;
+  void* dst;
+  int64_t dst_row_stride;
+  int32_t dst_dtype;
+  const int64_t* loc;
+  int64_t num_tokens;
+  int32_t heads, dim;
+  float scale;
+};
+cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
+
+}  // namespace attnrt::cuda

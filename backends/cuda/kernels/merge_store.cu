@@ -1,0 +1,139 @@
+// The split-KV merge and the KV-store kernels, plus the head-dim dispatch of the attention launch.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cmath>
+
+#include "backends/cuda/kernels/launch.h"
+
+namespace attnrt::cuda {
+
+int tile_rows(TileShape shape) { return shape == TileShape::decode ? 16 : 128; }
+
+cudaError_t launch_attention(const AttnParams& p, int head_dim, bool fp16, bool fp8_kv,
+                             TileShape shape, int num_items, cudaStream_t stream) {
+  if (num_items == 0) return cudaSuccess;
+  switch (head_dim) {
+    case 64: return launch_attention_d64(p, fp16, fp8_kv, shape, num_items, stream);
+    case 128: return launch_attention_d128(p, fp16, fp8_kv, shape, num_items, stream);
+    case 256: return launch_attention_d256(p, fp16, fp8_kv, shape, num_items, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+namespace {
+
+// One block per (request, q head); each thread owns 4 dims. Splits whose lse is -inf (no visible
+// key) are skipped, so their unwritten-by-design values never reach the sum.
+template <typename T>
+__global__ void merge_kernel(const MergeParams p) {
+  const ReqInfo r = p.reqs[blockIdx.x];
+  if (r.num_splits <= 1) return;
+  const int h = blockIdx.y;
+  const int d0 = threadIdx.x * 4;
+  const int S = r.num_splits;
+  for (int t = 0; t < r.qlen; ++t) {
+    float M = -INFINITY;
+    for (int s = 0; s < S; ++s) {
+      const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
+      M = fmaxf(M, p.part_lse[prow * p.num_q_heads + h]);
+    }
+    const float m_use = M == -INFINITY ? 0.f : M;
+    float den = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int s = 0; s < S; ++s) {
+      const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
+      const float lse = p.part_lse[prow * p.num_q_heads + h];
+      if (lse == -INFINITY) continue;
+      const float w = exp2f(lse - m_use);
+      den += w;
+      if (d0 < p.head_dim) {
+        const float4 o = *reinterpret_cast<const float4*>(
+            p.part_o + (prow * p.num_q_heads + h) * p.head_dim + d0);
+        acc[0] += w * o.x;
+        acc[1] += w * o.y;
+        acc[2] += w * o.z;
+        acc[3] += w * o.w;
+      }
+    }
+    if (p.sinks) den += exp2f(p.sinks[h] * 1.4426950408889634f - m_use);
+    const float inv = den > 0.f ? p.v_scale / den : 0.f;
+    const int64_t row = r.qo_start + t;
+    if (d0 < p.head_dim) {
+      T* dst = static_cast<T*>(p.out) + row * p.o_stride_tok + h * p.o_stride_head + d0;
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (std::is_same_v<T, __half>) {
+          dst[i] = __float2half_rn(acc[i] * inv);
+        } else {
+          dst[i] = __float2bfloat16_rn(acc[i] * inv);
+        }
+      }
+    }
+    if (p.lse_out && threadIdx.x == 0)
+      p.lse_out[row * p.lse_stride_tok + h] =
+          den > 0.f ? (m_use + log2f(den)) * 0.6931471805599453f : -INFINITY;
+  }
+}
+
+// attnrt::DType codes (core/dtype.h): f32, f16, bf16, e4m3, e5m2.
+enum : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kE5M2 = 4 };
+
+__device__ __forceinline__ float load_elem(const void* base, int32_t dtype, int64_t i) {
+  switch (dtype) {
+    case kF32: return static_cast<const float*>(base)[i];
+    case kF16: return __half2float(static_cast<const __half*>(base)[i]);
+    case kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
+    default: return 0.f;
+  }
+}
+
+// Stored = round(x / scale) with a true division, bit-identical to the host pools.
+__device__ __forceinline__ void store_elem(void* base, int32_t dtype, int64_t i, float x,
+                                           float scale) {
+  switch (dtype) {
+    case kF32: static_cast<float*>(base)[i] = x / scale; break;
+    case kF16: static_cast<__half*>(base)[i] = __float2half_rn(x / scale); break;
+    case kBF16: static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x / scale); break;
+    case kE4M3:
+      static_cast<uint8_t*>(base)[i] = __nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, __NV_E4M3);
+      break;
+    case kE5M2:
+      static_cast<uint8_t*>(base)[i] = __nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, __NV_E5M2);
+      break;
+    default: break;
+  }
+}
+
+// One block per token; threads stride over heads x dims.
+__global__ void store_kv_kernel(const StoreParams p) {
+  const int64_t t = blockIdx.x;
+  const int64_t slot = p.loc[t];
+  const int n = p.heads * p.dim;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const int h = i / p.dim, d = i % p.dim;
+    const float x = load_elem(p.src, p.src_dtype, t * p.src_stride_tok + h * p.src_stride_head + d);
+    store_elem(p.dst, p.dst_dtype, slot * p.dst_row_stride + i, x, p.scale);
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_merge(const MergeParams& p, bool fp16, cudaStream_t stream) {
+  if (p.num_reqs == 0) return cudaSuccess;
+  const dim3 grid(p.num_reqs, p.num_q_heads);
+  const int threads = (p.head_dim + 3) / 4;
+  if (fp16) {
+    merge_kernel<__half><<<grid, threads, 0, stream>>>(p);
+  } else {
+    merge_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream) {
+  if (p.num_tokens == 0) return cudaSuccess;
+  store_kv_kernel<<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace attnrt::cuda

@@ -1,0 +1,626 @@
+// The cuda backend against the reference backend: every full-attention mode, dtype, head dim, page
+// size and feature the backend claims, on random ragged batches; the KV-write kernel against the
+// host pools byte for byte; CUDA-graph capture/replay at other lengths; the error messages. Skips
+// (with the reason) where no CUDA device is usable.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnrt/backend/options.h"
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/core/device.h"
+#include "attnrt/core/error.h"
+#include "attnrt/memory/kv_cache.h"
+#include "attnrt/memory/req_to_token_pool.h"
+#include "backends/reference/reference_backend.h"
+
+#ifdef ATTNRT_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_kv_cache.h"
+#endif
+
+namespace attnrt {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                        \
+  do {                                                                            \
+    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
+  } while (0)
+
+#ifdef ATTNRT_HAS_CUDA
+
+struct Case {
+  ForwardMode mode = ForwardMode::DECODE;
+  int hq = 8, hkv = 2, dim = 128, page = 16;
+  DType kv = DType::bf16, act = DType::bf16;
+  std::vector<int32_t> prefix, qlen;  // per request (decode: prefix = seq_len - 1, qlen 1)
+  int window = -1;
+  float cap = 0.f;
+  bool sinks = false, causal = true, lse = true;
+  int topk = 1;             // verify: > 1 builds a random tree
+  float k_scale = 1.f, v_scale = 1.f;
+  bool host_tensors = false;  // q/k/v/out in host memory (staged by the backend)
+  bool host_cache = false;    // the backend mirrors a host KV cache
+  bool deterministic = false;
+  uint32_t seed = 1;
+};
+
+// Device copy of a host tensor (freed by the owner).
+struct DevTensor {
+  void* ptr = nullptr;
+  TensorView view;
+  DevTensor() = default;
+  explicit DevTensor(const TensorView& host) {
+    const size_t bytes = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
+    EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(ptr, host.data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    view = host;
+    view.data = ptr;
+    view.device = Device::cuda(0);
+  }
+  ~DevTensor() {
+    if (ptr) cudaFree(ptr);
+  }
+  DevTensor(const DevTensor&) = delete;
+  DevTensor& operator=(const DevTensor&) = delete;
+  void download(const TensorView& host) const {
+    const size_t bytes = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
+    EXPECT_EQ(cudaMemcpy(host.data, ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+};
+
+void fill_random(const TensorView& t, std::mt19937& rng, float amp) {
+  std::uniform_real_distribution<float> u(-amp, amp);
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, u(rng));
+}
+
+struct Compare {
+  double rel = 0, max_abs = 0;
+  bool finite = true;
+};
+Compare compare(const TensorView& got, const TensorView& want, int64_t rows) {
+  Compare c;
+  const int64_t n = rows * got.shape[1] * (got.ndim > 2 ? got.shape[2] : 1);
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double a = load_as_float(got.data, got.dtype, i), b = load_as_float(want.data, want.dtype, i);
+    if (!std::isfinite(a)) c.finite = false;
+    num += (a - b) * (a - b);
+    den += b * b;
+    c.max_abs = std::max(c.max_abs, std::abs(a - b));
+  }
+  c.rel = std::sqrt(num / std::max(den, 1e-30));
+  return c;
+}
+
+// A one-layer model, a host cache (the reference's) and a device cache holding the same bytes,
+// one request row per request with its slots allocated in page order.
+class Harness {
+ public:
+  explicit Harness(const Case& c) : c_(c), rng_(c.seed) {
+    model_.name = "test";
+    model_.dtype = c.act;
+    model_.max_context_len = 1 << 16;
+    LayerSpec l;
+    l.layer_id = 0;
+    l.kind = c.window >= 0 ? LayerKind::swa : LayerKind::full;
+    l.num_q_heads = c.hq;
+    l.num_kv_heads = c.hkv;
+    l.head_dim = l.v_head_dim = c.dim;
+    l.logit_cap = c.cap;
+    l.sliding_window = c.window;
+    l.has_sinks = c.sinks;
+    l.attn_type = c.causal ? AttnType::decoder : AttnType::encoder_only;
+    model_.layers = {l};
+    options_.page_size = c.page;
+    options_.deterministic = c.deterministic;
+
+    int64_t need = 0;
+    for (size_t i = 0; i < c.prefix.size(); ++i) need += (c.prefix[i] + c.qlen[i] + c.page) / c.page * c.page;
+    KVCacheConfig cfg;
+    cfg.full_slots = need + 4 * c.page;
+    cfg.page_size = c.page;
+    cfg.dtype = c.kv;
+    cfg.max_num_tokens = 1 << 16;
+    host_ = make_host_kv_storage(model_, cfg);
+    if (!c.host_cache) {
+      dev_ = cuda::make_cuda_kv_storage(model_, cfg);
+      dev_cache_ = static_cast<cuda::CudaKVCache*>(dev_.cache.get());
+    }
+    host_.cache->set_kv_scales(0, c.k_scale, c.v_scale);
+    if (dev_cache_) dev_cache_->set_kv_scales(0, c.k_scale, c.v_scale);
+    const KVLayerView hv = host_.cache->layer(0);
+    // Random pool contents: stored values are what `x / scale` rounded to the pool dtype gives.
+    fill_random(TensorView(hv.k, hv.dtype, {hv.num_rows * hv.k_row_stride}), rng_, 2.f);
+    fill_random(TensorView(hv.v, hv.dtype, {hv.num_rows * hv.v_row_stride}), rng_, 2.f);
+    if (dev_cache_) dev_cache_->copy_layer_from_host(0, hv.k, hv.v);
+
+    pool_ = std::make_unique<ReqToTokenPool>(static_cast<int>(c.prefix.size()) + 2,
+                                             model_.max_context_len);
+    for (size_t i = 0; i < c.prefix.size(); ++i) {
+      const int row = pool_->alloc();
+      rows_.push_back(row);
+      const int32_t total = c.prefix[i] + c.qlen[i];
+      const std::vector<int32_t> zero{0}, len{total};
+      const std::vector<int64_t> last{-1};
+      slots_.push_back(host_.allocator->alloc_extend(zero, len, last));
+      pool_->write(row, 0, slots_.back());
+    }
+  }
+
+  ForwardBatch batch() {
+    const Case& c = c_;
+    ForwardBatch b;
+    std::vector<int32_t> seq;
+    switch (c.mode) {
+      case ForwardMode::DECODE:
+        for (size_t i = 0; i < c.prefix.size(); ++i) seq.push_back(c.prefix[i] + 1);
+        b = make_decode_batch(rows_, seq);
+        break;
+      case ForwardMode::TARGET_VERIFY: {
+        const int n = c.qlen[0];
+        SpecInfo spec = SpecInfo::chain(static_cast<int>(c.prefix.size()), n);
+        if (c.topk > 1) {
+          spec.topk = c.topk;
+          for (size_t i = 0; i < c.prefix.size(); ++i)
+            for (int t = 1; t < n; ++t)
+              spec.parents[i * n + t] = std::uniform_int_distribution<int>(0, t - 1)(rng_);
+        }
+        b = make_verify_batch(rows_, c.prefix, std::move(spec));
+        break;
+      }
+      case ForwardMode::DRAFT_EXTEND: {
+        std::vector<int32_t> accept;
+        for (size_t i = 0; i < c.prefix.size(); ++i) {
+          seq.push_back(c.prefix[i] + c.qlen[i]);
+          accept.push_back(c.qlen[i] - 1);
+        }
+        b = make_draft_extend_batch(rows_, seq, accept);
+        break;
+      }
+      default:
+        b = make_extend_batch(rows_, c.prefix, c.qlen, c.mode);
+    }
+    b.out_cache_loc.clear();
+    for (size_t i = 0; i < c.prefix.size(); ++i)
+      for (int32_t t = 0; t < c.qlen[i]; ++t) b.out_cache_loc.push_back(slots_[i][c.prefix[i] + t]);
+    return b;
+  }
+
+  BackendContext ctx(bool device) const {
+    BackendContext x;
+    x.model = &model_;
+    x.options = &options_;
+    x.kv_cache = device && dev_cache_ ? dev_.cache.get() : host_.cache.get();
+    x.req_to_token = pool_.get();
+    x.device = device ? Device::cuda(0) : Device::cpu();
+    return x;
+  }
+
+  const Case& c_;
+  std::mt19937 rng_;
+  ModelSpec model_;
+  Options options_;
+  KVStorage host_, dev_;
+  cuda::CudaKVCache* dev_cache_ = nullptr;
+  std::unique_ptr<ReqToTokenPool> pool_;
+  std::vector<int64_t> rows_;
+  std::vector<std::vector<int64_t>> slots_;
+};
+
+// Runs one step through the reference (host) and the cuda backend and compares outputs, lse and
+// (for a device cache) the pool rows the step wrote.
+void check_case(const Case& c) {
+  Harness h(c);
+  const ForwardBatch batch = h.batch();
+  const int64_t T = batch.num_tokens();
+  const LayerSpec& layer = h.model_.layers[0];
+  std::mt19937 rng(c.seed * 7919u + 3);
+
+  HostBuffer q(c.act, {T, c.hq, c.dim}), k(c.act, {T, c.hkv, c.dim}), v(c.act, {T, c.hkv, c.dim});
+  fill_random(q.view(), rng, 1.f);
+  fill_random(k.view(), rng, 2.f);
+  fill_random(v.view(), rng, 2.f);
+  std::vector<float> sinks(c.hq);
+  for (float& s : sinks) s = std::uniform_real_distribution<float>(-1.f, 3.f)(rng);
+  HostBuffer ref_out(c.act, {T, c.hq, c.dim}), ref_lse(DType::f32, {T, c.hq});
+  HostBuffer out(c.act, {T, c.hq, c.dim}), lse(DType::f32, {T, c.hq});
+  std::memset(out.data(), 0xff, out.bytes());  // NaN poison: every element must be written
+  std::memset(lse.data(), 0xff, lse.bytes());
+
+  // Reference first: its host cache receives the step's K/V.
+  {
+    h.host_.cache->begin_step(batch);
+    ReferenceBackend ref(h.ctx(false));
+    ref.init_forward_metadata(batch);
+    AttnArgs a;
+    a.q = q.view();
+    a.k = k.view();
+    a.v = v.view();
+    a.out = ref_out.view();
+    a.lse = ref_lse.view();
+    a.sinks = c.sinks ? sinks.data() : nullptr;
+    ref.forward(a, layer, batch);
+  }
+
+  // The cuda backend on the device cache (or mirroring a second host cache in the same state).
+  Harness* hh = &h;
+  std::unique_ptr<Harness> mirror;
+  if (c.host_cache) {
+    mirror = std::make_unique<Harness>(c);  // same seed: same pool contents and slots
+    hh = mirror.get();
+  }
+  KVCache& cache = c.host_cache ? *hh->host_.cache : *h.dev_.cache;
+  cache.begin_step(batch);
+  cuda::CudaBackend be(c.host_cache ? hh->ctx(false) : h.ctx(true));
+  be.init_forward_metadata(batch);
+  AttnArgs a;
+  a.sinks = c.sinks ? sinks.data() : nullptr;
+  std::optional<DevTensor> dq, dk, dv, dout, dlse, dsinks;
+  if (c.host_tensors || c.host_cache) {
+    a.q = q.view();
+    a.k = k.view();
+    a.v = v.view();
+    a.out = out.view();
+    if (c.lse) a.lse = lse.view();
+  } else {
+    dq.emplace(q.view());
+    dk.emplace(k.view());
+    dv.emplace(v.view());
+    dout.emplace(out.view());
+    dlse.emplace(lse.view());
+    a.q = dq->view;
+    a.k = dk->view;
+    a.v = dv->view;
+    a.out = dout->view;
+    if (c.lse) a.lse = dlse->view;
+    if (c.sinks) {
+      HostBuffer sb(DType::f32, {c.hq});
+      std::memcpy(sb.data(), sinks.data(), sinks.size() * sizeof(float));
+      dsinks.emplace(sb.view());
+      a.sinks = static_cast<const float*>(dsinks->ptr);
+    }
+  }
+  be.forward(a, layer, batch);
+  ASSERT_EQ(cudaStreamSynchronize(be.stream()), cudaSuccess);
+  if (!(c.host_tensors || c.host_cache)) {
+    dout->download(out.view());
+    dlse->download(lse.view());
+  }
+
+  const Compare co = compare(out.view(), ref_out.view(), T);
+  const double tol = c.act == DType::f16 ? 4e-3 : 1.2e-2;
+  EXPECT_TRUE(co.finite) << "non-finite output (unwritten or NaN)";
+  EXPECT_LT(co.rel, tol) << "max abs error " << co.max_abs;
+  EXPECT_LT(co.max_abs, 0.08);
+  if (c.lse) {
+    double worst = 0;
+    for (int64_t i = 0; i < T * c.hq; ++i)
+      worst = std::max(worst, std::abs(double{lse.ptr<float>()[i]} - ref_lse.ptr<float>()[i]));
+    EXPECT_LT(worst, 2e-2) << "lse differs from the reference";
+  }
+  if (h.dev_cache_) {
+    // The KV-write kernel: the rows this step wrote equal the host pool's, bit for bit.
+    const KVLayerView hv = h.host_.cache->layer(0);
+    const size_t kb = hv.num_rows * hv.k_row_stride * dtype_size(hv.dtype);
+    std::vector<char> dk_host(kb), dv_host(kb);
+    h.dev_cache_->copy_layer_to_host(0, dk_host.data(), dv_host.data());
+    const size_t row_bytes = hv.k_row_stride * dtype_size(hv.dtype);
+    int mismatched = 0;
+    for (int64_t s : batch.out_cache_loc) {
+      mismatched += std::memcmp(dk_host.data() + s * row_bytes,
+                                static_cast<char*>(hv.k) + s * row_bytes, row_bytes) != 0;
+      mismatched += std::memcmp(dv_host.data() + s * row_bytes,
+                                static_cast<char*>(hv.v) + s * row_bytes, row_bytes) != 0;
+    }
+    EXPECT_EQ(mismatched, 0) << "stored K/V rows differ from the host pool's";
+  }
+}
+
+std::vector<int32_t> random_lens(std::mt19937& rng, int n, int lo, int hi) {
+  std::vector<int32_t> v(n);
+  for (int32_t& x : v) x = std::uniform_int_distribution<int>(lo, hi)(rng);
+  return v;
+}
+
+class CudaBackendTest : public ::testing::Test {
+ protected:
+  void SetUp() override { SKIP_WITHOUT_GPU(); }
+  std::mt19937 rng{20260417};
+};
+
+TEST_F(CudaBackendTest, DecodeMatchesReferenceAcrossHeadDimsAndGroups) {
+  for (int dim : {64, 128, 256}) {
+    for (auto [hq, hkv] : {std::pair{8, 2}, std::pair{8, 8}, std::pair{32, 2}, std::pair{12, 4}}) {
+      Case c;
+      c.dim = dim;
+      c.hq = hq;
+      c.hkv = hkv;
+      c.prefix = random_lens(rng, 5, 0, 700);
+      c.qlen.assign(5, 1);
+      c.seed = dim + hq;
+      SCOPED_TRACE(testing::Message() << "dim " << dim << " hq " << hq << " hkv " << hkv);
+      check_case(c);
+    }
+  }
+}
+
+TEST_F(CudaBackendTest, DecodeSplitsLongRequests) {
+  Case c;
+  c.prefix = {20000, 3, 9000};
+  c.qlen = {1, 1, 1};
+  check_case(c);
+  c.deterministic = true;
+  check_case(c);
+}
+
+TEST_F(CudaBackendTest, DecodeDtypesAndPageSizes) {
+  for (DType kv : {DType::bf16, DType::e4m3, DType::e5m2}) {
+    for (int page : {1, 16, 64}) {
+      Case c;
+      c.kv = kv;
+      c.page = page;
+      c.prefix = random_lens(rng, 4, 1, 1500);
+      c.qlen.assign(4, 1);
+      if (is_fp8(kv)) {
+        c.k_scale = 0.7f;
+        c.v_scale = 1.6f;
+      }
+      SCOPED_TRACE(testing::Message() << dtype_name(kv) << " page " << page);
+      check_case(c);
+    }
+  }
+  Case h;
+  h.act = h.kv = DType::f16;
+  h.prefix = {100, 900};
+  h.qlen = {1, 1};
+  check_case(h);
+  h.kv = DType::e4m3;
+  check_case(h);
+}
+
+TEST_F(CudaBackendTest, DecodeWindowSoftcapSinks) {
+  Case c;
+  c.prefix = random_lens(rng, 4, 50, 3000);
+  c.qlen.assign(4, 1);
+  c.window = 200;
+  c.cap = 30.f;
+  c.sinks = true;
+  check_case(c);
+  c.window = 0;
+  check_case(c);
+}
+
+TEST_F(CudaBackendTest, ExtendWithCachedPrefix) {
+  for (int dim : {64, 128, 256}) {
+    Case c;
+    c.mode = ForwardMode::EXTEND;
+    c.dim = dim;
+    c.prefix = {0, 37, 300, 16};
+    c.qlen = {200, 5, 129, 1};
+    SCOPED_TRACE(testing::Message() << "dim " << dim);
+    check_case(c);
+  }
+  Case w;
+  w.mode = ForwardMode::EXTEND;
+  w.prefix = {500, 0};
+  w.qlen = {300, 260};
+  w.window = 100;
+  w.cap = 20.f;
+  w.sinks = true;
+  w.kv = DType::e4m3;
+  w.k_scale = 0.5f;
+  check_case(w);
+}
+
+TEST_F(CudaBackendTest, MixedNonCausalAndDraftExtend) {
+  Case m;
+  m.mode = ForwardMode::MIXED;
+  m.prefix = {100, 40, 41, 700};
+  m.qlen = {150, 1, 1, 1};
+  check_case(m);
+  Case nc;
+  nc.mode = ForwardMode::EXTEND;
+  nc.causal = false;
+  nc.prefix = {0, 20};
+  nc.qlen = {180, 40};
+  check_case(nc);
+  Case d;
+  d.mode = ForwardMode::DRAFT_EXTEND;
+  d.prefix = {300, 1000, 64};
+  d.qlen = {3, 1, 4};
+  check_case(d);
+}
+
+TEST_F(CudaBackendTest, TargetVerifyChainAndTree) {
+  Case chain;
+  chain.mode = ForwardMode::TARGET_VERIFY;
+  chain.prefix = random_lens(rng, 6, 10, 2000);
+  chain.qlen.assign(6, 8);
+  check_case(chain);
+  Case tree = chain;
+  tree.topk = 4;
+  tree.qlen.assign(6, 16);
+  check_case(tree);
+  tree.window = 40;
+  tree.seed = 5;
+  check_case(tree);
+}
+
+TEST_F(CudaBackendTest, HostTensorsAndHostCacheMirror) {
+  Case c;
+  c.mode = ForwardMode::EXTEND;
+  c.prefix = {33, 0};
+  c.qlen = {20, 70};
+  c.host_tensors = true;
+  check_case(c);
+  c.host_tensors = false;
+  c.host_cache = true;
+  c.page = 1;
+  check_case(c);
+}
+
+TEST_F(CudaBackendTest, RejectsWhatItCannotRun) {
+  Case c;
+  c.prefix = {10};
+  c.qlen = {1};
+  Harness h(c);
+  const ForwardBatch batch = h.batch();
+  cuda::CudaBackend be(h.ctx(true));
+  LayerSpec odd = h.model_.layers[0];
+  odd.head_dim = odd.v_head_dim = 96;
+  HostBuffer q(DType::bf16, {1, 8, 96}), out(DType::bf16, {1, 8, 96});
+  AttnArgs a;
+  a.q = q.view();
+  a.out = out.view();
+  try {
+    be.forward(a, h.model_.layers[0], batch);
+    FAIL() << "forward without a plan was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("init_forward_metadata"), std::string::npos) << e.what();
+  }
+  be.init_forward_metadata(batch);
+  try {
+    be.forward(a, odd, batch);
+    FAIL() << "head_dim 96 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_dim 64, 128 or 256"), std::string::npos) << e.what();
+  }
+}
+
+// Capture one decode step (plan outside, kernels inside the graph) at one set of lengths, replay
+// it at others (and padded), and compare with the reference; a sync inside capture would fail it.
+TEST_F(CudaBackendTest, GraphCaptureReplaysAtNewLengths) {
+  Case c;
+  c.prefix = {1500, 40, 3000, 7};
+  c.qlen.assign(4, 1);
+  Harness h(c);
+  const LayerSpec& layer = h.model_.layers[0];
+  cuda::CudaBackend be(h.ctx(true));
+  be.init_cuda_graph_state(4, 4);
+  const int bs = 4;
+  HostBuffer q(c.act, {bs, c.hq, c.dim}), k(c.act, {bs, c.hkv, c.dim}), v(c.act, {bs, c.hkv, c.dim});
+  HostBuffer out(c.act, {bs, c.hq, c.dim}), ref_out(c.act, {bs, c.hq, c.dim});
+  std::mt19937 rng(11);
+  fill_random(q.view(), rng, 1.f);
+  fill_random(k.view(), rng, 2.f);
+  fill_random(v.view(), rng, 2.f);
+  DevTensor dq(q.view()), dk(k.view()), dv(v.view()), dout(out.view());
+  AttnArgs a;
+  a.q = dq.view;
+  a.k = dk.view;
+  a.v = dv.view;
+  a.out = dout.view;
+
+  ForwardBatch cap = h.batch();
+  h.dev_.cache->begin_step(cap);
+  be.init_forward_metadata_capture_cuda_graph(bs, bs, cap);
+  cudaStream_t s = be.stream();
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal), cudaSuccess);
+  be.forward(a, layer, cap);
+  ASSERT_EQ(cudaStreamEndCapture(s, &graph), cudaSuccess);
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+  // Replay at new lengths: the same rows, shorter and longer sequences (still inside the rows'
+  // allocated slots), then with the last request padded.
+  for (int round = 0; round < 2; ++round) {
+    std::vector<int32_t> seq = {round ? 1200 : 300, 41, round ? 2500 : 3001, 8};
+    const int raw = round ? 3 : 4;
+    ForwardBatch b = make_decode_batch(h.rows_, seq);
+    b.out_cache_loc.assign(bs, 0);
+    for (int i = 0; i < bs; ++i) b.out_cache_loc[i] = h.slots_[i][seq[i] - 1];
+    if (raw < bs) {
+      b.seq_lens[bs - 1] = 1;
+      b.positions[bs - 1] = 0;
+      b.out_cache_loc[bs - 1] = 0;
+    }
+    fill_random(q.view(), rng, 1.f);
+    fill_random(k.view(), rng, 2.f);
+    ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), q.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dk.ptr, k.data(), k.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    h.dev_.cache->begin_step(b);
+    be.init_forward_metadata_replay_cuda_graph(bs, bs, b);
+    ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
+    dout.download(out.view());
+
+    ForwardBatch rb = b;
+    if (raw < bs) {
+      rb = make_decode_batch({h.rows_.begin(), h.rows_.begin() + raw},
+                             {seq.begin(), seq.begin() + raw});
+      rb.out_cache_loc.assign(b.out_cache_loc.begin(), b.out_cache_loc.begin() + raw);
+    }
+    h.host_.cache->begin_step(rb);
+    ReferenceBackend ref(h.ctx(false));
+    ref.init_forward_metadata(rb);
+    AttnArgs ra;
+    ra.q = TensorView(q.data(), c.act, {raw, c.hq, c.dim});
+    ra.k = TensorView(k.data(), c.act, {raw, c.hkv, c.dim});
+    ra.v = TensorView(v.data(), c.act, {raw, c.hkv, c.dim});
+    ra.out = ref_out.view();
+    ra.out.shape[0] = raw;
+    ref.forward(ra, layer, rb);
+    const Compare co = compare(out.view(), ref_out.view(), raw);
+    EXPECT_TRUE(co.finite);
+    EXPECT_LT(co.rel, 1.2e-2) << "round " << round << " max abs " << co.max_abs;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
+// The eager plan and forward themselves never synchronise: run a whole step inside a capture.
+TEST_F(CudaBackendTest, EagerStepRunsInsideStreamCapture) {
+  Case c;
+  c.mode = ForwardMode::EXTEND;
+  c.prefix = {64, 5};
+  c.qlen = {30, 3};
+  Harness h(c);
+  const ForwardBatch batch = h.batch();
+  const int64_t T = batch.num_tokens();
+  cuda::CudaBackend be(h.ctx(true));
+  HostBuffer q(c.act, {T, c.hq, c.dim}), k(c.act, {T, c.hkv, c.dim}), out(c.act, {T, c.hq, c.dim});
+  std::mt19937 rng(3);
+  fill_random(q.view(), rng, 1.f);
+  fill_random(k.view(), rng, 1.f);
+  DevTensor dq(q.view()), dk(k.view()), dv(k.view()), dout(out.view());
+  AttnArgs a;
+  a.q = dq.view;
+  a.k = dk.view;
+  a.v = dv.view;
+  a.out = dout.view;
+  h.dev_.cache->begin_step(batch);
+  be.init_forward_metadata(batch);  // warm-up: buffers reach their size
+  be.forward(a, h.model_.layers[0], batch);
+  ASSERT_EQ(cudaStreamSynchronize(be.stream()), cudaSuccess);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(be.stream(), cudaStreamCaptureModeGlobal), cudaSuccess);
+  h.dev_.cache->begin_step(batch);
+  be.init_forward_metadata(batch);
+  be.forward(a, h.model_.layers[0], batch);
+  ASSERT_EQ(cudaStreamEndCapture(be.stream(), &graph), cudaSuccess);
+  size_t nodes = 0;
+  ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
+  EXPECT_GE(nodes, 3u);  // uploads, KV stores and attention
+  cudaGraphDestroy(graph);
+}
+
+#else
+
+TEST(CudaBackendTest, SkippedWithoutCuda) {
+  GTEST_SKIP() << "attnrt was built without CUDA: " << query_cuda().reason;
+}
+
+#endif
+
+}  // namespace
+}  // namespace attnrt
