@@ -4,9 +4,11 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "attnrt/core/tensor.h"
+#include "attnrt/memory/token_allocator.h"
 #include "attnrt/model/model_spec.h"
 
 namespace attnrt {
@@ -27,9 +29,19 @@ struct KVLayerView {
   // SWA layers: full-pool slot -> this pool's slot (0 = no slot; length full rows + 1, last = -1).
   // nullptr = identity (full-attention layers).
   const int64_t* slot_map = nullptr;
+  int64_t slot_map_rows = 0;  // full-pool rows; slot_map[slot_map_rows] == -1
   // This step's write slots in this pool's slot space ([num_tokens]), translated once per step.
   const int64_t* step_write_loc = nullptr;
+  // True when the layer lives in the SWA pool of an SWA-hybrid cache (slot_map is set). Whether a
+  // layer attends over a window is the LayerSpec's business, not this flag's.
   bool is_swa = false;
+
+  // A full-pool slot (as stored in req_to_token / out_cache_loc) in this pool's slot space; -1 stays
+  // -1. The caller guarantees -1 <= full_slot < slot_map_rows.
+  int64_t pool_slot(int64_t full_slot) const {
+    if (slot_map == nullptr) return full_slot;
+    return slot_map[full_slot < 0 ? slot_map_rows : full_slot];
+  }
 };
 
 class KVCache {
@@ -42,6 +54,9 @@ class KVCache {
   // Stores k [T, Hkv, Dqk] and v [T, Hkv, Dv] (any float dtype; quantised with the layer's scale for
   // fp8) at the step's write slots of this layer. Checks shapes and slots before writing anything.
   virtual void store_step_kv(int layer_id, const TensorView& k, const TensorView& v) = 0;
+  // fp8 (and any other dtype): stored = round(x / scale); readers multiply by the scale. 1 by
+  // default. Scales must be finite and > 0.
+  virtual void set_kv_scales(int layer_id, float k_scale, float v_scale);
   virtual Device device() const = 0;
   virtual DType dtype() const = 0;
   virtual int page_size() const = 0;
@@ -71,6 +86,7 @@ class MHATokenToKVPool {
     HostBuffer k, v;
   };
   const Layer& find(int layer_id) const;
+  Layer& find(int layer_id) { return const_cast<Layer&>(std::as_const(*this).find(layer_id)); }
   int64_t rows_;
   DType dtype_;
   std::vector<Layer> layers_;
@@ -87,6 +103,22 @@ struct KVCacheConfig {
   DType dtype = DType::bf16;
   int max_num_tokens = 8192;  // size of the per-step translated write-slot buffer
 };
+// SWA-hybrid models need the allocator that keeps the full->SWA mapping: use make_host_kv_storage
+// for them (this throws and says so). Linear-attention layers have no KV; MLA layers are rejected
+// (the MLA latent pool of reference-semantics §4.5 is not built yet).
 std::unique_ptr<KVCache> make_host_kv_cache(const ModelSpec& model, const KVCacheConfig& config);
+
+// The allocator and the KV cache of a model, built together so that an SWA-hybrid cache and its
+// SWATokenAllocator share the full->SWA mapping. Plain models get a PagedTokenAllocator over
+// config.full_slots; the cache's pools have allocator rows (page 0 reserved).
+struct KVStorage {
+  std::unique_ptr<TokenAllocator> allocator;
+  std::unique_ptr<KVCache> cache;
+};
+KVStorage make_host_kv_storage(const ModelSpec& model, const KVCacheConfig& config);
+
+// True when the model has both sliding-window layers (LayerKind::swa or sliding_window >= 0) and
+// full-attention layers with a KV cache, i.e. it needs the SWA-hybrid cache.
+bool is_swa_hybrid(const ModelSpec& model);
 
 }  // namespace attnrt

@@ -1,6 +1,8 @@
 // PageAllocator: token slots handed out in pages (reference-semantics §4.2).
 // Slot = page_id * page_size + offset; page 0 is reserved (dummy rows of padded graph replays write
 // there), so a pool backing this allocator has (num_pages + 1) * page_size rows.
+// Invariant: a request's token at position `pos` lives in a slot with slot % page_size ==
+// pos % page_size, and the tokens of one page belong to one request, in order.
 // Every failing call throws attnrt::Error and leaves the allocator unchanged.
 #pragma once
 
@@ -12,12 +14,13 @@ namespace attnrt {
 
 class PageAllocator {
  public:
-  // `size` usable token slots (rounded down to whole pages); page_size >= 1.
+  // `size` usable token slots (rounded down to whole pages, at least one page); page_size >= 1.
   PageAllocator(int64_t size, int page_size);
 
   // Per request: fill the rest of its partial last page (contiguous after last_loc), then whole new
-  // pages, then one partial page. last_loc = slot of the request's last existing token, -1 if none.
-  // Returns sum(seq_lens - prefix_lens) slots, request-major.
+  // pages, then one partial page. last_loc = slot of the request's last existing token; -1 when it
+  // has none (prefix 0), and -1 is also accepted when the prefix ends on a page boundary, since no
+  // partial page is continued then. Returns sum(seq_lens - prefix_lens) slots, request-major.
   std::vector<int64_t> alloc_extend(std::span<const int32_t> prefix_lens,
                                     std::span<const int32_t> seq_lens,
                                     std::span<const int64_t> last_locs);
@@ -25,8 +28,15 @@ class PageAllocator {
   // seq_lens include the token being allocated.
   std::vector<int64_t> alloc_decode(std::span<const int32_t> seq_lens,
                                     std::span<const int64_t> last_locs);
+  // Validates an alloc_extend call without changing anything and returns the number of new pages it
+  // takes (sum over requests of ceil(seq/P) - ceil(prefix/P)). `what` names the caller in messages.
+  int64_t check_extend(std::span<const int32_t> prefix_lens, std::span<const int32_t> seq_lens,
+                       std::span<const int64_t> last_locs, const char* what = "alloc_extend") const;
   // Frees the pages that hold these slots (every page once; freeing a free page is an error).
   void free(std::span<const int64_t> slots);
+  // The distinct pages holding `slots`, ascending; throws (changing nothing) on a slot outside the
+  // usable pages or on a page that is not in use.
+  std::vector<int64_t> pages_of(std::span<const int64_t> slots, const char* what = "free") const;
 
   int page_size() const { return page_size_; }
   int64_t num_pages() const { return num_pages_; }
@@ -37,6 +47,10 @@ class PageAllocator {
 
  private:
   int64_t take_page();
+  void release_pages(const std::vector<int64_t>& pages);
+  std::vector<int64_t> fill(std::span<const int32_t> prefix_lens,
+                            std::span<const int32_t> seq_lens,
+                            std::span<const int64_t> last_locs);
   int page_size_;
   int64_t num_pages_;
   std::vector<int64_t> free_list_;  // popped from the back

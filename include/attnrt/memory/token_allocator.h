@@ -7,9 +7,9 @@
 #include <span>
 #include <vector>
 
-namespace attnrt {
+#include "attnrt/memory/page_allocator.h"
 
-class PageAllocator;
+namespace attnrt {
 
 class TokenAllocator {
  public:
@@ -26,6 +26,61 @@ class TokenAllocator {
   virtual void free_swa(std::span<const int64_t> slots) { (void)slots; }
   virtual int64_t available_size() const = 0;
   virtual int page_size() const = 0;
+};
+
+// The plain allocator: one PageAllocator over the full pool's slots.
+class PagedTokenAllocator final : public TokenAllocator {
+ public:
+  PagedTokenAllocator(int64_t size, int page_size) : pages_(size, page_size) {}
+  std::vector<int64_t> alloc_extend(std::span<const int32_t> prefix_lens,
+                                    std::span<const int32_t> seq_lens,
+                                    std::span<const int64_t> last_locs) override {
+    return pages_.alloc_extend(prefix_lens, seq_lens, last_locs);
+  }
+  std::vector<int64_t> alloc_decode(std::span<const int32_t> seq_lens,
+                                    std::span<const int64_t> last_locs) override {
+    return pages_.alloc_decode(seq_lens, last_locs);
+  }
+  void free(std::span<const int64_t> slots) override { pages_.free(slots); }
+  int64_t available_size() const override { return pages_.available_size(); }
+  int page_size() const override { return pages_.page_size(); }
+  const PageAllocator& pages() const { return pages_; }
+
+ private:
+  PageAllocator pages_;
+};
+
+// SWA-hybrid models (reference-semantics §4.4): every allocated token gets a slot in the full pool
+// and one in the smaller SWA pool, with the same page layout in both (slot % P == position % P, one
+// SWA page per full page). full_to_swa()[s] is the SWA slot of full slot s, 0 = none; it has
+// full rows + 1 entries and the last one is -1, so that the "no last location" index -1 maps to -1.
+// SWA slots are released in whole pages: free_swa() requires every token of a page that still has
+// an SWA slot to be passed together.
+class SWATokenAllocator final : public TokenAllocator {
+ public:
+  SWATokenAllocator(int64_t full_size, int64_t swa_size, int page_size);
+
+  std::vector<int64_t> alloc_extend(std::span<const int32_t> prefix_lens,
+                                    std::span<const int32_t> seq_lens,
+                                    std::span<const int64_t> last_locs) override;
+  std::vector<int64_t> alloc_decode(std::span<const int32_t> seq_lens,
+                                    std::span<const int64_t> last_locs) override;
+  void free(std::span<const int64_t> slots) override;
+  void free_swa(std::span<const int64_t> slots) override;
+  int64_t available_size() const override;
+  int page_size() const override { return full_.page_size(); }
+
+  const PageAllocator& full() const { return full_; }
+  const PageAllocator& swa() const { return swa_; }
+  // Shared with the SWA KV cache, which reads it once per step. Its address never changes.
+  std::shared_ptr<const std::vector<int64_t>> full_to_swa() const { return map_; }
+
+ private:
+  std::vector<int64_t> swa_last_locs(std::span<const int32_t> prefix_lens,
+                                     std::span<const int64_t> last_locs, const char* what) const;
+  void map(const std::vector<int64_t>& full_slots, const std::vector<int64_t>& swa_slots);
+  PageAllocator full_, swa_;
+  std::shared_ptr<std::vector<int64_t>> map_;
 };
 
 }  // namespace attnrt

@@ -3,9 +3,13 @@
 //   begin_step(batch)            validates the batch, prepares the pools, runs the plan once
 //   forward(layer_id, args)      stores this step's k/v (when args.save_kv) and attends
 //   end_step()
+// The batch passed to begin_step must stay alive and unchanged until end_step (the plan and the KV
+// cache's write slots point into it). Slots come from allocator(), request rows from
+// req_to_token(); the engine writes req_to_token before begin_step (reference-semantics §2.2).
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "attnrt/backend/attention_backend.h"
 #include "attnrt/backend/options.h"
@@ -22,6 +26,7 @@ struct RuntimeConfig {
   int64_t kv_slots = 1 << 16;     // usable token slots of the full KV pool
   double swa_full_tokens_ratio = 0.8;
   int max_num_tokens = 8192;      // largest step (tokens)
+  int max_context_len = 0;        // columns of req_to_token; 0 = the model's max_context_len
 };
 
 class AttentionRuntime {
@@ -40,7 +45,8 @@ class AttentionRuntime {
   void begin_step(const ForwardBatch& batch);
   void forward(int layer_id, const AttnArgs& args);
   void end_step();
-  const ForwardBatch& current_batch() const { return *batch_; }
+  // Throws attnrt::Error outside begin_step .. end_step.
+  const ForwardBatch& current_batch() const;
 
  private:
   ModelSpec model_;
@@ -52,6 +58,7 @@ class AttentionRuntime {
   std::unique_ptr<KVCache> kv_cache_;
   std::unique_ptr<AttentionBackend> backend_;
   const ForwardBatch* batch_ = nullptr;
+  std::vector<int> layer_index_;  // layer id -> index in model_.layers, -1 if absent
 };
 
 }  // namespace attnrt

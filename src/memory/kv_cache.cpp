@@ -1,0 +1,244 @@
+#include "attnrt/memory/kv_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <tuple>
+
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/core/error.h"
+
+namespace attnrt {
+
+void KVCache::set_kv_scales(int layer_id, float, float) {
+  fail("this KV cache does not take per-layer KV scales (layer {})", layer_id);
+}
+
+namespace {
+
+bool is_swa_layer(const LayerSpec& l) {
+  return l.kind == LayerKind::swa || (l.uses_kv_cache() && l.sliding_window >= 0);
+}
+
+// Host KV cache over one or two slot spaces. Layers with the same [kv_heads, head_dim, v_head_dim]
+// share one MHATokenToKVPool; all pools of a slot space have the same rows. With a full->SWA map
+// the sliding-window layers live in the SWA slot space and are written through a translation of
+// out_cache_loc made once per step into swa_loc_, whose address never changes.
+class HostKVCache final : public KVCache {
+ public:
+  HostKVCache(const ModelSpec& model, const KVCacheConfig& config, int64_t full_rows,
+              int64_t swa_rows, std::shared_ptr<const std::vector<int64_t>> full_to_swa)
+      : dtype_(config.dtype),
+        page_size_(config.page_size),
+        full_rows_(full_rows),
+        map_(std::move(full_to_swa)),
+        seen_(static_cast<size_t>(full_rows), 0) {
+    using Shape = std::tuple<bool, int, int, int>;  // (swa, kv heads, head dim, v head dim)
+    std::map<Shape, std::vector<LayerSpec>> groups;
+    int max_id = -1;
+    for (const LayerSpec& l : model.layers) {
+      max_id = std::max(max_id, l.layer_id);
+      if (!l.uses_kv_cache()) continue;
+      const bool swa = map_ != nullptr && is_swa_layer(l);
+      const int v_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+      groups[{swa, l.num_kv_heads, l.head_dim, v_dim}].push_back(l);
+    }
+    entries_.resize(static_cast<size_t>(max_id + 1));
+    for (const LayerSpec& l : model.layers) {
+      ATTNRT_CHECK(l.layer_id >= 0, "KV cache: layer id {} is negative", l.layer_id);
+      entries_[l.layer_id].kind = l.kind;
+    }
+    for (auto& [shape, layers] : groups) {
+      const bool swa = std::get<0>(shape);
+      pools_.push_back(
+          std::make_unique<MHATokenToKVPool>(swa ? swa_rows : full_rows, dtype_, layers));
+      for (const LayerSpec& l : layers) {
+        entries_[l.layer_id].pool = pools_.back().get();
+        entries_[l.layer_id].swa = swa;
+      }
+    }
+    if (map_ != nullptr) {
+      ATTNRT_CHECK(config.max_num_tokens >= 1,
+                   "KV cache: max_num_tokens {} is invalid; it sizes the per-step SWA write-slot "
+                   "buffer and must be >= 1",
+                   config.max_num_tokens);
+      swa_loc_.assign(static_cast<size_t>(config.max_num_tokens), 0);
+    }
+  }
+
+  KVLayerView layer(int layer_id) const override {
+    const Entry& e = entry(layer_id);
+    KVLayerView view = e.pool->layer(layer_id);
+    if (e.swa) {
+      view.slot_map = map_->data();
+      view.slot_map_rows = full_rows_;
+      view.step_write_loc = swa_loc_.data();
+      view.is_swa = true;
+    } else {
+      view.step_write_loc = step_loc_;
+    }
+    return view;
+  }
+
+  void begin_step(const ForwardBatch& batch) override {
+    step_loc_ = nullptr;
+    step_tokens_ = -1;
+    const std::vector<int64_t>& loc = batch.out_cache_loc;
+    const auto tokens = static_cast<int64_t>(loc.size());
+    if (map_ != nullptr) {
+      ATTNRT_CHECK(tokens <= static_cast<int64_t>(swa_loc_.size()),
+                   "KV cache: the step has {} tokens, more than max_num_tokens = {} that the SWA "
+                   "write-slot buffer was sized for; raise max_num_tokens or split the step",
+                   tokens, swa_loc_.size());
+    }
+    if (++epoch_ == 0) {  // wrapped: forget every stamp
+      std::fill(seen_.begin(), seen_.end(), 0);
+      epoch_ = 1;
+    }
+    for (int64_t i = 0; i < tokens; ++i) {
+      const int64_t s = loc[i];
+      ATTNRT_CHECK(s >= 0 && s < full_rows_,
+                   "KV cache: out_cache_loc[{}] = {} is outside the KV pool's slots 0..{}", i, s,
+                   full_rows_ - 1);
+      if (s == 0) continue;  // the dummy row: every padded token may write there
+      if (seen_[s] == epoch_) {
+        const auto first = std::find(loc.begin(), loc.begin() + i, s) - loc.begin();
+        fail("KV cache: out_cache_loc[{}] = {} repeats out_cache_loc[{}]; every token of a step "
+             "needs its own slot (only the dummy slot 0 may repeat)",
+             i, s, first);
+      }
+      seen_[s] = epoch_;
+      ATTNRT_CHECK(map_ == nullptr || (*map_)[s] != 0,
+                   "KV cache: out_cache_loc[{}] = {} has no SWA slot (never allocated, or released "
+                   "by free_swa); allocate step slots with the SWA allocator",
+                   i, s);
+    }
+    if (map_ != nullptr) {
+      for (int64_t i = 0; i < tokens; ++i) swa_loc_[i] = (*map_)[loc[i]];
+    }
+    step_loc_ = loc.data();
+    step_tokens_ = tokens;
+  }
+
+  void store_step_kv(int layer_id, const TensorView& k, const TensorView& v) override {
+    const Entry& e = entry(layer_id);
+    ATTNRT_CHECK(step_tokens_ >= 0,
+                 "store_step_kv(layer {}): no step has begun; call begin_step(batch) first",
+                 layer_id);
+    ATTNRT_CHECK(k.ndim >= 1 && k.shape[0] == step_tokens_,
+                 "store_step_kv(layer {}): k is {}, but the step has {} tokens", layer_id,
+                 k.describe(), step_tokens_);
+    const int64_t* loc = e.swa ? swa_loc_.data() : step_loc_;
+    e.pool->set_kv_buffer(layer_id, std::span<const int64_t>(loc, static_cast<size_t>(step_tokens_)),
+                          k, v);
+  }
+
+  void set_kv_scales(int layer_id, float k_scale, float v_scale) override {
+    entry(layer_id).pool->set_scales(layer_id, k_scale, v_scale);
+  }
+
+  Device device() const override { return Device::cpu(); }
+  DType dtype() const override { return dtype_; }
+  int page_size() const override { return page_size_; }
+
+ private:
+  struct Entry {
+    MHATokenToKVPool* pool = nullptr;
+    bool swa = false;
+    LayerKind kind = LayerKind::full;
+  };
+
+  const Entry& entry(int layer_id) const {
+    ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < entries_.size(),
+                 "KV cache: layer {} does not exist; the model has layers 0..{}", layer_id,
+                 static_cast<int64_t>(entries_.size()) - 1);
+    const Entry& e = entries_[layer_id];
+    ATTNRT_CHECK(e.pool != nullptr, "KV cache: layer {} is a {} layer and has no KV cache",
+                 layer_id, layer_kind_name(e.kind));
+    return e;
+  }
+
+  DType dtype_;
+  int page_size_;
+  int64_t full_rows_;
+  std::shared_ptr<const std::vector<int64_t>> map_;  // null: no SWA slot space
+  std::vector<std::unique_ptr<MHATokenToKVPool>> pools_;
+  std::vector<Entry> entries_;  // by layer id
+  std::vector<int64_t> swa_loc_;  // [max_num_tokens], allocated once
+  const int64_t* step_loc_ = nullptr;
+  int64_t step_tokens_ = -1;  // -1: no valid step
+  std::vector<uint32_t> seen_;  // [full rows]: epoch of the step that last wrote each slot
+  uint32_t epoch_ = 0;
+};
+
+void check_config(const ModelSpec& model, const KVCacheConfig& config) {
+  ATTNRT_CHECK(config.page_size >= 1, "KV cache: page_size {} is invalid; it must be >= 1",
+               config.page_size);
+  ATTNRT_CHECK(is_float(config.dtype),
+               "KV cache: {} is not a KV storage dtype; use bf16, fp16, fp32, fp8_e4m3 or "
+               "fp8_e5m2",
+               dtype_name(config.dtype));
+  ATTNRT_CHECK(config.full_slots >= config.page_size,
+               "KV cache: full_slots = {} holds no page of {} slots; give at least one page",
+               config.full_slots, config.page_size);
+  for (const LayerSpec& l : model.layers) {
+    ATTNRT_CHECK(l.kind != LayerKind::mla,
+                 "KV cache: layer {} of model '{}' is an MLA layer; the host KV cache has no MLA "
+                 "latent pool yet (reference-semantics §4.5), so MLA models cannot be served",
+                 l.layer_id, model.name);
+  }
+}
+
+}  // namespace
+
+bool is_swa_hybrid(const ModelSpec& model) {
+  bool swa = false, full = false;
+  for (const LayerSpec& l : model.layers) {
+    if (!l.uses_kv_cache()) continue;
+    (is_swa_layer(l) ? swa : full) = true;
+  }
+  return swa && full;
+}
+
+KVStorage make_host_kv_storage(const ModelSpec& model, const KVCacheConfig& config) {
+  check_config(model, config);
+  KVStorage out;
+  if (!is_swa_hybrid(model)) {
+    auto alloc = std::make_unique<PagedTokenAllocator>(config.full_slots, config.page_size);
+    const int64_t rows = alloc->pages().pool_rows();
+    out.cache = std::make_unique<HostKVCache>(model, config, rows, 0, nullptr);
+    out.allocator = std::move(alloc);
+    return out;
+  }
+  int64_t swa_slots = config.swa_slots;
+  if (swa_slots == 0) {
+    ATTNRT_CHECK(config.swa_full_tokens_ratio > 0 && std::isfinite(config.swa_full_tokens_ratio),
+                 "KV cache: swa_full_tokens_ratio = {} is invalid; it must be > 0 (or set "
+                 "swa_slots)",
+                 config.swa_full_tokens_ratio);
+    swa_slots = static_cast<int64_t>(static_cast<double>(config.full_slots) *
+                                     config.swa_full_tokens_ratio);
+  }
+  ATTNRT_CHECK(swa_slots >= config.page_size,
+               "KV cache: the SWA pool gets {} slots (swa_slots = {}, swa_full_tokens_ratio = {} "
+               "of {} full slots), less than one page of {}; give it more slots",
+               swa_slots, config.swa_slots, config.swa_full_tokens_ratio, config.full_slots,
+               config.page_size);
+  auto alloc =
+      std::make_unique<SWATokenAllocator>(config.full_slots, swa_slots, config.page_size);
+  out.cache = std::make_unique<HostKVCache>(model, config, alloc->full().pool_rows(),
+                                            alloc->swa().pool_rows(), alloc->full_to_swa());
+  out.allocator = std::move(alloc);
+  return out;
+}
+
+std::unique_ptr<KVCache> make_host_kv_cache(const ModelSpec& model, const KVCacheConfig& config) {
+  ATTNRT_CHECK(!is_swa_hybrid(model),
+               "make_host_kv_cache: model '{}' mixes sliding-window and full-attention layers; "
+               "its SWA pool is only usable with the allocator that keeps the full->SWA mapping, "
+               "so build both with make_host_kv_storage",
+               model.name);
+  return make_host_kv_storage(model, config).cache;
+}
+
+}  // namespace attnrt

@@ -1,0 +1,205 @@
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "attnrt/core/error.h"
+#include "attnrt/memory/kv_cache.h"
+
+namespace attnrt {
+
+namespace {
+
+// Raw element type and float conversions of each float dtype, so the copy loops below are
+// instantiated per (source, storage) pair instead of switching per element.
+template <DType T>
+struct Codec;
+template <>
+struct Codec<DType::f32> {
+  using raw = float;
+  static float load(raw x) { return x; }
+  static raw store(float x) { return x; }
+};
+template <>
+struct Codec<DType::f16> {
+  using raw = uint16_t;
+  static float load(raw x) { return fp16_to_float(x); }
+  static raw store(float x) { return float_to_fp16(x); }
+};
+template <>
+struct Codec<DType::bf16> {
+  using raw = uint16_t;
+  static float load(raw x) { return bf16_to_float(x); }
+  static raw store(float x) { return float_to_bf16(x); }
+};
+template <>
+struct Codec<DType::e4m3> {
+  using raw = uint8_t;
+  static float load(raw x) { return e4m3_to_float(x); }
+  static raw store(float x) { return float_to_e4m3(x); }
+};
+template <>
+struct Codec<DType::e5m2> {
+  using raw = uint8_t;
+  static float load(raw x) { return e5m2_to_float(x); }
+  static raw store(float x) { return float_to_e5m2(x); }
+};
+
+template <class F>
+void dispatch_float(DType t, F&& f) {
+  switch (t) {
+    case DType::f32: f(std::integral_constant<DType, DType::f32>{}); return;
+    case DType::f16: f(std::integral_constant<DType, DType::f16>{}); return;
+    case DType::bf16: f(std::integral_constant<DType, DType::bf16>{}); return;
+    case DType::e4m3: f(std::integral_constant<DType, DType::e4m3>{}); return;
+    case DType::e5m2: f(std::integral_constant<DType, DType::e5m2>{}); return;
+    default: fail("KV pool: {} is not a float dtype", dtype_name(t));
+  }
+}
+
+// dst rows [slot, heads, dim] contiguous; src element (t, h, d) at t*s0 + h*s1 + d*s2.
+template <DType S, DType D>
+void scatter_rows(const TensorView& src, std::span<const int64_t> loc, void* dst, float scale) {
+  using SR = typename Codec<S>::raw;
+  using DR = typename Codec<D>::raw;
+  const int64_t heads = src.shape[1], dim = src.shape[2];
+  const int64_t s0 = src.strides[0], s1 = src.strides[1], s2 = src.strides[2];
+  const auto* in = static_cast<const SR*>(src.data);
+  auto* out = static_cast<DR*>(dst);
+  const bool copy = S == D && scale == 1.f && s2 == 1;
+  for (size_t t = 0; t < loc.size(); ++t) {
+    DR* row = out + loc[t] * heads * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const SR* x = in + static_cast<int64_t>(t) * s0 + h * s1;
+      DR* y = row + h * dim;
+      if (copy) {
+        std::memcpy(y, x, static_cast<size_t>(dim) * sizeof(DR));
+      } else {
+        for (int64_t d = 0; d < dim; ++d) y[d] = Codec<D>::store(Codec<S>::load(x[d * s2]) / scale);
+      }
+    }
+  }
+}
+
+void check_input(const char* name, const TensorView& x, int64_t tokens, int heads, int dim,
+                 int layer_id) {
+  const bool shape_ok = x.ndim == 3 && x.shape[0] == tokens && x.shape[1] == heads &&
+                        x.shape[2] == dim;
+  ATTNRT_CHECK(shape_ok,
+               "set_kv_buffer(layer {}): {} is {}, expected [{}, {}, {}] (tokens, kv heads, head "
+               "dim)",
+               layer_id, name, x.describe(), tokens, heads, dim);
+  ATTNRT_CHECK(x.device.kind == DeviceKind::cpu,
+               "set_kv_buffer(layer {}): {} is {}; the host KV pool takes host tensors", layer_id,
+               name, x.describe());
+  ATTNRT_CHECK(is_float(x.dtype),
+               "set_kv_buffer(layer {}): {} is {}; K/V must be fp32, fp16, bf16 or fp8", layer_id,
+               name, x.describe());
+  ATTNRT_CHECK(tokens == 0 || x.data != nullptr,
+               "set_kv_buffer(layer {}): {} has no data ({})", layer_id, name, x.describe());
+}
+
+}  // namespace
+
+MHATokenToKVPool::MHATokenToKVPool(int64_t rows, DType dtype, const std::vector<LayerSpec>& layers)
+    : rows_(rows), dtype_(dtype) {
+  ATTNRT_CHECK(rows >= 1, "MHATokenToKVPool: {} rows; a pool needs at least the reserved row", rows);
+  ATTNRT_CHECK(is_float(dtype),
+               "MHATokenToKVPool: {} is not a KV storage dtype; use bf16, fp16, fp32, fp8_e4m3 or "
+               "fp8_e5m2",
+               dtype_name(dtype));
+  layers_.reserve(layers.size());
+  for (const LayerSpec& l : layers) {
+    ATTNRT_CHECK(l.uses_kv_cache() && l.kind != LayerKind::mla,
+                 "MHATokenToKVPool: layer {} is {}; this pool holds full / sliding-window "
+                 "attention layers only",
+                 l.layer_id, layer_kind_name(l.kind));
+    const int v_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+    ATTNRT_CHECK(l.layer_id >= 0 && l.num_kv_heads > 0 && l.head_dim > 0,
+                 "MHATokenToKVPool: layer {} has {} kv heads and head_dim {}; all must be > 0 "
+                 "(layer id >= 0)",
+                 l.layer_id, l.num_kv_heads, l.head_dim);
+    if (static_cast<size_t>(l.layer_id) >= index_of_.size()) index_of_.resize(l.layer_id + 1, -1);
+    ATTNRT_CHECK(index_of_[l.layer_id] < 0, "MHATokenToKVPool: layer {} is given twice",
+                 l.layer_id);
+    index_of_[l.layer_id] = static_cast<int>(layers_.size());
+    Layer& x = layers_.emplace_back();
+    x.layer_id = l.layer_id;
+    x.kv_heads = l.num_kv_heads;
+    x.head_dim = l.head_dim;
+    x.v_head_dim = v_dim;
+    x.k = HostBuffer(dtype, {rows, l.num_kv_heads, l.head_dim});
+    x.v = HostBuffer(dtype, {rows, l.num_kv_heads, v_dim});
+    // Zeroed so that the reserved row and never-written slots read as 0, never as stale bytes.
+    std::memset(x.k.data(), 0, x.k.bytes());
+    std::memset(x.v.data(), 0, x.v.bytes());
+  }
+}
+
+bool MHATokenToKVPool::holds(int layer_id) const {
+  return layer_id >= 0 && static_cast<size_t>(layer_id) < index_of_.size() &&
+         index_of_[layer_id] >= 0;
+}
+
+const MHATokenToKVPool::Layer& MHATokenToKVPool::find(int layer_id) const {
+  ATTNRT_CHECK(holds(layer_id), "MHATokenToKVPool: layer {} is not held by this pool", layer_id);
+  return layers_[static_cast<size_t>(index_of_[layer_id])];
+}
+
+KVLayerView MHATokenToKVPool::layer(int layer_id) const {
+  const Layer& l = find(layer_id);
+  KVLayerView view;
+  view.k = l.k.data();
+  view.v = l.v.data();
+  view.dtype = dtype_;
+  view.device = Device::cpu();
+  view.num_rows = rows_;
+  view.kv_heads = l.kv_heads;
+  view.head_dim = l.head_dim;
+  view.v_head_dim = l.v_head_dim;
+  view.k_row_stride = static_cast<int64_t>(l.kv_heads) * l.head_dim;
+  view.v_row_stride = static_cast<int64_t>(l.kv_heads) * l.v_head_dim;
+  view.k_scale = l.k_scale;
+  view.v_scale = l.v_scale;
+  return view;
+}
+
+void MHATokenToKVPool::set_scales(int layer_id, float k_scale, float v_scale) {
+  Layer& l = find(layer_id);
+  ATTNRT_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
+               "KV scales of layer {} are k_scale {} and v_scale {}; scales must be finite and > 0",
+               layer_id, k_scale, v_scale);
+  l.k_scale = k_scale;
+  l.v_scale = v_scale;
+}
+
+void MHATokenToKVPool::set_kv_buffer(int layer_id, std::span<const int64_t> loc,
+                                     const TensorView& k, const TensorView& v) {
+  const Layer& l = find(layer_id);
+  const auto tokens = static_cast<int64_t>(loc.size());
+  check_input("k", k, tokens, l.kv_heads, l.head_dim, layer_id);
+  check_input("v", v, tokens, l.kv_heads, l.v_head_dim, layer_id);
+  // Slot 0 is the reserved dummy row: padded rows of a graph replay write there by design.
+  for (size_t i = 0; i < loc.size(); ++i) {
+    ATTNRT_CHECK(loc[i] >= 0 && loc[i] < rows_,
+                 "set_kv_buffer(layer {}): loc[{}] = {} is outside the pool's slots 0..{}",
+                 layer_id, i, loc[i], rows_ - 1);
+  }
+  dispatch_float(k.dtype, [&](auto s) {
+    dispatch_float(dtype_, [&](auto d) {
+      scatter_rows<decltype(s)::value, decltype(d)::value>(k, loc, l.k.data(), l.k_scale);
+    });
+  });
+  dispatch_float(v.dtype, [&](auto s) {
+    dispatch_float(dtype_, [&](auto d) {
+      scatter_rows<decltype(s)::value, decltype(d)::value>(v, loc, l.v.data(), l.v_scale);
+    });
+  });
+}
+
+size_t MHATokenToKVPool::bytes() const {
+  size_t total = 0;
+  for (const Layer& l : layers_) total += l.k.bytes() + l.v.bytes();
+  return total;
+}
+
+}  // namespace attnrt

@@ -1,0 +1,147 @@
+#include "attnrt/memory/token_allocator.h"
+
+#include <algorithm>
+
+#include "attnrt/core/error.h"
+
+namespace attnrt {
+
+SWATokenAllocator::SWATokenAllocator(int64_t full_size, int64_t swa_size, int page_size)
+    : full_(full_size, page_size), swa_(swa_size, page_size) {
+  map_ = std::make_shared<std::vector<int64_t>>(static_cast<size_t>(full_.pool_rows()) + 1, 0);
+  map_->back() = -1;
+}
+
+std::vector<int64_t> SWATokenAllocator::swa_last_locs(std::span<const int32_t> prefix_lens,
+                                                      std::span<const int64_t> last_locs,
+                                                      const char* what) const {
+  const auto& m = *map_;
+  const int P = page_size();
+  std::vector<int64_t> out(last_locs.size());
+  for (size_t i = 0; i < last_locs.size(); ++i) {
+    if (last_locs[i] == -1) {
+      out[i] = -1;
+      continue;
+    }
+    const int64_t s = m[static_cast<size_t>(last_locs[i])];
+    if (s != 0) {
+      out[i] = s;
+    } else {
+      // The last token left the window; that only matters when its page is to be continued.
+      ATTNRT_CHECK(prefix_lens[i] % P == 0,
+                   "{}: request {} continues the page of last_loc {}, but that token's SWA slot "
+                   "was already released by free_swa; release SWA slots only in whole pages that "
+                   "no running request still extends",
+                   what, i, last_locs[i]);
+      out[i] = -1;
+    }
+  }
+  return out;
+}
+
+void SWATokenAllocator::map(const std::vector<int64_t>& full_slots,
+                            const std::vector<int64_t>& swa_slots) {
+  auto& m = *map_;
+  for (size_t i = 0; i < full_slots.size(); ++i) m[static_cast<size_t>(full_slots[i])] = swa_slots[i];
+}
+
+std::vector<int64_t> SWATokenAllocator::alloc_extend(std::span<const int32_t> prefix_lens,
+                                                     std::span<const int32_t> seq_lens,
+                                                     std::span<const int64_t> last_locs) {
+  // Everything is validated, and the SWA pool's capacity checked, before the full pool changes:
+  // the full allocation is then the only step that can fail, and it fails without a change.
+  full_.check_extend(prefix_lens, seq_lens, last_locs, "alloc_extend");
+  const auto swa_last = swa_last_locs(prefix_lens, last_locs, "alloc_extend");
+  const int64_t swa_pages =
+      swa_.check_extend(prefix_lens, seq_lens, swa_last, "alloc_extend (SWA pool)");
+  if (swa_pages > swa_.free_pages()) {
+    int64_t tokens = 0;
+    for (size_t i = 0; i < seq_lens.size(); ++i) tokens += seq_lens[i] - prefix_lens[i];
+    fail("alloc_extend: out of SWA KV cache: {} requests need {} new slots ({} new pages of {}), "
+         "but only {} of {} SWA slots are free; give the SWA pool more slots (swa_slots or a "
+         "larger swa_full_tokens_ratio) or release tokens that left the window with free_swa",
+         seq_lens.size(), tokens, swa_pages, page_size(), swa_.available_size(),
+         swa_.num_pages() * page_size());
+  }
+  auto full_slots = full_.alloc_extend(prefix_lens, seq_lens, last_locs);
+  auto swa_slots = swa_.alloc_extend(prefix_lens, seq_lens, swa_last);
+  map(full_slots, swa_slots);
+  return full_slots;
+}
+
+std::vector<int64_t> SWATokenAllocator::alloc_decode(std::span<const int32_t> seq_lens,
+                                                     std::span<const int64_t> last_locs) {
+  std::vector<int32_t> prefix(seq_lens.size());
+  for (size_t i = 0; i < seq_lens.size(); ++i) {
+    ATTNRT_CHECK(seq_lens[i] >= 1,
+                 "alloc_decode: seq_lens[{}] = {}; decode lengths include the new token, so they "
+                 "are >= 1",
+                 i, seq_lens[i]);
+    prefix[i] = seq_lens[i] - 1;
+  }
+  full_.check_extend(prefix, seq_lens, last_locs, "alloc_decode");
+  const auto swa_last = swa_last_locs(prefix, last_locs, "alloc_decode");
+  const int64_t swa_pages = swa_.check_extend(prefix, seq_lens, swa_last, "alloc_decode (SWA pool)");
+  if (swa_pages > swa_.free_pages()) {
+    fail("alloc_decode: out of SWA KV cache: {} requests need {} new pages of {} slots, but only "
+         "{} of {} SWA pages are free; give the SWA pool more slots (swa_slots or a larger "
+         "swa_full_tokens_ratio) or release tokens that left the window with free_swa",
+         seq_lens.size(), swa_pages, page_size(), swa_.free_pages(), swa_.num_pages());
+  }
+  auto full_slots = full_.alloc_decode(seq_lens, last_locs);
+  auto swa_slots = swa_.alloc_decode(seq_lens, swa_last);
+  map(full_slots, swa_slots);
+  return full_slots;
+}
+
+void SWATokenAllocator::free(std::span<const int64_t> slots) {
+  // The full pool frees whole pages, so every token of those pages loses its SWA slot too.
+  const auto pages = full_.pages_of(slots, "free");
+  auto& m = *map_;
+  const int64_t P = page_size();
+  std::vector<int64_t> swa_slots;
+  for (int64_t p : pages) {
+    for (int64_t s = p * P; s < (p + 1) * P; ++s) {
+      if (m[static_cast<size_t>(s)] != 0) swa_slots.push_back(m[static_cast<size_t>(s)]);
+    }
+  }
+  full_.free(slots);
+  swa_.free(swa_slots);
+  for (int64_t p : pages) std::fill(m.begin() + p * P, m.begin() + (p + 1) * P, 0);
+}
+
+void SWATokenAllocator::free_swa(std::span<const int64_t> slots) {
+  full_.pages_of(slots, "free_swa");  // validates every slot, changes nothing
+  auto& m = *map_;
+  const int64_t P = page_size();
+  std::vector<int64_t> given;
+  given.reserve(slots.size());
+  for (int64_t s : slots) {
+    if (m[static_cast<size_t>(s)] != 0) given.push_back(s);
+  }
+  std::sort(given.begin(), given.end());
+  given.erase(std::unique(given.begin(), given.end()), given.end());
+  for (size_t i = 0; i < given.size();) {
+    const int64_t page = given[i] / P;
+    size_t j = i;
+    while (j < given.size() && given[j] / P == page) ++j;
+    int64_t mapped = 0;
+    for (int64_t s = page * P; s < (page + 1) * P; ++s) mapped += m[static_cast<size_t>(s)] != 0;
+    ATTNRT_CHECK(static_cast<int64_t>(j - i) == mapped,
+                 "free_swa: full page {} has {} tokens with SWA slots but only {} of them were "
+                 "given; SWA slots are released in whole pages of {}, so pass every token of a "
+                 "page once all of them have left the window",
+                 page, mapped, j - i, P);
+    i = j;
+  }
+  std::vector<int64_t> swa_slots(given.size());
+  for (size_t i = 0; i < given.size(); ++i) swa_slots[i] = m[static_cast<size_t>(given[i])];
+  swa_.free(swa_slots);
+  for (int64_t s : given) m[static_cast<size_t>(s)] = 0;
+}
+
+int64_t SWATokenAllocator::available_size() const {
+  return std::min(full_.available_size(), swa_.available_size());
+}
+
+}  // namespace attnrt
