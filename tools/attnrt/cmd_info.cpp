@@ -18,14 +18,9 @@
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
 #include "attnrt/model/model_spec.h"
+#include "backends/cpu/cpu_backend.h"
 #include "tools/attnrt/cli_options.h"
 #include "tools/attnrt/commands.h"
-
-// The cpu backend names the SIMD target Highway dispatched to; builds without it have no such line.
-#if __has_include("backends/cpu/cpu_backend.h")
-#include "backends/cpu/cpu_backend.h"
-#define ATTNRT_INFO_CPU_SIMD 1
-#endif
 
 #ifndef ATTNRT_VERSION
 #error \
@@ -48,7 +43,7 @@ struct InfoArgs {
 struct CpuInfo {
   std::string model;
   unsigned logical_cores = 0;
-  std::string simd_target;  // "" when no backend reports one
+  std::string simd_target;  // what the cpu backend's kernels dispatch to
 };
 
 // "model name" on x86; ARM kernels may only give "Hardware" or "CPU part".
@@ -71,9 +66,7 @@ CpuInfo query_cpu() {
     if ((key == "Hardware" || key == "CPU part") && fallback.empty()) fallback = key + " " + value;
   }
   if (info.model.empty()) info.model = fallback.empty() ? "unknown CPU" : fallback;
-#ifdef ATTNRT_INFO_CPU_SIMD
   info.simd_target = cpu_simd_target();
-#endif
   return info;
 }
 
@@ -312,7 +305,7 @@ void run_info(CLI::App& cmd, const InfoArgs& args) {
     out["build"] = {{"cuda_compiled_in", built_with_cuda()}};
     out["cpu"] = {{"model", cpu.model},
                   {"logical_cores", cpu.logical_cores},
-                  {"simd_target", cpu.simd_target.empty() ? json() : json(cpu.simd_target)}};
+                  {"simd_target", cpu.simd_target}};
     out["cuda"] = {{"usable", cuda.usable},
                    {"reason", cuda.reason},
                    {"name", cuda.name},

@@ -1,0 +1,140 @@
+// `attnrt info` end to end: the support matrix, the per-phase choice with its reasons, the JSON
+// document, and invalid combinations exiting non-zero with the selection error. ctest passes the
+// CLI's path in ATTNRT_CLI.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+
+#include "attnrt/backend/registry.h"
+#include "attnrt/core/dtype.h"
+
+namespace {
+
+struct Result {
+  int status = -1;
+  std::string out, err;
+};
+
+class InfoCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* cli = std::getenv("ATTNRT_CLI");
+    if (cli == nullptr) GTEST_SKIP() << "ATTNRT_CLI is not set (run through ctest)";
+    cli_ = cli;
+    dir_ = std::filesystem::temp_directory_path() /
+           fmt::format("attnrt-info-{}", std::random_device{}());
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+
+  Result run(const std::string& args) {
+    const std::string out = (dir_ / "out").string(), err = (dir_ / "err").string();
+    const std::string cmd = fmt::format("'{}' {} > '{}' 2> '{}'", cli_, args, out, err);
+    const int status = std::system(cmd.c_str());
+    Result r;
+    r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = slurp(out);
+    r.err = slurp(err);
+    return r;
+  }
+
+  static std::string slurp(const std::string& path) {
+    std::ifstream in(path);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  }
+
+  std::string cli_;
+  std::filesystem::path dir_;
+};
+
+bool has(const std::string& text, const std::string& needle) {
+  return text.find(needle) != std::string::npos;
+}
+
+}  // namespace
+
+TEST_F(InfoCli, PrintsTheMachineAndEveryRegisteredBackend) {
+  Result r = run("info");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(has(r.out, "CPU:")) << r.out;
+  EXPECT_TRUE(has(r.out, "CUDA:")) << r.out;
+  EXPECT_TRUE(has(r.out, "Support matrix:")) << r.out;
+  for (const std::string& name : attnrt::Registry::global().names()) {
+    EXPECT_TRUE(has(r.out, "  " + name)) << name << "\n" << r.out;
+  }
+  for (const char* row : {"page sizes", "KV dtypes", "spec topk=1", "spec topk>1", "sliding window",
+                          "softcap", "sinks", "MLA", "non-causal", "CUDA graphs", "linear kinds"}) {
+    EXPECT_TRUE(has(r.out, row)) << row;
+  }
+}
+
+TEST_F(InfoCli, ExplainsTheChoicePerPhaseForAModel) {
+  Result r = run("info --model demo --prefill-attention-backend reference --explain");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_TRUE(has(r.out, "Model demo")) << r.out;
+  EXPECT_TRUE(has(r.out, "prefill         reference")) << r.out;
+  EXPECT_TRUE(has(r.out, "prefill: reference — set by --prefill-attention-backend")) << r.out;
+  EXPECT_TRUE(has(r.out, "decode: ")) << r.out;
+  EXPECT_TRUE(has(r.out, "hybrid router   yes")) << r.out;
+}
+
+TEST_F(InfoCli, JsonCarriesTheSelectionAndEveryBackendsCaps) {
+  std::mt19937 rng(std::random_device{}());
+  const int steps = std::uniform_int_distribution<int>(1, 6)(rng);
+  Result r =
+      run(fmt::format("info --json --model demo --attention-backend reference "
+                      "--kv-cache-dtype fp8_e4m3 --page-size 16 --speculative-num-steps {}",
+                      steps));
+  ASSERT_EQ(r.status, 0) << r.err;
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["selection"]["prefill"], "reference");
+  EXPECT_EQ(j["selection"]["decode"], "reference");
+  EXPECT_EQ(j["selection"]["kv_dtype"], "fp8_e4m3");
+  EXPECT_EQ(j["selection"]["page_size"], 16);
+  EXPECT_EQ(j["selection"]["spec_topk"], 1);
+  EXPECT_EQ(j["selection"]["spec_num_draft_tokens"], steps + 1);
+  EXPECT_EQ(j["backends"].size(), attnrt::Registry::global().entries().size());
+  for (const auto& b : j["backends"]) {
+    const attnrt::BackendEntry& e = attnrt::Registry::global().get(b["name"]);
+    EXPECT_EQ(b["auto_selectable"], e.auto_selectable);
+    EXPECT_EQ(b["caps"]["spec_topk_gt1"], e.caps.spec_topk_gt1);
+    EXPECT_EQ(b["caps"]["kv_dtypes"].size(), e.caps.kv_dtypes.size());
+  }
+}
+
+TEST_F(InfoCli, InvalidCombinationsExitNonZeroWithTheSelectionError) {
+  Result r = run("info --model demo --attention-backend flashinfer");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_TRUE(has(r.err,
+                  "--attention-backend flashinfer: 'flashinfer' is a backend of the "
+                  "reference serving engine"))
+      << r.err;
+
+  r =
+      run("info --model demo --attention-backend reference --speculative-num-steps 3 "
+          "--speculative-num-draft-tokens 6");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_TRUE(has(r.err, "--speculative-num-draft-tokens 6 does not fit a chain")) << r.err;
+
+  // Backend options without --model are checked against the default model.
+  r = run("info --attention-backend nosuch");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_TRUE(has(r.err, "--attention-backend nosuch: unknown attention backend")) << r.err;
+
+  // CLI-level checks reject what can never be valid before any model is read.
+  r = run("info --page-size 0");
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(has(r.err, "--page-size")) << r.err;
+  r = run("info --speculative-attention-mode verify");
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(has(r.err, "--speculative-attention-mode")) << r.err;
+}
