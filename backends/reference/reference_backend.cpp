@@ -175,10 +175,12 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
   std::vector<int64_t> slots(plan_.key_slots.size());
   for (size_t k = 0; k < slots.size(); ++k) {
     const int64_t full = plan_.key_slots[k];
-    ATTNRT_CHECK(full >= 0 && (kv.slot_map != nullptr || full < kv.num_rows),
-                 "reference backend: a request row holds slot {}; layer {} KV rows are [0, {})",
-                 full, layer.layer_id, kv.num_rows);
-    const int64_t s = kv.slot_map ? kv.slot_map[full] : full;
+    const int64_t full_rows = kv.slot_map ? kv.slot_map_rows : kv.num_rows;
+    ATTNRT_CHECK(full >= 0 && full < full_rows,
+                 "reference backend: a request row holds slot {}; layer {} reads full-pool slots "
+                 "[0, {})",
+                 full, layer.layer_id, full_rows);
+    const int64_t s = kv.pool_slot(full);
     ATTNRT_CHECK(s >= 0 && s < kv.num_rows,
                  "reference backend: full slot {} maps to slot {} of layer {}; rows are [0, {})",
                  full, s, layer.layer_id, kv.num_rows);
