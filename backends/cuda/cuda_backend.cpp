@@ -281,9 +281,10 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
     const int32_t* row = pool->row_ptr(static_cast<int>(r.row));
     const int32_t kv_len = r.prefix + r.qlen;
     const int64_t pages = ceil_div(kv_len, page);
+    const int32_t offset_mask = page - 1;  // page is a power of two: no division per page
     for (int64_t j = 0; j < pages; ++j) {
-      const int32_t slot = row[j * page];
-      ATTNRT_CHECK(slot >= 0 && slot % page == 0,
+      const int32_t slot = row[j << plan.page_shift];
+      ATTNRT_CHECK(slot >= 0 && (slot & offset_mask) == 0,
                    "cuda backend: req_to_token[{}, {}] = {} does not start a page of {} slots; "
                    "with page_size > 1 a request's tokens must fill whole pages in order "
                    "(reference-semantics §4.2)",

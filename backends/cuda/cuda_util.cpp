@@ -52,11 +52,20 @@ StagingRing::~StagingRing() {
 void* StagingRing::acquire(size_t bytes, cudaStream_t stream) {
   current_ = (current_ + 1) % kSlots;
   Slot& s = slots_[current_];
-  if (s.pending && !stream_is_capturing(stream)) {
+  const bool capturing = stream_is_capturing(stream);
+  if (s.pending && !capturing) {
     ATTNRT_CUDA_CHECK(cudaEventSynchronize(s.done));
     s.pending = false;
   }
-  s.buf.reserve(bytes);
+  if (s.buf.bytes() < bytes) {
+    // Pinned allocation is forbidden while a stream captures, so every slot grows together, on
+    // the first eager step of a size: a captured step of the same size then finds room in any.
+    ATTNRT_CHECK(!capturing,
+                 "cuda backend: a step needs {} bytes of staging during CUDA-graph capture but the "
+                 "staging buffers hold {}; run one eager step of this size before capturing",
+                 bytes, s.buf.bytes());
+    for (Slot& other : slots_) other.buf.reserve(bytes);
+  }
   return s.buf.data();
 }
 

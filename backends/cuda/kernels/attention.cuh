@@ -19,7 +19,7 @@
 
 namespace attnrt::cuda {
 
-template <int D, int WARPS, int ROWS, int BN, bool FP8>
+template <int D, int WARPS, int ROWS, int BN, bool FP8, int STAGES = 2>
 struct AttnConfig {
   static constexpr int kHeadDim = D;
   static constexpr int kWarps = WARPS;
@@ -27,18 +27,21 @@ struct AttnConfig {
   static constexpr int kRows = ROWS;
   static constexpr int kBN = BN;
   static constexpr bool kFp8 = FP8;
+  static constexpr int kStages = STAGES;  // K/V tiles in flight (cp.async pipeline depth)
   static constexpr int kRowGroups = ROWS / 16;
   static constexpr int kWpr = WARPS / kRowGroups;  // warps sharing a row group
   static constexpr int kKW = BN / kWpr;            // keys of a tile per warp
   static constexpr int kChunks = D / 8;            // 16-byte chunks of a 16-bit row
-  static_assert(ROWS % 16 == 0 && WARPS % kRowGroups == 0 && kKW % 16 == 0 && D % 16 == 0);
+  static_assert(ROWS % 16 == 0 && WARPS % kRowGroups == 0 && kKW % 16 == 0 && D % 16 == 0 &&
+                STAGES >= 2);
 
-  // Shared memory (bytes): Q tile, K/V tiles (two stages of 16-bit tiles, or two stages of raw
-  // fp8 tiles plus one converted 16-bit stage), and the cross-warp merge area, which reuses the
-  // K/V tiles once the key loop is over.
+  // Shared memory (bytes): Q tile, K/V tiles (STAGES stages of 16-bit tiles, or STAGES stages of
+  // raw fp8 tiles plus one converted 16-bit stage), and the cross-warp merge area, which reuses
+  // the K/V tiles once the key loop is over.
   static constexpr int kQBytes = ROWS * D * 2;
   static constexpr int kTileBytes = BN * D * 2;  // one 16-bit K or V tile
-  static constexpr int kKVBytes = FP8 ? (2 * kTileBytes + 4 * BN * D) : 4 * kTileBytes;
+  static constexpr int kKVBytes =
+      FP8 ? (2 * kTileBytes + 2 * STAGES * BN * D) : 2 * STAGES * kTileBytes;
   static constexpr int kMergeBytes = kWpr > 1 ? WARPS * 16 * (D + 2) * 4 : 0;
   static constexpr int kSmemBytes = kQBytes + (kKVBytes > kMergeBytes ? kKVBytes : kMergeBytes);
 };
@@ -69,15 +72,15 @@ __device__ __forceinline__ KeyRange split_range(const AttnParams& p, const ReqIn
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnParams p) {
   constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, ROWS = Cfg::kRows, KW = Cfg::kKW;
-  constexpr int CH = Cfg::kChunks, NT = Cfg::kThreads;
+  constexpr int CH = Cfg::kChunks, NT = Cfg::kThreads, ST = Cfg::kStages;
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   unsigned char* kv = smem + Cfg::kQBytes;
   // 16-bit tiles: stage s of K at sK + s * BN * D. fp8: one converted stage, raw stages after it.
   T* sK = reinterpret_cast<T*>(kv);
-  T* sV = reinterpret_cast<T*>(kv + (Cfg::kFp8 ? 1 : 2) * Cfg::kTileBytes);
+  T* sV = reinterpret_cast<T*>(kv + (Cfg::kFp8 ? 1 : ST) * Cfg::kTileBytes);
   unsigned char* sKraw = kv + 2 * Cfg::kTileBytes;
-  unsigned char* sVraw = sKraw + 2 * BN * D;
+  unsigned char* sVraw = sKraw + ST * BN * D;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rg = warp / Cfg::kWpr, kp = warp % Cfg::kWpr;
@@ -172,8 +175,12 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
   };
 
   const int num_tiles = kr.hi > kr.lo ? ceil_div_i(kr.hi - kr.lo, BN) : 0;
-  if (num_tiles > 0) load_tile(kr.lo, 0);
-  cp_async_commit();
+  // Prologue: the first ST - 1 tiles (the Q tile rides in the first group). Every iteration
+  // commits one group, empty or not, so wait_group<ST - 1> always means "tile `it` has landed".
+  for (int i = 0; i < ST - 1; ++i) {
+    if (i < num_tiles) load_tile(kr.lo + i * BN, i);
+    cp_async_commit();
+  }
 
   // Per-thread rows: g and g + 8 of the warp's row group.
   int row_t[2];
@@ -197,18 +204,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
   uint32_t qf[D / 16][4];
 
   for (int it = 0; it < num_tiles; ++it) {
-    const int stage = Cfg::kFp8 ? 0 : (it & 1);
+    const int stage = Cfg::kFp8 ? 0 : it % ST;
     const int kb = kr.lo + it * BN;
-    if (it + 1 < num_tiles) {
-      load_tile(kb + BN, (it + 1) & 1);
-      cp_async_commit();
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    if (it + ST - 1 < num_tiles) load_tile(kb + (ST - 1) * BN, (it + ST - 1) % ST);
+    cp_async_commit();
+    cp_async_wait<ST - 1>();
     __syncthreads();
     if constexpr (Cfg::kFp8) {
-      convert_tile(it & 1);
+      convert_tile(it % ST);
       __syncthreads();
     }
     if (it == 0) {

@@ -24,30 +24,58 @@ cudaError_t launch_attention(const AttnParams& p, int head_dim, bool fp16, bool 
 
 namespace {
 
-// One block per (request, q head); each thread owns 4 dims. Splits whose lse is -inf (no visible
-// key) are skipped, so their unwritten-by-design values never reach the sum.
+// One block per (request, q head). The split lse values are read in parallel into shared memory
+// (a request may have 64 splits: reading them one after another would serialise 64 memory
+// latencies), then each thread accumulates 4 dims over the splits. Splits whose lse is -inf (no
+// visible key) get weight 0 and their partial output is never read.
+constexpr int kMergeThreads = 128;
+constexpr int kMergeMaxSplits = 128;
+
 template <typename T>
-__global__ void merge_kernel(const MergeParams p) {
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
   const ReqInfo r = p.reqs[blockIdx.x];
   if (r.num_splits <= 1) return;
   const int h = blockIdx.y;
-  const int d0 = threadIdx.x * 4;
-  const int S = r.num_splits;
+  const int S = min(r.num_splits, kMergeMaxSplits);
+  __shared__ float w_s[kMergeMaxSplits];
+  __shared__ float red[kMergeThreads / 32];
+  __shared__ float stat[2];
   for (int t = 0; t < r.qlen; ++t) {
-    float M = -INFINITY;
-    for (int s = 0; s < S; ++s) {
-      const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
-      M = fmaxf(M, p.part_lse[prow * p.num_q_heads + h]);
+    float lse = -INFINITY;
+    if (threadIdx.x < S) {
+      const int64_t prow = r.part_start + static_cast<int64_t>(threadIdx.x) * r.qlen + t;
+      lse = p.part_lse[prow * p.num_q_heads + h];
     }
-    const float m_use = M == -INFINITY ? 0.f : M;
-    float den = 0.f, acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int s = 0; s < S; ++s) {
-      const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
-      const float lse = p.part_lse[prow * p.num_q_heads + h];
-      if (lse == -INFINITY) continue;
-      const float w = exp2f(lse - m_use);
-      den += w;
-      if (d0 < p.head_dim) {
+    float m = lse;
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float M = red[0];
+      for (int i = 1; i < kMergeThreads / 32; ++i) M = fmaxf(M, red[i]);
+      stat[0] = M == -INFINITY ? 0.f : M;
+    }
+    __syncthreads();
+    const float m_use = stat[0];
+    if (threadIdx.x < S) w_s[threadIdx.x] = lse == -INFINITY ? 0.f : exp2f(lse - m_use);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float den = 0.f;
+      for (int s = 0; s < S; ++s) den += w_s[s];
+      if (p.sinks) den += exp2f(p.sinks[h] * 1.4426950408889634f - m_use);
+      stat[1] = den;
+    }
+    __syncthreads();
+    const float den = stat[1];
+    const float inv = den > 0.f ? p.v_scale / den : 0.f;
+    const int64_t row = r.qo_start + t;
+    for (int d0 = threadIdx.x * 4; d0 < p.head_dim; d0 += kMergeThreads * 4) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 4
+      for (int s = 0; s < S; ++s) {
+        const float w = w_s[s];
+        if (w == 0.f) continue;
+        const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
         const float4 o = *reinterpret_cast<const float4*>(
             p.part_o + (prow * p.num_q_heads + h) * p.head_dim + d0);
         acc[0] += w * o.x;
@@ -55,11 +83,6 @@ __global__ void merge_kernel(const MergeParams p) {
         acc[2] += w * o.z;
         acc[3] += w * o.w;
       }
-    }
-    if (p.sinks) den += exp2f(p.sinks[h] * 1.4426950408889634f - m_use);
-    const float inv = den > 0.f ? p.v_scale / den : 0.f;
-    const int64_t row = r.qo_start + t;
-    if (d0 < p.head_dim) {
       T* dst = static_cast<T*>(p.out) + row * p.o_stride_tok + h * p.o_stride_head + d0;
       for (int i = 0; i < 4; ++i) {
         if constexpr (std::is_same_v<T, __half>) {
@@ -72,6 +95,7 @@ __global__ void merge_kernel(const MergeParams p) {
     if (p.lse_out && threadIdx.x == 0)
       p.lse_out[row * p.lse_stride_tok + h] =
           den > 0.f ? (m_use + log2f(den)) * 0.6931471805599453f : -INFINITY;
+    __syncthreads();
   }
 }
 
@@ -121,11 +145,10 @@ __global__ void store_kv_kernel(const StoreParams p) {
 cudaError_t launch_merge(const MergeParams& p, bool fp16, cudaStream_t stream) {
   if (p.num_reqs == 0) return cudaSuccess;
   const dim3 grid(p.num_reqs, p.num_q_heads);
-  const int threads = (p.head_dim + 3) / 4;
   if (fp16) {
-    merge_kernel<__half><<<grid, threads, 0, stream>>>(p);
+    merge_kernel<__half><<<grid, kMergeThreads, 0, stream>>>(p);
   } else {
-    merge_kernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(p);
+    merge_kernel<__nv_bfloat16><<<grid, kMergeThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }
