@@ -1,0 +1,298 @@
+#!/usr/bin/env python3
+"""The attnrt bench workloads through PyTorch's scaled_dot_product_attention on the CPU.
+
+Gives the other side of the side-by-side table (bench/compare.py). Row names, shapes and counting
+rules are those of `attnrt bench` (WORKLOADS.md). The best way to get identical shapes is to read
+them from an attnrt JSON report:
+
+    build/attnrt bench --preset cpu-small --json attnrt.json
+    python3 bench/torch_sdpa.py --from attnrt.json --json torch.json
+    python3 bench/compare.py attnrt.json torch.json
+
+What is timed, per row, is one SDPA call (median of repeats after warm-up, caches flushed between
+repetitions as attnrt does). SDPA has no paged KV and no fp8 KV, so:
+  * decode / extend / verify: K/V are laid out in a paged pool (pages randomly permuted, as attnrt
+    does), then gathered into dense [B, Hkv, L, D] tensors BEFORE timing; only SDPA is timed. The
+    gather a paged kernel does for free is therefore not charged to torch.
+  * fp8 rows: the pool holds e4m3 values; they are dequantised to bf16 during that gather, so torch
+    reads 2 bytes per element where attnrt reads 1. The row is still counted with fp8 bytes, so its
+    GB/s compares the same work.
+  * GQA runs through enable_gqa=True (no K/V head expansion), causal prefill through is_causal,
+    extend and verify through an explicit boolean mask (prefix visible, causal or tree among the
+    new tokens).
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import warnings
+
+STANDARD = [
+    # (name, kind, batch, prefix_len, new_tokens, head_dim, page_size, kv_dtype, topk)
+    *[(f"decode-{b}x{l}{sfx}", "decode", b, l - 1, 1, 128, page, dt, 1)
+      for sfx, page, dt in (("", 16, "bf16"), ("-p1", 1, "bf16"), ("-fp8", 16, "fp8_e4m3"))
+      for b, l in ((1, 32768), (16, 4096), (64, 4096), (128, 8192), (256, 2048), (32, 32768))],
+    ("prefill-1x1024", "prefill", 1, 0, 1024, 128, 16, "bf16", 1),
+    ("prefill-1x4096", "prefill", 1, 0, 4096, 128, 16, "bf16", 1),
+    ("prefill-1x16384", "prefill", 1, 0, 16384, 128, 16, "bf16", 1),
+    ("prefill-8x2048", "prefill", 8, 0, 2048, 128, 16, "bf16", 1),
+    ("prefill-1x8192-d64", "prefill", 1, 0, 8192, 64, 16, "bf16", 1),
+    ("prefill-1x8192-d256", "prefill", 1, 0, 8192, 256, 16, "bf16", 1),
+    ("extend-8x2048+512", "extend", 8, 2048, 512, 128, 16, "bf16", 1),
+    ("verify-chain-64x4096+8", "verify-chain", 64, 4096, 8, 128, 16, "bf16", 1),
+    ("verify-tree-64x4096+16-topk4", "verify-tree", 64, 4096, 16, 128, 16, "bf16", 4),
+]
+
+Q_HEADS, KV_HEADS = 32, 8
+
+
+def standard_rows(scale):
+    rows = []
+    for name, kind, b, p, n, d, page, dt, topk in STANDARD:
+        row = dict(name=name, kind=kind, batch=b, prefix_len=p, new_tokens=n, head_dim=d,
+                   page_size=page, kv_dtype=dt, topk=topk, q_heads=Q_HEADS, kv_heads=KV_HEADS)
+        if scale != 1.0:
+            # The same rule as `attnrt bench --scale`: batch x F (>= 1), lengths x F rounded to
+            # multiples of 16 (>= 16), draft tokens unchanged.
+            q = lambda x: max(16, int(round(x * scale / 16)) * 16)
+            row["batch"] = max(1, int(round(b * scale)))
+            if kind == "decode":
+                row["prefix_len"] = q(p + 1) - 1
+            elif kind == "prefill":
+                row["new_tokens"] = q(n)
+            elif kind == "extend":
+                row["prefix_len"], row["new_tokens"] = q(p), q(n)
+            else:
+                row["prefix_len"] = q(p)
+        if topk > 1:
+            row["tree_parents"] = None  # only attnrt's JSON carries the exact tree; see below
+        rows.append(row)
+    return rows
+
+
+def rows_from_attnrt(path):
+    with open(path) as f:
+        report = json.load(f)
+    if report.get("schema") != "attnrt-bench/1":
+        sys.exit(f"{path}: not an attnrt bench report (schema {report.get('schema')!r})")
+    rows = []
+    for r in report["rows"]:
+        s = dict(r["shape"])
+        s["name"] = r["name"]
+        rows.append(s)
+    return rows, report
+
+
+def eagle_tree(n, topk):
+    """Fallback tree when no attnrt JSON gives one: levels of topk nodes, each hanging off the
+    level above in turn (same shape family as attnrt's, not the same draw)."""
+    parents, level = [-1], [0]
+    while len(parents) < n:
+        nxt = []
+        for i in range(min(topk, n - len(parents))):
+            parents.append(level[i % len(level)])
+            nxt.append(len(parents) - 1)
+        level = nxt
+    return parents
+
+
+def counted(row):
+    b, p, n, d = row["batch"], row["prefix_len"], row["new_tokens"], row["head_dim"]
+    elem = 1 if row["kv_dtype"].startswith("fp8") else 2
+    kv_bytes = b * (p + n) * row["kv_heads"] * d * 2 * elem
+    if row["kind"] == "prefill":
+        return "GFLOP/s", b * 4 * n * n * row["q_heads"] * d / 2
+    if row["kind"] == "extend":
+        return "GFLOP/s", b * 4 * row["q_heads"] * d * (n * p + n * n / 2)
+    return "GB/s", kv_bytes
+
+
+def llc_bytes():
+    best = 0
+    for i in range(8):
+        try:
+            with open(f"/sys/devices/system/cpu/cpu0/cache/index{i}/size") as f:
+                t = f.read().strip()
+        except OSError:
+            continue
+        v = int(t.rstrip("KMG"))
+        v <<= {"K": 10, "M": 20, "G": 30}.get(t[-1], 0)
+        best = max(best, v)
+    return best or (32 << 20)
+
+
+def build_inputs(torch, row, gen):
+    """q [B, Hq, N, D], dense k/v [B, Hkv, P+N, D] gathered from a permuted paged pool, mask."""
+    b, p, n, d = row["batch"], row["prefix_len"], row["new_tokens"], row["head_dim"]
+    hq, hkv, page = row["q_heads"], row["kv_heads"], row["page_size"]
+    kv_len = p + n
+    q = torch.randn(b, hq, n, d, generator=gen).to(torch.bfloat16)
+    if row["kind"] == "prefill":
+        k = torch.randn(b, hkv, n, d, generator=gen).to(torch.bfloat16)
+        v = torch.randn(b, hkv, n, d, generator=gen).to(torch.bfloat16)
+        return q, k, v, None, True
+    pages_per_req = -(-kv_len // page)
+    num_pages = b * pages_per_req
+    pool_dtype = torch.float8_e4m3fn if row["kv_dtype"] == "fp8_e4m3" else torch.bfloat16
+    order = torch.randperm(num_pages, generator=gen) + 1  # page 0 reserved, as in attnrt
+    tok = torch.arange(kv_len)
+    slots = torch.stack([order[r * pages_per_req + tok // page] * page + tok % page
+                         for r in range(b)])  # [B, L]
+    rows_total = (num_pages + 1) * page
+
+    def gathered():
+        pool = torch.randn(rows_total, hkv, d, generator=gen).to(pool_dtype)
+        dense = pool[slots.reshape(-1)].to(torch.bfloat16).reshape(b, kv_len, hkv, d)
+        return dense.transpose(1, 2).contiguous()
+
+    k, v = gathered(), gathered()
+    if row["kind"] == "decode":
+        return q, k, v, None, False
+    mask = torch.ones(n, kv_len, dtype=torch.bool)
+    if row["kind"] in ("extend", "verify-chain"):
+        mask[:, p:] = torch.ones(n, n, dtype=torch.bool).tril()
+    else:
+        parents = row.get("tree_parents") or eagle_tree(n, row["topk"])
+        for t in range(n):
+            mask[t, p:] = False
+            a = t
+            while a != -1:
+                mask[t, p + a] = True
+                a = parents[a]
+    return q, k, v, mask, False
+
+
+def run_row(torch, F, row, args, flush):
+    gen = torch.Generator().manual_seed(args.seed)
+    q, k, v, mask, causal = build_inputs(torch, row, gen)
+    call = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                  enable_gqa=True)
+    for _ in range(args.warmup):
+        call()
+    samples = []
+    for _ in range(args.repeats):
+        flush.add_(1)
+        t0 = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+
+    def quantile(f):
+        pos = f * (len(samples) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(samples) - 1)
+        return samples[lo] + (samples[hi] - samples[lo]) * (pos - lo)
+
+    unit, amount = counted(row)
+    med = statistics.median(samples)
+    notes = []
+    if row["kind"] != "prefill":
+        notes.append("paged K/V gathered to dense before timing; only SDPA timed")
+    if row["kv_dtype"].startswith("fp8"):
+        notes.append("fp8 KV dequantised to bf16 before timing (SDPA has no fp8 KV)")
+    if row["kind"] == "verify-tree" and not row.get("tree_parents"):
+        notes.append("tree built locally (no attnrt JSON given)")
+    return {
+        "name": row["name"],
+        "shape": {key: row[key] for key in ("kind", "batch", "prefix_len", "new_tokens",
+                                            "head_dim", "page_size", "kv_dtype", "q_heads",
+                                            "kv_heads")},
+        "time_ms": {"median": med * 1e3, "min": samples[0] * 1e3, "max": samples[-1] * 1e3,
+                    "p10": quantile(0.1) * 1e3, "p90": quantile(0.9) * 1e3,
+                    "repeats": len(samples)},
+        "metric": unit,
+        "rate": amount / med / 1e9,
+        "status": "ok",
+        "notes": notes,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n", 2)[2])
+    ap.add_argument("--from", dest="source", help="attnrt bench JSON whose row shapes to run")
+    ap.add_argument("--workload", default="all",
+                    help="all, a kind (decode, prefill, extend, verify) or row names, comma-separated")
+    ap.add_argument("--scale", type=float, default=1.0,
+                    help="without --from: shrink batch and lengths as attnrt bench --scale does")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads; 0 = ATTNRT_NUM_THREADS, else every core")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", help="write the rows as JSON (for bench/compare.py)")
+    args = ap.parse_args()
+    if not 0 < args.scale <= 1:
+        ap.error(f"--scale {args.scale} is out of range: use a factor in (0, 1]")
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats} is invalid: use at least 1")
+
+    # torch warns at import when NumPy is absent; nothing here uses NumPy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        sys.exit("torch is not installed: `pip install torch` (the CPU build is enough), then rerun")
+
+    threads = args.threads or int(os.environ.get("ATTNRT_NUM_THREADS", "0") or 0) or os.cpu_count()
+    torch.set_num_threads(threads)
+    if args.source:
+        rows, _ = rows_from_attnrt(args.source)
+    else:
+        rows = standard_rows(args.scale)
+    if args.workload != "all":
+        wanted = args.workload.split(",")
+        rows = [r for r in rows if r["name"] in wanted or r["kind"] in wanted
+                or (r["kind"].startswith("verify") and "verify" in wanted)]
+        if not rows:
+            sys.exit(f"--workload {args.workload}: no row matches")
+
+    flush = torch.zeros(2 * llc_bytes() // 4, dtype=torch.float32)
+    out = []
+    print(f"torch {torch.__version__} SDPA on cpu ({torch.backends.cpu.get_cpu_capability()}), "
+          f"{threads} threads")
+    print(f"{'row':<30} {'shape':<26} {'ms':>9} {'p10..p90 ms':>17} {'rate':>14}")
+    for row in rows:
+        shape = f"{row['batch']}x({row['prefix_len']}+{row['new_tokens']}) d{row['head_dim']}"
+        try:
+            r = run_row(torch, F, row, args, flush)
+        except (RuntimeError, MemoryError) as e:
+            r = {"name": row["name"], "status": "error", "error": str(e).split("\n")[0]}
+            print(f"{row['name']:<30} {shape:<26} ERROR: {r['error']}")
+            out.append(r)
+            continue
+        t = r["time_ms"]
+        print(f"{row['name']:<30} {shape:<26} {t['median']:>9.2f} "
+              f"{t['p10']:>8.2f}..{t['p90']:<8.2f} {r['rate']:>7.1f} {r['metric']}", flush=True)
+        out.append(r)
+
+    if args.json:
+        cpu_model = platform.processor()
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpu_model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+        report = {
+            "schema": "attnrt-bench/1",
+            "implementation": "torch-sdpa",
+            "torch_version": torch.__version__,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": threads,
+            "source": args.source,
+            "machine": {"cpu_model": cpu_model, "logical_cpus": os.cpu_count()},
+            "rows": out,
+        }
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
