@@ -1,0 +1,609 @@
+#include "attnrt/sim/driver.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "attnrt/backend/hybrid_attn_backend.h"
+#include "attnrt/backend/registry.h"
+#include "attnrt/core/error.h"
+#include "attnrt/runtime/attention_runtime.h"
+
+namespace attnrt::sim {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+constexpr int kMaxFailuresPerMode = 3;
+
+// xoshiro256+: the q/k/v of every layer of every step are fresh random numbers, and there are many of
+// them; a small fast generator keeps data generation well below the attention cost.
+class FastRng {
+ public:
+  explicit FastRng(uint64_t seed) {
+    for (auto& w : s_) {
+      seed += 0x9e3779b97f4a7c15ull;
+      uint64_t z = seed;
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      w = z ^ (z >> 31);
+    }
+  }
+  uint64_t next() {
+    const uint64_t result = s_[0] + s_[3];
+    const uint64_t t = s_[1] << 17;
+    s_[2] ^= s_[0];
+    s_[3] ^= s_[1];
+    s_[1] ^= s_[2];
+    s_[0] ^= s_[3];
+    s_[2] ^= t;
+    s_[3] = (s_[3] << 45) | (s_[3] >> 19);
+    return result;
+  }
+  // Uniform in [-scale, scale).
+  float symmetric(float scale) {
+    return static_cast<float>(static_cast<int32_t>(next() >> 32)) * (scale * 0x1.0p-31f);
+  }
+
+ private:
+  std::array<uint64_t, 4> s_{};
+};
+
+void fill_random(const TensorView& t, FastRng& rng, float scale) {
+  const int64_t n = t.numel();
+  switch (t.dtype) {
+    case DType::f32: {
+      float* p = t.ptr<float>();
+      for (int64_t i = 0; i < n; ++i) p[i] = rng.symmetric(scale);
+      break;
+    }
+    case DType::bf16: {
+      auto* p = t.ptr<uint16_t>();
+      for (int64_t i = 0; i < n; ++i) p[i] = float_to_bf16(rng.symmetric(scale));
+      break;
+    }
+    case DType::f16: {
+      auto* p = t.ptr<uint16_t>();
+      for (int64_t i = 0; i < n; ++i) p[i] = float_to_fp16(rng.symmetric(scale));
+      break;
+    }
+    default:
+      fail("attnrt run: activations of dtype {} are not supported; use a model with fp32, fp16 or bf16 "
+           "activations", dtype_name(t.dtype));
+  }
+}
+
+void poison(const TensorView& t) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, static_cast<size_t>(i), nan);
+}
+
+std::string_view served_by(AttentionRuntime& rt, ForwardMode mode) {
+  if (auto* hybrid = dynamic_cast<HybridAttnBackend*>(&rt.backend())) return hybrid->select(mode).name();
+  return rt.backend().name();
+}
+
+// Per-layer buffers sized for the largest step; views are cut per step and layer.
+struct LayerBuffers {
+  HostBuffer q, k, v, out, ref_out;
+  std::vector<float> sinks;
+};
+
+struct Engine {
+  ModelSpec model;
+  std::unique_ptr<AttentionRuntime> runtime;
+  std::unique_ptr<AttentionBackend> reference;  // over the runtime's pools; nullptr = no checking
+  std::vector<int> kv_layers;
+};
+
+Engine make_engine(const ModelSpec& model, const Options& options, const RunConfig& config,
+                   int max_num_tokens) {
+  Engine e;
+  e.model = model;
+  RuntimeConfig rc;
+  rc.max_requests = config.scheduler.max_running_requests;
+  rc.kv_slots = config.max_total_tokens;
+  rc.max_num_tokens = max_num_tokens;
+  e.runtime = std::make_unique<AttentionRuntime>(model, options, rc);
+  for (const LayerSpec& l : model.layers) {
+    if (l.uses_kv_cache()) e.kv_layers.push_back(l.layer_id);
+  }
+  if (config.check_every > 0 && e.runtime->kv_cache().device().kind == DeviceKind::cpu) {
+    // Its own plan, the runtime's pools: re-storing the step's k/v writes identical bytes.
+    BackendContext ctx;
+    ctx.model = &e.runtime->model();
+    ctx.options = &e.runtime->options();
+    ctx.kv_cache = &e.runtime->kv_cache();
+    ctx.req_to_token = &e.runtime->req_to_token();
+    ctx.device = Device::cpu();
+    e.reference = Registry::global().get("reference").factory(ctx);
+  }
+  return e;
+}
+
+TensorView cut(const HostBuffer& buf, int64_t rows, int heads, int dim) {
+  return TensorView(buf.data(), buf.dtype(), {rows, heads, dim});
+}
+
+struct Comparison {
+  double max_abs = 0, max_rel = 0;
+  int64_t bad = 0;
+  double worst_excess = -1;
+  int64_t token = 0;
+  int head = 0, column = 0;
+  double got = 0, expected = 0;
+};
+
+Comparison compare(const TensorView& got, const TensorView& expected, const Tolerance& tol) {
+  Comparison c;
+  const int64_t rows = got.shape[0];
+  const int heads = static_cast<int>(got.shape[1]), dim = static_cast<int>(got.shape[2]);
+  for (int64_t i = 0; i < rows * heads * dim; ++i) {
+    const double g = load_as_float(got.data, got.dtype, static_cast<size_t>(i));
+    const double r = load_as_float(expected.data, expected.dtype, static_cast<size_t>(i));
+    const double d = std::abs(g - r);
+    const double allowed = tol.atol + tol.rtol * std::abs(r);
+    // NaN (an unwritten, poisoned element) fails every comparison.
+    const bool ok = d <= allowed;
+    const double excess = ok ? 0 : (std::isnan(d) ? std::numeric_limits<double>::infinity() : d - allowed);
+    if (!std::isnan(d)) {
+      c.max_abs = std::max(c.max_abs, d);
+      c.max_rel = std::max(c.max_rel, d / std::max(std::abs(r), tol.atol));
+    } else {
+      c.max_abs = c.max_rel = std::numeric_limits<double>::infinity();
+    }
+    if (!ok) {
+      ++c.bad;
+      if (excess > c.worst_excess) {
+        c.worst_excess = excess;
+        c.token = i / (heads * dim);
+        c.head = static_cast<int>(i / dim % heads);
+        c.column = static_cast<int>(i % dim);
+        c.got = g;
+        c.expected = r;
+      }
+    }
+  }
+  return c;
+}
+
+// The first unwritten (still poisoned) output element, or -1.
+int64_t first_nan(const TensorView& t) {
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    if (std::isnan(load_as_float(t.data, t.dtype, static_cast<size_t>(i)))) return i;
+  }
+  return -1;
+}
+
+std::string fmt_err(double e) {
+  if (std::isinf(e)) return "inf";
+  return fmt::format("{:.2e}", e);
+}
+
+}  // namespace
+
+Tolerance output_tolerance(DType out_dtype) {
+  switch (out_dtype) {
+    case DType::f32:
+      return {1e-4, 1e-4};
+    case DType::f16:
+      return {5e-3, 5e-3};
+    case DType::bf16:
+      return {2e-2, 2e-2};
+    default:
+      fail("no output tolerance for dtype {}; outputs are fp32, fp16 or bf16", dtype_name(out_dtype));
+  }
+}
+
+ModeStats RunReport::totals() const {
+  ModeStats t;
+  t.backend = "";
+  for (const ModeStats& m : modes) {
+    t.steps += m.steps;
+    t.tokens += m.tokens;
+    t.seconds += m.seconds;
+    t.checked_steps += m.checked_steps;
+    t.max_abs_err = std::max(t.max_abs_err, m.max_abs_err);
+    t.max_rel_err = std::max(t.max_rel_err, m.max_rel_err);
+  }
+  return t;
+}
+
+bool RunReport::ok() const {
+  return failure_count == 0 && target_pool.ok && (!draft_pool || draft_pool->ok);
+}
+
+Options complete_spec_options(Options o) {
+  if (o.speculative_num_steps <= 0) {
+    ATTNRT_CHECK(o.speculative_eagle_topk == 0 && o.speculative_num_draft_tokens == 0,
+                 "--speculative-eagle-topk / --speculative-num-draft-tokens are given without "
+                 "--speculative-num-steps; set --speculative-num-steps K to turn speculative decoding "
+                 "on");
+    return o;
+  }
+  if (o.speculative_eagle_topk == 0) o.speculative_eagle_topk = 1;
+  if (o.speculative_num_draft_tokens == 0) {
+    ATTNRT_CHECK(o.speculative_eagle_topk == 1,
+                 "--speculative-eagle-topk {} builds a draft tree: give its size with "
+                 "--speculative-num-draft-tokens N (at most the full tree of depth "
+                 "--speculative-num-steps)",
+                 o.speculative_eagle_topk);
+    o.speculative_num_draft_tokens = o.speculative_num_steps + 1;
+  }
+  return o;
+}
+
+ModelSpec make_draft_model(const ModelSpec& target) {
+  for (const LayerSpec& l : target.layers) {
+    if (!l.uses_kv_cache()) continue;
+    ModelSpec draft;
+    draft.name = target.name + "-draft";
+    draft.dtype = target.dtype;
+    draft.max_context_len = target.max_context_len;
+    draft.tp_size = target.tp_size;
+    draft.layers.push_back(l);
+    draft.layers.back().layer_id = 0;
+    return draft;
+  }
+  fail("model '{}' has no layer with a KV cache, so it has no draft model for speculative decoding",
+       target.name);
+}
+
+RunReport run_trace(const ModelSpec& model, const Options& options_in, const Trace& trace,
+                    const RunConfig& config, const ProgressFn& progress) {
+  const Clock::time_point wall0 = Clock::now();
+  for (const LayerSpec& l : model.layers) {
+    ATTNRT_CHECK(!is_linear_kind(l.kind),
+                 "attnrt run drives attention layers with a KV cache; layer {} of model '{}' is a {} "
+                 "layer (linear-attention backends are not available yet); pick a model without "
+                 "linear layers",
+                 l.layer_id, model.name, layer_kind_name(l.kind));
+  }
+  ATTNRT_CHECK(config.check_every >= 0, "--check-every = {}; must be >= 0 (0 = no checking)",
+               config.check_every);
+  const Options options = complete_spec_options(options_in);
+  SchedulerConfig sc = config.scheduler;
+  sc.page_size = options.page_size;
+  sc.seed = config.seed;
+  sc.spec.num_steps = options.speculative_num_steps;
+  sc.spec.topk = std::max(options.speculative_eagle_topk, 1);
+  sc.spec.num_draft_tokens = options.speculative_num_draft_tokens;
+  const int N = sc.spec.enabled() ? sc.spec.num_draft_tokens : 1;
+  const int max_tokens = std::max(sc.chunked_prefill_size, sc.max_running_requests * N);
+  RunConfig rc = config;
+  rc.scheduler = sc;
+
+  Engine target = make_engine(model, options, rc, max_tokens);
+  std::optional<Engine> draft;
+  if (sc.spec.enabled()) draft = make_engine(make_draft_model(model), options, rc, max_tokens);
+
+  auto space = [](Engine& e) {
+    return KvSpace{&e.runtime->req_to_token(), &e.runtime->allocator(), &e.runtime->kv_cache(),
+                   e.kv_layers};
+  };
+  Scheduler sched(trace, sc, space(target),
+                  draft ? std::optional<KvSpace>(space(*draft)) : std::nullopt);
+
+  RunReport rep;
+  rep.model = model.name;
+  rep.trace_origin = trace.origin;
+  rep.requests = static_cast<int>(trace.requests.size());
+  rep.prompt_tokens = trace.total_prompt_tokens();
+  rep.output_tokens = trace.total_output_tokens();
+  const Selection& sel = target.runtime->selection();
+  rep.prefill_backend = sel.prefill;
+  rep.decode_backend = sel.decode;
+  rep.kv_dtype = std::string(dtype_name(sel.kv_dtype));
+  rep.page_size = options.page_size;
+  rep.spec = sc.spec;
+  rep.tolerance = output_tolerance(model.dtype);
+
+  // Buffers for the largest layer shape of either model and the largest step.
+  auto max_dims = [](const ModelSpec& m, std::array<int, 4>& d) {
+    for (const LayerSpec& l : m.layers) {
+      d[0] = std::max(d[0], l.num_q_heads * l.head_dim);
+      d[1] = std::max(d[1], l.num_kv_heads * l.head_dim);
+      d[2] = std::max(d[2], l.num_kv_heads * l.v_head_dim);
+      d[3] = std::max(d[3], l.num_q_heads * l.v_head_dim);
+    }
+  };
+  std::array<int, 4> dims{1, 1, 1, 1};
+  max_dims(model, dims);
+  if (draft) max_dims(draft->model, dims);
+  const int64_t rows = std::max(max_tokens, 1);
+  LayerBuffers buf{HostBuffer(model.dtype, {rows, dims[0]}), HostBuffer(model.dtype, {rows, dims[1]}),
+                   HostBuffer(model.dtype, {rows, dims[2]}), HostBuffer(model.dtype, {rows, dims[3]}),
+                   HostBuffer(model.dtype, {rows, dims[3]}), {}};
+
+  FastRng rng(config.seed ^ 0x5eed5eedull);
+  // Sink logits are weights of the model: fixed per layer for the whole run.
+  std::map<std::pair<int, int>, std::vector<float>> sinks;
+  for (Engine* e : {&target, draft ? &*draft : nullptr}) {
+    if (e == nullptr) continue;
+    const int role = e == &target ? 0 : 1;
+    for (const LayerSpec& l : e->model.layers) {
+      if (!l.has_sinks) continue;
+      auto& s = sinks[{role, l.layer_id}];
+      for (int h = 0; h < l.num_q_heads; ++h) s.push_back(rng.symmetric(2.f));
+    }
+  }
+
+  // (role, mode) -> stats
+  std::map<std::pair<int, int>, ModeStats> stats;
+  std::map<std::pair<int, int>, int> failures_listed;
+  int64_t tokens_done = 0;
+
+  while (!sched.done()) {
+    const ScheduledStep& step = sched.next();
+    Engine& e = step.role == ModelRole::target ? target : *draft;
+    const ForwardBatch& batch = step.batch;
+    const int64_t T = batch.num_tokens();
+    const auto key = std::make_pair(static_cast<int>(step.role), static_cast<int>(batch.mode));
+    ModeStats& ms = stats[key];
+    if (ms.steps == 0) {
+      ms.role = step.role;
+      ms.mode = batch.mode;
+      ms.backend = std::string(served_by(*e.runtime, batch.mode));
+    }
+    const bool check = e.reference != nullptr && T > 0 &&
+                       (step.index % rc.check_every == 0 || ms.checked_steps == 0);
+    double elapsed = 0;
+    Clock::time_point t0 = Clock::now();
+    e.runtime->begin_step(batch);
+    elapsed += seconds_since(t0);
+    if (check) e.reference->init_forward_metadata(batch);
+    for (const LayerSpec& layer : e.model.layers) {
+      const int Hq = layer.num_q_heads, Hkv = layer.num_kv_heads;
+      AttnArgs args;
+      args.q = cut(buf.q, T, Hq, layer.head_dim);
+      args.k = cut(buf.k, T, Hkv, layer.head_dim);
+      args.v = cut(buf.v, T, Hkv, layer.v_head_dim);
+      args.out = cut(buf.out, T, Hq, layer.v_head_dim);
+      fill_random(args.q, rng, 2.f);
+      fill_random(args.k, rng, 1.f);
+      if (layer.kind == LayerKind::mla) {
+        // The latent row is both K and (its first v_head_dim columns) V.
+        const size_t es = dtype_size(model.dtype);
+        for (int64_t t = 0; t < T; ++t) {
+          std::memcpy(static_cast<char*>(args.v.data) + t * layer.v_head_dim * es,
+                      static_cast<char*>(args.k.data) + t * layer.head_dim * es, layer.v_head_dim * es);
+        }
+      } else {
+        fill_random(args.v, rng, 1.f);
+      }
+      poison(args.out);
+      if (layer.has_sinks) args.sinks = sinks.at({key.first, layer.layer_id}).data();
+      t0 = Clock::now();
+      e.runtime->forward(layer.layer_id, args);
+      elapsed += seconds_since(t0);
+
+      const int64_t unwritten = first_nan(args.out);
+      if (unwritten >= 0 || check) {
+        Comparison c;
+        if (check) {
+          AttnArgs ref = args;
+          ref.out = cut(buf.ref_out, T, Hq, layer.v_head_dim);
+          poison(ref.out);
+          e.reference->forward(ref, layer, batch);
+          c = compare(args.out, ref.out, rep.tolerance);
+          ms.max_abs_err = std::max(ms.max_abs_err, c.max_abs);
+          ms.max_rel_err = std::max(ms.max_rel_err, c.max_rel);
+        } else {
+          c.bad = 1;
+          c.token = unwritten / (Hq * layer.v_head_dim);
+          c.head = static_cast<int>(unwritten / layer.v_head_dim % Hq);
+          c.column = static_cast<int>(unwritten % layer.v_head_dim);
+          c.got = c.expected = std::numeric_limits<double>::quiet_NaN();
+          c.max_abs = std::numeric_limits<double>::infinity();
+          ms.max_abs_err = ms.max_rel_err = std::numeric_limits<double>::infinity();
+        }
+        if (c.bad > 0) {
+          ++rep.failure_count;
+          int& listed = failures_listed[key];
+          if (listed < kMaxFailuresPerMode) {
+            ++listed;
+            CheckFailure f{step.index, step.role, batch.mode, layer.layer_id, c.token, c.head,
+                           c.column, c.got, c.expected, c.max_abs, ""};
+            f.what = check ? fmt::format(
+                                 "step {} ({} {}), layer {}: {} of {} outputs beyond tolerance; worst "
+                                 "at token {}, head {}, column {}: got {:.6g}, reference {:.6g} "
+                                 "(|error| {}; allowed {:g} + {:g}*|reference|)",
+                                 step.index, model_role_name(step.role), forward_mode_name(batch.mode),
+                                 layer.layer_id, c.bad, args.out.numel(), c.token, c.head, c.column,
+                                 c.got, c.expected, fmt_err(std::abs(c.got - c.expected)),
+                                 rep.tolerance.atol, rep.tolerance.rtol)
+                           : fmt::format(
+                                 "step {} ({} {}), layer {}: output not written by backend '{}' at "
+                                 "token {}, head {}, column {} (still the NaN poison)",
+                                 step.index, model_role_name(step.role), forward_mode_name(batch.mode),
+                                 layer.layer_id, ms.backend, c.token, c.head, c.column);
+            rep.failures.push_back(std::move(f));
+          }
+        }
+      }
+    }
+    t0 = Clock::now();
+    e.runtime->end_step();
+    elapsed += seconds_since(t0);
+
+    ++ms.steps;
+    ms.tokens += T;
+    ms.seconds += elapsed;
+    if (check) ++ms.checked_steps;
+    tokens_done += T;
+    const ForwardMode mode = batch.mode;
+    const ModelRole role = step.role;
+    const int done_steps = step.index + 1;
+    sched.complete();
+    if (progress) {
+      Progress p;
+      p.steps_done = done_steps;
+      p.steps_estimate = done_steps + sched.estimate_remaining_steps();
+      p.tokens = tokens_done;
+      p.wall_seconds = seconds_since(wall0);
+      p.role = role;
+      p.mode = mode;
+      progress(p);
+    }
+  }
+
+  for (auto& [key, ms] : stats) rep.modes.push_back(ms);
+  rep.iterations = sched.iteration();
+  for (const RequestState& r : sched.requests()) {
+    rep.verify_rounds += static_cast<int64_t>(r.accept_lengths.size());
+    for (int a : r.accept_lengths) rep.accepted_drafts += a;
+  }
+  rep.target_pool = sched.finish_and_check_pools(ModelRole::target);
+  if (draft) rep.draft_pool = sched.finish_and_check_pools(ModelRole::draft);
+  rep.wall_seconds = seconds_since(wall0);
+  return rep;
+}
+
+namespace {
+
+std::string mode_label(const ModeStats& m) {
+  return m.role == ModelRole::target ? std::string(forward_mode_name(m.mode))
+                                     : fmt::format("{} (draft)", forward_mode_name(m.mode));
+}
+
+std::string pool_line(const char* name, const PoolReport& p) {
+  if (p.ok) {
+    return fmt::format("pool check ({}): ok: all {} request slots free again; {} shared prefix{} held "
+                       "{} slots until released at the end",
+                       name, p.total_slots, p.prefixes, p.prefixes == 1 ? "" : "es", p.prefix_slots);
+  }
+  return fmt::format("pool check ({}): LEAK: {}", name, p.detail);
+}
+
+nlohmann::json pool_json(const PoolReport& p) {
+  return {{"ok", p.ok},
+          {"total_slots", p.total_slots},
+          {"free_slots", p.free_slots},
+          {"prefix_slots", p.prefix_slots},
+          {"prefixes", p.prefixes},
+          {"rows_in_use", p.rows_in_use},
+          {"free_after_release", p.free_after_release},
+          {"detail", p.detail}};
+}
+
+}  // namespace
+
+std::string format_report(const RunReport& r) {
+  std::string out;
+  out += fmt::format("model {} | trace {} ({} requests, {} prompt + {} output tokens) | {} iterations\n",
+                     r.model, r.trace_origin, r.requests, r.prompt_tokens, r.output_tokens,
+                     r.iterations);
+  out += fmt::format("backends: prefill {}, decode {} | kv {} | page size {}", r.prefill_backend,
+                     r.decode_backend, r.kv_dtype, r.page_size);
+  if (r.spec.enabled()) {
+    out += fmt::format(" | speculative: {} steps, topk {}, {} draft tokens; {} verify rounds, {:.2f} "
+                       "accepted drafts per round",
+                       r.spec.num_steps, r.spec.topk, r.spec.num_draft_tokens, r.verify_rounds,
+                       r.verify_rounds > 0 ? static_cast<double>(r.accepted_drafts) / r.verify_rounds : 0.0);
+  }
+  out += "\n\n";
+  const std::string head = fmt::format("{:<22} {:>7} {:>9} {:>10} {:>11} {:>8} {:>10} {:>10}  {}\n",
+                                       "mode", "steps", "tokens", "time (ms)", "tokens/s", "checked",
+                                       "max abs", "max rel", "backend");
+  out += head;
+  out += std::string(head.size() - 1, '-') + "\n";
+  auto row = [&](const std::string& label, const ModeStats& m) {
+    const bool checked = m.checked_steps > 0;
+    out += fmt::format("{:<22} {:>7} {:>9} {:>10.1f} {:>11.0f} {:>8} {:>10} {:>10}  {}\n", label,
+                       m.steps, m.tokens, m.seconds * 1e3, m.tokens_per_second(), m.checked_steps,
+                       checked ? fmt_err(m.max_abs_err) : "-", checked ? fmt_err(m.max_rel_err) : "-",
+                       m.backend);
+  };
+  for (const ModeStats& m : r.modes) row(mode_label(m), m);
+  out += std::string(head.size() - 1, '-') + "\n";
+  row("total", r.totals());
+  out += fmt::format("\nwall time {:.2f} s (attention {:.2f} s; the rest is data generation, "
+                     "reference checks and scheduling); tolerance {:g} + {:g}*|reference|\n",
+                     r.wall_seconds, r.totals().seconds, r.tolerance.atol, r.tolerance.rtol);
+  out += pool_line("target", r.target_pool) + "\n";
+  if (r.draft_pool) out += pool_line("draft", *r.draft_pool) + "\n";
+  if (!r.dump_written.empty()) out += fmt::format("step case written to {}\n", r.dump_written);
+  if (r.failure_count > 0) {
+    out += fmt::format("\nFAILED: {} checked layer outputs beyond tolerance or unwritten; first ones:\n",
+                       r.failure_count);
+    for (const CheckFailure& f : r.failures) out += "  " + f.what + "\n";
+  }
+  return out;
+}
+
+nlohmann::json report_to_json(const RunReport& r) {
+  using json = nlohmann::json;
+  auto mode_json = [](const ModeStats& m) {
+    json j = {{"model", model_role_name(m.role)},
+              {"mode", forward_mode_name(m.mode)},
+              {"backend", m.backend},
+              {"steps", m.steps},
+              {"tokens", m.tokens},
+              {"time_ms", m.seconds * 1e3},
+              {"tokens_per_s", m.tokens_per_second()},
+              {"checked_steps", m.checked_steps}};
+    // JSON has no infinity: an unwritten output is reported as null error (and as a failure).
+    auto err = [](double e) { return std::isfinite(e) ? json(e) : json(nullptr); };
+    j["max_abs_err"] = m.checked_steps > 0 ? err(m.max_abs_err) : json(nullptr);
+    j["max_rel_err"] = m.checked_steps > 0 ? err(m.max_rel_err) : json(nullptr);
+    return j;
+  };
+  json modes = json::array();
+  for (const ModeStats& m : r.modes) modes.push_back(mode_json(m));
+  json total = mode_json(r.totals());
+  total.erase("model");
+  total.erase("mode");
+  total.erase("backend");
+  json failures = json::array();
+  for (const CheckFailure& f : r.failures) {
+    failures.push_back({{"step", f.step},
+                        {"model", model_role_name(f.role)},
+                        {"mode", forward_mode_name(f.mode)},
+                        {"layer", f.layer},
+                        {"token", f.token},
+                        {"head", f.head},
+                        {"column", f.column},
+                        {"message", f.what}});
+  }
+  json j = {{"model", r.model},
+            {"trace", {{"origin", r.trace_origin},
+                       {"requests", r.requests},
+                       {"prompt_tokens", r.prompt_tokens},
+                       {"output_tokens", r.output_tokens}}},
+            {"backends", {{"prefill", r.prefill_backend}, {"decode", r.decode_backend}}},
+            {"kv_dtype", r.kv_dtype},
+            {"page_size", r.page_size},
+            {"iterations", r.iterations},
+            {"wall_s", r.wall_seconds},
+            {"tolerance", {{"atol", r.tolerance.atol}, {"rtol", r.tolerance.rtol}}},
+            {"modes", modes},
+            {"total", total},
+            {"pool_check", {{"target", pool_json(r.target_pool)}}},
+            {"failure_count", r.failure_count},
+            {"failures", failures},
+            {"ok", r.ok()}};
+  if (r.draft_pool) j["pool_check"]["draft"] = pool_json(*r.draft_pool);
+  if (r.spec.enabled()) {
+    j["speculative"] = {{"num_steps", r.spec.num_steps},
+                        {"topk", r.spec.topk},
+                        {"num_draft_tokens", r.spec.num_draft_tokens},
+                        {"accept_prob", r.spec.accept_prob},
+                        {"verify_rounds", r.verify_rounds},
+                        {"accepted_drafts", r.accepted_drafts}};
+  }
+  if (!r.dump_written.empty()) j["dump_dir"] = r.dump_written;
+  return j;
+}
+
+}  // namespace attnrt::sim
