@@ -45,6 +45,8 @@ BenchResult synthetic_result() {
   BenchResult r;
   r.backend = "cpu";
   r.threads = 2;
+  r.repeats = 3;
+  r.warmup = 1;
   r.timer_method = "steady_clock";
   r.ceilings.threads = 2;
   r.ceilings.simd_target = "AVX3";
@@ -221,6 +223,7 @@ TEST(BenchReport, JsonCarriesMachineCommitCeilingsAndRows) {
   EXPECT_EQ(j["commit"], "abc1234");
   EXPECT_EQ(j["backend"], "cpu");
   EXPECT_EQ(j["threads"], 2);
+  EXPECT_EQ(j["repeats"], 3);
   for (const char* key : {"cpu_model", "logical_cpus", "physical_cores", "memory_gib",
                           "simd_target", "cuda"}) {
     EXPECT_TRUE(j["machine"].contains(key)) << key;
@@ -273,10 +276,13 @@ TEST(BenchReport, TableNamesEveryRowAndMarksScaledOnes) {
   EXPECT_NE(table.find("decode-16x4096*"), std::string::npos) << table;
   EXPECT_NE(table.find("SCALED RUN (--scale 0.5)"), std::string::npos);
   EXPECT_NE(table.find("scaled x0.5 from 16x4096"), std::string::npos);
-  EXPECT_NE(table.find("= 2.00x the decode 64x4096 time"), std::string::npos);
+  EXPECT_NE(table.find("verify / decode = 2.00x"), std::string::npos) << table;
+  EXPECT_NE(table.find("64x4096"), std::string::npos);
   EXPECT_NE(table.find("ERROR: backend 'cpu' does not support"), std::string::npos);
   EXPECT_NE(table.find("42.0x"), std::string::npos);
   EXPECT_NE(table.find("n/a: no AVX512-BF16"), std::string::npos);
+  EXPECT_NE(table.find("median of 3 repeats after 1 warm-up calls (fewer than the 10"),
+            std::string::npos);
 }
 
 TEST(BenchChart, SvgIsWellFormedAndLabelsEveryRow) {
@@ -288,7 +294,7 @@ TEST(BenchChart, SvgIsWellFormedAndLabelsEveryRow) {
   EXPECT_NE(svg.find(">100%<"), std::string::npos) << "the ceiling line is labelled";
   EXPECT_NE(svg.find("Test CPU &lt;model&gt;"), std::string::npos) << "text is escaped";
   EXPECT_NE(svg.find("&lt;fp8&gt; &amp; friends"), std::string::npos);
-  EXPECT_NE(svg.find("= 2.00x decode"), std::string::npos);
+  EXPECT_NE(svg.find("2.00x the decode time"), std::string::npos);
   EXPECT_NE(svg.find("% of fp32 FMA peak"), std::string::npos);
   // A bar whose value exceeds the axis still produces a well-formed chart.
   r.rows[0].pct_of_ceiling = 1e6;

@@ -47,10 +47,10 @@ constexpr int kBarHeight = 15;
 std::string bar_label(const RowResult& row) {
   if (row.status == "error") return "ERROR: " + row.error.substr(0, 90);
   if (row.status == "mismatch") return "FAILED correctness check: not timed";
-  std::string label = fmt::format("{:.0f}%  {:.1f} {}", row.pct_of_ceiling, row.rate,
+  std::string label = fmt::format("{:.0f}%: {:.1f} {}", row.pct_of_ceiling, row.rate,
                                   row.metric_unit());
-  if (row.decode_workload) label += fmt::format("  = {:.2f}x decode", row.decode_ratio);
-  if (row.reference) label += fmt::format("  {:.0f}x reference", row.reference->speedup);
+  if (row.decode_workload) label += fmt::format(", {:.2f}x the decode time", row.decode_ratio);
+  if (row.reference) label += fmt::format(", {:.0f}x reference", row.reference->speedup);
   return label;
 }
 
@@ -88,7 +88,7 @@ std::string render_svg(const BenchResult& result, const RunInfo& info) {
     rows_total += static_cast<int>(g.rows.size());
     ++groups_used;
   }
-  const int header = 92, group_header = 30, footer = 60;
+  const int header = 100, group_header = 30, footer = 60;
   const int height = header + groups_used * group_header + rows_total * kRowHeight + footer;
 
   std::ostringstream s;

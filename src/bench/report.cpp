@@ -137,6 +137,8 @@ json to_json(const BenchResult& r, const RunInfo& info) {
   j["backend"] = r.backend;
   j["threads"] = r.threads;
   j["timer"] = r.timer_method;
+  j["repeats"] = r.repeats;
+  j["warmup"] = r.warmup;
   j["scale"] = {{"factor", info.scale}, {"preset", info.preset}};
   j["ceilings"] = {{"device", device_name(r.ceilings.device)},
                    {"threads", r.ceilings.threads},
@@ -253,8 +255,11 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
                        check);
     }
     if (row.decode_workload) {
-      s << fmt::format("{:<30} {:<22} {:>9} = {:.2f}x the decode {} time\n", "", "",
-                       ms(row.decode_time.median), row.decode_ratio, row.decode_workload->shape());
+      s << fmt::format("{:<30} {:<22} {:>9} {:>17}   verify / decode = {:.2f}x\n",
+                       "  (decode at same prefix)", row.decode_workload->shape(),
+                       ms(row.decode_time.median),
+                       fmt::format("{}..{}", ms(row.decode_time.p10), ms(row.decode_time.p90)),
+                       row.decode_ratio);
     }
     if (!w.scale_note.empty()) notes.push_back(fmt::format("{}: {}", w.name, w.scale_note));
     if (row.reference && !(row.reference->workload == w)) {
@@ -266,7 +271,9 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
     s << "\nnotes:\n";
     for (const std::string& n : notes) s << "  " << n << "\n";
   }
-  s << fmt::format("\ntiming: median of repeats after warm-up; {}\n", r.timer_method);
+  s << fmt::format("\ntiming: median of {} repeats after {} warm-up calls{}; {}\n", r.repeats,
+                   r.warmup, r.repeats < 10 ? " (fewer than the 10 WORKLOADS.md asks for)" : "",
+                   r.timer_method);
   return s.str();
 }
 

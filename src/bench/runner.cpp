@@ -499,10 +499,6 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
                                         row.reference->check.tolerance));
       }
     }
-    if (config.repeats < 10) {
-      row.notes.push_back(fmt::format("{} repeats (fewer than the 10 WORKLOADS.md asks for)",
-                                      config.repeats));
-    }
   } catch (const Error& e) {
     row.status = "error";
     row.error = e.what();
@@ -517,6 +513,8 @@ BenchResult run_bench(const BenchConfig& config) {
   BenchResult result;
   result.backend = config.backend;
   result.threads = resolve_threads(config.threads);
+  result.repeats = config.repeats;
+  result.warmup = config.warmup;
   say(config, fmt::format("measuring the ceilings of {} on {} threads", device_name(config.device),
                           result.threads));
   CeilingOptions co = config.ceiling_options;

@@ -84,6 +84,8 @@ struct RowResult {
 struct BenchResult {
   std::string backend;
   int threads = 0;
+  int repeats = 0;
+  int warmup = 0;
   Ceilings ceilings;
   std::vector<RowResult> rows;
   std::string timer_method;
