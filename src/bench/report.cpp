@@ -135,6 +135,7 @@ json to_json(const BenchResult& r, const RunInfo& info) {
                   {"simd_target", info.machine.simd_target},
                   {"cuda", info.machine.cuda}};
   j["backend"] = r.backend;
+  if (!r.backend_simd_target.empty()) j["backend_simd_target"] = r.backend_simd_target;
   j["threads"] = r.threads;
   j["timer"] = r.timer_method;
   j["repeats"] = r.repeats;
@@ -201,8 +202,9 @@ void write_json(const std::string& path, const BenchResult& result, const RunInf
 std::string format_report(const BenchResult& r, const RunInfo& info) {
   std::ostringstream s;
   const Ceilings& c = r.ceilings;
-  s << fmt::format("attnrt bench  backend {}  threads {}  commit {}\n", r.backend, r.threads,
-                   info.commit);
+  s << fmt::format("attnrt bench  backend {}{}  threads {}  commit {}\n", r.backend,
+                   r.backend_simd_target.empty() ? "" : fmt::format(" ({})", r.backend_simd_target),
+                   r.threads, info.commit);
   s << fmt::format("machine: {} ({} cores / {} threads, {:.1f} GiB), SIMD {}, CUDA: {}\n",
                    info.machine.cpu_model, info.machine.physical_cores, info.machine.logical_cpus,
                    info.machine.memory_gib, info.machine.simd_target, info.machine.cuda);

@@ -15,6 +15,7 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/model/model_spec.h"
+#include "backends/cpu/cpu_backend.h"
 
 namespace attnrt::bench {
 
@@ -513,6 +514,7 @@ BenchResult run_bench(const BenchConfig& config) {
   BenchResult result;
   result.backend = config.backend;
   result.threads = resolve_threads(config.threads);
+  if (config.backend == "cpu") result.backend_simd_target = ::attnrt::cpu_simd_target();
   result.repeats = config.repeats;
   result.warmup = config.warmup;
   say(config, fmt::format("measuring the ceilings of {} on {} threads", device_name(config.device),

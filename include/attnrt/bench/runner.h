@@ -86,6 +86,7 @@ struct BenchResult {
   int threads = 0;
   int repeats = 0;
   int warmup = 0;
+  std::string backend_simd_target;  // what the cpu backend dispatches to ("" for other backends)
   Ceilings ceilings;
   std::vector<RowResult> rows;
   std::string timer_method;
