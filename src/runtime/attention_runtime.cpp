@@ -6,6 +6,9 @@
 #include "attnrt/backend/registry.h"
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/error.h"
+#if defined(ATTNRT_HAS_CUDA)
+#include "backends/cuda/cuda_kv_cache.h"
+#endif
 
 namespace attnrt {
 
@@ -27,16 +30,31 @@ void check_config(const RuntimeConfig& c) {
                c.swa_full_tokens_ratio);
 }
 
-// The pools built here live on the host, so every chosen backend has to run there.
-void check_host_backends(const Selection& s) {
+// The device every chosen backend runs on, which is where the pools are built: the host when all
+// of them run there, else a CUDA device (resolve_backends guarantees one common device).
+DeviceKind pool_device(const Selection& s) {
+  bool cpu = true, cuda = true;
   for (const std::string* name : {&s.prefill, &s.decode, &s.linear_prefill, &s.linear_decode}) {
     if (name->empty()) continue;
     const auto& devices = Registry::global().get(*name).caps.devices;
-    ATTNRT_CHECK(std::find(devices.begin(), devices.end(), DeviceKind::cpu) != devices.end(),
-                 "backend '{}' does not run on the host, but AttentionRuntime keeps its KV cache "
-                 "in host memory; choose a CPU backend (see `attnrt info`)",
-                 *name);
+    cpu = cpu && std::find(devices.begin(), devices.end(), DeviceKind::cpu) != devices.end();
+    cuda = cuda && std::find(devices.begin(), devices.end(), DeviceKind::cuda) != devices.end();
   }
+  if (cpu) return DeviceKind::cpu;
+  ATTNRT_CHECK(cuda, "backends '{}' (prefill) and '{}' (decode) share no device to hold the KV cache",
+               s.prefill, s.decode);
+  return DeviceKind::cuda;
+}
+
+KVStorage make_storage(DeviceKind device, const ModelSpec& model, const KVCacheConfig& config) {
+  if (device == DeviceKind::cpu) return make_host_kv_storage(model, config);
+#if defined(ATTNRT_HAS_CUDA)
+  return cuda::make_cuda_kv_storage(model, config);
+#else
+  fail("model '{}': the chosen backends run on CUDA only, but this build has no CUDA support; "
+       "choose a CPU backend (see `attnrt info`)",
+       model.name);
+#endif
 }
 
 }  // namespace
@@ -46,7 +64,6 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
   model_.validate();
   check_config(config_);
   selection_ = resolve_backends(options_, model_);
-  check_host_backends(selection_);
 
   for (size_t i = 0; i < model_.layers.size(); ++i) {
     const int id = model_.layers[i].layer_id;
@@ -63,7 +80,7 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
   kv.page_size = options_.page_size;
   kv.dtype = selection_.kv_dtype;
   kv.max_num_tokens = config_.max_num_tokens;
-  KVStorage storage = make_host_kv_storage(model_, kv);
+  KVStorage storage = make_storage(pool_device(selection_), model_, kv);
   allocator_ = std::move(storage.allocator);
   kv_cache_ = std::move(storage.cache);
 
