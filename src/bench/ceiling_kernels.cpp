@@ -110,8 +110,12 @@ __attribute__((target("avx512f,avx512bf16"))) double bf16_dot_loop(uint64_t iter
   const __m512i b_bits = _mm512_set1_epi16(0x3a80);
   const __m512bh a = reinterpret_cast<const __m512bh&>(a_bits);
   const __m512bh b = reinterpret_cast<const __m512bh&>(b_bits);
-  __m512 c0 = _mm512_setzero_ps(), c1 = c0, c2 = c0, c3 = c0, c4 = c0, c5 = c0;
-  __m512 c6 = c0, c7 = c0, c8 = c0, c9 = c0, c10 = c0, c11 = c0;
+  // Distinct starting values: identical chains would be merged into one by the compiler, which
+  // then measures the instruction's latency instead of its throughput.
+  __m512 c0 = _mm512_set1_ps(0.f), c1 = _mm512_set1_ps(1.f), c2 = _mm512_set1_ps(2.f);
+  __m512 c3 = _mm512_set1_ps(3.f), c4 = _mm512_set1_ps(4.f), c5 = _mm512_set1_ps(5.f);
+  __m512 c6 = _mm512_set1_ps(6.f), c7 = _mm512_set1_ps(7.f), c8 = _mm512_set1_ps(8.f);
+  __m512 c9 = _mm512_set1_ps(9.f), c10 = _mm512_set1_ps(10.f), c11 = _mm512_set1_ps(11.f);
   for (uint64_t it = 0; it < iterations; ++it) {
     c0 = _mm512_dpbf16_ps(c0, a, b);
     c1 = _mm512_dpbf16_ps(c1, a, b);
