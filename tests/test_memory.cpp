@@ -82,8 +82,8 @@ testing::AssertionResult check_ownership(const PageAllocator& a,
     }
   }
   if (static_cast<int64_t>(owner.size()) != a.num_pages() - a.free_pages())
-    return testing::AssertionFailure() << owner.size() << " pages owned but "
-                                       << a.num_pages() - a.free_pages() << " in use";
+    return testing::AssertionFailure()
+           << owner.size() << " pages owned but " << a.num_pages() - a.free_pages() << " in use";
   return testing::AssertionSuccess();
 }
 
@@ -115,7 +115,8 @@ struct Workload {
     std::vector<int64_t> last;
     int64_t pages = 0;
   };
-  // Some new requests and some extensions of running ones; `oversize` asks for more pages than free.
+  // Some new requests and some extensions of running ones; `oversize` asks for more pages than
+  // free.
   Extend make_extend(int64_t free_pages, bool oversize) {
     Extend e;
     auto add = [&](int id, int32_t prefix, int32_t seq, int64_t last) {
@@ -217,7 +218,8 @@ TEST_P(PageAllocatorProperty, RandomSequencesKeepEverySlotOwnedOnceAndNothingLea
         std::shuffle(slots.begin(), slots.end(), w.rng);
         const int64_t free_before = a.free_pages();
         a.free(slots);
-        ASSERT_EQ(a.free_pages() - free_before, pages_for(0, static_cast<int64_t>(slots.size()), P));
+        ASSERT_EQ(a.free_pages() - free_before,
+                  pages_for(0, static_cast<int64_t>(slots.size()), P));
         w.live.erase(id);
         // Freeing the same slots again is a double free and changes nothing.
         const auto before = state_of(a);
@@ -384,7 +386,8 @@ TEST_P(MHAPoolRoundTrip, StoresRoundedScaledValuesAndLeavesInputsAlone) {
   std::iota(slots.begin(), slots.end(), 0);
   std::shuffle(slots.begin() + 1, slots.end(), rng);
   std::vector<int64_t> loc(slots.begin(), slots.begin() + T);  // includes the dummy slot 0
-  const uint64_t k_sum = checksum(wide.data(), wide.bytes()), v_sum = checksum(vb.data(), vb.bytes());
+  const uint64_t k_sum = checksum(wide.data(), wide.bytes()),
+                 v_sum = checksum(vb.data(), vb.bytes());
   pool.set_kv_buffer(2, loc, k, v);
   EXPECT_EQ(checksum(wide.data(), wide.bytes()), k_sum);
   EXPECT_EQ(checksum(vb.data(), vb.bytes()), v_sum);
@@ -532,11 +535,17 @@ TEST(HostKVCache, BeginStepRejectsBadSlotsNamingIndexAndValue) {
   KVCacheConfig cfg;
   cfg.full_slots = 32;
   auto cache = make_host_kv_cache(model, cfg);
-  expect_error([&] { cache->begin_step(batch_with_slots({3, 33, 5})); },
-               {"out_cache_loc[1] = 33", "0..32"});
+  expect_error(
+      [&] {
+        cache->begin_step(batch_with_slots({3, 33, 5}));
+      },
+      {"out_cache_loc[1] = 33", "0..32"});
   expect_error([&] { cache->begin_step(batch_with_slots({3, -1})); }, {"out_cache_loc[1] = -1"});
-  expect_error([&] { cache->begin_step(batch_with_slots({4, 9, 2, 9})); },
-               {"out_cache_loc[3] = 9 repeats out_cache_loc[1]"});
+  expect_error(
+      [&] {
+        cache->begin_step(batch_with_slots({4, 9, 2, 9}));
+      },
+      {"out_cache_loc[3] = 9 repeats out_cache_loc[1]"});
   // A rejected step leaves no step behind.
   HostBuffer k(DType::f32, {2, 1, 8}), v(DType::f32, {2, 1, 8});
   expect_error([&] { cache->store_step_kv(0, k.view(), v.view()); }, {"call begin_step"});
@@ -551,15 +560,15 @@ TEST(HostKVCache, RejectsMlaModelsAndSwaHybridWithoutAllocator) {
   cfg.full_slots = 16;
   expect_error([&] { make_host_kv_storage(make_model({mla}), cfg); },
                {"layer 0", "MLA", "latent pool"});
-  auto hybrid = make_model({attn_layer(0, LayerKind::swa, 1, 8, 8, 16),
-                            attn_layer(1, LayerKind::full, 1, 8, 8)});
+  auto hybrid = make_model(
+      {attn_layer(0, LayerKind::swa, 1, 8, 8, 16), attn_layer(1, LayerKind::full, 1, 8, 8)});
   EXPECT_TRUE(is_swa_hybrid(hybrid));
   expect_error([&] { make_host_kv_cache(hybrid, cfg); }, {"make_host_kv_storage"});
   cfg.dtype = DType::i64;
   expect_error([&] { make_host_kv_storage(hybrid, cfg); }, {"int64", "not a KV storage dtype"});
   // A model whose every layer has a window needs no second pool.
-  auto all_swa = make_model({attn_layer(0, LayerKind::full, 1, 8, 8, 4),
-                             attn_layer(1, LayerKind::swa, 1, 8, 8, 4)});
+  auto all_swa = make_model(
+      {attn_layer(0, LayerKind::full, 1, 8, 8, 4), attn_layer(1, LayerKind::swa, 1, 8, 8, 4)});
   EXPECT_FALSE(is_swa_hybrid(all_swa));
 }
 
@@ -576,8 +585,8 @@ TEST_P(SWAStorage, MappingStaysConsistentThroughAllocFreeAndFreeSwa) {
     cfg.full_slots = w.uniform(10, 30) * P;
     cfg.swa_full_tokens_ratio = 0.5;
     cfg.max_num_tokens = 1024;
-    auto model = make_model({attn_layer(0, LayerKind::full, 1, 4, 4),
-                             attn_layer(1, LayerKind::swa, 1, 4, 4, 3)});
+    auto model = make_model(
+        {attn_layer(0, LayerKind::full, 1, 4, 4), attn_layer(1, LayerKind::swa, 1, 4, 4, 3)});
     auto storage = make_host_kv_storage(model, cfg);
     auto* alloc = dynamic_cast<SWATokenAllocator*>(storage.allocator.get());
     ASSERT_NE(alloc, nullptr);
@@ -620,8 +629,7 @@ TEST_P(SWAStorage, MappingStaysConsistentThroughAllocFreeAndFreeSwa) {
       const auto& swa = alloc->swa();
       if (static_cast<int64_t>(swa_pages.size()) != swa.num_pages() - swa.free_pages())
         return testing::AssertionFailure() << "SWA pages leaked";
-      if (alloc->available_size() !=
-          std::min(alloc->full().available_size(), swa.available_size()))
+      if (alloc->available_size() != std::min(alloc->full().available_size(), swa.available_size()))
         return testing::AssertionFailure() << "available_size is not the minimum";
       return testing::AssertionSuccess();
     };
@@ -666,7 +674,8 @@ TEST_P(SWAStorage, MappingStaysConsistentThroughAllocFreeAndFreeSwa) {
           // Half a page is refused: the other tokens of the page still use it.
           std::vector<int64_t> half(gone.begin(), gone.begin() + P / 2);
           const auto swa_before = state_of(alloc->swa());
-          expect_error([&] { alloc->free_swa(half); }, {"whole pages", "only " + std::to_string(P / 2)});
+          expect_error([&] { alloc->free_swa(half); },
+                       {"whole pages", "only " + std::to_string(P / 2)});
           ASSERT_EQ(state_of(alloc->swa()), swa_before);
         }
         const int64_t full_free = alloc->full().free_pages(), swa_free = alloc->swa().free_pages();
@@ -721,8 +730,8 @@ TEST(SWAStorage, StoresSwaLayersInTheSwaPoolAndFullLayersInTheFullPool) {
   cfg.swa_slots = 12;
   cfg.dtype = DType::f32;
   cfg.max_num_tokens = 6;
-  auto model = make_model({attn_layer(0, LayerKind::full, 2, 4, 4),
-                           attn_layer(1, LayerKind::full, 2, 4, 4, 5)});
+  auto model = make_model(
+      {attn_layer(0, LayerKind::full, 2, 4, 4), attn_layer(1, LayerKind::full, 2, 4, 4, 5)});
   auto storage = make_host_kv_storage(model, cfg);
   auto& alloc = *storage.allocator;
   std::vector<int32_t> p{0, 0}, s{3, 2};

@@ -73,7 +73,7 @@ struct Request {
   int row = -1;
   std::vector<int64_t> slots;
   std::map<int, std::vector<float>> k, v;  // layer -> [len, Hkv, D]
-  int64_t swa_released = 0;                 // leading tokens whose SWA slots were freed
+  int64_t swa_released = 0;                // leading tokens whose SWA slots were freed
 };
 
 class RuntimeEndToEnd : public testing::TestWithParam<RuntimeCase> {
@@ -120,7 +120,8 @@ class RuntimeEndToEnd : public testing::TestWithParam<RuntimeCase> {
     }
     std::vector<int64_t> slots = decode ? rt->allocator().alloc_decode(seq, last)
                                         : rt->allocator().alloc_extend(prefix, seq, last);
-    ForwardBatch batch = decode ? make_decode_batch(rows, seq) : make_extend_batch(rows, prefix, new_tokens);
+    ForwardBatch batch =
+        decode ? make_decode_batch(rows, seq) : make_extend_batch(rows, prefix, new_tokens);
     batch.out_cache_loc = slots;
     size_t at = 0;
     for (size_t i = 0; i < ids.size(); ++i) {
@@ -153,7 +154,8 @@ class RuntimeEndToEnd : public testing::TestWithParam<RuntimeCase> {
         }
         for (int t = 0; t < new_tokens[i]; ++t) {
           const int64_t pos = prefix[i] + t, qrow = row0 + t;
-          const int64_t first = layer.sliding_window >= 0 ? std::max<int64_t>(0, pos - layer.sliding_window) : 0;
+          const int64_t first =
+              layer.sliding_window >= 0 ? std::max<int64_t>(0, pos - layer.sliding_window) : 0;
           for (int h = 0; h < kHq; ++h) {
             const int kh = h / (kHq / kHkv);
             std::vector<double> w;
@@ -161,7 +163,8 @@ class RuntimeEndToEnd : public testing::TestWithParam<RuntimeCase> {
             for (int64_t j = first; j <= pos; ++j) {
               double dot = 0;
               for (int d = 0; d < kD; ++d)
-                dot += static_cast<double>(q[(qrow * kHq + h) * kD + d]) * hk[(j * kHkv + kh) * kD + d];
+                dot += static_cast<double>(q[(qrow * kHq + h) * kD + d]) *
+                       hk[(j * kHkv + kh) * kD + d];
               w.push_back(dot / std::sqrt(static_cast<double>(kD)));
               mx = std::max(mx, w.back());
             }
@@ -169,7 +172,8 @@ class RuntimeEndToEnd : public testing::TestWithParam<RuntimeCase> {
             for (double& e : w) sum += (e = std::exp(e - mx));
             for (int d = 0; d < kD; ++d) {
               double o = 0;
-              for (int64_t j = first; j <= pos; ++j) o += w[j - first] * hv[(j * kHkv + kh) * kD + d];
+              for (int64_t j = first; j <= pos; ++j)
+                o += w[j - first] * hv[(j * kHkv + kh) * kD + d];
               o /= sum;
               const float got = out[(qrow * kHq + h) * kD + d];
               ASSERT_NEAR(got, o, 2e-3 + 2e-3 * std::abs(o))
@@ -277,7 +281,8 @@ TEST_F(RuntimeErrors, MisuseIsReportedWithWhatToDo) {
   ForwardBatch ok = make_extend_batch({row}, {0}, {3});
   ok.out_cache_loc = slots;
   rt->begin_step(ok);
-  expect_error([&] { rt->forward(7, args); }, {"layer 7 is not a layer of model 'tiny-swa-hybrid'"});
+  expect_error([&] { rt->forward(7, args); },
+               {"layer 7 is not a layer of model 'tiny-swa-hybrid'"});
   rt->end_step();
   expect_error([&] { rt->current_batch(); }, {"no step in progress"});
 }

@@ -103,9 +103,10 @@ class HostKVCache final : public KVCache {
       if (s == 0) continue;  // the dummy row: every padded token may write there
       if (seen_[s] == epoch_) {
         const auto first = std::find(loc.begin(), loc.begin() + i, s) - loc.begin();
-        fail("KV cache: out_cache_loc[{}] = {} repeats out_cache_loc[{}]; every token of a step "
-             "needs its own slot (only the dummy slot 0 may repeat)",
-             i, s, first);
+        fail(
+            "KV cache: out_cache_loc[{}] = {} repeats out_cache_loc[{}]; every token of a step "
+            "needs its own slot (only the dummy slot 0 may repeat)",
+            i, s, first);
       }
       seen_[s] = epoch_;
       ATTNRT_CHECK(map_ == nullptr || (*map_)[s] != 0,
@@ -129,8 +130,8 @@ class HostKVCache final : public KVCache {
                  "store_step_kv(layer {}): k is {}, but the step has {} tokens", layer_id,
                  k.describe(), step_tokens_);
     const int64_t* loc = e.swa ? swa_loc_.data() : step_loc_;
-    e.pool->set_kv_buffer(layer_id, std::span<const int64_t>(loc, static_cast<size_t>(step_tokens_)),
-                          k, v);
+    e.pool->set_kv_buffer(layer_id,
+                          std::span<const int64_t>(loc, static_cast<size_t>(step_tokens_)), k, v);
   }
 
   void set_kv_scales(int layer_id, float k_scale, float v_scale) override {
@@ -163,10 +164,10 @@ class HostKVCache final : public KVCache {
   int64_t full_rows_;
   std::shared_ptr<const std::vector<int64_t>> map_;  // null: no SWA slot space
   std::vector<std::unique_ptr<MHATokenToKVPool>> pools_;
-  std::vector<Entry> entries_;  // by layer id
+  std::vector<Entry> entries_;    // by layer id
   std::vector<int64_t> swa_loc_;  // [max_num_tokens], allocated once
   const int64_t* step_loc_ = nullptr;
-  int64_t step_tokens_ = -1;  // -1: no valid step
+  int64_t step_tokens_ = -1;    // -1: no valid step
   std::vector<uint32_t> seen_;  // [full rows]: epoch of the step that last wrote each slot
   uint32_t epoch_ = 0;
 };
@@ -216,16 +217,15 @@ KVStorage make_host_kv_storage(const ModelSpec& model, const KVCacheConfig& conf
                  "KV cache: swa_full_tokens_ratio = {} is invalid; it must be > 0 (or set "
                  "swa_slots)",
                  config.swa_full_tokens_ratio);
-    swa_slots = static_cast<int64_t>(static_cast<double>(config.full_slots) *
-                                     config.swa_full_tokens_ratio);
+    swa_slots =
+        static_cast<int64_t>(static_cast<double>(config.full_slots) * config.swa_full_tokens_ratio);
   }
   ATTNRT_CHECK(swa_slots >= config.page_size,
                "KV cache: the SWA pool gets {} slots (swa_slots = {}, swa_full_tokens_ratio = {} "
                "of {} full slots), less than one page of {}; give it more slots",
                swa_slots, config.swa_slots, config.swa_full_tokens_ratio, config.full_slots,
                config.page_size);
-  auto alloc =
-      std::make_unique<SWATokenAllocator>(config.full_slots, swa_slots, config.page_size);
+  auto alloc = std::make_unique<SWATokenAllocator>(config.full_slots, swa_slots, config.page_size);
   out.cache = std::make_unique<HostKVCache>(model, config, alloc->full().pool_rows(),
                                             alloc->swa().pool_rows(), alloc->full_to_swa());
   out.allocator = std::move(alloc);

@@ -47,12 +47,23 @@ struct Codec<DType::e5m2> {
 template <class F>
 void dispatch_float(DType t, F&& f) {
   switch (t) {
-    case DType::f32: f(std::integral_constant<DType, DType::f32>{}); return;
-    case DType::f16: f(std::integral_constant<DType, DType::f16>{}); return;
-    case DType::bf16: f(std::integral_constant<DType, DType::bf16>{}); return;
-    case DType::e4m3: f(std::integral_constant<DType, DType::e4m3>{}); return;
-    case DType::e5m2: f(std::integral_constant<DType, DType::e5m2>{}); return;
-    default: fail("KV pool: {} is not a float dtype", dtype_name(t));
+    case DType::f32:
+      f(std::integral_constant<DType, DType::f32>{});
+      return;
+    case DType::f16:
+      f(std::integral_constant<DType, DType::f16>{});
+      return;
+    case DType::bf16:
+      f(std::integral_constant<DType, DType::bf16>{});
+      return;
+    case DType::e4m3:
+      f(std::integral_constant<DType, DType::e4m3>{});
+      return;
+    case DType::e5m2:
+      f(std::integral_constant<DType, DType::e5m2>{});
+      return;
+    default:
+      fail("KV pool: {} is not a float dtype", dtype_name(t));
   }
 }
 
@@ -82,8 +93,8 @@ void scatter_rows(const TensorView& src, std::span<const int64_t> loc, void* dst
 
 void check_input(const char* name, const TensorView& x, int64_t tokens, int heads, int dim,
                  int layer_id) {
-  const bool shape_ok = x.ndim == 3 && x.shape[0] == tokens && x.shape[1] == heads &&
-                        x.shape[2] == dim;
+  const bool shape_ok =
+      x.ndim == 3 && x.shape[0] == tokens && x.shape[1] == heads && x.shape[2] == dim;
   ATTNRT_CHECK(shape_ok,
                "set_kv_buffer(layer {}): {} is {}, expected [{}, {}, {}] (tokens, kv heads, head "
                "dim)",
@@ -94,15 +105,16 @@ void check_input(const char* name, const TensorView& x, int64_t tokens, int head
   ATTNRT_CHECK(is_float(x.dtype),
                "set_kv_buffer(layer {}): {} is {}; K/V must be fp32, fp16, bf16 or fp8", layer_id,
                name, x.describe());
-  ATTNRT_CHECK(tokens == 0 || x.data != nullptr,
-               "set_kv_buffer(layer {}): {} has no data ({})", layer_id, name, x.describe());
+  ATTNRT_CHECK(tokens == 0 || x.data != nullptr, "set_kv_buffer(layer {}): {} has no data ({})",
+               layer_id, name, x.describe());
 }
 
 }  // namespace
 
 MHATokenToKVPool::MHATokenToKVPool(int64_t rows, DType dtype, const std::vector<LayerSpec>& layers)
     : rows_(rows), dtype_(dtype) {
-  ATTNRT_CHECK(rows >= 1, "MHATokenToKVPool: {} rows; a pool needs at least the reserved row", rows);
+  ATTNRT_CHECK(rows >= 1, "MHATokenToKVPool: {} rows; a pool needs at least the reserved row",
+               rows);
   ATTNRT_CHECK(is_float(dtype),
                "MHATokenToKVPool: {} is not a KV storage dtype; use bf16, fp16, fp32, fp8_e4m3 or "
                "fp8_e5m2",

@@ -106,11 +106,12 @@ std::vector<int64_t> PageAllocator::alloc_extend(std::span<const int32_t> prefix
   if (pages > free_pages()) {
     int64_t tokens = 0;
     for (size_t i = 0; i < seq_lens.size(); ++i) tokens += seq_lens[i] - prefix_lens[i];
-    fail("alloc_extend: out of KV cache: {} requests need {} new slots ({} new pages of {}), but "
-         "only {} of {} slots ({} pages) are free; use a larger KV pool (more slots) or fewer / "
-         "shorter requests per step, or free finished requests first",
-         seq_lens.size(), tokens, pages, page_size_, available_size(), num_pages_ * page_size_,
-         free_pages());
+    fail(
+        "alloc_extend: out of KV cache: {} requests need {} new slots ({} new pages of {}), but "
+        "only {} of {} slots ({} pages) are free; use a larger KV pool (more slots) or fewer / "
+        "shorter requests per step, or free finished requests first",
+        seq_lens.size(), tokens, pages, page_size_, available_size(), num_pages_ * page_size_,
+        free_pages());
   }
   return fill(prefix_lens, seq_lens, last_locs);
 }
@@ -127,10 +128,11 @@ std::vector<int64_t> PageAllocator::alloc_decode(std::span<const int32_t> seq_le
   }
   const int64_t pages = check_extend(prefix, seq_lens, last_locs, "alloc_decode");
   if (pages > free_pages()) {
-    fail("alloc_decode: out of KV cache: {} requests need {} new pages of {} slots, but only {} "
-         "of {} pages are free; use a larger KV pool (more slots) or fewer running requests, or "
-         "free finished requests first",
-         seq_lens.size(), pages, page_size_, free_pages(), num_pages_);
+    fail(
+        "alloc_decode: out of KV cache: {} requests need {} new pages of {} slots, but only {} "
+        "of {} pages are free; use a larger KV pool (more slots) or fewer running requests, or "
+        "free finished requests first",
+        seq_lens.size(), pages, page_size_, free_pages(), num_pages_);
   }
   return fill(prefix, seq_lens, last_locs);
 }

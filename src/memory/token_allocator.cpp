@@ -42,7 +42,8 @@ std::vector<int64_t> SWATokenAllocator::swa_last_locs(std::span<const int32_t> p
 void SWATokenAllocator::map(const std::vector<int64_t>& full_slots,
                             const std::vector<int64_t>& swa_slots) {
   auto& m = *map_;
-  for (size_t i = 0; i < full_slots.size(); ++i) m[static_cast<size_t>(full_slots[i])] = swa_slots[i];
+  for (size_t i = 0; i < full_slots.size(); ++i)
+    m[static_cast<size_t>(full_slots[i])] = swa_slots[i];
 }
 
 std::vector<int64_t> SWATokenAllocator::alloc_extend(std::span<const int32_t> prefix_lens,
@@ -57,11 +58,12 @@ std::vector<int64_t> SWATokenAllocator::alloc_extend(std::span<const int32_t> pr
   if (swa_pages > swa_.free_pages()) {
     int64_t tokens = 0;
     for (size_t i = 0; i < seq_lens.size(); ++i) tokens += seq_lens[i] - prefix_lens[i];
-    fail("alloc_extend: out of SWA KV cache: {} requests need {} new slots ({} new pages of {}), "
-         "but only {} of {} SWA slots are free; give the SWA pool more slots (swa_slots or a "
-         "larger swa_full_tokens_ratio) or release tokens that left the window with free_swa",
-         seq_lens.size(), tokens, swa_pages, page_size(), swa_.available_size(),
-         swa_.num_pages() * page_size());
+    fail(
+        "alloc_extend: out of SWA KV cache: {} requests need {} new slots ({} new pages of {}), "
+        "but only {} of {} SWA slots are free; give the SWA pool more slots (swa_slots or a "
+        "larger swa_full_tokens_ratio) or release tokens that left the window with free_swa",
+        seq_lens.size(), tokens, swa_pages, page_size(), swa_.available_size(),
+        swa_.num_pages() * page_size());
   }
   auto full_slots = full_.alloc_extend(prefix_lens, seq_lens, last_locs);
   auto swa_slots = swa_.alloc_extend(prefix_lens, seq_lens, swa_last);
@@ -81,12 +83,14 @@ std::vector<int64_t> SWATokenAllocator::alloc_decode(std::span<const int32_t> se
   }
   full_.check_extend(prefix, seq_lens, last_locs, "alloc_decode");
   const auto swa_last = swa_last_locs(prefix, last_locs, "alloc_decode");
-  const int64_t swa_pages = swa_.check_extend(prefix, seq_lens, swa_last, "alloc_decode (SWA pool)");
+  const int64_t swa_pages =
+      swa_.check_extend(prefix, seq_lens, swa_last, "alloc_decode (SWA pool)");
   if (swa_pages > swa_.free_pages()) {
-    fail("alloc_decode: out of SWA KV cache: {} requests need {} new pages of {} slots, but only "
-         "{} of {} SWA pages are free; give the SWA pool more slots (swa_slots or a larger "
-         "swa_full_tokens_ratio) or release tokens that left the window with free_swa",
-         seq_lens.size(), swa_pages, page_size(), swa_.free_pages(), swa_.num_pages());
+    fail(
+        "alloc_decode: out of SWA KV cache: {} requests need {} new pages of {} slots, but only "
+        "{} of {} SWA pages are free; give the SWA pool more slots (swa_slots or a larger "
+        "swa_full_tokens_ratio) or release tokens that left the window with free_swa",
+        seq_lens.size(), swa_pages, page_size(), swa_.free_pages(), swa_.num_pages());
   }
   auto full_slots = full_.alloc_decode(seq_lens, last_locs);
   auto swa_slots = swa_.alloc_decode(seq_lens, swa_last);

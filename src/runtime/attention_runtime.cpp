@@ -41,7 +41,8 @@ DeviceKind pool_device(const Selection& s) {
     cuda = cuda && std::find(devices.begin(), devices.end(), DeviceKind::cuda) != devices.end();
   }
   if (cpu) return DeviceKind::cpu;
-  ATTNRT_CHECK(cuda, "backends '{}' (prefill) and '{}' (decode) share no device to hold the KV cache",
+  ATTNRT_CHECK(cuda,
+               "backends '{}' (prefill) and '{}' (decode) share no device to hold the KV cache",
                s.prefill, s.decode);
   return DeviceKind::cuda;
 }
@@ -51,9 +52,10 @@ KVStorage make_storage(DeviceKind device, const ModelSpec& model, const KVCacheC
 #if defined(ATTNRT_HAS_CUDA)
   return cuda::make_cuda_kv_storage(model, config);
 #else
-  fail("model '{}': the chosen backends run on CUDA only, but this build has no CUDA support; "
-       "choose a CPU backend (see `attnrt info`)",
-       model.name);
+  fail(
+      "model '{}': the chosen backends run on CUDA only, but this build has no CUDA support; "
+      "choose a CPU backend (see `attnrt info`)",
+      model.name);
 #endif
 }
 
@@ -71,8 +73,8 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
     layer_index_[id] = static_cast<int>(i);
   }
 
-  const int context = config_.max_context_len > 0 ? config_.max_context_len
-                                                   : model_.max_context_len;
+  const int context =
+      config_.max_context_len > 0 ? config_.max_context_len : model_.max_context_len;
   req_to_token_ = std::make_unique<ReqToTokenPool>(config_.max_requests, context);
   KVCacheConfig kv;
   kv.full_slots = config_.kv_slots;
@@ -123,8 +125,8 @@ void AttentionRuntime::forward(int layer_id, const AttnArgs& args) {
                layer_id);
   ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layer_index_.size() &&
                    layer_index_[layer_id] >= 0,
-               "forward: layer {} is not a layer of model '{}' ({} layers)", layer_id,
-               model_.name, model_.layers.size());
+               "forward: layer {} is not a layer of model '{}' ({} layers)", layer_id, model_.name,
+               model_.layers.size());
   const LayerSpec& layer = model_.layers[static_cast<size_t>(layer_index_[layer_id])];
   ATTNRT_CHECK(!is_linear_kind(layer.kind),
                "forward: layer {} is a {} layer; linear-attention layers are served by the linear "

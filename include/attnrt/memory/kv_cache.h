@@ -22,7 +22,7 @@ struct KVLayerView {
   void* v = nullptr;
   DType dtype = DType::bf16;  // storage dtype (fp8 stored as raw bytes)
   Device device;
-  int64_t num_rows = 0;       // slots, including the reserved rows
+  int64_t num_rows = 0;  // slots, including the reserved rows
   int kv_heads = 0, head_dim = 0, v_head_dim = 0;
   int64_t k_row_stride = 0, v_row_stride = 0;
   float k_scale = 1.f, v_scale = 1.f;
@@ -36,8 +36,8 @@ struct KVLayerView {
   // layer attends over a window is the LayerSpec's business, not this flag's.
   bool is_swa = false;
 
-  // A full-pool slot (as stored in req_to_token / out_cache_loc) in this pool's slot space; -1 stays
-  // -1. The caller guarantees -1 <= full_slot < slot_map_rows.
+  // A full-pool slot (as stored in req_to_token / out_cache_loc) in this pool's slot space; -1
+  // stays -1. The caller guarantees -1 <= full_slot < slot_map_rows.
   int64_t pool_slot(int64_t full_slot) const {
     if (slot_map == nullptr) return full_slot;
     return slot_map[full_slot < 0 ? slot_map_rows : full_slot];
@@ -51,8 +51,9 @@ class KVCache {
   // Per step, once, before any layer: translation of out_cache_loc for SWA layers (into a
   // preallocated buffer) and validation of the step's slots. Throws attnrt::Error on a bad slot.
   virtual void begin_step(const ForwardBatch& batch) = 0;
-  // Stores k [T, Hkv, Dqk] and v [T, Hkv, Dv] (any float dtype; quantised with the layer's scale for
-  // fp8) at the step's write slots of this layer. Checks shapes and slots before writing anything.
+  // Stores k [T, Hkv, Dqk] and v [T, Hkv, Dv] (any float dtype; quantised with the layer's scale
+  // for fp8) at the step's write slots of this layer. Checks shapes and slots before writing
+  // anything.
   virtual void store_step_kv(int layer_id, const TensorView& k, const TensorView& v) = 0;
   // fp8 (and any other dtype): stored = round(x / scale); readers multiply by the scale. 1 by
   // default. Scales must be finite and > 0.
@@ -96,8 +97,8 @@ class MHATokenToKVPool {
 // Builds the KV cache a model needs on the host: a single MHA pool, or a full pool plus a smaller
 // SWA pool when the model mixes sliding-window and full layers.
 struct KVCacheConfig {
-  int64_t full_slots = 0;   // usable slots of the full pool
-  int64_t swa_slots = 0;    // usable slots of the SWA pool (0 = derive: swa_full_tokens_ratio)
+  int64_t full_slots = 0;  // usable slots of the full pool
+  int64_t swa_slots = 0;   // usable slots of the SWA pool (0 = derive: swa_full_tokens_ratio)
   double swa_full_tokens_ratio = 0.8;
   int page_size = 1;
   DType dtype = DType::bf16;

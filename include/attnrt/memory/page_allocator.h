@@ -48,8 +48,7 @@ class PageAllocator {
  private:
   int64_t take_page();
   void release_pages(const std::vector<int64_t>& pages);
-  std::vector<int64_t> fill(std::span<const int32_t> prefix_lens,
-                            std::span<const int32_t> seq_lens,
+  std::vector<int64_t> fill(std::span<const int32_t> prefix_lens, std::span<const int32_t> seq_lens,
                             std::span<const int64_t> last_locs);
   int page_size_;
   int64_t num_pages_;

@@ -1,5 +1,5 @@
-// TokenAllocator: what the scheduler uses to get and return KV slots. PageAllocator-backed for plain
-// models; for SWA-hybrid models it also keeps the SWA pool's slots and the full->SWA mapping.
+// TokenAllocator: what the scheduler uses to get and return KV slots. PageAllocator-backed for
+// plain models; for SWA-hybrid models it also keeps the SWA pool's slots and the full->SWA mapping.
 #pragma once
 
 #include <cstdint>

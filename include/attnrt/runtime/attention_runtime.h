@@ -23,10 +23,10 @@ namespace attnrt {
 
 struct RuntimeConfig {
   int max_requests = 256;
-  int64_t kv_slots = 1 << 16;     // usable token slots of the full KV pool
+  int64_t kv_slots = 1 << 16;  // usable token slots of the full KV pool
   double swa_full_tokens_ratio = 0.8;
-  int max_num_tokens = 8192;      // largest step (tokens)
-  int max_context_len = 0;        // columns of req_to_token; 0 = the model's max_context_len
+  int max_num_tokens = 8192;  // largest step (tokens)
+  int max_context_len = 0;    // columns of req_to_token; 0 = the model's max_context_len
 };
 
 class AttentionRuntime {
