@@ -455,6 +455,112 @@ TEST_F(CudaBackendTest, TargetVerifyChainAndTree) {
   check_case(tree);
 }
 
+// fp8 KV is dequantised in registers with a permuted head-dim / output-dim order and its own
+// shared-memory layout per head dim: every head dim, both formats, the decode and the verify
+// shapes, fp16 and bf16 activations. Short extends (rows of a request fit 64) take the verify
+// shape too.
+TEST_F(CudaBackendTest, Fp8AcrossHeadDimsShapesAndShortExtends) {
+  for (DType kv : {DType::e4m3, DType::e5m2}) {
+    for (int dim : {64, 128, 256}) {
+      Case c;
+      c.kv = kv;
+      c.dim = dim;
+      c.prefix = random_lens(rng, 3, 1, 2500);
+      c.qlen.assign(3, 1);
+      c.k_scale = 1.3f;
+      c.v_scale = 0.45f;
+      c.seed = dim + 17;
+      SCOPED_TRACE(testing::Message() << dtype_name(kv) << " decode dim " << dim);
+      check_case(c);
+      Case t = c;
+      t.mode = ForwardMode::TARGET_VERIFY;
+      t.topk = 4;
+      t.qlen.assign(3, 16);
+      SCOPED_TRACE("tree verify");
+      check_case(t);
+    }
+  }
+  Case e;
+  e.mode = ForwardMode::EXTEND;
+  e.prefix = {700, 0, 33};
+  e.qlen = {16, 3, 9};  // 16 x group 4 = 64 rows: the verify shape
+  check_case(e);
+  e.kv = DType::e4m3;
+  e.act = DType::f16;
+  e.window = 50;
+  e.k_scale = 0.8f;
+  check_case(e);
+}
+
+// One backend across steps: decode rows grow (committed pages come from the device row table),
+// a plan that never reaches a kernel is dropped, and a row that changes hands (free + alloc, new
+// slots) is re-read. Every step is checked against the reference on the same pools.
+TEST_F(CudaBackendTest, IncrementalPageTablesFollowRowChanges) {
+  for (int page : {1, 16}) {
+    Case c;
+    c.page = page;
+    c.prefix = {900, 37, 2100, 300};
+    c.qlen.assign(4, 1);
+    Harness h(c);  // every row holds prefix + 1 slots; steps use prefixes up to that
+    const LayerSpec& layer = h.model_.layers[0];
+    cuda::CudaBackend be(h.ctx(true));
+    const int bs = 4;
+    HostBuffer q(c.act, {bs, c.hq, c.dim}), out(c.act, {bs, c.hq, c.dim});
+    HostBuffer ref_out(c.act, {bs, c.hq, c.dim});
+    DevTensor dq(q.view()), dout(out.view());
+    std::mt19937 rng(page + 5);
+    auto step = [&](const std::vector<int32_t>& seq, bool plan_twice) {
+      ForwardBatch b = make_decode_batch(h.rows_, seq);
+      b.out_cache_loc.assign(bs, 0);
+      for (int i = 0; i < bs; ++i)
+        b.out_cache_loc[i] = h.pool_->get(static_cast<int>(h.rows_[i]), seq[i] - 1);
+      fill_random(q.view(), rng, 1.f);
+      ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), q.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+      AttnArgs a;
+      a.q = dq.view;
+      a.out = dout.view;
+      a.save_kv = false;
+      if (plan_twice) be.init_forward_metadata(b);  // never followed by a kernel
+      be.init_forward_metadata(b);
+      be.forward(a, layer, b);
+      ASSERT_EQ(cudaStreamSynchronize(be.stream()), cudaSuccess);
+      dout.download(out.view());
+      ReferenceBackend ref(h.ctx(false));
+      ref.init_forward_metadata(b);
+      AttnArgs ra;
+      ra.q = q.view();
+      ra.out = ref_out.view();
+      ra.save_kv = false;
+      ref.forward(ra, layer, b);
+      const Compare co = compare(out.view(), ref_out.view(), bs);
+      EXPECT_TRUE(co.finite);
+      EXPECT_LT(co.rel, 1.2e-2) << "max abs " << co.max_abs;
+    };
+    {
+      SCOPED_TRACE(testing::Message() << "page " << page << ": first step");
+      step({600, 20, 1500, 100}, false);
+    }
+    {
+      SCOPED_TRACE("grown rows, one plan dropped");
+      step({601, 36, 1517, 250}, true);
+    }
+    EXPECT_TRUE(be.plan().incremental);
+    {
+      // Row 0 changes hands: the new request's slots are request 2's, with its own length.
+      SCOPED_TRACE("row 0 reassigned");
+      const int row = static_cast<int>(h.rows_[0]);
+      h.pool_->free(row);
+      ASSERT_EQ(h.pool_->alloc(), row);
+      h.pool_->write(row, 0, h.slots_[2]);
+      step({1700, 37, 1518, 251}, false);
+    }
+    {
+      SCOPED_TRACE("steady decode after the change");
+      step({1701, 38, 1519, 252}, false);
+    }
+  }
+}
+
 TEST_F(CudaBackendTest, HostTensorsAndHostCacheMirror) {
   Case c;
   c.mode = ForwardMode::EXTEND;

@@ -26,12 +26,16 @@ constexpr int kMinChunkPrefill = 1024;
 // not change with the rest of the batch.
 constexpr int kDeterministicChunk = 1024;
 constexpr int kCtasPerSm = 4;
+constexpr size_t kMaxRowTableBytes = size_t{512} << 20;
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// A request's (token, head-in-group) rows in one CTA whenever they fit the verify shape, so each
+// K/V tile is read once per request and KV head.
 TileShape choose_shape(int max_qlen, int group) {
-  return static_cast<int64_t>(max_qlen) * group <= 64 ? TileShape::decode : TileShape::prefill;
+  const int64_t rows = static_cast<int64_t>(max_qlen) * group;
+  return rows <= 16 ? TileShape::decode : rows <= 64 ? TileShape::verify : TileShape::prefill;
 }
 
 bool is_device(const TensorView& t) { return t.device.kind == DeviceKind::cuda; }
@@ -73,6 +77,21 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
     max_q_heads_x_dv_ = std::max<int64_t>(max_q_heads_x_dv_, int64_t{l.num_q_heads} * (dv + 1));
   }
   if (groups_.empty()) groups_.push_back(1);
+  // Per class: the head dim and the resident CTAs per SM of each shape (for the split choice).
+  const bool fp16 = ctx.model->dtype == DType::f16;
+  class_dims_.assign(groups_.size(), 128);
+  class_occupancy_.assign(groups_.size(), {1, 1, 1});
+  for (size_t c = 0; c < groups_.size(); ++c) {
+    for (const LayerSpec& l : ctx.model->layers) {
+      if (!l.uses_kv_cache() || l.num_kv_heads <= 0 || l.num_q_heads / l.num_kv_heads != groups_[c])
+        continue;
+      class_dims_[c] = l.head_dim;
+      const bool fp8 = is_fp8(ctx.kv_cache->layer(l.layer_id).dtype);
+      for (TileShape sh : {TileShape::decode, TileShape::prefill, TileShape::verify})
+        class_occupancy_[c][static_cast<int>(sh)] = attention_occupancy(l.head_dim, fp16, fp8, sh);
+      break;
+    }
+  }
 }
 
 CudaBackend::~CudaBackend() {
@@ -106,9 +125,123 @@ void CudaBackend::init_forward_metadata(const ForwardBatch& batch) {
   build_plan(batch, batch.batch_size, /*graph=*/false);
 }
 
+// Requests of the step (prefix, query rows, first output row) without make_step_layout's general
+// validation for the modes the serving loop runs every step: the checks below are what the plan
+// and the kernels rely on, at O(bs) with no allocation once the scratch has grown.
+void CudaBackend::derive_requests(const ForwardBatch& batch) {
+  const int bs = batch.batch_size;
+  ATTNRT_CHECK(bs >= 0 && batch.req_pool_indices.size() == static_cast<size_t>(bs) &&
+                   batch.seq_lens.size() == static_cast<size_t>(bs),
+               "cuda backend: {} batch of {} requests has {} req_pool_indices and {} seq_lens; "
+               "expected one each per request",
+               forward_mode_name(batch.mode), bs, batch.req_pool_indices.size(),
+               batch.seq_lens.size());
+  reqs_.resize(bs);
+  const ForwardMode mode = batch.mode;
+  const bool fast = mode == ForwardMode::DECODE || mode == ForwardMode::TARGET_VERIFY ||
+                    mode == ForwardMode::EXTEND;
+  if (!fast) {
+    const StepLayout layout = make_step_layout(batch);
+    for (int i = 0; i < bs; ++i)
+      reqs_[i] = {batch.req_pool_indices[i], layout.prefix_lens[i], layout.query_lens[i],
+                  static_cast<int32_t>(layout.query_start[i])};
+    return;
+  }
+  int32_t draft = 0;
+  if (mode == ForwardMode::TARGET_VERIFY) {
+    ATTNRT_CHECK(batch.spec_info.has_value() && batch.spec_info->draft_token_num >= 1,
+                 "cuda backend: TARGET_VERIFY batch without spec_info (draft_token_num >= 1)");
+    draft = batch.spec_info->draft_token_num;
+  } else if (mode == ForwardMode::EXTEND) {
+    ATTNRT_CHECK(batch.extend_prefix_lens.size() == static_cast<size_t>(bs) &&
+                     batch.extend_seq_lens.size() == static_cast<size_t>(bs),
+                 "cuda backend: EXTEND batch of {} requests has {} extend_prefix_lens and {} "
+                 "extend_seq_lens; expected one each per request",
+                 bs, batch.extend_prefix_lens.size(), batch.extend_seq_lens.size());
+  }
+  int64_t tokens = 0;
+  for (int i = 0; i < bs; ++i) {
+    int32_t prefix, qlen;
+    if (mode == ForwardMode::DECODE) {
+      prefix = batch.seq_lens[i] - 1;
+      qlen = 1;
+    } else if (mode == ForwardMode::TARGET_VERIFY) {
+      prefix = batch.seq_lens[i];
+      qlen = draft;
+    } else {
+      prefix = batch.extend_prefix_lens[i];
+      qlen = batch.extend_seq_lens[i];
+      ATTNRT_CHECK(qlen >= 1 && int64_t{batch.seq_lens[i]} == int64_t{prefix} + qlen,
+                   "cuda backend: EXTEND request {} has extend_seq_lens {} and seq_lens {} with "
+                   "extend_prefix_lens {}; need extend_seq_lens >= 1 and seq_lens = prefix + "
+                   "extend",
+                   i, qlen, batch.seq_lens[i], prefix);
+    }
+    ATTNRT_CHECK(prefix >= 0, "cuda backend: {} request {} has seq_lens {}; too short for the mode",
+                 forward_mode_name(mode), i, batch.seq_lens[i]);
+    reqs_[i] = {batch.req_pool_indices[i], prefix, qlen, static_cast<int32_t>(tokens)};
+    tokens += qlen;
+  }
+  ATTNRT_CHECK(batch.num_tokens() == tokens,
+               "cuda backend: {} batch has {} out_cache_loc entries; expected one per query token "
+               "({})",
+               forward_mode_name(mode), batch.num_tokens(), tokens);
+}
+
+// Splits of the decode / verify shapes: the count whose CTA waves over the resident slots
+// (SMs x CTAs per SM) finish first, modelling a CTA as its key tiles plus one tile of start-up
+// and a split step as one tile of merge. Filling all slots in one wave beats a few more splits
+// that spill into a second, mostly empty wave.
+void CudaBackend::choose_splits(const ClassPlan& cp, int bs, int64_t cap, int32_t* splits) {
+  const int bn = cp.head_dim > 128 ? 32 : 64;  // key tile of the decode and verify shapes
+  const int64_t heads = num_kv_heads_max_;
+  int32_t max_len = 0;
+  int64_t base = 0;
+  for (int i = 0; i < bs; ++i) {
+    max_len = std::max(max_len, reqs_[i].prefix + reqs_[i].qlen);
+    base += tiles_[i];
+  }
+  base *= heads;
+  if (base == 0) return;
+  // Large batches only look at a few split counts, keeping the plan O(4 bs).
+  const int64_t by_len = std::max<int64_t>(1, max_len / kMinChunkDecode);
+  const int64_t s_max = std::min<int64_t>({kMaxSplits, by_len, base >= cap ? 4 : kMaxSplits});
+  double best_cost = 0;
+  int64_t best_chunk = 0;
+  for (int64_t s = 1; s <= s_max; ++s) {
+    const int64_t chunk = ceil_div(ceil_div(max_len, s), bn) * bn;
+    if (s > 1 && chunk == best_chunk) continue;
+    int64_t ctas = 0;
+    for (int i = 0; i < bs; ++i)
+      ctas += tiles_[i] * ceil_div(reqs_[i].prefix + reqs_[i].qlen, chunk);
+    ctas *= heads;
+    const double cost = static_cast<double>(ceil_div(ctas, cap)) *
+                            (static_cast<double>(chunk / bn) + 1.0) +
+                        (s > 1 ? 1.0 : 0.0);
+    if (s == 1 || cost < best_cost) {
+      best_cost = cost;
+      best_chunk = chunk;
+    }
+  }
+  for (int i = 0; i < bs; ++i)
+    splits[i] = static_cast<int32_t>(std::clamp<int64_t>(
+        ceil_div(reqs_[i].prefix + reqs_[i].qlen, best_chunk), 1, kMaxSplits));
+}
+
 void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool graph) {
   plan_.valid = false;
-  const StepLayout layout = make_step_layout(batch);
+  // Commits of the previous plan become the row table's state once one of its kernels ran (they
+  // store the pages back); a plan that never reached a kernel leaves the row table as it was.
+  if (commits_launched_) {
+    for (const Commit& c : commits_) {
+      row_gen_[c.row] = c.gen;
+      row_known_[c.row] = c.pages;
+    }
+  }
+  commits_.clear();
+  commits_launched_ = false;
+
+  derive_requests(batch);
   const int raw_bs = batch.batch_size;
   const int bs = std::max(raw_bs, padded_bs);
   const bool verify = is_target_verify(batch.mode);
@@ -121,33 +254,45 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
                "cuda backend: page_size {} is not supported; use a power of two (1, 8, 16, 32, "
                "64, 128)",
                page);
-  StepPlan plan;
+  const bool capturing = stream_is_capturing(stream_);
+  ATTNRT_CHECK(!(graph && capturing),
+               "cuda backend: the graph plan runs while the stream captures; call "
+               "init_forward_metadata_capture_cuda_graph before cudaStreamBeginCapture (its "
+               "upload must not become part of the graph)");
+  StepPlan& plan = plan_;
   plan.mode = batch.mode;
   plan.bs = bs;
   plan.page_shift = std::countr_zero(static_cast<unsigned>(page));
 
   // Requests, padded (graph replay) with the fill value: seq_len 1 on a valid row.
   const int pad_qlen = verify && batch.spec_info ? batch.spec_info->draft_token_num : 1;
-  std::vector<Request> reqs(bs);
-  int32_t tokens = static_cast<int32_t>(layout.num_tokens);
-  int max_qlen = layout.max_query_len;
+  int32_t tokens = raw_bs > 0 ? reqs_[raw_bs - 1].qo_start + reqs_[raw_bs - 1].qlen : 0;
+  int max_qlen = 0;
+  reqs_.resize(bs);
+  if (row_stamp_.size() < static_cast<size_t>(pool ? pool->size() : 0))
+    row_stamp_.assign(pool->size(), 0);
+  ++stamp_;
   for (int i = 0; i < bs; ++i) {
-    if (i < raw_bs) {
-      reqs[i] = {batch.req_pool_indices[i], layout.prefix_lens[i], layout.query_lens[i],
-                 static_cast<int32_t>(layout.query_start[i])};
-    } else {
-      reqs[i] = {raw_bs > 0 ? batch.req_pool_indices[0] : 0, verify ? 1 : 0, pad_qlen, tokens};
+    if (i >= raw_bs) {
+      reqs_[i] = {raw_bs > 0 ? batch.req_pool_indices[0] : 0, verify ? 1 : 0, pad_qlen, tokens};
       tokens += pad_qlen;
-      max_qlen = std::max(max_qlen, pad_qlen);
     }
-    const Request& r = reqs[i];
+    const Request& r = reqs_[i];
+    max_qlen = std::max(max_qlen, r.qlen);
     ATTNRT_CHECK(r.row >= 0 && r.row < pool->size(),
                  "cuda backend: req_pool_indices[{}] = {}; the request pool has rows [0, {})", i,
                  r.row, pool->size());
-    ATTNRT_CHECK(r.prefix + r.qlen <= pool->max_context_len(),
+    ATTNRT_CHECK(int64_t{r.prefix} + r.qlen <= pool->max_context_len(),
                  "cuda backend: request {} needs {} keys but a request row holds at most "
                  "max_context_len = {}",
-                 i, r.prefix + r.qlen, pool->max_context_len());
+                 i, int64_t{r.prefix} + r.qlen, pool->max_context_len());
+    if (i < raw_bs) {
+      ATTNRT_CHECK(row_stamp_[r.row] != stamp_,
+                   "cuda backend: req_pool_indices[{}] = {} repeats an earlier request's row; "
+                   "each request of a step has its own row",
+                   i, r.row);
+      row_stamp_[r.row] = stamp_;
+    }
   }
   plan.num_tokens = tokens;
 
@@ -162,80 +307,89 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
                  "cuda backend: tree verify with {} draft tokens per request; the kernels support "
                  "1..64",
                  n_draft);
+    ATTNRT_CHECK(spec->parents.size() >= static_cast<size_t>(raw_bs) * n_draft,
+                 "cuda backend: spec_info.parents has {} entries; a tree verify of {} requests "
+                 "needs {}",
+                 spec->parents.size(), raw_bs, static_cast<size_t>(raw_bs) * n_draft);
   }
 
-  // Per class: split counts and the work list.
-  struct ClassWork {
-    std::vector<int32_t> splits;
-    std::vector<WorkItem> items;
-  };
-  std::vector<ClassWork> work(groups_.size());
-  plan.classes.resize(groups_.size());
+  // Per class: shape, split counts and the number of work items.
+  const size_t nc = groups_.size();
+  plan.classes.resize(nc);
+  tiles_.resize(bs);
+  splits_.resize(nc * bs);
   const bool deterministic = ctx_.options != nullptr && ctx_.options->deterministic;
-  for (size_t c = 0; c < groups_.size(); ++c) {
+  bool any_prefill = false;
+  for (size_t c = 0; c < nc; ++c) {
     ClassPlan& cp = plan.classes[c];
-    ClassWork& cw = work[c];
+    cp = ClassPlan{};
     cp.group = groups_[c];
+    cp.head_dim = class_dims_[c];
     cp.shape = choose_shape(max_qlen, cp.group);
+    any_prefill = any_prefill || cp.shape == TileShape::prefill;
     const int rows = tile_rows(cp.shape);
-    std::vector<int32_t> tiles(bs);
+    int32_t* splits = splits_.data() + c * bs;
     int64_t base = 0, keys = 0;
-    int32_t max_tiles = 0;
     for (int i = 0; i < bs; ++i) {
-      tiles[i] = static_cast<int32_t>(ceil_div(int64_t{reqs[i].qlen} * cp.group, rows));
-      max_tiles = std::max(max_tiles, tiles[i]);
-      base += tiles[i];
-      keys += int64_t{tiles[i]} * (reqs[i].prefix + reqs[i].qlen);
+      tiles_[i] = static_cast<int32_t>(ceil_div(int64_t{reqs_[i].qlen} * cp.group, rows));
+      base += tiles_[i];
+      keys += int64_t{tiles_[i]} * (reqs_[i].prefix + reqs_[i].qlen);
+      splits[i] = 1;
     }
     base *= num_kv_heads_max_;
     keys *= num_kv_heads_max_;
-    cw.splits.assign(bs, 1);
-    const int64_t target = int64_t{sm_count_} * kCtasPerSm;
     if (graph) {
-      const int s = graph_splits(cp.group, cp.shape, bs, pad_qlen);
-      std::fill(cw.splits.begin(), cw.splits.end(), s);
+      std::fill(splits, splits + bs, graph_splits(cp.group, cp.shape, bs, pad_qlen));
     } else if (deterministic) {
       if (cp.shape == TileShape::decode) {
         for (int i = 0; i < bs; ++i)
-          cw.splits[i] = static_cast<int32_t>(std::clamp<int64_t>(
-              ceil_div(reqs[i].prefix + reqs[i].qlen, kDeterministicChunk), 1, kMaxSplits));
+          splits[i] = static_cast<int32_t>(std::clamp<int64_t>(
+              ceil_div(reqs_[i].prefix + reqs_[i].qlen, kDeterministicChunk), 1, kMaxSplits));
       }
-    } else if (base < target && base > 0) {
-      const int64_t min_chunk =
-          cp.shape == TileShape::decode ? kMinChunkDecode : kMinChunkPrefill;
-      const int64_t chunk = std::max(min_chunk, ceil_div(keys, target));
-      for (int i = 0; i < bs; ++i)
-        cw.splits[i] = static_cast<int32_t>(
-            std::clamp<int64_t>(ceil_div(reqs[i].prefix + reqs[i].qlen, chunk), 1, kMaxSplits));
-    }
-    // Heaviest tiles first (the last query tiles of causal requests see the most keys).
-    for (int32_t k = 0; k < max_tiles; ++k) {
-      for (int i = 0; i < bs; ++i) {
-        if (k >= tiles[i]) continue;
-        const int32_t tile = tiles[i] - 1 - k;
-        for (int32_t s = 0; s < cw.splits[i]; ++s)
-          cw.items.push_back({i, tile * rows, s, 0});
+    } else if (cp.shape != TileShape::prefill) {
+      choose_splits(cp, bs, int64_t{sm_count_} * class_occupancy_[c][static_cast<int>(cp.shape)],
+                    splits);
+    } else {
+      const int64_t target = int64_t{sm_count_} * kCtasPerSm;
+      if (base < target && base > 0) {
+        const int64_t chunk = std::max<int64_t>(kMinChunkPrefill, ceil_div(keys, target));
+        for (int i = 0; i < bs; ++i)
+          splits[i] = static_cast<int32_t>(std::clamp<int64_t>(
+              ceil_div(reqs_[i].prefix + reqs_[i].qlen, chunk), 1, kMaxSplits));
       }
     }
-    cp.num_items = static_cast<int>(cw.items.size());
+    int64_t items = 0;
     for (int i = 0; i < bs; ++i) {
-      if (cw.splits[i] > 1) cp.part_rows += int64_t{cw.splits[i]} * reqs[i].qlen;
-      cp.max_splits = std::max(cp.max_splits, static_cast<int>(cw.splits[i]));
+      items += int64_t{tiles_[i]} * splits[i];
+      if (splits[i] > 1) cp.part_rows += int64_t{splits[i]} * reqs_[i].qlen;
+      cp.max_splits = std::max(cp.max_splits, static_cast<int>(splits[i]));
     }
+    cp.num_items = static_cast<int>(items);
   }
 
-  // Page counts.
-  std::vector<int32_t> pt_start(bs);
+  // Page tables. Incremental (the persistent row table holds each row's committed pages; only the
+  // others travel) unless the stream is capturing an eager step, or a step runs the prefill shape
+  // (whose kernels read the whole table from the step's array), or the row table does not exist.
+  if (!capturing && !row_table_ready_ && pool != nullptr) init_row_table();
+  const bool incremental = row_table_ready_ && !capturing && !any_prefill;
+  const int32_t offset_mask = page - 1;
+  pt_start_.resize(bs);
+  pt_known_.resize(bs);
   int64_t total_pages = 0;
   for (int i = 0; i < bs; ++i) {
-    pt_start[i] = static_cast<int32_t>(total_pages);
-    total_pages += ceil_div(reqs[i].prefix + reqs[i].qlen, page);
+    const Request& r = reqs_[i];
+    int32_t known = 0;
+    if (incremental && i < raw_bs && row_gen_[r.row] == pool->generation(static_cast<int>(r.row)))
+      known = std::min(row_known_[r.row], r.prefix >> plan.page_shift);
+    pt_known_[i] = known;
+    pt_start_[i] = static_cast<int32_t>(total_pages);
+    total_pages += ceil_div(int64_t{r.prefix} + r.qlen, page) - known;
   }
 
-  // Byte layout: [per class: reqs, work] [tree masks] [tree depths] [page table]; under graphs at
-  // the fixed offsets the captured kernels were given.
+  // Byte layout: [per class: reqs, work] [tree masks] [tree depths] [page ids]; under graphs at the
+  // fixed offsets the captured kernels were given.
   size_t off = 0;
-  for (size_t c = 0; c < plan.classes.size(); ++c) {
+  for (size_t c = 0; c < nc; ++c) {
     ClassPlan& cp = plan.classes[c];
     if (graph) {
       ATTNRT_CHECK(bs <= graph_max_bs_ && static_cast<size_t>(cp.num_items) <= graph_work_cap_,
@@ -243,8 +397,7 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
                    "state (max_bs {}, {} items); call init_cuda_graph_state with larger sizes",
                    bs, cp.num_items, graph_max_bs_, graph_work_cap_);
       cp.reqs_off = c * graph_reqs_cap_ * sizeof(ReqInfo);
-      cp.work_off = groups_.size() * graph_reqs_cap_ * sizeof(ReqInfo) +
-                    c * graph_work_cap_ * sizeof(WorkItem);
+      cp.work_off = nc * graph_reqs_cap_ * sizeof(ReqInfo) + c * graph_work_cap_ * sizeof(WorkItem);
     } else {
       cp.reqs_off = off;
       off += bs * sizeof(ReqInfo);
@@ -256,7 +409,7 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
     ATTNRT_CHECK(static_cast<size_t>(tokens) <= graph_tree_cap_,
                  "cuda backend: graph step of {} tokens exceeds max_num_tokens {}", tokens,
                  graph_tree_cap_);
-    off = groups_.size() * (graph_reqs_cap_ * sizeof(ReqInfo) + graph_work_cap_ * sizeof(WorkItem));
+    off = nc * (graph_reqs_cap_ * sizeof(ReqInfo) + graph_work_cap_ * sizeof(WorkItem));
     plan.tree_mask_off = align_up(off, 8);
     plan.tree_depth_off = plan.tree_mask_off + graph_tree_cap_ * sizeof(uint64_t);
     plan.pt_off = align_up(plan.tree_depth_off + graph_tree_cap_ * sizeof(int32_t), 16);
@@ -277,27 +430,26 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
   char* host = static_cast<char*>(staging_.acquire(plan.bytes, stream_));
   int32_t* pt = reinterpret_cast<int32_t*>(host + plan.pt_off);
   for (int i = 0; i < bs; ++i) {
-    const Request& r = reqs[i];
+    const Request& r = reqs_[i];
     const int32_t* row = pool->row_ptr(static_cast<int>(r.row));
-    const int32_t kv_len = r.prefix + r.qlen;
-    const int64_t pages = ceil_div(kv_len, page);
-    const int32_t offset_mask = page - 1;  // page is a power of two: no division per page
-    for (int64_t j = 0; j < pages; ++j) {
+    const int64_t pages = ceil_div(int64_t{r.prefix} + r.qlen, page);
+    int32_t* dst = pt + pt_start_[i] - pt_known_[i];
+    for (int64_t j = pt_known_[i]; j < pages; ++j) {
       const int32_t slot = row[j << plan.page_shift];
       ATTNRT_CHECK(slot >= 0 && (slot & offset_mask) == 0,
                    "cuda backend: req_to_token[{}, {}] = {} does not start a page of {} slots; "
                    "with page_size > 1 a request's tokens must fill whole pages in order "
                    "(reference-semantics §4.2)",
                    r.row, j * page, slot, page);
-      pt[pt_start[i] + j] = slot >> plan.page_shift;
+      dst[j] = slot >> plan.page_shift;
     }
   }
   if (plan.tree) {
     uint64_t* mask = reinterpret_cast<uint64_t*>(host + plan.tree_mask_off);
     int32_t* depth = reinterpret_cast<int32_t*>(host + plan.tree_depth_off);
     for (int i = 0; i < bs; ++i) {
-      const int32_t q0 = reqs[i].qo_start;
-      for (int32_t t = 0; t < reqs[i].qlen; ++t) {
+      const int32_t q0 = reqs_[i].qo_start;
+      for (int32_t t = 0; t < reqs_[i].qlen; ++t) {
         int32_t parent = t - 1;
         if (i < raw_bs) {
           parent = spec->parents[static_cast<size_t>(i) * n_draft + t];
@@ -311,25 +463,75 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
       }
     }
   }
-  for (size_t c = 0; c < plan.classes.size(); ++c) {
+  // Commits: pages wholly below the prefix are committed; the kernels store the ones the row table
+  // lacks. A capture records kernels that run later (at replays, with their own plans), so a
+  // capture plan commits nothing.
+  const bool commit = incremental && !(graph && !graph_replay_);
+  for (size_t c = 0; c < nc; ++c) {
     const ClassPlan& cp = plan.classes[c];
+    const int32_t* splits = splits_.data() + c * bs;
     ReqInfo* ri = reinterpret_cast<ReqInfo*>(host + cp.reqs_off);
     int32_t part = 0;
     for (int i = 0; i < bs; ++i) {
-      const Request& r = reqs[i];
-      const int32_t s = work[c].splits[i];
-      ri[i] = {r.qo_start, r.qlen, r.prefix, r.prefix + r.qlen, pt_start[i], s,
-               s > 1 ? part : 0, plan.tree ? r.qo_start : -1};
+      const Request& r = reqs_[i];
+      const int32_t s = splits[i];
+      const bool real = incremental && i < raw_bs;
+      const int32_t committed = commit && i < raw_bs ? r.prefix >> plan.page_shift : pt_known_[i];
+      ri[i] = {r.qo_start,
+               r.qlen,
+               r.prefix,
+               r.prefix + r.qlen,
+               pt_start_[i],
+               s,
+               s > 1 ? part : 0,
+               plan.tree ? r.qo_start : -1,
+               real ? static_cast<int32_t>(r.row * pages_per_row_) : -1,
+               pt_known_[i],
+               std::max(committed, pt_known_[i]),
+               0};
       if (s > 1) part += s * r.qlen;
+      if (c == 0 && commit && i < raw_bs)
+        commits_.push_back({static_cast<int32_t>(r.row), std::max(committed, pt_known_[i]),
+                            pool->generation(static_cast<int>(r.row))});
     }
     if (c == 0) plan.reqs.assign(ri, ri + bs);
-    if (cp.num_items > 0)
-      std::memcpy(host + cp.work_off, work[c].items.data(), cp.num_items * sizeof(WorkItem));
+    // Heaviest tiles first (the last query tiles of causal requests see the most keys).
+    WorkItem* items = reinterpret_cast<WorkItem*>(host + cp.work_off);
+    const int rows = tile_rows(cp.shape);
+    int32_t max_tiles = 0;
+    for (int i = 0; i < bs; ++i)
+      max_tiles = std::max(max_tiles, static_cast<int32_t>(ceil_div(int64_t{reqs_[i].qlen} * cp.group, rows)));
+    int n = 0;
+    for (int32_t k = 0; k < max_tiles; ++k) {
+      for (int i = 0; i < bs; ++i) {
+        const int32_t t = static_cast<int32_t>(ceil_div(int64_t{reqs_[i].qlen} * cp.group, rows));
+        if (k >= t) continue;
+        for (int32_t s = 0; s < splits[i]; ++s) items[n++] = {i, (t - 1 - k) * rows, s, 0};
+      }
+    }
   }
   staging_.upload(graph ? graph_meta_.data() : meta_.data(), plan.bytes, stream_);
+  // A replayed graph always runs its kernels after its plan.
+  if (graph && graph_replay_) commits_launched_ = true;
+  plan.incremental = incremental;
   plan.valid = true;
-  plan_ = std::move(plan);
   graph_step_ = graph;
+}
+
+void CudaBackend::init_row_table() {
+  const ReqToTokenPool* pool = ctx_.req_to_token;
+  pages_per_row_ = ceil_div(pool->max_context_len(), ctx_.kv_cache->page_size());
+  const size_t bytes = static_cast<size_t>(pool->size()) * pages_per_row_ * sizeof(int32_t);
+  // A table as large as req_to_token itself divided by the page size; past this the plan keeps
+  // uploading whole page tables rather than hold that much device memory.
+  if (bytes > kMaxRowTableBytes || int64_t{pool->size()} * pages_per_row_ > INT32_MAX) return;
+  ensure(row_table_, bytes, "row page table");
+  // Page 0 is the reserved dummy page: entries a padded graph row may read before any step wrote
+  // them stay in bounds.
+  ATTNRT_CUDA_CHECK(cudaMemsetAsync(row_table_.data(), 0, bytes, stream_));
+  row_gen_.assign(pool->size(), ~uint64_t{0});
+  row_known_.assign(pool->size(), 0);
+  row_table_ready_ = true;
 }
 
 void CudaBackend::forward_decode(const AttnArgs& args, const LayerSpec& layer,
@@ -543,6 +745,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   p.slot_map = slot_map;
   p.reqs = reinterpret_cast<const ReqInfo*>(meta + cls->reqs_off);
   p.page_table = reinterpret_cast<const int32_t*>(meta + plan_.pt_off);
+  p.row_table = row_table_ready_ ? row_table_.ptr<int32_t>() : nullptr;
   p.work = reinterpret_cast<const WorkItem*>(meta + cls->work_off);
   p.tree_mask = reinterpret_cast<const uint64_t*>(meta + plan_.tree_mask_off);
   p.tree_depth = reinterpret_cast<const int32_t*>(meta + plan_.tree_depth_off);
@@ -565,6 +768,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                cls->num_items);
   const bool fp16 = args.q.dtype == DType::f16;
   ATTNRT_CUDA_CHECK(launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_));
+  commits_launched_ = true;
   if (cls->max_splits > 1) {
     MergeParams mp{};
     mp.reqs = p.reqs;
@@ -624,6 +828,7 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
                       graph_tree_cap_ * (sizeof(uint64_t) + sizeof(int32_t)) + 16 +
                       static_cast<size_t>(max_bs) * pages * sizeof(int32_t);
   graph_meta_.reserve(meta);
+  if (!row_table_ready_) init_row_table();
   graph_partials_.reserve(static_cast<size_t>(part_rows) * max_q_heads_x_dv_ * sizeof(float) + 256);
   graph_ready_ = true;
 }
@@ -637,6 +842,7 @@ void CudaBackend::init_forward_metadata_capture_cuda_graph(int bs, int num_token
   ATTNRT_CHECK(num_tokens <= graph_max_tokens_ && bs <= graph_max_bs_,
                "cuda backend: capture of {} requests / {} tokens exceeds the graph state ({} / {})",
                bs, num_tokens, graph_max_bs_, graph_max_tokens_);
+  graph_replay_ = false;
   build_plan(batch, bs, /*graph=*/true);
 }
 
@@ -646,6 +852,7 @@ void CudaBackend::init_forward_metadata_replay_cuda_graph(int bs, int raw_bs,
   ATTNRT_CHECK(batch.batch_size == raw_bs || batch.batch_size == bs,
                "cuda backend: replay with raw_bs {} padded to {} got a batch of {} requests", raw_bs,
                bs, batch.batch_size);
+  graph_replay_ = true;
   build_plan(batch, bs, /*graph=*/true);
 }
 

@@ -14,6 +14,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstdint>
 #include <string_view>
 #include <vector>
@@ -31,6 +32,7 @@ class CudaKVCache;
 // One GQA group size of the model's KV layers: its CTA shape, split counts and work list.
 struct ClassPlan {
   int group = 1;
+  int head_dim = 128;
   TileShape shape = TileShape::decode;
   size_t reqs_off = 0, work_off = 0;  // byte offsets in the step's metadata buffer
   int num_items = 0;
@@ -47,6 +49,7 @@ struct StepPlan {
   bool tree = false;
   size_t tree_mask_off = 0, tree_depth_off = 0, pt_off = 0;
   size_t bytes = 0;           // bytes uploaded this step
+  bool incremental = false;   // committed pages read from the persistent row table
   std::vector<ClassPlan> classes;
   std::vector<ReqInfo> reqs;  // class 0's requests (host copy, for tests and logging)
 };
@@ -82,6 +85,9 @@ class CudaBackend final : public AttentionBackend {
     int32_t prefix, qlen, qo_start;
   };
   void build_plan(const ForwardBatch& batch, int padded_bs, bool graph);
+  void derive_requests(const ForwardBatch& batch);
+  void choose_splits(const ClassPlan& cp, int bs, int64_t cap, int32_t* splits);
+  void init_row_table();
   int graph_splits(int group, TileShape shape, int bs, int tokens_per_req) const;
   void run(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch);
   void ensure(DeviceBuffer& buf, size_t bytes, const char* what);
@@ -94,7 +100,31 @@ class CudaBackend final : public AttentionBackend {
   int num_kv_heads_max_ = 1;
   int64_t max_q_heads_x_dv_ = 0;
 
+  std::vector<int> class_dims_;                   // head dim per class
+  std::vector<std::array<int, 3>> class_occupancy_;  // CTAs per SM per class and TileShape
+
   StepPlan plan_;
+  // Plan scratch reused every step (no allocation once grown).
+  std::vector<Request> reqs_;
+  std::vector<int32_t> tiles_, splits_, pt_start_, pt_known_;
+  std::vector<uint32_t> row_stamp_;  // duplicate-row check: row_stamp_[row] == stamp_ seen
+  uint32_t stamp_ = 0;
+  // Incremental page tables: per pool row, the committed page ids on the device, and which pool
+  // generation and how many pages of the row they hold. A plan's commits (pages its kernels store
+  // back) become that state once a kernel of the plan was launched.
+  DeviceBuffer row_table_;
+  bool row_table_ready_ = false;
+  int64_t pages_per_row_ = 0;
+  std::vector<uint64_t> row_gen_;
+  std::vector<int32_t> row_known_;
+  struct Commit {
+    int32_t row;
+    int32_t pages;
+    uint64_t gen;
+  };
+  std::vector<Commit> commits_;
+  bool commits_launched_ = false;
+  bool graph_replay_ = false;
   StagingRing staging_;
   DeviceBuffer meta_;       // eager steps' metadata
   DeviceBuffer partials_;   // split-KV partial outputs and lse

@@ -14,6 +14,7 @@ ReqToTokenPool::ReqToTokenPool(int size, int max_context_len)
                "ReqToTokenPool: max_context_len {} is invalid; it must be >= 1", max_context_len);
   table_.assign(static_cast<size_t>(size) * static_cast<size_t>(max_context_len), 0);
   in_use_.assign(static_cast<size_t>(size), 0);
+  generation_.assign(static_cast<size_t>(size), 0);
   free_rows_.reserve(static_cast<size_t>(size));
   // Popped from the back: row 0 is handed out first.
   for (int r = size - 1; r >= 0; --r) free_rows_.push_back(r);
@@ -27,6 +28,7 @@ int ReqToTokenPool::alloc() {
   const int row = free_rows_.back();
   free_rows_.pop_back();
   in_use_[row] = 1;
+  generation_[row] = next_generation_++;
   return row;
 }
 
@@ -40,6 +42,7 @@ void ReqToTokenPool::free(int row) {
   ATTNRT_CHECK(in_use_[row] != 0, "ReqToTokenPool::free: row {} is not allocated (freed twice?)",
                row);
   in_use_[row] = 0;
+  generation_[row] = next_generation_++;
   free_rows_.push_back(row);
 }
 
@@ -58,6 +61,7 @@ void ReqToTokenPool::write(int row, int start, std::span<const int64_t> slots) {
                  "ReqToTokenPool::write: slots[{}] = {} is not a KV slot (0..{})", i, slots[i],
                  std::numeric_limits<int32_t>::max());
   }
+  if (start == 0 && !slots.empty()) generation_[row] = next_generation_++;
   int32_t* dst = table_.data() + static_cast<size_t>(row) * max_context_len_ + start;
   for (size_t i = 0; i < slots.size(); ++i) dst[i] = static_cast<int32_t>(slots[i]);
 }

@@ -6,7 +6,18 @@
 //
 // Warps are arranged as ROWS/16 row groups times WPR key parts: a prefill CTA gives every warp its
 // own 16 rows (WPR = 1); a decode CTA has 16 rows and its warps split each K/V tile, merging their
-// softmax states through shared memory at the end (WPR = 4).
+// softmax states through shared memory at the end (WPR = 4); a verify CTA holds all the (draft
+// token, head) rows of one request and KV head (64), so the request's K/V is streamed once.
+//
+// fp8 KV stays fp8 in shared memory (half the bytes per stage, so twice the stages in flight) and
+// is dequantised in registers right before each MMA: K is read with a permuted head-dim order
+// (applied to Q too, the dot product does not care) and V with a permuted output-dim order (undone
+// at the store), so that every thread reads whole 16-byte / 4-byte words and no pass over shared
+// memory or extra barrier is needed. e4m3 -> f16 is one hardware conversion per pair; for bf16
+// activations the f16 bits are moved into bf16 position by a shift, which divides the value by
+// 2^112 exactly (e4m3 values, and e5m2 values from 2^-14 up, stay normal bf16 numbers); Q is
+// multiplied by 2^56 (exact) so
+// the logits keep a comfortable fp32 range, and both factors are undone in the fp32 epilogue.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,20 +42,73 @@ struct AttnConfig {
   static constexpr int kRowGroups = ROWS / 16;
   static constexpr int kWpr = WARPS / kRowGroups;  // warps sharing a row group
   static constexpr int kKW = BN / kWpr;            // keys of a tile per warp
-  static constexpr int kChunks = D / 8;            // 16-byte chunks of a 16-bit row
-  static_assert(ROWS % 16 == 0 && WARPS % kRowGroups == 0 && kKW % 16 == 0 && D % 16 == 0 &&
-                STAGES >= 2);
+  static constexpr int kElem = FP8 ? 1 : 2;        // bytes per K/V element in shared memory
+  static constexpr int kLoadChunks = D * kElem / 16;  // 16-byte chunks of one K or V row
+  static_assert(ROWS % 16 == 0 && WARPS % kRowGroups == 0 && kKW % 16 == 0 && D % 64 == 0 &&
+                STAGES >= 2 && BN <= kThreads && (BN * kLoadChunks) % kThreads == 0);
 
-  // Shared memory (bytes): Q tile, K/V tiles (STAGES stages of 16-bit tiles, or STAGES stages of
-  // raw fp8 tiles plus one converted 16-bit stage), and the cross-warp merge area, which reuses
-  // the K/V tiles once the key loop is over.
+  // Shared memory (bytes): Q tile, STAGES stages of K and V tiles (the cross-warp merge area
+  // reuses them once the key loop is over), then the slots of the next STAGES tiles' keys.
   static constexpr int kQBytes = ROWS * D * 2;
-  static constexpr int kTileBytes = BN * D * 2;  // one 16-bit K or V tile
-  static constexpr int kKVBytes =
-      FP8 ? (2 * kTileBytes + 2 * STAGES * BN * D) : 2 * STAGES * kTileBytes;
+  static constexpr int kTileBytes = BN * D * kElem;  // one K or V stage
+  static constexpr int kKVBytes = 2 * STAGES * kTileBytes;
   static constexpr int kMergeBytes = kWpr > 1 ? WARPS * 16 * (D + 2) * 4 : 0;
-  static constexpr int kSmemBytes = kQBytes + (kKVBytes > kMergeBytes ? kKVBytes : kMergeBytes);
+  static constexpr int kKVRegion = kKVBytes > kMergeBytes ? kKVBytes : kMergeBytes;
+  static constexpr int kSlotBytes = STAGES * BN * 8;
+  static constexpr int kSmemBytes = kQBytes + kKVRegion + kSlotBytes;
 };
+
+// Shared-memory placement of the 16-byte chunk `c` of K / V row `key` in the fp8 tiles, chosen so
+// that the fragment reads below are free of bank conflicts (head dims 128 and 256; 64 has a 2-way
+// conflict on V). K: a quarter warp reads chunks c4 (+4i) of rows g, g+1 -> flip chunk bit 2 on odd
+// rows. V: a warp reads one 4-byte word of 32-byte group J from rows 2c4 (+1, +8, +9) -> rotate
+// the group by (row / 2) % 4.
+template <int D>
+__device__ __forceinline__ int fp8_k_chunk(int key, int c) {
+  return D >= 128 ? c ^ ((key & 1) << 2) : c;
+}
+template <int D>
+__device__ __forceinline__ int fp8_v_group(int key, int group) {
+  return group ^ ((key >> 1) & (D >= 128 ? 3 : 1));
+}
+
+// Four fp8 bytes -> two registers of two 16-bit values of T (bytes 0, 1 -> lo; 2, 3 -> hi). For
+// bf16 the result is the value times 2^-112 (see the top of the file).
+template <typename T>
+__device__ __forceinline__ void fp8x4_to(uint32_t w, bool e5m2, uint32_t& lo, uint32_t& hi) {
+  uint32_t h0, h1;
+  if (e5m2) {
+    // e5m2 is the upper byte of an f16.
+    h0 = __byte_perm(w, 0u, 0x1404);
+    h1 = __byte_perm(w, 0u, 0x3424);
+  } else {
+    const __half2_raw a =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    const __half2_raw b =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    h0 = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
+    h1 = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
+  }
+  if constexpr (std::is_same_v<T, __half>) {
+    lo = h0;
+    hi = h1;
+  } else {
+    lo = ((h0 >> 3) & 0x0fff0fffu) | (h0 & 0x80008000u);
+    hi = ((h1 >> 3) & 0x0fff0fffu) | (h1 & 0x80008000u);
+  }
+}
+
+// Two bf16 values times 2^56 (exact unless |q| > 2^71).
+__device__ __forceinline__ uint32_t bf16x2_times_2p56(uint32_t x) {
+  const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&x);
+  const float2 f = __bfloat1622float2(v);
+  return pack2<__nv_bfloat16>(f.x * 0x1p56f, f.y * 0x1p56f);
+}
+
+// Page id of page `j` of request `r` (incremental page tables, see ReqInfo).
+__device__ __forceinline__ int32_t page_id(const AttnParams& p, const ReqInfo& r, int j) {
+  return j < r.pt_known ? p.row_table[r.pt_row + j] : p.page_table[r.pt_start + j - r.pt_known];
+}
 
 __device__ __forceinline__ int ceil_div_i(int a, int b) { return (a + b - 1) / b; }
 
@@ -72,15 +136,16 @@ __device__ __forceinline__ KeyRange split_range(const AttnParams& p, const ReqIn
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnParams p) {
   constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, ROWS = Cfg::kRows, KW = Cfg::kKW;
-  constexpr int CH = Cfg::kChunks, NT = Cfg::kThreads, ST = Cfg::kStages;
+  constexpr int CH = D / 8, NT = Cfg::kThreads, ST = Cfg::kStages, LC = Cfg::kLoadChunks;
+  constexpr int TILE = Cfg::kTileBytes;
+  constexpr bool FP8 = Cfg::kFp8;
+  constexpr bool kUnits = FP8 && std::is_same_v<T, __nv_bfloat16>;  // 2^56 / 2^-112 factors
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   unsigned char* kv = smem + Cfg::kQBytes;
-  // 16-bit tiles: stage s of K at sK + s * BN * D. fp8: one converted stage, raw stages after it.
-  T* sK = reinterpret_cast<T*>(kv);
-  T* sV = reinterpret_cast<T*>(kv + (Cfg::kFp8 ? 1 : ST) * Cfg::kTileBytes);
-  unsigned char* sKraw = kv + 2 * Cfg::kTileBytes;
-  unsigned char* sVraw = sKraw + ST * BN * D;
+  unsigned char* sK = kv;              // stage s at sK + s * TILE
+  unsigned char* sV = kv + ST * TILE;
+  int64_t* sSlot = reinterpret_cast<int64_t*>(kv + Cfg::kKVRegion);  // [ST][BN], -1 = no key
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int rg = warp / Cfg::kWpr, kp = warp % Cfg::kWpr;
@@ -92,8 +157,16 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
   const int t_first = item.f0 / G;
   const int t_last = min(req.qlen - 1, (item.f0 + ROWS - 1) / G);
   const KeyRange kr = split_range(p, req, t_first, t_last, item.split, BN);
-  const int32_t* pt = p.page_table + req.pt_start;
   const int page_mask = (1 << p.page_shift) - 1;
+  const bool e5m2 = p.kv_kind == KvKind::e5m2;
+
+  // Pages that become committed with this step go back to the persistent row table, once per
+  // launch (every layer's launch writes the same values). Other CTAs of this launch read these
+  // pages from the step's array (j >= pt_known), so nothing reads what is written here.
+  if (kvh == 0 && item.split == 0 && item.f0 == 0) {
+    for (int j = req.pt_known + tid; j < req.pt_commit; j += NT)
+      p.row_table[req.pt_row + j] = p.page_table[req.pt_start + j - req.pt_known];
+  }
 
   // ---- Q tile: rows f0 .. f0 + ROWS of the flattened (token, head-in-group) index.
   for (int i = tid; i < ROWS * CH; i += NT) {
@@ -106,79 +179,56 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
     cp_async_16(sQ + r * D + swz(r, c) * 8, src, valid);
   }
 
-  auto slot_of = [&](int j) -> int64_t {
-    int64_t s = (static_cast<int64_t>(pt[j >> p.page_shift]) << p.page_shift) | (j & page_mask);
+  // Key slots are resolved one tile ahead of their loads (page table, optional SWA map), so the
+  // dependent page-table reads never sit between a tile's turn and its cp.async.
+  auto slot_of_page = [&](int32_t page, int j) -> int64_t {
+    int64_t s = (static_cast<int64_t>(page) << p.page_shift) | (j & page_mask);
     if (p.slot_map) s = p.slot_map[s];
     return s;
   };
-  auto load_tile = [&](int kb, int stage) {
-    if constexpr (!Cfg::kFp8) {
-      T* dk = sK + stage * BN * D;
-      T* dv = sV + stage * BN * D;
-      for (int i = tid; i < BN * CH; i += NT) {
-        const int key = i / CH, c = i % CH, j = kb + key;
-        const bool valid = j < kr.hi;
-        const T* ks = static_cast<const T*>(p.k);
-        const T* vs = static_cast<const T*>(p.v);
-        if (valid) {
-          const int64_t s = slot_of(j);
-          ks += s * p.k_row_stride + kvh * D + c * 8;
-          vs += s * p.v_row_stride + kvh * D + c * 8;
-        }
-        cp_async_16(dk + key * D + swz(key, c) * 8, ks, valid);
-        cp_async_16(dv + key * D + swz(key, c) * 8, vs, valid);
+  auto load_tile = [&](int t) {
+    const int stage = t % ST;
+    const int64_t* slots = sSlot + stage * BN;
+    unsigned char* dk = sK + stage * TILE;
+    unsigned char* dv = sV + stage * TILE;
+    const unsigned char* kbase = static_cast<const unsigned char*>(p.k);
+    const unsigned char* vbase = static_cast<const unsigned char*>(p.v);
+#pragma unroll
+    for (int n = 0; n < BN * LC / NT; ++n) {
+      const int i = tid + n * NT;
+      const int key = i / LC, c = i % LC;
+      const int64_t s = slots[key];
+      const bool valid = s >= 0;
+      const unsigned char* ks = kbase;
+      const unsigned char* vs = vbase;
+      if (valid) {
+        ks += (s * p.k_row_stride + kvh * D) * Cfg::kElem + c * 16;
+        vs += (s * p.v_row_stride + kvh * D) * Cfg::kElem + c * 16;
       }
-    } else {
-      constexpr int CH8 = D / 16;
-      unsigned char* dk = sKraw + stage * BN * D;
-      unsigned char* dv = sVraw + stage * BN * D;
-      for (int i = tid; i < BN * CH8; i += NT) {
-        const int key = i / CH8, c = i % CH8, j = kb + key;
-        const bool valid = j < kr.hi;
-        const unsigned char* ks = static_cast<const unsigned char*>(p.k);
-        const unsigned char* vs = static_cast<const unsigned char*>(p.v);
-        if (valid) {
-          const int64_t s = slot_of(j);
-          ks += s * p.k_row_stride + kvh * D + c * 16;
-          vs += s * p.v_row_stride + kvh * D + c * 16;
-        }
-        cp_async_16(dk + key * D + c * 16, ks, valid);
-        cp_async_16(dv + key * D + c * 16, vs, valid);
+      if constexpr (FP8) {
+        const int vc = (fp8_v_group<D>(key, c >> 1) << 1) | (c & 1);
+        cp_async_16(dk + key * D + fp8_k_chunk<D>(key, c) * 16, ks, valid);
+        cp_async_16(dv + key * D + vc * 16, vs, valid);
+      } else {
+        cp_async_16(dk + key * D * 2 + swz(key, c) * 16, ks, valid);
+        cp_async_16(dv + key * D * 2 + swz(key, c) * 16, vs, valid);
       }
-    }
-  };
-  // fp8 raw stage -> the 16-bit tile the MMAs read (exact conversion; scales are applied to the
-  // logits and the output instead).
-  auto convert_tile = [&](int stage) {
-    constexpr int CH8 = D / 16;
-    const bool e5m2 = p.kv_kind == KvKind::e5m2;
-    for (int i = tid; i < 2 * BN * CH8; i += NT) {
-      const bool is_v = i >= BN * CH8;
-      const int ii = is_v ? i - BN * CH8 : i;
-      const int key = ii / CH8, c = ii % CH8;
-      const unsigned char* src = (is_v ? sVraw : sKraw) + stage * BN * D + key * D + c * 16;
-      const uint4 raw = *reinterpret_cast<const uint4*>(src);
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-      uint4 lo, hi;
-      lo.x = fp8x2_to<T>(w[0] & 0xffff, e5m2);
-      lo.y = fp8x2_to<T>(w[0] >> 16, e5m2);
-      lo.z = fp8x2_to<T>(w[1] & 0xffff, e5m2);
-      lo.w = fp8x2_to<T>(w[1] >> 16, e5m2);
-      hi.x = fp8x2_to<T>(w[2] & 0xffff, e5m2);
-      hi.y = fp8x2_to<T>(w[2] >> 16, e5m2);
-      hi.z = fp8x2_to<T>(w[3] & 0xffff, e5m2);
-      hi.w = fp8x2_to<T>(w[3] >> 16, e5m2);
-      T* dst = is_v ? sV : sK;
-      *reinterpret_cast<uint4*>(dst + key * D + swz(key, 2 * c) * 8) = lo;
-      *reinterpret_cast<uint4*>(dst + key * D + swz(key, 2 * c + 1) * 8) = hi;
     }
   };
 
   const int num_tiles = kr.hi > kr.lo ? ceil_div_i(kr.hi - kr.lo, BN) : 0;
-  // Prologue: the first ST - 1 tiles (the Q tile rides in the first group). Every iteration
-  // commits one group, empty or not, so wait_group<ST - 1> always means "tile `it` has landed".
+  // Prologue: the slots of the first ST tiles, then the loads of the first ST - 1 (the Q tile
+  // rides in the first group). Every iteration commits one group, empty or not, so
+  // wait_group<ST - 1> always means "tile `it` has landed".
+  for (int t = 0; t < ST && t < num_tiles; ++t) {
+    for (int k = tid; k < BN; k += NT) {
+      const int j = kr.lo + t * BN + k;
+      sSlot[t * BN + k] = j < kr.hi ? slot_of_page(page_id(p, req, j >> p.page_shift), j) : -1;
+    }
+  }
+  __syncthreads();
   for (int i = 0; i < ST - 1; ++i) {
-    if (i < num_tiles) load_tile(kr.lo + i * BN, i);
+    if (i < num_tiles) load_tile(i);
     cp_async_commit();
   }
 
@@ -203,43 +253,88 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   uint32_t qf[D / 16][4];
 
+  const float qk_unit = kUnits ? 0x1p56f : 1.f;  // undoes 2^56 * 2^-112 in the logits
+  const float scale_log2 = p.scale_log2 * qk_unit;
+  const float softmax_scale = p.softmax_scale * qk_unit;
   for (int it = 0; it < num_tiles; ++it) {
-    const int stage = Cfg::kFp8 ? 0 : it % ST;
+    const int stage = it % ST;
     const int kb = kr.lo + it * BN;
-    if (it + ST - 1 < num_tiles) load_tile(kb + (ST - 1) * BN, (it + ST - 1) % ST);
+    if (it + ST - 1 < num_tiles) load_tile(it + ST - 1);
     cp_async_commit();
+    // Page ids of tile it + ST: loaded now, stored as slots after this tile's math (the load
+    // latency hides behind it), read after the barrier that ends this iteration.
+    const bool prefetch = it + ST < num_tiles && tid < BN;
+    const int pf_j = kb + ST * BN + tid;
+    int32_t pf_page = 0;
+    if (prefetch && pf_j < kr.hi) pf_page = page_id(p, req, pf_j >> p.page_shift);
     cp_async_wait<ST - 1>();
     __syncthreads();
-    if constexpr (Cfg::kFp8) {
-      convert_tile(it % ST);
-      __syncthreads();
-    }
     if (it == 0) {
+      if constexpr (FP8) {
+        // A fragments in the permuted head-dim order of the fp8 K reads: logical k-step kk of
+        // thread c4 covers dims P .. P + 3, P = ((kk / 4) * 4 + c4) * 16 + (kk % 4) * 4.
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const int r = rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const int c = kk * 2 + (lane >> 4);
-        ldmatrix_x4(qf[kk], sQ + r * D + swz(r, c) * 8);
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const int P = ((kk >> 2) * 4 + c4) * 16 + (kk & 3) * 4;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int r = rg * 16 + g + 8 * h;
+            uint2 v = *reinterpret_cast<const uint2*>(sQ + r * D + swz(r, P >> 3) * 8 + (P & 7));
+            if constexpr (kUnits) {
+              v.x = bf16x2_times_2p56(v.x);
+              v.y = bf16x2_times_2p56(v.y);
+            }
+            qf[kk][h] = v.x;
+            qf[kk][2 + h] = v.y;
+          }
+        }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const int r = rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          const int c = kk * 2 + (lane >> 4);
+          ldmatrix_x4(qf[kk], sQ + r * D + swz(r, c) * 8);
+        }
       }
     }
-    const T* tK = sK + stage * BN * D;
-    const T* tV = sV + stage * BN * D;
+    const unsigned char* tK = sK + stage * TILE;
+    const unsigned char* tV = sV + stage * TILE;
     const int kw0 = kb + kp * KW;  // first key of this warp
 
     // S = Q K^T for the warp's KW keys.
     float s[KW / 8][4];
 #pragma unroll
     for (int i = 0; i < KW / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    if constexpr (FP8) {
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
+      for (int nb = 0; nb < KW / 8; ++nb) {
+        const int key = kp * KW + nb * 8 + g;
 #pragma unroll
-      for (int np = 0; np < KW / 16; ++np) {
-        const int key = kp * KW + np * 16 + (lane & 7) + (lane >> 4) * 8;
-        const int c = kk * 2 + ((lane >> 3) & 1);
-        uint32_t b[4];
-        ldmatrix_x4(b, tK + key * D + swz(key, c) * 8);
-        mma_16816<T>(s[2 * np], qf[kk], b[0], b[1]);
-        mma_16816<T>(s[2 * np + 1], qf[kk], b[2], b[3]);
+        for (int i = 0; i < D / 64; ++i) {
+          const uint4 raw = *reinterpret_cast<const uint4*>(
+              tK + key * D + fp8_k_chunk<D>(key, i * 4 + c4) * 16);
+          const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            uint32_t b0, b1;
+            fp8x4_to<T>(w[q], e5m2, b0, b1);
+            mma_16816<T>(s[nb], qf[i * 4 + q], b0, b1);
+          }
+        }
+      }
+    } else {
+      const T* tK16 = reinterpret_cast<const T*>(tK);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int np = 0; np < KW / 16; ++np) {
+          const int key = kp * KW + np * 16 + (lane & 7) + (lane >> 4) * 8;
+          const int c = kk * 2 + ((lane >> 3) & 1);
+          uint32_t b[4];
+          ldmatrix_x4(b, tK16 + key * D + swz(key, c) * 8);
+          mma_16816<T>(s[2 * np], qf[kk], b[0], b[1]);
+          mma_16816<T>(s[2 * np + 1], qf[kk], b[2], b[3]);
+        }
       }
     }
 
@@ -254,9 +349,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
       for (int e = 0; e < 4; ++e) {
         float x = s[nb][e];
         if (p.softcap > 0.f) {
-          x = p.softcap * tanhf(x * p.softmax_scale / p.softcap) * 1.4426950408889634f;
+          x = p.softcap * tanhf(x * softmax_scale / p.softcap) * 1.4426950408889634f;
         } else {
-          x *= p.scale_log2;
+          x *= scale_log2;
         }
         if (need_mask) {
           const int h = e >> 1;
@@ -319,15 +414,40 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
       a[1] = pack2<T>(s[2 * kb2][2], s[2 * kb2][3]);
       a[2] = pack2<T>(s[2 * kb2 + 1][0], s[2 * kb2 + 1][1]);
       a[3] = pack2<T>(s[2 * kb2 + 1][2], s[2 * kb2 + 1][3]);
+      if constexpr (FP8) {
+        // B fragments for output dims 32J + 4g + q (q = 0..3, n-block 4J + q): one word from each
+        // of the rows 2c4, 2c4 + 1, 2c4 + 8, 2c4 + 9, transposed bytewise.
+        const int k0 = kp * KW + kb2 * 16 + 2 * c4;
 #pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        const int key = kp * KW + kb2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-        const int c = dp * 2 + (lane >> 4);
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, tV + key * D + swz(key, c) * 8);
-        mma_16816<T>(o[2 * dp], a, b[0], b[1]);
-        mma_16816<T>(o[2 * dp + 1], a, b[2], b[3]);
+        for (int J = 0; J < D / 32; ++J) {
+          auto word = [&](int key) {
+            return *reinterpret_cast<const uint32_t*>(tV + key * D +
+                                                      fp8_v_group<D>(key, J) * 32 + 4 * g);
+          };
+          const uint32_t w0 = word(k0), w1 = word(k0 + 1), w8 = word(k0 + 8), w9 = word(k0 + 9);
+          uint32_t b0[4], b1[4];
+          fp8x4_to<T>(__byte_perm(w0, w1, 0x5140), e5m2, b0[0], b0[1]);
+          fp8x4_to<T>(__byte_perm(w0, w1, 0x7362), e5m2, b0[2], b0[3]);
+          fp8x4_to<T>(__byte_perm(w8, w9, 0x5140), e5m2, b1[0], b1[1]);
+          fp8x4_to<T>(__byte_perm(w8, w9, 0x7362), e5m2, b1[2], b1[3]);
+#pragma unroll
+          for (int q = 0; q < 4; ++q) mma_16816<T>(o[4 * J + q], a, b0[q], b1[q]);
+        }
+      } else {
+        const T* tV16 = reinterpret_cast<const T*>(tV);
+#pragma unroll
+        for (int dp = 0; dp < D / 16; ++dp) {
+          const int key = kp * KW + kb2 * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          const int c = dp * 2 + (lane >> 4);
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, tV16 + key * D + swz(key, c) * 8);
+          mma_16816<T>(o[2 * dp], a, b[0], b[1]);
+          mma_16816<T>(o[2 * dp + 1], a, b[2], b[3]);
+        }
       }
+    }
+    if (prefetch) {
+      sSlot[((it + ST) % ST) * BN + tid] = pf_j < kr.hi ? slot_of_page(pf_page, pf_j) : -1;
     }
     __syncthreads();
   }
@@ -341,6 +461,11 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
 
   const bool split = req.num_splits > 1;
   const float sink_log2e = 1.4426950408889634f;
+  const float o_unit = kUnits ? 0x1p112f : 1.f;  // undoes the 2^-112 of bf16-positioned fp8 V
+  // Output dim of accumulator o[j][2h + e1] (the fp8 V fragments permute the output dims).
+  auto out_dim = [&](int j, int e1) {
+    return FP8 ? 32 * (j >> 2) + 8 * c4 + 4 * e1 + (j & 3) : 8 * j + 2 * c4 + e1;
+  };
   // Writes one finished row element range; `mm`, `ll`: the row's max (log2) and sum.
   auto store_row = [&](int r_local, int d0, int nd, const float* vals, float mm, float ll) {
     const int f = item.f0 + r_local, t = f / G, hg = f % G;
@@ -348,14 +473,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
     const int head = kvh * G + hg;
     if (split) {
       const int64_t prow = req.part_start + static_cast<int64_t>(item.split) * req.qlen + t;
-      const float inv = ll > 0.f ? 1.f / ll : 0.f;
+      const float inv = ll > 0.f ? o_unit / ll : 0.f;
       float* dst = p.part_o + (prow * p.num_q_heads + head) * D + d0;
       for (int i = 0; i < nd; ++i) dst[i] = vals[i] * inv;
       if (d0 == 0) p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
     } else {
       float den = ll;
       if (p.sinks) den += exp2f(p.sinks[head] * sink_log2e - (mm == -INFINITY ? 0.f : mm));
-      const float inv = den > 0.f ? p.v_scale / den : 0.f;
+      const float inv = den > 0.f ? p.v_scale * o_unit / den : 0.f;
       T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
                head * p.o_stride_head + d0;
       for (int i = 0; i < nd; ++i) dst[i] = from_float<T>(vals[i] * inv);
@@ -370,9 +495,14 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
     for (int i = 0; i < D / 8; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float vals[2] = {o[i][2 * h], o[i][2 * h + 1]};
-        // The lse is written by the lane holding dims 0..1 (i == 0, c4 == 0).
-        store_row(rg * 16 + g + 8 * h, i * 8 + 2 * c4, 2, vals, m[h], l[h]);
+        // The lse is written by the lane holding dim 0 (i == 0, c4 == 0).
+        if constexpr (FP8) {
+          store_row(rg * 16 + g + 8 * h, out_dim(i, 0), 1, &o[i][2 * h], m[h], l[h]);
+          store_row(rg * 16 + g + 8 * h, out_dim(i, 1), 1, &o[i][2 * h + 1], m[h], l[h]);
+        } else {
+          const float vals[2] = {o[i][2 * h], o[i][2 * h + 1]};
+          store_row(rg * 16 + g + 8 * h, out_dim(i, 0), 2, vals, m[h], l[h]);
+        }
       }
     }
   } else {
@@ -383,9 +513,9 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
     for (int i = 0; i < D / 8; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float* dst = mo + (warp * 16 + g + 8 * h) * D + i * 8 + 2 * c4;
-        dst[0] = o[i][2 * h];
-        dst[1] = o[i][2 * h + 1];
+        float* dst = mo + (warp * 16 + g + 8 * h) * D;
+        dst[out_dim(i, 0)] = o[i][2 * h];
+        dst[out_dim(i, 1)] = o[i][2 * h + 1];
       }
     }
     if (c4 == 0) {

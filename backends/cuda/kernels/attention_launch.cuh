@@ -8,24 +8,44 @@
 namespace attnrt::cuda {
 
 template <typename T, typename Cfg>
-cudaError_t launch_cfg(const AttnParams& p, int num_items, cudaStream_t stream) {
+cudaError_t set_smem_attr() {
   static const cudaError_t attr =
       cudaFuncSetAttribute(attention_kernel<T, Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            Cfg::kSmemBytes);
+  return attr;
+}
+
+template <typename T, typename Cfg>
+cudaError_t launch_cfg(const AttnParams& p, int num_items, cudaStream_t stream) {
+  const cudaError_t attr = set_smem_attr<T, Cfg>();
   if (attr != cudaSuccess) return attr;
   const dim3 grid(p.num_kv_heads, num_items);
   attention_kernel<T, Cfg><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
+template <typename T, typename Cfg>
+int occupancy_cfg() {
+  if (set_smem_attr<T, Cfg>() != cudaSuccess) return 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_kernel<T, Cfg>, Cfg::kThreads,
+                                                    Cfg::kSmemBytes) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return n > 0 ? n : 1;
+}
+
 // Decode: 16 rows; a 64-key tile split over 4 warps (2 warps of 32-key tiles at head dim 256, to
-// keep three CTAs per SM). Two stages everywhere: four fp8 stages (as many bytes in flight as
-// bf16) measured slower on the H200 (decode 128x8192 1.26 -> 1.55 ms), since the fp8 path is
-// bound by its in-shared-memory conversion, not by loads in flight. Prefill: 128 rows over 8
-// warps, 64-key tiles (32 at head dim 256).
+// keep three CTAs per SM). Verify: 64 rows (all draft tokens x heads of a group), one 16-row slice
+// per warp. 16-bit KV runs two stages; fp8 KV, dequantised in registers, runs four stages in the
+// same shared memory (as many bytes in flight). Prefill: 128 rows over 8 warps, 64-key tiles (32 at
+// head dim 256).
 template <int D, bool FP8>
-using DecodeCfg = std::conditional_t<(D > 128), AttnConfig<D, 2, 16, 32, FP8>,
-                                     AttnConfig<D, 4, 16, 64, FP8>>;
+using DecodeCfg = std::conditional_t<(D > 128), AttnConfig<D, 2, 16, 32, FP8, FP8 ? 4 : 2>,
+                                     AttnConfig<D, 4, 16, 64, FP8, FP8 ? 4 : 2>>;
+template <int D, bool FP8>
+using VerifyCfg = AttnConfig<D, 4, 64, (D > 128 ? 32 : 64), FP8, FP8 ? 4 : 2>;
 template <int D, bool FP8>
 using PrefillCfg = AttnConfig<D, 8, 128, (D > 128 ? 32 : 64), FP8>;
 
@@ -36,8 +56,27 @@ cudaError_t launch_dim_t(const AttnParams& p, bool fp8_kv, TileShape shape, int 
     return fp8_kv ? launch_cfg<T, DecodeCfg<D, true>>(p, num_items, stream)
                   : launch_cfg<T, DecodeCfg<D, false>>(p, num_items, stream);
   }
+  if (shape == TileShape::verify) {
+    return fp8_kv ? launch_cfg<T, VerifyCfg<D, true>>(p, num_items, stream)
+                  : launch_cfg<T, VerifyCfg<D, false>>(p, num_items, stream);
+  }
   return fp8_kv ? launch_cfg<T, PrefillCfg<D, true>>(p, num_items, stream)
                 : launch_cfg<T, PrefillCfg<D, false>>(p, num_items, stream);
+}
+
+template <int D, typename T>
+int occupancy_dim_t(bool fp8_kv, TileShape shape) {
+  if (shape == TileShape::decode)
+    return fp8_kv ? occupancy_cfg<T, DecodeCfg<D, true>>() : occupancy_cfg<T, DecodeCfg<D, false>>();
+  if (shape == TileShape::verify)
+    return fp8_kv ? occupancy_cfg<T, VerifyCfg<D, true>>() : occupancy_cfg<T, VerifyCfg<D, false>>();
+  return fp8_kv ? occupancy_cfg<T, PrefillCfg<D, true>>() : occupancy_cfg<T, PrefillCfg<D, false>>();
+}
+
+template <int D>
+int occupancy_dim(bool fp16, bool fp8_kv, TileShape shape) {
+  return fp16 ? occupancy_dim_t<D, __half>(fp8_kv, shape)
+              : occupancy_dim_t<D, __nv_bfloat16>(fp8_kv, shape);
 }
 
 template <int D>

@@ -17,6 +17,16 @@ struct ReqInfo {
   int32_t num_splits;  // split-KV count (1 = the attention kernel writes the output itself)
   int32_t part_start;  // first partial row: rows part_start + s * qlen + t hold split s of token t
   int32_t tree_start;  // offset of the request's tree mask / depths (tree verify), -1 otherwise
+  // Incremental page tables. Page ids of committed tokens (pages wholly below the prefix) live in a
+  // persistent per-row table on the device; a step uploads only the others. Page `j` of the request
+  // is row_table[pt_row + j] for j < pt_known, else page_table[pt_start + j - pt_known]. The
+  // attention kernel stores pages [pt_known, pt_commit) back into the row table (they become
+  // committed with this step). pt_known = pt_commit = 0: the whole page table is in the step's
+  // array, as kernels that ignore these fields expect.
+  int32_t pt_row;
+  int32_t pt_known;
+  int32_t pt_commit;
+  int32_t pad;
 };
 
 // One CTA's work: `rows` flattened (token, head-in-group) rows starting at f0 of request `req`,
@@ -52,7 +62,8 @@ struct AttnParams {
 
   // Step metadata (device).
   const ReqInfo* reqs;
-  const int32_t* page_table;    // page ids
+  const int32_t* page_table;    // page ids uploaded this step (see ReqInfo)
+  int32_t* row_table;           // persistent per-row page ids (see ReqInfo), nullptr = none
   const WorkItem* work;
   const uint64_t* tree_mask;    // per tree query token: bit u = draft u visible
   const int32_t* tree_depth;    // per tree query token: depth in its tree (root 0)

@@ -9,7 +9,18 @@
 
 namespace attnrt::cuda {
 
-int tile_rows(TileShape shape) { return shape == TileShape::decode ? 16 : 128; }
+int tile_rows(TileShape shape) {
+  return shape == TileShape::decode ? 16 : shape == TileShape::verify ? 64 : 128;
+}
+
+int attention_occupancy(int head_dim, bool fp16, bool fp8_kv, TileShape shape) {
+  switch (head_dim) {
+    case 64: return attention_occupancy_d64(fp16, fp8_kv, shape);
+    case 128: return attention_occupancy_d128(fp16, fp8_kv, shape);
+    case 256: return attention_occupancy_d256(fp16, fp8_kv, shape);
+    default: return 1;
+  }
+}
 
 cudaError_t launch_attention(const AttnParams& p, int head_dim, bool fp16, bool fp8_kv,
                              TileShape shape, int num_items, cudaStream_t stream) {
@@ -26,8 +37,9 @@ namespace {
 
 // One block per (request, q head). The split lse values are read in parallel into shared memory
 // (a request may have 64 splits: reading them one after another would serialise 64 memory
-// latencies), then each thread accumulates 4 dims over the splits. Splits whose lse is -inf (no
-// visible key) get weight 0 and their partial output is never read.
+// latencies); then the block's threads form kMergeThreads / (head_dim / 4) groups, each summing
+// every group-th split over all dims (4 per thread), and the groups are added through shared
+// memory. Splits whose lse is -inf (no visible key) get weight 0.
 constexpr int kMergeThreads = 128;
 constexpr int kMergeMaxSplits = 128;
 
@@ -40,6 +52,10 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   __shared__ float w_s[kMergeMaxSplits];
   __shared__ float red[kMergeThreads / 32];
   __shared__ float stat[2];
+  __shared__ float4 part_s[kMergeThreads];
+  const int vecs = p.head_dim / 4;
+  const int groups = kMergeThreads / vecs;
+  const int grp = threadIdx.x / vecs, vi = threadIdx.x % vecs;
   for (int t = 0; t < r.qlen; ++t) {
     float lse = -INFINITY;
     if (threadIdx.x < S) {
@@ -65,30 +81,41 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
       if (p.sinks) den += exp2f(p.sinks[h] * 1.4426950408889634f - m_use);
       stat[1] = den;
     }
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (grp < groups) {
+#pragma unroll 4
+      for (int s = grp; s < S; s += groups) {
+        const float w = w_s[s];
+        const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
+        const float4 o = *reinterpret_cast<const float4*>(
+            p.part_o + (prow * p.num_q_heads + h) * p.head_dim + vi * 4);
+        acc.x += w * o.x;
+        acc.y += w * o.y;
+        acc.z += w * o.z;
+        acc.w += w * o.w;
+      }
+    }
+    part_s[threadIdx.x] = acc;
     __syncthreads();
     const float den = stat[1];
     const float inv = den > 0.f ? p.v_scale / den : 0.f;
     const int64_t row = r.qo_start + t;
-    for (int d0 = threadIdx.x * 4; d0 < p.head_dim; d0 += kMergeThreads * 4) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-      for (int s = 0; s < S; ++s) {
-        const float w = w_s[s];
-        if (w == 0.f) continue;
-        const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
-        const float4 o = *reinterpret_cast<const float4*>(
-            p.part_o + (prow * p.num_q_heads + h) * p.head_dim + d0);
-        acc[0] += w * o.x;
-        acc[1] += w * o.y;
-        acc[2] += w * o.z;
-        acc[3] += w * o.w;
+    if (threadIdx.x < vecs) {
+      float4 sum = part_s[threadIdx.x];
+      for (int gi = 1; gi < groups; ++gi) {
+        const float4 x = part_s[gi * vecs + threadIdx.x];
+        sum.x += x.x;
+        sum.y += x.y;
+        sum.z += x.z;
+        sum.w += x.w;
       }
-      T* dst = static_cast<T*>(p.out) + row * p.o_stride_tok + h * p.o_stride_head + d0;
+      const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
+      T* dst = static_cast<T*>(p.out) + row * p.o_stride_tok + h * p.o_stride_head + vi * 4;
       for (int i = 0; i < 4; ++i) {
         if constexpr (std::is_same_v<T, __half>) {
-          dst[i] = __float2half_rn(acc[i] * inv);
+          dst[i] = __float2half_rn(vals[i] * inv);
         } else {
-          dst[i] = __float2bfloat16_rn(acc[i] * inv);
+          dst[i] = __float2bfloat16_rn(vals[i] * inv);
         }
       }
     }
@@ -144,6 +171,7 @@ __global__ void store_kv_kernel(const StoreParams p) {
 
 cudaError_t launch_merge(const MergeParams& p, bool fp16, cudaStream_t stream) {
   if (p.num_reqs == 0) return cudaSuccess;
+  if (p.head_dim % 4 != 0 || p.head_dim / 4 > kMergeThreads) return cudaErrorInvalidValue;
   const dim3 grid(p.num_reqs, p.num_q_heads);
   if (fp16) {
     merge_kernel<__half><<<grid, kMergeThreads, 0, stream>>>(p);

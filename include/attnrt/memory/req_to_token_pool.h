@@ -18,6 +18,10 @@ class ReqToTokenPool {
   int32_t get(int row, int col) const { return table_[static_cast<size_t>(row) * max_context_len_ + col]; }
   const int32_t* row_ptr(int row) const { return table_.data() + static_cast<size_t>(row) * max_context_len_; }
   const int32_t* data() const { return table_.data(); }
+  // Changes whenever the row changes hands (alloc, free) or is rewritten from column 0. Between
+  // two changes the row belongs to one request whose committed tokens keep their slots, so a
+  // backend may keep the page ids of committed columns across steps while this value holds.
+  uint64_t generation(int row) const { return generation_[static_cast<size_t>(row)]; }
 
   int size() const { return size_; }
   int max_context_len() const { return max_context_len_; }
@@ -30,6 +34,8 @@ class ReqToTokenPool {
   std::vector<int32_t> table_;
   std::vector<int> free_rows_;
   std::vector<uint8_t> in_use_;
+  std::vector<uint64_t> generation_;
+  uint64_t next_generation_ = 1;
 };
 
 }  // namespace attnrt
