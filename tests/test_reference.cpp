@@ -4,6 +4,7 @@
 // the request rows the backend reads) and dequantises the stored bytes itself.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 #include <limits>
