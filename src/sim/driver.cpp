@@ -14,6 +14,7 @@
 #include "attnrt/backend/hybrid_attn_backend.h"
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
+#include "attnrt/io/case_file.h"
 #include "attnrt/runtime/attention_runtime.h"
 
 namespace attnrt::sim {
@@ -108,13 +109,14 @@ struct Engine {
 };
 
 Engine make_engine(const ModelSpec& model, const Options& options, const RunConfig& config,
-                   int max_num_tokens) {
+                   int max_num_tokens, int max_context_len) {
   Engine e;
   e.model = model;
   RuntimeConfig rc;
   rc.max_requests = config.scheduler.max_running_requests;
   rc.kv_slots = config.max_total_tokens;
   rc.max_num_tokens = max_num_tokens;
+  rc.max_context_len = max_context_len;
   e.runtime = std::make_unique<AttentionRuntime>(model, options, rc);
   for (const LayerSpec& l : model.layers) {
     if (l.uses_kv_cache()) e.kv_layers.push_back(l.layer_id);
@@ -186,6 +188,17 @@ int64_t first_nan(const TensorView& t) {
   return -1;
 }
 
+// The layer --dump-step writes: the first full-attention layer, else the first layer with a KV cache.
+int dump_layer(const ModelSpec& m) {
+  for (const LayerSpec& l : m.layers) {
+    if (l.kind == LayerKind::full && l.sliding_window < 0) return l.layer_id;
+  }
+  for (const LayerSpec& l : m.layers) {
+    if (l.uses_kv_cache()) return l.layer_id;
+  }
+  return -1;
+}
+
 std::string fmt_err(double e) {
   if (std::isinf(e)) return "inf";
   return fmt::format("{:.2e}", e);
@@ -221,7 +234,7 @@ ModeStats RunReport::totals() const {
 }
 
 bool RunReport::ok() const {
-  return failure_count == 0 && target_pool.ok && (!draft_pool || draft_pool->ok);
+  return failure_count == 0 && target_pool.ok && (!draft_pool || draft_pool->ok) && dump_error.empty();
 }
 
 Options complete_spec_options(Options o) {
@@ -283,10 +296,17 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
   const int max_tokens = std::max(sc.chunked_prefill_size, sc.max_running_requests * N);
   RunConfig rc = config;
   rc.scheduler = sc;
+  // Request rows as long as the longest request gets (the scheduler rejects any request longer than
+  // the model's context with a message naming it).
+  int64_t longest = 1;
+  for (const TraceRequest& r : trace.requests) {
+    longest = std::max<int64_t>(longest, int64_t{r.prompt_len} + r.output_len + N);
+  }
+  const int context = static_cast<int>(std::min<int64_t>(longest, model.max_context_len));
 
-  Engine target = make_engine(model, options, rc, max_tokens);
+  Engine target = make_engine(model, options, rc, max_tokens, context);
   std::optional<Engine> draft;
-  if (sc.spec.enabled()) draft = make_engine(make_draft_model(model), options, rc, max_tokens);
+  if (sc.spec.enabled()) draft = make_engine(make_draft_model(model), options, rc, max_tokens, context);
 
   auto space = [](Engine& e) {
     return KvSpace{&e.runtime->req_to_token(), &e.runtime->allocator(), &e.runtime->kv_cache(),
@@ -388,6 +408,13 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
       e.runtime->forward(layer.layer_id, args);
       elapsed += seconds_since(t0);
 
+      if (step.index == rc.dump_step && T > 0 && layer.layer_id == dump_layer(e.model)) {
+        write_step_case(rc.dump_dir, e.model, layer.layer_id, options, batch, e.runtime->req_to_token(),
+                        e.runtime->kv_cache(), args, ms.backend);
+        rep.dump_written = fmt::format("{} (step {}, {} {}, layer {})", rc.dump_dir, step.index,
+                                       model_role_name(step.role), forward_mode_name(batch.mode),
+                                       layer.layer_id);
+      }
       const int64_t unwritten = first_nan(args.out);
       if (unwritten >= 0 || check) {
         Comparison c;
@@ -466,6 +493,14 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
   }
   rep.target_pool = sched.finish_and_check_pools(ModelRole::target);
   if (draft) rep.draft_pool = sched.finish_and_check_pools(ModelRole::draft);
+  if (rc.dump_step >= 0 && rep.dump_written.empty()) {
+    rep.dump_error = rc.dump_step >= sched.steps_planned()
+                         ? fmt::format("--dump-step {}: the run had only {} steps (0 .. {})", rc.dump_step,
+                                       sched.steps_planned(), sched.steps_planned() - 1)
+                         : fmt::format("--dump-step {}: that step is IDLE (no tokens, nothing to "
+                                       "replay); pick a step with tokens",
+                                       rc.dump_step);
+  }
   rep.wall_seconds = seconds_since(wall0);
   return rep;
 }
@@ -507,10 +542,11 @@ std::string format_report(const RunReport& r) {
   out += fmt::format("backends: prefill {}, decode {} | kv {} | page size {}", r.prefill_backend,
                      r.decode_backend, r.kv_dtype, r.page_size);
   if (r.spec.enabled()) {
-    out += fmt::format(" | speculative: {} steps, topk {}, {} draft tokens; {} verify rounds, {:.2f} "
-                       "accepted drafts per round",
-                       r.spec.num_steps, r.spec.topk, r.spec.num_draft_tokens, r.verify_rounds,
-                       r.verify_rounds > 0 ? static_cast<double>(r.accepted_drafts) / r.verify_rounds : 0.0);
+    out += fmt::format(" | speculative: {} steps, topk {}, {} draft tokens; {:.2f} drafts accepted per "
+                       "request and round ({} request-rounds)",
+                       r.spec.num_steps, r.spec.topk, r.spec.num_draft_tokens,
+                       r.verify_rounds > 0 ? static_cast<double>(r.accepted_drafts) / r.verify_rounds : 0.0,
+                       r.verify_rounds);
   }
   out += "\n\n";
   const std::string head = fmt::format("{:<22} {:>7} {:>9} {:>10} {:>11} {:>8} {:>10} {:>10}  {}\n",
@@ -534,6 +570,7 @@ std::string format_report(const RunReport& r) {
   out += pool_line("target", r.target_pool) + "\n";
   if (r.draft_pool) out += pool_line("draft", *r.draft_pool) + "\n";
   if (!r.dump_written.empty()) out += fmt::format("step case written to {}\n", r.dump_written);
+  if (!r.dump_error.empty()) out += fmt::format("no step case written: {}\n", r.dump_error);
   if (r.failure_count > 0) {
     out += fmt::format("\nFAILED: {} checked layer outputs beyond tolerance or unwritten; first ones:\n",
                        r.failure_count);
@@ -602,7 +639,8 @@ nlohmann::json report_to_json(const RunReport& r) {
                         {"verify_rounds", r.verify_rounds},
                         {"accepted_drafts", r.accepted_drafts}};
   }
-  if (!r.dump_written.empty()) j["dump_dir"] = r.dump_written;
+  if (!r.dump_written.empty()) j["dump"] = r.dump_written;
+  if (!r.dump_error.empty()) j["dump_error"] = r.dump_error;
   return j;
 }
 

@@ -196,7 +196,7 @@ Trace builtin_trace() {
   }
   // Late wave after a pause: arrives together, so its prefills are batched, and reuses the cached
   // system prompt long after the first wave registered it.
-  const int late = arrival + 90;
+  const int late = arrival + 45;
   for (int i = 0; i < 6; ++i) {
     const int own = rng.uniform(16, 90);
     if (i % 2 == 0) {

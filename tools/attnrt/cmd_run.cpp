@@ -1,11 +1,162 @@
+// `attnrt run`: replays a serving trace through the scheduler and the chosen backends, checks a sample
+// of steps against `reference`, and prints a table per ForwardMode (docs/run.md).
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
 #include "attnrt/core/error.h"
+#include "attnrt/model/model_spec.h"
+#include "attnrt/sim/driver.h"
+#include "attnrt/sim/trace.h"
+#include "tools/attnrt/cli_options.h"
 #include "tools/attnrt/commands.h"
+#include "tools/attnrt/progress.h"
 
 namespace attnrt::cli {
 
+namespace {
+
+struct RunArgs {
+  std::string model = "demo";
+  std::string trace;
+  Options options;
+  sim::RunConfig config;
+  std::vector<std::string> dump_step;
+  std::string json_path;
+  bool no_progress = false;
+  bool no_mixed_chunk = false;
+  double accept_prob = 0.7;
+};
+
+void run(const RunArgs& a) {
+  const ModelSpec model = resolve_model(a.model);
+  const sim::Trace trace = a.trace.empty() ? sim::builtin_trace() : sim::load_trace(a.trace);
+  sim::RunConfig config = a.config;
+  config.scheduler.mixed_chunk = !a.no_mixed_chunk;
+  config.scheduler.spec.accept_prob = a.accept_prob;
+  if (!a.dump_step.empty()) {
+    const std::string& n = a.dump_step[0];
+    size_t used = 0;
+    int step = -1;
+    try {
+      step = std::stoi(n, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    ATTNRT_CHECK(used == n.size() && step >= 0,
+                 "--dump-step: the step '{}' must be a step index >= 0 (usage: --dump-step N DIR)", n);
+    config.dump_step = step;
+    config.dump_dir = a.dump_step[1];
+  }
+  // Fail on an unwritable --json path before the run, not after it.
+  std::unique_ptr<std::ofstream> json_out;
+  if (!a.json_path.empty()) {
+    json_out = std::make_unique<std::ofstream>(a.json_path);
+    ATTNRT_CHECK(json_out->good(), "--json {}: cannot open the file for writing", a.json_path);
+  }
+
+  ProgressBar bar("run", !a.no_progress);
+  const sim::RunReport report =
+      sim::run_trace(model, a.options, trace, config, [&](const sim::Progress& p) {
+        const double rate = p.wall_seconds > 0 ? p.tokens / p.wall_seconds : 0;
+        bar.update(p.steps_done, p.steps_estimate, "steps",
+                   fmt::format("{} tok/s | {}{}", human_count(rate), forward_mode_name(p.mode),
+                               p.role == sim::ModelRole::draft ? " (draft)" : ""));
+      });
+  bar.finish();
+  std::fputs(sim::format_report(report).c_str(), stdout);
+  std::fflush(stdout);
+  if (json_out) {
+    *json_out << sim::report_to_json(report).dump(2) << "\n";
+    ATTNRT_CHECK(json_out->good(), "--json {}: writing the report failed", a.json_path);
+  }
+  const bool mismatch_or_leak = report.failure_count > 0 || !report.target_pool.ok ||
+                                (report.draft_pool && !report.draft_pool->ok);
+  if (!mismatch_or_leak && !report.dump_error.empty()) {
+    std::fprintf(stderr, "error: %s\n", report.dump_error.c_str());
+    throw ExitCode{2};
+  }
+  if (mismatch_or_leak) {
+    if (report.failure_count > 0) {
+      std::fprintf(stderr, "error: %s\n", report.failures.front().what.c_str());
+    }
+    if (!report.target_pool.ok) {
+      std::fprintf(stderr, "error: the target KV pool leaked: %s\n", report.target_pool.detail.c_str());
+    }
+    if (report.draft_pool && !report.draft_pool->ok) {
+      std::fprintf(stderr, "error: the draft KV pool leaked: %s\n", report.draft_pool->detail.c_str());
+    }
+    throw ExitCode{1};
+  }
+}
+
+}  // namespace
+
 void add_run_command(CLI::App& app) {
-  auto* cmd = app.add_subcommand("run", "(being written)");
-  cmd->callback([] { fail("'run' is not available in this build yet"); });
+  auto args = std::make_shared<RunArgs>();
+  auto* cmd = app.add_subcommand(
+      "run",
+      "Replay a serving trace as an engine would: admission, chunked prefill (EXTEND with cached "
+      "prefixes), DECODE, MIXED and IDLE steps, shared system prompts reused from the cache, and with "
+      "--speculative-num-steps TARGET_VERIFY + DRAFT_EXTEND rounds. Every layer of every step runs on "
+      "the chosen backends with random q/k/v; every Nth step is recomputed on `reference`. Prints a "
+      "table per forward mode (steps, tokens, time, tokens/s, largest error, backend) and checks "
+      "that the KV pool is leak-free at the end. Exits 1 on a mismatch or a leak, 2 on bad input.");
+  cmd->add_option("--model", args->model,
+                  "Model preset name or path to a HuggingFace config.json (see `attnrt info`)")
+      ->capture_default_str();
+  cmd->add_option("--trace", args->trace,
+                  "JSON-lines trace, one request per line (docs/trace.md); default: the built-in "
+                  "trace of 34 requests");
+  add_backend_options(*cmd, args->options);
+  auto* sched = "Scheduler";
+  cmd->add_option("--max-running-requests", args->config.scheduler.max_running_requests,
+                  "Requests admitted at once (request rows)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
+      ->group(sched);
+  cmd->add_option("--chunked-prefill-size", args->config.scheduler.chunked_prefill_size,
+                  "Prefill tokens per step; longer prompts are prefilled in chunks (in MIXED steps "
+                  "the decodes count against it)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
+      ->group(sched);
+  cmd->add_option("--max-total-tokens", args->config.max_total_tokens,
+                  "KV slots of the pool (the draft model gets as many); requests wait for admission "
+                  "until their whole life fits")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
+      ->group(sched);
+  cmd->add_flag("--no-mixed-chunk", args->no_mixed_chunk,
+                "Never merge decodes into prefill steps (no MIXED steps); prefill and decode steps "
+                "alternate instead. Speculative runs never mix.")
+      ->group(sched);
+  cmd->add_option("--accept-prob", args->accept_prob,
+                  "Speculative decoding: chance that the draft on the accepted path is right at each "
+                  "depth (accepted lengths are random)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str()
+      ->group(sched);
+  cmd->add_option("--check-every", args->config.check_every,
+                  "Recompute every Nth step (and the first step of each mode) on `reference` over the "
+                  "same pools and compare; 0 = no checking")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--seed", args->config.seed, "Seed of q/k/v data, acceptance and draft trees")
+      ->capture_default_str();
+  cmd->add_option("--dump-step", args->dump_step,
+                  "Write step N's first full-attention layer as a replay case into DIR (see "
+                  "`attnrt replay`)")
+      ->expected(2)
+      ->type_name("N DIR");
+  cmd->add_option("--json", args->json_path, "Also write the report as JSON to this file");
+  cmd->add_flag("--no-progress", args->no_progress,
+                "No progress display on stderr (it is a bar on a terminal, a line every few seconds "
+                "otherwise)");
+  cmd->callback([args] { run(*args); });
 }
 
 }  // namespace attnrt::cli

@@ -76,6 +76,7 @@ struct RunReport {
   int64_t failure_count = 0;           // checked layer outputs beyond tolerance, in total
   Tolerance tolerance;
   std::string dump_written;            // the case directory written for --dump-step, if any
+  std::string dump_error;              // why --dump-step wrote nothing (no such step, IDLE step)
 
   ModeStats totals() const;
   bool ok() const;
@@ -99,7 +100,8 @@ Options complete_spec_options(Options options);
 ModelSpec make_draft_model(const ModelSpec& target);
 
 // Runs the whole trace. Throws attnrt::Error for bad input (options, trace, pool too small);
-// mismatches against reference and pool leaks are reported in RunReport (ok() false), not thrown.
+// mismatches against reference, pool leaks and a --dump-step that named no step with tokens are
+// reported in RunReport (ok() false), not thrown, so that the report of the run is still printed.
 RunReport run_trace(const ModelSpec& model, const Options& options, const Trace& trace,
                     const RunConfig& config, const ProgressFn& progress = {});
 
