@@ -126,8 +126,7 @@ TEST(ModelPresets, WindowsAndPatternsFollowThePublishedConfigs) {
   EXPECT_FALSE(model_preset("qwen2.5-7b").has_sliding_window());
 
   const ModelSpec gemma = model_preset("gemma3-12b");
-  EXPECT_EQ(ids_of_kind(gemma, LayerKind::full),
-            (std::set<int>{5, 11, 17, 23, 29, 35, 41, 47}));
+  EXPECT_EQ(ids_of_kind(gemma, LayerKind::full), (std::set<int>{5, 11, 17, 23, 29, 35, 41, 47}));
   for (const auto& l : gemma.layers) {
     EXPECT_EQ(l.sliding_window, l.kind == LayerKind::swa ? 1023 : -1);
     EXPECT_FLOAT_EQ(l.softmax_scale(), 1.f / 16.f);  // query_pre_attn_scalar 256
@@ -187,7 +186,8 @@ TEST(ModelValidate, RejectsEachInconsistentFieldWithItsName) {
     const char* expect;
   };
   const Case cases[] = {
-      {"q heads", [](ModelSpec& m) { m.layers[1].num_q_heads = 0; }, "layer 1 (full): num_q_heads = 0"},
+      {"q heads", [](ModelSpec& m) { m.layers[1].num_q_heads = 0; },
+       "layer 1 (full): num_q_heads = 0"},
       {"kv heads", [](ModelSpec& m) { m.layers[0].num_kv_heads = -2; }, "num_kv_heads = -2"},
       {"gqa", [](ModelSpec& m) { m.layers[3].num_kv_heads = 3; },
        "num_q_heads = 8 is not a multiple of num_kv_heads = 3"},
@@ -228,7 +228,11 @@ TEST(ModelValidate, RejectsInconsistentMlaAndLinearDims) {
       {"deepseek-v3", [](LayerSpec& l) { l.num_kv_heads = 2; }, "exactly 1 kv head"},
       {"deepseek-v3", [](LayerSpec& l) { l.kv_lora_rank = 0; }, "kv_lora_rank = 0"},
       {"qwen3-next-80b", [](LayerSpec& l) { l.linear.num_k_heads = 0; }, "linear.num_k_heads = 0"},
-      {"qwen3-next-80b", [](LayerSpec& l) { l.linear.num_v_heads = 24; l.linear.num_k_heads = 16; },
+      {"qwen3-next-80b",
+       [](LayerSpec& l) {
+         l.linear.num_v_heads = 24;
+         l.linear.num_k_heads = 16;
+       },
        "linear.num_v_heads = 24 is not a multiple of linear.num_k_heads = 16"},
       {"qwen3-next-80b", [](LayerSpec& l) { l.linear.head_k_dim = 0; }, "linear.head_k_dim = 0"},
       {"nemotron-h-8b", [](LayerSpec& l) { l.linear.d_state = 0; }, "linear.d_state = 0"},
@@ -403,9 +407,8 @@ TEST(HfConfig, BadFilesNameTheFileAndTheField) {
     EXPECT_NE(msg.find(c.expect), std::string::npos) << msg;
     EXPECT_EQ(msg.rfind("bad.json", 0), 0u) << msg;
   }
-  const std::string unknown = error_of([] {
-    load_hf_config_text(R"({"model_type": "phi3"})", "bad.json");
-  });
+  const std::string unknown =
+      error_of([] { load_hf_config_text(R"({"model_type": "phi3"})", "bad.json"); });
   for (const char* t : {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text"}) {
     EXPECT_NE(unknown.find(t), std::string::npos) << unknown;
   }
@@ -501,8 +504,8 @@ TEST(TensorParallel, RejectsHeadCountsThatDoNotDivide) {
   EXPECT_NE(msg.find("already split for tp = 2"), std::string::npos) << msg;
 }
 
-// Random GQA shapes: a split either succeeds with heads that multiply back to the original (kv heads
-// possibly replicated) or throws; it never produces an invalid model.
+// Random GQA shapes: a split either succeeds with heads that multiply back to the original (kv
+// heads possibly replicated) or throws; it never produces an invalid model.
 TEST(TensorParallel, RandomShapesSplitConsistently) {
   std::mt19937 rng(2024);
   for (int trial = 0; trial < 500; ++trial) {

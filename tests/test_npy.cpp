@@ -101,7 +101,8 @@ TEST_F(NpyTest, WritesTheHeaderNumpyWrites) {
   write_npy(p, DType::i64, std::vector<int64_t>{5}, std::vector<int64_t>(5, 9).data());
   std::ifstream in1(p, std::ios::binary);
   std::string one((std::istreambuf_iterator<char>(in1)), std::istreambuf_iterator<char>());
-  EXPECT_NE(one.find("'descr': '<i8', 'fortran_order': False, 'shape': (5,), }"), std::string::npos);
+  EXPECT_NE(one.find("'descr': '<i8', 'fortran_order': False, 'shape': (5,), }"),
+            std::string::npos);
 }
 
 TEST_F(NpyTest, ReadsVersion2AndOtherWritersHeaders) {

@@ -1,7 +1,6 @@
 // Replay cases: a step captured from live pools and replayed on fresh ones gives the same output,
 // bit for bit, with the backend that ran it.
 #include <gtest/gtest.h>
-
 #include <sys/wait.h>
 
 #include <cmath>
@@ -58,7 +57,8 @@ ModelSpec test_model(DType act) {
 HostBuffer random_buffer(DType t, std::initializer_list<int64_t> shape, std::mt19937& rng) {
   HostBuffer b(t, shape);
   std::normal_distribution<float> dist(0.f, 1.f);
-  for (int64_t i = 0; i < b.numel(); ++i) store_from_float(b.data(), t, static_cast<size_t>(i), dist(rng));
+  for (int64_t i = 0; i < b.numel(); ++i)
+    store_from_float(b.data(), t, static_cast<size_t>(i), dist(rng));
   return b;
 }
 
@@ -102,7 +102,8 @@ class Engine {
 
   // Allocates slots for `extend` new tokens of each request after its current tokens and writes
   // them into req_to_token; returns them request-major (the step's out_cache_loc).
-  std::vector<int64_t> allocate(const std::vector<int64_t>& rows, const std::vector<int32_t>& extend) {
+  std::vector<int64_t> allocate(const std::vector<int64_t>& rows,
+                                const std::vector<int32_t>& extend) {
     std::vector<int32_t> prefix, seq;
     std::vector<int64_t> last;
     for (size_t i = 0; i < rows.size(); ++i) {
@@ -123,7 +124,9 @@ class Engine {
     return out;
   }
 
-  int32_t len(int64_t row) const { return static_cast<int32_t>(slots_.at(static_cast<int>(row)).size()); }
+  int32_t len(int64_t row) const {
+    return static_cast<int32_t>(slots_.at(static_cast<int>(row)).size());
+  }
 
   struct Call {
     HostBuffer q, k, v, out, lse;
@@ -392,7 +395,8 @@ TEST_F(ReplayTest, CaptureRejectsLinearAndMissingLayers) {
     capture_case(e.model(), 5, e.options(), step, e.req_to_token(), e.cache(), call.args);
     ADD_FAILURE() << "expected attnrt::Error";
   } catch (const Error& err) {
-    EXPECT_NE(std::string(err.what()).find("layer 5 does not exist"), std::string::npos) << err.what();
+    EXPECT_NE(std::string(err.what()).find("layer 5 does not exist"), std::string::npos)
+        << err.what();
   }
 }
 

@@ -24,9 +24,12 @@ constexpr const char* kFormat = "attnrt-case";
 
 std::string_view attn_type_name(AttnType t) {
   switch (t) {
-    case AttnType::decoder: return "decoder";
-    case AttnType::decoder_bidirectional: return "decoder_bidirectional";
-    case AttnType::encoder_only: return "encoder_only";
+    case AttnType::decoder:
+      return "decoder";
+    case AttnType::decoder_bidirectional:
+      return "decoder_bidirectional";
+    case AttnType::encoder_only:
+      return "encoder_only";
   }
   return "?";
 }
@@ -53,7 +56,8 @@ class Reader {
   explicit Reader(std::string path) : path_(std::move(path)) {}
 
   const json& at(const json& obj, const std::string& prefix, const char* key) const {
-    if (!obj.is_object() || !obj.contains(key)) fail("{}: missing field '{}{}'", path_, prefix, key);
+    if (!obj.is_object() || !obj.contains(key))
+      fail("{}: missing field '{}{}'", path_, prefix, key);
     return obj.at(key);
   }
   template <typename T>
@@ -245,9 +249,9 @@ Case capture_case(const ModelSpec& model, int layer_id, const Options& options,
   const size_t esize = dtype_size(view.dtype);
   for (int64_t j = 0; j < s; ++j) {
     const int64_t full = slots[j];
-    ATTNRT_CHECK(full >= 0 && (view.slot_map == nullptr ? full < view.num_rows
-                                                        : full < view.slot_map_rows),
-                 "capture_case: slot {} is outside the KV pool", full);
+    ATTNRT_CHECK(
+        full >= 0 && (view.slot_map == nullptr ? full < view.num_rows : full < view.slot_map_rows),
+        "capture_case: slot {} is outside the KV pool", full);
     const int64_t row = view.pool_slot(full);
     ATTNRT_CHECK(row >= 0 && row < view.num_rows,
                  "capture_case: slot {} maps to pool row {}, outside the pool's {} rows", full, row,
@@ -373,8 +377,10 @@ Case read_case(const std::string& dir) {
                dtype_name(c.act_dtype));
   ATTNRT_CHECK(c.options.page_size >= 1, "{}: kv_cache.page_size {} must be >= 1", path,
                c.options.page_size);
-  ATTNRT_CHECK(c.layer.uses_kv_cache(), "{}: layer.kind {} has no KV cache; cases hold attention "
-               "layers", path, layer_kind_name(c.layer.kind));
+  ATTNRT_CHECK(c.layer.uses_kv_cache(),
+               "{}: layer.kind {} has no KV cache; cases hold attention "
+               "layers",
+               path, layer_kind_name(c.layer.kind));
 
   const StepLayout layout = make_step_layout(c.batch);
   const auto kv_lens = r.get<std::vector<int32_t>>(j, "", "kv_lens");
@@ -453,8 +459,8 @@ void write_step_case(const std::string& dir, const ModelSpec& model, int layer_i
                      const Options& options, const ForwardBatch& batch,
                      const ReqToTokenPool& req_to_token, const KVCache& kv_cache,
                      const AttnArgs& args, const std::string& backend) {
-  write_case(dir, capture_case(model, layer_id, options, batch, req_to_token, kv_cache, args,
-                               backend));
+  write_case(dir,
+             capture_case(model, layer_id, options, batch, req_to_token, kv_cache, args, backend));
 }
 
 namespace {
@@ -462,7 +468,8 @@ namespace {
 HostBuffer to_act_dtype(const NpyArray& a, DType dtype) {
   HostBuffer b(dtype, {a.shape[0], a.shape[1], a.shape[2]});
   const float* src = a.as<float>();
-  for (int64_t i = 0; i < a.numel(); ++i) store_from_float(b.data(), dtype, static_cast<size_t>(i), src[i]);
+  for (int64_t i = 0; i < a.numel(); ++i)
+    store_from_float(b.data(), dtype, static_cast<size_t>(i), src[i]);
   return b;
 }
 

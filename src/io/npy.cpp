@@ -26,22 +26,28 @@ struct Descr {
 };
 // Written with the first spelling; '=' (native) and '|' are read as little endian too.
 constexpr Descr kDescrs[] = {
-    {"<f4", DType::f32}, {"<f2", DType::f16}, {"<u2", DType::bf16}, {"<i4", DType::i32},
-    {"<i8", DType::i64}, {"|u1", DType::u8},  {"=f4", DType::f32},  {"=f2", DType::f16},
-    {"=u2", DType::bf16}, {"=i4", DType::i32}, {"=i8", DType::i64}, {"<u1", DType::u8},
-    {"=u1", DType::u8},  {"|b1", DType::u8},
+    {"<f4", DType::f32},  {"<f2", DType::f16}, {"<u2", DType::bf16}, {"<i4", DType::i32},
+    {"<i8", DType::i64},  {"|u1", DType::u8},  {"=f4", DType::f32},  {"=f2", DType::f16},
+    {"=u2", DType::bf16}, {"=i4", DType::i32}, {"=i8", DType::i64},  {"<u1", DType::u8},
+    {"=u1", DType::u8},   {"|b1", DType::u8},
 };
 
 std::string_view descr_of(DType t) {
   switch (t) {
-    case DType::f32: return "<f4";
-    case DType::f16: return "<f2";
-    case DType::bf16: return "<u2";
-    case DType::i32: return "<i4";
-    case DType::i64: return "<i8";
+    case DType::f32:
+      return "<f4";
+    case DType::f16:
+      return "<f2";
+    case DType::bf16:
+      return "<u2";
+    case DType::i32:
+      return "<i4";
+    case DType::i64:
+      return "<i8";
     case DType::u8:
     case DType::e4m3:
-    case DType::e5m2: return "|u1";
+    case DType::e5m2:
+      return "|u1";
   }
   return "";
 }
@@ -226,7 +232,8 @@ void write_npy(const std::string& path, DType dtype, std::span<const int64_t> sh
   const auto len = static_cast<uint32_t>(dict.size());
   out.write(reinterpret_cast<const char*>(&len), v1 ? 2 : 4);
   out.write(dict.data(), static_cast<std::streamsize>(dict.size()));
-  const auto n = static_cast<std::streamsize>(product(shape) * static_cast<int64_t>(dtype_size(dtype)));
+  const auto n =
+      static_cast<std::streamsize>(product(shape) * static_cast<int64_t>(dtype_size(dtype)));
   if (n > 0) out.write(static_cast<const char*>(data), n);
   out.flush();
   ATTNRT_CHECK(out.good(), "writing '{}' failed (disk full or not writable?)", path);
@@ -250,7 +257,8 @@ NpyArray read_npy(const std::string& path) {
                static_cast<uint8_t>(magic[kMagicLen + 1]));
   uint32_t header_len = 0;
   in.read(reinterpret_cast<char*>(&header_len), major == 1 ? 2 : 4);
-  const int64_t data_start = static_cast<int64_t>(kMagicLen) + 2 + (major == 1 ? 2 : 4) + header_len;
+  const int64_t data_start =
+      static_cast<int64_t>(kMagicLen) + 2 + (major == 1 ? 2 : 4) + header_len;
   ATTNRT_CHECK(in.good() && data_start <= file_size,
                "{}: truncated .npy header ({} header bytes announced, file has {} bytes)", path,
                header_len, file_size);
@@ -265,13 +273,15 @@ NpyArray read_npy(const std::string& path) {
   }
   if (!dtype) {
     if (descr.size() == 3 && descr[0] == '>') {
-      fail("{}: big-endian data ('{}') is not supported; save it little endian "
-           "(array.astype(array.dtype.newbyteorder('<')))",
-           path, descr);
+      fail(
+          "{}: big-endian data ('{}') is not supported; save it little endian "
+          "(array.astype(array.dtype.newbyteorder('<')))",
+          path, descr);
     }
-    fail("{}: dtype '{}' is not supported; supported: '<f4' float32, '<f2' float16, '<u2' bf16 "
-         "bits, '<i4' int32, '<i8' int64, '|u1' uint8 / fp8 bytes",
-         path, descr);
+    fail(
+        "{}: dtype '{}' is not supported; supported: '<f4' float32, '<f2' float16, '<u2' bf16 "
+        "bits, '<i4' int32, '<i8' int64, '|u1' uint8 / fp8 bytes",
+        path, descr);
   }
   if (parser.fortran_order()) {
     fail("{}: Fortran-order data is not supported; save a C-order array (np.ascontiguousarray)",
@@ -282,12 +292,11 @@ NpyArray read_npy(const std::string& path) {
   a.dtype = *dtype;
   a.shape = parser.shape();
   a.origin = path;
-  ATTNRT_CHECK(a.shape.size() <= static_cast<size_t>(kMaxDims), "{}: {} dims; at most {} are supported",
-               path, a.shape.size(), kMaxDims);
+  ATTNRT_CHECK(a.shape.size() <= static_cast<size_t>(kMaxDims),
+               "{}: {} dims; at most {} are supported", path, a.shape.size(), kMaxDims);
   const int64_t want = a.numel() * static_cast<int64_t>(dtype_size(a.dtype));
   const int64_t have = file_size - data_start;
-  ATTNRT_CHECK(have == want,
-               "{}: shape {} of '{}' needs {} data bytes, the file has {} ({})", path,
+  ATTNRT_CHECK(have == want, "{}: shape {} of '{}' needs {} data bytes, the file has {} ({})", path,
                shape_str(a.shape), descr, want, have, have < want ? "truncated" : "trailing bytes");
   a.bytes.resize(static_cast<size_t>(want));
   if (want > 0) in.read(reinterpret_cast<char*>(a.bytes.data()), want);

@@ -1,7 +1,7 @@
 // HuggingFace config.json -> ModelSpec for the dense decoder families (llama, mistral, qwen2/3,
-// gemma2/3). Field names, defaults and per-layer window rules follow the transformers config classes
-// of each family; defaults are used only where those classes have one (gemma), elsewhere a missing
-// field is an error, because a config.json without it is more likely the wrong file.
+// gemma2/3). Field names, defaults and per-layer window rules follow the transformers config
+// classes of each family; defaults are used only where those classes have one (gemma), elsewhere a
+// missing field is an error, because a config.json without it is more likely the wrong file.
 #include <fmt/ranges.h>
 
 #include <cmath>
@@ -27,9 +27,9 @@ struct ModelType {
 };
 
 constexpr ModelType kModelTypes[] = {
-    {"llama", Family::llama},     {"mistral", Family::mistral},   {"mixtral", Family::mistral},
-    {"qwen2", Family::qwen2},     {"qwen2_moe", Family::qwen2},   {"qwen3", Family::qwen2},
-    {"qwen3_moe", Family::qwen2}, {"gemma2", Family::gemma2},     {"gemma3", Family::gemma3},
+    {"llama", Family::llama},        {"mistral", Family::mistral}, {"mixtral", Family::mistral},
+    {"qwen2", Family::qwen2},        {"qwen2_moe", Family::qwen2}, {"qwen3", Family::qwen2},
+    {"qwen3_moe", Family::qwen2},    {"gemma2", Family::gemma2},   {"gemma3", Family::gemma3},
     {"gemma3_text", Family::gemma3},
 };
 
@@ -41,13 +41,20 @@ std::string supported_types() {
 
 std::string_view json_type(const json& v) {
   switch (v.type()) {
-    case json::value_t::null: return "null";
-    case json::value_t::boolean: return "a boolean";
-    case json::value_t::string: return "a string";
-    case json::value_t::array: return "an array";
-    case json::value_t::object: return "an object";
-    case json::value_t::number_float: return "a non-integer number";
-    default: return "a number";
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "a boolean";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::object:
+      return "an object";
+    case json::value_t::number_float:
+      return "a non-integer number";
+    default:
+      return "a number";
   }
 }
 
@@ -77,7 +84,8 @@ class Fields {
   std::optional<bool> opt_bool(const char* key) const {
     if (!has(key)) return std::nullopt;
     const json& v = obj_.at(key);
-    if (!v.is_boolean()) fail("{}: field '{}' is {}; expected true or false", origin_, key, json_type(v));
+    if (!v.is_boolean())
+      fail("{}: field '{}' is {}; expected true or false", origin_, key, json_type(v));
     return v.get<bool>();
   }
   std::optional<std::string> opt_string(const char* key) const {
@@ -115,9 +123,10 @@ std::vector<AttnKind> layer_kinds(Family family, const Fields& f, int num_layers
   if (f.has("layer_types")) {
     const json& types = f.at("layer_types");
     if (!types.is_array()) {
-      fail("{}: field 'layer_types' is {}; expected an array of \"full_attention\" / "
-           "\"sliding_attention\"",
-           origin, json_type(types));
+      fail(
+          "{}: field 'layer_types' is {}; expected an array of \"full_attention\" / "
+          "\"sliding_attention\"",
+          origin, json_type(types));
     }
     if (static_cast<int>(types.size()) != num_layers) {
       fail("{}: field 'layer_types' has {} entries; num_hidden_layers is {}", origin, types.size(),
@@ -130,9 +139,10 @@ std::vector<AttnKind> layer_kinds(Family family, const Fields& f, int num_layers
         kinds[i] = AttnKind::sliding;
         continue;
       }
-      fail("{}: layer_types[{}] is {}; this loader supports \"full_attention\" and "
-           "\"sliding_attention\"",
-           origin, i, t.dump());
+      fail(
+          "{}: layer_types[{}] is {}; this loader supports \"full_attention\" and "
+          "\"sliding_attention\"",
+          origin, i, t.dump());
     }
     return kinds;
   }
@@ -149,7 +159,8 @@ std::vector<AttnKind> layer_kinds(Family family, const Fields& f, int num_layers
       // layer_types as "sliding_attention" iff i >= max_window_layers).
       if (!qwen_sliding_enabled) break;
       const int max_window_layers = f.opt_int("max_window_layers").value_or(28);
-      for (int i = std::max(max_window_layers, 0); i < num_layers; ++i) kinds[i] = AttnKind::sliding;
+      for (int i = std::max(max_window_layers, 0); i < num_layers; ++i)
+        kinds[i] = AttnKind::sliding;
       break;
     }
     case Family::gemma2:
@@ -180,7 +191,8 @@ struct Located {
 
 Located locate_text_config(const json& top, std::string_view origin) {
   const json* cfg = &top;
-  if (top.contains("text_config") && top.at("text_config").is_object()) cfg = &top.at("text_config");
+  if (top.contains("text_config") && top.at("text_config").is_object())
+    cfg = &top.at("text_config");
   std::optional<std::string> type = Fields(*cfg, origin).opt_string("model_type");
   if (!type) type = Fields(top, origin).opt_string("model_type");
   if (!type) {
@@ -199,7 +211,8 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
   } catch (const json::parse_error& e) {
     fail("{}: malformed JSON: {}", origin, e.what());
   }
-  if (!top.is_object()) fail("{}: expected a JSON object at the top level, found {}", origin, json_type(top));
+  if (!top.is_object())
+    fail("{}: expected a JSON object at the top level, found {}", origin, json_type(top));
 
   const Located loc = locate_text_config(top, origin);
   const ModelType* type = nullptr;
@@ -207,9 +220,10 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
     if (t.name == loc.model_type) type = &t;
   }
   if (type == nullptr) {
-    fail("{}: model_type '{}' is not supported by the config loader; supported model types are {} "
-         "(other models: use a preset)",
-         origin, loc.model_type, supported_types());
+    fail(
+        "{}: model_type '{}' is not supported by the config loader; supported model types are {} "
+        "(other models: use a preset)",
+        origin, loc.model_type, supported_types());
   }
   const Family family = type->family;
   const bool gemma = family == Family::gemma2 || family == Family::gemma3;
@@ -217,14 +231,15 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
   const Fields top_fields(top, origin);
 
   // transformers' Gemma2Config / Gemma3TextConfig defaults (published gemma configs omit some).
-  const int num_layers = gemma ? f.opt_int("num_hidden_layers").value_or(26)
-                               : f.require_int("num_hidden_layers");
-  const int q_heads = gemma ? f.opt_int("num_attention_heads").value_or(8)
-                            : f.require_int("num_attention_heads");
-  const int kv_heads =
-      f.opt_int("num_key_value_heads").value_or(gemma ? 4 : q_heads);
-  ATTNRT_CHECK(num_layers > 0, "{}: field 'num_hidden_layers' is {}; it must be > 0", origin, num_layers);
-  ATTNRT_CHECK(q_heads > 0, "{}: field 'num_attention_heads' is {}; it must be > 0", origin, q_heads);
+  const int num_layers =
+      gemma ? f.opt_int("num_hidden_layers").value_or(26) : f.require_int("num_hidden_layers");
+  const int q_heads =
+      gemma ? f.opt_int("num_attention_heads").value_or(8) : f.require_int("num_attention_heads");
+  const int kv_heads = f.opt_int("num_key_value_heads").value_or(gemma ? 4 : q_heads);
+  ATTNRT_CHECK(num_layers > 0, "{}: field 'num_hidden_layers' is {}; it must be > 0", origin,
+               num_layers);
+  ATTNRT_CHECK(q_heads > 0, "{}: field 'num_attention_heads' is {}; it must be > 0", origin,
+               q_heads);
 
   int head_dim = 0;
   if (auto hd = f.opt_int("head_dim")) {
@@ -233,9 +248,10 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
     head_dim = 256;
   } else {
     if (!f.has("hidden_size")) {
-      fail("{}: missing required field 'hidden_size' (needed for head_dim = hidden_size / "
-           "num_attention_heads when 'head_dim' is absent)",
-           origin);
+      fail(
+          "{}: missing required field 'hidden_size' (needed for head_dim = hidden_size / "
+          "num_attention_heads when 'head_dim' is absent)",
+          origin);
     }
     const int hidden = f.require_int("hidden_size");
     ATTNRT_CHECK(hidden % q_heads == 0,
@@ -255,16 +271,19 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
   } else if (family == Family::mistral) {
     hf_window = f.opt_int("sliding_window");
   } else {
-    hf_window = f.present("sliding_window") ? f.opt_int("sliding_window") : std::optional<int>(4096);
+    hf_window =
+        f.present("sliding_window") ? f.opt_int("sliding_window") : std::optional<int>(4096);
   }
-  const std::vector<AttnKind> kinds = layer_kinds(family, f, num_layers, qwen_sliding_enabled, origin);
+  const std::vector<AttnKind> kinds =
+      layer_kinds(family, f, num_layers, qwen_sliding_enabled, origin);
 
   float scaling = 0.f;
   if (gemma) {
     const double scalar = f.present("query_pre_attn_scalar")
                               ? f.opt_number("query_pre_attn_scalar").value_or(256.0)
                               : 256.0;
-    ATTNRT_CHECK(scalar > 0, "{}: field 'query_pre_attn_scalar' is {}; it must be > 0", origin, scalar);
+    ATTNRT_CHECK(scalar > 0, "{}: field 'query_pre_attn_scalar' is {}; it must be > 0", origin,
+                 scalar);
     scaling = static_cast<float>(1.0 / std::sqrt(scalar));
   }
   double softcap = 0.0;
@@ -287,9 +306,10 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
     if (*dtype == "float32" || *dtype == "float16" || *dtype == "bfloat16") {
       spec.dtype = parse_dtype(*dtype);
     } else {
-      fail("{}: field 'torch_dtype' is \"{}\"; attnrt runs activations in float32, float16 or "
-           "bfloat16",
-           origin, *dtype);
+      fail(
+          "{}: field 'torch_dtype' is \"{}\"; attnrt runs activations in float32, float16 or "
+          "bfloat16",
+          origin, *dtype);
     }
   }
   if (auto ctx = f.opt_int("max_position_embeddings")) {
@@ -310,9 +330,10 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
     if (kinds[i] == AttnKind::sliding) {
       if (!hf_window) {
         fail("{}: layer {} uses sliding-window attention but 'sliding_window' is missing or null{}",
-             origin, i, family == Family::qwen2 && !qwen_sliding_enabled
-                            ? " (and 'use_sliding_window' is not true)"
-                            : "");
+             origin, i,
+             family == Family::qwen2 && !qwen_sliding_enabled
+                 ? " (and 'use_sliding_window' is not true)"
+                 : "");
       }
       ATTNRT_CHECK(*hf_window >= 1, "{}: field 'sliding_window' is {}; it must be >= 1", origin,
                    *hf_window);

@@ -12,12 +12,18 @@ namespace attnrt {
 
 std::string_view layer_kind_name(LayerKind k) {
   switch (k) {
-    case LayerKind::full: return "full";
-    case LayerKind::swa: return "swa";
-    case LayerKind::mla: return "mla";
-    case LayerKind::gdn: return "gdn";
-    case LayerKind::mamba2: return "mamba2";
-    case LayerKind::kda: return "kda";
+    case LayerKind::full:
+      return "full";
+    case LayerKind::swa:
+      return "swa";
+    case LayerKind::mla:
+      return "mla";
+    case LayerKind::gdn:
+      return "gdn";
+    case LayerKind::mamba2:
+      return "mamba2";
+    case LayerKind::kda:
+      return "kda";
   }
   return "?";
 }
@@ -67,9 +73,9 @@ namespace {
 
 // Every message starts with the model and layer so that a user with a 60-layer config can find the
 // offending entry.
-#define LAYER_CHECK(cond, fmtstr, ...)                                                          \
-  ATTNRT_CHECK(cond, "model '{}' layer {} ({}): " fmtstr, name, l.layer_id, layer_kind_name(l.kind), \
-               __VA_ARGS__)
+#define LAYER_CHECK(cond, fmtstr, ...)                                      \
+  ATTNRT_CHECK(cond, "model '{}' layer {} ({}): " fmtstr, name, l.layer_id, \
+               layer_kind_name(l.kind), __VA_ARGS__)
 
 void validate_attention_layer(const std::string& name, const LayerSpec& l) {
   LAYER_CHECK(l.num_q_heads > 0, "num_q_heads = {}; it must be > 0", l.num_q_heads);
@@ -99,13 +105,13 @@ void validate_attention_layer(const std::string& name, const LayerSpec& l) {
                 l.sliding_window, layer_kind_name(l.kind));
   }
   if (l.kind == LayerKind::mla) {
-    LAYER_CHECK(l.kv_lora_rank > 0, "kv_lora_rank = {}; an mla layer needs it > 0",
-                l.kv_lora_rank);
+    LAYER_CHECK(l.kv_lora_rank > 0, "kv_lora_rank = {}; an mla layer needs it > 0", l.kv_lora_rank);
     LAYER_CHECK(l.qk_rope_head_dim >= 0, "qk_rope_head_dim = {}; it must be >= 0",
                 l.qk_rope_head_dim);
-    LAYER_CHECK(l.head_dim == l.kv_lora_rank + l.qk_rope_head_dim,
-                "head_dim = {}; the latent form needs kv_lora_rank + qk_rope_head_dim = {} + {} = {}",
-                l.head_dim, l.kv_lora_rank, l.qk_rope_head_dim, l.kv_lora_rank + l.qk_rope_head_dim);
+    LAYER_CHECK(
+        l.head_dim == l.kv_lora_rank + l.qk_rope_head_dim,
+        "head_dim = {}; the latent form needs kv_lora_rank + qk_rope_head_dim = {} + {} = {}",
+        l.head_dim, l.kv_lora_rank, l.qk_rope_head_dim, l.kv_lora_rank + l.qk_rope_head_dim);
     LAYER_CHECK(l.v_head_dim == l.kv_lora_rank,
                 "v_head_dim = {}; the latent form reads V as the first kv_lora_rank = {} columns",
                 l.v_head_dim, l.kv_lora_rank);
@@ -179,9 +185,10 @@ namespace {
 int split_kv_heads(const std::string& model, const LayerSpec& l, int kv, int tp) {
   if (kv % tp == 0) return kv / tp;
   if (tp % kv == 0) return 1;
-  fail("model '{}' layer {}: num_kv_heads = {} cannot be split over tp = {}: either tp must divide "
-       "the kv heads or the kv heads must divide tp (then each is replicated on tp / kv ranks)",
-       model, l.layer_id, kv, tp);
+  fail(
+      "model '{}' layer {}: num_kv_heads = {} cannot be split over tp = {}: either tp must divide "
+      "the kv heads or the kv heads must divide tp (then each is replicated on tp / kv ranks)",
+      model, l.layer_id, kv, tp);
 }
 
 int split_heads(const std::string& model, const LayerSpec& l, std::string_view field, int heads,
@@ -250,9 +257,10 @@ ModelSpec resolve_model(std::string_view name_or_path) {
   for (const auto& p : preset_names()) {
     if (p == s) return model_preset(s);
   }
-  fail("unknown model '{}': use a preset ({}) or the path of a HuggingFace config.json (or of a "
-       "directory holding one)",
-       s, fmt::join(preset_names(), ", "));
+  fail(
+      "unknown model '{}': use a preset ({}) or the path of a HuggingFace config.json (or of a "
+      "directory holding one)",
+      s, fmt::join(preset_names(), ", "));
 }
 
 }  // namespace attnrt

@@ -31,8 +31,8 @@ LayerSpec attention(int id, int q_heads, int kv_heads, int head_dim, int window 
 }
 
 // The latent (absorbed) form of multi-head latent attention: one kv head holding
-// [kv_lora_rank | rope] per token; V is the first kv_lora_rank columns. The softmax scale is that of
-// the unabsorbed heads, (qk_nope + qk_rope)^-1/2.
+// [kv_lora_rank | rope] per token; V is the first kv_lora_rank columns. The softmax scale is that
+// of the unabsorbed heads, (qk_nope + qk_rope)^-1/2.
 LayerSpec mla(int id, int q_heads, int kv_lora_rank, int qk_rope, int qk_nope) {
   LayerSpec l;
   l.layer_id = id;
@@ -111,8 +111,12 @@ ModelSpec qwen3_next_80b() {
   // linear_key_head_dim 128, linear_value_head_dim 128, linear_conv_kernel_dim 4;
   // max_position_embeddings 262144. Chunk 64 is the FLA chunk of the GDN prefill kernel.
   ModelSpec m = named("qwen3-next-80b", 262144);
-  const LinearSpec gdn{.num_k_heads = 16, .num_v_heads = 32, .head_k_dim = 128, .head_v_dim = 128,
-                       .conv_kernel = 4, .chunk_size = 64};
+  const LinearSpec gdn{.num_k_heads = 16,
+                       .num_v_heads = 32,
+                       .head_k_dim = 128,
+                       .head_v_dim = 128,
+                       .conv_kernel = 4,
+                       .chunk_size = 64};
   for (int i = 0; i < 48; ++i) {
     m.layers.push_back((i + 1) % 4 == 0 ? attention(i, 16, 2, 256)
                                         : linear_layer(i, LayerKind::gdn, gdn));
@@ -128,8 +132,12 @@ ModelSpec kimi_linear_48b() {
   // (mla_use_nope: the rope columns exist but carry no rotation, which does not change the
   // attention math here). model_max_length 1048576.
   ModelSpec m = named("kimi-linear-48b", 1048576);
-  const LinearSpec kda{.num_k_heads = 32, .num_v_heads = 32, .head_k_dim = 128, .head_v_dim = 128,
-                       .conv_kernel = 4, .chunk_size = 64};
+  const LinearSpec kda{.num_k_heads = 32,
+                       .num_v_heads = 32,
+                       .head_k_dim = 128,
+                       .head_v_dim = 128,
+                       .conv_kernel = 4,
+                       .chunk_size = 64};
   for (int i = 0; i < 27; ++i) {
     const int one_based = i + 1;
     const bool full = one_based % 4 == 0 || one_based == 27;
@@ -140,16 +148,20 @@ ModelSpec kimi_linear_48b() {
 
 ModelSpec nemotron_h_8b() {
   // nvidia/Nemotron-H-8B-Base-8K: hybrid_override_pattern below (52 blocks: 'M' Mamba2, '*'
-  // attention, '-' MLP-only); num_attention_heads 32, num_key_value_heads 8, attention_head_dim 128;
-  // mamba_num_heads 128, mamba_head_dim 64, ssm_state_size 128, n_groups 8, conv_kernel 4,
+  // attention, '-' MLP-only); num_attention_heads 32, num_key_value_heads 8, attention_head_dim
+  // 128; mamba_num_heads 128, mamba_head_dim 64, ssm_state_size 128, n_groups 8, conv_kernel 4,
   // chunk_size 128; max_position_embeddings 8192.
   // The 24 MLP-only blocks hold no attention state, so they are not layers here: the model has the
   // 28 mixer layers (24 Mamba2 + 4 attention) in pattern order, numbered 0..27.
   static constexpr std::string_view kPattern =
       "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-";
   ModelSpec m = named("nemotron-h-8b", 8192);
-  const LinearSpec mamba{.num_v_heads = 128, .head_v_dim = 64, .d_state = 128, .n_groups = 8,
-                         .conv_kernel = 4, .chunk_size = 128};
+  const LinearSpec mamba{.num_v_heads = 128,
+                         .head_v_dim = 64,
+                         .d_state = 128,
+                         .n_groups = 8,
+                         .conv_kernel = 4,
+                         .chunk_size = 128};
   for (char c : kPattern) {
     const int id = static_cast<int>(m.layers.size());
     if (c == 'M') m.layers.push_back(linear_layer(id, LayerKind::mamba2, mamba));
@@ -196,7 +208,8 @@ ModelSpec model_preset(std::string_view name) {
   for (const auto& p : kPresets) {
     if (p.name == name) return p.make();
   }
-  fail("unknown model preset '{}': available presets are {}", name, fmt::join(preset_names(), ", "));
+  fail("unknown model preset '{}': available presets are {}", name,
+       fmt::join(preset_names(), ", "));
 }
 
 }  // namespace attnrt

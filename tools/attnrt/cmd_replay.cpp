@@ -71,13 +71,14 @@ void run_replay(const ReplayArgs& args) {
       !args.backend.empty() ? args.backend : (!c.backend.empty() ? c.backend : "reference");
   const std::string out_dir = args.out_dir.empty() ? args.case_dir : args.out_dir;
 
-  fmt::print("case {}: model '{}' layer {} ({}, {} q / {} kv heads, head_dim {}/{}{}), {}, {} "
-             "request(s), {} token(s), KV {} page {}\n",
-             args.case_dir, c.model_name, l.layer_id, layer_kind_name(l.kind), l.num_q_heads,
-             l.num_kv_heads, l.head_dim, l.v_head_dim,
-             l.sliding_window >= 0 ? fmt::format(", window {}", l.sliding_window) : "",
-             forward_mode_name(c.batch.mode), c.batch.batch_size, c.num_tokens(),
-             dtype_name(c.kv_dtype), c.options.page_size);
+  fmt::print(
+      "case {}: model '{}' layer {} ({}, {} q / {} kv heads, head_dim {}/{}{}), {}, {} "
+      "request(s), {} token(s), KV {} page {}\n",
+      args.case_dir, c.model_name, l.layer_id, layer_kind_name(l.kind), l.num_q_heads,
+      l.num_kv_heads, l.head_dim, l.v_head_dim,
+      l.sliding_window >= 0 ? fmt::format(", window {}", l.sliding_window) : "",
+      forward_mode_name(c.batch.mode), c.batch.batch_size, c.num_tokens(), dtype_name(c.kv_dtype),
+      c.options.page_size);
 
   const ReplayResult r = replay_case(c, backend, args.lse);
   write_replay_result(out_dir, r);
@@ -109,8 +110,9 @@ void add_replay_command(CLI::App& app) {
       ->required();
   cmd->add_option("--backend", args->backend,
                   "Backend to run (default: the one that recorded the case, else reference)");
-  cmd->add_flag("--lse", args->lse,
-                "Also write lse.npy: the natural-log sum-exp of each row, float32 [tokens, q heads]");
+  cmd->add_flag(
+      "--lse", args->lse,
+      "Also write lse.npy: the natural-log sum-exp of each row, float32 [tokens, q heads]");
   cmd->add_option("--out", args->out_dir,
                   "Directory for out.npy / lse.npy (default: CASE_DIR; created if missing)");
   cmd->callback([args] { run_replay(*args); });

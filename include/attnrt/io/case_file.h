@@ -33,7 +33,7 @@ struct Case {
   DType kv_dtype = DType::bf16;  // KV pool storage dtype
   float k_scale = 1.f, v_scale = 1.f;
 
-  ForwardBatch batch;  // as the engine passed it (full-pool slots, original request rows)
+  ForwardBatch batch;   // as the engine passed it (full-pool slots, original request rows)
   bool save_kv = true;  // false: the step's K/V were already in the pool (k and v absent)
 
   // req_to_token[row_i, 0 : kv_len_i) of every request i of the batch (batch order).

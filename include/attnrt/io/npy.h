@@ -1,8 +1,8 @@
 // NumPy .npy files (format 1.0 / 2.0 / 3.0 read, 1.0 or 2.0 written; little endian, C order).
 // Element types: float32 '<f4', float16 '<f2', int32 '<i4', int64 '<i8', uint8 '|u1'. NumPy has no
 // bfloat16 or fp8: attnrt writes bf16 as its raw bits '<u2' and fp8 as raw bytes '|u1', and reads
-// '<u2' back as bf16; a reader that expects fp8 accepts '|u1' (the true dtype lives beside the file,
-// e.g. in a case's case.json).
+// '<u2' back as bf16; a reader that expects fp8 accepts '|u1' (the true dtype lives beside the
+// file, e.g. in a case's case.json).
 #pragma once
 
 #include <cstdint>
@@ -22,9 +22,13 @@ struct NpyArray {
 
   int64_t numel() const;
   template <typename T>
-  const T* as() const { return reinterpret_cast<const T*>(bytes.data()); }
+  const T* as() const {
+    return reinterpret_cast<const T*>(bytes.data());
+  }
   template <typename T>
-  T* as() { return reinterpret_cast<T*>(bytes.data()); }
+  T* as() {
+    return reinterpret_cast<T*>(bytes.data());
+  }
   // Contiguous view of the bytes (valid while this array lives and is not resized).
   TensorView view() const;
   // Throws attnrt::Error naming the origin when dtype or shape differ. An fp8 `dtype` accepts a
