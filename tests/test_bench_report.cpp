@@ -198,6 +198,19 @@ TEST(BenchCeilings, CpuProbesMeasureSomethingAndGpuNeedsAProbe) {
   EXPECT_NE(msg.find("no ceiling probe for cuda"), std::string::npos) << msg;
 }
 
+TEST(BenchCeilings, ComputeCeilingIsTheHigherMeasuredPeak) {
+  Ceilings c;
+  c.fp32 = {100.0, "fma", ""};
+  c.bf16 = {0.0, "", "n/a: no AVX512-BF16"};
+  EXPECT_EQ(c.compute_name(), "fp32");
+  EXPECT_DOUBLE_EQ(c.compute().value, 100.0);
+  c.bf16 = {250.0, "dot", ""};
+  EXPECT_EQ(c.compute_name(), "bf16");
+  EXPECT_DOUBLE_EQ(c.compute().value, 250.0);
+  c.bf16.value = 60.0;  // a CPU that issues the bf16 dot on fewer ports than FMA
+  EXPECT_EQ(c.compute_name(), "fp32");
+}
+
 TEST(BenchCeilings, ThreadCountFromFlagThenEnvironment) {
   EXPECT_EQ(resolve_threads(3), 3);
   const char* saved = std::getenv("ATTNRT_NUM_THREADS");

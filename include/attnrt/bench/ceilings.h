@@ -28,9 +28,12 @@ struct Ceilings {
   Ceiling memory;           // the ceiling of memory-bound rows (decode, verify)
   Ceiling fp32;
   Ceiling bf16;
-  // The ceiling of compute-bound rows (bf16 attention): the bf16 peak where measured, else fp32.
-  const Ceiling& compute() const { return bf16.available() ? bf16 : fp32; }
-  std::string compute_name() const { return bf16.available() ? "bf16" : "fp32"; }
+  // The ceiling of compute-bound rows (bf16 attention): the higher of the bf16 dot and fp32 FMA
+  // peaks, since a kernel may use either (bf16 dot is the faster one on Zen 4, fp32 FMA on some
+  // Xeons that run vdpbf16ps on one port).
+  bool bf16_is_compute() const { return bf16.available() && bf16.value >= fp32.value; }
+  const Ceiling& compute() const { return bf16_is_compute() ? bf16 : fp32; }
+  std::string compute_name() const { return bf16_is_compute() ? "bf16" : "fp32"; }
 };
 
 struct CeilingOptions {
