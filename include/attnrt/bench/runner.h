@@ -27,7 +27,7 @@ struct BenchConfig {
   // Shapes larger than these run on the reference backend scaled down (fit_workload) and the
   // speed-up compares work per second, not time.
   double reference_max_bytes = 64.0 * (1 << 20);
-  double reference_max_work = 2e8;
+  double reference_max_work = 5e7;
   int reference_repeats = 3;
   // Work budget (FLOPs) of the dense float check of each row: decides how many query rows it
   // samples (at least 4, all of them when the row is small).
