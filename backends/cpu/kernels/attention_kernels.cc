@@ -84,9 +84,11 @@ struct KvElem<DType::f16> {
   }
 };
 
-// fp8 is widened through fp16, whose hardware conversion handles the subnormals: e5m2 is exactly
-// the top byte of an fp16; e4m3's exponent (bias 7) and mantissa fit an fp16 (bias 15) shifted by
-// 7 bits, off by a factor 2^8 for normals and subnormals alike.
+// fp8 is widened through fp16, whose hardware conversion handles the subnormals. e5m2 is exactly
+// the top byte of an fp16. e4m3 (bias 7) sign-extended to 16 bits and shifted left by 7 lands its
+// exponent and mantissa in an fp16 (bias 15): the value divided by 2^8, for normals and subnormals
+// alike; that factor is folded into the softmax and output scales instead of a multiply per
+// element. The two e4m3 NaN codes (S.1111.111) are kept NaN.
 template <>
 struct KvElem<DType::e5m2> {
   using T = uint8_t;
@@ -102,20 +104,33 @@ struct KvElem<DType::e5m2> {
 template <>
 struct KvElem<DType::e4m3> {
   using T = uint8_t;
+  static constexpr float kFactor = 256.f;
   static HWY_INLINE VF Load(DF df, const T* p) {
-    const hn::Rebind<uint8_t, DF> d8;
-    const hn::Rebind<uint16_t, DF> d16;
+    const hn::Rebind<int8_t, DF> d8;
+    const hn::Rebind<int16_t, DF> d16;
     const hn::Rebind<hwy::float16_t, DF> dh;
-    const auto u = hn::PromoteTo(d16, hn::LoadU(d8, p));
-    const auto magnitude = hn::And(u, hn::Set(d16, uint16_t{0x7f}));
-    const auto sign = hn::ShiftLeft<8>(hn::And(u, hn::Set(d16, uint16_t{0x80})));
-    auto half = hn::Or(sign, hn::ShiftLeft<7>(magnitude));
-    // e4m3fn has no infinities; its only NaN encodings are S.1111.111.
-    half = hn::IfThenElse(hn::Eq(magnitude, hn::Set(d16, uint16_t{0x7f})),
-                          hn::Or(sign, hn::Set(d16, uint16_t{0x7e00})), half);
-    return hn::Mul(hn::PromoteTo(df, hn::BitCast(dh, half)), hn::Set(df, 256.f));
+    const auto wide = hn::PromoteTo(d16, hn::LoadU(d8, reinterpret_cast<const int8_t*>(p)));
+    // Sign-extension left copies of the sign in bits 8..15; the shift keeps one of them in bit 15
+    // and one in bit 14, which the mask clears.
+    auto half = hn::And(hn::ShiftLeft<7>(wide), hn::Set(d16, static_cast<int16_t>(0xbf80)));
+    half = hn::IfThenElse(hn::Eq(hn::And(half, hn::Set(d16, int16_t{0x3f80})),
+                                 hn::Set(d16, int16_t{0x3f80})),
+                          hn::Or(half, hn::Set(d16, int16_t{0x7e00})), half);
+    return hn::PromoteTo(df, hn::BitCast(dh, half));
   }
 };
+
+// How much larger the stored values are than what KvElem<DT>::Load returns.
+template <DType DT>
+constexpr float kLoadFactor = 1.f;
+template <>
+constexpr float kLoadFactor<DType::e4m3> = KvElem<DType::e4m3>::kFactor;
+
+// One element the way Load returns it (vector tails).
+template <DType DT>
+HWY_INLINE float LoadScalar(const typename KvElem<DT>::T* p, int i) {
+  return load_as_float(p, DT, static_cast<size_t>(i)) * (1.f / kLoadFactor<DT>);
+}
 
 // Widens n elements to fp32 (vector body, scalar tail through the shared dtype conversions).
 template <DType DT>
@@ -124,7 +139,15 @@ HWY_INLINE void ConvertRow(const typename KvElem<DT>::T* src, int n, float* dst)
   const int lanes = static_cast<int>(hn::Lanes(df));
   int i = 0;
   for (; i + lanes <= n; i += lanes) hn::StoreU(KvElem<DT>::Load(df, src + i), df, dst + i);
-  for (; i < n; ++i) dst[i] = load_as_float(src, DT, static_cast<size_t>(i));
+  for (; i < n; ++i) dst[i] = LoadScalar<DT>(src, i);
+}
+
+// Pages scatter a request's rows over the pool and one kv head reads a slice of each row, a
+// pattern the hardware prefetchers do not follow: the kernels ask for the next block's rows
+// themselves, into L2 so that the block being computed keeps L1.
+HWY_INLINE void PrefetchRow(const void* row, size_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (size_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -264,30 +287,75 @@ HWY_INLINE float SoftmaxKeysInLanes(float* s, int n, float softcap, float& m, fl
 // ------------------------------------------------------------------------------------------------
 // Single-query kernel.
 
-// Scores of NG heads (q rows NG x q_stride, zero-padded to whole vectors) against n key rows.
+// out[i] = sum of the lanes of v_i. Folding four vectors together costs a few shuffles per dot
+// product instead of a full reduction tree each.
+HWY_INLINE void Sum4(DF df, VF v0, VF v1, VF v2, VF v3, float* out) {
+#if HWY_TARGET == HWY_SCALAR
+  out[0] = hn::GetLane(v0);
+  out[1] = hn::GetLane(v1);
+  out[2] = hn::GetLane(v2);
+  out[3] = hn::GetLane(v3);
+  (void)df;
+#else
+  constexpr size_t kLanes = HWY_LANES(float);
+  static_assert(kLanes >= 4, "whole 128-bit blocks");
+  {
+    // Halves: t01 = [v0 folded | v1 folded], then lanes: u = four groups of kLanes / 4 partial
+    // sums (group i from v_i), each group inside one 128-bit block.
+    const VF t01 = hn::Add(hn::ConcatLowerLower(df, v1, v0), hn::ConcatUpperUpper(df, v1, v0));
+    const VF t23 = hn::Add(hn::ConcatLowerLower(df, v3, v2), hn::ConcatUpperUpper(df, v3, v2));
+    VF u = hn::Add(hn::ConcatEven(df, t23, t01), hn::ConcatOdd(df, t23, t01));
+    if constexpr (kLanes >= 8) u = hn::Add(u, hn::Shuffle2301(u));
+    if constexpr (kLanes >= 16) u = hn::Add(u, hn::Shuffle1032(u));
+    HWY_ALIGN float lanes[kLanes];
+    hn::Store(u, df, lanes);
+    for (size_t i = 0; i < 4; ++i) out[i] = lanes[i * (kLanes / 4)];
+  }
+#endif
+}
+
+// Scores of NG heads (q rows NG x q_stride, zero-padded to whole vectors) against n key rows,
+// 4 / NG keys at a time so that every step folds four dot products together.
 template <DType DT, int NG>
 HWY_INLINE void DecodeScores(const float* q, int q_stride, const typename KvElem<DT>::T* const* k,
                              int n, int dim, float* tail, float* s, int s_stride) {
   using T = typename KvElem<DT>::T;
+  static_assert(NG == 1 || NG == 2 || NG == 4, "four accumulators per step");
+  constexpr int kKeys = 4 / NG;
   const DF df;
   const int lanes = static_cast<int>(hn::Lanes(df));
   const int full = dim / lanes * lanes;
-  for (int j = 0; j < n; ++j) {
-    const T* kr = k[j];
-    VF acc[NG];
-    for (int g = 0; g < NG; ++g) acc[g] = hn::Zero(df);
+  for (int j = 0; j < n; j += kKeys) {
+    const T* kr[kKeys];
+    for (int kk = 0; kk < kKeys; ++kk) kr[kk] = k[std::min(j + kk, n - 1)];
+    VF acc[4];
+    for (int a = 0; a < 4; ++a) acc[a] = hn::Zero(df);
     for (int d = 0; d < full; d += lanes) {
-      const VF kv = KvElem<DT>::Load(df, kr + d);
-      for (int g = 0; g < NG; ++g) acc[g] = hn::MulAdd(hn::Load(df, q + g * q_stride + d), kv, acc[g]);
-    }
-    if (full < dim) {
-      for (int d = full; d < dim; ++d) tail[d - full] = load_as_float(kr, DT, d);
-      const VF kv = hn::Load(df, tail);
+      VF kv[kKeys];
+      for (int kk = 0; kk < kKeys; ++kk) kv[kk] = KvElem<DT>::Load(df, kr[kk] + d);
       for (int g = 0; g < NG; ++g) {
-        acc[g] = hn::MulAdd(hn::Load(df, q + g * q_stride + full), kv, acc[g]);
+        const VF qv = hn::Load(df, q + g * q_stride + d);
+        for (int kk = 0; kk < kKeys; ++kk) acc[g * kKeys + kk] = hn::MulAdd(qv, kv[kk], acc[g * kKeys + kk]);
       }
     }
-    for (int g = 0; g < NG; ++g) s[g * s_stride + j] = hn::GetLane(hn::SumOfLanes(df, acc[g]));
+    if (full < dim) {
+      for (int kk = 0; kk < kKeys; ++kk) {
+        float* t = tail + kk * lanes;
+        std::fill(t, t + lanes, 0.f);
+        for (int d = full; d < dim; ++d) t[d - full] = LoadScalar<DT>(kr[kk], d);
+      }
+      for (int g = 0; g < NG; ++g) {
+        const VF qv = hn::Load(df, q + g * q_stride + full);
+        for (int kk = 0; kk < kKeys; ++kk) {
+          acc[g * kKeys + kk] = hn::MulAdd(qv, hn::Load(df, tail + kk * lanes), acc[g * kKeys + kk]);
+        }
+      }
+    }
+    float out[4];
+    Sum4(df, acc[0], acc[1], acc[2], acc[3], out);
+    for (int g = 0; g < NG; ++g) {
+      for (int kk = 0; kk < kKeys && j + kk < n; ++kk) s[g * s_stride + j + kk] = out[g * kKeys + kk];
+    }
   }
 }
 
@@ -303,7 +371,7 @@ HWY_INLINE void DecodeValues(const typename KvElem<DT>::T* const* v, int n, int 
     if (partial) {
       std::fill(tail, tail + static_cast<size_t>(n) * lanes, 0.f);
       for (int j = 0; j < n; ++j) {
-        for (int d = c; d < dim; ++d) tail[j * lanes + d - c] = load_as_float(v[j], DT, d);
+        for (int d = c; d < dim; ++d) tail[j * lanes + d - c] = LoadScalar<DT>(v[j], d);
       }
     }
     VF o[NG];
@@ -336,7 +404,7 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int
   arena.reserve(static_cast<size_t>(ng) * vdim_p);       // acc
   arena.reserve(static_cast<size_t>(ng) * kDecodeKeys);  // scores / probabilities
   arena.reserve(static_cast<size_t>(kDecodeKeys) * lanes);  // row tails
-  arena.reserve(3 * static_cast<size_t>(ng));            // m, l, alpha
+  for (int k = 0; k < 3; ++k) arena.reserve(ng);         // m, l, alpha
   arena.bind(t_scratch.get(arena.total()));
   float* q = arena.take(static_cast<size_t>(ng) * dim_p);
   float* acc = arena.take(static_cast<size_t>(ng) * vdim_p);
@@ -358,7 +426,6 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int
     m[g] = kNegInf;
     l[g] = 0.f;
   }
-  std::fill(tail, tail + lanes, 0.f);
 
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
@@ -371,6 +438,13 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int
       const int64_t slot = slots[kb + j];
       krows[j] = k_cache + slot * a.k_row_stride + static_cast<int64_t>(kv_head) * dim;
       vrows[j] = v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim;
+    }
+    for (int j = kb + n; j < std::min(it.k1, kb + n + kDecodeKeys); ++j) {
+      const int64_t slot = slots[j];
+      PrefetchRow(k_cache + slot * a.k_row_stride + static_cast<int64_t>(kv_head) * dim,
+                  dim * sizeof(T));
+      PrefetchRow(v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim,
+                  vdim * sizeof(T));
     }
     for (int g = 0; g < ng;) {
       const float* qg = q + static_cast<size_t>(g) * dim_p;
@@ -386,8 +460,6 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int
         g += 1;
       }
     }
-    // DecodeScores may leave its tail row in `tail`; the value pass needs it zeroed per use.
-    std::fill(tail, tail + lanes, 0.f);
     for (int g = 0; g < ng; ++g) {
       alpha[g] = SoftmaxKeysInLanes(s + static_cast<size_t>(g) * kDecodeKeys, n, a.softcap, m[g], l[g]);
     }
@@ -408,7 +480,6 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int
         g += 1;
       }
     }
-    std::fill(tail, tail + lanes, 0.f);
   }
   for (int g = 0; g < ng; ++g) {
     EmitRow(a, p, it, rows, g, acc + static_cast<size_t>(g) * vdim_p, 1, m[g], l[g]);
@@ -439,7 +510,7 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   arena.reserve(static_cast<size_t>(kTileKeys) * kdim);  // a block of K, then of V, in fp32
   arena.reserve(static_cast<size_t>(kTileKeys) * rl);   // S^T, then P^T
   arena.reserve(static_cast<size_t>(vdim) * rl);        // O^T
-  arena.reserve(5 * static_cast<size_t>(rl));           // m, l, alpha, query positions, scratch
+  for (int k = 0; k < 4; ++k) arena.reserve(rl);        // m, l, alpha, query positions
   arena.reserve(static_cast<size_t>(ndraft) * rl);      // tree visibility per draft key
   arena.bind(t_scratch.get(arena.total()));
   float* qt = arena.take(static_cast<size_t>(dim) * rl);
@@ -491,6 +562,16 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   for (int kb = it.k0; kb < it.k1; kb += kTileKeys) {
     const int n = std::min(kTileKeys, it.k1 - kb);
     const int n_step = (n + kTileKeyStep - 1) / kTileKeyStep * kTileKeyStep;
+
+    for (int j = 0; j < n; ++j) {
+      const int64_t slot = slots[kb + j];
+      PrefetchRow(v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim,
+                  vdim * sizeof(T));
+    }
+    for (int j = kb + n; j < std::min(it.k1, kb + n + kTileKeys); ++j) {
+      PrefetchRow(k_cache + slots[j] * a.k_row_stride + static_cast<int64_t>(kv_head) * dim,
+                  dim * sizeof(T));
+    }
 
     // K block in fp32. A translated slot 0 is a key the SWA pool no longer holds: it is outside
     // every window of this tile, so zeros stand in for whatever the dummy row contains.
@@ -683,7 +764,10 @@ void RunItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv
 }
 
 template <DType DT>
-void RunAll(const LayerArgs& a, const KernelPlan& p) {
+void RunAll(const LayerArgs& args, const KernelPlan& p) {
+  LayerArgs a = args;
+  a.qk_scale *= kLoadFactor<DT>;
+  a.v_scale *= kLoadFactor<DT>;
   const int64_t heads = a.num_kv_heads;
   const int64_t work = p.num_items * heads;
   const int64_t merges = p.num_merges * heads;
@@ -717,13 +801,17 @@ const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
 
 void ConvertToFloat(DType dtype, const void* src, int64_t n, float* dst) {
   const int count = static_cast<int>(n);
+  if (dtype == DType::e4m3) {
+    ConvertRow<DType::e4m3>(static_cast<const uint8_t*>(src), count, dst);
+    for (int i = 0; i < count; ++i) dst[i] *= kLoadFactor<DType::e4m3>;
+    return;
+  }
   switch (dtype) {
     case DType::f32: return ConvertRow<DType::f32>(static_cast<const float*>(src), count, dst);
     case DType::f16:
       return ConvertRow<DType::f16>(static_cast<const hwy::float16_t*>(src), count, dst);
     case DType::bf16:
       return ConvertRow<DType::bf16>(static_cast<const hwy::bfloat16_t*>(src), count, dst);
-    case DType::e4m3: return ConvertRow<DType::e4m3>(static_cast<const uint8_t*>(src), count, dst);
     case DType::e5m2: return ConvertRow<DType::e5m2>(static_cast<const uint8_t*>(src), count, dst);
     default: break;
   }
