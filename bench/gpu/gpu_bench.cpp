@@ -2,7 +2,9 @@
 // ceilings measured in the same run: device-to-device copy (bytes read + written) and a cuBLAS bf16
 // GEMM 8192^3, L2 flushed between repetitions. Attention is timed with CUDA events around one
 // forward (plan excluded; the plan's host time is reported separately), median of 20.
-//   usage: attnrt_gpu_bench [--json FILE] [--quick]
+//   usage: attnrt_gpu_bench [--json FILE] [--quick] [--only GROUP[,GROUP...]]
+// --only keeps the rows of the named groups (decode, prefill, extend, verify) and skips the
+// host-plan timing.
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -278,10 +280,15 @@ Row run_workload(const Workload& w, const Ceil& ceil, std::mt19937& rng, double*
 int main(int argc, char** argv) {
   std::string json_path;
   bool quick = false;
+  std::string only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick")) quick = true;
+    else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) only = "," + std::string(argv[++i]) + ",";
   }
+  const auto wanted = [&](const std::string& group) {
+    return only.empty() || only.find("," + group + ",") != std::string::npos;
+  };
   try {
     const CudaDeviceInfo& info = query_cuda();
     if (!info.usable) {
@@ -358,6 +365,7 @@ int main(int argc, char** argv) {
     std::vector<Row> rows;
     double decode_64x4096 = 0;
     for (const Workload& w : ws) {
+      if (!wanted(w.group)) continue;
       Row r = run_workload(w, ceil, rng, nullptr);
       if (w.name == "decode 64x4096") decode_64x4096 = r.seconds;
       if (w.group == "verify" && decode_64x4096 > 0) {
@@ -370,7 +378,7 @@ int main(int argc, char** argv) {
     }
     // Host plan time at batch 256.
     double plan_decode = 0, plan_verify = 0, plan_extend = 0;
-    {
+    if (only.empty()) {
       Workload w;
       w.group = "decode";
       w.bs = 256;

@@ -1,0 +1,18 @@
+// Head-dim dispatch of the prefill kernel (one instantiation file per head dim, so they compile in
+// parallel).
+#include "backends/cuda/kernels/prefill.h"
+
+namespace attnrt::cuda {
+
+cudaError_t launch_prefill(const AttnParams& p, int head_dim, bool fp16, int num_items,
+                           cudaStream_t stream) {
+  if (num_items == 0) return cudaSuccess;
+  switch (head_dim) {
+    case 64: return launch_prefill_d64(p, fp16, num_items, stream);
+    case 128: return launch_prefill_d128(p, fp16, num_items, stream);
+    case 256: return launch_prefill_d256(p, fp16, num_items, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace attnrt::cuda

@@ -1,0 +1,9 @@
+#include "backends/cuda/kernels/prefill.cuh"
+
+namespace attnrt::cuda {
+
+cudaError_t launch_prefill_d64(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream) {
+  return launch_prefill_dim<64>(p, fp16, num_items, stream);
+}
+
+}  // namespace attnrt::cuda

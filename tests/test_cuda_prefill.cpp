@@ -1,0 +1,369 @@
+// The cuda backend's prefill / extend kernel (backends/cuda/kernels/prefill.cuh) against the
+// reference backend: ragged causal batches with cached prefixes that start and end on and off page
+// boundaries, pages scattered through the pool, every head dim, GQA groups that do and do not
+// divide the 128-row tile, non-causal layers, window / softcap / sinks, split-KV with lse, MIXED
+// and DRAFT_EXTEND steps, fp16. Every case first checks that the plan gave it the prefill tile
+// shape with 16-bit KV, i.e. that the prefill kernel is the one under test. Skips (with the
+// reason) where no CUDA device is usable.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "attnrt/backend/options.h"
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/core/device.h"
+#include "attnrt/core/error.h"
+#include "attnrt/memory/kv_cache.h"
+#include "attnrt/memory/req_to_token_pool.h"
+#include "backends/reference/reference_backend.h"
+
+#ifdef ATTNRT_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_kv_cache.h"
+#include "backends/cuda/kernels/launch.h"
+#include "backends/cuda/kernels/prefill.h"
+#endif
+
+namespace attnrt {
+namespace {
+
+#ifdef ATTNRT_HAS_CUDA
+
+struct PrefillCase {
+  ForwardMode mode = ForwardMode::EXTEND;
+  int hq = 8, hkv = 2, dim = 128, page = 16;
+  DType act = DType::bf16;
+  std::vector<int32_t> prefix, qlen;  // DRAFT_EXTEND: qlen = accepted drafts + 1
+  bool causal = true;
+  int window = -1;
+  float cap = 0.f;
+  bool sinks = false;
+  uint32_t seed = 1;
+};
+
+// Owns a device allocation holding a copy of a host tensor.
+class DeviceCopy {
+ public:
+  explicit DeviceCopy(const TensorView& host) : view_(host) {
+    bytes_ = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
+    EXPECT_EQ(cudaMalloc(&ptr_, bytes_), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(ptr_, host.data, bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+    view_.data = ptr_;
+    view_.device = Device::cuda(0);
+  }
+  ~DeviceCopy() { cudaFree(ptr_); }
+  DeviceCopy(const DeviceCopy&) = delete;
+  DeviceCopy& operator=(const DeviceCopy&) = delete;
+  const TensorView& view() const { return view_; }
+  void download(void* host) const {
+    EXPECT_EQ(cudaMemcpy(host, ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+  TensorView view_;
+};
+
+void fill_uniform(const TensorView& t, std::mt19937& rng, float amp) {
+  std::uniform_real_distribution<float> u(-amp, amp);
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, u(rng));
+}
+
+// Runs one step through the reference (host pools) and the cuda backend (device pools with the
+// same bytes, same slots) and compares out and lse.
+void check_prefill(const PrefillCase& c) {
+  std::mt19937 rng(c.seed);
+  ModelSpec model;
+  model.name = "prefill-test";
+  model.dtype = c.act;
+  LayerSpec layer;
+  layer.layer_id = 0;
+  layer.kind = c.window >= 0 ? LayerKind::swa : LayerKind::full;
+  layer.num_q_heads = c.hq;
+  layer.num_kv_heads = c.hkv;
+  layer.head_dim = layer.v_head_dim = c.dim;
+  layer.logit_cap = c.cap;
+  layer.sliding_window = c.window;
+  layer.has_sinks = c.sinks;
+  layer.attn_type = c.causal ? AttnType::decoder : AttnType::encoder_only;
+  model.layers = {layer};
+  const int bs = static_cast<int>(c.prefix.size());
+  int32_t max_kv = 0;
+  for (int i = 0; i < bs; ++i) max_kv = std::max(max_kv, c.prefix[i] + c.qlen[i]);
+  model.max_context_len = max_kv + c.page;
+  Options options;
+  options.page_size = c.page;
+
+  // Pools with every request's pages scattered by a random permutation (page 0 is reserved).
+  std::vector<int64_t> pages_of(bs);
+  int64_t pages = 0;
+  for (int i = 0; i < bs; ++i) pages += pages_of[i] = (c.prefix[i] + c.qlen[i] + c.page - 1) / c.page;
+  KVCacheConfig cfg;
+  cfg.full_slots = (pages + 2) * c.page;
+  cfg.page_size = c.page;
+  cfg.dtype = c.act;
+  cfg.max_num_tokens = 1 << 15;
+  KVStorage host = make_host_kv_storage(model, cfg);
+  KVStorage dev = cuda::make_cuda_kv_storage(model, cfg);
+  auto* dev_cache = static_cast<cuda::CudaKVCache*>(dev.cache.get());
+  const KVLayerView hv = host.cache->layer(0);
+  fill_uniform(TensorView(hv.k, hv.dtype, {hv.num_rows * hv.k_row_stride}), rng, 2.f);
+  fill_uniform(TensorView(hv.v, hv.dtype, {hv.num_rows * hv.v_row_stride}), rng, 2.f);
+  dev_cache->copy_layer_from_host(0, hv.k, hv.v);
+
+  ReqToTokenPool pool(bs, model.max_context_len);
+  std::vector<int64_t> perm(pages);
+  std::iota(perm.begin(), perm.end(), 1);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int64_t> rows;
+  std::vector<std::vector<int64_t>> slots(bs);
+  int64_t next_page = 0;
+  for (int i = 0; i < bs; ++i) {
+    rows.push_back(pool.alloc());
+    for (int32_t j = 0; j < c.prefix[i] + c.qlen[i]; ++j)
+      slots[i].push_back(perm[next_page + j / c.page] * c.page + j % c.page);
+    next_page += pages_of[i];
+    pool.write(static_cast<int>(rows.back()), 0, slots[i]);
+  }
+
+  ForwardBatch batch;
+  if (c.mode == ForwardMode::DRAFT_EXTEND) {
+    std::vector<int32_t> seq(bs), accept(bs);
+    for (int i = 0; i < bs; ++i) {
+      seq[i] = c.prefix[i] + c.qlen[i];
+      accept[i] = c.qlen[i] - 1;
+    }
+    batch = make_draft_extend_batch(rows, seq, accept);
+  } else {
+    batch = make_extend_batch(rows, c.prefix, c.qlen, c.mode);
+  }
+  batch.out_cache_loc.clear();
+  for (int i = 0; i < bs; ++i)
+    for (int32_t t = 0; t < c.qlen[i]; ++t) batch.out_cache_loc.push_back(slots[i][c.prefix[i] + t]);
+  const int64_t T = batch.num_tokens();
+
+  HostBuffer q(c.act, {T, c.hq, c.dim}), k(c.act, {T, c.hkv, c.dim}), v(c.act, {T, c.hkv, c.dim});
+  fill_uniform(q.view(), rng, 1.f);
+  fill_uniform(k.view(), rng, 2.f);
+  fill_uniform(v.view(), rng, 2.f);
+  std::vector<float> sinks(c.hq);
+  for (float& s : sinks) s = std::uniform_real_distribution<float>(-1.f, 3.f)(rng);
+
+  auto context = [&](KVCache* cache, Device device) {
+    BackendContext x;
+    x.model = &model;
+    x.options = &options;
+    x.kv_cache = cache;
+    x.req_to_token = &pool;
+    x.device = device;
+    return x;
+  };
+
+  HostBuffer ref_out(c.act, {T, c.hq, c.dim}), ref_lse(DType::f32, {T, c.hq});
+  {
+    host.cache->begin_step(batch);
+    ReferenceBackend ref(context(host.cache.get(), Device::cpu()));
+    ref.init_forward_metadata(batch);
+    AttnArgs a;
+    a.q = q.view();
+    a.k = k.view();
+    a.v = v.view();
+    a.out = ref_out.view();
+    a.lse = ref_lse.view();
+    a.sinks = c.sinks ? sinks.data() : nullptr;
+    ref.forward(a, layer, batch);
+  }
+
+  HostBuffer out(c.act, {T, c.hq, c.dim}), lse(DType::f32, {T, c.hq});
+  std::memset(out.data(), 0xff, out.bytes());  // NaN poison: every element must be written
+  std::memset(lse.data(), 0xff, lse.bytes());
+  HostBuffer sink_buf(DType::f32, {c.hq});
+  std::memcpy(sink_buf.data(), sinks.data(), sinks.size() * sizeof(float));
+  DeviceCopy dq(q.view()), dk(k.view()), dv(v.view()), dout(out.view()), dlse(lse.view());
+  DeviceCopy dsinks(sink_buf.view());
+  dev.cache->begin_step(batch);
+  cuda::CudaBackend be(context(dev.cache.get(), Device::cuda(0)));
+  be.init_forward_metadata(batch);
+  ASSERT_EQ(be.plan().classes.size(), 1u);
+  ASSERT_EQ(be.plan().classes[0].shape, cuda::TileShape::prefill)
+      << "the case does not reach the prefill kernel";
+  AttnArgs a;
+  a.q = dq.view();
+  a.k = dk.view();
+  a.v = dv.view();
+  a.out = dout.view();
+  a.lse = dlse.view();
+  a.sinks = c.sinks ? static_cast<const float*>(dsinks.view().data) : nullptr;
+  be.forward(a, layer, batch);
+  ASSERT_EQ(cudaStreamSynchronize(be.stream()), cudaSuccess);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  dout.download(out.data());
+  dlse.download(lse.data());
+
+  double num = 0, den = 0, worst = 0, worst_lse = 0;
+  bool finite = true;
+  for (int64_t i = 0; i < T * c.hq * c.dim; ++i) {
+    const double got = load_as_float(out.data(), c.act, i);
+    const double want = load_as_float(ref_out.data(), c.act, i);
+    finite = finite && std::isfinite(got);
+    num += (got - want) * (got - want);
+    den += want * want;
+    worst = std::max(worst, std::abs(got - want));
+  }
+  for (int64_t i = 0; i < T * c.hq; ++i) {
+    const double got = lse.ptr<float>()[i];
+    finite = finite && std::isfinite(got);
+    worst_lse = std::max(worst_lse, std::abs(got - ref_lse.ptr<float>()[i]));
+  }
+  EXPECT_TRUE(finite) << "non-finite output or lse (unwritten or NaN)";
+  EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), c.act == DType::f16 ? 4e-3 : 1.2e-2)
+      << "max abs error " << worst;
+  EXPECT_LT(worst, 0.08);
+  EXPECT_LT(worst_lse, 2e-2) << "lse differs from the reference";
+}
+
+class CudaPrefillTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason;
+  }
+};
+
+// The prefill kernel walks the plan's prefill work items: its CTA must cover the same rows.
+TEST(CudaPrefillTile, MatchesThePlansPrefillTile) {
+  EXPECT_EQ(cuda::kPrefillTileRows, cuda::tile_rows(cuda::TileShape::prefill));
+}
+
+TEST_F(CudaPrefillTest, RaggedCausalExtendAcrossHeadDims) {
+  for (int dim : {64, 128, 256}) {
+    PrefillCase c;
+    c.dim = dim;
+    // Prefixes on a page boundary (0, 32, 256), one key past one (17), and mid-page (301); query
+    // runs shorter than a tile, one token, and several tiles long.
+    c.prefix = {0, 17, 256, 32, 301};
+    c.qlen = {300, 45, 1, 129, 200};
+    c.seed = static_cast<uint32_t>(dim);
+    SCOPED_TRACE(testing::Message() << "dim " << dim);
+    check_prefill(c);
+  }
+}
+
+TEST_F(CudaPrefillTest, GroupsThatSplitTokensAcrossTiles) {
+  // Group 3: a 128-row tile ends inside a token's heads; group 1 and 8: one and many heads.
+  for (auto [hq, hkv] : {std::pair{12, 4}, std::pair{4, 4}, std::pair{32, 4}}) {
+    PrefillCase c;
+    c.hq = hq;
+    c.hkv = hkv;
+    c.prefix = {48, 0, 5};
+    c.qlen = {170, 97, 64};
+    c.seed = static_cast<uint32_t>(hq * 10 + hkv);
+    SCOPED_TRACE(testing::Message() << "hq " << hq << " hkv " << hkv);
+    check_prefill(c);
+  }
+}
+
+TEST_F(CudaPrefillTest, PageSizesAndLongRuns) {
+  // Many key tiles per CTA (the K/V ring wraps many times) on pages of 1 and 64 slots.
+  for (int page : {1, 64}) {
+    PrefillCase c;
+    c.page = page;
+    c.prefix = {640, 0};
+    c.qlen = {400, 600};
+    c.seed = static_cast<uint32_t>(page + 3);
+    SCOPED_TRACE(testing::Message() << "page " << page);
+    check_prefill(c);
+  }
+}
+
+TEST_F(CudaPrefillTest, NonCausalWithAndWithoutPrefix) {
+  for (int dim : {64, 256}) {
+    PrefillCase c;
+    c.causal = false;
+    c.dim = dim;
+    c.prefix = {0, 80};
+    c.qlen = {260, 150};
+    c.seed = static_cast<uint32_t>(dim + 7);
+    SCOPED_TRACE(testing::Message() << "dim " << dim);
+    check_prefill(c);
+  }
+}
+
+TEST_F(CudaPrefillTest, WindowSoftcapAndSinks) {
+  PrefillCase c;
+  c.prefix = {500, 0, 64};
+  c.qlen = {300, 260, 150};
+  c.window = 100;
+  c.cap = 20.f;
+  c.sinks = true;
+  check_prefill(c);
+  c.window = 0;  // each query sees only itself
+  c.cap = 0.f;
+  c.seed = 2;
+  check_prefill(c);
+  c.window = 130;  // a window edge that moves inside one key tile
+  c.sinks = false;
+  c.dim = 64;
+  c.seed = 3;
+  check_prefill(c);
+}
+
+TEST_F(CudaPrefillTest, SplitKeysMergeWithLse) {
+  // Few CTAs and many keys: the plan splits the keys and the merge kernel combines the partials.
+  PrefillCase c;
+  c.prefix = {3000};
+  c.qlen = {129};
+  check_prefill(c);
+  c.causal = false;
+  c.dim = 256;
+  c.seed = 9;
+  check_prefill(c);
+}
+
+TEST_F(CudaPrefillTest, MixedAndDraftExtendSteps) {
+  PrefillCase m;
+  m.mode = ForwardMode::MIXED;
+  m.prefix = {100, 40, 41, 700};
+  m.qlen = {150, 1, 1, 1};
+  check_prefill(m);
+  PrefillCase d;
+  d.mode = ForwardMode::DRAFT_EXTEND;
+  d.hq = 32;
+  d.hkv = 4;  // 9 tokens x group 8 = 72 rows: the prefill shape
+  d.prefix = {300, 1000, 64};
+  d.qlen = {9, 4, 7};
+  d.seed = 4;
+  check_prefill(d);
+}
+
+TEST_F(CudaPrefillTest, Fp16Activations) {
+  PrefillCase c;
+  c.act = DType::f16;
+  c.prefix = {33, 0};
+  c.qlen = {220, 140};
+  for (int dim : {64, 128, 256}) {
+    c.dim = dim;
+    c.seed = static_cast<uint32_t>(dim + 11);
+    SCOPED_TRACE(testing::Message() << "dim " << dim);
+    check_prefill(c);
+  }
+}
+
+#else
+
+TEST(CudaPrefillTest, SkippedWithoutCuda) {
+  GTEST_SKIP() << "attnrt was built without CUDA: " << query_cuda().reason;
+}
+
+#endif
+
+}  // namespace
+}  // namespace attnrt
