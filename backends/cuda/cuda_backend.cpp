@@ -12,7 +12,6 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "backends/cuda/cuda_kv_cache.h"
-#include "backends/cuda/kernels/prefill.h"
 
 namespace attnrt::cuda {
 
@@ -196,37 +195,48 @@ void CudaBackend::derive_requests(const ForwardBatch& batch) {
 void CudaBackend::choose_splits(const ClassPlan& cp, int bs, int64_t cap, int32_t* splits) {
   const int bn = cp.head_dim > 128 ? 32 : 64;  // key tile of the decode and verify shapes
   const int64_t heads = num_kv_heads_max_;
-  int32_t max_len = 0;
+  uint32_t max_len = 0, min_len = UINT32_MAX;
   int64_t base = 0;
   for (int i = 0; i < bs; ++i) {
-    max_len = std::max(max_len, reqs_[i].prefix + reqs_[i].qlen);
+    const uint32_t len = static_cast<uint32_t>(reqs_[i].prefix + reqs_[i].qlen);
+    max_len = std::max(max_len, len);
+    min_len = std::min(min_len, len);
     base += tiles_[i];
   }
-  base *= heads;
   if (base == 0) return;
-  // Large batches only look at a few split counts, keeping the plan O(4 bs).
+  const bool uniform = min_len == max_len;
+  // Large batches only look at a few split counts, keeping the plan O(4 bs) (32-bit divisions;
+  // O(1) per count when every request has the same length).
   const int64_t by_len = std::max<int64_t>(1, max_len / kMinChunkDecode);
-  const int64_t s_max = std::min<int64_t>({kMaxSplits, by_len, base >= cap ? 4 : kMaxSplits});
+  const int64_t s_max =
+      std::min<int64_t>({kMaxSplits, by_len, base * heads >= cap ? 4 : kMaxSplits});
   double best_cost = 0;
-  int64_t best_chunk = 0;
+  uint32_t best_chunk = 0;
   for (int64_t s = 1; s <= s_max; ++s) {
-    const int64_t chunk = ceil_div(ceil_div(max_len, s), bn) * bn;
+    const uint32_t per_split = (max_len + static_cast<uint32_t>(s) - 1) / static_cast<uint32_t>(s);
+    const uint32_t chunk = (per_split + bn - 1) & ~static_cast<uint32_t>(bn - 1);
     if (s > 1 && chunk == best_chunk) continue;
     int64_t ctas = 0;
-    for (int i = 0; i < bs; ++i)
-      ctas += tiles_[i] * ceil_div(reqs_[i].prefix + reqs_[i].qlen, chunk);
+    if (uniform) {
+      ctas = base * ((max_len + chunk - 1) / chunk);
+    } else {
+      for (int i = 0; i < bs; ++i)
+        ctas += tiles_[i] * ((static_cast<uint32_t>(reqs_[i].prefix + reqs_[i].qlen) + chunk - 1) /
+                             chunk);
+    }
     ctas *= heads;
-    const double cost = static_cast<double>(ceil_div(ctas, cap)) *
-                            (static_cast<double>(chunk / bn) + 1.0) +
+    const double cost = static_cast<double>((ctas + cap - 1) / cap) * (chunk / bn + 1.0) +
                         (s > 1 ? 1.0 : 0.0);
     if (s == 1 || cost < best_cost) {
       best_cost = cost;
       best_chunk = chunk;
     }
   }
-  for (int i = 0; i < bs; ++i)
-    splits[i] = static_cast<int32_t>(std::clamp<int64_t>(
-        ceil_div(reqs_[i].prefix + reqs_[i].qlen, best_chunk), 1, kMaxSplits));
+  for (int i = 0; i < bs; ++i) {
+    const uint32_t len = static_cast<uint32_t>(reqs_[i].prefix + reqs_[i].qlen);
+    splits[i] = static_cast<int32_t>(
+        std::clamp<uint32_t>((len + best_chunk - 1) / best_chunk, 1, kMaxSplits));
+  }
 }
 
 void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool graph) {
@@ -319,6 +329,7 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
   plan.classes.resize(nc);
   tiles_.resize(bs);
   splits_.resize(nc * bs);
+  class_tiles_.resize(nc * bs);
   const bool deterministic = ctx_.options != nullptr && ctx_.options->deterministic;
   bool any_prefill = false;
   for (size_t c = 0; c < nc; ++c) {
@@ -328,11 +339,14 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
     cp.head_dim = class_dims_[c];
     cp.shape = choose_shape(max_qlen, cp.group);
     any_prefill = any_prefill || cp.shape == TileShape::prefill;
-    const int rows = tile_rows(cp.shape);
+    const int rows_shift = std::countr_zero(static_cast<unsigned>(tile_rows(cp.shape)));
+    const int64_t rows_mask = (int64_t{1} << rows_shift) - 1;
     int32_t* splits = splits_.data() + c * bs;
+    int32_t* tiles = class_tiles_.data() + c * bs;
     int64_t base = 0, keys = 0;
     for (int i = 0; i < bs; ++i) {
-      tiles_[i] = static_cast<int32_t>(ceil_div(int64_t{reqs_[i].qlen} * cp.group, rows));
+      tiles[i] = tiles_[i] =
+          static_cast<int32_t>((int64_t{reqs_[i].qlen} * cp.group + rows_mask) >> rows_shift);
       base += tiles_[i];
       keys += int64_t{tiles_[i]} * (reqs_[i].prefix + reqs_[i].qlen);
       splits[i] = 1;
@@ -384,7 +398,7 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
       known = std::min(row_known_[r.row], r.prefix >> plan.page_shift);
     pt_known_[i] = known;
     pt_start_[i] = static_cast<int32_t>(total_pages);
-    total_pages += ceil_div(int64_t{r.prefix} + r.qlen, page) - known;
+    total_pages += ((int64_t{r.prefix} + r.qlen + offset_mask) >> plan.page_shift) - known;
   }
 
   // Byte layout: [per class: reqs, work] [tree masks] [tree depths] [page ids]; under graphs at the
@@ -428,12 +442,12 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
     ensure(meta_, plan.bytes, "metadata");
   }
 
-  char* host = static_cast<char*>(staging_.acquire(plan.bytes, stream_));
+  char* host = static_cast<char*>(staging_.acquire(plan.bytes, stream_, capturing));
   int32_t* pt = reinterpret_cast<int32_t*>(host + plan.pt_off);
   for (int i = 0; i < bs; ++i) {
     const Request& r = reqs_[i];
     const int32_t* row = pool->row_ptr(static_cast<int>(r.row));
-    const int64_t pages = ceil_div(int64_t{r.prefix} + r.qlen, page);
+    const int64_t pages = (int64_t{r.prefix} + r.qlen + offset_mask) >> plan.page_shift;
     int32_t* dst = pt + pt_start_[i] - pt_known_[i];
     for (int64_t j = pt_known_[i]; j < pages; ++j) {
       const int32_t slot = row[j << plan.page_shift];
@@ -499,19 +513,18 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
     // Heaviest tiles first (the last query tiles of causal requests see the most keys).
     WorkItem* items = reinterpret_cast<WorkItem*>(host + cp.work_off);
     const int rows = tile_rows(cp.shape);
-    int32_t max_tiles = 0;
-    for (int i = 0; i < bs; ++i)
-      max_tiles = std::max(max_tiles, static_cast<int32_t>(ceil_div(int64_t{reqs_[i].qlen} * cp.group, rows)));
+    const int32_t* tiles = class_tiles_.data() + c * bs;
+    const int32_t max_tiles = bs > 0 ? *std::max_element(tiles, tiles + bs) : 0;
     int n = 0;
     for (int32_t k = 0; k < max_tiles; ++k) {
       for (int i = 0; i < bs; ++i) {
-        const int32_t t = static_cast<int32_t>(ceil_div(int64_t{reqs_[i].qlen} * cp.group, rows));
+        const int32_t t = tiles[i];
         if (k >= t) continue;
         for (int32_t s = 0; s < splits[i]; ++s) items[n++] = {i, (t - 1 - k) * rows, s, 0};
       }
     }
   }
-  staging_.upload(graph ? graph_meta_.data() : meta_.data(), plan.bytes, stream_);
+  staging_.upload(graph ? graph_meta_.data() : meta_.data(), plan.bytes, stream_, capturing);
   // A replayed graph always runs its kernels after its plan.
   if (graph && graph_replay_) commits_launched_ = true;
   plan.incremental = incremental;
@@ -768,11 +781,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                "one launch)",
                cls->num_items);
   const bool fp16 = args.q.dtype == DType::f16;
-  // Long query runs (EXTEND, MIXED, DRAFT_EXTEND with prefill-shaped tiles, causal or not) on
-  // 16-bit KV take the prefill kernel; decode, verify and fp8 KV take the general kernel.
-  const bool prefill = cls->shape == TileShape::prefill && !fp8 && !is_target_verify(plan_.mode);
-  ATTNRT_CUDA_CHECK(prefill ? launch_prefill(p, d, fp16, cls->num_items, stream_)
-                            : launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_));
+  ATTNRT_CUDA_CHECK(launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_));
   commits_launched_ = true;
   if (cls->max_splits > 1) {
     MergeParams mp{};

@@ -106,7 +106,7 @@ class CudaBackend final : public AttentionBackend {
   StepPlan plan_;
   // Plan scratch reused every step (no allocation once grown).
   std::vector<Request> reqs_;
-  std::vector<int32_t> tiles_, splits_, pt_start_, pt_known_;
+  std::vector<int32_t> tiles_, splits_, class_tiles_, pt_start_, pt_known_;
   std::vector<uint32_t> row_stamp_;  // duplicate-row check: row_stamp_[row] == stamp_ seen
   uint32_t stamp_ = 0;
   // Incremental page tables: per pool row, the committed page ids on the device, and which pool

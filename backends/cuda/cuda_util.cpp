@@ -44,19 +44,34 @@ void PinnedBuffer::reserve(size_t bytes) {
 }
 
 StagingRing::~StagingRing() {
-  for (Slot& s : slots_) {
-    if (s.done != nullptr) cudaEventDestroy(s.done);
+  for (Mark& m : marks_) {
+    if (m.event != nullptr) cudaEventDestroy(m.event);
   }
 }
 
-void* StagingRing::acquire(size_t bytes, cudaStream_t stream) {
+void StagingRing::wait_copy(uint64_t seq, cudaStream_t stream) {
+  if (seq <= completed_) return;
+  // The oldest mark at or after `seq`; without one (copies since the last mark), mark now.
+  Mark* best = nullptr;
+  for (Mark& m : marks_) {
+    if (m.event != nullptr && m.seq >= seq && (best == nullptr || m.seq < best->seq)) best = &m;
+  }
+  if (best == nullptr) {
+    best = &marks_[next_mark_];
+    next_mark_ = (next_mark_ + 1) % static_cast<int>(marks_.size());
+    if (best->event == nullptr)
+      ATTNRT_CUDA_CHECK(cudaEventCreateWithFlags(&best->event, cudaEventDisableTiming));
+    ATTNRT_CUDA_CHECK(cudaEventRecord(best->event, stream));
+    best->seq = copies_;
+  }
+  ATTNRT_CUDA_CHECK(cudaEventSynchronize(best->event));
+  completed_ = std::max(completed_, best->seq);
+}
+
+void* StagingRing::acquire(size_t bytes, cudaStream_t stream, bool capturing) {
   current_ = (current_ + 1) % kSlots;
   Slot& s = slots_[current_];
-  const bool capturing = stream_is_capturing(stream);
-  if (s.pending && !capturing) {
-    ATTNRT_CUDA_CHECK(cudaEventSynchronize(s.done));
-    s.pending = false;
-  }
+  if (s.copy_seq != 0 && !capturing) wait_copy(s.copy_seq, stream);
   if (s.buf.bytes() < bytes) {
     // Pinned allocation is forbidden while a stream captures, so every slot grows together, on
     // the first eager step of a size: a captured step of the same size then finds room in any.
@@ -69,15 +84,21 @@ void* StagingRing::acquire(size_t bytes, cudaStream_t stream) {
   return s.buf.data();
 }
 
-void StagingRing::upload(void* device_dst, size_t bytes, cudaStream_t stream) {
+void StagingRing::upload(void* device_dst, size_t bytes, cudaStream_t stream, bool capturing) {
   Slot& s = slots_[current_];
   if (bytes == 0) return;
   ATTNRT_CUDA_CHECK(
       cudaMemcpyAsync(device_dst, s.buf.data(), bytes, cudaMemcpyHostToDevice, stream));
-  if (stream_is_capturing(stream)) return;
-  if (s.done == nullptr) ATTNRT_CUDA_CHECK(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming));
-  ATTNRT_CUDA_CHECK(cudaEventRecord(s.done, stream));
-  s.pending = true;
+  if (capturing) return;
+  s.copy_seq = ++copies_;
+  if (copies_ % kGroup == 0) {
+    Mark& m = marks_[next_mark_];
+    next_mark_ = (next_mark_ + 1) % static_cast<int>(marks_.size());
+    if (m.event == nullptr)
+      ATTNRT_CUDA_CHECK(cudaEventCreateWithFlags(&m.event, cudaEventDisableTiming));
+    ATTNRT_CUDA_CHECK(cudaEventRecord(m.event, stream));
+    m.seq = copies_;
+  }
 }
 
 bool stream_is_capturing(cudaStream_t stream) {

@@ -77,33 +77,51 @@ class PinnedBuffer {
   std::vector<void*> retired_;
 };
 
+bool stream_is_capturing(cudaStream_t stream);
+
 // A ring of pinned staging buffers. A step's metadata is written into the next buffer and copied
-// to the device with one cudaMemcpyAsync; the buffer is reused only after the event recorded
-// behind that copy has completed, which in practice never waits (the GPU would have to be a full
-// ring of steps behind the host).
+// to the device with one cudaMemcpyAsync. A buffer is reused only once the copy that last read it
+// has run; an event recorded behind every kGroup-th copy (not every copy: a record costs about as
+// much host time as the rest of a small plan) vouches for the copies before it, and in practice
+// it has long completed when a buffer comes round again (the GPU would have to be a full ring of
+// steps behind the host).
 class StagingRing {
  public:
   static constexpr int kSlots = 8;
+  static constexpr int kGroup = 4;
   StagingRing() = default;
   ~StagingRing();
   StagingRing(const StagingRing&) = delete;
   StagingRing& operator=(const StagingRing&) = delete;
-  // A host buffer of at least `bytes` that no pending copy reads.
-  void* acquire(size_t bytes, cudaStream_t stream);
-  // Enqueues the copy of the acquired buffer's first `bytes` to `device_dst` and marks the buffer
-  // busy until the copy has run.
-  void upload(void* device_dst, size_t bytes, cudaStream_t stream);
+  // A host buffer of at least `bytes` that no pending copy reads. `capturing`: the stream is
+  // capturing a graph (no allocation, no waiting).
+  void* acquire(size_t bytes, cudaStream_t stream, bool capturing);
+  void* acquire(size_t bytes, cudaStream_t stream) {
+    return acquire(bytes, stream, stream_is_capturing(stream));
+  }
+  // Enqueues the copy of the acquired buffer's first `bytes` to `device_dst`.
+  void upload(void* device_dst, size_t bytes, cudaStream_t stream, bool capturing);
+  void upload(void* device_dst, size_t bytes, cudaStream_t stream) {
+    upload(device_dst, bytes, stream, stream_is_capturing(stream));
+  }
 
  private:
   struct Slot {
     PinnedBuffer buf;
-    cudaEvent_t done = nullptr;
-    bool pending = false;
+    uint64_t copy_seq = 0;  // sequence number of the last eager copy that read it (0 = none)
   };
+  struct Mark {
+    cudaEvent_t event = nullptr;
+    uint64_t seq = 0;  // every eager copy up to this one precedes the event
+  };
+  // Waits (rarely: the copies are long done) until eager copy `seq` has run.
+  void wait_copy(uint64_t seq, cudaStream_t stream);
   std::array<Slot, kSlots> slots_{};
+  std::array<Mark, kSlots / kGroup + 1> marks_{};
+  int next_mark_ = 0;
+  uint64_t copies_ = 0;     // eager copies enqueued
+  uint64_t completed_ = 0;  // eager copies known to have run
   int current_ = -1;
 };
-
-bool stream_is_capturing(cudaStream_t stream);
 
 }  // namespace attnrt::cuda
