@@ -239,12 +239,17 @@ Row run_workload(const Workload& w, const Ceil& ceil, std::mt19937& rng, double*
   a.q = TensorView(q, DType::bf16, {T, 32, w.dim}, Device::cuda(0));
   a.out = TensorView(o, DType::bf16, {T, 32, w.dim}, Device::cuda(0));
   a.save_kv = false;
-  // Plan host time: median of 50 plans (wall clock; the plan never waits for the GPU).
+  // Plan host time: median of 50 steps (wall clock around the plan only; the plan never waits for
+  // the GPU). Each plan is followed by its forward, as in serving: the plan keeps the committed
+  // pages of every row on the device once a step's kernels ran, so steady-state steps upload only
+  // what changed. The GPU is drained outside the timed region.
   std::vector<double> pt;
   for (int i = 0; i < 50; ++i) {
     const auto t0 = std::chrono::steady_clock::now();
     be.init_forward_metadata(s->batch);
     pt.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    be.forward(a, l, s->batch);
+    CK(cudaStreamSynchronize(be.stream()));
   }
   if (plan_us) *plan_us = stats(pt).median * 1e6;
   const Stats st = time_events(be.stream(), 20, [&] { be.forward(a, l, s->batch); });
