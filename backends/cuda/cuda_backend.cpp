@@ -12,6 +12,7 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "backends/cuda/cuda_kv_cache.h"
+#include "backends/cuda/kernels/prefill.h"
 
 namespace attnrt::cuda {
 
@@ -781,7 +782,11 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                "one launch)",
                cls->num_items);
   const bool fp16 = args.q.dtype == DType::f16;
-  ATTNRT_CUDA_CHECK(launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_));
+  // Long query runs (EXTEND, MIXED, DRAFT_EXTEND with prefill-shaped tiles, causal or not) on
+  // 16-bit KV take the prefill kernel; decode, verify and fp8 KV take the general kernel.
+  const bool prefill = cls->shape == TileShape::prefill && !fp8 && !is_target_verify(plan_.mode);
+  ATTNRT_CUDA_CHECK(prefill ? launch_prefill(p, d, fp16, cls->num_items, stream_)
+                            : launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_));
   commits_launched_ = true;
   if (cls->max_splits > 1) {
     MergeParams mp{};
