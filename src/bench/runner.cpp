@@ -419,7 +419,11 @@ std::string auto_bench_backend(std::string* reason) {
   Options options;
   options.page_size = w.page_size;
   Selection selection = resolve_backends(options, bench_model(w));
-  if (reason != nullptr && !selection.reasons.empty()) *reason = selection.reasons.front();
+  if (reason != nullptr) {
+    for (const std::string& r : selection.reasons) {
+      if (r.rfind("decode", 0) == 0 || reason->empty()) *reason = r;
+    }
+  }
   return selection.decode;
 }
 
