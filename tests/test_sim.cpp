@@ -1,7 +1,7 @@
-// The serving simulation behind `attnrt run`: trace parsing, the scheduler's invariants on the built-in
-// trace and on random traces (checked step by step against the pools), speculative verify / draft
-// extend bookkeeping including the K/V moves of accepted tree paths, and whole runs of the step driver
-// against the reference backend.
+// The serving simulation behind `attnrt run`: trace parsing, the scheduler's invariants on the
+// built-in trace and on random traces (checked step by step against the pools), speculative verify
+// / draft extend bookkeeping including the K/V moves of accepted tree paths, and whole runs of the
+// step driver against the reference backend.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -99,8 +99,9 @@ TEST(SimTrace, MalformedLinesNameLineAndField) {
                {"line 1", "'prompt_len'", "integer"});
   expect_error([&] { parse_trace("{\"prompt_len\": 0, \"output_len\": 2}", "x"); },
                {"line 1", "'prompt_len' = 0", "[1,"});
-  expect_error([&] { parse_trace("{\"prompt_len\": 4, \"output_len\": 2, \"arrival_step\": -1}", "x"); },
-               {"'arrival_step' = -1", "[0,"});
+  expect_error(
+      [&] { parse_trace("{\"prompt_len\": 4, \"output_len\": 2, \"arrival_step\": -1}", "x"); },
+      {"'arrival_step' = -1", "[0,"});
   expect_error([&] { parse_trace("{\"prompt_len\": 4, \"output_len\": 2, \"promt\": 1}", "x"); },
                {"line 1", "unknown field 'promt'", "prompt_len"});
   expect_error([&] { parse_trace("[1, 2]", "x"); }, {"line 1", "JSON object"});
@@ -108,33 +109,39 @@ TEST(SimTrace, MalformedLinesNameLineAndField) {
                {"'id'", "string"});
   expect_error(
       [&] {
-        parse_trace("{\"prompt_len\": 4, \"output_len\": 2, \"shared_prefix\": \"s\", "
-                    "\"shared_prefix_len\": 4}",
-                    "x");
+        parse_trace(
+            "{\"prompt_len\": 4, \"output_len\": 2, \"shared_prefix\": \"s\", "
+            "\"shared_prefix_len\": 4}",
+            "x");
       },
       {"'shared_prefix_len' = 4", "smaller than prompt_len = 4"});
-  expect_error([&] { parse_trace("{\"prompt_len\": 4, \"output_len\": 2, \"shared_prefix_len\": 2}", "x"); },
-               {"'shared_prefix_len'", "without 'shared_prefix'"});
-  expect_error([&] { parse_trace("{\"prompt_len\": 4, \"output_len\": 2, \"shared_prefix\": \"s\"}", "x"); },
-               {"'shared_prefix_len'", "missing"});
+  expect_error(
+      [&] { parse_trace("{\"prompt_len\": 4, \"output_len\": 2, \"shared_prefix_len\": 2}", "x"); },
+      {"'shared_prefix_len'", "without 'shared_prefix'"});
+  expect_error(
+      [&] { parse_trace("{\"prompt_len\": 4, \"output_len\": 2, \"shared_prefix\": \"s\"}", "x"); },
+      {"'shared_prefix_len'", "missing"});
   expect_error(
       [&] {
-        parse_trace("{\"id\": \"a\", \"prompt_len\": 4, \"output_len\": 2}\n"
-                    "{\"id\": \"a\", \"prompt_len\": 4, \"output_len\": 2}",
-                    "x");
+        parse_trace(
+            "{\"id\": \"a\", \"prompt_len\": 4, \"output_len\": 2}\n"
+            "{\"id\": \"a\", \"prompt_len\": 4, \"output_len\": 2}",
+            "x");
       },
       {"line 2", "\"a\"", "already used on line 1"});
   expect_error(
       [&] {
-        parse_trace("{\"prompt_len\": 40, \"output_len\": 2, \"shared_prefix\": \"s\", "
-                    "\"shared_prefix_len\": 16}\n"
-                    "{\"prompt_len\": 40, \"output_len\": 2, \"shared_prefix\": \"s\", "
-                    "\"shared_prefix_len\": 32}",
-                    "x");
+        parse_trace(
+            "{\"prompt_len\": 40, \"output_len\": 2, \"shared_prefix\": \"s\", "
+            "\"shared_prefix_len\": 16}\n"
+            "{\"prompt_len\": 40, \"output_len\": 2, \"shared_prefix\": \"s\", "
+            "\"shared_prefix_len\": 32}",
+            "x");
       },
       {"line 2", "= 32", "line 1 gives it 16"});
   expect_error([&] { parse_trace("\n  \n", "empty.jsonl"); }, {"empty.jsonl", "no requests"});
-  expect_error([&] { load_trace("/nonexistent/trace.jsonl"); }, {"/nonexistent/trace.jsonl", "cannot open"});
+  expect_error([&] { load_trace("/nonexistent/trace.jsonl"); },
+               {"/nonexistent/trace.jsonl", "cannot open"});
 }
 
 TEST(SimTrace, BuiltinTraceIsDeterministicAndMixed) {
@@ -156,9 +163,9 @@ TEST(SimTrace, BuiltinTraceIsDeterministicAndMixed) {
   }
   EXPECT_EQ(prefixes.size(), 2u);
   EXPECT_GE(with_prefix, 8);
-  EXPECT_GT(arrivals.size(), 10u);                     // staggered
-  EXPECT_GT(*arrivals.begin(), 0);                      // the engine starts idle
-  EXPECT_GT(longest, 256);                              // chunked at the default budget
+  EXPECT_GT(arrivals.size(), 10u);  // staggered
+  EXPECT_GT(*arrivals.begin(), 0);  // the engine starts idle
+  EXPECT_GT(longest, 256);          // chunked at the default budget
   EXPECT_LT(shortest, 64);
 }
 
@@ -168,7 +175,8 @@ TEST(SimTrace, BuiltinTraceIsDeterministicAndMixed) {
 struct Pools {
   ReqToTokenPool rows;
   PagedTokenAllocator alloc;
-  Pools(int max_requests, int ctx, int64_t slots, int page) : rows(max_requests, ctx), alloc(slots, page) {}
+  Pools(int max_requests, int ctx, int64_t slots, int page)
+      : rows(max_requests, ctx), alloc(slots, page) {}
   KvSpace space() { return KvSpace{&rows, &alloc, nullptr, {}}; }
 };
 
@@ -213,7 +221,8 @@ void drive_into(Scheduler& s, Pools& target, Pools* draft, int max_running, Obse
       ++running;
       const int len = is_draft ? r.draft_kv_len : r.kv_len;
       for (int pos = 0; pos < len; ++pos) live.insert(pools.rows.get(row, pos));
-      for (int pos = 0; pos < r.cached_prefix_len; ++pos) prefix_slots[is_draft].insert(pools.rows.get(row, pos));
+      for (int pos = 0; pos < r.cached_prefix_len; ++pos)
+        prefix_slots[is_draft].insert(pools.rows.get(row, pos));
     }
     ob.max_running = std::max(ob.max_running, running);
     EXPECT_LE(running, max_running);
@@ -229,8 +238,10 @@ void drive_into(Scheduler& s, Pools& target, Pools* draft, int max_running, Obse
         const int pos = layout.prefix_lens[i] + t;
         EXPECT_EQ(pools.rows.get(static_cast<int>(b.req_pool_indices[i]), pos), slot);
         EXPECT_EQ(slot % P, pos % P) << "page invariant, step " << step.index;
-        EXPECT_EQ(live.count(slot), 0u) << "slot " << slot << " handed out while live, step " << step.index;
-        EXPECT_TRUE(fresh.insert(slot).second) << "slot " << slot << " twice in step " << step.index;
+        EXPECT_EQ(live.count(slot), 0u)
+            << "slot " << slot << " handed out while live, step " << step.index;
+        EXPECT_TRUE(fresh.insert(slot).second)
+            << "slot " << slot << " twice in step " << step.index;
       }
       if (!is_draft && is_extend_without_speculative(b.mode) && r.phase == Phase::prefill) {
         if (layout.prefix_lens[i] > 0 && layout.prefix_lens[i] == r.cached_prefix_len) {
@@ -279,7 +290,8 @@ void drive_into(Scheduler& s, Pools& target, Pools* draft, int max_running, Obse
         ASSERT_EQ(path.size(), static_cast<size_t>(a + 1));
         EXPECT_EQ(path[0], 0);
         for (size_t j = 1; j < path.size(); ++j) {
-          EXPECT_EQ(spec->parents[i * N + path[j]], path[j - 1]) << "accepted path is not a tree path";
+          EXPECT_EQ(spec->parents[i * N + path[j]], path[j - 1])
+              << "accepted path is not a tree path";
         }
         accepted_of[reqs[i]] = a;
         if (r.phase != Phase::finished) expect_draft_extend = true;
@@ -334,7 +346,8 @@ TEST_P(SimSchedulerBuiltin, EveryRequestCompletesEveryModeOccursNoLeak) {
   Scheduler s(builtin_trace(), cfg, pools.space());
   const Observed ob = drive(s, pools, nullptr, cfg.max_running_requests);
   expect_all_finished(s);
-  for (ForwardMode m : {ForwardMode::EXTEND, ForwardMode::DECODE, ForwardMode::MIXED, ForwardMode::IDLE}) {
+  for (ForwardMode m :
+       {ForwardMode::EXTEND, ForwardMode::DECODE, ForwardMode::MIXED, ForwardMode::IDLE}) {
     EXPECT_GT(ob.target_modes.count(m), 0u) << forward_mode_name(m);
   }
   EXPECT_GT(ob.continuation_chunks, 0);   // chunked prefill continues with a cached prefix
@@ -376,8 +389,8 @@ Trace random_trace(std::mt19937& rng, int n) {
       p = std::max(p, len + 1);
       extra = fmt::format(", \"shared_prefix\": \"p{}\", \"shared_prefix_len\": {}", k, len);
     }
-    text += fmt::format("{{\"arrival_step\": {}, \"prompt_len\": {}, \"output_len\": {}{}}}\n", arrival,
-                        p, output(rng), extra);
+    text += fmt::format("{{\"arrival_step\": {}, \"prompt_len\": {}, \"output_len\": {}{}}}\n",
+                        arrival, p, output(rng), extra);
   }
   return parse_trace(text, "random");
 }
@@ -408,9 +421,11 @@ TEST(SimScheduler, RejectsRequestsThatCanNeverFit) {
   expect_error([&] { Scheduler(t, cfg, pools.space()); },
                {"'big'", "needs up to 109 KV slots", "has 100", "--max-total-tokens"});
   Pools narrow(4, 64, 1000, 1);
-  expect_error([&] { Scheduler(t, cfg, narrow.space()); }, {"'big'", "109 tokens", "context of 64"});
+  expect_error([&] { Scheduler(t, cfg, narrow.space()); },
+               {"'big'", "109 tokens", "context of 64"});
   cfg.page_size = 4;
-  expect_error([&] { Scheduler(t, cfg, narrow.space()); }, {"page size 4", "allocator's page size 1"});
+  expect_error([&] { Scheduler(t, cfg, narrow.space()); },
+               {"page size 4", "allocator's page size 1"});
 }
 
 TEST(SimScheduler, IdleUntilTheFirstArrival) {
@@ -423,8 +438,9 @@ TEST(SimScheduler, IdleUntilTheFirstArrival) {
     modes.push_back(s.next().batch.mode);
     s.complete();
   }
-  EXPECT_EQ(modes, (std::vector<ForwardMode>{ForwardMode::IDLE, ForwardMode::IDLE, ForwardMode::IDLE,
-                                             ForwardMode::EXTEND, ForwardMode::DECODE}));
+  EXPECT_EQ(modes,
+            (std::vector<ForwardMode>{ForwardMode::IDLE, ForwardMode::IDLE, ForwardMode::IDLE,
+                                      ForwardMode::EXTEND, ForwardMode::DECODE}));
   expect_error([&] { s.next(); }, {"after every request finished"});
 }
 
@@ -469,8 +485,8 @@ INSTANTIATE_TEST_SUITE_P(ChainsAndTrees, SimSpec,
                          ::testing::Values(SpecCase{3, 1, 4, 1}, SpecCase{3, 1, 4, 16},
                                            SpecCase{3, 2, 6, 1}, SpecCase{4, 3, 8, 4}));
 
-// With a real host KV cache, the rows of an accepted tree path end at consecutive positions: position
-// seq_len + j holds what block token path[j] stored.
+// With a real host KV cache, the rows of an accepted tree path end at consecutive positions:
+// position seq_len + j holds what block token path[j] stored.
 TEST(SimSpec, AcceptedTreePathRowsAreMovedToConsecutivePositions) {
   ModelSpec model;
   model.name = "one-layer";
@@ -497,11 +513,13 @@ TEST(SimSpec, AcceptedTreePathRowsAreMovedToConsecutivePositions) {
   cfg.spec.topk = 3;
   cfg.spec.num_draft_tokens = 7;
   cfg.spec.accept_prob = 0.9;
-  Scheduler s(parse_trace("{\"prompt_len\": 13, \"output_len\": 40}\n{\"prompt_len\": 6, \"output_len\": 30}\n"
-                          "{\"arrival_step\": 2, \"prompt_len\": 21, \"output_len\": 35}",
-                          "x"),
-              cfg, KvSpace{&rows, storage.allocator.get(), storage.cache.get(), {0}},
-              KvSpace{&draft_rows, draft_storage.allocator.get(), draft_storage.cache.get(), {0}});
+  Scheduler s(
+      parse_trace(
+          "{\"prompt_len\": 13, \"output_len\": 40}\n{\"prompt_len\": 6, \"output_len\": 30}\n"
+          "{\"arrival_step\": 2, \"prompt_len\": 21, \"output_len\": 35}",
+          "x"),
+      cfg, KvSpace{&rows, storage.allocator.get(), storage.cache.get(), {0}},
+      KvSpace{&draft_rows, draft_storage.allocator.get(), draft_storage.cache.get(), {0}});
   const KVLayerView view = storage.cache->layer(0);
   std::mt19937 rng(3);
   std::uniform_real_distribution<float> val(-1.f, 1.f);
@@ -587,9 +605,11 @@ namespace {
 Trace small_trace() {
   return parse_trace(
       "{\"id\": \"a\", \"arrival_step\": 1, \"prompt_len\": 40, \"output_len\": 6}\n"
-      "{\"id\": \"b\", \"arrival_step\": 1, \"prompt_len\": 70, \"output_len\": 9, \"shared_prefix\": "
+      "{\"id\": \"b\", \"arrival_step\": 1, \"prompt_len\": 70, \"output_len\": 9, "
+      "\"shared_prefix\": "
       "\"sys\", \"shared_prefix_len\": 32}\n"
-      "{\"id\": \"c\", \"arrival_step\": 3, \"prompt_len\": 50, \"output_len\": 4, \"shared_prefix\": "
+      "{\"id\": \"c\", \"arrival_step\": 3, \"prompt_len\": 50, \"output_len\": 4, "
+      "\"shared_prefix\": "
       "\"sys\", \"shared_prefix_len\": 32}\n"
       "{\"id\": \"d\", \"arrival_step\": 9, \"prompt_len\": 12, \"output_len\": 7}\n",
       "small");
@@ -618,17 +638,19 @@ TEST(SimDriver, RunsEveryModeOnReferenceWithoutErrorOrLeak) {
   const Trace trace = small_trace();
   int progress_calls = 0;
   int64_t last_done = 0;
-  const RunReport r = run_trace(model_preset("demo"), o, trace, small_config(), [&](const Progress& p) {
-    ++progress_calls;
-    EXPECT_EQ(p.steps_done, last_done + 1);
-    EXPECT_GE(p.steps_estimate, p.steps_done);
-    last_done = p.steps_done;
-  });
+  const RunReport r =
+      run_trace(model_preset("demo"), o, trace, small_config(), [&](const Progress& p) {
+        ++progress_calls;
+        EXPECT_EQ(p.steps_done, last_done + 1);
+        EXPECT_GE(p.steps_estimate, p.steps_done);
+        last_done = p.steps_done;
+      });
   EXPECT_TRUE(r.ok()) << format_report(r);
   EXPECT_EQ(r.failure_count, 0);
   EXPECT_TRUE(r.target_pool.ok) << r.target_pool.detail;
   EXPECT_FALSE(r.draft_pool.has_value());
-  for (ForwardMode m : {ForwardMode::EXTEND, ForwardMode::DECODE, ForwardMode::MIXED, ForwardMode::IDLE}) {
+  for (ForwardMode m :
+       {ForwardMode::EXTEND, ForwardMode::DECODE, ForwardMode::MIXED, ForwardMode::IDLE}) {
     const ModeStats* s = find_mode(r, ModelRole::target, m);
     ASSERT_NE(s, nullptr) << forward_mode_name(m);
     EXPECT_EQ(s->backend, "reference");
@@ -649,7 +671,8 @@ TEST(SimDriver, RunsEveryModeOnReferenceWithoutErrorOrLeak) {
   EXPECT_EQ(j["total"]["tokens"].get<int64_t>(), total.tokens);
   EXPECT_TRUE(j["pool_check"]["target"]["ok"].get<bool>());
   const std::string text = format_report(r);
-  for (const char* part : {"EXTEND", "DECODE", "MIXED", "IDLE", "total", "pool check (target): ok"}) {
+  for (const char* part :
+       {"EXTEND", "DECODE", "MIXED", "IDLE", "total", "pool check (target): ok"}) {
     EXPECT_NE(text.find(part), std::string::npos) << part << " missing from\n" << text;
   }
 }
@@ -676,7 +699,8 @@ TEST(SimDriver, SpeculativeChainAndTreeRunVerifyAndDraftExtend) {
     EXPECT_EQ(find_mode(r, ModelRole::target, ForwardMode::DECODE), nullptr);
     EXPECT_GT(r.verify_rounds, 0);
     EXPECT_GT(r.accepted_drafts, 0);
-    // Each request-round keeps its accepted drafts and the bonus token: all outputs after the first.
+    // Each request-round keeps its accepted drafts and the bonus token: all outputs after the
+    // first.
     const Trace t = small_trace();
     EXPECT_EQ(r.verify_rounds + r.accepted_drafts, t.total_output_tokens() - 4);
   }
@@ -690,7 +714,8 @@ TEST(SimDriver, RejectsWhatItCannotRun) {
   expect_error([&] { run_trace(linear, o, small_trace(), small_config()); }, {"layer 1", "gdn"});
   RunConfig rc = small_config();
   rc.check_every = -1;
-  expect_error([&] { run_trace(model_preset("demo"), o, small_trace(), rc); }, {"--check-every = -1"});
+  expect_error([&] { run_trace(model_preset("demo"), o, small_trace(), rc); },
+               {"--check-every = -1"});
   rc = small_config();
   rc.max_total_tokens = 64;
   expect_error([&] { run_trace(model_preset("demo"), o, small_trace(), rc); }, {"'b'", "KV slots"});
@@ -708,6 +733,53 @@ TEST(SimDriver, DraftModelIsTheFirstKvLayer) {
   EXPECT_EQ(d.layers[0].num_q_heads, demo.layers[0].num_q_heads);
   EXPECT_EQ(d.dtype, demo.dtype);
   EXPECT_NO_THROW(d.validate());
+}
+
+}  // namespace
+}  // namespace attnrt::sim
+
+namespace attnrt::sim {
+namespace {
+
+// A KV cache in memory the host cannot write: the scheduler must not touch its rows.
+class DeviceOnlyCache final : public KVCache {
+ public:
+  KVLayerView layer(int layer_id) const override {
+    ADD_FAILURE() << "the scheduler read layer " << layer_id << " of a device KV cache";
+    return {};
+  }
+  void begin_step(const ForwardBatch&) override {}
+  void store_step_kv(int, const TensorView&, const TensorView&) override {}
+  Device device() const override { return Device::cuda(0); }
+  DType dtype() const override { return DType::bf16; }
+  int page_size() const override { return 1; }
+};
+
+TEST(SimSpec, DevicePoolsCompactTreePathsByRemappingSlots) {
+  SchedulerConfig cfg;
+  cfg.spec.num_steps = 3;
+  cfg.spec.topk = 3;
+  cfg.spec.num_draft_tokens = 7;
+  cfg.spec.accept_prob = 0.9;
+  DeviceOnlyCache cache;
+  Pools target(16, 4096, 8192, 1), draft(16, 4096, 8192, 1);
+  KvSpace space = target.space();
+  space.kv_cache = &cache;
+  space.kv_layers = {0};
+  Scheduler s(builtin_trace(), cfg, space, draft.space());
+  const Observed ob = drive(s, target, &draft, cfg.max_running_requests);
+  expect_all_finished(s);
+  EXPECT_GT(ob.verify_rounds, 0);
+  expect_pools_clean(s, ModelRole::target);
+  expect_pools_clean(s, ModelRole::draft);
+
+  // With pages of several tokens the rows would have to move inside device memory.
+  cfg.page_size = 4;
+  Pools paged(16, 4096, 8192, 4), paged_draft(16, 4096, 8192, 4);
+  KvSpace paged_space = paged.space();
+  paged_space.kv_cache = &cache;
+  expect_error([&] { Scheduler(builtin_trace(), cfg, paged_space, paged_draft.space()); },
+               {"--speculative-eagle-topk 3", "--page-size 4", "cuda", "--page-size 1"});
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include "attnrt/core/error.h"
 #include "attnrt/io/case_file.h"
 #include "attnrt/runtime/attention_runtime.h"
+#include "attnrt/testing/conformance.h"
 
 namespace attnrt::sim {
 
@@ -28,8 +29,8 @@ double seconds_since(Clock::time_point t0) {
 
 constexpr int kMaxFailuresPerMode = 3;
 
-// xoshiro256+: the q/k/v of every layer of every step are fresh random numbers, and there are many of
-// them; a small fast generator keeps data generation well below the attention cost.
+// xoshiro256+: the q/k/v of every layer of every step are fresh random numbers, and there are many
+// of them; a small fast generator keeps data generation well below the attention cost.
 class FastRng {
  public:
   explicit FastRng(uint64_t seed) {
@@ -80,18 +81,23 @@ void fill_random(const TensorView& t, FastRng& rng, float scale) {
       break;
     }
     default:
-      fail("attnrt run: activations of dtype {} are not supported; use a model with fp32, fp16 or bf16 "
-           "activations", dtype_name(t.dtype));
+      fail(
+          "attnrt run: activations of dtype {} are not supported; use a model with fp32, fp16 or "
+          "bf16 "
+          "activations",
+          dtype_name(t.dtype));
   }
 }
 
 void poison(const TensorView& t) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, static_cast<size_t>(i), nan);
+  for (int64_t i = 0; i < t.numel(); ++i)
+    store_from_float(t.data, t.dtype, static_cast<size_t>(i), nan);
 }
 
 std::string_view served_by(AttentionRuntime& rt, ForwardMode mode) {
-  if (auto* hybrid = dynamic_cast<HybridAttnBackend*>(&rt.backend())) return hybrid->select(mode).name();
+  if (auto* hybrid = dynamic_cast<HybridAttnBackend*>(&rt.backend()))
+    return hybrid->select(mode).name();
   return rt.backend().name();
 }
 
@@ -158,7 +164,8 @@ Comparison compare(const TensorView& got, const TensorView& expected, const Tole
     const double allowed = tol.atol + tol.rtol * std::abs(r);
     // NaN (an unwritten, poisoned element) fails every comparison.
     const bool ok = d <= allowed;
-    const double excess = ok ? 0 : (std::isnan(d) ? std::numeric_limits<double>::infinity() : d - allowed);
+    const double excess =
+        ok ? 0 : (std::isnan(d) ? std::numeric_limits<double>::infinity() : d - allowed);
     if (!std::isnan(d)) {
       c.max_abs = std::max(c.max_abs, d);
       c.max_rel = std::max(c.max_rel, d / std::max(std::abs(r), tol.atol));
@@ -188,7 +195,8 @@ int64_t first_nan(const TensorView& t) {
   return -1;
 }
 
-// The layer --dump-step writes: the first full-attention layer, else the first layer with a KV cache.
+// The layer --dump-step writes: the first full-attention layer, else the first layer with a KV
+// cache.
 int dump_layer(const ModelSpec& m) {
   for (const LayerSpec& l : m.layers) {
     if (l.kind == LayerKind::full && l.sliding_window < 0) return l.layer_id;
@@ -207,16 +215,12 @@ std::string fmt_err(double e) {
 }  // namespace
 
 Tolerance output_tolerance(DType out_dtype) {
-  switch (out_dtype) {
-    case DType::f32:
-      return {1e-4, 1e-4};
-    case DType::f16:
-      return {5e-3, 5e-3};
-    case DType::bf16:
-      return {2e-2, 2e-2};
-    default:
-      fail("no output tolerance for dtype {}; outputs are fp32, fp16 or bf16", dtype_name(out_dtype));
-  }
+  ATTNRT_CHECK(is_float(out_dtype) && !is_fp8(out_dtype),
+               "no output tolerance for dtype {}; outputs are fp32, fp16 or bf16",
+               dtype_name(out_dtype));
+  // The same bounds as the conformance suite, so that `run` and `check` agree on what passes.
+  const conformance::Tolerance t = conformance::tolerance_for(out_dtype);
+  return {t.abs, t.rel};
 }
 
 ModeStats RunReport::totals() const {
@@ -234,15 +238,17 @@ ModeStats RunReport::totals() const {
 }
 
 bool RunReport::ok() const {
-  return failure_count == 0 && target_pool.ok && (!draft_pool || draft_pool->ok) && dump_error.empty();
+  return failure_count == 0 && target_pool.ok && (!draft_pool || draft_pool->ok) &&
+         dump_error.empty();
 }
 
 Options complete_spec_options(Options o) {
   if (o.speculative_num_steps <= 0) {
-    ATTNRT_CHECK(o.speculative_eagle_topk == 0 && o.speculative_num_draft_tokens == 0,
-                 "--speculative-eagle-topk / --speculative-num-draft-tokens are given without "
-                 "--speculative-num-steps; set --speculative-num-steps K to turn speculative decoding "
-                 "on");
+    ATTNRT_CHECK(
+        o.speculative_eagle_topk == 0 && o.speculative_num_draft_tokens == 0,
+        "--speculative-eagle-topk / --speculative-num-draft-tokens are given without "
+        "--speculative-num-steps; set --speculative-num-steps K to turn speculative decoding "
+        "on");
     return o;
   }
   if (o.speculative_eagle_topk == 0) o.speculative_eagle_topk = 1;
@@ -277,11 +283,12 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
                     const RunConfig& config, const ProgressFn& progress) {
   const Clock::time_point wall0 = Clock::now();
   for (const LayerSpec& l : model.layers) {
-    ATTNRT_CHECK(!is_linear_kind(l.kind),
-                 "attnrt run drives attention layers with a KV cache; layer {} of model '{}' is a {} "
-                 "layer (linear-attention backends are not available yet); pick a model without "
-                 "linear layers",
-                 l.layer_id, model.name, layer_kind_name(l.kind));
+    ATTNRT_CHECK(
+        !is_linear_kind(l.kind),
+        "attnrt run drives attention layers with a KV cache; layer {} of model '{}' is a {} "
+        "layer (linear-attention backends are not available yet); pick a model without "
+        "linear layers",
+        l.layer_id, model.name, layer_kind_name(l.kind));
   }
   ATTNRT_CHECK(config.check_every >= 0, "--check-every = {}; must be >= 0 (0 = no checking)",
                config.check_every);
@@ -306,7 +313,8 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
 
   Engine target = make_engine(model, options, rc, max_tokens, context);
   std::optional<Engine> draft;
-  if (sc.spec.enabled()) draft = make_engine(make_draft_model(model), options, rc, max_tokens, context);
+  if (sc.spec.enabled())
+    draft = make_engine(make_draft_model(model), options, rc, max_tokens, context);
 
   auto space = [](Engine& e) {
     return KvSpace{&e.runtime->req_to_token(), &e.runtime->allocator(), &e.runtime->kv_cache(),
@@ -328,6 +336,14 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
   rep.page_size = options.page_size;
   rep.spec = sc.spec;
   rep.tolerance = output_tolerance(model.dtype);
+  if (rc.check_every == 0) {
+    rep.check_note = "reference checks off (--check-every 0)";
+  } else if (target.reference == nullptr) {
+    rep.check_note = fmt::format(
+        "reference checks unavailable: the KV pools are on {} and the reference "
+        "backend reads host memory",
+        device_name(target.runtime->kv_cache().device()));
+  }
 
   // Buffers for the largest layer shape of either model and the largest step.
   auto max_dims = [](const ModelSpec& m, std::array<int, 4>& d) {
@@ -342,9 +358,10 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
   max_dims(model, dims);
   if (draft) max_dims(draft->model, dims);
   const int64_t rows = std::max(max_tokens, 1);
-  LayerBuffers buf{HostBuffer(model.dtype, {rows, dims[0]}), HostBuffer(model.dtype, {rows, dims[1]}),
-                   HostBuffer(model.dtype, {rows, dims[2]}), HostBuffer(model.dtype, {rows, dims[3]}),
-                   HostBuffer(model.dtype, {rows, dims[3]}), {}};
+  LayerBuffers buf{
+      HostBuffer(model.dtype, {rows, dims[0]}), HostBuffer(model.dtype, {rows, dims[1]}),
+      HostBuffer(model.dtype, {rows, dims[2]}), HostBuffer(model.dtype, {rows, dims[3]}),
+      HostBuffer(model.dtype, {rows, dims[3]}), {}};
 
   FastRng rng(config.seed ^ 0x5eed5eedull);
   // Sink logits are weights of the model: fixed per layer for the whole run.
@@ -397,7 +414,8 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
         const size_t es = dtype_size(model.dtype);
         for (int64_t t = 0; t < T; ++t) {
           std::memcpy(static_cast<char*>(args.v.data) + t * layer.v_head_dim * es,
-                      static_cast<char*>(args.k.data) + t * layer.head_dim * es, layer.v_head_dim * es);
+                      static_cast<char*>(args.k.data) + t * layer.head_dim * es,
+                      layer.v_head_dim * es);
         }
       } else {
         fill_random(args.v, rng, 1.f);
@@ -409,11 +427,11 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
       elapsed += seconds_since(t0);
 
       if (step.index == rc.dump_step && T > 0 && layer.layer_id == dump_layer(e.model)) {
-        write_step_case(rc.dump_dir, e.model, layer.layer_id, options, batch, e.runtime->req_to_token(),
-                        e.runtime->kv_cache(), args, ms.backend);
-        rep.dump_written = fmt::format("{} (step {}, {} {}, layer {})", rc.dump_dir, step.index,
-                                       model_role_name(step.role), forward_mode_name(batch.mode),
-                                       layer.layer_id);
+        write_step_case(rc.dump_dir, e.model, layer.layer_id, options, batch,
+                        e.runtime->req_to_token(), e.runtime->kv_cache(), args, ms.backend);
+        rep.dump_written =
+            fmt::format("{} (step {}, {} {}, layer {})", rc.dump_dir, step.index,
+                        model_role_name(step.role), forward_mode_name(batch.mode), layer.layer_id);
       }
       const int64_t unwritten = first_nan(args.out);
       if (unwritten >= 0 || check) {
@@ -441,20 +459,21 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
           if (listed < kMaxFailuresPerMode) {
             ++listed;
             CheckFailure f{step.index, step.role, batch.mode, layer.layer_id, c.token, c.head,
-                           c.column, c.got, c.expected, c.max_abs, ""};
-            f.what = check ? fmt::format(
-                                 "step {} ({} {}), layer {}: {} of {} outputs beyond tolerance; worst "
-                                 "at token {}, head {}, column {}: got {:.6g}, reference {:.6g} "
-                                 "(|error| {}; allowed {:g} + {:g}*|reference|)",
-                                 step.index, model_role_name(step.role), forward_mode_name(batch.mode),
-                                 layer.layer_id, c.bad, args.out.numel(), c.token, c.head, c.column,
-                                 c.got, c.expected, fmt_err(std::abs(c.got - c.expected)),
-                                 rep.tolerance.atol, rep.tolerance.rtol)
-                           : fmt::format(
-                                 "step {} ({} {}), layer {}: output not written by backend '{}' at "
-                                 "token {}, head {}, column {} (still the NaN poison)",
-                                 step.index, model_role_name(step.role), forward_mode_name(batch.mode),
-                                 layer.layer_id, ms.backend, c.token, c.head, c.column);
+                           c.column,   c.got,     c.expected, c.max_abs,      ""};
+            f.what =
+                check ? fmt::format(
+                            "step {} ({} {}), layer {}: {} of {} outputs beyond tolerance; worst "
+                            "at token {}, head {}, column {}: got {:.6g}, reference {:.6g} "
+                            "(|error| {}; allowed {:g} + {:g}*|reference|)",
+                            step.index, model_role_name(step.role), forward_mode_name(batch.mode),
+                            layer.layer_id, c.bad, args.out.numel(), c.token, c.head, c.column,
+                            c.got, c.expected, fmt_err(std::abs(c.got - c.expected)),
+                            rep.tolerance.atol, rep.tolerance.rtol)
+                      : fmt::format(
+                            "step {} ({} {}), layer {}: output not written by backend '{}' at "
+                            "token {}, head {}, column {} (still the NaN poison)",
+                            step.index, model_role_name(step.role), forward_mode_name(batch.mode),
+                            layer.layer_id, ms.backend, c.token, c.head, c.column);
             rep.failures.push_back(std::move(f));
           }
         }
@@ -494,12 +513,14 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
   rep.target_pool = sched.finish_and_check_pools(ModelRole::target);
   if (draft) rep.draft_pool = sched.finish_and_check_pools(ModelRole::draft);
   if (rc.dump_step >= 0 && rep.dump_written.empty()) {
-    rep.dump_error = rc.dump_step >= sched.steps_planned()
-                         ? fmt::format("--dump-step {}: the run had only {} steps (0 .. {})", rc.dump_step,
-                                       sched.steps_planned(), sched.steps_planned() - 1)
-                         : fmt::format("--dump-step {}: that step is IDLE (no tokens, nothing to "
-                                       "replay); pick a step with tokens",
-                                       rc.dump_step);
+    rep.dump_error =
+        rc.dump_step >= sched.steps_planned()
+            ? fmt::format("--dump-step {}: the run had only {} steps (0 .. {})", rc.dump_step,
+                          sched.steps_planned(), sched.steps_planned() - 1)
+            : fmt::format(
+                  "--dump-step {}: that step is IDLE (no tokens, nothing to "
+                  "replay); pick a step with tokens",
+                  rc.dump_step);
   }
   rep.wall_seconds = seconds_since(wall0);
   return rep;
@@ -514,9 +535,10 @@ std::string mode_label(const ModeStats& m) {
 
 std::string pool_line(const char* name, const PoolReport& p) {
   if (p.ok) {
-    return fmt::format("pool check ({}): ok: all {} request slots free again; {} shared prefix{} held "
-                       "{} slots until released at the end",
-                       name, p.total_slots, p.prefixes, p.prefixes == 1 ? "" : "es", p.prefix_slots);
+    return fmt::format(
+        "pool check ({}): ok: all {} request slots free again; {} shared prefix{} held "
+        "{} slots until released at the end",
+        name, p.total_slots, p.prefixes, p.prefixes == 1 ? "" : "es", p.prefix_slots);
   }
   return fmt::format("pool check ({}): LEAK: {}", name, p.detail);
 }
@@ -536,44 +558,48 @@ nlohmann::json pool_json(const PoolReport& p) {
 
 std::string format_report(const RunReport& r) {
   std::string out;
-  out += fmt::format("model {} | trace {} ({} requests, {} prompt + {} output tokens) | {} iterations\n",
-                     r.model, r.trace_origin, r.requests, r.prompt_tokens, r.output_tokens,
-                     r.iterations);
+  out += fmt::format(
+      "model {} | trace {} ({} requests, {} prompt + {} output tokens) | {} iterations\n", r.model,
+      r.trace_origin, r.requests, r.prompt_tokens, r.output_tokens, r.iterations);
   out += fmt::format("backends: prefill {}, decode {} | kv {} | page size {}", r.prefill_backend,
                      r.decode_backend, r.kv_dtype, r.page_size);
   if (r.spec.enabled()) {
-    out += fmt::format(" | speculative: {} steps, topk {}, {} draft tokens; {:.2f} drafts accepted per "
-                       "request and round ({} request-rounds)",
-                       r.spec.num_steps, r.spec.topk, r.spec.num_draft_tokens,
-                       r.verify_rounds > 0 ? static_cast<double>(r.accepted_drafts) / r.verify_rounds : 0.0,
-                       r.verify_rounds);
+    out += fmt::format(
+        " | speculative: {} steps, topk {}, {} draft tokens; {:.2f} drafts accepted per "
+        "request and round ({} request-rounds)",
+        r.spec.num_steps, r.spec.topk, r.spec.num_draft_tokens,
+        r.verify_rounds > 0 ? static_cast<double>(r.accepted_drafts) / r.verify_rounds : 0.0,
+        r.verify_rounds);
   }
   out += "\n\n";
-  const std::string head = fmt::format("{:<22} {:>7} {:>9} {:>10} {:>11} {:>8} {:>10} {:>10}  {}\n",
-                                       "mode", "steps", "tokens", "time (ms)", "tokens/s", "checked",
-                                       "max abs", "max rel", "backend");
+  const std::string head =
+      fmt::format("{:<22} {:>7} {:>9} {:>10} {:>11} {:>8} {:>10} {:>10}  {}\n", "mode", "steps",
+                  "tokens", "time (ms)", "tokens/s", "checked", "max abs", "max rel", "backend");
   out += head;
   out += std::string(head.size() - 1, '-') + "\n";
   auto row = [&](const std::string& label, const ModeStats& m) {
     const bool checked = m.checked_steps > 0;
     out += fmt::format("{:<22} {:>7} {:>9} {:>10.1f} {:>11.0f} {:>8} {:>10} {:>10}  {}\n", label,
                        m.steps, m.tokens, m.seconds * 1e3, m.tokens_per_second(), m.checked_steps,
-                       checked ? fmt_err(m.max_abs_err) : "-", checked ? fmt_err(m.max_rel_err) : "-",
-                       m.backend);
+                       checked ? fmt_err(m.max_abs_err) : "-",
+                       checked ? fmt_err(m.max_rel_err) : "-", m.backend);
   };
   for (const ModeStats& m : r.modes) row(mode_label(m), m);
   out += std::string(head.size() - 1, '-') + "\n";
   row("total", r.totals());
-  out += fmt::format("\nwall time {:.2f} s (attention {:.2f} s; the rest is data generation, "
-                     "reference checks and scheduling); tolerance {:g} + {:g}*|reference|\n",
-                     r.wall_seconds, r.totals().seconds, r.tolerance.atol, r.tolerance.rtol);
+  out += fmt::format(
+      "\nwall time {:.2f} s (attention {:.2f} s; the rest is data generation, "
+      "reference checks and scheduling); tolerance {:g} + {:g}*|reference|\n",
+      r.wall_seconds, r.totals().seconds, r.tolerance.atol, r.tolerance.rtol);
+  if (!r.check_note.empty()) out += r.check_note + "\n";
   out += pool_line("target", r.target_pool) + "\n";
   if (r.draft_pool) out += pool_line("draft", *r.draft_pool) + "\n";
   if (!r.dump_written.empty()) out += fmt::format("step case written to {}\n", r.dump_written);
   if (!r.dump_error.empty()) out += fmt::format("no step case written: {}\n", r.dump_error);
   if (r.failure_count > 0) {
-    out += fmt::format("\nFAILED: {} checked layer outputs beyond tolerance or unwritten; first ones:\n",
-                       r.failure_count);
+    out += fmt::format(
+        "\nFAILED: {} checked layer outputs beyond tolerance or unwritten; first ones:\n",
+        r.failure_count);
     for (const CheckFailure& f : r.failures) out += "  " + f.what + "\n";
   }
   return out;
@@ -614,10 +640,11 @@ nlohmann::json report_to_json(const RunReport& r) {
                         {"message", f.what}});
   }
   json j = {{"model", r.model},
-            {"trace", {{"origin", r.trace_origin},
-                       {"requests", r.requests},
-                       {"prompt_tokens", r.prompt_tokens},
-                       {"output_tokens", r.output_tokens}}},
+            {"trace",
+             {{"origin", r.trace_origin},
+              {"requests", r.requests},
+              {"prompt_tokens", r.prompt_tokens},
+              {"output_tokens", r.output_tokens}}},
             {"backends", {{"prefill", r.prefill_backend}, {"decode", r.decode_backend}}},
             {"kv_dtype", r.kv_dtype},
             {"page_size", r.page_size},
@@ -641,6 +668,7 @@ nlohmann::json report_to_json(const RunReport& r) {
   }
   if (!r.dump_written.empty()) j["dump"] = r.dump_written;
   if (!r.dump_error.empty()) j["dump_error"] = r.dump_error;
+  if (!r.check_note.empty()) j["check_note"] = r.check_note;
   return j;
 }
 

@@ -31,9 +31,15 @@ int64_t max_tree_nodes(int depth, int topk) {
 double uniform01(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * 0x1.0p-53; }
 size_t pick(std::mt19937_64& rng, size_t n) { return static_cast<size_t>(rng() % n); }
 
+bool kv_on_host(const KvSpace& space) {
+  return space.kv_cache == nullptr || space.kv_cache->device().kind == DeviceKind::cpu;
+}
+
 }  // namespace
 
-std::string_view model_role_name(ModelRole r) { return r == ModelRole::target ? "target" : "draft"; }
+std::string_view model_role_name(ModelRole r) {
+  return r == ModelRole::target ? "target" : "draft";
+}
 
 void copy_kv_rows(KVCache& cache, const std::vector<int>& layers,
                   const std::vector<std::pair<int64_t, int64_t>>& moves) {
@@ -47,7 +53,7 @@ void copy_kv_rows(KVCache& cache, const std::vector<int>& layers,
     const size_t k_bytes = static_cast<size_t>(view.kv_heads) * view.head_dim * elem;
     const size_t v_bytes = static_cast<size_t>(view.kv_heads) * view.v_head_dim * elem;
     auto row = [&](int64_t slot) {
-      int64_t r = view.slot_map != nullptr ? view.slot_map[slot] : slot;
+      const int64_t r = view.pool_slot(slot);
       ATTNRT_CHECK(r > 0 && r < view.num_rows,
                    "moving K/V rows in layer {}: full slot {} maps to row {}, outside [1, {})",
                    layer_id, slot, r, view.num_rows);
@@ -58,7 +64,8 @@ void copy_kv_rows(KVCache& cache, const std::vector<int>& layers,
       auto* k = static_cast<char*>(view.k);
       auto* v = static_cast<char*>(view.v);
       std::memmove(k + d * view.k_row_stride * elem, k + s * view.k_row_stride * elem, k_bytes);
-      if (v != k) std::memmove(v + d * view.v_row_stride * elem, v + s * view.v_row_stride * elem, v_bytes);
+      if (v != k)
+        std::memmove(v + d * view.v_row_stride * elem, v + s * view.v_row_stride * elem, v_bytes);
     }
   }
 }
@@ -73,8 +80,8 @@ Scheduler::Scheduler(Trace trace, SchedulerConfig config, KvSpace target,
   ATTNRT_CHECK(config_.chunked_prefill_size >= 1, "--chunked-prefill-size = {}; must be >= 1",
                config_.chunked_prefill_size);
   ATTNRT_CHECK(config_.page_size == target.allocator->page_size(),
-               "scheduler: page size {} differs from the allocator's page size {}", config_.page_size,
-               target.allocator->page_size());
+               "scheduler: page size {} differs from the allocator's page size {}",
+               config_.page_size, target.allocator->page_size());
   const SpecConfig& spec = config_.spec;
   if (spec.enabled()) {
     ATTNRT_CHECK(draft.has_value() && draft->req_to_token != nullptr && draft->allocator != nullptr,
@@ -91,13 +98,19 @@ Scheduler::Scheduler(Trace trace, SchedulerConfig config, KvSpace target,
                  "--speculative-num-steps {}; a chain has exactly num_steps + 1 = {} tokens",
                  spec.num_draft_tokens, spec.num_steps, spec.num_steps + 1);
     const int64_t max_nodes = max_tree_nodes(spec.num_steps, spec.topk);
-    ATTNRT_CHECK(spec.num_draft_tokens <= max_nodes,
-                 "--speculative-num-draft-tokens = {}: a tree of depth {} (--speculative-num-steps) "
-                 "and branching {} (--speculative-eagle-topk) has at most {} tokens",
-                 spec.num_draft_tokens, spec.num_steps, spec.topk, max_nodes);
+    ATTNRT_CHECK(
+        spec.num_draft_tokens <= max_nodes,
+        "--speculative-num-draft-tokens = {}: a tree of depth {} (--speculative-num-steps) "
+        "and branching {} (--speculative-eagle-topk) has at most {} tokens",
+        spec.num_draft_tokens, spec.num_steps, spec.topk, max_nodes);
     ATTNRT_CHECK(spec.accept_prob >= 0.0 && spec.accept_prob <= 1.0,
                  "--accept-prob = {}; must be in [0, 1]", spec.accept_prob);
     draft_ = Space{*draft, draft->allocator->available_size()};
+    ATTNRT_CHECK(spec.topk == 1 || config_.page_size == 1 || kv_on_host(target),
+                 "speculative tree verify (--speculative-eagle-topk {}) with --page-size {} moves "
+                 "the accepted K/V rows inside the KV pool, which attnrt run does for host pools "
+                 "only, and this pool is on {}; use --page-size 1 or a host backend",
+                 spec.topk, config_.page_size, device_name(target.kv_cache->device()));
   }
   target_ = Space{target, target.allocator->available_size()};
 
@@ -117,14 +130,14 @@ Scheduler::Scheduler(Trace trace, SchedulerConfig config, KvSpace target,
                    model_role_name(is_draft ? ModelRole::draft : ModelRole::target),
                    space->kv.req_to_token->max_context_len());
       const int64_t need_slots = ceil_div(need, config_.page_size) * config_.page_size;
-      ATTNRT_CHECK(need_slots <= space->initial_free,
-                   "request '{}' (trace line {}) needs up to {} KV slots (prompt {} + output {}{}, in "
-                   "pages of {}) but the {} pool has {}; raise --max-total-tokens or shorten the "
-                   "request",
-                   tr.id, tr.line, need_slots, tr.prompt_len, tr.output_len,
-                   spec.enabled() && !is_draft ? " + verify block" : "", config_.page_size,
-                   model_role_name(is_draft ? ModelRole::draft : ModelRole::target),
-                   space->initial_free);
+      ATTNRT_CHECK(
+          need_slots <= space->initial_free,
+          "request '{}' (trace line {}) needs up to {} KV slots (prompt {} + output {}{}, in "
+          "pages of {}) but the {} pool has {}; raise --max-total-tokens or shorten the "
+          "request",
+          tr.id, tr.line, need_slots, tr.prompt_len, tr.output_len,
+          spec.enabled() && !is_draft ? " + verify block" : "", config_.page_size,
+          model_role_name(is_draft ? ModelRole::draft : ModelRole::target), space->initial_free);
     }
   }
   arrival_order_.resize(reqs_.size());
@@ -136,8 +149,9 @@ Scheduler::Scheduler(Trace trace, SchedulerConfig config, KvSpace target,
 
 bool Scheduler::done() const {
   if (step_open_ || pending_draft_) return false;
-  return std::all_of(reqs_.begin(), reqs_.end(),
-                     [](const RequestState& r) { return r.phase == RequestState::Phase::finished; });
+  return std::all_of(reqs_.begin(), reqs_.end(), [](const RequestState& r) {
+    return r.phase == RequestState::Phase::finished;
+  });
 }
 
 int64_t Scheduler::lifetime_tokens(const RequestState& r, bool draft) const {
@@ -205,7 +219,8 @@ std::vector<int64_t> Scheduler::extend_slots(Space& space, const std::vector<int
   std::vector<int64_t> last(rows.size());
   for (size_t i = 0; i < rows.size(); ++i) {
     seq[i] = prefix[i] + extend[i];
-    last[i] = prefix[i] > 0 ? space.kv.req_to_token->get(static_cast<int>(rows[i]), prefix[i] - 1) : -1;
+    last[i] =
+        prefix[i] > 0 ? space.kv.req_to_token->get(static_cast<int>(rows[i]), prefix[i] - 1) : -1;
   }
   std::vector<int64_t> slots = space.kv.allocator->alloc_extend(prefix, seq, last);
   size_t off = 0;
@@ -392,8 +407,8 @@ void Scheduler::plan_target_step() {
       plan_decode(decoding);
     }
   };
-  // Without MIXED steps, prefill and decode steps alternate while both have work (prefill first), so
-  // neither starves.
+  // Without MIXED steps, prefill and decode steps alternate while both have work (prefill first),
+  // so neither starves.
   const bool try_prefill = decoding.empty() || mix || !last_was_prefill_;
   int budget = config_.chunked_prefill_size;
   if (mix && !decoding.empty()) budget -= static_cast<int>(decoding.size());
@@ -407,10 +422,12 @@ void Scheduler::plan_target_step() {
       // Nothing runs, so every slot not held by the prefix cache is free: the head of the queue can
       // never be admitted.
       const TraceRequest& tr = trace_.requests[waiting_.front()];
-      fail("request '{}' (trace line {}) can never be admitted: it needs {} KV slots but only {} are "
-           "free while the shared-prefix cache holds the rest; raise --max-total-tokens",
-           tr.id, tr.line, lifetime_tokens(reqs_[waiting_.front()], false),
-           target_.kv.allocator->available_size());
+      fail(
+          "request '{}' (trace line {}) can never be admitted: it needs {} KV slots but only {} "
+          "are "
+          "free while the shared-prefix cache holds the rest; raise --max-total-tokens",
+          tr.id, tr.line, lifetime_tokens(reqs_[waiting_.front()], false),
+          target_.kv.allocator->available_size());
     }
     set_step(ModelRole::target, make_idle_batch(), {});
     last_was_prefill_ = false;
@@ -483,21 +500,43 @@ void Scheduler::commit_verify(const ScheduledStep& s) {
       if (path[j] == static_cast<int>(j)) continue;
       // Tree paths skip siblings: move the accepted rows down to consecutive positions. Block
       // indices on a path increase, so each source is read before any move overwrites it.
-      moves.emplace_back(target_.kv.req_to_token->get(r.target_row, r.kv_len + path[j]),
-                         target_.kv.req_to_token->get(r.target_row, r.kv_len + static_cast<int>(j)));
+      moves.emplace_back(
+          target_.kv.req_to_token->get(r.target_row, r.kv_len + path[j]),
+          target_.kv.req_to_token->get(r.target_row, r.kv_len + static_cast<int>(j)));
     }
   }
-  if (!moves.empty() && target_.kv.kv_cache != nullptr) {
+  // Pools the host cannot write (device memory) are compacted by pointing the request's positions
+  // at the accepted slots instead; that keeps slot % P == position % P only with pages of one
+  // token, which the constructor made sure of.
+  const bool remap = !kv_on_host(target_.kv);
+  if (!moves.empty() && !remap && target_.kv.kv_cache != nullptr) {
     copy_kv_rows(*target_.kv.kv_cache, target_.kv.kv_layers, moves);
   }
   std::vector<int> to_draft;
   for (size_t i = 0; i < s.requests.size(); ++i) {
     const int idx = s.requests[i];
     RequestState& r = reqs_[idx];
-    const int accepted = static_cast<int>(last_paths_[i].size()) - 1;
+    const std::vector<int>& path = last_paths_[i];
+    const int accepted = static_cast<int>(path.size()) - 1;
     const int base = r.kv_len;
     r.kv_len = base + accepted + 1;
-    free_positions(target_, r.target_row, r.kv_len, base + N);
+    if (remap) {
+      ReqToTokenPool& rows = *target_.kv.req_to_token;
+      std::vector<int64_t> block(N), kept, rejected;
+      for (int t = 0; t < N; ++t) block[t] = rows.get(r.target_row, base + t);
+      std::vector<uint8_t> on_path(N, 0);
+      for (int t : path) {
+        kept.push_back(block[t]);
+        on_path[t] = 1;
+      }
+      for (int t = 0; t < N; ++t) {
+        if (!on_path[t]) rejected.push_back(block[t]);
+      }
+      rows.write(r.target_row, base, kept);
+      if (!rejected.empty()) target_.kv.allocator->free(rejected);
+    } else {
+      free_positions(target_, r.target_row, r.kv_len, base + N);
+    }
     r.generated += accepted + 1;
     r.accept_lengths.push_back(accepted);
     if (r.generated >= trace_.requests[idx].output_len) {
@@ -537,7 +576,8 @@ void Scheduler::commit_draft(const ScheduledStep& s) {
     RequestState& r = reqs_[idx];
     const TraceRequest& tr = trace_.requests[idx];
     r.draft_kv_len = r.kv_len;
-    if (PrefixEntry* e = owned_prefix(idx); e != nullptr && !e->draft_ready && r.draft_kv_len >= e->len) {
+    if (PrefixEntry* e = owned_prefix(idx);
+        e != nullptr && !e->draft_ready && r.draft_kv_len >= e->len) {
       const int32_t* row = draft_->kv.req_to_token->row_ptr(r.draft_row);
       e->draft_slots.assign(row, row + e->len);
       e->draft_ready = true;
@@ -634,7 +674,8 @@ int64_t Scheduler::estimate_remaining_steps() const {
   if (config_.spec.enabled()) {
     // Expected tokens per verify round on a chain: 1 + p + p^2 + ... (the bonus token included).
     double per_round = 0, p = 1;
-    for (int d = 0; d < config_.spec.num_draft_tokens; ++d, p *= config_.spec.accept_prob) per_round += p;
+    for (int d = 0; d < config_.spec.num_draft_tokens; ++d, p *= config_.spec.accept_prob)
+      per_round += p;
     iterations = 2 * (iterations + static_cast<int64_t>(longest_decode / per_round + 1));
   } else {
     iterations += longest_decode;
@@ -656,7 +697,8 @@ PoolReport Scheduler::finish_and_check_pools(ModelRole role) {
     const std::vector<int64_t>& slots = role == ModelRole::target ? e.target_slots : e.draft_slots;
     ++rep.prefixes;
     rep.prefix_slots += static_cast<int64_t>(slots.size());
-    for (size_t pos = 0; pos < slots.size(); pos += config_.page_size) prefix_pages.push_back(slots[pos]);
+    for (size_t pos = 0; pos < slots.size(); pos += config_.page_size)
+      prefix_pages.push_back(slots[pos]);
   }
   rep.free_slots = space.kv.allocator->available_size();
   if (!prefix_pages.empty()) space.kv.allocator->free(prefix_pages);
@@ -671,11 +713,12 @@ PoolReport Scheduler::finish_and_check_pools(ModelRole role) {
   }
   rep.free_after_release = space.kv.allocator->available_size();
   std::vector<std::string> problems;
-  if (rep.rows_in_use != 0) problems.push_back(fmt::format("{} request rows still allocated", rep.rows_in_use));
+  if (rep.rows_in_use != 0)
+    problems.push_back(fmt::format("{} request rows still allocated", rep.rows_in_use));
   if (rep.free_slots + rep.prefix_slots != rep.total_slots) {
-    problems.push_back(fmt::format("{} slots free + {} held by shared prefixes != {} total ({} leaked)",
-                                   rep.free_slots, rep.prefix_slots, rep.total_slots,
-                                   rep.total_slots - rep.free_slots - rep.prefix_slots));
+    problems.push_back(fmt::format(
+        "{} slots free + {} held by shared prefixes != {} total ({} leaked)", rep.free_slots,
+        rep.prefix_slots, rep.total_slots, rep.total_slots - rep.free_slots - rep.prefix_slots));
   }
   if (rep.free_after_release != rep.total_slots) {
     problems.push_back(fmt::format("{} of {} slots free after releasing the shared prefixes",

@@ -16,20 +16,22 @@ namespace {
 
 using json = nlohmann::json;
 
-constexpr const char* kFields = "id, arrival_step, prompt_len, output_len, shared_prefix, shared_prefix_len";
+constexpr const char* kFields =
+    "id, arrival_step, prompt_len, output_len, shared_prefix, shared_prefix_len";
 
 // Reads an integer field; `min` is the smallest allowed value.
 int int_field(const json& obj, const char* name, int fallback, bool required, int min,
               std::string_view origin, int line) {
   auto it = obj.find(name);
   if (it == obj.end() || it->is_null()) {
-    ATTNRT_CHECK(!required, "trace {} line {}: field '{}' is missing; it is required (an integer >= {})",
+    ATTNRT_CHECK(!required,
+                 "trace {} line {}: field '{}' is missing; it is required (an integer >= {})",
                  origin, line, name, min);
     return fallback;
   }
   ATTNRT_CHECK(it->is_number_integer(),
-               "trace {} line {}: field '{}' must be an integer >= {}, got {}", origin, line, name, min,
-               it->dump());
+               "trace {} line {}: field '{}' must be an integer >= {}, got {}", origin, line, name,
+               min, it->dump());
   const int64_t v = it->get<int64_t>();
   ATTNRT_CHECK(v >= min && v <= (int64_t{1} << 30),
                "trace {} line {}: field '{}' = {}; allowed: an integer in [{}, 2^30]", origin, line,
@@ -40,8 +42,8 @@ int int_field(const json& obj, const char* name, int fallback, bool required, in
 std::string string_field(const json& obj, const char* name, std::string_view origin, int line) {
   auto it = obj.find(name);
   if (it == obj.end() || it->is_null()) return {};
-  ATTNRT_CHECK(it->is_string(), "trace {} line {}: field '{}' must be a string, got {}", origin, line,
-               name, it->dump());
+  ATTNRT_CHECK(it->is_string(), "trace {} line {}: field '{}' must be a string, got {}", origin,
+               line, name, it->dump());
   return it->get<std::string>();
 }
 
@@ -51,15 +53,18 @@ void check_consistency(const Trace& trace) {
   std::map<std::string, const TraceRequest*> prefixes;
   for (const TraceRequest& r : trace.requests) {
     auto [it, fresh] = ids.emplace(r.id, &r);
-    ATTNRT_CHECK(fresh, "trace {} line {}: field 'id' = \"{}\" was already used on line {}; ids must be "
-                 "unique", trace.origin, r.line, r.id, it->second->line);
+    ATTNRT_CHECK(fresh,
+                 "trace {} line {}: field 'id' = \"{}\" was already used on line {}; ids must be "
+                 "unique",
+                 trace.origin, r.line, r.id, it->second->line);
     if (r.shared_prefix.empty()) continue;
     auto [p, first] = prefixes.emplace(r.shared_prefix, &r);
-    ATTNRT_CHECK(first || p->second->shared_prefix_len == r.shared_prefix_len,
-                 "trace {} line {}: field 'shared_prefix_len' = {} for shared prefix \"{}\", but line "
-                 "{} gives it {}; every request naming a shared prefix must give the same length",
-                 trace.origin, r.line, r.shared_prefix_len, r.shared_prefix, p->second->line,
-                 p->second->shared_prefix_len);
+    ATTNRT_CHECK(
+        first || p->second->shared_prefix_len == r.shared_prefix_len,
+        "trace {} line {}: field 'shared_prefix_len' = {} for shared prefix \"{}\", but line "
+        "{} gives it {}; every request naming a shared prefix must give the same length",
+        trace.origin, r.line, r.shared_prefix_len, r.shared_prefix, p->second->line,
+        p->second->shared_prefix_len);
   }
 }
 
@@ -68,17 +73,19 @@ TraceRequest parse_line(const std::string& text, std::string_view origin, int li
   try {
     obj = json::parse(text);
   } catch (const json::parse_error& e) {
-    fail("trace {} line {}: not valid JSON ({}); each line must be one JSON object such as "
-         "{{\"id\": \"r0\", \"arrival_step\": 0, \"prompt_len\": 300, \"output_len\": 40}}",
-         origin, line, e.what());
+    fail(
+        "trace {} line {}: not valid JSON ({}); each line must be one JSON object such as "
+        "{{\"id\": \"r0\", \"arrival_step\": 0, \"prompt_len\": 300, \"output_len\": 40}}",
+        origin, line, e.what());
   }
   ATTNRT_CHECK(obj.is_object(), "trace {} line {}: expected a JSON object, got {}", origin, line,
                obj.dump());
   for (const auto& [key, value] : obj.items()) {
-    static const std::vector<std::string> known = {"id", "arrival_step", "prompt_len", "output_len",
-                                                   "shared_prefix", "shared_prefix_len"};
+    static const std::vector<std::string> known = {
+        "id", "arrival_step", "prompt_len", "output_len", "shared_prefix", "shared_prefix_len"};
     ATTNRT_CHECK(std::find(known.begin(), known.end(), key) != known.end(),
-                 "trace {} line {}: unknown field '{}'; known fields: {}", origin, line, key, kFields);
+                 "trace {} line {}: unknown field '{}'; known fields: {}", origin, line, key,
+                 kFields);
   }
   TraceRequest r;
   r.line = line;
@@ -90,16 +97,18 @@ TraceRequest parse_line(const std::string& text, std::string_view origin, int li
   r.shared_prefix = string_field(obj, "shared_prefix", origin, line);
   const bool has_len = obj.contains("shared_prefix_len") && !obj["shared_prefix_len"].is_null();
   if (r.shared_prefix.empty()) {
-    ATTNRT_CHECK(!has_len,
-                 "trace {} line {}: field 'shared_prefix_len' is given without 'shared_prefix'; name "
-                 "the shared prefix (e.g. \"shared_prefix\": \"sys-a\") or drop the length",
-                 origin, line);
+    ATTNRT_CHECK(
+        !has_len,
+        "trace {} line {}: field 'shared_prefix_len' is given without 'shared_prefix'; name "
+        "the shared prefix (e.g. \"shared_prefix\": \"sys-a\") or drop the length",
+        origin, line);
   } else {
     r.shared_prefix_len = int_field(obj, "shared_prefix_len", 0, true, 1, origin, line);
-    ATTNRT_CHECK(r.shared_prefix_len < r.prompt_len,
-                 "trace {} line {}: field 'shared_prefix_len' = {} must be smaller than prompt_len = "
-                 "{} (at least one prompt token is computed by the request itself)",
-                 origin, line, r.shared_prefix_len, r.prompt_len);
+    ATTNRT_CHECK(
+        r.shared_prefix_len < r.prompt_len,
+        "trace {} line {}: field 'shared_prefix_len' = {} must be smaller than prompt_len = "
+        "{} (at least one prompt token is computed by the request itself)",
+        origin, line, r.shared_prefix_len, r.prompt_len);
   }
   return r;
 }
@@ -114,7 +123,9 @@ struct Mix {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
   }
-  int uniform(int lo, int hi) { return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1)); }
+  int uniform(int lo, int hi) {
+    return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1));
+  }
 };
 
 }  // namespace
@@ -148,8 +159,8 @@ Trace parse_trace(std::string_view text, std::string_view origin) {
     if (line_text.find_first_not_of(" \t\r") == std::string::npos) continue;
     trace.requests.push_back(parse_line(line_text, origin, line, trace.requests.size()));
   }
-  ATTNRT_CHECK(!trace.requests.empty(), "trace {}: no requests (the file is empty or only blank lines)",
-               origin);
+  ATTNRT_CHECK(!trace.requests.empty(),
+               "trace {}: no requests (the file is empty or only blank lines)", origin);
   check_consistency(trace);
   return trace;
 }

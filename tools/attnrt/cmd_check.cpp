@@ -30,7 +30,8 @@ struct CheckArgs {
 // The seed of case k of a feature: each (feature, k) gets its own stream, so that the cases of a
 // feature are the same whether it is checked alone (--feature) or with every other one.
 uint64_t case_seed(uint64_t seed, conf::Feature f, int k) {
-  uint64_t z = seed + 0x9e3779b97f4a7c15ull * (1 + (static_cast<uint64_t>(f) << 20) + static_cast<uint64_t>(k));
+  uint64_t z = seed + 0x9e3779b97f4a7c15ull *
+                          (1 + (static_cast<uint64_t>(f) << 20) + static_cast<uint64_t>(k));
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return z ^ (z >> 31);
@@ -52,7 +53,8 @@ void check(const CheckArgs& a) {
     for (const std::string& name : a.features) {
       const conf::Feature f = conf::parse_feature(name);
       const std::string why = conf::unsupported_reason(entry.caps, f);
-      ATTNRT_CHECK(why.empty(), "--feature {}: backend '{}' does not claim it: {}", name, a.backend, why);
+      ATTNRT_CHECK(why.empty(), "--feature {}: backend '{}' does not claim it: {}", name, a.backend,
+                   why);
       if (std::find(features.begin(), features.end(), f) == features.end()) features.push_back(f);
     }
   }
@@ -76,7 +78,8 @@ void check(const CheckArgs& a) {
       fr.max_abs_err = std::max(fr.max_abs_err, r.max_abs_err);
       fr.max_rel_err = std::max(fr.max_rel_err, r.max_rel_err);
       if (!r.ok && fr.failures++ == 0) fr.first_failure = r.detail;
-      bar.update(++done, total, "cases", fmt::format("{} case {}/{}", conf::feature_name(f), k + 1, a.cases));
+      bar.update(++done, total, "cases",
+                 fmt::format("{} case {}/{}", conf::feature_name(f), k + 1, a.cases));
     }
     reports.push_back(std::move(fr));
   }
@@ -101,18 +104,18 @@ void check(const CheckArgs& a) {
       result = "pass";
       ++passed;
     }
-    const std::string line = fmt::format(
-        "{:<15} {:>6} {:>9} {:>10} {:>10}  {}\n", conf::feature_name(fr.feature), fr.cases,
-        fr.skipped ? std::string("-") : std::to_string(fr.failures),
-        fr.skipped ? std::string("-") : fmt_err(fr.max_abs_err),
-        fr.skipped ? std::string("-") : fmt_err(fr.max_rel_err), result);
+    const std::string line =
+        fmt::format("{:<15} {:>6} {:>9} {:>10} {:>10}  {}\n", conf::feature_name(fr.feature),
+                    fr.cases, fr.skipped ? std::string("-") : std::to_string(fr.failures),
+                    fr.skipped ? std::string("-") : fmt_err(fr.max_abs_err),
+                    fr.skipped ? std::string("-") : fmt_err(fr.max_rel_err), result);
     std::fputs(line.c_str(), stdout);
   }
   std::printf("\n%d features passed, %d failed, %d skipped\n", passed, failed, skipped);
   for (const conf::FeatureReport& fr : reports) {
     if (fr.failures > 0) {
-      std::printf("\n%s: first failing case: %s\n", std::string(conf::feature_name(fr.feature)).c_str(),
-                  fr.first_failure.c_str());
+      std::printf("\n%s: first failing case: %s\n",
+                  std::string(conf::feature_name(fr.feature)).c_str(), fr.first_failure.c_str());
     }
   }
   std::fflush(stdout);

@@ -1,5 +1,5 @@
-// `attnrt run`: replays a serving trace through the scheduler and the chosen backends, checks a sample
-// of steps against `reference`, and prints a table per ForwardMode (docs/run.md).
+// `attnrt run`: replays a serving trace through the scheduler and the chosen backends, checks a
+// sample of steps against `reference`, and prints a table per ForwardMode (docs/run.md).
 #include <fmt/format.h>
 
 #include <cstdio>
@@ -47,7 +47,8 @@ void run(const RunArgs& a) {
       used = 0;
     }
     ATTNRT_CHECK(used == n.size() && step >= 0,
-                 "--dump-step: the step '{}' must be a step index >= 0 (usage: --dump-step N DIR)", n);
+                 "--dump-step: the step '{}' must be a step index >= 0 (usage: --dump-step N DIR)",
+                 n);
     config.dump_step = step;
     config.dump_dir = a.dump_step[1];
   }
@@ -84,10 +85,12 @@ void run(const RunArgs& a) {
       std::fprintf(stderr, "error: %s\n", report.failures.front().what.c_str());
     }
     if (!report.target_pool.ok) {
-      std::fprintf(stderr, "error: the target KV pool leaked: %s\n", report.target_pool.detail.c_str());
+      std::fprintf(stderr, "error: the target KV pool leaked: %s\n",
+                   report.target_pool.detail.c_str());
     }
     if (report.draft_pool && !report.draft_pool->ok) {
-      std::fprintf(stderr, "error: the draft KV pool leaked: %s\n", report.draft_pool->detail.c_str());
+      std::fprintf(stderr, "error: the draft KV pool leaked: %s\n",
+                   report.draft_pool->detail.c_str());
     }
     throw ExitCode{1};
   }
@@ -100,9 +103,12 @@ void add_run_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "run",
       "Replay a serving trace as an engine would: admission, chunked prefill (EXTEND with cached "
-      "prefixes), DECODE, MIXED and IDLE steps, shared system prompts reused from the cache, and with "
-      "--speculative-num-steps TARGET_VERIFY + DRAFT_EXTEND rounds. Every layer of every step runs on "
-      "the chosen backends with random q/k/v; every Nth step is recomputed on `reference`. Prints a "
+      "prefixes), DECODE, MIXED and IDLE steps, shared system prompts reused from the cache, and "
+      "with "
+      "--speculative-num-steps TARGET_VERIFY + DRAFT_EXTEND rounds. Every layer of every step runs "
+      "on "
+      "the chosen backends with random q/k/v; every Nth step is recomputed on `reference`. Prints "
+      "a "
       "table per forward mode (steps, tokens, time, tokens/s, largest error, backend) and checks "
       "that the KV pool is leak-free at the end. Exits 1 on a mismatch or a leak, 2 on bad input.");
   cmd->add_option("--model", args->model,
@@ -124,9 +130,10 @@ void add_run_command(CLI::App& app) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str()
       ->group(sched);
-  cmd->add_option("--max-total-tokens", args->config.max_total_tokens,
-                  "KV slots of the pool (the draft model gets as many); requests wait for admission "
-                  "until their whole life fits")
+  cmd->add_option(
+         "--max-total-tokens", args->config.max_total_tokens,
+         "KV slots of the pool (the draft model gets as many); requests wait for admission "
+         "until their whole life fits")
       ->check(CLI::PositiveNumber)
       ->capture_default_str()
       ->group(sched);
@@ -134,15 +141,17 @@ void add_run_command(CLI::App& app) {
                 "Never merge decodes into prefill steps (no MIXED steps); prefill and decode steps "
                 "alternate instead. Speculative runs never mix.")
       ->group(sched);
-  cmd->add_option("--accept-prob", args->accept_prob,
-                  "Speculative decoding: chance that the draft on the accepted path is right at each "
-                  "depth (accepted lengths are random)")
+  cmd->add_option(
+         "--accept-prob", args->accept_prob,
+         "Speculative decoding: chance that the draft on the accepted path is right at each "
+         "depth (accepted lengths are random)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str()
       ->group(sched);
-  cmd->add_option("--check-every", args->config.check_every,
-                  "Recompute every Nth step (and the first step of each mode) on `reference` over the "
-                  "same pools and compare; 0 = no checking")
+  cmd->add_option(
+         "--check-every", args->config.check_every,
+         "Recompute every Nth step (and the first step of each mode) on `reference` over the "
+         "same pools and compare; 0 = no checking")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd->add_option("--seed", args->config.seed, "Seed of q/k/v data, acceptance and draft trees")
@@ -153,9 +162,10 @@ void add_run_command(CLI::App& app) {
       ->expected(2)
       ->type_name("N DIR");
   cmd->add_option("--json", args->json_path, "Also write the report as JSON to this file");
-  cmd->add_flag("--no-progress", args->no_progress,
-                "No progress display on stderr (it is a bar on a terminal, a line every few seconds "
-                "otherwise)");
+  cmd->add_flag(
+      "--no-progress", args->no_progress,
+      "No progress display on stderr (it is a bar on a terminal, a line every few seconds "
+      "otherwise)");
   cmd->callback([args] { run(*args); });
 }
 

@@ -18,7 +18,8 @@ ProgressBar::ProgressBar(std::string label, bool enabled)
 
 ProgressBar::~ProgressBar() { finish(); }
 
-void ProgressBar::update(int64_t done, int64_t total, std::string_view unit, std::string_view detail) {
+void ProgressBar::update(int64_t done, int64_t total, std::string_view unit,
+                         std::string_view detail) {
   if (!enabled_) return;
   const Clock::time_point now = Clock::now();
   if (now - last_ < interval_) return;

@@ -1,6 +1,6 @@
-// A one-line progress display on stderr for long subcommands (run, check). On a terminal it redraws a
-// bar in place (at most ten times a second); when stderr is a file or a pipe it prints a plain line
-// every few seconds instead, so logs stay readable; disabled, it prints nothing.
+// A one-line progress display on stderr for long subcommands (run, check). On a terminal it redraws
+// a bar in place (at most ten times a second); when stderr is a file or a pipe it prints a plain
+// line every few seconds instead, so logs stay readable; disabled, it prints nothing.
 #pragma once
 
 #include <chrono>

@@ -1,15 +1,15 @@
-// The step driver of `attnrt run`: replays a trace through the scheduler, runs every planned step on
-// an AttentionRuntime (random q/k/v per layer per step, outputs poisoned with NaN first), recomputes a
-// sample of steps with the `reference` backend over the same pools, and reports per ForwardMode.
+// The step driver of `attnrt run`: replays a trace through the scheduler, runs every planned step
+// on an AttentionRuntime (random q/k/v per layer per step, outputs poisoned with NaN first),
+// recomputes a sample of steps with the `reference` backend over the same pools, and reports per
+// ForwardMode.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json_fwd.hpp>
 
 #include "attnrt/backend/options.h"
 #include "attnrt/batch/forward_mode.h"
@@ -21,13 +21,13 @@
 namespace attnrt::sim {
 
 struct RunConfig {
-  SchedulerConfig scheduler;           // page_size and spec are taken from the options
-  int64_t max_total_tokens = 16384;    // usable KV slots of the target pool (the draft's too)
+  SchedulerConfig scheduler;         // page_size and spec are taken from the options
+  int64_t max_total_tokens = 16384;  // usable KV slots of the target pool (the draft's too)
   // Every Nth step (by step index) is recomputed on `reference`, and so is the first step of each
   // (model, mode); 0 turns checking off.
   int check_every = 8;
-  uint64_t seed = 1;                   // q/k/v data, acceptance sampling, tree shapes
-  int dump_step = -1;                  // write this step's first full-attention layer as a case
+  uint64_t seed = 1;   // q/k/v data, acceptance sampling, tree shapes
+  int dump_step = -1;  // write this step's first full-attention layer as a case
   std::string dump_dir;
 };
 
@@ -42,7 +42,7 @@ struct ModeStats {
   ForwardMode mode = ForwardMode::IDLE;
   std::string backend;  // the backend that served this mode (after hybrid routing)
   int64_t steps = 0, tokens = 0;
-  double seconds = 0;   // begin_step + every layer's forward + end_step
+  double seconds = 0;  // begin_step + every layer's forward + end_step
   int64_t checked_steps = 0;
   double max_abs_err = 0, max_rel_err = 0;  // over checked steps, vs reference
   double tokens_per_second() const { return seconds > 0 ? tokens / seconds : 0; }
@@ -56,7 +56,7 @@ struct CheckFailure {
   int64_t token = 0;  // query row of the step
   int head = 0, column = 0;
   double got = 0, expected = 0, abs_err = 0;
-  std::string what;   // one line: step, mode, layer, where, error, tolerance
+  std::string what;  // one line: step, mode, layer, where, error, tolerance
 };
 
 struct RunReport {
@@ -75,8 +75,9 @@ struct RunReport {
   std::vector<CheckFailure> failures;  // the first few of each (model, mode)
   int64_t failure_count = 0;           // checked layer outputs beyond tolerance, in total
   Tolerance tolerance;
-  std::string dump_written;            // the case directory written for --dump-step, if any
-  std::string dump_error;              // why --dump-step wrote nothing (no such step, IDLE step)
+  std::string check_note;    // why no step was checked against reference, if none was
+  std::string dump_written;  // the case directory written for --dump-step, if any
+  std::string dump_error;    // why --dump-step wrote nothing (no such step, IDLE step)
 
   ModeStats totals() const;
   bool ok() const;
@@ -93,10 +94,12 @@ using ProgressFn = std::function<void(const Progress&)>;
 
 // Fills unset speculative options as engines do: topk 1 when only the step count is given, and
 // num_draft_tokens = num_steps + 1 for a chain. Throws attnrt::Error when a tree (topk > 1) lacks
-// --speculative-num-draft-tokens or when topk / draft tokens are given without --speculative-num-steps.
+// --speculative-num-draft-tokens or when topk / draft tokens are given without
+// --speculative-num-steps.
 Options complete_spec_options(Options options);
 
-// The one-layer draft model used with speculative decoding: the target's first layer with a KV cache.
+// The one-layer draft model used with speculative decoding: the target's first layer with a KV
+// cache.
 ModelSpec make_draft_model(const ModelSpec& target);
 
 // Runs the whole trace. Throws attnrt::Error for bad input (options, trace, pool too small);

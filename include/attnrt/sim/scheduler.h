@@ -1,14 +1,14 @@
-// The serving scheduler of `attnrt run`: turns a trace into forward steps the way an engine does, and
-// does the engine's memory bookkeeping in the pools (request rows, KV slots, shared-prefix cache,
-// speculative accept/compact/free). It computes no attention: the step driver (sim/driver.h) runs each
-// planned step through an AttentionRuntime.
+// The serving scheduler of `attnrt run`: turns a trace into forward steps the way an engine does,
+// and does the engine's memory bookkeeping in the pools (request rows, KV slots, shared-prefix
+// cache, speculative accept/compact/free). It computes no attention: the step driver (sim/driver.h)
+// runs each planned step through an AttentionRuntime.
 //
-// Life of a request: waits until its arrival iteration, is admitted when a request row is free and the
-// KV pool can hold its whole life (prompt + output, + the verify block with speculation), is prefilled
-// in chunks under a per-step token budget (a continuation chunk is an EXTEND with a cached prefix;
-// requests naming a registered shared prefix start from it), then decodes (DECODE, or the decode half
-// of a MIXED step, or TARGET_VERIFY + DRAFT_EXTEND rounds with speculation) until it has produced
-// output_len tokens, and releases everything it holds.
+// Life of a request: waits until its arrival iteration, is admitted when a request row is free and
+// the KV pool can hold its whole life (prompt + output, + the verify block with speculation), is
+// prefilled in chunks under a per-step token budget (a continuation chunk is an EXTEND with a
+// cached prefix; requests naming a registered shared prefix start from it), then decodes (DECODE,
+// or the decode half of a MIXED step, or TARGET_VERIFY + DRAFT_EXTEND rounds with speculation)
+// until it has produced output_len tokens, and releases everything it holds.
 #pragma once
 
 #include <cstdint>
@@ -40,8 +40,8 @@ struct KvSpace {
   std::vector<int> kv_layers;   // layer ids held by kv_cache (rows are moved in every one)
 };
 
-// Copies K/V rows src -> dst (full-pool slots) in every listed layer of a host KV cache, in order, so
-// a chain of moves towards lower positions is safe. SWA layers translate through their slot map.
+// Copies K/V rows src -> dst (full-pool slots) in every listed layer of a host KV cache, in order,
+// so a chain of moves towards lower positions is safe. SWA layers translate through their slot map.
 void copy_kv_rows(KVCache& cache, const std::vector<int>& layers,
                   const std::vector<std::pair<int64_t, int64_t>>& moves);
 
@@ -49,7 +49,8 @@ struct SpecConfig {
   int num_steps = 0;         // draft depth; 0 = speculative decoding off
   int topk = 1;              // 1 = chain, > 1 = tree
   int num_draft_tokens = 0;  // N per request, the root included
-  double accept_prob = 0.7;  // chance that the draft token on the accepted path at each depth is right
+  double accept_prob =
+      0.7;  // chance that the draft token on the accepted path at each depth is right
   bool enabled() const { return num_steps > 0; }
 };
 
@@ -59,13 +60,14 @@ struct SchedulerConfig {
   bool mixed_chunk = true;         // MIXED steps (ignored with speculation, as engines do)
   int page_size = 1;               // must equal the allocator's
   SpecConfig spec;
-  uint64_t seed = 1;               // acceptance sampling and tree shapes
+  uint64_t seed = 1;  // acceptance sampling and tree shapes
 };
 
 enum class ModelRole : uint8_t { target, draft };
 std::string_view model_role_name(ModelRole r);
 
-// A planned forward step. Its slots are allocated and written to req_to_token before it is returned.
+// A planned forward step. Its slots are allocated and written to req_to_token before it is
+// returned.
 struct ScheduledStep {
   int index = 0;      // 0-based over every step of the run (target and draft)
   int iteration = 0;  // the target iteration it belongs to (draft steps follow their target step)
@@ -77,10 +79,10 @@ struct ScheduledStep {
 struct RequestState {
   int trace_index = 0;
   enum class Phase : uint8_t { waiting, prefill, decode, finished } phase = Phase::waiting;
-  int prefilled = 0;      // prompt tokens whose K/V are in the target cache (a cached prefix included)
-  int kv_len = 0;         // target-cache tokens (committed)
-  int draft_kv_len = 0;   // draft-cache tokens (speculation only)
-  int generated = 0;      // output tokens produced so far
+  int prefilled = 0;  // prompt tokens whose K/V are in the target cache (a cached prefix included)
+  int kv_len = 0;     // target-cache tokens (committed)
+  int draft_kv_len = 0;  // draft-cache tokens (speculation only)
+  int generated = 0;     // output tokens produced so far
   int target_row = -1, draft_row = -1;
   int cached_prefix_len = 0;  // tokens reused from a registered shared prefix
   int admitted_iteration = -1, finished_iteration = -1;
@@ -89,13 +91,13 @@ struct RequestState {
 
 struct PoolReport {
   bool ok = true;
-  int64_t total_slots = 0;       // usable slots of the pool
-  int64_t free_slots = 0;        // free at the end, shared prefixes still cached
-  int64_t prefix_slots = 0;      // held by the shared-prefix cache at the end
+  int64_t total_slots = 0;   // usable slots of the pool
+  int64_t free_slots = 0;    // free at the end, shared prefixes still cached
+  int64_t prefix_slots = 0;  // held by the shared-prefix cache at the end
   int prefixes = 0;
-  int rows_in_use = 0;           // request rows still allocated (0 when nothing leaked)
+  int rows_in_use = 0;             // request rows still allocated (0 when nothing leaked)
   int64_t free_after_release = 0;  // free after the shared prefixes were released too
-  std::string detail;            // what leaked, when !ok
+  std::string detail;              // what leaked, when !ok
 };
 
 class Scheduler {
@@ -107,8 +109,9 @@ class Scheduler {
   bool done() const;
   // Plans the next step and allocates its slots. Call complete() after running it.
   const ScheduledStep& next();
-  // Commits the step returned by next(): lengths advance, verify acceptance is sampled (accepted tree
-  // paths are moved to consecutive slots, rejected slots freed), finished requests release everything.
+  // Commits the step returned by next(): lengths advance, verify acceptance is sampled (accepted
+  // tree paths are moved to consecutive slots, rejected slots freed), finished requests release
+  // everything.
   void complete();
 
   // When done(): checks that every request row and every slot is free except those of the cached
@@ -127,8 +130,8 @@ class Scheduler {
 
  private:
   struct PrefixEntry {
-    int len = 0;                       // page-aligned length that is shared
-    int owner = -1;                    // trace index of the request that prefills it
+    int len = 0;     // page-aligned length that is shared
+    int owner = -1;  // trace index of the request that prefills it
     bool target_ready = false, draft_ready = false;
     std::vector<int64_t> target_slots, draft_slots;
   };
@@ -175,7 +178,7 @@ class Scheduler {
   std::vector<int> arrival_order_;  // trace indices sorted by (arrival_step, line order)
   size_t next_arrival_ = 0;
   std::deque<int> waiting_;
-  std::vector<int> running_;        // admitted, not finished, in admission order
+  std::vector<int> running_;  // admitted, not finished, in admission order
   std::map<std::string, PrefixEntry> prefixes_;
   int iteration_ = 0;
   bool last_was_prefill_ = false;

@@ -29,16 +29,16 @@ struct Trace {
   int last_arrival_step() const;
 };
 
-// Parses JSON lines. Blank lines are skipped. Throws attnrt::Error naming `origin`, the line number and
-// the field for malformed JSON, unknown fields, missing or out-of-range values, duplicate ids and a
-// shared prefix given different lengths on different lines.
+// Parses JSON lines. Blank lines are skipped. Throws attnrt::Error naming `origin`, the line number
+// and the field for malformed JSON, unknown fields, missing or out-of-range values, duplicate ids
+// and a shared prefix given different lengths on different lines.
 Trace parse_trace(std::string_view text, std::string_view origin);
 Trace load_trace(const std::string& path);
 
-// The trace `attnrt run` replays when no --trace is given: a few dozen requests with mixed prompt and
-// output lengths, staggered arrivals (the first at step 2, a late wave after a pause, so the engine
-// has idle iterations), and two groups sharing a system prompt. Deterministic: generated in code from
-// a fixed seed, identical on every machine.
+// The trace `attnrt run` replays when no --trace is given: a few dozen requests with mixed prompt
+// and output lengths, staggered arrivals (the first at step 2, a late wave after a pause, so the
+// engine has idle iterations), and two groups sharing a system prompt. Deterministic: generated in
+// code from a fixed seed, identical on every machine.
 Trace builtin_trace();
 
 // The trace back as JSON lines (parse_trace(to_jsonl(t)) == t up to `line` and `origin`).

@@ -1,0 +1,187 @@
+// The attnrt command-line tool end to end: the built binary (path in ATTNRT_CLI, set by CMake for
+// ctest) is run in a shell and its exit status, stdout and stderr are checked.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Result {
+  int status = -1;
+  std::string out, err;
+};
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* cli = std::getenv("ATTNRT_CLI");
+    if (cli == nullptr || *cli == '\0') GTEST_SKIP() << "ATTNRT_CLI is not set (ctest sets it)";
+    cli_ = cli;
+    dir_ = fs::path(::testing::TempDir()) /
+           fmt::format("attnrt_cli_{}_{}", getpid(),
+                       ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+
+  Result run(const std::string& args) {
+    const fs::path out = dir_ / "stdout.txt", err = dir_ / "stderr.txt";
+    const std::string cmd =
+        fmt::format("'{}' {} >'{}' 2>'{}' </dev/null", cli_, args, out.string(), err.string());
+    const int raw = std::system(cmd.c_str());
+    Result r;
+    r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+    r.out = read_file(out);
+    r.err = read_file(err);
+    return r;
+  }
+
+  fs::path write(const std::string& name, const std::string& text) {
+    const fs::path p = dir_ / name;
+    std::ofstream(p) << text;
+    return p;
+  }
+
+  std::string cli_;
+  fs::path dir_;
+};
+
+constexpr const char* kTinyTrace =
+    "{\"id\": \"a\", \"arrival_step\": 1, \"prompt_len\": 30, \"output_len\": 5}\n"
+    "{\"id\": \"b\", \"arrival_step\": 1, \"prompt_len\": 50, \"output_len\": 4, "
+    "\"shared_prefix\": "
+    "\"sys\", \"shared_prefix_len\": 16}\n"
+    "{\"id\": \"c\", \"arrival_step\": 2, \"prompt_len\": 24, \"output_len\": 6, "
+    "\"shared_prefix\": "
+    "\"sys\", \"shared_prefix_len\": 16}\n";
+
+TEST_F(Cli, HelpListsSubcommandsAndRunOptions) {
+  Result r = run("--help");
+  EXPECT_EQ(r.status, 0) << r.err;
+  for (const char* cmd : {"info", "check", "run", "replay", "bench"}) {
+    EXPECT_NE(r.out.find(cmd), std::string::npos) << cmd;
+  }
+  r = run("run --help");
+  EXPECT_EQ(r.status, 0) << r.err;
+  for (const char* opt : {"--model", "--trace", "--check-every", "--seed", "--dump-step", "--json",
+                          "--no-progress", "--attention-backend", "--speculative-num-steps",
+                          "--chunked-prefill-size", "--max-running-requests"}) {
+    EXPECT_NE(r.out.find(opt), std::string::npos) << opt;
+  }
+  r = run("check --help");
+  EXPECT_EQ(r.status, 0) << r.err;
+  for (const char* opt : {"--backend", "--cases", "--seed", "--feature"}) {
+    EXPECT_NE(r.out.find(opt), std::string::npos) << opt;
+  }
+}
+
+TEST_F(Cli, RunReplaysATinyTraceOnReference) {
+  const fs::path trace = write("tiny.jsonl", kTinyTrace);
+  const fs::path json = dir_ / "report.json";
+  const Result r =
+      run(fmt::format("run --trace '{}' --attention-backend reference --no-progress "
+                      "--check-every 2 --chunked-prefill-size 32 --json '{}'",
+                      trace.string(), json.string()));
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  for (const char* part : {"EXTEND", "DECODE", "MIXED", "IDLE", "total", "reference",
+                           "pool check (target): ok", "3 requests"}) {
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
+  }
+  EXPECT_EQ(r.err, "");  // --no-progress: nothing on stderr
+  const nlohmann::json j = nlohmann::json::parse(read_file(json));
+  EXPECT_TRUE(j["ok"].get<bool>());
+  EXPECT_EQ(j["backends"]["prefill"], "reference");
+  EXPECT_TRUE(j["pool_check"]["target"]["ok"].get<bool>());
+  // 30 + 50 + 24 prompt tokens less 16 reused from the cache, plus 4 + 3 + 5 decoded tokens.
+  EXPECT_EQ(j["total"]["tokens"].get<int64_t>(), 30 + 50 + 24 - 16 + 4 + 3 + 5);
+  int64_t checked = 0;
+  for (const auto& m : j["modes"]) checked += m["checked_steps"].get<int64_t>();
+  EXPECT_GT(checked, 0);
+}
+
+TEST_F(Cli, RunWithSpeculationAndDumpStep) {
+  const fs::path trace = write("tiny.jsonl", kTinyTrace);
+  const fs::path cases = dir_ / "case";
+  const Result r = run(fmt::format(
+      "run --trace '{}' --attention-backend reference --no-progress --speculative-num-steps 2 "
+      "--speculative-eagle-topk 2 --speculative-num-draft-tokens 4 --dump-step 3 '{}'",
+      trace.string(), cases.string()));
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  for (const char* part : {"TARGET_VERIFY", "DRAFT_EXTEND (draft)", "pool check (draft): ok",
+                           "step case written to"}) {
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
+  }
+  EXPECT_TRUE(fs::exists(cases / "case.json"));
+  const Result replay = run(fmt::format("replay '{}' --backend reference", cases.string()));
+  EXPECT_EQ(replay.status, 0) << replay.out << replay.err;
+}
+
+TEST_F(Cli, BadInputExitsTwoWithAMessage) {
+  const fs::path trace = write("tiny.jsonl", kTinyTrace);
+  Result r = run(fmt::format("run --trace '{}' --attention-backend no-such-backend --no-progress",
+                             trace.string()));
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("no-such-backend"), std::string::npos) << r.err;
+
+  const fs::path bad =
+      write("bad.jsonl", "{\"prompt_len\": 10, \"output_len\": 2}\n{\"prompt_len\": ten}\n");
+  r = run(
+      fmt::format("run --trace '{}' --attention-backend reference --no-progress", bad.string()));
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("line 2"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("not valid JSON"), std::string::npos) << r.err;
+
+  r = run(fmt::format("run --trace '{}' --no-progress", (dir_ / "missing.jsonl").string()));
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("cannot open"), std::string::npos) << r.err;
+
+  r = run(fmt::format(
+      "run --trace '{}' --attention-backend reference --no-progress --dump-step 500 '{}'",
+      trace.string(), (dir_ / "case").string()));
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("--dump-step 500"), std::string::npos) << r.err;
+
+  r = run("run --model no-such-model --no-progress");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("no-such-model"), std::string::npos) << r.err;
+
+  r = run("check --backend no-such-backend");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("no-such-backend"), std::string::npos) << r.err;
+
+  r = run("check --backend reference --feature no-such-feature");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("no-such-feature"), std::string::npos) << r.err;
+}
+
+TEST_F(Cli, CheckReportsEveryRequestedFeature) {
+  const Result r = run(
+      "check --backend reference --cases 1 --feature decode --feature verify_tree --no-progress");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("decode"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("verify_tree"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("2 features passed, 0 failed"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("mixed"), std::string::npos) << r.out;
+}
+
+}  // namespace
