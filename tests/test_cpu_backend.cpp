@@ -297,6 +297,36 @@ TEST(CpuBackend, HeadShapesGroupsAndVectorTails) {
   }
 }
 
+TEST(CpuBackend, Bf16TilesWithOddShapesWindowsTreesAndSplits) {
+  // All-bf16 steps run the bf16 dot-product tiles where the CPU has them: odd key counts per
+  // block, value dims that leave pair and vector tails, SWA keys the pool dropped, tree masks,
+  // soft-cap and key splits.
+  struct Shape {
+    int hq, hkv, d, dv;
+  };
+  const std::vector<Shape> shapes = {{8, 2, 72, 70}, {6, 1, 40, 24}, {32, 8, 128, 128}};
+  const std::vector<int32_t> tree = {-1, 0, 0, 1, 2, 2, 3};
+  uint64_t seed = 0xbf16;
+  for (const Shape& sh : shapes) {
+    LayerSpec full = make_layer(sh.hq, sh.hkv, sh.d, sh.dv);
+    full.logit_cap = 20.f;
+    LayerSpec swa = full;
+    swa.kind = LayerKind::swa;
+    swa.sliding_window = 37;
+    std::vector<CaseSpec> specs = {
+        make_spec("bf16-extend", ForwardMode::EXTEND, {0, 45, 1}, {67, 33, 99}, {swa, full},
+                  seed++),
+        make_spec("bf16-long", ForwardMode::EXTEND, {1500}, {9}, {full}, seed++),
+        verify_spec("bf16-tree", {61, 0}, 7, 2, tree, {swa, full}, seed++)};
+    for (CaseSpec& s : specs) {
+      s.kv_dtype = s.act_dtype = DType::bf16;
+      s.q_amplitude = 2.f;
+      s.want_lse = true;
+      expect_matches_reference(s);
+    }
+  }
+}
+
 TEST(CpuBackend, EveryKvDtypeWithScalesInEveryMode) {
   LayerSpec layer = make_layer(8, 2, 64);
   layer.logit_cap = 8.f;

@@ -487,9 +487,148 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int
 }
 
 // ------------------------------------------------------------------------------------------------
-// Tile kernel: NV vectors of query rows.
+// bf16 dot products (vdpbf16ps: AVX-512 BF16, from Cooper Lake and Zen 4 on). Highway 1.0 has no
+// target for them, so these few micro-kernels use the intrinsics directly and run only where the
+// CPU reports the extension. Products of two bf16 are exact in fp32; only the probabilities are
+// rounded to bf16 for P.V, which the bf16 output rounds far more.
 
-template <DType DT, int NV>
+#undef ATTNRT_BF16_DOT
+#undef ATTNRT_BF16_FN
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+#define ATTNRT_BF16_DOT 1
+#define ATTNRT_BF16_FN __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16")))
+
+bool HasBf16Dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+constexpr int kPairKeys = 8;  // keys per S^T step
+constexpr int kPairDv = 8;    // value dims per O^T step
+
+// S^T[j][rows] = sum over dim pairs of K[j] . Q^T, n_step keys (a multiple of kPairKeys); k holds
+// the keys' rows as bf16 pairs, qp the pairs of Q^T ([pairs][rl]).
+template <int NV>
+ATTNRT_BF16_FN void ScoresBf16(const uint32_t* const* k, int n_step, int pairs, const uint32_t* qp,
+                               int rl, float* st) {
+  for (int j = 0; j < n_step; j += kPairKeys) {
+    __m512 acc[kPairKeys][NV];
+    for (int kk = 0; kk < kPairKeys; ++kk) {
+      for (int v = 0; v < NV; ++v) acc[kk][v] = _mm512_setzero_ps();
+    }
+    for (int d = 0; d < pairs; ++d) {
+      __m512bh q[NV];
+      for (int v = 0; v < NV; ++v) {
+        q[v] = (__m512bh)_mm512_loadu_si512(qp + static_cast<size_t>(d) * rl + v * 16);
+      }
+      for (int kk = 0; kk < kPairKeys; ++kk) {
+        const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(k[j + kk][d]));
+        for (int v = 0; v < NV; ++v) acc[kk][v] = _mm512_dpbf16_ps(acc[kk][v], q[v], kv);
+      }
+    }
+    for (int kk = 0; kk < kPairKeys; ++kk) {
+      for (int v = 0; v < NV; ++v) {
+        _mm512_storeu_ps(st + static_cast<size_t>(j + kk) * rl + v * 16, acc[kk][v]);
+      }
+    }
+  }
+}
+
+// vp[jp][d] = V[2 jp][d] | V[2 jp + 1][d] << 16: value rows paired along the keys.
+ATTNRT_BF16_FN void PairValues(const uint16_t* const* v, int n, int vdim, const uint16_t* zero,
+                               uint32_t* vp) {
+  alignas(64) static constexpr int16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                  11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr int16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                  53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                  27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  for (int jp = 0; jp * 2 < n; ++jp) {
+    const uint16_t* a = v[2 * jp];
+    const uint16_t* b = 2 * jp + 1 < n ? v[2 * jp + 1] : zero;
+    uint32_t* dst = vp + static_cast<size_t>(jp) * vdim;
+    int d = 0;
+    for (; d + 32 <= vdim; d += 32) {
+      const __m512i va = _mm512_loadu_si512(a + d), vb = _mm512_loadu_si512(b + d);
+      _mm512_storeu_si512(dst + d, _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_storeu_si512(dst + d + 16, _mm512_permutex2var_epi16(va, hi, vb));
+    }
+    for (; d < vdim; ++d) dst[d] = a[d] | static_cast<uint32_t>(b[d]) << 16;
+  }
+}
+
+// pp[jp][rows] = bf16(P^T[2 jp][rows]) | bf16(P^T[2 jp + 1][rows]) << 16.
+ATTNRT_BF16_FN void PairProbabilities(const float* st, int n, int rl, uint32_t* pp) {
+  for (int jp = 0; jp * 2 < n; ++jp) {
+    for (int v = 0; v < rl; v += 16) {
+      const __m512 a = _mm512_loadu_ps(st + static_cast<size_t>(2 * jp) * rl + v);
+      const __m512 b = 2 * jp + 1 < n ? _mm512_loadu_ps(st + static_cast<size_t>(2 * jp + 1) * rl + v)
+                                      : _mm512_setzero_ps();
+      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+      const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b)), 16);
+      _mm512_storeu_si512(pp + static_cast<size_t>(jp) * rl + v, _mm512_or_si512(lo, hi));
+    }
+  }
+}
+
+// O^T[d][rows] = O^T[d][rows] * alpha + sum over key pairs of V pairs . P pairs.
+template <int NV>
+ATTNRT_BF16_FN void ValuesBf16(const uint32_t* vp, const uint32_t* pp, int npairs, int vdim, int rl,
+                               const float* alpha, float* ot) {
+  __m512 al[NV];
+  for (int v = 0; v < NV; ++v) al[v] = _mm512_loadu_ps(alpha + v * 16);
+  int d0 = 0;
+  for (; d0 + kPairDv <= vdim; d0 += kPairDv) {
+    __m512 o[kPairDv][NV];
+    for (int dd = 0; dd < kPairDv; ++dd) {
+      for (int v = 0; v < NV; ++v) {
+        o[dd][v] = _mm512_mul_ps(_mm512_loadu_ps(ot + static_cast<size_t>(d0 + dd) * rl + v * 16), al[v]);
+      }
+    }
+    for (int jp = 0; jp < npairs; ++jp) {
+      __m512bh pv[NV];
+      for (int v = 0; v < NV; ++v) {
+        pv[v] = (__m512bh)_mm512_loadu_si512(pp + static_cast<size_t>(jp) * rl + v * 16);
+      }
+      const uint32_t* vr = vp + static_cast<size_t>(jp) * vdim + d0;
+      for (int dd = 0; dd < kPairDv; ++dd) {
+        const __m512bh vv = (__m512bh)_mm512_set1_epi32(static_cast<int>(vr[dd]));
+        for (int v = 0; v < NV; ++v) o[dd][v] = _mm512_dpbf16_ps(o[dd][v], pv[v], vv);
+      }
+    }
+    for (int dd = 0; dd < kPairDv; ++dd) {
+      for (int v = 0; v < NV; ++v) {
+        _mm512_storeu_ps(ot + static_cast<size_t>(d0 + dd) * rl + v * 16, o[dd][v]);
+      }
+    }
+  }
+  for (; d0 < vdim; ++d0) {
+    __m512 o[NV];
+    for (int v = 0; v < NV; ++v) {
+      o[v] = _mm512_mul_ps(_mm512_loadu_ps(ot + static_cast<size_t>(d0) * rl + v * 16), al[v]);
+    }
+    for (int jp = 0; jp < npairs; ++jp) {
+      const __m512bh vv = (__m512bh)_mm512_set1_epi32(static_cast<int>(vp[static_cast<size_t>(jp) * vdim + d0]));
+      for (int v = 0; v < NV; ++v) {
+        o[v] = _mm512_dpbf16_ps(
+            o[v], (__m512bh)_mm512_loadu_si512(pp + static_cast<size_t>(jp) * rl + v * 16), vv);
+      }
+    }
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(ot + static_cast<size_t>(d0) * rl + v * 16, o[v]);
+  }
+}
+
+#else
+#define ATTNRT_BF16_DOT 0
+bool HasBf16Dot() { return false; }
+#endif
+
+// ------------------------------------------------------------------------------------------------
+// Tile kernel: NV vectors of query rows. kDot: bf16 q and K/V through vdpbf16ps (Q^T and K kept as
+// bf16 pairs, the softmax scale applied to the scores) instead of fp32 FMA on widened blocks.
+
+template <DType DT, int NV, bool kDot>
 void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head) {
   using T = typename KvElem<DT>::T;
   const DF df;
@@ -506,25 +645,30 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   const RowMap rows{r.q_row, it.t0, it.g0, ng, group, kv_head};
 
   Arena arena;
-  arena.reserve(static_cast<size_t>(dim) * rl);         // Q^T
-  arena.reserve(static_cast<size_t>(kTileKeys) * kdim);  // a block of K, then of V, in fp32
+  arena.reserve(static_cast<size_t>(dim) * rl);         // Q^T (fp32, or bf16 pairs)
+  arena.reserve(static_cast<size_t>(kTileKeys) * kdim);  // a block of K, then of V
   arena.reserve(static_cast<size_t>(kTileKeys) * rl);   // S^T, then P^T
+  arena.reserve(static_cast<size_t>(kTileKeys) * rl);   // P^T as bf16 pairs
   arena.reserve(static_cast<size_t>(vdim) * rl);        // O^T
   for (int k = 0; k < 4; ++k) arena.reserve(rl);        // m, l, alpha, query positions
   arena.reserve(static_cast<size_t>(ndraft) * rl);      // tree visibility per draft key
+  arena.reserve(kdim);                                  // a zero row
   arena.bind(t_scratch.get(arena.total()));
   float* qt = arena.take(static_cast<size_t>(dim) * rl);
   float* kvf = arena.take(static_cast<size_t>(kTileKeys) * kdim);
   float* st = arena.take(static_cast<size_t>(kTileKeys) * rl);
+  [[maybe_unused]] float* pairs_p = arena.take(static_cast<size_t>(kTileKeys) * rl);
   float* ot = arena.take(static_cast<size_t>(vdim) * rl);
   float* m = arena.take(rl);
   float* l = arena.take(rl);
   float* alpha = arena.take(rl);
   float* qpos = arena.take(rl);
   float* tvis = arena.take(static_cast<size_t>(ndraft) * rl);
+  float* zero_row = arena.take(kdim);
+  std::fill(zero_row, zero_row + kdim, 0.f);
 
-  // Q^T, pre-scaled; padding lanes stay zero and copy the last row's position so that they never
-  // see an empty key set.
+  // Q^T (fp32 pre-scaled, or raw bf16 pairs); padding lanes stay zero and copy the last row's
+  // position so that they never see an empty key set.
   std::fill(qt, qt + static_cast<size_t>(dim) * rl, 0.f);
   float min_pos = std::numeric_limits<float>::max(), max_pos = 0.f;
   for (int i = 0; i < rl; ++i) {
@@ -535,10 +679,19 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
     min_pos = std::min(min_pos, qpos[i]);
     max_pos = std::max(max_pos, qpos[i]);
     const int64_t base = rows.token_row(i) * a.q_stride[0] + rows.head(i) * a.q_stride[1];
-    for (int d = 0; d < dim; ++d) {
-      qt[static_cast<size_t>(d) * rl + i] =
-          load_as_float(a.q, a.q_dtype, static_cast<size_t>(base + d * a.q_stride[2])) *
-          a.qk_scale;
+    if constexpr (kDot) {
+      const uint16_t* q = static_cast<const uint16_t*>(a.q) + base;
+      uint32_t* qp = reinterpret_cast<uint32_t*>(qt);
+      for (int d = 0; d < dim / 2; ++d) {
+        qp[static_cast<size_t>(d) * rl + i] = q[2 * d * a.q_stride[2]] |
+                                              static_cast<uint32_t>(q[(2 * d + 1) * a.q_stride[2]]) << 16;
+      }
+    } else {
+      for (int d = 0; d < dim; ++d) {
+        qt[static_cast<size_t>(d) * rl + i] =
+            load_as_float(a.q, a.q_dtype, static_cast<size_t>(base + d * a.q_stride[2])) *
+            a.qk_scale;
+      }
     }
   }
   for (int u = 0; u < ndraft; ++u) {
@@ -558,58 +711,79 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   const VF neg_inf = hn::Set(df, kNegInf);
   const VF zero = hn::Zero(df);
   const VF window = hn::Set(df, static_cast<float>(a.window));
+  const VF score_scale = hn::Set(df, kDot ? a.qk_scale : 1.f);
+  // Row of key j of the block, or null for a key the SWA pool no longer holds (outside every
+  // window of this tile): zeros stand in for whatever the dummy row contains.
+  auto key_row = [&](const T* cache, int64_t row_stride, int width, int key) -> const T* {
+    const int64_t slot = slots[key];
+    if (p.zero_slot_is_absent && slot == 0) return nullptr;
+    return cache + slot * row_stride + static_cast<int64_t>(kv_head) * width;
+  };
 
   for (int kb = it.k0; kb < it.k1; kb += kTileKeys) {
     const int n = std::min(kTileKeys, it.k1 - kb);
-    const int n_step = (n + kTileKeyStep - 1) / kTileKeyStep * kTileKeyStep;
 
     for (int j = 0; j < n; ++j) {
-      const int64_t slot = slots[kb + j];
-      PrefetchRow(v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim,
-                  vdim * sizeof(T));
+      if (const T* row = key_row(v_cache, a.v_row_stride, vdim, kb + j)) {
+        PrefetchRow(row, vdim * sizeof(T));
+      }
     }
     for (int j = kb + n; j < std::min(it.k1, kb + n + kTileKeys); ++j) {
-      PrefetchRow(k_cache + slots[j] * a.k_row_stride + static_cast<int64_t>(kv_head) * dim,
-                  dim * sizeof(T));
-    }
-
-    // K block in fp32. A translated slot 0 is a key the SWA pool no longer holds: it is outside
-    // every window of this tile, so zeros stand in for whatever the dummy row contains.
-    for (int j = 0; j < n_step; ++j) {
-      float* dst = kvf + static_cast<size_t>(j) * dim;
-      const int64_t slot = j < n ? slots[kb + j] : 0;
-      if (j >= n || (p.zero_slot_is_absent && slot == 0)) {
-        std::fill(dst, dst + dim, 0.f);
-      } else {
-        ConvertRow<DT>(k_cache + slot * a.k_row_stride + static_cast<int64_t>(kv_head) * dim, dim,
-                       dst);
+      if (const T* row = key_row(k_cache, a.k_row_stride, dim, j)) {
+        PrefetchRow(row, dim * sizeof(T));
       }
     }
 
     // S^T[j][rows] = sum_d K[j][d] * Q^T[d][rows].
-    for (int j = 0; j < n_step; j += kTileKeyStep) {
-      VF acc[kTileKeyStep][NV];
-      for (int kk = 0; kk < kTileKeyStep; ++kk) {
-        for (int v = 0; v < NV; ++v) acc[kk][v] = zero;
+#if ATTNRT_BF16_DOT
+    if constexpr (kDot) {
+      const int n_step = (n + kPairKeys - 1) / kPairKeys * kPairKeys;
+      const uint32_t* krows[kTileKeys];
+      for (int j = 0; j < n_step; ++j) {
+        const T* row = j < n ? key_row(k_cache, a.k_row_stride, dim, kb + j) : nullptr;
+        krows[j] = row != nullptr ? reinterpret_cast<const uint32_t*>(row)
+                                  : reinterpret_cast<const uint32_t*>(zero_row);
       }
-      const float* k0 = kvf + static_cast<size_t>(j) * dim;
-      for (int d = 0; d < dim; ++d) {
-        VF qv[NV];
-        for (int v = 0; v < NV; ++v) qv[v] = hn::Load(df, qt + static_cast<size_t>(d) * rl + v * lanes);
-        for (int kk = 0; kk < kTileKeyStep; ++kk) {
-          const VF kv = hn::Set(df, k0[static_cast<size_t>(kk) * dim + d]);
-          for (int v = 0; v < NV; ++v) acc[kk][v] = hn::MulAdd(kv, qv[v], acc[kk][v]);
+      ScoresBf16<NV>(krows, n_step, dim / 2, reinterpret_cast<const uint32_t*>(qt), rl, st);
+    }
+#endif
+    if constexpr (!kDot) {
+      const int n_step = (n + kTileKeyStep - 1) / kTileKeyStep * kTileKeyStep;
+      for (int j = 0; j < n_step; ++j) {
+        float* dst = kvf + static_cast<size_t>(j) * dim;
+        const T* row = j < n ? key_row(k_cache, a.k_row_stride, dim, kb + j) : nullptr;
+        if (row == nullptr) {
+          std::fill(dst, dst + dim, 0.f);
+        } else {
+          ConvertRow<DT>(row, dim, dst);
         }
       }
-      for (int kk = 0; kk < kTileKeyStep; ++kk) {
-        for (int v = 0; v < NV; ++v) {
-          hn::Store(acc[kk][v], df, st + static_cast<size_t>(j + kk) * rl + v * lanes);
+      for (int j = 0; j < n_step; j += kTileKeyStep) {
+        VF acc[kTileKeyStep][NV];
+        for (int kk = 0; kk < kTileKeyStep; ++kk) {
+          for (int v = 0; v < NV; ++v) acc[kk][v] = zero;
+        }
+        const float* k0 = kvf + static_cast<size_t>(j) * dim;
+        for (int d = 0; d < dim; ++d) {
+          VF qv[NV];
+          for (int v = 0; v < NV; ++v) {
+            qv[v] = hn::Load(df, qt + static_cast<size_t>(d) * rl + v * lanes);
+          }
+          for (int kk = 0; kk < kTileKeyStep; ++kk) {
+            const VF kv = hn::Set(df, k0[static_cast<size_t>(kk) * dim + d]);
+            for (int v = 0; v < NV; ++v) acc[kk][v] = hn::MulAdd(kv, qv[v], acc[kk][v]);
+          }
+        }
+        for (int kk = 0; kk < kTileKeyStep; ++kk) {
+          for (int v = 0; v < NV; ++v) {
+            hn::Store(acc[kk][v], df, st + static_cast<size_t>(j + kk) * rl + v * lanes);
+          }
         }
       }
     }
 
-    // Soft-cap, mask, online softmax, lane-wise. A block is masked only where some key may be
-    // invisible to some row: tree drafts, the causal edge, the window's far edge.
+    // Scale, soft-cap, mask, online softmax, lane-wise. A block is masked only where some key may
+    // be invisible to some row: tree drafts, the causal edge, the window's far edge.
     const bool tree_keys = tree && kb + n > r.prefix;
     const bool causal_edge = a.causal && static_cast<float>(kb + n - 1) > min_pos;
     const bool window_edge = a.window >= 0 && max_pos - static_cast<float>(kb) > a.window;
@@ -630,6 +804,7 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
       for (int v = 0; v < NV; ++v) {
         float* sp = st + static_cast<size_t>(j) * rl + v * lanes;
         VF s = hn::Load(df, sp);
+        if constexpr (kDot) s = hn::Mul(s, score_scale);
         if (a.softcap > 0.f) s = hn::Mul(cap, hn::Tanh(df, hn::Mul(s, inv_cap)));
         if (masked) {
           auto vis = draft ? hn::Gt(hn::Load(df, tvis + static_cast<size_t>(u) * rl + v * lanes), zero)
@@ -658,54 +833,72 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
       hn::Store(hn::MulAdd(hn::Load(df, l + v * lanes), al, sum), df, l + v * lanes);
     }
 
-    // V block in fp32 (same buffer as K).
-    for (int j = 0; j < n; ++j) {
-      float* dst = kvf + static_cast<size_t>(j) * vdim;
-      const int64_t slot = slots[kb + j];
-      if (p.zero_slot_is_absent && slot == 0) {
-        std::fill(dst, dst + vdim, 0.f);
-      } else {
-        ConvertRow<DT>(v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim,
-                       vdim, dst);
-      }
-    }
-
     // O^T[d][rows] = O^T[d][rows] * alpha + sum_j V[j][d] * P^T[j][rows].
-    VF al[NV];
-    for (int v = 0; v < NV; ++v) al[v] = hn::Load(df, alpha + v * lanes);
-    int d0 = 0;
-    for (; d0 + kTileDvStep <= vdim; d0 += kTileDvStep) {
-      VF o[kTileDvStep][NV];
-      for (int dd = 0; dd < kTileDvStep; ++dd) {
-        for (int v = 0; v < NV; ++v) {
-          o[dd][v] = hn::Mul(hn::Load(df, ot + static_cast<size_t>(d0 + dd) * rl + v * lanes), al[v]);
-        }
-      }
+#if ATTNRT_BF16_DOT
+    if constexpr (kDot) {
+      const uint16_t* vrows[kTileKeys];
       for (int j = 0; j < n; ++j) {
-        VF pv[NV];
-        for (int v = 0; v < NV; ++v) pv[v] = hn::Load(df, st + static_cast<size_t>(j) * rl + v * lanes);
-        const float* vr = kvf + static_cast<size_t>(j) * vdim + d0;
-        for (int dd = 0; dd < kTileDvStep; ++dd) {
-          const VF vv = hn::Set(df, vr[dd]);
-          for (int v = 0; v < NV; ++v) o[dd][v] = hn::MulAdd(vv, pv[v], o[dd][v]);
-        }
+        const T* row = key_row(v_cache, a.v_row_stride, vdim, kb + j);
+        vrows[j] = reinterpret_cast<const uint16_t*>(row != nullptr ? row : reinterpret_cast<const T*>(zero_row));
       }
-      for (int dd = 0; dd < kTileDvStep; ++dd) {
-        for (int v = 0; v < NV; ++v) {
-          hn::Store(o[dd][v], df, ot + static_cast<size_t>(d0 + dd) * rl + v * lanes);
-        }
-      }
+      uint32_t* vp = reinterpret_cast<uint32_t*>(kvf);
+      uint32_t* pp = reinterpret_cast<uint32_t*>(pairs_p);
+      PairValues(vrows, n, vdim, reinterpret_cast<const uint16_t*>(zero_row), vp);
+      PairProbabilities(st, n, rl, pp);
+      ValuesBf16<NV>(vp, pp, (n + 1) / 2, vdim, rl, alpha, ot);
     }
-    for (; d0 < vdim; ++d0) {
-      VF o[NV];
-      for (int v = 0; v < NV; ++v) o[v] = hn::Mul(hn::Load(df, ot + static_cast<size_t>(d0) * rl + v * lanes), al[v]);
+#endif
+    if constexpr (!kDot) {
       for (int j = 0; j < n; ++j) {
-        const VF vv = hn::Set(df, kvf[static_cast<size_t>(j) * vdim + d0]);
-        for (int v = 0; v < NV; ++v) {
-          o[v] = hn::MulAdd(vv, hn::Load(df, st + static_cast<size_t>(j) * rl + v * lanes), o[v]);
+        float* dst = kvf + static_cast<size_t>(j) * vdim;
+        if (const T* row = key_row(v_cache, a.v_row_stride, vdim, kb + j)) {
+          ConvertRow<DT>(row, vdim, dst);
+        } else {
+          std::fill(dst, dst + vdim, 0.f);
         }
       }
-      for (int v = 0; v < NV; ++v) hn::Store(o[v], df, ot + static_cast<size_t>(d0) * rl + v * lanes);
+      VF al[NV];
+      for (int v = 0; v < NV; ++v) al[v] = hn::Load(df, alpha + v * lanes);
+      int d0 = 0;
+      for (; d0 + kTileDvStep <= vdim; d0 += kTileDvStep) {
+        VF o[kTileDvStep][NV];
+        for (int dd = 0; dd < kTileDvStep; ++dd) {
+          for (int v = 0; v < NV; ++v) {
+            o[dd][v] = hn::Mul(hn::Load(df, ot + static_cast<size_t>(d0 + dd) * rl + v * lanes), al[v]);
+          }
+        }
+        for (int j = 0; j < n; ++j) {
+          VF pv[NV];
+          for (int v = 0; v < NV; ++v) {
+            pv[v] = hn::Load(df, st + static_cast<size_t>(j) * rl + v * lanes);
+          }
+          const float* vr = kvf + static_cast<size_t>(j) * vdim + d0;
+          for (int dd = 0; dd < kTileDvStep; ++dd) {
+            const VF vv = hn::Set(df, vr[dd]);
+            for (int v = 0; v < NV; ++v) o[dd][v] = hn::MulAdd(vv, pv[v], o[dd][v]);
+          }
+        }
+        for (int dd = 0; dd < kTileDvStep; ++dd) {
+          for (int v = 0; v < NV; ++v) {
+            hn::Store(o[dd][v], df, ot + static_cast<size_t>(d0 + dd) * rl + v * lanes);
+          }
+        }
+      }
+      for (; d0 < vdim; ++d0) {
+        VF o[NV];
+        for (int v = 0; v < NV; ++v) {
+          o[v] = hn::Mul(hn::Load(df, ot + static_cast<size_t>(d0) * rl + v * lanes), al[v]);
+        }
+        for (int j = 0; j < n; ++j) {
+          const VF vv = hn::Set(df, kvf[static_cast<size_t>(j) * vdim + d0]);
+          for (int v = 0; v < NV; ++v) {
+            o[v] = hn::MulAdd(vv, hn::Load(df, st + static_cast<size_t>(j) * rl + v * lanes), o[v]);
+          }
+        }
+        for (int v = 0; v < NV; ++v) {
+          hn::Store(o[v], df, ot + static_cast<size_t>(d0) * rl + v * lanes);
+        }
+      }
     }
   }
 
@@ -748,18 +941,31 @@ void MergeRows(const LayerArgs& a, const KernelPlan& p, const MergeItem& mi, int
 // ------------------------------------------------------------------------------------------------
 
 template <DType DT>
-void RunItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head) {
+void RunItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head, bool dot) {
   const RequestInfo& r = p.reqs[it.req];
   const bool single = it.t1 - it.t0 == 1 && (r.tree < 0 || !a.causal || r.qlen == 1);
   if (single) {
     DecodeItem<DT>(a, p, it, kv_head);
     return;
   }
-  const int lanes = static_cast<int>(hn::Lanes(DF()));
-  if ((it.t1 - it.t0) * (it.g1 - it.g0) <= lanes) {
-    TileItem<DT, 1>(a, p, it, kv_head);
+  const bool one_vector = (it.t1 - it.t0) * (it.g1 - it.g0) <= static_cast<int>(hn::Lanes(DF()));
+#if ATTNRT_BF16_DOT
+  if constexpr (DT == DType::bf16) {
+    if (dot) {
+      if (one_vector) {
+        TileItem<DT, 1, true>(a, p, it, kv_head);
+      } else {
+        TileItem<DT, 2, true>(a, p, it, kv_head);
+      }
+      return;
+    }
+  }
+#endif
+  (void)dot;
+  if (one_vector) {
+    TileItem<DT, 1, false>(a, p, it, kv_head);
   } else {
-    TileItem<DT, 2>(a, p, it, kv_head);
+    TileItem<DT, 2, false>(a, p, it, kv_head);
   }
 }
 
@@ -768,6 +974,10 @@ void RunAll(const LayerArgs& args, const KernelPlan& p) {
   LayerArgs a = args;
   a.qk_scale *= kLoadFactor<DT>;
   a.v_scale *= kLoadFactor<DT>;
+  // bf16 dot products where q, K/V and the output are all bf16: the output's rounding dominates
+  // the bf16 probabilities' error.
+  const bool dot = DT == DType::bf16 && a.q_dtype == DType::bf16 && a.out_dtype == DType::bf16 &&
+                   a.head_dim % 2 == 0 && HasBf16Dot();
   const int64_t heads = a.num_kv_heads;
   const int64_t work = p.num_items * heads;
   const int64_t merges = p.num_merges * heads;
@@ -775,7 +985,7 @@ void RunAll(const LayerArgs& args, const KernelPlan& p) {
   {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t w = 0; w < work; ++w) {
-      RunItem<DT>(a, p, p.items[w / heads], static_cast<int>(w % heads));
+      RunItem<DT>(a, p, p.items[w / heads], static_cast<int>(w % heads), dot);
     }
 #pragma omp for schedule(dynamic, 4)
     for (int64_t w = 0; w < merges; ++w) {
