@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -134,6 +135,18 @@ TEST_F(Cli, RunWithSpeculationAndDumpStep) {
   EXPECT_TRUE(fs::exists(cases / "case.json"));
   const Result replay = run(fmt::format("replay '{}' --backend reference", cases.string()));
   EXPECT_EQ(replay.status, 0) << replay.out << replay.err;
+}
+
+TEST_F(Cli, PrintTraceWritesAReplayableTrace) {
+  Result r = run("run --print-trace");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const fs::path builtin = write("builtin.jsonl", r.out);
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 34);
+  EXPECT_NE(r.out.find("\"shared_prefix\":\"sys-a\""), std::string::npos) << r.out;
+  // Read back and printed again: the same text.
+  r = run(fmt::format("run --trace '{}' --print-trace", builtin.string()));
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, read_file(builtin));
 }
 
 TEST_F(Cli, BadInputExitsTwoWithAMessage) {

@@ -27,6 +27,7 @@ struct RunArgs {
   std::vector<std::string> dump_step;
   std::string json_path;
   bool no_progress = false;
+  bool print_trace = false;
   bool no_mixed_chunk = false;
   double accept_prob = 0.7;
 };
@@ -34,6 +35,10 @@ struct RunArgs {
 void run(const RunArgs& a) {
   const ModelSpec model = resolve_model(a.model);
   const sim::Trace trace = a.trace.empty() ? sim::builtin_trace() : sim::load_trace(a.trace);
+  if (a.print_trace) {
+    std::fputs(sim::to_jsonl(trace).c_str(), stdout);
+    return;
+  }
   sim::RunConfig config = a.config;
   config.scheduler.mixed_chunk = !a.no_mixed_chunk;
   config.scheduler.spec.accept_prob = a.accept_prob;
@@ -162,6 +167,9 @@ void add_run_command(CLI::App& app) {
       ->expected(2)
       ->type_name("N DIR");
   cmd->add_option("--json", args->json_path, "Also write the report as JSON to this file");
+  cmd->add_flag("--print-trace", args->print_trace,
+                "Print the trace (the built-in one without --trace) as JSON lines and exit without "
+                "running it");
   cmd->add_flag(
       "--no-progress", args->no_progress,
       "No progress display on stderr (it is a bar on a terminal, a line every few seconds "
