@@ -8,6 +8,7 @@
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
+#include "backends/reference/linear_backend.h"
 
 namespace attnrt {
 
@@ -308,7 +309,9 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
 BackendEntry reference_backend_entry() {
   BackendEntry e;
   e.name = "reference";
-  e.summary = "float64 CPU oracle for every full-attention mode (slow; never auto-selected)";
+  e.summary =
+      "float64 CPU oracle for every full-attention mode and the gdn / kda / mamba2 layers (slow; "
+      "never auto-selected)";
   e.caps.devices = {DeviceKind::cpu};
   e.caps.kv_dtypes = {DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2};
   e.caps.spec_topk1 = true;
@@ -319,10 +322,14 @@ BackendEntry reference_backend_entry() {
   e.caps.non_causal = true;
   e.caps.mla = false;
   e.caps.cuda_graphs = false;
+  e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
   e.auto_selectable = false;
   e.unavailable_reason = [] { return std::string(); };
   e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
     return std::make_unique<ReferenceBackend>(ctx);
+  };
+  e.linear_factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
+    return std::make_unique<ReferenceLinearBackend>(ctx);
   };
   return e;
 }

@@ -27,4 +27,17 @@ void AttentionBackend::init_forward_metadata_replay_cuda_graph(int, int, const F
   fail("backend '{}' does not support CUDA graph replay", name());
 }
 
+void AttentionBackend::forward_linear(const LinearArgs&, const LayerSpec& layer,
+                                      const ForwardBatch&) {
+  fail("backend '{}' does not serve linear-attention layers (layer {} is {}); choose a linear "
+       "backend with --linear-attn-backend (see `attnrt info`)",
+       name(), layer.layer_id, layer_kind_name(layer.kind));
+}
+
+void AttentionBackend::update_state_after_verify(std::span<const int32_t>) {
+  fail("backend '{}' holds no linear-attention state to commit after a verify; the linear "
+       "backend that ran TARGET_VERIFY commits it",
+       name());
+}
+
 }  // namespace attnrt

@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "attnrt/backend/hybrid_attn_backend.h"
+#include "attnrt/backend/hybrid_linear_attn_backend.h"
 #include "attnrt/core/error.h"
 
 namespace attnrt {
@@ -641,8 +642,8 @@ Selection resolve_backends(const Options& o, const ModelSpec& model, const Regis
                                     describe_layers(layers, needs.num_layers)));
       }
       fail(
-          "model '{}' has linear-attention layers: {}. No registered backend serves {}: "
-          "linear-attention backends are not available in this build yet (registered: {}).",
+          "model '{}' has linear-attention layers: {}. No registered backend serves {} "
+          "(registered: {}).",
           needs.model_name, fmt::join(kinds, "; "),
           needs.linear.size() == 1 ? "that kind" : "all of these kinds",
           fmt::join(registry.names(), ", "));
@@ -697,20 +698,43 @@ std::unique_ptr<AttentionBackend> create_backend(const Selection& selection,
                "create_backend needs a resolved selection (prefill '{}', decode '{}'): call "
                "resolve_backends first",
                selection.prefill, selection.decode);
-  ATTNRT_CHECK(selection.linear_prefill.empty() && selection.linear_decode.empty(),
-               "the model has linear-attention layers (linear backends '{}' / '{}'), but routing "
-               "them (HybridLinearAttnBackend) is not part of this build yet",
+  ATTNRT_CHECK(selection.linear_prefill.empty() == selection.linear_decode.empty(),
+               "create_backend: linear prefill backend '{}' and linear decode backend '{}'; a "
+               "resolved selection names both or neither",
                selection.linear_prefill, selection.linear_decode);
-  auto make = [&](const std::string& name) {
+  const bool linear = !selection.linear_prefill.empty();
+  // Every factory is checked before anything is created: construction may be expensive.
+  for (const std::string* name : {&selection.prefill, &selection.decode}) registry.get(*name);
+  if (linear) {
+    for (const std::string* name : {&selection.linear_prefill, &selection.linear_decode}) {
+      const BackendEntry& entry = registry.get(*name);
+      ATTNRT_CHECK(static_cast<bool>(entry.linear_factory),
+                   "backend '{}' was chosen for the linear-attention layers but is registered "
+                   "without a linear factory, so HybridLinearAttnBackend cannot route those "
+                   "layers to it",
+                   *name);
+    }
+  }
+  auto make = [&](const std::string& name, bool for_linear) {
     const BackendEntry& entry = registry.get(name);
-    ATTNRT_CHECK(static_cast<bool>(entry.factory), "backend '{}' is registered without a factory",
-                 name);
-    std::unique_ptr<AttentionBackend> backend = entry.factory(ctx);
-    ATTNRT_CHECK(backend != nullptr, "the factory of backend '{}' returned no backend", name);
+    const auto& factory = for_linear ? entry.linear_factory : entry.factory;
+    ATTNRT_CHECK(static_cast<bool>(factory), "backend '{}' is registered without a {}factory",
+                 name, for_linear ? "linear " : "");
+    std::unique_ptr<AttentionBackend> backend = factory(ctx);
+    ATTNRT_CHECK(backend != nullptr, "the {}factory of backend '{}' returned no backend",
+                 for_linear ? "linear " : "", name);
     return backend;
   };
-  if (!selection.hybrid()) return make(selection.prefill);
-  return std::make_unique<HybridAttnBackend>(ctx, make(selection.prefill), make(selection.decode));
+  std::unique_ptr<AttentionBackend> full =
+      selection.hybrid() ? std::make_unique<HybridAttnBackend>(ctx, make(selection.prefill, false),
+                                                               make(selection.decode, false))
+                         : make(selection.prefill, false);
+  if (!linear) return full;
+  std::unique_ptr<AttentionBackend> linear_decode =
+      selection.linear_decode != selection.linear_prefill ? make(selection.linear_decode, true)
+                                                          : nullptr;
+  return std::make_unique<HybridLinearAttnBackend>(
+      ctx, std::move(full), make(selection.linear_prefill, true), std::move(linear_decode));
 }
 
 }  // namespace attnrt

@@ -25,6 +25,10 @@ void check_config(const RuntimeConfig& c) {
   ATTNRT_CHECK(c.max_context_len >= 0,
                "RuntimeConfig.max_context_len = {} is invalid; use 0 (the model's) or a length",
                c.max_context_len);
+  ATTNRT_CHECK(c.linear_state_slots >= 0 && c.linear_verify_requests >= 0,
+               "RuntimeConfig.linear_state_slots = {} / linear_verify_requests = {} is invalid; "
+               "use 0 (= max_requests) or a count",
+               c.linear_state_slots, c.linear_verify_requests);
   ATTNRT_CHECK(c.swa_full_tokens_ratio > 0 && std::isfinite(c.swa_full_tokens_ratio),
                "RuntimeConfig.swa_full_tokens_ratio = {} is invalid; it must be > 0",
                c.swa_full_tokens_ratio);
@@ -86,8 +90,28 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
   allocator_ = std::move(storage.allocator);
   kv_cache_ = std::move(storage.cache);
 
+  if (model_.has_linear_layers()) {
+    ATTNRT_CHECK(kv_cache_->device().kind == DeviceKind::cpu,
+                 "model '{}': the linear-attention state pool lives on the host, but the chosen "
+                 "backends run on {}; choose CPU backends for every phase",
+                 model_.name, device_name(kv_cache_->device()));
+    LinearStateConfig lc;
+    lc.max_slots = config_.linear_state_slots > 0 ? config_.linear_state_slots
+                                                  : config_.max_requests;
+    lc.max_request_rows = config_.max_requests;
+    lc.ssm_dtype = config_.linear_state_dtype;
+    lc.conv_dtype = config_.linear_conv_dtype;
+    if (selection_.speculative()) {
+      lc.verify_rows = config_.linear_verify_requests > 0 ? config_.linear_verify_requests
+                                                          : config_.max_requests;
+      lc.num_draft_tokens = selection_.spec_num_draft_tokens;
+    }
+    linear_state_ = std::make_unique<LinearStatePool>(model_, lc);
+  }
+
   BackendContext ctx;
   ctx.model = &model_;
+  ctx.linear_state = linear_state_.get();
   ctx.options = &options_;
   ctx.kv_cache = kv_cache_.get();
   ctx.req_to_token = req_to_token_.get();
@@ -118,6 +142,16 @@ void AttentionRuntime::begin_step(const ForwardBatch& batch) {
   kv_cache_->begin_step(batch);
   backend_->init_forward_metadata(batch);
   batch_ = &batch;
+  last_mode_ = batch.mode;
+  verify_committed_ = false;
+}
+
+LinearStatePool& AttentionRuntime::linear_state() {
+  ATTNRT_CHECK(linear_state_ != nullptr,
+               "linear_state: model '{}' has no linear-attention layers, so the runtime keeps no "
+               "linear state pool",
+               model_.name);
+  return *linear_state_;
 }
 
 void AttentionRuntime::forward(int layer_id, const AttnArgs& args) {
@@ -129,10 +163,39 @@ void AttentionRuntime::forward(int layer_id, const AttnArgs& args) {
                model_.layers.size());
   const LayerSpec& layer = model_.layers[static_cast<size_t>(layer_index_[layer_id])];
   ATTNRT_CHECK(!is_linear_kind(layer.kind),
-               "forward: layer {} is a {} layer; linear-attention layers are served by the linear "
-               "backend (issue 5), not by AttentionRuntime::forward",
+               "forward: layer {} is a {} layer; call forward_linear(layer, LinearArgs) for "
+               "linear-attention layers",
                layer_id, layer_kind_name(layer.kind));
   backend_->forward(args, layer, *batch_);
+}
+
+void AttentionRuntime::forward_linear(int layer_id, const LinearArgs& args) {
+  ATTNRT_CHECK(batch_ != nullptr,
+               "forward_linear(layer {}) outside a step; call begin_step(batch) first", layer_id);
+  ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layer_index_.size() &&
+                   layer_index_[layer_id] >= 0,
+               "forward_linear: layer {} is not a layer of model '{}' ({} layers)", layer_id,
+               model_.name, model_.layers.size());
+  const LayerSpec& layer = model_.layers[static_cast<size_t>(layer_index_[layer_id])];
+  ATTNRT_CHECK(is_linear_kind(layer.kind),
+               "forward_linear: layer {} is a {} layer; call forward(layer, AttnArgs) for "
+               "attention layers",
+               layer_id, layer_kind_name(layer.kind));
+  backend_->forward_linear(args, layer, *batch_);
+}
+
+void AttentionRuntime::update_state_after_verify(std::span<const int32_t> last_accepted) {
+  ATTNRT_CHECK(linear_state_ != nullptr,
+               "update_state_after_verify: model '{}' has no linear-attention layers; there is no "
+               "state to commit",
+               model_.name);
+  ATTNRT_CHECK(is_target_verify(last_mode_) && !verify_committed_,
+               "update_state_after_verify: the last step was {}{}; call it once after a "
+               "TARGET_VERIFY step, before the next begin_step",
+               forward_mode_name(last_mode_),
+               is_target_verify(last_mode_) ? " and its state is already committed" : "");
+  backend_->update_state_after_verify(last_accepted);
+  verify_committed_ = true;
 }
 
 void AttentionRuntime::end_step() { batch_ = nullptr; }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -12,6 +13,7 @@
 namespace attnrt {
 
 class KVCache;
+class LinearStatePool;
 class ReqToTokenPool;
 struct Options;
 
@@ -20,6 +22,8 @@ struct BackendContext {
   const Options* options = nullptr;
   KVCache* kv_cache = nullptr;
   const ReqToTokenPool* req_to_token = nullptr;
+  // Conv windows and recurrent states of the linear-attention layers (hybrid models only).
+  LinearStatePool* linear_state = nullptr;
   Device device;
 };
 
@@ -31,6 +35,24 @@ struct AttnArgs {
   const float* sinks = nullptr;  // [Hq] sink logits when the layer has sinks
   TensorView lse;                // optional [T, Hq] fp32: log-sum-exp of each row (natural log)
   bool save_kv = true;
+};
+
+// One linear-attention layer's call (reference-semantics §2.3, §8.8, §8.9). T = tokens of the step.
+// Per-token inputs may be any float dtype (fp32 / bf16 / fp16); parameters are fp32.
+//   gdn:    mixed_qkv [T, 2*Hk*Dk + HV*Dv] (q | k | v, before the conv), a [T, HV], b [T, HV],
+//           A_log [HV], dt_bias [HV]; out [T, HV, Dv]
+//   kda:    mixed_qkv [T, 2*H*Dk + H*Dv], a [T, H, Dk] (per-channel decay input), b [T, H],
+//           A_log [H], dt_bias [H, Dk]; out [T, H, Dv]
+//   mamba2: mixed_qkv [T, nheads*P + 2*G*N] (x | B | C), a = dt [T, nheads], A_log [nheads],
+//           dt_bias [nheads], D [nheads]; b unused; out [T, nheads, P]
+// conv_weight [conv_dim, K] (column K-1 multiplies the newest input), conv_bias [conv_dim] or
+// empty. The gated RMSNorm with z that follows in the model is not the backend's job.
+struct LinearArgs {
+  TensorView mixed_qkv;
+  TensorView conv_weight, conv_bias;
+  TensorView a, b;
+  TensorView A_log, dt_bias, D;
+  TensorView out;
 };
 
 class AttentionBackend {
@@ -60,6 +82,17 @@ class AttentionBackend {
   virtual void init_forward_metadata_replay_cuda_graph(int bs, int raw_bs,
                                                        const ForwardBatch& batch);
   virtual int cuda_graph_seq_len_fill_value() const { return 1; }
+
+  // Linear-attention layers (gdn / kda / mamba2): conv + recurrence for every mode, with the state
+  // in BackendContext::linear_state. IDLE does nothing. The default throws: the backend serves no
+  // linear layers.
+  virtual void forward_linear(const LinearArgs& args, const LayerSpec& layer,
+                              const ForwardBatch& batch);
+  // After a TARGET_VERIFY step (reference-semantics §8.10): for request i of that step, makes the
+  // committed state of every linear layer the state after block token last_accepted[i] (chain:
+  // the number of accepted drafts; tree: the block index of the deepest accepted node; -1 = leave
+  // the request's state as it was). The default throws, as for forward_linear.
+  virtual void update_state_after_verify(std::span<const int32_t> last_accepted);
 
   const BackendContext& context() const { return ctx_; }
 

@@ -38,6 +38,10 @@ struct BackendEntry {
   // "" when usable on this machine, else why not (no CUDA device, built without CUDA, ...).
   std::function<std::string()> unavailable_reason;
   std::function<std::unique_ptr<AttentionBackend>(const BackendContext&)> factory;
+  // Creates the backend object that serves the linear-attention layers (its forward_linear), when
+  // caps.linear_kinds is not empty. A separate object so that a backend chosen for one role only
+  // plans that role's work.
+  std::function<std::unique_ptr<AttentionBackend>(const BackendContext&)> linear_factory;
 };
 
 class Registry {

@@ -41,8 +41,9 @@ Selection resolve_backends(const Options& options, const ModelSpec& model, const
                            const CudaDeviceInfo& cuda);
 
 // Builds the backend for a resolved selection: a single backend, or HybridAttnBackend when the
-// phase backends differ (and the linear wrapper when the model has linear layers, later issue).
-// Only the chosen backends are created.
+// phase backends differ; for a model with linear layers, that inside a HybridLinearAttnBackend
+// whose linear side comes from the linear backends' linear factories (one object when the linear
+// prefill and decode backends are the same). Only the chosen backends are created.
 std::unique_ptr<AttentionBackend> create_backend(const Selection& selection,
                                                  const BackendContext& ctx,
                                                  const Registry& registry = Registry::global());

@@ -1,0 +1,277 @@
+#include "attnrt/memory/linear_state_pool.h"
+
+#include <cstring>
+
+#include "attnrt/core/error.h"
+
+namespace attnrt {
+
+LinearStateShape linear_state_shape(const LayerSpec& layer) {
+  const LinearSpec& s = layer.linear;
+  LinearStateShape shape;
+  shape.conv_width = s.conv_kernel - 1;
+  switch (layer.kind) {
+    case LayerKind::gdn:
+      shape.conv_dim = 2 * s.num_k_heads * s.head_k_dim + s.num_v_heads * s.head_v_dim;
+      shape.heads = s.num_v_heads;
+      shape.rows = s.head_v_dim;
+      shape.cols = s.head_k_dim;
+      return shape;
+    case LayerKind::kda:
+      shape.conv_dim = 2 * s.num_k_heads * s.head_k_dim + s.num_v_heads * s.head_v_dim;
+      shape.heads = s.num_v_heads;
+      shape.rows = s.head_v_dim;
+      shape.cols = s.head_k_dim;
+      return shape;
+    case LayerKind::mamba2:
+      shape.conv_dim = s.num_v_heads * s.head_v_dim + 2 * s.n_groups * s.d_state;
+      shape.heads = s.num_v_heads;
+      shape.rows = s.head_v_dim;
+      shape.cols = s.d_state;
+      return shape;
+    default:
+      fail("layer {} is a {} layer; only gdn, kda and mamba2 layers have a linear state",
+           layer.layer_id, layer_kind_name(layer.kind));
+  }
+}
+
+LinearStatePool::LinearStatePool(const ModelSpec& model, const LinearStateConfig& config)
+    : config_(config) {
+  ATTNRT_CHECK(config.max_slots >= 1,
+               "LinearStatePool: max_slots = {} is invalid; it needs at least one state slot (one "
+               "per running request)",
+               config.max_slots);
+  ATTNRT_CHECK(config.max_request_rows >= 1,
+               "LinearStatePool: max_request_rows = {} is invalid; it must be the number of "
+               "request rows (>= 1)",
+               config.max_request_rows);
+  for (auto [what, t] : {std::pair{"ssm_dtype", config.ssm_dtype},
+                         std::pair{"conv_dtype", config.conv_dtype}}) {
+    ATTNRT_CHECK(t == DType::f32 || t == DType::bf16,
+                 "LinearStatePool: {} = {} is not supported; use fp32 or bf16", what,
+                 dtype_name(t));
+  }
+  ATTNRT_CHECK(config.verify_rows >= 0 && config.num_draft_tokens >= 0 &&
+                   (config.verify_rows == 0) == (config.num_draft_tokens == 0),
+               "LinearStatePool: verify_rows = {} and num_draft_tokens = {}; give both (> 0) for "
+               "speculative decoding or neither",
+               config.verify_rows, config.num_draft_tokens);
+  const int64_t rows = static_cast<int64_t>(config.max_slots) + 1;
+  for (const LayerSpec& l : model.layers) {
+    if (!is_linear_kind(l.kind)) continue;
+    Layer layer;
+    layer.view.layer_id = l.layer_id;
+    layer.view.kind = l.kind;
+    layer.view.shape = linear_state_shape(l);
+    ATTNRT_CHECK(layer.view.shape.conv_width >= 0 && layer.view.shape.ssm_elems() > 0 &&
+                     layer.view.shape.conv_dim > 0,
+                 "LinearStatePool: model '{}' layer {} ({}) has an empty state (conv_dim {}, "
+                 "state {}x{}x{}); validate the model first",
+                 model.name, l.layer_id, layer_kind_name(l.kind), layer.view.shape.conv_dim,
+                 layer.view.shape.heads, layer.view.shape.rows, layer.view.shape.cols);
+    layer.view.conv_dtype = config.conv_dtype;
+    layer.view.ssm_dtype = config.ssm_dtype;
+    const LinearStateShape& sh = layer.view.shape;
+    layer.conv = HostBuffer(config.conv_dtype, {rows, sh.conv_elems()});
+    layer.ssm = HostBuffer(config.ssm_dtype, {rows, sh.ssm_elems()});
+    layer.view.conv = layer.conv.data();
+    layer.view.ssm = layer.ssm.data();
+    if (config.verify_rows > 0) {
+      const int64_t checkpoints = static_cast<int64_t>(config.verify_rows) * config.num_draft_tokens;
+      layer.inter_conv = HostBuffer(config.conv_dtype, {checkpoints, sh.conv_elems()});
+      layer.inter_ssm = HostBuffer(config.ssm_dtype, {checkpoints, sh.ssm_elems()});
+      layer.view.inter_conv = layer.inter_conv.data();
+      layer.view.inter_ssm = layer.inter_ssm.data();
+    }
+    if (static_cast<size_t>(l.layer_id) >= index_of_.size()) index_of_.resize(l.layer_id + 1, -1);
+    index_of_[l.layer_id] = static_cast<int>(layers_.size());
+    layer_ids_.push_back(l.layer_id);
+    layers_.push_back(std::move(layer));
+  }
+  ATTNRT_CHECK(!layers_.empty(),
+               "LinearStatePool: model '{}' has no linear-attention layers (gdn, kda, mamba2); it "
+               "needs no state pool",
+               model.name);
+  in_use_.assign(static_cast<size_t>(rows), 0);
+  in_use_[0] = 1;  // the reserved pad slot
+  slot_row_.assign(static_cast<size_t>(rows), -1);
+  row_slot_.assign(static_cast<size_t>(config.max_request_rows), -1);
+  // Popped from the back: slot 1 is handed out first.
+  for (int s = config.max_slots; s >= 1; --s) free_slots_.push_back(s);
+  zero_slot(0);
+}
+
+void LinearStatePool::zero_slot(int slot) {
+  for (Layer& l : layers_) {
+    const LinearStateShape& sh = l.view.shape;
+    std::memset(static_cast<char*>(l.view.conv) + l.view.conv_offset(slot) * dtype_size(l.view.conv_dtype),
+                0, static_cast<size_t>(sh.conv_elems()) * dtype_size(l.view.conv_dtype));
+    std::memset(static_cast<char*>(l.view.ssm) + l.view.ssm_offset(slot) * dtype_size(l.view.ssm_dtype),
+                0, static_cast<size_t>(sh.ssm_elems()) * dtype_size(l.view.ssm_dtype));
+  }
+}
+
+int LinearStatePool::alloc() {
+  ATTNRT_CHECK(!free_slots_.empty(),
+               "LinearStatePool: all {} linear-state slots are in use; allow more running "
+               "requests (max_slots) or free finished requests first",
+               config_.max_slots);
+  const int slot = free_slots_.back();
+  free_slots_.pop_back();
+  in_use_[slot] = 1;
+  zero_slot(slot);
+  return slot;
+}
+
+bool LinearStatePool::is_allocated(int slot) const {
+  return slot >= 1 && slot <= config_.max_slots && in_use_[slot] != 0;
+}
+
+void LinearStatePool::check_slot(int slot, const char* what) const {
+  ATTNRT_CHECK(slot >= 1 && slot <= config_.max_slots,
+               "LinearStatePool::{}: slot {} is out of range 1..{} (slot 0 is reserved)", what,
+               slot, config_.max_slots);
+  ATTNRT_CHECK(in_use_[slot] != 0, "LinearStatePool::{}: slot {} is not allocated", what, slot);
+}
+
+void LinearStatePool::free(int slot) {
+  ATTNRT_CHECK(slot >= 1 && slot <= config_.max_slots,
+               "LinearStatePool::free: slot {} is out of range 1..{} (slot 0 is reserved)", slot,
+               config_.max_slots);
+  ATTNRT_CHECK(in_use_[slot] != 0, "LinearStatePool::free: slot {} is not allocated (freed twice?)",
+               slot);
+  ATTNRT_CHECK(slot_row_[slot] < 0,
+               "LinearStatePool::free: slot {} is still bound to request row {}; unbind the row "
+               "first (or use free_for)",
+               slot, slot_row_[slot]);
+  in_use_[slot] = 0;
+  free_slots_.push_back(slot);
+}
+
+void LinearStatePool::copy(int src, int dst) {
+  check_slot(src, "copy (source)");
+  check_slot(dst, "copy (destination)");
+  if (src == dst) return;
+  for (Layer& l : layers_) {
+    const size_t cb = dtype_size(l.view.conv_dtype), sb = dtype_size(l.view.ssm_dtype);
+    char* conv = static_cast<char*>(l.view.conv);
+    char* ssm = static_cast<char*>(l.view.ssm);
+    std::memcpy(conv + l.view.conv_offset(dst) * cb, conv + l.view.conv_offset(src) * cb,
+                static_cast<size_t>(l.view.shape.conv_elems()) * cb);
+    std::memcpy(ssm + l.view.ssm_offset(dst) * sb, ssm + l.view.ssm_offset(src) * sb,
+                static_cast<size_t>(l.view.shape.ssm_elems()) * sb);
+  }
+}
+
+void LinearStatePool::bind(int req_row, int slot) {
+  ATTNRT_CHECK(req_row >= 0 && req_row < config_.max_request_rows,
+               "LinearStatePool::bind: request row {} is out of range 0..{}", req_row,
+               config_.max_request_rows - 1);
+  check_slot(slot, "bind");
+  ATTNRT_CHECK(row_slot_[req_row] < 0,
+               "LinearStatePool::bind: request row {} already holds slot {}; unbind it first",
+               req_row, row_slot_[req_row]);
+  ATTNRT_CHECK(slot_row_[slot] < 0,
+               "LinearStatePool::bind: slot {} is already bound to request row {}", slot,
+               slot_row_[slot]);
+  row_slot_[req_row] = slot;
+  slot_row_[slot] = req_row;
+}
+
+void LinearStatePool::unbind(int req_row) {
+  ATTNRT_CHECK(req_row >= 0 && req_row < config_.max_request_rows,
+               "LinearStatePool::unbind: request row {} is out of range 0..{}", req_row,
+               config_.max_request_rows - 1);
+  const int slot = row_slot_[req_row];
+  ATTNRT_CHECK(slot >= 0, "LinearStatePool::unbind: request row {} holds no slot", req_row);
+  row_slot_[req_row] = -1;
+  slot_row_[slot] = -1;
+}
+
+int LinearStatePool::slot_of(int req_row) const {
+  if (req_row < 0 || req_row >= config_.max_request_rows) return -1;
+  return row_slot_[req_row];
+}
+
+int LinearStatePool::alloc_for(int req_row) {
+  ATTNRT_CHECK(req_row >= 0 && req_row < config_.max_request_rows,
+               "LinearStatePool::alloc_for: request row {} is out of range 0..{}", req_row,
+               config_.max_request_rows - 1);
+  ATTNRT_CHECK(row_slot_[req_row] < 0,
+               "LinearStatePool::alloc_for: request row {} already holds slot {}", req_row,
+               row_slot_[req_row]);
+  const int slot = alloc();
+  bind(req_row, slot);
+  return slot;
+}
+
+void LinearStatePool::free_for(int req_row) {
+  const int slot = slot_of(req_row);
+  ATTNRT_CHECK(slot >= 0, "LinearStatePool::free_for: request row {} holds no slot", req_row);
+  unbind(req_row);
+  free(slot);
+}
+
+bool LinearStatePool::holds(int layer_id) const {
+  return layer_id >= 0 && static_cast<size_t>(layer_id) < index_of_.size() &&
+         index_of_[layer_id] >= 0;
+}
+
+const LinearLayerState& LinearStatePool::layer(int layer_id) const {
+  ATTNRT_CHECK(holds(layer_id),
+               "LinearStatePool: layer {} is not a linear-attention layer of this pool ({} linear "
+               "layers)",
+               layer_id, layers_.size());
+  return layers_[static_cast<size_t>(index_of_[layer_id])].view;
+}
+
+void LinearStatePool::commit_verify(std::span<const int64_t> slots,
+                                    std::span<const int32_t> last_accepted) {
+  ATTNRT_CHECK(has_checkpoints(),
+               "LinearStatePool::commit_verify: the pool keeps no verify checkpoints (built with "
+               "verify_rows = 0, i.e. without speculative decoding)");
+  ATTNRT_CHECK(slots.size() == last_accepted.size(),
+               "LinearStatePool::commit_verify: {} slots but {} accepted indices; give one per "
+               "request of the verify step",
+               slots.size(), last_accepted.size());
+  ATTNRT_CHECK(slots.size() <= static_cast<size_t>(config_.verify_rows),
+               "LinearStatePool::commit_verify: {} requests, but checkpoints exist for {} verify "
+               "rows",
+               slots.size(), config_.verify_rows);
+  const int n = config_.num_draft_tokens;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (last_accepted[i] < 0) continue;
+    ATTNRT_CHECK(last_accepted[i] < n,
+                 "LinearStatePool::commit_verify: last accepted index {} of request {} is out of "
+                 "range -1..{} (the verify block has {} tokens)",
+                 last_accepted[i], i, n - 1, n);
+    ATTNRT_CHECK(slots[i] >= 0 && slots[i] <= config_.max_slots,
+                 "LinearStatePool::commit_verify: slot {} of request {} is out of range 0..{}",
+                 slots[i], i, config_.max_slots);
+  }
+  for (Layer& l : layers_) {
+    const size_t cb = dtype_size(l.view.conv_dtype), sb = dtype_size(l.view.ssm_dtype);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const int t = last_accepted[i];
+      if (t < 0) continue;
+      const int64_t row = static_cast<int64_t>(i);
+      std::memcpy(static_cast<char*>(l.view.conv) + l.view.conv_offset(slots[i]) * cb,
+                  static_cast<const char*>(l.view.inter_conv) + l.view.inter_conv_offset(row, t, n) * cb,
+                  static_cast<size_t>(l.view.shape.conv_elems()) * cb);
+      std::memcpy(static_cast<char*>(l.view.ssm) + l.view.ssm_offset(slots[i]) * sb,
+                  static_cast<const char*>(l.view.inter_ssm) + l.view.inter_ssm_offset(row, t, n) * sb,
+                  static_cast<size_t>(l.view.shape.ssm_elems()) * sb);
+    }
+  }
+}
+
+size_t LinearStatePool::bytes() const {
+  size_t total = 0;
+  for (const Layer& l : layers_) {
+    total += l.conv.bytes() + l.ssm.bytes();
+    if (l.view.inter_conv) total += l.inter_conv.bytes() + l.inter_ssm.bytes();
+  }
+  return total;
+}
+
+}  // namespace attnrt
