@@ -393,8 +393,7 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
       ms.mode = batch.mode;
       ms.backend = std::string(served_by(*e.runtime, batch.mode));
     }
-    const bool check = e.reference != nullptr && T > 0 &&
-                       (step.index % rc.check_every == 0 || ms.checked_steps == 0);
+    const bool check = e.reference != nullptr && T > 0 && ms.steps % rc.check_every == 0;
     double elapsed = 0;
     Clock::time_point t0 = Clock::now();
     e.runtime->begin_step(batch);

@@ -153,10 +153,9 @@ void add_run_command(CLI::App& app) {
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str()
       ->group(sched);
-  cmd->add_option(
-         "--check-every", args->config.check_every,
-         "Recompute every Nth step (and the first step of each mode) on `reference` over the "
-         "same pools and compare; 0 = no checking")
+  cmd->add_option("--check-every", args->config.check_every,
+                  "Recompute every Nth step of each forward mode (its first step included) on "
+                  "`reference` over the same pools and compare; 0 = no checking")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd->add_option("--seed", args->config.seed, "Seed of q/k/v data, acceptance and draft trees")

@@ -23,8 +23,8 @@ namespace attnrt::sim {
 struct RunConfig {
   SchedulerConfig scheduler;         // page_size and spec are taken from the options
   int64_t max_total_tokens = 16384;  // usable KV slots of the target pool (the draft's too)
-  // Every Nth step (by step index) is recomputed on `reference`, and so is the first step of each
-  // (model, mode); 0 turns checking off.
+  // Steps 0, N, 2N, ... of each (model, mode) are recomputed on `reference`, so that rare modes are
+  // sampled as well as frequent ones; 0 turns checking off.
   int check_every = 8;
   uint64_t seed = 1;   // q/k/v data, acceptance sampling, tree shapes
   int dump_step = -1;  // write this step's first full-attention layer as a case
