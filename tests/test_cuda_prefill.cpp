@@ -106,7 +106,8 @@ void check_prefill(const PrefillCase& c) {
   // Pools with every request's pages scattered by a random permutation (page 0 is reserved).
   std::vector<int64_t> pages_of(bs);
   int64_t pages = 0;
-  for (int i = 0; i < bs; ++i) pages += pages_of[i] = (c.prefix[i] + c.qlen[i] + c.page - 1) / c.page;
+  for (int i = 0; i < bs; ++i)
+    pages += pages_of[i] = (c.prefix[i] + c.qlen[i] + c.page - 1) / c.page;
   KVCacheConfig cfg;
   cfg.full_slots = (pages + 2) * c.page;
   cfg.page_size = c.page;
@@ -148,7 +149,8 @@ void check_prefill(const PrefillCase& c) {
   }
   batch.out_cache_loc.clear();
   for (int i = 0; i < bs; ++i)
-    for (int32_t t = 0; t < c.qlen[i]; ++t) batch.out_cache_loc.push_back(slots[i][c.prefix[i] + t]);
+    for (int32_t t = 0; t < c.qlen[i]; ++t)
+      batch.out_cache_loc.push_back(slots[i][c.prefix[i] + t]);
   const int64_t T = batch.num_tokens();
 
   HostBuffer q(c.act, {T, c.hq, c.dim}), k(c.act, {T, c.hkv, c.dim}), v(c.act, {T, c.hkv, c.dim});

@@ -8,10 +8,14 @@ cudaError_t launch_prefill(const AttnParams& p, int head_dim, bool fp16, int num
                            cudaStream_t stream) {
   if (num_items == 0) return cudaSuccess;
   switch (head_dim) {
-    case 64: return launch_prefill_d64(p, fp16, num_items, stream);
-    case 128: return launch_prefill_d128(p, fp16, num_items, stream);
-    case 256: return launch_prefill_d256(p, fp16, num_items, stream);
-    default: return cudaErrorInvalidValue;
+    case 64:
+      return launch_prefill_d64(p, fp16, num_items, stream);
+    case 128:
+      return launch_prefill_d128(p, fp16, num_items, stream);
+    case 256:
+      return launch_prefill_d256(p, fp16, num_items, stream);
+    default:
+      return cudaErrorInvalidValue;
   }
 }
 

@@ -1,27 +1,29 @@
-// Prefill / extend attention on tensor cores (mma.m16n8k16), flash-attention-2 structure tuned for
-// long query runs: EXTEND, MIXED and DRAFT_EXTEND steps whose CTAs hold 128 query rows, causal or
-// not, with the cached prefix read from the paged pool.
+// Prefill / extend attention on Hopper warpgroup MMAs (wgmma, sm_90a): EXTEND, MIXED and
+// DRAFT_EXTEND steps whose CTAs hold 128 query rows (the plan's TileShape::prefill work items),
+// causal or not, with the cached prefix read from the paged pool and 16-bit K/V.
 //
-// A CTA owns 128 flattened (token, head-in-group) rows of one KV head -- the same work items the
-// plan builds for TileShape::prefill -- so each K/V tile is read once per GQA group. Differences
-// from the general kernel in attention.cuh, each of which the H200 measurements motivated:
-//  - head dims 64 / 128 give every warp 32 rows (two m16 blocks), so one ldmatrix of K or V feeds
-//    twice as many MMAs; that halves shared-memory traffic per MMA, the limit of 16-row warps.
-//    At head dim 128 the O accumulators (128 floats) leave no room for Q in registers: Q fragments
-//    are re-read from shared memory per key tile (cheap next to K/V, shared by the two m blocks).
-//  - 4-warp CTAs with a register cap of two (d128) or three (d64) CTAs per SM: independent CTAs
-//    overlap one CTA's softmax with another's MMAs, which barrier-locked warps of one CTA cannot.
-//  - a STAGES-deep K/V ring with ONE barrier per tile (the barrier that publishes tile i also
-//    proves every warp is done with the stage that tile i + STAGES - 1 overwrites);
-//  - page-table lookups for a whole tile issued before its copies (independent loads in flight,
-//    not one dependent lookup per 16-byte chunk);
-//  - masks evaluated only on tiles that straddle the causal diagonal, the window edge or the end
-//    of the key range, and key tiles a warp cannot see at all skipped by that warp;
-//  - exp2 with the softmax scale folded into one FFMA per logit, and the O rescale skipped when no
-//    row maximum of the warp moved.
-// Softcap and window stay run-time flags, tested once per tile outside the element loops: making
-// them template parameters would double the instantiations (CI compiles these on two cores) for
-// features the large prefill rows do not use.
+// A CTA owns 128 flattened (token, head-in-group) rows of one KV head, so each K/V tile is read
+// once per GQA group. Q and the K/V tiles live in shared memory in the 128-byte swizzled layout
+// (wgmma.cuh); S = Q K^T is an m64nBNk16 MMA with both operands in shared memory, and the
+// probabilities stay in registers as the A operand of O += P V, with V read transposed from the
+// same tile layout. The tensor cores read shared memory themselves: no ldmatrix traffic, which
+// bounded the earlier mma.sync version of this kernel (~300 TFLOP/s at d128 on the H200, against
+// ~380 here, docs/BENCHMARKS.md).
+//
+// Shapes, each chosen by measurement on the H200:
+//  - d64 / d128: ONE warpgroup per CTA holding all 128 rows as two m64 blocks, and two CTAs per
+//    SM. Independent CTAs overlap one CTA's softmax with the other's MMAs; two warpgroups in one
+//    CTA (one m64 block each) are held in step by the per-tile barrier and measured 9-17% slower.
+//  - d256: two warpgroups of one m64 block each (two m64 blocks would need 256 O accumulators per
+//    thread).
+// Per tile: a STAGES-deep cp.async ring with ONE barrier (the barrier that publishes tile i also
+// proves every warp is done with the stage tile i + STAGES - 1 overwrites); the page-table
+// lookups of a whole tile issued before its copies; masks only on tiles that straddle the causal
+// diagonal, the window edge or the end of the key range; tiles no row of a warpgroup can see
+// skipped; exp2 with the softmax scale folded into one FFMA per logit; the O rescale skipped when
+// no row maximum of the warp moved. Softcap and window are run-time flags tested once per tile
+// outside the element loops: template parameters would double the instantiations (CI compiles
+// these on two cores) for features the large prefill rows do not use.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,31 +34,9 @@
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/prefill.h"
 #include "backends/cuda/kernels/primitives.cuh"
+#include "backends/cuda/kernels/wgmma.cuh"
 
 namespace attnrt::cuda {
-
-template <int D, int WARPS, int MW, int BN, int STAGES, bool QREGS, int MIN_CTAS>
-struct PrefillConfig {
-  static constexpr int kHeadDim = D;
-  static constexpr int kWarps = WARPS;
-  static constexpr int kThreads = WARPS * 32;
-  static constexpr int kMw = MW;            // m16 row blocks per warp
-  static constexpr int kBN = BN;            // keys per tile
-  static constexpr int kStages = STAGES;    // K/V tiles resident (cp.async ring depth)
-  static constexpr bool kQRegs = QREGS;     // Q fragments held in registers for the whole loop
-  static constexpr int kMinCtas = MIN_CTAS; // CTAs per SM the register cap must allow
-  static constexpr int kRows = WARPS * 16 * MW;
-  static constexpr int kChunks = D / 8;  // 16-byte chunks of a 16-bit row
-  static constexpr int kQBytes = kRows * D * 2;
-  static constexpr int kTileElems = BN * D;  // one K or V tile
-  static constexpr int kSmemBytes = kQBytes + STAGES * 2 * kTileElems * 2;
-  // Tile copies: thread i moves chunk i % kChunks of keys i / kChunks + n * kKeysPerPass.
-  static constexpr int kKeysPerPass = kThreads / kChunks;
-  static constexpr int kPasses = BN / kKeysPerPass;
-  static_assert(kRows == kPrefillTileRows, "prefill CTAs must match the plan's prefill tile");
-  static_assert(kThreads % kChunks == 0 && BN % kKeysPerPass == 0 && BN % 16 == 0 &&
-                STAGES >= 2 && D % 16 == 0);
-};
 
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -64,28 +44,56 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// D: head dim; WG: warpgroups per CTA; BN: keys per tile; STAGES: K/V tiles resident;
+// MIN_CTAS: CTAs per SM the register cap must allow.
+template <int D, int WG, int BN, int STAGES, int MIN_CTAS>
+struct PrefillConfig {
+  static constexpr int kHeadDim = D;
+  static constexpr int kBN = BN;
+  static constexpr int kStages = STAGES;
+  static constexpr int kWarpgroups = WG;
+  static constexpr int kThreads = WG * 128;
+  static constexpr int kMinCtas = MIN_CTAS;
+  static constexpr int kRows = 128;
+  static constexpr int kMB = kRows / 64 / WG;  // m64 blocks per warpgroup
+  static constexpr int kChunks = D / 8;
+  static constexpr int kON = D > 128 ? 128 : D;  // N of one P V MMA (at most 128 accumulators)
+  static constexpr int kQBytes = kRows * D * 2;
+  static constexpr int kTileBytes = BN * D * 2;
+  // 1024 bytes of slack: swizzle atoms must start on a 1024-byte boundary.
+  static constexpr int kSmemBytes = 1024 + kQBytes + STAGES * 2 * kTileBytes;
+  static constexpr int kKeysPerPass = kThreads / kChunks;
+  static constexpr int kPasses = BN / kKeysPerPass;
+  static_assert(kRows == kPrefillTileRows, "prefill CTAs must match the plan's prefill tile");
+  static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 128 && kThreads % kChunks == 0 &&
+                BN % kKeysPerPass == 0 && STAGES >= 2);
+};
+
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(const AttnParams p) {
-  constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, MW = Cfg::kMw, ST = Cfg::kStages;
-  constexpr int CH = Cfg::kChunks, NT = Cfg::kThreads, TE = Cfg::kTileElems;
-  constexpr int WROWS = 16 * MW;  // rows per warp
-  extern __shared__ __align__(128) unsigned char smem[];
-  T* sQ = reinterpret_cast<T*>(smem);
-  T* sKV = reinterpret_cast<T*>(smem + Cfg::kQBytes);  // stage s: K at s * 2 * TE, V after it
+  constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, ST = Cfg::kStages, MB = Cfg::kMB;
+  constexpr int CH = Cfg::kChunks, NT = Cfg::kThreads, ON = Cfg::kON, NO = D / ON;
+  constexpr int ROWS = Cfg::kRows;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = ((raw + 1023) & ~1023u) - raw;
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t sQ = raw + pad;  // shared-window addresses for the descriptors
+  const uint32_t sKV = sQ + Cfg::kQBytes;
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, c4 = lane & 3;
   const int kvh = blockIdx.x;
   const WorkItem item = p.work[blockIdx.y];
   const ReqInfo req = p.reqs[item.req];
   const int G = p.group;
   const int t_first = item.f0 / G;
-  const int t_last = min(req.qlen - 1, (item.f0 + Cfg::kRows - 1) / G);
+  const int t_last = min(req.qlen - 1, (item.f0 + ROWS - 1) / G);
   const bool causal = p.causal != 0;
   const bool windowed = causal && p.window >= 0;
 
   // Keys of this CTA's split: those the tile's rows can see, cut into num_splits chunks of whole
-  // tiles (derived from lengths only, like the general kernel, so the plan stays kernel-agnostic).
+  // tiles. Derived from lengths only, like the general kernel, so the plan stays kernel-agnostic.
   int hi = req.kv_len, lo = 0;
   if (causal) {
     hi = min(hi, req.prefix + t_last + 1);
@@ -104,14 +112,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   // request's tokens are zero (finite logits, never stored).
   {
     const T* q = static_cast<const T*>(p.q);
-    for (int i = tid; i < Cfg::kRows * CH; i += NT) {
+    for (int i = tid; i < ROWS * CH; i += NT) {
       const int r = i / CH, c = i % CH;
       const int f = item.f0 + r, t = f / G, hg = f - t * G;
       const bool valid = t < req.qlen;
-      const T* src = valid ? q + (req.qo_start + t) * p.q_stride_tok +
-                                 (kvh * G + hg) * p.q_stride_head + c * 8
-                           : q;
-      cp_async_16(sQ + r * D + swz(r, c) * 8, src, valid);
+      const T* src =
+          valid ? q + (req.qo_start + t) * p.q_stride_tok + (kvh * G + hg) * p.q_stride_head + c * 8
+                : q;
+      cp_async_16(smem + swz128_offset(ROWS, r, c), src, valid);
     }
   }
 
@@ -133,8 +141,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   const T* vbase = static_cast<const T*>(p.v) + kvh * D;
   const int ld_c = tid % CH, ld_key = tid / CH;
   auto load_tile = [&](int kb, int stage) {
-    T* dk = sKV + stage * 2 * TE;
-    T* dv = dk + TE;
+    unsigned char* dk = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes;
+    unsigned char* dv = dk + Cfg::kTileBytes;
     // Slots fit 32 bits (page ids are int32 and a pool of 2^31 tokens is far beyond any GPU).
     int32_t slot[Cfg::kPasses];
 #pragma unroll
@@ -152,7 +160,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
       const int key = ld_key + n * Cfg::kKeysPerPass;
       const bool valid = slot[n] >= 0;
       const int64_t s = valid ? slot[n] : 0;
-      const int so = key * D + swz(key, ld_c) * 8;
+      const uint32_t so = swz128_offset(BN, key, ld_c);
       cp_async_16(dk + so, kbase + s * p.k_row_stride + ld_c * 8, valid);
       cp_async_16(dv + so, vbase + s * p.v_row_stride + ld_c * 8, valid);
     }
@@ -166,111 +174,81 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
     cp_async_commit();
   }
 
-  // Per-thread rows: g and g + 8 of each of the warp's m16 blocks.
-  const int row0 = warp * WROWS;
-  int row_t[MW][2];
+  // Rows: warpgroup wg owns rows wg * 64 * MB .. as MB blocks of 64; in block mb, warp wq of the
+  // warpgroup holds 16 rows and this thread rows g and g + 8 of those. Skips are decided per
+  // warpgroup (its four warps issue each MMA together), masks per warp and block.
+  const int wg_row0 = wg * 64 * MB;
+  int row_t[MB][2], wt_lo[MB], wt_hi[MB];
 #pragma unroll
-  for (int mb = 0; mb < MW; ++mb)
+  for (int mb = 0; mb < MB; ++mb) {
+    const int r0 = item.f0 + wg_row0 + mb * 64 + wq * 16;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) row_t[mb][h] = (item.f0 + row0 + mb * 16 + g + 8 * h) / G;
-  // Token range of the warp's rows (clamped to real tokens) for the per-tile mask decisions.
-  const bool warp_idle = (item.f0 + row0) / G >= req.qlen;
-  const int wt_lo = min((item.f0 + row0) / G, req.qlen - 1);
-  const int wt_hi = min((item.f0 + row0 + WROWS - 1) / G, req.qlen - 1);
+    for (int h = 0; h < 2; ++h) row_t[mb][h] = (r0 + g + 8 * h) / G;
+    wt_lo[mb] = min(r0 / G, req.qlen - 1);
+    wt_hi[mb] = min((r0 + 15) / G, req.qlen - 1);
+  }
+  const bool wg_idle = (item.f0 + wg_row0) / G >= req.qlen;
+  const int gt_lo = min((item.f0 + wg_row0) / G, req.qlen - 1);
+  const int gt_hi = min((item.f0 + wg_row0 + 64 * MB - 1) / G, req.qlen - 1);
 
   const bool capped = p.softcap > 0.f;
   const float sl = capped ? 1.f : p.scale_log2;  // logit -> log2 units after the softcap pass
   const float cap_in = capped ? p.softmax_scale / p.softcap : 0.f;
   const float cap_out = p.softcap * 1.4426950408889634f;
 
-  float o[MW][D / 8][4];
+  float o[MB][NO][ON / 2];
 #pragma unroll
-  for (int mb = 0; mb < MW; ++mb)
+  for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) o[mb][i][0] = o[mb][i][1] = o[mb][i][2] = o[mb][i][3] = 0.f;
-  float m[MW][2], l[MW][2];
+    for (int nb = 0; nb < NO; ++nb)
 #pragma unroll
-  for (int mb = 0; mb < MW; ++mb) m[mb][0] = m[mb][1] = -INFINITY, l[mb][0] = l[mb][1] = 0.f;
-  uint32_t qf[Cfg::kQRegs ? MW : 1][Cfg::kQRegs ? D / 16 : 1][4];
-
-  // ldmatrix addressing (see primitives.cuh for the fragment layouts): A rows / K keys / V keys
-  // handled by this lane inside a 16-row block, and which 16-byte chunk of the pair it reads.
-  const int a_row = (lane & 7) + ((lane >> 3) & 1) * 8, a_chk = lane >> 4;
-  const int k_key = (lane & 7) + (lane >> 4) * 8, k_chk = (lane >> 3) & 1;
-  const int v_key = (lane & 7) + ((lane >> 3) & 1) * 8, v_chk = lane >> 4;
+      for (int i = 0; i < ON / 2; ++i) o[mb][nb][i] = 0.f;
+  float m[MB][2], l[MB][2];
+#pragma unroll
+  for (int mb = 0; mb < MB; ++mb) m[mb][0] = m[mb][1] = -INFINITY, l[mb][0] = l[mb][1] = 0.f;
 
   for (int it = 0; it < num_tiles; ++it) {
+    // The copies were generic-proxy writes; the MMAs read through the async proxy.
     cp_async_wait<ST - 2>();
+    fence_proxy_async_smem();
     __syncthreads();
     if (it + ST - 1 < num_tiles) load_tile(lo + (it + ST - 1) * BN, (it + ST - 1) % ST);
     cp_async_commit();
-    if constexpr (Cfg::kQRegs) {
-      if (it == 0) {
-#pragma unroll
-        for (int mb = 0; mb < MW; ++mb)
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) {
-            const int r = row0 + mb * 16 + a_row;
-            ldmatrix_x4(qf[mb][kk], sQ + r * D + swz(r, kk * 2 + a_chk) * 8);
-          }
-      }
-    }
     const int kb = lo + it * BN;
     // A tile wholly right of every row's diagonal or left of every row's window is skipped, and
-    // so is everything for a warp whose rows all lie past the request's last token.
-    if (warp_idle || (causal && kb > req.prefix + wt_hi)) continue;
-    if (windowed && kb + BN - 1 < req.prefix + wt_lo - p.window) continue;
-    const T* tK = sKV + (it % ST) * 2 * TE;
-    const T* tV = tK + TE;
+    // so is everything for a warpgroup whose rows all lie past the request's last token.
+    if (wg_idle || (causal && kb > req.prefix + gt_hi)) continue;
+    if (windowed && kb + BN - 1 < req.prefix + gt_lo - p.window) continue;
+    const uint32_t tK = sKV + (it % ST) * 2 * Cfg::kTileBytes;
+    const uint32_t tV = tK + Cfg::kTileBytes;
 
-    // ---- S = Q K^T.
-    float s[MW][BN / 8][4];
+    // ---- S = Q K^T (this warpgroup's MB x 64 rows x BN keys), one commit for all blocks.
+    float s[MB][BN / 2];
+    wgmma_fence();
 #pragma unroll
-    for (int mb = 0; mb < MW; ++mb)
+    for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-      for (int i = 0; i < BN / 8; ++i) s[mb][i][0] = s[mb][i][1] = s[mb][i][2] = s[mb][i][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      [[maybe_unused]] uint32_t qa[MW][4];
-      if constexpr (!Cfg::kQRegs) {
-#pragma unroll
-        for (int mb = 0; mb < MW; ++mb) {
-          const int r = row0 + mb * 16 + a_row;
-          ldmatrix_x4(qa[mb], sQ + r * D + swz(r, kk * 2 + a_chk) * 8);
-        }
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint64_t da =
+            wgmma_desc(sQ + (kk >> 2) * ROWS * 128 + (wg_row0 + mb * 64) * 128 + (kk & 3) * 32, 16);
+        const uint64_t db = wgmma_desc(tK + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16);
+        wgmma_ss<BN, T>(s[mb], da, db, kk > 0 ? 1 : 0);
       }
-#pragma unroll
-      for (int np = 0; np < BN / 16; ++np) {
-        const int key = np * 16 + k_key;
-        uint32_t b[4];
-        ldmatrix_x4(b, tK + key * D + swz(key, kk * 2 + k_chk) * 8);
-#pragma unroll
-        for (int mb = 0; mb < MW; ++mb) {
-          if constexpr (Cfg::kQRegs) {
-            mma_16816<T>(s[mb][2 * np], qf[mb][kk], b[0], b[1]);
-            mma_16816<T>(s[mb][2 * np + 1], qf[mb][kk], b[2], b[3]);
-          } else {
-            mma_16816<T>(s[mb][2 * np], qa[mb], b[0], b[1]);
-            mma_16816<T>(s[mb][2 * np + 1], qa[mb], b[2], b[3]);
-          }
-        }
-      }
-    }
+    wgmma_commit();
+    wgmma_wait<0>();
 
     // ---- Softcap (log2 units afterwards), then the mask on tiles that need one.
     if (capped) {
 #pragma unroll
-      for (int mb = 0; mb < MW; ++mb)
+      for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s[mb][nb][e] = cap_out * tanhf(s[mb][nb][e] * cap_in);
+        for (int i = 0; i < BN / 2; ++i) s[mb][i] = cap_out * tanhf(s[mb][i] * cap_in);
     }
-    const bool need_mask = kb + BN > hi || (causal && kb + BN - 1 > req.prefix + wt_lo) ||
-                           (windowed && kb < req.prefix + wt_hi - p.window);
-    if (need_mask) {
 #pragma unroll
-      for (int mb = 0; mb < MW; ++mb)
+    for (int mb = 0; mb < MB; ++mb) {
+      const bool need_mask = kb + BN > hi || (causal && kb + BN - 1 > req.prefix + wt_lo[mb]) ||
+                             (windowed && kb < req.prefix + wt_hi[mb] - p.window);
+      if (need_mask) {
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
@@ -280,22 +258,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
             bool vis = j < hi;
             if (causal) vis = vis && j <= qpos;
             if (windowed) vis = vis && qpos - j <= p.window;
-            if (!vis) s[mb][nb][e] = -INFINITY;
+            if (!vis) s[mb][nb * 4 + e] = -INFINITY;
           }
+      }
     }
 
     // ---- Online softmax (rows g and g + 8 of each block; a quad of lanes shares a row). m is in
     // log2 units: p = 2^(s * sl - m), one FFMA and one MUFU per logit.
     bool moved = false;
-    float alpha[MW][2];
+    float alpha[MB][2];
 #pragma unroll
-    for (int mb = 0; mb < MW; ++mb)
+    for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float mx = -INFINITY;
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
-          mx = fmaxf(mx, fmaxf(s[mb][nb][2 * h], s[mb][nb][2 * h + 1]));
+          mx = fmaxf(mx, fmaxf(s[mb][nb * 4 + 2 * h], s[mb][nb * 4 + 2 * h + 1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
         const float m_new = fmaxf(m[mb][h], mx * sl);
@@ -306,47 +285,51 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
         float sum = 0.f;
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb) {
-          s[mb][nb][2 * h] = fast_exp2(fmaf(s[mb][nb][2 * h], sl, -m_use));
-          s[mb][nb][2 * h + 1] = fast_exp2(fmaf(s[mb][nb][2 * h + 1], sl, -m_use));
-          sum += s[mb][nb][2 * h] + s[mb][nb][2 * h + 1];
+          float& x0 = s[mb][nb * 4 + 2 * h];
+          float& x1 = s[mb][nb * 4 + 2 * h + 1];
+          x0 = fast_exp2(fmaf(x0, sl, -m_use));
+          x1 = fast_exp2(fmaf(x1, sl, -m_use));
+          sum += x0 + x1;
         }
         l[mb][h] = l[mb][h] * alpha[mb][h] + sum;
       }
     if (__any_sync(0xffffffff, moved)) {
 #pragma unroll
-      for (int mb = 0; mb < MW; ++mb)
+      for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-          o[mb][i][0] *= alpha[mb][0];
-          o[mb][i][1] *= alpha[mb][0];
-          o[mb][i][2] *= alpha[mb][1];
-          o[mb][i][3] *= alpha[mb][1];
-        }
+        for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+          for (int i = 0; i < ON / 8; ++i) {
+            o[mb][nb][4 * i] *= alpha[mb][0];
+            o[mb][nb][4 * i + 1] *= alpha[mb][0];
+            o[mb][nb][4 * i + 2] *= alpha[mb][1];
+            o[mb][nb][4 * i + 3] *= alpha[mb][1];
+          }
     }
 
-    // ---- O += P V: P (accumulator layout) becomes the A operand 16 keys at a time.
+    // ---- O += P V: P (S accumulator layout) is the register A operand, 16 keys per MMA.
+    uint32_t pa[MB][BN / 16][4];
 #pragma unroll
-    for (int k16 = 0; k16 < BN / 16; ++k16) {
-      uint32_t pa[MW][4];
+    for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-      for (int mb = 0; mb < MW; ++mb) {
-        pa[mb][0] = pack2<T>(s[mb][2 * k16][0], s[mb][2 * k16][1]);
-        pa[mb][1] = pack2<T>(s[mb][2 * k16][2], s[mb][2 * k16][3]);
-        pa[mb][2] = pack2<T>(s[mb][2 * k16 + 1][0], s[mb][2 * k16 + 1][1]);
-        pa[mb][3] = pack2<T>(s[mb][2 * k16 + 1][2], s[mb][2 * k16 + 1][3]);
+      for (int k16 = 0; k16 < BN / 16; ++k16) {
+        pa[mb][k16][0] = pack2<T>(s[mb][8 * k16], s[mb][8 * k16 + 1]);
+        pa[mb][k16][1] = pack2<T>(s[mb][8 * k16 + 2], s[mb][8 * k16 + 3]);
+        pa[mb][k16][2] = pack2<T>(s[mb][8 * k16 + 4], s[mb][8 * k16 + 5]);
+        pa[mb][k16][3] = pack2<T>(s[mb][8 * k16 + 6], s[mb][8 * k16 + 7]);
       }
+    wgmma_fence();
 #pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        const int key = k16 * 16 + v_key;
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, tV + key * D + swz(key, dp * 2 + v_chk) * 8);
+    for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-        for (int mb = 0; mb < MW; ++mb) {
-          mma_16816<T>(o[mb][2 * dp], pa[mb], b[0], b[1]);
-          mma_16816<T>(o[mb][2 * dp + 1], pa[mb], b[2], b[3]);
+      for (int k16 = 0; k16 < BN / 16; ++k16)
+#pragma unroll
+        for (int nb = 0; nb < NO; ++nb) {
+          const uint64_t db = wgmma_desc(tV + k16 * 16 * 128 + nb * (ON / 64) * BN * 128, BN * 128);
+          wgmma_rs<ON, T>(o[mb][nb], pa[mb][k16], db);
         }
-      }
-    }
+    wgmma_commit();
+    wgmma_wait<0>();
   }
   cp_async_wait<0>();
 
@@ -354,14 +337,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   const bool split = req.num_splits > 1;
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 #pragma unroll
-  for (int mb = 0; mb < MW; ++mb)
+  for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float ll = l[mb][h];
       ll += __shfl_xor_sync(0xffffffff, ll, 1);
       ll += __shfl_xor_sync(0xffffffff, ll, 2);
       const float mm = m[mb][h];
-      const int f = item.f0 + row0 + mb * 16 + g + 8 * h;
+      const int f = item.f0 + wg_row0 + mb * 64 + wq * 16 + g + 8 * h;
       const int t = row_t[mb][h], hg = f - t * G;
       if (t >= req.qlen) continue;
       const int head = kvh * G + hg;
@@ -370,10 +353,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
         const float inv = ll > 0.f ? 1.f / ll : 0.f;
         float* dst = p.part_o + (prow * p.num_q_heads + head) * D + 2 * c4;
 #pragma unroll
-        for (int nb = 0; nb < D / 8; ++nb)
-          *reinterpret_cast<float2*>(dst + nb * 8) =
-              make_float2(o[mb][nb][2 * h] * inv, o[mb][nb][2 * h + 1] * inv);
-        if (c4 == 0) p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
+        for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+          for (int i = 0; i < ON / 8; ++i)
+            *reinterpret_cast<float2*>(dst + nb * ON + i * 8) =
+                make_float2(o[mb][nb][4 * i + 2 * h] * inv, o[mb][nb][4 * i + 2 * h + 1] * inv);
+        if (c4 == 0)
+          p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
       } else {
         const float m_use = mm == -INFINITY ? 0.f : mm;
         float den = ll;
@@ -382,27 +368,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
         T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
                  head * p.o_stride_head + 2 * c4;
 #pragma unroll
-        for (int nb = 0; nb < D / 8; ++nb)
-          *reinterpret_cast<uint32_t*>(dst + nb * 8) =
-              pack2<T>(o[mb][nb][2 * h] * inv, o[mb][nb][2 * h + 1] * inv);
+        for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+          for (int i = 0; i < ON / 8; ++i)
+            *reinterpret_cast<uint32_t*>(dst + nb * ON + i * 8) =
+                pack2<T>(o[mb][nb][4 * i + 2 * h] * inv, o[mb][nb][4 * i + 2 * h + 1] * inv);
         if (p.lse_out != nullptr && c4 == 0)
           p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m_use + log2f(den)) * kLn2;
       }
     }
 }
 
-// Per head dim: 4 warps x 32 rows at 64 / 128 (Q in registers at 64, re-read at 128, where the
-// O accumulators take the registers), 8 warps x 16 rows at 256 (O alone is 128 floats per thread).
 template <int D>
 using PrefillCfg = std::conditional_t<
-    D == 64, PrefillConfig<64, 4, 2, 64, 3, true, 2>,
-    std::conditional_t<D == 128, PrefillConfig<128, 4, 2, 64, 2, false, 2>,
-                       PrefillConfig<256, 8, 1, 64, 2, false, 1>>>;
+    D == 64, PrefillConfig<64, 1, 64, 3, 2>,
+    std::conditional_t<D == 128, PrefillConfig<128, 1, 64, 2, 2>, PrefillConfig<256, 2, 64, 2, 1>>>;
+
 template <typename T, typename Cfg>
 cudaError_t launch_prefill_cfg(const AttnParams& p, int num_items, cudaStream_t stream) {
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(prefill_kernel<T, Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           Cfg::kSmemBytes);
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      prefill_kernel<T, Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(p.num_kv_heads, num_items);
   prefill_kernel<T, Cfg><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
