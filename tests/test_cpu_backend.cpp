@@ -297,10 +297,10 @@ TEST(CpuBackend, HeadShapesGroupsAndVectorTails) {
   }
 }
 
-TEST(CpuBackend, Bf16TilesWithOddShapesWindowsTreesAndSplits) {
-  // All-bf16 steps run the bf16 dot-product tiles where the CPU has them: odd key counts per
+TEST(CpuBackend, Bf16StepsWithOddShapesWindowsTreesAndSplits) {
+  // All-bf16 steps run the bf16 dot-product kernels where the CPU has them: odd key counts per
   // block, value dims that leave pair and vector tails, SWA keys the pool dropped, tree masks,
-  // soft-cap and key splits.
+  // soft-cap, single-query rows and key splits.
   struct Shape {
     int hq, hkv, d, dv;
   };
@@ -317,7 +317,10 @@ TEST(CpuBackend, Bf16TilesWithOddShapesWindowsTreesAndSplits) {
         make_spec("bf16-extend", ForwardMode::EXTEND, {0, 45, 1}, {67, 33, 99}, {swa, full},
                   seed++),
         make_spec("bf16-long", ForwardMode::EXTEND, {1500}, {9}, {full}, seed++),
-        verify_spec("bf16-tree", {61, 0}, 7, 2, tree, {swa, full}, seed++)};
+        verify_spec("bf16-tree", {61, 0}, 7, 2, tree, {swa, full}, seed++),
+        make_spec("bf16-decode", ForwardMode::DECODE, {0, 63, 64, 2900}, {1, 1, 1, 1},
+                  {swa, full}, seed++),
+        make_spec("bf16-mixed", ForwardMode::MIXED, {130, 7, 0}, {1, 20, 1}, {full}, seed++)};
     for (CaseSpec& s : specs) {
       s.kv_dtype = s.act_dtype = DType::bf16;
       s.q_amplitude = 2.f;

@@ -251,12 +251,19 @@ HWY_INLINE void EmitRow(const LayerArgs& a, const KernelPlan& p, const WorkItem&
 
 // ------------------------------------------------------------------------------------------------
 // Online softmax over a block of scores held key-major in lanes (single-query kernel): s[0, n) of
-// one head, padded to whole vectors with -inf. Updates m and l; leaves p = exp(s - m) in s.
+// one head times `scale`, padded to whole vectors with -inf. Updates m and l; leaves
+// p = exp(s - m) in s (zero in the padding).
 
-HWY_INLINE float SoftmaxKeysInLanes(float* s, int n, float softcap, float& m, float& l) {
+HWY_INLINE float SoftmaxKeysInLanes(float* s, int n, float scale, float softcap, float& m,
+                                    float& l) {
   const DF df;
   const int lanes = static_cast<int>(hn::Lanes(df));
   const int padded = (n + lanes - 1) / lanes * lanes;
+  if (scale != 1.f) {
+    for (int j = 0; j < n; j += lanes) {
+      hn::Store(hn::Mul(hn::Load(df, s + j), hn::Set(df, scale)), df, s + j);
+    }
+  }
   for (int j = n; j < padded; ++j) s[j] = kNegInf;
   VF vmax = hn::Set(df, kNegInf);
   if (softcap > 0.f) {
@@ -383,106 +390,6 @@ HWY_INLINE void DecodeValues(const typename KvElem<DT>::T* const* v, int n, int 
       for (int g = 0; g < NG; ++g) o[g] = hn::MulAdd(hn::Set(df, p[g * p_stride + j]), vv, o[g]);
     }
     for (int g = 0; g < NG; ++g) hn::Store(o[g], df, acc + g * acc_stride + c);
-  }
-}
-
-template <DType DT>
-void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head) {
-  using T = typename KvElem<DT>::T;
-  const DF df;
-  const int lanes = static_cast<int>(hn::Lanes(df));
-  const RequestInfo& r = p.reqs[it.req];
-  const int ng = it.g1 - it.g0;
-  const int group = a.num_q_heads / a.num_kv_heads;
-  const int dim = a.head_dim, vdim = a.v_head_dim;
-  const int dim_p = (dim + lanes - 1) / lanes * lanes;
-  const int vdim_p = (vdim + lanes - 1) / lanes * lanes;
-  const RowMap rows{r.q_row, it.t0, it.g0, ng, group, kv_head};
-
-  Arena arena;
-  arena.reserve(static_cast<size_t>(ng) * dim_p);        // q
-  arena.reserve(static_cast<size_t>(ng) * vdim_p);       // acc
-  arena.reserve(static_cast<size_t>(ng) * kDecodeKeys);  // scores / probabilities
-  arena.reserve(static_cast<size_t>(kDecodeKeys) * lanes);  // row tails
-  for (int k = 0; k < 3; ++k) arena.reserve(ng);         // m, l, alpha
-  arena.bind(t_scratch.get(arena.total()));
-  float* q = arena.take(static_cast<size_t>(ng) * dim_p);
-  float* acc = arena.take(static_cast<size_t>(ng) * vdim_p);
-  float* s = arena.take(static_cast<size_t>(ng) * kDecodeKeys);
-  float* tail = arena.take(static_cast<size_t>(kDecodeKeys) * lanes);
-  float* m = arena.take(ng);
-  float* l = arena.take(ng);
-  float* alpha = arena.take(ng);
-
-  for (int g = 0; g < ng; ++g) {
-    const int64_t base = rows.token_row(g) * a.q_stride[0] + rows.head(g) * a.q_stride[1];
-    float* qg = q + static_cast<size_t>(g) * dim_p;
-    for (int d = 0; d < dim; ++d) {
-      qg[d] = load_as_float(a.q, a.q_dtype, static_cast<size_t>(base + d * a.q_stride[2])) *
-              a.qk_scale;
-    }
-    std::fill(qg + dim, qg + dim_p, 0.f);
-    std::fill(acc + static_cast<size_t>(g) * vdim_p, acc + static_cast<size_t>(g + 1) * vdim_p, 0.f);
-    m[g] = kNegInf;
-    l[g] = 0.f;
-  }
-
-  const T* k_cache = static_cast<const T*>(a.k_cache);
-  const T* v_cache = static_cast<const T*>(a.v_cache);
-  const int32_t* slots = p.slots + r.slot_offset;
-  const T* krows[kDecodeKeys];
-  const T* vrows[kDecodeKeys];
-  for (int kb = it.k0; kb < it.k1; kb += kDecodeKeys) {
-    const int n = std::min(kDecodeKeys, it.k1 - kb);
-    for (int j = 0; j < n; ++j) {
-      const int64_t slot = slots[kb + j];
-      krows[j] = k_cache + slot * a.k_row_stride + static_cast<int64_t>(kv_head) * dim;
-      vrows[j] = v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim;
-    }
-    for (int j = kb + n; j < std::min(it.k1, kb + n + kDecodeKeys); ++j) {
-      const int64_t slot = slots[j];
-      PrefetchRow(k_cache + slot * a.k_row_stride + static_cast<int64_t>(kv_head) * dim,
-                  dim * sizeof(T));
-      PrefetchRow(v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim,
-                  vdim * sizeof(T));
-    }
-    for (int g = 0; g < ng;) {
-      const float* qg = q + static_cast<size_t>(g) * dim_p;
-      float* sg = s + static_cast<size_t>(g) * kDecodeKeys;
-      if (ng - g >= 4) {
-        DecodeScores<DT, 4>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
-        g += 4;
-      } else if (ng - g >= 2) {
-        DecodeScores<DT, 2>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
-        g += 2;
-      } else {
-        DecodeScores<DT, 1>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
-        g += 1;
-      }
-    }
-    for (int g = 0; g < ng; ++g) {
-      alpha[g] = SoftmaxKeysInLanes(s + static_cast<size_t>(g) * kDecodeKeys, n, a.softcap, m[g], l[g]);
-    }
-    for (int g = 0; g < ng;) {
-      const float* pg = s + static_cast<size_t>(g) * kDecodeKeys;
-      float* ag = acc + static_cast<size_t>(g) * vdim_p;
-      if (ng - g >= 8) {
-        DecodeValues<DT, 8>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
-        g += 8;
-      } else if (ng - g >= 4) {
-        DecodeValues<DT, 4>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
-        g += 4;
-      } else if (ng - g >= 2) {
-        DecodeValues<DT, 2>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
-        g += 2;
-      } else {
-        DecodeValues<DT, 1>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
-        g += 1;
-      }
-    }
-  }
-  for (int g = 0; g < ng; ++g) {
-    EmitRow(a, p, it, rows, g, acc + static_cast<size_t>(g) * vdim_p, 1, m[g], l[g]);
   }
 }
 
@@ -619,10 +526,251 @@ ATTNRT_BF16_FN void ValuesBf16(const uint32_t* vp, const uint32_t* pp, int npair
   }
 }
 
+
+// Scores of NG heads against n key rows for the single-query kernel: q as bf16 pairs
+// ([NG][q_stride] u32), dim a multiple of 32.
+template <int NG>
+ATTNRT_BF16_FN void DecodeScoresBf16(const uint32_t* q, int q_stride, const uint16_t* const* k,
+                                     int n, int dim, float* s, int s_stride) {
+  constexpr int kKeys = 4 / NG;
+  const DF df;
+  for (int j = 0; j < n; j += kKeys) {
+    const uint16_t* kr[kKeys];
+    for (int kk = 0; kk < kKeys; ++kk) kr[kk] = k[std::min(j + kk, n - 1)];
+    __m512 acc[4];
+    for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+    for (int d = 0; d < dim; d += 32) {
+      __m512bh kv[kKeys];
+      for (int kk = 0; kk < kKeys; ++kk) kv[kk] = (__m512bh)_mm512_loadu_si512(kr[kk] + d);
+      for (int g = 0; g < NG; ++g) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * q_stride + d / 2);
+        for (int kk = 0; kk < kKeys; ++kk) {
+          acc[g * kKeys + kk] = _mm512_dpbf16_ps(acc[g * kKeys + kk], qv, kv[kk]);
+        }
+      }
+    }
+    float out[4];
+    Sum4(df, VF{acc[0]}, VF{acc[1]}, VF{acc[2]}, VF{acc[3]}, out);
+    for (int g = 0; g < NG; ++g) {
+      for (int kk = 0; kk < kKeys && j + kk < n; ++kk) s[g * s_stride + j + kk] = out[g * kKeys + kk];
+    }
+  }
+}
+
+// acc[g] = acc[g] * alpha[g] + sum over key pairs of V pairs . P pairs for NG heads, vdim a
+// multiple of 32; p holds each head's probabilities as bf16 ([NG][p_stride] u32 pairs).
+template <int NG>
+ATTNRT_BF16_FN void DecodeValuesBf16(const uint16_t* const* v, int n, int vdim,
+                                     const uint16_t* zero, const uint32_t* p, int p_stride,
+                                     const float* alpha, float* acc, int acc_stride) {
+  alignas(64) static constexpr int16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                  11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr int16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                  53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                  27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  for (int c = 0; c < vdim; c += 32) {
+    __m512 o[NG][2];
+    for (int g = 0; g < NG; ++g) {
+      const __m512 al = _mm512_set1_ps(alpha[g]);
+      o[g][0] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * acc_stride + c), al);
+      o[g][1] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * acc_stride + c + 16), al);
+    }
+    for (int jp = 0; 2 * jp < n; ++jp) {
+      const __m512i va = _mm512_loadu_si512(v[2 * jp] + c);
+      const __m512i vb = _mm512_loadu_si512((2 * jp + 1 < n ? v[2 * jp + 1] : zero) + c);
+      const __m512bh pair_lo = (__m512bh)_mm512_permutex2var_epi16(va, lo, vb);
+      const __m512bh pair_hi = (__m512bh)_mm512_permutex2var_epi16(va, hi, vb);
+      for (int g = 0; g < NG; ++g) {
+        const __m512bh pg = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[g * p_stride + jp]));
+        o[g][0] = _mm512_dpbf16_ps(o[g][0], pair_lo, pg);
+        o[g][1] = _mm512_dpbf16_ps(o[g][1], pair_hi, pg);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      _mm512_storeu_ps(acc + g * acc_stride + c, o[g][0]);
+      _mm512_storeu_ps(acc + g * acc_stride + c + 16, o[g][1]);
+    }
+  }
+}
+
+// Probabilities of n keys (a whole number of vectors, zero past n) rounded to bf16.
+ATTNRT_BF16_FN void ToBf16(const float* src, int n, uint16_t* dst) {
+  for (int j = 0; j < n; j += 16) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + j),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + j)));
+  }
+}
+
 #else
 #define ATTNRT_BF16_DOT 0
 bool HasBf16Dot() { return false; }
 #endif
+
+// kDot: bf16 q and K/V through vdpbf16ps; q kept as raw bf16 pairs (the softmax scale applied to
+// the scores) and the probabilities rounded to bf16 for P.V.
+template <DType DT, bool kDot>
+void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head) {
+  using T = typename KvElem<DT>::T;
+  const DF df;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  const RequestInfo& r = p.reqs[it.req];
+  const int ng = it.g1 - it.g0;
+  const int group = a.num_q_heads / a.num_kv_heads;
+  const int dim = a.head_dim, vdim = a.v_head_dim;
+  const int dim_p = (dim + lanes - 1) / lanes * lanes;
+  const int vdim_p = (vdim + lanes - 1) / lanes * lanes;
+  const RowMap rows{r.q_row, it.t0, it.g0, ng, group, kv_head};
+
+  Arena arena;
+  arena.reserve(static_cast<size_t>(ng) * dim_p);        // q
+  arena.reserve(static_cast<size_t>(ng) * vdim_p);       // acc
+  arena.reserve(static_cast<size_t>(ng) * kDecodeKeys);  // scores / probabilities
+  arena.reserve(static_cast<size_t>(kDecodeKeys) * lanes);  // row tails
+  for (int k = 0; k < 3; ++k) arena.reserve(ng);         // m, l, alpha
+  arena.reserve(static_cast<size_t>(ng) * kDecodeKeys / 2);  // bf16 probabilities
+  arena.reserve(static_cast<size_t>(vdim_p));            // a zero row
+  arena.bind(t_scratch.get(arena.total()));
+  float* q = arena.take(static_cast<size_t>(ng) * dim_p);
+  float* acc = arena.take(static_cast<size_t>(ng) * vdim_p);
+  float* s = arena.take(static_cast<size_t>(ng) * kDecodeKeys);
+  float* tail = arena.take(static_cast<size_t>(kDecodeKeys) * lanes);
+  float* m = arena.take(ng);
+  float* l = arena.take(ng);
+  float* alpha = arena.take(ng);
+  [[maybe_unused]] uint16_t* p16 =
+      reinterpret_cast<uint16_t*>(arena.take(static_cast<size_t>(ng) * kDecodeKeys / 2));
+  [[maybe_unused]] float* zero_row = arena.take(static_cast<size_t>(vdim_p));
+
+  for (int g = 0; g < ng; ++g) {
+    const int64_t base = rows.token_row(g) * a.q_stride[0] + rows.head(g) * a.q_stride[1];
+    float* qg = q + static_cast<size_t>(g) * dim_p;
+    if constexpr (kDot) {
+      const uint16_t* src = static_cast<const uint16_t*>(a.q) + base;
+      uint16_t* dst = reinterpret_cast<uint16_t*>(qg);
+      for (int d = 0; d < dim; ++d) dst[d] = src[d * a.q_stride[2]];
+    } else {
+      for (int d = 0; d < dim; ++d) {
+        qg[d] = load_as_float(a.q, a.q_dtype, static_cast<size_t>(base + d * a.q_stride[2])) *
+                a.qk_scale;
+      }
+      std::fill(qg + dim, qg + dim_p, 0.f);
+    }
+    std::fill(acc + static_cast<size_t>(g) * vdim_p, acc + static_cast<size_t>(g + 1) * vdim_p, 0.f);
+    m[g] = kNegInf;
+    l[g] = 0.f;
+  }
+
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
+  const int32_t* slots = p.slots + r.slot_offset;
+  const T* krows[kDecodeKeys];
+  const T* vrows[kDecodeKeys];
+  for (int kb = it.k0; kb < it.k1; kb += kDecodeKeys) {
+    const int n = std::min(kDecodeKeys, it.k1 - kb);
+    for (int j = 0; j < n; ++j) {
+      const int64_t slot = slots[kb + j];
+      krows[j] = k_cache + slot * a.k_row_stride + static_cast<int64_t>(kv_head) * dim;
+      vrows[j] = v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim;
+    }
+    for (int j = kb + n; j < std::min(it.k1, kb + n + kDecodeKeys); ++j) {
+      const int64_t slot = slots[j];
+      PrefetchRow(k_cache + slot * a.k_row_stride + static_cast<int64_t>(kv_head) * dim,
+                  dim * sizeof(T));
+      PrefetchRow(v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim,
+                  vdim * sizeof(T));
+    }
+#if ATTNRT_BF16_DOT
+    if constexpr (kDot) {
+      const uint16_t* const* k16 = reinterpret_cast<const uint16_t* const*>(krows);
+      const uint16_t* const* v16 = reinterpret_cast<const uint16_t* const*>(vrows);
+      const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
+      const int q_stride = dim_p;  // u32 per head: q rows are dim_p floats apart
+      for (int g = 0; g < ng;) {
+        float* sg = s + static_cast<size_t>(g) * kDecodeKeys;
+        const uint32_t* qg = q32 + static_cast<size_t>(g) * q_stride;
+        if (ng - g >= 4) {
+          DecodeScoresBf16<4>(qg, q_stride, k16, n, dim, sg, kDecodeKeys);
+          g += 4;
+        } else if (ng - g >= 2) {
+          DecodeScoresBf16<2>(qg, q_stride, k16, n, dim, sg, kDecodeKeys);
+          g += 2;
+        } else {
+          DecodeScoresBf16<1>(qg, q_stride, k16, n, dim, sg, kDecodeKeys);
+          g += 1;
+        }
+      }
+      const int padded = (n + lanes - 1) / lanes * lanes;
+      for (int g = 0; g < ng; ++g) {
+        float* sg = s + static_cast<size_t>(g) * kDecodeKeys;
+        alpha[g] = SoftmaxKeysInLanes(sg, n, a.qk_scale, a.softcap, m[g], l[g]);
+        ToBf16(sg, padded, p16 + static_cast<size_t>(g) * kDecodeKeys);
+      }
+      const uint32_t* p32 = reinterpret_cast<const uint32_t*>(p16);
+      const uint16_t* zero16 = reinterpret_cast<const uint16_t*>(zero_row);
+      constexpr int kPStride = kDecodeKeys / 2;
+      for (int g = 0; g < ng;) {
+        const uint32_t* pg = p32 + static_cast<size_t>(g) * kPStride;
+        float* ag = acc + static_cast<size_t>(g) * vdim_p;
+        if (ng - g >= 8) {
+          DecodeValuesBf16<8>(v16, n, vdim, zero16, pg, kPStride, alpha + g, ag, vdim_p);
+          g += 8;
+        } else if (ng - g >= 4) {
+          DecodeValuesBf16<4>(v16, n, vdim, zero16, pg, kPStride, alpha + g, ag, vdim_p);
+          g += 4;
+        } else if (ng - g >= 2) {
+          DecodeValuesBf16<2>(v16, n, vdim, zero16, pg, kPStride, alpha + g, ag, vdim_p);
+          g += 2;
+        } else {
+          DecodeValuesBf16<1>(v16, n, vdim, zero16, pg, kPStride, alpha + g, ag, vdim_p);
+          g += 1;
+        }
+      }
+      continue;
+    }
+#endif
+    for (int g = 0; g < ng;) {
+      const float* qg = q + static_cast<size_t>(g) * dim_p;
+      float* sg = s + static_cast<size_t>(g) * kDecodeKeys;
+      if (ng - g >= 4) {
+        DecodeScores<DT, 4>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
+        g += 4;
+      } else if (ng - g >= 2) {
+        DecodeScores<DT, 2>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
+        g += 2;
+      } else {
+        DecodeScores<DT, 1>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
+        g += 1;
+      }
+    }
+    for (int g = 0; g < ng; ++g) {
+      alpha[g] = SoftmaxKeysInLanes(s + static_cast<size_t>(g) * kDecodeKeys, n, 1.f, a.softcap,
+                                    m[g], l[g]);
+    }
+    for (int g = 0; g < ng;) {
+      const float* pg = s + static_cast<size_t>(g) * kDecodeKeys;
+      float* ag = acc + static_cast<size_t>(g) * vdim_p;
+      if (ng - g >= 8) {
+        DecodeValues<DT, 8>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
+        g += 8;
+      } else if (ng - g >= 4) {
+        DecodeValues<DT, 4>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
+        g += 4;
+      } else if (ng - g >= 2) {
+        DecodeValues<DT, 2>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
+        g += 2;
+      } else {
+        DecodeValues<DT, 1>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
+        g += 1;
+      }
+    }
+  }
+  for (int g = 0; g < ng; ++g) {
+    EmitRow(a, p, it, rows, g, acc + static_cast<size_t>(g) * vdim_p, 1, m[g], l[g]);
+  }
+}
+
 
 // ------------------------------------------------------------------------------------------------
 // Tile kernel: NV vectors of query rows. kDot: bf16 q and K/V through vdpbf16ps (Q^T and K kept as
@@ -945,7 +1093,15 @@ void RunItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv
   const RequestInfo& r = p.reqs[it.req];
   const bool single = it.t1 - it.t0 == 1 && (r.tree < 0 || !a.causal || r.qlen == 1);
   if (single) {
-    DecodeItem<DT>(a, p, it, kv_head);
+#if ATTNRT_BF16_DOT
+    if constexpr (DT == DType::bf16) {
+      if (dot && a.head_dim % 32 == 0 && a.v_head_dim % 32 == 0) {
+        DecodeItem<DT, true>(a, p, it, kv_head);
+        return;
+      }
+    }
+#endif
+    DecodeItem<DT, false>(a, p, it, kv_head);
     return;
   }
   const bool one_vector = (it.t1 - it.t0) * (it.g1 - it.g0) <= static_cast<int>(hn::Lanes(DF()));
