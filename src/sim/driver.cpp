@@ -6,6 +6,7 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <memory>
@@ -225,7 +226,6 @@ Tolerance output_tolerance(DType out_dtype) {
 
 ModeStats RunReport::totals() const {
   ModeStats t;
-  t.backend = "";
   for (const ModeStats& m : modes) {
     t.steps += m.steps;
     t.tokens += m.tokens;
@@ -457,8 +457,17 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
           int& listed = failures_listed[key];
           if (listed < kMaxFailuresPerMode) {
             ++listed;
-            CheckFailure f{step.index, step.role, batch.mode, layer.layer_id, c.token, c.head,
-                           c.column,   c.got,     c.expected, c.max_abs,      ""};
+            CheckFailure f;
+            f.step = step.index;
+            f.role = step.role;
+            f.mode = batch.mode;
+            f.layer = layer.layer_id;
+            f.token = c.token;
+            f.head = c.head;
+            f.column = c.column;
+            f.got = c.got;
+            f.expected = c.expected;
+            f.abs_err = std::abs(c.got - c.expected);
             f.what =
                 check ? fmt::format(
                             "step {} ({} {}), layer {}: {} of {} outputs beyond tolerance; worst "
