@@ -28,6 +28,8 @@ struct Case {
   LayerKind kind;
 };
 
+void PrintTo(const Case& c, std::ostream* os) { *os << c.backend << "/" << kind_label(c.kind); }
+
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   return info.param.backend + "_" + kind_label(info.param.kind);
 }

@@ -1,4 +1,5 @@
 #include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/linear_backend.h"
 
 #include <omp.h>
 
@@ -486,7 +487,8 @@ BackendEntry cpu_backend_entry() {
   BackendEntry e;
   e.name = "cpu";
   e.summary = "SIMD (Highway, " + cpu_simd_target() +
-              ") + OpenMP attention for every full-attention mode; the default without a GPU";
+              ") + OpenMP attention for every full-attention mode and the gdn / kda / mamba2 "
+              "layers; the default without a GPU";
   e.caps.devices = {DeviceKind::cpu};
   e.caps.kv_dtypes = {DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2};
   e.caps.spec_topk1 = true;
@@ -497,10 +499,14 @@ BackendEntry cpu_backend_entry() {
   e.caps.non_causal = true;
   e.caps.mla = false;
   e.caps.cuda_graphs = false;
+  e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
   e.auto_selectable = true;
   e.unavailable_reason = [] { return std::string(); };
   e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
     return std::make_unique<CpuBackend>(ctx);
+  };
+  e.linear_factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
+    return std::make_unique<CpuLinearBackend>(ctx);
   };
   return e;
 }
