@@ -285,9 +285,9 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
   for (const LayerSpec& l : model.layers) {
     ATTNRT_CHECK(
         !is_linear_kind(l.kind),
-        "attnrt run drives attention layers with a KV cache; layer {} of model '{}' is a {} "
-        "layer (linear-attention backends are not available yet); pick a model without "
-        "linear layers",
+        "attnrt run drives attention layers with a KV cache only; layer {} of model '{}' is a "
+        "{} layer, and replaying hybrid models (per-request state slots, state-preserving "
+        "reference checks) is not implemented in run yet; pick a model without linear layers",
         l.layer_id, model.name, layer_kind_name(l.kind));
   }
   ATTNRT_CHECK(config.check_every >= 0, "--check-every = {}; must be >= 0 (0 = no checking)",
