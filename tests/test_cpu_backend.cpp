@@ -328,6 +328,20 @@ TEST(CpuBackend, Bf16StepsWithOddShapesWindowsTreesAndSplits) {
       expect_matches_reference(s);
     }
   }
+  // fp8 KV under bf16 activations, scales that put many values among the fp8 subnormals.
+  LayerSpec layer = make_layer(8, 2, 64);
+  for (DType kv : {DType::e4m3, DType::e5m2}) {
+    for (float k_scale : {0.02f, 1.f, 3.f}) {
+      CaseSpec s = make_spec("bf16-fp8", ForwardMode::MIXED, {0, 63, 64, 2900, 8}, {1, 1, 1, 1, 12},
+                             {layer}, seed++);
+      s.act_dtype = DType::bf16;
+      s.kv_dtype = kv;
+      s.k_scale = k_scale;
+      s.v_scale = 1.f / k_scale;
+      s.want_lse = true;
+      expect_matches_reference(s);
+    }
+  }
 }
 
 TEST(CpuBackend, EveryKvDtypeWithScalesInEveryMode) {

@@ -527,21 +527,36 @@ ATTNRT_BF16_FN void ValuesBf16(const uint32_t* vp, const uint32_t* pp, int npair
 }
 
 
+// Stored K/V rows as the bf16 words vdpbf16ps reads, 32 at a time. Only bf16 rows: widening fp8 to
+// bf16 exactly (through fp16 and fp32, for the subnormals) costs more than the fp32 FMAs it saves.
+template <DType DT>
+struct DotRow;
+
+template <>
+struct DotRow<DType::bf16> {
+  static ATTNRT_BF16_FN __m512i Load(const hwy::bfloat16_t* row, int d) {
+    return _mm512_loadu_si512(row + d);
+  }
+};
+
 // Scores of NG heads against n key rows for the single-query kernel: q as bf16 pairs
 // ([NG][q_stride] u32), dim a multiple of 32.
-template <int NG>
-ATTNRT_BF16_FN void DecodeScoresBf16(const uint32_t* q, int q_stride, const uint16_t* const* k,
-                                     int n, int dim, float* s, int s_stride) {
-  constexpr int kKeys = 4 / NG;
+template <DType DT, int NG>
+ATTNRT_BF16_FN void DecodeScoresBf16(const uint32_t* q, int q_stride,
+                                     const typename KvElem<DT>::T* const* k, int n, int dim,
+                                     float* s, int s_stride) {
+  using T = typename KvElem<DT>::T;
+  // Eight independent accumulators hide the latency of vdpbf16ps.
+  constexpr int kKeys = 8 / NG;
   const DF df;
   for (int j = 0; j < n; j += kKeys) {
-    const uint16_t* kr[kKeys];
+    const T* kr[kKeys];
     for (int kk = 0; kk < kKeys; ++kk) kr[kk] = k[std::min(j + kk, n - 1)];
-    __m512 acc[4];
-    for (int i = 0; i < 4; ++i) acc[i] = _mm512_setzero_ps();
+    __m512 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
     for (int d = 0; d < dim; d += 32) {
       __m512bh kv[kKeys];
-      for (int kk = 0; kk < kKeys; ++kk) kv[kk] = (__m512bh)_mm512_loadu_si512(kr[kk] + d);
+      for (int kk = 0; kk < kKeys; ++kk) kv[kk] = (__m512bh)DotRow<DT>::Load(kr[kk], d);
       for (int g = 0; g < NG; ++g) {
         const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * q_stride + d / 2);
         for (int kk = 0; kk < kKeys; ++kk) {
@@ -549,8 +564,9 @@ ATTNRT_BF16_FN void DecodeScoresBf16(const uint32_t* q, int q_stride, const uint
         }
       }
     }
-    float out[4];
+    float out[8];
     Sum4(df, VF{acc[0]}, VF{acc[1]}, VF{acc[2]}, VF{acc[3]}, out);
+    Sum4(df, VF{acc[4]}, VF{acc[5]}, VF{acc[6]}, VF{acc[7]}, out + 4);
     for (int g = 0; g < NG; ++g) {
       for (int kk = 0; kk < kKeys && j + kk < n; ++kk) s[g * s_stride + j + kk] = out[g * kKeys + kk];
     }
@@ -559,10 +575,11 @@ ATTNRT_BF16_FN void DecodeScoresBf16(const uint32_t* q, int q_stride, const uint
 
 // acc[g] = acc[g] * alpha[g] + sum over key pairs of V pairs . P pairs for NG heads, vdim a
 // multiple of 32; p holds each head's probabilities as bf16 ([NG][p_stride] u32 pairs).
-template <int NG>
-ATTNRT_BF16_FN void DecodeValuesBf16(const uint16_t* const* v, int n, int vdim,
-                                     const uint16_t* zero, const uint32_t* p, int p_stride,
-                                     const float* alpha, float* acc, int acc_stride) {
+template <DType DT, int NG>
+ATTNRT_BF16_FN void DecodeValuesBf16(const typename KvElem<DT>::T* const* v, int n, int vdim,
+                                     const typename KvElem<DT>::T* zero, const uint32_t* p,
+                                     int p_stride, const float* alpha, float* acc,
+                                     int acc_stride) {
   alignas(64) static constexpr int16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
                                                   37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
                                                   11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -578,8 +595,8 @@ ATTNRT_BF16_FN void DecodeValuesBf16(const uint16_t* const* v, int n, int vdim,
       o[g][1] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * acc_stride + c + 16), al);
     }
     for (int jp = 0; 2 * jp < n; ++jp) {
-      const __m512i va = _mm512_loadu_si512(v[2 * jp] + c);
-      const __m512i vb = _mm512_loadu_si512((2 * jp + 1 < n ? v[2 * jp + 1] : zero) + c);
+      const __m512i va = DotRow<DT>::Load(v[2 * jp], c);
+      const __m512i vb = DotRow<DT>::Load(2 * jp + 1 < n ? v[2 * jp + 1] : zero, c);
       const __m512bh pair_lo = (__m512bh)_mm512_permutex2var_epi16(va, lo, vb);
       const __m512bh pair_hi = (__m512bh)_mm512_permutex2var_epi16(va, hi, vb);
       for (int g = 0; g < NG; ++g) {
@@ -642,6 +659,7 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int
   [[maybe_unused]] uint16_t* p16 =
       reinterpret_cast<uint16_t*>(arena.take(static_cast<size_t>(ng) * kDecodeKeys / 2));
   [[maybe_unused]] float* zero_row = arena.take(static_cast<size_t>(vdim_p));
+  if (kDot) std::fill(zero_row, zero_row + vdim_p, 0.f);
 
   for (int g = 0; g < ng; ++g) {
     const int64_t base = rows.token_row(g) * a.q_stride[0] + rows.head(g) * a.q_stride[1];
@@ -683,21 +701,19 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int
     }
 #if ATTNRT_BF16_DOT
     if constexpr (kDot) {
-      const uint16_t* const* k16 = reinterpret_cast<const uint16_t* const*>(krows);
-      const uint16_t* const* v16 = reinterpret_cast<const uint16_t* const*>(vrows);
       const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
       const int q_stride = dim_p;  // u32 per head: q rows are dim_p floats apart
       for (int g = 0; g < ng;) {
         float* sg = s + static_cast<size_t>(g) * kDecodeKeys;
         const uint32_t* qg = q32 + static_cast<size_t>(g) * q_stride;
         if (ng - g >= 4) {
-          DecodeScoresBf16<4>(qg, q_stride, k16, n, dim, sg, kDecodeKeys);
+          DecodeScoresBf16<DT, 4>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
           g += 4;
         } else if (ng - g >= 2) {
-          DecodeScoresBf16<2>(qg, q_stride, k16, n, dim, sg, kDecodeKeys);
+          DecodeScoresBf16<DT, 2>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
           g += 2;
         } else {
-          DecodeScoresBf16<1>(qg, q_stride, k16, n, dim, sg, kDecodeKeys);
+          DecodeScoresBf16<DT, 1>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
           g += 1;
         }
       }
@@ -708,22 +724,22 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int
         ToBf16(sg, padded, p16 + static_cast<size_t>(g) * kDecodeKeys);
       }
       const uint32_t* p32 = reinterpret_cast<const uint32_t*>(p16);
-      const uint16_t* zero16 = reinterpret_cast<const uint16_t*>(zero_row);
+      const T* zero_t = reinterpret_cast<const T*>(zero_row);
       constexpr int kPStride = kDecodeKeys / 2;
       for (int g = 0; g < ng;) {
         const uint32_t* pg = p32 + static_cast<size_t>(g) * kPStride;
         float* ag = acc + static_cast<size_t>(g) * vdim_p;
         if (ng - g >= 8) {
-          DecodeValuesBf16<8>(v16, n, vdim, zero16, pg, kPStride, alpha + g, ag, vdim_p);
+          DecodeValuesBf16<DT, 8>(vrows, n, vdim, zero_t, pg, kPStride, alpha + g, ag, vdim_p);
           g += 8;
         } else if (ng - g >= 4) {
-          DecodeValuesBf16<4>(v16, n, vdim, zero16, pg, kPStride, alpha + g, ag, vdim_p);
+          DecodeValuesBf16<DT, 4>(vrows, n, vdim, zero_t, pg, kPStride, alpha + g, ag, vdim_p);
           g += 4;
         } else if (ng - g >= 2) {
-          DecodeValuesBf16<2>(v16, n, vdim, zero16, pg, kPStride, alpha + g, ag, vdim_p);
+          DecodeValuesBf16<DT, 2>(vrows, n, vdim, zero_t, pg, kPStride, alpha + g, ag, vdim_p);
           g += 2;
         } else {
-          DecodeValuesBf16<1>(v16, n, vdim, zero16, pg, kPStride, alpha + g, ag, vdim_p);
+          DecodeValuesBf16<DT, 1>(vrows, n, vdim, zero_t, pg, kPStride, alpha + g, ag, vdim_p);
           g += 1;
         }
       }
