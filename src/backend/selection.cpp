@@ -687,6 +687,32 @@ Selection resolve_backends(const Options& o, const ModelSpec& model, const Regis
         sel.decode, sel.prefill, verify_on_decode ? sel.decode : sel.prefill,
         o.speculative_attention_mode));
   }
+  if (!needs.linear.empty()) {
+    // Which layers each backend serves: HybridLinearAttnBackend routes by layer id.
+    auto phases = [](const std::string& p, const std::string& d, const char* prefix) {
+      return p == d ? fmt::format("{} ({}prefill and decode)", p, prefix)
+                    : fmt::format("{} ({}prefill) / {} ({}decode)", p, prefix, d, prefix);
+    };
+    std::vector<std::string> linear_parts;
+    for (const auto& [kind, layers] : needs.linear) {
+      linear_parts.push_back(
+          fmt::format("{} {}", layer_kind_name(kind), describe_layers(layers, needs.num_layers)));
+    }
+    std::string full_part =
+        needs.attention_layers.empty()
+            ? std::string("no attention layers")
+            : fmt::format("attention {} to {}",
+                          describe_layers(needs.attention_layers, needs.num_layers),
+                          phases(sel.prefill, sel.decode, ""));
+    sel.reasons.push_back(fmt::format(
+        "layers: HybridLinearAttnBackend routes {}; {} to {}{}", full_part,
+        fmt::join(linear_parts, "; "), phases(sel.linear_prefill, sel.linear_decode, "linear "),
+        sel.speculative()
+            ? fmt::format("; TARGET_VERIFY and the state commit after it run on the linear {} "
+                          "backend",
+                          verify_on_decode ? "decode" : "prefill")
+            : std::string()));
+  }
   sel.reasons.insert(sel.reasons.end(), setup_reasons.begin(), setup_reasons.end());
   return sel;
 }

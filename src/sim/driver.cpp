@@ -1,6 +1,7 @@
 #include "attnrt/sim/driver.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <array>
@@ -13,9 +14,11 @@
 #include <nlohmann/json.hpp>
 
 #include "attnrt/backend/hybrid_attn_backend.h"
+#include "attnrt/backend/hybrid_linear_attn_backend.h"
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
 #include "attnrt/io/case_file.h"
+#include "attnrt/memory/linear_state_pool.h"
 #include "attnrt/runtime/attention_runtime.h"
 #include "attnrt/testing/conformance.h"
 
@@ -96,23 +99,34 @@ void poison(const TensorView& t) {
     store_from_float(t.data, t.dtype, static_cast<size_t>(i), nan);
 }
 
-std::string_view served_by(AttentionRuntime& rt, ForwardMode mode) {
-  if (auto* hybrid = dynamic_cast<HybridAttnBackend*>(&rt.backend()))
-    return hybrid->select(mode).name();
-  return rt.backend().name();
+std::string served_by(AttentionBackend& b, ForwardMode mode) {
+  if (auto* linear = dynamic_cast<HybridLinearAttnBackend*>(&b)) {
+    return fmt::format("{}; linear {}", served_by(linear->full_backend(), mode),
+                       linear->linear_backend(mode).name());
+  }
+  if (auto* hybrid = dynamic_cast<HybridAttnBackend*>(&b)) {
+    return std::string(hybrid->select(mode).name());
+  }
+  return std::string(b.name());
 }
 
 // Per-layer buffers sized for the largest step; views are cut per step and layer.
 struct LayerBuffers {
   HostBuffer q, k, v, out, ref_out;
   std::vector<float> sinks;
+  // Linear-attention layers: mixed_qkv, the gate inputs a and b.
+  HostBuffer mixed, gate_a, gate_b;
 };
 
 struct Engine {
   ModelSpec model;
   std::unique_ptr<AttentionRuntime> runtime;
   std::unique_ptr<AttentionBackend> reference;  // over the runtime's pools; nullptr = no checking
+  // Hybrid models: reference's linear side over the runtime's state pool (checked steps restore
+  // the state the runtime started from before it runs, and the runtime's result after).
+  std::unique_ptr<AttentionBackend> reference_linear;
   std::vector<int> kv_layers;
+  std::map<int, int> linear_rows;  // trace index -> request row holding a linear-state slot
 };
 
 Engine make_engine(const ModelSpec& model, const Options& options, const RunConfig& config,
@@ -137,8 +151,178 @@ Engine make_engine(const ModelSpec& model, const Options& options, const RunConf
     ctx.req_to_token = &e.runtime->req_to_token();
     ctx.device = Device::cpu();
     e.reference = Registry::global().get("reference").factory(ctx);
+    if (e.runtime->has_linear_layers()) {
+      ctx.linear_state = &e.runtime->linear_state();
+      e.reference_linear = Registry::global().get("reference").linear_factory(ctx);
+    }
   }
   return e;
+}
+
+// Weights of a linear-attention layer (fixed for the run), fp32 as LinearArgs wants them: conv
+// weights and bias, A_log (decay rates exp(A_log) in about [0.2, 1.6]), dt_bias, and D.
+struct LinearWeights {
+  HostBuffer conv_w, conv_b, A_log, dt_bias, D;
+};
+
+LinearWeights make_linear_weights(const LayerSpec& l, FastRng& rng) {
+  const LinearStateShape sh = linear_state_shape(l);
+  const int64_t heads = sh.heads;
+  auto filled = [&](std::initializer_list<int64_t> shape, float center, float scale) {
+    HostBuffer b(DType::f32, shape);
+    for (int64_t i = 0; i < b.numel(); ++i) b.ptr<float>()[i] = center + rng.symmetric(scale);
+    return b;
+  };
+  LinearWeights w;
+  w.conv_w = filled({sh.conv_dim, l.linear.conv_kernel}, 0.f, 0.6f);
+  w.conv_b = filled({sh.conv_dim}, 0.f, 0.3f);
+  w.A_log = filled({heads}, -0.5f, 1.f);
+  w.dt_bias = l.kind == LayerKind::kda ? filled({heads, l.linear.head_k_dim}, 0.f, 1.f)
+                                       : filled({heads}, 0.f, 1.f);
+  if (l.kind == LayerKind::mamba2) w.D = filled({heads}, 0.f, 1.f);
+  return w;
+}
+
+// Widths of a linear layer's per-token inputs: mixed_qkv, a, b, and of its output.
+struct LinearWidths {
+  int64_t mixed = 0, a = 0, b = 0, out = 0;
+};
+
+LinearWidths linear_widths(const LayerSpec& l) {
+  const LinearStateShape sh = linear_state_shape(l);
+  LinearWidths w;
+  w.mixed = sh.conv_dim;
+  w.a = l.kind == LayerKind::kda ? int64_t{sh.heads} * l.linear.head_k_dim : sh.heads;
+  w.b = l.kind == LayerKind::mamba2 ? 0 : sh.heads;
+  w.out = int64_t{sh.heads} * sh.rows;
+  return w;
+}
+
+// The step's fresh random inputs of a linear layer, over the shared buffers.
+LinearArgs linear_args(const LayerSpec& l, const LinearWeights& w, const LayerBuffers& buf,
+                       int64_t T, DType dtype) {
+  const LinearStateShape sh = linear_state_shape(l);
+  LinearArgs a;
+  a.mixed_qkv = TensorView(buf.mixed.data(), dtype, {T, sh.conv_dim});
+  a.conv_weight = w.conv_w.view();
+  a.conv_bias = w.conv_b.view();
+  a.A_log = w.A_log.view();
+  a.dt_bias = w.dt_bias.view();
+  if (l.kind == LayerKind::kda) {
+    a.a = TensorView(buf.gate_a.data(), dtype, {T, sh.heads, l.linear.head_k_dim});
+  } else {
+    a.a = TensorView(buf.gate_a.data(), dtype, {T, sh.heads});
+  }
+  if (l.kind == LayerKind::mamba2) {
+    a.D = w.D.view();
+  } else {
+    a.b = TensorView(buf.gate_b.data(), dtype, {T, sh.heads});
+  }
+  a.out = TensorView(buf.out.data(), dtype, {T, sh.heads, sh.rows});
+  return a;
+}
+
+// The part of one linear layer's state a step may change: the slots of its requests, or, for
+// TARGET_VERIFY, the checkpoints of its rows (the slots stay untouched there).
+struct StateRegion {
+  bool verify = false;
+  std::vector<int64_t> slots;
+  int64_t checkpoints = 0;  // verify: batch rows x N
+};
+
+struct StateCopy {
+  std::vector<uint8_t> conv, ssm;
+  int64_t count = 0;  // slots or checkpoints held
+};
+
+StateCopy save_state(const LinearLayerState& st, const StateRegion& r) {
+  const size_t cb = static_cast<size_t>(st.shape.conv_elems()) * dtype_size(st.conv_dtype);
+  const size_t sb = static_cast<size_t>(st.shape.ssm_elems()) * dtype_size(st.ssm_dtype);
+  StateCopy c;
+  if (r.verify) {
+    c.count = r.checkpoints;
+    c.conv.assign(static_cast<const uint8_t*>(st.inter_conv),
+                  static_cast<const uint8_t*>(st.inter_conv) + cb * c.count);
+    c.ssm.assign(static_cast<const uint8_t*>(st.inter_ssm),
+                 static_cast<const uint8_t*>(st.inter_ssm) + sb * c.count);
+    return c;
+  }
+  c.count = static_cast<int64_t>(r.slots.size());
+  for (int64_t slot : r.slots) {
+    const auto* conv = static_cast<const uint8_t*>(st.conv) + cb * slot;
+    const auto* ssm = static_cast<const uint8_t*>(st.ssm) + sb * slot;
+    c.conv.insert(c.conv.end(), conv, conv + cb);
+    c.ssm.insert(c.ssm.end(), ssm, ssm + sb);
+  }
+  return c;
+}
+
+void restore_state(const LinearLayerState& st, const StateRegion& r, const StateCopy& c) {
+  const size_t cb = static_cast<size_t>(st.shape.conv_elems()) * dtype_size(st.conv_dtype);
+  const size_t sb = static_cast<size_t>(st.shape.ssm_elems()) * dtype_size(st.ssm_dtype);
+  if (r.verify) {
+    std::memcpy(st.inter_conv, c.conv.data(), c.conv.size());
+    std::memcpy(st.inter_ssm, c.ssm.data(), c.ssm.size());
+    return;
+  }
+  for (size_t i = 0; i < r.slots.size(); ++i) {
+    std::memcpy(static_cast<uint8_t*>(st.conv) + cb * r.slots[i], c.conv.data() + cb * i, cb);
+    std::memcpy(static_cast<uint8_t*>(st.ssm) + sb * r.slots[i], c.ssm.data() + sb * i, sb);
+  }
+}
+
+// Layers the run keeps (RunConfig::layers), and why, for the report.
+ModelSpec layers_to_run(const ModelSpec& model, int layers, std::vector<std::string>& notes) {
+  ATTNRT_CHECK(layers >= -1, "--layers = {}; use a layer count >= 1, 0 (all) or leave it unset",
+               layers);
+  ModelSpec m = model;
+  size_t keep = model.layers.size();
+  if (layers > 0) {
+    keep = std::min(keep, static_cast<size_t>(layers));
+  } else if (layers < 0 && model.has_linear_layers()) {
+    // Through the first attention layer that follows a linear layer.
+    bool seen_linear = false;
+    for (size_t i = 0; i < model.layers.size(); ++i) {
+      seen_linear = seen_linear || is_linear_kind(model.layers[i].kind);
+      if (seen_linear && !is_linear_kind(model.layers[i].kind)) {
+        keep = i + 1;
+        break;
+      }
+    }
+  }
+  m.layers.resize(keep);
+  // MLA layers of a hybrid model run only where a registered backend serves MLA.
+  bool mla_served = false;
+  for (const BackendEntry& e : Registry::global().entries()) mla_served = mla_served || e.caps.mla;
+  std::vector<int> dropped;
+  if (model.has_linear_layers() && !mla_served) {
+    for (const LayerSpec& l : m.layers) {
+      if (l.kind == LayerKind::mla) dropped.push_back(l.layer_id);
+    }
+    std::erase_if(m.layers, [](const LayerSpec& l) { return l.kind == LayerKind::mla; });
+  }
+  if (keep < model.layers.size()) {
+    std::map<std::string, int> kinds;
+    for (const LayerSpec& l : model.layers) {
+      if (l.layer_id <= model.layers[keep - 1].layer_id) ++kinds[std::string(layer_kind_name(l.kind))];
+    }
+    std::vector<std::string> parts;
+    for (const auto& [k, n] : kinds) parts.push_back(fmt::format("{} {}", n, k));
+    notes.push_back(fmt::format(
+        "layers: ran layers {}..{} of {} ({}){}; --layers 0 runs them all", model.layers[0].layer_id,
+        model.layers[keep - 1].layer_id, model.layers.size(), fmt::join(parts, ", "),
+        layers < 0 ? " — one period of the hybrid pattern, the default for linear-attention models"
+                   : ""));
+  }
+  if (!dropped.empty()) {
+    notes.push_back(fmt::format(
+        "layers: MLA layer{} {} left out: no registered backend serves MLA (the MLA latent pool "
+        "is not built yet)",
+        dropped.size() > 1 ? "s" : "", fmt::join(dropped, ", ")));
+  }
+  ATTNRT_CHECK(!m.layers.empty(), "model '{}': no layer left to run (--layers {})", model.name,
+               layers);
+  return m;
 }
 
 TensorView cut(const HostBuffer& buf, int64_t rows, int heads, int dim) {
@@ -239,7 +423,7 @@ ModeStats RunReport::totals() const {
 
 bool RunReport::ok() const {
   return failure_count == 0 && target_pool.ok && (!draft_pool || draft_pool->ok) &&
-         dump_error.empty();
+         linear_pool_ok && dump_error.empty();
 }
 
 Options complete_spec_options(Options o) {
@@ -279,19 +463,33 @@ ModelSpec make_draft_model(const ModelSpec& target) {
        target.name);
 }
 
-RunReport run_trace(const ModelSpec& model, const Options& options_in, const Trace& trace,
+RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const Trace& trace_in,
                     const RunConfig& config, const ProgressFn& progress) {
   const Clock::time_point wall0 = Clock::now();
-  for (const LayerSpec& l : model.layers) {
-    ATTNRT_CHECK(
-        !is_linear_kind(l.kind),
-        "attnrt run drives attention layers with a KV cache only; layer {} of model '{}' is a "
-        "{} layer, and replaying hybrid models (per-request state slots, state-preserving "
-        "reference checks) is not implemented in run yet; pick a model without linear layers",
-        l.layer_id, model.name, layer_kind_name(l.kind));
-  }
   ATTNRT_CHECK(config.check_every >= 0, "--check-every = {}; must be >= 0 (0 = no checking)",
                config.check_every);
+  std::vector<std::string> notes;
+  const ModelSpec model = layers_to_run(model_in, config.layers, notes);
+  const bool hybrid = model.has_linear_layers();
+  Trace trace = trace_in;
+  if (hybrid) {
+    // A shared prefix would need the linear state at the prefix's end, which the state pool does
+    // not snapshot (the optional prefix-cache tracking of reference-semantics §4.7.4); engines
+    // turn prefix reuse off for such models too.
+    int stripped = 0;
+    for (TraceRequest& r : trace.requests) {
+      if (r.shared_prefix.empty()) continue;
+      r.shared_prefix.clear();
+      r.shared_prefix_len = 0;
+      ++stripped;
+    }
+    if (stripped > 0) {
+      notes.push_back(fmt::format(
+          "shared prefixes: not reused ({} requests prefill them themselves): the linear-attention "
+          "state at a prefix's end is not snapshotted",
+          stripped));
+    }
+  }
   const Options options = complete_spec_options(options_in);
   SchedulerConfig sc = config.scheduler;
   sc.page_size = options.page_size;
@@ -313,8 +511,35 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
 
   Engine target = make_engine(model, options, rc, max_tokens, context);
   std::optional<Engine> draft;
-  if (sc.spec.enabled())
-    draft = make_engine(make_draft_model(model), options, rc, max_tokens, context);
+  if (sc.spec.enabled()) {
+    bool has_kv_layer = false;
+    for (const LayerSpec& l : model.layers) has_kv_layer = has_kv_layer || l.uses_kv_cache();
+    ModelSpec draft_model;
+    if (has_kv_layer || !hybrid) {
+      draft_model = make_draft_model(model);
+    } else {
+      // Every attention layer was left out (MLA): the draft is one full-attention layer with the
+      // heads of the model's first attention layer, 128 wide.
+      const auto first = std::find_if(model_in.layers.begin(), model_in.layers.end(),
+                                      [](const LayerSpec& l) { return l.uses_kv_cache(); });
+      ATTNRT_CHECK(first != model_in.layers.end(),
+                   "model '{}' has no attention layer, so it has no draft model for speculative "
+                   "decoding",
+                   model.name);
+      ModelSpec stand_in = model;
+      LayerSpec l;
+      l.kind = LayerKind::full;
+      l.num_q_heads = l.num_kv_heads = first->num_q_heads;
+      l.head_dim = l.v_head_dim = 128;
+      stand_in.layers = {l};
+      draft_model = make_draft_model(stand_in);
+      notes.push_back(fmt::format(
+          "draft model: one full-attention layer of {} heads x 128 (the model's attention layers "
+          "are MLA, left out here)",
+          l.num_q_heads));
+    }
+    draft = make_engine(draft_model, options, rc, max_tokens, context);
+  }
 
   auto space = [](Engine& e) {
     return KvSpace{&e.runtime->req_to_token(), &e.runtime->allocator(), &e.runtime->kv_cache(),
@@ -332,6 +557,9 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
   const Selection& sel = target.runtime->selection();
   rep.prefill_backend = sel.prefill;
   rep.decode_backend = sel.decode;
+  rep.linear_prefill_backend = sel.linear_prefill;
+  rep.linear_decode_backend = sel.linear_decode;
+  rep.notes = notes;
   rep.kv_dtype = std::string(dtype_name(sel.kv_dtype));
   rep.page_size = options.page_size;
   rep.spec = sc.spec;
@@ -348,6 +576,10 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
   // Buffers for the largest layer shape of either model and the largest step.
   auto max_dims = [](const ModelSpec& m, std::array<int, 4>& d) {
     for (const LayerSpec& l : m.layers) {
+      if (is_linear_kind(l.kind)) {
+        d[3] = std::max(d[3], static_cast<int>(linear_widths(l).out));
+        continue;
+      }
       d[0] = std::max(d[0], l.num_q_heads * l.head_dim);
       d[1] = std::max(d[1], l.num_kv_heads * l.head_dim);
       d[2] = std::max(d[2], l.num_kv_heads * l.v_head_dim);
@@ -361,7 +593,20 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
   LayerBuffers buf{
       HostBuffer(model.dtype, {rows, dims[0]}), HostBuffer(model.dtype, {rows, dims[1]}),
       HostBuffer(model.dtype, {rows, dims[2]}), HostBuffer(model.dtype, {rows, dims[3]}),
-      HostBuffer(model.dtype, {rows, dims[3]}), {}};
+      HostBuffer(model.dtype, {rows, dims[3]}), {}, {}, {}, {}};
+  LinearWidths widest;
+  for (const LayerSpec& l : model.layers) {
+    if (!is_linear_kind(l.kind)) continue;
+    const LinearWidths w = linear_widths(l);
+    widest.mixed = std::max(widest.mixed, w.mixed);
+    widest.a = std::max(widest.a, w.a);
+    widest.b = std::max(widest.b, w.b);
+  }
+  if (hybrid) {
+    buf.mixed = HostBuffer(model.dtype, {rows, widest.mixed});
+    buf.gate_a = HostBuffer(model.dtype, {rows, widest.a});
+    buf.gate_b = HostBuffer(model.dtype, {rows, std::max<int64_t>(widest.b, 1)});
+  }
 
   FastRng rng(config.seed ^ 0x5eed5eedull);
   // Sink logits are weights of the model: fixed per layer for the whole run.
@@ -376,10 +621,35 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
     }
   }
 
+  std::map<int, LinearWeights> linear_weights;
+  for (const LayerSpec& l : model.layers) {
+    if (is_linear_kind(l.kind)) linear_weights.emplace(l.layer_id, make_linear_weights(l, rng));
+  }
+
   // (role, mode) -> stats
   std::map<std::pair<int, int>, ModeStats> stats;
   std::map<std::pair<int, int>, int> failures_listed;
   int64_t tokens_done = 0;
+  auto record_failure = [&](const std::pair<int, int>& key, const ScheduledStep& step,
+                            int layer_id, const Comparison& c, std::string what) {
+    ++rep.failure_count;
+    int& listed = failures_listed[key];
+    if (listed >= kMaxFailuresPerMode) return;
+    ++listed;
+    CheckFailure f;
+    f.step = step.index;
+    f.role = step.role;
+    f.mode = step.batch.mode;
+    f.layer = layer_id;
+    f.token = c.token;
+    f.head = c.head;
+    f.column = c.column;
+    f.got = c.got;
+    f.expected = c.expected;
+    f.abs_err = std::abs(c.got - c.expected);
+    f.what = std::move(what);
+    rep.failures.push_back(std::move(f));
+  };
 
   while (!sched.done()) {
     const ScheduledStep& step = sched.next();
@@ -391,15 +661,114 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
     if (ms.steps == 0) {
       ms.role = step.role;
       ms.mode = batch.mode;
-      ms.backend = std::string(served_by(*e.runtime, batch.mode));
+      ms.backend = served_by(e.runtime->backend(), batch.mode);
     }
     const bool check = e.reference != nullptr && T > 0 && ms.steps % rc.check_every == 0;
+    const bool linear_step = e.runtime->has_linear_layers();
+    StateRegion region;
+    if (linear_step) {
+      // A request's state slot lives as long as the request: taken at its first step.
+      LinearStatePool& states = e.runtime->linear_state();
+      for (size_t i = 0; i < step.requests.size(); ++i) {
+        const int row = static_cast<int>(batch.req_pool_indices[i]);
+        if (states.slot_of(row) < 0) {
+          states.alloc_for(row);
+          e.linear_rows[step.requests[i]] = row;
+        }
+        region.slots.push_back(states.slot_of(row));
+      }
+      region.verify = is_target_verify(batch.mode);
+      if (region.verify) region.checkpoints = int64_t{batch.batch_size} * batch.spec_info->draft_token_num;
+    }
     double elapsed = 0;
     Clock::time_point t0 = Clock::now();
     e.runtime->begin_step(batch);
     elapsed += seconds_since(t0);
-    if (check) e.reference->init_forward_metadata(batch);
+    if (check) {
+      e.reference->init_forward_metadata(batch);
+      if (e.reference_linear) e.reference_linear->init_forward_metadata(batch);
+    }
     for (const LayerSpec& layer : e.model.layers) {
+      if (is_linear_kind(layer.kind)) {
+        const LinearArgs args =
+            linear_args(layer, linear_weights.at(layer.layer_id), buf, T, model.dtype);
+        fill_random(args.mixed_qkv, rng, 1.f);
+        fill_random(args.a, rng, 2.5f);
+        if (!args.b.empty()) fill_random(args.b, rng, 2.5f);
+        poison(args.out);
+        const LinearLayerState& st = e.runtime->linear_state().layer(layer.layer_id);
+        StateCopy before;
+        if (check && T > 0) before = save_state(st, region);
+        t0 = Clock::now();
+        e.runtime->forward_linear(layer.layer_id, args);
+        elapsed += seconds_since(t0);
+        const int64_t unwritten = first_nan(args.out);
+        const std::string where =
+            fmt::format("step {} ({} {}), layer {} ({})", step.index, model_role_name(step.role),
+                        forward_mode_name(batch.mode), layer.layer_id, layer_kind_name(layer.kind));
+        if (check) {
+          // The reference runs from the state the runtime started from; the runtime's result is
+          // put back afterwards, so the run goes on with the backend under test.
+          const StateCopy after = save_state(st, region);
+          restore_state(st, region, before);
+          LinearArgs ref = args;
+          ref.out = TensorView(buf.ref_out.data(), model.dtype,
+                               {T, args.out.shape[1], args.out.shape[2]});
+          poison(ref.out);
+          e.reference_linear->forward_linear(ref, layer, batch);
+          const StateCopy expected = save_state(st, region);
+          restore_state(st, region, after);
+          const Comparison c = compare(args.out, ref.out, rep.tolerance);
+          ms.max_abs_err = std::max(ms.max_abs_err, c.max_abs);
+          ms.max_rel_err = std::max(ms.max_rel_err, c.max_rel);
+          if (c.bad > 0) {
+            record_failure(key, step, layer.layer_id, c,
+                           fmt::format("{}: {} of {} outputs beyond tolerance; worst at token {}, "
+                                       "head {}, column {}: got {:.6g}, reference {:.6g}",
+                                       where, c.bad, args.out.numel(), c.token, c.head, c.column,
+                                       c.got, c.expected));
+          }
+          // The state each request (or verify checkpoint) ends with: recurrent state and conv
+          // window against reference's.
+          const LinearStateShape& sh = st.shape;
+          const struct {
+            const char* what;
+            DType dtype;
+            const std::vector<uint8_t>& got;
+            const std::vector<uint8_t>& want;
+            int64_t d1, d2;
+          } parts[] = {{"recurrent state", st.ssm_dtype, after.ssm, expected.ssm, sh.heads,
+                        int64_t{sh.rows} * sh.cols},
+                       {"conv window", st.conv_dtype, after.conv, expected.conv, sh.conv_width,
+                        sh.conv_dim}};
+          for (const auto& part : parts) {
+            if (part.d1 == 0 || after.count == 0) continue;
+            const TensorView got(const_cast<uint8_t*>(part.got.data()), part.dtype,
+                                 {after.count, part.d1, part.d2});
+            const TensorView want(const_cast<uint8_t*>(part.want.data()), part.dtype,
+                                  {after.count, part.d1, part.d2});
+            const Comparison sc = compare(got, want, rep.tolerance);
+            if (sc.bad > 0) {
+              record_failure(
+                  key, step, layer.layer_id, sc,
+                  fmt::format("{}: {} of {} {} values beyond tolerance; worst in {} {}, [{}, {}]: "
+                              "got {:.6g}, reference {:.6g}",
+                              where, sc.bad, got.numel(), part.what,
+                              region.verify ? "checkpoint" : "request", sc.token, sc.head,
+                              sc.column, sc.got, sc.expected));
+            }
+          }
+        } else if (unwritten >= 0) {
+          Comparison c;
+          c.token = unwritten / (args.out.shape[1] * args.out.shape[2]);
+          record_failure(key, step, layer.layer_id, c,
+                         fmt::format("{}: output not written by backend '{}' at token {} (still "
+                                     "the NaN poison)",
+                                     where, ms.backend, c.token));
+          ms.max_abs_err = ms.max_rel_err = std::numeric_limits<double>::infinity();
+        }
+        continue;
+      }
       const int Hq = layer.num_q_heads, Hkv = layer.num_kv_heads;
       AttnArgs args;
       args.q = cut(buf.q, T, Hq, layer.head_dim);
@@ -499,7 +868,26 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
     const ForwardMode mode = batch.mode;
     const ModelRole role = step.role;
     const int done_steps = step.index + 1;
+    const bool verified = linear_step && is_target_verify(mode);
     sched.complete();
+    if (linear_step) {
+      // §8.10: each request keeps the state after the deepest token of its accepted path.
+      if (verified) {
+        std::vector<int32_t> last;
+        for (const std::vector<int>& path : sched.last_accepted_paths()) {
+          last.push_back(path.empty() ? -1 : path.back());
+        }
+        e.runtime->update_state_after_verify(last);
+      }
+      for (auto it = e.linear_rows.begin(); it != e.linear_rows.end();) {
+        if (sched.requests()[static_cast<size_t>(it->first)].phase == RequestState::Phase::finished) {
+          e.runtime->linear_state().free_for(it->second);
+          it = e.linear_rows.erase(it);
+        } else {
+          ++it;
+        }
+      }
+    }
     if (progress) {
       Progress p;
       p.steps_done = done_steps;
@@ -519,6 +907,15 @@ RunReport run_trace(const ModelSpec& model, const Options& options_in, const Tra
     for (int a : r.accept_lengths) rep.accepted_drafts += a;
   }
   rep.target_pool = sched.finish_and_check_pools(ModelRole::target);
+  if (hybrid) {
+    const LinearStatePool& states = target.runtime->linear_state();
+    rep.linear_slots = states.size();
+    rep.linear_pool_ok = states.available() == states.size() && target.linear_rows.empty();
+    if (!rep.linear_pool_ok) {
+      rep.linear_pool_detail = fmt::format("{} of {} linear-state slots still allocated",
+                                           states.size() - states.available(), states.size());
+    }
+  }
   if (draft) rep.draft_pool = sched.finish_and_check_pools(ModelRole::draft);
   if (rc.dump_step >= 0 && rep.dump_written.empty()) {
     rep.dump_error =
@@ -569,8 +966,12 @@ std::string format_report(const RunReport& r) {
   out += fmt::format(
       "model {} | trace {} ({} requests, {} prompt + {} output tokens) | {} iterations\n", r.model,
       r.trace_origin, r.requests, r.prompt_tokens, r.output_tokens, r.iterations);
-  out += fmt::format("backends: prefill {}, decode {} | kv {} | page size {}", r.prefill_backend,
-                     r.decode_backend, r.kv_dtype, r.page_size);
+  out += fmt::format("backends: prefill {}, decode {}", r.prefill_backend, r.decode_backend);
+  if (!r.linear_prefill_backend.empty()) {
+    out += fmt::format(", linear prefill {}, linear decode {}", r.linear_prefill_backend,
+                       r.linear_decode_backend);
+  }
+  out += fmt::format(" | kv {} | page size {}", r.kv_dtype, r.page_size);
   if (r.spec.enabled()) {
     out += fmt::format(
         " | speculative: {} steps, topk {}, {} draft tokens; {:.2f} drafts accepted per "
@@ -579,7 +980,9 @@ std::string format_report(const RunReport& r) {
         r.verify_rounds > 0 ? static_cast<double>(r.accepted_drafts) / r.verify_rounds : 0.0,
         r.verify_rounds);
   }
-  out += "\n\n";
+  out += "\n";
+  for (const std::string& note : r.notes) out += "note: " + note + "\n";
+  out += "\n";
   const std::string head =
       fmt::format("{:<22} {:>7} {:>9} {:>10} {:>11} {:>8} {:>10} {:>10}  {}\n", "mode", "steps",
                   "tokens", "time (ms)", "tokens/s", "checked", "max abs", "max rel", "backend");
@@ -602,6 +1005,12 @@ std::string format_report(const RunReport& r) {
   if (!r.check_note.empty()) out += r.check_note + "\n";
   out += pool_line("target", r.target_pool) + "\n";
   if (r.draft_pool) out += pool_line("draft", *r.draft_pool) + "\n";
+  if (r.linear_slots > 0) {
+    out += r.linear_pool_ok
+               ? fmt::format("linear state check (target): ok: all {} state slots free again\n",
+                             r.linear_slots)
+               : fmt::format("linear state check (target): LEAK: {}\n", r.linear_pool_detail);
+  }
   if (!r.dump_written.empty()) out += fmt::format("step case written to {}\n", r.dump_written);
   if (!r.dump_error.empty()) out += fmt::format("no step case written: {}\n", r.dump_error);
   if (r.failure_count > 0) {
@@ -666,6 +1075,14 @@ nlohmann::json report_to_json(const RunReport& r) {
             {"failures", failures},
             {"ok", r.ok()}};
   if (r.draft_pool) j["pool_check"]["draft"] = pool_json(*r.draft_pool);
+  if (r.linear_slots > 0) {
+    j["backends"]["linear_prefill"] = r.linear_prefill_backend;
+    j["backends"]["linear_decode"] = r.linear_decode_backend;
+    j["pool_check"]["linear_state"] = {{"ok", r.linear_pool_ok},
+                                       {"slots", r.linear_slots},
+                                       {"detail", r.linear_pool_detail}};
+  }
+  if (!r.notes.empty()) j["notes"] = r.notes;
   if (r.spec.enabled()) {
     j["speculative"] = {{"num_steps", r.spec.num_steps},
                         {"topk", r.spec.topk},

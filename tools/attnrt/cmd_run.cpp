@@ -80,7 +80,8 @@ void run(const RunArgs& a) {
     ATTNRT_CHECK(json_out->good(), "--json {}: writing the report failed", a.json_path);
   }
   const bool mismatch_or_leak = report.failure_count > 0 || !report.target_pool.ok ||
-                                (report.draft_pool && !report.draft_pool->ok);
+                                (report.draft_pool && !report.draft_pool->ok) ||
+                                !report.linear_pool_ok;
   if (!mismatch_or_leak && !report.dump_error.empty()) {
     std::fprintf(stderr, "error: %s\n", report.dump_error.c_str());
     throw ExitCode{2};
@@ -96,6 +97,10 @@ void run(const RunArgs& a) {
     if (report.draft_pool && !report.draft_pool->ok) {
       std::fprintf(stderr, "error: the draft KV pool leaked: %s\n",
                    report.draft_pool->detail.c_str());
+    }
+    if (!report.linear_pool_ok) {
+      std::fprintf(stderr, "error: the linear state pool leaked: %s\n",
+                   report.linear_pool_detail.c_str());
     }
     throw ExitCode{1};
   }
@@ -158,6 +163,11 @@ void add_run_command(CLI::App& app) {
                   "`reference` over the same pools and compare; 0 = no checking")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  cmd->add_option("--layers", args->config.layers,
+                  "Run the first N layers of the model (0 = all). Unset: all, except for hybrid "
+                  "linear-attention models, which run one period of their layer pattern (up to "
+                  "the first attention layer); the report says which layers ran")
+      ->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--seed", args->config.seed, "Seed of q/k/v data, acceptance and draft trees")
       ->capture_default_str();
   cmd->add_option("--dump-step", args->dump_step,

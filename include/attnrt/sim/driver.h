@@ -29,6 +29,11 @@ struct RunConfig {
   uint64_t seed = 1;   // q/k/v data, acceptance sampling, tree shapes
   int dump_step = -1;  // write this step's first full-attention layer as a case
   std::string dump_dir;
+  // Layers run: the first `layers` of the model; 0 = all; -1 = all, except for hybrid
+  // (linear-attention) models, which run their layers up to and including the first attention
+  // layer after a linear one (one period of the layer pattern: their recurrent states make every
+  // layer costly on two cores). The report says which layers ran.
+  int layers = -1;
 };
 
 // Largest tolerated |out - reference| is atol + rtol * |reference|, by output dtype.
@@ -78,6 +83,15 @@ struct RunReport {
   std::string check_note;    // why no step was checked against reference, if none was
   std::string dump_written;  // the case directory written for --dump-step, if any
   std::string dump_error;    // why --dump-step wrote nothing (no such step, IDLE step)
+  // Hybrid models: the linear-attention backends, and the state-slot check at the end (every
+  // request's slot freed again).
+  std::string linear_prefill_backend, linear_decode_backend;
+  bool linear_pool_ok = true;
+  std::string linear_pool_detail;
+  int linear_slots = 0;
+  // What the run changed about the model or the trace, one sentence each (layers left out, shared
+  // prefixes not reused, ...).
+  std::vector<std::string> notes;
 
   ModeStats totals() const;
   bool ok() const;
