@@ -76,8 +76,8 @@ std::vector<std::vector<float>> decode(Harness& h, const std::vector<int>& rows,
 class LinearBackend : public testing::TestWithParam<Case> {
  protected:
   LinearBackend()
-      : rng_(static_cast<unsigned>(std::hash<std::string>{}(case_name(
-            testing::TestParamInfo<Case>(GetParam(), 0))))),
+      : rng_(static_cast<unsigned>(
+            std::hash<std::string>{}(case_name(testing::TestParamInfo<Case>(GetParam(), 0))))),
         data_(small_layer(GetParam().kind), rng_),
         tol_(tolerance(GetParam().backend)) {}
 
@@ -123,14 +123,16 @@ class LinearBackend : public testing::TestWithParam<Case> {
     SpecInfo spec;
     spec.draft_token_num = n;
     spec.topk = topk;
-    for (int i = 0; i < bs; ++i) spec.parents.insert(spec.parents.end(), parents.begin(), parents.end());
+    for (int i = 0; i < bs; ++i)
+      spec.parents.insert(spec.parents.end(), parents.begin(), parents.end());
     Tokens blocks;
     for (int i = 0; i < bs; ++i) append(blocks, block);
-    const std::vector<float> out = h.run(
-        with_slots(make_verify_batch(rows, std::vector<int32_t>(bs, prefix), spec)), blocks);
+    const std::vector<float> out =
+        h.run(with_slots(make_verify_batch(rows, std::vector<int32_t>(bs, prefix), spec)), blocks);
     // Verify leaves the committed state alone.
     for (int i = 0; i < bs; ++i) {
-      EXPECT_EQ(h.state(h.pool().slot_of(i)), before) << "verify changed the state of request " << i;
+      EXPECT_EQ(h.state(h.pool().slot_of(i)), before)
+          << "verify changed the state of request " << i;
     }
     std::vector<int32_t> accepted(bs);
     for (int i = 0; i < n; ++i) accepted[i] = i;
@@ -146,10 +148,11 @@ class LinearBackend : public testing::TestWithParam<Case> {
       const int row = t;
       seq.pool().alloc_for(row);
       const auto want = decode(seq, {row}, {stream}, {0})[0];
-      expect_close(std::vector<float>(out.begin() + (int64_t{t} * n + t) * w,
-                                      out.begin() + (int64_t{t} * n + t + 1) * w),
-                   std::vector<float>(want.end() - w, want.end()),
-                   fmt::format("verify output of block token {} (path of {} tokens)", t, path.size()));
+      expect_close(
+          std::vector<float>(out.begin() + (int64_t{t} * n + t) * w,
+                             out.begin() + (int64_t{t} * n + t + 1) * w),
+          std::vector<float>(want.end() - w, want.end()),
+          fmt::format("verify output of block token {} (path of {} tokens)", t, path.size()));
       expect_close(h.state(h.pool().slot_of(t)), seq.state(seq.pool().slot_of(row)),
                    fmt::format("state committed at block token {}", t));
     }
@@ -193,7 +196,8 @@ TEST_P(LinearBackend, ExtendContinuesACachedPrefixInExtendAndMixedSteps) {
   // MIXED step; request 2: 11 then 9 more tokens, then a decode step.
   const std::vector<int32_t> first = {5, 8, 11}, second = {14, 1, 9};
   std::vector<Tokens> streams;
-  for (int i = 0; i < 3; ++i) streams.push_back(random_tokens(data_, first[i] + second[i] + 1, rng_));
+  for (int i = 0; i < 3; ++i)
+    streams.push_back(random_tokens(data_, first[i] + second[i] + 1, rng_));
 
   Harness ext(data_, GetParam().backend);
   const std::vector<int> rows = alloc_rows(ext, 3);
@@ -308,9 +312,8 @@ TEST_P(LinearBackend, RejectsMisuseWithClearErrors) {
                {"request 0 (request row 2) has no linear state slot", "alloc_for"});
   h.pool().alloc_for(0);
   // A verify step on a pool built without checkpoints.
-  expect_error(
-      [&] { h.run(with_slots(make_verify_batch({0}, {4}, SpecInfo::chain(1, 3))), in); },
-      {"keeps no per-token checkpoints", "--speculative-num-steps"});
+  expect_error([&] { h.run(with_slots(make_verify_batch({0}, {4}, SpecInfo::chain(1, 3))), in); },
+               {"keeps no per-token checkpoints", "--speculative-num-steps"});
   // Shapes.
   const ForwardBatch ext = with_slots(make_extend_batch({0}, {0}, {3}));
   h.backend().init_forward_metadata(ext);
@@ -351,8 +354,11 @@ TEST_P(LinearBackend, CommitRejectsBadAcceptedIndicesBeforeCopying) {
   const Tokens in = random_tokens(data_, 2 * n, rng_);
   h.run(with_slots(make_verify_batch({0, 1}, {0, 0}, SpecInfo::chain(2, n))), in);
   const std::vector<float> before = h.state(1);
-  expect_error([&] { h.backend().update_state_after_verify(std::vector<int32_t>{0, n}); },
-               {"last accepted index 3 of request 1 is out of range -1..2"});
+  expect_error(
+      [&] {
+        h.backend().update_state_after_verify(std::vector<int32_t>{0, n});
+      },
+      {"last accepted index 3 of request 1 is out of range -1..2"});
   EXPECT_EQ(h.state(1), before) << "a rejected commit must not copy anything";
   expect_error([&] { h.backend().update_state_after_verify(std::vector<int32_t>{0}); },
                {"1 accepted indices for a verify step of 2 requests"});

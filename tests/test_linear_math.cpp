@@ -132,7 +132,8 @@ void expect_near_all(const std::vector<double>& got, const std::vector<double>& 
   ASSERT_EQ(got.size(), want.size()) << what;
   double worst_err = 0;
   for (size_t i = 0; i < got.size(); ++i) {
-    worst_err = std::max(worst_err, std::abs(got[i] - want[i]) / (1e-12 + 1e-10 * std::abs(want[i])));
+    worst_err =
+        std::max(worst_err, std::abs(got[i] - want[i]) / (1e-12 + 1e-10 * std::abs(want[i])));
   }
   EXPECT_LE(worst_err, 1.0) << what << ": worst error " << worst_err << " x the tolerance";
 }
@@ -222,8 +223,9 @@ TEST(LinearMathScalars, ChunkSizeMustBePositive) {
   const LayerData d(small_layer(LayerKind::gdn), rng);
   const linear::LayerParams p = params_of(d);
   std::vector<double> state(static_cast<size_t>(d.shape.ssm_elems()));
-  expect_error([&] { linear::recurrent_chunked(p, state, 0, nullptr, nullptr, nullptr, 0, nullptr); },
-               {"chunk size 0 is invalid"});
+  expect_error(
+      [&] { linear::recurrent_chunked(p, state, 0, nullptr, nullptr, nullptr, 0, nullptr); },
+      {"chunk size 0 is invalid"});
 }
 
 }  // namespace

@@ -54,8 +54,8 @@ TEST(LinearStatePool, ShapesFollowTheLayerKinds) {
   EXPECT_EQ(s.heads, 4);
   EXPECT_EQ(s.rows, 12);
   EXPECT_EQ(s.cols, 20);
-  EXPECT_EQ(p.bytes(), 3 * sizeof(float) * (g.conv_elems() + g.ssm_elems() + s.conv_elems() +
-                                            s.ssm_elems()));
+  EXPECT_EQ(p.bytes(),
+            3 * sizeof(float) * (g.conv_elems() + g.ssm_elems() + s.conv_elems() + s.ssm_elems()));
   expect_error([&] { p.layer(1); }, {"layer 1 is not a linear-attention layer"});
 }
 
@@ -80,7 +80,8 @@ TEST(LinearStatePool, SlotsAreZeroedReusedAndBoundToRequestRows) {
   EXPECT_NE(b, again);
   for (int slot : {b, again}) {
     for (int64_t i = 0; i < n; ++i) ASSERT_EQ(ssm_of(p, 0, slot)[i], 0.f);
-    for (int64_t i = 0; i < p.layer(2).shape.conv_elems(); ++i) ASSERT_EQ(conv_of(p, 2, slot)[i], 0.f);
+    for (int64_t i = 0; i < p.layer(2).shape.conv_elems(); ++i)
+      ASSERT_EQ(conv_of(p, 2, slot)[i], 0.f);
   }
   expect_error([&] { p.alloc(); }, {"all 2 linear-state slots are in use", "max_slots"});
   p.bind(0, b);
@@ -104,8 +105,10 @@ TEST(LinearStatePool, ForkCopiesEveryLayer) {
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> u(-1, 1);
   for (int layer : {0, 2}) {
-    for (int64_t i = 0; i < p.layer(layer).shape.ssm_elems(); ++i) ssm_of(p, layer, src)[i] = u(rng);
-    for (int64_t i = 0; i < p.layer(layer).shape.conv_elems(); ++i) conv_of(p, layer, src)[i] = u(rng);
+    for (int64_t i = 0; i < p.layer(layer).shape.ssm_elems(); ++i)
+      ssm_of(p, layer, src)[i] = u(rng);
+    for (int64_t i = 0; i < p.layer(layer).shape.conv_elems(); ++i)
+      conv_of(p, layer, src)[i] = u(rng);
   }
   const int dst = p.fork(src);
   for (int layer : {0, 2}) {
@@ -148,8 +151,11 @@ TEST(LinearStatePool, CommitTakesTheChosenCheckpointOfEveryLayer) {
   }
   expect_error([&] { p.commit_verify(slots, std::vector<int32_t>{0}); },
                {"2 slots but 1 accepted indices"});
-  expect_error([&] { p.commit_verify(std::vector<int64_t>{1, 2, 3}, std::vector<int32_t>{0, 0, 0}); },
-               {"3 requests, but checkpoints exist for 2 verify rows"});
+  expect_error(
+      [&] {
+        p.commit_verify(std::vector<int64_t>{1, 2, 3}, std::vector<int32_t>{0, 0, 0});
+      },
+      {"3 requests, but checkpoints exist for 2 verify rows"});
 }
 
 TEST(LinearStatePool, RejectsBadConfigs) {
@@ -160,7 +166,8 @@ TEST(LinearStatePool, RejectsBadConfigs) {
   expect_error([&] { LinearStatePool p(m, c); }, {"max_slots = 0 is invalid"});
   c.max_slots = 1;
   c.ssm_dtype = DType::f16;
-  expect_error([&] { LinearStatePool p(m, c); }, {"ssm_dtype = fp16 is not supported; use fp32 or bf16"});
+  expect_error([&] { LinearStatePool p(m, c); },
+               {"ssm_dtype = fp16 is not supported; use fp32 or bf16"});
   c.ssm_dtype = DType::f32;
   c.verify_rows = 2;
   expect_error([&] { LinearStatePool p(m, c); }, {"verify_rows = 2 and num_draft_tokens = 0"});
@@ -200,7 +207,8 @@ TEST_P(LinearBf16State, CommitIsExactAndExtendStaysWithinRounding) {
     std::memcpy(static_cast<uint16_t*>(a.conv) + a.conv_offset(1),
                 static_cast<uint16_t*>(b.conv) + b.conv_offset(1), 2 * a.shape.conv_elems());
   }
-  h.run(with_slots(make_verify_batch({0}, {19}, SpecInfo::chain(1, n))), slice(stream, d, 19, 19 + n));
+  h.run(with_slots(make_verify_batch({0}, {19}, SpecInfo::chain(1, n))),
+        slice(stream, d, 19, 19 + n));
   h.backend().update_state_after_verify(std::vector<int32_t>{2});
   for (int t = 19; t < 22; ++t) {
     seq.run(with_slots(make_decode_batch({0}, {t + 1})), slice(stream, d, t, t + 1));
@@ -208,12 +216,13 @@ TEST_P(LinearBf16State, CommitIsExactAndExtendStaysWithinRounding) {
   EXPECT_EQ(h.state(1), seq.state(1)) << "the committed bf16 state must equal sequential decoding";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Backends, LinearBf16State,
-    testing::Combine(testing::Values("reference", "cpu"),
-                     testing::Values(LayerKind::gdn, LayerKind::kda, LayerKind::mamba2)),
-    [](const auto& info) {
-      return std::get<0>(info.param) + "_" + kind_label(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(Backends, LinearBf16State,
+                         testing::Combine(testing::Values("reference", "cpu"),
+                                          testing::Values(LayerKind::gdn, LayerKind::kda,
+                                                          LayerKind::mamba2)),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" +
+                                  kind_label(std::get<1>(info.param));
+                         });
 
 }  // namespace

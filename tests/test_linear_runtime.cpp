@@ -3,9 +3,8 @@
 // TARGET_VERIFY + commit, DECODE on a model with gdn, full, mamba2 and kda layers where every
 // output and the committed states of the cpu runtime match a reference runtime fed the same
 // inputs (fp32 against float64: 2e-4 + 2e-3 |x|). Plus the errors of misuse.
-#include <gtest/gtest.h>
-
 #include <fmt/ranges.h>
+#include <gtest/gtest.h>
 
 #include <map>
 #include <numeric>
@@ -59,7 +58,8 @@ TEST(LinearSelection, CpuIsAutoSelectedForLinearLayersAndOptionsSplitByPhase) {
   Selection s = resolve_backends(Options{}, m, Registry::global(), no_gpu());
   EXPECT_EQ(s.linear_prefill, "cpu");
   EXPECT_EQ(s.linear_decode, "cpu");
-  EXPECT_TRUE(any_reason(s, "linear prefill: cpu (auto)")) << fmt::format("{}", fmt::join(s.reasons, "\n"));
+  EXPECT_TRUE(any_reason(s, "linear prefill: cpu (auto)"))
+      << fmt::format("{}", fmt::join(s.reasons, "\n"));
 
   Options o;
   o.linear_attn_backend = "cpu";
@@ -132,7 +132,8 @@ struct Engine {
   }
 
   // Allocates and maps `new_tokens[i]` slots after each request's first `keep[i]` tokens.
-  std::vector<int64_t> map(const std::vector<int32_t>& keep, const std::vector<int32_t>& new_tokens) {
+  std::vector<int64_t> map(const std::vector<int32_t>& keep,
+                           const std::vector<int32_t>& new_tokens) {
     std::vector<int64_t> out;
     for (size_t i = 0; i < rows.size(); ++i) {
       slots[i].resize(static_cast<size_t>(keep[i]));
@@ -166,10 +167,12 @@ TEST(LinearRuntime, CpuMatchesReferenceThroughExtendDecodeVerifyAndCommit) {
 
   auto run_step = [&](ForwardBatch batch, const std::vector<int32_t>& keep,
                       const std::vector<int32_t>& fresh, const std::string& what) {
-    const int64_t T = batch.extend_seq_lens.empty()
-                          ? (batch.spec_info ? int64_t{batch.batch_size} * batch.spec_info->draft_token_num
-                                             : batch.batch_size)
-                          : std::accumulate(batch.extend_seq_lens.begin(), batch.extend_seq_lens.end(), int64_t{0});
+    const int64_t T =
+        batch.extend_seq_lens.empty()
+            ? (batch.spec_info ? int64_t{batch.batch_size} * batch.spec_info->draft_token_num
+                               : batch.batch_size)
+            : std::accumulate(batch.extend_seq_lens.begin(), batch.extend_seq_lens.end(),
+                              int64_t{0});
     std::vector<ForwardBatch> batches;
     for (Engine* e : {&cpu, &ref}) {
       ForwardBatch b = batch;
@@ -191,7 +194,8 @@ TEST(LinearRuntime, CpuMatchesReferenceThroughExtendDecodeVerifyAndCommit) {
           args.mixed_qkv = TensorView(x.data(), DType::f32, {T, d.shape.conv_dim});
           args.conv_weight = TensorView(const_cast<float*>(d.conv_w.data()), DType::f32,
                                         {d.shape.conv_dim, l.linear.conv_kernel});
-          args.conv_bias = TensorView(const_cast<float*>(d.conv_b.data()), DType::f32, {d.shape.conv_dim});
+          args.conv_bias =
+              TensorView(const_cast<float*>(d.conv_b.data()), DType::f32, {d.shape.conv_dim});
           args.A_log = TensorView(const_cast<float*>(d.A_log.data()), DType::f32, {d.shape.heads});
           if (l.kind == LayerKind::kda) {
             args.a = TensorView(a.data(), DType::f32, {T, d.shape.heads, l.linear.head_k_dim});
@@ -199,7 +203,8 @@ TEST(LinearRuntime, CpuMatchesReferenceThroughExtendDecodeVerifyAndCommit) {
                                       {d.shape.heads, l.linear.head_k_dim});
           } else {
             args.a = TensorView(a.data(), DType::f32, {T, d.shape.heads});
-            args.dt_bias = TensorView(const_cast<float*>(d.dt_bias.data()), DType::f32, {d.shape.heads});
+            args.dt_bias =
+                TensorView(const_cast<float*>(d.dt_bias.data()), DType::f32, {d.shape.heads});
           }
           if (l.kind == LayerKind::mamba2) {
             args.D = TensorView(const_cast<float*>(d.D.data()), DType::f32, {d.shape.heads});
@@ -227,8 +232,8 @@ TEST(LinearRuntime, CpuMatchesReferenceThroughExtendDecodeVerifyAndCommit) {
         }
       }
       const double w = worst(outs[0], outs[1], 2e-4, 2e-3);
-      EXPECT_LE(w, 1.0) << what << ", layer " << l.layer_id << " ("
-                        << layer_kind_name(l.kind) << "): worst error " << w << " x the tolerance";
+      EXPECT_LE(w, 1.0) << what << ", layer " << l.layer_id << " (" << layer_kind_name(l.kind)
+                        << "): worst error " << w << " x the tolerance";
     }
     for (Engine* e : {&cpu, &ref}) e->rt->end_step();
   };
@@ -250,8 +255,8 @@ TEST(LinearRuntime, CpuMatchesReferenceThroughExtendDecodeVerifyAndCommit) {
         sa.push_back(static_cast<float*>(a.ssm)[a.ssm_offset(slot) + i]);
         sb.push_back(static_cast<float*>(b.ssm)[b.ssm_offset(slot) + i]);
       }
-      EXPECT_LE(worst(sa, sb, 2e-4, 2e-3), 1.0) << "committed state, layer " << l.layer_id
-                                               << ", request " << r;
+      EXPECT_LE(worst(sa, sb, 2e-4, 2e-3), 1.0)
+          << "committed state, layer " << l.layer_id << ", request " << r;
     }
   }
   // Decode on: request 0 kept 3 block tokens (14 + 3), request 1 one (7 + 1).
@@ -268,14 +273,14 @@ TEST(LinearRuntime, RejectsMisuse) {
   AttentionRuntime rt(m, o, c);
   const int row = rt.req_to_token().alloc();
   rt.linear_state().alloc_for(row);
-  std::vector<int64_t> slots = rt.allocator().alloc_extend(std::vector<int32_t>{0},
-                                                           std::vector<int32_t>{3},
-                                                           std::vector<int64_t>{-1});
+  std::vector<int64_t> slots = rt.allocator().alloc_extend(
+      std::vector<int32_t>{0}, std::vector<int32_t>{3}, std::vector<int64_t>{-1});
   rt.req_to_token().write(row, 0, slots);
   ForwardBatch b = make_extend_batch({row}, {0}, {3});
   b.out_cache_loc = slots;
   rt.begin_step(b);
-  expect_error([&] { rt.forward(0, AttnArgs{}); }, {"layer 0 is a gdn layer", "call forward_linear"});
+  expect_error([&] { rt.forward(0, AttnArgs{}); },
+               {"layer 0 is a gdn layer", "call forward_linear"});
   expect_error([&] { rt.forward_linear(1, LinearArgs{}); },
                {"layer 1 is a full layer", "call forward(layer, AttnArgs)"});
   expect_error([&] { rt.forward_linear(9, LinearArgs{}); }, {"layer 9 is not a layer of model"});
@@ -283,13 +288,13 @@ TEST(LinearRuntime, RejectsMisuse) {
   expect_error([&] { rt.update_state_after_verify(std::vector<int32_t>{0}); },
                {"the last step was EXTEND", "once after a TARGET_VERIFY step"});
   // No speculative options: the pool keeps no checkpoints and a verify step says how to get them.
-  std::vector<int64_t> drafts = rt.allocator().alloc_extend(std::vector<int32_t>{3},
-                                                            std::vector<int32_t>{5},
-                                                            std::vector<int64_t>{slots.back()});
+  std::vector<int64_t> drafts = rt.allocator().alloc_extend(
+      std::vector<int32_t>{3}, std::vector<int32_t>{5}, std::vector<int64_t>{slots.back()});
   rt.req_to_token().write(row, 3, drafts);
   ForwardBatch v = make_verify_batch({row}, {3}, SpecInfo::chain(1, 2));
   v.out_cache_loc = drafts;
-  expect_error([&] { rt.begin_step(v); }, {"keeps no per-token checkpoints", "--speculative-num-steps"});
+  expect_error([&] { rt.begin_step(v); },
+               {"keeps no per-token checkpoints", "--speculative-num-steps"});
 
   ModelSpec dense;
   dense.name = "dense";

@@ -142,7 +142,8 @@ inline ForwardBatch with_slots(ForwardBatch b) {
     for (int32_t e : b.extend_seq_lens) tokens += e;
   }
   b.out_cache_loc.resize(static_cast<size_t>(tokens));
-  for (size_t i = 0; i < b.out_cache_loc.size(); ++i) b.out_cache_loc[i] = static_cast<int64_t>(i) + 1;
+  for (size_t i = 0; i < b.out_cache_loc.size(); ++i)
+    b.out_cache_loc[i] = static_cast<int64_t>(i) + 1;
   return b;
 }
 
@@ -223,10 +224,12 @@ class Harness {
     const LinearLayerState& st = pool_->layer(data_.layer.layer_id);
     std::vector<float> s;
     for (int64_t i = 0; i < st.shape.conv_elems(); ++i) {
-      s.push_back(load_as_float(st.conv, st.conv_dtype, static_cast<size_t>(st.conv_offset(slot) + i)));
+      s.push_back(
+          load_as_float(st.conv, st.conv_dtype, static_cast<size_t>(st.conv_offset(slot) + i)));
     }
     for (int64_t i = 0; i < st.shape.ssm_elems(); ++i) {
-      s.push_back(load_as_float(st.ssm, st.ssm_dtype, static_cast<size_t>(st.ssm_offset(slot) + i)));
+      s.push_back(
+          load_as_float(st.ssm, st.ssm_dtype, static_cast<size_t>(st.ssm_offset(slot) + i)));
     }
     return s;
   }

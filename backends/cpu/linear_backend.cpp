@@ -22,7 +22,8 @@ constexpr int kConvBlock = 256;
 
 void load_f32(const void* base, DType t, int64_t offset, int64_t n, float* dst) {
   if (t == DType::f32) {
-    std::memcpy(dst, static_cast<const float*>(base) + offset, static_cast<size_t>(n) * sizeof(float));
+    std::memcpy(dst, static_cast<const float*>(base) + offset,
+                static_cast<size_t>(n) * sizeof(float));
   } else {
     cpu::convert_to_float(t, static_cast<const char*>(base) + offset * dtype_size(t), n, dst);
   }
@@ -78,9 +79,10 @@ void CpuLinearBackend::init_forward_metadata(const ForwardBatch& batch) {
 
 void CpuLinearBackend::forward_decode(const AttnArgs&, const LayerSpec& layer,
                                       const ForwardBatch&) {
-  fail("cpu linear backend: layer {} ({}) is not a linear-attention layer; this object serves "
-       "only the linear layers (forward_linear)",
-       layer.layer_id, layer_kind_name(layer.kind));
+  fail(
+      "cpu linear backend: layer {} ({}) is not a linear-attention layer; this object serves "
+      "only the linear layers (forward_linear)",
+      layer.layer_id, layer_kind_name(layer.kind));
 }
 
 void CpuLinearBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
@@ -113,7 +115,8 @@ void CpuLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& l
   wt_.resize(static_cast<size_t>(K) * dim);
   const float* w = args.conv_weight.ptr<float>();
   for (int c = 0; c < dim; ++c) {
-    for (int j = 0; j < K; ++j) wt_[static_cast<size_t>(j) * dim + c] = w[static_cast<size_t>(c) * K + j];
+    for (int j = 0; j < K; ++j)
+      wt_[static_cast<size_t>(j) * dim + c] = w[static_cast<size_t>(c) * K + j];
   }
   bias_.assign(static_cast<size_t>(dim), 0.f);
   if (!args.conv_bias.empty()) std::copy_n(args.conv_bias.ptr<float>(), dim, bias_.begin());
@@ -122,7 +125,8 @@ void CpuLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& l
   run_recurrence(layer, st, args);
 
   const int64_t ow = static_cast<int64_t>(sh.heads) * sh.rows;
-  for (int64_t t = 0; t < T; ++t) store_f32(args.out.data, args.out.dtype, t * args.out.strides[0], ow, &o_[t * ow]);
+  for (int64_t t = 0; t < T; ++t)
+    store_f32(args.out.data, args.out.dtype, t * args.out.strides[0], ow, &o_[t * ow]);
 }
 
 // Conv of every request over channel blocks: from the slot's window (or zeros without a prefix),
@@ -150,7 +154,8 @@ void CpuLinearBackend::run_conv(const LayerSpec& layer, const LinearLayerState& 
       for (int row = 0; row < W; ++row) {
         float* dst = &win0[static_cast<size_t>(row) * nc];
         if (r.has_initial_state) {
-          load_f32(st.conv, st.conv_dtype, st.conv_offset(r.slot) + int64_t{row} * dim + c0, nc, dst);
+          load_f32(st.conv, st.conv_dtype, st.conv_offset(r.slot) + int64_t{row} * dim + c0, nc,
+                   dst);
         } else {
           std::fill(dst, dst + nc, 0.f);
         }
@@ -164,7 +169,8 @@ void CpuLinearBackend::run_conv(const LayerSpec& layer, const LinearLayerState& 
         for (int row = 0; row < W; ++row) {
           const int64_t src = int64_t{r.tokens} + row;  // row index in win0 ++ x
           const float* from = src < W ? &win0[static_cast<size_t>(src) * nc] : x + (src - W) * dim;
-          store_f32(st.conv, st.conv_dtype, st.conv_offset(r.slot) + int64_t{row} * dim + c0, nc, from);
+          store_f32(st.conv, st.conv_dtype, st.conv_offset(r.slot) + int64_t{row} * dim + c0, nc,
+                    from);
         }
         continue;
       }
@@ -174,18 +180,20 @@ void CpuLinearBackend::run_conv(const LayerSpec& layer, const LinearLayerState& 
         if (parents[t] >= 0) {
           for (int row = 0; row < W; ++row) {
             load_f32(st.inter_conv, st.conv_dtype,
-                     st.inter_conv_offset(static_cast<int64_t>(i), parents[t], n) + int64_t{row} * dim + c0,
+                     st.inter_conv_offset(static_cast<int64_t>(i), parents[t], n) +
+                         int64_t{row} * dim + c0,
                      nc, &win[static_cast<size_t>(row) * nc]);
           }
           base = win.data();
         }
-        cpu::linear::conv_rows(base, nc, x + int64_t{t} * dim, dim, 1, &wt_[c0], dim, &bias_[c0], nc,
-                               K, y + int64_t{t} * dim, dim);
+        cpu::linear::conv_rows(base, nc, x + int64_t{t} * dim, dim, 1, &wt_[c0], dim, &bias_[c0],
+                               nc, K, y + int64_t{t} * dim, dim);
         for (int row = 0; row < W; ++row) {
-          const float* from = row + 1 < W ? base + static_cast<size_t>(row + 1) * nc : x + int64_t{t} * dim;
+          const float* from =
+              row + 1 < W ? base + static_cast<size_t>(row + 1) * nc : x + int64_t{t} * dim;
           store_f32(st.inter_conv, st.conv_dtype,
-                    st.inter_conv_offset(static_cast<int64_t>(i), t, n) + int64_t{row} * dim + c0, nc,
-                    from);
+                    st.inter_conv_offset(static_cast<int64_t>(i), t, n) + int64_t{row} * dim + c0,
+                    nc, from);
         }
       }
     }
@@ -205,7 +213,8 @@ void CpuLinearBackend::run_recurrence(const LayerSpec& layer, const LinearLayerS
   const int key_heads = mamba ? ls.n_groups : ls.num_k_heads;
   const int n = plan_.draft_tokens;
   const int chunk = std::max(1, ls.chunk_size);
-  const float scale = layer.scaling > 0.f ? layer.scaling : 1.f / std::sqrt(static_cast<float>(cols));
+  const float scale =
+      layer.scaling > 0.f ? layer.scaling : 1.f / std::sqrt(static_cast<float>(cols));
   const float* A_log = args.A_log.ptr<float>();
   const float* dt_bias = args.dt_bias.ptr<float>();
   const float* Dp = mamba ? args.D.ptr<float>() : nullptr;
@@ -216,11 +225,13 @@ void CpuLinearBackend::run_recurrence(const LayerSpec& layer, const LinearLayerS
 #pragma omp parallel num_threads(num_threads_)
   {
     std::vector<float> work(in_place ? 0 : static_cast<size_t>(per_head));
-    const size_t c_max = static_cast<size_t>(std::min<int64_t>(chunk, std::max<int64_t>(plan_.max_tokens, 1)));
+    const size_t c_max =
+        static_cast<size_t>(std::min<int64_t>(chunk, std::max<int64_t>(plan_.max_tokens, 1)));
     std::vector<float> Q(c_max * cols), Kt(c_max * cols), G(c_max * cols), beta(c_max), L(c_max),
         dts(c_max), decay(static_cast<size_t>(cols));
-    std::vector<float> scratch(mamba ? cpu::linear::ssd_chunk_scratch(static_cast<int>(c_max))
-                                     : cpu::linear::delta_chunk_scratch(static_cast<int>(c_max), cols, rows));
+    std::vector<float> scratch(
+        mamba ? cpu::linear::ssd_chunk_scratch(static_cast<int>(c_max))
+              : cpu::linear::delta_chunk_scratch(static_cast<int>(c_max), cols, rows));
 
     // Token t (global row) of head h: delta-rule inputs into Q/Kt/G/beta at index j.
     const int group = heads / key_heads;
@@ -249,13 +260,13 @@ void CpuLinearBackend::run_recurrence(const LayerSpec& layer, const LinearLayerS
       return &y_[static_cast<size_t>(t) * dim + 2 * int64_t{key_heads} * cols + int64_t{h} * rows];
     };
     // Mamba2 pointers into the conv output: x of head h, B and C of its group.
-    auto x_ptr = [&](int64_t t, int h) { return &y_[static_cast<size_t>(t) * dim + int64_t{h} * rows]; };
+    auto x_ptr = [&](int64_t t, int h) {
+      return &y_[static_cast<size_t>(t) * dim + int64_t{h} * rows];
+    };
     auto b_ptr = [&](int64_t t, int h) {
       return &y_[static_cast<size_t>(t) * dim + int64_t{heads} * rows + int64_t{h / group} * cols];
     };
-    auto c_ptr = [&](int64_t t, int h) {
-      return b_ptr(t, h) + int64_t{key_heads} * cols;
-    };
+    auto c_ptr = [&](int64_t t, int h) { return b_ptr(t, h) + int64_t{key_heads} * cols; };
     // One recurrent step of token t, head h, on state S.
     auto step = [&](float* S, int64_t t, int h) {
       float* out = &o_[static_cast<size_t>(t * ow) + int64_t{h} * rows];
@@ -271,7 +282,8 @@ void CpuLinearBackend::run_recurrence(const LayerSpec& layer, const LinearLayerS
       } else {
         std::fill(decay.begin(), decay.end(), std::exp(G[0]));
       }
-      cpu::linear::delta_step(S, rows, cols, Q.data(), Kt.data(), v_ptr(t, h), decay.data(), beta[0], out);
+      cpu::linear::delta_step(S, rows, cols, Q.data(), Kt.data(), v_ptr(t, h), decay.data(),
+                              beta[0], out);
     };
 
 #pragma omp for schedule(dynamic, 1)
@@ -286,12 +298,14 @@ void CpuLinearBackend::run_recurrence(const LayerSpec& layer, const LinearLayerS
         // one step in place there (through `work` for a bf16 state).
         const int32_t* parents = &plan_.parents[i * static_cast<size_t>(n)];
         for (int t = 0; t < r.tokens; ++t) {
-          const int64_t dst_off = st.inter_ssm_offset(static_cast<int64_t>(i), t, n) + int64_t{h} * per_head;
+          const int64_t dst_off =
+              st.inter_ssm_offset(static_cast<int64_t>(i), t, n) + int64_t{h} * per_head;
           float* S = in_place ? static_cast<float*>(st.inter_ssm) + dst_off : work.data();
           if (parents[t] >= 0) {
-            load_f32(st.inter_ssm, st.ssm_dtype,
-                     st.inter_ssm_offset(static_cast<int64_t>(i), parents[t], n) + int64_t{h} * per_head,
-                     per_head, S);
+            load_f32(
+                st.inter_ssm, st.ssm_dtype,
+                st.inter_ssm_offset(static_cast<int64_t>(i), parents[t], n) + int64_t{h} * per_head,
+                per_head, S);
           } else if (r.has_initial_state) {
             load_f32(st.ssm, st.ssm_dtype, slot_off, per_head, S);
           } else {
@@ -334,8 +348,8 @@ void CpuLinearBackend::run_recurrence(const LayerSpec& layer, const LinearLayerS
               for (int c = 0; c < width; ++c) G[j * cols + c] += G[(j - 1) * cols + c];
             }
           }
-          cpu::linear::delta_chunk(S, rows, cols, C, Q.data(), Kt.data(), v_ptr(t0, h), dim, G.data(),
-                                   !kda, beta.data(), out, ow, scratch.data());
+          cpu::linear::delta_chunk(S, rows, cols, C, Q.data(), Kt.data(), v_ptr(t0, h), dim,
+                                   G.data(), !kda, beta.data(), out, ow, scratch.data());
         }
       }
       if (!in_place) store_f32(st.ssm, st.ssm_dtype, slot_off, per_head, S);

@@ -2,11 +2,11 @@
 // (foreach_target) and chosen at run time (HWY_DYNAMIC_DISPATCH). Every loop runs over a
 // contiguous dimension (channels, key dims, value dims) in vector lanes with a scalar tail, so any
 // head size works.
+#include "backends/cpu/linear_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-
-#include "backends/cpu/linear_kernels.h"
 
 // As the attention kernels: scalable-vector targets are left out (Arm builds use NEON).
 #ifndef HWY_DISABLED_TARGETS
@@ -54,7 +54,8 @@ HWY_INLINE void Axpy(float* HWY_RESTRICT y, float a, const float* HWY_RESTRICT x
   const int L = static_cast<int>(hn::Lanes(df));
   const VF va = hn::Set(df, a);
   int i = 0;
-  for (; i + L <= n; i += L) hn::StoreU(hn::MulAdd(va, hn::LoadU(df, x + i), hn::LoadU(df, y + i)), df, y + i);
+  for (; i + L <= n; i += L)
+    hn::StoreU(hn::MulAdd(va, hn::LoadU(df, x + i), hn::LoadU(df, y + i)), df, y + i);
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
@@ -150,14 +151,14 @@ HWY_INLINE void ExpDiffMul(const float* a, const float* b, const float* m, int n
 void DeltaChunk(float* S, int dv, int dk, int C, const float* Q, const float* K, const float* V,
                 int64_t v_stride, const float* G, bool scalar_decay, const float* beta, float* O,
                 int64_t o_stride, float* scratch) {
-  float* kk = scratch;             // [C, C] decayed k_t . k_i, i <= t
-  float* qk = kk + C * C;          // [C, C] decayed q_t . k_i, i <= t
-  float* kd = qk + C * C;          // [C, dk] e^{G_t} k_t
-  float* qd = kd + C * dk;         // [C, dk] e^{G_t} q_t
-  float* U = qd + C * dk;          // [C, dv] corrected values u_t
-  float* kl = U + C * dv;          // [C, dk] e^{G_last - G_i} k_i
-  float* tmp = kl + C * dk;        // [dk]
-  float* el = tmp + dk;            // [dk] e^{G_last}
+  float* kk = scratch;       // [C, C] decayed k_t . k_i, i <= t
+  float* qk = kk + C * C;    // [C, C] decayed q_t . k_i, i <= t
+  float* kd = qk + C * C;    // [C, dk] e^{G_t} k_t
+  float* qd = kd + C * dk;   // [C, dk] e^{G_t} q_t
+  float* U = qd + C * dk;    // [C, dv] corrected values u_t
+  float* kl = U + C * dv;    // [C, dk] e^{G_last - G_i} k_i
+  float* tmp = kl + C * dk;  // [dk]
+  float* el = tmp + dk;      // [dk] e^{G_last}
   for (int t = 0; t < C; ++t) {
     const float* kt = K + t * dk;
     const float* qt = Q + t * dk;
@@ -221,7 +222,8 @@ void DeltaChunk(float* S, int dv, int dk, int C, const float* Q, const float* K,
   for (int r = 0; r < dv; ++r) {
     float* row = S + static_cast<int64_t>(r) * dk;
     int c = 0;
-    for (; c + L <= dk; c += L) hn::StoreU(hn::Mul(hn::LoadU(df, row + c), hn::LoadU(df, el + c)), df, row + c);
+    for (; c + L <= dk; c += L)
+      hn::StoreU(hn::Mul(hn::LoadU(df, row + c), hn::LoadU(df, el + c)), df, row + c);
     for (; c < dk; ++c) row[c] *= el[c];
     for (int i = 0; i < C; ++i) Axpy(row, U[i * dv + r], kl + i * dk, dk);
   }
@@ -255,17 +257,19 @@ void SsdStep(float* H, int P, int N, const float* x, const float* B, const float
 void SsdChunk(float* H, int P, int N, int C, const float* X, int64_t x_stride, const float* B,
               const float* Cm, int64_t bc_stride, const float* Lc, const float* dt, float D,
               float* O, int64_t o_stride, float* scratch) {
-  float* w = scratch;  // [C, C] e^{L_t - L_i} dt_i (B_i . C_t), i <= t
+  float* w = scratch;    // [C, C] e^{L_t - L_i} dt_i (B_i . C_t), i <= t
   float* f = w + C * C;  // [C] e^{L_last - L_i} dt_i
   for (int t = 0; t < C; ++t) {
     for (int i = 0; i <= t; ++i) {
-      w[t * C + i] = std::exp(Lc[t] - Lc[i]) * dt[i] * Dot(B + i * bc_stride, Cm + t * bc_stride, N);
+      w[t * C + i] =
+          std::exp(Lc[t] - Lc[i]) * dt[i] * Dot(B + i * bc_stride, Cm + t * bc_stride, N);
     }
   }
   // y_t = e^{L_t} h0 C_t (row by row of h0), then + sum_{i<=t} w[t][i] x_i + D x_t.
   for (int p = 0; p < P; ++p) {
     const float* row = H + static_cast<int64_t>(p) * N;
-    for (int t = 0; t < C; ++t) O[t * o_stride + p] = std::exp(Lc[t]) * Dot(row, Cm + t * bc_stride, N);
+    for (int t = 0; t < C; ++t)
+      O[t * o_stride + p] = std::exp(Lc[t]) * Dot(row, Cm + t * bc_stride, N);
   }
   for (int t = 0; t < C; ++t) {
     float* o = O + t * o_stride;
@@ -305,8 +309,8 @@ HWY_EXPORT(SsdChunk);
 void conv_rows(const float* window, int64_t window_stride, const float* x, int64_t x_stride,
                int64_t tokens, const float* wt, int64_t wt_stride, const float* bias, int n, int K,
                float* y, int64_t y_stride) {
-  HWY_DYNAMIC_DISPATCH(ConvRows)(window, window_stride, x, x_stride, tokens, wt, wt_stride, bias,
-                                 n, K, y, y_stride);
+  HWY_DYNAMIC_DISPATCH(ConvRows)
+  (window, window_stride, x, x_stride, tokens, wt, wt_stride, bias, n, K, y, y_stride);
 }
 
 void l2_normalise(float* x, int n, float scale) { HWY_DYNAMIC_DISPATCH(L2Normalise)(x, n, scale); }
@@ -323,8 +327,8 @@ size_t delta_chunk_scratch(int C, int dk, int dv) {
 void delta_chunk(float* S, int dv, int dk, int C, const float* Q, const float* K, const float* V,
                  int64_t v_stride, const float* G, bool scalar_decay, const float* beta, float* O,
                  int64_t o_stride, float* scratch) {
-  HWY_DYNAMIC_DISPATCH(DeltaChunk)(S, dv, dk, C, Q, K, V, v_stride, G, scalar_decay, beta, O,
-                                   o_stride, scratch);
+  HWY_DYNAMIC_DISPATCH(DeltaChunk)
+  (S, dv, dk, C, Q, K, V, v_stride, G, scalar_decay, beta, O, o_stride, scratch);
 }
 
 void ssd_step(float* H, int P, int N, const float* x, const float* B, const float* C, float decay,
@@ -337,8 +341,8 @@ size_t ssd_chunk_scratch(int C) { return static_cast<size_t>(C * C + C); }
 void ssd_chunk(float* H, int P, int N, int C, const float* X, int64_t x_stride, const float* B,
                const float* Cm, int64_t bc_stride, const float* L, const float* dt, float D,
                float* O, int64_t o_stride, float* scratch) {
-  HWY_DYNAMIC_DISPATCH(SsdChunk)(H, P, N, C, X, x_stride, B, Cm, bc_stride, L, dt, D, O, o_stride,
-                                 scratch);
+  HWY_DYNAMIC_DISPATCH(SsdChunk)
+  (H, P, N, C, X, x_stride, B, Cm, bc_stride, L, dt, D, O, o_stride, scratch);
 }
 
 }  // namespace attnrt::cpu::linear

@@ -26,7 +26,8 @@ std::vector<double> load_tokens(const TensorView& t, int64_t start, int64_t n) {
   if (t.empty()) return {};
   const int64_t width = t.numel() / std::max<int64_t>(t.shape[0], 1);
   std::vector<double> out(static_cast<size_t>(n * width));
-  for (int64_t r = 0; r < n; ++r) load(t.data, t.dtype, (start + r) * t.strides[0], width, &out[r * width]);
+  for (int64_t r = 0; r < n; ++r)
+    load(t.data, t.dtype, (start + r) * t.strides[0], width, &out[r * width]);
   return out;
 }
 
@@ -49,9 +50,10 @@ void ReferenceLinearBackend::init_forward_metadata(const ForwardBatch& batch) {
 
 void ReferenceLinearBackend::forward_decode(const AttnArgs&, const LayerSpec& layer,
                                             const ForwardBatch&) {
-  fail("reference linear backend: layer {} ({}) is not a linear-attention layer; this object "
-       "serves only the linear layers (forward_linear)",
-       layer.layer_id, layer_kind_name(layer.kind));
+  fail(
+      "reference linear backend: layer {} ({}) is not a linear-attention layer; this object "
+      "serves only the linear layers (forward_linear)",
+      layer.layer_id, layer_kind_name(layer.kind));
 }
 
 void ReferenceLinearBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
@@ -105,8 +107,8 @@ void ReferenceLinearBackend::forward_linear(const LinearArgs& args, const LayerS
                state.data());
         }
         linear::conv_step(p, window, &x[t * sh.conv_dim], &y[t * sh.conv_dim]);
-        linear::recurrent_step(p, state, &y[t * sh.conv_dim], &a[t * aw], bp ? bp + t * bw : nullptr,
-                               &out[t * ow]);
+        linear::recurrent_step(p, state, &y[t * sh.conv_dim], &a[t * aw],
+                               bp ? bp + t * bw : nullptr, &out[t * ow]);
         store(st.inter_conv, st.conv_dtype, st.inter_conv_offset(i, t, n), sh.conv_elems(),
               window.data());
         store(st.inter_ssm, st.ssm_dtype, st.inter_ssm_offset(i, t, n), sh.ssm_elems(),

@@ -89,7 +89,8 @@ void delta_chunk(const LayerParams& p, int h, double* S, int64_t C, const double
   const int64_t ow = p.out_width();
   std::vector<DeltaToken> tok;
   tok.reserve(static_cast<size_t>(C));
-  for (int64_t t = 0; t < C; ++t) tok.push_back(delta_token(p, h, y + t * yw, a + t * aw, b + t * bw));
+  for (int64_t t = 0; t < C; ++t)
+    tok.push_back(delta_token(p, h, y + t * yw, a + t * aw, b + t * bw));
   // Cumulative log decay per channel from the chunk start: G[t][c] = sum_{i <= t} g_i[c].
   std::vector<double> G(static_cast<size_t>(C * dk));
   for (int64_t t = 0; t < C; ++t) {
@@ -274,7 +275,8 @@ void conv_sequence(const LayerParams& p, std::span<double> window, int64_t T, co
   for (int64_t t = 0; t < T; ++t) {
     for (int c = 0; c < dim; ++c) {
       double acc = p.conv_bias[c];
-      for (int j = 0; j < K; ++j) acc += p.conv_weight[static_cast<size_t>(c) * K + j] * ctx(t + j, c);
+      for (int j = 0; j < K; ++j)
+        acc += p.conv_weight[static_cast<size_t>(c) * K + j] * ctx(t + j, c);
       y[t * dim + c] = silu(acc);
     }
   }
@@ -336,8 +338,7 @@ void recurrent_chunked(const LayerParams& p, std::span<double> state, int64_t T,
       if (p.kind == LayerKind::mamba2) {
         ssd_chunk(p, h, S, C, y + start * yw, a + start * aw, out + start * ow);
       } else {
-        delta_chunk(p, h, S, C, y + start * yw, a + start * aw, b + start * bw,
-                    out + start * ow);
+        delta_chunk(p, h, S, C, y + start * yw, a + start * aw, b + start * bw, out + start * ow);
       }
     }
   }

@@ -86,11 +86,12 @@ void check_tokens(std::string_view backend, const char* what, const TensorView& 
   check_common(backend, what, t, dims, meaning);
   int64_t stride = 1;
   for (int d = t.ndim - 1; d >= 1; --d) {
-    ATTNRT_CHECK(t.shape[d] == 1 || t.strides[d] == stride,
-                 "{} linear backend: {} is {} with strides ({}); only the token dimension may be "
-                 "strided",
-                 backend, what, t.describe(),
-                 fmt::join(std::vector<int64_t>(t.strides.begin(), t.strides.begin() + t.ndim), ", "));
+    ATTNRT_CHECK(
+        t.shape[d] == 1 || t.strides[d] == stride,
+        "{} linear backend: {} is {} with strides ({}); only the token dimension may be "
+        "strided",
+        backend, what, t.describe(),
+        fmt::join(std::vector<int64_t>(t.strides.begin(), t.strides.begin() + t.ndim), ", "));
     stride *= t.shape[d];
   }
   ATTNRT_CHECK(t.shape[0] <= 1 || t.strides[0] >= stride,
@@ -101,9 +102,8 @@ void check_tokens(std::string_view backend, const char* what, const TensorView& 
 void check_param(std::string_view backend, const char* what, const TensorView& t,
                  std::initializer_list<int64_t> dims, const char* meaning) {
   check_common(backend, what, t, dims, meaning);
-  ATTNRT_CHECK(t.dtype == DType::f32,
-               "{} linear backend: {} is {}; layer parameters are fp32", backend, what,
-               t.describe());
+  ATTNRT_CHECK(t.dtype == DType::f32, "{} linear backend: {} is {}; layer parameters are fp32",
+               backend, what, t.describe());
   ATTNRT_CHECK(t.is_contiguous(), "{} linear backend: {} is {} and not contiguous", backend, what,
                t.describe());
 }

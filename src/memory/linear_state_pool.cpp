@@ -45,8 +45,8 @@ LinearStatePool::LinearStatePool(const ModelSpec& model, const LinearStateConfig
                "LinearStatePool: max_request_rows = {} is invalid; it must be the number of "
                "request rows (>= 1)",
                config.max_request_rows);
-  for (auto [what, t] : {std::pair{"ssm_dtype", config.ssm_dtype},
-                         std::pair{"conv_dtype", config.conv_dtype}}) {
+  for (auto [what, t] :
+       {std::pair{"ssm_dtype", config.ssm_dtype}, std::pair{"conv_dtype", config.conv_dtype}}) {
     ATTNRT_CHECK(t == DType::f32 || t == DType::bf16,
                  "LinearStatePool: {} = {} is not supported; use fp32 or bf16", what,
                  dtype_name(t));
@@ -77,7 +77,8 @@ LinearStatePool::LinearStatePool(const ModelSpec& model, const LinearStateConfig
     layer.view.conv = layer.conv.data();
     layer.view.ssm = layer.ssm.data();
     if (config.verify_rows > 0) {
-      const int64_t checkpoints = static_cast<int64_t>(config.verify_rows) * config.num_draft_tokens;
+      const int64_t checkpoints =
+          static_cast<int64_t>(config.verify_rows) * config.num_draft_tokens;
       layer.inter_conv = HostBuffer(config.conv_dtype, {checkpoints, sh.conv_elems()});
       layer.inter_ssm = HostBuffer(config.ssm_dtype, {checkpoints, sh.ssm_elems()});
       layer.view.inter_conv = layer.inter_conv.data();
@@ -104,10 +105,12 @@ LinearStatePool::LinearStatePool(const ModelSpec& model, const LinearStateConfig
 void LinearStatePool::zero_slot(int slot) {
   for (Layer& l : layers_) {
     const LinearStateShape& sh = l.view.shape;
-    std::memset(static_cast<char*>(l.view.conv) + l.view.conv_offset(slot) * dtype_size(l.view.conv_dtype),
-                0, static_cast<size_t>(sh.conv_elems()) * dtype_size(l.view.conv_dtype));
-    std::memset(static_cast<char*>(l.view.ssm) + l.view.ssm_offset(slot) * dtype_size(l.view.ssm_dtype),
-                0, static_cast<size_t>(sh.ssm_elems()) * dtype_size(l.view.ssm_dtype));
+    std::memset(
+        static_cast<char*>(l.view.conv) + l.view.conv_offset(slot) * dtype_size(l.view.conv_dtype),
+        0, static_cast<size_t>(sh.conv_elems()) * dtype_size(l.view.conv_dtype));
+    std::memset(
+        static_cast<char*>(l.view.ssm) + l.view.ssm_offset(slot) * dtype_size(l.view.ssm_dtype), 0,
+        static_cast<size_t>(sh.ssm_elems()) * dtype_size(l.view.ssm_dtype));
   }
 }
 
@@ -255,12 +258,14 @@ void LinearStatePool::commit_verify(std::span<const int64_t> slots,
       const int t = last_accepted[i];
       if (t < 0) continue;
       const int64_t row = static_cast<int64_t>(i);
-      std::memcpy(static_cast<char*>(l.view.conv) + l.view.conv_offset(slots[i]) * cb,
-                  static_cast<const char*>(l.view.inter_conv) + l.view.inter_conv_offset(row, t, n) * cb,
-                  static_cast<size_t>(l.view.shape.conv_elems()) * cb);
-      std::memcpy(static_cast<char*>(l.view.ssm) + l.view.ssm_offset(slots[i]) * sb,
-                  static_cast<const char*>(l.view.inter_ssm) + l.view.inter_ssm_offset(row, t, n) * sb,
-                  static_cast<size_t>(l.view.shape.ssm_elems()) * sb);
+      std::memcpy(
+          static_cast<char*>(l.view.conv) + l.view.conv_offset(slots[i]) * cb,
+          static_cast<const char*>(l.view.inter_conv) + l.view.inter_conv_offset(row, t, n) * cb,
+          static_cast<size_t>(l.view.shape.conv_elems()) * cb);
+      std::memcpy(
+          static_cast<char*>(l.view.ssm) + l.view.ssm_offset(slots[i]) * sb,
+          static_cast<const char*>(l.view.inter_ssm) + l.view.inter_ssm_offset(row, t, n) * sb,
+          static_cast<size_t>(l.view.shape.ssm_elems()) * sb);
     }
   }
 }

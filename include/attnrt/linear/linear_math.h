@@ -26,10 +26,10 @@ namespace attnrt::linear {
 struct LayerParams {
   LayerKind kind = LayerKind::gdn;
   LinearStateShape shape;
-  int kernel = 0;                 // K
-  int key_heads = 0;              // gdn: Hk; kda: H; mamba2: n_groups
-  int key_dim = 0;                // gdn/kda: Dk; mamba2: d_state
-  double scale = 1.0;             // query scale (gdn/kda)
+  int kernel = 0;                   // K
+  int key_heads = 0;                // gdn: Hk; kda: H; mamba2: n_groups
+  int key_dim = 0;                  // gdn/kda: Dk; mamba2: d_state
+  double scale = 1.0;               // query scale (gdn/kda)
   std::vector<double> conv_weight;  // [conv_dim, K]
   std::vector<double> conv_bias;    // [conv_dim], zeros when the layer has none
   std::vector<double> A_log;        // [heads]

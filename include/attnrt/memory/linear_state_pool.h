@@ -58,8 +58,8 @@ struct LinearLayerState {
 };
 
 struct LinearStateConfig {
-  int max_slots = 0;         // usable state slots (running requests); slot 0 comes on top
-  int max_request_rows = 0;  // ReqToTokenPool rows that can be bound to slots
+  int max_slots = 0;              // usable state slots (running requests); slot 0 comes on top
+  int max_request_rows = 0;       // ReqToTokenPool rows that can be bound to slots
   DType ssm_dtype = DType::f32;   // recurrent state: fp32 or bf16
   DType conv_dtype = DType::f32;  // conv window: fp32 or bf16
   // Speculative decoding: the largest verify batch and its block size N (root included); 0 = no
@@ -127,8 +127,8 @@ class LinearStatePool {
   std::vector<int> layer_ids_;
   std::vector<int> free_slots_;
   std::vector<uint8_t> in_use_;
-  std::vector<int> row_slot_;   // request row -> slot, -1 = none
-  std::vector<int> slot_row_;   // slot -> request row, -1 = none
+  std::vector<int> row_slot_;  // request row -> slot, -1 = none
+  std::vector<int> slot_row_;  // slot -> request row, -1 = none
 };
 
 }  // namespace attnrt
