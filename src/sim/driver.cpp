@@ -304,13 +304,15 @@ ModelSpec layers_to_run(const ModelSpec& model, int layers, std::vector<std::str
   if (keep < model.layers.size()) {
     std::map<std::string, int> kinds;
     for (const LayerSpec& l : model.layers) {
-      if (l.layer_id <= model.layers[keep - 1].layer_id) ++kinds[std::string(layer_kind_name(l.kind))];
+      if (l.layer_id <= model.layers[keep - 1].layer_id)
+        ++kinds[std::string(layer_kind_name(l.kind))];
     }
     std::vector<std::string> parts;
     for (const auto& [k, n] : kinds) parts.push_back(fmt::format("{} {}", n, k));
     notes.push_back(fmt::format(
-        "layers: ran layers {}..{} of {} ({}){}; --layers 0 runs them all", model.layers[0].layer_id,
-        model.layers[keep - 1].layer_id, model.layers.size(), fmt::join(parts, ", "),
+        "layers: ran layers {}..{} of {} ({}){}; --layers 0 runs them all",
+        model.layers[0].layer_id, model.layers[keep - 1].layer_id, model.layers.size(),
+        fmt::join(parts, ", "),
         layers < 0 ? " — one period of the hybrid pattern, the default for linear-attention models"
                    : ""));
   }
@@ -590,10 +592,15 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   max_dims(model, dims);
   if (draft) max_dims(draft->model, dims);
   const int64_t rows = std::max(max_tokens, 1);
-  LayerBuffers buf{
-      HostBuffer(model.dtype, {rows, dims[0]}), HostBuffer(model.dtype, {rows, dims[1]}),
-      HostBuffer(model.dtype, {rows, dims[2]}), HostBuffer(model.dtype, {rows, dims[3]}),
-      HostBuffer(model.dtype, {rows, dims[3]}), {}, {}, {}, {}};
+  LayerBuffers buf{HostBuffer(model.dtype, {rows, dims[0]}),
+                   HostBuffer(model.dtype, {rows, dims[1]}),
+                   HostBuffer(model.dtype, {rows, dims[2]}),
+                   HostBuffer(model.dtype, {rows, dims[3]}),
+                   HostBuffer(model.dtype, {rows, dims[3]}),
+                   {},
+                   {},
+                   {},
+                   {}};
   LinearWidths widest;
   for (const LayerSpec& l : model.layers) {
     if (!is_linear_kind(l.kind)) continue;
@@ -630,8 +637,8 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   std::map<std::pair<int, int>, ModeStats> stats;
   std::map<std::pair<int, int>, int> failures_listed;
   int64_t tokens_done = 0;
-  auto record_failure = [&](const std::pair<int, int>& key, const ScheduledStep& step,
-                            int layer_id, const Comparison& c, std::string what) {
+  auto record_failure = [&](const std::pair<int, int>& key, const ScheduledStep& step, int layer_id,
+                            const Comparison& c, std::string what) {
     ++rep.failure_count;
     int& listed = failures_listed[key];
     if (listed >= kMaxFailuresPerMode) return;
@@ -678,7 +685,8 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
         region.slots.push_back(states.slot_of(row));
       }
       region.verify = is_target_verify(batch.mode);
-      if (region.verify) region.checkpoints = int64_t{batch.batch_size} * batch.spec_info->draft_token_num;
+      if (region.verify)
+        region.checkpoints = int64_t{batch.batch_size} * batch.spec_info->draft_token_num;
     }
     double elapsed = 0;
     Clock::time_point t0 = Clock::now();
@@ -724,9 +732,10 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
           if (c.bad > 0) {
             record_failure(key, step, layer.layer_id, c,
                            fmt::format("{}: {} of {} outputs beyond tolerance; worst at token {}, "
-                                       "head {}, column {}: got {:.6g}, reference {:.6g}",
+                                       "head {}, column {}: got {:.6g}, reference {:.6g} "
+                                       "(allowed {:g} + {:g}*|reference|)",
                                        where, c.bad, args.out.numel(), c.token, c.head, c.column,
-                                       c.got, c.expected));
+                                       c.got, c.expected, rep.tolerance.atol, rep.tolerance.rtol));
           }
           // The state each request (or verify checkpoint) ends with: recurrent state and conv
           // window against reference's.
@@ -822,37 +831,21 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
           ms.max_abs_err = ms.max_rel_err = std::numeric_limits<double>::infinity();
         }
         if (c.bad > 0) {
-          ++rep.failure_count;
-          int& listed = failures_listed[key];
-          if (listed < kMaxFailuresPerMode) {
-            ++listed;
-            CheckFailure f;
-            f.step = step.index;
-            f.role = step.role;
-            f.mode = batch.mode;
-            f.layer = layer.layer_id;
-            f.token = c.token;
-            f.head = c.head;
-            f.column = c.column;
-            f.got = c.got;
-            f.expected = c.expected;
-            f.abs_err = std::abs(c.got - c.expected);
-            f.what =
-                check ? fmt::format(
-                            "step {} ({} {}), layer {}: {} of {} outputs beyond tolerance; worst "
-                            "at token {}, head {}, column {}: got {:.6g}, reference {:.6g} "
-                            "(|error| {}; allowed {:g} + {:g}*|reference|)",
-                            step.index, model_role_name(step.role), forward_mode_name(batch.mode),
-                            layer.layer_id, c.bad, args.out.numel(), c.token, c.head, c.column,
-                            c.got, c.expected, fmt_err(std::abs(c.got - c.expected)),
-                            rep.tolerance.atol, rep.tolerance.rtol)
-                      : fmt::format(
-                            "step {} ({} {}), layer {}: output not written by backend '{}' at "
-                            "token {}, head {}, column {} (still the NaN poison)",
-                            step.index, model_role_name(step.role), forward_mode_name(batch.mode),
-                            layer.layer_id, ms.backend, c.token, c.head, c.column);
-            rep.failures.push_back(std::move(f));
-          }
+          record_failure(
+              key, step, layer.layer_id, c,
+              check ? fmt::format(
+                          "step {} ({} {}), layer {}: {} of {} outputs beyond tolerance; worst "
+                          "at token {}, head {}, column {}: got {:.6g}, reference {:.6g} "
+                          "(|error| {}; allowed {:g} + {:g}*|reference|)",
+                          step.index, model_role_name(step.role), forward_mode_name(batch.mode),
+                          layer.layer_id, c.bad, args.out.numel(), c.token, c.head, c.column, c.got,
+                          c.expected, fmt_err(std::abs(c.got - c.expected)), rep.tolerance.atol,
+                          rep.tolerance.rtol)
+                    : fmt::format(
+                          "step {} ({} {}), layer {}: output not written by backend '{}' at "
+                          "token {}, head {}, column {} (still the NaN poison)",
+                          step.index, model_role_name(step.role), forward_mode_name(batch.mode),
+                          layer.layer_id, ms.backend, c.token, c.head, c.column));
         }
       }
     }
@@ -880,7 +873,8 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
         e.runtime->update_state_after_verify(last);
       }
       for (auto it = e.linear_rows.begin(); it != e.linear_rows.end();) {
-        if (sched.requests()[static_cast<size_t>(it->first)].phase == RequestState::Phase::finished) {
+        if (sched.requests()[static_cast<size_t>(it->first)].phase ==
+            RequestState::Phase::finished) {
           e.runtime->linear_state().free_for(it->second);
           it = e.linear_rows.erase(it);
         } else {
@@ -1078,9 +1072,8 @@ nlohmann::json report_to_json(const RunReport& r) {
   if (r.linear_slots > 0) {
     j["backends"]["linear_prefill"] = r.linear_prefill_backend;
     j["backends"]["linear_decode"] = r.linear_decode_backend;
-    j["pool_check"]["linear_state"] = {{"ok", r.linear_pool_ok},
-                                       {"slots", r.linear_slots},
-                                       {"detail", r.linear_pool_detail}};
+    j["pool_check"]["linear_state"] = {
+        {"ok", r.linear_pool_ok}, {"slots", r.linear_slots}, {"detail", r.linear_pool_detail}};
   }
   if (!r.notes.empty()) j["notes"] = r.notes;
   if (r.spec.enabled()) {
