@@ -70,6 +70,14 @@ TEST(LinearSelection, CpuIsAutoSelectedForLinearLayersAndOptionsSplitByPhase) {
   EXPECT_EQ(s.linear_prefill, "cpu");
   EXPECT_EQ(s.linear_decode, "reference");
   EXPECT_TRUE(any_reason(s, "linear decode: reference — set by --linear-attn-decode-backend"));
+  // --explain says which backend serves which layers.
+  EXPECT_TRUE(any_reason(
+      s,
+      "layers: HybridLinearAttnBackend routes attention 1 of 4 layers: 1 to cpu (prefill and "
+      "decode); gdn 1 of 4 layers: 0; mamba2 1 of 4 layers: 2; kda 1 of 4 layers: 3 to cpu "
+      "(linear prefill) / reference (linear decode); TARGET_VERIFY and the state commit after it "
+      "run on the linear decode backend"))
+      << fmt::format("{}", fmt::join(s.reasons, "\n"));
 
   // The built object: HybridLinearAttnBackend around the full backend, with both linear sides.
   LinearStateConfig lc;
