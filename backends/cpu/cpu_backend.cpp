@@ -223,9 +223,12 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
     return r.prefix + (r.tree >= 0 && key.causal ? tree_depth_[r.tree + t] : t);
   };
 
+  // cost: work of one task; tasks: how many the item makes (single-query items run every kv head
+  // in one task, multi-query items one task per kv head).
   struct Pending {
     cpu::WorkItem item;
     int64_t cost;
+    int tasks;
   };
   std::vector<Pending> pending;
   for (int i = 0; i < bs; ++i) {
@@ -269,7 +272,9 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
         it.g1 = g1;
         it.k0 = k0;
         it.k1 = k1;
-        pending.push_back({it, static_cast<int64_t>(t1 - t0) * (g1 - g0) * (k1 - k0)});
+        const int64_t cost = static_cast<int64_t>(t1 - t0) * (g1 - g0) * (k1 - k0);
+        const bool single = t1 - t0 == 1 && (r.tree < 0 || !key.causal || r.qlen == 1);
+        pending.push_back({it, single ? cost * key.kv_heads : cost, single ? 1 : key.kv_heads});
       }
     }
   }
@@ -278,10 +283,10 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
                    [](const Pending& a, const Pending& b) { return a.cost > b.cost; });
 
   int64_t total = 0;
-  for (const Pending& p : pending) total += p.cost * key.kv_heads;
+  for (const Pending& p : pending) total += p.cost * p.tasks;
   const bool deterministic = ctx_.options != nullptr && ctx_.options->deterministic;
-  // Each (item, kv head) is one task; a task longer than a quarter of a thread's share is split
-  // over its keys so that a few long requests (or one) still occupy every thread.
+  // A task longer than a quarter of a thread's share is split over its keys so that a few long
+  // requests (or one) still occupy every thread.
   const int64_t target = std::max<int64_t>(1, total / (4 * int64_t{num_threads_}));
   for (const Pending& p : pending) {
     const cpu::WorkItem& it = p.item;

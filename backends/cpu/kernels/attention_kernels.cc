@@ -15,10 +15,12 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "backends/cpu/kernels/attention_kernels.h"
 
@@ -405,9 +407,54 @@ HWY_INLINE void DecodeValues(const typename KvElem<DT>::T* const* v, int n, int 
 #define ATTNRT_BF16_DOT 1
 #define ATTNRT_BF16_FN __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16")))
 
+// Issue-rate probes: the same number of independent vdpbf16ps / vfmadd instructions, enough
+// chains to hide either's latency; every chain feeds the result so that none is dropped.
+ATTNRT_BF16_FN double DotLoopSeconds(int iters) {
+  __m512 acc[12];
+  for (auto& x : acc) x = _mm512_setzero_ps();
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) {
+    for (auto& x : acc) x = _mm512_dpbf16_ps(x, a, a);
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  __m512 sum = acc[0];
+  for (int k = 1; k < 12; ++k) sum = _mm512_add_ps(sum, acc[k]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+double FmaLoopSeconds(int iters) {
+  __m512 acc[12];
+  for (auto& x : acc) x = _mm512_setzero_ps();
+  const __m512 a = _mm512_set1_ps(1.f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < iters; ++i) {
+    for (auto& x : acc) x = _mm512_fmadd_ps(a, a, x);
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  __m512 sum = acc[0];
+  for (int k = 1; k < 12; ++k) sum = _mm512_add_ps(sum, acc[k]);
+  volatile float sink = _mm512_reduce_add_ps(sum);
+  (void)sink;
+  return std::chrono::duration<double>(t1 - t0).count();
+}
+
+// The dot-product kernels do about as many vdpbf16ps as the fp32 ones do FMAs, for half the
+// widening work: worth it where vdpbf16ps issues at least 3/4 as fast as an FMA (Zen 4), not
+// where it is a fraction of that (Sapphire Rapids, whose bf16 rate lives in AMX). Measured once.
 bool HasBf16Dot() {
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
+  static const bool prefer = [] {
+    if (!__builtin_cpu_supports("avx512bf16")) return false;
+    double dot = 1e30, fma = 1e30;
+    for (int rep = 0; rep < 3; ++rep) {
+      dot = std::min(dot, DotLoopSeconds(4096));
+      fma = std::min(fma, FmaLoopSeconds(4096));
+    }
+    return dot * 0.75 <= fma;
+  }();
+  return prefer;
 }
 
 constexpr int kPairKeys = 8;  // keys per S^T step
@@ -625,168 +672,192 @@ ATTNRT_BF16_FN void ToBf16(const float* src, int n, uint16_t* dst) {
 bool HasBf16Dot() { return false; }
 #endif
 
+// Every kv head of a single-query item in one pass over the keys: each pool row ([kv heads, dim],
+// contiguous) is fetched once, whole, instead of once per head at a stride that defeats the
+// prefetchers and the TLB. Rows are (kv head, group member) pairs, row i = h * ng + g.
 // kDot: bf16 q and K/V through vdpbf16ps; q kept as raw bf16 pairs (the softmax scale applied to
 // the scores) and the probabilities rounded to bf16 for P.V.
 template <DType DT, bool kDot>
-void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head) {
+void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it) {
   using T = typename KvElem<DT>::T;
   const DF df;
   const int lanes = static_cast<int>(hn::Lanes(df));
   const RequestInfo& r = p.reqs[it.req];
   const int ng = it.g1 - it.g0;
+  const int heads = a.num_kv_heads;
+  const int nrows = heads * ng;
   const int group = a.num_q_heads / a.num_kv_heads;
   const int dim = a.head_dim, vdim = a.v_head_dim;
   const int dim_p = (dim + lanes - 1) / lanes * lanes;
   const int vdim_p = (vdim + lanes - 1) / lanes * lanes;
-  const RowMap rows{r.q_row, it.t0, it.g0, ng, group, kv_head};
 
   Arena arena;
-  arena.reserve(static_cast<size_t>(ng) * dim_p);        // q
-  arena.reserve(static_cast<size_t>(ng) * vdim_p);       // acc
-  arena.reserve(static_cast<size_t>(ng) * kDecodeKeys);  // scores / probabilities
+  arena.reserve(static_cast<size_t>(nrows) * dim_p);        // q
+  arena.reserve(static_cast<size_t>(nrows) * vdim_p);       // acc
+  arena.reserve(static_cast<size_t>(nrows) * kDecodeKeys);  // scores / probabilities
   arena.reserve(static_cast<size_t>(kDecodeKeys) * lanes);  // row tails
-  for (int k = 0; k < 3; ++k) arena.reserve(ng);         // m, l, alpha
-  arena.reserve(static_cast<size_t>(ng) * kDecodeKeys / 2);  // bf16 probabilities
-  arena.reserve(static_cast<size_t>(vdim_p));            // a zero row
+  for (int k = 0; k < 3; ++k) arena.reserve(nrows);         // m, l, alpha
+  arena.reserve(static_cast<size_t>(nrows) * kDecodeKeys / 2);  // bf16 probabilities
+  arena.reserve(static_cast<size_t>(vdim_p));               // a zero row
   arena.bind(t_scratch.get(arena.total()));
-  float* q = arena.take(static_cast<size_t>(ng) * dim_p);
-  float* acc = arena.take(static_cast<size_t>(ng) * vdim_p);
-  float* s = arena.take(static_cast<size_t>(ng) * kDecodeKeys);
+  float* q = arena.take(static_cast<size_t>(nrows) * dim_p);
+  float* acc = arena.take(static_cast<size_t>(nrows) * vdim_p);
+  float* s = arena.take(static_cast<size_t>(nrows) * kDecodeKeys);
   float* tail = arena.take(static_cast<size_t>(kDecodeKeys) * lanes);
-  float* m = arena.take(ng);
-  float* l = arena.take(ng);
-  float* alpha = arena.take(ng);
+  float* m = arena.take(nrows);
+  float* l = arena.take(nrows);
+  float* alpha = arena.take(nrows);
   [[maybe_unused]] uint16_t* p16 =
-      reinterpret_cast<uint16_t*>(arena.take(static_cast<size_t>(ng) * kDecodeKeys / 2));
+      reinterpret_cast<uint16_t*>(arena.take(static_cast<size_t>(nrows) * kDecodeKeys / 2));
   [[maybe_unused]] float* zero_row = arena.take(static_cast<size_t>(vdim_p));
   if (kDot) std::fill(zero_row, zero_row + vdim_p, 0.f);
 
-  for (int g = 0; g < ng; ++g) {
-    const int64_t base = rows.token_row(g) * a.q_stride[0] + rows.head(g) * a.q_stride[1];
-    float* qg = q + static_cast<size_t>(g) * dim_p;
-    if constexpr (kDot) {
-      const uint16_t* src = static_cast<const uint16_t*>(a.q) + base;
-      uint16_t* dst = reinterpret_cast<uint16_t*>(qg);
-      for (int d = 0; d < dim; ++d) dst[d] = src[d * a.q_stride[2]];
-    } else {
-      for (int d = 0; d < dim; ++d) {
-        qg[d] = load_as_float(a.q, a.q_dtype, static_cast<size_t>(base + d * a.q_stride[2])) *
-                a.qk_scale;
+  for (int h = 0; h < heads; ++h) {
+    const RowMap rows{r.q_row, it.t0, it.g0, ng, group, h};
+    for (int g = 0; g < ng; ++g) {
+      const int i = h * ng + g;
+      const int64_t base = rows.token_row(g) * a.q_stride[0] + rows.head(g) * a.q_stride[1];
+      float* qi = q + static_cast<size_t>(i) * dim_p;
+      if constexpr (kDot) {
+        const uint16_t* src = static_cast<const uint16_t*>(a.q) + base;
+        uint16_t* dst = reinterpret_cast<uint16_t*>(qi);
+        for (int d = 0; d < dim; ++d) dst[d] = src[d * a.q_stride[2]];
+      } else {
+        for (int d = 0; d < dim; ++d) {
+          qi[d] = load_as_float(a.q, a.q_dtype, static_cast<size_t>(base + d * a.q_stride[2])) *
+                  a.qk_scale;
+        }
+        std::fill(qi + dim, qi + dim_p, 0.f);
       }
-      std::fill(qg + dim, qg + dim_p, 0.f);
+      std::fill(acc + static_cast<size_t>(i) * vdim_p, acc + static_cast<size_t>(i + 1) * vdim_p,
+                0.f);
+      m[i] = kNegInf;
+      l[i] = 0.f;
     }
-    std::fill(acc + static_cast<size_t>(g) * vdim_p, acc + static_cast<size_t>(g + 1) * vdim_p, 0.f);
-    m[g] = kNegInf;
-    l[g] = 0.f;
   }
 
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
   const int32_t* slots = p.slots + r.slot_offset;
+  const size_t k_row_bytes = static_cast<size_t>(heads) * dim * sizeof(T);
+  const size_t v_row_bytes = static_cast<size_t>(heads) * vdim * sizeof(T);
   const T* krows[kDecodeKeys];
   const T* vrows[kDecodeKeys];
+  for (int j = it.k0; j < std::min(it.k1, it.k0 + kDecodeKeys); ++j) {
+    PrefetchRow(k_cache + slots[j] * a.k_row_stride, k_row_bytes);
+    PrefetchRow(v_cache + slots[j] * a.v_row_stride, v_row_bytes);
+  }
   for (int kb = it.k0; kb < it.k1; kb += kDecodeKeys) {
     const int n = std::min(kDecodeKeys, it.k1 - kb);
-    for (int j = 0; j < n; ++j) {
-      const int64_t slot = slots[kb + j];
-      krows[j] = k_cache + slot * a.k_row_stride + static_cast<int64_t>(kv_head) * dim;
-      vrows[j] = v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim;
-    }
     for (int j = kb + n; j < std::min(it.k1, kb + n + kDecodeKeys); ++j) {
-      const int64_t slot = slots[j];
-      PrefetchRow(k_cache + slot * a.k_row_stride + static_cast<int64_t>(kv_head) * dim,
-                  dim * sizeof(T));
-      PrefetchRow(v_cache + slot * a.v_row_stride + static_cast<int64_t>(kv_head) * vdim,
-                  vdim * sizeof(T));
+      PrefetchRow(k_cache + slots[j] * a.k_row_stride, k_row_bytes);
+      PrefetchRow(v_cache + slots[j] * a.v_row_stride, v_row_bytes);
     }
+    for (int h = 0; h < heads; ++h) {
+      for (int j = 0; j < n; ++j) {
+        const int64_t slot = slots[kb + j];
+        krows[j] = k_cache + slot * a.k_row_stride + static_cast<int64_t>(h) * dim;
+        vrows[j] = v_cache + slot * a.v_row_stride + static_cast<int64_t>(h) * vdim;
+      }
+      float* qh = q + static_cast<size_t>(h) * ng * dim_p;
+      float* sh = s + static_cast<size_t>(h) * ng * kDecodeKeys;
+      float* ah = acc + static_cast<size_t>(h) * ng * vdim_p;
+      float* mh = m + h * ng;
+      float* lh = l + h * ng;
+      float* alh = alpha + h * ng;
 #if ATTNRT_BF16_DOT
-    if constexpr (kDot) {
-      const uint32_t* q32 = reinterpret_cast<const uint32_t*>(q);
-      const int q_stride = dim_p;  // u32 per head: q rows are dim_p floats apart
+      if constexpr (kDot) {
+        const uint32_t* q32 = reinterpret_cast<const uint32_t*>(qh);
+        const int q_stride = dim_p;  // u32 per row: q rows are dim_p floats apart
+        for (int g = 0; g < ng;) {
+          float* sg = sh + static_cast<size_t>(g) * kDecodeKeys;
+          const uint32_t* qg = q32 + static_cast<size_t>(g) * q_stride;
+          if (ng - g >= 4) {
+            DecodeScoresBf16<DT, 4>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
+            g += 4;
+          } else if (ng - g >= 2) {
+            DecodeScoresBf16<DT, 2>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
+            g += 2;
+          } else {
+            DecodeScoresBf16<DT, 1>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
+            g += 1;
+          }
+        }
+        const int padded = (n + lanes - 1) / lanes * lanes;
+        uint16_t* ph = p16 + static_cast<size_t>(h) * ng * kDecodeKeys;
+        for (int g = 0; g < ng; ++g) {
+          float* sg = sh + static_cast<size_t>(g) * kDecodeKeys;
+          alh[g] = SoftmaxKeysInLanes(sg, n, a.qk_scale, a.softcap, mh[g], lh[g]);
+          ToBf16(sg, padded, ph + static_cast<size_t>(g) * kDecodeKeys);
+        }
+        const uint32_t* p32 = reinterpret_cast<const uint32_t*>(ph);
+        const T* zero_t = reinterpret_cast<const T*>(zero_row);
+        constexpr int kPStride = kDecodeKeys / 2;
+        for (int g = 0; g < ng;) {
+          const uint32_t* pg = p32 + static_cast<size_t>(g) * kPStride;
+          float* ag = ah + static_cast<size_t>(g) * vdim_p;
+          if (ng - g >= 8) {
+            DecodeValuesBf16<DT, 8>(vrows, n, vdim, zero_t, pg, kPStride, alh + g, ag, vdim_p);
+            g += 8;
+          } else if (ng - g >= 4) {
+            DecodeValuesBf16<DT, 4>(vrows, n, vdim, zero_t, pg, kPStride, alh + g, ag, vdim_p);
+            g += 4;
+          } else if (ng - g >= 2) {
+            DecodeValuesBf16<DT, 2>(vrows, n, vdim, zero_t, pg, kPStride, alh + g, ag, vdim_p);
+            g += 2;
+          } else {
+            DecodeValuesBf16<DT, 1>(vrows, n, vdim, zero_t, pg, kPStride, alh + g, ag, vdim_p);
+            g += 1;
+          }
+        }
+        continue;
+      }
+#endif
       for (int g = 0; g < ng;) {
-        float* sg = s + static_cast<size_t>(g) * kDecodeKeys;
-        const uint32_t* qg = q32 + static_cast<size_t>(g) * q_stride;
+        const float* qg = qh + static_cast<size_t>(g) * dim_p;
+        float* sg = sh + static_cast<size_t>(g) * kDecodeKeys;
         if (ng - g >= 4) {
-          DecodeScoresBf16<DT, 4>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
+          DecodeScores<DT, 4>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
           g += 4;
         } else if (ng - g >= 2) {
-          DecodeScoresBf16<DT, 2>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
+          DecodeScores<DT, 2>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
           g += 2;
         } else {
-          DecodeScoresBf16<DT, 1>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
+          DecodeScores<DT, 1>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
           g += 1;
         }
       }
-      const int padded = (n + lanes - 1) / lanes * lanes;
       for (int g = 0; g < ng; ++g) {
-        float* sg = s + static_cast<size_t>(g) * kDecodeKeys;
-        alpha[g] = SoftmaxKeysInLanes(sg, n, a.qk_scale, a.softcap, m[g], l[g]);
-        ToBf16(sg, padded, p16 + static_cast<size_t>(g) * kDecodeKeys);
+        alh[g] = SoftmaxKeysInLanes(sh + static_cast<size_t>(g) * kDecodeKeys, n, 1.f, a.softcap,
+                                    mh[g], lh[g]);
       }
-      const uint32_t* p32 = reinterpret_cast<const uint32_t*>(p16);
-      const T* zero_t = reinterpret_cast<const T*>(zero_row);
-      constexpr int kPStride = kDecodeKeys / 2;
       for (int g = 0; g < ng;) {
-        const uint32_t* pg = p32 + static_cast<size_t>(g) * kPStride;
-        float* ag = acc + static_cast<size_t>(g) * vdim_p;
+        const float* pg = sh + static_cast<size_t>(g) * kDecodeKeys;
+        float* ag = ah + static_cast<size_t>(g) * vdim_p;
         if (ng - g >= 8) {
-          DecodeValuesBf16<DT, 8>(vrows, n, vdim, zero_t, pg, kPStride, alpha + g, ag, vdim_p);
+          DecodeValues<DT, 8>(vrows, n, vdim, pg, kDecodeKeys, alh + g, ag, vdim_p, tail);
           g += 8;
         } else if (ng - g >= 4) {
-          DecodeValuesBf16<DT, 4>(vrows, n, vdim, zero_t, pg, kPStride, alpha + g, ag, vdim_p);
+          DecodeValues<DT, 4>(vrows, n, vdim, pg, kDecodeKeys, alh + g, ag, vdim_p, tail);
           g += 4;
         } else if (ng - g >= 2) {
-          DecodeValuesBf16<DT, 2>(vrows, n, vdim, zero_t, pg, kPStride, alpha + g, ag, vdim_p);
+          DecodeValues<DT, 2>(vrows, n, vdim, pg, kDecodeKeys, alh + g, ag, vdim_p, tail);
           g += 2;
         } else {
-          DecodeValuesBf16<DT, 1>(vrows, n, vdim, zero_t, pg, kPStride, alpha + g, ag, vdim_p);
+          DecodeValues<DT, 1>(vrows, n, vdim, pg, kDecodeKeys, alh + g, ag, vdim_p, tail);
           g += 1;
         }
       }
-      continue;
-    }
-#endif
-    for (int g = 0; g < ng;) {
-      const float* qg = q + static_cast<size_t>(g) * dim_p;
-      float* sg = s + static_cast<size_t>(g) * kDecodeKeys;
-      if (ng - g >= 4) {
-        DecodeScores<DT, 4>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
-        g += 4;
-      } else if (ng - g >= 2) {
-        DecodeScores<DT, 2>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
-        g += 2;
-      } else {
-        DecodeScores<DT, 1>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
-        g += 1;
-      }
-    }
-    for (int g = 0; g < ng; ++g) {
-      alpha[g] = SoftmaxKeysInLanes(s + static_cast<size_t>(g) * kDecodeKeys, n, 1.f, a.softcap,
-                                    m[g], l[g]);
-    }
-    for (int g = 0; g < ng;) {
-      const float* pg = s + static_cast<size_t>(g) * kDecodeKeys;
-      float* ag = acc + static_cast<size_t>(g) * vdim_p;
-      if (ng - g >= 8) {
-        DecodeValues<DT, 8>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
-        g += 8;
-      } else if (ng - g >= 4) {
-        DecodeValues<DT, 4>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
-        g += 4;
-      } else if (ng - g >= 2) {
-        DecodeValues<DT, 2>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
-        g += 2;
-      } else {
-        DecodeValues<DT, 1>(vrows, n, vdim, pg, kDecodeKeys, alpha + g, ag, vdim_p, tail);
-        g += 1;
-      }
     }
   }
-  for (int g = 0; g < ng; ++g) {
-    EmitRow(a, p, it, rows, g, acc + static_cast<size_t>(g) * vdim_p, 1, m[g], l[g]);
+  for (int h = 0; h < heads; ++h) {
+    const RowMap rows{r.q_row, it.t0, it.g0, ng, group, h};
+    for (int g = 0; g < ng; ++g) {
+      const int i = h * ng + g;
+      EmitRow(a, p, it, rows, g, acc + static_cast<size_t>(i) * vdim_p, 1, m[i], l[i]);
+    }
   }
 }
-
 
 // ------------------------------------------------------------------------------------------------
 // Tile kernel: NV vectors of query rows. kDot: bf16 q and K/V through vdpbf16ps (Q^T and K kept as
@@ -1109,15 +1180,17 @@ void RunItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv
   const RequestInfo& r = p.reqs[it.req];
   const bool single = it.t1 - it.t0 == 1 && (r.tree < 0 || !a.causal || r.qlen == 1);
   if (single) {
+    // One task covers every kv head (see DecodeItem); the plan counts it that way.
+    if (kv_head != 0) return;
 #if ATTNRT_BF16_DOT
     if constexpr (DT == DType::bf16) {
       if (dot && a.head_dim % 32 == 0 && a.v_head_dim % 32 == 0) {
-        DecodeItem<DT, true>(a, p, it, kv_head);
+        DecodeItem<DT, true>(a, p, it);
         return;
       }
     }
 #endif
-    DecodeItem<DT, false>(a, p, it, kv_head);
+    DecodeItem<DT, false>(a, p, it);
     return;
   }
   const bool one_vector = (it.t1 - it.t0) * (it.g1 - it.g0) <= static_cast<int>(hn::Lanes(DF()));
@@ -1179,7 +1252,11 @@ void RunAttention(const LayerArgs& a, const KernelPlan& p) {
 
 int TileRows() { return 2 * static_cast<int>(hn::Lanes(DF())); }
 
-const char* TargetName() { return hwy::TargetName(HWY_TARGET); }
+std::string TargetName() {
+  std::string name = hwy::TargetName(HWY_TARGET);
+  if (HasBf16Dot()) name += "+BF16";
+  return name;
+}
 
 void ConvertToFloat(DType dtype, const void* src, int64_t n, float* dst) {
   const int count = static_cast<int>(n);

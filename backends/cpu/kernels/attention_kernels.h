@@ -16,7 +16,8 @@ void run_attention(const LayerArgs& args, const KernelPlan& plan);
 // height the blocked kernel is built for on this CPU.
 int tile_rows();
 
-// Name of the SIMD target in use ("AVX3", "AVX2", "NEON", ...).
+// Name of the SIMD target in use ("AVX3", "AVX2", "NEON", ...), "+BF16" when the bf16
+// dot-product kernels run (AVX-512 BF16 present and issuing about as fast as FMA).
 std::string simd_target_name();
 
 // Converts n stored KV elements (bf16, fp16, fp32, fp8 e4m3 / e5m2) to float with the same
