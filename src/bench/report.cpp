@@ -2,7 +2,9 @@
 
 #include <fmt/chrono.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
 #include <ctime>
 #include <fstream>
@@ -263,17 +265,27 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
                        fmt::format("{}..{}", ms(row.decode_time.p10), ms(row.decode_time.p90)),
                        row.decode_ratio);
     }
-    if (!w.scale_note.empty()) notes.push_back(fmt::format("{}: {}", w.name, w.scale_note));
+    std::vector<std::string> parts;
+    if (!w.scale_note.empty()) parts.push_back(w.scale_note);
     if (row.reference && !(row.reference->workload == w)) {
-      notes.push_back(fmt::format("{}: {}", w.name, row.reference->note));
+      parts.push_back(fmt::format("reference on {}", row.reference->workload.shape()));
     }
-    for (const std::string& n : row.notes) notes.push_back(fmt::format("{}: {}", w.name, n));
+    parts.insert(parts.end(), row.notes.begin(), row.notes.end());
+    if (!parts.empty()) notes.push_back(fmt::format("{}: {}", w.name, fmt::join(parts, "; ")));
   }
   if (!notes.empty()) {
     s << "\nnotes:\n";
     for (const std::string& n : notes) s << "  " << n << "\n";
   }
-  s << fmt::format("\ntiming: median of {} repeats after {} warm-up calls{}; {}\n", r.repeats,
+  const bool any_reference = std::any_of(r.rows.begin(), r.rows.end(),
+                                         [](const RowResult& x) { return x.reference.has_value(); });
+  if (any_reference) {
+    s << "\nvs ref: attention work per second of the backend on the row / that of the float64 "
+         "reference backend,\n        which runs the shape the notes name when the row is too "
+         "large for it\n";
+  }
+  s << fmt::format("{}timing: median of {} repeats after {} warm-up calls{}; {}\n",
+                   any_reference ? "" : "\n", r.repeats,
                    r.warmup, r.repeats < 10 ? " (fewer than the 10 WORKLOADS.md asks for)" : "",
                    r.timer_method);
   return s.str();

@@ -295,7 +295,7 @@ std::vector<Workload> apply_preset(const std::vector<Workload>& rows, std::strin
   constexpr double kMaxBytes = 1.25 * double(1ull << 30);
   constexpr double kMaxWork = 6e11;
   std::vector<Workload> out;
-  for (const Workload& w : rows) out.push_back(fit_workload(w, kMaxBytes, kMaxWork, "cpu-small"));
+  for (const Workload& w : rows) out.push_back(fit_workload(w, kMaxBytes, kMaxWork, "shrunk by --preset cpu-small"));
   return out;
 }
 
