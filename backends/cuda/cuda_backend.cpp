@@ -835,13 +835,17 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
   graph_tree_cap_ = static_cast<size_t>(max_num_tokens);
   graph_work_cap_ = 0;
   int64_t part_rows = 0;
-  for (int g : groups_) {
-    const TileShape shape = choose_shape(per_req, g);
-    const int64_t tiles = ceil_div(int64_t{per_req} * g, tile_rows(shape));
-    for (int bs = 1; bs <= max_bs; ++bs) {
-      const int s = graph_splits(g, shape, bs, per_req);
-      graph_work_cap_ = std::max<size_t>(graph_work_cap_, static_cast<size_t>(bs * tiles * s));
-      if (s > 1) part_rows = std::max<int64_t>(part_rows, int64_t{bs} * s * per_req);
+  // Decode steps (one token per request) are captured beside verify steps of per_req tokens;
+  // fewer rows per request mean more splits, so both shapes size the buffers.
+  for (int tokens : {1, per_req}) {
+    for (int g : groups_) {
+      const TileShape shape = choose_shape(tokens, g);
+      const int64_t tiles = ceil_div(int64_t{tokens} * g, tile_rows(shape));
+      for (int bs = 1; bs <= max_bs; ++bs) {
+        const int s = graph_splits(g, shape, bs, tokens);
+        graph_work_cap_ = std::max<size_t>(graph_work_cap_, static_cast<size_t>(bs * tiles * s));
+        if (s > 1) part_rows = std::max<int64_t>(part_rows, int64_t{bs} * s * tokens);
+      }
     }
   }
   const size_t meta = align_up(groups_.size() * (graph_reqs_cap_ * sizeof(ReqInfo) +

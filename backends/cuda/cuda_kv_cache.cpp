@@ -100,8 +100,8 @@ void CudaKVCache::begin_step(const ForwardBatch& batch) {
   for (int64_t i = 0; i < tokens; ++i) {
     const int64_t s = batch.out_cache_loc[i];
     ATTNRT_CHECK(s >= 0 && s < rows_,
-                 "CUDA KV cache: out_cache_loc[{}] = {} is outside the KV pool's slots 0..{}", i,
-                 s, rows_ - 1);
+                 "CUDA KV cache: out_cache_loc[{}] = {} is outside the KV pool's slots 0..{}", i, s,
+                 rows_ - 1);
   }
   const size_t bytes = static_cast<size_t>(tokens) * sizeof(int64_t);
   void* host = staging_.acquire(bytes, stream_);
@@ -118,8 +118,7 @@ void check_step_tensor(const char* what, const TensorView& t, int64_t tokens, in
                    t.shape[2] == dim,
                "CUDA KV cache: store_step_kv(layer {}): {} is {}; expected [{}, {}, {}] (tokens, "
                "kv heads, dim)",
-               layer_id, what, t.empty() ? std::string("empty") : t.describe(), tokens, heads,
-               dim);
+               layer_id, what, t.empty() ? std::string("empty") : t.describe(), tokens, heads, dim);
   ATTNRT_CHECK(t.dtype == DType::f32 || t.dtype == DType::f16 || t.dtype == DType::bf16,
                "CUDA KV cache: store_step_kv(layer {}): {} is {}; expected fp32, fp16 or bf16",
                layer_id, what, t.describe());
@@ -153,9 +152,8 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   const size_t kb = k.device.kind == DeviceKind::cuda
                         ? 0
                         : (static_cast<size_t>(k.numel()) * dtype_size(k.dtype) + 255) / 256 * 256;
-  const size_t vb = v.device.kind == DeviceKind::cuda
-                        ? 0
-                        : static_cast<size_t>(v.numel()) * dtype_size(v.dtype);
+  const size_t vb =
+      v.device.kind == DeviceKind::cuda ? 0 : static_cast<size_t>(v.numel()) * dtype_size(v.dtype);
   if (kb + vb > 0) scratch_.reserve(kb + vb);
   const auto [kp, kt] = device_view(k, 0);
   const auto [vp, vt] = device_view(v, kb);
@@ -207,6 +205,101 @@ void CudaKVCache::copy_layer_to_host(int layer_id, void* k, void* v) const {
   ATTNRT_CUDA_CHECK(cudaMemcpyAsync(k, e.k.data(), k_bytes(e), cudaMemcpyDeviceToHost, stream_));
   ATTNRT_CUDA_CHECK(cudaMemcpyAsync(v, e.v.data(), v_bytes(e), cudaMemcpyDeviceToHost, stream_));
   ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaKVCache::copy_rows(std::span<const int> layers,
+                            std::span<const std::pair<int64_t, int64_t>> moves) {
+  if (moves.empty() || layers.empty()) return;
+  const size_t n = moves.size();
+  for (size_t i = 0; i < n; ++i) {
+    const auto [src, dst] = moves[i];
+    ATTNRT_CHECK(src > 0 && src < rows_ && dst > 0 && dst < rows_,
+                 "CUDA KV cache: row move {} is {} -> {}; slots must lie in [1, {}) (slot 0 is the "
+                 "reserved dummy row)",
+                 i, src, dst, rows_);
+  }
+  for (int layer_id : layers) find(layer_id);
+  const size_t index_bytes = 2 * n * sizeof(int64_t);
+  auto* host = static_cast<int64_t*>(staging_.acquire(index_bytes, stream_));
+  for (size_t i = 0; i < n; ++i) {
+    host[i] = moves[i].first;
+    host[n + i] = moves[i].second;
+  }
+  row_index_.reserve_async(index_bytes, stream_);
+  staging_.upload(row_index_.data(), index_bytes, stream_);
+  const int64_t* src_rows = row_index_.ptr<int64_t>();
+  const int64_t* dst_rows = src_rows + n;
+  for (int layer_id : layers) {
+    const Layer& e = find(layer_id);
+    const std::pair<void*, int64_t> parts[] = {
+        {e.k.data(), static_cast<int64_t>(k_bytes(e) / rows_)},
+        {e.v.data(), static_cast<int64_t>(v_bytes(e) / rows_)}};
+    for (const auto& [base, row_bytes] : parts) {
+      row_scratch_.reserve_async(n * static_cast<size_t>(row_bytes), stream_);
+      // Gather every source first, then scatter: a destination may be another move's source.
+      CopyRowsParams p{};
+      p.src = base;
+      p.src_stride = row_bytes;
+      p.src_rows = src_rows;
+      p.dst = row_scratch_.data();
+      p.dst_stride = row_bytes;
+      p.count = static_cast<int64_t>(n);
+      p.row_bytes = row_bytes;
+      ATTNRT_CUDA_CHECK(launch_copy_rows(p, stream_));
+      p.src = row_scratch_.data();
+      p.src_rows = nullptr;
+      p.dst = base;
+      p.dst_rows = dst_rows;
+      ATTNRT_CUDA_CHECK(launch_copy_rows(p, stream_));
+    }
+  }
+}
+
+void CudaKVCache::download_rows(int layer_id, std::span<const int64_t> slots, void* k, void* v) {
+  const Layer& e = find(layer_id);
+  if (slots.empty()) return;
+  const size_t n = slots.size();
+  for (size_t i = 0; i < n; ++i) {
+    ATTNRT_CHECK(slots[i] >= 0 && slots[i] < rows_,
+                 "CUDA KV cache: download_rows(layer {}): slot {} (entry {}) is outside the pool's "
+                 "rows 0..{}",
+                 layer_id, slots[i], i, rows_ - 1);
+  }
+  const size_t index_bytes = n * sizeof(int64_t);
+  void* host = staging_.acquire(index_bytes, stream_);
+  std::memcpy(host, slots.data(), index_bytes);
+  row_index_.reserve_async(index_bytes, stream_);
+  staging_.upload(row_index_.data(), index_bytes, stream_);
+  const int64_t kb = static_cast<int64_t>(k_bytes(e) / rows_);
+  const int64_t vb = static_cast<int64_t>(v_bytes(e) / rows_);
+  const size_t total = n * static_cast<size_t>(kb + vb);
+  row_scratch_.reserve_async(total, stream_);
+  row_host_.reserve(total);
+  CopyRowsParams p{};
+  p.src = e.k.data();
+  p.src_stride = kb;
+  p.src_rows = row_index_.ptr<int64_t>();
+  p.dst = row_scratch_.data();
+  p.dst_stride = kb;
+  p.count = static_cast<int64_t>(n);
+  p.row_bytes = kb;
+  ATTNRT_CUDA_CHECK(launch_copy_rows(p, stream_));
+  char* gathered_v = row_scratch_.ptr<char>() + n * kb;
+  p.src = e.v.data();
+  p.src_stride = vb;
+  p.dst = gathered_v;
+  p.dst_stride = vb;
+  p.row_bytes = vb;
+  ATTNRT_CUDA_CHECK(launch_copy_rows(p, stream_));
+  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(row_host_.data(), row_scratch_.data(), total,
+                                    cudaMemcpyDeviceToHost, stream_));
+  ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const char* rows_k = static_cast<const char*>(row_host_.data());
+  const char* rows_v = rows_k + n * kb;
+  for (size_t i = 0; i < n; ++i) {
+    std::memcpy(static_cast<char*>(k) + slots[i] * kb, rows_k + i * kb, kb);
+    std::memcpy(static_cast<char*>(v) + slots[i] * vb, rows_v + i * vb, vb);
+  }
 }
 
 KVStorage make_cuda_kv_storage(const ModelSpec& model, const KVCacheConfig& config) {

@@ -10,6 +10,8 @@
 #include <cuda_runtime_api.h>
 
 #include <memory>
+#include <span>
+#include <utility>
 #include <vector>
 
 #include "attnrt/memory/kv_cache.h"
@@ -43,6 +45,17 @@ class CudaKVCache final : public KVCache {
   void copy_layer_from_host(int layer_id, const void* k, const void* v);
   void copy_layer_to_host(int layer_id, void* k, void* v) const;
 
+  // Moves K/V rows inside the pools: in every listed layer, full-pool slot dst takes the row slot
+  // src held before the call (every source is read before any destination is written, which is
+  // what an in-order copy gives when no move reads a row an earlier move wrote, as for accepted
+  // tree paths compacted towards lower positions). Slots must lie in [1, rows). Stream-ordered,
+  // never synchronises.
+  void copy_rows(std::span<const int> layers, std::span<const std::pair<int64_t, int64_t>> moves);
+  // Copies the rows `slots` of one layer into host memory laid out like layer(layer_id): k and v
+  // point at row 0 of host pools with this cache's row strides, and only the listed rows are
+  // written. Gathers on the GPU, so the transfer is the rows' size; synchronises the stream.
+  void download_rows(int layer_id, std::span<const int64_t> slots, void* k, void* v);
+
  private:
   struct Layer {
     bool present = false;
@@ -62,6 +75,9 @@ class CudaKVCache final : public KVCache {
   std::vector<Layer> layers_;  // by layer id
   DeviceBuffer loc_;           // [max_num_tokens] int64, fixed address
   DeviceBuffer scratch_;       // host k/v staged for the store kernel
+  DeviceBuffer row_index_;     // slot lists of copy_rows / download_rows
+  DeviceBuffer row_scratch_;   // rows gathered by copy_rows / download_rows
+  PinnedBuffer row_host_;      // download_rows' rows on their way to the host
   StagingRing staging_;
   int64_t step_tokens_ = -1;
   cudaStream_t stream_ = nullptr;

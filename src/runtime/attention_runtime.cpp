@@ -1,13 +1,21 @@
 #include "attnrt/runtime/attention_runtime.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include "attnrt/backend/registry.h"
 #include "attnrt/batch/forward_batch.h"
+#include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
+#include "src/runtime/cuda_graph_runner.h"
 #if defined(ATTNRT_HAS_CUDA)
+#include <cuda_runtime_api.h>
+
 #include "backends/cuda/cuda_kv_cache.h"
+#include "backends/cuda/cuda_util.h"
 #endif
 
 namespace attnrt {
@@ -32,6 +40,34 @@ void check_config(const RuntimeConfig& c) {
   ATTNRT_CHECK(c.swa_full_tokens_ratio > 0 && std::isfinite(c.swa_full_tokens_ratio),
                "RuntimeConfig.swa_full_tokens_ratio = {} is invalid; it must be > 0",
                c.swa_full_tokens_ratio);
+  ATTNRT_CHECK(c.cuda_graph_max_bs >= 1,
+               "RuntimeConfig.cuda_graph_max_bs = {} is invalid; it must be >= 1 (turn graphs off "
+               "with cuda_graphs = false)",
+               c.cuda_graph_max_bs);
+  for (size_t i = 0; i < c.cuda_graph_batch_sizes.size(); ++i) {
+    const int b = c.cuda_graph_batch_sizes[i];
+    ATTNRT_CHECK(b >= 1 && b <= c.max_requests && (i == 0 || b > c.cuda_graph_batch_sizes[i - 1]),
+                 "RuntimeConfig.cuda_graph_batch_sizes[{}] = {} is invalid; the sizes must "
+                 "increase and lie in [1, max_requests = {}]",
+                 i, b, c.max_requests);
+  }
+}
+
+// Batch sizes captured by default (reference-semantics §3.3: a replay pads to the smallest
+// captured size >= its batch): fine steps for small batches, where padding costs the most
+// relative to the work, then steps of 32.
+std::vector<int> default_graph_buckets(int max_bs) {
+  std::vector<int> b;
+  for (int s : {1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256}) {
+    if (s <= max_bs) b.push_back(s);
+  }
+  for (int s = 288; s <= max_bs; s += 32) b.push_back(s);
+  if (b.back() != max_bs) b.push_back(max_bs);
+  return b;
+}
+
+bool caps_graphs(const std::string& backend) {
+  return Registry::global().get(backend).caps.cuda_graphs;
 }
 
 // The device every chosen backend runs on, which is where the pools are built: the host when all
@@ -96,8 +132,8 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
                  "backends run on {}; choose CPU backends for every phase",
                  model_.name, device_name(kv_cache_->device()));
     LinearStateConfig lc;
-    lc.max_slots = config_.linear_state_slots > 0 ? config_.linear_state_slots
-                                                  : config_.max_requests;
+    lc.max_slots =
+        config_.linear_state_slots > 0 ? config_.linear_state_slots : config_.max_requests;
     lc.max_request_rows = config_.max_requests;
     lc.ssm_dtype = config_.linear_state_dtype;
     lc.conv_dtype = config_.linear_conv_dtype;
@@ -117,12 +153,52 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
   ctx.req_to_token = req_to_token_.get();
   ctx.device = kv_cache_->device();
   backend_ = create_backend(selection_, ctx);
+
+  // CUDA graphs: decided once, with the reason when they are off.
+  const std::string verify_backend =
+      options_.speculative_attention_mode == "decode" ? selection_.decode : selection_.prefill;
+  const int per_request = selection_.speculative() ? selection_.spec_num_draft_tokens : 1;
+  if (!config_.cuda_graphs) {
+    graph_off_reason_ = "RuntimeConfig::cuda_graphs is false";
+  } else if (!built_with_cuda()) {
+    graph_off_reason_ = "this build has no CUDA support";
+  } else if (kv_cache_->device().kind != DeviceKind::cuda) {
+    graph_off_reason_ = fmt::format("the KV cache is on the host (backends '{}' / '{}')",
+                                    selection_.prefill, selection_.decode);
+  } else if (!caps_graphs(selection_.decode)) {
+    graph_off_reason_ =
+        fmt::format("backend '{}' (DECODE) does not support CUDA graphs", selection_.decode);
+  } else if (selection_.speculative() && !caps_graphs(verify_backend)) {
+    graph_off_reason_ =
+        fmt::format("backend '{}' (TARGET_VERIFY) does not support CUDA graphs", verify_backend);
+  } else if (options_.deterministic) {
+    graph_off_reason_ =
+        "deterministic mode splits each request by its own length, which a captured graph cannot "
+        "follow";
+  } else if (linear_state_ != nullptr) {
+    graph_off_reason_ = "the linear-attention state pool of this model lives on the host";
+  }
+  if (graph_off_reason_.empty()) {
+    const int max_bs = std::min(config_.cuda_graph_max_bs, config_.max_requests);
+    const std::vector<int> candidates = config_.cuda_graph_batch_sizes.empty()
+                                            ? default_graph_buckets(max_bs)
+                                            : config_.cuda_graph_batch_sizes;
+    for (int b : candidates) {
+      if (int64_t{b} * per_request <= config_.max_num_tokens) graph_buckets_.push_back(b);
+    }
+    if (graph_buckets_.empty()) {
+      graph_off_reason_ = fmt::format(
+          "no batch size to capture: a step of one request takes {} tokens, more than "
+          "RuntimeConfig.max_num_tokens = {}",
+          per_request, config_.max_num_tokens);
+    }
+    graph_verify_tokens_ = selection_.speculative() ? selection_.spec_num_draft_tokens : 0;
+  }
 }
 
 AttentionRuntime::~AttentionRuntime() = default;
 
-void AttentionRuntime::begin_step(const ForwardBatch& batch) {
-  batch_ = nullptr;
+void AttentionRuntime::check_step(const ForwardBatch& batch) const {
   const StepLayout layout = make_step_layout(batch);
   ATTNRT_CHECK(layout.num_tokens <= config_.max_num_tokens,
                "step has {} tokens, more than RuntimeConfig.max_num_tokens = {}; split the step "
@@ -139,6 +215,11 @@ void AttentionRuntime::begin_step(const ForwardBatch& batch) {
                  "request {} spans {} tokens, more than max_context_len = {}", i, layout.kv_len(i),
                  req_to_token_->max_context_len());
   }
+}
+
+void AttentionRuntime::begin_step(const ForwardBatch& batch) {
+  batch_ = nullptr;
+  check_step(batch);
   kv_cache_->begin_step(batch);
   backend_->init_forward_metadata(batch);
   batch_ = &batch;
@@ -203,6 +284,107 @@ void AttentionRuntime::end_step() { batch_ = nullptr; }
 const ForwardBatch& AttentionRuntime::current_batch() const {
   ATTNRT_CHECK(batch_ != nullptr, "current_batch: no step in progress; call begin_step first");
   return *batch_;
+}
+
+std::string AttentionRuntime::graph_unsupported(const ForwardBatch& batch) const {
+  if (!cuda_graphs_enabled()) return "CUDA graphs are off: " + graph_off_reason_;
+  if (batch.mode != ForwardMode::DECODE && batch.mode != ForwardMode::TARGET_VERIFY) {
+    return fmt::format("{} steps are not captured (DECODE and TARGET_VERIFY are)",
+                       forward_mode_name(batch.mode));
+  }
+  if (batch.batch_size < 1) return "the batch has no request";
+  if (batch.batch_size > graph_buckets_.back()) {
+    return fmt::format("the batch has {} requests, more than the largest captured size {}",
+                       batch.batch_size, graph_buckets_.back());
+  }
+  if (is_target_verify(batch.mode)) {
+    if (graph_verify_tokens_ == 0) {
+      return "speculative decoding is off in the options, so no TARGET_VERIFY graph exists";
+    }
+    if (!batch.spec_info || batch.spec_info->draft_token_num != graph_verify_tokens_) {
+      return fmt::format(
+          "the verify block has {} tokens per request; graphs are captured for "
+          "--speculative-num-draft-tokens {}",
+          batch.spec_info ? batch.spec_info->draft_token_num : 0, graph_verify_tokens_);
+    }
+  }
+  return {};
+}
+
+int AttentionRuntime::cuda_graph_bucket(const ForwardBatch& batch) const {
+  if (!graph_unsupported(batch).empty()) return 0;
+  return *std::lower_bound(graph_buckets_.begin(), graph_buckets_.end(), batch.batch_size);
+}
+
+GraphLayerIO AttentionRuntime::graph_io(int layer_id, int64_t tokens) {
+  ATTNRT_CHECK(cuda_graphs_enabled(), "graph_io(layer {}): CUDA graphs are off: {}", layer_id,
+               graph_off_reason_);
+  ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layer_index_.size() &&
+                   layer_index_[layer_id] >= 0,
+               "graph_io: layer {} is not a layer of model '{}' ({} layers)", layer_id, model_.name,
+               model_.layers.size());
+  const LayerSpec& layer = model_.layers[static_cast<size_t>(layer_index_[layer_id])];
+  ATTNRT_CHECK(layer.uses_kv_cache() && !is_linear_kind(layer.kind),
+               "graph_io: layer {} is a {} layer; graph steps hold attention layers only", layer_id,
+               layer_kind_name(layer.kind));
+#if defined(ATTNRT_HAS_CUDA)
+  if (!graphs_) {
+    graphs_ =
+        make_cuda_graph_runner(model_, *backend_, *kv_cache_, graph_buckets_, graph_verify_tokens_);
+  }
+#endif
+  return graphs_->io(layer, tokens);
+}
+
+void AttentionRuntime::forward_step_graph(const ForwardBatch& batch) {
+  batch_ = nullptr;
+  const int bucket = cuda_graph_bucket(batch);
+  ATTNRT_CHECK(bucket > 0,
+               "forward_step_graph: this {} step cannot run as a CUDA graph: {}; run it with "
+               "begin_step / forward / end_step",
+               forward_mode_name(batch.mode), graph_unsupported(batch));
+  check_step(batch);
+#if defined(ATTNRT_HAS_CUDA)
+  if (!graphs_) {
+    graphs_ =
+        make_cuda_graph_runner(model_, *backend_, *kv_cache_, graph_buckets_, graph_verify_tokens_);
+  }
+#endif
+  graphs_->run(batch, bucket);
+  last_mode_ = batch.mode;
+  verify_committed_ = false;
+}
+
+int AttentionRuntime::cuda_graphs_captured() const { return graphs_ ? graphs_->captured() : 0; }
+
+void AttentionRuntime::synchronize() {
+#if defined(ATTNRT_HAS_CUDA)
+  if (auto* cache = dynamic_cast<cuda::CudaKVCache*>(kv_cache_.get())) {
+    ATTNRT_CUDA_CHECK(cudaStreamSynchronize(cache->stream()));
+  }
+#endif
+}
+
+void AttentionRuntime::copy_tensor(const TensorView& dst, const TensorView& src) {
+  ATTNRT_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel() && dst.is_contiguous() &&
+                   src.is_contiguous(),
+               "copy_tensor: {} -> {}; the tensors need the same dtype and element count and "
+               "contiguous rows",
+               src.describe(), dst.describe());
+  const size_t bytes = static_cast<size_t>(src.numel()) * dtype_size(src.dtype);
+  if (bytes == 0) return;
+  if (dst.device.kind == DeviceKind::cpu && src.device.kind == DeviceKind::cpu) {
+    std::memmove(dst.data, src.data, bytes);
+    return;
+  }
+#if defined(ATTNRT_HAS_CUDA)
+  auto* cache = dynamic_cast<cuda::CudaKVCache*>(kv_cache_.get());
+  const cudaStream_t stream = cache != nullptr ? cache->stream() : nullptr;
+  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, bytes, cudaMemcpyDefault, stream));
+  ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream));
+#else
+  fail("copy_tensor: {} -> {} needs CUDA, and this build has none", src.describe(), dst.describe());
+#endif
 }
 
 }  // namespace attnrt

@@ -52,4 +52,19 @@ struct StoreParams {
 };
 cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
 
+// Copies `count` rows of `row_bytes` bytes: row i goes from src + src_rows[i] * src_stride to
+// dst + dst_rows[i] * dst_stride (strides in bytes; a null index array stands for i itself). The
+// rows run in parallel: no row may be both written and read by one launch.
+struct CopyRowsParams {
+  const void* src;
+  int64_t src_stride;
+  const int64_t* src_rows;
+  void* dst;
+  int64_t dst_stride;
+  const int64_t* dst_rows;
+  int64_t count;
+  int64_t row_bytes;
+};
+cudaError_t launch_copy_rows(const CopyRowsParams& p, cudaStream_t stream);
+
 }  // namespace attnrt::cuda

@@ -10,10 +10,13 @@
 // The batch passed to begin_step must stay alive and unchanged until end_step (the plan and the KV
 // cache's write slots point into it). Slots come from allocator(), request rows from
 // req_to_token(); the engine writes req_to_token before begin_step (reference-semantics §2.2).
+// On a GPU, DECODE and TARGET_VERIFY steps can also run as CUDA graphs (forward_step_graph, see
+// docs/cuda_graphs.md).
 #pragma once
 
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "attnrt/backend/attention_backend.h"
@@ -40,7 +43,26 @@ struct RuntimeConfig {
   int linear_verify_requests = 0;
   DType linear_state_dtype = DType::f32;
   DType linear_conv_dtype = DType::f32;
+  // CUDA graphs for DECODE and TARGET_VERIFY steps (docs/cuda_graphs.md): used when the backends
+  // serving those modes support them and the KV cache is on the GPU (cuda_graphs_off_reason() says
+  // why not otherwise); false turns them off. Captured batch sizes: cuda_graph_batch_sizes
+  // (increasing), or when empty 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256 up to
+  // min(cuda_graph_max_bs, max_requests), that bound included; a size whose padded step exceeds
+  // max_num_tokens is left out.
+  bool cuda_graphs = true;
+  int cuda_graph_max_bs = 256;
+  std::vector<int> cuda_graph_batch_sizes;
 };
+
+// The static GPU tensors one attention layer of a graph step reads and writes, at addresses that
+// never change: q [tokens, Hq, Dqk], k [tokens, Hkv, Dqk], v [tokens, Hkv, Dv], out
+// [tokens, Hq, Dv] in the model's dtype, and for layers with sinks the sink logits, fp32 [Hq] (a
+// weight: written once, read by every step). Rows are request-major as in ForwardBatch.
+struct GraphLayerIO {
+  TensorView q, k, v, out, sinks;
+};
+
+class CudaGraphRunner;
 
 class AttentionRuntime {
  public:
@@ -69,7 +91,40 @@ class AttentionRuntime {
   // Throws attnrt::Error outside begin_step .. end_step.
   const ForwardBatch& current_batch() const;
 
+  // CUDA graphs (docs/cuda_graphs.md). A graph step runs every attention layer of the model for one
+  // DECODE or TARGET_VERIFY batch from the static tensors of graph_io, instead of begin_step /
+  // forward / end_step:
+  //   write graph_io(layer, T).q / k / v of every attention layer (T = batch.num_tokens()),
+  //   forward_step_graph(batch)    the plan (host) and one graph launch; never waits for the GPU
+  //   read graph_io(layer, T).out  after synchronize(), or from work ordered after it on the GPU
+  // The first step of a (mode, batch-size bucket, chain or tree) captures its graph; later steps
+  // replay it with their own lengths, padded to the bucket (padded rows write the dummy slot 0).
+  bool cuda_graphs_enabled() const { return graph_off_reason_.empty(); }
+  const std::string& cuda_graphs_off_reason() const { return graph_off_reason_; }
+  const std::vector<int>& cuda_graph_batch_sizes() const { return graph_buckets_; }
+  // The captured batch size `batch` replays at: the smallest bucket >= batch.batch_size; 0 when
+  // the step runs eagerly (graphs off, a mode other than DECODE / TARGET_VERIFY, no requests, more
+  // requests than the largest bucket, a verify block of a size other than the options').
+  int cuda_graph_bucket(const ForwardBatch& batch) const;
+  // The first `tokens` rows of layer `layer_id`'s static tensors (allocated at the first call).
+  // Throws attnrt::Error when graphs are off, for a layer without a KV cache, or for more tokens
+  // than the largest bucket holds.
+  GraphLayerIO graph_io(int layer_id, int64_t tokens);
+  // Throws attnrt::Error (before touching the pools) when cuda_graph_bucket(batch) is 0, naming
+  // why, or for the batch errors begin_step reports.
+  void forward_step_graph(const ForwardBatch& batch);
+  // Graphs captured so far (one per mode, bucket and chain / tree).
+  int cuda_graphs_captured() const;
+  // Waits until the GPU has finished the work issued so far (nothing to wait for on the CPU).
+  void synchronize();
+  // Copies src into dst (same dtype and shape, contiguous; host or GPU on either side) and returns
+  // once dst holds the data: for tests and tools whose data is on the host.
+  void copy_tensor(const TensorView& dst, const TensorView& src);
+
  private:
+  void check_step(const ForwardBatch& batch) const;
+  std::string graph_unsupported(const ForwardBatch& batch) const;
+
   ModelSpec model_;
   Options options_;
   RuntimeConfig config_;
@@ -83,6 +138,10 @@ class AttentionRuntime {
   ForwardMode last_mode_ = ForwardMode::IDLE;  // of the last step begun
   bool verify_committed_ = true;
   std::vector<int> layer_index_;  // layer id -> index in model_.layers, -1 if absent
+  std::string graph_off_reason_;  // "" when CUDA graphs are on
+  std::vector<int> graph_buckets_;
+  int graph_verify_tokens_ = 0;  // N of TARGET_VERIFY graphs (0: no speculative decoding)
+  std::unique_ptr<CudaGraphRunner> graphs_;  // created at the first graph call
 };
 
 }  // namespace attnrt

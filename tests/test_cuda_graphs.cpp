@@ -1,0 +1,430 @@
+// AttentionRuntime's CUDA graphs (docs/cuda_graphs.md): whole multi-layer DECODE and TARGET_VERIFY
+// (chain and tree) steps captured at one set of lengths and replayed at others, padded to their
+// bucket or filling it, compared with eager steps on the same runtime and with the reference
+// backend over a host copy of the pools; which graphs exist after which steps; misuse errors. The
+// GPU tests skip (with the reason) where no CUDA device is usable; the tests of why graphs are off
+// run everywhere.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnrt/backend/options.h"
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/core/device.h"
+#include "attnrt/core/error.h"
+#include "attnrt/memory/kv_cache.h"
+#include "attnrt/runtime/attention_runtime.h"
+#include "backends/reference/reference_backend.h"
+
+#ifdef ATTNRT_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "backends/cuda/cuda_kv_cache.h"
+#endif
+
+namespace attnrt {
+namespace {
+
+void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    for (const std::string& f : fragments)
+      EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
+    return;
+  }
+  ADD_FAILURE() << "no attnrt::Error thrown; expected one mentioning '" << fragments.front() << "'";
+}
+
+LayerSpec layer(int id, int hq, int hkv, int dim) {
+  LayerSpec l;
+  l.layer_id = id;
+  l.kind = LayerKind::full;
+  l.num_q_heads = hq;
+  l.num_kv_heads = hkv;
+  l.head_dim = l.v_head_dim = dim;
+  return l;
+}
+
+ModelSpec small_model(DType dtype) {
+  ModelSpec m;
+  m.name = "graph-test";
+  m.dtype = dtype;
+  m.max_context_len = 512;
+  m.layers = {layer(0, 4, 2, 16), layer(1, 4, 2, 16)};
+  return m;
+}
+
+ForwardBatch one_decode(AttentionRuntime& rt) {
+  const int row = rt.req_to_token().alloc();
+  const std::vector<int32_t> zero{0}, len{5};
+  const std::vector<int64_t> none{-1};
+  const std::vector<int64_t> slots = rt.allocator().alloc_extend(zero, len, none);
+  rt.req_to_token().write(row, 0, slots);
+  ForwardBatch b = make_decode_batch({row}, {5});
+  b.out_cache_loc = {slots.back()};
+  return b;
+}
+
+// Host backends keep graphs off and say why; a graph step is then refused before anything runs.
+TEST(CudaGraphsOff, HostBackendsSayWhyAndRefuseGraphSteps) {
+  Options o;
+  o.attention_backend = "reference";
+  RuntimeConfig c;
+  c.max_requests = 2;
+  c.kv_slots = 64;
+  AttentionRuntime rt(small_model(DType::f32), o, c);
+  EXPECT_FALSE(rt.cuda_graphs_enabled());
+  EXPECT_NE(rt.cuda_graphs_off_reason().find("KV cache is on the host"), std::string::npos)
+      << rt.cuda_graphs_off_reason();
+  EXPECT_TRUE(rt.cuda_graph_batch_sizes().empty());
+  const ForwardBatch b = one_decode(rt);
+  EXPECT_EQ(rt.cuda_graph_bucket(b), 0);
+  expect_error([&] { rt.forward_step_graph(b); },
+               {"cannot run as a CUDA graph", "CUDA graphs are off", "begin_step"});
+  expect_error([&] { rt.graph_io(0, 1); }, {"graph_io(layer 0)", "CUDA graphs are off"});
+  EXPECT_EQ(rt.cuda_graphs_captured(), 0);
+  rt.synchronize();  // nothing to wait for on the host
+
+  c.cuda_graphs = false;
+  AttentionRuntime off(small_model(DType::f32), o, c);
+  EXPECT_NE(off.cuda_graphs_off_reason().find("cuda_graphs is false"), std::string::npos)
+      << off.cuda_graphs_off_reason();
+}
+
+TEST(CudaGraphsOff, BadGraphConfigIsRejected) {
+  Options o;
+  o.attention_backend = "reference";
+  RuntimeConfig c;
+  c.max_requests = 8;
+  c.kv_slots = 64;
+  c.cuda_graph_batch_sizes = {4, 2};
+  expect_error([&] { AttentionRuntime rt(small_model(DType::f32), o, c); },
+               {"cuda_graph_batch_sizes[1] = 2", "must increase"});
+  c.cuda_graph_batch_sizes = {1, 16};
+  expect_error([&] { AttentionRuntime rt(small_model(DType::f32), o, c); },
+               {"cuda_graph_batch_sizes[1] = 16", "max_requests = 8"});
+  c.cuda_graph_batch_sizes.clear();
+  c.cuda_graph_max_bs = 0;
+  expect_error([&] { AttentionRuntime rt(small_model(DType::f32), o, c); },
+               {"cuda_graph_max_bs = 0", ">= 1"});
+}
+
+TEST(CudaGraphsOff, CopyTensorOnTheHost) {
+  Options o;
+  o.attention_backend = "reference";
+  RuntimeConfig c;
+  c.max_requests = 1;
+  c.kv_slots = 16;
+  AttentionRuntime rt(small_model(DType::f32), o, c);
+  std::mt19937 rng(4);
+  std::vector<float> src(24), dst(24, 0.f);
+  for (float& x : src) x = std::uniform_real_distribution<float>(-3.f, 3.f)(rng);
+  rt.copy_tensor(TensorView(dst.data(), DType::f32, {2, 3, 4}),
+                 TensorView(src.data(), DType::f32, {2, 3, 4}));
+  EXPECT_EQ(dst, src);
+  expect_error(
+      [&] {
+        rt.copy_tensor(TensorView(dst.data(), DType::f32, {2, 3, 3}),
+                       TensorView(src.data(), DType::f32, {2, 3, 4}));
+      },
+      {"copy_tensor", "same dtype and element count"});
+}
+
+#ifdef ATTNRT_HAS_CUDA
+
+#define SKIP_WITHOUT_GPU()                                                                      \
+  do {                                                                                          \
+    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
+  } while (0)
+
+void fill_random(const TensorView& t, std::mt19937& rng, float amp) {
+  std::uniform_real_distribution<float> u(-amp, amp);
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, u(rng));
+}
+
+// Relative L2 error and largest absolute error over every element; NaN counts as infinite.
+struct Compare {
+  double rel = 0, max_abs = 0;
+};
+Compare compare(const HostBuffer& got, const HostBuffer& want) {
+  Compare c;
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double a = load_as_float(got.data(), got.dtype(), i);
+    const double b = load_as_float(want.data(), want.dtype(), i);
+    if (!std::isfinite(a)) return {INFINITY, INFINITY};
+    num += (a - b) * (a - b);
+    den += b * b;
+    c.max_abs = std::max(c.max_abs, std::abs(a - b));
+  }
+  c.rel = std::sqrt(num / std::max(den, 1e-30));
+  return c;
+}
+
+struct DeviceArray {
+  void* ptr = nullptr;
+  explicit DeviceArray(size_t bytes) { EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess); }
+  ~DeviceArray() { cudaFree(ptr); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+};
+
+// Three attention layers of different GQA groups and head dims, one with a softcap and one with
+// sinks, on the cuda backend with its pools on the GPU. Every request row holds the slots of its
+// longest length from the start; the pools hold random K/V.
+class CudaGraphRuntime : public ::testing::Test {
+ protected:
+  void SetUp() override { SKIP_WITHOUT_GPU(); }
+
+  void build(int page, int spec_steps, int topk, int draft_tokens) {
+    model_.name = "graph-gpu";
+    model_.dtype = DType::bf16;
+    model_.max_context_len = 4096;
+    LayerSpec a = layer(0, 32, 8, 128);
+    a.logit_cap = 30.f;
+    LayerSpec b = layer(1, 8, 8, 64);
+    b.has_sinks = true;
+    LayerSpec c = layer(2, 16, 2, 128);
+    model_.layers = {a, b, c};
+    Options o;
+    o.attention_backend = "cuda";
+    o.page_size = page;
+    o.speculative_num_steps = spec_steps;
+    o.speculative_eagle_topk = topk;
+    o.speculative_num_draft_tokens = draft_tokens;
+    options_ = o;
+    RuntimeConfig rc;
+    rc.max_requests = 8;
+    rc.kv_slots = 8 * 4096;
+    rc.max_num_tokens = 256;
+    rt_ = std::make_unique<AttentionRuntime>(model_, o, rc);
+    ASSERT_TRUE(rt_->cuda_graphs_enabled()) << rt_->cuda_graphs_off_reason();
+    EXPECT_EQ(rt_->cuda_graph_batch_sizes(), (std::vector<int>{1, 2, 4, 8}));
+    cache_ = dynamic_cast<cuda::CudaKVCache*>(&rt_->kv_cache());
+    ASSERT_NE(cache_, nullptr);
+
+    for (int i = 0; i < 4; ++i) {
+      const int row = rt_->req_to_token().alloc();
+      const std::vector<int32_t> zero{0}, len{3900};
+      const std::vector<int64_t> none{-1};
+      slots_.push_back(rt_->allocator().alloc_extend(zero, len, none));
+      rt_->req_to_token().write(row, 0, slots_.back());
+      rows_.push_back(row);
+    }
+    for (const LayerSpec& l : model_.layers) {
+      const KVLayerView v = rt_->kv_cache().layer(l.layer_id);
+      HostBuffer k(v.dtype, {v.num_rows * v.k_row_stride}),
+          vv(v.dtype, {v.num_rows * v.v_row_stride});
+      fill_random(k.view(), rng_, 2.f);
+      fill_random(vv.view(), rng_, 2.f);
+      cache_->copy_layer_from_host(l.layer_id, k.data(), vv.data());
+    }
+    sinks_.resize(b.num_q_heads);
+    for (float& s : sinks_) s = std::uniform_real_distribution<float>(-1.f, 3.f)(rng_);
+    HostBuffer sinks(DType::f32, {b.num_q_heads});
+    std::memcpy(sinks.data(), sinks_.data(), sinks_.size() * sizeof(float));
+    rt_->copy_tensor(rt_->graph_io(1, 0).sinks, sinks.view());
+  }
+
+  ForwardBatch decode(const std::vector<int32_t>& seq) {
+    const std::vector<int64_t> rows(rows_.begin(), rows_.begin() + seq.size());
+    ForwardBatch b = make_decode_batch(rows, seq);
+    b.out_cache_loc.clear();
+    for (size_t i = 0; i < seq.size(); ++i) b.out_cache_loc.push_back(slots_[i][seq[i] - 1]);
+    return b;
+  }
+
+  ForwardBatch verify(const std::vector<int32_t>& seq, int n, int topk) {
+    const std::vector<int64_t> rows(rows_.begin(), rows_.begin() + seq.size());
+    SpecInfo spec = SpecInfo::chain(static_cast<int>(seq.size()), n);
+    if (topk > 1) {
+      spec.topk = topk;
+      for (size_t i = 0; i < seq.size(); ++i)
+        for (int t = 1; t < n; ++t)
+          spec.parents[i * n + t] = std::uniform_int_distribution<int>(0, t - 1)(rng_);
+    }
+    ForwardBatch b = make_verify_batch(rows, seq, std::move(spec));
+    b.out_cache_loc.clear();
+    for (size_t i = 0; i < seq.size(); ++i)
+      for (int t = 0; t < n; ++t) b.out_cache_loc.push_back(slots_[i][seq[i] + t]);
+    return b;
+  }
+
+  // One graph step, then the same step eagerly (it stores the same K/V again) and on reference
+  // over a host copy of the pools; every layer's output is compared with both.
+  void check_step(const ForwardBatch& batch) {
+    const int64_t T = batch.num_tokens();
+    ASSERT_GT(rt_->cuda_graph_bucket(batch), 0);
+    struct Io {
+      HostBuffer q, k, v, graph_out, eager_out, ref_out;
+    };
+    std::vector<Io> io;
+    for (const LayerSpec& l : model_.layers) {
+      const GraphLayerIO x = rt_->graph_io(l.layer_id, T);
+      Io h{HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim}),
+           HostBuffer(model_.dtype, {T, l.num_kv_heads, l.head_dim}),
+           HostBuffer(model_.dtype, {T, l.num_kv_heads, l.head_dim}),
+           HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim}),
+           HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim}),
+           HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim})};
+      fill_random(h.q.view(), rng_, 1.f);
+      fill_random(h.k.view(), rng_, 2.f);
+      fill_random(h.v.view(), rng_, 2.f);
+      rt_->copy_tensor(x.q, h.q.view());
+      rt_->copy_tensor(x.k, h.k.view());
+      rt_->copy_tensor(x.v, h.v.view());
+      std::memset(h.graph_out.data(), 0xff, h.graph_out.bytes());  // NaN: every row must be written
+      rt_->copy_tensor(x.out, h.graph_out.view());
+      io.push_back(std::move(h));
+    }
+    rt_->forward_step_graph(batch);
+    rt_->synchronize();
+    for (size_t i = 0; i < io.size(); ++i)
+      rt_->copy_tensor(io[i].graph_out.view(), rt_->graph_io(model_.layers[i].layer_id, T).out);
+
+    // Eager, from the same static inputs into a separate output.
+    rt_->begin_step(batch);
+    for (size_t i = 0; i < io.size(); ++i) {
+      const LayerSpec& l = model_.layers[i];
+      const GraphLayerIO x = rt_->graph_io(l.layer_id, T);
+      DeviceArray out(io[i].eager_out.bytes());
+      AttnArgs a;
+      a.q = x.q;
+      a.k = x.k;
+      a.v = x.v;
+      a.out = x.out;
+      a.out.data = out.ptr;
+      a.sinks = l.has_sinks ? x.sinks.ptr<const float>() : nullptr;
+      rt_->forward(l.layer_id, a);
+      rt_->copy_tensor(io[i].eager_out.view(), a.out);
+    }
+    rt_->end_step();
+
+    // Reference over a host copy of the pools (rows as the GPU step left them).
+    KVCacheConfig kc;
+    kc.full_slots = 8 * 4096;
+    kc.page_size = options_.page_size;
+    kc.dtype = rt_->kv_cache().dtype();
+    kc.max_num_tokens = 256;
+    KVStorage mirror = make_host_kv_storage(model_, kc);
+    for (const LayerSpec& l : model_.layers) {
+      const KVLayerView v = mirror.cache->layer(l.layer_id);
+      cache_->copy_layer_to_host(l.layer_id, v.k, v.v);
+    }
+    mirror.cache->begin_step(batch);
+    BackendContext ctx;
+    ctx.model = &model_;
+    ctx.options = &options_;
+    ctx.kv_cache = mirror.cache.get();
+    ctx.req_to_token = &rt_->req_to_token();
+    ReferenceBackend ref(ctx);
+    ref.init_forward_metadata(batch);
+    for (size_t i = 0; i < io.size(); ++i) {
+      const LayerSpec& l = model_.layers[i];
+      AttnArgs a;
+      a.q = io[i].q.view();
+      a.k = io[i].k.view();
+      a.v = io[i].v.view();
+      a.out = io[i].ref_out.view();
+      a.sinks = l.has_sinks ? sinks_.data() : nullptr;
+      ref.forward(a, l, batch);
+      SCOPED_TRACE(testing::Message() << "layer " << l.layer_id);
+      const Compare vs_ref = compare(io[i].graph_out, io[i].ref_out);
+      EXPECT_LT(vs_ref.rel, 1.2e-2) << "graph vs reference, max abs " << vs_ref.max_abs;
+      EXPECT_LT(vs_ref.max_abs, 0.08);
+      const Compare vs_eager = compare(io[i].graph_out, io[i].eager_out);
+      EXPECT_LT(vs_eager.rel, 1.2e-2) << "graph vs eager, max abs " << vs_eager.max_abs;
+    }
+  }
+
+  ModelSpec model_;
+  Options options_;
+  std::unique_ptr<AttentionRuntime> rt_;
+  cuda::CudaKVCache* cache_ = nullptr;
+  std::vector<int> rows_;
+  std::vector<std::vector<int64_t>> slots_;
+  std::vector<float> sinks_;
+  std::mt19937 rng_{20260501};
+};
+
+TEST_F(CudaGraphRuntime, DecodeCapturedOnceReplaysAtNewLengthsAndPadding) {
+  for (int page : {16, 1}) {
+    SCOPED_TRACE(testing::Message() << "page " << page);
+    slots_.clear();
+    rows_.clear();
+    build(page, 0, 0, 0);
+    {
+      SCOPED_TRACE("3 requests padded to 4: capture");
+      check_step(decode({1000, 300, 2000}));
+    }
+    EXPECT_EQ(rt_->cuda_graphs_captured(), 1);
+    {
+      SCOPED_TRACE("3 requests, other lengths: replay");
+      check_step(decode({2500, 650, 17}));
+    }
+    {
+      SCOPED_TRACE("4 requests: the same graph, no padding");
+      check_step(decode({3800, 1, 1200, 777}));
+    }
+    EXPECT_EQ(rt_->cuda_graphs_captured(), 1);
+    {
+      SCOPED_TRACE("1 request: a second graph");
+      check_step(decode({3333}));
+    }
+    EXPECT_EQ(rt_->cuda_graphs_captured(), 2);
+  }
+}
+
+TEST_F(CudaGraphRuntime, VerifyChainAndTreeGraphs) {
+  build(16, 3, 1, 4);
+  check_step(verify({1200, 40, 3000}, 4, 1));
+  check_step(verify({2000, 900}, 4, 1));
+  check_step(verify({17, 3100, 64, 700}, 4, 1));
+  EXPECT_EQ(rt_->cuda_graphs_captured(), 2);  // buckets 4 and 2
+
+  slots_.clear();
+  rows_.clear();
+  build(16, 3, 2, 6);
+  check_step(verify({1200, 40, 3000}, 6, 2));
+  check_step(verify({100, 2600, 31, 800}, 6, 2));
+  EXPECT_EQ(rt_->cuda_graphs_captured(), 1);
+  // A chain in a tree run has its own graph (chains take the causal path, trees the masks).
+  check_step(verify({500, 501, 502}, 6, 1));
+  EXPECT_EQ(rt_->cuda_graphs_captured(), 2);
+}
+
+TEST_F(CudaGraphRuntime, BucketsAndMisuse) {
+  build(16, 0, 0, 0);
+  EXPECT_EQ(rt_->cuda_graph_bucket(decode({10, 20, 30})), 4);
+  EXPECT_EQ(rt_->cuda_graph_bucket(decode({10, 20, 30, 40})), 4);
+  EXPECT_EQ(rt_->cuda_graph_bucket(decode({10})), 1);
+  ForwardBatch extend = make_extend_batch({rows_[0]}, {10}, {5});
+  extend.out_cache_loc.assign(slots_[0].begin() + 10, slots_[0].begin() + 15);
+  EXPECT_EQ(rt_->cuda_graph_bucket(extend), 0);
+  expect_error([&] { rt_->forward_step_graph(extend); },
+               {"EXTEND step cannot run as a CUDA graph", "DECODE and TARGET_VERIFY"});
+  expect_error([&] { rt_->graph_io(0, 9); }, {"graph_io(layer 0): 9 tokens", "hold 8"});
+  ForwardBatch bad = decode({10, 20});
+  bad.req_pool_indices[1] = 7;  // never allocated
+  expect_error([&] { rt_->forward_step_graph(bad); }, {"req_pool_indices[1] = 7"});
+  EXPECT_EQ(rt_->cuda_graphs_captured(), 0);
+}
+
+#else
+
+TEST(CudaGraphRuntime, SkippedWithoutCuda) {
+  GTEST_SKIP() << "attnrt was built without CUDA: " << query_cuda().reason;
+}
+
+#endif
+
+}  // namespace
+}  // namespace attnrt
