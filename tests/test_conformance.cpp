@@ -6,6 +6,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
+#include <ostream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -24,6 +27,22 @@ struct SuiteParam {
   std::string backend;
   Feature feature;
 };
+
+void PrintTo(const SuiteParam& p, std::ostream* os) {
+  *os << p.backend << "/" << feature_name(p.feature);
+}
+
+// Fresh inputs every run: the base seed comes from ATTNRT_TEST_SEED when set (to reproduce a failure),
+// else from the random device; every failure message names it.
+uint32_t base_seed() {
+  static const uint32_t seed = [] {
+    if (const char* env = std::getenv("ATTNRT_TEST_SEED")) {
+      return static_cast<uint32_t>(std::strtoul(env, nullptr, 0));
+    }
+    return static_cast<uint32_t>(std::random_device{}());
+  }();
+  return seed;
+}
 
 std::vector<SuiteParam> suite_params() {
   std::vector<SuiteParam> out;
@@ -45,9 +64,11 @@ TEST_P(Conformance, MatchesReference) {
   // The reference against itself only checks that the harness runs every feature end to end.
   const int cases = p.backend == "reference" ? 2 : 6;
   for (int k = 0; k < cases; ++k) {
-    const ConformanceCase c = generate_case(p.feature, 0xc0ffee00u + k, entry.caps);
+    const uint32_t seed = base_seed() + static_cast<uint32_t>(k);
+    const ConformanceCase c = generate_case(p.feature, seed, entry.caps);
     const CaseResult r = run_case(entry, c);
-    EXPECT_TRUE(r.ok) << r.detail;
+    EXPECT_TRUE(r.ok) << r.detail << " (case seed " << seed << "; rerun with ATTNRT_TEST_SEED="
+                      << base_seed() << ")";
     if (p.backend == "reference") EXPECT_EQ(r.max_abs_err, 0.0) << r.detail;
   }
 }
