@@ -6,6 +6,7 @@
 // run everywhere.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -20,6 +21,7 @@
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/runtime/attention_runtime.h"
+#include "attnrt/sim/scheduler.h"
 #include "backends/reference/reference_backend.h"
 
 #ifdef ATTNRT_HAS_CUDA
@@ -416,6 +418,74 @@ TEST_F(CudaGraphRuntime, BucketsAndMisuse) {
   bad.req_pool_indices[1] = 7;  // never allocated
   expect_error([&] { rt_->forward_step_graph(bad); }, {"req_pool_indices[1] = 7"});
   EXPECT_EQ(rt_->cuda_graphs_captured(), 0);
+}
+
+// The row moves of accepted tree paths and the row downloads of `attnrt run`'s reference checks,
+// against the same operations on a host pool with the same contents.
+TEST(CudaKVCacheRows, MovesAndDownloadsMatchTheHostPool) {
+  SKIP_WITHOUT_GPU();
+  for (DType dtype : {DType::bf16, DType::e4m3}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    const ModelSpec m = small_model(DType::bf16);
+    KVCacheConfig kc;
+    kc.full_slots = 256;
+    kc.page_size = 16;
+    kc.dtype = dtype;
+    kc.max_num_tokens = 16;
+    KVStorage host = make_host_kv_storage(m, kc), gpu_storage = cuda::make_cuda_kv_storage(m, kc);
+    auto& gpu = dynamic_cast<cuda::CudaKVCache&>(*gpu_storage.cache);
+    std::mt19937 rng(static_cast<uint32_t>(dtype) + 9);
+    const std::vector<int> layers = {0, 1};
+    for (int l : layers) {
+      const KVLayerView v = host.cache->layer(l);
+      fill_random(TensorView(v.k, v.dtype, {v.num_rows * v.k_row_stride}), rng, 2.f);
+      fill_random(TensorView(v.v, v.dtype, {v.num_rows * v.v_row_stride}), rng, 2.f);
+      gpu.copy_layer_from_host(l, v.k, v.v);
+    }
+    // Two accepted tree paths compacted towards their roots: block 0 2 5 6 at slot 40 and block
+    // 0 1 3 at slot 100; slot 42 is written by one move and read by another.
+    const std::vector<std::pair<int64_t, int64_t>> moves = {
+        {42, 41}, {45, 42}, {46, 43}, {103, 102}};
+    sim::copy_kv_rows(*host.cache, layers, moves);
+    sim::copy_kv_rows(gpu, layers, moves);
+    for (int l : layers) {
+      const KVLayerView v = host.cache->layer(l);
+      const size_t kb = v.num_rows * v.k_row_stride * dtype_size(v.dtype);
+      std::vector<char> k(kb), vv(kb);
+      gpu.copy_layer_to_host(l, k.data(), vv.data());
+      EXPECT_EQ(std::memcmp(k.data(), v.k, kb), 0) << "K of layer " << l;
+      EXPECT_EQ(std::memcmp(vv.data(), v.v, kb), 0) << "V of layer " << l;
+
+      // Only the listed rows arrive; the others keep what the destination held.
+      const std::vector<int64_t> rows = {0, 41, 42, 43, 102, 255};
+      std::vector<char> dk(kb, 0x5a), dv(kb, 0x5a);
+      gpu.download_rows(l, rows, dk.data(), dv.data());
+      const size_t row_bytes = v.k_row_stride * dtype_size(v.dtype);
+      for (int64_t r = 0; r < v.num_rows; ++r) {
+        const bool listed = std::find(rows.begin(), rows.end(), r) != rows.end();
+        const char* want = listed ? static_cast<const char*>(v.k) + r * row_bytes : nullptr;
+        if (listed) {
+          EXPECT_EQ(std::memcmp(dk.data() + r * row_bytes, want, row_bytes), 0) << "row " << r;
+          EXPECT_EQ(std::memcmp(dv.data() + r * row_bytes,
+                                static_cast<const char*>(v.v) + r * row_bytes, row_bytes),
+                    0)
+              << "row " << r;
+        } else {
+          EXPECT_EQ(dk[r * row_bytes], 0x5a) << "row " << r << " was written";
+        }
+      }
+    }
+    expect_error(
+        [&] {
+          gpu.copy_rows(layers, std::vector<std::pair<int64_t, int64_t>>{{0, 5}});
+        },
+        {"row move 0 is 0 -> 5", "dummy row"});
+    expect_error(
+        [&] {
+          gpu.download_rows(0, std::vector<int64_t>{3, 4096}, nullptr, nullptr);
+        },
+        {"slot 4096 (entry 1)", "outside the pool's rows"});
+  }
 }
 
 #else

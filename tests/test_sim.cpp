@@ -755,11 +755,13 @@ class DeviceOnlyCache final : public KVCache {
   int page_size() const override { return 1; }
 };
 
-TEST(SimSpec, DevicePoolsCompactTreePathsByRemappingSlots) {
+// Chains never move rows (the accepted drafts already sit at consecutive positions); trees do, so a
+// pool whose rows the scheduler cannot copy is rejected before the first step.
+TEST(SimSpec, DevicePoolsWithoutRowCopiesRunChainsAndRejectTrees) {
   SchedulerConfig cfg;
   cfg.spec.num_steps = 3;
-  cfg.spec.topk = 3;
-  cfg.spec.num_draft_tokens = 7;
+  cfg.spec.topk = 1;
+  cfg.spec.num_draft_tokens = 4;
   cfg.spec.accept_prob = 0.9;
   DeviceOnlyCache cache;
   Pools target(16, 4096, 8192, 1), draft(16, 4096, 8192, 1);
@@ -773,13 +775,13 @@ TEST(SimSpec, DevicePoolsCompactTreePathsByRemappingSlots) {
   expect_pools_clean(s, ModelRole::target);
   expect_pools_clean(s, ModelRole::draft);
 
-  // With pages of several tokens the rows would have to move inside device memory.
-  cfg.page_size = 4;
-  Pools paged(16, 4096, 8192, 4), paged_draft(16, 4096, 8192, 4);
-  KvSpace paged_space = paged.space();
-  paged_space.kv_cache = &cache;
-  expect_error([&] { Scheduler(builtin_trace(), cfg, paged_space, paged_draft.space()); },
-               {"--speculative-eagle-topk 3", "--page-size 4", "cuda", "--page-size 1"});
+  cfg.spec.topk = 3;
+  cfg.spec.num_draft_tokens = 7;
+  Pools tree(16, 4096, 8192, 1), tree_draft(16, 4096, 8192, 1);
+  KvSpace tree_space = tree.space();
+  tree_space.kv_cache = &cache;
+  expect_error([&] { Scheduler(builtin_trace(), cfg, tree_space, tree_draft.space()); },
+               {"--speculative-eagle-topk 3", "cuda", "no row copy"});
 }
 
 }  // namespace

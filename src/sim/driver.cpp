@@ -18,9 +18,14 @@
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
 #include "attnrt/io/case_file.h"
+#include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/linear_state_pool.h"
+#include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/runtime/attention_runtime.h"
 #include "attnrt/testing/conformance.h"
+#if defined(ATTNRT_HAS_CUDA)
+#include "backends/cuda/cuda_kv_cache.h"
+#endif
 
 namespace attnrt::sim {
 
@@ -127,7 +132,74 @@ struct Engine {
   std::unique_ptr<AttentionBackend> reference_linear;
   std::vector<int> kv_layers;
   std::map<int, int> linear_rows;  // trace index -> request row holding a linear-state slot
+  // GPU pools: a host copy of the KV pools that the reference (and --dump-step) read. Before a
+  // layer is checked, the rows the step reads are copied into it from the GPU, outside the timed
+  // region.
+  std::unique_ptr<KVCache> mirror;
+  // CUDA-graph steps: each attention layer's host q / k / v / out of the step (all layers' inputs
+  // are written before the one launch), and whether the sink logits are in the static tensors.
+  std::map<int, LayerBuffers> graph_host;
+  bool graph_sinks_written = false;
 };
+
+// The host copy of a GPU KV cache: the same rows in one slot space (the GPU cache keeps
+// sliding-window layers in the full slot space; their windows live in the LayerSpec the backends
+// read, not in the pool layout).
+std::unique_ptr<KVCache> make_host_mirror(const ModelSpec& model, const KVCache& gpu,
+                                          int64_t full_slots, int max_num_tokens) {
+  ModelSpec flat = model;
+  for (LayerSpec& l : flat.layers) {
+    if (l.kind == LayerKind::swa) l.kind = LayerKind::full;
+    if (l.uses_kv_cache()) l.sliding_window = -1;
+  }
+  KVCacheConfig kc;
+  kc.full_slots = full_slots;
+  kc.page_size = gpu.page_size();
+  kc.dtype = gpu.dtype();
+  kc.max_num_tokens = max_num_tokens;
+  std::unique_ptr<KVCache> mirror = make_host_kv_storage(flat, kc).cache;
+  for (const LayerSpec& l : model.layers) {
+    if (!l.uses_kv_cache()) continue;
+    const KVLayerView g = gpu.layer(l.layer_id), h = mirror->layer(l.layer_id);
+    ATTNRT_CHECK(g.num_rows == h.num_rows && g.k_row_stride == h.k_row_stride &&
+                     g.v_row_stride == h.v_row_stride,
+                 "attnrt run: the host copy of layer {} has {} rows of {} / {} elements, the GPU "
+                 "pool {} of {} / {}",
+                 l.layer_id, h.num_rows, h.k_row_stride, h.v_row_stride, g.num_rows, g.k_row_stride,
+                 g.v_row_stride);
+    if (g.k_scale != 1.f || g.v_scale != 1.f)
+      mirror->set_kv_scales(l.layer_id, g.k_scale, g.v_scale);
+  }
+  return mirror;
+}
+
+// Every slot the step's requests read (their tokens up to the last of this step), ascending.
+std::vector<int64_t> step_rows(const ForwardBatch& batch, const ReqToTokenPool& req_to_token) {
+  const StepLayout layout = make_step_layout(batch);
+  std::vector<int64_t> rows;
+  for (int i = 0; i < batch.batch_size; ++i) {
+    const int row = static_cast<int>(batch.req_pool_indices[i]);
+    const int32_t* slots = req_to_token.row_ptr(row);
+    rows.insert(rows.end(), slots, slots + layout.kv_len(i));
+  }
+  std::sort(rows.begin(), rows.end());
+  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  return rows;
+}
+
+// Brings the host copy of one layer up to date with the GPU pool at `rows`.
+void refresh_mirror(Engine& e, int layer_id, const std::vector<int64_t>& rows) {
+#if defined(ATTNRT_HAS_CUDA)
+  auto* gpu = dynamic_cast<cuda::CudaKVCache*>(&e.runtime->kv_cache());
+  ATTNRT_CHECK(gpu != nullptr, "attnrt run: a host copy of the pools exists only for GPU pools");
+  const KVLayerView h = e.mirror->layer(layer_id);
+  gpu->download_rows(layer_id, rows, h.k, h.v);
+#else
+  (void)e;
+  (void)rows;
+  fail("attnrt run: layer {}: GPU pools in a build without CUDA", layer_id);
+#endif
+}
 
 Engine make_engine(const ModelSpec& model, const Options& options, const RunConfig& config,
                    int max_num_tokens, int max_context_len) {
@@ -142,12 +214,17 @@ Engine make_engine(const ModelSpec& model, const Options& options, const RunConf
   for (const LayerSpec& l : model.layers) {
     if (l.uses_kv_cache()) e.kv_layers.push_back(l.layer_id);
   }
-  if (config.check_every > 0 && e.runtime->kv_cache().device().kind == DeviceKind::cpu) {
-    // Its own plan, the runtime's pools: re-storing the step's k/v writes identical bytes.
+  const bool gpu_pools = e.runtime->kv_cache().device().kind != DeviceKind::cpu;
+  if (gpu_pools && (config.check_every > 0 || config.dump_step >= 0)) {
+    e.mirror = make_host_mirror(model, e.runtime->kv_cache(), rc.kv_slots, max_num_tokens);
+  }
+  if (config.check_every > 0) {
+    // Its own plan over the runtime's pools (or their host copy): re-storing the step's k/v
+    // writes identical bytes.
     BackendContext ctx;
     ctx.model = &e.runtime->model();
     ctx.options = &e.runtime->options();
-    ctx.kv_cache = &e.runtime->kv_cache();
+    ctx.kv_cache = gpu_pools ? e.mirror.get() : &e.runtime->kv_cache();
     ctx.req_to_token = &e.runtime->req_to_token();
     ctx.device = Device::cpu();
     e.reference = Registry::global().get("reference").factory(ctx);
@@ -417,6 +494,7 @@ ModeStats RunReport::totals() const {
     t.tokens += m.tokens;
     t.seconds += m.seconds;
     t.checked_steps += m.checked_steps;
+    t.graph_steps += m.graph_steps;
     t.max_abs_err = std::max(t.max_abs_err, m.max_abs_err);
     t.max_rel_err = std::max(t.max_rel_err, m.max_rel_err);
   }
@@ -566,14 +644,7 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   rep.page_size = options.page_size;
   rep.spec = sc.spec;
   rep.tolerance = output_tolerance(model.dtype);
-  if (rc.check_every == 0) {
-    rep.check_note = "reference checks off (--check-every 0)";
-  } else if (target.reference == nullptr) {
-    rep.check_note = fmt::format(
-        "reference checks unavailable: the KV pools are on {} and the reference "
-        "backend reads host memory",
-        device_name(target.runtime->kv_cache().device()));
-  }
+  if (rc.check_every == 0) rep.check_note = "reference checks off (--check-every 0)";
 
   // Buffers for the largest layer shape of either model and the largest step.
   auto max_dims = [](const ModelSpec& m, std::array<int, 4>& d) {
@@ -688,102 +759,32 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
       if (region.verify)
         region.checkpoints = int64_t{batch.batch_size} * batch.spec_info->draft_token_num;
     }
+    // DECODE / TARGET_VERIFY steps on GPU pools run as CUDA graphs when the runtime has them:
+    // every attention layer's inputs go into the static tensors first, then one launch.
+    const bool graph = T > 0 && e.runtime->cuda_graph_bucket(batch) > 0;
     double elapsed = 0;
     Clock::time_point t0 = Clock::now();
-    e.runtime->begin_step(batch);
-    elapsed += seconds_since(t0);
+    if (!graph) {
+      e.runtime->begin_step(batch);
+      elapsed += seconds_since(t0);
+    }
     if (check) {
+      if (e.mirror) e.mirror->begin_step(batch);
       e.reference->init_forward_metadata(batch);
       if (e.reference_linear) e.reference_linear->init_forward_metadata(batch);
     }
-    for (const LayerSpec& layer : e.model.layers) {
-      if (is_linear_kind(layer.kind)) {
-        const LinearArgs args =
-            linear_args(layer, linear_weights.at(layer.layer_id), buf, T, model.dtype);
-        fill_random(args.mixed_qkv, rng, 1.f);
-        fill_random(args.a, rng, 2.5f);
-        if (!args.b.empty()) fill_random(args.b, rng, 2.5f);
-        poison(args.out);
-        const LinearLayerState& st = e.runtime->linear_state().layer(layer.layer_id);
-        StateCopy before;
-        if (check && T > 0) before = save_state(st, region);
-        t0 = Clock::now();
-        e.runtime->forward_linear(layer.layer_id, args);
-        elapsed += seconds_since(t0);
-        const int64_t unwritten = first_nan(args.out);
-        const std::string where =
-            fmt::format("step {} ({} {}), layer {} ({})", step.index, model_role_name(step.role),
-                        forward_mode_name(batch.mode), layer.layer_id, layer_kind_name(layer.kind));
-        if (check) {
-          // The reference runs from the state the runtime started from; the runtime's result is
-          // put back afterwards, so the run goes on with the backend under test.
-          const StateCopy after = save_state(st, region);
-          restore_state(st, region, before);
-          LinearArgs ref = args;
-          ref.out = TensorView(buf.ref_out.data(), model.dtype,
-                               {T, args.out.shape[1], args.out.shape[2]});
-          poison(ref.out);
-          e.reference_linear->forward_linear(ref, layer, batch);
-          const StateCopy expected = save_state(st, region);
-          restore_state(st, region, after);
-          const Comparison c = compare(args.out, ref.out, rep.tolerance);
-          ms.max_abs_err = std::max(ms.max_abs_err, c.max_abs);
-          ms.max_rel_err = std::max(ms.max_rel_err, c.max_rel);
-          if (c.bad > 0) {
-            record_failure(key, step, layer.layer_id, c,
-                           fmt::format("{}: {} of {} outputs beyond tolerance; worst at token {}, "
-                                       "head {}, column {}: got {:.6g}, reference {:.6g} "
-                                       "(allowed {:g} + {:g}*|reference|)",
-                                       where, c.bad, args.out.numel(), c.token, c.head, c.column,
-                                       c.got, c.expected, rep.tolerance.atol, rep.tolerance.rtol));
-          }
-          // The state each request (or verify checkpoint) ends with: recurrent state and conv
-          // window against reference's.
-          const LinearStateShape& sh = st.shape;
-          const struct {
-            const char* what;
-            DType dtype;
-            const std::vector<uint8_t>& got;
-            const std::vector<uint8_t>& want;
-            int64_t d1, d2;
-          } parts[] = {{"recurrent state", st.ssm_dtype, after.ssm, expected.ssm, sh.heads,
-                        int64_t{sh.rows} * sh.cols},
-                       {"conv window", st.conv_dtype, after.conv, expected.conv, sh.conv_width,
-                        sh.conv_dim}};
-          for (const auto& part : parts) {
-            if (part.d1 == 0 || after.count == 0) continue;
-            const TensorView got(const_cast<uint8_t*>(part.got.data()), part.dtype,
-                                 {after.count, part.d1, part.d2});
-            const TensorView want(const_cast<uint8_t*>(part.want.data()), part.dtype,
-                                  {after.count, part.d1, part.d2});
-            const Comparison sc = compare(got, want, rep.tolerance);
-            if (sc.bad > 0) {
-              record_failure(
-                  key, step, layer.layer_id, sc,
-                  fmt::format("{}: {} of {} {} values beyond tolerance; worst in {} {}, [{}, {}]: "
-                              "got {:.6g}, reference {:.6g}",
-                              where, sc.bad, got.numel(), part.what,
-                              region.verify ? "checkpoint" : "request", sc.token, sc.head,
-                              sc.column, sc.got, sc.expected));
-            }
-          }
-        } else if (unwritten >= 0) {
-          Comparison c;
-          c.token = unwritten / (args.out.shape[1] * args.out.shape[2]);
-          record_failure(key, step, layer.layer_id, c,
-                         fmt::format("{}: output not written by backend '{}' at token {} (still "
-                                     "the NaN poison)",
-                                     where, ms.backend, c.token));
-          ms.max_abs_err = ms.max_rel_err = std::numeric_limits<double>::infinity();
-        }
-        continue;
-      }
+    // GPU pools: the rows the reference (or --dump-step) reads, copied to the host per layer.
+    std::vector<int64_t> read_rows;
+    if (e.mirror && (check || step.index == rc.dump_step) && T > 0)
+      read_rows = step_rows(batch, e.runtime->req_to_token());
+    // Fresh random q / k / v for an attention layer into `lb`, out poisoned with NaN.
+    auto attn_inputs = [&](const LayerSpec& layer, const LayerBuffers& lb) {
       const int Hq = layer.num_q_heads, Hkv = layer.num_kv_heads;
       AttnArgs args;
-      args.q = cut(buf.q, T, Hq, layer.head_dim);
-      args.k = cut(buf.k, T, Hkv, layer.head_dim);
-      args.v = cut(buf.v, T, Hkv, layer.v_head_dim);
-      args.out = cut(buf.out, T, Hq, layer.v_head_dim);
+      args.q = cut(lb.q, T, Hq, layer.head_dim);
+      args.k = cut(lb.k, T, Hkv, layer.head_dim);
+      args.v = cut(lb.v, T, Hkv, layer.v_head_dim);
+      args.out = cut(lb.out, T, Hq, layer.v_head_dim);
       fill_random(args.q, rng, 2.f);
       fill_random(args.k, rng, 1.f);
       if (layer.kind == LayerKind::mla) {
@@ -799,13 +800,19 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
       }
       poison(args.out);
       if (layer.has_sinks) args.sinks = sinks.at({key.first, layer.layer_id}).data();
-      t0 = Clock::now();
-      e.runtime->forward(layer.layer_id, args);
-      elapsed += seconds_since(t0);
-
-      if (step.index == rc.dump_step && T > 0 && layer.layer_id == dump_layer(e.model)) {
+      return args;
+    };
+    // After the layer ran (its output in args.out on the host): --dump-step, the unwritten-output
+    // check and the reference check.
+    auto judge = [&](const LayerSpec& layer, const AttnArgs& args) {
+      const int Hq = layer.num_q_heads;
+      const bool dump =
+          step.index == rc.dump_step && T > 0 && layer.layer_id == dump_layer(e.model);
+      if (e.mirror && (dump || check)) refresh_mirror(e, layer.layer_id, read_rows);
+      if (dump) {
         write_step_case(rc.dump_dir, e.model, layer.layer_id, options, batch,
-                        e.runtime->req_to_token(), e.runtime->kv_cache(), args, ms.backend);
+                        e.runtime->req_to_token(), e.mirror ? *e.mirror : e.runtime->kv_cache(),
+                        args, ms.backend);
         rep.dump_written =
             fmt::format("{} (step {}, {} {}, layer {})", rc.dump_dir, step.index,
                         model_role_name(step.role), forward_mode_name(batch.mode), layer.layer_id);
@@ -848,10 +855,136 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
                           layer.layer_id, ms.backend, c.token, c.head, c.column));
         }
       }
+    };
+
+    if (graph) {
+      ++ms.graph_steps;
+      std::vector<std::pair<const LayerSpec*, AttnArgs>> layer_args;
+      for (const LayerSpec& layer : e.model.layers) {
+        LayerBuffers& lb = e.graph_host[layer.layer_id];
+        if (lb.q.numel() == 0) {
+          const int64_t cap = rows;  // the largest step of the run
+          lb.q = HostBuffer(model.dtype, {cap, layer.num_q_heads * layer.head_dim});
+          lb.k = HostBuffer(model.dtype, {cap, layer.num_kv_heads * layer.head_dim});
+          lb.v = HostBuffer(model.dtype, {cap, layer.num_kv_heads * layer.v_head_dim});
+          lb.out = HostBuffer(model.dtype, {cap, layer.num_q_heads * layer.v_head_dim});
+        }
+        const AttnArgs args = attn_inputs(layer, lb);
+        const GraphLayerIO io = e.runtime->graph_io(layer.layer_id, T);
+        e.runtime->copy_tensor(io.q, args.q);
+        e.runtime->copy_tensor(io.k, args.k);
+        e.runtime->copy_tensor(io.v, args.v);
+        e.runtime->copy_tensor(io.out, args.out);
+        if (layer.has_sinks && !e.graph_sinks_written) {
+          e.runtime->copy_tensor(io.sinks, TensorView(const_cast<float*>(args.sinks), DType::f32,
+                                                      {layer.num_q_heads}));
+        }
+        layer_args.emplace_back(&layer, args);
+      }
+      e.graph_sinks_written = true;
+      t0 = Clock::now();
+      e.runtime->forward_step_graph(batch);
+      e.runtime->synchronize();
+      elapsed += seconds_since(t0);
+      for (const auto& [layer, args] : layer_args) {
+        e.runtime->copy_tensor(args.out, e.runtime->graph_io(layer->layer_id, T).out);
+        judge(*layer, args);
+      }
+    } else {
+      for (const LayerSpec& layer : e.model.layers) {
+        if (is_linear_kind(layer.kind)) {
+          const LinearArgs args =
+              linear_args(layer, linear_weights.at(layer.layer_id), buf, T, model.dtype);
+          fill_random(args.mixed_qkv, rng, 1.f);
+          fill_random(args.a, rng, 2.5f);
+          if (!args.b.empty()) fill_random(args.b, rng, 2.5f);
+          poison(args.out);
+          const LinearLayerState& st = e.runtime->linear_state().layer(layer.layer_id);
+          StateCopy before;
+          if (check && T > 0) before = save_state(st, region);
+          t0 = Clock::now();
+          e.runtime->forward_linear(layer.layer_id, args);
+          elapsed += seconds_since(t0);
+          const int64_t unwritten = first_nan(args.out);
+          const std::string where = fmt::format(
+              "step {} ({} {}), layer {} ({})", step.index, model_role_name(step.role),
+              forward_mode_name(batch.mode), layer.layer_id, layer_kind_name(layer.kind));
+          if (check) {
+            // The reference runs from the state the runtime started from; the runtime's result is
+            // put back afterwards, so the run goes on with the backend under test.
+            const StateCopy after = save_state(st, region);
+            restore_state(st, region, before);
+            LinearArgs ref = args;
+            ref.out = TensorView(buf.ref_out.data(), model.dtype,
+                                 {T, args.out.shape[1], args.out.shape[2]});
+            poison(ref.out);
+            e.reference_linear->forward_linear(ref, layer, batch);
+            const StateCopy expected = save_state(st, region);
+            restore_state(st, region, after);
+            const Comparison c = compare(args.out, ref.out, rep.tolerance);
+            ms.max_abs_err = std::max(ms.max_abs_err, c.max_abs);
+            ms.max_rel_err = std::max(ms.max_rel_err, c.max_rel);
+            if (c.bad > 0) {
+              record_failure(
+                  key, step, layer.layer_id, c,
+                  fmt::format("{}: {} of {} outputs beyond tolerance; worst at token {}, "
+                              "head {}, column {}: got {:.6g}, reference {:.6g} "
+                              "(allowed {:g} + {:g}*|reference|)",
+                              where, c.bad, args.out.numel(), c.token, c.head, c.column, c.got,
+                              c.expected, rep.tolerance.atol, rep.tolerance.rtol));
+            }
+            // The state each request (or verify checkpoint) ends with: recurrent state and conv
+            // window against reference's.
+            const LinearStateShape& sh = st.shape;
+            const struct {
+              const char* what;
+              DType dtype;
+              const std::vector<uint8_t>& got;
+              const std::vector<uint8_t>& want;
+              int64_t d1, d2;
+            } parts[] = {{"recurrent state", st.ssm_dtype, after.ssm, expected.ssm, sh.heads,
+                          int64_t{sh.rows} * sh.cols},
+                         {"conv window", st.conv_dtype, after.conv, expected.conv, sh.conv_width,
+                          sh.conv_dim}};
+            for (const auto& part : parts) {
+              if (part.d1 == 0 || after.count == 0) continue;
+              const TensorView got(const_cast<uint8_t*>(part.got.data()), part.dtype,
+                                   {after.count, part.d1, part.d2});
+              const TensorView want(const_cast<uint8_t*>(part.want.data()), part.dtype,
+                                    {after.count, part.d1, part.d2});
+              const Comparison sc = compare(got, want, rep.tolerance);
+              if (sc.bad > 0) {
+                record_failure(
+                    key, step, layer.layer_id, sc,
+                    fmt::format(
+                        "{}: {} of {} {} values beyond tolerance; worst in {} {}, [{}, {}]: "
+                        "got {:.6g}, reference {:.6g}",
+                        where, sc.bad, got.numel(), part.what,
+                        region.verify ? "checkpoint" : "request", sc.token, sc.head, sc.column,
+                        sc.got, sc.expected));
+              }
+            }
+          } else if (unwritten >= 0) {
+            Comparison c;
+            c.token = unwritten / (args.out.shape[1] * args.out.shape[2]);
+            record_failure(key, step, layer.layer_id, c,
+                           fmt::format("{}: output not written by backend '{}' at token {} (still "
+                                       "the NaN poison)",
+                                       where, ms.backend, c.token));
+            ms.max_abs_err = ms.max_rel_err = std::numeric_limits<double>::infinity();
+          }
+          continue;
+        }
+        const AttnArgs args = attn_inputs(layer, buf);
+        t0 = Clock::now();
+        e.runtime->forward(layer.layer_id, args);
+        elapsed += seconds_since(t0);
+        judge(layer, args);
+      }
+      t0 = Clock::now();
+      e.runtime->end_step();
+      elapsed += seconds_since(t0);
     }
-    t0 = Clock::now();
-    e.runtime->end_step();
-    elapsed += seconds_since(t0);
 
     ++ms.steps;
     ms.tokens += T;
@@ -895,6 +1028,18 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   }
 
   for (auto& [key, ms] : stats) rep.modes.push_back(ms);
+  for (Engine* e : {&target, draft ? &*draft : nullptr}) {
+    if (e == nullptr || e->runtime->kv_cache().device().kind == DeviceKind::cpu) continue;
+    const char* who = e == &target ? "target" : "draft";
+    const AttentionRuntime& rt = *e->runtime;
+    rep.notes.push_back(
+        rt.cuda_graphs_enabled()
+            ? fmt::format("CUDA graphs ({}): DECODE / TARGET_VERIFY steps of up to {} requests "
+                          "replay captured graphs (batch sizes {}); {} captured",
+                          who, rt.cuda_graph_batch_sizes().back(),
+                          fmt::join(rt.cuda_graph_batch_sizes(), ", "), rt.cuda_graphs_captured())
+            : fmt::format("CUDA graphs ({}): off: {}", who, rt.cuda_graphs_off_reason()));
+  }
   rep.iterations = sched.iteration();
   for (const RequestState& r : sched.requests()) {
     rep.verify_rounds += static_cast<int64_t>(r.accept_lengths.size());
@@ -1026,7 +1171,8 @@ nlohmann::json report_to_json(const RunReport& r) {
               {"tokens", m.tokens},
               {"time_ms", m.seconds * 1e3},
               {"tokens_per_s", m.tokens_per_second()},
-              {"checked_steps", m.checked_steps}};
+              {"checked_steps", m.checked_steps},
+              {"graph_steps", m.graph_steps}};
     // JSON has no infinity: an unwritten output is reported as null error (and as a failure).
     auto err = [](double e) { return std::isfinite(e) ? json(e) : json(nullptr); };
     j["max_abs_err"] = m.checked_steps > 0 ? err(m.max_abs_err) : json(nullptr);

@@ -9,6 +9,9 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/memory/token_allocator.h"
+#if defined(ATTNRT_HAS_CUDA)
+#include "backends/cuda/cuda_kv_cache.h"
+#endif
 
 namespace attnrt::sim {
 
@@ -31,8 +34,14 @@ int64_t max_tree_nodes(int depth, int topk) {
 double uniform01(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * 0x1.0p-53; }
 size_t pick(std::mt19937_64& rng, size_t n) { return static_cast<size_t>(rng() % n); }
 
-bool kv_on_host(const KvSpace& space) {
-  return space.kv_cache == nullptr || space.kv_cache->device().kind == DeviceKind::cpu;
+// Whether copy_kv_rows can move rows of this cache: host pools, and GPU pools of the cuda backend.
+bool can_move_rows(const KVCache* cache) {
+  if (cache == nullptr || cache->device().kind == DeviceKind::cpu) return true;
+#if defined(ATTNRT_HAS_CUDA)
+  return dynamic_cast<const cuda::CudaKVCache*>(cache) != nullptr;
+#else
+  return false;
+#endif
 }
 
 }  // namespace
@@ -44,6 +53,14 @@ std::string_view model_role_name(ModelRole r) {
 void copy_kv_rows(KVCache& cache, const std::vector<int>& layers,
                   const std::vector<std::pair<int64_t, int64_t>>& moves) {
   if (moves.empty()) return;
+#if defined(ATTNRT_HAS_CUDA)
+  // GPU pools: one gather and one scatter kernel per layer on the cache's stream, ordered before
+  // the next step's kernels.
+  if (auto* gpu = dynamic_cast<cuda::CudaKVCache*>(&cache)) {
+    gpu->copy_rows(layers, moves);
+    return;
+  }
+#endif
   for (int layer_id : layers) {
     const KVLayerView view = cache.layer(layer_id);
     ATTNRT_CHECK(view.device.kind == DeviceKind::cpu,
@@ -106,11 +123,11 @@ Scheduler::Scheduler(Trace trace, SchedulerConfig config, KvSpace target,
     ATTNRT_CHECK(spec.accept_prob >= 0.0 && spec.accept_prob <= 1.0,
                  "--accept-prob = {}; must be in [0, 1]", spec.accept_prob);
     draft_ = Space{*draft, draft->allocator->available_size()};
-    ATTNRT_CHECK(spec.topk == 1 || config_.page_size == 1 || kv_on_host(target),
-                 "speculative tree verify (--speculative-eagle-topk {}) with --page-size {} moves "
-                 "the accepted K/V rows inside the KV pool, which attnrt run does for host pools "
-                 "only, and this pool is on {}; use --page-size 1 or a host backend",
-                 spec.topk, config_.page_size, device_name(target.kv_cache->device()));
+    ATTNRT_CHECK(spec.topk == 1 || can_move_rows(target.kv_cache),
+                 "speculative tree verify (--speculative-eagle-topk {}) moves the accepted K/V "
+                 "rows inside the KV pool, and this pool on {} has no row copy; use a backend "
+                 "whose pools live on the host or the cuda backend",
+                 spec.topk, device_name(target.kv_cache->device()));
   }
   target_ = Space{target, target.allocator->available_size()};
 
@@ -505,11 +522,7 @@ void Scheduler::commit_verify(const ScheduledStep& s) {
           target_.kv.req_to_token->get(r.target_row, r.kv_len + static_cast<int>(j)));
     }
   }
-  // Pools the host cannot write (device memory) are compacted by pointing the request's positions
-  // at the accepted slots instead; that keeps slot % P == position % P only with pages of one
-  // token, which the constructor made sure of.
-  const bool remap = !kv_on_host(target_.kv);
-  if (!moves.empty() && !remap && target_.kv.kv_cache != nullptr) {
+  if (!moves.empty() && target_.kv.kv_cache != nullptr) {
     copy_kv_rows(*target_.kv.kv_cache, target_.kv.kv_layers, moves);
   }
   std::vector<int> to_draft;
@@ -520,23 +533,7 @@ void Scheduler::commit_verify(const ScheduledStep& s) {
     const int accepted = static_cast<int>(path.size()) - 1;
     const int base = r.kv_len;
     r.kv_len = base + accepted + 1;
-    if (remap) {
-      ReqToTokenPool& rows = *target_.kv.req_to_token;
-      std::vector<int64_t> block(N), kept, rejected;
-      for (int t = 0; t < N; ++t) block[t] = rows.get(r.target_row, base + t);
-      std::vector<uint8_t> on_path(N, 0);
-      for (int t : path) {
-        kept.push_back(block[t]);
-        on_path[t] = 1;
-      }
-      for (int t = 0; t < N; ++t) {
-        if (!on_path[t]) rejected.push_back(block[t]);
-      }
-      rows.write(r.target_row, base, kept);
-      if (!rejected.empty()) target_.kv.allocator->free(rejected);
-    } else {
-      free_positions(target_, r.target_row, r.kv_len, base + N);
-    }
+    free_positions(target_, r.target_row, r.kv_len, base + N);
     r.generated += accepted + 1;
     r.accept_lengths.push_back(accepted);
     if (r.generated >= trace_.requests[idx].output_len) {

@@ -40,8 +40,9 @@ struct KvSpace {
   std::vector<int> kv_layers;   // layer ids held by kv_cache (rows are moved in every one)
 };
 
-// Copies K/V rows src -> dst (full-pool slots) in every listed layer of a host KV cache, in order,
-// so a chain of moves towards lower positions is safe. SWA layers translate through their slot map.
+// Copies K/V rows src -> dst (full-pool slots) in every listed layer, in order, so a chain of moves
+// towards lower positions is safe. SWA layers translate through their slot map. Host caches copy
+// at once; a GPU cache (CudaKVCache) enqueues the copies on its stream.
 void copy_kv_rows(KVCache& cache, const std::vector<int>& layers,
                   const std::vector<std::pair<int64_t, int64_t>>& moves);
 
