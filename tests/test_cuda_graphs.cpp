@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <random>
@@ -19,9 +20,12 @@
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
+#include "attnrt/io/case_file.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/runtime/attention_runtime.h"
+#include "attnrt/sim/driver.h"
 #include "attnrt/sim/scheduler.h"
+#include "attnrt/sim/trace.h"
 #include "backends/reference/reference_backend.h"
 
 #ifdef ATTNRT_HAS_CUDA
@@ -485,6 +489,99 @@ TEST(CudaKVCacheRows, MovesAndDownloadsMatchTheHostPool) {
           gpu.download_rows(0, std::vector<int64_t>{3, 4096}, nullptr, nullptr);
         },
         {"slot 4096 (entry 1)", "outside the pool's rows"});
+  }
+}
+
+sim::Trace run_trace_text() {
+  return sim::parse_trace(
+      "{\"id\": \"a\", \"arrival_step\": 1, \"prompt_len\": 40, \"output_len\": 6}\n"
+      "{\"id\": \"b\", \"arrival_step\": 1, \"prompt_len\": 70, \"output_len\": 9, "
+      "\"shared_prefix\": \"sys\", \"shared_prefix_len\": 32}\n"
+      "{\"id\": \"c\", \"arrival_step\": 3, \"prompt_len\": 50, \"output_len\": 4, "
+      "\"shared_prefix\": \"sys\", \"shared_prefix_len\": 32}\n"
+      "{\"id\": \"d\", \"arrival_step\": 9, \"prompt_len\": 12, \"output_len\": 7}\n",
+      "gpu-run");
+}
+
+sim::RunConfig run_config() {
+  sim::RunConfig rc;
+  rc.scheduler.max_running_requests = 4;
+  rc.scheduler.chunked_prefill_size = 32;
+  rc.max_total_tokens = 2048;
+  rc.check_every = 1;
+  rc.seed = 11;
+  return rc;
+}
+
+const sim::ModeStats* find_mode(const sim::RunReport& r, sim::ModelRole role, ForwardMode mode) {
+  for (const sim::ModeStats& m : r.modes) {
+    if (m.role == role && m.mode == mode) return &m;
+  }
+  return nullptr;
+}
+
+// `attnrt run`'s driver on the cuda backend: every step of every mode checked against reference on
+// the host copy of the GPU pools, DECODE steps as CUDA graphs, a step case dumped from GPU pools.
+TEST(CudaRun, EveryModeMatchesReferenceWithDecodeGraphs) {
+  SKIP_WITHOUT_GPU();
+  Options o;
+  o.attention_backend = "cuda";
+  o.page_size = 16;
+  sim::RunConfig rc = run_config();
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("attnrt_gpu_run_" + std::to_string(std::random_device{}()));
+  rc.dump_step = 12;
+  rc.dump_dir = dir.string();
+  const sim::RunReport r = sim::run_trace(model_preset("demo"), o, run_trace_text(), rc);
+  EXPECT_TRUE(r.ok()) << sim::format_report(r);
+  for (ForwardMode m : {ForwardMode::EXTEND, ForwardMode::DECODE, ForwardMode::MIXED}) {
+    const sim::ModeStats* s = find_mode(r, sim::ModelRole::target, m);
+    if (s == nullptr) continue;  // the scheduler decides which modes a trace produces
+    SCOPED_TRACE(forward_mode_name(m));
+    EXPECT_EQ(s->backend, "cuda");
+    EXPECT_EQ(s->checked_steps, s->steps);
+    EXPECT_EQ(s->graph_steps, m == ForwardMode::DECODE ? s->steps : 0);
+  }
+  ASSERT_NE(find_mode(r, sim::ModelRole::target, ForwardMode::DECODE), nullptr);
+  ASSERT_FALSE(r.dump_written.empty()) << r.dump_error;
+  // The dumped case holds the GPU pool's rows: replaying it on reference gives the step's output.
+  const Case c = read_case(dir.string());
+  const ReplayResult replay = replay_case(c, "reference");
+  ASSERT_TRUE(c.expected_out.has_value());
+  double worst = 0;
+  for (int64_t i = 0; i < replay.out.numel(); ++i) {
+    worst =
+        std::max(worst, std::abs(double{load_as_float(replay.out.data(), replay.out.dtype(), i)} -
+                                 c.expected_out->as<float>()[i]));
+  }
+  EXPECT_LT(worst, 0.05);
+  std::filesystem::remove_all(dir);
+}
+
+// Speculative runs on the GPU: chain and tree verify as graphs, tree paths moved inside the GPU
+// pools with pages of 16 tokens, draft extends eager; everything checked against reference.
+TEST(CudaRun, SpeculativeChainAndTreeOnPagedGpuPools) {
+  SKIP_WITHOUT_GPU();
+  for (int topk : {1, 3}) {
+    SCOPED_TRACE(testing::Message() << "topk " << topk);
+    Options o;
+    o.attention_backend = "cuda";
+    o.page_size = 16;
+    o.speculative_num_steps = 3;
+    o.speculative_eagle_topk = topk;
+    o.speculative_num_draft_tokens = topk == 1 ? 4 : 7;
+    sim::RunConfig rc = run_config();
+    rc.scheduler.spec.accept_prob = 0.8;
+    const sim::RunReport r = sim::run_trace(model_preset("demo"), o, run_trace_text(), rc);
+    EXPECT_TRUE(r.ok()) << sim::format_report(r);
+    const sim::ModeStats* v = find_mode(r, sim::ModelRole::target, ForwardMode::TARGET_VERIFY);
+    ASSERT_NE(v, nullptr);
+    EXPECT_EQ(v->graph_steps, v->steps);
+    EXPECT_EQ(v->checked_steps, v->steps);
+    const sim::ModeStats* d = find_mode(r, sim::ModelRole::draft, ForwardMode::DRAFT_EXTEND);
+    ASSERT_NE(d, nullptr);
+    EXPECT_GT(d->checked_steps, 0);
+    EXPECT_GT(r.accepted_drafts, 0);
   }
 }
 
