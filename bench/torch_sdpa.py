@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The attnrt bench workloads through PyTorch's scaled_dot_product_attention on the CPU.
+"""The attnrt bench workloads through PyTorch's attention kernels, on the CPU or a CUDA GPU.
 
 Gives the other side of the side-by-side table (bench/compare.py). Row names, shapes and counting
 rules are those of `attnrt bench` (WORKLOADS.md). The best way to get identical shapes is to read
@@ -20,6 +20,13 @@ repetitions as attnrt does). SDPA has no paged KV and no fp8 KV, so:
   * GQA runs through enable_gqa=True (no K/V head expansion), causal prefill through is_causal,
     extend and verify through an explicit boolean mask (prefix visible, causal or tree among the
     new tokens).
+
+On a GPU (--device cuda, as `attnrt bench --backend cuda` runs) every row is timed with each of
+--kernels: SDPA restricted to its flash kernel (`flash`), to cuDNN (`cudnn`), and FlexAttention
+compiled with a block mask (`flex`); CUDA events around the call, 256 MiB written between
+repetitions to evict the L2. A kernel that cannot run a row (flash takes no explicit mask) is
+recorded with its reason; the row's time is its fastest kernel's. The JSON is rewritten after
+every row, so an interrupted run keeps what it measured.
 """
 
 import argparse
@@ -125,34 +132,35 @@ def llc_bytes():
     return best or (32 << 20)
 
 
-def build_inputs(torch, row, gen):
+def build_inputs(torch, row, gen, device="cpu"):
     """q [B, Hq, N, D], dense k/v [B, Hkv, P+N, D] gathered from a permuted paged pool, mask."""
     b, p, n, d = row["batch"], row["prefix_len"], row["new_tokens"], row["head_dim"]
     hq, hkv, page = row["q_heads"], row["kv_heads"], row["page_size"]
     kv_len = p + n
-    q = torch.randn(b, hq, n, d, generator=gen).to(torch.bfloat16)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device=device).to(torch.bfloat16)
+    q = randn(b, hq, n, d)
     if row["kind"] == "prefill":
-        k = torch.randn(b, hkv, n, d, generator=gen).to(torch.bfloat16)
-        v = torch.randn(b, hkv, n, d, generator=gen).to(torch.bfloat16)
-        return q, k, v, None, True
+        return q, randn(b, hkv, n, d), randn(b, hkv, n, d), None, True
     pages_per_req = -(-kv_len // page)
     num_pages = b * pages_per_req
     pool_dtype = torch.float8_e4m3fn if row["kv_dtype"] == "fp8_e4m3" else torch.bfloat16
-    order = torch.randperm(num_pages, generator=gen) + 1  # page 0 reserved, as in attnrt
-    tok = torch.arange(kv_len)
-    slots = torch.stack([order[r * pages_per_req + tok // page] * page + tok % page
-                         for r in range(b)])  # [B, L]
+    # page 0 reserved, as in attnrt
+    order = torch.randperm(num_pages, generator=gen, device=device) + 1
+    tok = torch.arange(kv_len, device=device)
+    slots = order[(torch.arange(b, device=device)[:, None] * pages_per_req + tok // page)]
+    slots = slots * page + tok % page  # [B, L]
     rows_total = (num_pages + 1) * page
 
     def gathered():
-        pool = torch.randn(rows_total, hkv, d, generator=gen).to(pool_dtype)
+        pool = torch.randn(rows_total, hkv, d, generator=gen, device=device).to(pool_dtype)
         dense = pool[slots.reshape(-1)].to(torch.bfloat16).reshape(b, kv_len, hkv, d)
+        del pool
         return dense.transpose(1, 2).contiguous()
 
     k, v = gathered(), gathered()
     if row["kind"] == "decode":
         return q, k, v, None, False
-    mask = torch.ones(n, kv_len, dtype=torch.bool)
+    mask = torch.ones(n, kv_len, dtype=torch.bool, device=device)
     if row["kind"] in ("extend", "verify-chain"):
         mask[:, p:] = torch.ones(n, n, dtype=torch.bool).tril()
     else:
@@ -166,11 +174,7 @@ def build_inputs(torch, row, gen):
     return q, k, v, mask, False
 
 
-def run_row(torch, F, row, args, flush):
-    gen = torch.Generator().manual_seed(args.seed)
-    q, k, v, mask, causal = build_inputs(torch, row, gen)
-    call = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                  enable_gqa=True)
+def time_cpu(call, args, flush):
     for _ in range(args.warmup):
         call()
     samples = []
@@ -179,7 +183,82 @@ def run_row(torch, F, row, args, flush):
         t0 = time.perf_counter()
         call()
         samples.append(time.perf_counter() - t0)
-    samples.sort()
+    return samples
+
+
+def time_cuda(torch, call, args, flush):
+    for _ in range(args.warmup):
+        call()
+    start = torch.cuda.Event(enable_timing=True)
+    stop = torch.cuda.Event(enable_timing=True)
+    samples = []
+    for _ in range(args.repeats):
+        flush.add_(1)
+        start.record()
+        call()
+        stop.record()
+        stop.synchronize()
+        samples.append(start.elapsed_time(stop) * 1e-3)
+    return samples
+
+
+def cuda_calls(torch, F, q, k, v, mask, causal, kernels):
+    """name -> zero-argument call, for every kernel of `kernels` that exists in this torch."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def sdpa(backend):
+        def call():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                      enable_gqa=True)
+        return call
+
+    calls = {}
+    if "flash" in kernels:
+        calls["flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+    if "cudnn" in kernels:
+        calls["cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    if "flex" in kernels:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        n, kv_len = q.shape[2], k.shape[2]
+        if causal:
+            mask_mod = lambda b, h, qi, ki: qi >= ki
+        elif mask is not None:
+            mask_mod = lambda b, h, qi, ki: mask[qi, ki]
+        else:
+            mask_mod = None
+        block_mask = (create_block_mask(mask_mod, None, None, n, kv_len, device=q.device)
+                      if mask_mod is not None else None)
+        flex = torch.compile(flex_attention, dynamic=False)
+        calls["flex"] = lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)
+    return calls
+
+
+def run_row(torch, F, row, args, flush):
+    cuda = args.device == "cuda"
+    gen = torch.Generator(device=args.device).manual_seed(args.seed)
+    q, k, v, mask, causal = build_inputs(torch, row, gen, args.device)
+    kernels = {}
+    if cuda:
+        best = None
+        for name, call in cuda_calls(torch, F, q, k, v, mask, causal, args.kernels).items():
+            try:
+                times = time_cuda(torch, call, args, flush)
+            except Exception as e:  # a kernel that does not take this shape says why
+                kernels[name] = {"error": str(e).strip().split("\n")[0][:200]}
+                continue
+            kernels[name] = {"median_ms": statistics.median(times) * 1e3}
+            if best is None or statistics.median(times) < statistics.median(best[1]):
+                best = (name, times)
+        if best is None:
+            raise RuntimeError("no kernel ran: " + "; ".join(
+                f"{n}: {x['error']}" for n, x in kernels.items()))
+        samples = sorted(best[1])
+    else:
+        call = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                      enable_gqa=True)
+        samples = sorted(time_cpu(call, args, flush))
+    del q, k, v, mask
 
     def quantile(f):
         pos = f * (len(samples) - 1)
@@ -208,6 +287,7 @@ def run_row(torch, F, row, args, flush):
         "rate": amount / med / 1e9,
         "status": "ok",
         "notes": notes,
+        **({"kernels": kernels, "best_kernel": best[0]} if cuda else {}),
     }
 
 
@@ -225,8 +305,16 @@ def main():
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads; 0 = ATTNRT_NUM_THREADS, else every core")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where to run: cpu (SDPA) or cuda (the kernels of --kernels)")
+    ap.add_argument("--kernels", default="flash,cudnn,flex",
+                    help="with --device cuda: comma-separated subset of flash, cudnn, flex")
     ap.add_argument("--json", help="write the rows as JSON (for bench/compare.py)")
     args = ap.parse_args()
+    args.kernels = args.kernels.split(",")
+    unknown = [x for x in args.kernels if x not in ("flash", "cudnn", "flex")]
+    if unknown:
+        ap.error(f"--kernels: unknown {', '.join(unknown)}; use flash, cudnn and/or flex")
     if not 0 < args.scale <= 1:
         ap.error(f"--scale {args.scale} is out of range: use a factor in (0, 1]")
     if args.repeats < 1:
@@ -242,6 +330,9 @@ def main():
 
     threads = args.threads or int(os.environ.get("ATTNRT_NUM_THREADS", "0") or 0) or os.cpu_count()
     torch.set_num_threads(threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: this torch has no usable CUDA device "
+                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
     if args.source:
         rows, _ = rows_from_attnrt(args.source)
     else:
@@ -253,10 +344,15 @@ def main():
         if not rows:
             sys.exit(f"--workload {args.workload}: no row matches")
 
-    flush = torch.zeros(2 * llc_bytes() // 4, dtype=torch.float32)
+    if args.device == "cuda":
+        flush = torch.zeros((256 << 20) // 4, dtype=torch.float32, device="cuda")
+        where = (f"{torch.cuda.get_device_name()}, kernels {','.join(args.kernels)} "
+                 f"(a row's time is its fastest kernel's)")
+    else:
+        flush = torch.zeros(2 * llc_bytes() // 4, dtype=torch.float32)
+        where = f"cpu ({torch.backends.cpu.get_cpu_capability()}), {threads} threads, SDPA"
     out = []
-    print(f"torch {torch.__version__} SDPA on cpu ({torch.backends.cpu.get_cpu_capability()}), "
-          f"{threads} threads")
+    print(f"torch {torch.__version__} on {where}")
     print(f"{'row':<30} {'shape':<26} {'ms':>9} {'p10..p90 ms':>17} {'rate':>14}")
     for row in rows:
         shape = f"{row['batch']}x({row['prefix_len']}+{row['new_tokens']}) d{row['head_dim']}"
@@ -266,12 +362,26 @@ def main():
             r = {"name": row["name"], "status": "error", "error": str(e).split("\n")[0]}
             print(f"{row['name']:<30} {shape:<26} ERROR: {r['error']}")
             out.append(r)
+            write_report(args, torch, threads, out)
             continue
         t = r["time_ms"]
+        per_kernel = ""
+        if "kernels" in r:
+            per_kernel = "  " + " ".join(
+                f"{n}={x['median_ms']:.3f}" if "median_ms" in x else f"{n}=n/a"
+                for n, x in r["kernels"].items())
         print(f"{row['name']:<30} {shape:<26} {t['median']:>9.2f} "
-              f"{t['p10']:>8.2f}..{t['p90']:<8.2f} {r['rate']:>7.1f} {r['metric']}", flush=True)
+              f"{t['p10']:>8.2f}..{t['p90']:<8.2f} {r['rate']:>7.1f} {r['metric']}{per_kernel}",
+              flush=True)
         out.append(r)
+        write_report(args, torch, threads, out)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if args.json:
+        print(f"wrote {args.json}")
 
+
+def write_report(args, torch, threads, out):
     if args.json:
         cpu_model = platform.processor()
         try:
@@ -281,8 +391,10 @@ def main():
             pass
         report = {
             "schema": "attnrt-bench/1",
-            "implementation": "torch-sdpa",
+            "implementation": "torch-sdpa" if args.device == "cpu" else "torch-cuda",
             "torch_version": torch.__version__,
+            "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
+            "kernels": args.kernels if args.device == "cuda" else ["sdpa"],
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": threads,
             "source": args.source,
@@ -291,7 +403,6 @@ def main():
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

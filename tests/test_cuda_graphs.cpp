@@ -18,6 +18,8 @@
 
 #include "attnrt/backend/options.h"
 #include "attnrt/batch/forward_batch.h"
+#include "attnrt/bench/runner.h"
+#include "attnrt/bench/workload.h"
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
 #include "attnrt/io/case_file.h"
@@ -31,6 +33,7 @@
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
 
+#include "backends/cuda/cuda_bench.h"
 #include "backends/cuda/cuda_kv_cache.h"
 #endif
 
@@ -583,6 +586,47 @@ TEST(CudaRun, SpeculativeChainAndTreeOnPagedGpuPools) {
     EXPECT_GT(d->checked_steps, 0);
     EXPECT_GT(r.accepted_drafts, 0);
   }
+}
+
+// `attnrt bench --backend cuda`: the GPU ceilings, the event timer, rows on device pools checked
+// against the float64 recomputation and the reference backend, the step costs. No timing is held
+// to a figure; every measured value must be a real measurement.
+TEST(CudaBench, CeilingsTimerRowsAndStepCosts) {
+  SKIP_WITHOUT_GPU();
+  const bench::Ceilings c = cuda::measure_gpu_ceilings(Device::cuda(0), {});
+  EXPECT_TRUE(c.memory.available()) << c.memory.unavailable;
+  EXPECT_NE(c.memory.method.find("bytes read + written"), std::string::npos) << c.memory.method;
+  EXPECT_TRUE(c.bf16.available() || !c.bf16.unavailable.empty());
+  EXPECT_EQ(c.compute_name(), c.bf16.available() ? "bf16" : "fp32");
+
+  auto timer = bench::make_device_timer(Device::cuda(0));
+  EXPECT_NE(timer->method().find("CUDA events"), std::string::npos);
+
+  bench::BenchConfig config;
+  config.backend = "cuda";
+  config.device = Device::cuda(0);
+  config.repeats = 3;
+  config.warmup = 1;
+  for (const char* name :
+       {"decode-16x4096", "decode-64x4096-fp8", "prefill-1x4096", "verify-tree-64x4096+16-topk4"}) {
+    SCOPED_TRACE(name);
+    const bench::Workload w = bench::scale_workload(bench::select_workloads(name).front(), 0.25);
+    const bench::RowResult row = bench::run_row(config, w, c);
+    EXPECT_EQ(row.status, "ok") << row.error;
+    EXPECT_TRUE(row.check.passed) << row.check.max_rel_err;
+    EXPECT_EQ(row.time.repeats, 3);
+    EXPECT_GT(row.time.median, 0);
+    EXPECT_GE(row.plan.repeats, 20);
+    ASSERT_TRUE(row.reference.has_value());
+    EXPECT_TRUE(row.reference->check.passed) << row.reference->check.max_rel_err;
+    if (bench::is_verify(w.kind)) EXPECT_GT(row.decode_ratio, 0);
+  }
+
+  const bench::GraphOverhead g = bench::measure_graph_overhead(config);
+  EXPECT_TRUE(g.error.empty()) << g.error;
+  EXPECT_EQ(g.layers, 32);
+  EXPECT_GT(g.graph_step.median, 0);
+  EXPECT_GT(g.eager_issue.median, 0);
 }
 
 #else

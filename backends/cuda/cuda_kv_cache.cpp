@@ -43,15 +43,13 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
     ATTNRT_CUDA_CHECK(cudaMemset(e.v.data(), 0, v_bytes(e)));
   }
   loc_.reserve(static_cast<size_t>(max_num_tokens_) * sizeof(int64_t));
-  ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  owns_stream_ = true;
+  ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+  stream_ = own_stream_;
 }
 
 CudaKVCache::~CudaKVCache() {
-  if (owns_stream_ && stream_ != nullptr) {
-    cudaStreamSynchronize(stream_);
-    cudaStreamDestroy(stream_);
-  }
+  cudaStreamSynchronize(stream_);
+  if (own_stream_ != nullptr) cudaStreamDestroy(own_stream_);
 }
 
 size_t CudaKVCache::k_bytes(const Layer& l) const {

@@ -81,7 +81,7 @@ class CudaKVCache final : public KVCache {
   StagingRing staging_;
   int64_t step_tokens_ = -1;
   cudaStream_t stream_ = nullptr;
-  bool owns_stream_ = false;
+  cudaStream_t own_stream_ = nullptr;  // created here; destroyed here even after set_stream
 };
 
 // A CUDA KV cache and its allocator (a PagedTokenAllocator over config.full_slots), the device

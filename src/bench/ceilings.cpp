@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
 #include "src/bench/ceiling_kernels.h"
 
@@ -155,6 +156,7 @@ void register_ceiling_probe(DeviceKind kind, CeilingProbe probe) {
 
 Ceilings measure_ceilings(Device device, const CeilingOptions& options) {
   if (device.kind != DeviceKind::cpu) {
+    Registry::global();  // the built-in backends install their probes when they register
     CeilingProbe probe;
     {
       std::lock_guard lock(probes_mutex());

@@ -190,6 +190,33 @@ json to_json(const BenchResult& r, const RunInfo& info) {
     rows.push_back(std::move(x));
   }
   j["rows"] = std::move(rows);
+  if (!r.plans.empty()) {
+    json plans = json::array();
+    for (const PlanTiming& p : r.plans) {
+      json x = {{"name", p.workload.name}, {"shape", shape_json(p.workload)}};
+      if (p.error.empty()) {
+        x["plan_us"] = timing_json(p.time, 1e6);
+      } else {
+        x["error"] = p.error;
+      }
+      plans.push_back(std::move(x));
+    }
+    j["plan_bs256"] = std::move(plans);
+  }
+  if (r.graph) {
+    const GraphOverhead& g = *r.graph;
+    json x = {{"shape", g.shape}, {"layers", g.layers}};
+    if (g.error.empty()) {
+      x["eager_issue_us"] = timing_json(g.eager_issue, 1e6);
+      x["graph_issue_us"] = timing_json(g.graph_issue, 1e6);
+      x["eager_step_us"] = timing_json(g.eager_step, 1e6);
+      x["graph_step_us"] = timing_json(g.graph_step, 1e6);
+      x["saved_per_step_us"] = (g.eager_step.median - g.graph_step.median) * 1e6;
+    } else {
+      x["error"] = g.error;
+    }
+    j["graph_replay"] = std::move(x);
+  }
   return j;
 }
 
@@ -288,6 +315,32 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
                    any_reference ? "" : "\n", r.repeats,
                    r.warmup, r.repeats < 10 ? " (fewer than the 10 WORKLOADS.md asks for)" : "",
                    r.timer_method);
+  if (!r.plans.empty()) {
+    s << "\nhost plan per step at batch 256 (each plan followed by its step, GPU drained outside "
+         "the timed region):\n";
+    for (const PlanTiming& p : r.plans) {
+      if (p.error.empty()) {
+        s << fmt::format("  {:<34} {:>8.2f} us  (p10..p90 {:.2f}..{:.2f})\n", p.workload.name,
+                         p.time.median * 1e6, p.time.p10 * 1e6, p.time.p90 * 1e6);
+      } else {
+        s << fmt::format("  {:<34} ERROR: {}\n", p.workload.name, p.error);
+      }
+    }
+  }
+  if (r.graph) {
+    const GraphOverhead& g = *r.graph;
+    s << fmt::format("\ngraph replay, {}:\n", g.shape);
+    if (g.error.empty()) {
+      const double saved = (g.eager_step.median - g.graph_step.median) * 1e6;
+      s << fmt::format(
+          "  eager: issue {:.1f} us, step {:.1f} us | graph: issue {:.1f} us, step {:.1f} us | "
+          "launch overhead saved {:.1f} us per step ({:.2f} us per layer); medians of {}\n",
+          g.eager_issue.median * 1e6, g.eager_step.median * 1e6, g.graph_issue.median * 1e6,
+          g.graph_step.median * 1e6, saved, saved / std::max(g.layers, 1), g.graph_step.repeats);
+    } else {
+      s << fmt::format("  ERROR: {}\n", g.error);
+    }
+  }
   return s.str();
 }
 

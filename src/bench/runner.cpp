@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <numeric>
 #include <random>
@@ -16,6 +17,7 @@
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/model/model_spec.h"
 #include "backends/cpu/cpu_backend.h"
+#include "src/bench/device_row.h"
 
 namespace attnrt::bench {
 
@@ -107,6 +109,7 @@ int tree_depth(const std::vector<int32_t>& parent) {
 struct RowData {
   Workload w;
   ModelSpec model;
+  KVCacheConfig config;
   std::unique_ptr<KVCache> kv;
   std::unique_ptr<ReqToTokenPool> req_to_token;
   ForwardBatch batch;
@@ -116,12 +119,11 @@ struct RowData {
   RowData(const Workload& workload, uint64_t seed) : w(workload), model(bench_model(workload)) {
     const int per_request_pages = (w.kv_len() + w.page_size - 1) / w.page_size;
     const int64_t pages = int64_t{w.batch} * per_request_pages;
-    KVCacheConfig cfg;
-    cfg.full_slots = pages * w.page_size;
-    cfg.page_size = w.page_size;
-    cfg.dtype = w.kv_dtype;
-    cfg.max_num_tokens = static_cast<int>(std::max<int64_t>(w.num_tokens(), 1));
-    kv = make_host_kv_cache(model, cfg);
+    config.full_slots = pages * w.page_size;
+    config.page_size = w.page_size;
+    config.dtype = w.kv_dtype;
+    config.max_num_tokens = static_cast<int>(std::max<int64_t>(w.num_tokens(), 1));
+    kv = make_host_kv_cache(model, config);
     req_to_token = std::make_unique<ReqToTokenPool>(w.batch, w.kv_len());
 
     // Page 0 is reserved; usable pages 1..pages are handed out in a random order so no request
@@ -191,14 +193,17 @@ struct RowData {
   const LayerSpec& layer() const { return model.layers[0]; }
 };
 
-// A backend bound to one RowData, with its own output buffer.
+// A backend bound to one RowData, with its own output buffer. On a GPU the backend gets a device
+// copy of the row (pool, q / k / v, out); `out` on the host is filled by collect().
 struct BackendRun {
   Options options;
+  std::unique_ptr<DeviceRow> gpu;
   std::unique_ptr<AttentionBackend> backend;
   HostBuffer out;
   RowData* data = nullptr;
 
-  BackendRun(RowData& d, const std::string& name, int threads, const Registry& registry)
+  BackendRun(RowData& d, const std::string& name, int threads, const Registry& registry,
+             Device device)
       : data(&d) {
     const Workload& w = d.w;
     options.attention_backend = name;
@@ -213,29 +218,68 @@ struct BackendRun {
     }
     // Validation against the backend's caps gives the user the same message `attnrt run` would.
     Selection selection = resolve_backends(options, d.model, registry);
+    out = HostBuffer(DType::bf16, {w.num_tokens(), w.q_heads, w.head_dim});
     BackendContext ctx;
     ctx.model = &d.model;
     ctx.options = &options;
     ctx.kv_cache = d.kv.get();
     ctx.req_to_token = d.req_to_token.get();
-    ctx.device = Device::cpu();
+    ctx.device = device;
+    if (device.kind != DeviceKind::cpu) {
+      gpu = make_device_row(device, d.model, d.config, *d.kv, d.q, d.k, d.v, out);
+      ctx.kv_cache = &gpu->cache();
+    }
     backend = create_backend(selection, ctx, registry);
-    out = HostBuffer(DType::bf16, {w.num_tokens(), w.q_heads, w.head_dim});
   }
 
+  KVCache& cache() { return gpu ? gpu->cache() : *data->kv; }
+
   void plan() {
-    data->kv->begin_step(data->batch);
+    cache().begin_step(data->batch);
     backend->init_forward_metadata(data->batch);
   }
 
   void forward() {
     AttnArgs args;
-    args.q = data->q.view();
-    args.k = data->k.view();
-    args.v = data->v.view();
-    args.out = out.view();
+    if (gpu) {
+      args = gpu->args();
+    } else {
+      args.q = data->q.view();
+      args.k = data->k.view();
+      args.v = data->v.view();
+      args.out = out.view();
+    }
     args.save_kv = true;
     backend->forward(args, data->layer(), data->batch);
+  }
+
+  // After a forward: the output on the host, and on a GPU the step's K/V stored in the host pool
+  // too (the host store quantises exactly as the device's), which the dense check reads.
+  void collect() {
+    if (!gpu) return;
+    gpu->download_out(out);
+    data->kv->begin_step(data->batch);
+    data->kv->store_step_kv(0, data->k.view(), data->v.view());
+  }
+
+  // Host time of the plan. A GPU backend keeps the committed page tables of its rows on the
+  // device once a step's kernels ran, so each timed plan follows a forward, as in serving; the GPU
+  // is drained outside the timed region.
+  TimingStats time_plan(int repeats) {
+    if (!gpu) {
+      return time_host_call([&] { backend->init_forward_metadata(data->batch); }, repeats);
+    }
+    std::vector<double> samples;
+    for (int i = 0; i < std::max(repeats, 20) + 2; ++i) {
+      cache().begin_step(data->batch);
+      const auto t0 = std::chrono::steady_clock::now();
+      backend->init_forward_metadata(data->batch);
+      const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      forward();
+      gpu->synchronize();
+      if (i >= 2) samples.push_back(t);
+    }
+    return TimingStats::from_samples(std::move(samples));
   }
 };
 
@@ -389,14 +433,15 @@ ReferenceResult measure_reference(const BenchConfig& config, const Workload& w, 
   ref.workload = fit_workload(w, config.reference_max_bytes, config.reference_max_work,
                               "reference measured scaled down");
   RowData data(ref.workload, config.seed ^ 0x7e7e7e7e);
-  BackendRun tested(data, config.backend, threads, registry_of(config));
-  BackendRun oracle(data, "reference", threads, registry_of(config));
+  BackendRun tested(data, config.backend, threads, registry_of(config), config.device);
+  BackendRun oracle(data, "reference", threads, registry_of(config), Device::cpu());
   tested.plan();
   tested.forward();
+  tested.collect();
   oracle.plan();
   oracle.forward();
   ref.check = compare_outputs(tested.out, oracle.out, ref.workload, config.check_tolerance);
-  auto timer = make_device_timer(config.device);
+  auto timer = make_device_timer(Device::cpu());
   // The comparison run above already warmed the reference up.
   ref.time = time_repeated(*timer, [&] { oracle.forward(); }, 0, config.reference_repeats);
   ref.work_per_second = attention_work(ref.workload) / ref.time.median;
@@ -447,9 +492,10 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
     {
       say(config, fmt::format("{}: setting up {} ({} of KV)", w.name, w.shape(), fmt_bytes(row.bytes)));
       RowData data(w, config.seed);
-      BackendRun run(data, config.backend, threads, registry_of(config));
+      BackendRun run(data, config.backend, threads, registry_of(config), config.device);
       run.plan();
       run.forward();
+      run.collect();
       say(config, fmt::format("{}: checking", w.name));
       row.check = dense_check(data, run.out, config.check_max_work, config.check_tolerance,
                               config.seed);
@@ -461,8 +507,7 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
         return row;
       }
       say(config, fmt::format("{}: timing ({} repeats)", w.name, config.repeats));
-      row.plan = time_host_call([&] { run.backend->init_forward_metadata(data.batch); },
-                                config.repeats);
+      row.plan = run.time_plan(config.repeats);
       auto timer = make_device_timer(config.device);
       row.time = time_repeated(*timer, [&] { run.forward(); }, config.warmup, config.repeats);
       work_per_second = attention_work(w) / row.time.median;
@@ -480,9 +525,10 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
       Workload dw = decode_companion(w);
       say(config, fmt::format("{}: timing the decode {} it is compared with", w.name, dw.shape()));
       RowData data(dw, config.seed + 17);
-      BackendRun run(data, config.backend, threads, registry_of(config));
+      BackendRun run(data, config.backend, threads, registry_of(config), config.device);
       run.plan();
       run.forward();
+      run.collect();
       CheckResult c = dense_check(data, run.out, config.check_max_work / 4,
                                   config.check_tolerance, config.seed);
       ATTNRT_CHECK(c.passed, "{}: the decode {} it is compared with fails its check ({:.3g})",
@@ -511,8 +557,48 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
   return row;
 }
 
+std::vector<PlanTiming> measure_plans_bs256(const BenchConfig& config) {
+  const int threads = resolve_threads(config.threads);
+  std::vector<PlanTiming> out;
+  Workload decode;
+  decode.name = "plan-decode-256x2048";
+  decode.batch = 256;
+  decode.prefix_len = 2047;
+  Workload verify = decode;
+  verify.name = "plan-verify-chain-256x(2048+8)";
+  verify.kind = WorkloadKind::verify_chain;
+  verify.prefix_len = 2048;
+  verify.new_tokens = 8;
+  Workload extend = verify;
+  extend.name = "plan-extend-256x(2048+16)";
+  extend.kind = WorkloadKind::extend;
+  extend.new_tokens = 16;
+  for (const Workload& w : {decode, verify, extend}) {
+    PlanTiming p;
+    p.workload = w;
+    try {
+      say(config, fmt::format("{}: timing the host plan", w.name));
+      RowData data(w, config.seed + 31);
+      BackendRun run(data, config.backend, threads, registry_of(config), config.device);
+      run.plan();
+      run.forward();
+      p.time = run.time_plan(std::max(config.repeats, 50));
+    } catch (const Error& e) {
+      p.error = e.what();
+    }
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+
 BenchResult run_bench(const BenchConfig& config) {
   ATTNRT_CHECK(!config.workloads.empty(), "no workloads to run");
+  // Looking the backend up registers the built-in backends, and with them the GPU probes.
+  const BackendEntry& entry = registry_of(config).get(config.backend);
+  ATTNRT_CHECK(std::find(entry.caps.devices.begin(), entry.caps.devices.end(),
+                         config.device.kind) != entry.caps.devices.end(),
+               "bench: backend '{}' does not run on {}", config.backend,
+               device_name(config.device));
   ATTNRT_CHECK(config.repeats >= 1, "--repeats {} is invalid: use at least 1 (10 or more for "
                                     "figures worth recording)", config.repeats);
   BenchResult result;
@@ -529,6 +615,11 @@ BenchResult run_bench(const BenchConfig& config) {
   result.timer_method = make_device_timer(config.device)->method();
   for (const Workload& w : config.workloads) {
     result.rows.push_back(run_row(config, w, result.ceilings));
+  }
+  if (config.device.kind != DeviceKind::cpu && config.gpu_step_costs) {
+    result.plans = measure_plans_bs256(config);
+    say(config, "graph replay: a 32-layer decode step, eager and as a CUDA graph");
+    result.graph = measure_graph_overhead(config);
   }
   return result;
 }

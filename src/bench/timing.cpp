@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 
+#include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
 
 namespace attnrt::bench {
@@ -101,6 +102,7 @@ size_t last_level_cache_bytes() {
 
 std::unique_ptr<DeviceTimer> make_device_timer(Device device) {
   if (device.kind == DeviceKind::cpu) return std::make_unique<CpuTimer>();
+  Registry::global();  // the built-in backends install their timers when they register
   std::function<std::unique_ptr<DeviceTimer>()> make;
   {
     std::lock_guard lock(timers_mutex());

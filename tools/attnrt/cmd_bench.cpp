@@ -1,10 +1,12 @@
 // attnrt bench: the standard workloads of WORKLOADS.md against the ceilings of this machine.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
 
+#include "attnrt/backend/registry.h"
 #include "attnrt/bench/chart.h"
 #include "attnrt/bench/report.h"
 #include "attnrt/bench/runner.h"
@@ -65,6 +67,17 @@ void run_bench_command(const BenchArgs& a) {
   config.warmup = a.warmup;
   config.threads = a.threads;
   config.compare_reference = !a.no_reference && config.backend != "reference";
+  // A backend that runs only on GPUs is measured there: device pools, CUDA-event timing, GPU
+  // ceilings.
+  const std::vector<DeviceKind>& devices = Registry::global().get(config.backend).caps.devices;
+  if (std::find(devices.begin(), devices.end(), DeviceKind::cpu) == devices.end() &&
+      std::find(devices.begin(), devices.end(), DeviceKind::cuda) != devices.end()) {
+    config.device = Device::cuda(0);
+    const std::string why = Registry::global().get(config.backend).unavailable_reason
+                                ? Registry::global().get(config.backend).unavailable_reason()
+                                : std::string();
+    ATTNRT_CHECK(why.empty(), "--backend {}: it cannot run here: {}", config.backend, why);
+  }
   if (!a.quiet) {
     config.progress = [](const std::string& line) { std::fprintf(stderr, "bench: %s\n", line.c_str()); };
     if (!reason.empty()) std::fprintf(stderr, "bench: backend %s (%s)\n", config.backend.c_str(), reason.c_str());

@@ -39,6 +39,9 @@ struct BenchConfig {
   const Registry* registry = nullptr;
   // Progress lines ("decode-16x4096: timing ..."), e.g. to stderr. May be empty.
   std::function<void(const std::string&)> progress;
+  // GPU runs only: the host plan time per step at batch 256 (decode, verify, extend) and what a
+  // CUDA graph saves on a 32-layer decode step (BenchResult::plans, ::graph).
+  bool gpu_step_costs = true;
 };
 
 struct CheckResult {
@@ -81,6 +84,24 @@ struct RowResult {
   std::string metric_unit() const { return bound == Bound::memory ? "GB/s" : "GFLOP/s"; }
 };
 
+// Host time of one plan (init_forward_metadata) at batch 256, each plan followed by its step as in
+// serving.
+struct PlanTiming {
+  Workload workload;
+  TimingStats time;   // seconds per plan
+  std::string error;  // why it could not be measured ("" when measured)
+};
+
+// One DECODE step of a 32-layer model issued eagerly (begin_step, a forward per layer, end_step)
+// and as one CUDA-graph replay (AttentionRuntime::forward_step_graph), same inputs and pools.
+struct GraphOverhead {
+  std::string shape;  // e.g. "decode 64x1024, 32 layers (32 q / 8 KV heads, d128, page 16)"
+  int layers = 0;
+  TimingStats eager_issue, graph_issue;  // host seconds to issue the step
+  TimingStats eager_step, graph_step;    // seconds from the first call to the GPU being done
+  std::string error;                     // why it could not be measured ("" when measured)
+};
+
 struct BenchResult {
   std::string backend;
   int threads = 0;
@@ -90,6 +111,8 @@ struct BenchResult {
   Ceilings ceilings;
   std::vector<RowResult> rows;
   std::string timer_method;
+  std::vector<PlanTiming> plans;        // GPU runs (BenchConfig::gpu_step_costs)
+  std::optional<GraphOverhead> graph;  // GPU runs (BenchConfig::gpu_step_costs)
   bool all_passed() const;
 };
 
@@ -100,6 +123,10 @@ std::string auto_bench_backend(std::string* reason);
 // Measures the ceilings, then every row. Errors of one row (an unsupported shape, a failed check)
 // are recorded in that row and the others still run; configuration errors throw attnrt::Error.
 BenchResult run_bench(const BenchConfig& config);
+// The GPU step costs of BenchConfig::gpu_step_costs (also run by run_bench).
+std::vector<PlanTiming> measure_plans_bs256(const BenchConfig& config);
+GraphOverhead measure_graph_overhead(const BenchConfig& config);
+
 // One row against already measured ceilings. `workload` may be a scaled standard row (found by
 // name) or any other shape.
 RowResult run_row(const BenchConfig& config, const Workload& workload, const Ceilings& ceilings);

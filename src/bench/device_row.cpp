@@ -1,0 +1,104 @@
+#include "src/bench/device_row.h"
+
+#include "attnrt/core/error.h"
+
+#if defined(ATTNRT_HAS_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "backends/cuda/cuda_kv_cache.h"
+#include "backends/cuda/cuda_util.h"
+#endif
+
+namespace attnrt::bench {
+
+#if defined(ATTNRT_HAS_CUDA)
+
+namespace {
+
+class CudaRow final : public DeviceRow {
+ public:
+  CudaRow(Device device, const ModelSpec& model, const KVCacheConfig& config, const KVCache& host,
+          const HostBuffer& q, const HostBuffer& k, const HostBuffer& v, const HostBuffer& out)
+      : device_(device) {
+    ATTNRT_CUDA_CHECK(cudaSetDevice(device.index));
+    storage_ = cuda::make_cuda_kv_storage(model, config);
+    cache_ = static_cast<cuda::CudaKVCache*>(storage_.cache.get());
+    for (const LayerSpec& l : model.layers) {
+      if (!l.uses_kv_cache()) continue;
+      const KVLayerView h = host.layer(l.layer_id);
+      if (h.k_scale != 1.f || h.v_scale != 1.f)
+        cache_->set_kv_scales(l.layer_id, h.k_scale, h.v_scale);
+      cache_->copy_layer_from_host(l.layer_id, h.k, h.v);
+    }
+    // Backends built on this cache take its stream: the default one, which the timer records on.
+    cache_->set_stream(nullptr);
+    q_ = upload(q);
+    k_ = upload(k);
+    v_ = upload(v);
+    out_.reserve(out.bytes());
+    out_view_ = out.view();
+    out_view_.data = out_.data();
+    out_view_.device = device_;
+  }
+
+  KVCache& cache() override { return *cache_; }
+
+  AttnArgs args() const override {
+    AttnArgs a;
+    a.q = q_.view;
+    a.k = k_.view;
+    a.v = v_.view;
+    a.out = out_view_;
+    return a;
+  }
+
+  void download_out(const HostBuffer& out) override {
+    ATTNRT_CUDA_CHECK(cudaMemcpy(out.data(), out_.data(), out.bytes(), cudaMemcpyDeviceToHost));
+  }
+
+  void synchronize() override { ATTNRT_CUDA_CHECK(cudaStreamSynchronize(nullptr)); }
+
+ private:
+  struct Tensor {
+    cuda::DeviceBuffer buf;
+    TensorView view;
+  };
+  Tensor upload(const HostBuffer& h) {
+    Tensor t;
+    t.buf.reserve(h.bytes());
+    ATTNRT_CUDA_CHECK(cudaMemcpy(t.buf.data(), h.data(), h.bytes(), cudaMemcpyHostToDevice));
+    t.view = h.view();
+    t.view.data = t.buf.data();
+    t.view.device = device_;
+    return t;
+  }
+
+  Device device_;
+  KVStorage storage_;
+  cuda::CudaKVCache* cache_ = nullptr;
+  Tensor q_, k_, v_;
+  cuda::DeviceBuffer out_;
+  TensorView out_view_;
+};
+
+}  // namespace
+
+std::unique_ptr<DeviceRow> make_device_row(Device device, const ModelSpec& model,
+                                           const KVCacheConfig& config, const KVCache& host,
+                                           const HostBuffer& q, const HostBuffer& k,
+                                           const HostBuffer& v, const HostBuffer& out) {
+  ATTNRT_CHECK(device.kind == DeviceKind::cuda, "bench: no device rows on {}", device_name(device));
+  return std::make_unique<CudaRow>(device, model, config, host, q, k, v, out);
+}
+
+#else
+
+std::unique_ptr<DeviceRow> make_device_row(Device device, const ModelSpec&, const KVCacheConfig&,
+                                           const KVCache&, const HostBuffer&, const HostBuffer&,
+                                           const HostBuffer&, const HostBuffer&) {
+  fail("bench: rows on {} need CUDA, and this build has none", device_name(device));
+}
+
+#endif
+
+}  // namespace attnrt::bench
