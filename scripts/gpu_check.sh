@@ -1,54 +1,203 @@
 #!/usr/bin/env bash
-# On the GPU machine, from the project root: build (Release, sm_90a), run the CUDA tests (and
-# compute-sanitizer memcheck over a subset), then the GPU benchmarks. Logs and JSON go to $OUT
-# (default ./out/gpu); a short table is printed last.
-#   usage: scripts/gpu_check.sh [build|test|bench|all|prefill] [extra gtest filter]
-# `prefill`: build, the prefill/extend tests (with memcheck over two of them), then only the
-# prefill and extend benchmark rows.
+# The GPU check of the cuda backend: on the GPU machine, from the project root, in one call that
+# keeps within a deadline (ATTNRT_GPU_DEADLINE seconds, default 560, so that a 600 s limit on the
+# command still gets every file back):
+#   build     Release, sm_90a: attnrt_cuda_tests and the attnrt CLI (always; ninja is incremental)
+#   test      every GPU test: backend, prefill, CUDA graphs through AttentionRuntime, the row
+#             copies, attnrt run's driver, bench on the GPU
+#   check     attnrt check --backend cuda (the conformance suite, one line per feature)
+#   run       attnrt run with the defaults (must auto-select cuda; DECODE steps as CUDA graphs,
+#             sampled steps of every mode against reference), then a speculative tree run on pages
+#             of 16 (verify graphs, accepted rows moved inside the GPU pools)
+#   bench     attnrt bench --backend cuda --json: ceilings, every standard row, host plan at batch
+#             256, graph replay of a 32-layer decode step
+#   memcheck  compute-sanitizer --tool memcheck over attnrt run, then over the GPU tests
+#   torch     bench/torch_sdpa.py --device cuda on the bench rows (SDPA flash, cuDNN,
+#             FlexAttention) and bench/compare.py, when torch with CUDA is installed
+# Stages run in that order; one that would start with too little time left is skipped and says
+# so (run it alone in a second call). Files in $OUT (default ./out/gpu), at most 8: summary.txt,
+# tests.log, run.log, run.json, bench.log, bench.json, memcheck.log, torch.json; build.log only
+# when the build fails. The summary table is printed last.
+#   usage: scripts/gpu_check.sh [all|test|check|run|bench|memcheck|torch] [gtest filter]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
-filter=${2:-CudaBackend*:CudaPrefill*}
-memcheck_filter='CudaBackendTest.DecodeWindowSoftcapSinks:CudaBackendTest.ExtendWithCachedPrefix:CudaBackendTest.TargetVerifyChainAndTree:CudaBackendTest.DecodeSplitsLongRequests'
-bench_args=${ATTNRT_BENCH_ARGS:-}
-if [[ $what == prefill ]]; then
-  filter=${2:-CudaPrefill*:CudaBackendTest.Extend*:CudaBackendTest.Mixed*:CudaBackendTest.HostTensors*:CudaBackendTest.EagerStep*}
-  memcheck_filter='CudaPrefillTest.RaggedCausalExtendAcrossHeadDims:CudaPrefillTest.SplitKeysMergeWithLse'
-  bench_args="--only prefill,extend $bench_args"
-fi
+filter=${2:-*}
 out=${OUT:-$PWD/out/gpu}
 mkdir -p "$out"
 build=${ATTNRT_GPU_BUILD:-/tmp/b}
+deadline=$(($(date +%s) + ${ATTNRT_GPU_DEADLINE:-560}))
 if [ -f .devdeps/unpack-debs.sh ]; then source .devdeps/unpack-debs.sh >/dev/null; fi
+cli="$build/attnrt"
+tests="$build/attnrt_cuda_tests"
+memcheck_tests='CudaBackendTest.*:CudaPrefillTest.*:CudaGraphRuntime.*:CudaKVCacheRows.*'
 
-status=0
-if [[ $what == all || $what == build || $what == test || $what == bench || $what == prefill ]]; then
-  t0=$(date +%s)
-  { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
-      && ninja -C "$build" -j16 attnrt_cuda_tests attnrt_gpu_bench; } >"$out/build.log" 2>&1
-  rc=$?
-  echo "build: rc=$rc in $(( $(date +%s) - t0 )) s (log: build.log)"
-  if [ $rc -ne 0 ]; then grep -E "error|Error" "$out/build.log" | head -40; exit 1; fi
+rows=()
+left() { echo $((deadline - $(date +%s))); }
+want() { [[ $what == all || $what == "$1" ]]; }
+note() { rows+=("$1|$2|$3|$4"); }
+# budget CAP MIN: seconds a stage may take (CAP at most, what is left minus a margin); empty when
+# fewer than MIN seconds are left.
+budget() {
+  local b=$(($(left) - 10))
+  ((b > $1)) && b=$1
+  ((b >= $2)) && echo "$b"
+}
+summary() {
+  {
+    printf '%-10s %-8s %6s  %s\n' stage status seconds detail
+    for r in "${rows[@]}"; do
+      IFS='|' read -r s st sec d <<<"$r"
+      printf '%-10s %-8s %6s  %s\n' "$s" "$st" "$sec" "$d"
+    done
+  } >"$out/summary.txt"
+  echo
+  cat "$out/summary.txt"
+}
+gtest_counts() {
+  local p f s
+  p=$(grep -oE '^\[  PASSED  \] [0-9]+' "$1" | grep -oE '[0-9]+$' | tail -1)
+  f=$(grep -oE '^\[  FAILED  \] [0-9]+ test' "$1" | grep -oE '[0-9]+' | tail -1)
+  s=$(grep -oE '^\[  SKIPPED \] [0-9]+ test' "$1" | grep -oE '[0-9]+' | tail -1)
+  echo "passed ${p:-0}, failed ${f:-0}, skipped ${s:-0}"
+}
+
+# build
+t0=$(date +%s)
+b=$(budget 400 60)
+{ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+    && timeout "${b:-60}" ninja -C "$build" -j"$(nproc)" attnrt_cuda_tests attnrt_cli; } \
+  >"$out/build.log" 2>&1
+rc=$?
+if [ $rc -ne 0 ]; then
+  grep -E "error|Error" "$out/build.log" | head -40
+  note build FAILED $(($(date +%s) - t0)) "rc=$rc, see build.log"
+  summary
+  exit 1
 fi
-if [[ $what == all || $what == test || $what == prefill ]]; then
+note build ok $(($(date +%s) - t0)) "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+rm -f "$out/build.log"
+status=0
+
+if want test; then
   t0=$(date +%s)
-  "$build/attnrt_cuda_tests" --gtest_filter="$filter" --gtest_output=xml:"$out/tests.xml" \
-      >"$out/tests.log" 2>&1
-  rc=$?
-  echo "tests ($filter): rc=$rc in $(( $(date +%s) - t0 )) s"
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|Failure|error|Expected|Which is" "$out/tests.log" | head -60
-  [ $rc -ne 0 ] && status=1
-  if command -v compute-sanitizer >/dev/null && [[ ${ATTNRT_MEMCHECK:-1} == 1 ]]; then
-    t0=$(date +%s)
-    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 "$build/attnrt_cuda_tests" \
-      --gtest_filter="$memcheck_filter" >"$out/memcheck.log" 2>&1
-    echo "memcheck: rc=$? in $(( $(date +%s) - t0 )) s"; tail -3 "$out/memcheck.log"
+  if b=$(budget 240 30); then
+    timeout -k 5 "$b" "$tests" --gtest_filter="$filter" >"$out/tests.log" 2>&1
+    rc=$?
+    grep -E '^\[  FAILED  \]|Failure$' "$out/tests.log" | head -20
+    note test "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
+      "rc=$rc; $(gtest_counts "$out/tests.log")"
+    [ $rc -ne 0 ] && status=1
+  else
+    note test skipped 0 "no time left"
   fi
 fi
-if [[ $what == all || $what == bench || $what == prefill ]]; then
+
+if want check; then
   t0=$(date +%s)
-  "$build/attnrt_gpu_bench" --json "$out/bench.json" $bench_args >"$out/bench.log" 2>&1
-  echo "bench: rc=$? in $(( $(date +%s) - t0 )) s"
-  cat "$out/bench.log" | tail -45
+  if b=$(budget 90 20); then
+    echo "### attnrt check --backend cuda" >>"$out/run.log"
+    timeout -k 5 "$b" "$cli" check --backend cuda --no-progress >>"$out/run.log" 2>&1
+    rc=$?
+    note check "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
+      "rc=$rc; $(grep -m1 -E 'features passed' "$out/run.log")"
+    [ $rc -ne 0 ] && status=1
+  else
+    note check skipped 0 "no time left"
+  fi
 fi
+
+if want run; then
+  t0=$(date +%s)
+  if b=$(budget 120 30); then
+    echo "### attnrt run (defaults)" >>"$out/run.log"
+    timeout -k 5 "$b" "$cli" run --no-progress --json "$out/run.json" >>"$out/run.log" 2>&1
+    rc=$?
+    backends=$(grep -m1 '^backends:' "$out/run.log" | cut -c1-60)
+    total=$(grep -E '^total ' "$out/run.log" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
+    note run "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
+      "rc=$rc; $backends; total: $total"
+    [ $rc -ne 0 ] && status=1
+    t0=$(date +%s)
+    if b=$(budget 90 20); then
+      echo "### attnrt run, speculative tree on pages of 16" >>"$out/run.log"
+      timeout -k 5 "$b" "$cli" run --no-progress --page-size 16 --speculative-num-steps 3 \
+        --speculative-eagle-topk 2 --speculative-num-draft-tokens 6 >>"$out/run.log" 2>&1
+      rc=$?
+      verify=$(grep -E '^TARGET_VERIFY ' "$out/run.log" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
+      note run-tree "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
+        "rc=$rc; TARGET_VERIFY: $verify"
+      [ $rc -ne 0 ] && status=1
+    fi
+  else
+    note run skipped 0 "no time left"
+  fi
+fi
+
+if want bench; then
+  t0=$(date +%s)
+  if b=$(budget 300 60); then
+    timeout -k 5 "$b" "$cli" bench --backend cuda --json "$out/bench.json" >"$out/bench.log" 2>&1
+    rc=$?
+    sed -n '/^ceilings/,$p' "$out/bench.log" | grep -vE '^bench: ' | head -70
+    note bench "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
+      "rc=$rc; $(grep -m1 -E '^  memory' "$out/bench.log" | tr -s ' ' | cut -c1-40)"
+    [ $rc -ne 0 ] && status=1
+  else
+    note bench skipped 0 "no time left"
+  fi
+fi
+
+if want memcheck; then
+  if ! command -v compute-sanitizer >/dev/null; then
+    note memcheck skipped 0 "compute-sanitizer not found"
+  else
+    t0=$(date +%s)
+    if b=$(budget 150 30); then
+      echo "### memcheck: attnrt run (defaults)" >>"$out/memcheck.log"
+      timeout -k 5 "$b" compute-sanitizer --tool memcheck --error-exitcode 9 \
+        "$cli" run --no-progress >>"$out/memcheck.log" 2>&1
+      rc=$?
+      note memcheck-run "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
+        "rc=$rc; $(grep -E 'ERROR SUMMARY' "$out/memcheck.log" | tail -1)"
+      [ $rc -ne 0 ] && status=1
+    else
+      note memcheck-run skipped 0 "no time left"
+    fi
+    t0=$(date +%s)
+    if b=$(budget 300 30); then
+      echo "### memcheck: $memcheck_tests" >>"$out/memcheck.log"
+      timeout -k 5 "$b" compute-sanitizer --tool memcheck --error-exitcode 9 \
+        "$tests" --gtest_filter="$memcheck_tests" >>"$out/memcheck.log" 2>&1
+      rc=$?
+      done_tests=$(grep -cE '^\[       OK \]' "$out/memcheck.log")
+      note memcheck-tests "$([ $rc -eq 0 ] && echo ok || { [ $rc -eq 124 ] && echo PARTIAL || echo FAILED; })" \
+        $(($(date +%s) - t0)) "rc=$rc; $done_tests tests ran clean; $(grep -E 'ERROR SUMMARY' "$out/memcheck.log" | tail -1)"
+      [ $rc -ne 0 ] && [ $rc -ne 124 ] && status=1
+    else
+      note memcheck-tests skipped 0 "no time left"
+    fi
+  fi
+fi
+
+if want torch; then
+  t0=$(date +%s)
+  if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    note torch skipped 0 "torch with CUDA is not installed"
+  elif [ ! -f "$out/bench.json" ]; then
+    note torch skipped 0 "no bench.json to take the rows from"
+  elif b=$(budget 600 30); then
+    echo "### bench/torch_sdpa.py --device cuda" >>"$out/bench.log"
+    timeout -k 5 "$b" python3 bench/torch_sdpa.py --device cuda --from "$out/bench.json" \
+      --json "$out/torch.json" >>"$out/bench.log" 2>&1
+    rc=$?
+    python3 bench/compare.py "$out/bench.json" "$out/torch.json" >>"$out/bench.log" 2>&1
+    note torch "$([ $rc -eq 0 ] && echo ok || { [ $rc -eq 124 ] && echo PARTIAL || echo FAILED; })" \
+      $(($(date +%s) - t0)) "rc=$rc; $(grep -c '"name"' "$out/torch.json" 2>/dev/null || echo 0) rows in torch.json"
+  else
+    note torch skipped 0 "no time left"
+  fi
+fi
+
+summary
 exit $status
