@@ -4,6 +4,7 @@
 // mode, strided tensors and the errors it reports.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -153,6 +154,46 @@ TEST(CpuBackend, WidensEveryFp8CodeLikeTheDtypeLibrary) {
             << dtype_name(t) << " code " << int{codes[i]} << ": " << got[i] << " vs " << want;
       }
     }
+  }
+}
+
+TEST(CpuBackend, WidensEveryFp8CodeToBf16ForTheDotKernels) {
+  // Every fp8 value, subnormals included, is a bf16 normal: the words must be exact (vdpbf16ps
+  // would read a bf16 subnormal as zero), NaN codes NaN. Codes in an order that crosses the two
+  // byte tables and a tail that is not a whole vector.
+  std::vector<uint8_t> codes(256 + 37);
+  std::iota(codes.begin(), codes.begin() + 256, 0);
+  std::shuffle(codes.begin(), codes.begin() + 256, std::mt19937(0xf8));
+  for (size_t i = 256; i < codes.size(); ++i) codes[i] = static_cast<uint8_t>(i * 97 + 13);
+  for (DType t : {DType::e4m3, DType::e5m2}) {
+    std::vector<uint16_t> got(codes.size(), 0xdead);
+    if (!cpu::widen_fp8_to_bf16(t, codes.data(), static_cast<int64_t>(codes.size()), got.data())) {
+      EXPECT_EQ(cpu_simd_target().find("+BF16"), std::string::npos)
+          << "the bf16 dot kernels run, so the fp8 widening must too (AVX-512 VBMI present?)";
+      EXPECT_EQ(got[0], 0xdead);
+      continue;
+    }
+    const float factor = cpu::kernel_load_factor(t);
+    int subnormals = 0;
+    for (size_t i = 0; i < codes.size(); ++i) {
+      const float want = t == DType::e4m3 ? e4m3_to_float(codes[i]) : e5m2_to_float(codes[i]);
+      const uint16_t word = got[i];
+      const float value = bf16_to_float(word);
+      if (std::isnan(want)) {
+        EXPECT_TRUE(std::isnan(value)) << dtype_name(t) << " code " << int{codes[i]};
+        continue;
+      }
+      EXPECT_EQ(value * factor, want) << dtype_name(t) << " code " << int{codes[i]};
+      EXPECT_EQ(std::signbit(value), std::signbit(want))
+          << dtype_name(t) << " code " << int{codes[i]};
+      const bool bf16_subnormal = (word & 0x7f80) == 0 && (word & 0x7f) != 0;
+      EXPECT_FALSE(bf16_subnormal) << dtype_name(t) << " code " << int{codes[i]};
+      if (i < 256 && want != 0.f && (codes[i] & (t == DType::e4m3 ? 0x78 : 0x7c)) == 0) {
+        ++subnormals;
+      }
+    }
+    // Both signs of every nonzero subnormal mantissa were checked.
+    EXPECT_EQ(subnormals, t == DType::e4m3 ? 14 : 6) << dtype_name(t);
   }
 }
 
@@ -328,12 +369,15 @@ TEST(CpuBackend, Bf16StepsWithOddShapesWindowsTreesAndSplits) {
       expect_matches_reference(s);
     }
   }
-  // fp8 KV under bf16 activations, scales that put many values among the fp8 subnormals.
-  LayerSpec layer = make_layer(8, 2, 64);
+  // fp8 KV under bf16 activations (decode rows widened to bf16 for the dot kernels where head
+  // dims are whole 64s, fp32 otherwise), scales that put many values among the fp8 subnormals;
+  // groups of 4 and of 8 (two value passes), a head dim the dot kernels leave to fp32.
+  const std::vector<LayerSpec> fp8_layers = {make_layer(8, 2, 64), make_layer(16, 2, 128, 64),
+                                             make_layer(4, 1, 96)};
   for (DType kv : {DType::e4m3, DType::e5m2}) {
     for (float k_scale : {0.02f, 1.f, 3.f}) {
       CaseSpec s = make_spec("bf16-fp8", ForwardMode::MIXED, {0, 63, 64, 2900, 8}, {1, 1, 1, 1, 12},
-                             {layer}, seed++);
+                             fp8_layers, seed++);
       s.act_dtype = DType::bf16;
       s.kv_dtype = kv;
       s.k_scale = k_scale;

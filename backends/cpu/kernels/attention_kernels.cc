@@ -327,7 +327,8 @@ HWY_INLINE void Sum4(DF df, VF v0, VF v1, VF v2, VF v3, float* out) {
 // 4 / NG keys at a time so that every step folds four dot products together.
 template <DType DT, int NG>
 HWY_INLINE void DecodeScores(const float* q, int q_stride, const typename KvElem<DT>::T* const* k,
-                             int n, int dim, float* tail, float* s, int s_stride) {
+                             const typename KvElem<DT>::T* const* pf, int n, int dim, float* tail,
+                             float* s, int s_stride) {
   using T = typename KvElem<DT>::T;
   static_assert(NG == 1 || NG == 2 || NG == 4, "four accumulators per step");
   constexpr int kKeys = 4 / NG;
@@ -337,6 +338,9 @@ HWY_INLINE void DecodeScores(const float* q, int q_stride, const typename KvElem
   for (int j = 0; j < n; j += kKeys) {
     const T* kr[kKeys];
     for (int kk = 0; kk < kKeys; ++kk) kr[kk] = k[std::min(j + kk, n - 1)];
+    if (pf != nullptr) {
+      for (int kk = 0; kk < kKeys && j + kk < n; ++kk) PrefetchRow(pf[j + kk], dim * sizeof(T));
+    }
     VF acc[4];
     for (int a = 0; a < 4; ++a) acc[a] = hn::Zero(df);
     for (int d = 0; d < full; d += lanes) {
@@ -370,9 +374,10 @@ HWY_INLINE void DecodeScores(const float* q, int q_stride, const typename KvElem
 
 // acc[g] = acc[g] * alpha[g] + sum_j p[g][j] * V_j for NG heads, one vector of value dims at a time.
 template <DType DT, int NG>
-HWY_INLINE void DecodeValues(const typename KvElem<DT>::T* const* v, int n, int dim, const float* p,
-                             int p_stride, const float* alpha, float* acc, int acc_stride,
-                             float* tail) {
+HWY_INLINE void DecodeValues(const typename KvElem<DT>::T* const* v,
+                             const typename KvElem<DT>::T* const* pf, int n, int dim,
+                             const float* p, int p_stride, const float* alpha, float* acc,
+                             int acc_stride, float* tail) {
   const DF df;
   const int lanes = static_cast<int>(hn::Lanes(df));
   for (int c = 0; c < dim; c += lanes) {
@@ -388,6 +393,7 @@ HWY_INLINE void DecodeValues(const typename KvElem<DT>::T* const* v, int n, int 
       o[g] = hn::Mul(hn::Load(df, acc + g * acc_stride + c), hn::Set(df, alpha[g]));
     }
     for (int j = 0; j < n; ++j) {
+      if (pf != nullptr) __builtin_prefetch(pf[j] + c, 0, 2);
       const VF vv = partial ? hn::Load(df, tail + j * lanes) : KvElem<DT>::Load(df, v[j] + c);
       for (int g = 0; g < NG; ++g) o[g] = hn::MulAdd(hn::Set(df, p[g * p_stride + j]), vv, o[g]);
     }
@@ -457,34 +463,111 @@ bool HasBf16Dot() {
   return prefer;
 }
 
-constexpr int kPairKeys = 8;  // keys per S^T step
-constexpr int kPairDv = 8;    // value dims per O^T step
-
-// S^T[j][rows] = sum over dim pairs of K[j] . Q^T, n_step keys (a multiple of kPairKeys); k holds
-// the keys' rows as bf16 pairs, qp the pairs of Q^T ([pairs][rl]).
+// Register blocks of the tile kernel's bf16 micro-kernels: keys (scores) and value dims (P.V) per
+// step, for NV vectors of query rows. Four row vectors (64 rows) take 16 accumulators, the rest
+// 8 x NV; either way loads and broadcasts stay well under one per vdpbf16ps.
 template <int NV>
-ATTNRT_BF16_FN void ScoresBf16(const uint32_t* const* k, int n_step, int pairs, const uint32_t* qp,
-                               int rl, float* st) {
-  for (int j = 0; j < n_step; j += kPairKeys) {
-    __m512 acc[kPairKeys][NV];
-    for (int kk = 0; kk < kPairKeys; ++kk) {
+constexpr int kPairKeys = NV >= 4 ? 4 : 8;
+template <int NV>
+constexpr int kPairDv = NV >= 4 ? 4 : 8;
+
+// S^T[j][rows] = sum over dim pairs of K[j] . Q^T for n_step keys (a multiple of kPairKeys); k holds
+// the keys' rows as bf16 pairs, qp the pairs of Q^T ([pairs][rl]). bmax[rows] = the largest raw
+// score of the n real keys (the rest are padding), taken from the accumulators before the store
+// so that the softmax of an unmasked block needs no pass of its own for it. A NaN score is left
+// out of the maximum (vmaxps returns its second operand when either is NaN).
+template <int NV>
+ATTNRT_BF16_FN void ScoresBf16(const uint32_t* const* k, int n, int n_step, int pairs,
+                               const uint32_t* qp, int rl, float* st, float* bmax) {
+  constexpr int kKeys = kPairKeys<NV>;
+  __m512 bm[NV];
+  for (int v = 0; v < NV; ++v) bm[v] = _mm512_set1_ps(kNegInf);
+  for (int j = 0; j < n_step; j += kKeys) {
+    __m512 acc[kKeys][NV];
+    for (int kk = 0; kk < kKeys; ++kk) {
       for (int v = 0; v < NV; ++v) acc[kk][v] = _mm512_setzero_ps();
     }
+    const uint32_t* kr[kKeys];
+    for (int kk = 0; kk < kKeys; ++kk) kr[kk] = k[j + kk];
     for (int d = 0; d < pairs; ++d) {
       __m512bh q[NV];
       for (int v = 0; v < NV; ++v) {
         q[v] = (__m512bh)_mm512_loadu_si512(qp + static_cast<size_t>(d) * rl + v * 16);
       }
-      for (int kk = 0; kk < kPairKeys; ++kk) {
-        const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(k[j + kk][d]));
+      for (int kk = 0; kk < kKeys; ++kk) {
+        const __m512bh kv = (__m512bh)_mm512_set1_epi32(static_cast<int>(kr[kk][d]));
         for (int v = 0; v < NV; ++v) acc[kk][v] = _mm512_dpbf16_ps(acc[kk][v], q[v], kv);
       }
     }
-    for (int kk = 0; kk < kPairKeys; ++kk) {
+    for (int kk = 0; kk < kKeys; ++kk) {
       for (int v = 0; v < NV; ++v) {
         _mm512_storeu_ps(st + static_cast<size_t>(j + kk) * rl + v * 16, acc[kk][v]);
+        if (j + kk < n) bm[v] = _mm512_max_ps(acc[kk][v], bm[v]);
       }
     }
+  }
+  for (int v = 0; v < NV; ++v) _mm512_storeu_ps(bmax + v * 16, bm[v]);
+}
+
+// 2^x for x <= 0 (a score minus its row's running maximum, in log2 units): x = n + f with n an
+// integer and |f| <= 1/2, 2^f from its Taylor polynomial of degree 5 (relative error below 3e-6,
+// far under the bf16 rounding the probabilities get next), 2^n applied by vscalefps. -inf (a masked
+// key) and NaN clamp to -200, whose power underflows to exactly 0.
+ATTNRT_BF16_FN HWY_INLINE __m512 Exp2NonPositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln2^5 / 5!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));  // ln2^4 / 4!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));  // ln2^3 / 3!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));  // ln2^2 / 2!
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));  // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Online softmax of one block in log2 units, written straight as the bf16 pairs P.V reads:
+// pp[jp][rows] = bf16(p[2 jp]) | bf16(p[2 jp + 1]) << 16 with p = 2^(s * c - m), n real keys of
+// st ([keys][rl]) and a zero past them. bmax[rows]: the block's largest s * c. Updates m (log2
+// units) and l, and leaves the factor the accumulated values must be scaled by in alpha.
+template <int NV>
+ATTNRT_BF16_FN void SoftmaxPairsBf16(const float* st, int n, int rl, float c, const float* bmax,
+                                     float* m, float* l, float* alpha, uint32_t* pp) {
+  // Word i of the result takes bf16 word i of the low half (key 2 jp) and word 16 + i (key
+  // 2 jp + 1) of vcvtne2ps2bf16's output.
+  alignas(64) static constexpr int16_t kInterleave[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                          21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                          11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i interleave = _mm512_load_si512(kInterleave);
+  const __m512 vc = _mm512_set1_ps(c);
+  const int npairs = (n + 1) / 2;
+  for (int v = 0; v < NV; ++v) {
+    const __m512 m_old = _mm512_loadu_ps(m + v * 16);
+    const __m512 m_new = _mm512_max_ps(_mm512_loadu_ps(bmax + v * 16), m_old);
+    // A row with no visible key so far keeps m = -inf; its scores are all -inf, weight 0.
+    const __mmask16 empty = _mm512_cmp_ps_mask(m_new, _mm512_set1_ps(kNegInf), _CMP_EQ_OQ);
+    const __m512 m_use = _mm512_mask_blend_ps(empty, m_new, _mm512_setzero_ps());
+    const __m512 neg_m = _mm512_sub_ps(_mm512_setzero_ps(), m_use);
+    __m512 sum0 = _mm512_setzero_ps(), sum1 = _mm512_setzero_ps();
+    const float* s = st + v * 16;
+    uint32_t* out = pp + v * 16;
+    for (int jp = 0; jp < npairs; ++jp) {
+      const size_t j0 = static_cast<size_t>(2 * jp) * rl;
+      const __m512 e0 = Exp2NonPositive(_mm512_fmadd_ps(_mm512_loadu_ps(s + j0), vc, neg_m));
+      const __m512 e1 = 2 * jp + 1 < n
+                            ? Exp2NonPositive(_mm512_fmadd_ps(_mm512_loadu_ps(s + j0 + rl), vc, neg_m))
+                            : _mm512_setzero_ps();
+      sum0 = _mm512_add_ps(sum0, e0);
+      sum1 = _mm512_add_ps(sum1, e1);
+      const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(e1, e0);
+      _mm512_storeu_si512(out + static_cast<size_t>(jp) * rl,
+                          _mm512_permutexvar_epi16(interleave, words));
+    }
+    const __m512 al = Exp2NonPositive(_mm512_sub_ps(m_old, m_use));
+    _mm512_storeu_ps(m + v * 16, m_new);
+    _mm512_storeu_ps(alpha + v * 16, al);
+    _mm512_storeu_ps(l + v * 16,
+                     _mm512_fmadd_ps(_mm512_loadu_ps(l + v * 16), al, _mm512_add_ps(sum0, sum1)));
   }
 }
 
@@ -512,30 +595,17 @@ ATTNRT_BF16_FN void PairValues(const uint16_t* const* v, int n, int vdim, const 
   }
 }
 
-// pp[jp][rows] = bf16(P^T[2 jp][rows]) | bf16(P^T[2 jp + 1][rows]) << 16.
-ATTNRT_BF16_FN void PairProbabilities(const float* st, int n, int rl, uint32_t* pp) {
-  for (int jp = 0; jp * 2 < n; ++jp) {
-    for (int v = 0; v < rl; v += 16) {
-      const __m512 a = _mm512_loadu_ps(st + static_cast<size_t>(2 * jp) * rl + v);
-      const __m512 b = 2 * jp + 1 < n ? _mm512_loadu_ps(st + static_cast<size_t>(2 * jp + 1) * rl + v)
-                                      : _mm512_setzero_ps();
-      const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
-      const __m512i hi = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b)), 16);
-      _mm512_storeu_si512(pp + static_cast<size_t>(jp) * rl + v, _mm512_or_si512(lo, hi));
-    }
-  }
-}
-
 // O^T[d][rows] = O^T[d][rows] * alpha + sum over key pairs of V pairs . P pairs.
 template <int NV>
 ATTNRT_BF16_FN void ValuesBf16(const uint32_t* vp, const uint32_t* pp, int npairs, int vdim, int rl,
                                const float* alpha, float* ot) {
+  constexpr int kDims = kPairDv<NV>;
   __m512 al[NV];
   for (int v = 0; v < NV; ++v) al[v] = _mm512_loadu_ps(alpha + v * 16);
   int d0 = 0;
-  for (; d0 + kPairDv <= vdim; d0 += kPairDv) {
-    __m512 o[kPairDv][NV];
-    for (int dd = 0; dd < kPairDv; ++dd) {
+  for (; d0 + kDims <= vdim; d0 += kDims) {
+    __m512 o[kDims][NV];
+    for (int dd = 0; dd < kDims; ++dd) {
       for (int v = 0; v < NV; ++v) {
         o[dd][v] = _mm512_mul_ps(_mm512_loadu_ps(ot + static_cast<size_t>(d0 + dd) * rl + v * 16), al[v]);
       }
@@ -546,12 +616,12 @@ ATTNRT_BF16_FN void ValuesBf16(const uint32_t* vp, const uint32_t* pp, int npair
         pv[v] = (__m512bh)_mm512_loadu_si512(pp + static_cast<size_t>(jp) * rl + v * 16);
       }
       const uint32_t* vr = vp + static_cast<size_t>(jp) * vdim + d0;
-      for (int dd = 0; dd < kPairDv; ++dd) {
+      for (int dd = 0; dd < kDims; ++dd) {
         const __m512bh vv = (__m512bh)_mm512_set1_epi32(static_cast<int>(vr[dd]));
         for (int v = 0; v < NV; ++v) o[dd][v] = _mm512_dpbf16_ps(o[dd][v], pv[v], vv);
       }
     }
-    for (int dd = 0; dd < kPairDv; ++dd) {
+    for (int dd = 0; dd < kDims; ++dd) {
       for (int v = 0; v < NV; ++v) {
         _mm512_storeu_ps(ot + static_cast<size_t>(d0 + dd) * rl + v * 16, o[dd][v]);
       }
@@ -573,9 +643,7 @@ ATTNRT_BF16_FN void ValuesBf16(const uint32_t* vp, const uint32_t* pp, int npair
   }
 }
 
-
-// Stored K/V rows as the bf16 words vdpbf16ps reads, 32 at a time. Only bf16 rows: widening fp8 to
-// bf16 exactly (through fp16 and fp32, for the subnormals) costs more than the fp32 FMAs it saves.
+// Stored bf16 K/V rows as the words vdpbf16ps reads, 32 at a time (fp8 rows: WidenFp8 below).
 template <DType DT>
 struct DotRow;
 
@@ -590,7 +658,8 @@ struct DotRow<DType::bf16> {
 // ([NG][q_stride] u32), dim a multiple of 32.
 template <DType DT, int NG>
 ATTNRT_BF16_FN void DecodeScoresBf16(const uint32_t* q, int q_stride,
-                                     const typename KvElem<DT>::T* const* k, int n, int dim,
+                                     const typename KvElem<DT>::T* const* k,
+                                     const typename KvElem<DT>::T* const* pf, int n, int dim,
                                      float* s, int s_stride) {
   using T = typename KvElem<DT>::T;
   // Eight independent accumulators hide the latency of vdpbf16ps.
@@ -599,6 +668,9 @@ ATTNRT_BF16_FN void DecodeScoresBf16(const uint32_t* q, int q_stride,
   for (int j = 0; j < n; j += kKeys) {
     const T* kr[kKeys];
     for (int kk = 0; kk < kKeys; ++kk) kr[kk] = k[std::min(j + kk, n - 1)];
+    if (pf != nullptr) {
+      for (int kk = 0; kk < kKeys && j + kk < n; ++kk) PrefetchRow(pf[j + kk], dim * sizeof(T));
+    }
     __m512 acc[8];
     for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
     for (int d = 0; d < dim; d += 32) {
@@ -623,10 +695,10 @@ ATTNRT_BF16_FN void DecodeScoresBf16(const uint32_t* q, int q_stride,
 // acc[g] = acc[g] * alpha[g] + sum over key pairs of V pairs . P pairs for NG heads, vdim a
 // multiple of 32; p holds each head's probabilities as bf16 ([NG][p_stride] u32 pairs).
 template <DType DT, int NG>
-ATTNRT_BF16_FN void DecodeValuesBf16(const typename KvElem<DT>::T* const* v, int n, int vdim,
+ATTNRT_BF16_FN void DecodeValuesBf16(const typename KvElem<DT>::T* const* v,
+                                     const typename KvElem<DT>::T* const* pf, int n, int vdim,
                                      const typename KvElem<DT>::T* zero, const uint32_t* p,
-                                     int p_stride, const float* alpha, float* acc,
-                                     int acc_stride) {
+                                     int p_stride, const float* alpha, float* acc, int acc_stride) {
   alignas(64) static constexpr int16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
                                                   37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
                                                   11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -642,6 +714,10 @@ ATTNRT_BF16_FN void DecodeValuesBf16(const typename KvElem<DT>::T* const* v, int
       o[g][1] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * acc_stride + c + 16), al);
     }
     for (int jp = 0; 2 * jp < n; ++jp) {
+      if (pf != nullptr) {
+        __builtin_prefetch(pf[2 * jp] + c, 0, 2);
+        if (2 * jp + 1 < n) __builtin_prefetch(pf[2 * jp + 1] + c, 0, 2);
+      }
       const __m512i va = DotRow<DT>::Load(v[2 * jp], c);
       const __m512i vb = DotRow<DT>::Load(2 * jp + 1 < n ? v[2 * jp + 1] : zero, c);
       const __m512bh pair_lo = (__m512bh)_mm512_permutex2var_epi16(va, lo, vb);
@@ -667,9 +743,209 @@ ATTNRT_BF16_FN void ToBf16(const float* src, int n, uint16_t* dst) {
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// fp8 K/V on the bf16 dot-product kernels. Every fp8 value (e4m3 and e5m2, subnormals included) is
+// a bf16 normal, so the widening is exact; it must not produce bf16 subnormals, which vdpbf16ps
+// reads as zero, so a bit placement that keeps the fp8 exponent field (and its subnormals) is out.
+// Instead two 128-entry byte tables (vpermt2b, AVX-512 VBMI) give the high and low byte of the
+// bf16 word of each magnitude, the code's sign is or-ed into the high byte, and one more vpermt2b
+// per 32 words interleaves the two bytes: five shuffles per 64 codes, where the fp16 route costs
+// a conversion per 16. The tables hold value / kLoadFactor, the factor folded into the scales.
+
+#define ATTNRT_FP8_FN __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16,avx512vbmi")))
+
+bool HasFp8Dot() {
+  static const bool has = HasBf16Dot() && __builtin_cpu_supports("avx512vbmi");
+  return has;
+}
+
+// Byte tables over the 7 magnitude bits, and the byte orders the shuffles use.
+struct Fp8Tables {
+  alignas(64) uint8_t hi[128];
+  alignas(64) uint8_t lo[128];
+  // Output byte 2i takes byte i of the first operand, 2i + 1 byte i of the second (i < 32);
+  // the upper table does the same for i in [32, 64).
+  alignas(64) uint8_t pair_lower[64];
+  alignas(64) uint8_t pair_upper[64];
+};
+
+template <DType DT>
+const Fp8Tables& Fp8TablesOf() {
+  static const Fp8Tables tables = [] {
+    Fp8Tables t{};
+    for (int code = 0; code < 128; ++code) {
+      const auto c = static_cast<uint8_t>(code);
+      const float value = DT == DType::e4m3 ? e4m3_to_float(c) : e5m2_to_float(c);
+      uint16_t word = 0x7fc0;  // the NaN codes
+      if (!std::isnan(value)) {
+        uint32_t bits = 0;
+        const float stored = value / kLoadFactor<DT>;
+        std::memcpy(&bits, &stored, sizeof(bits));
+        word = static_cast<uint16_t>(bits >> 16);  // exact: at most 3 mantissa bits
+      }
+      t.hi[code] = static_cast<uint8_t>(word >> 8);
+      t.lo[code] = static_cast<uint8_t>(word & 0xff);
+    }
+    for (int i = 0; i < 32; ++i) {
+      t.pair_lower[2 * i] = static_cast<uint8_t>(i);
+      t.pair_lower[2 * i + 1] = static_cast<uint8_t>(64 + i);
+      t.pair_upper[2 * i] = static_cast<uint8_t>(32 + i);
+      t.pair_upper[2 * i + 1] = static_cast<uint8_t>(96 + i);
+    }
+    return t;
+  }();
+  return tables;
+}
+
+// The tables as registers: loaded once per call of a kernel below.
+struct Fp8Regs {
+  __m512i hi0, hi1, lo0, lo1, sign, pair_lower, pair_upper;
+};
+
+template <DType DT>
+ATTNRT_FP8_FN HWY_INLINE Fp8Regs LoadFp8Regs() {
+  const Fp8Tables& t = Fp8TablesOf<DT>();
+  return {_mm512_load_si512(t.hi),
+          _mm512_load_si512(t.hi + 64),
+          _mm512_load_si512(t.lo),
+          _mm512_load_si512(t.lo + 64),
+          _mm512_set1_epi8(static_cast<char>(0x80)),
+          _mm512_load_si512(t.pair_lower),
+          _mm512_load_si512(t.pair_upper)};
+}
+
+// 64 codes to bf16 words: w0 = words of codes [0, 32), w1 = words of codes [32, 64).
+ATTNRT_FP8_FN HWY_INLINE void WidenFp8(const Fp8Regs& r, __m512i codes, __m512i& w0, __m512i& w1) {
+  // vpermt2b reads the low 7 bits of each index byte: the magnitude.
+  __m512i hi = _mm512_permutex2var_epi8(r.hi0, codes, r.hi1);
+  hi = _mm512_ternarylogic_epi32(hi, codes, r.sign, 0xf8);  // hi | (codes & 0x80)
+  const __m512i lo = _mm512_permutex2var_epi8(r.lo0, codes, r.lo1);
+  w0 = _mm512_permutex2var_epi8(lo, r.pair_lower, hi);
+  w1 = _mm512_permutex2var_epi8(lo, r.pair_upper, hi);
+}
+
+// DecodeScoresBf16 for fp8 key rows, dim a multiple of 64.
+template <DType DT, int NG>
+ATTNRT_FP8_FN void DecodeScoresFp8(const uint32_t* q, int q_stride, const uint8_t* const* k,
+                                   const uint8_t* const* pf, int n, int dim, float* s,
+                                   int s_stride) {
+  constexpr int kKeys = 8 / NG;
+  const Fp8Regs regs = LoadFp8Regs<DT>();
+  const DF df;
+  for (int j = 0; j < n; j += kKeys) {
+    const uint8_t* kr[kKeys];
+    for (int kk = 0; kk < kKeys; ++kk) kr[kk] = k[std::min(j + kk, n - 1)];
+    if (pf != nullptr) {
+      for (int kk = 0; kk < kKeys && j + kk < n; ++kk) PrefetchRow(pf[j + kk], dim);
+    }
+    __m512 acc[8];
+    for (int i = 0; i < 8; ++i) acc[i] = _mm512_setzero_ps();
+    for (int d = 0; d < dim; d += 64) {
+      __m512i kw[kKeys][2];
+      for (int kk = 0; kk < kKeys; ++kk) {
+        WidenFp8(regs, _mm512_loadu_si512(kr[kk] + d), kw[kk][0], kw[kk][1]);
+      }
+      for (int g = 0; g < NG; ++g) {
+        const uint32_t* qg = q + g * q_stride + d / 2;
+        const __m512bh q0 = (__m512bh)_mm512_loadu_si512(qg);
+        const __m512bh q1 = (__m512bh)_mm512_loadu_si512(qg + 16);
+        for (int kk = 0; kk < kKeys; ++kk) {
+          __m512& a = acc[g * kKeys + kk];
+          a = _mm512_dpbf16_ps(a, q0, (__m512bh)kw[kk][0]);
+          a = _mm512_dpbf16_ps(a, q1, (__m512bh)kw[kk][1]);
+        }
+      }
+    }
+    float out[8];
+    Sum4(df, VF{acc[0]}, VF{acc[1]}, VF{acc[2]}, VF{acc[3]}, out);
+    Sum4(df, VF{acc[4]}, VF{acc[5]}, VF{acc[6]}, VF{acc[7]}, out + 4);
+    for (int g = 0; g < NG; ++g) {
+      for (int kk = 0; kk < kKeys && j + kk < n; ++kk)
+        s[g * s_stride + j + kk] = out[g * kKeys + kk];
+    }
+  }
+}
+
+// DecodeValuesBf16 for fp8 value rows, vdim a multiple of 64, NG <= 4 (4 x NG accumulators). The
+// codes of two rows are interleaved first, so that widening them yields the key pairs directly.
+template <DType DT, int NG>
+ATTNRT_FP8_FN void DecodeValuesFp8(const uint8_t* const* v, const uint8_t* const* pf, int n,
+                                   int vdim, const uint8_t* zero, const uint32_t* p, int p_stride,
+                                   const float* alpha, float* acc, int acc_stride) {
+  static_assert(NG <= 4, "accumulators must fit the register file");
+  const Fp8Regs regs = LoadFp8Regs<DT>();
+  for (int c = 0; c < vdim; c += 64) {
+    __m512 o[NG][4];
+    for (int g = 0; g < NG; ++g) {
+      const __m512 al = _mm512_set1_ps(alpha[g]);
+      for (int x = 0; x < 4; ++x) {
+        o[g][x] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * acc_stride + c + 16 * x), al);
+      }
+    }
+    for (int jp = 0; 2 * jp < n; ++jp) {
+      if (pf != nullptr) {
+        __builtin_prefetch(pf[2 * jp] + c, 0, 2);
+        if (2 * jp + 1 < n) __builtin_prefetch(pf[2 * jp + 1] + c, 0, 2);
+      }
+      const __m512i va = _mm512_loadu_si512(v[2 * jp] + c);
+      const __m512i vb = _mm512_loadu_si512((2 * jp + 1 < n ? v[2 * jp + 1] : zero) + c);
+      __m512i pw[4];
+      WidenFp8(regs, _mm512_permutex2var_epi8(va, regs.pair_lower, vb), pw[0], pw[1]);
+      WidenFp8(regs, _mm512_permutex2var_epi8(va, regs.pair_upper, vb), pw[2], pw[3]);
+      for (int g = 0; g < NG; ++g) {
+        const __m512bh pg = (__m512bh)_mm512_set1_epi32(static_cast<int>(p[g * p_stride + jp]));
+        for (int x = 0; x < 4; ++x) o[g][x] = _mm512_dpbf16_ps(o[g][x], (__m512bh)pw[x], pg);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      for (int x = 0; x < 4; ++x) _mm512_storeu_ps(acc + g * acc_stride + c + 16 * x, o[g][x]);
+    }
+  }
+}
+
+// Exposed for the exhaustive test: n codes as the bf16 words the kernels above multiply.
+template <DType DT>
+ATTNRT_FP8_FN void WidenFp8Row(const uint8_t* src, int64_t n, uint16_t* dst) {
+  const Fp8Regs regs = LoadFp8Regs<DT>();
+  for (int64_t i = 0; i < n; i += 64) {
+    alignas(64) uint8_t codes[64] = {};
+    alignas(64) uint16_t words[64];
+    const int64_t m = std::min<int64_t>(64, n - i);
+    std::memcpy(codes, src + i, static_cast<size_t>(m));
+    __m512i w0, w1;
+    WidenFp8(regs, _mm512_load_si512(codes), w0, w1);
+    _mm512_store_si512(words, w0);
+    _mm512_store_si512(words + 32, w1);
+    std::memcpy(dst + i, words, static_cast<size_t>(m) * sizeof(uint16_t));
+  }
+}
+
+// The single-query dot kernels by K/V type: bf16 rows as they are, fp8 rows widened on the way.
+template <DType DT, int NG>
+void DotScores(const uint32_t* q, int q_stride, const typename KvElem<DT>::T* const* k,
+               const typename KvElem<DT>::T* const* pf, int n, int dim, float* s, int s_stride) {
+  if constexpr (DT == DType::bf16) {
+    DecodeScoresBf16<DT, NG>(q, q_stride, k, pf, n, dim, s, s_stride);
+  } else {
+    DecodeScoresFp8<DT, NG>(q, q_stride, k, pf, n, dim, s, s_stride);
+  }
+}
+
+template <DType DT, int NG>
+void DotValues(const typename KvElem<DT>::T* const* v, const typename KvElem<DT>::T* const* pf,
+               int n, int vdim, const typename KvElem<DT>::T* zero, const uint32_t* p, int p_stride,
+               const float* alpha, float* acc, int acc_stride) {
+  if constexpr (DT == DType::bf16) {
+    DecodeValuesBf16<DT, NG>(v, pf, n, vdim, zero, p, p_stride, alpha, acc, acc_stride);
+  } else {
+    DecodeValuesFp8<DT, NG>(v, pf, n, vdim, zero, p, p_stride, alpha, acc, acc_stride);
+  }
+}
+
 #else
 #define ATTNRT_BF16_DOT 0
 bool HasBf16Dot() { return false; }
+bool HasFp8Dot() { return false; }
 #endif
 
 // Every kv head of a single-query item in one pass over the keys: each pool row ([kv heads, dim],
@@ -739,25 +1015,32 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it) {
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
   const int32_t* slots = p.slots + r.slot_offset;
-  const size_t k_row_bytes = static_cast<size_t>(heads) * dim * sizeof(T);
-  const size_t v_row_bytes = static_cast<size_t>(heads) * vdim * sizeof(T);
   const T* krows[kDecodeKeys];
   const T* vrows[kDecodeKeys];
-  for (int j = it.k0; j < std::min(it.k1, it.k0 + kDecodeKeys); ++j) {
-    PrefetchRow(k_cache + slots[j] * a.k_row_stride, k_row_bytes);
-    PrefetchRow(v_cache + slots[j] * a.v_row_stride, v_row_bytes);
-  }
+  // Each pass of the loop below reads one kv head's slice of the block's rows; the kernels
+  // prefetch, row by row as they go, the slice the next pass reads (the next head, or head 0 of
+  // the next block): a steady stream one pass ahead, where a burst of whole rows stalls the core
+  // on its miss buffers.
+  const T* kpf[kDecodeKeys];
+  const T* vpf[kDecodeKeys];
   for (int kb = it.k0; kb < it.k1; kb += kDecodeKeys) {
     const int n = std::min(kDecodeKeys, it.k1 - kb);
-    for (int j = kb + n; j < std::min(it.k1, kb + n + kDecodeKeys); ++j) {
-      PrefetchRow(k_cache + slots[j] * a.k_row_stride, k_row_bytes);
-      PrefetchRow(v_cache + slots[j] * a.v_row_stride, v_row_bytes);
-    }
     for (int h = 0; h < heads; ++h) {
       for (int j = 0; j < n; ++j) {
         const int64_t slot = slots[kb + j];
         krows[j] = k_cache + slot * a.k_row_stride + static_cast<int64_t>(h) * dim;
         vrows[j] = v_cache + slot * a.v_row_stride + static_cast<int64_t>(h) * vdim;
+        if (h + 1 < heads) {
+          kpf[j] = krows[j] + dim;
+          vpf[j] = vrows[j] + vdim;
+        } else if (kb + kDecodeKeys + j < it.k1) {
+          const int64_t next = slots[kb + kDecodeKeys + j];
+          kpf[j] = k_cache + next * a.k_row_stride;
+          vpf[j] = v_cache + next * a.v_row_stride;
+        } else {
+          kpf[j] = krows[j];  // already cached: the prefetch is a no-op
+          vpf[j] = vrows[j];
+        }
       }
       float* qh = q + static_cast<size_t>(h) * ng * dim_p;
       float* sh = s + static_cast<size_t>(h) * ng * kDecodeKeys;
@@ -773,13 +1056,13 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it) {
           float* sg = sh + static_cast<size_t>(g) * kDecodeKeys;
           const uint32_t* qg = q32 + static_cast<size_t>(g) * q_stride;
           if (ng - g >= 4) {
-            DecodeScoresBf16<DT, 4>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
+            DotScores<DT, 4>(qg, q_stride, krows, g == 0 ? kpf : nullptr, n, dim, sg, kDecodeKeys);
             g += 4;
           } else if (ng - g >= 2) {
-            DecodeScoresBf16<DT, 2>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
+            DotScores<DT, 2>(qg, q_stride, krows, g == 0 ? kpf : nullptr, n, dim, sg, kDecodeKeys);
             g += 2;
           } else {
-            DecodeScoresBf16<DT, 1>(qg, q_stride, krows, n, dim, sg, kDecodeKeys);
+            DotScores<DT, 1>(qg, q_stride, krows, g == 0 ? kpf : nullptr, n, dim, sg, kDecodeKeys);
             g += 1;
           }
         }
@@ -796,17 +1079,25 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it) {
         for (int g = 0; g < ng;) {
           const uint32_t* pg = p32 + static_cast<size_t>(g) * kPStride;
           float* ag = ah + static_cast<size_t>(g) * vdim_p;
-          if (ng - g >= 8) {
-            DecodeValuesBf16<DT, 8>(vrows, n, vdim, zero_t, pg, kPStride, alh + g, ag, vdim_p);
-            g += 8;
-          } else if (ng - g >= 4) {
-            DecodeValuesBf16<DT, 4>(vrows, n, vdim, zero_t, pg, kPStride, alh + g, ag, vdim_p);
+          if constexpr (DT == DType::bf16) {
+            if (ng - g >= 8) {
+              DotValues<DT, 8>(vrows, g == 0 ? vpf : nullptr, n, vdim, zero_t, pg, kPStride,
+                               alh + g, ag, vdim_p);
+              g += 8;
+              continue;
+            }
+          }
+          if (ng - g >= 4) {
+            DotValues<DT, 4>(vrows, g == 0 ? vpf : nullptr, n, vdim, zero_t, pg, kPStride, alh + g,
+                             ag, vdim_p);
             g += 4;
           } else if (ng - g >= 2) {
-            DecodeValuesBf16<DT, 2>(vrows, n, vdim, zero_t, pg, kPStride, alh + g, ag, vdim_p);
+            DotValues<DT, 2>(vrows, g == 0 ? vpf : nullptr, n, vdim, zero_t, pg, kPStride, alh + g,
+                             ag, vdim_p);
             g += 2;
           } else {
-            DecodeValuesBf16<DT, 1>(vrows, n, vdim, zero_t, pg, kPStride, alh + g, ag, vdim_p);
+            DotValues<DT, 1>(vrows, g == 0 ? vpf : nullptr, n, vdim, zero_t, pg, kPStride, alh + g,
+                             ag, vdim_p);
             g += 1;
           }
         }
@@ -817,13 +1108,16 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it) {
         const float* qg = qh + static_cast<size_t>(g) * dim_p;
         float* sg = sh + static_cast<size_t>(g) * kDecodeKeys;
         if (ng - g >= 4) {
-          DecodeScores<DT, 4>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
+          DecodeScores<DT, 4>(qg, dim_p, krows, g == 0 ? kpf : nullptr, n, dim, tail, sg,
+                              kDecodeKeys);
           g += 4;
         } else if (ng - g >= 2) {
-          DecodeScores<DT, 2>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
+          DecodeScores<DT, 2>(qg, dim_p, krows, g == 0 ? kpf : nullptr, n, dim, tail, sg,
+                              kDecodeKeys);
           g += 2;
         } else {
-          DecodeScores<DT, 1>(qg, dim_p, krows, n, dim, tail, sg, kDecodeKeys);
+          DecodeScores<DT, 1>(qg, dim_p, krows, g == 0 ? kpf : nullptr, n, dim, tail, sg,
+                              kDecodeKeys);
           g += 1;
         }
       }
@@ -835,16 +1129,20 @@ void DecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it) {
         const float* pg = sh + static_cast<size_t>(g) * kDecodeKeys;
         float* ag = ah + static_cast<size_t>(g) * vdim_p;
         if (ng - g >= 8) {
-          DecodeValues<DT, 8>(vrows, n, vdim, pg, kDecodeKeys, alh + g, ag, vdim_p, tail);
+          DecodeValues<DT, 8>(vrows, g == 0 ? vpf : nullptr, n, vdim, pg, kDecodeKeys, alh + g, ag,
+                              vdim_p, tail);
           g += 8;
         } else if (ng - g >= 4) {
-          DecodeValues<DT, 4>(vrows, n, vdim, pg, kDecodeKeys, alh + g, ag, vdim_p, tail);
+          DecodeValues<DT, 4>(vrows, g == 0 ? vpf : nullptr, n, vdim, pg, kDecodeKeys, alh + g, ag,
+                              vdim_p, tail);
           g += 4;
         } else if (ng - g >= 2) {
-          DecodeValues<DT, 2>(vrows, n, vdim, pg, kDecodeKeys, alh + g, ag, vdim_p, tail);
+          DecodeValues<DT, 2>(vrows, g == 0 ? vpf : nullptr, n, vdim, pg, kDecodeKeys, alh + g, ag,
+                              vdim_p, tail);
           g += 2;
         } else {
-          DecodeValues<DT, 1>(vrows, n, vdim, pg, kDecodeKeys, alh + g, ag, vdim_p, tail);
+          DecodeValues<DT, 1>(vrows, g == 0 ? vpf : nullptr, n, vdim, pg, kDecodeKeys, alh + g, ag,
+                              vdim_p, tail);
           g += 1;
         }
       }
@@ -1189,6 +1487,12 @@ void RunItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv
         return;
       }
     }
+    if constexpr (DT == DType::e4m3 || DT == DType::e5m2) {
+      if (dot && a.head_dim % 64 == 0 && a.v_head_dim % 64 == 0) {
+        DecodeItem<DT, true>(a, p, it);
+        return;
+      }
+    }
 #endif
     DecodeItem<DT, false>(a, p, it);
     return;
@@ -1221,8 +1525,10 @@ void RunAll(const LayerArgs& args, const KernelPlan& p) {
   a.v_scale *= kLoadFactor<DT>;
   // bf16 dot products where q, K/V and the output are all bf16: the output's rounding dominates
   // the bf16 probabilities' error.
-  const bool dot = DT == DType::bf16 && a.q_dtype == DType::bf16 && a.out_dtype == DType::bf16 &&
-                   a.head_dim % 2 == 0 && HasBf16Dot();
+  // fp8 K/V: the single-query kernel widens them to bf16 (exactly) for the same dot products.
+  const bool bf16_io = a.q_dtype == DType::bf16 && a.out_dtype == DType::bf16;
+  const bool dot = bf16_io && ((DT == DType::bf16 && a.head_dim % 2 == 0 && HasBf16Dot()) ||
+                               ((DT == DType::e4m3 || DT == DType::e5m2) && HasFp8Dot()));
   const int64_t heads = a.num_kv_heads;
   const int64_t work = p.num_items * heads;
   const int64_t merges = p.num_merges * heads;
@@ -1276,6 +1582,22 @@ void ConvertToFloat(DType dtype, const void* src, int64_t n, float* dst) {
   }
 }
 
+bool WidenFp8ToBf16(DType dtype, const uint8_t* src, int64_t n, uint16_t* dst) {
+#if ATTNRT_BF16_DOT
+  if (!HasFp8Dot()) return false;
+  if (dtype == DType::e4m3) {
+    WidenFp8Row<DType::e4m3>(src, n, dst);
+    return true;
+  }
+  if (dtype == DType::e5m2) {
+    WidenFp8Row<DType::e5m2>(src, n, dst);
+    return true;
+  }
+#endif
+  (void)dtype, (void)src, (void)n, (void)dst;
+  return false;
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace attnrt::cpu
 HWY_AFTER_NAMESPACE();
@@ -1287,6 +1609,7 @@ HWY_EXPORT(RunAttention);
 HWY_EXPORT(TileRows);
 HWY_EXPORT(TargetName);
 HWY_EXPORT(ConvertToFloat);
+HWY_EXPORT(WidenFp8ToBf16);
 
 void run_attention(const LayerArgs& args, const KernelPlan& plan) {
   HWY_DYNAMIC_DISPATCH(RunAttention)(args, plan);
@@ -1298,6 +1621,15 @@ std::string simd_target_name() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
 
 void convert_to_float(DType dtype, const void* src, int64_t n, float* dst) {
   HWY_DYNAMIC_DISPATCH(ConvertToFloat)(dtype, src, n, dst);
+}
+
+bool widen_fp8_to_bf16(DType dtype, const uint8_t* src, int64_t n, uint16_t* dst) {
+  return HWY_DYNAMIC_DISPATCH(WidenFp8ToBf16)(dtype, src, n, dst);
+}
+
+// Every target folds the same factor (KvElem<e4m3>::kFactor), so the static target's value holds.
+float kernel_load_factor(DType dtype) {
+  return dtype == DType::e4m3 ? HWY_NAMESPACE::kLoadFactor<DType::e4m3> : 1.f;
 }
 
 }  // namespace attnrt::cpu

@@ -24,4 +24,13 @@ std::string simd_target_name();
 // in-register conversion the kernels use.
 void convert_to_float(DType dtype, const void* src, int64_t n, float* dst);
 
+// Converts n fp8 codes (e4m3 / e5m2) to the bf16 words the single-query dot-product kernels
+// multiply: the value divided by kernel_load_factor(dtype), exactly (NaN codes give a NaN). Returns
+// false, writing nothing, where those kernels do not run (no AVX-512 BF16 with VBMI, or vdpbf16ps
+// slower than FMA).
+bool widen_fp8_to_bf16(DType dtype, const uint8_t* src, int64_t n, uint16_t* dst);
+
+// How much larger the stored values are than what the kernels multiply (folded into the scales).
+float kernel_load_factor(DType dtype);
+
 }  // namespace attnrt::cpu
