@@ -139,7 +139,7 @@ if want bench; then
   if b=$(budget 300 60); then
     timeout -k 5 "$b" "$cli" bench --backend cuda --json "$out/bench.json" >"$out/bench.log" 2>&1
     rc=$?
-    sed -n '/^ceilings/,$p' "$out/bench.log" | grep -vE '^bench: ' | head -70
+    sed -n '/^ceilings/,$p' "$out/bench.log" | grep -vE '^bench: ' | head -45
     note bench "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
       "rc=$rc; $(grep -m1 -E '^  memory' "$out/bench.log" | tr -s ' ' | cut -c1-40)"
     [ $rc -ne 0 ] && status=1
