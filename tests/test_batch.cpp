@@ -9,25 +9,15 @@
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/batch/forward_mode.h"
 #include "attnrt/core/error.h"
+#include "tests/test_util.h"
 
 using namespace attnrt;
 
 namespace {
 
-// Runs `fn`, expects attnrt::Error whose message contains every fragment.
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& f : fragments) {
-      EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
-    }
-    return;
-  }
-  ADD_FAILURE() << "no attnrt::Error thrown; expected one mentioning '" << fragments.front() << "'";
-}
+using attnrt::test::expect_error;
 
+// Runs `fn`, expects attnrt::Error whose message contains every fragment.
 void fill_slots(ForwardBatch& b) {
   const int64_t t = static_cast<int64_t>(b.positions.size());
   b.out_cache_loc.resize(t);

@@ -17,21 +17,11 @@
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/linear_state_pool.h"
+#include "tests/test_util.h"
 
 namespace attnrt::testing_linear {
 
-inline void expect_error(const std::function<void()>& fn, const std::vector<std::string>& parts) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& f : parts) {
-      EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
-    }
-    return;
-  }
-  ADD_FAILURE() << "no attnrt::Error thrown; expected one mentioning '" << parts.front() << "'";
-}
+using attnrt::test::expect_error;
 
 // Small layers with ragged dims (vector tails) and a chunk of 8, so that a few dozen tokens cross
 // several chunk boundaries.

@@ -19,23 +19,13 @@
 #include "attnrt/memory/page_allocator.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/memory/token_allocator.h"
+#include "tests/test_util.h"
 
 using namespace attnrt;
 
 namespace {
 
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& f : fragments) {
-      EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
-    }
-    return;
-  }
-  ADD_FAILURE() << "no attnrt::Error thrown; expected one mentioning '" << fragments.front() << "'";
-}
+using attnrt::test::expect_error;
 
 // Everything observable about a PageAllocator's state.
 struct AllocState {

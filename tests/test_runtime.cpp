@@ -13,23 +13,13 @@
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/error.h"
 #include "attnrt/runtime/attention_runtime.h"
+#include "tests/test_util.h"
 
 using namespace attnrt;
 
 namespace {
 
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const auto& f : fragments) {
-      EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
-    }
-    return;
-  }
-  ADD_FAILURE() << "no attnrt::Error thrown; expected one mentioning '" << fragments.front() << "'";
-}
+using attnrt::test::expect_error;
 
 constexpr int kHq = 4, kHkv = 2, kD = 16, kWindow = 3;
 

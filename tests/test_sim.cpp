@@ -25,25 +25,14 @@
 #include "attnrt/sim/driver.h"
 #include "attnrt/sim/scheduler.h"
 #include "attnrt/sim/trace.h"
+#include "tests/test_util.h"
 
 namespace attnrt::sim {
 namespace {
 
-using Phase = RequestState::Phase;
+using attnrt::test::expect_error;
 
-// Runs `f` and expects an attnrt::Error whose message contains every part.
-void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const std::string& p : parts) {
-      EXPECT_NE(msg.find(p), std::string::npos) << "message: " << msg << "\nmissing: " << p;
-    }
-    return;
-  }
-  ADD_FAILURE() << "no attnrt::Error thrown; expected one mentioning " << parts.front();
-}
+using Phase = RequestState::Phase;
 
 // ---------------------------------------------------------------------------------------------
 // Trace parsing
