@@ -54,15 +54,6 @@ DType parse_dtype(std::string_view name) {
        "(aliases: float32, float16, half, bfloat16, fp8_e4m3fn, e4m3, e5m2)", name);
 }
 
-float bf16_to_float(uint16_t bits) { return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16); }
-
-uint16_t float_to_bf16(float x) {
-  uint32_t u = std::bit_cast<uint32_t>(x);
-  if (std::isnan(x)) return static_cast<uint16_t>((u >> 16) | 0x40);  // keep sign, quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-  return static_cast<uint16_t>(u >> 16);
-}
-
 namespace {
 
 // A small IEEE-style binary format: `mbits` mantissa bits, exponent bias `bias`.

@@ -98,10 +98,25 @@ void fill_random(const TensorView& t, FastRng& rng, float scale) {
   }
 }
 
+// Fills t with NaN. Typed fills: this runs for every layer of every step.
 void poison(const TensorView& t) {
-  const float nan = std::numeric_limits<float>::quiet_NaN();
-  for (int64_t i = 0; i < t.numel(); ++i)
-    store_from_float(t.data, t.dtype, static_cast<size_t>(i), nan);
+  const int64_t n = t.numel();
+  switch (t.dtype) {
+    case DType::f32:
+      std::fill_n(t.ptr<float>(), n, std::numeric_limits<float>::quiet_NaN());
+      return;
+    case DType::bf16:
+      std::fill_n(t.ptr<uint16_t>(), n, uint16_t{0x7fc0});
+      return;
+    case DType::f16:
+      std::fill_n(t.ptr<uint16_t>(), n, uint16_t{0x7e00});
+      return;
+    default:
+      for (int64_t i = 0; i < n; ++i) {
+        store_from_float(t.data, t.dtype, static_cast<size_t>(i),
+                         std::numeric_limits<float>::quiet_NaN());
+      }
+  }
 }
 
 std::string served_by(AttentionBackend& b, ForwardMode mode) {
@@ -451,12 +466,27 @@ Comparison compare(const TensorView& got, const TensorView& expected, const Tole
   return c;
 }
 
-// The first unwritten (still poisoned) output element, or -1.
+// The first unwritten (still poisoned) output element, or -1. NaN tests on the raw bits for the
+// 16-bit dtypes: this runs for every layer of every step.
 int64_t first_nan(const TensorView& t) {
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    if (std::isnan(load_as_float(t.data, t.dtype, static_cast<size_t>(i)))) return i;
+  const int64_t n = t.numel();
+  auto first_nan_bits = [n](const uint16_t* p, uint16_t inf_bits) -> int64_t {
+    for (int64_t i = 0; i < n; ++i) {
+      if ((p[i] & 0x7fff) > inf_bits) return i;
+    }
+    return -1;
+  };
+  switch (t.dtype) {
+    case DType::bf16:
+      return first_nan_bits(t.ptr<uint16_t>(), 0x7f80);
+    case DType::f16:
+      return first_nan_bits(t.ptr<uint16_t>(), 0x7c00);
+    default:
+      for (int64_t i = 0; i < n; ++i) {
+        if (std::isnan(load_as_float(t.data, t.dtype, static_cast<size_t>(i)))) return i;
+      }
+      return -1;
   }
-  return -1;
 }
 
 // The layer --dump-step writes: the first full-attention layer, else the first layer with a KV

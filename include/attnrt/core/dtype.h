@@ -3,6 +3,8 @@
 // NaN stays NaN.
 #pragma once
 
+#include <bit>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -20,9 +22,16 @@ bool is_float(DType t);
 // fp8_e4m3fn, e4m3, fp8_e5m2, e5m2. Throws attnrt::Error listing the accepted names.
 DType parse_dtype(std::string_view name);
 
-// Raw-bit conversions.
-float bf16_to_float(uint16_t bits);
-uint16_t float_to_bf16(float x);
+// Raw-bit conversions. The bf16 pair is inline: data generation and tooling call it per element.
+inline float bf16_to_float(uint16_t bits) {
+  return std::bit_cast<float>(static_cast<uint32_t>(bits) << 16);
+}
+inline uint16_t float_to_bf16(float x) {
+  uint32_t u = std::bit_cast<uint32_t>(x);
+  if (std::isnan(x)) return static_cast<uint16_t>((u >> 16) | 0x40);  // keep sign, quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
+  return static_cast<uint16_t>(u >> 16);
+}
 float fp16_to_float(uint16_t bits);
 uint16_t float_to_fp16(float x);
 float e4m3_to_float(uint8_t bits);  // e4m3fn: no infinities, 0x7f/0xff are NaN, max 448
