@@ -47,14 +47,22 @@ using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kLog2e = 1.44269504f;
+constexpr float kLn2 = 0.693147181f;
 // Keys per block of the single-query kernel: the block's K and V rows stay in L1 between the
 // score pass and the value pass.
 constexpr int kDecodeKeys = 64;
-// Keys per block of the tile kernel (a multiple of kTileKeyStep).
+// Keys per block of the tile kernel (a multiple of kTileKeyStep), and of its bf16 form: twice as
+// many halve the per-block work (pairing V, rescaling O^T) per vdpbf16ps.
 constexpr int kTileKeys = 32;
+constexpr int kDotKeys = 64;
 // Register blocking of the tile kernel: keys per S^T step and value dims per O^T step.
 constexpr int kTileKeyStep = 4;
 constexpr int kTileDvStep = 4;
+// Row vectors of the tile kernel's largest tiles: four where the register file holds 32 vectors
+// (AVX-512: a 4 x 4 block of accumulators and its operands), which halves the K/V reads and the
+// per-block work per query row against two.
+constexpr int kWideTile = HWY_TARGET <= HWY_AVX3 ? 4 : 2;
 
 // ------------------------------------------------------------------------------------------------
 // Loading stored K/V elements as fp32 vectors.
@@ -1176,26 +1184,28 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   const bool tree = a.causal && r.tree >= 0;
   const int ndraft = tree ? r.qlen : 0;
   const RowMap rows{r.q_row, it.t0, it.g0, ng, group, kv_head};
+  constexpr int kKeys = kDot ? kDotKeys : kTileKeys;
 
   Arena arena;
   arena.reserve(static_cast<size_t>(dim) * rl);         // Q^T (fp32, or bf16 pairs)
-  arena.reserve(static_cast<size_t>(kTileKeys) * kdim);  // a block of K, then of V
-  arena.reserve(static_cast<size_t>(kTileKeys) * rl);   // S^T, then P^T
-  arena.reserve(static_cast<size_t>(kTileKeys) * rl);   // P^T as bf16 pairs
+  arena.reserve(static_cast<size_t>(kKeys) * kdim);  // a block of K, then of V
+  arena.reserve(static_cast<size_t>(kKeys) * rl);   // S^T, then P^T
+  arena.reserve(static_cast<size_t>(kKeys) * rl);   // P^T as bf16 pairs
   arena.reserve(static_cast<size_t>(vdim) * rl);        // O^T
-  for (int k = 0; k < 4; ++k) arena.reserve(rl);        // m, l, alpha, query positions
+  for (int k = 0; k < 5; ++k) arena.reserve(rl);        // m, l, alpha, query positions, maxima
   arena.reserve(static_cast<size_t>(ndraft) * rl);      // tree visibility per draft key
   arena.reserve(kdim);                                  // a zero row
   arena.bind(t_scratch.get(arena.total()));
   float* qt = arena.take(static_cast<size_t>(dim) * rl);
-  float* kvf = arena.take(static_cast<size_t>(kTileKeys) * kdim);
-  float* st = arena.take(static_cast<size_t>(kTileKeys) * rl);
-  [[maybe_unused]] float* pairs_p = arena.take(static_cast<size_t>(kTileKeys) * rl);
+  float* kvf = arena.take(static_cast<size_t>(kKeys) * kdim);
+  float* st = arena.take(static_cast<size_t>(kKeys) * rl);
+  [[maybe_unused]] float* pairs_p = arena.take(static_cast<size_t>(kKeys) * rl);
   float* ot = arena.take(static_cast<size_t>(vdim) * rl);
   float* m = arena.take(rl);
   float* l = arena.take(rl);
   float* alpha = arena.take(rl);
   float* qpos = arena.take(rl);
+  [[maybe_unused]] float* smax = arena.take(rl);
   float* tvis = arena.take(static_cast<size_t>(ndraft) * rl);
   float* zero_row = arena.take(kdim);
   std::fill(zero_row, zero_row + kdim, 0.f);
@@ -1244,7 +1254,6 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   const VF neg_inf = hn::Set(df, kNegInf);
   const VF zero = hn::Zero(df);
   const VF window = hn::Set(df, static_cast<float>(a.window));
-  const VF score_scale = hn::Set(df, kDot ? a.qk_scale : 1.f);
   // Row of key j of the block, or null for a key the SWA pool no longer holds (outside every
   // window of this tile): zeros stand in for whatever the dummy row contains.
   auto key_row = [&](const T* cache, int64_t row_stride, int width, int key) -> const T* {
@@ -1253,15 +1262,15 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
     return cache + slot * row_stride + static_cast<int64_t>(kv_head) * width;
   };
 
-  for (int kb = it.k0; kb < it.k1; kb += kTileKeys) {
-    const int n = std::min(kTileKeys, it.k1 - kb);
+  for (int kb = it.k0; kb < it.k1; kb += kKeys) {
+    const int n = std::min(kKeys, it.k1 - kb);
 
     for (int j = 0; j < n; ++j) {
       if (const T* row = key_row(v_cache, a.v_row_stride, vdim, kb + j)) {
         PrefetchRow(row, vdim * sizeof(T));
       }
     }
-    for (int j = kb + n; j < std::min(it.k1, kb + n + kTileKeys); ++j) {
+    for (int j = kb + n; j < std::min(it.k1, kb + n + kKeys); ++j) {
       if (const T* row = key_row(k_cache, a.k_row_stride, dim, j)) {
         PrefetchRow(row, dim * sizeof(T));
       }
@@ -1270,14 +1279,16 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
     // S^T[j][rows] = sum_d K[j][d] * Q^T[d][rows].
 #if ATTNRT_BF16_DOT
     if constexpr (kDot) {
-      const int n_step = (n + kPairKeys - 1) / kPairKeys * kPairKeys;
-      const uint32_t* krows[kTileKeys];
+      constexpr int kStep = kPairKeys<NV>;
+      const int n_step = (n + kStep - 1) / kStep * kStep;
+      const uint32_t* krows[kKeys];
       for (int j = 0; j < n_step; ++j) {
         const T* row = j < n ? key_row(k_cache, a.k_row_stride, dim, kb + j) : nullptr;
         krows[j] = row != nullptr ? reinterpret_cast<const uint32_t*>(row)
                                   : reinterpret_cast<const uint32_t*>(zero_row);
       }
-      ScoresBf16<NV>(krows, n_step, dim / 2, reinterpret_cast<const uint32_t*>(qt), rl, st);
+      ScoresBf16<NV>(krows, n, n_step, dim / 2, reinterpret_cast<const uint32_t*>(qt), rl, st,
+                     smax);
     }
 #endif
     if constexpr (!kDot) {
@@ -1321,14 +1332,21 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
     const bool causal_edge = a.causal && static_cast<float>(kb + n - 1) > min_pos;
     const bool window_edge = a.window >= 0 && max_pos - static_cast<float>(kb) > a.window;
     const bool masked = tree_keys || causal_edge || window_edge;
+    // The bf16 form works in log2 units (scores times scale * log2(e)) so that its exponentials
+    // are plain powers of two. A block with no mask and no soft-cap skips the pass below: the
+    // score kernel already has its maxima.
+    const float log2_scale = a.qk_scale * kLog2e;
+    const bool direct = kDot && !masked && a.softcap <= 0.f && log2_scale > 0.f;
     VF qp[NV], bmax[NV];
     for (int v = 0; v < NV; ++v) {
       qp[v] = hn::Load(df, qpos + v * lanes);
       bmax[v] = neg_inf;
     }
-    const VF cap = hn::Set(df, a.softcap);
+    const VF cap = hn::Set(df, kDot ? a.softcap * kLog2e : a.softcap);
     const VF inv_cap = hn::Set(df, a.softcap > 0.f ? 1.f / a.softcap : 0.f);
-    for (int j = 0; j < n; ++j) {
+    const VF pre_scale =
+        hn::Set(df, !kDot ? 1.f : a.softcap > 0.f ? a.qk_scale : log2_scale);
+    for (int j = 0; j < n && !direct; ++j) {
       const int key = kb + j;
       const bool draft = tree && key >= r.prefix;
       const int u = key - r.prefix;
@@ -1337,7 +1355,7 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
       for (int v = 0; v < NV; ++v) {
         float* sp = st + static_cast<size_t>(j) * rl + v * lanes;
         VF s = hn::Load(df, sp);
-        if constexpr (kDot) s = hn::Mul(s, score_scale);
+        if constexpr (kDot) s = hn::Mul(s, pre_scale);
         if (a.softcap > 0.f) s = hn::Mul(cap, hn::Tanh(df, hn::Mul(s, inv_cap)));
         if (masked) {
           auto vis = draft ? hn::Gt(hn::Load(df, tvis + static_cast<size_t>(u) * rl + v * lanes), zero)
@@ -1346,10 +1364,21 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
           s = hn::IfThenElse(vis, s, neg_inf);
         }
         hn::Store(s, df, sp);
-        bmax[v] = hn::Max(bmax[v], s);
+        bmax[v] = hn::Max(s, bmax[v]);  // x86 max returns the second operand for a NaN: dropped
       }
     }
-    for (int v = 0; v < NV; ++v) {
+#if ATTNRT_BF16_DOT
+    if constexpr (kDot) {
+      for (int v = 0; v < NV; ++v) {
+        const VF bm = direct ? hn::Mul(hn::Load(df, smax + v * lanes), hn::Set(df, log2_scale))
+                             : bmax[v];
+        hn::Store(bm, df, smax + v * lanes);
+      }
+      SoftmaxPairsBf16<NV>(st, n, rl, direct ? log2_scale : 1.f, smax, m, l, alpha,
+                           reinterpret_cast<uint32_t*>(pairs_p));
+    }
+#endif
+    for (int v = 0; v < NV && !kDot; ++v) {
       const VF m_old = hn::Load(df, m + v * lanes);
       const VF m_new = hn::Max(m_old, bmax[v]);
       const VF m_use = hn::IfThenElse(hn::Eq(m_new, neg_inf), zero, m_new);
@@ -1369,7 +1398,7 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
     // O^T[d][rows] = O^T[d][rows] * alpha + sum_j V[j][d] * P^T[j][rows].
 #if ATTNRT_BF16_DOT
     if constexpr (kDot) {
-      const uint16_t* vrows[kTileKeys];
+      const uint16_t* vrows[kKeys];
       for (int j = 0; j < n; ++j) {
         const T* row = key_row(v_cache, a.v_row_stride, vdim, kb + j);
         vrows[j] = reinterpret_cast<const uint16_t*>(row != nullptr ? row : reinterpret_cast<const T*>(zero_row));
@@ -1377,7 +1406,6 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
       uint32_t* vp = reinterpret_cast<uint32_t*>(kvf);
       uint32_t* pp = reinterpret_cast<uint32_t*>(pairs_p);
       PairValues(vrows, n, vdim, reinterpret_cast<const uint16_t*>(zero_row), vp);
-      PairProbabilities(st, n, rl, pp);
       ValuesBf16<NV>(vp, pp, (n + 1) / 2, vdim, rl, alpha, ot);
     }
 #endif
@@ -1435,7 +1463,11 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
     }
   }
 
-  for (int i = 0; i < nrows; ++i) EmitRow(a, p, it, rows, i, ot + i, rl, m[i], l[i]);
+  for (int i = 0; i < nrows; ++i) {
+    // The bf16 form's maxima are in log2 units.
+    const float mi = kDot ? m[i] * kLn2 : m[i];
+    EmitRow(a, p, it, rows, i, ot + i, rl, mi, l[i]);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1497,24 +1529,29 @@ void RunItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv
     DecodeItem<DT, false>(a, p, it);
     return;
   }
-  const bool one_vector = (it.t1 - it.t0) * (it.g1 - it.g0) <= static_cast<int>(hn::Lanes(DF()));
+  const int vectors = ((it.t1 - it.t0) * (it.g1 - it.g0) + static_cast<int>(hn::Lanes(DF())) - 1) /
+                      static_cast<int>(hn::Lanes(DF()));
 #if ATTNRT_BF16_DOT
   if constexpr (DT == DType::bf16) {
     if (dot) {
-      if (one_vector) {
+      if (vectors == 1) {
         TileItem<DT, 1, true>(a, p, it, kv_head);
-      } else {
+      } else if (vectors == 2) {
         TileItem<DT, 2, true>(a, p, it, kv_head);
+      } else {
+        TileItem<DT, kWideTile, true>(a, p, it, kv_head);
       }
       return;
     }
   }
 #endif
   (void)dot;
-  if (one_vector) {
+  if (vectors == 1) {
     TileItem<DT, 1, false>(a, p, it, kv_head);
-  } else {
+  } else if (vectors == 2 || kWideTile == 2) {
     TileItem<DT, 2, false>(a, p, it, kv_head);
+  } else {
+    TileItem<DT, kWideTile, false>(a, p, it, kv_head);
   }
 }
 
@@ -1556,7 +1593,7 @@ void RunAttention(const LayerArgs& a, const KernelPlan& p) {
   }
 }
 
-int TileRows() { return 2 * static_cast<int>(hn::Lanes(DF())); }
+int TileRows() { return kWideTile * static_cast<int>(hn::Lanes(DF())); }
 
 std::string TargetName() {
   std::string name = hwy::TargetName(HWY_TARGET);
