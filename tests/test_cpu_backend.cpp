@@ -388,6 +388,43 @@ TEST(CpuBackend, Bf16StepsWithOddShapesWindowsTreesAndSplits) {
   }
 }
 
+TEST(CpuBackend, Bf16PrefillTilesWithoutSoftCap) {
+  // Without a soft-cap, the bf16 tiles take a block's maxima from the score kernel and skip the
+  // masking pass wherever no mask reaches the block: prompts long enough for many such blocks next
+  // to causal, window and prefix edges; groups that fill the widest tile exactly (4), leave it
+  // padding rows (3, 6) or give it one head (1); sinks, non-causal, lse, and an amplitude that
+  // puts many probabilities far below their row's maximum.
+  struct Shape {
+    int hq, hkv, d, dv;
+  };
+  const std::vector<Shape> shapes = {{8, 2, 128, 128}, {9, 3, 64, 64}, {6, 1, 72, 70},
+                                     {2, 2, 128, 128}};
+  uint64_t seed = 0x64b1;
+  for (const Shape& sh : shapes) {
+    const LayerSpec full = make_layer(sh.hq, sh.hkv, sh.d, sh.dv);
+    LayerSpec swa = full;
+    swa.kind = LayerKind::swa;
+    swa.sliding_window = 150;
+    LayerSpec sinks = full;
+    sinks.has_sinks = true;
+    LayerSpec bidirectional = full;
+    bidirectional.attn_type = AttnType::decoder_bidirectional;
+    std::vector<CaseSpec> specs = {
+        make_spec("bf16-prefill", ForwardMode::EXTEND, {0, 200, 70}, {300, 129, 64},
+                  {swa, full}, seed++),
+        make_spec("bf16-prefill-sinks", ForwardMode::EXTEND, {0, 33}, {257, 190}, {sinks},
+                  seed++),
+        make_spec("bf16-prefill-bidirectional", ForwardMode::EXTEND, {0, 100}, {200, 65},
+                  {bidirectional}, seed++)};
+    for (CaseSpec& s : specs) {
+      s.kv_dtype = s.act_dtype = DType::bf16;
+      s.q_amplitude = 4.f;
+      s.want_lse = true;
+      expect_matches_reference(s);
+    }
+  }
+}
+
 TEST(CpuBackend, EveryKvDtypeWithScalesInEveryMode) {
   LayerSpec layer = make_layer(8, 2, 64);
   layer.logit_cap = 8.f;
