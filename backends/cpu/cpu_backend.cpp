@@ -11,6 +11,7 @@
 #include <string>
 
 #include "attnrt/backend/options.h"
+#include "attnrt/backend/host_attn_checks.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
@@ -29,20 +30,6 @@ constexpr int32_t kSplitAlign = 64;
 // Deterministic mode: keys split at fixed absolute boundaries, whatever the batch and the thread
 // count, so a request's result does not depend on its neighbours.
 constexpr int32_t kDeterministicSplitKeys = 2048;
-
-void check_tensor(const char* what, const TensorView& t, int64_t d0, int64_t d1, int64_t d2,
-                  const char* dims) {
-  ATTNRT_CHECK(t.data != nullptr, "cpu backend: {} is empty; expected [{}] = [{}, {}, {}]", what,
-               dims, d0, d1, d2);
-  ATTNRT_CHECK(t.device.kind == DeviceKind::cpu,
-               "cpu backend: {} is {}; the cpu backend reads host memory only", what,
-               t.describe());
-  ATTNRT_CHECK(is_float(t.dtype), "cpu backend: {} is {}; expected a float dtype", what,
-               t.describe());
-  ATTNRT_CHECK(t.ndim == 3 && t.shape[0] == d0 && t.shape[1] == d1 && t.shape[2] == d2,
-               "cpu backend: {} is {}; expected [{}] = [{}, {}, {}]", what, t.describe(), dims, d0,
-               d1, d2);
-}
 
 int v_dim_of(const LayerSpec& layer) {
   return layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
@@ -364,59 +351,7 @@ void CpuBackend::check_args(const AttnArgs& args, const LayerSpec& layer,
                "cpu backend: forward for a {} batch of {} requests / {} tokens without a matching "
                "init_forward_metadata for this step",
                forward_mode_name(batch.mode), batch.batch_size, batch.num_tokens());
-  ATTNRT_CHECK(layer.uses_kv_cache() && layer.kind != LayerKind::mla,
-               "cpu backend: layer {} is {}; the cpu backend serves full and swa layers",
-               layer.layer_id, layer_kind_name(layer.kind));
-  const int hq = layer.num_q_heads, hkv = layer.num_kv_heads;
-  ATTNRT_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0,
-               "cpu backend: layer {} has {} q heads and {} kv heads; q heads must be a positive "
-               "multiple of kv heads",
-               layer.layer_id, hq, hkv);
-  const int dqk = layer.head_dim, dv = v_dim_of(layer);
-  ATTNRT_CHECK(dqk > 0 && dv > 0, "cpu backend: layer {} has head_dim {} / v_head_dim {}; both "
-               "must be > 0", layer.layer_id, dqk, dv);
-  ATTNRT_CHECK(layer.causal() || layer.sliding_window < 0,
-               "cpu backend: layer {} is non-causal with sliding_window {}; a window is defined "
-               "for causal layers only (use -1)",
-               layer.layer_id, layer.sliding_window);
-  ATTNRT_CHECK(layer.logit_cap >= 0.f,
-               "cpu backend: layer {} has logit_cap {}; use a positive cap, or 0 for none",
-               layer.layer_id, layer.logit_cap);
-  check_tensor("q", args.q, num_tokens_, hq, dqk, "tokens, q heads, head_dim");
-  check_tensor("out", args.out, num_tokens_, hq, dv, "tokens, q heads, v_head_dim");
-  ATTNRT_CHECK(args.k.empty() == args.v.empty(),
-               "cpu backend: k is {} but v is {}; pass both (store this step's K/V) or neither "
-               "(already stored by another layer)",
-               args.k.empty() ? "empty" : args.k.describe(),
-               args.v.empty() ? "empty" : args.v.describe());
-  if (!args.k.empty()) {
-    check_tensor("k", args.k, num_tokens_, hkv, dqk, "tokens, kv heads, head_dim");
-    check_tensor("v", args.v, num_tokens_, hkv, dv, "tokens, kv heads, v_head_dim");
-  }
-  if (!args.lse.empty()) {
-    ATTNRT_CHECK(args.lse.device.kind == DeviceKind::cpu && args.lse.dtype == DType::f32 &&
-                     args.lse.ndim == 2 && args.lse.shape[0] == num_tokens_ &&
-                     args.lse.shape[1] == hq,
-                 "cpu backend: lse is {}; expected fp32[{}, {}] (tokens, q heads) on cpu",
-                 args.lse.describe(), num_tokens_, hq);
-  }
-  ATTNRT_CHECK(layer.has_sinks == (args.sinks != nullptr),
-               "cpu backend: layer {} {} sinks but AttnArgs.sinks is {}", layer.layer_id,
-               layer.has_sinks ? "has" : "has no", args.sinks ? "set" : "null");
-  ATTNRT_CHECK(kv.k != nullptr && kv.v != nullptr,
-               "cpu backend: the KV cache returned no buffers for layer {}", layer.layer_id);
-  ATTNRT_CHECK(kv.device.kind == DeviceKind::cpu,
-               "cpu backend: layer {} KV cache is on {}; the cpu backend reads host pools only",
-               layer.layer_id, device_name(kv.device));
-  ATTNRT_CHECK(kv.dtype == DType::f32 || kv.dtype == DType::f16 || kv.dtype == DType::bf16 ||
-                   kv.dtype == DType::e4m3 || kv.dtype == DType::e5m2,
-               "cpu backend: layer {} KV cache stores {}; supported: fp32, fp16, bf16, fp8_e4m3, "
-               "fp8_e5m2",
-               layer.layer_id, dtype_name(kv.dtype));
-  ATTNRT_CHECK(kv.kv_heads == hkv && kv.head_dim == dqk && kv.v_head_dim == dv,
-               "cpu backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer needs "
-               "[{} heads, {} / {} dims]",
-               layer.layer_id, kv.kv_heads, kv.head_dim, kv.v_head_dim, hkv, dqk, dv);
+  check_host_attn_args("cpu", args, layer, num_tokens_, kv);
 }
 
 void CpuBackend::attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) {

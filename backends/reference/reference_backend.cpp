@@ -5,6 +5,7 @@
 #include <limits>
 #include <memory>
 
+#include "attnrt/backend/host_attn_checks.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
@@ -16,20 +17,6 @@ namespace {
 
 int64_t offset3(const TensorView& t, int64_t a, int64_t b, int64_t c) {
   return a * t.strides[0] + b * t.strides[1] + c * t.strides[2];
-}
-
-void check_tensor(const char* what, const TensorView& t, int64_t d0, int64_t d1, int64_t d2,
-                  const char* dims) {
-  ATTNRT_CHECK(t.data != nullptr, "reference backend: {} is empty; expected [{}] = [{}, {}, {}]",
-               what, dims, d0, d1, d2);
-  ATTNRT_CHECK(t.device.kind == DeviceKind::cpu,
-               "reference backend: {} is {}; the reference backend reads host memory only", what,
-               t.describe());
-  ATTNRT_CHECK(is_float(t.dtype), "reference backend: {} is {}; expected a float dtype", what,
-               t.describe());
-  ATTNRT_CHECK(t.ndim == 3 && t.shape[0] == d0 && t.shape[1] == d1 && t.shape[2] == d2,
-               "reference backend: {} is {}; expected [{}] = [{}, {}, {}]", what, t.describe(),
-               dims, d0, d1, d2);
 }
 
 }  // namespace
@@ -111,52 +98,7 @@ void ReferenceBackend::check_args(const AttnArgs& args, const LayerSpec& layer,
                "reference backend: forward for a {} batch of {} requests / {} tokens without a "
                "matching init_forward_metadata for this step",
                forward_mode_name(batch.mode), batch.batch_size, batch.num_tokens());
-  ATTNRT_CHECK(layer.uses_kv_cache() && layer.kind != LayerKind::mla,
-               "reference backend: layer {} is {}; the reference backend serves full and swa layers",
-               layer.layer_id, layer_kind_name(layer.kind));
-  const int hq = layer.num_q_heads, hkv = layer.num_kv_heads;
-  ATTNRT_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0,
-               "reference backend: layer {} has {} q heads and {} kv heads; q heads must be a "
-               "positive multiple of kv heads",
-               layer.layer_id, hq, hkv);
-  const int dqk = layer.head_dim, dv = layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
-  ATTNRT_CHECK(dqk > 0, "reference backend: layer {} has head_dim {}; must be > 0", layer.layer_id,
-               dqk);
-  ATTNRT_CHECK(layer.causal() || layer.sliding_window < 0,
-               "reference backend: layer {} is non-causal with sliding_window {}; a window is "
-               "defined for causal layers only (use -1)",
-               layer.layer_id, layer.sliding_window);
-  const int64_t t = plan_.layout.num_tokens;
-  check_tensor("q", args.q, t, hq, dqk, "tokens, q heads, head_dim");
-  check_tensor("out", args.out, t, hq, dv, "tokens, q heads, v_head_dim");
-  ATTNRT_CHECK(args.k.empty() == args.v.empty(),
-               "reference backend: k is {} but v is {}; pass both (store this step's K/V) or "
-               "neither (already stored by another layer)",
-               args.k.empty() ? "empty" : args.k.describe(),
-               args.v.empty() ? "empty" : args.v.describe());
-  if (!args.k.empty()) {
-    check_tensor("k", args.k, t, hkv, dqk, "tokens, kv heads, head_dim");
-    check_tensor("v", args.v, t, hkv, dv, "tokens, kv heads, v_head_dim");
-  }
-  if (!args.lse.empty()) {
-    ATTNRT_CHECK(args.lse.device.kind == DeviceKind::cpu && args.lse.dtype == DType::f32 &&
-                     args.lse.ndim == 2 && args.lse.shape[0] == t && args.lse.shape[1] == hq,
-                 "reference backend: lse is {}; expected fp32[{}, {}] (tokens, q heads) on cpu",
-                 args.lse.describe(), t, hq);
-  }
-  ATTNRT_CHECK(layer.has_sinks == (args.sinks != nullptr),
-               "reference backend: layer {} {} sinks but AttnArgs.sinks is {}", layer.layer_id,
-               layer.has_sinks ? "has" : "has no", args.sinks ? "set" : "null");
-  ATTNRT_CHECK(kv.k != nullptr && kv.v != nullptr,
-               "reference backend: the KV cache returned no buffers for layer {}", layer.layer_id);
-  ATTNRT_CHECK(kv.device.kind == DeviceKind::cpu,
-               "reference backend: layer {} KV cache is on {}; the reference backend reads host "
-               "pools only",
-               layer.layer_id, device_name(kv.device));
-  ATTNRT_CHECK(kv.kv_heads == hkv && kv.head_dim == dqk && kv.v_head_dim == dv,
-               "reference backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer "
-               "needs [{} heads, {} / {} dims]",
-               layer.layer_id, kv.kv_heads, kv.head_dim, kv.v_head_dim, hkv, dqk, dv);
+  check_host_attn_args("reference", args, layer, plan_.layout.num_tokens, kv);
 }
 
 void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,

@@ -1,0 +1,84 @@
+#include "attnrt/backend/host_attn_checks.h"
+
+#include "attnrt/core/error.h"
+
+namespace attnrt {
+
+namespace {
+
+void check_tensor(std::string_view backend, const char* what, const TensorView& t, int64_t d0,
+                  int64_t d1, int64_t d2, const char* dims) {
+  ATTNRT_CHECK(t.data != nullptr, "{} backend: {} is empty; expected [{}] = [{}, {}, {}]", backend,
+               what, dims, d0, d1, d2);
+  ATTNRT_CHECK(t.device.kind == DeviceKind::cpu,
+               "{} backend: {} is {}; the {} backend reads host memory only", backend, what,
+               t.describe(), backend);
+  ATTNRT_CHECK(is_float(t.dtype), "{} backend: {} is {}; expected a float dtype", backend, what,
+               t.describe());
+  ATTNRT_CHECK(t.ndim == 3 && t.shape[0] == d0 && t.shape[1] == d1 && t.shape[2] == d2,
+               "{} backend: {} is {}; expected [{}] = [{}, {}, {}]", backend, what, t.describe(),
+               dims, d0, d1, d2);
+}
+
+}  // namespace
+
+void check_host_attn_args(std::string_view backend, const AttnArgs& args, const LayerSpec& layer,
+                          int64_t num_tokens, const KVLayerView& kv) {
+  ATTNRT_CHECK(layer.uses_kv_cache() && layer.kind != LayerKind::mla,
+               "{} backend: layer {} is {}; the {} backend serves full and swa layers", backend,
+               layer.layer_id, layer_kind_name(layer.kind), backend);
+  const int hq = layer.num_q_heads, hkv = layer.num_kv_heads;
+  ATTNRT_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0,
+               "{} backend: layer {} has {} q heads and {} kv heads; q heads must be a positive "
+               "multiple of kv heads",
+               backend, layer.layer_id, hq, hkv);
+  const int dqk = layer.head_dim, dv = layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
+  ATTNRT_CHECK(dqk > 0 && dv > 0,
+               "{} backend: layer {} has head_dim {} / v_head_dim {}; both must be > 0", backend,
+               layer.layer_id, dqk, dv);
+  ATTNRT_CHECK(layer.causal() || layer.sliding_window < 0,
+               "{} backend: layer {} is non-causal with sliding_window {}; a window is defined "
+               "for causal layers only (use -1)",
+               backend, layer.layer_id, layer.sliding_window);
+  ATTNRT_CHECK(layer.logit_cap >= 0.f,
+               "{} backend: layer {} has logit_cap {}; use a positive cap, or 0 for none", backend,
+               layer.layer_id, layer.logit_cap);
+  check_tensor(backend, "q", args.q, num_tokens, hq, dqk, "tokens, q heads, head_dim");
+  check_tensor(backend, "out", args.out, num_tokens, hq, dv, "tokens, q heads, v_head_dim");
+  ATTNRT_CHECK(args.k.empty() == args.v.empty(),
+               "{} backend: k is {} but v is {}; pass both (store this step's K/V) or neither "
+               "(already stored by another layer)",
+               backend, args.k.empty() ? "empty" : args.k.describe(),
+               args.v.empty() ? "empty" : args.v.describe());
+  if (!args.k.empty()) {
+    check_tensor(backend, "k", args.k, num_tokens, hkv, dqk, "tokens, kv heads, head_dim");
+    check_tensor(backend, "v", args.v, num_tokens, hkv, dv, "tokens, kv heads, v_head_dim");
+  }
+  if (!args.lse.empty()) {
+    ATTNRT_CHECK(args.lse.device.kind == DeviceKind::cpu && args.lse.dtype == DType::f32 &&
+                     args.lse.ndim == 2 && args.lse.shape[0] == num_tokens &&
+                     args.lse.shape[1] == hq,
+                 "{} backend: lse is {}; expected fp32[{}, {}] (tokens, q heads) on cpu", backend,
+                 args.lse.describe(), num_tokens, hq);
+  }
+  ATTNRT_CHECK(layer.has_sinks == (args.sinks != nullptr),
+               "{} backend: layer {} {} sinks but AttnArgs.sinks is {}", backend, layer.layer_id,
+               layer.has_sinks ? "has" : "has no", args.sinks ? "set" : "null");
+  ATTNRT_CHECK(kv.k != nullptr && kv.v != nullptr,
+               "{} backend: the KV cache returned no buffers for layer {}", backend,
+               layer.layer_id);
+  ATTNRT_CHECK(kv.device.kind == DeviceKind::cpu,
+               "{} backend: layer {} KV cache is on {}; the {} backend reads host pools only",
+               backend, layer.layer_id, device_name(kv.device), backend);
+  ATTNRT_CHECK(kv.dtype == DType::f32 || kv.dtype == DType::f16 || kv.dtype == DType::bf16 ||
+                   kv.dtype == DType::e4m3 || kv.dtype == DType::e5m2,
+               "{} backend: layer {} KV cache stores {}; supported: fp32, fp16, bf16, fp8_e4m3, "
+               "fp8_e5m2",
+               backend, layer.layer_id, dtype_name(kv.dtype));
+  ATTNRT_CHECK(kv.kv_heads == hkv && kv.head_dim == dqk && kv.v_head_dim == dv,
+               "{} backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer needs "
+               "[{} heads, {} / {} dims]",
+               backend, layer.layer_id, kv.kv_heads, kv.head_dim, kv.v_head_dim, hkv, dqk, dv);
+}
+
+}  // namespace attnrt
