@@ -19,6 +19,9 @@
 # tests.log, run.log, run.json, bench.log, bench.json, memcheck.log, torch.json; build.log only
 # when the build fails. The summary table is printed last.
 #   usage: scripts/gpu_check.sh [all|test|check|run|bench|memcheck|torch] [gtest filter]
+# With ATTNRT_GPU_PREBUILT=DIR the build stage is skipped and the attnrt and attnrt_cuda_tests
+# binaries in DIR/bin.tar.xz are used: built elsewhere for sm_90a (scripts/gpu_prebuild.sh) and
+# carried to the GPU machine, which saves its build minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -64,6 +67,15 @@ gtest_counts() {
 
 # build
 t0=$(date +%s)
+if [ -n "${ATTNRT_GPU_PREBUILT:-}" ]; then
+  mkdir -p "$build" && tar -C "$build" -xJf "$ATTNRT_GPU_PREBUILT/bin.tar.xz"
+  if [ ! -x "$cli" ] || [ ! -x "$tests" ]; then
+    note build FAILED 0 "ATTNRT_GPU_PREBUILT=$ATTNRT_GPU_PREBUILT lacks attnrt or attnrt_cuda_tests"
+    summary
+    exit 1
+  fi
+  note build prebuilt $(($(date +%s) - t0)) "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+else
 b=$(budget 400 60)
 { cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
     && timeout "${b:-60}" ninja -C "$build" -j"$(nproc)" attnrt_cuda_tests attnrt_cli; } \
@@ -77,6 +89,7 @@ if [ $rc -ne 0 ]; then
 fi
 note build ok $(($(date +%s) - t0)) "$(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
 rm -f "$out/build.log"
+fi
 status=0
 
 if want test; then

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Builds the GPU check's binaries here (Release, sm_90a) into .gpubin/ (git-ignored), so that a
+# GPU call can skip its build: carry .gpubin and .devdeps, and run
+#   ATTNRT_GPU_PREBUILT=.gpubin OUT=$OUT scripts/gpu_check.sh all
+# The binaries link the CUDA runtime statically and need only libfmt / libhwy from .devdeps there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${ATTNRT_GPU_BUILD:-/tmp/b-gpu}
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
+  -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
+ninja -C "$build" -j"${JOBS:-$(nproc)}" attnrt_cuda_tests attnrt_cli
+# Carried compressed (the tree that travels is limited to 64 MiB; the fat binaries shrink ~5x).
+rm -rf .gpubin && mkdir -p .gpubin/tmp
+grep -qxF '/.gpubin/' .git/info/exclude 2>/dev/null || echo '/.gpubin/' >>.git/info/exclude
+cp "$build/attnrt" "$build/attnrt_cuda_tests" .gpubin/tmp/
+strip .gpubin/tmp/attnrt .gpubin/tmp/attnrt_cuda_tests
+tar -C .gpubin/tmp -cf - attnrt attnrt_cuda_tests | xz -T0 -6 >.gpubin/bin.tar.xz
+rm -rf .gpubin/tmp
+ls -la .gpubin
