@@ -3,18 +3,20 @@
 # GPU call can skip its build: carry .gpubin and .devdeps, and run
 #   ATTNRT_GPU_PREBUILT=.gpubin OUT=$OUT scripts/gpu_check.sh all
 # The binaries link the CUDA runtime statically and need only libfmt / libhwy from .devdeps there.
+#   usage: scripts/gpu_prebuild.sh [OUTDIR]   (default .gpubin; a relative OUTDIR is taken from
+#          the project root; ATTNRT_GPU_BUILD = build folder, JOBS = parallel jobs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+outdir=${1:-.gpubin}
 build=${ATTNRT_GPU_BUILD:-/tmp/b-gpu}
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a \
   -DCMAKE_CUDA_COMPILER="$nvcc" >/dev/null
 ninja -C "$build" -j"${JOBS:-$(nproc)}" attnrt_cuda_tests attnrt_cli
 # Carried compressed (the tree that travels is limited to 64 MiB; the fat binaries shrink ~5x).
-rm -rf .gpubin && mkdir -p .gpubin/tmp
-grep -qxF '/.gpubin/' .git/info/exclude 2>/dev/null || echo '/.gpubin/' >>.git/info/exclude
-cp "$build/attnrt" "$build/attnrt_cuda_tests" .gpubin/tmp/
-strip .gpubin/tmp/attnrt .gpubin/tmp/attnrt_cuda_tests
-tar -C .gpubin/tmp -cf - attnrt attnrt_cuda_tests | xz -T0 -6 >.gpubin/bin.tar.xz
-rm -rf .gpubin/tmp
-ls -la .gpubin
+rm -rf "$outdir" && mkdir -p "$outdir/tmp"
+cp "$build/attnrt" "$build/attnrt_cuda_tests" "$outdir/tmp/"
+strip "$outdir/tmp/attnrt" "$outdir/tmp/attnrt_cuda_tests"
+tar -C "$outdir/tmp" -cf - attnrt attnrt_cuda_tests | xz -T0 -6 >"$outdir/bin.tar.xz"
+rm -rf "$outdir/tmp"
+ls -la "$outdir"
