@@ -892,7 +892,7 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
       std::vector<std::pair<const LayerSpec*, AttnArgs>> layer_args;
       for (const LayerSpec& layer : e.model.layers) {
         LayerBuffers& lb = e.graph_host[layer.layer_id];
-        if (lb.q.numel() == 0) {
+        if (lb.q.data() == nullptr) {  // first graph step of this layer
           const int64_t cap = rows;  // the largest step of the run
           lb.q = HostBuffer(model.dtype, {cap, layer.num_q_heads * layer.head_dim});
           lb.k = HostBuffer(model.dtype, {cap, layer.num_kv_heads * layer.head_dim});
