@@ -11,7 +11,8 @@
 #             of 16 (verify graphs, accepted rows moved inside the GPU pools)
 #   bench     attnrt bench --backend cuda --json: ceilings, every standard row, host plan at batch
 #             256, graph replay of a 32-layer decode step
-#   memcheck  compute-sanitizer --tool memcheck over attnrt run, then over the GPU tests
+#   memcheck  compute-sanitizer --tool memcheck over attnrt run, the conformance suite (attnrt
+#             check --backend cuda), then over the GPU tests
 #   torch     bench/torch_sdpa.py --device cuda on the bench rows (SDPA flash, cuDNN,
 #             FlexAttention) and bench/compare.py, when torch with CUDA is installed
 # Stages run in that order; one that would start with too little time left is skipped and says
@@ -176,6 +177,18 @@ if want memcheck; then
       [ $rc -ne 0 ] && status=1
     else
       note memcheck-run skipped 0 "no time left"
+    fi
+    t0=$(date +%s)
+    if b=$(budget 120 30); then
+      echo "### memcheck: attnrt check --backend cuda" >>"$out/memcheck.log"
+      timeout -k 5 "$b" compute-sanitizer --tool memcheck --error-exitcode 9 \
+        "$cli" check --backend cuda --no-progress >>"$out/memcheck.log" 2>&1
+      rc=$?
+      note memcheck-check "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
+        "rc=$rc; $(grep -E 'ERROR SUMMARY' "$out/memcheck.log" | tail -1)"
+      [ $rc -ne 0 ] && status=1
+    else
+      note memcheck-check skipped 0 "no time left"
     fi
     t0=$(date +%s)
     if b=$(budget 300 30); then
