@@ -1,0 +1,476 @@
+// The chunked Mamba2 SSD extend kernel (launch_ssd_chunked, backends/cuda/kernels/
+// linear_ssd_chunked.cu) against the float64 sequential recurrence (linear::recurrent_step) on
+// the same numbers: ragged requests that end on, before and after chunk boundaries, with and
+// without initial state, several slots, fp32 and bf16 states, dt / out in fp32, bf16 and fp16,
+// small dims and the Nemotron-H ones. Decays per token span exp(-0.001) .. exp(-1). Each run
+// draws a fresh seed (printed; ATTNRT_TEST_SEED replays one). Outputs are poisoned with NaN
+// first; slots and output columns the step does not own must come back unchanged. One more test
+// prints (never asserts) the kernel time at the Nemotron-H shape. Skips without a usable GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <iostream>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "attnrt/core/device.h"
+#include "attnrt/core/dtype.h"
+#include "attnrt/linear/linear_math.h"
+
+#ifdef ATTNRT_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "backends/cuda/kernels/linear.h"
+#endif
+
+namespace attnrt {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                                      \
+  do {                                                                                          \
+    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
+  } while (0)
+
+#ifdef ATTNRT_HAS_CUDA
+
+namespace cl = cuda::linear;
+
+uint32_t fresh_seed() {
+  if (const char* s = std::getenv("ATTNRT_TEST_SEED")) return static_cast<uint32_t>(std::atoll(s));
+  return std::random_device{}();
+}
+
+// A device allocation of `bytes` with host upload / download.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    EXPECT_EQ(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)), cudaSuccess);
+  }
+  ~DeviceBuffer() { cudaFree(ptr_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  void* get() const { return ptr_; }
+  void upload(const void* host) const {
+    EXPECT_EQ(cudaMemcpy(ptr_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  void download(void* host) const {
+    EXPECT_EQ(cudaMemcpy(host, ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Raw host bytes of `n` elements of a float dtype.
+struct HostArray {
+  DType dtype;
+  std::vector<unsigned char> bytes;
+  HostArray(DType t, int64_t n) : dtype(t), bytes(static_cast<size_t>(n) * dtype_size(t)) {}
+  float get(int64_t i) const { return load_as_float(bytes.data(), dtype, static_cast<size_t>(i)); }
+  void set(int64_t i, float v) { store_from_float(bytes.data(), dtype, static_cast<size_t>(i), v); }
+  int64_t size() const { return static_cast<int64_t>(bytes.size() / dtype_size(dtype)); }
+};
+
+struct SsdCase {
+  int heads = 8, groups = 2, head_dim = 64, d_state = 64, chunk = 64;
+  std::vector<int> tokens;    // per request
+  std::vector<int> has_init;  // per request: 1 = start from the slot's state
+  DType ssm = DType::f32, a = DType::f32, out = DType::f32;
+  int a_pad = 0, out_pad = 0;  // extra elements per row of a and out
+};
+
+double softplus_inverse(double y) { return std::log(std::expm1(y)); }
+
+// Runs one step on the GPU and the float64 recurrence on the host and compares outputs and final
+// states. Returns the errors relative to the largest reference magnitude through the out-params.
+void check_ssd(const SsdCase& c) {
+  const uint32_t seed = fresh_seed();
+  std::cout << "[ seed ] ATTNRT_TEST_SEED=" << seed << "\n";
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  auto uni = [&](double lo, double hi) { return lo + (hi - lo) * u01(rng); };
+
+  const int H = c.heads, P = c.head_dim, N = c.d_state, G = c.groups;
+  const int conv_dim = H * P + 2 * G * N;
+  const int R = static_cast<int>(c.tokens.size());
+  int64_t T = 0;
+  int max_tokens = 0;
+  for (int t : c.tokens) {
+    T += t;
+    max_tokens = std::max(max_tokens, t);
+  }
+  const int64_t a_stride = H + c.a_pad, out_stride = int64_t{H} * P + c.out_pad;
+
+  // Parameters: A = -exp(A_log) in [-7.4, -0.37]; per head a decay scale, per token a log decay
+  // dt * |A| in [1e-3, 1] (some heads remember across many chunks, some forget within one).
+  linear::LayerParams lp;
+  lp.kind = LayerKind::mamba2;
+  lp.shape.conv_dim = conv_dim;
+  lp.shape.heads = H;
+  lp.shape.rows = P;
+  lp.shape.cols = N;
+  lp.key_heads = G;
+  lp.key_dim = N;
+  std::vector<float> A_log(H), dt_bias(H), D(H), speed(H);
+  for (int h = 0; h < H; ++h) {
+    A_log[h] = static_cast<float>(uni(-1.0, 2.0));
+    dt_bias[h] = static_cast<float>(uni(-1.0, 1.0));
+    D[h] = static_cast<float>(uni(0.5, 1.5));
+    speed[h] = static_cast<float>(std::pow(10.0, uni(-3.0, 0.0)));
+  }
+  lp.A_log.assign(A_log.begin(), A_log.end());
+  lp.dt_bias.assign(dt_bias.begin(), dt_bias.end());
+  lp.D.assign(D.begin(), D.end());
+
+  std::vector<float> y(static_cast<size_t>(T * conv_dim));
+  for (float& v : y) v = static_cast<float>(uni(-1.0, 1.0));
+  HostArray a(c.a, T * a_stride);
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t k = 0; k < a_stride; ++k) {
+      const int h = static_cast<int>(k);
+      if (h >= H) {
+        a.set(t * a_stride + k, std::numeric_limits<float>::quiet_NaN());  // never read
+        continue;
+      }
+      const double rate = std::exp(A_log[h]);
+      const double log_decay = std::max(1e-3, speed[h] * std::pow(10.0, uni(-1.0, 0.0)));
+      a.set(t * a_stride + k, static_cast<float>(softplus_inverse(log_decay / rate) - dt_bias[h]));
+    }
+  }
+
+  // Slots: request i uses slot 1 + 2i (slot 0 reserved, odd slots between left alone); every
+  // slot starts with random numbers, so a request without initial state must not read its slot.
+  const int slots = 2 * R + 2;
+  const int64_t per_slot = int64_t{H} * P * N;
+  HostArray ssm(c.ssm, slots * per_slot);
+  for (int64_t i = 0; i < ssm.size(); ++i) ssm.set(i, static_cast<float>(uni(-1.0, 1.0)));
+  std::vector<cl::LinReq> reqs(R);
+  int32_t start = 0;
+  for (int i = 0; i < R; ++i) {
+    reqs[i] = cl::LinReq{1 + 2 * i, start, c.tokens[i], c.has_init[i], 0};
+    start += c.tokens[i];
+  }
+
+  HostArray out(c.out, T * out_stride);
+  for (int64_t i = 0; i < out.size(); ++i) out.set(i, std::numeric_limits<float>::quiet_NaN());
+
+  DeviceBuffer d_y(y.size() * sizeof(float)), d_a(a.bytes.size()), d_ssm(ssm.bytes.size()),
+      d_out(out.bytes.size()), d_reqs(reqs.size() * sizeof(cl::LinReq));
+  d_y.upload(y.data());
+  d_a.upload(a.bytes.data());
+  d_ssm.upload(ssm.bytes.data());
+  d_out.upload(out.bytes.data());
+  d_reqs.upload(reqs.data());
+  DeviceBuffer d_A_log(H * sizeof(float)), d_dt_bias(H * sizeof(float)), d_D(H * sizeof(float));
+  d_A_log.upload(A_log.data());
+  d_dt_bias.upload(dt_bias.data());
+  d_D.upload(D.data());
+
+  cl::SsdParams p{};
+  p.step.reqs = static_cast<const cl::LinReq*>(d_reqs.get());
+  p.step.num_reqs = R;
+  p.step.max_tokens = max_tokens;
+  p.state.ssm = d_ssm.get();
+  p.state.ssm_dtype = static_cast<cl::DTypeCode>(c.ssm);
+  p.state.conv_dim = conv_dim;
+  p.state.heads = H;
+  p.state.rows = P;
+  p.state.cols = N;
+  p.groups = G;
+  p.y = static_cast<const float*>(d_y.get());
+  p.a = d_a.get();
+  p.a_stride = a_stride;
+  p.a_dtype = static_cast<cl::DTypeCode>(c.a);
+  p.A_log = static_cast<const float*>(d_A_log.get());
+  p.dt_bias = static_cast<const float*>(d_dt_bias.get());
+  p.D = static_cast<const float*>(d_D.get());
+  p.out = d_out.get();
+  p.out_stride = out_stride;
+  p.out_dtype = static_cast<cl::DTypeCode>(c.out);
+  DeviceBuffer d_ws(cl::ssd_chunked_workspace(p, T, c.chunk));
+  ASSERT_EQ(cl::launch_ssd_chunked(p, T, c.chunk, d_ws.get(), nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  HostArray out_gpu(c.out, out.size()), ssm_gpu(c.ssm, ssm.size());
+  d_out.download(out_gpu.bytes.data());
+  d_ssm.download(ssm_gpu.bytes.data());
+
+  // The float64 recurrence per request, from the values exactly as stored (rounded a, state).
+  std::vector<std::vector<double>> ref_out(R), ref_state(R);
+  std::vector<std::future<void>> jobs;
+  for (int i = 0; i < R; ++i) {
+    jobs.push_back(std::async(std::launch::async, [&, i] {
+      std::vector<double>& S = ref_state[i];
+      S.assign(static_cast<size_t>(per_slot), 0.0);
+      if (c.has_init[i]) {
+        for (int64_t k = 0; k < per_slot; ++k) S[k] = ssm.get(reqs[i].slot * per_slot + k);
+      }
+      ref_out[i].assign(static_cast<size_t>(c.tokens[i]) * H * P, 0.0);
+      std::vector<double> yt(conv_dim), at(H);
+      for (int t = 0; t < c.tokens[i]; ++t) {
+        const int64_t row = reqs[i].token_start + t;
+        for (int k = 0; k < conv_dim; ++k) yt[k] = y[row * conv_dim + k];
+        for (int h = 0; h < H; ++h) at[h] = a.get(row * a_stride + h);
+        linear::recurrent_step(lp, S, yt.data(), at.data(), nullptr,
+                               &ref_out[i][static_cast<size_t>(t) * H * P]);
+      }
+    }));
+  }
+  for (auto& j : jobs) j.get();
+
+  double out_max = 0, out_err = 0, state_max = 0, state_err = 0;
+  int64_t bad_nan = 0, pad_touched = 0, slot_touched = 0;
+  for (int i = 0; i < R; ++i) {
+    for (int t = 0; t < c.tokens[i]; ++t) {
+      const int64_t row = reqs[i].token_start + t;
+      for (int64_t k = 0; k < out_stride; ++k) {
+        const float got = out_gpu.get(row * out_stride + k);
+        if (k >= int64_t{H} * P) {
+          pad_touched += !std::isnan(got);
+          continue;
+        }
+        const double ref = ref_out[i][static_cast<size_t>(t) * H * P + k];
+        if (!std::isfinite(got)) ++bad_nan;
+        out_max = std::max(out_max, std::abs(ref));
+        out_err = std::max(out_err, std::abs(got - ref));
+      }
+    }
+    if (c.tokens[i] == 0) continue;
+    for (int64_t k = 0; k < per_slot; ++k) {
+      const float got = ssm_gpu.get(reqs[i].slot * per_slot + k);
+      if (!std::isfinite(got)) ++bad_nan;
+      state_max = std::max(state_max, std::abs(ref_state[i][k]));
+      state_err = std::max(state_err, std::abs(got - ref_state[i][k]));
+    }
+  }
+  // Slots of no request and of requests with no tokens keep their bytes.
+  for (int s = 0; s < slots; ++s) {
+    bool owned = false;
+    for (int i = 0; i < R; ++i) owned |= reqs[i].slot == s && c.tokens[i] > 0;
+    if (owned) continue;
+    const size_t es = dtype_size(c.ssm);
+    slot_touched += std::memcmp(&ssm.bytes[s * per_slot * es], &ssm_gpu.bytes[s * per_slot * es],
+                                per_slot * es) != 0;
+  }
+  const double out_rel = out_err / std::max(out_max, 1e-30);
+  const double state_rel = state_err / std::max(state_max, 1e-30);
+  std::cout << "[ ssd  ] heads " << H << " groups " << G << " P " << P << " N " << N << " chunk "
+            << c.chunk << " state " << dtype_name(c.ssm) << " dt " << dtype_name(c.a) << " out "
+            << dtype_name(c.out) << ": out max|err| " << out_err << " (max|ref| " << out_max
+            << ", " << out_rel << "), state max|err| " << state_err << " (max|ref| " << state_max
+            << ", " << state_rel << ")\n";
+  EXPECT_EQ(bad_nan, 0) << "non-finite outputs or states";
+  EXPECT_EQ(pad_touched, 0) << "output columns past heads * head_dim were written";
+  EXPECT_EQ(slot_touched, 0) << "slots the step does not own changed";
+  // bf16 tensor-core operands (x, B, C, the masked weights, the state copy read for Y_off) carry
+  // 2^-9 relative rounding each; fp32 accumulation. Outputs stored as 16-bit add their rounding.
+  const double tol = 2e-2;
+  EXPECT_LE(out_rel, tol);
+  EXPECT_LE(state_rel, tol);
+}
+
+// Ragged: a single token, a chunk minus one, exactly one, one plus one, several chunks with a
+// partial last one, and a long request.
+const std::vector<int> kRagged = {1, 127, 128, 129, 300, 1000};
+
+TEST(CudaLinearSsd, SmallDimsChunk64MatchesRecurrence) {
+  SKIP_WITHOUT_GPU();
+  SsdCase c;
+  c.tokens = {1, 63, 64, 65, 200, 0, 130};
+  c.has_init = {1, 0, 1, 0, 1, 1, 1};
+  c.a_pad = 3;
+  c.out_pad = 8;
+  check_ssd(c);
+}
+
+TEST(CudaLinearSsd, SmallDimsChunk128DState128Bf16State) {
+  SKIP_WITHOUT_GPU();
+  SsdCase c;
+  c.heads = 6;
+  c.groups = 3;
+  c.d_state = 128;
+  c.chunk = 128;
+  c.tokens = kRagged;
+  c.has_init = {1, 1, 0, 1, 0, 1};
+  c.ssm = DType::bf16;
+  c.a = DType::bf16;
+  c.out = DType::bf16;
+  c.out_pad = 2;
+  check_ssd(c);
+}
+
+TEST(CudaLinearSsd, OneGroupFp16Out) {
+  SKIP_WITHOUT_GPU();
+  SsdCase c;
+  c.heads = 4;
+  c.groups = 1;
+  c.chunk = 128;
+  c.tokens = {129, 5, 256};
+  c.has_init = {0, 1, 1};
+  c.a = DType::f16;
+  c.out = DType::f16;
+  check_ssd(c);
+}
+
+TEST(CudaLinearSsd, NemotronShapeFp32State) {
+  SKIP_WITHOUT_GPU();
+  SsdCase c;
+  c.heads = 128;
+  c.groups = 8;
+  c.d_state = 128;
+  c.chunk = 128;
+  c.tokens = kRagged;
+  c.has_init = {1, 0, 1, 1, 0, 1};
+  c.a = DType::bf16;
+  c.out = DType::bf16;
+  check_ssd(c);
+}
+
+TEST(CudaLinearSsd, NemotronShapeBf16StateChunk64) {
+  SKIP_WITHOUT_GPU();
+  SsdCase c;
+  c.heads = 128;
+  c.groups = 8;
+  c.d_state = 128;
+  c.chunk = 64;
+  c.tokens = kRagged;
+  c.has_init = {0, 1, 1, 0, 1, 1};
+  c.ssm = DType::bf16;
+  c.a = DType::f32;
+  c.out = DType::f32;
+  check_ssd(c);
+}
+
+TEST(CudaLinearSsd, RejectsUnsupportedShapes) {
+  SKIP_WITHOUT_GPU();
+  cl::SsdParams p{};
+  cl::LinReq r{1, 0, 4, 0, 0};
+  p.step.reqs = &r;
+  p.step.num_reqs = 1;
+  p.state.heads = 4;
+  p.state.rows = 64;
+  p.state.cols = 64;
+  p.groups = 2;
+  p.state.conv_dim = 4 * 64 + 2 * 2 * 64;
+  p.state.ssm_dtype = static_cast<cl::DTypeCode>(DType::f32);
+  p.out_dtype = p.a_dtype = static_cast<cl::DTypeCode>(DType::f32);
+  EXPECT_EQ(cl::launch_ssd_chunked(p, 4, 32, nullptr, nullptr), cudaErrorInvalidValue);  // chunk
+  p.state.rows = 32;
+  p.state.conv_dim = 4 * 32 + 2 * 2 * 64;
+  EXPECT_EQ(cl::launch_ssd_chunked(p, 4, 64, nullptr, nullptr), cudaErrorInvalidValue);  // P
+  p.state.rows = 64;
+  p.state.conv_dim = 4 * 64 + 2 * 2 * 64;
+  p.step.verify = 1;
+  EXPECT_EQ(cl::launch_ssd_chunked(p, 4, 64, nullptr, nullptr), cudaErrorInvalidValue);
+  cudaGetLastError();
+}
+
+// Kernel time at Nemotron-H-8B's shape (128 heads x head_dim 64, d_state 128, 8 groups, chunk
+// 128): bf16 dt and out, fp32 state, no initial state. Printed only: CUDA events around each
+// launch after 3 warm-ups, median of 10. FLOPs are those of the dense chunked form per head and
+// chunk (2 Q^2 N for C B^T, 2 Q^2 P for the masked scores times X, 2 Q P N each for the chunk
+// state and for C h^T), as the torch chunked scan computes them.
+TEST(CudaLinearSsd, ThroughputNemotronShape) {
+  SKIP_WITHOUT_GPU();
+  const int H = 128, P = 64, N = 128, G = 8, Q = 128;
+  const int conv_dim = H * P + 2 * G * N;
+  for (const auto& [R, L] : std::vector<std::pair<int, int>>{{1, 8192}, {8, 8192}}) {
+    const int64_t T = int64_t{R} * L;
+    std::vector<float> y(static_cast<size_t>(L) * conv_dim);
+    uint32_t x = 12345u;
+    for (float& v : y) {
+      x ^= x << 13;
+      x ^= x >> 17;
+      x ^= x << 5;
+      v = static_cast<float>(x >> 8) * (2.f / 16777216.f) - 1.f;
+    }
+    std::vector<uint16_t> a(static_cast<size_t>(T) * H);
+    for (size_t i = 0; i < a.size(); ++i) a[i] = float_to_bf16(-4.f + 3.f * ((i * 37) % 97) / 97.f);
+    DeviceBuffer d_y(static_cast<size_t>(T) * conv_dim * sizeof(float));
+    for (int r = 0; r < R; ++r) {
+      ASSERT_EQ(cudaMemcpy(static_cast<float*>(d_y.get()) + int64_t{r} * L * conv_dim, y.data(),
+                           y.size() * sizeof(float), cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+    DeviceBuffer d_a(a.size() * 2), d_out(static_cast<size_t>(T) * H * P * 2),
+        d_ssm(static_cast<size_t>(R + 1) * H * P * N * 4), d_reqs(R * sizeof(cl::LinReq));
+    d_a.upload(a.data());
+    std::vector<cl::LinReq> reqs;
+    for (int r = 0; r < R; ++r) reqs.push_back(cl::LinReq{1 + r, r * L, L, 0, 0});
+    d_reqs.upload(reqs.data());
+    std::vector<float> params(H, 0.5f);
+    DeviceBuffer d_A_log(H * 4), d_dt_bias(H * 4), d_D(H * 4);
+    d_A_log.upload(params.data());
+    d_dt_bias.upload(params.data());
+    d_D.upload(params.data());
+
+    cl::SsdParams p{};
+    p.step.reqs = static_cast<const cl::LinReq*>(d_reqs.get());
+    p.step.num_reqs = R;
+    p.step.max_tokens = L;
+    p.state.ssm = d_ssm.get();
+    p.state.ssm_dtype = static_cast<cl::DTypeCode>(DType::f32);
+    p.state.conv_dim = conv_dim;
+    p.state.heads = H;
+    p.state.rows = P;
+    p.state.cols = N;
+    p.groups = G;
+    p.y = static_cast<const float*>(d_y.get());
+    p.a = d_a.get();
+    p.a_stride = H;
+    p.a_dtype = static_cast<cl::DTypeCode>(DType::bf16);
+    p.A_log = static_cast<const float*>(d_A_log.get());
+    p.dt_bias = static_cast<const float*>(d_dt_bias.get());
+    p.D = static_cast<const float*>(d_D.get());
+    p.out = d_out.get();
+    p.out_stride = int64_t{H} * P;
+    p.out_dtype = static_cast<cl::DTypeCode>(DType::bf16);
+    DeviceBuffer d_ws(cl::ssd_chunked_workspace(p, T, Q));
+
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    for (int i = 0; i < 3; ++i) ASSERT_EQ(cl::launch_ssd_chunked(p, T, Q, d_ws.get(), nullptr), cudaSuccess);
+    std::vector<float> ms;
+    for (int i = 0; i < 10; ++i) {
+      cudaEventRecord(e0);
+      cl::launch_ssd_chunked(p, T, Q, d_ws.get(), nullptr);
+      cudaEventRecord(e1);
+      cudaEventSynchronize(e1);
+      float m = 0;
+      cudaEventElapsedTime(&m, e0, e1);
+      ms.push_back(m);
+    }
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[ms.size() / 2];
+    const double flops =
+        double(T) * H * (2.0 * Q * N + 2.0 * Q * P + 4.0 * P * N);  // per token: one row of each
+    const double bytes = double(T) * (conv_dim * 4.0 + H * 2.0 + H * P * 2.0);
+    std::cout << "[ perf ] ssd chunked " << R << " x " << L << " (heads " << H << ", P " << P
+              << ", N " << N << ", groups " << G << ", chunk " << Q << "): median " << med
+              << " ms (min " << ms.front() << ", max " << ms.back() << "), "
+              << flops / (med * 1e-3) / 1e12 << " TFLOP/s, " << T / (med * 1e-3) / 1e6
+              << " M tokens/s, " << bytes / (med * 1e-3) / 1e12 << " TB/s of y/dt/out\n";
+  }
+}
+
+#else
+
+TEST(CudaLinearSsd, SkippedWithoutCuda) {
+  GTEST_SKIP() << "attnrt was built without CUDA: " << query_cuda().reason;
+}
+
+#endif
+
+}  // namespace
+}  // namespace attnrt
