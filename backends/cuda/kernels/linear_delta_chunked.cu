@@ -1,0 +1,641 @@
+// The chunked (WY / UT) form of the delta rule for extend steps (reference-semantics §8.9.1 GDN,
+// §8.9.2 KDA), the launcher declared in linear.h. Per chunk of 64 tokens of one request and one
+// value head, with G_t = the cumulative log decay inside the chunk (per key channel for kda):
+//   kk[t][i] = sum_c k_t[c] k_i[c] e^{G_t[c] - G_i[c]}   (i < t),   qk likewise with q_t (i <= t)
+//   (I + diag(beta) kk) X = diag(beta) [e^G (.) K | V]   ->   W = X[:, :Dk], U = X[:, Dk:]
+//   per chunk, in order:  u = U - W S^T
+//                         o = (e^G (.) Q) S^T + qk u
+//                         S = S (.) e^{G_last} + u^T (e^{G_last - G} (.) K)
+// (S is the slot's [Dv, Dk] state.) Three kernels:
+//   1. chunk table: where each request's chunks sit in the workspace (one block, a scan);
+//   2. prep, one CTA per (chunk, head), everything that does not depend on the state: the
+//      normalised q / k, the gates, kk and qk (tensor cores), the forward substitution (fp32, one
+//      column of X per thread, in registers), and the state pass's operands in bf16;
+//   3. state pass, one CTA per (request, head, 64 value rows of S): S stays in fp32 registers
+//      (as MMA accumulators) across the request's chunks, the chunk operands stream in through a
+//      cp.async double buffer, and the outputs are written there (no per-chunk states stored).
+// KDA's pairwise decay ratios are never formed as e^{G_t} e^{-G_i} over a whole chunk: the
+// off-diagonal 16-token blocks factor through the first token r of the row block
+// (e^{G_t - G_r} and e^{G_r - G_i}, both <= 1), and the diagonal blocks take the ratio per pair.
+#include <cub/block/block_scan.cuh>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "attnrt/core/dtype.h"
+#include "backends/cuda/kernels/linear.h"
+#include "backends/cuda/kernels/primitives.cuh"
+
+namespace attnrt::cuda::linear {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kChunk = 64;      // tokens per chunk (the only chunk size supported)
+constexpr int kThreads = 256;   // prep and state pass
+constexpr int kVTile = 64;      // value rows of S per state-pass CTA
+constexpr int kTableThreads = 1024;
+constexpr DTypeCode kF32 = static_cast<DTypeCode>(DType::f32);
+constexpr DTypeCode kF16 = static_cast<DTypeCode>(DType::f16);
+constexpr DTypeCode kBF16 = static_cast<DTypeCode>(DType::bf16);
+
+// Workspace: the chunk table, then one unit of chunk operands per (chunk slot, value head).
+struct Layout {
+  int64_t bound = 0;  // chunk slots: num_tokens / 64 + num_reqs >= sum of ceil(tokens / 64)
+  int64_t coff_off = 0, table_off = 0, units_off = 0, total = 0;
+  // Inside a unit (bytes): W, Qd [64, Dk] bf16; KlT [Dk, 64] bf16; Mqk [64, 64] bf16;
+  // U [64, Dv] fp32; el [Dk] fp32.
+  int64_t w_off = 0, qd_off = 0, klt_off = 0, m_off = 0, u_off = 0, el_off = 0, unit_bytes = 0;
+};
+
+int64_t align_up(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+Layout make_layout(int num_reqs, int64_t num_tokens, int dk, int dv, int heads) {
+  Layout L;
+  L.bound = num_tokens / kChunk + num_reqs;
+  L.coff_off = 0;
+  L.table_off = align_up(static_cast<int64_t>(num_reqs + 1) * 4, 256);
+  L.units_off = align_up(L.table_off + L.bound * 4, 256);
+  L.w_off = 0;
+  L.qd_off = L.w_off + int64_t{kChunk} * dk * 2;
+  L.klt_off = L.qd_off + int64_t{kChunk} * dk * 2;
+  L.m_off = L.klt_off + int64_t{kChunk} * dk * 2;
+  L.u_off = L.m_off + int64_t{kChunk} * kChunk * 2;
+  L.el_off = L.u_off + int64_t{kChunk} * dv * 4;
+  L.unit_bytes = align_up(L.el_off + int64_t{dk} * 4, 128);
+  L.total = L.units_off + L.bound * heads * L.unit_bytes;
+  return L;
+}
+
+__device__ __forceinline__ float load_elem(const void* p, DTypeCode t, int64_t i) {
+  if (t == kBF16) return __bfloat162float(static_cast<const bf16*>(p)[i]);
+  if (t == kF16) return __half2float(static_cast<const __half*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+
+__device__ __forceinline__ void store_elem(void* p, DTypeCode t, int64_t i, float x) {
+  if (t == kBF16) {
+    static_cast<bf16*>(p)[i] = __float2bfloat16_rn(x);
+  } else if (t == kF16) {
+    static_cast<__half*>(p)[i] = __float2half_rn(x);
+  } else {
+    static_cast<float*>(p)[i] = x;
+  }
+}
+
+__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ int chunks_of(int32_t tokens) {
+  return tokens > 0 ? (tokens + kChunk - 1) / kChunk : 0;
+}
+
+// MMA operands from shared memory, both stored with the reduction index contiguous: A [m][k]
+// (row stride `ld` elements) and B as [n][k]. Rows padded by 8 elements make the 32-bit loads of
+// a fragment hit 32 different banks.
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const bf16* s, int ld, int m0, int k0) {
+  const int g = (threadIdx.x & 31) >> 2, c = k0 + 2 * (threadIdx.x & 3);
+  a[0] = *reinterpret_cast<const uint32_t*>(s + (m0 + g) * ld + c);
+  a[1] = *reinterpret_cast<const uint32_t*>(s + (m0 + g + 8) * ld + c);
+  a[2] = *reinterpret_cast<const uint32_t*>(s + (m0 + g) * ld + c + 8);
+  a[3] = *reinterpret_cast<const uint32_t*>(s + (m0 + g + 8) * ld + c + 8);
+}
+__device__ __forceinline__ void frag_b(uint32_t& b0, uint32_t& b1, const bf16* s, int ld, int n0,
+                                       int k0) {
+  const int g = (threadIdx.x & 31) >> 2, c = k0 + 2 * (threadIdx.x & 3);
+  b0 = *reinterpret_cast<const uint32_t*>(s + (n0 + g) * ld + c);
+  b1 = *reinterpret_cast<const uint32_t*>(s + (n0 + g) * ld + c + 8);
+}
+// Row / column of accumulator element e (0..3) of a 16x8 tile at (m0, n0).
+__device__ __forceinline__ int acc_row(int m0, int e) {
+  return m0 + ((threadIdx.x & 31) >> 2) + (e >= 2 ? 8 : 0);
+}
+__device__ __forceinline__ int acc_col(int n0, int e) {
+  return n0 + 2 * (threadIdx.x & 3) + (e & 1);
+}
+__device__ __forceinline__ void store_bf16x2(bf16* dst, float lo, float hi) {
+  *reinterpret_cast<uint32_t*>(dst) = pack2<bf16>(lo, hi);
+}
+
+// ---- 1. chunk table ---------------------------------------------------------------------------
+
+// coff[r] = first chunk slot of request r (coff[num_reqs] = all chunks), table[slot] = its
+// request or -1.
+__global__ void __launch_bounds__(kTableThreads) chunk_table_kernel(const LinReq* reqs, int n,
+                                                                   int64_t bound, int32_t* coff,
+                                                                   int32_t* table) {
+  using Scan = cub::BlockScan<int, kTableThreads>;
+  __shared__ typename Scan::TempStorage scan;
+  const int per = (n + kTableThreads - 1) / kTableThreads;
+  const int r0 = min(n, static_cast<int>(threadIdx.x) * per), r1 = min(n, r0 + per);
+  int local = 0;
+  for (int r = r0; r < r1; ++r) local += chunks_of(reqs[r].tokens);
+  int first = 0, total = 0;
+  Scan(scan).ExclusiveSum(local, first, total);
+  for (int r = r0; r < r1; ++r) {
+    coff[r] = first;
+    const int c = chunks_of(reqs[r].tokens);
+    for (int j = 0; j < c; ++j) {
+      if (first + j < bound) table[first + j] = r;
+    }
+    first += c;
+  }
+  if (threadIdx.x == 0) coff[n] = total;
+  for (int64_t i = total + threadIdx.x; i < bound; i += kTableThreads) table[i] = -1;
+}
+
+// ---- 2. prep ----------------------------------------------------------------------------------
+
+template <int DK>
+struct PrepSmem {
+  static constexpr int LF = DK + 1;       // fp32 rows: odd stride, column walks are conflict-free
+  static constexpr int LC = kChunk + 1;
+  static constexpr int LB = DK + 8;       // bf16 MMA operand rows
+  static constexpr int KC_ROWS = 96;      // kda column operands for row blocks 1, 2, 3: 16 + 32 + 48
+  float q[kChunk * LF], k[kChunk * LF];   // normalised (q scaled)
+  float g[kChunk * LF];                   // cumulative log decay (gdn: g[t] only)
+  float kk[kChunk * LC], qk[kChunk * LC];
+  float beta[kChunk];
+  bf16 qr[kChunk * LB], kr[kChunk * LB];  // gdn: q, k; kda: scaled to the row block's first token
+  bf16 kc[KC_ROWS * LB];                  // kda: k scaled from the row block's first token
+};
+
+template <int DK, int DV, bool KDA>
+__global__ void __launch_bounds__(kThreads, 1)
+    delta_prep_kernel(const DeltaParams p, const Layout L, char* __restrict__ ws) {
+  using Sm = PrepSmem<DK>;
+  constexpr int LF = Sm::LF, LC = Sm::LC, LB = Sm::LB;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Sm& s = *reinterpret_cast<Sm*>(smem_raw);
+  const int32_t* coff = reinterpret_cast<const int32_t*>(ws + L.coff_off);
+  const int32_t* table = reinterpret_cast<const int32_t*>(ws + L.table_off);
+  const int slot = blockIdx.x, h = blockIdx.y;
+  const int r = table[slot];
+  if (r < 0) return;
+  const LinReq req = p.step.reqs[r];
+  const int j = slot - coff[r];
+  const int n = min(kChunk, req.tokens - j * kChunk);
+  const int64_t tok0 = req.token_start + static_cast<int64_t>(j) * kChunk;
+  const int hv = p.state.heads, hk = p.key_heads;
+  const int kh = h / (hv / hk);
+  const int64_t ldy = p.state.conv_dim;
+  const float* yq = p.y + static_cast<int64_t>(kh) * DK;
+  const float* yk = p.y + static_cast<int64_t>(hk + kh) * DK;
+  const float* yv = p.y + static_cast<int64_t>(2 * hk) * DK + static_cast<int64_t>(h) * DV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  constexpr int kWarps = kThreads / 32;
+  auto G = [&](int t, int c) -> float { return KDA ? s.g[t * LF + c] : s.g[t]; };
+
+  // q, k, L2-normalised; tokens past the request are zero (and get beta = 0, g = 0 below, so
+  // that they change nothing).
+  for (int t = warp; t < kChunk; t += kWarps) {
+    float qv[DK / 32], kv[DK / 32];
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int m = 0; m < DK / 32; ++m) {
+      const int c = lane + 32 * m;
+      qv[m] = t < n ? yq[(tok0 + t) * ldy + c] : 0.f;
+      kv[m] = t < n ? yk[(tok0 + t) * ldy + c] : 0.f;
+      sq += qv[m] * qv[m];
+      sk += kv[m] * kv[m];
+    }
+    const float fq = p.scale * rsqrtf(warp_sum(sq) + 1e-6f), fk = rsqrtf(warp_sum(sk) + 1e-6f);
+#pragma unroll
+    for (int m = 0; m < DK / 32; ++m) {
+      s.q[t * LF + lane + 32 * m] = qv[m] * fq;
+      s.k[t * LF + lane + 32 * m] = kv[m] * fk;
+    }
+  }
+  const float decay_rate = -expf(p.A_log[h]);
+  if (threadIdx.x < kChunk) {
+    const int t = threadIdx.x;
+    const float b = t < n ? load_elem(p.b, p.b_dtype, (tok0 + t) * p.b_stride + h) : 0.f;
+    s.beta[t] = t < n ? 1.f / (1.f + expf(-b)) : 0.f;
+  }
+  if constexpr (KDA) {
+    for (int c = threadIdx.x; c < DK; c += kThreads) {
+      const float bias = p.dt_bias[h * DK + c];
+      float acc = 0.f;
+#pragma unroll 8
+      for (int t = 0; t < kChunk; ++t) {
+        if (t < n) {
+          const float a = load_elem(p.a, p.a_dtype, (tok0 + t) * p.a_stride + h * DK + c);
+          acc += decay_rate * softplus(a + bias);
+        }
+        s.g[t * LF + c] = acc;
+      }
+    }
+  } else if (warp == 0) {  // inclusive scan of 64 scalars: two per lane
+    const float bias = p.dt_bias[h];
+    float g0 = 0.f, g1 = 0.f;
+    if (lane < n)
+      g0 = decay_rate * softplus(load_elem(p.a, p.a_dtype, (tok0 + lane) * p.a_stride + h) + bias);
+    if (lane + 32 < n)
+      g1 = decay_rate *
+           softplus(load_elem(p.a, p.a_dtype, (tok0 + lane + 32) * p.a_stride + h) + bias);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float x0 = __shfl_up_sync(0xffffffffu, g0, o), x1 = __shfl_up_sync(0xffffffffu, g1, o);
+      if (lane >= o) {
+        g0 += x0;
+        g1 += x1;
+      }
+    }
+    g1 += __shfl_sync(0xffffffffu, g0, 31);
+    s.g[lane] = g0;
+    s.g[lane + 32] = g1;
+  }
+  __syncthreads();
+
+  // bf16 MMA operands.
+  for (int e = threadIdx.x; e < kChunk * DK / 2; e += kThreads) {
+    const int t = e / (DK / 2), c = 2 * (e % (DK / 2));
+    float f0 = 1.f, f1 = 1.f;
+    if constexpr (KDA) {
+      const int r0 = t & ~15;
+      f0 = expf(G(t, c) - G(r0, c));
+      f1 = expf(G(t, c + 1) - G(r0, c + 1));
+    }
+    store_bf16x2(&s.kr[t * LB + c], s.k[t * LF + c] * f0, s.k[t * LF + c + 1] * f1);
+    store_bf16x2(&s.qr[t * LB + c], s.q[t * LF + c] * f0, s.q[t * LF + c + 1] * f1);
+  }
+  if constexpr (KDA) {
+    for (int e = threadIdx.x; e < Sm::KC_ROWS * DK / 2; e += kThreads) {
+      const int row = e / (DK / 2), c = 2 * (e % (DK / 2));
+      const int bt = row < 16 ? 1 : (row < 48 ? 2 : 3);
+      const int i = row - 8 * bt * (bt - 1), r0 = 16 * bt;
+      const float f0 = expf(G(r0, c) - G(i, c)), f1 = expf(G(r0, c + 1) - G(i, c + 1));
+      store_bf16x2(&s.kc[row * LB + c], s.k[i * LF + c] * f0, s.k[i * LF + c + 1] * f1);
+    }
+  }
+  __syncthreads();
+
+  // kk (strictly lower) and qk (lower), fp32 in shared memory; entries above are never read.
+  if constexpr (!KDA) {
+    const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
+    float akk[4][4] = {}, aqk[4][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < DK; k0 += 16) {
+      uint32_t ak[4], aq[4];
+      frag_a(ak, s.kr, LB, m0, k0);
+      frag_a(aq, s.qr, LB, m0, k0);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        uint32_t b0, b1;
+        frag_b(b0, b1, s.kr, LB, n0 + 8 * nt, k0);
+        mma_16816<bf16>(akk[nt], ak, b0, b1);
+        mma_16816<bf16>(aqk[nt], aq, b0, b1);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = acc_row(m0, e), i = acc_col(n0 + 8 * nt, e);
+        const float d = i <= t ? expf(s.g[t] - s.g[i]) : 0.f;
+        s.kk[t * LC + i] = akk[nt][e] * d;
+        s.qk[t * LC + i] = aqk[nt][e] * d;
+      }
+    }
+  } else {
+    // Off-diagonal 16-token blocks (row block bt, columns below 16 bt): 12 tiles of 16x8 for each
+    // of kk, qk.
+    for (int job = warp; job < 24; job += kWarps) {
+      const int prod = job / 12, idx = job % 12;
+      const int bt = idx < 2 ? 1 : (idx < 6 ? 2 : 3);
+      const int nt = idx - (bt == 1 ? 0 : (bt == 2 ? 2 : 6));
+      const bf16* A = prod ? s.qr : s.kr;
+      float acc[4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < DK; k0 += 16) {
+        uint32_t a[4], b0, b1;
+        frag_a(a, A, LB, 16 * bt, k0);
+        frag_b(b0, b1, s.kc, LB, 8 * bt * (bt - 1) + 8 * nt, k0);
+        mma_16816<bf16>(acc, a, b0, b1);
+      }
+      float* dst = prod ? s.qk : s.kk;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dst[acc_row(16 * bt, e) * LC + acc_col(8 * nt, e)] = acc[e];
+    }
+    // Diagonal blocks, per pair (t, i), i <= t in the same 16-token block: 4 x 136 pairs.
+    for (int pr = warp; pr < 4 * 136; pr += kWarps) {
+      const int bt = pr / 136, q = pr % 136;
+      int tl = static_cast<int>((sqrtf(8.f * q + 1.f) - 1.f) * 0.5f);
+      while ((tl + 1) * (tl + 2) / 2 <= q) ++tl;
+      while (tl * (tl + 1) / 2 > q) --tl;
+      const int t = 16 * bt + tl, i = 16 * bt + q - tl * (tl + 1) / 2;
+      float skk = 0.f, sqk = 0.f;
+#pragma unroll
+      for (int m = 0; m < DK / 32; ++m) {
+        const int c = lane + 32 * m;
+        const float ki = s.k[i * LF + c] * expf(s.g[t * LF + c] - s.g[i * LF + c]);
+        skk += s.k[t * LF + c] * ki;
+        sqk += s.q[t * LF + c] * ki;
+      }
+      skk = warp_sum(skk);
+      sqk = warp_sum(sqk);
+      if (lane == 0) {
+        s.kk[t * LC + i] = skk;
+        s.qk[t * LC + i] = sqk;
+      }
+    }
+  }
+  __syncthreads();
+
+  char* unit = ws + L.units_off + (static_cast<int64_t>(slot) * hv + h) * L.unit_bytes;
+  bf16* W = reinterpret_cast<bf16*>(unit + L.w_off);
+  bf16* Qd = reinterpret_cast<bf16*>(unit + L.qd_off);
+  bf16* KlT = reinterpret_cast<bf16*>(unit + L.klt_off);
+  bf16* Mqk = reinterpret_cast<bf16*>(unit + L.m_off);
+  float* U = reinterpret_cast<float*>(unit + L.u_off);
+  float* el = reinterpret_cast<float*>(unit + L.el_off);
+
+  // Forward substitution: X_t = beta_t (X0_t - sum_{i<t} kk[t][i] X_i), one column per thread,
+  // the 64 rows in registers (kk is read as a broadcast).
+  for (int col = threadIdx.x; col < DK + DV; col += kThreads) {
+    float x[kChunk];
+    if (col < DK) {
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) x[t] = s.beta[t] * expf(G(t, col)) * s.k[t * LF + col];
+    } else {
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t)
+        x[t] = t < n ? s.beta[t] * yv[(tok0 + t) * ldy + col - DK] : 0.f;
+    }
+#pragma unroll
+    for (int t = 1; t < kChunk; ++t) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int i = 0; i < t; ++i) acc[i & 3] += s.kk[t * LC + i] * x[i];
+      x[t] -= s.beta[t] * ((acc[0] + acc[1]) + (acc[2] + acc[3]));
+    }
+    if (col < DK) {
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) W[t * DK + col] = __float2bfloat16_rn(x[t]);
+    } else {
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) U[t * DV + col - DK] = x[t];
+    }
+  }
+  // The state pass's other operands.
+  for (int e = threadIdx.x; e < kChunk * DK / 2; e += kThreads) {
+    const int t = e / (DK / 2), c = 2 * (e % (DK / 2));
+    store_bf16x2(&Qd[t * DK + c], expf(G(t, c)) * s.q[t * LF + c],
+                 expf(G(t, c + 1)) * s.q[t * LF + c + 1]);
+  }
+  for (int e = threadIdx.x; e < DK * kChunk / 2; e += kThreads) {
+    const int c = e / (kChunk / 2), i = 2 * (e % (kChunk / 2));
+    const float gl = G(kChunk - 1, c);
+    store_bf16x2(&KlT[c * kChunk + i], expf(gl - G(i, c)) * s.k[i * LF + c],
+                 expf(gl - G(i + 1, c)) * s.k[(i + 1) * LF + c]);
+  }
+  for (int e = threadIdx.x; e < kChunk * kChunk / 2; e += kThreads) {
+    const int t = e / (kChunk / 2), i = 2 * (e % (kChunk / 2));
+    store_bf16x2(&Mqk[t * kChunk + i], i <= t ? s.qk[t * LC + i] : 0.f,
+                 i + 1 <= t ? s.qk[t * LC + i + 1] : 0.f);
+  }
+  for (int c = threadIdx.x; c < DK; c += kThreads) el[c] = expf(G(kChunk - 1, c));
+}
+
+// ---- 3. state pass ----------------------------------------------------------------------------
+
+template <int DK>
+struct PassSmem {
+  static constexpr int LB = DK + 8, LM = kChunk + 8, LU = kVTile + 8;
+  struct Buf {
+    bf16 w[kChunk * LB], qd[kChunk * LB];
+    bf16 m[kChunk * LM];   // qk, lower triangle
+    bf16 klt[DK * LM];     // (e^{G_last - G} (.) K)^T
+    float u[kChunk * LU];  // this CTA's columns of U
+    float el[DK];
+  };
+  Buf buf[2];
+  bf16 sb[kVTile * LB];  // S tile [v][c] in bf16 (B operand)
+  bf16 ut[kVTile * LM];  // u^T [v][t]
+};
+
+template <int DK, int DV>
+__device__ __forceinline__ void load_chunk(typename PassSmem<DK>::Buf& b, const char* unit,
+                                           const Layout& L, int vt) {
+  using Sm = PassSmem<DK>;
+  const bf16* W = reinterpret_cast<const bf16*>(unit + L.w_off);
+  const bf16* Qd = reinterpret_cast<const bf16*>(unit + L.qd_off);
+  const bf16* KlT = reinterpret_cast<const bf16*>(unit + L.klt_off);
+  const bf16* M = reinterpret_cast<const bf16*>(unit + L.m_off);
+  const float* U = reinterpret_cast<const float*>(unit + L.u_off) + vt * kVTile;
+  const float* el = reinterpret_cast<const float*>(unit + L.el_off);
+  constexpr int RK = DK / 8, RM = kChunk / 8, RU = kVTile / 4;  // 16-byte pieces per row
+  for (int e = threadIdx.x; e < kChunk * RK; e += kThreads) {
+    const int r = e / RK, q = e % RK;
+    cp_async_16(&b.w[r * Sm::LB + 8 * q], W + r * DK + 8 * q, true);
+    cp_async_16(&b.qd[r * Sm::LB + 8 * q], Qd + r * DK + 8 * q, true);
+  }
+  for (int e = threadIdx.x; e < DK * RM; e += kThreads) {
+    const int r = e / RM, q = e % RM;
+    cp_async_16(&b.klt[r * Sm::LM + 8 * q], KlT + r * kChunk + 8 * q, true);
+  }
+  for (int e = threadIdx.x; e < kChunk * RM; e += kThreads) {
+    const int r = e / RM, q = e % RM;
+    cp_async_16(&b.m[r * Sm::LM + 8 * q], M + r * kChunk + 8 * q, true);
+  }
+  for (int e = threadIdx.x; e < kChunk * RU; e += kThreads) {
+    const int r = e / RU, q = e % RU;
+    cp_async_16(&b.u[r * Sm::LU + 4 * q], U + r * DV + 4 * q, true);
+  }
+  for (int e = threadIdx.x; e < DK / 4; e += kThreads) cp_async_16(&b.el[4 * e], el + 4 * e, true);
+  cp_async_commit();
+}
+
+template <int DK, int DV>
+__global__ void __launch_bounds__(kThreads, 1)
+    delta_pass_kernel(const DeltaParams p, const Layout L, const char* __restrict__ ws) {
+  using Sm = PassSmem<DK>;
+  constexpr int LB = Sm::LB, LM = Sm::LM, LU = Sm::LU;
+  constexpr int NS = DK / 16;  // 8-column tiles of S per warp (a warp holds 16 rows x DK / 2)
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Sm& s = *reinterpret_cast<Sm*>(smem_raw);
+  const int r = blockIdx.x, h = blockIdx.y, vt = blockIdx.z;
+  const LinReq req = p.step.reqs[r];
+  const int nchunks = chunks_of(req.tokens);
+  if (nchunks == 0) return;
+  const int32_t* coff = reinterpret_cast<const int32_t*>(ws + L.coff_off);
+  const int64_t c0 = coff[r];
+  if (c0 + nchunks > L.bound) return;  // more tokens than num_tokens: not ours to touch
+  const int hv = p.state.heads;
+  auto unit = [&](int64_t jc) { return ws + L.units_off + ((c0 + jc) * hv + h) * L.unit_bytes; };
+  const int warp = threadIdx.x >> 5;
+
+  // S rows vb .. vb + 15, columns cb .. cb + DK / 2 - 1 of this CTA's tile, in fp32 registers.
+  const int vb = 16 * (warp & 3), cb = (warp >> 2) * (DK / 2);
+  const int64_t sbase = ((req.slot * hv + h) * DV + static_cast<int64_t>(vt) * kVTile) * DK;
+  float sacc[NS][4];
+#pragma unroll
+  for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int v = acc_row(vb, e), c = acc_col(cb + 8 * nt, e);
+      sacc[nt][e] =
+          req.has_initial_state ? load_elem(p.state.ssm, p.state.ssm_dtype, sbase + v * DK + c) : 0.f;
+    }
+  }
+  auto stage_state = [&]() {
+#pragma unroll
+    for (int nt = 0; nt < NS; ++nt) {
+      const int v = acc_row(vb, 0), c = acc_col(cb + 8 * nt, 0);
+      store_bf16x2(&s.sb[v * LB + c], sacc[nt][0], sacc[nt][1]);
+      store_bf16x2(&s.sb[(v + 8) * LB + c], sacc[nt][2], sacc[nt][3]);
+    }
+  };
+  stage_state();
+  load_chunk<DK, DV>(s.buf[0], unit(0), L, vt);
+
+  // Output / u tile of this warp: token rows tb .. tb + 15, value columns vcb .. vcb + 31.
+  const int tb = 16 * (warp & 3), vcb = 32 * (warp >> 2);
+  for (int jc = 0; jc < nchunks; ++jc) {
+    typename Sm::Buf& b = s.buf[jc & 1];
+    cp_async_wait<0>();
+    __syncthreads();  // chunk jc is in; the previous chunk's readers of the other buffer are done
+    if (jc + 1 < nchunks) load_chunk<DK, DV>(s.buf[(jc + 1) & 1], unit(jc + 1), L, vt);
+
+    // u = U - W S^T and o = Qd S^T, sharing the S fragments.
+    float au[4][4] = {}, ao[4][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < DK; k0 += 16) {
+      uint32_t aw[4], aq[4];
+      frag_a(aw, b.w, LB, tb, k0);
+      frag_a(aq, b.qd, LB, tb, k0);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        uint32_t b0, b1;
+        frag_b(b0, b1, s.sb, LB, vcb + 8 * nt, k0);
+        mma_16816<bf16>(au[nt], aw, b0, b1);
+        mma_16816<bf16>(ao[nt], aq, b0, b1);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = acc_row(tb, e), v = acc_col(vcb + 8 * nt, e);
+        s.ut[v * LM + t] = __float2bfloat16_rn(b.u[t * LU + v] - au[nt][e]);
+      }
+    }
+    __syncthreads();
+
+    // o += qk u, then the outputs of the request's tokens.
+#pragma unroll
+    for (int k0 = 0; k0 < kChunk; k0 += 16) {
+      uint32_t am[4];
+      frag_a(am, b.m, LM, tb, k0);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        uint32_t b0, b1;
+        frag_b(b0, b1, s.ut, LM, vcb + 8 * nt, k0);
+        mma_16816<bf16>(ao[nt], am, b0, b1);
+      }
+    }
+    const int n = min(kChunk, req.tokens - jc * kChunk);
+    const int64_t tok0 = req.token_start + static_cast<int64_t>(jc) * kChunk;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = acc_row(tb, e), v = acc_col(vcb + 8 * nt, e);
+        if (t < n) {
+          store_elem(p.out, p.out_dtype,
+                     (tok0 + t) * p.out_stride + static_cast<int64_t>(h) * DV + vt * kVTile + v,
+                     ao[nt][e]);
+        }
+      }
+    }
+
+    // S = S (.) e^{G_last} + u^T Kl.
+#pragma unroll
+    for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sacc[nt][e] *= b.el[acc_col(cb + 8 * nt, e)];
+    }
+#pragma unroll
+    for (int k0 = 0; k0 < kChunk; k0 += 16) {
+      uint32_t a[4];
+      frag_a(a, s.ut, LM, vb, k0);
+#pragma unroll
+      for (int nt = 0; nt < NS; ++nt) {
+        uint32_t b0, b1;
+        frag_b(b0, b1, b.klt, LM, cb + 8 * nt, k0);
+        mma_16816<bf16>(sacc[nt], a, b0, b1);
+      }
+    }
+    stage_state();  // s.sb is read only before the middle barrier
+  }
+
+#pragma unroll
+  for (int nt = 0; nt < NS; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int v = acc_row(vb, e), c = acc_col(cb + 8 * nt, e);
+      store_elem(p.state.ssm, p.state.ssm_dtype, sbase + v * DK + c, sacc[nt][e]);
+    }
+  }
+}
+
+template <int DK, int DV, bool KDA>
+cudaError_t run_chunked(const DeltaParams& p, const Layout& L, char* ws, cudaStream_t stream) {
+  auto prep = delta_prep_kernel<DK, DV, KDA>;
+  auto pass = delta_pass_kernel<DK, DV>;
+  constexpr int prep_smem = sizeof(PrepSmem<DK>), pass_smem = sizeof(PassSmem<DK>);
+  cudaError_t err =
+      cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, prep_smem);
+  if (err != cudaSuccess) return err;
+  err = cudaFuncSetAttribute(pass, cudaFuncAttributeMaxDynamicSharedMemorySize, pass_smem);
+  if (err != cudaSuccess) return err;
+  const int hv = p.state.heads;
+  prep<<<dim3(static_cast<unsigned>(L.bound), hv), kThreads, prep_smem, stream>>>(p, L, ws);
+  pass<<<dim3(p.step.num_reqs, hv, DV / kVTile), kThreads, pass_smem, stream>>>(p, L, ws);
+  return cudaGetLastError();
+}
+
+bool valid_dtype(DTypeCode t) { return t == kF32 || t == kF16 || t == kBF16; }
+
+}  // namespace
+
+size_t delta_chunked_workspace(const DeltaParams& p, int64_t num_tokens, int chunk) {
+  if (chunk != kChunk || num_tokens < 0 || p.step.num_reqs < 0) return 0;
+  return static_cast<size_t>(
+      make_layout(p.step.num_reqs, num_tokens, p.state.cols, p.state.rows, p.state.heads).total);
+}
+
+// Supported: chunk 64, non-verify steps, (Dk, Dv) = (64, 64) or (128, 128), state fp32 / bf16,
+// activations fp32 / bf16 / fp16; anything else returns cudaErrorInvalidValue without launching.
+cudaError_t launch_delta_chunked(const DeltaParams& p, int64_t num_tokens, int chunk,
+                                 void* workspace, cudaStream_t stream) {
+  const int dk = p.state.cols, dv = p.state.rows, hv = p.state.heads, hk = p.key_heads;
+  if (chunk != kChunk || p.step.verify != 0) return cudaErrorInvalidValue;
+  if (!((dk == 64 && dv == 64) || (dk == 128 && dv == 128))) return cudaErrorInvalidValue;
+  if (hk <= 0 || hv <= 0 || hv % hk != 0) return cudaErrorInvalidValue;
+  if (p.state.conv_dim != 2 * hk * dk + hv * dv) return cudaErrorInvalidValue;
+  if (!(p.state.ssm_dtype == kF32 || p.state.ssm_dtype == kBF16)) return cudaErrorInvalidValue;
+  if (!valid_dtype(p.a_dtype) || !valid_dtype(p.b_dtype) || !valid_dtype(p.out_dtype))
+    return cudaErrorInvalidValue;
+  if (p.step.num_reqs <= 0 || num_tokens <= 0) return cudaSuccess;
+  if (workspace == nullptr) return cudaErrorInvalidValue;
+  const Layout L = make_layout(p.step.num_reqs, num_tokens, dk, dv, hv);
+  char* ws = static_cast<char*>(workspace);
+  chunk_table_kernel<<<1, kTableThreads, 0, stream>>>(
+      p.step.reqs, p.step.num_reqs, L.bound, reinterpret_cast<int32_t*>(ws + L.coff_off),
+      reinterpret_cast<int32_t*>(ws + L.table_off));
+  if (dk == 64) {
+    return p.kda ? run_chunked<64, 64, true>(p, L, ws, stream)
+                 : run_chunked<64, 64, false>(p, L, ws, stream);
+  }
+  return p.kda ? run_chunked<128, 128, true>(p, L, ws, stream)
+               : run_chunked<128, 128, false>(p, L, ws, stream);
+}
+
+}  // namespace attnrt::cuda::linear
