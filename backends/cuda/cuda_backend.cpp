@@ -1,9 +1,6 @@
 #include "backends/cuda/cuda_backend.h"
 
 #include <algorithm>
-#include <bit>
-#include <cmath>
-#include <cstring>
 #include <memory>
 
 #include "attnrt/backend/options.h"
@@ -19,29 +16,10 @@ namespace attnrt::cuda {
 
 namespace {
 
-// Split-KV policy. A request is split when the step's CTAs would not fill the GPU; a split never
-// gets fewer keys than the minimum chunk (the merge costs a partial write and read per split).
-constexpr int kMaxSplits = 64;
-constexpr int kMinChunkDecode = 256;
-constexpr int kMinChunkPrefill = 1024;
-// Deterministic mode: splits depend on the request's own length only, so a request's output does
-// not change with the rest of the batch.
-constexpr int kDeterministicChunk = 1024;
-constexpr int kCtasPerSm = 4;
 constexpr size_t kMaxRowTableBytes = size_t{512} << 20;
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// Up to 32 (token, head-in-group) rows per request: decode tiles (two CTAs read the K/V of a
-// request and KV head, but three CTAs fit an SM; on the H200 a 64 x (4096 + 8) chain at group 4
-// took 606 us on decode tiles (first version) and 784 us in half-filled 64-row CTAs). 33..64 rows:
-// all of them in one verify CTA, so each K/V tile is read once (the 16-token tree at group 4: 788
-// us, against 1152 us on four decode CTAs per request and KV head).
-TileShape choose_shape(int max_qlen, int group) {
-  const int64_t rows = static_cast<int64_t>(max_qlen) * group;
-  return rows <= 32 ? TileShape::decode : rows <= 64 ? TileShape::verify : TileShape::prefill;
-}
 
 bool is_device(const TensorView& t) { return t.device.kind == DeviceKind::cuda; }
 
@@ -65,7 +43,6 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
                info.name, info.cc_major, info.cc_minor);
   ATTNRT_CHECK(ctx.model != nullptr && ctx.kv_cache != nullptr,
                "cuda backend: BackendContext needs the model and the KV cache");
-  sm_count_ = info.sm_count;
   device_cache_ = dynamic_cast<CudaKVCache*>(ctx.kv_cache);
   if (device_cache_ != nullptr) {
     stream_ = device_cache_->stream();
@@ -73,30 +50,36 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
     ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     owns_stream_ = true;
   }
+  PlannerConfig cfg;
+  cfg.sm_count = info.sm_count;
+  cfg.deterministic = ctx.options != nullptr && ctx.options->deterministic;
   for (const LayerSpec& l : ctx.model->layers) {
     if (!l.uses_kv_cache() || l.num_kv_heads <= 0) continue;
     const int g = l.num_q_heads / l.num_kv_heads;
-    if (std::find(groups_.begin(), groups_.end(), g) == groups_.end()) groups_.push_back(g);
-    num_kv_heads_max_ = std::max(num_kv_heads_max_, l.num_kv_heads);
+    if (std::find(cfg.groups.begin(), cfg.groups.end(), g) == cfg.groups.end())
+      cfg.groups.push_back(g);
+    cfg.num_kv_heads_max = std::max(cfg.num_kv_heads_max, l.num_kv_heads);
     const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
     max_q_heads_x_dv_ = std::max<int64_t>(max_q_heads_x_dv_, int64_t{l.num_q_heads} * (dv + 1));
   }
-  if (groups_.empty()) groups_.push_back(1);
+  if (cfg.groups.empty()) cfg.groups.push_back(1);
   // Per class: the head dim and the resident CTAs per SM of each shape (for the split choice).
   const bool fp16 = ctx.model->dtype == DType::f16;
-  class_dims_.assign(groups_.size(), 128);
-  class_occupancy_.assign(groups_.size(), {1, 1, 1});
-  for (size_t c = 0; c < groups_.size(); ++c) {
+  cfg.head_dims.assign(cfg.groups.size(), 128);
+  cfg.occupancy.assign(cfg.groups.size(), {1, 1, 1});
+  for (size_t c = 0; c < cfg.groups.size(); ++c) {
     for (const LayerSpec& l : ctx.model->layers) {
-      if (!l.uses_kv_cache() || l.num_kv_heads <= 0 || l.num_q_heads / l.num_kv_heads != groups_[c])
+      if (!l.uses_kv_cache() || l.num_kv_heads <= 0 ||
+          l.num_q_heads / l.num_kv_heads != cfg.groups[c])
         continue;
-      class_dims_[c] = l.head_dim;
+      cfg.head_dims[c] = l.head_dim;
       const bool fp8 = is_fp8(ctx.kv_cache->layer(l.layer_id).dtype);
       for (TileShape sh : {TileShape::decode, TileShape::prefill, TileShape::verify})
-        class_occupancy_[c][static_cast<int>(sh)] = attention_occupancy(l.head_dim, fp16, fp8, sh);
+        cfg.occupancy[c][static_cast<int>(sh)] = attention_occupancy(l.head_dim, fp16, fp8, sh);
       break;
     }
   }
+  planner_ = std::make_unique<HostPlanner>(std::move(cfg));
 }
 
 CudaBackend::~CudaBackend() {
@@ -119,437 +102,38 @@ void CudaBackend::ensure(DeviceBuffer& buf, size_t bytes, const char* what) {
   buf.reserve_async(bytes, stream_);
 }
 
-int CudaBackend::graph_splits(int group, TileShape shape, int bs, int tokens_per_req) const {
-  const int64_t tiles = ceil_div(int64_t{tokens_per_req} * group, tile_rows(shape));
-  const int64_t base = int64_t{bs} * tiles * num_kv_heads_max_;
-  return static_cast<int>(
-      std::clamp<int64_t>(ceil_div(int64_t{sm_count_} * kCtasPerSm, base), 1, kMaxSplits));
-}
-
 void CudaBackend::init_forward_metadata(const ForwardBatch& batch) {
   build_plan(batch, batch.batch_size, /*graph=*/false);
 }
 
-// Requests of the step (prefix, query rows, first output row) without make_step_layout's general
-// validation for the modes the serving loop runs every step: the checks below are what the plan
-// and the kernels rely on, at O(bs) with no allocation once the scratch has grown.
-void CudaBackend::derive_requests(const ForwardBatch& batch) {
-  const int bs = batch.batch_size;
-  ATTNRT_CHECK(bs >= 0 && batch.req_pool_indices.size() == static_cast<size_t>(bs) &&
-                   batch.seq_lens.size() == static_cast<size_t>(bs),
-               "cuda backend: {} batch of {} requests has {} req_pool_indices and {} seq_lens; "
-               "expected one each per request",
-               forward_mode_name(batch.mode), bs, batch.req_pool_indices.size(),
-               batch.seq_lens.size());
-  reqs_.resize(bs);
-  const ForwardMode mode = batch.mode;
-  const bool fast = mode == ForwardMode::DECODE || mode == ForwardMode::TARGET_VERIFY ||
-                    mode == ForwardMode::EXTEND;
-  if (!fast) {
-    const StepLayout layout = make_step_layout(batch);
-    for (int i = 0; i < bs; ++i)
-      reqs_[i] = {batch.req_pool_indices[i], layout.prefix_lens[i], layout.query_lens[i],
-                  static_cast<int32_t>(layout.query_start[i])};
-    return;
-  }
-  int32_t draft = 0;
-  if (mode == ForwardMode::TARGET_VERIFY) {
-    ATTNRT_CHECK(batch.spec_info.has_value() && batch.spec_info->draft_token_num >= 1,
-                 "cuda backend: TARGET_VERIFY batch without spec_info (draft_token_num >= 1)");
-    draft = batch.spec_info->draft_token_num;
-  } else if (mode == ForwardMode::EXTEND) {
-    ATTNRT_CHECK(batch.extend_prefix_lens.size() == static_cast<size_t>(bs) &&
-                     batch.extend_seq_lens.size() == static_cast<size_t>(bs),
-                 "cuda backend: EXTEND batch of {} requests has {} extend_prefix_lens and {} "
-                 "extend_seq_lens; expected one each per request",
-                 bs, batch.extend_prefix_lens.size(), batch.extend_seq_lens.size());
-  }
-  int64_t tokens = 0;
-  for (int i = 0; i < bs; ++i) {
-    int32_t prefix, qlen;
-    if (mode == ForwardMode::DECODE) {
-      prefix = batch.seq_lens[i] - 1;
-      qlen = 1;
-    } else if (mode == ForwardMode::TARGET_VERIFY) {
-      prefix = batch.seq_lens[i];
-      qlen = draft;
-    } else {
-      prefix = batch.extend_prefix_lens[i];
-      qlen = batch.extend_seq_lens[i];
-      ATTNRT_CHECK(qlen >= 1 && int64_t{batch.seq_lens[i]} == int64_t{prefix} + qlen,
-                   "cuda backend: EXTEND request {} has extend_seq_lens {} and seq_lens {} with "
-                   "extend_prefix_lens {}; need extend_seq_lens >= 1 and seq_lens = prefix + "
-                   "extend",
-                   i, qlen, batch.seq_lens[i], prefix);
-    }
-    ATTNRT_CHECK(prefix >= 0, "cuda backend: {} request {} has seq_lens {}; too short for the mode",
-                 forward_mode_name(mode), i, batch.seq_lens[i]);
-    reqs_[i] = {batch.req_pool_indices[i], prefix, qlen, static_cast<int32_t>(tokens)};
-    tokens += qlen;
-  }
-  ATTNRT_CHECK(batch.num_tokens() == tokens,
-               "cuda backend: {} batch has {} out_cache_loc entries; expected one per query token "
-               "({})",
-               forward_mode_name(mode), batch.num_tokens(), tokens);
-}
-
-// Splits of the decode / verify shapes: the count whose CTA waves over the resident slots
-// (SMs x CTAs per SM) finish first, modelling a CTA as its key tiles plus one tile of start-up
-// and a split step as one tile of merge. Filling all slots in one wave beats a few more splits
-// that spill into a second, mostly empty wave.
-void CudaBackend::choose_splits(const ClassPlan& cp, int bs, int64_t cap, int32_t* splits) {
-  const int bn = cp.head_dim > 128 ? 32 : 64;  // key tile of the decode and verify shapes
-  const int64_t heads = num_kv_heads_max_;
-  uint32_t max_len = 0, min_len = UINT32_MAX;
-  int64_t base = 0;
-  for (int i = 0; i < bs; ++i) {
-    const uint32_t len = static_cast<uint32_t>(reqs_[i].prefix + reqs_[i].qlen);
-    max_len = std::max(max_len, len);
-    min_len = std::min(min_len, len);
-    base += tiles_[i];
-  }
-  if (base == 0) return;
-  const bool uniform = min_len == max_len;
-  // Large batches only look at a few split counts, keeping the plan O(4 bs) (32-bit divisions;
-  // O(1) per count when every request has the same length).
-  const int64_t by_len = std::max<int64_t>(1, max_len / kMinChunkDecode);
-  const int64_t s_max =
-      std::min<int64_t>({kMaxSplits, by_len, base * heads >= cap ? 4 : kMaxSplits});
-  double best_cost = 0;
-  uint32_t best_chunk = 0;
-  for (int64_t s = 1; s <= s_max; ++s) {
-    const uint32_t per_split = (max_len + static_cast<uint32_t>(s) - 1) / static_cast<uint32_t>(s);
-    const uint32_t chunk = (per_split + bn - 1) & ~static_cast<uint32_t>(bn - 1);
-    if (s > 1 && chunk == best_chunk) continue;
-    int64_t ctas = 0;
-    if (uniform) {
-      ctas = base * ((max_len + chunk - 1) / chunk);
-    } else {
-      for (int i = 0; i < bs; ++i)
-        ctas += tiles_[i] * ((static_cast<uint32_t>(reqs_[i].prefix + reqs_[i].qlen) + chunk - 1) /
-                             chunk);
-    }
-    ctas *= heads;
-    const double cost = static_cast<double>((ctas + cap - 1) / cap) * (chunk / bn + 1.0) +
-                        (s > 1 ? 1.0 : 0.0);
-    if (s == 1 || cost < best_cost) {
-      best_cost = cost;
-      best_chunk = chunk;
-    }
-  }
-  for (int i = 0; i < bs; ++i) {
-    const uint32_t len = static_cast<uint32_t>(reqs_[i].prefix + reqs_[i].qlen);
-    splits[i] = static_cast<int32_t>(
-        std::clamp<uint32_t>((len + best_chunk - 1) / best_chunk, 1, kMaxSplits));
-  }
-}
-
 void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool graph) {
-  plan_.valid = false;
-  // Commits of the previous plan become the row table's state once one of its kernels ran (they
-  // store the pages back); a plan that never reached a kernel leaves the row table as it was.
-  if (commits_launched_) {
-    for (const Commit& c : commits_) {
-      row_gen_[c.row] = c.gen;
-      row_known_[c.row] = c.pages;
-    }
-  }
-  commits_.clear();
-  commits_launched_ = false;
-
-  derive_requests(batch);
-  const int raw_bs = batch.batch_size;
-  const int bs = std::max(raw_bs, padded_bs);
-  const bool verify = is_target_verify(batch.mode);
-  const ReqToTokenPool* pool = ctx_.req_to_token;
-  ATTNRT_CHECK(bs == 0 || pool != nullptr,
-               "cuda backend: BackendContext.req_to_token is null; the plan reads page tables "
-               "from the request rows");
-  const int page = ctx_.kv_cache->page_size();
-  ATTNRT_CHECK(page >= 1 && std::has_single_bit(static_cast<unsigned>(page)),
-               "cuda backend: page_size {} is not supported; use a power of two (1, 8, 16, 32, "
-               "64, 128)",
-               page);
   const bool capturing = stream_is_capturing(stream_);
   ATTNRT_CHECK(!(graph && capturing),
                "cuda backend: the graph plan runs while the stream captures; call "
                "init_forward_metadata_capture_cuda_graph before cudaStreamBeginCapture (its "
                "upload must not become part of the graph)");
-  StepPlan& plan = plan_;
-  plan.mode = batch.mode;
-  plan.bs = bs;
-  plan.page_shift = std::countr_zero(static_cast<unsigned>(page));
-
-  // Requests, padded (graph replay) with the fill value: seq_len 1 on a valid row.
-  const int pad_qlen = verify && batch.spec_info ? batch.spec_info->draft_token_num : 1;
-  int32_t tokens = raw_bs > 0 ? reqs_[raw_bs - 1].qo_start + reqs_[raw_bs - 1].qlen : 0;
-  int max_qlen = 0;
-  reqs_.resize(bs);
-  if (row_stamp_.size() < static_cast<size_t>(pool ? pool->size() : 0))
-    row_stamp_.assign(pool->size(), 0);
-  ++stamp_;
-  for (int i = 0; i < bs; ++i) {
-    if (i >= raw_bs) {
-      reqs_[i] = {raw_bs > 0 ? batch.req_pool_indices[0] : 0, verify ? 1 : 0, pad_qlen, tokens};
-      tokens += pad_qlen;
-    }
-    const Request& r = reqs_[i];
-    max_qlen = std::max(max_qlen, r.qlen);
-    ATTNRT_CHECK(r.row >= 0 && r.row < pool->size(),
-                 "cuda backend: req_pool_indices[{}] = {}; the request pool has rows [0, {})", i,
-                 r.row, pool->size());
-    ATTNRT_CHECK(int64_t{r.prefix} + r.qlen <= pool->max_context_len(),
-                 "cuda backend: request {} needs {} keys but a request row holds at most "
-                 "max_context_len = {}",
-                 i, int64_t{r.prefix} + r.qlen, pool->max_context_len());
-    if (i < raw_bs) {
-      ATTNRT_CHECK(row_stamp_[r.row] != stamp_,
-                   "cuda backend: req_pool_indices[{}] = {} repeats an earlier request's row; "
-                   "each request of a step has its own row",
-                   i, r.row);
-      row_stamp_[r.row] = stamp_;
-    }
-  }
-  plan.num_tokens = tokens;
-
-  // Tree verify: ancestor-or-self bit masks and depths per draft token (a chain is causal and
-  // takes the causal path).
-  const SpecInfo* spec = batch.spec_info ? &*batch.spec_info : nullptr;
-  plan.tree = verify && spec != nullptr && !spec->is_chain();
-  int n_draft = 0;
-  if (plan.tree) {
-    n_draft = spec->draft_token_num;
-    ATTNRT_CHECK(n_draft >= 1 && n_draft <= 64,
-                 "cuda backend: tree verify with {} draft tokens per request; the kernels support "
-                 "1..64",
-                 n_draft);
-    ATTNRT_CHECK(spec->parents.size() >= static_cast<size_t>(raw_bs) * n_draft,
-                 "cuda backend: spec_info.parents has {} entries; a tree verify of {} requests "
-                 "needs {}",
-                 spec->parents.size(), raw_bs, static_cast<size_t>(raw_bs) * n_draft);
-  }
-
-  // Per class: shape, split counts and the number of work items.
-  const size_t nc = groups_.size();
-  plan.classes.resize(nc);
-  tiles_.resize(bs);
-  splits_.resize(nc * bs);
-  class_tiles_.resize(nc * bs);
-  const bool deterministic = ctx_.options != nullptr && ctx_.options->deterministic;
-  bool any_prefill = false;
-  for (size_t c = 0; c < nc; ++c) {
-    ClassPlan& cp = plan.classes[c];
-    cp = ClassPlan{};
-    cp.group = groups_[c];
-    cp.head_dim = class_dims_[c];
-    cp.shape = choose_shape(max_qlen, cp.group);
-    any_prefill = any_prefill || cp.shape == TileShape::prefill;
-    const int rows_shift = std::countr_zero(static_cast<unsigned>(tile_rows(cp.shape)));
-    const int64_t rows_mask = (int64_t{1} << rows_shift) - 1;
-    int32_t* splits = splits_.data() + c * bs;
-    int32_t* tiles = class_tiles_.data() + c * bs;
-    int64_t base = 0, keys = 0;
-    for (int i = 0; i < bs; ++i) {
-      tiles[i] = tiles_[i] =
-          static_cast<int32_t>((int64_t{reqs_[i].qlen} * cp.group + rows_mask) >> rows_shift);
-      base += tiles_[i];
-      keys += int64_t{tiles_[i]} * (reqs_[i].prefix + reqs_[i].qlen);
-      splits[i] = 1;
-    }
-    base *= num_kv_heads_max_;
-    keys *= num_kv_heads_max_;
-    if (graph) {
-      std::fill(splits, splits + bs, graph_splits(cp.group, cp.shape, bs, pad_qlen));
-    } else if (deterministic) {
-      if (cp.shape == TileShape::decode) {
-        for (int i = 0; i < bs; ++i)
-          splits[i] = static_cast<int32_t>(std::clamp<int64_t>(
-              ceil_div(reqs_[i].prefix + reqs_[i].qlen, kDeterministicChunk), 1, kMaxSplits));
-      }
-    } else if (cp.shape != TileShape::prefill) {
-      choose_splits(cp, bs, int64_t{sm_count_} * class_occupancy_[c][static_cast<int>(cp.shape)],
-                    splits);
-    } else {
-      const int64_t target = int64_t{sm_count_} * kCtasPerSm;
-      if (base < target && base > 0) {
-        const int64_t chunk = std::max<int64_t>(kMinChunkPrefill, ceil_div(keys, target));
-        for (int i = 0; i < bs; ++i)
-          splits[i] = static_cast<int32_t>(std::clamp<int64_t>(
-              ceil_div(reqs_[i].prefix + reqs_[i].qlen, chunk), 1, kMaxSplits));
-      }
-    }
-    int64_t items = 0;
-    for (int i = 0; i < bs; ++i) {
-      items += int64_t{tiles_[i]} * splits[i];
-      if (splits[i] > 1) cp.part_rows += int64_t{splits[i]} * reqs_[i].qlen;
-      cp.max_splits = std::max(cp.max_splits, static_cast<int>(splits[i]));
-    }
-    cp.num_items = static_cast<int>(items);
-  }
-
-  // Page tables. Incremental (the persistent row table holds each row's committed pages; only the
-  // others travel) unless the stream is capturing an eager step, or a step runs the prefill shape
-  // (whose kernels read the whole table from the step's array), or the row table does not exist.
-  if (!capturing && !row_table_ready_ && pool != nullptr) init_row_table();
-  const bool incremental = row_table_ready_ && !capturing && !any_prefill;
-  const int32_t offset_mask = page - 1;
-  pt_start_.resize(bs);
-  pt_known_.resize(bs);
-  int64_t total_pages = 0;
-  for (int i = 0; i < bs; ++i) {
-    const Request& r = reqs_[i];
-    int32_t known = 0;
-    if (incremental && i < raw_bs && row_gen_[r.row] == pool->generation(static_cast<int>(r.row)))
-      known = std::min(row_known_[r.row], r.prefix >> plan.page_shift);
-    pt_known_[i] = known;
-    pt_start_[i] = static_cast<int32_t>(total_pages);
-    total_pages += ((int64_t{r.prefix} + r.qlen + offset_mask) >> plan.page_shift) - known;
-  }
-
-  // Byte layout: [per class: reqs, work] [tree masks] [tree depths] [page ids]; under graphs at the
-  // fixed offsets the captured kernels were given.
-  size_t off = 0;
-  for (size_t c = 0; c < nc; ++c) {
-    ClassPlan& cp = plan.classes[c];
-    if (graph) {
-      ATTNRT_CHECK(bs <= graph_max_bs_ && static_cast<size_t>(cp.num_items) <= graph_work_cap_,
-                   "cuda backend: graph step of {} requests / {} work items exceeds the graph "
-                   "state (max_bs {}, {} items); call init_cuda_graph_state with larger sizes",
-                   bs, cp.num_items, graph_max_bs_, graph_work_cap_);
-      cp.reqs_off = c * graph_reqs_cap_ * sizeof(ReqInfo);
-      cp.work_off = nc * graph_reqs_cap_ * sizeof(ReqInfo) + c * graph_work_cap_ * sizeof(WorkItem);
-    } else {
-      cp.reqs_off = off;
-      off += bs * sizeof(ReqInfo);
-      cp.work_off = off;
-      off += cp.num_items * sizeof(WorkItem);
-    }
-  }
-  if (graph) {
-    ATTNRT_CHECK(static_cast<size_t>(tokens) <= graph_tree_cap_,
-                 "cuda backend: graph step of {} tokens exceeds max_num_tokens {}", tokens,
-                 graph_tree_cap_);
-    off = nc * (graph_reqs_cap_ * sizeof(ReqInfo) + graph_work_cap_ * sizeof(WorkItem));
-    plan.tree_mask_off = align_up(off, 8);
-    plan.tree_depth_off = plan.tree_mask_off + graph_tree_cap_ * sizeof(uint64_t);
-    plan.pt_off = align_up(plan.tree_depth_off + graph_tree_cap_ * sizeof(int32_t), 16);
-  } else {
-    plan.tree_mask_off = align_up(off, 8);
-    plan.tree_depth_off = plan.tree_mask_off + (plan.tree ? tokens * sizeof(uint64_t) : 0);
-    plan.pt_off = align_up(plan.tree_depth_off + (plan.tree ? tokens * sizeof(int32_t) : 0), 16);
-  }
-  plan.bytes = plan.pt_off + total_pages * sizeof(int32_t);
-  if (graph) {
-    ATTNRT_CHECK(plan.bytes <= graph_meta_.bytes(),
-                 "cuda backend: graph step needs {} bytes of metadata; the graph state holds {}",
-                 plan.bytes, graph_meta_.bytes());
-  } else {
-    ensure(meta_, plan.bytes, "metadata");
-  }
-
-  char* host = static_cast<char*>(staging_.acquire(plan.bytes, stream_, capturing));
-  int32_t* pt = reinterpret_cast<int32_t*>(host + plan.pt_off);
-  for (int i = 0; i < bs; ++i) {
-    const Request& r = reqs_[i];
-    const int32_t* row = pool->row_ptr(static_cast<int>(r.row));
-    const int64_t pages = (int64_t{r.prefix} + r.qlen + offset_mask) >> plan.page_shift;
-    int32_t* dst = pt + pt_start_[i] - pt_known_[i];
-    for (int64_t j = pt_known_[i]; j < pages; ++j) {
-      const int32_t slot = row[j << plan.page_shift];
-      ATTNRT_CHECK(slot >= 0 && (slot & offset_mask) == 0,
-                   "cuda backend: req_to_token[{}, {}] = {} does not start a page of {} slots; "
-                   "with page_size > 1 a request's tokens must fill whole pages in order "
-                   "(reference-semantics §4.2)",
-                   r.row, j * page, slot, page);
-      dst[j] = slot >> plan.page_shift;
-    }
-  }
-  if (plan.tree) {
-    uint64_t* mask = reinterpret_cast<uint64_t*>(host + plan.tree_mask_off);
-    int32_t* depth = reinterpret_cast<int32_t*>(host + plan.tree_depth_off);
-    for (int i = 0; i < bs; ++i) {
-      const int32_t q0 = reqs_[i].qo_start;
-      for (int32_t t = 0; t < reqs_[i].qlen; ++t) {
-        int32_t parent = t - 1;
-        if (i < raw_bs) {
-          parent = spec->parents[static_cast<size_t>(i) * n_draft + t];
-          ATTNRT_CHECK(parent < t,
-                       "cuda backend: spec_info.parents[{}] = {} for draft {} of request {}; a "
-                       "parent must precede its child",
-                       static_cast<size_t>(i) * n_draft + t, parent, t, i);
-        }
-        mask[q0 + t] = (uint64_t{1} << t) | (parent >= 0 ? mask[q0 + parent] : 0);
-        depth[q0 + t] = parent >= 0 ? depth[q0 + parent] + 1 : 0;
-      }
-    }
-  }
-  // Commits: pages wholly below the prefix are committed; the kernels store the ones the row table
-  // lacks. A capture records kernels that run later (at replays, with their own plans), so a
-  // capture plan commits nothing.
-  const bool commit = incremental && !(graph && !graph_replay_);
-  for (size_t c = 0; c < nc; ++c) {
-    const ClassPlan& cp = plan.classes[c];
-    const int32_t* splits = splits_.data() + c * bs;
-    ReqInfo* ri = reinterpret_cast<ReqInfo*>(host + cp.reqs_off);
-    int32_t part = 0;
-    for (int i = 0; i < bs; ++i) {
-      const Request& r = reqs_[i];
-      const int32_t s = splits[i];
-      const bool real = incremental && i < raw_bs;
-      const int32_t committed = commit && i < raw_bs ? r.prefix >> plan.page_shift : pt_known_[i];
-      ri[i] = {r.qo_start,
-               r.qlen,
-               r.prefix,
-               r.prefix + r.qlen,
-               pt_start_[i],
-               s,
-               s > 1 ? part : 0,
-               plan.tree ? r.qo_start : -1,
-               real ? static_cast<int32_t>(r.row * pages_per_row_) : -1,
-               pt_known_[i],
-               std::max(committed, pt_known_[i]),
-               0};
-      if (s > 1) part += s * r.qlen;
-      if (c == 0 && commit && i < raw_bs)
-        commits_.push_back({static_cast<int32_t>(r.row), std::max(committed, pt_known_[i]),
-                            pool->generation(static_cast<int>(r.row))});
-    }
-    if (c == 0) plan.reqs.assign(ri, ri + bs);
-    // Heaviest tiles first (the last query tiles of causal requests see the most keys).
-    WorkItem* items = reinterpret_cast<WorkItem*>(host + cp.work_off);
-    const int rows = tile_rows(cp.shape);
-    const int32_t* tiles = class_tiles_.data() + c * bs;
-    const int32_t max_tiles = bs > 0 ? *std::max_element(tiles, tiles + bs) : 0;
-    int n = 0;
-    for (int32_t k = 0; k < max_tiles; ++k) {
-      for (int i = 0; i < bs; ++i) {
-        const int32_t t = tiles[i];
-        if (k >= t) continue;
-        for (int32_t s = 0; s < splits[i]; ++s) items[n++] = {i, (t - 1 - k) * rows, s, 0};
-      }
-    }
-  }
+  if (!capturing && !row_table_ready_ && ctx_.req_to_token != nullptr) init_row_table();
+  const StepPlan& plan =
+      planner_->prepare(batch, ctx_.req_to_token, ctx_.kv_cache->page_size(), padded_bs,
+                        graph ? &graph_layout_ : nullptr, graph_replay_, capturing);
+  if (!graph) ensure(meta_, plan.bytes, "metadata");
+  planner_->write(staging_.acquire(plan.bytes, stream_, capturing));
   staging_.upload(graph ? graph_meta_.data() : meta_.data(), plan.bytes, stream_, capturing);
-  // A replayed graph always runs its kernels after its plan.
-  if (graph && graph_replay_) commits_launched_ = true;
-  plan.incremental = incremental;
-  plan.valid = true;
   graph_step_ = graph;
 }
 
 void CudaBackend::init_row_table() {
   const ReqToTokenPool* pool = ctx_.req_to_token;
-  pages_per_row_ = ceil_div(pool->max_context_len(), ctx_.kv_cache->page_size());
-  const size_t bytes = static_cast<size_t>(pool->size()) * pages_per_row_ * sizeof(int32_t);
+  const int64_t pages_per_row = ceil_div(pool->max_context_len(), ctx_.kv_cache->page_size());
+  const size_t bytes = static_cast<size_t>(pool->size()) * pages_per_row * sizeof(int32_t);
   // A table as large as req_to_token itself divided by the page size; past this the plan keeps
   // uploading whole page tables rather than hold that much device memory.
-  if (bytes > kMaxRowTableBytes || int64_t{pool->size()} * pages_per_row_ > INT32_MAX) return;
+  if (bytes > kMaxRowTableBytes || int64_t{pool->size()} * pages_per_row > INT32_MAX) return;
   ensure(row_table_, bytes, "row page table");
   // Page 0 is the reserved dummy page: entries a padded graph row may read before any step wrote
   // them stay in bounds.
   ATTNRT_CUDA_CHECK(cudaMemsetAsync(row_table_.data(), 0, bytes, stream_));
-  row_gen_.assign(pool->size(), ~uint64_t{0});
-  row_known_.assign(pool->size(), 0);
+  planner_->enable_row_table(pool->size(), pages_per_row);
   row_table_ready_ = true;
 }
 
@@ -587,8 +171,9 @@ void check_act(const char* what, const TensorView& t, int64_t tokens, int heads,
 }  // namespace
 
 void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) {
-  ATTNRT_CHECK(plan_.valid && plan_.mode == batch.mode &&
-                   (graph_step_ ? plan_.bs >= batch.batch_size : plan_.bs == batch.batch_size),
+  const StepPlan& plan = planner_->plan();
+  ATTNRT_CHECK(plan.valid && plan.mode == batch.mode &&
+                   (graph_step_ ? plan.bs >= batch.batch_size : plan.bs == batch.batch_size),
                "cuda backend: forward for a {} batch of {} requests without a matching "
                "init_forward_metadata for this step",
                forward_mode_name(batch.mode), batch.batch_size);
@@ -614,7 +199,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                "cuda backend: layer {} {} sinks but AttnArgs.sinks is {}", layer.layer_id,
                layer.has_sinks ? "has" : "has no", args.sinks ? "set" : "null");
   const int64_t tokens = batch.num_tokens();
-  const int64_t dev_tokens = graph_step_ ? plan_.num_tokens : tokens;
+  const int64_t dev_tokens = graph_step_ ? plan.num_tokens : tokens;
   check_act("q", args.q, dev_tokens, hq, d);
   check_act("out", args.out, dev_tokens, hq, dv);
   ATTNRT_CHECK(args.out.dtype == args.q.dtype, "cuda backend: out is {} but q is {}; they must match",
@@ -724,9 +309,9 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   }
 
   const int group = hq / hkv;
-  const auto cls = std::find_if(plan_.classes.begin(), plan_.classes.end(),
+  const auto cls = std::find_if(plan.classes.begin(), plan.classes.end(),
                                 [&](const ClassPlan& c) { return c.group == group; });
-  ATTNRT_CHECK(cls != plan_.classes.end(),
+  ATTNRT_CHECK(cls != plan.classes.end(),
                "cuda backend: layer {} has GQA group {} which no layer of the model had at "
                "construction",
                layer.layer_id, group);
@@ -760,14 +345,14 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   p.kv_kind = kv.dtype == DType::e4m3 ? KvKind::e4m3
               : kv.dtype == DType::e5m2 ? KvKind::e5m2
                                         : KvKind::same_as_q;
-  p.page_shift = plan_.page_shift;
+  p.page_shift = plan.page_shift;
   p.slot_map = slot_map;
   p.reqs = reinterpret_cast<const ReqInfo*>(meta + cls->reqs_off);
-  p.page_table = reinterpret_cast<const int32_t*>(meta + plan_.pt_off);
+  p.page_table = reinterpret_cast<const int32_t*>(meta + plan.pt_off);
   p.row_table = row_table_ready_ ? row_table_.ptr<int32_t>() : nullptr;
   p.work = reinterpret_cast<const WorkItem*>(meta + cls->work_off);
-  p.tree_mask = reinterpret_cast<const uint64_t*>(meta + plan_.tree_mask_off);
-  p.tree_depth = reinterpret_cast<const int32_t*>(meta + plan_.tree_depth_off);
+  p.tree_mask = reinterpret_cast<const uint64_t*>(meta + plan.tree_mask_off);
+  p.tree_depth = reinterpret_cast<const int32_t*>(meta + plan.tree_depth_off);
   p.part_o = parts.ptr<float>();
   p.part_lse = reinterpret_cast<float*>(parts.ptr<char>() + part_o);
   p.num_q_heads = hq;
@@ -779,7 +364,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   p.v_scale = kv.v_scale;
   p.window = layer.causal() ? layer.sliding_window : -1;
   p.causal = layer.causal() ? 1 : 0;
-  p.tree = plan_.tree ? 1 : 0;
+  p.tree = plan.tree ? 1 : 0;
   p.sinks = sinks;
   ATTNRT_CHECK(cls->num_items <= 65535,
                "cuda backend: {} work items exceed the grid limit of 65535 (step too large for "
@@ -788,14 +373,14 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   const bool fp16 = args.q.dtype == DType::f16;
   // Long query runs (EXTEND, MIXED, DRAFT_EXTEND with prefill-shaped tiles, causal or not) on
   // 16-bit KV take the prefill kernel; decode, verify and fp8 KV take the general kernel.
-  const bool prefill = cls->shape == TileShape::prefill && !fp8 && !is_target_verify(plan_.mode);
+  const bool prefill = cls->shape == TileShape::prefill && !fp8 && !is_target_verify(plan.mode);
   ATTNRT_CUDA_CHECK(prefill ? launch_prefill(p, d, fp16, cls->num_items, stream_)
                             : launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_));
-  commits_launched_ = true;
+  planner_->launched();
   if (cls->max_splits > 1) {
     MergeParams mp{};
     mp.reqs = p.reqs;
-    mp.num_reqs = plan_.bs;
+    mp.num_reqs = plan.bs;
     mp.part_o = p.part_o;
     mp.part_lse = p.part_lse;
     mp.out = o_ptr;
@@ -827,34 +412,37 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
                max_bs, max_num_tokens);
   ATTNRT_CHECK(device_cache_ != nullptr,
                "cuda backend: CUDA graphs need the KV cache on the GPU (make_cuda_kv_storage)");
-  graph_max_bs_ = max_bs;
   graph_max_tokens_ = max_num_tokens;
+  const PlannerConfig& cfg = planner_->config();
   const int per_req = std::max(1, max_num_tokens / max_bs);
   const int pages = static_cast<int>(ceil_div(ctx_.req_to_token->max_context_len(),
                                               ctx_.kv_cache->page_size()));
-  graph_reqs_cap_ = static_cast<size_t>(max_bs);
-  graph_tree_cap_ = static_cast<size_t>(max_num_tokens);
-  graph_work_cap_ = 0;
+  GraphLayout& gl = graph_layout_;
+  gl.max_bs = max_bs;
+  gl.reqs_cap = static_cast<size_t>(max_bs);
+  gl.tree_cap = static_cast<size_t>(max_num_tokens);
+  gl.work_cap = 0;
   int64_t part_rows = 0;
   // Decode steps (one token per request) are captured beside verify steps of per_req tokens;
   // fewer rows per request mean more splits, so both shapes size the buffers.
   for (int tokens : {1, per_req}) {
-    for (int g : groups_) {
+    for (int g : cfg.groups) {
       const TileShape shape = choose_shape(tokens, g);
       const int64_t tiles = ceil_div(int64_t{tokens} * g, tile_rows(shape));
       for (int bs = 1; bs <= max_bs; ++bs) {
-        const int s = graph_splits(g, shape, bs, tokens);
-        graph_work_cap_ = std::max<size_t>(graph_work_cap_, static_cast<size_t>(bs * tiles * s));
+        const int s = graph_splits(cfg, g, shape, bs, tokens);
+        gl.work_cap = std::max<size_t>(gl.work_cap, static_cast<size_t>(bs * tiles * s));
         if (s > 1) part_rows = std::max<int64_t>(part_rows, int64_t{bs} * s * tokens);
       }
     }
   }
-  const size_t meta = align_up(groups_.size() * (graph_reqs_cap_ * sizeof(ReqInfo) +
-                                                 graph_work_cap_ * sizeof(WorkItem)),
-                               8) +
-                      graph_tree_cap_ * (sizeof(uint64_t) + sizeof(int32_t)) + 16 +
-                      static_cast<size_t>(max_bs) * pages * sizeof(int32_t);
+  const size_t meta =
+      align_up(cfg.groups.size() * (gl.reqs_cap * sizeof(ReqInfo) + gl.work_cap * sizeof(WorkItem)),
+               8) +
+      gl.tree_cap * (sizeof(uint64_t) + sizeof(int32_t)) + 16 +
+      static_cast<size_t>(max_bs) * pages * sizeof(int32_t);
   graph_meta_.reserve(meta);
+  gl.meta_bytes = graph_meta_.bytes();
   if (!row_table_ready_) init_row_table();
   graph_partials_.reserve(static_cast<size_t>(part_rows) * max_q_heads_x_dv_ * sizeof(float) + 256);
   graph_ready_ = true;
@@ -866,9 +454,9 @@ void CudaBackend::init_forward_metadata_capture_cuda_graph(int bs, int num_token
   ATTNRT_CHECK(is_cuda_graph(batch.mode),
                "cuda backend: mode {} cannot be captured; DECODE, TARGET_VERIFY and IDLE can",
                forward_mode_name(batch.mode));
-  ATTNRT_CHECK(num_tokens <= graph_max_tokens_ && bs <= graph_max_bs_,
+  ATTNRT_CHECK(num_tokens <= graph_max_tokens_ && bs <= graph_layout_.max_bs,
                "cuda backend: capture of {} requests / {} tokens exceeds the graph state ({} / {})",
-               bs, num_tokens, graph_max_bs_, graph_max_tokens_);
+               bs, num_tokens, graph_layout_.max_bs, graph_max_tokens_);
   graph_replay_ = false;
   build_plan(batch, bs, /*graph=*/true);
 }

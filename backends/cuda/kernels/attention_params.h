@@ -6,6 +6,15 @@
 
 namespace attnrt::cuda {
 
+// CTA shapes of the attention kernel. `decode`: 16 query rows, warps split every K/V tile (one or a
+// few query tokens per request); `prefill`: 128 query rows, one 16-row slice per warp; `verify`: 64
+// query rows (a verify block or short extend: every row of a request and KV head in one CTA, so
+// the K/V is read once), one 16-row slice per warp.
+enum class TileShape : int32_t { decode = 0, prefill = 1, verify = 2 };
+constexpr int tile_rows(TileShape shape) {
+  return shape == TileShape::decode ? 16 : shape == TileShape::verify ? 64 : 128;
+}
+
 // One request of the step, in the layout every kernel reads (reference-semantics §2.2 reduced to
 // "prefix keys already cached, query tokens appended after them").
 struct ReqInfo {

@@ -9,13 +9,6 @@
 
 namespace attnrt::cuda {
 
-// CTA shapes of the attention kernel. `decode`: 16 query rows, warps split every K/V tile (one or a
-// few query tokens per request); `prefill`: 128 query rows, one 16-row slice per warp; `verify`: 64
-// query rows (a verify block or short extend: every row of a request and KV head in one CTA, so
-// the K/V is read once), one 16-row slice per warp.
-enum class TileShape : int32_t { decode = 0, prefill = 1, verify = 2 };
-int tile_rows(TileShape shape);
-
 // Resident CTAs per SM of the attention kernel for a shape (occupancy API; at least 1).
 int attention_occupancy(int head_dim, bool fp16, bool fp8_kv, TileShape shape);
 int attention_occupancy_d64(bool fp16, bool fp8_kv, TileShape shape);

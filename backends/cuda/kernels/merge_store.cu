@@ -9,10 +9,6 @@
 
 namespace attnrt::cuda {
 
-int tile_rows(TileShape shape) {
-  return shape == TileShape::decode ? 16 : shape == TileShape::verify ? 64 : 128;
-}
-
 int attention_occupancy(int head_dim, bool fp16, bool fp8_kv, TileShape shape) {
   switch (head_dim) {
     case 64: return attention_occupancy_d64(fp16, fp8_kv, shape);

@@ -1,0 +1,147 @@
+// Host time of the cuda backend's step plan without a GPU (Google Benchmark): HostPlanner at batch
+// 256 with the shapes of `attnrt bench`'s plan rows (measure_plans_bs256: decode 256x2048, chain
+// verify 256x(2048+8), extend 256x(2048+16); 32 q / 8 KV heads, d128, pages of 16 drawn from a
+// shuffled pool), in steady state: each plan follows the previous step's "launch", so the committed
+// pages are in the row table as in serving, and writes into the next of 8 staging buffers (the
+// backend's ring). Also the per-step work every backend pays around its plan: make_step_layout
+// (AttentionRuntime::check_step runs it every step) and the host KV cache's begin_step.
+//
+//   attnrt_plan_bench --benchmark_repetitions=9 --benchmark_report_aggregates_only=true
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <array>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/memory/kv_cache.h"
+#include "attnrt/memory/req_to_token_pool.h"
+#include "attnrt/model/model_spec.h"
+#include "backends/cuda/cuda_plan.h"
+
+namespace attnrt {
+namespace {
+
+enum Kind { kDecode = 0, kVerify = 1, kExtend = 2 };
+
+constexpr int kBatch = 256;
+constexpr int kPage = 16;
+constexpr int kQHeads = 32, kKvHeads = 8, kHeadDim = 128;
+
+// The batch and request rows of measure_plans_bs256's workloads.
+struct Workload {
+  ReqToTokenPool pool;
+  ForwardBatch batch;
+
+  explicit Workload(Kind kind, int page = kPage) : pool(kBatch, 2048 + 16) {
+    const int prefix = kind == kDecode ? 2047 : 2048;
+    const int q = kind == kDecode ? 1 : kind == kVerify ? 8 : 16;
+    const int kv = prefix + q;
+    const int per_req = (kv + page - 1) / page;
+    std::vector<int64_t> order(static_cast<size_t>(kBatch) * per_req);
+    std::iota(order.begin(), order.end(), int64_t{1});
+    std::shuffle(order.begin(), order.end(), std::mt19937_64(42));
+    std::vector<int64_t> rows(kBatch), slots(kv);
+    for (int r = 0; r < kBatch; ++r) {
+      rows[r] = pool.alloc();
+      for (int j = 0; j < kv; ++j)
+        slots[j] = order[static_cast<size_t>(r) * per_req + j / page] * page + j % page;
+      pool.write(static_cast<int>(rows[r]), 0, slots);
+    }
+    if (kind == kDecode) {
+      batch = make_decode_batch(rows, std::vector<int32_t>(kBatch, kv));
+    } else if (kind == kVerify) {
+      batch = make_verify_batch(rows, std::vector<int32_t>(kBatch, prefix),
+                                SpecInfo::chain(kBatch, q));
+    } else {
+      batch = make_extend_batch(rows, std::vector<int32_t>(kBatch, prefix),
+                                std::vector<int32_t>(kBatch, q));
+    }
+    for (int r = 0; r < kBatch; ++r)
+      for (int t = 0; t < q; ++t)
+        batch.out_cache_loc.push_back(pool.get(static_cast<int>(rows[r]), prefix + t));
+  }
+};
+
+cuda::PlannerConfig planner_config() {
+  cuda::PlannerConfig cfg;
+  cfg.groups = {kQHeads / kKvHeads};
+  cfg.head_dims = {kHeadDim};
+  // Resident CTAs per SM of the d128 bf16 kernel shapes (decode, prefill, verify) on the H200.
+  cfg.occupancy = {{2, 1, 1}};
+  cfg.num_kv_heads_max = kKvHeads;
+  cfg.sm_count = 132;
+  return cfg;
+}
+
+void BM_HostPlan(benchmark::State& state) {
+  const auto kind = static_cast<Kind>(state.range(0));
+  const int page = static_cast<int>(state.range(1));
+  Workload w(kind, page);
+  cuda::HostPlanner planner(planner_config());
+  planner.enable_row_table(w.pool.size(), (w.pool.max_context_len() + page - 1) / page);
+  // The staging ring: 8 buffers, written in turn.
+  std::array<std::vector<uint64_t>, 8> ring;
+  size_t slot = 0;
+  auto step = [&] {
+    const cuda::StepPlan& plan = planner.prepare(w.batch, &w.pool, page, 0, nullptr, false, false);
+    std::vector<uint64_t>& buf = ring[slot++ % ring.size()];
+    if (buf.size() * 8 < plan.bytes) buf.resize(plan.bytes / 8 + 1);
+    planner.write(buf.data());
+    planner.launched();
+  };
+  for (int i = 0; i < 16; ++i) step();  // committed pages in the row table, buffers grown
+  for (auto _ : state) {
+    step();
+    benchmark::ClobberMemory();
+  }
+  state.counters["bytes"] = static_cast<double>(planner.plan().bytes);
+  state.counters["incremental"] = planner.plan().incremental ? 1 : 0;
+}
+BENCHMARK(BM_HostPlan)
+    ->ArgNames({"kind", "page"})
+    ->Args({kDecode, 16})
+    ->Args({kVerify, 16})
+    ->Args({kExtend, 16})
+    ->Args({kDecode, 1});
+
+void BM_MakeStepLayout(benchmark::State& state) {
+  Workload w(static_cast<Kind>(state.range(0)));
+  for (auto _ : state) {
+    StepLayout l = make_step_layout(w.batch);
+    benchmark::DoNotOptimize(l);
+  }
+}
+BENCHMARK(BM_MakeStepLayout)->ArgName("kind")->Arg(kDecode)->Arg(kVerify)->Arg(kExtend);
+
+// The host KV cache's begin_step (out_cache_loc checks) on a one-layer pool of the same slots.
+void BM_KVCacheBeginStep(benchmark::State& state) {
+  Workload w(static_cast<Kind>(state.range(0)));
+  ModelSpec m;
+  m.name = "plan-bench";
+  m.dtype = DType::bf16;
+  m.max_context_len = w.pool.max_context_len();
+  LayerSpec l;
+  l.layer_id = 0;
+  l.kind = LayerKind::full;
+  l.num_q_heads = 1;
+  l.num_kv_heads = 1;
+  l.head_dim = 8;
+  l.v_head_dim = 8;
+  m.layers.push_back(l);
+  KVCacheConfig cfg;
+  cfg.page_size = kPage;
+  cfg.full_slots = (static_cast<int64_t>(kBatch) * ((2048 + 16 + kPage - 1) / kPage) + 1) * kPage;
+  cfg.max_num_tokens = static_cast<int>(w.batch.num_tokens());
+  std::unique_ptr<KVCache> kv = make_host_kv_cache(m, cfg);
+  for (auto _ : state) kv->begin_step(w.batch);
+}
+BENCHMARK(BM_KVCacheBeginStep)->ArgName("kind")->Arg(kDecode)->Arg(kVerify)->Arg(kExtend);
+
+}  // namespace
+}  // namespace attnrt
+
+BENCHMARK_MAIN();

@@ -1,0 +1,595 @@
+// The cuda backend's host plan (backends/cuda/cuda_plan.h), run without a GPU: random steps of
+// every mode, page sizes 1 / 16 / 64, one or two layer classes, eager and graph steps, with and
+// without the incremental row table. Every table the plan writes is checked against a direct
+// computation from the batch and the request rows (make_step_layout for the requests, SpecInfo for
+// the tree, req_to_token for the page ids, the split policy evaluated by brute force), and the
+// page table each request resolves (row table entries the kernels stored back, then the step's
+// array) against req_to_token.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstring>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/memory/req_to_token_pool.h"
+#include "backends/cuda/cuda_plan.h"
+#include "tests/test_util.h"
+
+namespace attnrt {
+namespace {
+
+using cuda::ClassPlan;
+using cuda::GraphLayout;
+using cuda::HostPlanner;
+using cuda::PlannerConfig;
+using cuda::ReqInfo;
+using cuda::StepPlan;
+using cuda::TileShape;
+using cuda::WorkItem;
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Request rows whose tokens fill whole pages in order; a row's slots never move while it is held.
+struct Rows {
+  ReqToTokenPool pool;
+  int page;
+  std::vector<int> len;  // tokens with slots, per row
+  int64_t next_page = 1;
+
+  Rows(int rows, int max_ctx, int page_size) : pool(rows, max_ctx), page(page_size), len(rows, 0) {
+    for (int r = 0; r < rows; ++r) pool.alloc();
+  }
+  // Slots for tokens [0, n) of the row (new pages at page starts).
+  void grow(int row, int n) {
+    if (n <= len[row]) return;
+    std::vector<int64_t> slots;
+    int64_t last = len[row] > 0 ? pool.get(row, len[row] - 1) : 0;
+    for (int p = len[row]; p < n; ++p) {
+      last = p % page == 0 ? (next_page++) * page : last + 1;
+      slots.push_back(last);
+    }
+    pool.write(row, len[row], slots);
+    len[row] = n;
+  }
+  // The row changes hands: freed, allocated again and written from column 0.
+  void recycle(int row) {
+    pool.free(row);
+    const int again = pool.alloc();
+    EXPECT_EQ(again, row);
+    len[row] = 0;
+  }
+};
+
+// The device side of incremental page tables, and what the plan should know of it.
+struct DeviceModel {
+  int64_t pages_per_row = 0;
+  std::vector<int32_t> table;  // the row table the kernels store into
+  std::vector<uint64_t> gen;
+  std::vector<int32_t> known;
+  bool enabled() const { return pages_per_row > 0; }
+};
+
+struct Step {
+  ForwardBatch batch;
+  int padded_bs = 0;
+  const GraphLayout* graph = nullptr;
+  bool replay = false;
+  bool capturing = false;
+  bool launch = true;
+};
+
+struct Expected {
+  std::vector<int64_t> row;
+  std::vector<int32_t> prefix, qlen, qo;
+};
+
+// Requests of the step from make_step_layout, padded like a graph replay.
+Expected expected_requests(const Step& st) {
+  const ForwardBatch& b = st.batch;
+  const StepLayout l = make_step_layout(b);
+  Expected e;
+  const bool verify = is_target_verify(b.mode);
+  for (int i = 0; i < b.batch_size; ++i) {
+    e.row.push_back(b.req_pool_indices[i]);
+    e.prefix.push_back(l.prefix_lens[i]);
+    e.qlen.push_back(l.query_lens[i]);
+    e.qo.push_back(static_cast<int32_t>(l.query_start[i]));
+  }
+  int32_t tokens = static_cast<int32_t>(l.num_tokens);
+  const int pad_q = verify && b.spec_info ? b.spec_info->draft_token_num : 1;
+  for (int i = b.batch_size; i < std::max(b.batch_size, st.padded_bs); ++i) {
+    e.row.push_back(b.batch_size > 0 ? b.req_pool_indices[0] : 0);
+    e.prefix.push_back(verify ? 1 : 0);
+    e.qlen.push_back(pad_q);
+    e.qo.push_back(tokens);
+    tokens += pad_q;
+  }
+  return e;
+}
+
+// The split policy evaluated directly: every candidate count, every request.
+std::vector<int32_t> expected_splits(const PlannerConfig& cfg, size_t c, TileShape shape,
+                                     const Expected& e, const std::vector<int32_t>& tiles,
+                                     const Step& st) {
+  const int bs = static_cast<int>(e.row.size());
+  const int64_t heads = cfg.num_kv_heads_max;
+  std::vector<int32_t> splits(bs, 1);
+  auto kv = [&](int i) { return int64_t{e.prefix[i]} + e.qlen[i]; };
+  if (st.graph != nullptr) {
+    const bool verify = is_target_verify(st.batch.mode);
+    const int pad_q = verify && st.batch.spec_info ? st.batch.spec_info->draft_token_num : 1;
+    const int64_t t = cdiv(int64_t{pad_q} * cfg.groups[c], cuda::tile_rows(shape));
+    const int64_t s = std::clamp<int64_t>(cdiv(int64_t{cfg.sm_count} * 4, bs * t * heads), 1, 64);
+    std::fill(splits.begin(), splits.end(), static_cast<int32_t>(s));
+    return splits;
+  }
+  if (cfg.deterministic) {
+    if (shape == TileShape::decode)
+      for (int i = 0; i < bs; ++i)
+        splits[i] = static_cast<int32_t>(std::clamp<int64_t>(cdiv(kv(i), 1024), 1, 64));
+    return splits;
+  }
+  int64_t base = 0, keys = 0, max_len = 0;
+  for (int i = 0; i < bs; ++i) {
+    base += tiles[i];
+    keys += tiles[i] * kv(i);
+    max_len = std::max(max_len, kv(i));
+  }
+  if (shape == TileShape::prefill) {
+    const int64_t target = int64_t{cfg.sm_count} * 4;
+    if (base * heads < target && base > 0) {
+      const int64_t chunk = std::max<int64_t>(1024, cdiv(keys * heads, target));
+      for (int i = 0; i < bs; ++i)
+        splits[i] = static_cast<int32_t>(std::clamp<int64_t>(cdiv(kv(i), chunk), 1, 64));
+    }
+    return splits;
+  }
+  if (base == 0) return splits;
+  const int64_t cap = int64_t{cfg.sm_count} * cfg.occupancy[c][static_cast<int>(shape)];
+  const int64_t bn = cfg.head_dims[c] > 128 ? 32 : 64;
+  const int64_t s_max = std::min<int64_t>(
+      {64, std::max<int64_t>(1, max_len / 256), base * heads >= cap ? 4 : 64});
+  double best_cost = 0;
+  int64_t best_chunk = 0;
+  for (int64_t s = 1; s <= s_max; ++s) {
+    const int64_t chunk = cdiv(cdiv(max_len, s), bn) * bn;
+    if (s > 1 && chunk == best_chunk) continue;
+    int64_t ctas = 0;
+    for (int i = 0; i < bs; ++i) ctas += tiles[i] * cdiv(kv(i), chunk) * heads;
+    const double cost =
+        static_cast<double>(cdiv(ctas, cap)) * (static_cast<double>(chunk / bn) + 1.0) +
+        (s > 1 ? 1.0 : 0.0);
+    if (s == 1 || cost < best_cost) {
+      best_cost = cost;
+      best_chunk = chunk;
+    }
+  }
+  for (int i = 0; i < bs; ++i)
+    splits[i] = static_cast<int32_t>(std::clamp<int64_t>(cdiv(kv(i), best_chunk), 1, 64));
+  return splits;
+}
+
+// Plans one step and checks every table; then, if the step's kernels "ran", stores the committed
+// pages into the device model as the attention kernel does.
+void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const Step& st) {
+  const PlannerConfig& cfg = planner.config();
+  const ForwardBatch& b = st.batch;
+  const int page = rows.page;
+  const int shift = std::countr_zero(static_cast<unsigned>(page));
+  const StepPlan& plan =
+      planner.prepare(b, &rows.pool, page, st.padded_bs, st.graph, st.replay, st.capturing);
+  std::vector<uint64_t> storage(plan.bytes / 8 + 1, 0xdeadbeefdeadbeefull);
+  char* host = reinterpret_cast<char*>(storage.data());
+  planner.write(host);
+  ASSERT_TRUE(plan.valid);
+
+  const Expected e = expected_requests(st);
+  const int bs = static_cast<int>(e.row.size());
+  const int raw_bs = b.batch_size;
+  ASSERT_EQ(plan.bs, bs);
+  ASSERT_EQ(plan.mode, b.mode);
+  ASSERT_EQ(plan.page_shift, shift);
+  int64_t tokens = 0;
+  int max_q = 0;
+  for (int i = 0; i < bs; ++i) {
+    tokens += e.qlen[i];
+    max_q = std::max(max_q, e.qlen[i]);
+  }
+  ASSERT_EQ(plan.num_tokens, tokens);
+  const bool verify = is_target_verify(b.mode);
+  const bool tree = verify && b.spec_info && b.spec_info->topk > 1;
+  ASSERT_EQ(plan.tree, tree);
+
+  // Shapes, tiles, splits, work items and offsets per class.
+  const size_t nc = cfg.groups.size();
+  ASSERT_EQ(plan.classes.size(), nc);
+  bool any_prefill = false;
+  size_t off = 0;
+  std::vector<std::vector<int32_t>> class_splits;
+  for (size_t c = 0; c < nc; ++c) {
+    const ClassPlan& cp = plan.classes[c];
+    const int64_t rows_per_req = int64_t{max_q} * cfg.groups[c];
+    const TileShape shape = rows_per_req <= 32   ? TileShape::decode
+                            : rows_per_req <= 64 ? TileShape::verify
+                                                 : TileShape::prefill;
+    any_prefill = any_prefill || shape == TileShape::prefill;
+    ASSERT_EQ(cp.shape, shape) << "class " << c;
+    ASSERT_EQ(cp.group, cfg.groups[c]);
+    ASSERT_EQ(cp.head_dim, cfg.head_dims[c]);
+    std::vector<int32_t> tiles(bs);
+    for (int i = 0; i < bs; ++i)
+      tiles[i] = static_cast<int32_t>(
+          cdiv(int64_t{e.qlen[i]} * cfg.groups[c], cuda::tile_rows(shape)));
+    const std::vector<int32_t> splits = expected_splits(cfg, c, shape, e, tiles, st);
+    class_splits.push_back(splits);
+    int64_t items = 0, part_rows = 0;
+    int max_splits = 1;
+    for (int i = 0; i < bs; ++i) {
+      items += int64_t{tiles[i]} * splits[i];
+      if (splits[i] > 1) part_rows += int64_t{splits[i]} * e.qlen[i];
+      max_splits = std::max(max_splits, splits[i]);
+    }
+    ASSERT_EQ(cp.num_items, items) << "class " << c;
+    ASSERT_EQ(cp.part_rows, part_rows) << "class " << c;
+    ASSERT_EQ(cp.max_splits, max_splits) << "class " << c;
+    if (st.graph != nullptr) {
+      ASSERT_EQ(cp.reqs_off, c * st.graph->reqs_cap * sizeof(ReqInfo));
+      ASSERT_EQ(cp.work_off, nc * st.graph->reqs_cap * sizeof(ReqInfo) +
+                                 c * st.graph->work_cap * sizeof(WorkItem));
+    } else {
+      ASSERT_EQ(cp.reqs_off, off);
+      off += bs * sizeof(ReqInfo);
+      ASSERT_EQ(cp.work_off, off);
+      off += items * sizeof(WorkItem);
+    }
+    // Work items: heaviest (last) query tiles first, then request, then split.
+    std::vector<std::tuple<int32_t, int32_t, int32_t>> want;
+    for (int i = 0; i < bs; ++i)
+      for (int32_t k = 0; k < tiles[i]; ++k)
+        for (int32_t s = 0; s < splits[i]; ++s) want.emplace_back(k, i, s);
+    std::sort(want.begin(), want.end());
+    const WorkItem* w = reinterpret_cast<const WorkItem*>(host + cp.work_off);
+    for (size_t n = 0; n < want.size(); ++n) {
+      const auto [k, i, s] = want[n];
+      ASSERT_EQ(w[n].req, i) << "class " << c << " item " << n;
+      ASSERT_EQ(w[n].f0, (tiles[i] - 1 - k) * cuda::tile_rows(shape)) << "item " << n;
+      ASSERT_EQ(w[n].split, s) << "item " << n;
+      ASSERT_EQ(w[n].pad, 0);
+    }
+  }
+
+  // Page tables: which pages the row table holds, and where the rest lie.
+  const bool incremental = dev.enabled() && !st.capturing && !any_prefill;
+  ASSERT_EQ(plan.incremental, incremental);
+  const bool commit = incremental && !(st.graph != nullptr && !st.replay);
+  std::vector<int32_t> known(bs, 0), start(bs, 0), pages(bs, 0);
+  int64_t total = 0;
+  for (int i = 0; i < bs; ++i) {
+    const int row = static_cast<int>(e.row[i]);
+    if (incremental && i < raw_bs && dev.gen[row] == rows.pool.generation(row))
+      known[i] = std::min(dev.known[row], e.prefix[i] >> shift);
+    pages[i] = static_cast<int32_t>(cdiv(int64_t{e.prefix[i]} + e.qlen[i], page));
+    start[i] = static_cast<int32_t>(total);
+    total += pages[i] - known[i];
+  }
+  size_t mask_off, depth_off, pt_off;
+  if (st.graph != nullptr) {
+    const size_t end = nc * (st.graph->reqs_cap * sizeof(ReqInfo) +
+                             st.graph->work_cap * sizeof(WorkItem));
+    mask_off = cdiv(end, 8) * 8;
+    depth_off = mask_off + st.graph->tree_cap * 8;
+    pt_off = cdiv(depth_off + st.graph->tree_cap * 4, 16) * 16;
+  } else {
+    mask_off = cdiv(off, 8) * 8;
+    depth_off = mask_off + (tree ? tokens * 8 : 0);
+    pt_off = cdiv(depth_off + (tree ? tokens * 4 : 0), 16) * 16;
+  }
+  ASSERT_EQ(plan.tree_mask_off, mask_off);
+  ASSERT_EQ(plan.tree_depth_off, depth_off);
+  ASSERT_EQ(plan.pt_off, pt_off);
+  ASSERT_EQ(plan.bytes, pt_off + total * sizeof(int32_t));
+
+  // Requests of every class.
+  const int32_t* pt = reinterpret_cast<const int32_t*>(host + pt_off);
+  for (size_t c = 0; c < nc; ++c) {
+    const ReqInfo* ri = reinterpret_cast<const ReqInfo*>(host + plan.classes[c].reqs_off);
+    int32_t part = 0;
+    for (int i = 0; i < bs; ++i) {
+      const int32_t s = class_splits[c][i];
+      const bool real = incremental && i < raw_bs;
+      const int32_t committed =
+          commit && i < raw_bs ? std::max(e.prefix[i] >> shift, known[i]) : known[i];
+      SCOPED_TRACE(testing::Message() << "class " << c << " request " << i);
+      ASSERT_EQ(ri[i].qo_start, e.qo[i]);
+      ASSERT_EQ(ri[i].qlen, e.qlen[i]);
+      ASSERT_EQ(ri[i].prefix, e.prefix[i]);
+      ASSERT_EQ(ri[i].kv_len, e.prefix[i] + e.qlen[i]);
+      ASSERT_EQ(ri[i].pt_start, start[i]);
+      ASSERT_EQ(ri[i].num_splits, s);
+      ASSERT_EQ(ri[i].part_start, s > 1 ? part : 0);
+      ASSERT_EQ(ri[i].tree_start, tree ? e.qo[i] : -1);
+      ASSERT_EQ(ri[i].pt_row, real ? static_cast<int32_t>(e.row[i] * dev.pages_per_row) : -1);
+      ASSERT_EQ(ri[i].pt_known, known[i]);
+      ASSERT_EQ(ri[i].pt_commit, committed);
+      ASSERT_EQ(ri[i].pad, 0);
+      if (s > 1) part += s * e.qlen[i];
+    }
+  }
+  // Each request's page j as the kernels resolve it, against req_to_token.
+  const ReqInfo* r0 = reinterpret_cast<const ReqInfo*>(host + plan.classes[0].reqs_off);
+  for (int i = 0; i < bs; ++i) {
+    const int row = static_cast<int>(e.row[i]);
+    for (int j = 0; j < pages[i]; ++j) {
+      const int32_t got = j < r0[i].pt_known ? dev.table[r0[i].pt_row + j]
+                                             : pt[r0[i].pt_start + j - r0[i].pt_known];
+      ASSERT_EQ(got, rows.pool.get(row, j * page) / page) << "request " << i << " page " << j;
+    }
+  }
+  // Tree masks and depths.
+  if (tree) {
+    const uint64_t* mask = reinterpret_cast<const uint64_t*>(host + mask_off);
+    const int32_t* depth = reinterpret_cast<const int32_t*>(host + depth_off);
+    const SpecInfo& spec = *b.spec_info;
+    for (int i = 0; i < bs; ++i) {
+      for (int t = 0; t < e.qlen[i]; ++t) {
+        uint64_t m = 0;
+        for (int u = 0; u < e.qlen[i]; ++u) {
+          const bool vis = i < raw_bs ? spec.visible(i, t, u) : u <= t;
+          if (vis) m |= uint64_t{1} << u;
+        }
+        ASSERT_EQ(mask[e.qo[i] + t], m) << "request " << i << " token " << t;
+        ASSERT_EQ(depth[e.qo[i] + t], i < raw_bs ? spec.depth(i, t) : t);
+      }
+    }
+  }
+
+  // The step's kernels store pages [pt_known, pt_commit) of every request into the row table; the
+  // plan counts them once a kernel ran (a replayed graph always runs).
+  const bool ran = st.launch || (st.graph != nullptr && st.replay);
+  if (ran && incremental) {
+    for (int i = 0; i < bs; ++i) {
+      if (r0[i].pt_row < 0) continue;
+      for (int j = r0[i].pt_known; j < r0[i].pt_commit; ++j)
+        dev.table[r0[i].pt_row + j] = pt[r0[i].pt_start + j - r0[i].pt_known];
+    }
+  }
+  if (st.launch && st.graph == nullptr) planner.launched();
+  if (ran && commit) {
+    for (int i = 0; i < raw_bs; ++i) {
+      const int row = static_cast<int>(e.row[i]);
+      dev.gen[row] = rows.pool.generation(row);
+      dev.known[row] = r0[i].pt_commit;
+    }
+  }
+}
+
+struct Scenario {
+  int page;
+  PlannerConfig cfg;
+  bool row_table;
+  bool graphs;
+};
+
+PlannerConfig config(std::vector<int> groups, std::vector<int> dims, int heads, bool det,
+                     int sm_count = 132) {
+  PlannerConfig c;
+  c.groups = std::move(groups);
+  c.head_dims = std::move(dims);
+  for (size_t i = 0; i < c.groups.size(); ++i)
+    c.occupancy.push_back({static_cast<int>(i % 3) + 2, 1, static_cast<int>(i % 2) + 1});
+  c.num_kv_heads_max = heads;
+  c.sm_count = sm_count;
+  c.deterministic = det;
+  return c;
+}
+
+// A random tree of n tokens (parents precede children); topk > 1 marks it a tree.
+SpecInfo random_spec(std::mt19937& rng, int bs, int n, bool chain) {
+  if (chain) return SpecInfo::chain(bs, n);
+  SpecInfo s;
+  s.draft_token_num = n;
+  s.topk = 2;
+  for (int r = 0; r < bs; ++r) {
+    s.parents.push_back(-1);
+    for (int t = 1; t < n; ++t) s.parents.push_back(static_cast<int32_t>(rng() % t));
+  }
+  return s;
+}
+
+void fill_slots(ForwardBatch& b, Rows& rows, const std::vector<int32_t>& prefix,
+                const std::vector<int32_t>& qlen) {
+  b.out_cache_loc.clear();
+  for (int i = 0; i < b.batch_size; ++i)
+    for (int t = 0; t < qlen[i]; ++t)
+      b.out_cache_loc.push_back(
+          rows.pool.get(static_cast<int>(b.req_pool_indices[i]), prefix[i] + t));
+}
+
+void run_scenario(const Scenario& sc, uint32_t seed, int steps) {
+  std::mt19937 rng(seed);
+  constexpr int kRows = 48, kMaxCtx = 6000;
+  Rows rows(kRows, kMaxCtx, sc.page);
+  HostPlanner planner(sc.cfg);
+  DeviceModel dev;
+  if (sc.row_table) {
+    dev.pages_per_row = cdiv(kMaxCtx, sc.page);
+    dev.table.assign(kRows * dev.pages_per_row, 0);
+    dev.gen.assign(kRows, ~uint64_t{0});
+    dev.known.assign(kRows, 0);
+    planner.enable_row_table(kRows, dev.pages_per_row);
+  }
+  GraphLayout gl;
+  gl.max_bs = 40;
+  gl.reqs_cap = 40;
+  gl.work_cap = 40 * 64 * 8;
+  gl.tree_cap = 40 * 16;
+  gl.meta_bytes = size_t{64} << 20;
+  for (int r = 0; r < kRows; ++r) rows.grow(r, 1 + static_cast<int>(rng() % 3000));
+
+  for (int step = 0; step < steps; ++step) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed << " step " << step);
+    if (rng() % 8 == 0) {  // a row changes hands
+      const int r = static_cast<int>(rng() % kRows);
+      rows.recycle(r);
+      rows.grow(r, 1 + static_cast<int>(rng() % 2000));
+    }
+    // Batch size: mostly small or large (splits vs. a full GPU), some at 1.
+    const int pick = static_cast<int>(rng() % 4);
+    const int bs = pick == 0 ? 1 : pick == 1 ? 2 + static_cast<int>(rng() % 6)
+                                             : 8 + static_cast<int>(rng() % 33);
+    std::vector<int> all(kRows);
+    for (int r = 0; r < kRows; ++r) all[r] = r;
+    std::shuffle(all.begin(), all.end(), rng);
+    std::vector<int64_t> req(all.begin(), all.begin() + bs);
+
+    Step st;
+    const int mode = static_cast<int>(rng() % 7);
+    std::vector<int32_t> prefix(bs), qlen(bs);
+    // Prefixes reach back into committed pages (the row's held tokens) or sit at their end.
+    auto take_prefix = [&](int i, int q) {
+      const int row = static_cast<int>(req[i]);
+      int p = rows.len[row];
+      if (rng() % 4 == 0) p = static_cast<int>(rng() % (rows.len[row] + 1));
+      p = std::min(p, kMaxCtx - q);
+      rows.grow(row, p + q);
+      return p;
+    };
+    const int uniform_q = 1 + static_cast<int>(rng() % 16);
+    if (mode == 0 || mode == 1) {  // DECODE (1: every request the same length)
+      std::vector<int32_t> seq(bs);
+      const int same = 1 + static_cast<int>(rng() % 4000);
+      for (int i = 0; i < bs; ++i) {
+        qlen[i] = 1;
+        if (mode == 1) {
+          rows.grow(static_cast<int>(req[i]), same);
+          prefix[i] = same - 1;
+        } else {
+          prefix[i] = take_prefix(i, 1);
+        }
+        seq[i] = prefix[i] + 1;
+      }
+      st.batch = make_decode_batch(req, seq);
+    } else if (mode == 2 || mode == 3) {  // EXTEND / MIXED, short or long new runs
+      for (int i = 0; i < bs; ++i) {
+        qlen[i] = rng() % 3 == 0 ? 1 + static_cast<int>(rng() % 300) : uniform_q;
+        prefix[i] = take_prefix(i, qlen[i]);
+      }
+      st.batch = make_extend_batch(req, prefix, qlen,
+                                   mode == 2 ? ForwardMode::EXTEND : ForwardMode::MIXED);
+    } else if (mode == 4 || mode == 5) {  // TARGET_VERIFY chain / tree
+      const int n = mode == 4 ? 1 + static_cast<int>(rng() % 12) : 2 + static_cast<int>(rng() % 15);
+      for (int i = 0; i < bs; ++i) {
+        qlen[i] = n;
+        prefix[i] = take_prefix(i, n);
+      }
+      st.batch = make_verify_batch(req, prefix, random_spec(rng, bs, n, mode == 4));
+    } else {  // DRAFT_EXTEND
+      std::vector<int32_t> seq(bs), accept(bs);
+      for (int i = 0; i < bs; ++i) {
+        accept[i] = static_cast<int>(rng() % 5);
+        qlen[i] = accept[i] + 1;
+        prefix[i] = take_prefix(i, qlen[i]);
+        seq[i] = prefix[i] + qlen[i];
+      }
+      st.batch = make_draft_extend_batch(req, seq, accept);
+    }
+    fill_slots(st.batch, rows, prefix, qlen);
+
+    const bool graph_mode = sc.graphs && (mode <= 1 || mode == 4 || mode == 5) && rng() % 2 == 0;
+    if (graph_mode && static_cast<int>(st.batch.num_tokens()) <= 40 * 16 - 16 * 8) {
+      st.graph = &gl;
+      st.padded_bs = std::min(40, bs + static_cast<int>(rng() % 8));
+      st.replay = rng() % 4 != 0;
+    } else {
+      st.capturing = rng() % 10 == 0;
+    }
+    st.launch = rng() % 6 != 0;
+    plan_and_check(planner, rows, dev, st);
+    if (testing::Test::HasFatalFailure()) return;
+    // Accepted tokens become the rows' held length (slots of rejected drafts stay in place).
+    for (int i = 0; i < bs; ++i) {
+      const int row = static_cast<int>(req[i]);
+      rows.len[row] = std::max(rows.len[row], prefix[i] + 1);
+    }
+  }
+}
+
+TEST(CudaHostPlan, RandomStepsMatchDirectComputation) {
+  const std::vector<Scenario> scenarios = {
+      {16, config({4}, {128}, 8, false), true, false},
+      {1, config({4}, {128}, 8, false), true, true},
+      {64, config({4}, {128}, 8, false), true, false},
+      {16, config({1, 8}, {64, 256}, 4, false), true, true},
+      {64, config({2, 4}, {256, 128}, 2, false, 8), false, false},
+      {16, config({4}, {128}, 8, true), true, true},
+      {1, config({8, 1}, {128, 64}, 1, true), false, false},
+  };
+  for (size_t s = 0; s < scenarios.size(); ++s) {
+    SCOPED_TRACE(testing::Message() << "scenario " << s << " page " << scenarios[s].page);
+    run_scenario(scenarios[s], 1234u + static_cast<uint32_t>(s), 60);
+    if (HasFatalFailure()) return;
+  }
+}
+
+// Steps of 256 requests (the benchmark's shapes): decode, chain verify, extend, a few times in a
+// row so the incremental tables are exercised as in serving.
+TEST(CudaHostPlan, Batch256StepsMatchDirectComputation) {
+  for (int page : {1, 16, 64}) {
+    SCOPED_TRACE(testing::Message() << "page " << page);
+    Rows rows(256, 2200, page);
+    HostPlanner planner(config({4}, {128}, 8, false));
+    DeviceModel dev;
+    dev.pages_per_row = cdiv(2200, page);
+    dev.table.assign(256 * dev.pages_per_row, 0);
+    dev.gen.assign(256, ~uint64_t{0});
+    dev.known.assign(256, 0);
+    planner.enable_row_table(256, dev.pages_per_row);
+    std::vector<int64_t> req(256);
+    for (int r = 0; r < 256; ++r) {
+      req[r] = r;
+      rows.grow(r, 2048 + 16);
+    }
+    for (int rep = 0; rep < 3; ++rep) {
+      for (int kind = 0; kind < 3; ++kind) {
+        Step st;
+        const int q = kind == 0 ? 1 : kind == 1 ? 8 : 16;
+        const std::vector<int32_t> prefix(256, kind == 0 ? 2047 : 2048), qlen(256, q);
+        if (kind == 0) {
+          st.batch = make_decode_batch(req, std::vector<int32_t>(256, 2048));
+        } else if (kind == 1) {
+          st.batch = make_verify_batch(req, prefix, SpecInfo::chain(256, 8));
+        } else {
+          st.batch = make_extend_batch(req, prefix, qlen);
+        }
+        fill_slots(st.batch, rows, prefix, qlen);
+        plan_and_check(planner, rows, dev, st);
+        if (HasFatalFailure()) return;
+      }
+    }
+  }
+}
+
+TEST(CudaHostPlan, RejectsRepeatedRowsAndSlotsOffPageStarts) {
+  Rows rows(4, 256, 16);
+  for (int r = 0; r < 4; ++r) rows.grow(r, 100);
+  HostPlanner planner(config({4}, {128}, 8, false));
+  ForwardBatch dup = make_decode_batch({1, 2, 3}, {50, 60, 70});
+  dup.req_pool_indices[2] = 1;
+  dup.out_cache_loc.assign(3, 0);
+  test::expect_error([&] { planner.prepare(dup, &rows.pool, 16, 0, nullptr, false, false); },
+                     {"req_pool_indices[2] = 1", "repeats"});
+  ForwardBatch ok = make_decode_batch({3}, {40});
+  ok.out_cache_loc.assign(1, 0);
+  rows.pool.write(3, 16, std::vector<int64_t>{7});  // page 1 of row 3 starts mid-page
+  planner.prepare(ok, &rows.pool, 16, 0, nullptr, false, false);
+  std::vector<uint64_t> buf(planner.plan().bytes / 8 + 1);
+  test::expect_error([&] { planner.write(buf.data()); },
+                     {"req_to_token[3, 16] = 7", "does not start a page"});
+}
+
+}  // namespace
+}  // namespace attnrt
