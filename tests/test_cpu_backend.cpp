@@ -131,7 +131,8 @@ TEST(CpuBackend, RegistersAutoSelectableWithEveryFullAttentionFeature) {
   EXPECT_EQ(e.caps.kv_dtypes.size(), 5u);
   EXPECT_TRUE(e.caps.spec_topk1 && e.caps.spec_topk_gt1 && e.caps.sliding_window &&
               e.caps.softcap && e.caps.sinks && e.caps.non_causal);
-  EXPECT_FALSE(e.caps.mla || e.caps.cuda_graphs);
+  EXPECT_TRUE(e.caps.mla);
+  EXPECT_FALSE(e.caps.cuda_graphs);
   const std::string target = cpu_simd_target();
   EXPECT_FALSE(target.empty());
   EXPECT_NE(e.summary.find(target), std::string::npos) << e.summary;
@@ -447,6 +448,40 @@ TEST(CpuBackend, EveryKvDtypeWithScalesInEveryMode) {
   }
 }
 
+// MLA (§8.1): one latent kv head shared by every q head, scores over 576 dims, V = the first 512
+// columns read through the pool's view of K; every mode, the bf16 dot kernels, fp8 with its scale,
+// key splits over threads (the long decode and extend rows).
+TEST(CpuBackend, MlaMatchesReferenceInEveryModeAndKvDtype) {
+  LayerSpec mla = make_layer(16, 1, 576, 512);
+  mla.kind = LayerKind::mla;
+  mla.kv_lora_rank = 512;
+  mla.qk_rope_head_dim = 64;
+  mla.scaling = 1.f / std::sqrt(192.f);
+  LayerSpec small = mla;
+  small.num_q_heads = 4;
+  small.head_dim = 192;
+  small.v_head_dim = small.kv_lora_rank = 128;
+  const std::vector<int32_t> tree = {-1, 0, 0, 1, 1, 2};
+  for (DType kv : {DType::f32, DType::bf16, DType::e4m3, DType::e5m2}) {
+    std::vector<CaseSpec> specs = {
+        make_spec("mla-extend", ForwardMode::EXTEND, {33, 0}, {20, 7}, {mla, small}, 31),
+        make_spec("mla-decode", ForwardMode::DECODE, {33, 700, 0}, {1, 1, 1}, {mla, small}, 32),
+        make_spec("mla-mixed", ForwardMode::MIXED, {33, 290, 4}, {1, 1, 30}, {mla, small}, 33),
+        make_spec("mla-draft", ForwardMode::DRAFT_EXTEND, {40, 9}, {3, 1}, {mla, small}, 34),
+        make_spec("mla-draft-v2", ForwardMode::DRAFT_EXTEND_V2, {40, 9}, {3, 3}, {mla, small}, 35),
+        verify_spec("mla-chain", {40, 9}, 4, 1, {-1, 0, 1, 2}, {mla, small}, 36),
+        verify_spec("mla-tree", {40, 9}, 6, 2, tree, {mla, small}, 37)};
+    for (CaseSpec& s : specs) {
+      s.kv_dtype = kv;
+      s.act_dtype = kv == DType::f32 ? DType::f32 : DType::bf16;
+      if (is_fp8(kv)) s.k_scale = s.v_scale = 0.3f;
+      s.want_lse = true;
+      SCOPED_TRACE(s.describe());
+      expect_matches_reference(s);
+    }
+  }
+}
+
 TEST(CpuBackend, NonCausalSeesTheWholeRequest) {
   LayerSpec layer = make_layer(4, 2, 64);
   layer.attn_type = AttnType::decoder_bidirectional;
@@ -648,7 +683,12 @@ TEST(CpuBackend, RejectsBadArgumentsBeforeStoringAnything) {
 
   LayerSpec mla = layer;
   mla.kind = LayerKind::mla;
-  EXPECT_NE(f.forward(mla).find("serves full and swa layers"), std::string::npos);
+  EXPECT_NE(f.forward(mla).find("mla layer 0 has 2 kv heads"), std::string::npos)
+      << f.forward(mla);
+  LayerSpec gdn = layer;
+  gdn.kind = LayerKind::gdn;
+  EXPECT_NE(f.forward(gdn).find("serves full, swa and mla layers"), std::string::npos)
+      << f.forward(gdn);
 
   EXPECT_EQ(f.pool_checksum(), before);
 }

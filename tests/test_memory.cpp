@@ -544,12 +544,112 @@ TEST(HostKVCache, BeginStepRejectsBadSlotsNamingIndexAndValue) {
   cache->begin_step(batch_with_slots({7, 8}));
 }
 
-TEST(HostKVCache, RejectsMlaModelsAndSwaHybridWithoutAllocator) {
-  LayerSpec mla = attn_layer(0, LayerKind::mla, 1, 576, 512);
+LayerSpec mla_layer(int id, int rank, int rope) {
+  LayerSpec l = attn_layer(id, LayerKind::mla, 1, rank + rope, rank);
+  l.num_q_heads = 16;
+  l.kv_lora_rank = rank;
+  l.qk_rope_head_dim = rope;
+  return l;
+}
+
+// reference-semantics §4.5: one latent row per slot, V a view of its first kv_lora_rank columns,
+// the k rows stored (quantised with the layer's one scale), v never read.
+TEST(HostKVCache, MlaLayersStoreOneLatentRowWithVAsAViewOfK) {
+  for (DType dtype : {DType::bf16, DType::f32, DType::e4m3, DType::e5m2}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    std::mt19937_64 rng(31);
+    LayerSpec kda;
+    kda.layer_id = 1;
+    kda.kind = LayerKind::kda;
+    // A hybrid linear model: the KV cache holds the two mla layers only (§4.6).
+    auto model = make_model({mla_layer(0, 512, 64), kda, mla_layer(2, 128, 64)});
+    KVCacheConfig cfg;
+    cfg.full_slots = 32;
+    cfg.page_size = 4;
+    cfg.dtype = dtype;
+    auto storage = make_host_kv_storage(model, cfg);
+    KVCache& cache = *storage.cache;
+    auto* paged = dynamic_cast<PagedTokenAllocator*>(storage.allocator.get());
+    ASSERT_NE(paged, nullptr);
+    const int64_t rows = paged->pages().pool_rows();
+    const float scale = is_fp8(dtype) ? 0.25f : 1.f;
+    if (is_fp8(dtype)) cache.set_kv_scales(0, scale, scale);
+    for (int id : {0, 2}) {
+      const KVLayerView v = cache.layer(id);
+      const int row = id == 0 ? 576 : 192, rank = id == 0 ? 512 : 128;
+      EXPECT_EQ(v.kv_heads, 1);
+      EXPECT_EQ(v.head_dim, row);
+      EXPECT_EQ(v.v_head_dim, rank);
+      EXPECT_EQ(v.v, v.k) << "V must be a view of the K rows, not a copy";
+      EXPECT_EQ(v.k_row_stride, row);
+      EXPECT_EQ(v.v_row_stride, row);
+      EXPECT_EQ(v.num_rows, rows);
+      EXPECT_EQ(v.dtype, dtype);
+      EXPECT_EQ(v.k_scale, id == 0 ? scale : 1.f);
+      EXPECT_EQ(v.v_scale, v.k_scale);
+    }
+    expect_error([&] { cache.layer(1); }, {"layer 1", "kda", "no KV cache"});
+
+    const std::vector<int64_t> slots = {5, 0, 9};
+    const ForwardBatch batch = batch_with_slots(slots);  // the cache keeps its out_cache_loc
+    cache.begin_step(batch);
+    HostBuffer k = random_tensor(rng, DType::f32, {3, 1, 576}, 4.f);
+    HostBuffer v = random_tensor(rng, DType::f32, {3, 1, 512}, 4.f);  // not read
+    cache.store_step_kv(0, k.view(), v.view());
+    // v may be left out altogether.
+    HostBuffer k2 = random_tensor(rng, DType::bf16, {3, 1, 192}, 4.f);
+    cache.store_step_kv(2, k2.view(), TensorView());
+    for (int id : {0, 2}) {
+      const KVLayerView view = cache.layer(id);
+      const HostBuffer& src = id == 0 ? k : k2;
+      for (size_t t = 0; t < slots.size(); ++t) {
+        for (int d = 0; d < view.head_dim; ++d) {
+          const float x = load_as_float(src.data(), src.dtype(), t * view.head_dim + d);
+          float want = x / view.k_scale;
+          alignas(4) unsigned char b[4];
+          store_from_float(b, dtype, 0, want);
+          want = load_as_float(b, dtype, 0);
+          const float got = load_as_float(view.k, dtype, slots[t] * view.k_row_stride + d);
+          ASSERT_EQ(got, want) << "layer " << id << " token " << t << " dim " << d;
+          // V column d of the same slot is the same stored element.
+          if (d < view.v_head_dim) {
+            ASSERT_EQ(load_as_float(view.v, dtype, slots[t] * view.v_row_stride + d), got);
+          }
+        }
+      }
+    }
+    // Rows never written stay zero.
+    EXPECT_EQ(load_as_float(cache.layer(0).k, dtype, 7 * 576 + 3), 0.f);
+  }
+}
+
+TEST(HostKVCache, MlaLayersRejectTwoScalesAndWrongShapes) {
+  auto model = make_model({mla_layer(0, 512, 64)});
   KVCacheConfig cfg;
   cfg.full_slots = 16;
-  expect_error([&] { make_host_kv_storage(make_model({mla}), cfg); },
-               {"layer 0", "MLA", "latent pool"});
+  cfg.dtype = DType::e4m3;
+  auto storage = make_host_kv_storage(model, cfg);
+  expect_error([&] { storage.cache->set_kv_scales(0, 0.5f, 2.f); },
+               {"k_scale 0.5 but v_scale 2", "mla", "v_scale = k_scale"});
+  expect_error([&] { storage.cache->set_kv_scales(0, -1.f, -1.f); }, {"finite and > 0"});
+  const ForwardBatch batch = batch_with_slots({3});
+  storage.cache->begin_step(batch);
+  HostBuffer k(DType::f32, {1, 1, 512});
+  expect_error([&] { storage.cache->store_step_kv(0, k.view(), TensorView()); },
+               {"k is", "expected [1, 1, 576]"});
+  LayerSpec two_heads = mla_layer(0, 512, 64);
+  two_heads.num_kv_heads = 2;
+  expect_error([&] { MLATokenToKVPool(8, DType::bf16, {two_heads}); },
+               {"layer 0", "one latent kv head"});
+  expect_error([&] { MLATokenToKVPool(8, DType::bf16, {attn_layer(0, LayerKind::full, 1, 8, 8)}); },
+               {"mla layers only"});
+  expect_error([&] { MHATokenToKVPool(8, DType::bf16, {mla_layer(0, 512, 64)}); },
+               {"full / sliding-window"});
+}
+
+TEST(HostKVCache, RejectsSwaHybridWithoutAllocator) {
+  KVCacheConfig cfg;
+  cfg.full_slots = 16;
   auto hybrid = make_model(
       {attn_layer(0, LayerKind::swa, 1, 8, 8, 16), attn_layer(1, LayerKind::full, 1, 8, 8)});
   EXPECT_TRUE(is_swa_hybrid(hybrid));

@@ -105,8 +105,12 @@ Dense dense_attention(const ConformanceCase& c, const CaseInstance& inst, int la
             double{load_as_float(kv.k, kv.dtype, slot * kv.k_row_stride + e)} * kv.k_scale;
       }
       for (int e = 0; e < l.num_kv_heads * dv; ++e) {
+        // MLA (§8.1): V is the first kv_lora_rank columns of the latent K row (one kv head),
+        // taken here from K itself rather than through the pool's V view.
         V[static_cast<size_t>(j) * l.num_kv_heads * dv + e] =
-            double{load_as_float(kv.v, kv.dtype, slot * kv.v_row_stride + e)} * kv.v_scale;
+            l.kind == LayerKind::mla
+                ? K[static_cast<size_t>(j) * dqk + e]
+                : double{load_as_float(kv.v, kv.dtype, slot * kv.v_row_stride + e)} * kv.v_scale;
       }
     }
     for (int h = 0; h < hq; ++h) {
@@ -409,6 +413,52 @@ TEST(ReferenceBackend, Fp8KvWithNonUnitScales) {
   }
 }
 
+LayerSpec mla_layer(int hq, int rank, int rope) {
+  LayerSpec l = layer(hq, 1, rank + rope, rank);
+  l.kind = LayerKind::mla;
+  l.kv_lora_rank = rank;
+  l.qk_rope_head_dim = rope;
+  l.scaling = 1.f / std::sqrt(192.f);
+  return l;
+}
+
+// MLA (§8.1, §4.5): scores over all 576 latent dims, values from the first 512, one kv head
+// shared by every q head; every mode, page sizes and fp8 with its one scale.
+TEST(ReferenceBackend, MlaAttendsOverTheLatentRowInEveryMode) {
+  struct Mode {
+    ForwardMode mode;
+    std::vector<int32_t> prefix, query;
+  };
+  const Mode modes[] = {
+      {ForwardMode::EXTEND, {0, 17, 4}, {6, 3, 9}},
+      {ForwardMode::DECODE, {0, 15, 40}, {1, 1, 1}},
+      {ForwardMode::MIXED, {12, 30, 7}, {5, 1, 1}},
+      {ForwardMode::TARGET_VERIFY, {9, 20}, {5, 5}},
+      {ForwardMode::DRAFT_EXTEND, {9, 20}, {3, 2}},
+  };
+  uint64_t seed = 300;
+  for (const Mode& m : modes) {
+    for (DType kv : {DType::f32, DType::bf16, DType::e4m3}) {
+      CaseSpec s = base_spec(m.mode, m.prefix, m.query, seed++);
+      s.layers = {mla_layer(8, 512, 64), mla_layer(4, 128, 64)};
+      s.kv_dtype = kv;
+      s.act_dtype = kv == DType::f32 ? DType::f32 : DType::bf16;
+      if (is_fp8(kv)) s.k_scale = s.v_scale = 0.3f;
+      s.page_size = kv == DType::bf16 ? 16 : 1;
+      if (m.mode == ForwardMode::TARGET_VERIFY) {
+        s.spec.draft_token_num = 5;
+        s.spec.topk = 2;
+        s.spec.parents = {-1, 0, 0, 1, 2, -1, 0, 1, 1, 0};
+      }
+      SCOPED_TRACE(s.describe());
+      Checked r = check_case(s);
+      const KVLayerView v = r.inst->storage.cache->layer(0);
+      EXPECT_EQ(v.v, v.k);
+      EXPECT_EQ(v.v_scale, v.k_scale);
+    }
+  }
+}
+
 TEST(ReferenceBackend, HalfPrecisionActivationsAndKv) {
   for (DType t : {DType::f16, DType::bf16}) {
     CaseSpec s = base_spec(ForwardMode::DECODE, {3, 50}, {1, 1}, 120);
@@ -534,6 +584,6 @@ TEST(ReferenceBackend, RegistryEntryClaimsEveryFullAttentionFeature) {
   }
   EXPECT_TRUE(e.caps.spec_topk1 && e.caps.spec_topk_gt1 && e.caps.sliding_window && e.caps.softcap &&
               e.caps.sinks && e.caps.non_causal);
-  EXPECT_FALSE(e.caps.mla);
+  EXPECT_TRUE(e.caps.mla);
   EXPECT_FALSE(e.caps.cuda_graphs);
 }

@@ -153,7 +153,7 @@ void CpuBackend::init_forward_metadata(const ForwardBatch& batch) {
   if (ctx_.model != nullptr && ctx_.kv_cache != nullptr && bs > 0) {
     int64_t partial = 0;
     for (const LayerSpec& layer : ctx_.model->layers) {
-      if (!layer.uses_kv_cache() || layer.kind == LayerKind::mla) continue;
+      if (!layer.uses_kv_cache()) continue;
       if (!layer.causal() && layer.sliding_window >= 0) continue;  // rejected at forward
       const KVLayerView kv = ctx_.kv_cache->layer(layer.layer_id);
       const VariantKey key = key_of(layer, kv);
@@ -437,7 +437,7 @@ BackendEntry cpu_backend_entry() {
   e.caps.softcap = true;
   e.caps.sinks = true;
   e.caps.non_causal = true;
-  e.caps.mla = false;
+  e.caps.mla = true;
   e.caps.cuda_graphs = false;
   e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
   e.auto_selectable = true;

@@ -252,7 +252,8 @@ BackendEntry reference_backend_entry() {
   BackendEntry e;
   e.name = "reference";
   e.summary =
-      "float64 CPU oracle for every full-attention mode and the gdn / kda / mamba2 layers (slow; "
+      "float64 CPU oracle for every full-attention mode (MHA, GQA, MLA) and the gdn / kda / mamba2 "
+      "layers (slow; "
       "never auto-selected)";
   e.caps.devices = {DeviceKind::cpu};
   e.caps.kv_dtypes = {DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2};
@@ -262,7 +263,7 @@ BackendEntry reference_backend_entry() {
   e.caps.softcap = true;
   e.caps.sinks = true;
   e.caps.non_causal = true;
-  e.caps.mla = false;
+  e.caps.mla = true;
   e.caps.cuda_graphs = false;
   e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
   e.auto_selectable = false;

@@ -24,9 +24,10 @@ void check_tensor(std::string_view backend, const char* what, const TensorView& 
 
 void check_host_attn_args(std::string_view backend, const AttnArgs& args, const LayerSpec& layer,
                           int64_t num_tokens, const KVLayerView& kv) {
-  ATTNRT_CHECK(layer.uses_kv_cache() && layer.kind != LayerKind::mla,
-               "{} backend: layer {} is {}; the {} backend serves full and swa layers", backend,
-               layer.layer_id, layer_kind_name(layer.kind), backend);
+  ATTNRT_CHECK(layer.uses_kv_cache(),
+               "{} backend: layer {} is {}; the {} backend serves full, swa and mla layers",
+               backend, layer.layer_id, layer_kind_name(layer.kind), backend);
+  const bool mla = layer.kind == LayerKind::mla;
   const int hq = layer.num_q_heads, hkv = layer.num_kv_heads;
   ATTNRT_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0,
                "{} backend: layer {} has {} q heads and {} kv heads; q heads must be a positive "
@@ -36,6 +37,10 @@ void check_host_attn_args(std::string_view backend, const AttnArgs& args, const 
   ATTNRT_CHECK(dqk > 0 && dv > 0,
                "{} backend: layer {} has head_dim {} / v_head_dim {}; both must be > 0", backend,
                layer.layer_id, dqk, dv);
+  ATTNRT_CHECK(!mla || (hkv == 1 && dv <= dqk),
+               "{} backend: mla layer {} has {} kv heads, head_dim {}, v_head_dim {}; MLA attends "
+               "over one latent kv head, and V is the first v_head_dim columns of the K row",
+               backend, layer.layer_id, hkv, dqk, dv);
   ATTNRT_CHECK(layer.causal() || layer.sliding_window < 0,
                "{} backend: layer {} is non-causal with sliding_window {}; a window is defined "
                "for causal layers only (use -1)",
@@ -45,13 +50,17 @@ void check_host_attn_args(std::string_view backend, const AttnArgs& args, const 
                layer.layer_id, layer.logit_cap);
   check_tensor(backend, "q", args.q, num_tokens, hq, dqk, "tokens, q heads, head_dim");
   check_tensor(backend, "out", args.out, num_tokens, hq, dv, "tokens, q heads, v_head_dim");
-  ATTNRT_CHECK(args.k.empty() == args.v.empty(),
+  // MLA stores the latent k rows only (V is a view of them), so v may be left empty there.
+  ATTNRT_CHECK(mla ? !(args.k.empty() && !args.v.empty()) : args.k.empty() == args.v.empty(),
                "{} backend: k is {} but v is {}; pass both (store this step's K/V) or neither "
-               "(already stored by another layer)",
+               "(already stored by another layer){}",
                backend, args.k.empty() ? "empty" : args.k.describe(),
-               args.v.empty() ? "empty" : args.v.describe());
+               args.v.empty() ? "empty" : args.v.describe(),
+               mla ? "; an mla layer takes k alone too" : "");
   if (!args.k.empty()) {
     check_tensor(backend, "k", args.k, num_tokens, hkv, dqk, "tokens, kv heads, head_dim");
+  }
+  if (!args.v.empty()) {
     check_tensor(backend, "v", args.v, num_tokens, hkv, dv, "tokens, kv heads, v_head_dim");
   }
   if (!args.lse.empty()) {
@@ -75,6 +84,10 @@ void check_host_attn_args(std::string_view backend, const AttnArgs& args, const 
                "{} backend: layer {} KV cache stores {}; supported: fp32, fp16, bf16, fp8_e4m3, "
                "fp8_e5m2",
                backend, layer.layer_id, dtype_name(kv.dtype));
+  ATTNRT_CHECK(!mla || (kv.v == kv.k && kv.v_row_stride == kv.k_row_stride),
+               "{} backend: mla layer {} KV cache has separate V storage; an mla layer needs the "
+               "latent pool, whose V is a view of the K row",
+               backend, layer.layer_id);
   ATTNRT_CHECK(kv.kv_heads == hkv && kv.head_dim == dqk && kv.v_head_dim == dv,
                "{} backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer needs "
                "[{} heads, {} / {} dims]",

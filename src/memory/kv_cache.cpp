@@ -21,9 +21,10 @@ bool is_swa_layer(const LayerSpec& l) {
 }
 
 // Host KV cache over one or two slot spaces. Layers with the same [kv_heads, head_dim, v_head_dim]
-// share one MHATokenToKVPool; all pools of a slot space have the same rows. With a full->SWA map
-// the sliding-window layers live in the SWA slot space and are written through a translation of
-// out_cache_loc made once per step into swa_loc_, whose address never changes.
+// share one MHATokenToKVPool, mla layers one MLATokenToKVPool (full slot space); all pools of a
+// slot space have the same rows. With a full->SWA map the sliding-window layers live in the SWA
+// slot space and are written through a translation of out_cache_loc made once per step into
+// swa_loc_, whose address never changes.
 class HostKVCache final : public KVCache {
  public:
   HostKVCache(const ModelSpec& model, const KVCacheConfig& config, int64_t full_rows,
@@ -35,10 +36,15 @@ class HostKVCache final : public KVCache {
         seen_(static_cast<size_t>(full_rows), 0) {
     using Shape = std::tuple<bool, int, int, int>;  // (swa, kv heads, head dim, v head dim)
     std::map<Shape, std::vector<LayerSpec>> groups;
+    std::vector<LayerSpec> mla;
     int max_id = -1;
     for (const LayerSpec& l : model.layers) {
       max_id = std::max(max_id, l.layer_id);
       if (!l.uses_kv_cache()) continue;
+      if (l.kind == LayerKind::mla) {
+        mla.push_back(l);
+        continue;
+      }
       const bool swa = map_ != nullptr && is_swa_layer(l);
       const int v_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
       groups[{swa, l.num_kv_heads, l.head_dim, v_dim}].push_back(l);
@@ -56,6 +62,10 @@ class HostKVCache final : public KVCache {
         entries_[l.layer_id].pool = pools_.back().get();
         entries_[l.layer_id].swa = swa;
       }
+    }
+    if (!mla.empty()) {
+      pools_.push_back(std::make_unique<MLATokenToKVPool>(full_rows, dtype_, mla));
+      for (const LayerSpec& l : mla) entries_[l.layer_id].pool = pools_.back().get();
     }
     if (map_ != nullptr) {
       ATTNRT_CHECK(config.max_num_tokens >= 1,
@@ -144,7 +154,7 @@ class HostKVCache final : public KVCache {
 
  private:
   struct Entry {
-    MHATokenToKVPool* pool = nullptr;
+    TokenToKVPool* pool = nullptr;
     bool swa = false;
     LayerKind kind = LayerKind::full;
   };
@@ -163,7 +173,7 @@ class HostKVCache final : public KVCache {
   int page_size_;
   int64_t full_rows_;
   std::shared_ptr<const std::vector<int64_t>> map_;  // null: no SWA slot space
-  std::vector<std::unique_ptr<MHATokenToKVPool>> pools_;
+  std::vector<std::unique_ptr<TokenToKVPool>> pools_;
   std::vector<Entry> entries_;    // by layer id
   std::vector<int64_t> swa_loc_;  // [max_num_tokens], allocated once
   const int64_t* step_loc_ = nullptr;
@@ -172,7 +182,7 @@ class HostKVCache final : public KVCache {
   uint32_t epoch_ = 0;
 };
 
-void check_config(const ModelSpec& model, const KVCacheConfig& config) {
+void check_config(const KVCacheConfig& config) {
   ATTNRT_CHECK(config.page_size >= 1, "KV cache: page_size {} is invalid; it must be >= 1",
                config.page_size);
   ATTNRT_CHECK(is_float(config.dtype),
@@ -182,12 +192,6 @@ void check_config(const ModelSpec& model, const KVCacheConfig& config) {
   ATTNRT_CHECK(config.full_slots >= config.page_size,
                "KV cache: full_slots = {} holds no page of {} slots; give at least one page",
                config.full_slots, config.page_size);
-  for (const LayerSpec& l : model.layers) {
-    ATTNRT_CHECK(l.kind != LayerKind::mla,
-                 "KV cache: layer {} of model '{}' is an MLA layer; the host KV cache has no MLA "
-                 "latent pool yet (reference-semantics §4.5), so MLA models cannot be served",
-                 l.layer_id, model.name);
-  }
 }
 
 }  // namespace
@@ -202,7 +206,7 @@ bool is_swa_hybrid(const ModelSpec& model) {
 }
 
 KVStorage make_host_kv_storage(const ModelSpec& model, const KVCacheConfig& config) {
-  check_config(model, config);
+  check_config(config);
   KVStorage out;
   if (!is_swa_hybrid(model)) {
     auto alloc = std::make_unique<PagedTokenAllocator>(config.full_slots, config.page_size);

@@ -9,6 +9,8 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <tuple>
+#include <utility>
 
 #include "attnrt/core/error.h"
 
@@ -16,7 +18,7 @@ namespace attnrt::conformance {
 
 namespace {
 
-constexpr std::array<std::pair<Feature, std::string_view>, 19> kFeatureNames{{
+constexpr std::array<std::pair<Feature, std::string_view>, 22> kFeatureNames{{
     {Feature::decode, "decode"},
     {Feature::extend_prefix, "extend_prefix"},
     {Feature::mixed, "mixed"},
@@ -36,6 +38,9 @@ constexpr std::array<std::pair<Feature, std::string_view>, 19> kFeatureNames{{
     {Feature::fp8_e5m2, "fp8_e5m2"},
     {Feature::fp16, "fp16"},
     {Feature::bf16, "bf16"},
+    {Feature::mla, "mla"},
+    {Feature::head_dim_other, "head_dim_other"},
+    {Feature::v_head_dim_differs, "v_head_dim_differs"},
 }};
 
 constexpr std::array<Feature, kFeatureNames.size()> kFeatures = [] {
@@ -85,6 +90,24 @@ std::vector<int> usable_page_sizes(const BackendCaps& caps) {
     if (contains(caps.page_sizes, p)) out.push_back(p);
   }
   return out.empty() ? caps.page_sizes : out;
+}
+
+// (head_dim, v_head_dim) of the cases of the dims features, filtered by the head dims the caps
+// list (empty = any). MLA: (kv_lora_rank + qk_rope_head_dim, kv_lora_rank), DeepSeek's first.
+std::vector<std::pair<int, int>> usable_dims(const BackendCaps& caps, Feature f) {
+  std::vector<std::pair<int, int>> all;
+  switch (f) {
+    case Feature::mla: all = {{576, 512}, {192, 128}}; break;
+    case Feature::head_dim_other: all = {{80, 80}, {96, 96}, {160, 160}, {192, 192}}; break;
+    case Feature::v_head_dim_differs: all = {{192, 128}, {128, 64}, {64, 128}, {96, 160}}; break;
+    default: break;
+  }
+  if (caps.head_dims.empty()) return all;
+  std::vector<std::pair<int, int>> out;
+  for (const auto& d : all) {
+    if (contains(caps.head_dims, d.first) && contains(caps.head_dims, d.second)) out.push_back(d);
+  }
+  return out;
 }
 
 HostBuffer to_buffer(DType t, const std::vector<float>& values, int64_t rows, int64_t heads,
@@ -186,6 +209,16 @@ std::string unsupported_reason(const BackendCaps& caps, Feature f) {
       return kv(DType::f16);
     case Feature::bf16:
       return kv(DType::bf16);
+    case Feature::mla:
+      if (!caps.mla) return "caps do not claim mla";
+      [[fallthrough]];
+    case Feature::head_dim_other:
+    case Feature::v_head_dim_differs:
+      return usable_dims(caps, f).empty()
+                 ? fmt::format("head dims [{}] hold none of the feature's (head_dim, v_head_dim) "
+                               "pairs",
+                               fmt::join(caps.head_dims, ", "))
+                 : "";
   }
   return "unknown feature";
 }
@@ -258,12 +291,27 @@ ConformanceCase make_case(CaseSpec spec) {
     return v;
   };
   for (const LayerSpec& l : spec.layers) {
+    ATTNRT_CHECK(l.kind != LayerKind::mla || spec.k_scale == spec.v_scale,
+                 "conformance case: k_scale {} and v_scale {} with mla layer {}; an mla layer's V "
+                 "is a view of its K row, so it has one scale (set v_scale = k_scale)",
+                 spec.k_scale, spec.v_scale, l.layer_id);
     LayerValues lv;
     lv.prefix_k = draw(prefix_tokens * l.num_kv_heads * l.head_dim, 1.f);
     lv.prefix_v = draw(prefix_tokens * l.num_kv_heads * l.v_head_dim, 1.f);
     lv.q = draw(step_tokens * l.num_q_heads * l.head_dim, spec.q_amplitude);
     lv.k = draw(step_tokens * l.num_kv_heads * l.head_dim, 1.f);
     lv.v = draw(step_tokens * l.num_kv_heads * l.v_head_dim, 1.f);
+    if (l.kind == LayerKind::mla) {
+      // The latent row is K, and its first kv_lora_rank columns are V (one kv head).
+      auto latent_v = [&](const std::vector<float>& k, std::vector<float>& v) {
+        for (size_t t = 0; t * l.v_head_dim < v.size(); ++t) {
+          std::copy_n(k.begin() + static_cast<int64_t>(t * l.head_dim), l.v_head_dim,
+                      v.begin() + static_cast<int64_t>(t * l.v_head_dim));
+        }
+      };
+      latent_v(lv.prefix_k, lv.prefix_v);
+      latent_v(lv.k, lv.v);
+    }
     if (l.has_sinks) {
       lv.sinks.resize(l.num_q_heads);
       for (float& s : lv.sinks) s = 1.5f * normal(rng);
@@ -404,6 +452,24 @@ ConformanceCase generate_case(Feature feature, uint64_t seed, const BackendCaps&
   layer.num_q_heads = hkv * group;
   layer.num_kv_heads = hkv;
   layer.head_dim = layer.v_head_dim = head_dim;
+  const std::vector<std::pair<int, int>> dims = usable_dims(caps, feature);
+  if (!dims.empty()) std::tie(layer.head_dim, layer.v_head_dim) = pick_of(rng, dims);
+  if (feature == Feature::mla) {
+    layer.kind = LayerKind::mla;
+    layer.num_kv_heads = 1;
+    layer.num_q_heads = pick_of(rng, std::vector<int>{1, 4, 8, 16});
+    layer.kv_lora_rank = layer.v_head_dim;
+    layer.qk_rope_head_dim = layer.head_dim - layer.v_head_dim;
+    // KV dtype: any the backend takes, fp8 with one scale (V reads K's stored row).
+    std::vector<DType> kv_dtypes;
+    for (DType t : {base, DType::e4m3, DType::e5m2}) {
+      if (contains(caps.kv_dtypes, t)) kv_dtypes.push_back(t);
+    }
+    s.kv_dtype = pick_of(rng, kv_dtypes);
+    if (is_fp8(s.kv_dtype)) {
+      s.k_scale = s.v_scale = std::exp2(std::uniform_real_distribution<float>(-2.f, 2.f)(rng));
+    }
+  }
   if (chance(rng, 0.5)) layer.scaling = std::uniform_real_distribution<float>(0.05f, 0.3f)(rng);
   if (feature == Feature::softcap) {
     layer.logit_cap = std::uniform_real_distribution<float>(2.f, 15.f)(rng);

@@ -87,7 +87,7 @@ void check(const CheckArgs& a) {
 
   std::printf("conformance of '%s' against reference: %d cases per feature, seed %llu\n\n",
               a.backend.c_str(), a.cases, static_cast<unsigned long long>(a.seed));
-  const std::string head = fmt::format("{:<15} {:>6} {:>9} {:>10} {:>10}  {}\n", "feature", "cases",
+  const std::string head = fmt::format("{:<18} {:>6} {:>9} {:>10} {:>10}  {}\n", "feature", "cases",
                                        "failures", "max abs", "max rel", "result");
   std::fputs(head.c_str(), stdout);
   std::fputs((std::string(head.size() - 1, '-') + "\n").c_str(), stdout);
@@ -105,7 +105,7 @@ void check(const CheckArgs& a) {
       ++passed;
     }
     const std::string line =
-        fmt::format("{:<15} {:>6} {:>9} {:>10} {:>10}  {}\n", conf::feature_name(fr.feature),
+        fmt::format("{:<18} {:>6} {:>9} {:>10} {:>10}  {}\n", conf::feature_name(fr.feature),
                     fr.cases, fr.skipped ? std::string("-") : std::to_string(fr.failures),
                     fr.skipped ? std::string("-") : fmt_err(fr.max_abs_err),
                     fr.skipped ? std::string("-") : fmt_err(fr.max_rel_err), result);

@@ -1,4 +1,5 @@
-// KV caches: token-major per-layer K and V buffers (reference-semantics §4.3, §4.4).
+// KV caches: token-major per-layer K and V buffers (reference-semantics §4.3, §4.4) and the MLA
+// latent rows (§4.5).
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,9 @@ namespace attnrt {
 struct ForwardBatch;
 
 // What a backend reads for one layer. Row `s` of K is at k + s * k_row_stride elements
-// ([kv_heads, head_dim] contiguous), likewise V.
+// ([kv_heads, head_dim] contiguous), likewise V. MLA layers (one kv head) have no V storage: v == k,
+// v_row_stride == k_row_stride, and V is the first v_head_dim columns of the K row; v_scale ==
+// k_scale, since both read the same stored values.
 struct KVLayerView {
   void* k = nullptr;
   void* v = nullptr;
@@ -53,31 +56,47 @@ class KVCache {
   virtual void begin_step(const ForwardBatch& batch) = 0;
   // Stores k [T, Hkv, Dqk] and v [T, Hkv, Dv] (any float dtype; quantised with the layer's scale
   // for fp8) at the step's write slots of this layer. Checks shapes and slots before writing
-  // anything.
+  // anything. MLA layers store the k rows only; v is not read and may be empty (§4.5).
   virtual void store_step_kv(int layer_id, const TensorView& k, const TensorView& v) = 0;
   // fp8 (and any other dtype): stored = round(x / scale); readers multiply by the scale. 1 by
-  // default. Scales must be finite and > 0.
+  // default. Scales must be finite and > 0. An MLA layer has one scale (V reads K's stored row):
+  // v_scale must equal k_scale.
   virtual void set_kv_scales(int layer_id, float k_scale, float v_scale);
   virtual Device device() const = 0;
   virtual DType dtype() const = 0;
   virtual int page_size() const = 0;
 };
 
-// One pool for a set of layers with the same [kv_heads, head_dim, v_head_dim] per layer.
-class MHATokenToKVPool {
+// The per-layer storage of one slot space; the KV cache routes each layer to one of these.
+class TokenToKVPool {
+ public:
+  virtual ~TokenToKVPool() = default;
+  virtual bool holds(int layer_id) const = 0;
+  virtual KVLayerView layer(int layer_id) const = 0;
+  virtual void set_scales(int layer_id, float k_scale, float v_scale) = 0;
+  // Writes rows `loc` (slots in this pool); validates all slots and shapes first.
+  virtual void set_kv_buffer(int layer_id, std::span<const int64_t> loc, const TensorView& k,
+                             const TensorView& v) = 0;
+  virtual int64_t rows() const = 0;
+  virtual DType dtype() const = 0;
+  virtual size_t bytes() const = 0;
+};
+
+// One pool for a set of full / sliding-window layers, each with its own [kv_heads, head_dim,
+// v_head_dim]: separate K and V buffers per layer (reference-semantics §4.3).
+class MHATokenToKVPool final : public TokenToKVPool {
  public:
   // rows = slots including the reserved page; layer_ids = the global ids this pool holds.
   MHATokenToKVPool(int64_t rows, DType dtype, const std::vector<LayerSpec>& layers);
 
-  bool holds(int layer_id) const;
-  KVLayerView layer(int layer_id) const;
-  void set_scales(int layer_id, float k_scale, float v_scale);
-  // Writes rows `loc` (slots in this pool); validates all slots and shapes first.
+  bool holds(int layer_id) const override;
+  KVLayerView layer(int layer_id) const override;
+  void set_scales(int layer_id, float k_scale, float v_scale) override;
   void set_kv_buffer(int layer_id, std::span<const int64_t> loc, const TensorView& k,
-                     const TensorView& v);
-  int64_t rows() const { return rows_; }
-  DType dtype() const { return dtype_; }
-  size_t bytes() const;
+                     const TensorView& v) override;
+  int64_t rows() const override { return rows_; }
+  DType dtype() const override { return dtype_; }
+  size_t bytes() const override;
 
  private:
   struct Layer {
@@ -88,6 +107,38 @@ class MHATokenToKVPool {
   };
   const Layer& find(int layer_id) const;
   Layer& find(int layer_id) { return const_cast<Layer&>(std::as_const(*this).find(layer_id)); }
+  int64_t rows_;
+  DType dtype_;
+  std::vector<Layer> layers_;
+  std::vector<int> index_of_;  // global layer id -> index in layers_, -1 if not held
+};
+
+// The MLA latent pool (reference-semantics §4.5): per layer one row of kv_lora_rank +
+// qk_rope_head_dim elements per slot (one kv head). K is the row; V is a view of its first
+// kv_lora_rank columns (same pointer and row stride), so there is no V storage. set_kv_buffer
+// stores the k rows (divided by the layer's scale, then cast: fp8 like MHA) and does not read v.
+class MLATokenToKVPool final : public TokenToKVPool {
+ public:
+  MLATokenToKVPool(int64_t rows, DType dtype, const std::vector<LayerSpec>& layers);
+
+  bool holds(int layer_id) const override;
+  KVLayerView layer(int layer_id) const override;
+  // One scale per layer: v_scale must equal k_scale (V is dequantised from K's stored values).
+  void set_scales(int layer_id, float k_scale, float v_scale) override;
+  void set_kv_buffer(int layer_id, std::span<const int64_t> loc, const TensorView& k,
+                     const TensorView& v) override;
+  int64_t rows() const override { return rows_; }
+  DType dtype() const override { return dtype_; }
+  size_t bytes() const override;
+
+ private:
+  struct Layer {
+    int layer_id;
+    int row_dim, v_dim;  // kv_lora_rank + qk_rope_head_dim, kv_lora_rank
+    float scale = 1.f;
+    HostBuffer kv;
+  };
+  const Layer& find(int layer_id) const;
   int64_t rows_;
   DType dtype_;
   std::vector<Layer> layers_;
@@ -105,8 +156,9 @@ struct KVCacheConfig {
   int max_num_tokens = 8192;  // size of the per-step translated write-slot buffer
 };
 // SWA-hybrid models need the allocator that keeps the full->SWA mapping: use make_host_kv_storage
-// for them (this throws and says so). Linear-attention layers have no KV; MLA layers are rejected
-// (the MLA latent pool of reference-semantics §4.5 is not built yet).
+// for them (this throws and says so). Linear-attention layers have no KV (a hybrid linear model's
+// cache holds its attention layers only, §4.6); MLA layers get an MLATokenToKVPool in the full slot
+// space.
 std::unique_ptr<KVCache> make_host_kv_cache(const ModelSpec& model, const KVCacheConfig& config);
 
 // The allocator and the KV cache of a model, built together so that an SWA-hybrid cache and its

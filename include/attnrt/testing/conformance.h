@@ -47,6 +47,9 @@ enum class Feature : uint8_t {
   fp8_e5m2,
   fp16,
   bf16,
+  mla,                 // latent MLA layers: one kv head, V = the first kv_lora_rank K columns
+  head_dim_other,      // head dims outside 64 / 128 / 256 (v_head_dim = head_dim)
+  v_head_dim_differs,  // v_head_dim != head_dim
 };
 
 std::span<const Feature> all_features();

@@ -1,0 +1,115 @@
+// Row scatter shared by the host KV pools: float conversion per (source, storage) dtype pair and
+// the checks of a set_kv_buffer input.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <span>
+#include <type_traits>
+
+#include "attnrt/core/error.h"
+#include "attnrt/core/tensor.h"
+
+namespace attnrt::kv_scatter {
+
+// Raw element type and float conversions of each float dtype, so the copy loops below are
+// instantiated per (source, storage) pair instead of switching per element.
+template <DType T>
+struct Codec;
+template <>
+struct Codec<DType::f32> {
+  using raw = float;
+  static float load(raw x) { return x; }
+  static raw store(float x) { return x; }
+};
+template <>
+struct Codec<DType::f16> {
+  using raw = uint16_t;
+  static float load(raw x) { return fp16_to_float(x); }
+  static raw store(float x) { return float_to_fp16(x); }
+};
+template <>
+struct Codec<DType::bf16> {
+  using raw = uint16_t;
+  static float load(raw x) { return bf16_to_float(x); }
+  static raw store(float x) { return float_to_bf16(x); }
+};
+template <>
+struct Codec<DType::e4m3> {
+  using raw = uint8_t;
+  static float load(raw x) { return e4m3_to_float(x); }
+  static raw store(float x) { return float_to_e4m3(x); }
+};
+template <>
+struct Codec<DType::e5m2> {
+  using raw = uint8_t;
+  static float load(raw x) { return e5m2_to_float(x); }
+  static raw store(float x) { return float_to_e5m2(x); }
+};
+
+template <class F>
+void dispatch_float(DType t, F&& f) {
+  switch (t) {
+    case DType::f32:
+      f(std::integral_constant<DType, DType::f32>{});
+      return;
+    case DType::f16:
+      f(std::integral_constant<DType, DType::f16>{});
+      return;
+    case DType::bf16:
+      f(std::integral_constant<DType, DType::bf16>{});
+      return;
+    case DType::e4m3:
+      f(std::integral_constant<DType, DType::e4m3>{});
+      return;
+    case DType::e5m2:
+      f(std::integral_constant<DType, DType::e5m2>{});
+      return;
+    default:
+      fail("KV pool: {} is not a float dtype", dtype_name(t));
+  }
+}
+
+// dst rows [slot, heads, dim] contiguous; src element (t, h, d) at t*s0 + h*s1 + d*s2.
+template <DType S, DType D>
+void scatter_rows(const TensorView& src, std::span<const int64_t> loc, void* dst, float scale) {
+  using SR = typename Codec<S>::raw;
+  using DR = typename Codec<D>::raw;
+  const int64_t heads = src.shape[1], dim = src.shape[2];
+  const int64_t s0 = src.strides[0], s1 = src.strides[1], s2 = src.strides[2];
+  const auto* in = static_cast<const SR*>(src.data);
+  auto* out = static_cast<DR*>(dst);
+  const bool copy = S == D && scale == 1.f && s2 == 1;
+  for (size_t t = 0; t < loc.size(); ++t) {
+    DR* row = out + loc[t] * heads * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      const SR* x = in + static_cast<int64_t>(t) * s0 + h * s1;
+      DR* y = row + h * dim;
+      if (copy) {
+        std::memcpy(y, x, static_cast<size_t>(dim) * sizeof(DR));
+      } else {
+        for (int64_t d = 0; d < dim; ++d) y[d] = Codec<D>::store(Codec<S>::load(x[d * s2]) / scale);
+      }
+    }
+  }
+}
+
+inline void check_input(const char* name, const TensorView& x, int64_t tokens, int heads, int dim,
+                 int layer_id) {
+  const bool shape_ok =
+      x.ndim == 3 && x.shape[0] == tokens && x.shape[1] == heads && x.shape[2] == dim;
+  ATTNRT_CHECK(shape_ok,
+               "set_kv_buffer(layer {}): {} is {}, expected [{}, {}, {}] (tokens, kv heads, head "
+               "dim)",
+               layer_id, name, x.describe(), tokens, heads, dim);
+  ATTNRT_CHECK(x.device.kind == DeviceKind::cpu,
+               "set_kv_buffer(layer {}): {} is {}; the host KV pool takes host tensors", layer_id,
+               name, x.describe());
+  ATTNRT_CHECK(is_float(x.dtype),
+               "set_kv_buffer(layer {}): {} is {}; K/V must be fp32, fp16, bf16 or fp8", layer_id,
+               name, x.describe());
+  ATTNRT_CHECK(tokens == 0 || x.data != nullptr, "set_kv_buffer(layer {}): {} has no data ({})",
+               layer_id, name, x.describe());
+}
+
+}  // namespace attnrt::kv_scatter

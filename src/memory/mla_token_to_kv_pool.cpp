@@ -1,0 +1,107 @@
+#include <cmath>
+#include <cstring>
+
+#include "attnrt/core/error.h"
+#include "attnrt/memory/kv_cache.h"
+#include "src/memory/kv_scatter.h"
+
+namespace attnrt {
+
+MLATokenToKVPool::MLATokenToKVPool(int64_t rows, DType dtype, const std::vector<LayerSpec>& layers)
+    : rows_(rows), dtype_(dtype) {
+  ATTNRT_CHECK(rows >= 1, "MLATokenToKVPool: {} rows; a pool needs at least the reserved row",
+               rows);
+  ATTNRT_CHECK(is_float(dtype),
+               "MLATokenToKVPool: {} is not a KV storage dtype; use bf16, fp16, fp32, fp8_e4m3 or "
+               "fp8_e5m2",
+               dtype_name(dtype));
+  layers_.reserve(layers.size());
+  for (const LayerSpec& l : layers) {
+    ATTNRT_CHECK(l.kind == LayerKind::mla,
+                 "MLATokenToKVPool: layer {} is {}; this pool holds mla layers only", l.layer_id,
+                 layer_kind_name(l.kind));
+    const int v_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+    ATTNRT_CHECK(l.layer_id >= 0 && l.num_kv_heads == 1 && l.head_dim > 0 && v_dim <= l.head_dim,
+                 "MLATokenToKVPool: layer {} has {} kv heads, head_dim {}, v_head_dim {}; an mla "
+                 "layer has one latent kv head and v_head_dim (kv_lora_rank) <= head_dim "
+                 "(kv_lora_rank + qk_rope_head_dim)",
+                 l.layer_id, l.num_kv_heads, l.head_dim, v_dim);
+    if (static_cast<size_t>(l.layer_id) >= index_of_.size()) index_of_.resize(l.layer_id + 1, -1);
+    ATTNRT_CHECK(index_of_[l.layer_id] < 0, "MLATokenToKVPool: layer {} is given twice",
+                 l.layer_id);
+    index_of_[l.layer_id] = static_cast<int>(layers_.size());
+    Layer& x = layers_.emplace_back();
+    x.layer_id = l.layer_id;
+    x.row_dim = l.head_dim;
+    x.v_dim = v_dim;
+    x.kv = HostBuffer(dtype, {rows, 1, l.head_dim});
+    // Zeroed so that the reserved row and never-written slots read as 0, never as stale bytes.
+    std::memset(x.kv.data(), 0, x.kv.bytes());
+  }
+}
+
+bool MLATokenToKVPool::holds(int layer_id) const {
+  return layer_id >= 0 && static_cast<size_t>(layer_id) < index_of_.size() &&
+         index_of_[layer_id] >= 0;
+}
+
+const MLATokenToKVPool::Layer& MLATokenToKVPool::find(int layer_id) const {
+  ATTNRT_CHECK(holds(layer_id), "MLATokenToKVPool: layer {} is not held by this pool", layer_id);
+  return layers_[static_cast<size_t>(index_of_[layer_id])];
+}
+
+KVLayerView MLATokenToKVPool::layer(int layer_id) const {
+  const Layer& l = find(layer_id);
+  KVLayerView view;
+  view.k = l.kv.data();
+  view.v = l.kv.data();
+  view.dtype = dtype_;
+  view.device = Device::cpu();
+  view.num_rows = rows_;
+  view.kv_heads = 1;
+  view.head_dim = l.row_dim;
+  view.v_head_dim = l.v_dim;
+  view.k_row_stride = l.row_dim;
+  view.v_row_stride = l.row_dim;
+  view.k_scale = l.scale;
+  view.v_scale = l.scale;
+  return view;
+}
+
+void MLATokenToKVPool::set_scales(int layer_id, float k_scale, float v_scale) {
+  Layer& l = const_cast<Layer&>(find(layer_id));
+  ATTNRT_CHECK(std::isfinite(k_scale) && k_scale > 0,
+               "KV scales of layer {}: k_scale {}; scales must be finite and > 0", layer_id,
+               k_scale);
+  ATTNRT_CHECK(v_scale == k_scale,
+               "KV scales of layer {}: k_scale {} but v_scale {}; layer {} is an mla layer whose V "
+               "is a view of the stored K row, so it has one scale: pass v_scale = k_scale",
+               layer_id, k_scale, v_scale, layer_id);
+  l.scale = k_scale;
+}
+
+void MLATokenToKVPool::set_kv_buffer(int layer_id, std::span<const int64_t> loc,
+                                     const TensorView& k, const TensorView&) {
+  const Layer& l = find(layer_id);
+  const auto tokens = static_cast<int64_t>(loc.size());
+  kv_scatter::check_input("k", k, tokens, 1, l.row_dim, layer_id);
+  for (size_t i = 0; i < loc.size(); ++i) {
+    ATTNRT_CHECK(loc[i] >= 0 && loc[i] < rows_,
+                 "set_kv_buffer(layer {}): loc[{}] = {} is outside the pool's slots 0..{}",
+                 layer_id, i, loc[i], rows_ - 1);
+  }
+  kv_scatter::dispatch_float(k.dtype, [&](auto s) {
+    kv_scatter::dispatch_float(dtype_, [&](auto d) {
+      kv_scatter::scatter_rows<decltype(s)::value, decltype(d)::value>(k, loc, l.kv.data(),
+                                                                       l.scale);
+    });
+  });
+}
+
+size_t MLATokenToKVPool::bytes() const {
+  size_t total = 0;
+  for (const Layer& l : layers_) total += l.kv.bytes();
+  return total;
+}
+
+}  // namespace attnrt
