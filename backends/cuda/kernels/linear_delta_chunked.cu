@@ -152,25 +152,33 @@ __global__ void __launch_bounds__(kTableThreads) chunk_table_kernel(const LinReq
 
 // ---- 2. prep ----------------------------------------------------------------------------------
 
-template <int DK>
+template <int DK, int DV>
 struct PrepSmem {
   static constexpr int LF = DK + 1;       // fp32 rows: odd stride, column walks are conflict-free
-  static constexpr int LC = kChunk + 1;
+  static constexpr int LC = kChunk + 4;   // kk^T rows: 16-byte aligned for float4 broadcasts
+  static constexpr int LQ = kChunk + 1;
   static constexpr int LB = DK + 8;       // bf16 MMA operand rows
+  static constexpr int LX = DK + DV;
   static constexpr int KC_ROWS = 96;      // kda column operands for row blocks 1, 2, 3: 16 + 32 + 48
   float q[kChunk * LF], k[kChunk * LF];   // normalised (q scaled)
   float g[kChunk * LF];                   // cumulative log decay (gdn: g[t] only)
-  float kk[kChunk * LC], qk[kChunk * LC];
+  float kk[kChunk * LC];                  // transposed, times beta: kk[i][t] = beta_t kk(t, i), i < t
+  float qk[kChunk * LQ];                  // qk[t][i], i <= t
   float beta[kChunk];
-  bf16 qr[kChunk * LB], kr[kChunk * LB];  // gdn: q, k; kda: scaled to the row block's first token
-  bf16 kc[KC_ROWS * LB];                  // kda: k scaled from the row block's first token
+  union {
+    struct {
+      bf16 qr[kChunk * LB], kr[kChunk * LB];  // gdn: q, k; kda: scaled to the row block's first token
+      bf16 kc[KC_ROWS * LB];                  // kda: k scaled from the row block's first token
+    } op;
+    float x[kChunk * LX];  // the substitution's rows [beta Kd | beta V], once kk / qk are done
+  };
 };
 
 template <int DK, int DV, bool KDA>
 __global__ void __launch_bounds__(kThreads, 1)
     delta_prep_kernel(const DeltaParams p, const Layout L, char* __restrict__ ws) {
-  using Sm = PrepSmem<DK>;
-  constexpr int LF = Sm::LF, LC = Sm::LC, LB = Sm::LB;
+  using Sm = PrepSmem<DK, DV>;
+  constexpr int LF = Sm::LF, LC = Sm::LC, LQ = Sm::LQ, LB = Sm::LB, LX = Sm::LX;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Sm& s = *reinterpret_cast<Sm*>(smem_raw);
   const int32_t* coff = reinterpret_cast<const int32_t*>(ws + L.coff_off);
@@ -221,13 +229,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (KDA) {
     for (int c = threadIdx.x; c < DK; c += kThreads) {
       const float bias = p.dt_bias[h * DK + c];
+      float av[kChunk];  // every load in flight before the scan
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t)
+        av[t] = t < n ? load_elem(p.a, p.a_dtype, (tok0 + t) * p.a_stride + h * DK + c) : 0.f;
       float acc = 0.f;
-#pragma unroll 8
+#pragma unroll
       for (int t = 0; t < kChunk; ++t) {
-        if (t < n) {
-          const float a = load_elem(p.a, p.a_dtype, (tok0 + t) * p.a_stride + h * DK + c);
-          acc += decay_rate * softplus(a + bias);
-        }
+        if (t < n) acc += decay_rate * softplus(av[t] + bias);
         s.g[t * LF + c] = acc;
       }
     }
@@ -262,8 +271,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       f0 = expf(G(t, c) - G(r0, c));
       f1 = expf(G(t, c + 1) - G(r0, c + 1));
     }
-    store_bf16x2(&s.kr[t * LB + c], s.k[t * LF + c] * f0, s.k[t * LF + c + 1] * f1);
-    store_bf16x2(&s.qr[t * LB + c], s.q[t * LF + c] * f0, s.q[t * LF + c + 1] * f1);
+    store_bf16x2(&s.op.kr[t * LB + c], s.k[t * LF + c] * f0, s.k[t * LF + c + 1] * f1);
+    store_bf16x2(&s.op.qr[t * LB + c], s.q[t * LF + c] * f0, s.q[t * LF + c + 1] * f1);
   }
   if constexpr (KDA) {
     for (int e = threadIdx.x; e < Sm::KC_ROWS * DK / 2; e += kThreads) {
@@ -271,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int bt = row < 16 ? 1 : (row < 48 ? 2 : 3);
       const int i = row - 8 * bt * (bt - 1), r0 = 16 * bt;
       const float f0 = expf(G(r0, c) - G(i, c)), f1 = expf(G(r0, c + 1) - G(i, c + 1));
-      store_bf16x2(&s.kc[row * LB + c], s.k[i * LF + c] * f0, s.k[i * LF + c + 1] * f1);
+      store_bf16x2(&s.op.kc[row * LB + c], s.k[i * LF + c] * f0, s.k[i * LF + c + 1] * f1);
     }
   }
   __syncthreads();
@@ -283,12 +292,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int k0 = 0; k0 < DK; k0 += 16) {
       uint32_t ak[4], aq[4];
-      frag_a(ak, s.kr, LB, m0, k0);
-      frag_a(aq, s.qr, LB, m0, k0);
+      frag_a(ak, s.op.kr, LB, m0, k0);
+      frag_a(aq, s.op.qr, LB, m0, k0);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         uint32_t b0, b1;
-        frag_b(b0, b1, s.kr, LB, n0 + 8 * nt, k0);
+        frag_b(b0, b1, s.op.kr, LB, n0 + 8 * nt, k0);
         mma_16816<bf16>(akk[nt], ak, b0, b1);
         mma_16816<bf16>(aqk[nt], aq, b0, b1);
       }
@@ -299,8 +308,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int e = 0; e < 4; ++e) {
         const int t = acc_row(m0, e), i = acc_col(n0 + 8 * nt, e);
         const float d = i <= t ? expf(s.g[t] - s.g[i]) : 0.f;
-        s.kk[t * LC + i] = akk[nt][e] * d;
-        s.qk[t * LC + i] = aqk[nt][e] * d;
+        s.kk[i * LC + t] = i < t ? s.beta[t] * akk[nt][e] * d : 0.f;
+        s.qk[t * LQ + i] = aqk[nt][e] * d;
       }
     }
   } else {
@@ -310,40 +319,42 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int prod = job / 12, idx = job % 12;
       const int bt = idx < 2 ? 1 : (idx < 6 ? 2 : 3);
       const int nt = idx - (bt == 1 ? 0 : (bt == 2 ? 2 : 6));
-      const bf16* A = prod ? s.qr : s.kr;
+      const bf16* A = prod ? s.op.qr : s.op.kr;
       float acc[4] = {};
 #pragma unroll
       for (int k0 = 0; k0 < DK; k0 += 16) {
         uint32_t a[4], b0, b1;
         frag_a(a, A, LB, 16 * bt, k0);
-        frag_b(b0, b1, s.kc, LB, 8 * bt * (bt - 1) + 8 * nt, k0);
+        frag_b(b0, b1, s.op.kc, LB, 8 * bt * (bt - 1) + 8 * nt, k0);
         mma_16816<bf16>(acc, a, b0, b1);
       }
-      float* dst = prod ? s.qk : s.kk;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dst[acc_row(16 * bt, e) * LC + acc_col(8 * nt, e)] = acc[e];
+      for (int e = 0; e < 4; ++e) {
+        const int t = acc_row(16 * bt, e), i = acc_col(8 * nt, e);
+        if (prod) {
+          s.qk[t * LQ + i] = acc[e];
+        } else {
+          s.kk[i * LC + t] = s.beta[t] * acc[e];
+        }
+      }
     }
-    // Diagonal blocks, per pair (t, i), i <= t in the same 16-token block: 4 x 136 pairs.
-    for (int pr = warp; pr < 4 * 136; pr += kWarps) {
+    // Diagonal blocks, per pair (t, i), i <= t in the same 16-token block: 4 x 136 pairs, one
+    // per thread (lanes of a warp walk different rows: the odd row stride spreads the banks).
+    for (int pr = threadIdx.x; pr < 4 * 136; pr += kThreads) {
       const int bt = pr / 136, q = pr % 136;
       int tl = static_cast<int>((sqrtf(8.f * q + 1.f) - 1.f) * 0.5f);
       while ((tl + 1) * (tl + 2) / 2 <= q) ++tl;
       while (tl * (tl + 1) / 2 > q) --tl;
       const int t = 16 * bt + tl, i = 16 * bt + q - tl * (tl + 1) / 2;
       float skk = 0.f, sqk = 0.f;
-#pragma unroll
-      for (int m = 0; m < DK / 32; ++m) {
-        const int c = lane + 32 * m;
+#pragma unroll 4
+      for (int c = 0; c < DK; ++c) {
         const float ki = s.k[i * LF + c] * expf(s.g[t * LF + c] - s.g[i * LF + c]);
         skk += s.k[t * LF + c] * ki;
         sqk += s.q[t * LF + c] * ki;
       }
-      skk = warp_sum(skk);
-      sqk = warp_sum(sqk);
-      if (lane == 0) {
-        s.kk[t * LC + i] = skk;
-        s.qk[t * LC + i] = sqk;
-      }
+      s.kk[i * LC + t] = i < t ? s.beta[t] * skk : 0.f;
+      s.qk[t * LQ + i] = sqk;
     }
   }
   __syncthreads();
@@ -356,31 +367,64 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* U = reinterpret_cast<float*>(unit + L.u_off);
   float* el = reinterpret_cast<float*>(unit + L.el_off);
 
-  // Forward substitution: X_t = beta_t (X0_t - sum_{i<t} kk[t][i] X_i), one column per thread,
-  // the 64 rows in registers (kk is read as a broadcast).
+  // Forward substitution: X_t = beta_t X0_t - sum_{i<t} (beta_t kk[t][i]) X_i, one column per
+  // thread, 16 rows at a time in registers; the finished rows of earlier blocks are read back from
+  // shared memory (each thread its own column, so no barrier), kk^T as float4 broadcasts.
   for (int col = threadIdx.x; col < DK + DV; col += kThreads) {
-    float x[kChunk];
-    if (col < DK) {
+#pragma unroll 1
+    for (int blk = 0; blk < kChunk / 16; ++blk) {
+      const int t0 = 16 * blk;
+      float x[16];
+      if (col < DK) {
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t) x[t] = s.beta[t] * expf(G(t, col)) * s.k[t * LF + col];
-    } else {
+        for (int tl = 0; tl < 16; ++tl) {
+          const int t = t0 + tl;
+          x[tl] = s.beta[t] * expf(G(t, col)) * s.k[t * LF + col];
+        }
+      } else {
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t)
-        x[t] = t < n ? s.beta[t] * yv[(tok0 + t) * ldy + col - DK] : 0.f;
-    }
+        for (int tl = 0; tl < 16; ++tl) {
+          const int t = t0 + tl;
+          x[tl] = t < n ? s.beta[t] * yv[(tok0 + t) * ldy + col - DK] : 0.f;
+        }
+      }
+#pragma unroll 2
+      for (int i = 0; i < t0; ++i) {
+        const float xi = s.x[i * LX + col];
+        const float4* a = reinterpret_cast<const float4*>(&s.kk[i * LC + t0]);
 #pragma unroll
-    for (int t = 1; t < kChunk; ++t) {
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int q4 = 0; q4 < 4; ++q4) {
+          const float4 v = a[q4];
+          x[4 * q4] -= v.x * xi;
+          x[4 * q4 + 1] -= v.y * xi;
+          x[4 * q4 + 2] -= v.z * xi;
+          x[4 * q4 + 3] -= v.w * xi;
+        }
+      }
 #pragma unroll
-      for (int i = 0; i < t; ++i) acc[i & 3] += s.kk[t * LC + i] * x[i];
-      x[t] -= s.beta[t] * ((acc[0] + acc[1]) + (acc[2] + acc[3]));
-    }
-    if (col < DK) {
+      for (int il = 0; il < 15; ++il) {
+        const float xi = x[il];
+        const float4* a = reinterpret_cast<const float4*>(&s.kk[(t0 + il) * LC + t0]);
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t) W[t * DK + col] = __float2bfloat16_rn(x[t]);
-    } else {
+        for (int q4 = il / 4; q4 < 4; ++q4) {
+          const float4 v = a[q4];
+          const float w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t) U[t * DV + col - DK] = x[t];
+          for (int e = 0; e < 4; ++e) {
+            if (4 * q4 + e > il) x[4 * q4 + e] -= w[e] * xi;
+          }
+        }
+      }
+#pragma unroll
+      for (int tl = 0; tl < 16; ++tl) {
+        const int t = t0 + tl;
+        s.x[t * LX + col] = x[tl];
+        if (col < DK) {
+          W[t * DK + col] = __float2bfloat16_rn(x[tl]);
+        } else {
+          U[t * DV + col - DK] = x[tl];
+        }
+      }
     }
   }
   // The state pass's other operands.
@@ -397,8 +441,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   for (int e = threadIdx.x; e < kChunk * kChunk / 2; e += kThreads) {
     const int t = e / (kChunk / 2), i = 2 * (e % (kChunk / 2));
-    store_bf16x2(&Mqk[t * kChunk + i], i <= t ? s.qk[t * LC + i] : 0.f,
-                 i + 1 <= t ? s.qk[t * LC + i + 1] : 0.f);
+    store_bf16x2(&Mqk[t * kChunk + i], i <= t ? s.qk[t * LQ + i] : 0.f,
+                 i + 1 <= t ? s.qk[t * LQ + i + 1] : 0.f);
   }
   for (int c = threadIdx.x; c < DK; c += kThreads) el[c] = expf(G(kChunk - 1, c));
 }
@@ -460,7 +504,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int NS = DK / 16;  // 8-column tiles of S per warp (a warp holds 16 rows x DK / 2)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Sm& s = *reinterpret_cast<Sm*>(smem_raw);
-  const int r = blockIdx.x, h = blockIdx.y, vt = blockIdx.z;
+  // The value tiles of one (request, head) are neighbours in the grid, so they run together and
+  // the second reads the chunk operands from L2.
+  const int r = blockIdx.x / (DV / kVTile), vt = blockIdx.x % (DV / kVTile), h = blockIdx.y;
   const LinReq req = p.step.reqs[r];
   const int nchunks = chunks_of(req.tokens);
   if (nchunks == 0) return;
@@ -589,7 +635,7 @@ template <int DK, int DV, bool KDA>
 cudaError_t run_chunked(const DeltaParams& p, const Layout& L, char* ws, cudaStream_t stream) {
   auto prep = delta_prep_kernel<DK, DV, KDA>;
   auto pass = delta_pass_kernel<DK, DV>;
-  constexpr int prep_smem = sizeof(PrepSmem<DK>), pass_smem = sizeof(PassSmem<DK>);
+  constexpr int prep_smem = sizeof(PrepSmem<DK, DV>), pass_smem = sizeof(PassSmem<DK>);
   cudaError_t err =
       cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, prep_smem);
   if (err != cudaSuccess) return err;
@@ -597,7 +643,7 @@ cudaError_t run_chunked(const DeltaParams& p, const Layout& L, char* ws, cudaStr
   if (err != cudaSuccess) return err;
   const int hv = p.state.heads;
   prep<<<dim3(static_cast<unsigned>(L.bound), hv), kThreads, prep_smem, stream>>>(p, L, ws);
-  pass<<<dim3(p.step.num_reqs, hv, DV / kVTile), kThreads, pass_smem, stream>>>(p, L, ws);
+  pass<<<dim3(p.step.num_reqs * (DV / kVTile), hv), kThreads, pass_smem, stream>>>(p, L, ws);
   return cudaGetLastError();
 }
 
