@@ -263,9 +263,9 @@ void check_ssd(const SsdCase& c) {
   const double state_rel = state_err / std::max(state_max, 1e-30);
   std::cout << "[ ssd  ] heads " << H << " groups " << G << " P " << P << " N " << N << " chunk "
             << c.chunk << " state " << dtype_name(c.ssm) << " dt " << dtype_name(c.a) << " out "
-            << dtype_name(c.out) << ": out max|err| " << out_err << " (max|ref| " << out_max
-            << ", " << out_rel << "), state max|err| " << state_err << " (max|ref| " << state_max
-            << ", " << state_rel << ")\n";
+            << dtype_name(c.out) << ": out max|err| " << out_err << " (max|ref| " << out_max << ", "
+            << out_rel << "), state max|err| " << state_err << " (max|ref| " << state_max << ", "
+            << state_rel << ")\n";
   EXPECT_EQ(bad_nan, 0) << "non-finite outputs or states";
   EXPECT_EQ(pad_touched, 0) << "output columns past heads * head_dim were written";
   EXPECT_EQ(slot_touched, 0) << "slots the step does not own changed";
@@ -286,7 +286,7 @@ TEST(CudaLinearSsd, SmallDimsChunk64MatchesRecurrence) {
   c.tokens = {1, 63, 64, 65, 200, 0, 130};
   c.has_init = {1, 0, 1, 0, 1, 1, 1};
   c.a_pad = 3;
-  c.out_pad = 8;
+  c.out_pad = 3;  // odd row stride: element-wise output stores
   check_ssd(c);
 }
 
@@ -369,14 +369,18 @@ TEST(CudaLinearSsd, RejectsUnsupportedShapes) {
   p.state.conv_dim = 4 * 64 + 2 * 2 * 64;
   p.step.verify = 1;
   EXPECT_EQ(cl::launch_ssd_chunked(p, 4, 64, nullptr, nullptr), cudaErrorInvalidValue);
+  p.step.verify = 0;
+  ASSERT_GT(cl::ssd_chunked_workspace(p, 4, 64), 0u);
+  EXPECT_EQ(cl::launch_ssd_chunked(p, 4, 64, nullptr, nullptr), cudaErrorInvalidValue);  // no ws
   cudaGetLastError();
 }
 
 // Kernel time at Nemotron-H-8B's shape (128 heads x head_dim 64, d_state 128, 8 groups, chunk
 // 128): bf16 dt and out, fp32 state, no initial state. Printed only: CUDA events around each
-// launch after 3 warm-ups, median of 10. FLOPs are those of the dense chunked form per head and
-// chunk (2 Q^2 N for C B^T, 2 Q^2 P for the masked scores times X, 2 Q P N each for the chunk
-// state and for C h^T), as the torch chunked scan computes them.
+// launcher call (the B | C conversion and the scan) after 3 warm-ups, median of 10. FLOPs are those
+// of the dense chunked form per head and chunk (2 Q^2 N for C B^T, 2 Q^2 P for the masked scores
+// times X, 2 Q P N each for the chunk state and for C h^T), as the torch chunked scan computes
+// them.
 TEST(CudaLinearSsd, ThroughputNemotronShape) {
   SKIP_WITHOUT_GPU();
   const int H = 128, P = 64, N = 128, G = 8, Q = 128;
@@ -437,7 +441,8 @@ TEST(CudaLinearSsd, ThroughputNemotronShape) {
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
-    for (int i = 0; i < 3; ++i) ASSERT_EQ(cl::launch_ssd_chunked(p, T, Q, d_ws.get(), nullptr), cudaSuccess);
+    for (int i = 0; i < 3; ++i)
+      ASSERT_EQ(cl::launch_ssd_chunked(p, T, Q, d_ws.get(), nullptr), cudaSuccess);
     std::vector<float> ms;
     for (int i = 0; i < 10; ++i) {
       cudaEventRecord(e0);

@@ -3,8 +3,8 @@
 //
 // One CTA per (request, head) walks the request's chunks in order and carries the head's state h
 // (P x N, fp32) in the MMA accumulators of its warps from chunk to chunk, so the inter-chunk pass
-// costs nothing but the state update itself: no chunk states go through global memory, and the
-// workspace is empty. Per chunk of Q tokens, with L_t the cumulative dt * A from the chunk start:
+// costs nothing but the state update itself: no chunk states go through global memory. Per chunk
+// of Q tokens, with L_t the cumulative dt * A from the chunk start:
 //   Y_off  = exp(L_t) * C_t h^T                      (h: the state at the chunk start, bf16 copy)
 //   Y_diag = ((C B^T) (.) exp(L_t - L_s) dt_s, s <= t) X
 //   y      = Y_off + Y_diag + D x
@@ -13,10 +13,16 @@
 //
 // Warps: P / 16 = 4. Warp w owns state rows 16w .. 16w + 15 (all N columns) and, for the outputs,
 // the 16-token row blocks w and Q/16 - 1 - w (one short and one long stretch of the causal
-// triangle, so the four warps do the same number of MMAs). x, B and C of the chunk are converted
-// to bf16 in shared memory (rows of 16-byte chunks, swizzled for conflict-free ldmatrix); C B^T is
-// computed per head 16 x 16 tile at a time and goes from the accumulators straight into the A
-// operand of the (masked scores) x X MMA, as attention kernels do with probabilities.
+// triangle, so the four warps do the same number of MMAs). x, B and C of the chunk live as bf16 in
+// shared memory (rows of 16-byte chunks, swizzled for conflict-free ldmatrix); C B^T is computed
+// 16 x 16 tile at a time and goes from the accumulators straight into the A operand of the
+// (masked scores) x X MMA, as attention kernels do with probabilities.
+//
+// B and C are shared by the heads of a group, so a first kernel converts them to bf16 once per
+// token (the workspace: [T, 2, groups, N]); the heads' CTAs then fetch them with cp.async, all of a
+// chunk in flight at once, while their own x rows come through registers (converted on the way).
+// Loading fp32 B and C through registers, eight 16-byte loads per thread at a time, made the loads
+// half of the time per chunk.
 //
 // Parallelism is requests x heads (1024 CTAs at 8 requests x 128 heads, 128 at one request);
 // neighbouring CTAs are heads of one group and read the same B and C rows, which L2 serves.
@@ -47,12 +53,12 @@ constexpr int kThreads = kWarps * 32;
 
 template <int Q, int N>
 struct SsdSmem {
-  static constexpr int kX = 0;                              // bf16 [Q][P]
-  static constexpr int kB = kX + Q * kHeadDim * 2;          // bf16 [Q][N]
-  static constexpr int kC = kB + Q * N * 2;                 // bf16 [Q][N]
-  static constexpr int kH = kC + Q * N * 2;                 // bf16 [P][N], the state at chunk start
-  static constexpr int kL = kH + kHeadDim * N * 2;          // f32 [Q] cumulative dt*A, log2 units
-  static constexpr int kDt = kL + Q * 4;                    // f32 [Q] dt
+  static constexpr int kX = 0;                      // bf16 [Q][P]
+  static constexpr int kB = kX + Q * kHeadDim * 2;  // bf16 [Q][N]
+  static constexpr int kC = kB + Q * N * 2;         // bf16 [Q][N]
+  static constexpr int kH = kC + Q * N * 2;         // bf16 [P][N], the state at chunk start
+  static constexpr int kL = kH + kHeadDim * N * 2;  // f32 [Q] cumulative dt*A, log2 units
+  static constexpr int kDt = kL + Q * 4;            // f32 [Q] dt
   static constexpr int kBytes = kDt + Q * 4;
 };
 
@@ -86,10 +92,22 @@ __device__ __forceinline__ void store_elem(void* base, DTypeCode dt, int64_t i, 
   }
 }
 
+// Two consecutive output elements at an even index of an 8-byte aligned buffer.
+__device__ __forceinline__ void store_pair(void* base, DTypeCode dt, int64_t i, float a, float b) {
+  if (dt == kBf16) {
+    *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(base) + i) = __floats2bfloat162_rn(a, b);
+  } else if (dt == kF16) {
+    *reinterpret_cast<__half2*>(static_cast<__half*>(base) + i) = __floats2half2_rn(a, b);
+  } else {
+    *reinterpret_cast<float2*>(static_cast<float*>(base) + i) = make_float2(a, b);
+  }
+}
+
 // Two consecutive state elements (i even; states are f32 or bf16).
 __device__ __forceinline__ float2 load_state2(const void* base, DTypeCode dt, int64_t i) {
-  if (dt == kBf16) return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
-                        static_cast<const bf16*>(base) + i));
+  if (dt == kBf16)
+    return __bfloat1622float2(
+        *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(base) + i));
   return *reinterpret_cast<const float2*>(static_cast<const float*>(base) + i);
 }
 
@@ -109,13 +127,13 @@ __device__ __forceinline__ uint32_t scale2(uint32_t v, float lo, float hi) {
 }
 
 // Rows [0, valid) of a [rows, COLS] fp32 block of y (rows `stride` floats apart) into a bf16 tile;
-// rows [valid, ROWS) become zeros. Loads are issued in batches of kBatch 16-byte loads per thread
-// (kBatch registers x 4 live at once, next to the 64 of the state accumulators).
+// rows [valid, ROWS) become zeros. All of a thread's 16-byte loads (at most 16: 64 registers, next
+// to the 64 of the state accumulators) are issued before the first conversion.
 template <int ROWS, int COLS>
 __device__ __forceinline__ void load_tile(bf16* dst, const float* __restrict__ src, int64_t stride,
                                           int valid) {
   constexpr int kVecs = ROWS * COLS / 4, kPerThread = kVecs / kThreads;
-  constexpr int kBatch = kPerThread < 8 ? kPerThread : 8;
+  constexpr int kBatch = kPerThread < 16 ? kPerThread : 16;
   static_assert(kVecs % kThreads == 0 && kPerThread % kBatch == 0);
 #pragma unroll 1
   for (int b0 = 0; b0 < kPerThread; b0 += kBatch) {
@@ -139,8 +157,44 @@ __device__ __forceinline__ void load_tile(bf16* dst, const float* __restrict__ s
   }
 }
 
+// Rows [0, valid) of a [rows, COLS] bf16 block (rows `stride` elements apart) into a swizzled tile
+// with cp.async; rows [valid, ROWS) are zero-filled.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void copy_tile_async(bf16* dst, const bf16* __restrict__ src,
+                                                int64_t stride, int valid) {
+  constexpr int kChunks = ROWS * COLS / 8;
+  static_assert(kChunks % kThreads == 0);
+#pragma unroll
+  for (int k = 0; k < kChunks / kThreads; ++k) {
+    const int i = k * kThreads + static_cast<int>(threadIdx.x);
+    const int row = i / (COLS / 8), col = (i % (COLS / 8)) * 8;
+    const bool ok = row < valid;
+    cp_async_16(dst + sidx<COLS>(row, col), ok ? src + row * stride + col : src, ok);
+  }
+}
+
+// y's B | C columns of every token as bf16: bc[t, 0, g, :] = B, bc[t, 1, g, :] = C.
+__global__ void __launch_bounds__(256)
+    ssd_convert_bc_kernel(const float* __restrict__ y, int64_t ystride, int64_t offset, int width,
+                          int64_t tokens, bf16* bc) {
+  const int per_row = width / 8;
+  const int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= tokens * per_row) return;
+  const int64_t t = i / per_row;
+  const int col = static_cast<int>(i % per_row) * 8;
+  const float4* src = reinterpret_cast<const float4*>(y + t * ystride + offset + col);
+  const float4 a = __ldg(src), b = __ldg(src + 1);
+  uint4 w;
+  w.x = pack2<bf16>(a.x, a.y);
+  w.y = pack2<bf16>(a.z, a.w);
+  w.z = pack2<bf16>(b.x, b.y);
+  w.w = pack2<bf16>(b.z, b.w);
+  *reinterpret_cast<uint4*>(bc + t * width + col) = w;
+}
+
 template <int Q, int N>
-__global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParams p) {
+__global__ void __launch_bounds__(kThreads, 2)
+    ssd_chunked_kernel(const SsdParams p, const bf16* __restrict__ bc) {
   constexpr int P = kHeadDim, NT = N / 8, PT = P / 8, RB = Q / 16;
   using Smem = SsdSmem<Q, N>;
   const LinReq req = p.step.reqs[blockIdx.y];
@@ -163,6 +217,8 @@ __global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParam
   const int p0 = warp * 16;  // this warp's state rows
   const float A2 = -expf(p.A_log[h]) * kLog2e;
   const float dt_bias = p.dt_bias[h], Dh = p.D[h];
+  // Output element pairs (8j + 2c, +1) are aligned for one store when rows start at even indices.
+  const bool out_pairs = p.out_stride % 2 == 0 && reinterpret_cast<uintptr_t>(p.out) % 8 == 0;
 
   // The state: hacc[j] holds h[p0 + g][8j + 2c, +1] (regs 0, 1) and h[p0 + g + 8][...] (2, 3).
   float hacc[NT][4];
@@ -172,8 +228,8 @@ __global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParam
     float2 lo = make_float2(0.f, 0.f), hi = lo;
     if (req.has_initial_state) {
       lo = load_state2(p.state.ssm, p.state.ssm_dtype, state_off + (p0 + g) * N + 8 * j + 2 * c);
-      hi = load_state2(p.state.ssm, p.state.ssm_dtype,
-                       state_off + (p0 + g + 8) * N + 8 * j + 2 * c);
+      hi =
+          load_state2(p.state.ssm, p.state.ssm_dtype, state_off + (p0 + g + 8) * N + 8 * j + 2 * c);
     }
     hacc[j][0] = lo.x;
     hacc[j][1] = lo.y;
@@ -185,6 +241,7 @@ __global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParam
     const int valid = min(Q, req.tokens - c0);
     const int64_t t_first = req.token_start + static_cast<int64_t>(c0);
     const float* yrow = p.y + t_first * ystride;
+    const bf16* bcrow = bc + t_first * (2 * groups * N);
     // Every warp is done with the previous chunk's tiles and state copy.
     __syncthreads();
 #pragma unroll
@@ -194,6 +251,9 @@ __global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParam
       *reinterpret_cast<uint32_t*>(Hs + sidx<N>(p0 + g + 8, 8 * j + 2 * c)) =
           pack2<bf16>(hacc[j][2], hacc[j][3]);
     }
+    copy_tile_async<Q, N>(Bs, bcrow + grp * N, 2 * groups * N, valid);
+    copy_tile_async<Q, N>(Cs, bcrow + (groups + grp) * N, 2 * groups * N, valid);
+    cp_async_commit();
     if (warp == 0) {
       // dt and the inclusive cumulative dt * A (log2 units); padded tokens get dt = 0.
       constexpr int kPer = Q / 32;
@@ -220,12 +280,7 @@ __global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParam
       for (int k = 0; k < kPer; ++k) Ls[lane * kPer + k] = base + part[k];
     }
     load_tile<Q, P>(Xs, yrow + static_cast<int64_t>(h) * P, ystride, valid);
-    load_tile<Q, N>(Bs, yrow + static_cast<int64_t>(heads) * P + static_cast<int64_t>(grp) * N,
-                    ystride, valid);
-    load_tile<Q, N>(Cs,
-                    yrow + static_cast<int64_t>(heads) * P +
-                        static_cast<int64_t>(groups + grp) * N,
-                    ystride, valid);
+    cp_async_wait<0>();
     __syncthreads();
 
     // Outputs of this warp's row blocks.
@@ -271,14 +326,21 @@ __global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParam
 #pragma unroll 1
       for (int kb = 0; kb <= rb; ++kb) {
         const int s0 = kb * 16;
-        float sacc[2][4] = {};
+        // Two accumulator sets (even / odd k steps) halve the dependent MMA chain.
+        float sacc[2][4] = {}, sodd[2][4] = {};
 #pragma unroll
         for (int ks = 0; ks < N / 16; ++ks) {
           uint32_t b[4];
-          ldmatrix_x4(b, Bs + sidx<N>(s0 + (lane & 7) + (lane >> 4) * 8,
-                                      ks * 16 + ((lane >> 3) & 1) * 8));
-          mma_16816<bf16>(sacc[0], ca[ks], b[0], b[1]);
-          mma_16816<bf16>(sacc[1], ca[ks], b[2], b[3]);
+          ldmatrix_x4(
+              b, Bs + sidx<N>(s0 + (lane & 7) + (lane >> 4) * 8, ks * 16 + ((lane >> 3) & 1) * 8));
+          float(&acc)[2][4] = ks % 2 == 0 ? sacc : sodd;
+          mma_16816<bf16>(acc[0], ca[ks], b[0], b[1]);
+          mma_16816<bf16>(acc[1], ca[ks], b[2], b[3]);
+        }
+#pragma unroll
+        for (int jj = 0; jj < 2; ++jj) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sacc[jj][e] += sodd[jj][e];
         }
         // Weights w[t][s] = (C_t . B_s) exp(L_t - L_s) dt_s for s <= t, else 0.
         uint32_t pa[4];
@@ -298,8 +360,8 @@ __global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParam
 #pragma unroll
         for (int np = 0; np < P / 16; ++np) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, Xs + sidx<P>(s0 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                            np * 16 + (lane >> 4) * 8));
+          ldmatrix_x4_trans(
+              b, Xs + sidx<P>(s0 + (lane & 7) + ((lane >> 3) & 1) * 8, np * 16 + (lane >> 4) * 8));
           mma_16816<bf16>(yacc[2 * np], pa, b[0], b[1]);
           mma_16816<bf16>(yacc[2 * np + 1], pa, b[2], b[3]);
         }
@@ -315,8 +377,13 @@ __global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParam
         for (int j = 0; j < PT; ++j) {
           const int col = 8 * j + 2 * c;
           const float2 xv = __ldg(reinterpret_cast<const float2*>(xrow + col));
-          store_elem(p.out, p.out_dtype, orow + col, yacc[j][2 * r] + Dh * xv.x);
-          store_elem(p.out, p.out_dtype, orow + col + 1, yacc[j][2 * r + 1] + Dh * xv.y);
+          const float o0 = yacc[j][2 * r] + Dh * xv.x, o1 = yacc[j][2 * r + 1] + Dh * xv.y;
+          if (out_pairs) {
+            store_pair(p.out, p.out_dtype, orow + col, o0, o1);
+          } else {
+            store_elem(p.out, p.out_dtype, orow + col, o0);
+            store_elem(p.out, p.out_dtype, orow + col + 1, o1);
+          }
         }
       }
     }
@@ -339,8 +406,8 @@ __global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParam
       if (s0 >= valid) break;
       // A = X^T (m = state row p, k = token s) through the transposing ldmatrix of X [s][p].
       uint32_t xa[4];
-      ldmatrix_x4_trans(xa, Xs + sidx<P>(s0 + (lane & 7) + (lane >> 4) * 8,
-                                         p0 + ((lane >> 3) & 1) * 8));
+      ldmatrix_x4_trans(
+          xa, Xs + sidx<P>(s0 + (lane & 7) + (lane >> 4) * 8, p0 + ((lane >> 3) & 1) * 8));
       const float2 Llo = *reinterpret_cast<const float2*>(Ls + s0 + 2 * c);
       const float2 Lhi = *reinterpret_cast<const float2*>(Ls + s0 + 8 + 2 * c);
       const float2 dlo = *reinterpret_cast<const float2*>(dts + s0 + 2 * c);
@@ -354,8 +421,8 @@ __global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParam
 #pragma unroll
       for (int np = 0; np < N / 16; ++np) {
         uint32_t b[4];
-        ldmatrix_x4_trans(b, Bs + sidx<N>(s0 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                          np * 16 + (lane >> 4) * 8));
+        ldmatrix_x4_trans(
+            b, Bs + sidx<N>(s0 + (lane & 7) + ((lane >> 3) & 1) * 8, np * 16 + (lane >> 4) * 8));
         mma_16816<bf16>(hacc[2 * np], xa, b[0], b[1]);
         mma_16816<bf16>(hacc[2 * np + 1], xa, b[2], b[3]);
       }
@@ -372,13 +439,17 @@ __global__ void __launch_bounds__(kThreads, 2) ssd_chunked_kernel(const SsdParam
 }
 
 template <int Q, int N>
-cudaError_t launch(const SsdParams& p, cudaStream_t stream) {
+cudaError_t launch(const SsdParams& p, int64_t num_tokens, bf16* bc, cudaStream_t stream) {
   constexpr int kBytes = SsdSmem<Q, N>::kBytes;
   const cudaError_t e = cudaFuncSetAttribute(ssd_chunked_kernel<Q, N>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   if (e != cudaSuccess) return e;
+  const int width = 2 * p.groups * N;
+  const int64_t items = num_tokens * (width / 8);
+  ssd_convert_bc_kernel<<<static_cast<unsigned>((items + 255) / 256), 256, 0, stream>>>(
+      p.y, p.state.conv_dim, int64_t{p.state.heads} * p.state.rows, width, num_tokens, bc);
   const dim3 grid(static_cast<unsigned>(p.state.heads), static_cast<unsigned>(p.step.num_reqs));
-  ssd_chunked_kernel<Q, N><<<grid, kThreads, kBytes, stream>>>(p);
+  ssd_chunked_kernel<Q, N><<<grid, kThreads, kBytes, stream>>>(p, bc);
   return cudaGetLastError();
 }
 
@@ -386,24 +457,33 @@ bool is_act_dtype(DTypeCode t) { return t == kF32 || t == kBf16 || t == kF16; }
 
 }  // namespace
 
-size_t ssd_chunked_workspace(const SsdParams&, int64_t, int) { return 0; }
+// B | C of every token of the step in bf16.
+size_t ssd_chunked_workspace(const SsdParams& p, int64_t num_tokens, int) {
+  return static_cast<size_t>(num_tokens) * 2 * p.groups * p.state.cols * sizeof(bf16);
+}
 
-cudaError_t launch_ssd_chunked(const SsdParams& p, int64_t num_tokens, int chunk, void*,
+cudaError_t launch_ssd_chunked(const SsdParams& p, int64_t num_tokens, int chunk, void* workspace,
                                cudaStream_t stream) {
   if (p.step.num_reqs <= 0 || num_tokens <= 0) return cudaSuccess;
   const LinState& s = p.state;
   // Non-verify steps, head_dim 64, d_state 64 or 128, chunk 64 or 128, x | B | C rows of y.
-  const bool shape_ok = p.step.verify == 0 && s.rows == kHeadDim && (s.cols == 64 || s.cols == 128) &&
-                        (chunk == 64 || chunk == 128) && p.groups > 0 && s.heads > 0 &&
-                        s.heads % p.groups == 0 &&
+  const bool shape_ok = p.step.verify == 0 && s.rows == kHeadDim &&
+                        (s.cols == 64 || s.cols == 128) && (chunk == 64 || chunk == 128) &&
+                        p.groups > 0 && s.heads > 0 && s.heads % p.groups == 0 &&
                         s.conv_dim == s.heads * s.rows + 2 * p.groups * s.cols;
   const bool types_ok = is_act_dtype(p.a_dtype) && is_act_dtype(p.out_dtype) &&
                         (s.ssm_dtype == kF32 || s.ssm_dtype == kBf16);
-  // 16-byte loads of y rows.
-  const bool aligned = reinterpret_cast<uintptr_t>(p.y) % 16 == 0;
+  // 16-byte loads of y rows and of the workspace.
+  const bool aligned = reinterpret_cast<uintptr_t>(p.y) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(workspace) % 16 == 0 && workspace != nullptr;
   if (!shape_ok || !types_ok || !aligned || p.step.num_reqs > 65535) return cudaErrorInvalidValue;
-  if (chunk == 64) return s.cols == 64 ? launch<64, 64>(p, stream) : launch<64, 128>(p, stream);
-  return s.cols == 64 ? launch<128, 64>(p, stream) : launch<128, 128>(p, stream);
+  bf16* bc = static_cast<bf16*>(workspace);
+  if (chunk == 64) {
+    return s.cols == 64 ? launch<64, 64>(p, num_tokens, bc, stream)
+                        : launch<64, 128>(p, num_tokens, bc, stream);
+  }
+  return s.cols == 64 ? launch<128, 64>(p, num_tokens, bc, stream)
+                      : launch<128, 128>(p, num_tokens, bc, stream);
 }
 
 }  // namespace attnrt::cuda::linear
