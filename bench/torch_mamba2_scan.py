@@ -1,77 +1,82 @@
 #!/usr/bin/env python3
-"""Times the torch chunked scan of HuggingFace transformers' Mamba2 (Mamba2Mixer.torch_forward, the
-path taken without the mamba_ssm kernels) at the Nemotron-H-8B mixer shape: hidden 4096, 128 heads x
-head_dim 64, d_state 128, 8 groups, chunk 128, bf16 weights. The attnrt counterpart is
-CudaLinearSsd.ThroughputNemotronShape (tests/test_cuda_linear_ssd.cpp).
+"""Times the torch chunked scan of HuggingFace transformers' Mamba2 (`mamba2_chunk_scan` of
+transformers.models.mamba2.modeling_mamba2, the torch path Mamba2Mixer takes without the mamba_ssm
+kernels: it materialises the per-chunk segment sums and C B^T for every head) at the Nemotron-H-8B
+mixer shape: 128 heads x head_dim 64, d_state 128, 8 groups, chunk 128; bf16 x / dt / B / C, fp32
+A, D, dt_bias; softplus(dt + dt_bias) and the final states included, as in attnrt's
+launch_ssd_chunked (tests/test_cuda_linear_ssd.cpp, CudaLinearSsd.ThroughputNemotronShape).
+Prints one JSON line per (batch, length); shapes that do not fit in memory report "oom".
 
-torch_forward also runs the in / out projections, the conv and the gated norm; those are timed on
-their own with the mixer's modules and subtracted, so the "scan" column is the chunked SSD alone.
-Lengths whose segment-sum tensors do not fit in GPU memory are reported as OOM.
-
-usage: bench/torch_mamba2_scan.py [--lengths 8192,4096] [--batches 1,8] [--repeat 3]
+usage: bench/torch_mamba2_scan.py [--device cuda] [--batches 1,8] [--lengths 8192] [--repeat 3]
 """
 import argparse
 import json
 import sys
+import time
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--lengths", default="8192,4096,2048")
+    ap.add_argument("--device", default="cuda")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--lengths", default="8192")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--groups", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--d-state", type=int, default=128)
+    ap.add_argument("--chunk", type=int, default=128)
     args = ap.parse_args()
     import torch
-    from transformers import Mamba2Config
-    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+    import transformers
+    from transformers.models.mamba2 import modeling_mamba2
 
-    cfg = Mamba2Config(hidden_size=4096, num_heads=128, head_dim=64, n_groups=8, state_size=128,
-                       expand=2, chunk_size=128, conv_kernel=4, num_hidden_layers=1)
-    dev = torch.device("cuda")
-    with torch.device(dev):
-        mixer = Mamba2Mixer(cfg, layer_idx=0).to(torch.bfloat16).eval()
+    scan = modeling_mamba2.mamba2_chunk_scan
+    scan = getattr(scan, "__wrapped__", scan)  # the torch function, never a hub / mamba_ssm kernel
+    dev = torch.device(args.device)
+    H, G, P, N, Q = args.heads, args.groups, args.head_dim, args.d_state, args.chunk
 
-    def timed(fn, repeat):
-        fn()
-        torch.cuda.synchronize()
-        ms = []
-        for _ in range(repeat):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            fn()
-            e1.record()
+    def sync():
+        if dev.type == "cuda":
             torch.cuda.synchronize()
-            ms.append(e0.elapsed_time(e1))
+
+    def timed(fn):
+        fn()
+        sync()
+        ms = []
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ms.append((time.perf_counter() - t0) * 1e3)
         ms.sort()
         return ms[len(ms) // 2]
 
-    rows = []
+    gen = torch.Generator(device=dev).manual_seed(0)
+    A = -torch.rand(H, device=dev, generator=gen) * 4 - 0.5
+    D = torch.rand(H, device=dev, generator=gen) + 0.5
+    dt_bias = torch.rand(H, device=dev, generator=gen) - 0.5
     for b in [int(x) for x in args.batches.split(",")]:
         for t in [int(x) for x in args.lengths.split(",")]:
-            row = {"batch": b, "len": t}
+            row = {"impl": f"transformers {transformers.__version__} mamba2_chunk_scan",
+                   "device": str(dev), "batch": b, "len": t, "heads": H, "head_dim": P,
+                   "d_state": N, "groups": G, "chunk": Q}
+            x = dt = B = C = None
             try:
-                hs = torch.randn(b, t, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
-                inter = mixer.intermediate_size
-                conv_dim = inter + 2 * cfg.n_groups * cfg.state_size
-
-                def rest():
-                    proj = mixer.in_proj(hs)
-                    gate = proj[..., :inter]
-                    xbc = proj[..., inter:inter + conv_dim]
-                    xbc = mixer.act(mixer.conv1d(xbc.transpose(1, 2))[..., :t].transpose(1, 2))
-                    y = mixer.norm(xbc[..., :inter].contiguous(), gate)
-                    return mixer.out_proj(y)
-
+                bf = torch.bfloat16
+                x = torch.rand(b, t, H, P, device=dev, generator=gen).to(bf) * 2 - 1
+                dt = (torch.rand(b, t, H, device=dev, generator=gen) * 3 - 4).to(bf)
+                B = (torch.rand(b, t, G, N, device=dev, generator=gen) * 2 - 1).to(bf)
+                C = (torch.rand(b, t, G, N, device=dev, generator=gen) * 2 - 1).to(bf)
                 with torch.inference_mode():
-                    total = timed(lambda: mixer.torch_forward(hs), args.repeat)
-                    other = timed(rest, args.repeat)
-                row.update(total_ms=total, other_ms=other, scan_ms=total - other)
-            except torch.cuda.OutOfMemoryError:
+                    ms = timed(lambda: scan(x, dt, A, B, C, Q, D=D, dt_bias=dt_bias,
+                                            dt_softplus=True, return_final_states=True))
+                row.update(ms=ms, tokens_per_s=b * t / (ms * 1e-3))
+            except torch.OutOfMemoryError:
                 row["oom"] = True
-            except Exception as e:  # report, keep going with the other shapes
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            torch.cuda.empty_cache()
-            rows.append(row)
+            x = dt = B = C = None
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
             print(json.dumps(row), flush=True)
     return 0
 

@@ -21,8 +21,14 @@
 // B and C are shared by the heads of a group, so a first kernel converts them to bf16 once per
 // token (the workspace: [T, 2, groups, N]); the heads' CTAs then fetch them with cp.async, all of a
 // chunk in flight at once, while their own x rows come through registers (converted on the way).
-// Loading fp32 B and C through registers, eight 16-byte loads per thread at a time, made the loads
-// half of the time per chunk.
+// Loading fp32 B and C through registers as well, eight 16-byte loads per thread at a time, took
+// 1.43 / 6.13 ms at 1 / 8 x 8192 tokens (Nemotron-H shape, H200) against 1.05 / 4.67 ms now.
+//
+// What bounds it (Nsight Compute at 1 x 8192): one CTA of four warps per SM (two fit, by registers
+// and shared memory), 5.8 cycles between a warp's instructions, 38% of the stalls on global loads
+// (x rows, dt, x again for D x); SM throughput 17%. Latency, not MMA or bandwidth: more warps per
+// SM (two heads of a group per CTA sharing C B^T, or P split across CTAs) and loading the next
+// chunk during this one are the next steps.
 //
 // Parallelism is requests x heads (1024 CTAs at 8 requests x 128 heads, 128 at one request);
 // neighbouring CTAs are heads of one group and read the same B and C rows, which L2 serves.
