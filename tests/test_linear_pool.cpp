@@ -1,6 +1,8 @@
 // LinearStatePool: slot life (reserved slot 0, zero-filled allocation, exhaustion, double free),
-// request-row binding, copy/fork, the commit of verify checkpoints, and a bf16 state through a
-// backend (the commit stays exact; chunked extend stays within bf16 rounding of sequential decode).
+// request-row binding, copy/fork, the commit of verify checkpoints, host access to slots and
+// checkpoints, every tensor operation going through the pool's LinearStateMemory, and a bf16 state
+// through a backend (the commit stays exact; chunked extend stays within bf16 rounding of
+// sequential decode).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -156,6 +158,105 @@ TEST(LinearStatePool, CommitTakesTheChosenCheckpointOfEveryLayer) {
         p.commit_verify(std::vector<int64_t>{1, 2, 3}, std::vector<int32_t>{0, 0, 0});
       },
       {"3 requests, but checkpoints exist for 2 verify rows"});
+}
+
+// A host memory that counts what the pool asks of it.
+class CountingMemory final : public LinearStateMemory {
+ public:
+  struct Counts {
+    int allocs = 0, releases = 0, zeros = 0, copies = 0, to_host = 0, from_host = 0;
+  };
+  explicit CountingMemory(Counts& c) : c_(c) {}
+  Device device() const override { return Device::cpu(); }
+  void* allocate_zeroed(size_t bytes) override {
+    ++c_.allocs;
+    return inner_->allocate_zeroed(bytes);
+  }
+  void release(void* p) override {
+    ++c_.releases;
+    inner_->release(p);
+  }
+  void zero(void* dst, size_t bytes) override {
+    ++c_.zeros;
+    inner_->zero(dst, bytes);
+  }
+  void copy(void* dst, const void* src, size_t bytes) override {
+    ++c_.copies;
+    inner_->copy(dst, src, bytes);
+  }
+  void to_host(void* dst, const void* src, size_t bytes) override {
+    ++c_.to_host;
+    inner_->to_host(dst, src, bytes);
+  }
+  void from_host(void* dst, const void* src, size_t bytes) override {
+    ++c_.from_host;
+    inner_->from_host(dst, src, bytes);
+  }
+
+ private:
+  Counts& c_;
+  std::unique_ptr<LinearStateMemory> inner_ = make_host_linear_state_memory();
+};
+
+TEST(LinearStatePool, EveryTensorOperationGoesThroughItsMemory) {
+  const ModelSpec m = two_layer_model();
+  LinearStateConfig c;
+  c.max_slots = c.max_request_rows = 3;
+  c.verify_rows = 2;
+  c.num_draft_tokens = 3;
+  CountingMemory::Counts n;
+  {
+    LinearStatePool p(m, c, std::make_unique<CountingMemory>(n));
+    EXPECT_EQ(n.allocs, 2 * 4) << "conv, ssm and both checkpoint tensors of two layers";
+    const int zeros0 = n.zeros;
+    const int a = p.alloc();
+    EXPECT_EQ(n.zeros - zeros0, 2 * 2) << "alloc zeroes the slot's conv window and state per layer";
+    const int b = p.fork(a);
+    EXPECT_EQ(n.copies, 2 * 2);
+    p.commit_verify(std::vector<int64_t>{a, b}, std::vector<int32_t>{2, -1});
+    EXPECT_EQ(n.copies, 2 * 2 + 2 * 2) << "one checkpoint copied per layer (conv and state)";
+    const LinearStateShape& sh = p.layer(0).shape;
+    std::vector<float> conv(static_cast<size_t>(sh.conv_elems())), ssm(sh.ssm_elems());
+    p.download_slot(0, a, conv.data(), ssm.data());
+    EXPECT_EQ(n.to_host, 2);
+    p.upload_checkpoint(0, 1, 2, conv.data(), ssm.data());
+    EXPECT_EQ(n.from_host, 2);
+  }
+  EXPECT_EQ(n.releases, n.allocs) << "the pool releases every tensor it allocated";
+}
+
+TEST(LinearStatePool, HostAccessToSlotsAndCheckpoints) {
+  const ModelSpec m = two_layer_model();
+  LinearStateConfig c;
+  c.max_slots = c.max_request_rows = 2;
+  c.verify_rows = 2;
+  c.num_draft_tokens = 3;
+  LinearStatePool p(m, c);
+  const int s = p.alloc();
+  const LinearStateShape& sh = p.layer(2).shape;
+  std::vector<float> conv(static_cast<size_t>(sh.conv_elems())), ssm(sh.ssm_elems());
+  for (size_t i = 0; i < conv.size(); ++i) conv[i] = 0.5f * static_cast<float>(i);
+  for (size_t i = 0; i < ssm.size(); ++i) ssm[i] = -1.f * static_cast<float>(i);
+  p.upload_slot(2, s, conv.data(), ssm.data());
+  EXPECT_EQ(ssm_of(p, 2, s)[7], -7.f);
+  EXPECT_EQ(conv_of(p, 2, s)[3], 1.5f);
+  EXPECT_EQ(ssm_of(p, 0, s)[7], 0.f) << "other layers untouched";
+  std::vector<float> conv2(conv.size()), ssm2(ssm.size());
+  p.upload_checkpoint(2, 1, 2, conv.data(), ssm.data());
+  p.download_checkpoint(2, 1, 2, conv2.data(), ssm2.data());
+  EXPECT_EQ(conv2, conv);
+  EXPECT_EQ(ssm2, ssm);
+  p.commit_verify(std::vector<int64_t>{0, s}, std::vector<int32_t>{-1, 2});
+  p.download_slot(2, s, conv2.data(), ssm2.data());
+  EXPECT_EQ(ssm2, ssm);
+  expect_error([&] { p.download_slot(2, 3, conv2.data(), ssm2.data()); },
+               {"download_slot: slot 3 is out of range 0..2"});
+  expect_error([&] { p.download_checkpoint(2, 2, 0, conv2.data(), ssm2.data()); },
+               {"download_checkpoint: checkpoint (row 2, token 0) is out of range: rows 0..1, "
+                "tokens 0..2"});
+  expect_error([&] { p.upload_slot(1, 1, conv.data(), ssm.data()); },
+               {"layer 1 is not a linear-attention layer"});
+  EXPECT_EQ(p.device(), Device::cpu());
 }
 
 TEST(LinearStatePool, RejectsBadConfigs) {

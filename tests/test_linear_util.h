@@ -140,8 +140,10 @@ inline ForwardBatch with_slots(ForwardBatch b) {
 // One linear layer on one backend's linear side.
 class Harness {
  public:
+  // `memory`: where the pool's tensors live (null: host memory).
   Harness(const LayerData& data, const std::string& backend, int slots = 8, int verify_rows = 0,
-          int draft_tokens = 0, DType state_dtype = DType::f32)
+          int draft_tokens = 0, DType state_dtype = DType::f32,
+          std::unique_ptr<LinearStateMemory> memory = nullptr)
       : data_(data) {
     model_.name = "tiny-linear";
     model_.dtype = DType::f32;
@@ -154,7 +156,7 @@ class Harness {
     c.num_draft_tokens = draft_tokens;
     c.ssm_dtype = state_dtype;
     c.conv_dtype = state_dtype;
-    pool_ = std::make_unique<LinearStatePool>(model_, c);
+    pool_ = std::make_unique<LinearStatePool>(model_, c, std::move(memory));
     BackendContext ctx;
     ctx.model = &model_;
     ctx.options = &options_;
@@ -209,22 +211,55 @@ class Harness {
     return a;
   }
 
-  // Conv window then recurrent state of a slot, as floats.
+  // Conv window then recurrent state of a slot (or of verify checkpoint (row, t)), as floats.
   std::vector<float> state(int slot) const {
+    std::vector<uint8_t> conv, ssm;
+    raw_buffers(conv, ssm);
+    pool_->download_slot(data_.layer.layer_id, slot, conv.data(), ssm.data());
+    return as_floats(conv, ssm);
+  }
+  std::vector<float> checkpoint(int row, int t) const {
+    std::vector<uint8_t> conv, ssm;
+    raw_buffers(conv, ssm);
+    pool_->download_checkpoint(data_.layer.layer_id, row, t, conv.data(), ssm.data());
+    return as_floats(conv, ssm);
+  }
+  // Writes a slot's conv window and state from floats laid out as state() returns them.
+  void set_state(int slot, const std::vector<float>& values) {
     const LinearLayerState& st = pool_->layer(data_.layer.layer_id);
-    std::vector<float> s;
-    for (int64_t i = 0; i < st.shape.conv_elems(); ++i) {
-      s.push_back(
-          load_as_float(st.conv, st.conv_dtype, static_cast<size_t>(st.conv_offset(slot) + i)));
-    }
-    for (int64_t i = 0; i < st.shape.ssm_elems(); ++i) {
-      s.push_back(
-          load_as_float(st.ssm, st.ssm_dtype, static_cast<size_t>(st.ssm_offset(slot) + i)));
-    }
-    return s;
+    std::vector<uint8_t> conv, ssm;
+    raw_buffers(conv, ssm);
+    const int64_t nc = st.shape.conv_elems(), ns = st.shape.ssm_elems();
+    EXPECT_EQ(static_cast<int64_t>(values.size()), nc + ns);
+    for (int64_t i = 0; i < nc; ++i) store_float(conv.data(), st.conv_dtype, i, values[i]);
+    for (int64_t i = 0; i < ns; ++i) store_float(ssm.data(), st.ssm_dtype, i, values[nc + i]);
+    pool_->upload_slot(data_.layer.layer_id, slot, conv.data(), ssm.data());
   }
 
  private:
+  void raw_buffers(std::vector<uint8_t>& conv, std::vector<uint8_t>& ssm) const {
+    const LinearLayerState& st = pool_->layer(data_.layer.layer_id);
+    conv.resize(static_cast<size_t>(st.shape.conv_elems()) * dtype_size(st.conv_dtype));
+    ssm.resize(static_cast<size_t>(st.shape.ssm_elems()) * dtype_size(st.ssm_dtype));
+  }
+  std::vector<float> as_floats(const std::vector<uint8_t>& conv,
+                               const std::vector<uint8_t>& ssm) const {
+    const LinearLayerState& st = pool_->layer(data_.layer.layer_id);
+    std::vector<float> s;
+    for (int64_t i = 0; i < st.shape.conv_elems(); ++i)
+      s.push_back(load_as_float(conv.data(), st.conv_dtype, static_cast<size_t>(i)));
+    for (int64_t i = 0; i < st.shape.ssm_elems(); ++i)
+      s.push_back(load_as_float(ssm.data(), st.ssm_dtype, static_cast<size_t>(i)));
+    return s;
+  }
+  static void store_float(void* base, DType t, int64_t i, float v) {
+    if (t == DType::f32) {
+      static_cast<float*>(base)[i] = v;
+    } else {
+      static_cast<uint16_t*>(base)[i] = float_to_bf16(v);
+    }
+  }
+
   LayerData data_;
   ModelSpec model_;
   Options options_;

@@ -1,10 +1,38 @@
 #include "attnrt/memory/linear_state_pool.h"
 
+#include <cstdlib>
 #include <cstring>
 
 #include "attnrt/core/error.h"
 
 namespace attnrt {
+
+namespace {
+
+class HostLinearStateMemory final : public LinearStateMemory {
+ public:
+  Device device() const override { return Device::cpu(); }
+  void* allocate_zeroed(size_t bytes) override {
+    void* p = std::calloc(bytes > 0 ? bytes : 1, 1);
+    ATTNRT_CHECK(p != nullptr, "LinearStatePool: out of host memory allocating {} bytes", bytes);
+    return p;
+  }
+  void release(void* p) override { std::free(p); }
+  void zero(void* dst, size_t bytes) override { std::memset(dst, 0, bytes); }
+  void copy(void* dst, const void* src, size_t bytes) override { std::memmove(dst, src, bytes); }
+  void to_host(void* host_dst, const void* src, size_t bytes) override {
+    std::memcpy(host_dst, src, bytes);
+  }
+  void from_host(void* dst, const void* host_src, size_t bytes) override {
+    std::memcpy(dst, host_src, bytes);
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<LinearStateMemory> make_host_linear_state_memory() {
+  return std::make_unique<HostLinearStateMemory>();
+}
 
 LinearStateShape linear_state_shape(const LayerSpec& layer) {
   const LinearSpec& s = layer.linear;
@@ -35,8 +63,10 @@ LinearStateShape linear_state_shape(const LayerSpec& layer) {
   }
 }
 
-LinearStatePool::LinearStatePool(const ModelSpec& model, const LinearStateConfig& config)
-    : config_(config) {
+LinearStatePool::LinearStatePool(const ModelSpec& model, const LinearStateConfig& config,
+                                 std::unique_ptr<LinearStateMemory> memory)
+    : config_(config),
+      memory_(memory != nullptr ? std::move(memory) : make_host_linear_state_memory()) {
   ATTNRT_CHECK(config.max_slots >= 1,
                "LinearStatePool: max_slots = {} is invalid; it needs at least one state slot (one "
                "per running request)",
@@ -72,17 +102,20 @@ LinearStatePool::LinearStatePool(const ModelSpec& model, const LinearStateConfig
     layer.view.conv_dtype = config.conv_dtype;
     layer.view.ssm_dtype = config.ssm_dtype;
     const LinearStateShape& sh = layer.view.shape;
-    layer.conv = HostBuffer(config.conv_dtype, {rows, sh.conv_elems()});
-    layer.ssm = HostBuffer(config.ssm_dtype, {rows, sh.ssm_elems()});
-    layer.view.conv = layer.conv.data();
-    layer.view.ssm = layer.ssm.data();
+    layer.conv_bytes = static_cast<size_t>(sh.conv_elems()) * dtype_size(config.conv_dtype);
+    layer.ssm_bytes = static_cast<size_t>(sh.ssm_elems()) * dtype_size(config.ssm_dtype);
+    LinearStateMemory* mem = memory_.get();
+    layer.conv = Allocation(mem, layer.conv_bytes * rows);
+    layer.ssm = Allocation(mem, layer.ssm_bytes * rows);
+    layer.view.conv = layer.conv.ptr;
+    layer.view.ssm = layer.ssm.ptr;
     if (config.verify_rows > 0) {
-      const int64_t checkpoints =
-          static_cast<int64_t>(config.verify_rows) * config.num_draft_tokens;
-      layer.inter_conv = HostBuffer(config.conv_dtype, {checkpoints, sh.conv_elems()});
-      layer.inter_ssm = HostBuffer(config.ssm_dtype, {checkpoints, sh.ssm_elems()});
-      layer.view.inter_conv = layer.inter_conv.data();
-      layer.view.inter_ssm = layer.inter_ssm.data();
+      const size_t checkpoints =
+          static_cast<size_t>(config.verify_rows) * static_cast<size_t>(config.num_draft_tokens);
+      layer.inter_conv = Allocation(mem, layer.conv_bytes * checkpoints);
+      layer.inter_ssm = Allocation(mem, layer.ssm_bytes * checkpoints);
+      layer.view.inter_conv = layer.inter_conv.ptr;
+      layer.view.inter_ssm = layer.inter_ssm.ptr;
     }
     if (static_cast<size_t>(l.layer_id) >= index_of_.size()) index_of_.resize(l.layer_id + 1, -1);
     index_of_[l.layer_id] = static_cast<int>(layers_.size());
@@ -102,15 +135,12 @@ LinearStatePool::LinearStatePool(const ModelSpec& model, const LinearStateConfig
   zero_slot(0);
 }
 
+LinearStatePool::~LinearStatePool() = default;
+
 void LinearStatePool::zero_slot(int slot) {
   for (Layer& l : layers_) {
-    const LinearStateShape& sh = l.view.shape;
-    std::memset(
-        static_cast<char*>(l.view.conv) + l.view.conv_offset(slot) * dtype_size(l.view.conv_dtype),
-        0, static_cast<size_t>(sh.conv_elems()) * dtype_size(l.view.conv_dtype));
-    std::memset(
-        static_cast<char*>(l.view.ssm) + l.view.ssm_offset(slot) * dtype_size(l.view.ssm_dtype), 0,
-        static_cast<size_t>(sh.ssm_elems()) * dtype_size(l.view.ssm_dtype));
+    memory_->zero(static_cast<char*>(l.view.conv) + l.conv_bytes * slot, l.conv_bytes);
+    memory_->zero(static_cast<char*>(l.view.ssm) + l.ssm_bytes * slot, l.ssm_bytes);
   }
 }
 
@@ -156,13 +186,10 @@ void LinearStatePool::copy(int src, int dst) {
   check_slot(dst, "copy (destination)");
   if (src == dst) return;
   for (Layer& l : layers_) {
-    const size_t cb = dtype_size(l.view.conv_dtype), sb = dtype_size(l.view.ssm_dtype);
     char* conv = static_cast<char*>(l.view.conv);
     char* ssm = static_cast<char*>(l.view.ssm);
-    std::memcpy(conv + l.view.conv_offset(dst) * cb, conv + l.view.conv_offset(src) * cb,
-                static_cast<size_t>(l.view.shape.conv_elems()) * cb);
-    std::memcpy(ssm + l.view.ssm_offset(dst) * sb, ssm + l.view.ssm_offset(src) * sb,
-                static_cast<size_t>(l.view.shape.ssm_elems()) * sb);
+    memory_->copy(conv + l.conv_bytes * dst, conv + l.conv_bytes * src, l.conv_bytes);
+    memory_->copy(ssm + l.ssm_bytes * dst, ssm + l.ssm_bytes * src, l.ssm_bytes);
   }
 }
 
@@ -221,11 +248,7 @@ bool LinearStatePool::holds(int layer_id) const {
 }
 
 const LinearLayerState& LinearStatePool::layer(int layer_id) const {
-  ATTNRT_CHECK(holds(layer_id),
-               "LinearStatePool: layer {} is not a linear-attention layer of this pool ({} linear "
-               "layers)",
-               layer_id, layers_.size());
-  return layers_[static_cast<size_t>(index_of_[layer_id])].view;
+  return find(layer_id).view;
 }
 
 void LinearStatePool::commit_verify(std::span<const int64_t> slots,
@@ -253,30 +276,90 @@ void LinearStatePool::commit_verify(std::span<const int64_t> slots,
                  slots[i], i, config_.max_slots);
   }
   for (Layer& l : layers_) {
-    const size_t cb = dtype_size(l.view.conv_dtype), sb = dtype_size(l.view.ssm_dtype);
     for (size_t i = 0; i < slots.size(); ++i) {
       const int t = last_accepted[i];
       if (t < 0) continue;
-      const int64_t row = static_cast<int64_t>(i);
-      std::memcpy(
-          static_cast<char*>(l.view.conv) + l.view.conv_offset(slots[i]) * cb,
-          static_cast<const char*>(l.view.inter_conv) + l.view.inter_conv_offset(row, t, n) * cb,
-          static_cast<size_t>(l.view.shape.conv_elems()) * cb);
-      std::memcpy(
-          static_cast<char*>(l.view.ssm) + l.view.ssm_offset(slots[i]) * sb,
-          static_cast<const char*>(l.view.inter_ssm) + l.view.inter_ssm_offset(row, t, n) * sb,
-          static_cast<size_t>(l.view.shape.ssm_elems()) * sb);
+      const size_t checkpoint = i * static_cast<size_t>(n) + static_cast<size_t>(t);
+      memory_->copy(static_cast<char*>(l.view.conv) + l.conv_bytes * slots[i],
+                    static_cast<const char*>(l.view.inter_conv) + l.conv_bytes * checkpoint,
+                    l.conv_bytes);
+      memory_->copy(static_cast<char*>(l.view.ssm) + l.ssm_bytes * slots[i],
+                    static_cast<const char*>(l.view.inter_ssm) + l.ssm_bytes * checkpoint,
+                    l.ssm_bytes);
     }
   }
 }
 
 size_t LinearStatePool::bytes() const {
+  const size_t rows = static_cast<size_t>(config_.max_slots) + 1;
+  const size_t checkpoints =
+      static_cast<size_t>(config_.verify_rows) * static_cast<size_t>(config_.num_draft_tokens);
   size_t total = 0;
-  for (const Layer& l : layers_) {
-    total += l.conv.bytes() + l.ssm.bytes();
-    if (l.view.inter_conv) total += l.inter_conv.bytes() + l.inter_ssm.bytes();
-  }
+  for (const Layer& l : layers_) total += (l.conv_bytes + l.ssm_bytes) * (rows + checkpoints);
   return total;
+}
+
+const LinearStatePool::Layer& LinearStatePool::find(int layer_id) const {
+  ATTNRT_CHECK(holds(layer_id),
+               "LinearStatePool: layer {} is not a linear-attention layer of this pool ({} linear "
+               "layers)",
+               layer_id, layers_.size());
+  return layers_[static_cast<size_t>(index_of_[layer_id])];
+}
+
+void LinearStatePool::check_any_slot(int layer_id, int slot, const char* what) const {
+  find(layer_id);
+  ATTNRT_CHECK(slot >= 0 && slot <= config_.max_slots,
+               "LinearStatePool::{}: slot {} is out of range 0..{}", what, slot,
+               config_.max_slots);
+}
+
+void LinearStatePool::check_checkpoint(int layer_id, int row, int t, const char* what) const {
+  find(layer_id);
+  ATTNRT_CHECK(has_checkpoints(),
+               "LinearStatePool::{}: the pool keeps no verify checkpoints (built with "
+               "verify_rows = 0)",
+               what);
+  ATTNRT_CHECK(row >= 0 && row < config_.verify_rows && t >= 0 && t < config_.num_draft_tokens,
+               "LinearStatePool::{}: checkpoint (row {}, token {}) is out of range: rows 0..{}, "
+               "tokens 0..{}",
+               what, row, t, config_.verify_rows - 1, config_.num_draft_tokens - 1);
+}
+
+void LinearStatePool::download_slot(int layer_id, int slot, void* conv, void* ssm) const {
+  check_any_slot(layer_id, slot, "download_slot");
+  const Layer& l = find(layer_id);
+  memory_->to_host(conv, static_cast<const char*>(l.view.conv) + l.conv_bytes * slot,
+                   l.conv_bytes);
+  memory_->to_host(ssm, static_cast<const char*>(l.view.ssm) + l.ssm_bytes * slot, l.ssm_bytes);
+}
+
+void LinearStatePool::upload_slot(int layer_id, int slot, const void* conv, const void* ssm) {
+  check_any_slot(layer_id, slot, "upload_slot");
+  const Layer& l = find(layer_id);
+  memory_->from_host(static_cast<char*>(l.view.conv) + l.conv_bytes * slot, conv, l.conv_bytes);
+  memory_->from_host(static_cast<char*>(l.view.ssm) + l.ssm_bytes * slot, ssm, l.ssm_bytes);
+}
+
+void LinearStatePool::download_checkpoint(int layer_id, int row, int t, void* conv,
+                                          void* ssm) const {
+  check_checkpoint(layer_id, row, t, "download_checkpoint");
+  const Layer& l = find(layer_id);
+  const size_t c = static_cast<size_t>(row) * config_.num_draft_tokens + t;
+  memory_->to_host(conv, static_cast<const char*>(l.view.inter_conv) + l.conv_bytes * c,
+                   l.conv_bytes);
+  memory_->to_host(ssm, static_cast<const char*>(l.view.inter_ssm) + l.ssm_bytes * c,
+                   l.ssm_bytes);
+}
+
+void LinearStatePool::upload_checkpoint(int layer_id, int row, int t, const void* conv,
+                                        const void* ssm) {
+  check_checkpoint(layer_id, row, t, "upload_checkpoint");
+  const Layer& l = find(layer_id);
+  const size_t c = static_cast<size_t>(row) * config_.num_draft_tokens + t;
+  memory_->from_host(static_cast<char*>(l.view.inter_conv) + l.conv_bytes * c, conv,
+                     l.conv_bytes);
+  memory_->from_host(static_cast<char*>(l.view.inter_ssm) + l.ssm_bytes * c, ssm, l.ssm_bytes);
 }
 
 }  // namespace attnrt

@@ -11,9 +11,16 @@
 //   inter_ssm   [verify_rows, N, heads, rows, cols] state after each verify block token
 // Slot 0 is reserved (padded rows may write there); alloc() hands out 1..size, zero-filled. The
 // checkpoints are indexed by the batch row of the verify step, not by slot.
+//
+// Placement: the bookkeeping (free slots, request-row bindings) is always on the host; the tensors
+// live in a LinearStateMemory: host memory (make_host_linear_state_memory, the default) or GPU
+// memory (backends/cuda, stream-ordered on the cuda backend's stream). The runtime puts the pool
+// where the KV cache is. LinearLayerState's pointers are then device pointers; the download_* /
+// upload_* functions give host access to one slot or checkpoint for tests and tooling.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -57,6 +64,22 @@ struct LinearLayerState {
   }
 };
 
+// Where a LinearStatePool's tensors live. Addresses are in the memory's own space (host or device);
+// zero / copy are ordered with the kernels that use the pool (a GPU memory enqueues them on its
+// stream and never waits for the GPU); to_host / from_host return once the data has arrived.
+class LinearStateMemory {
+ public:
+  virtual ~LinearStateMemory() = default;
+  virtual Device device() const = 0;
+  virtual void* allocate_zeroed(size_t bytes) = 0;
+  virtual void release(void* p) = 0;
+  virtual void zero(void* dst, size_t bytes) = 0;
+  virtual void copy(void* dst, const void* src, size_t bytes) = 0;
+  virtual void to_host(void* host_dst, const void* src, size_t bytes) = 0;
+  virtual void from_host(void* dst, const void* host_src, size_t bytes) = 0;
+};
+std::unique_ptr<LinearStateMemory> make_host_linear_state_memory();
+
 struct LinearStateConfig {
   int max_slots = 0;              // usable state slots (running requests); slot 0 comes on top
   int max_request_rows = 0;       // ReqToTokenPool rows that can be bound to slots
@@ -70,9 +93,13 @@ struct LinearStateConfig {
 
 class LinearStatePool {
  public:
-  // Holds every linear layer of `model`. Throws attnrt::Error for a bad config or a model without
-  // linear layers.
-  LinearStatePool(const ModelSpec& model, const LinearStateConfig& config);
+  // Holds every linear layer of `model` in `memory` (null: host memory). Throws attnrt::Error for
+  // a bad config or a model without linear layers.
+  LinearStatePool(const ModelSpec& model, const LinearStateConfig& config,
+                  std::unique_ptr<LinearStateMemory> memory = nullptr);
+  ~LinearStatePool();
+  LinearStatePool(const LinearStatePool&) = delete;
+  LinearStatePool& operator=(const LinearStatePool&) = delete;
 
   // A free slot with every layer's conv window and state zeroed; throws when all are in use.
   int alloc();
@@ -111,17 +138,53 @@ class LinearStatePool {
 
   const LinearStateConfig& config() const { return config_; }
   size_t bytes() const;
-  Device device() const { return Device::cpu(); }
+  Device device() const { return memory_->device(); }
+  LinearStateMemory& memory() const { return *memory_; }
+
+  // Host access to one layer's slot (any slot, 0 included) or verify checkpoint (request row
+  // `row`, block token t): the conv window [K - 1, conv_dim] and the state [heads, rows, cols] in
+  // the pool's dtypes, conv_elems() and ssm_elems() values. Returns once the copy is done.
+  void download_slot(int layer_id, int slot, void* conv, void* ssm) const;
+  void upload_slot(int layer_id, int slot, const void* conv, const void* ssm);
+  void download_checkpoint(int layer_id, int row, int t, void* conv, void* ssm) const;
+  void upload_checkpoint(int layer_id, int row, int t, const void* conv, const void* ssm);
 
  private:
+  // One tensor of the pool, released into its memory when dropped.
+  struct Allocation {
+    LinearStateMemory* memory = nullptr;
+    void* ptr = nullptr;
+    Allocation() = default;
+    Allocation(LinearStateMemory* m, size_t bytes) : memory(m), ptr(m->allocate_zeroed(bytes)) {}
+    Allocation(Allocation&& o) noexcept : memory(o.memory), ptr(o.ptr) { o.ptr = nullptr; }
+    Allocation& operator=(Allocation&& o) noexcept {
+      if (this != &o) {
+        reset();
+        memory = o.memory;
+        ptr = o.ptr;
+        o.ptr = nullptr;
+      }
+      return *this;
+    }
+    ~Allocation() { reset(); }
+    void reset() {
+      if (ptr != nullptr) memory->release(ptr);
+      ptr = nullptr;
+    }
+  };
   struct Layer {
     LinearLayerState view;
-    HostBuffer conv, ssm, inter_conv, inter_ssm;
+    size_t conv_bytes = 0, ssm_bytes = 0;  // one slot's (or checkpoint's)
+    Allocation conv, ssm, inter_conv, inter_ssm;
   };
   void check_slot(int slot, const char* what) const;
+  void check_any_slot(int layer_id, int slot, const char* what) const;
+  void check_checkpoint(int layer_id, int row, int t, const char* what) const;
+  const Layer& find(int layer_id) const;
   void zero_slot(int slot);
 
   LinearStateConfig config_;
+  std::unique_ptr<LinearStateMemory> memory_;  // declared before layers_: outlives them
   std::vector<Layer> layers_;
   std::vector<int> index_of_;  // layer id -> index in layers_, -1 if not a linear layer
   std::vector<int> layer_ids_;
