@@ -10,6 +10,7 @@
 #include "attnrt/memory/req_to_token_pool.h"
 #include "backends/cuda/cuda_bench.h"
 #include "backends/cuda/cuda_kv_cache.h"
+#include "backends/cuda/cuda_linear_backend.h"
 #include "backends/cuda/kernels/prefill.h"
 
 namespace attnrt::cuda {
@@ -487,6 +488,7 @@ BackendEntry cuda_backend_entry() {
   e.caps.non_causal = true;
   e.caps.mla = false;
   e.caps.cuda_graphs = true;
+  e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
   e.auto_selectable = true;
   e.unavailable_reason = []() -> std::string {
     const CudaDeviceInfo& info = query_cuda();
@@ -498,6 +500,9 @@ BackendEntry cuda_backend_entry() {
   };
   e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
     return std::make_unique<CudaBackend>(ctx);
+  };
+  e.linear_factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
+    return std::make_unique<CudaLinearBackend>(ctx);
   };
   return e;
 }

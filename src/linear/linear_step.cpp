@@ -64,12 +64,12 @@ std::string dims_text(std::initializer_list<int64_t> dims) {
 }
 
 void check_common(std::string_view backend, const char* what, const TensorView& t,
-                  std::initializer_list<int64_t> dims, const char* meaning) {
+                  std::initializer_list<int64_t> dims, const char* meaning, bool device_ok) {
   ATTNRT_CHECK(!t.empty(), "{} linear backend: {} is empty; expected {} = {}", backend, what,
                meaning, dims_text(dims));
-  ATTNRT_CHECK(t.device.kind == DeviceKind::cpu,
-               "{} linear backend: {} is {}; this backend reads host memory only", backend, what,
-               t.describe());
+  ATTNRT_CHECK(t.device.kind == DeviceKind::cpu || (device_ok && t.device.kind == DeviceKind::cuda),
+               "{} linear backend: {} is {}; this backend reads {}", backend, what, t.describe(),
+               device_ok ? "host or CUDA memory" : "host memory only");
   ATTNRT_CHECK(is_float(t.dtype) && !is_fp8(t.dtype),
                "{} linear backend: {} is {}; expected fp32, bf16 or fp16", backend, what,
                t.describe());
@@ -82,8 +82,8 @@ void check_common(std::string_view backend, const char* what, const TensorView& 
 
 // Per-token tensors: any stride between tokens, the rest contiguous.
 void check_tokens(std::string_view backend, const char* what, const TensorView& t,
-                  std::initializer_list<int64_t> dims, const char* meaning) {
-  check_common(backend, what, t, dims, meaning);
+                  std::initializer_list<int64_t> dims, const char* meaning, bool device_ok) {
+  check_common(backend, what, t, dims, meaning, device_ok);
   int64_t stride = 1;
   for (int d = t.ndim - 1; d >= 1; --d) {
     ATTNRT_CHECK(
@@ -100,8 +100,8 @@ void check_tokens(std::string_view backend, const char* what, const TensorView& 
 }
 
 void check_param(std::string_view backend, const char* what, const TensorView& t,
-                 std::initializer_list<int64_t> dims, const char* meaning) {
-  check_common(backend, what, t, dims, meaning);
+                 std::initializer_list<int64_t> dims, const char* meaning, bool device_ok) {
+  check_common(backend, what, t, dims, meaning, device_ok);
   ATTNRT_CHECK(t.dtype == DType::f32, "{} linear backend: {} is {}; layer parameters are fp32",
                backend, what, t.describe());
   ATTNRT_CHECK(t.is_contiguous(), "{} linear backend: {} is {} and not contiguous", backend, what,
@@ -111,7 +111,7 @@ void check_param(std::string_view backend, const char* what, const TensorView& t
 }  // namespace
 
 void check_linear_args(const LinearArgs& args, const LayerSpec& layer, int64_t num_tokens,
-                       std::string_view backend) {
+                       std::string_view backend, bool device_tensors) {
   ATTNRT_CHECK(is_linear_kind(layer.kind),
                "{} linear backend: layer {} is a {} layer; forward_linear serves gdn, kda and "
                "mamba2 layers",
@@ -120,31 +120,31 @@ void check_linear_args(const LinearArgs& args, const LayerSpec& layer, int64_t n
   const LinearSpec& s = layer.linear;
   const int64_t T = num_tokens;
   const int64_t heads = sh.heads;
-  check_tokens(backend, "mixed_qkv", args.mixed_qkv, {T, sh.conv_dim}, "[tokens, conv_dim]");
+  check_tokens(backend, "mixed_qkv", args.mixed_qkv, {T, sh.conv_dim}, "[tokens, conv_dim]", device_tensors);
   check_param(backend, "conv_weight", args.conv_weight, {sh.conv_dim, s.conv_kernel},
-              "[conv_dim, conv_kernel]");
+              "[conv_dim, conv_kernel]", device_tensors);
   if (!args.conv_bias.empty()) {
-    check_param(backend, "conv_bias", args.conv_bias, {sh.conv_dim}, "[conv_dim]");
+    check_param(backend, "conv_bias", args.conv_bias, {sh.conv_dim}, "[conv_dim]", device_tensors);
   }
-  check_param(backend, "A_log", args.A_log, {heads}, "[heads]");
+  check_param(backend, "A_log", args.A_log, {heads}, "[heads]", device_tensors);
   check_tokens(backend, "out", args.out, {T, heads, sh.rows},
                layer.kind == LayerKind::mamba2 ? "[tokens, heads, head_dim]"
-                                               : "[tokens, value heads, head_v_dim]");
+                                               : "[tokens, value heads, head_v_dim]", device_tensors);
   switch (layer.kind) {
     case LayerKind::gdn:
-      check_tokens(backend, "a", args.a, {T, heads}, "[tokens, value heads]");
-      check_tokens(backend, "b", args.b, {T, heads}, "[tokens, value heads]");
-      check_param(backend, "dt_bias", args.dt_bias, {heads}, "[value heads]");
+      check_tokens(backend, "a", args.a, {T, heads}, "[tokens, value heads]", device_tensors);
+      check_tokens(backend, "b", args.b, {T, heads}, "[tokens, value heads]", device_tensors);
+      check_param(backend, "dt_bias", args.dt_bias, {heads}, "[value heads]", device_tensors);
       break;
     case LayerKind::kda:
-      check_tokens(backend, "a", args.a, {T, heads, s.head_k_dim}, "[tokens, heads, head_k_dim]");
-      check_tokens(backend, "b", args.b, {T, heads}, "[tokens, heads]");
-      check_param(backend, "dt_bias", args.dt_bias, {heads, s.head_k_dim}, "[heads, head_k_dim]");
+      check_tokens(backend, "a", args.a, {T, heads, s.head_k_dim}, "[tokens, heads, head_k_dim]", device_tensors);
+      check_tokens(backend, "b", args.b, {T, heads}, "[tokens, heads]", device_tensors);
+      check_param(backend, "dt_bias", args.dt_bias, {heads, s.head_k_dim}, "[heads, head_k_dim]", device_tensors);
       break;
     case LayerKind::mamba2:
-      check_tokens(backend, "a (dt)", args.a, {T, heads}, "[tokens, heads]");
-      check_param(backend, "dt_bias", args.dt_bias, {heads}, "[heads]");
-      check_param(backend, "D", args.D, {heads}, "[heads]");
+      check_tokens(backend, "a (dt)", args.a, {T, heads}, "[tokens, heads]", device_tensors);
+      check_param(backend, "dt_bias", args.dt_bias, {heads}, "[heads]", device_tensors);
+      check_param(backend, "D", args.D, {heads}, "[heads]", device_tensors);
       ATTNRT_CHECK(args.b.empty(),
                    "{} linear backend: layer {} is mamba2, which takes no b (beta) input, but b "
                    "is {}",

@@ -15,6 +15,7 @@
 #include <cuda_runtime_api.h>
 
 #include "backends/cuda/cuda_kv_cache.h"
+#include "backends/cuda/cuda_linear_state.h"
 #include "backends/cuda/cuda_util.h"
 #endif
 
@@ -99,6 +100,18 @@ KVStorage make_storage(DeviceKind device, const ModelSpec& model, const KVCacheC
 #endif
 }
 
+// The linear state pool goes where the KV cache is (the device the chosen backends run on).
+std::unique_ptr<LinearStateMemory> make_linear_memory(const KVCache& kv, const ModelSpec& model) {
+  if (kv.device().kind == DeviceKind::cpu) return make_host_linear_state_memory();
+#if defined(ATTNRT_HAS_CUDA)
+  (void)model;
+  return cuda::make_cuda_linear_state_memory(&kv);
+#else
+  fail("model '{}': the KV cache is on {}, but this build has no CUDA support", model.name,
+       device_name(kv.device()));
+#endif
+}
+
 }  // namespace
 
 AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConfig config)
@@ -127,10 +140,6 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
   kv_cache_ = std::move(storage.cache);
 
   if (model_.has_linear_layers()) {
-    ATTNRT_CHECK(kv_cache_->device().kind == DeviceKind::cpu,
-                 "model '{}': the linear-attention state pool lives on the host, but the chosen "
-                 "backends run on {}; choose CPU backends for every phase",
-                 model_.name, device_name(kv_cache_->device()));
     LinearStateConfig lc;
     lc.max_slots =
         config_.linear_state_slots > 0 ? config_.linear_state_slots : config_.max_requests;
@@ -142,7 +151,8 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
                                                           : config_.max_requests;
       lc.num_draft_tokens = selection_.spec_num_draft_tokens;
     }
-    linear_state_ = std::make_unique<LinearStatePool>(model_, lc);
+    linear_state_ =
+        std::make_unique<LinearStatePool>(model_, lc, make_linear_memory(*kv_cache_, model_));
   }
 
   BackendContext ctx;
@@ -176,7 +186,9 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
         "deterministic mode splits each request by its own length, which a captured graph cannot "
         "follow";
   } else if (linear_state_ != nullptr) {
-    graph_off_reason_ = "the linear-attention state pool of this model lives on the host";
+    graph_off_reason_ =
+        "the model has linear-attention layers, which run eagerly: the captured graphs hold the "
+        "attention layers only";
   }
   if (graph_off_reason_.empty()) {
     const int max_bs = std::min(config_.cuda_graph_max_bs, config_.max_requests);

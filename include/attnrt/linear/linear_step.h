@@ -40,10 +40,11 @@ struct StepPlan {
 StepPlan make_step_plan(const ForwardBatch& batch, const LinearStatePool& pool,
                         std::string_view backend);
 
-// Checks one layer's call against the layer's dimensions and the step: every tensor on the host,
-// of a float dtype, of the documented shape (attention_backend.h, LinearArgs). The per-token
-// tensors may be strided in their first dimension; the rest must be contiguous.
+// Checks one layer's call against the layer's dimensions and the step: every tensor on the host
+// (or, with device_tensors, on the host or a CUDA device), of a float dtype, of the documented
+// shape (attention_backend.h, LinearArgs). The per-token tensors may be strided in their first
+// dimension; the rest must be contiguous.
 void check_linear_args(const LinearArgs& args, const LayerSpec& layer, int64_t num_tokens,
-                       std::string_view backend);
+                       std::string_view backend, bool device_tensors = false);
 
 }  // namespace attnrt::linear

@@ -1,0 +1,194 @@
+// The causal conv1d with SiLU of the linear-attention layers (§8.8) and the post-verify commit of
+// their state (§8.10).
+//
+// Conv: one thread per (request, channel, chunk of kConvTokens tokens); channels are contiguous in
+// every tensor, so each token's loads and stores are coalesced across a warp. A thread keeps the
+// K - 1 preceding inputs in registers. Without verify the slot's window becomes the last K - 1
+// inputs: written by the thread of the only chunk when the request fits in one, else by a second
+// kernel once every chunk has read the old window. Verify: one thread walks the block's tokens,
+// each starting from its parent's checkpoint window (re-read from what the same thread stored).
+#include <cstdint>
+
+#include "backends/cuda/kernels/linear.h"
+#include "backends/cuda/kernels/linear_common.cuh"
+
+namespace attnrt::cuda::linear {
+
+namespace {
+
+constexpr int kConvThreads = 128;
+constexpr int kConvTokens = 64;
+constexpr int kMaxKernel = 8;
+
+template <typename C>
+__device__ __forceinline__ float conv_at(const void* base, int64_t i) {
+  return to_float(static_cast<const C*>(base)[i]);
+}
+
+template <typename C>
+__device__ __forceinline__ void conv_put(void* base, int64_t i, float v) {
+  static_cast<C*>(base)[i] = from_float_as<C>(v);
+}
+
+template <typename C>
+__global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) {
+  const int c = blockIdx.x * kConvThreads + threadIdx.x;
+  const int dim = p.state.conv_dim;
+  if (c >= dim) return;
+  const LinReq r = p.step.reqs[blockIdx.y];
+  const int t0 = blockIdx.z * kConvTokens;
+  if (t0 >= r.tokens) return;
+  const int K = p.kernel, W = K - 1;
+  float w[kMaxKernel];
+#pragma unroll
+  for (int j = 0; j < kMaxKernel; ++j) w[j] = j < K ? p.weight[int64_t{c} * K + j] : 0.f;
+  const float bias = p.bias != nullptr ? p.bias[c] : 0.f;
+  const int64_t win_elems = int64_t{W} * dim;
+  const int64_t slot_base = r.slot * win_elems;
+  auto x_at = [&](int t) {
+    return load_elem(p.x, p.x_dtype, (int64_t{r.token_start} + t) * p.x_stride + c);
+  };
+  float win[kMaxKernel];  // win[j], j < W: the inputs before the current token, oldest first
+
+  if (p.step.verify) {
+    const int N = p.step.draft_tokens;
+    const int64_t row = blockIdx.y;
+    const int32_t* parents = p.step.parents + row * N;
+    for (int t = 0; t < r.tokens; ++t) {
+      const int parent = parents[t];
+#pragma unroll
+      for (int j = 0; j < kMaxKernel - 1; ++j) {
+        if (j >= W) break;
+        if (parent >= 0) {
+          win[j] = conv_at<C>(p.state.inter_conv, (row * N + parent) * win_elems + int64_t{j} * dim + c);
+        } else {
+          win[j] = r.has_initial_state ? conv_at<C>(p.state.conv, slot_base + int64_t{j} * dim + c)
+                                       : 0.f;
+        }
+      }
+      const float xt = x_at(t);
+      float acc = bias + w[W] * xt;
+#pragma unroll
+      for (int j = 0; j < kMaxKernel - 1; ++j) {
+        if (j < W) acc += w[j] * win[j];
+      }
+      p.y[(int64_t{r.token_start} + t) * dim + c] = silu(acc);
+      const int64_t dst = (row * N + t) * win_elems + c;
+#pragma unroll
+      for (int j = 0; j < kMaxKernel - 1; ++j) {
+        if (j < W) conv_put<C>(p.state.inter_conv, dst + int64_t{j} * dim, j + 1 < W ? win[j + 1] : xt);
+      }
+    }
+    return;
+  }
+
+#pragma unroll
+  for (int j = 0; j < kMaxKernel - 1; ++j) {
+    if (j >= W) break;
+    const int i = t0 - W + j;  // input index in the request; < 0: the slot's window
+    if (i >= 0) {
+      win[j] = x_at(i);
+    } else {
+      win[j] = r.has_initial_state ? conv_at<C>(p.state.conv, slot_base + int64_t{W + i} * dim + c)
+                                   : 0.f;
+    }
+  }
+  const int t1 = min(r.tokens, t0 + kConvTokens);
+  for (int t = t0; t < t1; ++t) {
+    const float xt = x_at(t);
+    float acc = bias + w[W] * xt;
+#pragma unroll
+    for (int j = 0; j < kMaxKernel - 1; ++j) {
+      if (j < W) acc += w[j] * win[j];
+    }
+    p.y[(int64_t{r.token_start} + t) * dim + c] = silu(acc);
+#pragma unroll
+    for (int j = 0; j < kMaxKernel - 1; ++j) {
+      if (j < W) win[j] = j + 1 < W ? win[j + 1] : xt;
+    }
+  }
+  if (r.tokens <= kConvTokens) {
+    // The only chunk: win now holds the last W inputs of window ++ x.
+#pragma unroll
+    for (int j = 0; j < kMaxKernel - 1; ++j) {
+      if (j < W) conv_put<C>(p.state.conv, slot_base + int64_t{j} * dim + c, win[j]);
+    }
+  }
+}
+
+// Requests longer than one chunk: the new window is the last W inputs, all from x (W < chunk).
+template <typename C>
+__global__ void __launch_bounds__(kConvThreads) conv_window_kernel(const ConvParams p) {
+  const int c = blockIdx.x * kConvThreads + threadIdx.x;
+  const int dim = p.state.conv_dim;
+  if (c >= dim) return;
+  const LinReq r = p.step.reqs[blockIdx.y];
+  if (r.tokens <= kConvTokens) return;
+  const int W = p.kernel - 1;
+  for (int j = 0; j < W; ++j) {
+    const int64_t t = int64_t{r.token_start} + r.tokens - W + j;
+    conv_put<C>(p.state.conv, (r.slot * W + j) * dim + c,
+                load_elem(p.x, p.x_dtype, t * p.x_stride + c));
+  }
+}
+
+template <typename C>
+cudaError_t conv_launch(const ConvParams& p, cudaStream_t stream) {
+  const unsigned cblocks = static_cast<unsigned>((p.state.conv_dim + kConvThreads - 1) / kConvThreads);
+  const unsigned chunks =
+      p.step.verify ? 1u : static_cast<unsigned>((p.step.max_tokens + kConvTokens - 1) / kConvTokens);
+  conv_kernel<C><<<dim3(cblocks, p.step.num_reqs, chunks), kConvThreads, 0, stream>>>(p);
+  if (!p.step.verify && chunks > 1) {
+    conv_window_kernel<C><<<dim3(cblocks, p.step.num_reqs), kConvThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+// §8.10: one block per (request row, part): part 0 the conv window, part 1 the state.
+template <typename Word>
+__global__ void commit_kernel(const CommitParams p, int64_t conv_bytes, int64_t ssm_bytes) {
+  const int i = blockIdx.x;
+  const int s = p.last_accepted[i];
+  if (s < 0) return;
+  const bool conv = blockIdx.y == 0;
+  const int64_t bytes = conv ? conv_bytes : ssm_bytes;
+  const int64_t checkpoint = int64_t{i} * p.draft_tokens + s;
+  const Word* src = reinterpret_cast<const Word*>(
+      static_cast<const char*>(conv ? p.state.inter_conv : p.state.inter_ssm) + checkpoint * bytes);
+  Word* dst = reinterpret_cast<Word*>(static_cast<char*>(conv ? p.state.conv : p.state.ssm) +
+                                      p.slots[i] * bytes);
+  const int64_t words = bytes / static_cast<int64_t>(sizeof(Word));
+  for (int64_t w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];
+}
+
+int64_t dtype_bytes(DTypeCode t) { return t == kF32 ? 4 : 2; }
+
+}  // namespace
+
+cudaError_t launch_conv(const ConvParams& p, cudaStream_t stream) {
+  if (p.step.num_reqs == 0 || p.step.max_tokens == 0) return cudaSuccess;
+  if (p.kernel < 1 || p.kernel > kMaxKernel || p.state.conv_width != p.kernel - 1 ||
+      p.step.num_reqs > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.state.conv_dtype == kF32) return conv_launch<float>(p, stream);
+  if (p.state.conv_dtype == kBF16) return conv_launch<__nv_bfloat16>(p, stream);
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_commit(const CommitParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
+  const int64_t conv_bytes =
+      int64_t{p.state.conv_width} * p.state.conv_dim * dtype_bytes(p.state.conv_dtype);
+  const int64_t ssm_bytes = int64_t{p.state.heads} * p.state.rows * p.state.cols *
+                            dtype_bytes(p.state.ssm_dtype);
+  const dim3 grid(static_cast<unsigned>(p.rows), 2);
+  if (conv_bytes % 16 == 0 && ssm_bytes % 16 == 0) {
+    commit_kernel<uint4><<<grid, 256, 0, stream>>>(p, conv_bytes, ssm_bytes);
+  } else {
+    commit_kernel<unsigned char><<<grid, 256, 0, stream>>>(p, conv_bytes, ssm_bytes);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace attnrt::cuda::linear
