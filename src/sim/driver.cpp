@@ -142,9 +142,13 @@ struct Engine {
   ModelSpec model;
   std::unique_ptr<AttentionRuntime> runtime;
   std::unique_ptr<AttentionBackend> reference;  // over the runtime's pools; nullptr = no checking
-  // Hybrid models: reference's linear side over the runtime's state pool (checked steps restore
-  // the state the runtime started from before it runs, and the runtime's result after).
+  // Hybrid models: reference's linear side over the runtime's state pool, or over linear_mirror
+  // when that pool is on the GPU (checked steps give the reference the state the runtime started
+  // from, and on a shared pool put the runtime's result back after).
   std::unique_ptr<AttentionBackend> reference_linear;
+  // GPU state pool: its host copy, with the same slot bindings (every alloc_for / free_for is
+  // repeated on it); a checked step uploads the step's slots into it first.
+  std::unique_ptr<LinearStatePool> linear_mirror;
   std::vector<int> kv_layers;
   std::map<int, int> linear_rows;  // trace index -> request row holding a linear-state slot
   // GPU pools: a host copy of the KV pools that the reference (and --dump-step) read. Before a
@@ -244,7 +248,11 @@ Engine make_engine(const ModelSpec& model, const Options& options, const RunConf
     ctx.device = Device::cpu();
     e.reference = Registry::global().get("reference").factory(ctx);
     if (e.runtime->has_linear_layers()) {
-      ctx.linear_state = &e.runtime->linear_state();
+      LinearStatePool& states = e.runtime->linear_state();
+      if (states.device().kind != DeviceKind::cpu) {
+        e.linear_mirror = std::make_unique<LinearStatePool>(e.runtime->model(), states.config());
+      }
+      ctx.linear_state = e.linear_mirror ? e.linear_mirror.get() : &states;
       e.reference_linear = Registry::global().get("reference").linear_factory(ctx);
     }
   }
@@ -314,52 +322,55 @@ LinearArgs linear_args(const LayerSpec& l, const LinearWeights& w, const LayerBu
   return a;
 }
 
-// The part of one linear layer's state a step may change: the slots of its requests, or, for
-// TARGET_VERIFY, the checkpoints of its rows (the slots stay untouched there).
+// The part of one linear layer's state a step reads or may change: the slots of its requests and,
+// for TARGET_VERIFY, the checkpoints of its rows (the slots stay untouched there).
 struct StateRegion {
   bool verify = false;
   std::vector<int64_t> slots;
   int64_t checkpoints = 0;  // verify: batch rows x N
+  int draft_tokens = 0;     // verify: N
 };
 
+// The region's conv windows and states: the slots first, then the checkpoints.
 struct StateCopy {
   std::vector<uint8_t> conv, ssm;
-  int64_t count = 0;  // slots or checkpoints held
+  int64_t count = 0;
 };
 
-StateCopy save_state(const LinearLayerState& st, const StateRegion& r) {
+StateCopy save_state(const LinearStatePool& pool, int layer_id, const StateRegion& r) {
+  const LinearLayerState& st = pool.layer(layer_id);
   const size_t cb = static_cast<size_t>(st.shape.conv_elems()) * dtype_size(st.conv_dtype);
   const size_t sb = static_cast<size_t>(st.shape.ssm_elems()) * dtype_size(st.ssm_dtype);
   StateCopy c;
-  if (r.verify) {
-    c.count = r.checkpoints;
-    c.conv.assign(static_cast<const uint8_t*>(st.inter_conv),
-                  static_cast<const uint8_t*>(st.inter_conv) + cb * c.count);
-    c.ssm.assign(static_cast<const uint8_t*>(st.inter_ssm),
-                 static_cast<const uint8_t*>(st.inter_ssm) + sb * c.count);
-    return c;
-  }
-  c.count = static_cast<int64_t>(r.slots.size());
+  c.count = static_cast<int64_t>(r.slots.size()) + (r.verify ? r.checkpoints : 0);
+  c.conv.resize(cb * static_cast<size_t>(c.count));
+  c.ssm.resize(sb * static_cast<size_t>(c.count));
+  size_t at = 0;
   for (int64_t slot : r.slots) {
-    const auto* conv = static_cast<const uint8_t*>(st.conv) + cb * slot;
-    const auto* ssm = static_cast<const uint8_t*>(st.ssm) + sb * slot;
-    c.conv.insert(c.conv.end(), conv, conv + cb);
-    c.ssm.insert(c.ssm.end(), ssm, ssm + sb);
+    pool.download_slot(layer_id, static_cast<int>(slot), &c.conv[cb * at], &c.ssm[sb * at]);
+    ++at;
+  }
+  for (int64_t k = 0; r.verify && k < r.checkpoints; ++k, ++at) {
+    pool.download_checkpoint(layer_id, static_cast<int>(k / r.draft_tokens),
+                             static_cast<int>(k % r.draft_tokens), &c.conv[cb * at],
+                             &c.ssm[sb * at]);
   }
   return c;
 }
 
-void restore_state(const LinearLayerState& st, const StateRegion& r, const StateCopy& c) {
+void restore_state(LinearStatePool& pool, int layer_id, const StateRegion& r, const StateCopy& c) {
+  const LinearLayerState& st = pool.layer(layer_id);
   const size_t cb = static_cast<size_t>(st.shape.conv_elems()) * dtype_size(st.conv_dtype);
   const size_t sb = static_cast<size_t>(st.shape.ssm_elems()) * dtype_size(st.ssm_dtype);
-  if (r.verify) {
-    std::memcpy(st.inter_conv, c.conv.data(), c.conv.size());
-    std::memcpy(st.inter_ssm, c.ssm.data(), c.ssm.size());
-    return;
+  size_t at = 0;
+  for (int64_t slot : r.slots) {
+    pool.upload_slot(layer_id, static_cast<int>(slot), &c.conv[cb * at], &c.ssm[sb * at]);
+    ++at;
   }
-  for (size_t i = 0; i < r.slots.size(); ++i) {
-    std::memcpy(static_cast<uint8_t*>(st.conv) + cb * r.slots[i], c.conv.data() + cb * i, cb);
-    std::memcpy(static_cast<uint8_t*>(st.ssm) + sb * r.slots[i], c.ssm.data() + sb * i, sb);
+  for (int64_t k = 0; r.verify && k < r.checkpoints; ++k, ++at) {
+    pool.upload_checkpoint(layer_id, static_cast<int>(k / r.draft_tokens),
+                           static_cast<int>(k % r.draft_tokens), &c.conv[cb * at],
+                           &c.ssm[sb * at]);
   }
 }
 
@@ -780,14 +791,23 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
       for (size_t i = 0; i < step.requests.size(); ++i) {
         const int row = static_cast<int>(batch.req_pool_indices[i]);
         if (states.slot_of(row) < 0) {
-          states.alloc_for(row);
+          const int slot = states.alloc_for(row);
+          if (e.linear_mirror) {
+            const int copy = e.linear_mirror->alloc_for(row);
+            ATTNRT_CHECK(copy == slot,
+                         "attnrt run: the host copy of the linear state pool gave request row {} "
+                         "slot {}, the GPU pool slot {}",
+                         row, copy, slot);
+          }
           e.linear_rows[step.requests[i]] = row;
         }
         region.slots.push_back(states.slot_of(row));
       }
       region.verify = is_target_verify(batch.mode);
-      if (region.verify)
-        region.checkpoints = int64_t{batch.batch_size} * batch.spec_info->draft_token_num;
+      if (region.verify) {
+        region.draft_tokens = batch.spec_info->draft_token_num;
+        region.checkpoints = int64_t{batch.batch_size} * region.draft_tokens;
+      }
     }
     // DECODE / TARGET_VERIFY steps on GPU pools run as CUDA graphs when the runtime has them:
     // every attention layer's inputs go into the static tensors first, then one launch.
@@ -929,9 +949,11 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
           fill_random(args.a, rng, 2.5f);
           if (!args.b.empty()) fill_random(args.b, rng, 2.5f);
           poison(args.out);
-          const LinearLayerState& st = e.runtime->linear_state().layer(layer.layer_id);
+          LinearStatePool& states = e.runtime->linear_state();
+          LinearStatePool& ref_states = e.linear_mirror ? *e.linear_mirror : states;
+          const LinearLayerState& st = states.layer(layer.layer_id);
           StateCopy before;
-          if (check && T > 0) before = save_state(st, region);
+          if (check && T > 0) before = save_state(states, layer.layer_id, region);
           t0 = Clock::now();
           e.runtime->forward_linear(layer.layer_id, args);
           elapsed += seconds_since(t0);
@@ -940,17 +962,18 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
               "step {} ({} {}), layer {} ({})", step.index, model_role_name(step.role),
               forward_mode_name(batch.mode), layer.layer_id, layer_kind_name(layer.kind));
           if (check) {
-            // The reference runs from the state the runtime started from; the runtime's result is
-            // put back afterwards, so the run goes on with the backend under test.
-            const StateCopy after = save_state(st, region);
-            restore_state(st, region, before);
+            // The reference runs from the state the runtime started from (in the host copy of a
+            // GPU pool, or in the same pool, where the runtime's result is put back afterwards,
+            // so the run goes on with the backend under test).
+            const StateCopy after = save_state(states, layer.layer_id, region);
+            restore_state(ref_states, layer.layer_id, region, before);
             LinearArgs ref = args;
             ref.out = TensorView(buf.ref_out.data(), model.dtype,
                                  {T, args.out.shape[1], args.out.shape[2]});
             poison(ref.out);
             e.reference_linear->forward_linear(ref, layer, batch);
-            const StateCopy expected = save_state(st, region);
-            restore_state(st, region, after);
+            const StateCopy expected = save_state(ref_states, layer.layer_id, region);
+            if (&ref_states == &states) restore_state(states, layer.layer_id, region, after);
             const Comparison c = compare(args.out, ref.out, rep.tolerance);
             ms.max_abs_err = std::max(ms.max_abs_err, c.max_abs);
             ms.max_rel_err = std::max(ms.max_rel_err, c.max_rel);
@@ -963,9 +986,15 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
                               where, c.bad, args.out.numel(), c.token, c.head, c.column, c.got,
                               c.expected, rep.tolerance.atol, rep.tolerance.rtol));
             }
-            // The state each request (or verify checkpoint) ends with: recurrent state and conv
+            // The state each request (and verify checkpoint) ends with: recurrent state and conv
             // window against reference's.
             const LinearStateShape& sh = st.shape;
+            auto where_in = [&](int64_t k) {
+              const auto n = static_cast<int64_t>(region.slots.size());
+              if (k < n) return fmt::format("request {}", k);
+              return fmt::format("checkpoint (request {}, block token {})",
+                                 (k - n) / region.draft_tokens, (k - n) % region.draft_tokens);
+            };
             const struct {
               const char* what;
               DType dtype;
@@ -987,11 +1016,10 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
                 record_failure(
                     key, step, layer.layer_id, sc,
                     fmt::format(
-                        "{}: {} of {} {} values beyond tolerance; worst in {} {}, [{}, {}]: "
+                        "{}: {} of {} {} values beyond tolerance; worst in {}, [{}, {}]: "
                         "got {:.6g}, reference {:.6g}",
                         where, sc.bad, got.numel(), part.what,
-                        region.verify ? "checkpoint" : "request", sc.token, sc.head, sc.column,
-                        sc.got, sc.expected));
+                        where_in(sc.token), sc.head, sc.column, sc.got, sc.expected));
               }
             }
           } else if (unwritten >= 0) {
@@ -1039,6 +1067,7 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
         if (sched.requests()[static_cast<size_t>(it->first)].phase ==
             RequestState::Phase::finished) {
           e.runtime->linear_state().free_for(it->second);
+          if (e.linear_mirror) e.linear_mirror->free_for(it->second);
           it = e.linear_rows.erase(it);
         } else {
           ++it;
