@@ -25,7 +25,8 @@
 namespace attnrt {
 namespace {
 
-enum Kind { kDecode = 0, kVerify = 1, kExtend = 2 };
+// kDecodeRagged: decode with lengths drawn from [256, 2048] (serving batches are not uniform).
+enum Kind { kDecode = 0, kVerify = 1, kExtend = 2, kDecodeRagged = 3 };
 
 constexpr int kBatch = 256;
 constexpr int kPage = 16;
@@ -37,8 +38,9 @@ struct Workload {
   ForwardBatch batch;
 
   explicit Workload(Kind kind, int page = kPage) : pool(kBatch, 2048 + 16) {
-    const int prefix = kind == kDecode ? 2047 : 2048;
-    const int q = kind == kDecode ? 1 : kind == kVerify ? 8 : 16;
+    const bool decode = kind == kDecode || kind == kDecodeRagged;
+    const int prefix = decode ? 2047 : 2048;
+    const int q = decode ? 1 : kind == kVerify ? 8 : 16;
     const int kv = prefix + q;
     const int per_req = (kv + page - 1) / page;
     std::vector<int64_t> order(static_cast<size_t>(kBatch) * per_req);
@@ -51,8 +53,13 @@ struct Workload {
         slots[j] = order[static_cast<size_t>(r) * per_req + j / page] * page + j % page;
       pool.write(static_cast<int>(rows[r]), 0, slots);
     }
-    if (kind == kDecode) {
-      batch = make_decode_batch(rows, std::vector<int32_t>(kBatch, kv));
+    std::vector<int32_t> lens(kBatch, kv);
+    if (kind == kDecodeRagged) {
+      std::mt19937 rng(7);
+      for (int32_t& l : lens) l = 256 + static_cast<int32_t>(rng() % (kv - 255));
+    }
+    if (decode) {
+      batch = make_decode_batch(rows, lens);
     } else if (kind == kVerify) {
       batch = make_verify_batch(rows, std::vector<int32_t>(kBatch, prefix),
                                 SpecInfo::chain(kBatch, q));
@@ -62,7 +69,8 @@ struct Workload {
     }
     for (int r = 0; r < kBatch; ++r)
       for (int t = 0; t < q; ++t)
-        batch.out_cache_loc.push_back(pool.get(static_cast<int>(rows[r]), prefix + t));
+        batch.out_cache_loc.push_back(
+            pool.get(static_cast<int>(rows[r]), lens[r] - q + t));
   }
 };
 
@@ -106,6 +114,7 @@ BENCHMARK(BM_HostPlan)
     ->Args({kDecode, 16})
     ->Args({kVerify, 16})
     ->Args({kExtend, 16})
+    ->Args({kDecodeRagged, 16})
     ->Args({kDecode, 1});
 
 void BM_MakeStepLayout(benchmark::State& state) {
