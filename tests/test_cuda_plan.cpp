@@ -458,7 +458,9 @@ void run_scenario(const Scenario& sc, uint32_t seed, int steps) {
       rows.grow(row, p + q);
       return p;
     };
-    const int uniform_q = 1 + static_cast<int>(rng() % 16);
+    // Equal query lengths: short (decode / verify tiles) or long (several prefill tiles).
+    const int uniform_q = rng() % 4 == 0 ? 100 + static_cast<int>(rng() % 600)
+                                         : 1 + static_cast<int>(rng() % 16);
     if (mode == 0 || mode == 1) {  // DECODE (1: every request the same length)
       std::vector<int32_t> seq(bs);
       const int same = 1 + static_cast<int>(rng() % 4000);

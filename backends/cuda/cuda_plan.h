@@ -102,17 +102,38 @@ class HostPlanner {
   const PlannerConfig& config() const { return config_; }
 
  private:
-  struct Request {
-    int64_t row;
-    int32_t prefix, qlen, qo_start;
+  // Query tiles and splits of a class's requests: one value for all when the lengths allow
+  // (> 0), else per request in class_tiles_ / splits_ (0). With one value for both, the work
+  // list only depends on (batch size, tiles, splits, tile rows): it is kept for the next step.
+  struct ClassWork {
+    int32_t tiles = 0;
+    int32_t splits = 0;
+    std::array<int32_t, 4> key{-1, -1, -1, -1};
+    std::vector<WorkItem> items;
+  };
+  struct Stats {
+    int32_t tokens = 0, min_q = INT32_MAX, max_q = 0;
+    uint32_t min_kv = UINT32_MAX, max_kv = 0;
+    int64_t sum_kv = 0;
+    int64_t pages = 0;  // page ids the step uploads when it is incremental
+  };
+  // What the device row table holds for a pool row: its generation and committed page count.
+  struct RowState {
+    uint64_t gen;
+    int32_t known;
+    int32_t pad;
   };
   struct Commit {
     int32_t row;
     int32_t pages;
     uint64_t gen;
   };
+  template <typename Derive>
+  void scan(const ForwardBatch& batch, Derive derive);
   void derive_requests(const ForwardBatch& batch);
-  void choose_splits(const ClassPlan& cp, int bs, int64_t cap, int32_t* splits);
+  void plan_class(size_t c, int bs);
+  uint32_t choose_chunk(size_t c, int bs, int64_t cap, int64_t base);
+  void write_work_ragged(size_t c, WorkItem* items) const;
 
   PlannerConfig config_;
   StepPlan plan_;
@@ -123,18 +144,27 @@ class HostPlanner {
   bool commit_ = false;
   int raw_bs_ = 0;
   int n_draft_ = 0;
+  int pad_qlen_ = 1;
+  int shift_ = 0;
+  bool track_ = false;   // pages held by the row table are looked up (the step may be incremental)
+  bool commit_if_incremental_ = false;
+  bool tree_ = false;
+  Stats stats_;
   // Scratch reused every step (no allocation once grown).
-  std::vector<Request> reqs_;
-  std::vector<int32_t> tiles_, splits_, class_tiles_, pt_start_, pt_known_;
+  // The step's requests in the kernels' layout, as if the step were incremental (the rare step
+  // that is not gets its page fields redone), with one split each; their pool rows and lengths.
+  std::vector<ReqInfo> info_;
+  std::vector<int32_t> row_of_, kv_;
+  std::vector<ClassWork> work_;
+  std::vector<int32_t> splits_, class_tiles_;  // [class][request] where not uniform
   std::vector<uint32_t> row_stamp_;  // duplicate-row check: row_stamp_[row] == stamp_ seen
   uint32_t stamp_ = 0;
-  // Incremental page tables: per pool row, which pool generation and how many committed pages
-  // the device row table holds. A plan's commits (pages its kernels store back) become that state
-  // once a kernel of the plan was launched.
+  // Incremental page tables: per pool row, what the device row table holds. A plan's commits
+  // (pages its kernels store back) become that state once a kernel of the plan was launched.
   int64_t pages_per_row_ = 0;
-  std::vector<uint64_t> row_gen_;
-  std::vector<int32_t> row_known_;
+  std::vector<RowState> rows_;
   std::vector<Commit> commits_;
+  int num_commits_ = 0;
   bool commits_launched_ = false;
 };
 
