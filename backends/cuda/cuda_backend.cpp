@@ -11,6 +11,7 @@
 #include "backends/cuda/cuda_bench.h"
 #include "backends/cuda/cuda_kv_cache.h"
 #include "backends/cuda/cuda_linear_backend.h"
+#include "backends/cuda/kernels/attention_generic.h"
 #include "backends/cuda/kernels/prefill.h"
 
 namespace attnrt::cuda {
@@ -23,6 +24,12 @@ size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool is_device(const TensorView& t) { return t.device.kind == DeviceKind::cuda; }
+
+// Dims with tensor-core kernels (attention.cuh, prefill.cuh); every other shape (MLA's 576 / 512
+// among them) runs the generic SIMT kernel (attention_generic.cu).
+bool has_tensor_core_kernel(int head_dim, int v_head_dim) {
+  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && v_head_dim == head_dim;
+}
 
 bool is_device_pointer(const void* p) {
   cudaPointerAttributes attr{};
@@ -75,8 +82,11 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
         continue;
       cfg.head_dims[c] = l.head_dim;
       const bool fp8 = is_fp8(ctx.kv_cache->layer(l.layer_id).dtype);
+      const bool tc =
+          has_tensor_core_kernel(l.head_dim, l.v_head_dim > 0 ? l.v_head_dim : l.head_dim);
       for (TileShape sh : {TileShape::decode, TileShape::prefill, TileShape::verify})
-        cfg.occupancy[c][static_cast<int>(sh)] = attention_occupancy(l.head_dim, fp16, fp8, sh);
+        cfg.occupancy[c][static_cast<int>(sh)] =
+            tc ? attention_occupancy(l.head_dim, fp16, fp8, sh) : attention_occupancy_generic(fp16);
       break;
     }
   }
@@ -178,20 +188,28 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                "cuda backend: forward for a {} batch of {} requests without a matching "
                "init_forward_metadata for this step",
                forward_mode_name(batch.mode), batch.batch_size);
-  ATTNRT_CHECK(layer.uses_kv_cache() && layer.kind != LayerKind::mla,
-               "cuda backend: layer {} is {}; the cuda backend serves full and swa layers",
+  ATTNRT_CHECK(layer.uses_kv_cache(),
+               "cuda backend: layer {} is {}; the cuda backend serves full, swa and mla layers",
                layer.layer_id, layer_kind_name(layer.kind));
+  const bool mla = layer.kind == LayerKind::mla;
   const int hq = layer.num_q_heads, hkv = layer.num_kv_heads;
   ATTNRT_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0,
                "cuda backend: layer {} has {} q heads and {} kv heads; q heads must be a positive "
                "multiple of kv heads",
                layer.layer_id, hq, hkv);
   const int d = layer.head_dim, dv = layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
-  ATTNRT_CHECK((d == 64 || d == 128 || d == 256) && dv == d,
-               "cuda backend: layer {} has head_dim {} / v_head_dim {}; the kernels support "
-               "head_dim 64, 128 or 256 with v_head_dim == head_dim (use the reference or cpu "
-               "backend for other shapes)",
-               layer.layer_id, d, dv);
+  const bool generic = !has_tensor_core_kernel(d, dv);
+  ATTNRT_CHECK(!generic || (d > 0 && dv > 0 && d % 8 == 0 && dv % 8 == 0 &&
+                            d <= kGenericMaxDim && dv <= kGenericMaxDim),
+               "cuda backend: layer {} has head_dim {} / v_head_dim {}; the kernels take "
+               "multiples of 8 up to {} (tensor cores for 64, 128, 256 with v_head_dim == "
+               "head_dim; a generic kernel otherwise); use the cpu or reference backend for "
+               "other shapes",
+               layer.layer_id, d, dv, kGenericMaxDim);
+  ATTNRT_CHECK(!mla || (hkv == 1 && dv <= d),
+               "cuda backend: mla layer {} has {} kv heads, head_dim {}, v_head_dim {}; MLA "
+               "attends over one latent kv head whose first v_head_dim columns are V",
+               layer.layer_id, hkv, d, dv);
   ATTNRT_CHECK(layer.causal() || layer.sliding_window < 0,
                "cuda backend: layer {} is non-causal with sliding_window {}; a window is defined "
                "for causal layers only (use -1)",
@@ -205,11 +223,13 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   check_act("out", args.out, dev_tokens, hq, dv);
   ATTNRT_CHECK(args.out.dtype == args.q.dtype, "cuda backend: out is {} but q is {}; they must match",
                args.out.describe(), args.q.describe());
-  ATTNRT_CHECK(args.k.empty() == args.v.empty(),
+  // MLA stores the latent k rows only (V is a view of them), so v may be left empty there.
+  ATTNRT_CHECK(mla ? !(args.k.empty() && !args.v.empty()) : args.k.empty() == args.v.empty(),
                "cuda backend: k is {} but v is {}; pass both (store this step's K/V) or neither "
-               "(already stored by another layer)",
+               "(already stored by another layer){}",
                args.k.empty() ? "empty" : args.k.describe(),
-               args.v.empty() ? "empty" : args.v.describe());
+               args.v.empty() ? "empty" : args.v.describe(),
+               mla ? "; an mla layer takes k alone too" : "");
   const bool on_device = is_device(args.q);
   ATTNRT_CHECK(is_device(args.out) == on_device && (args.lse.empty() || is_device(args.lse) == on_device),
                "cuda backend: q is {} but out is {}; q, out and lse must all be on the GPU or all "
@@ -239,6 +259,10 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                "cuda backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer needs "
                "[{} heads, {} / {} dims]",
                layer.layer_id, kv.kv_heads, kv.head_dim, kv.v_head_dim, hkv, d, dv);
+  ATTNRT_CHECK(!mla || (kv.v == kv.k && kv.v_row_stride == kv.k_row_stride),
+               "cuda backend: mla layer {} KV cache has separate V storage; an mla layer needs the "
+               "latent pool, whose V is a view of the K row",
+               layer.layer_id);
   const bool fp8 = is_fp8(kv.dtype);
   ATTNRT_CHECK(fp8 || kv.dtype == args.q.dtype,
                "cuda backend: layer {} KV cache is {} but q is {}; the KV dtype must equal the "
@@ -255,11 +279,14 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
     const size_t kb = static_cast<size_t>(kv.num_rows) * kv.k_row_stride * dtype_size(kv.dtype);
     const size_t vb = static_cast<size_t>(kv.num_rows) * kv.v_row_stride * dtype_size(kv.dtype);
     ensure(m.k, kb, "mirrored K");
-    ensure(m.v, vb, "mirrored V");
     ATTNRT_CUDA_CHECK(cudaMemcpyAsync(m.k.data(), kv.k, kb, cudaMemcpyHostToDevice, stream_));
-    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(m.v.data(), kv.v, vb, cudaMemcpyHostToDevice, stream_));
     k_ptr = m.k.data();
-    v_ptr = m.v.data();
+    v_ptr = m.k.data();  // MLA: V is a view of the K rows
+    if (kv.v != kv.k) {
+      ensure(m.v, vb, "mirrored V");
+      ATTNRT_CUDA_CHECK(cudaMemcpyAsync(m.v.data(), kv.v, vb, cudaMemcpyHostToDevice, stream_));
+      v_ptr = m.v.data();
+    }
     if (kv.slot_map != nullptr) {
       const size_t mb = static_cast<size_t>(kv.slot_map_rows + 1) * sizeof(int64_t);
       ensure(m.map, mb, "mirrored slot map");
@@ -374,9 +401,12 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   const bool fp16 = args.q.dtype == DType::f16;
   // Long query runs (EXTEND, MIXED, DRAFT_EXTEND with prefill-shaped tiles, causal or not) on
   // 16-bit KV take the prefill kernel; decode, verify and fp8 KV take the general kernel.
+  // Dims without a tensor-core kernel take the generic kernel (same work list and partials).
   const bool prefill = cls->shape == TileShape::prefill && !fp8 && !is_target_verify(plan.mode);
-  ATTNRT_CUDA_CHECK(prefill ? launch_prefill(p, d, fp16, cls->num_items, stream_)
-                            : launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_));
+  ATTNRT_CUDA_CHECK(
+      generic    ? launch_attention_generic(p, d, dv, fp16, cls->shape, cls->num_items, stream_)
+      : prefill ? launch_prefill(p, d, fp16, cls->num_items, stream_)
+                : launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_));
   planner_->launched();
   if (cls->max_splits > 1) {
     MergeParams mp{};
@@ -479,14 +509,16 @@ BackendEntry cuda_backend_entry() {
   e.caps.devices = {DeviceKind::cuda};
   e.caps.page_sizes = {1, 8, 16, 32, 64, 128};
   e.caps.kv_dtypes = {DType::bf16, DType::f16, DType::e4m3, DType::e5m2};
-  e.caps.head_dims = {64, 128, 256};
+  // Any head dim: tensor cores for 64 / 128 / 256 (v_head_dim == head_dim), the generic kernel
+  // for other multiples of 8 up to 576 (forward says so for anything else).
+  e.caps.head_dims = {};
   e.caps.spec_topk1 = true;
   e.caps.spec_topk_gt1 = true;
   e.caps.sliding_window = true;
   e.caps.softcap = true;
   e.caps.sinks = true;
   e.caps.non_causal = true;
-  e.caps.mla = false;
+  e.caps.mla = true;
   e.caps.cuda_graphs = true;
   e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
   e.auto_selectable = true;

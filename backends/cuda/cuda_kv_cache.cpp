@@ -28,19 +28,23 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
   layers_.resize(static_cast<size_t>(max_id + 1));
   for (const LayerSpec& l : model.layers) {
     if (!l.uses_kv_cache()) continue;
-    ATTNRT_CHECK(l.kind != LayerKind::mla,
-                 "CUDA KV cache: layer {} is an MLA layer; the CUDA backend has no MLA latent pool",
-                 l.layer_id);
     Layer& e = layers_[l.layer_id];
     e.present = true;
+    e.latent = l.kind == LayerKind::mla;
     e.kv_heads = l.num_kv_heads;
     e.head_dim = l.head_dim;
     e.v_head_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+    ATTNRT_CHECK(!e.latent || (e.kv_heads == 1 && e.v_head_dim <= e.head_dim),
+                 "CUDA KV cache: mla layer {} has {} kv heads, head_dim {}, v_head_dim {}; the "
+                 "latent pool holds one kv head whose first v_head_dim columns are V",
+                 l.layer_id, e.kv_heads, e.head_dim, e.v_head_dim);
     e.k.reserve(k_bytes(e));
-    e.v.reserve(v_bytes(e));
     // Unwritten rows are read by padded graph rows and masked keys: keep them finite.
     ATTNRT_CUDA_CHECK(cudaMemset(e.k.data(), 0, k_bytes(e)));
-    ATTNRT_CUDA_CHECK(cudaMemset(e.v.data(), 0, v_bytes(e)));
+    if (!e.latent) {
+      e.v.reserve(v_bytes(e));
+      ATTNRT_CUDA_CHECK(cudaMemset(e.v.data(), 0, v_bytes(e)));
+    }
   }
   loc_.reserve(static_cast<size_t>(max_num_tokens_) * sizeof(int64_t));
   ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
@@ -56,6 +60,7 @@ size_t CudaKVCache::k_bytes(const Layer& l) const {
   return static_cast<size_t>(rows_) * l.kv_heads * l.head_dim * dtype_size(dtype_);
 }
 size_t CudaKVCache::v_bytes(const Layer& l) const {
+  if (l.latent) return 0;
   return static_cast<size_t>(rows_) * l.kv_heads * l.v_head_dim * dtype_size(dtype_);
 }
 
@@ -73,7 +78,7 @@ KVLayerView CudaKVCache::layer(int layer_id) const {
   const Layer& e = find(layer_id);
   KVLayerView v;
   v.k = e.k.data();
-  v.v = e.v.data();
+  v.v = e.latent ? e.k.data() : e.v.data();
   v.dtype = dtype_;
   v.device = device();
   v.num_rows = rows_;
@@ -81,9 +86,9 @@ KVLayerView CudaKVCache::layer(int layer_id) const {
   v.head_dim = e.head_dim;
   v.v_head_dim = e.v_head_dim;
   v.k_row_stride = static_cast<int64_t>(e.kv_heads) * e.head_dim;
-  v.v_row_stride = static_cast<int64_t>(e.kv_heads) * e.v_head_dim;
+  v.v_row_stride = e.latent ? v.k_row_stride : static_cast<int64_t>(e.kv_heads) * e.v_head_dim;
   v.k_scale = e.k_scale;
-  v.v_scale = e.v_scale;
+  v.v_scale = e.latent ? e.k_scale : e.v_scale;
   v.step_write_loc = step_tokens_ >= 0 ? loc_.ptr<int64_t>() : nullptr;
   return v;
 }
@@ -135,7 +140,8 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
                "first",
                layer_id);
   check_step_tensor("k", k, step_tokens_, e.kv_heads, e.head_dim, layer_id);
-  check_step_tensor("v", v, step_tokens_, e.kv_heads, e.v_head_dim, layer_id);
+  // MLA: the latent k rows are K and V; v is not read (§4.5).
+  if (!e.latent) check_step_tensor("v", v, step_tokens_, e.kv_heads, e.v_head_dim, layer_id);
   if (step_tokens_ == 0) return;
   auto device_view = [&](const TensorView& t, size_t offset) -> std::pair<const void*, TensorView> {
     if (t.device.kind == DeviceKind::cuda) return {t.data, t};
@@ -150,11 +156,11 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   const size_t kb = k.device.kind == DeviceKind::cuda
                         ? 0
                         : (static_cast<size_t>(k.numel()) * dtype_size(k.dtype) + 255) / 256 * 256;
-  const size_t vb =
-      v.device.kind == DeviceKind::cuda ? 0 : static_cast<size_t>(v.numel()) * dtype_size(v.dtype);
+  const size_t vb = e.latent || v.device.kind == DeviceKind::cuda
+                        ? 0
+                        : static_cast<size_t>(v.numel()) * dtype_size(v.dtype);
   if (kb + vb > 0) scratch_.reserve(kb + vb);
   const auto [kp, kt] = device_view(k, 0);
-  const auto [vp, vt] = device_view(v, kb);
   const float k_div = e.k_scale;
   const float v_div = e.v_scale;
   StoreParams p{};
@@ -171,6 +177,8 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   p.dim = e.head_dim;
   p.scale = k_div;
   ATTNRT_CUDA_CHECK(launch_store_kv(p, stream_));
+  if (e.latent) return;
+  const auto [vp, vt] = device_view(v, kb);
   p.src = vp;
   p.src_stride_tok = vt.strides[0];
   p.src_stride_head = vt.strides[1];
@@ -183,9 +191,13 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
 }
 
 void CudaKVCache::set_kv_scales(int layer_id, float k_scale, float v_scale) {
-  find(layer_id);
+  const Layer& e = find(layer_id);
   ATTNRT_CHECK(std::isfinite(k_scale) && k_scale > 0 && std::isfinite(v_scale) && v_scale > 0,
                "CUDA KV cache: layer {} scales k = {}, v = {}; scales must be finite and > 0",
+               layer_id, k_scale, v_scale);
+  ATTNRT_CHECK(!e.latent || v_scale == k_scale,
+               "CUDA KV cache: layer {} scales k = {}, v = {}; an mla layer's V is a view of its "
+               "stored K row, so it has one scale: pass v_scale = k_scale",
                layer_id, k_scale, v_scale);
   layers_[layer_id].k_scale = k_scale;
   layers_[layer_id].v_scale = v_scale;
@@ -194,14 +206,16 @@ void CudaKVCache::set_kv_scales(int layer_id, float k_scale, float v_scale) {
 void CudaKVCache::copy_layer_from_host(int layer_id, const void* k, const void* v) {
   const Layer& e = find(layer_id);
   ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.k.data(), k, k_bytes(e), cudaMemcpyHostToDevice, stream_));
-  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.v.data(), v, v_bytes(e), cudaMemcpyHostToDevice, stream_));
+  if (!e.latent)
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.v.data(), v, v_bytes(e), cudaMemcpyHostToDevice, stream_));
   ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void CudaKVCache::copy_layer_to_host(int layer_id, void* k, void* v) const {
   const Layer& e = find(layer_id);
   ATTNRT_CUDA_CHECK(cudaMemcpyAsync(k, e.k.data(), k_bytes(e), cudaMemcpyDeviceToHost, stream_));
-  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(v, e.v.data(), v_bytes(e), cudaMemcpyDeviceToHost, stream_));
+  if (!e.latent)
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(v, e.v.data(), v_bytes(e), cudaMemcpyDeviceToHost, stream_));
   ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -233,6 +247,7 @@ void CudaKVCache::copy_rows(std::span<const int> layers,
         {e.k.data(), static_cast<int64_t>(k_bytes(e) / rows_)},
         {e.v.data(), static_cast<int64_t>(v_bytes(e) / rows_)}};
     for (const auto& [base, row_bytes] : parts) {
+      if (row_bytes == 0) continue;  // an MLA layer's V (a view of K)
       row_scratch_.reserve_async(n * static_cast<size_t>(row_bytes), stream_);
       // Gather every source first, then scatter: a destination may be another move's source.
       CopyRowsParams p{};
@@ -282,13 +297,14 @@ void CudaKVCache::download_rows(int layer_id, std::span<const int64_t> slots, vo
   p.count = static_cast<int64_t>(n);
   p.row_bytes = kb;
   ATTNRT_CUDA_CHECK(launch_copy_rows(p, stream_));
-  char* gathered_v = row_scratch_.ptr<char>() + n * kb;
-  p.src = e.v.data();
-  p.src_stride = vb;
-  p.dst = gathered_v;
-  p.dst_stride = vb;
-  p.row_bytes = vb;
-  ATTNRT_CUDA_CHECK(launch_copy_rows(p, stream_));
+  if (vb > 0) {
+    p.src = e.v.data();
+    p.src_stride = vb;
+    p.dst = row_scratch_.ptr<char>() + n * kb;
+    p.dst_stride = vb;
+    p.row_bytes = vb;
+    ATTNRT_CUDA_CHECK(launch_copy_rows(p, stream_));
+  }
   ATTNRT_CUDA_CHECK(cudaMemcpyAsync(row_host_.data(), row_scratch_.data(), total,
                                     cudaMemcpyDeviceToHost, stream_));
   ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -296,7 +312,7 @@ void CudaKVCache::download_rows(int layer_id, std::span<const int64_t> slots, vo
   const char* rows_v = rows_k + n * kb;
   for (size_t i = 0; i < n; ++i) {
     std::memcpy(static_cast<char*>(k) + slots[i] * kb, rows_k + i * kb, kb);
-    std::memcpy(static_cast<char*>(v) + slots[i] * vb, rows_v + i * vb, vb);
+    if (vb > 0) std::memcpy(static_cast<char*>(v) + slots[i] * vb, rows_v + i * vb, vb);
   }
 }
 

@@ -5,6 +5,8 @@
 //
 // Sliding-window layers share the full slot space (no separate SWA pool yet): correct, since the
 // window is applied by the kernels on positions, but it spends full-pool memory on those layers.
+// MLA layers hold one latent row per slot (reference-semantics §4.5): V is a view of the first
+// v_head_dim columns of K (no V buffer), store_step_kv stores the k rows only, one scale.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -59,6 +61,7 @@ class CudaKVCache final : public KVCache {
  private:
   struct Layer {
     bool present = false;
+    bool latent = false;  // MLA: V is a view of K
     int kv_heads = 0, head_dim = 0, v_head_dim = 0;
     float k_scale = 1.f, v_scale = 1.f;
     DeviceBuffer k, v;

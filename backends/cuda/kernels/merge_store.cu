@@ -35,7 +35,8 @@ namespace {
 // (a request may have 64 splits: reading them one after another would serialise 64 memory
 // latencies); then the block's threads form kMergeThreads / (head_dim / 4) groups, each summing
 // every group-th split over all dims (4 per thread), and the groups are added through shared
-// memory. Splits whose lse is -inf (no visible key) get weight 0.
+// memory. Head dims above 4 * kMergeThreads take several passes of 4 * kMergeThreads dims. Splits
+// whose lse is -inf (no visible key) get weight 0.
 constexpr int kMergeThreads = 128;
 constexpr int kMergeMaxSplits = 128;
 
@@ -49,7 +50,8 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   __shared__ float red[kMergeThreads / 32];
   __shared__ float stat[2];
   __shared__ float4 part_s[kMergeThreads];
-  const int vecs = p.head_dim / 4;
+  const int all_vecs = p.head_dim / 4;
+  const int vecs = min(all_vecs, kMergeThreads);
   const int groups = kMergeThreads / vecs;
   const int grp = threadIdx.x / vecs, vi = threadIdx.x % vecs;
   for (int t = 0; t < r.qlen; ++t) {
@@ -77,44 +79,49 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
       if (p.sinks) den += exp2f(p.sinks[h] * 1.4426950408889634f - m_use);
       stat[1] = den;
     }
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (grp < groups) {
-#pragma unroll 4
-      for (int s = grp; s < S; s += groups) {
-        const float w = w_s[s];
-        const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
-        const float4 o = *reinterpret_cast<const float4*>(
-            p.part_o + (prow * p.num_q_heads + h) * p.head_dim + vi * 4);
-        acc.x += w * o.x;
-        acc.y += w * o.y;
-        acc.z += w * o.z;
-        acc.w += w * o.w;
-      }
-    }
-    part_s[threadIdx.x] = acc;
-    __syncthreads();
-    const float den = stat[1];
-    const float inv = den > 0.f ? p.v_scale / den : 0.f;
     const int64_t row = r.qo_start + t;
-    if (threadIdx.x < vecs) {
-      float4 sum = part_s[threadIdx.x];
-      for (int gi = 1; gi < groups; ++gi) {
-        const float4 x = part_s[gi * vecs + threadIdx.x];
-        sum.x += x.x;
-        sum.y += x.y;
-        sum.z += x.z;
-        sum.w += x.w;
-      }
-      const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
-      T* dst = static_cast<T*>(p.out) + row * p.o_stride_tok + h * p.o_stride_head + vi * 4;
-      for (int i = 0; i < 4; ++i) {
-        if constexpr (std::is_same_v<T, __half>) {
-          dst[i] = __float2half_rn(vals[i] * inv);
-        } else {
-          dst[i] = __float2bfloat16_rn(vals[i] * inv);
+    for (int v0 = 0; v0 < all_vecs; v0 += vecs) {
+      const int vv = v0 + vi;
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (grp < groups && vv < all_vecs) {
+#pragma unroll 4
+        for (int s = grp; s < S; s += groups) {
+          const float w = w_s[s];
+          const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
+          const float4 o = *reinterpret_cast<const float4*>(
+              p.part_o + (prow * p.num_q_heads + h) * p.head_dim + vv * 4);
+          acc.x += w * o.x;
+          acc.y += w * o.y;
+          acc.z += w * o.z;
+          acc.w += w * o.w;
         }
       }
+      part_s[threadIdx.x] = acc;
+      __syncthreads();
+      const float den = stat[1];
+      const float inv = den > 0.f ? p.v_scale / den : 0.f;
+      if (threadIdx.x < vecs && v0 + threadIdx.x < all_vecs) {
+        float4 sum = part_s[threadIdx.x];
+        for (int gi = 1; gi < groups; ++gi) {
+          const float4 x = part_s[gi * vecs + threadIdx.x];
+          sum.x += x.x;
+          sum.y += x.y;
+          sum.z += x.z;
+          sum.w += x.w;
+        }
+        const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
+        T* dst = static_cast<T*>(p.out) + row * p.o_stride_tok + h * p.o_stride_head + vv * 4;
+        for (int i = 0; i < 4; ++i) {
+          if constexpr (std::is_same_v<T, __half>) {
+            dst[i] = __float2half_rn(vals[i] * inv);
+          } else {
+            dst[i] = __float2bfloat16_rn(vals[i] * inv);
+          }
+        }
+      }
+      __syncthreads();  // part_s is rewritten by the next pass
     }
+    const float den = stat[1];
     if (p.lse_out && threadIdx.x == 0)
       p.lse_out[row * p.lse_stride_tok + h] =
           den > 0.f ? (m_use + log2f(den)) * 0.6931471805599453f : -INFINITY;
@@ -167,7 +174,7 @@ __global__ void store_kv_kernel(const StoreParams p) {
 
 cudaError_t launch_merge(const MergeParams& p, bool fp16, cudaStream_t stream) {
   if (p.num_reqs == 0) return cudaSuccess;
-  if (p.head_dim % 4 != 0 || p.head_dim / 4 > kMergeThreads) return cudaErrorInvalidValue;
+  if (p.head_dim <= 0 || p.head_dim % 4 != 0) return cudaErrorInvalidValue;
   const dim3 grid(p.num_reqs, p.num_q_heads);
   if (fp16) {
     merge_kernel<__half><<<grid, kMergeThreads, 0, stream>>>(p);
