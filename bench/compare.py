@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Side-by-side table of an attnrt bench report and a bench/torch_sdpa.py report.
+"""Side-by-side table of an attnrt bench report and a bench/torch_sdpa.py or bench/torch_linear.py
+report.
 
     python3 bench/compare.py attnrt.json torch.json [--markdown]
 
-Rows are joined by name. A row is compared only when both sides ran the same shape (batch,
-lengths, head dim, page size, KV dtype); otherwise the table says the shapes differ. The speed-up is
-torch time / attnrt time (> 1: attnrt is faster); the issue's target for decode and prefill rows is
->= 1.5x. Exit status 0 whatever the numbers: this is a report, not a gate.
+Rows are joined by name. A row is compared only when both sides ran the same shape (attention rows:
+batch, lengths, head dim, page size, KV dtype; linear rows: layer kind, mode, batch, tokens, heads
+and dims); otherwise the table says the shapes differ. Rows of the attnrt report that the torch
+report does not cover (the other suite) are left out. The speed-up is torch time / attnrt time
+(> 1: attnrt is faster); the issue's target for decode and prefill attention rows is >= 1.5x. Exit
+status 0 whatever the numbers: this is a report, not a gate.
 """
 
 import argparse
@@ -14,6 +17,8 @@ import json
 import sys
 
 SHAPE_KEYS = ("batch", "prefix_len", "new_tokens", "head_dim", "page_size", "kv_dtype")
+LINEAR_SHAPE_KEYS = ("kind", "mode", "batch", "prefix_len", "new_tokens", "num_k_heads",
+                     "num_v_heads", "head_k_dim", "head_v_dim", "d_state", "n_groups", "chunk_size")
 TARGET = 1.5
 
 
@@ -30,6 +35,8 @@ def load(path, what):
 
 
 def shape_text(s):
+    if "mode" in s:  # a linear row
+        return f"{s['kind']} {s['mode']} {s['batch']}x{s['new_tokens']}"
     text = f"{s['batch']}x"
     text += f"{s['new_tokens']}" if s["kind"] == "prefill" else (
         f"{s['prefix_len'] + 1}" if s["kind"] == "decode" else f"({s['prefix_len']}+{s['new_tokens']})")
@@ -54,10 +61,16 @@ def main():
         sys.exit(f"{args.attnrt_json}: first argument must be the attnrt report "
                  f"(this one is {ours.get('implementation')!r})")
     by_name = {r["name"]: r for r in theirs["rows"]}
+    # Compare the suite the torch report covers: linear rows (torch_linear.py) or attention rows.
+    torch_linear = any(r.get("suite") == "linear" for r in theirs["rows"])
 
     header = ["row", "shape", "attnrt ms", "torch ms", "speed-up", f"target >= {TARGET}x"]
     lines = []
     for r in ours["rows"]:
+        linear = r.get("suite") == "linear"
+        if linear != torch_linear:
+            continue
+        keys = LINEAR_SHAPE_KEYS if linear else SHAPE_KEYS
         t = by_name.get(r["name"])
         shape = shape_text(r["shape"])
         if r.get("status") != "ok" or "time_ms" not in r:
@@ -70,18 +83,20 @@ def main():
         if t.get("status") != "ok":
             lines.append([r["name"], shape, f"{a_ms:.2f}", f"torch {t.get('error', 'error')}", "", ""])
             continue
-        if any(r["shape"][k] != t["shape"][k] for k in SHAPE_KEYS):
+        if any(r["shape"][k] != t["shape"].get(k) for k in keys):
             lines.append([r["name"], shape, f"{a_ms:.2f}",
                           f"shape differs: {shape_text(t['shape'])}", "", ""])
             continue
         t_ms = t["time_ms"]["median"]
         speedup = t_ms / a_ms
-        judged = r["shape"]["kind"] in ("decode", "prefill")
+        judged = not linear and r["shape"]["kind"] in ("decode", "prefill")
         verdict = ("met" if speedup >= TARGET else "MISSED") if judged else "(no target)"
         lines.append([r["name"], shape, f"{a_ms:.2f}", f"{t_ms:.2f}", f"{speedup:.2f}x", verdict])
 
+    what = (f"transformers {theirs.get('transformers_version', '?')} torch forms" if torch_linear
+            else "SDPA")
     print(f"attnrt {ours.get('commit', '?')} backend {ours.get('backend')} ({ours.get('threads')} "
-          f"threads) vs torch {theirs.get('torch_version', '?')} SDPA ({theirs.get('threads')} "
+          f"threads) vs torch {theirs.get('torch_version', '?')} {what} ({theirs.get('threads')} "
           "threads); medians")
     if args.markdown:
         print("| " + " | ".join(header) + " |")

@@ -88,6 +88,8 @@ def rows_from_attnrt(path):
         sys.exit(f"{path}: not an attnrt bench report (schema {report.get('schema')!r})")
     rows = []
     for r in report["rows"]:
+        if r.get("suite") == "linear":  # bench/torch_linear.py runs those
+            continue
         s = dict(r["shape"])
         s["name"] = r["name"]
         rows.append(s)

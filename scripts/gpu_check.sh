@@ -11,15 +11,20 @@
 #             of 16 (verify graphs, accepted rows moved inside the GPU pools)
 #   bench     attnrt bench --backend cuda --json: ceilings, every standard row, host plan at batch
 #             256, graph replay of a 32-layer decode step
+#   linear    attnrt bench --backend cuda --suite linear (GDN / KDA / Mamba2 layers), then
+#             bench/torch_linear.py --device cuda on those rows (the torch forms that ship with
+#             transformers) and bench/compare.py, when torch with CUDA and transformers are installed
 #   memcheck  compute-sanitizer --tool memcheck over attnrt run, the conformance suite (attnrt
 #             check --backend cuda), then over the GPU tests
 #   torch     bench/torch_sdpa.py --device cuda on the bench rows (SDPA flash, cuDNN,
 #             FlexAttention) and bench/compare.py, when torch with CUDA is installed
 # Stages run in that order; one that would start with too little time left is skipped and says
 # so (run it alone in a second call). Files in $OUT (default ./out/gpu), at most 8: summary.txt,
-# tests.log, run.log, run.json, bench.log, bench.json, memcheck.log, torch.json; build.log only
-# when the build fails. The summary table is printed last.
-#   usage: scripts/gpu_check.sh [all|test|check|run|bench|memcheck|torch] [gtest filter]
+# tests.log (the GPU tests, then the logs of check, run and memcheck, each under a ### header),
+# run.json, bench.log (bench, linear and both torch comparisons), bench.json, torch.json,
+# bench_linear.json, torch_linear.json; build.log only when the build fails. The summary table is
+# printed last.
+#   usage: scripts/gpu_check.sh [all|test|check|run|bench|linear|memcheck|torch] [gtest filter]
 # With ATTNRT_GPU_PREBUILT=DIR the build stage is skipped and the attnrt and attnrt_cuda_tests
 # binaries in DIR/bin.tar.xz are used: built elsewhere for sm_90a (scripts/gpu_prebuild.sh) and
 # carried to the GPU machine, which saves its build minutes.
@@ -36,6 +41,11 @@ cli="$build/attnrt"
 tests="$build/attnrt_cuda_tests"
 memcheck_tests='CudaBackendTest.*:CudaPrefillTest.*:CudaGraphRuntime.*:CudaKVCacheRows.*'
 
+# check, run and memcheck log to files of their own here (each stage's figures are read from its
+# log alone); summary() appends them to tests.log, as $OUT may hold 8 files.
+tmp=$(mktemp -d)
+runlog=$tmp/run.log
+mclog=$tmp/memcheck.log
 rows=()
 left() { echo $((deadline - $(date +%s))); }
 want() { [[ $what == all || $what == "$1" ]]; }
@@ -48,6 +58,9 @@ budget() {
   ((b >= $2)) && echo "$b"
 }
 summary() {
+  for f in "$runlog" "$mclog"; do
+    if [ -s "$f" ]; then cat "$f" >>"$out/tests.log"; fi
+  done
   {
     printf '%-10s %-8s %6s  %s\n' stage status seconds detail
     for r in "${rows[@]}"; do
@@ -110,11 +123,11 @@ fi
 if want check; then
   t0=$(date +%s)
   if b=$(budget 90 20); then
-    echo "### attnrt check --backend cuda" >>"$out/run.log"
-    timeout -k 5 "$b" "$cli" check --backend cuda --no-progress >>"$out/run.log" 2>&1
+    echo "### attnrt check --backend cuda" >>"$runlog"
+    timeout -k 5 "$b" "$cli" check --backend cuda --no-progress >>"$runlog" 2>&1
     rc=$?
     note check "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-      "rc=$rc; $(grep -m1 -E 'features passed' "$out/run.log")"
+      "rc=$rc; $(grep -m1 -E 'features passed' "$runlog")"
     [ $rc -ne 0 ] && status=1
   else
     note check skipped 0 "no time left"
@@ -124,21 +137,21 @@ fi
 if want run; then
   t0=$(date +%s)
   if b=$(budget 120 30); then
-    echo "### attnrt run (defaults)" >>"$out/run.log"
-    timeout -k 5 "$b" "$cli" run --no-progress --json "$out/run.json" >>"$out/run.log" 2>&1
+    echo "### attnrt run (defaults)" >>"$runlog"
+    timeout -k 5 "$b" "$cli" run --no-progress --json "$out/run.json" >>"$runlog" 2>&1
     rc=$?
-    backends=$(grep -m1 '^backends:' "$out/run.log" | cut -c1-60)
-    total=$(grep -E '^total ' "$out/run.log" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
+    backends=$(grep -m1 '^backends:' "$runlog" | cut -c1-60)
+    total=$(grep -E '^total ' "$runlog" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
     note run "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
       "rc=$rc; $backends; total: $total"
     [ $rc -ne 0 ] && status=1
     t0=$(date +%s)
     if b=$(budget 90 20); then
-      echo "### attnrt run, speculative tree on pages of 16" >>"$out/run.log"
+      echo "### attnrt run, speculative tree on pages of 16" >>"$runlog"
       timeout -k 5 "$b" "$cli" run --no-progress --page-size 16 --speculative-num-steps 3 \
-        --speculative-eagle-topk 2 --speculative-num-draft-tokens 6 >>"$out/run.log" 2>&1
+        --speculative-eagle-topk 2 --speculative-num-draft-tokens 6 >>"$runlog" 2>&1
       rc=$?
-      verify=$(grep -E '^TARGET_VERIFY ' "$out/run.log" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
+      verify=$(grep -E '^TARGET_VERIFY ' "$runlog" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
       note run-tree "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
         "rc=$rc; TARGET_VERIFY: $verify"
       [ $rc -ne 0 ] && status=1
@@ -162,43 +175,77 @@ if want bench; then
   fi
 fi
 
+if want linear; then
+  t0=$(date +%s)
+  if b=$(budget 240 45); then
+    timeout -k 5 "$b" "$cli" bench --backend cuda --suite linear \
+      --json "$out/bench_linear.json" >"$tmp/linear.log" 2>&1
+    rc=$?
+    { echo "### attnrt bench --backend cuda --suite linear"; cat "$tmp/linear.log"; } >>"$out/bench.log"
+    sed -n '/^linear row/,$p' "$tmp/linear.log" | grep -vE '^bench: ' | head -30
+    note linear "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
+      "rc=$rc; $(grep -c '"suite": "linear"' "$out/bench_linear.json" 2>/dev/null || echo 0) rows in bench_linear.json"
+    [ $rc -ne 0 ] && status=1
+    t0=$(date +%s)
+    if ! python3 -c 'import sys, torch, transformers; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+      note linear-torch skipped 0 "torch with CUDA or transformers is not installed"
+    elif [ ! -f "$out/bench_linear.json" ]; then
+      note linear-torch skipped 0 "no bench_linear.json to take the rows from"
+    elif b=$(budget 300 30); then
+      timeout -k 5 "$b" python3 bench/torch_linear.py --device cuda --from "$out/bench_linear.json" \
+        --json "$out/torch_linear.json" >"$tmp/torch_linear.log" 2>&1
+      rc=$?
+      python3 bench/compare.py "$out/bench_linear.json" "$out/torch_linear.json" \
+        >>"$tmp/torch_linear.log" 2>&1
+      { echo "### bench/torch_linear.py --device cuda, then bench/compare.py"; cat "$tmp/torch_linear.log"; } >>"$out/bench.log"
+      tail -22 "$tmp/torch_linear.log"
+      note linear-torch "$([ $rc -eq 0 ] && echo ok || { [ $rc -eq 124 ] && echo PARTIAL || echo FAILED; })" \
+        $(($(date +%s) - t0)) "rc=$rc; $(grep -c '"name"' "$out/torch_linear.json" 2>/dev/null || echo 0) rows in torch_linear.json"
+    else
+      note linear-torch skipped 0 "no time left"
+    fi
+  else
+    note linear skipped 0 "no time left"
+  fi
+fi
+
 if want memcheck; then
   if ! command -v compute-sanitizer >/dev/null; then
     note memcheck skipped 0 "compute-sanitizer not found"
   else
     t0=$(date +%s)
     if b=$(budget 150 30); then
-      echo "### memcheck: attnrt run (defaults)" >>"$out/memcheck.log"
+      echo "### memcheck: attnrt run (defaults)" >>"$mclog"
       timeout -k 5 "$b" compute-sanitizer --tool memcheck --error-exitcode 9 \
-        "$cli" run --no-progress >>"$out/memcheck.log" 2>&1
+        "$cli" run --no-progress >>"$mclog" 2>&1
       rc=$?
       note memcheck-run "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-        "rc=$rc; $(grep -E 'ERROR SUMMARY' "$out/memcheck.log" | tail -1)"
+        "rc=$rc; $(grep -E 'ERROR SUMMARY' "$mclog" | tail -1)"
       [ $rc -ne 0 ] && status=1
     else
       note memcheck-run skipped 0 "no time left"
     fi
     t0=$(date +%s)
     if b=$(budget 120 30); then
-      echo "### memcheck: attnrt check --backend cuda" >>"$out/memcheck.log"
+      echo "### memcheck: attnrt check --backend cuda" >>"$mclog"
       timeout -k 5 "$b" compute-sanitizer --tool memcheck --error-exitcode 9 \
-        "$cli" check --backend cuda --no-progress >>"$out/memcheck.log" 2>&1
+        "$cli" check --backend cuda --no-progress >>"$mclog" 2>&1
       rc=$?
       note memcheck-check "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-        "rc=$rc; $(grep -E 'ERROR SUMMARY' "$out/memcheck.log" | tail -1)"
+        "rc=$rc; $(grep -E 'ERROR SUMMARY' "$mclog" | tail -1)"
       [ $rc -ne 0 ] && status=1
     else
       note memcheck-check skipped 0 "no time left"
     fi
     t0=$(date +%s)
     if b=$(budget 300 30); then
-      echo "### memcheck: $memcheck_tests" >>"$out/memcheck.log"
+      echo "### memcheck: $memcheck_tests" >>"$mclog"
       timeout -k 5 "$b" compute-sanitizer --tool memcheck --error-exitcode 9 \
-        "$tests" --gtest_filter="$memcheck_tests" >>"$out/memcheck.log" 2>&1
+        "$tests" --gtest_filter="$memcheck_tests" >>"$mclog" 2>&1
       rc=$?
-      done_tests=$(grep -cE '^\[       OK \]' "$out/memcheck.log")
+      done_tests=$(grep -cE '^\[       OK \]' "$mclog")
       note memcheck-tests "$([ $rc -eq 0 ] && echo ok || { [ $rc -eq 124 ] && echo PARTIAL || echo FAILED; })" \
-        $(($(date +%s) - t0)) "rc=$rc; $done_tests tests ran clean; $(grep -E 'ERROR SUMMARY' "$out/memcheck.log" | tail -1)"
+        $(($(date +%s) - t0)) "rc=$rc; $done_tests tests ran clean; $(grep -E 'ERROR SUMMARY' "$mclog" | tail -1)"
       [ $rc -ne 0 ] && [ $rc -ne 124 ] && status=1
     else
       note memcheck-tests skipped 0 "no time left"

@@ -197,4 +197,37 @@ TEST_F(Cli, CheckReportsEveryRequestedFeature) {
   EXPECT_EQ(r.out.find("mixed"), std::string::npos) << r.out;
 }
 
+TEST_F(Cli, BenchLinearSuiteRunsOnCpuAtSmallSizeAndWritesJson) {
+  const fs::path json = dir_ / "linear.json";
+  const Result r = run(fmt::format(
+      "bench --backend cpu --suite linear --scale 0.01 --repeats 1 --warmup 0 --threads 2 "
+      "--no-reference --quiet --json '{}'",
+      json.string()));
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  for (const char* part : {"linear row", "gdn-decode-64*", "kda-extend-8x8192*", "GB/s", "TFLOP/s",
+                           "SCALED RUN (--scale 0.01)"}) {
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
+  }
+  const nlohmann::json j = nlohmann::json::parse(read_file(json));
+  EXPECT_NE(j["command"].get<std::string>().find("--suite linear"), std::string::npos);
+  ASSERT_EQ(j["rows"].size(), 8u);
+  for (const auto& row : j["rows"]) {
+    SCOPED_TRACE(row["name"].get<std::string>());
+    EXPECT_EQ(row["suite"], "linear");
+    EXPECT_EQ(row["status"], "ok");
+    EXPECT_TRUE(row["check"]["passed"].get<bool>());
+    EXPECT_GT(row["time_ms"]["median"].get<double>(), 0);
+    EXPECT_TRUE(row["scaled"].get<bool>());
+  }
+  EXPECT_EQ(j["rows"][0]["standard"]["batch"], 64);
+  EXPECT_EQ(j["rows"][0]["shape"]["batch"], 1);
+
+  Result bad = run("bench --backend cpu --suite linear --workload prefill");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("unknown linear workload 'prefill'"), std::string::npos) << bad.err;
+  bad = run("bench --backend cpu --suite sideways");
+  EXPECT_NE(bad.status, 0);  // CLI11's own exit code for a value outside the allowed set
+  EXPECT_NE(bad.err.find("--suite"), std::string::npos) << bad.err;
+}
+
 }  // namespace

@@ -1,5 +1,7 @@
 #include "src/bench/device_row.h"
 
+#include <algorithm>
+
 #include "attnrt/core/error.h"
 
 #if defined(ATTNRT_HAS_CUDA)
@@ -81,7 +83,59 @@ class CudaRow final : public DeviceRow {
   TensorView out_view_;
 };
 
+class CudaTensors final : public DeviceTensors {
+ public:
+  CudaTensors(Device device, KVCache& cache) : device_(device) {
+    auto* c = dynamic_cast<cuda::CudaKVCache*>(&cache);
+    ATTNRT_CHECK(c != nullptr, "bench: the runtime's KV cache is not on a CUDA device");
+    stream_ = c->stream();
+    ATTNRT_CUDA_CHECK(cudaSetDevice(device.index));
+    ATTNRT_CUDA_CHECK(cudaEventCreateWithFlags(&before_, cudaEventDisableTiming));
+    ATTNRT_CUDA_CHECK(cudaEventCreateWithFlags(&after_, cudaEventDisableTiming));
+  }
+  ~CudaTensors() override {
+    cudaStreamSynchronize(stream_);
+    cudaEventDestroy(before_);
+    cudaEventDestroy(after_);
+  }
+
+  TensorView upload(const HostBuffer& h) override {
+    buffers_.emplace_back(std::max<size_t>(h.bytes(), 1));
+    ATTNRT_CUDA_CHECK(
+        cudaMemcpy(buffers_.back().data(), h.data(), h.bytes(), cudaMemcpyHostToDevice));
+    TensorView v = h.view();
+    v.data = buffers_.back().data();
+    v.device = device_;
+    return v;
+  }
+
+  void download(const TensorView& src, const HostBuffer& dst) override {
+    ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    ATTNRT_CUDA_CHECK(cudaMemcpy(dst.data(), src.data, dst.bytes(), cudaMemcpyDeviceToHost));
+  }
+
+  void fenced(const std::function<void()>& body) override {
+    ATTNRT_CUDA_CHECK(cudaEventRecord(before_, nullptr));
+    ATTNRT_CUDA_CHECK(cudaStreamWaitEvent(stream_, before_, 0));
+    body();
+    ATTNRT_CUDA_CHECK(cudaEventRecord(after_, stream_));
+    ATTNRT_CUDA_CHECK(cudaStreamWaitEvent(nullptr, after_, 0));
+  }
+
+ private:
+  Device device_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t before_ = nullptr, after_ = nullptr;
+  std::vector<cuda::DeviceBuffer> buffers_;
+};
+
 }  // namespace
+
+std::unique_ptr<DeviceTensors> make_device_tensors(Device device, KVCache& cache) {
+  ATTNRT_CHECK(device.kind == DeviceKind::cuda, "bench: no device tensors on {}",
+               device_name(device));
+  return std::make_unique<CudaTensors>(device, cache);
+}
 
 std::unique_ptr<DeviceRow> make_device_row(Device device, const ModelSpec& model,
                                            const KVCacheConfig& config, const KVCache& host,
@@ -96,6 +150,10 @@ std::unique_ptr<DeviceRow> make_device_row(Device device, const ModelSpec& model
 std::unique_ptr<DeviceRow> make_device_row(Device device, const ModelSpec&, const KVCacheConfig&,
                                            const KVCache&, const HostBuffer&, const HostBuffer&,
                                            const HostBuffer&, const HostBuffer&) {
+  fail("bench: rows on {} need CUDA, and this build has none", device_name(device));
+}
+
+std::unique_ptr<DeviceTensors> make_device_tensors(Device device, KVCache&) {
   fail("bench: rows on {} need CUDA, and this build has none", device_name(device));
 }
 

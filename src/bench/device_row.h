@@ -2,7 +2,9 @@
 // keeps reading the host pool, which holds the same values). Private to the bench runner.
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include "attnrt/backend/attention_backend.h"
 #include "attnrt/core/tensor.h"
@@ -30,5 +32,25 @@ std::unique_ptr<DeviceRow> make_device_row(Device device, const ModelSpec& model
                                            const KVCacheConfig& config, const KVCache& host,
                                            const HostBuffer& q, const HostBuffer& k,
                                            const HostBuffer& v, const HostBuffer& out);
+
+// The tensors of a linear-attention row on a GPU, for a runtime whose backends issue their work to
+// the stream of its (device) KV cache. The CUDA bench timer records its events and its cache flush
+// on the default stream, so each timed call is fenced: the runtime's stream first waits for the
+// default stream, and the default stream then waits for the runtime's. Private to the bench runner.
+class DeviceTensors {
+ public:
+  virtual ~DeviceTensors() = default;
+  // A device copy of `h` (same dtype and shape), alive as long as this object.
+  virtual TensorView upload(const HostBuffer& h) = 0;
+  // Copies the device tensor `src` into `dst` (same bytes) once the runtime's stream is done.
+  virtual void download(const TensorView& src, const HostBuffer& dst) = 0;
+  // Issues `body` to the runtime's stream between the work before and after it on the default
+  // stream.
+  virtual void fenced(const std::function<void()>& body) = 0;
+};
+
+// For a runtime whose KV cache `cache` is on `device`. Throws attnrt::Error for a host cache or in
+// a build without CUDA.
+std::unique_ptr<DeviceTensors> make_device_tensors(Device device, KVCache& cache);
 
 }  // namespace attnrt::bench

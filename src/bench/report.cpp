@@ -60,6 +60,28 @@ json check_json(const CheckResult& c) {
           {"passed", c.passed}};
 }
 
+json linear_shape_json(const LinearWorkload& w) {
+  const LinearWidths x = linear_widths(w);
+  return {{"kind", layer_kind_name(w.kind)},
+          {"mode", linear_mode_name(w.mode)},
+          {"model", w.model},
+          {"batch", w.batch},
+          {"prefix_len", w.prefix_len},
+          {"new_tokens", w.new_tokens},
+          {"num_k_heads", w.spec.num_k_heads},
+          {"num_v_heads", w.spec.num_v_heads},
+          {"head_k_dim", w.spec.head_k_dim},
+          {"head_v_dim", w.spec.head_v_dim},
+          {"d_state", w.spec.d_state},
+          {"n_groups", w.spec.n_groups},
+          {"conv_kernel", w.spec.conv_kernel},
+          {"chunk_size", w.spec.chunk_size},
+          {"conv_dim", x.conv_dim},
+          {"act_dtype", dtype_name(w.act_dtype)},
+          {"state_dtype", dtype_name(w.state_dtype)},
+          {"shape", w.shape()}};
+}
+
 json ceiling_json(const Ceiling& c, const char* unit) {
   if (!c.available()) return {{"available", false}, {"reason", c.unavailable}};
   return {{"available", true}, {"value", c.value}, {"unit", unit}, {"method", c.method}};
@@ -189,6 +211,31 @@ json to_json(const BenchResult& r, const RunInfo& info) {
     }
     rows.push_back(std::move(x));
   }
+  // Linear-attention rows share the array, marked by "suite" (their SHAPE differs).
+  for (const LinearRowResult& row : r.linear_rows) {
+    json x;
+    x["name"] = row.workload.name;
+    x["suite"] = "linear";
+    x["status"] = row.status;
+    if (!row.error.empty()) x["error"] = row.error;
+    x["standard"] = linear_shape_json(row.standard);
+    x["shape"] = linear_shape_json(row.workload);
+    x["scaled"] = !row.workload.scale_note.empty();
+    if (!row.workload.scale_note.empty()) x["scale_note"] = row.workload.scale_note;
+    x["counted"] = {{"bytes", row.bytes}, {"flops", row.flops}};
+    x["bound"] = row.bound == Bound::memory ? "memory" : "compute";
+    x["notes"] = row.notes;
+    if (row.check.rows_checked > 0) x["check"] = check_json(row.check);
+    if (row.time.repeats > 0) {
+      x["time_ms"] = timing_json(row.time, 1e3);
+      x["metric"] = row.metric_unit();
+      x["rate"] = row.rate;
+      x["ceiling"] = row.bound == Bound::memory ? "memory" : r.ceilings.compute_name();
+      x["pct_of_ceiling"] = row.pct_of_ceiling;
+      x["tokens_per_s"] = row.tokens_per_second;
+    }
+    rows.push_back(std::move(x));
+  }
   j["rows"] = std::move(rows);
   if (!r.plans.empty()) {
     json plans = json::array();
@@ -251,15 +298,18 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
   s << fmt::format("  decode/verify rows are judged against memory, prefill/extend against {}\n",
                    c.compute_name());
   if (!info.preset.empty() || info.scale != 1.0) {
-    s << fmt::format("SCALED RUN ({}): rows marked * are smaller than WORKLOADS.md defines; the "
-                     "notes say how\n",
-                     info.preset.empty() ? fmt::format("--scale {:g}", info.scale)
-                                         : fmt::format("--preset {}", info.preset));
+    s << fmt::format(
+        "SCALED RUN ({}): rows marked * are smaller than their standard definition; the "
+        "notes say how\n",
+        info.preset.empty() ? fmt::format("--scale {:g}", info.scale)
+                            : fmt::format("--preset {}", info.preset));
   }
   s << "\n";
-  s << fmt::format("{:<30} {:<22} {:>9} {:>17} {:>10} {:>13} {:>7} {:>9} {:>9} {:>8}\n", "row",
-                   "shape", "ms", "p10..p90 ms", "counted", "rate", "% ceil", "vs ref",
-                   "plan us", "check");
+  if (!r.rows.empty()) {
+    s << fmt::format("{:<30} {:<22} {:>9} {:>17} {:>10} {:>13} {:>7} {:>9} {:>9} {:>8}\n", "row",
+                     "shape", "ms", "p10..p90 ms", "counted", "rate", "% ceil", "vs ref", "plan us",
+                     "check");
+  }
   std::vector<std::string> notes;
   for (const RowResult& row : r.rows) {
     const Workload& w = row.workload;
@@ -299,6 +349,47 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
     }
     parts.insert(parts.end(), row.notes.begin(), row.notes.end());
     if (!parts.empty()) notes.push_back(fmt::format("{}: {}", w.name, fmt::join(parts, "; ")));
+  }
+  if (!r.linear_rows.empty()) {
+    if (!r.rows.empty()) s << "\n";
+    s << fmt::format("{:<24} {:<30} {:>9} {:>17} {:>10} {:>16} {:>7} {:>12} {:>8}\n", "linear row",
+                     "shape", "ms", "p10..p90 ms", "counted", "rate", "% ceil", "tokens/s",
+                     "check");
+  }
+  for (const LinearRowResult& row : r.linear_rows) {
+    const LinearWorkload& w = row.workload;
+    const std::string name = w.name + (w.scale_note.empty() ? "" : "*");
+    const std::string shape = fmt::format("{} {}", layer_kind_name(w.kind), w.shape());
+    if (row.status == "error") {
+      s << fmt::format("{:<24} {:<30} ERROR: {}\n", name, shape, row.error);
+      continue;
+    }
+    const std::string counted =
+        row.bound == Bound::memory ? si(row.bytes, "B") : si(row.flops, "FLOP");
+    const std::string check =
+        row.status == "ok" ? fmt::format("{:.1e}", row.check.max_rel_err) : "FAIL";
+    if (row.time.repeats == 0) {
+      s << fmt::format("{:<24} {:<30} {:>9} {:>17} {:>10} {:>16} {:>7} {:>12} {:>8}\n", name, shape,
+                       "-", "-", counted, "-", "-", "-", check);
+    } else {
+      const std::string rate = row.bound == Bound::memory
+                                   ? fmt::format("{:.1f} GB/s", row.rate)
+                                   : fmt::format("{:.3f} TFLOP/s", row.rate / 1e3);
+      s << fmt::format("{:<24} {:<30} {:>9} {:>17} {:>10} {:>16} {:>7} {:>12.4g} {:>8}\n", name,
+                       shape, ms(row.time.median),
+                       fmt::format("{}..{}", ms(row.time.p10), ms(row.time.p90)), counted, rate,
+                       fmt::format("{:.0f}%", row.pct_of_ceiling), row.tokens_per_second, check);
+    }
+    std::vector<std::string> parts;
+    if (!w.scale_note.empty()) parts.push_back(w.scale_note);
+    parts.insert(parts.end(), row.notes.begin(), row.notes.end());
+    if (!parts.empty()) notes.push_back(fmt::format("{}: {}", w.name, fmt::join(parts, "; ")));
+  }
+  if (!r.linear_rows.empty()) {
+    s << "linear rows: one layer's forward_linear per call (decode: one more DECODE step of the "
+         "batch; extend: from empty states);\n  decode counts state + conv window read and "
+         "written, inputs read, outputs written (GB/s vs memory); extend counts the chunked "
+         "form's FLOPs (docs/bench.md)\n";
   }
   if (!notes.empty()) {
     s << "\nnotes:\n";

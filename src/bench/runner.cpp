@@ -18,65 +18,11 @@
 #include "attnrt/model/model_spec.h"
 #include "backends/cpu/cpu_backend.h"
 #include "src/bench/device_row.h"
+#include "src/bench/values.h"
 
 namespace attnrt::bench {
 
 namespace {
-
-// Random element codes drawn from a fixed table of N(0, 1) samples already rounded to the storage
-// type: filling gigabytes of KV then costs a table lookup per element, and every value is a
-// plausible activation (never zero, never NaN, fp8 within range).
-class ValueTable {
- public:
-  ValueTable(DType dtype, uint64_t seed) : dtype_(dtype) {
-    std::mt19937_64 rng(seed);
-    std::normal_distribution<float> normal(0.f, 1.f);
-    for (auto& code : codes_) {
-      float x = 0;
-      while (std::fabs(x) < 1e-3f) x = normal(rng);
-      if (dtype == DType::bf16) {
-        code = float_to_bf16(x);
-      } else if (dtype == DType::e4m3) {
-        code = float_to_e4m3(x);
-      } else if (dtype == DType::e5m2) {
-        code = float_to_e5m2(x);
-      } else if (dtype == DType::f16) {
-        code = float_to_fp16(x);
-      } else {
-        fail("bench workloads store bf16, fp16 or fp8 KV; got {}", dtype_name(dtype));
-      }
-    }
-  }
-
-  // Fills `count` elements at `dst` (laid out contiguously); the stream depends only on `seed`,
-  // not on the thread count.
-  void fill(void* dst, int64_t count, uint64_t seed) const {
-    constexpr int64_t kChunk = int64_t{1} << 16;
-    const int64_t chunks = (count + kChunk - 1) / kChunk;
-    const size_t elem = dtype_size(dtype_);
-#pragma omp parallel for schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-      uint64_t x = (seed + 0x9e3779b97f4a7c15ull * static_cast<uint64_t>(c + 1)) | 1;
-      const int64_t begin = c * kChunk, end = std::min(count, begin + kChunk);
-      for (int64_t i = begin; i < end; ++i) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        uint16_t code = codes_[(x >> 20) & (kSize - 1)];
-        if (elem == 2) {
-          static_cast<uint16_t*>(dst)[i] = code;
-        } else {
-          static_cast<uint8_t*>(dst)[i] = static_cast<uint8_t>(code);
-        }
-      }
-    }
-  }
-
- private:
-  static constexpr size_t kSize = 4096;
-  DType dtype_;
-  std::array<uint16_t, kSize> codes_{};
-};
 
 ModelSpec bench_model(const Workload& w) {
   ModelSpec m;
@@ -473,7 +419,10 @@ std::string auto_bench_backend(std::string* reason) {
 }
 
 bool BenchResult::all_passed() const {
-  return std::all_of(rows.begin(), rows.end(), [](const RowResult& r) { return r.status == "ok"; });
+  return std::all_of(rows.begin(), rows.end(),
+                     [](const RowResult& r) { return r.status == "ok"; }) &&
+         std::all_of(linear_rows.begin(), linear_rows.end(),
+                     [](const LinearRowResult& r) { return r.status == "ok"; });
 }
 
 RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& ceilings) {
@@ -592,7 +541,8 @@ std::vector<PlanTiming> measure_plans_bs256(const BenchConfig& config) {
 }
 
 BenchResult run_bench(const BenchConfig& config) {
-  ATTNRT_CHECK(!config.workloads.empty(), "no workloads to run");
+  ATTNRT_CHECK(!config.workloads.empty() || !config.linear_workloads.empty(),
+               "no workloads to run");
   // Looking the backend up registers the built-in backends, and with them the GPU probes.
   const BackendEntry& entry = registry_of(config).get(config.backend);
   ATTNRT_CHECK(std::find(entry.caps.devices.begin(), entry.caps.devices.end(),
@@ -616,7 +566,11 @@ BenchResult run_bench(const BenchConfig& config) {
   for (const Workload& w : config.workloads) {
     result.rows.push_back(run_row(config, w, result.ceilings));
   }
-  if (config.device.kind != DeviceKind::cpu && config.gpu_step_costs) {
+  for (const LinearWorkload& w : config.linear_workloads) {
+    result.linear_rows.push_back(run_linear_row(config, w, result.ceilings));
+  }
+  // The step costs are those of attention steps: measured when attention rows ran.
+  if (config.device.kind != DeviceKind::cpu && config.gpu_step_costs && !config.workloads.empty()) {
     result.plans = measure_plans_bs256(config);
     say(config, "graph replay: a 32-layer decode step, eager and as a CUDA graph");
     result.graph = measure_graph_overhead(config);

@@ -5,9 +5,11 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "attnrt/backend/registry.h"
 #include "attnrt/bench/chart.h"
+#include "attnrt/bench/linear_workload.h"
 #include "attnrt/bench/report.h"
 #include "attnrt/bench/runner.h"
 #include "attnrt/bench/workload.h"
@@ -18,8 +20,21 @@ namespace attnrt::cli {
 
 namespace {
 
+std::vector<std::string> split_list(const std::string& list) {
+  std::vector<std::string> items;
+  size_t start = 0;
+  while (start <= list.size()) {
+    size_t comma = list.find(',', start);
+    if (comma == std::string::npos) comma = list.size();
+    if (comma > start) items.push_back(list.substr(start, comma - start));
+    start = comma + 1;
+  }
+  return items;
+}
+
 struct BenchArgs {
   std::string backend;
+  std::string suite = "attention";
   std::string workload = "all";
   double scale = 1.0;
   std::string preset;
@@ -33,7 +48,9 @@ struct BenchArgs {
 };
 
 std::string command_line(const BenchArgs& a, const std::string& backend) {
-  std::string s = fmt::format("attnrt bench --backend {} --workload {}", backend, a.workload);
+  std::string s = fmt::format("attnrt bench --backend {}", backend);
+  if (a.suite != "attention") s += " --suite " + a.suite;
+  s += " --workload " + a.workload;
   if (!a.preset.empty()) s += " --preset " + a.preset;
   if (a.scale != 1.0) s += fmt::format(" --scale {:g}", a.scale);
   s += fmt::format(" --repeats {} --warmup {}", a.repeats, a.warmup);
@@ -50,17 +67,49 @@ void run_bench_command(const BenchArgs& a) {
                a.preset);
   // Everything that can be rejected is rejected before minutes of measuring.
   if (!a.plot.empty()) bench::chart_format_for(a.plot);
-  std::vector<bench::Workload> rows = bench::select_workloads(a.workload);
+  std::vector<bench::Workload> rows;
+  std::vector<bench::LinearWorkload> linear;
+  if (a.suite == "attention") {
+    rows = bench::select_workloads(a.workload);
+  } else if (a.suite == "linear") {
+    linear = bench::select_linear_workloads(a.workload);
+  } else {
+    // --suite all: each entry selects from every suite that has rows of that name.
+    std::string attention_items, linear_items;
+    for (const std::string& item : split_list(a.workload)) {
+      bool found = false;
+      if (bench::is_linear_selector(item)) {
+        linear_items += item + ",";
+        found = true;
+      }
+      try {
+        bench::select_workloads(item);
+        attention_items += item + ",";
+        found = true;
+      } catch (const Error&) {
+      }
+      ATTNRT_CHECK(found,
+                   "unknown workload '{}' for --suite all: use all, a kind (decode, prefill, "
+                   "extend, verify, gdn, kda, mamba2) or a row name (`attnrt bench --suite "
+                   "attention --workload x` and `--suite linear --workload x` list them)",
+                   item);
+    }
+    if (!attention_items.empty()) rows = bench::select_workloads(attention_items);
+    if (!linear_items.empty()) linear = bench::select_linear_workloads(linear_items);
+  }
   if (!a.preset.empty()) {
     rows = bench::apply_preset(rows, a.preset);
+    linear = bench::apply_linear_preset(linear, a.preset);
   } else {
     for (bench::Workload& w : rows) w = bench::scale_workload(w, a.scale);
+    for (bench::LinearWorkload& w : linear) w = bench::scale_linear_workload(w, a.scale);
   }
 
   bench::BenchConfig config;
   std::string reason;
   config.backend = a.backend.empty() ? bench::auto_bench_backend(&reason) : a.backend;
   config.workloads = rows;
+  config.linear_workloads = linear;
   config.scale = a.scale;
   config.preset = a.preset;
   config.repeats = a.repeats;
@@ -108,14 +157,23 @@ void add_bench_command(CLI::App& app) {
   auto args = std::make_shared<BenchArgs>();
   auto* cmd = app.add_subcommand(
       "bench",
-      "Run the standard attention workloads (docs/bench.md, WORKLOADS.md) and report time, "
-      "GB/s or GFLOP/s, % of this machine's measured ceilings and the speed-up over reference");
+      "Run the standard attention workloads (docs/bench.md, WORKLOADS.md), or with --suite "
+      "linear the linear-attention layers, and report time, GB/s or FLOP/s, % of this "
+      "machine's measured ceilings and the speed-up over reference");
   cmd->add_option("--backend,--attention-backend", args->backend,
                   "Backend to measure (registry name). Unset: the one auto-selection picks for "
                   "decode on this machine");
+  cmd->add_option("--suite", args->suite,
+                  "Which rows: attention (the full-attention rows of WORKLOADS.md), linear (one "
+                  "GDN, KDA or Mamba2 layer: gdn-decode-64/256, mamba2-decode-64/256, "
+                  "gdn-extend-8x8192, kda-extend-8x8192, mamba2-extend-8x8192/1x8192; "
+                  "docs/bench.md) or all")
+      ->check(CLI::IsMember({"attention", "linear", "all"}))
+      ->capture_default_str();
   cmd->add_option("--workload", args->workload,
-                  "all, a kind (decode, prefill, extend, verify), a row name such as "
-                  "decode-16x4096 or prefill-1x8192-d64, or a comma-separated list")
+                  "Rows of the suite: all, a kind (decode, prefill, extend, verify; linear: "
+                  "decode, extend, gdn, kda, mamba2), a row name such as decode-16x4096 or "
+                  "gdn-decode-64, or a comma-separated list")
       ->capture_default_str();
   cmd->add_option("--scale", args->scale,
                   "Multiply every batch and length by this factor in (0, 1] (lengths stay whole "
@@ -123,7 +181,8 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--preset", args->preset,
                   "Size the rows for a kind of machine instead of --scale: cpu-small (a 2-core "
-                  "box: KV <= 1.25 GiB and <= 6e11 FLOPs per row)");
+                  "box: KV <= 1.25 GiB and <= 6e11 FLOPs per attention row; linear rows <= 1.25 "
+                  "GiB moved and <= 5e10 FLOPs)");
   cmd->add_option("--repeats", args->repeats, "Timed repetitions per row (median reported)")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
@@ -137,8 +196,8 @@ void add_bench_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--json", args->json, "Write machine, commit, ceilings and rows as JSON");
   cmd->add_option("--plot", args->plot,
-                  "Write a chart of achieved vs ceiling per row: FILE.svg (or FILE.png when "
-                  "rsvg-convert is installed)");
+                  "Write a chart of achieved vs ceiling per attention row: FILE.svg (or FILE.png "
+                  "when rsvg-convert is installed)");
   cmd->add_flag("--no-reference", args->no_reference,
                 "Skip the reference backend (no speed-up column, no reference comparison; the "
                 "float64 check of every row still runs)");

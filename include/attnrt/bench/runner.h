@@ -9,6 +9,7 @@
 
 #include "attnrt/backend/registry.h"
 #include "attnrt/bench/ceilings.h"
+#include "attnrt/bench/linear_workload.h"
 #include "attnrt/bench/timing.h"
 #include "attnrt/bench/workload.h"
 
@@ -17,6 +18,7 @@ namespace attnrt::bench {
 struct BenchConfig {
   std::string backend;              // registry name of the backend under test
   std::vector<Workload> workloads;  // as they run (already scaled)
+  std::vector<LinearWorkload> linear_workloads;  // --suite linear rows, as they run
   double scale = 1.0;               // --scale, for the report
   std::string preset;               // --preset, for the report ("" = none)
   int repeats = 10;
@@ -84,6 +86,26 @@ struct RowResult {
   std::string metric_unit() const { return bound == Bound::memory ? "GB/s" : "GFLOP/s"; }
 };
 
+// One linear-attention row (docs/bench.md "Linear-attention rows"): one layer's forward_linear for
+// the step, on the backend's linear side through AttentionRuntime.
+struct LinearRowResult {
+  LinearWorkload standard;    // the row as docs/bench.md defines it
+  LinearWorkload workload;    // what ran (scale_note says how it differs)
+  std::string status = "ok";  // ok | mismatch | error
+  std::string error;
+  CheckResult check;  // outputs of sampled requests against the reference backend
+  TimingStats time;   // seconds per forward_linear
+  double bytes = 0;   // linear_counted_bytes
+  double flops = 0;   // linear_counted_flops
+  Bound bound = Bound::memory;
+  double rate = 0;            // GB/s (decode) or GFLOP/s (extend)
+  double pct_of_ceiling = 0;  // rate / the matching ceiling * 100; 0 when no ceiling
+  double tokens_per_second = 0;
+  std::vector<std::string> notes;
+
+  std::string metric_unit() const { return bound == Bound::memory ? "GB/s" : "GFLOP/s"; }
+};
+
 // Host time of one plan (init_forward_metadata) at batch 256, each plan followed by its step as in
 // serving.
 struct PlanTiming {
@@ -110,6 +132,7 @@ struct BenchResult {
   std::string backend_simd_target;  // what the cpu backend dispatches to ("" for other backends)
   Ceilings ceilings;
   std::vector<RowResult> rows;
+  std::vector<LinearRowResult> linear_rows;
   std::string timer_method;
   std::vector<PlanTiming> plans;        // GPU runs (BenchConfig::gpu_step_costs)
   std::optional<GraphOverhead> graph;  // GPU runs (BenchConfig::gpu_step_costs)
@@ -120,8 +143,9 @@ struct BenchResult {
 // `attnrt run` would use), with the reason; throws attnrt::Error when nothing is selectable.
 std::string auto_bench_backend(std::string* reason);
 
-// Measures the ceilings, then every row. Errors of one row (an unsupported shape, a failed check)
-// are recorded in that row and the others still run; configuration errors throw attnrt::Error.
+// Measures the ceilings, then every row (attention rows, then linear rows). Errors of one row (an
+// unsupported shape, a failed check) are recorded in that row and the others still run;
+// configuration errors throw attnrt::Error.
 BenchResult run_bench(const BenchConfig& config);
 // The GPU step costs of BenchConfig::gpu_step_costs (also run by run_bench).
 std::vector<PlanTiming> measure_plans_bs256(const BenchConfig& config);
@@ -130,5 +154,13 @@ GraphOverhead measure_graph_overhead(const BenchConfig& config);
 // One row against already measured ceilings. `workload` may be a scaled standard row (found by
 // name) or any other shape.
 RowResult run_row(const BenchConfig& config, const Workload& workload, const Ceilings& ceilings);
+
+// One linear row: its states built (decode: an untimed EXTEND of prefix_len tokens), one checked
+// call (the outputs of the first and last request, the first tokens of each for extend rows,
+// against the reference backend run on those requests alone), then the timed calls. Each timed
+// decode call is one more DECODE step of the same batch (the states advance in place, as in
+// serving). Backends come from Registry::global(), where AttentionRuntime looks them up.
+LinearRowResult run_linear_row(const BenchConfig& config, const LinearWorkload& workload,
+                               const Ceilings& ceilings);
 
 }  // namespace attnrt::bench
