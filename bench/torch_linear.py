@@ -302,10 +302,13 @@ def time_calls(torch, call, args, flush):
 def run_row(torch, F, fns, row, args, flush):
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
     notes = []
+    out_of_memory = False
     try:
         call, used = make_call(torch, F, fns, row, args.device, gen, row["batch"])
         samples = time_calls(torch, call, args, flush)
     except torch.cuda.OutOfMemoryError:
+        out_of_memory = True  # retried below, once the traceback no longer holds the tensors
+    if out_of_memory:
         call = None
         torch.cuda.empty_cache()
         calls = []

@@ -192,8 +192,9 @@ if want linear; then
     elif [ ! -f "$out/bench_linear.json" ]; then
       note linear-torch skipped 0 "no bench_linear.json to take the rows from"
     elif b=$(budget 300 30); then
+      # 5 repeats: the torch forms take up to a second per call at these shapes.
       timeout -k 5 "$b" python3 bench/torch_linear.py --device cuda --from "$out/bench_linear.json" \
-        --json "$out/torch_linear.json" >"$tmp/torch_linear.log" 2>&1
+        --repeats 5 --warmup 1 --json "$out/torch_linear.json" >"$tmp/torch_linear.log" 2>&1
       rc=$?
       python3 bench/compare.py "$out/bench_linear.json" "$out/torch_linear.json" \
         >>"$tmp/torch_linear.log" 2>&1
