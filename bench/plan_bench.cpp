@@ -4,7 +4,7 @@
 // shuffled pool), in steady state: each plan follows the previous step's "launch", so the committed
 // pages are in the row table as in serving, and writes into the next of 8 staging buffers (the
 // backend's ring). Also the per-step work every backend pays around its plan: make_step_layout
-// (AttentionRuntime::check_step runs it every step) and the host KV cache's begin_step.
+// (AttentionRuntime::check_step runs it every step, in place) and the host KV cache's begin_step.
 //
 //   attnrt_plan_bench --benchmark_repetitions=9 --benchmark_report_aggregates_only=true
 #include <benchmark/benchmark.h>
@@ -125,6 +125,17 @@ void BM_MakeStepLayout(benchmark::State& state) {
   }
 }
 BENCHMARK(BM_MakeStepLayout)->ArgName("kind")->Arg(kDecode)->Arg(kVerify)->Arg(kExtend);
+
+// Into a layout kept across steps, as AttentionRuntime::check_step does.
+void BM_MakeStepLayoutInPlace(benchmark::State& state) {
+  Workload w(static_cast<Kind>(state.range(0)));
+  StepLayout l;
+  for (auto _ : state) {
+    make_step_layout(w.batch, l);
+    benchmark::DoNotOptimize(l);
+  }
+}
+BENCHMARK(BM_MakeStepLayoutInPlace)->ArgName("kind")->Arg(kDecode)->Arg(kVerify)->Arg(kExtend);
 
 // The host KV cache's begin_step (out_cache_loc checks) on a one-layer pool of the same slots.
 void BM_KVCacheBeginStep(benchmark::State& state) {

@@ -516,3 +516,16 @@ TEST(SpecInfo, FullMaskHasPrefixColumnsAndAncestorOrSelf) {
   EXPECT_EQ(mask.size(), off);
   expect_error([&] { s.full_mask({1, 2}); }, {"2 seq_lens", "3 requests"});
 }
+
+// Many requests whose rows share their low bits (and one repeat far from its first use): every
+// repeat is found and named with the request that used the row first.
+TEST(StepLayout, FindsRepeatedRowsAmongManyRequests) {
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < 300; ++i) rows.push_back((i << 32) + 7);
+  ForwardBatch b = make_decode_batch(rows, std::vector<int32_t>(rows.size(), 5));
+  b.out_cache_loc.assign(rows.size(), 0);
+  ASSERT_NO_THROW(make_step_layout(b));
+  b.req_pool_indices[299] = (int64_t{17} << 32) + 7;
+  test::expect_error([&] { make_step_layout(b); },
+                     {"req_pool_indices[299] = 73014444039 duplicates req_pool_indices[17]"});
+}

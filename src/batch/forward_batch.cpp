@@ -158,6 +158,13 @@ class LayoutBuilder {
   explicit LayoutBuilder(const ForwardBatch& b) : b_(b), mode_(forward_mode_name(b.mode)) {}
 
   StepLayout build(bool check_slots, bool check_positions = true) {
+    StepLayout l;
+    build(l, check_slots, check_positions);
+    return l;
+  }
+
+  // Fills `l` in place (its vectors keep their capacity).
+  void build(StepLayout& l, bool check_slots, bool check_positions = true) {
     const int bs = b_.batch_size;
     ATTNRT_CHECK(mode_ != "?", "ForwardBatch: mode value {} is not a ForwardMode",
                  static_cast<int>(b_.mode));
@@ -170,9 +177,11 @@ class LayoutBuilder {
     check_size("seq_lens", b_.seq_lens.size(), bs);
     check_rows();
 
-    StepLayout l;
     l.prefix_lens.resize(bs);
     l.query_lens.resize(bs);
+    l.num_tokens = 0;
+    l.max_query_len = 0;
+    l.max_kv_len = 0;
     switch (b_.mode) {
       case ForwardMode::IDLE:
         break;
@@ -207,7 +216,6 @@ class LayoutBuilder {
                    mode_, b_.out_cache_loc.size(), l.num_tokens);
     }
     if (check_positions) this->check_positions(l);
-    return l;
   }
 
  private:
@@ -223,17 +231,27 @@ class LayoutBuilder {
     return true;
   }
 
+  // Duplicate rows through an open-addressing table of the rows seen (thread-local scratch: no
+  // allocation per step once grown; a hash map allocated a node per request).
   void check_rows() const {
-    std::unordered_map<int64_t, int> seen;
-    for (int i = 0; i < b_.batch_size; ++i) {
+    const int bs = b_.batch_size;
+    thread_local std::vector<int64_t> slots;  // row + 1, 0 = empty; then the request index
+    size_t cap = 16;
+    while (cap < 2 * static_cast<size_t>(bs)) cap *= 2;
+    slots.assign(2 * cap, 0);
+    const size_t mask = cap - 1;
+    for (int i = 0; i < bs; ++i) {
       const int64_t row = b_.req_pool_indices[i];
       ATTNRT_CHECK(row >= 0, "ForwardBatch ({}): req_pool_indices[{}] = {}; rows are >= 0", mode_,
                    i, row);
-      auto [it, fresh] = seen.emplace(row, i);
-      ATTNRT_CHECK(fresh,
+      size_t h = (static_cast<uint64_t>(row) * 0x9e3779b97f4a7c15ull) >> 32 & mask;
+      while (slots[h] != 0 && slots[h] != row + 1) h = (h + 1) & mask;
+      ATTNRT_CHECK(slots[h] == 0,
                    "ForwardBatch ({}): req_pool_indices[{}] = {} duplicates req_pool_indices[{}]; "
                    "each request of a step has its own row",
-                   mode_, i, row, it->second);
+                   mode_, i, row, slots[cap + h]);
+      slots[h] = row + 1;
+      slots[cap + h] = i;
     }
   }
 
@@ -399,9 +417,17 @@ class LayoutBuilder {
                  "ForwardBatch ({}): positions has {} entries; expected one per query token ({})",
                  mode_, b_.positions.size(), l.num_tokens);
     const bool verify = is_target_verify(b_.mode);
+    // Verify: depths from the parents, which derive_verify checked (a parent precedes its child).
+    thread_local std::vector<int32_t> depth;
+    const int n = verify ? b_.spec_info->draft_token_num : 0;
+    if (verify) depth.resize(n);
     for (int i = 0; i < b_.batch_size; ++i) {
+      if (verify) {
+        const int32_t* par = b_.spec_info->parents.data() + static_cast<size_t>(i) * n;
+        for (int t = 0; t < n; ++t) depth[t] = par[t] < 0 ? 0 : depth[par[t]] + 1;
+      }
       for (int t = 0; t < l.query_lens[i]; ++t) {
-        const int64_t want = verify ? int64_t{l.prefix_lens[i]} + b_.spec_info->depth(i, t)
+        const int64_t want = verify ? int64_t{l.prefix_lens[i]} + depth[t]
                                     : int64_t{l.prefix_lens[i]} + t;
         const int64_t row = l.query_start[i] + t;
         ATTNRT_CHECK(b_.positions[row] == want,
@@ -436,6 +462,10 @@ void check_builder_sizes(const char* builder, const char* field, size_t got, siz
 
 StepLayout make_step_layout(const ForwardBatch& batch) {
   return LayoutBuilder(batch).build(/*check_slots=*/true);
+}
+
+void make_step_layout(const ForwardBatch& batch, StepLayout& layout) {
+  LayoutBuilder(batch).build(layout, /*check_slots=*/true);
 }
 
 ForwardBatch make_extend_batch(const std::vector<int64_t>& req_rows,

@@ -211,7 +211,8 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
 AttentionRuntime::~AttentionRuntime() = default;
 
 void AttentionRuntime::check_step(const ForwardBatch& batch) const {
-  const StepLayout layout = make_step_layout(batch);
+  StepLayout& layout = check_layout_;
+  make_step_layout(batch, layout);
   ATTNRT_CHECK(layout.num_tokens <= config_.max_num_tokens,
                "step has {} tokens, more than RuntimeConfig.max_num_tokens = {}; split the step "
                "or raise max_num_tokens",

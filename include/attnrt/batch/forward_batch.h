@@ -69,6 +69,8 @@ struct StepLayout {
 // Derives the layout from the mode's conventions (§2.2). Throws attnrt::Error when the batch is
 // inconsistent (sizes, negative lengths, start offsets, positions vs. mode, verify without spec_info).
 StepLayout make_step_layout(const ForwardBatch& batch);
+// The same into an existing layout, whose vectors keep their capacity (no allocation per step).
+void make_step_layout(const ForwardBatch& batch, StepLayout& layout);
 
 // Convenience builders used by engines, tests and the CLI. They fill every field consistently;
 // out_cache_loc is left for the caller (it comes from the allocator).

@@ -125,6 +125,7 @@ class AttentionRuntime {
   void check_step(const ForwardBatch& batch) const;
   std::string graph_unsupported(const ForwardBatch& batch) const;
 
+  mutable StepLayout check_layout_;  // check_step's scratch, reused every step
   ModelSpec model_;
   Options options_;
   RuntimeConfig config_;
