@@ -21,6 +21,13 @@ static_assert(static_cast<int>(DType::f32) == 0 && static_cast<int>(DType::f16) 
 
 constexpr int kMaxConvKernel = 8;  // kernels/linear_conv.cu
 constexpr int kMaxStateCols = 256;  // kernels/linear_recurrent.cu
+constexpr int kChunk = 64;          // tokens per chunk of the chunked extend launchers
+
+// The shapes the chunked launchers take (kernels/linear_delta_chunked.cu, linear_ssd_chunked.cu).
+bool has_chunked_form(const LayerSpec& layer, const LinearStateShape& sh) {
+  if (layer.kind == LayerKind::mamba2) return sh.rows == 64 && (sh.cols == 64 || sh.cols == 128);
+  return (sh.rows == 64 && sh.cols == 64) || (sh.rows == 128 && sh.cols == 128);
+}
 
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -101,17 +108,27 @@ void CudaLinearBackend::init_forward_metadata(const ForwardBatch& batch) {
   ATTNRT_CHECK(plan_.reqs.size() <= 65535,
                "cuda linear backend: a step of {} requests; the kernels take up to 65535",
                plan_.reqs.size());
+  split_ = !plan_.verify && plan_.max_tokens > kChunk;
   if (!plan_.reqs.empty() && plan_.num_tokens > 0) {
     const size_t bs = plan_.reqs.size();
-    parents_off_ = align_up(bs * sizeof(linear::LinReq), 16);
+    table_bytes_ = align_up(bs * sizeof(linear::LinReq), 16);
+    parents_off_ = table_bytes_ * (split_ ? 3 : 1);
     const size_t bytes = parents_off_ + plan_.parents.size() * sizeof(int32_t);
     ensure(meta_, bytes);
     char* host = static_cast<char*>(staging_.acquire(bytes, stream()));
     auto* reqs = reinterpret_cast<linear::LinReq*>(host);
+    auto* short_reqs = reinterpret_cast<linear::LinReq*>(host + table_bytes_);
+    auto* long_reqs = reinterpret_cast<linear::LinReq*>(host + 2 * table_bytes_);
     for (size_t i = 0; i < bs; ++i) {
       const attnrt::linear::RequestWork& w = plan_.reqs[i];
       reqs[i] = {w.slot, static_cast<int32_t>(w.token_start), w.tokens,
                  w.has_initial_state ? 1 : 0, 0};
+      if (split_) {
+        const bool is_long = w.tokens > kChunk;
+        short_reqs[i] = reqs[i];
+        long_reqs[i] = reqs[i];
+        (is_long ? short_reqs[i] : long_reqs[i]).tokens = 0;
+      }
     }
     if (!plan_.parents.empty()) {
       std::memcpy(host + parents_off_, plan_.parents.data(),
@@ -234,12 +251,19 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
   cp.y = y_.ptr<float>();
   check_launch(linear::launch_conv(cp, s), "launch_conv", layer);
 
-  // Every mode runs the token-by-token form here: DECODE and TARGET_VERIFY need it, and extend
-  // steps use it too. The chunked launchers (launch_delta_chunked / launch_ssd_chunked, the WY /
-  // SSD chunk forms) are called from this point for requests longer than one chunk once wired in.
+  // DECODE, TARGET_VERIFY and requests of up to one chunk: token by token. Longer extend requests:
+  // the chunked form where the layer's shape has one (each launch sees the other's requests with
+  // 0 tokens).
+  const bool chunked = split_ && has_chunked_form(layer, sh);
+  linear::LinStep rec_step = step, chunk_step = step;
+  if (chunked) {
+    rec_step.reqs = reinterpret_cast<const linear::LinReq*>(meta_.ptr<char>() + table_bytes_);
+    chunk_step.reqs =
+        reinterpret_cast<const linear::LinReq*>(meta_.ptr<char>() + 2 * table_bytes_);
+  }
   if (mamba) {
     linear::SsdParams p;
-    p.step = step;
+    p.step = rec_step;
     p.state = state;
     p.groups = layer.linear.n_groups;
     p.y = y_.ptr<float>();
@@ -253,9 +277,15 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
     p.out_stride = out.stride;
     p.out_dtype = code(args.out.dtype);
     check_launch(linear::launch_ssd_recurrent(p, s), "launch_ssd_recurrent", layer);
+    if (chunked) {
+      p.step = chunk_step;
+      ensure(workspace_, std::max<size_t>(linear::ssd_chunked_workspace(p, T, kChunk), 1));
+      check_launch(linear::launch_ssd_chunked(p, T, kChunk, workspace_.data(), s),
+                   "launch_ssd_chunked", layer);
+    }
   } else {
     linear::DeltaParams p;
-    p.step = step;
+    p.step = rec_step;
     p.state = state;
     p.kda = layer.kind == LayerKind::kda ? 1 : 0;
     p.key_heads = layer.linear.num_k_heads;
@@ -274,6 +304,12 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
     p.out_stride = out.stride;
     p.out_dtype = code(args.out.dtype);
     check_launch(linear::launch_delta_recurrent(p, s), "launch_delta_recurrent", layer);
+    if (chunked) {
+      p.step = chunk_step;
+      ensure(workspace_, std::max<size_t>(linear::delta_chunked_workspace(p, T, kChunk), 1));
+      check_launch(linear::launch_delta_chunked(p, T, kChunk, workspace_.data(), s),
+                   "launch_delta_chunked", layer);
+    }
   }
 
   if (!on_device(args.out)) {

@@ -4,7 +4,10 @@
 // Plan (init_forward_metadata): linear::make_step_plan, then ONE async upload of the requests'
 // table (slot, rows, prefix flag) and the verify tree through pinned staging; nothing waits for
 // the GPU. forward_linear: launch_conv (conv + SiLU into an fp32 scratch, window update or verify
-// checkpoints), then the recurrence of the layer's kind (kernels/linear.h).
+// checkpoints), then the recurrence of the layer's kind (kernels/linear.h): token by token for
+// DECODE, TARGET_VERIFY and requests of up to one chunk (64 tokens); an extend request longer than
+// that goes to the chunked launcher of its kind where the layer's shape has one (delta rule:
+// Dk = Dv = 64 or 128; SSD: head_dim 64, d_state 64 or 128).
 // update_state_after_verify: launch_commit per layer.
 //
 // Data placement: LinearArgs tensors on the GPU are used in place (production). Host tensors are
@@ -55,12 +58,17 @@ class CudaLinearBackend final : public AttentionBackend {
   CudaLinearStateMemory* memory_ = nullptr;
   attnrt::linear::StepPlan plan_;
   bool planned_ = false;
+  // meta_ holds the request table, and when the step has requests longer than a chunk (split_)
+  // two more: the short requests only and the long ones only (the others' tokens set to 0).
+  bool split_ = false;
+  size_t table_bytes_ = 0;
   size_t parents_off_ = 0;  // byte offset of the tree in meta_
   StagingRing staging_;
   DeviceBuffer meta_;    // the step's LinReq table, then the verify parents
   DeviceBuffer commit_;  // update_state_after_verify: slots (int64), then last_accepted (int32)
   DeviceBuffer y_;       // conv outputs, fp32 [T, conv_dim]
   DeviceBuffer io_;      // host tensors of the call, staged
+  DeviceBuffer workspace_;  // the chunked delta rule's
 };
 
 }  // namespace attnrt::cuda
