@@ -2,6 +2,7 @@
 // rejection (§9) with the option, the value, what is supported and what to use instead. Backends
 // are test-local registry entries with chosen caps; the CUDA device is described explicitly.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -706,6 +707,30 @@ TEST(Selection, LinearBackendsAreAutoSelectedAndValidatedLikeTheFullOnes) {
   EXPECT_HAS(error_of(foreign, m, r, no_gpu()),
              "--linear-attn-decode-backend cutedsl: 'cutedsl' is a backend of the reference "
              "serving engine");
+}
+
+// The KV cache and the state pool live on one device: with the attention layers on the host
+// (e.g. MLA layers only a host backend serves), auto-selection keeps the linear layers there too.
+TEST(Selection, AutoSelectedLinearBackendsRunOnTheAttentionBackendsDevice) {
+  ModelMaker mk;
+  std::vector<int> ids;
+  const ModelSpec m = with_gdn(mk, &ids);
+  BackendCaps host = cpu_caps(), device = cuda_caps();
+  host.linear_kinds = device.linear_kinds = {LayerKind::gdn};
+  Registry r;
+  r.add(entry("cpu", host));
+  r.add(entry("cuda", device));
+  Options o;
+  o.attention_backend = "cpu";
+  Selection s = resolve_backends(o, m, r, gpu(9, 0));
+  EXPECT_EQ(s.linear_prefill, "cpu");
+  EXPECT_EQ(s.linear_decode, "cpu");
+  EXPECT_TRUE(any_reason(s, "cuda: runs on cuda, but the attention layers' backends run on cpu"))
+      << fmt::format("{}", fmt::join(s.reasons, "\n"));
+  s = resolve_backends(Options{}, m, r, gpu(9, 0));
+  EXPECT_EQ(s.prefill, "cuda");
+  EXPECT_EQ(s.linear_prefill, "cuda");
+  EXPECT_EQ(s.linear_decode, "cuda");
 }
 
 TEST(Selection, LinearOptionsOnAModelWithoutLinearLayersAreNotedNotApplied) {

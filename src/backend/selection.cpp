@@ -317,10 +317,13 @@ void check_explicit(const Registry& registry, const Role& role, const ModelNeeds
 
 // Auto-selection for the roles in `roles` (all of which inherit the same unset option): the first
 // of cuda (on a usable compute capability 9.x device), cpu, then any other auto-selectable backend,
-// that is available here and serves every role. Never reference. Appends one reason per role.
+// that is available here and serves every role. Never reference. `devices` (when given: the
+// devices the attention layers' backends share) limits the candidates to those running there,
+// since the KV cache and the linear state pool live on one device. Appends one reason per role.
 std::string auto_select(const Registry& registry, const std::vector<Role*>& roles,
                         const ModelNeeds& needs, const ModelSpec& model, const CudaDeviceInfo& cuda,
-                        std::vector<std::string>& reasons) {
+                        std::vector<std::string>& reasons,
+                        const std::vector<DeviceKind>* devices = nullptr) {
   std::vector<std::string> order = {"cuda", "cpu"};
   for (const BackendEntry& e : registry.entries()) {
     if (e.auto_selectable && !contains(order, e.name)) order.push_back(e.name);
@@ -343,6 +346,14 @@ std::string auto_select(const Registry& registry, const std::vector<Role*>& role
       why_not = "never auto-selected";
     } else if (std::string r = unavailable_reason(*entry); !r.empty()) {
       why_not = fmt::format("not available ({})", r);
+    } else if (devices != nullptr &&
+               std::none_of(devices->begin(), devices->end(), [&](DeviceKind d) {
+                 return contains(entry->caps.devices, d);
+               })) {
+      why_not = fmt::format(
+          "runs on {}, but the attention layers' backends run on {} (the KV cache and the "
+          "state pool live on one device)",
+          device_list(entry->caps.devices), device_list(*devices));
     } else {
       for (const Role* role : roles) {
         if (auto p = first_problem(*entry, role->req, needs, model)) {
@@ -397,7 +408,8 @@ void resolve_pair(const Registry& registry, const std::string& common_flag,
                   const std::string& prefill, const std::string& decode_flag,
                   const std::string& decode, Role& prefill_role, Role& decode_role,
                   const ModelNeeds& needs, const ModelSpec& model, const CudaDeviceInfo& cuda,
-                  std::vector<std::string>& reasons) {
+                  std::vector<std::string>& reasons,
+                  const std::vector<DeviceKind>* devices = nullptr) {
   std::string base = common;
   std::string base_flag = common_flag;
   if (!prefill.empty() && prefill == decode) {
@@ -412,7 +424,8 @@ void resolve_pair(const Registry& registry, const std::string& common_flag,
     std::vector<Role*> inheriting;
     if (prefill.empty()) inheriting.push_back(&prefill_role);
     if (decode.empty()) inheriting.push_back(&decode_role);
-    if (!inheriting.empty()) auto_select(registry, inheriting, needs, model, cuda, reasons);
+    if (!inheriting.empty())
+      auto_select(registry, inheriting, needs, model, cuda, reasons, devices);
     for (Role* r : inheriting) r->flag.clear();
   }
   for (Role* r : {&prefill_role, &decode_role}) {
@@ -648,10 +661,18 @@ Selection resolve_backends(const Options& o, const ModelSpec& model, const Regis
           needs.linear.size() == 1 ? "that kind" : "all of these kinds",
           fmt::join(registry.names(), ", "));
     }
+    // Auto-selected linear backends run where the attention layers' backends do.
+    std::vector<DeviceKind> full_devices = {DeviceKind::cpu, DeviceKind::cuda};
+    for (const Role* r : {&prefill, &decode}) {
+      if (const BackendEntry* e = registry.find(r->name)) {
+        std::erase_if(full_devices, [&](DeviceKind d) { return !contains(e->caps.devices, d); });
+      }
+    }
     resolve_pair(registry, "--linear-attn-backend", o.linear_attn_backend,
                  "--linear-attn-prefill-backend", o.linear_attn_prefill_backend,
                  "--linear-attn-decode-backend", o.linear_attn_decode_backend, linear_prefill,
-                 linear_decode, needs, model, cuda, sel.reasons);
+                 linear_decode, needs, model, cuda, sel.reasons,
+                 full_devices.empty() ? nullptr : &full_devices);
     for (auto [role, other] :
          {std::pair{&linear_prefill, &linear_decode}, std::pair{&linear_decode, &linear_prefill}}) {
       if (!role->flag.empty()) {
