@@ -8,7 +8,8 @@
 #   check     attnrt check --backend cuda (the conformance suite, one line per feature)
 #   run       attnrt run with the defaults (must auto-select cuda; DECODE steps as CUDA graphs,
 #             sampled steps of every mode against reference), then a speculative tree run on pages
-#             of 16 (verify graphs, accepted rows moved inside the GPU pools)
+#             of 16 (verify graphs, accepted rows moved inside the GPU pools), then the hybrid
+#             presets (qwen3-next-80b, nemotron-h-8b, kimi-linear-48b; one speculative run)
 #   bench     attnrt bench --backend cuda --json: ceilings, every standard row, host plan at batch
 #             256, graph replay of a 32-layer decode step
 #   linear    attnrt bench --backend cuda --suite linear (GDN / KDA / Mamba2 layers), then
@@ -156,6 +157,23 @@ if want run; then
         "rc=$rc; TARGET_VERIFY: $verify"
       [ $rc -ne 0 ] && status=1
     fi
+    # Hybrid models: linear-attention layers on the GPU state pool (Kimi's MLA layers on the
+    # latent pool), checked against reference; one of them with speculative chain verify.
+    for m in qwen3-next-80b nemotron-h-8b kimi-linear-48b "qwen3-next-80b spec"; do
+      t0=$(date +%s)
+      b=$(budget 90 20) || { note "run-${m// /-}" skipped 0 "no time left"; continue; }
+      extra=()
+      [[ $m == *spec ]] && extra=(--speculative-num-steps 3 --speculative-eagle-topk 1
+        --speculative-num-draft-tokens 4)
+      echo "### attnrt run --model ${m%% *} ${extra[*]}" >>"$runlog"
+      timeout -k 5 "$b" "$cli" run --no-progress --model "${m%% *}" "${extra[@]}" >>"$runlog" 2>&1
+      rc=$?
+      backends=$(grep '^backends:' "$runlog" | tail -1 | cut -c1-70)
+      total=$(grep -E '^total ' "$runlog" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
+      note "run-${m// /-}" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
+        "rc=$rc; $backends; total: $total"
+      [ $rc -ne 0 ] && status=1
+    done
   else
     note run skipped 0 "no time left"
   fi
