@@ -43,8 +43,8 @@ namespace {
 
 using namespace attnrt::testing_linear;
 
-#define SKIP_WITHOUT_GPU()                                                                     \
-  do {                                                                                         \
+#define SKIP_WITHOUT_GPU()                                                                      \
+  do {                                                                                          \
     if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
   } while (0)
 
@@ -121,8 +121,8 @@ class CudaLinear : public testing::TestWithParam<Case> {
     std::printf("[ seed     ] ATTNRT_TEST_SEED=%u\n", seed_);
     rng_.seed(seed_);
     const Case& c = GetParam();
-    data_ = std::make_unique<LayerData>(c.real_dims ? real_layer(c.kind) : small_layer(c.kind),
-                                        rng_);
+    data_ =
+        std::make_unique<LayerData>(c.real_dims ? real_layer(c.kind) : small_layer(c.kind), rng_);
     tol_ = c.state == DType::f32 ? Tol{2e-4, 2e-3} : Tol{3e-2, 3e-2};
   }
 
@@ -131,8 +131,7 @@ class CudaLinear : public testing::TestWithParam<Case> {
                                      cuda::make_cuda_linear_state_memory(nullptr));
   }
   std::unique_ptr<Harness> ref(int slots, int verify_rows = 0, int n = 0) {
-    return std::make_unique<Harness>(*data_, "reference", slots, verify_rows, n,
-                                     GetParam().state);
+    return std::make_unique<Harness>(*data_, "reference", slots, verify_rows, n, GetParam().state);
   }
 
   // The same random conv window and state in `slot` of both pools.
@@ -260,7 +259,8 @@ TEST_P(CudaLinear, VerifyChainAndTreeCheckpointsAndCommitMatchReference) {
     SpecInfo spec;
     spec.draft_token_num = n;
     spec.topk = tree ? 2 : 1;
-    for (int i = 0; i < 3; ++i) spec.parents.insert(spec.parents.end(), parents.begin(), parents.end());
+    for (int i = 0; i < 3; ++i)
+      spec.parents.insert(spec.parents.end(), parents.begin(), parents.end());
     both(*g, *r, with_slots(make_verify_batch({0, 1, 2}, {12, 0, 33}, spec)),
          random_tokens(*data_, 3 * n, rng_), tree ? "TARGET_VERIFY tree" : "TARGET_VERIFY chain");
     for (int i = 0; i < 3; ++i) {
@@ -431,7 +431,8 @@ TEST(CudaLinearDevice, DeviceTensorsWithBf16ActivationsAndPaddedStridesMatchRefe
       ASSERT_EQ(cudaMemcpy(dx.ptr, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(da.ptr, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       if (bw > 0)
-        ASSERT_EQ(cudaMemcpy(db.ptr, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(db.ptr, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice),
+                  cudaSuccess);
       ASSERT_EQ(cudaMemset(dout.ptr, 0xff, static_cast<size_t>(T * (ow + pad)) * 2), cudaSuccess);
       // Parameters on the device too.
       auto upload = [&](const TensorView& host, std::vector<std::unique_ptr<DevBuf>>& keep) {
@@ -500,7 +501,8 @@ TEST(CudaLinearTiming, DecodeBandwidthAtModelShapes) {
   cudaEventCreate(&e1);
   cudaMemcpy(dst.ptr, src.ptr, copy_bytes, cudaMemcpyDeviceToDevice);
   cudaEventRecord(e0);
-  for (int i = 0; i < 5; ++i) cudaMemcpyAsync(dst.ptr, src.ptr, copy_bytes, cudaMemcpyDeviceToDevice);
+  for (int i = 0; i < 5; ++i)
+    cudaMemcpyAsync(dst.ptr, src.ptr, copy_bytes, cudaMemcpyDeviceToDevice);
   cudaEventRecord(e1);
   cudaEventSynchronize(e1);
   float copy_ms = 0;
@@ -525,9 +527,9 @@ TEST(CudaLinearTiming, DecodeBandwidthAtModelShapes) {
   mamba.linear.head_v_dim = 64;
   mamba.linear.d_state = 128;
   mamba.linear.n_groups = 8;
-  for (const Shape& shape : {Shape{"GDN (Qwen3-Next: 32 v-heads, 16 k-heads, 128 x 128)", gdn},
-                             Shape{"Mamba2 (Nemotron-H-8B: 128 heads, P 64, N 128, 8 groups)",
-                                   mamba}}) {
+  for (const Shape& shape :
+       {Shape{"GDN (Qwen3-Next: 32 v-heads, 16 k-heads, 128 x 128)", gdn},
+        Shape{"Mamba2 (Nemotron-H-8B: 128 heads, P 64, N 128, 8 groups)", mamba}}) {
     for (int bs : {64, 256}) {
       std::mt19937 rng(7);
       const LayerData d(shape.layer, rng);

@@ -19,7 +19,7 @@ static_assert(static_cast<int>(DType::f32) == 0 && static_cast<int>(DType::f16) 
                   static_cast<int>(DType::bf16) == 2,
               "kernels/linear_common.cuh names DType values by number");
 
-constexpr int kMaxConvKernel = 8;  // kernels/linear_conv.cu
+constexpr int kMaxConvKernel = 8;   // kernels/linear_conv.cu
 constexpr int kMaxStateCols = 256;  // kernels/linear_recurrent.cu
 constexpr int kChunk = 64;          // tokens per chunk of the chunked extend launchers
 
@@ -41,9 +41,7 @@ struct Staged {
   const TensorView* t = nullptr;
   int64_t rows = 0, row_elems = 0;  // rows x row_elems elements of t.dtype
   size_t offset = 0;
-  size_t bytes() const {
-    return static_cast<size_t>(rows * row_elems) * dtype_size(t->dtype);
-  }
+  size_t bytes() const { return static_cast<size_t>(rows * row_elems) * dtype_size(t->dtype); }
 };
 
 void check_launch(cudaError_t err, const char* what, const LayerSpec& layer) {
@@ -121,8 +119,8 @@ void CudaLinearBackend::init_forward_metadata(const ForwardBatch& batch) {
     auto* long_reqs = reinterpret_cast<linear::LinReq*>(host + 2 * table_bytes_);
     for (size_t i = 0; i < bs; ++i) {
       const attnrt::linear::RequestWork& w = plan_.reqs[i];
-      reqs[i] = {w.slot, static_cast<int32_t>(w.token_start), w.tokens,
-                 w.has_initial_state ? 1 : 0, 0};
+      reqs[i] = {w.slot, static_cast<int32_t>(w.token_start), w.tokens, w.has_initial_state ? 1 : 0,
+                 0};
       if (split_) {
         const bool is_long = w.tokens > kChunk;
         short_reqs[i] = reqs[i];
@@ -182,8 +180,8 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
   stage(args.a, true);
   stage(args.b, true);
   stage(args.out, true);
-  for (const TensorView* t : {&args.conv_weight, &args.conv_bias, &args.A_log, &args.dt_bias,
-                              &args.D}) {
+  for (const TensorView* t :
+       {&args.conv_weight, &args.conv_bias, &args.A_log, &args.dt_bias, &args.D}) {
     stage(*t, false);
   }
   size_t io_bytes = 0;
@@ -209,10 +207,9 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
     if (g.t == &args.out) continue;
     const size_t elem = dtype_size(g.t->dtype);
     const size_t row_bytes = static_cast<size_t>(g.row_elems) * elem;
-    const size_t src_pitch =
-        g.rows > 1 ? static_cast<size_t>(g.t->strides[0]) * elem : row_bytes;
-    ATTNRT_CUDA_CHECK(cudaMemcpy2DAsync(io_.ptr<char>() + g.offset, row_bytes, g.t->data,
-                                        src_pitch, row_bytes, static_cast<size_t>(g.rows),
+    const size_t src_pitch = g.rows > 1 ? static_cast<size_t>(g.t->strides[0]) * elem : row_bytes;
+    ATTNRT_CUDA_CHECK(cudaMemcpy2DAsync(io_.ptr<char>() + g.offset, row_bytes, g.t->data, src_pitch,
+                                        row_bytes, static_cast<size_t>(g.rows),
                                         cudaMemcpyHostToDevice, s));
   }
 
@@ -222,8 +219,8 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
   step.max_tokens = static_cast<int32_t>(plan_.max_tokens);
   step.verify = plan_.verify ? 1 : 0;
   step.draft_tokens = plan_.draft_tokens;
-  step.parents = plan_.verify ? reinterpret_cast<const int32_t*>(meta_.ptr<char>() + parents_off_)
-                              : nullptr;
+  step.parents =
+      plan_.verify ? reinterpret_cast<const int32_t*>(meta_.ptr<char>() + parents_off_) : nullptr;
   linear::LinState state;
   state.conv = st.conv;
   state.ssm = st.ssm;
@@ -258,8 +255,7 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
   linear::LinStep rec_step = step, chunk_step = step;
   if (chunked) {
     rec_step.reqs = reinterpret_cast<const linear::LinReq*>(meta_.ptr<char>() + table_bytes_);
-    chunk_step.reqs =
-        reinterpret_cast<const linear::LinReq*>(meta_.ptr<char>() + 2 * table_bytes_);
+    chunk_step.reqs = reinterpret_cast<const linear::LinReq*>(meta_.ptr<char>() + 2 * table_bytes_);
   }
   if (mamba) {
     linear::SsdParams p;
@@ -289,8 +285,7 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
     p.state = state;
     p.kda = layer.kind == LayerKind::kda ? 1 : 0;
     p.key_heads = layer.linear.num_k_heads;
-    p.scale = layer.scaling > 0.f ? layer.scaling
-                                  : 1.f / std::sqrt(static_cast<float>(sh.cols));
+    p.scale = layer.scaling > 0.f ? layer.scaling : 1.f / std::sqrt(static_cast<float>(sh.cols));
     p.y = y_.ptr<float>();
     p.a = a.ptr;
     p.a_stride = a.stride;
@@ -315,8 +310,9 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
   if (!on_device(args.out)) {
     const size_t elem = dtype_size(args.out.dtype);
     const size_t row_bytes = static_cast<size_t>(int64_t{sh.heads} * sh.rows) * elem;
-    ATTNRT_CUDA_CHECK(cudaMemcpy2DAsync(args.out.data, static_cast<size_t>(args.out.strides[0]) * elem,
-                                        out.ptr, static_cast<size_t>(out.stride) * elem, row_bytes,
+    ATTNRT_CUDA_CHECK(cudaMemcpy2DAsync(args.out.data,
+                                        static_cast<size_t>(args.out.strides[0]) * elem, out.ptr,
+                                        static_cast<size_t>(out.stride) * elem, row_bytes,
                                         static_cast<size_t>(T), cudaMemcpyDeviceToHost, s));
     ATTNRT_CUDA_CHECK(cudaStreamSynchronize(s));
   }

@@ -64,11 +64,11 @@ class CudaLinearBackend final : public AttentionBackend {
   size_t table_bytes_ = 0;
   size_t parents_off_ = 0;  // byte offset of the tree in meta_
   StagingRing staging_;
-  DeviceBuffer meta_;    // the step's LinReq table, then the verify parents
-  DeviceBuffer commit_;  // update_state_after_verify: slots (int64), then last_accepted (int32)
-  DeviceBuffer y_;       // conv outputs, fp32 [T, conv_dim]
-  DeviceBuffer io_;      // host tensors of the call, staged
-  DeviceBuffer workspace_;  // the chunked delta rule's
+  DeviceBuffer meta_;       // the step's request tables (see split_), then the verify parents
+  DeviceBuffer commit_;     // update_state_after_verify: slots (int64), then last_accepted (int32)
+  DeviceBuffer y_;          // conv outputs, fp32 [T, conv_dim]
+  DeviceBuffer io_;         // host tensors of the call, staged
+  DeviceBuffer workspace_;  // the chunked launchers' workspace
 };
 
 }  // namespace attnrt::cuda

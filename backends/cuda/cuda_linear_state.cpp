@@ -30,9 +30,10 @@ void* CudaLinearStateMemory::allocate_zeroed(size_t bytes) {
   const cudaError_t err = cudaMalloc(&p, bytes > 0 ? bytes : 1);
   if (err != cudaSuccess) {
     cudaGetLastError();
-    fail("linear state pool: cannot allocate {} bytes of GPU memory ({}); lower the number of "
-         "state slots (RuntimeConfig.linear_state_slots) or verify rows",
-         bytes, cudaGetErrorString(err));
+    fail(
+        "linear state pool: cannot allocate {} bytes of GPU memory ({}); lower the number of "
+        "state slots (RuntimeConfig.linear_state_slots) or verify rows",
+        bytes, cudaGetErrorString(err));
   }
   ATTNRT_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream()));
   return p;

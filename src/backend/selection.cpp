@@ -347,9 +347,8 @@ std::string auto_select(const Registry& registry, const std::vector<Role*>& role
     } else if (std::string r = unavailable_reason(*entry); !r.empty()) {
       why_not = fmt::format("not available ({})", r);
     } else if (devices != nullptr &&
-               std::none_of(devices->begin(), devices->end(), [&](DeviceKind d) {
-                 return contains(entry->caps.devices, d);
-               })) {
+               std::none_of(devices->begin(), devices->end(),
+                            [&](DeviceKind d) { return contains(entry->caps.devices, d); })) {
       why_not = fmt::format(
           "runs on {}, but the attention layers' backends run on {} (the KV cache and the "
           "state pool live on one device)",

@@ -120,7 +120,8 @@ void check_linear_args(const LinearArgs& args, const LayerSpec& layer, int64_t n
   const LinearSpec& s = layer.linear;
   const int64_t T = num_tokens;
   const int64_t heads = sh.heads;
-  check_tokens(backend, "mixed_qkv", args.mixed_qkv, {T, sh.conv_dim}, "[tokens, conv_dim]", device_tensors);
+  check_tokens(backend, "mixed_qkv", args.mixed_qkv, {T, sh.conv_dim}, "[tokens, conv_dim]",
+               device_tensors);
   check_param(backend, "conv_weight", args.conv_weight, {sh.conv_dim, s.conv_kernel},
               "[conv_dim, conv_kernel]", device_tensors);
   if (!args.conv_bias.empty()) {
@@ -129,7 +130,8 @@ void check_linear_args(const LinearArgs& args, const LayerSpec& layer, int64_t n
   check_param(backend, "A_log", args.A_log, {heads}, "[heads]", device_tensors);
   check_tokens(backend, "out", args.out, {T, heads, sh.rows},
                layer.kind == LayerKind::mamba2 ? "[tokens, heads, head_dim]"
-                                               : "[tokens, value heads, head_v_dim]", device_tensors);
+                                               : "[tokens, value heads, head_v_dim]",
+               device_tensors);
   switch (layer.kind) {
     case LayerKind::gdn:
       check_tokens(backend, "a", args.a, {T, heads}, "[tokens, value heads]", device_tensors);
@@ -137,9 +139,11 @@ void check_linear_args(const LinearArgs& args, const LayerSpec& layer, int64_t n
       check_param(backend, "dt_bias", args.dt_bias, {heads}, "[value heads]", device_tensors);
       break;
     case LayerKind::kda:
-      check_tokens(backend, "a", args.a, {T, heads, s.head_k_dim}, "[tokens, heads, head_k_dim]", device_tensors);
+      check_tokens(backend, "a", args.a, {T, heads, s.head_k_dim}, "[tokens, heads, head_k_dim]",
+                   device_tensors);
       check_tokens(backend, "b", args.b, {T, heads}, "[tokens, heads]", device_tensors);
-      check_param(backend, "dt_bias", args.dt_bias, {heads, s.head_k_dim}, "[heads, head_k_dim]", device_tensors);
+      check_param(backend, "dt_bias", args.dt_bias, {heads, s.head_k_dim}, "[heads, head_k_dim]",
+                  device_tensors);
       break;
     case LayerKind::mamba2:
       check_tokens(backend, "a (dt)", args.a, {T, heads}, "[tokens, heads]", device_tensors);

@@ -247,9 +247,7 @@ bool LinearStatePool::holds(int layer_id) const {
          index_of_[layer_id] >= 0;
 }
 
-const LinearLayerState& LinearStatePool::layer(int layer_id) const {
-  return find(layer_id).view;
-}
+const LinearLayerState& LinearStatePool::layer(int layer_id) const { return find(layer_id).view; }
 
 void LinearStatePool::commit_verify(std::span<const int64_t> slots,
                                     std::span<const int32_t> last_accepted) {
@@ -310,8 +308,7 @@ const LinearStatePool::Layer& LinearStatePool::find(int layer_id) const {
 void LinearStatePool::check_any_slot(int layer_id, int slot, const char* what) const {
   find(layer_id);
   ATTNRT_CHECK(slot >= 0 && slot <= config_.max_slots,
-               "LinearStatePool::{}: slot {} is out of range 0..{}", what, slot,
-               config_.max_slots);
+               "LinearStatePool::{}: slot {} is out of range 0..{}", what, slot, config_.max_slots);
 }
 
 void LinearStatePool::check_checkpoint(int layer_id, int row, int t, const char* what) const {
@@ -329,8 +326,7 @@ void LinearStatePool::check_checkpoint(int layer_id, int row, int t, const char*
 void LinearStatePool::download_slot(int layer_id, int slot, void* conv, void* ssm) const {
   check_any_slot(layer_id, slot, "download_slot");
   const Layer& l = find(layer_id);
-  memory_->to_host(conv, static_cast<const char*>(l.view.conv) + l.conv_bytes * slot,
-                   l.conv_bytes);
+  memory_->to_host(conv, static_cast<const char*>(l.view.conv) + l.conv_bytes * slot, l.conv_bytes);
   memory_->to_host(ssm, static_cast<const char*>(l.view.ssm) + l.ssm_bytes * slot, l.ssm_bytes);
 }
 
@@ -348,8 +344,7 @@ void LinearStatePool::download_checkpoint(int layer_id, int row, int t, void* co
   const size_t c = static_cast<size_t>(row) * config_.num_draft_tokens + t;
   memory_->to_host(conv, static_cast<const char*>(l.view.inter_conv) + l.conv_bytes * c,
                    l.conv_bytes);
-  memory_->to_host(ssm, static_cast<const char*>(l.view.inter_ssm) + l.ssm_bytes * c,
-                   l.ssm_bytes);
+  memory_->to_host(ssm, static_cast<const char*>(l.view.inter_ssm) + l.ssm_bytes * c, l.ssm_bytes);
 }
 
 void LinearStatePool::upload_checkpoint(int layer_id, int row, int t, const void* conv,
@@ -357,8 +352,7 @@ void LinearStatePool::upload_checkpoint(int layer_id, int row, int t, const void
   check_checkpoint(layer_id, row, t, "upload_checkpoint");
   const Layer& l = find(layer_id);
   const size_t c = static_cast<size_t>(row) * config_.num_draft_tokens + t;
-  memory_->from_host(static_cast<char*>(l.view.inter_conv) + l.conv_bytes * c, conv,
-                     l.conv_bytes);
+  memory_->from_host(static_cast<char*>(l.view.inter_conv) + l.conv_bytes * c, conv, l.conv_bytes);
   memory_->from_host(static_cast<char*>(l.view.inter_ssm) + l.ssm_bytes * c, ssm, l.ssm_bytes);
 }
 

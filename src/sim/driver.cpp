@@ -369,8 +369,7 @@ void restore_state(LinearStatePool& pool, int layer_id, const StateRegion& r, co
   }
   for (int64_t k = 0; r.verify && k < r.checkpoints; ++k, ++at) {
     pool.upload_checkpoint(layer_id, static_cast<int>(k / r.draft_tokens),
-                           static_cast<int>(k % r.draft_tokens), &c.conv[cb * at],
-                           &c.ssm[sb * at]);
+                           static_cast<int>(k % r.draft_tokens), &c.conv[cb * at], &c.ssm[sb * at]);
   }
 }
 
@@ -1015,11 +1014,10 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
               if (sc.bad > 0) {
                 record_failure(
                     key, step, layer.layer_id, sc,
-                    fmt::format(
-                        "{}: {} of {} {} values beyond tolerance; worst in {}, [{}, {}]: "
-                        "got {:.6g}, reference {:.6g}",
-                        where, sc.bad, got.numel(), part.what,
-                        where_in(sc.token), sc.head, sc.column, sc.got, sc.expected));
+                    fmt::format("{}: {} of {} {} values beyond tolerance; worst in {}, [{}, {}]: "
+                                "got {:.6g}, reference {:.6g}",
+                                where, sc.bad, got.numel(), part.what, where_in(sc.token), sc.head,
+                                sc.column, sc.got, sc.expected));
               }
             }
           } else if (unwritten >= 0) {

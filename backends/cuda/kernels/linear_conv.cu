@@ -60,7 +60,8 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) 
       for (int j = 0; j < kMaxKernel - 1; ++j) {
         if (j >= W) break;
         if (parent >= 0) {
-          win[j] = conv_at<C>(p.state.inter_conv, (row * N + parent) * win_elems + int64_t{j} * dim + c);
+          win[j] =
+              conv_at<C>(p.state.inter_conv, (row * N + parent) * win_elems + int64_t{j} * dim + c);
         } else {
           win[j] = r.has_initial_state ? conv_at<C>(p.state.conv, slot_base + int64_t{j} * dim + c)
                                        : 0.f;
@@ -76,7 +77,8 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) 
       const int64_t dst = (row * N + t) * win_elems + c;
 #pragma unroll
       for (int j = 0; j < kMaxKernel - 1; ++j) {
-        if (j < W) conv_put<C>(p.state.inter_conv, dst + int64_t{j} * dim, j + 1 < W ? win[j + 1] : xt);
+        if (j < W)
+          conv_put<C>(p.state.inter_conv, dst + int64_t{j} * dim, j + 1 < W ? win[j + 1] : xt);
       }
     }
     return;
@@ -134,9 +136,11 @@ __global__ void __launch_bounds__(kConvThreads) conv_window_kernel(const ConvPar
 
 template <typename C>
 cudaError_t conv_launch(const ConvParams& p, cudaStream_t stream) {
-  const unsigned cblocks = static_cast<unsigned>((p.state.conv_dim + kConvThreads - 1) / kConvThreads);
+  const unsigned cblocks =
+      static_cast<unsigned>((p.state.conv_dim + kConvThreads - 1) / kConvThreads);
   const unsigned chunks =
-      p.step.verify ? 1u : static_cast<unsigned>((p.step.max_tokens + kConvTokens - 1) / kConvTokens);
+      p.step.verify ? 1u
+                    : static_cast<unsigned>((p.step.max_tokens + kConvTokens - 1) / kConvTokens);
   conv_kernel<C><<<dim3(cblocks, p.step.num_reqs, chunks), kConvThreads, 0, stream>>>(p);
   if (!p.step.verify && chunks > 1) {
     conv_window_kernel<C><<<dim3(cblocks, p.step.num_reqs), kConvThreads, 0, stream>>>(p);
@@ -180,8 +184,8 @@ cudaError_t launch_commit(const CommitParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
   const int64_t conv_bytes =
       int64_t{p.state.conv_width} * p.state.conv_dim * dtype_bytes(p.state.conv_dtype);
-  const int64_t ssm_bytes = int64_t{p.state.heads} * p.state.rows * p.state.cols *
-                            dtype_bytes(p.state.ssm_dtype);
+  const int64_t ssm_bytes =
+      int64_t{p.state.heads} * p.state.rows * p.state.cols * dtype_bytes(p.state.ssm_dtype);
   const dim3 grid(static_cast<unsigned>(p.rows), 2);
   if (conv_bytes % 16 == 0 && ssm_bytes % 16 == 0) {
     commit_kernel<uint4><<<grid, 256, 0, stream>>>(p, conv_bytes, ssm_bytes);

@@ -186,11 +186,11 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const P p, int row_
 #pragma unroll
           for (int e = 0; e < E; ++e) {
             const int c = (j * L + li) * E + e;
-            decay[j][e] = col_ok[j] ? expf(A * softplus(load_elem(p.a, p.a_dtype,
-                                                                  tok * p.a_stride +
-                                                                      int64_t{h} * cols + c) +
-                                                        p.dt_bias[int64_t{h} * cols + c]))
-                                    : 0.f;
+            decay[j][e] =
+                col_ok[j] ? expf(A * softplus(load_elem(p.a, p.a_dtype,
+                                                        tok * p.a_stride + int64_t{h} * cols + c) +
+                                              p.dt_bias[int64_t{h} * cols + c]))
+                          : 0.f;
           }
         }
       } else {
