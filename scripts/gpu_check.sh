@@ -25,7 +25,11 @@
 # run.json, bench.log (bench, linear and both torch comparisons), bench.json, torch.json,
 # bench_linear.json, torch_linear.json; build.log only when the build fails. The summary table is
 # printed last.
-#   usage: scripts/gpu_check.sh [all|test|check|run|bench|linear|memcheck|torch] [gtest filter]
+#   usage: scripts/gpu_check.sh [all|STAGE[,STAGE...]] [gtest filter]
+#          (stages: test, check, run, bench, linear, memcheck, torch; they run in the order above)
+# ATTNRT_GPU_BENCH_WORKLOAD limits the bench stage's rows (default all; the host plan at batch 256
+# and the graph replay are measured whatever rows run); ATTNRT_MEMCHECK_TESTS replaces the gtest
+# filter the memcheck stage runs.
 # With ATTNRT_GPU_PREBUILT=DIR the build stage is skipped and the attnrt and attnrt_cuda_tests
 # binaries in DIR/bin.tar.xz are used: built elsewhere for sm_90a (scripts/gpu_prebuild.sh) and
 # carried to the GPU machine, which saves its build minutes.
@@ -40,7 +44,7 @@ deadline=$(($(date +%s) + ${ATTNRT_GPU_DEADLINE:-560}))
 if [ -f .devdeps/unpack-debs.sh ]; then source .devdeps/unpack-debs.sh >/dev/null; fi
 cli="$build/attnrt"
 tests="$build/attnrt_cuda_tests"
-memcheck_tests='CudaBackendTest.*:CudaPrefillTest.*:CudaGraphRuntime.*:CudaKVCacheRows.*'
+memcheck_tests=${ATTNRT_MEMCHECK_TESTS:-'CudaBackendTest.*:CudaPrefillTest.*:CudaGraphRuntime.*:CudaKVCacheRows.*:CudaLinear*:*Generic*:*Mla*'}
 
 # check, run and memcheck log to files of their own here (each stage's figures are read from its
 # log alone); summary() appends them to tests.log, as $OUT may hold 8 files.
@@ -49,7 +53,7 @@ runlog=$tmp/run.log
 mclog=$tmp/memcheck.log
 rows=()
 left() { echo $((deadline - $(date +%s))); }
-want() { [[ $what == all || $what == "$1" ]]; }
+want() { [[ $what == all || ,$what, == *",$1,"* ]]; }
 note() { rows+=("$1|$2|$3|$4"); }
 # budget CAP MIN: seconds a stage may take (CAP at most, what is left minus a margin); empty when
 # fewer than MIN seconds are left.
@@ -182,7 +186,8 @@ fi
 if want bench; then
   t0=$(date +%s)
   if b=$(budget 300 60); then
-    timeout -k 5 "$b" "$cli" bench --backend cuda --json "$out/bench.json" >"$out/bench.log" 2>&1
+    timeout -k 5 "$b" "$cli" bench --backend cuda --workload "${ATTNRT_GPU_BENCH_WORKLOAD:-all}" \
+      --json "$out/bench.json" >"$out/bench.log" 2>&1
     rc=$?
     sed -n '/^ceilings/,$p' "$out/bench.log" | grep -vE '^bench: ' | head -45
     note bench "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
