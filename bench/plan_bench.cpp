@@ -109,6 +109,41 @@ void BM_HostPlan(benchmark::State& state) {
   state.counters["bytes"] = static_cast<double>(planner.plan().bytes);
   state.counters["incremental"] = planner.plan().incremental ? 1 : 0;
 }
+// The same plan with cold caches: 64 MiB are streamed through between two plans (outside the timed
+// region), as when `attnrt bench --backend cuda` starts every plan after a forward and a GPU drain.
+void BM_HostPlanColdCaches(benchmark::State& state) {
+  const auto kind = static_cast<Kind>(state.range(0));
+  Workload w(kind);
+  cuda::HostPlanner planner(planner_config());
+  planner.enable_row_table(w.pool.size(), (w.pool.max_context_len() + kPage - 1) / kPage);
+  std::array<std::vector<uint64_t>, 8> ring;
+  std::vector<uint64_t> evict(size_t{8} << 20, 1);  // 64 MiB, twice the L3
+  size_t slot = 0;
+  auto step = [&] {
+    const cuda::StepPlan& plan = planner.prepare(w.batch, &w.pool, kPage, 0, nullptr, false, false);
+    std::vector<uint64_t>& buf = ring[slot++ % ring.size()];
+    if (buf.size() * 8 < plan.bytes) buf.resize(plan.bytes / 8 + 1);
+    planner.write(buf.data());
+    planner.launched();
+  };
+  for (int i = 0; i < 16; ++i) step();
+  uint64_t sink = 0;
+  for (auto _ : state) {
+    state.PauseTiming();
+    for (uint64_t& x : evict) sink += x++;
+    benchmark::DoNotOptimize(sink);
+    state.ResumeTiming();
+    step();
+    benchmark::ClobberMemory();
+  }
+}
+BENCHMARK(BM_HostPlanColdCaches)
+    ->ArgName("kind")
+    ->Arg(kDecode)
+    ->Arg(kVerify)
+    ->Arg(kExtend)
+    ->Iterations(300);
+
 BENCHMARK(BM_HostPlan)
     ->ArgNames({"kind", "page"})
     ->Args({kDecode, 16})
