@@ -38,8 +38,9 @@ import os
 import platform
 import statistics
 import sys
-import time
 import warnings
+
+from bench_util import llc_bytes, read_attnrt_report, time_calls
 
 DECODE_PREFIX = 16
 GDN = dict(model="qwen3-next-80b", num_k_heads=16, num_v_heads=32, head_k_dim=128,
@@ -78,10 +79,7 @@ def standard_rows(scale):
 
 
 def rows_from_attnrt(path):
-    with open(path) as f:
-        report = json.load(f)
-    if report.get("schema") != "attnrt-bench/1":
-        sys.exit(f"{path}: not an attnrt bench report (schema {report.get('schema')!r})")
+    report = read_attnrt_report(path)
     rows = []
     for r in report["rows"]:
         if r.get("suite") != "linear":
@@ -132,19 +130,6 @@ def counted(row):
     flops = row["batch"] * (full * chunk_flops(row, c) + (chunk_flops(row, tail) if tail else 0))
     return nbytes, flops
 
-
-def llc_bytes():
-    best = 0
-    for i in range(8):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{i}/size") as f:
-                t = f.read().strip()
-        except OSError:
-            continue
-        v = int(t.rstrip("KMG"))
-        v <<= {"K": 10, "M": 20, "G": 30}.get(t[-1], 0)
-        best = max(best, v)
-    return best or (32 << 20)
 
 
 def torch_functions():
@@ -274,30 +259,6 @@ def make_call(torch, F, fns, row, device, gen, batch):
     return call, ["causal_conv1d_fn", "mamba2_chunk_scan"]
 
 
-def time_calls(torch, call, args, flush):
-    cuda = args.device == "cuda"
-    with torch.no_grad():
-        for _ in range(args.warmup):
-            call()
-        if cuda:
-            torch.cuda.synchronize()
-            start = torch.cuda.Event(enable_timing=True)
-            stop = torch.cuda.Event(enable_timing=True)
-        samples = []
-        for _ in range(args.repeats):
-            flush.add_(1)
-            if cuda:
-                start.record()
-                call()
-                stop.record()
-                stop.synchronize()
-                samples.append(start.elapsed_time(stop) * 1e-3)
-            else:
-                t0 = time.perf_counter()
-                call()
-                samples.append(time.perf_counter() - t0)
-    return sorted(samples)
-
 
 def run_row(torch, F, fns, row, args, flush):
     gen = torch.Generator(device=args.device).manual_seed(args.seed)
@@ -305,7 +266,7 @@ def run_row(torch, F, fns, row, args, flush):
     out_of_memory = False
     try:
         call, used = make_call(torch, F, fns, row, args.device, gen, row["batch"])
-        samples = time_calls(torch, call, args, flush)
+        samples = time_calls(torch, call, args.device, args.warmup, args.repeats, flush)
     except torch.cuda.OutOfMemoryError:
         out_of_memory = True  # retried below, once the traceback no longer holds the tensors
     if out_of_memory:
@@ -319,7 +280,7 @@ def run_row(torch, F, fns, row, args, flush):
         def per_request():
             for c in calls:
                 c()
-        samples = time_calls(torch, per_request, args, flush)
+        samples = time_calls(torch, per_request, args.device, args.warmup, args.repeats, flush)
         notes.append(f"the batched call ran out of GPU memory; timed as {row['batch']} calls of "
                      "one request")
     if row["mode"] == "decode":

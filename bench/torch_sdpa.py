@@ -35,8 +35,9 @@ import os
 import platform
 import statistics
 import sys
-import time
 import warnings
+
+from bench_util import llc_bytes, read_attnrt_report, time_calls
 
 STANDARD = [
     # (name, kind, batch, prefix_len, new_tokens, head_dim, page_size, kv_dtype, topk)
@@ -82,10 +83,7 @@ def standard_rows(scale):
 
 
 def rows_from_attnrt(path):
-    with open(path) as f:
-        report = json.load(f)
-    if report.get("schema") != "attnrt-bench/1":
-        sys.exit(f"{path}: not an attnrt bench report (schema {report.get('schema')!r})")
+    report = read_attnrt_report(path)
     rows = []
     for r in report["rows"]:
         if r.get("suite") == "linear":  # bench/torch_linear.py runs those
@@ -119,19 +117,6 @@ def counted(row):
         return "GFLOP/s", b * 4 * row["q_heads"] * d * (n * p + n * n / 2)
     return "GB/s", kv_bytes
 
-
-def llc_bytes():
-    best = 0
-    for i in range(8):
-        try:
-            with open(f"/sys/devices/system/cpu/cpu0/cache/index{i}/size") as f:
-                t = f.read().strip()
-        except OSError:
-            continue
-        v = int(t.rstrip("KMG"))
-        v <<= {"K": 10, "M": 20, "G": 30}.get(t[-1], 0)
-        best = max(best, v)
-    return best or (32 << 20)
 
 
 def build_inputs(torch, row, gen, device="cpu"):
@@ -176,32 +161,6 @@ def build_inputs(torch, row, gen, device="cpu"):
     return q, k, v, mask, False
 
 
-def time_cpu(call, args, flush):
-    for _ in range(args.warmup):
-        call()
-    samples = []
-    for _ in range(args.repeats):
-        flush.add_(1)
-        t0 = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - t0)
-    return samples
-
-
-def time_cuda(torch, call, args, flush):
-    for _ in range(args.warmup):
-        call()
-    start = torch.cuda.Event(enable_timing=True)
-    stop = torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(args.repeats):
-        flush.add_(1)
-        start.record()
-        call()
-        stop.record()
-        stop.synchronize()
-        samples.append(start.elapsed_time(stop) * 1e-3)
-    return samples
 
 
 def cuda_calls(torch, F, q, k, v, mask, causal, kernels):
@@ -245,7 +204,7 @@ def run_row(torch, F, row, args, flush):
         best = None
         for name, call in cuda_calls(torch, F, q, k, v, mask, causal, args.kernels).items():
             try:
-                times = time_cuda(torch, call, args, flush)
+                times = time_calls(torch, call, "cuda", args.warmup, args.repeats, flush)
             except Exception as e:  # a kernel that does not take this shape says why
                 kernels[name] = {"error": str(e).strip().split("\n")[0][:200]}
                 continue
@@ -259,7 +218,7 @@ def run_row(torch, F, row, args, flush):
     else:
         call = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                       enable_gqa=True)
-        samples = sorted(time_cpu(call, args, flush))
+        samples = time_calls(torch, call, "cpu", args.warmup, args.repeats, flush)
     del q, k, v, mask
 
     def quantile(f):
