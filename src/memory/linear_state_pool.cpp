@@ -117,8 +117,7 @@ LinearStatePool::LinearStatePool(const ModelSpec& model, const LinearStateConfig
       layer.view.inter_conv = layer.inter_conv.ptr;
       layer.view.inter_ssm = layer.inter_ssm.ptr;
     }
-    if (static_cast<size_t>(l.layer_id) >= index_of_.size()) index_of_.resize(l.layer_id + 1, -1);
-    index_of_[l.layer_id] = static_cast<int>(layers_.size());
+    index_.add(l.layer_id, "LinearStatePool");
     layer_ids_.push_back(l.layer_id);
     layers_.push_back(std::move(layer));
   }
@@ -242,10 +241,7 @@ void LinearStatePool::free_for(int req_row) {
   free(slot);
 }
 
-bool LinearStatePool::holds(int layer_id) const {
-  return layer_id >= 0 && static_cast<size_t>(layer_id) < index_of_.size() &&
-         index_of_[layer_id] >= 0;
-}
+bool LinearStatePool::holds(int layer_id) const { return index_.holds(layer_id); }
 
 const LinearLayerState& LinearStatePool::layer(int layer_id) const { return find(layer_id).view; }
 
@@ -302,7 +298,7 @@ const LinearStatePool::Layer& LinearStatePool::find(int layer_id) const {
                "LinearStatePool: layer {} is not a linear-attention layer of this pool ({} linear "
                "layers)",
                layer_id, layers_.size());
-  return layers_[static_cast<size_t>(index_of_[layer_id])];
+  return layers_[static_cast<size_t>(index_.at(layer_id, "LinearStatePool"))];
 }
 
 void LinearStatePool::check_any_slot(int layer_id, int slot, const char* what) const {

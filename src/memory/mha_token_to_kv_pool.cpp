@@ -30,10 +30,7 @@ MHATokenToKVPool::MHATokenToKVPool(int64_t rows, DType dtype, const std::vector<
                  "MHATokenToKVPool: layer {} has {} kv heads and head_dim {}; all must be > 0 "
                  "(layer id >= 0)",
                  l.layer_id, l.num_kv_heads, l.head_dim);
-    if (static_cast<size_t>(l.layer_id) >= index_of_.size()) index_of_.resize(l.layer_id + 1, -1);
-    ATTNRT_CHECK(index_of_[l.layer_id] < 0, "MHATokenToKVPool: layer {} is given twice",
-                 l.layer_id);
-    index_of_[l.layer_id] = static_cast<int>(layers_.size());
+    index_.add(l.layer_id, "MHATokenToKVPool");
     Layer& x = layers_.emplace_back();
     x.layer_id = l.layer_id;
     x.kv_heads = l.num_kv_heads;
@@ -47,14 +44,10 @@ MHATokenToKVPool::MHATokenToKVPool(int64_t rows, DType dtype, const std::vector<
   }
 }
 
-bool MHATokenToKVPool::holds(int layer_id) const {
-  return layer_id >= 0 && static_cast<size_t>(layer_id) < index_of_.size() &&
-         index_of_[layer_id] >= 0;
-}
+bool MHATokenToKVPool::holds(int layer_id) const { return index_.holds(layer_id); }
 
 const MHATokenToKVPool::Layer& MHATokenToKVPool::find(int layer_id) const {
-  ATTNRT_CHECK(holds(layer_id), "MHATokenToKVPool: layer {} is not held by this pool", layer_id);
-  return layers_[static_cast<size_t>(index_of_[layer_id])];
+  return layers_[static_cast<size_t>(index_.at(layer_id, "MHATokenToKVPool"))];
 }
 
 KVLayerView MHATokenToKVPool::layer(int layer_id) const {

@@ -26,10 +26,7 @@ MLATokenToKVPool::MLATokenToKVPool(int64_t rows, DType dtype, const std::vector<
                  "layer has one latent kv head and v_head_dim (kv_lora_rank) <= head_dim "
                  "(kv_lora_rank + qk_rope_head_dim)",
                  l.layer_id, l.num_kv_heads, l.head_dim, v_dim);
-    if (static_cast<size_t>(l.layer_id) >= index_of_.size()) index_of_.resize(l.layer_id + 1, -1);
-    ATTNRT_CHECK(index_of_[l.layer_id] < 0, "MLATokenToKVPool: layer {} is given twice",
-                 l.layer_id);
-    index_of_[l.layer_id] = static_cast<int>(layers_.size());
+    index_.add(l.layer_id, "MLATokenToKVPool");
     Layer& x = layers_.emplace_back();
     x.layer_id = l.layer_id;
     x.row_dim = l.head_dim;
@@ -40,14 +37,10 @@ MLATokenToKVPool::MLATokenToKVPool(int64_t rows, DType dtype, const std::vector<
   }
 }
 
-bool MLATokenToKVPool::holds(int layer_id) const {
-  return layer_id >= 0 && static_cast<size_t>(layer_id) < index_of_.size() &&
-         index_of_[layer_id] >= 0;
-}
+bool MLATokenToKVPool::holds(int layer_id) const { return index_.holds(layer_id); }
 
 const MLATokenToKVPool::Layer& MLATokenToKVPool::find(int layer_id) const {
-  ATTNRT_CHECK(holds(layer_id), "MLATokenToKVPool: layer {} is not held by this pool", layer_id);
-  return layers_[static_cast<size_t>(index_of_[layer_id])];
+  return layers_[static_cast<size_t>(index_.at(layer_id, "MLATokenToKVPool"))];
 }
 
 KVLayerView MLATokenToKVPool::layer(int layer_id) const {

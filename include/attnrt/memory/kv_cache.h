@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attnrt/core/tensor.h"
+#include "attnrt/memory/layer_index.h"
 #include "attnrt/memory/token_allocator.h"
 #include "attnrt/model/model_spec.h"
 
@@ -110,7 +111,7 @@ class MHATokenToKVPool final : public TokenToKVPool {
   int64_t rows_;
   DType dtype_;
   std::vector<Layer> layers_;
-  std::vector<int> index_of_;  // global layer id -> index in layers_, -1 if not held
+  LayerIndex index_;  // global layer id -> index in layers_
 };
 
 // The MLA latent pool (reference-semantics §4.5): per layer one row of kv_lora_rank +
@@ -142,7 +143,7 @@ class MLATokenToKVPool final : public TokenToKVPool {
   int64_t rows_;
   DType dtype_;
   std::vector<Layer> layers_;
-  std::vector<int> index_of_;  // global layer id -> index in layers_, -1 if not held
+  LayerIndex index_;  // global layer id -> index in layers_
 };
 
 // Builds the KV cache a model needs on the host: a single MHA pool, or a full pool plus a smaller

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "attnrt/core/tensor.h"
+#include "attnrt/memory/layer_index.h"
 #include "attnrt/model/model_spec.h"
 
 namespace attnrt {
@@ -186,7 +187,7 @@ class LinearStatePool {
   LinearStateConfig config_;
   std::unique_ptr<LinearStateMemory> memory_;  // declared before layers_: outlives them
   std::vector<Layer> layers_;
-  std::vector<int> index_of_;  // layer id -> index in layers_, -1 if not a linear layer
+  LayerIndex index_;  // layer id -> index in layers_ (linear layers only)
   std::vector<int> layer_ids_;
   std::vector<int> free_slots_;
   std::vector<uint8_t> in_use_;
