@@ -233,47 +233,36 @@ if want linear; then
   fi
 fi
 
+# memcheck_one STAGE CAP PARTIAL_OK LABEL CMD...: CMD under compute-sanitizer memcheck (at most CAP
+# seconds), appended to the memcheck log; PARTIAL_OK=yes: running out of time is PARTIAL (the
+# tests that finished ran clean), not a failure.
+memcheck_one() {
+  local stage=$1 cap=$2 partial_ok=$3 label=$4 t0 b rc verdict detail
+  shift 4
+  t0=$(date +%s)
+  if ! b=$(budget "$cap" 30); then
+    note "$stage" skipped 0 "no time left"
+    return
+  fi
+  echo "### memcheck: $label" >>"$mclog"
+  timeout -k 5 "$b" compute-sanitizer --tool memcheck --error-exitcode 9 "$@" >>"$mclog" 2>&1
+  rc=$?
+  verdict=$([ $rc -eq 0 ] && echo ok || echo FAILED)
+  [ $rc -eq 124 ] && [ "$partial_ok" = yes ] && verdict=PARTIAL
+  detail="rc=$rc; $(grep -E 'ERROR SUMMARY' "$mclog" | tail -1)"
+  [ "$partial_ok" = yes ] && detail="rc=$rc; $(grep -cE '^\[       OK \]' "$mclog") tests ran clean; $(grep -E 'ERROR SUMMARY' "$mclog" | tail -1)"
+  note "$stage" "$verdict" $(($(date +%s) - t0)) "$detail"
+  [ "$verdict" = FAILED ] && status=1
+}
+
 if want memcheck; then
   if ! command -v compute-sanitizer >/dev/null; then
     note memcheck skipped 0 "compute-sanitizer not found"
   else
-    t0=$(date +%s)
-    if b=$(budget 150 30); then
-      echo "### memcheck: attnrt run (defaults)" >>"$mclog"
-      timeout -k 5 "$b" compute-sanitizer --tool memcheck --error-exitcode 9 \
-        "$cli" run --no-progress >>"$mclog" 2>&1
-      rc=$?
-      note memcheck-run "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-        "rc=$rc; $(grep -E 'ERROR SUMMARY' "$mclog" | tail -1)"
-      [ $rc -ne 0 ] && status=1
-    else
-      note memcheck-run skipped 0 "no time left"
-    fi
-    t0=$(date +%s)
-    if b=$(budget 120 30); then
-      echo "### memcheck: attnrt check --backend cuda" >>"$mclog"
-      timeout -k 5 "$b" compute-sanitizer --tool memcheck --error-exitcode 9 \
-        "$cli" check --backend cuda --no-progress >>"$mclog" 2>&1
-      rc=$?
-      note memcheck-check "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-        "rc=$rc; $(grep -E 'ERROR SUMMARY' "$mclog" | tail -1)"
-      [ $rc -ne 0 ] && status=1
-    else
-      note memcheck-check skipped 0 "no time left"
-    fi
-    t0=$(date +%s)
-    if b=$(budget 300 30); then
-      echo "### memcheck: $memcheck_tests" >>"$mclog"
-      timeout -k 5 "$b" compute-sanitizer --tool memcheck --error-exitcode 9 \
-        "$tests" --gtest_filter="$memcheck_tests" >>"$mclog" 2>&1
-      rc=$?
-      done_tests=$(grep -cE '^\[       OK \]' "$mclog")
-      note memcheck-tests "$([ $rc -eq 0 ] && echo ok || { [ $rc -eq 124 ] && echo PARTIAL || echo FAILED; })" \
-        $(($(date +%s) - t0)) "rc=$rc; $done_tests tests ran clean; $(grep -E 'ERROR SUMMARY' "$mclog" | tail -1)"
-      [ $rc -ne 0 ] && [ $rc -ne 124 ] && status=1
-    else
-      note memcheck-tests skipped 0 "no time left"
-    fi
+    memcheck_one memcheck-run 150 no "attnrt run (defaults)" "$cli" run --no-progress
+    memcheck_one memcheck-check 120 no "attnrt check --backend cuda" \
+      "$cli" check --backend cuda --no-progress
+    memcheck_one memcheck-tests 300 yes "$memcheck_tests" "$tests" --gtest_filter="$memcheck_tests"
   fi
 fi
 
