@@ -301,8 +301,9 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
     for (int i = 0; i < bs; ++i) {
       const int32_t s = class_splits[c][i];
       const bool real = incremental && i < raw_bs;
-      const int32_t committed =
-          commit && i < raw_bs ? std::max(e.prefix[i] >> shift, known[i]) : known[i];
+      // DECODE also commits the page its token completes.
+      const int32_t done = (b.mode == ForwardMode::DECODE ? e.prefix[i] + e.qlen[i] : e.prefix[i]) >> shift;
+      const int32_t committed = commit && i < raw_bs ? std::max(done, known[i]) : known[i];
       SCOPED_TRACE(testing::Message() << "class " << c << " request " << i);
       ASSERT_EQ(ri[i].qo_start, e.qo[i]);
       ASSERT_EQ(ri[i].qlen, e.qlen[i]);
@@ -591,6 +592,30 @@ TEST(CudaHostPlan, RejectsRepeatedRowsAndSlotsOffPageStarts) {
   std::vector<uint64_t> buf(planner.plan().bytes / 8 + 1);
   test::expect_error([&] { planner.write(buf.data()); },
                      {"req_to_token[3, 16] = 7", "does not start a page"});
+}
+
+// A steady decode takes its last page from out_cache_loc, so a write slot that cannot hold the
+// token's position (its offset inside the page differs) is refused there.
+TEST(CudaHostPlan, RejectsDecodeSlotOffItsPosition) {
+  Rows rows(2, 256, 16);
+  rows.grow(1, 60);
+  HostPlanner planner(config({4}, {128}, 8, false));
+  planner.enable_row_table(2, 16);
+  std::vector<uint64_t> buf(4096);
+  for (int len : {40, 41}) {  // the first step uploads every page and commits the full ones
+    ForwardBatch b = make_decode_batch({1}, {len});
+    b.out_cache_loc.assign(1, rows.pool.get(1, len - 1));
+    planner.prepare(b, &rows.pool, 16, 0, nullptr, false, false);
+    ASSERT_LE(planner.plan().bytes, buf.size() * 8);
+    planner.write(buf.data());
+    planner.launched();
+  }
+  ForwardBatch bad = make_decode_batch({1}, {42});
+  bad.out_cache_loc.assign(1, rows.pool.get(1, 41) + 1);
+  planner.prepare(bad, &rows.pool, 16, 0, nullptr, false, false);
+  ASSERT_TRUE(planner.plan().incremental);
+  test::expect_error([&] { planner.write(buf.data()); },
+                     {"out_cache_loc[0] = ", "position 41", "slot mod page size"});
 }
 
 }  // namespace

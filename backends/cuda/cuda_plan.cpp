@@ -45,7 +45,8 @@ HostPlanner::HostPlanner(PlannerConfig config) : config_(std::move(config)) {
 
 void HostPlanner::enable_row_table(int rows, int64_t pages_per_row) {
   pages_per_row_ = pages_per_row;
-  rows_.assign(rows, RowState{~uint64_t{0}, 0, 0});
+  rows_.assign(rows, RowState{~uint64_t{0}, 0, 0, 0, 0});
+  stamp_ = 0;
   num_commits_ = 0;
   commits_launched_ = false;
 }
@@ -66,10 +67,15 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
   const int64_t offset_mask = (int64_t{1} << shift) - 1;
   const bool track = track_, commit = commit_if_incremental_, tree = tree_;
   const int64_t pages_per_row = pages_per_row_;
-  const RowState* state = rows_.data();
+  RowState* state = rows_.data();
   Commit* commits = commits_.data();
-  uint32_t* stamp = row_stamp_.data();
   const uint32_t seen = stamp_;
+  const uint64_t epoch = pool != nullptr ? pool->generation_epoch() : 0;
+  // DECODE commits the page its token completes too (its key is stored by this step and keeps its
+  // slot from then on), so that a steady decode uploads one page per request: the one its own
+  // token lies in, which write() takes from out_cache_loc. A later step at a lower prefix (a
+  // rejected draft decoded again) clamps `known` below it and its commit rewrites the entry.
+  const bool decode = batch.mode == ForwardMode::DECODE;
   ReqInfo* info = info_.data();
   int32_t* row_of = row_of_.data();
   int32_t* kvs = kv_.data();
@@ -87,17 +93,23 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
                  "cuda backend: request {} needs {} keys but a request row holds at most "
                  "max_context_len = {}",
                  i, kv, max_ctx);
-    ATTNRT_CHECK(stamp[row] != seen,
+    RowState& rs = state[row];
+    ATTNRT_CHECK(rs.stamp != seen,
                  "cuda backend: req_pool_indices[{}] = {} repeats an earlier request's row; "
                  "each request of a step has its own row",
                  i, row);
-    stamp[row] = seen;
+    rs.stamp = seen;
     const auto pages = static_cast<int32_t>((kv + offset_mask) >> shift);
     int32_t known = 0, committed = 0, pt_row = -1;
     if (track) {
-      const uint64_t gen = pool->generation(static_cast<int>(row));
-      if (state[row].gen == gen) known = std::min(state[row].known, prefix >> shift);
-      committed = commit ? std::max(prefix >> shift, known) : known;
+      uint64_t gen = rs.gen;
+      if (rs.checked != epoch) {
+        gen = pool->generation(static_cast<int>(row));
+        if (rs.gen == gen) rs.checked = epoch;
+      }
+      if (rs.gen == gen) known = std::min(rs.known, prefix >> shift);
+      const int32_t done = static_cast<int32_t>((decode ? kv : prefix) >> shift);
+      committed = commit ? std::max(done, known) : known;
       pt_row = static_cast<int32_t>(row * pages_per_row);
       if (commit) commits[i] = {static_cast<int32_t>(row), committed, gen};
     }
@@ -343,7 +355,10 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   if (commits_launched_) {
     for (int n = 0; n < num_commits_; ++n) {
       const Commit& cm = commits_[n];
-      rows_[cm.row] = {cm.gen, cm.pages, 0};
+      RowState& rs = rows_[cm.row];
+      if (rs.gen != cm.gen) rs.checked = 0;
+      rs.gen = cm.gen;
+      rs.known = cm.pages;
     }
   }
   num_commits_ = 0;
@@ -377,10 +392,10 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
     kv_.resize(bs);
     commits_.resize(bs);
   }
-  if (pool != nullptr && row_stamp_.size() < static_cast<size_t>(pool->size()))
-    row_stamp_.assign(pool->size(), 0);
+  if (pool != nullptr && rows_.size() < static_cast<size_t>(pool->size()))
+    rows_.resize(pool->size(), RowState{~uint64_t{0}, 0, 0, 0, 0});
   if (++stamp_ == 0) {  // wrapped: forget every stamp
-    std::fill(row_stamp_.begin(), row_stamp_.end(), 0);
+    for (RowState& rs : rows_) rs.stamp = 0;
     stamp_ = 1;
   }
   derive_requests(batch);
@@ -545,13 +560,28 @@ void HostPlanner::write(void* dst) {
   char* host = static_cast<char*>(dst);
   const ReqInfo* info = info_.data();
 
-  // Page ids the row table does not hold.
+  // Page ids the row table does not hold. A decode request missing only its last page takes it
+  // from its token's write slot: req_to_token[row, prefix] equals out_cache_loc (the scheduler
+  // writes the mapping before the forward, reference-semantics §2.2), and reading it there
+  // instead of in the request's row saves a cache line and a TLB entry per request, which is
+  // most of a cold plan's time.
   int32_t* pt = reinterpret_cast<int32_t*>(host + plan.pt_off);
+  const int64_t* loc = plan.mode == ForwardMode::DECODE ? batch_->out_cache_loc.data() : nullptr;
   for (int i = 0; i < bs; ++i) {
     const ReqInfo& r = info[i];
-    const int32_t* row = pool->row_ptr(row_of_[i]);
     const int32_t pages = (r.kv_len + offset_mask) >> shift;
     int32_t* dst_pt = pt + r.pt_start - r.pt_known;
+    if (loc != nullptr && i < raw_bs && r.pt_known == pages - 1) {
+      const int64_t slot = loc[r.qo_start];
+      ATTNRT_CHECK(slot >= 0 && (slot & offset_mask) == (r.prefix & offset_mask),
+                   "cuda backend: out_cache_loc[{}] = {} cannot hold position {} of request {} "
+                   "with pages of {} slots (slot mod page size must equal position mod page "
+                   "size; reference-semantics §4.2)",
+                   r.qo_start, slot, r.prefix, i, 1 << shift);
+      dst_pt[pages - 1] = static_cast<int32_t>(slot >> shift);
+      continue;
+    }
+    const int32_t* row = pool->row_ptr(row_of_[i]);
     for (int32_t j = r.pt_known; j < pages; ++j) {
       const int32_t slot = row[static_cast<int64_t>(j) << shift];
       ATTNRT_CHECK(slot >= 0 && (slot & offset_mask) == 0,

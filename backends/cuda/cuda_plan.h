@@ -117,11 +117,18 @@ class HostPlanner {
     int64_t sum_kv = 0;
     int64_t pages = 0;  // page ids the step uploads when it is incremental
   };
-  // What the device row table holds for a pool row: its generation and committed page count.
+  // Per pool row: what the device row table holds (its generation and committed page count) and
+  // the duplicate-row check's stamp (== stamp_: the row is in the step already). One cache line
+  // read per request: the plan starts cold in serving (after a GPU drain), where each distinct
+  // array touched per request costs a miss.
+  // `checked`: the pool's generation_epoch() when `gen` was last found current (while the epoch
+  // holds, the row's generation is not read again).
   struct RowState {
     uint64_t gen;
     int32_t known;
-    int32_t pad;
+    uint32_t stamp;
+    uint64_t checked;
+    uint64_t pad;
   };
   struct Commit {
     int32_t row;
@@ -157,12 +164,11 @@ class HostPlanner {
   std::vector<int32_t> row_of_, kv_;
   std::vector<ClassWork> work_;
   std::vector<int32_t> splits_, class_tiles_;  // [class][request] where not uniform
-  std::vector<uint32_t> row_stamp_;  // duplicate-row check: row_stamp_[row] == stamp_ seen
-  uint32_t stamp_ = 0;
+  uint32_t stamp_ = 0;  // duplicate-row check (RowState::stamp)
   // Incremental page tables: per pool row, what the device row table holds. A plan's commits
   // (pages its kernels store back) become that state once a kernel of the plan was launched.
   int64_t pages_per_row_ = 0;
-  std::vector<RowState> rows_;
+  std::vector<RowState> rows_;  // [pool rows], also without a row table (the stamps)
   std::vector<Commit> commits_;
   int num_commits_ = 0;
   bool commits_launched_ = false;

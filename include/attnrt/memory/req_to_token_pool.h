@@ -22,6 +22,8 @@ class ReqToTokenPool {
   // two changes the row belongs to one request whose committed tokens keep their slots, so a
   // backend may keep the page ids of committed columns across steps while this value holds.
   uint64_t generation(int row) const { return generation_[static_cast<size_t>(row)]; }
+  // Changes whenever any row's generation does: while it holds, every generation() does too.
+  uint64_t generation_epoch() const { return next_generation_; }
 
   int size() const { return size_; }
   int max_context_len() const { return max_context_len_; }
