@@ -9,7 +9,8 @@
 #   run       attnrt run with the defaults (must auto-select cuda; DECODE steps as CUDA graphs,
 #             sampled steps of every mode against reference), then a speculative tree run on pages
 #             of 16 (verify graphs, accepted rows moved inside the GPU pools), then the hybrid
-#             presets (qwen3-next-80b, nemotron-h-8b, kimi-linear-48b; one speculative run)
+#             presets (qwen3-next-80b, nemotron-h-8b, kimi-linear-48b, each also with
+#             speculative chain verify) and the SWA-hybrid gemma3-12b
 #   bench     attnrt bench --backend cuda --json: ceilings, every standard row, host plan at batch
 #             256, graph replay of a 32-layer decode step
 #   linear    attnrt bench --backend cuda --suite linear (GDN / KDA / Mamba2 layers), then
@@ -162,8 +163,10 @@ if want run; then
       [ $rc -ne 0 ] && status=1
     fi
     # Hybrid models: linear-attention layers on the GPU state pool (Kimi's MLA layers on the
-    # latent pool), checked against reference; one of them with speculative chain verify.
-    for m in qwen3-next-80b nemotron-h-8b kimi-linear-48b "qwen3-next-80b spec"; do
+    # latent pool), checked against reference, with and without speculative chain verify; then an
+    # SWA-hybrid model (its sliding-window layers on the GPU SWA pool).
+    for m in qwen3-next-80b nemotron-h-8b kimi-linear-48b "qwen3-next-80b spec" \
+      "nemotron-h-8b spec" "kimi-linear-48b spec" gemma3-12b; do
       t0=$(date +%s)
       b=$(budget 90 20) || { note "run-${m// /-}" skipped 0 "no time left"; continue; }
       extra=()
