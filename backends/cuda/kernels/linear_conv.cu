@@ -32,9 +32,6 @@ __device__ __forceinline__ void conv_put(void* base, int64_t i, float v) {
 
 template <typename C>
 __global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) {
-  // A recurrent kernel launched as a programmatic dependent may start now: it waits for this
-  // grid's completion (griddepcontrol.wait) before it reads y.
-  asm volatile("griddepcontrol.launch_dependents;");
   const int c = blockIdx.x * kConvThreads + threadIdx.x;
   const int dim = p.state.conv_dim;
   if (c >= dim) return;
