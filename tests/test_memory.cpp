@@ -811,6 +811,64 @@ TEST_P(SWAStorage, MappingStaysConsistentThroughAllocFreeAndFreeSwa) {
 
 INSTANTIATE_TEST_SUITE_P(PageSizes, SWAStorage, testing::Values(1, 2, 16, 64));
 
+// The step checks the host and GPU caches share: a bad step names the entry and its value, and
+// leaves the caller's SWA write-slot buffer as it was; a good one translates every slot.
+TEST(StepSlotCheck, RejectsBadStepsBeforeWritingAndTranslatesGoodOnes) {
+  SWATokenAllocator alloc(64, 32, 4);
+  const std::vector<int32_t> zero{0}, len{10};
+  const std::vector<int64_t> none{-1};
+  const std::vector<int64_t> slots = alloc.alloc_extend(zero, len, none);
+  const int64_t rows = alloc.full().pool_rows();
+  StepSlotCheck check("CUDA KV cache", rows, alloc.full_to_swa());
+  std::vector<int64_t> swa(4, -7);
+  const std::vector<int64_t> untouched = swa;
+  expect_error([&] { check(std::vector<int64_t>{slots[0], rows}, swa.data()); },
+               {"CUDA KV cache: out_cache_loc[1] = " + std::to_string(rows),
+                "outside the KV pool's slots 0.." + std::to_string(rows - 1)});
+  expect_error([&] { check(std::vector<int64_t>{slots[1], 0, slots[1]}, swa.data()); },
+               {"out_cache_loc[2] = " + std::to_string(slots[1]) + " repeats out_cache_loc[0]"});
+  // The first page's tokens leave the window: they have no SWA slot any more.
+  alloc.free_swa(std::span<const int64_t>(slots.data(), 4));
+  expect_error([&] { check(std::vector<int64_t>{slots[5], slots[2]}, swa.data()); },
+               {"out_cache_loc[1] = " + std::to_string(slots[2]), "has no SWA slot"});
+  EXPECT_EQ(swa, untouched) << "a refused step wrote SWA slots";
+  // Padded tokens may all write the dummy slot 0; the same slot may come back the next step.
+  const std::vector<int64_t> loc = {slots[9], 0, slots[4], 0};
+  check(loc, swa.data());
+  check(loc, swa.data());
+  const auto& map = *alloc.full_to_swa();
+  EXPECT_EQ(swa, (std::vector<int64_t>{map[slots[9]], 0, map[slots[4]], 0}));
+  EXPECT_NE(swa[0], 0);
+  // Without a map there is nothing to translate and swa may be null.
+  StepSlotCheck plain("KV cache", rows, nullptr);
+  plain(std::vector<int64_t>{slots[0], slots[1]}, nullptr);
+  expect_error([&] { plain(std::vector<int64_t>{-1}, nullptr); }, {"out_cache_loc[0] = -1"});
+}
+
+TEST(MakeTokenAllocator, SwaHybridModelsGetTheSwaAllocatorOthersThePagedOne) {
+  KVCacheConfig cfg;
+  cfg.full_slots = 64;
+  cfg.page_size = 4;
+  cfg.swa_full_tokens_ratio = 0.5;
+  const auto hybrid = make_model(
+      {attn_layer(0, LayerKind::full, 1, 8, 8), attn_layer(1, LayerKind::swa, 1, 8, 8, 3)});
+  auto swa = make_token_allocator(hybrid, cfg);
+  auto* s = dynamic_cast<SWATokenAllocator*>(swa.get());
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->full().num_pages(), 16);
+  EXPECT_EQ(s->swa().num_pages(), 8);
+  cfg.swa_slots = 12;
+  EXPECT_EQ(dynamic_cast<SWATokenAllocator&>(*make_token_allocator(hybrid, cfg)).swa().num_pages(),
+            3);
+  cfg.swa_slots = 2;
+  expect_error([&] { make_token_allocator(hybrid, cfg); }, {"SWA pool gets 2 slots", "one page"});
+  cfg.swa_slots = 0;
+  const auto plain = make_model({attn_layer(0, LayerKind::full, 1, 8, 8)});
+  EXPECT_NE(dynamic_cast<PagedTokenAllocator*>(make_token_allocator(plain, cfg).get()), nullptr);
+  cfg.page_size = 0;
+  expect_error([&] { make_token_allocator(plain, cfg); }, {"page_size 0"});
+}
+
 TEST(SWAStorage, StoresSwaLayersInTheSwaPoolAndFullLayersInTheFullPool) {
   std::mt19937_64 rng(3);
   const int P = 2;

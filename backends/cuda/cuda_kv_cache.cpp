@@ -10,11 +10,14 @@
 
 namespace attnrt::cuda {
 
-CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, int64_t rows)
+CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, int64_t rows,
+                         int64_t swa_rows, std::shared_ptr<const std::vector<int64_t>> full_to_swa)
     : dtype_(config.dtype),
       page_size_(config.page_size),
       rows_(rows),
-      max_num_tokens_(config.max_num_tokens) {
+      max_num_tokens_(config.max_num_tokens),
+      map_(std::move(full_to_swa)),
+      check_("CUDA KV cache", rows, map_) {
   const CudaDeviceInfo& info = query_cuda();
   ATTNRT_CHECK(info.usable, "CUDA KV cache: no usable CUDA device ({})", info.reason);
   ATTNRT_CHECK(dtype_ == DType::bf16 || dtype_ == DType::f16 || is_fp8(dtype_),
@@ -22,6 +25,10 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
                dtype_name(dtype_));
   ATTNRT_CHECK(max_num_tokens_ > 0, "CUDA KV cache: max_num_tokens = {}; it must be > 0",
                max_num_tokens_);
+  ATTNRT_CHECK(map_ == nullptr || (swa_rows > 0 && static_cast<int64_t>(map_->size()) == rows + 1),
+               "CUDA KV cache: the full->SWA map has {} entries and the SWA pool {} rows; an "
+               "SWA-hybrid cache needs {} entries (full rows + 1) and at least one SWA row",
+               map_ == nullptr ? 0 : map_->size(), swa_rows, rows + 1);
   ATTNRT_CUDA_CHECK(cudaGetDevice(&device_));
   int max_id = -1;
   for (const LayerSpec& l : model.layers) max_id = std::max(max_id, l.layer_id);
@@ -31,6 +38,9 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
     Layer& e = layers_[l.layer_id];
     e.present = true;
     e.latent = l.kind == LayerKind::mla;
+    e.swa = map_ != nullptr && !e.latent &&
+            (l.kind == LayerKind::swa || l.sliding_window >= 0);  // as the host cache routes
+    e.rows = e.swa ? swa_rows : rows_;
     e.kv_heads = l.num_kv_heads;
     e.head_dim = l.head_dim;
     e.v_head_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
@@ -46,7 +56,12 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
       ATTNRT_CUDA_CHECK(cudaMemset(e.v.data(), 0, v_bytes(e)));
     }
   }
-  loc_.reserve(static_cast<size_t>(max_num_tokens_) * sizeof(int64_t));
+  loc_.reserve(static_cast<size_t>(max_num_tokens_) * sizeof(int64_t) * (map_ ? 2 : 1));
+  if (map_ != nullptr) {
+    const size_t bytes = map_->size() * sizeof(int64_t);
+    map_dev_.reserve(bytes);
+    ATTNRT_CUDA_CHECK(cudaMemcpy(map_dev_.data(), map_->data(), bytes, cudaMemcpyHostToDevice));
+  }
   ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
   stream_ = own_stream_;
 }
@@ -57,11 +72,11 @@ CudaKVCache::~CudaKVCache() {
 }
 
 size_t CudaKVCache::k_bytes(const Layer& l) const {
-  return static_cast<size_t>(rows_) * l.kv_heads * l.head_dim * dtype_size(dtype_);
+  return static_cast<size_t>(l.rows) * l.kv_heads * l.head_dim * dtype_size(dtype_);
 }
 size_t CudaKVCache::v_bytes(const Layer& l) const {
   if (l.latent) return 0;
-  return static_cast<size_t>(rows_) * l.kv_heads * l.v_head_dim * dtype_size(dtype_);
+  return static_cast<size_t>(l.rows) * l.kv_heads * l.v_head_dim * dtype_size(dtype_);
 }
 
 const CudaKVCache::Layer& CudaKVCache::find(int layer_id) const {
@@ -81,7 +96,7 @@ KVLayerView CudaKVCache::layer(int layer_id) const {
   v.v = e.latent ? e.k.data() : e.v.data();
   v.dtype = dtype_;
   v.device = device();
-  v.num_rows = rows_;
+  v.num_rows = e.rows;
   v.kv_heads = e.kv_heads;
   v.head_dim = e.head_dim;
   v.v_head_dim = e.v_head_dim;
@@ -90,6 +105,12 @@ KVLayerView CudaKVCache::layer(int layer_id) const {
   v.k_scale = e.k_scale;
   v.v_scale = e.latent ? e.k_scale : e.v_scale;
   v.step_write_loc = step_tokens_ >= 0 ? loc_.ptr<int64_t>() : nullptr;
+  if (e.swa) {
+    v.slot_map = map_dev_.ptr<int64_t>();
+    v.slot_map_rows = rows_;
+    v.is_swa = true;
+    if (step_tokens_ >= 0) v.step_write_loc = swa_loc();
+  }
   return v;
 }
 
@@ -100,16 +121,21 @@ void CudaKVCache::begin_step(const ForwardBatch& batch) {
                "CUDA KV cache: the step has {} tokens but the cache was built for at most "
                "max_num_tokens = {}; raise KVCacheConfig::max_num_tokens",
                tokens, max_num_tokens_);
-  for (int64_t i = 0; i < tokens; ++i) {
-    const int64_t s = batch.out_cache_loc[i];
-    ATTNRT_CHECK(s >= 0 && s < rows_,
-                 "CUDA KV cache: out_cache_loc[{}] = {} is outside the KV pool's slots 0..{}", i, s,
-                 rows_ - 1);
-  }
+  // Staged as [loc | SWA slots]: the check writes the translation next to the slots, and throws
+  // before anything is enqueued.
   const size_t bytes = static_cast<size_t>(tokens) * sizeof(int64_t);
-  void* host = staging_.acquire(bytes, stream_);
+  auto* host = static_cast<int64_t*>(staging_.acquire(bytes * (map_ ? 2 : 1), stream_));
+  check_(batch.out_cache_loc, host + tokens);
   if (bytes > 0) std::memcpy(host, batch.out_cache_loc.data(), bytes);
-  staging_.upload(loc_.data(), bytes, stream_);
+  if (map_ == nullptr) {
+    staging_.upload(loc_.data(), bytes, stream_);
+  } else if (tokens > 0) {
+    // One copy of both rows; then the device map learns the step's slots (see the header).
+    staging_.upload_rows(loc_.data(), static_cast<size_t>(max_num_tokens_) * sizeof(int64_t),
+                         bytes, 2, stream_);
+    ATTNRT_CUDA_CHECK(launch_scatter_slots(map_dev_.ptr<int64_t>(), loc_.ptr<int64_t>(),
+                                           swa_loc(), tokens, stream_));
+  }
   step_tokens_ = tokens;
 }
 
@@ -171,7 +197,7 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   p.dst = e.k.data();
   p.dst_row_stride = static_cast<int64_t>(e.kv_heads) * e.head_dim;
   p.dst_dtype = static_cast<int32_t>(dtype_);
-  p.loc = loc_.ptr<int64_t>();
+  p.loc = e.swa ? swa_loc() : loc_.ptr<int64_t>();
   p.num_tokens = step_tokens_;
   p.heads = e.kv_heads;
   p.dim = e.head_dim;
@@ -208,6 +234,10 @@ void CudaKVCache::copy_layer_from_host(int layer_id, const void* k, const void* 
   ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.k.data(), k, k_bytes(e), cudaMemcpyHostToDevice, stream_));
   if (!e.latent)
     ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.v.data(), v, v_bytes(e), cudaMemcpyHostToDevice, stream_));
+  if (e.swa) {
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(map_dev_.data(), map_->data(), map_->size() * sizeof(int64_t),
+                                      cudaMemcpyHostToDevice, stream_));
+  }
   ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -217,6 +247,19 @@ void CudaKVCache::copy_layer_to_host(int layer_id, void* k, void* v) const {
   if (!e.latent)
     ATTNRT_CUDA_CHECK(cudaMemcpyAsync(v, e.v.data(), v_bytes(e), cudaMemcpyDeviceToHost, stream_));
   ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+std::vector<int64_t> CudaKVCache::swa_rows_of(std::span<const int64_t> slots,
+                                              const char* what) const {
+  std::vector<int64_t> out(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    out[i] = (*map_)[static_cast<size_t>(slots[i])];
+    ATTNRT_CHECK(out[i] > 0,
+                 "CUDA KV cache: {}: full slot {} (entry {}) has no SWA slot (never allocated, or "
+                 "released by free_swa), so the SWA layers hold no row for it",
+                 what, slots[i], i);
+  }
+  return out;
 }
 
 void CudaKVCache::copy_rows(std::span<const int> layers,
@@ -230,22 +273,30 @@ void CudaKVCache::copy_rows(std::span<const int> layers,
                  "reserved dummy row)",
                  i, src, dst, rows_);
   }
-  for (int layer_id : layers) find(layer_id);
-  const size_t index_bytes = 2 * n * sizeof(int64_t);
-  auto* host = static_cast<int64_t*>(staging_.acquire(index_bytes, stream_));
+  bool any_swa = false;
+  for (int layer_id : layers) any_swa = find(layer_id).swa || any_swa;
+  // Slot lists: [src | dst], then for SWA layers [SWA src | SWA dst] (all validated first).
+  std::vector<int64_t> lists(2 * n);
   for (size_t i = 0; i < n; ++i) {
-    host[i] = moves[i].first;
-    host[n + i] = moves[i].second;
+    lists[i] = moves[i].first;
+    lists[n + i] = moves[i].second;
   }
+  if (any_swa) {
+    const std::vector<int64_t> swa = swa_rows_of(lists, "copy_rows (SWA layers)");
+    lists.insert(lists.end(), swa.begin(), swa.end());
+  }
+  const size_t index_bytes = lists.size() * sizeof(int64_t);
+  void* host = staging_.acquire(index_bytes, stream_);
+  std::memcpy(host, lists.data(), index_bytes);
   row_index_.reserve_async(index_bytes, stream_);
   staging_.upload(row_index_.data(), index_bytes, stream_);
-  const int64_t* src_rows = row_index_.ptr<int64_t>();
-  const int64_t* dst_rows = src_rows + n;
   for (int layer_id : layers) {
     const Layer& e = find(layer_id);
+    const int64_t* src_rows = row_index_.ptr<int64_t>() + (e.swa ? 2 * n : 0);
+    const int64_t* dst_rows = src_rows + n;
     const std::pair<void*, int64_t> parts[] = {
-        {e.k.data(), static_cast<int64_t>(k_bytes(e) / rows_)},
-        {e.v.data(), static_cast<int64_t>(v_bytes(e) / rows_)}};
+        {e.k.data(), static_cast<int64_t>(k_bytes(e) / e.rows)},
+        {e.v.data(), static_cast<int64_t>(v_bytes(e) / e.rows)}};
     for (const auto& [base, row_bytes] : parts) {
       if (row_bytes == 0) continue;  // an MLA layer's V (a view of K)
       row_scratch_.reserve_async(n * static_cast<size_t>(row_bytes), stream_);
@@ -271,20 +322,33 @@ void CudaKVCache::copy_rows(std::span<const int> layers,
 void CudaKVCache::download_rows(int layer_id, std::span<const int64_t> slots, void* k, void* v) {
   const Layer& e = find(layer_id);
   if (slots.empty()) return;
-  const size_t n = slots.size();
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < slots.size(); ++i) {
     ATTNRT_CHECK(slots[i] >= 0 && slots[i] < rows_,
                  "CUDA KV cache: download_rows(layer {}): slot {} (entry {}) is outside the pool's "
                  "rows 0..{}",
                  layer_id, slots[i], i, rows_ - 1);
   }
+  // SWA layers gather the rows of the slots that have an SWA slot; `dest` are the host rows.
+  std::vector<int64_t> gather(slots.begin(), slots.end()), dest;
+  if (e.swa) {
+    gather.clear();
+    for (int64_t s : slots) {
+      const int64_t r = (*map_)[static_cast<size_t>(s)];
+      if (r == 0) continue;
+      gather.push_back(r);
+      dest.push_back(s);
+    }
+    if (gather.empty()) return;
+  }
+  const std::span<const int64_t> host_rows = e.swa ? std::span<const int64_t>(dest) : slots;
+  const size_t n = gather.size();
   const size_t index_bytes = n * sizeof(int64_t);
   void* host = staging_.acquire(index_bytes, stream_);
-  std::memcpy(host, slots.data(), index_bytes);
+  std::memcpy(host, gather.data(), index_bytes);
   row_index_.reserve_async(index_bytes, stream_);
   staging_.upload(row_index_.data(), index_bytes, stream_);
-  const int64_t kb = static_cast<int64_t>(k_bytes(e) / rows_);
-  const int64_t vb = static_cast<int64_t>(v_bytes(e) / rows_);
+  const int64_t kb = static_cast<int64_t>(k_bytes(e) / e.rows);
+  const int64_t vb = static_cast<int64_t>(v_bytes(e) / e.rows);
   const size_t total = n * static_cast<size_t>(kb + vb);
   row_scratch_.reserve_async(total, stream_);
   row_host_.reserve(total);
@@ -311,18 +375,21 @@ void CudaKVCache::download_rows(int layer_id, std::span<const int64_t> slots, vo
   const char* rows_k = static_cast<const char*>(row_host_.data());
   const char* rows_v = rows_k + n * kb;
   for (size_t i = 0; i < n; ++i) {
-    std::memcpy(static_cast<char*>(k) + slots[i] * kb, rows_k + i * kb, kb);
-    if (vb > 0) std::memcpy(static_cast<char*>(v) + slots[i] * vb, rows_v + i * vb, vb);
+    std::memcpy(static_cast<char*>(k) + host_rows[i] * kb, rows_k + i * kb, kb);
+    if (vb > 0) std::memcpy(static_cast<char*>(v) + host_rows[i] * vb, rows_v + i * vb, vb);
   }
 }
 
 KVStorage make_cuda_kv_storage(const ModelSpec& model, const KVCacheConfig& config) {
-  ATTNRT_CHECK(config.page_size >= 1, "CUDA KV cache: page_size {} is invalid; it must be >= 1",
-               config.page_size);
-  auto alloc = std::make_unique<PagedTokenAllocator>(config.full_slots, config.page_size);
   KVStorage out;
-  out.cache = std::make_unique<CudaKVCache>(model, config, alloc->pages().pool_rows());
-  out.allocator = std::move(alloc);
+  out.allocator = make_token_allocator(model, config);
+  if (auto* swa = dynamic_cast<SWATokenAllocator*>(out.allocator.get())) {
+    out.cache = std::make_unique<CudaKVCache>(model, config, swa->full().pool_rows(),
+                                              swa->swa().pool_rows(), swa->full_to_swa());
+  } else {
+    const int64_t rows = static_cast<PagedTokenAllocator&>(*out.allocator).pages().pool_rows();
+    out.cache = std::make_unique<CudaKVCache>(model, config, rows);
+  }
   return out;
 }
 

@@ -89,7 +89,21 @@ void StagingRing::upload(void* device_dst, size_t bytes, cudaStream_t stream, bo
   if (bytes == 0) return;
   ATTNRT_CUDA_CHECK(
       cudaMemcpyAsync(device_dst, s.buf.data(), bytes, cudaMemcpyHostToDevice, stream));
+  mark_copy(stream, capturing);
+}
+
+void StagingRing::upload_rows(void* device_dst, size_t dst_pitch, size_t row_bytes, size_t rows,
+                              cudaStream_t stream) {
+  Slot& s = slots_[current_];
+  if (row_bytes == 0 || rows == 0) return;
+  ATTNRT_CUDA_CHECK(cudaMemcpy2DAsync(device_dst, dst_pitch, s.buf.data(), row_bytes, row_bytes,
+                                      rows, cudaMemcpyHostToDevice, stream));
+  mark_copy(stream, stream_is_capturing(stream));
+}
+
+void StagingRing::mark_copy(cudaStream_t stream, bool capturing) {
   if (capturing) return;
+  Slot& s = slots_[current_];
   s.copy_seq = ++copies_;
   if (copies_ % kGroup == 0) {
     Mark& m = marks_[next_mark_];

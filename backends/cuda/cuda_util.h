@@ -104,6 +104,10 @@ class StagingRing {
   void upload(void* device_dst, size_t bytes, cudaStream_t stream) {
     upload(device_dst, bytes, stream, stream_is_capturing(stream));
   }
+  // Enqueues ONE copy of `rows` consecutive rows of `row_bytes` from the acquired buffer to
+  // device_dst + r * dst_pitch (cudaMemcpy2DAsync): packed on the host, apart on the device.
+  void upload_rows(void* device_dst, size_t dst_pitch, size_t row_bytes, size_t rows,
+                   cudaStream_t stream);
 
  private:
   struct Slot {
@@ -114,6 +118,8 @@ class StagingRing {
     cudaEvent_t event = nullptr;
     uint64_t seq = 0;  // every eager copy up to this one precedes the event
   };
+  // Bookkeeping after a copy from the current buffer was enqueued.
+  void mark_copy(cudaStream_t stream, bool capturing);
   // Waits (rarely: the copies are long done) until eager copy `seq` has run.
   void wait_copy(uint64_t seq, cudaStream_t stream);
   std::array<Slot, kSlots> slots_{};

@@ -14,6 +14,43 @@ void KVCache::set_kv_scales(int layer_id, float, float) {
   fail("this KV cache does not take per-layer KV scales (layer {})", layer_id);
 }
 
+StepSlotCheck::StepSlotCheck(const char* who, int64_t full_rows,
+                             std::shared_ptr<const std::vector<int64_t>> full_to_swa)
+    : who_(who),
+      full_rows_(full_rows),
+      map_(std::move(full_to_swa)),
+      seen_(static_cast<size_t>(full_rows), 0) {}
+
+void StepSlotCheck::operator()(std::span<const int64_t> loc, int64_t* swa) {
+  if (++epoch_ == 0) {  // wrapped: forget every stamp
+    std::fill(seen_.begin(), seen_.end(), 0);
+    epoch_ = 1;
+  }
+  const auto tokens = static_cast<int64_t>(loc.size());
+  for (int64_t i = 0; i < tokens; ++i) {
+    const int64_t s = loc[i];
+    ATTNRT_CHECK(s >= 0 && s < full_rows_,
+                 "{}: out_cache_loc[{}] = {} is outside the KV pool's slots 0..{}", who_, i, s,
+                 full_rows_ - 1);
+    if (s == 0) continue;  // the dummy row: every padded token may write there
+    if (seen_[s] == epoch_) {
+      const auto first = std::find(loc.begin(), loc.begin() + i, s) - loc.begin();
+      fail(
+          "{}: out_cache_loc[{}] = {} repeats out_cache_loc[{}]; every token of a step needs its "
+          "own slot (only the dummy slot 0 may repeat)",
+          who_, i, s, first);
+    }
+    seen_[s] = epoch_;
+    ATTNRT_CHECK(map_ == nullptr || (*map_)[s] != 0,
+                 "{}: out_cache_loc[{}] = {} has no SWA slot (never allocated, or released by "
+                 "free_swa); allocate step slots with the SWA allocator",
+                 who_, i, s);
+  }
+  if (map_ != nullptr) {
+    for (int64_t i = 0; i < tokens; ++i) swa[i] = (*map_)[loc[i]];
+  }
+}
+
 namespace {
 
 bool is_swa_layer(const LayerSpec& l) {
@@ -33,7 +70,7 @@ class HostKVCache final : public KVCache {
         page_size_(config.page_size),
         full_rows_(full_rows),
         map_(std::move(full_to_swa)),
-        seen_(static_cast<size_t>(full_rows), 0) {
+        check_("KV cache", full_rows, map_) {
     using Shape = std::tuple<bool, int, int, int>;  // (swa, kv heads, head dim, v head dim)
     std::map<Shape, std::vector<LayerSpec>> groups;
     std::vector<LayerSpec> mla;
@@ -101,32 +138,7 @@ class HostKVCache final : public KVCache {
                    "write-slot buffer was sized for; raise max_num_tokens or split the step",
                    tokens, swa_loc_.size());
     }
-    if (++epoch_ == 0) {  // wrapped: forget every stamp
-      std::fill(seen_.begin(), seen_.end(), 0);
-      epoch_ = 1;
-    }
-    for (int64_t i = 0; i < tokens; ++i) {
-      const int64_t s = loc[i];
-      ATTNRT_CHECK(s >= 0 && s < full_rows_,
-                   "KV cache: out_cache_loc[{}] = {} is outside the KV pool's slots 0..{}", i, s,
-                   full_rows_ - 1);
-      if (s == 0) continue;  // the dummy row: every padded token may write there
-      if (seen_[s] == epoch_) {
-        const auto first = std::find(loc.begin(), loc.begin() + i, s) - loc.begin();
-        fail(
-            "KV cache: out_cache_loc[{}] = {} repeats out_cache_loc[{}]; every token of a step "
-            "needs its own slot (only the dummy slot 0 may repeat)",
-            i, s, first);
-      }
-      seen_[s] = epoch_;
-      ATTNRT_CHECK(map_ == nullptr || (*map_)[s] != 0,
-                   "KV cache: out_cache_loc[{}] = {} has no SWA slot (never allocated, or released "
-                   "by free_swa); allocate step slots with the SWA allocator",
-                   i, s);
-    }
-    if (map_ != nullptr) {
-      for (int64_t i = 0; i < tokens; ++i) swa_loc_[i] = (*map_)[loc[i]];
-    }
+    check_(loc, swa_loc_.data());
     step_loc_ = loc.data();
     step_tokens_ = tokens;
   }
@@ -177,9 +189,8 @@ class HostKVCache final : public KVCache {
   std::vector<Entry> entries_;    // by layer id
   std::vector<int64_t> swa_loc_;  // [max_num_tokens], allocated once
   const int64_t* step_loc_ = nullptr;
-  int64_t step_tokens_ = -1;    // -1: no valid step
-  std::vector<uint32_t> seen_;  // [full rows]: epoch of the step that last wrote each slot
-  uint32_t epoch_ = 0;
+  int64_t step_tokens_ = -1;  // -1: no valid step
+  StepSlotCheck check_;
 };
 
 void check_config(const KVCacheConfig& config) {
@@ -205,15 +216,11 @@ bool is_swa_hybrid(const ModelSpec& model) {
   return swa && full;
 }
 
-KVStorage make_host_kv_storage(const ModelSpec& model, const KVCacheConfig& config) {
+std::unique_ptr<TokenAllocator> make_token_allocator(const ModelSpec& model,
+                                                     const KVCacheConfig& config) {
   check_config(config);
-  KVStorage out;
   if (!is_swa_hybrid(model)) {
-    auto alloc = std::make_unique<PagedTokenAllocator>(config.full_slots, config.page_size);
-    const int64_t rows = alloc->pages().pool_rows();
-    out.cache = std::make_unique<HostKVCache>(model, config, rows, 0, nullptr);
-    out.allocator = std::move(alloc);
-    return out;
+    return std::make_unique<PagedTokenAllocator>(config.full_slots, config.page_size);
   }
   int64_t swa_slots = config.swa_slots;
   if (swa_slots == 0) {
@@ -229,10 +236,19 @@ KVStorage make_host_kv_storage(const ModelSpec& model, const KVCacheConfig& conf
                "of {} full slots), less than one page of {}; give it more slots",
                swa_slots, config.swa_slots, config.swa_full_tokens_ratio, config.full_slots,
                config.page_size);
-  auto alloc = std::make_unique<SWATokenAllocator>(config.full_slots, swa_slots, config.page_size);
-  out.cache = std::make_unique<HostKVCache>(model, config, alloc->full().pool_rows(),
-                                            alloc->swa().pool_rows(), alloc->full_to_swa());
-  out.allocator = std::move(alloc);
+  return std::make_unique<SWATokenAllocator>(config.full_slots, swa_slots, config.page_size);
+}
+
+KVStorage make_host_kv_storage(const ModelSpec& model, const KVCacheConfig& config) {
+  KVStorage out;
+  out.allocator = make_token_allocator(model, config);
+  if (auto* swa = dynamic_cast<SWATokenAllocator*>(out.allocator.get())) {
+    out.cache = std::make_unique<HostKVCache>(model, config, swa->full().pool_rows(),
+                                              swa->swa().pool_rows(), swa->full_to_swa());
+  } else {
+    const int64_t rows = static_cast<PagedTokenAllocator&>(*out.allocator).pages().pool_rows();
+    out.cache = std::make_unique<HostKVCache>(model, config, rows, 0, nullptr);
+  }
   return out;
 }
 

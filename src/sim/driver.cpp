@@ -161,9 +161,10 @@ struct Engine {
   bool graph_sinks_written = false;
 };
 
-// The host copy of a GPU KV cache: the same rows in one slot space (the GPU cache keeps
-// sliding-window layers in the full slot space; their windows live in the LayerSpec the backends
-// read, not in the pool layout).
+// The host copy of a GPU KV cache: every layer's rows in the full slot space (an SWA-hybrid GPU
+// cache keeps its sliding-window layers in a smaller SWA pool; download_rows puts each full slot's
+// SWA row at that slot, so the reference reads the same keys without the map; windows live in the
+// LayerSpec the backends read, not in the pool layout).
 std::unique_ptr<KVCache> make_host_mirror(const ModelSpec& model, const KVCache& gpu,
                                           int64_t full_slots, int max_num_tokens) {
   ModelSpec flat = model;
@@ -180,11 +181,12 @@ std::unique_ptr<KVCache> make_host_mirror(const ModelSpec& model, const KVCache&
   for (const LayerSpec& l : model.layers) {
     if (!l.uses_kv_cache()) continue;
     const KVLayerView g = gpu.layer(l.layer_id), h = mirror->layer(l.layer_id);
-    ATTNRT_CHECK(g.num_rows == h.num_rows && g.k_row_stride == h.k_row_stride &&
+    const int64_t full_rows = g.slot_map != nullptr ? g.slot_map_rows : g.num_rows;
+    ATTNRT_CHECK(full_rows == h.num_rows && g.k_row_stride == h.k_row_stride &&
                      g.v_row_stride == h.v_row_stride,
                  "attnrt run: the host copy of layer {} has {} rows of {} / {} elements, the GPU "
-                 "pool {} of {} / {}",
-                 l.layer_id, h.num_rows, h.k_row_stride, h.v_row_stride, g.num_rows, g.k_row_stride,
+                 "pool {} full-pool slots of {} / {}",
+                 l.layer_id, h.num_rows, h.k_row_stride, h.v_row_stride, full_rows, g.k_row_stride,
                  g.v_row_stride);
     if (g.k_scale != 1.f || g.v_scale != 1.f)
       mirror->set_kv_scales(l.layer_id, g.k_scale, g.v_scale);

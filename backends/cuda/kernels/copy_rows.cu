@@ -1,5 +1,6 @@
 // Row gather / scatter between device buffers: K/V rows moved inside a pool (accepted tree paths
-// after a verify) and rows of a pool gathered for a download.
+// after a verify) and rows of a pool gathered for a download; the scatter of a step's SWA write
+// slots into the device full->SWA map.
 #include <cstdint>
 
 #include "backends/cuda/kernels/launch.h"
@@ -23,6 +24,12 @@ __global__ void copy_rows_kernel(const CopyRowsParams p) {
   for (int64_t w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];
 }
 
+__global__ void scatter_slots_kernel(int64_t* map, const int64_t* index, const int64_t* value,
+                                     int64_t count) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < count) map[index[i]] = value[i];
+}
+
 bool aligned16(const void* p, int64_t stride) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0 && stride % 16 == 0;
 }
@@ -38,6 +45,15 @@ cudaError_t launch_copy_rows(const CopyRowsParams& p, cudaStream_t stream) {
   } else {
     copy_rows_kernel<unsigned char><<<blocks, kCopyThreads, 0, stream>>>(p);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_scatter_slots(int64_t* map, const int64_t* index, const int64_t* value,
+                                 int64_t count, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  if (count < 0 || count > INT32_MAX) return cudaErrorInvalidValue;
+  const auto blocks = static_cast<unsigned>((count + kCopyThreads - 1) / kCopyThreads);
+  scatter_slots_kernel<<<blocks, kCopyThreads, 0, stream>>>(map, index, value, count);
   return cudaGetLastError();
 }
 

@@ -60,4 +60,9 @@ struct CopyRowsParams {
 };
 cudaError_t launch_copy_rows(const CopyRowsParams& p, cudaStream_t stream);
 
+// map[index[i]] = value[i] for i < count (the SWA cache's device full->SWA map, kept current with
+// the step's translated write slots). Equal indices must carry equal values.
+cudaError_t launch_scatter_slots(int64_t* map, const int64_t* index, const int64_t* value,
+                                 int64_t count, cudaStream_t stream);
+
 }  // namespace attnrt::cuda

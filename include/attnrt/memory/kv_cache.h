@@ -146,6 +146,27 @@ class MLATokenToKVPool final : public TokenToKVPool {
   LayerIndex index_;  // global layer id -> index in layers_
 };
 
+// The checks every KV cache makes on a step's out_cache_loc, and its translation into SWA-pool
+// slots (reference-semantics §4.4): each slot lies in [0, full_rows), no slot but the dummy 0
+// appears twice, and with a full->SWA map every slot but 0 has an SWA slot. The host and the device
+// caches share it, so both reject the same steps with the same messages.
+class StepSlotCheck {
+ public:
+  // `who` starts every message ("KV cache", "CUDA KV cache"). full_to_swa: null = one slot space.
+  StepSlotCheck(const char* who, int64_t full_rows,
+                std::shared_ptr<const std::vector<int64_t>> full_to_swa);
+  // Throws attnrt::Error naming the first bad entry (index and value). With a map, writes the
+  // SWA slot of every entry to swa[0 .. loc.size()), and only once every entry is valid.
+  void operator()(std::span<const int64_t> loc, int64_t* swa);
+
+ private:
+  const char* who_;
+  int64_t full_rows_;
+  std::shared_ptr<const std::vector<int64_t>> map_;
+  std::vector<uint32_t> seen_;  // [full rows]: epoch of the step that last wrote each slot
+  uint32_t epoch_ = 0;
+};
+
 // Builds the KV cache a model needs on the host: a single MHA pool, or a full pool plus a smaller
 // SWA pool when the model mixes sliding-window and full layers.
 struct KVCacheConfig {
@@ -170,6 +191,13 @@ struct KVStorage {
   std::unique_ptr<KVCache> cache;
 };
 KVStorage make_host_kv_storage(const ModelSpec& model, const KVCacheConfig& config);
+
+// The allocator of make_host_kv_storage, for a device cache built beside it: an SWATokenAllocator
+// (full pool of config.full_slots, SWA pool of config.swa_slots or swa_full_tokens_ratio of it)
+// for SWA-hybrid models, a PagedTokenAllocator over config.full_slots otherwise. Validates the
+// config (page size, dtype, slot counts) with the messages of make_host_kv_storage.
+std::unique_ptr<TokenAllocator> make_token_allocator(const ModelSpec& model,
+                                                     const KVCacheConfig& config);
 
 // True when the model has both sliding-window layers (LayerKind::swa or sliding_window >= 0) and
 // full-attention layers with a KV cache, i.e. it needs the SWA-hybrid cache.
