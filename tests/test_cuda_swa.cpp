@@ -1,9 +1,9 @@
 // The SWA-hybrid KV cache in GPU memory (CudaKVCache with an SWA pool): a model of full and
 // sliding-window layers run through AttentionRuntime on the cuda backend, step by step (extend,
 // decode, mixed; eager and as CUDA graphs; pages of 16 and of 1), against the reference backend on
-// the host SWA-hybrid cache fed the same allocator decisions, across free_swa and the reuse of freed
-// slots; the stored rows, the device full->SWA map, row moves and downloads, the buffer sizes, and
-// the steps the cache refuses. Skips (with the reason) where no CUDA device is usable.
+// the host SWA-hybrid cache fed the same allocator decisions, across free_swa and the reuse of
+// freed slots; the stored rows, the device full->SWA map, row moves and downloads, the buffer
+// sizes, and the steps the cache refuses. Skips (with the reason) where no CUDA device is usable.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -35,8 +35,8 @@ namespace {
 
 #ifdef ATTNRT_HAS_CUDA
 
-#define SKIP_WITHOUT_GPU()                                                                     \
-  do {                                                                                         \
+#define SKIP_WITHOUT_GPU()                                                                      \
+  do {                                                                                          \
     if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
   } while (0)
 
@@ -109,8 +109,8 @@ class SwaTwin {
     model_.dtype = DType::bf16;
     model_.max_context_len = 2048;
     // Full and sliding-window layers of two shapes; windows small enough that pages leave them.
-    model_.layers = {attn_layer(0, 2, 128, -1), attn_layer(1, 2, 128, 20),
-                     attn_layer(2, 4, 64, -1), attn_layer(3, 4, 64, 37)};
+    model_.layers = {attn_layer(0, 2, 128, -1), attn_layer(1, 2, 128, 20), attn_layer(2, 4, 64, -1),
+                     attn_layer(3, 4, 64, 37)};
     options_.attention_backend = "cuda";
     options_.page_size = page;
     RuntimeConfig rc;
@@ -165,7 +165,7 @@ class SwaTwin {
       loc.insert(loc.end(), got.begin(), got.end());
     }
     ForwardBatch b = mode == ForwardMode::DECODE ? make_decode_batch(rows, seq)
-                                    : make_extend_batch(rows, prefix, qlen, mode);
+                                                 : make_extend_batch(rows, prefix, qlen, mode);
     b.out_cache_loc = loc;
     return b;
   }
@@ -306,10 +306,12 @@ class SwaTwin {
           const int64_t row = h.pool_slot(s);
           if (row == 0) continue;  // released by free_swa
           ++compared;
-          mismatched += std::memcmp(k.data() + row * row_bytes,
-                                    static_cast<const char*>(h.k) + row * row_bytes, row_bytes) != 0;
-          mismatched += std::memcmp(v.data() + row * row_bytes,
-                                    static_cast<const char*>(h.v) + row * row_bytes, row_bytes) != 0;
+          mismatched +=
+              std::memcmp(k.data() + row * row_bytes,
+                          static_cast<const char*>(h.k) + row * row_bytes, row_bytes) != 0;
+          mismatched +=
+              std::memcmp(v.data() + row * row_bytes,
+                          static_cast<const char*>(h.v) + row * row_bytes, row_bytes) != 0;
         }
       }
       EXPECT_GT(compared, 0);
@@ -362,15 +364,16 @@ TEST_P(CudaSwaKVCache, StepsMatchReferenceOnTheHostSwaCache) {
               cudaSuccess);
     ForwardBatch bad = make_decode_batch({t.reqs_[b].row}, {t.reqs_[b].len()});
     bad.out_cache_loc = {released};
-    expect_error([&] { t.gpu_->begin_step(bad); },
-                 {"CUDA KV cache: out_cache_loc[0] = " + std::to_string(released),
-                  "has no SWA slot"});
+    expect_error(
+        [&] { t.gpu_->begin_step(bad); },
+        {"CUDA KV cache: out_cache_loc[0] = " + std::to_string(released), "has no SWA slot"});
     bad.out_cache_loc = {t.reqs_[b].slots[3], t.reqs_[b].slots[3]};
     expect_error([&] { t.gpu_->begin_step(bad); },
                  {"out_cache_loc[1] = " + std::to_string(t.reqs_[b].slots[3]), "repeats"});
     const int64_t full_rows = t.host_alloc().full().pool_rows();
     bad.out_cache_loc = {full_rows};
-    expect_error([&] { t.gpu_->begin_step(bad); }, {"out_cache_loc[0] = " + std::to_string(full_rows), "outside the KV pool"});
+    expect_error([&] { t.gpu_->begin_step(bad); },
+                 {"out_cache_loc[0] = " + std::to_string(full_rows), "outside the KV pool"});
     EXPECT_EQ(t.gpu_->layer(1).step_write_loc, nullptr);
     HostBuffer k(DType::bf16, {1, 2, 128});
     expect_error([&] { t.gpu_->store_step_kv(1, k.view(), k.view()); }, {"call begin_step"});
@@ -421,10 +424,10 @@ TEST_P(CudaSwaKVCache, StepsMatchReferenceOnTheHostSwaCache) {
       wrong += k[s * row_bytes] != 0x5a || v[s * row_bytes] != 0x5a;
       continue;
     }
-    wrong += std::memcmp(k.data() + s * row_bytes,
-                         static_cast<const char*>(h.k) + row * row_bytes, row_bytes) != 0;
-    wrong += std::memcmp(v.data() + s * row_bytes,
-                         static_cast<const char*>(h.v) + row * row_bytes, row_bytes) != 0;
+    wrong += std::memcmp(k.data() + s * row_bytes, static_cast<const char*>(h.k) + row * row_bytes,
+                         row_bytes) != 0;
+    wrong += std::memcmp(v.data() + s * row_bytes, static_cast<const char*>(h.v) + row * row_bytes,
+                         row_bytes) != 0;
   }
   EXPECT_EQ(wrong, 0) << "download_rows of an SWA layer";
 }

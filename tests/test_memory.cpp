@@ -822,15 +822,24 @@ TEST(StepSlotCheck, RejectsBadStepsBeforeWritingAndTranslatesGoodOnes) {
   StepSlotCheck check("CUDA KV cache", rows, alloc.full_to_swa());
   std::vector<int64_t> swa(4, -7);
   const std::vector<int64_t> untouched = swa;
-  expect_error([&] { check(std::vector<int64_t>{slots[0], rows}, swa.data()); },
-               {"CUDA KV cache: out_cache_loc[1] = " + std::to_string(rows),
-                "outside the KV pool's slots 0.." + std::to_string(rows - 1)});
-  expect_error([&] { check(std::vector<int64_t>{slots[1], 0, slots[1]}, swa.data()); },
-               {"out_cache_loc[2] = " + std::to_string(slots[1]) + " repeats out_cache_loc[0]"});
+  expect_error(
+      [&] {
+        check(std::vector<int64_t>{slots[0], rows}, swa.data());
+      },
+      {"CUDA KV cache: out_cache_loc[1] = " + std::to_string(rows),
+       "outside the KV pool's slots 0.." + std::to_string(rows - 1)});
+  expect_error(
+      [&] {
+        check(std::vector<int64_t>{slots[1], 0, slots[1]}, swa.data());
+      },
+      {"out_cache_loc[2] = " + std::to_string(slots[1]) + " repeats out_cache_loc[0]"});
   // The first page's tokens leave the window: they have no SWA slot any more.
   alloc.free_swa(std::span<const int64_t>(slots.data(), 4));
-  expect_error([&] { check(std::vector<int64_t>{slots[5], slots[2]}, swa.data()); },
-               {"out_cache_loc[1] = " + std::to_string(slots[2]), "has no SWA slot"});
+  expect_error(
+      [&] {
+        check(std::vector<int64_t>{slots[5], slots[2]}, swa.data());
+      },
+      {"out_cache_loc[1] = " + std::to_string(slots[2]), "has no SWA slot"});
   EXPECT_EQ(swa, untouched) << "a refused step wrote SWA slots";
   // Padded tokens may all write the dummy slot 0; the same slot may come back the next step.
   const std::vector<int64_t> loc = {slots[9], 0, slots[4], 0};

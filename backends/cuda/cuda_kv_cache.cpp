@@ -131,10 +131,10 @@ void CudaKVCache::begin_step(const ForwardBatch& batch) {
     staging_.upload(loc_.data(), bytes, stream_);
   } else if (tokens > 0) {
     // One copy of both rows; then the device map learns the step's slots (see the header).
-    staging_.upload_rows(loc_.data(), static_cast<size_t>(max_num_tokens_) * sizeof(int64_t),
-                         bytes, 2, stream_);
-    ATTNRT_CUDA_CHECK(launch_scatter_slots(map_dev_.ptr<int64_t>(), loc_.ptr<int64_t>(),
-                                           swa_loc(), tokens, stream_));
+    staging_.upload_rows(loc_.data(), static_cast<size_t>(max_num_tokens_) * sizeof(int64_t), bytes,
+                         2, stream_);
+    ATTNRT_CUDA_CHECK(launch_scatter_slots(map_dev_.ptr<int64_t>(), loc_.ptr<int64_t>(), swa_loc(),
+                                           tokens, stream_));
   }
   step_tokens_ = tokens;
 }

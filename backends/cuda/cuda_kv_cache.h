@@ -119,7 +119,7 @@ class CudaKVCache final : public KVCache {
 
   std::vector<Layer> layers_;  // by layer id
   std::shared_ptr<const std::vector<int64_t>> map_;  // host full->SWA map; null: one slot space
-  DeviceBuffer map_dev_;       // [rows + 1] int64, fixed address: the device copy of map_
+  DeviceBuffer map_dev_;  // [rows + 1] int64, fixed address: the device copy of map_
   // [max_num_tokens] int64 write slots, fixed address; SWA-hybrid: then [max_num_tokens] of
   // their SWA slots (swa_loc()).
   DeviceBuffer loc_;

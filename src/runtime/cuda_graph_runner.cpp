@@ -114,8 +114,9 @@ class Runner final : public CudaGraphRunner {
 
   // Records every attention layer of a step of `bucket` padded requests. The plan runs before the
   // capture (its upload is not part of the graph); the kernels recorded read only the backend's
-  // graph buffers, the cache's write-slot buffer and the static tensors, so a replay sees what
-  // the replay plan and the caller wrote there.
+  // graph buffers, the cache's write-slot buffers and (SWA-hybrid) its device full->SWA map, and
+  // the static tensors, so a replay sees what the replay plan, begin_step and the caller wrote
+  // there.
   cudaGraphExec_t capture(ForwardMode mode, int bucket, bool tree) {
     ForwardBatch cap;
     cap.mode = mode;
