@@ -79,7 +79,7 @@ cuda::PlannerConfig planner_config() {
   cfg.groups = {kQHeads / kKvHeads};
   cfg.head_dims = {kHeadDim};
   // Resident CTAs per SM of the d128 bf16 kernel shapes (decode, prefill, verify) on the H200.
-  cfg.occupancy = {{2, 1, 1}};
+  cfg.occupancy = {{2, 1, 1, 2}};
   cfg.num_kv_heads_max = kKvHeads;
   cfg.sm_count = 132;
   return cfg;

@@ -128,7 +128,7 @@ std::vector<int32_t> expected_splits(const PlannerConfig& cfg, size_t c, TileSha
     return splits;
   }
   if (cfg.deterministic) {
-    if (shape == TileShape::decode)
+    if (shape == TileShape::decode || shape == TileShape::decode32)
       for (int i = 0; i < bs; ++i)
         splits[i] = static_cast<int32_t>(std::clamp<int64_t>(cdiv(kv(i), 1024), 1, 64));
     return splits;
@@ -213,7 +213,8 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
   for (size_t c = 0; c < nc; ++c) {
     const ClassPlan& cp = plan.classes[c];
     const int64_t rows_per_req = int64_t{max_q} * cfg.groups[c];
-    const TileShape shape = rows_per_req <= 32   ? TileShape::decode
+    const TileShape shape = rows_per_req <= 16   ? TileShape::decode
+                            : rows_per_req <= 32 ? TileShape::decode32
                             : rows_per_req <= 64 ? TileShape::verify
                                                  : TileShape::prefill;
     any_prefill = any_prefill || shape == TileShape::prefill;
@@ -381,7 +382,8 @@ PlannerConfig config(std::vector<int> groups, std::vector<int> dims, int heads, 
   c.groups = std::move(groups);
   c.head_dims = std::move(dims);
   for (size_t i = 0; i < c.groups.size(); ++i)
-    c.occupancy.push_back({static_cast<int>(i % 3) + 2, 1, static_cast<int>(i % 2) + 1});
+    c.occupancy.push_back(
+        {static_cast<int>(i % 3) + 2, 1, static_cast<int>(i % 2) + 1, static_cast<int>(i % 2) + 2});
   c.num_kv_heads_max = heads;
   c.sm_count = sm_count;
   c.deterministic = det;

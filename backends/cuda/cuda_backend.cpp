@@ -74,7 +74,7 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
   // Per class: the head dim and the resident CTAs per SM of each shape (for the split choice).
   const bool fp16 = ctx.model->dtype == DType::f16;
   cfg.head_dims.assign(cfg.groups.size(), 128);
-  cfg.occupancy.assign(cfg.groups.size(), {1, 1, 1});
+  cfg.occupancy.assign(cfg.groups.size(), {1, 1, 1, 1});
   for (size_t c = 0; c < cfg.groups.size(); ++c) {
     for (const LayerSpec& l : ctx.model->layers) {
       if (!l.uses_kv_cache() || l.num_kv_heads <= 0 ||
@@ -84,7 +84,8 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
       const bool fp8 = is_fp8(ctx.kv_cache->layer(l.layer_id).dtype);
       const bool tc =
           has_tensor_core_kernel(l.head_dim, l.v_head_dim > 0 ? l.v_head_dim : l.head_dim);
-      for (TileShape sh : {TileShape::decode, TileShape::prefill, TileShape::verify})
+      for (TileShape sh :
+           {TileShape::decode, TileShape::prefill, TileShape::verify, TileShape::decode32})
         cfg.occupancy[c][static_cast<int>(sh)] =
             tc ? attention_occupancy(l.head_dim, fp16, fp8, sh) : attention_occupancy_generic(fp16);
       break;

@@ -16,14 +16,17 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-// Up to 32 (token, head-in-group) rows per request: decode tiles (two CTAs read the K/V of a
-// request and KV head, but three CTAs fit an SM; on the H200 a 64 x (4096 + 8) chain at group 4
-// took 606 us on decode tiles (first version) and 784 us in half-filled 64-row CTAs). 33..64 rows:
-// all of them in one verify CTA, so each K/V tile is read once (the 16-token tree at group 4: 788
-// us, against 1152 us on four decode CTAs per request and KV head).
+// Up to 16 (token, head-in-group) rows per request: decode tiles; 17..32 rows: one decode32 CTA;
+// 33..64 rows: one verify CTA; each K/V tile is read once per request and KV head. On the H200 at
+// group 4 with 64 x 4096 prefixes: the 8-token chain (32 rows) took 0.596 ms on two decode CTAs
+// (each streaming the K/V) and 0.364 ms on decode32 (decode 0.300 ms); the 16-token tree (64 rows)
+// 0.807 ms on the 4-warp verify CTA and 0.518 ms on the 8-warp one.
 TileShape choose_shape(int max_qlen, int group) {
   const int64_t rows = static_cast<int64_t>(max_qlen) * group;
-  return rows <= 32 ? TileShape::decode : rows <= 64 ? TileShape::verify : TileShape::prefill;
+  return rows <= 16   ? TileShape::decode
+         : rows <= 32 ? TileShape::decode32
+         : rows <= 64 ? TileShape::verify
+                      : TileShape::prefill;
 }
 
 int graph_splits(const PlannerConfig& cfg, int group, TileShape shape, int bs, int tokens_per_req) {
@@ -290,7 +293,8 @@ void HostPlanner::plan_class(size_t c, int bs) {
   if (graph_ != nullptr) {
     uniform = graph_splits(config_, cp.group, cp.shape, bs, pad_qlen_);
   } else if (config_.deterministic) {
-    if (cp.shape == TileShape::decode) chunk = kDeterministicChunk;
+    if (cp.shape == TileShape::decode || cp.shape == TileShape::decode32)
+      chunk = kDeterministicChunk;
   } else if (cp.shape != TileShape::prefill) {
     if (base > 0) {
       const int64_t cap =

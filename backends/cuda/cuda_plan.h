@@ -26,8 +26,8 @@ constexpr int kMinChunkPrefill = 1024;
 constexpr int kDeterministicChunk = 1024;
 constexpr int kCtasPerSm = 4;
 
-// Up to 32 (token, head-in-group) rows per request: decode tiles; 33..64 rows: one verify CTA;
-// more: prefill tiles (see cuda_plan.cpp for the measurements behind the bounds).
+// Up to 16 (token, head-in-group) rows per request: decode tiles; 17..32 rows: one decode32 CTA;
+// 33..64 rows: one verify CTA; more: prefill tiles (see cuda_plan.cpp for the measurements).
 TileShape choose_shape(int max_qlen, int group);
 
 // One GQA group size of the model's KV layers: its CTA shape, split counts and work list.
@@ -58,7 +58,7 @@ struct StepPlan {
 struct PlannerConfig {
   std::vector<int> groups;                      // distinct GQA group sizes of the KV layers
   std::vector<int> head_dims;                   // head dim per class
-  std::vector<std::array<int, 3>> occupancy;    // resident CTAs per SM, per class and TileShape
+  std::vector<std::array<int, kNumTileShapes>> occupancy;    // resident CTAs per SM, per class and TileShape
   int num_kv_heads_max = 1;
   int sm_count = 132;
   bool deterministic = false;

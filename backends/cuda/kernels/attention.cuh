@@ -6,8 +6,10 @@
 //
 // Warps are arranged as ROWS/16 row groups times WPR key parts: a prefill CTA gives every warp its
 // own 16 rows (WPR = 1); a decode CTA has 16 rows and its warps split each K/V tile, merging their
-// softmax states through shared memory at the end (WPR = 4); a verify CTA holds all the (draft
-// token, head) rows of one request and KV head (64), so the request's K/V is streamed once.
+// softmax states through shared memory at the end (WPR = 4); the decode32 (32 rows, WPR = 4) and
+// verify (64 rows, WPR = 2 for 16-bit KV) CTAs hold all the (draft token, head) rows of one request
+// and KV head, so the request's K/V is streamed once, while each warp's share of a tile stays
+// small (16 rows by 16 or 32 keys) and two CTAs fit an SM. Only tiles that reach draft keys, the split's end or a window's edge evaluate the mask.
 //
 // fp8 KV stays fp8 in shared memory (half the bytes per stage, so twice the stages in flight) and
 // is dequantised in registers right before each MMA: K is read with a permuted head-dim order
@@ -30,7 +32,8 @@
 
 namespace attnrt::cuda {
 
-template <int D, int WARPS, int ROWS, int BN, bool FP8, int STAGES = 2>
+template <int D, int WARPS, int ROWS, int BN, bool FP8, int STAGES = 2, int MIN_BLOCKS = 0,
+          bool Q_RELOAD = false>
 struct AttnConfig {
   static constexpr int kHeadDim = D;
   static constexpr int kWarps = WARPS;
@@ -39,6 +42,11 @@ struct AttnConfig {
   static constexpr int kBN = BN;
   static constexpr bool kFp8 = FP8;
   static constexpr int kStages = STAGES;  // K/V tiles in flight (cp.async pipeline depth)
+  // Resident CTAs per SM the registers must allow (__launch_bounds__; 0 = no register cap: a
+  // minimum of 1 was seen to change the allocation, 168 -> 203 registers for the decode CTA).
+  static constexpr int kMinBlocks = MIN_BLOCKS;
+  // Q fragments re-read from shared memory every tile instead of held in registers (16-bit KV).
+  static constexpr bool kQReload = Q_RELOAD && !FP8;
   static constexpr int kRowGroups = ROWS / 16;
   static constexpr int kWpr = WARPS / kRowGroups;  // warps sharing a row group
   static constexpr int kKW = BN / kWpr;            // keys of a tile per warp
@@ -134,7 +142,7 @@ __device__ __forceinline__ KeyRange split_range(const AttnParams& p, const ReqIn
 }
 
 template <typename T, typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kernel(const AttnParams p) {
   constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, ROWS = Cfg::kRows, KW = Cfg::kKW;
   constexpr int CH = D / 8, NT = Cfg::kThreads, ST = Cfg::kStages, LC = Cfg::kLoadChunks;
   constexpr int TILE = Cfg::kTileBytes;
@@ -288,7 +296,7 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
             qf[kk][2 + h] = v.y;
           }
         }
-      } else {
+      } else if constexpr (!Cfg::kQReload) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
           const int r = rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -326,14 +334,21 @@ __global__ void __launch_bounds__(Cfg::kThreads) attention_kernel(const AttnPara
       const T* tK16 = reinterpret_cast<const T*>(tK);
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
+        uint32_t qr[4];
+        if constexpr (Cfg::kQReload) {
+          const int r = rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+          const int c = kk * 2 + (lane >> 4);
+          ldmatrix_x4(qr, sQ + r * D + swz(r, c) * 8);
+        }
+        const uint32_t(&qa)[4] = Cfg::kQReload ? qr : qf[kk];
 #pragma unroll
         for (int np = 0; np < KW / 16; ++np) {
           const int key = kp * KW + np * 16 + (lane & 7) + (lane >> 4) * 8;
           const int c = kk * 2 + ((lane >> 3) & 1);
           uint32_t b[4];
           ldmatrix_x4(b, tK16 + key * D + swz(key, c) * 8);
-          mma_16816<T>(s[2 * np], qf[kk], b[0], b[1]);
-          mma_16816<T>(s[2 * np + 1], qf[kk], b[2], b[3]);
+          mma_16816<T>(s[2 * np], qa, b[0], b[1]);
+          mma_16816<T>(s[2 * np + 1], qa, b[2], b[3]);
         }
       }
     }

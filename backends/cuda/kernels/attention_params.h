@@ -7,12 +7,17 @@
 namespace attnrt::cuda {
 
 // CTA shapes of the attention kernel. `decode`: 16 query rows, warps split every K/V tile (one or a
-// few query tokens per request); `prefill`: 128 query rows, one 16-row slice per warp; `verify`: 64
-// query rows (a verify block or short extend: every row of a request and KV head in one CTA, so
-// the K/V is read once), one 16-row slice per warp.
-enum class TileShape : int32_t { decode = 0, prefill = 1, verify = 2 };
+// few query tokens per request); `decode32`: 32 rows as two decode row groups sharing each K/V
+// tile (a chain verify block or short extend); `verify`: 64 query rows (a tree verify block or
+// short extend); `prefill`: 128 query rows, one 16-row slice per warp. `decode32` and `verify` hold
+// every row of a request and KV head in one CTA, so the K/V is read once.
+enum class TileShape : int32_t { decode = 0, prefill = 1, verify = 2, decode32 = 3 };
+constexpr int kNumTileShapes = 4;
 constexpr int tile_rows(TileShape shape) {
-  return shape == TileShape::decode ? 16 : shape == TileShape::verify ? 64 : 128;
+  return shape == TileShape::decode     ? 16
+         : shape == TileShape::decode32 ? 32
+         : shape == TileShape::verify   ? 64
+                                        : 128;
 }
 
 // One request of the step, in the layout every kernel reads (reference-semantics §2.2 reduced to
