@@ -33,9 +33,10 @@ __device__ __forceinline__ void store_elem(void* base, DTypeCode t, int64_t i, f
   }
 }
 
-// State elements: float or __nv_bfloat16.
+// State elements: float or __nv_bfloat16 (and __half, for activations read as vectors).
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 template <typename S>
 __device__ __forceinline__ S from_float_as(float x);
 template <>

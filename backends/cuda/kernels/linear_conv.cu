@@ -1,12 +1,18 @@
 // The causal conv1d with SiLU of the linear-attention layers (§8.8) and the post-verify commit of
 // their state (§8.10).
 //
-// Conv: one thread per (request, channel, chunk of kConvTokens tokens); channels are contiguous in
-// every tensor, so each token's loads and stores are coalesced across a warp. A thread keeps the
-// K - 1 preceding inputs in registers. Without verify the slot's window becomes the last K - 1
-// inputs: written by the thread of the only chunk when the request fits in one, else by a second
-// kernel once every chunk has read the old window. Verify: one thread walks the block's tokens,
-// each starting from its parent's checkpoint window (re-read from what the same thread stored).
+// Conv, non-verify steps (DECODE, EXTEND) when the layout allows (K = 4, conv_dim and the x row
+// stride multiples of V, 16-byte aligned tensors): `conv_vec_kernel`, one thread per (request,
+// V channels, chunk of kConvTokens tokens) with V = 16 / sizeof(state element) (fp32: 4, bf16: 8),
+// so that every window, x, weight and y access is one or two 16-byte vectors. A thread keeps the
+// K - 1 preceding inputs of its channels in registers, prefetches the next token's x, and, when the
+// request fits in one chunk (always for DECODE), writes the slot's new window itself: a one-token
+// step is one kernel that reads the window, x and the weights once and writes y and the window
+// once. Otherwise (verify, other K, unaligned layouts) the scalar `conv_kernel`: one thread per
+// (request, channel, chunk), channels contiguous so that a warp's accesses are coalesced.
+// Requests longer than one chunk get their window from a second kernel once every chunk has read
+// the old one. Verify: one thread walks the block's tokens, each starting from its parent's
+// checkpoint window (re-read from what the same thread stored).
 #include <cstdint>
 
 #include "backends/cuda/kernels/linear.h"
@@ -118,6 +124,94 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) 
   }
 }
 
+// x (any activation dtype) as V floats: one vector load of V elements.
+template <int V>
+__device__ __forceinline__ void load_x(const void* base, DTypeCode t, int64_t i, float (&out)[V]) {
+  if (t == kF32) {
+    load_vec<float, V>(static_cast<const float*>(base) + i, out);
+  } else if (t == kBF16) {
+    load_vec<__nv_bfloat16, V>(static_cast<const __nv_bfloat16*>(base) + i, out);
+  } else {
+    load_vec<__half, V>(static_cast<const __half*>(base) + i, out);
+  }
+}
+
+// Non-verify steps, V = 16 / sizeof(C) channels per thread (see the header comment).
+template <typename C, int K>
+__global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams p) {
+  constexpr int V = 16 / sizeof(C), W = K - 1;
+  static_assert((V * K) % 4 == 0, "weights are read as float4");
+  const int dim = p.state.conv_dim;
+  const int c = (blockIdx.x * kConvThreads + threadIdx.x) * V;
+  if (c >= dim) return;
+  const LinReq r = p.step.reqs[blockIdx.y];
+  const int t0 = blockIdx.z * kConvTokens;
+  if (t0 >= r.tokens) return;
+  const int64_t win_elems = int64_t{W} * dim;
+  C* const window = static_cast<C*>(p.state.conv) + r.slot * win_elems + c;
+  const int64_t x0 = int64_t{r.token_start} * p.x_stride + c;
+  const int t1 = min(r.tokens, t0 + kConvTokens);
+
+  // Every independent load first: the next x, the window, the weights and the bias.
+  float xn[V];
+  load_x<V>(p.x, p.x_dtype, x0 + int64_t{t0} * p.x_stride, xn);
+  float win[W][V];  // win[j]: the inputs before the current token, oldest first
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const int i = t0 - W + j;  // input index in the request; < 0: the slot's window
+    if (i >= 0) {
+      load_x<V>(p.x, p.x_dtype, x0 + int64_t{i} * p.x_stride, win[j]);
+    } else if (r.has_initial_state) {
+      load_vec<C, V>(window + int64_t{W + i} * dim, win[j]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) win[j][e] = 0.f;
+    }
+  }
+  float w[V][K];  // the V channels' K taps are V * K consecutive floats
+  const float4* wq = reinterpret_cast<const float4*>(p.weight + int64_t{c} * K);
+#pragma unroll
+  for (int q = 0; q < V * K / 4; ++q) {
+    const float4 f = wq[q];
+    const float fv[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w[(4 * q + e) / K][(4 * q + e) % K] = fv[e];
+  }
+  float bias[V];
+  if (p.bias != nullptr) {
+    load_vec<float, V>(p.bias + c, bias);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) bias[e] = 0.f;
+  }
+
+  for (int t = t0; t < t1; ++t) {
+    float xt[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) xt[e] = xn[e];
+    if (t + 1 < t1) load_x<V>(p.x, p.x_dtype, x0 + int64_t{t + 1} * p.x_stride, xn);
+    float y[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      float acc = bias[e] + w[e][W] * xt[e];
+#pragma unroll
+      for (int j = 0; j < W; ++j) acc += w[e][j] * win[j][e];
+      y[e] = silu(acc);
+    }
+    store_vec<float, V>(p.y + (int64_t{r.token_start} + t) * dim + c, y);
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) win[j][e] = j + 1 < W ? win[j + 1][e] : xt[e];
+    }
+  }
+  if (r.tokens <= kConvTokens) {
+    // The only chunk: win now holds the last W inputs of window ++ x.
+#pragma unroll
+    for (int j = 0; j < W; ++j) store_vec<C, V>(window + int64_t{j} * dim, win[j]);
+  }
+}
+
 // Requests longer than one chunk: the new window is the last W inputs, all from x (W < chunk).
 template <typename C>
 __global__ void __launch_bounds__(kConvThreads) conv_window_kernel(const ConvParams p) {
@@ -134,6 +228,20 @@ __global__ void __launch_bounds__(kConvThreads) conv_window_kernel(const ConvPar
   }
 }
 
+// The K of the vectorised kernel (every model preset's conv).
+constexpr int kVecKernel = 4;
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Whether conv_vec_kernel<C, kVecKernel> takes the step: every vector access aligned.
+template <typename C>
+bool vec_fits(const ConvParams& p) {
+  constexpr int V = 16 / sizeof(C);
+  return !p.step.verify && p.kernel == kVecKernel && p.state.conv_dim % V == 0 &&
+         p.x_stride % V == 0 && aligned16(p.x) && aligned16(p.y) && aligned16(p.weight) &&
+         aligned16(p.bias) && aligned16(p.state.conv);
+}
+
 template <typename C>
 cudaError_t conv_launch(const ConvParams& p, cudaStream_t stream) {
   const unsigned cblocks =
@@ -141,7 +249,15 @@ cudaError_t conv_launch(const ConvParams& p, cudaStream_t stream) {
   const unsigned chunks =
       p.step.verify ? 1u
                     : static_cast<unsigned>((p.step.max_tokens + kConvTokens - 1) / kConvTokens);
-  conv_kernel<C><<<dim3(cblocks, p.step.num_reqs, chunks), kConvThreads, 0, stream>>>(p);
+  if (vec_fits<C>(p)) {
+    constexpr int V = 16 / sizeof(C);
+    const int groups = p.state.conv_dim / V;
+    const unsigned vblocks = static_cast<unsigned>((groups + kConvThreads - 1) / kConvThreads);
+    conv_vec_kernel<C, kVecKernel>
+        <<<dim3(vblocks, p.step.num_reqs, chunks), kConvThreads, 0, stream>>>(p);
+  } else {
+    conv_kernel<C><<<dim3(cblocks, p.step.num_reqs, chunks), kConvThreads, 0, stream>>>(p);
+  }
   if (!p.step.verify && chunks > 1) {
     conv_window_kernel<C><<<dim3(cblocks, p.step.num_reqs), kConvThreads, 0, stream>>>(p);
   }
