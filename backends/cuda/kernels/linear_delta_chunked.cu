@@ -10,7 +10,10 @@
 //   1. chunk table: where each request's chunks sit in the workspace (one block, a scan);
 //   2. prep, one CTA per (chunk, head), everything that does not depend on the state: the
 //      normalised q / k, the gates, kk and qk (tensor cores), the forward substitution (fp32, one
-//      column of X per thread, in registers), and the state pass's operands in bf16;
+//      column of X per thread, 16 rows at a time in registers), and the state pass's operands in
+//      bf16. GDN and KDA have separate prep kernels: GDN's gate is one scalar per token, so its
+//      decays are four 64-entry tables, q / k live only as bf16 operands and two CTAs fit an SM;
+//      KDA keeps q / k / G per channel in fp32 (~195 KB, one CTA per SM);
 //   3. state pass, one CTA per (request, head, 64 value rows of S): S stays in fp32 registers
 //      (as MMA accumulators) across the request's chunks, the chunk operands stream in through a
 //      cp.async double buffer, and the outputs are written there (no per-chunk states stored).
@@ -152,8 +155,31 @@ __global__ void __launch_bounds__(kTableThreads) chunk_table_kernel(const LinReq
 
 // ---- 2. prep ----------------------------------------------------------------------------------
 
+// Row `row` of q and k, L2-normalised (q times the scale), channels lane + 32 m; zero past the
+// request (valid = false).
+template <int DK>
+__device__ __forceinline__ void normalised_row(const DeltaParams& p, const float* yq,
+                                               const float* yk, int64_t row, bool valid,
+                                               float (&qv)[DK / 32], float (&kv)[DK / 32]) {
+  const int64_t base = row * p.state.conv_dim + (threadIdx.x & 31);
+  float sq = 0.f, sk = 0.f;
+#pragma unroll
+  for (int m = 0; m < DK / 32; ++m) {
+    qv[m] = valid ? yq[base + 32 * m] : 0.f;
+    kv[m] = valid ? yk[base + 32 * m] : 0.f;
+    sq += qv[m] * qv[m];
+    sk += kv[m] * kv[m];
+  }
+  const float fq = p.scale * rsqrtf(warp_sum(sq) + 1e-6f), fk = rsqrtf(warp_sum(sk) + 1e-6f);
+#pragma unroll
+  for (int m = 0; m < DK / 32; ++m) {
+    qv[m] *= fq;
+    kv[m] *= fk;
+  }
+}
+
 template <int DK, int DV>
-struct PrepSmem {
+struct KdaPrepSmem {
   static constexpr int LF = DK + 1;       // fp32 rows: odd stride, column walks are conflict-free
   static constexpr int LC = kChunk + 4;   // kk^T rows: 16-byte aligned for float4 broadcasts
   static constexpr int LQ = kChunk + 1;
@@ -161,23 +187,23 @@ struct PrepSmem {
   static constexpr int LX = DK + DV;
   static constexpr int KC_ROWS = 96;      // kda column operands for row blocks 1, 2, 3: 16 + 32 + 48
   float q[kChunk * LF], k[kChunk * LF];   // normalised (q scaled)
-  float g[kChunk * LF];                   // cumulative log decay (gdn: g[t] only)
+  float g[kChunk * LF];                   // cumulative log decay per channel
   float kk[kChunk * LC];                  // transposed, times beta: kk[i][t] = beta_t kk(t, i), i < t
   float qk[kChunk * LQ];                  // qk[t][i], i <= t
   float beta[kChunk];
   union {
     struct {
-      bf16 qr[kChunk * LB], kr[kChunk * LB];  // gdn: q, k; kda: scaled to the row block's first token
-      bf16 kc[KC_ROWS * LB];                  // kda: k scaled from the row block's first token
+      bf16 qr[kChunk * LB], kr[kChunk * LB];  // q, k scaled to the row block's first token
+      bf16 kc[KC_ROWS * LB];                  // k scaled from the row block's first token
     } op;
     float x[kChunk * LX];  // the substitution's rows [beta Kd | beta V], once kk / qk are done
   };
 };
 
-template <int DK, int DV, bool KDA>
+template <int DK, int DV>
 __global__ void __launch_bounds__(kThreads, 1)
-    delta_prep_kernel(const DeltaParams p, const Layout L, char* __restrict__ ws) {
-  using Sm = PrepSmem<DK, DV>;
+    kda_prep_kernel(const DeltaParams p, const Layout L, char* __restrict__ ws) {
+  using Sm = KdaPrepSmem<DK, DV>;
   constexpr int LF = Sm::LF, LC = Sm::LC, LQ = Sm::LQ, LB = Sm::LB, LX = Sm::LX;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Sm& s = *reinterpret_cast<Sm*>(smem_raw);
@@ -198,26 +224,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   const float* yv = p.y + static_cast<int64_t>(2 * hk) * DK + static_cast<int64_t>(h) * DV;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr int kWarps = kThreads / 32;
-  auto G = [&](int t, int c) -> float { return KDA ? s.g[t * LF + c] : s.g[t]; };
+  auto G = [&](int t, int c) -> float { return s.g[t * LF + c]; };
 
   // q, k, L2-normalised; tokens past the request are zero (and get beta = 0, g = 0 below, so
   // that they change nothing).
   for (int t = warp; t < kChunk; t += kWarps) {
     float qv[DK / 32], kv[DK / 32];
-    float sq = 0.f, sk = 0.f;
+    normalised_row<DK>(p, yq, yk, tok0 + t, t < n, qv, kv);
 #pragma unroll
     for (int m = 0; m < DK / 32; ++m) {
-      const int c = lane + 32 * m;
-      qv[m] = t < n ? yq[(tok0 + t) * ldy + c] : 0.f;
-      kv[m] = t < n ? yk[(tok0 + t) * ldy + c] : 0.f;
-      sq += qv[m] * qv[m];
-      sk += kv[m] * kv[m];
-    }
-    const float fq = p.scale * rsqrtf(warp_sum(sq) + 1e-6f), fk = rsqrtf(warp_sum(sk) + 1e-6f);
-#pragma unroll
-    for (int m = 0; m < DK / 32; ++m) {
-      s.q[t * LF + lane + 32 * m] = qv[m] * fq;
-      s.k[t * LF + lane + 32 * m] = kv[m] * fk;
+      s.q[t * LF + lane + 32 * m] = qv[m];
+      s.k[t * LF + lane + 32 * m] = kv[m];
     }
   }
   const float decay_rate = -expf(p.A_log[h]);
@@ -226,136 +243,81 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float b = t < n ? load_elem(p.b, p.b_dtype, (tok0 + t) * p.b_stride + h) : 0.f;
     s.beta[t] = t < n ? 1.f / (1.f + expf(-b)) : 0.f;
   }
-  if constexpr (KDA) {
-    for (int c = threadIdx.x; c < DK; c += kThreads) {
-      const float bias = p.dt_bias[h * DK + c];
-      float av[kChunk];  // every load in flight before the scan
+  for (int c = threadIdx.x; c < DK; c += kThreads) {
+    const float bias = p.dt_bias[h * DK + c];
+    float av[kChunk];  // every load in flight before the scan
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t)
-        av[t] = t < n ? load_elem(p.a, p.a_dtype, (tok0 + t) * p.a_stride + h * DK + c) : 0.f;
-      float acc = 0.f;
+    for (int t = 0; t < kChunk; ++t)
+      av[t] = t < n ? load_elem(p.a, p.a_dtype, (tok0 + t) * p.a_stride + h * DK + c) : 0.f;
+    float acc = 0.f;
 #pragma unroll
-      for (int t = 0; t < kChunk; ++t) {
-        if (t < n) acc += decay_rate * softplus(av[t] + bias);
-        s.g[t * LF + c] = acc;
-      }
+    for (int t = 0; t < kChunk; ++t) {
+      if (t < n) acc += decay_rate * softplus(av[t] + bias);
+      s.g[t * LF + c] = acc;
     }
-  } else if (warp == 0) {  // inclusive scan of 64 scalars: two per lane
-    const float bias = p.dt_bias[h];
-    float g0 = 0.f, g1 = 0.f;
-    if (lane < n)
-      g0 = decay_rate * softplus(load_elem(p.a, p.a_dtype, (tok0 + lane) * p.a_stride + h) + bias);
-    if (lane + 32 < n)
-      g1 = decay_rate *
-           softplus(load_elem(p.a, p.a_dtype, (tok0 + lane + 32) * p.a_stride + h) + bias);
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const float x0 = __shfl_up_sync(0xffffffffu, g0, o), x1 = __shfl_up_sync(0xffffffffu, g1, o);
-      if (lane >= o) {
-        g0 += x0;
-        g1 += x1;
-      }
-    }
-    g1 += __shfl_sync(0xffffffffu, g0, 31);
-    s.g[lane] = g0;
-    s.g[lane + 32] = g1;
   }
   __syncthreads();
 
   // bf16 MMA operands.
   for (int e = threadIdx.x; e < kChunk * DK / 2; e += kThreads) {
     const int t = e / (DK / 2), c = 2 * (e % (DK / 2));
-    float f0 = 1.f, f1 = 1.f;
-    if constexpr (KDA) {
-      const int r0 = t & ~15;
-      f0 = expf(G(t, c) - G(r0, c));
-      f1 = expf(G(t, c + 1) - G(r0, c + 1));
-    }
+    const int r0 = t & ~15;
+    const float f0 = expf(G(t, c) - G(r0, c)), f1 = expf(G(t, c + 1) - G(r0, c + 1));
     store_bf16x2(&s.op.kr[t * LB + c], s.k[t * LF + c] * f0, s.k[t * LF + c + 1] * f1);
     store_bf16x2(&s.op.qr[t * LB + c], s.q[t * LF + c] * f0, s.q[t * LF + c + 1] * f1);
   }
-  if constexpr (KDA) {
-    for (int e = threadIdx.x; e < Sm::KC_ROWS * DK / 2; e += kThreads) {
-      const int row = e / (DK / 2), c = 2 * (e % (DK / 2));
-      const int bt = row < 16 ? 1 : (row < 48 ? 2 : 3);
-      const int i = row - 8 * bt * (bt - 1), r0 = 16 * bt;
-      const float f0 = expf(G(r0, c) - G(i, c)), f1 = expf(G(r0, c + 1) - G(i, c + 1));
-      store_bf16x2(&s.op.kc[row * LB + c], s.k[i * LF + c] * f0, s.k[i * LF + c + 1] * f1);
-    }
+  for (int e = threadIdx.x; e < Sm::KC_ROWS * DK / 2; e += kThreads) {
+    const int row = e / (DK / 2), c = 2 * (e % (DK / 2));
+    const int bt = row < 16 ? 1 : (row < 48 ? 2 : 3);
+    const int i = row - 8 * bt * (bt - 1), r0 = 16 * bt;
+    const float f0 = expf(G(r0, c) - G(i, c)), f1 = expf(G(r0, c + 1) - G(i, c + 1));
+    store_bf16x2(&s.op.kc[row * LB + c], s.k[i * LF + c] * f0, s.k[i * LF + c + 1] * f1);
   }
   __syncthreads();
 
   // kk (strictly lower) and qk (lower), fp32 in shared memory; entries above are never read.
-  if constexpr (!KDA) {
-    const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
-    float akk[4][4] = {}, aqk[4][4] = {};
+  // Off-diagonal 16-token blocks (row block bt, columns below 16 bt): 12 tiles of 16x8 for each
+  // of kk, qk.
+  for (int job = warp; job < 24; job += kWarps) {
+    const int prod = job / 12, idx = job % 12;
+    const int bt = idx < 2 ? 1 : (idx < 6 ? 2 : 3);
+    const int nt = idx - (bt == 1 ? 0 : (bt == 2 ? 2 : 6));
+    const bf16* A = prod ? s.op.qr : s.op.kr;
+    float acc[4] = {};
 #pragma unroll
     for (int k0 = 0; k0 < DK; k0 += 16) {
-      uint32_t ak[4], aq[4];
-      frag_a(ak, s.op.kr, LB, m0, k0);
-      frag_a(aq, s.op.qr, LB, m0, k0);
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        uint32_t b0, b1;
-        frag_b(b0, b1, s.op.kr, LB, n0 + 8 * nt, k0);
-        mma_16816<bf16>(akk[nt], ak, b0, b1);
-        mma_16816<bf16>(aqk[nt], aq, b0, b1);
-      }
+      uint32_t a[4], b0, b1;
+      frag_a(a, A, LB, 16 * bt, k0);
+      frag_b(b0, b1, s.op.kc, LB, 8 * bt * (bt - 1) + 8 * nt, k0);
+      mma_16816<bf16>(acc, a, b0, b1);
     }
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = acc_row(m0, e), i = acc_col(n0 + 8 * nt, e);
-        const float d = i <= t ? expf(s.g[t] - s.g[i]) : 0.f;
-        s.kk[i * LC + t] = i < t ? s.beta[t] * akk[nt][e] * d : 0.f;
-        s.qk[t * LQ + i] = aqk[nt][e] * d;
+    for (int e = 0; e < 4; ++e) {
+      const int t = acc_row(16 * bt, e), i = acc_col(8 * nt, e);
+      if (prod) {
+        s.qk[t * LQ + i] = acc[e];
+      } else {
+        s.kk[i * LC + t] = s.beta[t] * acc[e];
       }
     }
-  } else {
-    // Off-diagonal 16-token blocks (row block bt, columns below 16 bt): 12 tiles of 16x8 for each
-    // of kk, qk.
-    for (int job = warp; job < 24; job += kWarps) {
-      const int prod = job / 12, idx = job % 12;
-      const int bt = idx < 2 ? 1 : (idx < 6 ? 2 : 3);
-      const int nt = idx - (bt == 1 ? 0 : (bt == 2 ? 2 : 6));
-      const bf16* A = prod ? s.op.qr : s.op.kr;
-      float acc[4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < DK; k0 += 16) {
-        uint32_t a[4], b0, b1;
-        frag_a(a, A, LB, 16 * bt, k0);
-        frag_b(b0, b1, s.op.kc, LB, 8 * bt * (bt - 1) + 8 * nt, k0);
-        mma_16816<bf16>(acc, a, b0, b1);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int t = acc_row(16 * bt, e), i = acc_col(8 * nt, e);
-        if (prod) {
-          s.qk[t * LQ + i] = acc[e];
-        } else {
-          s.kk[i * LC + t] = s.beta[t] * acc[e];
-        }
-      }
-    }
-    // Diagonal blocks, per pair (t, i), i <= t in the same 16-token block: 4 x 136 pairs, one
-    // per thread (lanes of a warp walk different rows: the odd row stride spreads the banks).
-    for (int pr = threadIdx.x; pr < 4 * 136; pr += kThreads) {
-      const int bt = pr / 136, q = pr % 136;
-      int tl = static_cast<int>((sqrtf(8.f * q + 1.f) - 1.f) * 0.5f);
-      while ((tl + 1) * (tl + 2) / 2 <= q) ++tl;
-      while (tl * (tl + 1) / 2 > q) --tl;
-      const int t = 16 * bt + tl, i = 16 * bt + q - tl * (tl + 1) / 2;
-      float skk = 0.f, sqk = 0.f;
+  }
+  // Diagonal blocks, per pair (t, i), i <= t in the same 16-token block: 4 x 136 pairs, one
+  // per thread (lanes of a warp walk different rows: the odd row stride spreads the banks).
+  for (int pr = threadIdx.x; pr < 4 * 136; pr += kThreads) {
+    const int bt = pr / 136, q = pr % 136;
+    int tl = static_cast<int>((sqrtf(8.f * q + 1.f) - 1.f) * 0.5f);
+    while ((tl + 1) * (tl + 2) / 2 <= q) ++tl;
+    while (tl * (tl + 1) / 2 > q) --tl;
+    const int t = 16 * bt + tl, i = 16 * bt + q - tl * (tl + 1) / 2;
+    float skk = 0.f, sqk = 0.f;
 #pragma unroll 4
-      for (int c = 0; c < DK; ++c) {
-        const float ki = s.k[i * LF + c] * expf(s.g[t * LF + c] - s.g[i * LF + c]);
-        skk += s.k[t * LF + c] * ki;
-        sqk += s.q[t * LF + c] * ki;
-      }
-      s.kk[i * LC + t] = i < t ? s.beta[t] * skk : 0.f;
-      s.qk[t * LQ + i] = sqk;
+    for (int c = 0; c < DK; ++c) {
+      const float ki = s.k[i * LF + c] * expf(s.g[t * LF + c] - s.g[i * LF + c]);
+      skk += s.k[t * LF + c] * ki;
+      sqk += s.q[t * LF + c] * ki;
     }
+    s.kk[i * LC + t] = i < t ? s.beta[t] * skk : 0.f;
+    s.qk[t * LQ + i] = sqk;
   }
   __syncthreads();
 
@@ -445,6 +407,214 @@ __global__ void __launch_bounds__(kThreads, 1)
                  i + 1 <= t ? s.qk[t * LQ + i + 1] : 0.f);
   }
   for (int c = threadIdx.x; c < DK; c += kThreads) el[c] = expf(G(kChunk - 1, c));
+}
+
+// GDN: the gate is one scalar per token, so every decay factor comes from four tables of 64
+// numbers (no per-element exponentials), q and k are kept only as the bf16 MMA operands, qk goes
+// from the MMA accumulators straight to the workspace, and the substitution keeps only rows 0..47
+// in shared memory: ~102 KB for DK = DV = 128, two CTAs per SM.
+template <int DK, int DV>
+struct GdnPrepSmem {
+  static constexpr int LB = DK + 8;      // bf16 MMA operand rows
+  static constexpr int LC = kChunk + 4;  // kk^T rows: 16-byte aligned for float4 broadcasts
+  bf16 q[kChunk * LB], k[kChunk * LB];   // normalised (q scaled)
+  float kk[kChunk * LC];                 // kk[i][t] = beta_t e^{g_t - g_i} k_t . k_i for i < t, else 0
+  float x[(kChunk - 16) * (DK + DV)];   // the substitution's finished rows 0..47
+  float g[kChunk];                       // cumulative log decay
+  float beta[kChunk];
+  float eg[kChunk];                      // e^{g_t}
+  float egl[kChunk];                     // e^{g_last - g_t}
+};
+
+template <int DK, int DV>
+__global__ void __launch_bounds__(kThreads, 2)
+    gdn_prep_kernel(const DeltaParams p, const Layout L, char* __restrict__ ws) {
+  using Sm = GdnPrepSmem<DK, DV>;
+  constexpr int LB = Sm::LB, LC = Sm::LC;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  Sm& s = *reinterpret_cast<Sm*>(smem_raw);
+  const int32_t* coff = reinterpret_cast<const int32_t*>(ws + L.coff_off);
+  const int32_t* table = reinterpret_cast<const int32_t*>(ws + L.table_off);
+  const int slot = blockIdx.x, h = blockIdx.y;
+  const int r = table[slot];
+  if (r < 0) return;
+  const LinReq req = p.step.reqs[r];
+  const int j = slot - coff[r];
+  const int n = min(kChunk, req.tokens - j * kChunk);
+  const int64_t tok0 = req.token_start + static_cast<int64_t>(j) * kChunk;
+  const int hv = p.state.heads, hk = p.key_heads;
+  const int kh = h / (hv / hk);
+  const int64_t ldy = p.state.conv_dim;
+  const float* yq = p.y + static_cast<int64_t>(kh) * DK;
+  const float* yk = p.y + static_cast<int64_t>(hk + kh) * DK;
+  const float* yv = p.y + static_cast<int64_t>(2 * hk) * DK + static_cast<int64_t>(h) * DV;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  constexpr int kWarps = kThreads / 32;
+
+  // q, k, L2-normalised, two rows per warp at a time; tokens past the request are zero (and get
+  // beta = 0 and the last token's g below, so that they change nothing).
+#pragma unroll 2
+  for (int t = warp; t < kChunk; t += kWarps) {
+    float qv[DK / 32], kv[DK / 32];
+    normalised_row<DK>(p, yq, yk, tok0 + t, t < n, qv, kv);
+#pragma unroll
+    for (int m = 0; m < DK / 32; ++m) {
+      s.q[t * LB + lane + 32 * m] = __float2bfloat16_rn(qv[m]);
+      s.k[t * LB + lane + 32 * m] = __float2bfloat16_rn(kv[m]);
+    }
+  }
+  if (threadIdx.x < kChunk) {
+    const int t = threadIdx.x;
+    const float b = t < n ? load_elem(p.b, p.b_dtype, (tok0 + t) * p.b_stride + h) : 0.f;
+    s.beta[t] = t < n ? 1.f / (1.f + expf(-b)) : 0.f;
+  }
+  if (warp == kWarps - 1) {  // inclusive scan of 64 scalars: two per lane
+    const float decay_rate = -expf(p.A_log[h]), bias = p.dt_bias[h];
+    float g0 = 0.f, g1 = 0.f;
+    if (lane < n)
+      g0 = decay_rate * softplus(load_elem(p.a, p.a_dtype, (tok0 + lane) * p.a_stride + h) + bias);
+    if (lane + 32 < n)
+      g1 = decay_rate *
+           softplus(load_elem(p.a, p.a_dtype, (tok0 + lane + 32) * p.a_stride + h) + bias);
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float x0 = __shfl_up_sync(0xffffffffu, g0, o), x1 = __shfl_up_sync(0xffffffffu, g1, o);
+      if (lane >= o) {
+        g0 += x0;
+        g1 += x1;
+      }
+    }
+    g1 += __shfl_sync(0xffffffffu, g0, 31);
+    const float gl = __shfl_sync(0xffffffffu, g1, 31);
+    s.g[lane] = g0;
+    s.g[lane + 32] = g1;
+    s.eg[lane] = expf(g0);
+    s.eg[lane + 32] = expf(g1);
+    s.egl[lane] = expf(gl - g0);
+    s.egl[lane + 32] = expf(gl - g1);
+  }
+  __syncthreads();
+
+  char* unit = ws + L.units_off + (static_cast<int64_t>(slot) * hv + h) * L.unit_bytes;
+  bf16* W = reinterpret_cast<bf16*>(unit + L.w_off);
+  bf16* Qd = reinterpret_cast<bf16*>(unit + L.qd_off);
+  bf16* KlT = reinterpret_cast<bf16*>(unit + L.klt_off);
+  bf16* Mqk = reinterpret_cast<bf16*>(unit + L.m_off);
+  float* U = reinterpret_cast<float*>(unit + L.u_off);
+  float* el = reinterpret_cast<float*>(unit + L.el_off);
+
+  // kk (strictly lower, times beta, transposed) to shared memory; qk (lower, zero above) to Mqk.
+  {
+    const int m0 = 16 * (warp & 3), n0 = 32 * (warp >> 2);
+    float akk[4][4] = {}, aqk[4][4] = {};
+#pragma unroll
+    for (int k0 = 0; k0 < DK; k0 += 16) {
+      uint32_t ak[4], aq[4];
+      frag_a(ak, s.k, LB, m0, k0);
+      frag_a(aq, s.q, LB, m0, k0);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        uint32_t b0, b1;
+        frag_b(b0, b1, s.k, LB, n0 + 8 * nt, k0);
+        mma_16816<bf16>(akk[nt], ak, b0, b1);
+        mma_16816<bf16>(aqk[nt], aq, b0, b1);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      float d[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = acc_row(m0, e), i = acc_col(n0 + 8 * nt, e);
+        d[e] = i <= t ? expf(s.g[t] - s.g[i]) : 0.f;
+        s.kk[i * LC + t] = i < t ? s.beta[t] * akk[nt][e] * d[e] : 0.f;
+      }
+      const int t = acc_row(m0, 0), i = acc_col(n0 + 8 * nt, 0);
+      store_bf16x2(&Mqk[t * kChunk + i], aqk[nt][0] * d[0], aqk[nt][1] * d[1]);
+      store_bf16x2(&Mqk[(t + 8) * kChunk + i], aqk[nt][2] * d[2], aqk[nt][3] * d[3]);
+    }
+  }
+  // The state pass's operands that do not need X: Qd = e^G (.) Q, KlT = (e^{G_last - G} (.) K)^T
+  // (2 x 2 blocks per thread; eight lanes cover 16 tokens of one channel pair), el = e^{G_last}.
+  for (int e = threadIdx.x; e < kChunk * DK / 2; e += kThreads) {
+    const int t = e / (DK / 2), c = 2 * (e % (DK / 2));
+    const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.q[t * LB + c]));
+    store_bf16x2(&Qd[t * DK + c], s.eg[t] * qv.x, s.eg[t] * qv.y);
+  }
+  for (int e = threadIdx.x; e < kChunk * DK / 4; e += kThreads) {
+    const int i = 2 * ((e & 7) + 8 * ((e >> 5) % (kChunk / 16)));
+    const int c = 2 * (((e >> 3) & 3) + 4 * ((e >> 5) / (kChunk / 16)));
+    const float2 k0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.k[i * LB + c]));
+    const float2 k1 =
+        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.k[(i + 1) * LB + c]));
+    store_bf16x2(&KlT[c * kChunk + i], s.egl[i] * k0.x, s.egl[i + 1] * k1.x);
+    store_bf16x2(&KlT[(c + 1) * kChunk + i], s.egl[i] * k0.y, s.egl[i + 1] * k1.y);
+  }
+  for (int c = threadIdx.x; c < DK; c += kThreads) el[c] = s.eg[kChunk - 1];
+  __syncthreads();  // kk is in
+
+  // Forward substitution as in the KDA prep: X_t = beta_t X0_t - sum_{i<t} (beta_t kk[t][i]) X_i,
+  // one column per thread, 16 rows at a time in registers; the finished rows of earlier blocks are
+  // read back from shared memory (each thread its own column, so no barrier), kk^T as float4
+  // broadcasts.
+  constexpr int LX = DK + DV;
+  for (int col = threadIdx.x; col < DK + DV; col += kThreads) {
+#pragma unroll 1
+    for (int blk = 0; blk < kChunk / 16; ++blk) {
+      const int t0 = 16 * blk;
+      float x[16];
+      if (col < DK) {
+#pragma unroll
+        for (int tl = 0; tl < 16; ++tl) {
+          const int t = t0 + tl;
+          x[tl] = s.beta[t] * s.eg[t] * __bfloat162float(s.k[t * LB + col]);
+        }
+      } else {
+#pragma unroll
+        for (int tl = 0; tl < 16; ++tl) {
+          const int t = t0 + tl;
+          x[tl] = t < n ? s.beta[t] * yv[(tok0 + t) * ldy + col - DK] : 0.f;
+        }
+      }
+#pragma unroll 2
+      for (int i = 0; i < t0; ++i) {
+        const float xi = s.x[i * LX + col];
+        const float4* a = reinterpret_cast<const float4*>(&s.kk[i * LC + t0]);
+#pragma unroll
+        for (int q4 = 0; q4 < 4; ++q4) {
+          const float4 v = a[q4];
+          x[4 * q4] -= v.x * xi;
+          x[4 * q4 + 1] -= v.y * xi;
+          x[4 * q4 + 2] -= v.z * xi;
+          x[4 * q4 + 3] -= v.w * xi;
+        }
+      }
+#pragma unroll
+      for (int il = 0; il < 15; ++il) {
+        const float xi = x[il];
+        const float4* a = reinterpret_cast<const float4*>(&s.kk[(t0 + il) * LC + t0]);
+#pragma unroll
+        for (int q4 = il / 4; q4 < 4; ++q4) {
+          const float4 v = a[q4];
+          const float w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (4 * q4 + e > il) x[4 * q4 + e] -= w[e] * xi;
+          }
+        }
+      }
+#pragma unroll
+      for (int tl = 0; tl < 16; ++tl) {
+        const int t = t0 + tl;
+        if (t < kChunk - 16) s.x[t * LX + col] = x[tl];
+        if (col < DK) {
+          W[t * DK + col] = __float2bfloat16_rn(x[tl]);
+        } else {
+          U[t * DV + col - DK] = x[tl];
+        }
+      }
+    }
+  }
 }
 
 // ---- 3. state pass ----------------------------------------------------------------------------
@@ -633,9 +803,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 template <int DK, int DV, bool KDA>
 cudaError_t run_chunked(const DeltaParams& p, const Layout& L, char* ws, cudaStream_t stream) {
-  auto prep = delta_prep_kernel<DK, DV, KDA>;
+  auto prep = KDA ? kda_prep_kernel<DK, DV> : gdn_prep_kernel<DK, DV>;
   auto pass = delta_pass_kernel<DK, DV>;
-  constexpr int prep_smem = sizeof(PrepSmem<DK, DV>), pass_smem = sizeof(PassSmem<DK>);
+  constexpr int prep_smem = KDA ? sizeof(KdaPrepSmem<DK, DV>) : sizeof(GdnPrepSmem<DK, DV>);
+  constexpr int pass_smem = sizeof(PassSmem<DK>);
   cudaError_t err =
       cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, prep_smem);
   if (err != cudaSuccess) return err;
