@@ -418,12 +418,12 @@ struct GdnPrepSmem {
   static constexpr int LB = DK + 8;      // bf16 MMA operand rows
   static constexpr int LC = kChunk + 4;  // kk^T rows: 16-byte aligned for float4 broadcasts
   bf16 q[kChunk * LB], k[kChunk * LB];   // normalised (q scaled)
-  float kk[kChunk * LC];                 // kk[i][t] = beta_t e^{g_t - g_i} k_t . k_i for i < t, else 0
-  float x[(kChunk - 16) * (DK + DV)];   // the substitution's finished rows 0..47
-  float g[kChunk];                       // cumulative log decay
+  float kk[kChunk * LC];  // kk[i][t] = beta_t e^{g_t - g_i} k_t . k_i for i < t, else 0
+  float x[(kChunk - 16) * (DK + DV)];  // the substitution's finished rows 0..47
+  float g[kChunk];                     // cumulative log decay
   float beta[kChunk];
-  float eg[kChunk];                      // e^{g_t}
-  float egl[kChunk];                     // e^{g_last - g_t}
+  float eg[kChunk];   // e^{g_t}
+  float egl[kChunk];  // e^{g_last - g_t}
 };
 
 template <int DK, int DV>
@@ -538,7 +538,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   // (2 x 2 blocks per thread; eight lanes cover 16 tokens of one channel pair), el = e^{G_last}.
   for (int e = threadIdx.x; e < kChunk * DK / 2; e += kThreads) {
     const int t = e / (DK / 2), c = 2 * (e % (DK / 2));
-    const float2 qv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.q[t * LB + c]));
+    const float2 qv =
+        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.q[t * LB + c]));
     store_bf16x2(&Qd[t * DK + c], s.eg[t] * qv.x, s.eg[t] * qv.y);
   }
   for (int e = threadIdx.x; e < kChunk * DK / 4; e += kThreads) {
