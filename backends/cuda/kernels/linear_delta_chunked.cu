@@ -545,7 +545,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int e = threadIdx.x; e < kChunk * DK / 4; e += kThreads) {
     const int i = 2 * ((e & 7) + 8 * ((e >> 5) % (kChunk / 16)));
     const int c = 2 * (((e >> 3) & 3) + 4 * ((e >> 5) / (kChunk / 16)));
-    const float2 k0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.k[i * LB + c]));
+    const float2 k0 =
+        __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.k[i * LB + c]));
     const float2 k1 =
         __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&s.k[(i + 1) * LB + c]));
     store_bf16x2(&KlT[c * kChunk + i], s.egl[i] * k0.x, s.egl[i + 1] * k1.x);
