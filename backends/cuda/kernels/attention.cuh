@@ -9,7 +9,10 @@
 // softmax states through shared memory at the end (WPR = 4); the decode32 (32 rows, WPR = 4) and
 // verify (64 rows, WPR = 2 for 16-bit KV) CTAs hold all the (draft token, head) rows of one request
 // and KV head, so the request's K/V is streamed once, while each warp's share of a tile stays
-// small (16 rows by 16 or 32 keys) and two CTAs fit an SM. Only tiles that reach draft keys, the split's end or a window's edge evaluate the mask.
+// small (16 rows by 16 or 32 keys) and two CTAs fit an SM. Only tiles that reach draft keys, the
+// split's end or a window's edge evaluate the mask. The softmax folds the scale into one FFMA per
+// logit before a single MUFU ex2 and skips the O rescale when no row maximum of the warp moved:
+// at these row counts the per-tile softmax work, not the MMAs, sets a verify CTA's pace.
 //
 // fp8 KV stays fp8 in shared memory (half the bytes per stage, so twice the stages in flight) and
 // is dequantised in registers right before each MMA: K is read with a permuted head-dim order
@@ -353,7 +356,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
       }
     }
 
-    // Logits in log2 units, masked.
+    // Logits, masked. The scale into log2 units rides in the exponent's FFMA below (sl); a softcap
+    // is applied first and leaves its result in log2 units (sl = 1). The scale is positive, so
+    // the row maximum of the unscaled logits times sl is the maximum in log2 units.
+    const bool softcap = p.softcap > 0.f;
+    const float sl = softcap ? 1.f : scale_log2;
     const bool need_mask =
         kw0 + KW > kr.hi ||
         (p.causal && (p.tree ? kw0 + KW > req.prefix : kw0 + KW - 1 > req.prefix + t_first)) ||
@@ -363,11 +370,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[nb][e];
-        if (p.softcap > 0.f) {
-          x = p.softcap * tanhf(x * softmax_scale / p.softcap) * 1.4426950408889634f;
-        } else {
-          x *= scale_log2;
-        }
+        if (softcap) x = p.softcap * tanhf(x * softmax_scale / p.softcap) * 1.4426950408889634f;
         if (need_mask) {
           const int h = e >> 1;
           const int j = kw0 + nb * 8 + 2 * c4 + (e & 1);
@@ -391,8 +394,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
       }
     }
 
-    // Online softmax (rows g and g + 8; the four lanes of a quad share a row).
+    // Online softmax (rows g and g + 8; the four lanes of a quad share a row); m in log2 units,
+    // p = 2^(x * sl - m): one FFMA and one MUFU per logit. The O rescale is skipped when no row
+    // maximum of the warp moved (alpha is then exactly 1, or 0 for a row that has seen no visible
+    // key yet, whose O is still 0).
     float alpha[2];
+    bool moved = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = -INFINITY;
@@ -400,25 +407,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
       for (int nb = 0; nb < KW / 8; ++nb) mx = fmaxf(mx, fmaxf(s[nb][2 * h], s[nb][2 * h + 1]));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      const float m_new = fmaxf(m[h], mx);
+      const float m_new = fmaxf(m[h], mx * sl);
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[h] = exp2f(m[h] - m_use);
+      moved = moved || m_new != m[h];
+      alpha[h] = fast_exp2(m[h] - m_use);
       m[h] = m_new;
       float sum = 0.f;
 #pragma unroll
       for (int nb = 0; nb < KW / 8; ++nb) {
-        s[nb][2 * h] = exp2f(s[nb][2 * h] - m_use);
-        s[nb][2 * h + 1] = exp2f(s[nb][2 * h + 1] - m_use);
+        s[nb][2 * h] = fast_exp2(fmaf(s[nb][2 * h], sl, -m_use));
+        s[nb][2 * h + 1] = fast_exp2(fmaf(s[nb][2 * h + 1], sl, -m_use));
         sum += s[nb][2 * h] + s[nb][2 * h + 1];
       }
       l[h] = l[h] * alpha[h] + sum;
     }
+    if (__any_sync(0xffffffff, moved)) {
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      o[i][0] *= alpha[0];
-      o[i][1] *= alpha[0];
-      o[i][2] *= alpha[1];
-      o[i][3] *= alpha[1];
+      for (int i = 0; i < D / 8; ++i) {
+        o[i][0] *= alpha[0];
+        o[i][1] *= alpha[0];
+        o[i][2] *= alpha[1];
+        o[i][3] *= alpha[1];
+      }
     }
 
     // O += P V: P (accumulator layout) becomes the A operand 16 keys at a time.

@@ -38,12 +38,6 @@
 
 namespace attnrt::cuda {
 
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // D: head dim; WG: warpgroups per CTA; BN: keys per tile; STAGES: K/V tiles resident;
 // MIN_CTAS: CTAs per SM the register cap must allow.
 template <int D, int WG, int BN, int STAGES, int MIN_CTAS>

@@ -10,6 +10,14 @@
 
 namespace attnrt::cuda {
 
+// 2^x in one MUFU (subnormal results flush to zero: a softmax weight below 2^-126 of the row
+// maximum's adds nothing to the sums).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
