@@ -36,7 +36,7 @@
 namespace attnrt::cuda {
 
 template <int D, int WARPS, int ROWS, int BN, bool FP8, int STAGES = 2, int MIN_BLOCKS = 0,
-          bool Q_RELOAD = false>
+          bool Q_RELOAD = false, bool RING = false>
 struct AttnConfig {
   static constexpr int kHeadDim = D;
   static constexpr int kWarps = WARPS;
@@ -50,6 +50,9 @@ struct AttnConfig {
   static constexpr int kMinBlocks = MIN_BLOCKS;
   // Q fragments re-read from shared memory every tile instead of held in registers (16-bit KV).
   static constexpr bool kQReload = Q_RELOAD && !FP8;
+  // One CTA-wide barrier per tile (the prefill kernel's ring): the loads of tile it + STAGES - 1
+  // are issued after the barrier that ends every warp's use of the stage they overwrite.
+  static constexpr bool kRing = RING;
   static constexpr int kRowGroups = ROWS / 16;
   static constexpr int kWpr = WARPS / kRowGroups;  // warps sharing a row group
   static constexpr int kKW = BN / kWpr;            // keys of a tile per warp
@@ -270,16 +273,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   for (int it = 0; it < num_tiles; ++it) {
     const int stage = it % ST;
     const int kb = kr.lo + it * BN;
-    if (it + ST - 1 < num_tiles) load_tile(it + ST - 1);
-    cp_async_commit();
+    if constexpr (!Cfg::kRing) {
+      if (it + ST - 1 < num_tiles) load_tile(it + ST - 1);
+      cp_async_commit();
+    }
     // Page ids of tile it + ST: loaded now, stored as slots after this tile's math (the load
     // latency hides behind it), read after the barrier that ends this iteration.
     const bool prefetch = it + ST < num_tiles && tid < BN;
     const int pf_j = kb + ST * BN + tid;
     int32_t pf_page = 0;
     if (prefetch && pf_j < kr.hi) pf_page = page_id(p, req, pf_j >> p.page_shift);
-    cp_async_wait<ST - 1>();
-    __syncthreads();
+    if constexpr (Cfg::kRing) {
+      // Tile `it` is group `it` of ST - 1 + it committed groups. After the barrier every warp is
+      // done with tile it - 1, whose stage the load of tile it + ST - 1 overwrites, and with the
+      // load of tile it (issued in iteration it - ST + 1), whose slots this iteration's prefetch
+      // overwrites.
+      cp_async_wait<ST - 2>();
+      __syncthreads();
+      if (it + ST - 1 < num_tiles) load_tile(it + ST - 1);
+      cp_async_commit();
+    } else {
+      cp_async_wait<ST - 1>();
+      __syncthreads();
+    }
     if (it == 0) {
       if constexpr (FP8) {
         // A fragments in the permuted head-dim order of the fp8 K reads: logical k-step kk of
@@ -474,9 +490,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
     if (prefetch) {
       sSlot[((it + ST) % ST) * BN + tid] = pf_j < kr.hi ? slot_of_page(pf_page, pf_j) : -1;
     }
-    __syncthreads();
+    if constexpr (!Cfg::kRing) __syncthreads();
   }
   cp_async_wait<0>();
+  // The ring's last tile may still be read by other warps; the merge below reuses its stages.
+  if constexpr (Cfg::kRing && Cfg::kWpr > 1) __syncthreads();
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

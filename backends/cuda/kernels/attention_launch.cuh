@@ -41,12 +41,14 @@ int occupancy_cfg() {
 // the decode CTA, 8 warps (4 at head dim 256) sharing each K/V tile, so the tile is read once;
 // registers capped at 128 (Q fragments re-read from shared memory) so that two CTAs fit an SM.
 // Verify: 64 rows (all draft tokens x heads of a group); 16-bit KV at head dims <= 128: four row
-// groups of two warps that split the 64-key tile, 128 registers, two CTAs per SM; otherwise one
-// 16-row slice per warp. 16-bit KV runs two stages; fp8 KV, dequantised in registers, runs four
-// stages in the same shared memory (as many bytes in flight). Prefill: 128 rows over 8 warps,
-// 64-key tiles (32 at head dim 256). (H200, 64 x 4096 prefix, group 4: the 32-row chain took
-// 0.364 ms as decode32, 0.433 ms as 4 warps of 32 keys, 0.596 ms on two decode CTAs; the 64-row
-// tree 0.518 ms as two-warp row groups, 0.682 ms as one CTA of 16 warps, 0.807 ms as 4 warps.)
+// groups of two warps that split the 64-key tile, 128 registers, two CTAs per SM, one barrier per
+// tile (the next tile's loads issued after it); otherwise one 16-row slice per warp. 16-bit KV
+// runs two stages; fp8 KV, dequantised in registers, runs four stages in the same shared memory
+// (as many bytes in flight). Prefill: 128 rows over 8 warps, 64-key tiles (32 at head dim 256).
+// (H200, 64 x 4096 prefix, group 4: the 32-row chain took 0.364 ms as decode32, 0.433 ms as 4
+// warps of 32 keys, 0.596 ms on two decode CTAs; the 64-row tree 0.518 ms as two-warp row groups,
+// 0.682 ms as one CTA of 16 warps, 0.807 ms as 4 warps; later 0.478 -> 0.467 ms with the one
+// barrier per tile.)
 template <int D, bool FP8>
 using DecodeCfg = std::conditional_t<(D > 128), AttnConfig<D, 2, 16, 32, FP8, FP8 ? 4 : 2>,
                                      AttnConfig<D, 4, 16, 64, FP8, FP8 ? 4 : 2>>;
@@ -54,7 +56,8 @@ template <int D, bool FP8>
 using Decode32Cfg = std::conditional_t<(D > 128), AttnConfig<D, 4, 32, 32, FP8, FP8 ? 4 : 2>,
                                        AttnConfig<D, 8, 32, 64, FP8, FP8 ? 4 : 2, 2, true>>;
 template <int D, bool FP8>
-using VerifyCfg = std::conditional_t<(D <= 128 && !FP8), AttnConfig<D, 8, 64, 64, false, 2, 2, true>,
+using VerifyCfg = std::conditional_t<(D <= 128 && !FP8),
+                                     AttnConfig<D, 8, 64, 64, false, 2, 2, true, true>,
                                      AttnConfig<D, 4, 64, (D > 128 ? 32 : 64), FP8, FP8 ? 4 : 2>>;
 template <int D, bool FP8>
 using PrefillCfg = AttnConfig<D, 8, 128, (D > 128 ? 32 : 64), FP8>;
