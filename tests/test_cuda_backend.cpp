@@ -20,6 +20,8 @@
 #include "attnrt/memory/req_to_token_pool.h"
 #include "backends/reference/reference_backend.h"
 
+#include "tests/test_cuda_util.h"
+
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
 
@@ -30,12 +32,9 @@
 namespace attnrt {
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                                        \
-  do {                                                                            \
-    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
-  } while (0)
-
 #ifdef ATTNRT_HAS_CUDA
+
+using test::DevTensor;
 
 struct Case {
   ForwardMode mode = ForwardMode::DECODE;
@@ -51,30 +50,6 @@ struct Case {
   bool host_cache = false;    // the backend mirrors a host KV cache
   bool deterministic = false;
   uint32_t seed = 1;
-};
-
-// Device copy of a host tensor (freed by the owner).
-struct DevTensor {
-  void* ptr = nullptr;
-  TensorView view;
-  DevTensor() = default;
-  explicit DevTensor(const TensorView& host) {
-    const size_t bytes = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
-    EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(ptr, host.data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    view = host;
-    view.data = ptr;
-    view.device = Device::cuda(0);
-  }
-  ~DevTensor() {
-    if (ptr) cudaFree(ptr);
-  }
-  DevTensor(const DevTensor&) = delete;
-  DevTensor& operator=(const DevTensor&) = delete;
-  void download(const TensorView& host) const {
-    const size_t bytes = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
-    EXPECT_EQ(cudaMemcpy(host.data, ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-  }
 };
 
 void fill_random(const TensorView& t, std::mt19937& rng, float amp) {

@@ -19,6 +19,8 @@
 #include "attnrt/sim/trace.h"
 #include "attnrt/testing/conformance.h"
 
+#include "tests/test_cuda_util.h"
+
 #ifdef ATTNRT_HAS_CUDA
 #include "backends/cuda/cuda_kv_cache.h"
 #endif
@@ -27,11 +29,6 @@ namespace attnrt {
 namespace {
 
 using namespace attnrt::conformance;
-
-#define SKIP_WITHOUT_GPU()                                                                       \
-  do {                                                                                           \
-    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
-  } while (0)
 
 LayerSpec attn(int hq, int hkv, int d, int dv) {
   LayerSpec l;

@@ -30,6 +30,9 @@
 #include "attnrt/sim/trace.h"
 #include "backends/reference/reference_backend.h"
 
+#include "tests/test_cuda_util.h"
+#include "tests/test_util.h"
+
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
 
@@ -39,18 +42,6 @@
 
 namespace attnrt {
 namespace {
-
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const std::string& f : fragments)
-      EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
-    return;
-  }
-  ADD_FAILURE() << "no attnrt::Error thrown; expected one mentioning '" << fragments.front() << "'";
-}
 
 LayerSpec layer(int id, int hq, int hkv, int dim) {
   LayerSpec l;
@@ -98,9 +89,9 @@ TEST(CudaGraphsOff, HostBackendsSayWhyAndRefuseGraphSteps) {
   EXPECT_TRUE(rt.cuda_graph_batch_sizes().empty());
   const ForwardBatch b = one_decode(rt);
   EXPECT_EQ(rt.cuda_graph_bucket(b), 0);
-  expect_error([&] { rt.forward_step_graph(b); },
+  test::expect_error([&] { rt.forward_step_graph(b); },
                {"cannot run as a CUDA graph", "CUDA graphs are off", "begin_step"});
-  expect_error([&] { rt.graph_io(0, 1); }, {"graph_io(layer 0)", "CUDA graphs are off"});
+  test::expect_error([&] { rt.graph_io(0, 1); }, {"graph_io(layer 0)", "CUDA graphs are off"});
   EXPECT_EQ(rt.cuda_graphs_captured(), 0);
   rt.synchronize();  // nothing to wait for on the host
 
@@ -117,14 +108,14 @@ TEST(CudaGraphsOff, BadGraphConfigIsRejected) {
   c.max_requests = 8;
   c.kv_slots = 64;
   c.cuda_graph_batch_sizes = {4, 2};
-  expect_error([&] { AttentionRuntime rt(small_model(DType::f32), o, c); },
+  test::expect_error([&] { AttentionRuntime rt(small_model(DType::f32), o, c); },
                {"cuda_graph_batch_sizes[1] = 2", "must increase"});
   c.cuda_graph_batch_sizes = {1, 16};
-  expect_error([&] { AttentionRuntime rt(small_model(DType::f32), o, c); },
+  test::expect_error([&] { AttentionRuntime rt(small_model(DType::f32), o, c); },
                {"cuda_graph_batch_sizes[1] = 16", "max_requests = 8"});
   c.cuda_graph_batch_sizes.clear();
   c.cuda_graph_max_bs = 0;
-  expect_error([&] { AttentionRuntime rt(small_model(DType::f32), o, c); },
+  test::expect_error([&] { AttentionRuntime rt(small_model(DType::f32), o, c); },
                {"cuda_graph_max_bs = 0", ">= 1"});
 }
 
@@ -141,7 +132,7 @@ TEST(CudaGraphsOff, CopyTensorOnTheHost) {
   rt.copy_tensor(TensorView(dst.data(), DType::f32, {2, 3, 4}),
                  TensorView(src.data(), DType::f32, {2, 3, 4}));
   EXPECT_EQ(dst, src);
-  expect_error(
+  test::expect_error(
       [&] {
         rt.copy_tensor(TensorView(dst.data(), DType::f32, {2, 3, 3}),
                        TensorView(src.data(), DType::f32, {2, 3, 4}));
@@ -150,11 +141,6 @@ TEST(CudaGraphsOff, CopyTensorOnTheHost) {
 }
 
 #ifdef ATTNRT_HAS_CUDA
-
-#define SKIP_WITHOUT_GPU()                                                                      \
-  do {                                                                                          \
-    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
-  } while (0)
 
 void fill_random(const TensorView& t, std::mt19937& rng, float amp) {
   std::uniform_real_distribution<float> u(-amp, amp);
@@ -420,12 +406,12 @@ TEST_F(CudaGraphRuntime, BucketsAndMisuse) {
   ForwardBatch extend = make_extend_batch({rows_[0]}, {10}, {5});
   extend.out_cache_loc.assign(slots_[0].begin() + 10, slots_[0].begin() + 15);
   EXPECT_EQ(rt_->cuda_graph_bucket(extend), 0);
-  expect_error([&] { rt_->forward_step_graph(extend); },
+  test::expect_error([&] { rt_->forward_step_graph(extend); },
                {"EXTEND step cannot run as a CUDA graph", "DECODE and TARGET_VERIFY"});
-  expect_error([&] { rt_->graph_io(0, 9); }, {"graph_io(layer 0): 9 tokens", "hold 8"});
+  test::expect_error([&] { rt_->graph_io(0, 9); }, {"graph_io(layer 0): 9 tokens", "hold 8"});
   ForwardBatch bad = decode({10, 20});
   bad.req_pool_indices[1] = 7;  // never allocated
-  expect_error([&] { rt_->forward_step_graph(bad); }, {"req_pool_indices[1] = 7"});
+  test::expect_error([&] { rt_->forward_step_graph(bad); }, {"req_pool_indices[1] = 7"});
   EXPECT_EQ(rt_->cuda_graphs_captured(), 0);
 }
 
@@ -484,12 +470,12 @@ TEST(CudaKVCacheRows, MovesAndDownloadsMatchTheHostPool) {
         }
       }
     }
-    expect_error(
+    test::expect_error(
         [&] {
           gpu.copy_rows(layers, std::vector<std::pair<int64_t, int64_t>>{{0, 5}});
         },
         {"row move 0 is 0 -> 5", "dummy row"});
-    expect_error(
+    test::expect_error(
         [&] {
           gpu.download_rows(0, std::vector<int64_t>{3, 4096}, nullptr, nullptr);
         },

@@ -29,6 +29,7 @@
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/linear_state_pool.h"
+#include "tests/test_cuda_util.h"
 #include "tests/test_linear_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
@@ -42,11 +43,6 @@ namespace attnrt {
 namespace {
 
 using namespace attnrt::testing_linear;
-
-#define SKIP_WITHOUT_GPU()                                                                      \
-  do {                                                                                          \
-    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
-  } while (0)
 
 #ifdef ATTNRT_HAS_CUDA
 

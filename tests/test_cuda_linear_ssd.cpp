@@ -23,6 +23,8 @@
 #include "attnrt/core/dtype.h"
 #include "attnrt/linear/linear_math.h"
 
+#include "tests/test_cuda_util.h"
+
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
 
@@ -31,11 +33,6 @@
 
 namespace attnrt {
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                                                      \
-  do {                                                                                          \
-    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
-  } while (0)
 
 #ifdef ATTNRT_HAS_CUDA
 

@@ -24,6 +24,9 @@
 #include "attnrt/sim/scheduler.h"
 #include "backends/reference/reference_backend.h"
 
+#include "tests/test_cuda_util.h"
+#include "tests/test_util.h"
+
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
 
@@ -35,48 +38,12 @@ namespace {
 
 #ifdef ATTNRT_HAS_CUDA
 
-#define SKIP_WITHOUT_GPU()                                                                      \
-  do {                                                                                          \
-    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
-  } while (0)
-
-void expect_error(const std::function<void()>& fn, const std::vector<std::string>& fragments) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const std::string& f : fragments)
-      EXPECT_NE(msg.find(f), std::string::npos) << "missing '" << f << "' in: " << msg;
-    return;
-  }
-  ADD_FAILURE() << "no attnrt::Error thrown; expected one mentioning '" << fragments.front() << "'";
-}
+using test::DevTensor;
 
 void fill_random(const TensorView& t, std::mt19937& rng, float amp) {
   std::uniform_real_distribution<float> u(-amp, amp);
   for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, u(rng));
 }
-
-// Device copy of a host tensor.
-struct DevTensor {
-  void* ptr = nullptr;
-  TensorView view;
-  explicit DevTensor(const TensorView& host) {
-    const size_t bytes = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
-    EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(ptr, host.data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    view = host;
-    view.data = ptr;
-    view.device = Device::cuda(0);
-  }
-  ~DevTensor() { cudaFree(ptr); }
-  DevTensor(const DevTensor&) = delete;
-  DevTensor& operator=(const DevTensor&) = delete;
-  void download(const TensorView& host) const {
-    const size_t bytes = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
-    EXPECT_EQ(cudaMemcpy(host.data, ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-};
 
 LayerSpec attn_layer(int id, int hkv, int dim, int window) {
   LayerSpec l;
@@ -364,19 +331,19 @@ TEST_P(CudaSwaKVCache, StepsMatchReferenceOnTheHostSwaCache) {
               cudaSuccess);
     ForwardBatch bad = make_decode_batch({t.reqs_[b].row}, {t.reqs_[b].len()});
     bad.out_cache_loc = {released};
-    expect_error(
+    test::expect_error(
         [&] { t.gpu_->begin_step(bad); },
         {"CUDA KV cache: out_cache_loc[0] = " + std::to_string(released), "has no SWA slot"});
     bad.out_cache_loc = {t.reqs_[b].slots[3], t.reqs_[b].slots[3]};
-    expect_error([&] { t.gpu_->begin_step(bad); },
+    test::expect_error([&] { t.gpu_->begin_step(bad); },
                  {"out_cache_loc[1] = " + std::to_string(t.reqs_[b].slots[3]), "repeats"});
     const int64_t full_rows = t.host_alloc().full().pool_rows();
     bad.out_cache_loc = {full_rows};
-    expect_error([&] { t.gpu_->begin_step(bad); },
+    test::expect_error([&] { t.gpu_->begin_step(bad); },
                  {"out_cache_loc[0] = " + std::to_string(full_rows), "outside the KV pool"});
     EXPECT_EQ(t.gpu_->layer(1).step_write_loc, nullptr);
     HostBuffer k(DType::bf16, {1, 2, 128});
-    expect_error([&] { t.gpu_->store_step_kv(1, k.view(), k.view()); }, {"call begin_step"});
+    test::expect_error([&] { t.gpu_->store_step_kv(1, k.view(), k.view()); }, {"call begin_step"});
     ASSERT_EQ(cudaMemcpy(after.data(), swa.slot_map, after.size() * sizeof(int64_t),
                          cudaMemcpyDeviceToHost),
               cudaSuccess);
@@ -404,7 +371,7 @@ TEST_P(CudaSwaKVCache, StepsMatchReferenceOnTheHostSwaCache) {
   sim::copy_kv_rows(*t.host_.cache, layers, moves);
   sim::copy_kv_rows(*t.gpu_, layers, moves);
   t.check_pools("after row moves");
-  expect_error(
+  test::expect_error(
       [&] {
         t.gpu_->copy_rows(layers, std::vector<std::pair<int64_t, int64_t>>{{ds[2], released}});
       },

@@ -1,0 +1,50 @@
+// Helpers shared by the GPU test files: the skip (with the reason) where no CUDA device is usable,
+// and device copies of host tensors.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstddef>
+
+#include "attnrt/core/device.h"
+#include "attnrt/core/tensor.h"
+
+#ifdef ATTNRT_HAS_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#define SKIP_WITHOUT_GPU()                                                                      \
+  do {                                                                                          \
+    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason; \
+  } while (0)
+
+namespace attnrt::test {
+
+#ifdef ATTNRT_HAS_CUDA
+// Device copy of a host tensor, freed with this object.
+struct DevTensor {
+  void* ptr = nullptr;
+  TensorView view;
+  DevTensor() = default;
+  explicit DevTensor(const TensorView& host) {
+    const size_t bytes = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
+    EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(ptr, host.data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    view = host;
+    view.data = ptr;
+    view.device = Device::cuda(0);
+  }
+  ~DevTensor() {
+    if (ptr) cudaFree(ptr);
+  }
+  DevTensor(const DevTensor&) = delete;
+  DevTensor& operator=(const DevTensor&) = delete;
+  // Copies the device data back into `host` (same shape and dtype).
+  void download(const TensorView& host) const {
+    const size_t bytes = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
+    EXPECT_EQ(cudaMemcpy(host.data, ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+};
+#endif
+
+}  // namespace attnrt::test
