@@ -666,6 +666,30 @@ TEST(SimDriver, RunsEveryModeOnReferenceWithoutErrorOrLeak) {
   }
 }
 
+// An SWA-hybrid model (gemma3's first six layers: five sliding-window, one full) runs with its
+// sliding-window layers in a pool of --swa-full-tokens-ratio x the full slots, and says so.
+TEST(SimDriver, SwaHybridModelRunsWithItsSwaPoolRatio) {
+  Options o;
+  o.attention_backend = "reference";
+  RunConfig rc = small_config();
+  rc.layers = 6;
+  rc.swa_full_tokens_ratio = 0.5;
+  const RunReport r = run_trace(model_preset("gemma3-12b"), o, small_trace(), rc);
+  EXPECT_TRUE(r.ok()) << format_report(r);
+  EXPECT_TRUE(r.target_pool.ok) << r.target_pool.detail;
+  EXPECT_EQ(r.swa_ratio, 0.5);
+  EXPECT_NE(format_report(r).find("SWA pool 0.5 x the full slots"), std::string::npos)
+      << format_report(r);
+  EXPECT_EQ(report_to_json(r)["swa_full_tokens_ratio"].get<double>(), 0.5);
+  // A model without sliding-window layers reports none.
+  RunConfig two_layers = small_config();
+  two_layers.layers = 2;
+  const RunReport plain = run_trace(model_preset("llama3-8b"), o, small_trace(), two_layers);
+  EXPECT_TRUE(plain.ok()) << format_report(plain);
+  EXPECT_EQ(plain.swa_ratio, 0);
+  EXPECT_TRUE(report_to_json(plain)["swa_full_tokens_ratio"].is_null());
+}
+
 TEST(SimDriver, SpeculativeChainAndTreeRunVerifyAndDraftExtend) {
   for (int topk : {1, 2}) {
     SCOPED_TRACE(fmt::format("topk {}", topk));

@@ -71,23 +71,6 @@ bool caps_graphs(const std::string& backend) {
   return Registry::global().get(backend).caps.cuda_graphs;
 }
 
-// The device every chosen backend runs on, which is where the pools are built: the host when all
-// of them run there, else a CUDA device (resolve_backends guarantees one common device).
-DeviceKind pool_device(const Selection& s) {
-  bool cpu = true, cuda = true;
-  for (const std::string* name : {&s.prefill, &s.decode, &s.linear_prefill, &s.linear_decode}) {
-    if (name->empty()) continue;
-    const auto& devices = Registry::global().get(*name).caps.devices;
-    cpu = cpu && std::find(devices.begin(), devices.end(), DeviceKind::cpu) != devices.end();
-    cuda = cuda && std::find(devices.begin(), devices.end(), DeviceKind::cuda) != devices.end();
-  }
-  if (cpu) return DeviceKind::cpu;
-  ATTNRT_CHECK(cuda,
-               "backends '{}' (prefill) and '{}' (decode) share no device to hold the KV cache",
-               s.prefill, s.decode);
-  return DeviceKind::cuda;
-}
-
 KVStorage make_storage(DeviceKind device, const ModelSpec& model, const KVCacheConfig& config) {
   if (device == DeviceKind::cpu) return make_host_kv_storage(model, config);
 #if defined(ATTNRT_HAS_CUDA)
@@ -114,6 +97,21 @@ std::unique_ptr<LinearStateMemory> make_linear_memory(const KVCache& kv, const M
 
 }  // namespace
 
+DeviceKind kv_pool_device(const Selection& s) {
+  bool cpu = true, cuda = true;
+  for (const std::string* name : {&s.prefill, &s.decode, &s.linear_prefill, &s.linear_decode}) {
+    if (name->empty()) continue;
+    const auto& devices = Registry::global().get(*name).caps.devices;
+    cpu = cpu && std::find(devices.begin(), devices.end(), DeviceKind::cpu) != devices.end();
+    cuda = cuda && std::find(devices.begin(), devices.end(), DeviceKind::cuda) != devices.end();
+  }
+  if (cpu) return DeviceKind::cpu;
+  ATTNRT_CHECK(cuda,
+               "backends '{}' (prefill) and '{}' (decode) share no device to hold the KV cache",
+               s.prefill, s.decode);
+  return DeviceKind::cuda;
+}
+
 AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConfig config)
     : model_(std::move(model)), options_(std::move(options)), config_(config) {
   model_.validate();
@@ -135,7 +133,7 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
   kv.page_size = options_.page_size;
   kv.dtype = selection_.kv_dtype;
   kv.max_num_tokens = config_.max_num_tokens;
-  KVStorage storage = make_storage(pool_device(selection_), model_, kv);
+  KVStorage storage = make_storage(kv_pool_device(selection_), model_, kv);
   allocator_ = std::move(storage.allocator);
   kv_cache_ = std::move(storage.cache);
 

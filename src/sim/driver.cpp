@@ -229,6 +229,7 @@ Engine make_engine(const ModelSpec& model, const Options& options, const RunConf
   RuntimeConfig rc;
   rc.max_requests = config.scheduler.max_running_requests;
   rc.kv_slots = config.max_total_tokens;
+  rc.swa_full_tokens_ratio = config.swa_full_tokens_ratio;
   rc.max_num_tokens = max_num_tokens;
   rc.max_context_len = max_context_len;
   e.runtime = std::make_unique<AttentionRuntime>(model, options, rc);
@@ -684,6 +685,7 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   rep.notes = notes;
   rep.kv_dtype = std::string(dtype_name(sel.kv_dtype));
   rep.page_size = options.page_size;
+  rep.swa_ratio = is_swa_hybrid(model) ? config.swa_full_tokens_ratio : 0;
   rep.spec = sc.spec;
   rep.tolerance = output_tolerance(model.dtype);
   if (rc.check_every == 0) rep.check_note = "reference checks off (--check-every 0)";
@@ -1170,6 +1172,7 @@ std::string format_report(const RunReport& r) {
                        r.linear_decode_backend);
   }
   out += fmt::format(" | kv {} | page size {}", r.kv_dtype, r.page_size);
+  if (r.swa_ratio > 0) out += fmt::format(" | SWA pool {:g} x the full slots", r.swa_ratio);
   if (r.spec.enabled()) {
     out += fmt::format(
         " | speculative: {} steps, topk {}, {} draft tokens; {:.2f} drafts accepted per "
@@ -1264,6 +1267,7 @@ nlohmann::json report_to_json(const RunReport& r) {
             {"backends", {{"prefill", r.prefill_backend}, {"decode", r.decode_backend}}},
             {"kv_dtype", r.kv_dtype},
             {"page_size", r.page_size},
+            {"swa_full_tokens_ratio", r.swa_ratio > 0 ? json(r.swa_ratio) : json()},
             {"iterations", r.iterations},
             {"wall_s", r.wall_seconds},
             {"tolerance", {{"atol", r.tolerance.atol}, {"rtol", r.tolerance.rtol}}},

@@ -17,7 +17,9 @@
 #include "attnrt/backend/selection.h"
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
+#include "attnrt/memory/kv_cache.h"
 #include "attnrt/model/model_spec.h"
+#include "attnrt/runtime/attention_runtime.h"
 #include "backends/cpu/cpu_backend.h"
 #include "tools/attnrt/cli_options.h"
 #include "tools/attnrt/commands.h"
@@ -255,7 +257,8 @@ json model_json(const ModelSpec& m) {
           {"non_causal_layers", s.non_causal_layers}};
 }
 
-void print_selection(const Selection& sel, const Options& o, bool explain) {
+void print_selection(const Selection& sel, const Options& o, const ModelSpec& model,
+                     bool explain) {
   fmt::print("\nBackends for this run:\n");
   fmt::print("  prefill         {}\n", sel.prefill);
   fmt::print("  decode          {}\n", sel.decode);
@@ -265,6 +268,12 @@ void print_selection(const Selection& sel, const Options& o, bool explain) {
   }
   fmt::print("  hybrid router   {}\n", sel.hybrid() ? "yes (prefill and decode differ)" : "no");
   fmt::print("  KV cache        {}, page size {}\n", dtype_name(sel.kv_dtype), o.page_size);
+  if (is_swa_hybrid(model)) {
+    fmt::print(
+        "  SWA pool        sliding-window layers in a pool of their own in {} memory\n"
+        "                  (0.8 x the full slots unless `attnrt run --swa-full-tokens-ratio`)\n",
+        kv_pool_device(sel) == DeviceKind::cpu ? "host" : "GPU");
+  }
   if (sel.speculative()) {
     fmt::print("  speculative     topk {}, {} tokens per verify block, verify on the {} backend\n",
                sel.spec_topk, sel.spec_num_draft_tokens, o.speculative_attention_mode);
@@ -373,7 +382,7 @@ void run_info(CLI::App& cmd, const InfoArgs& args) {
     if (default_model) {
       fmt::print("  (the default model; pass --model to check the options against another)\n");
     }
-    print_selection(*selection, args.options, args.explain);
+    print_selection(*selection, args.options, *model, args.explain);
   } else {
     fmt::print(
         "\nPass --model PRESET|config.json to see which backend would serve each phase "

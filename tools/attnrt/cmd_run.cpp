@@ -147,6 +147,14 @@ void add_run_command(CLI::App& app) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str()
       ->group(sched);
+  cmd->add_option(
+         "--swa-full-tokens-ratio", args->config.swa_full_tokens_ratio,
+         "SWA-hybrid models (sliding-window and full layers, e.g. gemma3-12b): slots of the "
+         "sliding-window layers' pool per full-pool slot; admission waits for room in both pools. "
+         "Ignored for other models")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
+      ->group(sched);
   cmd->add_flag("--no-mixed-chunk", args->no_mixed_chunk,
                 "Never merge decodes into prefill steps (no MIXED steps); prefill and decode steps "
                 "alternate instead. Speculative runs never mix.")

@@ -62,6 +62,11 @@ struct GraphLayerIO {
   TensorView q, k, v, out, sinks;
 };
 
+// The device a runtime with this selection keeps its pools on (KV caches, linear state): the host
+// when every chosen backend runs there, else a CUDA device (resolve_backends guarantees one common
+// device).
+DeviceKind kv_pool_device(const Selection& s);
+
 class CudaGraphRunner;
 
 class AttentionRuntime {

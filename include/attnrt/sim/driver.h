@@ -23,6 +23,8 @@ namespace attnrt::sim {
 struct RunConfig {
   SchedulerConfig scheduler;         // page_size and spec are taken from the options
   int64_t max_total_tokens = 16384;  // usable KV slots of the target pool (the draft's too)
+  // SWA-hybrid models: slots of the sliding-window layers' pool per full-pool slot.
+  double swa_full_tokens_ratio = 0.8;
   // Steps 0, N, 2N, ... of each (model, mode) are recomputed on `reference`, so that rare modes are
   // sampled as well as frequent ones; 0 turns checking off.
   int check_every = 8;
@@ -71,6 +73,7 @@ struct RunReport {
   int64_t prompt_tokens = 0, output_tokens = 0;
   std::string prefill_backend, decode_backend, kv_dtype;
   int page_size = 1;
+  double swa_ratio = 0;  // SWA-hybrid model: its SWA pool's slots per full slot; 0 otherwise
   SpecConfig spec;
   std::vector<ModeStats> modes;  // target modes first, in ForwardMode order, then draft modes
   int iterations = 0;
