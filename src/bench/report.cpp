@@ -100,6 +100,31 @@ std::string ms(double seconds) {
   return fmt::format("{:.2f}", m);
 }
 
+// The fields an attention row and a linear row share; `shape` turns the row's workload into JSON.
+template <typename Row, typename ShapeJson>
+json row_json(const Row& row, ShapeJson shape, const Ceilings& ceilings) {
+  json x;
+  x["name"] = row.workload.name;
+  x["status"] = row.status;
+  if (!row.error.empty()) x["error"] = row.error;
+  x["standard"] = shape(row.standard);
+  x["shape"] = shape(row.workload);
+  x["scaled"] = !row.workload.scale_note.empty();
+  if (!row.workload.scale_note.empty()) x["scale_note"] = row.workload.scale_note;
+  x["counted"] = {{"bytes", row.bytes}, {"flops", row.flops}};
+  x["bound"] = row.bound == Bound::memory ? "memory" : "compute";
+  x["notes"] = row.notes;
+  if (row.check.rows_checked > 0) x["check"] = check_json(row.check);
+  if (row.time.repeats > 0) {
+    x["time_ms"] = timing_json(row.time, 1e3);
+    x["metric"] = row.metric_unit();
+    x["rate"] = row.rate;
+    x["ceiling"] = row.bound == Bound::memory ? "memory" : ceilings.compute_name();
+    x["pct_of_ceiling"] = row.pct_of_ceiling;
+  }
+  return x;
+}
+
 }  // namespace
 
 MachineInfo describe_machine() {
@@ -174,26 +199,8 @@ json to_json(const BenchResult& r, const RunInfo& info) {
                    {"compute", r.ceilings.compute_name()}};
   json rows = json::array();
   for (const RowResult& row : r.rows) {
-    json x;
-    x["name"] = row.workload.name;
-    x["status"] = row.status;
-    if (!row.error.empty()) x["error"] = row.error;
-    x["standard"] = shape_json(row.standard);
-    x["shape"] = shape_json(row.workload);
-    x["scaled"] = !row.workload.scale_note.empty();
-    if (!row.workload.scale_note.empty()) x["scale_note"] = row.workload.scale_note;
-    x["counted"] = {{"bytes", row.bytes}, {"flops", row.flops}};
-    x["bound"] = row.bound == Bound::memory ? "memory" : "compute";
-    x["notes"] = row.notes;
-    if (row.check.rows_checked > 0) x["check"] = check_json(row.check);
-    if (row.time.repeats > 0) {
-      x["time_ms"] = timing_json(row.time, 1e3);
-      x["plan_us"] = timing_json(row.plan, 1e6);
-      x["metric"] = row.metric_unit();
-      x["rate"] = row.rate;
-      x["ceiling"] = row.bound == Bound::memory ? "memory" : r.ceilings.compute_name();
-      x["pct_of_ceiling"] = row.pct_of_ceiling;
-    }
+    json x = row_json(row, shape_json, r.ceilings);
+    if (row.time.repeats > 0) x["plan_us"] = timing_json(row.plan, 1e6);
     if (row.decode_workload) {
       x["decode"] = {{"shape", shape_json(*row.decode_workload)},
                      {"time_ms", timing_json(row.decode_time, 1e3)},
@@ -213,27 +220,9 @@ json to_json(const BenchResult& r, const RunInfo& info) {
   }
   // Linear-attention rows share the array, marked by "suite" (their SHAPE differs).
   for (const LinearRowResult& row : r.linear_rows) {
-    json x;
-    x["name"] = row.workload.name;
+    json x = row_json(row, linear_shape_json, r.ceilings);
     x["suite"] = "linear";
-    x["status"] = row.status;
-    if (!row.error.empty()) x["error"] = row.error;
-    x["standard"] = linear_shape_json(row.standard);
-    x["shape"] = linear_shape_json(row.workload);
-    x["scaled"] = !row.workload.scale_note.empty();
-    if (!row.workload.scale_note.empty()) x["scale_note"] = row.workload.scale_note;
-    x["counted"] = {{"bytes", row.bytes}, {"flops", row.flops}};
-    x["bound"] = row.bound == Bound::memory ? "memory" : "compute";
-    x["notes"] = row.notes;
-    if (row.check.rows_checked > 0) x["check"] = check_json(row.check);
-    if (row.time.repeats > 0) {
-      x["time_ms"] = timing_json(row.time, 1e3);
-      x["metric"] = row.metric_unit();
-      x["rate"] = row.rate;
-      x["ceiling"] = row.bound == Bound::memory ? "memory" : r.ceilings.compute_name();
-      x["pct_of_ceiling"] = row.pct_of_ceiling;
-      x["tokens_per_s"] = row.tokens_per_second;
-    }
+    if (row.time.repeats > 0) x["tokens_per_s"] = row.tokens_per_second;
     rows.push_back(std::move(x));
   }
   j["rows"] = std::move(rows);
