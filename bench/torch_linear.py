@@ -40,7 +40,8 @@ import statistics
 import sys
 import warnings
 
-from bench_util import llc_bytes, read_attnrt_report, time_calls
+from bench_util import (add_row_args, check_row_args, llc_bytes, read_attnrt_report, time_calls,
+                        timing_ms)
 
 DECODE_PREFIX = 16
 GDN = dict(model="qwen3-next-80b", num_k_heads=16, num_v_heads=32, head_k_dim=128,
@@ -287,12 +288,6 @@ def run_row(torch, F, fns, row, args, flush):
         notes.append("state starts random (attnrt builds it from 16 tokens)")
     med = statistics.median(samples)
 
-    def quantile(f):
-        pos = f * (len(samples) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(samples) - 1)
-        return samples[lo] + (samples[hi] - samples[lo]) * (pos - lo)
-
     nbytes, flops = counted(row)
     memory = row["mode"] == "decode"
     return {
@@ -300,9 +295,7 @@ def run_row(torch, F, fns, row, args, flush):
         "suite": "linear",
         "shape": {k: row[k] for k in SHAPE_KEYS},
         "functions": used,
-        "time_ms": {"median": med * 1e3, "min": samples[0] * 1e3, "max": samples[-1] * 1e3,
-                    "p10": quantile(0.1) * 1e3, "p90": quantile(0.9) * 1e3,
-                    "repeats": len(samples)},
+        "time_ms": timing_ms(samples),
         "counted": {"bytes": nbytes, "flops": flops},
         "metric": "GB/s" if memory else "GFLOP/s",
         "rate": (nbytes if memory else flops) / med / 1e9,
@@ -316,24 +309,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])
-    ap.add_argument("--from", dest="source", help="attnrt bench JSON whose linear rows to run")
-    ap.add_argument("--workload", default="all",
-                    help="all, a mode (decode, extend), a kind (gdn, kda, mamba2) or row names, "
-                         "comma-separated")
-    ap.add_argument("--scale", type=float, default=1.0,
-                    help="without --from: shrink batch and tokens as attnrt bench --scale does")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads; 0 = ATTNRT_NUM_THREADS, else every core")
-    ap.add_argument("--seed", type=int, default=1)
+    add_row_args(ap, from_help="attnrt bench JSON whose linear rows to run",
+                 workload_help="all, a mode (decode, extend), a kind (gdn, kda, mamba2) or row "
+                               "names, comma-separated",
+                 scale_help="without --from: shrink batch and tokens as attnrt bench --scale does")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--json", help="write the rows as JSON (for bench/compare.py)")
     args = ap.parse_args()
-    if not 0 < args.scale <= 1:
-        ap.error(f"--scale {args.scale} is out of range: use a factor in (0, 1]")
-    if args.repeats < 1:
-        ap.error(f"--repeats {args.repeats} is invalid: use at least 1")
+    check_row_args(ap, args)
 
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     try:

@@ -37,7 +37,8 @@ import statistics
 import sys
 import warnings
 
-from bench_util import llc_bytes, read_attnrt_report, time_calls
+from bench_util import (add_row_args, check_row_args, llc_bytes, read_attnrt_report, time_calls,
+                        timing_ms)
 
 STANDARD = [
     # (name, kind, batch, prefix_len, new_tokens, head_dim, page_size, kv_dtype, topk)
@@ -221,12 +222,6 @@ def run_row(torch, F, row, args, flush):
         samples = time_calls(torch, call, "cpu", args.warmup, args.repeats, flush)
     del q, k, v, mask
 
-    def quantile(f):
-        pos = f * (len(samples) - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(samples) - 1)
-        return samples[lo] + (samples[hi] - samples[lo]) * (pos - lo)
-
     unit, amount = counted(row)
     med = statistics.median(samples)
     notes = []
@@ -241,9 +236,7 @@ def run_row(torch, F, row, args, flush):
         "shape": {key: row[key] for key in ("kind", "batch", "prefix_len", "new_tokens",
                                             "head_dim", "page_size", "kv_dtype", "q_heads",
                                             "kv_heads")},
-        "time_ms": {"median": med * 1e3, "min": samples[0] * 1e3, "max": samples[-1] * 1e3,
-                    "p10": quantile(0.1) * 1e3, "p90": quantile(0.9) * 1e3,
-                    "repeats": len(samples)},
+        "time_ms": timing_ms(samples),
         "metric": unit,
         "rate": amount / med / 1e9,
         "status": "ok",
@@ -256,16 +249,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n", 2)[2])
-    ap.add_argument("--from", dest="source", help="attnrt bench JSON whose row shapes to run")
-    ap.add_argument("--workload", default="all",
-                    help="all, a kind (decode, prefill, extend, verify) or row names, comma-separated")
-    ap.add_argument("--scale", type=float, default=1.0,
-                    help="without --from: shrink batch and lengths as attnrt bench --scale does")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=0,
-                    help="torch threads; 0 = ATTNRT_NUM_THREADS, else every core")
-    ap.add_argument("--seed", type=int, default=1)
+    add_row_args(ap, from_help="attnrt bench JSON whose row shapes to run",
+                 workload_help="all, a kind (decode, prefill, extend, verify) or row names, "
+                               "comma-separated",
+                 scale_help="without --from: shrink batch and lengths as attnrt bench --scale does")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                     help="where to run: cpu (SDPA) or cuda (the kernels of --kernels)")
     ap.add_argument("--kernels", default="flash,cudnn,flex",
@@ -276,10 +263,7 @@ def main():
     unknown = [x for x in args.kernels if x not in ("flash", "cudnn", "flex")]
     if unknown:
         ap.error(f"--kernels: unknown {', '.join(unknown)}; use flash, cudnn and/or flex")
-    if not 0 < args.scale <= 1:
-        ap.error(f"--scale {args.scale} is out of range: use a factor in (0, 1]")
-    if args.repeats < 1:
-        ap.error(f"--repeats {args.repeats} is invalid: use at least 1")
+    check_row_args(ap, args)
 
     # torch warns at import when NumPy is absent; nothing here uses NumPy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
