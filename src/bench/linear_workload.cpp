@@ -9,6 +9,7 @@
 
 #include "attnrt/core/error.h"
 #include "attnrt/memory/linear_state_pool.h"
+#include "src/bench/select.h"
 
 namespace attnrt::bench {
 
@@ -193,34 +194,9 @@ bool is_linear_selector(std::string_view item) {
 }
 
 std::vector<LinearWorkload> select_linear_workloads(std::string_view selector) {
-  const std::vector<LinearWorkload> all = linear_standard_workloads();
-  std::vector<LinearWorkload> out;
-  size_t start = 0;
-  while (start <= selector.size()) {
-    size_t comma = selector.find(',', start);
-    if (comma == std::string_view::npos) comma = selector.size();
-    const std::string_view item = selector.substr(start, comma - start);
-    start = comma + 1;
-    if (item.empty()) continue;
-    bool matched = false;
-    for (const LinearWorkload& w : all) {
-      if (!matches(w, item)) continue;
-      matched = true;
-      const bool seen = std::any_of(out.begin(), out.end(),
-                                    [&](const LinearWorkload& o) { return o.name == w.name; });
-      if (!seen) out.push_back(w);
-    }
-    if (!matched) {
-      std::vector<std::string> names;
-      for (const LinearWorkload& w : all) names.push_back(w.name);
-      fail(
-          "unknown linear workload '{}': use all, decode, extend, gdn, kda, mamba2, or a row name "
-          "({})",
-          item, fmt::join(names, ", "));
-    }
-  }
-  ATTNRT_CHECK(!out.empty(), "--workload is empty: use all, a mode, a layer kind or a row name");
-  return out;
+  return select_rows(selector, linear_standard_workloads(), matches, "linear workload",
+                     "all, decode, extend, gdn, kda, mamba2",
+                     "all, a mode, a layer kind or a row name");
 }
 
 LinearWorkload scale_linear_workload(const LinearWorkload& w, double factor) {

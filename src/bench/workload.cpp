@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "attnrt/core/error.h"
+#include "src/bench/select.h"
 
 namespace attnrt::bench {
 
@@ -201,39 +202,13 @@ std::vector<Workload> standard_workloads() {
 }
 
 std::vector<Workload> select_workloads(std::string_view selector) {
-  const std::vector<Workload> all = standard_workloads();
-  std::vector<Workload> out;
-  auto add = [&out](const Workload& w) {
-    for (const Workload& o : out) {
-      if (o.name == w.name) return;
-    }
-    out.push_back(w);
-  };
-  size_t start = 0;
-  while (start <= selector.size()) {
-    size_t comma = selector.find(',', start);
-    if (comma == std::string_view::npos) comma = selector.size();
-    std::string_view item = selector.substr(start, comma - start);
-    start = comma + 1;
-    if (item.empty()) continue;
-    bool matched = false;
-    for (const Workload& w : all) {
-      std::string_view kind = workload_kind_name(w.kind);
-      bool family = item == kind || (item == "verify" && is_verify(w.kind));
-      if (item == "all" || item == w.name || family) {
-        add(w);
-        matched = true;
-      }
-    }
-    if (!matched) {
-      std::vector<std::string> names;
-      for (const Workload& w : all) names.push_back(w.name);
-      fail("unknown workload '{}': use all, decode, prefill, extend, verify, or a row name ({})",
-           item, fmt::join(names, ", "));
-    }
-  }
-  ATTNRT_CHECK(!out.empty(), "--workload is empty: use all, a kind, or a row name");
-  return out;
+  return select_rows(
+      selector, standard_workloads(),
+      [](const Workload& w, std::string_view item) {
+        return item == "all" || item == w.name || item == workload_kind_name(w.kind) ||
+               (item == "verify" && is_verify(w.kind));
+      },
+      "workload", "all, decode, prefill, extend, verify", "all, a kind, or a row name");
 }
 
 Workload scale_workload(const Workload& w, double factor) {
