@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -324,6 +325,58 @@ TEST_P(CudaLinear, VerifyCommitEqualsSequentialDecodeOfTheAcceptedPath) {
                         << " x the tolerance; seed " << seed_;
     }
     EXPECT_EQ(g->state(g->pool().slot_of(n)), at_prefix) << "last_accepted -1 must keep the state";
+  }
+}
+
+// DECODE steps whose recurrence is launched as the conv's dependent (kernels/dependent_launch.cuh:
+// it loads its first state rows while the conv runs and reads y only after its wait) give the bits
+// of plain launches, step after step: a recurrence that read y early would see the previous step's
+// y, or the one before it.
+TEST_P(CudaLinear, DependentDecodeLaunchesGiveTheBitsOfPlainLaunches) {
+  if (!GetParam().real_dims) GTEST_SKIP() << "the persistent decode kernel takes 128-column states";
+  const int bs = 24, steps = 6;
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<std::vector<float>> states(bs);
+  for (std::vector<float>& v : states) {
+    v.resize(static_cast<size_t>(data_->shape.conv_elems() + data_->shape.ssm_elems()));
+    for (float& e : v) e = u(rng_) * 0.5f;
+  }
+  std::vector<Tokens> inputs;
+  for (int s = 0; s < steps; ++s) inputs.push_back(random_tokens(*data_, bs, rng_));
+  // Every step's outputs, then every slot's final state.
+  auto run = [&](bool dependent) {
+    test::DependentLaunches mode(dependent);
+    auto g = gpu(bs + 1);
+    std::vector<int64_t> rows;
+    for (int i = 0; i < bs; ++i) {
+      g->pool().alloc_for(i);
+      g->set_state(g->pool().slot_of(i), states[i]);
+      rows.push_back(i);
+    }
+    std::vector<int32_t> seq(bs);
+    for (int i = 0; i < bs; ++i) seq[i] = 3 + i;
+    std::vector<float> all;
+    for (int s = 0; s < steps; ++s) {
+      for (int32_t& n : seq) ++n;
+      const std::vector<float> out = g->run(with_slots(make_decode_batch(rows, seq)), inputs[s]);
+      all.insert(all.end(), out.begin(), out.end());
+    }
+    for (int i = 0; i < bs; ++i) {
+      const std::vector<float> st = g->state(g->pool().slot_of(i));
+      all.insert(all.end(), st.begin(), st.end());
+    }
+    return all;
+  };
+  const std::vector<float> plain = run(false);
+  for (int round = 0; round < 3; ++round) {
+    const std::vector<float> dependent = run(true);
+    ASSERT_EQ(dependent.size(), plain.size());
+    size_t differ = 0;
+    for (size_t i = 0; i < plain.size(); ++i)
+      differ += std::memcmp(&dependent[i], &plain[i], sizeof(float)) != 0;
+    EXPECT_EQ(differ, 0u) << "round " << round << ": " << differ << " of " << plain.size()
+                          << " outputs / state elements differ from plain launches; seed "
+                          << seed_;
   }
 }
 

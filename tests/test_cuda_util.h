@@ -1,5 +1,5 @@
 // Helpers shared by the GPU test files: the skip (with the reason) where no CUDA device is usable,
-// and device copies of host tensors.
+// dependent launches switched for a scope, and device copies of host tensors.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,6 +11,8 @@
 
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
+
+#include "backends/cuda/kernels/launch.h"
 #endif
 
 #define SKIP_WITHOUT_GPU()                                                                      \
@@ -21,6 +23,20 @@
 namespace attnrt::test {
 
 #ifdef ATTNRT_HAS_CUDA
+// Programmatic dependent launches on or off while this object lives (kernels/launch.h).
+class DependentLaunches {
+ public:
+  explicit DependentLaunches(bool on) : saved_(cuda::dependent_launch_enabled()) {
+    cuda::set_dependent_launch(on);
+  }
+  ~DependentLaunches() { cuda::set_dependent_launch(saved_); }
+  DependentLaunches(const DependentLaunches&) = delete;
+  DependentLaunches& operator=(const DependentLaunches&) = delete;
+
+ private:
+  bool saved_;
+};
+
 // Device copy of a host tensor, freed with this object.
 struct DevTensor {
   void* ptr = nullptr;

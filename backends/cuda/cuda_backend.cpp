@@ -254,7 +254,12 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   ATTNRT_CHECK(cache_on_device || !on_device,
                "cuda backend: q is on the GPU but the KV cache is on the host; build the cache "
                "with make_cuda_kv_storage when the activations live on the GPU");
-  if (args.save_kv && !args.k.empty()) cache.store_step_kv(layer.layer_id, args.k, args.v);
+  const bool store = args.save_kv && !args.k.empty();
+  if (store) cache.store_step_kv(layer.layer_id, args.k, args.v);
+  // Whether the last work on the stream is now this step's KV-store kernels (the GPU cache on this
+  // stream stored rows), which the attention kernel may overlap unless a copy comes between.
+  bool stored = store && device_cache_ != nullptr && device_cache_->stream() == stream_ &&
+                      device_cache_->step_tokens() > 0;
   const KVLayerView kv = cache.layer(layer.layer_id);
   ATTNRT_CHECK(kv.kv_heads == hkv && kv.head_dim == d && kv.v_head_dim == dv,
                "cuda backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer needs "
@@ -354,7 +359,10 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                  "holds {}",
                  part_o + part_l, parts.bytes());
   } else {
+    const size_t held = parts.bytes();
     ensure(parts, part_o + part_l, "split-KV partials");
+    // A stream-ordered reallocation now stands between the stores and the attention kernel.
+    stored = stored && parts.bytes() == held;
   }
 
   const float scale = layer.softmax_scale() * kv.k_scale;
@@ -404,10 +412,15 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   // 16-bit KV take the prefill kernel; decode, verify and fp8 KV take the general kernel.
   // Dims without a tensor-core kernel take the generic kernel (same work list and partials).
   const bool prefill = cls->shape == TileShape::prefill && !fp8 && !is_target_verify(plan.mode);
+  // The tensor-core kernel overlaps the stores (launch_attention's `dependent`: q, the work list
+  // and the requests were complete before the K store was launched); the prefill and generic
+  // kernels are plain launches.
+  const bool after_stores = stored && on_device && !stage_sinks;
   ATTNRT_CUDA_CHECK(
       generic    ? launch_attention_generic(p, d, dv, fp16, cls->shape, cls->num_items, stream_)
       : prefill ? launch_prefill(p, d, fp16, cls->num_items, stream_)
-                : launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_));
+                : launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_,
+                                   after_stores));
   planner_->launched();
   if (cls->max_splits > 1) {
     MergeParams mp{};
@@ -424,7 +437,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
     mp.head_dim = dv;
     mp.v_scale = kv.v_scale;
     mp.sinks = sinks;
-    ATTNRT_CUDA_CHECK(launch_merge(mp, fp16, stream_));
+    ATTNRT_CUDA_CHECK(launch_merge(mp, fp16, stream_, /*dependent=*/cls->num_items > 0));
   }
   if (!on_device) {
     ATTNRT_CUDA_CHECK(cudaMemcpyAsync(args.out.data, o_ptr, o_bytes, cudaMemcpyDeviceToHost, stream_));

@@ -202,8 +202,11 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   p.heads = e.kv_heads;
   p.dim = e.head_dim;
   p.scale = k_div;
-  ATTNRT_CUDA_CHECK(launch_store_kv(p, stream_));
+  ATTNRT_CUDA_CHECK(launch_store_kv(p, stream_, /*dependent=*/false));
   if (e.latent) return;
+  // The V store overlaps the K store (launch_store_kv's `dependent`) unless a copy of host rows
+  // comes between them.
+  const bool v_on_device = v.device.kind == DeviceKind::cuda;
   const auto [vp, vt] = device_view(v, kb);
   p.src = vp;
   p.src_stride_tok = vt.strides[0];
@@ -213,7 +216,7 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   p.dst_row_stride = static_cast<int64_t>(e.kv_heads) * e.v_head_dim;
   p.dim = e.v_head_dim;
   p.scale = v_div;
-  ATTNRT_CUDA_CHECK(launch_store_kv(p, stream_));
+  ATTNRT_CUDA_CHECK(launch_store_kv(p, stream_, /*dependent=*/v_on_device));
 }
 
 void CudaKVCache::set_kv_scales(int layer_id, float k_scale, float v_scale) {

@@ -248,9 +248,10 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
   cp.y = y_.ptr<float>();
   check_launch(linear::launch_conv(cp, s), "launch_conv", layer);
 
-  // DECODE, TARGET_VERIFY and requests of up to one chunk: token by token. Longer extend requests:
-  // the chunked form where the layer's shape has one (each launch sees the other's requests with
-  // 0 tokens).
+  // DECODE, TARGET_VERIFY and requests of up to one chunk: token by token, right after the conv
+  // (its dependent: a / b, the table and the state were on the device before the conv). Longer
+  // extend requests: the chunked form where the layer's shape has one (each launch sees the other's
+  // requests with 0 tokens).
   const bool chunked = split_ && has_chunked_form(layer, sh);
   linear::LinStep rec_step = step, chunk_step = step;
   if (chunked) {
@@ -272,7 +273,8 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
     p.out = out.ptr;
     p.out_stride = out.stride;
     p.out_dtype = code(args.out.dtype);
-    check_launch(linear::launch_ssd_recurrent(p, s), "launch_ssd_recurrent", layer);
+    check_launch(linear::launch_ssd_recurrent(p, s, /*dependent=*/true), "launch_ssd_recurrent",
+                 layer);
     if (chunked) {
       p.step = chunk_step;
       ensure(workspace_, std::max<size_t>(linear::ssd_chunked_workspace(p, T, kChunk), 1));
@@ -298,7 +300,8 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
     p.out = out.ptr;
     p.out_stride = out.stride;
     p.out_dtype = code(args.out.dtype);
-    check_launch(linear::launch_delta_recurrent(p, s), "launch_delta_recurrent", layer);
+    check_launch(linear::launch_delta_recurrent(p, s, /*dependent=*/true),
+                 "launch_delta_recurrent", layer);
     if (chunked) {
       p.step = chunk_step;
       ensure(workspace_, std::max<size_t>(linear::delta_chunked_workspace(p, T, kChunk), 1));

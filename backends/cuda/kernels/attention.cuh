@@ -31,6 +31,7 @@
 #include <type_traits>
 
 #include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 
 namespace attnrt::cuda {
@@ -174,14 +175,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   const int page_mask = (1 << p.page_shift) - 1;
   const bool e5m2 = p.kv_kind == KvKind::e5m2;
 
-  // Pages that become committed with this step go back to the persistent row table, once per
-  // launch (every layer's launch writes the same values). Other CTAs of this launch read these
-  // pages from the step's array (j >= pt_known), so nothing reads what is written here.
-  if (kvh == 0 && item.split == 0 && item.f0 == 0) {
-    for (int j = req.pt_known + tid; j < req.pt_commit; j += NT)
-      p.row_table[req.pt_row + j] = p.page_table[req.pt_start + j - req.pt_known];
-  }
-
   // ---- Q tile: rows f0 .. f0 + ROWS of the flattened (token, head-in-group) index.
   for (int i = tid; i < ROWS * CH; i += NT) {
     const int r = i / CH, c = i % CH;
@@ -191,6 +184,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
     if (valid)
       src += (req.qo_start + t) * p.q_stride_tok + (kvh * G + hg) * p.q_stride_head + c * 8;
     cp_async_16(sQ + r * D + swz(r, c) * 8, src, valid);
+  }
+
+  // Launched as the dependent of the step's KV-store kernels (launch_attention's `dependent`), the
+  // CTA has so far read only the work item, the request and q, which those kernels do not write
+  // (they write the pools' rows at the step's slots), and written only shared memory. Their rows
+  // are read below, so the wait comes here; then the merge may be scheduled (it waits for this
+  // grid before its first access).
+  grid_dependency_wait();
+  launch_dependent_grids();
+
+  // Pages that become committed with this step go back to the persistent row table, once per
+  // launch (every layer's launch writes the same values). Other CTAs of this launch read these
+  // pages from the step's array (j >= pt_known), so nothing reads what is written here.
+  if (kvh == 0 && item.split == 0 && item.f0 == 0) {
+    for (int j = req.pt_known + tid; j < req.pt_commit; j += NT)
+      p.row_table[req.pt_row + j] = p.page_table[req.pt_start + j - req.pt_known];
   }
 
   // Key slots are resolved one tile ahead of their loads (page table, optional SWA map), so the

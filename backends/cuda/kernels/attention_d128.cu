@@ -3,8 +3,8 @@
 namespace attnrt::cuda {
 
 cudaError_t launch_attention_d128(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape,
-                                 int num_items, cudaStream_t stream) {
-  return launch_dim<128>(p, fp16, fp8_kv, shape, num_items, stream);
+                                  int num_items, cudaStream_t stream, bool dependent) {
+  return launch_dim<128>(p, fp16, fp8_kv, shape, num_items, stream, dependent);
 }
 
 int attention_occupancy_d128(bool fp16, bool fp8_kv, TileShape shape) {

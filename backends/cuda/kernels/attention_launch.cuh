@@ -3,6 +3,7 @@
 #pragma once
 
 #include "backends/cuda/kernels/attention.cuh"
+#include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/launch.h"
 
 namespace attnrt::cuda {
@@ -16,12 +17,12 @@ cudaError_t set_smem_attr() {
 }
 
 template <typename T, typename Cfg>
-cudaError_t launch_cfg(const AttnParams& p, int num_items, cudaStream_t stream) {
+cudaError_t launch_cfg(const AttnParams& p, int num_items, cudaStream_t stream, bool dependent) {
   const cudaError_t attr = set_smem_attr<T, Cfg>();
   if (attr != cudaSuccess) return attr;
   const dim3 grid(p.num_kv_heads, num_items);
-  attention_kernel<T, Cfg><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(attention_kernel<T, Cfg>, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream,
+                       dependent, p);
 }
 
 template <typename T, typename Cfg>
@@ -64,21 +65,21 @@ using PrefillCfg = AttnConfig<D, 8, 128, (D > 128 ? 32 : 64), FP8>;
 
 template <int D, typename T>
 cudaError_t launch_dim_t(const AttnParams& p, bool fp8_kv, TileShape shape, int num_items,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, bool dependent) {
   if (shape == TileShape::decode32) {
-    return fp8_kv ? launch_cfg<T, Decode32Cfg<D, true>>(p, num_items, stream)
-                  : launch_cfg<T, Decode32Cfg<D, false>>(p, num_items, stream);
+    return fp8_kv ? launch_cfg<T, Decode32Cfg<D, true>>(p, num_items, stream, dependent)
+                  : launch_cfg<T, Decode32Cfg<D, false>>(p, num_items, stream, dependent);
   }
   if (shape == TileShape::decode) {
-    return fp8_kv ? launch_cfg<T, DecodeCfg<D, true>>(p, num_items, stream)
-                  : launch_cfg<T, DecodeCfg<D, false>>(p, num_items, stream);
+    return fp8_kv ? launch_cfg<T, DecodeCfg<D, true>>(p, num_items, stream, dependent)
+                  : launch_cfg<T, DecodeCfg<D, false>>(p, num_items, stream, dependent);
   }
   if (shape == TileShape::verify) {
-    return fp8_kv ? launch_cfg<T, VerifyCfg<D, true>>(p, num_items, stream)
-                  : launch_cfg<T, VerifyCfg<D, false>>(p, num_items, stream);
+    return fp8_kv ? launch_cfg<T, VerifyCfg<D, true>>(p, num_items, stream, dependent)
+                  : launch_cfg<T, VerifyCfg<D, false>>(p, num_items, stream, dependent);
   }
-  return fp8_kv ? launch_cfg<T, PrefillCfg<D, true>>(p, num_items, stream)
-                : launch_cfg<T, PrefillCfg<D, false>>(p, num_items, stream);
+  return fp8_kv ? launch_cfg<T, PrefillCfg<D, true>>(p, num_items, stream, dependent)
+                : launch_cfg<T, PrefillCfg<D, false>>(p, num_items, stream, dependent);
 }
 
 template <int D, typename T>
@@ -101,9 +102,9 @@ int occupancy_dim(bool fp16, bool fp8_kv, TileShape shape) {
 
 template <int D>
 cudaError_t launch_dim(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape, int num_items,
-                       cudaStream_t stream) {
-  return fp16 ? launch_dim_t<D, __half>(p, fp8_kv, shape, num_items, stream)
-              : launch_dim_t<D, __nv_bfloat16>(p, fp8_kv, shape, num_items, stream);
+                       cudaStream_t stream, bool dependent) {
+  return fp16 ? launch_dim_t<D, __half>(p, fp8_kv, shape, num_items, stream, dependent)
+              : launch_dim_t<D, __nv_bfloat16>(p, fp8_kv, shape, num_items, stream, dependent);
 }
 
 }  // namespace attnrt::cuda

@@ -15,19 +15,32 @@ int attention_occupancy_d64(bool fp16, bool fp8_kv, TileShape shape);
 int attention_occupancy_d128(bool fp16, bool fp8_kv, TileShape shape);
 int attention_occupancy_d256(bool fp16, bool fp8_kv, TileShape shape);
 
+// Programmatic dependent launches (kernels/dependent_launch.cuh): on unless the environment sets
+// ATTNRT_PDL=0 when the process first asks; set_dependent_launch switches them for the whole
+// process (A/B timing, tests). The `dependent` arguments below are the caller's promise about the
+// operation just before the launch on `stream`; with it false, or PDL off, launches are plain.
+bool dependent_launch_enabled();
+void set_dependent_launch(bool on);
+
 // Head dims with compiled kernels: 64, 128, 256. `fp16`: q/out (and 16-bit KV) are fp16, else
 // bf16. `fp8_kv`: K/V are fp8 bytes (p.kv_kind says which). Grid: (kv heads, num_items).
+// `dependent`: the launch just before on `stream` is a launch_store_kv kernel, the last of store
+// kernels whose first one was a plain launch (dependent false). The kernel reads q, the work list
+// and the requests before it waits for the stores: whatever wrote them must have come before that
+// first store kernel on the stream. Everything else (pages, K/V) it reads after the wait.
 cudaError_t launch_attention(const AttnParams& p, int head_dim, bool fp16, bool fp8_kv,
-                             TileShape shape, int num_items, cudaStream_t stream);
+                             TileShape shape, int num_items, cudaStream_t stream, bool dependent);
 cudaError_t launch_attention_d64(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape,
-                                 int num_items, cudaStream_t stream);
+                                 int num_items, cudaStream_t stream, bool dependent);
 cudaError_t launch_attention_d128(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape,
-                                  int num_items, cudaStream_t stream);
+                                  int num_items, cudaStream_t stream, bool dependent);
 cudaError_t launch_attention_d256(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape,
-                                  int num_items, cudaStream_t stream);
+                                  int num_items, cudaStream_t stream, bool dependent);
 
 // Merges the split-KV partials of requests with num_splits > 1 (log-sum-exp, sinks, v_scale).
-cudaError_t launch_merge(const MergeParams& p, bool fp16, cudaStream_t stream);
+// `dependent`: the launch just before on `stream` is a kernel (the attention kernel that wrote the
+// partials); the merge waits for it before its first access.
+cudaError_t launch_merge(const MergeParams& p, bool fp16, cudaStream_t stream, bool dependent);
 
 // Scatters rows src[t, h, :] to dst[loc[t] * dst_row_stride + h * dim ...], converting dtypes
 // (codes: attnrt::DType values) after dividing by the layer's `scale` (as the host pools do).
@@ -43,7 +56,10 @@ struct StoreParams {
   int32_t heads, dim;
   float scale;
 };
-cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream);
+// `dependent`: the launch just before on `stream` is another launch_store_kv kernel (the K store
+// before the V store of one layer) writing a different pool; src must have been complete when that
+// one was launched. The kernel stores before it waits, and waits before it exits.
+cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream, bool dependent);
 
 // Copies `count` rows of `row_bytes` bytes: row i goes from src + src_rows[i] * src_stride to
 // dst + dst_rows[i] * dst_stride (strides in bytes; a null index array stands for i itself). The

@@ -99,7 +99,10 @@ struct DeltaParams {
 };
 // Token by token: DECODE, TARGET_VERIFY (each token from its parent's checkpoint, every token's
 // state to inter_ssm) and any extend (the request's tokens in order, state written back once).
-cudaError_t launch_delta_recurrent(const DeltaParams& p, cudaStream_t stream);
+// `dependent` (kernels/dependent_launch.cuh): the launch just before on `stream` is launch_conv's
+// kernel of this step, and the request table, the state and a / b were complete when it was
+// launched; DECODE steps then load their first state rows while the conv finishes.
+cudaError_t launch_delta_recurrent(const DeltaParams& p, cudaStream_t stream, bool dependent);
 // Chunked extend (chunk = `chunk` tokens, the WY/UT form): same results as the recurrent form
 // for non-verify steps, within fp32 rounding. `workspace` of delta_chunked_workspace() bytes.
 size_t delta_chunked_workspace(const DeltaParams& p, int64_t num_tokens, int chunk);
@@ -125,7 +128,8 @@ struct SsdParams {
   int64_t out_stride;
   DTypeCode out_dtype;
 };
-cudaError_t launch_ssd_recurrent(const SsdParams& p, cudaStream_t stream);
+// `dependent`: as launch_delta_recurrent's.
+cudaError_t launch_ssd_recurrent(const SsdParams& p, cudaStream_t stream, bool dependent);
 size_t ssd_chunked_workspace(const SsdParams& p, int64_t num_tokens, int chunk);
 cudaError_t launch_ssd_chunked(const SsdParams& p, int64_t num_tokens, int chunk, void* workspace,
                                cudaStream_t stream);

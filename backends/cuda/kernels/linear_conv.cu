@@ -12,9 +12,12 @@
 // (request, channel, chunk), channels contiguous so that a warp's accesses are coalesced.
 // Requests longer than one chunk get their window from a second kernel once every chunk has read
 // the old one. Verify: one thread walks the block's tokens, each starting from its parent's
-// checkpoint window (re-read from what the same thread stored).
+// checkpoint window (re-read from what the same thread stored). Both conv kernels let the
+// recurrence after them be scheduled at once (dependent_launch.cuh): before its wait it reads only
+// the recurrent state and the request table, which no conv kernel writes.
 #include <cstdint>
 
+#include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/linear.h"
 #include "backends/cuda/kernels/linear_common.cuh"
 
@@ -38,6 +41,7 @@ __device__ __forceinline__ void conv_put(void* base, int64_t i, float v) {
 
 template <typename C>
 __global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) {
+  launch_dependent_grids();
   const int c = blockIdx.x * kConvThreads + threadIdx.x;
   const int dim = p.state.conv_dim;
   if (c >= dim) return;
@@ -141,6 +145,7 @@ template <typename C, int K>
 __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams p) {
   constexpr int V = 16 / sizeof(C), W = K - 1;
   static_assert((V * K) % 4 == 0, "weights are read as float4");
+  launch_dependent_grids();
   const int dim = p.state.conv_dim;
   const int c = (blockIdx.x * kConvThreads + threadIdx.x) * V;
   if (c >= dim) return;

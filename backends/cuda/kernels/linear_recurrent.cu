@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/linear.h"
 #include "backends/cuda/kernels/linear_common.cuh"
 
@@ -404,7 +405,9 @@ __device__ __forceinline__ void bulk_wait_read() {
 // columns per lane, RT rows per thread) and thread 0 writes it back with one bulk store, so the
 // loads of the next items overlap the compute and the stores of this one. The token inputs (q, k,
 // v, gates / x, B, C, dt) of the next item are read into registers before waiting for the current
-// one.
+// one. Launched as the dependent of the conv kernel (launch_*_recurrent's `dependent`), a CTA sets
+// up its barriers and issues the loads of its first STAGES - 1 items' state while the conv still
+// runs, and waits for it before the first read of y.
 template <typename S, int L, int E, int RT, int W>
 struct Decode {
   static constexpr int kThreads = W * 32;
@@ -481,6 +484,13 @@ __global__ void __launch_bounds__(W * 32) decode_kernel(const P p, int row_block
       ahead = valid_from(ahead + stride);
     }
   }
+  // So far the CTA read the request table and the slots' recurrent states and wrote only shared
+  // memory. The conv kernel (the primary of a dependent launch) reads x, its weights and the conv
+  // windows and writes the windows and y, never the recurrent state or the table; both were
+  // complete when it was launched (the table's upload and the state's last writers -- the previous
+  // step's kernels, a verify commit -- come before it on the stream). y is read from here on.
+  // Every thread waits, so the grid's completion implies the conv's.
+  grid_dependency_wait();
   __syncthreads();
 
   Lanes<1, RT> w;
@@ -558,7 +568,7 @@ bool decode_fits(const P& p) {
 
 // The persistent grid: (resident CTAs per SM, at most max_per_sm) x SMs, no more than the items.
 template <typename S, int L, int E, int RT, int W, int STAGES, bool SSD, typename P>
-cudaError_t launch_decode(const P& p, cudaStream_t stream, int max_per_sm) {
+cudaError_t launch_decode(const P& p, cudaStream_t stream, bool dependent, int max_per_sm) {
   using D = Decode<S, L, E, RT, W>;
   auto kernel = decode_kernel<S, L, E, RT, W, STAGES, SSD, P>;
   const size_t smem = D::smem_bytes(STAGES);
@@ -589,14 +599,8 @@ cudaError_t launch_decode(const P& p, cudaStream_t stream, int max_per_sm) {
   const int64_t items = int64_t{row_blocks} * p.state.heads * p.step.num_reqs;
   const int64_t grid = std::min<int64_t>(items, int64_t{fit.sms} * std::min(fit.per_sm, max_per_sm));
   if (grid < 1) return cudaSuccess;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(D::kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  err = cudaLaunchKernelEx(&cfg, kernel, p, row_blocks, items);
-  if (err != cudaSuccess) return err;
-  return cudaGetLastError();
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(D::kThreads), smem, stream,
+                       dependent, p, row_blocks, items);
 }
 
 // The decode variants: items of 64 rows (fp32: 32 KB, bf16: 16 KB), 8 warps, 3 stages, as many
@@ -611,15 +615,15 @@ constexpr int kDecodePerSm = 32;
 // The variants: 16-byte vectors over 128 columns (the real models' Dk and d_state) for fp32 and
 // bf16 states, and one element per lane for any other width up to 256.
 template <bool SSD, typename P>
-cudaError_t dispatch(const P& p, cudaStream_t stream) {
+cudaError_t dispatch(const P& p, cudaStream_t stream, bool dependent) {
   if (p.step.num_reqs == 0 || p.step.max_tokens == 0) return cudaSuccess;
   const int cols = p.state.cols;
   if (cols < 1 || cols > 256 || p.state.rows < 1 || p.state.heads < 1) return cudaErrorInvalidValue;
   const bool wide = cols > 64 && cols <= 128 && cols % 8 == 0;
   if (p.state.ssm_dtype == kF32) {
     if (decode_fits<float, 32, 4, 8, kDecodeWarps>(p)) {
-      return launch_decode<float, 32, 4, 8, kDecodeWarps, kDecodeStages, SSD>(p, stream,
-                                                                            kDecodePerSm);
+      return launch_decode<float, 32, 4, 8, kDecodeWarps, kDecodeStages, SSD>(
+          p, stream, dependent, kDecodePerSm);
     }
     if (wide) return launch_variant<float, 32, 4, 1, 4, SSD>(p, stream);
     return launch_variant<float, 32, 1, 8, 2, SSD>(p, stream);
@@ -627,7 +631,7 @@ cudaError_t dispatch(const P& p, cudaStream_t stream) {
   if (p.state.ssm_dtype == kBF16) {
     if (decode_fits<__nv_bfloat16, 16, 8, 4, kDecodeWarps>(p)) {
       return launch_decode<__nv_bfloat16, 16, 8, 4, kDecodeWarps, kDecodeStages, SSD>(
-          p, stream, kDecodePerSm);
+          p, stream, dependent, kDecodePerSm);
     }
     if (wide) return launch_variant<__nv_bfloat16, 16, 8, 1, 4, SSD>(p, stream);
     return launch_variant<__nv_bfloat16, 32, 1, 8, 2, SSD>(p, stream);
@@ -637,14 +641,14 @@ cudaError_t dispatch(const P& p, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_delta_recurrent(const DeltaParams& p, cudaStream_t stream) {
+cudaError_t launch_delta_recurrent(const DeltaParams& p, cudaStream_t stream, bool dependent) {
   if (p.key_heads < 1 || p.state.heads % p.key_heads != 0) return cudaErrorInvalidValue;
-  return dispatch<false>(p, stream);
+  return dispatch<false>(p, stream, dependent);
 }
 
-cudaError_t launch_ssd_recurrent(const SsdParams& p, cudaStream_t stream) {
+cudaError_t launch_ssd_recurrent(const SsdParams& p, cudaStream_t stream, bool dependent) {
   if (p.groups < 1 || p.state.heads % p.groups != 0) return cudaErrorInvalidValue;
-  return dispatch<true>(p, stream);
+  return dispatch<true>(p, stream, dependent);
 }
 
 }  // namespace attnrt::cuda::linear

@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/launch.h"
 
 namespace attnrt::cuda {
@@ -19,12 +20,12 @@ int attention_occupancy(int head_dim, bool fp16, bool fp8_kv, TileShape shape) {
 }
 
 cudaError_t launch_attention(const AttnParams& p, int head_dim, bool fp16, bool fp8_kv,
-                             TileShape shape, int num_items, cudaStream_t stream) {
+                             TileShape shape, int num_items, cudaStream_t stream, bool dependent) {
   if (num_items == 0) return cudaSuccess;
   switch (head_dim) {
-    case 64: return launch_attention_d64(p, fp16, fp8_kv, shape, num_items, stream);
-    case 128: return launch_attention_d128(p, fp16, fp8_kv, shape, num_items, stream);
-    case 256: return launch_attention_d256(p, fp16, fp8_kv, shape, num_items, stream);
+    case 64: return launch_attention_d64(p, fp16, fp8_kv, shape, num_items, stream, dependent);
+    case 128: return launch_attention_d128(p, fp16, fp8_kv, shape, num_items, stream, dependent);
+    case 256: return launch_attention_d256(p, fp16, fp8_kv, shape, num_items, stream, dependent);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -36,12 +37,16 @@ namespace {
 // latencies); then the block's threads form kMergeThreads / (head_dim / 4) groups, each summing
 // every group-th split over all dims (4 per thread), and the groups are added through shared
 // memory. Head dims above 4 * kMergeThreads take several passes of 4 * kMergeThreads dims. Splits
-// whose lse is -inf (no visible key) get weight 0.
+// whose lse is -inf (no visible key) get weight 0. Launched as the dependent of the attention
+// kernel, everything it reads is that kernel's output: only the launch overlaps, the wait comes
+// first (and in every CTA, those of unsplit requests too, so that the merge's completion implies
+// the attention kernel's).
 constexpr int kMergeThreads = 128;
 constexpr int kMergeMaxSplits = 128;
 
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
+  grid_dependency_wait();
   const ReqInfo r = p.reqs[blockIdx.x];
   if (r.num_splits <= 1) return;
   const int h = blockIdx.y;
@@ -158,8 +163,14 @@ __device__ __forceinline__ void store_elem(void* base, int32_t dtype, int64_t i,
   }
 }
 
-// One block per token; threads stride over heads x dims.
+// One block per token; threads stride over heads x dims. The next store or the attention kernel
+// may be scheduled at once: before their waits they touch nothing this kernel reads or writes. A
+// V store launched as the dependent of the K store (launch_store_kv's `dependent`) reads the V
+// rows and the slots, complete before the K store was launched, and writes the V pool, which the
+// K store does not touch; so it stores first and waits last: then its completion implies the K
+// store's, which is what the attention kernel's wait (for the grid just before it) relies on.
 __global__ void store_kv_kernel(const StoreParams p) {
+  launch_dependent_grids();
   const int64_t t = blockIdx.x;
   const int64_t slot = p.loc[t];
   const int n = p.heads * p.dim;
@@ -168,26 +179,25 @@ __global__ void store_kv_kernel(const StoreParams p) {
     const float x = load_elem(p.src, p.src_dtype, t * p.src_stride_tok + h * p.src_stride_head + d);
     store_elem(p.dst, p.dst_dtype, slot * p.dst_row_stride + i, x, p.scale);
   }
+  grid_dependency_wait();
 }
 
 }  // namespace
 
-cudaError_t launch_merge(const MergeParams& p, bool fp16, cudaStream_t stream) {
+cudaError_t launch_merge(const MergeParams& p, bool fp16, cudaStream_t stream, bool dependent) {
   if (p.num_reqs == 0) return cudaSuccess;
   if (p.head_dim <= 0 || p.head_dim % 4 != 0) return cudaErrorInvalidValue;
   const dim3 grid(p.num_reqs, p.num_q_heads);
-  if (fp16) {
-    merge_kernel<__half><<<grid, kMergeThreads, 0, stream>>>(p);
-  } else {
-    merge_kernel<__nv_bfloat16><<<grid, kMergeThreads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
+  return fp16 ? launch_kernel(merge_kernel<__half>, grid, dim3(kMergeThreads), 0, stream, dependent,
+                              p)
+              : launch_kernel(merge_kernel<__nv_bfloat16>, grid, dim3(kMergeThreads), 0, stream,
+                              dependent, p);
 }
 
-cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream) {
+cudaError_t launch_store_kv(const StoreParams& p, cudaStream_t stream, bool dependent) {
   if (p.num_tokens == 0) return cudaSuccess;
-  store_kv_kernel<<<static_cast<unsigned>(p.num_tokens), 128, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(store_kv_kernel, dim3(static_cast<unsigned>(p.num_tokens)), dim3(128), 0,
+                       stream, dependent, p);
 }
 
 }  // namespace attnrt::cuda
