@@ -10,6 +10,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attnrt/backend/options.h"
@@ -428,6 +429,85 @@ TEST_F(CudaBackendTest, TargetVerifyChainAndTree) {
   tree.window = 40;
   tree.seed = 5;
   check_case(tree);
+}
+
+// Verify-shaped steps (33..64 rows of a request) on 16-bit KV at head dims 64 and 128 run the
+// 64-row warpgroup-MMA CTA (prefill.cuh): trees at both head dims and page sizes 1 and 16, GQA
+// groups 3 (48 rows) and 8 (64 rows), a 16-token chain (the causal path), fp16 with a window, a
+// softcap and sinks on a tree (window 0: every row sees itself alone), and long prefixes cut into
+// splits (also deterministic).
+TEST_F(CudaBackendTest, VerifyShapedStepsOnWarpgroupMmas) {
+  for (int dim : {64, 128}) {
+    for (int page : {1, 16}) {
+      Case t;
+      t.mode = ForwardMode::TARGET_VERIFY;
+      t.dim = dim;
+      t.page = page;
+      t.topk = 4;
+      t.prefix = random_lens(rng, 5, 1, 1500);
+      t.qlen.assign(5, 16);
+      t.seed = static_cast<uint32_t>(dim + page);
+      SCOPED_TRACE(testing::Message() << "tree dim " << dim << " page " << page);
+      check_case(t);
+    }
+  }
+  for (auto [hq, hkv, drafts] : {std::tuple{12, 4, 16}, std::tuple{16, 2, 8}}) {
+    Case g;
+    g.mode = ForwardMode::TARGET_VERIFY;
+    g.hq = hq;
+    g.hkv = hkv;
+    g.topk = 3;
+    g.prefix = random_lens(rng, 4, 0, 900);
+    g.qlen.assign(4, drafts);
+    g.seed = static_cast<uint32_t>(hq);
+    SCOPED_TRACE(testing::Message() << "tree hq " << hq << " hkv " << hkv);
+    check_case(g);
+    g.topk = 1;
+    SCOPED_TRACE("chain");
+    check_case(g);
+  }
+  Case chain;
+  chain.mode = ForwardMode::TARGET_VERIFY;
+  chain.dim = 64;
+  chain.prefix = random_lens(rng, 3, 100, 700);
+  chain.qlen.assign(3, 16);
+  chain.window = 30;
+  {
+    SCOPED_TRACE("chain of 16 with a window, dim 64");
+    check_case(chain);
+  }
+  Case w;
+  w.mode = ForwardMode::TARGET_VERIFY;
+  w.act = w.kv = DType::f16;
+  w.topk = 4;
+  w.prefix = random_lens(rng, 4, 20, 1200);
+  w.qlen.assign(4, 16);
+  w.window = 40;
+  w.cap = 25.f;
+  w.sinks = true;
+  w.seed = 11;
+  for (int dim : {64, 128}) {
+    w.dim = dim;
+    SCOPED_TRACE(testing::Message() << "fp16 tree, window, softcap, sinks, dim " << dim);
+    check_case(w);
+  }
+  w.window = 0;
+  {
+    SCOPED_TRACE("fp16 tree, window 0");
+    check_case(w);
+  }
+  Case s;
+  s.mode = ForwardMode::TARGET_VERIFY;
+  s.topk = 4;
+  s.prefix = {9000, 20, 4100};
+  s.qlen.assign(3, 16);
+  {
+    SCOPED_TRACE("tree over split prefixes");
+    check_case(s);
+  }
+  s.deterministic = true;
+  SCOPED_TRACE("deterministic");
+  check_case(s);
 }
 
 // fp8 KV is dequantised in registers with a permuted head-dim / output-dim order and its own

@@ -240,9 +240,11 @@ class CudaPrefillTest : public ::testing::Test {
   }
 };
 
-// The prefill kernel walks the plan's prefill work items: its CTA must cover the same rows.
-TEST(CudaPrefillTile, MatchesThePlansPrefillTile) {
+// The prefill kernel walks the plan's prefill and verify work items: its CTAs must cover the same
+// rows.
+TEST(CudaPrefillTile, MatchesThePlansPrefillAndVerifyTiles) {
   EXPECT_EQ(cuda::kPrefillTileRows, cuda::tile_rows(cuda::TileShape::prefill));
+  EXPECT_EQ(cuda::kPrefillVerifyTileRows, cuda::tile_rows(cuda::TileShape::verify));
 }
 
 TEST_F(CudaPrefillTest, RaggedCausalExtendAcrossHeadDims) {

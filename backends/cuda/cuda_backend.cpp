@@ -31,6 +31,20 @@ bool has_tensor_core_kernel(int head_dim, int v_head_dim) {
   return (head_dim == 64 || head_dim == 128 || head_dim == 256) && v_head_dim == head_dim;
 }
 
+// Which kernel runs a class: the generic one for dims without tensor-core kernels, else the
+// warpgroup-MMA kernel (prefill.cuh) for 16-bit KV on prefill-shaped tiles of every mode but
+// TARGET_VERIFY (its 128-row CTA carries no tree mask) and on verify-shaped tiles of every mode at
+// head dims 64 and 128, else the mma.sync kernel (attention.cuh). The occupancy the plan's split
+// choice reads is that of the same kernel.
+enum class Kernel { generic, prefill, prefill_verify, attention };
+Kernel kernel_for(int head_dim, int v_head_dim, bool fp8, TileShape shape, bool target_verify) {
+  if (!has_tensor_core_kernel(head_dim, v_head_dim)) return Kernel::generic;
+  if (fp8) return Kernel::attention;
+  if (shape == TileShape::prefill && !target_verify) return Kernel::prefill;
+  if (shape == TileShape::verify && prefill_verify_dim(head_dim)) return Kernel::prefill_verify;
+  return Kernel::attention;
+}
+
 bool is_device_pointer(const void* p) {
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
@@ -82,12 +96,17 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
         continue;
       cfg.head_dims[c] = l.head_dim;
       const bool fp8 = is_fp8(ctx.kv_cache->layer(l.layer_id).dtype);
-      const bool tc =
-          has_tensor_core_kernel(l.head_dim, l.v_head_dim > 0 ? l.v_head_dim : l.head_dim);
+      const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+      // Only the decode-like shapes split by occupancy; a prefill tile's plan does not read it.
       for (TileShape sh :
-           {TileShape::decode, TileShape::prefill, TileShape::verify, TileShape::decode32})
-        cfg.occupancy[c][static_cast<int>(sh)] =
-            tc ? attention_occupancy(l.head_dim, fp16, fp8, sh) : attention_occupancy_generic(fp16);
+           {TileShape::decode, TileShape::prefill, TileShape::verify, TileShape::decode32}) {
+        int& occ = cfg.occupancy[c][static_cast<int>(sh)];
+        switch (kernel_for(l.head_dim, dv, fp8, sh, /*target_verify=*/false)) {
+          case Kernel::generic: occ = attention_occupancy_generic(fp16); break;
+          case Kernel::prefill_verify: occ = prefill_verify_occupancy(l.head_dim, fp16); break;
+          default: occ = attention_occupancy(l.head_dim, fp16, fp8, sh); break;
+        }
+      }
       break;
     }
   }
@@ -408,19 +427,26 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                "one launch)",
                cls->num_items);
   const bool fp16 = args.q.dtype == DType::f16;
-  // Long query runs (EXTEND, MIXED, DRAFT_EXTEND with prefill-shaped tiles, causal or not) on
-  // 16-bit KV take the prefill kernel; decode, verify and fp8 KV take the general kernel.
-  // Dims without a tensor-core kernel take the generic kernel (same work list and partials).
-  const bool prefill = cls->shape == TileShape::prefill && !fp8 && !is_target_verify(plan.mode);
-  // The tensor-core kernel overlaps the stores (launch_attention's `dependent`: q, the work list
-  // and the requests were complete before the K store was launched); the prefill and generic
-  // kernels are plain launches.
+  // The mma.sync and the 64-row warpgroup-MMA kernels overlap the stores (their `dependent`: q, the
+  // work list and the requests were complete before the K store was launched); the 128-row prefill
+  // and the generic kernels are plain launches. Every kernel reads the same work list and writes
+  // the same partials (kernel_for says which runs).
   const bool after_stores = stored && on_device && !stage_sinks;
-  ATTNRT_CUDA_CHECK(
-      generic    ? launch_attention_generic(p, d, dv, fp16, cls->shape, cls->num_items, stream_)
-      : prefill ? launch_prefill(p, d, fp16, cls->num_items, stream_)
-                : launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_,
-                                   after_stores));
+  cudaError_t launched = cudaSuccess;
+  switch (kernel_for(d, dv, fp8, cls->shape, is_target_verify(plan.mode))) {
+    case Kernel::generic:
+      launched = launch_attention_generic(p, d, dv, fp16, cls->shape, cls->num_items, stream_);
+      break;
+    case Kernel::prefill: launched = launch_prefill(p, d, fp16, cls->num_items, stream_); break;
+    case Kernel::prefill_verify:
+      launched = launch_prefill_verify(p, d, fp16, cls->num_items, stream_, after_stores);
+      break;
+    case Kernel::attention:
+      launched =
+          launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_, after_stores);
+      break;
+  }
+  ATTNRT_CUDA_CHECK(launched);
   planner_->launched();
   if (cls->max_splits > 1) {
     MergeParams mp{};

@@ -7,12 +7,13 @@
 // Warps are arranged as ROWS/16 row groups times WPR key parts: a prefill CTA gives every warp its
 // own 16 rows (WPR = 1); a decode CTA has 16 rows and its warps split each K/V tile, merging their
 // softmax states through shared memory at the end (WPR = 4); the decode32 (32 rows, WPR = 4) and
-// verify (64 rows, WPR = 2 for 16-bit KV) CTAs hold all the (draft token, head) rows of one request
-// and KV head, so the request's K/V is streamed once, while each warp's share of a tile stays
-// small (16 rows by 16 or 32 keys) and two CTAs fit an SM. Only tiles that reach draft keys, the
-// split's end or a window's edge evaluate the mask. The softmax folds the scale into one FFMA per
-// logit before a single MUFU ex2 and skips the O rescale when no row maximum of the warp moved:
-// at these row counts the per-tile softmax work, not the MMAs, sets a verify CTA's pace.
+// verify (64 rows, WPR = 1; fp8 KV and head dim 256 only, prefill.cuh runs the others) CTAs hold
+// all the (draft token, head) rows of one request and KV head, so the request's K/V is streamed
+// once, while each warp's share of a tile stays small (16 rows by 16 keys for decode32) and two
+// CTAs fit an SM. Only tiles that reach draft keys, the split's end or a window's edge evaluate
+// the mask. The softmax folds the scale into one FFMA per logit before a single MUFU ex2 and skips
+// the O rescale when no row maximum of the warp moved: at these row counts the per-tile softmax
+// work, not the MMAs, sets a decode32 or verify CTA's pace.
 //
 // fp8 KV stays fp8 in shared memory (half the bytes per stage, so twice the stages in flight) and
 // is dequantised in registers right before each MMA: K is read with a permuted head-dim order
@@ -37,7 +38,7 @@
 namespace attnrt::cuda {
 
 template <int D, int WARPS, int ROWS, int BN, bool FP8, int STAGES = 2, int MIN_BLOCKS = 0,
-          bool Q_RELOAD = false, bool RING = false>
+          bool Q_RELOAD = false>
 struct AttnConfig {
   static constexpr int kHeadDim = D;
   static constexpr int kWarps = WARPS;
@@ -51,9 +52,6 @@ struct AttnConfig {
   static constexpr int kMinBlocks = MIN_BLOCKS;
   // Q fragments re-read from shared memory every tile instead of held in registers (16-bit KV).
   static constexpr bool kQReload = Q_RELOAD && !FP8;
-  // One CTA-wide barrier per tile (the prefill kernel's ring): the loads of tile it + STAGES - 1
-  // are issued after the barrier that ends every warp's use of the stage they overwrite.
-  static constexpr bool kRing = RING;
   static constexpr int kRowGroups = ROWS / 16;
   static constexpr int kWpr = WARPS / kRowGroups;  // warps sharing a row group
   static constexpr int kKW = BN / kWpr;            // keys of a tile per warp
@@ -282,29 +280,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   for (int it = 0; it < num_tiles; ++it) {
     const int stage = it % ST;
     const int kb = kr.lo + it * BN;
-    if constexpr (!Cfg::kRing) {
-      if (it + ST - 1 < num_tiles) load_tile(it + ST - 1);
-      cp_async_commit();
-    }
+    if (it + ST - 1 < num_tiles) load_tile(it + ST - 1);
+    cp_async_commit();
     // Page ids of tile it + ST: loaded now, stored as slots after this tile's math (the load
     // latency hides behind it), read after the barrier that ends this iteration.
     const bool prefetch = it + ST < num_tiles && tid < BN;
     const int pf_j = kb + ST * BN + tid;
     int32_t pf_page = 0;
     if (prefetch && pf_j < kr.hi) pf_page = page_id(p, req, pf_j >> p.page_shift);
-    if constexpr (Cfg::kRing) {
-      // Tile `it` is group `it` of ST - 1 + it committed groups. After the barrier every warp is
-      // done with tile it - 1, whose stage the load of tile it + ST - 1 overwrites, and with the
-      // load of tile it (issued in iteration it - ST + 1), whose slots this iteration's prefetch
-      // overwrites.
-      cp_async_wait<ST - 2>();
-      __syncthreads();
-      if (it + ST - 1 < num_tiles) load_tile(it + ST - 1);
-      cp_async_commit();
-    } else {
-      cp_async_wait<ST - 1>();
-      __syncthreads();
-    }
+    cp_async_wait<ST - 1>();
+    __syncthreads();
     if (it == 0) {
       if constexpr (FP8) {
         // A fragments in the permuted head-dim order of the fp8 K reads: logical k-step kk of
@@ -499,11 +484,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
     if (prefetch) {
       sSlot[((it + ST) % ST) * BN + tid] = pf_j < kr.hi ? slot_of_page(pf_page, pf_j) : -1;
     }
-    if constexpr (!Cfg::kRing) __syncthreads();
+    __syncthreads();
   }
   cp_async_wait<0>();
-  // The ring's last tile may still be read by other warps; the merge below reuses its stages.
-  if constexpr (Cfg::kRing && Cfg::kWpr > 1) __syncthreads();
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {

@@ -1,9 +1,10 @@
-// Prefill / extend attention on Hopper warpgroup MMAs (wgmma, sm_90a): EXTEND, MIXED and
-// DRAFT_EXTEND steps whose CTAs hold 128 query rows (the plan's TileShape::prefill work items),
-// causal or not, with the cached prefix read from the paged pool and 16-bit K/V.
+// Prefill / extend attention on Hopper warpgroup MMAs (wgmma, sm_90a), 16-bit K/V read from the
+// paged pool, causal or not: EXTEND, MIXED and DRAFT_EXTEND steps whose CTAs hold 128 query rows
+// (the plan's TileShape::prefill work items), and every step of the 64-row TileShape::verify
+// work items (TARGET_VERIFY trees and chains, short extends) at head dims 64 and 128.
 //
-// A CTA owns 128 flattened (token, head-in-group) rows of one KV head, so each K/V tile is read
-// once per GQA group. Q and the K/V tiles live in shared memory in the 128-byte swizzled layout
+// A CTA owns 128 (or 64) flattened (token, head-in-group) rows of one KV head, so each K/V tile is
+// read once per GQA group. Q and the K/V tiles live in shared memory in the 128-byte swizzled layout
 // (wgmma.cuh); S = Q K^T is an m64nBNk16 MMA with both operands in shared memory, and the
 // probabilities stay in registers as the A operand of O += P V, with V read transposed from the
 // same tile layout. The tensor cores read shared memory themselves: no ldmatrix traffic, which
@@ -16,6 +17,12 @@
 //    CTA (one m64 block each) are held in step by the per-tile barrier and measured 9-17% slower.
 //  - d256: two warpgroups of one m64 block each (two m64 blocks would need 256 O accumulators per
 //    thread).
+//  - verify (64 rows, d64 / d128): one warpgroup of one m64 block. At 16 draft tokens x group 4
+//    a verify CTA does 16x the MMA work per K/V byte of a decode CTA; on the tensor cores'
+//    shared-memory operands that work stays below the time the K/V takes to stream in, so the
+//    shape is sized for bytes in flight: a smaller Q tile leaves room for a third stage.
+//    TARGET_VERIFY trees apply the tree mask exactly as attention.cuh does: prefix keys unmasked,
+//    draft u visible iff bit u of the row's mask, the window measured between tree depths.
 // Per tile: a STAGES-deep cp.async ring with ONE barrier (the barrier that publishes tile i also
 // proves every warp is done with the stage tile i + STAGES - 1 overwrites); the page-table
 // lookups of a whole tile issued before its copies; masks only on tiles that straddle the causal
@@ -32,6 +39,7 @@
 #include <type_traits>
 
 #include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/prefill.h"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
@@ -39,8 +47,9 @@
 namespace attnrt::cuda {
 
 // D: head dim; WG: warpgroups per CTA; BN: keys per tile; STAGES: K/V tiles resident;
-// MIN_CTAS: CTAs per SM the register cap must allow.
-template <int D, int WG, int BN, int STAGES, int MIN_CTAS>
+// MIN_CTAS: CTAs per SM the register cap must allow; ROWS: query rows (the plan's prefill or
+// verify tile; only the verify CTA carries the tree mask).
+template <int D, int WG, int BN, int STAGES, int MIN_CTAS, int ROWS = kPrefillTileRows>
 struct PrefillConfig {
   static constexpr int kHeadDim = D;
   static constexpr int kBN = BN;
@@ -48,7 +57,8 @@ struct PrefillConfig {
   static constexpr int kWarpgroups = WG;
   static constexpr int kThreads = WG * 128;
   static constexpr int kMinCtas = MIN_CTAS;
-  static constexpr int kRows = 128;
+  static constexpr int kRows = ROWS;
+  static constexpr bool kTree = ROWS == kPrefillVerifyTileRows;
   static constexpr int kMB = kRows / 64 / WG;  // m64 blocks per warpgroup
   static constexpr int kChunks = D / 8;
   static constexpr int kON = D > 128 ? 128 : D;  // N of one P V MMA (at most 128 accumulators)
@@ -58,8 +68,9 @@ struct PrefillConfig {
   static constexpr int kSmemBytes = 1024 + kQBytes + STAGES * 2 * kTileBytes;
   static constexpr int kKeysPerPass = kThreads / kChunks;
   static constexpr int kPasses = BN / kKeysPerPass;
-  static_assert(kRows == kPrefillTileRows, "prefill CTAs must match the plan's prefill tile");
-  static_assert(D % 64 == 0 && BN % 64 == 0 && BN <= 128 && kThreads % kChunks == 0 &&
+  static_assert(kRows == kPrefillTileRows || kRows == kPrefillVerifyTileRows,
+                "prefill CTAs must match the plan's prefill or verify tile");
+  static_assert(kRows % (64 * WG) == 0 && D % 64 == 0 && BN % 64 == 0 && BN <= 128 && kThreads % kChunks == 0 &&
                 BN % kKeysPerPass == 0 && STAGES >= 2);
 };
 
@@ -85,13 +96,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   const int t_last = min(req.qlen - 1, (item.f0 + ROWS - 1) / G);
   const bool causal = p.causal != 0;
   const bool windowed = causal && p.window >= 0;
+  // A tree row sees its ancestors among the drafts, and they precede it (the plan checks that
+  // every parent precedes its child): keys past the row's own are invisible as in a chain, but
+  // the window is measured from the row's depth, which can be anything from 0 to its index.
+  const bool tree = Cfg::kTree && causal && p.tree != 0;
 
   // Keys of this CTA's split: those the tile's rows can see, cut into num_splits chunks of whole
   // tiles. Derived from lengths only, like the general kernel, so the plan stays kernel-agnostic.
   int hi = req.kv_len, lo = 0;
   if (causal) {
     hi = min(hi, req.prefix + t_last + 1);
-    if (windowed) lo = max(0, req.prefix + t_first - p.window);
+    if (windowed) lo = max(0, req.prefix + (tree ? 0 : t_first) - p.window);
   }
   {
     const int span = max(hi - lo, 0);
@@ -102,7 +117,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   }
   const int num_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
 
-  // ---- Q: rows f0 .. f0 + 128 of the flattened (token, head-in-group) index; rows past the
+  // ---- Q: rows f0 .. f0 + ROWS of the flattened (token, head-in-group) index; rows past the
   // request's tokens are zero (finite logits, never stored).
   {
     const T* q = static_cast<const T*>(p.q);
@@ -116,6 +131,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
       cp_async_16(smem + swz128_offset(ROWS, r, c), src, valid);
     }
   }
+
+  // Launched as the dependent of the step's KV-store kernels (the verify CTA; the `dependent` of
+  // launch_prefill_verify), the CTA has so far read only the work item, the request and q, which
+  // those kernels do not write, and written nothing in global memory; their rows are read below.
+  // Every thread gets here (no path returns earlier). Then the merge may be scheduled (it waits for
+  // this grid before its first access). A plain launch passes both at once.
+  grid_dependency_wait();
+  launch_dependent_grids();
 
   // Pages that become committed with this step go back to the persistent row table, once per
   // launch, exactly as the general kernel does (see ReqInfo): other CTAs read those pages from
@@ -171,18 +194,28 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   // Rows: warpgroup wg owns rows wg * 64 * MB .. as MB blocks of 64; in block mb, warp wq of the
   // warpgroup holds 16 rows and this thread rows g and g + 8 of those. Skips are decided per
   // warpgroup (its four warps issue each MMA together), masks per warp and block.
+  // row_q: the row's query position (prefix + token, or prefix + depth in a tree); row_tree: its
+  // draft mask (tree rows past the request's tokens see no draft).
   const int wg_row0 = wg * 64 * MB;
-  int row_t[MB][2], wt_lo[MB], wt_hi[MB];
+  int row_t[MB][2], row_q[MB][2], wt_lo[MB], wt_hi[MB];
+  uint64_t row_tree[MB][2];
 #pragma unroll
   for (int mb = 0; mb < MB; ++mb) {
     const int r0 = item.f0 + wg_row0 + mb * 64 + wq * 16;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) row_t[mb][h] = (r0 + g + 8 * h) / G;
+    for (int h = 0; h < 2; ++h) {
+      const int t = (r0 + g + 8 * h) / G;
+      const bool in_tree = tree && t < req.qlen;
+      row_t[mb][h] = t;
+      row_q[mb][h] = req.prefix + (in_tree ? p.tree_depth[req.tree_start + t] : t);
+      row_tree[mb][h] = in_tree ? p.tree_mask[req.tree_start + t] : 0;
+    }
     wt_lo[mb] = min(r0 / G, req.qlen - 1);
     wt_hi[mb] = min((r0 + 15) / G, req.qlen - 1);
   }
   const bool wg_idle = (item.f0 + wg_row0) / G >= req.qlen;
-  const int gt_lo = min((item.f0 + wg_row0) / G, req.qlen - 1);
+  // The lowest query position of the warpgroup's rows (a tree's root sits at depth 0).
+  const int gt_lo = tree ? 0 : min((item.f0 + wg_row0) / G, req.qlen - 1);
   const int gt_hi = min((item.f0 + wg_row0 + 64 * MB - 1) / G, req.qlen - 1);
 
   const bool capped = p.softcap > 0.f;
@@ -210,7 +243,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
     cp_async_commit();
     const int kb = lo + it * BN;
     // A tile wholly right of every row's diagonal or left of every row's window is skipped, and
-    // so is everything for a warpgroup whose rows all lie past the request's last token.
+    // so is everything for a warpgroup whose rows all lie past the request's last token. (A tree
+    // row's visible keys end at its own too.)
     if (wg_idle || (causal && kb > req.prefix + gt_hi)) continue;
     if (windowed && kb + BN - 1 < req.prefix + gt_lo - p.window) continue;
     const uint32_t tK = sKV + (it % ST) * 2 * Cfg::kTileBytes;
@@ -231,7 +265,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
     wgmma_commit();
     wgmma_wait<0>();
 
-    // ---- Softcap (log2 units afterwards), then the mask on tiles that need one.
+    // ---- Softcap (log2 units afterwards), then the mask on tiles that need one: the split's end,
+    // the causal diagonal (in a tree every draft key), the window's edge (a tree row's query
+    // position is at most that of its token, so the chain's bound covers it).
     if (capped) {
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb)
@@ -240,7 +276,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
     }
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
-      const bool need_mask = kb + BN > hi || (causal && kb + BN - 1 > req.prefix + wt_lo[mb]) ||
+      const bool need_mask = kb + BN > hi ||
+                             (causal && kb + BN - 1 > req.prefix + (tree ? -1 : wt_lo[mb])) ||
                              (windowed && kb < req.prefix + wt_hi[mb] - p.window);
       if (need_mask) {
 #pragma unroll
@@ -248,10 +285,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int j = kb + nb * 8 + 2 * c4 + (e & 1);
-            const int qpos = req.prefix + row_t[mb][e >> 1];
+            const int qpos = row_q[mb][e >> 1];
             bool vis = j < hi;
-            if (causal) vis = vis && j <= qpos;
-            if (windowed) vis = vis && qpos - j <= p.window;
+            int kpos = j;
+            if (tree) {
+              // j < hi <= prefix + qlen <= prefix + 64: the shift stays below 64.
+              if (vis && j >= req.prefix) {
+                const int u = j - req.prefix;
+                vis = (row_tree[mb][e >> 1] >> u) & 1;
+                kpos = req.prefix + p.tree_depth[req.tree_start + u];
+              }
+            } else if (causal) {
+              vis = vis && j <= qpos;
+            }
+            if (windowed) vis = vis && qpos - kpos <= p.window;
             if (!vis) s[mb][nb * 4 + e] = -INFINITY;
           }
       }
@@ -377,21 +424,60 @@ template <int D>
 using PrefillCfg = std::conditional_t<
     D == 64, PrefillConfig<64, 1, 64, 3, 2>,
     std::conditional_t<D == 128, PrefillConfig<128, 1, 64, 2, 2>, PrefillConfig<256, 2, 64, 2, 1>>>;
+// The verify CTA: Q 8 / 16 KB, so d64 holds four 16 KB stages at three CTAs per SM and d128
+// three 32 KB stages at two (2 x 113 KB: the whole 228 KB of an H100 / H200 SM).
+template <int D>
+using PrefillVerifyCfg =
+    std::conditional_t<D == 64, PrefillConfig<64, 1, 64, 4, 3, kPrefillVerifyTileRows>,
+                       PrefillConfig<128, 1, 64, 3, 2, kPrefillVerifyTileRows>>;
 
 template <typename T, typename Cfg>
-cudaError_t launch_prefill_cfg(const AttnParams& p, int num_items, cudaStream_t stream) {
+cudaError_t set_prefill_smem_attr() {
   static const cudaError_t attr = cudaFuncSetAttribute(
       prefill_kernel<T, Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  return attr;
+}
+
+template <typename T, typename Cfg>
+cudaError_t launch_prefill_cfg(const AttnParams& p, int num_items, cudaStream_t stream,
+                               bool dependent) {
+  const cudaError_t attr = set_prefill_smem_attr<T, Cfg>();
   if (attr != cudaSuccess) return attr;
   const dim3 grid(p.num_kv_heads, num_items);
-  prefill_kernel<T, Cfg><<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(prefill_kernel<T, Cfg>, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream,
+                       dependent, p);
+}
+
+template <typename T, typename Cfg>
+int prefill_occupancy_cfg() {
+  if (set_prefill_smem_attr<T, Cfg>() != cudaSuccess) return 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, prefill_kernel<T, Cfg>, Cfg::kThreads,
+                                                    Cfg::kSmemBytes) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return n > 0 ? n : 1;
 }
 
 template <int D>
 cudaError_t launch_prefill_dim(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream) {
-  return fp16 ? launch_prefill_cfg<__half, PrefillCfg<D>>(p, num_items, stream)
-              : launch_prefill_cfg<__nv_bfloat16, PrefillCfg<D>>(p, num_items, stream);
+  return fp16 ? launch_prefill_cfg<__half, PrefillCfg<D>>(p, num_items, stream, false)
+              : launch_prefill_cfg<__nv_bfloat16, PrefillCfg<D>>(p, num_items, stream, false);
+}
+
+template <int D>
+cudaError_t launch_prefill_verify_dim(const AttnParams& p, bool fp16, int num_items,
+                                      cudaStream_t stream, bool dependent) {
+  return fp16 ? launch_prefill_cfg<__half, PrefillVerifyCfg<D>>(p, num_items, stream, dependent)
+              : launch_prefill_cfg<__nv_bfloat16, PrefillVerifyCfg<D>>(p, num_items, stream,
+                                                                       dependent);
+}
+
+template <int D>
+int prefill_verify_occupancy_dim(bool fp16) {
+  return fp16 ? prefill_occupancy_cfg<__half, PrefillVerifyCfg<D>>()
+              : prefill_occupancy_cfg<__nv_bfloat16, PrefillVerifyCfg<D>>();
 }
 
 }  // namespace attnrt::cuda

@@ -7,8 +7,10 @@
 
 namespace attnrt::cuda {
 
-// Query rows per CTA; the plan's TileShape::prefill work items must use this stride.
+// Query rows per CTA; the plan's TileShape::prefill / TileShape::verify work items must use these
+// strides.
 inline constexpr int kPrefillTileRows = 128;
+inline constexpr int kPrefillVerifyTileRows = 64;
 
 // Non-tree steps with 16-bit KV (q/out and KV bf16, or all fp16), head dims 64, 128, 256; the
 // work list and split counts are those of a TileShape::prefill plan. Grid: (kv heads, num_items).
@@ -17,5 +19,20 @@ cudaError_t launch_prefill(const AttnParams& p, int head_dim, bool fp16, int num
 cudaError_t launch_prefill_d64(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream);
 cudaError_t launch_prefill_d128(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream);
 cudaError_t launch_prefill_d256(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream);
+
+// Steps of any mode (TARGET_VERIFY trees included) planned with TileShape::verify work items,
+// 16-bit KV, head dims 64 and 128 (prefill_verify_dim); other head dims and fp8 KV take the verify
+// CTA of attention.cuh. `dependent`: as launch_attention's (launch.h). Occupancy: resident CTAs per
+// SM (occupancy API; at least 1).
+constexpr bool prefill_verify_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+cudaError_t launch_prefill_verify(const AttnParams& p, int head_dim, bool fp16, int num_items,
+                                  cudaStream_t stream, bool dependent);
+int prefill_verify_occupancy(int head_dim, bool fp16);
+cudaError_t launch_prefill_verify_d64(const AttnParams& p, bool fp16, int num_items,
+                                      cudaStream_t stream, bool dependent);
+cudaError_t launch_prefill_verify_d128(const AttnParams& p, bool fp16, int num_items,
+                                       cudaStream_t stream, bool dependent);
+int prefill_verify_occupancy_d64(bool fp16);
+int prefill_verify_occupancy_d128(bool fp16);
 
 }  // namespace attnrt::cuda
