@@ -431,12 +431,13 @@ TEST_F(CudaBackendTest, TargetVerifyChainAndTree) {
   check_case(tree);
 }
 
-// Verify-shaped steps (33..64 rows of a request) on 16-bit KV at head dims 64 and 128 run the
-// 64-row warpgroup-MMA CTA (prefill.cuh): trees at both head dims and page sizes 1 and 16, GQA
-// groups 3 (48 rows) and 8 (64 rows), a 16-token chain (the causal path), fp16 with a window, a
-// softcap and sinks on a tree (window 0: every row sees itself alone), and long prefixes cut into
-// splits (also deterministic).
-TEST_F(CudaBackendTest, VerifyShapedStepsOnWarpgroupMmas) {
+// Verify- and decode32-shaped steps (17..64 rows of a request) on 16-bit KV at head dims 64 and
+// 128 run the 64-row warpgroup-MMA CTA (prefill.cuh): trees at both head dims and page sizes 1 and
+// 16, GQA groups 3 (48 rows) and 8 (64 rows), a 16-token chain (the causal path), fp16 with a
+// window, a softcap and sinks on a tree (window 0: every row sees itself alone), long prefixes cut
+// into splits (also deterministic), and 32-row tiles: trees and chains of 8 at group 4, of 16 at
+// group 2, short extends.
+TEST_F(CudaBackendTest, VerifyAndDecode32TilesOnWarpgroupMmas) {
   for (int dim : {64, 128}) {
     for (int page : {1, 16}) {
       Case t;
@@ -506,8 +507,43 @@ TEST_F(CudaBackendTest, VerifyShapedStepsOnWarpgroupMmas) {
     check_case(s);
   }
   s.deterministic = true;
-  SCOPED_TRACE("deterministic");
-  check_case(s);
+  {
+    SCOPED_TRACE("deterministic");
+    check_case(s);
+  }
+  for (auto [hq, hkv, drafts] : {std::tuple{8, 2, 8}, std::tuple{8, 4, 16}}) {
+    Case d;
+    d.mode = ForwardMode::TARGET_VERIFY;
+    d.hq = hq;
+    d.hkv = hkv;
+    d.dim = 64;
+    d.act = d.kv = DType::f16;
+    d.page = 1;
+    d.topk = 2;
+    d.window = 25;
+    d.cap = 30.f;
+    d.prefix = random_lens(rng, 5, 0, 2500);
+    d.qlen.assign(5, drafts);
+    d.seed = static_cast<uint32_t>(drafts);
+    SCOPED_TRACE(testing::Message() << "32-row tree, hq " << hq << " hkv " << hkv);
+    check_case(d);
+    d.topk = 1;
+    d.dim = 128;
+    d.act = d.kv = DType::bf16;
+    d.page = 16;
+    d.window = -1;
+    d.cap = 0.f;
+    d.sinks = true;
+    SCOPED_TRACE("32-row chain, dim 128, sinks");
+    check_case(d);
+  }
+  Case e;
+  e.mode = ForwardMode::EXTEND;
+  e.prefix = {700, 0, 33, 4000};
+  e.qlen = {8, 3, 5, 1};  // 8 x group 4 = 32 rows: the decode32 shape
+  e.dim = 64;
+  SCOPED_TRACE("short extend");
+  check_case(e);
 }
 
 // fp8 KV is dequantised in registers with a permuted head-dim / output-dim order and its own

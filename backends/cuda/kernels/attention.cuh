@@ -6,14 +6,12 @@
 //
 // Warps are arranged as ROWS/16 row groups times WPR key parts: a prefill CTA gives every warp its
 // own 16 rows (WPR = 1); a decode CTA has 16 rows and its warps split each K/V tile, merging their
-// softmax states through shared memory at the end (WPR = 4); the decode32 (32 rows, WPR = 4) and
-// verify (64 rows, WPR = 1; fp8 KV and head dim 256 only, prefill.cuh runs the others) CTAs hold
-// all the (draft token, head) rows of one request and KV head, so the request's K/V is streamed
-// once, while each warp's share of a tile stays small (16 rows by 16 keys for decode32) and two
-// CTAs fit an SM. Only tiles that reach draft keys, the split's end or a window's edge evaluate
-// the mask. The softmax folds the scale into one FFMA per logit before a single MUFU ex2 and skips
-// the O rescale when no row maximum of the warp moved: at these row counts the per-tile softmax
-// work, not the MMAs, sets a decode32 or verify CTA's pace.
+// softmax states through shared memory at the end (WPR = 4); the decode32 (32 rows, WPR = 4 or 2)
+// and verify (64 rows, WPR = 1) CTAs, for fp8 KV and head dim 256 (prefill.cuh runs 16-bit KV at
+// head dims 64 and 128), hold all the (draft token, head) rows of one request and KV head, so the
+// request's K/V is streamed once. Only tiles that reach draft keys, the split's end or a window's
+// edge evaluate the mask. The softmax folds the scale into one FFMA per logit before a single MUFU
+// ex2 and skips the O rescale when no row maximum of the warp moved.
 //
 // fp8 KV stays fp8 in shared memory (half the bytes per stage, so twice the stages in flight) and
 // is dequantised in registers right before each MMA: K is read with a permuted head-dim order
@@ -37,8 +35,7 @@
 
 namespace attnrt::cuda {
 
-template <int D, int WARPS, int ROWS, int BN, bool FP8, int STAGES = 2, int MIN_BLOCKS = 0,
-          bool Q_RELOAD = false>
+template <int D, int WARPS, int ROWS, int BN, bool FP8, int STAGES = 2, int MIN_BLOCKS = 0>
 struct AttnConfig {
   static constexpr int kHeadDim = D;
   static constexpr int kWarps = WARPS;
@@ -50,8 +47,6 @@ struct AttnConfig {
   // Resident CTAs per SM the registers must allow (__launch_bounds__; 0 = no register cap: a
   // minimum of 1 was seen to change the allocation, 168 -> 203 registers for the decode CTA).
   static constexpr int kMinBlocks = MIN_BLOCKS;
-  // Q fragments re-read from shared memory every tile instead of held in registers (16-bit KV).
-  static constexpr bool kQReload = Q_RELOAD && !FP8;
   static constexpr int kRowGroups = ROWS / 16;
   static constexpr int kWpr = WARPS / kRowGroups;  // warps sharing a row group
   static constexpr int kKW = BN / kWpr;            // keys of a tile per warp
@@ -309,7 +304,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
             qf[kk][2 + h] = v.y;
           }
         }
-      } else if constexpr (!Cfg::kQReload) {
+      } else {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
           const int r = rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
@@ -347,13 +342,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
       const T* tK16 = reinterpret_cast<const T*>(tK);
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
-        uint32_t qr[4];
-        if constexpr (Cfg::kQReload) {
-          const int r = rg * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-          const int c = kk * 2 + (lane >> 4);
-          ldmatrix_x4(qr, sQ + r * D + swz(r, c) * 8);
-        }
-        const uint32_t(&qa)[4] = Cfg::kQReload ? qr : qf[kk];
+        const uint32_t(&qa)[4] = qf[kk];
 #pragma unroll
         for (int np = 0; np < KW / 16; ++np) {
           const int key = kp * KW + np * 16 + (lane & 7) + (lane >> 4) * 8;

@@ -40,21 +40,21 @@ int occupancy_cfg() {
 
 // Decode: 16 rows; a 64-key tile split over 4 warps (2 warps of 32-key tiles at head dim 256, to
 // keep three CTAs per SM). Decode32: 32 rows (a chain verify block at group 4) as two row groups of
-// the decode CTA, 8 warps (4 at head dim 256) sharing each K/V tile, so the tile is read once;
-// registers capped at 128 (Q fragments re-read from shared memory) so that two CTAs fit an SM.
-// Verify: 64 rows (all draft tokens x heads of a group), one 16-row slice per warp, for fp8 KV
-// and head dim 256 (16-bit KV at head dims 64 and 128 runs prefill.cuh's 64-row warpgroup-MMA
-// CTA). 16-bit KV runs two stages; fp8 KV, dequantised in registers, runs four stages in the same
-// shared memory (as many bytes in flight). Prefill: 128 rows over 8 warps, 64-key tiles (32 at
-// head dim 256). (H200, 64 x 4096 prefix, group 4: the 32-row chain took 0.364 ms as decode32,
-// 0.433 ms as 4 warps of 32 keys, 0.596 ms on two decode CTAs; the 64-row tree on mma.sync 0.467
-// ms at best, as four row groups of two warps with one barrier per tile.)
+// the decode CTA, 8 warps (4 at head dim 256) sharing each K/V tile, so the tile is read once; two
+// CTAs per SM. Verify: 64 rows (all draft tokens x heads of a group), one 16-row slice per warp.
+// Decode32 and verify serve fp8 KV and head dim 256: 16-bit KV at head dims 64 and 128 runs
+// prefill.cuh's 64-row warpgroup-MMA CTA on both shapes. 16-bit KV runs two stages; fp8 KV,
+// dequantised in registers, runs four stages in the same shared memory (as many bytes in flight).
+// Prefill: 128 rows over 8 warps, 64-key tiles (32 at head dim 256). (H200, 64 x 4096 prefix,
+// group 4, bf16: the 32-row chain took 0.364 ms as decode32 here, 0.433 ms as 4 warps of 32 keys,
+// 0.596 ms on two decode CTAs, 0.317 ms on the warpgroup-MMA CTA; the 64-row tree 0.467 ms on
+// mma.sync at best, 0.321 ms on the warpgroup-MMA CTA.)
 template <int D, bool FP8>
 using DecodeCfg = std::conditional_t<(D > 128), AttnConfig<D, 2, 16, 32, FP8, FP8 ? 4 : 2>,
                                      AttnConfig<D, 4, 16, 64, FP8, FP8 ? 4 : 2>>;
 template <int D, bool FP8>
 using Decode32Cfg = std::conditional_t<(D > 128), AttnConfig<D, 4, 32, 32, FP8, FP8 ? 4 : 2>,
-                                       AttnConfig<D, 8, 32, 64, FP8, FP8 ? 4 : 2, 2, true>>;
+                                       AttnConfig<D, 8, 32, 64, FP8, FP8 ? 4 : 2, 2>>;
 template <int D, bool FP8>
 using VerifyCfg = AttnConfig<D, 4, 64, (D > 128 ? 32 : 64), FP8, FP8 ? 4 : 2>;
 template <int D, bool FP8>
@@ -63,19 +63,22 @@ using PrefillCfg = AttnConfig<D, 8, 128, (D > 128 ? 32 : 64), FP8>;
 template <int D, typename T>
 cudaError_t launch_dim_t(const AttnParams& p, bool fp8_kv, TileShape shape, int num_items,
                          cudaStream_t stream, bool dependent) {
-  if (shape == TileShape::decode32) {
-    return fp8_kv ? launch_cfg<T, Decode32Cfg<D, true>>(p, num_items, stream, dependent)
-                  : launch_cfg<T, Decode32Cfg<D, false>>(p, num_items, stream, dependent);
+  if (shape == TileShape::decode32 || shape == TileShape::verify) {
+    const bool d32 = shape == TileShape::decode32;
+    if (fp8_kv) {
+      return d32 ? launch_cfg<T, Decode32Cfg<D, true>>(p, num_items, stream, dependent)
+                 : launch_cfg<T, VerifyCfg<D, true>>(p, num_items, stream, dependent);
+    }
+    if constexpr (prefill_verify_dim(D)) {
+      return cudaErrorInvalidValue;  // launch_prefill_verify
+    } else {
+      return d32 ? launch_cfg<T, Decode32Cfg<D, false>>(p, num_items, stream, dependent)
+                 : launch_cfg<T, VerifyCfg<D, false>>(p, num_items, stream, dependent);
+    }
   }
   if (shape == TileShape::decode) {
     return fp8_kv ? launch_cfg<T, DecodeCfg<D, true>>(p, num_items, stream, dependent)
                   : launch_cfg<T, DecodeCfg<D, false>>(p, num_items, stream, dependent);
-  }
-  if (shape == TileShape::verify) {
-    if (fp8_kv) return launch_cfg<T, VerifyCfg<D, true>>(p, num_items, stream, dependent);
-    if constexpr (!prefill_verify_dim(D))
-      return launch_cfg<T, VerifyCfg<D, false>>(p, num_items, stream, dependent);
-    return cudaErrorInvalidValue;
   }
   return fp8_kv ? launch_cfg<T, PrefillCfg<D, true>>(p, num_items, stream, dependent)
                 : launch_cfg<T, PrefillCfg<D, false>>(p, num_items, stream, dependent);
@@ -83,16 +86,20 @@ cudaError_t launch_dim_t(const AttnParams& p, bool fp8_kv, TileShape shape, int 
 
 template <int D, typename T>
 int occupancy_dim_t(bool fp8_kv, TileShape shape) {
-  if (shape == TileShape::decode32)
-    return fp8_kv ? occupancy_cfg<T, Decode32Cfg<D, true>>()
-                  : occupancy_cfg<T, Decode32Cfg<D, false>>();
+  if (shape == TileShape::decode32 || shape == TileShape::verify) {
+    const bool d32 = shape == TileShape::decode32;
+    if (fp8_kv)
+      return d32 ? occupancy_cfg<T, Decode32Cfg<D, true>>()
+                 : occupancy_cfg<T, VerifyCfg<D, true>>();
+    if constexpr (prefill_verify_dim(D)) {
+      return 1;  // prefill_verify_occupancy
+    } else {
+      return d32 ? occupancy_cfg<T, Decode32Cfg<D, false>>()
+                 : occupancy_cfg<T, VerifyCfg<D, false>>();
+    }
+  }
   if (shape == TileShape::decode)
     return fp8_kv ? occupancy_cfg<T, DecodeCfg<D, true>>() : occupancy_cfg<T, DecodeCfg<D, false>>();
-  if (shape == TileShape::verify) {
-    if (fp8_kv) return occupancy_cfg<T, VerifyCfg<D, true>>();
-    if constexpr (!prefill_verify_dim(D)) return occupancy_cfg<T, VerifyCfg<D, false>>();
-    return 1;
-  }
   return fp8_kv ? occupancy_cfg<T, PrefillCfg<D, true>>() : occupancy_cfg<T, PrefillCfg<D, false>>();
 }
 

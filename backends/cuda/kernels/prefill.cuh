@@ -1,11 +1,12 @@
 // Prefill / extend attention on Hopper warpgroup MMAs (wgmma, sm_90a), 16-bit K/V read from the
 // paged pool, causal or not: EXTEND, MIXED and DRAFT_EXTEND steps whose CTAs hold 128 query rows
-// (the plan's TileShape::prefill work items), and every step of the 64-row TileShape::verify
-// work items (TARGET_VERIFY trees and chains, short extends) at head dims 64 and 128.
+// (the plan's TileShape::prefill work items), and every step of the TileShape::verify and
+// TileShape::decode32 work items (TARGET_VERIFY trees and chains, short extends; a decode32 item
+// holds all of its request's <= 32 rows) on a 64-row CTA at head dims 64 and 128.
 //
 // A CTA owns 128 (or 64) flattened (token, head-in-group) rows of one KV head, so each K/V tile is
-// read once per GQA group. Q and the K/V tiles live in shared memory in the 128-byte swizzled layout
-// (wgmma.cuh); S = Q K^T is an m64nBNk16 MMA with both operands in shared memory, and the
+// read once per GQA group. Q and the K/V tiles live in shared memory in the 128-byte swizzled
+// layout (wgmma.cuh); S = Q K^T is an m64nBNk16 MMA with both operands in shared memory, and the
 // probabilities stay in registers as the A operand of O += P V, with V read transposed from the
 // same tile layout. The tensor cores read shared memory themselves: no ldmatrix traffic, which
 // bounded the earlier mma.sync version of this kernel (~300 TFLOP/s at d128 on the H200, against
@@ -70,8 +71,8 @@ struct PrefillConfig {
   static constexpr int kPasses = BN / kKeysPerPass;
   static_assert(kRows == kPrefillTileRows || kRows == kPrefillVerifyTileRows,
                 "prefill CTAs must match the plan's prefill or verify tile");
-  static_assert(kRows % (64 * WG) == 0 && D % 64 == 0 && BN % 64 == 0 && BN <= 128 && kThreads % kChunks == 0 &&
-                BN % kKeysPerPass == 0 && STAGES >= 2);
+  static_assert(kRows % (64 * WG) == 0 && D % 64 == 0 && BN % 64 == 0 && BN <= 128 &&
+                kThreads % kChunks == 0 && BN % kKeysPerPass == 0 && STAGES >= 2);
 };
 
 template <typename T, typename Cfg>

@@ -20,10 +20,11 @@ cudaError_t launch_prefill_d64(const AttnParams& p, bool fp16, int num_items, cu
 cudaError_t launch_prefill_d128(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream);
 cudaError_t launch_prefill_d256(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream);
 
-// Steps of any mode (TARGET_VERIFY trees included) planned with TileShape::verify work items,
-// 16-bit KV, head dims 64 and 128 (prefill_verify_dim); other head dims and fp8 KV take the verify
-// CTA of attention.cuh. `dependent`: as launch_attention's (launch.h). Occupancy: resident CTAs per
-// SM (occupancy API; at least 1).
+// Steps of any mode (TARGET_VERIFY trees included) planned with TileShape::verify or
+// TileShape::decode32 work items (a decode32 item is the only one of its request, f0 = 0, at most
+// 32 rows: the 64-row CTA covers it), 16-bit KV, head dims 64 and 128 (prefill_verify_dim); other
+// head dims and fp8 KV take the CTAs of attention.cuh. `dependent`: as launch_attention's
+// (launch.h). Occupancy: resident CTAs per SM (occupancy API; at least 1).
 constexpr bool prefill_verify_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
 cudaError_t launch_prefill_verify(const AttnParams& p, int head_dim, bool fp16, int num_items,
                                   cudaStream_t stream, bool dependent);
