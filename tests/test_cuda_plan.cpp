@@ -149,6 +149,11 @@ std::vector<int32_t> expected_splits(const PlannerConfig& cfg, size_t c, TileSha
     return splits;
   }
   if (base == 0) return splits;
+  if (cfg.kv_chunk > 0) {
+    for (int i = 0; i < bs; ++i)
+      splits[i] = static_cast<int32_t>(std::clamp<int64_t>(cdiv(kv(i), cfg.kv_chunk), 1, 64));
+    return splits;
+  }
   const int64_t cap = int64_t{cfg.sm_count} * cfg.occupancy[c][static_cast<int>(shape)];
   const int64_t bn = cfg.head_dims[c] > 128 ? 32 : 64;
   const int64_t s_max = std::min<int64_t>(
@@ -390,6 +395,11 @@ PlannerConfig config(std::vector<int> groups, std::vector<int> dims, int heads, 
   return c;
 }
 
+PlannerConfig with_kv_chunk(PlannerConfig c, int kv_chunk) {
+  c.kv_chunk = kv_chunk;
+  return c;
+}
+
 // A random tree of n tokens (parents precede children); topk > 1 marks it a tree.
 SpecInfo random_spec(std::mt19937& rng, int bs, int n, bool chain) {
   if (chain) return SpecInfo::chain(bs, n);
@@ -532,6 +542,7 @@ TEST(CudaHostPlan, RandomStepsMatchDirectComputation) {
       {64, config({2, 4}, {256, 128}, 2, false, 8), false, false},
       {16, config({4}, {128}, 8, true), true, true},
       {1, config({8, 1}, {128, 64}, 1, true), false, false},
+      {16, with_kv_chunk(config({4, 8}, {128, 64}, 8, false), 700), true, true},
   };
   for (size_t s = 0; s < scenarios.size(); ++s) {
     SCOPED_TRACE(testing::Message() << "scenario " << s << " page " << scenarios[s].page);

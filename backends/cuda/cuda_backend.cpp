@@ -1,6 +1,7 @@
 #include "backends/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 
 #include "attnrt/backend/options.h"
@@ -78,6 +79,15 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
   PlannerConfig cfg;
   cfg.sm_count = info.sm_count;
   cfg.deterministic = ctx.options != nullptr && ctx.options->deterministic;
+  if (const char* env = std::getenv("ATTNRT_KV_CHUNK"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    ATTNRT_CHECK(*end == '\0' && v >= 0 && v <= (1L << 30),
+                 "cuda backend: ATTNRT_KV_CHUNK={} is invalid; use a number of keys per split "
+                 "(0 = the plan's own choice)",
+                 env);
+    cfg.kv_chunk = static_cast<int>(v);
+  }
   for (const LayerSpec& l : ctx.model->layers) {
     if (!l.uses_kv_cache() || l.num_kv_heads <= 0) continue;
     const int g = l.num_q_heads / l.num_kv_heads;

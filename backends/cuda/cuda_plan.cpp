@@ -301,7 +301,8 @@ void HostPlanner::plan_class(size_t c, int bs) {
     if (base > 0) {
       const int64_t cap =
           int64_t{config_.sm_count} * config_.occupancy[c][static_cast<int>(cp.shape)];
-      chunk = choose_chunk(c, bs, cap, base);
+      chunk = config_.kv_chunk > 0 ? static_cast<uint32_t>(config_.kv_chunk)
+                                   : choose_chunk(c, bs, cap, base);
     }
   } else {
     const int64_t target = int64_t{config_.sm_count} * kCtasPerSm;

@@ -62,6 +62,10 @@ struct PlannerConfig {
   int num_kv_heads_max = 1;
   int sm_count = 132;
   bool deterministic = false;
+  // Keys per split of decode-shaped steps when > 0 (rounded up to whole key tiles), instead of the
+  // wave model's choice: for measuring the split policy (ATTNRT_KV_CHUNK, read by the backend).
+  // Graph steps and the deterministic mode keep their own rules.
+  int kv_chunk = 0;
 };
 
 // Fixed offsets of graph steps: the captured kernels were given these buffers.
