@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -109,24 +110,35 @@ void BM_HostPlan(benchmark::State& state) {
   state.counters["bytes"] = static_cast<double>(planner.plan().bytes);
   state.counters["incremental"] = planner.plan().incremental ? 1 : 0;
 }
-// The same plan with cold caches: 64 MiB are streamed through between two plans (outside the timed
-// region), as when `attnrt bench --backend cuda` starts every plan after a forward and a GPU drain.
+// The same plan with cold caches: `evict` MiB are streamed through between two plans (outside the
+// timed region), as when `attnrt bench --backend cuda` starts every plan after a forward and a GPU
+// drain: 64 MiB (twice the L3 here) leaves nothing of the plan's working set in any cache or the
+// TLB; 4 MiB empties the core's L1 and L2 but leaves most of the L3. The counters split the time
+// into prepare() and write() (clock reads around each, so their sum is a little above the total).
 void BM_HostPlanColdCaches(benchmark::State& state) {
   const auto kind = static_cast<Kind>(state.range(0));
   Workload w(kind);
   cuda::HostPlanner planner(planner_config());
   planner.enable_row_table(w.pool.size(), (w.pool.max_context_len() + kPage - 1) / kPage);
   std::array<std::vector<uint64_t>, 8> ring;
-  std::vector<uint64_t> evict(size_t{8} << 20, 1);  // 64 MiB, twice the L3
+  std::vector<uint64_t> evict(static_cast<size_t>(state.range(1)) << 17, 1);
   size_t slot = 0;
+  using Clock = std::chrono::steady_clock;
+  Clock::duration in_prepare{}, in_write{};
   auto step = [&] {
+    const auto t0 = Clock::now();
     const cuda::StepPlan& plan = planner.prepare(w.batch, &w.pool, kPage, 0, nullptr, false, false);
+    const auto t1 = Clock::now();
     std::vector<uint64_t>& buf = ring[slot++ % ring.size()];
     if (buf.size() * 8 < plan.bytes) buf.resize(plan.bytes / 8 + 1);
     planner.write(buf.data());
     planner.launched();
+    const auto t2 = Clock::now();
+    in_prepare += t1 - t0;
+    in_write += t2 - t1;
   };
   for (int i = 0; i < 16; ++i) step();
+  in_prepare = in_write = {};
   uint64_t sink = 0;
   for (auto _ : state) {
     state.PauseTiming();
@@ -136,6 +148,11 @@ void BM_HostPlanColdCaches(benchmark::State& state) {
     step();
     benchmark::ClobberMemory();
   }
+  const double n = static_cast<double>(state.iterations()) * 1e3;
+  state.counters["plan_us"] =
+      std::chrono::duration<double, std::nano>(in_prepare + in_write).count() / n;
+  state.counters["prepare_us"] = std::chrono::duration<double, std::nano>(in_prepare).count() / n;
+  state.counters["write_us"] = std::chrono::duration<double, std::nano>(in_write).count() / n;
 }
 // The minimum over repetitions as well: on a shared machine it is the figure least moved by
 // other work.
@@ -143,10 +160,12 @@ double min_of(const std::vector<double>& v) { return *std::min_element(v.begin()
 
 BENCHMARK(BM_HostPlanColdCaches)
     ->ComputeStatistics("min", min_of)
-    ->ArgName("kind")
-    ->Arg(kDecode)
-    ->Arg(kVerify)
-    ->Arg(kExtend)
+    ->ArgNames({"kind", "evict_mib"})
+    ->Args({kDecode, 64})
+    ->Args({kVerify, 64})
+    ->Args({kExtend, 64})
+    ->Args({kDecodeRagged, 64})
+    ->Args({kDecode, 4})
     ->Iterations(300);
 
 BENCHMARK(BM_HostPlan)
