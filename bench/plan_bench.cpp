@@ -27,7 +27,10 @@ namespace attnrt {
 namespace {
 
 // kDecodeRagged: decode with lengths drawn from [256, 2048] (serving batches are not uniform).
-enum Kind { kDecode = 0, kVerify = 1, kExtend = 2, kDecodeRagged = 3 };
+// kDecodeScattered: the decode batch on 256 rows drawn at random from a pool of 2048 (a serving
+// pool holds more rows than one batch, so a batch's row states are not adjacent).
+enum Kind { kDecode = 0, kVerify = 1, kExtend = 2, kDecodeRagged = 3, kDecodeScattered = 4 };
+constexpr int kScatteredPoolRows = 2048;
 
 constexpr int kBatch = 256;
 constexpr int kPage = 16;
@@ -38,8 +41,9 @@ struct Workload {
   ReqToTokenPool pool;
   ForwardBatch batch;
 
-  explicit Workload(Kind kind, int page = kPage) : pool(kBatch, 2048 + 16) {
-    const bool decode = kind == kDecode || kind == kDecodeRagged;
+  explicit Workload(Kind kind, int page = kPage)
+      : pool(kind == kDecodeScattered ? kScatteredPoolRows : kBatch, 2048 + 16) {
+    const bool decode = kind == kDecode || kind == kDecodeRagged || kind == kDecodeScattered;
     const int prefix = decode ? 2047 : 2048;
     const int q = decode ? 1 : kind == kVerify ? 8 : 16;
     const int kv = prefix + q;
@@ -48,8 +52,14 @@ struct Workload {
     std::iota(order.begin(), order.end(), int64_t{1});
     std::shuffle(order.begin(), order.end(), std::mt19937_64(42));
     std::vector<int64_t> rows(kBatch), slots(kv);
+    if (kind == kDecodeScattered) {
+      std::vector<int64_t> all(pool.size());
+      for (int64_t& row : all) row = pool.alloc();
+      std::shuffle(all.begin(), all.end(), std::mt19937_64(5));
+      std::copy_n(all.begin(), kBatch, rows.begin());
+    }
     for (int r = 0; r < kBatch; ++r) {
-      rows[r] = pool.alloc();
+      if (kind != kDecodeScattered) rows[r] = pool.alloc();
       for (int j = 0; j < kv; ++j)
         slots[j] = order[static_cast<size_t>(r) * per_req + j / page] * page + j % page;
       pool.write(static_cast<int>(rows[r]), 0, slots);
@@ -165,6 +175,7 @@ BENCHMARK(BM_HostPlanColdCaches)
     ->Args({kVerify, 64})
     ->Args({kExtend, 64})
     ->Args({kDecodeRagged, 64})
+    ->Args({kDecodeScattered, 64})
     ->Args({kDecode, 4})
     ->Iterations(300);
 
@@ -174,6 +185,7 @@ BENCHMARK(BM_HostPlan)
     ->Args({kVerify, 16})
     ->Args({kExtend, 16})
     ->Args({kDecodeRagged, 16})
+    ->Args({kDecodeScattered, 16})
     ->Args({kDecode, 1});
 
 void BM_MakeStepLayout(benchmark::State& state) {
