@@ -523,6 +523,20 @@ void run_scenario(const Scenario& sc, uint32_t seed, int steps) {
       st.capturing = rng() % 10 == 0;
     }
     st.launch = rng() % 6 != 0;
+    // Now and then a step that fails its checks first (a repeated row, found by the pass over the
+    // requests; one out_cache_loc entry too many, found after it; a graph state too small, found
+    // when the step is laid out): it must leave the row table's state as it was.
+    if (rng() % 5 == 0 && bs >= 2) {
+      Step bad = st;
+      const int how = static_cast<int>(rng() % 3);
+      GraphLayout tiny = gl;
+      tiny.max_bs = 1;
+      if (how == 0) bad.batch.req_pool_indices[bs - 1] = bad.batch.req_pool_indices[0];
+      if (how == 1) bad.batch.out_cache_loc.push_back(0);
+      EXPECT_THROW(planner.prepare(bad.batch, &rows.pool, sc.page, how == 2 ? bs : 0,
+                                   how == 2 ? &tiny : nullptr, true, false),
+                   Error);
+    }
     plan_and_check(planner, rows, dev, st);
     if (testing::Test::HasFatalFailure()) return;
     // Accepted tokens become the rows' held length (slots of rejected drafts stay in place).

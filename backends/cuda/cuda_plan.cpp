@@ -50,17 +50,23 @@ HostPlanner::HostPlanner(PlannerConfig config) : config_(std::move(config)) {
 
 void HostPlanner::enable_row_table(int rows, int64_t pages_per_row) {
   pages_per_row_ = pages_per_row;
-  rows_.assign(rows, RowState{~uint64_t{0}, 0, 0, 0, 0});
+  rows_.assign(rows, kUnknownRow);
   stamp_ = 0;
   num_commits_ = 0;
   commits_launched_ = false;
 }
 
+void HostPlanner::drop_commits(int n) {
+  for (int i = 0; i < n; ++i) rows_[row_of_[i]].pending = -1;
+}
+
 // One pass over the requests: lengths (from `derive`), the checks the plan and the kernels rely
 // on, the running token and page offsets, the pages the row table already holds and the commits
-// (as if the step were incremental; prepare() redoes them in the rare step that is not), each
-// request written in the kernels' layout. (Prefetching the page-table entry write() reads first
-// was measured slower: 2.55 -> 2.77 us for decode at batch 256.)
+// (as if the step were incremental; prepare() drops them in the rare step that is not), each
+// request written in the kernels' layout. The commits are kept in the row states (`pending`),
+// whose line the request reads anyway, rather than in a list the next plan applies. (Prefetching
+// the page-table entry write() reads first was measured slower: 2.55 -> 2.77 us for decode at
+// batch 256.)
 template <typename Derive>
 void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
   const int raw_bs = batch.batch_size;
@@ -73,7 +79,6 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
   const bool track = track_, commit = commit_if_incremental_, tree = tree_;
   const int64_t pages_per_row = pages_per_row_;
   RowState* state = rows_.data();
-  Commit* commits = commits_.data();
   const uint32_t seen = stamp_;
   const uint64_t epoch = pool != nullptr ? pool->generation_epoch() : 0;
   // DECODE commits the page its token completes too (its key is stored by this step and keeps its
@@ -86,7 +91,15 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
   int32_t* kvs = kv_.data();
   Stats st;
   int32_t pt = 0;
+  // The row states of a batch lie anywhere in the pool: a request's is fetched a few requests
+  // ahead, so that the misses of a cold plan overlap.
+  constexpr int kAhead = 32;
+  const uint64_t last_row = pool_rows > 0 ? static_cast<uint64_t>(pool_rows - 1) : 0;
+  for (int i = 0; i < std::min(raw_bs, kAhead); ++i)
+    __builtin_prefetch(state + std::min(static_cast<uint64_t>(rows[i]), last_row), 1);
   for (int i = 0; i < raw_bs; ++i) {
+    if (i + kAhead < raw_bs)
+      __builtin_prefetch(state + std::min(static_cast<uint64_t>(rows[i + kAhead]), last_row), 1);
     int32_t prefix, qlen;
     derive(i, prefix, qlen);
     const int64_t row = rows[i];
@@ -107,16 +120,26 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
     const auto pages = static_cast<int32_t>((kv + offset_mask) >> shift);
     int32_t known = 0, committed = 0, pt_row = -1;
     if (track) {
-      uint64_t gen = rs.gen;
-      if (rs.checked != epoch) {
-        gen = pool->generation(static_cast<int>(row));
-        if (rs.gen == gen) rs.checked = epoch;
+      // The last plan of this row was launched (prepare() dropped its commits otherwise).
+      if (rs.pending >= 0) {
+        rs.known = rs.pending;
+        rs.pending = -1;
       }
-      if (rs.gen == gen) known = std::min(rs.known, prefix >> shift);
+      if (rs.checked != epoch) {
+        // A row that changed hands holds none of its pages in the row table, whether or not
+        // this plan's kernels run.
+        const uint64_t gen = pool->generation(static_cast<int>(row));
+        if (rs.gen != gen) {
+          rs.gen = gen;
+          rs.known = 0;
+        }
+        rs.checked = epoch;
+      }
+      known = std::min(rs.known, prefix >> shift);
       const int32_t done = static_cast<int32_t>((decode ? kv : prefix) >> shift);
       committed = commit ? std::max(done, known) : known;
       pt_row = static_cast<int32_t>(row * pages_per_row);
-      if (commit) commits[i] = {static_cast<int32_t>(row), committed, gen};
+      if (commit) rs.pending = committed;
     }
     info[i] = {st.tokens,          qlen, prefix, static_cast<int32_t>(kv), pt, 1, 0,
                tree ? st.tokens : -1, pt_row, known,  committed,               0};
@@ -359,15 +382,7 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   batch_ = nullptr;
   // Commits of the previous plan become the row table's state once one of its kernels ran (they
   // store the pages back); a plan that never reached a kernel leaves the row table as it was.
-  if (commits_launched_) {
-    for (int n = 0; n < num_commits_; ++n) {
-      const Commit& cm = commits_[n];
-      RowState& rs = rows_[cm.row];
-      if (rs.gen != cm.gen) rs.checked = 0;
-      rs.gen = cm.gen;
-      rs.known = cm.pages;
-    }
-  }
+  if (!commits_launched_) drop_commits(num_commits_);
   num_commits_ = 0;
   commits_launched_ = false;
 
@@ -397,15 +412,27 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
     info_.resize(bs);
     row_of_.resize(bs);
     kv_.resize(bs);
-    commits_.resize(bs);
   }
   if (pool != nullptr && rows_.size() < static_cast<size_t>(pool->size()))
-    rows_.resize(pool->size(), RowState{~uint64_t{0}, 0, 0, 0, 0});
+    rows_.resize(pool->size(), kUnknownRow);
   if (++stamp_ == 0) {  // wrapped: forget every stamp
     for (RowState& rs : rows_) rs.stamp = 0;
     stamp_ = 1;
   }
-  derive_requests(batch);
+  try {
+    derive_requests(batch);
+  } catch (...) {
+    // A step that fails its checks commits nothing: the rows it reached drop their commits.
+    if (commit_if_incremental_) {
+      for (const int64_t row : batch.req_pool_indices) {
+        if (row >= 0 && static_cast<size_t>(row) < rows_.size() && rows_[row].stamp == stamp_)
+          rows_[row].pending = -1;
+      }
+    }
+    throw;
+  }
+  // Pending until a kernel of this plan is launched (or the plan turns out not incremental).
+  num_commits_ = commit_if_incremental_ ? raw_bs : 0;
 
   StepPlan& plan = plan_;
   plan.mode = batch.mode;
@@ -532,7 +559,10 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   raw_bs_ = raw_bs;
   n_draft_ = n_draft;
   commit_ = incremental && commit_if_incremental_;
-  num_commits_ = commit_ ? raw_bs : 0;
+  if (!commit_) {
+    drop_commits(num_commits_);
+    num_commits_ = 0;
+  }
   return plan_;
 }
 

@@ -121,30 +121,32 @@ class HostPlanner {
     int64_t sum_kv = 0;
     int64_t pages = 0;  // page ids the step uploads when it is incremental
   };
-  // Per pool row: what the device row table holds (its generation and committed page count) and
-  // the duplicate-row check's stamp (== stamp_: the row is in the step already). One cache line
-  // read per request: the plan starts cold in serving (after a GPU drain), where each distinct
-  // array touched per request costs a miss.
+  // Per pool row: what the device row table holds (its generation and committed page count), the
+  // commit of the last plan the row was in, and the duplicate-row check's stamp (== stamp_: the
+  // row is in the step already). One cache line read per request: the plan starts cold in serving
+  // (after a GPU drain), where each distinct array touched per request costs a miss.
   // `checked`: the pool's generation_epoch() when `gen` was last found current (while the epoch
   // holds, the row's generation is not read again).
+  // `pending` (>= 0): the page count the last plan's kernels store back. It becomes `known` when
+  // the row is next planned, since by then that plan's kernels were launched: the commits of a
+  // plan whose kernels never ran are dropped by the next prepare() (drop_commits).
   struct RowState {
     uint64_t gen;
+    uint64_t checked;
     int32_t known;
     uint32_t stamp;
-    uint64_t checked;
-    uint64_t pad;
+    int32_t pending;
+    int32_t pad;
   };
-  struct Commit {
-    int32_t row;
-    int32_t pages;
-    uint64_t gen;
-  };
+  static constexpr RowState kUnknownRow{~uint64_t{0}, 0, 0, 0, -1, 0};
   template <typename Derive>
   void scan(const ForwardBatch& batch, Derive derive);
   void derive_requests(const ForwardBatch& batch);
   void plan_class(size_t c, int bs);
   uint32_t choose_chunk(size_t c, int bs, int64_t cap, int64_t base);
   void write_work_ragged(size_t c, WorkItem* items) const;
+  // No kernel stores the commits of the rows row_of_[0, n).
+  void drop_commits(int n);
 
   PlannerConfig config_;
   StepPlan plan_;
@@ -173,8 +175,7 @@ class HostPlanner {
   // (pages its kernels store back) become that state once a kernel of the plan was launched.
   int64_t pages_per_row_ = 0;
   std::vector<RowState> rows_;  // [pool rows], also without a row table (the stamps)
-  std::vector<Commit> commits_;
-  int num_commits_ = 0;
+  int num_commits_ = 0;         // the last plan's requests with a pending commit: row_of_[0, n)
   bool commits_launched_ = false;
 };
 
