@@ -6,7 +6,7 @@
 // element fails. Inputs are fresh random numbers each run; the seed is printed (ATTNRT_TEST_SEED
 // replays one).
 // Also: verify + commit of k accepted tokens equals sequential decoding of them on the GPU (every
-// k of a chain, every node of a tree); device tensors with bf16 activations and padded token
+// k of a chain, every node of a tree); one-token steps of 300 requests; device tensors with bf16 activations and padded token
 // strides; a bad call throws attnrt::Error and leaves the pool unchanged. A timing test prints
 // the decode kernels' bandwidth at the Qwen3-Next and Nemotron-H shapes (never asserts on time).
 // Tolerances: fp32 state, fp32 kernels vs float64: 2e-4 + 2e-3 |x| (outputs and states); bf16
@@ -233,6 +233,43 @@ TEST_P(CudaLinear, DecodeAndMixedStepsMatchReference) {
   both(*g, *r, with_slots(make_draft_extend_batch(rows, after, accept)),
        random_tokens(*data_, tokens, rng_), "DRAFT_EXTEND");
   same_slots(*g, *r, {1, 2, 3, 4, 5}, "DRAFT_EXTEND");
+}
+
+// One-token steps over more requests than the persistent decode grid has CTAs (264 at the
+// 128-wide shapes on an H200), so that its CTAs take several items of several requests: a
+// one-token EXTEND of a third of them from zeros, then two DECODE steps of all; outputs and every
+// slot's window and state.
+TEST_P(CudaLinear, OneTokenStepsOverManyRequestsMatchReference) {
+  const int bs = 300;
+  auto g = gpu(bs + 1);
+  auto r = ref(bs + 1);
+  std::vector<int64_t> rows, fresh;
+  std::vector<int32_t> seq;
+  for (int i = 0; i < bs; ++i) {
+    g->pool().alloc_for(i);
+    r->pool().alloc_for(i);
+    rows.push_back(i);
+    if (i % 3 == 0) {
+      fresh.push_back(i);
+      seq.push_back(1);
+    } else {
+      random_state(*g, *r, g->pool().slot_of(i));
+      seq.push_back(10 + i);
+    }
+  }
+  const auto n_fresh = static_cast<int64_t>(fresh.size());
+  both(*g, *r,
+       with_slots(make_extend_batch(fresh, std::vector<int32_t>(fresh.size(), 0),
+                                    std::vector<int32_t>(fresh.size(), 1))),
+       random_tokens(*data_, n_fresh, rng_), "one-token EXTEND from zeros");
+  for (int step = 0; step < 2; ++step) {
+    for (int32_t& n : seq) ++n;
+    both(*g, *r, with_slots(make_decode_batch(rows, seq)), random_tokens(*data_, bs, rng_),
+         "DECODE step " + std::to_string(step) + " of " + std::to_string(bs) + " requests");
+  }
+  std::vector<int> slots;
+  for (int i = 0; i < bs; ++i) slots.push_back(g->pool().slot_of(i));
+  same_slots(*g, *r, slots, "one-token steps");
 }
 
 // Verify of a chain and of a tree against reference: outputs, every checkpoint, slots left alone;

@@ -8,11 +8,12 @@
 // K - 1 preceding inputs of its channels in registers, prefetches the next token's x, and, when the
 // request fits in one chunk (always for DECODE), writes the slot's new window itself: a one-token
 // step is one kernel that reads the window, x and the weights once and writes y and the window
-// once. Otherwise (verify, other K, unaligned layouts) the scalar `conv_kernel`: one thread per
+// once; one-token steps take `conv_token_kernel`, the same for one token in fewer registers
+// (comment above it). Otherwise (verify, other K, unaligned layouts) the scalar `conv_kernel`: one thread per
 // (request, channel, chunk), channels contiguous so that a warp's accesses are coalesced.
 // Requests longer than one chunk get their window from a second kernel once every chunk has read
 // the old one. Verify: one thread walks the block's tokens, each starting from its parent's
-// checkpoint window (re-read from what the same thread stored). Both conv kernels let the
+// checkpoint window (re-read from what the same thread stored). The conv kernels let the
 // recurrence after them be scheduled at once (dependent_launch.cuh): before its wait it reads only
 // the recurrent state and the request table, which no conv kernel writes.
 #include <cstdint>
@@ -217,6 +218,73 @@ __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams
   }
 }
 
+// Resident CTAs per SM that conv_token_kernel's register count must allow (fp32: at most 48
+// registers, bf16: 128).
+template <typename C>
+constexpr int kConvTokenBlocksPerSm = sizeof(C) == 4 ? 10 : 4;
+
+// One-token non-verify steps (DECODE) in conv_vec_kernel's layout: its arithmetic for one token,
+// without the token loop and the next token's prefetch, in fewer registers (fp32 windows: 48, 10
+// CTAs per SM), so that a DECODE at batch 64 runs in one wave on 132 SMs (GDN 1024 CTAs, Mamba2
+// 1280), where conv_vec_kernel (72 registers, 7 CTAs per SM) ran a second wave.
+template <typename C, int K>
+__global__ void __launch_bounds__(kConvThreads, kConvTokenBlocksPerSm<C>)
+    conv_token_kernel(const ConvParams p) {
+  constexpr int V = 16 / sizeof(C), W = K - 1;
+  static_assert((V * K) % 4 == 0, "weights are read as float4");
+  launch_dependent_grids();
+  const int dim = p.state.conv_dim;
+  const int c = (blockIdx.x * kConvThreads + threadIdx.x) * V;
+  if (c >= dim) return;
+  // Every load first: the weights and the bias (in flight while the request's record arrives),
+  // then x and the window.
+  float w[V][K];  // the V channels' K taps are V * K consecutive floats
+  const float4* wq = reinterpret_cast<const float4*>(p.weight + int64_t{c} * K);
+#pragma unroll
+  for (int q = 0; q < V * K / 4; ++q) {
+    const float4 f = wq[q];
+    const float fv[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w[(4 * q + e) / K][(4 * q + e) % K] = fv[e];
+  }
+  float bias[V];
+  if (p.bias != nullptr) {
+    load_vec<float, V>(p.bias + c, bias);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) bias[e] = 0.f;
+  }
+  const LinReq r = p.step.reqs[blockIdx.y];
+  if (r.tokens <= 0) return;
+  C* const window = static_cast<C*>(p.state.conv) + r.slot * (int64_t{W} * dim) + c;
+  float xt[V];
+  load_x<V>(p.x, p.x_dtype, int64_t{r.token_start} * p.x_stride + c, xt);
+  float win[W][V];  // the inputs before the token, oldest first
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    if (r.has_initial_state) {
+      load_vec<C, V>(window + int64_t{j} * dim, win[j]);
+    } else {
+#pragma unroll
+      for (int e = 0; e < V; ++e) win[j][e] = 0.f;
+    }
+  }
+
+  float y[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    float acc = bias[e] + w[e][W] * xt[e];
+#pragma unroll
+    for (int j = 0; j < W; ++j) acc += w[e][j] * win[j][e];
+    y[e] = silu(acc);
+  }
+  store_vec<float, V>(p.y + int64_t{r.token_start} * dim + c, y);
+  // The new window: the last W inputs of window ++ x.
+#pragma unroll
+  for (int j = 0; j + 1 < W; ++j) store_vec<C, V>(window + int64_t{j} * dim, win[j + 1]);
+  store_vec<C, V>(window + int64_t{W - 1} * dim, xt);
+}
+
 // Requests longer than one chunk: the new window is the last W inputs, all from x (W < chunk).
 template <typename C>
 __global__ void __launch_bounds__(kConvThreads) conv_window_kernel(const ConvParams p) {
@@ -258,6 +326,11 @@ cudaError_t conv_launch(const ConvParams& p, cudaStream_t stream) {
     constexpr int V = 16 / sizeof(C);
     const int groups = p.state.conv_dim / V;
     const unsigned vblocks = static_cast<unsigned>((groups + kConvThreads - 1) / kConvThreads);
+    if (p.step.max_tokens == 1) {
+      conv_token_kernel<C, kVecKernel>
+          <<<dim3(vblocks, p.step.num_reqs), kConvThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
     conv_vec_kernel<C, kVecKernel>
         <<<dim3(vblocks, p.step.num_reqs, chunks), kConvThreads, 0, stream>>>(p);
   } else {
