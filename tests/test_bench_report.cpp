@@ -308,6 +308,43 @@ TEST(BenchReport, TableNamesEveryRowAndMarksScaledOnes) {
             std::string::npos);
 }
 
+TEST(BenchReport, PlanRowsCarryTheirPhasesWhenTimed) {
+  BenchResult r = synthetic_result();
+  r.host_sync = "spin";
+  PlanTiming decode;
+  decode.workload = by_name("decode-64x4096");
+  decode.workload.name = "plan-decode-256x2048";
+  decode.time = stats(9e-6);
+  decode.parts = PlanParts{stats(0.1e-6), stats(0.2e-6), stats(3e-6), stats(2e-6), stats(4e-6)};
+  decode.stream = "own";
+  PlanTiming extend = decode;
+  extend.workload.name = "plan-extend-256x(2048+16)";
+  extend.parts.reset();
+  r.plans = {decode, extend};
+
+  const nlohmann::json j = to_json(r, synthetic_info());
+  EXPECT_EQ(j["host_sync"], "spin");
+  const auto& plans = j["plan_bs256"];
+  ASSERT_EQ(plans.size(), 2u);
+  EXPECT_DOUBLE_EQ(plans[0]["plan_us"]["median"].get<double>(), 9.0);
+  EXPECT_DOUBLE_EQ(plans[0]["parts_us"]["capture"]["median"].get<double>(), 0.1);
+  EXPECT_DOUBLE_EQ(plans[0]["parts_us"]["staging"]["median"].get<double>(), 0.2);
+  EXPECT_DOUBLE_EQ(plans[0]["parts_us"]["prepare"]["median"].get<double>(), 3.0);
+  EXPECT_DOUBLE_EQ(plans[0]["parts_us"]["write"]["median"].get<double>(), 2.0);
+  EXPECT_DOUBLE_EQ(plans[0]["parts_us"]["copy"]["median"].get<double>(), 4.0);
+  EXPECT_FALSE(plans[1].contains("parts_us"));
+  EXPECT_EQ(plans[0]["stream"], "own");
+
+  const std::string table = format_report(r, synthetic_info());
+  EXPECT_NE(table.find("the host waits: spin; on the KV cache's own stream"), std::string::npos)
+      << table;
+  EXPECT_NE(table.find("plan-decode-256x2048 parts: capture 0.10 us, staging 0.20, prepare 3.00, "
+                       "write 2.00, copy 4.00"),
+            std::string::npos)
+      << table;
+  EXPECT_EQ(table.find("plan-extend-256x(2048+16) parts"), std::string::npos) << table;
+}
+
 TEST(BenchChart, SvgIsWellFormedAndLabelsEveryRow) {
   BenchResult r = synthetic_result();
   std::string svg = render_svg(r, synthetic_info());

@@ -1,6 +1,7 @@
 #include "backends/cuda/cuda_backend.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
 
@@ -157,19 +158,32 @@ void CudaBackend::init_forward_metadata(const ForwardBatch& batch) {
 }
 
 void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool graph) {
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point t[6];
+  if (plan_timing_) t[0] = Clock::now();
   const bool capturing = stream_is_capturing(stream_);
   ATTNRT_CHECK(!(graph && capturing),
                "cuda backend: the graph plan runs while the stream captures; call "
                "init_forward_metadata_capture_cuda_graph before cudaStreamBeginCapture (its "
                "upload must not become part of the graph)");
+  if (plan_timing_) t[1] = Clock::now();
   if (!capturing && !row_table_ready_ && ctx_.req_to_token != nullptr) init_row_table();
   const StepPlan& plan =
       planner_->prepare(batch, ctx_.req_to_token, ctx_.kv_cache->page_size(), padded_bs,
                         graph ? &graph_layout_ : nullptr, graph_replay_, capturing);
   if (!graph) ensure(meta_, plan.bytes, "metadata");
-  planner_->write(staging_.acquire(plan.bytes, stream_, capturing));
+  if (plan_timing_) t[2] = Clock::now();
+  void* slot = staging_.acquire(plan.bytes, stream_, capturing);
+  if (plan_timing_) t[3] = Clock::now();
+  planner_->write(slot);
+  if (plan_timing_) t[4] = Clock::now();
   staging_.upload(graph ? graph_meta_.data() : meta_.data(), plan.bytes, stream_, capturing);
   graph_step_ = graph;
+  if (plan_timing_) {
+    t[5] = Clock::now();
+    auto s = [&](int i) { return std::chrono::duration<double>(t[i + 1] - t[i]).count(); };
+    plan_parts_ = {s(0), s(1), s(2), s(3), s(4)};
+  }
 }
 
 void CudaBackend::init_row_table() {

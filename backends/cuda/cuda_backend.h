@@ -56,6 +56,17 @@ class CudaBackend final : public AttentionBackend {
   void set_stream(cudaStream_t stream);
   const StepPlan& plan() const { return planner_->plan(); }
 
+  // Host seconds of the last plan's phases (init_forward_metadata and the graph hooks), kept when
+  // set_plan_timing(true) asked for them: the stream's capture query, the planner's prepare (with
+  // the metadata buffer's size check), the staging slot's acquire (its wait for the copy that last
+  // read it), the planner's write into the slot and the copy's issue (with every 4th step's event
+  // record). Off, a plan reads no clock.
+  struct PlanParts {
+    double capture = 0, prepare = 0, staging = 0, write = 0, copy = 0;
+  };
+  void set_plan_timing(bool on) { plan_timing_ = on; }
+  const PlanParts& last_plan_parts() const { return plan_parts_; }
+
  private:
   void build_plan(const ForwardBatch& batch, int padded_bs, bool graph);
   void init_row_table();
@@ -75,6 +86,8 @@ class CudaBackend final : public AttentionBackend {
   bool row_table_ready_ = false;
   bool graph_replay_ = false;
   StagingRing staging_;
+  bool plan_timing_ = false;
+  PlanParts plan_parts_;
   DeviceBuffer meta_;       // eager steps' metadata
   DeviceBuffer partials_;   // split-KV partial outputs and lse
   // Graph state: fixed-address buffers sized for the largest captured step.

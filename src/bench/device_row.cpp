@@ -1,12 +1,15 @@
 #include "src/bench/device_row.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 
 #include "attnrt/core/error.h"
 
 #if defined(ATTNRT_HAS_CUDA)
 #include <cuda_runtime_api.h>
 
+#include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_kv_cache.h"
 #include "backends/cuda/cuda_util.h"
 #endif
@@ -20,7 +23,8 @@ namespace {
 class CudaRow final : public DeviceRow {
  public:
   CudaRow(Device device, const ModelSpec& model, const KVCacheConfig& config, const KVCache& host,
-          const HostBuffer& q, const HostBuffer& k, const HostBuffer& v, const HostBuffer& out)
+          const HostBuffer& q, const HostBuffer& k, const HostBuffer& v, const HostBuffer& out,
+          bool own_stream)
       : device_(device) {
     ATTNRT_CUDA_CHECK(cudaSetDevice(device.index));
     storage_ = cuda::make_cuda_kv_storage(model, config);
@@ -32,8 +36,9 @@ class CudaRow final : public DeviceRow {
         cache_->set_kv_scales(l.layer_id, h.k_scale, h.v_scale);
       cache_->copy_layer_from_host(l.layer_id, h.k, h.v);
     }
-    // Backends built on this cache take its stream: the default one, which the timer records on.
-    cache_->set_stream(nullptr);
+    // Backends built on this cache take its stream: the default one, which the timer records on,
+    // unless the row keeps the cache's own.
+    if (!own_stream) cache_->set_stream(nullptr);
     q_ = upload(q);
     k_ = upload(k);
     v_ = upload(v);
@@ -58,7 +63,7 @@ class CudaRow final : public DeviceRow {
     ATTNRT_CUDA_CHECK(cudaMemcpy(out.data(), out_.data(), out.bytes(), cudaMemcpyDeviceToHost));
   }
 
-  void synchronize() override { ATTNRT_CUDA_CHECK(cudaStreamSynchronize(nullptr)); }
+  void synchronize() override { ATTNRT_CUDA_CHECK(cudaStreamSynchronize(cache_->stream())); }
 
  private:
   struct Tensor {
@@ -140,16 +145,73 @@ std::unique_ptr<DeviceTensors> make_device_tensors(Device device, KVCache& cache
 std::unique_ptr<DeviceRow> make_device_row(Device device, const ModelSpec& model,
                                            const KVCacheConfig& config, const KVCache& host,
                                            const HostBuffer& q, const HostBuffer& k,
-                                           const HostBuffer& v, const HostBuffer& out) {
+                                           const HostBuffer& v, const HostBuffer& out,
+                                           bool own_stream) {
   ATTNRT_CHECK(device.kind == DeviceKind::cuda, "bench: no device rows on {}", device_name(device));
-  return std::make_unique<CudaRow>(device, model, config, host, q, k, v, out);
+  return std::make_unique<CudaRow>(device, model, config, host, q, k, v, out, own_stream);
+}
+
+bool set_plan_part_timing(AttentionBackend& backend, bool on) {
+  auto* cuda = dynamic_cast<cuda::CudaBackend*>(&backend);
+  if (cuda == nullptr) return false;
+  cuda->set_plan_timing(on);
+  return true;
+}
+
+std::array<double, 5> last_plan_parts(const AttentionBackend& backend) {
+  const auto* cuda = dynamic_cast<const cuda::CudaBackend*>(&backend);
+  if (cuda == nullptr) return {};
+  const cuda::CudaBackend::PlanParts& p = cuda->last_plan_parts();
+  return {p.capture, p.staging, p.prepare, p.write, p.copy};
+}
+
+std::string host_sync_mode(Device device) {
+  ATTNRT_CHECK(device.kind == DeviceKind::cuda, "bench: no host sync mode on {}",
+               device_name(device));
+  ATTNRT_CUDA_CHECK(cudaSetDevice(device.index));
+  if (const char* env = std::getenv("ATTNRT_BENCH_SYNC"); env != nullptr && *env != '\0') {
+    const std::string_view v(env);
+    unsigned flags = 0;
+    if (v == "spin") {
+      flags = cudaDeviceScheduleSpin;
+    } else if (v == "yield") {
+      flags = cudaDeviceScheduleYield;
+    } else if (v == "blocking") {
+      flags = cudaDeviceScheduleBlockingSync;
+    } else {
+      ATTNRT_CHECK(v == "auto", "bench: ATTNRT_BENCH_SYNC={} is invalid; use spin, yield, "
+                                "blocking or auto", env);
+      flags = cudaDeviceScheduleAuto;
+    }
+    ATTNRT_CUDA_CHECK(cudaSetDeviceFlags(flags));
+  }
+  unsigned flags = 0;
+  ATTNRT_CUDA_CHECK(cudaGetDeviceFlags(&flags));
+  switch (flags & cudaDeviceScheduleMask) {
+    case cudaDeviceScheduleSpin:
+      return "spin";
+    case cudaDeviceScheduleYield:
+      return "yield";
+    case cudaDeviceScheduleBlockingSync:
+      return "blocking sync";
+    default:
+      return "auto";
+  }
 }
 
 #else
 
+bool set_plan_part_timing(AttentionBackend&, bool) { return false; }
+
+std::array<double, 5> last_plan_parts(const AttentionBackend&) { return {}; }
+
+std::string host_sync_mode(Device device) {
+  fail("bench: rows on {} need CUDA, and this build has none", device_name(device));
+}
+
 std::unique_ptr<DeviceRow> make_device_row(Device device, const ModelSpec&, const KVCacheConfig&,
                                            const KVCache&, const HostBuffer&, const HostBuffer&,
-                                           const HostBuffer&, const HostBuffer&) {
+                                           const HostBuffer&, const HostBuffer&, bool) {
   fail("bench: rows on {} need CUDA, and this build has none", device_name(device));
 }
 

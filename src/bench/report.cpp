@@ -230,14 +230,23 @@ json to_json(const BenchResult& r, const RunInfo& info) {
     json plans = json::array();
     for (const PlanTiming& p : r.plans) {
       json x = {{"name", p.workload.name}, {"shape", shape_json(p.workload)}};
+      if (!p.stream.empty()) x["stream"] = p.stream;
       if (p.error.empty()) {
         x["plan_us"] = timing_json(p.time, 1e6);
+        if (p.parts) {
+          x["parts_us"] = {{"capture", timing_json(p.parts->capture, 1e6)},
+                           {"staging", timing_json(p.parts->staging, 1e6)},
+                           {"prepare", timing_json(p.parts->prepare, 1e6)},
+                           {"write", timing_json(p.parts->write, 1e6)},
+                           {"copy", timing_json(p.parts->copy, 1e6)}};
+        }
       } else {
         x["error"] = p.error;
       }
       plans.push_back(std::move(x));
     }
     j["plan_bs256"] = std::move(plans);
+    if (!r.host_sync.empty()) j["host_sync"] = r.host_sync;
   }
   if (r.graph) {
     const GraphOverhead& g = *r.graph;
@@ -397,11 +406,27 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
                    r.timer_method);
   if (!r.plans.empty()) {
     s << "\nhost plan per step at batch 256 (each plan followed by its step, GPU drained outside "
-         "the timed region):\n";
+         "the timed region"
+      << (r.host_sync.empty() ? std::string() : "; the host waits: " + r.host_sync)
+      << (r.plans[0].stream.empty() ? std::string()
+          : r.plans[0].stream == "own"
+              ? std::string("; on the KV cache's own stream")
+              : std::string("; on the legacy default stream"))
+      << "):\n";
     for (const PlanTiming& p : r.plans) {
       if (p.error.empty()) {
         s << fmt::format("  {:<34} {:>8.2f} us  (p10..p90 {:.2f}..{:.2f})\n", p.workload.name,
                          p.time.median * 1e6, p.time.p10 * 1e6, p.time.p90 * 1e6);
+        if (p.parts) {
+          const PlanParts& q = *p.parts;
+          s << fmt::format(
+              "  {} parts: capture {:.2f} us, staging {:.2f}, prepare {:.2f}, write {:.2f}, copy "
+              "{:.2f} (medians; p90 {:.2f} / {:.2f} / {:.2f} / {:.2f} / {:.2f})\n",
+              p.workload.name, q.capture.median * 1e6, q.staging.median * 1e6,
+              q.prepare.median * 1e6, q.write.median * 1e6, q.copy.median * 1e6,
+              q.capture.p90 * 1e6, q.staging.p90 * 1e6, q.prepare.p90 * 1e6, q.write.p90 * 1e6,
+              q.copy.p90 * 1e6);
+        }
       } else {
         s << fmt::format("  {:<34} ERROR: {}\n", p.workload.name, p.error);
       }

@@ -6,8 +6,10 @@
 #include <array>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 #include <random>
+#include <string_view>
 
 #include "attnrt/backend/options.h"
 #include "attnrt/backend/selection.h"
@@ -148,8 +150,10 @@ struct BackendRun {
   HostBuffer out;
   RowData* data = nullptr;
 
+  // `own_stream`: on a GPU, the row's work goes to its KV cache's own stream rather than the
+  // legacy default stream the device timer records on (make_device_row).
   BackendRun(RowData& d, const std::string& name, int threads, const Registry& registry,
-             Device device)
+             Device device, bool own_stream = false)
       : data(&d) {
     const Workload& w = d.w;
     options.attention_backend = name;
@@ -172,7 +176,7 @@ struct BackendRun {
     ctx.req_to_token = d.req_to_token.get();
     ctx.device = device;
     if (device.kind != DeviceKind::cpu) {
-      gpu = make_device_row(device, d.model, d.config, *d.kv, d.q, d.k, d.v, out);
+      gpu = make_device_row(device, d.model, d.config, *d.kv, d.q, d.k, d.v, out, own_stream);
       ctx.kv_cache = &gpu->cache();
     }
     backend = create_backend(selection, ctx, registry);
@@ -210,22 +214,63 @@ struct BackendRun {
 
   // Host time of the plan. A GPU backend keeps the committed page tables of its rows on the
   // device once a step's kernels ran, so each timed plan follows a forward, as in serving; the GPU
-  // is drained outside the timed region.
-  TimingStats time_plan(int repeats) {
+  // is drained outside the timed region. A backend that times its plan's phases (cuda) gets a
+  // second pass of the same steps with that timing on, into `parts`.
+  // ATTNRT_BENCH_PLAN_SPIN_US=N busy-waits N us between the drain and each plan (untimed): a core
+  // that slept through a blocking wait is then awake and clocked up again, for A/B timing.
+  TimingStats time_plan(int repeats, std::optional<PlanParts>* parts = nullptr) {
     if (!gpu) {
       return time_host_call([&] { backend->init_forward_metadata(data->batch); }, repeats);
     }
+    const double spin = plan_spin_seconds();
+    const int steps = std::max(repeats, 20) + 2;
+    auto drain = [&] {
+      forward();
+      gpu->synchronize();
+      if (spin > 0) {
+        const auto t0 = std::chrono::steady_clock::now();
+        while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < spin) {
+        }
+      }
+    };
     std::vector<double> samples;
-    for (int i = 0; i < std::max(repeats, 20) + 2; ++i) {
+    for (int i = 0; i < steps; ++i) {
       cache().begin_step(data->batch);
       const auto t0 = std::chrono::steady_clock::now();
       backend->init_forward_metadata(data->batch);
       const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      forward();
-      gpu->synchronize();
+      drain();
       if (i >= 2) samples.push_back(t);
     }
+    if (parts != nullptr && set_plan_part_timing(*backend, true)) {
+      std::array<std::vector<double>, 5> part;
+      for (int i = 0; i < steps; ++i) {
+        cache().begin_step(data->batch);
+        backend->init_forward_metadata(data->batch);
+        const std::array<double, 5> p = last_plan_parts(*backend);
+        drain();
+        if (i < 2) continue;
+        for (size_t k = 0; k < p.size(); ++k) part[k].push_back(p[k]);
+      }
+      set_plan_part_timing(*backend, false);
+      *parts = PlanParts{TimingStats::from_samples(std::move(part[0])),
+                         TimingStats::from_samples(std::move(part[1])),
+                         TimingStats::from_samples(std::move(part[2])),
+                         TimingStats::from_samples(std::move(part[3])),
+                         TimingStats::from_samples(std::move(part[4]))};
+    }
     return TimingStats::from_samples(std::move(samples));
+  }
+
+  static double plan_spin_seconds() {
+    const char* env = std::getenv("ATTNRT_BENCH_PLAN_SPIN_US");
+    if (env == nullptr || *env == '\0') return 0;
+    char* end = nullptr;
+    const long us = std::strtol(env, &end, 10);
+    ATTNRT_CHECK(*end == '\0' && us >= 0 && us <= 1000000,
+                 "bench: ATTNRT_BENCH_PLAN_SPIN_US={} is invalid; use microseconds, 0 to 1000000",
+                 env);
+    return static_cast<double>(us) * 1e-6;
   }
 };
 
@@ -506,8 +551,21 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
   return row;
 }
 
+// The plan rows run on their KV cache's own non-blocking stream, as AttentionRuntime's steps do
+// (they need no device timer); ATTNRT_BENCH_PLAN_STREAM=legacy puts them on the legacy default
+// stream, where each call also orders itself against every blocking stream, for A/B timing.
+bool plans_on_own_stream() {
+  const char* env = std::getenv("ATTNRT_BENCH_PLAN_STREAM");
+  if (env == nullptr || *env == '\0') return true;
+  const std::string_view v(env);
+  ATTNRT_CHECK(v == "own" || v == "legacy",
+               "bench: ATTNRT_BENCH_PLAN_STREAM={} is invalid; use own or legacy", env);
+  return v == "own";
+}
+
 std::vector<PlanTiming> measure_plans_bs256(const BenchConfig& config) {
   const int threads = resolve_threads(config.threads);
+  const bool own_stream = plans_on_own_stream();
   std::vector<PlanTiming> out;
   Workload decode;
   decode.name = "plan-decode-256x2048";
@@ -525,13 +583,15 @@ std::vector<PlanTiming> measure_plans_bs256(const BenchConfig& config) {
   for (const Workload& w : {decode, verify, extend}) {
     PlanTiming p;
     p.workload = w;
+    p.stream = own_stream ? "own" : "legacy";
     try {
       say(config, fmt::format("{}: timing the host plan", w.name));
       RowData data(w, config.seed + 31);
-      BackendRun run(data, config.backend, threads, registry_of(config), config.device);
+      BackendRun run(data, config.backend, threads, registry_of(config), config.device,
+                     own_stream);
       run.plan();
       run.forward();
-      p.time = run.time_plan(std::max(config.repeats, 50));
+      p.time = run.time_plan(std::max(config.repeats, 50), &p.parts);
     } catch (const Error& e) {
       p.error = e.what();
     }
@@ -562,6 +622,7 @@ BenchResult run_bench(const BenchConfig& config) {
   CeilingOptions co = config.ceiling_options;
   co.threads = result.threads;
   result.ceilings = measure_ceilings(config.device, co);
+  if (config.device.kind == DeviceKind::cuda) result.host_sync = host_sync_mode(config.device);
   result.timer_method = make_device_timer(config.device)->method();
   for (const Workload& w : config.workloads) {
     result.rows.push_back(run_row(config, w, result.ceilings));

@@ -106,12 +106,21 @@ struct LinearRowResult {
   std::string metric_unit() const { return bound == Bound::memory ? "GB/s" : "GFLOP/s"; }
 };
 
+// Host seconds of the phases of a cuda plan (CudaBackend::PlanParts): the stream's capture query,
+// the staging slot's acquire, the planner's prepare and write, the copy's issue. Timed in a pass
+// of their own after the plan's, so the clock reads stay out of PlanTiming::time.
+struct PlanParts {
+  TimingStats capture, staging, prepare, write, copy;
+};
+
 // Host time of one plan (init_forward_metadata) at batch 256, each plan followed by its step as in
 // serving.
 struct PlanTiming {
   Workload workload;
-  TimingStats time;   // seconds per plan
-  std::string error;  // why it could not be measured ("" when measured)
+  TimingStats time;                // seconds per plan
+  std::optional<PlanParts> parts;  // backends that time their phases (cuda)
+  std::string stream;  // the GPU stream of the plan's steps: "own" (the KV cache's) or "legacy"
+  std::string error;               // why it could not be measured ("" when measured)
 };
 
 // One DECODE step of a 32-layer model issued eagerly (begin_step, a forward per layer, end_step)
@@ -135,6 +144,7 @@ struct BenchResult {
   std::vector<LinearRowResult> linear_rows;
   std::string timer_method;
   std::vector<PlanTiming> plans;        // GPU runs (BenchConfig::gpu_step_costs)
+  std::string host_sync;  // GPU runs: how the host thread waits for the device (device_row.h)
   std::optional<GraphOverhead> graph;  // GPU runs (BenchConfig::gpu_step_costs)
   bool all_passed() const;
 };
