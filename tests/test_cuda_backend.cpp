@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -899,6 +900,25 @@ TEST_F(CudaBackendTest, DependentLaunchesGiveTheBitsOfPlainLaunches) {
     differ = 0;
     for (const std::vector<char>& out : steps.graph(true, 20)) differ += out != plain_graph;
     EXPECT_EQ(differ, 0) << differ << " of 20 replays of a graph of dependent launches differ";
+  }
+}
+
+// ATTNRT_PLAN_COPY_MIN_BYTES pads the plan's upload with its staging buffer's stale tail (up to
+// what the graph's metadata buffer holds): the outputs keep their bits, eager and as a replayed
+// graph.
+TEST_F(CudaBackendTest, PaddedPlanUploadGivesTheSameBits) {
+  for (ForwardMode mode : {ForwardMode::DECODE, ForwardMode::TARGET_VERIFY}) {
+    SCOPED_TRACE(forward_mode_name(mode));
+    DependentLaunchSteps plain(mode);
+    const std::vector<char> eager = plain.eager(true);
+    const std::vector<char> graph = plain.graph(true, 1).at(0);
+    ASSERT_TRUE(plain.finite(eager));
+    ASSERT_EQ(setenv("ATTNRT_PLAN_COPY_MIN_BYTES", "65536", 1), 0);
+    DependentLaunchSteps padded(mode);
+    unsetenv("ATTNRT_PLAN_COPY_MIN_BYTES");
+    EXPECT_TRUE(padded.eager(true) == eager) << "eager step with a padded upload differs";
+    EXPECT_TRUE(padded.eager(true) == eager) << "second eager step with a padded upload differs";
+    EXPECT_TRUE(padded.graph(true, 1).at(0) == graph) << "graph replay with a padded upload differs";
   }
 }
 

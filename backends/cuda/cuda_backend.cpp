@@ -89,6 +89,15 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
                  env);
     cfg.kv_chunk = static_cast<int>(v);
   }
+  if (const char* env = std::getenv("ATTNRT_PLAN_COPY_MIN_BYTES"); env != nullptr && *env != '\0') {
+    char* end = nullptr;
+    const long v = std::strtol(env, &end, 10);
+    ATTNRT_CHECK(*end == '\0' && v >= 0 && v <= (1L << 24),
+                 "cuda backend: ATTNRT_PLAN_COPY_MIN_BYTES={} is invalid; use a number of bytes "
+                 "from 0 to 16777216 (0 = copy the plan's own size)",
+                 env);
+    copy_min_bytes_ = static_cast<size_t>(v);
+  }
   for (const LayerSpec& l : ctx.model->layers) {
     if (!l.uses_kv_cache() || l.num_kv_heads <= 0) continue;
     const int g = l.num_q_heads / l.num_kv_heads;
@@ -171,13 +180,20 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
   const StepPlan& plan =
       planner_->prepare(batch, ctx_.req_to_token, ctx_.kv_cache->page_size(), padded_bs,
                         graph ? &graph_layout_ : nullptr, graph_replay_, capturing);
-  if (!graph) ensure(meta_, plan.bytes, "metadata");
+  // The upload may carry the slot's stale tail past the plan (ATTNRT_PLAN_COPY_MIN_BYTES), up to
+  // what the destination holds; nothing reads those bytes.
+  size_t copy_bytes = plan.bytes;
+  if (copy_min_bytes_ > copy_bytes) {
+    copy_bytes = graph ? std::max(copy_bytes, std::min(copy_min_bytes_, graph_meta_.bytes()))
+                       : copy_min_bytes_;
+  }
+  if (!graph) ensure(meta_, copy_bytes, "metadata");
   if (plan_timing_) t[2] = Clock::now();
-  void* slot = staging_.acquire(plan.bytes, stream_, capturing);
+  void* slot = staging_.acquire(copy_bytes, stream_, capturing);
   if (plan_timing_) t[3] = Clock::now();
   planner_->write(slot);
   if (plan_timing_) t[4] = Clock::now();
-  staging_.upload(graph ? graph_meta_.data() : meta_.data(), plan.bytes, stream_, capturing);
+  staging_.upload(graph ? graph_meta_.data() : meta_.data(), copy_bytes, stream_, capturing);
   graph_step_ = graph;
   if (plan_timing_) {
     t[5] = Clock::now();
