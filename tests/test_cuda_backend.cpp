@@ -918,7 +918,8 @@ TEST_F(CudaBackendTest, PaddedPlanUploadGivesTheSameBits) {
     unsetenv("ATTNRT_PLAN_COPY_MIN_BYTES");
     EXPECT_TRUE(padded.eager(true) == eager) << "eager step with a padded upload differs";
     EXPECT_TRUE(padded.eager(true) == eager) << "second eager step with a padded upload differs";
-    EXPECT_TRUE(padded.graph(true, 1).at(0) == graph) << "graph replay with a padded upload differs";
+    EXPECT_TRUE(padded.graph(true, 1).at(0) == graph)
+        << "graph replay with a padded upload differs";
   }
 }
 

@@ -179,8 +179,9 @@ std::string host_sync_mode(Device device) {
     } else if (v == "blocking") {
       flags = cudaDeviceScheduleBlockingSync;
     } else {
-      ATTNRT_CHECK(v == "auto", "bench: ATTNRT_BENCH_SYNC={} is invalid; use spin, yield, "
-                                "blocking or auto", env);
+      ATTNRT_CHECK(v == "auto",
+                   "bench: ATTNRT_BENCH_SYNC={} is invalid; use spin, yield, blocking or auto",
+                   env);
       flags = cudaDeviceScheduleAuto;
     }
     ATTNRT_CUDA_CHECK(cudaSetDeviceFlags(flags));

@@ -30,7 +30,8 @@ class DeviceRow {
 // A copy of `host` (every layer of `model`) and of q / k / v on `device`, with an output buffer
 // shaped like `out`. Work on it goes to the legacy default stream, which the CUDA bench timer
 // records its events on; with `own_stream` (rows timed without that timer) to the KV cache's own
-// non-blocking stream instead, as in AttentionRuntime. Throws attnrt::Error in a build without CUDA.
+// non-blocking stream instead, as in AttentionRuntime. Throws attnrt::Error in a build without
+// CUDA.
 std::unique_ptr<DeviceRow> make_device_row(Device device, const ModelSpec& model,
                                            const KVCacheConfig& config, const KVCache& host,
                                            const HostBuffer& q, const HostBuffer& k,

@@ -408,10 +408,9 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
     s << "\nhost plan per step at batch 256 (each plan followed by its step, GPU drained outside "
          "the timed region"
       << (r.host_sync.empty() ? std::string() : "; the host waits: " + r.host_sync)
-      << (r.plans[0].stream.empty() ? std::string()
-          : r.plans[0].stream == "own"
-              ? std::string("; on the KV cache's own stream")
-              : std::string("; on the legacy default stream"))
+      << (r.plans[0].stream.empty()    ? std::string()
+          : r.plans[0].stream == "own" ? std::string("; on the KV cache's own stream")
+                                       : std::string("; on the legacy default stream"))
       << "):\n";
     for (const PlanTiming& p : r.plans) {
       if (p.error.empty()) {

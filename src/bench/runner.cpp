@@ -227,10 +227,8 @@ struct BackendRun {
     auto drain = [&] {
       forward();
       gpu->synchronize();
-      if (spin > 0) {
-        const auto t0 = std::chrono::steady_clock::now();
-        while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < spin) {
-        }
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(spin);
+      while (std::chrono::steady_clock::now() < until) {
       }
     };
     std::vector<double> samples;
@@ -587,8 +585,7 @@ std::vector<PlanTiming> measure_plans_bs256(const BenchConfig& config) {
     try {
       say(config, fmt::format("{}: timing the host plan", w.name));
       RowData data(w, config.seed + 31);
-      BackendRun run(data, config.backend, threads, registry_of(config), config.device,
-                     own_stream);
+      BackendRun run(data, config.backend, threads, registry_of(config), config.device, own_stream);
       run.plan();
       run.forward();
       p.time = run.time_plan(std::max(config.repeats, 50), &p.parts);

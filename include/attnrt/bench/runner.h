@@ -119,7 +119,7 @@ struct PlanTiming {
   Workload workload;
   TimingStats time;                // seconds per plan
   std::optional<PlanParts> parts;  // backends that time their phases (cuda)
-  std::string stream;  // the GPU stream of the plan's steps: "own" (the KV cache's) or "legacy"
+  std::string stream;              // the steps' GPU stream: "own" (the KV cache's) or "legacy"
   std::string error;               // why it could not be measured ("" when measured)
 };
 
