@@ -141,6 +141,27 @@ __device__ __forceinline__ void load_x(const void* base, DTypeCode t, int64_t i,
   }
 }
 
+// The K taps of channels c .. c + V - 1 (V * K consecutive floats, read as float4) and their bias
+// (0 without one).
+template <int V, int K>
+__device__ __forceinline__ void load_taps(const ConvParams& p, int c, float (&w)[V][K],
+                                          float (&bias)[V]) {
+  const float4* wq = reinterpret_cast<const float4*>(p.weight + int64_t{c} * K);
+#pragma unroll
+  for (int q = 0; q < V * K / 4; ++q) {
+    const float4 f = wq[q];
+    const float fv[4] = {f.x, f.y, f.z, f.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) w[(4 * q + e) / K][(4 * q + e) % K] = fv[e];
+  }
+  if (p.bias != nullptr) {
+    load_vec<float, V>(p.bias + c, bias);
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) bias[e] = 0.f;
+  }
+}
+
 // Non-verify steps, V = 16 / sizeof(C) channels per thread (see the header comment).
 template <typename C, int K>
 __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams p) {
@@ -174,22 +195,9 @@ __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams
       for (int e = 0; e < V; ++e) win[j][e] = 0.f;
     }
   }
-  float w[V][K];  // the V channels' K taps are V * K consecutive floats
-  const float4* wq = reinterpret_cast<const float4*>(p.weight + int64_t{c} * K);
-#pragma unroll
-  for (int q = 0; q < V * K / 4; ++q) {
-    const float4 f = wq[q];
-    const float fv[4] = {f.x, f.y, f.z, f.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) w[(4 * q + e) / K][(4 * q + e) % K] = fv[e];
-  }
+  float w[V][K];
   float bias[V];
-  if (p.bias != nullptr) {
-    load_vec<float, V>(p.bias + c, bias);
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) bias[e] = 0.f;
-  }
+  load_taps<V, K>(p, c, w, bias);
 
   for (int t = t0; t < t1; ++t) {
     float xt[V];
@@ -238,22 +246,9 @@ __global__ void __launch_bounds__(kConvThreads, kConvTokenBlocksPerSm<C>)
   if (c >= dim) return;
   // Every load first: the weights and the bias (in flight while the request's record arrives),
   // then x and the window.
-  float w[V][K];  // the V channels' K taps are V * K consecutive floats
-  const float4* wq = reinterpret_cast<const float4*>(p.weight + int64_t{c} * K);
-#pragma unroll
-  for (int q = 0; q < V * K / 4; ++q) {
-    const float4 f = wq[q];
-    const float fv[4] = {f.x, f.y, f.z, f.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) w[(4 * q + e) / K][(4 * q + e) % K] = fv[e];
-  }
+  float w[V][K];
   float bias[V];
-  if (p.bias != nullptr) {
-    load_vec<float, V>(p.bias + c, bias);
-  } else {
-#pragma unroll
-    for (int e = 0; e < V; ++e) bias[e] = 0.f;
-  }
+  load_taps<V, K>(p, c, w, bias);
   const LinReq r = p.step.reqs[blockIdx.y];
   if (r.tokens <= 0) return;
   C* const window = static_cast<C*>(p.state.conv) + r.slot * (int64_t{W} * dim) + c;
