@@ -376,6 +376,45 @@ TEST_F(CudaBackendTest, DecodeWindowSoftcapSinks) {
   check_case(c);
 }
 
+// Work items of up to 8 (token, head-in-group) rows at head dims 64 and 128 run the decode CTA
+// with the keys on the MMA's M side (decode_keys_m.cuh): groups 8, 4 and 2 with one to four query
+// tokens per request (causal rows within the item), a chain and a tree of two drafts, a window,
+// a softcap and sinks, fp16 and both fp8 kinds, long prefixes cut into splits.
+TEST_F(CudaBackendTest, NarrowDecodeTilesWithSeveralTokensPerItem) {
+  for (int dim : {64, 128}) {
+    for (auto [hq, hkv, q] : {std::tuple{16, 2, 1}, std::tuple{8, 2, 2}, std::tuple{8, 4, 4}}) {
+      Case c;
+      c.mode = q > 1 ? ForwardMode::EXTEND : ForwardMode::DECODE;
+      c.dim = dim;
+      c.hq = hq;
+      c.hkv = hkv;
+      c.prefix = {3000, 0, 517, 40};
+      c.qlen = {q, 1, q, q};
+      c.window = 60;
+      c.seed = dim + hq + q;
+      SCOPED_TRACE(testing::Message() << "dim " << dim << " hq " << hq << " hkv " << hkv << " q "
+                                      << q);
+      check_case(c);
+      c.kv = dim == 64 ? DType::e5m2 : DType::e4m3;
+      c.act = DType::f16;
+      c.window = -1;
+      c.cap = 20.f;
+      c.sinks = true;
+      c.k_scale = 0.9f;
+      c.v_scale = 1.2f;
+      check_case(c);
+    }
+  }
+  Case v;
+  v.mode = ForwardMode::TARGET_VERIFY;
+  v.prefix = random_lens(rng, 3, 20, 1500);
+  v.qlen.assign(3, 2);  // 2 drafts x group 4 = 8 rows
+  check_case(v);
+  v.topk = 2;
+  v.kv = DType::e4m3;
+  check_case(v);
+}
+
 TEST_F(CudaBackendTest, ExtendWithCachedPrefix) {
   for (int dim : {64, 128, 256}) {
     Case c;

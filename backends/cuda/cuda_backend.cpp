@@ -470,6 +470,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   p.window = layer.causal() ? layer.sliding_window : -1;
   p.causal = layer.causal() ? 1 : 0;
   p.tree = plan.tree ? 1 : 0;
+  p.item_rows = cls->item_rows;
   p.sinks = sinks;
   ATTNRT_CHECK(cls->num_items <= 65535,
                "cuda backend: {} work items exceed the grid limit of 65535 (step too large for "

@@ -293,6 +293,8 @@ void HostPlanner::plan_class(size_t c, int bs) {
   cp.group = config_.groups[c];
   cp.head_dim = config_.head_dims[c];
   cp.shape = choose_shape(stats_.max_q, cp.group);
+  cp.item_rows = static_cast<int>(
+      std::min<int64_t>(int64_t{stats_.max_q} * cp.group, tile_rows(cp.shape)));
   const int rows_shift = std::countr_zero(static_cast<unsigned>(tile_rows(cp.shape)));
   const int64_t rows_mask = (int64_t{1} << rows_shift) - 1;
   auto tiles_of = [&](int32_t qlen) {

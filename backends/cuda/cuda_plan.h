@@ -35,6 +35,7 @@ struct ClassPlan {
   int group = 1;
   int head_dim = 128;
   TileShape shape = TileShape::decode;
+  int item_rows = 16;                 // most query rows of a work item (AttnParams::item_rows)
   size_t reqs_off = 0, work_off = 0;  // byte offsets in the step's metadata buffer
   int num_items = 0;
   int64_t part_rows = 0;              // partial rows of the requests with more than one split

@@ -94,6 +94,9 @@ struct AttnParams {
   int32_t window;       // -1 = off; key j visible to query i iff 0 <= i - j <= window
   int32_t causal;       // 0 = every key of the request is visible
   int32_t tree;         // 1 = TARGET_VERIFY tree: drafts visible through tree_mask
+  // Most (token, head-in-group) rows a work item holds (max query length x group, at most the
+  // shape's rows): the decode shape takes a narrower CTA when they fit in 8.
+  int32_t item_rows;
   const float* sinks;   // [Hq] sink logits (natural), nullptr = none
 };
 

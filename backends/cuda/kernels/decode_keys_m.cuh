@@ -1,0 +1,527 @@
+// Decode CTA with the keys on the M side of the MMA, for requests whose (token, head-in-group) rows
+// fit in 8 (one decode token at GQA groups up to 8). The 16-row decode CTA of attention.cuh puts
+// those rows on M: at group 4 twelve of its 16 rows are padding, and so are 3/4 of its S and PV
+// MMAs and of its softmax. Here S^T (16 keys x 8 rows) = K (16 keys x 16 dims) . Q^T (16 dims x 8
+// rows) and O^T (16 dims x 8 rows) += V^T (16 dims x 16 keys) . P^T (16 keys x 8 rows), so a warp
+// spends D/16 + D/16 MMAs on 16 keys instead of twice that, and each thread exponentiates 4 logits
+// instead of 8. S^T's accumulator holds keys on the group index and rows on the quad index, the B
+// fragment P^T needs the opposite: two movmatrix transposes per 16 keys.
+//
+// Everything else is the decode CTA's: 4 warps, each taking 16 keys of a 64-key tile; paged key
+// slots resolved one tile ahead; the cp.async pipeline (fp8 four stages, 16-bit two); splits and
+// the (O, lse) partials the merge kernel reads; k/v scales, softcap, sinks, sliding window, causal
+// and tree masks; the PDL wait before the first K/V load; the row-table write-back.
+//
+// fp8 KV runs the MMAs in f16 whatever the activations: e4m3 -> f16 is one hardware conversion per
+// pair and e5m2 is the upper byte of an f16 (exact both ways), where bf16 would need a shift and
+// masks on top (attention.cuh's 2^-112 trick) -- a third of the fp8 CTA's instructions. bf16 Q is
+// brought into f16 range per row by a power of two (its largest |q| lands in [2^14, 2^15); bf16's 8
+// significant bits fit f16's 11), undone in the row's logit scale; P is in [0, 1]. K is
+// the A operand: thread (g, c4) reads whole 16-byte chunks of keys g and g + 8 (the head-dim order
+// of the fp8 decode CTA, applied to Q too). V^T is the A operand: thread (g, c4) reads D/8
+// consecutive bytes (output dims (D/8) g ..) of keys 2 c4, 2 c4 + 1, 2 c4 + 8, 2 c4 + 9 and pairs
+// them bytewise into key pairs; the output-dim permutation this implies is undone at the store.
+#pragma once
+
+#include "backends/cuda/kernels/attention.cuh"
+#include "backends/cuda/kernels/dependent_launch.cuh"
+
+namespace attnrt::cuda {
+
+template <int D, bool FP8>
+struct KeysMConfig {
+  static_assert(D == 64 || D == 128);
+  static constexpr int kHeadDim = D;
+  static constexpr int kWarps = 4;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kCols = 8;  // query rows, on the MMA's N side
+  static constexpr int kBN = 64;   // keys per tile
+  static constexpr int kKW = kBN / kWarps;
+  static constexpr bool kFp8 = FP8;
+  static constexpr int kStages = FP8 ? 4 : 2;
+  static constexpr int kElem = FP8 ? 1 : 2;
+  static constexpr int kLoadChunks = D * kElem / 16;
+  static constexpr int kQBytes = kCols * D * 2;
+  static constexpr int kTileBytes = kBN * D * kElem;
+  static constexpr int kKVBytes = 2 * kStages * kTileBytes;
+  static constexpr int kMergeStride = D + 4;  // floats per merged row (spreads the banks)
+  static constexpr int kMergeBytes = kWarps * kCols * (kMergeStride + 2) * 4;
+  static constexpr int kKVRegion = kKVBytes > kMergeBytes ? kKVBytes : kMergeBytes;
+  static constexpr int kSlotBytes = kStages * kBN * 8;
+  static constexpr int kSmemBytes = kQBytes + kKVRegion + kSlotBytes;
+  static_assert(kKW == 16 && (kBN * kLoadChunks) % kThreads == 0);
+};
+
+// Shared-memory placement of 16-byte chunk `c` of fp8 V row `key`: a quarter warp reads chunk g
+// (head dim 128; half chunk g at 64) of rows 2 c4 (+1, +8, +9), so the chunk is rotated by
+// 2 ((key / 2) % 4) -- free of bank conflicts at 128, 2-way at 64 (all even rows share the
+// lower half of the banks there).
+template <int D>
+__device__ __forceinline__ int keys_m_v_chunk(int key, int c) {
+  return D >= 128 ? c ^ (((key >> 1) & 3) << 1) : c ^ ((key >> 1) & 3);
+}
+
+// Four fp8 bytes -> two registers of two f16 values (bytes 0, 1 -> lo; 2, 3 -> hi), exactly.
+template <bool E5M2>
+__device__ __forceinline__ void fp8x4_to_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  if constexpr (E5M2) {
+    lo = __byte_perm(w, 0u, 0x1404);
+    hi = __byte_perm(w, 0u, 0x3424);
+  } else {
+    const __half2_raw a =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
+    const __half2_raw b =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
+    lo = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
+    hi = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
+  }
+}
+
+// Transposes the 8x8 matrix of 16-bit values the warp holds in fragment layout (thread (g, c4):
+// row g, columns 2 c4, 2 c4 + 1).
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// E5M2: the fp8 kind (fp8 KV only).
+template <typename T, typename Cfg, bool E5M2>
+__global__ void __launch_bounds__(Cfg::kThreads) decode_keys_m_kernel(const AttnParams p) {
+  constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, COLS = Cfg::kCols, KW = Cfg::kKW;
+  constexpr int CH = D / 8, NT = Cfg::kThreads, ST = Cfg::kStages, LC = Cfg::kLoadChunks;
+  constexpr int TILE = Cfg::kTileBytes, MS = Cfg::kMergeStride;
+  constexpr bool FP8 = Cfg::kFp8;
+  using C = std::conditional_t<FP8, __half, T>;                      // MMA operand type
+  constexpr bool kQScale = FP8 && std::is_same_v<T, __nv_bfloat16>;  // bf16 Q scaled into f16
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* sQ = reinterpret_cast<T*>(smem);
+  unsigned char* kv = smem + Cfg::kQBytes;
+  unsigned char* sK = kv;  // stage s at sK + s * TILE
+  unsigned char* sV = kv + ST * TILE;
+  int64_t* sSlot = reinterpret_cast<int64_t*>(kv + Cfg::kKVRegion);  // [ST][BN], -1 = no key
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c4 = lane & 3;
+  const int kvh = blockIdx.x;
+  const WorkItem item = p.work[blockIdx.y];
+  const ReqInfo req = p.reqs[item.req];
+  const int G = p.group;
+  const int t_first = item.f0 / G;
+  const int t_last = min(req.qlen - 1, (item.f0 + COLS - 1) / G);
+  const KeyRange kr = split_range(p, req, t_first, t_last, item.split, BN);
+  const int page_mask = (1 << p.page_shift) - 1;
+
+  // ---- Q: rows f0 .. f0 + 8 of the flattened (token, head-in-group) index.
+  for (int i = tid; i < COLS * CH; i += NT) {
+    const int r = i / CH, c = i % CH;
+    const int f = item.f0 + r, t = f / G, hg = f % G;
+    const bool valid = t < req.qlen;
+    const T* src = static_cast<const T*>(p.q);
+    if (valid)
+      src += (req.qo_start + t) * p.q_stride_tok + (kvh * G + hg) * p.q_stride_head + c * 8;
+    cp_async_16(sQ + r * D + swz(r, c) * 8, src, valid);
+  }
+
+  // As in attention_kernel: only the work item, the request and q (which the step's KV-store
+  // kernels do not write) were read so far; their rows are read below.
+  grid_dependency_wait();
+  launch_dependent_grids();
+
+  if (kvh == 0 && item.split == 0 && item.f0 == 0) {
+    for (int j = req.pt_known + tid; j < req.pt_commit; j += NT)
+      p.row_table[req.pt_row + j] = p.page_table[req.pt_start + j - req.pt_known];
+  }
+
+  auto slot_of_page = [&](int32_t page, int j) -> int64_t {
+    int64_t s = (static_cast<int64_t>(page) << p.page_shift) | (j & page_mask);
+    if (p.slot_map) s = p.slot_map[s];
+    return s;
+  };
+  auto load_tile = [&](int t) {
+    const int stage = t % ST;
+    const int64_t* slots = sSlot + stage * BN;
+    unsigned char* dk = sK + stage * TILE;
+    unsigned char* dv = sV + stage * TILE;
+    const unsigned char* kbase = static_cast<const unsigned char*>(p.k);
+    const unsigned char* vbase = static_cast<const unsigned char*>(p.v);
+#pragma unroll
+    for (int n = 0; n < BN * LC / NT; ++n) {
+      const int i = tid + n * NT;
+      const int key = i / LC, c = i % LC;
+      const int64_t s = slots[key];
+      const bool valid = s >= 0;
+      const unsigned char* ks = kbase;
+      const unsigned char* vs = vbase;
+      if (valid) {
+        ks += (s * p.k_row_stride + kvh * D) * Cfg::kElem + c * 16;
+        vs += (s * p.v_row_stride + kvh * D) * Cfg::kElem + c * 16;
+      }
+      if constexpr (FP8) {
+        cp_async_16(dk + key * D + fp8_k_chunk<D>(key, c) * 16, ks, valid);
+        cp_async_16(dv + key * D + keys_m_v_chunk<D>(key, c) * 16, vs, valid);
+      } else {
+        cp_async_16(dk + key * D * 2 + swz(key, c) * 16, ks, valid);
+        cp_async_16(dv + key * D * 2 + swz(key, c) * 16, vs, valid);
+      }
+    }
+  };
+
+  const int num_tiles = kr.hi > kr.lo ? ceil_div_i(kr.hi - kr.lo, BN) : 0;
+  for (int t = 0; t < ST && t < num_tiles; ++t) {
+    for (int k = tid; k < BN; k += NT) {
+      const int j = kr.lo + t * BN + k;
+      sSlot[t * BN + k] = j < kr.hi ? slot_of_page(page_id(p, req, j >> p.page_shift), j) : -1;
+    }
+  }
+  __syncthreads();
+  for (int i = 0; i < ST - 1; ++i) {
+    if (i < num_tiles) load_tile(i);
+    cp_async_commit();
+  }
+
+  // Per-thread query rows (columns of S^T): 2 c4 and 2 c4 + 1.
+  int row_t[2];
+  int row_qpos[2];
+  uint64_t row_tree[2] = {0, 0};
+  for (int h = 0; h < 2; ++h) {
+    const int f = item.f0 + 2 * c4 + h;
+    row_t[h] = f / G;
+    int depth = row_t[h];
+    if (p.tree && row_t[h] < req.qlen) {
+      depth = p.tree_depth[req.tree_start + row_t[h]];
+      row_tree[h] = p.tree_mask[req.tree_start + row_t[h]];
+    }
+    row_qpos[h] = req.prefix + depth;
+  }
+
+  // O^T: o[m][e] is output dim out_dim(m, e >> 1) of row 2 c4 + (e & 1).
+  float o[D / 16][4];
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+  uint32_t qb[D / 16][2];  // Q^T as the B operand, per k-step
+
+  // Per row 2 c4 + h: the factor undoing its Q scale in the logits (1 unless kQScale).
+  float col_unit[2] = {1.f, 1.f};
+  for (int it = 0; it < num_tiles; ++it) {
+    const int stage = it % ST;
+    const int kb = kr.lo + it * BN;
+    if (it + ST - 1 < num_tiles) load_tile(it + ST - 1);
+    cp_async_commit();
+    const bool prefetch = it + ST < num_tiles && tid < BN;
+    const int pf_j = kb + ST * BN + tid;
+    int32_t pf_page = 0;
+    if (prefetch && pf_j < kr.hi) pf_page = page_id(p, req, pf_j >> p.page_shift);
+    cp_async_wait<ST - 1>();
+    __syncthreads();
+    if (it == 0) {
+      if constexpr (FP8) {
+        // Logical k-step kk of thread c4 covers dims P .. P + 3,
+        // P = ((kk / 4) * 4 + c4) * 16 + (kk % 4) * 4 (the order of the fp8 K reads below).
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const int P = ((kk >> 2) * 4 + c4) * 16 + (kk & 3) * 4;
+          const uint2 v =
+              *reinterpret_cast<const uint2*>(sQ + g * D + swz(g, P >> 3) * 8 + (P & 7));
+          qb[kk][0] = v.x;
+          qb[kk][1] = v.y;
+        }
+        if constexpr (kQScale) {
+          // Row g's largest |q| (its four lanes hold all of it) -> a power of two 2^a putting it
+          // in [2^14, 2^15).
+          auto as_f2 = [](uint32_t x) {
+            return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&x));
+          };
+          float mx = 0.f;
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const float2 f = as_f2(qb[kk][j]);
+              mx = fmaxf(mx, fmaxf(fabsf(f.x), fabsf(f.y)));
+            }
+          }
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+          mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+          int e = 0;
+          frexpf(mx, &e);
+          const int a = mx > 0.f ? min(15 - e, 100) : 0;
+          const float qs = ldexpf(1.f, a);
+#pragma unroll
+          for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+              const float2 f = as_f2(qb[kk][j]);
+              qb[kk][j] = pack2<__half>(f.x * qs, f.y * qs);
+            }
+          }
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            col_unit[h] = ldexpf(1.f, -__shfl_sync(0xffffffff, a, 4 * (2 * c4 + h)));
+        }
+      } else {
+#pragma unroll
+        for (int k2 = 0; k2 < D / 32; ++k2) {
+          const int c = k2 * 4 + (lane >> 3);
+          uint32_t r[4];
+          ldmatrix_x4(r, sQ + (lane & 7) * D + swz(lane & 7, c) * 8);
+          qb[2 * k2][0] = r[0];
+          qb[2 * k2][1] = r[1];
+          qb[2 * k2 + 1][0] = r[2];
+          qb[2 * k2 + 1][1] = r[3];
+        }
+      }
+    }
+    const unsigned char* tK = sK + stage * TILE;
+    const unsigned char* tV = sV + stage * TILE;
+    const int kw0 = kb + warp * KW;  // first key of this warp
+
+    // S^T = K Q^T for the warp's 16 keys; two accumulator chains (even / odd k-steps).
+    float s2[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    if constexpr (FP8) {
+#pragma unroll
+      for (int i = 0; i < D / 64; ++i) {
+        uint4 raw[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int key = warp * KW + g + 8 * h;
+          raw[h] =
+              *reinterpret_cast<const uint4*>(tK + key * D + fp8_k_chunk<D>(key, i * 4 + c4) * 16);
+        }
+        const uint32_t w0[4] = {raw[0].x, raw[0].y, raw[0].z, raw[0].w};
+        const uint32_t w1[4] = {raw[1].x, raw[1].y, raw[1].z, raw[1].w};
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          uint32_t a[4];
+          fp8x4_to_f16<E5M2>(w0[q], a[0], a[2]);
+          fp8x4_to_f16<E5M2>(w1[q], a[1], a[3]);
+          mma_16816<C>(s2[q & 1], a, qb[i * 4 + q][0], qb[i * 4 + q][1]);
+        }
+      }
+    } else {
+      const T* tK16 = reinterpret_cast<const T*>(tK);
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const int key = warp * KW + (lane & 7) + ((lane >> 3) & 1) * 8;
+        const int c = kk * 2 + (lane >> 4);
+        uint32_t a[4];
+        ldmatrix_x4(a, tK16 + key * D + swz(key, c) * 8);
+        mma_16816<T>(s2[kk & 1], a, qb[kk][0], qb[kk][1]);
+      }
+    }
+    // s[e]: key g + 8 (e >> 1) of the warp, row 2 c4 + (e & 1).
+    float s[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[e] = s2[0][e] + s2[1][e];
+
+    // Logits to log2 units: the scale rides in the exponent's FFMA (sl); a softcap is applied
+    // first and leaves its result in log2 units.
+    const bool softcap = p.softcap > 0.f;
+    const float sl[2] = {softcap ? 1.f : p.scale_log2 * col_unit[0],
+                         softcap ? 1.f : p.scale_log2 * col_unit[1]};
+    const bool need_mask =
+        kw0 + KW > kr.hi ||
+        (p.causal && (p.tree ? kw0 + KW > req.prefix : kw0 + KW - 1 > req.prefix + t_first)) ||
+        (p.causal && p.window >= 0 && kw0 < req.prefix + t_last - p.window);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[e];
+      if (softcap)
+        x = p.softcap * tanhf(x * (p.softmax_scale * col_unit[e & 1]) / p.softcap) *
+            1.4426950408889634f;
+      if (need_mask) {
+        const int h = e & 1;
+        const int j = kw0 + g + 8 * (e >> 1);
+        bool vis = j < kr.hi;
+        int kpos = j;
+        if (vis && p.causal) {
+          if (p.tree) {
+            if (j >= req.prefix) {
+              const int u = j - req.prefix;
+              vis = (row_tree[h] >> u) & 1;
+              kpos = req.prefix + p.tree_depth[req.tree_start + u];
+            }
+          } else {
+            vis = j <= req.prefix + row_t[h];
+          }
+          if (p.window >= 0) vis = vis && row_qpos[h] - kpos <= p.window;
+        }
+        if (!vis) x = -INFINITY;
+      }
+      s[e] = x;
+    }
+
+    // Online softmax per row (column of S^T): the eight lanes of a quad index share it.
+    float alpha[2];
+    bool moved = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = fmaxf(s[h], s[2 + h]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 4));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 8));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 16));
+      const float m_new = fmaxf(m[h], mx * sl[h]);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      moved = moved || m_new != m[h];
+      alpha[h] = fast_exp2(m[h] - m_use);
+      m[h] = m_new;
+      s[h] = fast_exp2(fmaf(s[h], sl[h], -m_use));
+      s[2 + h] = fast_exp2(fmaf(s[2 + h], sl[h], -m_use));
+      l[h] = l[h] * alpha[h] + (s[h] + s[2 + h]);
+    }
+    if (__any_sync(0xffffffff, moved)) {
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) {
+        o[i][0] *= alpha[0];
+        o[i][1] *= alpha[1];
+        o[i][2] *= alpha[0];
+        o[i][3] *= alpha[1];
+      }
+    }
+
+    // P^T as the B operand: keys 2 c4, 2 c4 + 1 (b0) and 2 c4 + 8, 2 c4 + 9 (b1) of row g.
+    const uint32_t pb0 = movmatrix_trans(pack2<C>(s[0], s[1]));
+    const uint32_t pb1 = movmatrix_trans(pack2<C>(s[2], s[3]));
+
+    // O^T += V^T P^T.
+    if constexpr (FP8) {
+      constexpr int W = D / 32;  // 4-byte words of a thread's run of one key
+      const int k0 = warp * KW + 2 * c4;
+      uint32_t w[4][W];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int key = k0 + (r & 1) + 8 * (r >> 1);
+        if constexpr (D >= 128) {
+          const uint4 v =
+              *reinterpret_cast<const uint4*>(tV + key * D + keys_m_v_chunk<D>(key, g) * 16);
+          w[r][0] = v.x;
+          w[r][1] = v.y;
+          w[r][2] = v.z;
+          w[r][3] = v.w;
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(
+              tV + key * D + keys_m_v_chunk<D>(key, g >> 1) * 16 + (g & 1) * 8);
+          w[r][0] = v.x;
+          w[r][1] = v.y;
+        }
+      }
+#pragma unroll
+      for (int q = 0; q < W; ++q) {
+        // Dims 4q .. 4q + 3 of the run, each as a pair of keys: lo keys (2 c4, 2 c4 + 1), hi keys
+        // (2 c4 + 8, 2 c4 + 9).
+        uint32_t lo[4], hi[4];
+        fp8x4_to_f16<E5M2>(__byte_perm(w[0][q], w[1][q], 0x5140), lo[0], lo[1]);
+        fp8x4_to_f16<E5M2>(__byte_perm(w[0][q], w[1][q], 0x7362), lo[2], lo[3]);
+        fp8x4_to_f16<E5M2>(__byte_perm(w[2][q], w[3][q], 0x5140), hi[0], hi[1]);
+        fp8x4_to_f16<E5M2>(__byte_perm(w[2][q], w[3][q], 0x7362), hi[2], hi[3]);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint32_t a[4] = {lo[2 * half], lo[2 * half + 1], hi[2 * half], hi[2 * half + 1]};
+          mma_16816<C>(o[2 * q + half], a, pb0, pb1);
+        }
+      }
+    } else {
+      const T* tV16 = reinterpret_cast<const T*>(tV);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        const int key = warp * KW + (lane & 7) + (lane >> 4) * 8;
+        const int c = dp * 2 + ((lane >> 3) & 1);
+        uint32_t a[4];
+        ldmatrix_x4_trans(a, tV16 + key * D + swz(key, c) * 8);
+        mma_16816<T>(o[dp], a, pb0, pb1);
+      }
+    }
+    if (prefetch) {
+      sSlot[((it + ST) % ST) * BN + tid] = pf_j < kr.hi ? slot_of_page(pf_page, pf_j) : -1;
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 4);
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 8);
+    l[h] += __shfl_xor_sync(0xffffffff, l[h], 16);
+  }
+
+  // Output dim of o[m][2 h + e1] (row g + 8 h of MMA m).
+  auto out_dim = [&](int mi, int h) {
+    return FP8 ? (D / 8) * g + 4 * (mi >> 1) + 2 * (mi & 1) + h : 16 * mi + g + 8 * h;
+  };
+
+  // Merge the four warps' states of each row through shared memory, then store.
+  float* mo = reinterpret_cast<float*>(kv);   // [WARPS][COLS][MS]
+  float* mml = mo + Cfg::kWarps * COLS * MS;  // [WARPS][COLS][2]
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      mo[(warp * COLS + 2 * c4 + (e & 1)) * MS + out_dim(i, e >> 1)] = o[i][e];
+  }
+  if (g == 0) {
+    for (int h = 0; h < 2; ++h) {
+      mml[(warp * COLS + 2 * c4 + h) * 2] = m[h];
+      mml[(warp * COLS + 2 * c4 + h) * 2 + 1] = l[h];
+    }
+  }
+  __syncthreads();
+
+  const bool split = req.num_splits > 1;
+  const float sink_log2e = 1.4426950408889634f;
+  constexpr int kVec = 4;
+  for (int i = tid; i < COLS * (D / kVec); i += NT) {
+    const int col = i / (D / kVec), d0 = (i % (D / kVec)) * kVec;
+    const int f = item.f0 + col, t = f / G, hg = f % G;
+    if (t >= req.qlen) continue;
+    float mm = -INFINITY;
+    for (int w = 0; w < Cfg::kWarps; ++w) mm = fmaxf(mm, mml[(w * COLS + col) * 2]);
+    const float m_use = mm == -INFINITY ? 0.f : mm;
+    float ll = 0.f, vals[kVec] = {0.f, 0.f, 0.f, 0.f};
+    for (int w = 0; w < Cfg::kWarps; ++w) {
+      const int ww = w * COLS + col;
+      const float sc = exp2f(mml[ww * 2] - m_use);
+      ll += mml[ww * 2 + 1] * sc;
+      const float4 ov = *reinterpret_cast<const float4*>(mo + ww * MS + d0);
+      vals[0] += ov.x * sc;
+      vals[1] += ov.y * sc;
+      vals[2] += ov.z * sc;
+      vals[3] += ov.w * sc;
+    }
+    const int head = kvh * G + hg;
+    if (split) {
+      const int64_t prow = req.part_start + static_cast<int64_t>(item.split) * req.qlen + t;
+      const float inv = ll > 0.f ? 1.f / ll : 0.f;
+      float* dst = p.part_o + (prow * p.num_q_heads + head) * D + d0;
+      *reinterpret_cast<float4*>(dst) =
+          make_float4(vals[0] * inv, vals[1] * inv, vals[2] * inv, vals[3] * inv);
+      if (d0 == 0) p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
+    } else {
+      float den = ll;
+      if (p.sinks) den += exp2f(p.sinks[head] * sink_log2e - (mm == -INFINITY ? 0.f : mm));
+      const float inv = den > 0.f ? p.v_scale / den : 0.f;
+      T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
+               head * p.o_stride_head + d0;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) dst[k] = from_float<T>(vals[k] * inv);
+      if (p.lse_out && d0 == 0)
+        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] =
+            (mm + log2f(den)) * 0.6931471805599453f;
+    }
+  }
+}
+
+template <typename T, typename Cfg, bool E5M2 = false>
+cudaError_t launch_keys_m_cfg(const AttnParams& p, int num_items, cudaStream_t stream,
+                              bool dependent) {
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(decode_keys_m_kernel<T, Cfg, E5M2>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid(p.num_kv_heads, num_items);
+  return launch_kernel(decode_keys_m_kernel<T, Cfg, E5M2>, grid, dim3(Cfg::kThreads),
+                       Cfg::kSmemBytes, stream, dependent, p);
+}
+
+}  // namespace attnrt::cuda
