@@ -132,7 +132,7 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
             occ = prefill_verify_occupancy(l.head_dim, fp16);
             break;
           default:
-            occ = attention_occupancy(l.head_dim, fp16, fp8, sh);
+            occ = attention_occupancy(l.head_dim, fp16, fp8, sh, cfg.groups[c]);
             break;
         }
       }

@@ -7,8 +7,8 @@ cudaError_t launch_attention_d128(const AttnParams& p, bool fp16, bool fp8_kv, T
   return launch_dim<128>(p, fp16, fp8_kv, shape, num_items, stream, dependent);
 }
 
-int attention_occupancy_d128(bool fp16, bool fp8_kv, TileShape shape) {
-  return occupancy_dim<128>(fp16, fp8_kv, shape);
+int attention_occupancy_d128(bool fp16, bool fp8_kv, TileShape shape, int group) {
+  return occupancy_dim<128>(fp16, fp8_kv, shape, group);
 }
 
 }  // namespace attnrt::cuda

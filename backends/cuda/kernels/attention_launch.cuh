@@ -99,7 +99,7 @@ cudaError_t launch_dim_t(const AttnParams& p, bool fp8_kv, TileShape shape, int 
 }
 
 template <int D, typename T>
-int occupancy_dim_t(bool fp8_kv, TileShape shape) {
+int occupancy_dim_t(bool fp8_kv, TileShape shape, int group) {
   if (shape == TileShape::decode32 || shape == TileShape::verify) {
     const bool d32 = shape == TileShape::decode32;
     if (fp8_kv)
@@ -112,15 +112,23 @@ int occupancy_dim_t(bool fp8_kv, TileShape shape) {
                  : occupancy_cfg<T, VerifyCfg<D, false>>();
     }
   }
-  if (shape == TileShape::decode)
+  if (shape == TileShape::decode) {
+    // A decode token's item holds `group` rows: the keys-on-M CTA takes it up to kCols.
+    if constexpr (D <= 128) {
+      if (group <= KeysMConfig<D, false>::kCols) {
+        return fp8_kv ? occupancy_keys_m_cfg<T, KeysMConfig<D, true>>()
+                      : occupancy_keys_m_cfg<T, KeysMConfig<D, false>>();
+      }
+    }
     return fp8_kv ? occupancy_cfg<T, DecodeCfg<D, true>>() : occupancy_cfg<T, DecodeCfg<D, false>>();
+  }
   return fp8_kv ? occupancy_cfg<T, PrefillCfg<D, true>>() : occupancy_cfg<T, PrefillCfg<D, false>>();
 }
 
 template <int D>
-int occupancy_dim(bool fp16, bool fp8_kv, TileShape shape) {
-  return fp16 ? occupancy_dim_t<D, __half>(fp8_kv, shape)
-              : occupancy_dim_t<D, __nv_bfloat16>(fp8_kv, shape);
+int occupancy_dim(bool fp16, bool fp8_kv, TileShape shape, int group) {
+  return fp16 ? occupancy_dim_t<D, __half>(fp8_kv, shape, group)
+              : occupancy_dim_t<D, __nv_bfloat16>(fp8_kv, shape, group);
 }
 
 template <int D>

@@ -38,7 +38,13 @@ struct KeysMConfig {
   static constexpr int kBN = 64;   // keys per tile
   static constexpr int kKW = kBN / kWarps;
   static constexpr bool kFp8 = FP8;
-  static constexpr int kStages = FP8 ? 4 : 2;
+  // fp8: three stages (52 KB of shared memory, at most 128 registers: four CTAs per SM, whose occupancy
+  // the plan's splits are sized for; four stages held three: H200, fp8 e4m3 decode 64x4096 181 ->
+  // 167 us with the plan still sized for three).
+  static constexpr int kStages = FP8 ? 3 : 2;
+  // The register cap that lets those four CTAs in (__launch_bounds__; 0 = none: 16-bit KV is held
+  // to three CTAs by its shared memory).
+  static constexpr int kMinBlocks = FP8 ? 4 : 0;
   static constexpr int kElem = FP8 ? 1 : 2;
   static constexpr int kLoadChunks = D * kElem / 16;
   static constexpr int kQBytes = kCols * D * 2;
@@ -87,7 +93,7 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 
 // E5M2: the fp8 kind (fp8 KV only).
 template <typename T, typename Cfg, bool E5M2>
-__global__ void __launch_bounds__(Cfg::kThreads) decode_keys_m_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_kernel(const AttnParams p) {
   constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, COLS = Cfg::kCols, KW = Cfg::kKW;
   constexpr int CH = D / 8, NT = Cfg::kThreads, ST = Cfg::kStages, LC = Cfg::kLoadChunks;
   constexpr int TILE = Cfg::kTileBytes, MS = Cfg::kMergeStride;
@@ -512,16 +518,35 @@ __global__ void __launch_bounds__(Cfg::kThreads) decode_keys_m_kernel(const Attn
   }
 }
 
-template <typename T, typename Cfg, bool E5M2 = false>
-cudaError_t launch_keys_m_cfg(const AttnParams& p, int num_items, cudaStream_t stream,
-                              bool dependent) {
+template <typename T, typename Cfg, bool E5M2>
+cudaError_t keys_m_smem_attr() {
   static const cudaError_t attr =
       cudaFuncSetAttribute(decode_keys_m_kernel<T, Cfg, E5M2>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  return attr;
+}
+
+template <typename T, typename Cfg, bool E5M2 = false>
+cudaError_t launch_keys_m_cfg(const AttnParams& p, int num_items, cudaStream_t stream,
+                              bool dependent) {
+  const cudaError_t attr = keys_m_smem_attr<T, Cfg, E5M2>();
   if (attr != cudaSuccess) return attr;
   const dim3 grid(p.num_kv_heads, num_items);
   return launch_kernel(decode_keys_m_kernel<T, Cfg, E5M2>, grid, dim3(Cfg::kThreads),
                        Cfg::kSmemBytes, stream, dependent, p);
+}
+
+// Resident CTAs per SM of the CTA (the e4m3 and e5m2 instances use the same resources).
+template <typename T, typename Cfg>
+int occupancy_keys_m_cfg() {
+  if (keys_m_smem_attr<T, Cfg, false>() != cudaSuccess) return 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_keys_m_kernel<T, Cfg, false>,
+                                                    Cfg::kThreads, Cfg::kSmemBytes) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return n > 0 ? n : 1;
 }
 
 }  // namespace attnrt::cuda

@@ -9,11 +9,12 @@
 
 namespace attnrt::cuda {
 
-// Resident CTAs per SM of the attention kernel for a shape (occupancy API; at least 1).
-int attention_occupancy(int head_dim, bool fp16, bool fp8_kv, TileShape shape);
-int attention_occupancy_d64(bool fp16, bool fp8_kv, TileShape shape);
-int attention_occupancy_d128(bool fp16, bool fp8_kv, TileShape shape);
-int attention_occupancy_d256(bool fp16, bool fp8_kv, TileShape shape);
+// Resident CTAs per SM of the attention kernel that runs a shape's tiles at GQA group `group`
+// (occupancy API; at least 1).
+int attention_occupancy(int head_dim, bool fp16, bool fp8_kv, TileShape shape, int group);
+int attention_occupancy_d64(bool fp16, bool fp8_kv, TileShape shape, int group);
+int attention_occupancy_d128(bool fp16, bool fp8_kv, TileShape shape, int group);
+int attention_occupancy_d256(bool fp16, bool fp8_kv, TileShape shape, int group);
 
 // Programmatic dependent launches (kernels/dependent_launch.cuh): on unless the environment sets
 // ATTNRT_PDL=0 when the process first asks; set_dependent_launch switches them for the whole

@@ -11,11 +11,11 @@
 
 namespace attnrt::cuda {
 
-int attention_occupancy(int head_dim, bool fp16, bool fp8_kv, TileShape shape) {
+int attention_occupancy(int head_dim, bool fp16, bool fp8_kv, TileShape shape, int group) {
   switch (head_dim) {
-    case 64: return attention_occupancy_d64(fp16, fp8_kv, shape);
-    case 128: return attention_occupancy_d128(fp16, fp8_kv, shape);
-    case 256: return attention_occupancy_d256(fp16, fp8_kv, shape);
+    case 64: return attention_occupancy_d64(fp16, fp8_kv, shape, group);
+    case 128: return attention_occupancy_d128(fp16, fp8_kv, shape, group);
+    case 256: return attention_occupancy_d256(fp16, fp8_kv, shape, group);
     default: return 1;
   }
 }
