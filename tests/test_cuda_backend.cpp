@@ -942,13 +942,15 @@ TEST_F(CudaBackendTest, DependentLaunchesGiveTheBitsOfPlainLaunches) {
   }
 }
 
-// ATTNRT_PLAN_COPY_MIN_BYTES pads the plan's upload with its staging buffer's stale tail (up to
-// what the graph's metadata buffer holds): the outputs keep their bits, eager and as a replayed
-// graph.
+// ATTNRT_PLAN_COPY_MIN_BYTES (64 KiB by default) pads the plan's upload with its staging buffer's
+// stale tail (up to what the graph's metadata buffer holds): the outputs keep the bits of an
+// unpadded upload (0), eager and as a replayed graph.
 TEST_F(CudaBackendTest, PaddedPlanUploadGivesTheSameBits) {
   for (ForwardMode mode : {ForwardMode::DECODE, ForwardMode::TARGET_VERIFY}) {
     SCOPED_TRACE(forward_mode_name(mode));
+    ASSERT_EQ(setenv("ATTNRT_PLAN_COPY_MIN_BYTES", "0", 1), 0);
     DependentLaunchSteps plain(mode);
+    unsetenv("ATTNRT_PLAN_COPY_MIN_BYTES");
     const std::vector<char> eager = plain.eager(true);
     const std::vector<char> graph = plain.graph(true, 1).at(0);
     ASSERT_TRUE(plain.finite(eager));

@@ -87,9 +87,10 @@ class CudaBackend final : public AttentionBackend {
   bool graph_replay_ = false;
   StagingRing staging_;
   // Least bytes a plan's upload copies (ATTNRT_PLAN_COPY_MIN_BYTES; 0 = the plan's own size). On
-  // the H200 host a cudaMemcpyAsync of a 17 KiB plan costs ~5.7 us of host time, of 64 KiB ~2.5 us
-  // (smaller copies appear to be written into the command stream by the CPU): for A/B timing.
-  size_t copy_min_bytes_ = 0;
+  // the H200 host a cudaMemcpyAsync of a 17 KiB plan (decode at batch 256) costs 7-8 us of host
+  // time, one of 64 KiB 2-3 us (smaller copies appear to be written into the command stream by the
+  // CPU), for ~2 us more of DMA on the GPU: 64 KiB by default.
+  size_t copy_min_bytes_ = size_t{64} << 10;
   bool plan_timing_ = false;
   PlanParts plan_parts_;
   DeviceBuffer meta_;       // eager steps' metadata
