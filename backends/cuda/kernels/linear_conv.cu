@@ -162,6 +162,21 @@ __device__ __forceinline__ void load_taps(const ConvParams& p, int c, float (&w)
   }
 }
 
+// y = silu(bias + taps . (window ++ x)) for V channels: the K - 1 earlier inputs `win` (oldest
+// first) and the token's own `xt`.
+template <int V, int K>
+__device__ __forceinline__ void conv_silu(const float (&w)[V][K], const float (&bias)[V],
+                                          const float (&win)[K - 1][V], const float (&xt)[V],
+                                          float (&y)[V]) {
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    float acc = bias[e] + w[e][K - 1] * xt[e];
+#pragma unroll
+    for (int j = 0; j < K - 1; ++j) acc += w[e][j] * win[j][e];
+    y[e] = silu(acc);
+  }
+}
+
 // Non-verify steps, V = 16 / sizeof(C) channels per thread (see the header comment).
 template <typename C, int K>
 __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams p) {
@@ -205,13 +220,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams
     for (int e = 0; e < V; ++e) xt[e] = xn[e];
     if (t + 1 < t1) load_x<V>(p.x, p.x_dtype, x0 + int64_t{t + 1} * p.x_stride, xn);
     float y[V];
-#pragma unroll
-    for (int e = 0; e < V; ++e) {
-      float acc = bias[e] + w[e][W] * xt[e];
-#pragma unroll
-      for (int j = 0; j < W; ++j) acc += w[e][j] * win[j][e];
-      y[e] = silu(acc);
-    }
+    conv_silu<V, K>(w, bias, win, xt, y);
     store_vec<float, V>(p.y + (int64_t{r.token_start} + t) * dim + c, y);
 #pragma unroll
     for (int j = 0; j < W; ++j) {
@@ -266,13 +275,7 @@ __global__ void __launch_bounds__(kConvThreads, kConvTokenBlocksPerSm<C>)
   }
 
   float y[V];
-#pragma unroll
-  for (int e = 0; e < V; ++e) {
-    float acc = bias[e] + w[e][W] * xt[e];
-#pragma unroll
-    for (int j = 0; j < W; ++j) acc += w[e][j] * win[j][e];
-    y[e] = silu(acc);
-  }
+  conv_silu<V, K>(w, bias, win, xt, y);
   store_vec<float, V>(p.y + int64_t{r.token_start} * dim + c, y);
   // The new window: the last W inputs of window ++ x.
 #pragma unroll
