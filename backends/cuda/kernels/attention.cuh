@@ -31,6 +31,7 @@
 
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/dependent_launch.cuh"
+#include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 
 namespace attnrt::cuda {
@@ -66,20 +67,6 @@ struct AttnConfig {
   static constexpr int kSmemBytes = kQBytes + kKVRegion + kSlotBytes;
 };
 
-// Shared-memory placement of the 16-byte chunk `c` of K / V row `key` in the fp8 tiles, chosen so
-// that the fragment reads below are free of bank conflicts (head dims 128 and 256; 64 has a 2-way
-// conflict on V). K: a quarter warp reads chunks c4 (+4i) of rows g, g+1 -> flip chunk bit 2 on odd
-// rows. V: a warp reads one 4-byte word of 32-byte group J from rows 2c4 (+1, +8, +9) -> rotate
-// the group by (row / 2) % 4.
-template <int D>
-__device__ __forceinline__ int fp8_k_chunk(int key, int c) {
-  return D >= 128 ? c ^ ((key & 1) << 2) : c;
-}
-template <int D>
-__device__ __forceinline__ int fp8_v_group(int key, int group) {
-  return group ^ ((key >> 1) & (D >= 128 ? 3 : 1));
-}
-
 // Four fp8 bytes -> two registers of two 16-bit values of T (bytes 0, 1 -> lo; 2, 3 -> hi). For
 // bf16 the result is the value times 2^-112 (see the top of the file).
 template <typename T>
@@ -113,38 +100,10 @@ __device__ __forceinline__ uint32_t bf16x2_times_2p56(uint32_t x) {
   return pack2<__nv_bfloat16>(f.x * 0x1p56f, f.y * 0x1p56f);
 }
 
-// Page id of page `j` of request `r` (incremental page tables, see ReqInfo).
-__device__ __forceinline__ int32_t page_id(const AttnParams& p, const ReqInfo& r, int j) {
-  return j < r.pt_known ? p.row_table[r.pt_row + j] : p.page_table[r.pt_start + j - r.pt_known];
-}
-
-__device__ __forceinline__ int ceil_div_i(int a, int b) { return (a + b - 1) / b; }
-
-// The key range [lo, hi) of split `split`: the keys any row of the tile can see, cut into
-// `num_splits` chunks of whole tiles. Depends only on lengths read on the device.
-struct KeyRange {
-  int lo, hi;
-};
-__device__ __forceinline__ KeyRange split_range(const AttnParams& p, const ReqInfo& r, int t_first,
-                                                int t_last, int split, int bn) {
-  int hi = r.kv_len;
-  int lo = 0;
-  if (p.causal) {
-    if (!p.tree) hi = min(hi, r.prefix + t_last + 1);
-    if (p.window >= 0) lo = max(0, r.prefix + (p.tree ? 0 : t_first) - p.window);
-  }
-  const int span = max(hi - lo, 0);
-  const int chunk = ceil_div_i(ceil_div_i(span, r.num_splits), bn) * bn;
-  KeyRange k;
-  k.lo = lo + split * chunk;
-  k.hi = min(k.lo + chunk, hi);
-  return k;
-}
-
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kernel(const AttnParams p) {
   constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, ROWS = Cfg::kRows, KW = Cfg::kKW;
-  constexpr int CH = D / 8, NT = Cfg::kThreads, ST = Cfg::kStages, LC = Cfg::kLoadChunks;
+  constexpr int CH = D / 8, NT = Cfg::kThreads, ST = Cfg::kStages;
   constexpr int TILE = Cfg::kTileBytes;
   constexpr bool FP8 = Cfg::kFp8;
   constexpr bool kUnits = FP8 && std::is_same_v<T, __nv_bfloat16>;  // 2^56 / 2^-112 factors
@@ -187,61 +146,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   grid_dependency_wait();
   launch_dependent_grids();
 
-  // Pages that become committed with this step go back to the persistent row table, once per
-  // launch (every layer's launch writes the same values). Other CTAs of this launch read these
-  // pages from the step's array (j >= pt_known), so nothing reads what is written here.
-  if (kvh == 0 && item.split == 0 && item.f0 == 0) {
-    for (int j = req.pt_known + tid; j < req.pt_commit; j += NT)
-      p.row_table[req.pt_row + j] = p.page_table[req.pt_start + j - req.pt_known];
-  }
+  write_back_committed_pages(p, req, item, kvh, tid, NT);
 
   // Key slots are resolved one tile ahead of their loads (page table, optional SWA map), so the
   // dependent page-table reads never sit between a tile's turn and its cp.async.
-  auto slot_of_page = [&](int32_t page, int j) -> int64_t {
-    int64_t s = (static_cast<int64_t>(page) << p.page_shift) | (j & page_mask);
-    if (p.slot_map) s = p.slot_map[s];
-    return s;
-  };
   auto load_tile = [&](int t) {
-    const int stage = t % ST;
-    const int64_t* slots = sSlot + stage * BN;
-    unsigned char* dk = sK + stage * TILE;
-    unsigned char* dv = sV + stage * TILE;
-    const unsigned char* kbase = static_cast<const unsigned char*>(p.k);
-    const unsigned char* vbase = static_cast<const unsigned char*>(p.v);
-#pragma unroll
-    for (int n = 0; n < BN * LC / NT; ++n) {
-      const int i = tid + n * NT;
-      const int key = i / LC, c = i % LC;
-      const int64_t s = slots[key];
-      const bool valid = s >= 0;
-      const unsigned char* ks = kbase;
-      const unsigned char* vs = vbase;
-      if (valid) {
-        ks += (s * p.k_row_stride + kvh * D) * Cfg::kElem + c * 16;
-        vs += (s * p.v_row_stride + kvh * D) * Cfg::kElem + c * 16;
-      }
-      if constexpr (FP8) {
-        const int vc = (fp8_v_group<D>(key, c >> 1) << 1) | (c & 1);
-        cp_async_16(dk + key * D + fp8_k_chunk<D>(key, c) * 16, ks, valid);
-        cp_async_16(dv + key * D + vc * 16, vs, valid);
-      } else {
-        cp_async_16(dk + key * D * 2 + swz(key, c) * 16, ks, valid);
-        cp_async_16(dv + key * D * 2 + swz(key, c) * 16, vs, valid);
-      }
-    }
+    load_kv_tile<Cfg, Fp8VPlacement::groups>(p, t, sSlot, sK, sV, kvh, tid);
   };
 
   const int num_tiles = kr.hi > kr.lo ? ceil_div_i(kr.hi - kr.lo, BN) : 0;
   // Prologue: the slots of the first ST tiles, then the loads of the first ST - 1 (the Q tile
   // rides in the first group). Every iteration commits one group, empty or not, so
   // wait_group<ST - 1> always means "tile `it` has landed".
-  for (int t = 0; t < ST && t < num_tiles; ++t) {
-    for (int k = tid; k < BN; k += NT) {
-      const int j = kr.lo + t * BN + k;
-      sSlot[t * BN + k] = j < kr.hi ? slot_of_page(page_id(p, req, j >> p.page_shift), j) : -1;
-    }
-  }
+  resolve_first_slots<Cfg>(p, req, kr, num_tiles, page_mask, sSlot, tid);
   __syncthreads();
   for (int i = 0; i < ST - 1; ++i) {
     if (i < num_tiles) load_tile(i);
@@ -471,7 +388,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
       }
     }
     if (prefetch) {
-      sSlot[((it + ST) % ST) * BN + tid] = pf_j < kr.hi ? slot_of_page(pf_page, pf_j) : -1;
+      sSlot[((it + ST) % ST) * BN + tid] =
+          pf_j < kr.hi ? slot_of_page(p, page_mask, pf_page, pf_j) : -1;
     }
     __syncthreads();
   }

@@ -67,12 +67,7 @@ __global__ void __launch_bounds__(kThreads)
   const ReqInfo req = p.reqs[item.req];
   const int G = p.group;
 
-  // Pages committed with this step go back to the persistent row table, as the tensor-core kernel
-  // does (same CTA, same values; other CTAs read these pages from the step's array).
-  if (kvh == 0 && item.split == 0 && item.f0 == 0) {
-    for (int j = req.pt_known + threadIdx.x; j < req.pt_commit; j += kThreads)
-      p.row_table[req.pt_row + j] = p.page_table[req.pt_start + j - req.pt_known];
-  }
+  write_back_committed_pages(p, req, item, kvh, threadIdx.x, kThreads);
 
   const int t_first = item.f0 / G;
   const int t_last = min(req.qlen - 1, (item.f0 + rows - 1) / G);
@@ -127,9 +122,7 @@ __global__ void __launch_bounds__(kThreads)
         }
         if (p.causal && p.window >= 0) vis = vis && qpos - kpos <= p.window;
         if (vis) {
-          slot = (static_cast<int64_t>(page_id(p, req, j >> p.page_shift)) << p.page_shift) |
-                 (j & page_mask);
-          if (p.slot_map) slot = p.slot_map[slot];
+          slot = slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j);
           const int64_t base = slot * p.k_row_stride + static_cast<int64_t>(kvh) * D;
           float dot = 0.f;
           for (int c = 0; c < dch; ++c) {

@@ -58,15 +58,6 @@ struct KeysMConfig {
   static_assert(kKW == 16 && (kBN * kLoadChunks) % kThreads == 0);
 };
 
-// Shared-memory placement of 16-byte chunk `c` of fp8 V row `key`: a quarter warp reads chunk g
-// (head dim 128; half chunk g at 64) of rows 2 c4 (+1, +8, +9), so the chunk is rotated by
-// 2 ((key / 2) % 4) -- free of bank conflicts at 128, 2-way at 64 (all even rows share the
-// lower half of the banks there).
-template <int D>
-__device__ __forceinline__ int keys_m_v_chunk(int key, int c) {
-  return D >= 128 ? c ^ (((key >> 1) & 3) << 1) : c ^ ((key >> 1) & 3);
-}
-
 // Four fp8 bytes -> two registers of two f16 values (bytes 0, 1 -> lo; 2, 3 -> hi), exactly.
 template <bool E5M2>
 __device__ __forceinline__ void fp8x4_to_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
@@ -95,7 +86,7 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 template <typename T, typename Cfg, bool E5M2>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_kernel(const AttnParams p) {
   constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, COLS = Cfg::kCols, KW = Cfg::kKW;
-  constexpr int CH = D / 8, NT = Cfg::kThreads, ST = Cfg::kStages, LC = Cfg::kLoadChunks;
+  constexpr int CH = D / 8, NT = Cfg::kThreads, ST = Cfg::kStages;
   constexpr int TILE = Cfg::kTileBytes, MS = Cfg::kMergeStride;
   constexpr bool FP8 = Cfg::kFp8;
   using C = std::conditional_t<FP8, __half, T>;                      // MMA operand type
@@ -134,52 +125,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   grid_dependency_wait();
   launch_dependent_grids();
 
-  if (kvh == 0 && item.split == 0 && item.f0 == 0) {
-    for (int j = req.pt_known + tid; j < req.pt_commit; j += NT)
-      p.row_table[req.pt_row + j] = p.page_table[req.pt_start + j - req.pt_known];
-  }
+  write_back_committed_pages(p, req, item, kvh, tid, NT);
 
-  auto slot_of_page = [&](int32_t page, int j) -> int64_t {
-    int64_t s = (static_cast<int64_t>(page) << p.page_shift) | (j & page_mask);
-    if (p.slot_map) s = p.slot_map[s];
-    return s;
-  };
   auto load_tile = [&](int t) {
-    const int stage = t % ST;
-    const int64_t* slots = sSlot + stage * BN;
-    unsigned char* dk = sK + stage * TILE;
-    unsigned char* dv = sV + stage * TILE;
-    const unsigned char* kbase = static_cast<const unsigned char*>(p.k);
-    const unsigned char* vbase = static_cast<const unsigned char*>(p.v);
-#pragma unroll
-    for (int n = 0; n < BN * LC / NT; ++n) {
-      const int i = tid + n * NT;
-      const int key = i / LC, c = i % LC;
-      const int64_t s = slots[key];
-      const bool valid = s >= 0;
-      const unsigned char* ks = kbase;
-      const unsigned char* vs = vbase;
-      if (valid) {
-        ks += (s * p.k_row_stride + kvh * D) * Cfg::kElem + c * 16;
-        vs += (s * p.v_row_stride + kvh * D) * Cfg::kElem + c * 16;
-      }
-      if constexpr (FP8) {
-        cp_async_16(dk + key * D + fp8_k_chunk<D>(key, c) * 16, ks, valid);
-        cp_async_16(dv + key * D + keys_m_v_chunk<D>(key, c) * 16, vs, valid);
-      } else {
-        cp_async_16(dk + key * D * 2 + swz(key, c) * 16, ks, valid);
-        cp_async_16(dv + key * D * 2 + swz(key, c) * 16, vs, valid);
-      }
-    }
+    load_kv_tile<Cfg, Fp8VPlacement::keys_m>(p, t, sSlot, sK, sV, kvh, tid);
   };
 
   const int num_tiles = kr.hi > kr.lo ? ceil_div_i(kr.hi - kr.lo, BN) : 0;
-  for (int t = 0; t < ST && t < num_tiles; ++t) {
-    for (int k = tid; k < BN; k += NT) {
-      const int j = kr.lo + t * BN + k;
-      sSlot[t * BN + k] = j < kr.hi ? slot_of_page(page_id(p, req, j >> p.page_shift), j) : -1;
-    }
-  }
+  resolve_first_slots<Cfg>(p, req, kr, num_tiles, page_mask, sSlot, tid);
   __syncthreads();
   for (int i = 0; i < ST - 1; ++i) {
     if (i < num_tiles) load_tile(i);
@@ -439,7 +392,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
       }
     }
     if (prefetch) {
-      sSlot[((it + ST) % ST) * BN + tid] = pf_j < kr.hi ? slot_of_page(pf_page, pf_j) : -1;
+      sSlot[((it + ST) % ST) * BN + tid] =
+          pf_j < kr.hi ? slot_of_page(p, page_mask, pf_page, pf_j) : -1;
     }
     __syncthreads();
   }

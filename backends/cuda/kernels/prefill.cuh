@@ -41,6 +41,7 @@
 
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/dependent_launch.cuh"
+#include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/prefill.h"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
@@ -141,13 +142,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   grid_dependency_wait();
   launch_dependent_grids();
 
-  // Pages that become committed with this step go back to the persistent row table, once per
-  // launch, exactly as the general kernel does (see ReqInfo): other CTAs read those pages from
-  // the step's array (j >= pt_known), so nothing reads what is written here.
-  if (kvh == 0 && item.split == 0 && item.f0 == 0) {
-    for (int j = req.pt_known + tid; j < req.pt_commit; j += NT)
-      p.row_table[req.pt_row + j] = p.page_table[req.pt_start + j - req.pt_known];
-  }
+  write_back_committed_pages(p, req, item, kvh, tid, NT);
 
   // ---- K/V tile copies through the page table. All lookups of a tile are issued before its
   // copies so their latencies overlap.
