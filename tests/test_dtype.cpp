@@ -1,8 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "attnrt/core/dtype.h"
+#include "attnrt/core/env.h"
 #include "attnrt/core/error.h"
 
 using namespace attnrt;
@@ -87,4 +90,25 @@ TEST(DType, ParseNamesAndRejectUnknown) {
     EXPECT_NE(std::string(e.what()).find("fp7"), std::string::npos);
     EXPECT_NE(std::string(e.what()).find("fp8_e5m2"), std::string::npos);
   }
+}
+
+TEST(EnvInteger, UnsetEmptyInRangeAndRejected) {
+  const char* name = "ATTNRT_TEST_ENV_INTEGER";
+  unsetenv(name);
+  EXPECT_FALSE(env_integer(name, 0, 10, "test", "0 to 10").has_value());
+  setenv(name, "", 1);
+  EXPECT_FALSE(env_integer(name, 0, 10, "test", "0 to 10").has_value());
+  setenv(name, "7", 1);
+  EXPECT_EQ(env_integer(name, 0, 10, "test", "0 to 10"), 7);
+  for (const char* bad : {"11", "-1", "3x", "x"}) {
+    setenv(name, bad, 1);
+    try {
+      env_integer(name, 0, 10, "test", "0 to 10");
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()),
+                std::string("test: ATTNRT_TEST_ENV_INTEGER=") + bad + " is invalid; use 0 to 10");
+    }
+  }
+  unsetenv(name);
 }

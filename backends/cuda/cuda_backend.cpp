@@ -7,6 +7,7 @@
 
 #include "attnrt/backend/options.h"
 #include "attnrt/core/device.h"
+#include "attnrt/core/env.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
@@ -80,24 +81,13 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
   PlannerConfig cfg;
   cfg.sm_count = info.sm_count;
   cfg.deterministic = ctx.options != nullptr && ctx.options->deterministic;
-  if (const char* env = std::getenv("ATTNRT_KV_CHUNK"); env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    ATTNRT_CHECK(*end == '\0' && v >= 0 && v <= (1L << 30),
-                 "cuda backend: ATTNRT_KV_CHUNK={} is invalid; use a number of keys per split "
-                 "(0 = the plan's own choice)",
-                 env);
-    cfg.kv_chunk = static_cast<int>(v);
-  }
-  if (const char* env = std::getenv("ATTNRT_PLAN_COPY_MIN_BYTES"); env != nullptr && *env != '\0') {
-    char* end = nullptr;
-    const long v = std::strtol(env, &end, 10);
-    ATTNRT_CHECK(*end == '\0' && v >= 0 && v <= (1L << 24),
-                 "cuda backend: ATTNRT_PLAN_COPY_MIN_BYTES={} is invalid; use a number of bytes "
-                 "from 0 to 16777216 (0 = copy the plan's own size)",
-                 env);
-    copy_min_bytes_ = static_cast<size_t>(v);
-  }
+  if (const auto v = env_integer("ATTNRT_KV_CHUNK", 0, 1L << 30, "cuda backend",
+                                  "a number of keys per split (0 = the plan's own choice)"))
+    cfg.kv_chunk = static_cast<int>(*v);
+  if (const auto v = env_integer("ATTNRT_PLAN_COPY_MIN_BYTES", 0, 1L << 24, "cuda backend",
+                                  "a number of bytes from 0 to 16777216 (0 = copy the plan's own "
+                                  "size)"))
+    copy_min_bytes_ = static_cast<size_t>(*v);
   for (const LayerSpec& l : ctx.model->layers) {
     if (!l.uses_kv_cache() || l.num_kv_heads <= 0) continue;
     const int g = l.num_q_heads / l.num_kv_heads;

@@ -14,6 +14,7 @@
 #include "attnrt/backend/options.h"
 #include "attnrt/backend/selection.h"
 #include "attnrt/batch/forward_batch.h"
+#include "attnrt/core/env.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
@@ -261,14 +262,9 @@ struct BackendRun {
   }
 
   static double plan_spin_seconds() {
-    const char* env = std::getenv("ATTNRT_BENCH_PLAN_SPIN_US");
-    if (env == nullptr || *env == '\0') return 0;
-    char* end = nullptr;
-    const long us = std::strtol(env, &end, 10);
-    ATTNRT_CHECK(*end == '\0' && us >= 0 && us <= 1000000,
-                 "bench: ATTNRT_BENCH_PLAN_SPIN_US={} is invalid; use microseconds, 0 to 1000000",
-                 env);
-    return static_cast<double>(us) * 1e-6;
+    const auto us = env_integer("ATTNRT_BENCH_PLAN_SPIN_US", 0, 1000000, "bench",
+                                "microseconds, 0 to 1000000");
+    return static_cast<double>(us.value_or(0)) * 1e-6;
   }
 };
 
