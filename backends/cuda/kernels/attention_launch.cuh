@@ -11,16 +11,8 @@
 namespace attnrt::cuda {
 
 template <typename T, typename Cfg>
-cudaError_t set_smem_attr() {
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(attention_kernel<T, Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           Cfg::kSmemBytes);
-  return attr;
-}
-
-template <typename T, typename Cfg>
 cudaError_t launch_cfg(const AttnParams& p, int num_items, cudaStream_t stream, bool dependent) {
-  const cudaError_t attr = set_smem_attr<T, Cfg>();
+  const cudaError_t attr = allow_dynamic_smem<attention_kernel<T, Cfg>>(Cfg::kSmemBytes);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(p.num_kv_heads, num_items);
   return launch_kernel(attention_kernel<T, Cfg>, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream,
@@ -29,14 +21,7 @@ cudaError_t launch_cfg(const AttnParams& p, int num_items, cudaStream_t stream, 
 
 template <typename T, typename Cfg>
 int occupancy_cfg() {
-  if (set_smem_attr<T, Cfg>() != cudaSuccess) return 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attention_kernel<T, Cfg>, Cfg::kThreads,
-                                                    Cfg::kSmemBytes) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
-  return n > 0 ? n : 1;
+  return resident_ctas<attention_kernel<T, Cfg>>(Cfg::kThreads, Cfg::kSmemBytes);
 }
 
 // Decode: 16 rows; a 64-key tile split over 4 warps (2 warps of 32-key tiles at head dim 256, to

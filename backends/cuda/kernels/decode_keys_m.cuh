@@ -472,18 +472,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   }
 }
 
-template <typename T, typename Cfg, bool E5M2>
-cudaError_t keys_m_smem_attr() {
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(decode_keys_m_kernel<T, Cfg, E5M2>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  return attr;
-}
-
 template <typename T, typename Cfg, bool E5M2 = false>
 cudaError_t launch_keys_m_cfg(const AttnParams& p, int num_items, cudaStream_t stream,
                               bool dependent) {
-  const cudaError_t attr = keys_m_smem_attr<T, Cfg, E5M2>();
+  const cudaError_t attr = allow_dynamic_smem<decode_keys_m_kernel<T, Cfg, E5M2>>(Cfg::kSmemBytes);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(p.num_kv_heads, num_items);
   return launch_kernel(decode_keys_m_kernel<T, Cfg, E5M2>, grid, dim3(Cfg::kThreads),
@@ -493,14 +485,7 @@ cudaError_t launch_keys_m_cfg(const AttnParams& p, int num_items, cudaStream_t s
 // Resident CTAs per SM of the CTA (the e4m3 and e5m2 instances use the same resources).
 template <typename T, typename Cfg>
 int occupancy_keys_m_cfg() {
-  if (keys_m_smem_attr<T, Cfg, false>() != cudaSuccess) return 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_keys_m_kernel<T, Cfg, false>,
-                                                    Cfg::kThreads, Cfg::kSmemBytes) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
-  return n > 0 ? n : 1;
+  return resident_ctas<decode_keys_m_kernel<T, Cfg, false>>(Cfg::kThreads, Cfg::kSmemBytes);
 }
 
 }  // namespace attnrt::cuda

@@ -66,6 +66,28 @@ void dependent_launch_failed();
 
 }  // namespace detail
 
+// Lets `Kernel` use `smem` bytes of dynamic shared memory. Set once per kernel (every launch of a
+// kernel asks for the same size); the first call's result is kept.
+template <auto Kernel>
+cudaError_t allow_dynamic_smem(size_t smem) {
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  return attr;
+}
+
+// Resident CTAs per SM of `Kernel` at `threads` threads and `smem` bytes of dynamic shared memory
+// (occupancy API; 1 when the query fails).
+template <auto Kernel>
+int resident_ctas(int threads, size_t smem) {
+  if (allow_dynamic_smem<Kernel>(smem) != cudaSuccess) return 1;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, Kernel, threads, smem) != cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  return n > 0 ? n : 1;
+}
+
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch when
 // `dependent` (see the top of the file) and dependent launches are on (launch.h). A launch with the
 // attribute that fails is retried once without it; when that one succeeds, the attribute is never

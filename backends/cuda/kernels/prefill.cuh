@@ -427,17 +427,11 @@ using PrefillVerifyCfg =
     std::conditional_t<D == 64, PrefillConfig<64, 1, 64, 4, 3, kPrefillVerifyTileRows>,
                        PrefillConfig<128, 1, 64, 3, 2, kPrefillVerifyTileRows>>;
 
-template <typename T, typename Cfg>
-cudaError_t set_prefill_smem_attr() {
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      prefill_kernel<T, Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
-  return attr;
-}
 
 template <typename T, typename Cfg>
 cudaError_t launch_prefill_cfg(const AttnParams& p, int num_items, cudaStream_t stream,
                                bool dependent) {
-  const cudaError_t attr = set_prefill_smem_attr<T, Cfg>();
+  const cudaError_t attr = allow_dynamic_smem<prefill_kernel<T, Cfg>>(Cfg::kSmemBytes);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(p.num_kv_heads, num_items);
   return launch_kernel(prefill_kernel<T, Cfg>, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream,
@@ -446,14 +440,7 @@ cudaError_t launch_prefill_cfg(const AttnParams& p, int num_items, cudaStream_t 
 
 template <typename T, typename Cfg>
 int prefill_occupancy_cfg() {
-  if (set_prefill_smem_attr<T, Cfg>() != cudaSuccess) return 1;
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, prefill_kernel<T, Cfg>, Cfg::kThreads,
-                                                    Cfg::kSmemBytes) != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
-  return n > 0 ? n : 1;
+  return resident_ctas<prefill_kernel<T, Cfg>>(Cfg::kThreads, Cfg::kSmemBytes);
 }
 
 template <int D>
