@@ -4,7 +4,8 @@
 // divide the 128-row tile, non-causal layers, window / softcap / sinks, split-KV with lse, MIXED
 // and DRAFT_EXTEND steps, fp16. Every case first checks that the plan gave it the prefill tile
 // shape with 16-bit KV, i.e. that the prefill kernel is the one under test. Skips (with the
-// reason) where no CUDA device is usable.
+// reason) where no CUDA device is usable. Every case runs on both prefill CTAs: the default and
+// the warp-specialised one (prefill_ws.cuh).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -233,12 +234,36 @@ void check_prefill(const PrefillCase& c) {
   EXPECT_LT(worst_lse, 2e-2) << "lse differs from the reference";
 }
 
+// CudaPrefillTest runs every case on the default prefill CTA (prefill.cuh), CudaPrefillWsTest on
+// the warp-specialised one (prefill_ws.cuh, ATTNRT_PREFILL_WS=1); both restore the switch after.
 class CudaPrefillTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason;
+    saved_ = cuda::prefill_warp_specialized();
+    cuda::set_prefill_warp_specialized(warp_specialized());
+    ASSERT_EQ(cuda::prefill_warp_specialized(), warp_specialized());
   }
+  void TearDown() override {
+    if (query_cuda().usable) cuda::set_prefill_warp_specialized(saved_);
+  }
+  virtual bool warp_specialized() const { return false; }
+
+ private:
+  bool saved_ = false;
 };
+
+class CudaPrefillWsTest : public CudaPrefillTest {
+ protected:
+  bool warp_specialized() const override { return true; }
+};
+
+// A case of both suites.
+#define PREFILL_CASE(name)                          \
+  void name##Case();                                \
+  TEST_F(CudaPrefillTest, name) { name##Case(); }   \
+  TEST_F(CudaPrefillWsTest, name) { name##Case(); } \
+  void name##Case()
 
 // The prefill kernel walks the plan's prefill and verify work items: its CTAs must cover the same
 // rows.
@@ -247,7 +272,7 @@ TEST(CudaPrefillTile, MatchesThePlansPrefillAndVerifyTiles) {
   EXPECT_EQ(cuda::kPrefillVerifyTileRows, cuda::tile_rows(cuda::TileShape::verify));
 }
 
-TEST_F(CudaPrefillTest, RaggedCausalExtendAcrossHeadDims) {
+PREFILL_CASE(RaggedCausalExtendAcrossHeadDims) {
   for (int dim : {64, 128, 256}) {
     PrefillCase c;
     c.dim = dim;
@@ -261,7 +286,7 @@ TEST_F(CudaPrefillTest, RaggedCausalExtendAcrossHeadDims) {
   }
 }
 
-TEST_F(CudaPrefillTest, GroupsThatSplitTokensAcrossTiles) {
+PREFILL_CASE(GroupsThatSplitTokensAcrossTiles) {
   // Group 3: a 128-row tile ends inside a token's heads; group 1 and 8: one and many heads.
   for (auto [hq, hkv] : {std::pair{12, 4}, std::pair{4, 4}, std::pair{32, 4}}) {
     PrefillCase c;
@@ -275,7 +300,7 @@ TEST_F(CudaPrefillTest, GroupsThatSplitTokensAcrossTiles) {
   }
 }
 
-TEST_F(CudaPrefillTest, PageSizesAndLongRuns) {
+PREFILL_CASE(PageSizesAndLongRuns) {
   // Many key tiles per CTA (the K/V ring wraps many times) on pages of 1 and 64 slots.
   for (int page : {1, 64}) {
     PrefillCase c;
@@ -288,7 +313,7 @@ TEST_F(CudaPrefillTest, PageSizesAndLongRuns) {
   }
 }
 
-TEST_F(CudaPrefillTest, NonCausalWithAndWithoutPrefix) {
+PREFILL_CASE(NonCausalWithAndWithoutPrefix) {
   for (int dim : {64, 256}) {
     PrefillCase c;
     c.causal = false;
@@ -301,7 +326,7 @@ TEST_F(CudaPrefillTest, NonCausalWithAndWithoutPrefix) {
   }
 }
 
-TEST_F(CudaPrefillTest, WindowSoftcapAndSinks) {
+PREFILL_CASE(WindowSoftcapAndSinks) {
   PrefillCase c;
   c.prefix = {500, 0, 64};
   c.qlen = {300, 260, 150};
@@ -320,7 +345,7 @@ TEST_F(CudaPrefillTest, WindowSoftcapAndSinks) {
   check_prefill(c);
 }
 
-TEST_F(CudaPrefillTest, SplitKeysMergeWithLse) {
+PREFILL_CASE(SplitKeysMergeWithLse) {
   // Few CTAs and many keys: the plan splits the keys and the merge kernel combines the partials.
   PrefillCase c;
   c.prefix = {3000};
@@ -332,7 +357,7 @@ TEST_F(CudaPrefillTest, SplitKeysMergeWithLse) {
   check_prefill(c);
 }
 
-TEST_F(CudaPrefillTest, MixedAndDraftExtendSteps) {
+PREFILL_CASE(MixedAndDraftExtendSteps) {
   PrefillCase m;
   m.mode = ForwardMode::MIXED;
   m.prefix = {100, 40, 41, 700};
@@ -348,7 +373,7 @@ TEST_F(CudaPrefillTest, MixedAndDraftExtendSteps) {
   check_prefill(d);
 }
 
-TEST_F(CudaPrefillTest, Fp16Activations) {
+PREFILL_CASE(Fp16Activations) {
   PrefillCase c;
   c.act = DType::f16;
   c.prefix = {33, 0};
@@ -360,6 +385,8 @@ TEST_F(CudaPrefillTest, Fp16Activations) {
     check_prefill(c);
   }
 }
+
+#undef PREFILL_CASE
 
 #else
 

@@ -7,6 +7,7 @@ namespace attnrt::cuda {
 cudaError_t launch_prefill(const AttnParams& p, int head_dim, bool fp16, int num_items,
                            cudaStream_t stream) {
   if (num_items == 0) return cudaSuccess;
+  if (prefill_warp_specialized()) return launch_prefill_ws(p, head_dim, fp16, num_items, stream);
   switch (head_dim) {
     case 64:
       return launch_prefill_d64(p, fp16, num_items, stream);

@@ -1,0 +1,413 @@
+// Warp-specialised variant of the 128-row prefill CTA (prefill.cuh), sm_90a: a producer
+// warpgroup issues every copy, two consumer warpgroups only compute. Selected at run time by
+// ATTNRT_PREFILL_WS=1 (prefill.cu) so that both CTAs can be measured in one binary; it serves
+// exactly the launches of launch_prefill (TileShape::prefill work items, 16-bit K/V, head dims
+// 64 / 128 / 256) with the same work list, key ranges, masks, softcap, sinks, splits, partials
+// and lse as prefill_kernel.
+//
+// Roles (384 threads, one CTA per SM):
+//  - warpgroup 0, the producer (setmaxnreg down to kProducerRegs): loads Q, then for every tile
+//    of the CTA's key range resolves the tile's pool slots (one key per thread, through the
+//    paged_kv.cuh page-table helpers, the next tile's lookups in flight while the current tile's
+//    copies are issued), waits until the tile's ring stage is free ("empty" mbarrier) and issues
+//    16-byte cp.async copies of K and V into the stage in the 128-byte swizzled layout of
+//    wgmma.cuh; each thread's copies arrive on the stage's "full" mbarrier when they land
+//    (cp.async.mbarrier.arrive.noinc: 128 arrivals complete the phase).
+//  - warpgroups 1 and 2, the consumers (setmaxnreg up to kConsumerRegs): consumer c owns rows
+//    64c .. 64c + 63 of the tile (one m64 block), waits for each stage to be full, runs S = Q K^T,
+//    the mask / softcap / online softmax and O += P V exactly as prefill_kernel does for one m64
+//    block, then one lane per warp arrives on the stage's "empty" mbarrier (8 arrivals).
+// Every consumer waits on every tile of the range, even one its own rows cannot see (it then
+// skips the MMAs): each consumer thus observes every phase of every full barrier in order, and a
+// stage is only rewritten after both consumers have seen its copies land, so the parity waits
+// are never ambiguous and no copy races an older copy to the same stage.
+// The copies are generic-proxy writes and the MMAs read through the async proxy: a consumer
+// fences (fence.proxy.async) after its wait, before its MMAs.
+// The two consumers run unsynchronised on the shared ring, so one's softmax overlaps the other's
+// MMAs as the two CTAs per SM of prefill_kernel do, while the loads leave the consumers' path.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/dependent_launch.cuh"
+#include "backends/cuda/kernels/paged_kv.cuh"
+#include "backends/cuda/kernels/prefill.h"
+#include "backends/cuda/kernels/primitives.cuh"
+#include "backends/cuda/kernels/wgmma.cuh"
+
+namespace attnrt::cuda {
+
+// D: head dim; BN: keys per tile; STAGES: K/V tiles resident.
+template <int D, int BN, int STAGES>
+struct PrefillWsConfig {
+  static constexpr int kHeadDim = D;
+  static constexpr int kBN = BN;
+  static constexpr int kStages = STAGES;
+  static constexpr int kRows = kPrefillTileRows;
+  static constexpr int kConsumers = kRows / 64;  // consumer warpgroups, one m64 block each
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr int kChunks = D / 8;
+  static constexpr int kON = D > 128 ? 128 : D;
+  static constexpr int kQBytes = kRows * D * 2;
+  static constexpr int kTileBytes = BN * D * 2;
+  static constexpr int kRingBytes = STAGES * 2 * kTileBytes;
+  static constexpr int kSlotBytes = BN * 4;
+  // full[STAGES], empty[STAGES], q
+  static constexpr int kBarBytes = (2 * STAGES + 1) * 8;
+  static constexpr int kSmemBytes = 1024 + kQBytes + kRingBytes + kSlotBytes + kBarBytes;
+  static_assert(kConsumers == 2 && D % 64 == 0 && BN % 64 == 0 && BN <= 128 && STAGES >= 2);
+  static_assert(BN * kChunks % 128 == 0 && kRows * kChunks % 128 == 0);
+  static_assert(kSmemBytes <= 227 * 1024, "the ring must fit one SM's shared memory");
+  // setmaxnreg moves registers between the warpgroups of the CTA only: what the consumers gain
+  // the producer must give up from the launch allocation (65536 / kThreads rounded down to 8).
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
+                "setmaxnreg.inc would wait forever");
+};
+
+template <int D>
+using PrefillWsCfg = std::conditional_t<
+    D == 64, PrefillWsConfig<64, 128, 4>,
+    std::conditional_t<D == 128, PrefillWsConfig<128, 128, 3>, PrefillWsConfig<256, 64, 2>>>;
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile(
+      "{\n.reg .b64 st;\nmbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
+      : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued so far has landed, without raising the
+// pending count (the barrier's expected count covers these arrivals).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits for the completion of the phase of parity `parity`.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+template <typename T, typename Cfg>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const AttnParams p) {
+  constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, ST = Cfg::kStages, CH = Cfg::kChunks;
+  constexpr int ON = Cfg::kON, NO = D / ON, ROWS = Cfg::kRows;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = ((raw + 1023) & ~1023u) - raw;
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t sQ = raw + pad;
+  const uint32_t sKV = sQ + Cfg::kQBytes;
+  int32_t* sSlot = reinterpret_cast<int32_t*>(smem + Cfg::kQBytes + Cfg::kRingBytes);
+  const uint32_t sBar = sKV + Cfg::kRingBytes + Cfg::kSlotBytes;
+  auto full_bar = [&](int s) { return sBar + 8 * s; };
+  auto empty_bar = [&](int s) { return sBar + 8 * (ST + s); };
+  const uint32_t q_bar = sBar + 8 * 2 * ST;
+
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const int kvh = blockIdx.x;
+  const WorkItem item = p.work[blockIdx.y];
+  const ReqInfo req = p.reqs[item.req];
+  const int G = p.group;
+  const int t_first = item.f0 / G;
+  const int t_last = min(req.qlen - 1, (item.f0 + ROWS - 1) / G);
+  const bool causal = p.causal != 0;
+  const bool windowed = causal && p.window >= 0;
+
+  // The split's keys, as prefill_kernel cuts them.
+  int hi = req.kv_len, lo = 0;
+  if (causal) {
+    hi = min(hi, req.prefix + t_last + 1);
+    if (windowed) lo = max(0, req.prefix + t_first - p.window);
+  }
+  {
+    const int span = max(hi - lo, 0);
+    const int chunk = (span + req.num_splits - 1) / req.num_splits;
+    const int chunk_tiles = (chunk + BN - 1) / BN * BN;
+    lo += item.split * chunk_tiles;
+    hi = min(lo + chunk_tiles, hi);
+  }
+  const int num_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
+
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(full_bar(s), 128);
+      mbar_init(empty_bar(s), 4 * Cfg::kConsumers);
+    }
+    mbar_init(q_bar, 128);
+  }
+  __syncthreads();
+
+  // A plain launch (the 128-row prefill is never a dependent): both calls are no-ops there, kept
+  // at the point prefill_kernel has them so the PDL rules stay those of dependent_launch.cuh.
+  grid_dependency_wait();
+  launch_dependent_grids();
+
+  if (wg == 0) {
+    // ================= producer =================
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    write_back_committed_pages(p, req, item, kvh, tid, 128);
+    {
+      const T* q = static_cast<const T*>(p.q);
+#pragma unroll 4
+      for (int i = tid; i < ROWS * CH; i += 128) {
+        const int r = i / CH, c = i % CH;
+        const int f = item.f0 + r, t = f / G, hg = f - t * G;
+        const bool valid = t < req.qlen;
+        const T* src = valid ? q + (req.qo_start + t) * p.q_stride_tok +
+                                   (kvh * G + hg) * p.q_stride_head + c * 8
+                             : q;
+        cp_async_16(smem + swz128_offset(ROWS, r, c), src, valid);
+      }
+      mbar_arrive_cp_async(q_bar);
+    }
+    const int pmask = (1 << p.page_shift) - 1;
+    auto resolve = [&](int it) -> int32_t {
+      const int j = lo + it * BN + tid;
+      if (tid >= BN || it >= num_tiles || j >= hi) return -1;
+      return static_cast<int32_t>(slot_of_page(p, pmask, page_id(p, req, j >> p.page_shift), j));
+    };
+    const T* kbase = static_cast<const T*>(p.k) + kvh * D;
+    const T* vbase = static_cast<const T*>(p.v) + kvh * D;
+    int32_t next_slot = resolve(0);
+    for (int it = 0; it < num_tiles; ++it) {
+      const int stage = it % ST;
+      if (it >= ST) mbar_wait(empty_bar(stage), ((it / ST) - 1) & 1);
+      named_bar_sync(1, 128);  // every producer thread is done reading the previous slots
+      if (tid < BN) sSlot[tid] = next_slot;
+      named_bar_sync(1, 128);
+      next_slot = resolve(it + 1);  // in flight while this tile's copies are issued
+      unsigned char* dk = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes;
+      unsigned char* dv = dk + Cfg::kTileBytes;
+#pragma unroll 2
+      for (int i = tid; i < BN * CH; i += 128) {
+        const int key = i / CH, c = i % CH;
+        const int32_t sl = sSlot[key];
+        const bool valid = sl >= 0;
+        const int64_t s = valid ? sl : 0;
+        const uint32_t so = swz128_offset(BN, key, c);
+        cp_async_16(dk + so, kbase + s * p.k_row_stride + c * 8, valid);
+        cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 8, valid);
+      }
+      mbar_arrive_cp_async(full_bar(stage));
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its issuing thread
+    return;
+  }
+
+  // ================= consumers =================
+  setmaxnreg_inc<Cfg::kConsumerRegs>();
+  const int ct = tid - 128, lane = ct & 31, wq = (ct >> 5) & 3, cw = ct >> 7;
+  const int g = lane >> 2, c4 = lane & 3;
+  const int wg_row0 = cw * 64;
+  const int r0 = item.f0 + wg_row0 + wq * 16;
+  int row_t[2], row_q[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_t[h] = (r0 + g + 8 * h) / G;
+    row_q[h] = req.prefix + row_t[h];
+  }
+  const int wt_lo = min(r0 / G, req.qlen - 1);
+  const int wt_hi = min((r0 + 15) / G, req.qlen - 1);
+  const bool wg_idle = (item.f0 + wg_row0) / G >= req.qlen;
+  const int gt_lo = min((item.f0 + wg_row0) / G, req.qlen - 1);
+  const int gt_hi = min((item.f0 + wg_row0 + 63) / G, req.qlen - 1);
+
+  const bool capped = p.softcap > 0.f;
+  const float sl = capped ? 1.f : p.scale_log2;
+  const float cap_in = capped ? p.softmax_scale / p.softcap : 0.f;
+  const float cap_out = p.softcap * 1.4426950408889634f;
+
+  float o[NO][ON / 2];
+#pragma unroll
+  for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+    for (int i = 0; i < ON / 2; ++i) o[nb][i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  if (num_tiles > 0) mbar_wait(q_bar, 0);
+
+  for (int it = 0; it < num_tiles; ++it) {
+    const int stage = it % ST;
+    const int kb = lo + it * BN;
+    const bool skip = wg_idle || (causal && kb > req.prefix + gt_hi) ||
+                      (windowed && kb + BN - 1 < req.prefix + gt_lo - p.window);
+    mbar_wait(full_bar(stage), (it / ST) & 1);
+    if (!skip) {
+      fence_proxy_async_smem();
+      const uint32_t tK = sKV + stage * 2 * Cfg::kTileBytes;
+      const uint32_t tV = tK + Cfg::kTileBytes;
+
+      // ---- S = Q K^T (64 rows x BN keys).
+      float s[BN / 2];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint64_t da =
+            wgmma_desc(sQ + (kk >> 2) * ROWS * 128 + wg_row0 * 128 + (kk & 3) * 32, 16);
+        const uint64_t db = wgmma_desc(tK + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16);
+        wgmma_ss<BN, T>(s, da, db, kk > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+
+      if (capped) {
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) s[i] = cap_out * tanhf(s[i] * cap_in);
+      }
+      const bool need_mask = kb + BN > hi || (causal && kb + BN - 1 > req.prefix + wt_lo) ||
+                             (windowed && kb < req.prefix + wt_hi - p.window);
+      if (need_mask) {
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int j = kb + nb * 8 + 2 * c4 + (e & 1);
+            const int qpos = row_q[e >> 1];
+            bool vis = j < hi;
+            if (causal) vis = vis && j <= qpos;
+            if (windowed) vis = vis && qpos - j <= p.window;
+            if (!vis) s[nb * 4 + e] = -INFINITY;
+          }
+      }
+
+      // ---- Online softmax in log2 units.
+      bool moved = false;
+      float alpha[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = -INFINITY;
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb)
+          mx = fmaxf(mx, fmaxf(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+        const float m_new = fmaxf(m[h], mx * sl);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        alpha[h] = fast_exp2(m[h] - m_use);
+        moved = moved || m_new != m[h];
+        m[h] = m_new;
+        float sum = 0.f;
+#pragma unroll
+        for (int nb = 0; nb < BN / 8; ++nb) {
+          float& x0 = s[nb * 4 + 2 * h];
+          float& x1 = s[nb * 4 + 2 * h + 1];
+          x0 = fast_exp2(fmaf(x0, sl, -m_use));
+          x1 = fast_exp2(fmaf(x1, sl, -m_use));
+          sum += x0 + x1;
+        }
+        l[h] = l[h] * alpha[h] + sum;
+      }
+      if (__any_sync(0xffffffff, moved)) {
+#pragma unroll
+        for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+          for (int i = 0; i < ON / 8; ++i) {
+            o[nb][4 * i] *= alpha[0];
+            o[nb][4 * i + 1] *= alpha[0];
+            o[nb][4 * i + 2] *= alpha[1];
+            o[nb][4 * i + 3] *= alpha[1];
+          }
+      }
+
+      // ---- O += P V, P from registers.
+      uint32_t pa[BN / 16][4];
+#pragma unroll
+      for (int k16 = 0; k16 < BN / 16; ++k16) {
+        pa[k16][0] = pack2<T>(s[8 * k16], s[8 * k16 + 1]);
+        pa[k16][1] = pack2<T>(s[8 * k16 + 2], s[8 * k16 + 3]);
+        pa[k16][2] = pack2<T>(s[8 * k16 + 4], s[8 * k16 + 5]);
+        pa[k16][3] = pack2<T>(s[8 * k16 + 6], s[8 * k16 + 7]);
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int k16 = 0; k16 < BN / 16; ++k16)
+#pragma unroll
+        for (int nb = 0; nb < NO; ++nb) {
+          const uint64_t db = wgmma_desc(tV + k16 * 16 * 128 + nb * (ON / 64) * BN * 128, BN * 128);
+          wgmma_rs<ON, T>(o[nb], pa[k16], db);
+        }
+      wgmma_commit();
+      wgmma_wait<0>();
+    }
+    // This warp is done with the stage (its MMAs have completed).
+    if (lane == 0) mbar_arrive(empty_bar(stage));
+  }
+
+  // ---- Epilogue, as prefill_kernel's for one m64 block.
+  const bool split = req.num_splits > 1;
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float ll = l[h];
+    ll += __shfl_xor_sync(0xffffffff, ll, 1);
+    ll += __shfl_xor_sync(0xffffffff, ll, 2);
+    const float mm = m[h];
+    const int f = r0 + g + 8 * h;
+    const int t = row_t[h], hg = f - t * G;
+    if (t >= req.qlen) continue;
+    const int head = kvh * G + hg;
+    if (split) {
+      const int64_t prow = req.part_start + static_cast<int64_t>(item.split) * req.qlen + t;
+      const float inv = ll > 0.f ? 1.f / ll : 0.f;
+      float* dst = p.part_o + (prow * p.num_q_heads + head) * D + 2 * c4;
+#pragma unroll
+      for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+        for (int i = 0; i < ON / 8; ++i)
+          *reinterpret_cast<float2*>(dst + nb * ON + i * 8) =
+              make_float2(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
+      if (c4 == 0) p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
+    } else {
+      const float m_use = mm == -INFINITY ? 0.f : mm;
+      float den = ll;
+      if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
+      const float inv = den > 0.f ? p.v_scale / den : 0.f;
+      T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
+               head * p.o_stride_head + 2 * c4;
+#pragma unroll
+      for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+        for (int i = 0; i < ON / 8; ++i)
+          *reinterpret_cast<uint32_t*>(dst + nb * ON + i * 8) =
+              pack2<T>(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
+      if (p.lse_out != nullptr && c4 == 0)
+        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m_use + log2f(den)) * kLn2;
+    }
+  }
+}
+
+template <typename T, typename Cfg>
+cudaError_t launch_prefill_ws_cfg(const AttnParams& p, int num_items, cudaStream_t stream) {
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      prefill_ws_kernel<T, Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  const dim3 grid(p.num_kv_heads, num_items);
+  return launch_kernel(prefill_ws_kernel<T, Cfg>, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes,
+                       stream, false, p);
+}
+
+}  // namespace attnrt::cuda
