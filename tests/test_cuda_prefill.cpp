@@ -4,8 +4,8 @@
 // divide the 128-row tile, non-causal layers, window / softcap / sinks, split-KV with lse, MIXED
 // and DRAFT_EXTEND steps, fp16. Every case first checks that the plan gave it the prefill tile
 // shape with 16-bit KV, i.e. that the prefill kernel is the one under test. Skips (with the
-// reason) where no CUDA device is usable. Every case runs on both prefill CTAs: the default and
-// the warp-specialised one (prefill_ws.cuh).
+// reason) where no CUDA device is usable. Every case runs on the default prefill CTA and on the
+// warp-specialised one (prefill_ws.cuh) without and with its ping-pong.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -234,35 +234,42 @@ void check_prefill(const PrefillCase& c) {
   EXPECT_LT(worst_lse, 2e-2) << "lse differs from the reference";
 }
 
-// CudaPrefillTest runs every case on the default prefill CTA (prefill.cuh), CudaPrefillWsTest on
-// the warp-specialised one (prefill_ws.cuh, ATTNRT_PREFILL_WS=1); both restore the switch after.
+// CudaPrefillTest runs every case on the default prefill CTA (prefill.cuh), CudaPrefillWsTest and
+// CudaPrefillWsPingPongTest on the warp-specialised one (prefill_ws.cuh, ATTNRT_PREFILL_WS=1 and
+// 2); each restores the switch after.
 class CudaPrefillTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason;
-    saved_ = cuda::prefill_warp_specialized();
-    cuda::set_prefill_warp_specialized(warp_specialized());
-    ASSERT_EQ(cuda::prefill_warp_specialized(), warp_specialized());
+    saved_ = cuda::prefill_ws_mode();
+    cuda::set_prefill_ws_mode(ws_mode());
+    ASSERT_EQ(cuda::prefill_ws_mode(), ws_mode());
   }
   void TearDown() override {
-    if (query_cuda().usable) cuda::set_prefill_warp_specialized(saved_);
+    if (query_cuda().usable) cuda::set_prefill_ws_mode(saved_);
   }
-  virtual bool warp_specialized() const { return false; }
+  virtual int ws_mode() const { return 0; }
 
  private:
-  bool saved_ = false;
+  int saved_ = 0;
 };
 
 class CudaPrefillWsTest : public CudaPrefillTest {
  protected:
-  bool warp_specialized() const override { return true; }
+  int ws_mode() const override { return 1; }
 };
 
-// A case of both suites.
-#define PREFILL_CASE(name)                          \
-  void name##Case();                                \
-  TEST_F(CudaPrefillTest, name) { name##Case(); }   \
-  TEST_F(CudaPrefillWsTest, name) { name##Case(); } \
+class CudaPrefillWsPingPongTest : public CudaPrefillTest {
+ protected:
+  int ws_mode() const override { return 2; }
+};
+
+// A case of the three suites.
+#define PREFILL_CASE(name)                                  \
+  void name##Case();                                        \
+  TEST_F(CudaPrefillTest, name) { name##Case(); }           \
+  TEST_F(CudaPrefillWsTest, name) { name##Case(); }         \
+  TEST_F(CudaPrefillWsPingPongTest, name) { name##Case(); } \
   void name##Case()
 
 // The prefill kernel walks the plan's prefill and verify work items: its CTAs must cover the same

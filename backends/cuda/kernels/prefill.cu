@@ -7,7 +7,8 @@ namespace attnrt::cuda {
 cudaError_t launch_prefill(const AttnParams& p, int head_dim, bool fp16, int num_items,
                            cudaStream_t stream) {
   if (num_items == 0) return cudaSuccess;
-  if (prefill_warp_specialized()) return launch_prefill_ws(p, head_dim, fp16, num_items, stream);
+  if (const int ws = prefill_ws_mode(); ws != 0)
+    return launch_prefill_ws(p, head_dim, fp16, ws == 2, num_items, stream);
   switch (head_dim) {
     case 64:
       return launch_prefill_d64(p, fp16, num_items, stream);

@@ -20,13 +20,15 @@ cudaError_t launch_prefill_d64(const AttnParams& p, bool fp16, int num_items, cu
 cudaError_t launch_prefill_d128(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream);
 cudaError_t launch_prefill_d256(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream);
 
-// The warp-specialised CTA of prefill_ws.cuh for the same launches (same arguments and results).
-// launch_prefill takes it when prefill_warp_specialized(): ATTNRT_PREFILL_WS=1 in the environment
-// (read once, at the first prefill launch) unless set_prefill_warp_specialized chose first.
-cudaError_t launch_prefill_ws(const AttnParams& p, int head_dim, bool fp16, int num_items,
-                              cudaStream_t stream);
-bool prefill_warp_specialized();
-void set_prefill_warp_specialized(bool on);
+// The warp-specialised CTA of prefill_ws.cuh for the same launches (same arguments and results;
+// ping_pong: the consumers' ping-pong schedule). launch_prefill takes it when prefill_ws_mode() is
+// 1 (without the ping-pong) or 2 (with): ATTNRT_PREFILL_WS in the environment, read once at the
+// first prefill launch unless set_prefill_ws_mode chose first; anything else is 0, the default
+// CTA of prefill.cuh.
+cudaError_t launch_prefill_ws(const AttnParams& p, int head_dim, bool fp16, bool ping_pong,
+                              int num_items, cudaStream_t stream);
+int prefill_ws_mode();
+void set_prefill_ws_mode(int mode);
 
 // Steps of any mode (TARGET_VERIFY trees included) planned with TileShape::verify or
 // TileShape::decode32 work items (a decode32 item is the only one of its request, f0 = 0, at most

@@ -1,5 +1,6 @@
 // The warp-specialised prefill CTA (prefill_ws.cuh): its run-time switch and its instantiations
-// (bf16 and fp16 at head dims 64, 128, 256, in one translation unit).
+// (bf16 and fp16 at head dims 64, 128, 256, with and without the ping-pong, in one translation
+// unit).
 #include <atomic>
 #include <cstdlib>
 
@@ -8,42 +9,50 @@
 namespace attnrt::cuda {
 namespace {
 
-// -1: not read yet; otherwise 0 / 1.
+// -1: not read yet; otherwise the mode (0, 1, 2).
 std::atomic<int> g_prefill_ws{-1};
 
+template <int D, bool PP>
+cudaError_t launch_prefill_ws_cfg_pp(const AttnParams& p, bool fp16, int num_items,
+                                     cudaStream_t stream) {
+  return fp16 ? launch_prefill_ws_cfg<__half, PrefillWsCfg<D, PP>>(p, num_items, stream)
+              : launch_prefill_ws_cfg<__nv_bfloat16, PrefillWsCfg<D, PP>>(p, num_items, stream);
+}
+
 template <int D>
-cudaError_t launch_prefill_ws_dim(const AttnParams& p, bool fp16, int num_items,
+cudaError_t launch_prefill_ws_dim(const AttnParams& p, bool fp16, bool ping_pong, int num_items,
                                   cudaStream_t stream) {
-  return fp16 ? launch_prefill_ws_cfg<__half, PrefillWsCfg<D>>(p, num_items, stream)
-              : launch_prefill_ws_cfg<__nv_bfloat16, PrefillWsCfg<D>>(p, num_items, stream);
+  return ping_pong ? launch_prefill_ws_cfg_pp<D, true>(p, fp16, num_items, stream)
+                   : launch_prefill_ws_cfg_pp<D, false>(p, fp16, num_items, stream);
 }
 
 }  // namespace
 
-bool prefill_warp_specialized() {
+int prefill_ws_mode() {
   int v = g_prefill_ws.load(std::memory_order_relaxed);
   if (v < 0) {
     const char* env = std::getenv("ATTNRT_PREFILL_WS");
-    v = env != nullptr && std::atoi(env) != 0 ? 1 : 0;
+    v = env != nullptr ? std::atoi(env) : 0;
+    v = v == 1 || v == 2 ? v : 0;
     int expected = -1;
     // A concurrent set_prefill_warp_specialized wins over the environment.
     if (!g_prefill_ws.compare_exchange_strong(expected, v)) v = expected;
   }
-  return v != 0;
+  return v;
 }
 
-void set_prefill_warp_specialized(bool on) { g_prefill_ws.store(on ? 1 : 0); }
+void set_prefill_ws_mode(int mode) { g_prefill_ws.store(mode == 1 || mode == 2 ? mode : 0); }
 
-cudaError_t launch_prefill_ws(const AttnParams& p, int head_dim, bool fp16, int num_items,
-                              cudaStream_t stream) {
+cudaError_t launch_prefill_ws(const AttnParams& p, int head_dim, bool fp16, bool ping_pong,
+                              int num_items, cudaStream_t stream) {
   if (num_items == 0) return cudaSuccess;
   switch (head_dim) {
     case 64:
-      return launch_prefill_ws_dim<64>(p, fp16, num_items, stream);
+      return launch_prefill_ws_dim<64>(p, fp16, ping_pong, num_items, stream);
     case 128:
-      return launch_prefill_ws_dim<128>(p, fp16, num_items, stream);
+      return launch_prefill_ws_dim<128>(p, fp16, ping_pong, num_items, stream);
     case 256:
-      return launch_prefill_ws_dim<256>(p, fp16, num_items, stream);
+      return launch_prefill_ws_dim<256>(p, fp16, ping_pong, num_items, stream);
     default:
       return cudaErrorInvalidValue;
   }

@@ -1,6 +1,6 @@
 // Warp-specialised variant of the 128-row prefill CTA (prefill.cuh), sm_90a: a producer
 // warpgroup issues every copy, two consumer warpgroups only compute. Selected at run time by
-// ATTNRT_PREFILL_WS=1 (prefill.cu) so that both CTAs can be measured in one binary; it serves
+// ATTNRT_PREFILL_WS=1 or 2 (prefill.cu) so that both CTAs can be measured in one binary; it serves
 // exactly the launches of launch_prefill (TileShape::prefill work items, 16-bit K/V, head dims
 // 64 / 128 / 256) with the same work list, key ranges, masks, softcap, sinks, splits, partials
 // and lse as prefill_kernel.
@@ -23,8 +23,14 @@
 // are never ambiguous and no copy races an older copy to the same stage.
 // The copies are generic-proxy writes and the MMAs read through the async proxy: a consumer
 // fences (fence.proxy.async) after its wait, before its MMAs.
-// The two consumers run unsynchronised on the shared ring, so one's softmax overlaps the other's
-// MMAs as the two CTAs per SM of prefill_kernel do, while the loads leave the consumers' path.
+// Two consumer schedules (Cfg::kPingPong; ATTNRT_PREFILL_WS=1 / 2):
+//  - free-running: each consumer issues S, waits, runs the softmax, issues P V, waits; the two
+//    drift apart on the shared ring, so one's softmax overlaps the other's MMAs as the two CTAs
+//    per SM of prefill_kernel do, while the loads leave the consumers' path.
+//  - ping-pong: the consumers take strict turns to issue their MMAs (named barriers), and a
+//    consumer issues tile i's S together with tile i - 1's P V, then runs tile i's softmax while
+//    the other consumer's MMAs run; a stage is then released one tile later (its V is read in the
+//    next tile's turn).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -41,17 +47,19 @@
 
 namespace attnrt::cuda {
 
-// D: head dim; BN: keys per tile; STAGES: K/V tiles resident.
-template <int D, int BN, int STAGES>
+// D: head dim; BN: keys per tile; STAGES: K/V tiles resident; PP: the consumers' ping-pong with
+// tile i's S = Q K^T issued together with tile i - 1's O += P V.
+template <int D, int BN, int STAGES, bool PP>
 struct PrefillWsConfig {
+  static constexpr bool kPingPong = PP;
   static constexpr int kHeadDim = D;
   static constexpr int kBN = BN;
   static constexpr int kStages = STAGES;
   static constexpr int kRows = kPrefillTileRows;
   static constexpr int kConsumers = kRows / 64;  // consumer warpgroups, one m64 block each
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = D > 128 && PP ? 24 : 40;
+  static constexpr int kConsumerRegs = D > 128 && PP ? 240 : 232;
   static constexpr int kChunks = D / 8;
   static constexpr int kON = D > 128 ? 128 : D;
   static constexpr int kQBytes = kRows * D * 2;
@@ -71,10 +79,11 @@ struct PrefillWsConfig {
                 "setmaxnreg.inc would wait forever");
 };
 
-template <int D>
-using PrefillWsCfg = std::conditional_t<
-    D == 64, PrefillWsConfig<64, 128, 4>,
-    std::conditional_t<D == 128, PrefillWsConfig<128, 128, 3>, PrefillWsConfig<256, 64, 2>>>;
+template <int D, bool PP>
+using PrefillWsCfg =
+    std::conditional_t<D == 64, PrefillWsConfig<64, 128, 4, PP>,
+                       std::conditional_t<D == 128, PrefillWsConfig<128, 128, 3, PP>,
+                                          PrefillWsConfig<256, 64, 2, PP>>>;
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -101,6 +110,9 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
@@ -250,111 +262,205 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const Attn
 
   if (num_tiles > 0) mbar_wait(q_bar, 0);
 
-  for (int it = 0; it < num_tiles; ++it) {
-    const int stage = it % ST;
-    const int kb = lo + it * BN;
-    const bool skip = wg_idle || (causal && kb > req.prefix + gt_hi) ||
-                      (windowed && kb + BN - 1 < req.prefix + gt_lo - p.window);
-    mbar_wait(full_bar(stage), (it / ST) & 1);
-    if (!skip) {
-      fence_proxy_async_smem();
-      const uint32_t tK = sKV + stage * 2 * Cfg::kTileBytes;
-      const uint32_t tV = tK + Cfg::kTileBytes;
-
-      // ---- S = Q K^T (64 rows x BN keys).
-      float s[BN / 2];
-      wgmma_fence();
+  // S = Q K^T (64 rows x BN keys) issued as one wgmma group.
+  auto issue_s = [&](float(&s)[BN / 2], uint32_t tK) {
+    wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint64_t da =
-            wgmma_desc(sQ + (kk >> 2) * ROWS * 128 + wg_row0 * 128 + (kk & 3) * 32, 16);
-        const uint64_t db = wgmma_desc(tK + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16);
-        wgmma_ss<BN, T>(s, da, db, kk > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-
-      if (capped) {
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) s[i] = cap_out * tanhf(s[i] * cap_in);
-      }
-      const bool need_mask = kb + BN > hi || (causal && kb + BN - 1 > req.prefix + wt_lo) ||
-                             (windowed && kb < req.prefix + wt_hi - p.window);
-      if (need_mask) {
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int j = kb + nb * 8 + 2 * c4 + (e & 1);
-            const int qpos = row_q[e >> 1];
-            bool vis = j < hi;
-            if (causal) vis = vis && j <= qpos;
-            if (windowed) vis = vis && qpos - j <= p.window;
-            if (!vis) s[nb * 4 + e] = -INFINITY;
-          }
-      }
-
-      // ---- Online softmax in log2 units.
-      bool moved = false;
-      float alpha[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-          mx = fmaxf(mx, fmaxf(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float m_new = fmaxf(m[h], mx * sl);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        alpha[h] = fast_exp2(m[h] - m_use);
-        moved = moved || m_new != m[h];
-        m[h] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb) {
-          float& x0 = s[nb * 4 + 2 * h];
-          float& x1 = s[nb * 4 + 2 * h + 1];
-          x0 = fast_exp2(fmaf(x0, sl, -m_use));
-          x1 = fast_exp2(fmaf(x1, sl, -m_use));
-          sum += x0 + x1;
-        }
-        l[h] = l[h] * alpha[h] + sum;
-      }
-      if (__any_sync(0xffffffff, moved)) {
-#pragma unroll
-        for (int nb = 0; nb < NO; ++nb)
-#pragma unroll
-          for (int i = 0; i < ON / 8; ++i) {
-            o[nb][4 * i] *= alpha[0];
-            o[nb][4 * i + 1] *= alpha[0];
-            o[nb][4 * i + 2] *= alpha[1];
-            o[nb][4 * i + 3] *= alpha[1];
-          }
-      }
-
-      // ---- O += P V, P from registers.
-      uint32_t pa[BN / 16][4];
-#pragma unroll
-      for (int k16 = 0; k16 < BN / 16; ++k16) {
-        pa[k16][0] = pack2<T>(s[8 * k16], s[8 * k16 + 1]);
-        pa[k16][1] = pack2<T>(s[8 * k16 + 2], s[8 * k16 + 3]);
-        pa[k16][2] = pack2<T>(s[8 * k16 + 4], s[8 * k16 + 5]);
-        pa[k16][3] = pack2<T>(s[8 * k16 + 6], s[8 * k16 + 7]);
-      }
-      wgmma_fence();
-#pragma unroll
-      for (int k16 = 0; k16 < BN / 16; ++k16)
-#pragma unroll
-        for (int nb = 0; nb < NO; ++nb) {
-          const uint64_t db = wgmma_desc(tV + k16 * 16 * 128 + nb * (ON / 64) * BN * 128, BN * 128);
-          wgmma_rs<ON, T>(o[nb], pa[k16], db);
-        }
-      wgmma_commit();
-      wgmma_wait<0>();
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t da =
+          wgmma_desc(sQ + (kk >> 2) * ROWS * 128 + wg_row0 * 128 + (kk & 3) * 32, 16);
+      const uint64_t db = wgmma_desc(tK + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16);
+      wgmma_ss<BN, T>(s, da, db, kk > 0 ? 1 : 0);
     }
-    // This warp is done with the stage (its MMAs have completed).
+    wgmma_commit();
+  };
+  // O += P V, P from registers, issued as one wgmma group.
+  auto issue_pv = [&](const uint32_t(&pa)[BN / 16][4], uint32_t tV) {
+    wgmma_fence();
+#pragma unroll
+    for (int k16 = 0; k16 < BN / 16; ++k16)
+#pragma unroll
+      for (int nb = 0; nb < NO; ++nb) {
+        const uint64_t db = wgmma_desc(tV + k16 * 16 * 128 + nb * (ON / 64) * BN * 128, BN * 128);
+        wgmma_rs<ON, T>(o[nb], pa[k16], db);
+      }
+    wgmma_commit();
+  };
+  // Softcap, the mask of tiles that need one, then the online softmax in log2 units: s becomes the
+  // tile's probabilities, m and l move, alpha is the factor of the O rows (moved: some row
+  // maximum of the warp changed).
+  auto softmax_tile = [&](float(&s)[BN / 2], int kb, float(&alpha)[2]) -> bool {
+    if (capped) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) s[i] = cap_out * tanhf(s[i] * cap_in);
+    }
+    const bool need_mask = kb + BN > hi || (causal && kb + BN - 1 > req.prefix + wt_lo) ||
+                           (windowed && kb < req.prefix + wt_hi - p.window);
+    if (need_mask) {
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = kb + nb * 8 + 2 * c4 + (e & 1);
+          const int qpos = row_q[e >> 1];
+          bool vis = j < hi;
+          if (causal) vis = vis && j <= qpos;
+          if (windowed) vis = vis && qpos - j <= p.window;
+          if (!vis) s[nb * 4 + e] = -INFINITY;
+        }
+    }
+    bool moved = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb)
+        mx = fmaxf(mx, fmaxf(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+      const float m_new = fmaxf(m[h], mx * sl);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      alpha[h] = fast_exp2(m[h] - m_use);
+      moved = moved || m_new != m[h];
+      m[h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb) {
+        float& x0 = s[nb * 4 + 2 * h];
+        float& x1 = s[nb * 4 + 2 * h + 1];
+        x0 = fast_exp2(fmaf(x0, sl, -m_use));
+        x1 = fast_exp2(fmaf(x1, sl, -m_use));
+        sum += x0 + x1;
+      }
+      l[h] = l[h] * alpha[h] + sum;
+    }
+    return __any_sync(0xffffffff, moved);
+  };
+  auto rescale_o = [&](const float(&alpha)[2]) {
+#pragma unroll
+    for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+      for (int i = 0; i < ON / 8; ++i) {
+        o[nb][4 * i] *= alpha[0];
+        o[nb][4 * i + 1] *= alpha[0];
+        o[nb][4 * i + 2] *= alpha[1];
+        o[nb][4 * i + 3] *= alpha[1];
+      }
+  };
+  auto pack_p = [&](const float(&s)[BN / 2], uint32_t(&pa)[BN / 16][4]) {
+#pragma unroll
+    for (int k16 = 0; k16 < BN / 16; ++k16) {
+      pa[k16][0] = pack2<T>(s[8 * k16], s[8 * k16 + 1]);
+      pa[k16][1] = pack2<T>(s[8 * k16 + 2], s[8 * k16 + 3]);
+      pa[k16][2] = pack2<T>(s[8 * k16 + 4], s[8 * k16 + 5]);
+      pa[k16][3] = pack2<T>(s[8 * k16 + 6], s[8 * k16 + 7]);
+    }
+  };
+  // This warp is done with the stage (its MMAs on it have completed).
+  auto release = [&](int stage) {
     if (lane == 0) mbar_arrive(empty_bar(stage));
+  };
+  auto skips = [&](int kb) {
+    return wg_idle || (causal && kb > req.prefix + gt_hi) ||
+           (windowed && kb + BN - 1 < req.prefix + gt_lo - p.window);
+  };
+  auto tile_k = [&](int stage) { return sKV + stage * 2 * Cfg::kTileBytes; };
+
+  if constexpr (!Cfg::kPingPong) {
+    for (int it = 0; it < num_tiles; ++it) {
+      const int stage = it % ST;
+      const int kb = lo + it * BN;
+      mbar_wait(full_bar(stage), (it / ST) & 1);
+      if (!skips(kb)) {
+        fence_proxy_async_smem();
+        float s[BN / 2];
+        issue_s(s, tile_k(stage));
+        wgmma_wait<0>();
+        float alpha[2];
+        if (softmax_tile(s, kb, alpha)) rescale_o(alpha);
+        uint32_t pa[BN / 16][4];
+        pack_p(s, pa);
+        issue_pv(pa, tile_k(stage) + Cfg::kTileBytes);
+        wgmma_wait<0>();
+      }
+      release(stage);
+    }
+  } else {
+    // Ping-pong: the consumers take turns on the tensor cores (named barrier 2 + consumer), and
+    // within a consumer tile i's S = Q K^T is issued together with the previous tile's
+    // O += P V, so the softmax of one consumer overlaps the MMAs of the other. Every consumer
+    // takes its turn on every tile, with MMAs or not, so the turns stay paired; the first
+    // consumer goes first and takes the second's last hand-over after the loop. The tiles a
+    // consumer's rows can see are one run [it_begin, it_end) (the window cuts a prefix, the
+    // diagonal a suffix); the MMAs are issued on straight-line paths (a conditional wgmma makes
+    // ptxas serialise them).
+    auto turn_sync = [&] {
+      if (cw == 0)
+        named_bar_sync(2, 256);
+      else
+        named_bar_sync(3, 256);
+    };
+    auto turn_pass = [&] {
+      if (cw == 0)
+        named_bar_arrive(3, 256);
+      else
+        named_bar_arrive(2, 256);
+    };
+    // A tile outside the run: the turn, then the stage goes back once its copies landed.
+    auto pass_tile = [&](int it) {
+      mbar_wait(full_bar(it % ST), (it / ST) & 1);
+      turn_sync();
+      turn_pass();
+      release(it % ST);
+    };
+    int it_begin = num_tiles, it_end = num_tiles;
+    for (int it = 0; it < num_tiles; ++it) {
+      if (!skips(lo + it * BN)) {
+        if (it_begin == num_tiles) it_begin = it;
+        it_end = it + 1;
+      }
+    }
+    if (cw == 1) named_bar_arrive(2, 256);
+    for (int it = 0; it < it_begin; ++it) pass_tile(it);
+    if (it_begin < it_end) {
+      uint32_t pa[BN / 16][4];
+      {
+        const int stage = it_begin % ST;
+        mbar_wait(full_bar(stage), (it_begin / ST) & 1);
+        fence_proxy_async_smem();
+        float s[BN / 2];
+        turn_sync();
+        issue_s(s, tile_k(stage));
+        turn_pass();
+        wgmma_wait<0>();
+        float alpha[2];
+        if (softmax_tile(s, lo + it_begin * BN, alpha)) rescale_o(alpha);
+        pack_p(s, pa);
+      }
+      for (int it = it_begin + 1; it < it_end; ++it) {
+        const int stage = it % ST, prev = (it - 1) % ST;
+        mbar_wait(full_bar(stage), (it / ST) & 1);
+        fence_proxy_async_smem();
+        float s[BN / 2];
+        turn_sync();
+        issue_s(s, tile_k(stage));
+        issue_pv(pa, tile_k(prev) + Cfg::kTileBytes);
+        turn_pass();
+        wgmma_wait<1>();  // S, the older group, has completed
+        float alpha[2];
+        const bool moved = softmax_tile(s, lo + it * BN, alpha);
+        wgmma_wait<0>();
+        release(prev);
+        if (moved) rescale_o(alpha);
+        pack_p(s, pa);
+      }
+      const int last = (it_end - 1) % ST;
+      issue_pv(pa, tile_k(last) + Cfg::kTileBytes);
+      wgmma_wait<0>();
+      release(last);
+    }
+    for (int it = it_end; it < num_tiles; ++it) pass_tile(it);
+    if (cw == 0) named_bar_sync(2, 256);
   }
 
   // ---- Epilogue, as prefill_kernel's for one m64 block.
