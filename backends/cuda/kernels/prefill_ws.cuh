@@ -508,8 +508,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const Attn
 
 template <typename T, typename Cfg>
 cudaError_t launch_prefill_ws_cfg(const AttnParams& p, int num_items, cudaStream_t stream) {
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      prefill_ws_kernel<T, Cfg>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+  const cudaError_t attr = allow_dynamic_smem<prefill_ws_kernel<T, Cfg>>(Cfg::kSmemBytes);
   if (attr != cudaSuccess) return attr;
   const dim3 grid(p.num_kv_heads, num_items);
   return launch_kernel(prefill_ws_kernel<T, Cfg>, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes,
