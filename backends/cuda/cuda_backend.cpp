@@ -88,6 +88,7 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
                                   "a number of bytes from 0 to 16777216 (0 = copy the plan's own "
                                   "size)"))
     copy_min_bytes_ = static_cast<size_t>(*v);
+  prefill_ws_mode();  // reads ATTNRT_PREFILL_WS now: a bad value fails the construction
   for (const LayerSpec& l : ctx.model->layers) {
     if (!l.uses_kv_cache() || l.num_kv_heads <= 0) continue;
     const int g = l.num_q_heads / l.num_kv_heads;
@@ -478,7 +479,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
       launched = launch_attention_generic(p, d, dv, fp16, cls->shape, cls->num_items, stream_);
       break;
     case Kernel::prefill:
-      launched = launch_prefill(p, d, fp16, cls->num_items, stream_);
+      launched = launch_prefill(p, d, fp16, cls->num_items, cls->prefill_ws, stream_);
       break;
     case Kernel::prefill_verify:
       launched = launch_prefill_verify(p, d, fp16, cls->num_items, stream_, after_stores);

@@ -5,9 +5,10 @@
 namespace attnrt::cuda {
 
 cudaError_t launch_prefill(const AttnParams& p, int head_dim, bool fp16, int num_items,
-                           cudaStream_t stream) {
+                           bool ws_suits, cudaStream_t stream) {
   if (num_items == 0) return cudaSuccess;
-  if (const int ws = prefill_ws_mode(); ws != 0)
+  const int ws = prefill_ws_mode();
+  if (ws == 1 || ws == 2 || (ws == kWsAuto && ws_suits))
     return launch_prefill_ws(p, head_dim, fp16, ws == 2, num_items, stream);
   switch (head_dim) {
     case 64:

@@ -2,15 +2,16 @@
 // (bf16 and fp16 at head dims 64, 128, 256, with and without the ping-pong, in one translation
 // unit).
 #include <atomic>
-#include <cstdlib>
 
+#include "attnrt/core/env.h"
 #include "backends/cuda/kernels/prefill_ws.cuh"
 
 namespace attnrt::cuda {
 namespace {
 
-// -1: not read yet; otherwise the mode (0, 1, 2).
-std::atomic<int> g_prefill_ws{-1};
+// kWsUnread until the first read; then kWsAuto or a forced mode (0, 1, 2).
+constexpr int kWsUnread = -2;
+std::atomic<int> g_prefill_ws{kWsUnread};
 
 template <int D, bool PP>
 cudaError_t launch_prefill_ws_cfg_pp(const AttnParams& p, bool fp16, int num_items,
@@ -30,18 +31,21 @@ cudaError_t launch_prefill_ws_dim(const AttnParams& p, bool fp16, bool ping_pong
 
 int prefill_ws_mode() {
   int v = g_prefill_ws.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* env = std::getenv("ATTNRT_PREFILL_WS");
-    v = env != nullptr ? std::atoi(env) : 0;
-    v = v == 1 || v == 2 ? v : 0;
-    int expected = -1;
-    // A concurrent set_prefill_warp_specialized wins over the environment.
+  if (v == kWsUnread) {
+    const auto env = env_integer("ATTNRT_PREFILL_WS", kWsAuto, 2, "cuda backend",
+                                 "-1 (the plan chooses), 0 (the default prefill CTA), 1 (the "
+                                 "warp-specialised CTA) or 2 (it with the ping-pong schedule)");
+    v = env ? static_cast<int>(*env) : kWsAuto;
+    int expected = kWsUnread;
+    // A concurrent set_prefill_ws_mode wins over the environment.
     if (!g_prefill_ws.compare_exchange_strong(expected, v)) v = expected;
   }
   return v;
 }
 
-void set_prefill_ws_mode(int mode) { g_prefill_ws.store(mode == 1 || mode == 2 ? mode : 0); }
+void set_prefill_ws_mode(int mode) {
+  g_prefill_ws.store(mode >= kWsAuto && mode <= 2 ? mode : kWsAuto);
+}
 
 cudaError_t launch_prefill_ws(const AttnParams& p, int head_dim, bool fp16, bool ping_pong,
                               int num_items, cudaStream_t stream) {
