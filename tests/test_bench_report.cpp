@@ -193,6 +193,32 @@ TEST(BenchTiming, RepeatedTimingCallsTheBodyWarmupPlusRepeats) {
   }
 }
 
+TEST(BenchTiming, GpuFlushModeFromEnvironmentIsWriteOrClean) {
+  const char* name = "ATTNRT_BENCH_FLUSH";
+  const char* before = std::getenv(name);
+  const std::string saved = before != nullptr ? before : "";
+  unsetenv(name);
+  EXPECT_EQ(gpu_flush_from_env(), GpuFlush::write);
+  setenv(name, "", 1);
+  EXPECT_EQ(gpu_flush_from_env(), GpuFlush::write);
+  setenv(name, "write", 1);
+  EXPECT_EQ(gpu_flush_from_env(), GpuFlush::write);
+  setenv(name, "clean", 1);
+  EXPECT_EQ(gpu_flush_from_env(), GpuFlush::clean);
+  EXPECT_STREQ(gpu_flush_name(GpuFlush::write), "write");
+  EXPECT_STREQ(gpu_flush_name(GpuFlush::clean), "clean");
+  for (const char* bad : {"read", "Clean", "clean ", "1", "memset"}) {
+    setenv(name, bad, 1);
+    EXPECT_EQ(error_of([] { gpu_flush_from_env(); }),
+              std::string("bench: ATTNRT_BENCH_FLUSH=") + bad + " is invalid; use write or clean");
+  }
+  if (before != nullptr) {
+    setenv(name, saved.c_str(), 1);
+  } else {
+    unsetenv(name);
+  }
+}
+
 TEST(BenchCeilings, CpuProbesMeasureSomethingAndGpuNeedsAProbe) {
   EXPECT_GT(cpu_stream_read_gbps(size_t{8} << 20, 1, 1), 0);
   EXPECT_GT(cpu_fma_gflops(1, 0.005, 1), 0);

@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -38,6 +40,8 @@
 
 #include "backends/cuda/cuda_bench.h"
 #include "backends/cuda/cuda_kv_cache.h"
+#include "backends/cuda/cuda_util.h"
+#include "backends/cuda/kernels/l2_evict.h"
 #endif
 
 namespace attnrt {
@@ -615,6 +619,56 @@ TEST(CudaBench, CeilingsTimerRowsAndStepCosts) {
   EXPECT_EQ(g.layers, 32);
   EXPECT_GT(g.graph_step.median, 0);
   EXPECT_GT(g.eager_issue.median, 0);
+}
+
+// ATTNRT_BENCH_FLUSH=clean: the sweep reads the whole buffer and writes nothing (neither the buffer
+// nor its sink), rejects a misaligned buffer, and the timer built with it says so and times calls.
+TEST(CudaBench, CleanFlushReadsWithoutWriting) {
+  SKIP_WITHOUT_GPU();
+  const size_t bytes = size_t{64} << 20;
+  cuda::DeviceBuffer buf(bytes), sink(sizeof(uint32_t));
+  ATTNRT_CUDA_CHECK(cudaMemset(buf.data(), 0x5a, bytes));
+  ATTNRT_CUDA_CHECK(cudaMemset(sink.data(), 0xa5, sizeof(uint32_t)));
+  ASSERT_EQ(cuda::evict_l2_by_reading(buf.data(), bytes, sink.ptr<uint32_t>(), nullptr),
+            cudaSuccess);
+  ATTNRT_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<unsigned char> host(bytes);
+  ATTNRT_CUDA_CHECK(cudaMemcpy(host.data(), buf.data(), bytes, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::count(host.begin(), host.end(), 0x5a), static_cast<ptrdiff_t>(bytes));
+  uint32_t word = 0;
+  ATTNRT_CUDA_CHECK(cudaMemcpy(&word, sink.data(), sizeof(word), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(word, 0xa5a5a5a5u);
+  EXPECT_EQ(cuda::evict_l2_by_reading(static_cast<char*>(buf.data()) + 4, 1024,
+                                      sink.ptr<uint32_t>(), nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::evict_l2_by_reading(buf.data(), 1000, sink.ptr<uint32_t>(), nullptr),
+            cudaErrorInvalidValue);
+
+  const char* before = std::getenv("ATTNRT_BENCH_FLUSH");
+  const std::string saved = before != nullptr ? before : "";
+  setenv("ATTNRT_BENCH_FLUSH", "clean", 1);
+  {
+    auto timer = bench::make_device_timer(Device::cuda(0));
+    EXPECT_NE(timer->method().find("read to evict the L2 (ATTNRT_BENCH_FLUSH=clean)"),
+              std::string::npos)
+        << timer->method();
+    const bench::TimingStats t = bench::time_repeated(
+        *timer, [&] { ATTNRT_CUDA_CHECK(cudaMemsetAsync(buf.data(), 1, 1 << 20, nullptr)); }, 1, 3);
+    EXPECT_EQ(t.repeats, 3);
+    EXPECT_GT(t.median, 0);
+  }
+  setenv("ATTNRT_BENCH_FLUSH", "read", 1);
+  try {
+    bench::make_device_timer(Device::cuda(0));
+    ADD_FAILURE() << "ATTNRT_BENCH_FLUSH=read was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("use write or clean"), std::string::npos) << e.what();
+  }
+  if (before != nullptr) {
+    setenv("ATTNRT_BENCH_FLUSH", saved.c_str(), 1);
+  } else {
+    unsetenv("ATTNRT_BENCH_FLUSH");
+  }
 }
 
 #else

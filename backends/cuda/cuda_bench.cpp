@@ -6,21 +6,25 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "attnrt/bench/timing.h"
 #include "attnrt/core/device.h"
 #include "attnrt/core/dtype.h"
 #include "backends/cuda/cuda_util.h"
+#include "backends/cuda/kernels/l2_evict.h"
 
 namespace attnrt::cuda {
 
 namespace {
 
-// Writes over the L2 (50 MiB on an H200) several times, so that a repetition reads from HBM as it
-// would after the other layers of a step ran.
+// At least 4x the L2 (50 MiB on an H200), so that a repetition reads from HBM as it would after the
+// other layers of a step ran.
 size_t flush_bytes() {
   int device = 0, l2 = 0;
   cudaGetDevice(&device);
@@ -28,17 +32,51 @@ size_t flush_bytes() {
   return std::max<size_t>(size_t{256} << 20, size_t{4} * static_cast<size_t>(l2));
 }
 
+// The L2 flush before every timed GPU call of `attnrt bench`, in the mode ATTNRT_BENCH_FLUSH names
+// (bench::gpu_flush_from_env): a memset of the buffer (write) or a read of it (clean). The flush
+// buffer is written once here, so that the clean flush reads defined data.
+class L2Flush {
+ public:
+  L2Flush() : mode_(bench::gpu_flush_from_env()), buffer_(flush_bytes()), sink_(sizeof(uint32_t)) {
+    ATTNRT_CUDA_CHECK(cudaMemset(buffer_.data(), 0, buffer_.bytes()));
+    // The flush may run on a non-blocking stream, which does not wait for the legacy one.
+    ATTNRT_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  }
+
+  // Stream-ordered on `stream`, before the timed call's start event, so it is not timed.
+  void run(cudaStream_t stream) {
+    if (mode_ == bench::GpuFlush::write) {
+      ATTNRT_CUDA_CHECK(cudaMemsetAsync(buffer_.data(), ++round_ & 0xff, buffer_.bytes(), stream));
+    } else {
+      ATTNRT_CUDA_CHECK(
+          evict_l2_by_reading(buffer_.data(), buffer_.bytes(), sink_.ptr<uint32_t>(), stream));
+    }
+  }
+
+  // e.g. "256 MiB read to evict the L2 (ATTNRT_BENCH_FLUSH=clean)".
+  std::string describe() const {
+    return fmt::format("{} MiB {} to evict the L2 (ATTNRT_BENCH_FLUSH={})", buffer_.bytes() >> 20,
+                       mode_ == bench::GpuFlush::write ? "written" : "read",
+                       bench::gpu_flush_name(mode_));
+  }
+
+ private:
+  bench::GpuFlush mode_;
+  DeviceBuffer buffer_, sink_;
+  int round_ = 0;
+};
+
 // Events around `body` on `stream`, each repetition after an L2 flush; seconds per repetition.
 template <typename Body>
-std::vector<double> event_seconds(cudaStream_t stream, const DeviceBuffer& flush, int warmup,
-                                  int repeats, Body&& body) {
+std::vector<double> event_seconds(cudaStream_t stream, L2Flush& flush, int warmup, int repeats,
+                                  Body&& body) {
   cudaEvent_t start = nullptr, stop = nullptr;
   ATTNRT_CUDA_CHECK(cudaEventCreate(&start));
   ATTNRT_CUDA_CHECK(cudaEventCreate(&stop));
   for (int i = 0; i < warmup; ++i) body();
   std::vector<double> seconds;
   for (int i = 0; i < repeats; ++i) {
-    ATTNRT_CUDA_CHECK(cudaMemsetAsync(flush.data(), i & 0xff, flush.bytes(), stream));
+    flush.run(stream);
     ATTNRT_CUDA_CHECK(cudaEventRecord(start, stream));
     body();
     ATTNRT_CUDA_CHECK(cudaEventRecord(stop, stream));
@@ -111,7 +149,7 @@ class EventTimer final : public bench::DeviceTimer {
   EventTimer() {
     const CudaDeviceInfo& info = query_cuda();
     ATTNRT_CHECK(info.usable, "CUDA timer: no usable CUDA device ({})", info.reason);
-    flush_.reserve(flush_bytes());
+    flush_.emplace();
     ATTNRT_CUDA_CHECK(cudaEventCreate(&start_));
     ATTNRT_CUDA_CHECK(cudaEventCreate(&stop_));
   }
@@ -130,22 +168,16 @@ class EventTimer final : public bench::DeviceTimer {
     return ms * 1e-3;
   }
 
-  // The flush is stream-ordered before the start event, so it is not timed.
-  void flush_caches() override {
-    ATTNRT_CUDA_CHECK(cudaMemsetAsync(flush_.data(), ++round_ & 0xff, flush_.bytes(), nullptr));
-  }
+  void flush_caches() override { flush_->run(nullptr); }
 
   std::string method() const override {
-    return fmt::format(
-        "CUDA events around each call on the default stream; {} MiB written between repetitions "
-        "to evict the L2",
-        flush_.bytes() >> 20);
+    return "CUDA events around each call on the default stream; between repetitions, " +
+           flush_->describe();
   }
 
  private:
-  DeviceBuffer flush_;
+  std::optional<L2Flush> flush_;  // made once the device is known to be usable
   cudaEvent_t start_ = nullptr, stop_ = nullptr;
-  int round_ = 0;
 };
 
 }  // namespace
@@ -160,7 +192,7 @@ bench::Ceilings measure_gpu_ceilings(Device device, const bench::CeilingOptions&
   const int repeats = std::max(options.passes, 10);
   cudaStream_t stream = nullptr;
   ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  DeviceBuffer flush(flush_bytes());
+  L2Flush flush;
 
   // Copy: at least 4 GiB (a quarter of the memory on small GPUs), read + written.
   {
@@ -172,9 +204,9 @@ bench::Ceilings measure_gpu_ceilings(Device device, const bench::CeilingOptions&
           cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice, stream));
     }));
     c.memory.value = 2.0 * static_cast<double>(bytes) / t / 1e9;
-    c.memory.method =
-        fmt::format("device-to-device copy of {:.2f} GiB, bytes read + written, median of {}",
-                    static_cast<double>(bytes) / double(1ull << 30), repeats);
+    c.memory.method = fmt::format(
+        "device-to-device copy of {:.2f} GiB, bytes read + written, median of {}; before each, {}",
+        static_cast<double>(bytes) / double(1ull << 30), repeats, flush.describe());
   }
 
   c.fp32.unavailable = "not measured on GPUs: bf16 attention rows are held against the bf16 GEMM";
@@ -207,9 +239,9 @@ bench::Ceilings measure_gpu_ceilings(Device device, const bench::CeilingOptions&
             fmt::format("cublasGemmEx failed (status {})", static_cast<int>(status));
       } else {
         c.bf16.value = 2.0 * n * double(n) * n / t / 1e9;
-        c.bf16.method = fmt::format(
-            "cuBLAS bf16 GEMM {}^3 (fp32 accumulation), L2 flushed before each, median of {}", n,
-            repeats);
+        c.bf16.method =
+            fmt::format("cuBLAS bf16 GEMM {}^3 (fp32 accumulation), median of {}; before each, {}",
+                        n, repeats, flush.describe());
       }
     }
   }

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <string_view>
 
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
@@ -99,6 +100,17 @@ size_t last_level_cache_bytes() {
   }
   return best > 0 ? best : size_t{32} << 20;
 }
+
+GpuFlush gpu_flush_from_env() {
+  const char* env = std::getenv("ATTNRT_BENCH_FLUSH");
+  if (env == nullptr || *env == '\0') return GpuFlush::write;
+  const std::string_view v(env);
+  if (v == "clean") return GpuFlush::clean;
+  ATTNRT_CHECK(v == "write", "bench: ATTNRT_BENCH_FLUSH={} is invalid; use write or clean", env);
+  return GpuFlush::write;
+}
+
+const char* gpu_flush_name(GpuFlush flush) { return flush == GpuFlush::clean ? "clean" : "write"; }
 
 std::unique_ptr<DeviceTimer> make_device_timer(Device device) {
   if (device.kind == DeviceKind::cpu) return std::make_unique<CpuTimer>();

@@ -30,6 +30,16 @@ class DeviceTimer {
   virtual std::string method() const = 0;  // e.g. "steady_clock, 64 MiB cache flush"
 };
 
+// How a GPU timer evicts the L2 before each repetition, from ATTNRT_BENCH_FLUSH (docs/bench.md).
+// write: a memset of a buffer of at least 4x the L2, which leaves the L2 full of dirty lines whose
+// write-back the timed call then pays as it evicts them. clean: a read of that buffer, which leaves
+// only clean lines, so the timed call's DRAM traffic is its own.
+enum class GpuFlush { write, clean };
+// ATTNRT_BENCH_FLUSH=write|clean; write when unset or empty. Throws attnrt::Error for any other
+// value, naming the variable, the value and the allowed values.
+GpuFlush gpu_flush_from_env();
+const char* gpu_flush_name(GpuFlush flush);
+
 // CPU timer; its flush streams through a buffer of twice the last-level cache.
 std::unique_ptr<DeviceTimer> make_device_timer(Device device);
 void register_device_timer(DeviceKind kind, std::function<std::unique_ptr<DeviceTimer>()> make);
