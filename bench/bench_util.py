@@ -1,11 +1,14 @@
 """What the torch side-by-side scripts (torch_sdpa.py, torch_linear.py) share: reading an attnrt
-bench report, the size of the cache to evict between repetitions, the timing loop (CUDA events
-on a GPU, perf_counter on the CPU, the eviction buffer written before each repetition), the timing
-figures of a row, and the options that pick and time rows."""
+bench report, the cache eviction before each repetition (written, or on a GPU read with --flush
+clean), the timing loop (CUDA events on a GPU, perf_counter on the CPU), the timing figures of a
+row, and the options that pick and time rows."""
 import json
+import os
 import statistics
 import sys
 import time
+
+FLUSH_MODES = ("write", "clean")
 
 
 def read_attnrt_report(path):
@@ -32,9 +35,24 @@ def llc_bytes():
     return best or (32 << 20)
 
 
+def make_flush(torch, device, mode):
+    """The cache eviction run before each timed repetition (untimed), as `attnrt bench` does. On a
+    GPU a 256 MiB tensor (5x the H200's L2), written (mode "write": add 1, which leaves the L2 full
+    of dirty lines whose write-back the timed call pays) or read (mode "clean": its max, one scalar
+    written, which leaves only clean lines); on the CPU a tensor of twice the last-level cache,
+    written (the CPU flush of `attnrt bench` writes too)."""
+    if device == "cuda":
+        buf = torch.zeros((256 << 20) // 4, dtype=torch.float32, device="cuda")
+    else:
+        buf = torch.zeros(2 * llc_bytes() // 4, dtype=torch.float32)
+    if mode == "clean":
+        return lambda: buf.max()
+    return lambda: buf.add_(1)
+
+
 def time_calls(torch, call, device, warmup, repeats, flush):
     """Seconds per call, sorted: `warmup` untimed calls, then `repeats` timed ones, each after
-    writing `flush` (evicting the caches)."""
+    `flush()` (make_flush: evicts the caches)."""
     cuda = device == "cuda"
     with torch.no_grad():
         for _ in range(warmup):
@@ -45,7 +63,7 @@ def time_calls(torch, call, device, warmup, repeats, flush):
             stop = torch.cuda.Event(enable_timing=True)
         samples = []
         for _ in range(repeats):
-            flush.add_(1)
+            flush()
             if cuda:
                 start.record()
                 call()
@@ -83,9 +101,23 @@ def add_row_args(ap, from_help, workload_help, scale_help):
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads; 0 = ATTNRT_NUM_THREADS, else every core")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--flush", choices=FLUSH_MODES,
+                    help="with --device cuda, how the L2 is evicted before each repetition: write "
+                         "(a 256 MiB tensor written, as attnrt bench does by default) or clean (the "
+                         "tensor read, so the L2 holds no dirty lines); default ATTNRT_BENCH_FLUSH, "
+                         "else write. The CPU's caches are always evicted by writing")
 
 
 def check_row_args(ap, args):
+    if args.flush is None:
+        env = os.environ.get("ATTNRT_BENCH_FLUSH", "")
+        if env not in ("",) + FLUSH_MODES:
+            ap.error(f"ATTNRT_BENCH_FLUSH={env} is invalid; use write or clean")
+        # attnrt bench reads ATTNRT_BENCH_FLUSH on a GPU only; so does this script.
+        args.flush = env if env and args.device == "cuda" else "write"
+    elif args.flush == "clean" and args.device != "cuda":
+        ap.error("--flush clean: only with --device cuda (the CPU's caches are evicted by writing, "
+                 "as attnrt bench does)")
     if not 0 < args.scale <= 1:
         ap.error(f"--scale {args.scale} is out of range: use a factor in (0, 1]")
     if args.repeats < 1:

@@ -25,8 +25,8 @@ Every function is called through inspect.unwrap, i.e. its torch implementation, 
 optional fla / mamba_ssm / causal_conv1d packages are installed. Decode rows start from random
 states (attnrt builds its states from 16 tokens; the time does not depend on the values).
 
-On a GPU (--device cuda): CUDA events around each call, 256 MiB written between repetitions to
-evict the L2 (as bench/torch_sdpa.py). A batched call that runs out of GPU memory (the torch forms
+On a GPU (--device cuda): CUDA events around each call, a 256 MiB tensor written (--flush write)
+or read (--flush clean) before each repetition to evict the L2 (as bench/torch_sdpa.py). A batched call that runs out of GPU memory (the torch forms
 materialise [batch, chunks, chunk, chunk, heads, dim] products) is retried as one call per request,
 timed as a whole, and the row says so. The JSON is rewritten after every row.
 """
@@ -40,8 +40,8 @@ import statistics
 import sys
 import warnings
 
-from bench_util import (add_row_args, check_row_args, llc_bytes, read_attnrt_report, time_calls,
-                        timing_ms)
+from bench_util import (add_row_args, check_row_args, make_flush, read_attnrt_report,
+                        time_calls, timing_ms)
 
 DECODE_PREFIX = 16
 GDN = dict(model="qwen3-next-80b", num_k_heads=16, num_v_heads=32, head_k_dim=128,
@@ -346,11 +346,10 @@ def main():
             sys.exit(f"--workload {args.workload}: no row matches")
 
     if args.device == "cuda":
-        flush = torch.zeros((256 << 20) // 4, dtype=torch.float32, device="cuda")
-        where = torch.cuda.get_device_name()
+        where = f"{torch.cuda.get_device_name()}, L2 flush: {args.flush}"
     else:
-        flush = torch.zeros(2 * llc_bytes() // 4, dtype=torch.float32)
         where = f"cpu ({torch.backends.cpu.get_cpu_capability()}), {threads} threads"
+    flush = make_flush(torch, args.device, args.flush)
     print(f"torch {torch.__version__}, transformers {transformers.__version__} on {where}")
     if "kda_chunk" not in fns:
         print("this transformers ships no Kimi-Linear: kda rows are reported as not available")
@@ -395,6 +394,7 @@ def write_report(args, torch, transformers, threads, out):
         "transformers_version": transformers.__version__,
         "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
         "threads": threads,
+        "flush": args.flush,
         "source": args.source,
         "machine": {"cpu_model": cpu_model, "logical_cpus": os.cpu_count()},
         "rows": out,

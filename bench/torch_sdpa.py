@@ -23,10 +23,11 @@ repetitions as attnrt does). SDPA has no paged KV and no fp8 KV, so:
 
 On a GPU (--device cuda, as `attnrt bench --backend cuda` runs) every row is timed with each of
 --kernels: SDPA restricted to its flash kernel (`flash`), to cuDNN (`cudnn`), and FlexAttention
-compiled with a block mask (`flex`); CUDA events around the call, 256 MiB written between
-repetitions to evict the L2. A kernel that cannot run a row (flash takes no explicit mask) is
-recorded with its reason; the row's time is its fastest kernel's. The JSON is rewritten after
-every row, so an interrupted run keeps what it measured.
+compiled with a block mask (`flex`); CUDA events around the call, a 256 MiB tensor written
+(--flush write) or read (--flush clean) before each repetition to evict the L2. A kernel that
+cannot run a row (flash takes no explicit mask) is recorded with its reason; the row's time is its
+fastest kernel's. The JSON is rewritten after every row, so an interrupted run keeps what it
+measured.
 """
 
 import argparse
@@ -37,8 +38,8 @@ import statistics
 import sys
 import warnings
 
-from bench_util import (add_row_args, check_row_args, llc_bytes, read_attnrt_report, time_calls,
-                        timing_ms)
+from bench_util import (add_row_args, check_row_args, make_flush, read_attnrt_report,
+                        time_calls, timing_ms)
 
 STANDARD = [
     # (name, kind, batch, prefix_len, new_tokens, head_dim, page_size, kv_dtype, topk)
@@ -290,12 +291,11 @@ def main():
             sys.exit(f"--workload {args.workload}: no row matches")
 
     if args.device == "cuda":
-        flush = torch.zeros((256 << 20) // 4, dtype=torch.float32, device="cuda")
         where = (f"{torch.cuda.get_device_name()}, kernels {','.join(args.kernels)} "
-                 f"(a row's time is its fastest kernel's)")
+                 f"(a row's time is its fastest kernel's), L2 flush: {args.flush}")
     else:
-        flush = torch.zeros(2 * llc_bytes() // 4, dtype=torch.float32)
         where = f"cpu ({torch.backends.cpu.get_cpu_capability()}), {threads} threads, SDPA"
+    flush = make_flush(torch, args.device, args.flush)
     out = []
     print(f"torch {torch.__version__} on {where}")
     print(f"{'row':<30} {'shape':<26} {'ms':>9} {'p10..p90 ms':>17} {'rate':>14}")
@@ -342,6 +342,7 @@ def write_report(args, torch, threads, out):
             "kernels": args.kernels if args.device == "cuda" else ["sdpa"],
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": threads,
+            "flush": args.flush,
             "source": args.source,
             "machine": {"cpu_model": cpu_model, "logical_cpus": os.cpu_count()},
             "rows": out,
