@@ -320,6 +320,19 @@ PREFILL_CASE(PageSizesAndLongRuns) {
   }
 }
 
+PREFILL_CASE(MoreWorkItemsThanSms) {
+  // 24 ragged requests x 2 KV heads: ~240 (work item, KV head) units, more than the SMs, so the
+  // warp-specialised CTAs walk several units each, the K/V ring and the Q barriers carrying on
+  // from one unit to the next at every ring position.
+  PrefillCase c;
+  for (int i = 0; i < 24; ++i) {
+    c.prefix.push_back((i * 37) % 300);
+    c.qlen.push_back(100 + (i * 53) % 120);
+  }
+  c.seed = 29;
+  check_prefill(c);
+}
+
 PREFILL_CASE(NonCausalWithAndWithoutPrefix) {
   for (int dim : {64, 256}) {
     PrefillCase c;

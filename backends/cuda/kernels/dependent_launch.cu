@@ -26,6 +26,21 @@ bool dependent_launch_enabled() { return switch_state().load(std::memory_order_r
 
 void set_dependent_launch(bool on) { switch_state().store(on, std::memory_order_relaxed); }
 
+int sm_count() {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> counts[kMaxDevices];  // 0: not read yet
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return 0;
+  if (dev >= kMaxDevices) {
+    int n = 0;
+    return cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess ? n : 0;
+  }
+  int n = counts[dev].load(std::memory_order_relaxed);
+  if (n == 0 && cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess)
+    counts[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+
 namespace detail {
 
 bool dependent_launch_usable() { return attribute_works.load(std::memory_order_relaxed); }

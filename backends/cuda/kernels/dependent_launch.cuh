@@ -66,6 +66,9 @@ void dependent_launch_failed();
 
 }  // namespace detail
 
+// SMs of the current device (read once per device); 0 when it cannot be read.
+int sm_count();
+
 // Lets `Kernel` use `smem` bytes of dynamic shared memory. Set once per kernel (every launch of a
 // kernel asks for the same size); the first call's result is kept.
 template <auto Kernel>

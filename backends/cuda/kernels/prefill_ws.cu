@@ -13,11 +13,23 @@ namespace {
 constexpr int kWsUnread = -2;
 std::atomic<int> g_prefill_ws{kWsUnread};
 
+// Persistent CTAs (one per SM, walking the units) unless ATTNRT_PREFILL_WS_PERSISTENT=0 (one CTA
+// per unit), read once.
+bool persistent() {
+  static const bool on = env_integer("ATTNRT_PREFILL_WS_PERSISTENT", 0, 1, "cuda backend",
+                                     "1 (one CTA per SM walks the work items) or 0 (one CTA per "
+                                     "work item)")
+                             .value_or(1) != 0;
+  return on;
+}
+
 template <int D, bool PP>
 cudaError_t launch_prefill_ws_cfg_pp(const AttnParams& p, bool fp16, int num_items,
                                      cudaStream_t stream) {
-  return fp16 ? launch_prefill_ws_cfg<__half, PrefillWsCfg<D, PP>>(p, num_items, stream)
-              : launch_prefill_ws_cfg<__nv_bfloat16, PrefillWsCfg<D, PP>>(p, num_items, stream);
+  return fp16 ? launch_prefill_ws_cfg<__half, PrefillWsCfg<D, PP>>(p, num_items, persistent(),
+                                                                   stream)
+              : launch_prefill_ws_cfg<__nv_bfloat16, PrefillWsCfg<D, PP>>(p, num_items,
+                                                                          persistent(), stream);
 }
 
 template <int D>

@@ -35,6 +35,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -66,8 +67,8 @@ struct PrefillWsConfig {
   static constexpr int kTileBytes = BN * D * 2;
   static constexpr int kRingBytes = STAGES * 2 * kTileBytes;
   static constexpr int kSlotBytes = BN * 4;
-  // full[STAGES], empty[STAGES], q
-  static constexpr int kBarBytes = (2 * STAGES + 1) * 8;
+  // full[STAGES], empty[STAGES], q full, q empty
+  static constexpr int kBarBytes = (2 * STAGES + 2) * 8;
   static constexpr int kSmemBytes = 1024 + kQBytes + kRingBytes + kSlotBytes + kBarBytes;
   static_assert(kConsumers == 2 && D % 64 == 0 && BN % 64 == 0 && BN <= 128 && STAGES >= 2);
   static_assert(BN * kChunks % 128 == 0 && kRows * kChunks % 128 == 0);
@@ -123,8 +124,44 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+// One unit of the warp-specialised CTA: work item `unit / num_kv_heads` on KV head
+// `unit % num_kv_heads`, and the keys [lo, hi) of its split, as prefill_kernel cuts them.
+struct WsUnit {
+  int kvh;
+  WorkItem item;
+  ReqInfo req;
+  int lo, hi, num_tiles;
+};
+
+template <int ROWS, int BN>
+__device__ __forceinline__ WsUnit ws_unit(const AttnParams& p, int unit) {
+  WsUnit u;
+  u.kvh = unit % p.num_kv_heads;
+  u.item = p.work[unit / p.num_kv_heads];
+  u.req = p.reqs[u.item.req];
+  const int G = p.group;
+  const int t_first = u.item.f0 / G;
+  const int t_last = min(u.req.qlen - 1, (u.item.f0 + ROWS - 1) / G);
+  const bool causal = p.causal != 0;
+  int hi = u.req.kv_len, lo = 0;
+  if (causal) {
+    hi = min(hi, u.req.prefix + t_last + 1);
+    if (p.window >= 0) lo = max(0, u.req.prefix + t_first - p.window);
+  }
+  const int span = max(hi - lo, 0);
+  const int chunk = (span + u.req.num_splits - 1) / u.req.num_splits;
+  const int chunk_tiles = (chunk + BN - 1) / BN * BN;
+  lo += u.item.split * chunk_tiles;
+  hi = min(lo + chunk_tiles, hi);
+  u.lo = lo;
+  u.hi = hi;
+  u.num_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
+  return u;
+}
+
 template <typename T, typename Cfg>
-__global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    prefill_ws_kernel(const AttnParams p, int num_units) {
   constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, ST = Cfg::kStages, CH = Cfg::kChunks;
   constexpr int ON = Cfg::kON, NO = D / ON, ROWS = Cfg::kRows;
   extern __shared__ unsigned char smem_raw[];
@@ -138,38 +175,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const Attn
   auto full_bar = [&](int s) { return sBar + 8 * s; };
   auto empty_bar = [&](int s) { return sBar + 8 * (ST + s); };
   const uint32_t q_bar = sBar + 8 * 2 * ST;
+  const uint32_t q_empty = q_bar + 8;
 
   const int tid = threadIdx.x, wg = tid >> 7;
-  const int kvh = blockIdx.x;
-  const WorkItem item = p.work[blockIdx.y];
-  const ReqInfo req = p.reqs[item.req];
-  const int G = p.group;
-  const int t_first = item.f0 / G;
-  const int t_last = min(req.qlen - 1, (item.f0 + ROWS - 1) / G);
-  const bool causal = p.causal != 0;
-  const bool windowed = causal && p.window >= 0;
-
-  // The split's keys, as prefill_kernel cuts them.
-  int hi = req.kv_len, lo = 0;
-  if (causal) {
-    hi = min(hi, req.prefix + t_last + 1);
-    if (windowed) lo = max(0, req.prefix + t_first - p.window);
-  }
-  {
-    const int span = max(hi - lo, 0);
-    const int chunk = (span + req.num_splits - 1) / req.num_splits;
-    const int chunk_tiles = (chunk + BN - 1) / BN * BN;
-    lo += item.split * chunk_tiles;
-    hi = min(lo + chunk_tiles, hi);
-  }
-  const int num_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
-
   if (tid == 0) {
     for (int s = 0; s < ST; ++s) {
       mbar_init(full_bar(s), 128);
       mbar_init(empty_bar(s), 4 * Cfg::kConsumers);
     }
     mbar_init(q_bar, 128);
+    mbar_init(q_empty, 4 * Cfg::kConsumers);
   }
   __syncthreads();
 
@@ -177,342 +192,391 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) prefill_ws_kernel(const Attn
   // at the point prefill_kernel has them so the PDL rules stay those of dependent_launch.cuh.
   grid_dependency_wait();
   launch_dependent_grids();
-
+  // The CTA's units (work item, KV head), n-th of the CTA: units blockIdx.x, blockIdx.x +
+  // gridDim.x, ... The K/V ring's stages and phases run on across units (tile_base: the tiles of
+  // the CTA's earlier units), and so do the phases of the Q barriers (q full: its n-th completion;
+  // q empty: the consumers are done reading Q of unit n). Each role walks the units in its own
+  // loop, after its setmaxnreg, so that ptxas allocates each loop under its own register count.
+  const int G = p.group;
+  const bool causal = p.causal != 0;
+  const bool windowed = causal && p.window >= 0;
   if (wg == 0) {
-    // ================= producer =================
     setmaxnreg_dec<Cfg::kProducerRegs>();
-    write_back_committed_pages(p, req, item, kvh, tid, 128);
-    {
-      const T* q = static_cast<const T*>(p.q);
+    int tile_base = 0;
+    for (int unit = blockIdx.x, n = 0; unit < num_units; unit += gridDim.x, ++n) {
+      const WsUnit u = ws_unit<ROWS, BN>(p, unit);
+      const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
+      const WorkItem item = u.item;
+      const ReqInfo req = u.req;
+      auto stage_of = [&](int it) { return (tile_base + it) % ST; };
+      auto parity_of = [&](int it) { return static_cast<uint32_t>((tile_base + it) / ST) & 1u; };
+      {
+        // ================= producer =================
+        write_back_committed_pages(p, req, item, kvh, tid, 128);
+        if (n > 0) mbar_wait(q_empty, (n - 1) & 1);  // Q of the previous unit is no longer read
+        {
+          const T* q = static_cast<const T*>(p.q);
 #pragma unroll 4
-      for (int i = tid; i < ROWS * CH; i += 128) {
-        const int r = i / CH, c = i % CH;
-        const int f = item.f0 + r, t = f / G, hg = f - t * G;
-        const bool valid = t < req.qlen;
-        const T* src = valid ? q + (req.qo_start + t) * p.q_stride_tok +
-                                   (kvh * G + hg) * p.q_stride_head + c * 8
-                             : q;
-        cp_async_16(smem + swz128_offset(ROWS, r, c), src, valid);
-      }
-      mbar_arrive_cp_async(q_bar);
-    }
-    const int pmask = (1 << p.page_shift) - 1;
-    auto resolve = [&](int it) -> int32_t {
-      const int j = lo + it * BN + tid;
-      if (tid >= BN || it >= num_tiles || j >= hi) return -1;
-      return static_cast<int32_t>(slot_of_page(p, pmask, page_id(p, req, j >> p.page_shift), j));
-    };
-    const T* kbase = static_cast<const T*>(p.k) + kvh * D;
-    const T* vbase = static_cast<const T*>(p.v) + kvh * D;
-    int32_t next_slot = resolve(0);
-    for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it % ST;
-      if (it >= ST) mbar_wait(empty_bar(stage), ((it / ST) - 1) & 1);
-      named_bar_sync(1, 128);  // every producer thread is done reading the previous slots
-      if (tid < BN) sSlot[tid] = next_slot;
-      named_bar_sync(1, 128);
-      next_slot = resolve(it + 1);  // in flight while this tile's copies are issued
-      unsigned char* dk = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes;
-      unsigned char* dv = dk + Cfg::kTileBytes;
+          for (int i = tid; i < ROWS * CH; i += 128) {
+            const int r = i / CH, c = i % CH;
+            const int f = item.f0 + r, t = f / G, hg = f - t * G;
+            const bool valid = t < req.qlen;
+            const T* src = valid ? q + (req.qo_start + t) * p.q_stride_tok +
+                                       (kvh * G + hg) * p.q_stride_head + c * 8
+                                 : q;
+            cp_async_16(smem + swz128_offset(ROWS, r, c), src, valid);
+          }
+          mbar_arrive_cp_async(q_bar);
+        }
+        const int pmask = (1 << p.page_shift) - 1;
+        auto resolve = [&](int it) -> int32_t {
+          const int j = lo + it * BN + tid;
+          if (tid >= BN || it >= num_tiles || j >= hi) return -1;
+          return static_cast<int32_t>(
+              slot_of_page(p, pmask, page_id(p, req, j >> p.page_shift), j));
+        };
+        const T* kbase = static_cast<const T*>(p.k) + kvh * D;
+        const T* vbase = static_cast<const T*>(p.v) + kvh * D;
+        int32_t next_slot = resolve(0);
+        for (int it = 0; it < num_tiles; ++it) {
+          const int stage = stage_of(it);
+          if (tile_base + it >= ST) mbar_wait(empty_bar(stage), parity_of(it) ^ 1u);
+          named_bar_sync(1, 128);  // every producer thread is done reading the previous slots
+          if (tid < BN) sSlot[tid] = next_slot;
+          named_bar_sync(1, 128);
+          next_slot = resolve(it + 1);  // in flight while this tile's copies are issued
+          unsigned char* dk = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes;
+          unsigned char* dv = dk + Cfg::kTileBytes;
 #pragma unroll 2
-      for (int i = tid; i < BN * CH; i += 128) {
-        const int key = i / CH, c = i % CH;
-        const int32_t sl = sSlot[key];
-        const bool valid = sl >= 0;
-        const int64_t s = valid ? sl : 0;
-        const uint32_t so = swz128_offset(BN, key, c);
-        cp_async_16(dk + so, kbase + s * p.k_row_stride + c * 8, valid);
-        cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 8, valid);
+          for (int i = tid; i < BN * CH; i += 128) {
+            const int key = i / CH, c = i % CH;
+            const int32_t sl = sSlot[key];
+            const bool valid = sl >= 0;
+            const int64_t s = valid ? sl : 0;
+            const uint32_t so = swz128_offset(BN, key, c);
+            cp_async_16(dk + so, kbase + s * p.k_row_stride + c * 8, valid);
+            cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 8, valid);
+          }
+          mbar_arrive_cp_async(full_bar(stage));
+        }
       }
-      mbar_arrive_cp_async(full_bar(stage));
+      tile_base += num_tiles;
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its issuing thread
-    return;
-  }
-
-  // ================= consumers =================
-  setmaxnreg_inc<Cfg::kConsumerRegs>();
-  const int ct = tid - 128, lane = ct & 31, wq = (ct >> 5) & 3, cw = ct >> 7;
-  const int g = lane >> 2, c4 = lane & 3;
-  const int wg_row0 = cw * 64;
-  const int r0 = item.f0 + wg_row0 + wq * 16;
-  int row_t[2], row_q[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row_t[h] = (r0 + g + 8 * h) / G;
-    row_q[h] = req.prefix + row_t[h];
-  }
-  const int wt_lo = min(r0 / G, req.qlen - 1);
-  const int wt_hi = min((r0 + 15) / G, req.qlen - 1);
-  const bool wg_idle = (item.f0 + wg_row0) / G >= req.qlen;
-  const int gt_lo = min((item.f0 + wg_row0) / G, req.qlen - 1);
-  const int gt_hi = min((item.f0 + wg_row0 + 63) / G, req.qlen - 1);
-
-  const bool capped = p.softcap > 0.f;
-  const float sl = capped ? 1.f : p.scale_log2;
-  const float cap_in = capped ? p.softmax_scale / p.softcap : 0.f;
-  const float cap_out = p.softcap * 1.4426950408889634f;
-
-  float o[NO][ON / 2];
-#pragma unroll
-  for (int nb = 0; nb < NO; ++nb)
-#pragma unroll
-    for (int i = 0; i < ON / 2; ++i) o[nb][i] = 0.f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-
-  if (num_tiles > 0) mbar_wait(q_bar, 0);
-
-  // S = Q K^T (64 rows x BN keys) issued as one wgmma group.
-  auto issue_s = [&](float(&s)[BN / 2], uint32_t tK) {
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da =
-          wgmma_desc(sQ + (kk >> 2) * ROWS * 128 + wg_row0 * 128 + (kk & 3) * 32, 16);
-      const uint64_t db = wgmma_desc(tK + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16);
-      wgmma_ss<BN, T>(s, da, db, kk > 0 ? 1 : 0);
-    }
-    wgmma_commit();
-  };
-  // O += P V, P from registers, issued as one wgmma group.
-  auto issue_pv = [&](const uint32_t(&pa)[BN / 16][4], uint32_t tV) {
-    wgmma_fence();
-#pragma unroll
-    for (int k16 = 0; k16 < BN / 16; ++k16)
-#pragma unroll
-      for (int nb = 0; nb < NO; ++nb) {
-        const uint64_t db = wgmma_desc(tV + k16 * 16 * 128 + nb * (ON / 64) * BN * 128, BN * 128);
-        wgmma_rs<ON, T>(o[nb], pa[k16], db);
-      }
-    wgmma_commit();
-  };
-  // Softcap, the mask of tiles that need one, then the online softmax in log2 units: s becomes the
-  // tile's probabilities, m and l move, alpha is the factor of the O rows (moved: some row
-  // maximum of the warp changed).
-  auto softmax_tile = [&](float(&s)[BN / 2], int kb, float(&alpha)[2]) -> bool {
-    if (capped) {
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) s[i] = cap_out * tanhf(s[i] * cap_in);
-    }
-    const bool need_mask = kb + BN > hi || (causal && kb + BN - 1 > req.prefix + wt_lo) ||
-                           (windowed && kb < req.prefix + wt_hi - p.window);
-    if (need_mask) {
-#pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = kb + nb * 8 + 2 * c4 + (e & 1);
-          const int qpos = row_q[e >> 1];
-          bool vis = j < hi;
-          if (causal) vis = vis && j <= qpos;
-          if (windowed) vis = vis && qpos - j <= p.window;
-          if (!vis) s[nb * 4 + e] = -INFINITY;
-        }
-    }
-    bool moved = false;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb)
-        mx = fmaxf(mx, fmaxf(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-      const float m_new = fmaxf(m[h], mx * sl);
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[h] = fast_exp2(m[h] - m_use);
-      moved = moved || m_new != m[h];
-      m[h] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb) {
-        float& x0 = s[nb * 4 + 2 * h];
-        float& x1 = s[nb * 4 + 2 * h + 1];
-        x0 = fast_exp2(fmaf(x0, sl, -m_use));
-        x1 = fast_exp2(fmaf(x1, sl, -m_use));
-        sum += x0 + x1;
-      }
-      l[h] = l[h] * alpha[h] + sum;
-    }
-    return __any_sync(0xffffffff, moved);
-  };
-  auto rescale_o = [&](const float(&alpha)[2]) {
-#pragma unroll
-    for (int nb = 0; nb < NO; ++nb)
-#pragma unroll
-      for (int i = 0; i < ON / 8; ++i) {
-        o[nb][4 * i] *= alpha[0];
-        o[nb][4 * i + 1] *= alpha[0];
-        o[nb][4 * i + 2] *= alpha[1];
-        o[nb][4 * i + 3] *= alpha[1];
-      }
-  };
-  auto pack_p = [&](const float(&s)[BN / 2], uint32_t(&pa)[BN / 16][4]) {
-#pragma unroll
-    for (int k16 = 0; k16 < BN / 16; ++k16) {
-      pa[k16][0] = pack2<T>(s[8 * k16], s[8 * k16 + 1]);
-      pa[k16][1] = pack2<T>(s[8 * k16 + 2], s[8 * k16 + 3]);
-      pa[k16][2] = pack2<T>(s[8 * k16 + 4], s[8 * k16 + 5]);
-      pa[k16][3] = pack2<T>(s[8 * k16 + 6], s[8 * k16 + 7]);
-    }
-  };
-  // This warp is done with the stage (its MMAs on it have completed).
-  auto release = [&](int stage) {
-    if (lane == 0) mbar_arrive(empty_bar(stage));
-  };
-  auto skips = [&](int kb) {
-    return wg_idle || (causal && kb > req.prefix + gt_hi) ||
-           (windowed && kb + BN - 1 < req.prefix + gt_lo - p.window);
-  };
-  auto tile_k = [&](int stage) { return sKV + stage * 2 * Cfg::kTileBytes; };
-
-  if constexpr (!Cfg::kPingPong) {
-    for (int it = 0; it < num_tiles; ++it) {
-      const int stage = it % ST;
-      const int kb = lo + it * BN;
-      mbar_wait(full_bar(stage), (it / ST) & 1);
-      if (!skips(kb)) {
-        fence_proxy_async_smem();
-        float s[BN / 2];
-        issue_s(s, tile_k(stage));
-        wgmma_wait<0>();
-        float alpha[2];
-        if (softmax_tile(s, kb, alpha)) rescale_o(alpha);
-        uint32_t pa[BN / 16][4];
-        pack_p(s, pa);
-        issue_pv(pa, tile_k(stage) + Cfg::kTileBytes);
-        wgmma_wait<0>();
-      }
-      release(stage);
-    }
   } else {
-    // Ping-pong: the consumers take turns on the tensor cores (named barrier 2 + consumer), and
-    // within a consumer tile i's S = Q K^T is issued together with the previous tile's
-    // O += P V, so the softmax of one consumer overlaps the MMAs of the other. Every consumer
-    // takes its turn on every tile, with MMAs or not, so the turns stay paired; the first
-    // consumer goes first and takes the second's last hand-over after the loop. The tiles a
-    // consumer's rows can see are one run [it_begin, it_end) (the window cuts a prefix, the
-    // diagonal a suffix); the MMAs are issued on straight-line paths (a conditional wgmma makes
-    // ptxas serialise them).
-    auto turn_sync = [&] {
-      if (cw == 0)
-        named_bar_sync(2, 256);
-      else
-        named_bar_sync(3, 256);
-    };
-    auto turn_pass = [&] {
-      if (cw == 0)
-        named_bar_arrive(3, 256);
-      else
-        named_bar_arrive(2, 256);
-    };
-    // A tile outside the run: the turn, then the stage goes back once its copies landed.
-    auto pass_tile = [&](int it) {
-      mbar_wait(full_bar(it % ST), (it / ST) & 1);
-      turn_sync();
-      turn_pass();
-      release(it % ST);
-    };
-    int it_begin = num_tiles, it_end = num_tiles;
-    for (int it = 0; it < num_tiles; ++it) {
-      if (!skips(lo + it * BN)) {
-        if (it_begin == num_tiles) it_begin = it;
-        it_end = it + 1;
-      }
-    }
-    if (cw == 1) named_bar_arrive(2, 256);
-    for (int it = 0; it < it_begin; ++it) pass_tile(it);
-    if (it_begin < it_end) {
-      uint32_t pa[BN / 16][4];
+    setmaxnreg_inc<Cfg::kConsumerRegs>();
+    int tile_base = 0;
+    for (int unit = blockIdx.x, n = 0; unit < num_units; unit += gridDim.x, ++n) {
+      const WsUnit u = ws_unit<ROWS, BN>(p, unit);
+      const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
+      const WorkItem item = u.item;
+      const ReqInfo req = u.req;
+      auto stage_of = [&](int it) { return (tile_base + it) % ST; };
+      auto parity_of = [&](int it) { return static_cast<uint32_t>((tile_base + it) / ST) & 1u; };
       {
-        const int stage = it_begin % ST;
-        mbar_wait(full_bar(stage), (it_begin / ST) & 1);
-        fence_proxy_async_smem();
-        float s[BN / 2];
-        turn_sync();
-        issue_s(s, tile_k(stage));
-        turn_pass();
-        wgmma_wait<0>();
-        float alpha[2];
-        if (softmax_tile(s, lo + it_begin * BN, alpha)) rescale_o(alpha);
-        pack_p(s, pa);
-      }
-      for (int it = it_begin + 1; it < it_end; ++it) {
-        const int stage = it % ST, prev = (it - 1) % ST;
-        mbar_wait(full_bar(stage), (it / ST) & 1);
-        fence_proxy_async_smem();
-        float s[BN / 2];
-        turn_sync();
-        issue_s(s, tile_k(stage));
-        issue_pv(pa, tile_k(prev) + Cfg::kTileBytes);
-        turn_pass();
-        wgmma_wait<1>();  // S, the older group, has completed
-        float alpha[2];
-        const bool moved = softmax_tile(s, lo + it * BN, alpha);
-        wgmma_wait<0>();
-        release(prev);
-        if (moved) rescale_o(alpha);
-        pack_p(s, pa);
-      }
-      const int last = (it_end - 1) % ST;
-      issue_pv(pa, tile_k(last) + Cfg::kTileBytes);
-      wgmma_wait<0>();
-      release(last);
-    }
-    for (int it = it_end; it < num_tiles; ++it) pass_tile(it);
-    if (cw == 0) named_bar_sync(2, 256);
-  }
+        // ================= consumers =================
+        const int ct = tid - 128, lane = ct & 31, wq = (ct >> 5) & 3, cw = ct >> 7;
+        const int g = lane >> 2, c4 = lane & 3;
+        const int wg_row0 = cw * 64;
+        const int r0 = item.f0 + wg_row0 + wq * 16;
+        int row_t[2], row_q[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          row_t[h] = (r0 + g + 8 * h) / G;
+          row_q[h] = req.prefix + row_t[h];
+        }
+        const int wt_lo = min(r0 / G, req.qlen - 1);
+        const int wt_hi = min((r0 + 15) / G, req.qlen - 1);
+        const bool wg_idle = (item.f0 + wg_row0) / G >= req.qlen;
+        const int gt_lo = min((item.f0 + wg_row0) / G, req.qlen - 1);
+        const int gt_hi = min((item.f0 + wg_row0 + 63) / G, req.qlen - 1);
 
-  // ---- Epilogue, as prefill_kernel's for one m64 block.
-  const bool split = req.num_splits > 1;
-  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+        const bool capped = p.softcap > 0.f;
+        const float sl = capped ? 1.f : p.scale_log2;
+        const float cap_in = capped ? p.softmax_scale / p.softcap : 0.f;
+        const float cap_out = p.softcap * 1.4426950408889634f;
+
+        float o[NO][ON / 2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float ll = l[h];
-    ll += __shfl_xor_sync(0xffffffff, ll, 1);
-    ll += __shfl_xor_sync(0xffffffff, ll, 2);
-    const float mm = m[h];
-    const int f = r0 + g + 8 * h;
-    const int t = row_t[h], hg = f - t * G;
-    if (t >= req.qlen) continue;
-    const int head = kvh * G + hg;
-    if (split) {
-      const int64_t prow = req.part_start + static_cast<int64_t>(item.split) * req.qlen + t;
-      const float inv = ll > 0.f ? 1.f / ll : 0.f;
-      float* dst = p.part_o + (prow * p.num_q_heads + head) * D + 2 * c4;
+        for (int nb = 0; nb < NO; ++nb)
 #pragma unroll
-      for (int nb = 0; nb < NO; ++nb)
+          for (int i = 0; i < ON / 2; ++i) o[nb][i] = 0.f;
+        float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+        mbar_wait(q_bar, n & 1);
+
+        // S = Q K^T (64 rows x BN keys) issued as one wgmma group.
+        auto issue_s = [&](float(&s)[BN / 2], uint32_t tK) {
+          wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < ON / 8; ++i)
-          *reinterpret_cast<float2*>(dst + nb * ON + i * 8) =
-              make_float2(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
-      if (c4 == 0) p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
-    } else {
-      const float m_use = mm == -INFINITY ? 0.f : mm;
-      float den = ll;
-      if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
-      const float inv = den > 0.f ? p.v_scale / den : 0.f;
-      T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
-               head * p.o_stride_head + 2 * c4;
+          for (int kk = 0; kk < D / 16; ++kk) {
+            const uint64_t da =
+                wgmma_desc(sQ + (kk >> 2) * ROWS * 128 + wg_row0 * 128 + (kk & 3) * 32, 16);
+            const uint64_t db = wgmma_desc(tK + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16);
+            wgmma_ss<BN, T>(s, da, db, kk > 0 ? 1 : 0);
+          }
+          wgmma_commit();
+        };
+        // O += P V, P from registers, issued as one wgmma group.
+        auto issue_pv = [&](const uint32_t(&pa)[BN / 16][4], uint32_t tV) {
+          wgmma_fence();
 #pragma unroll
-      for (int nb = 0; nb < NO; ++nb)
+          for (int k16 = 0; k16 < BN / 16; ++k16)
 #pragma unroll
-        for (int i = 0; i < ON / 8; ++i)
-          *reinterpret_cast<uint32_t*>(dst + nb * ON + i * 8) =
-              pack2<T>(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
-      if (p.lse_out != nullptr && c4 == 0)
-        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m_use + log2f(den)) * kLn2;
+            for (int nb = 0; nb < NO; ++nb) {
+              const uint64_t db =
+                  wgmma_desc(tV + k16 * 16 * 128 + nb * (ON / 64) * BN * 128, BN * 128);
+              wgmma_rs<ON, T>(o[nb], pa[k16], db);
+            }
+          wgmma_commit();
+        };
+        // Softcap, the mask of tiles that need one, then the online softmax in log2 units: s
+        // becomes the tile's probabilities, m and l move, alpha is the factor of the O rows (moved:
+        // some row maximum of the warp changed).
+        auto softmax_tile = [&](float(&s)[BN / 2], int kb, float(&alpha)[2]) -> bool {
+          if (capped) {
+#pragma unroll
+            for (int i = 0; i < BN / 2; ++i) s[i] = cap_out * tanhf(s[i] * cap_in);
+          }
+          const bool need_mask = kb + BN > hi || (causal && kb + BN - 1 > req.prefix + wt_lo) ||
+                                 (windowed && kb < req.prefix + wt_hi - p.window);
+          if (need_mask) {
+#pragma unroll
+            for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int j = kb + nb * 8 + 2 * c4 + (e & 1);
+                const int qpos = row_q[e >> 1];
+                bool vis = j < hi;
+                if (causal) vis = vis && j <= qpos;
+                if (windowed) vis = vis && qpos - j <= p.window;
+                if (!vis) s[nb * 4 + e] = -INFINITY;
+              }
+          }
+          bool moved = false;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int nb = 0; nb < BN / 8; ++nb)
+              mx = fmaxf(mx, fmaxf(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
+            const float m_new = fmaxf(m[h], mx * sl);
+            const float m_use = m_new == -INFINITY ? 0.f : m_new;
+            alpha[h] = fast_exp2(m[h] - m_use);
+            moved = moved || m_new != m[h];
+            m[h] = m_new;
+            float sum = 0.f;
+#pragma unroll
+            for (int nb = 0; nb < BN / 8; ++nb) {
+              float& x0 = s[nb * 4 + 2 * h];
+              float& x1 = s[nb * 4 + 2 * h + 1];
+              x0 = fast_exp2(fmaf(x0, sl, -m_use));
+              x1 = fast_exp2(fmaf(x1, sl, -m_use));
+              sum += x0 + x1;
+            }
+            l[h] = l[h] * alpha[h] + sum;
+          }
+          return __any_sync(0xffffffff, moved);
+        };
+        auto rescale_o = [&](const float(&alpha)[2]) {
+#pragma unroll
+          for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+            for (int i = 0; i < ON / 8; ++i) {
+              o[nb][4 * i] *= alpha[0];
+              o[nb][4 * i + 1] *= alpha[0];
+              o[nb][4 * i + 2] *= alpha[1];
+              o[nb][4 * i + 3] *= alpha[1];
+            }
+        };
+        auto pack_p = [&](const float(&s)[BN / 2], uint32_t(&pa)[BN / 16][4]) {
+#pragma unroll
+          for (int k16 = 0; k16 < BN / 16; ++k16) {
+            pa[k16][0] = pack2<T>(s[8 * k16], s[8 * k16 + 1]);
+            pa[k16][1] = pack2<T>(s[8 * k16 + 2], s[8 * k16 + 3]);
+            pa[k16][2] = pack2<T>(s[8 * k16 + 4], s[8 * k16 + 5]);
+            pa[k16][3] = pack2<T>(s[8 * k16 + 6], s[8 * k16 + 7]);
+          }
+        };
+        // This warp is done with the stage (its MMAs on it have completed).
+        auto release = [&](int stage) {
+          if (lane == 0) mbar_arrive(empty_bar(stage));
+        };
+        auto skips = [&](int kb) {
+          return wg_idle || (causal && kb > req.prefix + gt_hi) ||
+                 (windowed && kb + BN - 1 < req.prefix + gt_lo - p.window);
+        };
+        auto tile_k = [&](int stage) { return sKV + stage * 2 * Cfg::kTileBytes; };
+
+        if constexpr (!Cfg::kPingPong) {
+          for (int it = 0; it < num_tiles; ++it) {
+            const int stage = stage_of(it);
+            const int kb = lo + it * BN;
+            mbar_wait(full_bar(stage), parity_of(it));
+            if (!skips(kb)) {
+              fence_proxy_async_smem();
+              float s[BN / 2];
+              issue_s(s, tile_k(stage));
+              wgmma_wait<0>();
+              float alpha[2];
+              if (softmax_tile(s, kb, alpha)) rescale_o(alpha);
+              uint32_t pa[BN / 16][4];
+              pack_p(s, pa);
+              issue_pv(pa, tile_k(stage) + Cfg::kTileBytes);
+              wgmma_wait<0>();
+            }
+            release(stage);
+          }
+        } else {
+          // Ping-pong: the consumers take turns on the tensor cores (named barrier 2 + consumer),
+          // and within a consumer tile i's S = Q K^T is issued together with the previous tile's O
+          // += P V, so the softmax of one consumer overlaps the MMAs of the other. Every consumer
+          // takes its turn on every tile, with MMAs or not, so the turns stay paired; the first
+          // consumer goes first and takes the second's last hand-over after the loop. The tiles a
+          // consumer's rows can see are one run [it_begin, it_end) (the window cuts a prefix, the
+          // diagonal a suffix); the MMAs are issued on straight-line paths (a conditional wgmma
+          // makes ptxas serialise them).
+          auto turn_sync = [&] {
+            if (cw == 0)
+              named_bar_sync(2, 256);
+            else
+              named_bar_sync(3, 256);
+          };
+          auto turn_pass = [&] {
+            if (cw == 0)
+              named_bar_arrive(3, 256);
+            else
+              named_bar_arrive(2, 256);
+          };
+          // A tile outside the run: the turn, then the stage goes back once its copies landed.
+          auto pass_tile = [&](int it) {
+            mbar_wait(full_bar(stage_of(it)), parity_of(it));
+            turn_sync();
+            turn_pass();
+            release(stage_of(it));
+          };
+          int it_begin = num_tiles, it_end = num_tiles;
+          for (int it = 0; it < num_tiles; ++it) {
+            if (!skips(lo + it * BN)) {
+              if (it_begin == num_tiles) it_begin = it;
+              it_end = it + 1;
+            }
+          }
+          if (cw == 1) named_bar_arrive(2, 256);
+          for (int it = 0; it < it_begin; ++it) pass_tile(it);
+          if (it_begin < it_end) {
+            uint32_t pa[BN / 16][4];
+            {
+              const int stage = stage_of(it_begin);
+              mbar_wait(full_bar(stage), parity_of(it_begin));
+              fence_proxy_async_smem();
+              float s[BN / 2];
+              turn_sync();
+              issue_s(s, tile_k(stage));
+              turn_pass();
+              wgmma_wait<0>();
+              float alpha[2];
+              if (softmax_tile(s, lo + it_begin * BN, alpha)) rescale_o(alpha);
+              pack_p(s, pa);
+            }
+            for (int it = it_begin + 1; it < it_end; ++it) {
+              const int stage = stage_of(it), prev = stage_of(it - 1);
+              mbar_wait(full_bar(stage), parity_of(it));
+              fence_proxy_async_smem();
+              float s[BN / 2];
+              turn_sync();
+              issue_s(s, tile_k(stage));
+              issue_pv(pa, tile_k(prev) + Cfg::kTileBytes);
+              turn_pass();
+              wgmma_wait<1>();  // S, the older group, has completed
+              float alpha[2];
+              const bool moved = softmax_tile(s, lo + it * BN, alpha);
+              wgmma_wait<0>();
+              release(prev);
+              if (moved) rescale_o(alpha);
+              pack_p(s, pa);
+            }
+            const int last = stage_of(it_end - 1);
+            issue_pv(pa, tile_k(last) + Cfg::kTileBytes);
+            wgmma_wait<0>();
+            release(last);
+          }
+          for (int it = it_end; it < num_tiles; ++it) pass_tile(it);
+          if (cw == 0) named_bar_sync(2, 256);
+        }
+
+        // Every MMA of the unit has completed: the producer may load the next unit's Q.
+        if (lane == 0) mbar_arrive(q_empty);
+
+        // ---- Epilogue, as prefill_kernel's for one m64 block.
+        const bool split = req.num_splits > 1;
+        constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float ll = l[h];
+          ll += __shfl_xor_sync(0xffffffff, ll, 1);
+          ll += __shfl_xor_sync(0xffffffff, ll, 2);
+          const float mm = m[h];
+          const int f = r0 + g + 8 * h;
+          const int t = row_t[h], hg = f - t * G;
+          if (t >= req.qlen) continue;
+          const int head = kvh * G + hg;
+          if (split) {
+            const int64_t prow = req.part_start + static_cast<int64_t>(item.split) * req.qlen + t;
+            const float inv = ll > 0.f ? 1.f / ll : 0.f;
+            float* dst = p.part_o + (prow * p.num_q_heads + head) * D + 2 * c4;
+#pragma unroll
+            for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+              for (int i = 0; i < ON / 8; ++i)
+                *reinterpret_cast<float2*>(dst + nb * ON + i * 8) =
+                    make_float2(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
+            if (c4 == 0)
+              p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
+          } else {
+            const float m_use = mm == -INFINITY ? 0.f : mm;
+            float den = ll;
+            if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
+            const float inv = den > 0.f ? p.v_scale / den : 0.f;
+            T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
+                     head * p.o_stride_head + 2 * c4;
+#pragma unroll
+            for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+              for (int i = 0; i < ON / 8; ++i)
+                *reinterpret_cast<uint32_t*>(dst + nb * ON + i * 8) =
+                    pack2<T>(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
+            if (p.lse_out != nullptr && c4 == 0)
+              p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m_use + log2f(den)) * kLn2;
+          }
+        }
+      }
+      tile_base += num_tiles;
     }
   }
 }
 
+// The launch over num_items x num_kv_heads units: persistent, as many CTAs as are resident at
+// once (one per SM), or one CTA per unit.
 template <typename T, typename Cfg>
-cudaError_t launch_prefill_ws_cfg(const AttnParams& p, int num_items, cudaStream_t stream) {
+cudaError_t launch_prefill_ws_cfg(const AttnParams& p, int num_items, bool persistent,
+                                  cudaStream_t stream) {
   const cudaError_t attr = allow_dynamic_smem<prefill_ws_kernel<T, Cfg>>(Cfg::kSmemBytes);
   if (attr != cudaSuccess) return attr;
-  const dim3 grid(p.num_kv_heads, num_items);
+  const int units = num_items * p.num_kv_heads;
+  int ctas = units;
+  if (persistent) {
+    const int sms = sm_count();
+    if (sms <= 0) return cudaErrorInvalidDevice;
+    static const int per_sm =
+        resident_ctas<prefill_ws_kernel<T, Cfg>>(Cfg::kThreads, Cfg::kSmemBytes);
+    ctas = sms * per_sm;
+  }
+  const dim3 grid(static_cast<unsigned>(std::min(units, ctas)));
   return launch_kernel(prefill_ws_kernel<T, Cfg>, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes,
-                       stream, false, p);
+                       stream, false, p, units);
 }
 
 }  // namespace attnrt::cuda
