@@ -78,6 +78,8 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
     ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     owns_stream_ = true;
   }
+  ensure(sched_, 2 * sizeof(int32_t), "work scheduler");
+  ATTNRT_CUDA_CHECK(cudaMemsetAsync(sched_.data(), 0, sched_.bytes(), stream_));
   PlannerConfig cfg;
   cfg.sm_count = info.sm_count;
   cfg.deterministic = ctx.options != nullptr && ctx.options->deterministic;
@@ -463,6 +465,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   p.tree = plan.tree ? 1 : 0;
   p.item_rows = cls->item_rows;
   p.sinks = sinks;
+  p.sched = sched_.ptr<int32_t>();
   ATTNRT_CHECK(cls->num_items <= 65535,
                "cuda backend: {} work items exceed the grid limit of 65535 (step too large for "
                "one launch)",

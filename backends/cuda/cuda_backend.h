@@ -94,6 +94,7 @@ class CudaBackend final : public AttentionBackend {
   bool plan_timing_ = false;
   PlanParts plan_parts_;
   DeviceBuffer meta_;       // eager steps' metadata
+  DeviceBuffer sched_;      // AttnParams::sched
   DeviceBuffer partials_;   // split-KV partial outputs and lse
   // Graph state: fixed-address buffers sized for the largest captured step.
   bool graph_ready_ = false;

@@ -98,6 +98,9 @@ struct AttnParams {
   // shape's rows): the decode shape takes a narrower CTA when they fit in 8.
   int32_t item_rows;
   const float* sinks;   // [Hq] sink logits (natural), nullptr = none
+  // Two zeroed words for kernels that hand out work dynamically (the warp-specialised prefill):
+  // the next ticket and the CTAs done; the last CTA to finish zeroes both again.
+  int32_t* sched;
 };
 
 struct MergeParams {

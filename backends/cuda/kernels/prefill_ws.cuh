@@ -67,8 +67,8 @@ struct PrefillWsConfig {
   static constexpr int kTileBytes = BN * D * 2;
   static constexpr int kRingBytes = STAGES * 2 * kTileBytes;
   static constexpr int kSlotBytes = BN * 4;
-  // full[STAGES], empty[STAGES], q full, q empty
-  static constexpr int kBarBytes = (2 * STAGES + 2) * 8;
+  // full[STAGES], empty[STAGES], q full, q empty, unit; then the two unit slots
+  static constexpr int kBarBytes = (2 * STAGES + 3) * 8 + 8;
   static constexpr int kSmemBytes = 1024 + kQBytes + kRingBytes + kSlotBytes + kBarBytes;
   static_assert(kConsumers == 2 && D % 64 == 0 && BN % 64 == 0 && BN <= 128 && STAGES >= 2);
   static_assert(BN * kChunks % 128 == 0 && kRows * kChunks % 128 == 0);
@@ -176,6 +176,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto empty_bar = [&](int s) { return sBar + 8 * (ST + s); };
   const uint32_t q_bar = sBar + 8 * 2 * ST;
   const uint32_t q_empty = q_bar + 8;
+  const uint32_t unit_bar = q_bar + 16;
+  volatile int32_t* unit_slot = reinterpret_cast<volatile int32_t*>(
+      smem + Cfg::kQBytes + Cfg::kRingBytes + Cfg::kSlotBytes + (2 * ST + 3) * 8);
 
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
@@ -185,6 +188,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     mbar_init(q_bar, 128);
     mbar_init(q_empty, 4 * Cfg::kConsumers);
+    mbar_init(unit_bar, 1);
   }
   __syncthreads();
 
@@ -192,18 +196,32 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // at the point prefill_kernel has them so the PDL rules stay those of dependent_launch.cuh.
   grid_dependency_wait();
   launch_dependent_grids();
-  // The CTA's units (work item, KV head), n-th of the CTA: units blockIdx.x, blockIdx.x +
-  // gridDim.x, ... The K/V ring's stages and phases run on across units (tile_base: the tiles of
-  // the CTA's earlier units), and so do the phases of the Q barriers (q full: its n-th completion;
-  // q empty: the consumers are done reading Q of unit n). Each role walks the units in its own
-  // loop, after its setmaxnreg, so that ptxas allocates each loop under its own register count.
+  // The CTA's units (work item, KV head): first unit blockIdx.x, then tickets handed out in list
+  // order (heaviest items first) by an atomic counter (p.sched), fetched by producer thread 0
+  // while the current unit's tiles are issued. Thread 0 publishes the n-th unit of the CTA in
+  // unit_slot[n & 1] and arrives on the unit barrier (its n-th phase); the consumers read it
+  // there. A unit >= num_units ends both loops. The K/V ring's stages and phases run on across
+  // units (tile_base: the tiles of the CTA's earlier units), and so do the phases of the Q
+  // barriers (q full: its n-th completion; q empty: the consumers are done reading Q of unit n,
+  // which also means they read unit n's slot, so the producer, one unit ahead at most, never
+  // overwrites a slot still to be read). Each role walks the units in its own loop, after its
+  // setmaxnreg, so that ptxas allocates each loop under its own register count.
   const int G = p.group;
   const bool causal = p.causal != 0;
   const bool windowed = causal && p.window >= 0;
   if (wg == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
     int tile_base = 0;
-    for (int unit = blockIdx.x, n = 0; unit < num_units; unit += gridDim.x, ++n) {
+    int ticket = blockIdx.x;  // thread 0: the CTA's next unit
+    for (int n = 0;; ++n) {
+      if (n > 0) mbar_wait(q_empty, (n - 1) & 1);  // Q of the previous unit is no longer read
+      if (tid == 0) {
+        unit_slot[n & 1] = ticket;
+        mbar_arrive(unit_bar);
+      }
+      named_bar_sync(1, 128);
+      const int unit = unit_slot[n & 1];
+      if (unit >= num_units) break;
       const WsUnit u = ws_unit<ROWS, BN>(p, unit);
       const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
       const WorkItem item = u.item;
@@ -213,7 +231,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       {
         // ================= producer =================
         write_back_committed_pages(p, req, item, kvh, tid, 128);
-        if (n > 0) mbar_wait(q_empty, (n - 1) & 1);  // Q of the previous unit is no longer read
+        // The next ticket, in flight while this unit's copies are issued.
+        if (tid == 0) ticket = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
         {
           const T* q = static_cast<const T*>(p.q);
 #pragma unroll 4
@@ -262,11 +281,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       tile_base += num_tiles;
     }
+    if (tid == 0) {
+      // This CTA takes no more tickets; the last CTA to get here zeroes the counters for the
+      // next launch (every other CTA's last ticket came before its count).
+      __threadfence();
+      if (atomicAdd(p.sched + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        atomicExch(p.sched, 0);
+        atomicExch(p.sched + 1, 0);
+      }
+    }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its issuing thread
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
     int tile_base = 0;
-    for (int unit = blockIdx.x, n = 0; unit < num_units; unit += gridDim.x, ++n) {
+    for (int n = 0;; ++n) {
+      mbar_wait(unit_bar, n & 1);
+      const int unit = unit_slot[n & 1];
+      if (unit >= num_units) break;
       const WsUnit u = ws_unit<ROWS, BN>(p, unit);
       const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
       const WorkItem item = u.item;
@@ -559,10 +590,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 }
 
 // The launch over num_items x num_kv_heads units: persistent, as many CTAs as are resident at
-// once (one per SM), or one CTA per unit.
+// once (one per SM), or one CTA per unit. p.sched must hold two zeroed words (see AttnParams).
 template <typename T, typename Cfg>
 cudaError_t launch_prefill_ws_cfg(const AttnParams& p, int num_items, bool persistent,
                                   cudaStream_t stream) {
+  if (p.sched == nullptr) return cudaErrorInvalidValue;
   const cudaError_t attr = allow_dynamic_smem<prefill_ws_kernel<T, Cfg>>(Cfg::kSmemBytes);
   if (attr != cudaSuccess) return attr;
   const int units = num_items * p.num_kv_heads;
