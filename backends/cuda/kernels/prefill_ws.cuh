@@ -440,6 +440,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                  (windowed && kb + BN - 1 < req.prefix + gt_lo - p.window);
         };
         auto tile_k = [&](int stage) { return sKV + stage * 2 * Cfg::kTileBytes; };
+        // The tiles this consumer's rows can see are one run [it_begin, it_end) (the window cuts a
+        // prefix, the diagonal a suffix). Once the run's last S = Q K^T has completed, Q is read no
+        // more: the warp tells the producer (q empty), which loads the next unit's Q while this
+        // unit's last P V and epilogue run.
+        int it_begin = num_tiles, it_end = num_tiles;
+        for (int it = 0; it < num_tiles; ++it) {
+          if (!skips(lo + it * BN)) {
+            if (it_begin == num_tiles) it_begin = it;
+            it_end = it + 1;
+          }
+        }
+        auto q_done = [&] {
+          if (lane == 0) mbar_arrive(q_empty);
+        };
+        if (it_begin == it_end) q_done();
 
         if constexpr (!Cfg::kPingPong) {
           for (int it = 0; it < num_tiles; ++it) {
@@ -451,6 +466,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               float s[BN / 2];
               issue_s(s, tile_k(stage));
               wgmma_wait<0>();
+              if (it == it_end - 1) q_done();
               float alpha[2];
               if (softmax_tile(s, kb, alpha)) rescale_o(alpha);
               uint32_t pa[BN / 16][4];
@@ -465,9 +481,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // and within a consumer tile i's S = Q K^T is issued together with the previous tile's O
           // += P V, so the softmax of one consumer overlaps the MMAs of the other. Every consumer
           // takes its turn on every tile, with MMAs or not, so the turns stay paired; the first
-          // consumer goes first and takes the second's last hand-over after the loop. The tiles a
-          // consumer's rows can see are one run [it_begin, it_end) (the window cuts a prefix, the
-          // diagonal a suffix); the MMAs are issued on straight-line paths (a conditional wgmma
+          // consumer goes first and takes the second's last hand-over after the loop. The MMAs
+          // of the run [it_begin, it_end) are issued on straight-line paths (a conditional wgmma
           // makes ptxas serialise them).
           auto turn_sync = [&] {
             if (cw == 0)
@@ -488,13 +503,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             turn_pass();
             release(stage_of(it));
           };
-          int it_begin = num_tiles, it_end = num_tiles;
-          for (int it = 0; it < num_tiles; ++it) {
-            if (!skips(lo + it * BN)) {
-              if (it_begin == num_tiles) it_begin = it;
-              it_end = it + 1;
-            }
-          }
           if (cw == 1) named_bar_arrive(2, 256);
           for (int it = 0; it < it_begin; ++it) pass_tile(it);
           if (it_begin < it_end) {
@@ -508,6 +516,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               issue_s(s, tile_k(stage));
               turn_pass();
               wgmma_wait<0>();
+              if (it_begin == it_end - 1) q_done();
               float alpha[2];
               if (softmax_tile(s, lo + it_begin * BN, alpha)) rescale_o(alpha);
               pack_p(s, pa);
@@ -522,6 +531,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               issue_pv(pa, tile_k(prev) + Cfg::kTileBytes);
               turn_pass();
               wgmma_wait<1>();  // S, the older group, has completed
+              if (it == it_end - 1) q_done();
               float alpha[2];
               const bool moved = softmax_tile(s, lo + it * BN, alpha);
               wgmma_wait<0>();
@@ -537,9 +547,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           for (int it = it_end; it < num_tiles; ++it) pass_tile(it);
           if (cw == 0) named_bar_sync(2, 256);
         }
-
-        // Every MMA of the unit has completed: the producer may load the next unit's Q.
-        if (lane == 0) mbar_arrive(q_empty);
 
         // ---- Epilogue, as prefill_kernel's for one m64 block.
         const bool split = req.num_splits > 1;
