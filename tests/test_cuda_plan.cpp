@@ -242,19 +242,6 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
     ASSERT_EQ(cp.num_items, items) << "class " << c;
     ASSERT_EQ(cp.part_rows, part_rows) << "class " << c;
     ASSERT_EQ(cp.max_splits, max_splits) << "class " << c;
-    // The warp-specialised prefill CTA: eager, not deterministic, prefill tiles that are few
-    // (the keys were split) or long (causal estimate: kv_len - qlen / 2 keys per tile).
-    bool want_ws = false;
-    if (shape == TileShape::prefill && st.graph == nullptr && !cfg.deterministic) {
-      int64_t base = 0, keys = 0;
-      for (int i = 0; i < bs; ++i) {
-        base += tiles[i];
-        keys += int64_t{tiles[i]} * (int64_t{e.prefix[i]} + e.qlen[i] - e.qlen[i] / 2);
-      }
-      want_ws = base * cfg.num_kv_heads_max < int64_t{cfg.sm_count} * 4 ||
-                keys >= cuda::kWsMinKeysPerItem * base;
-    }
-    ASSERT_EQ(cp.prefill_ws, want_ws) << "class " << c;
     if (st.graph != nullptr) {
       ASSERT_EQ(cp.reqs_off, c * st.graph->reqs_cap * sizeof(ReqInfo));
       ASSERT_EQ(cp.work_off, nc * st.graph->reqs_cap * sizeof(ReqInfo) +
@@ -612,35 +599,6 @@ TEST(CudaHostPlan, Batch256StepsMatchDirectComputation) {
         plan_and_check(planner, rows, dev, st);
         if (HasFatalFailure()) return;
       }
-    }
-  }
-}
-
-// The benchmark's prefill and extend rows (32 q heads, 8 KV heads, head dim 128, H200's 132 SMs):
-// the warp-specialised CTA where it measured faster (docs/BENCHMARKS.md), the default CTA at
-// 8 x 2048, where the items are short and many; deterministic steps always on the default CTA.
-TEST(CudaHostPlan, WarpSpecialisedPrefillOnTheRowsWhereItWins) {
-  struct Row {
-    int bs, prefix, qlen;
-    bool ws;
-  };
-  for (const Row& row : {Row{1, 0, 1024, true}, Row{1, 0, 4096, true}, Row{1, 0, 16384, true},
-                         Row{8, 0, 2048, false}, Row{8, 2048, 512, true}}) {
-    for (bool det : {false, true}) {
-      SCOPED_TRACE(testing::Message() << row.bs << "x(" << row.prefix << "+" << row.qlen << ")"
-                                      << (det ? " deterministic" : ""));
-      Rows rows(row.bs, row.prefix + row.qlen, 16);
-      HostPlanner planner(config({4}, {128}, 8, det));
-      DeviceModel dev;
-      std::vector<int64_t> req(row.bs);
-      for (int r = 0; r < row.bs; ++r) req[r] = r;
-      const std::vector<int32_t> prefix(row.bs, row.prefix), qlen(row.bs, row.qlen);
-      Step st;
-      st.batch = make_extend_batch(req, prefix, qlen);
-      fill_slots(st.batch, rows, prefix, qlen);
-      plan_and_check(planner, rows, dev, st);
-      if (HasFatalFailure()) return;
-      EXPECT_EQ(planner.plan().classes[0].prefill_ws, row.ws && !det);
     }
   }
 }

@@ -321,13 +321,15 @@ PREFILL_CASE(PageSizesAndLongRuns) {
 }
 
 PREFILL_CASE(MoreWorkItemsThanSms) {
-  // 24 ragged requests x 2 KV heads: ~240 (work item, KV head) units, more than the SMs, so the
-  // warp-specialised CTAs walk several units each, the K/V ring and the Q barriers carrying on
-  // from one unit to the next at every ring position.
+  // 32 ragged requests x 4 KV heads: ~900 (work item, KV head) units, more than 4 per SM, so the
+  // warp-specialised CTAs run persistent and walk several units each, the K/V ring and the Q
+  // barriers carrying on from one unit to the next at every ring position.
   PrefillCase c;
-  for (int i = 0; i < 24; ++i) {
+  c.hq = 16;
+  c.hkv = 4;
+  for (int i = 0; i < 32; ++i) {
     c.prefix.push_back((i * 37) % 300);
-    c.qlen.push_back(100 + (i * 53) % 120);
+    c.qlen.push_back(150 + (i * 53) % 120);
   }
   c.seed = 29;
   check_prefill(c);

@@ -482,7 +482,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
       launched = launch_attention_generic(p, d, dv, fp16, cls->shape, cls->num_items, stream_);
       break;
     case Kernel::prefill:
-      launched = launch_prefill(p, d, fp16, cls->num_items, cls->prefill_ws, stream_);
+      launched = launch_prefill(p, d, fp16, cls->num_items, stream_);
       break;
     case Kernel::prefill_verify:
       launched = launch_prefill_verify(p, d, fp16, cls->num_items, stream_, after_stores);

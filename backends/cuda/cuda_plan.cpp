@@ -285,17 +285,6 @@ uint32_t HostPlanner::choose_chunk(size_t c, int bs, int64_t cap, int64_t base) 
   return best_chunk;
 }
 
-// The keys the query tiles of a class visit together, if every layer were causal: a tile of
-// request i sees about kv_len - qlen / 2 keys. `uniform_tiles` > 0: every request has that many
-// tiles and the same qlen, else tiles[i].
-int64_t HostPlanner::causal_keys(int32_t uniform_tiles, const int32_t* tiles, int bs) const {
-  if (uniform_tiles > 0) return uniform_tiles * (stats_.sum_kv - int64_t{bs} * (stats_.max_q / 2));
-  int64_t keys = 0;
-  for (int i = 0; i < bs; ++i)
-    keys += int64_t{tiles[i]} * (int64_t{info_[i].kv_len} - info_[i].qlen / 2);
-  return keys;
-}
-
 // Shape, query tiles, split counts and the number of work items of class c.
 void HostPlanner::plan_class(size_t c, int bs) {
   ClassPlan& cp = plan_.classes[c];
@@ -342,8 +331,6 @@ void HostPlanner::plan_class(size_t c, int bs) {
     }
   } else {
     const int64_t target = int64_t{config_.sm_count} * kCtasPerSm;
-    cp.prefill_ws = base * heads < target || causal_keys(w.tiles, tiles, bs) >=
-                                                 kWsMinKeysPerItem * base;
     if (base * heads < target && base > 0) {
       int64_t keys = 0;
       if (w.tiles > 0) {

@@ -40,17 +40,7 @@ struct ClassPlan {
   int num_items = 0;
   int64_t part_rows = 0;              // partial rows of the requests with more than one split
   int max_splits = 1;
-  // Prefill classes: whether the warp-specialised 128-row CTA (prefill_ws.cuh) suits the items:
-  // the step has too few query tiles to fill the GPU (its keys were split), or its items average
-  // at least kWsMinKeysPerItem keys (causal estimate). It runs one CTA per SM, so with shorter
-  // items its per-CTA start and end are not hidden behind a second CTA as the default CTA's are.
-  bool prefill_ws = false;
 };
-
-// The item length from which the warp-specialised prefill CTA is faster than the default one
-// (H200: at 8 x 2048 causal, ~1024 keys per item, 266 against 289 TFLOP/s; at 1 x 4096, ~2048,
-// 328 against 318; every longer row faster, docs/BENCHMARKS.md).
-constexpr int64_t kWsMinKeysPerItem = 2048;
 
 struct StepPlan {
   bool valid = false;
@@ -154,7 +144,6 @@ class HostPlanner {
   void scan(const ForwardBatch& batch, Derive derive);
   void derive_requests(const ForwardBatch& batch);
   void plan_class(size_t c, int bs);
-  int64_t causal_keys(int32_t uniform_tiles, const int32_t* tiles, int bs) const;
   uint32_t choose_chunk(size_t c, int bs, int64_t cap, int64_t base);
   void write_work_ragged(size_t c, WorkItem* items) const;
   // No kernel stores the commits of the rows row_of_[0, n).

@@ -5,11 +5,13 @@
 namespace attnrt::cuda {
 
 cudaError_t launch_prefill(const AttnParams& p, int head_dim, bool fp16, int num_items,
-                           bool ws_suits, cudaStream_t stream) {
+                           cudaStream_t stream) {
   if (num_items == 0) return cudaSuccess;
   const int ws = prefill_ws_mode();
-  if (ws == 1 || ws == 2 || (ws == kWsAuto && ws_suits))
-    return launch_prefill_ws(p, head_dim, fp16, ws == 2, num_items, stream);
+  if (ws != 0) {
+    const bool ping_pong = ws == 2 || (ws == kWsAuto && head_dim <= 128);
+    return launch_prefill_ws(p, head_dim, fp16, ping_pong, num_items, stream);
+  }
   switch (head_dim) {
     case 64:
       return launch_prefill_d64(p, fp16, num_items, stream);

@@ -15,17 +15,18 @@ inline constexpr int kPrefillVerifyTileRows = 64;
 // Non-tree steps with 16-bit KV (q/out and KV bf16, or all fp16), head dims 64, 128, 256; the
 // work list and split counts are those of a TileShape::prefill plan. Grid: (kv heads, num_items).
 cudaError_t launch_prefill(const AttnParams& p, int head_dim, bool fp16, int num_items,
-                           bool ws_suits, cudaStream_t stream);
+                           cudaStream_t stream);
 cudaError_t launch_prefill_d64(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream);
 cudaError_t launch_prefill_d128(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream);
 cudaError_t launch_prefill_d256(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream);
 
 // The warp-specialised CTA of prefill_ws.cuh for the same launches (same arguments and results;
-// ping_pong: the consumers' ping-pong schedule). launch_prefill takes it as prefill_ws_mode()
-// says: kWsAuto (the default) where the plan found it suits the step (`ws_suits`,
-// ClassPlan::prefill_ws), 0 never, 1 always, 2 always with the ping-pong. The mode is
-// ATTNRT_PREFILL_WS in the environment (-1, 0, 1, 2), read once at the first prefill launch unless
-// set_prefill_ws_mode chose first.
+// ping_pong: the consumers' ping-pong schedule). launch_prefill takes the CTA prefill_ws_mode()
+// says: kWsAuto (the default) the warp-specialised one, in ping-pong at head dims 64 and 128
+// (faster there on every benchmark row; at 256 the ping-pong's two S tiles do not fit the
+// registers), 0 the CTA of prefill.cuh, 1 the warp-specialised one without the ping-pong, 2 with
+// it. The mode is ATTNRT_PREFILL_WS in the environment (-1, 0, 1, 2), read once at the first
+// prefill launch unless set_prefill_ws_mode chose first.
 constexpr int kWsAuto = -1;
 cudaError_t launch_prefill_ws(const AttnParams& p, int head_dim, bool fp16, bool ping_pong,
                               int num_items, cudaStream_t stream);

@@ -597,7 +597,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 }
 
 // The launch over num_items x num_kv_heads units: persistent, as many CTAs as are resident at
-// once (one per SM), or one CTA per unit. p.sched must hold two zeroed words (see AttnParams).
+// once (one per SM) taking units from the ticket counter, when there are more than
+// kPersistentMinWaves units per resident CTA; otherwise (or when `persistent` is off) one CTA per
+// unit. On the H200 the persistent grid is 3-14% faster from 8 units per SM up (1x4096 at d128:
+// 347 against 324 TFLOP/s) and 6% slower at 1x1024 (512 units, ~4 per SM). p.sched must hold
+// two zeroed words (see AttnParams).
+constexpr int kPersistentMinWaves = 4;
+
 template <typename T, typename Cfg>
 cudaError_t launch_prefill_ws_cfg(const AttnParams& p, int num_items, bool persistent,
                                   cudaStream_t stream) {
@@ -611,7 +617,7 @@ cudaError_t launch_prefill_ws_cfg(const AttnParams& p, int num_items, bool persi
     if (sms <= 0) return cudaErrorInvalidDevice;
     static const int per_sm =
         resident_ctas<prefill_ws_kernel<T, Cfg>>(Cfg::kThreads, Cfg::kSmemBytes);
-    ctas = sms * per_sm;
+    if (units > kPersistentMinWaves * sms * per_sm) ctas = sms * per_sm;
   }
   const dim3 grid(static_cast<unsigned>(std::min(units, ctas)));
   return launch_kernel(prefill_ws_kernel<T, Cfg>, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes,
