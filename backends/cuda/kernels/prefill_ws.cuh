@@ -293,6 +293,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its issuing thread
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
+    // Ping-pong: the turns alternate over all the CTA's units, the first consumer first (the
+    // second consumer's hand-over here) and taking the second's last hand-over after the last
+    // unit. Pairing them per unit instead would let the second consumer's hand-over for the next
+    // unit land on the same barrier phase as its last one of this unit (both are arrivals of
+    // barrier 2: 256 threads counted without the first consumer's wait).
+    const int consumer = (tid - 128) >> 7;
+    if constexpr (Cfg::kPingPong) {
+      if (consumer == 1) named_bar_arrive(2, 256);
+    }
     int tile_base = 0;
     for (int n = 0;; ++n) {
       mbar_wait(unit_bar, n & 1);
@@ -480,10 +489,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // Ping-pong: the consumers take turns on the tensor cores (named barrier 2 + consumer),
           // and within a consumer tile i's S = Q K^T is issued together with the previous tile's O
           // += P V, so the softmax of one consumer overlaps the MMAs of the other. Every consumer
-          // takes its turn on every tile, with MMAs or not, so the turns stay paired; the first
-          // consumer goes first and takes the second's last hand-over after the loop. The MMAs
-          // of the run [it_begin, it_end) are issued on straight-line paths (a conditional wgmma
-          // makes ptxas serialise them).
+          // takes its turn on every tile, with MMAs or not, so the turns stay paired (the first
+          // and last hand-overs are outside the unit loop). The MMAs of the run [it_begin,
+          // it_end) are issued on straight-line paths (a conditional wgmma makes ptxas serialise
+          // them).
           auto turn_sync = [&] {
             if (cw == 0)
               named_bar_sync(2, 256);
@@ -503,7 +512,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             turn_pass();
             release(stage_of(it));
           };
-          if (cw == 1) named_bar_arrive(2, 256);
           for (int it = 0; it < it_begin; ++it) pass_tile(it);
           if (it_begin < it_end) {
             uint32_t pa[BN / 16][4];
@@ -545,7 +553,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             release(last);
           }
           for (int it = it_end; it < num_tiles; ++it) pass_tile(it);
-          if (cw == 0) named_bar_sync(2, 256);
         }
 
         // ---- Epilogue, as prefill_kernel's for one m64 block.
@@ -592,6 +599,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
       }
       tile_base += num_tiles;
+    }
+    if constexpr (Cfg::kPingPong) {
+      if (consumer == 0) named_bar_sync(2, 256);
     }
   }
 }
