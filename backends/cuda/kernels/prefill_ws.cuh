@@ -43,6 +43,7 @@
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/prefill.h"
+#include "backends/cuda/kernels/prefill_store.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
 
@@ -556,46 +557,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
 
         // ---- Epilogue, as prefill_kernel's for one m64 block.
-        const bool split = req.num_splits > 1;
-        constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           float ll = l[h];
           ll += __shfl_xor_sync(0xffffffff, ll, 1);
           ll += __shfl_xor_sync(0xffffffff, ll, 2);
-          const float mm = m[h];
           const int f = r0 + g + 8 * h;
           const int t = row_t[h], hg = f - t * G;
           if (t >= req.qlen) continue;
-          const int head = kvh * G + hg;
-          if (split) {
-            const int64_t prow = req.part_start + static_cast<int64_t>(item.split) * req.qlen + t;
-            const float inv = ll > 0.f ? 1.f / ll : 0.f;
-            float* dst = p.part_o + (prow * p.num_q_heads + head) * D + 2 * c4;
-#pragma unroll
-            for (int nb = 0; nb < NO; ++nb)
-#pragma unroll
-              for (int i = 0; i < ON / 8; ++i)
-                *reinterpret_cast<float2*>(dst + nb * ON + i * 8) =
-                    make_float2(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
-            if (c4 == 0)
-              p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
-          } else {
-            const float m_use = mm == -INFINITY ? 0.f : mm;
-            float den = ll;
-            if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
-            const float inv = den > 0.f ? p.v_scale / den : 0.f;
-            T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
-                     head * p.o_stride_head + 2 * c4;
-#pragma unroll
-            for (int nb = 0; nb < NO; ++nb)
-#pragma unroll
-              for (int i = 0; i < ON / 8; ++i)
-                *reinterpret_cast<uint32_t*>(dst + nb * ON + i * 8) =
-                    pack2<T>(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
-            if (p.lse_out != nullptr && c4 == 0)
-              p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m_use + log2f(den)) * kLn2;
-          }
+          store_prefill_row<T, D, ON>(p, req, item.split, t, kvh * G + hg, c4, h, ll, m[h], o);
         }
       }
       tile_base += num_tiles;
