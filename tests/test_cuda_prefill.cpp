@@ -4,11 +4,15 @@
 // divide the 128-row tile, non-causal layers, window / softcap / sinks, split-KV with lse, MIXED
 // and DRAFT_EXTEND steps, fp16. Every case first checks that the plan gave it the prefill tile
 // shape with 16-bit KV, i.e. that the prefill kernel is the one under test. Skips (with the
-// reason) where no CUDA device is usable. Every case runs on the default prefill CTA and on the
-// warp-specialised one (prefill_ws.cuh) without and with its ping-pong.
+// reason) where no CUDA device is usable. Every case runs on the earlier prefill CTA (prefill.cuh),
+// on the warp-specialised one (prefill_ws.cuh) with its cp.async producer without and with its
+// ping-pong, and on the default (the warp-specialised CTA with its TMA producer where it applies:
+// pages of 8 slots or more; each case checks that it does). Pool rows no request uses hold NaN,
+// so a kernel that lets a key past a request's last one into its sums fails.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -120,7 +124,6 @@ void check_prefill(const PrefillCase& c) {
   const KVLayerView hv = host.cache->layer(0);
   fill_uniform(TensorView(hv.k, hv.dtype, {hv.num_rows * hv.k_row_stride}), rng, 2.f);
   fill_uniform(TensorView(hv.v, hv.dtype, {hv.num_rows * hv.v_row_stride}), rng, 2.f);
-  dev_cache->copy_layer_from_host(0, hv.k, hv.v);
 
   ReqToTokenPool pool(bs, model.max_context_len);
   std::vector<int64_t> perm(pages);
@@ -136,6 +139,18 @@ void check_prefill(const PrefillCase& c) {
     next_page += pages_of[i];
     pool.write(static_cast<int>(rows.back()), 0, slots[i]);
   }
+  // NaN in every row no request uses (the tails of last pages, the reserved and spare pages).
+  std::vector<bool> used(hv.num_rows, false);
+  for (const auto& s : slots)
+    for (int64_t slot : s) used[slot] = true;
+  for (int64_t row = 0; row < hv.num_rows; ++row) {
+    if (used[row]) continue;
+    for (int64_t e = 0; e < int64_t{hv.kv_heads} * hv.head_dim; ++e) {
+      store_from_float(hv.k, hv.dtype, row * hv.k_row_stride + e, NAN);
+      store_from_float(hv.v, hv.dtype, row * hv.v_row_stride + e, NAN);
+    }
+  }
+  dev_cache->copy_layer_from_host(0, hv.k, hv.v);
 
   ForwardBatch batch;
   if (c.mode == ForwardMode::DRAFT_EXTEND) {
@@ -206,6 +221,26 @@ void check_prefill(const PrefillCase& c) {
   a.out = dout.view();
   a.lse = dlse.view();
   a.sinks = c.sinks ? static_cast<const float*>(dsinks.view().data) : nullptr;
+  // The producer the warp-specialised CTA takes for this layer (the launch's own decision, on
+  // the pool the backend reads): the TMA one wherever it applies, unless switched off.
+  const int ws = cuda::prefill_ws_mode();
+  if (ws != 0) {
+    const KVLayerView dv_layer = dev.cache->layer(0);
+    cuda::AttnParams p{};
+    p.k = dv_layer.k;
+    p.v = dv_layer.v;
+    p.k_row_stride = dv_layer.k_row_stride;
+    p.v_row_stride = dv_layer.v_row_stride;
+    p.kv_rows = dv_layer.num_rows;
+    p.kv_kind = cuda::KvKind::same_as_q;
+    p.page_shift = std::countr_zero(static_cast<unsigned>(c.page));
+    p.num_kv_heads = c.hkv;
+    const bool ping_pong = ws == 2 || (ws == cuda::kWsAuto && c.dim <= 128);
+    const bool tma = cuda::prefill_ws_uses_tma(p, c.dim, c.act == DType::f16, ping_pong);
+    const bool want = cuda::prefill_tma_enabled() && c.page >= 8 &&
+                      ping_pong == (c.dim <= 128);  // the TMA instantiations: the default's CTAs
+    EXPECT_EQ(tma, want) << "page " << c.page << ", dim " << c.dim << ", ws mode " << ws;
+  }
   be.forward(a, layer, batch);
   ASSERT_EQ(cudaStreamSynchronize(be.stream()), cudaSuccess);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
@@ -234,24 +269,32 @@ void check_prefill(const PrefillCase& c) {
   EXPECT_LT(worst_lse, 2e-2) << "lse differs from the reference";
 }
 
-// CudaPrefillTest runs every case on the default prefill CTA (prefill.cuh), CudaPrefillWsTest and
+// CudaPrefillTest runs every case on the earlier prefill CTA (prefill.cuh), CudaPrefillWsTest and
 // CudaPrefillWsPingPongTest on the warp-specialised one (prefill_ws.cuh, ATTNRT_PREFILL_WS=1 and
-// 2); each restores the switch after.
+// 2) with the cp.async producer (ATTNRT_PREFILL_TMA=0), CudaPrefillWsTmaTest on the default
+// (ATTNRT_PREFILL_WS=-1, ATTNRT_PREFILL_TMA=1); each restores the switches after.
 class CudaPrefillTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason;
     saved_ = cuda::prefill_ws_mode();
+    saved_tma_ = cuda::prefill_tma_enabled();
     cuda::set_prefill_ws_mode(ws_mode());
+    cuda::set_prefill_tma(tma());
     ASSERT_EQ(cuda::prefill_ws_mode(), ws_mode());
+    ASSERT_EQ(cuda::prefill_tma_enabled(), tma());
   }
   void TearDown() override {
-    if (query_cuda().usable) cuda::set_prefill_ws_mode(saved_);
+    if (!query_cuda().usable) return;
+    cuda::set_prefill_ws_mode(saved_);
+    cuda::set_prefill_tma(saved_tma_);
   }
   virtual int ws_mode() const { return 0; }
+  virtual bool tma() const { return false; }
 
  private:
   int saved_ = 0;
+  bool saved_tma_ = true;
 };
 
 class CudaPrefillWsTest : public CudaPrefillTest {
@@ -264,12 +307,19 @@ class CudaPrefillWsPingPongTest : public CudaPrefillTest {
   int ws_mode() const override { return 2; }
 };
 
-// A case of the three suites.
+class CudaPrefillWsTmaTest : public CudaPrefillTest {
+ protected:
+  int ws_mode() const override { return cuda::kWsAuto; }
+  bool tma() const override { return true; }
+};
+
+// A case of the four suites.
 #define PREFILL_CASE(name)                                  \
   void name##Case();                                        \
   TEST_F(CudaPrefillTest, name) { name##Case(); }           \
   TEST_F(CudaPrefillWsTest, name) { name##Case(); }         \
   TEST_F(CudaPrefillWsPingPongTest, name) { name##Case(); } \
+  TEST_F(CudaPrefillWsTmaTest, name) { name##Case(); }      \
   void name##Case()
 
 // The prefill kernel walks the plan's prefill and verify work items: its CTAs must cover the same
@@ -308,8 +358,10 @@ PREFILL_CASE(GroupsThatSplitTokensAcrossTiles) {
 }
 
 PREFILL_CASE(PageSizesAndLongRuns) {
-  // Many key tiles per CTA (the K/V ring wraps many times) on pages of 1 and 64 slots.
-  for (int page : {1, 64}) {
+  // Many key tiles per CTA (the K/V ring wraps many times) on pages of 1, 8 (the smallest the TMA
+  // producer takes: 16 boxes per tile and column block), 64 and 128 slots (one box per tile at
+  // head dims 64 and 128; two at 256).
+  for (int page : {1, 8, 64, 128}) {
     PrefillCase c;
     c.page = page;
     c.prefix = {640, 0};
@@ -367,6 +419,41 @@ PREFILL_CASE(WindowSoftcapAndSinks) {
   check_prefill(c);
 }
 
+PREFILL_CASE(WindowStartingInsideATileWithSplitKeys) {
+  // One long request, its keys split: the window's first key (prefix + first token - window) is
+  // no multiple of the key tile, so the warp-specialised CTA starts its range a tile boundary
+  // earlier (the TMA producer loads whole pages) and masks the keys before the window.
+  for (auto [dim, page] : {std::pair{128, 64}, std::pair{256, 8}, std::pair{64, 128}}) {
+    PrefillCase c;
+    c.dim = dim;
+    c.page = page;
+    c.prefix = {2990};
+    c.qlen = {140};
+    c.window = 1001;
+    c.seed = static_cast<uint32_t>(dim + page);
+    SCOPED_TRACE(testing::Message() << "dim " << dim << " page " << page);
+    check_prefill(c);
+  }
+}
+
+PREFILL_CASE(LastPagesEndingMidPageOverNaNRows) {
+  // Every request's keys end inside a page whose other rows are NaN; the last tile of each range
+  // holds whole pages, the partial page and rows past it (zero-filled), at every page size the
+  // TMA producer takes.
+  for (int page : {8, 16, 32, 128}) {
+    for (int dim : {64, 256}) {
+      PrefillCase c;
+      c.dim = dim;
+      c.page = page;
+      c.prefix = {0, 21, 130};
+      c.qlen = {133, 250, 1};
+      c.seed = static_cast<uint32_t>(page * 3 + dim);
+      SCOPED_TRACE(testing::Message() << "page " << page << " dim " << dim);
+      check_prefill(c);
+    }
+  }
+}
+
 PREFILL_CASE(SplitKeysMergeWithLse) {
   // Few CTAs and many keys: the plan splits the keys and the merge kernel combines the partials.
   PrefillCase c;
@@ -409,6 +496,49 @@ PREFILL_CASE(Fp16Activations) {
 }
 
 #undef PREFILL_CASE
+
+// Which launches can take the TMA producer: host checks only, so this runs without a GPU.
+TEST(CudaPrefillTma, AppliesToPlainPoolsWithPagesOfEightOrMore) {
+  alignas(16) static int64_t pool[64];
+  cuda::AttnParams p{};
+  p.k = pool;
+  p.v = pool + 16;
+  p.k_row_stride = p.v_row_stride = 2 * 128;
+  p.kv_rows = 1 << 20;
+  p.kv_kind = cuda::KvKind::same_as_q;
+  p.page_shift = 4;
+  p.num_kv_heads = 2;
+  EXPECT_TRUE(cuda::prefill_tma_applies(p, 128, true));
+  EXPECT_TRUE(cuda::prefill_tma_applies(p, 64, true));
+  EXPECT_FALSE(cuda::prefill_tma_applies(p, 128, false)) << "no TMA instantiation";
+  cuda::AttnParams q = p;
+  q.k_row_stride = q.v_row_stride = 2 * 256;
+  EXPECT_TRUE(cuda::prefill_tma_applies(q, 256, false));
+  EXPECT_FALSE(cuda::prefill_tma_applies(q, 256, true)) << "no TMA instantiation";
+  q = p;
+  q.page_shift = 3;
+  EXPECT_TRUE(cuda::prefill_tma_applies(q, 128, true)) << "pages of 8";
+  q.page_shift = 2;
+  EXPECT_FALSE(cuda::prefill_tma_applies(q, 128, true)) << "pages of 4";
+  q.page_shift = 0;
+  EXPECT_FALSE(cuda::prefill_tma_applies(q, 128, true)) << "pages of 1";
+  q = p;
+  const int64_t map[2] = {0, -1};
+  q.slot_map = map;
+  EXPECT_FALSE(cuda::prefill_tma_applies(q, 128, true)) << "SWA pool: slots remapped";
+  q = p;
+  q.kv_kind = cuda::KvKind::e4m3;
+  EXPECT_FALSE(cuda::prefill_tma_applies(q, 128, true)) << "fp8 KV";
+  q = p;
+  q.kv_rows = 0;
+  EXPECT_FALSE(cuda::prefill_tma_applies(q, 128, true)) << "pool rows unknown";
+  q = p;
+  q.k = reinterpret_cast<const char*>(pool) + 8;
+  EXPECT_FALSE(cuda::prefill_tma_applies(q, 128, true)) << "K base not 16-byte aligned";
+  q = p;
+  q.v_row_stride = 2 * 128 + 4;
+  EXPECT_FALSE(cuda::prefill_tma_applies(q, 128, true)) << "V rows not 16-byte aligned";
+}
 
 #else
 

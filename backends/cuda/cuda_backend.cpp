@@ -445,6 +445,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                                         : KvKind::same_as_q;
   p.page_shift = plan.page_shift;
   p.slot_map = slot_map;
+  p.kv_rows = kv.num_rows;
   p.reqs = reinterpret_cast<const ReqInfo*>(meta + cls->reqs_off);
   p.page_table = reinterpret_cast<const int32_t*>(meta + plan.pt_off);
   p.row_table = row_table_ready_ ? row_table_.ptr<int32_t>() : nullptr;

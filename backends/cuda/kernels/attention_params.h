@@ -73,6 +73,9 @@ struct AttnParams {
   int32_t page_shift;  // log2(page_size)
   // Full-pool slot -> this pool's slot (SWA pools); nullptr = identity.
   const int64_t* slot_map;
+  // Rows (slots) of the K and V storage: the extent of the tensor maps of the prefill CTA's TMA
+  // producer; 0 = not known (that producer is not used).
+  int64_t kv_rows;
 
   // Step metadata (device).
   const ReqInfo* reqs;

@@ -33,6 +33,22 @@ cudaError_t launch_prefill_ws(const AttnParams& p, int head_dim, bool fp16, bool
 int prefill_ws_mode();
 void set_prefill_ws_mode(int mode);
 
+// The warp-specialised CTA's TMA producer (prefill_ws.cuh): K/V pages loaded by tensor-map copies
+// instead of per-row cp.async, taken by launch_prefill_ws where prefill_tma_applies and the
+// driver encodes the tensor maps, unless switched off: ATTNRT_PREFILL_TMA (1 = on, the default;
+// 0 = the cp.async producer everywhere), read once at the first prefill launch unless
+// set_prefill_tma chose first.
+bool prefill_tma_enabled();
+void set_prefill_tma(bool on);
+// Host checks of a launch of launch_prefill_ws (no driver call): 16-bit KV without an SWA slot
+// map (its slots are not contiguous within a page), pages of at least 8 slots, p.kv_rows known and
+// below 2^31, K / V base and row strides 16-byte aligned, and a TMA instantiation for the CTA
+// (head dims 64 and 128 in ping-pong, 256 without: the default's choices).
+bool prefill_tma_applies(const AttnParams& p, int head_dim, bool ping_pong);
+// Whether launch_prefill_ws(p, head_dim, fp16, ping_pong, ...) takes the TMA producer: switched
+// on, applies, and the driver encoded the tensor maps (encoded once per pool and box, then reused).
+bool prefill_ws_uses_tma(const AttnParams& p, int head_dim, bool fp16, bool ping_pong);
+
 // Steps of any mode (TARGET_VERIFY trees included) planned with TileShape::verify or
 // TileShape::decode32 work items (a decode32 item is the only one of its request, f0 = 0, at most
 // 32 rows: the 64-row CTA covers it), 16-bit KV, head dims 64 and 128 (prefill_verify_dim); other

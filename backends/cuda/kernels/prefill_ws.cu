@@ -1,7 +1,15 @@
-// The warp-specialised prefill CTA (prefill_ws.cuh): its run-time switch and its instantiations
-// (bf16 and fp16 at head dims 64, 128, 256, with and without the ping-pong, in one translation
-// unit).
+// The warp-specialised prefill CTA (prefill_ws.cuh): its run-time switches, the tensor maps of
+// its TMA producer, and its instantiations (bf16 and fp16 at head dims 64, 128, 256, with and
+// without the ping-pong, with the cp.async producer; with the TMA producer the default's choices
+// only: 64 and 128 in ping-pong, 256 without), in one translation unit.
+#include <cudaTypedefs.h>
+
 #include <atomic>
+#include <climits>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <optional>
 
 #include "attnrt/core/env.h"
 #include "backends/cuda/kernels/prefill_ws.cuh"
@@ -12,6 +20,86 @@ namespace {
 // kWsUnread until the first read; then kWsAuto or a forced mode (0, 1, 2).
 constexpr int kWsUnread = -2;
 std::atomic<int> g_prefill_ws{kWsUnread};
+// -1 until the first read; then 0 or 1.
+std::atomic<int> g_prefill_tma{-1};
+
+// The CTAs with a TMA-producer instantiation.
+constexpr bool has_tma_variant(int head_dim, bool ping_pong) {
+  return head_dim == 64 || head_dim == 128 ? ping_pong : head_dim == 256 && !ping_pong;
+}
+
+// cuTensorMapEncodeTiled through the runtime (the binary does not link the driver library; it
+// must start where there is none), nullptr where the driver lacks it.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();  // not sticky: the launch goes on with the cp.async producer
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// Everything one tensor map of the TMA producer encodes: a pool (K or V of one layer) as
+// {dim, heads, rows} 16-bit elements, rows row_stride elements apart, boxes of {64, 1, box_rows}.
+struct TensorMapKey {
+  const void* base;
+  int64_t rows, row_stride;
+  int32_t heads, dim, box_rows;
+  bool fp16;
+  auto operator<=>(const TensorMapKey&) const = default;
+};
+
+// The encoded map of `key`, encoded once (a step's launches find their layer's maps here: a
+// lookup instead of a driver call per launch); nullopt where the driver cannot encode it.
+std::optional<CUtensorMap> tensor_map(const TensorMapKey& key) {
+  constexpr size_t kMaxMaps = 4096;  // two per layer and pool; cleared when a process exceeds it
+  static std::mutex mu;
+  static std::map<TensorMapKey, CUtensorMap> maps;
+  {
+    const std::lock_guard lock(mu);
+    const auto it = maps.find(key);
+    if (it != maps.end()) return it->second;
+  }
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return std::nullopt;
+  CUtensorMap map;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(key.dim), static_cast<cuuint64_t>(key.heads),
+                              static_cast<cuuint64_t>(key.rows)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(key.dim) * 2,
+                                 static_cast<cuuint64_t>(key.row_stride) * 2};  // bytes
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(key.box_rows)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r =
+      encode(&map, key.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
+             const_cast<void*>(key.base), dims, strides, box, elem_strides,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) return std::nullopt;
+  const std::lock_guard lock(mu);
+  if (maps.size() >= kMaxMaps) maps.clear();
+  maps.emplace(key, map);
+  return map;
+}
+
+// The K and V maps of a launch whose tiles hold `bn` keys.
+std::optional<WsTensorMaps> ws_tensor_maps(const AttnParams& p, int head_dim, int bn, bool fp16) {
+  const int box_rows = std::min(1 << p.page_shift, bn);
+  const auto k =
+      tensor_map({p.k, p.kv_rows, p.k_row_stride, p.num_kv_heads, head_dim, box_rows, fp16});
+  const auto v =
+      tensor_map({p.v, p.kv_rows, p.v_row_stride, p.num_kv_heads, head_dim, box_rows, fp16});
+  if (!k || !v) return std::nullopt;
+  WsTensorMaps maps;
+  maps.k = *k;
+  maps.v = *v;
+  return maps;
+}
 
 // Persistent CTAs (one per SM, walking the units) unless ATTNRT_PREFILL_WS_PERSISTENT=0 (one CTA
 // per unit), read once.
@@ -23,13 +111,31 @@ bool persistent() {
   return on;
 }
 
+// The tensor maps of the TMA producer for this launch, or nullopt: the cp.async producer.
+std::optional<WsTensorMaps> tma_maps(const AttnParams& p, int head_dim, bool fp16, bool ping_pong) {
+  if (!prefill_tma_enabled() || !prefill_tma_applies(p, head_dim, ping_pong)) return std::nullopt;
+  // Keys per tile of the CTAs with a TMA instantiation.
+  const int bn = head_dim == 256 ? PrefillWsCfg<256, false>::kBN : PrefillWsCfg<128, true>::kBN;
+  static_assert(PrefillWsCfg<64, true>::kBN == PrefillWsCfg<128, true>::kBN);
+  return ws_tensor_maps(p, head_dim, bn, fp16);
+}
+
+template <typename T, int D, bool PP>
+cudaError_t launch_prefill_ws_t(const AttnParams& p, bool fp16, int num_items,
+                                cudaStream_t stream) {
+  using Cfg = PrefillWsCfg<D, PP>;
+  if constexpr (has_tma_variant(D, PP)) {
+    if (const auto maps = tma_maps(p, D, fp16, PP))
+      return launch_prefill_ws_cfg<T, Cfg, true>(p, *maps, num_items, persistent(), stream);
+  }
+  return launch_prefill_ws_cfg<T, Cfg, false>(p, WsTensorMaps{}, num_items, persistent(), stream);
+}
+
 template <int D, bool PP>
 cudaError_t launch_prefill_ws_cfg_pp(const AttnParams& p, bool fp16, int num_items,
                                      cudaStream_t stream) {
-  return fp16 ? launch_prefill_ws_cfg<__half, PrefillWsCfg<D, PP>>(p, num_items, persistent(),
-                                                                   stream)
-              : launch_prefill_ws_cfg<__nv_bfloat16, PrefillWsCfg<D, PP>>(p, num_items,
-                                                                          persistent(), stream);
+  return fp16 ? launch_prefill_ws_t<__half, D, PP>(p, fp16, num_items, stream)
+              : launch_prefill_ws_t<__nv_bfloat16, D, PP>(p, fp16, num_items, stream);
 }
 
 template <int D>
@@ -57,6 +163,38 @@ int prefill_ws_mode() {
 
 void set_prefill_ws_mode(int mode) {
   g_prefill_ws.store(mode >= kWsAuto && mode <= 2 ? mode : kWsAuto);
+}
+
+bool prefill_tma_enabled() {
+  int v = g_prefill_tma.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const auto env = env_integer("ATTNRT_PREFILL_TMA", 0, 1, "cuda backend",
+                                 "1 (the prefill CTA loads whole K/V pages by tensor-map copies "
+                                 "where it can) or 0 (cp.async copies everywhere)");
+    v = env ? static_cast<int>(*env) : 1;
+    int expected = -1;
+    // A concurrent set_prefill_tma wins over the environment.
+    if (!g_prefill_tma.compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v != 0;
+}
+
+void set_prefill_tma(bool on) { g_prefill_tma.store(on ? 1 : 0); }
+
+bool prefill_tma_applies(const AttnParams& p, int head_dim, bool ping_pong) {
+  const auto aligned = [](const void* ptr) {
+    return ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+  };
+  return has_tma_variant(head_dim, ping_pong) && p.kv_kind == KvKind::same_as_q &&
+         p.slot_map == nullptr && p.tree == 0 && p.page_shift >= 3 && p.kv_rows > 0 &&
+         p.kv_rows <= INT_MAX && p.num_kv_heads > 0 && aligned(p.k) && aligned(p.v) &&
+         p.k_row_stride % 8 == 0 && p.v_row_stride % 8 == 0 &&
+         p.k_row_stride >= int64_t{p.num_kv_heads} * head_dim &&
+         p.v_row_stride >= int64_t{p.num_kv_heads} * head_dim;
+}
+
+bool prefill_ws_uses_tma(const AttnParams& p, int head_dim, bool fp16, bool ping_pong) {
+  return tma_maps(p, head_dim, fp16, ping_pong).has_value();
 }
 
 cudaError_t launch_prefill_ws(const AttnParams& p, int head_dim, bool fp16, bool ping_pong,

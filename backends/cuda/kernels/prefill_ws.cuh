@@ -13,6 +13,8 @@
 //    16-byte cp.async copies of K and V into the stage in the 128-byte swizzled layout of
 //    wgmma.cuh; each thread's copies arrive on the stage's "full" mbarrier when they land
 //    (cp.async.mbarrier.arrive.noinc: 128 arrivals complete the phase).
+//    With the TMA producer (template flag TMA, see below) the whole pages of a tile come in by
+//    cp.async.bulk.tensor instead, a handful of copies per tile in place of 2 x BN x D / 8.
 //  - warpgroups 1 and 2, the consumers (setmaxnreg up to kConsumerRegs): consumer c owns rows
 //    64c .. 64c + 63 of the tile (one m64 block), waits for each stage to be full, runs S = Q K^T,
 //    the mask / softcap / online softmax and O += P V exactly as prefill_kernel does for one m64
@@ -31,8 +33,24 @@
 //    consumer issues tile i's S together with tile i - 1's P V, then runs tile i's softmax while
 //    the other consumer's MMAs run; a stage is then released one tile later (its V is read in the
 //    next tile's turn).
+//
+// The TMA producer (TMA = true; launch_prefill_ws takes it where prefill_tma_applies: 16-bit KV
+// without an SWA slot map, pages of 8 slots or more, 16-byte aligned pool and rows): the K and V
+// pools are 3-D tensor maps {D, kv heads, slots} with a box of {64, 1, P} (P = min(page size, BN)
+// rows, always inside one page) and the 128-byte swizzle, which writes exactly the layout of
+// swz128_offset when a box lands at column block cb, rows r0 .. r0 + P - 1 of a tile (r0 a multiple
+// of 8). Per tile, lanes q < BN / P of warp 0 each resolve the page of rows qP .. qP + P - 1 (one
+// tile ahead, as the slots are) and issue that chunk's D / 64 boxes of K and of V. Only chunks
+// wholly below hi are loaded so: the rows of a partial last page and every row past it are loaded
+// (or zero-filled) by all 128 producer threads with cp.async, since keys past hi must be zero in
+// shared memory (a zero probability times a NaN is NaN) and pages wholly past hi may not exist.
+// The full barrier then counts 129 arrivals per phase: the 128 cp.async arrivals (with no copies
+// on most tiles) and thread 0's arrive.expect_tx of the tile's TMA bytes. A unit's key range must
+// start on a page: ws_unit rounds a window's first key down to a tile (the extra keys are outside
+// the window, the first tile is masked as any window tile), so splits stay tile aligned too.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -110,6 +128,26 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+// Raises the phase's expected transaction bytes by `bytes`, then arrives (one of the counted
+// arrivals).
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
+// One box of tensor map `map` at coordinates {c0, c1, c2} into shared memory at `dst`; its bytes
+// complete on `bar`'s transaction count.
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
 __device__ __forceinline__ void named_bar_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
@@ -134,7 +172,9 @@ struct WsUnit {
   int lo, hi, num_tiles;
 };
 
-template <int ROWS, int BN>
+// TILED: the window's first key rounded down to a multiple of BN (the TMA producer loads whole
+// pages from a tile's first key on).
+template <int ROWS, int BN, bool TILED>
 __device__ __forceinline__ WsUnit ws_unit(const AttnParams& p, int unit) {
   WsUnit u;
   u.kvh = unit % p.num_kv_heads;
@@ -148,6 +188,7 @@ __device__ __forceinline__ WsUnit ws_unit(const AttnParams& p, int unit) {
   if (causal) {
     hi = min(hi, u.req.prefix + t_last + 1);
     if (p.window >= 0) lo = max(0, u.req.prefix + t_first - p.window);
+    if constexpr (TILED) lo = lo / BN * BN;
   }
   const int span = max(hi - lo, 0);
   const int chunk = (span + u.req.num_splits - 1) / u.req.num_splits;
@@ -160,11 +201,20 @@ __device__ __forceinline__ WsUnit ws_unit(const AttnParams& p, int unit) {
   return u;
 }
 
-template <typename T, typename Cfg>
+// The tensor maps of the TMA producer over the layer's K and V pools (see the header comment);
+// unused (zeros) by the cp.async producer.
+struct WsTensorMaps {
+  CUtensorMap k, v;
+};
+
+template <typename T, typename Cfg, bool TMA>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    prefill_ws_kernel(const AttnParams p, int num_units) {
+    prefill_ws_kernel(const AttnParams p, int num_units,
+                      const __grid_constant__ WsTensorMaps maps) {
   constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, ST = Cfg::kStages, CH = Cfg::kChunks;
   constexpr int ON = Cfg::kON, NO = D / ON, ROWS = Cfg::kRows;
+  constexpr int kLog2BN = BN == 128 ? 7 : 6;
+  static_assert(BN == 1 << kLog2BN);
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = ((raw + 1023) & ~1023u) - raw;
@@ -184,7 +234,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
     for (int s = 0; s < ST; ++s) {
-      mbar_init(full_bar(s), 128);
+      mbar_init(full_bar(s), TMA ? 129 : 128);
       mbar_init(empty_bar(s), 4 * Cfg::kConsumers);
     }
     mbar_init(q_bar, 128);
@@ -212,6 +262,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const bool windowed = causal && p.window >= 0;
   if (wg == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
+    if constexpr (TMA) {
+      if (tid == 0) {
+        prefetch_tensor_map(&maps.k);
+        prefetch_tensor_map(&maps.v);
+      }
+    }
     int tile_base = 0;
     int ticket = blockIdx.x;  // thread 0: the CTA's next unit
     for (int n = 0;; ++n) {
@@ -223,7 +279,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       named_bar_sync(1, 128);
       const int unit = unit_slot[n & 1];
       if (unit >= num_units) break;
-      const WsUnit u = ws_unit<ROWS, BN>(p, unit);
+      const WsUnit u = ws_unit<ROWS, BN, TMA>(p, unit);
       const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
       const WorkItem item = u.item;
       const ReqInfo req = u.req;
@@ -249,35 +305,91 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           mbar_arrive_cp_async(q_bar);
         }
         const int pmask = (1 << p.page_shift) - 1;
-        auto resolve = [&](int it) -> int32_t {
-          const int j = lo + it * BN + tid;
-          if (tid >= BN || it >= num_tiles || j >= hi) return -1;
-          return static_cast<int32_t>(
-              slot_of_page(p, pmask, page_id(p, req, j >> p.page_shift), j));
-        };
         const T* kbase = static_cast<const T*>(p.k) + kvh * D;
         const T* vbase = static_cast<const T*>(p.v) + kvh * D;
-        int32_t next_slot = resolve(0);
-        for (int it = 0; it < num_tiles; ++it) {
-          const int stage = stage_of(it);
-          if (tile_base + it >= ST) mbar_wait(empty_bar(stage), parity_of(it) ^ 1u);
-          named_bar_sync(1, 128);  // every producer thread is done reading the previous slots
-          if (tid < BN) sSlot[tid] = next_slot;
-          named_bar_sync(1, 128);
-          next_slot = resolve(it + 1);  // in flight while this tile's copies are issued
-          unsigned char* dk = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes;
-          unsigned char* dv = dk + Cfg::kTileBytes;
-#pragma unroll 2
-          for (int i = tid; i < BN * CH; i += 128) {
-            const int key = i / CH, c = i % CH;
-            const int32_t sl = sSlot[key];
-            const bool valid = sl >= 0;
-            const int64_t s = valid ? sl : 0;
-            const uint32_t so = swz128_offset(BN, key, c);
-            cp_async_16(dk + so, kbase + s * p.k_row_stride + c * 8, valid);
-            cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 8, valid);
+        if constexpr (TMA) {
+          // Chunks of P rows (a power of two, 8 .. BN: one page or a BN-row piece of one).
+          const int pshift = min(p.page_shift, kLog2BN);
+          const int P = 1 << pshift;
+          // The first slot of chunk `tid` (lanes of warp 0) of tile `it`; -1 where the chunk is
+          // not loaded by TMA (past the tile's chunks, past the range, or not wholly below hi).
+          auto resolve_chunk = [&](int it) -> int32_t {
+            const int j0 = lo + it * BN + (tid << pshift);
+            if (tid >= (BN >> pshift) || it >= num_tiles || j0 + P > hi) return -1;
+            return static_cast<int32_t>(
+                slot_of_page(p, pmask, page_id(p, req, j0 >> p.page_shift), j0));
+          };
+          int32_t next_slot = resolve_chunk(0);
+          for (int it = 0; it < num_tiles; ++it) {
+            const int stage = stage_of(it);
+            const int kb = lo + it * BN;
+            const int tma_rows = min(BN, hi - kb) & ~(P - 1);  // whole chunks below hi
+            // The last tile: rows tma_rows .. BN - 1 hold the partial page at hi (keys j_tail ..
+            // hi - 1, one page; its first slot looked up while the stage drains) and zeros past hi.
+            const int j_tail = kb + tma_rows;
+            const int64_t tail_slot =
+                tma_rows < BN && j_tail < hi
+                    ? slot_of_page(p, pmask, page_id(p, req, j_tail >> p.page_shift), j_tail)
+                    : 0;
+            if (tile_base + it >= ST) mbar_wait(empty_bar(stage), parity_of(it) ^ 1u);
+            const int32_t slot = next_slot;
+            next_slot = resolve_chunk(it + 1);  // in flight while this tile's copies are issued
+            const uint32_t dk = sKV + stage * 2 * Cfg::kTileBytes, dv = dk + Cfg::kTileBytes;
+            // The tile's TMA bytes are expected before any of its boxes is issued.
+            if (tid == 0) mbar_arrive_expect_tx(full_bar(stage), tma_rows * D * 4);
+            __syncwarp();
+            if ((tid << pshift) < tma_rows) {
+              const uint32_t r0 = (tid << pshift) * 128;
+#pragma unroll
+              for (int cb = 0; cb < D / 64; ++cb) {
+                tma_load_3d(dk + cb * BN * 128 + r0, &maps.k, cb * 64, kvh, slot, full_bar(stage));
+                tma_load_3d(dv + cb * BN * 128 + r0, &maps.v, cb * 64, kvh, slot, full_bar(stage));
+              }
+            }
+            if (tma_rows < BN) {
+              unsigned char* ck = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes;
+              unsigned char* cv = ck + Cfg::kTileBytes;
+#pragma unroll 1
+              for (int i = tid; i < (BN - tma_rows) * CH; i += 128) {
+                const int key = tma_rows + i / CH, c = i % CH;
+                const bool valid = kb + key < hi;
+                const int64_t s = valid ? tail_slot + (key - tma_rows) : 0;
+                const uint32_t so = swz128_offset(BN, key, c);
+                cp_async_16(ck + so, kbase + s * p.k_row_stride + c * 8, valid);
+                cp_async_16(cv + so, vbase + s * p.v_row_stride + c * 8, valid);
+              }
+            }
+            mbar_arrive_cp_async(full_bar(stage));
           }
-          mbar_arrive_cp_async(full_bar(stage));
+        } else {
+          auto resolve = [&](int it) -> int32_t {
+            const int j = lo + it * BN + tid;
+            if (tid >= BN || it >= num_tiles || j >= hi) return -1;
+            return static_cast<int32_t>(
+                slot_of_page(p, pmask, page_id(p, req, j >> p.page_shift), j));
+          };
+          int32_t next_slot = resolve(0);
+          for (int it = 0; it < num_tiles; ++it) {
+            const int stage = stage_of(it);
+            if (tile_base + it >= ST) mbar_wait(empty_bar(stage), parity_of(it) ^ 1u);
+            named_bar_sync(1, 128);  // every producer thread is done reading the previous slots
+            if (tid < BN) sSlot[tid] = next_slot;
+            named_bar_sync(1, 128);
+            next_slot = resolve(it + 1);  // in flight while this tile's copies are issued
+            unsigned char* dk = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes;
+            unsigned char* dv = dk + Cfg::kTileBytes;
+#pragma unroll 2
+            for (int i = tid; i < BN * CH; i += 128) {
+              const int key = i / CH, c = i % CH;
+              const int32_t sl = sSlot[key];
+              const bool valid = sl >= 0;
+              const int64_t s = valid ? sl : 0;
+              const uint32_t so = swz128_offset(BN, key, c);
+              cp_async_16(dk + so, kbase + s * p.k_row_stride + c * 8, valid);
+              cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 8, valid);
+            }
+            mbar_arrive_cp_async(full_bar(stage));
+          }
         }
       }
       tile_base += num_tiles;
@@ -308,7 +420,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       mbar_wait(unit_bar, n & 1);
       const int unit = unit_slot[n & 1];
       if (unit >= num_units) break;
-      const WsUnit u = ws_unit<ROWS, BN>(p, unit);
+      const WsUnit u = ws_unit<ROWS, BN, TMA>(p, unit);
       const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
       const WorkItem item = u.item;
       const ReqInfo req = u.req;
@@ -584,24 +696,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 // two zeroed words (see AttnParams).
 constexpr int kPersistentMinWaves = 4;
 
-template <typename T, typename Cfg>
-cudaError_t launch_prefill_ws_cfg(const AttnParams& p, int num_items, bool persistent,
-                                  cudaStream_t stream) {
+// TMA: the TMA producer over `maps` (prefill_tma_applies must hold for p).
+template <typename T, typename Cfg, bool TMA>
+cudaError_t launch_prefill_ws_cfg(const AttnParams& p, const WsTensorMaps& maps, int num_items,
+                                  bool persistent, cudaStream_t stream) {
+  constexpr auto kernel = prefill_ws_kernel<T, Cfg, TMA>;
   if (p.sched == nullptr) return cudaErrorInvalidValue;
-  const cudaError_t attr = allow_dynamic_smem<prefill_ws_kernel<T, Cfg>>(Cfg::kSmemBytes);
+  const cudaError_t attr = allow_dynamic_smem<kernel>(Cfg::kSmemBytes);
   if (attr != cudaSuccess) return attr;
   const int units = num_items * p.num_kv_heads;
   int ctas = units;
   if (persistent) {
     const int sms = sm_count();
     if (sms <= 0) return cudaErrorInvalidDevice;
-    static const int per_sm =
-        resident_ctas<prefill_ws_kernel<T, Cfg>>(Cfg::kThreads, Cfg::kSmemBytes);
+    static const int per_sm = resident_ctas<kernel>(Cfg::kThreads, Cfg::kSmemBytes);
     if (units > kPersistentMinWaves * sms * per_sm) ctas = sms * per_sm;
   }
   const dim3 grid(static_cast<unsigned>(std::min(units, ctas)));
-  return launch_kernel(prefill_ws_kernel<T, Cfg>, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes,
-                       stream, false, p, units);
+  return launch_kernel(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, false, p, units,
+                       maps);
 }
 
 }  // namespace attnrt::cuda
