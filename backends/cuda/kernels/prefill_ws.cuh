@@ -24,7 +24,8 @@
 // stage is only rewritten after both consumers have seen its copies land, so the parity waits
 // are never ambiguous and no copy races an older copy to the same stage.
 // The copies are generic-proxy writes and the MMAs read through the async proxy: a consumer
-// fences (fence.proxy.async) after its wait, before its MMAs.
+// fences (fence.proxy.async) after its wait, before its MMAs (TMA boxes are async-proxy writes
+// already; the TMA producer's cp.async rows still need the fence).
 // Two consumer schedules (Cfg::kPingPong; ATTNRT_PREFILL_WS=1 / 2):
 //  - free-running: each consumer issues S, waits, runs the softmax, issues P V, waits; the two
 //    drift apart on the shared ring, so one's softmax overlaps the other's MMAs as the two CTAs
