@@ -261,6 +261,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int G = p.group;
   const bool causal = p.causal != 0;
   const bool windowed = causal && p.window >= 0;
+  // The ring position of tile `it` of the current unit (each thread has one role, so one
+  // counter serves both loops).
+  int tile_base = 0;
+  auto stage_of = [&](int it) { return (tile_base + it) % ST; };
+  auto parity_of = [&](int it) { return static_cast<uint32_t>((tile_base + it) / ST) & 1u; };
   if (wg == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if constexpr (TMA) {
@@ -269,7 +274,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         prefetch_tensor_map(&maps.v);
       }
     }
-    int tile_base = 0;
     int ticket = blockIdx.x;  // thread 0: the CTA's next unit
     for (int n = 0;; ++n) {
       if (n > 0) mbar_wait(q_empty, (n - 1) & 1);  // Q of the previous unit is no longer read
@@ -284,8 +288,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
       const WorkItem item = u.item;
       const ReqInfo req = u.req;
-      auto stage_of = [&](int it) { return (tile_base + it) % ST; };
-      auto parity_of = [&](int it) { return static_cast<uint32_t>((tile_base + it) / ST) & 1u; };
       {
         // ================= producer =================
         write_back_committed_pages(p, req, item, kvh, tid, 128);
@@ -416,7 +418,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     if constexpr (Cfg::kPingPong) {
       if (consumer == 1) named_bar_arrive(2, 256);
     }
-    int tile_base = 0;
     for (int n = 0;; ++n) {
       mbar_wait(unit_bar, n & 1);
       const int unit = unit_slot[n & 1];
@@ -425,8 +426,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
       const WorkItem item = u.item;
       const ReqInfo req = u.req;
-      auto stage_of = [&](int it) { return (tile_base + it) % ST; };
-      auto parity_of = [&](int it) { return static_cast<uint32_t>((tile_base + it) / ST) & 1u; };
       {
         // ================= consumers =================
         const int ct = tid - 128, lane = ct & 31, wq = (ct >> 5) & 3, cw = ct >> 7;
