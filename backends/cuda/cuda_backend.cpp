@@ -84,13 +84,16 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
   cfg.sm_count = info.sm_count;
   cfg.deterministic = ctx.options != nullptr && ctx.options->deterministic;
   if (const auto v = env_integer("ATTNRT_KV_CHUNK", 0, 1L << 30, "cuda backend",
-                                  "a number of keys per split (0 = the plan's own choice)"))
+                                 "a number of keys per split (0 = the plan's own choice)"))
     cfg.kv_chunk = static_cast<int>(*v);
   if (const auto v = env_integer("ATTNRT_PLAN_COPY_MIN_BYTES", 0, 1L << 24, "cuda backend",
-                                  "a number of bytes from 0 to 16777216 (0 = copy the plan's own "
-                                  "size)"))
+                                 "a number of bytes from 0 to 16777216 (0 = copy the plan's own "
+                                 "size)"))
     copy_min_bytes_ = static_cast<size_t>(*v);
-  prefill_ws_mode();  // reads ATTNRT_PREFILL_WS now: a bad value fails the construction
+  // The prefill switches are read now, so that a bad value fails the construction, not a step.
+  prefill_ws_mode();
+  prefill_tma_enabled();
+  prefill_ws_persistent();
   for (const LayerSpec& l : ctx.model->layers) {
     if (!l.uses_kv_cache() || l.num_kv_heads <= 0) continue;
     const int g = l.num_q_heads / l.num_kv_heads;
@@ -219,8 +222,7 @@ void CudaBackend::forward_decode(const AttnArgs& args, const LayerSpec& layer,
 
 void CudaBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
                                  const ForwardBatch& batch) {
-  ATTNRT_CHECK(!is_decode_or_idle(batch.mode),
-               "cuda backend: forward_extend called for a {} batch",
+  ATTNRT_CHECK(!is_decode_or_idle(batch.mode), "cuda backend: forward_extend called for a {} batch",
                forward_mode_name(batch.mode));
   run(args, layer, batch);
 }
@@ -261,8 +263,8 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                layer.layer_id, hq, hkv);
   const int d = layer.head_dim, dv = layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
   const bool generic = !has_tensor_core_kernel(d, dv);
-  ATTNRT_CHECK(!generic || (d > 0 && dv > 0 && d % 8 == 0 && dv % 8 == 0 &&
-                            d <= kGenericMaxDim && dv <= kGenericMaxDim),
+  ATTNRT_CHECK(!generic || (d > 0 && dv > 0 && d % 8 == 0 && dv % 8 == 0 && d <= kGenericMaxDim &&
+                            dv <= kGenericMaxDim),
                "cuda backend: layer {} has head_dim {} / v_head_dim {}; the kernels take "
                "multiples of 8 up to {} (tensor cores for 64, 128, 256 with v_head_dim == "
                "head_dim; a generic kernel otherwise); use the cpu or reference backend for "
@@ -283,8 +285,9 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   const int64_t dev_tokens = graph_step_ ? plan.num_tokens : tokens;
   check_act("q", args.q, dev_tokens, hq, d);
   check_act("out", args.out, dev_tokens, hq, dv);
-  ATTNRT_CHECK(args.out.dtype == args.q.dtype, "cuda backend: out is {} but q is {}; they must match",
-               args.out.describe(), args.q.describe());
+  ATTNRT_CHECK(args.out.dtype == args.q.dtype,
+               "cuda backend: out is {} but q is {}; they must match", args.out.describe(),
+               args.q.describe());
   // MLA stores the latent k rows only (V is a view of them), so v may be left empty there.
   ATTNRT_CHECK(mla ? !(args.k.empty() && !args.v.empty()) : args.k.empty() == args.v.empty(),
                "cuda backend: k is {} but v is {}; pass both (store this step's K/V) or neither "
@@ -293,10 +296,11 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                args.v.empty() ? "empty" : args.v.describe(),
                mla ? "; an mla layer takes k alone too" : "");
   const bool on_device = is_device(args.q);
-  ATTNRT_CHECK(is_device(args.out) == on_device && (args.lse.empty() || is_device(args.lse) == on_device),
-               "cuda backend: q is {} but out is {}; q, out and lse must all be on the GPU or all "
-               "on the host",
-               args.q.describe(), args.out.describe());
+  ATTNRT_CHECK(
+      is_device(args.out) == on_device && (args.lse.empty() || is_device(args.lse) == on_device),
+      "cuda backend: q is {} but out is {}; q, out and lse must all be on the GPU or all "
+      "on the host",
+      args.q.describe(), args.out.describe());
   if (!args.lse.empty()) {
     ATTNRT_CHECK(args.lse.dtype == DType::f32 && args.lse.ndim == 2 &&
                      args.lse.shape[0] == dev_tokens && args.lse.shape[1] == hq &&
@@ -320,7 +324,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   // Whether the last work on the stream is now this step's KV-store kernels (the GPU cache on this
   // stream stored rows), which the attention kernel may overlap unless a copy comes between.
   bool stored = store && device_cache_ != nullptr && device_cache_->stream() == stream_ &&
-                      device_cache_->step_tokens() > 0;
+                device_cache_->step_tokens() > 0;
   const KVLayerView kv = cache.layer(layer.layer_id);
   ATTNRT_CHECK(kv.kv_heads == hkv && kv.head_dim == d && kv.v_head_dim == dv,
                "cuda backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer needs "
@@ -387,7 +391,8 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                        (args.lse.empty() || args.lse.is_contiguous()),
                    "cuda backend: host tensors must be contiguous (q {}, out {})",
                    args.q.describe(), args.out.describe());
-      ATTNRT_CUDA_CHECK(cudaMemcpyAsync(base, args.q.data, q_bytes, cudaMemcpyHostToDevice, stream_));
+      ATTNRT_CUDA_CHECK(
+          cudaMemcpyAsync(base, args.q.data, q_bytes, cudaMemcpyHostToDevice, stream_));
       q_ptr = base;
       o_ptr = base + o_off;
       if (lse_ptr != nullptr) lse_ptr = reinterpret_cast<float*>(base + l_off);
@@ -398,7 +403,8 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
       ls_tok = hq;
     }
     if (stage_sinks) {
-      ATTNRT_CUDA_CHECK(cudaMemcpyAsync(base + s_off, sinks, s_bytes, cudaMemcpyHostToDevice, stream_));
+      ATTNRT_CUDA_CHECK(
+          cudaMemcpyAsync(base + s_off, sinks, s_bytes, cudaMemcpyHostToDevice, stream_));
       sinks = reinterpret_cast<const float*>(base + s_off);
     }
   }
@@ -440,7 +446,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   p.v = v_ptr;
   p.k_row_stride = kv.k_row_stride;
   p.v_row_stride = kv.v_row_stride;
-  p.kv_kind = kv.dtype == DType::e4m3 ? KvKind::e4m3
+  p.kv_kind = kv.dtype == DType::e4m3   ? KvKind::e4m3
               : kv.dtype == DType::e5m2 ? KvKind::e5m2
                                         : KvKind::same_as_q;
   p.page_shift = plan.page_shift;
@@ -513,12 +519,15 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
     ATTNRT_CUDA_CHECK(launch_merge(mp, fp16, stream_, /*dependent=*/cls->num_items > 0));
   }
   if (!on_device) {
-    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(args.out.data, o_ptr, o_bytes, cudaMemcpyDeviceToHost, stream_));
+    ATTNRT_CUDA_CHECK(
+        cudaMemcpyAsync(args.out.data, o_ptr, o_bytes, cudaMemcpyDeviceToHost, stream_));
     if (lse_ptr != nullptr)
-      ATTNRT_CUDA_CHECK(cudaMemcpyAsync(args.lse.data, lse_ptr, l_bytes, cudaMemcpyDeviceToHost, stream_));
+      ATTNRT_CUDA_CHECK(
+          cudaMemcpyAsync(args.lse.data, lse_ptr, l_bytes, cudaMemcpyDeviceToHost, stream_));
   }
   if (!on_device || !cache_on_device) {
-    // Host outputs must be complete, and the host cache must not change under a pending mirror copy.
+    // Host outputs must be complete, and the host cache must not change under a pending mirror
+    // copy.
     ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
   }
 }
@@ -533,8 +542,8 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
   graph_max_tokens_ = max_num_tokens;
   const PlannerConfig& cfg = planner_->config();
   const int per_req = std::max(1, max_num_tokens / max_bs);
-  const int pages = static_cast<int>(ceil_div(ctx_.req_to_token->max_context_len(),
-                                              ctx_.kv_cache->page_size()));
+  const int pages =
+      static_cast<int>(ceil_div(ctx_.req_to_token->max_context_len(), ctx_.kv_cache->page_size()));
   GraphLayout& gl = graph_layout_;
   gl.max_bs = max_bs;
   gl.reqs_cap = static_cast<size_t>(max_bs);
@@ -583,8 +592,8 @@ void CudaBackend::init_forward_metadata_replay_cuda_graph(int bs, int raw_bs,
                                                           const ForwardBatch& batch) {
   ATTNRT_CHECK(graph_ready_, "cuda backend: replay before init_cuda_graph_state");
   ATTNRT_CHECK(batch.batch_size == raw_bs || batch.batch_size == bs,
-               "cuda backend: replay with raw_bs {} padded to {} got a batch of {} requests", raw_bs,
-               bs, batch.batch_size);
+               "cuda backend: replay with raw_bs {} padded to {} got a batch of {} requests",
+               raw_bs, bs, batch.batch_size);
   graph_replay_ = true;
   build_plan(batch, bs, /*graph=*/true);
 }

@@ -39,6 +39,9 @@ void set_prefill_ws_mode(int mode);
 // 0 = the cp.async producer everywhere), read once at the first prefill launch unless
 // set_prefill_tma chose first.
 bool prefill_tma_enabled();
+// Persistent warp-specialised CTAs where a step has enough units (ATTNRT_PREFILL_WS_PERSISTENT,
+// default 1, read once).
+bool prefill_ws_persistent();
 void set_prefill_tma(bool on);
 // Host checks of a launch of launch_prefill_ws (no driver call): 16-bit KV without an SWA slot
 // map (its slots are not contiguous within a page), pages of at least 8 slots, p.kv_rows known and

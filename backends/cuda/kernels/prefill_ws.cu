@@ -101,16 +101,6 @@ std::optional<WsTensorMaps> ws_tensor_maps(const AttnParams& p, int head_dim, in
   return maps;
 }
 
-// Persistent CTAs (one per SM, walking the units) unless ATTNRT_PREFILL_WS_PERSISTENT=0 (one CTA
-// per unit), read once.
-bool persistent() {
-  static const bool on = env_integer("ATTNRT_PREFILL_WS_PERSISTENT", 0, 1, "cuda backend",
-                                     "1 (one CTA per SM walks the work items) or 0 (one CTA per "
-                                     "work item)")
-                             .value_or(1) != 0;
-  return on;
-}
-
 // The tensor maps of the TMA producer for this launch, or nullopt: the cp.async producer.
 std::optional<WsTensorMaps> tma_maps(const AttnParams& p, int head_dim, bool fp16, bool ping_pong) {
   if (!prefill_tma_enabled() || !prefill_tma_applies(p, head_dim, ping_pong)) return std::nullopt;
@@ -126,9 +116,11 @@ cudaError_t launch_prefill_ws_t(const AttnParams& p, bool fp16, int num_items,
   using Cfg = PrefillWsCfg<D, PP>;
   if constexpr (has_tma_variant(D, PP)) {
     if (const auto maps = tma_maps(p, D, fp16, PP))
-      return launch_prefill_ws_cfg<T, Cfg, true>(p, *maps, num_items, persistent(), stream);
+      return launch_prefill_ws_cfg<T, Cfg, true>(p, *maps, num_items, prefill_ws_persistent(),
+                                                 stream);
   }
-  return launch_prefill_ws_cfg<T, Cfg, false>(p, WsTensorMaps{}, num_items, persistent(), stream);
+  return launch_prefill_ws_cfg<T, Cfg, false>(p, WsTensorMaps{}, num_items, prefill_ws_persistent(),
+                                              stream);
 }
 
 template <int D, bool PP>
@@ -163,6 +155,14 @@ int prefill_ws_mode() {
 
 void set_prefill_ws_mode(int mode) {
   g_prefill_ws.store(mode >= kWsAuto && mode <= 2 ? mode : kWsAuto);
+}
+
+bool prefill_ws_persistent() {
+  static const bool on = env_integer("ATTNRT_PREFILL_WS_PERSISTENT", 0, 1, "cuda backend",
+                                     "1 (one CTA per SM walks the work items) or 0 (one CTA per "
+                                     "work item)")
+                             .value_or(1) != 0;
+  return on;
 }
 
 bool prefill_tma_enabled() {
