@@ -1,9 +1,10 @@
-// Warp-specialised variant of the 128-row prefill CTA (prefill.cuh), sm_90a: a producer
-// warpgroup issues every copy, two consumer warpgroups only compute. Selected at run time by
-// ATTNRT_PREFILL_WS=1 or 2 (prefill.cu) so that both CTAs can be measured in one binary; it serves
-// exactly the launches of launch_prefill (TileShape::prefill work items, 16-bit K/V, head dims
-// 64 / 128 / 256) with the same work list, key ranges, masks, softcap, sinks, splits, partials
-// and lse as prefill_kernel.
+// Warp-specialised variant of the 128-row prefill CTA (prefill.cuh), sm_90a, and the default for
+// every launch_prefill (prefill.cu; ATTNRT_PREFILL_WS=0 takes prefill_kernel): a producer
+// warpgroup issues every copy (TMA tensor-map copies of whole pages where they apply, else
+// cp.async), two consumer warpgroups only compute; persistent CTAs walk the step's units. It
+// serves exactly the launches of launch_prefill (TileShape::prefill work items, 16-bit K/V, head
+// dims 64 / 128 / 256) with the same work list, key ranges, masks, softcap, sinks, splits,
+// partials and lse as prefill_kernel.
 //
 // Roles (384 threads, one CTA per SM):
 //  - warpgroup 0, the producer (setmaxnreg down to kProducerRegs): loads Q, then for every tile
