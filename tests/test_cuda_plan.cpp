@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <tuple>
@@ -158,6 +159,10 @@ std::vector<int32_t> expected_splits(const PlannerConfig& cfg, size_t c, TileSha
   const int64_t bn = cfg.head_dims[c] > 128 ? 32 : 64;
   const int64_t s_max = std::min<int64_t>(
       {64, std::max<int64_t>(1, max_len / 256), base * heads >= cap ? 4 : 64});
+  int64_t tokens = 0;
+  for (int i = 0; i < bs; ++i) tokens += e.qlen[i];
+  const double merge = 2.0 + static_cast<double>(cdiv(tokens * cfg.groups[c] * heads,
+                                                      int64_t{cfg.sm_count} * 8));
   double best_cost = 0;
   int64_t best_chunk = 0;
   for (int64_t s = 1; s <= s_max; ++s) {
@@ -165,9 +170,10 @@ std::vector<int32_t> expected_splits(const PlannerConfig& cfg, size_t c, TileSha
     if (s > 1 && chunk == best_chunk) continue;
     int64_t ctas = 0;
     for (int i = 0; i < bs; ++i) ctas += tiles[i] * cdiv(kv(i), chunk) * heads;
-    const double cost =
-        static_cast<double>(cdiv(ctas, cap)) * (static_cast<double>(chunk / bn) + 1.0) +
-        (s > 1 ? 1.0 : 0.0);
+    const double waves = static_cast<double>(ctas) / static_cast<double>(cap);
+    const double cost = (waves + 0.5 * (std::ceil(waves) - waves)) *
+                            (static_cast<double>(chunk / bn) + 1.0) +
+                        (s > 1 ? merge : 0.0);
     if (s == 1 || cost < best_cost) {
       best_cost = cost;
       best_chunk = chunk;

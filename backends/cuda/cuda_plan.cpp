@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -238,9 +239,16 @@ struct CeilDiv {
 }  // namespace
 
 // Splits of the decode / verify shapes: the count whose CTA waves over the resident slots
-// (SMs x CTAs per SM) finish first, modelling a CTA as its key tiles plus one tile of start-up
-// and a split step as one tile of merge. Filling all slots in one wave beats a few more splits
-// that spill into a second, mostly empty wave. Returns the key chunk of a split.
+// (SMs x CTAs per SM) finish first, modelling a CTA as its key tiles plus one tile of start-up,
+// the last, partly filled wave at half its empty slots (the CTAs left in it stream faster: they
+// are memory-bound and keep several tiles in flight), and a split step as its merge: two tiles
+// plus one per wave of the merge's (query token, q head) rows at 8 per SM. Filling all slots in
+// one wave beats a few more splits that spill into a second, mostly empty wave; at large batches
+// the merge outweighs the tail. Measured on the H200 (ATTNRT_KV_CHUNK sweep, docs/BENCHMARKS.md):
+// 256 x 2048 ran 541 us on 2 or 4 splits and 517 us on 1 (the model before this one, which
+// counted every wave whole and a merge as one tile, chose 2); 64 x 4096 270 us on 3 splits
+// against 279 / 328 us on 2 / 1, 128 x 8192 999 us on 3 against 1026 us on 1. Returns the key
+// chunk of a split.
 uint32_t HostPlanner::choose_chunk(size_t c, int bs, int64_t cap, int64_t base) {
   const int bn = config_.head_dims[c] > 128 ? 32 : 64;  // key tile of the decode and verify shapes
   const int64_t heads = config_.num_kv_heads_max;
@@ -270,13 +278,16 @@ uint32_t HostPlanner::choose_chunk(size_t c, int bs, int64_t cap, int64_t base) 
       for (int s = 0; s < s_max; ++s) ctas[s] += t * div[s](kv[i]);
     }
   }
+  const int64_t merge_rows = int64_t{stats_.tokens} * config_.groups[c] * heads;
+  const double merge =
+      2.0 + static_cast<double>(ceil_div(merge_rows, int64_t{config_.sm_count} * 8));
   // The cheapest candidate; a later one must be strictly cheaper.
   double best_cost = 0;
   uint32_t best_chunk = 0;
   for (int s = 0; s < s_max; ++s) {
-    const int64_t all = ctas[s] * heads;
-    const double cost = static_cast<double>((all + cap - 1) / cap) * (chunks[s] / bn + 1.0) +
-                        (s > 0 ? 1.0 : 0.0);
+    const double waves = static_cast<double>(ctas[s] * heads) / static_cast<double>(cap);
+    const double tail = std::ceil(waves) - waves;
+    const double cost = (waves + 0.5 * tail) * (chunks[s] / bn + 1.0) + (s > 0 ? merge : 0.0);
     if (s == 0 || cost < best_cost) {
       best_cost = cost;
       best_chunk = chunks[s];
