@@ -45,7 +45,7 @@ deadline=$(($(date +%s) + ${ATTNRT_GPU_DEADLINE:-560}))
 if [ -f .devdeps/unpack-debs.sh ]; then source .devdeps/unpack-debs.sh >/dev/null; fi
 cli="$build/attnrt"
 tests="$build/attnrt_cuda_tests"
-memcheck_tests=${ATTNRT_MEMCHECK_TESTS:-'CudaBackendTest.*:CudaPrefillTest.*:CudaGraphRuntime.*:CudaKVCacheRows.*:*CudaSwa*:*CudaLinear*:*Generic*:*Mla*'}
+memcheck_tests=${ATTNRT_MEMCHECK_TESTS:-'CudaBackendTest.*:CudaPrefill*:CudaGraphRuntime.*:CudaKVCacheRows.*:*CudaSwa*:*CudaLinear*:*Generic*:*Mla*'}
 
 # check, run and memcheck log to files of their own here (each stage's figures are read from its
 # log alone); summary() appends them to tests.log, as $OUT may hold 8 files.
