@@ -124,7 +124,9 @@ std::vector<int32_t> expected_splits(const PlannerConfig& cfg, size_t c, TileSha
     const bool verify = is_target_verify(st.batch.mode);
     const int pad_q = verify && st.batch.spec_info ? st.batch.spec_info->draft_token_num : 1;
     const int64_t t = cdiv(int64_t{pad_q} * cfg.groups[c], cuda::tile_rows(shape));
-    const int64_t s = std::clamp<int64_t>(cdiv(int64_t{cfg.sm_count} * 4, bs * t * heads), 1, 64);
+    // As many splits as fit one wave of the class's resident CTAs, at least 1.
+    const int64_t cap = int64_t{cfg.sm_count} * cfg.occupancy[c][static_cast<int>(shape)];
+    const int64_t s = std::clamp<int64_t>(cap / (bs * t * heads), 1, 64);
     std::fill(splits.begin(), splits.end(), static_cast<int32_t>(s));
     return splits;
   }

@@ -553,11 +553,11 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
   // Decode steps (one token per request) are captured beside verify steps of per_req tokens;
   // fewer rows per request mean more splits, so both shapes size the buffers.
   for (int tokens : {1, per_req}) {
-    for (int g : cfg.groups) {
-      const TileShape shape = choose_shape(tokens, g);
-      const int64_t tiles = ceil_div(int64_t{tokens} * g, tile_rows(shape));
+    for (size_t c = 0; c < cfg.groups.size(); ++c) {
+      const TileShape shape = choose_shape(tokens, cfg.groups[c]);
+      const int64_t tiles = ceil_div(int64_t{tokens} * cfg.groups[c], tile_rows(shape));
       for (int bs = 1; bs <= max_bs; ++bs) {
-        const int s = graph_splits(cfg, g, shape, bs, tokens);
+        const int s = graph_splits(cfg, c, shape, bs, tokens);
         gl.work_cap = std::max<size_t>(gl.work_cap, static_cast<size_t>(bs * tiles * s));
         if (s > 1) part_rows = std::max<int64_t>(part_rows, int64_t{bs} * s * tokens);
       }

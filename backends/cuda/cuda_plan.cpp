@@ -32,11 +32,17 @@ TileShape choose_shape(int max_qlen, int group) {
                       : TileShape::prefill;
 }
 
-int graph_splits(const PlannerConfig& cfg, int group, TileShape shape, int bs, int tokens_per_req) {
-  const int64_t tiles = ceil_div(int64_t{tokens_per_req} * group, tile_rows(shape));
+// The lengths of a graph's replays are unknown at capture, so this is choose_chunk's wave model
+// for requests long enough that a CTA's start-up and the merge do not count: s splits of a
+// request cost (s w + 0.5 (ceil(s w) - s w)) / s of its unsplit stream, w = the unsplit CTAs per
+// resident slot, which is least at the most splits whose CTAs still fit one wave. (One more
+// split, as in "fill the GPU at least once", starts a second wave: on the H200, 64 x 1024 at four
+// CTAs per SM, 2 splits instead of 1 made the graph's 32-layer step 8% slower than eager.)
+int graph_splits(const PlannerConfig& cfg, size_t c, TileShape shape, int bs, int tokens_per_req) {
+  const int64_t tiles = ceil_div(int64_t{tokens_per_req} * cfg.groups[c], tile_rows(shape));
   const int64_t base = int64_t{bs} * tiles * cfg.num_kv_heads_max;
-  return static_cast<int>(
-      std::clamp<int64_t>(ceil_div(int64_t{cfg.sm_count} * kCtasPerSm, base), 1, kMaxSplits));
+  const int64_t cap = int64_t{cfg.sm_count} * cfg.occupancy[c][static_cast<int>(shape)];
+  return static_cast<int>(std::clamp<int64_t>(cap / std::max<int64_t>(base, 1), 1, kMaxSplits));
 }
 
 HostPlanner::HostPlanner(PlannerConfig config) : config_(std::move(config)) {
@@ -247,8 +253,8 @@ struct CeilDiv {
 // the merge outweighs the tail. Measured on the H200 (ATTNRT_KV_CHUNK sweep, docs/BENCHMARKS.md):
 // 256 x 2048 ran 541 us on 2 or 4 splits and 517 us on 1 (the model before this one, which
 // counted every wave whole and a merge as one tile, chose 2); 64 x 4096 270 us on 3 splits
-// against 279 / 328 us on 2 / 1, 128 x 8192 999 us on 3 against 1026 us on 1. Returns the key
-// chunk of a split.
+// against 279 / 328 us on 2 / 1, 128 x 8192 999 us on 3 against 1026 us on 1 (all at three CTAs
+// per SM; at four, 64 x 4096 fits one wave unsplit: 263 us). Returns the key chunk of a split.
 uint32_t HostPlanner::choose_chunk(size_t c, int bs, int64_t cap, int64_t base) {
   const int bn = config_.head_dims[c] > 128 ? 32 : 64;  // key tile of the decode and verify shapes
   const int64_t heads = config_.num_kv_heads_max;
@@ -329,7 +335,7 @@ void HostPlanner::plan_class(size_t c, int bs) {
   int32_t uniform = 1;
   uint32_t chunk = 0;
   if (graph_ != nullptr) {
-    uniform = graph_splits(config_, cp.group, cp.shape, bs, pad_qlen_);
+    uniform = graph_splits(config_, c, cp.shape, bs, pad_qlen_);
   } else if (config_.deterministic) {
     if (cp.shape == TileShape::decode || cp.shape == TileShape::decode32)
       chunk = kDeterministicChunk;

@@ -76,9 +76,9 @@ struct GraphLayout {
   size_t meta_bytes = 0;                            // size of the graph metadata buffer
 };
 
-// Split counts every request of a graph step gets (they depend on the batch size only, so that a
-// captured graph stays valid for any lengths).
-int graph_splits(const PlannerConfig& cfg, int group, TileShape shape, int bs, int tokens_per_req);
+// Split counts every request of layer class `c` gets in a graph step (they depend on the batch
+// size only, so that a captured graph stays valid for any lengths).
+int graph_splits(const PlannerConfig& cfg, size_t c, TileShape shape, int bs, int tokens_per_req);
 
 class HostPlanner {
  public:

@@ -7,10 +7,12 @@
 // instead of 8. S^T's accumulator holds keys on the group index and rows on the quad index, the B
 // fragment P^T needs the opposite: two movmatrix transposes per 16 keys.
 //
-// Everything else is the decode CTA's: 4 warps, each taking 16 keys of a 64-key tile; paged key
-// slots resolved one tile ahead; the cp.async pipeline (fp8 four stages, 16-bit two); splits and
-// the (O, lse) partials the merge kernel reads; k/v scales, softcap, sinks, sliding window, causal
-// and tree masks; the PDL wait before the first K/V load; the row-table write-back.
+// 4 warps, each taking 16 keys of every 64-key tile; a warp reads only its own keys' K and V rows.
+// 16-bit KV: each warp runs its own pipeline (WarpRing below: warp barriers only in the key loop).
+// fp8 KV: the CTA loads whole tiles through shared stages (CtaStages). Everything else is the
+// decode CTA's: splits and the (O, lse) partials the merge kernel reads; k/v scales, softcap,
+// sinks, sliding window, causal and tree masks; the PDL wait before the first K/V load; the
+// row-table write-back.
 //
 // fp8 KV runs the MMAs in f16 whatever the activations: e4m3 -> f16 is one hardware conversion per
 // pair and e5m2 is the upper byte of an f16 (exact both ways), where bf16 would need a shift and
@@ -38,24 +40,32 @@ struct KeysMConfig {
   static constexpr int kBN = 64;   // keys per tile
   static constexpr int kKW = kBN / kWarps;
   static constexpr bool kFp8 = FP8;
-  // fp8: three stages (52 KB of shared memory, at most 128 registers: four CTAs per SM, whose occupancy
-  // the plan's splits are sized for; four stages held three: H200, fp8 e4m3 decode 64x4096 181 ->
-  // 167 us with the plan still sized for three).
-  static constexpr int kStages = FP8 ? 3 : 2;
-  // The register cap that lets those four CTAs in (__launch_bounds__; 0 = none: 16-bit KV is held
-  // to three CTAs by its shared memory).
-  static constexpr int kMinBlocks = FP8 ? 4 : 0;
+  // 16-bit KV: the per-warp ring of WarpRing, 3 chunks (one tile in flight), 48 KB of shared
+  // memory at head dim 128, so that four CTAs fit an SM (the plan's splits are sized for the
+  // occupancy of the CTA that runs). H200, bf16 decode 64x4096: 270 us on two whole-tile stages
+  // shared by the CTA (67 KB, three CTAs per SM, 3 splits and their merge), 263 us on the ring
+  // (one split). fp8 KV: three whole-tile stages shared by the CTA (48 KB); fp8 on a per-warp
+  // ring of 6 chunks was 10% slower (64x4096 152 -> 168 us).
+  static constexpr bool kWarpRing = !FP8;
+  static constexpr int kRing = 3;
+  static constexpr int kStages = 3;
+  // WarpRing: tiles whose slots are resolved before their first chunk is issued (a tile's slots
+  // are written at the end of tile t - kAhead and first read by the issue of its K chunk,
+  // kRing - 1 chunks ahead of its use), in a ring of kSlotTiles per warp.
+  static constexpr int kAhead = (kRing + 2) / 2;
+  static constexpr int kSlotTiles = 4;
+  static constexpr int kMinBlocks = 4;  // 128 registers
   static constexpr int kElem = FP8 ? 1 : 2;
-  static constexpr int kLoadChunks = D * kElem / 16;
+  static constexpr int kLoadChunks = D * kElem / 16;  // 16-byte pieces of a key's row
   static constexpr int kQBytes = kCols * D * 2;
-  static constexpr int kTileBytes = kBN * D * kElem;
-  static constexpr int kKVBytes = 2 * kStages * kTileBytes;
+  static constexpr int kTileBytes = kBN * D * kElem;  // K or V of 64 keys, 16 per warp
+  static constexpr int kKVBytes = (kWarpRing ? kRing : 2 * kStages) * kTileBytes;
   static constexpr int kMergeStride = D + 4;  // floats per merged row (spreads the banks)
   static constexpr int kMergeBytes = kWarps * kCols * (kMergeStride + 2) * 4;
   static constexpr int kKVRegion = kKVBytes > kMergeBytes ? kKVBytes : kMergeBytes;
-  static constexpr int kSlotBytes = kStages * kBN * 8;
+  static constexpr int kSlotBytes = (kWarpRing ? kWarps * kSlotTiles * kKW : kStages * kBN) * 8;
   static constexpr int kSmemBytes = kQBytes + kKVRegion + kSlotBytes;
-  static_assert(kKW == 16 && (kBN * kLoadChunks) % kThreads == 0);
+  static_assert(kKW == 16 && (kKW * kLoadChunks) % 32 == 0 && kAhead <= kSlotTiles);
 };
 
 // Four fp8 bytes -> two registers of two f16 values (bytes 0, 1 -> lo; 2, 3 -> hi), exactly.
@@ -82,21 +92,187 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return y;
 }
 
+// Issues warp `warp`'s cp.async loads of the K (V_ROWS false) or V rows of its 16 keys of one tile
+// into ring entry `dst` (64 rows; the warp's are 16 warp ..): pool slots slots[0 .. 16), -1 = no
+// key (zero-filled), KV head `kvh`. 16-bit rows are swizzled; fp8 K chunks are placed by
+// fp8_k_chunk, V chunks by keys_m_v_chunk (paged_kv.cuh).
+template <typename Cfg, bool V_ROWS>
+__device__ __forceinline__ void load_keys_m_rows(const AttnParams& p, const int64_t* slots,
+                                                 unsigned char* dst, int kvh, int warp,
+                                                 int lane) {
+  constexpr int D = Cfg::kHeadDim, LC = Cfg::kLoadChunks, KW = Cfg::kKW;
+  const unsigned char* base = static_cast<const unsigned char*>(V_ROWS ? p.v : p.k);
+  const int64_t row_stride = V_ROWS ? p.v_row_stride : p.k_row_stride;
+#pragma unroll
+  for (int n = 0; n < KW * LC / 32; ++n) {
+    const int i = lane + 32 * n;
+    const int kl = i / LC, c = i % LC;
+    const int key = warp * KW + kl;
+    const int64_t s = slots[kl];
+    const bool valid = s >= 0;
+    const unsigned char* src = base;
+    if (valid) src += (s * row_stride + kvh * D) * Cfg::kElem + c * 16;
+    int dc;
+    if constexpr (!Cfg::kFp8) {
+      dc = swz(key, c);
+    } else if constexpr (V_ROWS) {
+      dc = keys_m_v_chunk<D>(key, c);
+    } else {
+      dc = fp8_k_chunk<D>(key, c);
+    }
+    cp_async_16(dst + key * D * Cfg::kElem + dc * 16, src, valid);
+  }
+}
+
+// The CTA's K/V pipelines. Both give: prologue() (first slots and loads), k_tile(it) (waits for
+// tile it's K rows, returns their ring entry), v_tile(it) (the same for V), end_tile(it) and
+// finish() (the ring is free for the merge).
+//
+// WarpRing: warp w streams the K and V rows of its 16 keys of every tile through a ring of
+// kRing entries of its own (chunk c of its stream: the K rows, c even, or V rows, c odd, of tile
+// c / 2, in entry c % kRing), kRing - 1 chunks in flight, each issue one cp.async group; it
+// resolves its keys' pool slots kAhead tiles ahead.
+template <typename Cfg>
+struct WarpRing {
+  static constexpr int R = Cfg::kRing, AH = Cfg::kAhead, SLOTS = Cfg::kSlotTiles;
+  static constexpr int KW = Cfg::kKW, BN = Cfg::kBN, TILE = Cfg::kTileBytes;
+  const AttnParams& p;
+  const ReqInfo& req;
+  const KeyRange kr;
+  const int num_tiles, page_mask, kvh, warp, lane;
+  unsigned char* const kv;
+  int64_t* const slot;  // this warp's: tile t's at slot[(t % SLOTS) * KW + key - 16 warp]
+  bool prefetch = false;
+  int pf_j = 0;
+  int32_t pf_page = 0;
+
+  __device__ WarpRing(const AttnParams& p_, const ReqInfo& req_, KeyRange kr_, int num_tiles_,
+                      int page_mask_, int kvh_, int tid, unsigned char* kv_, int64_t* slots)
+      : p(p_), req(req_), kr(kr_), num_tiles(num_tiles_), page_mask(page_mask_), kvh(kvh_),
+        warp(tid >> 5), lane(tid & 31), kv(kv_), slot(slots + (tid >> 5) * SLOTS * KW) {}
+
+  // Lane `lane` (< KW): its key in tile t.
+  __device__ int key_of(int t) const { return kr.lo + t * BN + warp * KW + lane; }
+  __device__ void issue(int c) {
+    if (c < 2 * num_tiles) {
+      const int64_t* slots = slot + ((c >> 1) % SLOTS) * KW;
+      unsigned char* dst = kv + (c % R) * TILE;
+      if (c & 1) {
+        load_keys_m_rows<Cfg, true>(p, slots, dst, kvh, warp, lane);
+      } else {
+        load_keys_m_rows<Cfg, false>(p, slots, dst, kvh, warp, lane);
+      }
+    }
+    cp_async_commit();
+  }
+  __device__ void prologue() {
+    if (lane < KW) {
+      for (int t = 0; t < AH && t < num_tiles; ++t) {
+        const int j = key_of(t);
+        slot[(t % SLOTS) * KW + lane] =
+            j < kr.hi ? slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j) : -1;
+      }
+    }
+    __syncwarp();
+    for (int c = 0; c < R - 1; ++c) issue(c);  // the first group also completes Q
+  }
+  // Chunk 2 it is read; chunk 2 it + R - 1 goes into the entry the last V phase freed.
+  __device__ const unsigned char* k_tile(int it) {
+    issue(2 * it + R - 1);
+    prefetch = it + AH < num_tiles && lane < KW;
+    pf_j = key_of(it + AH);
+    pf_page = prefetch && pf_j < kr.hi ? page_id(p, req, pf_j >> p.page_shift) : 0;
+    cp_async_wait<R - 1>();
+    __syncwarp();
+    if (it == 0) __syncthreads();  // every thread's Q copies (in its first group) have landed
+    return kv + ((2 * it) % R) * TILE;
+  }
+  // Chunk 2 it + 1 is read; the K entry just read takes chunk 2 it + R.
+  __device__ const unsigned char* v_tile(int it) {
+    __syncwarp();
+    issue(2 * it + R);
+    cp_async_wait<R - 1>();
+    __syncwarp();
+    return kv + ((2 * it + 1) % R) * TILE;
+  }
+  __device__ void end_tile(int it) {
+    if (prefetch) {
+      slot[((it + AH) % SLOTS) * KW + lane] =
+          pf_j < kr.hi ? slot_of_page(p, page_mask, pf_page, pf_j) : -1;
+    }
+    __syncwarp();  // the V entry is read and the slots written before the next issue
+  }
+  __device__ void finish() {
+    cp_async_wait<0>();
+    __syncthreads();
+  }
+};
+
+// CtaStages: kStages stages of whole tiles (K and V of 64 keys) loaded by all threads
+// (paged_kv.cuh's load_kv_tile), slots resolved one tile ahead.
+template <typename Cfg>
+struct CtaStages {
+  static constexpr int ST = Cfg::kStages, BN = Cfg::kBN, TILE = Cfg::kTileBytes;
+  const AttnParams& p;
+  const ReqInfo& req;
+  const KeyRange kr;
+  const int num_tiles, page_mask, kvh, tid;
+  unsigned char* const sK;  // stage s at sK + s * TILE, V after the K stages
+  int64_t* const sSlot;     // [ST][BN], -1 = no key
+  bool prefetch = false;
+  int pf_j = 0;
+  int32_t pf_page = 0;
+
+  __device__ CtaStages(const AttnParams& p_, const ReqInfo& req_, KeyRange kr_, int num_tiles_,
+                       int page_mask_, int kvh_, int tid_, unsigned char* kv, int64_t* slots)
+      : p(p_), req(req_), kr(kr_), num_tiles(num_tiles_), page_mask(page_mask_), kvh(kvh_),
+        tid(tid_), sK(kv), sSlot(slots) {}
+
+  __device__ void load(int t) {
+    load_kv_tile<Cfg, Fp8VPlacement::keys_m>(p, t, sSlot, sK, sK + ST * TILE, kvh, tid);
+  }
+  __device__ void prologue() {
+    resolve_first_slots<Cfg>(p, req, kr, num_tiles, page_mask, sSlot, tid);
+    __syncthreads();
+    for (int i = 0; i < ST - 1; ++i) {
+      if (i < num_tiles) load(i);
+      cp_async_commit();
+    }
+  }
+  __device__ const unsigned char* k_tile(int it) {
+    if (it + ST - 1 < num_tiles) load(it + ST - 1);
+    cp_async_commit();
+    prefetch = it + ST < num_tiles && tid < BN;
+    pf_j = kr.lo + (it + ST) * BN + tid;
+    pf_page = prefetch && pf_j < kr.hi ? page_id(p, req, pf_j >> p.page_shift) : 0;
+    cp_async_wait<ST - 1>();
+    __syncthreads();
+    return sK + (it % ST) * TILE;
+  }
+  __device__ const unsigned char* v_tile(int it) { return sK + (ST + it % ST) * TILE; }
+  __device__ void end_tile(int it) {
+    if (prefetch) {
+      sSlot[((it + ST) % ST) * BN + tid] =
+          pf_j < kr.hi ? slot_of_page(p, page_mask, pf_page, pf_j) : -1;
+    }
+    __syncthreads();
+  }
+  __device__ void finish() { cp_async_wait<0>(); }
+};
+
 // E5M2: the fp8 kind (fp8 KV only).
 template <typename T, typename Cfg, bool E5M2>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_kernel(const AttnParams p) {
   constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, COLS = Cfg::kCols, KW = Cfg::kKW;
-  constexpr int CH = D / 8, NT = Cfg::kThreads, ST = Cfg::kStages;
-  constexpr int TILE = Cfg::kTileBytes, MS = Cfg::kMergeStride;
+  constexpr int CH = D / 8, NT = Cfg::kThreads;
+  constexpr int MS = Cfg::kMergeStride;
   constexpr bool FP8 = Cfg::kFp8;
   using C = std::conditional_t<FP8, __half, T>;                      // MMA operand type
   constexpr bool kQScale = FP8 && std::is_same_v<T, __nv_bfloat16>;  // bf16 Q scaled into f16
   extern __shared__ __align__(128) unsigned char smem[];
   T* sQ = reinterpret_cast<T*>(smem);
   unsigned char* kv = smem + Cfg::kQBytes;
-  unsigned char* sK = kv;  // stage s at sK + s * TILE
-  unsigned char* sV = kv + ST * TILE;
-  int64_t* sSlot = reinterpret_cast<int64_t*>(kv + Cfg::kKVRegion);  // [ST][BN], -1 = no key
+  int64_t* slots = reinterpret_cast<int64_t*>(kv + Cfg::kKVRegion);  // the pipeline's
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, c4 = lane & 3;
@@ -127,17 +303,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
 
   write_back_committed_pages(p, req, item, kvh, tid, NT);
 
-  auto load_tile = [&](int t) {
-    load_kv_tile<Cfg, Fp8VPlacement::keys_m>(p, t, sSlot, sK, sV, kvh, tid);
-  };
-
   const int num_tiles = kr.hi > kr.lo ? ceil_div_i(kr.hi - kr.lo, BN) : 0;
-  resolve_first_slots<Cfg>(p, req, kr, num_tiles, page_mask, sSlot, tid);
-  __syncthreads();
-  for (int i = 0; i < ST - 1; ++i) {
-    if (i < num_tiles) load_tile(i);
-    cp_async_commit();
-  }
+  using Pipe = std::conditional_t<Cfg::kWarpRing, WarpRing<Cfg>, CtaStages<Cfg>>;
+  Pipe pipe(p, req, kr, num_tiles, page_mask, kvh, tid, kv, slots);
+  pipe.prologue();
 
   // Per-thread query rows (columns of S^T): 2 c4 and 2 c4 + 1.
   int row_t[2];
@@ -164,16 +333,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   // Per row 2 c4 + h: the factor undoing its Q scale in the logits (1 unless kQScale).
   float col_unit[2] = {1.f, 1.f};
   for (int it = 0; it < num_tiles; ++it) {
-    const int stage = it % ST;
     const int kb = kr.lo + it * BN;
-    if (it + ST - 1 < num_tiles) load_tile(it + ST - 1);
-    cp_async_commit();
-    const bool prefetch = it + ST < num_tiles && tid < BN;
-    const int pf_j = kb + ST * BN + tid;
-    int32_t pf_page = 0;
-    if (prefetch && pf_j < kr.hi) pf_page = page_id(p, req, pf_j >> p.page_shift);
-    cp_async_wait<ST - 1>();
-    __syncthreads();
+    const unsigned char* tK = pipe.k_tile(it);
     if (it == 0) {
       if constexpr (FP8) {
         // Logical k-step kk of thread c4 covers dims P .. P + 3,
@@ -232,8 +393,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
         }
       }
     }
-    const unsigned char* tK = sK + stage * TILE;
-    const unsigned char* tV = sV + stage * TILE;
     const int kw0 = kb + warp * KW;  // first key of this warp
 
     // S^T = K Q^T for the warp's 16 keys; two accumulator chains (even / odd k-steps).
@@ -342,6 +501,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
     // P^T as the B operand: keys 2 c4, 2 c4 + 1 (b0) and 2 c4 + 8, 2 c4 + 9 (b1) of row g.
     const uint32_t pb0 = movmatrix_trans(pack2<C>(s[0], s[1]));
     const uint32_t pb1 = movmatrix_trans(pack2<C>(s[2], s[3]));
+    const unsigned char* tV = pipe.v_tile(it);
 
     // O^T += V^T P^T.
     if constexpr (FP8) {
@@ -391,13 +551,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
         mma_16816<T>(o[dp], a, pb0, pb1);
       }
     }
-    if (prefetch) {
-      sSlot[((it + ST) % ST) * BN + tid] =
-          pf_j < kr.hi ? slot_of_page(p, page_mask, pf_page, pf_j) : -1;
-    }
-    __syncthreads();
+    pipe.end_tile(it);
   }
-  cp_async_wait<0>();
+  pipe.finish();  // the K/V region is free for the merge below
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
