@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# A/B timing of prebuilt binaries on the GPU machine, in one call: `attnrt bench` over the same rows
+# with each binary in turn, ROUNDS rounds in the same order (a b c a b c), then bench/ab.py's table.
+# The binaries come from scripts/gpu_prebuild_refs.sh (or gpu_prebuild.sh): DIR/bin.tar.xz each,
+# carried with .devdeps. The first DIR is the base of the ratios.
+#   usage: scripts/gpu_ab.sh ROWS DIR [DIR...]
+#          ROWS: attnrt bench --workload value (e.g. decode-64x4096,decode-64x4096-fp8)
+# Environment: ROUNDS (default 2); AB_SUITE (attention|linear, default attention); AB_ENV
+# ("VAR=value ..." set for every bench run, e.g. ATTNRT_BENCH_FLUSH=clean); AB_DEADLINE seconds
+# (default 540: a run that would start with less than 45 s left is skipped and says so);
+# AB_TESTS, a gtest filter run with each binary's attnrt_cuda_tests before the timing (default
+# none). Files in $OUT (default ./out/ab): LABEL_rN.json per run (LABEL = the DIR's name without
+# a leading ".gpubin-"), tests_LABEL.log, ab.txt (the table, also printed last).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -lt 2 ]; then
+  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  exit 2
+fi
+rows=$1
+shift
+out=${OUT:-$PWD/out/ab}
+mkdir -p "$out"
+deadline=$(($(date +%s) + ${AB_DEADLINE:-540}))
+if [ -f .devdeps/unpack-debs.sh ]; then source .devdeps/unpack-debs.sh >/dev/null; fi
+labels=()
+for dir in "$@"; do
+  label=$(basename "$dir")
+  label=${label#.gpubin-}
+  label=${label#.}
+  bin=/tmp/ab-bin/$label
+  mkdir -p "$bin"
+  if ! tar -C "$bin" -xJf "$dir/bin.tar.xz" || [ ! -x "$bin/attnrt" ]; then
+    echo "gpu_ab: $dir/bin.tar.xz does not hold an attnrt binary (build it with scripts/gpu_prebuild_refs.sh)"
+    exit 1
+  fi
+  echo "$label: $("$bin/attnrt" info 2>&1 | head -1)"
+  labels+=("$label")
+done
+nvidia-smi --query-gpu=name,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader 2>/dev/null
+if [ -n "${AB_TESTS:-}" ]; then
+  for label in "${labels[@]}"; do
+    s=$(date +%s)
+    /tmp/ab-bin/$label/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$AB_TESTS" >"$out/tests_$label.log" 2>&1
+    rc=$?
+    echo "tests $label rc=$rc $(($(date +%s) - s)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$out/tests_$label.log" | tr '\n' ' ')"
+  done
+fi
+read -r -a extra_env <<<"${AB_ENV:-}"
+for ((r = 1; r <= ${ROUNDS:-2}; ++r)); do
+  for label in "${labels[@]}"; do
+    if (($(date +%s) + 45 > deadline)); then
+      echo "skip $label round $r: too little time left"
+      continue
+    fi
+    s=$(date +%s)
+    env "${extra_env[@]}" /tmp/ab-bin/$label/attnrt bench --backend cuda --suite "${AB_SUITE:-attention}" \
+      --workload "$rows" --no-reference --quiet --json "$out/${label}_r$r.json" >"$out/${label}_r$r.txt" 2>&1
+    echo "$label round $r: rc=$? $(($(date +%s) - s)) s"
+  done
+done
+python3 bench/ab.py "$out" | tee "$out/ab.txt"
