@@ -8,8 +8,8 @@
 # Environment: ROUNDS (default 2); AB_SUITE (attention|linear, default attention); AB_ENV
 # ("VAR=value ..." set for every bench run, e.g. ATTNRT_BENCH_FLUSH=clean); AB_DEADLINE seconds
 # (default 540: a run that would start with less than 45 s left is skipped and says so);
-# AB_TESTS, a gtest filter run with each binary's attnrt_cuda_tests before the timing (default
-# none). Files in $OUT (default ./out/ab): LABEL_rN.json per run (LABEL = the DIR's name without
+# AB_TESTS, a gtest filter run with the attnrt_cuda_tests of every binary but the base (the first)
+# before the timing (default none). Files in $OUT (default ./out/ab): LABEL_rN.json per run (LABEL = the DIR's name without
 # a leading ".gpubin-"), tests_LABEL.log, ab.txt (the table, also printed last).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -39,7 +39,7 @@ for dir in "$@"; do
 done
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader 2>/dev/null
 if [ -n "${AB_TESTS:-}" ]; then
-  for label in "${labels[@]}"; do
+  for label in "${labels[@]:1}"; do
     s=$(date +%s)
     /tmp/ab-bin/$label/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$AB_TESTS" >"$out/tests_$label.log" 2>&1
     rc=$?
