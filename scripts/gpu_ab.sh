@@ -9,12 +9,13 @@
 # ("VAR=value ..." set for every bench run, e.g. ATTNRT_BENCH_FLUSH=clean); AB_DEADLINE seconds
 # (default 540: a run that would start with less than 45 s left is skipped and says so);
 # AB_TESTS, a gtest filter run with the attnrt_cuda_tests of every binary but the base (the first)
-# before the timing (default none). Files in $OUT (default ./out/ab): LABEL_rN.json per run (LABEL = the DIR's name without
-# a leading ".gpubin-"), tests_LABEL.log, ab.txt (the table, also printed last).
+# before the timing (default none). Files in $OUT (default ./out/ab): LABEL_rN.json per run
+# (LABEL = the DIR's name without a leading ".gpubin-"), tests_LABEL.log, ab.txt (the table, also
+# printed last).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
-  sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 rows=$1
