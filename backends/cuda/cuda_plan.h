@@ -115,13 +115,10 @@ class HostPlanner {
 
  private:
   // Query tiles and splits of a class's requests: one value for all when the lengths allow
-  // (> 0), else per request in class_tiles_ / splits_ (0). With one value for both, the work
-  // list only depends on (batch size, tiles, splits, tile rows): it is kept for the next step.
+  // (> 0), else per request in class_tiles_ / splits_ (0).
   struct ClassWork {
     int32_t tiles = 0;
     int32_t splits = 0;
-    std::array<int32_t, 4> key{-1, -1, -1, -1};
-    std::vector<WorkItem> items;
   };
   struct Stats {
     int32_t tokens = 0, min_q = INT32_MAX, max_q = 0;
@@ -179,8 +176,10 @@ class HostPlanner {
   // The step's requests in the kernels' layout at prepare's `dst`, as if the step were
   // incremental (the rare step that is not gets its page fields redone), with one split each.
   ReqInfo* info_ = nullptr;
-  // Scratch reused every step (no allocation once grown): the requests' pool rows and lengths.
-  std::vector<int32_t> row_of_, kv_;
+  // Scratch reused every step (no allocation once grown): the requests' pool rows and lengths,
+  // and in DECODE the page of each request's token (taken from out_cache_loc while scanning).
+  std::vector<int32_t> row_of_, kv_, token_page_;
+  bool token_pages_ = false;  // every request of the step misses only its token's page
   std::vector<ClassWork> work_;
   std::vector<int32_t> splits_, class_tiles_;  // [class][request] where not uniform
   uint32_t stamp_ = 0;  // duplicate-row check (RowState::stamp)
