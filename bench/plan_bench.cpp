@@ -174,7 +174,9 @@ void BM_HostPlanColdCaches(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   const double n = static_cast<double>(state.iterations()) * 1e3;
-  auto us = [&](Clock::duration d) { return std::chrono::duration<double, std::nano>(d).count() / n; };
+  auto us = [&](Clock::duration d) {
+    return std::chrono::duration<double, std::nano>(d).count() / n;
+  };
   state.counters["plan_us"] = us(times.prepare + times.write);
   state.counters["prepare_us"] = us(times.prepare);
   state.counters["write_us"] = us(times.write);

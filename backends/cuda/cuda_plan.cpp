@@ -116,7 +116,8 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
     if (!lens_ok || static_cast<uint64_t>(row) >= pool_rows || kv > max_ctx) [[unlikely]]
       reject_request(batch, i, prefix, qlen);
     RowState& rs = state[row];
-    if (rs.stamp == seen) [[unlikely]] reject_request(batch, i, prefix, qlen);
+    if (rs.stamp == seen) [[unlikely]]
+      reject_request(batch, i, prefix, qlen);
     rs.stamp = seen;
     const auto pages = static_cast<int32_t>((kv + offset_mask) >> shift);
     int32_t known = 0, committed = 0, pt_row = -1;
@@ -139,8 +140,9 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
       pt_row = static_cast<int32_t>(row * pages_per_row);
       rs.pending = kCommit ? committed : -1;
     }
-    info[i] = {st.tokens,          qlen,   prefix, static_cast<int32_t>(kv), pt, 1, 0,
-               st.tokens | not_tree, pt_row, known,  committed,               0};
+    info[i] = {st.tokens, qlen,  prefix,    static_cast<int32_t>(kv),
+               pt,        1,     0,         st.tokens | not_tree,
+               pt_row,    known, committed, 0};
     row_of[i] = static_cast<int32_t>(row);
     kvs[i] = static_cast<int32_t>(kv);
     if constexpr (kDecode) {
@@ -194,10 +196,11 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
 void HostPlanner::reject_request(const ForwardBatch& batch, int i, int32_t prefix,
                                  int32_t qlen) const {
   const int32_t seq = batch.seq_lens[i];
-  ATTNRT_CHECK(batch.mode != ForwardMode::EXTEND || (qlen >= 1 && int64_t{seq} == int64_t{prefix} + qlen),
-               "cuda backend: EXTEND request {} has extend_seq_lens {} and seq_lens {} with "
-               "extend_prefix_lens {}; need extend_seq_lens >= 1 and seq_lens = prefix + extend",
-               i, qlen, seq, prefix);
+  ATTNRT_CHECK(
+      batch.mode != ForwardMode::EXTEND || (qlen >= 1 && int64_t{seq} == int64_t{prefix} + qlen),
+      "cuda backend: EXTEND request {} has extend_seq_lens {} and seq_lens {} with "
+      "extend_prefix_lens {}; need extend_seq_lens >= 1 and seq_lens = prefix + extend",
+      i, qlen, seq, prefix);
   ATTNRT_CHECK(prefix >= 0, "cuda backend: {} request {} has seq_lens {}; too short for the mode",
                forward_mode_name(batch.mode), i, seq);
   const int64_t row = batch.req_pool_indices[i];
@@ -210,9 +213,10 @@ void HostPlanner::reject_request(const ForwardBatch& batch, int i, int32_t prefi
                "cuda backend: request {} needs {} keys but a request row holds at most "
                "max_context_len = {}",
                i, kv, pool_->max_context_len());
-  fail("cuda backend: req_pool_indices[{}] = {} repeats an earlier request's row; each request "
-       "of a step has its own row",
-       i, row);
+  fail(
+      "cuda backend: req_pool_indices[{}] = {} repeats an earlier request's row; each request "
+      "of a step has its own row",
+      i, row);
 }
 
 // Requests of the step (prefix, query rows, first output row) without make_step_layout's general
