@@ -85,6 +85,44 @@ struct Workload {
   }
 };
 
+// The staging ring: prepare() and write() fill the next buffer, which grows when a step does not
+// fit (the first steps upload whole page tables).
+struct Staging {
+  std::array<std::vector<uint64_t>, 8> slots;
+  size_t next = 0;
+  Staging() {
+    for (std::vector<uint64_t>& s : slots) s.assign(size_t{8} << 10, 0);  // 64 KiB
+  }
+};
+
+using Clock = std::chrono::steady_clock;
+
+// Times of prepare() and write(), summed over steps.
+struct PhaseTimes {
+  Clock::duration prepare{}, write{};
+};
+
+// One step into the next staging buffer, timed per phase when `times` is given.
+void plan_step(cuda::HostPlanner& planner, Workload& w, Staging& staging, int page,
+               PhaseTimes* times = nullptr) {
+  std::vector<uint64_t>& slot = staging.slots[staging.next++ % staging.slots.size()];
+  Clock::time_point t0, t1;
+  if (times != nullptr) t0 = Clock::now();
+  const cuda::StepPlan& plan =
+      planner.prepare(w.batch, &w.pool, page, 0, nullptr, false, false, slot.data());
+  if (times != nullptr) t1 = Clock::now();
+  std::vector<uint64_t> grown;
+  if (plan.bytes > slot.size() * 8) grown.assign(plan.bytes / 8 + 1, 0);
+  planner.write(grown.empty() ? slot.data() : grown.data());
+  if (!grown.empty()) slot.swap(grown);
+  planner.launched();
+  if (times != nullptr) {
+    const Clock::time_point t2 = Clock::now();
+    times->prepare += t1 - t0;
+    times->write += t2 - t1;
+  }
+}
+
 cuda::PlannerConfig planner_config() {
   cuda::PlannerConfig cfg;
   cfg.groups = {kQHeads / kKvHeads};
@@ -102,19 +140,11 @@ void BM_HostPlan(benchmark::State& state) {
   Workload w(kind, page);
   cuda::HostPlanner planner(planner_config());
   planner.enable_row_table(w.pool.size(), (w.pool.max_context_len() + page - 1) / page);
-  // The staging ring: 8 buffers, written in turn.
-  std::array<std::vector<uint64_t>, 8> ring;
-  size_t slot = 0;
-  auto step = [&] {
-    const cuda::StepPlan& plan = planner.prepare(w.batch, &w.pool, page, 0, nullptr, false, false);
-    std::vector<uint64_t>& buf = ring[slot++ % ring.size()];
-    if (buf.size() * 8 < plan.bytes) buf.resize(plan.bytes / 8 + 1);
-    planner.write(buf.data());
-    planner.launched();
-  };
-  for (int i = 0; i < 16; ++i) step();  // committed pages in the row table, buffers grown
+  Staging staging;
+  // Committed pages in the row table.
+  for (int i = 0; i < 16; ++i) plan_step(planner, w, staging, page);
   for (auto _ : state) {
-    step();
+    plan_step(planner, w, staging, page);
     benchmark::ClobberMemory();
   }
   state.counters["bytes"] = static_cast<double>(planner.plan().bytes);
@@ -130,39 +160,26 @@ void BM_HostPlanColdCaches(benchmark::State& state) {
   Workload w(kind);
   cuda::HostPlanner planner(planner_config());
   planner.enable_row_table(w.pool.size(), (w.pool.max_context_len() + kPage - 1) / kPage);
-  std::array<std::vector<uint64_t>, 8> ring;
+  Staging staging;
   std::vector<uint64_t> evict(static_cast<size_t>(state.range(1)) << 17, 1);
-  size_t slot = 0;
-  using Clock = std::chrono::steady_clock;
-  Clock::duration in_prepare{}, in_write{};
-  auto step = [&] {
-    const auto t0 = Clock::now();
-    const cuda::StepPlan& plan = planner.prepare(w.batch, &w.pool, kPage, 0, nullptr, false, false);
-    const auto t1 = Clock::now();
-    std::vector<uint64_t>& buf = ring[slot++ % ring.size()];
-    if (buf.size() * 8 < plan.bytes) buf.resize(plan.bytes / 8 + 1);
-    planner.write(buf.data());
-    planner.launched();
-    const auto t2 = Clock::now();
-    in_prepare += t1 - t0;
-    in_write += t2 - t1;
-  };
-  for (int i = 0; i < 16; ++i) step();
-  in_prepare = in_write = {};
+  for (int i = 0; i < 16; ++i) plan_step(planner, w, staging, kPage);
+  PhaseTimes times;
   uint64_t sink = 0;
   for (auto _ : state) {
     state.PauseTiming();
     for (uint64_t& x : evict) sink += x++;
     benchmark::DoNotOptimize(sink);
     state.ResumeTiming();
-    step();
+    plan_step(planner, w, staging, kPage, &times);
     benchmark::ClobberMemory();
   }
   const double n = static_cast<double>(state.iterations()) * 1e3;
-  state.counters["plan_us"] =
-      std::chrono::duration<double, std::nano>(in_prepare + in_write).count() / n;
-  state.counters["prepare_us"] = std::chrono::duration<double, std::nano>(in_prepare).count() / n;
-  state.counters["write_us"] = std::chrono::duration<double, std::nano>(in_write).count() / n;
+  auto us = [&](Clock::duration d) {
+    return std::chrono::duration<double, std::nano>(d).count() / n;
+  };
+  state.counters["plan_us"] = us(times.prepare + times.write);
+  state.counters["prepare_us"] = us(times.prepare);
+  state.counters["write_us"] = us(times.write);
 }
 // The minimum over repetitions as well: on a shared machine it is the figure least moved by
 // other work.

@@ -81,6 +81,9 @@ struct Step {
   bool replay = false;
   bool capturing = false;
   bool launch = true;
+  // prepare() writes into a buffer of prepare_bytes() only and write() into a larger one, as when
+  // the backend's staging slot grows between the two.
+  bool moved = false;
 };
 
 struct Expected {
@@ -193,10 +196,17 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
   const ForwardBatch& b = st.batch;
   const int page = rows.page;
   const int shift = std::countr_zero(static_cast<unsigned>(page));
-  const StepPlan& plan =
-      planner.prepare(b, &rows.pool, page, st.padded_bs, st.graph, st.replay, st.capturing);
-  std::vector<uint64_t> storage(plan.bytes / 8 + 1, 0xdeadbeefdeadbeefull);
-  char* host = reinterpret_cast<char*>(storage.data());
+  // Unwritten bytes read as a pattern no table holds. Without `moved`, write() fills prepare's
+  // buffer when the step fits it.
+  constexpr uint64_t kFill = 0xdeadbeefdeadbeefull;
+  const size_t first = HostPlanner::prepare_bytes(b.batch_size, st.padded_bs);
+  std::vector<uint64_t> prepared(st.moved ? first / 8 + 1 : std::max<size_t>(first, 1 << 20) / 8,
+                                 kFill);
+  const StepPlan& plan = planner.prepare(b, &rows.pool, page, st.padded_bs, st.graph, st.replay,
+                                         st.capturing, prepared.data());
+  std::vector<uint64_t> storage;
+  if (st.moved || plan.bytes > prepared.size() * 8) storage.assign(plan.bytes / 8 + 1, kFill);
+  char* host = reinterpret_cast<char*>(storage.empty() ? prepared.data() : storage.data());
   planner.write(host);
   ASSERT_TRUE(plan.valid);
 
@@ -531,6 +541,7 @@ void run_scenario(const Scenario& sc, uint32_t seed, int steps) {
       st.capturing = rng() % 10 == 0;
     }
     st.launch = rng() % 6 != 0;
+    st.moved = rng() % 3 == 0;
     // Now and then a step that fails its checks first (a repeated row, found by the pass over the
     // requests; one out_cache_loc entry too many, found after it; a graph state too small, found
     // when the step is laid out): it must leave the row table's state as it was.
@@ -541,8 +552,9 @@ void run_scenario(const Scenario& sc, uint32_t seed, int steps) {
       tiny.max_bs = 1;
       if (how == 0) bad.batch.req_pool_indices[bs - 1] = bad.batch.req_pool_indices[0];
       if (how == 1) bad.batch.out_cache_loc.push_back(0);
+      std::vector<ReqInfo> dst(bs);
       EXPECT_THROW(planner.prepare(bad.batch, &rows.pool, sc.page, how == 2 ? bs : 0,
-                                   how == 2 ? &tiny : nullptr, true, false),
+                                   how == 2 ? &tiny : nullptr, true, false, dst.data()),
                    Error);
     }
     plan_and_check(planner, rows, dev, st);
@@ -604,6 +616,7 @@ TEST(CudaHostPlan, Batch256StepsMatchDirectComputation) {
           st.batch = make_extend_batch(req, prefix, qlen);
         }
         fill_slots(st.batch, rows, prefix, qlen);
+        st.moved = rep == 1;
         plan_and_check(planner, rows, dev, st);
         if (HasFatalFailure()) return;
       }
@@ -618,13 +631,15 @@ TEST(CudaHostPlan, RejectsRepeatedRowsAndSlotsOffPageStarts) {
   ForwardBatch dup = make_decode_batch({1, 2, 3}, {50, 60, 70});
   dup.req_pool_indices[2] = 1;
   dup.out_cache_loc.assign(3, 0);
-  test::expect_error([&] { planner.prepare(dup, &rows.pool, 16, 0, nullptr, false, false); },
-                     {"req_pool_indices[2] = 1", "repeats"});
+  std::vector<uint64_t> buf(4096);
+  test::expect_error(
+      [&] { planner.prepare(dup, &rows.pool, 16, 0, nullptr, false, false, buf.data()); },
+      {"req_pool_indices[2] = 1", "repeats"});
   ForwardBatch ok = make_decode_batch({3}, {40});
   ok.out_cache_loc.assign(1, 0);
   rows.pool.write(3, 16, std::vector<int64_t>{7});  // page 1 of row 3 starts mid-page
-  planner.prepare(ok, &rows.pool, 16, 0, nullptr, false, false);
-  std::vector<uint64_t> buf(planner.plan().bytes / 8 + 1);
+  planner.prepare(ok, &rows.pool, 16, 0, nullptr, false, false, buf.data());
+  ASSERT_LE(planner.plan().bytes, buf.size() * 8);
   test::expect_error([&] { planner.write(buf.data()); },
                      {"req_to_token[3, 16] = 7", "does not start a page"});
 }
@@ -640,14 +655,14 @@ TEST(CudaHostPlan, RejectsDecodeSlotOffItsPosition) {
   for (int len : {40, 41}) {  // the first step uploads every page and commits the full ones
     ForwardBatch b = make_decode_batch({1}, {len});
     b.out_cache_loc.assign(1, rows.pool.get(1, len - 1));
-    planner.prepare(b, &rows.pool, 16, 0, nullptr, false, false);
+    planner.prepare(b, &rows.pool, 16, 0, nullptr, false, false, buf.data());
     ASSERT_LE(planner.plan().bytes, buf.size() * 8);
     planner.write(buf.data());
     planner.launched();
   }
   ForwardBatch bad = make_decode_batch({1}, {42});
   bad.out_cache_loc.assign(1, rows.pool.get(1, 41) + 1);
-  planner.prepare(bad, &rows.pool, 16, 0, nullptr, false, false);
+  planner.prepare(bad, &rows.pool, 16, 0, nullptr, false, false, buf.data());
   ASSERT_TRUE(planner.plan().incremental);
   test::expect_error([&] { planner.write(buf.data()); },
                      {"out_cache_loc[0] = ", "position 41", "slot mod page size"});

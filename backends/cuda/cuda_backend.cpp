@@ -172,10 +172,14 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
                "init_forward_metadata_capture_cuda_graph before cudaStreamBeginCapture (its "
                "upload must not become part of the graph)");
   if (plan_timing_) t[1] = Clock::now();
+  // The slot comes first: prepare() writes the requests into it as it derives them.
+  void* slot =
+      staging_.acquire(HostPlanner::prepare_bytes(batch.batch_size, padded_bs), stream_, capturing);
+  if (plan_timing_) t[2] = Clock::now();
   if (!capturing && !row_table_ready_ && ctx_.req_to_token != nullptr) init_row_table();
   const StepPlan& plan =
       planner_->prepare(batch, ctx_.req_to_token, ctx_.kv_cache->page_size(), padded_bs,
-                        graph ? &graph_layout_ : nullptr, graph_replay_, capturing);
+                        graph ? &graph_layout_ : nullptr, graph_replay_, capturing, slot);
   // The upload may carry the slot's stale tail past the plan (ATTNRT_PLAN_COPY_MIN_BYTES), up to
   // what the destination holds; nothing reads those bytes.
   size_t copy_bytes = plan.bytes;
@@ -184,17 +188,19 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
                        : copy_min_bytes_;
   }
   if (!graph) ensure(meta_, copy_bytes, "metadata");
-  if (plan_timing_) t[2] = Clock::now();
-  void* slot = staging_.acquire(copy_bytes, stream_, capturing);
   if (plan_timing_) t[3] = Clock::now();
-  planner_->write(slot);
+  planner_->write(staging_.reserve(copy_bytes, capturing));
   if (plan_timing_) t[4] = Clock::now();
   staging_.upload(graph ? graph_meta_.data() : meta_.data(), copy_bytes, stream_, capturing);
   graph_step_ = graph;
   if (plan_timing_) {
     t[5] = Clock::now();
     auto s = [&](int i) { return std::chrono::duration<double>(t[i + 1] - t[i]).count(); };
-    plan_parts_ = {s(0), s(1), s(2), s(3), s(4)};
+    plan_parts_.capture = s(0);
+    plan_parts_.staging = s(1);
+    plan_parts_.prepare = s(2);
+    plan_parts_.write = s(3);
+    plan_parts_.copy = s(4);
   }
 }
 

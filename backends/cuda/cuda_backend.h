@@ -57,10 +57,10 @@ class CudaBackend final : public AttentionBackend {
   const StepPlan& plan() const { return planner_->plan(); }
 
   // Host seconds of the last plan's phases (init_forward_metadata and the graph hooks), kept when
-  // set_plan_timing(true) asked for them: the stream's capture query, the planner's prepare (with
-  // the metadata buffer's size check), the staging slot's acquire (its wait for the copy that last
-  // read it), the planner's write into the slot and the copy's issue (with every 16th step's event
-  // record). Off, a plan reads no clock.
+  // set_plan_timing(true) asked for them: the stream's capture query, the staging slot's acquire
+  // (its wait for the copy that last read it), the planner's prepare (with the metadata buffer's
+  // size check), the planner's write into the slot (with its growth, on the first step of a size)
+  // and the copy's issue (with every 16th step's event record). Off, a plan reads no clock.
   struct PlanParts {
     double capture = 0, prepare = 0, staging = 0, write = 0, copy = 0;
   };

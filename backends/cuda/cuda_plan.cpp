@@ -73,17 +73,21 @@ void HostPlanner::drop_commits(int n) {
 // request written in the kernels' layout. The commits are kept in the row states (`pending`),
 // whose line the request reads anyway, rather than in a list the next plan applies. (Prefetching
 // the page-table entry write() reads first was measured slower: 2.55 -> 2.77 us for decode at
-// batch 256.)
-template <typename Derive>
+// batch 256.) The loop is compiled per row-table use (kTrack: the step may be incremental;
+// kCommit: its kernels store pages back) and for DECODE, a failed check leaves it through one
+// branch to reject_request(), and the key lengths' statistics are taken in a second pass over
+// their array: a request costs few instructions besides its stores (decode at batch 256 here:
+// 2.35 -> 1.9 us for the plan).
+template <bool kDecode, bool kTrack, bool kCommit, typename Derive>
 void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
   const int raw_bs = batch.batch_size;
   const int shift = shift_;
   const int64_t* rows = batch.req_pool_indices.data();
   const ReqToTokenPool* pool = pool_;
-  const int64_t pool_rows = pool != nullptr ? pool->size() : 0;
+  const uint64_t pool_rows = pool != nullptr ? static_cast<uint64_t>(pool->size()) : 0;
   const int64_t max_ctx = pool != nullptr ? pool->max_context_len() : 0;
   const int64_t offset_mask = (int64_t{1} << shift) - 1;
-  const bool track = track_, commit = commit_if_incremental_, tree = tree_;
+  const int32_t not_tree = tree_ ? 0 : -1;  // tree_start: the first token, or -1 (| not_tree)
   const int64_t pages_per_row = pages_per_row_;
   RowState* state = rows_.data();
   const uint32_t seen = stamp_;
@@ -92,47 +96,35 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
   // slot from then on), so that a steady decode uploads one page per request: the one its own
   // token lies in, which write() takes from out_cache_loc. A later step at a lower prefix (a
   // rejected draft decoded again) clamps `known` below it and its commit rewrites the entry.
-  const bool decode = batch.mode == ForwardMode::DECODE;
-  ReqInfo* info = info_.data();
+  ReqInfo* info = info_;
   int32_t* row_of = row_of_.data();
   int32_t* kvs = kv_.data();
+  // DECODE: the page of each request's token, from its write slot (see write()), and the bits of
+  // the slots that break write()'s check (the sign, and an offset in the page other than the
+  // token's position's).
+  const int64_t* loc = batch.out_cache_loc.data();
+  int32_t* token_page = token_page_.data();
+  const uint64_t slot_bits = static_cast<uint64_t>(offset_mask) | (uint64_t{1} << 63);
+  uint64_t bad_slots = 0;
   Stats st;
   int32_t pt = 0;
-  // The row states of a batch lie anywhere in the pool: a request's is fetched a few requests
-  // ahead, so that the misses of a cold plan overlap.
-  constexpr int kAhead = 32;
-  const uint64_t last_row = pool_rows > 0 ? static_cast<uint64_t>(pool_rows - 1) : 0;
-  for (int i = 0; i < std::min(raw_bs, kAhead); ++i)
-    __builtin_prefetch(state + std::min(static_cast<uint64_t>(rows[i]), last_row), 1);
-  for (int i = 0; i < raw_bs; ++i) {
-    if (i + kAhead < raw_bs)
-      __builtin_prefetch(state + std::min(static_cast<uint64_t>(rows[i + kAhead]), last_row), 1);
+  auto request = [&](int i) __attribute__((always_inline)) {
     int32_t prefix, qlen;
-    derive(i, prefix, qlen);
+    const bool lens_ok = derive(i, prefix, qlen);
     const int64_t row = rows[i];
-    ATTNRT_CHECK(row >= 0 && row < pool_rows,
-                 "cuda backend: req_pool_indices[{}] = {}; the request pool has rows [0, {})", i,
-                 row, pool_rows);
     const int64_t kv = int64_t{prefix} + qlen;
-    ATTNRT_CHECK(kv <= max_ctx,
-                 "cuda backend: request {} needs {} keys but a request row holds at most "
-                 "max_context_len = {}",
-                 i, kv, max_ctx);
+    if (!lens_ok || static_cast<uint64_t>(row) >= pool_rows || kv > max_ctx) [[unlikely]]
+      reject_request(batch, i, prefix, qlen);
     RowState& rs = state[row];
-    ATTNRT_CHECK(rs.stamp != seen,
-                 "cuda backend: req_pool_indices[{}] = {} repeats an earlier request's row; "
-                 "each request of a step has its own row",
-                 i, row);
+    if (rs.stamp == seen) [[unlikely]]
+      reject_request(batch, i, prefix, qlen);
     rs.stamp = seen;
     const auto pages = static_cast<int32_t>((kv + offset_mask) >> shift);
     int32_t known = 0, committed = 0, pt_row = -1;
-    if (track) {
+    if constexpr (kTrack) {
       // The last plan of this row was launched (prepare() dropped its commits otherwise).
-      if (rs.pending >= 0) {
-        rs.known = rs.pending;
-        rs.pending = -1;
-      }
-      if (rs.checked != epoch) {
+      rs.known = rs.pending >= 0 ? rs.pending : rs.known;
+      if (rs.checked != epoch) [[unlikely]] {
         // A row that changed hands holds none of its pages in the row table, whether or not
         // this plan's kernels run.
         const uint64_t gen = pool->generation(static_cast<int>(row));
@@ -143,30 +135,94 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
         rs.checked = epoch;
       }
       known = std::min(rs.known, prefix >> shift);
-      const int32_t done = static_cast<int32_t>((decode ? kv : prefix) >> shift);
-      committed = commit ? std::max(done, known) : known;
+      const int32_t done = static_cast<int32_t>((kDecode ? kv : prefix) >> shift);
+      committed = kCommit ? std::max(done, known) : known;
       pt_row = static_cast<int32_t>(row * pages_per_row);
-      if (commit) rs.pending = committed;
+      rs.pending = kCommit ? committed : -1;
     }
-    info[i] = {st.tokens,          qlen, prefix, static_cast<int32_t>(kv), pt, 1, 0,
-               tree ? st.tokens : -1, pt_row, known,  committed,               0};
+    info[i] = {st.tokens, qlen,  prefix,    static_cast<int32_t>(kv),
+               pt,        1,     0,         st.tokens | not_tree,
+               pt_row,    known, committed, 0};
     row_of[i] = static_cast<int32_t>(row);
     kvs[i] = static_cast<int32_t>(kv);
+    if constexpr (kDecode) {
+      const int64_t slot = loc[i];
+      bad_slots |= (static_cast<uint64_t>(slot) ^ static_cast<uint64_t>(prefix)) & slot_bits;
+      token_page[i] = static_cast<int32_t>(slot >> shift);
+    }
     st.tokens += qlen;
     pt += pages - known;
     st.min_q = std::min(st.min_q, qlen);
     st.max_q = std::max(st.max_q, qlen);
-    st.min_kv = std::min(st.min_kv, static_cast<uint32_t>(kv));
-    st.max_kv = std::max(st.max_kv, static_cast<uint32_t>(kv));
+  };
+  // The row states of a batch lie anywhere in the pool: a request's is fetched a few requests
+  // ahead, so that the misses of a cold plan overlap.
+  constexpr int kAhead = 32;
+  const uint64_t last_row = pool_rows > 0 ? pool_rows - 1 : 0;
+  auto prefetch = [&](int i) {
+    __builtin_prefetch(state + std::min(static_cast<uint64_t>(rows[i]), last_row), 1);
+  };
+  for (int i = 0; i < std::min(raw_bs, kAhead); ++i) prefetch(i);
+  int i = 0;
+  for (; i + kAhead < raw_bs; ++i) {
+    prefetch(i + kAhead);
+    request(i);
+  }
+  for (; i < raw_bs; ++i) request(i);
+  for (int j = 0; j < raw_bs; ++j) {
+    const auto kv = static_cast<uint32_t>(kvs[j]);
+    st.min_kv = std::min(st.min_kv, kv);
+    st.max_kv = std::max(st.max_kv, kv);
     st.sum_kv += kv;
   }
   st.pages = pt;
   stats_ = st;
+  // A request misses at least its last page, so the step uploads one page per request when each
+  // misses only that one.
+  token_pages_ = kDecode && pt == raw_bs && bad_slots == 0;
+}
+
+template <bool kDecode, typename Derive>
+void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
+  if (!track_) {
+    scan<kDecode, false, false>(batch, derive);
+  } else if (!commit_if_incremental_) {
+    scan<kDecode, true, false>(batch, derive);
+  } else {
+    scan<kDecode, true, true>(batch, derive);
+  }
+}
+
+void HostPlanner::reject_request(const ForwardBatch& batch, int i, int32_t prefix,
+                                 int32_t qlen) const {
+  const int32_t seq = batch.seq_lens[i];
+  ATTNRT_CHECK(
+      batch.mode != ForwardMode::EXTEND || (qlen >= 1 && int64_t{seq} == int64_t{prefix} + qlen),
+      "cuda backend: EXTEND request {} has extend_seq_lens {} and seq_lens {} with "
+      "extend_prefix_lens {}; need extend_seq_lens >= 1 and seq_lens = prefix + extend",
+      i, qlen, seq, prefix);
+  ATTNRT_CHECK(prefix >= 0, "cuda backend: {} request {} has seq_lens {}; too short for the mode",
+               forward_mode_name(batch.mode), i, seq);
+  const int64_t row = batch.req_pool_indices[i];
+  const int64_t pool_rows = pool_->size();
+  ATTNRT_CHECK(row >= 0 && row < pool_rows,
+               "cuda backend: req_pool_indices[{}] = {}; the request pool has rows [0, {})", i, row,
+               pool_rows);
+  const int64_t kv = int64_t{prefix} + qlen;
+  ATTNRT_CHECK(kv <= pool_->max_context_len(),
+               "cuda backend: request {} needs {} keys but a request row holds at most "
+               "max_context_len = {}",
+               i, kv, pool_->max_context_len());
+  fail(
+      "cuda backend: req_pool_indices[{}] = {} repeats an earlier request's row; each request "
+      "of a step has its own row",
+      i, row);
 }
 
 // Requests of the step (prefix, query rows, first output row) without make_step_layout's general
 // validation for the modes the serving loop runs every step: the checks are what the plan and
-// the kernels rely on, at O(bs) with no allocation once the scratch has grown.
+// the kernels rely on, at O(bs) with no allocation once the scratch has grown. `derive` says
+// whether the mode's own lengths are valid (reject_request() says why not).
 void HostPlanner::derive_requests(const ForwardBatch& batch) {
   const int bs = batch.batch_size;
   ATTNRT_CHECK(bs >= 0 && batch.req_pool_indices.size() == static_cast<size_t>(bs) &&
@@ -177,24 +233,24 @@ void HostPlanner::derive_requests(const ForwardBatch& batch) {
                batch.seq_lens.size());
   const ForwardMode mode = batch.mode;
   const int32_t* seq = batch.seq_lens.data();
-  auto check_prefix = [&](int i, int32_t prefix) {
-    ATTNRT_CHECK(prefix >= 0, "cuda backend: {} request {} has seq_lens {}; too short for the mode",
-                 forward_mode_name(mode), i, seq[i]);
-  };
   if (mode == ForwardMode::DECODE) {
-    scan(batch, [&](int i, int32_t& prefix, int32_t& qlen) {
+    ATTNRT_CHECK(batch.out_cache_loc.size() == static_cast<size_t>(bs),
+                 "cuda backend: {} batch has {} out_cache_loc entries; expected one per query "
+                 "token ({})",
+                 forward_mode_name(mode), batch.out_cache_loc.size(), bs);
+    scan<true>(batch, [seq](int i, int32_t& prefix, int32_t& qlen) {
       prefix = seq[i] - 1;
       qlen = 1;
-      check_prefix(i, prefix);
+      return prefix >= 0;
     });
   } else if (mode == ForwardMode::TARGET_VERIFY) {
     ATTNRT_CHECK(batch.spec_info.has_value() && batch.spec_info->draft_token_num >= 1,
                  "cuda backend: TARGET_VERIFY batch without spec_info (draft_token_num >= 1)");
     const int32_t draft = batch.spec_info->draft_token_num;
-    scan(batch, [&](int i, int32_t& prefix, int32_t& qlen) {
+    scan<false>(batch, [seq, draft](int i, int32_t& prefix, int32_t& qlen) {
       prefix = seq[i];
       qlen = draft;
-      check_prefix(i, prefix);
+      return prefix >= 0;
     });
   } else if (mode == ForwardMode::EXTEND) {
     ATTNRT_CHECK(batch.extend_prefix_lens.size() == static_cast<size_t>(bs) &&
@@ -204,21 +260,17 @@ void HostPlanner::derive_requests(const ForwardBatch& batch) {
                  bs, batch.extend_prefix_lens.size(), batch.extend_seq_lens.size());
     const int32_t* pre = batch.extend_prefix_lens.data();
     const int32_t* ext = batch.extend_seq_lens.data();
-    scan(batch, [&](int i, int32_t& prefix, int32_t& qlen) {
+    scan<false>(batch, [seq, pre, ext](int i, int32_t& prefix, int32_t& qlen) {
       prefix = pre[i];
       qlen = ext[i];
-      ATTNRT_CHECK(qlen >= 1 && int64_t{seq[i]} == int64_t{prefix} + qlen,
-                   "cuda backend: EXTEND request {} has extend_seq_lens {} and seq_lens {} with "
-                   "extend_prefix_lens {}; need extend_seq_lens >= 1 and seq_lens = prefix + "
-                   "extend",
-                   i, qlen, seq[i], prefix);
-      check_prefix(i, prefix);
+      return qlen >= 1 && int64_t{seq[i]} == int64_t{prefix} + qlen && prefix >= 0;
     });
   } else {
     const StepLayout layout = make_step_layout(batch);
-    scan(batch, [&](int i, int32_t& prefix, int32_t& qlen) {
+    scan<false>(batch, [&layout](int i, int32_t& prefix, int32_t& qlen) {
       prefix = layout.prefix_lens[i];
       qlen = layout.query_lens[i];
+      return true;
     });
   }
   ATTNRT_CHECK(batch.num_tokens() == stats_.tokens,
@@ -317,7 +369,7 @@ void HostPlanner::plan_class(size_t c, int bs) {
   auto tiles_of = [&](int32_t qlen) {
     return static_cast<int32_t>((int64_t{qlen} * cp.group + rows_mask) >> rows_shift);
   };
-  const ReqInfo* r = info_.data();
+  const ReqInfo* r = info_;
   int32_t* tiles = class_tiles_.data() + c * bs;
   int32_t* splits = splits_.data() + c * bs;
   // Tiles: one count for all when the query lengths are equal (padding uses pad_qlen).
@@ -394,9 +446,13 @@ void HostPlanner::plan_class(size_t c, int bs) {
   cp.max_splits = max_splits;
 }
 
+size_t HostPlanner::prepare_bytes(int batch_size, int padded_bs) {
+  return static_cast<size_t>(std::max({batch_size, padded_bs, 0})) * sizeof(ReqInfo);
+}
+
 const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToTokenPool* pool,
                                      int page, int padded_bs, const GraphLayout* graph,
-                                     bool graph_replay, bool capturing) {
+                                     bool graph_replay, bool capturing, void* dst) {
   plan_.valid = false;
   batch_ = nullptr;
   // Commits of the previous plan become the row table's state once one of its kernels ran (they
@@ -427,10 +483,11 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   // Tree verify: ancestor-or-self bit masks and depths per draft token (a chain is causal and
   // takes the causal path).
   tree_ = verify && spec != nullptr && !spec->is_chain();
-  if (info_.size() < static_cast<size_t>(bs)) {
-    info_.resize(bs);
+  info_ = static_cast<ReqInfo*>(dst);
+  if (row_of_.size() < static_cast<size_t>(bs)) {
     row_of_.resize(bs);
     kv_.resize(bs);
+    token_page_.resize(bs);
   }
   if (pool != nullptr && rows_.size() < static_cast<size_t>(pool->size()))
     rows_.resize(pool->size(), kUnknownRow);
@@ -524,6 +581,7 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   if (track_ && !incremental) {
     const int32_t mask = page - 1;
     total_pages = 0;
+    token_pages_ = false;
     for (int i = 0; i < bs; ++i) {
       ReqInfo& ri = info_[i];
       ri.pt_start = static_cast<int32_t>(total_pages);
@@ -614,7 +672,12 @@ void HostPlanner::write(void* dst) {
   const int32_t offset_mask = (1 << shift) - 1;
   const size_t nc = plan.classes.size();
   char* host = static_cast<char*>(dst);
-  const ReqInfo* info = info_.data();
+  // The requests prepare() wrote (the first class's table), moved along with a buffer that grew.
+  if (dst != info_) {
+    std::memcpy(dst, info_, bs * sizeof(ReqInfo));
+    info_ = static_cast<ReqInfo*>(dst);
+  }
+  const ReqInfo* info = info_;
 
   // Page ids the row table does not hold. A decode request missing only its last page takes it
   // from its token's write slot: req_to_token[row, prefix] equals out_cache_loc (the scheduler
@@ -623,7 +686,13 @@ void HostPlanner::write(void* dst) {
   // most of a cold plan's time.
   int32_t* pt = reinterpret_cast<int32_t*>(host + plan.pt_off);
   const int64_t* loc = plan.mode == ForwardMode::DECODE ? batch_->out_cache_loc.data() : nullptr;
-  for (int i = 0; i < bs; ++i) {
+  // A steady decode: the scan found every request's page there (its checks passed).
+  int first = 0;
+  if (token_pages_) {
+    std::memcpy(pt, token_page_.data(), raw_bs * sizeof(int32_t));
+    first = raw_bs;
+  }
+  for (int i = first; i < bs; ++i) {
     const ReqInfo& r = info[i];
     const int32_t pages = (r.kv_len + offset_mask) >> shift;
     int32_t* dst_pt = pt + r.pt_start - r.pt_known;
@@ -649,14 +718,15 @@ void HostPlanner::write(void* dst) {
     }
   }
 
-  for (size_t c = 0; c < nc; ++c) {
+  // The last class first: the first class's table holds the requests the others copy, with one
+  // split each until its own splits are set.
+  for (size_t c = nc; c-- > 0;) {
     const ClassPlan& cp = plan.classes[c];
     ClassWork& w = work_[c];
     const int32_t* splits = splits_.data() + c * bs;
-    // Requests: the step's layout as it is when every request has one split.
     auto* ri = reinterpret_cast<ReqInfo*>(host + cp.reqs_off);
     if (w.splits == 1) {
-      std::memcpy(ri, info, bs * sizeof(ReqInfo));
+      if (ri != info) std::memcpy(ri, info, bs * sizeof(ReqInfo));
     } else {
       int32_t part = 0;
       for (int i = 0; i < bs; ++i) {
@@ -671,17 +741,21 @@ void HostPlanner::write(void* dst) {
     // keys), then request, then split.
     auto* items = reinterpret_cast<WorkItem*>(host + cp.work_off);
     const int rows = tile_rows(cp.shape);
+    // With one tile and split count for all, the list is written without reading anything.
+    // Keeping it across steps and copying it was about as fast warm and slower cold, its copy's
+    // source one more array to miss on (decode at batch 256 here: 0.06 us faster warm, 0.5 us
+    // slower with 64 MiB evicted between plans).
     if (w.tiles > 0 && w.splits > 0) {
-      const std::array<int32_t, 4> key{bs, w.tiles, w.splits, rows};
-      if (w.key != key) {
-        w.items.resize(cp.num_items);
-        int n = 0;
-        for (int32_t k = 0; k < w.tiles; ++k)
+      WorkItem* item = items;
+      for (int32_t k = 0; k < w.tiles; ++k) {
+        const int32_t f0 = (w.tiles - 1 - k) * rows;
+        if (w.splits == 1) {
+          for (int i = 0; i < bs; ++i) *item++ = {i, f0, 0, 0};
+        } else {
           for (int i = 0; i < bs; ++i)
-            for (int32_t s = 0; s < w.splits; ++s) w.items[n++] = {i, (w.tiles - 1 - k) * rows, s, 0};
-        w.key = key;
+            for (int32_t s = 0; s < w.splits; ++s) *item++ = {i, f0, s, 0};
+        }
       }
-      std::memcpy(items, w.items.data(), cp.num_items * sizeof(WorkItem));
     } else {
       write_work_ragged(c, items);
     }

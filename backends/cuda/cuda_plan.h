@@ -2,7 +2,8 @@
 // ReqToTokenPool it derives the requests, the split-KV counts and CTA work list of every layer
 // class, the tree masks and the (incremental) page tables, and writes them in the byte layout the
 // kernels read (attention_params.h) into a caller-given buffer. The backend acquires pinned
-// staging, calls write() and issues one copy; tests and bench/plan_bench.cpp run it without a GPU.
+// staging, calls prepare() and write() on it and issues one copy; tests and bench/plan_bench.cpp
+// run it without a GPU.
 #pragma once
 
 #include <array>
@@ -89,15 +90,21 @@ class HostPlanner {
   void enable_row_table(int rows, int64_t pages_per_row);
   bool row_table_enabled() const { return pages_per_row_ > 0; }
 
-  // Phase one of a step: checks the batch and lays the step out (plan().bytes). `padded_bs` >
-  // batch_size pads with fill requests (graph replay); `graph` = null for an eager step.
-  // `graph_replay`: the kernels of this graph plan run (a capture's do not). `capturing`: the
-  // stream captures an eager step (whole page tables, no commits).
+  // Bytes prepare() writes at its `dst`: the first class's requests, which lie at offset 0 of
+  // every step's layout.
+  static size_t prepare_bytes(int batch_size, int padded_bs);
+  // Phase one of a step: checks the batch and lays the step out (plan().bytes), writing the
+  // requests at `dst` (prepare_bytes(), the start of the step's bytes) as it derives them: a
+  // request is written once, where the upload reads it. `padded_bs` > batch_size pads with fill
+  // requests (graph replay); `graph` = null for an eager step. `graph_replay`: the kernels of this
+  // graph plan run (a capture's do not). `capturing`: the stream captures an eager step (whole
+  // page tables, no commits).
   const StepPlan& prepare(const ForwardBatch& batch, const ReqToTokenPool* pool, int page_size,
                           int padded_bs, const GraphLayout* graph, bool graph_replay,
-                          bool capturing);
-  // Phase two: writes the prepared step's plan().bytes bytes at `dst` (the batch and the pool
-  // given to prepare must be unchanged).
+                          bool capturing, void* dst);
+  // Phase two: writes the rest of the prepared step's plan().bytes bytes at `dst` (the batch and
+  // the pool given to prepare must be unchanged). `dst` is prepare's, or a larger buffer when that
+  // one could not hold the step (the requests are then copied over; prepare's must still exist).
   void write(void* dst);
   // A kernel of the current plan was launched: its commits are the row table's state from the
   // next plan on.
@@ -108,13 +115,10 @@ class HostPlanner {
 
  private:
   // Query tiles and splits of a class's requests: one value for all when the lengths allow
-  // (> 0), else per request in class_tiles_ / splits_ (0). With one value for both, the work
-  // list only depends on (batch size, tiles, splits, tile rows): it is kept for the next step.
+  // (> 0), else per request in class_tiles_ / splits_ (0).
   struct ClassWork {
     int32_t tiles = 0;
     int32_t splits = 0;
-    std::array<int32_t, 4> key{-1, -1, -1, -1};
-    std::vector<WorkItem> items;
   };
   struct Stats {
     int32_t tokens = 0, min_q = INT32_MAX, max_q = 0;
@@ -140,8 +144,13 @@ class HostPlanner {
     int32_t pad;
   };
   static constexpr RowState kUnknownRow{~uint64_t{0}, 0, 0, 0, -1, 0};
-  template <typename Derive>
+  template <bool kDecode, bool kTrack, bool kCommit, typename Derive>
   void scan(const ForwardBatch& batch, Derive derive);
+  template <bool kDecode, typename Derive>
+  void scan(const ForwardBatch& batch, Derive derive);
+  // Throws the error of request i, which failed scan()'s checks.
+  [[noreturn, gnu::cold, gnu::noinline]] void reject_request(const ForwardBatch& batch, int i,
+                                                             int32_t prefix, int32_t qlen) const;
   void derive_requests(const ForwardBatch& batch);
   void plan_class(size_t c, int bs);
   uint32_t choose_chunk(size_t c, int bs, int64_t cap, int64_t base);
@@ -164,11 +173,13 @@ class HostPlanner {
   bool commit_if_incremental_ = false;
   bool tree_ = false;
   Stats stats_;
-  // Scratch reused every step (no allocation once grown).
-  // The step's requests in the kernels' layout, as if the step were incremental (the rare step
-  // that is not gets its page fields redone), with one split each; their pool rows and lengths.
-  std::vector<ReqInfo> info_;
-  std::vector<int32_t> row_of_, kv_;
+  // The step's requests in the kernels' layout at prepare's `dst`, as if the step were
+  // incremental (the rare step that is not gets its page fields redone), with one split each.
+  ReqInfo* info_ = nullptr;
+  // Scratch reused every step (no allocation once grown): the requests' pool rows and lengths,
+  // and in DECODE the page of each request's token (taken from out_cache_loc while scanning).
+  std::vector<int32_t> row_of_, kv_, token_page_;
+  bool token_pages_ = false;  // every request of the step misses only its token's page
   std::vector<ClassWork> work_;
   std::vector<int32_t> splits_, class_tiles_;  // [class][request] where not uniform
   uint32_t stamp_ = 0;  // duplicate-row check (RowState::stamp)

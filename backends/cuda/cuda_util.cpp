@@ -72,6 +72,11 @@ void* StagingRing::acquire(size_t bytes, cudaStream_t stream, bool capturing) {
   current_ = (current_ + 1) % kSlots;
   Slot& s = slots_[current_];
   if (s.copy_seq != 0 && !capturing) wait_copy(s.copy_seq, stream);
+  return reserve(bytes, capturing);
+}
+
+void* StagingRing::reserve(size_t bytes, bool capturing) {
+  Slot& s = slots_[current_];
   if (s.buf.bytes() < bytes) {
     // Pinned allocation is forbidden while a stream captures, so every slot grows together, on
     // the first eager step of a size: a captured step of the same size then finds room in any.

@@ -102,6 +102,9 @@ class StagingRing {
   void* acquire(size_t bytes, cudaStream_t stream) {
     return acquire(bytes, stream, stream_is_capturing(stream));
   }
+  // The acquired buffer, grown to at least `bytes` if it holds fewer. What was written into the
+  // smaller one is not carried over, but that one stays readable until the ring is destroyed.
+  void* reserve(size_t bytes, bool capturing);
   // Enqueues the copy of the acquired buffer's first `bytes` to `device_dst`.
   void upload(void* device_dst, size_t bytes, cudaStream_t stream, bool capturing);
   void upload(void* device_dst, size_t bytes, cudaStream_t stream) {
