@@ -199,7 +199,7 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
   // Unwritten bytes read as a pattern no table holds. Without `moved`, write() fills prepare's
   // buffer when the step fits it.
   constexpr uint64_t kFill = 0xdeadbeefdeadbeefull;
-  const size_t first = HostPlanner::prepare_bytes(b.batch_size, st.padded_bs);
+  const size_t first = HostPlanner::prepare_bytes(b, st.padded_bs);
   std::vector<uint64_t> prepared(st.moved ? first / 8 + 1 : std::max<size_t>(first, 1 << 20) / 8,
                                  kFill);
   const StepPlan& plan = planner.prepare(b, &rows.pool, page, st.padded_bs, st.graph, st.replay,
@@ -666,6 +666,26 @@ TEST(CudaHostPlan, RejectsDecodeSlotOffItsPosition) {
   ASSERT_TRUE(planner.plan().incremental);
   test::expect_error([&] { planner.write(buf.data()); },
                      {"out_cache_loc[0] = ", "position 41", "slot mod page size"});
+}
+
+// The backend acquires the staging slot before prepare() checks the batch: a batch_size that
+// disagrees with its rows must not size that slot (prepare rejects such a batch before writing).
+TEST(CudaHostPlan, PrepareBytesFollowTheRowsOfABadBatch) {
+  ForwardBatch b = make_decode_batch({1, 2}, {50, 60});
+  EXPECT_EQ(HostPlanner::prepare_bytes(b, 0), 2 * sizeof(cuda::ReqInfo));
+  EXPECT_EQ(HostPlanner::prepare_bytes(b, 8), 8 * sizeof(cuda::ReqInfo));
+  b.batch_size = 1 << 30;
+  EXPECT_EQ(HostPlanner::prepare_bytes(b, 0), 2 * sizeof(cuda::ReqInfo));
+  b.batch_size = -5;
+  EXPECT_EQ(HostPlanner::prepare_bytes(b, 0), 0u);
+  Rows rows(4, 256, 16);
+  for (int r = 0; r < 4; ++r) rows.grow(r, 100);
+  HostPlanner planner(config({4}, {128}, 8, false));
+  b.batch_size = 1 << 30;
+  std::vector<cuda::ReqInfo> slot(2);
+  test::expect_error(
+      [&] { planner.prepare(b, &rows.pool, 16, 0, nullptr, false, false, slot.data()); },
+      {"requests has 2 req_pool_indices"});
 }
 
 }  // namespace

@@ -174,7 +174,7 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
   if (plan_timing_) t[1] = Clock::now();
   // The slot comes first: prepare() writes the requests into it as it derives them.
   void* slot =
-      staging_.acquire(HostPlanner::prepare_bytes(batch.batch_size, padded_bs), stream_, capturing);
+      staging_.acquire(HostPlanner::prepare_bytes(batch, padded_bs), stream_, capturing);
   if (plan_timing_) t[2] = Clock::now();
   if (!capturing && !row_table_ready_ && ctx_.req_to_token != nullptr) init_row_table();
   const StepPlan& plan =

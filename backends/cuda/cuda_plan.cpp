@@ -446,8 +446,12 @@ void HostPlanner::plan_class(size_t c, int bs) {
   cp.max_splits = max_splits;
 }
 
-size_t HostPlanner::prepare_bytes(int batch_size, int padded_bs) {
-  return static_cast<size_t>(std::max({batch_size, padded_bs, 0})) * sizeof(ReqInfo);
+size_t HostPlanner::prepare_bytes(const ForwardBatch& batch, int padded_bs) {
+  // A batch whose size disagrees with its rows is rejected by prepare() before it writes a
+  // request, so its slot never needs more than the rows (nor a pinned allocation of a bogus size).
+  const size_t reqs = std::min(static_cast<size_t>(std::max(batch.batch_size, 0)),
+                               batch.req_pool_indices.size());
+  return std::max(reqs, static_cast<size_t>(std::max(padded_bs, 0))) * sizeof(ReqInfo);
 }
 
 const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToTokenPool* pool,

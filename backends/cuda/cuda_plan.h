@@ -92,7 +92,7 @@ class HostPlanner {
 
   // Bytes prepare() writes at its `dst`: the first class's requests, which lie at offset 0 of
   // every step's layout.
-  static size_t prepare_bytes(int batch_size, int padded_bs);
+  static size_t prepare_bytes(const ForwardBatch& batch, int padded_bs);
   // Phase one of a step: checks the batch and lays the step out (plan().bytes), writing the
   // requests at `dst` (prepare_bytes(), the start of the step's bytes) as it derives them: a
   // request is written once, where the upload reads it. `padded_bs` > batch_size pads with fill
