@@ -11,6 +11,24 @@ HWY_BEFORE_NAMESPACE();
 namespace attnrt::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 
+bool AllInRange(const int64_t* HWY_RESTRICT x, size_t n, int64_t bound) {
+  const hn::ScalableTag<int64_t> d;
+  const size_t lanes = hn::Lanes(d);
+  auto lo = hn::Set(d, 0), hi = hn::Set(d, bound - 1);
+  size_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto v = hn::LoadU(d, x + i);
+    lo = hn::Min(lo, v);
+    hi = hn::Max(hi, v);
+  }
+  int64_t min = hn::GetLane(hn::MinOfLanes(d, lo)), max = hn::GetLane(hn::MaxOfLanes(d, hi));
+  for (; i < n; ++i) {
+    min = x[i] < min ? x[i] : min;
+    max = x[i] > max ? x[i] : max;
+  }
+  return min >= 0 && max < bound;
+}
+
 bool AllOffset(const int64_t* HWY_RESTRICT x, const int32_t* HWY_RESTRICT y, int64_t d64,
                size_t n) {
   const hn::ScalableTag<int64_t> d;
@@ -54,8 +72,13 @@ HWY_AFTER_NAMESPACE();
 #if HWY_ONCE
 namespace attnrt {
 
+HWY_EXPORT(AllInRange);
 HWY_EXPORT(AllOffset);
 HWY_EXPORT(AllCountUp);
+
+bool all_in_range(const int64_t* x, size_t n, int64_t bound) {
+  return HWY_DYNAMIC_DISPATCH(AllInRange)(x, n, bound);
+}
 
 bool all_offset(const int64_t* x, const int32_t* y, int64_t d, size_t n) {
   return HWY_DYNAMIC_DISPATCH(AllOffset)(x, y, d, n);

@@ -8,6 +8,9 @@
 
 namespace attnrt {
 
+// True when 0 <= x[i] < bound for every i < n.
+bool all_in_range(const int64_t* x, size_t n, int64_t bound);
+
 // True when x[i] == y[i] + d for every i < n.
 bool all_offset(const int64_t* x, const int32_t* y, int64_t d, size_t n);
 
