@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -9,6 +10,7 @@
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/batch/forward_mode.h"
 #include "attnrt/core/error.h"
+#include "src/batch/step_layout_checked.h"
 #include "tests/test_util.h"
 
 using namespace attnrt;
@@ -528,4 +530,187 @@ TEST(StepLayout, FindsRepeatedRowsAmongManyRequests) {
   b.req_pool_indices[299] = (int64_t{17} << 32) + 7;
   test::expect_error([&] { make_step_layout(b); },
                      {"req_pool_indices[299] = 73014444039 duplicates req_pool_indices[17]"});
+}
+
+namespace {
+
+// A valid batch of a random mode and size, its rows small or far apart, then 0-3 random edits
+// (a value nudged or set to an extreme, a field grown, shrunk or emptied, a row repeated, the mode
+// or the tree changed), so most batches break one check or several.
+ForwardBatch random_batch(std::mt19937& rng) {
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const int bs = pick(0, 6);
+  std::vector<int64_t> req(bs);
+  const bool far = pick(0, 3) == 0;
+  for (int i = 0; i < bs; ++i) req[i] = far ? (int64_t{i + 1} << 33) + 5 : 2 * i + pick(0, 1);
+  std::shuffle(req.begin(), req.end(), rng);
+  std::vector<int32_t> prefix(bs), ext(bs), seq(bs);
+  for (int i = 0; i < bs; ++i) {
+    prefix[i] = pick(0, 9);
+    ext[i] = pick(1, 4);
+    seq[i] = prefix[i] + ext[i];
+  }
+  ForwardBatch b;
+  switch (pick(0, 5)) {
+    case 0:
+      b = make_decode_batch(req, seq);
+      break;
+    case 1:
+      b = make_extend_batch(req, prefix, ext);
+      break;
+    case 2:
+      b = make_extend_batch(req, prefix, ext, ForwardMode::MIXED);
+      break;
+    case 3:
+      b = make_verify_batch(req, prefix, SpecInfo::chain(bs, pick(1, 4)));
+      break;
+    case 4: {
+      const int n = pick(1, 5);
+      SpecInfo s;
+      s.draft_token_num = n;
+      s.topk = 2;
+      for (int i = 0; i < bs; ++i) {
+        const std::vector<int32_t> p = random_tree(rng, n);
+        s.parents.insert(s.parents.end(), p.begin(), p.end());
+      }
+      b = make_verify_batch(req, prefix, std::move(s));
+      break;
+    }
+    default: {
+      std::vector<int32_t> accept(bs);
+      for (int i = 0; i < bs; ++i) accept[i] = ext[i] - 1;
+      b = make_draft_extend_batch(req, seq, accept);
+    }
+  }
+  fill_slots(b);
+  if (pick(0, 2) == 0) {  // the optional fields of decode and verify left out
+    if (pick(0, 1) == 0) b.extend_seq_lens.clear();
+    if (pick(0, 1) == 0) b.extend_prefix_lens.clear();
+    if (pick(0, 1) == 0) b.extend_start_loc.clear();
+  }
+  const int edits = pick(0, 3);
+  for (int e = 0; e < edits; ++e) {
+    const int what = pick(0, 12);
+    auto edit32 = [&](std::vector<int32_t>& v) {
+      if (v.empty()) return;
+      int32_t& x = v[pick(0, static_cast<int>(v.size()) - 1)];
+      switch (pick(0, 4)) {
+        case 0:
+          x = std::numeric_limits<int32_t>::min();
+          break;
+        case 1:
+          x = std::numeric_limits<int32_t>::max();
+          break;
+        case 2:
+          x = -1;
+          break;
+        default:
+          x += pick(0, 1) ? 1 : -1;
+      }
+    };
+    auto edit64 = [&](std::vector<int64_t>& v) {
+      if (v.empty()) return;
+      int64_t& x = v[pick(0, static_cast<int>(v.size()) - 1)];
+      switch (pick(0, 3)) {
+        case 0:
+          x = -1;
+          break;
+        case 1:
+          x = v[pick(0, static_cast<int>(v.size()) - 1)];
+          break;
+        default:
+          x += pick(0, 1) ? 1 : -1;
+      }
+    };
+    auto resize = [&](auto& v) {
+      switch (pick(0, 2)) {
+        case 0:
+          v.clear();
+          break;
+        case 1:
+          v.resize(v.size() + 1);
+          break;
+        default:
+          if (!v.empty()) v.pop_back();
+      }
+    };
+    std::vector<int32_t>* const fields32[] = {&b.seq_lens, &b.extend_prefix_lens,
+                                              &b.extend_seq_lens, &b.extend_start_loc};
+    std::vector<int64_t>* const fields64[] = {&b.req_pool_indices, &b.positions, &b.out_cache_loc};
+    switch (what) {
+      case 0:
+      case 1:
+        edit64(*fields64[pick(0, 1)]);
+        break;
+      case 2:
+      case 3:
+      case 4:
+        edit32(*fields32[pick(0, 3)]);
+        break;
+      case 5:
+        resize(*fields32[pick(0, 3)]);
+        break;
+      case 6:
+        resize(*fields64[pick(0, 2)]);
+        break;
+      case 7:
+        if (b.spec_info) edit32(b.spec_info->parents);
+        break;
+      case 8:
+        if (b.spec_info) b.spec_info->topk = pick(0, 2);
+        break;
+      case 9:
+        if (b.spec_info) b.spec_info->draft_token_num += pick(0, 1) ? 1 : -1;
+        break;
+      case 10:
+        b.spec_info.reset();
+        break;
+      case 11:
+        b.batch_size += pick(0, 1) ? 1 : -1;
+        break;
+      default:
+        b.mode = static_cast<ForwardMode>(pick(0, 6));
+    }
+  }
+  return b;
+}
+
+// What make_step_layout makes of a batch: the layout's fields, or the error message.
+template <typename Fn>
+std::string outcome(Fn&& fn, const ForwardBatch& b, StepLayout& l) {
+  try {
+    fn(b, l);
+  } catch (const Error& e) {
+    return std::string("error: ") + e.what();
+  }
+  std::string s =
+      fmt::format("tokens {} max_q {} max_kv {} |", l.num_tokens, l.max_query_len, l.max_kv_len);
+  for (size_t i = 0; i < l.prefix_lens.size(); ++i) {
+    s += fmt::format(" {}+{}@{}", l.prefix_lens[i], l.query_lens[i], l.query_start[i]);
+  }
+  return s + fmt::format(" end {} of {}", l.query_start.back(), l.query_start.size());
+}
+
+}  // namespace
+
+// make_step_layout's fused pass only decides how fast a good batch goes: on random good and bad
+// batches of every mode it gives the layout or the first error that the one-check-at-a-time path
+// gives, into fresh layouts and into one reused across steps.
+TEST(StepLayout, FusedPathAcceptsAndRejectsExactlyAsTheCheckedPath) {
+  std::mt19937 rng(2024);
+  StepLayout fused_reused, checked_reused;
+  int rejected = 0;
+  for (int iter = 0; iter < 40000; ++iter) {
+    const ForwardBatch b = random_batch(rng);
+    StepLayout fresh_fused, fresh_checked;
+    const auto fused = [](const ForwardBatch& x, StepLayout& l) { make_step_layout(x, l); };
+    const std::string want = outcome(make_step_layout_checked, b, fresh_checked);
+    ASSERT_EQ(outcome(fused, b, fresh_fused), want) << "iteration " << iter;
+    ASSERT_EQ(outcome(fused, b, fused_reused), outcome(make_step_layout_checked, b, checked_reused))
+        << "iteration " << iter;
+    rejected += want.starts_with("error");
+  }
+  // Both kinds are well represented.
+  EXPECT_GT(rejected, 10000);
+  EXPECT_LT(rejected, 36000);
 }

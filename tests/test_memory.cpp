@@ -923,3 +923,77 @@ TEST(SWAStorage, StoresSwaLayersInTheSwaPoolAndFullLayersInTheFullPool) {
 }
 
 }  // namespace
+
+// The slot checks on random steps, some with a slot out of range, a repeat or a slot without an
+// SWA slot (one problem or several): the error names the first bad entry as a walk in token order
+// finds it, a refused step leaves the caller's SWA buffer as it was, and the next good step passes
+// (a refused step's stamps do not count as repeats) and translates every slot.
+TEST(StepSlotCheck, RandomStepsNameTheFirstBadSlotAndLeaveNoStaleStamps) {
+  std::mt19937 rng(99);
+  auto pick = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  const int64_t rows = 200;
+  auto map = std::make_shared<std::vector<int64_t>>(rows + 1);
+  for (int64_t s = 0; s < rows; ++s) (*map)[s] = s % 7 == 3 ? 0 : s + 1000;
+  (*map)[rows] = -1;
+  for (const bool swa : {false, true}) {
+    StepSlotCheck check("KV cache", rows, swa ? map : nullptr);
+    std::vector<int64_t> out(64, -7);
+    int refused = 0;
+    for (int iter = 0; iter < 5000; ++iter) {
+      // A good step: distinct slots (mapped ones with a map), the dummy 0 possibly repeated.
+      std::vector<int64_t> loc;
+      for (int64_t s = 1; s < rows; ++s) {
+        if ((!swa || (*map)[s] != 0) && pick(0, 9) == 0) loc.push_back(s);
+      }
+      for (int64_t z = pick(0, 2); z > 0; --z) loc.push_back(0);
+      std::shuffle(loc.begin(), loc.end(), rng);
+      loc.resize(std::min<size_t>(loc.size(), out.size()));
+      for (int64_t e = pick(0, 2); e > 0 && !loc.empty(); --e) {
+        int64_t& x = loc[pick(0, static_cast<int64_t>(loc.size()) - 1)];
+        switch (pick(0, 3)) {
+          case 0:
+            x = pick(0, 1) ? -1 - pick(0, 5) : rows + pick(0, 5);
+            break;
+          case 1:
+            x = loc[pick(0, static_cast<int64_t>(loc.size()) - 1)];
+            break;
+          case 2:
+            x = 7 * pick(0, rows / 7 - 1) + 3;
+            break;  // no SWA slot
+          default:
+            x = pick(0, rows - 1);
+        }
+      }
+      // The first bad entry in token order, and what its message says.
+      std::vector<std::string> want;
+      std::map<int64_t, size_t> first;
+      for (size_t i = 0; i < loc.size() && want.empty(); ++i) {
+        const int64_t s = loc[i];
+        const std::string at = fmt::format("out_cache_loc[{}] = {} ", i, s);
+        if (s < 0 || s >= rows) {
+          want = {"KV cache: " + at + "is outside the KV pool's slots 0..199"};
+        } else if (s != 0 && first.count(s)) {
+          want = {at + fmt::format("repeats out_cache_loc[{}]", first[s]), "only the dummy slot"};
+        } else if (s != 0 && swa && (*map)[s] == 0) {
+          want = {at + "has no SWA slot"};
+        }
+        first.emplace(s, i);
+      }
+      const std::vector<int64_t> before = out;
+      if (!want.empty()) {
+        ++refused;
+        expect_error([&] { check(loc, out.data()); }, want);
+        ASSERT_EQ(out, before) << "iteration " << iter << ": a refused step wrote SWA slots";
+        continue;
+      }
+      ASSERT_NO_THROW(check(loc, out.data())) << "iteration " << iter;
+      if (swa) {
+        for (size_t i = 0; i < loc.size(); ++i) ASSERT_EQ(out[i], (*map)[loc[i]]);
+      }
+    }
+    EXPECT_GT(refused, 1000);
+    EXPECT_LT(refused, 4500);
+  }
+}

@@ -5,6 +5,8 @@
 #include <unordered_map>
 
 #include "attnrt/core/error.h"
+#include "src/batch/step_layout_checked.h"
+#include "src/core/index_scan.h"
 
 namespace attnrt {
 
@@ -155,7 +157,9 @@ namespace {
 // Validation shared by make_step_layout and the builders (which leave out_cache_loc empty).
 class LayoutBuilder {
  public:
-  explicit LayoutBuilder(const ForwardBatch& b) : b_(b), mode_(forward_mode_name(b.mode)) {}
+  // fused = false: the checked path only (make_step_layout_checked), for tests to compare with.
+  explicit LayoutBuilder(const ForwardBatch& b, bool fused = true)
+      : b_(b), mode_(forward_mode_name(b.mode)), fused_(fused) {}
 
   StepLayout build(bool check_slots, bool check_positions = true) {
     StepLayout l;
@@ -179,6 +183,8 @@ class LayoutBuilder {
 
     l.prefix_lens.resize(bs);
     l.query_lens.resize(bs);
+    l.query_start.resize(bs + 1);
+    if (fused_ && check_slots && check_positions && derive_fused(l)) return;
     l.num_tokens = 0;
     l.max_query_len = 0;
     l.max_kv_len = 0;
@@ -231,9 +237,44 @@ class LayoutBuilder {
     return true;
   }
 
+  void check_rows() const {
+    if (!fused_ || !rows_distinct_fast()) check_rows_hashed();
+  }
+
+  // The common case of check_rows: every row >= 0 and below 2^20, stamped in a table indexed by
+  // row (thread-local, grown to the largest row seen) with a per-call stamp, so nothing is hashed
+  // or cleared. True when all rows are such and distinct; otherwise check_rows_hashed decides and
+  // names the problem.
+  bool rows_distinct_fast() const {
+    constexpr uint64_t kStampedRows = uint64_t{1} << 20;
+    const int64_t* rows = b_.req_pool_indices.data();
+    const int bs = b_.batch_size;
+    uint64_t bits = 0;  // >= every row; a negative row sets the top bit
+    for (int i = 0; i < bs; ++i) bits |= static_cast<uint64_t>(rows[i]);
+    if (bits >= kStampedRows) return false;
+    struct Stamps {
+      std::vector<uint32_t> at;  // [row]: stamp of the call that last saw the row
+      uint32_t now = 0;
+    };
+    thread_local Stamps stamps;
+    if (stamps.at.size() <= bits) stamps.at.resize(bits + 1, 0);
+    if (++stamps.now == 0) {  // wrapped: forget every stamp
+      std::fill(stamps.at.begin(), stamps.at.end(), 0);
+      stamps.now = 1;
+    }
+    uint32_t* at = stamps.at.data();
+    const uint32_t now = stamps.now;
+    unsigned dup = 0;
+    for (int i = 0; i < bs; ++i) {
+      dup |= at[rows[i]] == now;
+      at[rows[i]] = now;
+    }
+    return dup == 0;
+  }
+
   // Duplicate rows through an open-addressing table of the rows seen (thread-local scratch: no
   // allocation per step once grown; a hash map allocated a node per request).
-  void check_rows() const {
+  void check_rows_hashed() const {
     const int bs = b_.batch_size;
     thread_local std::vector<int64_t> slots;  // row + 1, 0 = empty; then the request index
     size_t cap = 16;
@@ -253,6 +294,173 @@ class LayoutBuilder {
       slots[h] = row + 1;
       slots[cap + h] = i;
     }
+  }
+
+  // The fused twin of derive_*, the query offsets, check_start_loc, the out_cache_loc size and
+  // check_positions for the modes of a serving step: a few branch-free passes whose flags only say
+  // whether the batch passes, and no formatting. Fills `l` and returns true exactly when that
+  // checked path accepts the batch, with the same layout; false (a bad batch, or a mode not covered
+  // here) sends build() down the checked path, which names the first problem. So it decides how
+  // fast a good batch goes, never what is accepted.
+  bool derive_fused(StepLayout& l) const {
+    switch (b_.mode) {
+      case ForwardMode::EXTEND:
+      case ForwardMode::MIXED:
+        return extend_fused(l);
+      case ForwardMode::DECODE:
+        return decode_fused(l);
+      case ForwardMode::TARGET_VERIFY:
+        return verify_fused(l);
+      default:
+        return false;
+    }
+  }
+
+  // An optional per-request field: empty, or one entry per request.
+  bool fits(size_t got) const { return got == 0 || got == static_cast<size_t>(b_.batch_size); }
+
+  // out_cache_loc and positions have one entry per query token.
+  bool token_sizes_fit(int64_t tokens) const {
+    return b_.num_tokens() == tokens && static_cast<int64_t>(b_.positions.size()) == tokens;
+  }
+
+  // v empty, or v[i] == a[i] + d for every request.
+  bool empty_or_offset(const std::vector<int32_t>& v, const int32_t* a, int64_t d) const {
+    unsigned bad = 0;
+    for (size_t i = 0; i < v.size(); ++i) bad |= int64_t{v[i]} != a[i] + d;
+    return bad == 0;
+  }
+
+  // v empty, or v[i] == x for every request.
+  static bool empty_or_all(const std::vector<int32_t>& v, int32_t x) {
+    unsigned bad = 0;
+    for (const int32_t e : v) bad |= e != x;
+    return bad == 0;
+  }
+
+  // extend_start_loc empty, or extend_start_loc[i] == i * step for every request.
+  bool empty_or_strided_starts(int64_t step) const {
+    const std::vector<int32_t>& v = b_.extend_start_loc;
+    unsigned bad = 0;
+    for (size_t i = 0; i < v.size(); ++i) bad |= int64_t{v[i]} != static_cast<int64_t>(i) * step;
+    return bad == 0;
+  }
+
+  // positions[query_start[i] + t] == prefix_lens[i] + t for every query token (its sizes checked).
+  bool positions_count_up(const StepLayout& l) const {
+    return all_count_up(b_.positions.data(), l.query_start.data(), l.prefix_lens.data(),
+                        l.query_lens.data(), static_cast<size_t>(b_.batch_size));
+  }
+
+  bool extend_fused(StepLayout& l) const {
+    const int bs = b_.batch_size;
+    const auto n = static_cast<size_t>(bs);
+    if (b_.extend_prefix_lens.size() != n || b_.extend_seq_lens.size() != n ||
+        b_.extend_start_loc.size() != n) {
+      return false;
+    }
+    const int32_t *pre = b_.extend_prefix_lens.data(), *ext = b_.extend_seq_lens.data();
+    const int32_t *seq = b_.seq_lens.data(), *loc = b_.extend_start_loc.data();
+    unsigned bad = 0;
+    int64_t total = 0;
+    int32_t max_q = 0, max_kv = 0;
+    for (int i = 0; i < bs; ++i) {
+      const int32_t p = pre[i], e = ext[i];
+      const int64_t kv = int64_t{p} + e;
+      bad |= (p < 0) | (e < 1) | (seq[i] != kv) | (loc[i] != total);
+      l.prefix_lens[i] = p;
+      l.query_lens[i] = e;
+      l.query_start[i] = total;
+      total += e;
+      max_q = std::max(max_q, e);
+      max_kv = std::max(max_kv, static_cast<int32_t>(kv));
+    }
+    if (bad != 0 || !token_sizes_fit(total)) return false;
+    l.query_start[bs] = total;
+    l.num_tokens = total;
+    l.max_query_len = max_q;
+    l.max_kv_len = max_kv;
+    return positions_count_up(l);
+  }
+
+  bool decode_fused(StepLayout& l) const {
+    const int bs = b_.batch_size;
+    if (!fits(b_.extend_seq_lens.size()) || !fits(b_.extend_prefix_lens.size()) ||
+        !fits(b_.extend_start_loc.size()) || !token_sizes_fit(bs)) {
+      return false;
+    }
+    const int32_t* seq = b_.seq_lens.data();
+    unsigned bad = !all_offset(b_.positions.data(), seq, -1, static_cast<size_t>(bs));
+    int32_t max_kv = 0;
+    for (int i = 0; i < bs; ++i) {
+      const int32_t s = seq[i];
+      bad |= s < 1;
+      l.prefix_lens[i] = static_cast<int32_t>(int64_t{s} - 1);
+      l.query_lens[i] = 1;
+      l.query_start[i] = i;
+      max_kv = std::max(max_kv, s);
+    }
+    if (bad != 0 || !empty_or_all(b_.extend_seq_lens, 1) ||
+        !empty_or_offset(b_.extend_prefix_lens, seq, -1) || !empty_or_strided_starts(1)) {
+      return false;
+    }
+    l.query_start[bs] = bs;
+    l.num_tokens = bs;
+    l.max_query_len = bs > 0 ? 1 : 0;
+    l.max_kv_len = max_kv;
+    return true;
+  }
+
+  bool verify_fused(StepLayout& l) const {
+    if (!b_.spec_info) return false;
+    const SpecInfo& s = *b_.spec_info;
+    const int bs = b_.batch_size, n = s.draft_token_num;
+    const int64_t total = int64_t{bs} * n;
+    if (n < 1 || s.topk < 1 || static_cast<int64_t>(s.parents.size()) != total ||
+        !fits(b_.extend_seq_lens.size()) || !fits(b_.extend_prefix_lens.size()) ||
+        !fits(b_.extend_start_loc.size()) || !token_sizes_fit(total)) {
+      return false;
+    }
+    const int32_t* par = s.parents.data();
+    unsigned bad = 0;
+    for (int r = 0; r < bs; ++r) {
+      const int32_t* p = par + static_cast<size_t>(r) * n;
+      if (s.is_chain()) {
+        for (int t = 0; t < n; ++t) bad |= p[t] != t - 1;
+      } else {
+        bad |= p[0] != -1;
+        for (int t = 1; t < n; ++t) bad |= (p[t] < 0) | (p[t] >= t);
+      }
+    }
+    const int32_t* seq = b_.seq_lens.data();
+    int32_t max_kv = 0;
+    for (int i = 0; i < bs; ++i) {
+      const int32_t sl = seq[i];
+      bad |= sl < 0;
+      l.prefix_lens[i] = sl;
+      l.query_lens[i] = n;
+      l.query_start[i] = int64_t{i} * n;
+      max_kv = std::max(max_kv, static_cast<int32_t>(int64_t{sl} + n));
+    }
+    if (bad != 0 || !empty_or_all(b_.extend_seq_lens, n) ||
+        !empty_or_offset(b_.extend_prefix_lens, seq, 0) || !empty_or_strided_starts(n)) {
+      return false;
+    }
+    l.query_start[bs] = total;
+    l.num_tokens = total;
+    l.max_query_len = bs > 0 ? n : 0;
+    l.max_kv_len = max_kv;
+    if (s.is_chain()) return positions_count_up(l);  // a chain's depths are the block indices
+    thread_local std::vector<int32_t> depth;
+    depth.resize(n);
+    const int64_t* pos = b_.positions.data();
+    for (int i = 0; i < bs; ++i) {
+      const int32_t* p = par + static_cast<size_t>(i) * n;
+      for (int t = 0; t < n; ++t) depth[t] = p[t] < 0 ? 0 : depth[p[t]] + 1;
+      const int64_t* row = pos + static_cast<size_t>(i) * n;
+      for (int t = 0; t < n; ++t) bad |= row[t] != int64_t{seq[i]} + depth[t];
+    }
+    return bad == 0;
   }
 
   void derive_extend(StepLayout& l) const {
@@ -440,6 +648,7 @@ class LayoutBuilder {
 
   const ForwardBatch& b_;
   std::string_view mode_;
+  bool fused_;
 };
 
 void fill_positions_and_starts(ForwardBatch& b, const std::vector<int32_t>& prefix,
@@ -466,6 +675,10 @@ StepLayout make_step_layout(const ForwardBatch& batch) {
 
 void make_step_layout(const ForwardBatch& batch, StepLayout& layout) {
   LayoutBuilder(batch).build(layout, /*check_slots=*/true);
+}
+
+void make_step_layout_checked(const ForwardBatch& batch, StepLayout& layout) {
+  LayoutBuilder(batch, /*fused=*/false).build(layout, /*check_slots=*/true);
 }
 
 ForwardBatch make_extend_batch(const std::vector<int64_t>& req_rows,

@@ -7,6 +7,7 @@
 
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/error.h"
+#include "src/core/index_scan.h"
 
 namespace attnrt {
 
@@ -21,13 +22,44 @@ StepSlotCheck::StepSlotCheck(const char* who, int64_t full_rows,
       map_(std::move(full_to_swa)),
       seen_(static_cast<size_t>(full_rows), 0) {}
 
-void StepSlotCheck::operator()(std::span<const int64_t> loc, int64_t* swa) {
-  if (++epoch_ == 0) {  // wrapped: forget every stamp
-    std::fill(seen_.begin(), seen_.end(), 0);
-    epoch_ = 1;
+namespace {
+
+// The common case of StepSlotCheck: every slot in [0, rows), none but the dummy 0 stamped `epoch`
+// in `seen` before (each gets stamped), and with a map every slot but 0 mapped to an SWA slot. No
+// branch on the values and no message: on false the checked loop walks the slots in order and
+// names the first bad one.
+bool slots_pass(std::span<const int64_t> loc, int64_t rows, uint32_t* seen, uint32_t epoch,
+                const int64_t* map) {
+  const int64_t* p = loc.data();
+  const size_t tokens = loc.size();
+  if (!all_in_range(p, tokens, rows)) return false;
+  unsigned bad = 0;
+  for (size_t i = 0; i < tokens; ++i) {
+    bad |= (seen[p[i]] == epoch) & (p[i] != 0);
+    seen[p[i]] = epoch;
   }
+  if (map != nullptr) {
+    for (size_t i = 0; i < tokens; ++i) bad |= (map[p[i]] == 0) & (p[i] != 0);
+  }
+  return bad == 0;
+}
+
+}  // namespace
+
+void StepSlotCheck::operator()(std::span<const int64_t> loc, int64_t* swa) {
+  auto next_epoch = [&] {
+    if (++epoch_ == 0) {  // wrapped: forget every stamp
+      std::fill(seen_.begin(), seen_.end(), 0);
+      epoch_ = 1;
+    }
+  };
+  next_epoch();
+  const bool good =
+      slots_pass(loc, full_rows_, seen_.data(), epoch_, map_ != nullptr ? map_->data() : nullptr);
+  if (!good) next_epoch();  // slots_pass stamped slots in the current epoch
+  // A bad step: walk the slots in order and name the first bad one.
   const auto tokens = static_cast<int64_t>(loc.size());
-  for (int64_t i = 0; i < tokens; ++i) {
+  for (int64_t i = 0; !good && i < tokens; ++i) {
     const int64_t s = loc[i];
     ATTNRT_CHECK(s >= 0 && s < full_rows_,
                  "{}: out_cache_loc[{}] = {} is outside the KV pool's slots 0..{}", who_, i, s,
