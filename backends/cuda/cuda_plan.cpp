@@ -51,7 +51,9 @@ HostPlanner::HostPlanner(PlannerConfig config) : config_(std::move(config)) {
                "cuda plan: {} layer classes with {} head dims and {} occupancies; expected one "
                "each per class (at least one class)",
                config_.groups.size(), config_.head_dims.size(), config_.occupancy.size());
-  work_.resize(config_.groups.size());
+  classes_.resize(config_.groups.size());
+  for (size_t c = 0; c < classes_.size(); ++c)
+    classes_[c] = {config_.groups[c], config_.head_dims[c], config_.occupancy[c], {}};
   plan_.classes.resize(config_.groups.size());
 }
 
@@ -308,10 +310,11 @@ struct CeilDiv {
 // against 279 / 328 us on 2 / 1, 128 x 8192 999 us on 3 against 1026 us on 1 (all at three CTAs
 // per SM; at four, 64 x 4096 fits one wave unsplit: 263 us). Returns the key chunk of a split.
 uint32_t HostPlanner::choose_chunk(size_t c, int bs, int64_t cap, int64_t base) {
-  const int bn = config_.head_dims[c] > 128 ? 32 : 64;  // key tile of the decode and verify shapes
+  const ClassState& cs = classes_[c];
+  const int bn = cs.head_dim > 128 ? 32 : 64;  // key tile of the decode and verify shapes
   const int64_t heads = config_.num_kv_heads_max;
   const uint32_t max_len = stats_.max_kv;
-  const ClassWork& w = work_[c];
+  const ClassWork& w = cs.work;
   // Large batches only look at a few split counts, keeping the plan O(4 bs).
   const int64_t by_len = std::max<int64_t>(1, max_len / kMinChunkDecode);
   const int s_max = static_cast<int>(
@@ -336,7 +339,7 @@ uint32_t HostPlanner::choose_chunk(size_t c, int bs, int64_t cap, int64_t base) 
       for (int s = 0; s < s_max; ++s) ctas[s] += t * div[s](kv[i]);
     }
   }
-  const int64_t merge_rows = int64_t{stats_.tokens} * config_.groups[c] * heads;
+  const int64_t merge_rows = int64_t{stats_.tokens} * cs.group * heads;
   const double merge =
       2.0 + static_cast<double>(ceil_div(merge_rows, int64_t{config_.sm_count} * 8));
   // The cheapest candidate; a later one must be strictly cheaper.
@@ -357,10 +360,11 @@ uint32_t HostPlanner::choose_chunk(size_t c, int bs, int64_t cap, int64_t base) 
 // Shape, query tiles, split counts and the number of work items of class c.
 void HostPlanner::plan_class(size_t c, int bs) {
   ClassPlan& cp = plan_.classes[c];
-  ClassWork& w = work_[c];
+  ClassState& cs = classes_[c];
+  ClassWork& w = cs.work;
   cp = ClassPlan{};
-  cp.group = config_.groups[c];
-  cp.head_dim = config_.head_dims[c];
+  cp.group = cs.group;
+  cp.head_dim = cs.head_dim;
   cp.shape = choose_shape(stats_.max_q, cp.group);
   cp.item_rows = static_cast<int>(
       std::min<int64_t>(int64_t{stats_.max_q} * cp.group, tile_rows(cp.shape)));
@@ -394,7 +398,7 @@ void HostPlanner::plan_class(size_t c, int bs) {
   } else if (cp.shape != TileShape::prefill) {
     if (base > 0) {
       const int64_t cap =
-          int64_t{config_.sm_count} * config_.occupancy[c][static_cast<int>(cp.shape)];
+          int64_t{config_.sm_count} * cs.occupancy[static_cast<int>(cp.shape)];
       chunk = config_.kv_chunk > 0 ? static_cast<uint32_t>(config_.kv_chunk)
                                    : choose_chunk(c, bs, cap, base);
     }
@@ -457,6 +461,17 @@ size_t HostPlanner::prepare_bytes(const ForwardBatch& batch, int padded_bs) {
 const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToTokenPool* pool,
                                      int page, int padded_bs, const GraphLayout* graph,
                                      bool graph_replay, bool capturing, void* dst) {
+  // The first lines of the arrays the scan reads and writes, fetched while the checks run: the
+  // plan starts cold in serving, and the scan's first requests would wait on each in turn.
+  __builtin_prefetch(batch.req_pool_indices.data());
+  __builtin_prefetch(batch.seq_lens.data());
+  __builtin_prefetch(batch.out_cache_loc.data());
+  __builtin_prefetch(row_of_.data(), 1);
+  __builtin_prefetch(kv_.data(), 1);
+  __builtin_prefetch(token_page_.data(), 1);
+  __builtin_prefetch(dst, 1);
+  __builtin_prefetch(classes_.data(), 1);
+  __builtin_prefetch(plan_.classes.data(), 1);
   plan_.valid = false;
   batch_ = nullptr;
   // Commits of the previous plan become the row table's state once one of its kernels ran (they
@@ -566,7 +581,7 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   }
 
   // Per class: shape, split counts and the number of work items.
-  const size_t nc = config_.groups.size();
+  const size_t nc = classes_.size();
   if (splits_.size() < nc * bs) {
     splits_.resize(nc * bs);
     class_tiles_.resize(nc * bs);
@@ -650,7 +665,7 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
 // Work items of a class whose requests differ in tile or split counts.
 void HostPlanner::write_work_ragged(size_t c, WorkItem* items) const {
   const int bs = plan_.bs;
-  const ClassWork& w = work_[c];
+  const ClassWork& w = classes_[c].work;
   const int rows = tile_rows(plan_.classes[c].shape);
   const int32_t* tiles = class_tiles_.data() + c * bs;
   const int32_t* splits = splits_.data() + c * bs;
@@ -726,7 +741,7 @@ void HostPlanner::write(void* dst) {
   // split each until its own splits are set.
   for (size_t c = nc; c-- > 0;) {
     const ClassPlan& cp = plan.classes[c];
-    ClassWork& w = work_[c];
+    const ClassWork& w = classes_[c].work;
     const int32_t* splits = splits_.data() + c * bs;
     auto* ri = reinterpret_cast<ReqInfo*>(host + cp.reqs_off);
     if (w.splits == 1) {

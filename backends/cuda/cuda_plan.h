@@ -120,6 +120,15 @@ class HostPlanner {
     int32_t tiles = 0;
     int32_t splits = 0;
   };
+  // What the plan reads of a layer class every step, in one cache line: the config's values
+  // (copied at construction) and the class's work. A plan starts cold in serving, where each
+  // separate array read per class costs a miss.
+  struct alignas(64) ClassState {
+    int32_t group;
+    int32_t head_dim;
+    std::array<int32_t, kNumTileShapes> occupancy;
+    ClassWork work;
+  };
   struct Stats {
     int32_t tokens = 0, min_q = INT32_MAX, max_q = 0;
     uint32_t min_kv = UINT32_MAX, max_kv = 0;
@@ -180,7 +189,7 @@ class HostPlanner {
   // and in DECODE the page of each request's token (taken from out_cache_loc while scanning).
   std::vector<int32_t> row_of_, kv_, token_page_;
   bool token_pages_ = false;  // every request of the step misses only its token's page
-  std::vector<ClassWork> work_;
+  std::vector<ClassState> classes_;
   std::vector<int32_t> splits_, class_tiles_;  // [class][request] where not uniform
   uint32_t stamp_ = 0;  // duplicate-row check (RowState::stamp)
   // Incremental page tables: per pool row, what the device row table holds. A plan's commits
