@@ -75,8 +75,8 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
   if (device_cache_ != nullptr) {
     stream_ = device_cache_->stream();
   } else {
-    ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    owns_stream_ = true;
+    ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+    stream_ = own_stream_;
   }
   ensure(sched_, 2 * sizeof(int32_t), "work scheduler");
   ATTNRT_CUDA_CHECK(cudaMemsetAsync(sched_.data(), 0, sched_.bytes(), stream_));
@@ -140,10 +140,16 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
 
 CudaBackend::~CudaBackend() {
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-  if (owns_stream_ && stream_ != nullptr) cudaStreamDestroy(stream_);
+  if (own_stream_ != nullptr) {
+    cudaStreamSynchronize(own_stream_);
+    cudaStreamDestroy(own_stream_);
+  }
 }
 
 void CudaBackend::set_stream(cudaStream_t stream) {
+  // What this backend queued on the old stream (the scheduler counter's and the row table's
+  // zeroing, the last plan's upload) comes before anything the new one runs.
+  order_after(stream, stream_);
   stream_ = stream;
   if (device_cache_ != nullptr) device_cache_->set_stream(stream);
 }

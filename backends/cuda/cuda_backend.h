@@ -75,7 +75,7 @@ class CudaBackend final : public AttentionBackend {
 
   CudaKVCache* device_cache_ = nullptr;
   cudaStream_t stream_ = nullptr;
-  bool owns_stream_ = false;
+  cudaStream_t own_stream_ = nullptr;  // created here (no GPU cache); destroyed here
   int64_t max_q_heads_x_dv_ = 0;
 
   // The plan's host part and its state across steps (committed pages per pool row).

@@ -95,17 +95,20 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// Random finite bf16 in [-1, 1): one random host block, tiled over the buffer.
-void fill_bf16(void* dst, size_t bytes, uint64_t seed) {
+// Random finite bf16 in [-1, 1): one random host block, tiled over the buffer, on `stream` (the
+// GEMM's) and complete on return.
+void fill_bf16(void* dst, size_t bytes, uint64_t seed, cudaStream_t stream) {
   const size_t block = std::min<size_t>(bytes, size_t{16} << 20);
   std::vector<uint16_t> host(block / 2);
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
   for (uint16_t& x : host) x = float_to_bf16(u(rng));
   for (size_t off = 0; off < bytes; off += block) {
-    ATTNRT_CUDA_CHECK(cudaMemcpy(static_cast<char*>(dst) + off, host.data(),
-                                 std::min(block, bytes - off), cudaMemcpyHostToDevice));
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(dst) + off, host.data(),
+                                      std::min(block, bytes - off), cudaMemcpyHostToDevice,
+                                      stream));
   }
+  ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
 // The cuBLAS entry points the GEMM probe calls, resolved from the shared library at run time.
@@ -217,8 +220,8 @@ bench::Ceilings measure_gpu_ceilings(Device device, const bench::CeilingOptions&
     constexpr int n = 8192;
     const size_t bytes = size_t{2} * n * n;
     DeviceBuffer a(bytes), b(bytes), out(bytes);
-    fill_bf16(a.data(), bytes, 1);
-    fill_bf16(b.data(), bytes, 2);
+    fill_bf16(a.data(), bytes, 1, stream);
+    fill_bf16(b.data(), bytes, 2, stream);
     cublasHandle_t handle = nullptr;
     if (blas.create(&handle) != CUBLAS_STATUS_SUCCESS) {
       c.bf16.unavailable = "cublasCreate failed";

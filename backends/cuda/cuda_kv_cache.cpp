@@ -30,6 +30,12 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
                "SWA-hybrid cache needs {} entries (full rows + 1) and at least one SWA row",
                map_ == nullptr ? 0 : map_->size(), swa_rows, rows + 1);
   ATTNRT_CUDA_CHECK(cudaGetDevice(&device_));
+  // The stream comes first: every initialisation below is enqueued on it. A plain cudaMemset or
+  // cudaMemcpy would run on the legacy default stream, which this non-blocking stream does not
+  // wait for, so a zeroing still queued there (behind other work on the GPU) could land after the
+  // first steps stored their K/V.
+  ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+  stream_ = own_stream_;
   int max_id = -1;
   for (const LayerSpec& l : model.layers) max_id = std::max(max_id, l.layer_id);
   layers_.resize(static_cast<size_t>(max_id + 1));
@@ -50,20 +56,25 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
                  l.layer_id, e.kv_heads, e.head_dim, e.v_head_dim);
     e.k.reserve(k_bytes(e));
     // Unwritten rows are read by padded graph rows and masked keys: keep them finite.
-    ATTNRT_CUDA_CHECK(cudaMemset(e.k.data(), 0, k_bytes(e)));
+    ATTNRT_CUDA_CHECK(cudaMemsetAsync(e.k.data(), 0, k_bytes(e), stream_));
     if (!e.latent) {
       e.v.reserve(v_bytes(e));
-      ATTNRT_CUDA_CHECK(cudaMemset(e.v.data(), 0, v_bytes(e)));
+      ATTNRT_CUDA_CHECK(cudaMemsetAsync(e.v.data(), 0, v_bytes(e), stream_));
     }
   }
   loc_.reserve(static_cast<size_t>(max_num_tokens_) * sizeof(int64_t) * (map_ ? 2 : 1));
   if (map_ != nullptr) {
     const size_t bytes = map_->size() * sizeof(int64_t);
     map_dev_.reserve(bytes);
-    ATTNRT_CUDA_CHECK(cudaMemcpy(map_dev_.data(), map_->data(), bytes, cudaMemcpyHostToDevice));
+    // map_ is pageable and lives as long as this cache: the copy has its bytes when it returns.
+    ATTNRT_CUDA_CHECK(
+        cudaMemcpyAsync(map_dev_.data(), map_->data(), bytes, cudaMemcpyHostToDevice, stream_));
   }
-  ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
-  stream_ = own_stream_;
+}
+
+void CudaKVCache::set_stream(cudaStream_t stream) {
+  order_after(stream, stream_);
+  stream_ = stream;
 }
 
 CudaKVCache::~CudaKVCache() {
@@ -203,7 +214,13 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   p.dim = e.head_dim;
   p.scale = k_div;
   ATTNRT_CUDA_CHECK(launch_store_kv(p, stream_, /*dependent=*/false));
-  if (e.latent) return;
+  // Host k / v are read by copies on the stream; a pinned source is read when the copy runs, so
+  // the caller may reuse it only once they ran: the store returns after them.
+  const bool host_source = kb + vb > 0;
+  if (e.latent) {
+    if (host_source) ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return;
+  }
   // The V store overlaps the K store (launch_store_kv's `dependent`) unless a copy of host rows
   // comes between them.
   const bool v_on_device = v.device.kind == DeviceKind::cuda;
@@ -217,6 +234,7 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   p.dim = e.v_head_dim;
   p.scale = v_div;
   ATTNRT_CUDA_CHECK(launch_store_kv(p, stream_, /*dependent=*/v_on_device));
+  if (host_source) ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void CudaKVCache::set_kv_scales(int layer_id, float k_scale, float v_scale) {

@@ -69,7 +69,9 @@ class CudaKVCache final : public KVCache {
   int64_t rows(int layer_id) const { return find(layer_id).rows; }
   bool is_swa_hybrid() const { return map_ != nullptr; }
   cudaStream_t stream() const { return stream_; }
-  void set_stream(cudaStream_t stream) { stream_ = stream; }
+  // Moves every later launch and copy to `stream`, which first waits for what the current stream
+  // has queued (the pools' zeroing among it).
+  void set_stream(cudaStream_t stream);
   const int64_t* step_write_loc() const { return loc_.ptr<int64_t>(); }
   int64_t step_tokens() const { return step_tokens_; }
 

@@ -120,6 +120,17 @@ void StagingRing::mark_copy(cudaStream_t stream, bool capturing) {
   }
 }
 
+void order_after(cudaStream_t waiter, cudaStream_t producer) {
+  if (waiter == producer) return;
+  cudaEvent_t done = nullptr;
+  ATTNRT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  const cudaError_t recorded = cudaEventRecord(done, producer);
+  const cudaError_t waited =
+      recorded == cudaSuccess ? cudaStreamWaitEvent(waiter, done, 0) : recorded;
+  cudaEventDestroy(done);  // released once the wait is satisfied
+  ATTNRT_CUDA_CHECK(waited);
+}
+
 bool stream_is_capturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   ATTNRT_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));

@@ -79,6 +79,14 @@ class PinnedBuffer {
 
 bool stream_is_capturing(cudaStream_t stream);
 
+// Makes `waiter` wait (on the device) for everything enqueued on `producer` so far; nothing when
+// they are the same stream. Used where work moves from one stream to another (set_stream), so that
+// what the old stream still has queued (a pool's zeroing, an upload, a store) comes first. Streams
+// made with cudaStreamNonBlocking never wait for the legacy default stream by themselves, so no
+// memory one of them reads is ever written on the legacy stream (plain cudaMemset / cudaMemcpy)
+// without an explicit order like this one or a synchronisation.
+void order_after(cudaStream_t waiter, cudaStream_t producer);
+
 // A ring of pinned staging buffers. A step's metadata is written into the next buffer and copied
 // to the device with one cudaMemcpyAsync. A buffer is reused only once the copy that last read it
 // has run; an event recorded behind every kGroup-th copy (not every copy: a record costs about as

@@ -59,8 +59,12 @@ class CudaRow final : public DeviceRow {
     return a;
   }
 
+  // On the cache's stream, after the kernels that wrote out: a plain cudaMemcpy runs on the
+  // legacy default stream, which the cache's own (non-blocking) stream does not wait for.
   void download_out(const HostBuffer& out) override {
-    ATTNRT_CUDA_CHECK(cudaMemcpy(out.data(), out_.data(), out.bytes(), cudaMemcpyDeviceToHost));
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(out.data(), out_.data(), out.bytes(),
+                                      cudaMemcpyDeviceToHost, cache_->stream()));
+    ATTNRT_CUDA_CHECK(cudaStreamSynchronize(cache_->stream()));
   }
 
   void synchronize() override { ATTNRT_CUDA_CHECK(cudaStreamSynchronize(cache_->stream())); }
@@ -73,7 +77,10 @@ class CudaRow final : public DeviceRow {
   Tensor upload(const HostBuffer& h) {
     Tensor t;
     t.buf.reserve(h.bytes());
-    ATTNRT_CUDA_CHECK(cudaMemcpy(t.buf.data(), h.data(), h.bytes(), cudaMemcpyHostToDevice));
+    // Complete before the call returns, whichever stream the kernels that read it run on.
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(t.buf.data(), h.data(), h.bytes(), cudaMemcpyHostToDevice,
+                                      cache_->stream()));
+    ATTNRT_CUDA_CHECK(cudaStreamSynchronize(cache_->stream()));
     t.view = h.view();
     t.view.data = t.buf.data();
     t.view.device = device_;
@@ -106,8 +113,11 @@ class CudaTensors final : public DeviceTensors {
 
   TensorView upload(const HostBuffer& h) override {
     buffers_.emplace_back(std::max<size_t>(h.bytes(), 1));
-    ATTNRT_CUDA_CHECK(
-        cudaMemcpy(buffers_.back().data(), h.data(), h.bytes(), cudaMemcpyHostToDevice));
+    // On the runtime's stream and complete on return (a plain cudaMemcpy from pageable memory may
+    // return before its DMA ran, on a stream the runtime's does not wait for).
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(buffers_.back().data(), h.data(), h.bytes(),
+                                      cudaMemcpyHostToDevice, stream_));
+    ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
     TensorView v = h.view();
     v.data = buffers_.back().data();
     v.device = device_;
@@ -115,8 +125,9 @@ class CudaTensors final : public DeviceTensors {
   }
 
   void download(const TensorView& src, const HostBuffer& dst) override {
+    ATTNRT_CUDA_CHECK(
+        cudaMemcpyAsync(dst.data(), src.data, dst.bytes(), cudaMemcpyDeviceToHost, stream_));
     ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    ATTNRT_CUDA_CHECK(cudaMemcpy(dst.data(), src.data, dst.bytes(), cudaMemcpyDeviceToHost));
   }
 
   void fenced(const std::function<void()>& body) override {

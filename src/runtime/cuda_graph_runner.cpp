@@ -81,7 +81,11 @@ class Runner final : public CudaGraphRunner {
   }
 
   // Once, at the first graph call: the backend's graph buffers and the layers' static tensors
-  // (zeroed, so that padded rows read finite values until real steps have written them).
+  // (zeroed, so that padded rows read finite values until real steps have written them). The
+  // zeroing is enqueued on the cache's stream, the one the caller's writes into the tensors, the
+  // captures and the replays go to: a plain cudaMemset would run on the legacy default stream,
+  // which that non-blocking stream does not wait for, and where the GPU was busy it landed after
+  // the caller's first inputs (or the first replay's output) and zeroed them.
   void ensure_state() {
     if (ready_) return;
     backend_.init_cuda_graph_state(buckets_.back(), static_cast<int>(max_tokens_));
@@ -99,7 +103,7 @@ class Runner final : public CudaGraphRunner {
       for (const auto& [buf, bytes] : parts) {
         if (bytes == 0) continue;
         buf->reserve(bytes);
-        ATTNRT_CUDA_CHECK(cudaMemset(buf->data(), 0, bytes));
+        ATTNRT_CUDA_CHECK(cudaMemsetAsync(buf->data(), 0, bytes, cache_.stream()));
       }
     }
     ready_ = true;
