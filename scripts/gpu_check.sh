@@ -16,6 +16,10 @@
 #   linear    attnrt bench --backend cuda --suite linear (GDN / KDA / Mamba2 layers), then
 #             bench/torch_linear.py --device cuda on those rows (the torch forms that ship with
 #             transformers) and bench/compare.py, when torch with CUDA and transformers are installed
+#   shared    scripts/gpu_shared.sh: 8 attnrt processes on the GPU at once, each dumping a DECODE
+#             graph step, every dump replayed eagerly (the recorded outputs must agree)
+#   sanitize  compute-sanitizer racecheck and synccheck over the CUDA-graph tests and attnrt run
+#             (graphs on, every step checked)
 #   memcheck  compute-sanitizer --tool memcheck over attnrt run, the conformance suite (attnrt
 #             check --backend cuda), then over the GPU tests
 #   torch     bench/torch_sdpa.py --device cuda on the bench rows (SDPA flash, cuDNN,
@@ -27,7 +31,8 @@
 # bench_linear.json, torch_linear.json; build.log only when the build fails. The summary table is
 # printed last.
 #   usage: scripts/gpu_check.sh [all|STAGE[,STAGE...]] [gtest filter]
-#          (stages: test, check, run, bench, linear, memcheck, torch; they run in the order above)
+#          (stages: test, check, run, shared, bench, linear, sanitize, memcheck, torch; they run in
+#          the order above)
 # ATTNRT_GPU_BENCH_WORKLOAD limits the bench stage's rows (default all; the host plan at batch 256
 # and the graph replay are measured whatever rows run); ATTNRT_MEMCHECK_TESTS replaces the gtest
 # filter the memcheck stage runs.
@@ -162,6 +167,20 @@ if want run; then
         "rc=$rc; TARGET_VERIFY: $verify"
       [ $rc -ne 0 ] && status=1
     fi
+    # Graphs on with every step checked against reference, and with no checks (host and GPU
+    # never wait for a check between steps).
+    for every in 1 0; do
+      t0=$(date +%s)
+      b=$(budget 90 20) || { note "run-check-$every" skipped 0 "no time left"; continue; }
+      echo "### attnrt run --check-every $every --page-size 64 --kv-cache-dtype fp8_e5m2" >>"$runlog"
+      timeout -k 5 "$b" "$cli" run --no-progress --check-every "$every" --page-size 64 \
+        --kv-cache-dtype fp8_e5m2 >>"$runlog" 2>&1
+      rc=$?
+      graphs=$(grep -m1 -E '^CUDA graphs' "$runlog" | cut -c1-70)
+      note "run-check-$every" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
+        "rc=$rc; $graphs"
+      [ $rc -ne 0 ] && status=1
+    done
     # Hybrid models: linear-attention layers on the GPU state pool (Kimi's MLA layers on the
     # latent pool), checked against reference, with and without speculative chain verify; then an
     # SWA-hybrid model (its sliding-window layers on the GPU SWA pool).
@@ -183,6 +202,22 @@ if want run; then
     done
   else
     note run skipped 0 "no time left"
+  fi
+fi
+
+if want shared; then
+  t0=$(date +%s)
+  if b=$(budget 150 40); then
+    echo "### scripts/gpu_shared.sh (8 processes at once)" >>"$runlog"
+    timeout -k 5 "$b" bash scripts/gpu_shared.sh "$cli" "$tmp/shared" 8 >"$tmp/shared.log" 2>&1
+    rc=$?
+    cat "$tmp/shared.log" | tee -a "$runlog"
+    [ -f "$tmp/shared/replays.log" ] && cat "$tmp/shared/replays.log" >>"$runlog"
+    note shared "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
+      "rc=$rc; $(grep -c ' 0 wrong, 0 failed' "$tmp/shared.log") of $(grep -c '^shared' "$tmp/shared.log") configurations right"
+    [ $rc -ne 0 ] && status=1
+  else
+    note shared skipped 0 "no time left"
   fi
 fi
 
@@ -257,6 +292,41 @@ memcheck_one() {
   note "$stage" "$verdict" $(($(date +%s) - t0)) "$detail"
   [ "$verdict" = FAILED ] && status=1
 }
+
+# sanitize_one STAGE TOOL CAP LABEL CMD...: CMD under compute-sanitizer TOOL (racecheck reports
+# hazards), at most CAP seconds, appended to the memcheck log.
+sanitize_one() {
+  local stage=$1 tool=$2 cap=$3 label=$4 t0 b rc extra=()
+  shift 4
+  t0=$(date +%s)
+  if ! b=$(budget "$cap" 30); then
+    note "$stage" skipped 0 "no time left"
+    return
+  fi
+  [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
+  echo "### $tool: $label" >>"$mclog"
+  timeout -k 5 "$b" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 9 "$@" \
+    >>"$mclog" 2>&1
+  rc=$?
+  note "$stage" "$([ $rc -eq 0 ] && echo ok || { [ $rc -eq 124 ] && echo PARTIAL || echo FAILED; })" \
+    $(($(date +%s) - t0)) "rc=$rc; $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$mclog" | tail -1)"
+  [ $rc -ne 0 ] && [ $rc -ne 124 ] && status=1
+}
+
+if want sanitize; then
+  if ! command -v compute-sanitizer >/dev/null; then
+    note sanitize skipped 0 "compute-sanitizer not found"
+  else
+    # The stream-order stress holds one stream until another runs a kernel, which a sanitizer
+    # that serialises launches never lets happen: its GPU test runs outside the sanitizers.
+    graph_tests=${ATTNRT_SANITIZE_TESTS:-'CudaGraphRuntime.*'}
+    for tool in racecheck synccheck; do
+      sanitize_one "$tool-tests" "$tool" 150 "$graph_tests" "$tests" --gtest_filter="$graph_tests"
+      sanitize_one "$tool-run" "$tool" 120 "attnrt run --check-every 1 --page-size 64 (graphs)" \
+        "$cli" run --no-progress --check-every 1 --page-size 64 --kv-cache-dtype fp8_e5m2
+    done
+  fi
+fi
 
 if want memcheck; then
   if ! command -v compute-sanitizer >/dev/null; then

@@ -647,6 +647,7 @@ TEST_F(CudaBackendTest, IncrementalPageTablesFollowRowChanges) {
         b.out_cache_loc[i] = h.pool_->get(static_cast<int>(h.rows_[i]), seq[i] - 1);
       fill_random(q.view(), rng, 1.f);
       ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), q.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the legacy-stream copy, before the backend's stream
       AttnArgs a;
       a.q = dq.view;
       a.out = dout.view;
@@ -784,6 +785,7 @@ TEST_F(CudaBackendTest, GraphCaptureReplaysAtNewLengths) {
     fill_random(k.view(), rng, 2.f);
     ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), q.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaMemcpy(dk.ptr, k.data(), k.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the legacy-stream copies, before the graph's stream
     h.dev_.cache->begin_step(b);
     be.init_forward_metadata_replay_cuda_graph(bs, bs, b);
     ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);

@@ -520,6 +520,8 @@ TEST(CudaLinearDevice, DeviceTensorsWithBf16ActivationsAndPaddedStridesMatchRefe
         ASSERT_EQ(cudaMemcpy(db.ptr, hb.data(), hb.size() * 2, cudaMemcpyHostToDevice),
                   cudaSuccess);
       ASSERT_EQ(cudaMemset(dout.ptr, 0xff, static_cast<size_t>(T * (ow + pad)) * 2), cudaSuccess);
+      // The legacy-stream copies and poison land before the backend's non-blocking stream runs.
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       // Parameters on the device too.
       auto upload = [&](const TensorView& host, std::vector<std::unique_ptr<DevBuf>>& keep) {
         if (host.empty()) return host;
@@ -527,6 +529,7 @@ TEST(CudaLinearDevice, DeviceTensorsWithBf16ActivationsAndPaddedStridesMatchRefe
         keep.push_back(std::make_unique<DevBuf>(bytes));
         EXPECT_EQ(cudaMemcpy(keep.back()->ptr, host.data, bytes, cudaMemcpyHostToDevice),
                   cudaSuccess);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // before the backend's stream reads it
         TensorView t = host;
         t.data = keep.back()->ptr;
         t.device = Device::cuda();
@@ -637,6 +640,7 @@ TEST(CudaLinearTiming, DecodeBandwidthAtModelShapes) {
         const size_t bytes = static_cast<size_t>(h.numel()) * dtype_size(h.dtype);
         keep.push_back(std::make_unique<DevBuf>(bytes));
         cudaMemcpy(keep.back()->ptr, h.data, bytes, cudaMemcpyHostToDevice);
+        cudaDeviceSynchronize();  // before the backend's non-blocking stream reads it
         TensorView t = h;
         t.data = keep.back()->ptr;
         t.device = Device::cuda();

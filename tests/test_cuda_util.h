@@ -46,6 +46,9 @@ struct DevTensor {
     const size_t bytes = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
     EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess);
     EXPECT_EQ(cudaMemcpy(ptr, host.data, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    // A plain cudaMemcpy from pageable memory may return before its DMA ran, on the legacy stream,
+    // which the backends' non-blocking streams do not wait for.
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     view = host;
     view.data = ptr;
     view.device = Device::cuda(0);
@@ -58,6 +61,7 @@ struct DevTensor {
   // Copies the device data back into `host` (same shape and dtype).
   void download(const TensorView& host) const {
     const size_t bytes = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the kernels that wrote it ran elsewhere
     EXPECT_EQ(cudaMemcpy(host.data, ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   }
 };

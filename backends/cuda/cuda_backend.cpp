@@ -79,6 +79,7 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
     stream_ = own_stream_;
   }
   ensure(sched_, 2 * sizeof(int32_t), "work scheduler");
+  // Stream order: zeroed on the stream every kernel that takes tickets from it runs on.
   ATTNRT_CUDA_CHECK(cudaMemsetAsync(sched_.data(), 0, sched_.bytes(), stream_));
   PlannerConfig cfg;
   cfg.sm_count = info.sm_count;
@@ -179,6 +180,10 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
                "upload must not become part of the graph)");
   if (plan_timing_) t[1] = Clock::now();
   // The slot comes first: prepare() writes the requests into it as it derives them.
+  // Stream order of the plan: the host writes the pinned slot only after the copy that last read
+  // it has run (StagingRing::acquire); the copy below into meta_ / graph_meta_ is enqueued on
+  // stream_ before every kernel of the step (and before a replayed graph), which read it in stream
+  // order; the next step's copy into the same device buffer comes after them.
   void* slot =
       staging_.acquire(HostPlanner::prepare_bytes(batch, padded_bs), stream_, capturing);
   if (plan_timing_) t[2] = Clock::now();
@@ -219,7 +224,8 @@ void CudaBackend::init_row_table() {
   if (bytes > kMaxRowTableBytes || int64_t{pool->size()} * pages_per_row > INT32_MAX) return;
   ensure(row_table_, bytes, "row page table");
   // Page 0 is the reserved dummy page: entries a padded graph row may read before any step wrote
-  // them stay in bounds.
+  // them stay in bounds. Stream order: zeroed on stream_, before the first kernel that reads or
+  // writes back a page (every attention kernel runs there).
   ATTNRT_CUDA_CHECK(cudaMemsetAsync(row_table_.data(), 0, bytes, stream_));
   planner_->enable_row_table(pool->size(), pages_per_row);
   row_table_ready_ = true;
@@ -398,6 +404,10 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
     const size_t s_off = l_off + align_up(l_bytes, 256);
     ensure(io_, s_off + s_bytes, "host staging");
     char* base = io_.ptr<char>();
+    // Stream order: host q and sinks are copied on stream_ before the kernel; the host path
+    // waits for the stream at the end of run(), so the caller's buffers are free on return (a
+    // sink array staged for device activations is a weight, read by a copy that runs before this
+    // layer's kernel; io_ is rewritten only by a later layer's copies, after this kernel).
     if (!on_device) {
       ATTNRT_CHECK(args.q.is_contiguous() && args.out.is_contiguous() &&
                        (args.lse.empty() || args.lse.is_contiguous()),

@@ -133,7 +133,9 @@ void CudaKVCache::begin_step(const ForwardBatch& batch) {
                "max_num_tokens = {}; raise KVCacheConfig::max_num_tokens",
                tokens, max_num_tokens_);
   // Staged as [loc | SWA slots]: the check writes the translation next to the slots, and throws
-  // before anything is enqueued.
+  // before anything is enqueued. Stream order: the pinned slot is written only after the copy that
+  // last read it ran (StagingRing::acquire); the copy into loc_ is enqueued on stream_ before the
+  // step's store kernels (and the scatter into the device map), which read loc_ in stream order.
   const size_t bytes = static_cast<size_t>(tokens) * sizeof(int64_t);
   auto* host = static_cast<int64_t*>(staging_.acquire(bytes * (map_ ? 2 : 1), stream_));
   check_(batch.out_cache_loc, host + tokens);
@@ -196,6 +198,9 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   const size_t vb = e.latent || v.device.kind == DeviceKind::cuda
                         ? 0
                         : static_cast<size_t>(v.numel()) * dtype_size(v.dtype);
+  // Stream order: host k / v are copied on stream_ into scratch_ before the store kernels that read
+  // it (a later layer's copy into scratch_ comes after them), and the call returns only once the
+  // copies ran (below), so the caller may reuse a pinned source.
   if (kb + vb > 0) scratch_.reserve(kb + vb);
   const auto [kp, kt] = device_view(k, 0);
   const float k_div = e.k_scale;
@@ -307,6 +312,7 @@ void CudaKVCache::copy_rows(std::span<const int> layers,
     lists.insert(lists.end(), swa.begin(), swa.end());
   }
   const size_t index_bytes = lists.size() * sizeof(int64_t);
+  // Stream order: as begin_step's slots; the copy kernels below read row_index_ after it.
   void* host = staging_.acquire(index_bytes, stream_);
   std::memcpy(host, lists.data(), index_bytes);
   row_index_.reserve_async(index_bytes, stream_);
@@ -364,6 +370,8 @@ void CudaKVCache::download_rows(int layer_id, std::span<const int64_t> slots, vo
   const std::span<const int64_t> host_rows = e.swa ? std::span<const int64_t>(dest) : slots;
   const size_t n = gather.size();
   const size_t index_bytes = n * sizeof(int64_t);
+  // Stream order: as begin_step's slots; the rows come back through pinned row_host_, read on the
+  // host only after the stream was synchronised.
   void* host = staging_.acquire(index_bytes, stream_);
   std::memcpy(host, gather.data(), index_bytes);
   row_index_.reserve_async(index_bytes, stream_);

@@ -113,6 +113,9 @@ void CudaLinearBackend::init_forward_metadata(const ForwardBatch& batch) {
     parents_off_ = table_bytes_ * (split_ ? 3 : 1);
     const size_t bytes = parents_off_ + plan_.parents.size() * sizeof(int32_t);
     ensure(meta_, bytes);
+    // Stream order: the pinned slot is written only after the copy that last read it ran
+    // (StagingRing::acquire); the copy into meta_ precedes this step's kernels on stream(), and
+    // the next step's copy into meta_ comes after them.
     char* host = static_cast<char*>(staging_.acquire(bytes, stream()));
     auto* reqs = reinterpret_cast<linear::LinReq*>(host);
     auto* short_reqs = reinterpret_cast<linear::LinReq*>(host + table_bytes_);
@@ -203,8 +206,13 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
     }
     return {t.data, t.ndim > 0 ? t.strides[0] : 0};
   };
+  // Stream order: host inputs are copied on the stream into io_ before the kernels that read them;
+  // with a device output nothing below waits for the stream, so the call waits for the copies
+  // (a pinned source is read when its copy runs, and the caller may reuse it on return).
+  bool host_inputs = false;
   for (const Staged& g : staged) {
     if (g.t == &args.out) continue;
+    host_inputs = true;
     const size_t elem = dtype_size(g.t->dtype);
     const size_t row_bytes = static_cast<size_t>(g.row_elems) * elem;
     const size_t src_pitch = g.rows > 1 ? static_cast<size_t>(g.t->strides[0]) * elem : row_bytes;
@@ -212,6 +220,7 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
                                         row_bytes, static_cast<size_t>(g.rows),
                                         cudaMemcpyHostToDevice, s));
   }
+  if (host_inputs && on_device(args.out)) ATTNRT_CUDA_CHECK(cudaStreamSynchronize(s));
 
   linear::LinStep step;
   step.reqs = meta_.ptr<linear::LinReq>();
@@ -342,6 +351,8 @@ void CudaLinearBackend::update_state_after_verify(std::span<const int32_t> last_
   const size_t acc_off = align_up(bs * sizeof(int64_t), 16);
   const size_t bytes = acc_off + bs * sizeof(int32_t);
   ensure(commit_, bytes);
+  // Stream order: as the step's table (init_forward_metadata); the commit kernels read commit_
+  // after the copy, and after the verify step's kernels that wrote the checkpoints.
   char* host = static_cast<char*>(staging_.acquire(bytes, stream()));
   std::memcpy(host, plan_.slots.data(), bs * sizeof(int64_t));
   std::memcpy(host + acc_off, last_accepted.data(), bs * sizeof(int32_t));

@@ -99,7 +99,10 @@ class AttentionRuntime {
   // CUDA graphs (docs/cuda_graphs.md). A graph step runs every attention layer of the model for one
   // DECODE or TARGET_VERIFY batch from the static tensors of graph_io, instead of begin_step /
   // forward / end_step:
-  //   write graph_io(layer, T).q / k / v of every attention layer (T = batch.num_tokens()),
+  //   write graph_io(layer, T).q / k / v of every attention layer (T = batch.num_tokens()), with
+  //                                work on the runtime's stream (the GPU KV cache's; copy_tensor
+  //                                does) or work that completed before the call: the graph runs on
+  //                                that stream and waits for nothing else
   //   forward_step_graph(batch)    the plan (host) and one graph launch; never waits for the GPU
   //   read graph_io(layer, T).out  after synchronize(), or from work ordered after it on the GPU
   // The first step of a (mode, batch-size bucket, chain or tree) captures its graph; later steps
