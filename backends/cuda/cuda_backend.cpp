@@ -147,10 +147,13 @@ CudaBackend::~CudaBackend() {
   }
 }
 
-void CudaBackend::set_stream(cudaStream_t stream) {
+void CudaBackend::set_stream(void* stream_ptr) {
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
   // What this backend queued on the old stream (the scheduler counter's and the row table's
   // zeroing, the last plan's upload) comes before anything the new one runs.
-  order_after(stream, stream_);
+  // A stream that captures (an engine's torch.cuda.graph) records instead of running: the engine
+  // synchronised before its capture began, and an event of another stream cannot join it.
+  if (!stream_is_capturing(stream)) order_after(stream, stream_);
   stream_ = stream;
   if (device_cache_ != nullptr) device_cache_->set_stream(stream);
 }

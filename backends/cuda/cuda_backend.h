@@ -53,7 +53,7 @@ class CudaBackend final : public AttentionBackend {
   // The stream every launch and copy of this backend goes to (the CudaKVCache's when the context
   // holds one, else a stream of its own). set_stream also moves a CudaKVCache to that stream.
   cudaStream_t stream() const { return stream_; }
-  void set_stream(cudaStream_t stream);
+  void set_stream(void* stream) override;
   const StepPlan& plan() const { return planner_->plan(); }
 
   // Host seconds of the last plan's phases (init_forward_metadata and the graph hooks), kept when

@@ -73,7 +73,7 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
 }
 
 void CudaKVCache::set_stream(cudaStream_t stream) {
-  order_after(stream, stream_);
+  if (!stream_is_capturing(stream)) order_after(stream, stream_);  // see CudaBackend::set_stream
   stream_ = stream;
 }
 

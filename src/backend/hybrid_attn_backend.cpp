@@ -84,4 +84,9 @@ int HybridAttnBackend::cuda_graph_seq_len_fill_value() const {
   return decode_->cuda_graph_seq_len_fill_value();
 }
 
+void HybridAttnBackend::set_stream(void* stream) {
+  if (prefill_ != nullptr) prefill_->set_stream(stream);
+  if (decode_ != nullptr) decode_->set_stream(stream);
+}
+
 }  // namespace attnrt

@@ -109,4 +109,10 @@ int HybridLinearAttnBackend::cuda_graph_seq_len_fill_value() const {
   return full_->cuda_graph_seq_len_fill_value();
 }
 
+void HybridLinearAttnBackend::set_stream(void* stream) {
+  if (full_ != nullptr) full_->set_stream(stream);
+  if (linear_prefill_ != nullptr) linear_prefill_->set_stream(stream);
+  if (linear_decode_ != nullptr) linear_decode_->set_stream(stream);
+}
+
 }  // namespace attnrt

@@ -330,6 +330,10 @@ int AttentionRuntime::cuda_graph_bucket(const ForwardBatch& batch) const {
 GraphLayerIO AttentionRuntime::graph_io(int layer_id, int64_t tokens) {
   ATTNRT_CHECK(cuda_graphs_enabled(), "graph_io(layer {}): CUDA graphs are off: {}", layer_id,
                graph_off_reason_);
+  ATTNRT_CHECK(engine_graph_max_bs_ == 0,
+               "graph_io(layer {}): this runtime serves graphs an engine captures itself "
+               "(init_cuda_graph_state was called), which use the engine's own tensors",
+               layer_id);
   ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layer_index_.size() &&
                    layer_index_[layer_id] >= 0,
                "graph_io: layer {} is not a layer of model '{}' ({} layers)", layer_id, model_.name,
@@ -355,6 +359,9 @@ void AttentionRuntime::forward_step_graph(const ForwardBatch& batch) {
                "begin_step / forward / end_step",
                forward_mode_name(batch.mode), graph_unsupported(batch));
   check_step(batch);
+  ATTNRT_CHECK(engine_graph_max_bs_ == 0,
+               "forward_step_graph: this runtime serves graphs an engine captures itself "
+               "(init_cuda_graph_state was called); replay them with begin_replay_step");
 #if defined(ATTNRT_HAS_CUDA)
   if (!graphs_) {
     graphs_ =
@@ -368,12 +375,112 @@ void AttentionRuntime::forward_step_graph(const ForwardBatch& batch) {
 
 int AttentionRuntime::cuda_graphs_captured() const { return graphs_ ? graphs_->captured() : 0; }
 
+void AttentionRuntime::init_cuda_graph_state(int max_bs, int max_num_tokens) {
+  ATTNRT_CHECK(cuda_graphs_enabled(), "init_cuda_graph_state: CUDA graphs are off: {}",
+               graph_off_reason_);
+  ATTNRT_CHECK(!graphs_,
+               "init_cuda_graph_state: this runtime already runs its own graph steps "
+               "(forward_step_graph / graph_io); an engine that captures its steps itself uses a "
+               "runtime without them");
+  ATTNRT_CHECK(max_bs >= 1 && max_bs <= config_.max_requests && max_num_tokens >= max_bs &&
+                   max_num_tokens <= config_.max_num_tokens,
+               "init_cuda_graph_state({}, {}): need 1 <= max_bs <= max_requests ({}) and max_bs "
+               "<= max_num_tokens <= the runtime's max_num_tokens ({})",
+               max_bs, max_num_tokens, config_.max_requests, config_.max_num_tokens);
+  batch_ = nullptr;
+  backend_->init_cuda_graph_state(max_bs, max_num_tokens);
+  engine_graph_max_bs_ = max_bs;
+  engine_graph_max_tokens_ = max_num_tokens;
+}
+
+namespace {
+
+int graph_tokens_per_request(const ForwardBatch& batch) {
+  return is_target_verify(batch.mode) && batch.spec_info ? batch.spec_info->draft_token_num : 1;
+}
+
+}  // namespace
+
+void AttentionRuntime::begin_capture_step(const ForwardBatch& batch, int bs) {
+  batch_ = nullptr;
+  ATTNRT_CHECK(engine_graph_max_bs_ > 0,
+               "begin_capture_step: call init_cuda_graph_state(max_bs, max_num_tokens) first");
+  ATTNRT_CHECK(is_decode(batch.mode) || is_target_verify(batch.mode),
+               "begin_capture_step: a {} step cannot be captured; DECODE and TARGET_VERIFY can",
+               forward_mode_name(batch.mode));
+  ATTNRT_CHECK(!is_target_verify(batch.mode) || batch.spec_info,
+               "begin_capture_step: a TARGET_VERIFY capture needs spec_info (draft_token_num, "
+               "topk)");
+  const int64_t tokens = int64_t{bs} * graph_tokens_per_request(batch);
+  ATTNRT_CHECK(bs >= 1 && bs <= engine_graph_max_bs_ && tokens <= engine_graph_max_tokens_,
+               "begin_capture_step: {} requests ({} tokens); init_cuda_graph_state allowed {} "
+               "requests and {} tokens",
+               bs, tokens, engine_graph_max_bs_, engine_graph_max_tokens_);
+  ForwardBatch& cap = engine_graph_batch_;
+  cap = ForwardBatch{};
+  cap.mode = batch.mode;
+  if (batch.spec_info) {
+    SpecInfo spec;
+    spec.draft_token_num = batch.spec_info->draft_token_num;
+    spec.topk = batch.spec_info->topk;
+    cap.spec_info = std::move(spec);
+  }
+  engine_graph_slots_.out_cache_loc.assign(static_cast<size_t>(tokens), 0);
+  kv_cache_->begin_step(engine_graph_slots_);
+  backend_->init_forward_metadata_capture_cuda_graph(bs, static_cast<int>(tokens), cap);
+  batch_ = &cap;
+  last_mode_ = batch.mode;
+  verify_committed_ = false;
+}
+
+void AttentionRuntime::begin_replay_step(const ForwardBatch& batch, int bs) {
+  batch_ = nullptr;
+  ATTNRT_CHECK(engine_graph_max_bs_ > 0,
+               "begin_replay_step: call init_cuda_graph_state and capture the step first");
+  ATTNRT_CHECK(is_decode(batch.mode) || is_target_verify(batch.mode),
+               "begin_replay_step: a {} step cannot be replayed; DECODE and TARGET_VERIFY can",
+               forward_mode_name(batch.mode));
+  ATTNRT_CHECK(batch.batch_size >= 1 && batch.batch_size <= bs && bs <= engine_graph_max_bs_,
+               "begin_replay_step: {} requests replayed at the captured size {}; need 1 <= "
+               "requests <= captured size <= init_cuda_graph_state's max_bs ({})",
+               batch.batch_size, bs, engine_graph_max_bs_);
+  check_step(batch);
+  const int64_t tokens = int64_t{bs} * graph_tokens_per_request(batch);
+  engine_graph_slots_.out_cache_loc.assign(batch.out_cache_loc.begin(), batch.out_cache_loc.end());
+  engine_graph_slots_.out_cache_loc.resize(static_cast<size_t>(tokens), 0);
+  kv_cache_->begin_step(engine_graph_slots_);
+  backend_->init_forward_metadata_replay_cuda_graph(bs, batch.batch_size, batch);
+  batch_ = &batch;
+  last_mode_ = batch.mode;
+  verify_committed_ = false;
+}
+
 void AttentionRuntime::synchronize() {
 #if defined(ATTNRT_HAS_CUDA)
   if (auto* cache = dynamic_cast<cuda::CudaKVCache*>(kv_cache_.get())) {
     ATTNRT_CUDA_CHECK(cudaStreamSynchronize(cache->stream()));
   }
 #endif
+}
+
+void AttentionRuntime::set_stream(void* stream) {
+#if defined(ATTNRT_HAS_CUDA)
+  auto* cache = dynamic_cast<cuda::CudaKVCache*>(kv_cache_.get());
+  if (cache == nullptr || cache->stream() == static_cast<cudaStream_t>(stream)) return;
+  backend_->set_stream(stream);
+  // Backends that do not hold the cache (linear ones read its stream) leave it to this call.
+  if (cache->stream() != static_cast<cudaStream_t>(stream))
+    cache->set_stream(static_cast<cudaStream_t>(stream));
+#else
+  (void)stream;
+#endif
+}
+
+void* AttentionRuntime::stream() const {
+#if defined(ATTNRT_HAS_CUDA)
+  if (auto* cache = dynamic_cast<cuda::CudaKVCache*>(kv_cache_.get())) return cache->stream();
+#endif
+  return nullptr;
 }
 
 void AttentionRuntime::copy_tensor(const TensorView& dst, const TensorView& src) {

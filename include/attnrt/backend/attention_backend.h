@@ -94,6 +94,11 @@ class AttentionBackend {
   // the request's state as it was). The default throws, as for forward_linear.
   virtual void update_state_after_verify(std::span<const int32_t> last_accepted);
 
+  // GPU backends: the CUDA stream (a cudaStream_t) every later launch and copy goes to, ordered
+  // after what the old stream still has queued; an engine passes its framework's current stream.
+  // Host backends ignore it.
+  virtual void set_stream(void* stream) { (void)stream; }
+
   const BackendContext& context() const { return ctx_; }
 
  protected:

@@ -26,6 +26,7 @@ class HybridAttnBackend final : public AttentionBackend {
   void init_forward_metadata_replay_cuda_graph(int bs, int raw_bs,
                                                const ForwardBatch& batch) override;
   int cuda_graph_seq_len_fill_value() const override;
+  void set_stream(void* stream) override;
 
   // The backend that serves `mode` (DECODE/IDLE -> decode; TARGET_VERIFY/DRAFT_EXTEND by
   // speculative_attention_mode; everything else -> prefill).

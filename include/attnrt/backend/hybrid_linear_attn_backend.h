@@ -39,6 +39,7 @@ class HybridLinearAttnBackend final : public AttentionBackend {
   void init_forward_metadata_replay_cuda_graph(int bs, int raw_bs,
                                                const ForwardBatch& batch) override;
   int cuda_graph_seq_len_fill_value() const override;
+  void set_stream(void* stream) override;
 
   bool is_full_layer(int layer_id) const;
   AttentionBackend& full_backend() const { return *full_; }

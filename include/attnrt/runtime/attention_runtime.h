@@ -22,6 +22,7 @@
 #include "attnrt/backend/attention_backend.h"
 #include "attnrt/backend/options.h"
 #include "attnrt/backend/selection.h"
+#include "attnrt/batch/forward_batch.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/linear_state_pool.h"
 #include "attnrt/memory/req_to_token_pool.h"
@@ -123,8 +124,35 @@ class AttentionRuntime {
   void forward_step_graph(const ForwardBatch& batch);
   // Graphs captured so far (one per mode, bucket and chain / tree).
   int cuda_graphs_captured() const;
+
+  // CUDA graphs an engine captures itself, its whole step at once (torch.cuda.graph around its
+  // GEMMs and every layer's forward), the reference engine's contract (§3.3):
+  //   init_cuda_graph_state(max_bs, max_num_tokens)  once, before any capture
+  //   begin_capture_step(batch, bs)   before capturing a step of `bs` requests: batch gives the
+  //                                   mode and, for TARGET_VERIFY, spec_info (draft_token_num,
+  //                                   chain or tree); its lengths are not read. The forward()
+  //                                   calls then made on the capturing stream record kernels that
+  //                                   read only fixed buffers (the plan's, the write slots', the
+  //                                   engine's own q / k / v / out tensors)
+  //   begin_replay_step(batch, bs)    before every replay: the real batch (batch_size <= bs
+  //                                   requests, padded to bs here; padded rows write slot 0)
+  //   end_step()                      after either
+  // Throws attnrt::Error when graphs are off (cuda_graphs_off_reason()), for a mode other than
+  // DECODE / TARGET_VERIFY, for bs or tokens beyond init_cuda_graph_state's, and when this
+  // runtime's own graph steps (forward_step_graph) are in use: one runtime serves one of the two.
+  void init_cuda_graph_state(int max_bs, int max_num_tokens);
+  void begin_capture_step(const ForwardBatch& batch, int bs);
+  void begin_replay_step(const ForwardBatch& batch, int bs);
+  int cuda_graph_seq_len_fill_value() const { return backend_->cuda_graph_seq_len_fill_value(); }
   // Waits until the GPU has finished the work issued so far (nothing to wait for on the CPU).
   void synchronize();
+  // GPU pools: the CUDA stream (a cudaStream_t; nullptr = the legacy default stream) that every
+  // later launch, copy and graph replay goes to, ordered after what the old stream still has
+  // queued. An engine passes its framework's current stream (the Python package does, per step).
+  // Nothing changes when it is already in use; host pools ignore it. stream() is the one in use
+  // (nullptr for host pools).
+  void set_stream(void* stream);
+  void* stream() const;
   // Copies src into dst (same dtype and shape, contiguous; host or GPU on either side) and returns
   // once dst holds the data: for tests and tools whose data is on the host.
   void copy_tensor(const TensorView& dst, const TensorView& src);
@@ -151,6 +179,12 @@ class AttentionRuntime {
   std::vector<int> graph_buckets_;
   int graph_verify_tokens_ = 0;  // N of TARGET_VERIFY graphs (0: no speculative decoding)
   std::unique_ptr<CudaGraphRunner> graphs_;  // created at the first graph call
+  // Engine-captured graphs: the limits given to init_cuda_graph_state (0: not initialised), the
+  // placeholder batch forward() sees during a capture, and the padded write slots of a step.
+  int engine_graph_max_bs_ = 0;
+  int engine_graph_max_tokens_ = 0;
+  ForwardBatch engine_graph_batch_;
+  ForwardBatch engine_graph_slots_;
 };
 
 }  // namespace attnrt

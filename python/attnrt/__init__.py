@@ -1,0 +1,20 @@
+"""attnrt: the attention layer of an LLM serving engine, for PyTorch engines.
+
+    import attnrt
+    rt = attnrt.Runtime("llama3-8b", attention_backend="cuda", page_size=16)
+    rt.begin_step(batch)                 # once per forward step
+    out = rt.forward(layer_id, q, k, v)  # every attention layer: stores k/v, attends
+    rt.end_step()
+
+torch tensors pass through DLPack without copies; see docs/python.md.
+"""
+from ._native import Error
+from ._native import version as _native_version
+
+__version__ = _native_version()
+
+from .runtime import Runtime, ForwardBatch, SpecInfo, cuda_status, presets  # noqa: E402
+from .engine import AttnrtBackend  # noqa: E402
+
+__all__ = ["Error", "Runtime", "AttnrtBackend", "ForwardBatch", "SpecInfo", "cuda_status",
+           "presets", "__version__"]

@@ -1,0 +1,480 @@
+"""attnrt.Runtime: the attention layer of one model, driven step by step with torch tensors.
+
+The runtime owns the paged KV cache (and, for hybrid models, the linear-attention state), chooses a
+backend per phase from the options (the reference engine's flag names), and per step:
+
+    rt.begin_step(batch)            the batch of this forward step (ForwardBatch, or any object with
+                                    the reference engine's field names)
+    rt.forward(layer_id, q, k, v)   every attention layer: stores k / v at out_cache_loc, attends
+    rt.forward_linear(layer_id, ...)  every linear-attention layer (hybrid models)
+    rt.end_step()
+
+Tensors are read and written in place through DLPack (no copies, CPU or CUDA); on CUDA the work goes
+to torch's current stream. Batch fields are host integers (lists, numpy or CPU tensors); a CUDA tensor
+is accepted too, at the cost of a device-to-host copy.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+from . import _native
+
+# Reference-engine option names (and their types) the runtime accepts as keyword arguments.
+_OPTIONS = {
+    "attention_backend": str,
+    "prefill_attention_backend": str,
+    "decode_attention_backend": str,
+    "speculative_attention_mode": str,
+    "page_size": int,
+    "kv_cache_dtype": str,
+    "speculative_num_steps": int,
+    "speculative_eagle_topk": int,
+    "speculative_num_draft_tokens": int,
+    "linear_attn_backend": str,
+    "linear_attn_prefill_backend": str,
+    "linear_attn_decode_backend": str,
+    "num_threads": int,
+    "deterministic": bool,
+}
+_CONFIG = {
+    "max_requests": int,
+    "kv_slots": int,
+    "swa_full_tokens_ratio": float,
+    "max_num_tokens": int,
+    "max_context_len": int,
+    "linear_state_slots": int,
+    "linear_verify_requests": int,
+    "cuda_graphs": bool,
+    "cuda_graph_max_bs": int,
+    "cuda_graph_batch_sizes": list,
+}
+_MODES = ("EXTEND", "DECODE", "MIXED", "IDLE", "TARGET_VERIFY", "DRAFT_EXTEND", "DRAFT_EXTEND_V2")
+
+
+def cuda_status() -> tuple[bool, str]:
+    """(usable, device name or the reason CUDA is off) as attnrt sees this machine."""
+    return _native.cuda_status()
+
+
+def presets() -> list[str]:
+    """The built-in model presets (`attnrt info` lists them too)."""
+    return _native.preset_names()
+
+
+@dataclass
+class SpecInfo:
+    """Speculative payload of a TARGET_VERIFY or DRAFT_EXTEND step (reference-semantics §2.4).
+
+    draft_token_num: tokens per request in a verify block, the root included (N).
+    topk: 1 for a chain, > 1 for a tree.
+    parents: [bs * N] parent of each block token inside its block (-1 for the root); a chain may
+        leave it None. Alternatively retrive_next_token / retrive_next_sibling ([bs, N], -1 = none).
+    accept_length: DRAFT_EXTEND: accepted drafts per request (root / bonus excluded).
+    """
+
+    draft_token_num: int = 0
+    topk: int = 1
+    parents: Any = None
+    retrive_next_token: Any = None
+    retrive_next_sibling: Any = None
+    accept_length: Any = None
+
+
+@dataclass
+class ForwardBatch:
+    """One forward step (reference-semantics §2.1); field names are the reference engine's."""
+
+    forward_mode: str
+    req_pool_indices: Any
+    seq_lens: Any
+    out_cache_loc: Any
+    extend_prefix_lens: Any = None
+    extend_seq_lens: Any = None
+    positions: Any = None
+    spec_info: Optional[SpecInfo] = None
+    batch_size: int = field(default=-1)
+
+
+def _mode_name(mode: Any) -> str:
+    if isinstance(mode, str):
+        name = mode
+    elif hasattr(mode, "name"):  # the reference engine's ForwardMode enum
+        name = mode.name
+    elif isinstance(mode, int):
+        if not 0 <= mode < len(_MODES):
+            raise ValueError(f"forward_mode: {mode} is not a mode; the modes are {', '.join(_MODES)}")
+        name = _MODES[mode]
+    else:
+        raise TypeError(f"forward_mode: {type(mode).__name__}; pass a mode name ({', '.join(_MODES)})")
+    return name.upper()
+
+
+def _host_ints(x: Any, name: str):
+    """A batch field as something the native layer reads without a copy when it can."""
+    if x is None:
+        return None
+    if hasattr(x, "__dlpack__") and hasattr(x, "device"):  # torch tensor
+        dev = getattr(x.device, "type", "cpu")
+        if dev != "cpu":
+            x = x.cpu()  # a CUDA batch field: one device-to-host copy
+        if x.dim() == 0:
+            x = x.reshape(1)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return x
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        np = None
+    if np is not None:
+        if isinstance(x, np.ndarray):
+            return x
+        return np.asarray(list(x), dtype=np.int64)
+    raise TypeError(f"batch field {name}: {type(x).__name__}; pass a list, numpy array or tensor")
+
+
+def _parents_from_retrive(next_token, next_sibling, bs: int, n: int) -> list[int]:
+    """parent[t] from the first-child / next-sibling form (reference-semantics §2.4)."""
+    import numpy as np
+
+    nt = np.asarray(next_token.cpu() if hasattr(next_token, "cpu") else next_token).reshape(bs, n)
+    ns = np.asarray(next_sibling.cpu() if hasattr(next_sibling, "cpu") else next_sibling).reshape(bs, n)
+    parents = np.full((bs, n), -1, dtype=np.int32)
+    for r in range(bs):
+        for t in range(n):
+            c = nt[r, t]
+            if c >= 0:
+                parents[r, c] = t
+            s = ns[r, t]
+            if s >= 0:
+                parents[r, s] = parents[r, t]
+    return parents.reshape(-1)
+
+
+def _model_source(model: Any) -> tuple[str, str]:
+    """(name or path, config.json text or '') for the native loader."""
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        return path, ""
+    if isinstance(model, dict):
+        return model.get("_name_or_path") or model.get("model_type", "config"), json.dumps(model)
+    if hasattr(model, "to_dict"):  # transformers.PretrainedConfig
+        d = model.to_dict()
+        name = getattr(model, "_name_or_path", "") or d.get("model_type", "config")
+        return f"{name} (PretrainedConfig)", json.dumps(d, default=str)
+    raise TypeError(
+        f"model: {type(model).__name__}; pass a preset name, a config.json path, a dict of a "
+        "config.json or a transformers PretrainedConfig"
+    )
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+class Runtime:
+    """The attention layer of one model (see the module docstring and docs/python.md).
+
+    model: a preset name (attnrt.presets()), a config.json path or directory, a dict of a
+        config.json, or a transformers PretrainedConfig.
+    dtype: activation dtype of q / k / v / out (torch dtype or name); default the model's.
+    tp_size: heads split over this many ranks (this runtime holds one rank's heads).
+    Options (the reference engine's flag names): attention_backend, prefill_attention_backend,
+        decode_attention_backend, speculative_attention_mode, page_size, kv_cache_dtype,
+        speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens,
+        linear_attn_backend, linear_attn_prefill_backend, linear_attn_decode_backend, num_threads,
+        deterministic.
+    Sizes: max_requests, kv_slots, max_num_tokens, max_context_len, swa_full_tokens_ratio,
+        linear_state_slots, linear_verify_requests, cuda_graphs, cuda_graph_max_bs,
+        cuda_graph_batch_sizes.
+    """
+
+    def __init__(self, model: Any = "demo", *, dtype: Any = None, tp_size: int = 1, **kwargs):
+        options = _native.Options()
+        config = _native.RuntimeConfig()
+        for key, value in kwargs.items():
+            if key in _OPTIONS:
+                target = options
+                kind = _OPTIONS[key]
+            elif key in _CONFIG:
+                target = config
+                kind = _CONFIG[key]
+            else:
+                allowed = ", ".join(sorted(list(_OPTIONS) + list(_CONFIG) + ["dtype", "tp_size"]))
+                raise TypeError(f"Runtime: unknown option {key!r}; the options are {allowed}")
+            if value is None:
+                continue
+            if key == "kv_cache_dtype" and not isinstance(value, str):
+                value = str(value).replace("torch.", "")
+            if kind is bool and not isinstance(value, bool):
+                raise TypeError(f"Runtime: {key}={value!r}; it must be True or False")
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"Runtime: {key}={value!r}; it must be an integer")
+            if kind is str and not isinstance(value, str):
+                raise TypeError(f"Runtime: {key}={value!r}; it must be a string")
+            setattr(target, key, list(value) if kind is list else kind(value))
+        name, text = _model_source(model)
+        if dtype is not None and not isinstance(dtype, str):
+            dtype = str(dtype).replace("torch.", "")
+        self._rt = _native.Runtime(name, text, dtype or "", int(tp_size), options, config)
+        self.layers = {l["layer_id"]: l for l in self._rt.layers}
+        kind, index = self._rt.pool_device
+        self._cuda = kind == "cuda"
+        self._device_index = index
+        self._stream = None  # the CUDA stream handed to the native runtime last
+        self._capturing = False  # between begin_capture_step and the next step
+        self.page_size = self._rt.page_size
+
+    # ---- what was chosen -------------------------------------------------------------------
+    @property
+    def selection(self) -> dict:
+        """The backend per phase and kv dtype, with the reason for each choice."""
+        return self._rt.selection
+
+    @property
+    def device(self):
+        """The torch device of the pools (and of the tensors forward() takes)."""
+        torch = _torch()
+        return torch.device("cuda", self._device_index) if self._cuda else torch.device("cpu")
+
+    @property
+    def dtype(self):
+        """The activation dtype (torch) of q / k / v / out."""
+        return getattr(_torch(), _TORCH_DTYPES.get(self._rt.model_dtype, "float32"))
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self._rt.kv_cache_dtype
+
+    @property
+    def has_linear_layers(self) -> bool:
+        return self._rt.has_linear_layers
+
+    @property
+    def cuda_graphs_off_reason(self) -> str:
+        return self._rt.cuda_graphs_off_reason
+
+    # ---- pools -----------------------------------------------------------------------------
+    @property
+    def req_to_token(self):
+        """int32 [max_requests, max_context_len]: the request-row -> token-slot table, in place."""
+        return _as_torch(self._rt.req_to_token())
+
+    def kv_buffers(self, layer_id: int):
+        """(k, v, k_scale, v_scale): the layer's KV pool as tensors [slots, kv_heads, dim], in
+        place; fp8 pools come as uint8 (view them with .view(torch.float8_e4m3fn) / e5m2)."""
+        k, v, ks, vs = self._rt.kv_buffers(layer_id)
+        return _as_torch(k), _as_torch(v), ks, vs
+
+    def set_kv_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
+        self._rt.set_kv_scales(layer_id, float(k_scale), float(v_scale))
+
+    def alloc_request(self) -> int:
+        """A free request row of req_to_token."""
+        return self._rt.alloc_request()
+
+    def free_request(self, row: int) -> None:
+        self._rt.free_request(int(row))
+
+    def write_req_to_token(self, row: int, start: int, slots) -> None:
+        """req_to_token[row, start : start + len(slots)] = slots."""
+        self._rt.write_req_to_token(int(row), int(start), _host_ints(slots, "slots"))
+
+    def alloc_extend(self, prefix_lens, seq_lens, last_locs) -> list[int]:
+        """Slots for the new tokens of extending requests (page-aligned; reference-semantics §4.2).
+        last_locs: the slot of each request's last cached token, -1 when it has none."""
+        return self._rt.alloc_extend(
+            _host_ints(prefix_lens, "prefix_lens"), _host_ints(seq_lens, "seq_lens"),
+            _host_ints(last_locs, "last_locs"))
+
+    def alloc_decode(self, seq_lens, last_locs) -> list[int]:
+        """One slot per decoding request (seq_lens include the new token)."""
+        return self._rt.alloc_decode(_host_ints(seq_lens, "seq_lens"), _host_ints(last_locs, "last_locs"))
+
+    def free_slots(self, slots) -> None:
+        self._rt.free_slots(_host_ints(slots, "slots"))
+
+    @property
+    def available_slots(self) -> int:
+        return self._rt.available_slots
+
+    def alloc_linear_state(self, row: int) -> int:
+        """A linear-attention state slot bound to request row `row` (hybrid models)."""
+        return self._rt.alloc_linear_state(int(row))
+
+    def free_linear_state(self, row: int) -> None:
+        self._rt.free_linear_state(int(row))
+
+    # ---- the step --------------------------------------------------------------------------
+    def _use_current_stream(self) -> None:
+        if not self._cuda:
+            return
+        torch = _torch()
+        s = torch.cuda.current_stream(self._device_index).cuda_stream
+        if s != self._stream:
+            self._rt.set_stream(s)
+            self._stream = s
+
+    def begin_step(self, batch: Any) -> None:
+        """Starts a forward step. `batch`: ForwardBatch, or any object with the reference engine's
+        fields (forward_mode, req_pool_indices, seq_lens, out_cache_loc, extend_prefix_lens,
+        extend_seq_lens, positions, spec_info). req_to_token must already hold the step's slots."""
+        self._capturing = False
+        self._begin(batch, 0, 0)
+
+    # ---- CUDA graphs the engine captures (torch.cuda.graph around its whole step) ----------
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Once, before any capture: fixed buffers for steps of up to max_bs requests and
+        max_num_tokens tokens (max_bs * tokens per request)."""
+        self._rt.init_cuda_graph_state(int(max_bs), int(max_num_tokens))
+
+    def begin_capture_step(self, batch: Any, bs: int) -> None:
+        """Before capturing a DECODE / TARGET_VERIFY step of `bs` requests: the forward() calls
+        made inside the capture record kernels that read only fixed buffers. `batch` gives the mode
+        (and spec_info for verify); its lengths are not read."""
+        self._capturing = True
+        self._begin(batch, 1, int(bs))
+
+    def begin_replay_step(self, batch: Any, bs: int) -> None:
+        """Before every replay of the graph captured at size `bs`: the real batch (at most bs
+        requests; padded here). Then replay the graph, then end_step()."""
+        self._capturing = False
+        self._begin(batch, 2, int(bs))
+
+    def cuda_graph_seq_len_fill_value(self) -> int:
+        """The seq_lens value padded requests carry (reference-semantics §3.3)."""
+        return self._rt.cuda_graph_seq_len_fill_value()
+
+    def _begin(self, batch: Any, kind: int, bs: int) -> None:
+        mode = _mode_name(batch.forward_mode)
+        spec = getattr(batch, "spec_info", None)
+        n, topk, parents, accept = 0, 1, None, None
+        rows = _host_ints(batch.req_pool_indices, "req_pool_indices")
+        if spec is not None:
+            n = int(getattr(spec, "draft_token_num", 0) or 0)
+            topk = int(getattr(spec, "topk", 1) or 1)
+            parents = getattr(spec, "parents", None)
+            nt = getattr(spec, "retrive_next_token", None)
+            if parents is None and nt is not None and topk > 1:
+                parents = _parents_from_retrive(nt, spec.retrive_next_sibling, len(rows), n)
+            accept = getattr(spec, "accept_length", None)
+        self._use_current_stream()
+        graph = (kind, bs) if kind else ()  # an eager step passes neither
+        self._rt.begin_step(
+            mode, rows, _host_ints(batch.seq_lens, "seq_lens"),
+            _host_ints(getattr(batch, "extend_prefix_lens", None), "extend_prefix_lens"),
+            _host_ints(getattr(batch, "extend_seq_lens", None), "extend_seq_lens"),
+            _host_ints(batch.out_cache_loc, "out_cache_loc"),
+            _host_ints(getattr(batch, "positions", None), "positions"),
+            n, topk, _host_ints(parents, "spec_info.parents"),
+            _host_ints(accept, "spec_info.accept_length"), *graph)
+
+    def forward(self, layer_id: int, q, k, v, out=None, *, save_kv: bool = True, sinks=None,
+                lse=None):
+        """Attention of one layer for the step begun: stores k / v (when save_kv) and attends.
+        q [T, Hq, D] (or [T, Hq*D]), k / v [T, Hkv, D] (or flat), out [T, Hq, Dv] or None (a new
+        tensor). Returns out."""
+        info = self.layers.get(layer_id)
+        if info is None:
+            raise ValueError(
+                f"forward: layer_id {layer_id} is not a layer of the model; layers are "
+                f"0..{len(self.layers) - 1}")
+        t = q.shape[0]
+        if q.dim() == 2:
+            q = q.view(t, info["num_q_heads"], info["head_dim"])
+        if k is not None and k.dim() == 2:
+            k = k.view(k.shape[0], info["num_kv_heads"], info["head_dim"])
+        if v is not None and v.dim() == 2:
+            v = v.view(v.shape[0], info["num_kv_heads"], info["v_head_dim"])
+        if out is None:
+            out = q.new_empty((t, info["num_q_heads"], info["v_head_dim"]))
+        elif out.dim() == 2:
+            out = out.view(t, info["num_q_heads"], info["v_head_dim"])
+        if self._capturing:
+            self._use_current_stream()  # the capture runs on a stream of its own
+        try:
+            self._rt.forward(layer_id, q, k, v, out, save_kv, sinks, lse)
+        except TypeError as e:
+            _explain_tensor_error(e, q=q, k=k, v=v, out=out, sinks=sinks, lse=lse)
+            raise
+        return out
+
+    def forward_linear(self, layer_id: int, mixed_qkv, a, b, conv_weight, conv_bias, A_log,
+                       dt_bias, D=None, out=None):
+        """One linear-attention layer (gdn / kda / mamba2): conv + recurrence with the request's
+        state (reference-semantics §2.3, §8.8-8.9). Returns out [T, heads, head_v_dim]."""
+        if out is None:
+            info = self.layers[layer_id]
+            raise ValueError(
+                f"forward_linear(layer {layer_id}, {info['kind']}): pass out, a [T, heads, head_v_dim] "
+                "tensor")
+        try:
+            self._rt.forward_linear(layer_id, mixed_qkv, a, b, conv_weight, conv_bias, A_log,
+                                    dt_bias, D, out)
+        except TypeError as e:
+            _explain_tensor_error(e, mixed_qkv=mixed_qkv, a=a, b=b, conv_weight=conv_weight,
+                                  conv_bias=conv_bias, A_log=A_log, dt_bias=dt_bias, D=D, out=out)
+            raise
+        return out
+
+    def end_step(self) -> None:
+        self._rt.end_step()
+
+    def update_state_after_verify(self, last_accepted) -> None:
+        """After a TARGET_VERIFY step (hybrid models): request i keeps the linear state after its
+        block token last_accepted[i] (-1: unchanged). reference-semantics §8.10."""
+        self._rt.update_state_after_verify(_host_ints(last_accepted, "last_accepted"))
+
+    def synchronize(self) -> None:
+        """Waits for the GPU work this runtime issued."""
+        self._rt.synchronize()
+
+    def close(self) -> None:
+        """Releases the pools; any later call raises attnrt.Error."""
+        self._rt.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._rt.closed:
+            return "attnrt.Runtime(closed)"
+        s = self.selection
+        return (f"attnrt.Runtime({self._rt.model_name!r}, prefill={s['prefill']}, "
+                f"decode={s['decode']}, kv={s['kv_cache_dtype']}, page_size={self.page_size}, "
+                f"device={self.device})")
+
+
+def _as_torch(array):
+    torch = _torch()
+    return torch.from_dlpack(array)
+
+
+def _explain_tensor_error(err: TypeError, **tensors) -> None:
+    """Replaces nanobind's generic 'incompatible arguments' with the argument that is wrong."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not hasattr(t, "__dlpack__"):
+            raise TypeError(f"{name}: {type(t).__name__}; pass a torch tensor") from err
+        if getattr(t, "requires_grad", False):
+            raise TypeError(
+                f"{name}: the tensor requires grad; run attnrt under torch.no_grad() / "
+                "torch.inference_mode() or pass tensor.detach()") from err
+        if hasattr(t, "is_contiguous") and not t.is_contiguous() and t.dim() > 0 and t.stride(-1) != 1:
+            raise ValueError(
+                f"{name}: strides {tuple(t.stride())} for shape {tuple(t.shape)}; the last "
+                "dimension must be contiguous (stride 1)") from err

@@ -1,0 +1,491 @@
+// attnrt._native: the Python extension. A thin layer over AttentionRuntime: tensors come in and go
+// out through DLPack without copies (CPU and CUDA), batch fields arrive as host integer arrays, and
+// every attnrt::Error becomes attnrt.Error (a ValueError) with the library's message. The Python
+// package (python/attnrt) adds the torch-facing conveniences on top: the current CUDA stream,
+// output allocation, the engine-interface class and the transformers plug-in.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "attnrt/backend/options.h"
+#include "attnrt/backend/registry.h"
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/core/device.h"
+#include "attnrt/core/error.h"
+#include "attnrt/model/model_spec.h"
+#include "attnrt/runtime/attention_runtime.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace attnrt::python {
+namespace {
+
+using Array = nb::ndarray<nb::ro>;
+using MutArray = nb::ndarray<>;
+
+// DLPack device types (dlpack.h): CPU, CUDA, CUDA host (pinned), CUDA managed.
+constexpr int kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLCUDAManaged = 13;
+
+std::optional<DType> dtype_of(nb::dlpack::dtype t) {
+  using C = nb::dlpack::dtype_code;
+  if (t.lanes != 1) return std::nullopt;
+  if (t.code == static_cast<uint8_t>(C::Float)) {
+    if (t.bits == 32) return DType::f32;
+    if (t.bits == 16) return DType::f16;
+  }
+  if (t.code == static_cast<uint8_t>(C::Bfloat) && t.bits == 16) return DType::bf16;
+  if (t.code == static_cast<uint8_t>(C::Int)) {
+    if (t.bits == 32) return DType::i32;
+    if (t.bits == 64) return DType::i64;
+  }
+  if (t.code == static_cast<uint8_t>(C::UInt) && t.bits == 8) return DType::u8;
+  return std::nullopt;
+}
+
+nb::dlpack::dtype dlpack_dtype(DType t) {
+  using C = nb::dlpack::dtype_code;
+  switch (t) {
+    case DType::f32: return {static_cast<uint8_t>(C::Float), 32, 1};
+    case DType::f16: return {static_cast<uint8_t>(C::Float), 16, 1};
+    case DType::bf16: return {static_cast<uint8_t>(C::Bfloat), 16, 1};
+    case DType::i32: return {static_cast<uint8_t>(C::Int), 32, 1};
+    case DType::i64: return {static_cast<uint8_t>(C::Int), 64, 1};
+    default: return {static_cast<uint8_t>(C::UInt), 8, 1};  // fp8 and bytes: raw uint8
+  }
+}
+
+std::string dtype_text(nb::dlpack::dtype t) {
+  const char* code = "?";
+  switch (static_cast<nb::dlpack::dtype_code>(t.code)) {
+    case nb::dlpack::dtype_code::Int: code = "int"; break;
+    case nb::dlpack::dtype_code::UInt: code = "uint"; break;
+    case nb::dlpack::dtype_code::Float: code = "float"; break;
+    case nb::dlpack::dtype_code::Bfloat: code = "bfloat"; break;
+    default: break;
+  }
+  return fmt::format("{}{}", code, t.bits);
+}
+
+// A tensor argument as a TensorView (no copy). `name` is the argument's name in messages.
+TensorView view_of(const Array& a, const char* name) {
+  const std::optional<DType> dt = dtype_of(a.dtype());
+  if (!dt) {
+    throw nb::type_error(fmt::format("{}: dtype {} is not supported; attnrt takes float32, float16, "
+                                     "bfloat16 (activations), int32 / int64 (indices) and uint8 "
+                                     "(fp8 bytes)",
+                                     name, dtype_text(a.dtype()))
+                             .c_str());
+  }
+  if (a.ndim() > static_cast<size_t>(kMaxDims)) {
+    throw nb::value_error(
+        fmt::format("{}: {} dimensions; at most {} are supported", name, a.ndim(), kMaxDims).c_str());
+  }
+  TensorView v;
+  v.data = const_cast<void*>(a.data());
+  v.dtype = *dt;
+  v.ndim = static_cast<int>(a.ndim());
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = static_cast<int64_t>(a.shape(i));
+    v.strides[i] = a.stride(i);
+  }
+  const int dev = a.device_type();
+  if (dev == kDLCPU || dev == kDLCUDAHost) {
+    v.device = Device::cpu();
+  } else if (dev == kDLCUDA || dev == kDLCUDAManaged) {
+    v.device = Device::cuda(a.device_id());
+  } else {
+    throw nb::value_error(
+        fmt::format("{}: the tensor is on DLPack device type {}; attnrt takes CPU and CUDA tensors",
+                    name, dev)
+            .c_str());
+  }
+  return v;
+}
+
+// An activation (q, k, v, out, linear inputs): a float tensor.
+TensorView activation_view(const Array& a, const char* name) {
+  TensorView v = view_of(a, name);
+  if (v.dtype != DType::f32 && v.dtype != DType::f16 && v.dtype != DType::bf16) {
+    throw nb::type_error(fmt::format("{}: dtype {} is not an activation dtype; q / k / v / out are "
+                                     "float32, float16 or bfloat16",
+                                     name, dtype_name(v.dtype))
+                             .c_str());
+  }
+  return v;
+}
+
+TensorView optional_view(const std::optional<Array>& a, const char* name) {
+  return a ? view_of(*a, name) : TensorView();
+}
+
+// Integer batch fields: any host integer array (int32 or int64) or None.
+template <typename T>
+std::vector<T> ints(const std::optional<nb::ndarray<nb::ro, nb::device::cpu>>& a, const char* name) {
+  std::vector<T> out;
+  if (!a) return out;
+  const nb::dlpack::dtype t = a->dtype();
+  if (a->ndim() != 1) {
+    throw nb::value_error(
+        fmt::format("batch field {}: {} dimensions; it must be one-dimensional", name, a->ndim())
+            .c_str());
+  }
+  const size_t n = a->shape(0);
+  const int64_t stride = a->stride(0);
+  out.resize(n);
+  if (t == nb::dtype<int32_t>()) {
+    const auto* p = static_cast<const int32_t*>(a->data());
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<T>(p[i * stride]);
+  } else if (t == nb::dtype<int64_t>()) {
+    const auto* p = static_cast<const int64_t*>(a->data());
+    for (size_t i = 0; i < n; ++i) out[i] = static_cast<T>(p[i * stride]);
+  } else {
+    throw nb::type_error(fmt::format("batch field {}: dtype {}; it must be int32 or int64 (on the "
+                                     "CPU)",
+                                     name, dtype_text(t))
+                             .c_str());
+  }
+  return out;
+}
+
+using HostInts = std::optional<nb::ndarray<nb::ro, nb::device::cpu>>;
+
+// A preset name or config.json path, or the text of a config.json (then `model` names its origin);
+// `dtype` ("" = the model's) replaces the activation dtype; tp_size splits the heads.
+ModelSpec load_model(const std::string& model, const std::string& config_json,
+                     const std::string& dtype, int tp_size) {
+  ModelSpec spec = config_json.empty()
+                       ? resolve_model(model)
+                       : load_hf_config_text(config_json, model.empty() ? "config" : model);
+  if (!dtype.empty()) spec.dtype = parse_dtype(dtype);
+  return tp_size > 1 ? apply_tensor_parallel(spec, tp_size) : spec;
+}
+
+// The runtime plus the batch of the step in progress (begin_step keeps a pointer to it).
+class Runtime {
+ public:
+  Runtime(const std::string& model, const std::string& config_json, const std::string& dtype,
+          int tp_size, const Options& options, const RuntimeConfig& config)
+      : rt_(std::make_unique<AttentionRuntime>(load_model(model, config_json, dtype, tp_size),
+                                               options, config)) {}
+
+  AttentionRuntime& rt() {
+    if (!rt_) throw std::runtime_error("attnrt.Runtime: the runtime was closed; create a new one");
+    return *rt_;
+  }
+  void close() {
+    if (rt_ && in_step_) rt_->end_step();
+    in_step_ = false;
+    rt_.reset();
+  }
+  bool closed() const { return !rt_; }
+
+  // kind: 0 = an eager step, 1 = before a capture of `bs` requests, 2 = before a replay at `bs`.
+  void begin_step(const std::string& mode, HostInts req_pool_indices, HostInts seq_lens,
+                  HostInts extend_prefix_lens, HostInts extend_seq_lens, HostInts out_cache_loc,
+                  HostInts positions, int draft_token_num, int topk, HostInts parents,
+                  HostInts accept_length, int kind, int bs) {
+    AttentionRuntime& r = rt();
+    ForwardBatch& b = batch_;
+    b.mode = parse_forward_mode(mode);
+    b.req_pool_indices = ints<int64_t>(req_pool_indices, "req_pool_indices");
+    b.batch_size = static_cast<int>(b.req_pool_indices.size());
+    b.seq_lens = ints<int32_t>(seq_lens, "seq_lens");
+    b.extend_prefix_lens = ints<int32_t>(extend_prefix_lens, "extend_prefix_lens");
+    b.extend_seq_lens = ints<int32_t>(extend_seq_lens, "extend_seq_lens");
+    b.extend_start_loc.clear();
+    if (!b.extend_seq_lens.empty()) {
+      int32_t at = 0;
+      for (int32_t n : b.extend_seq_lens) {
+        b.extend_start_loc.push_back(at);
+        at += n;
+      }
+    }
+    b.out_cache_loc = ints<int64_t>(out_cache_loc, "out_cache_loc");
+    b.positions = ints<int64_t>(positions, "positions");
+    b.spec_info.reset();
+    if (draft_token_num > 0 || parents || accept_length) {
+      SpecInfo s;
+      s.draft_token_num = draft_token_num;
+      s.topk = topk;
+      s.parents = ints<int32_t>(parents, "spec_info.parents");
+      s.accept_length = ints<int32_t>(accept_length, "spec_info.accept_length");
+      if (s.parents.empty() && is_target_verify(b.mode) && s.is_chain()) {
+        s.parents = SpecInfo::chain(b.batch_size, draft_token_num).parents;
+      }
+      b.spec_info = std::move(s);
+    }
+    if (in_step_) {
+      r.end_step();
+      in_step_ = false;
+    }
+    if (kind == 1) {
+      r.begin_capture_step(b, bs);
+    } else if (kind == 2) {
+      r.begin_replay_step(b, bs);
+    } else {
+      r.begin_step(b);
+    }
+    in_step_ = true;
+  }
+
+  void end_step() {
+    AttentionRuntime& r = rt();
+    ATTNRT_CHECK(in_step_, "end_step: no step in progress; call begin_step first");
+    r.end_step();
+    in_step_ = false;
+  }
+
+  void forward(int layer_id, const Array& q, const Array& k, const Array& v, const Array& out,
+               bool save_kv, std::optional<Array> sinks, std::optional<Array> lse) {
+    AttnArgs a;
+    a.q = activation_view(q, "q");
+    a.k = activation_view(k, "k");
+    a.v = activation_view(v, "v");
+    a.out = activation_view(out, "out");
+    a.save_kv = save_kv;
+    if (sinks) {
+      const TensorView s = view_of(*sinks, "sinks");
+      ATTNRT_CHECK(s.dtype == DType::f32 && s.is_contiguous(),
+                   "sinks: {}; the sink logits are a contiguous float32 tensor [num_q_heads]",
+                   s.describe());
+      a.sinks = s.ptr<const float>();
+    }
+    a.lse = optional_view(lse, "lse");
+    rt().forward(layer_id, a);
+  }
+
+  void forward_linear(int layer_id, const Array& mixed_qkv, const Array& a, std::optional<Array> b,
+                      const Array& conv_weight, std::optional<Array> conv_bias,
+                      const Array& A_log, const Array& dt_bias, std::optional<Array> D,
+                      const Array& out) {
+    LinearArgs x;
+    x.mixed_qkv = activation_view(mixed_qkv, "mixed_qkv");
+    x.a = view_of(a, "a");
+    x.b = optional_view(b, "b");
+    x.conv_weight = view_of(conv_weight, "conv_weight");
+    x.conv_bias = optional_view(conv_bias, "conv_bias");
+    x.A_log = view_of(A_log, "A_log");
+    x.dt_bias = view_of(dt_bias, "dt_bias");
+    x.D = optional_view(D, "D");
+    x.out = activation_view(out, "out");
+    rt().forward_linear(layer_id, x);
+  }
+
+  bool in_step() const { return in_step_; }
+
+ private:
+  std::unique_ptr<AttentionRuntime> rt_;
+  ForwardBatch batch_;
+  bool in_step_ = false;
+};
+
+// A zero-copy array over memory the runtime owns; `owner` (the Python Runtime) keeps it alive.
+nb::ndarray<> owned_array(void* data, DType dt, std::vector<size_t> shape,
+                          std::vector<int64_t> strides, Device device, nb::handle owner) {
+  const int dev = device.kind == DeviceKind::cuda ? kDLCUDA : kDLCPU;
+  return nb::ndarray<>(data, shape.size(), shape.data(), owner, strides.data(), dlpack_dtype(dt),
+                       dev, device.index);
+}
+
+nb::dict layer_dict(const LayerSpec& l) {
+  nb::dict d;
+  d["layer_id"] = l.layer_id;
+  d["kind"] = std::string(layer_kind_name(l.kind));
+  d["num_q_heads"] = l.num_q_heads;
+  d["num_kv_heads"] = l.num_kv_heads;
+  d["head_dim"] = l.head_dim;
+  d["v_head_dim"] = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+  d["scaling"] = l.softmax_scale();
+  d["logit_cap"] = l.logit_cap;
+  d["sliding_window"] = l.sliding_window;
+  d["causal"] = l.causal();
+  d["has_sinks"] = l.has_sinks;
+  d["kv_lora_rank"] = l.kv_lora_rank;
+  d["qk_rope_head_dim"] = l.qk_rope_head_dim;
+  d["uses_kv_cache"] = l.uses_kv_cache();
+  return d;
+}
+
+}  // namespace
+}  // namespace attnrt::python
+
+NB_MODULE(_native, m) {
+  using namespace attnrt;
+  using attnrt::python::Runtime;
+  m.doc() = "attnrt's native extension (use the attnrt package, not this module).";
+
+  static nb::exception<Error> error(m, "Error", PyExc_ValueError);
+
+  m.def("version", [] { return std::string(ATTNRT_VERSION); });
+  m.def("cuda_status", [] {
+    const CudaDeviceInfo c = query_cuda();
+    return nb::make_tuple(c.usable, c.usable ? c.name : c.reason);
+  });
+  m.def("preset_names", &preset_names);
+  m.def("backend_names", [] { return Registry::global().names(); });
+
+  nb::class_<Options>(m, "Options")
+      .def(nb::init<>())
+      .def_rw("attention_backend", &Options::attention_backend)
+      .def_rw("prefill_attention_backend", &Options::prefill_attention_backend)
+      .def_rw("decode_attention_backend", &Options::decode_attention_backend)
+      .def_rw("speculative_attention_mode", &Options::speculative_attention_mode)
+      .def_rw("page_size", &Options::page_size)
+      .def_rw("kv_cache_dtype", &Options::kv_cache_dtype)
+      .def_rw("speculative_num_steps", &Options::speculative_num_steps)
+      .def_rw("speculative_eagle_topk", &Options::speculative_eagle_topk)
+      .def_rw("speculative_num_draft_tokens", &Options::speculative_num_draft_tokens)
+      .def_rw("linear_attn_backend", &Options::linear_attn_backend)
+      .def_rw("linear_attn_prefill_backend", &Options::linear_attn_prefill_backend)
+      .def_rw("linear_attn_decode_backend", &Options::linear_attn_decode_backend)
+      .def_rw("num_threads", &Options::num_threads)
+      .def_rw("deterministic", &Options::deterministic);
+
+  nb::class_<RuntimeConfig>(m, "RuntimeConfig")
+      .def(nb::init<>())
+      .def_rw("max_requests", &RuntimeConfig::max_requests)
+      .def_rw("kv_slots", &RuntimeConfig::kv_slots)
+      .def_rw("swa_full_tokens_ratio", &RuntimeConfig::swa_full_tokens_ratio)
+      .def_rw("max_num_tokens", &RuntimeConfig::max_num_tokens)
+      .def_rw("max_context_len", &RuntimeConfig::max_context_len)
+      .def_rw("linear_state_slots", &RuntimeConfig::linear_state_slots)
+      .def_rw("linear_verify_requests", &RuntimeConfig::linear_verify_requests)
+      .def_rw("cuda_graphs", &RuntimeConfig::cuda_graphs)
+      .def_rw("cuda_graph_max_bs", &RuntimeConfig::cuda_graph_max_bs)
+      .def_rw("cuda_graph_batch_sizes", &RuntimeConfig::cuda_graph_batch_sizes);
+
+  nb::class_<Runtime>(m, "Runtime")
+      .def(nb::init<const std::string&, const std::string&, const std::string&, int,
+                    const Options&, const RuntimeConfig&>(),
+           "model"_a, "config_json"_a, "dtype"_a, "tp_size"_a, "options"_a, "config"_a)
+      .def("close", &Runtime::close)
+      .def_prop_ro("closed", &Runtime::closed)
+      .def_prop_ro("in_step", &Runtime::in_step)
+      .def_prop_ro("model_name", [](Runtime& r) { return r.rt().model().name; })
+      .def_prop_ro("model_dtype",
+                   [](Runtime& r) { return std::string(dtype_name(r.rt().model().dtype)); })
+      .def_prop_ro("layers",
+                   [](Runtime& r) {
+                     nb::list out;
+                     for (const LayerSpec& l : r.rt().model().layers) out.append(python::layer_dict(l));
+                     return out;
+                   })
+      .def_prop_ro("selection",
+                   [](Runtime& r) {
+                     const Selection& s = r.rt().selection();
+                     nb::dict d;
+                     d["prefill"] = s.prefill;
+                     d["decode"] = s.decode;
+                     d["linear_prefill"] = s.linear_prefill;
+                     d["linear_decode"] = s.linear_decode;
+                     d["kv_cache_dtype"] = std::string(dtype_name(s.kv_dtype));
+                     d["speculative_topk"] = s.spec_topk;
+                     d["speculative_num_draft_tokens"] = s.spec_num_draft_tokens;
+                     d["reasons"] = s.reasons;
+                     return d;
+                   })
+      .def_prop_ro("pool_device",
+                   [](Runtime& r) {
+                     const Device d = r.rt().kv_cache().device();
+                     return nb::make_tuple(d.kind == DeviceKind::cuda ? "cuda" : "cpu", d.index);
+                   })
+      .def_prop_ro("page_size", [](Runtime& r) { return r.rt().kv_cache().page_size(); })
+      .def_prop_ro("kv_cache_dtype",
+                   [](Runtime& r) { return std::string(dtype_name(r.rt().kv_cache().dtype())); })
+      .def_prop_ro("cuda_graphs_off_reason",
+                   [](Runtime& r) { return r.rt().cuda_graphs_off_reason(); })
+      .def_prop_ro("has_linear_layers", [](Runtime& r) { return r.rt().has_linear_layers(); })
+      // Pools and allocator, for an engine that manages requests itself.
+      .def("req_to_token",
+           [](nb::handle self) {
+             Runtime& r = nb::cast<Runtime&>(self);
+             ReqToTokenPool& p = r.rt().req_to_token();
+             return python::owned_array(const_cast<int32_t*>(p.data()), DType::i32,
+                                        {static_cast<size_t>(p.size()),
+                                         static_cast<size_t>(p.max_context_len())},
+                                        {p.max_context_len(), 1}, Device::cpu(), self);
+           })
+      .def("alloc_request", [](Runtime& r) { return r.rt().req_to_token().alloc(); })
+      .def("free_request", [](Runtime& r, int row) { r.rt().req_to_token().free(row); })
+      .def("write_req_to_token",
+           [](Runtime& r, int row, int start, python::HostInts slots) {
+             const std::vector<int64_t> s = python::ints<int64_t>(slots, "slots");
+             r.rt().req_to_token().write(row, start, s);
+           })
+      .def("alloc_extend",
+           [](Runtime& r, python::HostInts prefix_lens, python::HostInts seq_lens,
+              python::HostInts last_locs) {
+             const auto p = python::ints<int32_t>(prefix_lens, "prefix_lens");
+             const auto s = python::ints<int32_t>(seq_lens, "seq_lens");
+             const auto l = python::ints<int64_t>(last_locs, "last_locs");
+             return r.rt().allocator().alloc_extend(p, s, l);
+           })
+      .def("alloc_decode",
+           [](Runtime& r, python::HostInts seq_lens, python::HostInts last_locs) {
+             const auto s = python::ints<int32_t>(seq_lens, "seq_lens");
+             const auto l = python::ints<int64_t>(last_locs, "last_locs");
+             return r.rt().allocator().alloc_decode(s, l);
+           })
+      .def("free_slots",
+           [](Runtime& r, python::HostInts slots) {
+             const auto s = python::ints<int64_t>(slots, "slots");
+             r.rt().allocator().free(s);
+           })
+      .def_prop_ro("available_slots", [](Runtime& r) { return r.rt().allocator().available_size(); })
+      .def("alloc_linear_state", [](Runtime& r, int row) { return r.rt().linear_state().alloc_for(row); })
+      .def("free_linear_state", [](Runtime& r, int row) { r.rt().linear_state().free_for(row); })
+      .def("kv_buffers",
+           [](nb::handle self, int layer_id) {
+             Runtime& r = nb::cast<Runtime&>(self);
+             const KVLayerView v = r.rt().kv_cache().layer(layer_id);
+             const auto rows = static_cast<size_t>(v.num_rows);
+             const auto h = static_cast<size_t>(v.kv_heads);
+             nb::ndarray<> k = python::owned_array(v.k, v.dtype, {rows, h, static_cast<size_t>(v.head_dim)},
+                                                   {v.k_row_stride, v.head_dim, 1}, v.device, self);
+             nb::ndarray<> vv = python::owned_array(
+                 v.v, v.dtype, {rows, h, static_cast<size_t>(v.v_head_dim)},
+                 {v.v_row_stride, v.v == v.k ? v.head_dim : v.v_head_dim, 1}, v.device, self);
+             return nb::make_tuple(k, vv, v.k_scale, v.v_scale);
+           })
+      .def("set_kv_scales",
+           [](Runtime& r, int layer_id, float k_scale, float v_scale) {
+             r.rt().kv_cache().set_kv_scales(layer_id, k_scale, v_scale);
+           })
+      // The step.
+      .def("set_stream", [](Runtime& r, uintptr_t stream) {
+             r.rt().set_stream(reinterpret_cast<void*>(stream));
+           })
+      .def("stream", [](Runtime& r) { return reinterpret_cast<uintptr_t>(r.rt().stream()); })
+      .def("begin_step", &Runtime::begin_step, "mode"_a, "req_pool_indices"_a.none(),
+           "seq_lens"_a.none(), "extend_prefix_lens"_a.none(), "extend_seq_lens"_a.none(),
+           "out_cache_loc"_a.none(), "positions"_a.none(), "draft_token_num"_a = 0,
+           "topk"_a = 1, "parents"_a.none() = nb::none(), "accept_length"_a.none() = nb::none(),
+           "kind"_a = 0, "bs"_a = 0)
+      .def("init_cuda_graph_state",
+           [](Runtime& r, int max_bs, int max_num_tokens) {
+             r.rt().init_cuda_graph_state(max_bs, max_num_tokens);
+           })
+      .def("cuda_graph_seq_len_fill_value",
+           [](Runtime& r) { return r.rt().cuda_graph_seq_len_fill_value(); })
+      .def("forward", &Runtime::forward, "layer_id"_a, "q"_a, "k"_a, "v"_a, "out"_a,
+           "save_kv"_a = true, "sinks"_a.none() = nb::none(), "lse"_a.none() = nb::none())
+      .def("forward_linear", &Runtime::forward_linear, "layer_id"_a, "mixed_qkv"_a, "a"_a,
+           "b"_a.none(), "conv_weight"_a, "conv_bias"_a.none(), "A_log"_a, "dt_bias"_a,
+           "D"_a.none(), "out"_a)
+      .def("end_step", &Runtime::end_step)
+      .def("update_state_after_verify",
+           [](Runtime& r, python::HostInts last_accepted) {
+             const auto v = python::ints<int32_t>(last_accepted, "last_accepted");
+             r.rt().update_state_after_verify(v);
+           })
+      .def("synchronize", [](Runtime& r) { r.rt().synchronize(); });
+}
