@@ -19,4 +19,16 @@ cp "$build/attnrt" "$build/attnrt_cuda_tests" "$outdir/tmp/"
 strip "$outdir/tmp/attnrt" "$outdir/tmp/attnrt_cuda_tests"
 tar -C "$outdir/tmp" -cf - attnrt attnrt_cuda_tests | xz -T0 -6 >"$outdir/bin.tar.xz"
 rm -rf "$outdir/tmp"
+# The Python extension for the GPU machine's python3 (3.12 there): built with a Python 3.12 that
+# has nanobind and scikit-build-core (ATTNRT_PY312, default ~/.cache/attnrt-py/venv312/bin/python),
+# when there is one; scripts/gpu_python.sh unpacks it into python/attnrt.
+py312=${ATTNRT_PY312:-$HOME/.cache/attnrt-py/venv312/bin/python}
+if [ -x "$py312" ]; then
+  PATH=$(dirname "$nvcc"):$PATH "$py312" -m pip wheel -q --no-build-isolation --no-deps . \
+    -w /tmp/attnrt-wheel312 >/dev/null
+  so=$(ls build/python/cp312-*/_native*.so)
+  mkdir -p "$outdir/tmp" && cp "$so" "$outdir/tmp/" && strip "$outdir/tmp/$(basename "$so")"
+  tar -C "$outdir/tmp" -cf - "$(basename "$so")" | xz -T0 -6 >"$outdir/py312.tar.xz"
+  rm -rf "$outdir/tmp"
+fi
 ls -la "$outdir"

@@ -221,7 +221,7 @@ class AttnrtCache(Cache):
     def reset(self) -> None:
         """Frees every request row and KV slot; the next forward starts new requests."""
         rt = self.runtime
-        if rt._rt.closed:
+        if rt.closed:
             self._rows, self._slots = [], []
             return
         self._end_step()
@@ -284,7 +284,7 @@ class AttnrtCache(Cache):
     def close(self) -> None:
         """Frees the rows and slots; closes the runtime when the cache created it."""
         self.reset()
-        if self._owns_runtime and not self.runtime._rt.closed:
+        if self._owns_runtime and not self.runtime.closed:
             self.runtime.close()
 
     def __del__(self):

@@ -440,8 +440,13 @@ class Runtime:
         self._rt.synchronize()
 
     def close(self) -> None:
-        """Releases the pools; any later call raises attnrt.Error."""
+        """Releases the pools; any later call raises RuntimeError. Closing twice is harmless."""
         self._rt.close()
+
+    @property
+    def closed(self) -> bool:
+        """True after close(): the pools are released and every call raises RuntimeError."""
+        return self._rt.closed
 
     def __enter__(self):
         return self
@@ -450,7 +455,7 @@ class Runtime:
         self.close()
 
     def __repr__(self) -> str:
-        if self._rt.closed:
+        if self.closed:
             return "attnrt.Runtime(closed)"
         s = self.selection
         return (f"attnrt.Runtime({self._rt.model_name!r}, prefill={s['prefill']}, "

@@ -302,9 +302,12 @@ def test_bad_input_names_the_problem_and_leaves_the_pools_as_they_were():
         attnrt.Runtime(llama_config(), attention_backnd="cpu")
     with pytest.raises(attnrt.Error, match="flashinfer|backend"):
         attnrt.Runtime(llama_config(), attention_backend="no_such_backend")
+    assert not rt.closed
     rt.close()
+    assert rt.closed and "closed" in repr(rt)
     with pytest.raises(RuntimeError, match="closed"):
         rt.begin_step(batch)
+    rt.close()  # a second close is harmless
 
 
 def test_strided_tensors_give_the_results_of_contiguous_ones():
