@@ -17,7 +17,8 @@ What the backend reads from a forward_batch (any object with these attributes; t
                          length including the token decoded; TARGET_VERIFY the length before the
                          drafts; DRAFT_EXTEND the length after acceptance
     seq_lens_cpu         [bs] host mirror; used instead of seq_lens when present (no device sync)
-    out_cache_loc        [T] KV slot of every query token (written before attending)
+    out_cache_loc        [T] KV slot of every query token (written before attending);
+                         out_cache_loc_cpu, when present, is read instead (no device sync)
     positions            [T] positions of the query tokens (checked against the mode's rule)
     extend_prefix_lens / extend_seq_lens (or their _cpu lists)
                          [bs] extend-like modes: cached tokens and new tokens per request
@@ -25,8 +26,10 @@ What the backend reads from a forward_batch (any object with these attributes; t
                          and for trees either `parents` [bs*N] or retrive_next_token /
                          retrive_next_sibling [bs, N]; DRAFT_EXTEND: accept_length [bs]
     req_to_token_pool    optional: the engine's own pool; its .req_to_token table is mirrored into
-                         attnrt's (only the columns a step adds, except for extend steps, which
-                         rewrite their rows from column 0). Without it the engine writes attnrt's
+                         attnrt's: DECODE / TARGET_VERIFY steps add the columns of out_cache_loc
+                         (the engine's table is not read, so it may live on the GPU at no sync
+                         cost), extend steps copy their rows from column 0 (a prefix the engine
+                         found in its own cache included). Without it the engine writes attnrt's
                          table itself (backend.req_to_token, zero-copy) and hands rows out with
                          backend.alloc_request / free_request.
 
@@ -200,7 +203,7 @@ class AttnrtBackend:
             forward_mode=fb.forward_mode,
             req_pool_indices=_cpu_ints(fb.req_pool_indices),
             seq_lens=_cpu_ints(_field(fb, "seq_lens")),
-            out_cache_loc=_cpu_ints(fb.out_cache_loc),
+            out_cache_loc=_cpu_ints(_field(fb, "out_cache_loc")),
             extend_prefix_lens=_cpu_ints(_field(fb, "extend_prefix_lens")),
             extend_seq_lens=_cpu_ints(_field(fb, "extend_seq_lens")),
             positions=_cpu_ints(getattr(fb, "positions", None)),
@@ -232,17 +235,17 @@ class AttnrtBackend:
         rows = torch.tensor(mapped, dtype=torch.long)
         mine = self.runtime.req_to_token
         lens = torch.as_tensor(_host_ints(b.seq_lens, "seq_lens"), dtype=torch.long)
+        # DECODE and TARGET_VERIFY add columns whose slots are the step's out_cache_loc (the
+        # engine wrote the same values into its table), so the engine's table, on the GPU in
+        # most engines, is not read: no device-to-host copy on the decode path.
+        loc = torch.as_tensor(_host_ints(b.out_cache_loc, "out_cache_loc")).to(torch.int32)
         if mode == "DECODE":
-            # One new column per request: in place.
-            cols = lens - 1
-            mine[rows, cols] = table[theirs.to(table.device), cols.to(table.device)].to("cpu", torch.int32)
+            mine[rows, lens - 1] = loc[: rows.numel()]
             return
         if mode == "TARGET_VERIFY":
             n = int(b.spec_info.draft_token_num)
             cols = lens.unsqueeze(1) + torch.arange(n).unsqueeze(0)
-            r2 = rows.unsqueeze(1).expand_as(cols)
-            t2 = theirs.unsqueeze(1).expand_as(cols)
-            mine[r2, cols] = table[t2.to(table.device), cols.to(table.device)].to("cpu", torch.int32)
+            mine[rows.unsqueeze(1).expand_as(cols), cols] = loc[: rows.numel() * n].view(-1, n)
             return
         # Extend-like steps rewrite their rows from column 0 (a row may have changed hands).
         host = table[theirs.to(table.device)].to("cpu")

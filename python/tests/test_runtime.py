@@ -373,6 +373,10 @@ def test_engine_interface_mirrors_the_engines_table_and_returns_flat_outputs():
         fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([row]),
                              seq_lens=torch.tensor([n]), out_cache_loc=torch.tensor([12 + step + 1]),
                              positions=torch.tensor([n - 1]), req_to_token_pool=pool, spec_info=None)
+    # attnrt's copy of the row: the prefill's columns from the engine's table, every decode
+    # column from the step's out_cache_loc.
+    mine = rt.req_to_token[backend._rows[row]]
+    assert torch.equal(mine[: n - 1], own_table[row, : n - 1])
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
 
 
