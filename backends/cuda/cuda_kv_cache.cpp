@@ -61,6 +61,8 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
       e.v.reserve(v_bytes(e));
       ATTNRT_CUDA_CHECK(cudaMemsetAsync(e.v.data(), 0, v_bytes(e), stream_));
     }
+    e.kp = e.k.data();
+    e.vp = e.v.data();  // null for MLA layers: V is a view of K
   }
   loc_.reserve(static_cast<size_t>(max_num_tokens_) * sizeof(int64_t) * (map_ ? 2 : 1));
   if (map_ != nullptr) {
@@ -70,6 +72,25 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
     ATTNRT_CUDA_CHECK(
         cudaMemcpyAsync(map_dev_.data(), map_->data(), bytes, cudaMemcpyHostToDevice, stream_));
   }
+}
+
+void CudaKVCache::bind_layer_storage(int layer_id, void* k, void* v) {
+  Layer& e = const_cast<Layer&>(find(layer_id));
+  ATTNRT_CHECK(!e.swa,
+               "CUDA KV cache: layer {} lives in the sliding-window slot space of an SWA-hybrid "
+               "cache, whose slots attnrt's allocator maps; an engine's own buffers can back "
+               "full-slot-space layers only",
+               layer_id);
+  ATTNRT_CHECK(k != nullptr && (e.latent ? v == k : v != nullptr),
+               "CUDA KV cache: layer {}: {}", layer_id,
+               e.latent ? "v must be k (V is the first kv_lora_rank columns of the latent row)"
+                        : "k and v must both point at the engine's buffers");
+  // The zeroing of the own buffers may still be queued: free them in stream order.
+  ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  e.k = DeviceBuffer();
+  e.v = DeviceBuffer();
+  e.kp = k;
+  e.vp = e.latent ? nullptr : v;
 }
 
 void CudaKVCache::set_stream(cudaStream_t stream) {
@@ -103,8 +124,8 @@ const CudaKVCache::Layer& CudaKVCache::find(int layer_id) const {
 KVLayerView CudaKVCache::layer(int layer_id) const {
   const Layer& e = find(layer_id);
   KVLayerView v;
-  v.k = e.k.data();
-  v.v = e.latent ? e.k.data() : e.v.data();
+  v.k = e.kp;
+  v.v = e.latent ? e.kp : e.vp;
   v.dtype = dtype_;
   v.device = device();
   v.num_rows = e.rows;
@@ -210,7 +231,7 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   p.src_stride_tok = kt.strides[0];
   p.src_stride_head = kt.strides[1];
   p.src_dtype = static_cast<int32_t>(kt.dtype);
-  p.dst = e.k.data();
+  p.dst = e.kp;
   p.dst_row_stride = static_cast<int64_t>(e.kv_heads) * e.head_dim;
   p.dst_dtype = static_cast<int32_t>(dtype_);
   p.loc = e.swa ? swa_loc() : loc_.ptr<int64_t>();
@@ -234,7 +255,7 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   p.src_stride_tok = vt.strides[0];
   p.src_stride_head = vt.strides[1];
   p.src_dtype = static_cast<int32_t>(vt.dtype);
-  p.dst = e.v.data();
+  p.dst = e.vp;
   p.dst_row_stride = static_cast<int64_t>(e.kv_heads) * e.v_head_dim;
   p.dim = e.v_head_dim;
   p.scale = v_div;
@@ -257,9 +278,9 @@ void CudaKVCache::set_kv_scales(int layer_id, float k_scale, float v_scale) {
 
 void CudaKVCache::copy_layer_from_host(int layer_id, const void* k, const void* v) {
   const Layer& e = find(layer_id);
-  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.k.data(), k, k_bytes(e), cudaMemcpyHostToDevice, stream_));
+  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.kp, k, k_bytes(e), cudaMemcpyHostToDevice, stream_));
   if (!e.latent)
-    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.v.data(), v, v_bytes(e), cudaMemcpyHostToDevice, stream_));
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.vp, v, v_bytes(e), cudaMemcpyHostToDevice, stream_));
   if (e.swa) {
     ATTNRT_CUDA_CHECK(cudaMemcpyAsync(map_dev_.data(), map_->data(), map_->size() * sizeof(int64_t),
                                       cudaMemcpyHostToDevice, stream_));
@@ -269,9 +290,9 @@ void CudaKVCache::copy_layer_from_host(int layer_id, const void* k, const void* 
 
 void CudaKVCache::copy_layer_to_host(int layer_id, void* k, void* v) const {
   const Layer& e = find(layer_id);
-  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(k, e.k.data(), k_bytes(e), cudaMemcpyDeviceToHost, stream_));
+  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(k, e.kp, k_bytes(e), cudaMemcpyDeviceToHost, stream_));
   if (!e.latent)
-    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(v, e.v.data(), v_bytes(e), cudaMemcpyDeviceToHost, stream_));
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(v, e.vp, v_bytes(e), cudaMemcpyDeviceToHost, stream_));
   ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
@@ -322,8 +343,8 @@ void CudaKVCache::copy_rows(std::span<const int> layers,
     const int64_t* src_rows = row_index_.ptr<int64_t>() + (e.swa ? 2 * n : 0);
     const int64_t* dst_rows = src_rows + n;
     const std::pair<void*, int64_t> parts[] = {
-        {e.k.data(), static_cast<int64_t>(k_bytes(e) / e.rows)},
-        {e.v.data(), static_cast<int64_t>(v_bytes(e) / e.rows)}};
+        {e.kp, static_cast<int64_t>(k_bytes(e) / e.rows)},
+        {e.vp, static_cast<int64_t>(v_bytes(e) / e.rows)}};
     for (const auto& [base, row_bytes] : parts) {
       if (row_bytes == 0) continue;  // an MLA layer's V (a view of K)
       row_scratch_.reserve_async(n * static_cast<size_t>(row_bytes), stream_);
@@ -382,7 +403,7 @@ void CudaKVCache::download_rows(int layer_id, std::span<const int64_t> slots, vo
   row_scratch_.reserve_async(total, stream_);
   row_host_.reserve(total);
   CopyRowsParams p{};
-  p.src = e.k.data();
+  p.src = e.kp;
   p.src_stride = kb;
   p.src_rows = row_index_.ptr<int64_t>();
   p.dst = row_scratch_.data();
@@ -391,7 +412,7 @@ void CudaKVCache::download_rows(int layer_id, std::span<const int64_t> slots, vo
   p.row_bytes = kb;
   ATTNRT_CUDA_CHECK(launch_copy_rows(p, stream_));
   if (vb > 0) {
-    p.src = e.v.data();
+    p.src = e.vp;
     p.src_stride = vb;
     p.dst = row_scratch_.ptr<char>() + n * kb;
     p.dst_stride = vb;

@@ -60,6 +60,7 @@ class CudaKVCache final : public KVCache {
   // k/v on the GPU are read in place; host tensors are staged through a device scratch first.
   void store_step_kv(int layer_id, const TensorView& k, const TensorView& v) override;
   void set_kv_scales(int layer_id, float k_scale, float v_scale) override;
+  void bind_layer_storage(int layer_id, void* k, void* v) override;
   Device device() const override { return Device::cuda(device_); }
   DType dtype() const override { return dtype_; }
   int page_size() const override { return page_size_; }
@@ -104,7 +105,9 @@ class CudaKVCache final : public KVCache {
     int64_t rows = 0;
     int kv_heads = 0, head_dim = 0, v_head_dim = 0;
     float k_scale = 1.f, v_scale = 1.f;
-    DeviceBuffer k, v;
+    DeviceBuffer k, v;     // empty once bound to an engine's memory
+    void* kp = nullptr;    // where K / V are: the buffers above, or the engine's memory
+    void* vp = nullptr;    // null for MLA layers (V is a view of K)
   };
   const Layer& find(int layer_id) const;
   size_t k_bytes(const Layer& l) const;

@@ -35,7 +35,9 @@ What the backend reads from a forward_batch (any object with these attributes; t
 
 Per layer, `layer` is the engine's layer descriptor (anything with .layer_id, or the id itself).
 q is [T, Hq*Dqk] or [T, Hq, Dqk]; k / v [T, Hkv*D] or [T, Hkv, D]; the output is [T, Hq*Dv].
-The KV pools are attnrt's: backend.kv_buffers(layer_id) gives them as tensors, in place.
+The KV pools are attnrt's (backend.kv_buffers(layer_id) gives them as tensors, in place), or the
+engine's own: AttnrtBackend(model, token_to_kv_pool=pool) stores and reads K/V in the tensors of
+pool.get_key_buffer(layer_id) / get_value_buffer(layer_id), at the engine's slots.
 """
 from __future__ import annotations
 
@@ -77,7 +79,8 @@ class AttnrtBackend:
     attnrt.Runtime); AttnrtBackend(runtime=rt) wraps an existing one.
     """
 
-    def __init__(self, model: Any = None, *, runtime: Optional[Runtime] = None, **options):
+    def __init__(self, model: Any = None, *, runtime: Optional[Runtime] = None,
+                 token_to_kv_pool: Any = None, **options):
         if runtime is None:
             if model is None:
                 raise TypeError("AttnrtBackend: pass a model (preset, config.json, PretrainedConfig) "
@@ -90,6 +93,20 @@ class AttnrtBackend:
         # allocated the first time an extend step brings one.
         self._rows: dict[int, int] = {}
         self._table = None
+        if token_to_kv_pool is not None:
+            self.bind_kv_pool(token_to_kv_pool)
+
+    def bind_kv_pool(self, pool: Any) -> None:
+        """The engine's own KV pool (reference-semantics §4.3 MHATokenToKVPool / §4.5
+        MLATokenToKVPool: get_key_buffer(layer_id), get_value_buffer(layer_id)) backs attnrt's
+        layers from now on: K/V are stored into and read from the engine's tensors in place, at
+        the engine's slots. Before the first step."""
+        for layer_id, info in self.runtime.layers.items():
+            if not info.get("uses_kv_cache", True):
+                continue
+            k = pool.get_key_buffer(layer_id)
+            v = None if info["kind"] == "mla" else pool.get_value_buffer(layer_id)
+            self.runtime.bind_kv_buffers(layer_id, k, v)
 
     # ---- pools -----------------------------------------------------------------------------
     @property

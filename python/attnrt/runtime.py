@@ -234,6 +234,7 @@ class Runtime:
         self._stream = None  # the CUDA stream handed to the native runtime last
         self._capturing = False  # between begin_capture_step and the next step
         self.page_size = self._rt.page_size
+        self._bound: dict = {}  # layer id -> the engine's (k, v) tensors (bind_kv_buffers)
 
     # ---- what was chosen -------------------------------------------------------------------
     @property
@@ -275,6 +276,17 @@ class Runtime:
         place; fp8 pools come as uint8 (view them with .view(torch.float8_e4m3fn) / e5m2)."""
         k, v, ks, vs = self._rt.kv_buffers(layer_id)
         return _as_torch(k), _as_torch(v), ks, vs
+
+    def bind_kv_buffers(self, layer_id: int, k, v=None) -> None:
+        """An engine that owns its KV pools: layer `layer_id` stores and reads K/V in the engine's
+        tensors (reference-semantics §4.3 / §4.5 layouts) instead of attnrt's, whose buffers of the
+        layer are released. k / v: contiguous [rows, kv_heads, head_dim] / [rows, kv_heads,
+        v_head_dim], rows >= kv_slots + page_size, the KV cache dtype (fp8: uint8 bytes too), on
+        the runtime's device; MLA layers: k [rows, 1, kv_lora_rank + rope] and v None (or a view
+        of k). out_cache_loc and req_to_token then hold the engine's slots. Call before the first
+        step; the runtime keeps the tensors alive."""
+        self._rt.bind_kv_buffers(int(layer_id), k, v)
+        self._bound[int(layer_id)] = (k, v)
 
     def set_kv_scales(self, layer_id: int, k_scale: float, v_scale: float) -> None:
         self._rt.set_kv_scales(layer_id, float(k_scale), float(v_scale))

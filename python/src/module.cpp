@@ -456,6 +456,11 @@ NB_MODULE(_native, m) {
                  {v.v_row_stride, v.v == v.k ? v.head_dim : v.v_head_dim, 1}, v.device, self);
              return nb::make_tuple(k, vv, v.k_scale, v.v_scale);
            })
+      .def("bind_kv_buffers",
+           [](Runtime& r, int layer_id, const python::Array& k, std::optional<python::Array> v) {
+             r.rt().bind_kv_buffers(layer_id, python::view_of(k, "k"), python::optional_view(v, "v"));
+           },
+           "layer_id"_a, "k"_a, "v"_a.none())
       .def("set_kv_scales",
            [](Runtime& r, int layer_id, float k_scale, float v_scale) {
              r.rt().kv_cache().set_kv_scales(layer_id, k_scale, v_scale);

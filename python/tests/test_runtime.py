@@ -380,6 +380,116 @@ def test_engine_interface_mirrors_the_engines_table_and_returns_flat_outputs():
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
 
 
+class EnginePool:
+    """An engine's own MHATokenToKVPool (reference-semantics §4.3): per layer k / v tensors."""
+
+    def __init__(self, rt, rows, device, dtype):
+        self.k_buffer, self.v_buffer = {}, {}
+        for layer, L in rt.layers.items():
+            self.k_buffer[layer] = torch.zeros(rows, L["num_kv_heads"], L["head_dim"], dtype=dtype,
+                                               device=device)
+            self.v_buffer[layer] = torch.zeros(rows, L["num_kv_heads"], L["v_head_dim"],
+                                               dtype=dtype, device=device)
+
+    def get_key_buffer(self, layer):
+        return self.k_buffer[layer]
+
+    def get_value_buffer(self, layer):
+        return self.v_buffer[layer]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+def test_engine_owned_kv_pools_are_written_and_read_in_place(device, kv):
+    """AttnrtBackend(token_to_kv_pool=the engine's pool): K/V land in the engine's tensors at the
+    engine's slots, attnrt reads them there, and every output equals a runtime with its own pools
+    fed the same steps."""
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(SEED + 11)
+    backend_name = "cuda" if device == "cuda" else "cpu"
+    dtype = torch.bfloat16
+    opts = dict(dtype=dtype, attention_backend=backend_name, page_size=16, max_requests=4,
+                kv_slots=4096, kv_cache_dtype=kv)
+    own = attnrt.Runtime(llama_config(layers=2), **opts)
+    rows = own.kv_buffers(0)[0].shape[0]
+    store = torch.uint8 if kv.startswith("fp8") else dtype
+    probe = attnrt.Runtime(llama_config(layers=2), **opts)
+    pool = EnginePool(probe, rows, device, store)
+    probe.close()
+    backend = attnrt.AttnrtBackend(llama_config(layers=2), token_to_kv_pool=pool, **opts)
+    rt = backend.runtime
+    for layer in rt.layers:
+        k, v, _, _ = rt.kv_buffers(layer)
+        assert k.data_ptr() == pool.k_buffer[layer].data_ptr()
+        assert v.data_ptr() == pool.v_buffer[layer].data_ptr()
+    # The engine's own table and slot numbering: request r owns pages from 1024 + 512 r.
+    table = torch.zeros(4, 4096, dtype=torch.int32, device=device)
+    lens = {0: 37, 1: 5, 2: 16}
+    base = {r: 1024 + 512 * r for r in lens}
+    for r, n in lens.items():
+        table[r, :n] = torch.arange(base[r], base[r] + n, dtype=torch.int32)
+    rids = list(lens)
+    loc = torch.cat([torch.arange(base[r], base[r] + n) for r, n in lens.items()])
+    fb = SimpleNamespace(forward_mode="EXTEND", req_pool_indices=torch.tensor(rids),
+                         seq_lens=torch.tensor(list(lens.values())), out_cache_loc=loc,
+                         extend_prefix_lens=torch.zeros(3, dtype=torch.long),
+                         extend_seq_lens=torch.tensor(list(lens.values())),
+                         positions=torch.cat([torch.arange(n) for n in lens.values()]),
+                         req_to_token_pool=SimpleNamespace(req_to_token=table), spec_info=None)
+    mine = {r: own.alloc_request() for r in rids}
+    for step in range(3):
+        own_rows = [mine[r] for r in rids]
+        seq = fb.seq_lens.tolist()
+        for r, n in zip(rids, seq):
+            own.write_req_to_token(mine[r], 0, table[r, :n].cpu().long())
+        backend.init_forward_metadata(fb)
+        own.begin_step(attnrt.ForwardBatch(fb.forward_mode, own_rows, seq, fb.out_cache_loc,
+                                           extend_prefix_lens=getattr(fb, "extend_prefix_lens", None),
+                                           extend_seq_lens=getattr(fb, "extend_seq_lens", None),
+                                           positions=fb.positions))
+        T = fb.out_cache_loc.numel()
+        for layer, L in rt.layers.items():
+            q = torch.randn(T, L["num_q_heads"], 64, generator=gen).to(device, dtype)
+            k = torch.randn(T, L["num_kv_heads"], 64, generator=gen).to(device, dtype)
+            v = torch.randn(T, L["num_kv_heads"], 64, generator=gen).to(device, dtype)
+            theirs = backend.forward(q, k, v, layer, fb)
+            ours = own.forward(layer, q, k, v)
+            assert torch.equal(theirs.view_as(ours), ours), f"step {step} layer {layer}"
+            at = fb.out_cache_loc.to(device)
+            ok, ov, _, _ = own.kv_buffers(layer)
+            assert torch.equal(pool.k_buffer[layer][at], ok[at]), "K is not in the engine's pool"
+            assert torch.equal(pool.v_buffer[layer][at], ov[at]), "V is not in the engine's pool"
+            assert pool.k_buffer[layer][at].float().abs().sum() > 0
+        own.end_step()
+        # Next: one DECODE token per request at the engine's next slot.
+        for r in rids:
+            lens[r] += 1
+            table[r, lens[r] - 1] = base[r] + lens[r] - 1
+        fb = SimpleNamespace(forward_mode="DECODE", req_pool_indices=torch.tensor(rids),
+                             seq_lens=torch.tensor([lens[r] for r in rids]),
+                             out_cache_loc=torch.tensor([base[r] + lens[r] - 1 for r in rids]),
+                             positions=torch.tensor([lens[r] - 1 for r in rids]),
+                             req_to_token_pool=SimpleNamespace(req_to_token=table), spec_info=None)
+    # After a step the addresses are fixed; wrong tensors are refused before anything changes.
+    with pytest.raises(attnrt.Error, match="before the first step"):
+        rt.bind_kv_buffers(0, pool.k_buffer[0], pool.v_buffer[0])
+    fresh = attnrt.Runtime(llama_config(layers=2), **opts)
+    with pytest.raises(attnrt.Error, match=r"k is .*\[rows >= "):
+        fresh.bind_kv_buffers(0, pool.k_buffer[0][:, :1], pool.v_buffer[0])
+    with pytest.raises(attnrt.Error, match="rows >= "):
+        fresh.bind_kv_buffers(0, pool.k_buffer[0][:16], pool.v_buffer[0][:16])
+    wrong = torch.float32
+    with pytest.raises(attnrt.Error, match="the pool stores"):
+        fresh.bind_kv_buffers(0, pool.k_buffer[0].to(wrong), pool.v_buffer[0].to(wrong))
+    if device == "cuda":
+        with pytest.raises(attnrt.Error, match="the pools are on"):
+            fresh.bind_kv_buffers(0, pool.k_buffer[0].cpu(), pool.v_buffer[0].cpu())
+    assert fresh.kv_buffers(0)[0].data_ptr() != pool.k_buffer[0].data_ptr()
+    for r in (own, rt, fresh):
+        r.close()
+
+
 def test_cli_through_python_m_attnrt():
     import subprocess
     import sys

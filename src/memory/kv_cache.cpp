@@ -15,6 +15,10 @@ void KVCache::set_kv_scales(int layer_id, float, float) {
   fail("this KV cache does not take per-layer KV scales (layer {})", layer_id);
 }
 
+void KVCache::bind_layer_storage(int layer_id, void*, void*) {
+  fail("this KV cache cannot read an engine's own buffers (layer {})", layer_id);
+}
+
 StepSlotCheck::StepSlotCheck(const char* who, int64_t full_rows,
                              std::shared_ptr<const std::vector<int64_t>> full_to_swa)
     : who_(who),
@@ -190,6 +194,16 @@ class HostKVCache final : public KVCache {
 
   void set_kv_scales(int layer_id, float k_scale, float v_scale) override {
     entry(layer_id).pool->set_scales(layer_id, k_scale, v_scale);
+  }
+
+  void bind_layer_storage(int layer_id, void* k, void* v) override {
+    const Entry& e = entry(layer_id);
+    ATTNRT_CHECK(!e.swa,
+                 "KV cache: layer {} lives in the sliding-window slot space of an SWA-hybrid "
+                 "cache, whose slots attnrt's allocator maps; an engine's own buffers can back "
+                 "full-slot-space layers only",
+                 layer_id);
+    e.pool->bind_storage(layer_id, k, v);
   }
 
   Device device() const override { return Device::cpu(); }

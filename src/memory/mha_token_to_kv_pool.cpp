@@ -41,7 +41,19 @@ MHATokenToKVPool::MHATokenToKVPool(int64_t rows, DType dtype, const std::vector<
     // Zeroed so that the reserved row and never-written slots read as 0, never as stale bytes.
     std::memset(x.k.data(), 0, x.k.bytes());
     std::memset(x.v.data(), 0, x.v.bytes());
+    x.kp = x.k.data();
+    x.vp = x.v.data();
   }
+}
+
+void MHATokenToKVPool::bind_storage(int layer_id, void* k, void* v) {
+  Layer& l = find(layer_id);
+  ATTNRT_CHECK(k != nullptr && v != nullptr,
+               "bind_storage(layer {}): k and v must both point at the engine's buffers", layer_id);
+  l.k = HostBuffer();
+  l.v = HostBuffer();
+  l.kp = k;
+  l.vp = v;
 }
 
 bool MHATokenToKVPool::holds(int layer_id) const { return index_.holds(layer_id); }
@@ -53,8 +65,8 @@ const MHATokenToKVPool::Layer& MHATokenToKVPool::find(int layer_id) const {
 KVLayerView MHATokenToKVPool::layer(int layer_id) const {
   const Layer& l = find(layer_id);
   KVLayerView view;
-  view.k = l.k.data();
-  view.v = l.v.data();
+  view.k = l.kp;
+  view.v = l.vp;
   view.dtype = dtype_;
   view.device = Device::cpu();
   view.num_rows = rows_;
@@ -91,12 +103,12 @@ void MHATokenToKVPool::set_kv_buffer(int layer_id, std::span<const int64_t> loc,
   }
   dispatch_float(k.dtype, [&](auto s) {
     dispatch_float(dtype_, [&](auto d) {
-      scatter_rows<decltype(s)::value, decltype(d)::value>(k, loc, l.k.data(), l.k_scale);
+      scatter_rows<decltype(s)::value, decltype(d)::value>(k, loc, l.kp, l.k_scale);
     });
   });
   dispatch_float(v.dtype, [&](auto s) {
     dispatch_float(dtype_, [&](auto d) {
-      scatter_rows<decltype(s)::value, decltype(d)::value>(v, loc, l.v.data(), l.v_scale);
+      scatter_rows<decltype(s)::value, decltype(d)::value>(v, loc, l.vp, l.v_scale);
     });
   });
 }

@@ -34,7 +34,18 @@ MLATokenToKVPool::MLATokenToKVPool(int64_t rows, DType dtype, const std::vector<
     x.kv = HostBuffer(dtype, {rows, 1, l.head_dim});
     // Zeroed so that the reserved row and never-written slots read as 0, never as stale bytes.
     std::memset(x.kv.data(), 0, x.kv.bytes());
+    x.kvp = x.kv.data();
   }
+}
+
+void MLATokenToKVPool::bind_storage(int layer_id, void* k, void* v) {
+  auto& l = const_cast<Layer&>(find(layer_id));
+  ATTNRT_CHECK(k != nullptr && v == k,
+               "bind_storage(mla layer {}): v must be k (V is the first kv_lora_rank columns of "
+               "the latent row)",
+               layer_id);
+  l.kv = HostBuffer();
+  l.kvp = k;
 }
 
 bool MLATokenToKVPool::holds(int layer_id) const { return index_.holds(layer_id); }
@@ -46,8 +57,8 @@ const MLATokenToKVPool::Layer& MLATokenToKVPool::find(int layer_id) const {
 KVLayerView MLATokenToKVPool::layer(int layer_id) const {
   const Layer& l = find(layer_id);
   KVLayerView view;
-  view.k = l.kv.data();
-  view.v = l.kv.data();
+  view.k = l.kvp;
+  view.v = l.kvp;
   view.dtype = dtype_;
   view.device = Device::cpu();
   view.num_rows = rows_;
@@ -85,7 +96,7 @@ void MLATokenToKVPool::set_kv_buffer(int layer_id, std::span<const int64_t> loc,
   }
   kv_scatter::dispatch_float(k.dtype, [&](auto s) {
     kv_scatter::dispatch_float(dtype_, [&](auto d) {
-      kv_scatter::scatter_rows<decltype(s)::value, decltype(d)::value>(k, loc, l.kv.data(),
+      kv_scatter::scatter_rows<decltype(s)::value, decltype(d)::value>(k, loc, l.kvp,
                                                                        l.scale);
     });
   });

@@ -228,8 +228,50 @@ void AttentionRuntime::check_step(const ForwardBatch& batch) const {
   }
 }
 
+void AttentionRuntime::bind_kv_buffers(int layer_id, const TensorView& k, const TensorView& v) {
+  ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layer_index_.size() &&
+                   layer_index_[layer_id] >= 0,
+               "bind_kv_buffers: layer {} is not a layer of model '{}' ({} layers)", layer_id,
+               model_.name, model_.layers.size());
+  const LayerSpec& layer = model_.layers[static_cast<size_t>(layer_index_[layer_id])];
+  ATTNRT_CHECK(layer.uses_kv_cache(), "bind_kv_buffers: layer {} is a {} layer; it has no KV cache",
+               layer_id, layer_kind_name(layer.kind));
+  ATTNRT_CHECK(!stepped_,
+               "bind_kv_buffers(layer {}): steps have run; bind the engine's buffers before the "
+               "first step (steps and captured graphs keep the pool addresses they planned with)",
+               layer_id);
+  const KVLayerView pool = kv_cache_->layer(layer_id);
+  const bool latent = layer.kind == LayerKind::mla;
+  auto check = [&](const TensorView& t, const char* name, int dim) {
+    ATTNRT_CHECK(!t.empty(), "bind_kv_buffers(layer {}): {} is empty", layer_id, name);
+    ATTNRT_CHECK(t.device == pool.device,
+                 "bind_kv_buffers(layer {}): {} is {}; the pools are on {}", layer_id, name,
+                 t.describe(), device_name(pool.device));
+    ATTNRT_CHECK(t.dtype == pool.dtype || (is_fp8(pool.dtype) && t.dtype == DType::u8),
+                 "bind_kv_buffers(layer {}): {} is {}; the pool stores {}{}", layer_id, name,
+                 t.describe(), dtype_name(pool.dtype), is_fp8(pool.dtype) ? " (or its uint8 bytes)" : "");
+    ATTNRT_CHECK(t.ndim == 3 && t.shape[0] >= pool.num_rows && t.shape[1] == pool.kv_heads &&
+                     t.shape[2] == dim && t.is_contiguous(),
+                 "bind_kv_buffers(layer {}): {} is {}; it must be a contiguous [rows >= {}, {}, {}] "
+                 "tensor (rows: kv_slots + the reserved page of the runtime)",
+                 layer_id, name, t.describe(), pool.num_rows, pool.kv_heads, dim);
+  };
+  check(k, "k", pool.head_dim);
+  if (latent) {
+    ATTNRT_CHECK(v.empty() || v.data == k.data,
+                 "bind_kv_buffers(mla layer {}): v is {}; an MLA layer has no V buffer: pass none "
+                 "or a view of k's first kv_lora_rank columns",
+                 layer_id, v.describe());
+    kv_cache_->bind_layer_storage(layer_id, k.data, k.data);
+  } else {
+    check(v, "v", pool.v_head_dim);
+    kv_cache_->bind_layer_storage(layer_id, k.data, v.data);
+  }
+}
+
 void AttentionRuntime::begin_step(const ForwardBatch& batch) {
   batch_ = nullptr;
+  stepped_ = true;
   check_step(batch);
   kv_cache_->begin_step(batch);
   backend_->init_forward_metadata(batch);
@@ -353,6 +395,7 @@ GraphLayerIO AttentionRuntime::graph_io(int layer_id, int64_t tokens) {
 
 void AttentionRuntime::forward_step_graph(const ForwardBatch& batch) {
   batch_ = nullptr;
+  stepped_ = true;
   const int bucket = cuda_graph_bucket(batch);
   ATTNRT_CHECK(bucket > 0,
                "forward_step_graph: this {} step cannot run as a CUDA graph: {}; run it with "
@@ -403,6 +446,7 @@ int graph_tokens_per_request(const ForwardBatch& batch) {
 
 void AttentionRuntime::begin_capture_step(const ForwardBatch& batch, int bs) {
   batch_ = nullptr;
+  stepped_ = true;
   ATTNRT_CHECK(engine_graph_max_bs_ > 0,
                "begin_capture_step: call init_cuda_graph_state(max_bs, max_num_tokens) first");
   ATTNRT_CHECK(is_decode(batch.mode) || is_target_verify(batch.mode),
@@ -435,6 +479,7 @@ void AttentionRuntime::begin_capture_step(const ForwardBatch& batch, int bs) {
 
 void AttentionRuntime::begin_replay_step(const ForwardBatch& batch, int bs) {
   batch_ = nullptr;
+  stepped_ = true;
   ATTNRT_CHECK(engine_graph_max_bs_ > 0,
                "begin_replay_step: call init_cuda_graph_state and capture the step first");
   ATTNRT_CHECK(is_decode(batch.mode) || is_target_verify(batch.mode),

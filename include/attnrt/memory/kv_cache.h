@@ -66,6 +66,13 @@ class KVCache {
   virtual Device device() const = 0;
   virtual DType dtype() const = 0;
   virtual int page_size() const = 0;
+  // An engine that owns its KV pools: layer `layer_id` reads and writes K at k and V at v from now
+  // on, memory laid out as layer(layer_id) describes it (num_rows rows of k_row_stride / v_row_stride
+  // elements of dtype(), on device()); the cache's own buffers of that layer are released. MLA
+  // layers: v must equal k. The memory must outlive the cache and hold finite values in rows no step
+  // wrote (padded rows read them). Throws attnrt::Error for a layer in an SWA slot space (the
+  // engine's slots would not be this cache's). The caller checks shapes (AttentionRuntime does).
+  virtual void bind_layer_storage(int layer_id, void* k, void* v);
 };
 
 // The per-layer storage of one slot space; the KV cache routes each layer to one of these.
@@ -75,6 +82,8 @@ class TokenToKVPool {
   virtual bool holds(int layer_id) const = 0;
   virtual KVLayerView layer(int layer_id) const = 0;
   virtual void set_scales(int layer_id, float k_scale, float v_scale) = 0;
+  // KVCache::bind_layer_storage for a layer of this pool.
+  virtual void bind_storage(int layer_id, void* k, void* v) = 0;
   // Writes rows `loc` (slots in this pool); validates all slots and shapes first.
   virtual void set_kv_buffer(int layer_id, std::span<const int64_t> loc, const TensorView& k,
                              const TensorView& v) = 0;
@@ -93,6 +102,7 @@ class MHATokenToKVPool final : public TokenToKVPool {
   bool holds(int layer_id) const override;
   KVLayerView layer(int layer_id) const override;
   void set_scales(int layer_id, float k_scale, float v_scale) override;
+  void bind_storage(int layer_id, void* k, void* v) override;
   void set_kv_buffer(int layer_id, std::span<const int64_t> loc, const TensorView& k,
                      const TensorView& v) override;
   int64_t rows() const override { return rows_; }
@@ -104,7 +114,9 @@ class MHATokenToKVPool final : public TokenToKVPool {
     int layer_id;
     int kv_heads, head_dim, v_head_dim;
     float k_scale = 1.f, v_scale = 1.f;
-    HostBuffer k, v;
+    HostBuffer k, v;        // empty once bound to an engine's memory
+    void* kp = nullptr;     // where K / V are: the buffers above, or the engine's memory
+    void* vp = nullptr;
   };
   const Layer& find(int layer_id) const;
   Layer& find(int layer_id) { return const_cast<Layer&>(std::as_const(*this).find(layer_id)); }
@@ -126,6 +138,7 @@ class MLATokenToKVPool final : public TokenToKVPool {
   KVLayerView layer(int layer_id) const override;
   // One scale per layer: v_scale must equal k_scale (V is dequantised from K's stored values).
   void set_scales(int layer_id, float k_scale, float v_scale) override;
+  void bind_storage(int layer_id, void* k, void* v) override;
   void set_kv_buffer(int layer_id, std::span<const int64_t> loc, const TensorView& k,
                      const TensorView& v) override;
   int64_t rows() const override { return rows_; }
@@ -137,7 +150,8 @@ class MLATokenToKVPool final : public TokenToKVPool {
     int layer_id;
     int row_dim, v_dim;  // kv_lora_rank + qk_rope_head_dim, kv_lora_rank
     float scale = 1.f;
-    HostBuffer kv;
+    HostBuffer kv;        // empty once bound to an engine's memory
+    void* kvp = nullptr;  // where the rows are: kv above, or the engine's memory
   };
   const Layer& find(int layer_id) const;
   int64_t rows_;

@@ -153,6 +153,16 @@ class AttentionRuntime {
   // (nullptr for host pools).
   void set_stream(void* stream);
   void* stream() const;
+  // An engine that owns its KV pools (reference-semantics §4.3, §4.5): layer `layer_id` stores and
+  // reads K/V in the engine's tensors from now on, and the runtime's own buffers of that layer are
+  // released. k / v: contiguous [rows, kv_heads, head_dim] / [rows, kv_heads, v_head_dim] with rows
+  // >= the pool's rows (kv_slots + the reserved page), the pool's dtype (fp8: the dtype or uint8
+  // bytes), on the pools' device; MLA layers: k [rows, 1, kv_lora_rank + qk_rope_head_dim] and v
+  // empty or a view starting at k's data. Slots are the engine's: out_cache_loc and req_to_token
+  // index these tensors directly. Only before the first step (graph captures included): later
+  // steps and captured graphs keep the addresses they planned with. Throws attnrt::Error naming the
+  // argument, its value and what is allowed; nothing changes then.
+  void bind_kv_buffers(int layer_id, const TensorView& k, const TensorView& v);
   // Copies src into dst (same dtype and shape, contiguous; host or GPU on either side) and returns
   // once dst holds the data: for tests and tools whose data is on the host.
   void copy_tensor(const TensorView& dst, const TensorView& src);
@@ -174,6 +184,7 @@ class AttentionRuntime {
   const ForwardBatch* batch_ = nullptr;
   ForwardMode last_mode_ = ForwardMode::IDLE;  // of the last step begun
   bool verify_committed_ = true;
+  bool stepped_ = false;  // a step (eager, captured or replayed) has begun: pool addresses are fixed
   std::vector<int> layer_index_;  // layer id -> index in model_.layers, -1 if absent
   std::string graph_off_reason_;  // "" when CUDA graphs are on
   std::vector<int> graph_buckets_;
