@@ -4,12 +4,13 @@ shapes, so the C++ work is short and steady).
 (a) forward(): one attention call through the Python wrapper (attnrt.Runtime.forward) and through
     the native method it calls (attnrt._native.Runtime.forward), in an IDLE step with 0-token
     tensors, where the C++ forward returns at once: the native figure is then the binding's own
-    cost (nanobind's dispatch plus the DLPack import of q, k, v, out), the wrapper's the whole
-    Python cost over C++. Its parts: a native method without arguments (dispatch), one tensor
-    through nanobind's DLPack import (free_slots of an empty tensor minus free_slots(None)),
-    torch's Tensor.__dlpack__ (what that import calls), and, for comparison, torch's DLPack C
-    exchange API (Tensor.__dlpack_c_exchange_api__, dltensor_from_py_object_no_sync) called
-    through ctypes (ctypes' own call cost included, so an upper bound). Also a DECODE of one
+    cost (nanobind's dispatch plus reading q, k, v, out through torch's DLPack C exchange table,
+    Tensor.__dlpack_c_exchange_api__), the wrapper's the whole Python cost over C++. For scale:
+    a native method without arguments (dispatch), one tensor through nanobind's __dlpack__
+    import, the path of non-torch arrays (free_slots of an empty tensor minus free_slots(None)),
+    torch's Tensor.__dlpack__ (what that import calls), and the exchange table's
+    dltensor_from_py_object_no_sync called through ctypes (ctypes' own call cost included, so an
+    upper bound). Also a DECODE of one
     request over 16 cached tokens (the kernel runs too).
 (b) begin_step + end_step of a DECODE step of 256 requests (page 16) at 2048 tokens (the shape of
     bench/plan_bench.cpp's rows) and at 16 tokens (little C++ work, so the difference is sharp):
@@ -342,10 +343,10 @@ def print_report(fwd: dict, step: dict, cxx: dict, d: dict) -> None:
     f = d["forward"]
     print(f"\nforward, per call: {fmt(f['over_cxx_us'])} us over C++ (target {TARGET_FORWARD_US:g}: "
           f"{'met' if f['meets_target'] else 'missed'}) = wrapper Python {fmt(f['wrapper_python_us'])}"
-          f" + native {fmt(f['native_us'])} (dispatch {fmt(f['nanobind_dispatch_us'])}, DLPack "
-          f"import 4 x {fmt(f['dlpack_import_per_tensor_us'])} [torch __dlpack__ "
-          f"{fmt(f['torch_dlpack_export_us'])}; C exchange API via ctypes "
-          f"{fmt(f['exchange_api_ctypes_us'])}], rest {fmt(f['native_rest_us'])}); out=None adds "
+          f" + native {fmt(f['native_us'])} (dispatch {fmt(f['nanobind_dispatch_us'])}; q, k, v, "
+          f"out through torch's DLPack C exchange table; nanobind's __dlpack__ import, the path "
+          f"of other arrays, costs {fmt(f['dlpack_import_per_tensor_us'])} per tensor [torch "
+          f"__dlpack__ {fmt(f['torch_dlpack_export_us'])}]); out=None adds "
           f"{fmt(f['wrapper_new_out_extra_us'])}, flat q/k/v add {fmt(f['wrapper_flat_extra_us'])}")
     for key, s in d.items():
         if not key.startswith("step_"):

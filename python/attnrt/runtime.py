@@ -116,7 +116,7 @@ def _host_ints(x: Any, name: str):
     """A batch field as something the native layer reads without a copy when it can."""
     if x is None:
         return None
-    if hasattr(x, "__dlpack__") and hasattr(x, "device"):  # torch tensor
+    if hasattr(x, "__dlpack__") and hasattr(x, "dim"):  # torch tensor
         dev = getattr(x.device, "type", "cpu")
         if dev != "cpu":
             x = x.cpu()  # a CUDA batch field: one device-to-host copy
@@ -234,6 +234,13 @@ class Runtime:
         self._stream = None  # the CUDA stream handed to the native runtime last
         self._capturing = False  # between begin_capture_step and the next step
         self.page_size = self._rt.page_size
+        try:  # torch's tensors and current stream through DLPack's C exchange table (fast path)
+            import torch
+
+            if hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+                self._rt.use_framework(torch.Tensor)
+        except ImportError:  # pragma: no cover
+            pass
         self._bound: dict = {}  # layer id -> the engine's (k, v) tensors (bind_kv_buffers)
 
     # ---- what was chosen -------------------------------------------------------------------
@@ -329,8 +336,8 @@ class Runtime:
 
     # ---- the step --------------------------------------------------------------------------
     def _use_current_stream(self) -> None:
-        if not self._cuda:
-            return
+        if not self._cuda or self._rt.follows_framework_stream:
+            return  # the native layer reads torch's current stream itself
         torch = _torch()
         s = torch.cuda.current_stream(self._device_index).cuda_stream
         if s != self._stream:
@@ -368,10 +375,12 @@ class Runtime:
         return self._rt.cuda_graph_seq_len_fill_value()
 
     def _begin(self, batch: Any, kind: int, bs: int) -> None:
-        mode = _mode_name(batch.forward_mode)
+        mode = batch.forward_mode
+        if type(mode) is not str or not mode.isupper():
+            mode = _mode_name(mode)
         spec = getattr(batch, "spec_info", None)
         n, topk, parents, accept = 0, 1, None, None
-        rows = _host_ints(batch.req_pool_indices, "req_pool_indices")
+        rows = batch.req_pool_indices
         if spec is not None:
             n = int(getattr(spec, "draft_token_num", 0) or 0)
             topk = int(getattr(spec, "topk", 1) or 1)
@@ -381,37 +390,30 @@ class Runtime:
                 parents = _parents_from_retrive(nt, spec.retrive_next_sibling, len(rows), n)
             accept = getattr(spec, "accept_length", None)
         self._use_current_stream()
-        graph = (kind, bs) if kind else ()  # an eager step passes neither
-        self._rt.begin_step(
-            mode, rows, _host_ints(batch.seq_lens, "seq_lens"),
-            _host_ints(getattr(batch, "extend_prefix_lens", None), "extend_prefix_lens"),
-            _host_ints(getattr(batch, "extend_seq_lens", None), "extend_seq_lens"),
-            _host_ints(batch.out_cache_loc, "out_cache_loc"),
-            _host_ints(getattr(batch, "positions", None), "positions"),
-            n, topk, _host_ints(parents, "spec_info.parents"),
-            _host_ints(accept, "spec_info.accept_length"), *graph)
+        fields = [rows, batch.seq_lens, getattr(batch, "extend_prefix_lens", None),
+                  getattr(batch, "extend_seq_lens", None), batch.out_cache_loc,
+                  getattr(batch, "positions", None)]
+        try:  # lists, numpy arrays and CPU tensors go through as they are
+            self._rt.begin_step(mode, *fields, n, topk, parents, accept, kind, bs)
+        except TypeError:  # GPU tensors, other integer types, iterables: host int64 copies
+            names = ("req_pool_indices", "seq_lens", "extend_prefix_lens", "extend_seq_lens",
+                     "out_cache_loc", "positions")
+            fields = [_host_ints(x, name) for x, name in zip(fields, names)]
+            self._rt.begin_step(mode, *fields, n, topk, _host_ints(parents, "spec_info.parents"),
+                                _host_ints(accept, "spec_info.accept_length"), kind, bs)
 
     def forward(self, layer_id: int, q, k, v, out=None, *, save_kv: bool = True, sinks=None,
                 lse=None):
         """Attention of one layer for the step begun: stores k / v (when save_kv) and attends.
-        q [T, Hq, D] (or [T, Hq*D]), k / v [T, Hkv, D] (or flat), out [T, Hq, Dv] or None (a new
-        tensor). Returns out."""
-        info = self.layers.get(layer_id)
-        if info is None:
-            raise ValueError(
-                f"forward: layer_id {layer_id} is not a layer of the model; layers are "
-                f"0..{len(self.layers) - 1}")
-        t = q.shape[0]
-        if q.dim() == 2:
-            q = q.view(t, info["num_q_heads"], info["head_dim"])
-        if k is not None and k.dim() == 2:
-            k = k.view(k.shape[0], info["num_kv_heads"], info["head_dim"])
-        if v is not None and v.dim() == 2:
-            v = v.view(v.shape[0], info["num_kv_heads"], info["v_head_dim"])
+        q [T, Hq, D] (or [T, Hq*D]), k / v [T, Hkv, D] (or flat), out [T, Hq, Dv] (or flat) or
+        None (a new [T, Hq, Dv] tensor). Returns out."""
         if out is None:
-            out = q.new_empty((t, info["num_q_heads"], info["v_head_dim"]))
-        elif out.dim() == 2:
-            out = out.view(t, info["num_q_heads"], info["v_head_dim"])
+            info = self.layers.get(layer_id)
+            if info is None:
+                raise ValueError(
+                    f"forward: layer_id {layer_id} is not a layer of the model; layers are "
+                    f"0..{len(self.layers) - 1}")
+            out = q.new_empty((q.shape[0], info["num_q_heads"], info["v_head_dim"]))
         if self._capturing:
             self._use_current_stream()  # the capture runs on a stream of its own
         try:
@@ -458,7 +460,7 @@ class Runtime:
     @property
     def closed(self) -> bool:
         """True after close(): the pools are released and every call raises RuntimeError."""
-        return self._rt.closed
+        return getattr(self, "_rt", None) is None or self._rt.closed
 
     def __enter__(self):
         return self

@@ -127,6 +127,174 @@ TensorView optional_view(const std::optional<Array>& a, const char* name) {
   return a ? view_of(*a, name) : TensorView();
 }
 
+// ---- DLPack's C exchange API ---------------------------------------------------------------------
+// torch (>= 2.10) puts a table of C functions on its tensor type, `__dlpack_c_exchange_api__` (a
+// capsule named "dlpack_exchange_api", DLPack 1.2+): dltensor_from_py_object_no_sync fills a DLTensor
+// that borrows the tensor's fields, with no Python call and no capsule; current_work_stream gives
+// torch's current CUDA stream. Going through it instead of `__dlpack__` (a Python method that builds
+// a capsule per tensor) is what keeps a forward() call within a couple of microseconds of C++.
+// Declared here because the system's dlpack.h predates the table; the layouts are DLPack's stable
+// ABI (DLTensor is unchanged since 0.x; the table is versioned, and only major version 1 is used).
+struct XDevice {
+  int32_t device_type;
+  int32_t device_id;
+};
+struct XTensor {
+  void* data;
+  XDevice device;
+  int32_t ndim;
+  nb::dlpack::dtype dtype;  // {uint8 code, uint8 bits, uint16 lanes}, as DLDataType
+  int64_t* shape;
+  int64_t* strides;  // null: compact row-major
+  uint64_t byte_offset;
+};
+struct XApi {
+  struct {
+    uint32_t major, minor;
+  } version;
+  void* prev_api;
+  void* managed_tensor_allocator;
+  void* managed_tensor_from_py_object_no_sync;
+  void* managed_tensor_to_py_object_no_sync;
+  int (*dltensor_from_py_object_no_sync)(void* py_object, XTensor* out);
+  int (*current_work_stream)(int32_t device_type, int32_t device_id, void** out_stream);
+};
+
+// The exchange table of a Python type, or nullptr. Looked up once per type (a few types are cached,
+// each kept alive by a reference, so that a cached address can never name another type).
+const XApi* exchange_api(PyTypeObject* tp) {
+  struct Entry {
+    PyTypeObject* type;
+    const XApi* api;
+  };
+  static Entry cache[4] = {};
+  static int next = 0;
+  for (const Entry& e : cache) {
+    if (e.type == tp) return e.api;
+  }
+  const XApi* api = nullptr;
+  PyObject* obj = PyObject_GetAttrString(reinterpret_cast<PyObject*>(tp), "__dlpack_c_exchange_api__");
+  if (obj == nullptr) {
+    PyErr_Clear();
+  } else {
+    const void* p = nullptr;
+    if (PyCapsule_CheckExact(obj)) {
+      p = PyCapsule_GetPointer(obj, "dlpack_exchange_api");
+    } else if (PyLong_Check(obj)) {
+      p = PyLong_AsVoidPtr(obj);
+    }
+    if (p == nullptr) PyErr_Clear();
+    const auto* x = static_cast<const XApi*>(p);
+    if (x != nullptr && x->version.major == 1 && x->dltensor_from_py_object_no_sync != nullptr &&
+        x->current_work_stream != nullptr) {
+      api = x;
+    }
+    Py_DECREF(obj);
+  }
+  Entry& slot = cache[next];
+  next = (next + 1) % 4;
+  Py_XDECREF(reinterpret_cast<PyObject*>(slot.type));
+  Py_INCREF(reinterpret_cast<PyObject*>(tp));
+  slot = {tp, api};
+  return api;
+}
+
+TensorView view_of(const XTensor& t, const char* name) {
+  const std::optional<DType> dt = dtype_of(t.dtype);
+  if (!dt) {
+    throw nb::type_error(fmt::format("{}: dtype {} is not supported; attnrt takes float32, float16, "
+                                     "bfloat16 (activations), int32 / int64 (indices) and uint8 "
+                                     "(fp8 bytes)",
+                                     name, dtype_text(t.dtype))
+                             .c_str());
+  }
+  if (t.ndim > kMaxDims) {
+    throw nb::value_error(
+        fmt::format("{}: {} dimensions; at most {} are supported", name, t.ndim, kMaxDims).c_str());
+  }
+  TensorView v;
+  v.data = static_cast<char*>(t.data) + t.byte_offset;
+  v.dtype = *dt;
+  v.ndim = t.ndim;
+  int64_t stride = 1;
+  for (int i = v.ndim - 1; i >= 0; --i) {
+    v.shape[i] = t.shape[i];
+    v.strides[i] = t.strides != nullptr ? t.strides[i] : stride;
+    stride *= t.shape[i];
+  }
+  const int dev = t.device.device_type;
+  if (dev == kDLCPU || dev == kDLCUDAHost) {
+    v.device = Device::cpu();
+  } else if (dev == kDLCUDA || dev == kDLCUDAManaged) {
+    v.device = Device::cuda(t.device.device_id);
+  } else {
+    throw nb::value_error(
+        fmt::format("{}: the tensor is on DLPack device type {}; attnrt takes CPU and CUDA tensors",
+                    name, dev)
+            .c_str());
+  }
+  return v;
+}
+
+// Any tensor argument: torch tensors through the exchange table, anything else DLPack or
+// buffer-protocol through nanobind. None gives an empty view.
+TensorView tensor_of(nb::handle h, const char* name) {
+  PyObject* o = h.ptr();
+  if (o == Py_None) return TensorView();
+  if (const XApi* api = exchange_api(Py_TYPE(o))) {
+    XTensor t;
+    if (api->dltensor_from_py_object_no_sync(o, &t) != 0) throw nb::python_error();
+    PyObject* grad = PyObject_GetAttrString(o, "requires_grad");
+    const bool needs_grad = grad == Py_True;
+    Py_XDECREF(grad);
+    if (grad == nullptr) PyErr_Clear();
+    if (needs_grad) {
+      throw nb::type_error(fmt::format("{}: the tensor requires grad; run attnrt under "
+                                       "torch.no_grad() / torch.inference_mode() or pass "
+                                       "tensor.detach()",
+                                       name)
+                               .c_str());
+    }
+    return view_of(t, name);
+  }
+  Array a;
+  if (!nb::try_cast(h, a)) {
+    throw nb::type_error(fmt::format("{}: {}; pass a torch tensor (or another DLPack array)", name,
+                                     nb::inst_name(h).c_str())
+                             .c_str());
+  }
+  return view_of(a, name);
+}
+
+TensorView activation_of(nb::handle h, const char* name) {
+  TensorView v = tensor_of(h, name);
+  if (v.empty() && h.is_none()) {
+    throw nb::type_error(fmt::format("{}: None; pass a tensor", name).c_str());
+  }
+  if (v.dtype != DType::f32 && v.dtype != DType::f16 && v.dtype != DType::bf16) {
+    throw nb::type_error(fmt::format("{}: dtype {} is not an activation dtype; q / k / v / out are "
+                                     "float32, float16 or bfloat16",
+                                     name, dtype_name(v.dtype))
+                             .c_str());
+  }
+  return v;
+}
+
+// [T, H*D] as [T, H, D] (the engine's flat layout); 3-D views pass unchanged.
+TensorView split_heads(TensorView t, int heads, int dim, const char* name) {
+  if (t.ndim != 2) return t;
+  if (t.shape[1] != int64_t{heads} * dim || (t.strides[1] != 1 && t.shape[1] > 1)) {
+    throw nb::value_error(fmt::format("{}: {}; a 2-D {} is [tokens, heads * dim] = [T, {} * {}] "
+                                      "with contiguous rows",
+                                      name, t.describe(), name, heads, dim)
+                              .c_str());
+  }
+  t.ndim = 3;
+  t.shape = {t.shape[0], heads, dim};
+  t.strides = {t.strides[0], dim, 1};
+  return t;
+}
+
 // Integer batch fields: any host integer array (int32 or int64) or None.
 template <typename T>
 std::vector<T> ints(const std::optional<nb::ndarray<nb::ro, nb::device::cpu>>& a, const char* name) {
@@ -157,6 +325,74 @@ std::vector<T> ints(const std::optional<nb::ndarray<nb::ro, nb::device::cpu>>& a
 }
 
 using HostInts = std::optional<nb::ndarray<nb::ro, nb::device::cpu>>;
+
+// A batch field: None, a list / tuple of ints, or a host int32 / int64 array (torch tensors through
+// the exchange table). A field on a GPU raises TypeError (the Python layer copies it then).
+template <typename T>
+std::vector<T> field(nb::handle h, const char* name) {
+  std::vector<T> out;
+  PyObject* o = h.ptr();
+  if (o == Py_None) return out;
+  if (PyList_CheckExact(o) || PyTuple_CheckExact(o)) {
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    out.resize(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      const long long x = PyLong_AsLongLong(items[i]);
+      if (x == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        throw nb::type_error(fmt::format("batch field {}: item {} is {}; the items must be ints",
+                                         name, i, nb::inst_name(items[i]).c_str())
+                                 .c_str());
+      }
+      out[static_cast<size_t>(i)] = static_cast<T>(x);
+    }
+    return out;
+  }
+  if (const XApi* api = exchange_api(Py_TYPE(o))) {
+    XTensor t;
+    if (api->dltensor_from_py_object_no_sync(o, &t) != 0) throw nb::python_error();
+    const int dev = t.device.device_type;
+    if (dev != kDLCPU && dev != kDLCUDAHost) {
+      throw nb::type_error(
+          fmt::format("batch field {}: the tensor is on a GPU; batch fields are host integers",
+                      name)
+              .c_str());
+    }
+    if (t.ndim > 1) {
+      throw nb::value_error(fmt::format("batch field {}: {} dimensions; it must be "
+                                        "one-dimensional",
+                                        name, t.ndim)
+                                .c_str());
+    }
+    const size_t n = t.ndim == 0 ? 1 : static_cast<size_t>(t.shape[0]);
+    const int64_t stride = t.ndim == 0 || t.strides == nullptr ? 1 : t.strides[0];
+    const char* base = static_cast<const char*>(t.data) + t.byte_offset;
+    out.resize(n);
+    if (t.dtype == nb::dtype<int32_t>()) {
+      const auto* p = reinterpret_cast<const int32_t*>(base);
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<T>(p[i * stride]);
+    } else if (t.dtype == nb::dtype<int64_t>()) {
+      const auto* p = reinterpret_cast<const int64_t*>(base);
+      for (size_t i = 0; i < n; ++i) out[i] = static_cast<T>(p[i * stride]);
+    } else {
+      throw nb::type_error(fmt::format("batch field {}: dtype {}; it must be int32 or int64",
+                                       name, dtype_text(t.dtype))
+                               .c_str());
+    }
+    return out;
+  }
+  HostInts a;
+  nb::ndarray<nb::ro, nb::device::cpu> arr;
+  if (!nb::try_cast(h, arr)) {
+    throw nb::type_error(fmt::format("batch field {}: {}; pass a list, a numpy array or a CPU "
+                                     "tensor of ints",
+                                     name, nb::inst_name(h).c_str())
+                             .c_str());
+  }
+  a = std::move(arr);
+  return ints<T>(a, name);
+}
 
 // A preset name or config.json path, or the text of a config.json (then `model` names its origin);
 // `dtype` ("" = the model's) replaces the activation dtype; tp_size splits the heads.
@@ -189,18 +425,40 @@ class Runtime {
   bool closed() const { return !rt_; }
 
   // kind: 0 = an eager step, 1 = before a capture of `bs` requests, 2 = before a replay at `bs`.
-  void begin_step(const std::string& mode, HostInts req_pool_indices, HostInts seq_lens,
-                  HostInts extend_prefix_lens, HostInts extend_seq_lens, HostInts out_cache_loc,
-                  HostInts positions, int draft_token_num, int topk, HostInts parents,
-                  HostInts accept_length, int kind, int bs) {
+  // The framework whose current CUDA stream the runtime follows (torch.Tensor's exchange table),
+  // and the pools' CUDA device (-1: host pools).
+  void use_framework(nb::handle tensor_type) {
+    api_ = exchange_api(reinterpret_cast<PyTypeObject*>(tensor_type.ptr()));
+    const Device d = rt().kv_cache().device();
+    cuda_device_ = d.kind == DeviceKind::cuda ? d.index : -1;
+  }
+  bool follows_framework_stream() const { return api_ != nullptr && cuda_device_ >= 0; }
+
+  // Moves the runtime to the framework's current stream when that changed: the engine's work is
+  // queued there, and attnrt's must run in order with it.
+  void follow_stream() {
+    if (api_ == nullptr || cuda_device_ < 0) return;
+    void* s = nullptr;
+    if (api_->current_work_stream(kDLCUDA, cuda_device_, &s) != 0) throw nb::python_error();
+    if (!stream_known_ || s != stream_) {
+      rt().set_stream(s);
+      stream_ = s;
+      stream_known_ = true;
+    }
+  }
+
+  void begin_step(const std::string& mode, nb::handle req_pool_indices, nb::handle seq_lens,
+                  nb::handle extend_prefix_lens, nb::handle extend_seq_lens,
+                  nb::handle out_cache_loc, nb::handle positions, int draft_token_num, int topk,
+                  nb::handle parents, nb::handle accept_length, int kind, int bs) {
     AttentionRuntime& r = rt();
     ForwardBatch& b = batch_;
     b.mode = parse_forward_mode(mode);
-    b.req_pool_indices = ints<int64_t>(req_pool_indices, "req_pool_indices");
+    b.req_pool_indices = field<int64_t>(req_pool_indices, "req_pool_indices");
     b.batch_size = static_cast<int>(b.req_pool_indices.size());
-    b.seq_lens = ints<int32_t>(seq_lens, "seq_lens");
-    b.extend_prefix_lens = ints<int32_t>(extend_prefix_lens, "extend_prefix_lens");
-    b.extend_seq_lens = ints<int32_t>(extend_seq_lens, "extend_seq_lens");
+    b.seq_lens = field<int32_t>(seq_lens, "seq_lens");
+    b.extend_prefix_lens = field<int32_t>(extend_prefix_lens, "extend_prefix_lens");
+    b.extend_seq_lens = field<int32_t>(extend_seq_lens, "extend_seq_lens");
     b.extend_start_loc.clear();
     if (!b.extend_seq_lens.empty()) {
       int32_t at = 0;
@@ -209,15 +467,15 @@ class Runtime {
         at += n;
       }
     }
-    b.out_cache_loc = ints<int64_t>(out_cache_loc, "out_cache_loc");
-    b.positions = ints<int64_t>(positions, "positions");
+    b.out_cache_loc = field<int64_t>(out_cache_loc, "out_cache_loc");
+    b.positions = field<int64_t>(positions, "positions");
     b.spec_info.reset();
-    if (draft_token_num > 0 || parents || accept_length) {
+    if (draft_token_num > 0 || !parents.is_none() || !accept_length.is_none()) {
       SpecInfo s;
       s.draft_token_num = draft_token_num;
       s.topk = topk;
-      s.parents = ints<int32_t>(parents, "spec_info.parents");
-      s.accept_length = ints<int32_t>(accept_length, "spec_info.accept_length");
+      s.parents = field<int32_t>(parents, "spec_info.parents");
+      s.accept_length = field<int32_t>(accept_length, "spec_info.accept_length");
       if (s.parents.empty() && is_target_verify(b.mode) && s.is_chain()) {
         s.parents = SpecInfo::chain(b.batch_size, draft_token_num).parents;
       }
@@ -227,8 +485,11 @@ class Runtime {
       r.end_step();
       in_step_ = false;
     }
+    capturing_ = false;
+    follow_stream();
     if (kind == 1) {
       r.begin_capture_step(b, bs);
+      capturing_ = true;  // the capture runs on a stream of its own: forward() follows it
     } else if (kind == 2) {
       r.begin_replay_step(b, bs);
     } else {
@@ -244,23 +505,43 @@ class Runtime {
     in_step_ = false;
   }
 
-  void forward(int layer_id, const Array& q, const Array& k, const Array& v, const Array& out,
-               bool save_kv, std::optional<Array> sinks, std::optional<Array> lse) {
+  void forward(int layer_id, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+               bool save_kv, nb::handle sinks, nb::handle lse) {
+    AttentionRuntime& r = rt();
+    const LayerSpec& l = layer(layer_id);
+    if (capturing_) follow_stream();
+    const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
     AttnArgs a;
-    a.q = activation_view(q, "q");
-    a.k = activation_view(k, "k");
-    a.v = activation_view(v, "v");
-    a.out = activation_view(out, "out");
+    a.q = split_heads(activation_of(q, "q"), l.num_q_heads, l.head_dim, "q");
+    a.k = split_heads(activation_of(k, "k"), l.num_kv_heads, l.head_dim, "k");
+    a.v = split_heads(activation_of(v, "v"), l.num_kv_heads, dv, "v");
+    a.out = split_heads(activation_of(out, "out"), l.num_q_heads, dv, "out");
     a.save_kv = save_kv;
-    if (sinks) {
-      const TensorView s = view_of(*sinks, "sinks");
+    if (!sinks.is_none()) {
+      const TensorView s = tensor_of(sinks, "sinks");
       ATTNRT_CHECK(s.dtype == DType::f32 && s.is_contiguous(),
                    "sinks: {}; the sink logits are a contiguous float32 tensor [num_q_heads]",
                    s.describe());
       a.sinks = s.ptr<const float>();
     }
-    a.lse = optional_view(lse, "lse");
-    rt().forward(layer_id, a);
+    a.lse = tensor_of(lse, "lse");
+    r.forward(layer_id, a);
+  }
+
+  // The layer `layer_id` of the model (attnrt::Error naming the layers when there is none).
+  const LayerSpec& layer(int layer_id) {
+    const ModelSpec& m = rt().model();
+    if (layers_.empty()) {
+      for (const LayerSpec& l : m.layers) {
+        if (static_cast<size_t>(l.layer_id) >= layers_.size()) layers_.resize(l.layer_id + 1);
+        layers_[l.layer_id] = &l;
+      }
+    }
+    ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layers_.size() &&
+                     layers_[layer_id] != nullptr,
+                 "forward: layer_id {} is not a layer of model '{}'; layers are 0..{}", layer_id,
+                 m.name, layers_.size() - 1);
+    return *layers_[layer_id];
   }
 
   void forward_linear(int layer_id, const Array& mixed_qkv, const Array& a, std::optional<Array> b,
@@ -286,6 +567,12 @@ class Runtime {
   std::unique_ptr<AttentionRuntime> rt_;
   ForwardBatch batch_;
   bool in_step_ = false;
+  bool capturing_ = false;  // between begin_capture_step and the next step
+  std::vector<const LayerSpec*> layers_;  // by layer id (forward's lookup)
+  const XApi* api_ = nullptr;  // the framework's exchange table (use_framework)
+  int cuda_device_ = -1;
+  void* stream_ = nullptr;
+  bool stream_known_ = false;
 };
 
 // A zero-copy array over memory the runtime owns; `owner` (the Python Runtime) keeps it alive.
@@ -475,14 +762,17 @@ NB_MODULE(_native, m) {
            "out_cache_loc"_a.none(), "positions"_a.none(), "draft_token_num"_a = 0,
            "topk"_a = 1, "parents"_a.none() = nb::none(), "accept_length"_a.none() = nb::none(),
            "kind"_a = 0, "bs"_a = 0)
+      .def("use_framework", &Runtime::use_framework, "tensor_type"_a)
+      .def_prop_ro("follows_framework_stream", &Runtime::follows_framework_stream)
       .def("init_cuda_graph_state",
            [](Runtime& r, int max_bs, int max_num_tokens) {
              r.rt().init_cuda_graph_state(max_bs, max_num_tokens);
            })
       .def("cuda_graph_seq_len_fill_value",
            [](Runtime& r) { return r.rt().cuda_graph_seq_len_fill_value(); })
-      .def("forward", &Runtime::forward, "layer_id"_a, "q"_a, "k"_a, "v"_a, "out"_a,
-           "save_kv"_a = true, "sinks"_a.none() = nb::none(), "lse"_a.none() = nb::none())
+      .def("forward", &Runtime::forward, "layer_id"_a, "q"_a.none(), "k"_a.none(), "v"_a.none(),
+           "out"_a.none(), "save_kv"_a = true, "sinks"_a.none() = nb::none(),
+           "lse"_a.none() = nb::none())
       .def("forward_linear", &Runtime::forward_linear, "layer_id"_a, "mixed_qkv"_a, "a"_a,
            "b"_a.none(), "conv_weight"_a, "conv_bias"_a.none(), "A_log"_a, "dt_bias"_a,
            "D"_a.none(), "out"_a)

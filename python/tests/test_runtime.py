@@ -380,6 +380,46 @@ def test_engine_interface_mirrors_the_engines_table_and_returns_flat_outputs():
     assert backend.get_cuda_graph_seq_len_fill_value() == 1
 
 
+def test_batch_fields_as_tensors_numpy_lists_and_flat_views_give_the_same_step():
+    """The same DECODE step with its fields as CPU tensors (int32 and int64), numpy arrays, lists
+    and tuples, and with flat [T, H*D] q / k / v / out, writes the same output; a tensor that
+    requires grad is refused by name."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(SEED + 12)
+    rt = attnrt.Runtime(llama_config(layers=1), dtype=torch.float32, attention_backend="cpu",
+                        page_size=16, max_requests=4, kv_slots=1024)
+    eng = Engine(rt, "cpu", torch.float32, gen)
+    for r in range(3):
+        eng.add(r)
+    batch = eng.extend([0, 1, 2], [5, 17, 9])
+    rt.begin_step(batch)
+    rt.forward(0, *eng.qkv(0, 31))
+    rt.end_step()
+    d = eng.decode([0, 1, 2])
+    q, k, v = eng.qkv(0, 3)
+    outs = []
+    for conv in (lambda x: torch.tensor(x, dtype=torch.int32), lambda x: torch.tensor(x),
+                 lambda x: np.asarray(x, dtype=np.int64), lambda x: np.asarray(x, dtype=np.int32),
+                 list, tuple):
+        rt.begin_step(attnrt.ForwardBatch("DECODE", conv(d.req_pool_indices), conv(d.seq_lens),
+                                          conv(d.out_cache_loc), positions=conv(d.positions)))
+        outs.append(rt.forward(0, q, k, v))
+        flat = torch.empty(3, outs[-1][0].numel())
+        rt.forward(0, q.flatten(1), k.flatten(1), v.flatten(1), flat)
+        assert torch.equal(flat.view_as(outs[-1]), outs[-1])
+        rt.end_step()
+    for o in outs[1:]:
+        assert torch.equal(o, outs[0])
+    rt.begin_step(d)
+    with pytest.raises(TypeError, match="q: the tensor requires grad"):
+        rt.forward(0, q.clone().requires_grad_(), k, v)
+    with pytest.raises(TypeError, match="out: None|out"):
+        rt._rt.forward(0, q, k, v, None, True, None, None)
+    rt.end_step()
+    rt.close()
+
+
 class EnginePool:
     """An engine's own MHATokenToKVPool (reference-semantics §4.3): per layer k / v tensors."""
 
