@@ -96,6 +96,17 @@ TEST_F(Cli, HelpListsSubcommandsAndRunOptions) {
   }
 }
 
+TEST_F(Cli, VersionPrintsTheVersionCommitAndCudaBuild) {
+  const Result r = run("--version");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out.rfind("attnrt " ATTNRT_TEST_VERSION " (commit ", 0), 0u) << r.out;
+  EXPECT_TRUE(r.out.find("CUDA") != std::string::npos) << r.out;
+  // A subcommand stays required otherwise.
+  const Result none = run("");
+  EXPECT_NE(none.status, 0);
+  EXPECT_NE((none.out + none.err).find("subcommand"), std::string::npos) << none.err;
+}
+
 TEST_F(Cli, RunReplaysATinyTraceOnReference) {
   const fs::path trace = write("tiny.jsonl", kTinyTrace);
   const fs::path json = dir_ / "report.json";

@@ -139,7 +139,9 @@ TEST(ModelPresets, WindowsAndPatternsFollowThePublishedConfigs) {
     EXPECT_EQ(l.kind, LayerKind::mla);
     EXPECT_EQ(l.kv_lora_rank, 512);
     EXPECT_EQ(l.qk_rope_head_dim, 64);
-    EXPECT_FLOAT_EQ(l.softmax_scale(), 1.f / std::sqrt(192.f));
+    // 192^-1/2 times YaRN's mscale^2 (factor 40, mscale_all_dim 1)
+    const float mscale = 0.1f * std::log(40.f) + 1.f;
+    EXPECT_NEAR(l.softmax_scale(), mscale * mscale / std::sqrt(192.f), 1e-6);
   }
 
   const ModelSpec next = model_preset("qwen3-next-80b");
@@ -349,6 +351,160 @@ TEST(HfConfig, Gemma3NestedTextConfigMatchesThePreset) {
   }
 }
 
+// Every attention-relevant field of two specs (the loader's and the preset's) agrees.
+void expect_same_layers(const ModelSpec& m, const ModelSpec& preset) {
+  ASSERT_EQ(m.layers.size(), preset.layers.size());
+  EXPECT_EQ(m.max_context_len, preset.max_context_len);
+  for (size_t i = 0; i < m.layers.size(); ++i) {
+    SCOPED_TRACE(i);
+    const LayerSpec& a = m.layers[i];
+    const LayerSpec& b = preset.layers[i];
+    EXPECT_EQ(a.layer_id, b.layer_id);
+    EXPECT_EQ(a.kind, b.kind);
+    EXPECT_EQ(a.sliding_window, b.sliding_window);
+    EXPECT_EQ(a.has_sinks, b.has_sinks);
+    if (!is_linear_kind(a.kind)) {
+      EXPECT_EQ(a.num_q_heads, b.num_q_heads);
+      EXPECT_EQ(a.num_kv_heads, b.num_kv_heads);
+      EXPECT_EQ(a.head_dim, b.head_dim);
+      EXPECT_EQ(a.v_head_dim, b.v_head_dim);
+      EXPECT_EQ(a.kv_lora_rank, b.kv_lora_rank);
+      EXPECT_EQ(a.qk_rope_head_dim, b.qk_rope_head_dim);
+      EXPECT_NEAR(a.softmax_scale(), b.softmax_scale(), 1e-6);
+    } else {
+      EXPECT_EQ(a.linear.num_k_heads, b.linear.num_k_heads);
+      EXPECT_EQ(a.linear.num_v_heads, b.linear.num_v_heads);
+      EXPECT_EQ(a.linear.head_k_dim, b.linear.head_k_dim);
+      EXPECT_EQ(a.linear.head_v_dim, b.linear.head_v_dim);
+      EXPECT_EQ(a.linear.d_state, b.linear.d_state);
+      EXPECT_EQ(a.linear.n_groups, b.linear.n_groups);
+      EXPECT_EQ(a.linear.conv_kernel, b.linear.conv_kernel);
+      EXPECT_EQ(a.linear.chunk_size, b.linear.chunk_size);
+    }
+  }
+}
+
+TEST(HfConfig, DeepSeekV3IsMlaWithTheYarnMscaleInTheScaleAndMatchesThePreset) {
+  const ModelSpec m = load_hf_config(data_file("deepseek_v3_config.json"));
+  ASSERT_EQ(m.layers.size(), 61u);
+  const LayerSpec& l = m.layers[0];
+  EXPECT_EQ(l.kind, LayerKind::mla);
+  EXPECT_EQ(l.num_q_heads, 128);
+  EXPECT_EQ(l.num_kv_heads, 1);
+  EXPECT_EQ(l.head_dim, 576);  // kv_lora_rank 512 + qk_rope_head_dim 64
+  EXPECT_EQ(l.v_head_dim, 512);
+  // (128 + 64)^-1/2 * (0.1 * ln 40 + 1)^2, as transformers' DeepseekV3Attention.scaling
+  const double mscale = 0.1 * std::log(40.0) + 1.0;
+  EXPECT_NEAR(l.softmax_scale(), mscale * mscale / std::sqrt(192.0), 1e-6);
+  EXPECT_NEAR(l.softmax_scale(), 0.13523, 1e-5);
+  EXPECT_EQ(m.dtype, DType::bf16);
+  expect_same_layers(m, model_preset("deepseek-v3"));
+}
+
+TEST(HfConfig, DeepSeekV2LiteWithoutQLoraTakesItsOwnMscale) {
+  const ModelSpec m = load_hf_config(data_file("deepseek_v2_lite_config.json"));
+  ASSERT_EQ(m.layers.size(), 27u);
+  EXPECT_EQ(ids_of_kind(m, LayerKind::mla).size(), 27u);
+  EXPECT_EQ(m.layers[5].num_q_heads, 16);
+  const double mscale = 0.1 * 0.707 * std::log(40.0) + 1.0;
+  EXPECT_NEAR(m.layers[5].softmax_scale(), mscale * mscale / std::sqrt(192.0), 1e-6);
+  // Without YaRN the scale is the plain (nope + rope)^-1/2.
+  const ModelSpec plain = load_hf_config_text(
+      R"({"model_type": "deepseek_v2", "num_hidden_layers": 1, "num_attention_heads": 4,
+          "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32,
+          "rope_scaling": null})",
+      "plain.json");
+  EXPECT_NEAR(plain.layers[0].softmax_scale(), 1.0 / std::sqrt(48.0), 1e-7);
+  EXPECT_EQ(plain.layers[0].head_dim, 80);
+}
+
+TEST(HfConfig, Qwen3NextEveryFourthLayerIsFullAttentionAndMatchesThePreset) {
+  const ModelSpec m = load_hf_config(data_file("qwen3_next_80b_config.json"));
+  ASSERT_EQ(m.layers.size(), 48u);
+  EXPECT_EQ(ids_of_kind(m, LayerKind::full).size(), 12u);
+  EXPECT_EQ(m.layers[3].kind, LayerKind::full);
+  EXPECT_EQ(m.layers[3].head_dim, 256);
+  EXPECT_EQ(m.layers[0].kind, LayerKind::gdn);
+  EXPECT_EQ(m.layers[0].linear.num_v_heads, 32);
+  expect_same_layers(m, model_preset("qwen3-next-80b"));
+}
+
+TEST(HfConfig, GptOssAlternatesWindow128WithFullLayersAllWithSinks) {
+  const ModelSpec m = load_hf_config(data_file("gpt_oss_20b_config.json"));
+  ASSERT_EQ(m.layers.size(), 24u);
+  for (const LayerSpec& l : m.layers) {
+    SCOPED_TRACE(l.layer_id);
+    EXPECT_TRUE(l.has_sinks);
+    EXPECT_EQ(l.num_q_heads, 64);
+    EXPECT_EQ(l.num_kv_heads, 8);
+    EXPECT_EQ(l.head_dim, 64);
+    EXPECT_EQ(l.sliding_window, l.layer_id % 2 == 0 ? 127 : -1);  // W = 128 - 1 (§8.5)
+    EXPECT_NEAR(l.softmax_scale(), 0.125, 1e-7);
+  }
+  // Without layer_types: transformers' rule (even layers sliding) and its default window 128.
+  const ModelSpec d = load_hf_config_text(
+      R"({"model_type": "gpt_oss", "num_hidden_layers": 3, "num_attention_heads": 4,
+          "num_key_value_heads": 1, "head_dim": 64})",
+      "gpt_oss_defaults.json");
+  EXPECT_EQ(ids_of_kind(d, LayerKind::swa), (std::set<int>{0, 2}));
+  EXPECT_EQ(d.layers[2].sliding_window, 127);
+}
+
+TEST(HfConfig, Phi3WindowsEveryLayer) {
+  const ModelSpec m = load_hf_config(data_file("phi3_mini_4k_config.json"));
+  ASSERT_EQ(m.layers.size(), 32u);
+  EXPECT_EQ(ids_of_kind(m, LayerKind::swa).size(), 32u);
+  EXPECT_EQ(m.layers[7].sliding_window, 2046);
+  EXPECT_EQ(m.layers[7].head_dim, 96);  // 3072 / 32
+  EXPECT_EQ(m.layers[7].num_kv_heads, 32);
+  EXPECT_EQ(m.max_context_len, 4096);
+}
+
+TEST(HfConfig, KimiLinearKdaAndMlaLayersFromOneBasedListsMatchThePreset) {
+  ModelSpec m = load_hf_config(data_file("kimi_linear_48b_config.json"));
+  ASSERT_EQ(m.layers.size(), 27u);
+  EXPECT_EQ(ids_of_kind(m, LayerKind::mla), (std::set<int>{3, 7, 11, 15, 19, 23, 26}));
+  EXPECT_EQ(m.layers[0].kind, LayerKind::kda);
+  m.max_context_len = 1048576;  // model_max_length, not max_position_embeddings, in this file
+  expect_same_layers(m, model_preset("kimi-linear-48b"));
+  EXPECT_NE(error_of([] {
+              load_hf_config_text(
+                  R"({"model_type": "kimi_linear", "num_hidden_layers": 2,
+                      "num_attention_heads": 4, "kv_lora_rank": 64, "qk_rope_head_dim": 16,
+                      "qk_nope_head_dim": 32, "v_head_dim": 32,
+                      "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [],
+                                             "num_heads": 4, "head_dim": 32}})",
+                  "kimi.json");
+            }).find("layer 1 (1-based 2) is in neither"),
+            std::string::npos);
+}
+
+TEST(HfConfig, NemotronHMixerBlocksBecomeLayersInPatternOrderAndMatchThePreset) {
+  const ModelSpec m = load_hf_config(data_file("nemotron_h_8b_config.json"));
+  ASSERT_EQ(m.layers.size(), 28u);  // 24 'M' + 4 '*'; the 24 '-' MLP blocks hold no state
+  EXPECT_EQ(ids_of_kind(m, LayerKind::full).size(), 4u);
+  EXPECT_EQ(m.layers[4].kind, LayerKind::full);  // "M-M-M-M*": the fifth mixer
+  expect_same_layers(m, model_preset("nemotron-h-8b"));
+  EXPECT_NE(error_of([] {
+              load_hf_config_text(
+                  R"({"model_type": "nemotron_h", "hybrid_override_pattern": "M*X",
+                      "num_attention_heads": 4, "head_dim": 32, "mamba_num_heads": 8,
+                      "mamba_head_dim": 16, "ssm_state_size": 16, "n_groups": 1})",
+                  "nemo.json");
+            }).find("hybrid_override_pattern[2] is 'X'"),
+            std::string::npos);
+}
+
+TEST(HfConfig, UnknownModelTypeListsEverySupportedOne) {
+  const std::string msg = error_of([] {
+    load_hf_config_text(R"({"model_type": "falcon", "num_hidden_layers": 1})", "falcon.json");
+  });
+  for (const char* t : {"deepseek_v3", "deepseek_v2", "qwen3_next", "gpt_oss", "phi3",
+                        "kimi_linear", "nemotron_h", "llama"}) {
+    EXPECT_NE(msg.find(t), std::string::npos) << t << " missing from: " << msg;
+  }
+}
+
 TEST(HfConfig, LayerTypesOverrideTheFamilyRule) {
   const ModelSpec m = load_hf_config_text(
       R"({"model_type": "gemma3_text", "num_hidden_layers": 4, "num_attention_heads": 4,
@@ -368,8 +524,14 @@ TEST(HfConfig, BadFilesNameTheFileAndTheField) {
   const Case cases[] = {
       {R"({"model_type": "llama", "num_hidden_layers": 2,)", "bad.json: malformed JSON"},
       {R"([1, 2])", "expected a JSON object"},
+      {R"({"model_type": "falcon", "num_hidden_layers": 2})",
+       "model_type 'falcon' is not supported"},
       {R"({"model_type": "deepseek_v3", "num_hidden_layers": 2})",
-       "model_type 'deepseek_v3' is not supported"},
+       "missing required field 'num_attention_heads'"},
+      {R"({"model_type": "qwen3_next", "num_hidden_layers": 2, "num_attention_heads": 2,
+           "linear_num_key_heads": 2, "linear_num_value_heads": 2, "linear_key_head_dim": 8,
+           "linear_value_head_dim": 8, "layer_types": ["full_attention", "mamba"]})",
+       "layer_types[1] is \"mamba\""},
       {R"({"num_hidden_layers": 2})", "missing required field 'model_type'"},
       {R"({"model_type": "llama", "num_attention_heads": 8, "hidden_size": 512})",
        "missing required field 'num_hidden_layers'"},
@@ -408,7 +570,7 @@ TEST(HfConfig, BadFilesNameTheFileAndTheField) {
     EXPECT_EQ(msg.rfind("bad.json", 0), 0u) << msg;
   }
   const std::string unknown =
-      error_of([] { load_hf_config_text(R"({"model_type": "phi3"})", "bad.json"); });
+      error_of([] { load_hf_config_text(R"({"model_type": "falcon"})", "bad.json"); });
   for (const char* t : {"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "gemma3_text"}) {
     EXPECT_NE(unknown.find(t), std::string::npos) << unknown;
   }

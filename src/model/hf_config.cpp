@@ -1,7 +1,9 @@
-// HuggingFace config.json -> ModelSpec for the dense decoder families (llama, mistral, qwen2/3,
-// gemma2/3). Field names, defaults and per-layer window rules follow the transformers config
-// classes of each family; defaults are used only where those classes have one (gemma), elsewhere a
-// missing field is an error, because a config.json without it is more likely the wrong file.
+// HuggingFace config.json -> ModelSpec: the dense decoder families (llama, mistral, phi3, qwen2/3,
+// gemma2/3, gpt-oss), multi-head latent attention (deepseek_v2/v3) and the hybrids of attention
+// with linear layers (qwen3_next: Gated DeltaNet; kimi_linear: KDA + MLA; nemotron_h: Mamba2).
+// Field names, defaults and per-layer rules follow the transformers config classes of each family;
+// defaults are used only where those classes have one, elsewhere a missing field is an error,
+// because a config.json without it is more likely the wrong file.
 #include <fmt/ranges.h>
 
 #include <cmath>
@@ -19,7 +21,8 @@ namespace {
 
 using json = nlohmann::json;
 
-enum class Family { llama, mistral, qwen2, gemma2, gemma3 };
+enum class Family { llama, mistral, qwen2, gemma2, gemma3, gpt_oss, mla, qwen3_next, kimi_linear,
+                    nemotron_h };
 
 struct ModelType {
   std::string_view name;
@@ -30,7 +33,9 @@ constexpr ModelType kModelTypes[] = {
     {"llama", Family::llama},        {"mistral", Family::mistral}, {"mixtral", Family::mistral},
     {"qwen2", Family::qwen2},        {"qwen2_moe", Family::qwen2}, {"qwen3", Family::qwen2},
     {"qwen3_moe", Family::qwen2},    {"gemma2", Family::gemma2},   {"gemma3", Family::gemma3},
-    {"gemma3_text", Family::gemma3},
+    {"gemma3_text", Family::gemma3}, {"phi3", Family::mistral},    {"gpt_oss", Family::gpt_oss},
+    {"deepseek_v2", Family::mla},    {"deepseek_v3", Family::mla}, {"qwen3_next", Family::qwen3_next},
+    {"kimi_linear", Family::kimi_linear}, {"nemotron_h", Family::nemotron_h},
 };
 
 std::string supported_types() {
@@ -164,8 +169,11 @@ std::vector<AttnKind> layer_kinds(Family family, const Fields& f, int num_layers
       break;
     }
     case Family::gemma2:
-      // Gemma2 alternates: even layers local (sliding), odd layers global.
+    case Family::gpt_oss:
+      // Gemma2 and gpt-oss alternate: even layers local (sliding), odd layers global.
       for (int i = 0; i < num_layers; i += 2) kinds[i] = AttnKind::sliding;
+      break;
+    default:
       break;
     case Family::gemma3: {
       // Gemma3: every pattern-th layer is global: layer i is local iff (i + 1) % pattern != 0.
@@ -202,6 +210,230 @@ Located locate_text_config(const json& top, std::string_view origin) {
   return {cfg, *type};
 }
 
+// The model's name, activation dtype and context length, common to every family.
+void fill_model_fields(ModelSpec& spec, const Fields& f, const Fields& top, std::string_view origin) {
+  spec.name = top.opt_string("_name_or_path").value_or(std::string(origin));
+  if (spec.name.empty()) spec.name = std::string(origin);
+  std::optional<std::string> dtype = f.opt_string("torch_dtype");
+  if (!dtype) dtype = f.opt_string("dtype");
+  if (!dtype) dtype = top.opt_string("torch_dtype");
+  if (!dtype) dtype = top.opt_string("dtype");
+  if (dtype) {
+    if (*dtype == "float32" || *dtype == "float16" || *dtype == "bfloat16") {
+      spec.dtype = parse_dtype(*dtype);
+    } else {
+      fail(
+          "{}: field 'torch_dtype' is \"{}\"; attnrt runs activations in float32, float16 or "
+          "bfloat16",
+          origin, *dtype);
+    }
+  }
+  if (auto ctx = f.opt_int("max_position_embeddings")) spec.max_context_len = *ctx;
+}
+
+int positive(const Fields& f, const char* key, std::string_view origin) {
+  const int v = f.require_int(key);
+  ATTNRT_CHECK(v > 0, "{}: field '{}' is {}; it must be > 0", origin, key, v);
+  return v;
+}
+
+// The softmax scale of an MLA layer: (qk_nope + qk_rope)^-1/2, times mscale^2 when the RoPE
+// scaling is YaRN-like with mscale_all_dim (DeepSeek's reference code and transformers'
+// yarn_apply_mscale: mscale = 0.1 * mscale_all_dim * ln(factor) + 1 for factor > 1).
+float mla_scaling(const Fields& f, int qk_head_dim, std::string_view origin) {
+  double scale = 1.0 / std::sqrt(static_cast<double>(qk_head_dim));
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (!f.has(key)) continue;
+    const json& r = f.at(key);
+    if (!r.is_object()) fail("{}: field '{}' is {}; expected an object", origin, key, json_type(r));
+    const Fields rf(r, origin);
+    std::optional<std::string> type = rf.opt_string("rope_type");
+    if (!type) type = rf.opt_string("type");
+    if (!type || *type == "default") break;
+    const double all_dim = rf.opt_number("mscale_all_dim").value_or(0.0);
+    const double factor = rf.opt_number("factor").value_or(1.0);
+    if (all_dim != 0.0 && factor > 1.0) {
+      const double mscale = 0.1 * all_dim * std::log(factor) + 1.0;
+      scale *= mscale * mscale;
+    }
+    break;
+  }
+  return static_cast<float>(scale);
+}
+
+LayerSpec mla_layer(const Fields& f, int id, std::string_view origin) {
+  LayerSpec l;
+  l.layer_id = id;
+  l.kind = LayerKind::mla;
+  l.num_q_heads = positive(f, "num_attention_heads", origin);
+  l.num_kv_heads = 1;
+  l.kv_lora_rank = positive(f, "kv_lora_rank", origin);
+  l.qk_rope_head_dim = positive(f, "qk_rope_head_dim", origin);
+  const int nope = positive(f, "qk_nope_head_dim", origin);
+  l.head_dim = l.kv_lora_rank + l.qk_rope_head_dim;
+  l.v_head_dim = l.kv_lora_rank;  // the latent form: V is the first kv_lora_rank columns
+  l.scaling = mla_scaling(f, nope + l.qk_rope_head_dim, origin);
+  return l;
+}
+
+LayerSpec attention_layer(int id, int q_heads, int kv_heads, int head_dim) {
+  LayerSpec l;
+  l.layer_id = id;
+  l.num_q_heads = q_heads;
+  l.num_kv_heads = kv_heads;
+  l.head_dim = head_dim;
+  l.v_head_dim = head_dim;
+  return l;
+}
+
+LayerSpec linear_layer(int id, LayerKind kind, const LinearSpec& spec) {
+  LayerSpec l;
+  l.layer_id = id;
+  l.kind = kind;
+  l.linear = spec;
+  return l;
+}
+
+// Layer ids listed 1-based in an array field of `obj` (kimi_linear's linear_attn_config).
+std::vector<int> one_based_ids(const Fields& obj, const char* key, int num_layers,
+                               std::string_view origin) {
+  std::vector<int> ids;
+  if (!obj.has(key)) return ids;
+  const json& a = obj.at(key);
+  if (!a.is_array()) fail("{}: field '{}' is {}; expected an array of layer numbers", origin, key,
+                          json_type(a));
+  for (const json& x : a) {
+    if (!x.is_number_integer() || x.get<int64_t>() < 1 || x.get<int64_t>() > num_layers) {
+      fail("{}: field '{}' holds {}; entries are layer numbers 1..{} (1-based)", origin, key,
+           x.dump(), num_layers);
+    }
+    ids.push_back(static_cast<int>(x.get<int64_t>()) - 1);
+  }
+  return ids;
+}
+
+// deepseek_v2 / deepseek_v3: every layer is MLA (the dense / MoE split is the MLP's business).
+ModelSpec load_mla_model(const Fields& f, std::string_view origin) {
+  ModelSpec spec;
+  const int n = positive(f, "num_hidden_layers", origin);
+  for (int i = 0; i < n; ++i) spec.layers.push_back(mla_layer(f, i, origin));
+  return spec;
+}
+
+// qwen3_next: `layer_types` ("linear_attention" / "full_attention"), else every
+// full_attention_interval-th layer (1-based) is full attention; Gated DeltaNet elsewhere.
+ModelSpec load_qwen3_next(const Fields& f, std::string_view origin) {
+  ModelSpec spec;
+  const int n = positive(f, "num_hidden_layers", origin);
+  const int q_heads = positive(f, "num_attention_heads", origin);
+  const int kv_heads = f.opt_int("num_key_value_heads").value_or(q_heads);
+  const int head_dim = f.opt_int("head_dim").value_or(256);
+  LinearSpec gdn;
+  gdn.num_k_heads = positive(f, "linear_num_key_heads", origin);
+  gdn.num_v_heads = positive(f, "linear_num_value_heads", origin);
+  gdn.head_k_dim = positive(f, "linear_key_head_dim", origin);
+  gdn.head_v_dim = positive(f, "linear_value_head_dim", origin);
+  gdn.conv_kernel = f.opt_int("linear_conv_kernel_dim").value_or(4);
+  gdn.chunk_size = 64;
+  std::vector<bool> full(n, false);
+  if (f.has("layer_types")) {
+    const json& t = f.at("layer_types");
+    if (!t.is_array() || static_cast<int>(t.size()) != n) {
+      fail("{}: field 'layer_types' must be an array of {} entries (num_hidden_layers)", origin, n);
+    }
+    for (int i = 0; i < n; ++i) {
+      if (t[i] == "full_attention") {
+        full[i] = true;
+      } else if (t[i] != "linear_attention") {
+        fail("{}: layer_types[{}] is {}; qwen3_next layers are \"linear_attention\" or "
+             "\"full_attention\"",
+             origin, i, t[i].dump());
+      }
+    }
+  } else {
+    const int interval = f.opt_int("full_attention_interval").value_or(4);
+    ATTNRT_CHECK(interval >= 1, "{}: field 'full_attention_interval' is {}; it must be >= 1",
+                 origin, interval);
+    for (int i = 0; i < n; ++i) full[i] = (i + 1) % interval == 0;
+  }
+  for (int i = 0; i < n; ++i) {
+    spec.layers.push_back(full[i] ? attention_layer(i, q_heads, kv_heads, head_dim)
+                                  : linear_layer(i, LayerKind::gdn, gdn));
+  }
+  return spec;
+}
+
+// kimi_linear: linear_attn_config lists the KDA and the full-attention layers (1-based); full
+// layers are MLA.
+ModelSpec load_kimi_linear(const Fields& f, std::string_view origin) {
+  ModelSpec spec;
+  const int n = positive(f, "num_hidden_layers", origin);
+  if (!f.has("linear_attn_config") || !f.at("linear_attn_config").is_object()) {
+    fail("{}: missing required object 'linear_attn_config' (kda_layers, full_attn_layers, "
+         "num_heads, head_dim)",
+         origin);
+  }
+  const Fields lc(f.at("linear_attn_config"), origin);
+  LinearSpec kda;
+  kda.num_k_heads = kda.num_v_heads = positive(lc, "num_heads", origin);
+  kda.head_k_dim = kda.head_v_dim = positive(lc, "head_dim", origin);
+  kda.conv_kernel = lc.opt_int("short_conv_kernel_size").value_or(4);
+  kda.chunk_size = 64;
+  std::vector<int> kind(n, -1);  // 0 = KDA, 1 = full (MLA)
+  for (int id : one_based_ids(lc, "kda_layers", n, origin)) kind[id] = 0;
+  for (int id : one_based_ids(lc, "full_attn_layers", n, origin)) kind[id] = 1;
+  for (int i = 0; i < n; ++i) {
+    if (kind[i] < 0) {
+      fail("{}: layer {} (1-based {}) is in neither linear_attn_config.kda_layers nor "
+           "full_attn_layers",
+           origin, i, i + 1);
+    }
+    spec.layers.push_back(kind[i] == 1 ? mla_layer(f, i, origin)
+                                       : linear_layer(i, LayerKind::kda, kda));
+  }
+  return spec;
+}
+
+// nemotron_h: hybrid_override_pattern, one character per block: 'M' Mamba2, '*' attention, '-'
+// MLP, 'E' MoE. Blocks without a mixer hold no attention state and are not layers here: the
+// model's layers are its 'M' and '*' blocks in pattern order, numbered from 0 (as the preset).
+ModelSpec load_nemotron_h(const Fields& f, std::string_view origin) {
+  ModelSpec spec;
+  const std::optional<std::string> pattern = f.opt_string("hybrid_override_pattern");
+  if (!pattern) fail("{}: missing required field 'hybrid_override_pattern'", origin);
+  const int q_heads = positive(f, "num_attention_heads", origin);
+  const int kv_heads = f.opt_int("num_key_value_heads").value_or(q_heads);
+  int head_dim = 0;
+  if (auto hd = f.opt_int("attention_head_dim")) {
+    head_dim = *hd;
+  } else if (auto hd2 = f.opt_int("head_dim")) {
+    head_dim = *hd2;
+  } else {
+    head_dim = positive(f, "hidden_size", origin) / q_heads;
+  }
+  LinearSpec mamba;
+  mamba.num_v_heads = positive(f, "mamba_num_heads", origin);
+  mamba.head_v_dim = positive(f, "mamba_head_dim", origin);
+  mamba.d_state = positive(f, "ssm_state_size", origin);
+  mamba.n_groups = positive(f, "n_groups", origin);
+  mamba.conv_kernel = f.opt_int("conv_kernel").value_or(4);
+  mamba.chunk_size = f.opt_int("chunk_size").value_or(128);
+  for (size_t i = 0; i < pattern->size(); ++i) {
+    const char c = (*pattern)[i];
+    const int id = static_cast<int>(spec.layers.size());
+    if (c == 'M') {
+      spec.layers.push_back(linear_layer(id, LayerKind::mamba2, mamba));
+    } else if (c == '*') {
+      spec.layers.push_back(attention_layer(id, q_heads, kv_heads, head_dim));
+    } else if (c != '-' && c != 'E') {
+      fail("{}: hybrid_override_pattern[{}] is '{}'; blocks are 'M' (Mamba2), '*' (attention), "
+           "'-' (MLP) or 'E' (MoE)",
+           origin, i, c);
+    }
+  }
+  return spec;
+}
+
 }  // namespace
 
 ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origin) {
@@ -229,6 +461,21 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
   const bool gemma = family == Family::gemma2 || family == Family::gemma3;
   const Fields f(*loc.cfg, origin);
   const Fields top_fields(top, origin);
+
+  if (family == Family::mla || family == Family::qwen3_next || family == Family::kimi_linear ||
+      family == Family::nemotron_h) {
+    ModelSpec spec = family == Family::mla          ? load_mla_model(f, origin)
+                     : family == Family::qwen3_next ? load_qwen3_next(f, origin)
+                     : family == Family::kimi_linear ? load_kimi_linear(f, origin)
+                                                     : load_nemotron_h(f, origin);
+    fill_model_fields(spec, f, top_fields, origin);
+    try {
+      spec.validate();
+    } catch (const Error& e) {
+      fail("{}: {}", origin, e.what());
+    }
+    return spec;
+  }
 
   // transformers' Gemma2Config / Gemma3TextConfig defaults (published gemma configs omit some).
   const int num_layers =
@@ -270,6 +517,8 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
     hf_window = f.opt_int("sliding_window");
   } else if (family == Family::mistral) {
     hf_window = f.opt_int("sliding_window");
+  } else if (family == Family::gpt_oss) {
+    hf_window = f.present("sliding_window") ? f.opt_int("sliding_window") : std::optional<int>(128);
   } else {
     hf_window =
         f.present("sliding_window") ? f.opt_int("sliding_window") : std::optional<int>(4096);
@@ -296,27 +545,8 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
                origin, softcap);
 
   ModelSpec spec;
-  spec.name = top_fields.opt_string("_name_or_path").value_or(std::string(origin));
-  if (spec.name.empty()) spec.name = std::string(origin);
-  std::optional<std::string> dtype = f.opt_string("torch_dtype");
-  if (!dtype) dtype = f.opt_string("dtype");
-  if (!dtype) dtype = top_fields.opt_string("torch_dtype");
-  if (!dtype) dtype = top_fields.opt_string("dtype");
-  if (dtype) {
-    if (*dtype == "float32" || *dtype == "float16" || *dtype == "bfloat16") {
-      spec.dtype = parse_dtype(*dtype);
-    } else {
-      fail(
-          "{}: field 'torch_dtype' is \"{}\"; attnrt runs activations in float32, float16 or "
-          "bfloat16",
-          origin, *dtype);
-    }
-  }
-  if (auto ctx = f.opt_int("max_position_embeddings")) {
-    spec.max_context_len = *ctx;
-  } else if (family == Family::gemma2) {
-    spec.max_context_len = 8192;
-  }
+  fill_model_fields(spec, f, top_fields, origin);
+  if (!f.has("max_position_embeddings") && family == Family::gemma2) spec.max_context_len = 8192;
 
   for (int i = 0; i < num_layers; ++i) {
     LayerSpec l;
@@ -327,6 +557,7 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
     l.v_head_dim = head_dim;
     l.scaling = scaling;
     l.logit_cap = static_cast<float>(softcap);
+    l.has_sinks = family == Family::gpt_oss;  // a learned sink logit per head on every layer
     if (kinds[i] == AttnKind::sliding) {
       if (!hf_window) {
         fail("{}: layer {} uses sliding-window attention but 'sliding_window' is missing or null{}",

@@ -98,9 +98,16 @@ ModelSpec gemma3_12b() {
 ModelSpec deepseek_v3() {
   // deepseek-ai/DeepSeek-V3: num_hidden_layers 61 (every layer MLA), num_attention_heads 128,
   // kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128,
-  // max_position_embeddings 163840. The YaRN mscale factor on the scale is not applied.
+  // max_position_embeddings 163840; rope_scaling YaRN with factor 40 and mscale_all_dim 1, whose
+  // mscale = 0.1 * ln(40) + 1 enters the softmax scale squared (DeepSeek's reference code and
+  // transformers' yarn_apply_mscale): 192^-1/2 * mscale^2 = 0.13523.
   ModelSpec m = named("deepseek-v3", 163840);
-  for (int i = 0; i < 61; ++i) m.layers.push_back(mla(i, 128, 512, 64, 128));
+  const double mscale = 0.1 * std::log(40.0) + 1.0;
+  for (int i = 0; i < 61; ++i) {
+    LayerSpec l = mla(i, 128, 512, 64, 128);
+    l.scaling = static_cast<float>(l.scaling * mscale * mscale);
+    m.layers.push_back(l);
+  }
   return m;
 }
 

@@ -1,6 +1,10 @@
 #include <cstdio>
 #include <exception>
 
+#include <fmt/format.h>
+
+#include "attnrt/bench/report.h"
+#include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
 #include "tools/attnrt/commands.h"
 
@@ -9,6 +13,12 @@ int main(int argc, char** argv) {
       "attnrt: the attention layer of an LLM serving engine.\n"
       "Paged KV caches, every forward mode (prefill with cached prefix, decode, mixed, speculative\n"
       "verify, draft extend) and backends chosen per phase by name or from the hardware and model."};
+  app.set_version_flag(
+      "--version",
+      fmt::format("attnrt {} (commit {}, {})", ATTNRT_VERSION, attnrt::bench::build_commit(),
+                  attnrt::built_with_cuda() ? "CUDA kernels built in"
+                                            : "built without CUDA"),
+      "Print the version, the commit it was built from and whether CUDA kernels are in; exit");
   app.require_subcommand(1);
   app.fallthrough(false);
   attnrt::cli::add_info_command(app);
