@@ -23,6 +23,9 @@ request rows and KV slots come from the runtime's allocator (alloc_request, allo
 alloc_decode, write_req_to_token) and go back on reset(), crop() and close(). Layer i of the model is
 attnrt's layer_id i. Hybrid models: the Gated DeltaNet modules of the model run their conv and
 recurrence in `Runtime.forward_linear` when called with an AttnrtCache (the state lives in attnrt).
+MLA models (DeepSeek-V2/V3): transformers hands the cache the latent (kv_a_layernorm(c_kv) and the
+roped shared key); attnrt stores it as one row per token and attends in the absorbed form (the
+query's no-rope part through kv_b_proj's key half, the output through its value half).
 
 Each layer is checked once against the layer attnrt loaded (scaling, sliding window, soft-cap,
 sinks, heads): a disagreement raises ValueError naming the layer and both values.
@@ -65,17 +68,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     [B, Hq, S, D], key / value [B, Hkv, S, D] (this step's tokens only), attention_mask: what
     `query_padding_mask` returned. Returns ([B, S, Hq, Dv], None)."""
     cache = getattr(_last_update, "cache", None)
-    if cache is None or getattr(_last_update, "key", None) is not key:
+    # MLA modules (DeepSeek-V2/V3, Kimi) cache the latent and hand this function the K / V
+    # expanded from it, so for them the cache recognises the layer instead of the tensor.
+    latent = hasattr(module, "kv_b_proj")
+    if cache is None or (getattr(_last_update, "layer", None) != module.layer_idx if latent
+                         else getattr(_last_update, "key", None) is not key):
         raise ValueError(
             f"attn_implementation={NAME!r} (layer {getattr(module, 'layer_idx', '?')}): the model "
             "was called without an attnrt.hf.AttnrtCache; pass past_key_values=AttnrtCache(model) "
             "(attnrt keeps the KV cache, so use_cache must stay on)")
-    _last_update.cache = _last_update.key = None
+    stored = (_last_update.key, _last_update.value)  # MLA: the latent update() received
+    _last_update.cache = _last_update.key = _last_update.value = _last_update.layer = None
     if dropout and module.training:
         raise ValueError(f"attn_implementation={NAME!r}: dropout {dropout} in training mode; attnrt "
                          "serves inference (call model.eval())")
     return cache._attend(module, query, key, value, attention_mask, scaling, sliding_window,
-                         softcap, s_aux)
+                         softcap, s_aux, stored if latent else None)
 
 
 def query_padding_mask(*args, attention_mask=None, q_length=None, cache_position=None, **kwargs):
@@ -194,9 +202,11 @@ class AttnrtCache(Cache):
 
     # ---- transformers' Cache interface -------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Keeps nothing: K/V go to attnrt's pools in the attention function that follows."""
+        """Keeps nothing: K/V go to attnrt's pools in the attention function that follows (MLA
+        modules pass the latent here: kv_nope [B, 1, S, kv_lora_rank] and k_rot [B, 1, S, rope])."""
         _last_update.cache = self
-        _last_update.key = key_states
+        _last_update.key, _last_update.value = key_states, value_states
+        _last_update.layer = layer_idx
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0, *args) -> int:
@@ -400,7 +410,8 @@ class AttnrtCache(Cache):
         if len(step.done) == step.expected:
             self._end_step()
 
-    def _attend(self, module, query, key, value, mask, scaling, sliding_window, softcap, s_aux):
+    def _attend(self, module, query, key, value, mask, scaling, sliding_window, softcap, s_aux,
+                latent=None):
         rt = self.runtime
         layer_id = module.layer_idx
         batch, _, tokens, _ = query.shape
@@ -410,17 +421,41 @@ class AttnrtCache(Cache):
                          softcap, s_aux, rt)
             self._checked.add(layer_id)
         step = self._step_for(layer_id, mask, batch, tokens, query.device)
-        q, k, v = (_token_rows(x, step.index) for x in (query, key, value))
-        sinks = None
-        if info["has_sinks"]:
-            sinks = (s_aux if s_aux is not None else module.sinks).detach().float().contiguous()
-        out = rt.forward(layer_id, q, k, v, sinks=sinks)
+        if info["kind"] == "mla":
+            out = self._attend_latent(module, info, query, latent, step)
+        else:
+            q, k, v = (_token_rows(x, step.index) for x in (query, key, value))
+            sinks = None
+            if info["has_sinks"]:
+                sinks = (s_aux if s_aux is not None else module.sinks).detach().float().contiguous()
+            out = rt.forward(layer_id, q, k, v, sinks=sinks)
         self._finish_layer(step)
         if step.index is not None:
             full = out.new_zeros((batch * tokens,) + tuple(out.shape[1:]))
             full.index_copy_(0, step.index, out)
             out = full
         return out.view(batch, tokens, out.shape[-2], out.shape[-1]), None
+
+    def _attend_latent(self, module, info, query, latent, step):
+        """An MLA layer in the absorbed form attnrt serves (reference-semantics: MLA): the cache
+        holds one latent row per token, [kv_lora_rank | rope] (the compressed K/V after
+        kv_a_layernorm, and the roped shared key), and every head attends over it. kv_b_proj
+        splits per head into W_uk [nope, rank] and W_uv [v, rank]: q_nope . W_uk c = (W_uk^T
+        q_nope) . c, so the query is absorbed into the latent space, and the output is the
+        attention-weighted latent taken through W_uv. The expanded K / V transformers also made
+        are not read."""
+        rank, rope = info["kv_lora_rank"], info["qk_rope_head_dim"]
+        nope = module.qk_nope_head_dim
+        heads = query.shape[1]
+        w = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, rank)
+        w_uk, w_uv = w[:, :nope], w[:, nope:]
+        q = _token_rows(query, step.index)  # [T, H, nope + rope]
+        q_latent = torch.cat([torch.einsum("thn,hnr->thr", q[..., :nope], w_uk), q[..., nope:]],
+                             dim=-1).contiguous()
+        kv = _token_rows(torch.cat(latent, dim=-1), step.index)  # [B, 1, S, rank+rope] -> rows
+        # V is the latent part of the same row (the pool stores the row once and ignores v).
+        out = self.runtime.forward(module.layer_idx, q_latent, kv, kv[..., :rank])  # [T, H, rank]
+        return torch.einsum("thr,hvr->thv", out, w_uv)
 
     def _linear_forward(self, module, hidden_states, attention_mask):
         """A Gated DeltaNet module's forward with conv and recurrence in attnrt (the projections,
@@ -491,8 +526,13 @@ def _check_layer(layer_id, info, module, query, key, value, scaling, sliding_win
     sinks = s_aux is not None
     if info["has_sinks"] != sinks:
         fail("has_sinks", info["has_sinks"], f"s_aux={'a tensor' if sinks else None}")
-    shapes = {"num_q_heads": query.shape[1], "num_kv_heads": key.shape[1],
-              "head_dim": query.shape[-1], "v_head_dim": value.shape[-1]}
+    if info["kind"] == "mla":  # transformers' expanded form against attnrt's latent form
+        shapes = {"num_q_heads": query.shape[1],
+                  "kv_lora_rank": getattr(module, "kv_lora_rank", None),
+                  "qk_rope_head_dim": getattr(module, "qk_rope_head_dim", None)}
+    else:
+        shapes = {"num_q_heads": query.shape[1], "num_kv_heads": key.shape[1],
+                  "head_dim": query.shape[-1], "v_head_dim": value.shape[-1]}
     for name, theirs in shapes.items():
         if info[name] != theirs:
             fail(name, info[name], theirs)

@@ -60,9 +60,7 @@ BF16_REL = 0.10
 class Arch:
     config: str
     prompt_lens: tuple
-    preset: str = ""  # the attnrt preset that serves the architecture while the loader cannot
     hybrid: bool = False  # linear-attention layers (Gated DeltaNet) besides attention
-    why_unsupported: str = ""  # why attnrt cannot serve it from its config (then: xfail)
 
 
 ARCHS = {
@@ -72,19 +70,13 @@ ARCHS = {
     "mistral": Arch("mistral.json", (7, 23, 40)),
     "gemma2": Arch("gemma2.json", (7, 23, 40)),
     "gemma3": Arch("gemma3.json", (7, 23, 40)),
-    # window 128: prompts longer than it
-    "gpt-oss": Arch("gpt-oss.json", (130, 151, 137), why_unsupported=(
-        "attnrt's config loader does not read model_type gpt_oss, and a runtime's layers get "
-        "attention sinks only from a loader or a preset (none has gpt-oss)")),
-    "qwen3-next": Arch("qwen3-next.json", (5, 17, 11), preset="qwen3-next-80b", hybrid=True),
-    "deepseek-v3": Arch("deepseek-v3.json", (5, 17, 11), why_unsupported=(
-        "attnrt's config loader does not read model_type deepseek_v3 (its preset has 61 layers of "
-        "128 heads and no YaRN mscale in the scale); and transformers hands attention functions "
-        "MLA in the decompressed form (q / k of 192, v of 128 per head), while attnrt's MLA layers "
-        "take the absorbed latent form (576 / 512, one KV head): the absorption needs the latent "
-        "and kv_b_proj, which only the attention module's own forward has")),
+    # window 128 and sinks: prompts longer than the window
+    "gpt-oss": Arch("gpt-oss.json", (130, 151, 137)),
+    "qwen3-next": Arch("qwen3-next.json", (5, 17, 11), hybrid=True),
+    # MLA: transformers caches the latent, attnrt attends in the absorbed form
+    "deepseek-v3": Arch("deepseek-v3.json", (5, 17, 11)),
 }
-SERVED = ["llama3", "qwen2.5", "mistral", "gemma2", "gemma3", "gpt-oss", "qwen3-next"]
+SERVED = list(ARCHS)
 # The reference backend is the slow, exact one: two small cases (plain GQA; window + soft-cap).
 REFERENCE_CASES = [("llama3", 1), ("gemma2", 16)]
 
@@ -164,26 +156,16 @@ def runtime_options(device: str, backend: str, page_size: int, draft_tokens: int
 
 
 def attnrt_cache(name: str, model, **opts):
-    """AttnrtCache over a runtime from the model's config; for an architecture the loader cannot
-    read, its preset (the plug-in checks that every layer agrees), or an xfail with the reason."""
-    arch = ARCHS[name]
-    try:
-        return attnrt.hf.AttnrtCache(model, **opts)
-    except attnrt.Error as e:
-        if "not supported by the config loader" not in str(e):
-            raise
-        if not arch.preset:
-            pytest.xfail(f"{arch.why_unsupported} [{e}]")
-    if arch.hybrid:
+    """AttnrtCache over a runtime loaded from the model's own config (the plug-in checks that
+    every layer agrees with transformers')."""
+    if ARCHS[name].hybrid:
         opts["linear_attn_backend"] = opts["attention_backend"]
-    runtime = attnrt.Runtime(arch.preset, dtype=model.dtype, **opts)
-    return attnrt.hf.AttnrtCache(model, runtime=runtime)
+    return attnrt.hf.AttnrtCache(model, **opts)
 
 
 def close(cache) -> None:
     cache.close()
-    if not cache.runtime._rt.closed:  # a preset runtime the cache did not create
-        cache.runtime.close()
+    assert cache.runtime.closed
 
 
 def generate(model, ids, mask, cache=None):
@@ -257,9 +239,6 @@ def generation_cases():
             for name, page in REFERENCE_CASES:
                 cases.append(pytest.param(name, page, "reference", device,
                                           id=f"{name}-page{page}-reference-cpu"))
-    cases.append(pytest.param("deepseek-v3", 16, "cpu", "cpu", id="deepseek-v3-page16-cpu-cpu",
-                              marks=pytest.mark.xfail(reason=ARCHS["deepseek-v3"].why_unsupported,
-                                                      raises=ValueError, strict=True)))
     return cases
 
 
