@@ -32,7 +32,9 @@ fi
 if want examples; then
   t0=$(date +%s)
   { python3 examples/python/engine_step.py && \
-    python3 examples/python/serve.py --device cuda --cuda-graphs; } >"$out/examples.log" 2>&1
+    python3 examples/python/serve.py --device cuda --cuda-graphs --no-progress && \
+    python3 examples/python/serve.py --device cuda --model-preset llama3-8b --layers 8 \
+      --requests 256 --max-running 64 --cuda-graphs --no-progress; } >"$out/examples.log" 2>&1
   summary+=("examples rc=$? $(($(date +%s) - t0))s")
 fi
 if want overhead; then
