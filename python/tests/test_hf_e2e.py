@@ -268,8 +268,28 @@ def test_greedy_generation_matches_eager(name, page_size, backend, device, seed,
     if dtype == torch.float32:
         atol, tie = FP32_ATOL, FP32_TIE
     else:
-        atol = tie = BF16_REL * ref_logits.abs().max().item()
+        atol = tie = bf16_generation_bound(name, model, ids, mask, ref_tokens, ref_logits)
     assert_same_greedy(ref_tokens, ref_logits, tokens, logits, atol, tie)
+
+
+def bf16_generation_bound(name, model, ids, mask, ref_tokens, ref_logits) -> float:
+    """How far attnrt's bfloat16 logits may be from eager's bfloat16 ones along a generation:
+    both are off the float32 model, eager by what it measures here (teacher-forced along eager's
+    tokens, against eager float32), attnrt by at most BF16_VS_EAGER times that plus the slack, so
+    the two by at most their sum. Models whose bfloat16 error is large (gpt-oss: routing among
+    its experts flips under bfloat16 rounding; eager itself was off by 35% of the largest logit
+    there) get a bound that large; none gets less than BF16_REL of the largest logit."""
+    scale = ref_logits.abs().max().item()
+    fed = ref_tokens[:, -NEW_TOKENS:-1]
+    model.set_attn_implementation("eager")
+    eager16 = teacher_forced_logits(model, transformers.DynamicCache(config=model.config), ids,
+                                    mask, fed)
+    ref_model = model_for(name, torch.float32, model.device.type)
+    ref_model.set_attn_implementation("eager")
+    ref32 = teacher_forced_logits(ref_model, transformers.DynamicCache(config=ref_model.config),
+                                  ids, mask, fed)
+    eager_err = (eager16 - ref32).abs().max().item()
+    return max(BF16_REL * scale, (1 + BF16_VS_EAGER) * eager_err + BF16_SLACK * scale)
 
 
 def test_generate_helper_runs_attnrt_and_restores_eager(seed, eager_after):
