@@ -192,6 +192,14 @@ def cuda_calls(torch, F, q, k, v, mask, causal, kernels):
             mask_mod = None
         block_mask = (create_block_mask(mask_mod, None, None, n, kv_len, device=q.device)
                       if mask_mod is not None else None)
+        # Every row is a new shape, so a new specialization of the one compiled function; past
+        # dynamo's recompile limit (8) it falls back to the unfused implementation silently
+        # (scores materialised, 10-40x slower), which would make the later rows' anchor wrong.
+        import torch._dynamo
+
+        for limit in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 256))
         flex = torch.compile(flex_attention, dynamic=False)
         calls["flex"] = lambda: flex(q, k, v, block_mask=block_mask, enable_gqa=True)
     return calls
