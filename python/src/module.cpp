@@ -75,58 +75,6 @@ std::string dtype_text(nb::dlpack::dtype t) {
   return fmt::format("{}{}", code, t.bits);
 }
 
-// A tensor argument as a TensorView (no copy). `name` is the argument's name in messages.
-TensorView view_of(const Array& a, const char* name) {
-  const std::optional<DType> dt = dtype_of(a.dtype());
-  if (!dt) {
-    throw nb::type_error(fmt::format("{}: dtype {} is not supported; attnrt takes float32, float16, "
-                                     "bfloat16 (activations), int32 / int64 (indices) and uint8 "
-                                     "(fp8 bytes)",
-                                     name, dtype_text(a.dtype()))
-                             .c_str());
-  }
-  if (a.ndim() > static_cast<size_t>(kMaxDims)) {
-    throw nb::value_error(
-        fmt::format("{}: {} dimensions; at most {} are supported", name, a.ndim(), kMaxDims).c_str());
-  }
-  TensorView v;
-  v.data = const_cast<void*>(a.data());
-  v.dtype = *dt;
-  v.ndim = static_cast<int>(a.ndim());
-  for (int i = 0; i < v.ndim; ++i) {
-    v.shape[i] = static_cast<int64_t>(a.shape(i));
-    v.strides[i] = a.stride(i);
-  }
-  const int dev = a.device_type();
-  if (dev == kDLCPU || dev == kDLCUDAHost) {
-    v.device = Device::cpu();
-  } else if (dev == kDLCUDA || dev == kDLCUDAManaged) {
-    v.device = Device::cuda(a.device_id());
-  } else {
-    throw nb::value_error(
-        fmt::format("{}: the tensor is on DLPack device type {}; attnrt takes CPU and CUDA tensors",
-                    name, dev)
-            .c_str());
-  }
-  return v;
-}
-
-// An activation (q, k, v, out, linear inputs): a float tensor.
-TensorView activation_view(const Array& a, const char* name) {
-  TensorView v = view_of(a, name);
-  if (v.dtype != DType::f32 && v.dtype != DType::f16 && v.dtype != DType::bf16) {
-    throw nb::type_error(fmt::format("{}: dtype {} is not an activation dtype; q / k / v / out are "
-                                     "float32, float16 or bfloat16",
-                                     name, dtype_name(v.dtype))
-                             .c_str());
-  }
-  return v;
-}
-
-TensorView optional_view(const std::optional<Array>& a, const char* name) {
-  return a ? view_of(*a, name) : TensorView();
-}
-
 // ---- DLPack's C exchange API ---------------------------------------------------------------------
 // torch (>= 2.10) puts a table of C functions on its tensor type, `__dlpack_c_exchange_api__` (a
 // capsule named "dlpack_exchange_api", DLPack 1.2+): dltensor_from_py_object_no_sync fills a DLTensor
@@ -236,6 +184,37 @@ TensorView view_of(const XTensor& t, const char* name) {
   return v;
 }
 
+// An array nanobind imported (numpy, other DLPack producers) as a TensorView, no copy.
+TensorView view_of(const Array& a, const char* name) {
+  XTensor t{};
+  t.data = const_cast<void*>(a.data());
+  t.device = {a.device_type(), a.device_id()};
+  t.ndim = static_cast<int32_t>(a.ndim());
+  t.dtype = a.dtype();
+  t.shape = const_cast<int64_t*>(a.shape_ptr());
+  t.strides = const_cast<int64_t*>(a.stride_ptr());
+  return view_of(t, name);
+}
+
+TensorView optional_view(const std::optional<Array>& a, const char* name) {
+  return a ? view_of(*a, name) : TensorView();
+}
+
+// An activation (q, k, v, out, linear inputs): a float tensor.
+TensorView as_activation(TensorView v, const char* name) {
+  if (v.dtype != DType::f32 && v.dtype != DType::f16 && v.dtype != DType::bf16) {
+    throw nb::type_error(fmt::format("{}: dtype {} is not an activation dtype; q / k / v / out are "
+                                     "float32, float16 or bfloat16",
+                                     name, dtype_name(v.dtype))
+                             .c_str());
+  }
+  return v;
+}
+
+TensorView activation_view(const Array& a, const char* name) {
+  return as_activation(view_of(a, name), name);
+}
+
 // Any tensor argument: torch tensors through the exchange table, anything else DLPack or
 // buffer-protocol through nanobind. None gives an empty view.
 TensorView tensor_of(nb::handle h, const char* name) {
@@ -271,13 +250,7 @@ TensorView activation_of(nb::handle h, const char* name) {
   if (v.empty() && h.is_none()) {
     throw nb::type_error(fmt::format("{}: None; pass a tensor", name).c_str());
   }
-  if (v.dtype != DType::f32 && v.dtype != DType::f16 && v.dtype != DType::bf16) {
-    throw nb::type_error(fmt::format("{}: dtype {} is not an activation dtype; q / k / v / out are "
-                                     "float32, float16 or bfloat16",
-                                     name, dtype_name(v.dtype))
-                             .c_str());
-  }
-  return v;
+  return as_activation(v, name);
 }
 
 // [T, H*D] as [T, H, D] (the engine's flat layout); 3-D views pass unchanged.

@@ -549,12 +549,7 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
   if (!f.has("max_position_embeddings") && family == Family::gemma2) spec.max_context_len = 8192;
 
   for (int i = 0; i < num_layers; ++i) {
-    LayerSpec l;
-    l.layer_id = i;
-    l.num_q_heads = q_heads;
-    l.num_kv_heads = kv_heads;
-    l.head_dim = head_dim;
-    l.v_head_dim = head_dim;
+    LayerSpec l = attention_layer(i, q_heads, kv_heads, head_dim);
     l.scaling = scaling;
     l.logit_cap = static_cast<float>(softcap);
     l.has_sinks = family == Family::gpt_oss;  // a learned sink logit per head on every layer
