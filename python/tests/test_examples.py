@@ -21,16 +21,19 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CLI = os.path.join(ROOT, "python", "attnrt", "bin", "attnrt")
 
 pytest.importorskip("torch")
-pytest.importorskip("attnrt")
+attnrt = pytest.importorskip("attnrt")
+# The scripts run as subprocesses must import the attnrt this test imported (the installed
+# package, with its extension and CLI), not the source tree.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(attnrt.__file__)))
+CLI = os.path.join(os.path.dirname(os.path.abspath(attnrt.__file__)), "bin", "attnrt")
 
 
 def run(args, timeout=120):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [os.path.join(ROOT, "python")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        [PACKAGE_PARENT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     res = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=timeout)
