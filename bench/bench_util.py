@@ -50,9 +50,11 @@ def make_flush(torch, device, mode):
     return lambda: buf.add_(1)
 
 
-def time_calls(torch, call, device, warmup, repeats, flush):
+def time_calls(torch, call, device, warmup, repeats, flush, lead_us: float = 0):
     """Seconds per call, sorted: `warmup` untimed calls, then `repeats` timed ones, each after
-    `flush()` (make_flush: evicts the caches)."""
+    `flush()` (make_flush: evicts the caches). lead_us > 0 (GPU): a spin of that long is queued
+    after the flush, so the call's launch is issued while the GPU is still busy and the timed
+    region holds GPU time only (no wait for the host)."""
     cuda = device == "cuda"
     with torch.no_grad():
         for _ in range(warmup):
@@ -65,6 +67,8 @@ def time_calls(torch, call, device, warmup, repeats, flush):
         for _ in range(repeats):
             flush()
             if cuda:
+                if lead_us > 0:
+                    torch.cuda._sleep(int(lead_us * 2000))  # ~2 cycles per ns at H200 clocks
                 start.record()
                 call()
                 stop.record()

@@ -262,6 +262,9 @@ def make_flush(device):
     return cpu_flush(torch, "cpu", "write"), "write"
 
 
+LEAD_US = 0.0  # --gpu-lead-us
+
+
 def time_python(pr: PyRow, device, warmup, repeats, flush):
     pr.begin()
     try:
@@ -269,7 +272,7 @@ def time_python(pr: PyRow, device, warmup, repeats, flush):
         if device == "cuda":
             torch.cuda.synchronize()
         check = pr.check()
-        samples = time_calls(torch, pr.forward, device, warmup, repeats, flush)
+        samples = time_calls(torch, pr.forward, device, warmup, repeats, flush, LEAD_US)
     finally:
         pr.end()
     return samples, check
@@ -405,8 +408,13 @@ def main(argv=None) -> int:
                     help="seconds: FlexAttention is skipped once 60%% are spent, rows once all are "
                          "(gpu_python.sh allows 240)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--gpu-lead-us", type=float, default=0,
+                    help="queue a GPU spin of this long before each timed call's start event "
+                         "(separates host launch latency from GPU time; default 0, as the CLI)")
     ap.add_argument("--json", help="write the rows, the CLI's command and the ratios here")
     args = ap.parse_args(argv)
+    global LEAD_US
+    LEAD_US = args.gpu_lead_us
     t_start = time.perf_counter()
     if args.device is None:
         args.device = "cuda" if attnrt.cuda_status()[0] and torch.cuda.is_available() else "cpu"

@@ -223,7 +223,8 @@ TensorView tensor_of(nb::handle h, const char* name) {
   if (const XApi* api = exchange_api(Py_TYPE(o))) {
     XTensor t;
     if (api->dltensor_from_py_object_no_sync(o, &t) != 0) throw nb::python_error();
-    PyObject* grad = PyObject_GetAttrString(o, "requires_grad");
+    static PyObject* const requires_grad = PyUnicode_InternFromString("requires_grad");
+    PyObject* grad = PyObject_GetAttr(o, requires_grad);
     const bool needs_grad = grad == Py_True;
     Py_XDECREF(grad);
     if (grad == nullptr) PyErr_Clear();
