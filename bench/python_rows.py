@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The standard bench rows of WORKLOADS.md through attnrt's Python API, beside the CLI and torch.
+"""The standard bench rows of docs/workloads.md through attnrt's Python API, beside the CLI and torch.
 
 Per row, three measurements of the same shape in one process (the CLI as a subprocess first, so it
 has the GPU to itself):
@@ -27,7 +27,7 @@ median is reported. Before timing, the Python output is checked against a float3
 computation from the pool (sampled query rows, relative error <= 0.02 as the CLI's check).
 
 Reported per row: median ms, GB/s (decode and verify rows: bytes = B*L*Hkv*D*2*bytes per element)
-or TFLOP/s (prefill and extend: WORKLOADS.md's FLOPs), python / cli time (target: within 2%),
+or TFLOP/s (prefill and extend: docs/workloads.md's FLOPs), python / cli time (target: within 2%),
 torch time / python time (> 1: attnrt is faster), and for verify rows verify / decode time.
 
     python bench/python_rows.py --device cuda --cli python/attnrt/bin/attnrt --json rows.json
@@ -491,7 +491,7 @@ def main(argv=None) -> int:
                 pr.close()
                 del pr
             if row["kind"].startswith("verify"):
-                # The decode row it is compared with (WORKLOADS.md: time / decode B x P).
+                # The decode row it is compared with (docs/workloads.md: time / decode B x P).
                 dec = dict(row, kind="decode", new_tokens=1, prefix_len=row["prefix_len"] - 1,
                            name=name + "/decode", topk=1, tree_parents=None)
                 dp = PyRow(dec, args.device, threads, args.seed + 17)

@@ -2,7 +2,7 @@
 """The attnrt bench workloads through PyTorch's attention kernels, on the CPU or a CUDA GPU.
 
 Gives the other side of the side-by-side table (bench/compare.py). Row names, shapes and counting
-rules are those of `attnrt bench` (WORKLOADS.md). The best way to get identical shapes is to read
+rules are those of `attnrt bench` (docs/workloads.md). The best way to get identical shapes is to read
 them from an attnrt JSON report:
 
     build/attnrt bench --preset cpu-small --json attnrt.json

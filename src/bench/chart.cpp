@@ -161,7 +161,7 @@ std::string render_svg(const BenchResult& result, const RunInfo& info) {
                    "line is 100%. Decode only reads, so it may pass 100% of a read probe.</text>\n",
                    y);
   if (any_scaled) {
-    s << fmt::format("<text x=\"16\" y=\"{}\" fill=\"#444\">* scaled down from the WORKLOADS.md "
+    s << fmt::format("<text x=\"16\" y=\"{}\" fill=\"#444\">* scaled down from the docs/workloads.md "
                      "shape for this machine; the JSON and the table say how.</text>\n",
                      y + 18);
   }

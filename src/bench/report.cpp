@@ -402,7 +402,7 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
   }
   s << fmt::format("{}timing: median of {} repeats after {} warm-up calls{}; {}\n",
                    any_reference ? "" : "\n", r.repeats,
-                   r.warmup, r.repeats < 10 ? " (fewer than the 10 WORKLOADS.md asks for)" : "",
+                   r.warmup, r.repeats < 10 ? " (fewer than the 10 docs/workloads.md asks for)" : "",
                    r.timer_method);
   if (!r.plans.empty()) {
     s << "\nhost plan per step at batch 256 (each plan followed by its step, GPU drained outside "

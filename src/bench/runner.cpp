@@ -281,7 +281,7 @@ double rel_err(const uint16_t* got, const double* want, int n) {
 }
 
 // Attention of sampled query rows recomputed in float64 straight from the pool through the
-// req_to_token rows and the WORKLOADS.md masks, independently of any backend's plan.
+// req_to_token rows and the docs/workloads.md masks, independently of any backend's plan.
 CheckResult dense_check(const RowData& d, const HostBuffer& out, double max_work, double tol,
                         uint64_t seed) {
   const Workload& w = d.w;

@@ -1,4 +1,4 @@
-// attnrt bench: the standard workloads of WORKLOADS.md against the ceilings of this machine.
+// attnrt bench: the standard workloads of docs/workloads.md against the ceilings of this machine.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -157,14 +157,14 @@ void add_bench_command(CLI::App& app) {
   auto args = std::make_shared<BenchArgs>();
   auto* cmd = app.add_subcommand(
       "bench",
-      "Run the standard attention workloads (docs/bench.md, WORKLOADS.md), or with --suite "
+      "Run the standard attention workloads (docs/bench.md, docs/workloads.md), or with --suite "
       "linear the linear-attention layers, and report time, GB/s or FLOP/s, % of this "
       "machine's measured ceilings and the speed-up over reference");
   cmd->add_option("--backend,--attention-backend", args->backend,
                   "Backend to measure (registry name). Unset: the one auto-selection picks for "
                   "decode on this machine");
   cmd->add_option("--suite", args->suite,
-                  "Which rows: attention (the full-attention rows of WORKLOADS.md), linear (one "
+                  "Which rows: attention (the full-attention rows of docs/workloads.md), linear (one "
                   "GDN, KDA or Mamba2 layer: gdn-decode-64/256, mamba2-decode-64/256, "
                   "gdn-extend-8x8192, kda-extend-8x8192, mamba2-extend-8x8192/1x8192; "
                   "docs/bench.md) or all")

@@ -1,5 +1,5 @@
 // Machine ceilings measured in the same run as the workloads, so that "% of ceiling" compares a
-// kernel with what this machine can do right now (WORKLOADS.md "Ceilings").
+// kernel with what this machine can do right now (docs/workloads.md "Ceilings").
 //   CPU: multi-threaded streaming read (memory), register-resident FMA loop (fp32 compute) and, when
 //        the CPU has AVX512-BF16, a register-resident bf16 dot loop.
 //   GPU: device copy bandwidth (read + write) and bf16 GEMM rate. Those probes belong to the CUDA
@@ -38,7 +38,7 @@ struct Ceilings {
 
 struct CeilingOptions {
   int threads = 0;                     // 0 = ATTNRT_NUM_THREADS, else every hardware thread
-  size_t memory_bytes = size_t{1} << 30;  // streaming buffer (WORKLOADS.md asks for >= 1 GiB)
+  size_t memory_bytes = size_t{1} << 30;  // streaming buffer (docs/workloads.md asks for >= 1 GiB)
   int passes = 5;                      // best of this many passes for each probe
   double compute_seconds = 0.1;        // length of one compute-probe pass
 };

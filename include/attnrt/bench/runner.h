@@ -64,7 +64,7 @@ struct ReferenceResult {
 };
 
 struct RowResult {
-  Workload standard;  // the row as WORKLOADS.md defines it
+  Workload standard;  // the row as docs/workloads.md defines it
   Workload workload;  // what ran (scale_note says how it differs)
   std::string status = "ok";  // ok | mismatch | error
   std::string error;          // status error: the message

@@ -1,4 +1,4 @@
-// The standard benchmark workloads of WORKLOADS.md: their shapes, names, counting rules and the
+// The standard benchmark workloads of docs/workloads.md: their shapes, names, counting rules and the
 // ways to shrink them for small machines. One definition shared by `attnrt bench`, the tests and
 // (through the JSON rows) bench/torch_sdpa.py.
 #pragma once
@@ -46,7 +46,7 @@ struct Workload {
   bool operator==(const Workload&) const = default;
 };
 
-// The counting rules of WORKLOADS.md.
+// The counting rules of docs/workloads.md.
 // Decode: B*L*Hkv*D*2*bytes(kv). Verify rows count their prefix and drafts the same way (they read
 // the same pages); prefill and extend count the K/V they read once.
 double counted_bytes(const Workload& w);
@@ -64,7 +64,7 @@ std::vector<int32_t> verify_parents(const Workload& w);
 // Decode B x P: the row a verify row's time is divided by.
 Workload decode_companion(const Workload& verify);
 
-// Every row of WORKLOADS.md, in a fixed order (decode, decode page 1, decode fp8, prefill, extend,
+// Every row of docs/workloads.md, in a fixed order (decode, decode page 1, decode fp8, prefill, extend,
 // verify).
 std::vector<Workload> standard_workloads();
 
