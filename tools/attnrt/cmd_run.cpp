@@ -65,6 +65,10 @@ void run(const RunArgs& a) {
   }
 
   ProgressBar bar("run", !a.no_progress);
+  bar.set_long_run_hint(
+      "to shorten it: --layers N (fewer layers per step), --check-every N (a larger N checks fewer "
+      "steps on `reference`; 0 checks none) or a shorter --trace",
+      std::chrono::minutes(2));
   const sim::RunReport report =
       sim::run_trace(model, a.options, trace, config, [&](const sim::Progress& p) {
         const double rate = p.wall_seconds > 0 ? p.tokens / p.wall_seconds : 0;
@@ -190,7 +194,8 @@ void add_run_command(CLI::App& app) {
   cmd->add_flag(
       "--no-progress", args->no_progress,
       "No progress display on stderr (it is a bar on a terminal, a line every few seconds "
-      "otherwise)");
+      "otherwise, with the time elapsed and an estimate of the time left; when that exceeds 2 "
+      "minutes, a one-time hint names the options that shorten the run)");
   cmd->callback([args] { run(*args); });
 }
 
