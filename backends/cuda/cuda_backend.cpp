@@ -12,6 +12,7 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "backends/cuda/cuda_bench.h"
+#include "backends/cuda/cuda_device.h"
 #include "backends/cuda/cuda_kv_cache.h"
 #include "backends/cuda/cuda_linear_backend.h"
 #include "backends/cuda/kernels/attention_generic.h"
@@ -628,6 +629,7 @@ BackendEntry cuda_backend_entry() {
   e.name = "cuda";
   e.summary = "paged tensor-core attention for Hopper GPUs (split-KV decode, flash-style prefill)";
   e.caps.devices = {DeviceKind::cuda};
+  e.device = cuda_device_services();
   e.caps.page_sizes = {1, 8, 16, 32, 64, 128};
   e.caps.kv_dtypes = {DType::bf16, DType::f16, DType::e4m3, DType::e5m2};
   // Any head dim: tensor cores for 64 / 128 / 256 (v_head_dim == head_dim), the generic kernel

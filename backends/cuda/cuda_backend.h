@@ -64,8 +64,15 @@ class CudaBackend final : public AttentionBackend {
   struct PlanParts {
     double capture = 0, prepare = 0, staging = 0, write = 0, copy = 0;
   };
-  void set_plan_timing(bool on) { plan_timing_ = on; }
+  bool set_plan_timing(bool on) override {
+    plan_timing_ = on;
+    return true;
+  }
   const PlanParts& last_plan_parts() const { return plan_parts_; }
+  std::array<double, 5> plan_part_seconds() const override {
+    const PlanParts& p = plan_parts_;
+    return {p.capture, p.staging, p.prepare, p.write, p.copy};
+  }
 
  private:
   void build_plan(const ForwardBatch& batch, int padded_bs, bool graph);

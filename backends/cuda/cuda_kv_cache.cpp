@@ -98,6 +98,14 @@ void CudaKVCache::set_stream(cudaStream_t stream) {
   stream_ = stream;
 }
 
+void CudaKVCache::synchronize() { ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+void CudaKVCache::copy(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0) return;
+  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream_));
+  ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
 CudaKVCache::~CudaKVCache() {
   cudaStreamSynchronize(stream_);
   if (own_stream_ != nullptr) cudaStreamDestroy(own_stream_);

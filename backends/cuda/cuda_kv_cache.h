@@ -73,6 +73,11 @@ class CudaKVCache final : public KVCache {
   // Moves every later launch and copy to `stream`, which first waits for what the current stream
   // has queued (the pools' zeroing among it).
   void set_stream(cudaStream_t stream);
+  void* stream_handle() const override { return stream_; }
+  void set_stream_handle(void* stream) override { set_stream(static_cast<cudaStream_t>(stream)); }
+  void synchronize() override;
+  // cudaMemcpyDefault on the stream, synchronised.
+  void copy(void* dst, const void* src, size_t bytes) override;
   const int64_t* step_write_loc() const { return loc_.ptr<int64_t>(); }
   int64_t step_tokens() const { return step_tokens_; }
 
@@ -80,7 +85,7 @@ class CudaKVCache final : public KVCache {
   // tooling, mirroring a host cache): rows(layer_id) rows. For an SWA layer, copy_layer_from_host
   // also uploads the host full->SWA map (the rows copied are addressed through it). They
   // synchronise the stream.
-  void copy_layer_from_host(int layer_id, const void* k, const void* v);
+  void copy_layer_from_host(int layer_id, const void* k, const void* v) override;
   void copy_layer_to_host(int layer_id, void* k, void* v) const;
 
   // Moves K/V rows inside the pools: in every listed layer, full-pool slot dst takes the row slot
@@ -89,13 +94,14 @@ class CudaKVCache final : public KVCache {
   // tree paths compacted towards lower positions). Slots must lie in [1, rows); SWA layers move
   // the SWA rows the host map gives both slots, which must have one. Stream-ordered, never
   // synchronises.
-  void copy_rows(std::span<const int> layers, std::span<const std::pair<int64_t, int64_t>> moves);
+  void copy_rows(std::span<const int> layers,
+                 std::span<const std::pair<int64_t, int64_t>> moves) override;
   // Copies the rows `slots` (full-pool slots) of one layer into host memory: k and v point at row
   // 0 of host pools in the full slot space with this cache's row strides (a flat host copy of the
   // cache), and only the listed rows are written. SWA layers: row s receives the SWA row the host
   // map gives s; slots without an SWA slot (released by free_swa) are not written. Gathers on the
   // GPU, so the transfer is the rows' size; synchronises the stream.
-  void download_rows(int layer_id, std::span<const int64_t> slots, void* k, void* v);
+  void download_rows(int layer_id, std::span<const int64_t> slots, void* k, void* v) override;
 
  private:
   struct Layer {

@@ -5,16 +5,12 @@ namespace attnrt {
 
 void register_reference_backend(Registry& registry);
 void register_cpu_backend(Registry& registry);
-#ifdef ATTNRT_HAS_CUDA
 void register_cuda_backend(Registry& registry);
-#endif
 
 void register_builtin_backends(Registry& registry) {
   register_reference_backend(registry);
   register_cpu_backend(registry);
-#ifdef ATTNRT_HAS_CUDA
   register_cuda_backend(registry);
-#endif
 }
 
 }  // namespace attnrt

@@ -17,7 +17,20 @@ Registry& Registry::global() {
 
 void Registry::add(BackendEntry entry) {
   ATTNRT_CHECK(find(entry.name) == nullptr, "backend '{}' is registered twice", entry.name);
+  if (entry.device == nullptr) entry.device = host_device_services();
   entries_.push_back(std::move(entry));
+}
+
+void Registry::remove(const std::string& name) {
+  get(name);  // throws for an unknown name, listing the registered ones
+  std::erase_if(entries_, [&](const BackendEntry& e) { return e.name == name; });
+}
+
+const DeviceServices* Registry::device_services(DeviceKind kind) const {
+  for (const auto& e : entries_) {
+    if (e.device->kind() == kind) return e.device.get();
+  }
+  return nullptr;
 }
 
 const BackendEntry* Registry::find(const std::string& name) const {

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <tuple>
 
@@ -17,6 +18,65 @@ void KVCache::set_kv_scales(int layer_id, float, float) {
 
 void KVCache::bind_layer_storage(int layer_id, void*, void*) {
   fail("this KV cache cannot read an engine's own buffers (layer {})", layer_id);
+}
+
+void KVCache::copy(void* dst, const void* src, size_t bytes) {
+  ATTNRT_CHECK(device().kind == DeviceKind::cpu,
+               "this KV cache on {} does not copy device memory", device_name(device()));
+  if (bytes > 0) std::memmove(dst, src, bytes);
+}
+
+namespace {
+
+size_t row_bytes(const KVLayerView& view, int dim) {
+  return static_cast<size_t>(view.kv_heads) * dim * dtype_size(view.dtype);
+}
+
+void check_host_layer(const KVLayerView& view, int layer_id, const char* what) {
+  ATTNRT_CHECK(view.device.kind == DeviceKind::cpu, "{} needs a host KV cache; layer {} lives on {}",
+               what, layer_id, device_name(view.device));
+}
+
+}  // namespace
+
+void KVCache::copy_rows(std::span<const int> layers,
+                        std::span<const std::pair<int64_t, int64_t>> moves) {
+  for (int layer_id : layers) {
+    const KVLayerView view = layer(layer_id);
+    check_host_layer(view, layer_id, "moving accepted draft K/V rows");
+    const size_t elem = dtype_size(view.dtype);
+    const size_t k_bytes = row_bytes(view, view.head_dim);
+    const size_t v_bytes = row_bytes(view, view.v_head_dim);
+    auto row = [&](int64_t slot) {
+      const int64_t r = view.pool_slot(slot);
+      ATTNRT_CHECK(r > 0 && r < view.num_rows,
+                   "moving K/V rows in layer {}: full slot {} maps to row {}, outside [1, {})",
+                   layer_id, slot, r, view.num_rows);
+      return r;
+    };
+    for (const auto& [src, dst] : moves) {
+      const int64_t s = row(src), d = row(dst);
+      auto* k = static_cast<char*>(view.k);
+      auto* v = static_cast<char*>(view.v);
+      std::memmove(k + d * view.k_row_stride * elem, k + s * view.k_row_stride * elem, k_bytes);
+      if (v != k)
+        std::memmove(v + d * view.v_row_stride * elem, v + s * view.v_row_stride * elem, v_bytes);
+    }
+  }
+}
+
+void KVCache::copy_layer_from_host(int layer_id, const void* k, const void* v) {
+  const KVLayerView view = layer(layer_id);
+  check_host_layer(view, layer_id, "copy_layer_from_host");
+  const size_t elem = dtype_size(view.dtype);
+  std::memcpy(view.k, k, static_cast<size_t>(view.num_rows) * view.k_row_stride * elem);
+  if (view.v != view.k)
+    std::memcpy(view.v, v, static_cast<size_t>(view.num_rows) * view.v_row_stride * elem);
+}
+
+void KVCache::download_rows(int layer_id, std::span<const int64_t>, void*, void*) {
+  fail("download_rows(layer {}): the KV cache is on {}, which needs no host copy", layer_id,
+       device_name(device()));
 }
 
 StepSlotCheck::StepSlotCheck(const char* who, int64_t full_rows,

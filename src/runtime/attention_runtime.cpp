@@ -10,14 +10,6 @@
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
-#include "src/runtime/cuda_graph_runner.h"
-#if defined(ATTNRT_HAS_CUDA)
-#include <cuda_runtime_api.h>
-
-#include "backends/cuda/cuda_kv_cache.h"
-#include "backends/cuda/cuda_linear_state.h"
-#include "backends/cuda/cuda_util.h"
-#endif
 
 namespace attnrt {
 
@@ -71,31 +63,21 @@ bool caps_graphs(const std::string& backend) {
   return Registry::global().get(backend).caps.cuda_graphs;
 }
 
-KVStorage make_storage(DeviceKind device, const ModelSpec& model, const KVCacheConfig& config) {
-  if (device == DeviceKind::cpu) return make_host_kv_storage(model, config);
-#if defined(ATTNRT_HAS_CUDA)
-  return cuda::make_cuda_kv_storage(model, config);
-#else
-  fail(
-      "model '{}': the chosen backends run on CUDA only, but this build has no CUDA support; "
-      "choose a CPU backend (see `attnrt info`)",
-      model.name);
-#endif
-}
-
-// The linear state pool goes where the KV cache is (the device the chosen backends run on).
-std::unique_ptr<LinearStateMemory> make_linear_memory(const KVCache& kv, const ModelSpec& model) {
-  if (kv.device().kind == DeviceKind::cpu) return make_host_linear_state_memory();
-#if defined(ATTNRT_HAS_CUDA)
-  (void)model;
-  return cuda::make_cuda_linear_state_memory(&kv);
-#else
-  fail("model '{}': the KV cache is on {}, but this build has no CUDA support", model.name,
-       device_name(kv.device()));
-#endif
-}
-
 }  // namespace
+
+const DeviceServices& kv_pool_services(const Selection& s) {
+  const DeviceKind kind = kv_pool_device(s);
+  for (const std::string* name : {&s.decode, &s.prefill, &s.linear_decode, &s.linear_prefill}) {
+    if (name->empty()) continue;
+    const BackendEntry& e = Registry::global().get(*name);
+    if (e.device->kind() == kind) return *e.device;
+  }
+  const DeviceServices* services = Registry::global().device_services(kind);
+  ATTNRT_CHECK(services != nullptr,
+               "the chosen backends keep their pools on {}, which no registered backend serves",
+               kind == DeviceKind::cpu ? "the host" : "a CUDA device");
+  return *services;
+}
 
 DeviceKind kv_pool_device(const Selection& s) {
   bool cpu = true, cuda = true;
@@ -133,7 +115,8 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
   kv.page_size = options_.page_size;
   kv.dtype = selection_.kv_dtype;
   kv.max_num_tokens = config_.max_num_tokens;
-  KVStorage storage = make_storage(kv_pool_device(selection_), model_, kv);
+  device_ = &kv_pool_services(selection_);
+  KVStorage storage = device_->make_kv_storage(model_, kv);
   allocator_ = std::move(storage.allocator);
   kv_cache_ = std::move(storage.cache);
 
@@ -150,7 +133,7 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
       lc.num_draft_tokens = selection_.spec_num_draft_tokens;
     }
     linear_state_ =
-        std::make_unique<LinearStatePool>(model_, lc, make_linear_memory(*kv_cache_, model_));
+        std::make_unique<LinearStatePool>(model_, lc, device_->make_linear_state_memory(*kv_cache_));
   }
 
   BackendContext ctx;
@@ -384,13 +367,7 @@ GraphLayerIO AttentionRuntime::graph_io(int layer_id, int64_t tokens) {
   ATTNRT_CHECK(layer.uses_kv_cache() && !is_linear_kind(layer.kind),
                "graph_io: layer {} is a {} layer; graph steps hold attention layers only", layer_id,
                layer_kind_name(layer.kind));
-#if defined(ATTNRT_HAS_CUDA)
-  if (!graphs_) {
-    graphs_ =
-        make_cuda_graph_runner(model_, *backend_, *kv_cache_, graph_buckets_, graph_verify_tokens_);
-  }
-#endif
-  return graphs_->io(layer, tokens);
+  return graph_runner().io(layer, tokens);
 }
 
 void AttentionRuntime::forward_step_graph(const ForwardBatch& batch) {
@@ -405,18 +382,20 @@ void AttentionRuntime::forward_step_graph(const ForwardBatch& batch) {
   ATTNRT_CHECK(engine_graph_max_bs_ == 0,
                "forward_step_graph: this runtime serves graphs an engine captures itself "
                "(init_cuda_graph_state was called); replay them with begin_replay_step");
-#if defined(ATTNRT_HAS_CUDA)
-  if (!graphs_) {
-    graphs_ =
-        make_cuda_graph_runner(model_, *backend_, *kv_cache_, graph_buckets_, graph_verify_tokens_);
-  }
-#endif
-  graphs_->run(batch, bucket);
+  graph_runner().run(batch, bucket);
   last_mode_ = batch.mode;
   verify_committed_ = false;
 }
 
 int AttentionRuntime::cuda_graphs_captured() const { return graphs_ ? graphs_->captured() : 0; }
+
+StepGraphRunner& AttentionRuntime::graph_runner() {
+  if (!graphs_) {
+    graphs_ = device_->make_graph_runner(model_, *backend_, *kv_cache_, graph_buckets_,
+                                         graph_verify_tokens_);
+  }
+  return *graphs_;
+}
 
 void AttentionRuntime::init_cuda_graph_state(int max_bs, int max_num_tokens) {
   ATTNRT_CHECK(cuda_graphs_enabled(), "init_cuda_graph_state: CUDA graphs are off: {}",
@@ -500,33 +479,16 @@ void AttentionRuntime::begin_replay_step(const ForwardBatch& batch, int bs) {
   verify_committed_ = false;
 }
 
-void AttentionRuntime::synchronize() {
-#if defined(ATTNRT_HAS_CUDA)
-  if (auto* cache = dynamic_cast<cuda::CudaKVCache*>(kv_cache_.get())) {
-    ATTNRT_CUDA_CHECK(cudaStreamSynchronize(cache->stream()));
-  }
-#endif
-}
+void AttentionRuntime::synchronize() { kv_cache_->synchronize(); }
 
 void AttentionRuntime::set_stream(void* stream) {
-#if defined(ATTNRT_HAS_CUDA)
-  auto* cache = dynamic_cast<cuda::CudaKVCache*>(kv_cache_.get());
-  if (cache == nullptr || cache->stream() == static_cast<cudaStream_t>(stream)) return;
+  if (kv_cache_->device().kind == DeviceKind::cpu || kv_cache_->stream_handle() == stream) return;
   backend_->set_stream(stream);
   // Backends that do not hold the cache (linear ones read its stream) leave it to this call.
-  if (cache->stream() != static_cast<cudaStream_t>(stream))
-    cache->set_stream(static_cast<cudaStream_t>(stream));
-#else
-  (void)stream;
-#endif
+  if (kv_cache_->stream_handle() != stream) kv_cache_->set_stream_handle(stream);
 }
 
-void* AttentionRuntime::stream() const {
-#if defined(ATTNRT_HAS_CUDA)
-  if (auto* cache = dynamic_cast<cuda::CudaKVCache*>(kv_cache_.get())) return cache->stream();
-#endif
-  return nullptr;
-}
+void* AttentionRuntime::stream() const { return kv_cache_->stream_handle(); }
 
 void AttentionRuntime::copy_tensor(const TensorView& dst, const TensorView& src) {
   ATTNRT_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel() && dst.is_contiguous() &&
@@ -540,14 +502,7 @@ void AttentionRuntime::copy_tensor(const TensorView& dst, const TensorView& src)
     std::memmove(dst.data, src.data, bytes);
     return;
   }
-#if defined(ATTNRT_HAS_CUDA)
-  auto* cache = dynamic_cast<cuda::CudaKVCache*>(kv_cache_.get());
-  const cudaStream_t stream = cache != nullptr ? cache->stream() : nullptr;
-  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, bytes, cudaMemcpyDefault, stream));
-  ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream));
-#else
-  fail("copy_tensor: {} -> {} needs CUDA, and this build has none", src.describe(), dst.describe());
-#endif
+  kv_cache_->copy(dst.data, src.data, bytes);
 }
 
 }  // namespace attnrt

@@ -1,6 +1,7 @@
 // The backend contract (DESIGN.md "The backend contract", reference-semantics §3).
 #pragma once
 
+#include <array>
 #include <memory>
 #include <span>
 #include <string>
@@ -98,6 +99,15 @@ class AttentionBackend {
   // after what the old stream still has queued; an engine passes its framework's current stream.
   // Host backends ignore it.
   virtual void set_stream(void* stream) { (void)stream; }
+
+  // Per-phase host timing of the plan, for `attnrt bench`: turns it on or off and returns whether
+  // this backend keeps one. plan_part_seconds(): host seconds of the last plan's phases (capture
+  // query, staging acquire, prepare, write, copy); zeros where none is kept.
+  virtual bool set_plan_timing(bool on) {
+    (void)on;
+    return false;
+  }
+  virtual std::array<double, 5> plan_part_seconds() const { return {}; }
 
   const BackendContext& context() const { return ctx_; }
 

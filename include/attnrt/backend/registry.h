@@ -1,12 +1,14 @@
 // The backend registry: named factories with their capabilities; lazy creation.
 #pragma once
 
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "attnrt/backend/attention_backend.h"
+#include "attnrt/backend/device_services.h"
 #include "attnrt/core/dtype.h"
 #include "attnrt/model/model_spec.h"
 
@@ -42,23 +44,34 @@ struct BackendEntry {
   // caps.linear_kinds is not empty. A separate object so that a backend chosen for one role only
   // plans that role's work.
   std::function<std::unique_ptr<AttentionBackend>(const BackendContext&)> linear_factory;
+  // The services of the device the backend runs on: its pools, graphs and copies. Left empty, the
+  // host's (host_device_services()).
+  std::shared_ptr<const DeviceServices> device;
 };
 
 class Registry {
  public:
   static Registry& global();  // with the built-in backends registered
-  void add(BackendEntry entry);  // throws attnrt::Error on a duplicate name
+  // Throws attnrt::Error on a duplicate name. Entries keep their address for the registry's life.
+  void add(BackendEntry entry);
+  // Removes the entry `name` (one a test or a plug-in added); entries registered after it move.
+  // Throws attnrt::Error for a name that is not registered.
+  void remove(const std::string& name);
   const BackendEntry* find(const std::string& name) const;
   // Throws attnrt::Error naming the value and listing the registered names.
   const BackendEntry& get(const std::string& name) const;
   std::vector<std::string> names() const;
-  const std::vector<BackendEntry>& entries() const { return entries_; }
+  const std::deque<BackendEntry>& entries() const { return entries_; }
+  // The services of the first registered backend on `kind`; nullptr when none runs there (a build
+  // without CUDA has no cuda device).
+  const DeviceServices* device_services(DeviceKind kind) const;
 
  private:
-  std::vector<BackendEntry> entries_;
+  std::deque<BackendEntry> entries_;
 };
 
-// Registers reference, cpu (and cuda when built with it). Called once by Registry::global().
+// Registers reference, cpu and cuda (which registers nothing in a build without CUDA). Called once
+// by Registry::global().
 void register_builtin_backends(Registry& registry);
 
 }  // namespace attnrt

@@ -17,7 +17,8 @@ struct CudaDeviceInfo {
   int driver_version = 0, runtime_version = 0;
 };
 
-// Cached after the first call.
+// Cached after the first call. Answered by the services of the backends registered on the CUDA
+// device (src/backend/device_services.cpp): a build without CUDA has none.
 const CudaDeviceInfo& query_cuda();
 bool built_with_cuda();
 

@@ -73,6 +73,26 @@ class KVCache {
   // wrote (padded rows read them). Throws attnrt::Error for a layer in an SWA slot space (the
   // engine's slots would not be this cache's). The caller checks shapes (AttentionRuntime does).
   virtual void bind_layer_storage(int layer_id, void* k, void* v);
+
+  // The device side, for the layers above (the runtime, the tools) that do not know the device.
+  // A device cache orders its work, and its backends', on a stream: stream_handle() (nullptr on
+  // the host, and for the device's default stream); set_stream_handle moves it after what it has
+  // queued. synchronize() waits for that stream; copy() moves `bytes` between host or device
+  // buffers after it, complete on return.
+  virtual void* stream_handle() const { return nullptr; }
+  virtual void set_stream_handle(void* stream) { (void)stream; }
+  virtual void synchronize() {}
+  virtual void copy(void* dst, const void* src, size_t bytes);
+  // Copies every K/V row of `moves` (full-pool slot from -> to) in `layers`; every source is read
+  // before any destination is written. Throws attnrt::Error for a slot outside the pool.
+  virtual void copy_rows(std::span<const int> layers,
+                         std::span<const std::pair<int64_t, int64_t>> moves);
+  // Whole-layer upload of host memory laid out as layer(layer_id) (num_rows rows).
+  virtual void copy_layer_from_host(int layer_id, const void* k, const void* v);
+  // Copies the rows `slots` (full-pool slots) of one layer into host memory laid out as
+  // layer(layer_id) in the full slot space (a host mirror of a device pool). Throws attnrt::Error
+  // on the host, where the pool itself is host memory.
+  virtual void download_rows(int layer_id, std::span<const int64_t> slots, void* k, void* v);
 };
 
 // The per-layer storage of one slot space; the KV cache routes each layer to one of these.

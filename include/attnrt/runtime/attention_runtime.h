@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "attnrt/backend/attention_backend.h"
+#include "attnrt/backend/device_services.h"
 #include "attnrt/backend/options.h"
 #include "attnrt/backend/selection.h"
 #include "attnrt/batch/forward_batch.h"
@@ -55,20 +56,12 @@ struct RuntimeConfig {
   std::vector<int> cuda_graph_batch_sizes;
 };
 
-// The static GPU tensors one attention layer of a graph step reads and writes, at addresses that
-// never change: q [tokens, Hq, Dqk], k [tokens, Hkv, Dqk], v [tokens, Hkv, Dv], out
-// [tokens, Hq, Dv] in the model's dtype, and for layers with sinks the sink logits, fp32 [Hq] (a
-// weight: written once, read by every step). Rows are request-major as in ForwardBatch.
-struct GraphLayerIO {
-  TensorView q, k, v, out, sinks;
-};
-
 // The device a runtime with this selection keeps its pools on (KV caches, linear state): the host
 // when every chosen backend runs there, else a CUDA device (resolve_backends guarantees one common
 // device).
 DeviceKind kv_pool_device(const Selection& s);
-
-class CudaGraphRunner;
+// The services of that device: those of the chosen backends' registry entries.
+const DeviceServices& kv_pool_services(const Selection& s);
 
 class AttentionRuntime {
  public:
@@ -170,6 +163,7 @@ class AttentionRuntime {
  private:
   void check_step(const ForwardBatch& batch) const;
   std::string graph_unsupported(const ForwardBatch& batch) const;
+  StepGraphRunner& graph_runner();
 
   mutable StepLayout check_layout_;  // check_step's scratch, reused every step
   ModelSpec model_;
@@ -189,7 +183,8 @@ class AttentionRuntime {
   std::string graph_off_reason_;  // "" when CUDA graphs are on
   std::vector<int> graph_buckets_;
   int graph_verify_tokens_ = 0;  // N of TARGET_VERIFY graphs (0: no speculative decoding)
-  std::unique_ptr<CudaGraphRunner> graphs_;  // created at the first graph call
+  const DeviceServices* device_ = nullptr;  // where the pools live (kv_pool_services)
+  std::unique_ptr<StepGraphRunner> graphs_;  // created at the first graph call (graph_runner())
   // Engine-captured graphs: the limits given to init_cuda_graph_state (0: not initialised), the
   // placeholder batch forward() sees during a capture, and the padded write slots of a step.
   int engine_graph_max_bs_ = 0;

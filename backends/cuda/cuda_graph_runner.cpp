@@ -1,7 +1,5 @@
-#include "src/runtime/cuda_graph_runner.h"
-
-#if defined(ATTNRT_HAS_CUDA)
-
+// Capture and replay of whole attention steps as CUDA graphs (docs/cuda_graphs.md): the cuda
+// device's StepGraphRunner.
 #include <cuda_runtime_api.h>
 
 #include <map>
@@ -10,16 +8,18 @@
 
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/error.h"
+#include "attnrt/runtime/attention_runtime.h"
+#include "backends/cuda/cuda_device.h"
 #include "backends/cuda/cuda_kv_cache.h"
 #include "backends/cuda/cuda_util.h"
 
-namespace attnrt {
+namespace attnrt::cuda {
 
 namespace {
 
-class Runner final : public CudaGraphRunner {
+class Runner final : public StepGraphRunner {
  public:
-  Runner(const ModelSpec& model, AttentionBackend& backend, cuda::CudaKVCache& cache,
+  Runner(const ModelSpec& model, AttentionBackend& backend, CudaKVCache& cache,
          std::vector<int> buckets, int verify_tokens)
       : model_(model),
         backend_(backend),
@@ -72,7 +72,7 @@ class Runner final : public CudaGraphRunner {
 
  private:
   struct Buffers {
-    cuda::DeviceBuffer q, k, v, out, sinks;
+    DeviceBuffer q, k, v, out, sinks;
   };
   using Key = std::tuple<int, int, bool>;  // mode, bucket, tree
 
@@ -94,7 +94,7 @@ class Runner final : public CudaGraphRunner {
       Buffers& b = buffers_[l->layer_id];
       const int dv = l->v_head_dim > 0 ? l->v_head_dim : l->head_dim;
       const auto rows = static_cast<size_t>(max_tokens_);
-      const std::pair<cuda::DeviceBuffer*, size_t> parts[] = {
+      const std::pair<DeviceBuffer*, size_t> parts[] = {
           {&b.q, rows * l->num_q_heads * l->head_dim * act},
           {&b.k, rows * l->num_kv_heads * l->head_dim * act},
           {&b.v, rows * l->num_kv_heads * dv * act},
@@ -166,7 +166,7 @@ class Runner final : public CudaGraphRunner {
 
   const ModelSpec& model_;
   AttentionBackend& backend_;
-  cuda::CudaKVCache& cache_;
+  CudaKVCache& cache_;
   std::vector<int> buckets_;
   int verify_tokens_;
   int64_t max_tokens_ = 0;
@@ -179,17 +179,15 @@ class Runner final : public CudaGraphRunner {
 
 }  // namespace
 
-std::unique_ptr<CudaGraphRunner> make_cuda_graph_runner(const ModelSpec& model,
+std::unique_ptr<StepGraphRunner> make_cuda_graph_runner(const ModelSpec& model,
                                                         AttentionBackend& backend, KVCache& cache,
                                                         std::vector<int> buckets,
                                                         int verify_tokens) {
-  auto* device_cache = dynamic_cast<cuda::CudaKVCache*>(&cache);
+  auto* device_cache = dynamic_cast<CudaKVCache*>(&cache);
   ATTNRT_CHECK(device_cache != nullptr,
                "CUDA graphs need the KV cache on the GPU; this runtime's cache is on {}",
                device_name(cache.device()));
   return std::make_unique<Runner>(model, backend, *device_cache, std::move(buckets), verify_tokens);
 }
 
-}  // namespace attnrt
-
-#endif  // ATTNRT_HAS_CUDA
+}  // namespace attnrt::cuda
