@@ -7,14 +7,11 @@ namespace attnrt {
 
 namespace {
 
-bool spec_mode_is_decode(const BackendContext& ctx) {
+SpeculativeAttentionMode spec_mode(const BackendContext& ctx) {
   ATTNRT_CHECK(ctx.options != nullptr,
                "HybridAttnBackend needs the run's options (BackendContext::options is null): "
                "speculative_attention_mode decides where TARGET_VERIFY and DRAFT_EXTEND go");
-  const std::string& mode = ctx.options->speculative_attention_mode;
-  ATTNRT_CHECK(mode == "prefill" || mode == "decode",
-               "--speculative-attention-mode '{}' is not valid: use 'prefill' or 'decode'", mode);
-  return mode == "decode";
+  return parse_speculative_attention_mode(ctx.options->speculative_attention_mode);
 }
 
 }  // namespace
@@ -25,21 +22,15 @@ HybridAttnBackend::HybridAttnBackend(const BackendContext& ctx,
     : AttentionBackend(ctx),
       prefill_(std::move(prefill)),
       decode_(std::move(decode)),
-      spec_mode_is_decode_(spec_mode_is_decode(ctx)) {
+      spec_mode_(spec_mode(ctx)) {
   ATTNRT_CHECK(prefill_ != nullptr && decode_ != nullptr,
                "HybridAttnBackend needs both a prefill and a decode backend (got prefill {}, "
                "decode {})",
                prefill_ ? "set" : "null", decode_ ? "set" : "null");
 }
 
-// Mid-line table (reference-semantics §6.1): the speculative modes follow
-// speculative_attention_mode; DRAFT_EXTEND_V2 is a plain extend for routing purposes.
 AttentionBackend& HybridAttnBackend::select(ForwardMode mode) const {
-  if (is_decode_or_idle(mode)) return *decode_;
-  if (is_target_verify(mode) || is_draft_extend(mode)) {
-    return spec_mode_is_decode_ ? *decode_ : *prefill_;
-  }
-  return *prefill_;
+  return phase_for(mode, spec_mode_) == Phase::decode ? *decode_ : *prefill_;
 }
 
 void HybridAttnBackend::init_forward_metadata(const ForwardBatch& batch) {
@@ -65,7 +56,8 @@ void HybridAttnBackend::forward_extend(const AttnArgs& args, const LayerSpec& la
 // otherwise only DECODE/IDLE (and verify in decode mode) are captured, all on the decode backend.
 void HybridAttnBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
   decode_->init_cuda_graph_state(max_bs, max_num_tokens);
-  if (ctx_.options->speculative() && !spec_mode_is_decode_) {
+  if (ctx_.options->speculative() &&
+      phase_for(ForwardMode::TARGET_VERIFY, spec_mode_) == Phase::prefill) {
     prefill_->init_cuda_graph_state(max_bs, max_num_tokens);
   }
 }

@@ -24,7 +24,7 @@ HybridLinearAttnBackend::HybridLinearAttnBackend(const BackendContext& ctx,
     if (static_cast<size_t>(id) >= is_full_.size()) is_full_.resize(id + 1, 0);
     is_full_[id] = 1;
   }
-  spec_mode_is_decode_ = ctx.options->speculative_attention_mode == "decode";
+  spec_mode_ = parse_speculative_attention_mode(ctx.options->speculative_attention_mode);
 }
 
 bool HybridLinearAttnBackend::is_full_layer(int layer_id) const {
@@ -33,11 +33,7 @@ bool HybridLinearAttnBackend::is_full_layer(int layer_id) const {
 
 AttentionBackend& HybridLinearAttnBackend::linear_backend(ForwardMode mode) const {
   if (!linear_decode_) return *linear_prefill_;
-  if (is_decode_or_idle(mode)) return *linear_decode_;
-  if (is_target_verify(mode) || is_draft_extend(mode)) {
-    return spec_mode_is_decode_ ? *linear_decode_ : *linear_prefill_;
-  }
-  return *linear_prefill_;
+  return phase_for(mode, spec_mode_) == Phase::decode ? *linear_decode_ : *linear_prefill_;
 }
 
 void HybridLinearAttnBackend::check_full_layer(const LayerSpec& layer, const char* call) const {
@@ -88,7 +84,8 @@ void HybridLinearAttnBackend::update_state_after_verify(std::span<const int32_t>
 void HybridLinearAttnBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
   full_->init_cuda_graph_state(max_bs, max_num_tokens);
   linear_backend(ForwardMode::DECODE).init_cuda_graph_state(max_bs, max_num_tokens);
-  if (linear_decode_ && ctx_.options->speculative() && !spec_mode_is_decode_) {
+  if (linear_decode_ && ctx_.options->speculative() &&
+      phase_for(ForwardMode::TARGET_VERIFY, spec_mode_) == Phase::prefill) {
     linear_prefill_->init_cuda_graph_state(max_bs, max_num_tokens);
   }
 }

@@ -575,11 +575,7 @@ Selection resolve_backends(const Options& options, const ModelSpec& model,
 Selection resolve_backends(const Options& o, const ModelSpec& model, const Registry& registry,
                            const CudaDeviceInfo& cuda) {
   Selection sel;
-  ATTNRT_CHECK(
-      o.speculative_attention_mode == "prefill" || o.speculative_attention_mode == "decode",
-      "--speculative-attention-mode '{}' is not valid: use 'prefill' (verify and draft "
-      "extend run on the prefill backend) or 'decode' (they run on the decode backend)",
-      o.speculative_attention_mode);
+  sel.spec_mode = parse_speculative_attention_mode(o.speculative_attention_mode);
   ATTNRT_CHECK(o.page_size >= 1,
                "--page-size {} is not valid: use 1 (token granularity) or a larger page size",
                o.page_size);
@@ -591,7 +587,8 @@ Selection resolve_backends(const Options& o, const ModelSpec& model, const Regis
   std::vector<std::string> setup_reasons;
   sel.kv_dtype = resolve_kv_dtype(o, model, setup_reasons);
   std::tie(sel.spec_topk, sel.spec_num_draft_tokens) = resolve_speculative(o, setup_reasons);
-  const bool verify_on_decode = o.speculative_attention_mode == "decode";
+  const bool verify_on_decode =
+      phase_for(ForwardMode::TARGET_VERIFY, sel.spec_mode) == Phase::decode;
 
   Requirements base;
   base.page_size = o.page_size;
@@ -734,7 +731,21 @@ Selection resolve_backends(const Options& o, const ModelSpec& model, const Regis
             : std::string()));
   }
   sel.reasons.insert(sel.reasons.end(), setup_reasons.begin(), setup_reasons.end());
+  auto entry = [&](const std::string& name) { return name.empty() ? nullptr : &registry.get(name); };
+  sel.prefill_entry = entry(sel.prefill);
+  sel.decode_entry = entry(sel.decode);
+  sel.linear_prefill_entry = entry(sel.linear_prefill);
+  sel.linear_decode_entry = entry(sel.linear_decode);
   return sel;
+}
+
+std::vector<const BackendEntry*> Selection::entries() const {
+  std::vector<const BackendEntry*> out;
+  for (const BackendEntry* e : {prefill_entry, decode_entry, linear_prefill_entry,
+                                linear_decode_entry}) {
+    if (e != nullptr) out.push_back(e);
+  }
+  return out;
 }
 
 std::unique_ptr<AttentionBackend> create_backend(const Selection& selection,
@@ -749,11 +760,18 @@ std::unique_ptr<AttentionBackend> create_backend(const Selection& selection,
                "resolved selection names both or neither",
                selection.linear_prefill, selection.linear_decode);
   const bool linear = !selection.linear_prefill.empty();
+  // The selection's own entries when resolve_backends filled them, else the registry's.
+  auto resolved = [&](const std::string& name) -> const BackendEntry& {
+    for (const BackendEntry* e : selection.entries()) {
+      if (e->name == name) return *e;
+    }
+    return registry.get(name);
+  };
   // Every factory is checked before anything is created: construction may be expensive.
-  for (const std::string* name : {&selection.prefill, &selection.decode}) registry.get(*name);
+  for (const std::string* name : {&selection.prefill, &selection.decode}) resolved(*name);
   if (linear) {
     for (const std::string* name : {&selection.linear_prefill, &selection.linear_decode}) {
-      const BackendEntry& entry = registry.get(*name);
+      const BackendEntry& entry = resolved(*name);
       ATTNRT_CHECK(static_cast<bool>(entry.linear_factory),
                    "backend '{}' was chosen for the linear-attention layers but is registered "
                    "without a linear factory, so HybridLinearAttnBackend cannot route those "
@@ -762,7 +780,7 @@ std::unique_ptr<AttentionBackend> create_backend(const Selection& selection,
     }
   }
   auto make = [&](const std::string& name, bool for_linear) {
-    const BackendEntry& entry = registry.get(name);
+    const BackendEntry& entry = resolved(name);
     const auto& factory = for_linear ? entry.linear_factory : entry.factory;
     ATTNRT_CHECK(static_cast<bool>(factory), "backend '{}' is registered without a {}factory",
                  name, for_linear ? "linear " : "");

@@ -40,4 +40,16 @@ ForwardMode parse_forward_mode(std::string_view name) {
        "DRAFT_EXTEND, DRAFT_EXTEND_V2 (case-insensitive)", name);
 }
 
+std::string_view speculative_attention_mode_name(SpeculativeAttentionMode m) {
+  return m == SpeculativeAttentionMode::decode ? "decode" : "prefill";
+}
+
+SpeculativeAttentionMode parse_speculative_attention_mode(std::string_view name) {
+  if (name == "prefill") return SpeculativeAttentionMode::prefill;
+  if (name == "decode") return SpeculativeAttentionMode::decode;
+  fail("--speculative-attention-mode '{}' is not valid: use 'prefill' (verify and draft extend "
+       "run on the prefill backend) or 'decode' (they run on the decode backend)",
+       name);
+}
+
 }  // namespace attnrt

@@ -59,18 +59,26 @@ std::vector<int> default_graph_buckets(int max_bs) {
   return b;
 }
 
-bool caps_graphs(const std::string& backend) {
-  return Registry::global().get(backend).caps.cuda_graphs;
+}  // namespace
+
+namespace {
+
+// The entries of a selection: resolve_backends's, or the registry's for one filled by hand.
+std::vector<const BackendEntry*> chosen_entries(const Selection& s) {
+  if (s.prefill_entry != nullptr) return s.entries();
+  std::vector<const BackendEntry*> out;
+  for (const std::string* name : {&s.prefill, &s.decode, &s.linear_prefill, &s.linear_decode}) {
+    if (!name->empty()) out.push_back(&Registry::global().get(*name));
+  }
+  return out;
 }
 
 }  // namespace
 
 const DeviceServices& kv_pool_services(const Selection& s) {
   const DeviceKind kind = kv_pool_device(s);
-  for (const std::string* name : {&s.decode, &s.prefill, &s.linear_decode, &s.linear_prefill}) {
-    if (name->empty()) continue;
-    const BackendEntry& e = Registry::global().get(*name);
-    if (e.device->kind() == kind) return *e.device;
+  for (const BackendEntry* e : chosen_entries(s)) {
+    if (e->device->kind() == kind) return *e->device;
   }
   const DeviceServices* services = Registry::global().device_services(kind);
   ATTNRT_CHECK(services != nullptr,
@@ -81,9 +89,8 @@ const DeviceServices& kv_pool_services(const Selection& s) {
 
 DeviceKind kv_pool_device(const Selection& s) {
   bool cpu = true, cuda = true;
-  for (const std::string* name : {&s.prefill, &s.decode, &s.linear_prefill, &s.linear_decode}) {
-    if (name->empty()) continue;
-    const auto& devices = Registry::global().get(*name).caps.devices;
+  for (const BackendEntry* e : chosen_entries(s)) {
+    const auto& devices = e->caps.devices;
     cpu = cpu && std::find(devices.begin(), devices.end(), DeviceKind::cpu) != devices.end();
     cuda = cuda && std::find(devices.begin(), devices.end(), DeviceKind::cuda) != devices.end();
   }
@@ -146,8 +153,7 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
   backend_ = create_backend(selection_, ctx);
 
   // CUDA graphs: decided once, with the reason when they are off.
-  const std::string verify_backend =
-      options_.speculative_attention_mode == "decode" ? selection_.decode : selection_.prefill;
+  const std::string& verify_backend = selection_.backend_for(ForwardMode::TARGET_VERIFY);
   const int per_request = selection_.speculative() ? selection_.spec_num_draft_tokens : 1;
   if (!config_.cuda_graphs) {
     graph_off_reason_ = "RuntimeConfig::cuda_graphs is false";
@@ -156,10 +162,11 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
   } else if (kv_cache_->device().kind != DeviceKind::cuda) {
     graph_off_reason_ = fmt::format("the KV cache is on the host (backends '{}' / '{}')",
                                     selection_.prefill, selection_.decode);
-  } else if (!caps_graphs(selection_.decode)) {
+  } else if (!selection_.decode_entry->caps.cuda_graphs) {
     graph_off_reason_ =
         fmt::format("backend '{}' (DECODE) does not support CUDA graphs", selection_.decode);
-  } else if (selection_.speculative() && !caps_graphs(verify_backend)) {
+  } else if (selection_.speculative() &&
+             !selection_.entry_for(ForwardMode::TARGET_VERIFY)->caps.cuda_graphs) {
     graph_off_reason_ =
         fmt::format("backend '{}' (TARGET_VERIFY) does not support CUDA graphs", verify_backend);
   } else if (options_.deterministic) {

@@ -37,7 +37,7 @@ class HybridAttnBackend final : public AttentionBackend {
  private:
   std::unique_ptr<AttentionBackend> prefill_;
   std::unique_ptr<AttentionBackend> decode_;
-  bool spec_mode_is_decode_;
+  SpeculativeAttentionMode spec_mode_;
 };
 
 }  // namespace attnrt

@@ -54,7 +54,7 @@ class HybridLinearAttnBackend final : public AttentionBackend {
   std::unique_ptr<AttentionBackend> linear_prefill_;
   std::unique_ptr<AttentionBackend> linear_decode_;  // null: linear_prefill_ serves every mode
   std::vector<uint8_t> is_full_;                     // by layer id
-  bool spec_mode_is_decode_ = false;
+  SpeculativeAttentionMode spec_mode_ = SpeculativeAttentionMode::prefill;
 };
 
 }  // namespace attnrt

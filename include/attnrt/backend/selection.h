@@ -26,8 +26,24 @@ struct Selection {
   // --speculative-eagle-topk is unset, draft tokens num_steps + 1 for a chain when unset.
   int spec_topk = 0;
   int spec_num_draft_tokens = 0;
+  SpeculativeAttentionMode spec_mode = SpeculativeAttentionMode::prefill;
+  // The registry entries of the four names, resolved once by resolve_backends (nullptr for an
+  // empty name, and in a Selection filled by hand: create_backend then looks the names up).
+  const BackendEntry* prefill_entry = nullptr;
+  const BackendEntry* decode_entry = nullptr;
+  const BackendEntry* linear_prefill_entry = nullptr;
+  const BackendEntry* linear_decode_entry = nullptr;
   bool hybrid() const { return prefill != decode; }
   bool speculative() const { return spec_topk > 0; }
+  // The full-attention backend that serves a step of `mode` (phase_for).
+  const std::string& backend_for(ForwardMode mode) const {
+    return phase_for(mode, spec_mode) == Phase::decode ? decode : prefill;
+  }
+  const BackendEntry* entry_for(ForwardMode mode) const {
+    return phase_for(mode, spec_mode) == Phase::decode ? decode_entry : prefill_entry;
+  }
+  // The chosen entries, attention first; those not resolved are left out.
+  std::vector<const BackendEntry*> entries() const;
   std::vector<std::string> reasons;  // one line per choice: what was chosen and why
 };
 

@@ -44,4 +44,23 @@ constexpr bool is_cuda_graph(ForwardMode m) {
   return m == ForwardMode::DECODE || m == ForwardMode::TARGET_VERIFY || m == ForwardMode::IDLE;
 }
 
+// Where the speculative steps (TARGET_VERIFY, DRAFT_EXTEND) run: on the prefill or on the decode
+// backend (the engine's speculative_attention_mode, "prefill" by default).
+enum class SpeculativeAttentionMode : uint8_t { prefill, decode };
+std::string_view speculative_attention_mode_name(SpeculativeAttentionMode m);
+// "prefill" or "decode"; throws attnrt::Error naming the value and what each choice means.
+SpeculativeAttentionMode parse_speculative_attention_mode(std::string_view name);
+
+// The backend of a run that serves a step (reference-semantics §6.1): DECODE and IDLE go to the
+// decode backend, TARGET_VERIFY and DRAFT_EXTEND where the speculative mode says, everything else
+// (EXTEND, MIXED, DRAFT_EXTEND_V2) to the prefill backend. The one routing table: the hybrid
+// wrappers, the runtime and the selection's explanations all read it.
+enum class Phase : uint8_t { prefill, decode };
+constexpr Phase phase_for(ForwardMode m, SpeculativeAttentionMode spec) {
+  if (is_decode_or_idle(m)) return Phase::decode;
+  if (is_target_verify(m) || is_draft_extend(m))
+    return spec == SpeculativeAttentionMode::decode ? Phase::decode : Phase::prefill;
+  return Phase::prefill;
+}
+
 }  // namespace attnrt
