@@ -8,7 +8,7 @@ has the GPU to itself):
            the KV pool filled with random values, the requests' pages a random permutation of the
            pool (page 0 reserved), req_to_token written, begin_step(batch) once, then the timed
            call is rt.forward(0, q, k, v, out) (K/V stored at out_cache_loc, attention), exactly
-           what `attnrt bench` times (src/bench/runner.cpp: the plan runs once before timing, the
+           what `attnrt bench` times (bench/harness/runner.cpp: the plan runs once before timing, the
            timed region is one backend forward of the layer). The step is ended after timing.
   cli      `attnrt bench --backend cuda|cpu --workload ROWS --json` (--cli), same shapes (this
            script takes the shapes, the verify tree and the decode companion of verify rows from
@@ -245,7 +245,7 @@ class PyRow:
 
 
 def make_flush(device):
-    """The CLI's flush (src/bench/timing.cpp, backends/cuda/cuda_bench.cpp) on torch's stream."""
+    """The CLI's flush (bench/harness/timing.cpp, bench/harness/cuda_bench.cpp) on torch's stream."""
     if device == "cuda":
         l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
         buf = torch.zeros(max(256 << 20, 4 * l2), dtype=torch.uint8, device="cuda")

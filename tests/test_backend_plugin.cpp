@@ -14,7 +14,7 @@
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/error.h"
 #include "attnrt/runtime/attention_runtime.h"
-#include "attnrt/testing/conformance.h"
+#include "tests/conformance/conformance.h"
 
 using namespace attnrt;
 

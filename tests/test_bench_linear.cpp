@@ -6,11 +6,11 @@
 
 #include <nlohmann/json.hpp>
 
-#include "attnrt/bench/linear_workload.h"
-#include "attnrt/bench/report.h"
-#include "attnrt/bench/runner.h"
 #include "attnrt/core/error.h"
 #include "attnrt/model/model_spec.h"
+#include "bench/harness/linear_workload.h"
+#include "bench/harness/report.h"
+#include "bench/harness/runner.h"
 #include "tests/test_util.h"
 
 using namespace attnrt;

@@ -8,12 +8,12 @@
 #include <string>
 #include <vector>
 
-#include "attnrt/bench/ceilings.h"
-#include "attnrt/bench/chart.h"
-#include "attnrt/bench/report.h"
-#include "attnrt/bench/timing.h"
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
+#include "bench/harness/ceilings.h"
+#include "bench/harness/chart.h"
+#include "bench/harness/report.h"
+#include "bench/harness/timing.h"
 
 using namespace attnrt;
 using namespace attnrt::bench;

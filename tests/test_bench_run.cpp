@@ -4,11 +4,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "attnrt/bench/chart.h"
-#include "attnrt/bench/report.h"
-#include "attnrt/bench/runner.h"
 #include "attnrt/memory/kv_cache.h"
 #include "backends/reference/reference_backend.h"
+#include "bench/harness/chart.h"
+#include "bench/harness/report.h"
+#include "bench/harness/runner.h"
 
 using namespace attnrt;
 using namespace attnrt::bench;

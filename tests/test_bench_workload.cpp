@@ -6,8 +6,8 @@
 #include <string>
 
 #include "attnrt/batch/forward_batch.h"
-#include "attnrt/bench/workload.h"
 #include "attnrt/core/error.h"
+#include "bench/harness/workload.h"
 
 using namespace attnrt;
 using namespace attnrt::bench;

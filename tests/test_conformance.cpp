@@ -16,7 +16,7 @@
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
-#include "attnrt/testing/conformance.h"
+#include "tests/conformance/conformance.h"
 
 using namespace attnrt;
 using namespace attnrt::conformance;

@@ -21,9 +21,9 @@
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
-#include "attnrt/testing/conformance.h"
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/kernels/attention_kernels.h"
+#include "tests/conformance/conformance.h"
 
 using namespace attnrt;
 using namespace attnrt::conformance;

@@ -15,9 +15,9 @@
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/device.h"
 #include "attnrt/memory/kv_cache.h"
-#include "attnrt/sim/driver.h"
-#include "attnrt/sim/trace.h"
-#include "attnrt/testing/conformance.h"
+#include "tests/conformance/conformance.h"
+#include "tools/sim/driver.h"
+#include "tools/sim/trace.h"
 
 #include "tests/test_cuda_util.h"
 

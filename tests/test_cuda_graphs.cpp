@@ -20,17 +20,17 @@
 
 #include "attnrt/backend/options.h"
 #include "attnrt/batch/forward_batch.h"
-#include "attnrt/bench/runner.h"
-#include "attnrt/bench/workload.h"
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
-#include "attnrt/io/case_file.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/runtime/attention_runtime.h"
-#include "attnrt/sim/driver.h"
-#include "attnrt/sim/scheduler.h"
-#include "attnrt/sim/trace.h"
 #include "backends/reference/reference_backend.h"
+#include "bench/harness/runner.h"
+#include "bench/harness/workload.h"
+#include "tools/io/case_file.h"
+#include "tools/sim/driver.h"
+#include "tools/sim/scheduler.h"
+#include "tools/sim/trace.h"
 
 #include "tests/test_cuda_util.h"
 #include "tests/test_util.h"
@@ -38,10 +38,10 @@
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
 
-#include "backends/cuda/cuda_bench.h"
 #include "backends/cuda/cuda_kv_cache.h"
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/kernels/l2_evict.h"
+#include "bench/harness/cuda_bench.h"
 #endif
 
 namespace attnrt {

@@ -33,8 +33,8 @@
 #include "attnrt/core/dtype.h"
 #include "attnrt/memory/linear_state_pool.h"
 #include "attnrt/runtime/attention_runtime.h"
-#include "attnrt/sim/scheduler.h"
-#include "attnrt/sim/trace.h"
+#include "tools/sim/scheduler.h"
+#include "tools/sim/trace.h"
 
 #include "tests/test_cuda_util.h"
 

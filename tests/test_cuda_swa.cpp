@@ -21,8 +21,8 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/token_allocator.h"
 #include "attnrt/runtime/attention_runtime.h"
-#include "attnrt/sim/scheduler.h"
 #include "backends/reference/reference_backend.h"
+#include "tools/sim/scheduler.h"
 
 #include "tests/test_cuda_util.h"
 #include "tests/test_util.h"

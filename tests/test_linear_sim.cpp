@@ -6,8 +6,8 @@
 
 #include <nlohmann/json.hpp>
 
-#include "attnrt/sim/driver.h"
 #include "test_linear_util.h"
+#include "tools/sim/driver.h"
 
 using namespace attnrt;
 using namespace attnrt::sim;

@@ -7,7 +7,7 @@
 #include <random>
 
 #include "attnrt/core/error.h"
-#include "attnrt/io/npy.h"
+#include "tools/io/npy.h"
 
 using namespace attnrt;
 

@@ -16,8 +16,8 @@
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
-#include "attnrt/testing/conformance.h"
 #include "backends/reference/reference_backend.h"
+#include "tests/conformance/conformance.h"
 
 using namespace attnrt;
 using namespace attnrt::conformance;

@@ -14,9 +14,9 @@
 
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
-#include "attnrt/io/case_file.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
+#include "tools/io/case_file.h"
 
 using namespace attnrt;
 

@@ -22,10 +22,10 @@
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/memory/token_allocator.h"
 #include "attnrt/model/model_spec.h"
-#include "attnrt/sim/driver.h"
-#include "attnrt/sim/scheduler.h"
-#include "attnrt/sim/trace.h"
 #include "tests/test_util.h"
+#include "tools/sim/driver.h"
+#include "tools/sim/scheduler.h"
+#include "tools/sim/trace.h"
 
 namespace attnrt::sim {
 namespace {

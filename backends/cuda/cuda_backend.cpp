@@ -11,7 +11,6 @@
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
-#include "backends/cuda/cuda_bench.h"
 #include "backends/cuda/cuda_device.h"
 #include "backends/cuda/cuda_kv_cache.h"
 #include "backends/cuda/cuda_linear_backend.h"
@@ -667,6 +666,5 @@ BackendEntry cuda_backend_entry() {
 namespace attnrt {
 void register_cuda_backend(Registry& registry) {
   registry.add(cuda::cuda_backend_entry());
-  cuda::register_cuda_bench_probes();
 }
 }  // namespace attnrt

@@ -8,12 +8,12 @@
 #include <vector>
 
 #include "attnrt/backend/registry.h"
-#include "attnrt/bench/chart.h"
-#include "attnrt/bench/linear_workload.h"
-#include "attnrt/bench/report.h"
-#include "attnrt/bench/runner.h"
-#include "attnrt/bench/workload.h"
 #include "attnrt/core/error.h"
+#include "bench/harness/chart.h"
+#include "bench/harness/linear_workload.h"
+#include "bench/harness/report.h"
+#include "bench/harness/runner.h"
+#include "bench/harness/workload.h"
 #include "tools/attnrt/commands.h"
 
 namespace attnrt::cli {

@@ -9,7 +9,7 @@
 
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
-#include "attnrt/testing/conformance.h"
+#include "tests/conformance/conformance.h"
 #include "tools/attnrt/commands.h"
 #include "tools/attnrt/progress.h"
 

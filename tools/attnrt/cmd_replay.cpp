@@ -8,8 +8,8 @@
 #include <optional>
 
 #include "attnrt/core/error.h"
-#include "attnrt/io/case_file.h"
 #include "tools/attnrt/commands.h"
+#include "tools/io/case_file.h"
 
 namespace attnrt::cli {
 

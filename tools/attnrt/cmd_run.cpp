@@ -9,11 +9,11 @@
 
 #include "attnrt/core/error.h"
 #include "attnrt/model/model_spec.h"
-#include "attnrt/sim/driver.h"
-#include "attnrt/sim/trace.h"
 #include "tools/attnrt/cli_options.h"
 #include "tools/attnrt/commands.h"
 #include "tools/attnrt/progress.h"
+#include "tools/sim/driver.h"
+#include "tools/sim/trace.h"
 
 namespace attnrt::cli {
 

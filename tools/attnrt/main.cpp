@@ -3,9 +3,9 @@
 
 #include <fmt/format.h>
 
-#include "attnrt/bench/report.h"
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
+#include "bench/harness/report.h"
 #include "tools/attnrt/commands.h"
 
 int main(int argc, char** argv) {

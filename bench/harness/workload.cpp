@@ -1,0 +1,277 @@
+#include "bench/harness/workload.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "attnrt/core/error.h"
+#include "bench/harness/select.h"
+
+namespace attnrt::bench {
+
+namespace {
+
+// Scaled lengths stay multiples of the standard page so that page-16 and page-1 variants of a row
+// keep identical token counts.
+constexpr int kLengthQuantum = 16;
+
+int round_length(double len) {
+  int q = static_cast<int>(std::lround(len / kLengthQuantum)) * kLengthQuantum;
+  return std::max(q, kLengthQuantum);
+}
+
+Workload decode(int batch, int kv_len, int page_size, DType dtype) {
+  Workload w;
+  w.kind = WorkloadKind::decode;
+  w.batch = batch;
+  w.prefix_len = kv_len - 1;
+  w.new_tokens = 1;
+  w.page_size = page_size;
+  w.kv_dtype = dtype;
+  w.name = fmt::format("decode-{}x{}", batch, kv_len);
+  if (page_size != 16) w.name += fmt::format("-p{}", page_size);
+  if (dtype == DType::e4m3) w.name += "-fp8";
+  return w;
+}
+
+Workload prefill(int batch, int len, int head_dim) {
+  Workload w;
+  w.kind = WorkloadKind::prefill;
+  w.batch = batch;
+  w.prefix_len = 0;
+  w.new_tokens = len;
+  w.head_dim = head_dim;
+  w.name = fmt::format("prefill-{}x{}", batch, len);
+  if (head_dim != 128) w.name += fmt::format("-d{}", head_dim);
+  return w;
+}
+
+Workload extend(int batch, int prefix, int ext) {
+  Workload w;
+  w.kind = WorkloadKind::extend;
+  w.batch = batch;
+  w.prefix_len = prefix;
+  w.new_tokens = ext;
+  w.name = fmt::format("extend-{}x{}+{}", batch, prefix, ext);
+  return w;
+}
+
+Workload verify(int batch, int prefix, int drafts, int topk) {
+  Workload w;
+  w.kind = topk > 1 ? WorkloadKind::verify_tree : WorkloadKind::verify_chain;
+  w.batch = batch;
+  w.prefix_len = prefix;
+  w.new_tokens = drafts;
+  w.topk = topk;
+  w.name = topk > 1 ? fmt::format("verify-tree-{}x{}+{}-topk{}", batch, prefix, drafts, topk)
+                    : fmt::format("verify-chain-{}x{}+{}", batch, prefix, drafts);
+  return w;
+}
+
+// Number of (query, key) pairs a request's queries see: the prefix in full, plus the mask among the
+// new tokens (causal triangle, or ancestors-or-self in a tree).
+double visible_pairs_per_request(const Workload& w) {
+  const double p = w.prefix_len, n = w.new_tokens;
+  if (w.kind == WorkloadKind::verify_tree) {
+    std::vector<int32_t> parent = verify_parents(w);
+    double inner = 0;
+    for (int t = 0; t < w.new_tokens; ++t) {
+      for (int u = t; u >= 0; u = parent[u]) inner += 1;
+    }
+    return n * p + inner;
+  }
+  return n * p + n * (n + 1) / 2;
+}
+
+std::string format_factor(double f) { return fmt::format("{:g}", f); }
+
+}  // namespace
+
+std::string_view workload_kind_name(WorkloadKind k) {
+  switch (k) {
+    case WorkloadKind::decode: return "decode";
+    case WorkloadKind::prefill: return "prefill";
+    case WorkloadKind::extend: return "extend";
+    case WorkloadKind::verify_chain: return "verify-chain";
+    case WorkloadKind::verify_tree: return "verify-tree";
+  }
+  return "?";
+}
+
+bool is_verify(WorkloadKind k) {
+  return k == WorkloadKind::verify_chain || k == WorkloadKind::verify_tree;
+}
+
+Bound Workload::bound() const {
+  return (kind == WorkloadKind::prefill || kind == WorkloadKind::extend) ? Bound::compute
+                                                                         : Bound::memory;
+}
+
+std::string Workload::shape() const {
+  std::string s;
+  switch (kind) {
+    case WorkloadKind::decode: s = fmt::format("{}x{}", batch, kv_len()); break;
+    case WorkloadKind::prefill: s = fmt::format("{}x{}", batch, new_tokens); break;
+    case WorkloadKind::extend:
+    case WorkloadKind::verify_chain:
+      s = fmt::format("{}x({}+{})", batch, prefix_len, new_tokens);
+      break;
+    case WorkloadKind::verify_tree:
+      s = fmt::format("{}x({}+{}, topk {})", batch, prefix_len, new_tokens, topk);
+      break;
+  }
+  if (head_dim != 128) s += fmt::format(" d{}", head_dim);
+  if (page_size != 16) s += fmt::format(" page {}", page_size);
+  if (kv_dtype != DType::bf16) s += fmt::format(" {}", dtype_name(kv_dtype));
+  return s;
+}
+
+double counted_bytes(const Workload& w) {
+  return static_cast<double>(w.batch) * w.kv_len() * w.kv_heads * w.head_dim * 2.0 *
+         static_cast<double>(dtype_size(w.kv_dtype));
+}
+
+double counted_flops(const Workload& w) {
+  const double per_pair = 4.0 * w.q_heads * w.head_dim;
+  const double s = w.new_tokens, p = w.prefix_len;
+  switch (w.kind) {
+    case WorkloadKind::prefill: return w.batch * per_pair * s * s / 2;
+    case WorkloadKind::extend: return w.batch * per_pair * (s * p + s * s / 2);
+    default: return attention_work(w);
+  }
+}
+
+double attention_work(const Workload& w) {
+  return static_cast<double>(w.batch) * 4.0 * w.q_heads * w.head_dim *
+         visible_pairs_per_request(w);
+}
+
+std::vector<int32_t> verify_parents(const Workload& w) {
+  const int n = w.new_tokens;
+  std::vector<int32_t> parent(n, -1);
+  if (w.topk <= 1) {
+    for (int t = 1; t < n; ++t) parent[t] = t - 1;
+    return parent;
+  }
+  // Level 1 hangs off the root; each later level keeps `topk` tokens whose parents are drawn from
+  // the level above, as an EAGLE draft does when it keeps the top-k expansions of every step.
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  int level_begin = 0, level_end = 1;  // [begin, end) of the level above
+  for (int t = 1; t < n;) {
+    int next_end = std::min(n, t + w.topk);
+    for (int u = t; u < next_end; ++u) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      parent[u] = level_begin + static_cast<int>((state >> 33) % (level_end - level_begin));
+    }
+    std::sort(parent.begin() + t, parent.begin() + next_end);
+    level_begin = t;
+    level_end = next_end;
+    t = next_end;
+  }
+  return parent;
+}
+
+Workload decode_companion(const Workload& v) {
+  Workload d = decode(v.batch, v.prefix_len, v.page_size, v.kv_dtype);
+  d.q_heads = v.q_heads;
+  d.kv_heads = v.kv_heads;
+  d.head_dim = v.head_dim;
+  d.scale_note = v.scale_note;
+  return d;
+}
+
+std::vector<Workload> standard_workloads() {
+  const std::pair<int, int> decode_set[] = {{1, 32768},  {16, 4096},  {64, 4096},
+                                            {128, 8192}, {256, 2048}, {32, 32768}};
+  std::vector<Workload> rows;
+  for (auto [b, l] : decode_set) rows.push_back(decode(b, l, 16, DType::bf16));
+  for (auto [b, l] : decode_set) rows.push_back(decode(b, l, 1, DType::bf16));
+  for (auto [b, l] : decode_set) rows.push_back(decode(b, l, 16, DType::e4m3));
+  rows.push_back(prefill(1, 1024, 128));
+  rows.push_back(prefill(1, 4096, 128));
+  rows.push_back(prefill(1, 16384, 128));
+  rows.push_back(prefill(8, 2048, 128));
+  rows.push_back(prefill(1, 8192, 64));
+  rows.push_back(prefill(1, 8192, 256));
+  rows.push_back(extend(8, 2048, 512));
+  rows.push_back(verify(64, 4096, 8, 1));
+  rows.push_back(verify(64, 4096, 16, 4));
+  return rows;
+}
+
+std::vector<Workload> select_workloads(std::string_view selector) {
+  return select_rows(
+      selector, standard_workloads(),
+      [](const Workload& w, std::string_view item) {
+        return item == "all" || item == w.name || item == workload_kind_name(w.kind) ||
+               (item == "verify" && is_verify(w.kind));
+      },
+      "workload", "all, decode, prefill, extend, verify", "all, a kind, or a row name");
+}
+
+Workload scale_workload(const Workload& w, double factor) {
+  ATTNRT_CHECK(factor > 0 && factor <= 1, "--scale {} is out of range: use a factor in (0, 1]",
+               factor);
+  if (factor == 1) return w;
+  Workload s = w;
+  s.batch = std::max(1, static_cast<int>(std::lround(w.batch * factor)));
+  switch (w.kind) {
+    case WorkloadKind::decode: s.prefix_len = round_length(w.kv_len() * factor) - 1; break;
+    case WorkloadKind::prefill: s.new_tokens = round_length(w.new_tokens * factor); break;
+    case WorkloadKind::extend:
+      s.prefix_len = round_length(w.prefix_len * factor);
+      s.new_tokens = round_length(w.new_tokens * factor);
+      break;
+    case WorkloadKind::verify_chain:
+    case WorkloadKind::verify_tree: s.prefix_len = round_length(w.prefix_len * factor); break;
+  }
+  if (s == w) return w;
+  s.scale_note = fmt::format("scaled x{} from {}", format_factor(factor), w.shape());
+  return s;
+}
+
+Workload fit_workload(const Workload& w, double max_bytes, double max_work, std::string_view why) {
+  auto fits = [&](const Workload& x) {
+    return counted_bytes(x) <= max_bytes && attention_work(x) <= max_work;
+  };
+  if (fits(w)) return w;
+  Workload s = w;
+  while (!fits(s) && s.batch > 1) s.batch = (s.batch + 1) / 2;
+  // Then the lengths: the new tokens of prefill/extend and the cached prefix of the others.
+  auto shrink = [](int len) {
+    return std::max(kLengthQuantum, (len / 2) / kLengthQuantum * kLengthQuantum);
+  };
+  while (!fits(s)) {
+    Workload before = s;
+    if (s.kind == WorkloadKind::prefill || s.kind == WorkloadKind::extend) {
+      s.new_tokens = shrink(s.new_tokens);
+    }
+    if (s.kind != WorkloadKind::prefill) {
+      int kv = shrink(s.kind == WorkloadKind::decode ? s.kv_len() : s.prefix_len);
+      s.prefix_len = s.kind == WorkloadKind::decode ? kv - 1 : kv;
+    }
+    if (s == before) break;  // already at the smallest shape
+  }
+  s.scale_note = fmt::format("{} from {}", why, w.shape());
+  return s;
+}
+
+std::vector<std::string> preset_names() { return {"cpu-small"}; }
+
+std::vector<Workload> apply_preset(const std::vector<Workload>& rows, std::string_view preset) {
+  if (preset != "cpu-small") {
+    fail("unknown --preset '{}': the presets are {}", preset, fmt::join(preset_names(), ", "));
+  }
+  // Sized for a 2-core box: every decode/verify row reads at most 1.25 GiB of KV (so 16x4096,
+  // 64x4096 and both verify rows stay at full size) and every compute-bound row does at most the
+  // work of prefill-1x8192, so the whole set runs in minutes.
+  constexpr double kMaxBytes = 1.25 * double(1ull << 30);
+  constexpr double kMaxWork = 6e11;
+  std::vector<Workload> out;
+  for (const Workload& w : rows) out.push_back(fit_workload(w, kMaxBytes, kMaxWork, "shrunk by --preset cpu-small"));
+  return out;
+}
+
+}  // namespace attnrt::bench

@@ -1,0 +1,194 @@
+// The serving scheduler of `attnrt run`: turns a trace into forward steps the way an engine does,
+// and does the engine's memory bookkeeping in the pools (request rows, KV slots, shared-prefix
+// cache, speculative accept/compact/free). It computes no attention: the step driver (sim/driver.h)
+// runs each planned step through an AttentionRuntime.
+//
+// Life of a request: waits until its arrival iteration, is admitted when a request row is free and
+// the KV pool can hold its whole life (prompt + output, + the verify block with speculation), is
+// prefilled in chunks under a per-step token budget (a continuation chunk is an EXTEND with a
+// cached prefix; requests naming a registered shared prefix start from it), then decodes (DECODE,
+// or the decode half of a MIXED step, or TARGET_VERIFY + DRAFT_EXTEND rounds with speculation)
+// until it has produced output_len tokens, and releases everything it holds.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <optional>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "attnrt/batch/forward_batch.h"
+#include "tools/sim/trace.h"
+
+namespace attnrt {
+class KVCache;
+class ReqToTokenPool;
+class TokenAllocator;
+}  // namespace attnrt
+
+namespace attnrt::sim {
+
+// One model's memory: request rows, the slot allocator and (optionally) the KV data, which the
+// scheduler touches only to compact accepted tree paths after a verify.
+struct KvSpace {
+  ReqToTokenPool* req_to_token = nullptr;
+  TokenAllocator* allocator = nullptr;
+  KVCache* kv_cache = nullptr;  // nullptr: bookkeeping only (no K/V rows are moved)
+  std::vector<int> kv_layers;   // layer ids held by kv_cache (rows are moved in every one)
+};
+
+// Copies K/V rows src -> dst (full-pool slots) in every listed layer, in order, so a chain of moves
+// towards lower positions is safe. SWA layers translate through their slot map. Host caches copy
+// at once; a GPU cache (CudaKVCache) enqueues the copies on its stream.
+void copy_kv_rows(KVCache& cache, const std::vector<int>& layers,
+                  const std::vector<std::pair<int64_t, int64_t>>& moves);
+
+struct SpecConfig {
+  int num_steps = 0;         // draft depth; 0 = speculative decoding off
+  int topk = 1;              // 1 = chain, > 1 = tree
+  int num_draft_tokens = 0;  // N per request, the root included
+  double accept_prob =
+      0.7;  // chance that the draft token on the accepted path at each depth is right
+  bool enabled() const { return num_steps > 0; }
+};
+
+struct SchedulerConfig {
+  int max_running_requests = 16;
+  int chunked_prefill_size = 128;  // prefill tokens per step (in MIXED steps, decodes count too)
+  bool mixed_chunk = true;         // MIXED steps (ignored with speculation, as engines do)
+  int page_size = 1;               // must equal the allocator's
+  SpecConfig spec;
+  uint64_t seed = 1;  // acceptance sampling and tree shapes
+};
+
+enum class ModelRole : uint8_t { target, draft };
+std::string_view model_role_name(ModelRole r);
+
+// A planned forward step. Its slots are allocated and written to req_to_token before it is
+// returned.
+struct ScheduledStep {
+  int index = 0;      // 0-based over every step of the run (target and draft)
+  int iteration = 0;  // the target iteration it belongs to (draft steps follow their target step)
+  ModelRole role = ModelRole::target;
+  ForwardBatch batch;
+  std::vector<int> requests;  // trace index of each batch row
+};
+
+struct RequestState {
+  int trace_index = 0;
+  enum class Phase : uint8_t { waiting, prefill, decode, finished } phase = Phase::waiting;
+  int prefilled = 0;  // prompt tokens whose K/V are in the target cache (a cached prefix included)
+  int kv_len = 0;     // target-cache tokens (committed)
+  int draft_kv_len = 0;  // draft-cache tokens (speculation only)
+  int generated = 0;     // output tokens produced so far
+  int target_row = -1, draft_row = -1;
+  int cached_prefix_len = 0;  // tokens reused from a registered shared prefix
+  int admitted_iteration = -1, finished_iteration = -1;
+  std::vector<int> accept_lengths;  // per verify round (accepted drafts, root/bonus excluded)
+};
+
+struct PoolReport {
+  bool ok = true;
+  int64_t total_slots = 0;   // usable slots of the pool
+  int64_t free_slots = 0;    // free at the end, shared prefixes still cached
+  int64_t prefix_slots = 0;  // held by the shared-prefix cache at the end
+  int prefixes = 0;
+  int rows_in_use = 0;             // request rows still allocated (0 when nothing leaked)
+  int64_t free_after_release = 0;  // free after the shared prefixes were released too
+  std::string detail;              // what leaked, when !ok
+};
+
+class Scheduler {
+ public:
+  // `draft` is required when config.spec is enabled (the draft model's own pools).
+  Scheduler(Trace trace, SchedulerConfig config, KvSpace target,
+            std::optional<KvSpace> draft = std::nullopt);
+
+  bool done() const;
+  // Plans the next step and allocates its slots. Call complete() after running it.
+  const ScheduledStep& next();
+  // Commits the step returned by next(): lengths advance, verify acceptance is sampled (accepted
+  // tree paths are moved to consecutive slots, rejected slots freed), finished requests release
+  // everything.
+  void complete();
+
+  // When done(): checks that every request row and every slot is free except those of the cached
+  // shared prefixes, then releases the prefixes and checks again. One report per model.
+  PoolReport finish_and_check_pools(ModelRole role);
+
+  const Trace& trace() const { return trace_; }
+  const SchedulerConfig& config() const { return config_; }
+  const std::vector<RequestState>& requests() const { return reqs_; }
+  int iteration() const { return iteration_; }
+  int steps_planned() const { return step_count_; }
+  // A rough number of steps still to come (for progress bars).
+  int64_t estimate_remaining_steps() const;
+  // The accepted path (block indices, root first) of each request of the last verify step.
+  const std::vector<std::vector<int>>& last_accepted_paths() const { return last_paths_; }
+
+ private:
+  struct PrefixEntry {
+    int len = 0;     // page-aligned length that is shared
+    int owner = -1;  // trace index of the request that prefills it
+    bool target_ready = false, draft_ready = false;
+    std::vector<int64_t> target_slots, draft_slots;
+  };
+  struct Space {
+    KvSpace kv;
+    int64_t initial_free = 0;
+  };
+
+  void plan_target_step();
+  void admit_arrivals();
+  bool can_admit(const RequestState& r, int prefix_len) const;
+  int64_t outstanding_pages(bool draft) const;
+  int64_t lifetime_tokens(const RequestState& r, bool draft) const;
+  int shared_len(const TraceRequest& r) const;
+
+  // Continues the chunked request, then admits waiting ones, within `budget` tokens. Appends to
+  // reqs/prefix/extend; allocates nothing.
+  void plan_prefill(int budget, std::vector<int>& reqs, std::vector<int32_t>& prefix,
+                    std::vector<int32_t>& extend);
+  void plan_verify(const std::vector<int>& decoding);
+  void plan_decode(const std::vector<int>& decoding);
+  void commit_prefill_row(int idx, int extend);
+  void commit_verify(const ScheduledStep& s);
+  void commit_draft(const ScheduledStep& s);
+  void finish_request(int idx);
+  void queue_draft_step(const std::vector<int>& reqs, bool after_verify);
+  bool prefix_ready(const PrefixEntry& e) const;
+  PrefixEntry* owned_prefix(int idx);  // the entry request `idx` prefills, if it owns one
+
+  std::vector<int64_t> extend_slots(Space& space, const std::vector<int64_t>& rows,
+                                    const std::vector<int32_t>& prefix,
+                                    const std::vector<int32_t>& extend);
+  void free_positions(Space& space, int row, int from, int to);
+  void set_step(ModelRole role, ForwardBatch batch, std::vector<int> reqs);
+  SpecInfo make_spec(int batch_size);
+  std::vector<int> sample_path(const SpecInfo& spec, int request, int max_accept);
+  void move_kv_rows(const std::vector<std::pair<int64_t, int64_t>>& moves);
+
+  Trace trace_;
+  SchedulerConfig config_;
+  Space target_;
+  std::optional<Space> draft_;
+  std::vector<RequestState> reqs_;
+  std::vector<int> arrival_order_;  // trace indices sorted by (arrival_step, line order)
+  size_t next_arrival_ = 0;
+  std::deque<int> waiting_;
+  std::vector<int> running_;  // admitted, not finished, in admission order
+  std::map<std::string, PrefixEntry> prefixes_;
+  int iteration_ = 0;
+  bool last_was_prefill_ = false;
+  ScheduledStep step_;
+  int step_count_ = 0;
+  bool step_open_ = false;
+  std::optional<ScheduledStep> pending_draft_;
+  std::vector<std::vector<int>> last_paths_;
+  std::mt19937_64 rng_;
+};
+
+}  // namespace attnrt::sim
