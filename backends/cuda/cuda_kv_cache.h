@@ -94,6 +94,7 @@ class CudaKVCache final : public KVCache {
   // tree paths compacted towards lower positions). Slots must lie in [1, rows); SWA layers move
   // the SWA rows the host map gives both slots, which must have one. Stream-ordered, never
   // synchronises.
+  bool can_copy_rows() const override { return true; }
   void copy_rows(std::span<const int> layers,
                  std::span<const std::pair<int64_t, int64_t>> moves) override;
   // Copies the rows `slots` (full-pool slots) of one layer into host memory: k and v point at row

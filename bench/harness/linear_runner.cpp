@@ -187,11 +187,11 @@ class LinearRun {
   }
 
   void download(const CallTensors& t, const HostBuffer& out) {
-    if (gpu_) gpu_->download(t.out, out);
+    if (gpu_) gpu_->download(t.out, out.data(), out.bytes());
   }
 
  private:
-  TensorView place(const HostBuffer& h) { return gpu_ ? gpu_->upload(h) : h.view(); }
+  TensorView place(const HostBuffer& h) { return gpu_ ? upload(*gpu_, h) : h.view(); }
 
   const LinearRowData& d_;
   std::unique_ptr<AttentionRuntime> rt_;

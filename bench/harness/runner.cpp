@@ -241,17 +241,17 @@ struct BackendRun {
       drain();
       if (i >= 2) samples.push_back(t);
     }
-    if (parts != nullptr && set_plan_part_timing(*backend, true)) {
+    if (parts != nullptr && backend->set_plan_timing(true)) {
       std::array<std::vector<double>, 5> part;
       for (int i = 0; i < steps; ++i) {
         cache().begin_step(data->batch);
         backend->init_forward_metadata(data->batch);
-        const std::array<double, 5> p = last_plan_parts(*backend);
+        const std::array<double, 5> p = backend->plan_part_seconds();
         drain();
         if (i < 2) continue;
         for (size_t k = 0; k < p.size(); ++k) part[k].push_back(p[k]);
       }
-      set_plan_part_timing(*backend, false);
+      backend->set_plan_timing(false);
       *parts = PlanParts{TimingStats::from_samples(std::move(part[0])),
                          TimingStats::from_samples(std::move(part[1])),
                          TimingStats::from_samples(std::move(part[2])),

@@ -9,9 +9,6 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/memory/token_allocator.h"
-#if defined(ATTNRT_HAS_CUDA)
-#include "backends/cuda/cuda_kv_cache.h"
-#endif
 
 namespace attnrt::sim {
 
@@ -34,16 +31,6 @@ int64_t max_tree_nodes(int depth, int topk) {
 double uniform01(std::mt19937_64& rng) { return static_cast<double>(rng() >> 11) * 0x1.0p-53; }
 size_t pick(std::mt19937_64& rng, size_t n) { return static_cast<size_t>(rng() % n); }
 
-// Whether copy_kv_rows can move rows of this cache: host pools, and GPU pools of the cuda backend.
-bool can_move_rows(const KVCache* cache) {
-  if (cache == nullptr || cache->device().kind == DeviceKind::cpu) return true;
-#if defined(ATTNRT_HAS_CUDA)
-  return dynamic_cast<const cuda::CudaKVCache*>(cache) != nullptr;
-#else
-  return false;
-#endif
-}
-
 }  // namespace
 
 std::string_view model_role_name(ModelRole r) {
@@ -52,39 +39,9 @@ std::string_view model_role_name(ModelRole r) {
 
 void copy_kv_rows(KVCache& cache, const std::vector<int>& layers,
                   const std::vector<std::pair<int64_t, int64_t>>& moves) {
-  if (moves.empty()) return;
-#if defined(ATTNRT_HAS_CUDA)
-  // GPU pools: one gather and one scatter kernel per layer on the cache's stream, ordered before
-  // the next step's kernels.
-  if (auto* gpu = dynamic_cast<cuda::CudaKVCache*>(&cache)) {
-    gpu->copy_rows(layers, moves);
-    return;
-  }
-#endif
-  for (int layer_id : layers) {
-    const KVLayerView view = cache.layer(layer_id);
-    ATTNRT_CHECK(view.device.kind == DeviceKind::cpu,
-                 "moving accepted draft K/V rows needs a host KV cache; layer {} lives on {}",
-                 layer_id, device_name(view.device));
-    const size_t elem = dtype_size(view.dtype);
-    const size_t k_bytes = static_cast<size_t>(view.kv_heads) * view.head_dim * elem;
-    const size_t v_bytes = static_cast<size_t>(view.kv_heads) * view.v_head_dim * elem;
-    auto row = [&](int64_t slot) {
-      const int64_t r = view.pool_slot(slot);
-      ATTNRT_CHECK(r > 0 && r < view.num_rows,
-                   "moving K/V rows in layer {}: full slot {} maps to row {}, outside [1, {})",
-                   layer_id, slot, r, view.num_rows);
-      return r;
-    };
-    for (const auto& [src, dst] : moves) {
-      const int64_t s = row(src), d = row(dst);
-      auto* k = static_cast<char*>(view.k);
-      auto* v = static_cast<char*>(view.v);
-      std::memmove(k + d * view.k_row_stride * elem, k + s * view.k_row_stride * elem, k_bytes);
-      if (v != k)
-        std::memmove(v + d * view.v_row_stride * elem, v + s * view.v_row_stride * elem, v_bytes);
-    }
-  }
+  // Host pools move rows in place; GPU pools with one gather and one scatter kernel per layer on
+  // the cache's stream, ordered before the next step's kernels.
+  if (!moves.empty()) cache.copy_rows(layers, moves);
 }
 
 Scheduler::Scheduler(Trace trace, SchedulerConfig config, KvSpace target,
@@ -123,7 +80,7 @@ Scheduler::Scheduler(Trace trace, SchedulerConfig config, KvSpace target,
     ATTNRT_CHECK(spec.accept_prob >= 0.0 && spec.accept_prob <= 1.0,
                  "--accept-prob = {}; must be in [0, 1]", spec.accept_prob);
     draft_ = Space{*draft, draft->allocator->available_size()};
-    ATTNRT_CHECK(spec.topk == 1 || can_move_rows(target.kv_cache),
+    ATTNRT_CHECK(spec.topk == 1 || target.kv_cache == nullptr || target.kv_cache->can_copy_rows(),
                  "speculative tree verify (--speculative-eagle-topk {}) moves the accepted K/V "
                  "rows inside the KV pool, and this pool on {} has no row copy; use a backend "
                  "whose pools live on the host or the cuda backend",

@@ -84,7 +84,9 @@ class KVCache {
   virtual void synchronize() {}
   virtual void copy(void* dst, const void* src, size_t bytes);
   // Copies every K/V row of `moves` (full-pool slot from -> to) in `layers`; every source is read
-  // before any destination is written. Throws attnrt::Error for a slot outside the pool.
+  // before any destination is written. Throws attnrt::Error for a slot outside the pool, and where
+  // can_copy_rows() is false (a device cache without a row copy).
+  virtual bool can_copy_rows() const { return device().kind == DeviceKind::cpu; }
   virtual void copy_rows(std::span<const int> layers,
                          std::span<const std::pair<int64_t, int64_t>> moves);
   // Whole-layer upload of host memory laid out as layer(layer_id) (num_rows rows).
