@@ -17,10 +17,13 @@
 #include "attnrt/io/case_file.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
+#include "tests/test_util.h"
 
 using namespace attnrt;
 
 namespace {
+
+using attnrt::test::expect_error;
 
 // Three differently shaped layers: MQA full, a sliding-window layer (so the model is SWA-hybrid
 // and the capture reads through the full->SWA slot map), and a layer with v_head_dim != head_dim,
@@ -324,20 +327,9 @@ TEST_F(ReplayTest, BadCasesNameTheFileAndField) {
   write_step_case(dir, e.model(), 0, e.options(), step, e.req_to_token(), e.cache(), call.args,
                   "reference");
 
-  auto error_of = [](const std::function<void()>& fn) -> std::string {
-    try {
-      fn();
-    } catch (const Error& err) {
-      return err.what();
-    }
-    ADD_FAILURE() << "expected attnrt::Error";
-    return "";
-  };
-  std::string msg = error_of([&] { replay_case(read_case(dir), "no-such-backend"); });
-  EXPECT_NE(msg.find("unknown attention backend 'no-such-backend'"), std::string::npos) << msg;
-
-  msg = error_of([&] { read_case((dir_ / "nowhere").string()); });
-  EXPECT_NE(msg.find("does not exist"), std::string::npos) << msg;
+  expect_error([&] { replay_case(read_case(dir), "no-such-backend"); },
+               {"unknown attention backend 'no-such-backend'"});
+  expect_error([&] { read_case((dir_ / "nowhere").string()); }, {"does not exist"});
 
   // A K cache whose rows do not match the layer.
   const NpyArray good_k = read_npy((dir_ / "k_cache.npy").string());
@@ -345,42 +337,32 @@ TEST_F(ReplayTest, BadCasesNameTheFileAndField) {
   shape[2] += 1;
   const std::vector<uint16_t> wider(static_cast<size_t>(shape[0] * shape[1] * shape[2]), 0x3f80);
   write_npy((dir_ / "k_cache.npy").string(), DType::bf16, shape, wider.data());
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("k_cache.npy: shape"), std::string::npos) << msg;
+  expect_error([&] { read_case(dir); }, {"k_cache.npy: shape"});
   write_npy((dir_ / "k_cache.npy").string(), good_k);
 
-  // Fields of case.json.
+  // Fields of case.json, each edit made to the good text.
   const std::string json_path = (dir_ / "case.json").string();
-  std::string text;
-  {
-    std::ifstream in(json_path);
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  auto with = [&](const std::string& from, const std::string& to) {
-    std::string t = text;
-    const size_t at = t.find(from);
-    EXPECT_NE(at, std::string::npos) << from;
-    if (at != std::string::npos) t.replace(at, from.size(), to);
-    std::ofstream(json_path, std::ios::trunc) << t;
+  const std::string text = test::read_text(json_path);
+  struct Edit {
+    const char *from, *to, *expect;
   };
-  with("\"version\": 1", "\"version\": 9");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("case format version 9 is not supported"), std::string::npos) << msg;
-  with("\"num_q_heads\": 4", "\"num_q_heads\": \"four\"");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("field 'layer.num_q_heads' has the wrong type"), std::string::npos) << msg;
-  with("\"kind\": \"full\"", "\"kind\": \"dense\"");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("layer.kind 'dense'"), std::string::npos) << msg;
-  with("\"mode\": \"EXTEND\"", "\"mode\": \"SIDEWAYS\"");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("SIDEWAYS"), std::string::npos) << msg;
-  with("\"save_kv\": true", "\"save_kv_typo\": true");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("missing field 'save_kv'"), std::string::npos) << msg;
-  with("{", "{{");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("case.json: malformed JSON"), std::string::npos) << msg;
+  const Edit edits[] = {
+      {"\"version\": 1", "\"version\": 9", "case format version 9 is not supported"},
+      {"\"num_q_heads\": 4", "\"num_q_heads\": \"four\"",
+       "field 'layer.num_q_heads' has the wrong type"},
+      {"\"kind\": \"full\"", "\"kind\": \"dense\"", "layer.kind 'dense'"},
+      {"\"mode\": \"EXTEND\"", "\"mode\": \"SIDEWAYS\"", "SIDEWAYS"},
+      {"\"save_kv\": true", "\"save_kv_typo\": true", "missing field 'save_kv'"},
+      {"{", "{{", "case.json: malformed JSON"},
+  };
+  for (const Edit& edit : edits) {
+    std::string t = text;
+    const size_t at = t.find(edit.from);
+    EXPECT_NE(at, std::string::npos) << edit.from;
+    if (at != std::string::npos) t.replace(at, std::strlen(edit.from), edit.to);
+    std::ofstream(json_path, std::ios::trunc) << t;
+    expect_error([&] { read_case(dir); }, {edit.expect});
+  }
   std::ofstream(json_path, std::ios::trunc) << text;
   EXPECT_NO_THROW(read_case(dir));
 }
