@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attnrt/core/error.h"
@@ -75,6 +77,15 @@ inline LayerSpec attention_layer(int id, int hq, int hkv, int dim, int v_dim = 0
   return l;
 }
 
+// A model of `layers`: activations of `dtype`, sequences of up to `max_context_len` tokens.
+inline ModelSpec make_model(std::string name, DType dtype, int max_context_len,
+                            std::vector<LayerSpec> layers) {
+  return ModelSpec{.name = std::move(name),
+                   .dtype = dtype,
+                   .max_context_len = max_context_len,
+                   .layers = std::move(layers)};
+}
+
 // Every dimension of two linear-attention layers agrees.
 inline void expect_same_linear_dims(const LinearSpec& a, const LinearSpec& b) {
   const auto dims = [](const LinearSpec& s) {
@@ -117,5 +128,29 @@ inline CommandResult run_cli(const std::string& cli, const std::string& args,
   r.err = read_text(err);
   return r;
 }
+
+// A test of the command-line tool (its path in ATTNRT_CLI, which ctest sets) in a folder of its
+// own.
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* cli = std::getenv("ATTNRT_CLI");
+    if (cli == nullptr || *cli == '\0') GTEST_SKIP() << "ATTNRT_CLI is not set (ctest sets it)";
+    cli_ = cli;
+    dir_ = std::filesystem::path(::testing::TempDir()) /
+           ("attnrt_cli_" + std::to_string(getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) std::filesystem::remove_all(dir_);
+  }
+
+  CommandResult run(const std::string& args) { return run_cli(cli_, args, dir_); }
+
+  std::string cli_;
+  std::filesystem::path dir_;
+};
 
 }  // namespace attnrt::test
