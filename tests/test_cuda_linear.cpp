@@ -55,15 +55,11 @@ unsigned test_seed() {
 // The real models' head dims: Qwen3-Next (GDN) and Kimi-Linear (KDA) Dk = Dv = 128, Nemotron-H
 // (Mamba2) head_dim 64, d_state 128; fewer heads, to keep the float64 reference quick.
 LayerSpec real_layer(LayerKind kind) {
-  LayerSpec l;
-  l.kind = kind;
+  LayerSpec l = small_layer(kind);  // the head and group counts, but KDA's
   LinearSpec& s = l.linear;
-  s.conv_kernel = 4;
   s.chunk_size = 64;
   switch (kind) {
     case LayerKind::gdn:
-      s.num_k_heads = 2;
-      s.num_v_heads = 4;
       s.head_k_dim = s.head_v_dim = 128;
       break;
     case LayerKind::kda:
@@ -71,10 +67,8 @@ LayerSpec real_layer(LayerKind kind) {
       s.head_k_dim = s.head_v_dim = 128;
       break;
     default:
-      s.num_v_heads = 4;
       s.head_v_dim = 64;
       s.d_state = 128;
-      s.n_groups = 2;
       break;
   }
   return l;

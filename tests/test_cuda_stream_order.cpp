@@ -35,8 +35,8 @@
 #include "attnrt/runtime/attention_runtime.h"
 #include "attnrt/sim/scheduler.h"
 #include "attnrt/sim/trace.h"
-
 #include "tests/test_cuda_util.h"
+#include "tests/test_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -88,15 +88,7 @@ sim::Trace stress_trace(bool shared_prefixes) {
   return t;
 }
 
-LayerSpec attention_layer(int id, int hq, int hkv, int dim) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.kind = LayerKind::full;
-  l.num_q_heads = hq;
-  l.num_kv_heads = hkv;
-  l.head_dim = l.v_head_dim = dim;
-  return l;
-}
+using test::attention_layer;
 
 // Qwen2.5-7B's attention shape (28 q / 4 kv heads of 128, as in the report) and a GQA-4 layer of
 // 64; the hybrid puts a Gated DeltaNet layer first.
@@ -246,12 +238,11 @@ RunLog run_trace(const Case& c, bool ahead) {
   o.speculative_num_steps = c.spec_steps;
   o.speculative_eagle_topk = c.topk;
   o.speculative_num_draft_tokens = c.draft_tokens;
-  RuntimeConfig rc;
-  rc.max_requests = sc.max_running_requests;
-  rc.kv_slots = 16384;
-  rc.max_num_tokens = max_tokens;
-  rc.max_context_len = context;
-  rc.cuda_graphs = ahead;
+  const RuntimeConfig rc{.max_requests = sc.max_running_requests,
+                         .kv_slots = 16384,
+                         .max_num_tokens = max_tokens,
+                         .max_context_len = context,
+                         .cuda_graphs = ahead};
 
   RunLog log;
   // Device buffers and pinned inputs of every step, allocated before anything is held (a
