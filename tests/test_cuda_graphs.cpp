@@ -31,8 +31,8 @@
 #include "attnrt/sim/scheduler.h"
 #include "attnrt/sim/trace.h"
 #include "backends/reference/reference_backend.h"
-
 #include "tests/test_cuda_util.h"
+#include "tests/test_sim_util.h"
 #include "tests/test_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
@@ -47,23 +47,11 @@
 namespace attnrt {
 namespace {
 
-LayerSpec layer(int id, int hq, int hkv, int dim) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.kind = LayerKind::full;
-  l.num_q_heads = hq;
-  l.num_kv_heads = hkv;
-  l.head_dim = l.v_head_dim = dim;
-  return l;
-}
+using test::attention_layer;
 
 ModelSpec small_model(DType dtype) {
-  ModelSpec m;
-  m.name = "graph-test";
-  m.dtype = dtype;
-  m.max_context_len = 512;
-  m.layers = {layer(0, 4, 2, 16), layer(1, 4, 2, 16)};
-  return m;
+  return test::make_model("graph-test", dtype, 512,
+                          {attention_layer(0, 4, 2, 16), attention_layer(1, 4, 2, 16)});
 }
 
 ForwardBatch one_decode(AttentionRuntime& rt) {
@@ -81,9 +69,7 @@ ForwardBatch one_decode(AttentionRuntime& rt) {
 TEST(CudaGraphsOff, HostBackendsSayWhyAndRefuseGraphSteps) {
   Options o;
   o.attention_backend = "reference";
-  RuntimeConfig c;
-  c.max_requests = 2;
-  c.kv_slots = 64;
+  RuntimeConfig c{.max_requests = 2, .kv_slots = 64};
   AttentionRuntime rt(small_model(DType::f32), o, c);
   EXPECT_FALSE(rt.cuda_graphs_enabled());
   EXPECT_NE(rt.cuda_graphs_off_reason().find(built_with_cuda() ? "KV cache is on the host"
@@ -108,9 +94,7 @@ TEST(CudaGraphsOff, HostBackendsSayWhyAndRefuseGraphSteps) {
 TEST(CudaGraphsOff, BadGraphConfigIsRejected) {
   Options o;
   o.attention_backend = "reference";
-  RuntimeConfig c;
-  c.max_requests = 8;
-  c.kv_slots = 64;
+  RuntimeConfig c{.max_requests = 8, .kv_slots = 64};
   c.cuda_graph_batch_sizes = {4, 2};
   test::expect_error([&] { AttentionRuntime rt(small_model(DType::f32), o, c); },
                {"cuda_graph_batch_sizes[1] = 2", "must increase"});
@@ -126,9 +110,7 @@ TEST(CudaGraphsOff, BadGraphConfigIsRejected) {
 TEST(CudaGraphsOff, CopyTensorOnTheHost) {
   Options o;
   o.attention_backend = "reference";
-  RuntimeConfig c;
-  c.max_requests = 1;
-  c.kv_slots = 16;
+  const RuntimeConfig c{.max_requests = 1, .kv_slots = 16};
   AttentionRuntime rt(small_model(DType::f32), o, c);
   std::mt19937 rng(4);
   std::vector<float> src(24), dst(24, 0.f);
@@ -189,11 +171,11 @@ class CudaGraphRuntime : public ::testing::Test {
     model_.name = "graph-gpu";
     model_.dtype = DType::bf16;
     model_.max_context_len = 4096;
-    LayerSpec a = layer(0, 32, 8, 128);
+    LayerSpec a = attention_layer(0, 32, 8, 128);
     a.logit_cap = 30.f;
-    LayerSpec b = layer(1, 8, 8, 64);
+    LayerSpec b = attention_layer(1, 8, 8, 64);
     b.has_sinks = true;
-    LayerSpec c = layer(2, 16, 2, 128);
+    LayerSpec c = attention_layer(2, 16, 2, 128);
     model_.layers = {a, b, c};
     Options o;
     o.attention_backend = "cuda";
@@ -487,33 +469,11 @@ TEST(CudaKVCacheRows, MovesAndDownloadsMatchTheHostPool) {
   }
 }
 
-sim::Trace run_trace_text() {
-  return sim::parse_trace(
-      "{\"id\": \"a\", \"arrival_step\": 1, \"prompt_len\": 40, \"output_len\": 6}\n"
-      "{\"id\": \"b\", \"arrival_step\": 1, \"prompt_len\": 70, \"output_len\": 9, "
-      "\"shared_prefix\": \"sys\", \"shared_prefix_len\": 32}\n"
-      "{\"id\": \"c\", \"arrival_step\": 3, \"prompt_len\": 50, \"output_len\": 4, "
-      "\"shared_prefix\": \"sys\", \"shared_prefix_len\": 32}\n"
-      "{\"id\": \"d\", \"arrival_step\": 9, \"prompt_len\": 12, \"output_len\": 7}\n",
-      "gpu-run");
-}
+using test::find_mode;
 
-sim::RunConfig run_config() {
-  sim::RunConfig rc;
-  rc.scheduler.max_running_requests = 4;
-  rc.scheduler.chunked_prefill_size = 32;
-  rc.max_total_tokens = 2048;
-  rc.check_every = 1;
-  rc.seed = 11;
-  return rc;
-}
+sim::Trace run_trace_text() { return test::four_request_trace("gpu-run"); }
 
-const sim::ModeStats* find_mode(const sim::RunReport& r, sim::ModelRole role, ForwardMode mode) {
-  for (const sim::ModeStats& m : r.modes) {
-    if (m.role == role && m.mode == mode) return &m;
-  }
-  return nullptr;
-}
+sim::RunConfig run_config() { return test::small_run_config(2048, 1, 11); }
 
 // `attnrt run`'s driver on the cuda backend: every step of every mode checked against reference on
 // the host copy of the GPU pools, DECODE steps as CUDA graphs, a step case dumped from GPU pools.
