@@ -40,6 +40,16 @@ TimingStats stats(double median_seconds) {
   return TimingStats::from_samples({median_seconds * 0.9, median_seconds, median_seconds * 1.2});
 }
 
+// A row run in `seconds` (planned in `plan_seconds`) over `amount` bytes or FLOPs, against a
+// ceiling of `ceiling` G/s.
+void set_timing(RowResult& row, double seconds, double plan_seconds, double amount,
+                double ceiling) {
+  row.time = stats(seconds);
+  row.plan = stats(plan_seconds);
+  row.rate = amount / seconds / 1e9;
+  row.pct_of_ceiling = 100 * row.rate / ceiling;
+}
+
 // A result as run_bench would produce it, with one row of each kind of outcome.
 BenchResult synthetic_result() {
   BenchResult r;
@@ -58,11 +68,8 @@ BenchResult synthetic_result() {
   decode.standard = by_name("decode-16x4096");
   decode.workload = scale_workload(decode.standard, 0.5);
   decode.check = {"float64", 16, 1e-3, 2e-2, true};
-  decode.time = stats(0.010);
-  decode.plan = stats(2e-6);
   decode.bytes = counted_bytes(decode.workload);
-  decode.rate = decode.bytes / 0.010 / 1e9;
-  decode.pct_of_ceiling = 100 * decode.rate / 20.0;
+  set_timing(decode, 0.010, 2e-6, decode.bytes, 20.0);
   ReferenceResult ref;
   ref.workload = fit_workload(decode.workload, 1e6, 1e30, "reference measured scaled down");
   ref.time = stats(0.5);
@@ -75,11 +82,8 @@ BenchResult synthetic_result() {
   prefill.standard = prefill.workload = by_name("prefill-1x4096");
   prefill.bound = Bound::compute;
   prefill.check = {"float64", 64, 3e-3, 2e-2, true};
-  prefill.time = stats(2.0);
-  prefill.plan = stats(1e-6);
   prefill.flops = counted_flops(prefill.workload);
-  prefill.rate = prefill.flops / 2.0 / 1e9;
-  prefill.pct_of_ceiling = 100 * prefill.rate / 100.0;
+  set_timing(prefill, 2.0, 1e-6, prefill.flops, 100.0);
 
   RowResult verify;
   verify.standard = verify.workload = by_name("verify-tree-64x4096+16-topk4");

@@ -127,6 +127,14 @@ class Engine {
     return out;
   }
 
+  // An EXTEND step of `new_tokens` tokens after `prefix` for each of `rows`, its slots allocated.
+  ForwardBatch extend(const std::vector<int64_t>& rows, const std::vector<int32_t>& prefix,
+                      const std::vector<int32_t>& new_tokens) {
+    ForwardBatch b = make_extend_batch(rows, prefix, new_tokens);
+    b.out_cache_loc = allocate(rows, new_tokens);
+    return b;
+  }
+
   int32_t len(int64_t row) const {
     return static_cast<int32_t>(slots_.at(static_cast<int>(row)).size());
   }
@@ -255,13 +263,11 @@ TEST_F(ReplayTest, ExtendWithPrefixReplaysBitExactOnEveryLayer) {
     Engine e(test_model(DType::bf16), 16, DType::bf16, 100 + layer);
     std::vector<int64_t> rows = {e.new_request(), e.new_request(), e.new_request()};
     const auto prefix = random_lens(e.rng(), 3, 1, 40);
-    ForwardBatch prefill = make_extend_batch(rows, {0, 0, 0}, prefix);
-    prefill.out_cache_loc = e.allocate(rows, prefix);
+    ForwardBatch prefill = e.extend(rows, {0, 0, 0}, prefix);
     e.run(prefill, layer);
 
     const auto extend = random_lens(e.rng(), 3, 1, 12);
-    ForwardBatch step = make_extend_batch(rows, prefix, extend);
-    step.out_cache_loc = e.allocate(rows, extend);
+    ForwardBatch step = e.extend(rows, prefix, extend);
     const Engine::Call call = e.run(step, layer);
     check_round_trip(e, step, layer, call);
   }
@@ -272,8 +278,7 @@ TEST_F(ReplayTest, DecodeWithFp8ScaledCacheReplaysBitExact) {
   e.set_scales(0.5f, 2.f);
   std::vector<int64_t> rows = {e.new_request(), e.new_request()};
   const auto prefix = random_lens(e.rng(), 2, 3, 30);
-  ForwardBatch prefill = make_extend_batch(rows, {0, 0}, prefix);
-  prefill.out_cache_loc = e.allocate(rows, prefix);
+  ForwardBatch prefill = e.extend(rows, {0, 0}, prefix);
   e.run(prefill, 1);
 
   ForwardBatch step = make_decode_batch(rows, {prefix[0] + 1, prefix[1] + 1});
@@ -290,8 +295,7 @@ TEST_F(ReplayTest, TreeVerifyKeepsSpecInfo) {
   Engine e(test_model(DType::bf16), 4, DType::bf16, 21);
   std::vector<int64_t> rows = {e.new_request(), e.new_request()};
   const auto prefix = random_lens(e.rng(), 2, 5, 25);
-  ForwardBatch prefill = make_extend_batch(rows, {0, 0}, prefix);
-  prefill.out_cache_loc = e.allocate(rows, prefix);
+  ForwardBatch prefill = e.extend(rows, {0, 0}, prefix);
   e.run(prefill, 2);
 
   SpecInfo spec;
@@ -307,11 +311,9 @@ TEST_F(ReplayTest, TreeVerifyKeepsSpecInfo) {
 TEST_F(ReplayTest, StepWithoutKvReadsThePoolRows) {
   Engine e(test_model(DType::bf16), 2, DType::bf16, 33);
   std::vector<int64_t> rows = {e.new_request()};
-  ForwardBatch prefill = make_extend_batch(rows, {0}, {9});
-  prefill.out_cache_loc = e.allocate(rows, {9});
+  ForwardBatch prefill = e.extend(rows, {0}, {9});
   e.run(prefill, 0);
-  ForwardBatch step = make_extend_batch(rows, {9}, {5});
-  step.out_cache_loc = e.allocate(rows, {5});
+  ForwardBatch step = e.extend(rows, {9}, {5});
   const Engine::Call call = e.run(step, 0, /*save_kv=*/false);
   check_round_trip(e, step, 0, call);
   EXPECT_FALSE(std::filesystem::exists(dir_ / "k.npy"));
@@ -320,8 +322,7 @@ TEST_F(ReplayTest, StepWithoutKvReadsThePoolRows) {
 TEST_F(ReplayTest, BadCasesNameTheFileAndField) {
   Engine e(test_model(DType::bf16), 1, DType::bf16, 5);
   std::vector<int64_t> rows = {e.new_request()};
-  ForwardBatch step = make_extend_batch(rows, {0}, {6});
-  step.out_cache_loc = e.allocate(rows, {6});
+  ForwardBatch step = e.extend(rows, {0}, {6});
   const Engine::Call call = e.run(step, 0);
   const std::string dir = dir_.string();
   write_step_case(dir, e.model(), 0, e.options(), step, e.req_to_token(), e.cache(), call.args,
@@ -370,8 +371,7 @@ TEST_F(ReplayTest, BadCasesNameTheFileAndField) {
 TEST_F(ReplayTest, CaptureRejectsLinearAndMissingLayers) {
   Engine e(test_model(DType::bf16), 1, DType::bf16, 9);
   std::vector<int64_t> rows = {e.new_request()};
-  ForwardBatch step = make_extend_batch(rows, {0}, {3});
-  step.out_cache_loc = e.allocate(rows, {3});
+  ForwardBatch step = e.extend(rows, {0}, {3});
   const Engine::Call call = e.run(step, 0);
   try {
     capture_case(e.model(), 5, e.options(), step, e.req_to_token(), e.cache(), call.args);
@@ -388,8 +388,7 @@ TEST_F(ReplayTest, CliReplaysACaseAndReportsBitExact) {
   if (cli == nullptr) GTEST_SKIP() << "ATTNRT_CLI is not set (run through ctest)";
   Engine e(test_model(DType::bf16), 4, DType::bf16, 77);
   std::vector<int64_t> rows = {e.new_request(), e.new_request()};
-  ForwardBatch prefill = make_extend_batch(rows, {0, 0}, {11, 6});
-  prefill.out_cache_loc = e.allocate(rows, {11, 6});
+  ForwardBatch prefill = e.extend(rows, {0, 0}, {11, 6});
   e.run(prefill, 1);
   ForwardBatch step = make_decode_batch(rows, {12, 7});
   step.out_cache_loc = e.allocate(rows, {1, 1});
