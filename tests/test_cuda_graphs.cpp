@@ -128,37 +128,9 @@ TEST(CudaGraphsOff, CopyTensorOnTheHost) {
 
 #ifdef ATTNRT_HAS_CUDA
 
-void fill_random(const TensorView& t, std::mt19937& rng, float amp) {
-  std::uniform_real_distribution<float> u(-amp, amp);
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, u(rng));
-}
-
-// Relative L2 error and largest absolute error over every element; NaN counts as infinite.
-struct Compare {
-  double rel = 0, max_abs = 0;
-};
-Compare compare(const HostBuffer& got, const HostBuffer& want) {
-  Compare c;
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    const double a = load_as_float(got.data(), got.dtype(), i);
-    const double b = load_as_float(want.data(), want.dtype(), i);
-    if (!std::isfinite(a)) return {INFINITY, INFINITY};
-    num += (a - b) * (a - b);
-    den += b * b;
-    c.max_abs = std::max(c.max_abs, std::abs(a - b));
-  }
-  c.rel = std::sqrt(num / std::max(den, 1e-30));
-  return c;
-}
-
-struct DeviceArray {
-  void* ptr = nullptr;
-  explicit DeviceArray(size_t bytes) { EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess); }
-  ~DeviceArray() { cudaFree(ptr); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-};
+using test::Compare;
+using test::compare;
+using test::fill_random;
 
 // Three attention layers of different GQA groups and head dims, one with a softcap and one with
 // sinks, on the cuda backend with its pools on the GPU. Every request row holds the slots of its
@@ -246,21 +218,16 @@ class CudaGraphRuntime : public ::testing::Test {
   void check_step(const ForwardBatch& batch) {
     const int64_t T = batch.num_tokens();
     ASSERT_GT(rt_->cuda_graph_bucket(batch), 0);
-    struct Io {
-      HostBuffer q, k, v, graph_out, eager_out, ref_out;
+    struct Io : test::Qkv {
+      HostBuffer graph_out, eager_out, ref_out;
     };
     std::vector<Io> io;
     for (const LayerSpec& l : model_.layers) {
       const GraphLayerIO x = rt_->graph_io(l.layer_id, T);
-      Io h{HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim}),
-           HostBuffer(model_.dtype, {T, l.num_kv_heads, l.head_dim}),
-           HostBuffer(model_.dtype, {T, l.num_kv_heads, l.head_dim}),
+      Io h{test::random_qkv(model_.dtype, l, T, rng_),
            HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim}),
            HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim}),
            HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim})};
-      fill_random(h.q.view(), rng_, 1.f);
-      fill_random(h.k.view(), rng_, 2.f);
-      fill_random(h.v.view(), rng_, 2.f);
       rt_->copy_tensor(x.q, h.q.view());
       rt_->copy_tensor(x.k, h.k.view());
       rt_->copy_tensor(x.v, h.v.view());
@@ -278,7 +245,7 @@ class CudaGraphRuntime : public ::testing::Test {
     for (size_t i = 0; i < io.size(); ++i) {
       const LayerSpec& l = model_.layers[i];
       const GraphLayerIO x = rt_->graph_io(l.layer_id, T);
-      DeviceArray out(io[i].eager_out.bytes());
+      test::DeviceMemory out(io[i].eager_out.bytes());
       AttnArgs a;
       a.q = x.q;
       a.k = x.k;
@@ -312,18 +279,17 @@ class CudaGraphRuntime : public ::testing::Test {
     ref.init_forward_metadata(batch);
     for (size_t i = 0; i < io.size(); ++i) {
       const LayerSpec& l = model_.layers[i];
-      AttnArgs a;
-      a.q = io[i].q.view();
-      a.k = io[i].k.view();
-      a.v = io[i].v.view();
-      a.out = io[i].ref_out.view();
-      a.sinks = l.has_sinks ? sinks_.data() : nullptr;
-      ref.forward(a, l, batch);
+      ref.forward({.q = io[i].q.view(),
+                   .k = io[i].k.view(),
+                   .v = io[i].v.view(),
+                   .out = io[i].ref_out.view(),
+                   .sinks = l.has_sinks ? sinks_.data() : nullptr},
+                  l, batch);
       SCOPED_TRACE(testing::Message() << "layer " << l.layer_id);
-      const Compare vs_ref = compare(io[i].graph_out, io[i].ref_out);
+      const Compare vs_ref = compare(io[i].graph_out.view(), io[i].ref_out.view(), T);
       EXPECT_LT(vs_ref.rel, 1.2e-2) << "graph vs reference, max abs " << vs_ref.max_abs;
       EXPECT_LT(vs_ref.max_abs, 0.08);
-      const Compare vs_eager = compare(io[i].graph_out, io[i].eager_out);
+      const Compare vs_eager = compare(io[i].graph_out.view(), io[i].eager_out.view(), T);
       EXPECT_LT(vs_eager.rel, 1.2e-2) << "graph vs eager, max abs " << vs_eager.max_abs;
     }
   }
