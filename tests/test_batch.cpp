@@ -19,11 +19,18 @@ namespace {
 
 using attnrt::test::expect_error;
 
-// Runs `fn`, expects attnrt::Error whose message contains every fragment.
+// Gives every token of the step its own slot.
 void fill_slots(ForwardBatch& b) {
   const int64_t t = static_cast<int64_t>(b.positions.size());
   b.out_cache_loc.resize(t);
   std::iota(b.out_cache_loc.begin(), b.out_cache_loc.end(), int64_t{1});
+}
+
+// `b` after `change` is refused with a message that holds every fragment.
+void expect_refused(ForwardBatch b, const std::function<void(ForwardBatch&)>& change,
+                    const std::vector<std::string>& fragments) {
+  change(b);
+  expect_error([&] { make_step_layout(b); }, fragments);
 }
 
 std::vector<int64_t> rows(int n) {
@@ -209,79 +216,35 @@ TEST(StepLayout, RejectsInconsistentExtendBatches) {
     return b;
   };
   ASSERT_NO_THROW(make_step_layout(good()));
-  {
-    ForwardBatch b = good();
-    b.seq_lens.pop_back();
-    expect_error([&] { make_step_layout(b); }, {"seq_lens has 2 entries", "expected 3"});
-  }
-  {
-    ForwardBatch b = good();
-    b.req_pool_indices.push_back(7);
-    expect_error([&] { make_step_layout(b); }, {"req_pool_indices has 4 entries", "expected 3"});
-  }
-  {
-    ForwardBatch b = good();
-    b.extend_prefix_lens = {3, 0};
-    expect_error([&] { make_step_layout(b); }, {"extend_prefix_lens has 2 entries"});
-  }
-  {
-    ForwardBatch b = good();
-    b.extend_prefix_lens[1] = -1;
-    expect_error([&] { make_step_layout(b); }, {"extend_prefix_lens[1] = -1", ">= 0"});
-  }
-  {
-    ForwardBatch b = good();
-    b.extend_seq_lens[2] = 0;
-    expect_error([&] { make_step_layout(b); }, {"extend_seq_lens[2] = 0", ">= 1"});
-  }
-  {
-    ForwardBatch b = good();
-    b.seq_lens[0] = 6;
-    expect_error([&] { make_step_layout(b); }, {"seq_lens[0] = 6", "3 + 2 = 5"});
-  }
-  {
-    ForwardBatch b = good();
-    b.out_cache_loc.pop_back();
-    expect_error([&] { make_step_layout(b); }, {"out_cache_loc has 7 entries", "(8)"});
-  }
-  {
-    ForwardBatch b = good();
-    b.positions.push_back(0);
-    expect_error([&] { make_step_layout(b); }, {"positions has 9 entries", "(8)"});
-  }
-  {
-    ForwardBatch b = good();
-    b.positions[3] = 4;  // request 1 (no prefix), query 1 sits at position 1
-    expect_error([&] { make_step_layout(b); },
+  expect_refused(good(), [](auto& b) { b.seq_lens.pop_back(); },
+                 {"seq_lens has 2 entries", "expected 3"});
+  expect_refused(good(), [](auto& b) { b.req_pool_indices.push_back(7); },
+                 {"req_pool_indices has 4 entries", "expected 3"});
+  expect_refused(good(),
+                 [](auto& b) {
+                   b.extend_prefix_lens = {3, 0};
+                 },
+                 {"extend_prefix_lens has 2 entries"});
+  expect_refused(good(), [](auto& b) { b.extend_prefix_lens[1] = -1; },
+                 {"extend_prefix_lens[1] = -1", ">= 0"});
+  expect_refused(good(), [](auto& b) { b.extend_seq_lens[2] = 0; },
+                 {"extend_seq_lens[2] = 0", ">= 1"});
+  expect_refused(good(), [](auto& b) { b.seq_lens[0] = 6; }, {"seq_lens[0] = 6", "3 + 2 = 5"});
+  expect_refused(good(), [](auto& b) { b.out_cache_loc.pop_back(); },
+                 {"out_cache_loc has 7 entries", "(8)"});
+  expect_refused(good(), [](auto& b) { b.positions.push_back(0); },
+                 {"positions has 9 entries", "(8)"});
+  // Request 1 (no prefix), query 1 sits at position 1.
+  expect_refused(good(), [](auto& b) { b.positions[3] = 4; },
                  {"positions[3] = 4", "request 1, query 1", "expected 1", "prefix length"});
-  }
-  {
-    ForwardBatch b = good();
-    b.extend_start_loc[2] = 6;
-    expect_error([&] { make_step_layout(b); },
+  expect_refused(good(), [](auto& b) { b.extend_start_loc[2] = 6; },
                  {"extend_start_loc[2] = 6", "exclusive prefix sum", "(7)"});
-  }
-  {
-    ForwardBatch b = good();
-    b.extend_start_loc.clear();
-    expect_error([&] { make_step_layout(b); }, {"extend_start_loc has 0 entries"});
-  }
-  {
-    ForwardBatch b = good();
-    b.req_pool_indices[2] = 4;
-    expect_error([&] { make_step_layout(b); },
+  expect_refused(good(), [](auto& b) { b.extend_start_loc.clear(); },
+                 {"extend_start_loc has 0 entries"});
+  expect_refused(good(), [](auto& b) { b.req_pool_indices[2] = 4; },
                  {"req_pool_indices[2] = 4 duplicates req_pool_indices[0]"});
-  }
-  {
-    ForwardBatch b = good();
-    b.req_pool_indices[1] = -2;
-    expect_error([&] { make_step_layout(b); }, {"req_pool_indices[1] = -2"});
-  }
-  {
-    ForwardBatch b = good();
-    b.batch_size = -1;
-    expect_error([&] { make_step_layout(b); }, {"batch_size = -1"});
-  }
+  expect_refused(good(), [](auto& b) { b.req_pool_indices[1] = -2; }, {"req_pool_indices[1] = -2"});
+  expect_refused(good(), [](auto& b) { b.batch_size = -1; }, {"batch_size = -1"});
   expect_error([] { make_extend_batch({1}, {0}, {1}, ForwardMode::DECODE); },
                {"make_extend_batch", "DECODE", "EXTEND, MIXED"});
   expect_error([] { make_extend_batch({1, 2}, {0}, {1, 1}); },
@@ -294,32 +257,23 @@ TEST(StepLayout, RejectsInconsistentDecodeBatches) {
     fill_slots(b);
     return b;
   };
-  {
-    ForwardBatch b = good();
-    b.seq_lens[1] = 0;
-    b.positions[1] = -1;
-    expect_error([&] { make_step_layout(b); }, {"DECODE", "seq_lens[1] = 0", ">= 1"});
-  }
-  {
-    ForwardBatch b = good();
-    b.extend_seq_lens[0] = 2;
-    expect_error([&] { make_step_layout(b); }, {"extend_seq_lens[0] = 2", "exactly 1"});
-  }
-  {
-    ForwardBatch b = good();
-    b.extend_prefix_lens[1] = 9;
-    expect_error([&] { make_step_layout(b); }, {"extend_prefix_lens[1] = 9", "seq_lens - 1 = 8"});
-  }
-  {
-    ForwardBatch b = good();
-    b.positions[1] = 9;
-    expect_error([&] { make_step_layout(b); }, {"DECODE", "positions[1] = 9", "expected 8"});
-  }
-  {
-    ForwardBatch b = good();
-    b.extend_start_loc = {0, 2};
-    expect_error([&] { make_step_layout(b); }, {"extend_start_loc[1] = 2", "(1)"});
-  }
+  expect_refused(good(),
+                 [](auto& b) {
+                   b.seq_lens[1] = 0;
+                   b.positions[1] = -1;
+                 },
+                 {"DECODE", "seq_lens[1] = 0", ">= 1"});
+  expect_refused(good(), [](auto& b) { b.extend_seq_lens[0] = 2; },
+                 {"extend_seq_lens[0] = 2", "exactly 1"});
+  expect_refused(good(), [](auto& b) { b.extend_prefix_lens[1] = 9; },
+                 {"extend_prefix_lens[1] = 9", "seq_lens - 1 = 8"});
+  expect_refused(good(), [](auto& b) { b.positions[1] = 9; },
+                 {"DECODE", "positions[1] = 9", "expected 8"});
+  expect_refused(good(),
+                 [](auto& b) {
+                   b.extend_start_loc = {0, 2};
+                 },
+                 {"extend_start_loc[1] = 2", "(1)"});
 }
 
 TEST(StepLayout, RejectsInconsistentVerifyBatches) {
@@ -333,53 +287,25 @@ TEST(StepLayout, RejectsInconsistentVerifyBatches) {
     return b;
   };
   ASSERT_NO_THROW(make_step_layout(good()));
-  {
-    ForwardBatch b = good();
-    b.spec_info.reset();
-    expect_error([&] { make_step_layout(b); }, {"TARGET_VERIFY", "spec_info is missing"});
-  }
-  {
-    ForwardBatch b = good();
-    b.spec_info->parents.pop_back();
-    expect_error([&] { make_step_layout(b); }, {"spec_info.parents has 7 entries", "expected 8"});
-  }
-  {
-    ForwardBatch b = good();
-    b.spec_info->parents[4] = 0;
-    expect_error([&] { make_step_layout(b); }, {"parents[4] = 0", "request 1, token 0", "-1"});
-  }
-  {
-    ForwardBatch b = good();
-    b.spec_info->parents[6] = 3;  // request 1 token 2: its parent must precede it
-    expect_error([&] { make_step_layout(b); },
+  expect_refused(good(), [](auto& b) { b.spec_info.reset(); },
+                 {"TARGET_VERIFY", "spec_info is missing"});
+  expect_refused(good(), [](auto& b) { b.spec_info->parents.pop_back(); },
+                 {"spec_info.parents has 7 entries", "expected 8"});
+  expect_refused(good(), [](auto& b) { b.spec_info->parents[4] = 0; },
+                 {"parents[4] = 0", "request 1, token 0", "-1"});
+  // Request 1 token 2: its parent must precede it.
+  expect_refused(good(), [](auto& b) { b.spec_info->parents[6] = 3; },
                  {"parents[6] = 3", "request 1, token 2", "earlier block token"});
-  }
-  {
-    ForwardBatch b = good();
-    b.spec_info->topk = 1;
-    expect_error([&] { make_step_layout(b); }, {"topk = 1 means a chain"});
-  }
-  {
-    ForwardBatch b = good();
-    b.positions[3] = 8;  // request 0 token 3 has depth 2: 5 + 2
-    expect_error([&] { make_step_layout(b); },
+  expect_refused(good(), [](auto& b) { b.spec_info->topk = 1; }, {"topk = 1 means a chain"});
+  // Request 0 token 3 has depth 2: 5 + 2.
+  expect_refused(good(), [](auto& b) { b.positions[3] = 8; },
                  {"positions[3] = 8", "expected 7", "seq_len + depth"});
-  }
-  {
-    ForwardBatch b = good();
-    b.extend_seq_lens[1] = 3;
-    expect_error([&] { make_step_layout(b); }, {"extend_seq_lens[1] = 3", "draft_token_num = 4"});
-  }
-  {
-    ForwardBatch b = good();
-    b.out_cache_loc.resize(6);
-    expect_error([&] { make_step_layout(b); }, {"out_cache_loc has 6 entries", "(8)"});
-  }
-  {
-    ForwardBatch b = good();
-    b.spec_info->draft_token_num = 0;
-    expect_error([&] { make_step_layout(b); }, {"draft_token_num = 0"});
-  }
+  expect_refused(good(), [](auto& b) { b.extend_seq_lens[1] = 3; },
+                 {"extend_seq_lens[1] = 3", "draft_token_num = 4"});
+  expect_refused(good(), [](auto& b) { b.out_cache_loc.resize(6); },
+                 {"out_cache_loc has 6 entries", "(8)"});
+  expect_refused(good(), [](auto& b) { b.spec_info->draft_token_num = 0; },
+                 {"draft_token_num = 0"});
 }
 
 TEST(StepLayout, RejectsInconsistentDraftExtendBatches) {
@@ -389,22 +315,12 @@ TEST(StepLayout, RejectsInconsistentDraftExtendBatches) {
     return b;
   };
   ASSERT_NO_THROW(make_step_layout(good()));
-  {
-    ForwardBatch b = good();
-    b.extend_seq_lens[0] = 3;
-    expect_error([&] { make_step_layout(b); },
+  expect_refused(good(), [](auto& b) { b.extend_seq_lens[0] = 3; },
                  {"extend_seq_lens[0] = 3", "accept_length[0] = 1", "accept_length + 1"});
-  }
-  {
-    ForwardBatch b = good();
-    b.seq_lens[1] = 3;
-    expect_error([&] { make_step_layout(b); }, {"seq_lens[1] = 3 < extend_seq_lens[1] = 4"});
-  }
-  {
-    ForwardBatch b = good();
-    b.positions[0] = 0;
-    expect_error([&] { make_step_layout(b); }, {"DRAFT_EXTEND", "positions[0] = 0", "expected 4"});
-  }
+  expect_refused(good(), [](auto& b) { b.seq_lens[1] = 3; },
+                 {"seq_lens[1] = 3 < extend_seq_lens[1] = 4"});
+  expect_refused(good(), [](auto& b) { b.positions[0] = 0; },
+                 {"DRAFT_EXTEND", "positions[0] = 0", "expected 4"});
   expect_error([] { make_draft_extend_batch({1}, {5}, {-1}); }, {"accept_lengths[0] = -1"});
   {
     ForwardBatch b = make_draft_extend_v2_batch({1, 2}, {6, 4}, 2);

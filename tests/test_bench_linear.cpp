@@ -11,6 +11,7 @@
 #include "bench/harness/linear_workload.h"
 #include "bench/harness/report.h"
 #include "bench/harness/runner.h"
+#include "tests/test_bench_util.h"
 #include "tests/test_util.h"
 
 using namespace attnrt;
@@ -18,12 +19,7 @@ using namespace attnrt::bench;
 
 namespace {
 
-const LinearWorkload& by_name(const std::vector<LinearWorkload>& rows, const std::string& name) {
-  for (const LinearWorkload& w : rows) {
-    if (w.name == name) return w;
-  }
-  throw std::runtime_error("no row " + name);
-}
+using attnrt::test::by_name;
 
 // The first layer of `kind` in a model preset.
 LinearSpec preset_spec(const std::string& model, LayerKind kind) {
@@ -33,47 +29,32 @@ LinearSpec preset_spec(const std::string& model, LayerKind kind) {
   throw std::runtime_error("no such layer in " + model);
 }
 
-void expect_same_spec(const LinearSpec& a, const LinearSpec& b) {
-  EXPECT_EQ(a.num_k_heads, b.num_k_heads);
-  EXPECT_EQ(a.num_v_heads, b.num_v_heads);
-  EXPECT_EQ(a.head_k_dim, b.head_k_dim);
-  EXPECT_EQ(a.head_v_dim, b.head_v_dim);
-  EXPECT_EQ(a.d_state, b.d_state);
-  EXPECT_EQ(a.n_groups, b.n_groups);
-  EXPECT_EQ(a.conv_kernel, b.conv_kernel);
-  EXPECT_EQ(a.chunk_size, b.chunk_size);
+// A tiny row of `kind`: 2 value heads of 3, a conv kernel of 2, chunks of 4; the kind's own dims
+// are the caller's.
+LinearWorkload tiny_row(const char* name, LayerKind kind, LinearMode mode, int batch) {
+  LinearWorkload w;
+  w.name = name;
+  w.kind = kind;
+  w.mode = mode;
+  w.batch = batch;
+  w.spec = {.num_v_heads = 2, .head_v_dim = 3, .conv_kernel = 2, .chunk_size = 4};
+  return w;
 }
 
 LinearWorkload tiny_gdn(LinearMode mode, int batch, int tokens) {
-  LinearWorkload w;
-  w.name = "tiny-gdn";
-  w.kind = LayerKind::gdn;
-  w.mode = mode;
-  w.batch = batch;
+  LinearWorkload w = tiny_row("tiny-gdn", LayerKind::gdn, mode, batch);
   w.new_tokens = mode == LinearMode::decode ? 1 : tokens;
   w.prefix_len = mode == LinearMode::decode ? 16 : 0;
-  w.spec = {.num_k_heads = 1,
-            .num_v_heads = 2,
-            .head_k_dim = 2,
-            .head_v_dim = 3,
-            .conv_kernel = 2,
-            .chunk_size = 4};
+  w.spec.num_k_heads = 1;
+  w.spec.head_k_dim = 2;
   return w;
 }
 
 LinearWorkload tiny_mamba2(int tokens) {
-  LinearWorkload w;
-  w.name = "tiny-mamba2";
-  w.kind = LayerKind::mamba2;
-  w.mode = LinearMode::extend;
-  w.batch = 1;
+  LinearWorkload w = tiny_row("tiny-mamba2", LayerKind::mamba2, LinearMode::extend, 1);
   w.new_tokens = tokens;
-  w.spec = {.num_v_heads = 2,
-            .head_v_dim = 3,
-            .d_state = 4,
-            .n_groups = 1,
-            .conv_kernel = 2,
-            .chunk_size = 4};
+  w.spec.d_state = 4;
+  w.spec.n_groups = 1;
   return w;
 }
 
@@ -92,7 +73,7 @@ TEST(BenchLinearWorkload, StandardRowsAreTheServedModelsLayers) {
     EXPECT_EQ(w.act_dtype, DType::bf16);
     EXPECT_EQ(w.state_dtype, DType::f32);
     EXPECT_TRUE(w.scale_note.empty());
-    expect_same_spec(w.spec, preset_spec(w.model, w.kind));
+    test::expect_same_linear_dims(w.spec, preset_spec(w.model, w.kind));
     if (w.mode == LinearMode::decode) {
       EXPECT_EQ(w.new_tokens, 1);
       EXPECT_GT(w.prefix_len, 0) << "a decode step reads a state built by earlier tokens";
@@ -199,14 +180,7 @@ TEST(BenchLinearWorkload, SelectorsScalingAndPreset) {
 }
 
 TEST(BenchLinearRun, TinyRowsRunOnCpuCheckedAgainstReference) {
-  BenchConfig config;
-  config.backend = "cpu";
-  config.repeats = 2;
-  config.warmup = 1;
-  config.threads = 2;
-  config.ceiling_options.memory_bytes = size_t{16} << 20;
-  config.ceiling_options.passes = 1;
-  config.ceiling_options.compute_seconds = 0.005;
+  BenchConfig config = test::tiny_bench_config("cpu");
   LinearWorkload kda = tiny_gdn(LinearMode::extend, 2, 40);
   kda.name = "tiny-kda";
   kda.kind = LayerKind::kda;

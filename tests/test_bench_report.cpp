@@ -14,31 +14,40 @@
 #include "bench/harness/chart.h"
 #include "bench/harness/report.h"
 #include "bench/harness/timing.h"
+#include "tests/test_util.h"
 
 using namespace attnrt;
 using namespace attnrt::bench;
 
 namespace {
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using attnrt::test::error_or;
+using attnrt::test::expect_error;
 
 const Workload& by_name(const std::string& name) {
   static const std::vector<Workload> rows = standard_workloads();
-  for (const Workload& w : rows) {
-    if (w.name == name) return w;
-  }
-  throw std::runtime_error("no row " + name);
+  return attnrt::test::by_name(rows, name);
+}
+
+// Without a usable GPU, fn (which asks for the cuda device) fails: the device is not usable or,
+// without CUDA in the build, with `without_cuda`.
+void expect_cuda_refused(const std::function<void()>& fn, const std::string& without_cuda) {
+  if (query_cuda().usable) return;
+  expect_error(fn, {built_with_cuda() ? "no usable CUDA device" : without_cuda});
 }
 
 TimingStats stats(double median_seconds) {
   return TimingStats::from_samples({median_seconds * 0.9, median_seconds, median_seconds * 1.2});
+}
+
+// A row run in `seconds` (planned in `plan_seconds`) over `amount` bytes or FLOPs, against a
+// ceiling of `ceiling` G/s.
+void set_timing(RowResult& row, double seconds, double plan_seconds, double amount,
+                double ceiling) {
+  row.time = stats(seconds);
+  row.plan = stats(plan_seconds);
+  row.rate = amount / seconds / 1e9;
+  row.pct_of_ceiling = 100 * row.rate / ceiling;
 }
 
 // A result as run_bench would produce it, with one row of each kind of outcome.
@@ -59,11 +68,8 @@ BenchResult synthetic_result() {
   decode.standard = by_name("decode-16x4096");
   decode.workload = scale_workload(decode.standard, 0.5);
   decode.check = {"float64", 16, 1e-3, 2e-2, true};
-  decode.time = stats(0.010);
-  decode.plan = stats(2e-6);
   decode.bytes = counted_bytes(decode.workload);
-  decode.rate = decode.bytes / 0.010 / 1e9;
-  decode.pct_of_ceiling = 100 * decode.rate / 20.0;
+  set_timing(decode, 0.010, 2e-6, decode.bytes, 20.0);
   ReferenceResult ref;
   ref.workload = fit_workload(decode.workload, 1e6, 1e30, "reference measured scaled down");
   ref.time = stats(0.5);
@@ -76,11 +82,8 @@ BenchResult synthetic_result() {
   prefill.standard = prefill.workload = by_name("prefill-1x4096");
   prefill.bound = Bound::compute;
   prefill.check = {"float64", 64, 3e-3, 2e-2, true};
-  prefill.time = stats(2.0);
-  prefill.plan = stats(1e-6);
   prefill.flops = counted_flops(prefill.workload);
-  prefill.rate = prefill.flops / 2.0 / 1e9;
-  prefill.pct_of_ceiling = 100 * prefill.rate / 100.0;
+  set_timing(prefill, 2.0, 1e-6, prefill.flops, 100.0);
 
   RowResult verify;
   verify.standard = verify.workload = by_name("verify-tree-64x4096+16-topk4");
@@ -170,8 +173,7 @@ TEST(BenchTiming, StatisticsOfSamples) {
   EXPECT_DOUBLE_EQ(s.p90, samples[9]);
   TimingStats even = TimingStats::from_samples({4, 1, 3, 2});
   EXPECT_DOUBLE_EQ(even.median, 2.5);
-  EXPECT_NE(error_of([] { TimingStats::from_samples({}); }).find("no timing samples"),
-            std::string::npos);
+  expect_error([] { TimingStats::from_samples({}); }, {"no timing samples"});
 }
 
 TEST(BenchTiming, RepeatedTimingCallsTheBodyWarmupPlusRepeats) {
@@ -182,15 +184,14 @@ TEST(BenchTiming, RepeatedTimingCallsTheBodyWarmupPlusRepeats) {
   EXPECT_EQ(s.repeats, 5);
   EXPECT_LE(s.min, s.median);
   EXPECT_LE(s.median, s.max);
-  EXPECT_NE(error_of([&] { time_repeated(*timer, [] {}, 0, 0); }).find("--repeats 0"),
-            std::string::npos);
+  expect_error(
+      [&] {
+        time_repeated(
+            *timer, [] {}, 0, 0);
+      },
+      {"--repeats 0"});
   // Where a GPU is usable the CUDA backend's timer works (tests/test_cuda_graphs.cpp).
-  if (!query_cuda().usable) {
-    const std::string msg = error_of([] { make_device_timer(Device::cuda(0)); });
-    EXPECT_NE(msg.find(built_with_cuda() ? "no usable CUDA device" : "no timer for cuda"),
-              std::string::npos)
-        << msg;
-  }
+  expect_cuda_refused([] { make_device_timer(Device::cuda(0)); }, "no timer for cuda");
 }
 
 TEST(BenchTiming, GpuFlushModeFromEnvironmentIsWriteOrClean) {
@@ -209,7 +210,7 @@ TEST(BenchTiming, GpuFlushModeFromEnvironmentIsWriteOrClean) {
   EXPECT_STREQ(gpu_flush_name(GpuFlush::clean), "clean");
   for (const char* bad : {"read", "Clean", "clean ", "1", "memset"}) {
     setenv(name, bad, 1);
-    EXPECT_EQ(error_of([] { gpu_flush_from_env(); }),
+    EXPECT_EQ(error_or([] { gpu_flush_from_env(); }, ""),
               std::string("bench: ATTNRT_BENCH_FLUSH=") + bad + " is invalid; use write or clean");
   }
   if (before != nullptr) {
@@ -226,12 +227,7 @@ TEST(BenchCeilings, CpuProbesMeasureSomethingAndGpuNeedsAProbe) {
   double bf16 = cpu_bf16_dot_gflops(1, 0.005, 1, &why);
   EXPECT_TRUE(bf16 > 0 ? why.empty() : why.find("n/a") == 0) << why;
   EXPECT_FALSE(cpu_simd_target().empty());
-  if (!query_cuda().usable) {
-    const std::string msg = error_of([] { measure_ceilings(Device::cuda(0)); });
-    EXPECT_NE(msg.find(built_with_cuda() ? "no usable CUDA device" : "no ceiling probe for cuda"),
-              std::string::npos)
-        << msg;
-  }
+  expect_cuda_refused([] { measure_ceilings(Device::cuda(0)); }, "no ceiling probe for cuda");
 }
 
 TEST(BenchCeilings, ComputeCeilingIsTheHigherMeasuredPeak) {
@@ -255,14 +251,13 @@ TEST(BenchCeilings, ThreadCountFromFlagThenEnvironment) {
   EXPECT_EQ(resolve_threads(0), 5);
   EXPECT_EQ(resolve_threads(2), 2);
   setenv("ATTNRT_NUM_THREADS", "five", 1);
-  EXPECT_NE(error_of([] { resolve_threads(0); }).find("ATTNRT_NUM_THREADS='five'"),
-            std::string::npos);
+  expect_error([] { resolve_threads(0); }, {"ATTNRT_NUM_THREADS='five'"});
   if (saved) {
     setenv("ATTNRT_NUM_THREADS", keep.c_str(), 1);
   } else {
     unsetenv("ATTNRT_NUM_THREADS");
   }
-  EXPECT_NE(error_of([] { resolve_threads(-1); }).find("--threads -1"), std::string::npos);
+  expect_error([] { resolve_threads(-1); }, {"--threads -1"});
 }
 
 TEST(BenchReport, JsonCarriesMachineCommitCeilingsAndRows) {
@@ -392,12 +387,10 @@ TEST(BenchChart, SvgIsWellFormedAndLabelsEveryRow) {
 
 TEST(BenchChart, FormatComesFromTheExtension) {
   EXPECT_EQ(chart_format_for("out/chart.SVG"), ChartFormat::svg);
-  std::string msg = error_of([] { chart_format_for("chart.pdf"); });
-  EXPECT_NE(msg.find("--plot chart.pdf"), std::string::npos) << msg;
-  EXPECT_NE(msg.find(".svg"), std::string::npos) << msg;
-  std::string png = error_of([] { chart_format_for("chart.png"); });
+  expect_error([] { chart_format_for("chart.pdf"); }, {"--plot chart.pdf", ".svg"});
+  std::string png = error_or([] { chart_format_for("chart.png"); }, "");
   if (!png.empty()) EXPECT_NE(png.find("rsvg-convert"), std::string::npos) << png;
-  std::string unwritable = error_of(
-      [] { write_chart("/nonexistent-dir/chart.svg", synthetic_result(), synthetic_info()); });
-  EXPECT_NE(unwritable.find("/nonexistent-dir/chart.svg"), std::string::npos) << unwritable;
+  expect_error(
+      [] { write_chart("/nonexistent-dir/chart.svg", synthetic_result(), synthetic_info()); },
+      {"/nonexistent-dir/chart.svg"});
 }

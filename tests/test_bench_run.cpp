@@ -9,6 +9,7 @@
 #include "bench/harness/chart.h"
 #include "bench/harness/report.h"
 #include "bench/harness/runner.h"
+#include "tests/test_bench_util.h"
 
 using namespace attnrt;
 using namespace attnrt::bench;
@@ -17,29 +18,21 @@ namespace {
 
 Workload tiny(WorkloadKind kind, int batch, int prefix, int new_tokens, int page, DType dtype,
               int topk = 1) {
-  Workload w;
-  w.kind = kind;
-  w.batch = batch;
-  w.prefix_len = prefix;
-  w.new_tokens = new_tokens;
-  w.page_size = page;
-  w.kv_dtype = dtype;
-  w.topk = topk;
+  Workload w{.kind = kind,
+             .batch = batch,
+             .prefix_len = prefix,
+             .new_tokens = new_tokens,
+             .page_size = page,
+             .kv_dtype = dtype,
+             .topk = topk};
   w.name = fmt::format("tiny-{}-{}x{}+{}-p{}-{}", workload_kind_name(kind), batch, prefix,
                        new_tokens, page, dtype_name(dtype));
   return w;
 }
 
 BenchConfig tiny_config(const std::string& backend) {
-  BenchConfig c;
-  c.backend = backend;
-  c.repeats = 2;
-  c.warmup = 1;
-  c.threads = 2;
+  BenchConfig c = test::tiny_bench_config(backend);
   c.reference_repeats = 1;
-  c.ceiling_options.memory_bytes = size_t{16} << 20;
-  c.ceiling_options.passes = 1;
-  c.ceiling_options.compute_seconds = 0.005;
   return c;
 }
 

@@ -8,27 +8,15 @@
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/error.h"
 #include "bench/harness/workload.h"
+#include "tests/test_util.h"
 
 using namespace attnrt;
 using namespace attnrt::bench;
 
 namespace {
 
-const Workload& by_name(const std::vector<Workload>& rows, const std::string& name) {
-  for (const Workload& w : rows) {
-    if (w.name == name) return w;
-  }
-  throw std::runtime_error("no row " + name);
-}
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
+using attnrt::test::by_name;
+using attnrt::test::expect_error;
 
 // Visible (query, key) pairs of one request counted by brute force over the mask definitions of
 // reference-semantics §8.2 / §8.4 (ancestry walked explicitly, not through verify_parents' levels).
@@ -182,8 +170,8 @@ TEST(BenchWorkload, ScalingShrinksBatchAndLengthsOnly) {
   EXPECT_EQ(tiny.new_tokens, 16) << "lengths keep at least one page";
   EXPECT_EQ(tiny.batch, 1);
 
-  EXPECT_NE(error_of([&] { scale_workload(w, 0); }).find("(0, 1]"), std::string::npos);
-  EXPECT_NE(error_of([&] { scale_workload(w, 1.5); }).find("--scale 1.5"), std::string::npos);
+  expect_error([&] { scale_workload(w, 0); }, {"(0, 1]"});
+  expect_error([&] { scale_workload(w, 1.5); }, {"--scale 1.5"});
 }
 
 TEST(BenchWorkload, FitHalvesBatchBeforeLength) {
@@ -211,8 +199,7 @@ TEST(BenchWorkload, CpuSmallPresetBoundsEveryRow) {
     EXPECT_TRUE(by_name(rows, name).scale_note.empty()) << name;
   }
   EXPECT_FALSE(by_name(rows, "decode-32x32768").scale_note.empty());
-  EXPECT_NE(error_of([] { apply_preset(standard_workloads(), "gpu-huge"); }).find("cpu-small"),
-            std::string::npos);
+  expect_error([] { apply_preset(standard_workloads(), "gpu-huge"); }, {"cpu-small"});
 }
 
 TEST(BenchWorkload, SelectorsPickRowsAndRejectUnknownNames) {
@@ -222,8 +209,7 @@ TEST(BenchWorkload, SelectorsPickRowsAndRejectUnknownNames) {
   std::vector<Workload> two = select_workloads("prefill-1x4096,decode-16x4096,prefill-1x4096");
   ASSERT_EQ(two.size(), 2u);
   EXPECT_EQ(two[0].name, "prefill-1x4096");
-  std::string msg = error_of([] { select_workloads("decode-3x3"); });
-  EXPECT_NE(msg.find("'decode-3x3'"), std::string::npos) << msg;
-  EXPECT_NE(msg.find("decode-16x4096"), std::string::npos) << "lists the valid names: " << msg;
-  EXPECT_NE(error_of([] { select_workloads(","); }).find("empty"), std::string::npos);
+  // The message lists the valid names.
+  expect_error([] { select_workloads("decode-3x3"); }, {"'decode-3x3'", "decode-16x4096"});
+  expect_error([] { select_workloads(","); }, {"empty"});
 }

@@ -2,69 +2,29 @@
 // ctest) is run in a shell and its exit status, stdout and stderr are checked.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 #include <string>
+
+#include "tests/test_util.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int status = -1;
-  std::string out, err;
-};
+using Result = attnrt::test::CommandResult;
+using attnrt::test::read_text;
 
-std::string read_file(const fs::path& p) {
-  std::ifstream in(p);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
-class Cli : public ::testing::Test {
+class Cli : public attnrt::test::CliTest {
  protected:
-  void SetUp() override {
-    const char* cli = std::getenv("ATTNRT_CLI");
-    if (cli == nullptr || *cli == '\0') GTEST_SKIP() << "ATTNRT_CLI is not set (ctest sets it)";
-    cli_ = cli;
-    dir_ = fs::path(::testing::TempDir()) /
-           fmt::format("attnrt_cli_{}_{}", getpid(),
-                       ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (!dir_.empty()) fs::remove_all(dir_);
-  }
-
-  Result run(const std::string& args) {
-    const fs::path out = dir_ / "stdout.txt", err = dir_ / "stderr.txt";
-    const std::string cmd =
-        fmt::format("'{}' {} >'{}' 2>'{}' </dev/null", cli_, args, out.string(), err.string());
-    const int raw = std::system(cmd.c_str());
-    Result r;
-    r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-    r.out = read_file(out);
-    r.err = read_file(err);
-    return r;
-  }
-
   fs::path write(const std::string& name, const std::string& text) {
     const fs::path p = dir_ / name;
     std::ofstream(p) << text;
     return p;
   }
-
-  std::string cli_;
-  fs::path dir_;
 };
 
 constexpr const char* kTinyTrace =
@@ -120,7 +80,7 @@ TEST_F(Cli, RunReplaysATinyTraceOnReference) {
     EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
   }
   EXPECT_EQ(r.err, "");  // --no-progress: nothing on stderr
-  const nlohmann::json j = nlohmann::json::parse(read_file(json));
+  const nlohmann::json j = nlohmann::json::parse(read_text(json));
   EXPECT_TRUE(j["ok"].get<bool>());
   EXPECT_EQ(j["backends"]["prefill"], "reference");
   EXPECT_TRUE(j["pool_check"]["target"]["ok"].get<bool>());
@@ -157,7 +117,7 @@ TEST_F(Cli, PrintTraceWritesAReplayableTrace) {
   // Read back and printed again: the same text.
   r = run(fmt::format("run --trace '{}' --print-trace", builtin.string()));
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_EQ(r.out, read_file(builtin));
+  EXPECT_EQ(r.out, read_text(builtin));
 }
 
 TEST_F(Cli, BadInputExitsTwoWithAMessage) {
@@ -219,7 +179,7 @@ TEST_F(Cli, BenchLinearSuiteRunsOnCpuAtSmallSizeAndWritesJson) {
                            "SCALED RUN (--scale 0.01)"}) {
     EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
   }
-  const nlohmann::json j = nlohmann::json::parse(read_file(json));
+  const nlohmann::json j = nlohmann::json::parse(read_text(json));
   EXPECT_NE(j["command"].get<std::string>().find("--suite linear"), std::string::npos);
   ASSERT_EQ(j["rows"].size(), 8u);
   for (const auto& row : j["rows"]) {

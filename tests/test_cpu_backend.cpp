@@ -24,6 +24,7 @@
 #include "backends/cpu/cpu_backend.h"
 #include "backends/cpu/kernels/attention_kernels.h"
 #include "tests/conformance/conformance.h"
+#include "tests/test_util.h"
 
 using namespace attnrt;
 using namespace attnrt::conformance;
@@ -55,12 +56,7 @@ const BackendEntry& cpu_entry(int threads, bool deterministic = false) {
 }
 
 LayerSpec make_layer(int q_heads, int kv_heads, int head_dim, int v_head_dim = 0) {
-  LayerSpec l;
-  l.num_q_heads = q_heads;
-  l.num_kv_heads = kv_heads;
-  l.head_dim = head_dim;
-  l.v_head_dim = v_head_dim > 0 ? v_head_dim : head_dim;
-  return l;
+  return test::attention_layer(0, q_heads, kv_heads, head_dim, v_head_dim);
 }
 
 CaseSpec make_spec(std::string label, ForwardMode mode, std::vector<int32_t> prefix,

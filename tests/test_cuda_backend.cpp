@@ -36,16 +36,17 @@ namespace {
 
 #ifdef ATTNRT_HAS_CUDA
 
+using test::Compare;
+using test::compare;
 using test::DevTensor;
+using test::fill_random;
 
-struct Case {
+struct Case : test::LayerCase {
   ForwardMode mode = ForwardMode::DECODE;
-  int hq = 8, hkv = 2, dim = 128, page = 16;
+  int page = 16;
   DType kv = DType::bf16, act = DType::bf16;
   std::vector<int32_t> prefix, qlen;  // per request (decode: prefix = seq_len - 1, qlen 1)
-  int window = -1;
-  float cap = 0.f;
-  bool sinks = false, causal = true, lse = true;
+  bool lse = true;
   int topk = 1;             // verify: > 1 builds a random tree
   float k_scale = 1.f, v_scale = 1.f;
   bool host_tensors = false;  // q/k/v/out in host memory (staged by the backend)
@@ -53,30 +54,6 @@ struct Case {
   bool deterministic = false;
   uint32_t seed = 1;
 };
-
-void fill_random(const TensorView& t, std::mt19937& rng, float amp) {
-  std::uniform_real_distribution<float> u(-amp, amp);
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, u(rng));
-}
-
-struct Compare {
-  double rel = 0, max_abs = 0;
-  bool finite = true;
-};
-Compare compare(const TensorView& got, const TensorView& want, int64_t rows) {
-  Compare c;
-  const int64_t n = rows * got.shape[1] * (got.ndim > 2 ? got.shape[2] : 1);
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double a = load_as_float(got.data, got.dtype, i), b = load_as_float(want.data, want.dtype, i);
-    if (!std::isfinite(a)) c.finite = false;
-    num += (a - b) * (a - b);
-    den += b * b;
-    c.max_abs = std::max(c.max_abs, std::abs(a - b));
-  }
-  c.rel = std::sqrt(num / std::max(den, 1e-30));
-  return c;
-}
 
 // A one-layer model, a host cache (the reference's) and a device cache holding the same bytes,
 // one request row per request with its slots allocated in page order.
@@ -86,17 +63,7 @@ class Harness {
     model_.name = "test";
     model_.dtype = c.act;
     model_.max_context_len = 1 << 16;
-    LayerSpec l;
-    l.layer_id = 0;
-    l.kind = c.window >= 0 ? LayerKind::swa : LayerKind::full;
-    l.num_q_heads = c.hq;
-    l.num_kv_heads = c.hkv;
-    l.head_dim = l.v_head_dim = c.dim;
-    l.logit_cap = c.cap;
-    l.sliding_window = c.window;
-    l.has_sinks = c.sinks;
-    l.attn_type = c.causal ? AttnType::decoder : AttnType::encoder_only;
-    model_.layers = {l};
+    model_.layers = {c.layer()};
     options_.page_size = c.page;
     options_.deterministic = c.deterministic;
 
@@ -202,10 +169,8 @@ void check_case(const Case& c) {
   const LayerSpec& layer = h.model_.layers[0];
   std::mt19937 rng(c.seed * 7919u + 3);
 
-  HostBuffer q(c.act, {T, c.hq, c.dim}), k(c.act, {T, c.hkv, c.dim}), v(c.act, {T, c.hkv, c.dim});
-  fill_random(q.view(), rng, 1.f);
-  fill_random(k.view(), rng, 2.f);
-  fill_random(v.view(), rng, 2.f);
+  const test::Qkv in = test::random_qkv(c.act, layer, T, rng);
+  const auto& [q, k, v] = in;
   std::vector<float> sinks(c.hq);
   for (float& s : sinks) s = std::uniform_real_distribution<float>(-1.f, 3.f)(rng);
   HostBuffer ref_out(c.act, {T, c.hq, c.dim}), ref_lse(DType::f32, {T, c.hq});
@@ -214,19 +179,8 @@ void check_case(const Case& c) {
   std::memset(lse.data(), 0xff, lse.bytes());
 
   // Reference first: its host cache receives the step's K/V.
-  {
-    h.host_.cache->begin_step(batch);
-    ReferenceBackend ref(h.ctx(false));
-    ref.init_forward_metadata(batch);
-    AttnArgs a;
-    a.q = q.view();
-    a.k = k.view();
-    a.v = v.view();
-    a.out = ref_out.view();
-    a.lse = ref_lse.view();
-    a.sinks = c.sinks ? sinks.data() : nullptr;
-    ref.forward(a, layer, batch);
-  }
+  test::reference_forward(h.ctx(false), batch, layer, in, c.sinks ? sinks.data() : nullptr,
+                          ref_out.view(), ref_lse.view());
 
   // The cuda backend on the device cache (or mirroring a second host cache in the same state).
   Harness* hh = &h;
@@ -240,36 +194,28 @@ void check_case(const Case& c) {
   cuda::CudaBackend be(c.host_cache ? hh->ctx(false) : h.ctx(true));
   be.init_forward_metadata(batch);
   AttnArgs a;
-  a.sinks = c.sinks ? sinks.data() : nullptr;
-  std::optional<DevTensor> dq, dk, dv, dout, dlse, dsinks;
+  std::optional<test::DeviceQkvOut> dev;
+  std::optional<DevTensor> dlse, dsinks;
   if (c.host_tensors || c.host_cache) {
-    a.q = q.view();
-    a.k = k.view();
-    a.v = v.view();
-    a.out = out.view();
+    a = {.q = q.view(), .k = k.view(), .v = v.view(), .out = out.view()};
     if (c.lse) a.lse = lse.view();
   } else {
-    dq.emplace(q.view());
-    dk.emplace(k.view());
-    dv.emplace(v.view());
-    dout.emplace(out.view());
+    dev.emplace(q.view(), k.view(), v.view(), out.view());
     dlse.emplace(lse.view());
-    a.q = dq->view;
-    a.k = dk->view;
-    a.v = dv->view;
-    a.out = dout->view;
+    a = dev->args();
     if (c.lse) a.lse = dlse->view;
-    if (c.sinks) {
-      HostBuffer sb(DType::f32, {c.hq});
-      std::memcpy(sb.data(), sinks.data(), sinks.size() * sizeof(float));
-      dsinks.emplace(sb.view());
-      a.sinks = static_cast<const float*>(dsinks->ptr);
-    }
+  }
+  a.sinks = c.sinks ? sinks.data() : nullptr;
+  if (dev && c.sinks) {
+    HostBuffer sb(DType::f32, {c.hq});
+    std::memcpy(sb.data(), sinks.data(), sinks.size() * sizeof(float));
+    dsinks.emplace(sb.view());
+    a.sinks = static_cast<const float*>(dsinks->ptr);
   }
   be.forward(a, layer, batch);
   ASSERT_EQ(cudaStreamSynchronize(be.stream()), cudaSuccess);
-  if (!(c.host_tensors || c.host_cache)) {
-    dout->download(out.view());
+  if (dev) {
+    dev->out.download(out.view());
     dlse->download(lse.view());
   }
 
@@ -311,18 +257,26 @@ std::vector<int32_t> random_lens(std::mt19937& rng, int n, int lo, int hi) {
 class CudaBackendTest : public ::testing::Test {
  protected:
   void SetUp() override { SKIP_WITHOUT_GPU(); }
+  // `n` requests with random prefixes of `lo`..`hi` tokens and `qlen` new tokens each (verify: a
+  // chain of drafts at topk 1, else a random tree).
+  Case random_case(ForwardMode mode, int n, int lo, int hi, int qlen, int topk = 1) {
+    Case c;
+    c.mode = mode;
+    c.topk = topk;
+    c.prefix = random_lens(rng, n, lo, hi);
+    c.qlen.assign(n, qlen);
+    return c;
+  }
   std::mt19937 rng{20260417};
 };
 
 TEST_F(CudaBackendTest, DecodeMatchesReferenceAcrossHeadDimsAndGroups) {
   for (int dim : {64, 128, 256}) {
     for (auto [hq, hkv] : {std::pair{8, 2}, std::pair{8, 8}, std::pair{32, 2}, std::pair{12, 4}}) {
-      Case c;
+      Case c = random_case(ForwardMode::DECODE, 5, 0, 700, 1);
       c.dim = dim;
       c.hq = hq;
       c.hkv = hkv;
-      c.prefix = random_lens(rng, 5, 0, 700);
-      c.qlen.assign(5, 1);
       c.seed = dim + hq;
       SCOPED_TRACE(testing::Message() << "dim " << dim << " hq " << hq << " hkv " << hkv);
       check_case(c);
@@ -342,11 +296,9 @@ TEST_F(CudaBackendTest, DecodeSplitsLongRequests) {
 TEST_F(CudaBackendTest, DecodeDtypesAndPageSizes) {
   for (DType kv : {DType::bf16, DType::e4m3, DType::e5m2}) {
     for (int page : {1, 16, 64}) {
-      Case c;
+      Case c = random_case(ForwardMode::DECODE, 4, 1, 1500, 1);
       c.kv = kv;
       c.page = page;
-      c.prefix = random_lens(rng, 4, 1, 1500);
-      c.qlen.assign(4, 1);
       if (is_fp8(kv)) {
         c.k_scale = 0.7f;
         c.v_scale = 1.6f;
@@ -365,9 +317,7 @@ TEST_F(CudaBackendTest, DecodeDtypesAndPageSizes) {
 }
 
 TEST_F(CudaBackendTest, DecodeWindowSoftcapSinks) {
-  Case c;
-  c.prefix = random_lens(rng, 4, 50, 3000);
-  c.qlen.assign(4, 1);
+  Case c = random_case(ForwardMode::DECODE, 4, 50, 3000, 1);
   c.window = 200;
   c.cap = 30.f;
   c.sinks = true;
@@ -405,10 +355,8 @@ TEST_F(CudaBackendTest, NarrowDecodeTilesWithSeveralTokensPerItem) {
       check_case(c);
     }
   }
-  Case v;
-  v.mode = ForwardMode::TARGET_VERIFY;
-  v.prefix = random_lens(rng, 3, 20, 1500);
-  v.qlen.assign(3, 2);  // 2 drafts x group 4 = 8 rows
+  // 2 drafts x group 4 = 8 rows.
+  Case v = random_case(ForwardMode::TARGET_VERIFY, 3, 20, 1500, 2, 1);
   check_case(v);
   v.topk = 2;
   v.kv = DType::e4m3;
@@ -457,10 +405,7 @@ TEST_F(CudaBackendTest, MixedNonCausalAndDraftExtend) {
 }
 
 TEST_F(CudaBackendTest, TargetVerifyChainAndTree) {
-  Case chain;
-  chain.mode = ForwardMode::TARGET_VERIFY;
-  chain.prefix = random_lens(rng, 6, 10, 2000);
-  chain.qlen.assign(6, 8);
+  const Case chain = random_case(ForwardMode::TARGET_VERIFY, 6, 10, 2000, 8, 1);
   check_case(chain);
   Case tree = chain;
   tree.topk = 4;
@@ -480,26 +425,18 @@ TEST_F(CudaBackendTest, TargetVerifyChainAndTree) {
 TEST_F(CudaBackendTest, VerifyAndDecode32TilesOnWarpgroupMmas) {
   for (int dim : {64, 128}) {
     for (int page : {1, 16}) {
-      Case t;
-      t.mode = ForwardMode::TARGET_VERIFY;
+      Case t = random_case(ForwardMode::TARGET_VERIFY, 5, 1, 1500, 16, 4);
       t.dim = dim;
       t.page = page;
-      t.topk = 4;
-      t.prefix = random_lens(rng, 5, 1, 1500);
-      t.qlen.assign(5, 16);
       t.seed = static_cast<uint32_t>(dim + page);
       SCOPED_TRACE(testing::Message() << "tree dim " << dim << " page " << page);
       check_case(t);
     }
   }
   for (auto [hq, hkv, drafts] : {std::tuple{12, 4, 16}, std::tuple{16, 2, 8}}) {
-    Case g;
-    g.mode = ForwardMode::TARGET_VERIFY;
+    Case g = random_case(ForwardMode::TARGET_VERIFY, 4, 0, 900, drafts, 3);
     g.hq = hq;
     g.hkv = hkv;
-    g.topk = 3;
-    g.prefix = random_lens(rng, 4, 0, 900);
-    g.qlen.assign(4, drafts);
     g.seed = static_cast<uint32_t>(hq);
     SCOPED_TRACE(testing::Message() << "tree hq " << hq << " hkv " << hkv);
     check_case(g);
@@ -507,22 +444,15 @@ TEST_F(CudaBackendTest, VerifyAndDecode32TilesOnWarpgroupMmas) {
     SCOPED_TRACE("chain");
     check_case(g);
   }
-  Case chain;
-  chain.mode = ForwardMode::TARGET_VERIFY;
+  Case chain = random_case(ForwardMode::TARGET_VERIFY, 3, 100, 700, 16, 1);
   chain.dim = 64;
-  chain.prefix = random_lens(rng, 3, 100, 700);
-  chain.qlen.assign(3, 16);
   chain.window = 30;
   {
     SCOPED_TRACE("chain of 16 with a window, dim 64");
     check_case(chain);
   }
-  Case w;
-  w.mode = ForwardMode::TARGET_VERIFY;
+  Case w = random_case(ForwardMode::TARGET_VERIFY, 4, 20, 1200, 16, 4);
   w.act = w.kv = DType::f16;
-  w.topk = 4;
-  w.prefix = random_lens(rng, 4, 20, 1200);
-  w.qlen.assign(4, 16);
   w.window = 40;
   w.cap = 25.f;
   w.sinks = true;
@@ -552,18 +482,14 @@ TEST_F(CudaBackendTest, VerifyAndDecode32TilesOnWarpgroupMmas) {
     check_case(s);
   }
   for (auto [hq, hkv, drafts] : {std::tuple{8, 2, 8}, std::tuple{8, 4, 16}}) {
-    Case d;
-    d.mode = ForwardMode::TARGET_VERIFY;
+    Case d = random_case(ForwardMode::TARGET_VERIFY, 5, 0, 2500, drafts, 2);
     d.hq = hq;
     d.hkv = hkv;
     d.dim = 64;
     d.act = d.kv = DType::f16;
     d.page = 1;
-    d.topk = 2;
     d.window = 25;
     d.cap = 30.f;
-    d.prefix = random_lens(rng, 5, 0, 2500);
-    d.qlen.assign(5, drafts);
     d.seed = static_cast<uint32_t>(drafts);
     SCOPED_TRACE(testing::Message() << "32-row tree, hq " << hq << " hkv " << hkv);
     check_case(d);
@@ -593,11 +519,9 @@ TEST_F(CudaBackendTest, VerifyAndDecode32TilesOnWarpgroupMmas) {
 TEST_F(CudaBackendTest, Fp8AcrossHeadDimsShapesAndShortExtends) {
   for (DType kv : {DType::e4m3, DType::e5m2}) {
     for (int dim : {64, 128, 256}) {
-      Case c;
+      Case c = random_case(ForwardMode::DECODE, 3, 1, 2500, 1);
       c.kv = kv;
       c.dim = dim;
-      c.prefix = random_lens(rng, 3, 1, 2500);
-      c.qlen.assign(3, 1);
       c.k_scale = 1.3f;
       c.v_scale = 0.45f;
       c.seed = dim + 17;
@@ -748,18 +672,11 @@ TEST_F(CudaBackendTest, GraphCaptureReplaysAtNewLengths) {
   cuda::CudaBackend be(h.ctx(true));
   be.init_cuda_graph_state(4, 4);
   const int bs = 4;
-  HostBuffer q(c.act, {bs, c.hq, c.dim}), k(c.act, {bs, c.hkv, c.dim}), v(c.act, {bs, c.hkv, c.dim});
-  HostBuffer out(c.act, {bs, c.hq, c.dim}), ref_out(c.act, {bs, c.hq, c.dim});
   std::mt19937 rng(11);
-  fill_random(q.view(), rng, 1.f);
-  fill_random(k.view(), rng, 2.f);
-  fill_random(v.view(), rng, 2.f);
-  DevTensor dq(q.view()), dk(k.view()), dv(v.view()), dout(out.view());
-  AttnArgs a;
-  a.q = dq.view;
-  a.k = dk.view;
-  a.v = dv.view;
-  a.out = dout.view;
+  auto [q, k, v] = test::random_qkv(c.act, layer, bs, rng);
+  HostBuffer out(c.act, {bs, c.hq, c.dim}), ref_out(c.act, {bs, c.hq, c.dim});
+  const test::DeviceQkvOut dev(q.view(), k.view(), v.view(), out.view());
+  const AttnArgs a = dev.args();
 
   ForwardBatch cap = h.batch();
   h.dev_.cache->begin_step(cap);
@@ -783,14 +700,14 @@ TEST_F(CudaBackendTest, GraphCaptureReplaysAtNewLengths) {
     for (int i = 0; i < raw; ++i) b.out_cache_loc[i] = h.slots_[i][seq[i] - 1];
     fill_random(q.view(), rng, 1.f);
     fill_random(k.view(), rng, 2.f);
-    ASSERT_EQ(cudaMemcpy(dq.ptr, q.data(), q.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(dk.ptr, k.data(), k.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dev.q.ptr, q.data(), q.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(dev.k.ptr, k.data(), k.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the legacy-stream copies, before the graph's stream
     h.dev_.cache->begin_step(b);
     be.init_forward_metadata_replay_cuda_graph(bs, bs, b);
     ASSERT_EQ(cudaGraphLaunch(exec, s), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(s), cudaSuccess);
-    dout.download(out.view());
+    dev.out.download(out.view());
 
     ForwardBatch rb = b;
     if (raw < bs) {
@@ -830,22 +747,11 @@ class DependentLaunchSteps {
     h_ = std::make_unique<Harness>(c_);
     batch_ = h_->batch();
     const int64_t T = batch_.num_tokens();
-    q_ = HostBuffer(c_.act, {T, c_.hq, c_.dim});
-    k_ = HostBuffer(c_.act, {T, c_.hkv, c_.dim});
-    v_ = HostBuffer(c_.act, {T, c_.hkv, c_.dim});
-    out_ = HostBuffer(c_.act, {T, c_.hq, c_.dim});
     std::mt19937 rng(5);
-    fill_random(q_.view(), rng, 1.f);
-    fill_random(k_.view(), rng, 2.f);
-    fill_random(v_.view(), rng, 2.f);
-    dq_.emplace(q_.view());
-    dk_.emplace(k_.view());
-    dv_.emplace(v_.view());
-    dout_.emplace(out_.view());
-    args_.q = dq_->view;
-    args_.k = dk_->view;
-    args_.v = dv_->view;
-    args_.out = dout_->view;
+    const test::Qkv in = test::random_qkv(c_.act, h_->model_.layers[0], T, rng);
+    out_ = HostBuffer(c_.act, {T, c_.hq, c_.dim});
+    device_.emplace(in.q.view(), in.k.view(), in.v.view(), out_.view());
+    args_ = device_->args();
     be_ = std::make_unique<cuda::CudaBackend>(h_->ctx(true));
   }
 
@@ -911,7 +817,7 @@ class DependentLaunchSteps {
 
   std::vector<char> output() {
     EXPECT_EQ(cudaStreamSynchronize(be_->stream()), cudaSuccess);
-    dout_->download(out_.view());
+    device_->out.download(out_.view());
     const char* p = static_cast<const char*>(out_.data());
     return std::vector<char>(p, p + out_.bytes());
   }
@@ -919,8 +825,8 @@ class DependentLaunchSteps {
   Case c_;
   std::unique_ptr<Harness> h_;
   ForwardBatch batch_;
-  HostBuffer q_, k_, v_, out_;
-  std::optional<DevTensor> dq_, dk_, dv_, dout_;
+  HostBuffer out_;
+  std::optional<test::DeviceQkvOut> device_;
   AttnArgs args_;
   std::unique_ptr<cuda::CudaBackend> be_;
 };
@@ -980,12 +886,8 @@ TEST_F(CudaBackendTest, EagerStepRunsInsideStreamCapture) {
   std::mt19937 rng(3);
   fill_random(q.view(), rng, 1.f);
   fill_random(k.view(), rng, 1.f);
-  DevTensor dq(q.view()), dk(k.view()), dv(k.view()), dout(out.view());
-  AttnArgs a;
-  a.q = dq.view;
-  a.k = dk.view;
-  a.v = dv.view;
-  a.out = dout.view;
+  const test::DeviceQkvOut dev(q.view(), k.view(), k.view(), out.view());
+  const AttnArgs a = dev.args();
   h.dev_.cache->begin_step(batch);
   be.init_forward_metadata(batch);  // warm-up: buffers reach their size
   be.forward(a, h.model_.layers[0], batch);

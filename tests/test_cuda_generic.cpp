@@ -15,11 +15,15 @@
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/device.h"
 #include "attnrt/memory/kv_cache.h"
+#include "tools/sim/driver.h"
+#include "tools/sim/trace.h"
+#include "tests/conformance/conformance.h"
 #include "tests/conformance/conformance.h"
 #include "tools/sim/driver.h"
 #include "tools/sim/trace.h"
-
 #include "tests/test_cuda_util.h"
+#include "tests/test_sim_util.h"
+#include "tests/test_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
 #include "backends/cuda/cuda_kv_cache.h"
@@ -30,14 +34,7 @@ namespace {
 
 using namespace attnrt::conformance;
 
-LayerSpec attn(int hq, int hkv, int d, int dv) {
-  LayerSpec l;
-  l.num_q_heads = hq;
-  l.num_kv_heads = hkv;
-  l.head_dim = d;
-  l.v_head_dim = dv;
-  return l;
-}
+LayerSpec attn(int hq, int hkv, int d, int dv) { return test::attention_layer(0, hq, hkv, d, dv); }
 
 LayerSpec mla(int hq, int rank, int rope) {
   LayerSpec l = attn(hq, 1, rank + rope, rank);
@@ -236,13 +233,8 @@ TEST(CudaMla, DeepSeekRunWithGraphsAndSpeculativeVerify) {
       o.speculative_eagle_topk = topk;
       o.speculative_num_draft_tokens = topk == 1 ? 4 : 7;
     }
-    sim::RunConfig rc;
+    sim::RunConfig rc = test::small_run_config(2048, 1, 5);
     rc.layers = 2;
-    rc.scheduler.max_running_requests = 4;
-    rc.scheduler.chunked_prefill_size = 32;
-    rc.max_total_tokens = 2048;
-    rc.check_every = 1;
-    rc.seed = 5;
     rc.scheduler.spec.accept_prob = 0.8;
     const sim::RunReport r =
         sim::run_trace(apply_tensor_parallel(model_preset("deepseek-v3"), 8), o, trace, rc);

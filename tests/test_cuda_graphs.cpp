@@ -31,8 +31,8 @@
 #include "tools/sim/driver.h"
 #include "tools/sim/scheduler.h"
 #include "tools/sim/trace.h"
-
 #include "tests/test_cuda_util.h"
+#include "tests/test_sim_util.h"
 #include "tests/test_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
@@ -47,23 +47,11 @@
 namespace attnrt {
 namespace {
 
-LayerSpec layer(int id, int hq, int hkv, int dim) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.kind = LayerKind::full;
-  l.num_q_heads = hq;
-  l.num_kv_heads = hkv;
-  l.head_dim = l.v_head_dim = dim;
-  return l;
-}
+using test::attention_layer;
 
 ModelSpec small_model(DType dtype) {
-  ModelSpec m;
-  m.name = "graph-test";
-  m.dtype = dtype;
-  m.max_context_len = 512;
-  m.layers = {layer(0, 4, 2, 16), layer(1, 4, 2, 16)};
-  return m;
+  return test::make_model("graph-test", dtype, 512,
+                          {attention_layer(0, 4, 2, 16), attention_layer(1, 4, 2, 16)});
 }
 
 ForwardBatch one_decode(AttentionRuntime& rt) {
@@ -81,9 +69,7 @@ ForwardBatch one_decode(AttentionRuntime& rt) {
 TEST(CudaGraphsOff, HostBackendsSayWhyAndRefuseGraphSteps) {
   Options o;
   o.attention_backend = "reference";
-  RuntimeConfig c;
-  c.max_requests = 2;
-  c.kv_slots = 64;
+  RuntimeConfig c{.max_requests = 2, .kv_slots = 64};
   AttentionRuntime rt(small_model(DType::f32), o, c);
   EXPECT_FALSE(rt.cuda_graphs_enabled());
   EXPECT_NE(rt.cuda_graphs_off_reason().find(built_with_cuda() ? "KV cache is on the host"
@@ -108,9 +94,7 @@ TEST(CudaGraphsOff, HostBackendsSayWhyAndRefuseGraphSteps) {
 TEST(CudaGraphsOff, BadGraphConfigIsRejected) {
   Options o;
   o.attention_backend = "reference";
-  RuntimeConfig c;
-  c.max_requests = 8;
-  c.kv_slots = 64;
+  RuntimeConfig c{.max_requests = 8, .kv_slots = 64};
   c.cuda_graph_batch_sizes = {4, 2};
   test::expect_error([&] { AttentionRuntime rt(small_model(DType::f32), o, c); },
                {"cuda_graph_batch_sizes[1] = 2", "must increase"});
@@ -126,9 +110,7 @@ TEST(CudaGraphsOff, BadGraphConfigIsRejected) {
 TEST(CudaGraphsOff, CopyTensorOnTheHost) {
   Options o;
   o.attention_backend = "reference";
-  RuntimeConfig c;
-  c.max_requests = 1;
-  c.kv_slots = 16;
+  const RuntimeConfig c{.max_requests = 1, .kv_slots = 16};
   AttentionRuntime rt(small_model(DType::f32), o, c);
   std::mt19937 rng(4);
   std::vector<float> src(24), dst(24, 0.f);
@@ -146,37 +128,9 @@ TEST(CudaGraphsOff, CopyTensorOnTheHost) {
 
 #ifdef ATTNRT_HAS_CUDA
 
-void fill_random(const TensorView& t, std::mt19937& rng, float amp) {
-  std::uniform_real_distribution<float> u(-amp, amp);
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, u(rng));
-}
-
-// Relative L2 error and largest absolute error over every element; NaN counts as infinite.
-struct Compare {
-  double rel = 0, max_abs = 0;
-};
-Compare compare(const HostBuffer& got, const HostBuffer& want) {
-  Compare c;
-  double num = 0, den = 0;
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    const double a = load_as_float(got.data(), got.dtype(), i);
-    const double b = load_as_float(want.data(), want.dtype(), i);
-    if (!std::isfinite(a)) return {INFINITY, INFINITY};
-    num += (a - b) * (a - b);
-    den += b * b;
-    c.max_abs = std::max(c.max_abs, std::abs(a - b));
-  }
-  c.rel = std::sqrt(num / std::max(den, 1e-30));
-  return c;
-}
-
-struct DeviceArray {
-  void* ptr = nullptr;
-  explicit DeviceArray(size_t bytes) { EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess); }
-  ~DeviceArray() { cudaFree(ptr); }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-};
+using test::Compare;
+using test::compare;
+using test::fill_random;
 
 // Three attention layers of different GQA groups and head dims, one with a softcap and one with
 // sinks, on the cuda backend with its pools on the GPU. Every request row holds the slots of its
@@ -189,11 +143,11 @@ class CudaGraphRuntime : public ::testing::Test {
     model_.name = "graph-gpu";
     model_.dtype = DType::bf16;
     model_.max_context_len = 4096;
-    LayerSpec a = layer(0, 32, 8, 128);
+    LayerSpec a = attention_layer(0, 32, 8, 128);
     a.logit_cap = 30.f;
-    LayerSpec b = layer(1, 8, 8, 64);
+    LayerSpec b = attention_layer(1, 8, 8, 64);
     b.has_sinks = true;
-    LayerSpec c = layer(2, 16, 2, 128);
+    LayerSpec c = attention_layer(2, 16, 2, 128);
     model_.layers = {a, b, c};
     Options o;
     o.attention_backend = "cuda";
@@ -264,21 +218,16 @@ class CudaGraphRuntime : public ::testing::Test {
   void check_step(const ForwardBatch& batch) {
     const int64_t T = batch.num_tokens();
     ASSERT_GT(rt_->cuda_graph_bucket(batch), 0);
-    struct Io {
-      HostBuffer q, k, v, graph_out, eager_out, ref_out;
+    struct Io : test::Qkv {
+      HostBuffer graph_out, eager_out, ref_out;
     };
     std::vector<Io> io;
     for (const LayerSpec& l : model_.layers) {
       const GraphLayerIO x = rt_->graph_io(l.layer_id, T);
-      Io h{HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim}),
-           HostBuffer(model_.dtype, {T, l.num_kv_heads, l.head_dim}),
-           HostBuffer(model_.dtype, {T, l.num_kv_heads, l.head_dim}),
+      Io h{test::random_qkv(model_.dtype, l, T, rng_),
            HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim}),
            HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim}),
            HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim})};
-      fill_random(h.q.view(), rng_, 1.f);
-      fill_random(h.k.view(), rng_, 2.f);
-      fill_random(h.v.view(), rng_, 2.f);
       rt_->copy_tensor(x.q, h.q.view());
       rt_->copy_tensor(x.k, h.k.view());
       rt_->copy_tensor(x.v, h.v.view());
@@ -296,7 +245,7 @@ class CudaGraphRuntime : public ::testing::Test {
     for (size_t i = 0; i < io.size(); ++i) {
       const LayerSpec& l = model_.layers[i];
       const GraphLayerIO x = rt_->graph_io(l.layer_id, T);
-      DeviceArray out(io[i].eager_out.bytes());
+      test::DeviceMemory out(io[i].eager_out.bytes());
       AttnArgs a;
       a.q = x.q;
       a.k = x.k;
@@ -330,18 +279,17 @@ class CudaGraphRuntime : public ::testing::Test {
     ref.init_forward_metadata(batch);
     for (size_t i = 0; i < io.size(); ++i) {
       const LayerSpec& l = model_.layers[i];
-      AttnArgs a;
-      a.q = io[i].q.view();
-      a.k = io[i].k.view();
-      a.v = io[i].v.view();
-      a.out = io[i].ref_out.view();
-      a.sinks = l.has_sinks ? sinks_.data() : nullptr;
-      ref.forward(a, l, batch);
+      ref.forward({.q = io[i].q.view(),
+                   .k = io[i].k.view(),
+                   .v = io[i].v.view(),
+                   .out = io[i].ref_out.view(),
+                   .sinks = l.has_sinks ? sinks_.data() : nullptr},
+                  l, batch);
       SCOPED_TRACE(testing::Message() << "layer " << l.layer_id);
-      const Compare vs_ref = compare(io[i].graph_out, io[i].ref_out);
+      const Compare vs_ref = compare(io[i].graph_out.view(), io[i].ref_out.view(), T);
       EXPECT_LT(vs_ref.rel, 1.2e-2) << "graph vs reference, max abs " << vs_ref.max_abs;
       EXPECT_LT(vs_ref.max_abs, 0.08);
-      const Compare vs_eager = compare(io[i].graph_out, io[i].eager_out);
+      const Compare vs_eager = compare(io[i].graph_out.view(), io[i].eager_out.view(), T);
       EXPECT_LT(vs_eager.rel, 1.2e-2) << "graph vs eager, max abs " << vs_eager.max_abs;
     }
   }
@@ -487,33 +435,11 @@ TEST(CudaKVCacheRows, MovesAndDownloadsMatchTheHostPool) {
   }
 }
 
-sim::Trace run_trace_text() {
-  return sim::parse_trace(
-      "{\"id\": \"a\", \"arrival_step\": 1, \"prompt_len\": 40, \"output_len\": 6}\n"
-      "{\"id\": \"b\", \"arrival_step\": 1, \"prompt_len\": 70, \"output_len\": 9, "
-      "\"shared_prefix\": \"sys\", \"shared_prefix_len\": 32}\n"
-      "{\"id\": \"c\", \"arrival_step\": 3, \"prompt_len\": 50, \"output_len\": 4, "
-      "\"shared_prefix\": \"sys\", \"shared_prefix_len\": 32}\n"
-      "{\"id\": \"d\", \"arrival_step\": 9, \"prompt_len\": 12, \"output_len\": 7}\n",
-      "gpu-run");
-}
+using test::find_mode;
 
-sim::RunConfig run_config() {
-  sim::RunConfig rc;
-  rc.scheduler.max_running_requests = 4;
-  rc.scheduler.chunked_prefill_size = 32;
-  rc.max_total_tokens = 2048;
-  rc.check_every = 1;
-  rc.seed = 11;
-  return rc;
-}
+sim::Trace run_trace_text() { return test::four_request_trace("gpu-run"); }
 
-const sim::ModeStats* find_mode(const sim::RunReport& r, sim::ModelRole role, ForwardMode mode) {
-  for (const sim::ModeStats& m : r.modes) {
-    if (m.role == role && m.mode == mode) return &m;
-  }
-  return nullptr;
-}
+sim::RunConfig run_config() { return test::small_run_config(2048, 1, 11); }
 
 // `attnrt run`'s driver on the cuda backend: every step of every mode checked against reference on
 // the host copy of the GPU pools, DECODE steps as CUDA graphs, a step case dumped from GPU pools.

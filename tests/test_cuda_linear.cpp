@@ -47,23 +47,16 @@ using namespace attnrt::testing_linear;
 
 #ifdef ATTNRT_HAS_CUDA
 
-unsigned test_seed() {
-  if (const char* s = std::getenv("ATTNRT_TEST_SEED")) return static_cast<unsigned>(std::atoll(s));
-  return std::random_device{}();
-}
+using test::test_seed;
 
 // The real models' head dims: Qwen3-Next (GDN) and Kimi-Linear (KDA) Dk = Dv = 128, Nemotron-H
 // (Mamba2) head_dim 64, d_state 128; fewer heads, to keep the float64 reference quick.
 LayerSpec real_layer(LayerKind kind) {
-  LayerSpec l;
-  l.kind = kind;
+  LayerSpec l = small_layer(kind);  // the head and group counts, but KDA's
   LinearSpec& s = l.linear;
-  s.conv_kernel = 4;
   s.chunk_size = 64;
   switch (kind) {
     case LayerKind::gdn:
-      s.num_k_heads = 2;
-      s.num_v_heads = 4;
       s.head_k_dim = s.head_v_dim = 128;
       break;
     case LayerKind::kda:
@@ -71,10 +64,8 @@ LayerSpec real_layer(LayerKind kind) {
       s.head_k_dim = s.head_v_dim = 128;
       break;
     default:
-      s.num_v_heads = 4;
       s.head_v_dim = 64;
       s.d_state = 128;
-      s.n_groups = 2;
       break;
   }
   return l;
@@ -458,15 +449,6 @@ std::vector<Case> all_cases() {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, CudaLinear, testing::ValuesIn(all_cases()), case_name);
 
-// Device memory for a test (freed at the end).
-struct DevBuf {
-  void* ptr = nullptr;
-  explicit DevBuf(size_t bytes) { EXPECT_EQ(cudaMalloc(&ptr, bytes), cudaSuccess); }
-  ~DevBuf() { cudaFree(ptr); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-};
-
 // Production placement: every tensor on the GPU, bf16 activations with padded token strides.
 TEST(CudaLinearDevice, DeviceTensorsWithBf16ActivationsAndPaddedStridesMatchReference) {
   SKIP_WITHOUT_GPU();
@@ -512,8 +494,8 @@ TEST(CudaLinearDevice, DeviceTensorsWithBf16ActivationsAndPaddedStridesMatchRefe
       r.backend().init_forward_metadata(b);
       r.backend().forward_linear(ra, d.layer, b);
 
-      DevBuf dx(hx.size() * 2), da(ha.size() * 2), db(std::max<size_t>(hb.size(), 1) * 2),
-          dout(static_cast<size_t>(T * (ow + pad)) * 2);
+      test::DeviceMemory dx(hx.size() * 2), da(ha.size() * 2),
+          db(std::max<size_t>(hb.size(), 1) * 2), dout(static_cast<size_t>(T * (ow + pad)) * 2);
       ASSERT_EQ(cudaMemcpy(dx.ptr, hx.data(), hx.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(da.ptr, ha.data(), ha.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
       if (bw > 0)
@@ -523,10 +505,11 @@ TEST(CudaLinearDevice, DeviceTensorsWithBf16ActivationsAndPaddedStridesMatchRefe
       // The legacy-stream copies and poison land before the backend's non-blocking stream runs.
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       // Parameters on the device too.
-      auto upload = [&](const TensorView& host, std::vector<std::unique_ptr<DevBuf>>& keep) {
+      auto upload = [&](const TensorView& host,
+                        std::vector<std::unique_ptr<test::DeviceMemory>>& keep) {
         if (host.empty()) return host;
         const size_t bytes = static_cast<size_t>(host.numel()) * 4;
-        keep.push_back(std::make_unique<DevBuf>(bytes));
+        keep.push_back(std::make_unique<test::DeviceMemory>(bytes));
         EXPECT_EQ(cudaMemcpy(keep.back()->ptr, host.data, bytes, cudaMemcpyHostToDevice),
                   cudaSuccess);
         EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // before the backend's stream reads it
@@ -535,7 +518,7 @@ TEST(CudaLinearDevice, DeviceTensorsWithBf16ActivationsAndPaddedStridesMatchRefe
         t.device = Device::cuda();
         return t;
       };
-      std::vector<std::unique_ptr<DevBuf>> keep;
+      std::vector<std::unique_ptr<test::DeviceMemory>> keep;
       std::vector<float> unused(static_cast<size_t>(T * ow));
       LinearArgs ga = g.args(in, unused);
       ga.mixed_qkv = strided(dx.ptr, Device::cuda(), cw, ga.mixed_qkv);
@@ -584,7 +567,7 @@ TEST(CudaLinearTiming, DecodeBandwidthAtModelShapes) {
   SKIP_WITHOUT_GPU();
   // Device copy ceiling: 1 GiB read + written.
   const size_t copy_bytes = size_t{1} << 30;
-  DevBuf src(copy_bytes), dst(copy_bytes);
+  test::DeviceMemory src(copy_bytes), dst(copy_bytes);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
@@ -634,11 +617,11 @@ TEST(CudaLinearTiming, DecodeBandwidthAtModelShapes) {
       const Tokens in = random_tokens(d, bs, rng);
       std::vector<float> out(static_cast<size_t>(bs * d.out_width()));
       LinearArgs host = g.args(in, out);
-      std::vector<std::unique_ptr<DevBuf>> keep;
+      std::vector<std::unique_ptr<test::DeviceMemory>> keep;
       auto dev = [&](const TensorView& h) {
         if (h.empty()) return h;
         const size_t bytes = static_cast<size_t>(h.numel()) * dtype_size(h.dtype);
-        keep.push_back(std::make_unique<DevBuf>(bytes));
+        keep.push_back(std::make_unique<test::DeviceMemory>(bytes));
         cudaMemcpy(keep.back()->ptr, h.data, bytes, cudaMemcpyHostToDevice);
         cudaDeviceSynchronize();  // before the backend's non-blocking stream reads it
         TensorView t = h;

@@ -20,6 +20,7 @@
 #include "attnrt/core/device.h"
 #include "attnrt/core/dtype.h"
 #include "attnrt/linear/linear_math.h"
+#include "tests/test_cuda_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -40,33 +41,11 @@ constexpr int kChunk = 64;
 // state; max |gpu - ref| <= kTol * max |ref| over each compared tensor.
 constexpr double kTol = 2e-2;
 
+using test::DeviceMemory;
+
 class CudaLinearChunked : public ::testing::Test {
  protected:
-  void SetUp() override {
-    if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason;
-  }
-};
-
-// An owned device allocation.
-class DevMem {
- public:
-  explicit DevMem(size_t bytes) : bytes_(bytes) {
-    EXPECT_EQ(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)), cudaSuccess);
-  }
-  ~DevMem() { cudaFree(ptr_); }
-  DevMem(const DevMem&) = delete;
-  DevMem& operator=(const DevMem&) = delete;
-  void* get() const { return ptr_; }
-  void upload(const void* host) {
-    EXPECT_EQ(cudaMemcpy(ptr_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  void download(void* host) const {
-    EXPECT_EQ(cudaMemcpy(host, ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_;
+  void SetUp() override { SKIP_WITHOUT_GPU(); }
 };
 
 // Raw bytes of `n` elements of dtype `t`, filled from `values` (rounded to `t`); `values` is
@@ -140,41 +119,42 @@ linear::LayerParams layer_params(const ChunkedCase& c, const Inputs& in) {
   return lp;
 }
 
-// Device buffers of one case and the parameter block pointing into them.
+// Device buffers of one case (`rows` rows of inputs and outputs, `state_bytes` of state slots) and
+// the parameter block pointing into them.
 struct DeviceCase {
-  DevMem reqs, y, a, b, A_log, dt_bias, state, out;
+  DeviceMemory reqs, y, a, b, A_log, dt_bias, state, out;
   cl::DeltaParams p{};
-  DeviceCase(const ChunkedCase& c, const Inputs& in, size_t state_bytes, size_t out_bytes)
+  DeviceCase(const ChunkedCase& c, int conv_dim, int a_width, int64_t rows, size_t state_bytes)
       : reqs(sizeof(cl::LinReq) * std::max<size_t>(c.lens.size(), 1)),
-        y(in.y.size() * 4),
-        a(in.a.size() * dtype_size(c.gates)),
-        b(in.b.size() * dtype_size(c.gates)),
-        A_log(in.A_log.size() * 4),
-        dt_bias(in.dt_bias.size() * 4),
+        y(static_cast<size_t>(rows) * conv_dim * 4),
+        a(static_cast<size_t>(rows) * a_width * dtype_size(c.gates)),
+        b(static_cast<size_t>(rows) * c.hv * dtype_size(c.gates)),
+        A_log(static_cast<size_t>(c.hv) * 4),
+        dt_bias(static_cast<size_t>(c.kda ? c.hv * c.dk : c.hv) * 4),
         state(state_bytes),
-        out(out_bytes) {
-    p.step.reqs = static_cast<const cl::LinReq*>(reqs.get());
+        out(static_cast<size_t>(rows) * c.hv * c.dv * dtype_size(c.out)) {
+    p.step.reqs = reqs.as<const cl::LinReq>();
     p.step.num_reqs = static_cast<int32_t>(c.lens.size());
     p.step.max_tokens = c.lens.empty() ? 0 : *std::max_element(c.lens.begin(), c.lens.end());
-    p.state.ssm = state.get();
+    p.state.ssm = state.ptr;
     p.state.ssm_dtype = static_cast<cl::DTypeCode>(c.state);
-    p.state.conv_dim = in.conv_dim;
+    p.state.conv_dim = conv_dim;
     p.state.heads = c.hv;
     p.state.rows = c.dv;
     p.state.cols = c.dk;
     p.kda = c.kda ? 1 : 0;
     p.key_heads = c.hk;
     p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dk)));
-    p.y = static_cast<const float*>(y.get());
-    p.a = a.get();
-    p.a_stride = in.a_width;
+    p.y = y.as<const float>();
+    p.a = a.ptr;
+    p.a_stride = a_width;
     p.a_dtype = static_cast<cl::DTypeCode>(c.gates);
-    p.b = b.get();
+    p.b = b.ptr;
     p.b_stride = c.hv;
     p.b_dtype = static_cast<cl::DTypeCode>(c.gates);
-    p.A_log = static_cast<const float*>(A_log.get());
-    p.dt_bias = static_cast<const float*>(dt_bias.get());
-    p.out = out.get();
+    p.A_log = A_log.as<const float>();
+    p.dt_bias = dt_bias.as<const float>();
+    p.out = out.ptr;
     p.out_stride = static_cast<int64_t>(c.hv) * c.dv;
     p.out_dtype = static_cast<cl::DTypeCode>(c.out);
   }
@@ -194,7 +174,7 @@ void check_chunked(const ChunkedCase& c) {
   const int64_t out_width = static_cast<int64_t>(c.hv) * c.dv;
   const size_t out_bytes = static_cast<size_t>(in.rows * out_width) * dtype_size(c.out);
 
-  DeviceCase dev(c, in, state_raw.size(), out_bytes);
+  DeviceCase dev(c, in.conv_dim, in.a_width, in.rows, state_raw.size());
   std::vector<cl::LinReq> reqs(c.lens.size());
   for (size_t r = 0; r < c.lens.size(); ++r) {
     reqs[r].slot = c.slots[r];
@@ -209,12 +189,12 @@ void check_chunked(const ChunkedCase& c) {
   dev.A_log.upload(in.A_log.data());
   dev.dt_bias.upload(in.dt_bias.data());
   dev.state.upload(state_raw.data());
-  ASSERT_EQ(cudaMemset(dev.out.get(), 0xff, out_bytes), cudaSuccess);  // NaN in every dtype
+  ASSERT_EQ(cudaMemset(dev.out.ptr, 0xff, out_bytes), cudaSuccess);  // NaN in every dtype
 
   const size_t ws_bytes = cl::delta_chunked_workspace(dev.p, in.rows, kChunk);
   ASSERT_GT(ws_bytes, 0u);
-  DevMem ws(ws_bytes);
-  ASSERT_EQ(cl::launch_delta_chunked(dev.p, in.rows, kChunk, ws.get(), nullptr), cudaSuccess);
+  DeviceMemory ws(ws_bytes);
+  ASSERT_EQ(cl::launch_delta_chunked(dev.p, in.rows, kChunk, ws.ptr, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 
   std::vector<uint8_t> out_raw(out_bytes), state_after(state_raw.size());
@@ -397,24 +377,30 @@ void time_shape(bool kda, int hk, int hv, int d) {
   for (float& v : dt_bias_h) v = small(rng);
   const int slots = kReqs + 1;
   const size_t state_bytes = static_cast<size_t>(slots) * hv * d * d * 4;
-  const size_t out_bytes = static_cast<size_t>(rows) * hv * d * 2;
-  DevMem reqs_mem(sizeof(cl::LinReq) * kReqs), y(static_cast<size_t>(rows) * conv_dim * 4),
-      a(static_cast<size_t>(rows) * a_width * 2), b(static_cast<size_t>(rows) * hv * 2),
-      A_log(hv * 4), dt_bias(dt_bias_h.size() * 4), state(state_bytes), out(out_bytes);
+  // fp32 state, bf16 gates and outputs.
+  ChunkedCase c;
+  c.kda = kda;
+  c.hk = hk;
+  c.hv = hv;
+  c.dk = c.dv = d;
+  c.gates = c.out = DType::bf16;
+  c.lens.assign(kReqs, kLen);
+  DeviceCase dev(c, conv_dim, a_width, rows, state_bytes);
+  dev.p.scale = 1.f / std::sqrt(static_cast<float>(d));
   for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
-    ASSERT_EQ(cudaMemcpy(static_cast<float*>(y.get()) + r0 * conv_dim, y_blk.data(),
-                         y_blk.size() * 4, cudaMemcpyHostToDevice),
+    ASSERT_EQ(cudaMemcpy(dev.y.as<float>() + r0 * conv_dim, y_blk.data(), y_blk.size() * 4,
+                         cudaMemcpyHostToDevice),
               cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(static_cast<uint8_t*>(a.get()) + r0 * a_width * 2, a_raw.data(),
-                         a_raw.size(), cudaMemcpyHostToDevice),
+    ASSERT_EQ(cudaMemcpy(dev.a.as<uint8_t>() + r0 * a_width * 2, a_raw.data(), a_raw.size(),
+                         cudaMemcpyHostToDevice),
               cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(static_cast<uint8_t*>(b.get()) + r0 * hv * 2, b_raw.data(), b_raw.size(),
+    ASSERT_EQ(cudaMemcpy(dev.b.as<uint8_t>() + r0 * hv * 2, b_raw.data(), b_raw.size(),
                          cudaMemcpyHostToDevice),
               cudaSuccess);
   }
-  A_log.upload(A_log_h.data());
-  dt_bias.upload(dt_bias_h.data());
-  ASSERT_EQ(cudaMemset(state.get(), 0, state_bytes), cudaSuccess);
+  dev.A_log.upload(A_log_h.data());
+  dev.dt_bias.upload(dt_bias_h.data());
+  ASSERT_EQ(cudaMemset(dev.state.ptr, 0, state_bytes), cudaSuccess);
   std::vector<cl::LinReq> reqs(kReqs);
   for (int r = 0; r < kReqs; ++r) {
     reqs[r].slot = r + 1;
@@ -422,40 +408,17 @@ void time_shape(bool kda, int hk, int hv, int d) {
     reqs[r].tokens = kLen;
     reqs[r].has_initial_state = 1;
   }
-  reqs_mem.upload(reqs.data());
-  cl::DeltaParams p{};
-  p.step.reqs = static_cast<const cl::LinReq*>(reqs_mem.get());
-  p.step.num_reqs = kReqs;
-  p.step.max_tokens = kLen;
-  p.state.ssm = state.get();
-  p.state.ssm_dtype = static_cast<cl::DTypeCode>(DType::f32);
-  p.state.conv_dim = conv_dim;
-  p.state.heads = hv;
-  p.state.rows = p.state.cols = d;
-  p.kda = kda ? 1 : 0;
-  p.key_heads = hk;
-  p.scale = 1.f / std::sqrt(static_cast<float>(d));
-  p.y = static_cast<const float*>(y.get());
-  p.a = a.get();
-  p.a_stride = a_width;
-  p.a_dtype = static_cast<cl::DTypeCode>(DType::bf16);
-  p.b = b.get();
-  p.b_stride = hv;
-  p.b_dtype = static_cast<cl::DTypeCode>(DType::bf16);
-  p.A_log = static_cast<const float*>(A_log.get());
-  p.dt_bias = static_cast<const float*>(dt_bias.get());
-  p.out = out.get();
-  p.out_stride = static_cast<int64_t>(hv) * d;
-  p.out_dtype = static_cast<cl::DTypeCode>(DType::bf16);
+  dev.reqs.upload(reqs.data());
+  const cl::DeltaParams& p = dev.p;
   const size_t ws_bytes = cl::delta_chunked_workspace(p, rows, kChunk);
-  DevMem ws(ws_bytes);
+  DeviceMemory ws(ws_bytes);
   cudaEvent_t e0, e1;
   ASSERT_EQ(cudaEventCreate(&e0), cudaSuccess);
   ASSERT_EQ(cudaEventCreate(&e1), cudaSuccess);
   std::vector<float> ms;
   for (int it = 0; it < 10; ++it) {
     ASSERT_EQ(cudaEventRecord(e0), cudaSuccess);
-    ASSERT_EQ(cl::launch_delta_chunked(p, rows, kChunk, ws.get(), nullptr), cudaSuccess);
+    ASSERT_EQ(cl::launch_delta_chunked(p, rows, kChunk, ws.ptr, nullptr), cudaSuccess);
     ASSERT_EQ(cudaEventRecord(e1), cudaSuccess);
     ASSERT_EQ(cudaEventSynchronize(e1), cudaSuccess);
     float t = 0;
@@ -474,7 +437,7 @@ void time_shape(bool kda, int hk, int hv, int d) {
               kda ? "kda" : "gdn", kReqs, kLen, hk, hv, d, med, ms.front(), ms.back(),
               flops / (med * 1e-3) / 1e12, ws_bytes / double(1 << 30));
   std::vector<uint16_t> probe(4096);
-  ASSERT_EQ(cudaMemcpy(probe.data(), out.get(), probe.size() * 2, cudaMemcpyDeviceToHost),
+  ASSERT_EQ(cudaMemcpy(probe.data(), dev.out.ptr, probe.size() * 2, cudaMemcpyDeviceToHost),
             cudaSuccess);
   int nan = 0;
   for (uint16_t v : probe) nan += std::isnan(bf16_to_float(v));

@@ -36,34 +36,9 @@ namespace {
 
 #ifdef ATTNRT_HAS_CUDA
 
+using test::DeviceMemory;
+
 namespace cl = cuda::linear;
-
-uint32_t fresh_seed() {
-  if (const char* s = std::getenv("ATTNRT_TEST_SEED")) return static_cast<uint32_t>(std::atoll(s));
-  return std::random_device{}();
-}
-
-// A device allocation of `bytes` with host upload / download.
-class DeviceBuffer {
- public:
-  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
-    EXPECT_EQ(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)), cudaSuccess);
-  }
-  ~DeviceBuffer() { cudaFree(ptr_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  void* get() const { return ptr_; }
-  void upload(const void* host) const {
-    EXPECT_EQ(cudaMemcpy(ptr_, host, bytes_, cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  void download(void* host) const {
-    EXPECT_EQ(cudaMemcpy(host, ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
 
 // Raw host bytes of `n` elements of a float dtype.
 struct HostArray {
@@ -85,10 +60,42 @@ struct SsdCase {
 
 double softplus_inverse(double y) { return std::log(std::expm1(y)); }
 
+// The device side of one step: requests, state slots, inputs, parameters and the output.
+struct SsdDevice {
+  DeviceMemory reqs, ssm, y, a, A_log, dt_bias, D, out;
+
+  // The launch parameters of `c`'s layer shape and dtypes over these buffers.
+  cl::SsdParams params(const SsdCase& c, int num_reqs, int max_tokens, int64_t a_stride,
+                       int64_t out_stride) const {
+    cl::SsdParams p{};
+    p.step.reqs = reqs.as<const cl::LinReq>();
+    p.step.num_reqs = num_reqs;
+    p.step.max_tokens = max_tokens;
+    p.state.ssm = ssm.ptr;
+    p.state.ssm_dtype = static_cast<cl::DTypeCode>(c.ssm);
+    p.state.conv_dim = c.heads * c.head_dim + 2 * c.groups * c.d_state;
+    p.state.heads = c.heads;
+    p.state.rows = c.head_dim;
+    p.state.cols = c.d_state;
+    p.groups = c.groups;
+    p.y = y.as<const float>();
+    p.a = a.ptr;
+    p.a_stride = a_stride;
+    p.a_dtype = static_cast<cl::DTypeCode>(c.a);
+    p.A_log = A_log.as<const float>();
+    p.dt_bias = dt_bias.as<const float>();
+    p.D = D.as<const float>();
+    p.out = out.ptr;
+    p.out_stride = out_stride;
+    p.out_dtype = static_cast<cl::DTypeCode>(c.out);
+    return p;
+  }
+};
+
 // Runs one step on the GPU and the float64 recurrence on the host and compares outputs and final
 // states. Returns the errors relative to the largest reference magnitude through the out-params.
 void check_ssd(const SsdCase& c) {
-  const uint32_t seed = fresh_seed();
+  const uint32_t seed = test::test_seed();
   std::cout << "[ seed ] ATTNRT_TEST_SEED=" << seed << "\n";
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937 rng(seed);
@@ -159,45 +166,30 @@ void check_ssd(const SsdCase& c) {
   HostArray out(c.out, T * out_stride);
   for (int64_t i = 0; i < out.size(); ++i) out.set(i, std::numeric_limits<float>::quiet_NaN());
 
-  DeviceBuffer d_y(y.size() * sizeof(float)), d_a(a.bytes.size()), d_ssm(ssm.bytes.size()),
-      d_out(out.bytes.size()), d_reqs(reqs.size() * sizeof(cl::LinReq));
-  d_y.upload(y.data());
-  d_a.upload(a.bytes.data());
-  d_ssm.upload(ssm.bytes.data());
-  d_out.upload(out.bytes.data());
-  d_reqs.upload(reqs.data());
-  DeviceBuffer d_A_log(H * sizeof(float)), d_dt_bias(H * sizeof(float)), d_D(H * sizeof(float));
-  d_A_log.upload(A_log.data());
-  d_dt_bias.upload(dt_bias.data());
-  d_D.upload(D.data());
+  const SsdDevice dev{DeviceMemory(reqs.size() * sizeof(cl::LinReq)),
+                      DeviceMemory(ssm.bytes.size()),
+                      DeviceMemory(y.size() * sizeof(float)),
+                      DeviceMemory(a.bytes.size()),
+                      DeviceMemory(H * sizeof(float)),
+                      DeviceMemory(H * sizeof(float)),
+                      DeviceMemory(H * sizeof(float)),
+                      DeviceMemory(out.bytes.size())};
+  dev.y.upload(y.data());
+  dev.a.upload(a.bytes.data());
+  dev.ssm.upload(ssm.bytes.data());
+  dev.out.upload(out.bytes.data());
+  dev.reqs.upload(reqs.data());
+  dev.A_log.upload(A_log.data());
+  dev.dt_bias.upload(dt_bias.data());
+  dev.D.upload(D.data());
 
-  cl::SsdParams p{};
-  p.step.reqs = static_cast<const cl::LinReq*>(d_reqs.get());
-  p.step.num_reqs = R;
-  p.step.max_tokens = max_tokens;
-  p.state.ssm = d_ssm.get();
-  p.state.ssm_dtype = static_cast<cl::DTypeCode>(c.ssm);
-  p.state.conv_dim = conv_dim;
-  p.state.heads = H;
-  p.state.rows = P;
-  p.state.cols = N;
-  p.groups = G;
-  p.y = static_cast<const float*>(d_y.get());
-  p.a = d_a.get();
-  p.a_stride = a_stride;
-  p.a_dtype = static_cast<cl::DTypeCode>(c.a);
-  p.A_log = static_cast<const float*>(d_A_log.get());
-  p.dt_bias = static_cast<const float*>(d_dt_bias.get());
-  p.D = static_cast<const float*>(d_D.get());
-  p.out = d_out.get();
-  p.out_stride = out_stride;
-  p.out_dtype = static_cast<cl::DTypeCode>(c.out);
-  DeviceBuffer d_ws(cl::ssd_chunked_workspace(p, T, c.chunk));
-  ASSERT_EQ(cl::launch_ssd_chunked(p, T, c.chunk, d_ws.get(), nullptr), cudaSuccess);
+  const cl::SsdParams p = dev.params(c, R, max_tokens, a_stride, out_stride);
+  DeviceMemory ws(cl::ssd_chunked_workspace(p, T, c.chunk));
+  ASSERT_EQ(cl::launch_ssd_chunked(p, T, c.chunk, ws.ptr, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   HostArray out_gpu(c.out, out.size()), ssm_gpu(c.ssm, ssm.size());
-  d_out.download(out_gpu.bytes.data());
-  d_ssm.download(ssm_gpu.bytes.data());
+  dev.out.download(out_gpu.bytes.data());
+  dev.ssm.download(ssm_gpu.bytes.data());
 
   // The float64 recurrence per request, from the values exactly as stored (rounded a, state).
   std::vector<std::vector<double>> ref_out(R), ref_state(R);
@@ -277,71 +269,56 @@ void check_ssd(const SsdCase& c) {
 // partial last one, and a long request.
 const std::vector<int> kRagged = {1, 127, 128, 129, 300, 1000};
 
+// `heads` heads of 64 in `groups` groups, state size `d_state`, chunks of `chunk` tokens, over the
+// ragged requests (`has_init`: which start from their slot's state).
+SsdCase ragged_case(int heads, int groups, int d_state, int chunk, std::vector<int> has_init) {
+  return {.heads = heads,
+          .groups = groups,
+          .d_state = d_state,
+          .chunk = chunk,
+          .tokens = kRagged,
+          .has_init = std::move(has_init)};
+}
+
 TEST(CudaLinearSsd, SmallDimsChunk64MatchesRecurrence) {
   SKIP_WITHOUT_GPU();
-  SsdCase c;
-  c.tokens = {1, 63, 64, 65, 200, 0, 130};
-  c.has_init = {1, 0, 1, 0, 1, 1, 1};
-  c.a_pad = 3;
-  c.out_pad = 3;  // odd row stride: element-wise output stores
-  check_ssd(c);
+  check_ssd({.tokens = {1, 63, 64, 65, 200, 0, 130},
+             .has_init = {1, 0, 1, 0, 1, 1, 1},
+             .a_pad = 3,
+             .out_pad = 3});  // odd row stride: element-wise output stores
 }
 
 TEST(CudaLinearSsd, SmallDimsChunk128DState128Bf16State) {
   SKIP_WITHOUT_GPU();
-  SsdCase c;
-  c.heads = 6;
-  c.groups = 3;
-  c.d_state = 128;
-  c.chunk = 128;
-  c.tokens = kRagged;
-  c.has_init = {1, 1, 0, 1, 0, 1};
-  c.ssm = DType::bf16;
-  c.a = DType::bf16;
-  c.out = DType::bf16;
+  SsdCase c = ragged_case(6, 3, 128, 128, {1, 1, 0, 1, 0, 1});
+  c.ssm = c.a = c.out = DType::bf16;
   c.out_pad = 2;
   check_ssd(c);
 }
 
 TEST(CudaLinearSsd, OneGroupFp16Out) {
   SKIP_WITHOUT_GPU();
-  SsdCase c;
-  c.heads = 4;
-  c.groups = 1;
-  c.chunk = 128;
-  c.tokens = {129, 5, 256};
-  c.has_init = {0, 1, 1};
-  c.a = DType::f16;
-  c.out = DType::f16;
-  check_ssd(c);
+  check_ssd({.heads = 4,
+             .groups = 1,
+             .chunk = 128,
+             .tokens = {129, 5, 256},
+             .has_init = {0, 1, 1},
+             .a = DType::f16,
+             .out = DType::f16});
 }
 
 TEST(CudaLinearSsd, NemotronShapeFp32State) {
   SKIP_WITHOUT_GPU();
-  SsdCase c;
-  c.heads = 128;
-  c.groups = 8;
-  c.d_state = 128;
-  c.chunk = 128;
-  c.tokens = kRagged;
-  c.has_init = {1, 0, 1, 1, 0, 1};
-  c.a = DType::bf16;
-  c.out = DType::bf16;
+  SsdCase c = ragged_case(128, 8, 128, 128, {1, 0, 1, 1, 0, 1});
+  c.a = c.out = DType::bf16;
   check_ssd(c);
 }
 
 TEST(CudaLinearSsd, NemotronShapeBf16StateChunk64) {
   SKIP_WITHOUT_GPU();
-  SsdCase c;
-  c.heads = 128;
-  c.groups = 8;
-  c.d_state = 128;
-  c.chunk = 64;
-  c.tokens = kRagged;
-  c.has_init = {0, 1, 1, 0, 1, 1};
+  SsdCase c = ragged_case(128, 8, 128, 64, {0, 1, 1, 0, 1, 1});
   c.ssm = DType::bf16;
-  c.a = DType::f32;
-  c.out = DType::f32;
+  c.a = c.out = DType::f32;
   check_ssd(c);
 }
 
@@ -394,56 +371,48 @@ TEST(CudaLinearSsd, ThroughputNemotronShape) {
     }
     std::vector<uint16_t> a(static_cast<size_t>(T) * H);
     for (size_t i = 0; i < a.size(); ++i) a[i] = float_to_bf16(-4.f + 3.f * ((i * 37) % 97) / 97.f);
-    DeviceBuffer d_y(static_cast<size_t>(T) * conv_dim * sizeof(float));
+    const SsdDevice dev{DeviceMemory(R * sizeof(cl::LinReq)),
+                        DeviceMemory(static_cast<size_t>(R + 1) * H * P * N * 4),
+                        DeviceMemory(static_cast<size_t>(T) * conv_dim * sizeof(float)),
+                        DeviceMemory(a.size() * 2),
+                        DeviceMemory(H * 4),
+                        DeviceMemory(H * 4),
+                        DeviceMemory(H * 4),
+                        DeviceMemory(static_cast<size_t>(T) * H * P * 2)};
     for (int r = 0; r < R; ++r) {
-      ASSERT_EQ(cudaMemcpy(static_cast<float*>(d_y.get()) + int64_t{r} * L * conv_dim, y.data(),
+      ASSERT_EQ(cudaMemcpy(dev.y.as<float>() + int64_t{r} * L * conv_dim, y.data(),
                            y.size() * sizeof(float), cudaMemcpyHostToDevice),
                 cudaSuccess);
     }
-    DeviceBuffer d_a(a.size() * 2), d_out(static_cast<size_t>(T) * H * P * 2),
-        d_ssm(static_cast<size_t>(R + 1) * H * P * N * 4), d_reqs(R * sizeof(cl::LinReq));
-    d_a.upload(a.data());
+    dev.a.upload(a.data());
     std::vector<cl::LinReq> reqs;
     for (int r = 0; r < R; ++r) reqs.push_back(cl::LinReq{1 + r, r * L, L, 0, 0});
-    d_reqs.upload(reqs.data());
+    dev.reqs.upload(reqs.data());
     std::vector<float> params(H, 0.5f);
-    DeviceBuffer d_A_log(H * 4), d_dt_bias(H * 4), d_D(H * 4);
-    d_A_log.upload(params.data());
-    d_dt_bias.upload(params.data());
-    d_D.upload(params.data());
+    dev.A_log.upload(params.data());
+    dev.dt_bias.upload(params.data());
+    dev.D.upload(params.data());
 
-    cl::SsdParams p{};
-    p.step.reqs = static_cast<const cl::LinReq*>(d_reqs.get());
-    p.step.num_reqs = R;
-    p.step.max_tokens = L;
-    p.state.ssm = d_ssm.get();
-    p.state.ssm_dtype = static_cast<cl::DTypeCode>(DType::f32);
-    p.state.conv_dim = conv_dim;
-    p.state.heads = H;
-    p.state.rows = P;
-    p.state.cols = N;
-    p.groups = G;
-    p.y = static_cast<const float*>(d_y.get());
-    p.a = d_a.get();
-    p.a_stride = H;
-    p.a_dtype = static_cast<cl::DTypeCode>(DType::bf16);
-    p.A_log = static_cast<const float*>(d_A_log.get());
-    p.dt_bias = static_cast<const float*>(d_dt_bias.get());
-    p.D = static_cast<const float*>(d_D.get());
-    p.out = d_out.get();
-    p.out_stride = int64_t{H} * P;
-    p.out_dtype = static_cast<cl::DTypeCode>(DType::bf16);
-    DeviceBuffer d_ws(cl::ssd_chunked_workspace(p, T, Q));
+    // fp32 state, bf16 dt and out.
+    const SsdCase c{.heads = H,
+                    .groups = G,
+                    .head_dim = P,
+                    .d_state = N,
+                    .chunk = Q,
+                    .a = DType::bf16,
+                    .out = DType::bf16};
+    const cl::SsdParams p = dev.params(c, R, L, H, int64_t{H} * P);
+    DeviceMemory ws(cl::ssd_chunked_workspace(p, T, Q));
 
     cudaEvent_t e0, e1;
     cudaEventCreate(&e0);
     cudaEventCreate(&e1);
     for (int i = 0; i < 3; ++i)
-      ASSERT_EQ(cl::launch_ssd_chunked(p, T, Q, d_ws.get(), nullptr), cudaSuccess);
+      ASSERT_EQ(cl::launch_ssd_chunked(p, T, Q, ws.ptr, nullptr), cudaSuccess);
     std::vector<float> ms;
     for (int i = 0; i < 10; ++i) {
       cudaEventRecord(e0);
-      cl::launch_ssd_chunked(p, T, Q, d_ws.get(), nullptr);
+      cl::launch_ssd_chunked(p, T, Q, ws.ptr, nullptr);
       cudaEventRecord(e1);
       cudaEventSynchronize(e1);
       float m = 0;

@@ -27,6 +27,7 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "backends/reference/reference_backend.h"
+#include "tests/test_cuda_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -42,64 +43,35 @@ namespace {
 
 #ifdef ATTNRT_HAS_CUDA
 
-struct PrefillCase {
+using test::DevTensor;
+using test::fill_random;
+
+struct PrefillCase : test::LayerCase {
   ForwardMode mode = ForwardMode::EXTEND;
-  int hq = 8, hkv = 2, dim = 128, page = 16;
+  int page = 16;
   DType act = DType::bf16;
   std::vector<int32_t> prefix, qlen;  // DRAFT_EXTEND: qlen = accepted drafts + 1
-  bool causal = true;
-  int window = -1;
-  float cap = 0.f;
-  bool sinks = false;
   uint32_t seed = 1;
 };
 
-// Owns a device allocation holding a copy of a host tensor.
-class DeviceCopy {
- public:
-  explicit DeviceCopy(const TensorView& host) : view_(host) {
-    bytes_ = static_cast<size_t>(host.numel()) * dtype_size(host.dtype);
-    EXPECT_EQ(cudaMalloc(&ptr_, bytes_), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(ptr_, host.data, bytes_, cudaMemcpyHostToDevice), cudaSuccess);
-    view_.data = ptr_;
-    view_.device = Device::cuda(0);
-  }
-  ~DeviceCopy() { cudaFree(ptr_); }
-  DeviceCopy(const DeviceCopy&) = delete;
-  DeviceCopy& operator=(const DeviceCopy&) = delete;
-  const TensorView& view() const { return view_; }
-  void download(void* host) const {
-    EXPECT_EQ(cudaMemcpy(host, ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-  TensorView view_;
-};
-
-void fill_uniform(const TensorView& t, std::mt19937& rng, float amp) {
-  std::uniform_real_distribution<float> u(-amp, amp);
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, u(rng));
+// A case of the default layer with these request lengths.
+PrefillCase lengths(std::vector<int32_t> prefix, std::vector<int32_t> qlen, uint32_t seed = 1) {
+  PrefillCase c;
+  c.prefix = std::move(prefix);
+  c.qlen = std::move(qlen);
+  c.seed = seed;
+  return c;
 }
 
 // Runs one step through the reference (host pools) and the cuda backend (device pools with the
-// same bytes, same slots) and compares out and lse.
-void check_prefill(const PrefillCase& c) {
+// same bytes, same slots) and compares out and lse; failures name the case as `what`.
+void check_prefill(const PrefillCase& c, const testing::Message& what = testing::Message()) {
+  SCOPED_TRACE(what);
   std::mt19937 rng(c.seed);
   ModelSpec model;
   model.name = "prefill-test";
   model.dtype = c.act;
-  LayerSpec layer;
-  layer.layer_id = 0;
-  layer.kind = c.window >= 0 ? LayerKind::swa : LayerKind::full;
-  layer.num_q_heads = c.hq;
-  layer.num_kv_heads = c.hkv;
-  layer.head_dim = layer.v_head_dim = c.dim;
-  layer.logit_cap = c.cap;
-  layer.sliding_window = c.window;
-  layer.has_sinks = c.sinks;
-  layer.attn_type = c.causal ? AttnType::decoder : AttnType::encoder_only;
+  const LayerSpec layer = c.layer();
   model.layers = {layer};
   const int bs = static_cast<int>(c.prefix.size());
   int32_t max_kv = 0;
@@ -122,8 +94,8 @@ void check_prefill(const PrefillCase& c) {
   KVStorage dev = cuda::make_cuda_kv_storage(model, cfg);
   auto* dev_cache = static_cast<cuda::CudaKVCache*>(dev.cache.get());
   const KVLayerView hv = host.cache->layer(0);
-  fill_uniform(TensorView(hv.k, hv.dtype, {hv.num_rows * hv.k_row_stride}), rng, 2.f);
-  fill_uniform(TensorView(hv.v, hv.dtype, {hv.num_rows * hv.v_row_stride}), rng, 2.f);
+  fill_random(TensorView(hv.k, hv.dtype, {hv.num_rows * hv.k_row_stride}), rng, 2.f);
+  fill_random(TensorView(hv.v, hv.dtype, {hv.num_rows * hv.v_row_stride}), rng, 2.f);
 
   ReqToTokenPool pool(bs, model.max_context_len);
   std::vector<int64_t> perm(pages);
@@ -169,10 +141,8 @@ void check_prefill(const PrefillCase& c) {
       batch.out_cache_loc.push_back(slots[i][c.prefix[i] + t]);
   const int64_t T = batch.num_tokens();
 
-  HostBuffer q(c.act, {T, c.hq, c.dim}), k(c.act, {T, c.hkv, c.dim}), v(c.act, {T, c.hkv, c.dim});
-  fill_uniform(q.view(), rng, 1.f);
-  fill_uniform(k.view(), rng, 2.f);
-  fill_uniform(v.view(), rng, 2.f);
+  const test::Qkv in = test::random_qkv(c.act, layer, T, rng);
+  const auto& [q, k, v] = in;
   std::vector<float> sinks(c.hq);
   for (float& s : sinks) s = std::uniform_real_distribution<float>(-1.f, 3.f)(rng);
 
@@ -187,40 +157,28 @@ void check_prefill(const PrefillCase& c) {
   };
 
   HostBuffer ref_out(c.act, {T, c.hq, c.dim}), ref_lse(DType::f32, {T, c.hq});
-  {
-    host.cache->begin_step(batch);
-    ReferenceBackend ref(context(host.cache.get(), Device::cpu()));
-    ref.init_forward_metadata(batch);
-    AttnArgs a;
-    a.q = q.view();
-    a.k = k.view();
-    a.v = v.view();
-    a.out = ref_out.view();
-    a.lse = ref_lse.view();
-    a.sinks = c.sinks ? sinks.data() : nullptr;
-    ref.forward(a, layer, batch);
-  }
+  test::reference_forward(context(host.cache.get(), Device::cpu()), batch, layer, in,
+                          c.sinks ? sinks.data() : nullptr, ref_out.view(), ref_lse.view());
 
   HostBuffer out(c.act, {T, c.hq, c.dim}), lse(DType::f32, {T, c.hq});
   std::memset(out.data(), 0xff, out.bytes());  // NaN poison: every element must be written
   std::memset(lse.data(), 0xff, lse.bytes());
   HostBuffer sink_buf(DType::f32, {c.hq});
   std::memcpy(sink_buf.data(), sinks.data(), sinks.size() * sizeof(float));
-  DeviceCopy dq(q.view()), dk(k.view()), dv(v.view()), dout(out.view()), dlse(lse.view());
-  DeviceCopy dsinks(sink_buf.view());
+  DevTensor dq(q.view()), dk(k.view()), dv(v.view()), dout(out.view()), dlse(lse.view());
+  DevTensor dsinks(sink_buf.view());
   dev.cache->begin_step(batch);
   cuda::CudaBackend be(context(dev.cache.get(), Device::cuda(0)));
   be.init_forward_metadata(batch);
   ASSERT_EQ(be.plan().classes.size(), 1u);
   ASSERT_EQ(be.plan().classes[0].shape, cuda::TileShape::prefill)
       << "the case does not reach the prefill kernel";
-  AttnArgs a;
-  a.q = dq.view();
-  a.k = dk.view();
-  a.v = dv.view();
-  a.out = dout.view();
-  a.lse = dlse.view();
-  a.sinks = c.sinks ? static_cast<const float*>(dsinks.view().data) : nullptr;
+  const AttnArgs a{.q = dq.view,
+                   .k = dk.view,
+                   .v = dv.view,
+                   .out = dout.view,
+                   .sinks = c.sinks ? static_cast<const float*>(dsinks.ptr) : nullptr,
+                   .lse = dlse.view};
   // The producer the warp-specialised CTA takes for this layer (the launch's own decision, on
   // the pool the backend reads): the TMA one wherever it applies, unless switched off.
   const int ws = cuda::prefill_ws_mode();
@@ -244,28 +202,20 @@ void check_prefill(const PrefillCase& c) {
   be.forward(a, layer, batch);
   ASSERT_EQ(cudaStreamSynchronize(be.stream()), cudaSuccess);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  dout.download(out.data());
-  dlse.download(lse.data());
+  dout.download(out.view());
+  dlse.download(lse.view());
 
-  double num = 0, den = 0, worst = 0, worst_lse = 0;
-  bool finite = true;
-  for (int64_t i = 0; i < T * c.hq * c.dim; ++i) {
-    const double got = load_as_float(out.data(), c.act, i);
-    const double want = load_as_float(ref_out.data(), c.act, i);
-    finite = finite && std::isfinite(got);
-    num += (got - want) * (got - want);
-    den += want * want;
-    worst = std::max(worst, std::abs(got - want));
-  }
+  const test::Compare co = test::compare(out.view(), ref_out.view(), T);
+  double worst_lse = 0;
+  bool lse_finite = true;
   for (int64_t i = 0; i < T * c.hq; ++i) {
     const double got = lse.ptr<float>()[i];
-    finite = finite && std::isfinite(got);
+    lse_finite = lse_finite && std::isfinite(got);
     worst_lse = std::max(worst_lse, std::abs(got - ref_lse.ptr<float>()[i]));
   }
-  EXPECT_TRUE(finite) << "non-finite output or lse (unwritten or NaN)";
-  EXPECT_LT(std::sqrt(num / std::max(den, 1e-30)), c.act == DType::f16 ? 4e-3 : 1.2e-2)
-      << "max abs error " << worst;
-  EXPECT_LT(worst, 0.08);
+  EXPECT_TRUE(co.finite && lse_finite) << "non-finite output or lse (unwritten or NaN)";
+  EXPECT_LT(co.rel, c.act == DType::f16 ? 4e-3 : 1.2e-2) << "max abs error " << co.max_abs;
+  EXPECT_LT(co.max_abs, 0.08);
   EXPECT_LT(worst_lse, 2e-2) << "lse differs from the reference";
 }
 
@@ -331,29 +281,22 @@ TEST(CudaPrefillTile, MatchesThePlansPrefillAndVerifyTiles) {
 
 PREFILL_CASE(RaggedCausalExtendAcrossHeadDims) {
   for (int dim : {64, 128, 256}) {
-    PrefillCase c;
-    c.dim = dim;
     // Prefixes on a page boundary (0, 32, 256), one key past one (17), and mid-page (301); query
     // runs shorter than a tile, one token, and several tiles long.
-    c.prefix = {0, 17, 256, 32, 301};
-    c.qlen = {300, 45, 1, 129, 200};
-    c.seed = static_cast<uint32_t>(dim);
-    SCOPED_TRACE(testing::Message() << "dim " << dim);
-    check_prefill(c);
+    PrefillCase c =
+        lengths({0, 17, 256, 32, 301}, {300, 45, 1, 129, 200}, static_cast<uint32_t>(dim));
+    c.dim = dim;
+    check_prefill(c, testing::Message() << "dim " << dim);
   }
 }
 
 PREFILL_CASE(GroupsThatSplitTokensAcrossTiles) {
   // Group 3: a 128-row tile ends inside a token's heads; group 1 and 8: one and many heads.
   for (auto [hq, hkv] : {std::pair{12, 4}, std::pair{4, 4}, std::pair{32, 4}}) {
-    PrefillCase c;
+    PrefillCase c = lengths({48, 0, 5}, {170, 97, 64}, static_cast<uint32_t>(hq * 10 + hkv));
     c.hq = hq;
     c.hkv = hkv;
-    c.prefix = {48, 0, 5};
-    c.qlen = {170, 97, 64};
-    c.seed = static_cast<uint32_t>(hq * 10 + hkv);
-    SCOPED_TRACE(testing::Message() << "hq " << hq << " hkv " << hkv);
-    check_prefill(c);
+    check_prefill(c, testing::Message() << "hq " << hq << " hkv " << hkv);
   }
 }
 
@@ -362,13 +305,9 @@ PREFILL_CASE(PageSizesAndLongRuns) {
   // producer takes: 16 boxes per tile and column block), 64 and 128 slots (one box per tile at
   // head dims 64 and 128; two at 256).
   for (int page : {1, 8, 64, 128}) {
-    PrefillCase c;
+    PrefillCase c = lengths({640, 0}, {400, 600}, static_cast<uint32_t>(page + 3));
     c.page = page;
-    c.prefix = {640, 0};
-    c.qlen = {400, 600};
-    c.seed = static_cast<uint32_t>(page + 3);
-    SCOPED_TRACE(testing::Message() << "page " << page);
-    check_prefill(c);
+    check_prefill(c, testing::Message() << "page " << page);
   }
 }
 
@@ -389,21 +328,15 @@ PREFILL_CASE(MoreWorkItemsThanSms) {
 
 PREFILL_CASE(NonCausalWithAndWithoutPrefix) {
   for (int dim : {64, 256}) {
-    PrefillCase c;
+    PrefillCase c = lengths({0, 80}, {260, 150}, static_cast<uint32_t>(dim + 7));
     c.causal = false;
     c.dim = dim;
-    c.prefix = {0, 80};
-    c.qlen = {260, 150};
-    c.seed = static_cast<uint32_t>(dim + 7);
-    SCOPED_TRACE(testing::Message() << "dim " << dim);
-    check_prefill(c);
+    check_prefill(c, testing::Message() << "dim " << dim);
   }
 }
 
 PREFILL_CASE(WindowSoftcapAndSinks) {
-  PrefillCase c;
-  c.prefix = {500, 0, 64};
-  c.qlen = {300, 260, 150};
+  PrefillCase c = lengths({500, 0, 64}, {300, 260, 150});
   c.window = 100;
   c.cap = 20.f;
   c.sinks = true;
@@ -424,15 +357,11 @@ PREFILL_CASE(WindowStartingInsideATileWithSplitKeys) {
   // no multiple of the key tile, so the warp-specialised CTA starts its range a tile boundary
   // earlier (the TMA producer loads whole pages) and masks the keys before the window.
   for (auto [dim, page] : {std::pair{128, 64}, std::pair{256, 8}, std::pair{64, 128}}) {
-    PrefillCase c;
+    PrefillCase c = lengths({2990}, {140}, static_cast<uint32_t>(dim + page));
     c.dim = dim;
     c.page = page;
-    c.prefix = {2990};
-    c.qlen = {140};
     c.window = 1001;
-    c.seed = static_cast<uint32_t>(dim + page);
-    SCOPED_TRACE(testing::Message() << "dim " << dim << " page " << page);
-    check_prefill(c);
+    check_prefill(c, testing::Message() << "dim " << dim << " page " << page);
   }
 }
 
@@ -442,23 +371,17 @@ PREFILL_CASE(LastPagesEndingMidPageOverNaNRows) {
   // TMA producer takes.
   for (int page : {8, 16, 32, 128}) {
     for (int dim : {64, 256}) {
-      PrefillCase c;
+      PrefillCase c = lengths({0, 21, 130}, {133, 250, 1}, static_cast<uint32_t>(page * 3 + dim));
       c.dim = dim;
       c.page = page;
-      c.prefix = {0, 21, 130};
-      c.qlen = {133, 250, 1};
-      c.seed = static_cast<uint32_t>(page * 3 + dim);
-      SCOPED_TRACE(testing::Message() << "page " << page << " dim " << dim);
-      check_prefill(c);
+      check_prefill(c, testing::Message() << "page " << page << " dim " << dim);
     }
   }
 }
 
 PREFILL_CASE(SplitKeysMergeWithLse) {
   // Few CTAs and many keys: the plan splits the keys and the merge kernel combines the partials.
-  PrefillCase c;
-  c.prefix = {3000};
-  c.qlen = {129};
+  PrefillCase c = lengths({3000}, {129});
   check_prefill(c);
   c.causal = false;
   c.dim = 256;
@@ -467,31 +390,23 @@ PREFILL_CASE(SplitKeysMergeWithLse) {
 }
 
 PREFILL_CASE(MixedAndDraftExtendSteps) {
-  PrefillCase m;
+  PrefillCase m = lengths({100, 40, 41, 700}, {150, 1, 1, 1});
   m.mode = ForwardMode::MIXED;
-  m.prefix = {100, 40, 41, 700};
-  m.qlen = {150, 1, 1, 1};
   check_prefill(m);
-  PrefillCase d;
+  PrefillCase d = lengths({300, 1000, 64}, {9, 4, 7}, 4);
   d.mode = ForwardMode::DRAFT_EXTEND;
   d.hq = 32;
   d.hkv = 4;  // 9 tokens x group 8 = 72 rows: the prefill shape
-  d.prefix = {300, 1000, 64};
-  d.qlen = {9, 4, 7};
-  d.seed = 4;
   check_prefill(d);
 }
 
 PREFILL_CASE(Fp16Activations) {
-  PrefillCase c;
+  PrefillCase c = lengths({33, 0}, {220, 140});
   c.act = DType::f16;
-  c.prefix = {33, 0};
-  c.qlen = {220, 140};
   for (int dim : {64, 128, 256}) {
     c.dim = dim;
     c.seed = static_cast<uint32_t>(dim + 11);
-    SCOPED_TRACE(testing::Message() << "dim " << dim);
-    check_prefill(c);
+    check_prefill(c, testing::Message() << "dim " << dim);
   }
 }
 

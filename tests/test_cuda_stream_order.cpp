@@ -35,8 +35,10 @@
 #include "attnrt/runtime/attention_runtime.h"
 #include "tools/sim/scheduler.h"
 #include "tools/sim/trace.h"
-
+#include "tools/sim/scheduler.h"
+#include "tools/sim/trace.h"
 #include "tests/test_cuda_util.h"
+#include "tests/test_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -88,15 +90,7 @@ sim::Trace stress_trace(bool shared_prefixes) {
   return t;
 }
 
-LayerSpec attention_layer(int id, int hq, int hkv, int dim) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.kind = LayerKind::full;
-  l.num_q_heads = hq;
-  l.num_kv_heads = hkv;
-  l.head_dim = l.v_head_dim = dim;
-  return l;
-}
+using test::attention_layer;
 
 // Qwen2.5-7B's attention shape (28 q / 4 kv heads of 128, as in the report) and a GQA-4 layer of
 // 64; the hybrid puts a Gated DeltaNet layer first.
@@ -150,16 +144,6 @@ void fill_inputs(uint16_t* dst, int64_t n, uint64_t seed, float amp) {
   for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(u(rng));
 }
 
-struct DeviceMem {
-  void* ptr = nullptr;
-  explicit DeviceMem(size_t bytes) { EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(bytes, 16)), cudaSuccess); }
-  ~DeviceMem() { cudaFree(ptr); }
-  DeviceMem(const DeviceMem&) = delete;
-  DeviceMem& operator=(const DeviceMem&) = delete;
-  template <typename T>
-  T* as() const { return static_cast<T*>(ptr); }
-};
-
 struct PinnedMem {
   void* ptr = nullptr;
   explicit PinnedMem(size_t bytes) {
@@ -172,7 +156,7 @@ struct PinnedMem {
 
 // Fixed per-layer weights of a linear layer (fp32, on the GPU), as attnrt run draws them.
 struct LinearWeights {
-  std::vector<std::unique_ptr<DeviceMem>> keep;
+  std::vector<std::unique_ptr<test::DeviceMemory>> keep;
   TensorView conv_w, conv_b, A_log, dt_bias;
 };
 
@@ -184,7 +168,7 @@ LinearWeights linear_weights(const LayerSpec& l, cudaStream_t stream) {
     HostBuffer h(DType::f32, shape);
     std::uniform_real_distribution<float> u(-scale, scale);
     for (int64_t i = 0; i < h.numel(); ++i) h.ptr<float>()[i] = center + u(rng);
-    w.keep.push_back(std::make_unique<DeviceMem>(h.bytes()));
+    w.keep.push_back(std::make_unique<test::DeviceMemory>(h.bytes()));
     EXPECT_EQ(cudaMemcpyAsync(w.keep.back()->ptr, h.data(), h.bytes(), cudaMemcpyHostToDevice,
                               stream),
               cudaSuccess);
@@ -246,12 +230,11 @@ RunLog run_trace(const Case& c, bool ahead) {
   o.speculative_num_steps = c.spec_steps;
   o.speculative_eagle_topk = c.topk;
   o.speculative_num_draft_tokens = c.draft_tokens;
-  RuntimeConfig rc;
-  rc.max_requests = sc.max_running_requests;
-  rc.kv_slots = 16384;
-  rc.max_num_tokens = max_tokens;
-  rc.max_context_len = context;
-  rc.cuda_graphs = ahead;
+  const RuntimeConfig rc{.max_requests = sc.max_running_requests,
+                         .kv_slots = 16384,
+                         .max_num_tokens = max_tokens,
+                         .max_context_len = context,
+                         .cuda_graphs = ahead};
 
   RunLog log;
   // Device buffers and pinned inputs of every step, allocated before anything is held (a
@@ -260,10 +243,10 @@ RunLog run_trace(const Case& c, bool ahead) {
   for (const LayerSpec& l : model.layers) per_token += widths(l).total();
   const size_t step_bytes = static_cast<size_t>(max_tokens) * per_token * 2;
   const int arena_steps = ahead ? kMaxSteps : 1;
-  DeviceMem dev(step_bytes * arena_steps);
+  test::DeviceMemory dev(step_bytes * arena_steps);
   PinnedMem pinned(ahead ? step_bytes * arena_steps : 16);
   std::vector<uint16_t> host_in(ahead ? 1 : step_bytes / 2);
-  DeviceMem gates(4 * sizeof(int32_t));
+  test::DeviceMemory gates(4 * sizeof(int32_t));
 
   // The legacy stream is held until step kPoolGateStep's stores were issued on the runtime's
   // stream: a pool initialisation queued there lands after them. Both holds' gate words are
@@ -505,7 +488,7 @@ TEST_P(CudaStreamOrder, HostAheadOfABusyGpuGivesTheOutputsOfSteadySteps) {
   // The holds spin until a kernel of another stream opens them: load the gate kernels first, so
   // that no lazy module load has to wait for a spinning hold.
   {
-    DeviceMem warm(4 * sizeof(int32_t));
+    test::DeviceMemory warm(4 * sizeof(int32_t));
     ASSERT_EQ(cudaMemset(warm.ptr, 0, 4 * sizeof(int32_t)), cudaSuccess);
     ASSERT_EQ(cuda::gate_signal(warm.as<int32_t>(), nullptr), cudaSuccess);
     ASSERT_EQ(cuda::gate_hold(warm.as<int32_t>(), 1000, nullptr), cudaSuccess);

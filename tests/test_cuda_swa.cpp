@@ -38,13 +38,6 @@ namespace {
 
 #ifdef ATTNRT_HAS_CUDA
 
-using test::DevTensor;
-
-void fill_random(const TensorView& t, std::mt19937& rng, float amp) {
-  std::uniform_real_distribution<float> u(-amp, amp);
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, u(rng));
-}
-
 LayerSpec attn_layer(int id, int hkv, int dim, int window) {
   LayerSpec l;
   l.layer_id = id;
@@ -163,26 +156,16 @@ class SwaTwin {
     const int64_t T = b.num_tokens();
     host_.cache->begin_step(b);
     ref_->init_forward_metadata(b);
-    struct Io {
-      HostBuffer q, k, v, out, ref;
+    struct Io : test::Qkv {
+      HostBuffer out, ref;
     };
     std::vector<Io> io;
     for (const LayerSpec& l : model_.layers) {
-      Io x{HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim}),
-           HostBuffer(model_.dtype, {T, l.num_kv_heads, l.head_dim}),
-           HostBuffer(model_.dtype, {T, l.num_kv_heads, l.head_dim}),
+      Io x{test::random_qkv(model_.dtype, l, T, rng_),
            HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim}),
            HostBuffer(model_.dtype, {T, l.num_q_heads, l.head_dim})};
-      fill_random(x.q.view(), rng_, 1.f);
-      fill_random(x.k.view(), rng_, 2.f);
-      fill_random(x.v.view(), rng_, 2.f);
       std::memset(x.out.data(), 0xff, x.out.bytes());  // NaN: every row must be written
-      AttnArgs a;
-      a.q = x.q.view();
-      a.k = x.k.view();
-      a.v = x.v.view();
-      a.out = x.ref.view();
-      ref_->forward(a, l, b);
+      ref_->forward({.q = x.q.view(), .k = x.k.view(), .v = x.v.view(), .out = x.ref.view()}, l, b);
       io.push_back(std::move(x));
     }
     if (graph) {
@@ -201,34 +184,20 @@ class SwaTwin {
     } else {
       rt_->begin_step(b);
       for (size_t i = 0; i < io.size(); ++i) {
-        DevTensor q(io[i].q.view()), k(io[i].k.view()), v(io[i].v.view()), out(io[i].out.view());
-        AttnArgs a;
-        a.q = q.view;
-        a.k = k.view;
-        a.v = v.view;
-        a.out = out.view;
-        rt_->forward(model_.layers[i].layer_id, a);
+        const test::DevTensor q(io[i].q.view()), k(io[i].k.view()), v(io[i].v.view()),
+            out(io[i].out.view());
+        rt_->forward(model_.layers[i].layer_id,
+                     {.q = q.view, .k = k.view, .v = v.view, .out = out.view});
         rt_->synchronize();
         out.download(io[i].out.view());
       }
       rt_->end_step();
     }
     for (size_t i = 0; i < io.size(); ++i) {
-      double num = 0, den = 0, worst = 0;
-      bool finite = true;
-      const int64_t n = io[i].out.numel();
-      for (int64_t j = 0; j < n; ++j) {
-        const double g = load_as_float(io[i].out.data(), model_.dtype, j);
-        const double r = load_as_float(io[i].ref.data(), model_.dtype, j);
-        finite = finite && std::isfinite(g);
-        num += (g - r) * (g - r);
-        den += r * r;
-        worst = std::max(worst, std::abs(g - r));
-      }
-      const double rel = std::sqrt(num / std::max(den, 1e-30));
-      EXPECT_TRUE(finite) << "layer " << i << ": non-finite output (unwritten or NaN)";
-      EXPECT_LT(rel, 1.2e-2) << "layer " << i << ": max abs error " << worst;
-      EXPECT_LT(worst, 0.08) << "layer " << i << ": relative error " << rel;
+      const test::Compare co = test::compare(io[i].out.view(), io[i].ref.view(), T);
+      EXPECT_TRUE(co.finite) << "layer " << i << ": non-finite output (unwritten or NaN)";
+      EXPECT_LT(co.rel, 1.2e-2) << "layer " << i << ": max abs error " << co.max_abs;
+      EXPECT_LT(co.max_abs, 0.08) << "layer " << i << ": relative error " << co.rel;
     }
   }
 

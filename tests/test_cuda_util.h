@@ -1,13 +1,26 @@
 // Helpers shared by the GPU test files: the skip (with the reason) where no CUDA device is usable,
-// dependent launches switched for a scope, and device copies of host tensors.
+// random inputs and their seed, the attention layer of a case, output comparisons, dependent
+// launches switched for a scope, device memory and device copies of host tensors.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <random>
 
+#include "attnrt/backend/attention_backend.h"
+#include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/device.h"
+#include "attnrt/core/dtype.h"
 #include "attnrt/core/tensor.h"
+#include "attnrt/memory/kv_cache.h"
+#include "attnrt/model/model_spec.h"
+#include "backends/reference/reference_backend.h"
+#include "tests/test_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -22,6 +35,90 @@
 
 namespace attnrt::test {
 
+// ATTNRT_TEST_SEED where set (to replay a run), else a fresh random seed.
+inline uint32_t test_seed() {
+  if (const char* s = std::getenv("ATTNRT_TEST_SEED")) return static_cast<uint32_t>(std::atoll(s));
+  return std::random_device{}();
+}
+
+// Fills a host tensor with numbers drawn uniformly from [-amp, amp].
+inline void fill_random(const TensorView& t, std::mt19937& rng, float amp) {
+  std::uniform_real_distribution<float> u(-amp, amp);
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, u(rng));
+}
+
+// q, k and v of `tokens` tokens for `layer` (v with the qk head dim), drawn in that order from
+// [-1, 1], [-2, 2] and [-2, 2].
+struct Qkv {
+  HostBuffer q, k, v;
+};
+inline Qkv random_qkv(DType dtype, const LayerSpec& layer, int64_t tokens, std::mt19937& rng) {
+  Qkv x{HostBuffer(dtype, {tokens, layer.num_q_heads, layer.head_dim}),
+        HostBuffer(dtype, {tokens, layer.num_kv_heads, layer.head_dim}),
+        HostBuffer(dtype, {tokens, layer.num_kv_heads, layer.head_dim})};
+  fill_random(x.q.view(), rng, 1.f);
+  fill_random(x.k.view(), rng, 2.f);
+  fill_random(x.v.view(), rng, 2.f);
+  return x;
+}
+
+// The one attention layer of a case: full, or sliding-window where window >= 0.
+struct LayerCase {
+  int hq = 8, hkv = 2, dim = 128;
+  int window = -1;
+  float cap = 0.f;
+  bool sinks = false, causal = true;
+
+  LayerSpec layer() const {
+    LayerSpec l = attention_layer(0, hq, hkv, dim);
+    l.kind = window >= 0 ? LayerKind::swa : LayerKind::full;
+    l.logit_cap = cap;
+    l.sliding_window = window;
+    l.has_sinks = sinks;
+    l.attn_type = causal ? AttnType::decoder : AttnType::encoder_only;
+    return l;
+  }
+};
+
+// One layer of `batch` on the reference backend over `ctx`, whose KV cache takes the step's K/V:
+// out and lse of `in`, with the sink logits where `sinks` is not null.
+inline void reference_forward(const BackendContext& ctx, const ForwardBatch& batch,
+                              const LayerSpec& layer, const Qkv& in, const float* sinks,
+                              const TensorView& out, const TensorView& lse) {
+  ctx.kv_cache->begin_step(batch);
+  ReferenceBackend ref(ctx);
+  ref.init_forward_metadata(batch);
+  ref.forward({.q = in.q.view(),
+               .k = in.k.view(),
+               .v = in.v.view(),
+               .out = out,
+               .sinks = sinks,
+               .lse = lse},
+              layer, batch);
+}
+
+// Relative L2 error and largest absolute error of the first `rows` rows of `got` against `want`;
+// a non-finite element of `got` makes both infinite.
+struct Compare {
+  double rel = 0, max_abs = 0;
+  bool finite = true;
+};
+inline Compare compare(const TensorView& got, const TensorView& want, int64_t rows) {
+  Compare c;
+  const int64_t n = rows * (got.numel() / got.shape[0]);
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double a = load_as_float(got.data, got.dtype, i),
+                 b = load_as_float(want.data, want.dtype, i);
+    if (!std::isfinite(a)) return {INFINITY, INFINITY, false};
+    num += (a - b) * (a - b);
+    den += b * b;
+    c.max_abs = std::max(c.max_abs, std::abs(a - b));
+  }
+  c.rel = std::sqrt(num / std::max(den, 1e-30));
+  return c;
+}
+
 #ifdef ATTNRT_HAS_CUDA
 // Programmatic dependent launches on or off while this object lives (kernels/launch.h).
 class DependentLaunches {
@@ -35,6 +132,29 @@ class DependentLaunches {
 
  private:
   bool saved_;
+};
+
+// A device allocation of `bytes` (at least 16), freed with this object.
+struct DeviceMemory {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  explicit DeviceMemory(size_t n) : bytes(n) {
+    EXPECT_EQ(cudaMalloc(&ptr, std::max<size_t>(n, 16)), cudaSuccess);
+  }
+  ~DeviceMemory() { cudaFree(ptr); }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr);
+  }
+  // Copies `bytes` from or to the host.
+  void upload(const void* host) const {
+    EXPECT_EQ(cudaMemcpy(ptr, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  void download(void* host) const {
+    EXPECT_EQ(cudaMemcpy(host, ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
 };
 
 // Device copy of a host tensor, freed with this object.
@@ -64,6 +184,15 @@ struct DevTensor {
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the kernels that wrote it ran elsewhere
     EXPECT_EQ(cudaMemcpy(host.data, ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
   }
+};
+
+// Device copies of a step's q, k, v and out, and the arguments that point at them.
+struct DeviceQkvOut {
+  DevTensor q, k, v, out;
+  DeviceQkvOut(const TensorView& q_host, const TensorView& k_host, const TensorView& v_host,
+               const TensorView& out_host)
+      : q(q_host), k(k_host), v(v_host), out(out_host) {}
+  AttnArgs args() const { return {.q = q.view, .k = k.view, .v = v.view, .out = out.view}; }
 };
 #endif
 

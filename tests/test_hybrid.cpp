@@ -75,21 +75,18 @@ constexpr ForwardMode kAllModes[] = {ForwardMode::EXTEND,         ForwardMode::D
                                      ForwardMode::TARGET_VERIFY,  ForwardMode::DRAFT_EXTEND,
                                      ForwardMode::DRAFT_EXTEND_V2};
 
-// The mid-line table of §6.1, written out row by row: true = the decode backend serves the mode.
+// The mid-line table of §6.1, its rows grouped by answer: true = the decode backend serves the
+// mode.
 bool decode_serves(ForwardMode mode, bool spec_mode_decode) {
   switch (mode) {
-    case ForwardMode::EXTEND:
-      return false;
     case ForwardMode::DECODE:
-      return true;
-    case ForwardMode::MIXED:
-      return false;
     case ForwardMode::IDLE:
       return true;
     case ForwardMode::TARGET_VERIFY:
-      return spec_mode_decode;
     case ForwardMode::DRAFT_EXTEND:
       return spec_mode_decode;
+    case ForwardMode::EXTEND:
+    case ForwardMode::MIXED:
     case ForwardMode::DRAFT_EXTEND_V2:
       return false;
   }

@@ -19,13 +19,17 @@ ModelSpec two_layer_model() {
   ModelSpec m;
   m.name = "pool-model";
   m.dtype = DType::f32;
-  LayerSpec full;
-  full.layer_id = 1;
-  full.kind = LayerKind::full;
-  full.num_q_heads = full.num_kv_heads = 1;
-  full.head_dim = full.v_head_dim = 8;
-  m.layers = {small_layer(LayerKind::gdn, 0), full, small_layer(LayerKind::mamba2, 2)};
+  m.layers = {small_layer(LayerKind::gdn, 0), test::attention_layer(1, 1, 1, 8),
+              small_layer(LayerKind::mamba2, 2)};
   return m;
+}
+
+// `slots` state slots and as many request rows; `verify_rows` rows of `draft_tokens` checkpoints.
+LinearStateConfig pool_config(int slots, int verify_rows = 0, int draft_tokens = 0) {
+  return {.max_slots = slots,
+          .max_request_rows = slots,
+          .verify_rows = verify_rows,
+          .num_draft_tokens = draft_tokens};
 }
 
 float* ssm_of(const LinearStatePool& p, int layer, int slot) {
@@ -40,9 +44,7 @@ float* conv_of(const LinearStatePool& p, int layer, int slot) {
 
 TEST(LinearStatePool, ShapesFollowTheLayerKinds) {
   const ModelSpec m = two_layer_model();
-  LinearStateConfig c;
-  c.max_slots = c.max_request_rows = 2;
-  LinearStatePool p(m, c);
+  LinearStatePool p(m, pool_config(2));
   EXPECT_EQ(p.layer_ids(), (std::vector<int>{0, 2}));
   EXPECT_FALSE(p.holds(1));
   const LinearStateShape g = p.layer(0).shape;  // gdn: q|k|v = 2*2*20 + 4*12; state [HV, Dv, Dk]
@@ -63,10 +65,7 @@ TEST(LinearStatePool, ShapesFollowTheLayerKinds) {
 
 TEST(LinearStatePool, SlotsAreZeroedReusedAndBoundToRequestRows) {
   const ModelSpec m = two_layer_model();
-  LinearStateConfig c;
-  c.max_slots = 2;
-  c.max_request_rows = 3;
-  LinearStatePool p(m, c);
+  LinearStatePool p(m, {.max_slots = 2, .max_request_rows = 3});
   const int a = p.alloc_for(2);
   EXPECT_EQ(a, 1);  // slot 0 is reserved
   EXPECT_EQ(p.slot_of(2), a);
@@ -100,9 +99,7 @@ TEST(LinearStatePool, SlotsAreZeroedReusedAndBoundToRequestRows) {
 
 TEST(LinearStatePool, ForkCopiesEveryLayer) {
   const ModelSpec m = two_layer_model();
-  LinearStateConfig c;
-  c.max_slots = c.max_request_rows = 3;
-  LinearStatePool p(m, c);
+  LinearStatePool p(m, pool_config(3));
   const int src = p.alloc();
   std::mt19937 rng(1);
   std::uniform_real_distribution<float> u(-1, 1);
@@ -126,11 +123,7 @@ TEST(LinearStatePool, ForkCopiesEveryLayer) {
 
 TEST(LinearStatePool, CommitTakesTheChosenCheckpointOfEveryLayer) {
   const ModelSpec m = two_layer_model();
-  LinearStateConfig c;
-  c.max_slots = c.max_request_rows = 3;
-  c.verify_rows = 2;
-  c.num_draft_tokens = 3;
-  LinearStatePool p(m, c);
+  LinearStatePool p(m, pool_config(3, 2, 3));
   const int s0 = p.alloc(), s1 = p.alloc();
   // Checkpoint t of row r holds the value 10 r + t everywhere.
   for (int layer : {0, 2}) {
@@ -200,10 +193,7 @@ class CountingMemory final : public LinearStateMemory {
 
 TEST(LinearStatePool, EveryTensorOperationGoesThroughItsMemory) {
   const ModelSpec m = two_layer_model();
-  LinearStateConfig c;
-  c.max_slots = c.max_request_rows = 3;
-  c.verify_rows = 2;
-  c.num_draft_tokens = 3;
+  const LinearStateConfig c = pool_config(3, 2, 3);
   CountingMemory::Counts n;
   {
     LinearStatePool p(m, c, std::make_unique<CountingMemory>(n));
@@ -227,11 +217,7 @@ TEST(LinearStatePool, EveryTensorOperationGoesThroughItsMemory) {
 
 TEST(LinearStatePool, HostAccessToSlotsAndCheckpoints) {
   const ModelSpec m = two_layer_model();
-  LinearStateConfig c;
-  c.max_slots = c.max_request_rows = 2;
-  c.verify_rows = 2;
-  c.num_draft_tokens = 3;
-  LinearStatePool p(m, c);
+  LinearStatePool p(m, pool_config(2, 2, 3));
   const int s = p.alloc();
   const LinearStateShape& sh = p.layer(2).shape;
   std::vector<float> conv(static_cast<size_t>(sh.conv_elems())), ssm(sh.ssm_elems());

@@ -20,25 +20,7 @@ using namespace attnrt::testing_linear;
 
 namespace {
 
-LayerSpec full_layer(int id) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.kind = LayerKind::full;
-  l.num_q_heads = 4;
-  l.num_kv_heads = 2;
-  l.head_dim = l.v_head_dim = 16;
-  return l;
-}
-
-ModelSpec hybrid_model() {
-  ModelSpec m;
-  m.name = "tiny-hybrid-linear";
-  m.dtype = DType::f32;
-  m.max_context_len = 256;
-  m.layers = {small_layer(LayerKind::gdn, 0), full_layer(1), small_layer(LayerKind::mamba2, 2),
-              small_layer(LayerKind::kda, 3)};
-  return m;
-}
+ModelSpec hybrid_model() { return hybrid_linear_model("tiny-hybrid-linear", 256); }
 
 CudaDeviceInfo no_gpu() {
   CudaDeviceInfo d;
@@ -304,11 +286,8 @@ TEST(LinearRuntime, RejectsMisuse) {
   expect_error([&] { rt.begin_step(v); },
                {"keeps no per-token checkpoints", "--speculative-num-steps"});
 
-  ModelSpec dense;
-  dense.name = "dense";
-  dense.dtype = DType::f32;
-  dense.max_context_len = 64;
-  dense.layers = {full_layer(0)};
+  const ModelSpec dense =
+      test::make_model("dense", DType::f32, 64, {test::attention_layer(0, 4, 2, 16)});
   AttentionRuntime plain(dense, o, c);
   EXPECT_FALSE(plain.has_linear_layers());
   expect_error([&] { plain.linear_state(); }, {"model 'dense' has no linear-attention layers"});

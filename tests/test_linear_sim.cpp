@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "test_linear_util.h"
+#include "tests/test_sim_util.h"
 #include "tools/sim/driver.h"
 
 using namespace attnrt;
@@ -15,48 +16,14 @@ using namespace attnrt::testing_linear;
 
 namespace {
 
-ModelSpec tiny_hybrid() {
-  ModelSpec m;
-  m.name = "tiny-hybrid";
-  m.dtype = DType::f32;
-  m.max_context_len = 1024;
-  LayerSpec full;
-  full.layer_id = 1;
-  full.kind = LayerKind::full;
-  full.num_q_heads = 4;
-  full.num_kv_heads = 2;
-  full.head_dim = full.v_head_dim = 16;
-  m.layers = {small_layer(LayerKind::gdn, 0), full, small_layer(LayerKind::mamba2, 2),
-              small_layer(LayerKind::kda, 3)};
-  return m;
-}
+ModelSpec tiny_hybrid() { return hybrid_linear_model("tiny-hybrid", 1024); }
 
-Trace tiny_trace() {
-  return parse_trace(
-      "{\"id\": \"a\", \"arrival_step\": 1, \"prompt_len\": 40, \"output_len\": 6}\n"
-      "{\"id\": \"b\", \"arrival_step\": 1, \"prompt_len\": 70, \"output_len\": 9, "
-      "\"shared_prefix\": \"sys\", \"shared_prefix_len\": 32}\n"
-      "{\"id\": \"c\", \"arrival_step\": 3, \"prompt_len\": 50, \"output_len\": 4, "
-      "\"shared_prefix\": \"sys\", \"shared_prefix_len\": 32}\n"
-      "{\"id\": \"d\", \"arrival_step\": 9, \"prompt_len\": 12, \"output_len\": 7}\n",
-      "tiny");
-}
+Trace tiny_trace() { return test::four_request_trace("tiny"); }
 
-RunConfig tiny_config() {
-  RunConfig rc;
-  rc.scheduler.max_running_requests = 4;
-  rc.scheduler.chunked_prefill_size = 32;
-  rc.max_total_tokens = 1024;
-  rc.check_every = 2;
-  rc.seed = 5;
-  return rc;
-}
+RunConfig tiny_config() { return test::small_run_config(1024, 2, 5); }
 
 const ModeStats* find_mode(const RunReport& r, ForwardMode mode) {
-  for (const ModeStats& m : r.modes) {
-    if (m.role == ModelRole::target && m.mode == mode) return &m;
-  }
-  return nullptr;
+  return test::find_mode(r, ModelRole::target, mode);
 }
 
 TEST(LinearSim, HybridModelRunsOnCpuCheckedAgainstReference) {
@@ -95,11 +62,7 @@ TEST(LinearSim, HybridModelRunsOnCpuCheckedAgainstReference) {
 TEST(LinearSim, SpeculativeChainAndTreeCommitVerifiedStates) {
   for (int topk : {1, 2}) {
     SCOPED_TRACE(fmt::format("topk {}", topk));
-    Options o;
-    o.attention_backend = "cpu";
-    o.speculative_num_steps = 3;
-    o.speculative_eagle_topk = topk;
-    o.speculative_num_draft_tokens = topk == 1 ? 4 : 6;
+    const Options o = test::speculative_options("cpu", topk);
     RunConfig rc = tiny_config();
     rc.scheduler.spec.accept_prob = 0.6;
     const RunReport r = run_trace(tiny_hybrid(), o, tiny_trace(), rc);

@@ -56,6 +56,13 @@ inline LayerSpec small_layer(LayerKind kind, int layer_id = 0) {
 
 inline std::string kind_label(LayerKind k) { return std::string(layer_kind_name(k)); }
 
+// gdn, full attention (4 query and 2 KV heads of 16), mamba2 and kda layers, in fp32.
+inline ModelSpec hybrid_linear_model(const std::string& name, int max_context_len) {
+  return test::make_model(name, DType::f32, max_context_len,
+                          {small_layer(LayerKind::gdn, 0), test::attention_layer(1, 4, 2, 16),
+                           small_layer(LayerKind::mamba2, 2), small_layer(LayerKind::kda, 3)});
+}
+
 // One layer's parameters (fp32, as LinearArgs wants them).
 struct LayerData {
   LayerSpec layer;
@@ -145,17 +152,13 @@ class Harness {
           int draft_tokens = 0, DType state_dtype = DType::f32,
           std::unique_ptr<LinearStateMemory> memory = nullptr)
       : data_(data) {
-    model_.name = "tiny-linear";
-    model_.dtype = DType::f32;
-    model_.max_context_len = 4096;
-    model_.layers = {data.layer};
-    LinearStateConfig c;
-    c.max_slots = slots;
-    c.max_request_rows = slots;
-    c.verify_rows = verify_rows;
-    c.num_draft_tokens = draft_tokens;
-    c.ssm_dtype = state_dtype;
-    c.conv_dtype = state_dtype;
+    model_ = test::make_model("tiny-linear", DType::f32, 4096, {data.layer});
+    const LinearStateConfig c{.max_slots = slots,
+                              .max_request_rows = slots,
+                              .ssm_dtype = state_dtype,
+                              .conv_dtype = state_dtype,
+                              .verify_rows = verify_rows,
+                              .num_draft_tokens = draft_tokens};
     pool_ = std::make_unique<LinearStatePool>(model_, c, std::move(memory));
     BackendContext ctx;
     ctx.model = &model_;

@@ -105,31 +105,41 @@ struct Workload {
     std::vector<int64_t> last;
     int64_t pages = 0;
   };
+  // Request `id` grown from `prefix` to `seq` tokens (its last slot `last`, -1: none yet).
+  void add(Extend& e, int id, int32_t prefix, int32_t seq, int64_t last) const {
+    e.ids.push_back(id);
+    e.prefix.push_back(prefix);
+    e.seq.push_back(seq);
+    e.last.push_back(last);
+    e.pages += pages_for(prefix, seq, P);
+  }
   // Some new requests and some extensions of running ones; `oversize` asks for more pages than
   // free.
   Extend make_extend(int64_t free_pages, bool oversize) {
     Extend e;
-    auto add = [&](int id, int32_t prefix, int32_t seq, int64_t last) {
-      e.ids.push_back(id);
-      e.prefix.push_back(prefix);
-      e.seq.push_back(seq);
-      e.last.push_back(last);
-      e.pages += pages_for(prefix, seq, P);
-    };
     if (!live.empty() && uniform(0, 1)) {
       for (int id : pick_live(3)) {
         const auto& t = live[id];
-        add(id, static_cast<int32_t>(t.size()), static_cast<int32_t>(t.size() + uniform(1, 2 * P)),
-            t.back());
+        add(e, id, static_cast<int32_t>(t.size()),
+            static_cast<int32_t>(t.size() + uniform(1, 2 * P)), t.back());
       }
     }
     for (int64_t n = uniform(e.ids.empty() ? 1 : 0, 2); n > 0; --n)
-      add(next_id++, 0, static_cast<int32_t>(uniform(1, 3 * P)), -1);
+      add(e, next_id++, 0, static_cast<int32_t>(uniform(1, 3 * P)), -1);
     if (oversize) {
       const int64_t extra = (free_pages - e.pages + uniform(1, 3)) * P;
-      if (extra > 0) add(next_id++, 0, static_cast<int32_t>(extra), -1);
+      if (extra > 0) add(e, next_id++, 0, static_cast<int32_t>(extra), -1);
     }
     return e;
+  }
+  // One more token for each of up to `max_n` running requests (a decode step).
+  Extend make_decode(int max_n) {
+    Extend d;
+    for (int id : pick_live(max_n)) {
+      const auto& t = live[id];
+      add(d, id, static_cast<int32_t>(t.size()), static_cast<int32_t>(t.size() + 1), t.back());
+    }
+    return d;
   }
   void commit(const Extend& e, const std::vector<int64_t>& slots) {
     size_t k = 0;
@@ -183,24 +193,16 @@ TEST_P(PageAllocatorProperty, RandomSequencesKeepEverySlotOwnedOnceAndNothingLea
           w.commit(e, slots);
         }
       } else if (kind <= 7 && !w.live.empty()) {
-        std::vector<int32_t> seq;
-        std::vector<int64_t> last;
-        auto ids = w.pick_live(4);
-        int64_t need = 0;
-        for (int id : ids) {
-          seq.push_back(static_cast<int32_t>(w.live[id].size() + 1));
-          last.push_back(w.live[id].back());
-          need += pages_for(seq.back() - 1, seq.back(), P);
-        }
-        if (need > a.free_pages()) {
+        const Workload::Extend d = w.make_decode(4);
+        if (d.pages > a.free_pages()) {
           const auto before = state_of(a);
-          expect_error([&] { a.alloc_decode(seq, last); }, {"out of KV cache", "alloc_decode"});
+          expect_error([&] { a.alloc_decode(d.seq, d.last); }, {"out of KV cache", "alloc_decode"});
           ASSERT_EQ(state_of(a), before);
           ++exhausted;
         } else {
-          auto slots = a.alloc_decode(seq, last);
-          ASSERT_EQ(slots.size(), ids.size());
-          for (size_t i = 0; i < ids.size(); ++i) w.live[ids[i]].push_back(slots[i]);
+          auto slots = a.alloc_decode(d.seq, d.last);
+          ASSERT_EQ(slots.size(), d.ids.size());
+          for (size_t i = 0; i < d.ids.size(); ++i) w.live[d.ids[i]].push_back(slots[i]);
         }
       } else if (!w.live.empty()) {
         const int id = w.pick_live(1)[0];
@@ -781,18 +783,10 @@ TEST_P(SWAStorage, MappingStaysConsistentThroughAllocFreeAndFreeSwa) {
         expect_error([&] { storage.cache->begin_step(batch_with_slots({gone.back()})); },
                      {"has no SWA slot"});
       } else if (kind <= 8 && !w.live.empty()) {
-        std::vector<int32_t> seq;
-        std::vector<int64_t> last;
-        auto ids = w.pick_live(3);
-        int64_t need = 0;
-        for (int id : ids) {
-          seq.push_back(static_cast<int32_t>(w.live[id].size() + 1));
-          last.push_back(w.live[id].back());
-          need += pages_for(seq.back() - 1, seq.back(), P);
-        }
-        if (need > alloc->swa().free_pages() || need > alloc->full().free_pages()) continue;
-        auto slots = alloc->alloc_decode(seq, last);
-        for (size_t i = 0; i < ids.size(); ++i) w.live[ids[i]].push_back(slots[i]);
+        const Workload::Extend d = w.make_decode(3);
+        if (d.pages > alloc->swa().free_pages() || d.pages > alloc->full().free_pages()) continue;
+        auto slots = alloc->alloc_decode(d.seq, d.last);
+        for (size_t i = 0; i < d.ids.size(); ++i) w.live[d.ids[i]].push_back(slots[i]);
       } else if (!w.live.empty()) {
         const int id = w.pick_live(1)[0];
         alloc->free(w.live[id]);
@@ -881,12 +875,8 @@ TEST(MakeTokenAllocator, SwaHybridModelsGetTheSwaAllocatorOthersThePagedOne) {
 TEST(SWAStorage, StoresSwaLayersInTheSwaPoolAndFullLayersInTheFullPool) {
   std::mt19937_64 rng(3);
   const int P = 2;
-  KVCacheConfig cfg;
-  cfg.page_size = P;
-  cfg.full_slots = 40;
-  cfg.swa_slots = 12;
-  cfg.dtype = DType::f32;
-  cfg.max_num_tokens = 6;
+  const KVCacheConfig cfg{
+      .full_slots = 40, .swa_slots = 12, .page_size = P, .dtype = DType::f32, .max_num_tokens = 6};
   auto model = make_model(
       {attn_layer(0, LayerKind::full, 2, 4, 4), attn_layer(1, LayerKind::full, 2, 4, 4, 5)});
   auto storage = make_host_kv_storage(model, cfg);

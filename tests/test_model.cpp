@@ -6,9 +6,11 @@
 #include <functional>
 #include <random>
 #include <set>
+#include <tuple>
 
 #include "attnrt/core/error.h"
 #include "attnrt/model/model_spec.h"
+#include "tests/test_util.h"
 
 using namespace attnrt;
 
@@ -18,16 +20,7 @@ const std::filesystem::path kDataDir = std::filesystem::path(__FILE__).parent_pa
 
 std::string data_file(const char* name) { return (kDataDir / name).string(); }
 
-// Runs `fn`, expects attnrt::Error, and returns its message ("" when nothing was thrown).
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected attnrt::Error";
-  return "";
-}
+using attnrt::test::error_of;
 
 std::set<int> ids_of_kind(const ModelSpec& m, LayerKind k) {
   std::set<int> ids;
@@ -151,11 +144,9 @@ TEST(ModelPresets, WindowsAndPatternsFollowThePublishedConfigs) {
   EXPECT_TRUE(next.has_linear_layers());
   const LinearSpec& gdn = next.layers[0].linear;
   EXPECT_EQ(next.layers[0].kind, LayerKind::gdn);
-  EXPECT_EQ(gdn.num_k_heads, 16);
-  EXPECT_EQ(gdn.num_v_heads, 32);
-  EXPECT_EQ(gdn.head_k_dim, 128);
-  EXPECT_EQ(gdn.head_v_dim, 128);
-  EXPECT_EQ(gdn.conv_kernel, 4);
+  EXPECT_EQ(
+      std::tuple(gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, gdn.conv_kernel),
+      std::tuple(16, 32, 128, 128, 4));
   EXPECT_FALSE(next.layers[0].uses_kv_cache());
 
   const ModelSpec kimi = model_preset("kimi-linear-48b");
@@ -168,11 +159,9 @@ TEST(ModelPresets, WindowsAndPatternsFollowThePublishedConfigs) {
   EXPECT_EQ(ids_of_kind(nemo, LayerKind::full), (std::set<int>{4, 10, 16, 22}));
   const LinearSpec& mamba = nemo.layers[0].linear;
   EXPECT_EQ(nemo.layers[0].kind, LayerKind::mamba2);
-  EXPECT_EQ(mamba.num_v_heads, 128);
-  EXPECT_EQ(mamba.head_v_dim, 64);
-  EXPECT_EQ(mamba.d_state, 128);
-  EXPECT_EQ(mamba.n_groups, 8);
-  EXPECT_EQ(mamba.chunk_size, 128);
+  EXPECT_EQ(std::tuple(mamba.num_v_heads, mamba.head_v_dim, mamba.d_state, mamba.n_groups,
+                       mamba.chunk_size),
+            std::tuple(128, 64, 128, 8, 128));
 }
 
 TEST(ModelPresets, UnknownNameListsThePresets) {
@@ -345,22 +334,14 @@ void expect_same_layers(const ModelSpec& m, const ModelSpec& preset) {
     EXPECT_EQ(a.sliding_window, b.sliding_window);
     EXPECT_EQ(a.has_sinks, b.has_sinks);
     if (!is_linear_kind(a.kind)) {
-      EXPECT_EQ(a.num_q_heads, b.num_q_heads);
-      EXPECT_EQ(a.num_kv_heads, b.num_kv_heads);
-      EXPECT_EQ(a.head_dim, b.head_dim);
-      EXPECT_EQ(a.v_head_dim, b.v_head_dim);
-      EXPECT_EQ(a.kv_lora_rank, b.kv_lora_rank);
-      EXPECT_EQ(a.qk_rope_head_dim, b.qk_rope_head_dim);
+      const auto dims = [](const LayerSpec& l) {
+        return std::tuple(l.num_q_heads, l.num_kv_heads, l.head_dim, l.v_head_dim, l.kv_lora_rank,
+                          l.qk_rope_head_dim);
+      };
+      EXPECT_EQ(dims(a), dims(b));
       EXPECT_NEAR(a.softmax_scale(), b.softmax_scale(), 1e-6);
     } else {
-      EXPECT_EQ(a.linear.num_k_heads, b.linear.num_k_heads);
-      EXPECT_EQ(a.linear.num_v_heads, b.linear.num_v_heads);
-      EXPECT_EQ(a.linear.head_k_dim, b.linear.head_k_dim);
-      EXPECT_EQ(a.linear.head_v_dim, b.linear.head_v_dim);
-      EXPECT_EQ(a.linear.d_state, b.linear.d_state);
-      EXPECT_EQ(a.linear.n_groups, b.linear.n_groups);
-      EXPECT_EQ(a.linear.conv_kernel, b.linear.conv_kernel);
-      EXPECT_EQ(a.linear.chunk_size, b.linear.chunk_size);
+      attnrt::test::expect_same_linear_dims(a.linear, b.linear);
     }
   }
 }

@@ -8,6 +8,8 @@
 
 #include "attnrt/core/error.h"
 #include "tools/io/npy.h"
+#include "tests/test_util.h"
+#include "tools/io/npy.h"
 
 using namespace attnrt;
 
@@ -47,14 +49,12 @@ class NpyTest : public ::testing::Test {
   std::filesystem::path dir_;
 };
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected attnrt::Error";
-  return "";
+using attnrt::test::error_of;
+
+// A header dict as NumPy writes it.
+std::string npy_dict(const std::string& descr, const std::string& shape = "(2,)",
+                     const std::string& fortran = "False") {
+  return "{'descr': '" + descr + "', 'fortran_order': " + fortran + ", 'shape': " + shape + ", }";
 }
 
 }  // namespace
@@ -120,25 +120,19 @@ TEST_F(NpyTest, BadFilesNameTheFileAndTheProblem) {
     const char* expect;
   };
   const Case cases[] = {
-      {raw_file("magic.npy", 1, "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", 4,
-                "\x93NUMPZ"),
-       "bad magic"},
-      {raw_file("version.npy", 4, "{'descr': '<f4', 'fortran_order': False, 'shape': (1,), }", 4),
+      {raw_file("magic.npy", 1, npy_dict("<f4", "(1,)"), 4, "\x93NUMPZ"), "bad magic"},
+      {raw_file("version.npy", 4, npy_dict("<f4", "(1,)"), 4),
        "format version 4.0 is not supported"},
-      {raw_file("big.npy", 1, "{'descr': '>f4', 'fortran_order': False, 'shape': (2,), }", 8),
-       "big-endian data ('>f4')"},
-      {raw_file("complex.npy", 1, "{'descr': '<c8', 'fortran_order': False, 'shape': (2,), }", 16),
-       "dtype '<c8' is not supported"},
-      {raw_file("fortran.npy", 1, "{'descr': '<f4', 'fortran_order': True, 'shape': (2, 2), }", 16),
-       "Fortran-order data"},
-      {raw_file("short.npy", 1, "{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }", 20),
+      {raw_file("big.npy", 1, npy_dict(">f4"), 8), "big-endian data ('>f4')"},
+      {raw_file("complex.npy", 1, npy_dict("<c8"), 16), "dtype '<c8' is not supported"},
+      {raw_file("fortran.npy", 1, npy_dict("<f4", "(2, 2)", "True"), 16), "Fortran-order data"},
+      {raw_file("short.npy", 1, npy_dict("<f4", "(2, 3)"), 20),
        "needs 24 data bytes, the file has 20 (truncated)"},
-      {raw_file("long.npy", 1, "{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }", 17),
+      {raw_file("long.npy", 1, npy_dict("<i8"), 17),
        "needs 16 data bytes, the file has 17 (trailing bytes)"},
       {raw_file("noshape.npy", 1, "{'descr': '<f4', 'fortran_order': False, }", 4),
        "no 'shape' entry"},
-      {raw_file("badshape.npy", 1, "{'descr': '<f4', 'fortran_order': False, 'shape': (a,), }", 4),
-       "cannot parse 'shape'"},
+      {raw_file("badshape.npy", 1, npy_dict("<f4", "(a,)"), 4), "cannot parse 'shape'"},
       {path("missing.npy"), "cannot open"},
   };
   for (const auto& c : cases) {

@@ -18,6 +18,7 @@
 #include "attnrt/memory/req_to_token_pool.h"
 #include "backends/reference/reference_backend.h"
 #include "tests/conformance/conformance.h"
+#include "tests/test_util.h"
 
 using namespace attnrt;
 using namespace attnrt::conformance;
@@ -198,12 +199,7 @@ Checked check_case(CaseSpec spec, std::function<MaskFn(const CaseSpec&, const La
 }
 
 LayerSpec layer(int hq, int hkv, int d, int dv = 0) {
-  LayerSpec l;
-  l.num_q_heads = hq;
-  l.num_kv_heads = hkv;
-  l.head_dim = d;
-  l.v_head_dim = dv > 0 ? dv : d;
-  return l;
+  return test::attention_layer(0, hq, hkv, d, dv);
 }
 
 CaseSpec base_spec(ForwardMode mode, std::vector<int32_t> prefix, std::vector<int32_t> query,

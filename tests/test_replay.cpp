@@ -16,11 +16,14 @@
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
+#include "tests/test_util.h"
 #include "tools/io/case_file.h"
 
 using namespace attnrt;
 
 namespace {
+
+using attnrt::test::expect_error;
 
 // Three differently shaped layers: MQA full, a sliding-window layer (so the model is SWA-hybrid
 // and the capture reads through the full->SWA slot map), and a layer with v_head_dim != head_dim,
@@ -122,6 +125,14 @@ class Engine {
       at += extend[i];
     }
     return out;
+  }
+
+  // An EXTEND step of `new_tokens` tokens after `prefix` for each of `rows`, its slots allocated.
+  ForwardBatch extend(const std::vector<int64_t>& rows, const std::vector<int32_t>& prefix,
+                      const std::vector<int32_t>& new_tokens) {
+    ForwardBatch b = make_extend_batch(rows, prefix, new_tokens);
+    b.out_cache_loc = allocate(rows, new_tokens);
+    return b;
   }
 
   int32_t len(int64_t row) const {
@@ -252,13 +263,11 @@ TEST_F(ReplayTest, ExtendWithPrefixReplaysBitExactOnEveryLayer) {
     Engine e(test_model(DType::bf16), 16, DType::bf16, 100 + layer);
     std::vector<int64_t> rows = {e.new_request(), e.new_request(), e.new_request()};
     const auto prefix = random_lens(e.rng(), 3, 1, 40);
-    ForwardBatch prefill = make_extend_batch(rows, {0, 0, 0}, prefix);
-    prefill.out_cache_loc = e.allocate(rows, prefix);
+    ForwardBatch prefill = e.extend(rows, {0, 0, 0}, prefix);
     e.run(prefill, layer);
 
     const auto extend = random_lens(e.rng(), 3, 1, 12);
-    ForwardBatch step = make_extend_batch(rows, prefix, extend);
-    step.out_cache_loc = e.allocate(rows, extend);
+    ForwardBatch step = e.extend(rows, prefix, extend);
     const Engine::Call call = e.run(step, layer);
     check_round_trip(e, step, layer, call);
   }
@@ -269,8 +278,7 @@ TEST_F(ReplayTest, DecodeWithFp8ScaledCacheReplaysBitExact) {
   e.set_scales(0.5f, 2.f);
   std::vector<int64_t> rows = {e.new_request(), e.new_request()};
   const auto prefix = random_lens(e.rng(), 2, 3, 30);
-  ForwardBatch prefill = make_extend_batch(rows, {0, 0}, prefix);
-  prefill.out_cache_loc = e.allocate(rows, prefix);
+  ForwardBatch prefill = e.extend(rows, {0, 0}, prefix);
   e.run(prefill, 1);
 
   ForwardBatch step = make_decode_batch(rows, {prefix[0] + 1, prefix[1] + 1});
@@ -287,8 +295,7 @@ TEST_F(ReplayTest, TreeVerifyKeepsSpecInfo) {
   Engine e(test_model(DType::bf16), 4, DType::bf16, 21);
   std::vector<int64_t> rows = {e.new_request(), e.new_request()};
   const auto prefix = random_lens(e.rng(), 2, 5, 25);
-  ForwardBatch prefill = make_extend_batch(rows, {0, 0}, prefix);
-  prefill.out_cache_loc = e.allocate(rows, prefix);
+  ForwardBatch prefill = e.extend(rows, {0, 0}, prefix);
   e.run(prefill, 2);
 
   SpecInfo spec;
@@ -304,11 +311,9 @@ TEST_F(ReplayTest, TreeVerifyKeepsSpecInfo) {
 TEST_F(ReplayTest, StepWithoutKvReadsThePoolRows) {
   Engine e(test_model(DType::bf16), 2, DType::bf16, 33);
   std::vector<int64_t> rows = {e.new_request()};
-  ForwardBatch prefill = make_extend_batch(rows, {0}, {9});
-  prefill.out_cache_loc = e.allocate(rows, {9});
+  ForwardBatch prefill = e.extend(rows, {0}, {9});
   e.run(prefill, 0);
-  ForwardBatch step = make_extend_batch(rows, {9}, {5});
-  step.out_cache_loc = e.allocate(rows, {5});
+  ForwardBatch step = e.extend(rows, {9}, {5});
   const Engine::Call call = e.run(step, 0, /*save_kv=*/false);
   check_round_trip(e, step, 0, call);
   EXPECT_FALSE(std::filesystem::exists(dir_ / "k.npy"));
@@ -317,27 +322,15 @@ TEST_F(ReplayTest, StepWithoutKvReadsThePoolRows) {
 TEST_F(ReplayTest, BadCasesNameTheFileAndField) {
   Engine e(test_model(DType::bf16), 1, DType::bf16, 5);
   std::vector<int64_t> rows = {e.new_request()};
-  ForwardBatch step = make_extend_batch(rows, {0}, {6});
-  step.out_cache_loc = e.allocate(rows, {6});
+  ForwardBatch step = e.extend(rows, {0}, {6});
   const Engine::Call call = e.run(step, 0);
   const std::string dir = dir_.string();
   write_step_case(dir, e.model(), 0, e.options(), step, e.req_to_token(), e.cache(), call.args,
                   "reference");
 
-  auto error_of = [](const std::function<void()>& fn) -> std::string {
-    try {
-      fn();
-    } catch (const Error& err) {
-      return err.what();
-    }
-    ADD_FAILURE() << "expected attnrt::Error";
-    return "";
-  };
-  std::string msg = error_of([&] { replay_case(read_case(dir), "no-such-backend"); });
-  EXPECT_NE(msg.find("unknown attention backend 'no-such-backend'"), std::string::npos) << msg;
-
-  msg = error_of([&] { read_case((dir_ / "nowhere").string()); });
-  EXPECT_NE(msg.find("does not exist"), std::string::npos) << msg;
+  expect_error([&] { replay_case(read_case(dir), "no-such-backend"); },
+               {"unknown attention backend 'no-such-backend'"});
+  expect_error([&] { read_case((dir_ / "nowhere").string()); }, {"does not exist"});
 
   // A K cache whose rows do not match the layer.
   const NpyArray good_k = read_npy((dir_ / "k_cache.npy").string());
@@ -345,42 +338,32 @@ TEST_F(ReplayTest, BadCasesNameTheFileAndField) {
   shape[2] += 1;
   const std::vector<uint16_t> wider(static_cast<size_t>(shape[0] * shape[1] * shape[2]), 0x3f80);
   write_npy((dir_ / "k_cache.npy").string(), DType::bf16, shape, wider.data());
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("k_cache.npy: shape"), std::string::npos) << msg;
+  expect_error([&] { read_case(dir); }, {"k_cache.npy: shape"});
   write_npy((dir_ / "k_cache.npy").string(), good_k);
 
-  // Fields of case.json.
+  // Fields of case.json, each edit made to the good text.
   const std::string json_path = (dir_ / "case.json").string();
-  std::string text;
-  {
-    std::ifstream in(json_path);
-    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-  }
-  auto with = [&](const std::string& from, const std::string& to) {
-    std::string t = text;
-    const size_t at = t.find(from);
-    EXPECT_NE(at, std::string::npos) << from;
-    if (at != std::string::npos) t.replace(at, from.size(), to);
-    std::ofstream(json_path, std::ios::trunc) << t;
+  const std::string text = test::read_text(json_path);
+  struct Edit {
+    const char *from, *to, *expect;
   };
-  with("\"version\": 1", "\"version\": 9");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("case format version 9 is not supported"), std::string::npos) << msg;
-  with("\"num_q_heads\": 4", "\"num_q_heads\": \"four\"");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("field 'layer.num_q_heads' has the wrong type"), std::string::npos) << msg;
-  with("\"kind\": \"full\"", "\"kind\": \"dense\"");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("layer.kind 'dense'"), std::string::npos) << msg;
-  with("\"mode\": \"EXTEND\"", "\"mode\": \"SIDEWAYS\"");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("SIDEWAYS"), std::string::npos) << msg;
-  with("\"save_kv\": true", "\"save_kv_typo\": true");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("missing field 'save_kv'"), std::string::npos) << msg;
-  with("{", "{{");
-  msg = error_of([&] { read_case(dir); });
-  EXPECT_NE(msg.find("case.json: malformed JSON"), std::string::npos) << msg;
+  const Edit edits[] = {
+      {"\"version\": 1", "\"version\": 9", "case format version 9 is not supported"},
+      {"\"num_q_heads\": 4", "\"num_q_heads\": \"four\"",
+       "field 'layer.num_q_heads' has the wrong type"},
+      {"\"kind\": \"full\"", "\"kind\": \"dense\"", "layer.kind 'dense'"},
+      {"\"mode\": \"EXTEND\"", "\"mode\": \"SIDEWAYS\"", "SIDEWAYS"},
+      {"\"save_kv\": true", "\"save_kv_typo\": true", "missing field 'save_kv'"},
+      {"{", "{{", "case.json: malformed JSON"},
+  };
+  for (const Edit& edit : edits) {
+    std::string t = text;
+    const size_t at = t.find(edit.from);
+    EXPECT_NE(at, std::string::npos) << edit.from;
+    if (at != std::string::npos) t.replace(at, std::strlen(edit.from), edit.to);
+    std::ofstream(json_path, std::ios::trunc) << t;
+    expect_error([&] { read_case(dir); }, {edit.expect});
+  }
   std::ofstream(json_path, std::ios::trunc) << text;
   EXPECT_NO_THROW(read_case(dir));
 }
@@ -388,8 +371,7 @@ TEST_F(ReplayTest, BadCasesNameTheFileAndField) {
 TEST_F(ReplayTest, CaptureRejectsLinearAndMissingLayers) {
   Engine e(test_model(DType::bf16), 1, DType::bf16, 9);
   std::vector<int64_t> rows = {e.new_request()};
-  ForwardBatch step = make_extend_batch(rows, {0}, {3});
-  step.out_cache_loc = e.allocate(rows, {3});
+  ForwardBatch step = e.extend(rows, {0}, {3});
   const Engine::Call call = e.run(step, 0);
   try {
     capture_case(e.model(), 5, e.options(), step, e.req_to_token(), e.cache(), call.args);
@@ -406,8 +388,7 @@ TEST_F(ReplayTest, CliReplaysACaseAndReportsBitExact) {
   if (cli == nullptr) GTEST_SKIP() << "ATTNRT_CLI is not set (run through ctest)";
   Engine e(test_model(DType::bf16), 4, DType::bf16, 77);
   std::vector<int64_t> rows = {e.new_request(), e.new_request()};
-  ForwardBatch prefill = make_extend_batch(rows, {0, 0}, {11, 6});
-  prefill.out_cache_loc = e.allocate(rows, {11, 6});
+  ForwardBatch prefill = e.extend(rows, {0, 0}, {11, 6});
   e.run(prefill, 1);
   ForwardBatch step = make_decode_batch(rows, {12, 7});
   step.out_cache_loc = e.allocate(rows, {1, 1});

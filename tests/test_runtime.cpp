@@ -24,26 +24,18 @@ using attnrt::test::expect_error;
 constexpr int kHq = 4, kHkv = 2, kD = 16, kWindow = 3;
 
 LayerSpec attn_layer(int id, LayerKind kind, int window) {
-  LayerSpec l;
-  l.layer_id = id;
+  LayerSpec l = test::attention_layer(id, kHq, kHkv, kD);
   l.kind = kind;
-  l.num_q_heads = kHq;
-  l.num_kv_heads = kHkv;
-  l.head_dim = kD;
-  l.v_head_dim = kD;
   l.sliding_window = window;
   return l;
 }
 
 // Full, sliding-window, full: an SWA-hybrid model, so the runtime builds both pools.
 ModelSpec hybrid_model() {
-  ModelSpec m;
-  m.name = "tiny-swa-hybrid";
-  m.dtype = DType::f32;
-  m.max_context_len = 128;
-  m.layers = {attn_layer(0, LayerKind::full, -1), attn_layer(1, LayerKind::swa, kWindow),
-              attn_layer(2, LayerKind::full, -1)};
-  return m;
+  return test::make_model(
+      "tiny-swa-hybrid", DType::f32, 128,
+      {attn_layer(0, LayerKind::full, -1), attn_layer(1, LayerKind::swa, kWindow),
+       attn_layer(2, LayerKind::full, -1)});
 }
 
 struct RuntimeCase {

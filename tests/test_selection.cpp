@@ -147,6 +147,25 @@ std::string error_of(const Options& o, const ModelSpec& m, const Registry& r,
   return "(no error)";
 }
 
+// A line-up on a machine; every call resolves on a fresh random dense model.
+struct Machine {
+  ModelMaker mk;
+  Registry r;
+  CudaDeviceInfo cuda;
+  Selection resolve(const Options& o) { return resolve_backends(o, mk.dense(), r, cuda); }
+  std::string error(const Options& o) { return error_of(o, mk.dense(), r, cuda); }
+};
+
+// The usual line-up without a GPU, and with an H200.
+Machine without_gpu() { return {ModelMaker(), Registries::standard(kNoCuda), no_gpu()}; }
+Machine with_hopper() { return {ModelMaker(), Registries::standard(), gpu(9, 0)}; }
+
+// `s` serves the prefill phase with `prefill` and the decode phase with `decode`.
+void expect_phases(const Selection& s, const std::string& prefill, const std::string& decode) {
+  EXPECT_EQ(s.prefill, prefill);
+  EXPECT_EQ(s.decode, decode);
+}
+
 bool has(const std::string& text, const std::string& needle) {
   return text.find(needle) != std::string::npos;
 }
@@ -164,52 +183,33 @@ bool any_reason(const Selection& s, const std::string& needle) {
 // Inheritance (§5.2)
 
 TEST(Selection, PhasesInheritTheAttentionBackend) {
-  ModelMaker mk;
-  Registry r = Registries::standard(kNoCuda);
-  Options o;
-  o.attention_backend = "basic";
-  Selection s = resolve_backends(o, mk.dense(), r, no_gpu());
-  EXPECT_EQ(s.prefill, "basic");
-  EXPECT_EQ(s.decode, "basic");
+  const Selection s = without_gpu().resolve({.attention_backend = "basic"});
+  expect_phases(s, "basic", "basic");
   EXPECT_FALSE(s.hybrid());
   EXPECT_TRUE(any_reason(s, "prefill: basic — set by --attention-backend"));
   EXPECT_TRUE(any_reason(s, "decode: basic — set by --attention-backend"));
 }
 
 TEST(Selection, EqualPhaseBackendsReplaceTheAttentionBackend) {
-  ModelMaker mk;
-  Registry r = Registries::standard(kNoCuda);
-  Options o;
-  o.attention_backend = "basic";
-  o.prefill_attention_backend = o.decode_attention_backend = "reference";
-  Selection s = resolve_backends(o, mk.dense(), r, no_gpu());
-  EXPECT_EQ(s.prefill, "reference");
-  EXPECT_EQ(s.decode, "reference");
+  const Selection s = without_gpu().resolve({.attention_backend = "basic",
+                                             .prefill_attention_backend = "reference",
+                                             .decode_attention_backend = "reference"});
+  expect_phases(s, "reference", "reference");
   EXPECT_FALSE(s.hybrid());
 }
 
 TEST(Selection, OnePhaseOverrideMakesAHybridAndTheOtherInherits) {
-  ModelMaker mk;
-  Registry r = Registries::standard(kNoCuda);
-  Options o;
-  o.attention_backend = "cpu";
-  o.decode_attention_backend = "reference";
-  Selection s = resolve_backends(o, mk.dense(), r, no_gpu());
-  EXPECT_EQ(s.prefill, "cpu");
-  EXPECT_EQ(s.decode, "reference");
+  const Selection s =
+      without_gpu().resolve({.attention_backend = "cpu", .decode_attention_backend = "reference"});
+  expect_phases(s, "cpu", "reference");
   EXPECT_TRUE(s.hybrid());
   EXPECT_TRUE(any_reason(s, "decode: reference — set by --decode-attention-backend"));
   EXPECT_TRUE(any_reason(s, "HybridAttnBackend routes DECODE and IDLE to reference"));
 }
 
 TEST(Selection, UnsetAttentionBackendAutoSelectsOnlyTheInheritingPhase) {
-  ModelMaker mk;
-  Registry r = Registries::standard(kNoCuda);
-  Options o;
-  o.prefill_attention_backend = "reference";
-  Selection s = resolve_backends(o, mk.dense(), r, no_gpu());
-  EXPECT_EQ(s.prefill, "reference");
-  EXPECT_EQ(s.decode, "cpu");
+  const Selection s = without_gpu().resolve({.prefill_attention_backend = "reference"});
+  expect_phases(s, "reference", "cpu");
   EXPECT_TRUE(any_reason(s, "decode: cpu (auto)"));
   EXPECT_FALSE(any_reason(s, "prefill: cpu (auto)"));
 }
@@ -224,8 +224,7 @@ TEST(Selection, BothPhasesExplicitNeedNoAutoSelection) {
   o.prefill_attention_backend = "reference";
   o.decode_attention_backend = "basic";
   Selection s = resolve_backends(o, mk.dense(), r, no_gpu());
-  EXPECT_EQ(s.prefill, "reference");
-  EXPECT_EQ(s.decode, "basic");
+  expect_phases(s, "reference", "basic");
   EXPECT_FALSE(any_reason(s, "(auto)"));
 }
 
@@ -233,11 +232,9 @@ TEST(Selection, BothPhasesExplicitNeedNoAutoSelection) {
 // Auto-selection (§5.3)
 
 TEST(Selection, AutoPicksCpuWithoutAGpuAndSaysWhy) {
-  ModelMaker mk;
-  Registry r = Registries::standard(kNoCuda);
-  Selection s = resolve_backends(Options{}, mk.dense(), r, no_gpu());
-  EXPECT_EQ(s.prefill, "cpu");
-  EXPECT_EQ(s.decode, "cpu");
+  Machine x = without_gpu();
+  Selection s = x.resolve(Options{});
+  expect_phases(s, "cpu", "cpu");
   ASSERT_GE(s.reasons.size(), 2u);
   EXPECT_HAS(s.reasons[0], "prefill: cpu (auto)");
   EXPECT_HAS(s.reasons[0], "no usable CUDA device (no CUDA driver is installed");
@@ -246,11 +243,9 @@ TEST(Selection, AutoPicksCpuWithoutAGpuAndSaysWhy) {
 }
 
 TEST(Selection, AutoPicksCudaOnHopper) {
-  ModelMaker mk;
-  Registry r = Registries::standard();
-  Selection s = resolve_backends(Options{}, mk.dense(), r, gpu(9, 0));
-  EXPECT_EQ(s.prefill, "cuda");
-  EXPECT_EQ(s.decode, "cuda");
+  Machine x = with_hopper();
+  Selection s = x.resolve(Options{});
+  expect_phases(s, "cuda", "cuda");
   EXPECT_TRUE(any_reason(s, "NVIDIA H200 (compute capability 9.0)"));
 }
 
@@ -331,12 +326,11 @@ TEST(Selection, GlobalRegistryNeverAutoSelectsReference) {
 // Rejections: option, value, what is supported, what to use instead.
 
 TEST(Selection, RejectsAPageSizeTheBackendDoesNotHave) {
-  ModelMaker mk;
-  Registry r = Registries::standard();
+  Machine x = with_hopper();
   Options o;
   o.attention_backend = "cuda";
-  o.page_size = 2 + 2 * mk.uniform(0, 2) + 1;  // odd, so never native
-  std::string err = error_of(o, mk.dense(), r, gpu(9, 0));
+  o.page_size = 2 + 2 * x.mk.uniform(0, 2) + 1;  // odd, so never native
+  std::string err = x.error(o);
   EXPECT_HAS(err, fmt::format("--attention-backend cuda: backend 'cuda' does not support "
                               "--page-size {} (its native page sizes are 1, 8, 16, 32, 64, 128)",
                               o.page_size));
@@ -346,12 +340,11 @@ TEST(Selection, RejectsAPageSizeTheBackendDoesNotHave) {
 }
 
 TEST(Selection, RejectsAKvDtypeTheBackendDoesNotHave) {
-  ModelMaker mk;
-  Registry r = Registries::standard();
+  Machine x = with_hopper();
   Options o;
   o.attention_backend = "cuda";
   o.kv_cache_dtype = "fp8_e5m2";
-  std::string err = error_of(o, mk.dense(), r, gpu(9, 0));
+  std::string err = x.error(o);
   EXPECT_HAS(err,
              "--attention-backend cuda: backend 'cuda' does not support --kv-cache-dtype "
              "fp8_e5m2 (its KV cache dtypes are bf16, fp16, fp8_e4m3)");
@@ -359,25 +352,24 @@ TEST(Selection, RejectsAKvDtypeTheBackendDoesNotHave) {
              "--kv-cache-dtype bf16, fp16 or fp8_e4m3; or --attention-backend cpu or reference");
 
   // auto resolves to the model's dtype, and that is what is checked.
-  ModelSpec m = mk.dense();
+  ModelSpec m = x.mk.dense();
   m.dtype = DType::f32;
   o.kv_cache_dtype = "auto";
-  err = error_of(o, m, r, gpu(9, 0));
+  err = error_of(o, m, x.r, x.cuda);
   EXPECT_HAS(err, "--kv-cache-dtype auto (= fp32)");
   o.attention_backend = "cpu";
-  EXPECT_EQ(resolve_backends(o, m, r, gpu(9, 0)).kv_dtype, DType::f32);
+  EXPECT_EQ(resolve_backends(o, m, x.r, x.cuda).kv_dtype, DType::f32);
 }
 
 TEST(Selection, RejectsKvDtypeNamesThatAreNotCacheTypesAndAcceptsAliases) {
-  ModelMaker mk;
-  Registry r = Registries::standard(kNoCuda);
+  Machine x = without_gpu();
   Options o;
   o.kv_cache_dtype = "fp4_e2m1";
-  EXPECT_HAS(error_of(o, mk.dense(), r, no_gpu()), "--kv-cache-dtype fp4_e2m1:");
+  EXPECT_HAS(x.error(o), "--kv-cache-dtype fp4_e2m1:");
   o.kv_cache_dtype = "int32";
-  EXPECT_HAS(error_of(o, mk.dense(), r, no_gpu()), "--kv-cache-dtype int32:");
+  EXPECT_HAS(x.error(o), "--kv-cache-dtype int32:");
   o.kv_cache_dtype = "e4m3";
-  EXPECT_EQ(resolve_backends(o, mk.dense(), r, no_gpu()).kv_dtype, DType::e4m3);
+  EXPECT_EQ(x.resolve(o).kv_dtype, DType::e4m3);
 }
 
 TEST(Selection, RejectsModelFeaturesTheBackendLacksAndNamesOneThatHasThem) {
@@ -463,11 +455,10 @@ TEST(Selection, RejectsAnUnavailableBackendAndOffersAnAvailableOne) {
 }
 
 TEST(Selection, RejectsUnknownAndForeignBackendNames) {
-  ModelMaker mk;
-  Registry r = Registries::standard(kNoCuda);
+  Machine x = without_gpu();
   Options o;
   o.decode_attention_backend = "nosuch";
-  EXPECT_HAS(error_of(o, mk.dense(), r, no_gpu()),
+  EXPECT_HAS(x.error(o),
              "--decode-attention-backend nosuch: unknown attention backend; registered backends "
              "are reference, cpu, cuda, basic");
 
@@ -493,7 +484,7 @@ TEST(Selection, RejectsUnknownAndForeignBackendNames) {
       if (which == "--attention-backend") f.attention_backend = name;
       if (which == "--prefill-attention-backend") f.prefill_attention_backend = name;
       if (which == "--decode-attention-backend") f.decode_attention_backend = name;
-      std::string err = error_of(f, mk.dense(), r, no_gpu());
+      std::string err = x.error(f);
       EXPECT_HAS(err, fmt::format("{} {}: '{}' is a backend of the reference serving engine", which,
                                   name, name));
       EXPECT_HAS(err, role);
@@ -504,89 +495,77 @@ TEST(Selection, RejectsUnknownAndForeignBackendNames) {
 }
 
 TEST(Selection, RejectsPhaseBackendsOnDifferentDevices) {
-  ModelMaker mk;
-  Registry r = Registries::standard();
-  Options o;
-  o.prefill_attention_backend = "cuda";
-  o.decode_attention_backend = "cpu";
-  std::string err = error_of(o, mk.dense(), r, gpu(9, 0));
+  const std::string err =
+      with_hopper().error({.prefill_attention_backend = "cuda", .decode_attention_backend = "cpu"});
   EXPECT_HAS(err, "do not share a device");
   EXPECT_HAS(err, "prefill backend 'cuda' (--prefill-attention-backend) runs on cuda");
   EXPECT_HAS(err, "decode backend 'cpu' (--decode-attention-backend) runs on cpu");
 }
 
 TEST(Selection, RejectsBadScalarOptions) {
-  ModelMaker mk;
-  Registry r = Registries::standard(kNoCuda);
+  Machine x = without_gpu();
   Options o;
   o.speculative_attention_mode = "verify";
-  EXPECT_HAS(error_of(o, mk.dense(), r, no_gpu()),
-             "--speculative-attention-mode 'verify' is not valid: use 'prefill'");
+  EXPECT_HAS(x.error(o), "--speculative-attention-mode 'verify' is not valid: use 'prefill'");
   o = Options{};
-  o.page_size = -mk.uniform(0, 64);
-  EXPECT_HAS(error_of(o, mk.dense(), r, no_gpu()),
-             fmt::format("--page-size {} is not valid: use 1", o.page_size));
+  o.page_size = -x.mk.uniform(0, 64);
+  EXPECT_HAS(x.error(o), fmt::format("--page-size {} is not valid: use 1", o.page_size));
   o = Options{};
-  o.num_threads = -mk.uniform(1, 64);
-  EXPECT_HAS(error_of(o, mk.dense(), r, no_gpu()),
-             fmt::format("--threads {} is negative", o.num_threads));
+  o.num_threads = -x.mk.uniform(1, 64);
+  EXPECT_HAS(x.error(o), fmt::format("--threads {} is negative", o.num_threads));
 }
 
 // ------------------------------------------------------------------------------------------------
 // Speculative decoding (§9.2): attnrt errors where the reference engine rewrites.
 
 TEST(Selection, SpeculativeDefaultsAreExplainedAndMismatchesRejected) {
-  ModelMaker mk;
-  Registry r = Registries::standard(kNoCuda);
+  Machine x = without_gpu();
   Options o;
-  o.speculative_num_steps = mk.uniform(1, 7);
-  Selection s = resolve_backends(o, mk.dense(), r, no_gpu());
+  o.speculative_num_steps = x.mk.uniform(1, 7);
+  Selection s = x.resolve(o);
   EXPECT_EQ(s.spec_topk, 1);
   EXPECT_EQ(s.spec_num_draft_tokens, o.speculative_num_steps + 1);
   EXPECT_TRUE(any_reason(s, "chain verify, topk 1 (default)"));
 
-  o.speculative_num_draft_tokens = o.speculative_num_steps + 1 + mk.uniform(1, 3);
-  std::string err = error_of(o, mk.dense(), r, no_gpu());
+  o.speculative_num_draft_tokens = o.speculative_num_steps + 1 + x.mk.uniform(1, 3);
+  std::string err = x.error(o);
   EXPECT_HAS(err, fmt::format("--speculative-num-draft-tokens {} does not fit a chain",
                               o.speculative_num_draft_tokens));
   EXPECT_HAS(err, fmt::format("pass {} or leave it unset", o.speculative_num_steps + 1));
 
   Options t;
-  t.speculative_eagle_topk = mk.uniform(1, 8);
-  EXPECT_HAS(error_of(t, mk.dense(), r, no_gpu()),
+  t.speculative_eagle_topk = x.mk.uniform(1, 8);
+  EXPECT_HAS(x.error(t),
              fmt::format("--speculative-eagle-topk {} is set but --speculative-num-steps is not",
                          t.speculative_eagle_topk));
   Options d;
-  d.speculative_num_draft_tokens = mk.uniform(2, 8);
-  EXPECT_HAS(error_of(d, mk.dense(), r, no_gpu()),
+  d.speculative_num_draft_tokens = x.mk.uniform(2, 8);
+  EXPECT_HAS(x.error(d),
              fmt::format("--speculative-num-draft-tokens {} is set but --speculative-num-steps is "
                          "not",
                          d.speculative_num_draft_tokens));
   Options n;
   n.speculative_num_steps = -1;
-  EXPECT_HAS(error_of(n, mk.dense(), r, no_gpu()), "--speculative-num-steps -1 is negative");
+  EXPECT_HAS(x.error(n), "--speculative-num-steps -1 is negative");
 }
 
 TEST(Selection, TreeVerifyNeedsADraftTokenCountWithinTheTree) {
-  ModelMaker mk;
-  Registry r = Registries::standard(kNoCuda);
+  Machine x = without_gpu();
   Options o;
-  o.speculative_num_steps = mk.uniform(1, 5);
-  o.speculative_eagle_topk = mk.uniform(2, 8);
+  o.speculative_num_steps = x.mk.uniform(1, 5);
+  o.speculative_eagle_topk = x.mk.uniform(2, 8);
   const int max =
       1 + o.speculative_eagle_topk +
       (o.speculative_num_steps - 1) * o.speculative_eagle_topk * o.speculative_eagle_topk;
-  EXPECT_HAS(error_of(o, mk.dense(), r, no_gpu()),
-             fmt::format("--speculative-eagle-topk {} (tree verify) needs "
-                         "--speculative-num-draft-tokens",
-                         o.speculative_eagle_topk));
-  o.speculative_num_draft_tokens = max + mk.uniform(1, 10);
-  EXPECT_HAS(error_of(o, mk.dense(), r, no_gpu()),
-             fmt::format("--speculative-num-draft-tokens {} is out of range",
-                         o.speculative_num_draft_tokens));
-  EXPECT_HAS(error_of(o, mk.dense(), r, no_gpu()), fmt::format("allowed 2..{}", max));
-  o.speculative_num_draft_tokens = mk.uniform(2, max);
-  Selection s = resolve_backends(o, mk.dense(), r, no_gpu());
+  EXPECT_HAS(x.error(o), fmt::format("--speculative-eagle-topk {} (tree verify) needs "
+                                     "--speculative-num-draft-tokens",
+                                     o.speculative_eagle_topk));
+  o.speculative_num_draft_tokens = max + x.mk.uniform(1, 10);
+  EXPECT_HAS(x.error(o), fmt::format("--speculative-num-draft-tokens {} is out of range",
+                                     o.speculative_num_draft_tokens));
+  EXPECT_HAS(x.error(o), fmt::format("allowed 2..{}", max));
+  o.speculative_num_draft_tokens = x.mk.uniform(2, max);
+  Selection s = x.resolve(o);
   EXPECT_EQ(s.spec_topk, o.speculative_eagle_topk);
   EXPECT_EQ(s.spec_num_draft_tokens, o.speculative_num_draft_tokens);
 }
@@ -734,14 +713,12 @@ TEST(Selection, AutoSelectedLinearBackendsRunOnTheAttentionBackendsDevice) {
 }
 
 TEST(Selection, LinearOptionsOnAModelWithoutLinearLayersAreNotedNotApplied) {
-  ModelMaker mk;
-  Registry r = Registries::standard(kNoCuda);
+  Machine x = without_gpu();
   Options o;
   o.linear_attn_backend = "reference";
-  Selection s = resolve_backends(o, mk.dense(), r, no_gpu());
+  Selection s = x.resolve(o);
   EXPECT_TRUE(s.linear_prefill.empty());
   EXPECT_TRUE(any_reason(s, "--linear-attn-backend reference has no effect"));
   o.linear_attn_backend = "nosuch";
-  EXPECT_HAS(error_of(o, mk.dense(), r, no_gpu()),
-             "--linear-attn-backend nosuch: unknown attention backend");
+  EXPECT_HAS(x.error(o), "--linear-attn-backend nosuch: unknown attention backend");
 }

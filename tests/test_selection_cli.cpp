@@ -3,58 +3,21 @@
 // CLI's path in ATTNRT_CLI.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <cstdlib>
-#include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/dtype.h"
+#include "tests/test_util.h"
 
 namespace {
 
-struct Result {
-  int status = -1;
-  std::string out, err;
-};
+using Result = attnrt::test::CommandResult;
+using attnrt::test::expect_contains;
 
-class InfoCli : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const char* cli = std::getenv("ATTNRT_CLI");
-    if (cli == nullptr) GTEST_SKIP() << "ATTNRT_CLI is not set (run through ctest)";
-    cli_ = cli;
-    dir_ = std::filesystem::temp_directory_path() /
-           fmt::format("attnrt-info-{}", std::random_device{}());
-    std::filesystem::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (!dir_.empty()) std::filesystem::remove_all(dir_);
-  }
-
-  Result run(const std::string& args) {
-    const std::string out = (dir_ / "out").string(), err = (dir_ / "err").string();
-    const std::string cmd = fmt::format("'{}' {} > '{}' 2> '{}'", cli_, args, out, err);
-    const int status = std::system(cmd.c_str());
-    Result r;
-    r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    r.out = slurp(out);
-    r.err = slurp(err);
-    return r;
-  }
-
-  static std::string slurp(const std::string& path) {
-    std::ifstream in(path);
-    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  }
-
-  std::string cli_;
-  std::filesystem::path dir_;
-};
+using InfoCli = attnrt::test::CliTest;
 
 bool has(const std::string& text, const std::string& needle) {
   return text.find(needle) != std::string::npos;
@@ -65,9 +28,7 @@ bool has(const std::string& text, const std::string& needle) {
 TEST_F(InfoCli, PrintsTheMachineAndEveryRegisteredBackend) {
   Result r = run("info");
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_TRUE(has(r.out, "CPU:")) << r.out;
-  EXPECT_TRUE(has(r.out, "CUDA:")) << r.out;
-  EXPECT_TRUE(has(r.out, "Support matrix:")) << r.out;
+  expect_contains(r.out, {"CPU:", "CUDA:", "Support matrix:"});
   for (const std::string& name : attnrt::Registry::global().names()) {
     EXPECT_TRUE(has(r.out, "  " + name)) << name << "\n" << r.out;
   }
@@ -80,11 +41,9 @@ TEST_F(InfoCli, PrintsTheMachineAndEveryRegisteredBackend) {
 TEST_F(InfoCli, ExplainsTheChoicePerPhaseForAModel) {
   Result r = run("info --model demo --prefill-attention-backend reference --explain");
   ASSERT_EQ(r.status, 0) << r.err;
-  EXPECT_TRUE(has(r.out, "Model demo")) << r.out;
-  EXPECT_TRUE(has(r.out, "prefill         reference")) << r.out;
-  EXPECT_TRUE(has(r.out, "prefill: reference — set by --prefill-attention-backend")) << r.out;
-  EXPECT_TRUE(has(r.out, "decode: ")) << r.out;
-  EXPECT_TRUE(has(r.out, "hybrid router   yes")) << r.out;
+  expect_contains(r.out, {"Model demo", "prefill         reference",
+                          "prefill: reference — set by --prefill-attention-backend",
+                          "decode: ", "hybrid router   yes"});
 }
 
 TEST_F(InfoCli, JsonCarriesTheSelectionAndEveryBackendsCaps) {

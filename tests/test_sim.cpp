@@ -22,6 +22,10 @@
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/memory/token_allocator.h"
 #include "attnrt/model/model_spec.h"
+#include "tools/sim/driver.h"
+#include "tools/sim/scheduler.h"
+#include "tools/sim/trace.h"
+#include "tests/test_sim_util.h"
 #include "tests/test_util.h"
 #include "tools/sim/driver.h"
 #include "tools/sim/scheduler.h"
@@ -591,35 +595,11 @@ namespace {
 // recomputed on reference; here the backend is reference itself, so any difference would be a
 // driver fault (re-storing k/v, wrong batch, unwritten outputs), and the pools are checked too.
 
-Trace small_trace() {
-  return parse_trace(
-      "{\"id\": \"a\", \"arrival_step\": 1, \"prompt_len\": 40, \"output_len\": 6}\n"
-      "{\"id\": \"b\", \"arrival_step\": 1, \"prompt_len\": 70, \"output_len\": 9, "
-      "\"shared_prefix\": "
-      "\"sys\", \"shared_prefix_len\": 32}\n"
-      "{\"id\": \"c\", \"arrival_step\": 3, \"prompt_len\": 50, \"output_len\": 4, "
-      "\"shared_prefix\": "
-      "\"sys\", \"shared_prefix_len\": 32}\n"
-      "{\"id\": \"d\", \"arrival_step\": 9, \"prompt_len\": 12, \"output_len\": 7}\n",
-      "small");
-}
+using attnrt::test::find_mode;
 
-RunConfig small_config() {
-  RunConfig rc;
-  rc.scheduler.max_running_requests = 4;
-  rc.scheduler.chunked_prefill_size = 32;
-  rc.max_total_tokens = 1024;
-  rc.check_every = 3;
-  rc.seed = 11;
-  return rc;
-}
+Trace small_trace() { return attnrt::test::four_request_trace("small"); }
 
-const ModeStats* find_mode(const RunReport& r, ModelRole role, ForwardMode mode) {
-  for (const ModeStats& m : r.modes) {
-    if (m.role == role && m.mode == mode) return &m;
-  }
-  return nullptr;
-}
+RunConfig small_config() { return attnrt::test::small_run_config(1024, 3, 11); }
 
 TEST(SimDriver, RunsEveryModeOnReferenceWithoutErrorOrLeak) {
   Options o;
@@ -693,11 +673,7 @@ TEST(SimDriver, SwaHybridModelRunsWithItsSwaPoolRatio) {
 TEST(SimDriver, SpeculativeChainAndTreeRunVerifyAndDraftExtend) {
   for (int topk : {1, 2}) {
     SCOPED_TRACE(fmt::format("topk {}", topk));
-    Options o;
-    o.attention_backend = "reference";
-    o.speculative_num_steps = 3;
-    o.speculative_eagle_topk = topk;
-    o.speculative_num_draft_tokens = topk == 1 ? 4 : 6;
+    const Options o = attnrt::test::speculative_options("reference", topk);
     RunConfig rc = small_config();
     rc.scheduler.spec.accept_prob = 0.8;
     const RunReport r = run_trace(model_preset("demo"), o, small_trace(), rc);
