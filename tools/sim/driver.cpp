@@ -22,9 +22,6 @@
 #include "tools/sim/case_dumper.h"
 #include "tools/sim/checker.h"
 #include "tools/sim/step_inputs.h"
-#if defined(ATTNRT_HAS_CUDA)
-#include "backends/cuda/cuda_kv_cache.h"
-#endif
 
 namespace attnrt::sim {
 
@@ -115,16 +112,8 @@ std::vector<int64_t> step_rows(const ForwardBatch& batch, const ReqToTokenPool& 
 
 // Brings the host copy of one layer up to date with the GPU pool at `rows`.
 void refresh_mirror(Engine& e, int layer_id, const std::vector<int64_t>& rows) {
-#if defined(ATTNRT_HAS_CUDA)
-  auto* gpu = dynamic_cast<cuda::CudaKVCache*>(&e.runtime->kv_cache());
-  ATTNRT_CHECK(gpu != nullptr, "attnrt run: a host copy of the pools exists only for GPU pools");
   const KVLayerView h = e.mirror->layer(layer_id);
-  gpu->download_rows(layer_id, rows, h.k, h.v);
-#else
-  (void)e;
-  (void)rows;
-  fail("attnrt run: layer {}: GPU pools in a build without CUDA", layer_id);
-#endif
+  e.runtime->kv_cache().download_rows(layer_id, rows, h.k, h.v);
 }
 
 Engine make_engine(const ModelSpec& model, const Options& options, const RunConfig& config,
