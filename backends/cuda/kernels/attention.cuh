@@ -30,6 +30,8 @@
 #include <type_traits>
 
 #include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
@@ -66,32 +68,6 @@ struct AttnConfig {
   static constexpr int kSlotBytes = STAGES * BN * 8;
   static constexpr int kSmemBytes = kQBytes + kKVRegion + kSlotBytes;
 };
-
-// Four fp8 bytes -> two registers of two 16-bit values of T (bytes 0, 1 -> lo; 2, 3 -> hi). For
-// bf16 the result is the value times 2^-112 (see the top of the file).
-template <typename T>
-__device__ __forceinline__ void fp8x4_to(uint32_t w, bool e5m2, uint32_t& lo, uint32_t& hi) {
-  uint32_t h0, h1;
-  if (e5m2) {
-    // e5m2 is the upper byte of an f16.
-    h0 = __byte_perm(w, 0u, 0x1404);
-    h1 = __byte_perm(w, 0u, 0x3424);
-  } else {
-    const __half2_raw a =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
-    const __half2_raw b =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
-    h0 = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
-    h1 = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
-  }
-  if constexpr (std::is_same_v<T, __half>) {
-    lo = h0;
-    hi = h1;
-  } else {
-    lo = ((h0 >> 3) & 0x0fff0fffu) | (h0 & 0x80008000u);
-    hi = ((h1 >> 3) & 0x0fff0fffu) | (h1 & 0x80008000u);
-  }
-}
 
 // Two bf16 values times 2^56 (exact unless |q| > 2^71).
 __device__ __forceinline__ uint32_t bf16x2_times_2p56(uint32_t x) {
@@ -286,7 +262,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[nb][e];
-        if (softcap) x = p.softcap * tanhf(x * softmax_scale / p.softcap) * 1.4426950408889634f;
+        if (softcap) x = p.softcap * tanhf(x * softmax_scale / p.softcap) * kLog2e;
         if (need_mask) {
           const int h = e >> 1;
           const int j = kw0 + nb * 8 + 2 * c4 + (e & 1);
@@ -402,7 +378,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   }
 
   const bool split = req.num_splits > 1;
-  const float sink_log2e = 1.4426950408889634f;
   const float o_unit = kUnits ? 0x1p112f : 1.f;  // undoes the 2^-112 of bf16-positioned fp8 V
   // Output dim of accumulator o[j][2h + e1] (the fp8 V fragments permute the output dims).
   auto out_dim = [&](int j, int e1) {
@@ -421,14 +396,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
       if (d0 == 0) p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
     } else {
       float den = ll;
-      if (p.sinks) den += exp2f(p.sinks[head] * sink_log2e - (mm == -INFINITY ? 0.f : mm));
+      if (p.sinks) den += exp2f(p.sinks[head] * kLog2e - (mm == -INFINITY ? 0.f : mm));
       const float inv = den > 0.f ? p.v_scale * o_unit / den : 0.f;
       T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
                head * p.o_stride_head + d0;
       for (int i = 0; i < nd; ++i) dst[i] = from_float<T>(vals[i] * inv);
       if (p.lse_out && d0 == 0)
-        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] =
-            (mm + log2f(den)) * 0.6931471805599453f;
+        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (mm + log2f(den)) * kLn2;
     }
   };
 

@@ -4,13 +4,13 @@
 // softmax state, then every lane accumulates its own 8-dim chunks of V over the block's keys.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cmath>
-#include <type_traits>
 
-#include "backends/cuda/kernels/attention.cuh"
 #include "backends/cuda/kernels/attention_generic.h"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
+#include "backends/cuda/kernels/paged_kv.cuh"
 
 namespace attnrt::cuda {
 
@@ -22,22 +22,6 @@ constexpr int kLaneChunks = (kGenericMaxDim / 8 + 31) / 32;  // 8-dim V chunks p
 // Split-KV chunks are rounded to this many keys (any value partitions the keys consistently: every
 // CTA of a request derives the same ranges).
 constexpr int kSplitKeys = 32;
-constexpr float kLog2e = 1.4426950408889634f;
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __half2float(x);
-  } else {
-    return __bfloat162float(x);
-  }
-}
-
-__device__ __forceinline__ float fp8_to_float(uint8_t b, bool e5m2) {
-  const __half_raw h =
-      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), e5m2 ? __NV_E5M2 : __NV_E4M3);
-  return __half2float(__half(h));
-}
 
 // Eight stored K/V elements from element index e (a multiple of 8) as floats: 16-bit KV of the
 // activation type, or fp8 bytes (the scales are applied by the caller).
@@ -199,8 +183,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       if (p.lse_out && lane == 0)
-        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] =
-            (m + log2f(den)) * 0.6931471805599453f;
+        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m + log2f(den)) * kLn2;
     }
     __syncwarp();  // q_s is rewritten by the next row
   }

@@ -26,6 +26,8 @@
 #pragma once
 
 #include "backends/cuda/kernels/attention.cuh"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 
 namespace attnrt::cuda {
@@ -67,22 +69,6 @@ struct KeysMConfig {
   static constexpr int kSmemBytes = kQBytes + kKVRegion + kSlotBytes;
   static_assert(kKW == 16 && (kKW * kLoadChunks) % 32 == 0 && kAhead <= kSlotTiles);
 };
-
-// Four fp8 bytes -> two registers of two f16 values (bytes 0, 1 -> lo; 2, 3 -> hi), exactly.
-template <bool E5M2>
-__device__ __forceinline__ void fp8x4_to_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  if constexpr (E5M2) {
-    lo = __byte_perm(w, 0u, 0x1404);
-    hi = __byte_perm(w, 0u, 0x3424);
-  } else {
-    const __half2_raw a =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
-    const __half2_raw b =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
-    lo = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
-    hi = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
-  }
-}
 
 // Transposes the 8x8 matrix of 16-bit values the warp holds in fragment layout (thread (g, c4):
 // row g, columns 2 c4, 2 c4 + 1).
@@ -446,8 +432,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
     for (int e = 0; e < 4; ++e) {
       float x = s[e];
       if (softcap)
-        x = p.softcap * tanhf(x * (p.softmax_scale * col_unit[e & 1]) / p.softcap) *
-            1.4426950408889634f;
+        x = p.softcap * tanhf(x * (p.softmax_scale * col_unit[e & 1]) / p.softcap) * kLog2e;
       if (need_mask) {
         const int h = e & 1;
         const int j = kw0 + g + 8 * (e >> 1);
@@ -585,7 +570,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   __syncthreads();
 
   const bool split = req.num_splits > 1;
-  const float sink_log2e = 1.4426950408889634f;
   constexpr int kVec = 4;
   for (int i = tid; i < COLS * (D / kVec); i += NT) {
     const int col = i / (D / kVec), d0 = (i % (D / kVec)) * kVec;
@@ -615,15 +599,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
       if (d0 == 0) p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
     } else {
       float den = ll;
-      if (p.sinks) den += exp2f(p.sinks[head] * sink_log2e - (mm == -INFINITY ? 0.f : mm));
+      if (p.sinks) den += exp2f(p.sinks[head] * kLog2e - (mm == -INFINITY ? 0.f : mm));
       const float inv = den > 0.f ? p.v_scale / den : 0.f;
       T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
                head * p.o_stride_head + d0;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) dst[k] = from_float<T>(vals[k] * inv);
       if (p.lse_out && d0 == 0)
-        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] =
-            (mm + log2f(den)) * 0.6931471805599453f;
+        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (mm + log2f(den)) * kLn2;
     }
   }
 }

@@ -29,7 +29,9 @@
 
 #include <cstdint>
 
-#include "attnrt/core/dtype.h"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/elem.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/linear.h"
 #include "backends/cuda/kernels/primitives.cuh"
 
@@ -42,9 +44,6 @@ constexpr int kChunk = 64;      // tokens per chunk (the only chunk size support
 constexpr int kThreads = 256;   // prep and state pass
 constexpr int kVTile = 64;      // value rows of S per state-pass CTA
 constexpr int kTableThreads = 1024;
-constexpr DTypeCode kF32 = static_cast<DTypeCode>(DType::f32);
-constexpr DTypeCode kF16 = static_cast<DTypeCode>(DType::f16);
-constexpr DTypeCode kBF16 = static_cast<DTypeCode>(DType::bf16);
 
 // Workspace: the chunk table, then one unit of chunk operands per (chunk slot, value head).
 struct Layout {
@@ -72,30 +71,6 @@ Layout make_layout(int num_reqs, int64_t num_tokens, int dk, int dv, int heads) 
   L.unit_bytes = align_up(L.el_off + int64_t{dk} * 4, 128);
   L.total = L.units_off + L.bound * heads * L.unit_bytes;
   return L;
-}
-
-__device__ __forceinline__ float load_elem(const void* p, DTypeCode t, int64_t i) {
-  if (t == kBF16) return __bfloat162float(static_cast<const bf16*>(p)[i]);
-  if (t == kF16) return __half2float(static_cast<const __half*>(p)[i]);
-  return static_cast<const float*>(p)[i];
-}
-
-__device__ __forceinline__ void store_elem(void* p, DTypeCode t, int64_t i, float x) {
-  if (t == kBF16) {
-    static_cast<bf16*>(p)[i] = __float2bfloat16_rn(x);
-  } else if (t == kF16) {
-    static_cast<__half*>(p)[i] = __float2half_rn(x);
-  } else {
-    static_cast<float*>(p)[i] = x;
-  }
-}
-
-__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
-
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
 }
 
 __device__ __forceinline__ int chunks_of(int32_t tokens) {
@@ -181,7 +156,8 @@ __device__ __forceinline__ void normalise_qk_row(const DeltaParams& p, float (&q
     sq += qv[m] * qv[m];
     sk += kv[m] * kv[m];
   }
-  const float fq = p.scale * rsqrtf(warp_sum(sq) + 1e-6f), fk = rsqrtf(warp_sum(sk) + 1e-6f);
+  const float fq = p.scale * rsqrtf(group_sum<32>(sq) + 1e-6f),
+              fk = rsqrtf(group_sum<32>(sk) + 1e-6f);
 #pragma unroll
   for (int m = 0; m < DK / 32; ++m) {
     qv[m] *= fq;

@@ -40,6 +40,8 @@
 #include <type_traits>
 
 #include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/prefill.h"
@@ -218,7 +220,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   const bool capped = p.softcap > 0.f;
   const float sl = capped ? 1.f : p.scale_log2;  // logit -> log2 units after the softcap pass
   const float cap_in = capped ? p.softmax_scale / p.softcap : 0.f;
-  const float cap_out = p.softcap * 1.4426950408889634f;
+  const float cap_out = p.softcap * kLog2e;
 
   float o[MB][NO][ON / 2];
 #pragma unroll
