@@ -15,10 +15,6 @@ namespace attnrt::cuda {
 
 namespace {
 
-static_assert(static_cast<int>(DType::f32) == 0 && static_cast<int>(DType::f16) == 1 &&
-                  static_cast<int>(DType::bf16) == 2,
-              "kernels/linear_common.cuh names DType values by number");
-
 constexpr int kMaxConvKernel = 8;   // kernels/linear_conv.cu
 constexpr int kMaxStateCols = 256;  // kernels/linear_recurrent.cu
 constexpr int kChunk = 64;          // tokens per chunk of the chunked extend launchers

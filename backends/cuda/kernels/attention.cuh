@@ -30,6 +30,9 @@
 #include <type_traits>
 
 #include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/mask.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
@@ -67,32 +70,6 @@ struct AttnConfig {
   static constexpr int kSmemBytes = kQBytes + kKVRegion + kSlotBytes;
 };
 
-// Four fp8 bytes -> two registers of two 16-bit values of T (bytes 0, 1 -> lo; 2, 3 -> hi). For
-// bf16 the result is the value times 2^-112 (see the top of the file).
-template <typename T>
-__device__ __forceinline__ void fp8x4_to(uint32_t w, bool e5m2, uint32_t& lo, uint32_t& hi) {
-  uint32_t h0, h1;
-  if (e5m2) {
-    // e5m2 is the upper byte of an f16.
-    h0 = __byte_perm(w, 0u, 0x1404);
-    h1 = __byte_perm(w, 0u, 0x3424);
-  } else {
-    const __half2_raw a =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
-    const __half2_raw b =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
-    h0 = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
-    h1 = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
-  }
-  if constexpr (std::is_same_v<T, __half>) {
-    lo = h0;
-    hi = h1;
-  } else {
-    lo = ((h0 >> 3) & 0x0fff0fffu) | (h0 & 0x80008000u);
-    hi = ((h1 >> 3) & 0x0fff0fffu) | (h1 & 0x80008000u);
-  }
-}
-
 // Two bf16 values times 2^56 (exact unless |q| > 2^71).
 __device__ __forceinline__ uint32_t bf16x2_times_2p56(uint32_t x) {
   const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&x);
@@ -123,7 +100,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   const int G = p.group;
   const int t_first = item.f0 / G;
   const int t_last = min(req.qlen - 1, (item.f0 + ROWS - 1) / G);
-  const KeyRange kr = split_range(p, req, t_first, t_last, item.split, BN);
+  const Mask<true> mask{p, req};
+  const KeyRange kr = split_range(mask, t_first, t_last, item.split, BN);
   const int page_mask = (1 << p.page_shift) - 1;
   const bool e5m2 = p.kv_kind == KvKind::e5m2;
 
@@ -166,19 +144,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   }
 
   // Per-thread rows: g and g + 8 of the warp's row group.
-  int row_t[2];
-  int row_qpos[2];
-  uint64_t row_tree[2] = {0, 0};
-  for (int h = 0; h < 2; ++h) {
-    const int f = item.f0 + rg * 16 + g + 8 * h;
-    row_t[h] = f / G;
-    int depth = row_t[h];
-    if (p.tree && row_t[h] < req.qlen) {
-      depth = p.tree_depth[req.tree_start + row_t[h]];
-      row_tree[h] = p.tree_mask[req.tree_start + row_t[h]];
-    }
-    row_qpos[h] = req.prefix + depth;
-  }
+  MaskRow rows[2];
+  for (int h = 0; h < 2; ++h) rows[h] = mask.row((item.f0 + rg * 16 + g + 8 * h) / G);
 
   float o[D / 8][4];
 #pragma unroll
@@ -186,9 +153,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   uint32_t qf[D / 16][4];
 
+  // The logits' scale into log2 units rides in the exponent's FFMA below (sl); a softcap is
+  // applied first and leaves its result in log2 units (sl = 1). The scale is positive, so the row
+  // maximum of the unscaled logits times sl is the maximum in log2 units.
   const float qk_unit = kUnits ? 0x1p56f : 1.f;  // undoes 2^56 * 2^-112 in the logits
-  const float scale_log2 = p.scale_log2 * qk_unit;
-  const float softmax_scale = p.softmax_scale * qk_unit;
+  const SoftCap cap(p.softcap, p.softmax_scale * qk_unit);
+  const float sl = cap.exp_scale(p.scale_log2 * qk_unit);
   for (int it = 0; it < num_tiles; ++it) {
     const int stage = it % ST;
     const int kb = kr.lo + it * BN;
@@ -272,40 +242,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
       }
     }
 
-    // Logits, masked. The scale into log2 units rides in the exponent's FFMA below (sl); a softcap
-    // is applied first and leaves its result in log2 units (sl = 1). The scale is positive, so
-    // the row maximum of the unscaled logits times sl is the maximum in log2 units.
-    const bool softcap = p.softcap > 0.f;
-    const float sl = softcap ? 1.f : scale_log2;
-    const bool need_mask =
-        kw0 + KW > kr.hi ||
-        (p.causal && (p.tree ? kw0 + KW > req.prefix : kw0 + KW - 1 > req.prefix + t_first)) ||
-        (p.causal && p.window >= 0 && kw0 < req.prefix + t_last - p.window);
+    // Logits, masked (only tiles that reach the split's end, the diagonal or the window's edge).
+    const bool need_mask = mask.needs_mask(kw0, KW, kr.hi, t_first, t_last);
 #pragma unroll
     for (int nb = 0; nb < KW / 8; ++nb) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[nb][e];
-        if (softcap) x = p.softcap * tanhf(x * softmax_scale / p.softcap) * 1.4426950408889634f;
-        if (need_mask) {
-          const int h = e >> 1;
-          const int j = kw0 + nb * 8 + 2 * c4 + (e & 1);
-          bool vis = j < kr.hi;
-          int kpos = j;
-          if (vis && p.causal) {
-            if (p.tree) {
-              if (j >= req.prefix) {
-                const int u = j - req.prefix;
-                vis = (row_tree[h] >> u) & 1;
-                kpos = req.prefix + p.tree_depth[req.tree_start + u];
-              }
-            } else {
-              vis = j <= req.prefix + row_t[h];
-            }
-            if (p.window >= 0) vis = vis && row_qpos[h] - kpos <= p.window;
-          }
-          if (!vis) x = -INFINITY;
-        }
+        if (cap.on) x = cap(x);
+        if (need_mask && !mask.visible(rows[e >> 1], kw0 + nb * 8 + 2 * c4 + (e & 1), kr.hi))
+          x = -INFINITY;
         s[nb][e] = x;
       }
     }
@@ -402,7 +348,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   }
 
   const bool split = req.num_splits > 1;
-  const float sink_log2e = 1.4426950408889634f;
   const float o_unit = kUnits ? 0x1p112f : 1.f;  // undoes the 2^-112 of bf16-positioned fp8 V
   // Output dim of accumulator o[j][2h + e1] (the fp8 V fragments permute the output dims).
   auto out_dim = [&](int j, int e1) {
@@ -421,14 +366,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
       if (d0 == 0) p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
     } else {
       float den = ll;
-      if (p.sinks) den += exp2f(p.sinks[head] * sink_log2e - (mm == -INFINITY ? 0.f : mm));
+      if (p.sinks) den += exp2f(p.sinks[head] * kLog2e - (mm == -INFINITY ? 0.f : mm));
       const float inv = den > 0.f ? p.v_scale * o_unit / den : 0.f;
       T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
                head * p.o_stride_head + d0;
       for (int i = 0; i < nd; ++i) dst[i] = from_float<T>(vals[i] * inv);
       if (p.lse_out && d0 == 0)
-        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] =
-            (mm + log2f(den)) * 0.6931471805599453f;
+        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (mm + log2f(den)) * kLn2;
     }
   };
 

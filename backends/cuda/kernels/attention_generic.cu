@@ -4,13 +4,14 @@
 // softmax state, then every lane accumulates its own 8-dim chunks of V over the block's keys.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cmath>
-#include <type_traits>
 
-#include "backends/cuda/kernels/attention.cuh"
 #include "backends/cuda/kernels/attention_generic.h"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/mask.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
+#include "backends/cuda/kernels/paged_kv.cuh"
 
 namespace attnrt::cuda {
 
@@ -22,22 +23,6 @@ constexpr int kLaneChunks = (kGenericMaxDim / 8 + 31) / 32;  // 8-dim V chunks p
 // Split-KV chunks are rounded to this many keys (any value partitions the keys consistently: every
 // CTA of a request derives the same ranges).
 constexpr int kSplitKeys = 32;
-constexpr float kLog2e = 1.4426950408889634f;
-
-template <typename T>
-__device__ __forceinline__ float to_float(T x) {
-  if constexpr (std::is_same_v<T, __half>) {
-    return __half2float(x);
-  } else {
-    return __bfloat162float(x);
-  }
-}
-
-__device__ __forceinline__ float fp8_to_float(uint8_t b, bool e5m2) {
-  const __half_raw h =
-      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), e5m2 ? __NV_E5M2 : __NV_E4M3);
-  return __half2float(__half(h));
-}
 
 // Eight stored K/V elements from element index e (a multiple of 8) as floats: 16-bit KV of the
 // activation type, or fp8 bytes (the scales are applied by the caller).
@@ -71,7 +56,9 @@ __global__ void __launch_bounds__(kThreads)
 
   const int t_first = item.f0 / G;
   const int t_last = min(req.qlen - 1, (item.f0 + rows - 1) / G);
-  const KeyRange kr = split_range(p, req, t_first, t_last, item.split, kSplitKeys);
+  const Mask<true> mask{p, req};
+  const KeyRange kr = split_range(mask, t_first, t_last, item.split, kSplitKeys);
+  const SoftCap cap(p.softcap, p.softmax_scale);
   const int page_mask = (1 << p.page_shift) - 1;
   const int dch = D / 8, vch = Dv / 8;
   const bool split = req.num_splits > 1;
@@ -86,20 +73,11 @@ __global__ void __launch_bounds__(kThreads)
     for (int d = lane; d < D; d += 32) q_s[d] = to_float(q[d]);
     __syncwarp();
 
-    int depth = t;
-    uint64_t tree_bits = 0;
-    if (p.tree) {
-      depth = p.tree_depth[req.tree_start + t];
-      tree_bits = p.tree_mask[req.tree_start + t];
-    }
-    const int qpos = req.prefix + depth;
     // The row's own key range inside the split: causal rows stop at themselves, windowed rows
-    // start at qpos - window (a draft's position never exceeds its index, so the cut is safe).
-    int lo = kr.lo, hi = kr.hi;
-    if (p.causal) {
-      if (!p.tree) hi = min(hi, req.prefix + t + 1);
-      if (p.window >= 0) lo = max(lo, qpos - p.window);
-    }
+    // start at their window.
+    const MaskRow row = mask.row(t);
+    const KeyRange rk = mask.row_span(row, t);
+    const int lo = max(kr.lo, rk.lo), hi = min(kr.hi, rk.hi);
 
     float m = -INFINITY, l = 0.f;
     float acc[kLaneChunks][8];
@@ -112,28 +90,17 @@ __global__ void __launch_bounds__(kThreads)
       const int j = j0 + lane;
       float s = -INFINITY;
       int64_t slot = -1;
-      if (j < hi) {
-        bool vis = true;
-        int kpos = j;
-        if (p.causal && p.tree && j >= req.prefix) {
-          const int u = j - req.prefix;
-          vis = (tree_bits >> u) & 1;
-          kpos = req.prefix + p.tree_depth[req.tree_start + u];
-        }
-        if (p.causal && p.window >= 0) vis = vis && qpos - kpos <= p.window;
-        if (vis) {
-          slot = slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j);
-          const int64_t base = slot * p.k_row_stride + static_cast<int64_t>(kvh) * D;
-          float dot = 0.f;
-          for (int c = 0; c < dch; ++c) {
-            float k8[8];
-            load8<T>(p.k, base + c * 8, p.kv_kind, k8);
+      if (mask.visible(row, j, hi)) {
+        slot = slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j);
+        const int64_t base = slot * p.k_row_stride + static_cast<int64_t>(kvh) * D;
+        float dot = 0.f;
+        for (int c = 0; c < dch; ++c) {
+          float k8[8];
+          load8<T>(p.k, base + c * 8, p.kv_kind, k8);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) dot += q_s[c * 8 + e] * k8[e];
-          }
-          s = p.softcap > 0.f ? p.softcap * tanhf(dot * p.softmax_scale / p.softcap) * kLog2e
-                              : dot * p.scale_log2;
+          for (int e = 0; e < 8; ++e) dot += q_s[c * 8 + e] * k8[e];
         }
+        s = cap.on ? cap(dot) : dot * p.scale_log2;
       }
       float mx = s;
 #pragma unroll
@@ -199,8 +166,7 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       if (p.lse_out && lane == 0)
-        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] =
-            (m + log2f(den)) * 0.6931471805599453f;
+        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m + log2f(den)) * kLn2;
     }
     __syncwarp();  // q_s is rewritten by the next row
   }

@@ -26,6 +26,9 @@
 #pragma once
 
 #include "backends/cuda/kernels/attention.cuh"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/mask.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 
 namespace attnrt::cuda {
@@ -67,22 +70,6 @@ struct KeysMConfig {
   static constexpr int kSmemBytes = kQBytes + kKVRegion + kSlotBytes;
   static_assert(kKW == 16 && (kKW * kLoadChunks) % 32 == 0 && kAhead <= kSlotTiles);
 };
-
-// Four fp8 bytes -> two registers of two f16 values (bytes 0, 1 -> lo; 2, 3 -> hi), exactly.
-template <bool E5M2>
-__device__ __forceinline__ void fp8x4_to_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  if constexpr (E5M2) {
-    lo = __byte_perm(w, 0u, 0x1404);
-    hi = __byte_perm(w, 0u, 0x3424);
-  } else {
-    const __half2_raw a =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w & 0xffffu), __NV_E4M3);
-    const __half2_raw b =
-        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> 16), __NV_E4M3);
-    lo = static_cast<uint32_t>(a.x) | (static_cast<uint32_t>(a.y) << 16);
-    hi = static_cast<uint32_t>(b.x) | (static_cast<uint32_t>(b.y) << 16);
-  }
-}
 
 // Transposes the 8x8 matrix of 16-bit values the warp holds in fragment layout (thread (g, c4):
 // row g, columns 2 c4, 2 c4 + 1).
@@ -282,7 +269,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   const int G = p.group;
   const int t_first = item.f0 / G;
   const int t_last = min(req.qlen - 1, (item.f0 + COLS - 1) / G);
-  const KeyRange kr = split_range(p, req, t_first, t_last, item.split, BN);
+  const Mask<true> mask{p, req};
+  const KeyRange kr = split_range(mask, t_first, t_last, item.split, BN);
   const int page_mask = (1 << p.page_shift) - 1;
 
   // ---- Q: rows f0 .. f0 + 8 of the flattened (token, head-in-group) index.
@@ -309,19 +297,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   pipe.prologue();
 
   // Per-thread query rows (columns of S^T): 2 c4 and 2 c4 + 1.
-  int row_t[2];
-  int row_qpos[2];
-  uint64_t row_tree[2] = {0, 0};
-  for (int h = 0; h < 2; ++h) {
-    const int f = item.f0 + 2 * c4 + h;
-    row_t[h] = f / G;
-    int depth = row_t[h];
-    if (p.tree && row_t[h] < req.qlen) {
-      depth = p.tree_depth[req.tree_start + row_t[h]];
-      row_tree[h] = p.tree_mask[req.tree_start + row_t[h]];
-    }
-    row_qpos[h] = req.prefix + depth;
-  }
+  MaskRow rows[2];
+  for (int h = 0; h < 2; ++h) rows[h] = mask.row((item.f0 + 2 * c4 + h) / G);
 
   // O^T: o[m][e] is output dim out_dim(m, e >> 1) of row 2 c4 + (e & 1).
   float o[D / 16][4];
@@ -332,6 +309,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
 
   // Per row 2 c4 + h: the factor undoing its Q scale in the logits (1 unless kQScale).
   float col_unit[2] = {1.f, 1.f};
+  const SoftCap cap(p.softcap, p.softmax_scale);
   for (int it = 0; it < num_tiles; ++it) {
     const int kb = kr.lo + it * BN;
     const unsigned char* tK = pipe.k_tile(it);
@@ -434,39 +412,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
     for (int e = 0; e < 4; ++e) s[e] = s2[0][e] + s2[1][e];
 
     // Logits to log2 units: the scale rides in the exponent's FFMA (sl); a softcap is applied
-    // first and leaves its result in log2 units.
-    const bool softcap = p.softcap > 0.f;
-    const float sl[2] = {softcap ? 1.f : p.scale_log2 * col_unit[0],
-                         softcap ? 1.f : p.scale_log2 * col_unit[1]};
-    const bool need_mask =
-        kw0 + KW > kr.hi ||
-        (p.causal && (p.tree ? kw0 + KW > req.prefix : kw0 + KW - 1 > req.prefix + t_first)) ||
-        (p.causal && p.window >= 0 && kw0 < req.prefix + t_last - p.window);
+    // first (to the logit with its Q scale undone) and leaves its result in log2 units.
+    const float sl[2] = {cap.exp_scale(p.scale_log2 * col_unit[0]),
+                         cap.exp_scale(p.scale_log2 * col_unit[1])};
+    const bool need_mask = mask.needs_mask(kw0, KW, kr.hi, t_first, t_last);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float x = s[e];
-      if (softcap)
-        x = p.softcap * tanhf(x * (p.softmax_scale * col_unit[e & 1]) / p.softcap) *
-            1.4426950408889634f;
-      if (need_mask) {
-        const int h = e & 1;
-        const int j = kw0 + g + 8 * (e >> 1);
-        bool vis = j < kr.hi;
-        int kpos = j;
-        if (vis && p.causal) {
-          if (p.tree) {
-            if (j >= req.prefix) {
-              const int u = j - req.prefix;
-              vis = (row_tree[h] >> u) & 1;
-              kpos = req.prefix + p.tree_depth[req.tree_start + u];
-            }
-          } else {
-            vis = j <= req.prefix + row_t[h];
-          }
-          if (p.window >= 0) vis = vis && row_qpos[h] - kpos <= p.window;
-        }
-        if (!vis) x = -INFINITY;
-      }
+      if (cap.on) x = cap(x * col_unit[e & 1]);
+      if (need_mask && !mask.visible(rows[e & 1], kw0 + g + 8 * (e >> 1), kr.hi)) x = -INFINITY;
       s[e] = x;
     }
 
@@ -585,7 +539,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   __syncthreads();
 
   const bool split = req.num_splits > 1;
-  const float sink_log2e = 1.4426950408889634f;
   constexpr int kVec = 4;
   for (int i = tid; i < COLS * (D / kVec); i += NT) {
     const int col = i / (D / kVec), d0 = (i % (D / kVec)) * kVec;
@@ -615,15 +568,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
       if (d0 == 0) p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
     } else {
       float den = ll;
-      if (p.sinks) den += exp2f(p.sinks[head] * sink_log2e - (mm == -INFINITY ? 0.f : mm));
+      if (p.sinks) den += exp2f(p.sinks[head] * kLog2e - (mm == -INFINITY ? 0.f : mm));
       const float inv = den > 0.f ? p.v_scale / den : 0.f;
       T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
                head * p.o_stride_head + d0;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) dst[k] = from_float<T>(vals[k] * inv);
       if (p.lse_out && d0 == 0)
-        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] =
-            (mm + log2f(den)) * 0.6931471805599453f;
+        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (mm + log2f(den)) * kLn2;
     }
   }
 }

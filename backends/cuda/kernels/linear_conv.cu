@@ -18,9 +18,11 @@
 // the recurrent state and the request table, which no conv kernel writes.
 #include <cstdint>
 
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/elem.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/linear.h"
-#include "backends/cuda/kernels/linear_common.cuh"
 
 namespace attnrt::cuda::linear {
 
@@ -37,7 +39,7 @@ __device__ __forceinline__ float conv_at(const void* base, int64_t i) {
 
 template <typename C>
 __device__ __forceinline__ void conv_put(void* base, int64_t i, float v) {
-  static_cast<C*>(base)[i] = from_float_as<C>(v);
+  static_cast<C*>(base)[i] = from_float<C>(v);
 }
 
 template <typename C>
@@ -129,18 +131,6 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) 
   }
 }
 
-// x (any activation dtype) as V floats: one vector load of V elements.
-template <int V>
-__device__ __forceinline__ void load_x(const void* base, DTypeCode t, int64_t i, float (&out)[V]) {
-  if (t == kF32) {
-    load_vec<float, V>(static_cast<const float*>(base) + i, out);
-  } else if (t == kBF16) {
-    load_vec<__nv_bfloat16, V>(static_cast<const __nv_bfloat16*>(base) + i, out);
-  } else {
-    load_vec<__half, V>(static_cast<const __half*>(base) + i, out);
-  }
-}
-
 // The K taps of channels c .. c + V - 1 (V * K consecutive floats, read as float4) and their bias
 // (0 without one).
 template <int V, int K>
@@ -196,13 +186,13 @@ __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams
 
   // Every independent load first: the next x, the window, the weights and the bias.
   float xn[V];
-  load_x<V>(p.x, p.x_dtype, x0 + int64_t{t0} * p.x_stride, xn);
+  load_elems<V>(p.x, p.x_dtype, x0 + int64_t{t0} * p.x_stride, xn);
   float win[W][V];  // win[j]: the inputs before the current token, oldest first
 #pragma unroll
   for (int j = 0; j < W; ++j) {
     const int i = t0 - W + j;  // input index in the request; < 0: the slot's window
     if (i >= 0) {
-      load_x<V>(p.x, p.x_dtype, x0 + int64_t{i} * p.x_stride, win[j]);
+      load_elems<V>(p.x, p.x_dtype, x0 + int64_t{i} * p.x_stride, win[j]);
     } else if (r.has_initial_state) {
       load_vec<C, V>(window + int64_t{W + i} * dim, win[j]);
     } else {
@@ -218,7 +208,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams
     float xt[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) xt[e] = xn[e];
-    if (t + 1 < t1) load_x<V>(p.x, p.x_dtype, x0 + int64_t{t + 1} * p.x_stride, xn);
+    if (t + 1 < t1) load_elems<V>(p.x, p.x_dtype, x0 + int64_t{t + 1} * p.x_stride, xn);
     float y[V];
     conv_silu<V, K>(w, bias, win, xt, y);
     store_vec<float, V>(p.y + (int64_t{r.token_start} + t) * dim + c, y);
@@ -262,7 +252,7 @@ __global__ void __launch_bounds__(kConvThreads, kConvTokenBlocksPerSm<C>)
   if (r.tokens <= 0) return;
   C* const window = static_cast<C*>(p.state.conv) + r.slot * (int64_t{W} * dim) + c;
   float xt[V];
-  load_x<V>(p.x, p.x_dtype, int64_t{r.token_start} * p.x_stride + c, xt);
+  load_elems<V>(p.x, p.x_dtype, int64_t{r.token_start} * p.x_stride + c, xt);
   float win[W][V];  // the inputs before the token, oldest first
 #pragma unroll
   for (int j = 0; j < W; ++j) {

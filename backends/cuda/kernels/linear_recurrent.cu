@@ -26,9 +26,11 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/elem.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/linear.h"
-#include "backends/cuda/kernels/linear_common.cuh"
 
 namespace attnrt::cuda::linear {
 
@@ -36,13 +38,6 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-
-template <int L>
-__device__ __forceinline__ float group_sum(float x) {
-#pragma unroll
-  for (int o = L / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
 
 template <typename S, int L, int E, int J, int RT, bool SSD>
 struct Kernel {

@@ -38,7 +38,9 @@
 
 #include <cstdint>
 
-#include "attnrt/core/dtype.h"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/elem.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/linear.h"
 #include "backends/cuda/kernels/primitives.cuh"
 
@@ -47,11 +49,6 @@ namespace attnrt::cuda::linear {
 namespace {
 
 using bf16 = __nv_bfloat16;
-
-constexpr DTypeCode kF32 = static_cast<DTypeCode>(DType::f32);
-constexpr DTypeCode kF16 = static_cast<DTypeCode>(DType::f16);
-constexpr DTypeCode kBf16 = static_cast<DTypeCode>(DType::bf16);
-constexpr float kLog2e = 1.4426950408889634f;
 
 constexpr int kHeadDim = 64;  // P
 constexpr int kWarps = kHeadDim / 16;
@@ -72,58 +69,6 @@ struct SsdSmem {
 template <int COLS>
 __device__ __forceinline__ int sidx(int row, int col) {
   return row * COLS + (swz(row, col >> 3) << 3) + (col & 7);
-}
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
-
-__device__ __forceinline__ float load_elem(const void* base, DTypeCode dt, int64_t i) {
-  if (dt == kBf16) return __bfloat162float(static_cast<const bf16*>(base)[i]);
-  if (dt == kF16) return __half2float(static_cast<const __half*>(base)[i]);
-  return static_cast<const float*>(base)[i];
-}
-
-__device__ __forceinline__ void store_elem(void* base, DTypeCode dt, int64_t i, float v) {
-  if (dt == kBf16) {
-    static_cast<bf16*>(base)[i] = __float2bfloat16_rn(v);
-  } else if (dt == kF16) {
-    static_cast<__half*>(base)[i] = __float2half_rn(v);
-  } else {
-    static_cast<float*>(base)[i] = v;
-  }
-}
-
-// Two consecutive output elements at an even index of an 8-byte aligned buffer.
-__device__ __forceinline__ void store_pair(void* base, DTypeCode dt, int64_t i, float a, float b) {
-  if (dt == kBf16) {
-    *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(base) + i) = __floats2bfloat162_rn(a, b);
-  } else if (dt == kF16) {
-    *reinterpret_cast<__half2*>(static_cast<__half*>(base) + i) = __floats2half2_rn(a, b);
-  } else {
-    *reinterpret_cast<float2*>(static_cast<float*>(base) + i) = make_float2(a, b);
-  }
-}
-
-// Two consecutive state elements (i even; states are f32 or bf16).
-__device__ __forceinline__ float2 load_state2(const void* base, DTypeCode dt, int64_t i) {
-  if (dt == kBf16)
-    return __bfloat1622float2(
-        *reinterpret_cast<const __nv_bfloat162*>(static_cast<const bf16*>(base) + i));
-  return *reinterpret_cast<const float2*>(static_cast<const float*>(base) + i);
-}
-
-__device__ __forceinline__ void store_state2(void* base, DTypeCode dt, int64_t i, float a,
-                                             float b) {
-  if (dt == kBf16) {
-    *reinterpret_cast<__nv_bfloat162*>(static_cast<bf16*>(base) + i) = __floats2bfloat162_rn(a, b);
-  } else {
-    *reinterpret_cast<float2*>(static_cast<float*>(base) + i) = make_float2(a, b);
-  }
 }
 
 // Multiplies the two bf16 values of `v` by (lo, hi) in fp32.
@@ -233,9 +178,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int j = 0; j < NT; ++j) {
     float2 lo = make_float2(0.f, 0.f), hi = lo;
     if (req.has_initial_state) {
-      lo = load_state2(p.state.ssm, p.state.ssm_dtype, state_off + (p0 + g) * N + 8 * j + 2 * c);
-      hi =
-          load_state2(p.state.ssm, p.state.ssm_dtype, state_off + (p0 + g + 8) * N + 8 * j + 2 * c);
+      lo = load_elem2<Dtypes::f32_or_bf16>(p.state.ssm, p.state.ssm_dtype,
+                                           state_off + (p0 + g) * N + 8 * j + 2 * c);
+      hi = load_elem2<Dtypes::f32_or_bf16>(p.state.ssm, p.state.ssm_dtype,
+                                           state_off + (p0 + g + 8) * N + 8 * j + 2 * c);
     }
     hacc[j][0] = lo.x;
     hacc[j][1] = lo.y;
@@ -319,7 +265,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
       const float Lt0 = Ls[t0 + g], Lt1 = Ls[t0 + g + 8];
       {
-        const float e0 = ex2(Lt0), e1 = ex2(Lt1);
+        const float e0 = fast_exp2(Lt0), e1 = fast_exp2(Lt1);
 #pragma unroll
         for (int j = 0; j < PT; ++j) {
           yacc[j][0] *= e0;
@@ -356,10 +302,10 @@ __global__ void __launch_bounds__(kThreads, 2)
           const float2 Lsv = *reinterpret_cast<const float2*>(Ls + s);
           const float2 dtv = *reinterpret_cast<const float2*>(dts + s);
           const int t_lo = t0 + g, t_hi = t0 + g + 8;
-          const float w00 = s <= t_lo ? sacc[jj][0] * ex2(Lt0 - Lsv.x) * dtv.x : 0.f;
-          const float w01 = s + 1 <= t_lo ? sacc[jj][1] * ex2(Lt0 - Lsv.y) * dtv.y : 0.f;
-          const float w10 = s <= t_hi ? sacc[jj][2] * ex2(Lt1 - Lsv.x) * dtv.x : 0.f;
-          const float w11 = s + 1 <= t_hi ? sacc[jj][3] * ex2(Lt1 - Lsv.y) * dtv.y : 0.f;
+          const float w00 = s <= t_lo ? sacc[jj][0] * fast_exp2(Lt0 - Lsv.x) * dtv.x : 0.f;
+          const float w01 = s + 1 <= t_lo ? sacc[jj][1] * fast_exp2(Lt0 - Lsv.y) * dtv.y : 0.f;
+          const float w10 = s <= t_hi ? sacc[jj][2] * fast_exp2(Lt1 - Lsv.x) * dtv.x : 0.f;
+          const float w11 = s + 1 <= t_hi ? sacc[jj][3] * fast_exp2(Lt1 - Lsv.y) * dtv.y : 0.f;
           pa[2 * jj] = pack2<bf16>(w00, w01);
           pa[2 * jj + 1] = pack2<bf16>(w10, w11);
         }
@@ -385,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           const float2 xv = __ldg(reinterpret_cast<const float2*>(xrow + col));
           const float o0 = yacc[j][2 * r] + Dh * xv.x, o1 = yacc[j][2 * r + 1] + Dh * xv.y;
           if (out_pairs) {
-            store_pair(p.out, p.out_dtype, orow + col, o0, o1);
+            store_elem2(p.out, p.out_dtype, orow + col, o0, o1);
           } else {
             store_elem(p.out, p.out_dtype, orow + col, o0);
             store_elem(p.out, p.out_dtype, orow + col + 1, o1);
@@ -397,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // h = exp(L_end) h + sum_s (x_s exp(L_end - L_s) dt_s) B_s^T: rows p0 .. p0 + 15 of this warp.
     const float Lend = Ls[Q - 1];
     {
-      const float e = ex2(Lend);
+      const float e = fast_exp2(Lend);
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         hacc[j][0] *= e;
@@ -418,8 +364,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       const float2 Lhi = *reinterpret_cast<const float2*>(Ls + s0 + 8 + 2 * c);
       const float2 dlo = *reinterpret_cast<const float2*>(dts + s0 + 2 * c);
       const float2 dhi = *reinterpret_cast<const float2*>(dts + s0 + 8 + 2 * c);
-      const float wl0 = ex2(Lend - Llo.x) * dlo.x, wl1 = ex2(Lend - Llo.y) * dlo.y;
-      const float wh0 = ex2(Lend - Lhi.x) * dhi.x, wh1 = ex2(Lend - Lhi.y) * dhi.y;
+      const float wl0 = fast_exp2(Lend - Llo.x) * dlo.x, wl1 = fast_exp2(Lend - Llo.y) * dlo.y;
+      const float wh0 = fast_exp2(Lend - Lhi.x) * dhi.x, wh1 = fast_exp2(Lend - Lhi.y) * dhi.y;
       xa[0] = scale2(xa[0], wl0, wl1);
       xa[1] = scale2(xa[1], wl0, wl1);
       xa[2] = scale2(xa[2], wh0, wh1);
@@ -437,10 +383,12 @@ __global__ void __launch_bounds__(kThreads, 2)
 
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
-    store_state2(p.state.ssm, p.state.ssm_dtype, state_off + (p0 + g) * N + 8 * j + 2 * c,
-                 hacc[j][0], hacc[j][1]);
-    store_state2(p.state.ssm, p.state.ssm_dtype, state_off + (p0 + g + 8) * N + 8 * j + 2 * c,
-                 hacc[j][2], hacc[j][3]);
+    store_elem2<Dtypes::f32_or_bf16>(p.state.ssm, p.state.ssm_dtype,
+                                     state_off + (p0 + g) * N + 8 * j + 2 * c, hacc[j][0],
+                                     hacc[j][1]);
+    store_elem2<Dtypes::f32_or_bf16>(p.state.ssm, p.state.ssm_dtype,
+                                     state_off + (p0 + g + 8) * N + 8 * j + 2 * c, hacc[j][2],
+                                     hacc[j][3]);
   }
 }
 
@@ -459,7 +407,7 @@ cudaError_t launch(const SsdParams& p, int64_t num_tokens, bf16* bc, cudaStream_
   return cudaGetLastError();
 }
 
-bool is_act_dtype(DTypeCode t) { return t == kF32 || t == kBf16 || t == kF16; }
+bool is_act_dtype(DTypeCode t) { return t == kF32 || t == kBF16 || t == kF16; }
 
 }  // namespace
 
@@ -478,7 +426,7 @@ cudaError_t launch_ssd_chunked(const SsdParams& p, int64_t num_tokens, int chunk
                         p.groups > 0 && s.heads > 0 && s.heads % p.groups == 0 &&
                         s.conv_dim == s.heads * s.rows + 2 * p.groups * s.cols;
   const bool types_ok = is_act_dtype(p.a_dtype) && is_act_dtype(p.out_dtype) &&
-                        (s.ssm_dtype == kF32 || s.ssm_dtype == kBf16);
+                        (s.ssm_dtype == kF32 || s.ssm_dtype == kBF16);
   // 16-byte loads of y rows and of the workspace.
   const bool aligned = reinterpret_cast<uintptr_t>(p.y) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(workspace) % 16 == 0 && workspace != nullptr;

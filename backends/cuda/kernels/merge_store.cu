@@ -1,11 +1,13 @@
 // The split-KV merge and the KV-store kernels, plus the head-dim dispatch of the attention launch.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cmath>
 #include <cstdint>
 
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/elem.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/launch.h"
 
@@ -82,7 +84,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
     if (threadIdx.x == 0) {
       float den = 0.f;
       for (int s = 0; s < S; ++s) den += w_s[s];
-      if (p.sinks) den += exp2f(p.sinks[h] * 1.4426950408889634f - m_use);
+      if (p.sinks) den += exp2f(p.sinks[h] * kLog2e - m_use);
       stat[1] = den;
     }
     const int64_t row = r.qo_start + t;
@@ -117,50 +119,14 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
         }
         const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
         T* dst = static_cast<T*>(p.out) + row * p.o_stride_tok + h * p.o_stride_head + vv * 4;
-        for (int i = 0; i < 4; ++i) {
-          if constexpr (std::is_same_v<T, __half>) {
-            dst[i] = __float2half_rn(vals[i] * inv);
-          } else {
-            dst[i] = __float2bfloat16_rn(vals[i] * inv);
-          }
-        }
+        for (int i = 0; i < 4; ++i) dst[i] = from_float<T>(vals[i] * inv);
       }
       __syncthreads();  // part_s is rewritten by the next pass
     }
     const float den = stat[1];
     if (p.lse_out && threadIdx.x == 0)
-      p.lse_out[row * p.lse_stride_tok + h] =
-          den > 0.f ? (m_use + log2f(den)) * 0.6931471805599453f : -INFINITY;
+      p.lse_out[row * p.lse_stride_tok + h] = den > 0.f ? (m_use + log2f(den)) * kLn2 : -INFINITY;
     __syncthreads();
-  }
-}
-
-// attnrt::DType codes (core/dtype.h): f32, f16, bf16, e4m3, e5m2.
-enum : int32_t { kF32 = 0, kF16 = 1, kBF16 = 2, kE4M3 = 3, kE5M2 = 4 };
-
-__device__ __forceinline__ float load_elem(const void* base, int32_t dtype, int64_t i) {
-  switch (dtype) {
-    case kF32: return static_cast<const float*>(base)[i];
-    case kF16: return __half2float(static_cast<const __half*>(base)[i]);
-    case kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[i]);
-    default: return 0.f;
-  }
-}
-
-// Stored = round(x / scale) with a true division, bit-identical to the host pools.
-__device__ __forceinline__ void store_elem(void* base, int32_t dtype, int64_t i, float x,
-                                           float scale) {
-  switch (dtype) {
-    case kF32: static_cast<float*>(base)[i] = x / scale; break;
-    case kF16: static_cast<__half*>(base)[i] = __float2half_rn(x / scale); break;
-    case kBF16: static_cast<__nv_bfloat16*>(base)[i] = __float2bfloat16_rn(x / scale); break;
-    case kE4M3:
-      static_cast<uint8_t*>(base)[i] = __nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, __NV_E4M3);
-      break;
-    case kE5M2:
-      static_cast<uint8_t*>(base)[i] = __nv_cvt_float_to_fp8(x / scale, __NV_SATFINITE, __NV_E5M2);
-      break;
-    default: break;
   }
 }
 
@@ -177,8 +143,15 @@ __global__ void store_kv_kernel(const StoreParams p) {
   const int n = p.heads * p.dim;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int h = i / p.dim, d = i % p.dim;
-    const float x = load_elem(p.src, p.src_dtype, t * p.src_stride_tok + h * p.src_stride_head + d);
-    store_elem(p.dst, p.dst_dtype, slot * p.dst_row_stride + i, x, p.scale);
+    // Stored = round(x / scale) with a true division, bit-identical to the host pools.
+    const float x =
+        load_elem(p.src, p.src_dtype, t * p.src_stride_tok + h * p.src_stride_head + d) / p.scale;
+    const int64_t j = slot * p.dst_row_stride + i;
+    if (p.dst_dtype == kE4M3 || p.dst_dtype == kE5M2) {
+      static_cast<uint8_t*>(p.dst)[j] = float_to_fp8(x, p.dst_dtype == kE5M2);
+    } else {
+      store_elem(p.dst, p.dst_dtype, j, x);
+    }
   }
   grid_dependency_wait();
 }
@@ -211,12 +184,11 @@ __global__ void __launch_bounds__(kStoreThreads) store_kv_vec_kernel(const Store
     }
     const int64_t i = slot * p.dst_row_stride + int64_t{h} * p.dim + d;
     if (p.dst_dtype == kE4M3 || p.dst_dtype == kE5M2) {
-      const __nv_fp8_interpretation_t kind = p.dst_dtype == kE4M3 ? __NV_E4M3 : __NV_E5M2;
+      const bool e5m2 = p.dst_dtype != kE4M3;
       uint32_t q[2] = {0, 0};
 #pragma unroll
       for (int e = 0; e < kStoreVec; ++e)
-        q[e / 4] |= uint32_t{__nv_cvt_float_to_fp8(x[e] / p.scale, __NV_SATFINITE, kind)}
-                    << (8 * (e % 4));
+        q[e / 4] |= uint32_t{float_to_fp8(x[e] / p.scale, e5m2)} << (8 * (e % 4));
       *reinterpret_cast<uint2*>(static_cast<uint8_t*>(p.dst) + i) = make_uint2(q[0], q[1]);
     } else if (p.dst_dtype == kF32) {
       float4* dst = reinterpret_cast<float4*>(static_cast<float*>(p.dst) + i);

@@ -7,7 +7,8 @@
 #include <cmath>
 
 #include "backends/cuda/kernels/attention_params.h"
-#include "backends/cuda/kernels/primitives.cuh"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 
 namespace attnrt::cuda {
 
@@ -23,7 +24,6 @@ __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const Req
                                                   float ll, float mm,
                                                   const float (&o)[D / ON][ON / 2]) {
   constexpr int NO = D / ON;
-  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
   if (req.num_splits > 1) {
     const int64_t prow = req.part_start + static_cast<int64_t>(split_index) * req.qlen + t;
     const float inv = ll > 0.f ? 1.f / ll : 0.f;

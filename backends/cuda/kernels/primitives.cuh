@@ -1,22 +1,13 @@
-// Small device helpers the attention kernels are built from: async copies, ldmatrix, the m16n8k16
-// tensor-core MMA, the shared-memory swizzle, fp8 -> 16-bit conversion.
+// Small device helpers the tensor-core kernels are built from: async copies, ldmatrix, the m16n8k16
+// tensor-core MMA, the shared-memory swizzle (conversions: common/convert.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda_fp8.h>
 
 #include <cstdint>
 
 namespace attnrt::cuda {
-
-// 2^x in one MUFU (subnormal results flush to zero: a softmax weight below 2^-126 of the row
-// maximum's adds nothing to the sums).
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -72,46 +63,6 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two floats -> one register holding two 16-bit values (low half = first).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-
-// Two fp8 bytes -> two 16-bit values of T, exactly (every e4m3 / e5m2 value is representable in
-// bf16 and fp16), through the hardware's fp8x2 -> half2 conversion.
-template <typename T>
-__device__ __forceinline__ uint32_t fp8x2_to(uint16_t two, bool e5m2) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two),
-                                                   e5m2 ? __NV_E5M2 : __NV_E4M3);
-  if constexpr (std::is_same_v<T, __half>) {
-    return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
-  } else {
-    const __half2 hh = *reinterpret_cast<const __half2*>(&h);
-    const float2 f = __half22float2(hh);
-    return pack2<__nv_bfloat16>(f.x, f.y);
-  }
 }
 
 // Rows of `chunks` 16-byte chunks in shared memory; chunk c of row r lives at c ^ (r & 7), so the

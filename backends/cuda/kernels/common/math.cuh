@@ -1,0 +1,32 @@
+// Scalar math the kernels share: natural <-> base-2 constants, the one-MUFU exp2, the activations
+// of the linear-attention layers (reference-semantics §8.8 / §8.9), and sums across lane groups.
+#pragma once
+
+#include <cuda_runtime.h>
+
+namespace attnrt::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;  // log2(e): natural -> log2 units
+constexpr float kLn2 = 0.6931471805599453f;    // ln(2): log2 -> natural units
+
+// 2^x in one MUFU (subnormal results flush to zero: a softmax weight below 2^-126 of the row
+// maximum's adds nothing to the sums).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// The sum of x over each aligned group of L lanes (L a power of two up to 32), in every lane.
+template <int L>
+__device__ __forceinline__ float group_sum(float x) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+}  // namespace attnrt::cuda
