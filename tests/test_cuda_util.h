@@ -105,7 +105,7 @@ struct Compare {
 };
 inline Compare compare(const TensorView& got, const TensorView& want, int64_t rows) {
   Compare c;
-  const int64_t n = rows * (got.numel() / got.shape[0]);
+  const int64_t n = got.shape[0] > 0 ? rows * (got.numel() / got.shape[0]) : 0;
   double num = 0, den = 0;
   for (int64_t i = 0; i < n; ++i) {
     const double a = load_as_float(got.data, got.dtype, i),
