@@ -31,6 +31,7 @@
 
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/mask.cuh"
 #include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
@@ -99,7 +100,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   const int G = p.group;
   const int t_first = item.f0 / G;
   const int t_last = min(req.qlen - 1, (item.f0 + ROWS - 1) / G);
-  const KeyRange kr = split_range(p, req, t_first, t_last, item.split, BN);
+  const Mask<true> mask{p, req};
+  const KeyRange kr = split_range(mask, t_first, t_last, item.split, BN);
   const int page_mask = (1 << p.page_shift) - 1;
   const bool e5m2 = p.kv_kind == KvKind::e5m2;
 
@@ -142,19 +144,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   }
 
   // Per-thread rows: g and g + 8 of the warp's row group.
-  int row_t[2];
-  int row_qpos[2];
-  uint64_t row_tree[2] = {0, 0};
-  for (int h = 0; h < 2; ++h) {
-    const int f = item.f0 + rg * 16 + g + 8 * h;
-    row_t[h] = f / G;
-    int depth = row_t[h];
-    if (p.tree && row_t[h] < req.qlen) {
-      depth = p.tree_depth[req.tree_start + row_t[h]];
-      row_tree[h] = p.tree_mask[req.tree_start + row_t[h]];
-    }
-    row_qpos[h] = req.prefix + depth;
-  }
+  MaskRow rows[2];
+  for (int h = 0; h < 2; ++h) rows[h] = mask.row((item.f0 + rg * 16 + g + 8 * h) / G);
 
   float o[D / 8][4];
 #pragma unroll
@@ -162,9 +153,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
   uint32_t qf[D / 16][4];
 
+  // The logits' scale into log2 units rides in the exponent's FFMA below (sl); a softcap is
+  // applied first and leaves its result in log2 units (sl = 1). The scale is positive, so the row
+  // maximum of the unscaled logits times sl is the maximum in log2 units.
   const float qk_unit = kUnits ? 0x1p56f : 1.f;  // undoes 2^56 * 2^-112 in the logits
-  const float scale_log2 = p.scale_log2 * qk_unit;
-  const float softmax_scale = p.softmax_scale * qk_unit;
+  const SoftCap cap(p.softcap, p.softmax_scale * qk_unit);
+  const float sl = cap.exp_scale(p.scale_log2 * qk_unit);
   for (int it = 0; it < num_tiles; ++it) {
     const int stage = it % ST;
     const int kb = kr.lo + it * BN;
@@ -248,40 +242,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
       }
     }
 
-    // Logits, masked. The scale into log2 units rides in the exponent's FFMA below (sl); a softcap
-    // is applied first and leaves its result in log2 units (sl = 1). The scale is positive, so
-    // the row maximum of the unscaled logits times sl is the maximum in log2 units.
-    const bool softcap = p.softcap > 0.f;
-    const float sl = softcap ? 1.f : scale_log2;
-    const bool need_mask =
-        kw0 + KW > kr.hi ||
-        (p.causal && (p.tree ? kw0 + KW > req.prefix : kw0 + KW - 1 > req.prefix + t_first)) ||
-        (p.causal && p.window >= 0 && kw0 < req.prefix + t_last - p.window);
+    // Logits, masked (only tiles that reach the split's end, the diagonal or the window's edge).
+    const bool need_mask = mask.needs_mask(kw0, KW, kr.hi, t_first, t_last);
 #pragma unroll
     for (int nb = 0; nb < KW / 8; ++nb) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         float x = s[nb][e];
-        if (softcap) x = p.softcap * tanhf(x * softmax_scale / p.softcap) * kLog2e;
-        if (need_mask) {
-          const int h = e >> 1;
-          const int j = kw0 + nb * 8 + 2 * c4 + (e & 1);
-          bool vis = j < kr.hi;
-          int kpos = j;
-          if (vis && p.causal) {
-            if (p.tree) {
-              if (j >= req.prefix) {
-                const int u = j - req.prefix;
-                vis = (row_tree[h] >> u) & 1;
-                kpos = req.prefix + p.tree_depth[req.tree_start + u];
-              }
-            } else {
-              vis = j <= req.prefix + row_t[h];
-            }
-            if (p.window >= 0) vis = vis && row_qpos[h] - kpos <= p.window;
-          }
-          if (!vis) x = -INFINITY;
-        }
+        if (cap.on) x = cap(x);
+        if (need_mask && !mask.visible(rows[e >> 1], kw0 + nb * 8 + 2 * c4 + (e & 1), kr.hi))
+          x = -INFINITY;
         s[nb][e] = x;
       }
     }

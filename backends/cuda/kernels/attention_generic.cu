@@ -9,6 +9,7 @@
 
 #include "backends/cuda/kernels/attention_generic.h"
 #include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/mask.cuh"
 #include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
 
@@ -55,7 +56,9 @@ __global__ void __launch_bounds__(kThreads)
 
   const int t_first = item.f0 / G;
   const int t_last = min(req.qlen - 1, (item.f0 + rows - 1) / G);
-  const KeyRange kr = split_range(p, req, t_first, t_last, item.split, kSplitKeys);
+  const Mask<true> mask{p, req};
+  const KeyRange kr = split_range(mask, t_first, t_last, item.split, kSplitKeys);
+  const SoftCap cap(p.softcap, p.softmax_scale);
   const int page_mask = (1 << p.page_shift) - 1;
   const int dch = D / 8, vch = Dv / 8;
   const bool split = req.num_splits > 1;
@@ -70,20 +73,11 @@ __global__ void __launch_bounds__(kThreads)
     for (int d = lane; d < D; d += 32) q_s[d] = to_float(q[d]);
     __syncwarp();
 
-    int depth = t;
-    uint64_t tree_bits = 0;
-    if (p.tree) {
-      depth = p.tree_depth[req.tree_start + t];
-      tree_bits = p.tree_mask[req.tree_start + t];
-    }
-    const int qpos = req.prefix + depth;
     // The row's own key range inside the split: causal rows stop at themselves, windowed rows
-    // start at qpos - window (a draft's position never exceeds its index, so the cut is safe).
-    int lo = kr.lo, hi = kr.hi;
-    if (p.causal) {
-      if (!p.tree) hi = min(hi, req.prefix + t + 1);
-      if (p.window >= 0) lo = max(lo, qpos - p.window);
-    }
+    // start at their window.
+    const MaskRow row = mask.row(t);
+    const KeyRange rk = mask.row_span(row, t);
+    const int lo = max(kr.lo, rk.lo), hi = min(kr.hi, rk.hi);
 
     float m = -INFINITY, l = 0.f;
     float acc[kLaneChunks][8];
@@ -96,28 +90,17 @@ __global__ void __launch_bounds__(kThreads)
       const int j = j0 + lane;
       float s = -INFINITY;
       int64_t slot = -1;
-      if (j < hi) {
-        bool vis = true;
-        int kpos = j;
-        if (p.causal && p.tree && j >= req.prefix) {
-          const int u = j - req.prefix;
-          vis = (tree_bits >> u) & 1;
-          kpos = req.prefix + p.tree_depth[req.tree_start + u];
-        }
-        if (p.causal && p.window >= 0) vis = vis && qpos - kpos <= p.window;
-        if (vis) {
-          slot = slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j);
-          const int64_t base = slot * p.k_row_stride + static_cast<int64_t>(kvh) * D;
-          float dot = 0.f;
-          for (int c = 0; c < dch; ++c) {
-            float k8[8];
-            load8<T>(p.k, base + c * 8, p.kv_kind, k8);
+      if (mask.visible(row, j, hi)) {
+        slot = slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j);
+        const int64_t base = slot * p.k_row_stride + static_cast<int64_t>(kvh) * D;
+        float dot = 0.f;
+        for (int c = 0; c < dch; ++c) {
+          float k8[8];
+          load8<T>(p.k, base + c * 8, p.kv_kind, k8);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) dot += q_s[c * 8 + e] * k8[e];
-          }
-          s = p.softcap > 0.f ? p.softcap * tanhf(dot * p.softmax_scale / p.softcap) * kLog2e
-                              : dot * p.scale_log2;
+          for (int e = 0; e < 8; ++e) dot += q_s[c * 8 + e] * k8[e];
         }
+        s = cap.on ? cap(dot) : dot * p.scale_log2;
       }
       float mx = s;
 #pragma unroll

@@ -27,6 +27,7 @@
 
 #include "backends/cuda/kernels/attention.cuh"
 #include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/mask.cuh"
 #include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 
@@ -268,7 +269,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   const int G = p.group;
   const int t_first = item.f0 / G;
   const int t_last = min(req.qlen - 1, (item.f0 + COLS - 1) / G);
-  const KeyRange kr = split_range(p, req, t_first, t_last, item.split, BN);
+  const Mask<true> mask{p, req};
+  const KeyRange kr = split_range(mask, t_first, t_last, item.split, BN);
   const int page_mask = (1 << p.page_shift) - 1;
 
   // ---- Q: rows f0 .. f0 + 8 of the flattened (token, head-in-group) index.
@@ -295,19 +297,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   pipe.prologue();
 
   // Per-thread query rows (columns of S^T): 2 c4 and 2 c4 + 1.
-  int row_t[2];
-  int row_qpos[2];
-  uint64_t row_tree[2] = {0, 0};
-  for (int h = 0; h < 2; ++h) {
-    const int f = item.f0 + 2 * c4 + h;
-    row_t[h] = f / G;
-    int depth = row_t[h];
-    if (p.tree && row_t[h] < req.qlen) {
-      depth = p.tree_depth[req.tree_start + row_t[h]];
-      row_tree[h] = p.tree_mask[req.tree_start + row_t[h]];
-    }
-    row_qpos[h] = req.prefix + depth;
-  }
+  MaskRow rows[2];
+  for (int h = 0; h < 2; ++h) rows[h] = mask.row((item.f0 + 2 * c4 + h) / G);
 
   // O^T: o[m][e] is output dim out_dim(m, e >> 1) of row 2 c4 + (e & 1).
   float o[D / 16][4];
@@ -318,6 +309,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
 
   // Per row 2 c4 + h: the factor undoing its Q scale in the logits (1 unless kQScale).
   float col_unit[2] = {1.f, 1.f};
+  const SoftCap cap(p.softcap, p.softmax_scale);
   for (int it = 0; it < num_tiles; ++it) {
     const int kb = kr.lo + it * BN;
     const unsigned char* tK = pipe.k_tile(it);
@@ -420,38 +412,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
     for (int e = 0; e < 4; ++e) s[e] = s2[0][e] + s2[1][e];
 
     // Logits to log2 units: the scale rides in the exponent's FFMA (sl); a softcap is applied
-    // first and leaves its result in log2 units.
-    const bool softcap = p.softcap > 0.f;
-    const float sl[2] = {softcap ? 1.f : p.scale_log2 * col_unit[0],
-                         softcap ? 1.f : p.scale_log2 * col_unit[1]};
-    const bool need_mask =
-        kw0 + KW > kr.hi ||
-        (p.causal && (p.tree ? kw0 + KW > req.prefix : kw0 + KW - 1 > req.prefix + t_first)) ||
-        (p.causal && p.window >= 0 && kw0 < req.prefix + t_last - p.window);
+    // first (to the logit with its Q scale undone) and leaves its result in log2 units.
+    const float sl[2] = {cap.exp_scale(p.scale_log2 * col_unit[0]),
+                         cap.exp_scale(p.scale_log2 * col_unit[1])};
+    const bool need_mask = mask.needs_mask(kw0, KW, kr.hi, t_first, t_last);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float x = s[e];
-      if (softcap)
-        x = p.softcap * tanhf(x * (p.softmax_scale * col_unit[e & 1]) / p.softcap) * kLog2e;
-      if (need_mask) {
-        const int h = e & 1;
-        const int j = kw0 + g + 8 * (e >> 1);
-        bool vis = j < kr.hi;
-        int kpos = j;
-        if (vis && p.causal) {
-          if (p.tree) {
-            if (j >= req.prefix) {
-              const int u = j - req.prefix;
-              vis = (row_tree[h] >> u) & 1;
-              kpos = req.prefix + p.tree_depth[req.tree_start + u];
-            }
-          } else {
-            vis = j <= req.prefix + row_t[h];
-          }
-          if (p.window >= 0) vis = vis && row_qpos[h] - kpos <= p.window;
-        }
-        if (!vis) x = -INFINITY;
-      }
+      if (cap.on) x = cap(x * col_unit[e & 1]);
+      if (need_mask && !mask.visible(rows[e & 1], kw0 + g + 8 * (e >> 1), kr.hi)) x = -INFINITY;
       s[e] = x;
     }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/common/mask.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 
 namespace attnrt::cuda {
@@ -41,25 +42,15 @@ __device__ __forceinline__ void write_back_committed_pages(const AttnParams& p, 
 
 __device__ __forceinline__ int ceil_div_i(int a, int b) { return (a + b - 1) / b; }
 
-// The key range [lo, hi) of split `split`: the keys any row of the tile can see, cut into
-// `num_splits` chunks of whole tiles. Depends only on lengths read on the device.
-struct KeyRange {
-  int lo, hi;
-};
-__device__ __forceinline__ KeyRange split_range(const AttnParams& p, const ReqInfo& r, int t_first,
-                                                int t_last, int split, int bn) {
-  int hi = r.kv_len;
-  int lo = 0;
-  if (p.causal) {
-    if (!p.tree) hi = min(hi, r.prefix + t_last + 1);
-    if (p.window >= 0) lo = max(0, r.prefix + (p.tree ? 0 : t_first) - p.window);
-  }
-  const int span = max(hi - lo, 0);
-  const int chunk = ceil_div_i(ceil_div_i(span, r.num_splits), bn) * bn;
-  KeyRange k;
-  k.lo = lo + split * chunk;
-  k.hi = min(k.lo + chunk, hi);
-  return k;
+// The keys of split `split` of a decode-shaped or generic CTA whose rows are tokens t_first ..
+// t_last: the keys they see, in num_splits chunks of whole bn-key tiles. Tree rows here keep every
+// key up to the request's end (the mask hides the drafts past a row), so their split points are
+// those of the whole request.
+__device__ __forceinline__ KeyRange split_range(const Mask<true>& mask, int t_first, int t_last,
+                                                int split, int bn) {
+  KeyRange keys = mask.span(t_first, t_last);
+  if (mask.tree()) keys.hi = mask.req.kv_len;
+  return split_keys(keys, mask.req.num_splits, split, bn);
 }
 
 // Shared-memory placement of the fp8 K / V tiles of the decode CTAs, chosen so that their

@@ -41,6 +41,7 @@
 
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/mask.cuh"
 #include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
@@ -99,27 +100,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   const int G = p.group;
   const int t_first = item.f0 / G;
   const int t_last = min(req.qlen - 1, (item.f0 + ROWS - 1) / G);
-  const bool causal = p.causal != 0;
-  const bool windowed = causal && p.window >= 0;
-  // A tree row sees its ancestors among the drafts, and they precede it (the plan checks that
-  // every parent precedes its child): keys past the row's own are invisible as in a chain, but
-  // the window is measured from the row's depth, which can be anything from 0 to its index.
-  const bool tree = Cfg::kTree && causal && p.tree != 0;
+  // Only the verify CTA carries the tree mask. A tree row sees its ancestors among the drafts,
+  // and they precede it (the plan checks that every parent precedes its child): keys past the
+  // row's own are invisible as in a chain, but the window is measured from the row's depth, which
+  // can be anything from 0 to its index.
+  const Mask<Cfg::kTree> mask{p, req};
 
   // Keys of this CTA's split: those the tile's rows can see, cut into num_splits chunks of whole
   // tiles. Derived from lengths only, like the general kernel, so the plan stays kernel-agnostic.
-  int hi = req.kv_len, lo = 0;
-  if (causal) {
-    hi = min(hi, req.prefix + t_last + 1);
-    if (windowed) lo = max(0, req.prefix + (tree ? 0 : t_first) - p.window);
-  }
-  {
-    const int span = max(hi - lo, 0);
-    const int chunk = (span + req.num_splits - 1) / req.num_splits;
-    const int chunk_tiles = (chunk + BN - 1) / BN * BN;
-    lo += item.split * chunk_tiles;
-    hi = min(lo + chunk_tiles, hi);
-  }
+  const KeyRange kr = split_keys(mask.span(t_first, t_last), req.num_splits, item.split, BN);
+  const int lo = kr.lo, hi = kr.hi;
   const int num_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
 
   // ---- Q: rows f0 .. f0 + ROWS of the flattened (token, head-in-group) index; rows past the
@@ -193,34 +183,26 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   // Rows: warpgroup wg owns rows wg * 64 * MB .. as MB blocks of 64; in block mb, warp wq of the
   // warpgroup holds 16 rows and this thread rows g and g + 8 of those. Skips are decided per
   // warpgroup (its four warps issue each MMA together), masks per warp and block.
-  // row_q: the row's query position (prefix + token, or prefix + depth in a tree); row_tree: its
-  // draft mask (tree rows past the request's tokens see no draft).
   const int wg_row0 = wg * 64 * MB;
-  int row_t[MB][2], row_q[MB][2], wt_lo[MB], wt_hi[MB];
-  uint64_t row_tree[MB][2];
+  int row_t[MB][2], wt_lo[MB], wt_hi[MB];
+  MaskRow rows[MB][2];
 #pragma unroll
   for (int mb = 0; mb < MB; ++mb) {
     const int r0 = item.f0 + wg_row0 + mb * 64 + wq * 16;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int t = (r0 + g + 8 * h) / G;
-      const bool in_tree = tree && t < req.qlen;
-      row_t[mb][h] = t;
-      row_q[mb][h] = req.prefix + (in_tree ? p.tree_depth[req.tree_start + t] : t);
-      row_tree[mb][h] = in_tree ? p.tree_mask[req.tree_start + t] : 0;
+      row_t[mb][h] = (r0 + g + 8 * h) / G;
+      rows[mb][h] = mask.row(row_t[mb][h]);
     }
     wt_lo[mb] = min(r0 / G, req.qlen - 1);
     wt_hi[mb] = min((r0 + 15) / G, req.qlen - 1);
   }
   const bool wg_idle = (item.f0 + wg_row0) / G >= req.qlen;
-  // The lowest query position of the warpgroup's rows (a tree's root sits at depth 0).
-  const int gt_lo = tree ? 0 : min((item.f0 + wg_row0) / G, req.qlen - 1);
+  const int gt_lo = min((item.f0 + wg_row0) / G, req.qlen - 1);
   const int gt_hi = min((item.f0 + wg_row0 + 64 * MB - 1) / G, req.qlen - 1);
 
-  const bool capped = p.softcap > 0.f;
-  const float sl = capped ? 1.f : p.scale_log2;  // logit -> log2 units after the softcap pass
-  const float cap_in = capped ? p.softmax_scale / p.softcap : 0.f;
-  const float cap_out = p.softcap * kLog2e;
+  const SoftCap cap(p.softcap, p.softmax_scale);
+  const float sl = cap.exp_scale(p.scale_log2);  // logit -> log2 units after the softcap pass
 
   float o[MB][NO][ON / 2];
 #pragma unroll
@@ -241,11 +223,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
     if (it + ST - 1 < num_tiles) load_tile(lo + (it + ST - 1) * BN, (it + ST - 1) % ST);
     cp_async_commit();
     const int kb = lo + it * BN;
-    // A tile wholly right of every row's diagonal or left of every row's window is skipped, and
-    // so is everything for a warpgroup whose rows all lie past the request's last token. (A tree
-    // row's visible keys end at its own too.)
-    if (wg_idle || (causal && kb > req.prefix + gt_hi)) continue;
-    if (windowed && kb + BN - 1 < req.prefix + gt_lo - p.window) continue;
+    // A tile no row of the warpgroup sees is skipped, and so is everything for a warpgroup whose
+    // rows all lie past the request's last token.
+    if (wg_idle || mask.hides(kb, BN, gt_lo, gt_hi)) continue;
     const uint32_t tK = sKV + (it % ST) * 2 * Cfg::kTileBytes;
     const uint32_t tV = tK + Cfg::kTileBytes;
 
@@ -264,41 +244,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
     wgmma_commit();
     wgmma_wait<0>();
 
-    // ---- Softcap (log2 units afterwards), then the mask on tiles that need one: the split's end,
-    // the causal diagonal (in a tree every draft key), the window's edge (a tree row's query
-    // position is at most that of its token, so the chain's bound covers it).
-    if (capped) {
+    // ---- Softcap (log2 units afterwards), then the mask on tiles that need one.
+    if (cap.on) {
 #pragma unroll
       for (int mb = 0; mb < MB; ++mb)
 #pragma unroll
-        for (int i = 0; i < BN / 2; ++i) s[mb][i] = cap_out * tanhf(s[mb][i] * cap_in);
+        for (int i = 0; i < BN / 2; ++i) s[mb][i] = cap(s[mb][i]);
     }
 #pragma unroll
     for (int mb = 0; mb < MB; ++mb) {
-      const bool need_mask = kb + BN > hi ||
-                             (causal && kb + BN - 1 > req.prefix + (tree ? -1 : wt_lo[mb])) ||
-                             (windowed && kb < req.prefix + wt_hi[mb] - p.window);
-      if (need_mask) {
+      if (mask.needs_mask(kb, BN, hi, wt_lo[mb], wt_hi[mb])) {
 #pragma unroll
         for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int j = kb + nb * 8 + 2 * c4 + (e & 1);
-            const int qpos = row_q[mb][e >> 1];
-            bool vis = j < hi;
-            int kpos = j;
-            if (tree) {
-              // j < hi <= prefix + qlen <= prefix + 64: the shift stays below 64.
-              if (vis && j >= req.prefix) {
-                const int u = j - req.prefix;
-                vis = (row_tree[mb][e >> 1] >> u) & 1;
-                kpos = req.prefix + p.tree_depth[req.tree_start + u];
-              }
-            } else if (causal) {
-              vis = vis && j <= qpos;
-            }
-            if (windowed) vis = vis && qpos - kpos <= p.window;
-            if (!vis) s[mb][nb * 4 + e] = -INFINITY;
+            if (!mask.visible(rows[mb][e >> 1], j, hi)) s[mb][nb * 4 + e] = -INFINITY;
           }
       }
     }

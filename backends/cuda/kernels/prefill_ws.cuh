@@ -61,6 +61,7 @@
 
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/mask.cuh"
 #include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
@@ -187,21 +188,12 @@ __device__ __forceinline__ WsUnit ws_unit(const AttnParams& p, int unit) {
   const int G = p.group;
   const int t_first = u.item.f0 / G;
   const int t_last = min(u.req.qlen - 1, (u.item.f0 + ROWS - 1) / G);
-  const bool causal = p.causal != 0;
-  int hi = u.req.kv_len, lo = 0;
-  if (causal) {
-    hi = min(hi, u.req.prefix + t_last + 1);
-    if (p.window >= 0) lo = max(0, u.req.prefix + t_first - p.window);
-    if constexpr (TILED) lo = lo / BN * BN;
-  }
-  const int span = max(hi - lo, 0);
-  const int chunk = (span + u.req.num_splits - 1) / u.req.num_splits;
-  const int chunk_tiles = (chunk + BN - 1) / BN * BN;
-  lo += u.item.split * chunk_tiles;
-  hi = min(lo + chunk_tiles, hi);
-  u.lo = lo;
-  u.hi = hi;
-  u.num_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
+  KeyRange keys = Mask<false>{p, u.req}.span(t_first, t_last);
+  if constexpr (TILED) keys.lo = keys.lo / BN * BN;
+  const KeyRange k = split_keys(keys, u.req.num_splits, u.item.split, BN);
+  u.lo = k.lo;
+  u.hi = k.hi;
+  u.num_tiles = k.hi > k.lo ? (k.hi - k.lo + BN - 1) / BN : 0;
   return u;
 }
 
@@ -262,8 +254,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // overwrites a slot still to be read). Each role walks the units in its own loop, after its
   // setmaxnreg, so that ptxas allocates each loop under its own register count.
   const int G = p.group;
-  const bool causal = p.causal != 0;
-  const bool windowed = causal && p.window >= 0;
   // The ring position of tile `it` of the current unit (each thread has one role, so one
   // counter serves both loops).
   int tile_base = 0;
@@ -435,11 +425,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int g = lane >> 2, c4 = lane & 3;
         const int wg_row0 = cw * 64;
         const int r0 = item.f0 + wg_row0 + wq * 16;
-        int row_t[2], row_q[2];
+        const Mask<false> mask{p, req};
+        int row_t[2];
+        MaskRow rows[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           row_t[h] = (r0 + g + 8 * h) / G;
-          row_q[h] = req.prefix + row_t[h];
+          rows[h] = mask.row(row_t[h]);
         }
         const int wt_lo = min(r0 / G, req.qlen - 1);
         const int wt_hi = min((r0 + 15) / G, req.qlen - 1);
@@ -447,10 +439,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int gt_lo = min((item.f0 + wg_row0) / G, req.qlen - 1);
         const int gt_hi = min((item.f0 + wg_row0 + 63) / G, req.qlen - 1);
 
-        const bool capped = p.softcap > 0.f;
-        const float sl = capped ? 1.f : p.scale_log2;
-        const float cap_in = capped ? p.softmax_scale / p.softcap : 0.f;
-        const float cap_out = p.softcap * kLog2e;
+        const SoftCap cap(p.softcap, p.softmax_scale);
+        const float sl = cap.exp_scale(p.scale_log2);
 
         float o[NO][ON / 2];
 #pragma unroll
@@ -490,23 +480,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // becomes the tile's probabilities, m and l move, alpha is the factor of the O rows (moved:
         // some row maximum of the warp changed).
         auto softmax_tile = [&](float(&s)[BN / 2], int kb, float(&alpha)[2]) -> bool {
-          if (capped) {
+          if (cap.on) {
 #pragma unroll
-            for (int i = 0; i < BN / 2; ++i) s[i] = cap_out * tanhf(s[i] * cap_in);
+            for (int i = 0; i < BN / 2; ++i) s[i] = cap(s[i]);
           }
-          const bool need_mask = kb + BN > hi || (causal && kb + BN - 1 > req.prefix + wt_lo) ||
-                                 (windowed && kb < req.prefix + wt_hi - p.window);
-          if (need_mask) {
+          if (mask.needs_mask(kb, BN, hi, wt_lo, wt_hi)) {
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
                 const int j = kb + nb * 8 + 2 * c4 + (e & 1);
-                const int qpos = row_q[e >> 1];
-                bool vis = j < hi;
-                if (causal) vis = vis && j <= qpos;
-                if (windowed) vis = vis && qpos - j <= p.window;
-                if (!vis) s[nb * 4 + e] = -INFINITY;
+                if (!mask.visible(rows[e >> 1], j, hi)) s[nb * 4 + e] = -INFINITY;
               }
           }
           bool moved = false;
@@ -560,10 +544,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         auto release = [&](int stage) {
           if (lane == 0) mbar_arrive(empty_bar(stage));
         };
-        auto skips = [&](int kb) {
-          return wg_idle || (causal && kb > req.prefix + gt_hi) ||
-                 (windowed && kb + BN - 1 < req.prefix + gt_lo - p.window);
-        };
+        auto skips = [&](int kb) { return wg_idle || mask.hides(kb, BN, gt_lo, gt_hi); };
         auto tile_k = [&](int stage) { return sKV + stage * 2 * Cfg::kTileBytes; };
         // The tiles this consumer's rows can see are one run [it_begin, it_end) (the window cuts a
         // prefix, the diagonal a suffix). Once the run's last S = Q K^T has completed, Q is read no
