@@ -15,6 +15,8 @@
 #include "backends/cuda/cuda_kv_cache.h"
 #include "backends/cuda/cuda_linear_backend.h"
 #include "backends/cuda/kernels/attention_generic.h"
+#include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/launch.h"
 #include "backends/cuda/kernels/prefill.h"
 
 namespace attnrt::cuda {
@@ -28,27 +30,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool is_device(const TensorView& t) { return t.device.kind == DeviceKind::cuda; }
 
-// Dims with tensor-core kernels (attention.cuh, prefill.cuh); every other shape (MLA's 576 / 512
-// among them) runs the generic SIMT kernel (attention_generic.cu).
-bool has_tensor_core_kernel(int head_dim, int v_head_dim) {
-  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && v_head_dim == head_dim;
-}
-
-// Which kernel runs a class: the generic one for dims without tensor-core kernels, else the
-// warpgroup-MMA kernel (prefill.cuh) for 16-bit KV on prefill-shaped tiles of every mode but
-// TARGET_VERIFY (its 128-row CTA carries no tree mask) and on verify- and decode32-shaped tiles of
-// every mode at head dims 64 and 128, else the mma.sync kernel (attention.cuh). A decode32 work
-// item holds every row (at most 32) of its request, from f0 = 0, so the 64-row CTA covers it with
-// its rows past the request idle (H200, 64 x (4096 + 8) chain at group 4: 0.344 ms on decode32,
-// 0.317 ms here). The occupancy the plan's split choice reads is that of the same kernel.
-enum class Kernel { generic, prefill, prefill_verify, attention };
-Kernel kernel_for(int head_dim, int v_head_dim, bool fp8, TileShape shape, bool target_verify) {
-  if (!has_tensor_core_kernel(head_dim, v_head_dim)) return Kernel::generic;
-  if (fp8) return Kernel::attention;
-  if (shape == TileShape::prefill && !target_verify) return Kernel::prefill;
-  if ((shape == TileShape::verify || shape == TileShape::decode32) && prefill_verify_dim(head_dim))
-    return Kernel::prefill_verify;
-  return Kernel::attention;
+KvKind kv_kind_of(DType t) {
+  return t == DType::e4m3 ? KvKind::e4m3 : t == DType::e5m2 ? KvKind::e5m2 : KvKind::same_as_q;
 }
 
 bool is_device_pointer(const void* p) {
@@ -115,23 +98,20 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
           l.num_q_heads / l.num_kv_heads != cfg.groups[c])
         continue;
       cfg.head_dims[c] = l.head_dim;
-      const bool fp8 = is_fp8(ctx.kv_cache->layer(l.layer_id).dtype);
-      const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
-      // Only the decode-like shapes split by occupancy; a prefill tile's plan does not read it.
+      // Resident CTAs per SM of the CTA that runs each shape (dispatch.h), for the split choice;
+      // a decode item holds one token's `group` rows. The prefill shape's entry is read by graph
+      // steps only (DECODE and TARGET_VERIFY): it is that of the TARGET_VERIFY CTA.
+      AttnKernelKey key;
+      key.head_dim = l.head_dim;
+      key.v_head_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+      key.fp16 = fp16;
+      key.kv = kv_kind_of(ctx.kv_cache->layer(l.layer_id).dtype);
+      key.rows = cfg.groups[c];
       for (TileShape sh :
            {TileShape::decode, TileShape::prefill, TileShape::verify, TileShape::decode32}) {
-        int& occ = cfg.occupancy[c][static_cast<int>(sh)];
-        switch (kernel_for(l.head_dim, dv, fp8, sh, /*target_verify=*/false)) {
-          case Kernel::generic:
-            occ = attention_occupancy_generic(fp16);
-            break;
-          case Kernel::prefill_verify:
-            occ = prefill_verify_occupancy(l.head_dim, fp16);
-            break;
-          default:
-            occ = attention_occupancy(l.head_dim, fp16, fp8, sh, cfg.groups[c]);
-            break;
-        }
+        key.shape = sh;
+        key.target_verify = sh == TileShape::prefill;
+        cfg.occupancy[c][static_cast<int>(sh)] = attention_occupancy(key);
       }
       break;
     }
@@ -471,9 +451,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   p.v = v_ptr;
   p.k_row_stride = kv.k_row_stride;
   p.v_row_stride = kv.v_row_stride;
-  p.kv_kind = kv.dtype == DType::e4m3   ? KvKind::e4m3
-              : kv.dtype == DType::e5m2 ? KvKind::e5m2
-                                        : KvKind::same_as_q;
+  p.kv_kind = kv_kind_of(kv.dtype);
   p.page_shift = plan.page_shift;
   p.slot_map = slot_map;
   p.kv_rows = kv.num_rows;
@@ -503,27 +481,18 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                "one launch)",
                cls->num_items);
   const bool fp16 = args.q.dtype == DType::f16;
-  // The mma.sync and the 64-row warpgroup-MMA kernels overlap the stores (their `dependent`: q, the
-  // work list and the requests were complete before the K store was launched); the 128-row prefill
-  // and the generic kernels are plain launches. Every kernel reads the same work list and writes
-  // the same partials (kernel_for says which runs).
+  // The CTAs that may be dependents (dispatch.h) overlap the stores: q, the work list and the
+  // requests were complete before the K store was launched.
   const bool after_stores = stored && on_device && !stage_sinks;
-  cudaError_t launched = cudaSuccess;
-  switch (kernel_for(d, dv, fp8, cls->shape, is_target_verify(plan.mode))) {
-    case Kernel::generic:
-      launched = launch_attention_generic(p, d, dv, fp16, cls->shape, cls->num_items, stream_);
-      break;
-    case Kernel::prefill:
-      launched = launch_prefill(p, d, fp16, cls->num_items, stream_);
-      break;
-    case Kernel::prefill_verify:
-      launched = launch_prefill_verify(p, d, fp16, cls->num_items, stream_, after_stores);
-      break;
-    case Kernel::attention:
-      launched =
-          launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_, after_stores);
-      break;
-  }
+  AttnKernelKey key;
+  key.head_dim = d;
+  key.v_head_dim = dv;
+  key.fp16 = fp16;
+  key.kv = p.kv_kind;
+  key.shape = cls->shape;
+  key.rows = cls->item_rows;
+  key.target_verify = is_target_verify(plan.mode);
+  const cudaError_t launched = launch_attention(p, key, cls->num_items, stream_, after_stores);
   ATTNRT_CUDA_CHECK(launched);
   planner_->launched();
   if (cls->max_splits > 1) {
