@@ -15,6 +15,8 @@
 #include "backends/cuda/cuda_kv_cache.h"
 #include "backends/cuda/cuda_linear_backend.h"
 #include "backends/cuda/kernels/attention_generic.h"
+#include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/launch.h"
 #include "backends/cuda/kernels/prefill.h"
 
 namespace attnrt::cuda {
@@ -28,27 +30,8 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 bool is_device(const TensorView& t) { return t.device.kind == DeviceKind::cuda; }
 
-// Dims with tensor-core kernels (attention.cuh, prefill.cuh); every other shape (MLA's 576 / 512
-// among them) runs the generic SIMT kernel (attention_generic.cu).
-bool has_tensor_core_kernel(int head_dim, int v_head_dim) {
-  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && v_head_dim == head_dim;
-}
-
-// Which kernel runs a class: the generic one for dims without tensor-core kernels, else the
-// warpgroup-MMA kernel (prefill.cuh) for 16-bit KV on prefill-shaped tiles of every mode but
-// TARGET_VERIFY (its 128-row CTA carries no tree mask) and on verify- and decode32-shaped tiles of
-// every mode at head dims 64 and 128, else the mma.sync kernel (attention.cuh). A decode32 work
-// item holds every row (at most 32) of its request, from f0 = 0, so the 64-row CTA covers it with
-// its rows past the request idle (H200, 64 x (4096 + 8) chain at group 4: 0.344 ms on decode32,
-// 0.317 ms here). The occupancy the plan's split choice reads is that of the same kernel.
-enum class Kernel { generic, prefill, prefill_verify, attention };
-Kernel kernel_for(int head_dim, int v_head_dim, bool fp8, TileShape shape, bool target_verify) {
-  if (!has_tensor_core_kernel(head_dim, v_head_dim)) return Kernel::generic;
-  if (fp8) return Kernel::attention;
-  if (shape == TileShape::prefill && !target_verify) return Kernel::prefill;
-  if ((shape == TileShape::verify || shape == TileShape::decode32) && prefill_verify_dim(head_dim))
-    return Kernel::prefill_verify;
-  return Kernel::attention;
+KvKind kv_kind_of(DType t) {
+  return t == DType::e4m3 ? KvKind::e4m3 : t == DType::e5m2 ? KvKind::e5m2 : KvKind::same_as_q;
 }
 
 bool is_device_pointer(const void* p) {
@@ -115,23 +98,20 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
           l.num_q_heads / l.num_kv_heads != cfg.groups[c])
         continue;
       cfg.head_dims[c] = l.head_dim;
-      const bool fp8 = is_fp8(ctx.kv_cache->layer(l.layer_id).dtype);
-      const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
-      // Only the decode-like shapes split by occupancy; a prefill tile's plan does not read it.
+      // Resident CTAs per SM of the CTA that runs each shape (dispatch.h), for the split choice;
+      // a decode item holds one token's `group` rows. The prefill shape's entry is read by graph
+      // steps only (DECODE and TARGET_VERIFY): it is that of the TARGET_VERIFY CTA.
+      AttnKernelKey key;
+      key.head_dim = l.head_dim;
+      key.v_head_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+      key.fp16 = fp16;
+      key.kv = kv_kind_of(ctx.kv_cache->layer(l.layer_id).dtype);
+      key.rows = cfg.groups[c];
       for (TileShape sh :
            {TileShape::decode, TileShape::prefill, TileShape::verify, TileShape::decode32}) {
-        int& occ = cfg.occupancy[c][static_cast<int>(sh)];
-        switch (kernel_for(l.head_dim, dv, fp8, sh, /*target_verify=*/false)) {
-          case Kernel::generic:
-            occ = attention_occupancy_generic(fp16);
-            break;
-          case Kernel::prefill_verify:
-            occ = prefill_verify_occupancy(l.head_dim, fp16);
-            break;
-          default:
-            occ = attention_occupancy(l.head_dim, fp16, fp8, sh, cfg.groups[c]);
-            break;
-        }
+        key.shape = sh;
+        key.target_verify = sh == TileShape::prefill;
+        cfg.occupancy[c][static_cast<int>(sh)] = attention_occupancy(key);
       }
       break;
     }
@@ -266,8 +246,25 @@ void check_act(const char* what, const TensorView& t, int64_t tokens, int heads,
 
 }  // namespace
 
+// One forward call: check it against the plan and the layer, store this step's K/V, find the
+// layer's K/V on the GPU, bring host activations over, launch the class's CTA (and the split
+// merge), and hand host outputs back.
 void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) {
   const StepPlan& plan = planner_->plan();
+  const CallDims dims = check_call(args, layer, batch, plan);
+  LayerKv kv = store_and_view_kv(args, layer, dims);
+  if (!kv.cache_on_device) mirror_host_layer(layer.layer_id, kv);
+  const DeviceIo io = stage_activations(args, dims);
+  const ClassPlan& cls = class_plan(plan, layer, dims);
+  ensure_partials(cls, dims, kv);
+  const AttnParams p = attn_params(layer, plan, cls, dims, kv, io);
+  launch_step(p, args, plan, cls, dims, kv, io);
+  finish_call(args, dims, io, kv);
+}
+
+CudaBackend::CallDims CudaBackend::check_call(const AttnArgs& args, const LayerSpec& layer,
+                                              const ForwardBatch& batch,
+                                              const StepPlan& plan) const {
   ATTNRT_CHECK(plan.valid && plan.mode == batch.mode &&
                    (graph_step_ ? plan.bs >= batch.batch_size : plan.bs == batch.batch_size),
                "cuda backend: forward for a {} batch of {} requests without a matching "
@@ -276,13 +273,18 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   ATTNRT_CHECK(layer.uses_kv_cache(),
                "cuda backend: layer {} is {}; the cuda backend serves full, swa and mla layers",
                layer.layer_id, layer_kind_name(layer.kind));
-  const bool mla = layer.kind == LayerKind::mla;
-  const int hq = layer.num_q_heads, hkv = layer.num_kv_heads;
+  CallDims c;
+  c.mla = layer.kind == LayerKind::mla;
+  c.hq = layer.num_q_heads;
+  c.hkv = layer.num_kv_heads;
+  const int hq = c.hq, hkv = c.hkv;
   ATTNRT_CHECK(hq > 0 && hkv > 0 && hq % hkv == 0,
                "cuda backend: layer {} has {} q heads and {} kv heads; q heads must be a positive "
                "multiple of kv heads",
                layer.layer_id, hq, hkv);
-  const int d = layer.head_dim, dv = layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
+  c.d = layer.head_dim;
+  c.dv = layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
+  const int d = c.d, dv = c.dv;
   const bool generic = !has_tensor_core_kernel(d, dv);
   ATTNRT_CHECK(!generic || (d > 0 && dv > 0 && d % 8 == 0 && dv % 8 == 0 && d <= kGenericMaxDim &&
                             dv <= kGenericMaxDim),
@@ -291,7 +293,7 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
                "head_dim; a generic kernel otherwise); use the cpu or reference backend for "
                "other shapes",
                layer.layer_id, d, dv, kGenericMaxDim);
-  ATTNRT_CHECK(!mla || (hkv == 1 && dv <= d),
+  ATTNRT_CHECK(!c.mla || (hkv == 1 && dv <= d),
                "cuda backend: mla layer {} has {} kv heads, head_dim {}, v_head_dim {}; MLA "
                "attends over one latent kv head whose first v_head_dim columns are V",
                layer.layer_id, hkv, d, dv);
@@ -302,255 +304,285 @@ void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const Forwar
   ATTNRT_CHECK(layer.has_sinks == (args.sinks != nullptr),
                "cuda backend: layer {} {} sinks but AttnArgs.sinks is {}", layer.layer_id,
                layer.has_sinks ? "has" : "has no", args.sinks ? "set" : "null");
-  const int64_t tokens = batch.num_tokens();
-  const int64_t dev_tokens = graph_step_ ? plan.num_tokens : tokens;
-  check_act("q", args.q, dev_tokens, hq, d);
-  check_act("out", args.out, dev_tokens, hq, dv);
+  c.tokens = batch.num_tokens();
+  c.dev_tokens = graph_step_ ? plan.num_tokens : c.tokens;
+  check_act("q", args.q, c.dev_tokens, hq, d);
+  check_act("out", args.out, c.dev_tokens, hq, dv);
   ATTNRT_CHECK(args.out.dtype == args.q.dtype,
                "cuda backend: out is {} but q is {}; they must match", args.out.describe(),
                args.q.describe());
   // MLA stores the latent k rows only (V is a view of them), so v may be left empty there.
-  ATTNRT_CHECK(mla ? !(args.k.empty() && !args.v.empty()) : args.k.empty() == args.v.empty(),
+  ATTNRT_CHECK(c.mla ? !(args.k.empty() && !args.v.empty()) : args.k.empty() == args.v.empty(),
                "cuda backend: k is {} but v is {}; pass both (store this step's K/V) or neither "
                "(already stored by another layer){}",
                args.k.empty() ? "empty" : args.k.describe(),
                args.v.empty() ? "empty" : args.v.describe(),
-               mla ? "; an mla layer takes k alone too" : "");
-  const bool on_device = is_device(args.q);
-  ATTNRT_CHECK(
-      is_device(args.out) == on_device && (args.lse.empty() || is_device(args.lse) == on_device),
-      "cuda backend: q is {} but out is {}; q, out and lse must all be on the GPU or all "
-      "on the host",
-      args.q.describe(), args.out.describe());
+               c.mla ? "; an mla layer takes k alone too" : "");
+  c.on_device = is_device(args.q);
+  ATTNRT_CHECK(is_device(args.out) == c.on_device &&
+                   (args.lse.empty() || is_device(args.lse) == c.on_device),
+               "cuda backend: q is {} but out is {}; q, out and lse must all be on the GPU or all "
+               "on the host",
+               args.q.describe(), args.out.describe());
   if (!args.lse.empty()) {
     ATTNRT_CHECK(args.lse.dtype == DType::f32 && args.lse.ndim == 2 &&
-                     args.lse.shape[0] == dev_tokens && args.lse.shape[1] == hq &&
+                     args.lse.shape[0] == c.dev_tokens && args.lse.shape[1] == hq &&
                      args.lse.strides[1] == 1,
                  "cuda backend: lse is {}; expected fp32[{}, {}] (tokens, q heads), contiguous "
                  "heads",
-                 args.lse.describe(), dev_tokens, hq);
+                 args.lse.describe(), c.dev_tokens, hq);
   }
-  ATTNRT_CHECK(on_device || !stream_is_capturing(stream_),
+  ATTNRT_CHECK(c.on_device || !stream_is_capturing(stream_),
                "cuda backend: host tensors ({}) cannot be used inside a CUDA-graph capture; pass "
                "GPU tensors",
                args.q.describe());
+  return c;
+}
 
+CudaBackend::LayerKv CudaBackend::store_and_view_kv(const AttnArgs& args, const LayerSpec& layer,
+                                                    const CallDims& c) {
   KVCache& cache = *ctx_.kv_cache;
-  const bool cache_on_device = cache.device().kind == DeviceKind::cuda;
-  ATTNRT_CHECK(cache_on_device || !on_device,
+  LayerKv kv;
+  kv.cache_on_device = cache.device().kind == DeviceKind::cuda;
+  ATTNRT_CHECK(kv.cache_on_device || !c.on_device,
                "cuda backend: q is on the GPU but the KV cache is on the host; build the cache "
                "with make_cuda_kv_storage when the activations live on the GPU");
   const bool store = args.save_kv && !args.k.empty();
   if (store) cache.store_step_kv(layer.layer_id, args.k, args.v);
   // Whether the last work on the stream is now this step's KV-store kernels (the GPU cache on this
   // stream stored rows), which the attention kernel may overlap unless a copy comes between.
-  bool stored = store && device_cache_ != nullptr && device_cache_->stream() == stream_ &&
-                device_cache_->step_tokens() > 0;
-  const KVLayerView kv = cache.layer(layer.layer_id);
-  ATTNRT_CHECK(kv.kv_heads == hkv && kv.head_dim == d && kv.v_head_dim == dv,
+  kv.stored = store && device_cache_ != nullptr && device_cache_->stream() == stream_ &&
+              device_cache_->step_tokens() > 0;
+  kv.view = cache.layer(layer.layer_id);
+  const KVLayerView& v = kv.view;
+  ATTNRT_CHECK(v.kv_heads == c.hkv && v.head_dim == c.d && v.v_head_dim == c.dv,
                "cuda backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer needs "
                "[{} heads, {} / {} dims]",
-               layer.layer_id, kv.kv_heads, kv.head_dim, kv.v_head_dim, hkv, d, dv);
-  ATTNRT_CHECK(!mla || (kv.v == kv.k && kv.v_row_stride == kv.k_row_stride),
+               layer.layer_id, v.kv_heads, v.head_dim, v.v_head_dim, c.hkv, c.d, c.dv);
+  ATTNRT_CHECK(!c.mla || (v.v == v.k && v.v_row_stride == v.k_row_stride),
                "cuda backend: mla layer {} KV cache has separate V storage; an mla layer needs the "
                "latent pool, whose V is a view of the K row",
                layer.layer_id);
-  const bool fp8 = is_fp8(kv.dtype);
-  ATTNRT_CHECK(fp8 || kv.dtype == args.q.dtype,
+  ATTNRT_CHECK(is_fp8(v.dtype) || v.dtype == args.q.dtype,
                "cuda backend: layer {} KV cache is {} but q is {}; the KV dtype must equal the "
                "activation dtype or be fp8_e4m3 / fp8_e5m2",
-               layer.layer_id, dtype_name(kv.dtype), args.q.describe());
+               layer.layer_id, dtype_name(v.dtype), args.q.describe());
+  kv.k = v.k;
+  kv.v = v.v;
+  kv.slot_map = v.slot_map;
+  return kv;
+}
 
-  const void* k_ptr = kv.k;
-  const void* v_ptr = kv.v;
-  const int64_t* slot_map = kv.slot_map;
-  if (!cache_on_device) {
-    // Correctness path: mirror the host layer (and its SWA slot map) to the GPU.
-    if (mirrors_.size() <= static_cast<size_t>(layer.layer_id)) mirrors_.resize(layer.layer_id + 1);
-    Mirror& m = mirrors_[layer.layer_id];
-    const size_t kb = static_cast<size_t>(kv.num_rows) * kv.k_row_stride * dtype_size(kv.dtype);
-    const size_t vb = static_cast<size_t>(kv.num_rows) * kv.v_row_stride * dtype_size(kv.dtype);
-    ensure(m.k, kb, "mirrored K");
-    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(m.k.data(), kv.k, kb, cudaMemcpyHostToDevice, stream_));
-    k_ptr = m.k.data();
-    v_ptr = m.k.data();  // MLA: V is a view of the K rows
-    if (kv.v != kv.k) {
-      ensure(m.v, vb, "mirrored V");
-      ATTNRT_CUDA_CHECK(cudaMemcpyAsync(m.v.data(), kv.v, vb, cudaMemcpyHostToDevice, stream_));
-      v_ptr = m.v.data();
-    }
-    if (kv.slot_map != nullptr) {
-      const size_t mb = static_cast<size_t>(kv.slot_map_rows + 1) * sizeof(int64_t);
-      ensure(m.map, mb, "mirrored slot map");
-      ATTNRT_CUDA_CHECK(
-          cudaMemcpyAsync(m.map.data(), kv.slot_map, mb, cudaMemcpyHostToDevice, stream_));
-      slot_map = m.map.ptr<int64_t>();
-    }
+// Correctness path: mirror the host layer (and its SWA slot map) to the GPU.
+void CudaBackend::mirror_host_layer(int layer_id, LayerKv& kv) {
+  const KVLayerView& v = kv.view;
+  if (mirrors_.size() <= static_cast<size_t>(layer_id)) mirrors_.resize(layer_id + 1);
+  Mirror& m = mirrors_[layer_id];
+  const size_t kb = static_cast<size_t>(v.num_rows) * v.k_row_stride * dtype_size(v.dtype);
+  const size_t vb = static_cast<size_t>(v.num_rows) * v.v_row_stride * dtype_size(v.dtype);
+  ensure(m.k, kb, "mirrored K");
+  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(m.k.data(), v.k, kb, cudaMemcpyHostToDevice, stream_));
+  kv.k = m.k.data();
+  kv.v = m.k.data();  // MLA: V is a view of the K rows
+  if (v.v != v.k) {
+    ensure(m.v, vb, "mirrored V");
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(m.v.data(), v.v, vb, cudaMemcpyHostToDevice, stream_));
+    kv.v = m.v.data();
   }
+  if (v.slot_map != nullptr) {
+    const size_t mb = static_cast<size_t>(v.slot_map_rows + 1) * sizeof(int64_t);
+    ensure(m.map, mb, "mirrored slot map");
+    ATTNRT_CUDA_CHECK(
+        cudaMemcpyAsync(m.map.data(), v.slot_map, mb, cudaMemcpyHostToDevice, stream_));
+    kv.slot_map = m.map.ptr<int64_t>();
+  }
+}
 
-  // Host activations: stage q (and sinks) in, out and lse back.
+// Host activations: q (and host sinks) staged in; out and lse written to staging, copied back by
+// finish_call.
+CudaBackend::DeviceIo CudaBackend::stage_activations(const AttnArgs& args, const CallDims& c) {
+  const int hq = c.hq, d = c.d, dv = c.dv;
   const size_t act = dtype_size(args.q.dtype);
-  const size_t q_bytes = static_cast<size_t>(tokens) * hq * d * act;
-  const size_t o_bytes = static_cast<size_t>(tokens) * hq * dv * act;
-  const size_t l_bytes = static_cast<size_t>(tokens) * hq * sizeof(float);
+  const size_t q_bytes = static_cast<size_t>(c.tokens) * hq * d * act;
+  DeviceIo io;
+  io.o_bytes = static_cast<size_t>(c.tokens) * hq * dv * act;
+  io.l_bytes = static_cast<size_t>(c.tokens) * hq * sizeof(float);
   const size_t s_bytes = static_cast<size_t>(hq) * sizeof(float);
-  const void* q_ptr = args.q.data;
-  void* o_ptr = args.out.data;
-  float* lse_ptr = args.lse.empty() ? nullptr : args.lse.ptr<float>();
-  const float* sinks = args.sinks;
-  int64_t qs_tok = args.q.strides[0], qs_head = args.q.strides[1];
-  int64_t os_tok = args.out.strides[0], os_head = args.out.strides[1];
-  int64_t ls_tok = args.lse.empty() ? 0 : args.lse.strides[0];
-  const bool stage_sinks = sinks != nullptr && !is_device_pointer(sinks);
-  if (!on_device || stage_sinks) {
-    const size_t o_off = align_up(q_bytes, 256), l_off = o_off + align_up(o_bytes, 256);
-    const size_t s_off = l_off + align_up(l_bytes, 256);
-    ensure(io_, s_off + s_bytes, "host staging");
-    char* base = io_.ptr<char>();
-    // Stream order: host q and sinks are copied on stream_ before the kernel; the host path
-    // waits for the stream at the end of run(), so the caller's buffers are free on return (a
-    // sink array staged for device activations is a weight, read by a copy that runs before this
-    // layer's kernel; io_ is rewritten only by a later layer's copies, after this kernel).
-    if (!on_device) {
-      ATTNRT_CHECK(args.q.is_contiguous() && args.out.is_contiguous() &&
-                       (args.lse.empty() || args.lse.is_contiguous()),
-                   "cuda backend: host tensors must be contiguous (q {}, out {})",
-                   args.q.describe(), args.out.describe());
-      ATTNRT_CUDA_CHECK(
-          cudaMemcpyAsync(base, args.q.data, q_bytes, cudaMemcpyHostToDevice, stream_));
-      q_ptr = base;
-      o_ptr = base + o_off;
-      if (lse_ptr != nullptr) lse_ptr = reinterpret_cast<float*>(base + l_off);
-      qs_tok = int64_t{hq} * d;
-      qs_head = d;
-      os_tok = int64_t{hq} * dv;
-      os_head = dv;
-      ls_tok = hq;
-    }
-    if (stage_sinks) {
-      ATTNRT_CUDA_CHECK(
-          cudaMemcpyAsync(base + s_off, sinks, s_bytes, cudaMemcpyHostToDevice, stream_));
-      sinks = reinterpret_cast<const float*>(base + s_off);
-    }
+  io.q = args.q.data;
+  io.out = args.out.data;
+  io.lse = args.lse.empty() ? nullptr : args.lse.ptr<float>();
+  io.sinks = args.sinks;
+  io.q_tok = args.q.strides[0];
+  io.q_head = args.q.strides[1];
+  io.o_tok = args.out.strides[0];
+  io.o_head = args.out.strides[1];
+  io.lse_tok = args.lse.empty() ? 0 : args.lse.strides[0];
+  io.staged_sinks = io.sinks != nullptr && !is_device_pointer(io.sinks);
+  if (c.on_device && !io.staged_sinks) return io;
+  const size_t o_off = align_up(q_bytes, 256), l_off = o_off + align_up(io.o_bytes, 256);
+  const size_t s_off = l_off + align_up(io.l_bytes, 256);
+  ensure(io_, s_off + s_bytes, "host staging");
+  char* base = io_.ptr<char>();
+  // Stream order: host q and sinks are copied on stream_ before the kernel; the host path
+  // waits for the stream at the end of run(), so the caller's buffers are free on return (a
+  // sink array staged for device activations is a weight, read by a copy that runs before this
+  // layer's kernel; io_ is rewritten only by a later layer's copies, after this kernel).
+  if (!c.on_device) {
+    ATTNRT_CHECK(args.q.is_contiguous() && args.out.is_contiguous() &&
+                     (args.lse.empty() || args.lse.is_contiguous()),
+                 "cuda backend: host tensors must be contiguous (q {}, out {})", args.q.describe(),
+                 args.out.describe());
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(base, args.q.data, q_bytes, cudaMemcpyHostToDevice, stream_));
+    io.q = base;
+    io.out = base + o_off;
+    if (io.lse != nullptr) io.lse = reinterpret_cast<float*>(base + l_off);
+    io.q_tok = int64_t{hq} * d;
+    io.q_head = d;
+    io.o_tok = int64_t{hq} * dv;
+    io.o_head = dv;
+    io.lse_tok = hq;
   }
+  if (io.staged_sinks) {
+    ATTNRT_CUDA_CHECK(
+        cudaMemcpyAsync(base + s_off, io.sinks, s_bytes, cudaMemcpyHostToDevice, stream_));
+    io.sinks = reinterpret_cast<const float*>(base + s_off);
+  }
+  return io;
+}
 
-  const int group = hq / hkv;
+const ClassPlan& CudaBackend::class_plan(const StepPlan& plan, const LayerSpec& layer,
+                                         const CallDims& c) const {
+  const int group = c.hq / c.hkv;
   const auto cls = std::find_if(plan.classes.begin(), plan.classes.end(),
-                                [&](const ClassPlan& c) { return c.group == group; });
+                                [&](const ClassPlan& k) { return k.group == group; });
   ATTNRT_CHECK(cls != plan.classes.end(),
                "cuda backend: layer {} has GQA group {} which no layer of the model had at "
                "construction",
                layer.layer_id, group);
-  const char* meta = static_cast<const char*>(graph_step_ ? graph_meta_.data() : meta_.data());
+  return *cls;
+}
+
+// The split-KV partials of the class: a graph step's fixed buffer must hold them; an eager step
+// grows its own (a stream-ordered reallocation then stands between the stores and the attention
+// kernel, which may no longer overlap them).
+void CudaBackend::ensure_partials(const ClassPlan& cls, const CallDims& c, LayerKv& kv) {
   DeviceBuffer& parts = graph_step_ ? graph_partials_ : partials_;
-  const size_t part_o = static_cast<size_t>(cls->part_rows) * hq * dv * sizeof(float);
-  const size_t part_l = static_cast<size_t>(cls->part_rows) * hq * sizeof(float);
+  const size_t bytes = static_cast<size_t>(cls.part_rows) * c.hq * (c.dv + 1) * sizeof(float);
   if (graph_step_) {
-    ATTNRT_CHECK(part_o + part_l <= parts.bytes(),
+    ATTNRT_CHECK(bytes <= parts.bytes(),
                  "cuda backend: graph step needs {} bytes of split-KV partials; the graph state "
                  "holds {}",
-                 part_o + part_l, parts.bytes());
+                 bytes, parts.bytes());
   } else {
     const size_t held = parts.bytes();
-    ensure(parts, part_o + part_l, "split-KV partials");
-    // A stream-ordered reallocation now stands between the stores and the attention kernel.
-    stored = stored && parts.bytes() == held;
+    ensure(parts, bytes, "split-KV partials");
+    kv.stored = kv.stored && parts.bytes() == held;
   }
+}
 
-  const float scale = layer.softmax_scale() * kv.k_scale;
+// The kernel parameters of the call.
+AttnParams CudaBackend::attn_params(const LayerSpec& layer, const StepPlan& plan,
+                                    const ClassPlan& cls, const CallDims& c, const LayerKv& kv,
+                                    const DeviceIo& io) const {
+  const int hq = c.hq;
+  const char* meta = static_cast<const char*>(graph_step_ ? graph_meta_.data() : meta_.data());
+  const DeviceBuffer& parts = graph_step_ ? graph_partials_ : partials_;
+  const size_t part_o = static_cast<size_t>(cls.part_rows) * hq * c.dv * sizeof(float);
+  const KVLayerView& v = kv.view;
+  const float scale = layer.softmax_scale() * v.k_scale;
   AttnParams p{};
-  p.q = q_ptr;
-  p.out = o_ptr;
-  p.q_stride_tok = qs_tok;
-  p.q_stride_head = qs_head;
-  p.o_stride_tok = os_tok;
-  p.o_stride_head = os_head;
-  p.lse_out = lse_ptr;
-  p.lse_stride_tok = ls_tok;
-  p.k = k_ptr;
-  p.v = v_ptr;
-  p.k_row_stride = kv.k_row_stride;
-  p.v_row_stride = kv.v_row_stride;
-  p.kv_kind = kv.dtype == DType::e4m3   ? KvKind::e4m3
-              : kv.dtype == DType::e5m2 ? KvKind::e5m2
-                                        : KvKind::same_as_q;
+  p.q = io.q;
+  p.out = io.out;
+  p.q_stride_tok = io.q_tok;
+  p.q_stride_head = io.q_head;
+  p.o_stride_tok = io.o_tok;
+  p.o_stride_head = io.o_head;
+  p.lse_out = io.lse;
+  p.lse_stride_tok = io.lse_tok;
+  p.k = kv.k;
+  p.v = kv.v;
+  p.k_row_stride = v.k_row_stride;
+  p.v_row_stride = v.v_row_stride;
+  p.kv_kind = kv_kind_of(v.dtype);
   p.page_shift = plan.page_shift;
-  p.slot_map = slot_map;
-  p.kv_rows = kv.num_rows;
-  p.reqs = reinterpret_cast<const ReqInfo*>(meta + cls->reqs_off);
+  p.slot_map = kv.slot_map;
+  p.kv_rows = v.num_rows;
+  p.reqs = reinterpret_cast<const ReqInfo*>(meta + cls.reqs_off);
   p.page_table = reinterpret_cast<const int32_t*>(meta + plan.pt_off);
   p.row_table = row_table_ready_ ? row_table_.ptr<int32_t>() : nullptr;
-  p.work = reinterpret_cast<const WorkItem*>(meta + cls->work_off);
+  p.work = reinterpret_cast<const WorkItem*>(meta + cls.work_off);
   p.tree_mask = reinterpret_cast<const uint64_t*>(meta + plan.tree_mask_off);
   p.tree_depth = reinterpret_cast<const int32_t*>(meta + plan.tree_depth_off);
   p.part_o = parts.ptr<float>();
   p.part_lse = reinterpret_cast<float*>(parts.ptr<char>() + part_o);
   p.num_q_heads = hq;
-  p.num_kv_heads = hkv;
-  p.group = group;
+  p.num_kv_heads = c.hkv;
+  p.group = hq / c.hkv;
   p.scale_log2 = scale * 1.4426950408889634f;
   p.softmax_scale = scale;
   p.softcap = layer.logit_cap;
-  p.v_scale = kv.v_scale;
+  p.v_scale = v.v_scale;
   p.window = layer.causal() ? layer.sliding_window : -1;
   p.causal = layer.causal() ? 1 : 0;
   p.tree = plan.tree ? 1 : 0;
-  p.item_rows = cls->item_rows;
-  p.sinks = sinks;
+  p.item_rows = cls.item_rows;
+  p.sinks = io.sinks;
   p.sched = sched_.ptr<int32_t>();
-  ATTNRT_CHECK(cls->num_items <= 65535,
+  return p;
+}
+
+// The class's CTA (dispatch.h), then the merge of its split-KV partials.
+void CudaBackend::launch_step(const AttnParams& p, const AttnArgs& args, const StepPlan& plan,
+                              const ClassPlan& cls, const CallDims& c, const LayerKv& kv,
+                              const DeviceIo& io) {
+  ATTNRT_CHECK(cls.num_items <= 65535,
                "cuda backend: {} work items exceed the grid limit of 65535 (step too large for "
                "one launch)",
-               cls->num_items);
+               cls.num_items);
   const bool fp16 = args.q.dtype == DType::f16;
-  // The mma.sync and the 64-row warpgroup-MMA kernels overlap the stores (their `dependent`: q, the
-  // work list and the requests were complete before the K store was launched); the 128-row prefill
-  // and the generic kernels are plain launches. Every kernel reads the same work list and writes
-  // the same partials (kernel_for says which runs).
-  const bool after_stores = stored && on_device && !stage_sinks;
-  cudaError_t launched = cudaSuccess;
-  switch (kernel_for(d, dv, fp8, cls->shape, is_target_verify(plan.mode))) {
-    case Kernel::generic:
-      launched = launch_attention_generic(p, d, dv, fp16, cls->shape, cls->num_items, stream_);
-      break;
-    case Kernel::prefill:
-      launched = launch_prefill(p, d, fp16, cls->num_items, stream_);
-      break;
-    case Kernel::prefill_verify:
-      launched = launch_prefill_verify(p, d, fp16, cls->num_items, stream_, after_stores);
-      break;
-    case Kernel::attention:
-      launched =
-          launch_attention(p, d, fp16, fp8, cls->shape, cls->num_items, stream_, after_stores);
-      break;
-  }
-  ATTNRT_CUDA_CHECK(launched);
+  // The CTAs that may be dependents (dispatch.h) overlap the stores: q, the work list and the
+  // requests were complete before the K store was launched.
+  const bool after_stores = kv.stored && c.on_device && !io.staged_sinks;
+  AttnKernelKey key;
+  key.head_dim = c.d;
+  key.v_head_dim = c.dv;
+  key.fp16 = fp16;
+  key.kv = p.kv_kind;
+  key.shape = cls.shape;
+  key.rows = cls.item_rows;
+  key.target_verify = is_target_verify(plan.mode);
+  ATTNRT_CUDA_CHECK(launch_attention(p, key, cls.num_items, stream_, after_stores));
   planner_->launched();
-  if (cls->max_splits > 1) {
+  if (cls.max_splits > 1) {
     MergeParams mp{};
     mp.reqs = p.reqs;
     mp.num_reqs = plan.bs;
     mp.part_o = p.part_o;
     mp.part_lse = p.part_lse;
-    mp.out = o_ptr;
-    mp.o_stride_tok = os_tok;
-    mp.o_stride_head = os_head;
-    mp.lse_out = lse_ptr;
-    mp.lse_stride_tok = ls_tok;
-    mp.num_q_heads = hq;
-    mp.head_dim = dv;
-    mp.v_scale = kv.v_scale;
-    mp.sinks = sinks;
-    ATTNRT_CUDA_CHECK(launch_merge(mp, fp16, stream_, /*dependent=*/cls->num_items > 0));
+    mp.out = io.out;
+    mp.o_stride_tok = io.o_tok;
+    mp.o_stride_head = io.o_head;
+    mp.lse_out = io.lse;
+    mp.lse_stride_tok = io.lse_tok;
+    mp.num_q_heads = c.hq;
+    mp.head_dim = c.dv;
+    mp.v_scale = p.v_scale;
+    mp.sinks = io.sinks;
+    ATTNRT_CUDA_CHECK(launch_merge(mp, fp16, stream_, /*dependent=*/cls.num_items > 0));
   }
-  if (!on_device) {
+}
+
+// Host outputs back to the caller's tensors.
+void CudaBackend::finish_call(const AttnArgs& args, const CallDims& c, const DeviceIo& io,
+                              const LayerKv& kv) {
+  if (!c.on_device) {
     ATTNRT_CUDA_CHECK(
-        cudaMemcpyAsync(args.out.data, o_ptr, o_bytes, cudaMemcpyDeviceToHost, stream_));
-    if (lse_ptr != nullptr)
+        cudaMemcpyAsync(args.out.data, io.out, io.o_bytes, cudaMemcpyDeviceToHost, stream_));
+    if (io.lse != nullptr)
       ATTNRT_CUDA_CHECK(
-          cudaMemcpyAsync(args.lse.data, lse_ptr, l_bytes, cudaMemcpyDeviceToHost, stream_));
+          cudaMemcpyAsync(args.lse.data, io.lse, io.l_bytes, cudaMemcpyDeviceToHost, stream_));
   }
-  if (!on_device || !cache_on_device) {
+  if (!c.on_device || !kv.cache_on_device) {
     // Host outputs must be complete, and the host cache must not change under a pending mirror
     // copy.
     ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -22,6 +22,7 @@
 
 #include "attnrt/backend/attention_backend.h"
 #include "attnrt/backend/registry.h"
+#include "attnrt/memory/kv_cache.h"
 #include "backends/cuda/cuda_plan.h"
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/kernels/attention_params.h"
@@ -78,6 +79,44 @@ class CudaBackend final : public AttentionBackend {
   void build_plan(const ForwardBatch& batch, int padded_bs, bool graph);
   void init_row_table();
   void run(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch);
+
+  // run()'s steps and what they hand on.
+  struct CallDims {
+    int hq = 0, hkv = 0, d = 0, dv = 0;  // q / kv heads, head dims of K and V
+    bool mla = false;
+    int64_t tokens = 0, dev_tokens = 0;  // the batch's tokens; rows of the GPU tensors
+    bool on_device = false;              // q, out and lse live on the GPU
+  };
+  struct LayerKv {
+    KVLayerView view;
+    bool cache_on_device = false;
+    bool stored = false;      // this step's KV-store kernels are the last work on the stream
+    const void* k = nullptr;  // the K / V rows and slot map the kernel reads (mirrors for a
+    const void* v = nullptr;  // host cache)
+    const int64_t* slot_map = nullptr;
+  };
+  struct DeviceIo {
+    const void* q = nullptr;
+    void* out = nullptr;
+    float* lse = nullptr;
+    const float* sinks = nullptr;
+    int64_t q_tok = 0, q_head = 0, o_tok = 0, o_head = 0, lse_tok = 0;  // element strides
+    size_t o_bytes = 0, l_bytes = 0;
+    bool staged_sinks = false;  // host sinks copied into staging
+  };
+  CallDims check_call(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch,
+                      const StepPlan& plan) const;
+  LayerKv store_and_view_kv(const AttnArgs& args, const LayerSpec& layer, const CallDims& c);
+  void mirror_host_layer(int layer_id, LayerKv& kv);
+  DeviceIo stage_activations(const AttnArgs& args, const CallDims& c);
+  const ClassPlan& class_plan(const StepPlan& plan, const LayerSpec& layer,
+                              const CallDims& c) const;
+  void ensure_partials(const ClassPlan& cls, const CallDims& c, LayerKv& kv);
+  AttnParams attn_params(const LayerSpec& layer, const StepPlan& plan, const ClassPlan& cls,
+                         const CallDims& c, const LayerKv& kv, const DeviceIo& io) const;
+  void launch_step(const AttnParams& p, const AttnArgs& args, const StepPlan& plan,
+                   const ClassPlan& cls, const CallDims& c, const LayerKv& kv, const DeviceIo& io);
+  void finish_call(const AttnArgs& args, const CallDims& c, const DeviceIo& io, const LayerKv& kv);
   void ensure(DeviceBuffer& buf, size_t bytes, const char* what);
 
   CudaKVCache* device_cache_ = nullptr;

@@ -17,21 +17,6 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
 
-// Up to 16 (token, head-in-group) rows per request: decode tiles; 17..32 rows: one decode32 CTA;
-// 33..64 rows: one verify CTA; each K/V tile is read once per request and KV head (16-bit KV at
-// head dims 64 and 128 runs both on the 64-row warpgroup-MMA CTA, see cuda_backend.cpp). On the
-// H200 at group 4 with 64 x 4096 prefixes: the 8-token chain (32 rows) took 0.596 ms on two decode
-// CTAs (each streaming the K/V), 0.364 ms on the mma.sync decode32 CTA and 0.317 ms on the
-// warpgroup-MMA one (decode 0.296 ms); the 16-token tree (64 rows) 0.807 / 0.518 / 0.467 ms on
-// mma.sync verify CTAs and 0.321 ms on the warpgroup-MMA one.
-TileShape choose_shape(int max_qlen, int group) {
-  const int64_t rows = static_cast<int64_t>(max_qlen) * group;
-  return rows <= 16   ? TileShape::decode
-         : rows <= 32 ? TileShape::decode32
-         : rows <= 64 ? TileShape::verify
-                      : TileShape::prefill;
-}
-
 // The lengths of a graph's replays are unknown at capture, so this is choose_chunk's wave model
 // for requests long enough that a CTA's start-up and the merge do not count: s splits of a
 // request cost (s w + 0.5 (ceil(s w) - s w)) / s of its unsplit stream, w = the unsplit CTAs per

@@ -14,6 +14,7 @@
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/dispatch.h"
 
 namespace attnrt::cuda {
 
@@ -26,10 +27,6 @@ constexpr int kMinChunkPrefill = 1024;
 // not change with the rest of the batch.
 constexpr int kDeterministicChunk = 1024;
 constexpr int kCtasPerSm = 4;
-
-// Up to 16 (token, head-in-group) rows per request: decode tiles; 17..32 rows: one decode32 CTA;
-// 33..64 rows: one verify CTA; more: prefill tiles (see cuda_plan.cpp for the measurements).
-TileShape choose_shape(int max_qlen, int group);
 
 // One GQA group size of the model's KV layers: its CTA shape, split counts and work list.
 struct ClassPlan {

@@ -2,13 +2,8 @@
 
 namespace attnrt::cuda {
 
-cudaError_t launch_attention_d64(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape,
-                                 int num_items, cudaStream_t stream, bool dependent) {
-  return launch_dim<64>(p, fp16, fp8_kv, shape, num_items, stream, dependent);
-}
-
-int attention_occupancy_d64(bool fp16, bool fp8_kv, TileShape shape, int group) {
-  return occupancy_dim<64>(fp16, fp8_kv, shape, group);
+AttnCtaEntry mma_attention_entry_d64(AttnCta cta, bool fp16, KvKind kv) {
+  return mma_attention_entry<64>(cta, fp16, kv);
 }
 
 }  // namespace attnrt::cuda

@@ -11,6 +11,7 @@
 #include "backends/cuda/kernels/common/convert.cuh"
 #include "backends/cuda/kernels/common/mask.cuh"
 #include "backends/cuda/kernels/common/math.cuh"
+#include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
 
 namespace attnrt::cuda {
@@ -172,37 +173,29 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename T>
+struct GenericCta {
+  static cudaError_t launch(const AttnParams& p, const AttnKernelKey& k, int num_items,
+                            cudaStream_t stream, bool) {
+    if (k.head_dim <= 0 || k.v_head_dim <= 0 || k.head_dim % 8 != 0 || k.v_head_dim % 8 != 0 ||
+        k.head_dim > kGenericMaxDim || k.v_head_dim > kGenericMaxDim)
+      return cudaErrorInvalidValue;
+    const dim3 grid(p.num_kv_heads, num_items);
+    generic_attention_kernel<T>
+        <<<grid, kThreads, 0, stream>>>(p, k.head_dim, k.v_head_dim, tile_rows(k.shape));
+    return cudaGetLastError();
+  }
+  static int occupancy(const AttnKernelKey&) {
+    return resident_ctas<generic_attention_kernel<T>>(kThreads, 0);
+  }
+};
+
 }  // namespace
 
-cudaError_t launch_attention_generic(const AttnParams& p, int head_dim, int v_head_dim, bool fp16,
-                                     TileShape shape, int num_items, cudaStream_t stream) {
-  if (num_items == 0) return cudaSuccess;
-  if (head_dim <= 0 || v_head_dim <= 0 || head_dim % 8 != 0 || v_head_dim % 8 != 0 ||
-      head_dim > kGenericMaxDim || v_head_dim > kGenericMaxDim)
-    return cudaErrorInvalidValue;
-  const dim3 grid(p.num_kv_heads, num_items);
-  const int rows = tile_rows(shape);
-  if (fp16) {
-    generic_attention_kernel<__half><<<grid, kThreads, 0, stream>>>(p, head_dim, v_head_dim, rows);
-  } else {
-    generic_attention_kernel<__nv_bfloat16>
-        <<<grid, kThreads, 0, stream>>>(p, head_dim, v_head_dim, rows);
-  }
-  return cudaGetLastError();
-}
-
-int attention_occupancy_generic(bool fp16) {
-  int n = 0;
-  const cudaError_t e =
-      fp16 ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                 &n, generic_attention_kernel<__half>, kThreads, 0)
-           : cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                 &n, generic_attention_kernel<__nv_bfloat16>, kThreads, 0);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    return 1;
-  }
-  return n > 0 ? n : 1;
+AttnCtaEntry attention_generic_entry(bool fp16) {
+  return fp16 ? AttnCtaEntry{&GenericCta<__half>::launch, &GenericCta<__half>::occupancy}
+              : AttnCtaEntry{&GenericCta<__nv_bfloat16>::launch,
+                             &GenericCta<__nv_bfloat16>::occupancy};
 }
 
 }  // namespace attnrt::cuda

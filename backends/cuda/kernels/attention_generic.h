@@ -14,14 +14,11 @@ namespace attnrt::cuda {
 inline constexpr int kGenericMaxDim = 576;
 
 // SIMT kernel, fp32 accumulation and an online softmax, one warp per query row: reads the same
-// AttnParams, work items (tile_rows(shape) rows each), page tables, tree masks and split-KV
-// partials ([rows, Hq, v_head_dim] fp32, lse in log2 units) as launch_attention, so the plan and
-// the merge are unchanged. Every mode, GQA / MQA, window, soft-cap, sinks, fp8 KV. Returns
-// cudaErrorInvalidValue for dims it does not take. Grid: (kv heads, num_items).
-cudaError_t launch_attention_generic(const AttnParams& p, int head_dim, int v_head_dim, bool fp16,
-                                     TileShape shape, int num_items, cudaStream_t stream);
-
-// Resident CTAs per SM of the generic kernel (occupancy API; at least 1).
-int attention_occupancy_generic(bool fp16);
+// AttnParams, work items (tile_rows(key.shape) rows each), page tables, tree masks and split-KV
+// partials ([rows, Hq, v_head_dim] fp32, lse in log2 units) as the tensor-core CTAs, so the plan
+// and the merge are unchanged. Every mode, GQA / MQA, window, soft-cap, sinks, fp8 KV. Its entry
+// points (launch.h) read the dims from the key and return cudaErrorInvalidValue for dims it does
+// not take.
+AttnCtaEntry attention_generic_entry(bool fp16);
 
 }  // namespace attnrt::cuda

@@ -1,28 +1,14 @@
-// Instantiation of the attention kernel for one head dim (included by attention_d{64,128,256}.cu
-// so that the three head dims compile in parallel).
+// The mma.sync and keys-on-M CTAs of one head dim as entry points (included by
+// attention_d{64,128,256}.cu so that the three head dims compile in parallel).
 #pragma once
 
 #include "backends/cuda/kernels/attention.cuh"
+#include "backends/cuda/kernels/cta_entry.cuh"
 #include "backends/cuda/kernels/decode_keys_m.cuh"
-#include "backends/cuda/kernels/dependent_launch.cuh"
+#include "backends/cuda/kernels/dispatch.h"
 #include "backends/cuda/kernels/launch.h"
-#include "backends/cuda/kernels/prefill.h"
 
 namespace attnrt::cuda {
-
-template <typename T, typename Cfg>
-cudaError_t launch_cfg(const AttnParams& p, int num_items, cudaStream_t stream, bool dependent) {
-  const cudaError_t attr = allow_dynamic_smem<attention_kernel<T, Cfg>>(Cfg::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  const dim3 grid(p.num_kv_heads, num_items);
-  return launch_kernel(attention_kernel<T, Cfg>, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream,
-                       dependent, p);
-}
-
-template <typename T, typename Cfg>
-int occupancy_cfg() {
-  return resident_ctas<attention_kernel<T, Cfg>>(Cfg::kThreads, Cfg::kSmemBytes);
-}
 
 // Decode: 16 rows; a 64-key tile split over 4 warps (2 warps of 32-key tiles at head dim 256, to
 // keep three CTAs per SM). Decode32: 32 rows (a chain verify block at group 4) as two row groups of
@@ -34,10 +20,8 @@ int occupancy_cfg() {
 // Prefill: 128 rows over 8 warps, 64-key tiles (32 at head dim 256). (H200, 64 x 4096 prefix,
 // group 4, bf16: the 32-row chain took 0.364 ms as decode32 here, 0.433 ms as 4 warps of 32 keys,
 // 0.596 ms on two decode CTAs, 0.317 ms on the warpgroup-MMA CTA; the 64-row tree 0.467 ms on
-// mma.sync at best, 0.321 ms on the warpgroup-MMA CTA.)
-// Decode work items of at most 8 rows (a decode token at groups up to 8) at head dims 64 and 128
-// run decode_keys_m.cuh's CTA instead, with the keys on the MMA's M side (16-bit and fp8 KV; H200,
-// 64 x 4096 at group 4, per step: bf16 277 -> 266 us, fp8 e4m3 280 -> 181 us).
+// mma.sync at best, 0.321 ms on the warpgroup-MMA CTA.) Decode items of at most kKeysMRows rows at
+// head dims 64 and 128 run decode_keys_m.cuh's CTA instead (dispatch.h).
 template <int D, bool FP8>
 using DecodeCfg = std::conditional_t<(D > 128), AttnConfig<D, 2, 16, 32, FP8, FP8 ? 4 : 2>,
                                      AttnConfig<D, 4, 16, 64, FP8, FP8 ? 4 : 2>>;
@@ -49,78 +33,51 @@ using VerifyCfg = AttnConfig<D, 4, 64, (D > 128 ? 32 : 64), FP8, FP8 ? 4 : 2>;
 template <int D, bool FP8>
 using PrefillCfg = AttnConfig<D, 8, 128, (D > 128 ? 32 : 64), FP8>;
 
-template <int D, typename T>
-cudaError_t launch_dim_t(const AttnParams& p, bool fp8_kv, TileShape shape, int num_items,
-                         cudaStream_t stream, bool dependent) {
-  if (shape == TileShape::decode32 || shape == TileShape::verify) {
-    const bool d32 = shape == TileShape::decode32;
-    if (fp8_kv) {
-      return d32 ? launch_cfg<T, Decode32Cfg<D, true>>(p, num_items, stream, dependent)
-                 : launch_cfg<T, VerifyCfg<D, true>>(p, num_items, stream, dependent);
-    }
-    if constexpr (prefill_verify_dim(D)) {
-      return cudaErrorInvalidValue;  // launch_prefill_verify
-    } else {
-      return d32 ? launch_cfg<T, Decode32Cfg<D, false>>(p, num_items, stream, dependent)
-                 : launch_cfg<T, VerifyCfg<D, false>>(p, num_items, stream, dependent);
-    }
-  }
-  if (shape == TileShape::decode) {
-    if constexpr (D <= 128) {
-      if (p.item_rows <= KeysMConfig<D, false>::kCols) {
-        if (!fp8_kv)
-          return launch_keys_m_cfg<T, KeysMConfig<D, false>>(p, num_items, stream, dependent);
-        using Fp8Cfg = KeysMConfig<D, true>;
-        return p.kv_kind == KvKind::e5m2
-                   ? launch_keys_m_cfg<T, Fp8Cfg, true>(p, num_items, stream, dependent)
-                   : launch_keys_m_cfg<T, Fp8Cfg, false>(p, num_items, stream, dependent);
-      }
-    }
-    return fp8_kv ? launch_cfg<T, DecodeCfg<D, true>>(p, num_items, stream, dependent)
-                  : launch_cfg<T, DecodeCfg<D, false>>(p, num_items, stream, dependent);
-  }
-  return fp8_kv ? launch_cfg<T, PrefillCfg<D, true>>(p, num_items, stream, dependent)
-                : launch_cfg<T, PrefillCfg<D, false>>(p, num_items, stream, dependent);
-}
+static_assert(KeysMConfig<64, false>::kCols == kKeysMRows &&
+              KeysMConfig<128, true>::kCols == kKeysMRows);
 
+template <typename T, typename Cfg>
+using MmaCta = GridCta<attention_kernel<T, Cfg>, Cfg>;
+template <typename T, typename Cfg, bool E5M2>
+using KeysMCta = GridCta<decode_keys_m_kernel<T, Cfg, E5M2>, Cfg>;
+
+// The entry points of `cta` (dispatch.h's table) at head dim D for activations T. 16-bit KV
+// decode32 and verify tiles at the head dims of the 64-row warpgroup-MMA CTA have no mma.sync
+// instance, nor has head dim 256 a keys-on-M one.
 template <int D, typename T>
-int occupancy_dim_t(bool fp8_kv, TileShape shape, int group) {
-  if (shape == TileShape::decode32 || shape == TileShape::verify) {
-    const bool d32 = shape == TileShape::decode32;
-    if (fp8_kv)
-      return d32 ? occupancy_cfg<T, Decode32Cfg<D, true>>()
-                 : occupancy_cfg<T, VerifyCfg<D, true>>();
-    if constexpr (prefill_verify_dim(D)) {
-      return 1;  // prefill_verify_occupancy
-    } else {
-      return d32 ? occupancy_cfg<T, Decode32Cfg<D, false>>()
-                 : occupancy_cfg<T, VerifyCfg<D, false>>();
-    }
-  }
-  if (shape == TileShape::decode) {
-    // A decode token's item holds `group` rows: the keys-on-M CTA takes it up to kCols.
-    if constexpr (D <= 128) {
-      if (group <= KeysMConfig<D, false>::kCols) {
-        return fp8_kv ? occupancy_keys_m_cfg<T, KeysMConfig<D, true>>()
-                      : occupancy_keys_m_cfg<T, KeysMConfig<D, false>>();
+AttnCtaEntry mma_attention_entry_t(AttnCta cta, KvKind kv) {
+  const bool fp8 = kv != KvKind::same_as_q;
+  switch (cta) {
+    case AttnCta::keys_m:
+      if constexpr (D <= 128) {
+        if (!fp8) return KeysMCta<T, KeysMConfig<D, false>, false>::entry();
+        return kv == KvKind::e5m2 ? KeysMCta<T, KeysMConfig<D, true>, true>::entry()
+                                  : KeysMCta<T, KeysMConfig<D, true>, false>::entry();
       }
-    }
-    return fp8_kv ? occupancy_cfg<T, DecodeCfg<D, true>>() : occupancy_cfg<T, DecodeCfg<D, false>>();
+      break;
+    case AttnCta::decode:
+      return fp8 ? MmaCta<T, DecodeCfg<D, true>>::entry() : MmaCta<T, DecodeCfg<D, false>>::entry();
+    case AttnCta::decode32:
+      if (fp8) return MmaCta<T, Decode32Cfg<D, true>>::entry();
+      if constexpr (!prefill_verify_dim(D)) return MmaCta<T, Decode32Cfg<D, false>>::entry();
+      break;
+    case AttnCta::verify:
+      if (fp8) return MmaCta<T, VerifyCfg<D, true>>::entry();
+      if constexpr (!prefill_verify_dim(D)) return MmaCta<T, VerifyCfg<D, false>>::entry();
+      break;
+    case AttnCta::mma_prefill:
+      return fp8 ? MmaCta<T, PrefillCfg<D, true>>::entry()
+                 : MmaCta<T, PrefillCfg<D, false>>::entry();
+    default:
+      break;
   }
-  return fp8_kv ? occupancy_cfg<T, PrefillCfg<D, true>>() : occupancy_cfg<T, PrefillCfg<D, false>>();
+  return {};
 }
 
 template <int D>
-int occupancy_dim(bool fp16, bool fp8_kv, TileShape shape, int group) {
-  return fp16 ? occupancy_dim_t<D, __half>(fp8_kv, shape, group)
-              : occupancy_dim_t<D, __nv_bfloat16>(fp8_kv, shape, group);
-}
-
-template <int D>
-cudaError_t launch_dim(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape, int num_items,
-                       cudaStream_t stream, bool dependent) {
-  return fp16 ? launch_dim_t<D, __half>(p, fp8_kv, shape, num_items, stream, dependent)
-              : launch_dim_t<D, __nv_bfloat16>(p, fp8_kv, shape, num_items, stream, dependent);
+AttnCtaEntry mma_attention_entry(AttnCta cta, bool fp16, KvKind kv) {
+  return fp16 ? mma_attention_entry_t<D, __half>(cta, kv)
+              : mma_attention_entry_t<D, __nv_bfloat16>(cta, kv);
 }
 
 }  // namespace attnrt::cuda

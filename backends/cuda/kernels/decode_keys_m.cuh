@@ -580,20 +580,4 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   }
 }
 
-template <typename T, typename Cfg, bool E5M2 = false>
-cudaError_t launch_keys_m_cfg(const AttnParams& p, int num_items, cudaStream_t stream,
-                              bool dependent) {
-  const cudaError_t attr = allow_dynamic_smem<decode_keys_m_kernel<T, Cfg, E5M2>>(Cfg::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  const dim3 grid(p.num_kv_heads, num_items);
-  return launch_kernel(decode_keys_m_kernel<T, Cfg, E5M2>, grid, dim3(Cfg::kThreads),
-                       Cfg::kSmemBytes, stream, dependent, p);
-}
-
-// Resident CTAs per SM of the CTA (the e4m3 and e5m2 instances use the same resources).
-template <typename T, typename Cfg>
-int occupancy_keys_m_cfg() {
-  return resident_ctas<decode_keys_m_kernel<T, Cfg, false>>(Cfg::kThreads, Cfg::kSmemBytes);
-}
-
 }  // namespace attnrt::cuda

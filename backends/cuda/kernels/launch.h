@@ -6,15 +6,9 @@
 #include <cstdint>
 
 #include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/dispatch.h"
 
 namespace attnrt::cuda {
-
-// Resident CTAs per SM of the attention kernel that runs a shape's tiles at GQA group `group`
-// (occupancy API; at least 1).
-int attention_occupancy(int head_dim, bool fp16, bool fp8_kv, TileShape shape, int group);
-int attention_occupancy_d64(bool fp16, bool fp8_kv, TileShape shape, int group);
-int attention_occupancy_d128(bool fp16, bool fp8_kv, TileShape shape, int group);
-int attention_occupancy_d256(bool fp16, bool fp8_kv, TileShape shape, int group);
 
 // Programmatic dependent launches (kernels/dependent_launch.cuh): on unless the environment sets
 // ATTNRT_PDL=0 when the process first asks; set_dependent_launch switches them for the whole
@@ -23,20 +17,31 @@ int attention_occupancy_d256(bool fp16, bool fp8_kv, TileShape shape, int group)
 bool dependent_launch_enabled();
 void set_dependent_launch(bool on);
 
-// Head dims with compiled kernels: 64, 128, 256. `fp16`: q/out (and 16-bit KV) are fp16, else
-// bf16. `fp8_kv`: K/V are fp8 bytes (p.kv_kind says which). Grid: (kv heads, num_items).
-// `dependent`: the launch just before on `stream` is a launch_store_kv kernel, the last of store
-// kernels whose first one was a plain launch (dependent false). The kernel reads q, the work list
-// and the requests before it waits for the stores: whatever wrote them must have come before that
-// first store kernel on the stream. Everything else (pages, K/V) it reads after the wait.
-cudaError_t launch_attention(const AttnParams& p, int head_dim, bool fp16, bool fp8_kv,
-                             TileShape shape, int num_items, cudaStream_t stream, bool dependent);
-cudaError_t launch_attention_d64(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape,
-                                 int num_items, cudaStream_t stream, bool dependent);
-cudaError_t launch_attention_d128(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape,
-                                  int num_items, cudaStream_t stream, bool dependent);
-cudaError_t launch_attention_d256(const AttnParams& p, bool fp16, bool fp8_kv, TileShape shape,
-                                  int num_items, cudaStream_t stream, bool dependent);
+// One CTA's entry points: its launch over a (kv heads, num_items) grid and its resident CTAs per
+// SM (occupancy API; at least 1). `dependent` as launch_attention's.
+struct AttnCtaEntry {
+  cudaError_t (*launch)(const AttnParams& p, const AttnKernelKey& key, int num_items,
+                        cudaStream_t stream, bool dependent) = nullptr;
+  int (*occupancy)(const AttnKernelKey& key) = nullptr;
+};
+
+// Launches `key`'s CTA (dispatch.h) over num_items work items, every kernel reading the same work
+// list and writing the same partials. `dependent`: the launch just before on `stream` is a
+// launch_store_kv kernel, the last of store kernels whose first one was a plain launch (dependent
+// false). The kernel reads q, the work list and the requests before it waits for the stores:
+// whatever wrote them must have come before that first store kernel on the stream. Everything
+// else (pages, K/V) it reads after the wait. CTAs that are never dependents (dispatch.h's
+// launches_as_dependent) are launched plainly. cudaErrorInvalidValue for keys no CTA takes.
+cudaError_t launch_attention(const AttnParams& p, const AttnKernelKey& key, int num_items,
+                             cudaStream_t stream, bool dependent);
+// Resident CTAs per SM of `key`'s CTA (occupancy API; at least 1).
+int attention_occupancy(const AttnKernelKey& key);
+
+// The mma.sync and keys-on-M CTAs of one head dim (attention_d{64,128,256}.cu, compiled in
+// parallel): `cta` is one of keys_m, decode, decode32, verify, mma_prefill; empty otherwise.
+AttnCtaEntry mma_attention_entry_d64(AttnCta cta, bool fp16, KvKind kv);
+AttnCtaEntry mma_attention_entry_d128(AttnCta cta, bool fp16, KvKind kv);
+AttnCtaEntry mma_attention_entry_d256(AttnCta cta, bool fp16, KvKind kv);
 
 // Merges the split-KV partials of requests with num_splits > 1 (log-sum-exp, sinks, v_scale).
 // `dependent`: the launch just before on `stream` is a kernel (the attention kernel that wrote the

@@ -1,4 +1,4 @@
-// The split-KV merge and the KV-store kernels, plus the head-dim dispatch of the attention launch.
+// The split-KV merge and the KV-store kernels.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -12,26 +12,6 @@
 #include "backends/cuda/kernels/launch.h"
 
 namespace attnrt::cuda {
-
-int attention_occupancy(int head_dim, bool fp16, bool fp8_kv, TileShape shape, int group) {
-  switch (head_dim) {
-    case 64: return attention_occupancy_d64(fp16, fp8_kv, shape, group);
-    case 128: return attention_occupancy_d128(fp16, fp8_kv, shape, group);
-    case 256: return attention_occupancy_d256(fp16, fp8_kv, shape, group);
-    default: return 1;
-  }
-}
-
-cudaError_t launch_attention(const AttnParams& p, int head_dim, bool fp16, bool fp8_kv,
-                             TileShape shape, int num_items, cudaStream_t stream, bool dependent) {
-  if (num_items == 0) return cudaSuccess;
-  switch (head_dim) {
-    case 64: return launch_attention_d64(p, fp16, fp8_kv, shape, num_items, stream, dependent);
-    case 128: return launch_attention_d128(p, fp16, fp8_kv, shape, num_items, stream, dependent);
-    case 256: return launch_attention_d256(p, fp16, fp8_kv, shape, num_items, stream, dependent);
-    default: return cudaErrorInvalidValue;
-  }
-}
 
 namespace {
 

@@ -43,6 +43,7 @@
 #include "backends/cuda/kernels/common/convert.cuh"
 #include "backends/cuda/kernels/common/mask.cuh"
 #include "backends/cuda/kernels/common/math.cuh"
+#include "backends/cuda/kernels/cta_entry.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/prefill.h"
@@ -128,7 +129,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   }
 
   // Launched as the dependent of the step's KV-store kernels (the verify CTA; the `dependent` of
-  // launch_prefill_verify), the CTA has so far read only the work item, the request and q, which
+  // launch_attention), the CTA has so far read only the work item, the request and q, which
   // those kernels do not write, and written nothing in global memory; their rows are read below.
   // Every thread gets here (no path returns earlier). Then the merge may be scheduled (it waits for
   // this grid before its first access). A plain launch passes both at once.
@@ -360,39 +361,21 @@ using PrefillVerifyCfg =
     std::conditional_t<D == 64, PrefillConfig<64, 1, 64, 4, 3, kPrefillVerifyTileRows>,
                        PrefillConfig<128, 1, 64, 3, 2, kPrefillVerifyTileRows>>;
 
-template <typename T, typename Cfg>
-cudaError_t launch_prefill_cfg(const AttnParams& p, int num_items, cudaStream_t stream,
-                               bool dependent) {
-  const cudaError_t attr = allow_dynamic_smem<prefill_kernel<T, Cfg>>(Cfg::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  const dim3 grid(p.num_kv_heads, num_items);
-  return launch_kernel(prefill_kernel<T, Cfg>, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream,
-                       dependent, p);
-}
-
-template <typename T, typename Cfg>
-int prefill_occupancy_cfg() {
-  return resident_ctas<prefill_kernel<T, Cfg>>(Cfg::kThreads, Cfg::kSmemBytes);
-}
-
+// prefill_kernel's entry points at head dim D: the 128-row CTA, or (verify) the 64-row one, which
+// head dim 256 does not have.
 template <int D>
-cudaError_t launch_prefill_dim(const AttnParams& p, bool fp16, int num_items, cudaStream_t stream) {
-  return fp16 ? launch_prefill_cfg<__half, PrefillCfg<D>>(p, num_items, stream, false)
-              : launch_prefill_cfg<__nv_bfloat16, PrefillCfg<D>>(p, num_items, stream, false);
-}
-
-template <int D>
-cudaError_t launch_prefill_verify_dim(const AttnParams& p, bool fp16, int num_items,
-                                      cudaStream_t stream, bool dependent) {
-  return fp16 ? launch_prefill_cfg<__half, PrefillVerifyCfg<D>>(p, num_items, stream, dependent)
-              : launch_prefill_cfg<__nv_bfloat16, PrefillVerifyCfg<D>>(p, num_items, stream,
-                                                                       dependent);
-}
-
-template <int D>
-int prefill_verify_occupancy_dim(bool fp16) {
-  return fp16 ? prefill_occupancy_cfg<__half, PrefillVerifyCfg<D>>()
-              : prefill_occupancy_cfg<__nv_bfloat16, PrefillVerifyCfg<D>>();
+AttnCtaEntry prefill_kernel_entry(bool fp16, bool verify) {
+  if (verify) {
+    if constexpr (prefill_verify_dim(D)) {
+      using Cfg = PrefillVerifyCfg<D>;
+      return fp16 ? GridCta<prefill_kernel<__half, Cfg>, Cfg>::entry()
+                  : GridCta<prefill_kernel<__nv_bfloat16, Cfg>, Cfg>::entry();
+    }
+    return {};
+  }
+  using Cfg = PrefillCfg<D>;
+  return fp16 ? GridCta<prefill_kernel<__half, Cfg>, Cfg>::entry()
+              : GridCta<prefill_kernel<__nv_bfloat16, Cfg>, Cfg>::entry();
 }
 
 }  // namespace attnrt::cuda

@@ -2,9 +2,8 @@
 
 namespace attnrt::cuda {
 
-cudaError_t launch_prefill_d256(const AttnParams& p, bool fp16, int num_items,
-                                cudaStream_t stream) {
-  return launch_prefill_dim<256>(p, fp16, num_items, stream);
+AttnCtaEntry prefill_kernel_entry_d256(bool fp16, bool verify) {
+  return prefill_kernel_entry<256>(fp16, verify);
 }
 
 }  // namespace attnrt::cuda

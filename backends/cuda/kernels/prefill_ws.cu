@@ -10,6 +10,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <type_traits>
 
 #include "attnrt/core/env.h"
 #include "backends/cuda/kernels/prefill_ws.cuh"
@@ -110,31 +111,37 @@ std::optional<WsTensorMaps> tma_maps(const AttnParams& p, int head_dim, bool fp1
   return ws_tensor_maps(p, head_dim, bn, fp16);
 }
 
+// The warp-specialised CTA for activations T at head dim D: the TMA producer where it has an
+// instance and applies, else the cp.async one (the two take the same threads and shared memory).
 template <typename T, int D, bool PP>
-cudaError_t launch_prefill_ws_t(const AttnParams& p, bool fp16, int num_items,
-                                cudaStream_t stream) {
+struct WsCta {
   using Cfg = PrefillWsCfg<D, PP>;
-  if constexpr (has_tma_variant(D, PP)) {
-    if (const auto maps = tma_maps(p, D, fp16, PP))
-      return launch_prefill_ws_cfg<T, Cfg, true>(p, *maps, num_items, prefill_ws_persistent(),
-                                                 stream);
+  static cudaError_t launch(const AttnParams& p, const AttnKernelKey&, int num_items,
+                            cudaStream_t stream, bool) {
+    constexpr bool fp16 = std::is_same_v<T, __half>;
+    if constexpr (has_tma_variant(D, PP)) {
+      if (const auto maps = tma_maps(p, D, fp16, PP))
+        return launch_prefill_ws_cfg<T, Cfg, true>(p, *maps, num_items, prefill_ws_persistent(),
+                                                   stream);
+    }
+    return launch_prefill_ws_cfg<T, Cfg, false>(p, WsTensorMaps{}, num_items,
+                                                prefill_ws_persistent(), stream);
   }
-  return launch_prefill_ws_cfg<T, Cfg, false>(p, WsTensorMaps{}, num_items, prefill_ws_persistent(),
-                                              stream);
-}
+  static int occupancy(const AttnKernelKey&) {
+    return resident_ctas<prefill_ws_kernel<T, Cfg, false>>(Cfg::kThreads, Cfg::kSmemBytes);
+  }
+};
 
 template <int D, bool PP>
-cudaError_t launch_prefill_ws_cfg_pp(const AttnParams& p, bool fp16, int num_items,
-                                     cudaStream_t stream) {
-  return fp16 ? launch_prefill_ws_t<__half, D, PP>(p, fp16, num_items, stream)
-              : launch_prefill_ws_t<__nv_bfloat16, D, PP>(p, fp16, num_items, stream);
+AttnCtaEntry ws_entry(bool fp16) {
+  return fp16 ? AttnCtaEntry{&WsCta<__half, D, PP>::launch, &WsCta<__half, D, PP>::occupancy}
+              : AttnCtaEntry{&WsCta<__nv_bfloat16, D, PP>::launch,
+                             &WsCta<__nv_bfloat16, D, PP>::occupancy};
 }
 
 template <int D>
-cudaError_t launch_prefill_ws_dim(const AttnParams& p, bool fp16, bool ping_pong, int num_items,
-                                  cudaStream_t stream) {
-  return ping_pong ? launch_prefill_ws_cfg_pp<D, true>(p, fp16, num_items, stream)
-                   : launch_prefill_ws_cfg_pp<D, false>(p, fp16, num_items, stream);
+AttnCtaEntry ws_entry_dim(bool fp16, bool ping_pong) {
+  return ping_pong ? ws_entry<D, true>(fp16) : ws_entry<D, false>(fp16);
 }
 
 }  // namespace
@@ -197,18 +204,16 @@ bool prefill_ws_uses_tma(const AttnParams& p, int head_dim, bool fp16, bool ping
   return tma_maps(p, head_dim, fp16, ping_pong).has_value();
 }
 
-cudaError_t launch_prefill_ws(const AttnParams& p, int head_dim, bool fp16, bool ping_pong,
-                              int num_items, cudaStream_t stream) {
-  if (num_items == 0) return cudaSuccess;
+AttnCtaEntry prefill_ws_entry(int head_dim, bool fp16, bool ping_pong) {
   switch (head_dim) {
     case 64:
-      return launch_prefill_ws_dim<64>(p, fp16, ping_pong, num_items, stream);
+      return ws_entry_dim<64>(fp16, ping_pong);
     case 128:
-      return launch_prefill_ws_dim<128>(p, fp16, ping_pong, num_items, stream);
+      return ws_entry_dim<128>(fp16, ping_pong);
     case 256:
-      return launch_prefill_ws_dim<256>(p, fp16, ping_pong, num_items, stream);
+      return ws_entry_dim<256>(fp16, ping_pong);
     default:
-      return cudaErrorInvalidValue;
+      return {};
   }
 }
 

@@ -1,8 +1,8 @@
 // Warp-specialised variant of the 128-row prefill CTA (prefill.cuh), sm_90a, and the default for
-// every launch_prefill (prefill.cu; ATTNRT_PREFILL_WS=0 takes prefill_kernel): a producer
+// every 128-row prefill launch (prefill.cu; ATTNRT_PREFILL_WS=0 takes prefill_kernel): a producer
 // warpgroup issues every copy (TMA tensor-map copies of whole pages where they apply, else
 // cp.async), two consumer warpgroups only compute; persistent CTAs walk the step's units. It
-// serves exactly the launches of launch_prefill (TileShape::prefill work items, 16-bit K/V, head
+// serves exactly the launches of prefill_kernel (TileShape::prefill work items, 16-bit K/V, head
 // dims 64 / 128 / 256) with the same work list, key ranges, masks, softcap, sinks, splits,
 // partials and lse as prefill_kernel.
 //
@@ -36,7 +36,7 @@
 //    the other consumer's MMAs run; a stage is then released one tile later (its V is read in the
 //    next tile's turn).
 //
-// The TMA producer (TMA = true; launch_prefill_ws takes it where prefill_tma_applies: 16-bit KV
+// The TMA producer (TMA = true; prefill_ws.cu takes it where prefill_tma_applies: 16-bit KV
 // without an SWA slot map, pages of 8 slots or more, 16-byte aligned pool and rows): the K and V
 // pools are 3-D tensor maps {D, kv heads, slots} with a box of {64, 1, P} (P = min(page size, BN)
 // rows, always inside one page) and the 128-byte swizzle, which writes exactly the layout of

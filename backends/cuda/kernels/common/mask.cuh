@@ -53,17 +53,19 @@ struct Mask {
   __device__ __forceinline__ bool visible(const MaskRow& r, int j, int hi) const {
     bool vis = j < hi;
     int kpos = j;
-    if (tree()) {
-      // A request has at most 64 drafts: the shift stays below 64.
-      if (vis && j >= req.prefix) {
-        const int u = j - req.prefix;
-        vis = (r.drafts >> u) & 1;
-        kpos = req.prefix + p.tree_depth[req.tree_start + u];
+    if (vis && causal()) {
+      if (tree()) {
+        // A request has at most 64 drafts: the shift stays below 64.
+        if (j >= req.prefix) {
+          const int u = j - req.prefix;
+          vis = (r.drafts >> u) & 1;
+          kpos = req.prefix + p.tree_depth[req.tree_start + u];
+        }
+      } else {
+        vis = j <= r.qpos;
       }
-    } else if (causal()) {
-      vis = vis && j <= r.qpos;
+      if (p.window >= 0) vis = vis && r.qpos - kpos <= p.window;
     }
-    if (windowed()) vis = vis && r.qpos - kpos <= p.window;
     return vis;
   }
 

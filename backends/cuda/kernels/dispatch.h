@@ -1,0 +1,97 @@
+// Which CTA runs an attention launch: the one table that the plan's tile shape, the launch
+// (launch_attention) and the occupancy query the plan's splits read (attention_occupancy) all go
+// through, so that what is measured for the plan is what runs. Plain C++: the host plan includes
+// it without CUDA.
+//
+// rows per request and KV head -> TileShape (choose_shape) -> AttnCta (attention_cta) -> the CTA's
+// entry points (attention_dispatch.cu).
+#pragma once
+
+#include <cstdint>
+
+#include "backends/cuda/kernels/attention_params.h"
+
+namespace attnrt::cuda {
+
+// Up to 16 (token, head-in-group) rows per request: decode tiles; 17..32 rows: one decode32 CTA;
+// 33..64 rows: one verify CTA; more: prefill tiles. Each K/V tile is read once per request and KV
+// head (16-bit KV at head dims 64 and 128 runs decode32 and verify on the 64-row warpgroup-MMA
+// CTA). On the H200 at group 4 with 64 x 4096 prefixes: the 8-token chain (32 rows) took 0.596 ms
+// on two decode CTAs (each streaming the K/V), 0.364 ms on the mma.sync decode32 CTA and 0.317 ms
+// on the warpgroup-MMA one (decode 0.296 ms); the 16-token tree (64 rows) 0.807 / 0.518 / 0.467 ms
+// on mma.sync verify CTAs and 0.321 ms on the warpgroup-MMA one.
+constexpr TileShape choose_shape(int max_qlen, int group) {
+  const int64_t rows = static_cast<int64_t>(max_qlen) * group;
+  return rows <= 16   ? TileShape::decode
+         : rows <= 32 ? TileShape::decode32
+         : rows <= 64 ? TileShape::verify
+                      : TileShape::prefill;
+}
+
+// Dims with tensor-core kernels (attention.cuh, decode_keys_m.cuh, prefill.cuh); every other
+// shape (MLA's 576 / 512 among them) runs the generic SIMT kernel (attention_generic.cu).
+constexpr bool has_tensor_core_kernel(int head_dim, int v_head_dim) {
+  return (head_dim == 64 || head_dim == 128 || head_dim == 256) && v_head_dim == head_dim;
+}
+
+// Head dims of the 64-row warpgroup-MMA CTA (prefill.cuh) for verify and decode32 tiles.
+constexpr bool prefill_verify_dim(int head_dim) { return head_dim == 64 || head_dim == 128; }
+
+// Most rows of a decode work item that the keys-on-M CTA (decode_keys_m.cuh, head dims 64 and
+// 128) takes: one decode token at GQA groups up to 8.
+inline constexpr int kKeysMRows = 8;
+
+// What picks the CTA of a launch.
+struct AttnKernelKey {
+  int head_dim = 0;
+  int v_head_dim = 0;
+  bool fp16 = false;  // q / out (and 16-bit KV) fp16, else bf16
+  KvKind kv = KvKind::same_as_q;
+  TileShape shape = TileShape::decode;
+  int rows = 16;               // most (token, head-in-group) rows of a work item
+  bool target_verify = false;  // a TARGET_VERIFY step (tree masks)
+};
+
+enum class AttnCta : int32_t {
+  generic,         // attention_generic.cu: dims without tensor-core kernels
+  prefill,         // prefill.cuh / prefill_ws.cuh: 128 rows, warpgroup MMAs, 16-bit KV, no tree
+  prefill_verify,  // prefill.cuh: 64 rows, warpgroup MMAs, 16-bit KV (verify, decode32 tiles)
+  keys_m,          // decode_keys_m.cuh: decode items of at most kKeysMRows rows
+  decode,          // attention.cuh, mma.sync: the CTA of each tile shape
+  decode32,
+  verify,
+  mma_prefill,
+};
+
+// The table. Prefill tiles: the warpgroup-MMA CTA for 16-bit KV in every mode but TARGET_VERIFY
+// (its 128-row CTA carries no tree mask), else mma.sync. Verify and decode32 tiles: the 64-row
+// warpgroup-MMA CTA for 16-bit KV at head dims 64 and 128 (a decode32 item holds every row, at
+// most 32, of its request from f0 = 0, so the 64-row CTA covers it with its rows past the request
+// idle; H200, 64 x (4096 + 8) chain at group 4: 0.344 ms on decode32, 0.317 ms there), else
+// mma.sync. Decode tiles: the keys-on-M CTA at head dims 64 and 128 when the items hold at most
+// kKeysMRows rows (H200, 64 x 4096 at group 4, per step: bf16 277 -> 266 us, fp8 e4m3 280 -> 181
+// us), else mma.sync.
+constexpr AttnCta attention_cta(const AttnKernelKey& k) {
+  if (!has_tensor_core_kernel(k.head_dim, k.v_head_dim)) return AttnCta::generic;
+  const bool fp8 = k.kv != KvKind::same_as_q;
+  switch (k.shape) {
+    case TileShape::prefill:
+      return !fp8 && !k.target_verify ? AttnCta::prefill : AttnCta::mma_prefill;
+    case TileShape::verify:
+      return !fp8 && prefill_verify_dim(k.head_dim) ? AttnCta::prefill_verify : AttnCta::verify;
+    case TileShape::decode32:
+      return !fp8 && prefill_verify_dim(k.head_dim) ? AttnCta::prefill_verify : AttnCta::decode32;
+    case TileShape::decode:
+      break;
+  }
+  return k.head_dim <= 128 && k.rows <= kKeysMRows ? AttnCta::keys_m : AttnCta::decode;
+}
+
+// Whether a CTA may be launched as the dependent of the step's KV-store kernels (it reads only
+// the work list, the requests and q before its wait): the mma.sync, keys-on-M and 64-row
+// warpgroup-MMA CTAs. The 128-row prefill and the generic CTAs are plain launches.
+constexpr bool launches_as_dependent(AttnCta cta) {
+  return cta != AttnCta::generic && cta != AttnCta::prefill;
+}
+
+}  // namespace attnrt::cuda
