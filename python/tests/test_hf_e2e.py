@@ -51,6 +51,12 @@ FP32_TIE = 1e-4
 # window or soft-cap moves these logits by 58-120% of the largest.
 BF16_VS_EAGER = 1.5
 BF16_SLACK = 0.01
+# DeepSeek-V3 runs MLA in the absorbed form on attnrt's latent cache: q is multiplied into the
+# latent space and the output back out of it in bfloat16, two roundings per layer that eager's
+# (non-absorbed) attention does not make. Over 25 seeds its error reached 1.73 times eager's (after
+# the slack), so its factor is 2.5: the bound then stays at 11-31% of the largest logit on the
+# seeds that needed it, below the 58-120% a wrong window or soft-cap gives.
+BF16_VS_EAGER_BY_MODEL = {"deepseek-v3": 2.5}
 # Where no bfloat16 eager run is at hand (greedy ties and verify on a GPU): this share of the
 # largest logit, about what eager's own bfloat16 error reaches.
 BF16_REL = 0.10
@@ -332,7 +338,7 @@ def test_bf16_logits_within_tolerance_of_fp32_eager(name, device, seed, eager_af
                                 mask, fed)
     scale = ref.abs().max().item()
     eager_err = (eager16 - ref).abs().max().item()
-    bound = BF16_VS_EAGER * eager_err + BF16_SLACK * scale
+    bound = BF16_VS_EAGER_BY_MODEL.get(name, BF16_VS_EAGER) * eager_err + BF16_SLACK * scale
     err = (got - ref).abs().amax(dim=(0, 2))
     assert (err <= bound).all(), (
         f"bfloat16 logits off by {[round(e, 4) for e in err.tolist()]} (prefill, decode 1..4); "
