@@ -54,8 +54,9 @@ class Registry {
   static Registry& global();  // with the built-in backends registered
   // Throws attnrt::Error on a duplicate name. Entries keep their address for the registry's life.
   void add(BackendEntry entry);
-  // Removes the entry `name` (one a test or a plug-in added); entries registered after it move.
-  // Throws attnrt::Error for a name that is not registered.
+  // Removes the entry `name` (one a test or a plug-in added). Removing any but the last entry
+  // invalidates references to the others, and so Selections resolved before: remove an entry only
+  // when no runtime built on the registry is alive. Throws attnrt::Error for an unknown name.
   void remove(const std::string& name);
   const BackendEntry* find(const std::string& name) const;
   // Throws attnrt::Error naming the value and listing the registered names.
