@@ -101,12 +101,11 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
       // Resident CTAs per SM of the CTA that runs each shape (dispatch.h), for the split choice;
       // a decode item holds one token's `group` rows. The prefill shape's entry is read by graph
       // steps only (DECODE and TARGET_VERIFY): it is that of the TARGET_VERIFY CTA.
-      AttnKernelKey key;
-      key.head_dim = l.head_dim;
-      key.v_head_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
-      key.fp16 = fp16;
-      key.kv = kv_kind_of(ctx.kv_cache->layer(l.layer_id).dtype);
-      key.rows = cfg.groups[c];
+      AttnKernelKey key{.head_dim = l.head_dim,
+                        .v_head_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim,
+                        .fp16 = fp16,
+                        .kv = kv_kind_of(ctx.kv_cache->layer(l.layer_id).dtype),
+                        .rows = cfg.groups[c]};
       for (TileShape sh :
            {TileShape::decode, TileShape::prefill, TileShape::verify, TileShape::decode32}) {
         key.shape = sh;
@@ -543,31 +542,29 @@ void CudaBackend::launch_step(const AttnParams& p, const AttnArgs& args, const S
   // The CTAs that may be dependents (dispatch.h) overlap the stores: q, the work list and the
   // requests were complete before the K store was launched.
   const bool after_stores = kv.stored && c.on_device && !io.staged_sinks;
-  AttnKernelKey key;
-  key.head_dim = c.d;
-  key.v_head_dim = c.dv;
-  key.fp16 = fp16;
-  key.kv = p.kv_kind;
-  key.shape = cls.shape;
-  key.rows = cls.item_rows;
-  key.target_verify = is_target_verify(plan.mode);
+  const AttnKernelKey key{.head_dim = c.d,
+                          .v_head_dim = c.dv,
+                          .fp16 = fp16,
+                          .kv = p.kv_kind,
+                          .shape = cls.shape,
+                          .rows = cls.item_rows,
+                          .target_verify = is_target_verify(plan.mode)};
   ATTNRT_CUDA_CHECK(launch_attention(p, key, cls.num_items, stream_, after_stores));
   planner_->launched();
   if (cls.max_splits > 1) {
-    MergeParams mp{};
-    mp.reqs = p.reqs;
-    mp.num_reqs = plan.bs;
-    mp.part_o = p.part_o;
-    mp.part_lse = p.part_lse;
-    mp.out = io.out;
-    mp.o_stride_tok = io.o_tok;
-    mp.o_stride_head = io.o_head;
-    mp.lse_out = io.lse;
-    mp.lse_stride_tok = io.lse_tok;
-    mp.num_q_heads = c.hq;
-    mp.head_dim = c.dv;
-    mp.v_scale = p.v_scale;
-    mp.sinks = io.sinks;
+    const MergeParams mp{.reqs = p.reqs,
+                         .num_reqs = plan.bs,
+                         .part_o = p.part_o,
+                         .part_lse = p.part_lse,
+                         .out = io.out,
+                         .o_stride_tok = io.o_tok,
+                         .o_stride_head = io.o_head,
+                         .lse_out = io.lse,
+                         .lse_stride_tok = io.lse_tok,
+                         .num_q_heads = c.hq,
+                         .head_dim = c.dv,
+                         .v_scale = p.v_scale,
+                         .sinks = io.sinks};
     ATTNRT_CUDA_CHECK(launch_merge(mp, fp16, stream_, /*dependent=*/cls.num_items > 0));
   }
 }

@@ -232,21 +232,23 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   // copies ran (below), so the caller may reuse a pinned source.
   if (kb + vb > 0) scratch_.reserve(kb + vb);
   const auto [kp, kt] = device_view(k, 0);
-  const float k_div = e.k_scale;
-  const float v_div = e.v_scale;
   StoreParams p{};
-  p.src = kp;
-  p.src_stride_tok = kt.strides[0];
-  p.src_stride_head = kt.strides[1];
-  p.src_dtype = static_cast<int32_t>(kt.dtype);
-  p.dst = e.kp;
-  p.dst_row_stride = static_cast<int64_t>(e.kv_heads) * e.head_dim;
   p.dst_dtype = static_cast<int32_t>(dtype_);
   p.loc = e.swa ? swa_loc() : loc_.ptr<int64_t>();
   p.num_tokens = step_tokens_;
   p.heads = e.kv_heads;
-  p.dim = e.head_dim;
-  p.scale = k_div;
+  // Rows of `src` (a device view of `t`) into the pool at `dst`, `dim` wide, divided by `scale`.
+  auto set_rows = [&](const void* src, const TensorView& t, void* dst, int dim, float scale) {
+    p.src = src;
+    p.src_stride_tok = t.strides[0];
+    p.src_stride_head = t.strides[1];
+    p.src_dtype = static_cast<int32_t>(t.dtype);
+    p.dst = dst;
+    p.dst_row_stride = static_cast<int64_t>(e.kv_heads) * dim;
+    p.dim = dim;
+    p.scale = scale;
+  };
+  set_rows(kp, kt, e.kp, e.head_dim, e.k_scale);
   ATTNRT_CUDA_CHECK(launch_store_kv(p, stream_, /*dependent=*/false));
   // Host k / v are read by copies on the stream; a pinned source is read when the copy runs, so
   // the caller may reuse it only once they ran: the store returns after them.
@@ -259,14 +261,7 @@ void CudaKVCache::store_step_kv(int layer_id, const TensorView& k, const TensorV
   // comes between them.
   const bool v_on_device = v.device.kind == DeviceKind::cuda;
   const auto [vp, vt] = device_view(v, kb);
-  p.src = vp;
-  p.src_stride_tok = vt.strides[0];
-  p.src_stride_head = vt.strides[1];
-  p.src_dtype = static_cast<int32_t>(vt.dtype);
-  p.dst = e.vp;
-  p.dst_row_stride = static_cast<int64_t>(e.kv_heads) * e.v_head_dim;
-  p.dim = e.v_head_dim;
-  p.scale = v_div;
+  set_rows(vp, vt, e.vp, e.v_head_dim, e.v_scale);
   ATTNRT_CUDA_CHECK(launch_store_kv(p, stream_, /*dependent=*/v_on_device));
   if (host_source) ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }

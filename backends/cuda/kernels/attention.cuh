@@ -80,7 +80,7 @@ __device__ __forceinline__ uint32_t bf16x2_times_2p56(uint32_t x) {
 template <typename T, typename Cfg>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kernel(const AttnParams p) {
   constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, ROWS = Cfg::kRows, KW = Cfg::kKW;
-  constexpr int CH = D / 8, NT = Cfg::kThreads, ST = Cfg::kStages;
+  constexpr int NT = Cfg::kThreads, ST = Cfg::kStages;
   constexpr int TILE = Cfg::kTileBytes;
   constexpr bool FP8 = Cfg::kFp8;
   constexpr bool kUnits = FP8 && std::is_same_v<T, __nv_bfloat16>;  // 2^56 / 2^-112 factors
@@ -106,15 +106,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   const bool e5m2 = p.kv_kind == KvKind::e5m2;
 
   // ---- Q tile: rows f0 .. f0 + ROWS of the flattened (token, head-in-group) index.
-  for (int i = tid; i < ROWS * CH; i += NT) {
-    const int r = i / CH, c = i % CH;
-    const int f = item.f0 + r, t = f / G, hg = f % G;
-    const bool valid = t < req.qlen;
-    const T* src = static_cast<const T*>(p.q);
-    if (valid)
-      src += (req.qo_start + t) * p.q_stride_tok + (kvh * G + hg) * p.q_stride_head + c * 8;
-    cp_async_16(sQ + r * D + swz(r, c) * 8, src, valid);
-  }
+  load_q_tile<T, ROWS, D, NT>(p, req, item.f0, kvh, sQ, tid);
 
   // Launched as the dependent of the step's KV-store kernels (launch_attention's `dependent`), the
   // CTA has so far read only the work item, the request and q, which those kernels do not write

@@ -251,7 +251,7 @@ struct CtaStages {
 template <typename T, typename Cfg, bool E5M2>
 __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_kernel(const AttnParams p) {
   constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, COLS = Cfg::kCols, KW = Cfg::kKW;
-  constexpr int CH = D / 8, NT = Cfg::kThreads;
+  constexpr int NT = Cfg::kThreads;
   constexpr int MS = Cfg::kMergeStride;
   constexpr bool FP8 = Cfg::kFp8;
   using C = std::conditional_t<FP8, __half, T>;                      // MMA operand type
@@ -274,15 +274,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   const int page_mask = (1 << p.page_shift) - 1;
 
   // ---- Q: rows f0 .. f0 + 8 of the flattened (token, head-in-group) index.
-  for (int i = tid; i < COLS * CH; i += NT) {
-    const int r = i / CH, c = i % CH;
-    const int f = item.f0 + r, t = f / G, hg = f % G;
-    const bool valid = t < req.qlen;
-    const T* src = static_cast<const T*>(p.q);
-    if (valid)
-      src += (req.qo_start + t) * p.q_stride_tok + (kvh * G + hg) * p.q_stride_head + c * 8;
-    cp_async_16(sQ + r * D + swz(r, c) * 8, src, valid);
-  }
+  load_q_tile<T, COLS, D, NT>(p, req, item.f0, kvh, sQ, tid);
 
   // As in attention_kernel: only the work item, the request and q (which the step's KV-store
   // kernels do not write) were read so far; their rows are read below.

@@ -62,6 +62,15 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) 
     return load_elem(p.x, p.x_dtype, (int64_t{r.token_start} + t) * p.x_stride + c);
   };
   float win[kMaxKernel];  // win[j], j < W: the inputs before the current token, oldest first
+  // y of token t (input xt) from the window.
+  auto conv_out = [&](int t, float xt) {
+    float acc = bias + w[W] * xt;
+#pragma unroll
+    for (int j = 0; j < kMaxKernel - 1; ++j) {
+      if (j < W) acc += w[j] * win[j];
+    }
+    p.y[(int64_t{r.token_start} + t) * dim + c] = silu(acc);
+  };
 
   if (p.step.verify) {
     const int N = p.step.draft_tokens;
@@ -81,12 +90,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) 
         }
       }
       const float xt = x_at(t);
-      float acc = bias + w[W] * xt;
-#pragma unroll
-      for (int j = 0; j < kMaxKernel - 1; ++j) {
-        if (j < W) acc += w[j] * win[j];
-      }
-      p.y[(int64_t{r.token_start} + t) * dim + c] = silu(acc);
+      conv_out(t, xt);
       const int64_t dst = (row * N + t) * win_elems + c;
 #pragma unroll
       for (int j = 0; j < kMaxKernel - 1; ++j) {
@@ -111,12 +115,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) 
   const int t1 = min(r.tokens, t0 + kConvTokens);
   for (int t = t0; t < t1; ++t) {
     const float xt = x_at(t);
-    float acc = bias + w[W] * xt;
-#pragma unroll
-    for (int j = 0; j < kMaxKernel - 1; ++j) {
-      if (j < W) acc += w[j] * win[j];
-    }
-    p.y[(int64_t{r.token_start} + t) * dim + c] = silu(acc);
+    conv_out(t, xt);
 #pragma unroll
     for (int j = 0; j < kMaxKernel - 1; ++j) {
       if (j < W) win[j] = j + 1 < W ? win[j + 1] : xt;

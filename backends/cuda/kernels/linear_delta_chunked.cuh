@@ -104,6 +104,51 @@ __device__ __forceinline__ void store_bf16x2(bf16* dst, float lo, float hi) {
   *reinterpret_cast<uint32_t*>(dst) = pack2<bf16>(lo, hi);
 }
 
+// The chunk of a prep CTA: chunk slot `slot` of the workspace for value head h.
+struct PrepChunk {
+  // Its request; < 0: the slot is past the step's chunks (nothing else is set).
+  int r;
+  LinReq req;
+  int n;            // tokens in the chunk (kChunk but at a request's end)
+  int64_t tok0;     // the chunk's first token
+  const float* yq;  // y columns of the head's q and k (its key head's) and of its v
+  const float* yk;
+  const float* yv;
+};
+template <int DK, int DV>
+__device__ __forceinline__ PrepChunk prep_chunk(const DeltaParams& p, const Layout& L,
+                                                const char* ws, int slot, int h) {
+  PrepChunk c;
+  c.r = reinterpret_cast<const int32_t*>(ws + L.table_off)[slot];
+  if (c.r < 0) return c;
+  c.req = p.step.reqs[c.r];
+  const int j = slot - reinterpret_cast<const int32_t*>(ws + L.coff_off)[c.r];
+  c.n = min(kChunk, c.req.tokens - j * kChunk);
+  c.tok0 = c.req.token_start + static_cast<int64_t>(j) * kChunk;
+  const int hv = p.state.heads, hk = p.key_heads;
+  const int kh = h / (hv / hk);
+  c.yq = p.y + static_cast<int64_t>(kh) * DK;
+  c.yk = p.y + static_cast<int64_t>(hk + kh) * DK;
+  c.yv = p.y + static_cast<int64_t>(2 * hk) * DK + static_cast<int64_t>(h) * DV;
+  return c;
+}
+
+// The operands a prep CTA writes for the state pass: the workspace unit of (slot, h).
+struct PrepUnit {
+  bf16* W;
+  bf16* Qd;
+  bf16* KlT;
+  bf16* Mqk;
+  float* U;
+  float* el;
+};
+__device__ __forceinline__ PrepUnit prep_unit(const Layout& L, char* ws, int slot, int hv, int h) {
+  char* unit = ws + L.units_off + (static_cast<int64_t>(slot) * hv + h) * L.unit_bytes;
+  return {reinterpret_cast<bf16*>(unit + L.w_off),   reinterpret_cast<bf16*>(unit + L.qd_off),
+          reinterpret_cast<bf16*>(unit + L.klt_off), reinterpret_cast<bf16*>(unit + L.m_off),
+          reinterpret_cast<float*>(unit + L.u_off),  reinterpret_cast<float*>(unit + L.el_off)};
+}
+
 // Launches the prep kernel of the step (GDN or KDA by p.kda, Dk = Dv = p.state.cols, 64 or 128)
 // over the chunk slots of layout L in workspace ws, after the chunk table.
 cudaError_t launch_prep(const DeltaParams& p, const Layout& L, char* ws, cudaStream_t stream);

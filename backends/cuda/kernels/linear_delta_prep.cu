@@ -77,21 +77,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int LF = Sm::LF, LC = Sm::LC, LQ = Sm::LQ, LB = Sm::LB, LX = Sm::LX;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Sm& s = *reinterpret_cast<Sm*>(smem_raw);
-  const int32_t* coff = reinterpret_cast<const int32_t*>(ws + L.coff_off);
-  const int32_t* table = reinterpret_cast<const int32_t*>(ws + L.table_off);
   const int slot = blockIdx.x, h = blockIdx.y;
-  const int r = table[slot];
-  if (r < 0) return;
-  const LinReq req = p.step.reqs[r];
-  const int j = slot - coff[r];
-  const int n = min(kChunk, req.tokens - j * kChunk);
-  const int64_t tok0 = req.token_start + static_cast<int64_t>(j) * kChunk;
-  const int hv = p.state.heads, hk = p.key_heads;
-  const int kh = h / (hv / hk);
+  const PrepChunk ch = prep_chunk<DK, DV>(p, L, ws, slot, h);
+  if (ch.r < 0) return;
+  const int n = ch.n;
+  const int64_t tok0 = ch.tok0;
+  const int hv = p.state.heads;
   const int64_t ldy = p.state.conv_dim;
-  const float* yq = p.y + static_cast<int64_t>(kh) * DK;
-  const float* yk = p.y + static_cast<int64_t>(hk + kh) * DK;
-  const float* yv = p.y + static_cast<int64_t>(2 * hk) * DK + static_cast<int64_t>(h) * DV;
+  const float *yq = ch.yq, *yk = ch.yk, *yv = ch.yv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr int kWarps = kThreads / 32;
   auto G = [&](int t, int c) -> float { return s.g[t * LF + c]; };
@@ -192,13 +185,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
 
-  char* unit = ws + L.units_off + (static_cast<int64_t>(slot) * hv + h) * L.unit_bytes;
-  bf16* W = reinterpret_cast<bf16*>(unit + L.w_off);
-  bf16* Qd = reinterpret_cast<bf16*>(unit + L.qd_off);
-  bf16* KlT = reinterpret_cast<bf16*>(unit + L.klt_off);
-  bf16* Mqk = reinterpret_cast<bf16*>(unit + L.m_off);
-  float* U = reinterpret_cast<float*>(unit + L.u_off);
-  float* el = reinterpret_cast<float*>(unit + L.el_off);
+  const PrepUnit u = prep_unit(L, ws, slot, hv, h);
+  bf16 *W = u.W, *Qd = u.Qd, *KlT = u.KlT, *Mqk = u.Mqk;
+  float *U = u.U, *el = u.el;
 
   // Forward substitution: X_t = beta_t X0_t - sum_{i<t} (beta_t kk[t][i]) X_i, one column per
   // thread, 16 rows at a time in registers; the finished rows of earlier blocks are read back from
@@ -329,24 +318,17 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int LB = Sm::LB, LA = Sm::LA, LV = Sm::LV;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Sm& s = *reinterpret_cast<Sm*>(smem_raw);
-  const int32_t* coff = reinterpret_cast<const int32_t*>(ws + L.coff_off);
-  const int32_t* table = reinterpret_cast<const int32_t*>(ws + L.table_off);
   // One CTA per (chunk slot, value head), the heads of a chunk neighbours in the grid: the two
   // value heads of a key head share its q / k rows (the second reads them from L2), and the units
   // are written in address order.
-  const int hv = p.state.heads, hk = p.key_heads;
+  const int hv = p.state.heads;
   const int slot = static_cast<int>(blockIdx.x / hv), h = static_cast<int>(blockIdx.x % hv);
-  const int r = table[slot];
-  if (r < 0) return;
-  const LinReq req = p.step.reqs[r];
-  const int j = slot - coff[r];
-  const int n = min(kChunk, req.tokens - j * kChunk);
-  const int64_t tok0 = req.token_start + static_cast<int64_t>(j) * kChunk;
-  const int kh = h / (hv / hk);
+  const PrepChunk ch = prep_chunk<DK, DV>(p, L, ws, slot, h);
+  if (ch.r < 0) return;
+  const int n = ch.n;
+  const int64_t tok0 = ch.tok0;
   const int64_t ldy = p.state.conv_dim;
-  const float* yq = p.y + static_cast<int64_t>(kh) * DK;
-  const float* yk = p.y + static_cast<int64_t>(hk + kh) * DK;
-  const float* yv = p.y + static_cast<int64_t>(2 * hk) * DK + static_cast<int64_t>(h) * DV;
+  const float *yq = ch.yq, *yk = ch.yk, *yv = ch.yv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr int kWarps = kThreads / 32;
 
@@ -422,13 +404,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   __syncthreads();
 
-  char* unit = ws + L.units_off + (static_cast<int64_t>(slot) * hv + h) * L.unit_bytes;
-  bf16* W = reinterpret_cast<bf16*>(unit + L.w_off);
-  bf16* Qd = reinterpret_cast<bf16*>(unit + L.qd_off);
-  bf16* KlT = reinterpret_cast<bf16*>(unit + L.klt_off);
-  bf16* Mqk = reinterpret_cast<bf16*>(unit + L.m_off);
-  float* U = reinterpret_cast<float*>(unit + L.u_off);
-  float* el = reinterpret_cast<float*>(unit + L.el_off);
+  const PrepUnit u = prep_unit(L, ws, slot, hv, h);
+  bf16 *W = u.W, *Qd = u.Qd, *KlT = u.KlT, *Mqk = u.Mqk;
+  float *U = u.U, *el = u.el;
 
   // A (strictly lower, zero elsewhere) to shared memory; qk (lower, zero above) to Mqk.
   {

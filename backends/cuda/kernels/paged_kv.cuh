@@ -1,7 +1,7 @@
 // The paged side of the attention kernels that read K/V from the pools: page-table access
 // (incremental tables, see ReqInfo) and pool slots, the row-table write-back of the pages a step
 // commits, the key range of a split, and for the mma.sync decode CTAs (attention.cuh,
-// decode_keys_m.cuh) the fp8 tile placements and the cp.async loads of a K/V tile.
+// decode_keys_m.cuh) the fp8 tile placements and the cp.async loads of the Q and K/V tiles.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -123,6 +123,25 @@ __device__ __forceinline__ void load_kv_tile(const AttnParams& p, int t, const i
       cp_async_16(dk + key * D + fp8_k_chunk<D>(key, c) * 16, ks, valid);
       cp_async_16(dv + key * D + keys_m_v_chunk<D>(key, c) * 16, vs, valid);
     }
+  }
+}
+
+// Issues the cp.async copies of rows f0 .. f0 + ROWS of the flattened (token, head-in-group)
+// index of `req` for KV head kvh into the swizzled [ROWS][D] tile sQ, NT threads striding; rows
+// past the request's tokens are zero-filled.
+template <typename T, int ROWS, int D, int NT>
+__device__ __forceinline__ void load_q_tile(const AttnParams& p, const ReqInfo& req, int f0,
+                                            int kvh, T* sQ, int tid) {
+  constexpr int CH = D / 8;
+  const int G = p.group;
+  for (int i = tid; i < ROWS * CH; i += NT) {
+    const int r = i / CH, c = i % CH;
+    const int f = f0 + r, t = f / G, hg = f % G;
+    const bool valid = t < req.qlen;
+    const T* src = static_cast<const T*>(p.q);
+    if (valid)
+      src += (req.qo_start + t) * p.q_stride_tok + (kvh * G + hg) * p.q_stride_head + c * 8;
+    cp_async_16(sQ + r * D + swz(r, c) * 8, src, valid);
   }
 }
 
