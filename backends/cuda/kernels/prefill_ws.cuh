@@ -254,6 +254,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // overwrites a slot still to be read). Each role walks the units in its own loop, after its
   // setmaxnreg, so that ptxas allocates each loop under its own register count.
   const int G = p.group;
+  // The mask's flags, read once (the scalar rule of common/mask.cuh; chain rows only here).
+  const bool causal = p.causal != 0;
+  const bool windowed = causal && p.window >= 0;
   // The ring position of tile `it` of the current unit (each thread has one role, so one
   // counter serves both loops).
   int tile_base = 0;
@@ -425,13 +428,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int g = lane >> 2, c4 = lane & 3;
         const int wg_row0 = cw * 64;
         const int r0 = item.f0 + wg_row0 + wq * 16;
-        const Mask<false> mask{p, req};
-        int row_t[2];
-        MaskRow rows[2];
+        int row_t[2], row_q[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           row_t[h] = (r0 + g + 8 * h) / G;
-          rows[h] = mask.row(row_t[h]);
+          row_q[h] = req.prefix + row_t[h];
         }
         const int wt_lo = min(r0 / G, req.qlen - 1);
         const int wt_hi = min((r0 + 15) / G, req.qlen - 1);
@@ -484,13 +485,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) s[i] = cap(s[i]);
           }
-          if (mask.needs_mask(kb, BN, hi, wt_lo, wt_hi)) {
+          if (tile_needs_mask(causal, windowed, p.window, req.prefix, kb, BN, hi, wt_lo, wt_hi)) {
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
                 const int j = kb + nb * 8 + 2 * c4 + (e & 1);
-                if (!mask.visible(rows[e >> 1], j, hi)) s[nb * 4 + e] = -INFINITY;
+                if (!chain_visible(causal, windowed, p.window, row_q[e >> 1], j, hi))
+                  s[nb * 4 + e] = -INFINITY;
               }
           }
           bool moved = false;
@@ -544,7 +546,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         auto release = [&](int stage) {
           if (lane == 0) mbar_arrive(empty_bar(stage));
         };
-        auto skips = [&](int kb) { return wg_idle || mask.hides(kb, BN, gt_lo, gt_hi); };
+        auto skips = [&](int kb) {
+          return wg_idle ||
+                 tile_hidden(causal, windowed, p.window, req.prefix, kb, BN, gt_lo, gt_hi);
+        };
         auto tile_k = [&](int stage) { return sKV + stage * 2 * Cfg::kTileBytes; };
         // The tiles this consumer's rows can see are one run [it_begin, it_end) (the window cuts a
         // prefix, the diagonal a suffix). Once the run's last S = Q K^T has completed, Q is read no

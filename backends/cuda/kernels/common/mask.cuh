@@ -33,6 +33,39 @@ struct MaskRow {
   uint64_t drafts;
 };
 
+// The rule on scalars: `causal` and `windowed` (causal with a window) as the layer sets them, query
+// positions q (prefix + token, or prefix + depth in a tree). Mask below applies these; a kernel
+// that reads the layer's flags once at its start and walks many requests (the persistent prefill
+// CTA, prefill_ws.cuh) calls them directly with its own copies of the flags. (That CTA runs at
+// ptxas' register limit: reading the flags through Mask inside its loop made ptxas rebuild the
+// wgmma descriptors every tile, 8% more instructions and 1.5-2.8% slower prefill rows.)
+
+// Whether a chain row at query position q sees key j of a split ending at hi.
+__device__ __forceinline__ bool chain_visible(bool causal, bool windowed, int window, int q, int j,
+                                              int hi) {
+  bool vis = j < hi;
+  if (causal) vis = vis && j <= q;
+  if (windowed) vis = vis && q - j <= window;
+  return vis;
+}
+
+// Whether keys [k0, k0 + n) of a split ending at hi may hold one that some row of tokens
+// t_lo .. t_hi (query positions prefix + t) does not see: the split's end, the causal diagonal (a
+// tree passes t_lo = -1: every draft key may be hidden), the window's edge.
+__device__ __forceinline__ bool tile_needs_mask(bool causal, bool windowed, int window, int prefix,
+                                                int k0, int n, int hi, int t_lo, int t_hi) {
+  return k0 + n > hi || (causal && k0 + n - 1 > prefix + t_lo) ||
+         (windowed && k0 < prefix + t_hi - window);
+}
+
+// Whether no row of tokens t_lo .. t_hi sees any of the keys [k0, k0 + n): the tile is right of
+// every row's diagonal or left of every row's window (a tree passes t_lo = 0: its root sits at
+// depth 0).
+__device__ __forceinline__ bool tile_hidden(bool causal, bool windowed, int window, int prefix,
+                                            int k0, int n, int t_lo, int t_hi) {
+  return (causal && k0 > prefix + t_hi) || (windowed && k0 + n - 1 < prefix + t_lo - window);
+}
+
 template <bool TREE>
 struct Mask {
   const AttnParams& p;
@@ -51,6 +84,7 @@ struct Mask {
 
   // Whether `r` sees key j of a split ending at hi.
   __device__ __forceinline__ bool visible(const MaskRow& r, int j, int hi) const {
+    if constexpr (!TREE) return chain_visible(causal(), windowed(), p.window, r.qpos, j, hi);
     bool vis = j < hi;
     int kpos = j;
     if (vis && causal()) {
@@ -74,15 +108,14 @@ struct Mask {
   // the window's edge (a tree row's query position is at most its token's, so the chain's bound
   // covers it). Tiles that need no mask skip the per-key tests.
   __device__ __forceinline__ bool needs_mask(int k0, int n, int hi, int t_lo, int t_hi) const {
-    return k0 + n > hi || (causal() && k0 + n - 1 > req.prefix + (tree() ? -1 : t_lo)) ||
-           (windowed() && k0 < req.prefix + t_hi - p.window);
+    return tile_needs_mask(causal(), windowed(), p.window, req.prefix, k0, n, hi,
+                           tree() ? -1 : t_lo, t_hi);
   }
 
   // Whether no row of tokens t_lo .. t_hi sees any of the keys [k0, k0 + n) (the tile is right of
   // every row's diagonal or left of every row's window; a tree's root sits at depth 0).
   __device__ __forceinline__ bool hides(int k0, int n, int t_lo, int t_hi) const {
-    return (causal() && k0 > req.prefix + t_hi) ||
-           (windowed() && k0 + n - 1 < req.prefix + (tree() ? 0 : t_lo) - p.window);
+    return tile_hidden(causal(), windowed(), p.window, req.prefix, k0, n, tree() ? 0 : t_lo, t_hi);
   }
 
   // The keys row r of token t sees at most: none past its own token, none before its window.
