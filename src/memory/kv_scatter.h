@@ -1,5 +1,5 @@
-// Row scatter shared by the host KV pools: float conversion per (source, storage) dtype pair and
-// the checks of a set_kv_buffer input.
+// Row scatter shared by the host KV pools: float conversion per (source, storage) dtype pair, the
+// checks of a pool's shape and of a set_kv_buffer input.
 #pragma once
 
 #include <cstdint>
@@ -91,6 +91,35 @@ void scatter_rows(const TensorView& src, std::span<const int64_t> loc, void* dst
         for (int64_t d = 0; d < dim; ++d) y[d] = Codec<D>::store(Codec<S>::load(x[d * s2]) / scale);
       }
     }
+  }
+}
+
+// Writes rows `loc` of a pool stored as `dst_dtype` at `dst` from `src`: divided by `scale`, then
+// cast.
+inline void scatter(const TensorView& src, std::span<const int64_t> loc, DType dst_dtype, void* dst,
+                    float scale) {
+  dispatch_float(src.dtype, [&](auto s) {
+    dispatch_float(dst_dtype, [&](auto d) {
+      scatter_rows<decltype(s)::value, decltype(d)::value>(src, loc, dst, scale);
+    });
+  });
+}
+
+// The checks of a pool's constructor; `pool` starts every message ("MHATokenToKVPool").
+inline void check_pool(const char* pool, int64_t rows, DType dtype) {
+  ATTNRT_CHECK(rows >= 1, "{}: {} rows; a pool needs at least the reserved row", pool, rows);
+  ATTNRT_CHECK(is_float(dtype),
+               "{}: {} is not a KV storage dtype; use bf16, fp16, fp32, fp8_e4m3 or fp8_e5m2", pool,
+               dtype_name(dtype));
+}
+
+// Every slot of `loc` lies in the pool's rows 0..rows-1. Slot 0 is the reserved dummy row: padded
+// rows of a graph replay write there by design.
+inline void check_slots(int layer_id, std::span<const int64_t> loc, int64_t rows) {
+  for (size_t i = 0; i < loc.size(); ++i) {
+    ATTNRT_CHECK(loc[i] >= 0 && loc[i] < rows,
+                 "set_kv_buffer(layer {}): loc[{}] = {} is outside the pool's slots 0..{}",
+                 layer_id, i, loc[i], rows - 1);
   }
 }
 
