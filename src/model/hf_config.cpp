@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
+#include <utility>
 
 #include "attnrt/core/error.h"
 #include "attnrt/model/model_spec.h"
@@ -47,23 +48,17 @@ std::string supported_types() {
   return fmt::format("{}", fmt::join(names, ", "));
 }
 
+// How an error names the type of a JSON value; the integer types are "a number".
+constexpr std::pair<json::value_t, std::string_view> kJsonTypes[] = {
+    {json::value_t::null, "null"},        {json::value_t::boolean, "a boolean"},
+    {json::value_t::string, "a string"},  {json::value_t::array, "an array"},
+    {json::value_t::object, "an object"}, {json::value_t::number_float, "a non-integer number"}};
+
 std::string_view json_type(const json& v) {
-  switch (v.type()) {
-    case json::value_t::null:
-      return "null";
-    case json::value_t::boolean:
-      return "a boolean";
-    case json::value_t::string:
-      return "a string";
-    case json::value_t::array:
-      return "an array";
-    case json::value_t::object:
-      return "an object";
-    case json::value_t::number_float:
-      return "a non-integer number";
-    default:
-      return "a number";
+  for (const auto& [type, name] : kJsonTypes) {
+    if (type == v.type()) return name;
   }
+  return "a number";
 }
 
 // Typed access to one config object; every error names the file and the field.
