@@ -19,30 +19,12 @@ namespace {
 constexpr int kDecodePrefix = 16;
 constexpr int kTokenQuantum = 16;
 
-// The linear layers of the model presets (src/model/presets.cpp).
-LinearSpec qwen3_next_gdn() {
-  return {.num_k_heads = 16,
-          .num_v_heads = 32,
-          .head_k_dim = 128,
-          .head_v_dim = 128,
-          .conv_kernel = 4,
-          .chunk_size = 64};
-}
-LinearSpec kimi_linear_kda() {
-  return {.num_k_heads = 32,
-          .num_v_heads = 32,
-          .head_k_dim = 128,
-          .head_v_dim = 128,
-          .conv_kernel = 4,
-          .chunk_size = 64};
-}
-LinearSpec nemotron_h_mamba2() {
-  return {.num_v_heads = 128,
-          .head_v_dim = 64,
-          .d_state = 128,
-          .n_groups = 8,
-          .conv_kernel = 4,
-          .chunk_size = 128};
+// The `kind` layer of model preset `model`: the rows measure the layers the presets serve.
+LinearSpec preset_linear_spec(const std::string& model, LayerKind kind) {
+  for (const LayerSpec& l : model_preset(model).layers) {
+    if (l.kind == kind) return l.linear;
+  }
+  fail("model preset {} has no {} layer", model, layer_kind_name(kind));
 }
 
 LinearWorkload row(LayerKind kind, LinearMode mode, int batch, int tokens) {
@@ -55,17 +37,15 @@ LinearWorkload row(LayerKind kind, LinearMode mode, int batch, int tokens) {
   switch (kind) {
     case LayerKind::gdn:
       w.model = "qwen3-next-80b";
-      w.spec = qwen3_next_gdn();
       break;
     case LayerKind::kda:
       w.model = "kimi-linear-48b";
-      w.spec = kimi_linear_kda();
       break;
     default:
       w.model = "nemotron-h-8b";
-      w.spec = nemotron_h_mamba2();
       break;
   }
+  w.spec = preset_linear_spec(w.model, kind);
   w.name = mode == LinearMode::decode
                ? fmt::format("{}-decode-{}", layer_kind_name(kind), batch)
                : fmt::format("{}-extend-{}x{}", layer_kind_name(kind), batch, tokens);
