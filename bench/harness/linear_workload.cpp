@@ -9,6 +9,7 @@
 
 #include "attnrt/core/error.h"
 #include "attnrt/memory/linear_state_pool.h"
+#include "bench/harness/scale.h"
 #include "bench/harness/select.h"
 
 namespace attnrt::bench {
@@ -17,7 +18,6 @@ namespace {
 
 // Decode rows build their state from this many tokens first (an untimed EXTEND).
 constexpr int kDecodePrefix = 16;
-constexpr int kTokenQuantum = 16;
 
 // The `kind` layer of model preset `model`: the rows measure the layers the presets serve.
 LinearSpec preset_linear_spec(const std::string& model, LayerKind kind) {
@@ -180,18 +180,9 @@ std::vector<LinearWorkload> select_linear_workloads(std::string_view selector) {
 }
 
 LinearWorkload scale_linear_workload(const LinearWorkload& w, double factor) {
-  ATTNRT_CHECK(factor > 0 && factor <= 1, "--scale {} is out of range: use a factor in (0, 1]",
-               factor);
-  if (factor == 1) return w;
-  LinearWorkload s = w;
-  s.batch = std::max(1, static_cast<int>(std::lround(w.batch * factor)));
-  if (w.mode == LinearMode::extend) {
-    const long t = std::lround(w.new_tokens * factor / kTokenQuantum) * kTokenQuantum;
-    s.new_tokens = static_cast<int>(std::max<long>(t, kTokenQuantum));
-  }
-  if (s == w) return w;
-  s.scale_note = fmt::format("scaled x{:g} from {}", factor, w.shape());
-  return s;
+  return scale_row(w, factor, [&](LinearWorkload& s, double f) {
+    if (w.mode == LinearMode::extend) s.new_tokens = round_length(w.new_tokens * f);
+  });
 }
 
 std::vector<LinearWorkload> apply_linear_preset(const std::vector<LinearWorkload>& rows,
@@ -208,9 +199,7 @@ std::vector<LinearWorkload> apply_linear_preset(const std::vector<LinearWorkload
     };
     LinearWorkload s = w;
     while (!fits(s) && s.batch > 1) s.batch = (s.batch + 1) / 2;
-    while (!fits(s) && s.new_tokens > kTokenQuantum) {
-      s.new_tokens = std::max(kTokenQuantum, s.new_tokens / 2 / kTokenQuantum * kTokenQuantum);
-    }
+    while (!fits(s) && s.new_tokens > kLengthQuantum) s.new_tokens = halve_length(s.new_tokens);
     if (!(s == w)) s.scale_note = fmt::format("shrunk by --preset cpu-small from {}", w.shape());
     out.push_back(s);
   }
