@@ -14,38 +14,26 @@ namespace attnrt::kv_scatter {
 
 // Raw element type and float conversions of each float dtype, so the copy loops below are
 // instantiated per (source, storage) pair instead of switching per element.
+template <class Raw, float (*Load)(Raw), Raw (*Store)(float)>
+struct CodecOf {
+  using raw = Raw;
+  static float load(raw x) { return Load(x); }
+  static raw store(float x) { return Store(x); }
+};
+inline float identity(float x) { return x; }
+
 template <DType T>
 struct Codec;
 template <>
-struct Codec<DType::f32> {
-  using raw = float;
-  static float load(raw x) { return x; }
-  static raw store(float x) { return x; }
-};
+struct Codec<DType::f32> : CodecOf<float, identity, identity> {};
 template <>
-struct Codec<DType::f16> {
-  using raw = uint16_t;
-  static float load(raw x) { return fp16_to_float(x); }
-  static raw store(float x) { return float_to_fp16(x); }
-};
+struct Codec<DType::f16> : CodecOf<uint16_t, fp16_to_float, float_to_fp16> {};
 template <>
-struct Codec<DType::bf16> {
-  using raw = uint16_t;
-  static float load(raw x) { return bf16_to_float(x); }
-  static raw store(float x) { return float_to_bf16(x); }
-};
+struct Codec<DType::bf16> : CodecOf<uint16_t, bf16_to_float, float_to_bf16> {};
 template <>
-struct Codec<DType::e4m3> {
-  using raw = uint8_t;
-  static float load(raw x) { return e4m3_to_float(x); }
-  static raw store(float x) { return float_to_e4m3(x); }
-};
+struct Codec<DType::e4m3> : CodecOf<uint8_t, e4m3_to_float, float_to_e4m3> {};
 template <>
-struct Codec<DType::e5m2> {
-  using raw = uint8_t;
-  static float load(raw x) { return e5m2_to_float(x); }
-  static raw store(float x) { return float_to_e5m2(x); }
-};
+struct Codec<DType::e5m2> : CodecOf<uint8_t, e5m2_to_float, float_to_e5m2> {};
 
 template <class F>
 void dispatch_float(DType t, F&& f) {
