@@ -35,26 +35,18 @@ struct Codec<DType::e4m3> : CodecOf<uint8_t, e4m3_to_float, float_to_e4m3> {};
 template <>
 struct Codec<DType::e5m2> : CodecOf<uint8_t, e5m2_to_float, float_to_e5m2> {};
 
+// Calls f(std::integral_constant<DType, t>{}) for the first of `Ts` that equals `t`; false when
+// none does.
+template <DType... Ts, class F>
+bool dispatch_among(DType t, F&& f) {
+  return ((t == Ts ? (f(std::integral_constant<DType, Ts>{}), true) : false) || ...);
+}
+
+// f(std::integral_constant<DType, t>{}) for a float dtype `t`; attnrt::Error for any other.
 template <class F>
 void dispatch_float(DType t, F&& f) {
-  switch (t) {
-    case DType::f32:
-      f(std::integral_constant<DType, DType::f32>{});
-      return;
-    case DType::f16:
-      f(std::integral_constant<DType, DType::f16>{});
-      return;
-    case DType::bf16:
-      f(std::integral_constant<DType, DType::bf16>{});
-      return;
-    case DType::e4m3:
-      f(std::integral_constant<DType, DType::e4m3>{});
-      return;
-    case DType::e5m2:
-      f(std::integral_constant<DType, DType::e5m2>{});
-      return;
-    default:
-      fail("KV pool: {} is not a float dtype", dtype_name(t));
+  if (!dispatch_among<DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2>(t, f)) {
+    fail("KV pool: {} is not a float dtype", dtype_name(t));
   }
 }
 
