@@ -1,12 +1,15 @@
 """What the torch side-by-side scripts (torch_sdpa.py, torch_linear.py) share: reading an attnrt
 bench report, the cache eviction before each repetition (written, or on a GPU read with --flush
 clean), the timing loop (CUDA events on a GPU, perf_counter on the CPU), the timing figures of a
-row, and the options that pick and time rows."""
+row, the options that pick and time rows, torch's thread count and device, and the CPU's name."""
+import argparse
 import json
 import os
+import platform
 import statistics
 import sys
 import time
+import warnings
 
 FLUSH_MODES = ("write", "clean")
 
@@ -95,8 +98,17 @@ def timing_ms(samples):
             "repeats": len(samples)}
 
 
-def add_row_args(ap, from_help, workload_help, scale_help):
-    """The options every torch bench script takes to pick and time its rows."""
+def row_parser(doc):
+    """The argument parser of a torch bench script whose module docstring is `doc`: its first line
+    is the description, what follows the first paragraph break the epilog."""
+    return argparse.ArgumentParser(description=doc.split("\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter,
+                                   epilog=doc.split("\n", 2)[2])
+
+
+def add_row_args(ap, from_help, workload_help, scale_help, device_help=None):
+    """The options every torch bench script takes to pick and time its rows, and --device (cpu or
+    cuda), which check_row_args reads too."""
     ap.add_argument("--from", dest="source", help=from_help)
     ap.add_argument("--workload", default="all", help=workload_help)
     ap.add_argument("--scale", type=float, default=1.0, help=scale_help)
@@ -110,6 +122,7 @@ def add_row_args(ap, from_help, workload_help, scale_help):
                          "(a 256 MiB tensor written, as attnrt bench does by default) or clean (the "
                          "tensor read, so the L2 holds no dirty lines); default ATTNRT_BENCH_FLUSH, "
                          "else write. The CPU's caches are always evicted by writing")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help=device_help)
 
 
 def check_row_args(ap, args):
@@ -126,3 +139,65 @@ def check_row_args(ap, args):
         ap.error(f"--scale {args.scale} is out of range: use a factor in (0, 1]")
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats} is invalid: use at least 1")
+
+
+def import_torch():
+    """torch and torch.nn.functional; exits saying how to install torch when it is missing."""
+    # torch warns at import when NumPy is absent; nothing here uses NumPy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        sys.exit("torch is not installed: `pip install torch` (the CPU build is enough), then rerun")
+    return torch, F
+
+
+def set_torch_threads(torch, requested):
+    """Sets and returns torch's thread count: `requested`, else ATTNRT_NUM_THREADS, else every core
+    (as attnrt bench counts them)."""
+    threads = requested or int(os.environ.get("ATTNRT_NUM_THREADS", "0") or 0) or os.cpu_count()
+    torch.set_num_threads(threads)
+    return threads
+
+
+def check_torch_device(torch, device):
+    """Exits with the reason when `device` is cuda and this torch has no usable CUDA device."""
+    if device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: this torch has no usable CUDA device "
+                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+
+
+def cpu_model():
+    """The CPU's model name from /proc/cpuinfo, else what platform.processor() says."""
+    name = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return name
+
+
+def write_report(args, head, threads, rows):
+    """Writes `rows` to args.json (nothing without --json) as an attnrt-bench/1 report: `head` (what
+    ran: implementation, versions, device, ...), then the threads, the flush mode, the attnrt
+    report the rows came from and the machine."""
+    if not args.json:
+        return
+    report = {
+        "schema": "attnrt-bench/1",
+        **head,
+        "threads": threads,
+        "flush": args.flush,
+        "source": args.source,
+        "machine": {"cpu_model": cpu_model(), "logical_cpus": os.cpu_count()},
+        "rows": rows,
+    }
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=2)
+
+
+def device_name(torch, device):
+    """"cpu", or the name of the CUDA device."""
+    return device if device == "cpu" else torch.cuda.get_device_name()

@@ -54,7 +54,7 @@ ROOT = os.path.dirname(HERE)
 
 import torch  # noqa: E402
 
-from bench_util import time_calls, timing_ms  # noqa: E402
+from bench_util import set_torch_threads, time_calls, timing_ms  # noqa: E402
 from torch_sdpa import STANDARD, counted, eagle_tree, standard_rows  # noqa: E402
 
 import attnrt  # noqa: E402
@@ -428,8 +428,7 @@ def main(argv=None) -> int:
     scale = args.scale if args.scale is not None else (QUICK_SCALE[args.device] if args.quick else 1.0)
     if not 0 < scale <= 1:
         ap.error(f"--scale {scale}: use a factor in (0, 1]")
-    threads = args.threads or int(os.environ.get("ATTNRT_NUM_THREADS", "0") or 0) or os.cpu_count()
-    torch.set_num_threads(threads)
+    threads = set_torch_threads(torch, args.threads)
     if args.cli is None:
         args.cli = default_cli()
     names = pick_rows(args.rows, args.device)

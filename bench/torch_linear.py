@@ -31,17 +31,13 @@ materialise [batch, chunks, chunk, chunk, heads, dim] products) is retried as on
 timed as a whole, and the row says so. The JSON is rewritten after every row.
 """
 
-import argparse
 import inspect
-import json
-import os
-import platform
 import statistics
 import sys
-import warnings
 
-from bench_util import (add_row_args, check_row_args, make_flush, read_attnrt_report,
-                        time_calls, timing_ms)
+from bench_util import (add_row_args, check_row_args, check_torch_device, device_name,
+                        import_torch, make_flush, read_attnrt_report, row_parser, set_torch_threads,
+                        time_calls, timing_ms, write_report)
 
 DECODE_PREFIX = 16
 GDN = dict(model="qwen3-next-80b", num_k_heads=16, num_v_heads=32, head_k_dim=128,
@@ -306,24 +302,16 @@ def run_row(torch, F, fns, row, args, flush):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 2)[2])
+    ap = row_parser(__doc__)
     add_row_args(ap, from_help="attnrt bench JSON whose linear rows to run",
                  workload_help="all, a mode (decode, extend), a kind (gdn, kda, mamba2) or row "
                                "names, comma-separated",
                  scale_help="without --from: shrink batch and tokens as attnrt bench --scale does")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--json", help="write the rows as JSON (for bench/compare.py)")
     args = ap.parse_args()
     check_row_args(ap, args)
 
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        sys.exit("torch is not installed: `pip install torch` (the CPU build is enough), then rerun")
+    torch, F = import_torch()
     try:
         import transformers
         from transformers.utils import logging as hf_logging
@@ -333,11 +321,8 @@ def main():
         sys.exit(f"transformers is not installed or lacks a model used here ({e}): "
                  "`pip install transformers`, then rerun")
 
-    threads = args.threads or int(os.environ.get("ATTNRT_NUM_THREADS", "0") or 0) or os.cpu_count()
-    torch.set_num_threads(threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("--device cuda: this torch has no usable CUDA device "
-                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    threads = set_torch_threads(torch, args.threads)
+    check_torch_device(torch, args.device)
     rows = rows_from_attnrt(args.source) if args.source else standard_rows(args.scale)
     if args.workload != "all":
         wanted = args.workload.split(",")
@@ -371,36 +356,18 @@ def main():
                   f"{t['p10']:>9.3f}..{t['p90']:<9.3f} {rate:>16} {r['tokens_per_s']:>11.4g}"
                   + ("  (" + "; ".join(r["notes"]) + ")" if r["notes"] else ""), flush=True)
         out.append(r)
-        write_report(args, torch, transformers, threads, out)
+        write_linear_report(args, torch, transformers, threads, out)
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.json:
         print(f"wrote {args.json}")
 
 
-def write_report(args, torch, transformers, threads, out):
-    if not args.json:
-        return
-    cpu_model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    report = {
-        "schema": "attnrt-bench/1",
-        "implementation": "torch-transformers",
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
-        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
-        "threads": threads,
-        "flush": args.flush,
-        "source": args.source,
-        "machine": {"cpu_model": cpu_model, "logical_cpus": os.cpu_count()},
-        "rows": out,
-    }
-    with open(args.json, "w") as f:
-        json.dump(report, f, indent=2)
+def write_linear_report(args, torch, transformers, threads, out):
+    write_report(args, {"implementation": "torch-transformers",
+                        "torch_version": torch.__version__,
+                        "transformers_version": transformers.__version__,
+                        "device": device_name(torch, args.device)}, threads, out)
 
 
 if __name__ == "__main__":

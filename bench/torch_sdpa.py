@@ -30,16 +30,12 @@ fastest kernel's. The JSON is rewritten after every row, so an interrupted run k
 measured.
 """
 
-import argparse
-import json
-import os
-import platform
 import statistics
 import sys
-import warnings
 
-from bench_util import (add_row_args, check_row_args, make_flush, read_attnrt_report,
-                        time_calls, timing_ms)
+from bench_util import (add_row_args, check_row_args, check_torch_device, device_name,
+                        import_torch, make_flush, read_attnrt_report, row_parser, set_torch_threads,
+                        time_calls, timing_ms, write_report)
 
 STANDARD = [
     # (name, kind, batch, prefix_len, new_tokens, head_dim, page_size, kv_dtype, topk)
@@ -255,15 +251,12 @@ def run_row(torch, F, row, args, flush):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n", 2)[2])
+    ap = row_parser(__doc__)
     add_row_args(ap, from_help="attnrt bench JSON whose row shapes to run",
                  workload_help="all, a kind (decode, prefill, extend, verify) or row names, "
                                "comma-separated",
-                 scale_help="without --from: shrink batch and lengths as attnrt bench --scale does")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                    help="where to run: cpu (SDPA) or cuda (the kernels of --kernels)")
+                 scale_help="without --from: shrink batch and lengths as attnrt bench --scale does",
+                 device_help="where to run: cpu (SDPA) or cuda (the kernels of --kernels)")
     ap.add_argument("--kernels", default="flash,cudnn,flex",
                     help="with --device cuda: comma-separated subset of flash, cudnn, flex")
     ap.add_argument("--json", help="write the rows as JSON (for bench/compare.py)")
@@ -274,19 +267,9 @@ def main():
         ap.error(f"--kernels: unknown {', '.join(unknown)}; use flash, cudnn and/or flex")
     check_row_args(ap, args)
 
-    # torch warns at import when NumPy is absent; nothing here uses NumPy.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        sys.exit("torch is not installed: `pip install torch` (the CPU build is enough), then rerun")
-
-    threads = args.threads or int(os.environ.get("ATTNRT_NUM_THREADS", "0") or 0) or os.cpu_count()
-    torch.set_num_threads(threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        sys.exit("--device cuda: this torch has no usable CUDA device "
-                 f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    torch, F = import_torch()
+    threads = set_torch_threads(torch, args.threads)
+    check_torch_device(torch, args.device)
     if args.source:
         rows, _ = rows_from_attnrt(args.source)
     else:
@@ -315,7 +298,7 @@ def main():
             r = {"name": row["name"], "status": "error", "error": str(e).split("\n")[0]}
             print(f"{row['name']:<30} {shape:<26} ERROR: {r['error']}")
             out.append(r)
-            write_report(args, torch, threads, out)
+            write_sdpa_report(args, torch, threads, out)
             continue
         t = r["time_ms"]
         per_kernel = ""
@@ -327,36 +310,19 @@ def main():
               f"{t['p10']:>8.2f}..{t['p90']:<8.2f} {r['rate']:>7.1f} {r['metric']}{per_kernel}",
               flush=True)
         out.append(r)
-        write_report(args, torch, threads, out)
+        write_sdpa_report(args, torch, threads, out)
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if args.json:
         print(f"wrote {args.json}")
 
 
-def write_report(args, torch, threads, out):
-    if args.json:
-        cpu_model = platform.processor()
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpu_model = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
-        report = {
-            "schema": "attnrt-bench/1",
-            "implementation": "torch-sdpa" if args.device == "cpu" else "torch-cuda",
-            "torch_version": torch.__version__,
-            "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(),
-            "kernels": args.kernels if args.device == "cuda" else ["sdpa"],
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "threads": threads,
-            "flush": args.flush,
-            "source": args.source,
-            "machine": {"cpu_model": cpu_model, "logical_cpus": os.cpu_count()},
-            "rows": out,
-        }
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+def write_sdpa_report(args, torch, threads, out):
+    write_report(args, {"implementation": "torch-sdpa" if args.device == "cpu" else "torch-cuda",
+                        "torch_version": torch.__version__,
+                        "device": device_name(torch, args.device),
+                        "kernels": args.kernels if args.device == "cuda" else ["sdpa"],
+                        "cpu_capability": torch.backends.cpu.get_cpu_capability()}, threads, out)
 
 
 if __name__ == "__main__":

@@ -61,12 +61,26 @@ rows=()
 left() { echo $((deadline - $(date +%s))); }
 want() { [[ $what == all || ,$what, == *",$1,"* ]]; }
 note() { rows+=("$1|$2|$3|$4"); }
+# finish STAGE DETAIL: the row of a stage that started at $t0 and ended with status $rc: ok, or
+# FAILED, which fails the whole check; the detail follows "rc=$rc; ".
+finish() {
+  note "$1" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) "rc=$rc; $2"
+  if [ $rc -ne 0 ]; then status=1; fi
+}
 # budget CAP MIN: seconds a stage may take (CAP at most, what is left minus a margin); empty when
 # fewer than MIN seconds are left.
 budget() {
   local b=$(($(left) - 10))
   ((b > $1)) && b=$1
   ((b >= $2)) && echo "$b"
+}
+# begin STAGE CAP MIN: starts a stage: sets t0 (its start) and b (its seconds, see budget); with
+# fewer than MIN seconds left, notes the stage as skipped and fails instead.
+begin() {
+  t0=$(date +%s)
+  b=$(budget "$2" "$3") && return 0
+  note "$1" skipped 0 "no time left"
+  return 1
 }
 summary() {
   for f in "$runlog" "$mclog"; do
@@ -117,157 +131,107 @@ rm -f "$out/build.log"
 fi
 status=0
 
-if want test; then
-  t0=$(date +%s)
-  if b=$(budget 240 30); then
-    timeout -k 5 "$b" "$tests" --gtest_filter="$filter" >"$out/tests.log" 2>&1
-    rc=$?
-    grep -E '^\[  FAILED  \]|Failure$' "$out/tests.log" | head -20
-    note test "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-      "rc=$rc; $(gtest_counts "$out/tests.log")"
-    [ $rc -ne 0 ] && status=1
-  else
-    note test skipped 0 "no time left"
-  fi
+if want test && begin test 240 30; then
+  timeout -k 5 "$b" "$tests" --gtest_filter="$filter" >"$out/tests.log" 2>&1
+  rc=$?
+  grep -E '^\[  FAILED  \]|Failure$' "$out/tests.log" | head -20
+  finish test "$(gtest_counts "$out/tests.log")"
 fi
 
-if want check; then
+if want check && begin check 90 20; then
+  echo "### attnrt check --backend cuda" >>"$runlog"
+  timeout -k 5 "$b" "$cli" check --backend cuda --no-progress >>"$runlog" 2>&1
+  rc=$?
+  finish check "$(grep -m1 -E 'features passed' "$runlog")"
+fi
+
+if want run && begin run 120 30; then
+  echo "### attnrt run (defaults)" >>"$runlog"
+  timeout -k 5 "$b" "$cli" run --no-progress --json "$out/run.json" >>"$runlog" 2>&1
+  rc=$?
+  backends=$(grep -m1 '^backends:' "$runlog" | cut -c1-60)
+  total=$(grep -E '^total ' "$runlog" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
+  finish run "$backends; total: $total"
   t0=$(date +%s)
   if b=$(budget 90 20); then
-    echo "### attnrt check --backend cuda" >>"$runlog"
-    timeout -k 5 "$b" "$cli" check --backend cuda --no-progress >>"$runlog" 2>&1
+    echo "### attnrt run, speculative tree on pages of 16" >>"$runlog"
+    timeout -k 5 "$b" "$cli" run --no-progress --page-size 16 --speculative-num-steps 3 \
+      --speculative-eagle-topk 2 --speculative-num-draft-tokens 6 >>"$runlog" 2>&1
     rc=$?
-    note check "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-      "rc=$rc; $(grep -m1 -E 'features passed' "$runlog")"
-    [ $rc -ne 0 ] && status=1
-  else
-    note check skipped 0 "no time left"
+    verify=$(grep -E '^TARGET_VERIFY ' "$runlog" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
+    finish run-tree "TARGET_VERIFY: $verify"
   fi
-fi
-
-if want run; then
-  t0=$(date +%s)
-  if b=$(budget 120 30); then
-    echo "### attnrt run (defaults)" >>"$runlog"
-    timeout -k 5 "$b" "$cli" run --no-progress --json "$out/run.json" >>"$runlog" 2>&1
+  # Graphs on with every step checked against reference, and with no checks (host and GPU
+  # never wait for a check between steps).
+  for every in 1 0; do
+    begin "run-check-$every" 90 20 || continue
+    echo "### attnrt run --check-every $every --page-size 64 --kv-cache-dtype fp8_e5m2" >>"$runlog"
+    timeout -k 5 "$b" "$cli" run --no-progress --check-every "$every" --page-size 64 \
+      --kv-cache-dtype fp8_e5m2 >>"$runlog" 2>&1
     rc=$?
-    backends=$(grep -m1 '^backends:' "$runlog" | cut -c1-60)
+    graphs=$(grep -m1 -E '^CUDA graphs' "$runlog" | cut -c1-70)
+    finish "run-check-$every" "$graphs"
+  done
+  # Hybrid models: linear-attention layers on the GPU state pool (Kimi's MLA layers on the
+  # latent pool), checked against reference, with and without speculative chain verify; then an
+  # SWA-hybrid model (its sliding-window layers on the GPU SWA pool).
+  for m in qwen3-next-80b nemotron-h-8b kimi-linear-48b "qwen3-next-80b spec" \
+    "nemotron-h-8b spec" "kimi-linear-48b spec" gemma3-12b; do
+    begin "run-${m// /-}" 90 20 || continue
+    extra=()
+    [[ $m == *spec ]] && extra=(--speculative-num-steps 3 --speculative-eagle-topk 1
+      --speculative-num-draft-tokens 4)
+    echo "### attnrt run --model ${m%% *} ${extra[*]}" >>"$runlog"
+    timeout -k 5 "$b" "$cli" run --no-progress --model "${m%% *}" "${extra[@]}" >>"$runlog" 2>&1
+    rc=$?
+    backends=$(grep '^backends:' "$runlog" | tail -1 | cut -c1-70)
     total=$(grep -E '^total ' "$runlog" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
-    note run "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-      "rc=$rc; $backends; total: $total"
-    [ $rc -ne 0 ] && status=1
-    t0=$(date +%s)
-    if b=$(budget 90 20); then
-      echo "### attnrt run, speculative tree on pages of 16" >>"$runlog"
-      timeout -k 5 "$b" "$cli" run --no-progress --page-size 16 --speculative-num-steps 3 \
-        --speculative-eagle-topk 2 --speculative-num-draft-tokens 6 >>"$runlog" 2>&1
-      rc=$?
-      verify=$(grep -E '^TARGET_VERIFY ' "$runlog" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
-      note run-tree "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-        "rc=$rc; TARGET_VERIFY: $verify"
-      [ $rc -ne 0 ] && status=1
-    fi
-    # Graphs on with every step checked against reference, and with no checks (host and GPU
-    # never wait for a check between steps).
-    for every in 1 0; do
-      t0=$(date +%s)
-      b=$(budget 90 20) || { note "run-check-$every" skipped 0 "no time left"; continue; }
-      echo "### attnrt run --check-every $every --page-size 64 --kv-cache-dtype fp8_e5m2" >>"$runlog"
-      timeout -k 5 "$b" "$cli" run --no-progress --check-every "$every" --page-size 64 \
-        --kv-cache-dtype fp8_e5m2 >>"$runlog" 2>&1
-      rc=$?
-      graphs=$(grep -m1 -E '^CUDA graphs' "$runlog" | cut -c1-70)
-      note "run-check-$every" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-        "rc=$rc; $graphs"
-      [ $rc -ne 0 ] && status=1
-    done
-    # Hybrid models: linear-attention layers on the GPU state pool (Kimi's MLA layers on the
-    # latent pool), checked against reference, with and without speculative chain verify; then an
-    # SWA-hybrid model (its sliding-window layers on the GPU SWA pool).
-    for m in qwen3-next-80b nemotron-h-8b kimi-linear-48b "qwen3-next-80b spec" \
-      "nemotron-h-8b spec" "kimi-linear-48b spec" gemma3-12b; do
-      t0=$(date +%s)
-      b=$(budget 90 20) || { note "run-${m// /-}" skipped 0 "no time left"; continue; }
-      extra=()
-      [[ $m == *spec ]] && extra=(--speculative-num-steps 3 --speculative-eagle-topk 1
-        --speculative-num-draft-tokens 4)
-      echo "### attnrt run --model ${m%% *} ${extra[*]}" >>"$runlog"
-      timeout -k 5 "$b" "$cli" run --no-progress --model "${m%% *}" "${extra[@]}" >>"$runlog" 2>&1
-      rc=$?
-      backends=$(grep '^backends:' "$runlog" | tail -1 | cut -c1-70)
-      total=$(grep -E '^total ' "$runlog" | tail -1 | tr -s ' ' | cut -d' ' -f2-8)
-      note "run-${m// /-}" "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-        "rc=$rc; $backends; total: $total"
-      [ $rc -ne 0 ] && status=1
-    done
-  else
-    note run skipped 0 "no time left"
-  fi
+    finish "run-${m// /-}" "$backends; total: $total"
+  done
 fi
 
-if want shared; then
-  t0=$(date +%s)
-  if b=$(budget 150 40); then
-    echo "### scripts/gpu_shared.sh (8 processes at once)" >>"$runlog"
-    timeout -k 5 "$b" bash scripts/gpu_shared.sh "$cli" "$tmp/shared" 8 >"$tmp/shared.log" 2>&1
-    rc=$?
-    cat "$tmp/shared.log" | tee -a "$runlog"
-    [ -f "$tmp/shared/replays.log" ] && cat "$tmp/shared/replays.log" >>"$runlog"
-    note shared "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-      "rc=$rc; $(grep -c ' 0 wrong, 0 failed' "$tmp/shared.log") of $(grep -c '^shared' "$tmp/shared.log") configurations right"
-    [ $rc -ne 0 ] && status=1
-  else
-    note shared skipped 0 "no time left"
-  fi
+if want shared && begin shared 150 40; then
+  echo "### scripts/gpu_shared.sh (8 processes at once)" >>"$runlog"
+  timeout -k 5 "$b" bash scripts/gpu_shared.sh "$cli" "$tmp/shared" 8 >"$tmp/shared.log" 2>&1
+  rc=$?
+  cat "$tmp/shared.log" | tee -a "$runlog"
+  [ -f "$tmp/shared/replays.log" ] && cat "$tmp/shared/replays.log" >>"$runlog"
+  finish shared "$(grep -c ' 0 wrong, 0 failed' "$tmp/shared.log") of $(grep -c '^shared' "$tmp/shared.log") configurations right"
 fi
 
-if want bench; then
-  t0=$(date +%s)
-  if b=$(budget 300 60); then
-    timeout -k 5 "$b" "$cli" bench --backend cuda --workload "${ATTNRT_GPU_BENCH_WORKLOAD:-all}" \
-      --json "$out/bench.json" >"$out/bench.log" 2>&1
-    rc=$?
-    sed -n '/^ceilings/,$p' "$out/bench.log" | grep -vE '^bench: ' | head -45
-    note bench "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-      "rc=$rc; $(grep -m1 -E '^  memory' "$out/bench.log" | tr -s ' ' | cut -c1-40)"
-    [ $rc -ne 0 ] && status=1
-  else
-    note bench skipped 0 "no time left"
-  fi
+if want bench && begin bench 300 60; then
+  timeout -k 5 "$b" "$cli" bench --backend cuda --workload "${ATTNRT_GPU_BENCH_WORKLOAD:-all}" \
+    --json "$out/bench.json" >"$out/bench.log" 2>&1
+  rc=$?
+  sed -n '/^ceilings/,$p' "$out/bench.log" | grep -vE '^bench: ' | head -45
+  finish bench "$(grep -m1 -E '^  memory' "$out/bench.log" | tr -s ' ' | cut -c1-40)"
 fi
 
-if want linear; then
+if want linear && begin linear 240 45; then
+  timeout -k 5 "$b" "$cli" bench --backend cuda --suite linear \
+    --json "$out/bench_linear.json" >"$tmp/linear.log" 2>&1
+  rc=$?
+  { echo "### attnrt bench --backend cuda --suite linear"; cat "$tmp/linear.log"; } >>"$out/bench.log"
+  sed -n '/^linear row/,$p' "$tmp/linear.log" | grep -vE '^bench: ' | head -30
+  finish linear "$(grep -c '"suite": "linear"' "$out/bench_linear.json" 2>/dev/null || echo 0) rows in bench_linear.json"
   t0=$(date +%s)
-  if b=$(budget 240 45); then
-    timeout -k 5 "$b" "$cli" bench --backend cuda --suite linear \
-      --json "$out/bench_linear.json" >"$tmp/linear.log" 2>&1
+  if ! python3 -c 'import sys, torch, transformers; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    note linear-torch skipped 0 "torch with CUDA or transformers is not installed"
+  elif [ ! -f "$out/bench_linear.json" ]; then
+    note linear-torch skipped 0 "no bench_linear.json to take the rows from"
+  elif b=$(budget 300 30); then
+    # 5 repeats: the torch forms take up to a second per call at these shapes.
+    timeout -k 5 "$b" python3 bench/torch_linear.py --device cuda --from "$out/bench_linear.json" \
+      --repeats 5 --warmup 1 --json "$out/torch_linear.json" >"$tmp/torch_linear.log" 2>&1
     rc=$?
-    { echo "### attnrt bench --backend cuda --suite linear"; cat "$tmp/linear.log"; } >>"$out/bench.log"
-    sed -n '/^linear row/,$p' "$tmp/linear.log" | grep -vE '^bench: ' | head -30
-    note linear "$([ $rc -eq 0 ] && echo ok || echo FAILED)" $(($(date +%s) - t0)) \
-      "rc=$rc; $(grep -c '"suite": "linear"' "$out/bench_linear.json" 2>/dev/null || echo 0) rows in bench_linear.json"
-    [ $rc -ne 0 ] && status=1
-    t0=$(date +%s)
-    if ! python3 -c 'import sys, torch, transformers; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-      note linear-torch skipped 0 "torch with CUDA or transformers is not installed"
-    elif [ ! -f "$out/bench_linear.json" ]; then
-      note linear-torch skipped 0 "no bench_linear.json to take the rows from"
-    elif b=$(budget 300 30); then
-      # 5 repeats: the torch forms take up to a second per call at these shapes.
-      timeout -k 5 "$b" python3 bench/torch_linear.py --device cuda --from "$out/bench_linear.json" \
-        --repeats 5 --warmup 1 --json "$out/torch_linear.json" >"$tmp/torch_linear.log" 2>&1
-      rc=$?
-      python3 bench/compare.py "$out/bench_linear.json" "$out/torch_linear.json" \
-        >>"$tmp/torch_linear.log" 2>&1
-      { echo "### bench/torch_linear.py --device cuda, then bench/compare.py"; cat "$tmp/torch_linear.log"; } >>"$out/bench.log"
-      tail -22 "$tmp/torch_linear.log"
-      note linear-torch "$([ $rc -eq 0 ] && echo ok || { [ $rc -eq 124 ] && echo PARTIAL || echo FAILED; })" \
-        $(($(date +%s) - t0)) "rc=$rc; $(grep -c '"name"' "$out/torch_linear.json" 2>/dev/null || echo 0) rows in torch_linear.json"
-    else
-      note linear-torch skipped 0 "no time left"
-    fi
+    python3 bench/compare.py "$out/bench_linear.json" "$out/torch_linear.json" \
+      >>"$tmp/torch_linear.log" 2>&1
+    { echo "### bench/torch_linear.py --device cuda, then bench/compare.py"; cat "$tmp/torch_linear.log"; } >>"$out/bench.log"
+    tail -22 "$tmp/torch_linear.log"
+    note linear-torch "$([ $rc -eq 0 ] && echo ok || { [ $rc -eq 124 ] && echo PARTIAL || echo FAILED; })" \
+      $(($(date +%s) - t0)) "rc=$rc; $(grep -c '"name"' "$out/torch_linear.json" 2>/dev/null || echo 0) rows in torch_linear.json"
   else
-    note linear skipped 0 "no time left"
+    note linear-torch skipped 0 "no time left"
   fi
 fi
 
@@ -277,11 +241,7 @@ fi
 memcheck_one() {
   local stage=$1 cap=$2 partial_ok=$3 label=$4 t0 b rc verdict detail
   shift 4
-  t0=$(date +%s)
-  if ! b=$(budget "$cap" 30); then
-    note "$stage" skipped 0 "no time left"
-    return
-  fi
+  begin "$stage" "$cap" 30 || return
   echo "### memcheck: $label" >>"$mclog"
   timeout -k 5 "$b" compute-sanitizer --tool memcheck --error-exitcode 9 "$@" >>"$mclog" 2>&1
   rc=$?
@@ -298,11 +258,7 @@ memcheck_one() {
 sanitize_one() {
   local stage=$1 tool=$2 cap=$3 label=$4 t0 b rc extra=()
   shift 4
-  t0=$(date +%s)
-  if ! b=$(budget "$cap" 30); then
-    note "$stage" skipped 0 "no time left"
-    return
-  fi
+  begin "$stage" "$cap" 30 || return
   [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)
   echo "### $tool: $label" >>"$mclog"
   timeout -k 5 "$b" compute-sanitizer --tool "$tool" "${extra[@]}" --error-exitcode 9 "$@" \

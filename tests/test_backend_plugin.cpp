@@ -15,6 +15,7 @@
 #include "attnrt/core/error.h"
 #include "attnrt/runtime/attention_runtime.h"
 #include "tests/conformance/conformance.h"
+#include "tests/test_util.h"
 
 using namespace attnrt;
 
@@ -103,18 +104,9 @@ TEST_F(BackendPlugin, PassesTheConformanceSuite) {
 // Two runtimes, one on the plug-in and one on the reference, fed the same random steps: the
 // plug-in's runtime takes its pools from the plug-in's services and gives the same outputs.
 TEST_F(BackendPlugin, RuntimeTakesItsPoolsFromTheBackendsServices) {
-  ModelSpec m;
-  m.name = "tiny-gqa";
-  m.dtype = DType::f32;
-  m.max_context_len = 128;
-  for (int id = 0; id < 2; ++id) {
-    LayerSpec l;
-    l.layer_id = id;
-    l.num_q_heads = 4;
-    l.num_kv_heads = 2;
-    l.head_dim = l.v_head_dim = 32;
-    m.layers.push_back(l);
-  }
+  const ModelSpec m =
+      test::make_model("tiny-gqa", DType::f32, 128,
+                       {test::attention_layer(0, 4, 2, 32), test::attention_layer(1, 4, 2, 32)});
   RuntimeConfig c;
   c.max_requests = 4;
   c.kv_slots = 512;

@@ -24,6 +24,7 @@ using namespace attnrt;
 namespace {
 
 using attnrt::test::expect_error;
+using attnrt::test::random_buffer;
 
 // Three differently shaped layers: MQA full, a sliding-window layer (so the model is SWA-hybrid
 // and the capture reads through the full->SWA slot map), and a layer with v_head_dim != head_dim,
@@ -55,14 +56,6 @@ ModelSpec test_model(DType act) {
   c.has_sinks = true;
   m.layers = {a, b, c};
   return m;
-}
-
-HostBuffer random_buffer(DType t, std::initializer_list<int64_t> shape, std::mt19937& rng) {
-  HostBuffer b(t, shape);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  for (int64_t i = 0; i < b.numel(); ++i)
-    store_from_float(b.data(), t, static_cast<size_t>(i), dist(rng));
-  return b;
 }
 
 bool same_bytes(const HostBuffer& a, const HostBuffer& b) {

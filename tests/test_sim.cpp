@@ -481,16 +481,8 @@ INSTANTIATE_TEST_SUITE_P(ChainsAndTrees, SimSpec,
 // With a real host KV cache, the rows of an accepted tree path end at consecutive positions:
 // position seq_len + j holds what block token path[j] stored.
 TEST(SimSpec, AcceptedTreePathRowsAreMovedToConsecutivePositions) {
-  ModelSpec model;
-  model.name = "one-layer";
-  model.dtype = DType::f32;
-  model.max_context_len = 2048;
-  LayerSpec l;
-  l.layer_id = 0;
-  l.num_q_heads = 2;
-  l.num_kv_heads = 1;
-  l.head_dim = l.v_head_dim = 8;
-  model.layers = {l};
+  const ModelSpec model =
+      test::make_model("one-layer", DType::f32, 2048, {test::attention_layer(0, 2, 1, 8)});
   KVCacheConfig kc;
   kc.full_slots = 4096;
   kc.page_size = 4;

@@ -12,6 +12,7 @@
 
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/runtime/attention_runtime.h"
+#include "tests/test_util.h"
 #include "tools/io/case_file.h"
 #include "tools/io/npy.h"
 #include "tools/sim/case_dumper.h"
@@ -20,6 +21,8 @@ using namespace attnrt;
 using namespace attnrt::sim;
 
 namespace {
+
+using test::random_buffer;
 
 LayerSpec attention_layer(int id, LayerKind kind, int window = -1) {
   LayerSpec l;
@@ -30,15 +33,6 @@ LayerSpec attention_layer(int id, LayerKind kind, int window = -1) {
   l.head_dim = l.v_head_dim = 16;
   l.sliding_window = window;
   return l;
-}
-
-HostBuffer random_buffer(DType dtype, std::initializer_list<int64_t> shape, std::mt19937& rng) {
-  HostBuffer b(dtype, shape);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  for (int64_t i = 0; i < b.numel(); ++i) {
-    store_from_float(b.data(), dtype, static_cast<size_t>(i), dist(rng));
-  }
-  return b;
 }
 
 bool same_values(const NpyArray& a, const HostBuffer& b) {

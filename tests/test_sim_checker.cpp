@@ -25,14 +25,7 @@ using namespace attnrt::sim;
 
 namespace {
 
-HostBuffer random_buffer(DType dtype, std::initializer_list<int64_t> shape, std::mt19937& rng) {
-  HostBuffer b(dtype, shape);
-  std::normal_distribution<float> dist(0.f, 1.f);
-  for (int64_t i = 0; i < b.numel(); ++i) {
-    store_from_float(b.data(), dtype, static_cast<size_t>(i), dist(rng));
-  }
-  return b;
-}
+using test::random_buffer;
 
 HostBuffer copy_of(const HostBuffer& b) {
   HostBuffer c(b.dtype(), {b.numel()});
@@ -135,29 +128,53 @@ TEST(SimFailureLog, CountsEveryFailureAndListsTheFirstFewOfEachModelAndMode) {
   EXPECT_EQ(log.listed()[4].role, ModelRole::draft);
 }
 
-// A model of one attention layer on the cpu backend with one request prefilled in a single EXTEND
-// step of random q/k/v; the reference over the runtime's own pools.
-class SimAttentionCheck : public ::testing::Test {
+// What the checker fixtures share: a runtime over `model_` (two request rows, 256 KV slots), the
+// step it ran, the failure log, and the context of a backend over the runtime's own pools.
+class SimCheckTest : public ::testing::Test {
  protected:
-  static constexpr int64_t kTokens = 13;
-
-  void SetUp() override {
-    model_.name = "checker-test";
-    model_.dtype = DType::f32;
-    model_.max_context_len = 256;
-    LayerSpec l;
-    l.layer_id = 0;
-    l.num_q_heads = 4;
-    l.num_kv_heads = 2;
-    l.head_dim = l.v_head_dim = 16;
-    model_.layers = {l};
-    Options options;
-    options.attention_backend = "cpu";
-    options.page_size = 4;
+  void start_runtime(const Options& options) {
     RuntimeConfig rc;
     rc.max_requests = 2;
     rc.kv_slots = 256;
     rt_ = std::make_unique<AttentionRuntime>(model_, options, rc);
+  }
+
+  // The linear state pool is in the context only when the model has linear layers.
+  BackendContext pools_context() const {
+    BackendContext ctx;
+    ctx.model = &rt_->model();
+    ctx.options = &rt_->options();
+    ctx.kv_cache = &rt_->kv_cache();
+    ctx.req_to_token = &rt_->req_to_token();
+    if (model_.has_linear_layers()) ctx.linear_state = &rt_->linear_state();
+    ctx.device = Device::cpu();
+    return ctx;
+  }
+
+  // Layer 0 in target EXTEND step `step` on the cpu backend.
+  LayerSite extend_site(int step) const {
+    return {step, ModelRole::target, ForwardMode::EXTEND, &model_.layers[0], "cpu"};
+  }
+
+  ModelSpec model_;
+  std::unique_ptr<AttentionRuntime> rt_;
+  ForwardBatch batch_;
+  FailureLog log_;
+};
+
+// A model of one attention layer on the cpu backend with one request prefilled in a single EXTEND
+// step of random q/k/v; the reference over the runtime's own pools.
+class SimAttentionCheck : public SimCheckTest {
+ protected:
+  static constexpr int64_t kTokens = 13;
+
+  void SetUp() override {
+    model_ =
+        test::make_model("checker-test", DType::f32, 256, {test::attention_layer(0, 4, 2, 16)});
+    Options options;
+    options.attention_backend = "cpu";
+    options.page_size = 4;
+    start_runtime(options);
     const int row = rt_->req_to_token().alloc();
     const std::vector<int32_t> prefix{0}, seq{static_cast<int32_t>(kTokens)};
     const std::vector<int64_t> last{-1};
@@ -182,31 +199,17 @@ class SimAttentionCheck : public ::testing::Test {
 
   std::unique_ptr<ReferenceChecker> checker(bool with_reference) {
     std::unique_ptr<AttentionBackend> reference;
-    if (with_reference) {
-      BackendContext ctx;
-      ctx.model = &rt_->model();
-      ctx.options = &rt_->options();
-      ctx.kv_cache = &rt_->kv_cache();
-      ctx.req_to_token = &rt_->req_to_token();
-      ctx.device = Device::cpu();
-      reference = Registry::global().get("reference").factory(ctx);
-    }
+    if (with_reference) reference = Registry::global().get("reference").factory(pools_context());
     auto c = std::make_unique<ReferenceChecker>(std::move(reference), nullptr, nullptr, nullptr,
                                                 output_tolerance(DType::f32), log_);
     if (with_reference) c->begin_step(batch_);
     return c;
   }
 
-  LayerSite site() const {
-    return {4, ModelRole::target, ForwardMode::EXTEND, &model_.layers[0], "cpu"};
-  }
+  LayerSite site() const { return extend_site(4); }
 
-  ModelSpec model_;
-  std::unique_ptr<AttentionRuntime> rt_;
-  ForwardBatch batch_;
   HostBuffer q_, k_, v_, out_;
   AttnArgs args_;
-  FailureLog log_;
 };
 
 TEST_F(SimAttentionCheck, TheBackendsOutputPassesAndItsErrorsFoldIntoTheModeStats) {
@@ -267,20 +270,15 @@ TEST_F(SimAttentionCheck, AnUnwrittenElementIsFoundWithoutAReference) {
 
 // A gdn layer on the cpu backend: two requests prefilled in one EXTEND step, the reference's
 // linear side over the same state pool.
-class SimLinearCheck : public ::testing::Test {
+class SimLinearCheck : public SimCheckTest {
  protected:
   void SetUp() override {
-    model_.name = "checker-linear-test";
-    model_.dtype = DType::f32;
-    model_.max_context_len = 256;
-    model_.layers = {testing_linear::small_layer(LayerKind::gdn, 0)};
+    model_ = test::make_model("checker-linear-test", DType::f32, 256,
+                              {testing_linear::small_layer(LayerKind::gdn, 0)});
     Options options;
     options.attention_backend = "cpu";
     options.linear_attn_backend = "cpu";
-    RuntimeConfig rc;
-    rc.max_requests = 2;
-    rc.kv_slots = 256;
-    rt_ = std::make_unique<AttentionRuntime>(model_, options, rc);
+    start_runtime(options);
     const std::vector<int32_t> lens{9, 14};
     std::vector<int64_t> rows;
     std::vector<int64_t> loc;
@@ -315,13 +313,7 @@ class SimLinearCheck : public ::testing::Test {
   }
 
   std::unique_ptr<ReferenceChecker> checker() {
-    BackendContext ctx;
-    ctx.model = &rt_->model();
-    ctx.options = &rt_->options();
-    ctx.kv_cache = &rt_->kv_cache();
-    ctx.req_to_token = &rt_->req_to_token();
-    ctx.linear_state = &rt_->linear_state();
-    ctx.device = Device::cpu();
+    const BackendContext ctx = pools_context();
     const BackendEntry& ref = Registry::global().get("reference");
     auto c = std::make_unique<ReferenceChecker>(ref.factory(ctx), ref.linear_factory(ctx),
                                                 &rt_->linear_state(), &rt_->linear_state(),
@@ -330,19 +322,13 @@ class SimLinearCheck : public ::testing::Test {
     return c;
   }
 
-  LayerSite site() const {
-    return {2, ModelRole::target, ForwardMode::EXTEND, &model_.layers[0], "cpu"};
-  }
+  LayerSite site() const { return extend_site(2); }
 
-  ModelSpec model_;
-  std::unique_ptr<AttentionRuntime> rt_;
-  ForwardBatch batch_;
   StateRegion region_;
   LinearWeights weights_;
   LayerBuffers buf_;
   LinearArgs args_;
   StateCopy before_;
-  FailureLog log_;
 };
 
 TEST_F(SimLinearCheck, OutputAndStatesOfTheBackendPassAndTheRuntimesStateStays) {

@@ -1,5 +1,5 @@
 // Helpers shared by the test files: expected errors and their messages, text checks, small layer
-// specs, and running the command-line tool.
+// specs, random buffers, and running the command-line tool.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -10,7 +10,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <initializer_list>
 #include <iterator>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -18,6 +20,7 @@
 #include <vector>
 
 #include "attnrt/core/error.h"
+#include "attnrt/core/tensor.h"
 #include "attnrt/model/model_spec.h"
 
 namespace attnrt::test {
@@ -75,6 +78,17 @@ inline LayerSpec attention_layer(int id, int hq, int hkv, int dim, int v_dim = 0
   l.head_dim = dim;
   l.v_head_dim = v_dim > 0 ? v_dim : dim;
   return l;
+}
+
+// A buffer of `dtype` and `shape` filled with N(0, 1) values drawn from `rng`.
+inline HostBuffer random_buffer(DType dtype, std::initializer_list<int64_t> shape,
+                                std::mt19937& rng) {
+  HostBuffer b(dtype, shape);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  for (int64_t i = 0; i < b.numel(); ++i) {
+    store_from_float(b.data(), dtype, static_cast<size_t>(i), dist(rng));
+  }
+  return b;
 }
 
 // A model of `layers`: activations of `dtype`, sequences of up to `max_context_len` tokens.

@@ -6,8 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
-#include <map>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -24,13 +22,8 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-std::mutex& probes_mutex() {
-  static std::mutex m;
-  return m;
-}
-
-std::map<DeviceKind, CeilingProbe>& probes() {
-  static std::map<DeviceKind, CeilingProbe> p;
+PerDevice<CeilingProbe>& probes() {
+  static PerDevice<CeilingProbe> p;
   return p;
 }
 
@@ -150,19 +143,13 @@ double cpu_bf16_dot_gflops(int threads, double seconds, int passes, std::string*
 std::string cpu_simd_target() { return dispatched_target_name(); }
 
 void register_ceiling_probe(DeviceKind kind, CeilingProbe probe) {
-  std::lock_guard lock(probes_mutex());
-  probes()[kind] = std::move(probe);
+  probes().set(kind, std::move(probe));
 }
 
 Ceilings measure_ceilings(Device device, const CeilingOptions& options) {
   if (device.kind != DeviceKind::cpu) {
     install_builtin_device_probes();
-    CeilingProbe probe;
-    {
-      std::lock_guard lock(probes_mutex());
-      auto it = probes().find(device.kind);
-      if (it != probes().end()) probe = it->second;
-    }
+    const CeilingProbe probe = probes().get(device.kind);
     ATTNRT_CHECK(probe != nullptr,
                  "no ceiling probe for {}: GPU ceilings are measured by the CUDA backend, which "
                  "this build does not have; run the bench on a cpu backend",

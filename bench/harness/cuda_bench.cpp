@@ -66,27 +66,46 @@ class L2Flush {
   int round_ = 0;
 };
 
+// A start and a stop event: the GPU seconds of what one call of a body queues on a stream.
+class EventPair {
+ public:
+  EventPair() {
+    ATTNRT_CUDA_CHECK(cudaEventCreate(&start_));
+    ATTNRT_CUDA_CHECK(cudaEventCreate(&stop_));
+  }
+  ~EventPair() {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  EventPair(const EventPair&) = delete;
+  EventPair& operator=(const EventPair&) = delete;
+
+  template <typename Body>
+  double seconds(cudaStream_t stream, Body&& body) {
+    ATTNRT_CUDA_CHECK(cudaEventRecord(start_, stream));
+    body();
+    ATTNRT_CUDA_CHECK(cudaEventRecord(stop_, stream));
+    ATTNRT_CUDA_CHECK(cudaEventSynchronize(stop_));
+    float ms = 0;
+    ATTNRT_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
+    return ms * 1e-3;
+  }
+
+ private:
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+};
+
 // Events around `body` on `stream`, each repetition after an L2 flush; seconds per repetition.
 template <typename Body>
 std::vector<double> event_seconds(cudaStream_t stream, L2Flush& flush, int warmup, int repeats,
                                   Body&& body) {
-  cudaEvent_t start = nullptr, stop = nullptr;
-  ATTNRT_CUDA_CHECK(cudaEventCreate(&start));
-  ATTNRT_CUDA_CHECK(cudaEventCreate(&stop));
+  EventPair events;
   for (int i = 0; i < warmup; ++i) body();
   std::vector<double> seconds;
   for (int i = 0; i < repeats; ++i) {
     flush.run(stream);
-    ATTNRT_CUDA_CHECK(cudaEventRecord(start, stream));
-    body();
-    ATTNRT_CUDA_CHECK(cudaEventRecord(stop, stream));
-    ATTNRT_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    ATTNRT_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    seconds.push_back(ms * 1e-3);
+    seconds.push_back(events.seconds(stream, body));
   }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
   return seconds;
 }
 
@@ -153,22 +172,11 @@ class EventTimer final : public bench::DeviceTimer {
     const CudaDeviceInfo& info = query_cuda();
     ATTNRT_CHECK(info.usable, "CUDA timer: no usable CUDA device ({})", info.reason);
     flush_.emplace();
-    ATTNRT_CUDA_CHECK(cudaEventCreate(&start_));
-    ATTNRT_CUDA_CHECK(cudaEventCreate(&stop_));
-  }
-  ~EventTimer() override {
-    cudaEventDestroy(start_);
-    cudaEventDestroy(stop_);
+    events_.emplace();
   }
 
   double time(const std::function<void()>& body) override {
-    ATTNRT_CUDA_CHECK(cudaEventRecord(start_, nullptr));
-    body();
-    ATTNRT_CUDA_CHECK(cudaEventRecord(stop_, nullptr));
-    ATTNRT_CUDA_CHECK(cudaEventSynchronize(stop_));
-    float ms = 0;
-    ATTNRT_CUDA_CHECK(cudaEventElapsedTime(&ms, start_, stop_));
-    return ms * 1e-3;
+    return events_->seconds(nullptr, body);
   }
 
   void flush_caches() override { flush_->run(nullptr); }
@@ -179,8 +187,9 @@ class EventTimer final : public bench::DeviceTimer {
   }
 
  private:
-  std::optional<L2Flush> flush_;  // made once the device is known to be usable
-  cudaEvent_t start_ = nullptr, stop_ = nullptr;
+  // Made once the device is known to be usable.
+  std::optional<L2Flush> flush_;
+  std::optional<EventPair> events_;
 };
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "attnrt/core/error.h"
 #include "attnrt/runtime/attention_runtime.h"
 #include "bench/harness/device_row.h"
+#include "bench/harness/row_figures.h"
 #include "bench/harness/runner.h"
 #include "bench/harness/values.h"
 
@@ -312,14 +313,7 @@ void say(const BenchConfig& config, const std::string& line) {
 LinearRowResult run_linear_row(const BenchConfig& config, const LinearWorkload& w,
                                const Ceilings& ceilings) {
   LinearRowResult row;
-  row.workload = w;
-  row.standard = w;
-  for (const LinearWorkload& s : linear_standard_workloads()) {
-    if (s.name == w.name) row.standard = s;
-  }
-  row.bytes = linear_counted_bytes(w);
-  row.flops = linear_counted_flops(w);
-  row.bound = w.bound();
+  start_row(row, w, linear_standard_workloads(), linear_counted_bytes(w), linear_counted_flops(w));
   const int threads = resolve_threads(config.threads);
   try {
     say(config, fmt::format("{}: setting up {} {} ({:.1f} MiB moved per call)", w.name,
@@ -358,15 +352,7 @@ LinearRowResult run_linear_row(const BenchConfig& config, const LinearWorkload& 
         *timer, [&] { run.forward(t, w.num_tokens()); }, config.warmup, config.repeats);
     rt.end_step();
     row.tokens_per_second = static_cast<double>(w.num_tokens()) / row.time.median;
-    if (row.bound == Bound::memory) {
-      row.rate = row.bytes / row.time.median / 1e9;
-      if (ceilings.memory.available()) row.pct_of_ceiling = 100 * row.rate / ceilings.memory.value;
-    } else {
-      row.rate = row.flops / row.time.median / 1e9;
-      if (ceilings.compute().available()) {
-        row.pct_of_ceiling = 100 * row.rate / ceilings.compute().value;
-      }
-    }
+    set_rate(row, ceilings);
   } catch (const Error& e) {
     row.status = "error";
     row.error = e.what();

@@ -9,6 +9,7 @@
 
 #include "attnrt/core/error.h"
 #include "attnrt/memory/linear_state_pool.h"
+#include "bench/harness/scale.h"
 #include "bench/harness/select.h"
 
 namespace attnrt::bench {
@@ -17,32 +18,13 @@ namespace {
 
 // Decode rows build their state from this many tokens first (an untimed EXTEND).
 constexpr int kDecodePrefix = 16;
-constexpr int kTokenQuantum = 16;
 
-// The linear layers of the model presets (src/model/presets.cpp).
-LinearSpec qwen3_next_gdn() {
-  return {.num_k_heads = 16,
-          .num_v_heads = 32,
-          .head_k_dim = 128,
-          .head_v_dim = 128,
-          .conv_kernel = 4,
-          .chunk_size = 64};
-}
-LinearSpec kimi_linear_kda() {
-  return {.num_k_heads = 32,
-          .num_v_heads = 32,
-          .head_k_dim = 128,
-          .head_v_dim = 128,
-          .conv_kernel = 4,
-          .chunk_size = 64};
-}
-LinearSpec nemotron_h_mamba2() {
-  return {.num_v_heads = 128,
-          .head_v_dim = 64,
-          .d_state = 128,
-          .n_groups = 8,
-          .conv_kernel = 4,
-          .chunk_size = 128};
+// The `kind` layer of model preset `model`: the rows measure the layers the presets serve.
+LinearSpec preset_linear_spec(const std::string& model, LayerKind kind) {
+  for (const LayerSpec& l : model_preset(model).layers) {
+    if (l.kind == kind) return l.linear;
+  }
+  fail("model preset {} has no {} layer", model, layer_kind_name(kind));
 }
 
 LinearWorkload row(LayerKind kind, LinearMode mode, int batch, int tokens) {
@@ -55,17 +37,15 @@ LinearWorkload row(LayerKind kind, LinearMode mode, int batch, int tokens) {
   switch (kind) {
     case LayerKind::gdn:
       w.model = "qwen3-next-80b";
-      w.spec = qwen3_next_gdn();
       break;
     case LayerKind::kda:
       w.model = "kimi-linear-48b";
-      w.spec = kimi_linear_kda();
       break;
     default:
       w.model = "nemotron-h-8b";
-      w.spec = nemotron_h_mamba2();
       break;
   }
+  w.spec = preset_linear_spec(w.model, kind);
   w.name = mode == LinearMode::decode
                ? fmt::format("{}-decode-{}", layer_kind_name(kind), batch)
                : fmt::format("{}-extend-{}x{}", layer_kind_name(kind), batch, tokens);
@@ -200,18 +180,9 @@ std::vector<LinearWorkload> select_linear_workloads(std::string_view selector) {
 }
 
 LinearWorkload scale_linear_workload(const LinearWorkload& w, double factor) {
-  ATTNRT_CHECK(factor > 0 && factor <= 1, "--scale {} is out of range: use a factor in (0, 1]",
-               factor);
-  if (factor == 1) return w;
-  LinearWorkload s = w;
-  s.batch = std::max(1, static_cast<int>(std::lround(w.batch * factor)));
-  if (w.mode == LinearMode::extend) {
-    const long t = std::lround(w.new_tokens * factor / kTokenQuantum) * kTokenQuantum;
-    s.new_tokens = static_cast<int>(std::max<long>(t, kTokenQuantum));
-  }
-  if (s == w) return w;
-  s.scale_note = fmt::format("scaled x{:g} from {}", factor, w.shape());
-  return s;
+  return scale_row(w, factor, [&](LinearWorkload& s, double f) {
+    if (w.mode == LinearMode::extend) s.new_tokens = round_length(w.new_tokens * f);
+  });
 }
 
 std::vector<LinearWorkload> apply_linear_preset(const std::vector<LinearWorkload>& rows,
@@ -228,9 +199,7 @@ std::vector<LinearWorkload> apply_linear_preset(const std::vector<LinearWorkload
     };
     LinearWorkload s = w;
     while (!fits(s) && s.batch > 1) s.batch = (s.batch + 1) / 2;
-    while (!fits(s) && s.new_tokens > kTokenQuantum) {
-      s.new_tokens = std::max(kTokenQuantum, s.new_tokens / 2 / kTokenQuantum * kTokenQuantum);
-    }
+    while (!fits(s) && s.new_tokens > kLengthQuantum) s.new_tokens = halve_length(s.new_tokens);
     if (!(s == w)) s.scale_note = fmt::format("shrunk by --preset cpu-small from {}", w.shape());
     out.push_back(s);
   }

@@ -21,6 +21,7 @@
 #include "attnrt/model/model_spec.h"
 #include "backends/cpu/cpu_backend.h"
 #include "bench/harness/device_row.h"
+#include "bench/harness/row_figures.h"
 #include "bench/harness/values.h"
 
 namespace attnrt::bench {
@@ -466,14 +467,7 @@ bool BenchResult::all_passed() const {
 
 RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& ceilings) {
   RowResult row;
-  row.workload = w;
-  row.standard = w;
-  for (const Workload& s : standard_workloads()) {
-    if (s.name == w.name) row.standard = s;
-  }
-  row.bytes = counted_bytes(w);
-  row.flops = counted_flops(w);
-  row.bound = w.bound();
+  start_row(row, w, standard_workloads(), counted_bytes(w), counted_flops(w));
   const int threads = resolve_threads(config.threads);
   try {
     double work_per_second = 0;
@@ -499,15 +493,7 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
       auto timer = make_device_timer(config.device);
       row.time = time_repeated(*timer, [&] { run.forward(); }, config.warmup, config.repeats);
       work_per_second = attention_work(w) / row.time.median;
-      if (row.bound == Bound::memory) {
-        row.rate = row.bytes / row.time.median / 1e9;
-        if (ceilings.memory.available()) row.pct_of_ceiling = 100 * row.rate / ceilings.memory.value;
-      } else {
-        row.rate = row.flops / row.time.median / 1e9;
-        if (ceilings.compute().available()) {
-          row.pct_of_ceiling = 100 * row.rate / ceilings.compute().value;
-        }
-      }
+      set_rate(row, ceilings);
     }
     if (is_verify(w.kind)) {
       Workload dw = decode_companion(w);

@@ -7,8 +7,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <fstream>
-#include <map>
-#include <mutex>
 #include <string_view>
 
 #include "attnrt/core/error.h"
@@ -61,13 +59,8 @@ class CpuTimer final : public DeviceTimer {
   uint64_t sink_ = 0;
 };
 
-std::mutex& timers_mutex() {
-  static std::mutex m;
-  return m;
-}
-
-std::map<DeviceKind, std::function<std::unique_ptr<DeviceTimer>()>>& timers() {
-  static std::map<DeviceKind, std::function<std::unique_ptr<DeviceTimer>()>> t;
+PerDevice<std::function<std::unique_ptr<DeviceTimer>()>>& timers() {
+  static PerDevice<std::function<std::unique_ptr<DeviceTimer>()>> t;
   return t;
 }
 
@@ -115,12 +108,7 @@ const char* gpu_flush_name(GpuFlush flush) { return flush == GpuFlush::clean ? "
 std::unique_ptr<DeviceTimer> make_device_timer(Device device) {
   if (device.kind == DeviceKind::cpu) return std::make_unique<CpuTimer>();
   install_builtin_device_probes();
-  std::function<std::unique_ptr<DeviceTimer>()> make;
-  {
-    std::lock_guard lock(timers_mutex());
-    auto it = timers().find(device.kind);
-    if (it != timers().end()) make = it->second;
-  }
+  const std::function<std::unique_ptr<DeviceTimer>()> make = timers().get(device.kind);
   ATTNRT_CHECK(make != nullptr,
                "no timer for {}: device timing is provided by the CUDA backend, which this build "
                "does not have",
@@ -129,8 +117,7 @@ std::unique_ptr<DeviceTimer> make_device_timer(Device device) {
 }
 
 void register_device_timer(DeviceKind kind, std::function<std::unique_ptr<DeviceTimer>()> make) {
-  std::lock_guard lock(timers_mutex());
-  timers()[kind] = std::move(make);
+  timers().set(kind, std::move(make));
 }
 
 TimingStats time_repeated(DeviceTimer& timer, const std::function<void()>& body, int warmup,

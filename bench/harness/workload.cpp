@@ -7,20 +7,12 @@
 #include <cmath>
 
 #include "attnrt/core/error.h"
+#include "bench/harness/scale.h"
 #include "bench/harness/select.h"
 
 namespace attnrt::bench {
 
 namespace {
-
-// Scaled lengths stay multiples of the standard page so that page-16 and page-1 variants of a row
-// keep identical token counts.
-constexpr int kLengthQuantum = 16;
-
-int round_length(double len) {
-  int q = static_cast<int>(std::lround(len / kLengthQuantum)) * kLengthQuantum;
-  return std::max(q, kLengthQuantum);
-}
 
 Workload decode(int batch, int kv_len, int page_size, DType dtype) {
   Workload w;
@@ -84,8 +76,6 @@ double visible_pairs_per_request(const Workload& w) {
   }
   return n * p + n * (n + 1) / 2;
 }
-
-std::string format_factor(double f) { return fmt::format("{:g}", f); }
 
 }  // namespace
 
@@ -212,24 +202,24 @@ std::vector<Workload> select_workloads(std::string_view selector) {
 }
 
 Workload scale_workload(const Workload& w, double factor) {
-  ATTNRT_CHECK(factor > 0 && factor <= 1, "--scale {} is out of range: use a factor in (0, 1]",
-               factor);
-  if (factor == 1) return w;
-  Workload s = w;
-  s.batch = std::max(1, static_cast<int>(std::lround(w.batch * factor)));
-  switch (w.kind) {
-    case WorkloadKind::decode: s.prefix_len = round_length(w.kv_len() * factor) - 1; break;
-    case WorkloadKind::prefill: s.new_tokens = round_length(w.new_tokens * factor); break;
-    case WorkloadKind::extend:
-      s.prefix_len = round_length(w.prefix_len * factor);
-      s.new_tokens = round_length(w.new_tokens * factor);
-      break;
-    case WorkloadKind::verify_chain:
-    case WorkloadKind::verify_tree: s.prefix_len = round_length(w.prefix_len * factor); break;
-  }
-  if (s == w) return w;
-  s.scale_note = fmt::format("scaled x{} from {}", format_factor(factor), w.shape());
-  return s;
+  return scale_row(w, factor, [&](Workload& s, double f) {
+    switch (w.kind) {
+      case WorkloadKind::decode:
+        s.prefix_len = round_length(w.kv_len() * f) - 1;
+        break;
+      case WorkloadKind::prefill:
+        s.new_tokens = round_length(w.new_tokens * f);
+        break;
+      case WorkloadKind::extend:
+        s.prefix_len = round_length(w.prefix_len * f);
+        s.new_tokens = round_length(w.new_tokens * f);
+        break;
+      case WorkloadKind::verify_chain:
+      case WorkloadKind::verify_tree:
+        s.prefix_len = round_length(w.prefix_len * f);
+        break;
+    }
+  });
 }
 
 Workload fit_workload(const Workload& w, double max_bytes, double max_work, std::string_view why) {
@@ -240,16 +230,13 @@ Workload fit_workload(const Workload& w, double max_bytes, double max_work, std:
   Workload s = w;
   while (!fits(s) && s.batch > 1) s.batch = (s.batch + 1) / 2;
   // Then the lengths: the new tokens of prefill/extend and the cached prefix of the others.
-  auto shrink = [](int len) {
-    return std::max(kLengthQuantum, (len / 2) / kLengthQuantum * kLengthQuantum);
-  };
   while (!fits(s)) {
     Workload before = s;
     if (s.kind == WorkloadKind::prefill || s.kind == WorkloadKind::extend) {
-      s.new_tokens = shrink(s.new_tokens);
+      s.new_tokens = halve_length(s.new_tokens);
     }
     if (s.kind != WorkloadKind::prefill) {
-      int kv = shrink(s.kind == WorkloadKind::decode ? s.kv_len() : s.prefix_len);
+      int kv = halve_length(s.kind == WorkloadKind::decode ? s.kv_len() : s.prefix_len);
       s.prefix_len = s.kind == WorkloadKind::decode ? kv - 1 : kv;
     }
     if (s == before) break;  // already at the smallest shape

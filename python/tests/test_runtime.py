@@ -34,6 +34,15 @@ def llama_config(layers=2, q_heads=8, kv_heads=2, head_dim=64, **extra):
     return cfg
 
 
+def cpu_engine(seed_offset):
+    """A one-layer float32 runtime on the cpu backend (pages of 16, 4 request rows, 1024 slots), its
+    Engine, and the generator of the inputs, seeded with SEED + seed_offset."""
+    gen = torch.Generator().manual_seed(SEED + seed_offset)
+    rt = attnrt.Runtime(llama_config(layers=1), dtype=torch.float32, attention_backend="cpu",
+                        page_size=16, max_requests=4, kv_slots=1024)
+    return rt, Engine(rt, "cpu", torch.float32, gen), gen
+
+
 def backend_for(device):
     return "cuda" if device == "cuda" else "cpu"
 
@@ -248,10 +257,7 @@ def test_windows_softcap_and_fp8_agree_with_the_reference_backend(kv):
 
 
 def test_outputs_and_pools_are_the_tensors_own_memory():
-    gen = torch.Generator().manual_seed(SEED + 3)
-    rt = attnrt.Runtime(llama_config(layers=1), dtype=torch.float32, attention_backend="cpu",
-                        page_size=16, max_requests=4, kv_slots=1024)
-    eng = Engine(rt, "cpu", torch.float32, gen)
+    rt, eng, gen = cpu_engine(3)
     eng.add(0)
     table = rt.req_to_token
     kbuf, vbuf, _, _ = rt.kv_buffers(0)
@@ -270,10 +276,7 @@ def test_outputs_and_pools_are_the_tensors_own_memory():
 
 
 def test_bad_input_names_the_problem_and_leaves_the_pools_as_they_were():
-    gen = torch.Generator().manual_seed(SEED + 4)
-    rt = attnrt.Runtime(llama_config(layers=1), dtype=torch.float32, attention_backend="cpu",
-                        page_size=16, max_requests=4, kv_slots=1024)
-    eng = Engine(rt, "cpu", torch.float32, gen)
+    rt, eng, gen = cpu_engine(4)
     eng.add(0)
     batch = eng.extend([0], [8])
     kbuf = rt.kv_buffers(0)[0]
@@ -312,10 +315,7 @@ def test_bad_input_names_the_problem_and_leaves_the_pools_as_they_were():
 
 def test_strided_tensors_give_the_results_of_contiguous_ones():
     """Views with any strides pass without a copy and read right (attnrt honours strides)."""
-    gen = torch.Generator().manual_seed(SEED + 8)
-    rt = attnrt.Runtime(llama_config(layers=1), dtype=torch.float32, attention_backend="cpu",
-                        page_size=16, max_requests=4, kv_slots=1024)
-    eng = Engine(rt, "cpu", torch.float32, gen)
+    rt, eng, gen = cpu_engine(8)
     eng.add(0)
     batch = eng.extend([0], [12])
     q = torch.randn(12, 64, 8, generator=gen).transpose(1, 2)  # [12, 8, 64], last stride 8
@@ -386,10 +386,7 @@ def test_batch_fields_as_tensors_numpy_lists_and_flat_views_give_the_same_step()
     requires grad is refused by name."""
     import numpy as np
 
-    gen = torch.Generator().manual_seed(SEED + 12)
-    rt = attnrt.Runtime(llama_config(layers=1), dtype=torch.float32, attention_backend="cpu",
-                        page_size=16, max_requests=4, kv_slots=1024)
-    eng = Engine(rt, "cpu", torch.float32, gen)
+    rt, eng, gen = cpu_engine(12)
     for r in range(3):
         eng.add(r)
     batch = eng.extend([0, 1, 2], [5, 17, 9])

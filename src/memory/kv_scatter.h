@@ -1,5 +1,5 @@
-// Row scatter shared by the host KV pools: float conversion per (source, storage) dtype pair and
-// the checks of a set_kv_buffer input.
+// Row scatter shared by the host KV pools: float conversion per (source, storage) dtype pair, the
+// checks of a pool's shape and of a set_kv_buffer input.
 #pragma once
 
 #include <cstdint>
@@ -14,59 +14,39 @@ namespace attnrt::kv_scatter {
 
 // Raw element type and float conversions of each float dtype, so the copy loops below are
 // instantiated per (source, storage) pair instead of switching per element.
+template <class Raw, float (*Load)(Raw), Raw (*Store)(float)>
+struct CodecOf {
+  using raw = Raw;
+  static float load(raw x) { return Load(x); }
+  static raw store(float x) { return Store(x); }
+};
+inline float identity(float x) { return x; }
+
 template <DType T>
 struct Codec;
 template <>
-struct Codec<DType::f32> {
-  using raw = float;
-  static float load(raw x) { return x; }
-  static raw store(float x) { return x; }
-};
+struct Codec<DType::f32> : CodecOf<float, identity, identity> {};
 template <>
-struct Codec<DType::f16> {
-  using raw = uint16_t;
-  static float load(raw x) { return fp16_to_float(x); }
-  static raw store(float x) { return float_to_fp16(x); }
-};
+struct Codec<DType::f16> : CodecOf<uint16_t, fp16_to_float, float_to_fp16> {};
 template <>
-struct Codec<DType::bf16> {
-  using raw = uint16_t;
-  static float load(raw x) { return bf16_to_float(x); }
-  static raw store(float x) { return float_to_bf16(x); }
-};
+struct Codec<DType::bf16> : CodecOf<uint16_t, bf16_to_float, float_to_bf16> {};
 template <>
-struct Codec<DType::e4m3> {
-  using raw = uint8_t;
-  static float load(raw x) { return e4m3_to_float(x); }
-  static raw store(float x) { return float_to_e4m3(x); }
-};
+struct Codec<DType::e4m3> : CodecOf<uint8_t, e4m3_to_float, float_to_e4m3> {};
 template <>
-struct Codec<DType::e5m2> {
-  using raw = uint8_t;
-  static float load(raw x) { return e5m2_to_float(x); }
-  static raw store(float x) { return float_to_e5m2(x); }
-};
+struct Codec<DType::e5m2> : CodecOf<uint8_t, e5m2_to_float, float_to_e5m2> {};
 
+// Calls f(std::integral_constant<DType, t>{}) for the first of `Ts` that equals `t`; false when
+// none does.
+template <DType... Ts, class F>
+bool dispatch_among(DType t, F&& f) {
+  return ((t == Ts ? (f(std::integral_constant<DType, Ts>{}), true) : false) || ...);
+}
+
+// f(std::integral_constant<DType, t>{}) for a float dtype `t`; attnrt::Error for any other.
 template <class F>
 void dispatch_float(DType t, F&& f) {
-  switch (t) {
-    case DType::f32:
-      f(std::integral_constant<DType, DType::f32>{});
-      return;
-    case DType::f16:
-      f(std::integral_constant<DType, DType::f16>{});
-      return;
-    case DType::bf16:
-      f(std::integral_constant<DType, DType::bf16>{});
-      return;
-    case DType::e4m3:
-      f(std::integral_constant<DType, DType::e4m3>{});
-      return;
-    case DType::e5m2:
-      f(std::integral_constant<DType, DType::e5m2>{});
-      return;
-    default:
-      fail("KV pool: {} is not a float dtype", dtype_name(t));
+  if (!dispatch_among<DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2>(t, f)) {
+    fail("KV pool: {} is not a float dtype", dtype_name(t));
   }
 }
 
@@ -91,6 +71,35 @@ void scatter_rows(const TensorView& src, std::span<const int64_t> loc, void* dst
         for (int64_t d = 0; d < dim; ++d) y[d] = Codec<D>::store(Codec<S>::load(x[d * s2]) / scale);
       }
     }
+  }
+}
+
+// Writes rows `loc` of a pool stored as `dst_dtype` at `dst` from `src`: divided by `scale`, then
+// cast.
+inline void scatter(const TensorView& src, std::span<const int64_t> loc, DType dst_dtype, void* dst,
+                    float scale) {
+  dispatch_float(src.dtype, [&](auto s) {
+    dispatch_float(dst_dtype, [&](auto d) {
+      scatter_rows<decltype(s)::value, decltype(d)::value>(src, loc, dst, scale);
+    });
+  });
+}
+
+// The checks of a pool's constructor; `pool` starts every message ("MHATokenToKVPool").
+inline void check_pool(const char* pool, int64_t rows, DType dtype) {
+  ATTNRT_CHECK(rows >= 1, "{}: {} rows; a pool needs at least the reserved row", pool, rows);
+  ATTNRT_CHECK(is_float(dtype),
+               "{}: {} is not a KV storage dtype; use bf16, fp16, fp32, fp8_e4m3 or fp8_e5m2", pool,
+               dtype_name(dtype));
+}
+
+// Every slot of `loc` lies in the pool's rows 0..rows-1. Slot 0 is the reserved dummy row: padded
+// rows of a graph replay write there by design.
+inline void check_slots(int layer_id, std::span<const int64_t> loc, int64_t rows) {
+  for (size_t i = 0; i < loc.size(); ++i) {
+    ATTNRT_CHECK(loc[i] >= 0 && loc[i] < rows,
+                 "set_kv_buffer(layer {}): loc[{}] = {} is outside the pool's slots 0..{}",
+                 layer_id, i, loc[i], rows - 1);
   }
 }
 

@@ -40,11 +40,6 @@ LinearStateShape linear_state_shape(const LayerSpec& layer) {
   shape.conv_width = s.conv_kernel - 1;
   switch (layer.kind) {
     case LayerKind::gdn:
-      shape.conv_dim = 2 * s.num_k_heads * s.head_k_dim + s.num_v_heads * s.head_v_dim;
-      shape.heads = s.num_v_heads;
-      shape.rows = s.head_v_dim;
-      shape.cols = s.head_k_dim;
-      return shape;
     case LayerKind::kda:
       shape.conv_dim = 2 * s.num_k_heads * s.head_k_dim + s.num_v_heads * s.head_v_dim;
       shape.heads = s.num_v_heads;

@@ -7,18 +7,9 @@
 
 namespace attnrt {
 
-using kv_scatter::check_input;
-using kv_scatter::dispatch_float;
-using kv_scatter::scatter_rows;
-
 MHATokenToKVPool::MHATokenToKVPool(int64_t rows, DType dtype, const std::vector<LayerSpec>& layers)
     : rows_(rows), dtype_(dtype) {
-  ATTNRT_CHECK(rows >= 1, "MHATokenToKVPool: {} rows; a pool needs at least the reserved row",
-               rows);
-  ATTNRT_CHECK(is_float(dtype),
-               "MHATokenToKVPool: {} is not a KV storage dtype; use bf16, fp16, fp32, fp8_e4m3 or "
-               "fp8_e5m2",
-               dtype_name(dtype));
+  kv_scatter::check_pool("MHATokenToKVPool", rows, dtype);
   layers_.reserve(layers.size());
   for (const LayerSpec& l : layers) {
     ATTNRT_CHECK(l.uses_kv_cache() && l.kind != LayerKind::mla,
@@ -93,24 +84,11 @@ void MHATokenToKVPool::set_kv_buffer(int layer_id, std::span<const int64_t> loc,
                                      const TensorView& k, const TensorView& v) {
   const Layer& l = find(layer_id);
   const auto tokens = static_cast<int64_t>(loc.size());
-  check_input("k", k, tokens, l.kv_heads, l.head_dim, layer_id);
-  check_input("v", v, tokens, l.kv_heads, l.v_head_dim, layer_id);
-  // Slot 0 is the reserved dummy row: padded rows of a graph replay write there by design.
-  for (size_t i = 0; i < loc.size(); ++i) {
-    ATTNRT_CHECK(loc[i] >= 0 && loc[i] < rows_,
-                 "set_kv_buffer(layer {}): loc[{}] = {} is outside the pool's slots 0..{}",
-                 layer_id, i, loc[i], rows_ - 1);
-  }
-  dispatch_float(k.dtype, [&](auto s) {
-    dispatch_float(dtype_, [&](auto d) {
-      scatter_rows<decltype(s)::value, decltype(d)::value>(k, loc, l.kp, l.k_scale);
-    });
-  });
-  dispatch_float(v.dtype, [&](auto s) {
-    dispatch_float(dtype_, [&](auto d) {
-      scatter_rows<decltype(s)::value, decltype(d)::value>(v, loc, l.vp, l.v_scale);
-    });
-  });
+  kv_scatter::check_input("k", k, tokens, l.kv_heads, l.head_dim, layer_id);
+  kv_scatter::check_input("v", v, tokens, l.kv_heads, l.v_head_dim, layer_id);
+  kv_scatter::check_slots(layer_id, loc, rows_);
+  kv_scatter::scatter(k, loc, dtype_, l.kp, l.k_scale);
+  kv_scatter::scatter(v, loc, dtype_, l.vp, l.v_scale);
 }
 
 size_t MHATokenToKVPool::bytes() const {

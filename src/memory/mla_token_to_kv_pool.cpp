@@ -9,12 +9,7 @@ namespace attnrt {
 
 MLATokenToKVPool::MLATokenToKVPool(int64_t rows, DType dtype, const std::vector<LayerSpec>& layers)
     : rows_(rows), dtype_(dtype) {
-  ATTNRT_CHECK(rows >= 1, "MLATokenToKVPool: {} rows; a pool needs at least the reserved row",
-               rows);
-  ATTNRT_CHECK(is_float(dtype),
-               "MLATokenToKVPool: {} is not a KV storage dtype; use bf16, fp16, fp32, fp8_e4m3 or "
-               "fp8_e5m2",
-               dtype_name(dtype));
+  kv_scatter::check_pool("MLATokenToKVPool", rows, dtype);
   layers_.reserve(layers.size());
   for (const LayerSpec& l : layers) {
     ATTNRT_CHECK(l.kind == LayerKind::mla,
@@ -89,17 +84,8 @@ void MLATokenToKVPool::set_kv_buffer(int layer_id, std::span<const int64_t> loc,
   const Layer& l = find(layer_id);
   const auto tokens = static_cast<int64_t>(loc.size());
   kv_scatter::check_input("k", k, tokens, 1, l.row_dim, layer_id);
-  for (size_t i = 0; i < loc.size(); ++i) {
-    ATTNRT_CHECK(loc[i] >= 0 && loc[i] < rows_,
-                 "set_kv_buffer(layer {}): loc[{}] = {} is outside the pool's slots 0..{}",
-                 layer_id, i, loc[i], rows_ - 1);
-  }
-  kv_scatter::dispatch_float(k.dtype, [&](auto s) {
-    kv_scatter::dispatch_float(dtype_, [&](auto d) {
-      kv_scatter::scatter_rows<decltype(s)::value, decltype(d)::value>(k, loc, l.kvp,
-                                                                       l.scale);
-    });
-  });
+  kv_scatter::check_slots(layer_id, loc, rows_);
+  kv_scatter::scatter(k, loc, dtype_, l.kvp, l.scale);
 }
 
 size_t MLATokenToKVPool::bytes() const {

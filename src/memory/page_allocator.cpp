@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "attnrt/core/error.h"
+#include "src/memory/alloc_lens.h"
 
 namespace attnrt {
 
@@ -84,10 +85,8 @@ int64_t PageAllocator::check_extend(std::span<const int32_t> prefix_lens,
 std::vector<int64_t> PageAllocator::fill(std::span<const int32_t> prefix_lens,
                                          std::span<const int32_t> seq_lens,
                                          std::span<const int64_t> last_locs) {
-  int64_t total = 0;
-  for (size_t i = 0; i < seq_lens.size(); ++i) total += seq_lens[i] - prefix_lens[i];
   std::vector<int64_t> out;
-  out.reserve(static_cast<size_t>(total));
+  out.reserve(static_cast<size_t>(alloc_lens::new_tokens(prefix_lens, seq_lens)));
   for (size_t i = 0; i < seq_lens.size(); ++i) {
     int64_t prev = last_locs[i];
     for (int64_t pos = prefix_lens[i]; pos < seq_lens[i]; ++pos) {
@@ -104,28 +103,19 @@ std::vector<int64_t> PageAllocator::alloc_extend(std::span<const int32_t> prefix
                                                  std::span<const int64_t> last_locs) {
   const int64_t pages = check_extend(prefix_lens, seq_lens, last_locs);
   if (pages > free_pages()) {
-    int64_t tokens = 0;
-    for (size_t i = 0; i < seq_lens.size(); ++i) tokens += seq_lens[i] - prefix_lens[i];
     fail(
         "alloc_extend: out of KV cache: {} requests need {} new slots ({} new pages of {}), but "
         "only {} of {} slots ({} pages) are free; use a larger KV pool (more slots) or fewer / "
         "shorter requests per step, or free finished requests first",
-        seq_lens.size(), tokens, pages, page_size_, available_size(), num_pages_ * page_size_,
-        free_pages());
+        seq_lens.size(), alloc_lens::new_tokens(prefix_lens, seq_lens), pages, page_size_,
+        available_size(), num_pages_ * page_size_, free_pages());
   }
   return fill(prefix_lens, seq_lens, last_locs);
 }
 
 std::vector<int64_t> PageAllocator::alloc_decode(std::span<const int32_t> seq_lens,
                                                  std::span<const int64_t> last_locs) {
-  std::vector<int32_t> prefix(seq_lens.size());
-  for (size_t i = 0; i < seq_lens.size(); ++i) {
-    ATTNRT_CHECK(seq_lens[i] >= 1,
-                 "alloc_decode: seq_lens[{}] = {}; decode lengths include the new token, so they "
-                 "are >= 1",
-                 i, seq_lens[i]);
-    prefix[i] = seq_lens[i] - 1;
-  }
+  const std::vector<int32_t> prefix = alloc_lens::decode_prefix_lens(seq_lens);
   const int64_t pages = check_extend(prefix, seq_lens, last_locs, "alloc_decode");
   if (pages > free_pages()) {
     fail(

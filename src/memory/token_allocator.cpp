@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "attnrt/core/error.h"
+#include "src/memory/alloc_lens.h"
 
 namespace attnrt {
 
@@ -39,63 +40,54 @@ std::vector<int64_t> SWATokenAllocator::swa_last_locs(std::span<const int32_t> p
   return out;
 }
 
-void SWATokenAllocator::map(const std::vector<int64_t>& full_slots,
-                            const std::vector<int64_t>& swa_slots) {
+// Everything is validated, and the SWA pool's capacity checked, before the full pool changes: the
+// full allocation is then the only step that can fail, and it fails without a change.
+std::vector<int64_t> SWATokenAllocator::alloc(std::span<const int32_t> prefix_lens,
+                                              std::span<const int32_t> seq_lens,
+                                              std::span<const int64_t> last_locs, bool decode) {
+  const char* what = decode ? "alloc_decode" : "alloc_extend";
+  full_.check_extend(prefix_lens, seq_lens, last_locs, what);
+  const auto swa_last = swa_last_locs(prefix_lens, last_locs, what);
+  const int64_t swa_pages =
+      swa_.check_extend(prefix_lens, seq_lens, swa_last,
+                        decode ? "alloc_decode (SWA pool)" : "alloc_extend (SWA pool)");
+  if (swa_pages > swa_.free_pages()) {
+    if (decode) {
+      fail(
+          "alloc_decode: out of SWA KV cache: {} requests need {} new pages of {} slots, but only "
+          "{} of {} SWA pages are free; give the SWA pool more slots (swa_slots or a larger "
+          "swa_full_tokens_ratio) or release tokens that left the window with free_swa",
+          seq_lens.size(), swa_pages, page_size(), swa_.free_pages(), swa_.num_pages());
+    }
+    fail(
+        "alloc_extend: out of SWA KV cache: {} requests need {} new slots ({} new pages of {}), "
+        "but only {} of {} SWA slots are free; give the SWA pool more slots (swa_slots or a "
+        "larger swa_full_tokens_ratio) or release tokens that left the window with free_swa",
+        seq_lens.size(), alloc_lens::new_tokens(prefix_lens, seq_lens), swa_pages, page_size(),
+        swa_.available_size(), swa_.num_pages() * page_size());
+  }
+  const std::vector<int64_t> full_slots =
+      decode ? full_.alloc_decode(seq_lens, last_locs)
+             : full_.alloc_extend(prefix_lens, seq_lens, last_locs);
+  const std::vector<int64_t> swa_slots = decode
+                                             ? swa_.alloc_decode(seq_lens, swa_last)
+                                             : swa_.alloc_extend(prefix_lens, seq_lens, swa_last);
   auto& m = *map_;
-  for (size_t i = 0; i < full_slots.size(); ++i)
+  for (size_t i = 0; i < full_slots.size(); ++i) {
     m[static_cast<size_t>(full_slots[i])] = swa_slots[i];
+  }
+  return full_slots;
 }
 
 std::vector<int64_t> SWATokenAllocator::alloc_extend(std::span<const int32_t> prefix_lens,
                                                      std::span<const int32_t> seq_lens,
                                                      std::span<const int64_t> last_locs) {
-  // Everything is validated, and the SWA pool's capacity checked, before the full pool changes:
-  // the full allocation is then the only step that can fail, and it fails without a change.
-  full_.check_extend(prefix_lens, seq_lens, last_locs, "alloc_extend");
-  const auto swa_last = swa_last_locs(prefix_lens, last_locs, "alloc_extend");
-  const int64_t swa_pages =
-      swa_.check_extend(prefix_lens, seq_lens, swa_last, "alloc_extend (SWA pool)");
-  if (swa_pages > swa_.free_pages()) {
-    int64_t tokens = 0;
-    for (size_t i = 0; i < seq_lens.size(); ++i) tokens += seq_lens[i] - prefix_lens[i];
-    fail(
-        "alloc_extend: out of SWA KV cache: {} requests need {} new slots ({} new pages of {}), "
-        "but only {} of {} SWA slots are free; give the SWA pool more slots (swa_slots or a "
-        "larger swa_full_tokens_ratio) or release tokens that left the window with free_swa",
-        seq_lens.size(), tokens, swa_pages, page_size(), swa_.available_size(),
-        swa_.num_pages() * page_size());
-  }
-  auto full_slots = full_.alloc_extend(prefix_lens, seq_lens, last_locs);
-  auto swa_slots = swa_.alloc_extend(prefix_lens, seq_lens, swa_last);
-  map(full_slots, swa_slots);
-  return full_slots;
+  return alloc(prefix_lens, seq_lens, last_locs, false);
 }
 
 std::vector<int64_t> SWATokenAllocator::alloc_decode(std::span<const int32_t> seq_lens,
                                                      std::span<const int64_t> last_locs) {
-  std::vector<int32_t> prefix(seq_lens.size());
-  for (size_t i = 0; i < seq_lens.size(); ++i) {
-    ATTNRT_CHECK(seq_lens[i] >= 1,
-                 "alloc_decode: seq_lens[{}] = {}; decode lengths include the new token, so they "
-                 "are >= 1",
-                 i, seq_lens[i]);
-    prefix[i] = seq_lens[i] - 1;
-  }
-  full_.check_extend(prefix, seq_lens, last_locs, "alloc_decode");
-  const auto swa_last = swa_last_locs(prefix, last_locs, "alloc_decode");
-  const int64_t swa_pages =
-      swa_.check_extend(prefix, seq_lens, swa_last, "alloc_decode (SWA pool)");
-  if (swa_pages > swa_.free_pages()) {
-    fail(
-        "alloc_decode: out of SWA KV cache: {} requests need {} new pages of {} slots, but only "
-        "{} of {} SWA pages are free; give the SWA pool more slots (swa_slots or a larger "
-        "swa_full_tokens_ratio) or release tokens that left the window with free_swa",
-        seq_lens.size(), swa_pages, page_size(), swa_.free_pages(), swa_.num_pages());
-  }
-  auto full_slots = full_.alloc_decode(seq_lens, last_locs);
-  auto swa_slots = swa_.alloc_decode(seq_lens, swa_last);
-  map(full_slots, swa_slots);
-  return full_slots;
+  return alloc(alloc_lens::decode_prefix_lens(seq_lens), seq_lens, last_locs, true);
 }
 
 void SWATokenAllocator::free(std::span<const int64_t> slots) {

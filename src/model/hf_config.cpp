@@ -11,15 +11,19 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
+#include <utility>
 
 #include "attnrt/core/error.h"
 #include "attnrt/model/model_spec.h"
+#include "src/model/layer_builders.h"
 
 namespace attnrt {
 
 namespace {
 
 using json = nlohmann::json;
+using layer_builders::attention_layer;
+using layer_builders::linear_layer;
 
 enum class Family { llama, mistral, qwen2, gemma2, gemma3, gpt_oss, mla, qwen3_next, kimi_linear,
                     nemotron_h };
@@ -44,23 +48,17 @@ std::string supported_types() {
   return fmt::format("{}", fmt::join(names, ", "));
 }
 
+// How an error names the type of a JSON value; the integer types are "a number".
+constexpr std::pair<json::value_t, std::string_view> kJsonTypes[] = {
+    {json::value_t::null, "null"},        {json::value_t::boolean, "a boolean"},
+    {json::value_t::string, "a string"},  {json::value_t::array, "an array"},
+    {json::value_t::object, "an object"}, {json::value_t::number_float, "a non-integer number"}};
+
 std::string_view json_type(const json& v) {
-  switch (v.type()) {
-    case json::value_t::null:
-      return "null";
-    case json::value_t::boolean:
-      return "a boolean";
-    case json::value_t::string:
-      return "a string";
-    case json::value_t::array:
-      return "an array";
-    case json::value_t::object:
-      return "an object";
-    case json::value_t::number_float:
-      return "a non-integer number";
-    default:
-      return "a number";
+  for (const auto& [type, name] : kJsonTypes) {
+    if (type == v.type()) return name;
   }
+  return "a number";
 }
 
 // Typed access to one config object; every error names the file and the field.
@@ -262,35 +260,12 @@ float mla_scaling(const Fields& f, int qk_head_dim, std::string_view origin) {
 }
 
 LayerSpec mla_layer(const Fields& f, int id, std::string_view origin) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.kind = LayerKind::mla;
-  l.num_q_heads = positive(f, "num_attention_heads", origin);
-  l.num_kv_heads = 1;
-  l.kv_lora_rank = positive(f, "kv_lora_rank", origin);
-  l.qk_rope_head_dim = positive(f, "qk_rope_head_dim", origin);
+  const int q_heads = positive(f, "num_attention_heads", origin);
+  const int kv_lora_rank = positive(f, "kv_lora_rank", origin);
+  const int rope = positive(f, "qk_rope_head_dim", origin);
   const int nope = positive(f, "qk_nope_head_dim", origin);
-  l.head_dim = l.kv_lora_rank + l.qk_rope_head_dim;
-  l.v_head_dim = l.kv_lora_rank;  // the latent form: V is the first kv_lora_rank columns
-  l.scaling = mla_scaling(f, nope + l.qk_rope_head_dim, origin);
-  return l;
-}
-
-LayerSpec attention_layer(int id, int q_heads, int kv_heads, int head_dim) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.num_q_heads = q_heads;
-  l.num_kv_heads = kv_heads;
-  l.head_dim = head_dim;
-  l.v_head_dim = head_dim;
-  return l;
-}
-
-LayerSpec linear_layer(int id, LayerKind kind, const LinearSpec& spec) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.kind = kind;
-  l.linear = spec;
+  LayerSpec l = layer_builders::mla_layer(id, q_heads, kv_lora_rank, rope);
+  l.scaling = mla_scaling(f, nope + rope, origin);
   return l;
 }
 

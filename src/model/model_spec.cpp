@@ -5,25 +5,23 @@
 
 #include <cmath>
 #include <filesystem>
+#include <utility>
 
 #include "attnrt/core/error.h"
 
 namespace attnrt {
 
+namespace {
+
+constexpr std::pair<LayerKind, std::string_view> kLayerKindNames[] = {
+    {LayerKind::full, "full"}, {LayerKind::swa, "swa"},       {LayerKind::mla, "mla"},
+    {LayerKind::gdn, "gdn"},   {LayerKind::mamba2, "mamba2"}, {LayerKind::kda, "kda"}};
+
+}  // namespace
+
 std::string_view layer_kind_name(LayerKind k) {
-  switch (k) {
-    case LayerKind::full:
-      return "full";
-    case LayerKind::swa:
-      return "swa";
-    case LayerKind::mla:
-      return "mla";
-    case LayerKind::gdn:
-      return "gdn";
-    case LayerKind::mamba2:
-      return "mamba2";
-    case LayerKind::kda:
-      return "kda";
+  for (const auto& [kind, name] : kLayerKindNames) {
+    if (kind == k) return name;
   }
   return "?";
 }

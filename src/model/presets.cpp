@@ -6,10 +6,14 @@
 
 #include "attnrt/core/error.h"
 #include "attnrt/model/model_spec.h"
+#include "src/model/layer_builders.h"
 
 namespace attnrt {
 
 namespace {
+
+using layer_builders::attention_layer;
+using layer_builders::linear_layer;
 
 ModelSpec named(std::string name, int max_context_len) {
   ModelSpec m;
@@ -18,40 +22,11 @@ ModelSpec named(std::string name, int max_context_len) {
   return m;
 }
 
-LayerSpec attention(int id, int q_heads, int kv_heads, int head_dim, int window = -1) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.kind = window >= 0 ? LayerKind::swa : LayerKind::full;
-  l.num_q_heads = q_heads;
-  l.num_kv_heads = kv_heads;
-  l.head_dim = head_dim;
-  l.v_head_dim = head_dim;
-  l.sliding_window = window;
-  return l;
-}
-
-// The latent (absorbed) form of multi-head latent attention: one kv head holding
-// [kv_lora_rank | rope] per token; V is the first kv_lora_rank columns. The softmax scale is that
-// of the unabsorbed heads, (qk_nope + qk_rope)^-1/2.
+// An MLA layer in the latent form (layer_builders::mla_layer) with the softmax scale of the
+// unabsorbed heads, (qk_nope + qk_rope)^-1/2.
 LayerSpec mla(int id, int q_heads, int kv_lora_rank, int qk_rope, int qk_nope) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.kind = LayerKind::mla;
-  l.num_q_heads = q_heads;
-  l.num_kv_heads = 1;
-  l.head_dim = kv_lora_rank + qk_rope;
-  l.v_head_dim = kv_lora_rank;
-  l.kv_lora_rank = kv_lora_rank;
-  l.qk_rope_head_dim = qk_rope;
+  LayerSpec l = layer_builders::mla_layer(id, q_heads, kv_lora_rank, qk_rope);
   l.scaling = 1.f / std::sqrt(static_cast<float>(qk_nope + qk_rope));
-  return l;
-}
-
-LayerSpec linear_layer(int id, LayerKind kind, LinearSpec spec) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.kind = kind;
-  l.linear = spec;
   return l;
 }
 
@@ -59,7 +34,7 @@ ModelSpec llama3_8b() {
   // meta-llama/Meta-Llama-3-8B: num_hidden_layers 32, num_attention_heads 32,
   // num_key_value_heads 8, hidden_size 4096 (head_dim 128), max_position_embeddings 8192.
   ModelSpec m = named("llama3-8b", 8192);
-  for (int i = 0; i < 32; ++i) m.layers.push_back(attention(i, 32, 8, 128));
+  for (int i = 0; i < 32; ++i) m.layers.push_back(attention_layer(i, 32, 8, 128));
   return m;
 }
 
@@ -67,7 +42,7 @@ ModelSpec qwen25_7b() {
   // Qwen/Qwen2.5-7B: num_hidden_layers 28, num_attention_heads 28, num_key_value_heads 4,
   // hidden_size 3584 (head_dim 128), use_sliding_window false, max_position_embeddings 131072.
   ModelSpec m = named("qwen2.5-7b", 131072);
-  for (int i = 0; i < 28; ++i) m.layers.push_back(attention(i, 28, 4, 128));
+  for (int i = 0; i < 28; ++i) m.layers.push_back(attention_layer(i, 28, 4, 128));
   return m;
 }
 
@@ -76,7 +51,7 @@ ModelSpec mistral_7b() {
   // num_key_value_heads 8, hidden_size 4096 (head_dim 128), sliding_window 4096 on every layer,
   // max_position_embeddings 32768.
   ModelSpec m = named("mistral-7b", 32768);
-  for (int i = 0; i < 32; ++i) m.layers.push_back(attention(i, 32, 8, 128, 4096 - 1));
+  for (int i = 0; i < 32; ++i) m.layers.push_back(attention_layer(i, 32, 8, 128, 4096 - 1));
   return m;
 }
 
@@ -88,7 +63,7 @@ ModelSpec gemma3_12b() {
   ModelSpec m = named("gemma3-12b", 131072);
   for (int i = 0; i < 48; ++i) {
     const bool global = (i + 1) % 6 == 0;
-    LayerSpec l = attention(i, 16, 8, 256, global ? -1 : 1024 - 1);
+    LayerSpec l = attention_layer(i, 16, 8, 256, global ? -1 : 1024 - 1);
     l.scaling = 1.f / std::sqrt(256.f);
     m.layers.push_back(l);
   }
@@ -125,7 +100,7 @@ ModelSpec qwen3_next_80b() {
                        .conv_kernel = 4,
                        .chunk_size = 64};
   for (int i = 0; i < 48; ++i) {
-    m.layers.push_back((i + 1) % 4 == 0 ? attention(i, 16, 2, 256)
+    m.layers.push_back((i + 1) % 4 == 0 ? attention_layer(i, 16, 2, 256)
                                         : linear_layer(i, LayerKind::gdn, gdn));
   }
   return m;
@@ -172,7 +147,7 @@ ModelSpec nemotron_h_8b() {
   for (char c : kPattern) {
     const int id = static_cast<int>(m.layers.size());
     if (c == 'M') m.layers.push_back(linear_layer(id, LayerKind::mamba2, mamba));
-    if (c == '*') m.layers.push_back(attention(id, 32, 8, 128));
+    if (c == '*') m.layers.push_back(attention_layer(id, 32, 8, 128));
   }
   return m;
 }
@@ -181,8 +156,8 @@ ModelSpec demo() {
   // Small enough for the CLI's default run on two cores; exercises full and sliding-window layers
   // (W = 64) and GQA 4.
   ModelSpec m = named("demo", 8192);
-  m.layers = {attention(0, 8, 2, 64), attention(1, 8, 2, 64), attention(2, 8, 2, 64, 64),
-              attention(3, 8, 2, 64)};
+  m.layers = {attention_layer(0, 8, 2, 64), attention_layer(1, 8, 2, 64),
+              attention_layer(2, 8, 2, 64, 64), attention_layer(3, 8, 2, 64)};
   return m;
 }
 

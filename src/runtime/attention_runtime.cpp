@@ -46,6 +46,17 @@ void check_config(const RuntimeConfig& c) {
   }
 }
 
+// The layer `layer_id` of `model` (`index`: layer id -> index in model.layers, -1 if absent);
+// `call` starts the message when the model has no such layer.
+const LayerSpec& layer_of(const ModelSpec& model, const std::vector<int>& index, int layer_id,
+                          const char* call) {
+  ATTNRT_CHECK(
+      layer_id >= 0 && static_cast<size_t>(layer_id) < index.size() && index[layer_id] >= 0,
+      "{}: layer {} is not a layer of model '{}' ({} layers)", call, layer_id, model.name,
+      model.layers.size());
+  return model.layers[static_cast<size_t>(index[layer_id])];
+}
+
 // Batch sizes captured by default (reference-semantics §3.3: a replay pads to the smallest
 // captured size >= its batch): fine steps for small batches, where padding costs the most
 // relative to the work, then steps of 32.
@@ -219,11 +230,7 @@ void AttentionRuntime::check_step(const ForwardBatch& batch) const {
 }
 
 void AttentionRuntime::bind_kv_buffers(int layer_id, const TensorView& k, const TensorView& v) {
-  ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layer_index_.size() &&
-                   layer_index_[layer_id] >= 0,
-               "bind_kv_buffers: layer {} is not a layer of model '{}' ({} layers)", layer_id,
-               model_.name, model_.layers.size());
-  const LayerSpec& layer = model_.layers[static_cast<size_t>(layer_index_[layer_id])];
+  const LayerSpec& layer = layer_of(model_, layer_index_, layer_id, "bind_kv_buffers");
   ATTNRT_CHECK(layer.uses_kv_cache(), "bind_kv_buffers: layer {} is a {} layer; it has no KV cache",
                layer_id, layer_kind_name(layer.kind));
   ATTNRT_CHECK(!stepped_,
@@ -281,11 +288,7 @@ LinearStatePool& AttentionRuntime::linear_state() {
 void AttentionRuntime::forward(int layer_id, const AttnArgs& args) {
   ATTNRT_CHECK(batch_ != nullptr, "forward(layer {}) outside a step; call begin_step(batch) first",
                layer_id);
-  ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layer_index_.size() &&
-                   layer_index_[layer_id] >= 0,
-               "forward: layer {} is not a layer of model '{}' ({} layers)", layer_id, model_.name,
-               model_.layers.size());
-  const LayerSpec& layer = model_.layers[static_cast<size_t>(layer_index_[layer_id])];
+  const LayerSpec& layer = layer_of(model_, layer_index_, layer_id, "forward");
   ATTNRT_CHECK(!is_linear_kind(layer.kind),
                "forward: layer {} is a {} layer; call forward_linear(layer, LinearArgs) for "
                "linear-attention layers",
@@ -296,11 +299,7 @@ void AttentionRuntime::forward(int layer_id, const AttnArgs& args) {
 void AttentionRuntime::forward_linear(int layer_id, const LinearArgs& args) {
   ATTNRT_CHECK(batch_ != nullptr,
                "forward_linear(layer {}) outside a step; call begin_step(batch) first", layer_id);
-  ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layer_index_.size() &&
-                   layer_index_[layer_id] >= 0,
-               "forward_linear: layer {} is not a layer of model '{}' ({} layers)", layer_id,
-               model_.name, model_.layers.size());
-  const LayerSpec& layer = model_.layers[static_cast<size_t>(layer_index_[layer_id])];
+  const LayerSpec& layer = layer_of(model_, layer_index_, layer_id, "forward_linear");
   ATTNRT_CHECK(is_linear_kind(layer.kind),
                "forward_linear: layer {} is a {} layer; call forward(layer, AttnArgs) for "
                "attention layers",
@@ -366,11 +365,7 @@ GraphLayerIO AttentionRuntime::graph_io(int layer_id, int64_t tokens) {
                "graph_io(layer {}): this runtime serves graphs an engine captures itself "
                "(init_cuda_graph_state was called), which use the engine's own tensors",
                layer_id);
-  ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layer_index_.size() &&
-                   layer_index_[layer_id] >= 0,
-               "graph_io: layer {} is not a layer of model '{}' ({} layers)", layer_id, model_.name,
-               model_.layers.size());
-  const LayerSpec& layer = model_.layers[static_cast<size_t>(layer_index_[layer_id])];
+  const LayerSpec& layer = layer_of(model_, layer_index_, layer_id, "graph_io");
   ATTNRT_CHECK(layer.uses_kv_cache() && !is_linear_kind(layer.kind),
                "graph_io: layer {} is a {} layer; graph steps hold attention layers only", layer_id,
                layer_kind_name(layer.kind));
@@ -428,16 +423,23 @@ int graph_tokens_per_request(const ForwardBatch& batch) {
   return is_target_verify(batch.mode) && batch.spec_info ? batch.spec_info->draft_token_num : 1;
 }
 
+// The first checks of begin_capture_step and begin_replay_step (`call`): the graph state exists
+// (`missing_state` says what to call first), and the step's mode is one a graph can hold.
+void check_graph_step(const ForwardBatch& batch, int max_bs, const char* call,
+                      const char* missing_state, const char* done) {
+  ATTNRT_CHECK(max_bs > 0, "{}: {}", call, missing_state);
+  ATTNRT_CHECK(is_decode(batch.mode) || is_target_verify(batch.mode),
+               "{}: a {} step cannot be {}; DECODE and TARGET_VERIFY can", call,
+               forward_mode_name(batch.mode), done);
+}
+
 }  // namespace
 
 void AttentionRuntime::begin_capture_step(const ForwardBatch& batch, int bs) {
   batch_ = nullptr;
   stepped_ = true;
-  ATTNRT_CHECK(engine_graph_max_bs_ > 0,
-               "begin_capture_step: call init_cuda_graph_state(max_bs, max_num_tokens) first");
-  ATTNRT_CHECK(is_decode(batch.mode) || is_target_verify(batch.mode),
-               "begin_capture_step: a {} step cannot be captured; DECODE and TARGET_VERIFY can",
-               forward_mode_name(batch.mode));
+  check_graph_step(batch, engine_graph_max_bs_, "begin_capture_step",
+                   "call init_cuda_graph_state(max_bs, max_num_tokens) first", "captured");
   ATTNRT_CHECK(!is_target_verify(batch.mode) || batch.spec_info,
                "begin_capture_step: a TARGET_VERIFY capture needs spec_info (draft_token_num, "
                "topk)");
@@ -466,11 +468,8 @@ void AttentionRuntime::begin_capture_step(const ForwardBatch& batch, int bs) {
 void AttentionRuntime::begin_replay_step(const ForwardBatch& batch, int bs) {
   batch_ = nullptr;
   stepped_ = true;
-  ATTNRT_CHECK(engine_graph_max_bs_ > 0,
-               "begin_replay_step: call init_cuda_graph_state and capture the step first");
-  ATTNRT_CHECK(is_decode(batch.mode) || is_target_verify(batch.mode),
-               "begin_replay_step: a {} step cannot be replayed; DECODE and TARGET_VERIFY can",
-               forward_mode_name(batch.mode));
+  check_graph_step(batch, engine_graph_max_bs_, "begin_replay_step",
+                   "call init_cuda_graph_state and capture the step first", "replayed");
   ATTNRT_CHECK(batch.batch_size >= 1 && batch.batch_size <= bs && bs <= engine_graph_max_bs_,
                "begin_replay_step: {} requests replayed at the captured size {}; need 1 <= "
                "requests <= captured size <= init_cuda_graph_state's max_bs ({})",

@@ -7,6 +7,8 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <string_view>
+#include <utility>
 
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
@@ -22,14 +24,15 @@ namespace fs = std::filesystem;
 
 constexpr const char* kFormat = "attnrt-case";
 
+// The names of case.json's layer.attn_type, written and read.
+constexpr std::pair<AttnType, std::string_view> kAttnTypeNames[] = {
+    {AttnType::decoder, "decoder"},
+    {AttnType::decoder_bidirectional, "decoder_bidirectional"},
+    {AttnType::encoder_only, "encoder_only"}};
+
 std::string_view attn_type_name(AttnType t) {
-  switch (t) {
-    case AttnType::decoder:
-      return "decoder";
-    case AttnType::decoder_bidirectional:
-      return "decoder_bidirectional";
-    case AttnType::encoder_only:
-      return "encoder_only";
+  for (const auto& [type, name] : kAttnTypeNames) {
+    if (type == t) return name;
   }
   return "?";
 }
@@ -43,8 +46,8 @@ LayerKind parse_layer_kind(const std::string& s, const std::string& where) {
 }
 
 AttnType parse_attn_type(const std::string& s, const std::string& where) {
-  for (AttnType t : {AttnType::decoder, AttnType::decoder_bidirectional, AttnType::encoder_only}) {
-    if (attn_type_name(t) == s) return t;
+  for (const auto& [type, name] : kAttnTypeNames) {
+    if (name == s) return type;
   }
   fail("{}: layer.attn_type '{}' is not one of decoder, decoder_bidirectional, encoder_only", where,
        s);

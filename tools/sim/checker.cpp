@@ -25,6 +25,17 @@ std::pair<size_t, size_t> state_bytes(const LinearLayerState& st) {
           static_cast<size_t>(st.shape.ssm_elems()) * dtype_size(st.ssm_dtype)};
 }
 
+// Calls slot(slot, at) for each slot of `r`, then (verify) checkpoint(request, token, at) for each
+// checkpoint: `at` is the entry's place in a StateCopy, slots first.
+template <class Slot, class Checkpoint>
+void for_each_state(const StateRegion& r, Slot&& slot, Checkpoint&& checkpoint) {
+  size_t at = 0;
+  for (int64_t s : r.slots) slot(static_cast<int>(s), at++);
+  for (int64_t k = 0; r.verify && k < r.checkpoints; ++k, ++at) {
+    checkpoint(static_cast<int>(k / r.draft_tokens), static_cast<int>(k % r.draft_tokens), at);
+  }
+}
+
 }  // namespace
 
 Tolerance output_tolerance(DType out_dtype) {
@@ -138,30 +149,27 @@ StateCopy save_state(const LinearStatePool& pool, int layer_id, const StateRegio
   c.count = static_cast<int64_t>(r.slots.size()) + (r.verify ? r.checkpoints : 0);
   c.conv.resize(cb * static_cast<size_t>(c.count));
   c.ssm.resize(sb * static_cast<size_t>(c.count));
-  size_t at = 0;
-  for (int64_t slot : r.slots) {
-    pool.download_slot(layer_id, static_cast<int>(slot), &c.conv[cb * at], &c.ssm[sb * at]);
-    ++at;
-  }
-  for (int64_t k = 0; r.verify && k < r.checkpoints; ++k, ++at) {
-    pool.download_checkpoint(layer_id, static_cast<int>(k / r.draft_tokens),
-                             static_cast<int>(k % r.draft_tokens), &c.conv[cb * at],
-                             &c.ssm[sb * at]);
-  }
+  for_each_state(
+      r,
+      [&](int slot, size_t at) {
+        pool.download_slot(layer_id, slot, &c.conv[cb * at], &c.ssm[sb * at]);
+      },
+      [&](int request, int token, size_t at) {
+        pool.download_checkpoint(layer_id, request, token, &c.conv[cb * at], &c.ssm[sb * at]);
+      });
   return c;
 }
 
 void restore_state(LinearStatePool& pool, int layer_id, const StateRegion& r, const StateCopy& c) {
   const auto [cb, sb] = state_bytes(pool.layer(layer_id));
-  size_t at = 0;
-  for (int64_t slot : r.slots) {
-    pool.upload_slot(layer_id, static_cast<int>(slot), &c.conv[cb * at], &c.ssm[sb * at]);
-    ++at;
-  }
-  for (int64_t k = 0; r.verify && k < r.checkpoints; ++k, ++at) {
-    pool.upload_checkpoint(layer_id, static_cast<int>(k / r.draft_tokens),
-                           static_cast<int>(k % r.draft_tokens), &c.conv[cb * at], &c.ssm[sb * at]);
-  }
+  for_each_state(
+      r,
+      [&](int slot, size_t at) {
+        pool.upload_slot(layer_id, slot, &c.conv[cb * at], &c.ssm[sb * at]);
+      },
+      [&](int request, int token, size_t at) {
+        pool.upload_checkpoint(layer_id, request, token, &c.conv[cb * at], &c.ssm[sb * at]);
+      });
 }
 
 ReferenceChecker::ReferenceChecker(std::unique_ptr<AttentionBackend> reference,

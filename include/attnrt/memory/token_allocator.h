@@ -78,7 +78,11 @@ class SWATokenAllocator final : public TokenAllocator {
  private:
   std::vector<int64_t> swa_last_locs(std::span<const int32_t> prefix_lens,
                                      std::span<const int64_t> last_locs, const char* what) const;
-  void map(const std::vector<int64_t>& full_slots, const std::vector<int64_t>& swa_slots);
+  // alloc_extend, or alloc_decode (decode = true; prefix_lens = seq_lens - 1), recording the SWA
+  // slot of every new full slot.
+  std::vector<int64_t> alloc(std::span<const int32_t> prefix_lens,
+                             std::span<const int32_t> seq_lens, std::span<const int64_t> last_locs,
+                             bool decode);
   PageAllocator full_, swa_;
   std::shared_ptr<std::vector<int64_t>> map_;
 };
