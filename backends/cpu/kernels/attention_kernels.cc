@@ -113,14 +113,7 @@ void RunAll(const LayerArgs& args, const KernelPlan& p) {
 }
 
 void RunAttention(const LayerArgs& a, const KernelPlan& p) {
-  switch (a.kv_dtype) {
-    case DType::f32: return RunAll<DType::f32>(a, p);
-    case DType::f16: return RunAll<DType::f16>(a, p);
-    case DType::bf16: return RunAll<DType::bf16>(a, p);
-    case DType::e4m3: return RunAll<DType::e4m3>(a, p);
-    case DType::e5m2: return RunAll<DType::e5m2>(a, p);
-    default: break;
-  }
+  WithKvType(a.kv_dtype, [&](auto kv) { RunAll<decltype(kv)::value>(a, p); });
 }
 
 int TileRows() { return kWideTile * static_cast<int>(hn::Lanes(DF())); }

@@ -214,13 +214,7 @@ ATTNRT_BF16_FN void DecodeValuesBf16(const typename KvElem<DT>::T* const* v,
                                      const typename KvElem<DT>::T* const* pf, int n, int vdim,
                                      const typename KvElem<DT>::T* zero, const uint32_t* p,
                                      int p_stride, const float* alpha, float* acc, int acc_stride) {
-  alignas(64) static constexpr int16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                                  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                                  11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static constexpr int16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
-                                                  53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
-                                                  27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  const __m512i lo = _mm512_load_si512(kPairLo), hi = _mm512_load_si512(kPairHi);
   for (int c = 0; c < vdim; c += 32) {
     __m512 o[NG][2];
     for (int g = 0; g < NG; ++g) {
@@ -519,14 +513,7 @@ void DecodeItemOf(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, b
 }
 
 void RunDecodeItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, bool dot) {
-  switch (a.kv_dtype) {
-    case DType::f32: return DecodeItemOf<DType::f32>(a, p, it, dot);
-    case DType::f16: return DecodeItemOf<DType::f16>(a, p, it, dot);
-    case DType::bf16: return DecodeItemOf<DType::bf16>(a, p, it, dot);
-    case DType::e4m3: return DecodeItemOf<DType::e4m3>(a, p, it, dot);
-    case DType::e5m2: return DecodeItemOf<DType::e5m2>(a, p, it, dot);
-    default: break;
-  }
+  WithKvType(a.kv_dtype, [&](auto kv) { DecodeItemOf<decltype(kv)::value>(a, p, it, dot); });
 }
 
 // Exposed for the exhaustive test of the fp8 widening.

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "backends/cpu/kernels/attention_plan.h"
 #include "hwy/aligned_allocator.h"
@@ -49,9 +50,10 @@ struct KvElem<DType::f32> {
   static HWY_INLINE VF Load(DF df, const T* p) { return hn::LoadU(df, p); }
 };
 
-template <>
-struct KvElem<DType::bf16> {
-  using T = hwy::bfloat16_t;
+// 16-bit floats the hardware widens to fp32 directly.
+template <typename Half>
+struct PromotedKvElem {
+  using T = Half;
   static HWY_INLINE VF Load(DF df, const T* p) {
     const hn::Rebind<T, DF> d16;
     return hn::PromoteTo(df, hn::LoadU(d16, p));
@@ -59,13 +61,10 @@ struct KvElem<DType::bf16> {
 };
 
 template <>
-struct KvElem<DType::f16> {
-  using T = hwy::float16_t;
-  static HWY_INLINE VF Load(DF df, const T* p) {
-    const hn::Rebind<T, DF> d16;
-    return hn::PromoteTo(df, hn::LoadU(d16, p));
-  }
-};
+struct KvElem<DType::bf16> : PromotedKvElem<hwy::bfloat16_t> {};
+
+template <>
+struct KvElem<DType::f16> : PromotedKvElem<hwy::float16_t> {};
 
 // fp8 is widened through fp16, whose hardware conversion handles the subnormals. e5m2 is exactly
 // the top byte of an fp16. e4m3 (bias 7) sign-extended to 16 bits and shifted left by 7 lands its
@@ -102,6 +101,23 @@ struct KvElem<DType::e4m3> {
     return hn::PromoteTo(df, hn::BitCast(dh, half));
   }
 };
+
+// Calls fn(KvType<DT>()) for the K/V type `dtype` (fp32, fp16, bf16, fp8 e4m3 / e5m2); nothing
+// for another type.
+template <DType DT>
+using KvType = std::integral_constant<DType, DT>;
+
+template <class Fn>
+HWY_INLINE void WithKvType(DType dtype, const Fn& fn) {
+  switch (dtype) {
+    case DType::f32: return fn(KvType<DType::f32>());
+    case DType::f16: return fn(KvType<DType::f16>());
+    case DType::bf16: return fn(KvType<DType::bf16>());
+    case DType::e4m3: return fn(KvType<DType::e4m3>());
+    case DType::e5m2: return fn(KvType<DType::e5m2>());
+    default: break;
+  }
+}
 
 // How much larger the stored values are than what KvElem<DT>::Load returns.
 template <DType DT>
@@ -284,31 +300,23 @@ HWY_INLINE void Sum4(DF df, VF v0, VF v1, VF v2, VF v3, float* out) {
 #define ATTNRT_BF16_DOT 1
 #define ATTNRT_BF16_FN __attribute__((target(HWY_TARGET_STR_AVX3 ",avx512bf16")))
 
-// Issue-rate probes: the same number of independent vdpbf16ps / vfmadd instructions, enough
-// chains to hide either's latency; every chain feeds the result so that none is dropped.
-inline ATTNRT_BF16_FN double DotLoopSeconds(int iters) {
+// Issue-rate probe: seconds of `iters` rounds of vdpbf16ps (kDot) or vfmadd over 12 independent
+// chains, enough to hide either's latency; every chain feeds the result so that none is dropped.
+template <bool kDot>
+ATTNRT_BF16_FN double IssueLoopSeconds(int iters) {
   __m512 acc[12];
   for (auto& x : acc) x = _mm512_setzero_ps();
-  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+  const __m512bh pair = (__m512bh)_mm512_set1_epi32(0x3f803f80);
+  const __m512 one = _mm512_set1_ps(1.f);
   const auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < iters; ++i) {
-    for (auto& x : acc) x = _mm512_dpbf16_ps(x, a, a);
-  }
-  const auto t1 = std::chrono::steady_clock::now();
-  __m512 sum = acc[0];
-  for (int k = 1; k < 12; ++k) sum = _mm512_add_ps(sum, acc[k]);
-  volatile float sink = _mm512_reduce_add_ps(sum);
-  (void)sink;
-  return std::chrono::duration<double>(t1 - t0).count();
-}
-
-inline double FmaLoopSeconds(int iters) {
-  __m512 acc[12];
-  for (auto& x : acc) x = _mm512_setzero_ps();
-  const __m512 a = _mm512_set1_ps(1.f);
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int i = 0; i < iters; ++i) {
-    for (auto& x : acc) x = _mm512_fmadd_ps(a, a, x);
+    for (auto& x : acc) {
+      if constexpr (kDot) {
+        x = _mm512_dpbf16_ps(x, pair, pair);
+      } else {
+        x = _mm512_fmadd_ps(one, one, x);
+      }
+    }
   }
   const auto t1 = std::chrono::steady_clock::now();
   __m512 sum = acc[0];
@@ -326,13 +334,22 @@ inline bool HasBf16Dot() {
     if (!__builtin_cpu_supports("avx512bf16")) return false;
     double dot = 1e30, fma = 1e30;
     for (int rep = 0; rep < 3; ++rep) {
-      dot = std::min(dot, DotLoopSeconds(4096));
-      fma = std::min(fma, FmaLoopSeconds(4096));
+      dot = std::min(dot, IssueLoopSeconds<true>(4096));
+      fma = std::min(fma, IssueLoopSeconds<false>(4096));
     }
     return dot * 0.75 <= fma;
   }();
   return prefer;
 }
+
+// vpermt2w word orders that pair two rows of 32 bf16 words along the keys: kPairLo gives
+// a0 b0 a1 b1 ... a15 b15, kPairHi a16 b16 ... a31 b31 (V pairs for the P.V dot products).
+alignas(64) inline constexpr int16_t kPairLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                    37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) inline constexpr int16_t kPairHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                    53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                    27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
 
 // The single-query kernels' fp8 form also needs AVX-512 VBMI (fp8_dot-inl.h).
 inline bool HasFp8Dot() {

@@ -150,13 +150,7 @@ ATTNRT_BF16_FN void SoftmaxPairsBf16(const float* st, int n, int rl, float c, co
 // vp[jp][d] = V[2 jp][d] | V[2 jp + 1][d] << 16: value rows paired along the keys.
 ATTNRT_BF16_FN void PairValues(const uint16_t* const* v, int n, int vdim, const uint16_t* zero,
                                uint32_t* vp) {
-  alignas(64) static constexpr int16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
-                                                  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-                                                  11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  alignas(64) static constexpr int16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
-                                                  53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
-                                                  27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i lo = _mm512_load_si512(kLo), hi = _mm512_load_si512(kHi);
+  const __m512i lo = _mm512_load_si512(kPairLo), hi = _mm512_load_si512(kPairHi);
   for (int jp = 0; jp * 2 < n; ++jp) {
     const uint16_t* a = v[2 * jp];
     const uint16_t* b = 2 * jp + 1 < n ? v[2 * jp + 1] : zero;
@@ -562,14 +556,7 @@ void TileItemOf(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int
 
 void RunTileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head,
                  bool dot) {
-  switch (a.kv_dtype) {
-    case DType::f32: return TileItemOf<DType::f32>(a, p, it, kv_head, dot);
-    case DType::f16: return TileItemOf<DType::f16>(a, p, it, kv_head, dot);
-    case DType::bf16: return TileItemOf<DType::bf16>(a, p, it, kv_head, dot);
-    case DType::e4m3: return TileItemOf<DType::e4m3>(a, p, it, kv_head, dot);
-    case DType::e5m2: return TileItemOf<DType::e5m2>(a, p, it, kv_head, dot);
-    default: break;
-  }
+  WithKvType(a.kv_dtype, [&](auto kv) { TileItemOf<decltype(kv)::value>(a, p, it, kv_head, dot); });
 }
 
 }  // namespace HWY_NAMESPACE
