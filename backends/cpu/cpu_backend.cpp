@@ -12,6 +12,7 @@
 
 #include "attnrt/backend/options.h"
 #include "attnrt/backend/host_attn_checks.h"
+#include "attnrt/backend/host_backend_entry.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "backends/cpu/kernels/attention_kernels.h"
@@ -377,31 +378,12 @@ void CpuBackend::attend(const AttnArgs& args, const LayerSpec& layer, const Forw
 }
 
 BackendEntry cpu_backend_entry() {
-  BackendEntry e;
-  e.name = "cpu";
-  e.summary = "SIMD (Highway, " + cpu_simd_target() +
-              ") + OpenMP attention for every full-attention mode and the gdn / kda / mamba2 "
-              "layers; the default without a GPU";
-  e.caps.devices = {DeviceKind::cpu};
-  e.caps.kv_dtypes = {DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2};
-  e.caps.spec_topk1 = true;
-  e.caps.spec_topk_gt1 = true;
-  e.caps.sliding_window = true;
-  e.caps.softcap = true;
-  e.caps.sinks = true;
-  e.caps.non_causal = true;
-  e.caps.mla = true;
-  e.caps.cuda_graphs = false;
-  e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
-  e.auto_selectable = true;
-  e.unavailable_reason = [] { return std::string(); };
-  e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<CpuBackend>(ctx);
-  };
-  e.linear_factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<CpuLinearBackend>(ctx);
-  };
-  return e;
+  return host_backend_entry<CpuBackend, CpuLinearBackend>(
+      "cpu",
+      "SIMD (Highway, " + cpu_simd_target() +
+          ") + OpenMP attention for every full-attention mode and the gdn / kda / mamba2 "
+          "layers; the default without a GPU",
+      /*auto_selectable=*/true);
 }
 
 void register_cpu_backend(Registry& registry) { registry.add(cpu_backend_entry()); }

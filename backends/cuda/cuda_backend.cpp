@@ -650,15 +650,8 @@ BackendEntry cuda_backend_entry() {
   // Any head dim: tensor cores for 64 / 128 / 256 (v_head_dim == head_dim), the generic kernel
   // for other multiples of 8 up to 576 (forward says so for anything else).
   e.caps.head_dims = {};
-  e.caps.spec_topk1 = true;
-  e.caps.spec_topk_gt1 = true;
-  e.caps.sliding_window = true;
-  e.caps.softcap = true;
-  e.caps.sinks = true;
-  e.caps.non_causal = true;
-  e.caps.mla = true;
+  claim_every_feature(e.caps);
   e.caps.cuda_graphs = true;
-  e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
   e.auto_selectable = true;
   e.unavailable_reason = []() -> std::string {
     const CudaDeviceInfo& info = query_cuda();
@@ -668,12 +661,8 @@ BackendEntry cuda_backend_entry() {
              std::to_string(info.cc_major) + std::to_string(info.cc_minor);
     return {};
   };
-  e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<CudaBackend>(ctx);
-  };
-  e.linear_factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<CudaLinearBackend>(ctx);
-  };
+  e.factory = backend_factory<CudaBackend>();
+  e.linear_factory = backend_factory<CudaLinearBackend>();
   return e;
 }
 

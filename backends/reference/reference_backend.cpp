@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "attnrt/backend/host_attn_checks.h"
+#include "attnrt/backend/host_backend_entry.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "backends/reference/linear_backend.h"
@@ -201,32 +202,11 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
 }
 
 BackendEntry reference_backend_entry() {
-  BackendEntry e;
-  e.name = "reference";
-  e.summary =
+  return host_backend_entry<ReferenceBackend, ReferenceLinearBackend>(
+      "reference",
       "float64 CPU oracle for every full-attention mode (MHA, GQA, MLA) and the gdn / kda / mamba2 "
-      "layers (slow; "
-      "never auto-selected)";
-  e.caps.devices = {DeviceKind::cpu};
-  e.caps.kv_dtypes = {DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2};
-  e.caps.spec_topk1 = true;
-  e.caps.spec_topk_gt1 = true;
-  e.caps.sliding_window = true;
-  e.caps.softcap = true;
-  e.caps.sinks = true;
-  e.caps.non_causal = true;
-  e.caps.mla = true;
-  e.caps.cuda_graphs = false;
-  e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
-  e.auto_selectable = false;
-  e.unavailable_reason = [] { return std::string(); };
-  e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<ReferenceBackend>(ctx);
-  };
-  e.linear_factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<ReferenceLinearBackend>(ctx);
-  };
-  return e;
+      "layers (slow; never auto-selected)",
+      /*auto_selectable=*/false);
 }
 
 void register_reference_backend(Registry& registry) { registry.add(reference_backend_entry()); }
