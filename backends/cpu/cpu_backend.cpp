@@ -230,14 +230,7 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
       }
       for (int g0 = 0; g0 < group; g0 += heads_per_item) {
         const int g1 = std::min(group, g0 + heads_per_item);
-        cpu::WorkItem it;
-        it.req = i;
-        it.t0 = t0;
-        it.t1 = t1;
-        it.g0 = g0;
-        it.g1 = g1;
-        it.k0 = k0;
-        it.k1 = k1;
+        const cpu::WorkItem it{.req = i, .t0 = t0, .t1 = t1, .g0 = g0, .g1 = g1, .k0 = k0, .k1 = k1};
         const int64_t cost = static_cast<int64_t>(t1 - t0) * (g1 - g0) * (k1 - k0);
         const bool single = t1 - t0 == 1 && (r.tree < 0 || !key.causal || r.qlen == 1);
         pending.push_back({it, single ? cost * key.kv_heads : cost, single ? 1 : key.kv_heads});
