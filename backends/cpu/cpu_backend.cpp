@@ -12,9 +12,9 @@
 
 #include "attnrt/backend/options.h"
 #include "attnrt/backend/host_attn_checks.h"
+#include "attnrt/backend/host_backend_entry.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
-#include "attnrt/memory/req_to_token_pool.h"
 #include "backends/cpu/kernels/attention_kernels.h"
 
 namespace attnrt {
@@ -61,7 +61,9 @@ int cpu_num_threads(const Options* options) {
 std::string cpu_simd_target() { return cpu::simd_target_name(); }
 
 CpuBackend::CpuBackend(const BackendContext& ctx)
-    : AttentionBackend(ctx), num_threads_(cpu_num_threads(ctx.options)), tile_rows_(cpu::tile_rows()) {}
+    : OnePathAttnBackend(ctx),
+      num_threads_(cpu_num_threads(ctx.options)),
+      tile_rows_(cpu::tile_rows()) {}
 
 void CpuBackend::init_forward_metadata(const ForwardBatch& batch) {
   planned_ = false;
@@ -73,11 +75,6 @@ void CpuBackend::init_forward_metadata(const ForwardBatch& batch) {
   tree_mask_.clear();
   tree_words_ = 0;
   variants_.clear();
-  if (bs > 0) {
-    ATTNRT_CHECK(ctx_.req_to_token != nullptr,
-                 "cpu backend: BackendContext.req_to_token is null; the backend reads key slots "
-                 "from the request rows");
-  }
 
   // Verify blocks whose parents are not a plain chain get an ancestor-or-self mask; a chain is
   // ordinary causal attention and runs unmasked.
@@ -114,28 +111,10 @@ void CpuBackend::init_forward_metadata(const ForwardBatch& batch) {
   slots_.resize(total_keys);
   int64_t offset = 0;
   for (int i = 0; i < bs; ++i) {
-    const ReqToTokenPool& pool = *ctx_.req_to_token;
-    const int64_t row = batch.req_pool_indices[i];
-    ATTNRT_CHECK(row >= 0 && row < pool.size(),
-                 "cpu backend: req_pool_indices[{}] = {}; the request pool has rows [0, {})", i,
-                 row, pool.size());
     const int32_t kv_len = layout.kv_len(i), prefix = layout.prefix_lens[i];
-    ATTNRT_CHECK(kv_len <= pool.max_context_len() && kv_len < kMaxKeysPerRequest,
-                 "cpu backend: request {} needs {} keys but a request row holds at most "
-                 "max_context_len = {}",
-                 i, kv_len, std::min<int64_t>(pool.max_context_len(), kMaxKeysPerRequest - 1));
-    const int32_t* row_slots = pool.row_ptr(static_cast<int>(row));
+    const int32_t* row_slots =
+        checked_request_row("cpu", ctx_, batch, layout, i, kMaxKeysPerRequest - 1);
     std::copy_n(row_slots, kv_len, slots_.data() + offset);
-    for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
-      const int64_t q = layout.query_start[i] + t;
-      // Keys are read through the request row only, so it must already map this step's slots
-      // (the scheduler writes them before the forward, reference-semantics §2.2).
-      ATTNRT_CHECK(row_slots[prefix + t] == batch.out_cache_loc[q],
-                   "cpu backend: req_to_token[{}, {}] = {} but out_cache_loc[{}] = {} (request "
-                   "{}, new token {}); write the step's slots into the request row before the "
-                   "forward",
-                   row, prefix + t, row_slots[prefix + t], q, batch.out_cache_loc[q], i, t);
-    }
     cpu::RequestInfo& r = reqs_[i];
     r.q_row = layout.query_start[i];
     r.slot_offset = offset;
@@ -251,14 +230,7 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
       }
       for (int g0 = 0; g0 < group; g0 += heads_per_item) {
         const int g1 = std::min(group, g0 + heads_per_item);
-        cpu::WorkItem it;
-        it.req = i;
-        it.t0 = t0;
-        it.t1 = t1;
-        it.g0 = g0;
-        it.g1 = g1;
-        it.k0 = k0;
-        it.k1 = k1;
+        const cpu::WorkItem it{.req = i, .t0 = t0, .t1 = t1, .g0 = g0, .g1 = g1, .k0 = k0, .k1 = k1};
         const int64_t cost = static_cast<int64_t>(t1 - t0) * (g1 - g0) * (k1 - k0);
         const bool single = t1 - t0 == 1 && (r.tree < 0 || !key.causal || r.qlen == 1);
         pending.push_back({it, single ? cost * key.kv_heads : cost, single ? 1 : key.kv_heads});
@@ -329,36 +301,11 @@ CpuBackend::WorkSummary CpuBackend::work_summary(const LayerSpec& layer) const {
   return s;
 }
 
-void CpuBackend::forward_decode(const AttnArgs& args, const LayerSpec& layer,
-                                const ForwardBatch& batch) {
-  ATTNRT_CHECK(is_decode(batch.mode), "cpu backend: forward_decode called for a {} batch",
-               forward_mode_name(batch.mode));
-  attend(args, layer, batch);
-}
-
-void CpuBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                                const ForwardBatch& batch) {
-  ATTNRT_CHECK(!is_decode_or_idle(batch.mode), "cpu backend: forward_extend called for a {} batch",
-               forward_mode_name(batch.mode));
-  attend(args, layer, batch);
-}
-
-void CpuBackend::check_args(const AttnArgs& args, const LayerSpec& layer,
-                            const ForwardBatch& batch, const KVLayerView& kv) const {
-  ATTNRT_CHECK(planned_ && mode_ == batch.mode &&
-                   static_cast<int>(reqs_.size()) == batch.batch_size &&
-                   num_tokens_ == batch.num_tokens(),
-               "cpu backend: forward for a {} batch of {} requests / {} tokens without a matching "
-               "init_forward_metadata for this step",
-               forward_mode_name(batch.mode), batch.batch_size, batch.num_tokens());
-  check_host_attn_args("cpu", args, layer, num_tokens_, kv);
-}
-
 void CpuBackend::attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) {
-  ATTNRT_CHECK(ctx_.kv_cache != nullptr,
-               "cpu backend: BackendContext.kv_cache is null; attention needs the KV pools");
-  const KVLayerView kv = ctx_.kv_cache->layer(layer.layer_id);
-  check_args(args, layer, batch, kv);
+  const bool planned = planned_ && mode_ == batch.mode &&
+                       static_cast<int>(reqs_.size()) == batch.batch_size &&
+                       num_tokens_ == batch.num_tokens();
+  const KVLayerView kv = check_host_attn_call("cpu", ctx_, planned, args, layer, batch);
   if (reqs_.empty()) return;
 
   const VariantKey key = key_of(layer, kv);
@@ -424,31 +371,12 @@ void CpuBackend::attend(const AttnArgs& args, const LayerSpec& layer, const Forw
 }
 
 BackendEntry cpu_backend_entry() {
-  BackendEntry e;
-  e.name = "cpu";
-  e.summary = "SIMD (Highway, " + cpu_simd_target() +
-              ") + OpenMP attention for every full-attention mode and the gdn / kda / mamba2 "
-              "layers; the default without a GPU";
-  e.caps.devices = {DeviceKind::cpu};
-  e.caps.kv_dtypes = {DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2};
-  e.caps.spec_topk1 = true;
-  e.caps.spec_topk_gt1 = true;
-  e.caps.sliding_window = true;
-  e.caps.softcap = true;
-  e.caps.sinks = true;
-  e.caps.non_causal = true;
-  e.caps.mla = true;
-  e.caps.cuda_graphs = false;
-  e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
-  e.auto_selectable = true;
-  e.unavailable_reason = [] { return std::string(); };
-  e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<CpuBackend>(ctx);
-  };
-  e.linear_factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<CpuLinearBackend>(ctx);
-  };
-  return e;
+  return host_backend_entry<CpuBackend, CpuLinearBackend>(
+      "cpu",
+      "SIMD (Highway, " + cpu_simd_target() +
+          ") + OpenMP attention for every full-attention mode and the gdn / kda / mamba2 "
+          "layers; the default without a GPU",
+      /*auto_selectable=*/true);
 }
 
 void register_cpu_backend(Registry& registry) { registry.add(cpu_backend_entry()); }

@@ -20,16 +20,12 @@ namespace attnrt {
 
 struct KVLayerView;
 
-class CpuBackend final : public AttentionBackend {
+class CpuBackend final : public OnePathAttnBackend {
  public:
   explicit CpuBackend(const BackendContext& ctx);
 
   std::string_view name() const override { return "cpu"; }
   void init_forward_metadata(const ForwardBatch& batch) override;
-  void forward_decode(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
-  void forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
 
   int num_threads() const { return num_threads_; }
 
@@ -62,9 +58,7 @@ class CpuBackend final : public AttentionBackend {
   static VariantKey key_of(const LayerSpec& layer, const KVLayerView& kv);
   Variant build_variant(const VariantKey& key, const KVLayerView& kv, int layer_id) const;
   const Variant* find_variant(const VariantKey& key) const;
-  void check_args(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch,
-                  const KVLayerView& kv) const;
-  void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch);
+  void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) override;
 
   int num_threads_ = 1;
   int tile_rows_ = 0;

@@ -62,44 +62,11 @@ float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 }  // namespace
 
 CpuLinearBackend::CpuLinearBackend(const BackendContext& ctx)
-    : AttentionBackend(ctx), num_threads_(cpu_num_threads(ctx.options)) {}
-
-LinearStatePool& CpuLinearBackend::pool() const {
-  ATTNRT_CHECK(ctx_.linear_state != nullptr,
-               "cpu linear backend: BackendContext.linear_state is null; the linear layers keep "
-               "their state in a LinearStatePool");
-  return *ctx_.linear_state;
-}
-
-void CpuLinearBackend::init_forward_metadata(const ForwardBatch& batch) {
-  planned_ = false;
-  plan_ = linear::make_step_plan(batch, pool(), "cpu");
-  planned_ = true;
-}
-
-void CpuLinearBackend::forward_decode(const AttnArgs&, const LayerSpec& layer,
-                                      const ForwardBatch&) {
-  fail(
-      "cpu linear backend: layer {} ({}) is not a linear-attention layer; this object serves "
-      "only the linear layers (forward_linear)",
-      layer.layer_id, layer_kind_name(layer.kind));
-}
-
-void CpuLinearBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                                      const ForwardBatch& batch) {
-  forward_decode(args, layer, batch);
-}
+    : LinearAttnBackend(ctx), num_threads_(cpu_num_threads(ctx.options)) {}
 
 void CpuLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& layer,
                                       const ForwardBatch& batch) {
-  ATTNRT_CHECK(planned_ && plan_.mode == batch.mode &&
-                   static_cast<int>(plan_.reqs.size()) == batch.batch_size &&
-                   (is_idle(batch.mode) || plan_.num_tokens == batch.num_tokens()),
-               "cpu linear backend: forward_linear for a {} batch of {} requests / {} tokens "
-               "without a matching init_forward_metadata for this step",
-               forward_mode_name(batch.mode), batch.batch_size, batch.num_tokens());
-  if (is_idle(batch.mode) || plan_.num_tokens == 0) return;
-  linear::check_linear_args(args, layer, plan_.num_tokens, "cpu");
+  if (!begin_layer(args, layer, batch)) return;
   const LinearLayerState& st = pool().layer(layer.layer_id);
   const LinearStateShape& sh = st.shape;
   const int64_t T = plan_.num_tokens;
@@ -355,18 +322,6 @@ void CpuLinearBackend::run_recurrence(const LayerSpec& layer, const LinearLayerS
       if (!in_place) store_f32(st.ssm, st.ssm_dtype, slot_off, per_head, S);
     }
   }
-}
-
-void CpuLinearBackend::update_state_after_verify(std::span<const int32_t> last_accepted) {
-  ATTNRT_CHECK(planned_ && plan_.verify,
-               "cpu linear backend: update_state_after_verify after a {} step; it commits the "
-               "checkpoints of the TARGET_VERIFY step that just ran",
-               forward_mode_name(plan_.mode));
-  ATTNRT_CHECK(last_accepted.size() == plan_.slots.size(),
-               "cpu linear backend: update_state_after_verify with {} accepted indices for a "
-               "verify step of {} requests",
-               last_accepted.size(), plan_.slots.size());
-  pool().commit_verify(plan_.slots, last_accepted);
 }
 
 }  // namespace attnrt

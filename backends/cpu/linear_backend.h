@@ -6,42 +6,30 @@
 // checkpoint, the committed state untouched until update_state_after_verify.
 #pragma once
 
-#include <cstdint>
-#include <span>
 #include <string_view>
 #include <vector>
 
-#include "attnrt/backend/attention_backend.h"
-#include "attnrt/linear/linear_step.h"
+#include "attnrt/backend/linear_attn_backend.h"
 
 namespace attnrt {
 
 struct LinearLayerState;
 
-class CpuLinearBackend final : public AttentionBackend {
+class CpuLinearBackend final : public LinearAttnBackend {
  public:
   explicit CpuLinearBackend(const BackendContext& ctx);
 
   std::string_view name() const override { return "cpu"; }
-  void init_forward_metadata(const ForwardBatch& batch) override;
-  void forward_decode(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
-  void forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
   void forward_linear(const LinearArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override;
-  void update_state_after_verify(std::span<const int32_t> last_accepted) override;
 
   int num_threads() const { return num_threads_; }
 
  private:
-  LinearStatePool& pool() const;
   void run_conv(const LayerSpec& layer, const LinearLayerState& st);
   void run_recurrence(const LayerSpec& layer, const LinearLayerState& st, const LinearArgs& args);
 
   int num_threads_ = 1;
-  linear::StepPlan plan_;
-  bool planned_ = false;
   // Per-layer working buffers, reused across layers and steps: inputs, conv outputs and outputs in
   // fp32, and the transposed conv weights.
   std::vector<float> x_, a_, b_, y_, o_, wt_, bias_;

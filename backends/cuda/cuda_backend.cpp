@@ -45,7 +45,7 @@ bool is_device_pointer(const void* p) {
 
 }  // namespace
 
-CudaBackend::CudaBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
+CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
   const CudaDeviceInfo& info = query_cuda();
   ATTNRT_CHECK(info.usable, "cuda backend: no usable CUDA device ({})", info.reason);
   ATTNRT_CHECK(info.cc_major >= 9,
@@ -213,20 +213,6 @@ void CudaBackend::init_row_table() {
   row_table_ready_ = true;
 }
 
-void CudaBackend::forward_decode(const AttnArgs& args, const LayerSpec& layer,
-                                 const ForwardBatch& batch) {
-  ATTNRT_CHECK(is_decode(batch.mode), "cuda backend: forward_decode called for a {} batch",
-               forward_mode_name(batch.mode));
-  run(args, layer, batch);
-}
-
-void CudaBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                                 const ForwardBatch& batch) {
-  ATTNRT_CHECK(!is_decode_or_idle(batch.mode), "cuda backend: forward_extend called for a {} batch",
-               forward_mode_name(batch.mode));
-  run(args, layer, batch);
-}
-
 namespace {
 
 void check_act(const char* what, const TensorView& t, int64_t tokens, int heads, int dim) {
@@ -248,7 +234,8 @@ void check_act(const char* what, const TensorView& t, int64_t tokens, int heads,
 // One forward call: check it against the plan and the layer, store this step's K/V, find the
 // layer's K/V on the GPU, bring host activations over, launch the class's CTA (and the split
 // merge), and hand host outputs back.
-void CudaBackend::run(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) {
+void CudaBackend::attend(const AttnArgs& args, const LayerSpec& layer,
+                         const ForwardBatch& batch) {
   const StepPlan& plan = planner_->plan();
   const CallDims dims = check_call(args, layer, batch, plan);
   LayerKv kv = store_and_view_kv(args, layer, dims);
@@ -423,7 +410,7 @@ CudaBackend::DeviceIo CudaBackend::stage_activations(const AttnArgs& args, const
   ensure(io_, s_off + s_bytes, "host staging");
   char* base = io_.ptr<char>();
   // Stream order: host q and sinks are copied on stream_ before the kernel; the host path
-  // waits for the stream at the end of run(), so the caller's buffers are free on return (a
+  // waits for the stream at the end of attend(), so the caller's buffers are free on return (a
   // sink array staged for device activations is a weight, read by a copy that runs before this
   // layer's kernel; io_ is rewritten only by a later layer's copies, after this kernel).
   if (!c.on_device) {
@@ -663,15 +650,8 @@ BackendEntry cuda_backend_entry() {
   // Any head dim: tensor cores for 64 / 128 / 256 (v_head_dim == head_dim), the generic kernel
   // for other multiples of 8 up to 576 (forward says so for anything else).
   e.caps.head_dims = {};
-  e.caps.spec_topk1 = true;
-  e.caps.spec_topk_gt1 = true;
-  e.caps.sliding_window = true;
-  e.caps.softcap = true;
-  e.caps.sinks = true;
-  e.caps.non_causal = true;
-  e.caps.mla = true;
+  claim_every_feature(e.caps);
   e.caps.cuda_graphs = true;
-  e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
   e.auto_selectable = true;
   e.unavailable_reason = []() -> std::string {
     const CudaDeviceInfo& info = query_cuda();
@@ -681,12 +661,8 @@ BackendEntry cuda_backend_entry() {
              std::to_string(info.cc_major) + std::to_string(info.cc_minor);
     return {};
   };
-  e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<CudaBackend>(ctx);
-  };
-  e.linear_factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<CudaLinearBackend>(ctx);
-  };
+  e.factory = backend_factory<CudaBackend>();
+  e.linear_factory = backend_factory<CudaLinearBackend>();
   return e;
 }
 

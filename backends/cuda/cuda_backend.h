@@ -32,17 +32,13 @@ namespace attnrt::cuda {
 
 class CudaKVCache;
 
-class CudaBackend final : public AttentionBackend {
+class CudaBackend final : public OnePathAttnBackend {
  public:
   explicit CudaBackend(const BackendContext& ctx);
   ~CudaBackend() override;
 
   std::string_view name() const override { return "cuda"; }
   void init_forward_metadata(const ForwardBatch& batch) override;
-  void forward_decode(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
-  void forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
 
   void init_cuda_graph_state(int max_bs, int max_num_tokens) override;
   void init_forward_metadata_capture_cuda_graph(int bs, int num_tokens,
@@ -78,9 +74,9 @@ class CudaBackend final : public AttentionBackend {
  private:
   void build_plan(const ForwardBatch& batch, int padded_bs, bool graph);
   void init_row_table();
-  void run(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch);
+  void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) override;
 
-  // run()'s steps and what they hand on.
+  // attend()'s steps and what they hand on.
   struct CallDims {
     int hq = 0, hkv = 0, d = 0, dv = 0;  // q / kv heads, head dims of K and V
     bool mla = false;

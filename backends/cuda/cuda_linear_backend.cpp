@@ -47,7 +47,7 @@ void check_launch(cudaError_t err, const char* what, const LayerSpec& layer) {
 
 }  // namespace
 
-CudaLinearBackend::CudaLinearBackend(const BackendContext& ctx) : AttentionBackend(ctx) {
+CudaLinearBackend::CudaLinearBackend(const BackendContext& ctx) : LinearAttnBackend(ctx) {
   const CudaDeviceInfo& info = query_cuda();
   ATTNRT_CHECK(info.usable, "cuda linear backend: no usable CUDA device ({})", info.reason);
   ATTNRT_CHECK(ctx.model != nullptr, "cuda linear backend: BackendContext.model is null");
@@ -81,13 +81,6 @@ CudaLinearBackend::CudaLinearBackend(const BackendContext& ctx) : AttentionBacke
 
 CudaLinearBackend::~CudaLinearBackend() {
   if (memory_ != nullptr) cudaStreamSynchronize(memory_->stream());
-}
-
-LinearStatePool& CudaLinearBackend::pool() const {
-  ATTNRT_CHECK(ctx_.linear_state != nullptr,
-               "cuda linear backend: BackendContext.linear_state is null; the linear layers keep "
-               "their state in a LinearStatePool");
-  return *ctx_.linear_state;
 }
 
 cudaStream_t CudaLinearBackend::stream() const { return memory_->stream(); }
@@ -136,29 +129,9 @@ void CudaLinearBackend::init_forward_metadata(const ForwardBatch& batch) {
   planned_ = true;
 }
 
-void CudaLinearBackend::forward_decode(const AttnArgs&, const LayerSpec& layer,
-                                       const ForwardBatch&) {
-  fail(
-      "cuda linear backend: layer {} ({}) is not a linear-attention layer; this object serves "
-      "only the linear layers (forward_linear)",
-      layer.layer_id, layer_kind_name(layer.kind));
-}
-
-void CudaLinearBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                                       const ForwardBatch& batch) {
-  forward_decode(args, layer, batch);
-}
-
 void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& layer,
                                        const ForwardBatch& batch) {
-  ATTNRT_CHECK(planned_ && plan_.mode == batch.mode &&
-                   static_cast<int>(plan_.reqs.size()) == batch.batch_size &&
-                   (is_idle(batch.mode) || plan_.num_tokens == batch.num_tokens()),
-               "cuda linear backend: forward_linear for a {} batch of {} requests / {} tokens "
-               "without a matching init_forward_metadata for this step",
-               forward_mode_name(batch.mode), batch.batch_size, batch.num_tokens());
-  if (is_idle(batch.mode) || plan_.num_tokens == 0) return;
-  attnrt::linear::check_linear_args(args, layer, plan_.num_tokens, "cuda", /*device_tensors=*/true);
+  if (!begin_layer(args, layer, batch, /*device_tensors=*/true)) return;
   const LinearLayerState& st = pool().layer(layer.layer_id);
   const LinearStateShape& sh = st.shape;
   const int64_t T = plan_.num_tokens;
@@ -327,15 +300,8 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
 }
 
 void CudaLinearBackend::update_state_after_verify(std::span<const int32_t> last_accepted) {
-  ATTNRT_CHECK(planned_ && plan_.verify,
-               "cuda linear backend: update_state_after_verify after a {} step; it commits the "
-               "checkpoints of the TARGET_VERIFY step that just ran",
-               forward_mode_name(plan_.mode));
+  check_commit(last_accepted);
   const size_t bs = plan_.slots.size();
-  ATTNRT_CHECK(last_accepted.size() == bs,
-               "cuda linear backend: update_state_after_verify with {} accepted indices for a "
-               "verify step of {} requests",
-               last_accepted.size(), bs);
   const int n = plan_.draft_tokens;
   for (size_t i = 0; i < bs; ++i) {
     ATTNRT_CHECK(last_accepted[i] >= -1 && last_accepted[i] < n,

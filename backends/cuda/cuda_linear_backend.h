@@ -21,7 +21,7 @@
 #include <span>
 #include <string_view>
 
-#include "attnrt/backend/attention_backend.h"
+#include "attnrt/backend/linear_attn_backend.h"
 #include "attnrt/linear/linear_step.h"
 #include "backends/cuda/cuda_util.h"
 
@@ -29,7 +29,7 @@ namespace attnrt::cuda {
 
 class CudaLinearStateMemory;
 
-class CudaLinearBackend final : public AttentionBackend {
+class CudaLinearBackend final : public LinearAttnBackend {
  public:
   // Throws attnrt::Error without a usable CUDA device, a pool in GPU memory, or for a linear layer
   // of the model outside what the kernels take (conv kernel <= 8, state columns <= 256, heads a
@@ -39,10 +39,6 @@ class CudaLinearBackend final : public AttentionBackend {
 
   std::string_view name() const override { return "cuda"; }
   void init_forward_metadata(const ForwardBatch& batch) override;
-  void forward_decode(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
-  void forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
   void forward_linear(const LinearArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override;
   void update_state_after_verify(std::span<const int32_t> last_accepted) override;
@@ -52,12 +48,9 @@ class CudaLinearBackend final : public AttentionBackend {
   const attnrt::linear::StepPlan& plan() const { return plan_; }
 
  private:
-  LinearStatePool& pool() const;
   void ensure(DeviceBuffer& buf, size_t bytes);
 
   CudaLinearStateMemory* memory_ = nullptr;
-  attnrt::linear::StepPlan plan_;
-  bool planned_ = false;
   // meta_ holds the request table, and when the step has requests longer than a chunk (split_)
   // two more: the short requests only and the long ones only (the others' tokens set to 0).
   bool split_ = false;

@@ -33,44 +33,12 @@ std::vector<double> load_tokens(const TensorView& t, int64_t start, int64_t n) {
 
 }  // namespace
 
-ReferenceLinearBackend::ReferenceLinearBackend(const BackendContext& ctx) : AttentionBackend(ctx) {}
-
-LinearStatePool& ReferenceLinearBackend::pool() const {
-  ATTNRT_CHECK(ctx_.linear_state != nullptr,
-               "reference linear backend: BackendContext.linear_state is null; the linear layers "
-               "keep their state in a LinearStatePool");
-  return *ctx_.linear_state;
-}
-
-void ReferenceLinearBackend::init_forward_metadata(const ForwardBatch& batch) {
-  planned_ = false;
-  plan_ = linear::make_step_plan(batch, pool(), "reference");
-  planned_ = true;
-}
-
-void ReferenceLinearBackend::forward_decode(const AttnArgs&, const LayerSpec& layer,
-                                            const ForwardBatch&) {
-  fail(
-      "reference linear backend: layer {} ({}) is not a linear-attention layer; this object "
-      "serves only the linear layers (forward_linear)",
-      layer.layer_id, layer_kind_name(layer.kind));
-}
-
-void ReferenceLinearBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                                            const ForwardBatch& batch) {
-  forward_decode(args, layer, batch);
-}
+ReferenceLinearBackend::ReferenceLinearBackend(const BackendContext& ctx)
+    : LinearAttnBackend(ctx) {}
 
 void ReferenceLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& layer,
                                             const ForwardBatch& batch) {
-  ATTNRT_CHECK(planned_ && plan_.mode == batch.mode &&
-                   static_cast<int>(plan_.reqs.size()) == batch.batch_size &&
-                   (is_idle(batch.mode) || plan_.num_tokens == batch.num_tokens()),
-               "reference linear backend: forward_linear for a {} batch of {} requests / {} "
-               "tokens without a matching init_forward_metadata for this step",
-               forward_mode_name(batch.mode), batch.batch_size, batch.num_tokens());
-  if (is_idle(batch.mode) || plan_.num_tokens == 0) return;
-  linear::check_linear_args(args, layer, plan_.num_tokens, "reference");
+  if (!begin_layer(args, layer, batch)) return;
   LinearStatePool& states = pool();
   const LinearLayerState& st = states.layer(layer.layer_id);
   const linear::LayerParams p = linear::read_params(args, layer);
@@ -134,18 +102,6 @@ void ReferenceLinearBackend::forward_linear(const LinearArgs& args, const LayerS
             &out[t * ow]);
     }
   }
-}
-
-void ReferenceLinearBackend::update_state_after_verify(std::span<const int32_t> last_accepted) {
-  ATTNRT_CHECK(planned_ && plan_.verify,
-               "reference linear backend: update_state_after_verify after a {} step; it commits "
-               "the checkpoints of the TARGET_VERIFY step that just ran",
-               forward_mode_name(plan_.mode));
-  ATTNRT_CHECK(last_accepted.size() == plan_.slots.size(),
-               "reference linear backend: update_state_after_verify with {} accepted indices for "
-               "a verify step of {} requests",
-               last_accepted.size(), plan_.slots.size());
-  pool().commit_verify(plan_.slots, last_accepted);
 }
 
 }  // namespace attnrt

@@ -5,38 +5,25 @@
 // (chain and tree, every kind).
 #pragma once
 
-#include <cstdint>
-#include <span>
 #include <string_view>
 
-#include "attnrt/backend/attention_backend.h"
-#include "attnrt/linear/linear_step.h"
+#include "attnrt/backend/linear_attn_backend.h"
 
 namespace attnrt {
 
-class ReferenceLinearBackend final : public AttentionBackend {
+class ReferenceLinearBackend final : public LinearAttnBackend {
  public:
   explicit ReferenceLinearBackend(const BackendContext& ctx);
 
   std::string_view name() const override { return "reference"; }
-  void init_forward_metadata(const ForwardBatch& batch) override;
-  void forward_decode(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
-  void forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
   void forward_linear(const LinearArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override;
-  void update_state_after_verify(std::span<const int32_t> last_accepted) override;
 
   // Extend form: chunked with the layer's chunk size (0, the default), chunked with `chunk`
   // tokens (> 0), or token by token (-1). Tests use it to hold the forms against each other.
   void set_extend_chunk(int chunk) { extend_chunk_ = chunk; }
 
  private:
-  LinearStatePool& pool() const;
-
-  linear::StepPlan plan_;
-  bool planned_ = false;
   int extend_chunk_ = 0;
 };
 

@@ -6,9 +6,9 @@
 #include <memory>
 
 #include "attnrt/backend/host_attn_checks.h"
+#include "attnrt/backend/host_backend_entry.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
-#include "attnrt/memory/req_to_token_pool.h"
 #include "backends/reference/linear_backend.h"
 
 namespace attnrt {
@@ -21,7 +21,7 @@ int64_t offset3(const TensorView& t, int64_t a, int64_t b, int64_t c) {
 
 }  // namespace
 
-ReferenceBackend::ReferenceBackend(const BackendContext& ctx) : AttentionBackend(ctx) {}
+ReferenceBackend::ReferenceBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {}
 
 void ReferenceBackend::init_forward_metadata(const ForwardBatch& batch) {
   Plan plan;
@@ -35,23 +35,9 @@ void ReferenceBackend::init_forward_metadata(const ForwardBatch& batch) {
   plan.key_pos.resize(plan.key_start[bs]);
   plan.query_pos.resize(l.num_tokens);
   plan.query_block.resize(l.num_tokens);
-  if (bs > 0) {
-    ATTNRT_CHECK(ctx_.req_to_token != nullptr,
-                 "reference backend: BackendContext.req_to_token is null; the backend reads key "
-                 "slots from the request rows");
-  }
   const bool verify = is_target_verify(batch.mode);
   for (int i = 0; i < bs; ++i) {
-    const ReqToTokenPool& pool = *ctx_.req_to_token;
-    const int64_t row = batch.req_pool_indices[i];
-    ATTNRT_CHECK(row < pool.size(),
-                 "reference backend: req_pool_indices[{}] = {}; the request pool has rows [0, {})",
-                 i, row, pool.size());
-    ATTNRT_CHECK(l.kv_len(i) <= pool.max_context_len(),
-                 "reference backend: request {} needs {} keys but a request row holds at most "
-                 "max_context_len = {}",
-                 i, l.kv_len(i), pool.max_context_len());
-    const int32_t* slots = pool.row_ptr(static_cast<int>(row));
+    const int32_t* slots = checked_request_row("reference", ctx_, batch, l, i);
     const int32_t prefix = l.prefix_lens[i];
     for (int32_t j = 0; j < l.kv_len(i); ++j) {
       const int64_t k = plan.key_start[i] + j;
@@ -60,13 +46,6 @@ void ReferenceBackend::init_forward_metadata(const ForwardBatch& batch) {
     }
     for (int32_t t = 0; t < l.query_lens[i]; ++t) {
       const int64_t q = l.query_start[i] + t;
-      // Keys are read through the request row only, so the row must already hold the slots this
-      // step writes (the scheduler maps them before the forward, reference-semantics §2.2).
-      ATTNRT_CHECK(slots[prefix + t] == batch.out_cache_loc[q],
-                   "reference backend: req_to_token[{}, {}] = {} but out_cache_loc[{}] = {} "
-                   "(request {}, new token {}); write the step's slots into the request row before "
-                   "the forward",
-                   row, prefix + t, slots[prefix + t], q, batch.out_cache_loc[q], i, t);
       plan.query_pos[q] = plan.key_pos[plan.key_start[i] + prefix + t];
       plan.query_block[q] = t;
     }
@@ -75,38 +54,12 @@ void ReferenceBackend::init_forward_metadata(const ForwardBatch& batch) {
   planned_ = true;
 }
 
-void ReferenceBackend::forward_decode(const AttnArgs& args, const LayerSpec& layer,
-                                      const ForwardBatch& batch) {
-  ATTNRT_CHECK(is_decode(batch.mode), "reference backend: forward_decode called for a {} batch",
-               forward_mode_name(batch.mode));
-  attend(args, layer, batch);
-}
-
-void ReferenceBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                                      const ForwardBatch& batch) {
-  ATTNRT_CHECK(!is_decode_or_idle(batch.mode),
-               "reference backend: forward_extend called for a {} batch",
-               forward_mode_name(batch.mode));
-  attend(args, layer, batch);
-}
-
-void ReferenceBackend::check_args(const AttnArgs& args, const LayerSpec& layer,
-                                  const ForwardBatch& batch, const KVLayerView& kv) const {
-  ATTNRT_CHECK(planned_ && plan_.mode == batch.mode &&
-                   static_cast<int>(plan_.layout.query_lens.size()) == batch.batch_size &&
-                   plan_.layout.num_tokens == batch.num_tokens(),
-               "reference backend: forward for a {} batch of {} requests / {} tokens without a "
-               "matching init_forward_metadata for this step",
-               forward_mode_name(batch.mode), batch.batch_size, batch.num_tokens());
-  check_host_attn_args("reference", args, layer, plan_.layout.num_tokens, kv);
-}
-
 void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
                               const ForwardBatch& batch) {
-  ATTNRT_CHECK(ctx_.kv_cache != nullptr,
-               "reference backend: BackendContext.kv_cache is null; attention needs the KV pools");
-  const KVLayerView kv = ctx_.kv_cache->layer(layer.layer_id);
-  check_args(args, layer, batch, kv);
+  const bool planned = planned_ && plan_.mode == batch.mode &&
+                       static_cast<int>(plan_.layout.query_lens.size()) == batch.batch_size &&
+                       plan_.layout.num_tokens == batch.num_tokens();
+  const KVLayerView kv = check_host_attn_call("reference", ctx_, planned, args, layer, batch);
 
   const StepLayout& l = plan_.layout;
   const int bs = batch.batch_size;
@@ -249,32 +202,11 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
 }
 
 BackendEntry reference_backend_entry() {
-  BackendEntry e;
-  e.name = "reference";
-  e.summary =
+  return host_backend_entry<ReferenceBackend, ReferenceLinearBackend>(
+      "reference",
       "float64 CPU oracle for every full-attention mode (MHA, GQA, MLA) and the gdn / kda / mamba2 "
-      "layers (slow; "
-      "never auto-selected)";
-  e.caps.devices = {DeviceKind::cpu};
-  e.caps.kv_dtypes = {DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2};
-  e.caps.spec_topk1 = true;
-  e.caps.spec_topk_gt1 = true;
-  e.caps.sliding_window = true;
-  e.caps.softcap = true;
-  e.caps.sinks = true;
-  e.caps.non_causal = true;
-  e.caps.mla = true;
-  e.caps.cuda_graphs = false;
-  e.caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
-  e.auto_selectable = false;
-  e.unavailable_reason = [] { return std::string(); };
-  e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<ReferenceBackend>(ctx);
-  };
-  e.linear_factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<ReferenceLinearBackend>(ctx);
-  };
-  return e;
+      "layers (slow; never auto-selected)",
+      /*auto_selectable=*/false);
 }
 
 void register_reference_backend(Registry& registry) { registry.add(reference_backend_entry()); }

@@ -13,9 +13,7 @@
 
 namespace attnrt {
 
-struct KVLayerView;
-
-class ReferenceBackend final : public AttentionBackend {
+class ReferenceBackend final : public OnePathAttnBackend {
  public:
   explicit ReferenceBackend(const BackendContext& ctx);
 
@@ -23,10 +21,6 @@ class ReferenceBackend final : public AttentionBackend {
   // Derives the layout, checks that every request row holds this step's out_cache_loc at its
   // query positions (the write-before-read rule) and gathers each request's full-pool key slots.
   void init_forward_metadata(const ForwardBatch& batch) override;
-  void forward_decode(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
-  void forward_extend(const AttnArgs& args, const LayerSpec& layer,
-                      const ForwardBatch& batch) override;
 
   // The plan of the current step (valid after init_forward_metadata).
   const StepLayout& layout() const { return plan_.layout; }
@@ -42,9 +36,7 @@ class ReferenceBackend final : public AttentionBackend {
     std::vector<int32_t> query_block; // [T] index of the query inside its request's new tokens
   };
 
-  void check_args(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch,
-                  const KVLayerView& kv) const;
-  void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch);
+  void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) override;
 
   Plan plan_;
   bool planned_ = false;

@@ -40,4 +40,18 @@ void AttentionBackend::update_state_after_verify(std::span<const int32_t>) {
        name());
 }
 
+void OnePathAttnBackend::forward_decode(const AttnArgs& args, const LayerSpec& layer,
+                                        const ForwardBatch& batch) {
+  ATTNRT_CHECK(is_decode(batch.mode), "{} backend: forward_decode called for a {} batch", name(),
+               forward_mode_name(batch.mode));
+  attend(args, layer, batch);
+}
+
+void OnePathAttnBackend::forward_extend(const AttnArgs& args, const LayerSpec& layer,
+                                        const ForwardBatch& batch) {
+  ATTNRT_CHECK(!is_decode_or_idle(batch.mode), "{} backend: forward_extend called for a {} batch",
+               name(), forward_mode_name(batch.mode));
+  attend(args, layer, batch);
+}
+
 }  // namespace attnrt

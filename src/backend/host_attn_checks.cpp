@@ -1,6 +1,10 @@
 #include "attnrt/backend/host_attn_checks.h"
 
+#include <algorithm>
+#include <cstdint>
+
 #include "attnrt/core/error.h"
+#include "attnrt/memory/req_to_token_pool.h"
 
 namespace attnrt {
 
@@ -19,8 +23,6 @@ void check_tensor(std::string_view backend, const char* what, const TensorView& 
                "{} backend: {} is {}; expected [{}] = [{}, {}, {}]", backend, what, t.describe(),
                dims, d0, d1, d2);
 }
-
-}  // namespace
 
 void check_host_attn_args(std::string_view backend, const AttnArgs& args, const LayerSpec& layer,
                           int64_t num_tokens, const KVLayerView& kv) {
@@ -92,6 +94,52 @@ void check_host_attn_args(std::string_view backend, const AttnArgs& args, const 
                "{} backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer needs "
                "[{} heads, {} / {} dims]",
                backend, layer.layer_id, kv.kv_heads, kv.head_dim, kv.v_head_dim, hkv, dqk, dv);
+}
+
+}  // namespace
+
+const int32_t* checked_request_row(std::string_view backend, const BackendContext& ctx,
+                                   const ForwardBatch& batch, const StepLayout& layout, int i,
+                                   int64_t max_keys) {
+  ATTNRT_CHECK(ctx.req_to_token != nullptr,
+               "{} backend: BackendContext.req_to_token is null; the backend reads key slots "
+               "from the request rows",
+               backend);
+  const ReqToTokenPool& pool = *ctx.req_to_token;
+  const int64_t row = batch.req_pool_indices[i];
+  ATTNRT_CHECK(row >= 0 && row < pool.size(),
+               "{} backend: req_pool_indices[{}] = {}; the request pool has rows [0, {})", backend,
+               i, row, pool.size());
+  const int32_t kv_len = layout.kv_len(i), prefix = layout.prefix_lens[i];
+  const int64_t max_len = std::min<int64_t>(pool.max_context_len(), max_keys);
+  ATTNRT_CHECK(kv_len <= max_len,
+               "{} backend: request {} needs {} keys but a request row holds at most "
+               "max_context_len = {}",
+               backend, i, kv_len, max_len);
+  const int32_t* slots = pool.row_ptr(static_cast<int>(row));
+  for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
+    const int64_t q = layout.query_start[i] + t;
+    ATTNRT_CHECK(slots[prefix + t] == batch.out_cache_loc[q],
+                 "{} backend: req_to_token[{}, {}] = {} but out_cache_loc[{}] = {} (request {}, "
+                 "new token {}); write the step's slots into the request row before the forward",
+                 backend, row, prefix + t, slots[prefix + t], q, batch.out_cache_loc[q], i, t);
+  }
+  return slots;
+}
+
+KVLayerView check_host_attn_call(std::string_view backend, const BackendContext& ctx, bool planned,
+                                 const AttnArgs& args, const LayerSpec& layer,
+                                 const ForwardBatch& batch) {
+  ATTNRT_CHECK(ctx.kv_cache != nullptr,
+               "{} backend: BackendContext.kv_cache is null; attention needs the KV pools",
+               backend);
+  const KVLayerView kv = ctx.kv_cache->layer(layer.layer_id);
+  ATTNRT_CHECK(planned,
+               "{} backend: forward for a {} batch of {} requests / {} tokens without a matching "
+               "init_forward_metadata for this step",
+               backend, forward_mode_name(batch.mode), batch.batch_size, batch.num_tokens());
+  check_host_attn_args(backend, args, layer, batch.num_tokens(), kv);
+  return kv;
 }
 
 }  // namespace attnrt

@@ -15,6 +15,17 @@ Registry& Registry::global() {
   return *registry;
 }
 
+void claim_every_feature(BackendCaps& caps) {
+  caps.spec_topk1 = true;
+  caps.spec_topk_gt1 = true;
+  caps.sliding_window = true;
+  caps.softcap = true;
+  caps.sinks = true;
+  caps.non_causal = true;
+  caps.mla = true;
+  caps.linear_kinds = {LayerKind::gdn, LayerKind::mamba2, LayerKind::kda};
+}
+
 void Registry::add(BackendEntry entry) {
   ATTNRT_CHECK(find(entry.name) == nullptr, "backend '{}' is registered twice", entry.name);
   if (entry.device == nullptr) entry.device = host_device_services();

@@ -115,4 +115,20 @@ class AttentionBackend {
   BackendContext ctx_;
 };
 
+// A backend that runs DECODE and every extend-like mode through one path, attend(): its
+// forward_decode and forward_extend check that the batch's mode is theirs (an error names the
+// backend and the mode), then call it.
+class OnePathAttnBackend : public AttentionBackend {
+ public:
+  using AttentionBackend::AttentionBackend;
+
+  void forward_decode(const AttnArgs& args, const LayerSpec& layer,
+                      const ForwardBatch& batch) final;
+  void forward_extend(const AttnArgs& args, const LayerSpec& layer,
+                      const ForwardBatch& batch) final;
+
+ protected:
+  virtual void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) = 0;
+};
+
 }  // namespace attnrt

@@ -31,6 +31,12 @@ struct BackendCaps {
   std::vector<LayerKind> linear_kinds;  // gdn / mamba2 / kda served by this backend
 };
 
+// Claims every feature above for a backend that serves them all (the built-in ones do): the
+// speculative chains and trees, sliding window, soft-cap, sinks, non-causal layers, MLA and the
+// gdn / mamba2 / kda layers. Devices, page sizes, KV dtypes, head dims and CUDA graphs are left
+// to the caller.
+void claim_every_feature(BackendCaps& caps);
+
 struct BackendEntry {
   std::string name;
   std::string summary;   // one line for `attnrt info`
@@ -48,6 +54,14 @@ struct BackendEntry {
   // host's (host_device_services()).
   std::shared_ptr<const DeviceServices> device;
 };
+
+// A BackendEntry::factory / linear_factory that creates a B.
+template <class B>
+std::function<std::unique_ptr<AttentionBackend>(const BackendContext&)> backend_factory() {
+  return [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
+    return std::make_unique<B>(ctx);
+  };
+}
 
 class Registry {
  public:
