@@ -34,7 +34,8 @@ struct BackendCaps {
 // Claims every feature above for a backend that serves them all (the built-in ones do): the
 // speculative chains and trees, sliding window, soft-cap, sinks, non-causal layers, MLA and the
 // gdn / mamba2 / kda layers. Devices, page sizes, KV dtypes, head dims and CUDA graphs are left
-// to the caller.
+// to the caller. A feature flag added to BackendCaps goes into this list only once all three
+// built-in backends serve it; until then the backends that do set it after this call.
 void claim_every_feature(BackendCaps& caps);
 
 struct BackendEntry {
