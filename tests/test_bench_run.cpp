@@ -115,6 +115,47 @@ TEST(BenchRun, TinyRowsOfEveryKindRunEndToEndOnReference) {
   EXPECT_NE(render_svg(r, info).find("tiny-verify-tree"), std::string::npos);
 }
 
+// MLA rows (absorbed form, one latent head of 576 columns, V its first 512) run on the cpu backend
+// and pass the float64 recomputation, decode and verify, bf16 and fp8, page 64 and page 1.
+TEST(BenchRun, TinyMlaRowsRunOnCpuWithTheCheckPassing) {
+  BenchConfig config = tiny_config("cpu");
+  auto mla = [](Workload w, int q_heads) {
+    w.q_heads = q_heads;
+    w.kv_heads = 1;
+    w.kv_lora_rank = 512;
+    w.head_dim = 576;
+    w.name = "mla-" + w.name;
+    return w;
+  };
+  config.workloads = {
+      mla(tiny(WorkloadKind::decode, 2, 79, 1, 64, DType::bf16), 16),
+      mla(tiny(WorkloadKind::decode, 2, 40, 1, 1, DType::e4m3), 8),
+      mla(tiny(WorkloadKind::verify_chain, 2, 64, 4, 64, DType::bf16), 8),
+      mla(tiny(WorkloadKind::verify_tree, 1, 64, 16, 64, DType::bf16, 4), 4),
+  };
+  config.reference_max_work = 1e8;
+  BenchResult r = run_bench(config);
+  ASSERT_EQ(r.rows.size(), config.workloads.size());
+  for (const RowResult& row : r.rows) {
+    SCOPED_TRACE(row.workload.name);
+    EXPECT_EQ(row.status, "ok") << row.error;
+    EXPECT_TRUE(row.check.passed) << row.check.max_rel_err;
+    EXPECT_NE(row.check.method.find("float64"), std::string::npos);
+    EXPECT_GT(row.time.median, 0);
+    EXPECT_DOUBLE_EQ(row.bytes, counted_bytes(row.workload));
+    ASSERT_TRUE(row.reference.has_value());
+    EXPECT_TRUE(row.reference->check.passed) << row.reference->check.max_rel_err;
+    if (row.decode_workload) {
+      EXPECT_TRUE(row.decode_workload->is_mla());
+      EXPECT_GT(row.decode_ratio, 0);
+    }
+  }
+  EXPECT_TRUE(r.all_passed());
+  nlohmann::json j = to_json(r, make_run_info("test", 1.0, ""));
+  EXPECT_EQ(j["rows"][0]["shape"]["layer"], "mla");
+  EXPECT_EQ(j["rows"][0]["shape"]["v_head_dim"], 512);
+}
+
 TEST(BenchRun, WrongOutputIsReportedAndNotTimed) {
   Registry registry;
   registry.add(reference_backend_entry());

@@ -213,3 +213,101 @@ TEST(BenchWorkload, SelectorsPickRowsAndRejectUnknownNames) {
   expect_error([] { select_workloads("decode-3x3"); }, {"'decode-3x3'", "decode-16x4096"});
   expect_error([] { select_workloads(","); }, {"empty"});
 }
+
+TEST(BenchWorkload, MlaSetIsTheWorkloadsMdList) {
+  std::vector<Workload> rows = mla_workloads();
+  std::vector<std::string> names;
+  for (const Workload& w : rows) names.push_back(w.name);
+  const std::vector<std::string> expected = {
+      "mla-decode-h16-1x32768",        "mla-decode-h16-64x8192",
+      "mla-decode-h128-64x4096",       "mla-decode-h128-128x8192",
+      "mla-decode-h16-1x32768-fp8",    "mla-decode-h16-64x8192-fp8",
+      "mla-decode-h128-64x4096-fp8",   "mla-decode-h128-128x8192-fp8",
+      "mla-decode-h16-1x32768-p1",     "mla-decode-h16-64x8192-p1",
+      "mla-decode-h128-64x4096-p1",    "mla-decode-h128-128x8192-p1",
+      "mla-verify-chain-64x4096+4",    "mla-verify-tree-64x4096+16-topk4"};
+  EXPECT_EQ(names, expected);
+  for (const Workload& w : rows) {
+    SCOPED_TRACE(w.name);
+    EXPECT_TRUE(w.is_mla());
+    EXPECT_EQ(w.kv_heads, 1) << "one latent KV head";
+    EXPECT_EQ(w.head_dim, 576);
+    EXPECT_EQ(w.v_head_dim(), 512);
+    EXPECT_EQ(w.page_size, w.name.ends_with("-p1") ? 1 : 64);
+    EXPECT_EQ(w.kv_dtype, w.name.ends_with("-fp8") ? DType::e4m3 : DType::bf16);
+    EXPECT_EQ(w.bound(), w.q_heads == 128 ? Bound::compute : Bound::memory);
+  }
+  const Workload& d = by_name(rows, "mla-decode-h128-128x8192");
+  EXPECT_EQ(d.q_heads, 128);
+  EXPECT_EQ(d.batch, 128);
+  EXPECT_EQ(d.kv_len(), 8192);
+  EXPECT_EQ(d.shape(), "h128 128x8192 page 64");
+  const Workload& tree = by_name(rows, "mla-verify-tree-64x4096+16-topk4");
+  EXPECT_EQ(tree.q_heads, 128);
+  EXPECT_EQ(tree.prefix_len, 4096);
+  EXPECT_EQ(tree.new_tokens, 16);
+  EXPECT_EQ(tree.topk, 4);
+  // The decode row a verify row is divided by keeps the MLA layer and page.
+  Workload dc = decode_companion(tree);
+  EXPECT_TRUE(dc.is_mla());
+  EXPECT_EQ(dc.q_heads, 128);
+  EXPECT_EQ(dc.page_size, 64);
+  EXPECT_EQ(dc.kv_len(), 4096);
+  EXPECT_EQ(dc.name, "mla-decode-h128-64x4096");
+  // The attention suite is unchanged.
+  for (const Workload& w : standard_workloads()) EXPECT_FALSE(w.is_mla()) << w.name;
+}
+
+TEST(BenchWorkload, MlaCountsFollowTheWorkloadsMdRule) {
+  std::vector<Workload> rows = mla_workloads();
+  // Bytes: the latent cache once per request (L x 576 x bytes) + bf16 q read + bf16 out written.
+  const double q_out = 64.0 * 16 * (576 + 512) * 2;
+  EXPECT_DOUBLE_EQ(counted_bytes(by_name(rows, "mla-decode-h16-64x8192")),
+                   64.0 * 8192 * 576 * 2 + q_out);  // 604 MB + 2.2 MB
+  EXPECT_DOUBLE_EQ(counted_bytes(by_name(rows, "mla-decode-h16-64x8192-fp8")),
+                   64.0 * 8192 * 576 * 1 + q_out);
+  EXPECT_DOUBLE_EQ(counted_bytes(by_name(rows, "mla-decode-h16-64x8192-p1")),
+                   counted_bytes(by_name(rows, "mla-decode-h16-64x8192")));
+  // FLOPs: 2 x Hq x L x (576 + 512) per query token.
+  EXPECT_DOUBLE_EQ(counted_flops(by_name(rows, "mla-decode-h128-64x4096")),
+                   64 * 2.0 * 128 * 4096 * (576 + 512));
+  EXPECT_DOUBLE_EQ(attention_work(by_name(rows, "mla-decode-h128-64x4096")),
+                   counted_flops(by_name(rows, "mla-decode-h128-64x4096")));
+  // About 240 FLOP per byte of cache at 128 heads (228 with q and out counted), about 30 at 16.
+  const Workload& h128 = by_name(rows, "mla-decode-h128-64x4096");
+  EXPECT_NEAR(counted_flops(h128) / (64.0 * 4096 * 576 * 2), 242, 1);
+  EXPECT_NEAR(counted_flops(h128) / counted_bytes(h128), 228, 1);
+  const Workload& h16 = by_name(rows, "mla-decode-h16-64x8192");
+  EXPECT_NEAR(counted_flops(h16) / counted_bytes(h16), 30, 1);
+  // Verify: every query sees the prefix and its ancestors-or-self among the drafts.
+  const Workload& chain = by_name(rows, "mla-verify-chain-64x4096+4");
+  EXPECT_DOUBLE_EQ(counted_flops(chain), 64 * 2.0 * 128 * (576 + 512) * (4 * 4096 + 10));
+  EXPECT_DOUBLE_EQ(counted_bytes(chain), 64.0 * 4100 * 576 * 2 + 64.0 * 4 * 128 * (576 + 512) * 2);
+}
+
+TEST(BenchWorkload, MlaSelectorsAndPreset) {
+  EXPECT_EQ(select_mla_workloads("all").size(), mla_workloads().size());
+  EXPECT_EQ(select_mla_workloads("mla-decode").size(), 12u);
+  EXPECT_EQ(select_mla_workloads("mla-verify").size(), 2u);
+  EXPECT_EQ(select_mla_workloads("mla-verify-tree").size(), 1u);
+  EXPECT_EQ(select_mla_workloads("decode").size(), 12u);
+  std::vector<Workload> two =
+      select_mla_workloads("mla-verify-chain-64x4096+4,mla-decode-h16-1x32768-fp8");
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_EQ(two[1].name, "mla-decode-h16-1x32768-fp8");
+  expect_error([] { select_mla_workloads("mla-prefill"); },
+               {"'mla-prefill'", "mla-decode-h16-1x32768"});
+  expect_error([] { select_workloads("mla-decode"); }, {"'mla-decode'"});
+
+  std::vector<Workload> small = apply_preset(mla_workloads(), "cpu-small");
+  ASSERT_EQ(small.size(), mla_workloads().size());
+  for (const Workload& w : small) {
+    EXPECT_LE(counted_bytes(w), 1.25 * double(1ull << 30)) << w.name;
+    EXPECT_LE(attention_work(w), 6e11) << w.name;
+    EXPECT_TRUE(w.is_mla()) << w.name;
+  }
+  // The decode rows fit whole (the largest reads 1.13 GiB and does 2.9e11 FLOPs); the tree's
+  // 1.2e12 FLOPs halve its batch.
+  EXPECT_TRUE(by_name(small, "mla-decode-h128-128x8192").scale_note.empty());
+  EXPECT_EQ(by_name(small, "mla-verify-tree-64x4096+16-topk4").batch, 32);
+}

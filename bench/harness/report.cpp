@@ -45,6 +45,11 @@ json shape_json(const Workload& w) {
             {"page_size", w.page_size},
             {"kv_dtype", dtype_name(w.kv_dtype)},
             {"shape", w.shape()}};
+  if (w.is_mla()) {
+    j["layer"] = "mla";
+    j["kv_lora_rank"] = w.kv_lora_rank;
+    j["v_head_dim"] = w.v_head_dim();
+  }
   if (is_verify(w.kind)) {
     j["topk"] = w.topk;
     j["tree_parents"] = verify_parents(w);
@@ -293,8 +298,10 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
   ceiling_line("memory", c.memory, "GB/s");
   ceiling_line("fp32", c.fp32, "GFLOP/s");
   ceiling_line("bf16", c.bf16, "GFLOP/s");
-  s << fmt::format("  decode/verify rows are judged against memory, prefill/extend against {}\n",
-                   c.compute_name());
+  const bool mla = std::any_of(r.rows.begin(), r.rows.end(),
+                               [](const RowResult& row) { return row.workload.is_mla(); });
+  s << fmt::format("  decode/verify rows are judged against memory, prefill/extend{} against {}\n",
+                   mla ? " and MLA rows of >= 64 q heads" : "", c.compute_name());
   if (!info.preset.empty() || info.scale != 1.0) {
     s << fmt::format(
         "SCALED RUN ({}): rows marked * are smaller than their standard definition; the "

@@ -39,7 +39,14 @@ ModelSpec bench_model(const Workload& w) {
   l.num_q_heads = w.q_heads;
   l.num_kv_heads = w.kv_heads;
   l.head_dim = w.head_dim;
-  l.v_head_dim = w.head_dim;
+  l.v_head_dim = w.v_head_dim();
+  if (w.is_mla()) {
+    // The absorbed form of src/model/layer_builders.h mla_layer: one latent head, V its first
+    // kv_lora_rank columns.
+    l.kind = LayerKind::mla;
+    l.kv_lora_rank = w.kv_lora_rank;
+    l.qk_rope_head_dim = w.head_dim - w.kv_lora_rank;
+  }
   m.layers.push_back(l);
   return m;
 }
@@ -123,17 +130,20 @@ struct RowData {
 
     const KVLayerView view = kv->layer(0);
     ValueTable kv_values(w.kv_dtype, seed + 1);
+    // An MLA pool has one latent row per token: V is a view of its first kv_lora_rank columns.
+    const bool latent = w.is_mla();
     ATTNRT_CHECK(view.k_row_stride == int64_t{view.kv_heads} * view.head_dim &&
-                     view.v_row_stride == int64_t{view.kv_heads} * view.v_head_dim,
+                     view.v_row_stride == (latent ? view.k_row_stride
+                                                  : int64_t{view.kv_heads} * view.v_head_dim),
                  "bench expects dense token-major KV rows; the pool has row strides {} / {}",
                  view.k_row_stride, view.v_row_stride);
     kv_values.fill(view.k, view.num_rows * view.k_row_stride, seed + 2);
-    kv_values.fill(view.v, view.num_rows * view.v_row_stride, seed + 3);
+    if (!latent) kv_values.fill(view.v, view.num_rows * view.v_row_stride, seed + 3);
 
     const int64_t t = w.num_tokens();
     q = HostBuffer(DType::bf16, {t, w.q_heads, w.head_dim});
     k = HostBuffer(DType::bf16, {t, w.kv_heads, w.head_dim});
-    v = HostBuffer(DType::bf16, {t, w.kv_heads, w.head_dim});
+    v = HostBuffer(DType::bf16, {t, w.kv_heads, w.v_head_dim()});
     ValueTable act(DType::bf16, seed + 4);
     act.fill(q.data(), q.numel(), seed + 5);
     act.fill(k.data(), k.numel(), seed + 6);
@@ -170,7 +180,7 @@ struct BackendRun {
     }
     // Validation against the backend's caps gives the user the same message `attnrt run` would.
     Selection selection = resolve_backends(options, d.model, registry);
-    out = HostBuffer(DType::bf16, {w.num_tokens(), w.q_heads, w.head_dim});
+    out = HostBuffer(DType::bf16, {w.num_tokens(), w.q_heads, w.v_head_dim()});
     BackendContext ctx;
     ctx.model = &d.model;
     ctx.options = &options;
@@ -303,7 +313,8 @@ CheckResult dense_check(const RowData& d, const HostBuffer& out, double max_work
   }
   const KVLayerView view = d.kv->layer(0);
   const int hq = w.q_heads, hkv = w.kv_heads, dim = w.head_dim, group = hq / hkv;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(dim));
+  const int dv = w.v_head_dim();  // MLA: the first kv_lora_rank columns of the latent row
+  const double scale = d.layer().softmax_scale();
   std::vector<double> errs(rows.size(), 0.0);
 
 #pragma omp parallel for schedule(dynamic)
@@ -326,7 +337,7 @@ CheckResult dense_check(const RowData& d, const HostBuffer& out, double max_work
     const size_t nk = keys.size();
     // One KV head at a time: its K row is converted once for the `group` query heads sharing it,
     // and memory stays O(group * keys) however long the context is.
-    std::vector<double> logits(static_cast<size_t>(group) * nk), o(static_cast<size_t>(group) * dim);
+    std::vector<double> logits(static_cast<size_t>(group) * nk), o(static_cast<size_t>(group) * dv);
     std::vector<double> qf(static_cast<size_t>(group) * dim), m(group), den(group);
     std::vector<double> kv_row(dim);
     double worst = 0;
@@ -351,20 +362,20 @@ CheckResult dense_check(const RowData& d, const HostBuffer& out, double max_work
       std::fill(o.begin(), o.end(), 0.0);
       std::fill(den.begin(), den.end(), 0.0);
       for (size_t j = 0; j < nk; ++j) {
-        const int64_t base = keys[j] * view.v_row_stride + int64_t{g} * dim;
-        for (int e = 0; e < dim; ++e) {
+        const int64_t base = keys[j] * view.v_row_stride + int64_t{g} * dv;
+        for (int e = 0; e < dv; ++e) {
           kv_row[e] = double{load_as_float(view.v, view.dtype, base + e)} * view.v_scale;
         }
         for (int a = 0; a < group; ++a) {
           double p = std::exp(logits[a * nk + j] - m[a]);
           den[a] += p;
-          for (int e = 0; e < dim; ++e) o[a * dim + e] += p * kv_row[e];
+          for (int e = 0; e < dv; ++e) o[a * dv + e] += p * kv_row[e];
         }
       }
       for (int a = 0; a < group; ++a) {
-        for (int e = 0; e < dim; ++e) o[a * dim + e] /= den[a];
-        const uint16_t* got = out.ptr<uint16_t>() + (tok * hq + g * group + a) * dim;
-        worst = std::max(worst, rel_err(got, o.data() + a * dim, dim));
+        for (int e = 0; e < dv; ++e) o[a * dv + e] /= den[a];
+        const uint16_t* got = out.ptr<uint16_t>() + (tok * hq + g * group + a) * dv;
+        worst = std::max(worst, rel_err(got, o.data() + a * dv, dv));
       }
     }
     errs[s] = worst;
@@ -382,7 +393,7 @@ CheckResult dense_check(const RowData& d, const HostBuffer& out, double max_work
 
 CheckResult compare_outputs(const HostBuffer& got, const HostBuffer& want, const Workload& w,
                             double tol) {
-  const int dim = w.head_dim;
+  const int dim = w.v_head_dim();
   const int64_t vectors = w.num_tokens() * w.q_heads;
   std::vector<double> ref(dim);
   double worst = 0;
@@ -467,7 +478,8 @@ bool BenchResult::all_passed() const {
 
 RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& ceilings) {
   RowResult row;
-  start_row(row, w, standard_workloads(), counted_bytes(w), counted_flops(w));
+  start_row(row, w, w.is_mla() ? mla_workloads() : standard_workloads(), counted_bytes(w),
+            counted_flops(w));
   const int threads = resolve_threads(config.threads);
   try {
     double work_per_second = 0;

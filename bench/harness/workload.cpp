@@ -62,6 +62,39 @@ Workload verify(int batch, int prefix, int drafts, int topk) {
   return w;
 }
 
+// DeepSeek-V3's latent attention: kv_lora_rank 512 + rope 64 = 576 columns per token, V = 512.
+constexpr int kMlaLoraRank = 512;
+constexpr int kMlaRopeDim = 64;
+constexpr int kMlaPage = 64;
+
+Workload as_mla(Workload w, int q_heads) {
+  w.q_heads = q_heads;
+  w.kv_heads = 1;
+  w.kv_lora_rank = kMlaLoraRank;
+  w.head_dim = kMlaLoraRank + kMlaRopeDim;
+  return w;
+}
+
+std::string mla_suffix(int page_size, DType dtype) {
+  std::string s;
+  if (page_size != kMlaPage) s += fmt::format("-p{}", page_size);
+  if (dtype == DType::e4m3) s += "-fp8";
+  return s;
+}
+
+Workload mla_decode(int q_heads, int batch, int kv_len, int page_size, DType dtype) {
+  Workload w = as_mla(decode(batch, kv_len, page_size, dtype), q_heads);
+  w.name = fmt::format("mla-decode-h{}-{}x{}{}", q_heads, batch, kv_len, mla_suffix(page_size, dtype));
+  return w;
+}
+
+Workload mla_verify(int q_heads, int batch, int prefix, int drafts, int topk) {
+  Workload w = as_mla(verify(batch, prefix, drafts, topk), q_heads);
+  w.page_size = kMlaPage;
+  w.name = "mla-" + w.name;
+  return w;
+}
+
 // Number of (query, key) pairs a request's queries see: the prefix in full, plus the mask among the
 // new tokens (causal triangle, or ancestors-or-self in a tree).
 double visible_pairs_per_request(const Workload& w) {
@@ -95,6 +128,11 @@ bool is_verify(WorkloadKind k) {
 }
 
 Bound Workload::bound() const {
+  // MLA: every q head reads the one latent head, so 128 heads do ~240 FLOP per cached byte, above
+  // a GPU's ridge point; 16 heads (~30 FLOP per byte) stay memory-bound.
+  if (is_mla() && (kind == WorkloadKind::decode || is_verify(kind))) {
+    return q_heads >= 64 ? Bound::compute : Bound::memory;
+  }
   return (kind == WorkloadKind::prefill || kind == WorkloadKind::extend) ? Bound::compute
                                                                          : Bound::memory;
 }
@@ -112,19 +150,31 @@ std::string Workload::shape() const {
       s = fmt::format("{}x({}+{}, topk {})", batch, prefix_len, new_tokens, topk);
       break;
   }
-  if (head_dim != 128) s += fmt::format(" d{}", head_dim);
+  if (is_mla()) {
+    s = fmt::format("h{} {}", q_heads, s);  // the dims are DeepSeek-V3's (576 / 512)
+  } else if (head_dim != 128) {
+    s += fmt::format(" d{}", head_dim);
+  }
   if (page_size != 16) s += fmt::format(" page {}", page_size);
   if (kv_dtype != DType::bf16) s += fmt::format(" {}", dtype_name(kv_dtype));
   return s;
 }
 
 double counted_bytes(const Workload& w) {
+  if (w.is_mla()) {
+    // The latent cache read once per request (K and V are the same row; fp8 scales are one scalar
+    // per layer, nothing per token), the bf16 queries read and the bf16 outputs written.
+    const double cache = static_cast<double>(w.batch) * w.kv_len() * w.head_dim *
+                         static_cast<double>(dtype_size(w.kv_dtype));
+    const double tokens = static_cast<double>(w.num_tokens());
+    return cache + tokens * w.q_heads * (w.head_dim + w.v_head_dim()) * 2.0;
+  }
   return static_cast<double>(w.batch) * w.kv_len() * w.kv_heads * w.head_dim * 2.0 *
          static_cast<double>(dtype_size(w.kv_dtype));
 }
 
 double counted_flops(const Workload& w) {
-  const double per_pair = 4.0 * w.q_heads * w.head_dim;
+  const double per_pair = 2.0 * w.q_heads * (w.head_dim + w.v_head_dim());
   const double s = w.new_tokens, p = w.prefix_len;
   switch (w.kind) {
     case WorkloadKind::prefill: return w.batch * per_pair * s * s / 2;
@@ -134,7 +184,9 @@ double counted_flops(const Workload& w) {
 }
 
 double attention_work(const Workload& w) {
-  return static_cast<double>(w.batch) * 4.0 * w.q_heads * w.head_dim *
+  // 2 FLOPs per multiply-add of QK^T (head_dim) and of PV (v_head_dim): 4*Hq*D when they agree,
+  // 2*Hq*(576 + 512) for an MLA row.
+  return static_cast<double>(w.batch) * 2.0 * w.q_heads * (w.head_dim + w.v_head_dim()) *
          visible_pairs_per_request(w);
 }
 
@@ -168,6 +220,11 @@ Workload decode_companion(const Workload& v) {
   d.q_heads = v.q_heads;
   d.kv_heads = v.kv_heads;
   d.head_dim = v.head_dim;
+  d.kv_lora_rank = v.kv_lora_rank;
+  if (v.is_mla()) {
+    d.name = fmt::format("mla-decode-h{}-{}x{}{}", v.q_heads, v.batch, v.prefix_len,
+                         mla_suffix(v.page_size, v.kv_dtype));
+  }
   d.scale_note = v.scale_note;
   return d;
 }
@@ -189,6 +246,31 @@ std::vector<Workload> standard_workloads() {
   rows.push_back(verify(64, 4096, 8, 1));
   rows.push_back(verify(64, 4096, 16, 4));
   return rows;
+}
+
+std::vector<Workload> mla_workloads() {
+  struct Shape { int heads, batch, len; };
+  const Shape decode_set[] = {{16, 1, 32768}, {16, 64, 8192}, {128, 64, 4096}, {128, 128, 8192}};
+  std::vector<Workload> rows;
+  for (auto [h, b, l] : decode_set) rows.push_back(mla_decode(h, b, l, kMlaPage, DType::bf16));
+  for (auto [h, b, l] : decode_set) rows.push_back(mla_decode(h, b, l, kMlaPage, DType::e4m3));
+  for (auto [h, b, l] : decode_set) rows.push_back(mla_decode(h, b, l, 1, DType::bf16));
+  rows.push_back(mla_verify(128, 64, 4096, 4, 1));
+  rows.push_back(mla_verify(128, 64, 4096, 16, 4));
+  return rows;
+}
+
+std::vector<Workload> select_mla_workloads(std::string_view selector) {
+  return select_rows(
+      selector, mla_workloads(),
+      [](const Workload& w, std::string_view item) {
+        if (item.substr(0, 4) == "mla-") item.remove_prefix(4);
+        return item == "all" || item == "mla" || item == w.name ||
+               ("mla-" + std::string(item)) == w.name || item == workload_kind_name(w.kind) ||
+               (item == "verify" && is_verify(w.kind));
+      },
+      "workload", "all, mla-decode, mla-verify, mla-verify-chain, mla-verify-tree",
+      "all, a kind, or a row name");
 }
 
 std::vector<Workload> select_workloads(std::string_view selector) {

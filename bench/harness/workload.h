@@ -34,14 +34,21 @@ struct Workload {
   int page_size = 16;
   DType kv_dtype = DType::bf16;
   int topk = 1;  // verify trees: branching factor of the draft tree
+  // MLA rows (docs/workloads.md "MLA rows"): one LayerKind::mla layer in its absorbed form. The
+  // single latent KV head holds head_dim = kv_lora_rank + rope columns per token; V is its first
+  // kv_lora_rank columns, so the output has kv_lora_rank columns per q head. 0 = not an MLA row.
+  int kv_lora_rank = 0;
 
   // Empty for a standard row; else what was changed and why ("scaled x0.25 from 16x4096").
   std::string scale_note;
 
   int kv_len() const { return prefix_len + new_tokens; }  // keys of each request after the step
   int64_t num_tokens() const { return static_cast<int64_t>(batch) * new_tokens; }
+  bool is_mla() const { return kv_lora_rank > 0; }
+  int v_head_dim() const { return is_mla() ? kv_lora_rank : head_dim; }
   Bound bound() const;
-  // "16x4096", "1x8192 d64", "8x(2048+512)", "64x(4096+16, topk 4)", plus " page 1" / " fp8_e4m3".
+  // "16x4096", "1x8192 d64", "8x(2048+512)", "64x(4096+16, topk 4)", plus " page 1" / " fp8_e4m3";
+  // MLA rows lead with their q heads: "h128 64x4096 page 64".
   std::string shape() const;
   bool operator==(const Workload&) const = default;
 };
@@ -67,10 +74,16 @@ Workload decode_companion(const Workload& verify);
 // Every row of docs/workloads.md, in a fixed order (decode, decode page 1, decode fp8, prefill, extend,
 // verify).
 std::vector<Workload> standard_workloads();
+// The MLA rows of docs/workloads.md ("MLA rows", `--suite mla`), in a fixed order (decode, decode
+// fp8, decode page 1, verify).
+std::vector<Workload> mla_workloads();
 
 // Selects rows: "all", a row name, a kind ("decode", "prefill", "extend", "verify"), or a
 // comma-separated list of those. Throws attnrt::Error naming the unknown entry and the valid names.
 std::vector<Workload> select_workloads(std::string_view selector);
+// The same over mla_workloads(): "all", a row name, a kind with or without the "mla-" prefix
+// ("mla-decode", "mla-verify", "mla-verify-chain", "decode", ...), or a list of those.
+std::vector<Workload> select_mla_workloads(std::string_view selector);
 
 // Multiplies batch and lengths by `factor` in (0, 1] (batch >= 1; lengths rounded to whole pages,
 // at least one page; draft tokens, heads and dims never change). Records the change in scale_note.

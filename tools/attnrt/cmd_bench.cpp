@@ -71,11 +71,13 @@ void run_bench_command(const BenchArgs& a) {
   std::vector<bench::LinearWorkload> linear;
   if (a.suite == "attention") {
     rows = bench::select_workloads(a.workload);
+  } else if (a.suite == "mla") {
+    rows = bench::select_mla_workloads(a.workload);
   } else if (a.suite == "linear") {
     linear = bench::select_linear_workloads(a.workload);
   } else {
     // --suite all: each entry selects from every suite that has rows of that name.
-    std::string attention_items, linear_items;
+    std::string attention_items, mla_items, linear_items;
     for (const std::string& item : split_list(a.workload)) {
       bool found = false;
       if (bench::is_linear_selector(item)) {
@@ -88,13 +90,22 @@ void run_bench_command(const BenchArgs& a) {
         found = true;
       } catch (const Error&) {
       }
+      try {
+        bench::select_mla_workloads(item);
+        mla_items += item + ",";
+        found = true;
+      } catch (const Error&) {
+      }
       ATTNRT_CHECK(found,
                    "unknown workload '{}' for --suite all: use all, a kind (decode, prefill, "
-                   "extend, verify, gdn, kda, mamba2) or a row name (`attnrt bench --suite "
-                   "attention --workload x` and `--suite linear --workload x` list them)",
+                   "extend, verify, mla-decode, mla-verify, gdn, kda, mamba2) or a row name "
+                   "(`attnrt bench --suite attention|mla|linear --workload x` list them)",
                    item);
     }
     if (!attention_items.empty()) rows = bench::select_workloads(attention_items);
+    if (!mla_items.empty()) {
+      for (const bench::Workload& w : bench::select_mla_workloads(mla_items)) rows.push_back(w);
+    }
     if (!linear_items.empty()) linear = bench::select_linear_workloads(linear_items);
   }
   if (!a.preset.empty()) {
@@ -167,11 +178,13 @@ void add_bench_command(CLI::App& app) {
                   "Which rows: attention (the full-attention rows of docs/workloads.md), linear (one "
                   "GDN, KDA or Mamba2 layer: gdn-decode-64/256, mamba2-decode-64/256, "
                   "gdn-extend-8x8192, kda-extend-8x8192, mamba2-extend-8x8192/1x8192; "
-                  "docs/bench.md) or all")
-      ->check(CLI::IsMember({"attention", "linear", "all"}))
+                  "docs/bench.md), mla (one DeepSeek-V3 latent-attention layer, absorbed form: "
+                  "mla-decode-*, mla-verify-*; docs/workloads.md \"MLA rows\") or all")
+      ->check(CLI::IsMember({"attention", "mla", "linear", "all"}))
       ->capture_default_str();
   cmd->add_option("--workload", args->workload,
-                  "Rows of the suite: all, a kind (decode, prefill, extend, verify; linear: "
+                  "Rows of the suite: all, a kind (decode, prefill, extend, verify; mla: "
+                  "mla-decode, mla-verify, mla-verify-chain, mla-verify-tree; linear: "
                   "decode, extend, gdn, kda, mamba2), a row name such as decode-16x4096 or "
                   "gdn-decode-64, or a comma-separated list")
       ->capture_default_str();
