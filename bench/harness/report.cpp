@@ -182,12 +182,10 @@ json to_json(const BenchResult& r, const RunInfo& info) {
   j["commit"] = info.commit;
   j["created"] = info.created;
   j["command"] = info.command;
-  j["machine"] = {{"cpu_model", info.machine.cpu_model},
-                  {"logical_cpus", info.machine.logical_cpus},
-                  {"physical_cores", info.machine.physical_cores},
-                  {"memory_gib", info.machine.memory_gib},
-                  {"simd_target", info.machine.simd_target},
-                  {"cuda", info.machine.cuda}};
+  j["machine"] = {
+      {"cpu_model", info.machine.cpu_model},           {"logical_cpus", info.machine.logical_cpus},
+      {"physical_cores", info.machine.physical_cores}, {"memory_gib", info.machine.memory_gib},
+      {"simd_target", info.machine.simd_target},       {"cuda", info.machine.cuda}};
   j["backend"] = r.backend;
   if (!r.backend_simd_target.empty()) j["backend_simd_target"] = r.backend_simd_target;
   j["threads"] = r.threads;
@@ -310,39 +308,46 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
                             : fmt::format("--preset {}", info.preset));
   }
   s << "\n";
+  // Column widths: the longest row name and shape, at least 30 and 22 (the MLA rows' fp8 and tree
+  // shapes are longer).
+  size_t nw = 30, sw = 22;
+  for (const RowResult& row : r.rows) {
+    nw = std::max(nw, row.workload.name.size() + 1);
+    sw = std::max(sw, row.workload.shape().size());
+    if (row.decode_workload) sw = std::max(sw, row.decode_workload->shape().size());
+  }
   if (!r.rows.empty()) {
-    s << fmt::format("{:<30} {:<22} {:>9} {:>17} {:>10} {:>13} {:>7} {:>9} {:>9} {:>8}\n", "row",
-                     "shape", "ms", "p10..p90 ms", "counted", "rate", "% ceil", "vs ref", "plan us",
-                     "check");
+    s << fmt::format("{:<{}} {:<{}} {:>9} {:>17} {:>10} {:>13} {:>7} {:>9} {:>9} {:>8}\n", "row",
+                     nw, "shape", sw, "ms", "p10..p90 ms", "counted", "rate", "% ceil", "vs ref",
+                     "plan us", "check");
   }
   std::vector<std::string> notes;
   for (const RowResult& row : r.rows) {
     const Workload& w = row.workload;
     std::string name = w.name + (w.scale_note.empty() ? "" : "*");
     if (row.status == "error") {
-      s << fmt::format("{:<30} {:<22} ERROR: {}\n", name, w.shape(), row.error);
+      s << fmt::format("{:<{}} {:<{}} ERROR: {}\n", name, nw, w.shape(), sw, row.error);
       continue;
     }
-    std::string counted =
-        row.bound == Bound::memory ? si(row.bytes, "B") : si(row.flops, "FLOP");
+    std::string counted = row.bound == Bound::memory ? si(row.bytes, "B") : si(row.flops, "FLOP");
     std::string check = row.check.rows_checked == 0 ? "-"
                         : row.status == "ok"        ? fmt::format("{:.1e}", row.check.max_rel_err)
                                                     : "FAIL";
     if (row.time.repeats == 0) {
-      s << fmt::format("{:<30} {:<22} {:>9} {:>17} {:>10} {:>13} {:>7} {:>9} {:>9} {:>8}\n", name,
-                       w.shape(), "-", "-", counted, "-", "-", "-", "-", check);
+      s << fmt::format("{:<{}} {:<{}} {:>9} {:>17} {:>10} {:>13} {:>7} {:>9} {:>9} {:>8}\n", name,
+                       nw, w.shape(), sw, "-", "-", counted, "-", "-", "-", "-", check);
     } else {
       std::string vs_ref = row.reference ? fmt::format("{:.1f}x", row.reference->speedup) : "-";
-      s << fmt::format("{:<30} {:<22} {:>9} {:>17} {:>10} {:>13} {:>7} {:>9} {:>9.1f} {:>8}\n",
-                       name, w.shape(), ms(row.time.median),
+      s << fmt::format("{:<{}} {:<{}} {:>9} {:>17} {:>10} {:>13} {:>7} {:>9} {:>9.1f} {:>8}\n",
+                       name, nw, w.shape(), sw, ms(row.time.median),
                        fmt::format("{}..{}", ms(row.time.p10), ms(row.time.p90)), counted,
                        fmt::format("{:.1f} {}", row.rate, row.metric_unit()),
                        fmt::format("{:.0f}%", row.pct_of_ceiling), vs_ref, row.plan.median * 1e6,
                        check);
     }
     if (row.decode_workload) {
-      s << fmt::format("{:<30} {:<22} {:>9} {:>17}   verify / decode = {:.2f}x\n",
-                       "  (decode at same prefix)", row.decode_workload->shape(),
+      s << fmt::format("{:<{}} {:<{}} {:>9} {:>17}   verify / decode = {:.2f}x\n",
+                       "  (decode at same prefix)", nw, row.decode_workload->shape(), sw,
                        ms(row.decode_time.median),
                        fmt::format("{}..{}", ms(row.decode_time.p10), ms(row.decode_time.p90)),
                        row.decode_ratio);
@@ -400,16 +405,16 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
     s << "\nnotes:\n";
     for (const std::string& n : notes) s << "  " << n << "\n";
   }
-  const bool any_reference = std::any_of(r.rows.begin(), r.rows.end(),
-                                         [](const RowResult& x) { return x.reference.has_value(); });
+  const bool any_reference = std::any_of(
+      r.rows.begin(), r.rows.end(), [](const RowResult& x) { return x.reference.has_value(); });
   if (any_reference) {
     s << "\nvs ref: attention work per second of the backend on the row / that of the float64 "
          "reference backend,\n        which runs the shape the notes name when the row is too "
          "large for it\n";
   }
   s << fmt::format("{}timing: median of {} repeats after {} warm-up calls{}; {}\n",
-                   any_reference ? "" : "\n", r.repeats,
-                   r.warmup, r.repeats < 10 ? " (fewer than the 10 docs/workloads.md asks for)" : "",
+                   any_reference ? "" : "\n", r.repeats, r.warmup,
+                   r.repeats < 10 ? " (fewer than the 10 docs/workloads.md asks for)" : "",
                    r.timer_method);
   if (!r.plans.empty()) {
     s << "\nhost plan per step at batch 256 (each plan followed by its step, GPU drained outside "
