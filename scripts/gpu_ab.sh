@@ -24,17 +24,12 @@ out=${OUT:-$PWD/out/ab}
 mkdir -p "$out"
 deadline=$(($(date +%s) + ${AB_DEADLINE:-540}))
 if [ -f .devdeps/unpack-debs.sh ]; then source .devdeps/unpack-debs.sh >/dev/null; fi
+source scripts/gpubin.sh
 labels=()
 for dir in "$@"; do
-  label=$(basename "$dir")
-  label=${label#.gpubin-}
-  label=${label#.}
+  label=$(gpubin_label "$dir")
   bin=/tmp/ab-bin/$label
-  mkdir -p "$bin"
-  if ! tar -C "$bin" -xJf "$dir/bin.tar.xz" || [ ! -x "$bin/attnrt" ]; then
-    echo "gpu_ab: $dir/bin.tar.xz does not hold an attnrt binary (build it with scripts/gpu_prebuild_refs.sh)"
-    exit 1
-  fi
+  gpubin_unpack "$dir" "$bin" || exit 1
   echo "$label: $("$bin/attnrt" info 2>&1 | head -1)"
   labels+=("$label")
 done

@@ -18,16 +18,14 @@ shift 2
 out=${OUT:-$PWD/out/ncu}
 mkdir -p "$out"
 if [ -f .devdeps/unpack-debs.sh ]; then source .devdeps/unpack-debs.sh >/dev/null; fi
+source scripts/gpubin.sh
 sections=()
 for s in ${NCU_SECTIONS:-SpeedOfLight WarpStateStats InstructionStats}; do sections+=(--section "$s"); done
 labels=()
 for dir in "$@"; do
-  label=$(basename "$dir")
-  label=${label#.gpubin-}
-  label=${label#.}
+  label=$(gpubin_label "$dir")
   bin=/tmp/ncu-bin/$label
-  mkdir -p "$bin"
-  tar -C "$bin" -xJf "$dir/bin.tar.xz" || exit 1
+  gpubin_unpack "$dir" "$bin" || exit 1
   ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip "${NCU_SKIP:-2}" --launch-count 1 \
     "${sections[@]}" --metrics "gpu__time_duration.sum,smsp__inst_executed.sum${NCU_METRICS:+,$NCU_METRICS}" \
     --print-metric-instances values \

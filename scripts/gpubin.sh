@@ -1,0 +1,18 @@
+# Sourced by the GPU scripts that take prebuilt binaries (scripts/gpu_prebuild.sh DIR/bin.tar.xz).
+# gpubin_label DIR: the label of DIR in tables and file names (its name without a leading
+# ".gpubin-" or "."). gpubin_unpack DIR DEST: unpacks DIR/bin.tar.xz into DEST; fails when it
+# holds no attnrt binary.
+gpubin_label() {
+  local label
+  label=$(basename "$1")
+  label=${label#.gpubin-}
+  echo "${label#.}"
+}
+
+gpubin_unpack() {
+  mkdir -p "$2"
+  if ! tar -C "$2" -xJf "$1/bin.tar.xz" || [ ! -x "$2/attnrt" ]; then
+    echo "$1/bin.tar.xz does not hold an attnrt binary (build it with scripts/gpu_prebuild.sh or scripts/gpu_prebuild_refs.sh)"
+    return 1
+  fi
+}
