@@ -18,9 +18,7 @@
 #include "tools/sim/driver.h"
 #include "tools/sim/trace.h"
 #include "tests/conformance/conformance.h"
-#include "tests/conformance/conformance.h"
-#include "tools/sim/driver.h"
-#include "tools/sim/trace.h"
+#include "tests/test_cuda_cases.h"
 #include "tests/test_cuda_util.h"
 #include "tests/test_sim_util.h"
 #include "tests/test_util.h"
@@ -34,50 +32,9 @@ namespace {
 
 using namespace attnrt::conformance;
 
-LayerSpec attn(int hq, int hkv, int d, int dv) { return test::attention_layer(0, hq, hkv, d, dv); }
-
-LayerSpec mla(int hq, int rank, int rope) {
-  LayerSpec l = attn(hq, 1, rank + rope, rank);
-  l.kind = LayerKind::mla;
-  l.kv_lora_rank = rank;
-  l.qk_rope_head_dim = rope;
-  l.scaling = 1.f / 13.856406f;  // (128 + 64)^-1/2, DeepSeek's unabsorbed head dim
-  return l;
-}
-
-// One step per mode: extend with a cached prefix, decode (long rows: split-KV partials and their
-// merge), mixed, tree verify, draft extend.
-std::vector<CaseSpec> every_mode(const std::vector<LayerSpec>& layers, DType kv, uint64_t seed) {
-  std::vector<CaseSpec> out;
-  auto spec = [&](ForwardMode m, std::vector<int32_t> prefix, std::vector<int32_t> query) {
-    CaseSpec s;
-    s.label = std::string(forward_mode_name(m));
-    s.seed = seed++;
-    s.mode = m;
-    s.layers = layers;
-    s.act_dtype = DType::bf16;
-    s.kv_dtype = kv;
-    s.page_size = 16;
-    s.prefix_lens = std::move(prefix);
-    s.query_lens = std::move(query);
-    s.want_lse = true;
-    if (is_fp8(kv)) s.k_scale = s.v_scale = 0.6f;
-    return s;
-  };
-  out.push_back(spec(ForwardMode::EXTEND, {0, 37, 300}, {70, 5, 129}));
-  out.push_back(spec(ForwardMode::DECODE, {3000, 15, 900, 0}, {1, 1, 1, 1}));
-  out.push_back(spec(ForwardMode::MIXED, {40, 200, 7}, {30, 1, 1}));
-  CaseSpec tree = spec(ForwardMode::TARGET_VERIFY, {90, 17}, {6, 6});
-  tree.spec.draft_token_num = 6;
-  tree.spec.topk = 2;
-  tree.spec.parents = {-1, 0, 0, 1, 2, 2, -1, 0, 1, 0, 3, 3};
-  out.push_back(tree);
-  CaseSpec chain = spec(ForwardMode::TARGET_VERIFY, {50, 3}, {4, 4});
-  chain.spec = SpecInfo::chain(2, 4);
-  out.push_back(chain);
-  out.push_back(spec(ForwardMode::DRAFT_EXTEND, {40, 9}, {3, 1}));
-  return out;
-}
+using test::attn;
+using test::every_mode;
+using test::mla;
 
 void expect_matches_reference(const CaseSpec& s) {
   const CaseResult r = run_case("cuda", make_case(s));
@@ -154,7 +111,7 @@ TEST(CudaMla, LatentRowsInEveryModeAndKvDtype) {
     }
     seed += 16;
   }
-  // DeepSeek-V3's 128 heads on one rank: a decode row fills a 128-row (prefill-shaped) tile.
+  // DeepSeek-V3's 128 heads on one rank: a decode token is two 64-row MLA items.
   CaseSpec d = every_mode({mla(128, 512, 64)}, DType::bf16, 600)[1];
   ASSERT_EQ(d.mode, ForwardMode::DECODE);
   SCOPED_TRACE(d.describe());

@@ -595,7 +595,7 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
   // fewer rows per request mean more splits, so both shapes size the buffers.
   for (int tokens : {1, per_req}) {
     for (size_t c = 0; c < cfg.groups.size(); ++c) {
-      const TileShape shape = choose_shape(tokens, cfg.groups[c]);
+      const TileShape shape = choose_shape(tokens, cfg.groups[c], cfg.head_dims[c]);
       const int64_t tiles = ceil_div(int64_t{tokens} * cfg.groups[c], tile_rows(shape));
       for (int bs = 1; bs <= max_bs; ++bs) {
         const int s = graph_splits(cfg, c, shape, bs, tokens);

@@ -350,7 +350,7 @@ void HostPlanner::plan_class(size_t c, int bs) {
   cp = ClassPlan{};
   cp.group = cs.group;
   cp.head_dim = cs.head_dim;
-  cp.shape = choose_shape(stats_.max_q, cp.group);
+  cp.shape = choose_shape(stats_.max_q, cp.group, cp.head_dim);
   cp.item_rows = static_cast<int>(
       std::min<int64_t>(int64_t{stats_.max_q} * cp.group, tile_rows(cp.shape)));
   const int rows_shift = std::countr_zero(static_cast<unsigned>(tile_rows(cp.shape)));

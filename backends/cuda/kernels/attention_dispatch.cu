@@ -1,19 +1,33 @@
 // dispatch.h's table as entry points: launch_attention and attention_occupancy both resolve the
 // key through attention_entry, so the occupancy the plan reads is that of the CTA that runs.
+#include <cstdlib>
+#include <string_view>
+
 #include "backends/cuda/kernels/attention_generic.h"
 #include "backends/cuda/kernels/dispatch.h"
 #include "backends/cuda/kernels/launch.h"
+#include "backends/cuda/kernels/mla.h"
 #include "backends/cuda/kernels/prefill.h"
 
 namespace attnrt::cuda {
 
 namespace {
 
-AttnCtaEntry attention_entry(const AttnKernelKey& key) {
+int g_mla_cta = -1;  // -1: not read yet
+
+// dispatch.h's CTA, or the generic one where ATTNRT_MLA_CTA=0 takes MLA launches there.
+AttnCta effective_cta(const AttnKernelKey& key) {
   const AttnCta cta = attention_cta(key);
+  return cta == AttnCta::mla && !mla_cta_enabled() ? AttnCta::generic : cta;
+}
+
+AttnCtaEntry attention_entry(const AttnKernelKey& key) {
+  const AttnCta cta = effective_cta(key);
   switch (cta) {
     case AttnCta::generic:
       return attention_generic_entry(key.fp16);
+    case AttnCta::mla:
+      return mla_attention_entry(key);
     case AttnCta::prefill:
       return prefill_entry(key.head_dim, key.fp16, /*verify=*/false);
     case AttnCta::prefill_verify:
@@ -35,13 +49,22 @@ AttnCtaEntry attention_entry(const AttnKernelKey& key) {
 
 }  // namespace
 
+bool mla_cta_enabled() {
+  if (g_mla_cta < 0) {
+    const char* v = std::getenv("ATTNRT_MLA_CTA");
+    g_mla_cta = v == nullptr || std::string_view(v) != "0" ? 1 : 0;
+  }
+  return g_mla_cta != 0;
+}
+void set_mla_cta(bool on) { g_mla_cta = on ? 1 : 0; }
+
 cudaError_t launch_attention(const AttnParams& p, const AttnKernelKey& key, int num_items,
                              cudaStream_t stream, bool dependent) {
   if (num_items == 0) return cudaSuccess;
   const AttnCtaEntry entry = attention_entry(key);
   if (entry.launch == nullptr) return cudaErrorInvalidValue;
   return entry.launch(p, key, num_items, stream,
-                      dependent && launches_as_dependent(attention_cta(key)));
+                      dependent && launches_as_dependent(effective_cta(key)));
 }
 
 int attention_occupancy(const AttnKernelKey& key) {

@@ -13,6 +13,12 @@
 
 namespace attnrt::cuda {
 
+// MLA's absorbed form (DeepSeek-V3): qk columns (512 latent + 64 rope), V columns (the first 512 of
+// the same latent row), and the query rows of the MLA CTA (mla_decode.cu).
+inline constexpr int kMlaHeadDim = 576;
+inline constexpr int kMlaVHeadDim = 512;
+inline constexpr int kMlaTileRows = 64;
+
 // Up to 16 (token, head-in-group) rows per request: decode tiles; 17..32 rows: one decode32 CTA;
 // 33..64 rows: one verify CTA; more: prefill tiles. Each K/V tile is read once per request and KV
 // head (16-bit KV at head dims 64 and 128 runs decode32 and verify on the 64-row warpgroup-MMA
@@ -20,12 +26,18 @@ namespace attnrt::cuda {
 // on two decode CTAs (each streaming the K/V), 0.364 ms on the mma.sync decode32 CTA and 0.317 ms
 // on the warpgroup-MMA one (decode 0.296 ms); the 16-token tree (64 rows) 0.807 / 0.518 / 0.467 ms
 // on mma.sync verify CTAs and 0.321 ms on the warpgroup-MMA one.
-constexpr TileShape choose_shape(int max_qlen, int group) {
+//
+// MLA layers (is_mla_dims) never take the prefill shape: the MLA CTA holds 64 rows, so longer
+// requests are cut into 64-row verify items, each reading the request's latent tiles.
+constexpr bool is_mla_dims(int head_dim, int v_head_dim) {
+  return head_dim == kMlaHeadDim && v_head_dim == kMlaVHeadDim;
+}
+constexpr TileShape choose_shape(int max_qlen, int group, int head_dim) {
   const int64_t rows = static_cast<int64_t>(max_qlen) * group;
   return rows <= 16   ? TileShape::decode
          : rows <= 32 ? TileShape::decode32
-         : rows <= 64 ? TileShape::verify
-                      : TileShape::prefill;
+         : rows <= 64 || head_dim == kMlaHeadDim ? TileShape::verify
+                                                  : TileShape::prefill;
 }
 
 // Dims with tensor-core kernels (attention.cuh, decode_keys_m.cuh, prefill.cuh); every other
@@ -54,6 +66,7 @@ struct AttnKernelKey {
 
 enum class AttnCta : int32_t {
   generic,         // attention_generic.cu: dims without tensor-core kernels
+  mla,             // mla_decode.cu: MLA's 576 / 512, bf16 q and latent cache, up to 64 rows
   prefill,         // prefill.cuh / prefill_ws.cuh: 128 rows, warpgroup MMAs, 16-bit KV, no tree
   prefill_verify,  // prefill.cuh: 64 rows, warpgroup MMAs, 16-bit KV (verify, decode32 tiles)
   keys_m,          // decode_keys_m.cuh: decode items of at most kKeysMRows rows
@@ -70,8 +83,12 @@ enum class AttnCta : int32_t {
 // idle; H200, 64 x (4096 + 8) chain at group 4: 0.344 ms on decode32, 0.317 ms there), else
 // mma.sync. Decode tiles: the keys-on-M CTA at head dims 64 and 128 when the items hold at most
 // kKeysMRows rows (H200, 64 x 4096 at group 4, per step: bf16 277 -> 266 us, fp8 e4m3 280 -> 181
-// us), else mma.sync.
+// us), else mma.sync. MLA layers (bf16 q and latent cache) run the MLA CTA on every shape they
+// get (choose_shape gives them no prefill items).
 constexpr AttnCta attention_cta(const AttnKernelKey& k) {
+  if (is_mla_dims(k.head_dim, k.v_head_dim) && !k.fp16 && k.kv == KvKind::same_as_q &&
+      k.shape != TileShape::prefill)
+    return AttnCta::mla;
   if (!has_tensor_core_kernel(k.head_dim, k.v_head_dim)) return AttnCta::generic;
   const bool fp8 = k.kv != KvKind::same_as_q;
   switch (k.shape) {

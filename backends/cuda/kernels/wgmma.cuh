@@ -1,6 +1,6 @@
 // Hopper warpgroup MMA (wgmma, sm_90a) helpers for the prefill kernel: shared-memory matrix
 // descriptors for the 128-byte swizzled layout, fences, and m64nNk16 MMAs with fp32 accumulators
-// (A from shared memory or from registers, B from shared memory).
+// (A from shared memory or from registers, B from shared memory, K-major or MN-major).
 //
 // Shared-memory tiles use one layout for Q, K and V: a [rows][D] 16-bit tile is stored as D / 64
 // column blocks of [rows][64] (128-byte rows), and inside each 1024-byte group of 8 rows the
@@ -55,6 +55,11 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
 // `accumulate` = 0 overwrites D.
 template <int N, typename T>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t b, int accumulate);
+// D[64 x N] (+)= A[64 x 16] * B[16 x N]: A K-major in shared memory, B MN-major in shared memory
+// (as wgmma_rs's B: keys are the K dimension).
+template <int N, typename T>
+__device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 2], uint64_t a, uint64_t b,
+                                            int accumulate);
 // D[64 x N] += A[64 x 16] * B[16 x N]: A in registers (the m16n8k16 A fragment of each warp's 16
 // rows), B MN-major in shared memory.
 template <int N, typename T>
@@ -64,10 +69,13 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 // below: ATTNRT_WGMMA_ACC<n> lists the n accumulator operands (%0 .. %n-1), ATTNRT_WGMMA_REGS<n>
 // their names in the instruction; the operands after them are numbered from n.
 // clang-format off
-#define ATTNRT_WGMMA_ACC32(d)                                                                      \
+#define ATTNRT_WGMMA_ACC16(d)                                                                      \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
   "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),         \
-  "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),       \
+  "+f"(d[15])
+
+#define ATTNRT_WGMMA_ACC32(d)                                                                      \
+  ATTNRT_WGMMA_ACC16(d), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),       \
   "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),       \
   "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 
@@ -79,8 +87,11 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
   "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),       \
   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
+#define ATTNRT_WGMMA_REGS16                                                                        \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+
 #define ATTNRT_WGMMA_REGS32                                                                        \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                         \
+  ATTNRT_WGMMA_REGS16 ", "                                                                         \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
 
 #define ATTNRT_WGMMA_REGS64                                                                        \
@@ -101,6 +112,15 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
                  : "l"(a), "l"(b), "r"(accumulate));                                               \
   }                                                                                                \
   template <>                                                                                      \
+  __device__ __forceinline__ void wgmma_ss_mn<N, T>(float(&d)[ACC], uint64_t a, uint64_t b,        \
+                                                    int accumulate) {                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SS_P ", 0;\n"                               \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {"                  \
+                 ATTNRT_WGMMA_REGS##ACC "}, %" #SS_A ", %" #SS_B ", p, 1, 1, 0, 1;\n}\n"           \
+                 : ATTNRT_WGMMA_ACC##ACC(d)                                                        \
+                 : "l"(a), "l"(b), "r"(accumulate));                                               \
+  }                                                                                                \
+  template <>                                                                                      \
   __device__ __forceinline__ void wgmma_rs<N, T>(float(&d)[ACC], const uint32_t(&a)[4],            \
                                                  uint64_t b) {                                     \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #RS_P ", 0;\n"                               \
@@ -113,6 +133,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 
 // clang-format on
 
+ATTNRT_WGMMA_PAIR(32, 16, __nv_bfloat16, "bf16", 16, 17, 18, 16, 17, 18, 19, 20, 21)
+ATTNRT_WGMMA_PAIR(32, 16, __half, "f16", 16, 17, 18, 16, 17, 18, 19, 20, 21)
 ATTNRT_WGMMA_PAIR(64, 32, __nv_bfloat16, "bf16", 32, 33, 34, 32, 33, 34, 35, 36, 37)
 ATTNRT_WGMMA_PAIR(64, 32, __half, "f16", 32, 33, 34, 32, 33, 34, 35, 36, 37)
 ATTNRT_WGMMA_PAIR(128, 64, __nv_bfloat16, "bf16", 64, 65, 66, 64, 65, 66, 67, 68, 69)
@@ -121,7 +143,9 @@ ATTNRT_WGMMA_PAIR(128, 64, __half, "f16", 64, 65, 66, 64, 65, 66, 67, 68, 69)
 #undef ATTNRT_WGMMA_PAIR
 #undef ATTNRT_WGMMA_REGS64
 #undef ATTNRT_WGMMA_REGS32
+#undef ATTNRT_WGMMA_REGS16
 #undef ATTNRT_WGMMA_ACC64
 #undef ATTNRT_WGMMA_ACC32
+#undef ATTNRT_WGMMA_ACC16
 
 }  // namespace attnrt::cuda

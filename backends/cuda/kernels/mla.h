@@ -1,0 +1,19 @@
+// The absorbed-form MLA CTA (mla_decode.cu): DeepSeek-V3's latent cache on warpgroup MMAs.
+#pragma once
+
+#include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/launch.h"
+
+namespace attnrt::cuda {
+
+// Entry points of the MLA CTA for `key` (bf16 q / out, bf16 latent cache, head dims 576 / 512;
+// every tile shape the plan gives MLA layers: decode, decode32, verify); empty for other keys.
+AttnCtaEntry mla_attention_entry(const AttnKernelKey& key);
+
+// Whether the launches dispatch.h gives the MLA CTA run it (the default) or the generic kernel
+// instead (same plan, same partials: an A/B of the two in one binary): ATTNRT_MLA_CTA=0 in the
+// environment, read once at the first launch unless set_mla_cta chose first.
+bool mla_cta_enabled();
+void set_mla_cta(bool on);
+
+}  // namespace attnrt::cuda

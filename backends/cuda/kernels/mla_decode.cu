@@ -1,0 +1,329 @@
+// Absorbed-form MLA attention on Hopper warpgroup MMAs (sm_90a): DeepSeek-V3's latent cache (one KV
+// head of 576 columns per token: 512 latent + 64 rope; V is the first 512 of the same row), q heads
+// as the rows of the MMA. Serves every mode the plan sends it: DECODE, TARGET_VERIFY chains and
+// trees, DRAFT_EXTEND, and absorbed-form extends, split-KV included (the plan's work items, the
+// same partials and merge as the other CTAs).
+//
+// A CTA owns 64 flattened (token, head) rows of one request and streams the request's latent rows
+// once in 64-key tiles through a two-stage cp.async ring, so at 16 heads a decode token is one CTA
+// and at 128 heads two CTAs read the same tiles (the second from L2). Two warpgroups share the
+// tile:
+//  - S = Q K^T: warpgroup w scores keys 32w .. 32w + 31 of the tile against all 64 rows (an
+//    m64n32k16 MMA over the 576 columns, both operands in shared memory); the two halves' row
+//    maxima meet in shared memory, so both warpgroups hold the same running maximum.
+//  - P (bf16) goes to shared memory, both halves side by side, and
+//  - O += P V: warpgroup w accumulates output columns 256w .. 256w + 255 of all 64 rows (128 fp32
+//    accumulators a thread), V read MN-major from the same tile.
+// Shared memory: Q 72 KB, two 72 KB latent tiles, P 8 KB: one CTA per SM. Masks (causal, tree,
+// window) and softcap as every other CTA (common/mask.cuh); the row sums of the two halves are
+// added at the end.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/mask.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
+#include "backends/cuda/kernels/cta_entry.cuh"
+#include "backends/cuda/kernels/dependent_launch.cuh"
+#include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/mla.h"
+#include "backends/cuda/kernels/paged_kv.cuh"
+#include "backends/cuda/kernels/primitives.cuh"
+#include "backends/cuda/kernels/wgmma.cuh"
+
+namespace attnrt::cuda {
+
+namespace {
+
+struct MlaCfg {
+  static constexpr int kD = kMlaHeadDim;     // 576: qk columns
+  static constexpr int kDv = kMlaVHeadDim;   // 512: the first kDv columns are V
+  static constexpr int kRows = kMlaTileRows;  // 64 query rows
+  static constexpr int kBN = 64;             // keys per tile
+  static constexpr int kHalf = kBN / 2;      // keys scored by one warpgroup
+  static constexpr int kON = kDv / 2;        // output columns of one warpgroup
+  static constexpr int kThreads = 256;
+  static constexpr int kChunks = kD / 8;     // 16-byte chunks of a row
+  static constexpr int kQBytes = kRows * kD * 2;
+  static constexpr int kTileBytes = kBN * kD * 2;
+  static constexpr int kPBytes = kRows * kBN * 2;
+  // Row maxima of each half and, at the end, row sums: [2][kRows] floats.
+  static constexpr int kXBytes = 2 * kRows * 4;
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kTileBytes + kPBytes + kXBytes;
+  // Loads: four threads per key (or query row), each taking every fourth chunk of it.
+  static constexpr int kLoadsPerThread = kChunks / 4;
+  static_assert(kThreads == 4 * kBN && kThreads == 4 * kRows && kChunks % 4 == 0);
+  static_assert(kSmemBytes <= 227 * 1024);
+};
+
+// Named barrier of the CTA's 256 threads (barrier 0 is __syncthreads).
+__device__ __forceinline__ void cta_bar(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(MlaCfg::kThreads) : "memory");
+}
+
+template <typename T>
+__global__ void __launch_bounds__(MlaCfg::kThreads, 1) mla_attention_kernel(const AttnParams p) {
+  using C = MlaCfg;
+  constexpr int D = C::kD, BN = C::kBN, ROWS = C::kRows, ON = C::kON, HALF = C::kHalf;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = ((raw + 1023) & ~1023u) - raw;
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t sQ = raw + pad;
+  const uint32_t sKV = sQ + C::kQBytes;
+  const uint32_t sP = sKV + 2 * C::kTileBytes;
+  unsigned char* p_tile = smem + C::kQBytes + 2 * C::kTileBytes;
+  float* x_rows = reinterpret_cast<float*>(p_tile + C::kPBytes);  // [2][ROWS]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3;
+  const int g = lane >> 2, c4 = lane & 3;
+  const int kvh = blockIdx.x;
+  const WorkItem item = p.work[blockIdx.y];
+  const ReqInfo req = p.reqs[item.req];
+  const int G = p.group;
+  const int t_first = item.f0 / G;
+  const int t_last = min(req.qlen - 1, (item.f0 + ROWS - 1) / G);
+  const Mask<true> mask{p, req};
+  const KeyRange kr = split_keys(mask.span(t_first, t_last), req.num_splits, item.split, BN);
+  const int lo = kr.lo, hi = kr.hi;
+  const int num_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
+
+  // Loads: thread tid takes row (or key) tid / 4 and its chunks tid % 4, + 4, + 8, ...
+  const int ld_row = tid >> 2, ld_c0 = tid & 3;
+
+  // ---- Q rows f0 .. f0 + 63 (rows past the request's tokens are zero: finite, never stored).
+  {
+    const int f = item.f0 + ld_row, t = f / G, hg = f - t * G;
+    const bool valid = t < req.qlen;
+    const T* src = static_cast<const T*>(p.q);
+    if (valid) src += (req.qo_start + t) * p.q_stride_tok + (kvh * G + hg) * p.q_stride_head;
+#pragma unroll
+    for (int i = 0; i < C::kLoadsPerThread; ++i) {
+      const int c = ld_c0 + 4 * i;
+      cp_async_16(smem + swz128_offset(ROWS, ld_row, c), valid ? src + c * 8 : src, valid);
+    }
+  }
+  // Dependent launch: so far only the work item, the request and q were read.
+  grid_dependency_wait();
+  launch_dependent_grids();
+  write_back_committed_pages(p, req, item, kvh, tid, C::kThreads);
+
+  const int page_mask = (1 << p.page_shift) - 1;
+  const T* kbase = static_cast<const T*>(p.k) + kvh * D;
+  auto load_tile = [&](int kb, int stage) {
+    unsigned char* dk = smem + C::kQBytes + stage * C::kTileBytes;
+    const int j = kb + ld_row;
+    const bool valid = j < hi;
+    const T* src = kbase;
+    if (valid) src += slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j) * p.k_row_stride;
+#pragma unroll
+    for (int i = 0; i < C::kLoadsPerThread; ++i) {
+      const int c = ld_c0 + 4 * i;
+      cp_async_16(dk + swz128_offset(BN, ld_row, c), valid ? src + c * 8 : src, valid);
+    }
+  };
+  if (num_tiles > 0) load_tile(lo, 0);
+  cp_async_commit();  // Q and tile 0
+
+  // This thread's rows (the same in both warpgroups): g and g + 8 of warp wq's 16.
+  int row_t[2];
+  MaskRow rows[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_t[h] = (item.f0 + wq * 16 + g + 8 * h) / G;
+    rows[h] = mask.row(row_t[h]);
+  }
+  const int rt_lo = t_first, rt_hi = t_last;
+
+  const SoftCap cap(p.softcap, p.softmax_scale);
+  const float sl = cap.exp_scale(p.scale_log2);
+
+  // Output columns 256 wg + 128 nb + 8 i + 2 c4 (+1) of rows g, g + 8: o[nb][4 i + 2 h (+1)].
+  float o[2][64];
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[nb][i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  for (int it = 0; it < num_tiles; ++it) {
+    cp_async_wait<0>();
+    fence_proxy_async_smem();
+    __syncthreads();  // tile it landed; every warp is done with tile it - 1 (its stage is free)
+    if (it + 1 < num_tiles) load_tile(lo + (it + 1) * BN, (it + 1) & 1);
+    cp_async_commit();
+    const int kb = lo + it * BN;
+    if (mask.hides(kb, BN, rt_lo, rt_hi)) continue;  // the same for the whole CTA
+    const uint32_t tK = sKV + (it & 1) * C::kTileBytes;
+
+    // ---- S = Q K^T over this warpgroup's 32 keys.
+    float s[HALF / 2];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint64_t da = wgmma_desc(sQ + (kk >> 2) * ROWS * 128 + (kk & 3) * 32, 16);
+      const uint64_t db =
+          wgmma_desc(tK + (kk >> 2) * BN * 128 + wg * HALF * 128 + (kk & 3) * 32, 16);
+      wgmma_ss<HALF, T>(s, da, db, kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+
+    if (cap.on) {
+#pragma unroll
+      for (int i = 0; i < HALF / 2; ++i) s[i] = cap(s[i]);
+    }
+    const int k0 = kb + wg * HALF;
+    if (mask.needs_mask(kb, BN, hi, rt_lo, rt_hi)) {
+#pragma unroll
+      for (int nb = 0; nb < HALF / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = k0 + nb * 8 + 2 * c4 + (e & 1);
+          if (!mask.visible(rows[e >> 1], j, hi)) s[nb * 4 + e] = -INFINITY;
+        }
+    }
+
+    // ---- Row maxima of both halves, then the online softmax (log2 units).
+    float mx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v = -INFINITY;
+#pragma unroll
+      for (int nb = 0; nb < HALF / 8; ++nb)
+        v = fmaxf(v, fmaxf(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]));
+      v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
+      v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
+      mx[h] = v;
+      if (c4 == 0) x_rows[wg * ROWS + wq * 16 + g + 8 * h] = v;
+    }
+    cta_bar(1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], x_rows[(wg ^ 1) * ROWS + wq * 16 + g + 8 * h]);
+
+    bool moved = false;
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m_new = fmaxf(m[h], mx[h] * sl);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;
+      alpha[h] = fast_exp2(m[h] - m_use);
+      moved = moved || m_new != m[h];
+      m[h] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < HALF / 8; ++nb) {
+        float& x0 = s[nb * 4 + 2 * h];
+        float& x1 = s[nb * 4 + 2 * h + 1];
+        x0 = fast_exp2(fmaf(x0, sl, -m_use));
+        x1 = fast_exp2(fmaf(x1, sl, -m_use));
+        sum += x0 + x1;
+      }
+      l[h] = l[h] * alpha[h] + sum;
+    }
+    if (__any_sync(0xffffffff, moved)) {
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          o[nb][4 * i] *= alpha[0];
+          o[nb][4 * i + 1] *= alpha[0];
+          o[nb][4 * i + 2] *= alpha[1];
+          o[nb][4 * i + 3] *= alpha[1];
+        }
+    }
+
+    // ---- P to shared memory: [64 rows][64 keys] bf16, one swizzled 128-byte row per query row.
+#pragma unroll
+    for (int nb = 0; nb < HALF / 8; ++nb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = wq * 16 + g + 8 * h;
+        const int key = wg * HALF + nb * 8 + 2 * c4;
+        const uint32_t off = r * 128 + (((key >> 3) ^ (r & 7)) << 4) + (key & 7) * 2;
+        *reinterpret_cast<uint32_t*>(p_tile + off) =
+            pack2<T>(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]);
+      }
+    fence_proxy_async_smem();
+    cta_bar(2);
+
+    // ---- O[:, 256 wg ..] += P V: 16 keys a step, two N = 128 MMAs (V MN-major).
+    wgmma_fence();
+#pragma unroll
+    for (int k16 = 0; k16 < BN / 16; ++k16) {
+      const uint64_t da = wgmma_desc(sP + k16 * 32, 16);
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb) {
+        const uint64_t db =
+            wgmma_desc(tK + k16 * 16 * 128 + (wg * 4 + nb * 2) * BN * 128, BN * 128);
+        wgmma_ss_mn<128, T>(o[nb], da, db, 1);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  cp_async_wait<0>();
+
+  // ---- Epilogue: the two halves' row sums meet, then output (or this split's partial).
+  __syncthreads();  // x_rows is reused
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float ll = l[h];
+    ll += __shfl_xor_sync(0xffffffff, ll, 1);
+    ll += __shfl_xor_sync(0xffffffff, ll, 2);
+    l[h] = ll;
+    if (c4 == 0) x_rows[wg * ROWS + wq * 16 + g + 8 * h] = ll;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = wq * 16 + g + 8 * h;
+    const float ll = l[h] + x_rows[(wg ^ 1) * ROWS + r];
+    const int f = item.f0 + r, t = row_t[h], hg = f - t * G;
+    if (t >= req.qlen) continue;
+    const int head = kvh * G + hg;
+    const float mm = m[h];
+    if (req.num_splits > 1) {
+      const int64_t prow = req.part_start + static_cast<int64_t>(item.split) * req.qlen + t;
+      const float inv = ll > 0.f ? 1.f / ll : 0.f;
+      float* dst = p.part_o + (prow * p.num_q_heads + head) * C::kDv + wg * ON + 2 * c4;
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+          *reinterpret_cast<float2*>(dst + nb * 128 + i * 8) =
+              make_float2(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
+      if (wg == 0 && c4 == 0)
+        p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
+    } else {
+      const float m_use = mm == -INFINITY ? 0.f : mm;
+      float den = ll;
+      if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
+      const float inv = den > 0.f ? p.v_scale / den : 0.f;
+      T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
+               head * p.o_stride_head + wg * ON + 2 * c4;
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+          *reinterpret_cast<uint32_t*>(dst + nb * 128 + i * 8) =
+              pack2<T>(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
+      if (p.lse_out != nullptr && wg == 0 && c4 == 0)
+        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m_use + log2f(den)) * kLn2;
+    }
+  }
+}
+
+}  // namespace
+
+AttnCtaEntry mla_attention_entry(const AttnKernelKey& key) {
+  if (key.head_dim != kMlaHeadDim || key.v_head_dim != kMlaVHeadDim || key.fp16 ||
+      key.kv != KvKind::same_as_q)
+    return {};
+  return GridCta<mla_attention_kernel<__nv_bfloat16>, MlaCfg>::entry();
+}
+
+}  // namespace attnrt::cuda

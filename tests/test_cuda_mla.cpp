@@ -1,0 +1,104 @@
+// The MLA CTA (backends/cuda/kernels/mla_decode.cu) against the reference backend: DeepSeek-V3's
+// latent rows (576 / 512) at the tensor-parallel head counts 16, 32, 64 and 128, every mode (decode
+// with split-KV, chain and tree verify, draft extend, absorbed-form extend and mixed), the native
+// page sizes 1, 16, 32, 64 and 128 with lengths across page edges, soft-cap, and the dispatch that
+// sends these launches to it. Fresh random inputs every run (ATTNRT_TEST_SEED replays one); the
+// GPU cases skip, with the reason, where no CUDA device is usable.
+#include <gtest/gtest.h>
+
+#include <random>
+#include <vector>
+
+#include "attnrt/core/device.h"
+#include "backends/cuda/kernels/dispatch.h"
+#include "tests/conformance/conformance.h"
+#include "tests/test_cuda_cases.h"
+#include "tests/test_cuda_util.h"
+
+namespace attnrt {
+namespace {
+
+using namespace attnrt::conformance;
+using cuda::AttnCta;
+using cuda::AttnKernelKey;
+using cuda::KvKind;
+using cuda::TileShape;
+using test::every_mode;
+using test::mla;
+
+void expect_matches_reference(const CaseSpec& s) {
+  SCOPED_TRACE(s.describe());
+  const CaseResult r = run_case("cuda", make_case(s));
+  EXPECT_TRUE(r.ok) << r.detail;
+}
+
+// Host-only: which CTA the table gives MLA launches, and that the plan's shapes stay within the
+// CTA's 64 rows.
+TEST(CudaMlaCta, DispatchSendsBf16LatentLaunchesToIt) {
+  for (int heads : {16, 32, 64, 128}) {
+    for (int qlen : {1, 2, 5, 17, 300}) {
+      const TileShape shape = cuda::choose_shape(qlen, heads, cuda::kMlaHeadDim);
+      EXPECT_NE(shape, TileShape::prefill) << heads << " heads, " << qlen << " tokens";
+      const AttnKernelKey key{.head_dim = 576, .v_head_dim = 512, .shape = shape};
+      EXPECT_EQ(cuda::attention_cta(key), AttnCta::mla);
+    }
+  }
+  AttnKernelKey fp8{.head_dim = 576, .v_head_dim = 512, .kv = KvKind::e4m3};
+  EXPECT_EQ(cuda::attention_cta(fp8), AttnCta::generic);
+  AttnKernelKey fp16{.head_dim = 576, .v_head_dim = 512, .fp16 = true};
+  EXPECT_EQ(cuda::attention_cta(fp16), AttnCta::generic);
+  // Other dims keep their shapes: 128 rows of a head-dim-128 layer are a prefill tile.
+  EXPECT_EQ(cuda::choose_shape(32, 4, 128), TileShape::prefill);
+}
+
+TEST(CudaMlaCta, EveryModeAtEveryTensorParallelHeadCount) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = test::test_seed();
+  for (int heads : {16, 32, 64, 128}) {
+    for (CaseSpec& s : every_mode({mla(heads)}, DType::bf16, seed)) {
+      s.label += " h" + std::to_string(heads);
+      expect_matches_reference(s);
+    }
+    seed += 16;
+  }
+}
+
+// Page sizes 1 .. 128 with random lengths (page edges crossed, partial last pages), a tree and a
+// chain verify block on top of each.
+TEST(CudaMlaCta, NativePageSizesWithRaggedLengths) {
+  SKIP_WITHOUT_GPU();
+  const uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  for (int page : {1, 16, 32, 64, 128}) {
+    for (int heads : {16, 128}) {
+      std::vector<CaseSpec> cases = every_mode({mla(heads)}, DType::bf16, seed + page + heads);
+      for (CaseSpec& s : cases) {
+        if (s.mode == ForwardMode::EXTEND || s.mode == ForwardMode::MIXED) continue;
+        s.page_size = page;
+        for (int32_t& p : s.prefix_lens) p = static_cast<int32_t>(rng() % 700) + (p > 0 ? 1 : 0);
+        s.label += " page " + std::to_string(page) + " h" + std::to_string(heads);
+        expect_matches_reference(s);
+      }
+    }
+  }
+}
+
+// One long request (many splits and their merge) beside short ones, soft-cap on, large logits.
+TEST(CudaMlaCta, SoftcapAndManySplits) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = test::test_seed();
+  for (int heads : {16, 128}) {
+    LayerSpec l = mla(heads);
+    l.logit_cap = 30.f;
+    for (CaseSpec& s : every_mode({l}, DType::bf16, seed++)) {
+      if (s.mode != ForwardMode::DECODE && s.mode != ForwardMode::TARGET_VERIFY) continue;
+      s.q_amplitude = 3.f;
+      if (s.mode == ForwardMode::DECODE) s.prefix_lens = {20000, 63, 64, 65};
+      s.label += " softcap h" + std::to_string(heads);
+      expect_matches_reference(s);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace attnrt
