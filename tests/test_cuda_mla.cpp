@@ -1,8 +1,8 @@
 // The MLA CTA (backends/cuda/kernels/mla_decode.cu) against the reference backend: DeepSeek-V3's
-// latent rows (576 / 512) at the tensor-parallel head counts 16, 32, 64 and 128, every mode (decode
-// with split-KV, chain and tree verify, draft extend, absorbed-form extend and mixed), the native
-// page sizes 1, 16, 32, 64 and 128 with lengths across page edges, soft-cap, and the dispatch that
-// sends these launches to it. Fresh random inputs every run (ATTNRT_TEST_SEED replays one); the
+// latent rows (576 / 512; bf16, e4m3 and e5m2) at the tensor-parallel head counts 16, 32, 64 and
+// 128, every mode (decode with split-KV, chain and tree verify, draft extend, absorbed-form extend
+// and mixed), the native page sizes 1, 16, 32, 64 and 128 with lengths across page edges, soft-cap,
+// and the dispatch that sends these launches to it. Fresh random inputs every run (ATTNRT_TEST_SEED replays one); the
 // GPU cases skip, with the reason, where no CUDA device is usable.
 #include <gtest/gtest.h>
 
@@ -43,8 +43,10 @@ TEST(CudaMlaCta, DispatchSendsBf16LatentLaunchesToIt) {
       EXPECT_EQ(cuda::attention_cta(key), AttnCta::mla);
     }
   }
-  AttnKernelKey fp8{.head_dim = 576, .v_head_dim = 512, .kv = KvKind::e4m3};
-  EXPECT_EQ(cuda::attention_cta(fp8), AttnCta::generic);
+  for (KvKind kv : {KvKind::e4m3, KvKind::e5m2}) {
+    const AttnKernelKey fp8{.head_dim = 576, .v_head_dim = 512, .kv = kv};
+    EXPECT_EQ(cuda::attention_cta(fp8), AttnCta::mla);
+  }
   AttnKernelKey fp16{.head_dim = 576, .v_head_dim = 512, .fp16 = true};
   EXPECT_EQ(cuda::attention_cta(fp16), AttnCta::generic);
   // Other dims keep their shapes: 128 rows of a head-dim-128 layer are a prefill tile.
@@ -60,6 +62,21 @@ TEST(CudaMlaCta, EveryModeAtEveryTensorParallelHeadCount) {
       expect_matches_reference(s);
     }
     seed += 16;
+  }
+}
+
+// fp8 latent rows (converted to bf16 in shared memory), both formats, with their layer scale.
+TEST(CudaMlaCta, Fp8LatentInEveryMode) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = test::test_seed();
+  for (DType kv : {DType::e4m3, DType::e5m2}) {
+    for (int heads : {16, 128}) {
+      for (CaseSpec& s : every_mode({mla(heads)}, kv, seed)) {
+        s.label += " " + std::string(dtype_name(kv)) + " h" + std::to_string(heads);
+        expect_matches_reference(s);
+      }
+      seed += 16;
+    }
   }
 }
 

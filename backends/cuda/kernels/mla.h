@@ -6,7 +6,8 @@
 
 namespace attnrt::cuda {
 
-// Entry points of the MLA CTA for `key` (bf16 q / out, bf16 latent cache, head dims 576 / 512;
+// Entry points of the MLA CTA for `key` (bf16 q / out, bf16, e4m3 or e5m2 latent cache, head dims
+// 576 / 512;
 // every tile shape the plan gives MLA layers: decode, decode32, verify); empty for other keys.
 AttnCtaEntry mla_attention_entry(const AttnKernelKey& key);
 

@@ -14,7 +14,10 @@
 //  - P (bf16) goes to shared memory, both halves side by side, and
 //  - O += P V: warpgroup w accumulates output columns 256w .. 256w + 255 of all 64 rows (128 fp32
 //    accumulators a thread), V read MN-major from the same tile.
-// Shared memory: Q 72 KB, two 72 KB latent tiles, P 8 KB: one CTA per SM. Masks (causal, tree,
+// Shared memory: Q 72 KB, two 72 KB latent tiles, P 8 KB: one CTA per SM. The pool slot of each
+// tile's rows is looked up a tile ahead, so page size 1 costs no extra latency. An fp8 latent cache
+// (e4m3 / e5m2, one scale per layer as the pool stores it) is copied raw into two 36 KB stages in
+// the second tile's space and converted exactly (through f16) into one bf16 tile per iteration. Masks (causal, tree,
 // window) and softcap as every other CTA (common/mask.cuh); the row sums of the two halves are
 // added at the end.
 #include <cuda_bf16.h>
@@ -38,6 +41,7 @@ namespace attnrt::cuda {
 
 namespace {
 
+template <bool FP8>
 struct MlaCfg {
   static constexpr int kD = kMlaHeadDim;     // 576: qk columns
   static constexpr int kDv = kMlaVHeadDim;   // 512: the first kDv columns are V
@@ -46,27 +50,51 @@ struct MlaCfg {
   static constexpr int kHalf = kBN / 2;      // keys scored by one warpgroup
   static constexpr int kON = kDv / 2;        // output columns of one warpgroup
   static constexpr int kThreads = 256;
-  static constexpr int kChunks = kD / 8;     // 16-byte chunks of a row
   static constexpr int kQBytes = kRows * kD * 2;
   static constexpr int kTileBytes = kBN * kD * 2;
+  // fp8 latent: two stages of raw rows (576 bytes each) beside one bf16 tile they are converted
+  // into, in the space of the second bf16 tile.
+  static constexpr int kElem = FP8 ? 1 : 2;
+  static constexpr int kRawBytes = kBN * kD;
+  static constexpr int kRowChunks = kD * kElem / 16;  // 16-byte chunks of a stored row
   static constexpr int kPBytes = kRows * kBN * 2;
   // Row maxima of each half and, at the end, row sums: [2][kRows] floats.
   static constexpr int kXBytes = 2 * kRows * 4;
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kTileBytes + kPBytes + kXBytes;
-  // Loads: four threads per key (or query row), each taking every fourth chunk of it.
-  static constexpr int kLoadsPerThread = kChunks / 4;
-  static_assert(kThreads == 4 * kBN && kThreads == 4 * kRows && kChunks % 4 == 0);
+  // Copies: eight threads per row, two rows each (kBN = kRows = 64).
+  static_assert(kThreads == 4 * kBN && kBN == kRows && kD % 64 == 0 && kRowChunks * 16 == kD * kElem);
+  static_assert(2 * kRawBytes <= kTileBytes);
   static_assert(kSmemBytes <= 227 * 1024);
 };
 
 // Named barrier of the CTA's 256 threads (barrier 0 is __syncthreads).
 __device__ __forceinline__ void cta_bar(int id) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(MlaCfg::kThreads) : "memory");
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(MlaCfg<false>::kThreads) : "memory");
 }
 
-template <typename T>
-__global__ void __launch_bounds__(MlaCfg::kThreads, 1) mla_attention_kernel(const AttnParams p) {
-  using C = MlaCfg;
+// 16 fp8 bytes (E5M2 or e4m3) -> 16 bf16 values in two 16-byte chunks, exactly (through f16).
+template <bool E5M2>
+__device__ __forceinline__ void fp8x16_to_bf16(const uint4& w, uint4& lo, uint4& hi) {
+  uint32_t h[8];
+  fp8x4_to_f16<E5M2>(w.x, h[0], h[1]);
+  fp8x4_to_f16<E5M2>(w.y, h[2], h[3]);
+  fp8x4_to_f16<E5M2>(w.z, h[4], h[5]);
+  fp8x4_to_f16<E5M2>(w.w, h[6], h[7]);
+  uint32_t b[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
+    b[i] = pack2<__nv_bfloat16>(f.x, f.y);
+  }
+  lo = make_uint4(b[0], b[1], b[2], b[3]);
+  hi = make_uint4(b[4], b[5], b[6], b[7]);
+}
+
+// T: q / out (bf16); FP8: the latent cache holds fp8 bytes (E5M2 or e4m3), converted to bf16 in
+// shared memory once per tile.
+template <typename T, bool FP8, bool E5M2>
+__global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel(const AttnParams p) {
+  using C = MlaCfg<FP8>;
   constexpr int D = C::kD, BN = C::kBN, ROWS = C::kRows, ON = C::kON, HALF = C::kHalf;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
@@ -91,42 +119,92 @@ __global__ void __launch_bounds__(MlaCfg::kThreads, 1) mla_attention_kernel(cons
   const int lo = kr.lo, hi = kr.hi;
   const int num_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
 
-  // Loads: thread tid takes row (or key) tid / 4 and its chunks tid % 4, + 4, + 8, ...
-  const int ld_row = tid >> 2, ld_c0 = tid & 3;
+  // Copies: eight threads per row, two rows per thread (ld_row and ld_row + 32, of Q and of every
+  // tile), thread ld_c taking 16-byte chunk ld_c of each 64-column block; in the swizzled layout
+  // its chunks then sit at one base offset plus constants (rows 32 apart share the swizzle).
+  const int ld_row = tid >> 3, ld_c = tid & 7;
+  const uint32_t ld_swz = ld_row * 128 + ((ld_c ^ (ld_row & 7)) << 4);
+  constexpr int kBlocks = D / 64;  // 64-column blocks of a bf16 row
 
   // ---- Q rows f0 .. f0 + 63 (rows past the request's tokens are zero: finite, never stored).
-  {
-    const int f = item.f0 + ld_row, t = f / G, hg = f - t * G;
+#pragma unroll
+  for (int r2 = 0; r2 < 2; ++r2) {
+    const int f = item.f0 + ld_row + 32 * r2, t = f / G, hg = f - t * G;
     const bool valid = t < req.qlen;
     const T* src = static_cast<const T*>(p.q);
     if (valid) src += (req.qo_start + t) * p.q_stride_tok + (kvh * G + hg) * p.q_stride_head;
 #pragma unroll
-    for (int i = 0; i < C::kLoadsPerThread; ++i) {
-      const int c = ld_c0 + 4 * i;
-      cp_async_16(smem + swz128_offset(ROWS, ld_row, c), valid ? src + c * 8 : src, valid);
-    }
+    for (int i = 0; i < kBlocks; ++i)
+      cp_async_16(smem + ld_swz + r2 * 32 * 128 + i * ROWS * 128, src + (valid ? ld_c * 8 + i * 64 : 0),
+                  valid);
   }
   // Dependent launch: so far only the work item, the request and q were read.
   grid_dependency_wait();
   launch_dependent_grids();
   write_back_committed_pages(p, req, item, kvh, tid, C::kThreads);
 
+  // The pool slots of this thread's two rows of a tile: those of the tile after next are looked
+  // up while a tile is computed, so page size 1 adds no latency to the copies.
   const int page_mask = (1 << p.page_shift) - 1;
-  const T* kbase = static_cast<const T*>(p.k) + kvh * D;
-  auto load_tile = [&](int kb, int stage) {
-    unsigned char* dk = smem + C::kQBytes + stage * C::kTileBytes;
-    const int j = kb + ld_row;
-    const bool valid = j < hi;
-    const T* src = kbase;
-    if (valid) src += slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j) * p.k_row_stride;
+  const unsigned char* kbytes =
+      static_cast<const unsigned char*>(p.k) + static_cast<int64_t>(kvh) * D * C::kElem;
+  auto slot_of = [&](int t, int r2) -> int64_t {
+    const int j = lo + t * BN + ld_row + 32 * r2;
+    return t < num_tiles && j < hi
+               ? slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j)
+               : -1;
+  };
+  auto load_tile = [&](const int64_t (&slot)[2], int stage) {
 #pragma unroll
-    for (int i = 0; i < C::kLoadsPerThread; ++i) {
-      const int c = ld_c0 + 4 * i;
-      cp_async_16(dk + swz128_offset(BN, ld_row, c), valid ? src + c * 8 : src, valid);
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const bool valid = slot[r2] >= 0;
+      const unsigned char* src = kbytes + (valid ? slot[r2] * p.k_row_stride * C::kElem : 0);
+      if constexpr (!FP8) {
+        unsigned char* dk = smem + C::kQBytes + stage * C::kTileBytes + ld_swz + r2 * 32 * 128;
+#pragma unroll
+        for (int i = 0; i < kBlocks; ++i)
+          cp_async_16(dk + i * BN * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
+      } else {
+        // Raw rows of D bytes: chunks ld_c, ld_c + 8, ... (36 chunks a row).
+        unsigned char* dk = smem + C::kQBytes + C::kTileBytes + stage * C::kRawBytes +
+                            (ld_row + 32 * r2) * D + ld_c * 16;
+#pragma unroll
+        for (int i = 0; i < (C::kRowChunks + 7) / 8; ++i) {
+          if (ld_c + 8 * i < C::kRowChunks)
+            cp_async_16(dk + i * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
+        }
+      }
     }
   };
-  if (num_tiles > 0) load_tile(lo, 0);
+  // fp8: this thread's own raw chunks of stage `stage` into the bf16 tile (no barrier needed
+  // before: a thread reads only what its own copies wrote). Raw chunk c holds columns 16c ..
+  // 16c + 15: bf16 chunks 2c and 2c + 1.
+  auto convert_tile = [&](int stage) {
+    if constexpr (FP8) {
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2) {
+        const int key = ld_row + 32 * r2;
+        const unsigned char* src =
+            smem + C::kQBytes + C::kTileBytes + stage * C::kRawBytes + key * D + ld_c * 16;
+        unsigned char* dk = smem + C::kQBytes;
+#pragma unroll
+        for (int i = 0; i < (C::kRowChunks + 7) / 8; ++i) {
+          const int c = ld_c + 8 * i;
+          if (c < C::kRowChunks) {
+            uint4 lo16, hi16;
+            fp8x16_to_bf16<E5M2>(*reinterpret_cast<const uint4*>(src + i * 128), lo16, hi16);
+            *reinterpret_cast<uint4*>(dk + swz128_offset(BN, key, 2 * c)) = lo16;
+            *reinterpret_cast<uint4*>(dk + swz128_offset(BN, key, 2 * c + 1)) = hi16;
+          }
+        }
+      }
+    }
+  };
+  int64_t next_slot[2] = {slot_of(0, 0), slot_of(0, 1)};
+  if (num_tiles > 0) load_tile(next_slot, 0);
   cp_async_commit();  // Q and tile 0
+  next_slot[0] = slot_of(1, 0);
+  next_slot[1] = slot_of(1, 1);
 
   // This thread's rows (the same in both warpgroups): g and g + 8 of warp wq's 16.
   int row_t[2];
@@ -151,22 +229,34 @@ __global__ void __launch_bounds__(MlaCfg::kThreads, 1) mla_attention_kernel(cons
 
   for (int it = 0; it < num_tiles; ++it) {
     cp_async_wait<0>();
-    fence_proxy_async_smem();
+    if constexpr (!FP8) fence_proxy_async_smem();
     __syncthreads();  // tile it landed; every warp is done with tile it - 1 (its stage is free)
-    if (it + 1 < num_tiles) load_tile(lo + (it + 1) * BN, (it + 1) & 1);
+    if (it + 1 < num_tiles) load_tile(next_slot, (it + 1) & 1);
     cp_async_commit();
+    next_slot[0] = slot_of(it + 2, 0);
+    next_slot[1] = slot_of(it + 2, 1);
+    if constexpr (FP8) {
+      convert_tile(it & 1);
+      fence_proxy_async_smem();
+      __syncthreads();
+    }
     const int kb = lo + it * BN;
     if (mask.hides(kb, BN, rt_lo, rt_hi)) continue;  // the same for the whole CTA
-    const uint32_t tK = sKV + (it & 1) * C::kTileBytes;
+    const uint32_t tK = sKV + (FP8 ? 0 : (it & 1) * C::kTileBytes);
+    // Descriptors: one built per operand and tile, the k-steps' offsets added to its address
+    // field (addresses stay below 2^18, so the field never carries into the next).
+    const uint64_t dq = wgmma_desc(sQ, 16);
+    const uint64_t dk = wgmma_desc(tK + wg * HALF * 128, 16);
+    const uint64_t dp = wgmma_desc(sP, 16);
+    const uint64_t dv = wgmma_desc(tK + wg * 4 * BN * 128, BN * 128);
 
     // ---- S = Q K^T over this warpgroup's 32 keys.
     float s[HALF / 2];
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da = wgmma_desc(sQ + (kk >> 2) * ROWS * 128 + (kk & 3) * 32, 16);
-      const uint64_t db =
-          wgmma_desc(tK + (kk >> 2) * BN * 128 + wg * HALF * 128 + (kk & 3) * 32, 16);
+      const uint64_t da = dq + (((kk >> 2) * ROWS * 128 + (kk & 3) * 32) >> 4);
+      const uint64_t db = dk + (((kk >> 2) * BN * 128 + (kk & 3) * 32) >> 4);
       wgmma_ss<HALF, T>(s, da, db, kk > 0 ? 1 : 0);
     }
     wgmma_commit();
@@ -204,14 +294,21 @@ __global__ void __launch_bounds__(MlaCfg::kThreads, 1) mla_attention_kernel(cons
 #pragma unroll
     for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], x_rows[(wg ^ 1) * ROWS + wq * 16 + g + 8 * h]);
 
+    // The running maximum moves only when a row's logits pass it by more than kLazy (log2
+    // units): below that the probabilities stay under 2^kLazy, and the output is rescaled a few
+    // times a row instead of at every new maximum. Both warpgroups see the same maxima, so they
+    // decide alike.
+    constexpr float kLazy = 8.f;
     bool moved = false;
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float m_new = fmaxf(m[h], mx[h] * sl);
+      const float cand = mx[h] * sl;
+      const bool move = cand > m[h] + kLazy || (m[h] == -INFINITY && cand != -INFINITY);
+      const float m_new = move ? cand : m[h];
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[h] = fast_exp2(m[h] - m_use);
-      moved = moved || m_new != m[h];
+      alpha[h] = move ? fast_exp2(m[h] - m_use) : 1.f;
+      moved = moved || move;
       m[h] = m_new;
       float sum = 0.f;
 #pragma unroll
@@ -254,11 +351,10 @@ __global__ void __launch_bounds__(MlaCfg::kThreads, 1) mla_attention_kernel(cons
     wgmma_fence();
 #pragma unroll
     for (int k16 = 0; k16 < BN / 16; ++k16) {
-      const uint64_t da = wgmma_desc(sP + k16 * 32, 16);
+      const uint64_t da = dp + ((k16 * 32) >> 4);
 #pragma unroll
       for (int nb = 0; nb < 2; ++nb) {
-        const uint64_t db =
-            wgmma_desc(tK + k16 * 16 * 128 + (wg * 4 + nb * 2) * BN * 128, BN * 128);
+        const uint64_t db = dv + ((k16 * 16 * 128 + nb * 2 * BN * 128) >> 4);
         wgmma_ss_mn<128, T>(o[nb], da, db, 1);
       }
     }
@@ -320,10 +416,17 @@ __global__ void __launch_bounds__(MlaCfg::kThreads, 1) mla_attention_kernel(cons
 }  // namespace
 
 AttnCtaEntry mla_attention_entry(const AttnKernelKey& key) {
-  if (key.head_dim != kMlaHeadDim || key.v_head_dim != kMlaVHeadDim || key.fp16 ||
-      key.kv != KvKind::same_as_q)
-    return {};
-  return GridCta<mla_attention_kernel<__nv_bfloat16>, MlaCfg>::entry();
+  if (key.head_dim != kMlaHeadDim || key.v_head_dim != kMlaVHeadDim || key.fp16) return {};
+  using B = __nv_bfloat16;
+  switch (key.kv) {
+    case KvKind::same_as_q:
+      return GridCta<mla_attention_kernel<B, false, false>, MlaCfg<false>>::entry();
+    case KvKind::e4m3:
+      return GridCta<mla_attention_kernel<B, true, false>, MlaCfg<true>>::entry();
+    case KvKind::e5m2:
+      return GridCta<mla_attention_kernel<B, true, true>, MlaCfg<true>>::entry();
+  }
+  return {};
 }
 
 }  // namespace attnrt::cuda
