@@ -14,6 +14,7 @@
 #include "attnrt/backend/options.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/runtime/attention_runtime.h"
+#include "src/model/layer_builders.h"
 #include "tests/test_util.h"
 #include "tools/sim/mla_weights.h"
 
@@ -26,15 +27,7 @@ constexpr int kHq = 4, kRank = 512, kRope = 64, kNope = 128, kV = 128;
 constexpr int kQk = kNope + kRope, kRow = kRank + kRope;
 
 LayerSpec mla_layer(int id) {
-  LayerSpec l;
-  l.layer_id = id;
-  l.kind = LayerKind::mla;
-  l.num_q_heads = kHq;
-  l.num_kv_heads = 1;
-  l.head_dim = kRow;
-  l.v_head_dim = kRank;
-  l.kv_lora_rank = kRank;
-  l.qk_rope_head_dim = kRope;
+  LayerSpec l = layer_builders::mla_layer(id, kHq, kRank, kRope);
   l.qk_nope_head_dim = kNope;
   l.mha_v_head_dim = kV;
   l.scaling = 1.f / std::sqrt(static_cast<float>(kQk));
