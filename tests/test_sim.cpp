@@ -638,6 +638,36 @@ TEST(SimDriver, RunsEveryModeOnReferenceWithoutErrorOrLeak) {
   }
 }
 
+// deepseek-v3 (one layer, 128 heads) with every extend of a prefix in the MHA form and its prefix
+// in many chunks: the cpu backend's MHA layers, checked against reference in the absorbed form.
+TEST(SimDriver, DeepseekExtendsRunTheMhaFormWithPrefixChunks) {
+  Options o;
+  o.attention_backend = "cpu";
+  o.num_threads = 2;
+  o.chunked_prefix_cache_threshold = 1;
+  o.max_chunk_capacity = 64;
+  RunConfig rc = small_config();
+  rc.layers = 1;
+  rc.check_every = 1;
+  const RunReport r = run_trace(model_preset("deepseek-v3"), o, small_trace(), rc);
+  EXPECT_TRUE(r.ok()) << format_report(r);
+  EXPECT_EQ(r.failure_count, 0) << format_report(r);
+  int64_t mha = 0, chunks = 0;
+  for (ForwardMode m : {ForwardMode::EXTEND, ForwardMode::MIXED}) {
+    if (const ModeStats* s = find_mode(r, ModelRole::target, m)) {
+      mha += s->mha_layers;
+      chunks += s->prefix_chunks;
+      EXPECT_GT(s->checked_steps, 0);
+    }
+  }
+  EXPECT_GT(mha, 0);
+  EXPECT_GT(chunks, mha);  // prefixes of more than 64 / 4 tokens take several chunks
+  const ModeStats* decode = find_mode(r, ModelRole::target, ForwardMode::DECODE);
+  ASSERT_NE(decode, nullptr);
+  EXPECT_EQ(decode->mha_layers, 0);  // decode is always absorbed
+  EXPECT_NE(format_report(r).find("MLA in the MHA form"), std::string::npos) << format_report(r);
+}
+
 // An SWA-hybrid model (gemma3's first six layers: five sliding-window, one full) runs with its
 // sliding-window layers in a pool of --swa-full-tokens-ratio x the full slots, and says so.
 TEST(SimDriver, SwaHybridModelRunsWithItsSwaPoolRatio) {

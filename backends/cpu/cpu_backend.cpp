@@ -35,6 +35,21 @@ int v_dim_of(const LayerSpec& layer) {
   return layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
 }
 
+// q / out / lse of a call as the kernels read them.
+void set_io(cpu::LayerArgs& a, const TensorView& q, const TensorView& out, const TensorView& lse) {
+  a.q = q.data;
+  a.q_dtype = q.dtype;
+  std::copy_n(q.strides.data(), 3, a.q_stride);
+  a.out = out.data;
+  a.out_dtype = out.dtype;
+  std::copy_n(out.strides.data(), 3, a.out_stride);
+  if (!lse.empty()) {
+    a.lse = lse.ptr<float>();
+    a.lse_stride[0] = lse.strides[0];
+    a.lse_stride[1] = lse.strides[1];
+  }
+}
+
 }  // namespace
 
 int cpu_num_threads(const Options* options) {
@@ -126,6 +141,7 @@ void CpuBackend::init_forward_metadata(const ForwardBatch& batch) {
   }
   mode_ = batch.mode;
   num_tokens_ = layout.num_tokens;
+  plan_mha(batch, layout);
   planned_ = true;
 
   // Work lists for every layer shape of the model, so that forward never plans.
@@ -164,16 +180,23 @@ const CpuBackend::Variant* CpuBackend::find_variant(const VariantKey& key) const
 
 CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLayerView& kv,
                                               int layer_id) const {
+  return build_variant(key, kv, layer_id, reqs_, slots_);
+}
+
+CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLayerView& kv,
+                                              int layer_id,
+                                              const std::vector<cpu::RequestInfo>& reqs,
+                                              const std::vector<int32_t>& slots) const {
   Variant var;
   var.key = key;
   const int group = key.q_heads / key.kv_heads;
-  const int bs = static_cast<int>(reqs_.size());
+  const int bs = static_cast<int>(reqs.size());
 
   // Key slots in this layer's pool, range-checked before anything is stored so that a bad request
   // row leaves the pool untouched.
-  if (key.slot_map != nullptr) var.slots.resize(slots_.size());
-  for (size_t k = 0; k < slots_.size(); ++k) {
-    const int64_t full = slots_[k];
+  if (key.slot_map != nullptr) var.slots.resize(slots.size());
+  for (size_t k = 0; k < slots.size(); ++k) {
+    const int64_t full = slots[k];
     ATTNRT_CHECK(full >= 0 && (key.slot_map != nullptr || full < kv.num_rows),
                  "cpu backend: a request row holds slot {}; layer {} KV rows are [0, {})", full,
                  layer_id, kv.num_rows);
@@ -198,7 +221,7 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
   };
   std::vector<Pending> pending;
   for (int i = 0; i < bs; ++i) {
-    const cpu::RequestInfo& r = reqs_[i];
+    const cpu::RequestInfo& r = reqs[i];
     if (r.qlen == 0) continue;
     int tokens_per_item = 1, heads_per_item = group;
     if (r.qlen > 1) {
@@ -224,7 +247,7 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
             ATTNRT_CHECK(s != 0 || draft,
                          "cpu backend: layer {} request {} key {} (full slot {}) is inside the "
                          "window of query {} but has no slot in the SWA pool",
-                         layer_id, i, j, slots_[r.slot_offset + j], t0);
+                         layer_id, i, j, slots[r.slot_offset + j], t0);
           }
         }
       }
@@ -302,9 +325,7 @@ CpuBackend::WorkSummary CpuBackend::work_summary(const LayerSpec& layer) const {
 }
 
 void CpuBackend::attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) {
-  const bool planned = planned_ && mode_ == batch.mode &&
-                       static_cast<int>(reqs_.size()) == batch.batch_size &&
-                       num_tokens_ == batch.num_tokens();
+  const bool planned = planned_for(batch);
   const KVLayerView kv = check_host_attn_call("cpu", ctx_, planned, args, layer, batch);
   if (reqs_.empty()) return;
 
@@ -316,26 +337,12 @@ void CpuBackend::attend(const AttnArgs& args, const LayerSpec& layer, const Forw
     variants_.push_back(build_variant(key, kv, layer.layer_id));
     var = &variants_.back();
   }
-  if (static_cast<int64_t>(partial_.size()) < var->partial_floats) {
-    partial_.resize(var->partial_floats);
-  }
-
   if (args.save_kv && !args.k.empty()) {
     ctx_.kv_cache->store_step_kv(layer.layer_id, args.k, args.v);
   }
 
   cpu::LayerArgs a;
-  a.q = args.q.data;
-  a.q_dtype = args.q.dtype;
-  std::copy_n(args.q.strides.data(), 3, a.q_stride);
-  a.out = args.out.data;
-  a.out_dtype = args.out.dtype;
-  std::copy_n(args.out.strides.data(), 3, a.out_stride);
-  if (!args.lse.empty()) {
-    a.lse = args.lse.ptr<float>();
-    a.lse_stride[0] = args.lse.strides[0];
-    a.lse_stride[1] = args.lse.strides[1];
-  }
+  set_io(a, args.q, args.out, args.lse);
   a.sinks = args.sinks;
   a.k_cache = kv.k;
   a.v_cache = kv.v;
@@ -354,20 +361,181 @@ void CpuBackend::attend(const AttnArgs& args, const LayerSpec& layer, const Forw
   a.window = layer.sliding_window;
   a.causal = layer.causal();
 
+  run_variant(a, *var, reqs_, var->slots.empty() ? slots_ : var->slots, kv.slot_map != nullptr);
+}
+
+void CpuBackend::run_variant(const cpu::LayerArgs& a, const Variant& var,
+                             const std::vector<cpu::RequestInfo>& reqs,
+                             const std::vector<int32_t>& slots, bool zero_slot_is_absent) {
+  if (static_cast<int64_t>(partial_.size()) < var.partial_floats) {
+    partial_.resize(var.partial_floats);
+  }
   cpu::KernelPlan p;
-  p.reqs = reqs_.data();
-  p.slots = var->slots.empty() ? slots_.data() : var->slots.data();
-  p.items = var->items.data();
-  p.num_items = static_cast<int64_t>(var->items.size());
-  p.merges = var->merges.data();
-  p.num_merges = static_cast<int64_t>(var->merges.size());
+  p.reqs = reqs.data();
+  p.slots = slots.data();
+  p.items = var.items.data();
+  p.num_items = static_cast<int64_t>(var.items.size());
+  p.merges = var.merges.data();
+  p.num_merges = static_cast<int64_t>(var.merges.size());
   p.tree_depth = tree_depth_.data();
   p.tree_mask = tree_mask_.data();
   p.tree_words = tree_words_;
-  p.zero_slot_is_absent = kv.slot_map != nullptr;
+  p.zero_slot_is_absent = zero_slot_is_absent;
   p.partial = partial_.data();
   p.num_threads = num_threads_;
   cpu::run_attention(a, p);
+}
+
+// ------------------------------------------------------------------------------------------------
+// MLA in the MHA form (docs/mla.md): the same kernels over the call's own k / v rows (identity
+// slots), causal within each request for the causal part, unmasked for a prefix chunk, whose
+// result is merged into out / lse by log-sum-exp.
+
+bool CpuBackend::planned_for(const ForwardBatch& batch) const {
+  return planned_ && mode_ == batch.mode && static_cast<int>(reqs_.size()) == batch.batch_size &&
+         num_tokens_ == batch.num_tokens();
+}
+
+void CpuBackend::plan_mha(const ForwardBatch& batch, const StepLayout& layout) {
+  mha_causal_ = {};
+  mha_chunks_.clear();
+  mha_.plan("cpu", ctx_, batch, layout);
+  if (mha_.form() != MlaForm::mha) return;
+  const int bs = batch.batch_size;
+  auto identity = [](std::vector<int32_t>& slots, int64_t n) {
+    slots.resize(n);
+    for (int64_t j = 0; j < n; ++j) slots[j] = static_cast<int32_t>(j);
+  };
+  mha_causal_.reqs.resize(bs);
+  for (int i = 0; i < bs; ++i) {
+    mha_causal_.reqs[i] = {.q_row = layout.query_start[i],
+                           .slot_offset = layout.query_start[i],
+                           .qlen = layout.query_lens[i],
+                           .kv_len = layout.query_lens[i]};
+  }
+  identity(mha_causal_.slots, layout.num_tokens);
+  for (const PrefixChunk& c : mha_.chunks().chunks) {
+    MhaPart& part = mha_chunks_.emplace_back();
+    part.reqs.resize(bs);
+    for (int i = 0; i < bs; ++i) {
+      // A request whose prefix ended before this chunk has no item in it.
+      part.reqs[i] = {.q_row = layout.query_start[i],
+                      .slot_offset = c.cu_seqlens[i],
+                      .qlen = c.lens[i] > 0 ? layout.query_lens[i] : 0,
+                      .kv_len = c.lens[i]};
+    }
+    identity(part.slots, c.num_tokens);
+  }
+  if (ctx_.model == nullptr) return;
+  for (const LayerSpec& layer : ctx_.model->layers) {
+    if (!layer.has_mha_form()) continue;
+    mha_variant(mha_causal_, layer, true);
+    for (MhaPart& part : mha_chunks_) mha_variant(part, layer, false);
+  }
+}
+
+const CpuBackend::Variant& CpuBackend::mha_variant(MhaPart& part, const LayerSpec& layer,
+                                                   bool causal) const {
+  VariantKey key;
+  key.causal = causal;
+  key.q_heads = layer.num_q_heads;
+  key.kv_heads = layer.num_q_heads;
+  key.v_dim = layer.mha_v_head_dim;
+  for (const Variant& v : part.variants) {
+    if (v.key == key) return v;
+  }
+  KVLayerView rows;
+  rows.num_rows = static_cast<int64_t>(part.slots.size());
+  return part.variants.emplace_back(build_variant(key, rows, layer.layer_id, part.reqs, part.slots));
+}
+
+void CpuBackend::run_mha(MhaPart& part, const LayerSpec& layer, bool causal, const TensorView& q,
+                         const TensorView& k, const TensorView& v, const TensorView& out,
+                         const TensorView& lse) {
+  const MlaMhaDims d = mla_mha_dims(layer);
+  // The kernels read K / V rows of [heads, dim] contiguous in one dtype; other layouts are copied
+  // to fp32 first.
+  auto fits = [](const TensorView& t, int dim) { return t.strides[2] == 1 && t.strides[1] == dim; };
+  TensorView kk = k, vv = v;
+  if (k.dtype != v.dtype || !fits(k, d.qk) || !fits(v, d.v)) {
+    kv_f32_.resize(static_cast<size_t>(k.numel() + v.numel()));
+    float* kp = kv_f32_.data();
+    float* vp = kp + k.numel();
+    for (int64_t j = 0; j < k.shape[0]; ++j) {
+      for (int64_t h = 0; h < k.shape[1]; ++h) {
+        for (int e = 0; e < d.qk; ++e) {
+          *kp++ = load_as_float(k.data, k.dtype, j * k.strides[0] + h * k.strides[1] + e * k.strides[2]);
+        }
+        for (int e = 0; e < d.v; ++e) {
+          *vp++ = load_as_float(v.data, v.dtype, j * v.strides[0] + h * v.strides[1] + e * v.strides[2]);
+        }
+      }
+    }
+    kk = TensorView(kv_f32_.data(), DType::f32, {k.shape[0], k.shape[1], k.shape[2]});
+    vv = TensorView(kv_f32_.data() + k.numel(), DType::f32, {v.shape[0], v.shape[1], v.shape[2]});
+  }
+  cpu::LayerArgs a;
+  set_io(a, q, out, lse);
+  a.k_cache = kk.data;
+  a.v_cache = vv.data;
+  a.kv_dtype = kk.dtype;
+  a.k_row_stride = kk.strides[0];
+  a.v_row_stride = vv.strides[0];
+  a.num_q_heads = layer.num_q_heads;
+  a.num_kv_heads = layer.num_q_heads;
+  a.head_dim = d.qk;
+  a.v_head_dim = d.v;
+  a.qk_scale = layer.softmax_scale();
+  a.softcap = layer.logit_cap;
+  a.causal = causal;
+  run_variant(a, mha_variant(part, layer, causal), part.reqs, part.slots, false);
+}
+
+void CpuBackend::forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer,
+                                 const ForwardBatch& batch) {
+  mha_.check_causal("cpu", ctx_, planned_for(batch), args, layer, batch);
+  if (args.save_kv) ctx_.kv_cache->store_step_kv(layer.layer_id, args.latent, TensorView());
+  if (!reqs_.empty()) run_mha(mha_causal_, layer, true, args.q, args.k, args.v, args.out, args.lse);
+  mha_.causal_done(layer.layer_id);
+}
+
+void CpuBackend::forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args,
+                                          const LayerSpec& layer, const ForwardBatch& batch) {
+  mha_.check_chunk("cpu", planned_for(batch), chunk, args, layer, batch);
+  const int64_t T = num_tokens_;
+  const int hq = layer.num_q_heads, dv = layer.mha_v_head_dim;
+  const DType odt = args.out.dtype;
+  chunk_out_.resize(static_cast<size_t>(T) * hq * dv * dtype_size(odt));
+  chunk_lse_.resize(static_cast<size_t>(T) * hq);
+  const TensorView out(chunk_out_.data(), odt, {T, hq, dv});
+  const TensorView lse(chunk_lse_.data(), DType::f32, {T, hq});
+  run_mha(mha_chunks_[chunk], layer, false, args.q, args.k, args.v, out, lse);
+
+  // (o, lse) <- merge((o, lse), (o_chunk, lse_chunk)) on the rows of requests the chunk has keys of.
+  const PrefixChunk& c = mha_.chunks().chunks[chunk];
+  const std::vector<cpu::RequestInfo>& reqs = mha_causal_.reqs;
+  const TensorView& ro = args.out;
+  float* rl = args.lse.ptr<float>();
+#pragma omp parallel for schedule(static) num_threads(num_threads_)
+  for (int64_t row = 0; row < T * hq; ++row) {
+    const int64_t t = row / hq;
+    const int h = static_cast<int>(row % hq);
+    const auto req = std::upper_bound(reqs.begin(), reqs.end(), t,
+                                      [](int64_t x, const cpu::RequestInfo& r) { return x < r.q_row; }) - 1;
+    if (c.lens[req - reqs.begin()] == 0) continue;
+    float& a = rl[t * args.lse.strides[0] + h * args.lse.strides[1]];
+    const float b = chunk_lse_[row];
+    const float m = std::max(a, b);
+    const float wa = std::exp(a - m), wb = std::exp(b - m), inv = 1.f / (wa + wb);
+    for (int e = 0; e < dv; ++e) {
+      const size_t at = t * ro.strides[0] + h * ro.strides[1] + e * ro.strides[2];
+      const float oa = load_as_float(ro.data, odt, at);
+      const float ob = load_as_float(out.data, odt, static_cast<size_t>(row) * dv + e);
+      store_from_float(ro.data, odt, at, (wa * oa + wb * ob) * inv);
+    }
+    a = m + std::log(wa + wb);
+  }
+  mha_.chunk_done(chunk);
 }
 
 BackendEntry cpu_backend_entry() {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "attnrt/backend/attention_backend.h"
+#include "attnrt/backend/host_mla_mha.h"
 #include "attnrt/backend/registry.h"
 #include "attnrt/batch/forward_batch.h"
 #include "backends/cpu/kernels/attention_plan.h"
@@ -38,6 +39,14 @@ class CpuBackend final : public OnePathAttnBackend {
   };
   WorkSummary work_summary(const LayerSpec& layer) const;
 
+  // MLA in the MHA form (docs/mla.md), on the same kernels.
+  MlaForm mla_form() const override { return mha_.form(); }
+  const PrefixChunkPlan& prefix_chunk_plan() const override { return mha_.chunks(); }
+  void forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer,
+                       const ForwardBatch& batch) override;
+  void forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args, const LayerSpec& layer,
+                                const ForwardBatch& batch) override;
+
  private:
   // Layers with the same key share one work list.
   struct VariantKey {
@@ -55,10 +64,30 @@ class CpuBackend final : public OnePathAttnBackend {
     int64_t partial_floats = 0;
   };
 
+  // The MHA form's work: requests whose keys are rows of the call's own k / v (the causal part:
+  // the step's tokens; a prefix chunk: the chunk's keys), and a work list per layer shape.
+  struct MhaPart {
+    std::vector<cpu::RequestInfo> reqs;
+    std::vector<int32_t> slots;  // identity
+    std::vector<Variant> variants;
+  };
+
   static VariantKey key_of(const LayerSpec& layer, const KVLayerView& kv);
   Variant build_variant(const VariantKey& key, const KVLayerView& kv, int layer_id) const;
+  Variant build_variant(const VariantKey& key, const KVLayerView& kv, int layer_id,
+                        const std::vector<cpu::RequestInfo>& reqs,
+                        const std::vector<int32_t>& slots) const;
   const Variant* find_variant(const VariantKey& key) const;
+  bool planned_for(const ForwardBatch& batch) const;
   void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) override;
+  void run_variant(const cpu::LayerArgs& a, const Variant& var,
+                   const std::vector<cpu::RequestInfo>& reqs, const std::vector<int32_t>& slots,
+                   bool zero_slot_is_absent);
+  void plan_mha(const ForwardBatch& batch, const StepLayout& layout);
+  const Variant& mha_variant(MhaPart& part, const LayerSpec& layer, bool causal) const;
+  void run_mha(MhaPart& part, const LayerSpec& layer, bool causal, const TensorView& q,
+               const TensorView& k, const TensorView& v, const TensorView& out,
+               const TensorView& lse);
 
   int num_threads_ = 1;
   int tile_rows_ = 0;
@@ -74,6 +103,12 @@ class CpuBackend final : public OnePathAttnBackend {
   int tree_words_ = 0;
   std::vector<Variant> variants_;
   std::vector<float> partial_;
+  HostMlaMhaSteps mha_;
+  MhaPart mha_causal_;
+  std::vector<MhaPart> mha_chunks_;
+  std::vector<uint8_t> chunk_out_;  // a chunk's output, in the dtype of out
+  std::vector<float> chunk_lse_;
+  std::vector<float> kv_f32_;       // k / v copied when their layout is not the kernels'
 };
 
 // Threads the cpu backend runs: options->num_threads when > 0, else the environment variable

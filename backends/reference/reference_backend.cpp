@@ -50,15 +50,21 @@ void ReferenceBackend::init_forward_metadata(const ForwardBatch& batch) {
       plan.query_block[q] = t;
     }
   }
+  planned_ = false;
+  mha_.plan("reference", ctx_, batch, plan.layout);
   plan_ = std::move(plan);
   planned_ = true;
 }
 
+bool ReferenceBackend::planned_for(const ForwardBatch& batch) const {
+  return planned_ && plan_.mode == batch.mode &&
+         static_cast<int>(plan_.layout.query_lens.size()) == batch.batch_size &&
+         plan_.layout.num_tokens == batch.num_tokens();
+}
+
 void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
                               const ForwardBatch& batch) {
-  const bool planned = planned_ && plan_.mode == batch.mode &&
-                       static_cast<int>(plan_.layout.query_lens.size()) == batch.batch_size &&
-                       plan_.layout.num_tokens == batch.num_tokens();
+  const bool planned = planned_for(batch);
   const KVLayerView kv = check_host_attn_call("reference", ctx_, planned, args, layer, batch);
 
   const StepLayout& l = plan_.layout;
@@ -199,6 +205,104 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
       }
     }
   }
+}
+
+namespace {
+
+// One head of one query row against key rows [k0, k1) of k / v ([rows, heads, dim], the query's
+// head): o = softmax(scale * q.k, capped) V; returns the log-sum-exp (-inf without keys).
+double attend_rows(const TensorView& q, int64_t row, int h, const TensorView& k,
+                   const TensorView& v, int64_t k0, int64_t k1, double scale, double cap,
+                   std::vector<double>& o) {
+  const int dqk = static_cast<int>(q.shape[2]), dv = static_cast<int>(v.shape[2]);
+  std::vector<double> qd(dqk), s(k1 - k0);
+  for (int d = 0; d < dqk; ++d) qd[d] = load_as_float(q.data, q.dtype, offset3(q, row, h, d));
+  double m = -std::numeric_limits<double>::infinity();
+  for (int64_t j = k0; j < k1; ++j) {
+    double dot = 0.0;
+    for (int d = 0; d < dqk; ++d) dot += qd[d] * load_as_float(k.data, k.dtype, offset3(k, j, h, d));
+    double x = scale * dot;
+    if (cap > 0.0) x = cap * std::tanh(x / cap);
+    s[j - k0] = x;
+    m = std::max(m, x);
+  }
+  o.assign(dv, 0.0);
+  if (k1 <= k0) return -std::numeric_limits<double>::infinity();
+  double den = 0.0;
+  for (int64_t j = k0; j < k1; ++j) {
+    const double p = std::exp(s[j - k0] - m);
+    den += p;
+    for (int d = 0; d < dv; ++d) o[d] += p * load_as_float(v.data, v.dtype, offset3(v, j, h, d));
+  }
+  for (double& x : o) x /= den;
+  return m + std::log(den);
+}
+
+float* lse_at(const TensorView& lse, int64_t row, int h) {
+  return lse.ptr<float>() + row * lse.strides[0] + h * lse.strides[1];
+}
+
+}  // namespace
+
+void ReferenceBackend::forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer,
+                                       const ForwardBatch& batch) {
+  mha_.check_causal("reference", ctx_, planned_for(batch), args, layer, batch);
+  if (args.save_kv) ctx_.kv_cache->store_step_kv(layer.layer_id, args.latent, TensorView());
+  const StepLayout& l = plan_.layout;
+  const double scale = layer.softmax_scale(), cap = layer.logit_cap;
+  const int hq = layer.num_q_heads, dv = static_cast<int>(args.v.shape[2]);
+  for (int i = 0; i < batch.batch_size; ++i) {
+    const int64_t q0 = l.query_start[i];
+#pragma omp parallel for schedule(dynamic)
+    for (int32_t t = 0; t < l.query_lens[i]; ++t) {
+      std::vector<double> o;
+      for (int h = 0; h < hq; ++h) {
+        // Query t of the request sees its extend tokens 0 .. t.
+        const double lse = attend_rows(args.q, q0 + t, h, args.k, args.v, q0, q0 + t + 1, scale,
+                                       cap, o);
+        for (int d = 0; d < dv; ++d) {
+          store_from_float(args.out.data, args.out.dtype, offset3(args.out, q0 + t, h, d),
+                           static_cast<float>(o[d]));
+        }
+        if (!args.lse.empty()) *lse_at(args.lse, q0 + t, h) = static_cast<float>(lse);
+      }
+    }
+  }
+  mha_.causal_done(layer.layer_id);
+}
+
+void ReferenceBackend::forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args,
+                                                const LayerSpec& layer,
+                                                const ForwardBatch& batch) {
+  mha_.check_chunk("reference", planned_for(batch), chunk, args, layer, batch);
+  const PrefixChunk& c = mha_.chunks().chunks[chunk];
+  const StepLayout& l = plan_.layout;
+  const double scale = layer.softmax_scale(), cap = layer.logit_cap;
+  const int hq = layer.num_q_heads, dv = static_cast<int>(args.v.shape[2]);
+  for (int i = 0; i < batch.batch_size; ++i) {
+    if (c.lens[i] == 0) continue;
+    const int64_t q0 = l.query_start[i];
+#pragma omp parallel for schedule(dynamic)
+    for (int32_t t = 0; t < l.query_lens[i]; ++t) {
+      std::vector<double> o;
+      for (int h = 0; h < hq; ++h) {
+        // Every key of the chunk precedes the request's queries: no mask.
+        const double b = attend_rows(args.q, q0 + t, h, args.k, args.v, c.cu_seqlens[i],
+                                     c.cu_seqlens[i + 1], scale, cap, o);
+        float* lse = lse_at(args.lse, q0 + t, h);
+        const double a = *lse, m = std::max(a, b);
+        const double wa = std::exp(a - m), wb = std::exp(b - m);
+        for (int d = 0; d < dv; ++d) {
+          const size_t at = offset3(args.out, q0 + t, h, d);
+          const double oa = load_as_float(args.out.data, args.out.dtype, at);
+          store_from_float(args.out.data, args.out.dtype, at,
+                           static_cast<float>((wa * oa + wb * o[d]) / (wa + wb)));
+        }
+        *lse = static_cast<float>(m + std::log(wa + wb));
+      }
+    }
+  }
+  mha_.chunk_done(chunk);
 }
 
 BackendEntry reference_backend_entry() {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attnrt/backend/attention_backend.h"
+#include "attnrt/backend/host_mla_mha.h"
 #include "attnrt/backend/registry.h"
 #include "attnrt/batch/forward_batch.h"
 
@@ -25,6 +26,14 @@ class ReferenceBackend final : public OnePathAttnBackend {
   // The plan of the current step (valid after init_forward_metadata).
   const StepLayout& layout() const { return plan_.layout; }
 
+  // MLA in the MHA form (docs/mla.md): each part's softmax in float64, and the chunks' merge.
+  MlaForm mla_form() const override { return mha_.form(); }
+  const PrefixChunkPlan& prefix_chunk_plan() const override { return mha_.chunks(); }
+  void forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer,
+                       const ForwardBatch& batch) override;
+  void forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args, const LayerSpec& layer,
+                                const ForwardBatch& batch) override;
+
  private:
   struct Plan {
     StepLayout layout;
@@ -37,8 +46,10 @@ class ReferenceBackend final : public OnePathAttnBackend {
   };
 
   void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) override;
+  bool planned_for(const ForwardBatch& batch) const;
 
   Plan plan_;
+  HostMlaMhaSteps mha_;
   bool planned_ = false;
 };
 

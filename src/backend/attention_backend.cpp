@@ -40,6 +40,25 @@ void AttentionBackend::update_state_after_verify(std::span<const int32_t>) {
        name());
 }
 
+const PrefixChunkPlan& AttentionBackend::prefix_chunk_plan() const {
+  static const PrefixChunkPlan none;
+  return none;
+}
+
+void AttentionBackend::forward_mla_mha(const MlaMhaArgs&, const LayerSpec& layer,
+                                       const ForwardBatch&) {
+  fail("backend '{}' serves MLA in the absorbed form only (layer {}); its steps have mla_form() "
+       "absorbed: pass q [T, Hq, kv_lora_rank + qk_rope] to forward (docs/mla.md)",
+       name(), layer.layer_id);
+}
+
+void AttentionBackend::forward_mla_prefix_chunk(int chunk, const MlaChunkArgs&,
+                                                const LayerSpec& layer, const ForwardBatch&) {
+  fail("backend '{}' serves MLA in the absorbed form only (prefix chunk {} of layer {}); its "
+       "steps have no prefix chunks (docs/mla.md)",
+       name(), chunk, layer.layer_id);
+}
+
 void OnePathAttnBackend::forward_decode(const AttnArgs& args, const LayerSpec& layer,
                                         const ForwardBatch& batch) {
   ATTNRT_CHECK(is_decode(batch.mode), "{} backend: forward_decode called for a {} batch", name(),

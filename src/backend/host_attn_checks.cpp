@@ -8,10 +8,8 @@
 
 namespace attnrt {
 
-namespace {
-
-void check_tensor(std::string_view backend, const char* what, const TensorView& t, int64_t d0,
-                  int64_t d1, int64_t d2, const char* dims) {
+void check_host_tensor(std::string_view backend, const char* what, const TensorView& t,
+                       int64_t d0, int64_t d1, int64_t d2, const char* dims) {
   ATTNRT_CHECK(t.data != nullptr, "{} backend: {} is empty; expected [{}] = [{}, {}, {}]", backend,
                what, dims, d0, d1, d2);
   ATTNRT_CHECK(t.device.kind == DeviceKind::cpu,
@@ -23,6 +21,8 @@ void check_tensor(std::string_view backend, const char* what, const TensorView& 
                "{} backend: {} is {}; expected [{}] = [{}, {}, {}]", backend, what, t.describe(),
                dims, d0, d1, d2);
 }
+
+namespace {
 
 void check_host_attn_args(std::string_view backend, const AttnArgs& args, const LayerSpec& layer,
                           int64_t num_tokens, const KVLayerView& kv) {
@@ -50,8 +50,8 @@ void check_host_attn_args(std::string_view backend, const AttnArgs& args, const 
   ATTNRT_CHECK(layer.logit_cap >= 0.f,
                "{} backend: layer {} has logit_cap {}; use a positive cap, or 0 for none", backend,
                layer.layer_id, layer.logit_cap);
-  check_tensor(backend, "q", args.q, num_tokens, hq, dqk, "tokens, q heads, head_dim");
-  check_tensor(backend, "out", args.out, num_tokens, hq, dv, "tokens, q heads, v_head_dim");
+  check_host_tensor(backend, "q", args.q, num_tokens, hq, dqk, "tokens, q heads, head_dim");
+  check_host_tensor(backend, "out", args.out, num_tokens, hq, dv, "tokens, q heads, v_head_dim");
   // MLA stores the latent k rows only (V is a view of them), so v may be left empty there.
   ATTNRT_CHECK(mla ? !(args.k.empty() && !args.v.empty()) : args.k.empty() == args.v.empty(),
                "{} backend: k is {} but v is {}; pass both (store this step's K/V) or neither "
@@ -60,10 +60,10 @@ void check_host_attn_args(std::string_view backend, const AttnArgs& args, const 
                args.v.empty() ? "empty" : args.v.describe(),
                mla ? "; an mla layer takes k alone too" : "");
   if (!args.k.empty()) {
-    check_tensor(backend, "k", args.k, num_tokens, hkv, dqk, "tokens, kv heads, head_dim");
+    check_host_tensor(backend, "k", args.k, num_tokens, hkv, dqk, "tokens, kv heads, head_dim");
   }
   if (!args.v.empty()) {
-    check_tensor(backend, "v", args.v, num_tokens, hkv, dv, "tokens, kv heads, v_head_dim");
+    check_host_tensor(backend, "v", args.v, num_tokens, hkv, dv, "tokens, kv heads, v_head_dim");
   }
   if (!args.lse.empty()) {
     ATTNRT_CHECK(args.lse.device.kind == DeviceKind::cpu && args.lse.dtype == DType::f32 &&

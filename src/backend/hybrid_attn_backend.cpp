@@ -34,7 +34,25 @@ AttentionBackend& HybridAttnBackend::select(ForwardMode mode) const {
 }
 
 void HybridAttnBackend::init_forward_metadata(const ForwardBatch& batch) {
+  mode_ = batch.mode;
   select(batch.mode).init_forward_metadata(batch);
+}
+
+MlaForm HybridAttnBackend::mla_form() const { return select(mode_).mla_form(); }
+
+const PrefixChunkPlan& HybridAttnBackend::prefix_chunk_plan() const {
+  return select(mode_).prefix_chunk_plan();
+}
+
+void HybridAttnBackend::forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer,
+                                        const ForwardBatch& batch) {
+  select(batch.mode).forward_mla_mha(args, layer, batch);
+}
+
+void HybridAttnBackend::forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args,
+                                                 const LayerSpec& layer,
+                                                 const ForwardBatch& batch) {
+  select(batch.mode).forward_mla_prefix_chunk(chunk, args, layer, batch);
 }
 
 void HybridAttnBackend::forward(const AttnArgs& args, const LayerSpec& layer,

@@ -66,6 +66,25 @@ void HybridLinearAttnBackend::forward_extend(const AttnArgs& args, const LayerSp
   full_->forward_extend(args, layer, batch);
 }
 
+MlaForm HybridLinearAttnBackend::mla_form() const { return full_->mla_form(); }
+
+const PrefixChunkPlan& HybridLinearAttnBackend::prefix_chunk_plan() const {
+  return full_->prefix_chunk_plan();
+}
+
+void HybridLinearAttnBackend::forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer,
+                                              const ForwardBatch& batch) {
+  check_full_layer(layer, "forward_mla_mha");
+  full_->forward_mla_mha(args, layer, batch);
+}
+
+void HybridLinearAttnBackend::forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args,
+                                                       const LayerSpec& layer,
+                                                       const ForwardBatch& batch) {
+  check_full_layer(layer, "forward_mla_prefix_chunk");
+  full_->forward_mla_prefix_chunk(chunk, args, layer, batch);
+}
+
 void HybridLinearAttnBackend::forward_linear(const LinearArgs& args, const LayerSpec& layer,
                                              const ForwardBatch& batch) {
   ATTNRT_CHECK(!is_full_layer(layer.layer_id) && is_linear_kind(layer.kind),

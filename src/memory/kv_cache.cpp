@@ -367,4 +367,37 @@ std::unique_ptr<KVCache> make_host_kv_cache(const ModelSpec& model, const KVCach
   return make_host_kv_storage(model, config).cache;
 }
 
+void gather_latent_rows(const KVLayerView& kv, int layer_id, std::span<const int32_t> slots,
+                        const TensorView& out) {
+  ATTNRT_CHECK(kv.device.kind == DeviceKind::cpu,
+               "gather_latent_rows: layer {} pool is on {}; latent rows are gathered from host "
+               "pools only",
+               layer_id, device_name(kv.device));
+  ATTNRT_CHECK(kv.k != nullptr && kv.v == kv.k && kv.kv_heads == 1,
+               "gather_latent_rows: layer {} is not an MLA latent pool (one kv head, V a view of "
+               "the K row)",
+               layer_id);
+  const int64_t n = static_cast<int64_t>(slots.size());
+  ATTNRT_CHECK(out.device.kind == DeviceKind::cpu && is_float(out.dtype) && !is_fp8(out.dtype) &&
+                   out.ndim == 3 && out.shape[0] == n && out.shape[1] == 1 &&
+                   out.shape[2] == kv.head_dim,
+               "gather_latent_rows: out is {}; expected a float (fp32 / fp16 / bf16) [{}, 1, {}] "
+               "on cpu (chunk tokens, 1, kv_lora_rank + qk_rope_head_dim)",
+               out.describe(), n, kv.head_dim);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t s = kv.pool_slot(slots[i]);
+    ATTNRT_CHECK(slots[i] >= 0 && s >= 0 && s < kv.num_rows,
+                 "gather_latent_rows: slot {} (row {}) is outside layer {}'s pool rows [0, {})",
+                 slots[i], i, layer_id, kv.num_rows);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const size_t row = static_cast<size_t>(kv.pool_slot(slots[i]) * kv.k_row_stride);
+    for (int d = 0; d < kv.head_dim; ++d) {
+      store_from_float(out.data, out.dtype,
+                       static_cast<size_t>(i * out.strides[0] + d * out.strides[2]),
+                       load_as_float(kv.k, kv.dtype, row + d) * kv.k_scale);
+    }
+  }
+}
+
 }  // namespace attnrt

@@ -266,6 +266,9 @@ LayerSpec mla_layer(const Fields& f, int id, std::string_view origin) {
   const int nope = positive(f, "qk_nope_head_dim", origin);
   LayerSpec l = layer_builders::mla_layer(id, q_heads, kv_lora_rank, rope);
   l.scaling = mla_scaling(f, nope + rope, origin);
+  l.qk_nope_head_dim = nope;
+  // The MHA form's v heads; configs without v_head_dim serve the absorbed form only.
+  l.mha_v_head_dim = f.has("v_head_dim") ? positive(f, "v_head_dim", origin) : 0;
   return l;
 }
 

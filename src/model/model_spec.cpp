@@ -115,6 +115,9 @@ void validate_attention_layer(const std::string& name, const LayerSpec& l) {
                 l.v_head_dim, l.kv_lora_rank);
     LAYER_CHECK(l.num_kv_heads == 1, "num_kv_heads = {}; the latent form has exactly 1 kv head",
                 l.num_kv_heads);
+    LAYER_CHECK(l.qk_nope_head_dim >= 0 && l.mha_v_head_dim >= 0,
+                "qk_nope_head_dim = {}, mha_v_head_dim = {}; both must be >= 0 (0 = no MHA form)",
+                l.qk_nope_head_dim, l.mha_v_head_dim);
   }
 }
 

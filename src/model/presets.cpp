@@ -23,10 +23,13 @@ ModelSpec named(std::string name, int max_context_len) {
 }
 
 // An MLA layer in the latent form (layer_builders::mla_layer) with the softmax scale of the
-// unabsorbed heads, (qk_nope + qk_rope)^-1/2.
+// unabsorbed heads, (qk_nope + qk_rope)^-1/2, and the dims of its MHA form (v heads of 128 in
+// both presets).
 LayerSpec mla(int id, int q_heads, int kv_lora_rank, int qk_rope, int qk_nope) {
   LayerSpec l = layer_builders::mla_layer(id, q_heads, kv_lora_rank, qk_rope);
   l.scaling = 1.f / std::sqrt(static_cast<float>(qk_nope + qk_rope));
+  l.qk_nope_head_dim = qk_nope;
+  l.mha_v_head_dim = 128;
   return l;
 }
 

@@ -296,6 +296,59 @@ void AttentionRuntime::forward(int layer_id, const AttnArgs& args) {
   backend_->forward(args, layer, *batch_);
 }
 
+namespace {
+
+const LayerSpec& mla_layer_of(const ModelSpec& model, const std::vector<int>& index, int layer_id,
+                              const char* call) {
+  const LayerSpec& layer = layer_of(model, index, layer_id, call);
+  ATTNRT_CHECK(layer.kind == LayerKind::mla,
+               "{}: layer {} is a {} layer; the MHA form and prefix chunks are for mla layers",
+               call, layer_id, layer_kind_name(layer.kind));
+  return layer;
+}
+
+}  // namespace
+
+MlaForm AttentionRuntime::mla_form() const {
+  ATTNRT_CHECK(batch_ != nullptr, "mla_form: no step in progress; call begin_step first");
+  return backend_->mla_form();
+}
+
+const PrefixChunkPlan& AttentionRuntime::prefix_chunk_plan() const {
+  ATTNRT_CHECK(batch_ != nullptr, "prefix_chunk_plan: no step in progress; call begin_step first");
+  return backend_->prefix_chunk_plan();
+}
+
+void AttentionRuntime::forward_mla_mha(int layer_id, const MlaMhaArgs& args) {
+  ATTNRT_CHECK(batch_ != nullptr,
+               "forward_mla_mha(layer {}) outside a step; call begin_step(batch) first", layer_id);
+  backend_->forward_mla_mha(args, mla_layer_of(model_, layer_index_, layer_id, "forward_mla_mha"),
+                            *batch_);
+}
+
+void AttentionRuntime::gather_prefix_chunk(int layer_id, int chunk, const TensorView& latent) {
+  ATTNRT_CHECK(batch_ != nullptr,
+               "gather_prefix_chunk(layer {}) outside a step; call begin_step(batch) first",
+               layer_id);
+  mla_layer_of(model_, layer_index_, layer_id, "gather_prefix_chunk");
+  const PrefixChunkPlan& plan = backend_->prefix_chunk_plan();
+  ATTNRT_CHECK(chunk >= 0 && chunk < plan.num_chunks(),
+               "gather_prefix_chunk: chunk {}; this {} step has prefix chunks [0, {}) (form {})",
+               chunk, forward_mode_name(batch_->mode), plan.num_chunks(),
+               mla_form_name(backend_->mla_form()));
+  gather_latent_rows(kv_cache_->layer(layer_id), layer_id, plan.chunks[chunk].slots, latent);
+}
+
+void AttentionRuntime::forward_mla_prefix_chunk(int layer_id, int chunk,
+                                                const MlaChunkArgs& args) {
+  ATTNRT_CHECK(batch_ != nullptr,
+               "forward_mla_prefix_chunk(layer {}) outside a step; call begin_step(batch) first",
+               layer_id);
+  backend_->forward_mla_prefix_chunk(
+      chunk, args, mla_layer_of(model_, layer_index_, layer_id, "forward_mla_prefix_chunk"),
+      *batch_);
+}
+
 void AttentionRuntime::forward_linear(int layer_id, const LinearArgs& args) {
   ATTNRT_CHECK(batch_ != nullptr,
                "forward_linear(layer {}) outside a step; call begin_step(batch) first", layer_id);

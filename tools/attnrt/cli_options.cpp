@@ -62,6 +62,19 @@ void add_backend_options(CLI::App& cmd, Options& options) {
       ->capture_default_str();
   g->add_flag("--deterministic", options.deterministic,
               "Fixed split sizes, so results do not depend on batch composition or thread count");
+  g->add_flag("--disable-chunked-prefix-cache", options.disable_chunked_prefix_cache,
+              "MLA models: EXTEND / MIXED steps with a cached prefix always run MLA absorbed (the "
+              "MHA form only without prefixes); see docs/mla.md");
+  g->add_option("--chunked-prefix-cache-threshold", options.chunked_prefix_cache_threshold,
+                "MLA models: EXTEND / MIXED steps whose prefixes sum to at least this many tokens "
+                "run the MHA form with the prefix in chunks (shorter ones: absorbed)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  g->add_option("--max-chunk-capacity", options.max_chunk_capacity,
+                "MLA models, MHA form: prefix keys per chunk over all requests (each request gets "
+                "capacity / requests positions of its prefix per chunk)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
 }
 
 bool backend_options_given(CLI::App& cmd) {

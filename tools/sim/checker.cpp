@@ -202,21 +202,54 @@ void ReferenceChecker::check_attention(const LayerSite& site, const ForwardBatch
                                        const AttnArgs& args, bool check, ModeStats& stats) {
   const int64_t unwritten = first_nan(args.out);
   if (unwritten < 0 && !check) return;
-  const LayerSpec& layer = *site.layer;
-  const int Hq = layer.num_q_heads;
-  Comparison c;
+  TensorView expected;
   if (check) {
     AttnArgs ref = args;
-    ref.out = reference_out(args.out);
+    ref.out = expected = reference_out(args.out);
+    reference_->forward(ref, *site.layer, batch);
+  }
+  record_output(site, args.out, expected, unwritten, stats);
+}
+
+void ReferenceChecker::check_mla_mha(const LayerSite& site, const ForwardBatch& batch,
+                                     const TensorView& q, const TensorView& out,
+                                     const MlaWeights& weights, bool check, ModeStats& stats) {
+  const int64_t unwritten = first_nan(out);
+  if (unwritten < 0 && !check) return;
+  TensorView expected;
+  if (check) {
+    const LayerSpec& layer = *site.layer;
+    const int64_t T = q.shape[0];
+    const int Hq = layer.num_q_heads;
+    HostBuffer q_lat(DType::f32, {T, Hq, layer.head_dim});
+    HostBuffer out_lat(DType::f32, {T, Hq, layer.v_head_dim});
+    weights.absorb_q(q, q_lat.view());
+    AttnArgs ref;
+    ref.q = q_lat.view();
+    ref.out = out_lat.view();
+    ref.save_kv = false;
     reference_->forward(ref, layer, batch);
-    c = compare(args.out, ref.out, tolerance_);
+    expected = reference_out(out);
+    weights.project_out(out_lat.view(), expected);
+  }
+  record_output(site, out, expected, unwritten, stats);
+}
+
+void ReferenceChecker::record_output(const LayerSite& site, const TensorView& got,
+                                     const TensorView& expected, int64_t unwritten,
+                                     ModeStats& stats) {
+  const bool check = !expected.empty();
+  const int Hq = static_cast<int>(got.shape[1]), dv = static_cast<int>(got.shape[2]);
+  Comparison c;
+  if (check) {
+    c = compare(got, expected, tolerance_);
     stats.max_abs_err = std::max(stats.max_abs_err, c.max_abs);
     stats.max_rel_err = std::max(stats.max_rel_err, c.max_rel);
   } else {
     c.bad = 1;
-    c.token = unwritten / (Hq * layer.v_head_dim);
-    c.head = static_cast<int>(unwritten / layer.v_head_dim % Hq);
-    c.column = static_cast<int>(unwritten % layer.v_head_dim);
+    c.token = unwritten / (Hq * dv);
+    c.head = static_cast<int>(unwritten / dv % Hq);
+    c.column = static_cast<int>(unwritten % dv);
     c.got = c.expected = std::numeric_limits<double>::quiet_NaN();
     c.max_abs = std::numeric_limits<double>::infinity();
     stats.max_abs_err = stats.max_rel_err = std::numeric_limits<double>::infinity();
@@ -227,7 +260,7 @@ void ReferenceChecker::check_attention(const LayerSite& site, const ForwardBatch
       check ? fmt::format("{}: {} of {} outputs beyond tolerance; worst at token {}, head {}, "
                           "column {}: got {:.6g}, reference {:.6g} (|error| {}; allowed {:g} + "
                           "{:g}*|reference|)",
-                          where_text(site), c.bad, args.out.numel(), c.token, c.head, c.column,
+                          where_text(site), c.bad, got.numel(), c.token, c.head, c.column,
                           c.got, c.expected, error_text(std::abs(c.got - c.expected)),
                           tolerance_.atol, tolerance_.rtol)
             : fmt::format("{}: output not written by backend '{}' at token {}, head {}, column {} "

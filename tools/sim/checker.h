@@ -16,6 +16,7 @@
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/tensor.h"
 #include "attnrt/model/model_spec.h"
+#include "tools/sim/mla_weights.h"
 #include "tools/sim/report.h"
 
 namespace attnrt {
@@ -110,6 +111,15 @@ class ReferenceChecker {
   void check_attention(const LayerSite& site, const ForwardBatch& batch, const AttnArgs& args,
                        bool check, ModeStats& stats);
 
+  // An MLA layer after it ran in the MHA form (docs/mla.md): q [T, Hq, qk_nope + qk_rope], its
+  // output in `out` [T, Hq, mha_v_head_dim] on the host. With `check`, the reference recomputes it
+  // in the absorbed form over the same latent pool (q_lat = weights.absorb_q(q)) and maps its
+  // output back with W_UV (weights.project_out): an independent check of the MHA form, its prefix
+  // chunks and their merge.
+  void check_mla_mha(const LayerSite& site, const ForwardBatch& batch, const TensorView& q,
+                     const TensorView& out, const MlaWeights& weights, bool check,
+                     ModeStats& stats);
+
   // A linear layer after it ran. With `check`, `before` holds the region's state the runtime
   // started from (save_state before the call): the reference runs from it, and the output and the
   // state each request (and verify checkpoint) ends with are compared. On a shared pool the
@@ -121,6 +131,10 @@ class ReferenceChecker {
  private:
   // [T, d1, d2] scratch for the reference's output, in `like`'s dtype and shape, poisoned.
   TensorView reference_out(const TensorView& like);
+  // Folds the comparison of `got` with `expected` into `stats` and logs a failure; with
+  // `expected` empty (no check), reports the unwritten element `unwritten` of got.
+  void record_output(const LayerSite& site, const TensorView& got, const TensorView& expected,
+                     int64_t unwritten, ModeStats& stats);
   void compare_states(const LayerSite& site, const std::string& where, const StateRegion& region,
                       const StateCopy& got, const StateCopy& expected);
 

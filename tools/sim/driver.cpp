@@ -260,6 +260,9 @@ class StepDriver {
   // After an attention layer ran (its output in args.out on the host): --dump-step and the checks.
   void finish_attention(const Step& s, const LayerSpec& layer, const AttnArgs& args);
   void run_linear(Step& s, const LayerSpec& layer, double& elapsed);
+  // An MLA layer of a step whose form is MHA (docs/mla.md): the causal part, then every prefix
+  // chunk gathered from the pool and decompressed with the layer's fixed weights.
+  void run_mla_mha(Step& s, const LayerSpec& layer, double& elapsed);
   double run_graph(Step& s);
   double run_eager(Step& s);
 
@@ -275,6 +278,7 @@ class StepDriver {
   // Sink logits are weights of the model: fixed per (role, layer) for the whole run.
   std::map<std::pair<int, int>, std::vector<float>> sinks_;
   std::map<int, LinearWeights> linear_weights_;
+  std::map<std::pair<int, int>, MlaWeights> mla_weights_;  // (role, layer) -> W_UK, W_UV
   std::map<std::pair<int, int>, ModeStats> stats_;  // (role, mode) -> stats
 };
 
@@ -508,6 +512,10 @@ double StepDriver::run_eager(Step& s) {
       run_linear(s, layer, elapsed);
       continue;
     }
+    if (layer.kind == LayerKind::mla && e.runtime->mla_form() == MlaForm::mha) {
+      run_mla_mha(s, layer, elapsed);
+      continue;
+    }
     const AttnArgs args = attention_inputs(s, layer, buf_);
     const Clock::time_point t0 = Clock::now();
     e.runtime->forward(layer.layer_id, args);
@@ -518,6 +526,49 @@ double StepDriver::run_eager(Step& s) {
   e.runtime->end_step();
   elapsed += seconds_since(t0);
   return elapsed;
+}
+
+void StepDriver::run_mla_mha(Step& s, const LayerSpec& layer, double& elapsed) {
+  Engine& e = s.e;
+  const int role = static_cast<int>(s.scheduled.role);
+  auto w = mla_weights_.find({role, layer.layer_id});
+  if (w == mla_weights_.end()) {
+    const uint64_t seed = rng_.next() ^ static_cast<uint64_t>(layer.layer_id);
+    w = mla_weights_.emplace(std::pair{role, layer.layer_id}, MlaWeights(layer, seed)).first;
+  }
+  const DType dt = model_.dtype;
+  const int64_t T = s.T;
+  const int Hq = layer.num_q_heads;
+  const MlaMhaDims d = mla_mha_dims(layer);
+  HostBuffer q(dt, {T, Hq, d.qk}), latent(dt, {T, 1, layer.head_dim}), k(dt, {T, Hq, d.qk}),
+      v(dt, {T, Hq, d.v}), out(dt, {T, Hq, d.v}), lse(DType::f32, {T, Hq});
+  fill_random(q.view(), rng_, 2.f);
+  fill_random(latent.view(), rng_, 1.f);
+  w->second.decompress(latent.view(), k.view(), v.view());
+  poison(out.view());
+  Clock::time_point t0 = Clock::now();
+  e.runtime->forward_mla_mha(layer.layer_id, {.q = q.view(), .k = k.view(), .v = v.view(),
+                                              .out = out.view(), .lse = lse.view(),
+                                              .latent = latent.view()});
+  elapsed += seconds_since(t0);
+  const PrefixChunkPlan& plan = e.runtime->prefix_chunk_plan();
+  for (int c = 0; c < plan.num_chunks(); ++c) {
+    const int64_t n = plan.chunks[c].num_tokens;
+    HostBuffer lat(dt, {n, 1, layer.head_dim}), kc(dt, {n, Hq, d.qk}), vc(dt, {n, Hq, d.v});
+    t0 = Clock::now();
+    e.runtime->gather_prefix_chunk(layer.layer_id, c, lat.view());
+    elapsed += seconds_since(t0);
+    w->second.decompress(lat.view(), kc.view(), vc.view());  // the model's GEMM, not timed
+    t0 = Clock::now();
+    e.runtime->forward_mla_prefix_chunk(
+        layer.layer_id, c,
+        {.q = q.view(), .k = kc.view(), .v = vc.view(), .out = out.view(), .lse = lse.view()});
+    elapsed += seconds_since(t0);
+  }
+  ++s.ms.mha_layers;
+  s.ms.prefix_chunks += plan.num_chunks();
+  e.checker->check_mla_mha(s.site(layer), s.scheduled.batch, q.view(), out.view(), w->second,
+                           s.check, s.ms);
 }
 
 void StepDriver::release_states(Engine& e, const Scheduler& sched, bool verified) {

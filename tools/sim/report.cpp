@@ -21,6 +21,8 @@ ModeStats RunReport::totals() const {
     t.seconds += m.seconds;
     t.checked_steps += m.checked_steps;
     t.graph_steps += m.graph_steps;
+    t.mha_layers += m.mha_layers;
+    t.prefix_chunks += m.prefix_chunks;
     t.max_abs_err = std::max(t.max_abs_err, m.max_abs_err);
     t.max_rel_err = std::max(t.max_rel_err, m.max_rel_err);
   }
@@ -104,6 +106,11 @@ std::string format_report(const RunReport& r) {
       "\nwall time {:.2f} s (attention {:.2f} s; the rest is data generation, "
       "reference checks and scheduling); tolerance {:g} + {:g}*|reference|\n",
       r.wall_seconds, r.totals().seconds, r.tolerance.atol, r.tolerance.rtol);
+  for (const ModeStats& m : r.modes) {
+    if (m.mha_layers == 0) continue;
+    out += fmt::format("{}: MLA in the MHA form in {} layer calls, {} prefix chunks merged\n",
+                       mode_label(m), m.mha_layers, m.prefix_chunks);
+  }
   if (!r.check_note.empty()) out += r.check_note + "\n";
   out += pool_line("target", r.target_pool) + "\n";
   if (r.draft_pool) out += pool_line("draft", *r.draft_pool) + "\n";
@@ -135,7 +142,9 @@ nlohmann::json report_to_json(const RunReport& r) {
               {"time_ms", m.seconds * 1e3},
               {"tokens_per_s", m.tokens_per_second()},
               {"checked_steps", m.checked_steps},
-              {"graph_steps", m.graph_steps}};
+              {"graph_steps", m.graph_steps},
+              {"mla_mha_layers", m.mha_layers},
+              {"prefix_chunks", m.prefix_chunks}};
     // JSON has no infinity: an unwritten output is reported as null error (and as a failure).
     auto err = [](double e) { return std::isfinite(e) ? json(e) : json(nullptr); };
     j["max_abs_err"] = m.checked_steps > 0 ? err(m.max_abs_err) : json(nullptr);

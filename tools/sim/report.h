@@ -26,6 +26,8 @@ struct ModeStats {
   double seconds = 0;  // begin_step + every layer's forward + end_step
   int64_t checked_steps = 0;
   int64_t graph_steps = 0;  // steps that ran as CUDA graphs (AttentionRuntime::forward_step_graph)
+  // MLA layer calls in the MHA form (docs/mla.md) and the prefix chunks they merged.
+  int64_t mha_layers = 0, prefix_chunks = 0;
   double max_abs_err = 0, max_rel_err = 0;  // over checked steps, vs reference
   double tokens_per_second() const { return seconds > 0 ? tokens / seconds : 0; }
 };

@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "attnrt/backend/mla_mha.h"
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/tensor.h"
 #include "attnrt/model/model_spec.h"
@@ -94,6 +95,18 @@ class AttentionBackend {
   // the number of accepted drafts; tree: the block index of the deepest accepted node; -1 = leave
   // the request's state as it was). The default throws, as for forward_linear.
   virtual void update_state_after_verify(std::span<const int32_t> last_accepted);
+
+  // MLA layers in the MHA form with a chunked prefix (docs/mla.md). After init_forward_metadata:
+  // mla_form() is the form the step's MLA layers run in (choose_mla_form) and, for the MHA form,
+  // prefix_chunk_plan() lists the chunks. forward_mla_mha runs a layer's causal part;
+  // forward_mla_prefix_chunk then merges each chunk into its out / lse. The defaults: absorbed, no
+  // chunks, and calls that throw (the backend serves MLA in the absorbed form only).
+  virtual MlaForm mla_form() const { return MlaForm::absorbed; }
+  virtual const PrefixChunkPlan& prefix_chunk_plan() const;
+  virtual void forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer,
+                               const ForwardBatch& batch);
+  virtual void forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args,
+                                        const LayerSpec& layer, const ForwardBatch& batch);
 
   // GPU backends: the CUDA stream (a cudaStream_t) every later launch and copy goes to, ordered
   // after what the old stream still has queued; an engine passes its framework's current stream.

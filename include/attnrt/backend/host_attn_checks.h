@@ -15,6 +15,10 @@
 
 namespace attnrt {
 
+// A [d0, d1, d2] tensor of a float dtype in host memory (`dims` names the three dimensions).
+void check_host_tensor(std::string_view backend, const char* what, const TensorView& t, int64_t d0,
+                       int64_t d1, int64_t d2, const char* dims);
+
 // The key slots of request i of the step: its row of the request pool (batch.req_pool_indices[i]),
 // checked first: ctx holds the pool, the row exists and holds the request's kv_len keys (at most
 // max_keys), and it already maps this step's slots (out_cache_loc) at the request's new positions

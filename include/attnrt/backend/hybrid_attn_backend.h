@@ -20,6 +20,13 @@ class HybridAttnBackend final : public AttentionBackend {
                       const ForwardBatch& batch) override;
   void forward_extend(const AttnArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override;
+  // The MHA form of MLA: on the backend that planned the step.
+  MlaForm mla_form() const override;
+  const PrefixChunkPlan& prefix_chunk_plan() const override;
+  void forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer,
+                       const ForwardBatch& batch) override;
+  void forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args, const LayerSpec& layer,
+                                const ForwardBatch& batch) override;
   void init_cuda_graph_state(int max_bs, int max_num_tokens) override;
   void init_forward_metadata_capture_cuda_graph(int bs, int num_tokens,
                                                 const ForwardBatch& batch) override;
@@ -38,6 +45,7 @@ class HybridAttnBackend final : public AttentionBackend {
   std::unique_ptr<AttentionBackend> prefill_;
   std::unique_ptr<AttentionBackend> decode_;
   SpeculativeAttentionMode spec_mode_;
+  ForwardMode mode_ = ForwardMode::IDLE;  // of the step planned last
 };
 
 }  // namespace attnrt

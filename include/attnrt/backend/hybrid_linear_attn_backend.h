@@ -29,6 +29,13 @@ class HybridLinearAttnBackend final : public AttentionBackend {
                       const ForwardBatch& batch) override;
   void forward_extend(const AttnArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override;
+  // The MHA form of MLA: on the full backend.
+  MlaForm mla_form() const override;
+  const PrefixChunkPlan& prefix_chunk_plan() const override;
+  void forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer,
+                       const ForwardBatch& batch) override;
+  void forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args, const LayerSpec& layer,
+                                const ForwardBatch& batch) override;
   void forward_linear(const LinearArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override;
   // Goes to the linear backend that serves TARGET_VERIFY.

@@ -1,6 +1,7 @@
 // Options that choose and configure attention backends (names follow the reference engine's flags).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace attnrt {
@@ -20,6 +21,13 @@ struct Options {
   std::string linear_attn_decode_backend;
   int num_threads = 0;                    // cpu backends; 0 = ATTNRT_NUM_THREADS or all cores
   bool deterministic = false;             // fixed split sizes: batch-invariant results
+  // MLA extend in the MHA form with a chunked prefix (docs/mla.md). An EXTEND / MIXED step runs
+  // MLA layers in the MHA form when its prefixes sum to 0, or to at least
+  // chunked_prefix_cache_threshold while disable_chunked_prefix_cache is off; else absorbed.
+  // max_chunk_capacity bounds the prefix keys of one chunk (over all requests).
+  bool disable_chunked_prefix_cache = false;
+  int64_t chunked_prefix_cache_threshold = 8192;
+  int64_t max_chunk_capacity = 128 * 1024;
 
   bool speculative() const { return speculative_num_steps > 0 || speculative_num_draft_tokens > 0; }
 };

@@ -203,6 +203,14 @@ class StepSlotCheck {
   uint32_t epoch_ = 0;
 };
 
+// The latent rows of an MLA layer's pool at `slots` (full-pool slots), dequantised (stored value
+// times the layer's scale) into out [slots.size(), 1, row dim] of a float dtype (fp8 excluded), in
+// host memory, row i from slots[i] (docs/mla.md: a prefix chunk for the model to decompress).
+// Throws attnrt::Error, writing nothing, for a device pool, a layer with separate V storage, a
+// bad shape or dtype, or a slot outside the pool.
+void gather_latent_rows(const KVLayerView& kv, int layer_id, std::span<const int32_t> slots,
+                        const TensorView& out);
+
 // Builds the KV cache a model needs on the host: a single MHA pool, or a full pool plus a smaller
 // SWA pool when the model mixes sliding-window and full layers.
 struct KVCacheConfig {

@@ -41,11 +41,20 @@ struct LayerSpec {
   bool has_sinks = false;   // per-head learned sink logits enlarge the softmax denominator
   int kv_lora_rank = 0;     // MLA
   int qk_rope_head_dim = 0; // MLA
+  // MLA in the MHA form (docs/mla.md): q/k heads of qk_nope_head_dim + qk_rope_head_dim, v heads
+  // of mha_v_head_dim (the HF config's v_head_dim). 0 = unknown: the layer has the absorbed form
+  // only.
+  int qk_nope_head_dim = 0;
+  int mha_v_head_dim = 0;
   LinearSpec linear;
 
   bool causal() const { return attn_type == AttnType::decoder; }
   float softmax_scale() const;
   bool uses_kv_cache() const { return !is_linear_kind(kind); }
+  // An MLA layer whose MHA form is known (qk_nope_head_dim and mha_v_head_dim set).
+  bool has_mha_form() const {
+    return kind == LayerKind::mla && qk_nope_head_dim > 0 && mha_v_head_dim > 0;
+  }
 };
 
 struct ModelSpec {

@@ -90,6 +90,23 @@ class AttentionRuntime {
   // Throws attnrt::Error outside begin_step .. end_step.
   const ForwardBatch& current_batch() const;
 
+  // MLA in the MHA form with a chunked prefix (docs/mla.md). Per step, between begin_step and
+  // end_step: mla_form() says which form the step's MLA layers run in (the reference engine's
+  // rule, choose_mla_form). Absorbed: forward(layer, AttnArgs) as always. MHA, per MLA layer:
+  //   forward_mla_mha(layer, args)            the extend tokens, causal per request; stores
+  //                                           args.latent in the layer's pool (save_kv)
+  //   for c in 0 .. prefix_chunk_plan().num_chunks():
+  //     gather_prefix_chunk(layer, c, latent) the chunk's latent rows, [n, 1, rank + rope]
+  //     (decompress them into k [n, Hq, nope + rope], v [n, Hq, mha_v])
+  //     forward_mla_prefix_chunk(layer, c, args)  merges the chunk into args.out / args.lse
+  // Each throws attnrt::Error outside a step, for a layer that is not MLA, and for the backend's
+  // errors (form, order, shapes), changing nothing then.
+  MlaForm mla_form() const;
+  const PrefixChunkPlan& prefix_chunk_plan() const;
+  void forward_mla_mha(int layer_id, const MlaMhaArgs& args);
+  void gather_prefix_chunk(int layer_id, int chunk, const TensorView& latent);
+  void forward_mla_prefix_chunk(int layer_id, int chunk, const MlaChunkArgs& args);
+
   // CUDA graphs (docs/cuda_graphs.md). A graph step runs every attention layer of the model for one
   // DECODE or TARGET_VERIFY batch from the static tensors of graph_io, instead of begin_step /
   // forward / end_step:
