@@ -15,6 +15,11 @@
 #include "tests/test_cuda_cases.h"
 #include "tests/test_cuda_util.h"
 
+#ifdef ATTNRT_HAS_CUDA
+#include "attnrt/backend/options.h"
+#include "backends/cuda/cuda_backend.h"
+#endif
+
 namespace attnrt {
 namespace {
 
@@ -52,6 +57,29 @@ TEST(CudaMlaCta, DispatchSendsBf16LatentLaunchesToIt) {
   // Other dims keep their shapes: 128 rows of a head-dim-128 layer are a prefill tile.
   EXPECT_EQ(cuda::choose_shape(32, 4, 128), TileShape::prefill);
 }
+
+#ifdef ATTNRT_HAS_CUDA
+// `attnrt info --explain` names the CTA per phase from the same table (host only).
+TEST(CudaMlaCta, ExplainNamesTheCtaOfEachPhase) {
+  Options o;
+  o.speculative_num_steps = 3;
+  const ModelSpec m = model_preset("deepseek-v3");
+  auto has = [](const std::vector<std::string>& lines, const std::string& what) {
+    for (const std::string& l : lines)
+      if (l.find(what) != std::string::npos) return true;
+    return false;
+  };
+  const std::vector<std::string> bf16 = cuda::explain_cuda_kernels(m, o, DType::bf16);
+  ASSERT_EQ(bf16.size(), 5u) << ::testing::PrintToString(bf16);
+  for (size_t i = 1; i <= 3; ++i) EXPECT_NE(bf16[i].find("MLA CTA (mla_decode.cu)"), std::string::npos) << bf16[i];
+  EXPECT_TRUE(has(bf16, "decode ")) << ::testing::PrintToString(bf16);
+  EXPECT_TRUE(has(bf16, "verify ")) << ::testing::PrintToString(bf16);
+  EXPECT_TRUE(has(cuda::explain_cuda_kernels(m, o, DType::e4m3), "converted from fp8"));
+  ModelSpec f16 = m;
+  f16.dtype = DType::f16;
+  EXPECT_TRUE(has(cuda::explain_cuda_kernels(f16, o, DType::f16), "generic SIMT kernel"));
+}
+#endif
 
 TEST(CudaMlaCta, EveryModeAtEveryTensorParallelHeadCount) {
   SKIP_WITHOUT_GPU();

@@ -663,6 +663,7 @@ BackendEntry cuda_backend_entry() {
   };
   e.factory = backend_factory<CudaBackend>();
   e.linear_factory = backend_factory<CudaLinearBackend>();
+  e.explain_kernels = &explain_cuda_kernels;
   return e;
 }
 

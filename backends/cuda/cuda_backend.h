@@ -154,6 +154,10 @@ class CudaBackend final : public OnePathAttnBackend {
 
 BackendEntry cuda_backend_entry();
 
+// `attnrt info --explain` (cuda_explain.cpp): the CTA of each attention layer shape and phase.
+std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Options& options,
+                                              DType kv);
+
 }  // namespace attnrt::cuda
 
 namespace attnrt {

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 
 #include <cstdio>
+#include <algorithm>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -283,6 +284,17 @@ void print_selection(const Selection& sel, const Options& o, const ModelSpec& mo
   if (explain) {
     fmt::print("\nWhy:\n");
     for (const auto& r : sel.reasons) fmt::print("  {}\n", r);
+    // The kernels each chosen backend runs, where it says.
+    std::vector<std::string> named;
+    for (const std::string& b : {sel.prefill, sel.decode}) {
+      if (b.empty() || std::find(named.begin(), named.end(), b) != named.end()) continue;
+      named.push_back(b);
+      const BackendEntry* e = Registry::global().find(b);
+      if (e == nullptr || !e->explain_kernels) continue;
+      fmt::print("\nKernels ({}):\n", b);
+      for (const auto& line : e->explain_kernels(model, o, sel.kv_dtype))
+        fmt::print("  {}\n", line);
+    }
   } else {
     fmt::print("\n(--explain prints why each backend was chosen)\n");
   }

@@ -54,6 +54,11 @@ struct BackendEntry {
   // The services of the device the backend runs on: its pools, graphs and copies. Left empty, the
   // host's (host_device_services()).
   std::shared_ptr<const DeviceServices> device;
+  // `attnrt info --explain`: a line per attention layer shape of `model` and phase naming the
+  // kernel this backend runs for it and why, with the step's KV dtype `kv`. Empty: none given.
+  std::function<std::vector<std::string>(const ModelSpec& model, const Options& options,
+                                         DType kv)>
+      explain_kernels;
 };
 
 // A BackendEntry::factory / linear_factory that creates a B.

@@ -1,0 +1,118 @@
+// `attnrt info --explain` for the cuda backend: which CTA (kernels/dispatch.h's table) serves each
+// attention layer shape of a model in each phase, and why. Host code only: the same table the
+// plan and the launches read, so what is printed is what runs.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "attnrt/backend/options.h"
+#include "attnrt/model/model_spec.h"
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/mla.h"
+
+namespace attnrt::cuda {
+
+namespace {
+
+KvKind kv_kind(DType kv) {
+  return kv == DType::e4m3 ? KvKind::e4m3 : kv == DType::e5m2 ? KvKind::e5m2 : KvKind::same_as_q;
+}
+
+// The CTA's name and what makes the table choose it for `k`.
+std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
+  const bool fp8 = k.kv != KvKind::same_as_q;
+  switch (cta) {
+    case AttnCta::generic:
+      return fmt::format(
+          "generic SIMT kernel (attention_generic.cu): no tensor-core kernel for head_dim {} / "
+          "v_head_dim {}{}",
+          k.head_dim, k.v_head_dim,
+          is_mla_dims(k.head_dim, k.v_head_dim) ? " with fp16 activations" : "");
+    case AttnCta::mla:
+      return fmt::format(
+          "MLA CTA (mla_decode.cu): warpgroup MMAs over 64-key tiles of the latent cache{}, 64 "
+          "(token, head) rows a CTA ({} rows a request), split-KV when the batch leaves SMs idle "
+          "- MLA's 576 / 512 dims with bf16 q{}",
+          fp8 ? " converted from fp8 in shared memory" : "", rows,
+          mla_cta_enabled() ? "" : " [ATTNRT_MLA_CTA=0: the generic kernel runs instead]");
+    case AttnCta::prefill:
+      return fmt::format(
+          "warp-specialised prefill CTA (prefill_ws.cuh): 128 rows, a copy producer and warpgroup "
+          "MMAs - 16-bit KV and {} rows a request",
+          rows);
+    case AttnCta::prefill_verify:
+      return fmt::format(
+          "64-row warpgroup-MMA CTA (prefill.cuh): the request's {} rows read each K/V tile once - "
+          "16-bit KV at head dim {}",
+          rows, k.head_dim);
+    case AttnCta::keys_m:
+      return fmt::format(
+          "keys-on-M decode CTA (decode_keys_m.cuh): keys as the MMA's rows - {} rows a request, "
+          "head dim {}{}",
+          rows, k.head_dim, fp8 ? ", fp8 KV dequantised in registers" : "");
+    case AttnCta::decode:
+    case AttnCta::decode32:
+    case AttnCta::verify:
+    case AttnCta::mma_prefill:
+      return fmt::format("mma.sync CTA (attention.cuh, {}-row tiles) - {} rows a request{}",
+                         tile_rows(k.shape), rows,
+                         fp8 ? ", fp8 KV (the warpgroup-MMA CTAs take 16-bit KV)" : "");
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Options& options,
+                                              DType kv) {
+  std::vector<std::string> out;
+  std::set<std::tuple<int, int, int, int, int>> seen;
+  const bool fp16 = model.dtype == DType::f16;
+  const int draft = options.speculative_num_draft_tokens > 0 ? options.speculative_num_draft_tokens
+                    : options.speculative_num_steps > 0      ? options.speculative_num_steps + 1
+                                                             : 0;
+  for (const LayerSpec& l : model.layers) {
+    if (!l.uses_kv_cache() || l.num_kv_heads <= 0) continue;
+    const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+    const int group = l.num_q_heads / l.num_kv_heads;
+    if (!seen.emplace(static_cast<int>(l.kind), l.num_q_heads, l.num_kv_heads, l.head_dim, dv)
+             .second)
+      continue;
+    out.push_back(fmt::format("{} layers ({} q / {} kv heads, head_dim {} / {}):",
+                              layer_kind_name(l.kind), l.num_q_heads, l.num_kv_heads, l.head_dim,
+                              dv));
+    struct Phase {
+      const char* name;
+      int qlen;
+      bool verify;
+    };
+    std::vector<Phase> phases = {{"decode", 1, false}};
+    if (draft > 0) phases.push_back({"verify", draft, true});
+    phases.push_back({"extend", 512, false});
+    for (const Phase& ph : phases) {
+      const TileShape shape = choose_shape(ph.qlen, group, l.head_dim);
+      const AttnKernelKey key{.head_dim = l.head_dim,
+                              .v_head_dim = dv,
+                              .fp16 = fp16,
+                              .kv = kv_kind(kv),
+                              .shape = shape,
+                              .rows = std::min(ph.qlen * group, tile_rows(shape)),
+                              .target_verify = ph.verify};
+      AttnCta cta = attention_cta(key);
+      if (cta == AttnCta::mla && !mla_cta_enabled()) cta = AttnCta::generic;
+      out.push_back(fmt::format("  {:<7} {}", ph.name, describe(cta, key, ph.qlen * group)));
+    }
+    if (l.kind == LayerKind::mla)
+      out.push_back(
+          "  (extends run in the absorbed form: the cuda backend does not serve MLA's MHA form "
+          "with prefix chunks yet, docs/mla.md)");
+  }
+  return out;
+}
+
+}  // namespace attnrt::cuda
