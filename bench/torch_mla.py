@@ -67,6 +67,8 @@ import sys
 import tempfile
 import warnings
 
+# Passive OpenMP waits: on a small shared box spinning torch threads stall each other.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_util import (add_row_args, check_row_args, check_torch_device, device_name,  # noqa: E402
