@@ -411,6 +411,9 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-lead-us", type=float, default=0,
                     help="queue a GPU spin of this long before each timed call's start event "
                          "(separates host launch latency from GPU time; default 0, as the CLI)")
+    ap.add_argument("--alloc-order", choices=("flush-first", "runtime-first"), default="flush-first",
+                    help="runtime-first: the first row's runtime (its KV pool) is allocated before "
+                         "torch's flush buffer, as the CLI's pool is (a placement experiment)")
     ap.add_argument("--json", help="write the rows, the CLI's command and the ratios here")
     args = ap.parse_args(argv)
     global LEAD_US
@@ -445,6 +448,12 @@ def main(argv=None) -> int:
             print(f"cli: {cli_info['error']}", flush=True)
 
     # 2. Python and torch, row by row.
+    def row_of(name):
+        return row_from_cli(cli_rows[name], local[name]) if name in cli_rows else dict(local[name])
+
+    early = None  # --alloc-order runtime-first: the first row's runtime, made before the flush buffer
+    if args.alloc_order == "runtime-first" and names:
+        early = PyRow(row_of(names[0]), args.device, threads, args.seed)
     flush, flush_mode = make_flush(args.device)
     if args.device == "cuda":
         where = f"{torch.cuda.get_device_name()}, L2 flush {flush_mode}"
@@ -457,7 +466,7 @@ def main(argv=None) -> int:
     print(head)
     results = []
     for name in names:
-        row = row_from_cli(cli_rows[name], local[name]) if name in cli_rows else dict(local[name])
+        row = row_of(name)
         shape = f"{row['batch']}x({row['prefix_len']}+{row['new_tokens']}) d{row['head_dim']}"
         res = {"name": name, "shape": {k: row.get(k) for k in (
             "kind", "batch", "prefix_len", "new_tokens", "head_dim", "page_size", "kv_dtype",
@@ -478,7 +487,8 @@ def main(argv=None) -> int:
         else:
             allow_flex = True
         try:
-            pr = PyRow(row, args.device, threads, args.seed)
+            pr, early = (early, None) if early is not None else (
+                PyRow(row, args.device, threads, args.seed), None)
             try:
                 samples, check = time_python(pr, args.device, args.warmup, args.repeats, flush)
                 res["check"] = check
