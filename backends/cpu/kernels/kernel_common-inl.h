@@ -37,6 +37,10 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // (AVX-512: a 4 x 4 block of accumulators and its operands), which halves the K/V reads and the
 // per-block work per query row against two.
 constexpr int kWideTile = HWY_TARGET <= HWY_AVX3 ? 4 : 2;
+// Row vectors of the tiles of wide items (many q heads per kv head, e.g. MLA's 16 or 128 on one
+// latent head), run in panels of kWideTile: twice kWideTile's rows on 16-register targets, so that
+// every K/V row widened serves twice the rows.
+constexpr int kLatentTile = 4;
 
 // ------------------------------------------------------------------------------------------------
 // Loading stored K/V elements as fp32 vectors.
