@@ -328,7 +328,6 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   [[maybe_unused]] float* smax = arena.take(rl);
   float* tvis = arena.take(static_cast<size_t>(ndraft) * rl);
   float* zero_row = arena.take(kdim);
-  std::fill(zero_row, zero_row + kdim, 0.f);
 
   // Q^T (fp32 pre-scaled, or raw bf16 pairs); padding lanes stay zero and copy the last row's
   // position so that they never see an empty key set.
@@ -350,13 +349,13 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
                                               static_cast<uint32_t>(q[(2 * d + 1) * a.q_stride[2]]) << 16;
       }
     } else {
-      for (int d = 0; d < dim; ++d) {
-        qt[static_cast<size_t>(d) * rl + i] =
-            load_as_float(a.q, a.q_dtype, static_cast<size_t>(base + d * a.q_stride[2])) *
-            a.qk_scale;
-      }
+      // Widened in vectors, then scattered into Q^T's column (the zero row is free until the
+      // key blocks start).
+      LoadQueryRow(a.q, a.q_dtype, base, a.q_stride[2], dim, zero_row);
+      for (int d = 0; d < dim; ++d) qt[static_cast<size_t>(d) * rl + i] = zero_row[d] * a.qk_scale;
     }
   }
+  std::fill(zero_row, zero_row + kdim, 0.f);
   for (int u = 0; u < ndraft; ++u) {
     for (int i = 0; i < rl; ++i) {
       const int t = it.t0 + std::min(i, nrows - 1) / ng;
