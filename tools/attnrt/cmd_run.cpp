@@ -204,7 +204,10 @@ void add_run_command(CLI::App& app) {
   cmd->add_option("--layers", args->config.layers,
                   "Run the first N layers of the model (0 = all). Unset: all, except for hybrid "
                   "linear-attention models, which run one period of their layer pattern (up to "
-                  "the first attention layer); the report says which layers ran")
+                  "the first attention layer), and, with every backend on the CPU, models whose "
+                  "attention layers do more than 600k multiply-adds per query token and key in "
+                  "all (q heads x (qk dim + v dim) summed over layers): the first layers within "
+                  "that, at least 2 (DeepSeek-V3: 4 of 61); the report says which layers ran")
       ->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--seed", args->config.seed, "Seed of q/k/v data, acceptance and draft trees")
       ->capture_default_str();
