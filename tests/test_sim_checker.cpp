@@ -134,8 +134,8 @@ TEST(SimFailureLog, CountsEveryFailureAndListsTheFirstFewOfEachModelAndMode) {
 // seed (the same seed, the same rows), up to the limit.
 TEST(SimRowSample, EveryRequestsFirstAndLastRowThenSeededRowsUpToTheLimit) {
   const std::vector<int32_t> lens{1, 40, 1, 7, 1, 80};
-  ForwardBatch batch = make_extend_batch({0, 1, 2, 3, 4, 5}, {9, 0, 30, 5, 12, 100}, lens,
-                                         ForwardMode::MIXED);
+  ForwardBatch batch =
+      make_extend_batch({0, 1, 2, 3, 4, 5}, {9, 0, 30, 5, 12, 100}, lens, ForwardMode::MIXED);
   batch.out_cache_loc.resize(130);
   std::iota(batch.out_cache_loc.begin(), batch.out_cache_loc.end(), 1000);
   const std::vector<int64_t> rows = sample_tokens(batch, 16, 3);

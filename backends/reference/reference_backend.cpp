@@ -107,8 +107,8 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
     for (int h = 0; h < hq; ++h) heads[h] = h;
   }
   for (int h : heads) {
-    ATTNRT_CHECK(h >= 0 && h < hq, "reference backend: sampled head {}; layer {} has {} q heads",
-                 h, layer.layer_id, hq);
+    ATTNRT_CHECK(h >= 0 && h < hq, "reference backend: sampled head {}; layer {} has {} q heads", h,
+                 layer.layer_id, hq);
   }
 
   std::vector<double> kbuf, vbuf;

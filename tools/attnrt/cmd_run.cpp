@@ -45,8 +45,10 @@ sim::CheckRows parse_check_rows(const std::string& text) {
     rows.max_tokens = std::stoi(text.substr(0, x));
     rows.max_heads = std::stoi(text.substr(x + 1));
   }
-  ATTNRT_CHECK(ok, "--check-rows '{}': use all, or TxH such as 64x16 (at most T query rows x H heads "
-               "per checked layer; 0 = no limit)", text);
+  ATTNRT_CHECK(ok,
+               "--check-rows '{}': use all, or TxH such as 64x16 (at most T query rows x H heads "
+               "per checked layer; 0 = no limit)",
+               text);
   return rows;
 }
 

@@ -237,8 +237,9 @@ ModelSpec layers_to_run(const ModelSpec& model, int layers, bool on_host,
         model.layers[0].layer_id, model.layers[keep - 1].layer_id, model.layers.size(),
         fmt::join(parts, ", "),
         !why.empty() ? why
-        : layers < 0 ? " — one period of the hybrid pattern, the default for linear-attention models"
-                     : ""));
+        : layers < 0
+            ? " — one period of the hybrid pattern, the default for linear-attention models"
+            : ""));
   }
   if (!dropped.empty()) {
     notes.push_back(fmt::format(
@@ -417,8 +418,8 @@ void StepDriver::run(const ScheduledStep& step) {
   const bool check = e.checker->has_reference() && T > 0 && ms.steps % check_every_ == 0;
   Step s{step, e, ms, check, T, {}, {}, {}};
   if (check) {
-    s.check_tokens =
-        sample_tokens(batch, check_rows_.max_tokens, seed_ ^ (0x9e3779b97f4a7c15ull * (step.index + 1)));
+    s.check_tokens = sample_tokens(batch, check_rows_.max_tokens,
+                                   seed_ ^ (0x9e3779b97f4a7c15ull * (step.index + 1)));
   }
   if (e.runtime->has_linear_layers()) s.region = take_state_slots(e, step);
   // DECODE / TARGET_VERIFY steps on GPU pools run as CUDA graphs when the runtime has them:
@@ -487,8 +488,8 @@ void StepDriver::finish_attention(const Step& s, const LayerSpec& layer, const A
     sample.tokens = s.check_tokens;
     if (static_cast<int64_t>(sample.tokens.size()) == s.T) sample.tokens.clear();
     // Successive checks of a mode, and the layers of one check, start at other heads.
-    sample.heads = sample_heads(layer.num_q_heads, check_rows_.max_heads,
-                                s.ms.checked_steps + layer.layer_id);
+    sample.heads =
+        sample_heads(layer.num_q_heads, check_rows_.max_heads, s.ms.checked_steps + layer.layer_id);
     if (static_cast<int>(sample.heads.size()) == layer.num_q_heads) sample.heads.clear();
   }
   e.checker->check_attention(s.site(layer), step.batch, args, s.check, sample, s.ms);
@@ -754,8 +755,8 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   }
 
   CaseDumper dumper(rc.dump_step, rc.dump_dir);
-  StepDriver driver(model, rc.check_every, rc.check_rows, std::max(max_tokens, 1), config.seed, target,
-                    draft ? &*draft : nullptr, dumper, options);
+  StepDriver driver(model, rc.check_every, rc.check_rows, std::max(max_tokens, 1), config.seed,
+                    target, draft ? &*draft : nullptr, dumper, options);
   int64_t tokens_done = 0;
   while (!sched.done()) {
     const ScheduledStep& step = sched.next();

@@ -160,7 +160,9 @@ HWY_INLINE void LoadQueryRow(const void* q, DType dtype, int64_t base, int64_t s
       default: break;
     }
   }
-  for (int d = 0; d < n; ++d) dst[d] = load_as_float(q, dtype, static_cast<size_t>(base + d * stride));
+  for (int d = 0; d < n; ++d) {
+    dst[d] = load_as_float(q, dtype, static_cast<size_t>(base + d * stride));
+  }
 }
 
 // dst[d] = float_to_bf16(src[d] * norm) for n values: rounded to nearest even, NaN kept (quiet).

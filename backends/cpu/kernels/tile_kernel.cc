@@ -79,7 +79,8 @@ HWY_INLINE void ValuePanel(const float* pt, int rl, int v0, const float* vb, int
   for (int v = 0; v < P; ++v) {
     const VF al = hn::Load(df, alpha + (v0 + v) * lanes);
     for (int dd = 0; dd < DV; ++dd) {
-      o[dd][v] = hn::Mul(hn::Load(df, ot + static_cast<size_t>(d0 + dd) * rl + (v0 + v) * lanes), al);
+      o[dd][v] =
+          hn::Mul(hn::Load(df, ot + static_cast<size_t>(d0 + dd) * rl + (v0 + v) * lanes), al);
     }
   }
   for (int j = 0; j < n; ++j) {
@@ -370,8 +371,8 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
   // MLA: V is the first vdim columns of the latent K row, already widened with it.
-  const bool v_in_k = a.v_cache == a.k_cache && a.v_row_stride == a.k_row_stride &&
-                      vdim <= dim && (kv_head == 0 || vdim == dim);
+  const bool v_in_k = a.v_cache == a.k_cache && a.v_row_stride == a.k_row_stride && vdim <= dim &&
+                      (kv_head == 0 || vdim == dim);
   const int32_t* slots = p.slots + r.slot_offset;
   const VF neg_inf = hn::Set(df, kNegInf);
   const VF zero = hn::Zero(df);
