@@ -677,8 +677,7 @@ TEST(SimDriver, HugeModelsRunTheirFirstLayersOnTheCpuByDefault) {
   o.attention_backend = "cpu";
   RunConfig rc = small_config();
   rc.check_every = 1;
-  const Trace one = parse_trace(
-      "{\"id\": \"a\", \"arrival_step\": 0, \"prompt_len\": 5, \"output_len\": 2}\n", "one");
+  const Trace one = attnrt::test::one_request_trace();
   const RunReport cut = run_trace(wide, o, one, rc);
   EXPECT_TRUE(cut.ok()) << format_report(cut);
   ASSERT_FALSE(cut.notes.empty());
