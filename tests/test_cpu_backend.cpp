@@ -2,6 +2,7 @@
 // (key splits over threads, page sizes, window edges, trees with siblings, head shapes that leave
 // vector tails), each run with 1 and 2 threads; plus its fp8/bf16/fp16 widening, deterministic
 // mode, strided tensors and the errors it reports.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -474,6 +475,33 @@ TEST(CpuBackend, MlaMatchesReferenceInEveryModeAndKvDtype) {
       s.want_lse = true;
       SCOPED_TRACE(s.describe());
       expect_matches_reference(s);
+    }
+  }
+}
+
+// Wide groups (16 and 128 q heads on one latent head) run every single query and extend as tiles
+// of heads, V read from the widened K block: ragged lengths, page sizes 1 / 16 / 64, bf16 and
+// fp8 latents, decode and extend rows in one step, key splits over threads; and the plan puts
+// no item on the single-query kernel.
+TEST(CpuBackend, MlaWideGroupsRunAsTilesOfHeadsAndMatchReference) {
+  for (int heads : {16, 128}) {
+    LayerSpec mla = make_layer(heads, 1, 576, 512);
+    mla.kind = LayerKind::mla;
+    mla.kv_lora_rank = 512;
+    mla.qk_rope_head_dim = 64;
+    mla.scaling = 1.f / std::sqrt(192.f);
+    for (int page : {1, 16, 64}) {
+      for (DType kv : {DType::bf16, DType::e4m3}) {
+        CaseSpec s = make_spec("mla-wide", ForwardMode::MIXED, {0, page + 3, 5, 300},
+                               {1, 1, 9, heads == 128 ? 2 : 17}, {mla}, 0x3a + page + heads);
+        s.page_size = page;
+        s.kv_dtype = kv;
+        s.act_dtype = DType::bf16;
+        if (is_fp8(kv)) s.k_scale = s.v_scale = 0.7f;
+        SCOPED_TRACE(fmt::format("{} heads, page {}, {}", heads, page, dtype_name(kv)));
+        EXPECT_EQ(plan_case(make_case(s), 2).backend->work_summary(mla).single_query, 0);
+        expect_matches_reference(s);
+      }
     }
   }
 }

@@ -82,8 +82,7 @@ TEST(LinearSim, HybridPresetsRunOnePeriodOfTheirPatternByDefault) {
   o.attention_backend = "cpu";
   RunConfig rc = tiny_config();
   rc.check_every = 0;
-  const Trace one = parse_trace(
-      "{\"id\": \"a\", \"arrival_step\": 0, \"prompt_len\": 5, \"output_len\": 2}\n", "one");
+  const Trace one = attnrt::test::one_request_trace();
   const RunReport next = run_trace(model_preset("qwen3-next-80b"), o, one, rc);
   EXPECT_TRUE(next.ok()) << format_report(next);
   ASSERT_FALSE(next.notes.empty());

@@ -692,6 +692,37 @@ TEST(SimDriver, SwaHybridModelRunsWithItsSwaPoolRatio) {
   EXPECT_TRUE(report_to_json(plain)["swa_full_tokens_ratio"].is_null());
 }
 
+// On the CPU a model whose attention layers are too costly together runs its first layers by
+// default (a note says which, and how to run them all), its checks compare a sample of rows;
+// --layers 0 runs every layer, and the dense presets stay whole.
+TEST(SimDriver, HugeModelsRunTheirFirstLayersOnTheCpuByDefault) {
+  EXPECT_EQ(default_cpu_layers(model_preset("deepseek-v3")), 4u);
+  for (const char* name : {"demo", "llama3-8b", "qwen2.5-7b", "mistral-7b", "gemma3-12b"}) {
+    const ModelSpec m = model_preset(name);
+    EXPECT_EQ(default_cpu_layers(m), m.layers.size()) << name;
+  }
+  ModelSpec wide = model_preset("deepseek-v3");
+  wide.layers.resize(10);
+  Options o;
+  o.attention_backend = "cpu";
+  RunConfig rc = small_config();
+  rc.check_every = 1;
+  const Trace one = attnrt::test::one_request_trace();
+  const RunReport cut = run_trace(wide, o, one, rc);
+  EXPECT_TRUE(cut.ok()) << format_report(cut);
+  ASSERT_FALSE(cut.notes.empty());
+  EXPECT_NE(cut.notes[0].find("ran layers 0..3 of 10 (4 mla)"), std::string::npos) << cut.notes[0];
+  EXPECT_NE(cut.notes[0].find("--layers 0 runs them all"), std::string::npos) << cut.notes[0];
+  // 16 of 128 heads of every token.
+  EXPECT_EQ(cut.totals().checked_rows * 8, cut.totals().checkable_rows);
+  EXPECT_NE(format_report(cut).find("reference checks: "), std::string::npos);
+  rc.layers = 0;
+  rc.check_every = 0;
+  const RunReport all = run_trace(wide, o, one, rc);
+  EXPECT_TRUE(all.ok()) << format_report(all);
+  for (const std::string& n : all.notes) EXPECT_EQ(n.find("ran layers"), std::string::npos) << n;
+}
+
 TEST(SimDriver, SpeculativeChainAndTreeRunVerifyAndDraftExtend) {
   for (int topk : {1, 2}) {
     SCOPED_TRACE(fmt::format("topk {}", topk));

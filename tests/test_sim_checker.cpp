@@ -4,10 +4,12 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -128,6 +130,47 @@ TEST(SimFailureLog, CountsEveryFailureAndListsTheFirstFewOfEachModelAndMode) {
   EXPECT_EQ(log.listed()[4].role, ModelRole::draft);
 }
 
+// Every request keeps its last row and each multi-row request its first; the rest is drawn by the
+// seed (the same seed, the same rows), up to the limit.
+TEST(SimRowSample, EveryRequestsFirstAndLastRowThenSeededRowsUpToTheLimit) {
+  const std::vector<int32_t> lens{1, 40, 1, 7, 1, 80};
+  ForwardBatch batch =
+      make_extend_batch({0, 1, 2, 3, 4, 5}, {9, 0, 30, 5, 12, 100}, lens, ForwardMode::MIXED);
+  batch.out_cache_loc.resize(130);
+  std::iota(batch.out_cache_loc.begin(), batch.out_cache_loc.end(), 1000);
+  const std::vector<int64_t> rows = sample_tokens(batch, 16, 3);
+  EXPECT_EQ(rows.size(), 16u);
+  EXPECT_TRUE(std::is_sorted(rows.begin(), rows.end()));
+  int64_t start = 0;
+  for (int32_t len : lens) {
+    EXPECT_TRUE(std::binary_search(rows.begin(), rows.end(), start + len - 1)) << start;
+    EXPECT_TRUE(std::binary_search(rows.begin(), rows.end(), start)) << start;
+    start += len;
+  }
+  EXPECT_EQ(sample_tokens(batch, 16, 3), rows);
+  EXPECT_NE(sample_tokens(batch, 16, 4), rows);
+  // More requests than the limit: still one row each at least.
+  EXPECT_EQ(sample_tokens(batch, 4, 3).size(), 9u);
+  // No limit, or a step no larger than it: every row.
+  EXPECT_EQ(sample_tokens(batch, 0, 3).size(), static_cast<size_t>(start));
+  EXPECT_EQ(sample_tokens(batch, 1000, 3).size(), static_cast<size_t>(start));
+}
+
+// Successive rounds start elsewhere, so that ceil(Hq / max) rounds cover every head.
+TEST(SimRowSample, HeadsAreSpreadAndRoundsCoverEveryHead) {
+  for (const auto [heads, most] : {std::pair{128, 16}, {16, 16}, {40, 16}, {8, 3}, {6, 0}}) {
+    std::vector<int> seen(heads, 0);
+    const int rounds = most > 0 ? (heads + most - 1) / most : 1;
+    for (int round = 0; round < rounds; ++round) {
+      const std::vector<int> h = sample_heads(heads, most, 5 + round);
+      if (most > 0) EXPECT_LE(static_cast<int>(h.size()), most);
+      EXPECT_TRUE(std::is_sorted(h.begin(), h.end()));
+      for (int x : h) ++seen[x];
+    }
+    for (int x = 0; x < heads; ++x) EXPECT_EQ(seen[x], 1) << heads << " heads, head " << x;
+  }
+}
+
 // What the checker fixtures share: a runtime over `model_` (two request rows, 256 KV slots), the
 // step it ran, the failure log, and the context of a backend over the runtime's own pools.
 class SimCheckTest : public ::testing::Test {
@@ -215,7 +258,7 @@ class SimAttentionCheck : public SimCheckTest {
 TEST_F(SimAttentionCheck, TheBackendsOutputPassesAndItsErrorsFoldIntoTheModeStats) {
   auto c = checker(true);
   ModeStats ms;
-  c->check_attention(site(), batch_, args_, true, ms);
+  c->check_attention(site(), batch_, args_, true, {}, ms);
   EXPECT_EQ(log_.count(), 0);
   EXPECT_TRUE(std::isfinite(ms.max_abs_err));
   EXPECT_TRUE(std::isfinite(ms.max_rel_err));
@@ -228,7 +271,7 @@ TEST_F(SimAttentionCheck, AMismatchNamesStepLayerAndTheWorstElement) {
   const int64_t at = (7 * 4 + 3) * 16 + 5;  // token 7, head 3, column 5
   out_.ptr<float>()[at] += 2.f;
   ModeStats ms;
-  c->check_attention(site(), batch_, args_, true, ms);
+  c->check_attention(site(), batch_, args_, true, {}, ms);
   ASSERT_EQ(log_.count(), 1);
   const CheckFailure& f = log_.listed()[0];
   EXPECT_EQ(f.step, 4);
@@ -250,16 +293,48 @@ TEST_F(SimAttentionCheck, AMismatchNamesStepLayerAndTheWorstElement) {
       << f.what;
 }
 
+// A sampled check recomputes only its rows on reference, but those rows are really compared: an
+// error in a row the seed drew (neither end of the extend) and a sampled head is caught; one
+// outside the sample is not looked at.
+TEST_F(SimAttentionCheck, ASampledCheckCatchesAnErrorInADrawnRowAndComparesNothingElse) {
+  const RowSample sample{sample_tokens(batch_, 4, 7), sample_heads(4, 2, 1)};
+  ASSERT_EQ(sample.tokens.size(), 4u);
+  EXPECT_EQ(sample.tokens.front(), 0);
+  EXPECT_EQ(sample.tokens.back(), kTokens - 1);
+  EXPECT_EQ(sample.heads, (std::vector<int>{1, 3}));
+  const int64_t drawn = sample.tokens[1];
+  int64_t skipped = 1;
+  while (std::binary_search(sample.tokens.begin(), sample.tokens.end(), skipped)) ++skipped;
+
+  auto c = checker(true);
+  ModeStats ms;
+  out_.ptr<float>()[(skipped * 4 + 3) * 16 + 2] += 2.f;  // outside the sample: not compared
+  c->check_attention(site(), batch_, args_, true, sample, ms);
+  EXPECT_EQ(log_.count(), 0);
+  EXPECT_EQ(ms.checked_rows, 4 * 2);
+  EXPECT_EQ(ms.checkable_rows, kTokens * 4);
+
+  out_.ptr<float>()[(drawn * 4 + 3) * 16 + 5] += 2.f;
+  c->check_attention(site(), batch_, args_, true, sample, ms);
+  ASSERT_EQ(log_.count(), 1);
+  const CheckFailure& f = log_.listed()[0];
+  EXPECT_EQ(f.token, drawn);
+  EXPECT_EQ(f.head, 3);
+  EXPECT_EQ(f.column, 5);
+  EXPECT_NEAR(f.abs_err, 2.0, 1e-3);
+  EXPECT_EQ(f.what.rfind("step 4 (target EXTEND), layer 0: 1 of ", 0), 0u) << f.what;
+}
+
 TEST_F(SimAttentionCheck, AnUnwrittenElementIsFoundWithoutAReference) {
   auto c = checker(false);
   EXPECT_FALSE(c->has_reference());
   ModeStats ms;
-  c->check_attention(site(), batch_, args_, false, ms);
+  c->check_attention(site(), batch_, args_, false, {}, ms);
   EXPECT_EQ(log_.count(), 0);
   EXPECT_EQ(ms.max_abs_err, 0);
 
   out_.ptr<float>()[(2 * 4 + 1) * 16 + 9] = std::numeric_limits<float>::quiet_NaN();
-  c->check_attention(site(), batch_, args_, false, ms);
+  c->check_attention(site(), batch_, args_, false, {}, ms);
   ASSERT_EQ(log_.count(), 1);
   EXPECT_EQ(log_.listed()[0].what,
             "step 4 (target EXTEND), layer 0: output not written by backend 'cpu' at token 2, "

@@ -25,6 +25,12 @@ inline sim::Trace four_request_trace(const std::string& origin) {
       origin);
 }
 
+// One request at step 0: a 5-token prompt and 2 output tokens.
+inline sim::Trace one_request_trace() {
+  return sim::parse_trace(
+      "{\"id\": \"a\", \"arrival_step\": 0, \"prompt_len\": 5, \"output_len\": 2}\n", "one");
+}
+
 // At most 4 running requests and prefill chunks of 32 tokens in `max_total_tokens` pool slots;
 // every `check_every`-th step checked; data drawn from `seed`.
 inline sim::RunConfig small_run_config(int64_t max_total_tokens, int check_every, uint64_t seed) {

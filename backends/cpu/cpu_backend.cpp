@@ -30,6 +30,8 @@ constexpr int32_t kSplitAlign = 64;
 // Deterministic mode: keys split at fixed absolute boundaries, whatever the batch and the thread
 // count, so a request's result does not depend on its neighbours.
 constexpr int32_t kDeterministicSplitKeys = 2048;
+// q heads per kv head from which single queries run as tiles of heads too.
+constexpr int kWideGroup = 16;
 
 int v_dim_of(const LayerSpec& layer) {
   return layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
@@ -78,7 +80,8 @@ std::string cpu_simd_target() { return cpu::simd_target_name(); }
 CpuBackend::CpuBackend(const BackendContext& ctx)
     : OnePathAttnBackend(ctx),
       num_threads_(cpu_num_threads(ctx.options)),
-      tile_rows_(cpu::tile_rows()) {}
+      tile_rows_(cpu::tile_rows()),
+      wide_tile_rows_(cpu::wide_tile_rows()) {}
 
 void CpuBackend::init_forward_metadata(const ForwardBatch& batch) {
   planned_ = false;
@@ -223,12 +226,16 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
   for (int i = 0; i < bs; ++i) {
     const cpu::RequestInfo& r = reqs[i];
     if (r.qlen == 0) continue;
+    // Many q heads per kv head (MLA: 16 or 128 on one latent head): tiles of heads even for a
+    // single query, so that every K row loaded serves a whole tile of rows.
+    const bool wide = group >= kWideGroup;
+    const int rows = wide ? wide_tile_rows_ : tile_rows_;
     int tokens_per_item = 1, heads_per_item = group;
-    if (r.qlen > 1) {
-      if (group >= tile_rows_) {
-        heads_per_item = tile_rows_;
+    if (r.qlen > 1 || wide) {
+      if (group >= rows) {
+        heads_per_item = rows;
       } else {
-        tokens_per_item = tile_rows_ / group;
+        tokens_per_item = rows / group;
       }
     }
     for (int t0 = 0; t0 < r.qlen; t0 += tokens_per_item) {
@@ -253,10 +260,10 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
       }
       for (int g0 = 0; g0 < group; g0 += heads_per_item) {
         const int g1 = std::min(group, g0 + heads_per_item);
-        const cpu::WorkItem it{.req = i, .t0 = t0, .t1 = t1, .g0 = g0, .g1 = g1, .k0 = k0, .k1 = k1};
+        cpu::WorkItem it{.req = i, .t0 = t0, .t1 = t1, .g0 = g0, .g1 = g1, .k0 = k0, .k1 = k1};
         const int64_t cost = static_cast<int64_t>(t1 - t0) * (g1 - g0) * (k1 - k0);
-        const bool single = t1 - t0 == 1 && (r.tree < 0 || !key.causal || r.qlen == 1);
-        pending.push_back({it, single ? cost * key.kv_heads : cost, single ? 1 : key.kv_heads});
+        it.tile = !(t1 - t0 == 1 && (r.tree < 0 || !key.causal || r.qlen == 1)) || wide;
+        pending.push_back({it, it.tile ? cost : cost * key.kv_heads, it.tile ? key.kv_heads : 1});
       }
     }
   }
@@ -317,10 +324,7 @@ CpuBackend::WorkSummary CpuBackend::work_summary(const LayerSpec& layer) const {
   WorkSummary s;
   s.items = static_cast<int64_t>(var->items.size());
   s.merges = static_cast<int64_t>(var->merges.size());
-  for (const cpu::WorkItem& it : var->items) {
-    const cpu::RequestInfo& r = reqs_[it.req];
-    if (it.t1 - it.t0 == 1 && (r.tree < 0 || !layer.causal() || r.qlen == 1)) ++s.single_query;
-  }
+  for (const cpu::WorkItem& it : var->items) s.single_query += it.tile ? 0 : 1;
   return s;
 }
 

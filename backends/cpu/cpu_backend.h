@@ -91,6 +91,7 @@ class CpuBackend final : public OnePathAttnBackend {
 
   int num_threads_ = 1;
   int tile_rows_ = 0;
+  int wide_tile_rows_ = 0;  // wide groups (kWideGroup q heads per kv head or more)
 
   // The plan of the current step.
   bool planned_ = false;

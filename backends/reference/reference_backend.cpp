@@ -62,6 +62,13 @@ bool ReferenceBackend::planned_for(const ForwardBatch& batch) const {
          plan_.layout.num_tokens == batch.num_tokens();
 }
 
+void ReferenceBackend::set_sample(std::vector<int64_t> tokens, std::vector<int> heads) {
+  std::sort(tokens.begin(), tokens.end());
+  tokens.erase(std::unique(tokens.begin(), tokens.end()), tokens.end());
+  sample_tokens_ = std::move(tokens);
+  sample_heads_ = std::move(heads);
+}
+
 void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
                               const ForwardBatch& batch) {
   const bool planned = planned_for(batch);
@@ -100,8 +107,30 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
   const bool causal = layer.causal();
   const bool tree = is_target_verify(batch.mode);
 
+  std::vector<int> heads = sample_heads_;
+  if (heads.empty()) {
+    heads.resize(hq);
+    for (int h = 0; h < hq; ++h) heads[h] = h;
+  }
+  for (int h : heads) {
+    ATTNRT_CHECK(h >= 0 && h < hq, "reference backend: sampled head {}; layer {} has {} q heads", h,
+                 layer.layer_id, hq);
+  }
+
   std::vector<double> kbuf, vbuf;
+  std::vector<int32_t> rows;  // the request's query rows to compute
   for (int i = 0; i < bs; ++i) {
+    rows.clear();
+    if (sample_tokens_.empty()) {
+      for (int32_t t = 0; t < l.query_lens[i]; ++t) rows.push_back(t);
+    } else {
+      const int64_t first = l.query_start[i], end = first + l.query_lens[i];
+      for (auto it = std::lower_bound(sample_tokens_.begin(), sample_tokens_.end(), first);
+           it != sample_tokens_.end() && *it < end; ++it) {
+        rows.push_back(static_cast<int32_t>(*it - first));
+      }
+    }
+    if (rows.empty()) continue;
     const int64_t k0 = plan_.key_start[i];
     const int32_t nkeys = l.kv_len(i), prefix = l.prefix_lens[i];
     const int32_t* parents =
@@ -144,6 +173,7 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
 
     kbuf.resize(static_cast<size_t>(nkeys) * hkv * dqk);
     vbuf.resize(static_cast<size_t>(nkeys) * hkv * dv);
+#pragma omp parallel for schedule(static)
     for (int32_t j = 0; j < nkeys; ++j) {
       const int64_t s = slots[k0 + j];
       for (int g = 0; g < hkv; ++g) {
@@ -158,50 +188,53 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
       }
     }
 
+    // One task per (row, head): a decode request has a single row.
+    const auto nh = static_cast<int64_t>(heads.size());
+    const int64_t tasks = static_cast<int64_t>(rows.size()) * nh;
 #pragma omp parallel for schedule(dynamic)
-    for (int32_t t = 0; t < l.query_lens[i]; ++t) {
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int32_t t = rows[task / nh];
+      const int h = heads[task % nh];
       const int64_t row = l.query_start[i] + t;
       std::vector<uint8_t> vis;
       visible_keys(t, vis);
       std::vector<double> q(dqk), scores(nkeys), acc(dv);
-      for (int h = 0; h < hq; ++h) {
-        const int g = h / group;
-        for (int d = 0; d < dqk; ++d) {
-          q[d] = load_as_float(args.q.data, args.q.dtype, offset3(args.q, row, h, d));
-        }
-        double m = -std::numeric_limits<double>::infinity();
-        for (int32_t j = 0; j < nkeys; ++j) {
-          if (!vis[j]) continue;
-          const double* kr = kbuf.data() + (static_cast<size_t>(j) * hkv + g) * dqk;
-          double dot = 0.0;
-          for (int d = 0; d < dqk; ++d) dot += q[d] * kr[d];
-          double s = qk_scale * dot;
-          if (cap > 0.0) s = cap * std::tanh(s / cap);
-          scores[j] = s;
-          m = std::max(m, s);
-        }
-        const double sink = args.sinks ? double{args.sinks[h]} : 0.0;
-        if (args.sinks) m = std::max(m, sink);
-        double den = args.sinks ? std::exp(sink - m) : 0.0;
-        std::fill(acc.begin(), acc.end(), 0.0);
-        for (int32_t j = 0; j < nkeys; ++j) {
-          if (!vis[j]) continue;
-          const double p = std::exp(scores[j] - m);
-          den += p;
-          const double* vr = vbuf.data() + (static_cast<size_t>(j) * hkv + g) * dv;
-          for (int d = 0; d < dv; ++d) acc[d] += p * vr[d];
-        }
-        // Every real row sees at least itself, so den > 0; the guard keeps an all-masked row at 0.
-        const double norm = den > 0.0 ? kv.v_scale / den : 0.0;
-        for (int d = 0; d < dv; ++d) {
-          store_from_float(args.out.data, args.out.dtype, offset3(args.out, row, h, d),
-                           static_cast<float>(acc[d] * norm));
-        }
-        if (!args.lse.empty()) {
-          const double lse = den > 0.0 ? m + std::log(den) : -std::numeric_limits<double>::infinity();
-          args.lse.ptr<float>()[row * args.lse.strides[0] + h * args.lse.strides[1]] =
-              static_cast<float>(lse);
-        }
+      const int g = h / group;
+      for (int d = 0; d < dqk; ++d) {
+        q[d] = load_as_float(args.q.data, args.q.dtype, offset3(args.q, row, h, d));
+      }
+      double m = -std::numeric_limits<double>::infinity();
+      for (int32_t j = 0; j < nkeys; ++j) {
+        if (!vis[j]) continue;
+        const double* kr = kbuf.data() + (static_cast<size_t>(j) * hkv + g) * dqk;
+        double dot = 0.0;
+        for (int d = 0; d < dqk; ++d) dot += q[d] * kr[d];
+        double s = qk_scale * dot;
+        if (cap > 0.0) s = cap * std::tanh(s / cap);
+        scores[j] = s;
+        m = std::max(m, s);
+      }
+      const double sink = args.sinks ? double{args.sinks[h]} : 0.0;
+      if (args.sinks) m = std::max(m, sink);
+      double den = args.sinks ? std::exp(sink - m) : 0.0;
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int32_t j = 0; j < nkeys; ++j) {
+        if (!vis[j]) continue;
+        const double p = std::exp(scores[j] - m);
+        den += p;
+        const double* vr = vbuf.data() + (static_cast<size_t>(j) * hkv + g) * dv;
+        for (int d = 0; d < dv; ++d) acc[d] += p * vr[d];
+      }
+      // Every real row sees at least itself, so den > 0; the guard keeps an all-masked row at 0.
+      const double norm = den > 0.0 ? kv.v_scale / den : 0.0;
+      for (int d = 0; d < dv; ++d) {
+        store_from_float(args.out.data, args.out.dtype, offset3(args.out, row, h, d),
+                         static_cast<float>(acc[d] * norm));
+      }
+      if (!args.lse.empty()) {
+        const double lse = den > 0.0 ? m + std::log(den) : -std::numeric_limits<double>::infinity();
+        args.lse.ptr<float>()[row * args.lse.strides[0] + h * args.lse.strides[1]] =
+            static_cast<float>(lse);
       }
     }
   }

@@ -34,6 +34,11 @@ class ReferenceBackend final : public OnePathAttnBackend {
   void forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args, const LayerSpec& layer,
                                 const ForwardBatch& batch) override;
 
+  // Restricts the following forward calls to the query rows `tokens` (indices into the step's
+  // tokens) and the q heads `heads`; every other output element is left as it was (`attnrt run`
+  // checks a sample of rows this way). An empty list means all rows, or all heads.
+  void set_sample(std::vector<int64_t> tokens, std::vector<int> heads);
+
  private:
   struct Plan {
     StepLayout layout;
@@ -51,6 +56,8 @@ class ReferenceBackend final : public OnePathAttnBackend {
   Plan plan_;
   HostMlaMhaSteps mha_;
   bool planned_ = false;
+  std::vector<int64_t> sample_tokens_;  // ascending; empty = every row
+  std::vector<int> sample_heads_;       // empty = every head
 };
 
 // The registry entry "reference": cpu only, any page size, every KV dtype, never auto-selected.

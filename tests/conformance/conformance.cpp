@@ -459,7 +459,7 @@ ConformanceCase generate_case(Feature feature, uint64_t seed, const BackendCaps&
   if (feature == Feature::mla) {
     layer.kind = LayerKind::mla;
     layer.num_kv_heads = 1;
-    layer.num_q_heads = pick_of(rng, std::vector<int>{1, 4, 8, 16});
+    layer.num_q_heads = pick_of(rng, std::vector<int>{1, 4, 8, 16, 128});
     layer.kv_lora_rank = layer.v_head_dim;
     layer.qk_rope_head_dim = layer.head_dim - layer.v_head_dim;
     // KV dtype: any the backend takes, fp8 with one scale (V reads K's stored row).

@@ -25,12 +25,32 @@ struct RunArgs {
   Options options;
   sim::RunConfig config;
   std::vector<std::string> dump_step;
+  std::string check_rows = "64x16";
   std::string json_path;
   bool no_progress = false;
   bool print_trace = false;
   bool no_mixed_chunk = false;
   double accept_prob = 0.7;
 };
+
+// --check-rows: "all", or TxH (at most T query rows x H heads per checked layer; 0 = no limit).
+sim::CheckRows parse_check_rows(const std::string& text) {
+  if (text == "all") return {0, 0};
+  sim::CheckRows rows;
+  const size_t x = text.find('x');
+  bool ok = x != std::string::npos && x > 0 && x + 1 < text.size() &&
+            text.find_first_not_of("0123456789x") == std::string::npos &&
+            text.find('x', x + 1) == std::string::npos && x < 8 && text.size() - x - 1 < 8;
+  if (ok) {
+    rows.max_tokens = std::stoi(text.substr(0, x));
+    rows.max_heads = std::stoi(text.substr(x + 1));
+  }
+  ATTNRT_CHECK(ok,
+               "--check-rows '{}': use all, or TxH such as 64x16 (at most T query rows x H heads "
+               "per checked layer; 0 = no limit)",
+               text);
+  return rows;
+}
 
 void run(const RunArgs& a) {
   const ModelSpec model = resolve_model(a.model);
@@ -40,6 +60,7 @@ void run(const RunArgs& a) {
     return;
   }
   sim::RunConfig config = a.config;
+  config.check_rows = parse_check_rows(a.check_rows);
   config.scheduler.mixed_chunk = !a.no_mixed_chunk;
   config.scheduler.spec.accept_prob = a.accept_prob;
   if (!a.dump_step.empty()) {
@@ -175,10 +196,20 @@ void add_run_command(CLI::App& app) {
                   "`reference` over the same pools and compare; 0 = no checking")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
+  cmd->add_option("--check-rows", args->check_rows,
+                  "Rows of a checked step's attention layers recomputed on `reference`: TxH = at "
+                  "most T query rows (each request's first and last always, the rest drawn by the "
+                  "seed) x H heads (evenly spread, starting elsewhere on each check so every head "
+                  "gets covered), 0 = no limit; `all` = every row. Every output is still scanned "
+                  "for unwritten elements; linear-attention layers are checked whole")
+      ->capture_default_str();
   cmd->add_option("--layers", args->config.layers,
                   "Run the first N layers of the model (0 = all). Unset: all, except for hybrid "
                   "linear-attention models, which run one period of their layer pattern (up to "
-                  "the first attention layer); the report says which layers ran")
+                  "the first attention layer), and, with every backend on the CPU, models whose "
+                  "attention layers do more than 600k multiply-adds per query token and key in "
+                  "all (q heads x (qk dim + v dim) summed over layers): the first layers within "
+                  "that, at least 2 (DeepSeek-V3: 4 of 61); the report says which layers ran")
       ->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--seed", args->config.seed, "Seed of q/k/v data, acceptance and draft trees")
       ->capture_default_str();

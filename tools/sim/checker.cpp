@@ -8,7 +8,9 @@
 
 #include "attnrt/core/error.h"
 #include "attnrt/memory/linear_state_pool.h"
+#include "backends/reference/reference_backend.h"
 #include "tests/conformance/conformance.h"
+#include "tools/sim/step_inputs.h"
 
 namespace attnrt::sim {
 
@@ -46,11 +48,13 @@ Tolerance output_tolerance(DType out_dtype) {
   return {t.abs, t.rel};
 }
 
-Comparison compare(const TensorView& got, const TensorView& expected, const Tolerance& tol) {
-  Comparison c;
-  const int64_t rows = got.shape[0];
+namespace {
+
+// Folds the elements [first, first + n) of the flat [rows, d1, d2] tensors into `c`.
+void compare_span(const TensorView& got, const TensorView& expected, const Tolerance& tol,
+                  int64_t first, int64_t n, Comparison& c) {
   const int heads = static_cast<int>(got.shape[1]), dim = static_cast<int>(got.shape[2]);
-  for (int64_t i = 0; i < rows * heads * dim; ++i) {
+  for (int64_t i = first; i < first + n; ++i) {
     const double g = load_as_float(got.data, got.dtype, static_cast<size_t>(i));
     const double r = load_as_float(expected.data, expected.dtype, static_cast<size_t>(i));
     const double d = std::abs(g - r);
@@ -77,7 +81,73 @@ Comparison compare(const TensorView& got, const TensorView& expected, const Tole
       }
     }
   }
+}
+
+}  // namespace
+
+Comparison compare(const TensorView& got, const TensorView& expected, const Tolerance& tol) {
+  Comparison c;
+  compare_span(got, expected, tol, 0, got.numel(), c);
   return c;
+}
+
+Comparison compare(const TensorView& got, const TensorView& expected, const Tolerance& tol,
+                   const RowSample& sample) {
+  const int64_t rows = got.shape[0], heads = got.shape[1], dim = got.shape[2];
+  Comparison c;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!sample.tokens.empty() &&
+        !std::binary_search(sample.tokens.begin(), sample.tokens.end(), r)) {
+      continue;
+    }
+    if (sample.heads.empty()) {
+      compare_span(got, expected, tol, r * heads * dim, heads * dim, c);
+      continue;
+    }
+    for (int h : sample.heads) compare_span(got, expected, tol, (r * heads + h) * dim, dim, c);
+  }
+  return c;
+}
+
+std::vector<int64_t> sample_tokens(const ForwardBatch& batch, int max_tokens, uint64_t seed) {
+  const StepLayout layout = make_step_layout(batch);
+  const int64_t T = layout.num_tokens;
+  std::vector<int64_t> rows;
+  if (max_tokens <= 0 || T <= max_tokens) {
+    rows.resize(T);
+    for (int64_t t = 0; t < T; ++t) rows[t] = t;
+    return rows;
+  }
+  std::vector<uint8_t> taken(T, 0);
+  for (size_t i = 0; i < layout.query_lens.size(); ++i) {
+    const int64_t len = layout.query_lens[i];
+    if (len == 0) continue;
+    taken[layout.query_start[i] + len - 1] = 1;
+    taken[layout.query_start[i]] = 1;
+  }
+  int64_t count = std::count(taken.begin(), taken.end(), uint8_t{1});
+  // The rest at random among the rows not taken (a partial Fisher-Yates shuffle).
+  std::vector<int64_t> rest;
+  for (int64_t t = 0; t < T; ++t) {
+    if (!taken[t]) rest.push_back(t);
+  }
+  FastRng rng(seed);
+  for (size_t k = 0; k < rest.size() && count < max_tokens; ++k, ++count) {
+    const size_t pick = k + rng.next() % (rest.size() - k);
+    std::swap(rest[k], rest[pick]);
+    taken[rest[k]] = 1;
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    if (taken[t]) rows.push_back(t);
+  }
+  return rows;
+}
+
+std::vector<int> sample_heads(int num_q_heads, int max_heads, int64_t round) {
+  const int stride = max_heads <= 0 ? 1 : (num_q_heads + max_heads - 1) / max_heads;
+  std::vector<int> heads;
+  for (int h = static_cast<int>(round % stride); h < num_q_heads; h += stride) heads.push_back(h);
+  return heads;
 }
 
 // Typed fills: this runs for every layer of every step.
@@ -199,21 +269,32 @@ TensorView ReferenceChecker::reference_out(const TensorView& like) {
 }
 
 void ReferenceChecker::check_attention(const LayerSite& site, const ForwardBatch& batch,
-                                       const AttnArgs& args, bool check, ModeStats& stats) {
+                                       const AttnArgs& args, bool check, const RowSample& sample,
+                                       ModeStats& stats) {
   const int64_t unwritten = first_nan(args.out);
   if (unwritten < 0 && !check) return;
   TensorView expected;
   if (check) {
     AttnArgs ref = args;
     ref.out = expected = reference_out(args.out);
-    reference_->forward(ref, *site.layer, batch);
+    reference_forward(ref, *site.layer, batch, sample);
   }
-  record_output(site, args.out, expected, unwritten, stats);
+  record_output(site, args.out, expected, unwritten, sample, stats);
+}
+
+void ReferenceChecker::reference_forward(const AttnArgs& args, const LayerSpec& layer,
+                                         const ForwardBatch& batch, const RowSample& sample) {
+  // The reference computes the sampled rows only (another oracle computes them all).
+  auto* sampled = dynamic_cast<ReferenceBackend*>(reference_.get());
+  if (sampled != nullptr) sampled->set_sample(sample.tokens, sample.heads);
+  reference_->forward(args, layer, batch);
+  if (sampled != nullptr) sampled->set_sample({}, {});
 }
 
 void ReferenceChecker::check_mla_mha(const LayerSite& site, const ForwardBatch& batch,
                                      const TensorView& q, const TensorView& out,
-                                     const MlaWeights& weights, bool check, ModeStats& stats) {
+                                     const MlaWeights& weights, bool check,
+                                     const RowSample& sample, ModeStats& stats) {
   const int64_t unwritten = first_nan(out);
   if (unwritten < 0 && !check) return;
   TensorView expected;
@@ -228,21 +309,25 @@ void ReferenceChecker::check_mla_mha(const LayerSite& site, const ForwardBatch& 
     ref.q = q_lat.view();
     ref.out = out_lat.view();
     ref.save_kv = false;
-    reference_->forward(ref, layer, batch);
+    reference_forward(ref, layer, batch, sample);
     expected = reference_out(out);
     weights.project_out(out_lat.view(), expected);
   }
-  record_output(site, out, expected, unwritten, stats);
+  record_output(site, out, expected, unwritten, sample, stats);
 }
 
 void ReferenceChecker::record_output(const LayerSite& site, const TensorView& got,
                                      const TensorView& expected, int64_t unwritten,
-                                     ModeStats& stats) {
+                                     const RowSample& sample, ModeStats& stats) {
   const bool check = !expected.empty();
   const int Hq = static_cast<int>(got.shape[1]), dv = static_cast<int>(got.shape[2]);
   Comparison c;
   if (check) {
-    c = compare(got, expected, tolerance_);
+    c = compare(got, expected, tolerance_, sample);
+    const int64_t T = got.shape[0];
+    stats.checked_rows += (sample.tokens.empty() ? T : static_cast<int64_t>(sample.tokens.size())) *
+                          (sample.heads.empty() ? Hq : static_cast<int64_t>(sample.heads.size()));
+    stats.checkable_rows += T * Hq;
     stats.max_abs_err = std::max(stats.max_abs_err, c.max_abs);
     stats.max_rel_err = std::max(stats.max_rel_err, c.max_rel);
   } else {

@@ -42,6 +42,26 @@ struct Comparison {
 };
 Comparison compare(const TensorView& got, const TensorView& expected, const Tolerance& tol);
 
+// The rows of a checked attention layer that the reference recomputes: query rows of the step and
+// q heads, each ascending; an empty list means all of them.
+struct RowSample {
+  std::vector<int64_t> tokens;
+  std::vector<int> heads;
+};
+// The same comparison over the sampled (token, head) rows only.
+Comparison compare(const TensorView& got, const TensorView& expected, const Tolerance& tol,
+                   const RowSample& sample);
+
+// A checked step's query rows: every request's last row and the first row of each request with
+// more than one (so every request, both ends of every extend and every verify block), then rows
+// drawn with `seed` up to max_tokens in all; every row when max_tokens is 0 or the step has no
+// more. Ascending.
+std::vector<int64_t> sample_tokens(const ForwardBatch& batch, int max_tokens, uint64_t seed);
+// At most max_heads of num_q_heads heads, evenly spread: every `stride`-th head from
+// `round % stride` (stride = ceil(num_q_heads / max_heads)), so that `stride` successive rounds
+// cover every head; all heads when max_heads is 0 or not below num_q_heads. Ascending.
+std::vector<int> sample_heads(int num_q_heads, int max_heads, int64_t round);
+
 // Fills `t` with NaN, so that an element a backend does not write shows.
 void poison(const TensorView& t);
 // Index of the first NaN element of `t`, or -1.
@@ -106,10 +126,11 @@ class ReferenceChecker {
   void begin_step(const ForwardBatch& batch);
 
   // An attention layer after it ran, its output in args.out on the host. With `check`, the
-  // reference recomputes the layer (the pools already hold this step's k/v; storing them again
-  // writes the same bytes) and the outputs are compared; the errors fold into `stats`.
+  // reference recomputes the layer's `sample` rows (the pools already hold this step's k/v;
+  // storing them again writes the same bytes) and they are compared; the errors and the number of
+  // rows compared fold into `stats`. Every element is scanned for the NaN poison either way.
   void check_attention(const LayerSite& site, const ForwardBatch& batch, const AttnArgs& args,
-                       bool check, ModeStats& stats);
+                       bool check, const RowSample& sample, ModeStats& stats);
 
   // An MLA layer after it ran in the MHA form (docs/mla.md): q [T, Hq, qk_nope + qk_rope], its
   // output in `out` [T, Hq, mha_v_head_dim] on the host. With `check`, the reference recomputes it
@@ -118,7 +139,7 @@ class ReferenceChecker {
   // chunks and their merge.
   void check_mla_mha(const LayerSite& site, const ForwardBatch& batch, const TensorView& q,
                      const TensorView& out, const MlaWeights& weights, bool check,
-                     ModeStats& stats);
+                     const RowSample& sample, ModeStats& stats);
 
   // A linear layer after it ran. With `check`, `before` holds the region's state the runtime
   // started from (save_state before the call): the reference runs from it, and the output and the
@@ -134,7 +155,10 @@ class ReferenceChecker {
   // Folds the comparison of `got` with `expected` into `stats` and logs a failure; with
   // `expected` empty (no check), reports the unwritten element `unwritten` of got.
   void record_output(const LayerSite& site, const TensorView& got, const TensorView& expected,
-                     int64_t unwritten, ModeStats& stats);
+                     int64_t unwritten, const RowSample& sample, ModeStats& stats);
+  // reference_->forward restricted to `sample`'s rows where the reference is ReferenceBackend.
+  void reference_forward(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch,
+                         const RowSample& sample);
   void compare_states(const LayerSite& site, const std::string& where, const StateRegion& region,
                       const StateCopy& got, const StateCopy& expected);
 

@@ -166,14 +166,41 @@ void attach_checker(Engine& e, bool check, const Tolerance& tolerance, FailureLo
                                                  states, reference_states, tolerance, log);
 }
 
-// Layers the run keeps (RunConfig::layers), and why, for the report.
-ModelSpec layers_to_run(const ModelSpec& model, int layers, std::vector<std::string>& notes) {
+}  // namespace
+
+size_t default_cpu_layers(const ModelSpec& model) {
+  int64_t work = 0;
+  size_t keep = 0;
+  for (const LayerSpec& l : model.layers) {
+    if (l.uses_kv_cache()) {
+      const int v_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+      work += int64_t{l.num_q_heads} * (l.head_dim + v_dim);
+    }
+    if (work > kCpuLayerBudget && keep >= kMinDefaultLayers) return keep;
+    ++keep;
+  }
+  return keep;
+}
+
+namespace {
+
+// Layers the run keeps (RunConfig::layers), and why, for the report. on_host: every chosen backend
+// runs on the CPU.
+ModelSpec layers_to_run(const ModelSpec& model, int layers, bool on_host,
+                        std::vector<std::string>& notes) {
   ATTNRT_CHECK(layers >= -1, "--layers = {}; use a layer count >= 1, 0 (all) or leave it unset",
                layers);
   ModelSpec m = model;
   size_t keep = model.layers.size();
+  std::string why;
   if (layers > 0) {
     keep = std::min(keep, static_cast<size_t>(layers));
+  } else if (layers < 0 && !model.has_linear_layers() && on_host) {
+    keep = default_cpu_layers(model);
+    why = fmt::format(
+        " — on the CPU a model is cut after {}k multiply-adds per query token and key over its "
+        "attention layers (the layers are alike; all of them would take {:.0f}x as long)",
+        kCpuLayerBudget / 1000, static_cast<double>(model.layers.size()) / keep);
   } else if (layers < 0 && model.has_linear_layers()) {
     // Through the first attention layer that follows a linear layer.
     bool seen_linear = false;
@@ -209,8 +236,10 @@ ModelSpec layers_to_run(const ModelSpec& model, int layers, std::vector<std::str
         "layers: ran layers {}..{} of {} ({}){}; --layers 0 runs them all",
         model.layers[0].layer_id, model.layers[keep - 1].layer_id, model.layers.size(),
         fmt::join(parts, ", "),
-        layers < 0 ? " — one period of the hybrid pattern, the default for linear-attention models"
-                   : ""));
+        !why.empty() ? why
+        : layers < 0
+            ? " — one period of the hybrid pattern, the default for linear-attention models"
+            : ""));
   }
   if (!dropped.empty()) {
     notes.push_back(fmt::format(
@@ -228,8 +257,9 @@ ModelSpec layers_to_run(const ModelSpec& model, int layers, std::vector<std::str
 // request's linear-state slot.
 class StepDriver {
  public:
-  StepDriver(const ModelSpec& model, int check_every, int64_t rows, uint64_t seed, Engine& target,
-             Engine* draft, CaseDumper& dumper, const Options& options);
+  StepDriver(const ModelSpec& model, int check_every, CheckRows check_rows, int64_t rows,
+             uint64_t seed, Engine& target, Engine* draft, CaseDumper& dumper,
+             const Options& options);
 
   // Runs one step: begin_step, every layer, end_step (the timed part), and the checks.
   void run(const ScheduledStep& step);
@@ -247,6 +277,7 @@ class StepDriver {
     ModeStats& ms;
     bool check;
     int64_t T;
+    std::vector<int64_t> check_tokens;  // checked step: the query rows the reference recomputes
     StateRegion region;
     std::vector<int64_t> read_rows;  // GPU pools: the rows the host copy needs
     LayerSite site(const LayerSpec& layer) const {
@@ -264,11 +295,15 @@ class StepDriver {
   // chunk gathered from the pool and decompressed with the layer's fixed weights.
   void run_mla_mha(Step& s, const LayerSpec& layer, double& elapsed);
   double run_graph(Step& s);
+  // The rows and heads a checked step's layer compares (every row and head: empty lists).
+  RowSample check_sample(const Step& s, const LayerSpec& layer) const;
   double run_eager(Step& s);
 
   ModelSpec model_;
   const Options& options_;
   int check_every_;
+  CheckRows check_rows_;
+  uint64_t seed_;
   int64_t rows_;  // tokens of the largest step
   Engine& target_;
   Engine* draft_;
@@ -282,11 +317,14 @@ class StepDriver {
   std::map<std::pair<int, int>, ModeStats> stats_;  // (role, mode) -> stats
 };
 
-StepDriver::StepDriver(const ModelSpec& model, int check_every, int64_t rows, uint64_t seed,
-                       Engine& target, Engine* draft, CaseDumper& dumper, const Options& options)
+StepDriver::StepDriver(const ModelSpec& model, int check_every, CheckRows check_rows, int64_t rows,
+                       uint64_t seed, Engine& target, Engine* draft, CaseDumper& dumper,
+                       const Options& options)
     : model_(model),
       options_(options),
       check_every_(check_every),
+      check_rows_(check_rows),
+      seed_(seed),
       rows_(rows),
       target_(target),
       draft_(draft),
@@ -384,7 +422,11 @@ void StepDriver::run(const ScheduledStep& step) {
     ms.backend = served_by(e.runtime->backend(), batch.mode);
   }
   const bool check = e.checker->has_reference() && T > 0 && ms.steps % check_every_ == 0;
-  Step s{step, e, ms, check, T, {}, {}};
+  Step s{step, e, ms, check, T, {}, {}, {}};
+  if (check) {
+    s.check_tokens = sample_tokens(batch, check_rows_.max_tokens,
+                                   seed_ ^ (0x9e3779b97f4a7c15ull * (step.index + 1)));
+  }
   if (e.runtime->has_linear_layers()) s.region = take_state_slots(e, step);
   // DECODE / TARGET_VERIFY steps on GPU pools run as CUDA graphs when the runtime has them:
   // every attention layer's inputs go into the static tensors first, then one launch.
@@ -447,7 +489,21 @@ void StepDriver::finish_attention(const Step& s, const LayerSpec& layer, const A
                   e.runtime->req_to_token(), e.mirror ? *e.mirror : e.runtime->kv_cache(), args,
                   s.ms.backend);
   }
-  e.checker->check_attention(s.site(layer), step.batch, args, s.check, s.ms);
+  e.checker->check_attention(s.site(layer), step.batch, args, s.check, check_sample(s, layer),
+                             s.ms);
+}
+
+RowSample StepDriver::check_sample(const Step& s, const LayerSpec& layer) const {
+  RowSample sample;
+  if (s.check) {
+    sample.tokens = s.check_tokens;
+    if (static_cast<int64_t>(sample.tokens.size()) == s.T) sample.tokens.clear();
+    // Successive checks of a mode, and the layers of one check, start at other heads.
+    sample.heads =
+        sample_heads(layer.num_q_heads, check_rows_.max_heads, s.ms.checked_steps + layer.layer_id);
+    if (static_cast<int>(sample.heads.size()) == layer.num_q_heads) sample.heads.clear();
+  }
+  return sample;
 }
 
 double StepDriver::run_graph(Step& s) {
@@ -568,7 +624,7 @@ void StepDriver::run_mla_mha(Step& s, const LayerSpec& layer, double& elapsed) {
   ++s.ms.mha_layers;
   s.ms.prefix_chunks += plan.num_chunks();
   e.checker->check_mla_mha(s.site(layer), s.scheduled.batch, q.view(), out.view(), w->second,
-                           s.check, s.ms);
+                           s.check, check_sample(s, layer), s.ms);
 }
 
 void StepDriver::release_states(Engine& e, const Scheduler& sched, bool verified) {
@@ -694,11 +750,13 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   ATTNRT_CHECK(config.check_every >= 0, "--check-every = {}; must be >= 0 (0 = no checking)",
                config.check_every);
   std::vector<std::string> notes;
-  const ModelSpec model = layers_to_run(model_in, config.layers, notes);
+  const Options options = complete_spec_options(options_in);
+  const bool on_host =
+      config.layers < 0 && kv_pool_device(resolve_backends(options, model_in)) == DeviceKind::cpu;
+  const ModelSpec model = layers_to_run(model_in, config.layers, on_host, notes);
   const bool hybrid = model.has_linear_layers();
   Trace trace = trace_in;
   if (hybrid) drop_shared_prefixes(trace, notes);
-  const Options options = complete_spec_options(options_in);
   SchedulerConfig sc = config.scheduler;
   sc.page_size = options.page_size;
   sc.seed = config.seed;
@@ -747,6 +805,7 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   rep.swa_ratio = is_swa_hybrid(model) ? config.swa_full_tokens_ratio : 0;
   rep.spec = sc.spec;
   rep.tolerance = output_tolerance(model.dtype);
+  rep.check_rows = rc.check_rows;
   if (rc.check_every == 0) rep.check_note = "reference checks off (--check-every 0)";
   FailureLog failures;
   for (Engine* e : {&target, draft ? &*draft : nullptr}) {
@@ -754,8 +813,8 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   }
 
   CaseDumper dumper(rc.dump_step, rc.dump_dir);
-  StepDriver driver(model, rc.check_every, std::max(max_tokens, 1), config.seed, target,
-                    draft ? &*draft : nullptr, dumper, options);
+  StepDriver driver(model, rc.check_every, rc.check_rows, std::max(max_tokens, 1), config.seed,
+                    target, draft ? &*draft : nullptr, dumper, options);
   int64_t tokens_done = 0;
   while (!sched.done()) {
     const ScheduledStep& step = sched.next();

@@ -12,6 +12,7 @@
 #include "attnrt/backend/options.h"
 #include "attnrt/batch/forward_mode.h"
 #include "attnrt/model/model_spec.h"
+#include "tools/sim/checker.h"
 #include "tools/sim/report.h"
 #include "tools/sim/scheduler.h"
 #include "tools/sim/trace.h"
@@ -26,15 +27,29 @@ struct RunConfig {
   // Steps 0, N, 2N, ... of each (model, mode) are recomputed on `reference`, so that rare modes are
   // sampled as well as frequent ones; 0 turns checking off.
   int check_every = 8;
+  // Rows of a checked step's attention layers that the reference recomputes (the others are still
+  // scanned for unwritten outputs); linear-attention layers are always checked whole.
+  CheckRows check_rows;
   uint64_t seed = 1;   // q/k/v data, acceptance sampling, tree shapes
   int dump_step = -1;  // write this step's first full-attention layer as a case
   std::string dump_dir;
   // Layers run: the first `layers` of the model; 0 = all; -1 = all, except for hybrid
   // (linear-attention) models, which run their layers up to and including the first attention
   // layer after a linear one (one period of the layer pattern: their recurrent states make every
-  // layer costly on two cores). The report says which layers ran.
+  // layer costly on two cores), and, when every backend runs on the CPU, models whose attention
+  // layers are too costly together (default_cpu_layers). The report says which layers ran.
   int layers = -1;
 };
+
+// The default cut of a model run on the CPU: multiply-adds per query token and visible key, summed
+// over the attention layers (q heads x (qk dim + v dim) each), that the first layers may reach.
+// 600k keeps every dense preset whole (Llama-3-8B: 262k, Gemma-3-12B: 393k) and four layers of
+// DeepSeek-V3 (139k each: 128 heads x (576 + 512)).
+inline constexpr int64_t kCpuLayerBudget = 600'000;
+inline constexpr size_t kMinDefaultLayers = 2;
+// How many first layers of `model` stay within kCpuLayerBudget (at least kMinDefaultLayers, at
+// most all).
+size_t default_cpu_layers(const ModelSpec& model);
 
 struct Progress {
   int64_t steps_done = 0, steps_estimate = 0;

@@ -20,6 +20,8 @@ ModeStats RunReport::totals() const {
     t.tokens += m.tokens;
     t.seconds += m.seconds;
     t.checked_steps += m.checked_steps;
+    t.checked_rows += m.checked_rows;
+    t.checkable_rows += m.checkable_rows;
     t.graph_steps += m.graph_steps;
     t.mha_layers += m.mha_layers;
     t.prefix_chunks += m.prefix_chunks;
@@ -35,6 +37,22 @@ bool RunReport::ok() const {
 }
 
 namespace {
+
+// What the reference checks compared, when they compared a sample.
+std::string sample_line(const RunReport& r) {
+  const ModeStats t = r.totals();
+  if (t.checked_rows == 0 || t.checked_rows == t.checkable_rows) return "";
+  auto limit = [](int n, const char* what) {
+    return n > 0 ? fmt::format("at most {} {}", n, what) : fmt::format("every {}", what);
+  };
+  return fmt::format(
+      "reference checks: {} of the checked attention layers' {} output rows (token x head) "
+      "recomputed ({:.1f}%): per checked layer {} (each request's first and last, the rest drawn "
+      "by the seed) x {} (evenly spread, starting elsewhere on each check, so every head is "
+      "covered); --check-rows all checks every row",
+      t.checked_rows, t.checkable_rows, 100.0 * t.checked_rows / t.checkable_rows,
+      limit(r.check_rows.max_tokens, "query rows"), limit(r.check_rows.max_heads, "heads"));
+}
 
 std::string mode_label(const ModeStats& m) {
   return m.role == ModelRole::target ? std::string(forward_mode_name(m.mode))
@@ -112,6 +130,8 @@ std::string format_report(const RunReport& r) {
                        mode_label(m), m.mha_layers, m.prefix_chunks);
   }
   if (!r.check_note.empty()) out += r.check_note + "\n";
+  const std::string sampled = sample_line(r);
+  if (!sampled.empty()) out += sampled + "\n";
   out += pool_line("target", r.target_pool) + "\n";
   if (r.draft_pool) out += pool_line("draft", *r.draft_pool) + "\n";
   if (r.linear_slots > 0) {
@@ -142,6 +162,8 @@ nlohmann::json report_to_json(const RunReport& r) {
               {"time_ms", m.seconds * 1e3},
               {"tokens_per_s", m.tokens_per_second()},
               {"checked_steps", m.checked_steps},
+              {"checked_rows", m.checked_rows},
+              {"checkable_rows", m.checkable_rows},
               {"graph_steps", m.graph_steps},
               {"mla_mha_layers", m.mha_layers},
               {"prefix_chunks", m.prefix_chunks}};
@@ -206,6 +228,8 @@ nlohmann::json report_to_json(const RunReport& r) {
   if (!r.dump_written.empty()) j["dump"] = r.dump_written;
   if (!r.dump_error.empty()) j["dump_error"] = r.dump_error;
   if (!r.check_note.empty()) j["check_note"] = r.check_note;
+  j["check_rows"] = {{"max_tokens", r.check_rows.max_tokens},
+                     {"max_heads", r.check_rows.max_heads}};
   return j;
 }
 

@@ -18,6 +18,13 @@ struct Tolerance {
   double atol = 0, rtol = 0;
 };
 
+// How many rows a checked step compares (`attnrt run --check-rows`): 0 = no limit.
+struct CheckRows {
+  int max_tokens = 64;
+  int max_heads = 16;
+  bool all() const { return max_tokens == 0 && max_heads == 0; }
+};
+
 struct ModeStats {
   ModelRole role = ModelRole::target;
   ForwardMode mode = ForwardMode::IDLE;
@@ -25,6 +32,9 @@ struct ModeStats {
   int64_t steps = 0, tokens = 0;
   double seconds = 0;  // begin_step + every layer's forward + end_step
   int64_t checked_steps = 0;
+  // Output rows (token x head) of the checked steps' attention layers: compared against reference,
+  // and in all (the check compares a sample, `attnrt run --check-rows`).
+  int64_t checked_rows = 0, checkable_rows = 0;
   int64_t graph_steps = 0;  // steps that ran as CUDA graphs (AttentionRuntime::forward_step_graph)
   // MLA layer calls in the MHA form (docs/mla.md) and the prefix chunks they merged.
   int64_t mha_layers = 0, prefix_chunks = 0;
@@ -61,6 +71,7 @@ struct RunReport {
   int64_t failure_count = 0;           // checked layer outputs beyond tolerance, in total
   Tolerance tolerance;
   std::string check_note;    // why no step was checked against reference, if none was
+  CheckRows check_rows;      // what a checked step compared
   std::string dump_written;  // the case directory written for --dump-step, if any
   std::string dump_error;    // why --dump-step wrote nothing (no such step, IDLE step)
   // Hybrid models: the linear-attention backends, and the state-slot check at the end (every

@@ -74,9 +74,7 @@ void MergeRows(const LayerArgs& a, const KernelPlan& p, const MergeItem& mi, int
 // The work loop: every item for every kv head, then the merges, on OpenMP threads.
 
 void RunItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int kv_head, bool dot) {
-  const RequestInfo& r = p.reqs[it.req];
-  const bool single = it.t1 - it.t0 == 1 && (r.tree < 0 || !a.causal || r.qlen == 1);
-  if (single) {
+  if (!it.tile) {
     // One task covers every kv head (see decode_kernel.cc); the plan counts it that way.
     if (kv_head != 0) return;
     run_decode_item(a, p, it, dot);
@@ -118,6 +116,8 @@ void RunAttention(const LayerArgs& a, const KernelPlan& p) {
 
 int TileRows() { return kWideTile * static_cast<int>(hn::Lanes(DF())); }
 
+int WideTileRows() { return kLatentTile * static_cast<int>(hn::Lanes(DF())); }
+
 std::string TargetName() {
   std::string name = hwy::TargetName(HWY_TARGET);
   if (HasBf16Dot()) name += "+BF16";
@@ -151,6 +151,7 @@ namespace attnrt::cpu {
 
 HWY_EXPORT(RunAttention);
 HWY_EXPORT(TileRows);
+HWY_EXPORT(WideTileRows);
 HWY_EXPORT(TargetName);
 HWY_EXPORT(ConvertToFloat);
 
@@ -159,6 +160,8 @@ void run_attention(const LayerArgs& args, const KernelPlan& plan) {
 }
 
 int tile_rows() { return HWY_DYNAMIC_DISPATCH(TileRows)(); }
+
+int wide_tile_rows() { return HWY_DYNAMIC_DISPATCH(WideTileRows)(); }
 
 std::string simd_target_name() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
 

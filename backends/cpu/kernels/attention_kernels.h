@@ -15,6 +15,9 @@ void run_attention(const LayerArgs& args, const KernelPlan& plan);
 // Query rows (tokens x heads of one GQA group) one multi-token work item holds at most: the tile
 // height the blocked kernel is built for on this CPU.
 int tile_rows();
+// The same for the items of wide GQA groups (many q heads per kv head, e.g. MLA): heads of one or
+// more tokens in tiles of up to this many rows.
+int wide_tile_rows();
 
 // Name of the SIMD target in use ("AVX3", "AVX2", "NEON", ...), "+BF16" when the bf16
 // dot-product kernels run (AVX-512 BF16 present and issuing about as fast as FMA).

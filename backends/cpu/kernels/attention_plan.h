@@ -29,6 +29,9 @@ struct WorkItem {
   int32_t t0 = 0, t1 = 0;
   int32_t g0 = 0, g1 = 0;
   int32_t k0 = 0, k1 = 0;
+  // The kernel: true = the tile kernel (query rows in the lanes, one task per kv head), false =
+  // the single-query kernel (one task for every kv head).
+  bool tile = true;
   // -1: the item sees every visible key and writes the output itself. Otherwise the offset (in
   // floats) of its partial state in KernelPlan::partial: per kv head h, at
   // h * rows * (Dv + 2): acc[rows][Dv], then m[rows], then l[rows]; rows = (t1 - t0) * (g1 - g0).

@@ -37,6 +37,10 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // (AVX-512: a 4 x 4 block of accumulators and its operands), which halves the K/V reads and the
 // per-block work per query row against two.
 constexpr int kWideTile = HWY_TARGET <= HWY_AVX3 ? 4 : 2;
+// Row vectors of the tiles of wide items (many q heads per kv head, e.g. MLA's 16 or 128 on one
+// latent head), run in panels of kWideTile: twice kWideTile's rows on 16-register targets, so that
+// every K/V row widened serves twice the rows.
+constexpr int kLatentTile = 4;
 
 // ------------------------------------------------------------------------------------------------
 // Loading stored K/V elements as fp32 vectors.
@@ -141,6 +145,50 @@ HWY_INLINE void ConvertRow(const typename KvElem<DT>::T* src, int n, float* dst)
   for (; i < n; ++i) dst[i] = LoadScalar<DT>(src, i);
 }
 
+// Widens n elements of a q row (fp32, fp16 or bf16 at offset `base`, `stride` elements apart) to
+// fp32: whole vectors for a contiguous row, element by element otherwise.
+HWY_INLINE void LoadQueryRow(const void* q, DType dtype, int64_t base, int64_t stride, int n,
+                             float* dst) {
+  if (stride == 1) {
+    switch (dtype) {
+      case DType::f32:
+        return ConvertRow<DType::f32>(static_cast<const float*>(q) + base, n, dst);
+      case DType::bf16:
+        return ConvertRow<DType::bf16>(static_cast<const hwy::bfloat16_t*>(q) + base, n, dst);
+      case DType::f16:
+        return ConvertRow<DType::f16>(static_cast<const hwy::float16_t*>(q) + base, n, dst);
+      default: break;
+    }
+  }
+  for (int d = 0; d < n; ++d) {
+    dst[d] = load_as_float(q, dtype, static_cast<size_t>(base + d * stride));
+  }
+}
+
+// dst[d] = float_to_bf16(src[d] * norm) for n values: rounded to nearest even, NaN kept (quiet).
+HWY_INLINE void ScaledRowToBf16(const float* src, int n, float norm, uint16_t* dst) {
+  int d = 0;
+#if HWY_TARGET != HWY_SCALAR
+  const DF df;
+  const hn::RebindToSigned<DF> di;
+  const hn::Rebind<uint16_t, DF> d16;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  const VF scale = hn::Set(df, norm);
+  for (; d + lanes <= n; d += lanes) {
+    const VF x = hn::Mul(hn::LoadU(df, src + d), scale);
+    const auto u = hn::BitCast(di, x);
+    const auto high = hn::And(hn::ShiftRight<16>(u), hn::Set(di, 0xffff));
+    const auto rounded = hn::And(
+        hn::ShiftRight<16>(hn::Add(u, hn::Add(hn::Set(di, 0x7fff), hn::And(high, hn::Set(di, 1))))),
+        hn::Set(di, 0xffff));
+    const auto bits =
+        hn::IfThenElse(hn::RebindMask(di, hn::IsNaN(x)), hn::Or(high, hn::Set(di, 0x40)), rounded);
+    hn::StoreU(hn::DemoteTo(d16, bits), d16, dst + d);
+  }
+#endif
+  for (; d < n; ++d) dst[d] = float_to_bf16(src[d] * norm);
+}
+
 // Pages scatter a request's rows over the pool and one kv head reads a slice of each row, a
 // pattern the hardware prefetchers do not follow: the kernels ask for the next block's rows
 // themselves, into L2 so that the block being computed keeps L1.
@@ -212,8 +260,22 @@ HWY_INLINE void WriteRow(const LayerArgs& a, const RowMap& rows, int i, const fl
   // Every real row sees at least its own key, so den > 0; an empty row is written as zeros.
   const float norm = den > 0.f ? keep * a.v_scale / den : 0.f;
   const int64_t base = t * a.out_stride[0] + h * a.out_stride[1];
-  if (a.out_dtype == DType::bf16) {
-    // The common case without the per-element dtype dispatch (a few % of a bf16 prefill).
+  if (a.out_dtype == DType::bf16 && a.out_stride[2] == 1) {
+    // The common case in vectors, a chunk of the row gathered at a time (a few % of a bf16
+    // prefill, a fifth of an MLA step's short rows element by element).
+    uint16_t* out = static_cast<uint16_t*>(a.out) + base;
+    constexpr int kChunk = 64;
+    HWY_ALIGN float row[kChunk];
+    for (int d0 = 0; d0 < a.v_head_dim; d0 += kChunk) {
+      const int n = std::min(kChunk, a.v_head_dim - d0);
+      const float* src = acc + d0 * acc_stride;
+      if (acc_stride != 1) {
+        for (int d = 0; d < n; ++d) row[d] = src[d * acc_stride];
+        src = row;
+      }
+      ScaledRowToBf16(src, n, norm, out + d0);
+    }
+  } else if (a.out_dtype == DType::bf16) {
     uint16_t* out = static_cast<uint16_t*>(a.out) + base;
     for (int d = 0; d < a.v_head_dim; ++d) {
       out[d * a.out_stride[2]] = float_to_bf16(acc[d * acc_stride] * norm);

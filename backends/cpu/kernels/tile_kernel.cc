@@ -30,9 +30,76 @@ constexpr float kLn2 = 0.693147181f;
 // many halve the per-block work (pairing V, rescaling O^T) per vdpbf16ps.
 constexpr int kTileKeys = 32;
 constexpr int kDotKeys = 64;
-// Register blocking of the tile kernel: keys per S^T step and value dims per O^T step.
-constexpr int kTileKeyStep = 4;
-constexpr int kTileDvStep = 4;
+// Register blocking of the fp32 tile: keys per S^T step and value dims per O^T step, over panels
+// of kWideTile row vectors. Where the register file holds 32 vectors (AVX-512): 4 x 4
+// accumulators. Where it holds 16 (AVX2): 6 x 2, twelve independent FMA chains (4 x 2 left the
+// two FMA pipes waiting on latency), their operands and a broadcast fill the other four.
+constexpr int kTileKeyStep = HWY_TARGET <= HWY_AVX3 ? 4 : 6;
+constexpr int kTileDvStep = HWY_TARGET <= HWY_AVX3 ? 4 : 6;
+
+// ------------------------------------------------------------------------------------------------
+// fp32 micro-kernels: P row vectors (from row vector v0 of the tile, rl rows wide) at a time.
+
+// S^T[j + kk][rows] = sum_d K[j + kk][d] * Q^T[d][rows] for kTileKeyStep keys of kb (rows
+// kstride floats apart).
+template <int P>
+HWY_INLINE void ScorePanel(const float* qt, int rl, int v0, const float* kb, int kstride, int dim,
+                           float* st) {
+  const DF df;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  VF acc[kTileKeyStep][P];
+  for (int kk = 0; kk < kTileKeyStep; ++kk) {
+    for (int v = 0; v < P; ++v) acc[kk][v] = hn::Zero(df);
+  }
+  for (int d = 0; d < dim; ++d) {
+    VF qv[P];
+    for (int v = 0; v < P; ++v) {
+      qv[v] = hn::Load(df, qt + static_cast<size_t>(d) * rl + (v0 + v) * lanes);
+    }
+    for (int kk = 0; kk < kTileKeyStep; ++kk) {
+      const VF kv = hn::Set(df, kb[static_cast<size_t>(kk) * kstride + d]);
+      for (int v = 0; v < P; ++v) acc[kk][v] = hn::MulAdd(kv, qv[v], acc[kk][v]);
+    }
+  }
+  for (int kk = 0; kk < kTileKeyStep; ++kk) {
+    for (int v = 0; v < P; ++v) {
+      hn::Store(acc[kk][v], df, st + static_cast<size_t>(kk) * rl + (v0 + v) * lanes);
+    }
+  }
+}
+
+// O^T[d][rows] = O^T[d][rows] * alpha + sum_j V[j][d] * P^T[j][rows] for DV value dims from d0, n
+// keys of vb (rows vstride floats apart), P^T in pt.
+template <int P, int DV>
+HWY_INLINE void ValuePanel(const float* pt, int rl, int v0, const float* vb, int vstride, int n,
+                           int d0, const float* alpha, float* ot) {
+  const DF df;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  VF o[DV][P];
+  for (int v = 0; v < P; ++v) {
+    const VF al = hn::Load(df, alpha + (v0 + v) * lanes);
+    for (int dd = 0; dd < DV; ++dd) {
+      o[dd][v] =
+          hn::Mul(hn::Load(df, ot + static_cast<size_t>(d0 + dd) * rl + (v0 + v) * lanes), al);
+    }
+  }
+  for (int j = 0; j < n; ++j) {
+    VF pv[P];
+    for (int v = 0; v < P; ++v) {
+      pv[v] = hn::Load(df, pt + static_cast<size_t>(j) * rl + (v0 + v) * lanes);
+    }
+    const float* vr = vb + static_cast<size_t>(j) * vstride + d0;
+    for (int dd = 0; dd < DV; ++dd) {
+      const VF vv = hn::Set(df, vr[dd]);
+      for (int v = 0; v < P; ++v) o[dd][v] = hn::MulAdd(vv, pv[v], o[dd][v]);
+    }
+  }
+  for (int dd = 0; dd < DV; ++dd) {
+    for (int v = 0; v < P; ++v) {
+      hn::Store(o[dd][v], df, ot + static_cast<size_t>(d0 + dd) * rl + (v0 + v) * lanes);
+    }
+  }
+}
 
 // ------------------------------------------------------------------------------------------------
 // bf16 micro-kernels (vdpbf16ps, where HasBf16Dot()).
@@ -235,10 +302,14 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   const int ndraft = tree ? r.qlen : 0;
   const RowMap rows{r.q_row, it.t0, it.g0, ng, group, kv_head};
   constexpr int kKeys = kDot ? kDotKeys : kTileKeys;
+  // Row vectors per pass of the fp32 micro-kernels (tiles of more are run in panels).
+  constexpr int kPanel = NV < kWideTile ? NV : kWideTile;
+  static_assert(NV % kPanel == 0, "whole panels");
 
   Arena arena;
   arena.reserve(static_cast<size_t>(dim) * rl);         // Q^T (fp32, or bf16 pairs)
-  arena.reserve(static_cast<size_t>(kKeys) * kdim);  // a block of K, then of V
+  // A block of K (padded to whole key steps), then of V unless V is a view of K's rows.
+  arena.reserve(static_cast<size_t>(kKeys + kTileKeyStep) * kdim);
   arena.reserve(static_cast<size_t>(kKeys) * rl);   // S^T, then P^T
   arena.reserve(static_cast<size_t>(kKeys) * rl);   // P^T as bf16 pairs
   arena.reserve(static_cast<size_t>(vdim) * rl);        // O^T
@@ -247,7 +318,7 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   arena.reserve(kdim);                                  // a zero row
   arena.bind(t_scratch.get(arena.total()));
   float* qt = arena.take(static_cast<size_t>(dim) * rl);
-  float* kvf = arena.take(static_cast<size_t>(kKeys) * kdim);
+  float* kvf = arena.take(static_cast<size_t>(kKeys + kTileKeyStep) * kdim);
   float* st = arena.take(static_cast<size_t>(kKeys) * rl);
   [[maybe_unused]] float* pairs_p = arena.take(static_cast<size_t>(kKeys) * rl);
   float* ot = arena.take(static_cast<size_t>(vdim) * rl);
@@ -258,7 +329,6 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   [[maybe_unused]] float* smax = arena.take(rl);
   float* tvis = arena.take(static_cast<size_t>(ndraft) * rl);
   float* zero_row = arena.take(kdim);
-  std::fill(zero_row, zero_row + kdim, 0.f);
 
   // Q^T (fp32 pre-scaled, or raw bf16 pairs); padding lanes stay zero and copy the last row's
   // position so that they never see an empty key set.
@@ -280,13 +350,13 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
                                               static_cast<uint32_t>(q[(2 * d + 1) * a.q_stride[2]]) << 16;
       }
     } else {
-      for (int d = 0; d < dim; ++d) {
-        qt[static_cast<size_t>(d) * rl + i] =
-            load_as_float(a.q, a.q_dtype, static_cast<size_t>(base + d * a.q_stride[2])) *
-            a.qk_scale;
-      }
+      // Widened in vectors, then scattered into Q^T's column (the zero row is free until the
+      // key blocks start).
+      LoadQueryRow(a.q, a.q_dtype, base, a.q_stride[2], dim, zero_row);
+      for (int d = 0; d < dim; ++d) qt[static_cast<size_t>(d) * rl + i] = zero_row[d] * a.qk_scale;
     }
   }
+  std::fill(zero_row, zero_row + kdim, 0.f);
   for (int u = 0; u < ndraft; ++u) {
     for (int i = 0; i < rl; ++i) {
       const int t = it.t0 + std::min(i, nrows - 1) / ng;
@@ -300,6 +370,9 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
 
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
+  // MLA: V is the first vdim columns of the latent K row, already widened with it.
+  const bool v_in_k = a.v_cache == a.k_cache && a.v_row_stride == a.k_row_stride && vdim <= dim &&
+                      (kv_head == 0 || vdim == dim);
   const int32_t* slots = p.slots + r.slot_offset;
   const VF neg_inf = hn::Set(df, kNegInf);
   const VF zero = hn::Zero(df);
@@ -315,7 +388,7 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
   for (int kb = it.k0; kb < it.k1; kb += kKeys) {
     const int n = std::min(kKeys, it.k1 - kb);
 
-    for (int j = 0; j < n; ++j) {
+    for (int j = 0; j < n && !v_in_k; ++j) {
       if (const T* row = key_row(v_cache, a.v_row_stride, vdim, kb + j)) {
         PrefetchRow(row, vdim * sizeof(T));
       }
@@ -353,25 +426,9 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
         }
       }
       for (int j = 0; j < n_step; j += kTileKeyStep) {
-        VF acc[kTileKeyStep][NV];
-        for (int kk = 0; kk < kTileKeyStep; ++kk) {
-          for (int v = 0; v < NV; ++v) acc[kk][v] = zero;
-        }
-        const float* k0 = kvf + static_cast<size_t>(j) * dim;
-        for (int d = 0; d < dim; ++d) {
-          VF qv[NV];
-          for (int v = 0; v < NV; ++v) {
-            qv[v] = hn::Load(df, qt + static_cast<size_t>(d) * rl + v * lanes);
-          }
-          for (int kk = 0; kk < kTileKeyStep; ++kk) {
-            const VF kv = hn::Set(df, k0[static_cast<size_t>(kk) * dim + d]);
-            for (int v = 0; v < NV; ++v) acc[kk][v] = hn::MulAdd(kv, qv[v], acc[kk][v]);
-          }
-        }
-        for (int kk = 0; kk < kTileKeyStep; ++kk) {
-          for (int v = 0; v < NV; ++v) {
-            hn::Store(acc[kk][v], df, st + static_cast<size_t>(j + kk) * rl + v * lanes);
-          }
+        for (int v0 = 0; v0 < NV; v0 += kPanel) {
+          ScorePanel<kPanel>(qt, rl, v0, kvf + static_cast<size_t>(j) * dim, dim, dim,
+                             st + static_cast<size_t>(j) * rl);
         }
       }
     }
@@ -460,7 +517,8 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
     }
 #endif
     if constexpr (!kDot) {
-      for (int j = 0; j < n; ++j) {
+      const int vstride = v_in_k ? dim : vdim;
+      for (int j = 0; j < n && !v_in_k; ++j) {
         float* dst = kvf + static_cast<size_t>(j) * vdim;
         if (const T* row = key_row(v_cache, a.v_row_stride, vdim, kb + j)) {
           ConvertRow<DT>(row, vdim, dst);
@@ -468,47 +526,12 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
           std::fill(dst, dst + vdim, 0.f);
         }
       }
-      VF al[NV];
-      for (int v = 0; v < NV; ++v) al[v] = hn::Load(df, alpha + v * lanes);
-      int d0 = 0;
-      for (; d0 + kTileDvStep <= vdim; d0 += kTileDvStep) {
-        VF o[kTileDvStep][NV];
-        for (int dd = 0; dd < kTileDvStep; ++dd) {
-          for (int v = 0; v < NV; ++v) {
-            o[dd][v] = hn::Mul(hn::Load(df, ot + static_cast<size_t>(d0 + dd) * rl + v * lanes), al[v]);
-          }
+      for (int v0 = 0; v0 < NV; v0 += kPanel) {
+        int d0 = 0;
+        for (; d0 + kTileDvStep <= vdim; d0 += kTileDvStep) {
+          ValuePanel<kPanel, kTileDvStep>(st, rl, v0, kvf, vstride, n, d0, alpha, ot);
         }
-        for (int j = 0; j < n; ++j) {
-          VF pv[NV];
-          for (int v = 0; v < NV; ++v) {
-            pv[v] = hn::Load(df, st + static_cast<size_t>(j) * rl + v * lanes);
-          }
-          const float* vr = kvf + static_cast<size_t>(j) * vdim + d0;
-          for (int dd = 0; dd < kTileDvStep; ++dd) {
-            const VF vv = hn::Set(df, vr[dd]);
-            for (int v = 0; v < NV; ++v) o[dd][v] = hn::MulAdd(vv, pv[v], o[dd][v]);
-          }
-        }
-        for (int dd = 0; dd < kTileDvStep; ++dd) {
-          for (int v = 0; v < NV; ++v) {
-            hn::Store(o[dd][v], df, ot + static_cast<size_t>(d0 + dd) * rl + v * lanes);
-          }
-        }
-      }
-      for (; d0 < vdim; ++d0) {
-        VF o[NV];
-        for (int v = 0; v < NV; ++v) {
-          o[v] = hn::Mul(hn::Load(df, ot + static_cast<size_t>(d0) * rl + v * lanes), al[v]);
-        }
-        for (int j = 0; j < n; ++j) {
-          const VF vv = hn::Set(df, kvf[static_cast<size_t>(j) * vdim + d0]);
-          for (int v = 0; v < NV; ++v) {
-            o[v] = hn::MulAdd(vv, hn::Load(df, st + static_cast<size_t>(j) * rl + v * lanes), o[v]);
-          }
-        }
-        for (int v = 0; v < NV; ++v) {
-          hn::Store(o[v], df, ot + static_cast<size_t>(d0) * rl + v * lanes);
-        }
+        for (; d0 < vdim; ++d0) ValuePanel<kPanel, 1>(st, rl, v0, kvf, vstride, n, d0, alpha, ot);
       }
     }
   }
@@ -547,10 +570,12 @@ void TileItemOf(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int
   (void)dot;
   if (vectors == 1) {
     TileItem<DT, 1, false>(a, p, it, kv_head);
-  } else if (vectors == 2 || kWideTile == 2) {
+  } else if (vectors == 2) {
     TileItem<DT, 2, false>(a, p, it, kv_head);
-  } else {
+  } else if (vectors <= kWideTile) {
     TileItem<DT, kWideTile, false>(a, p, it, kv_head);
+  } else {
+    TileItem<DT, kLatentTile, false>(a, p, it, kv_head);
   }
 }
 
