@@ -3,7 +3,8 @@
 # --suite mla` with the generic kernel (ATTNRT_MLA_CTA=0) and with the MLA CTA, and the table of
 # both; NCU=1 adds Nsight Compute counters of the CTA on mla-decode-h128-64x4096.
 #   usage: OUT=DIR scripts/gpu_mla.sh   (carry .gpubin from scripts/gpu_prebuild.sh and .devdeps)
-# Environment: MODES (default "0 1": which ATTNRT_MLA_CTA values to time).
+# Environment: MODES (default "0 1": which ATTNRT_MLA_CTA values to time: 0 the generic kernel,
+# 1 the MLA CTAs, 64 the 64-row CTA on every item), TESTS (gtest filter).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 O=${OUT:-/tmp/o}; mkdir -p $O
@@ -11,7 +12,7 @@ source .devdeps/unpack-debs.sh >/dev/null
 source scripts/gpubin.sh
 B=/tmp/bin; gpubin_unpack .gpubin $B
 s=$(date +%s)
-timeout 240 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMla*:CudaGeneric.ConformanceFeaturesPass' > $O/tests.log 2>&1
+timeout 240 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="${TESTS:-CudaMla*:CudaGeneric.ConformanceFeaturesPass}" > $O/tests.log 2>&1
 echo "tests rc=$? $(( $(date +%s)-s )) s"; grep -E "FAILED|PASSED|SKIPPED|Failure|error|rel|worst" $O/tests.log | head -30
 $B/attnrt info --model deepseek-v3 --explain 2>&1 | sed -n '/^Kernels/,$p' | tee $O/explain.txt
 for mode in ${MODES:-0 1}; do
@@ -23,14 +24,15 @@ python3 - $O <<'PY'
 import json,sys
 o=sys.argv[1]
 import os
-b=json.load(open(o+'/mla_1.json')); a=json.load(open(o+'/mla_0.json')) if os.path.exists(o+'/mla_0.json') else b
+b=json.load(open(o+'/mla_1.json')); base=os.environ.get('BASE', '0')
+a=json.load(open(o+'/mla_%s.json' % base)) if os.path.exists(o+'/mla_%s.json' % base) else b
 print('ceilings', json.dumps(b.get('ceilings'))[:400])
 rb={r['name']:r for r in b['rows']}
 def f(r):
   return "%8.1f us %7.1f %-7s %5.1f%% chk=%s err=%.4f" % (r['time_ms']['median']*1000, r['rate'], r['metric'], r['pct_of_ceiling'], r['check']['passed'], r['check']['max_rel_err'])
 for r in a['rows']:
   x=rb.get(r['name'])
-  print("%-32s generic %s | mla %s | speedup %.2fx" % (r['name'], f(r), f(x) if x else '-', r['time_ms']['median']/x['time_ms']['median'] if x else 0))
+  print("%-32s base %s | mla %s | base/mla %.2fx" % (r['name'], f(r), f(x) if x else '-', r['time_ms']['median']/x['time_ms']['median'] if x else 0))
 PY
 if [ -n "${NCU:-}" ]; then
   for row in mla-decode-h128-64x4096; do

@@ -45,12 +45,17 @@ TEST(CudaMlaCta, DispatchSendsBf16LatentLaunchesToIt) {
       const TileShape shape = cuda::choose_shape(qlen, heads, cuda::kMlaHeadDim);
       EXPECT_NE(shape, TileShape::prefill) << heads << " heads, " << qlen << " tokens";
       const AttnKernelKey key{.head_dim = 576, .v_head_dim = 512, .shape = shape};
-      EXPECT_EQ(cuda::attention_cta(key), AttnCta::mla);
+      // Items of at most 16 rows (one token at 16 heads or fewer) take the keys-on-M CTA.
+      EXPECT_EQ(cuda::attention_cta(key),
+                qlen * heads <= 16 ? AttnCta::mla_keys_m : AttnCta::mla);
     }
   }
   for (KvKind kv : {KvKind::e4m3, KvKind::e5m2}) {
     const AttnKernelKey fp8{.head_dim = 576, .v_head_dim = 512, .kv = kv};
-    EXPECT_EQ(cuda::attention_cta(fp8), AttnCta::mla);
+    EXPECT_EQ(cuda::attention_cta(fp8), AttnCta::mla_keys_m);
+    const AttnKernelKey fp8_verify{
+        .head_dim = 576, .v_head_dim = 512, .kv = kv, .shape = TileShape::verify};
+    EXPECT_EQ(cuda::attention_cta(fp8_verify), AttnCta::mla);
   }
   AttnKernelKey fp16{.head_dim = 576, .v_head_dim = 512, .fp16 = true};
   EXPECT_EQ(cuda::attention_cta(fp16), AttnCta::generic);
@@ -75,6 +80,10 @@ TEST(CudaMlaCta, ExplainNamesTheCtaOfEachPhase) {
   EXPECT_TRUE(has(bf16, "decode ")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(bf16, "verify ")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(cuda::explain_cuda_kernels(m, o, DType::e4m3), "converted from fp8"));
+  const std::vector<std::string> tp8 =
+      cuda::explain_cuda_kernels(apply_tensor_parallel(m, 8), o, DType::bf16);
+  ASSERT_EQ(tp8.size(), 5u);
+  EXPECT_NE(tp8[1].find("keys-on-M MLA CTA"), std::string::npos) << tp8[1];
   ModelSpec f16 = m;
   f16.dtype = DType::f16;
   EXPECT_TRUE(has(cuda::explain_cuda_kernels(f16, o, DType::f16), "generic SIMT kernel"));
@@ -124,6 +133,22 @@ TEST(CudaMlaCta, NativePageSizesWithRaggedLengths) {
         s.label += " page " + std::to_string(page) + " h" + std::to_string(heads);
         expect_matches_reference(s);
       }
+    }
+  }
+}
+
+// The keys-on-M CTA's items hold (token, head) columns of several tokens when a request has fewer
+// than 16 heads: 8 heads (tensor parallel 16) and 4 heads with chains and trees of 2 and 4 tokens.
+TEST(CudaMlaCta, KeysOnMItemsOfSeveralTokens) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = test::test_seed();
+  for (int heads : {8, 4}) {
+    for (DType kv : {DType::bf16, DType::e4m3}) {
+      for (CaseSpec& s : every_mode({mla(heads)}, kv, seed)) {
+        s.label += " " + std::string(dtype_name(kv)) + " h" + std::to_string(heads);
+        expect_matches_reference(s);
+      }
+      seed += 16;
     }
   }
 }

@@ -40,6 +40,12 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
           "- MLA's 576 / 512 dims with bf16 q{}",
           fp8 ? " converted from fp8 in shared memory" : "", rows,
           mla_cta_enabled() ? "" : " [ATTNRT_MLA_CTA=0: the generic kernel runs instead]");
+    case AttnCta::mla_keys_m:
+      return fmt::format(
+          "keys-on-M MLA CTA (mla_keys_m.cu): 64 latent keys as the MMA's rows against the "
+          "request's {} (token, head) rows{} - MLA items of at most 16 rows, so no MMA row is "
+          "padding",
+          rows, fp8 ? ", fp8 converted in shared memory" : "");
     case AttnCta::prefill:
       return fmt::format(
           "warp-specialised prefill CTA (prefill_ws.cuh): 128 rows, a copy producer and warpgroup "
@@ -104,7 +110,10 @@ std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Opti
                               .rows = std::min(ph.qlen * group, tile_rows(shape)),
                               .target_verify = ph.verify};
       AttnCta cta = attention_cta(key);
-      if (cta == AttnCta::mla && !mla_cta_enabled()) cta = AttnCta::generic;
+      if ((cta == AttnCta::mla || cta == AttnCta::mla_keys_m) && !mla_cta_enabled())
+        cta = AttnCta::generic;
+      else if (cta == AttnCta::mla_keys_m && !mla_keys_m_enabled())
+        cta = AttnCta::mla;
       out.push_back(fmt::format("  {:<7} {}", ph.name, describe(cta, key, ph.qlen * group)));
     }
     if (l.kind == LayerKind::mla)

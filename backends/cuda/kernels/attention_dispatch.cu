@@ -13,12 +13,23 @@ namespace attnrt::cuda {
 
 namespace {
 
-int g_mla_cta = -1;  // -1: not read yet
+int g_mla_cta = -1;  // -1: not read yet; else 0 (generic), 1 (both MLA CTAs), 64 (no keys-on-M)
 
-// dispatch.h's CTA, or the generic one where ATTNRT_MLA_CTA=0 takes MLA launches there.
+int mla_cta_mode() {
+  if (g_mla_cta < 0) {
+    const char* v = std::getenv("ATTNRT_MLA_CTA");
+    const std::string_view s = v != nullptr ? v : "";
+    g_mla_cta = s == "0" ? 0 : s == "64" ? 64 : 1;
+  }
+  return g_mla_cta;
+}
+
+// dispatch.h's CTA, or what ATTNRT_MLA_CTA asks for MLA launches.
 AttnCta effective_cta(const AttnKernelKey& key) {
   const AttnCta cta = attention_cta(key);
-  return cta == AttnCta::mla && !mla_cta_enabled() ? AttnCta::generic : cta;
+  if (cta != AttnCta::mla && cta != AttnCta::mla_keys_m) return cta;
+  if (!mla_cta_enabled()) return AttnCta::generic;
+  return cta == AttnCta::mla_keys_m && !mla_keys_m_enabled() ? AttnCta::mla : cta;
 }
 
 AttnCtaEntry attention_entry(const AttnKernelKey& key) {
@@ -28,6 +39,8 @@ AttnCtaEntry attention_entry(const AttnKernelKey& key) {
       return attention_generic_entry(key.fp16);
     case AttnCta::mla:
       return mla_attention_entry(key);
+    case AttnCta::mla_keys_m:
+      return mla_keys_m_entry(key);
     case AttnCta::prefill:
       return prefill_entry(key.head_dim, key.fp16, /*verify=*/false);
     case AttnCta::prefill_verify:
@@ -49,13 +62,8 @@ AttnCtaEntry attention_entry(const AttnKernelKey& key) {
 
 }  // namespace
 
-bool mla_cta_enabled() {
-  if (g_mla_cta < 0) {
-    const char* v = std::getenv("ATTNRT_MLA_CTA");
-    g_mla_cta = v == nullptr || std::string_view(v) != "0" ? 1 : 0;
-  }
-  return g_mla_cta != 0;
-}
+bool mla_cta_enabled() { return mla_cta_mode() != 0; }
+bool mla_keys_m_enabled() { return mla_cta_mode() == 1; }
 void set_mla_cta(bool on) { g_mla_cta = on ? 1 : 0; }
 
 cudaError_t launch_attention(const AttnParams& p, const AttnKernelKey& key, int num_items,

@@ -67,6 +67,7 @@ struct AttnKernelKey {
 enum class AttnCta : int32_t {
   generic,         // attention_generic.cu: dims without tensor-core kernels
   mla,             // mla_decode.cu: MLA's 576 / 512, bf16 q, bf16 or fp8 latent, 64 rows
+  mla_keys_m,      // mla_keys_m.cu: the same for items of at most 16 rows, keys as the MMA's M
   prefill,         // prefill.cuh / prefill_ws.cuh: 128 rows, warpgroup MMAs, 16-bit KV, no tree
   prefill_verify,  // prefill.cuh: 64 rows, warpgroup MMAs, 16-bit KV (verify, decode32 tiles)
   keys_m,          // decode_keys_m.cuh: decode items of at most kKeysMRows rows
@@ -83,11 +84,12 @@ enum class AttnCta : int32_t {
 // idle; H200, 64 x (4096 + 8) chain at group 4: 0.344 ms on decode32, 0.317 ms there), else
 // mma.sync. Decode tiles: the keys-on-M CTA at head dims 64 and 128 when the items hold at most
 // kKeysMRows rows (H200, 64 x 4096 at group 4, per step: bf16 277 -> 266 us, fp8 e4m3 280 -> 181
-// us), else mma.sync. MLA layers (bf16 q; bf16 or fp8 latent) run the MLA CTA on every shape they
-// get (choose_shape gives them no prefill items).
+// us), else mma.sync. MLA layers (bf16 q; bf16 or fp8 latent) run the keys-on-M MLA CTA on decode
+// items (at most 16 rows: 16 heads or fewer) and the 64-row MLA CTA on the others
+// (choose_shape gives them no prefill items).
 constexpr AttnCta attention_cta(const AttnKernelKey& k) {
   if (is_mla_dims(k.head_dim, k.v_head_dim) && !k.fp16 && k.shape != TileShape::prefill)
-    return AttnCta::mla;
+    return k.shape == TileShape::decode ? AttnCta::mla_keys_m : AttnCta::mla;
   if (!has_tensor_core_kernel(k.head_dim, k.v_head_dim)) return AttnCta::generic;
   const bool fp8 = k.kv != KvKind::same_as_q;
   switch (k.shape) {

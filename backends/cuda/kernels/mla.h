@@ -10,11 +10,16 @@ namespace attnrt::cuda {
 // 576 / 512;
 // every tile shape the plan gives MLA layers: decode, decode32, verify); empty for other keys.
 AttnCtaEntry mla_attention_entry(const AttnKernelKey& key);
+// The keys-on-M MLA CTA (mla_keys_m.cu) for items of at most 16 rows (the decode tile shape);
+// empty for keys it does not take.
+AttnCtaEntry mla_keys_m_entry(const AttnKernelKey& key);
 
-// Whether the launches dispatch.h gives the MLA CTA run it (the default) or the generic kernel
+// Whether the launches dispatch.h gives the MLA CTAs run them (the default) or the generic kernel
 // instead (same plan, same partials: an A/B of the two in one binary): ATTNRT_MLA_CTA=0 in the
-// environment, read once at the first launch unless set_mla_cta chose first.
+// environment, read once at the first launch unless set_mla_cta chose first. ATTNRT_MLA_CTA=64
+// keeps the 64-row CTA for the decode items the keys-on-M CTA would take.
 bool mla_cta_enabled();
+bool mla_keys_m_enabled();
 void set_mla_cta(bool on);
 
 }  // namespace attnrt::cuda

@@ -33,6 +33,7 @@
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/dispatch.h"
 #include "backends/cuda/kernels/mla.h"
+#include "backends/cuda/kernels/mla_tile.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
@@ -51,43 +52,19 @@ struct MlaCfg {
   static constexpr int kON = kDv / 2;        // output columns of one warpgroup
   static constexpr int kThreads = 256;
   static constexpr int kQBytes = kRows * kD * 2;
-  static constexpr int kTileBytes = kBN * kD * 2;
-  // fp8 latent: two stages of raw rows (576 bytes each) beside one bf16 tile they are converted
-  // into, in the space of the second bf16 tile.
-  static constexpr int kElem = FP8 ? 1 : 2;
-  static constexpr int kRawBytes = kBN * kD;
-  static constexpr int kRowChunks = kD * kElem / 16;  // 16-byte chunks of a stored row
+  static constexpr int kTileBytes = kMlaTileBytes;  // fp8: a bf16 tile and two raw stages
   static constexpr int kPBytes = kRows * kBN * 2;
   // Row maxima of each half and, at the end, row sums: [2][kRows] floats.
   static constexpr int kXBytes = 2 * kRows * 4;
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kTileBytes + kPBytes + kXBytes;
   // Copies: eight threads per row, two rows each (kBN = kRows = 64).
-  static_assert(kThreads == 4 * kBN && kBN == kRows && kD % 64 == 0 && kRowChunks * 16 == kD * kElem);
-  static_assert(2 * kRawBytes <= kTileBytes);
+  static_assert(kThreads == 4 * kBN && kBN == kRows && kBN == kMlaTileKeys);
   static_assert(kSmemBytes <= 227 * 1024);
 };
 
 // Named barrier of the CTA's 256 threads (barrier 0 is __syncthreads).
 __device__ __forceinline__ void cta_bar(int id) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(MlaCfg<false>::kThreads) : "memory");
-}
-
-// 16 fp8 bytes (E5M2 or e4m3) -> 16 bf16 values in two 16-byte chunks, exactly (through f16).
-template <bool E5M2>
-__device__ __forceinline__ void fp8x16_to_bf16(const uint4& w, uint4& lo, uint4& hi) {
-  uint32_t h[8];
-  fp8x4_to_f16<E5M2>(w.x, h[0], h[1]);
-  fp8x4_to_f16<E5M2>(w.y, h[2], h[3]);
-  fp8x4_to_f16<E5M2>(w.z, h[4], h[5]);
-  fp8x4_to_f16<E5M2>(w.w, h[6], h[7]);
-  uint32_t b[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
-    b[i] = pack2<__nv_bfloat16>(f.x, f.y);
-  }
-  lo = make_uint4(b[0], b[1], b[2], b[3]);
-  hi = make_uint4(b[4], b[5], b[6], b[7]);
 }
 
 // T: q / out (bf16); FP8: the latent cache holds fp8 bytes (E5M2 or e4m3), converted to bf16 in
@@ -124,7 +101,7 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
   // its chunks then sit at one base offset plus constants (rows 32 apart share the swizzle).
   const int ld_row = tid >> 3, ld_c = tid & 7;
   const uint32_t ld_swz = ld_row * 128 + ((ld_c ^ (ld_row & 7)) << 4);
-  constexpr int kBlocks = D / 64;  // 64-column blocks of a bf16 row
+  constexpr int kBlocks = D / 64;  // 64-column blocks of a row
 
   // ---- Q rows f0 .. f0 + 63 (rows past the request's tokens are zero: finite, never stored).
 #pragma unroll
@@ -143,68 +120,12 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
   launch_dependent_grids();
   write_back_committed_pages(p, req, item, kvh, tid, C::kThreads);
 
-  // The pool slots of this thread's two rows of a tile: those of the tile after next are looked
-  // up while a tile is computed, so page size 1 adds no latency to the copies.
-  const int page_mask = (1 << p.page_shift) - 1;
-  const unsigned char* kbytes =
-      static_cast<const unsigned char*>(p.k) + static_cast<int64_t>(kvh) * D * C::kElem;
-  auto slot_of = [&](int t, int r2) -> int64_t {
-    const int j = lo + t * BN + ld_row + 32 * r2;
-    return t < num_tiles && j < hi
-               ? slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j)
-               : -1;
-  };
-  auto load_tile = [&](const int64_t (&slot)[2], int stage) {
-#pragma unroll
-    for (int r2 = 0; r2 < 2; ++r2) {
-      const bool valid = slot[r2] >= 0;
-      const unsigned char* src = kbytes + (valid ? slot[r2] * p.k_row_stride * C::kElem : 0);
-      if constexpr (!FP8) {
-        unsigned char* dk = smem + C::kQBytes + stage * C::kTileBytes + ld_swz + r2 * 32 * 128;
-#pragma unroll
-        for (int i = 0; i < kBlocks; ++i)
-          cp_async_16(dk + i * BN * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
-      } else {
-        // Raw rows of D bytes: chunks ld_c, ld_c + 8, ... (36 chunks a row).
-        unsigned char* dk = smem + C::kQBytes + C::kTileBytes + stage * C::kRawBytes +
-                            (ld_row + 32 * r2) * D + ld_c * 16;
-#pragma unroll
-        for (int i = 0; i < (C::kRowChunks + 7) / 8; ++i) {
-          if (ld_c + 8 * i < C::kRowChunks)
-            cp_async_16(dk + i * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
-        }
-      }
-    }
-  };
-  // fp8: this thread's own raw chunks of stage `stage` into the bf16 tile (no barrier needed
-  // before: a thread reads only what its own copies wrote). Raw chunk c holds columns 16c ..
-  // 16c + 15: bf16 chunks 2c and 2c + 1.
-  auto convert_tile = [&](int stage) {
-    if constexpr (FP8) {
-#pragma unroll
-      for (int r2 = 0; r2 < 2; ++r2) {
-        const int key = ld_row + 32 * r2;
-        const unsigned char* src =
-            smem + C::kQBytes + C::kTileBytes + stage * C::kRawBytes + key * D + ld_c * 16;
-        unsigned char* dk = smem + C::kQBytes;
-#pragma unroll
-        for (int i = 0; i < (C::kRowChunks + 7) / 8; ++i) {
-          const int c = ld_c + 8 * i;
-          if (c < C::kRowChunks) {
-            uint4 lo16, hi16;
-            fp8x16_to_bf16<E5M2>(*reinterpret_cast<const uint4*>(src + i * 128), lo16, hi16);
-            *reinterpret_cast<uint4*>(dk + swz128_offset(BN, key, 2 * c)) = lo16;
-            *reinterpret_cast<uint4*>(dk + swz128_offset(BN, key, 2 * c + 1)) = hi16;
-          }
-        }
-      }
-    }
-  };
-  int64_t next_slot[2] = {slot_of(0, 0), slot_of(0, 1)};
-  if (num_tiles > 0) load_tile(next_slot, 0);
+  MlaTileCopier<T, FP8, E5M2, 2> copier{p,      req,    smem + C::kQBytes, lo, hi, num_tiles,
+                                        kvh,    ld_row, ld_c,              ld_swz, 32};
+  copier.prefetch_slots(0);
+  if (num_tiles > 0) copier.load(0);
   cp_async_commit();  // Q and tile 0
-  next_slot[0] = slot_of(1, 0);
-  next_slot[1] = slot_of(1, 1);
+  copier.prefetch_slots(1);
 
   // This thread's rows (the same in both warpgroups): g and g + 8 of warp wq's 16.
   int row_t[2];
@@ -231,12 +152,11 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
     cp_async_wait<0>();
     if constexpr (!FP8) fence_proxy_async_smem();
     __syncthreads();  // tile it landed; every warp is done with tile it - 1 (its stage is free)
-    if (it + 1 < num_tiles) load_tile(next_slot, (it + 1) & 1);
+    if (it + 1 < num_tiles) copier.load(it + 1);
     cp_async_commit();
-    next_slot[0] = slot_of(it + 2, 0);
-    next_slot[1] = slot_of(it + 2, 1);
+    copier.prefetch_slots(it + 2);
     if constexpr (FP8) {
-      convert_tile(it & 1);
+      copier.convert(it & 1);
       fence_proxy_async_smem();
       __syncthreads();
     }

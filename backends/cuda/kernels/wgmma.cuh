@@ -60,6 +60,11 @@ __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t a, uint64_t
 template <int N, typename T>
 __device__ __forceinline__ void wgmma_ss_mn(float (&d)[N / 2], uint64_t a, uint64_t b,
                                             int accumulate);
+// D[64 x N] (+)= A[64 x 16] * B[16 x N]: A MN-major in shared memory (M contiguous, as a V tile
+// read with the head dim as M), B K-major in shared memory.
+template <int N, typename T>
+__device__ __forceinline__ void wgmma_ss_tn(float (&d)[N / 2], uint64_t a, uint64_t b,
+                                            int accumulate);
 // D[64 x N] += A[64 x 16] * B[16 x N]: A in registers (the m16n8k16 A fragment of each warp's 16
 // rows), B MN-major in shared memory.
 template <int N, typename T>
@@ -69,9 +74,11 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 // below: ATTNRT_WGMMA_ACC<n> lists the n accumulator operands (%0 .. %n-1), ATTNRT_WGMMA_REGS<n>
 // their names in the instruction; the operands after them are numbered from n.
 // clang-format off
+#define ATTNRT_WGMMA_ACC8(d)                                                                       \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+
 #define ATTNRT_WGMMA_ACC16(d)                                                                      \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),  \
-  "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),         \
+  ATTNRT_WGMMA_ACC8(d), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),         \
   "+f"(d[15])
 
 #define ATTNRT_WGMMA_ACC32(d)                                                                      \
@@ -87,8 +94,10 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
   "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),       \
   "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
+#define ATTNRT_WGMMA_REGS8 "%0, %1, %2, %3, %4, %5, %6, %7"
+
 #define ATTNRT_WGMMA_REGS16                                                                        \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+  ATTNRT_WGMMA_REGS8 ", %8, %9, %10, %11, %12, %13, %14, %15"
 
 #define ATTNRT_WGMMA_REGS32                                                                        \
   ATTNRT_WGMMA_REGS16 ", "                                                                         \
@@ -121,6 +130,15 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
                  : "l"(a), "l"(b), "r"(accumulate));                                               \
   }                                                                                                \
   template <>                                                                                      \
+  __device__ __forceinline__ void wgmma_ss_tn<N, T>(float(&d)[ACC], uint64_t a, uint64_t b,        \
+                                                    int accumulate) {                              \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SS_P ", 0;\n"                               \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {"                  \
+                 ATTNRT_WGMMA_REGS##ACC "}, %" #SS_A ", %" #SS_B ", p, 1, 1, 1, 0;\n}\n"           \
+                 : ATTNRT_WGMMA_ACC##ACC(d)                                                        \
+                 : "l"(a), "l"(b), "r"(accumulate));                                               \
+  }                                                                                                \
+  template <>                                                                                      \
   __device__ __forceinline__ void wgmma_rs<N, T>(float(&d)[ACC], const uint32_t(&a)[4],            \
                                                  uint64_t b) {                                     \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #RS_P ", 0;\n"                               \
@@ -133,6 +151,8 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[
 
 // clang-format on
 
+ATTNRT_WGMMA_PAIR(16, 8, __nv_bfloat16, "bf16", 8, 9, 10, 8, 9, 10, 11, 12, 13)
+ATTNRT_WGMMA_PAIR(16, 8, __half, "f16", 8, 9, 10, 8, 9, 10, 11, 12, 13)
 ATTNRT_WGMMA_PAIR(32, 16, __nv_bfloat16, "bf16", 16, 17, 18, 16, 17, 18, 19, 20, 21)
 ATTNRT_WGMMA_PAIR(32, 16, __half, "f16", 16, 17, 18, 16, 17, 18, 19, 20, 21)
 ATTNRT_WGMMA_PAIR(64, 32, __nv_bfloat16, "bf16", 32, 33, 34, 32, 33, 34, 35, 36, 37)
@@ -144,8 +164,10 @@ ATTNRT_WGMMA_PAIR(128, 64, __half, "f16", 64, 65, 66, 64, 65, 66, 67, 68, 69)
 #undef ATTNRT_WGMMA_REGS64
 #undef ATTNRT_WGMMA_REGS32
 #undef ATTNRT_WGMMA_REGS16
+#undef ATTNRT_WGMMA_REGS8
 #undef ATTNRT_WGMMA_ACC64
 #undef ATTNRT_WGMMA_ACC32
 #undef ATTNRT_WGMMA_ACC16
+#undef ATTNRT_WGMMA_ACC8
 
 }  // namespace attnrt::cuda

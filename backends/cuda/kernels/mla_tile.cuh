@@ -1,0 +1,140 @@
+// The latent-tile copies both MLA CTAs (mla_decode.cu, mla_keys_m.cu) share: 64 keys of the
+// 576-column latent rows a tile, in the 128-byte swizzled layout of wgmma.cuh, two stages. A
+// thread copies chunk ld_c of every 64-column block of RPT key rows (ld_row + step r, step a
+// multiple of 8 so the rows share one swizzle): every chunk sits at one base offset plus
+// constants. The pool slots of a thread's rows are looked up a tile ahead (prefetch_slots), so a
+// page of one token adds no latency to the copies. An fp8 cache is copied raw into two 36 KB
+// stages in the second bf16 tile's space and converted exactly (through f16) into one bf16 tile.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/paged_kv.cuh"
+#include "backends/cuda/kernels/primitives.cuh"
+#include "backends/cuda/kernels/wgmma.cuh"
+
+namespace attnrt::cuda {
+
+inline constexpr int kMlaTileKeys = 64;
+inline constexpr int kMlaTileBytes = kMlaTileKeys * kMlaHeadDim * 2;
+inline constexpr int kMlaRawBytes = kMlaTileKeys * kMlaHeadDim;
+
+// 16 fp8 bytes (E5M2 or e4m3) -> 16 bf16 values in two 16-byte chunks, exactly (through f16).
+template <bool E5M2>
+__device__ __forceinline__ void fp8x16_to_bf16(const uint4& w, uint4& lo, uint4& hi) {
+  uint32_t h[8];
+  fp8x4_to_f16<E5M2>(w.x, h[0], h[1]);
+  fp8x4_to_f16<E5M2>(w.y, h[2], h[3]);
+  fp8x4_to_f16<E5M2>(w.z, h[4], h[5]);
+  fp8x4_to_f16<E5M2>(w.w, h[6], h[7]);
+  uint32_t b[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
+    b[i] = pack2<__nv_bfloat16>(f.x, f.y);
+  }
+  lo = make_uint4(b[0], b[1], b[2], b[3]);
+  hi = make_uint4(b[4], b[5], b[6], b[7]);
+}
+
+// T: the activations (bf16); FP8 / E5M2: the cache's storage; RPT: key rows a thread copies.
+template <typename T, bool FP8, bool E5M2, int RPT>
+struct MlaTileCopier {
+  static constexpr int kD = kMlaHeadDim, kBN = kMlaTileKeys;
+  static constexpr int kElem = FP8 ? 1 : 2;
+  static constexpr int kRowChunks = kD * kElem / 16;  // 16-byte chunks of a stored row
+
+  const AttnParams& p;
+  const ReqInfo& req;
+  unsigned char* tiles;  // the two bf16 tiles (or the bf16 tile and the two raw stages)
+  int lo, hi, num_tiles;
+  const unsigned char* kbytes;
+  int ld_row, ld_c, step;
+  uint32_t ld_swz;
+  int page_mask;
+  int64_t slot[RPT];  // of the tile load() copies next
+
+  __device__ __forceinline__ MlaTileCopier(const AttnParams& p_, const ReqInfo& req_,
+                                           unsigned char* tiles_, int lo_, int hi_, int num_tiles_,
+                                           int kvh, int ld_row_, int ld_c_, uint32_t ld_swz_,
+                                           int step_)
+      : p(p_),
+        req(req_),
+        tiles(tiles_),
+        lo(lo_),
+        hi(hi_),
+        num_tiles(num_tiles_),
+        kbytes(static_cast<const unsigned char*>(p_.k) + static_cast<int64_t>(kvh) * kD * kElem),
+        ld_row(ld_row_),
+        ld_c(ld_c_),
+        step(step_),
+        ld_swz(ld_swz_),
+        page_mask((1 << p_.page_shift) - 1) {}
+
+  // The slots of this thread's rows of tile t (-1: past the keys; the row is zero-filled).
+  __device__ __forceinline__ void prefetch_slots(int t) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      const int j = lo + t * kBN + ld_row + step * r;
+      slot[r] = t < num_tiles && j < hi
+                    ? slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j)
+                    : -1;
+    }
+  }
+
+  // Issues the copies of tile t (its slots prefetched) into stage t & 1.
+  __device__ __forceinline__ void load(int t) {
+    const int stage = t & 1;
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      const bool valid = slot[r] >= 0;
+      const unsigned char* src = kbytes + (valid ? slot[r] * p.k_row_stride * kElem : 0);
+      if constexpr (!FP8) {
+        unsigned char* dk = tiles + stage * kMlaTileBytes + ld_swz + r * step * 128;
+#pragma unroll
+        for (int i = 0; i < kD / 64; ++i)
+          cp_async_16(dk + i * kBN * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
+      } else {
+        unsigned char* dk = tiles + kMlaTileBytes + stage * kMlaRawBytes +
+                            (ld_row + step * r) * kD + ld_c * 16;
+#pragma unroll
+        for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
+          if (ld_c + 8 * i < kRowChunks)
+            cp_async_16(dk + i * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
+        }
+      }
+    }
+  }
+
+  // fp8: this thread's own raw chunks of stage `stage` into the bf16 tile (no barrier needed
+  // before: a thread reads only what its own copies wrote). Raw chunk c holds columns 16c ..
+  // 16c + 15: bf16 chunks 2c and 2c + 1.
+  __device__ __forceinline__ void convert(int stage) const {
+    if constexpr (FP8) {
+#pragma unroll
+      for (int r = 0; r < RPT; ++r) {
+        const int key = ld_row + step * r;
+        const unsigned char* src =
+            tiles + kMlaTileBytes + stage * kMlaRawBytes + key * kD + ld_c * 16;
+#pragma unroll
+        for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
+          const int c = ld_c + 8 * i;
+          if (c < kRowChunks) {
+            uint4 lo16, hi16;
+            fp8x16_to_bf16<E5M2>(*reinterpret_cast<const uint4*>(src + i * 128), lo16, hi16);
+            *reinterpret_cast<uint4*>(tiles + swz128_offset(kBN, key, 2 * c)) = lo16;
+            *reinterpret_cast<uint4*>(tiles + swz128_offset(kBN, key, 2 * c + 1)) = hi16;
+          }
+        }
+      }
+    }
+  }
+};
+
+}  // namespace attnrt::cuda
