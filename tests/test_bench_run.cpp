@@ -38,55 +38,48 @@ BenchConfig tiny_config(const std::string& backend) {
   return c;
 }
 
-// The reference backend with one output element of the last query row pushed off by a large
-// amount: what a kernel bug looks like to the bench.
-class PerturbedBackend final : public AttentionBackend {
+// The reference backend behind another name, with a hook after every output: the default MLA
+// form (absorbed only, as the cuda backend serves MLA today) and, in PerturbedBackend, a kernel
+// bug.
+class WrappedReference : public AttentionBackend {
  public:
-  explicit PerturbedBackend(const BackendContext& ctx)
-      : AttentionBackend(ctx), inner_(reference_backend_entry().factory(ctx)) {}
-  std::string_view name() const override { return "perturbed"; }
+  WrappedReference(const BackendContext& ctx, std::string_view name)
+      : AttentionBackend(ctx), name_(name), inner_(reference_backend_entry().factory(ctx)) {}
+  std::string_view name() const override { return name_; }
   void init_forward_metadata(const ForwardBatch& batch) override {
     inner_->init_forward_metadata(batch);
   }
   void forward_decode(const AttnArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override {
     inner_->forward_decode(args, layer, batch);
-    perturb(args);
+    after(args);
   }
   void forward_extend(const AttnArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override {
     inner_->forward_extend(args, layer, batch);
-    perturb(args);
+    after(args);
   }
 
+ protected:
+  virtual void after(const AttnArgs& args) { (void)args; }
+
  private:
-  static void perturb(const AttnArgs& args) {
+  std::string_view name_;
+  std::unique_ptr<AttentionBackend> inner_;
+};
+
+// One output element of the last query row pushed off by a large amount: what a kernel bug looks
+// like to the bench.
+class PerturbedBackend final : public WrappedReference {
+ public:
+  explicit PerturbedBackend(const BackendContext& ctx) : WrappedReference(ctx, "perturbed") {}
+
+ private:
+  void after(const AttnArgs& args) override {
     auto* out = args.out.ptr<uint16_t>();
     const int64_t last = args.out.numel() - 1;
     out[last] = float_to_bf16(bf16_to_float(out[last]) + 4.0f);
   }
-  std::unique_ptr<AttentionBackend> inner_;
-};
-
-// The reference backend's math behind the default MLA form (absorbed only), as the cuda backend
-// serves MLA today.
-class AbsorbedOnlyBackend final : public AttentionBackend {
- public:
-  explicit AbsorbedOnlyBackend(const BackendContext& ctx)
-      : AttentionBackend(ctx), inner_(reference_backend_entry().factory(ctx)) {}
-  std::string_view name() const override { return "absorbed-only"; }
-  void init_forward_metadata(const ForwardBatch& batch) override {
-    inner_->init_forward_metadata(batch);
-  }
-  void forward_decode(const AttnArgs& a, const LayerSpec& l, const ForwardBatch& b) override {
-    inner_->forward_decode(a, l, b);
-  }
-  void forward_extend(const AttnArgs& a, const LayerSpec& l, const ForwardBatch& b) override {
-    inner_->forward_extend(a, l, b);
-  }
-
- private:
-  std::unique_ptr<AttentionBackend> inner_;
 };
 
 // The MHA-form rows of mla_workloads() shrunk to a few heads and tokens (the latent and MHA dims
@@ -231,7 +224,7 @@ TEST(BenchRun, MlaMhaRowsAreNotApplicableOnAnAbsorbedOnlyBackend) {
   e.name = "absorbed-only";
   e.auto_selectable = false;
   e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
-    return std::make_unique<AbsorbedOnlyBackend>(ctx);
+    return std::make_unique<WrappedReference>(ctx, "absorbed-only");
   };
   Registry::global().add(std::move(e));
   BenchConfig config = tiny_config("absorbed-only");

@@ -336,10 +336,7 @@ RowResult run_mla_mha_row(const BenchConfig& config, const Workload& w, const Ce
       say(config, fmt::format("{}: checking", w.name));
       row.check = absorbed_check(run, config.check_max_work, config.check_tolerance, config.seed);
       if (!row.check.passed) {
-        row.status = "mismatch";
-        row.notes.push_back(fmt::format("not timed: output differs from the float64 recomputation "
-                                        "(relative error {:.3g} > {:.3g})",
-                                        row.check.max_rel_err, row.check.tolerance));
+        mark_check_failed(row);
         return row;
       }
       say(config, fmt::format("{}: timing ({} repeats)", w.name, config.repeats));
@@ -359,14 +356,7 @@ RowResult run_mla_mha_row(const BenchConfig& config, const Workload& w, const Ce
     if (config.compare_reference) {
       say(config, fmt::format("{}: measuring the reference backend", w.name));
       row.reference = measure_mha_reference(config, w, threads, work_per_second);
-      if (!row.reference->check.passed) {
-        row.status = "mismatch";
-        row.notes.push_back(fmt::format("output differs from the reference backend on {} "
-                                        "(relative error {:.3g} > {:.3g})",
-                                        row.reference->workload.shape(),
-                                        row.reference->check.max_rel_err,
-                                        row.reference->check.tolerance));
-      }
+      mark_reference_mismatch(row);
     }
   } catch (const Error& e) {
     row.status = "error";

@@ -57,4 +57,20 @@ CheckResult compare_outputs(const HostBuffer& got, const HostBuffer& want, const
   return c;
 }
 
+void mark_check_failed(RowResult& row) {
+  row.status = "mismatch";
+  row.notes.push_back(fmt::format("not timed: output differs from the float64 recomputation "
+                                  "(relative error {:.3g} > {:.3g})",
+                                  row.check.max_rel_err, row.check.tolerance));
+}
+
+void mark_reference_mismatch(RowResult& row) {
+  if (!row.reference || row.reference->check.passed) return;
+  row.status = "mismatch";
+  row.notes.push_back(fmt::format("output differs from the reference backend on {} "
+                                  "(relative error {:.3g} > {:.3g})",
+                                  row.reference->workload.shape(), row.reference->check.max_rel_err,
+                                  row.reference->check.tolerance));
+}
+
 }  // namespace attnrt::bench

@@ -27,4 +27,10 @@ std::vector<int64_t> sample_query_rows(int64_t tokens, double per_row_work, doub
 CheckResult compare_outputs(const HostBuffer& got, const HostBuffer& want, const Workload& w,
                             double tol);
 
+// A row whose float check failed: status mismatch, and the note that it was not timed.
+void mark_check_failed(RowResult& row);
+// After row.reference was measured: a disagreement with the reference backend marks the row a
+// mismatch, with a note naming the shape and the error.
+void mark_reference_mismatch(RowResult& row);
+
 }  // namespace attnrt::bench

@@ -452,10 +452,7 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
       row.check = dense_check(data, run.out, config.check_max_work, config.check_tolerance,
                               config.seed);
       if (!row.check.passed) {
-        row.status = "mismatch";
-        row.notes.push_back(fmt::format("not timed: output differs from the float64 recomputation "
-                                        "(relative error {:.3g} > {:.3g})",
-                                        row.check.max_rel_err, row.check.tolerance));
+        mark_check_failed(row);
         return row;
       }
       say(config, fmt::format("{}: timing ({} repeats)", w.name, config.repeats));
@@ -485,14 +482,7 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
     if (config.compare_reference) {
       say(config, fmt::format("{}: measuring the reference backend", w.name));
       row.reference = measure_reference(config, w, threads, work_per_second);
-      if (!row.reference->check.passed) {
-        row.status = "mismatch";
-        row.notes.push_back(fmt::format("output differs from the reference backend on {} "
-                                        "(relative error {:.3g} > {:.3g})",
-                                        row.reference->workload.shape(),
-                                        row.reference->check.max_rel_err,
-                                        row.reference->check.tolerance));
-      }
+      mark_reference_mismatch(row);
     }
   } catch (const Error& e) {
     row.status = "error";

@@ -525,15 +525,22 @@ class Runtime {
     return out;
   }
 
-  void forward_mla_mha(int layer_id, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
-                       nb::handle lse, nb::handle latent, bool save_kv) {
-    const LayerSpec& l = layer(layer_id);
+  // q / k [T, Hq, qk_nope + qk_rope], v / out [T, Hq, mha_v] of an MHA-form call (flat accepted).
+  template <class Args>
+  static void mha_views(const LayerSpec& l, nb::handle q, nb::handle k, nb::handle v,
+                        nb::handle out, Args& a) {
     const MlaMhaDims d = mla_mha_dims(l);
-    MlaMhaArgs a;
     a.q = split_heads(activation_of(q, "q"), l.num_q_heads, d.qk, "q");
     a.k = split_heads(activation_of(k, "k"), l.num_q_heads, d.qk, "k");
     a.v = split_heads(activation_of(v, "v"), l.num_q_heads, d.v, "v");
     a.out = split_heads(activation_of(out, "out"), l.num_q_heads, d.v, "out");
+  }
+
+  void forward_mla_mha(int layer_id, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+                       nb::handle lse, nb::handle latent, bool save_kv) {
+    const LayerSpec& l = layer(layer_id);
+    MlaMhaArgs a;
+    mha_views(l, q, k, v, out, a);
     a.lse = tensor_of(lse, "lse");
     a.latent = split_heads(tensor_of(latent, "latent"), 1, l.head_dim, "latent");
     a.save_kv = save_kv;
@@ -548,13 +555,8 @@ class Runtime {
 
   void forward_mla_prefix_chunk(int layer_id, int chunk, nb::handle q, nb::handle k,
                                 nb::handle v, nb::handle out, nb::handle lse) {
-    const LayerSpec& l = layer(layer_id);
-    const MlaMhaDims d = mla_mha_dims(l);
     MlaChunkArgs a;
-    a.q = split_heads(activation_of(q, "q"), l.num_q_heads, d.qk, "q");
-    a.k = split_heads(activation_of(k, "k"), l.num_q_heads, d.qk, "k");
-    a.v = split_heads(activation_of(v, "v"), l.num_q_heads, d.v, "v");
-    a.out = split_heads(activation_of(out, "out"), l.num_q_heads, d.v, "out");
+    mha_views(layer(layer_id), q, k, v, out, a);
     a.lse = tensor_of(lse, "lse");
     rt().forward_mla_prefix_chunk(layer_id, chunk, a);
   }
