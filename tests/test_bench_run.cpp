@@ -10,9 +10,11 @@
 #include "bench/harness/report.h"
 #include "bench/harness/runner.h"
 #include "tests/test_bench_util.h"
+#include "tests/test_util.h"
 
 using namespace attnrt;
 using namespace attnrt::bench;
+using attnrt::test::by_name;
 
 namespace {
 
@@ -36,35 +38,63 @@ BenchConfig tiny_config(const std::string& backend) {
   return c;
 }
 
-// The reference backend with one output element of the last query row pushed off by a large
-// amount: what a kernel bug looks like to the bench.
-class PerturbedBackend final : public AttentionBackend {
+// The reference backend behind another name, with a hook after every output: the default MLA
+// form (absorbed only, as the cuda backend serves MLA today) and, in PerturbedBackend, a kernel
+// bug.
+class WrappedReference : public AttentionBackend {
  public:
-  explicit PerturbedBackend(const BackendContext& ctx)
-      : AttentionBackend(ctx), inner_(reference_backend_entry().factory(ctx)) {}
-  std::string_view name() const override { return "perturbed"; }
+  WrappedReference(const BackendContext& ctx, std::string_view name)
+      : AttentionBackend(ctx), name_(name), inner_(reference_backend_entry().factory(ctx)) {}
+  std::string_view name() const override { return name_; }
   void init_forward_metadata(const ForwardBatch& batch) override {
     inner_->init_forward_metadata(batch);
   }
   void forward_decode(const AttnArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override {
     inner_->forward_decode(args, layer, batch);
-    perturb(args);
+    after(args);
   }
   void forward_extend(const AttnArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override {
     inner_->forward_extend(args, layer, batch);
-    perturb(args);
+    after(args);
   }
 
+ protected:
+  virtual void after(const AttnArgs& args) { (void)args; }
+
  private:
-  static void perturb(const AttnArgs& args) {
+  std::string_view name_;
+  std::unique_ptr<AttentionBackend> inner_;
+};
+
+// One output element of the last query row pushed off by a large amount: what a kernel bug looks
+// like to the bench.
+class PerturbedBackend final : public WrappedReference {
+ public:
+  explicit PerturbedBackend(const BackendContext& ctx) : WrappedReference(ctx, "perturbed") {}
+
+ private:
+  void after(const AttnArgs& args) override {
     auto* out = args.out.ptr<uint16_t>();
     const int64_t last = args.out.numel() - 1;
     out[last] = float_to_bf16(bf16_to_float(out[last]) + 4.0f);
   }
-  std::unique_ptr<AttentionBackend> inner_;
 };
+
+// The MHA-form rows of mla_workloads() shrunk to a few heads and tokens (the latent and MHA dims
+// stay DeepSeek-V3's); the extend's prefix still in 4 chunks, with boundaries inside pages.
+std::vector<Workload> tiny_mla_mha_rows() {
+  Workload prefill = by_name(mla_workloads(), "mla-prefill-1x16384");
+  prefill.q_heads = 4;
+  prefill.new_tokens = 40;
+  Workload extend = by_name(mla_workloads(), "mla-extend-8x4096+512");
+  extend.q_heads = 4;
+  extend.batch = 3;
+  extend.prefix_len = 200;
+  extend.new_tokens = 24;
+  return {prefill, extend};
+}
 
 }  // namespace
 
@@ -154,6 +184,65 @@ TEST(BenchRun, TinyMlaRowsRunOnCpuWithTheCheckPassing) {
   nlohmann::json j = to_json(r, make_run_info("test", 1.0, ""));
   EXPECT_EQ(j["rows"][0]["shape"]["layer"], "mla");
   EXPECT_EQ(j["rows"][0]["shape"]["v_head_dim"], 512);
+}
+
+// The MHA-form rows run through AttentionRuntime's MHA calls on the cpu backend: the causal part,
+// 4 chunks gathered and merged, checked in float64 in the absorbed form from the latent pool and
+// against the reference backend, then timed.
+TEST(BenchRun, TinyMlaMhaRowsRunOnCpuWithTheCheckPassing) {
+  BenchConfig config = tiny_config("cpu");
+  config.workloads = tiny_mla_mha_rows();
+  config.reference_max_work = 1e7;
+  BenchResult r = run_bench(config);
+  ASSERT_EQ(r.rows.size(), 2u);
+  for (const RowResult& row : r.rows) {
+    SCOPED_TRACE(row.workload.name);
+    EXPECT_EQ(row.status, "ok") << row.error;
+    EXPECT_TRUE(row.check.passed) << row.check.max_rel_err;
+    EXPECT_EQ(row.check.rows_checked, row.workload.num_tokens()) << "tiny rows are checked in full";
+    EXPECT_NE(row.check.method.find("absorbed form"), std::string::npos) << row.check.method;
+    EXPECT_EQ(row.time.repeats, 2);
+    EXPECT_GT(row.plan.median, 0);
+    EXPECT_EQ(row.bound, Bound::compute);
+    EXPECT_DOUBLE_EQ(row.flops, attention_work(row.workload));
+    EXPECT_GT(row.rate, 0);
+    ASSERT_TRUE(row.reference.has_value());
+    EXPECT_TRUE(row.reference->check.passed) << row.reference->check.max_rel_err;
+    EXPECT_GT(row.reference->speedup, 0);
+  }
+  EXPECT_NE(r.rows[1].notes.at(0).find("4 prefix chunks"), std::string::npos) << r.rows[1].notes[0];
+  EXPECT_LT(r.rows[1].reference->workload.batch, 3) << "reference ran scaled down";
+  EXPECT_TRUE(r.all_passed());
+  const std::string text = format_report(r, make_run_info("test", 1.0, ""));
+  EXPECT_NE(text.find("mha 4 chunks"), std::string::npos) << text;
+}
+
+// A backend that serves MLA extends only in the absorbed form (the cuda backend today) gets an
+// n/a row, not a failure: the run still passes.
+TEST(BenchRun, MlaMhaRowsAreNotApplicableOnAnAbsorbedOnlyBackend) {
+  BackendEntry e = reference_backend_entry();
+  e.name = "absorbed-only";
+  e.auto_selectable = false;
+  e.factory = [](const BackendContext& ctx) -> std::unique_ptr<AttentionBackend> {
+    return std::make_unique<WrappedReference>(ctx, "absorbed-only");
+  };
+  Registry::global().add(std::move(e));
+  BenchConfig config = tiny_config("absorbed-only");
+  config.workloads = tiny_mla_mha_rows();
+  BenchResult r = run_bench(config);
+  Registry::global().remove("absorbed-only");
+  ASSERT_EQ(r.rows.size(), 2u);
+  for (const RowResult& row : r.rows) {
+    EXPECT_EQ(row.status, "n/a") << row.error;
+    EXPECT_EQ(row.error, "absorbed-only serves MLA extends in the absorbed form");
+    EXPECT_EQ(row.time.repeats, 0);
+  }
+  EXPECT_TRUE(r.all_passed()) << "n/a rows do not fail the run";
+  const RunInfo info = make_run_info("test", 1.0, "");
+  EXPECT_NE(format_report(r, info).find("n/a: absorbed-only serves MLA extends in the absorbed form"),
+            std::string::npos);
+  EXPECT_EQ(to_json(r, info)["rows"][0]["status"], "n/a");
+  EXPECT_NE(render_svg(r, info).find("n/a: absorbed-only"), std::string::npos);
 }
 
 TEST(BenchRun, WrongOutputIsReportedAndNotTimed) {

@@ -225,14 +225,17 @@ TEST(BenchWorkload, MlaSetIsTheWorkloadsMdList) {
       "mla-decode-h128-64x4096-fp8",   "mla-decode-h128-128x8192-fp8",
       "mla-decode-h16-1x32768-p1",     "mla-decode-h16-64x8192-p1",
       "mla-decode-h128-64x4096-p1",    "mla-decode-h128-128x8192-p1",
-      "mla-verify-chain-64x4096+4",    "mla-verify-tree-64x4096+16-topk4"};
+      "mla-verify-chain-64x4096+4",    "mla-verify-tree-64x4096+16-topk4",
+      "mla-prefill-1x16384",           "mla-extend-8x4096+512"};
   EXPECT_EQ(names, expected);
   for (const Workload& w : rows) {
     SCOPED_TRACE(w.name);
     EXPECT_TRUE(w.is_mla());
     EXPECT_EQ(w.kv_heads, 1) << "one latent KV head";
     EXPECT_EQ(w.head_dim, 576);
-    EXPECT_EQ(w.v_head_dim(), 512);
+    EXPECT_EQ(w.is_mla_mha(), w.kind == WorkloadKind::prefill || w.kind == WorkloadKind::extend);
+    EXPECT_EQ(w.qk_head_dim(), w.is_mla_mha() ? 192 : 576);
+    EXPECT_EQ(w.v_head_dim(), w.is_mla_mha() ? 128 : 512);
     EXPECT_EQ(w.page_size, w.name.ends_with("-p1") ? 1 : 64);
     EXPECT_EQ(w.kv_dtype, w.name.ends_with("-fp8") ? DType::e4m3 : DType::bf16);
     EXPECT_EQ(w.bound(), w.q_heads == 128 ? Bound::compute : Bound::memory);
@@ -254,6 +257,21 @@ TEST(BenchWorkload, MlaSetIsTheWorkloadsMdList) {
   EXPECT_EQ(dc.page_size, 64);
   EXPECT_EQ(dc.kv_len(), 4096);
   EXPECT_EQ(dc.name, "mla-decode-h128-64x4096");
+  // The MHA form: 128 heads, q / k 128 nope + 64 rope, v 128; the extend's prefix in 4 chunks.
+  const Workload& prefill = by_name(rows, "mla-prefill-1x16384");
+  EXPECT_EQ(prefill.q_heads, 128);
+  EXPECT_EQ(prefill.qk_nope_head_dim, 128);
+  EXPECT_EQ(prefill.prefix_len, 0);
+  EXPECT_EQ(prefill.new_tokens, 16384);
+  EXPECT_EQ(prefill.prefix_chunks, 0);
+  EXPECT_EQ(prefill.shape(), "h128 1x16384 mha page 64");
+  const Workload& extend = by_name(rows, "mla-extend-8x4096+512");
+  EXPECT_EQ(extend.batch, 8);
+  EXPECT_EQ(extend.prefix_len, 4096);
+  EXPECT_EQ(extend.new_tokens, 512);
+  EXPECT_EQ(extend.prefix_chunks, 4);
+  EXPECT_EQ(extend.shape(), "h128 8x(4096+512) mha 4 chunks page 64");
+  EXPECT_EQ(extend.bound(), Bound::compute);
   // The attention suite is unchanged.
   for (const Workload& w : standard_workloads()) EXPECT_FALSE(w.is_mla()) << w.name;
 }
@@ -285,6 +303,25 @@ TEST(BenchWorkload, MlaCountsFollowTheWorkloadsMdRule) {
   EXPECT_DOUBLE_EQ(counted_bytes(chain), 64.0 * 4100 * 576 * 2 + 64.0 * 4 * 128 * (576 + 512) * 2);
 }
 
+TEST(BenchWorkload, MlaMhaCountsFollowTheWorkloadsMdRule) {
+  std::vector<Workload> rows = mla_workloads();
+  // FLOPs: 2 x 128 heads x (192 + 128) per exact visible pair: the causal triangle S(S+1)/2 ...
+  const Workload& prefill = by_name(rows, "mla-prefill-1x16384");
+  EXPECT_DOUBLE_EQ(counted_flops(prefill), 2.0 * 128 * 320 * (16384.0 * 16385 / 2));  // 1.1e13
+  EXPECT_DOUBLE_EQ(attention_work(prefill), counted_flops(prefill));
+  // ... plus every prefix key for every new token.
+  const Workload& extend = by_name(rows, "mla-extend-8x4096+512");
+  EXPECT_DOUBLE_EQ(counted_flops(extend),
+                   8 * 2.0 * 128 * 320 * (512.0 * 4096 + 512.0 * 513 / 2));  // 1.46e12
+  // Bytes: per new token q, k, v read and out written (bf16) and its latent row stored; per
+  // prefix token its latent row read and written by the gather and its decompressed k / v read.
+  const double per_token = 128.0 * (192 + 192 + 128 + 128) * 2 + 576 * 2;
+  const double per_prefix = 576.0 * 2 * 2 + 128.0 * (192 + 128) * 2;
+  EXPECT_DOUBLE_EQ(counted_bytes(prefill), 16384 * per_token);
+  EXPECT_DOUBLE_EQ(counted_bytes(extend), 8 * 512 * per_token + 8 * 4096 * per_prefix);
+  EXPECT_EQ(prefill.bound(), Bound::compute);
+}
+
 TEST(BenchWorkload, MlaSelectorsAndPreset) {
   EXPECT_EQ(select_mla_workloads("all").size(), mla_workloads().size());
   EXPECT_EQ(select_mla_workloads("mla-decode").size(), 12u);
@@ -295,8 +332,10 @@ TEST(BenchWorkload, MlaSelectorsAndPreset) {
       select_mla_workloads("mla-verify-chain-64x4096+4,mla-decode-h16-1x32768-fp8");
   ASSERT_EQ(two.size(), 2u);
   EXPECT_EQ(two[1].name, "mla-decode-h16-1x32768-fp8");
-  expect_error([] { select_mla_workloads("mla-prefill"); },
-               {"'mla-prefill'", "mla-decode-h16-1x32768"});
+  EXPECT_EQ(select_mla_workloads("mla-prefill").size(), 1u);
+  EXPECT_EQ(select_mla_workloads("extend")[0].name, "mla-extend-8x4096+512");
+  expect_error([] { select_mla_workloads("mla-mixed"); },
+               {"'mla-mixed'", "mla-decode-h16-1x32768", "mla-extend"});
   expect_error([] { select_workloads("mla-decode"); }, {"'mla-decode'"});
 
   std::vector<Workload> small = apply_preset(mla_workloads(), "cpu-small");
@@ -310,4 +349,13 @@ TEST(BenchWorkload, MlaSelectorsAndPreset) {
   // 1.2e12 FLOPs halve its batch.
   EXPECT_TRUE(by_name(small, "mla-decode-h128-128x8192").scale_note.empty());
   EXPECT_EQ(by_name(small, "mla-verify-tree-64x4096+16-topk4").batch, 32);
+  // The MHA rows: the prefill's 1.1e13 FLOPs shrink to 2048 tokens, the extend's 1.5e12 to batch
+  // 2 at full lengths, still in 4 chunks.
+  EXPECT_EQ(by_name(small, "mla-prefill-1x16384").new_tokens, 2048);
+  const Workload& extend = by_name(small, "mla-extend-8x4096+512");
+  EXPECT_EQ(extend.batch, 2);
+  EXPECT_EQ(extend.prefix_len, 4096);
+  EXPECT_EQ(extend.new_tokens, 512);
+  EXPECT_EQ(extend.prefix_chunks, 4);
+  EXPECT_TRUE(extend.is_mla_mha());
 }

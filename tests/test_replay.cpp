@@ -17,6 +17,8 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "tests/test_util.h"
+#include "attnrt/runtime/attention_runtime.h"
+#include "src/model/layer_builders.h"
 #include "tools/io/case_file.h"
 
 using namespace attnrt;
@@ -264,6 +266,62 @@ TEST_F(ReplayTest, ExtendWithPrefixReplaysBitExactOnEveryLayer) {
     const Engine::Call call = e.run(step, layer);
     check_round_trip(e, step, layer, call);
   }
+}
+
+// An MLA layer's MHA-form dims and the MLA form's options survive write_case / read_case, and the
+// case still replays (absorbed) bit for bit.
+TEST_F(ReplayTest, MlaCaseKeepsItsMhaFormDimsAndOptions) {
+  LayerSpec layer = layer_builders::mla_layer(0, 4, 512, 64);
+  layer.qk_nope_head_dim = 128;
+  layer.mha_v_head_dim = 96;
+  const ModelSpec model = test::make_model("mla", DType::f32, 64, {layer});
+  Options o;
+  o.attention_backend = "reference";
+  o.page_size = 16;
+  o.disable_chunked_prefix_cache = true;
+  o.chunked_prefix_cache_threshold = 4096;
+  o.max_chunk_capacity = 1024;
+  RuntimeConfig config;
+  config.max_requests = 2;
+  config.kv_slots = 64;
+  config.max_num_tokens = 16;
+  config.cuda_graphs = false;
+  AttentionRuntime rt(model, o, config);
+  const int row = rt.req_to_token().alloc();
+  const std::vector<int32_t> prefix{0}, lens{5};
+  const std::vector<int64_t> last{-1};
+  const std::vector<int64_t> slots = rt.allocator().alloc_extend(prefix, lens, last);
+  rt.req_to_token().write(row, 0, slots);
+  ForwardBatch batch = make_extend_batch({row}, {0}, {5});
+  batch.out_cache_loc = slots;
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal;
+  HostBuffer q(DType::f32, {5, 4, 576}), k(DType::f32, {5, 1, 576}), out(DType::f32, {5, 4, 512});
+  for (HostBuffer* b : {&q, &k}) {
+    for (int64_t i = 0; i < b->numel(); ++i) b->ptr<float>()[i] = normal(rng);
+  }
+  AttnArgs args;
+  args.q = q.view();
+  args.k = k.view();
+  args.out = out.view();
+  rt.begin_step(batch);
+  rt.forward(0, args);
+  write_step_case(dir_.string(), model, 0, o, batch, rt.req_to_token(), rt.kv_cache(), args,
+                  "reference");
+  rt.end_step();
+
+  const Case c = read_case(dir_.string());
+  EXPECT_EQ(c.layer.kind, LayerKind::mla);
+  EXPECT_EQ(c.layer.kv_lora_rank, 512);
+  EXPECT_EQ(c.layer.qk_rope_head_dim, 64);
+  EXPECT_EQ(c.layer.qk_nope_head_dim, 128);
+  EXPECT_EQ(c.layer.mha_v_head_dim, 96);
+  EXPECT_TRUE(c.layer.has_mha_form());
+  EXPECT_TRUE(c.options.disable_chunked_prefix_cache);
+  EXPECT_EQ(c.options.chunked_prefix_cache_threshold, 4096);
+  EXPECT_EQ(c.options.max_chunk_capacity, 1024);
+  const ReplayResult r = replay_case(c, "reference");
+  EXPECT_TRUE(same_bytes(r.out, out)) << "replayed output differs from the direct run";
 }
 
 TEST_F(ReplayTest, DecodeWithFp8ScaledCacheReplaysBitExact) {

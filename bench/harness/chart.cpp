@@ -47,6 +47,7 @@ constexpr int kBarHeight = 15;
 std::string bar_label(const RowResult& row) {
   if (row.status == "error") return "ERROR: " + row.error.substr(0, 90);
   if (row.status == "mismatch") return "FAILED correctness check: not timed";
+  if (row.status == "n/a") return "n/a: " + row.error.substr(0, 90);
   std::string label = fmt::format("{:.0f}%: {:.1f} {}", row.pct_of_ceiling, row.rate,
                                   row.metric_unit());
   if (row.decode_workload) label += fmt::format(", {:.2f}x the decode time", row.decode_ratio);

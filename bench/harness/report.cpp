@@ -111,7 +111,7 @@ json row_json(const Row& row, ShapeJson shape, const Ceilings& ceilings) {
   json x;
   x["name"] = row.workload.name;
   x["status"] = row.status;
-  if (!row.error.empty()) x["error"] = row.error;
+  if (!row.error.empty()) x[row.status == "n/a" ? "reason" : "error"] = row.error;
   x["standard"] = shape(row.standard);
   x["shape"] = shape(row.workload);
   x["scaled"] = !row.workload.scale_note.empty();
@@ -327,6 +327,10 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
     std::string name = w.name + (w.scale_note.empty() ? "" : "*");
     if (row.status == "error") {
       s << fmt::format("{:<{}} {:<{}} ERROR: {}\n", name, nw, w.shape(), sw, row.error);
+      continue;
+    }
+    if (row.status == "n/a") {
+      s << fmt::format("{:<{}} {:<{}} n/a: {}\n", name, nw, w.shape(), sw, row.error);
       continue;
     }
     std::string counted = row.bound == Bound::memory ? si(row.bytes, "B") : si(row.flops, "FLOP");

@@ -66,8 +66,8 @@ struct ReferenceResult {
 struct RowResult {
   Workload standard;  // the row as docs/workloads.md defines it
   Workload workload;  // what ran (scale_note says how it differs)
-  std::string status = "ok";  // ok | mismatch | error
-  std::string error;          // status error: the message
+  std::string status = "ok";  // ok | mismatch | error | n/a
+  std::string error;          // status error: the message; n/a: why the backend has no such row
   CheckResult check;          // dense check of the full row
   TimingStats time;           // seconds per forward call
   TimingStats plan;           // seconds per init_forward_metadata
@@ -146,6 +146,7 @@ struct BenchResult {
   std::vector<PlanTiming> plans;        // GPU runs (BenchConfig::gpu_step_costs)
   std::string host_sync;  // GPU runs: how the host thread waits for the device (device_row.h)
   std::optional<GraphOverhead> graph;  // GPU runs (BenchConfig::gpu_step_costs)
+  // Every row ok (attention rows of status n/a, which the backend does not serve, included).
   bool all_passed() const;
 };
 
@@ -164,6 +165,12 @@ GraphOverhead measure_graph_overhead(const BenchConfig& config);
 // One row against already measured ceilings. `workload` may be a scaled standard row (found by
 // name) or any other shape.
 RowResult run_row(const BenchConfig& config, const Workload& workload, const Ceilings& ceilings);
+
+// One MLA row in the MHA form (Workload::is_mla_mha; run_row passes them here): the layer's
+// attention through AttentionRuntime's MHA-form calls on a runtime of its own (backends from
+// Registry::global()); status "n/a" when the backend serves MLA extends in the absorbed form.
+RowResult run_mla_mha_row(const BenchConfig& config, const Workload& workload,
+                          const Ceilings& ceilings);
 
 // One linear row: its states built (decode: an untimed EXTEND of prefix_len tokens), one checked
 // call (the outputs of the first and last request, the first tokens of each for extend rows,

@@ -95,6 +95,22 @@ Workload mla_verify(int q_heads, int batch, int prefix, int drafts, int topk) {
   return w;
 }
 
+// DeepSeek-V3's MHA form: q / k heads of 128 nope + 64 rope columns, v heads of 128; the prefix of
+// an extend row in 4 chunks.
+constexpr int kMlaNopeDim = 128;
+constexpr int kMlaMhaV = 128;
+constexpr int kMlaExtendChunks = 4;
+
+Workload mla_mha(Workload w, int q_heads, int chunks) {
+  w = as_mla(w, q_heads);
+  w.page_size = kMlaPage;
+  w.qk_nope_head_dim = kMlaNopeDim;
+  w.mha_v_head_dim = kMlaMhaV;
+  w.prefix_chunks = w.prefix_len > 0 ? chunks : 0;
+  w.name = "mla-" + w.name;
+  return w;
+}
+
 // Number of (query, key) pairs a request's queries see: the prefix in full, plus the mask among the
 // new tokens (causal triangle, or ancestors-or-self in a tree).
 double visible_pairs_per_request(const Workload& w) {
@@ -152,6 +168,8 @@ std::string Workload::shape() const {
   }
   if (is_mla()) {
     s = fmt::format("h{} {}", q_heads, s);  // the dims are DeepSeek-V3's (576 / 512)
+    if (is_mla_mha()) s += " mha";
+    if (prefix_chunks > 0) s += fmt::format(" {} chunks", prefix_chunks);
   } else if (head_dim != 128) {
     s += fmt::format(" d{}", head_dim);
   }
@@ -161,6 +179,19 @@ std::string Workload::shape() const {
 }
 
 double counted_bytes(const Workload& w) {
+  if (w.is_mla_mha()) {
+    // Every tensor of the timed calls once: the extend tokens' bf16 q, k, v read, out written and
+    // latent rows stored; per prefix token its latent row gathered (read from the pool, written
+    // to the chunk buffer) and its decompressed bf16 k / v read. The running out / lse each merge
+    // re-reads are not counted.
+    const double tokens = static_cast<double>(w.num_tokens());
+    const double per_token = w.q_heads * (2.0 * w.qk_head_dim() + 2.0 * w.v_head_dim()) * 2.0 +
+                             w.head_dim * 2.0;
+    const double prefix = static_cast<double>(w.batch) * w.prefix_len;
+    const double per_prefix =
+        2.0 * w.head_dim * 2.0 + w.q_heads * (w.qk_head_dim() + w.v_head_dim()) * 2.0;
+    return tokens * per_token + prefix * per_prefix;
+  }
   if (w.is_mla()) {
     // The latent cache read once per request (K and V are the same row; fp8 scales are one scalar
     // per layer, nothing per token), the bf16 queries read and the bf16 outputs written.
@@ -174,6 +205,7 @@ double counted_bytes(const Workload& w) {
 }
 
 double counted_flops(const Workload& w) {
+  if (w.is_mla()) return attention_work(w);  // MLA rows count their exact visible pairs
   const double per_pair = 2.0 * w.q_heads * (w.head_dim + w.v_head_dim());
   const double s = w.new_tokens, p = w.prefix_len;
   switch (w.kind) {
@@ -185,8 +217,8 @@ double counted_flops(const Workload& w) {
 
 double attention_work(const Workload& w) {
   // 2 FLOPs per multiply-add of QK^T (head_dim) and of PV (v_head_dim): 4*Hq*D when they agree,
-  // 2*Hq*(576 + 512) for an MLA row.
-  return static_cast<double>(w.batch) * 2.0 * w.q_heads * (w.head_dim + w.v_head_dim()) *
+  // 2*Hq*(576 + 512) for an MLA row in the absorbed form, 2*Hq*(192 + 128) in the MHA form.
+  return static_cast<double>(w.batch) * 2.0 * w.q_heads * (w.qk_head_dim() + w.v_head_dim()) *
          visible_pairs_per_request(w);
 }
 
@@ -257,6 +289,8 @@ std::vector<Workload> mla_workloads() {
   for (auto [h, b, l] : decode_set) rows.push_back(mla_decode(h, b, l, 1, DType::bf16));
   rows.push_back(mla_verify(128, 64, 4096, 4, 1));
   rows.push_back(mla_verify(128, 64, 4096, 16, 4));
+  rows.push_back(mla_mha(prefill(1, 16384, 128), 128, kMlaExtendChunks));
+  rows.push_back(mla_mha(extend(8, 4096, 512), 128, kMlaExtendChunks));
   return rows;
 }
 
@@ -269,7 +303,8 @@ std::vector<Workload> select_mla_workloads(std::string_view selector) {
                ("mla-" + std::string(item)) == w.name || item == workload_kind_name(w.kind) ||
                (item == "verify" && is_verify(w.kind));
       },
-      "workload", "all, mla-decode, mla-verify, mla-verify-chain, mla-verify-tree",
+      "workload",
+      "all, mla-decode, mla-verify, mla-verify-chain, mla-verify-tree, mla-prefill, mla-extend",
       "all, a kind, or a row name");
 }
 

@@ -38,6 +38,12 @@ struct Workload {
   // single latent KV head holds head_dim = kv_lora_rank + rope columns per token; V is its first
   // kv_lora_rank columns, so the output has kv_lora_rank columns per q head. 0 = not an MLA row.
   int kv_lora_rank = 0;
+  // MLA rows in the MHA form (docs/mla.md, docs/workloads.md "MLA rows"): the model decompresses
+  // keys and values per head, q / k of qk_nope_head_dim + rope (head_dim - kv_lora_rank) columns,
+  // v of mha_v_head_dim; the cached prefix is read in prefix_chunks chunks. 0 = the absorbed form.
+  int qk_nope_head_dim = 0;
+  int mha_v_head_dim = 0;
+  int prefix_chunks = 0;
 
   // Empty for a standard row; else what was changed and why ("scaled x0.25 from 16x4096").
   std::string scale_note;
@@ -45,10 +51,19 @@ struct Workload {
   int kv_len() const { return prefix_len + new_tokens; }  // keys of each request after the step
   int64_t num_tokens() const { return static_cast<int64_t>(batch) * new_tokens; }
   bool is_mla() const { return kv_lora_rank > 0; }
-  int v_head_dim() const { return is_mla() ? kv_lora_rank : head_dim; }
+  bool is_mla_mha() const { return is_mla() && mha_v_head_dim > 0; }
+  // Columns of a q / k head and of a v / out head in the form the row runs: the MHA form's
+  // 192 / 128, the absorbed form's 576 / 512, else head_dim / head_dim.
+  int qk_head_dim() const {
+    return is_mla_mha() ? qk_nope_head_dim + head_dim - kv_lora_rank : head_dim;
+  }
+  int v_head_dim() const {
+    return is_mla_mha() ? mha_v_head_dim : is_mla() ? kv_lora_rank : head_dim;
+  }
   Bound bound() const;
   // "16x4096", "1x8192 d64", "8x(2048+512)", "64x(4096+16, topk 4)", plus " page 1" / " fp8_e4m3";
-  // MLA rows lead with their q heads: "h128 64x4096 page 64".
+  // MLA rows lead with their q heads: "h128 64x4096 page 64"; the MHA form's say so:
+  // "h128 8x(4096+512) mha 4 chunks page 64".
   std::string shape() const;
   bool operator==(const Workload&) const = default;
 };
@@ -58,7 +73,8 @@ struct Workload {
 // the same pages); prefill and extend count the K/V they read once.
 double counted_bytes(const Workload& w);
 // Prefill: B*4*S^2*Hq*D/2. Extend: B*4*Hq*D*(E*P + E^2/2). Decode and verify: 4*Hq*D per visible
-// (query, key) pair (informational: those rows are judged by bytes).
+// (query, key) pair (informational: those rows are judged by bytes). MLA rows of every kind:
+// 2*Hq*(qk + v columns) per exact visible pair (attention_work).
 double counted_flops(const Workload& w);
 // 4*Hq*D times the exact number of visible (query, key) pairs: the same work measure for every kind,
 // used to compare the speed of two runs of different sizes (backend vs a scaled-down reference).
@@ -75,14 +91,15 @@ Workload decode_companion(const Workload& verify);
 // verify).
 std::vector<Workload> standard_workloads();
 // The MLA rows of docs/workloads.md ("MLA rows", `--suite mla`), in a fixed order (decode, decode
-// fp8, decode page 1, verify).
+// fp8, decode page 1, verify, then the MHA form's prefill and extend).
 std::vector<Workload> mla_workloads();
 
 // Selects rows: "all", a row name, a kind ("decode", "prefill", "extend", "verify"), or a
 // comma-separated list of those. Throws attnrt::Error naming the unknown entry and the valid names.
 std::vector<Workload> select_workloads(std::string_view selector);
 // The same over mla_workloads(): "all", a row name, a kind with or without the "mla-" prefix
-// ("mla-decode", "mla-verify", "mla-verify-chain", "decode", ...), or a list of those.
+// ("mla-decode", "mla-verify", "mla-verify-chain", "mla-prefill", "mla-extend", "decode", ...), or
+// a list of those.
 std::vector<Workload> select_mla_workloads(std::string_view selector);
 
 // Multiplies batch and lengths by `factor` in (0, 1] (batch >= 1; lengths rounded to whole pages,

@@ -9,6 +9,10 @@ backend per phase from the options (the reference engine's flag names), and per 
     rt.forward_linear(layer_id, ...)  every linear-attention layer (hybrid models)
     rt.end_step()
 
+MLA layers of a step whose rt.mla_form() is "mha" run in the MHA form with the cached prefix in
+chunks (docs/mla.md): forward_mla_mha, then per chunk of rt.prefix_chunk_plan()
+gather_prefix_chunk and forward_mla_prefix_chunk.
+
 Tensors are read and written in place through DLPack (no copies, CPU or CUDA); on CUDA the work goes
 to torch's current stream. Batch fields are host integers (lists, numpy or CPU tensors); a CUDA tensor
 is accepted too, at the cost of a device-to-host copy.
@@ -38,6 +42,9 @@ _OPTIONS = {
     "linear_attn_decode_backend": str,
     "num_threads": int,
     "deterministic": bool,
+    "disable_chunked_prefix_cache": bool,
+    "chunked_prefix_cache_threshold": int,
+    "max_chunk_capacity": int,
 }
 _CONFIG = {
     "max_requests": int,
@@ -193,7 +200,8 @@ class Runtime:
         decode_attention_backend, speculative_attention_mode, page_size, kv_cache_dtype,
         speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens,
         linear_attn_backend, linear_attn_prefill_backend, linear_attn_decode_backend, num_threads,
-        deterministic.
+        deterministic; MLA's MHA form (docs/mla.md): disable_chunked_prefix_cache,
+        chunked_prefix_cache_threshold, max_chunk_capacity.
     Sizes: max_requests, kv_slots, max_num_tokens, max_context_len, swa_full_tokens_ratio,
         linear_state_slots, linear_verify_requests, cuda_graphs, cuda_graph_max_bs,
         cuda_graph_batch_sizes.
@@ -422,6 +430,70 @@ class Runtime:
             _explain_tensor_error(e, q=q, k=k, v=v, out=out, sinks=sinks, lse=lse)
             raise
         return out
+
+    # ---- MLA in the MHA form (docs/mla.md) ---------------------------------------------------
+    def mla_form(self) -> str:
+        """The form the MLA layers of the step begun run in: "mha" (forward_mla_mha and the
+        prefix chunks) or "absorbed" (forward with q_lat and the latent rows)."""
+        return self._rt.mla_form()
+
+    def prefix_chunk_plan(self) -> dict:
+        """The prefix chunks of the step begun: {"chunk_len", "chunks": [{"num_tokens", "starts",
+        "lens", "cu_seqlens", "slots"}, ...]} (request order; empty for an absorbed step)."""
+        return self._rt.prefix_chunk_plan()
+
+    def forward_mla_mha(self, layer_id: int, q, k, v, latent, out=None, lse=None, *,
+                        save_kv: bool = True):
+        """The causal part of an MHA-form MLA layer: the extend tokens against themselves. q / k
+        [T, Hq, qk_nope + qk_rope], v [T, Hq, mha_v] (or flat), latent [T, 1, kv_lora_rank +
+        qk_rope] (stored at out_cache_loc when save_kv). out [T, Hq, mha_v] and lse float32
+        [T, Hq] are written in place, or new tensors when None. Returns (out, lse), the running
+        result the prefix chunks merge into."""
+        info = self._mla_layer(layer_id)
+        if out is None:
+            out = q.new_empty((q.shape[0], info["num_q_heads"], info["mha_v_head_dim"]))
+        if lse is None:
+            lse = q.new_empty((q.shape[0], info["num_q_heads"]), dtype=_torch().float32)
+        try:
+            self._rt.forward_mla_mha(layer_id, q, k, v, out, lse, latent, save_kv)
+        except TypeError as e:
+            _explain_tensor_error(e, q=q, k=k, v=v, out=out, lse=lse, latent=latent)
+            raise
+        return out, lse
+
+    def gather_prefix_chunk(self, layer_id: int, chunk: int, latent=None):
+        """The latent rows of prefix chunk `chunk` (request order, dequantised), into latent
+        [n, 1, kv_lora_rank + qk_rope] (n = the chunk's num_tokens) or a new tensor of the
+        activation dtype. Returns latent."""
+        info = self._mla_layer(layer_id)
+        if latent is None:
+            n = self._rt.prefix_chunk_plan()["chunks"][chunk]["num_tokens"] if chunk >= 0 else 0
+            latent = _torch().empty((n, 1, info["head_dim"]), dtype=self.dtype, device=self.device)
+        try:
+            self._rt.gather_prefix_chunk(layer_id, chunk, latent)
+        except TypeError as e:
+            _explain_tensor_error(e, latent=latent)
+            raise
+        return latent
+
+    def forward_mla_prefix_chunk(self, layer_id: int, chunk: int, q, k, v, out, lse):
+        """Prefix chunk `chunk` of an MHA-form MLA layer, after its forward_mla_mha: q as there,
+        k [n, Hq, qk_nope + qk_rope] and v [n, Hq, mha_v] decompressed from the chunk's latent
+        rows; merged into out / lse in place. Returns out."""
+        try:
+            self._rt.forward_mla_prefix_chunk(layer_id, chunk, q, k, v, out, lse)
+        except TypeError as e:
+            _explain_tensor_error(e, q=q, k=k, v=v, out=out, lse=lse)
+            raise
+        return out
+
+    def _mla_layer(self, layer_id: int) -> dict:
+        info = self.layers.get(layer_id)
+        if info is None:
+            raise ValueError(
+                f"layer_id {layer_id} is not a layer of the model; layers are "
+                f"0..{len(self.layers) - 1}")
+        return info
 
     def forward_linear(self, layer_id: int, mixed_qkv, a, b, conv_weight, conv_bias, A_log,
                        dt_bias, D=None, out=None):

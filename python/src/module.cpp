@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "attnrt/backend/mla_mha.h"
 #include "attnrt/backend/options.h"
 #include "attnrt/backend/registry.h"
 #include "attnrt/batch/forward_batch.h"
@@ -502,6 +503,64 @@ class Runtime {
     r.forward(layer_id, a);
   }
 
+  // MLA in the MHA form (docs/mla.md): the form of the step begun, its prefix chunks, and the
+  // three calls of an MHA-form layer. Flat [T, H*D] tensors are split like forward()'s.
+  std::string mla_form() { return std::string(mla_form_name(rt().mla_form())); }
+
+  nb::dict prefix_chunk_plan() {
+    const PrefixChunkPlan& plan = rt().prefix_chunk_plan();
+    nb::list chunks;
+    for (const PrefixChunk& c : plan.chunks) {
+      nb::dict d;
+      d["num_tokens"] = c.num_tokens;
+      d["starts"] = c.starts;
+      d["lens"] = c.lens;
+      d["cu_seqlens"] = c.cu_seqlens;
+      d["slots"] = c.slots;
+      chunks.append(d);
+    }
+    nb::dict out;
+    out["chunk_len"] = plan.chunk_len;
+    out["chunks"] = chunks;
+    return out;
+  }
+
+  // q / k [T, Hq, qk_nope + qk_rope], v / out [T, Hq, mha_v] of an MHA-form call (flat accepted).
+  template <class Args>
+  static void mha_views(const LayerSpec& l, nb::handle q, nb::handle k, nb::handle v,
+                        nb::handle out, Args& a) {
+    const MlaMhaDims d = mla_mha_dims(l);
+    a.q = split_heads(activation_of(q, "q"), l.num_q_heads, d.qk, "q");
+    a.k = split_heads(activation_of(k, "k"), l.num_q_heads, d.qk, "k");
+    a.v = split_heads(activation_of(v, "v"), l.num_q_heads, d.v, "v");
+    a.out = split_heads(activation_of(out, "out"), l.num_q_heads, d.v, "out");
+  }
+
+  void forward_mla_mha(int layer_id, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+                       nb::handle lse, nb::handle latent, bool save_kv) {
+    const LayerSpec& l = layer(layer_id);
+    MlaMhaArgs a;
+    mha_views(l, q, k, v, out, a);
+    a.lse = tensor_of(lse, "lse");
+    a.latent = split_heads(tensor_of(latent, "latent"), 1, l.head_dim, "latent");
+    a.save_kv = save_kv;
+    rt().forward_mla_mha(layer_id, a);
+  }
+
+  void gather_prefix_chunk(int layer_id, int chunk, nb::handle latent) {
+    const LayerSpec& l = layer(layer_id);
+    rt().gather_prefix_chunk(layer_id, chunk,
+                             split_heads(activation_of(latent, "latent"), 1, l.head_dim, "latent"));
+  }
+
+  void forward_mla_prefix_chunk(int layer_id, int chunk, nb::handle q, nb::handle k,
+                                nb::handle v, nb::handle out, nb::handle lse) {
+    MlaChunkArgs a;
+    mha_views(layer(layer_id), q, k, v, out, a);
+    a.lse = tensor_of(lse, "lse");
+    rt().forward_mla_prefix_chunk(layer_id, chunk, a);
+  }
+
   // The layer `layer_id` of the model (attnrt::Error naming the layers when there is none).
   const LayerSpec& layer(int layer_id) {
     const ModelSpec& m = rt().model();
@@ -572,6 +631,8 @@ nb::dict layer_dict(const LayerSpec& l) {
   d["has_sinks"] = l.has_sinks;
   d["kv_lora_rank"] = l.kv_lora_rank;
   d["qk_rope_head_dim"] = l.qk_rope_head_dim;
+  d["qk_nope_head_dim"] = l.qk_nope_head_dim;
+  d["mha_v_head_dim"] = l.mha_v_head_dim;
   d["uses_kv_cache"] = l.uses_kv_cache();
   return d;
 }
@@ -609,7 +670,10 @@ NB_MODULE(_native, m) {
       .def_rw("linear_attn_prefill_backend", &Options::linear_attn_prefill_backend)
       .def_rw("linear_attn_decode_backend", &Options::linear_attn_decode_backend)
       .def_rw("num_threads", &Options::num_threads)
-      .def_rw("deterministic", &Options::deterministic);
+      .def_rw("deterministic", &Options::deterministic)
+      .def_rw("disable_chunked_prefix_cache", &Options::disable_chunked_prefix_cache)
+      .def_rw("chunked_prefix_cache_threshold", &Options::chunked_prefix_cache_threshold)
+      .def_rw("max_chunk_capacity", &Options::max_chunk_capacity);
 
   nb::class_<RuntimeConfig>(m, "RuntimeConfig")
       .def(nb::init<>())
@@ -750,6 +814,14 @@ NB_MODULE(_native, m) {
       .def("forward_linear", &Runtime::forward_linear, "layer_id"_a, "mixed_qkv"_a, "a"_a,
            "b"_a.none(), "conv_weight"_a, "conv_bias"_a.none(), "A_log"_a, "dt_bias"_a,
            "D"_a.none(), "out"_a)
+      .def("mla_form", &Runtime::mla_form)
+      .def("prefix_chunk_plan", &Runtime::prefix_chunk_plan)
+      .def("forward_mla_mha", &Runtime::forward_mla_mha, "layer_id"_a, "q"_a.none(), "k"_a.none(),
+           "v"_a.none(), "out"_a.none(), "lse"_a.none(), "latent"_a.none(), "save_kv"_a)
+      .def("gather_prefix_chunk", &Runtime::gather_prefix_chunk, "layer_id"_a, "chunk"_a,
+           "latent"_a.none())
+      .def("forward_mla_prefix_chunk", &Runtime::forward_mla_prefix_chunk, "layer_id"_a,
+           "chunk"_a, "q"_a.none(), "k"_a.none(), "v"_a.none(), "out"_a.none(), "lse"_a.none())
       .def("end_step", &Runtime::end_step)
       .def("update_state_after_verify",
            [](Runtime& r, python::HostInts last_accepted) {

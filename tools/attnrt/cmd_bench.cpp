@@ -98,7 +98,8 @@ void run_bench_command(const BenchArgs& a) {
       }
       ATTNRT_CHECK(found,
                    "unknown workload '{}' for --suite all: use all, a kind (decode, prefill, "
-                   "extend, verify, mla-decode, mla-verify, gdn, kda, mamba2) or a row name "
+                   "extend, verify, mla-decode, mla-verify, mla-prefill, mla-extend, gdn, kda, "
+                   "mamba2) or a row name "
                    "(`attnrt bench --suite attention|mla|linear --workload x` list them)",
                    item);
     }
@@ -178,13 +179,16 @@ void add_bench_command(CLI::App& app) {
                   "Which rows: attention (the full-attention rows of docs/workloads.md), linear (one "
                   "GDN, KDA or Mamba2 layer: gdn-decode-64/256, mamba2-decode-64/256, "
                   "gdn-extend-8x8192, kda-extend-8x8192, mamba2-extend-8x8192/1x8192; "
-                  "docs/bench.md), mla (one DeepSeek-V3 latent-attention layer, absorbed form: "
-                  "mla-decode-*, mla-verify-*; docs/workloads.md \"MLA rows\") or all")
+                  "docs/bench.md), mla (one DeepSeek-V3 latent-attention layer: mla-decode-*, "
+                  "mla-verify-* in the absorbed form, mla-prefill-1x16384 and "
+                  "mla-extend-8x4096+512 in the MHA form, n/a on backends without it; "
+                  "docs/workloads.md \"MLA rows\") or all")
       ->check(CLI::IsMember({"attention", "mla", "linear", "all"}))
       ->capture_default_str();
   cmd->add_option("--workload", args->workload,
                   "Rows of the suite: all, a kind (decode, prefill, extend, verify; mla: "
-                  "mla-decode, mla-verify, mla-verify-chain, mla-verify-tree; linear: "
+                  "mla-decode, mla-verify, mla-verify-chain, mla-verify-tree, mla-prefill, mla-extend; "
+                  "linear: "
                   "decode, extend, gdn, kda, mamba2), a row name such as decode-16x4096 or "
                   "gdn-decode-64, or a comma-separated list")
       ->capture_default_str();

@@ -96,7 +96,9 @@ json layer_to_json(const LayerSpec& l) {
               {"attn_type", attn_type_name(l.attn_type)},
               {"has_sinks", l.has_sinks},
               {"kv_lora_rank", l.kv_lora_rank},
-              {"qk_rope_head_dim", l.qk_rope_head_dim}};
+              {"qk_rope_head_dim", l.qk_rope_head_dim},
+              {"qk_nope_head_dim", l.qk_nope_head_dim},
+              {"mha_v_head_dim", l.mha_v_head_dim}};
 }
 
 LayerSpec layer_from_json(const Reader& r, const json& j) {
@@ -115,6 +117,8 @@ LayerSpec layer_from_json(const Reader& r, const json& j) {
   l.has_sinks = r.get<bool>(j, p, "has_sinks");
   l.kv_lora_rank = r.get_or<int>(j, p, "kv_lora_rank", 0);
   l.qk_rope_head_dim = r.get_or<int>(j, p, "qk_rope_head_dim", 0);
+  l.qk_nope_head_dim = r.get_or<int>(j, p, "qk_nope_head_dim", 0);
+  l.mha_v_head_dim = r.get_or<int>(j, p, "mha_v_head_dim", 0);
   return l;
 }
 
@@ -129,7 +133,10 @@ json options_to_json(const Options& o) {
               {"speculative_eagle_topk", o.speculative_eagle_topk},
               {"speculative_num_draft_tokens", o.speculative_num_draft_tokens},
               {"num_threads", o.num_threads},
-              {"deterministic", o.deterministic}};
+              {"deterministic", o.deterministic},
+              {"disable_chunked_prefix_cache", o.disable_chunked_prefix_cache},
+              {"chunked_prefix_cache_threshold", o.chunked_prefix_cache_threshold},
+              {"max_chunk_capacity", o.max_chunk_capacity}};
 }
 
 Options options_from_json(const Reader& r, const json& j) {
@@ -147,6 +154,13 @@ Options options_from_json(const Reader& r, const json& j) {
   o.speculative_num_draft_tokens = r.get_or<int>(j, p, "speculative_num_draft_tokens", 0);
   o.num_threads = r.get_or<int>(j, p, "num_threads", 0);
   o.deterministic = r.get_or<bool>(j, p, "deterministic", false);
+  const Options defaults;
+  o.disable_chunked_prefix_cache = r.get_or<bool>(j, p, "disable_chunked_prefix_cache",
+                                                  defaults.disable_chunked_prefix_cache);
+  o.chunked_prefix_cache_threshold = r.get_or<int64_t>(j, p, "chunked_prefix_cache_threshold",
+                                                       defaults.chunked_prefix_cache_threshold);
+  o.max_chunk_capacity =
+      r.get_or<int64_t>(j, p, "max_chunk_capacity", defaults.max_chunk_capacity);
   return o;
 }
 
@@ -268,7 +282,13 @@ Case capture_case(const ModelSpec& model, int layer_id, const Options& options,
   c.q = npy_from_tensor_f32(args.q);
   if (c.save_kv) {
     c.k = npy_from_tensor_f32(args.k);
-    c.v = npy_from_tensor_f32(args.v);
+    // An MLA layer's V is the first kv_lora_rank columns of its latent k row (args.v may be empty).
+    TensorView v = args.v;
+    if (layer.kind == LayerKind::mla && v.empty()) {
+      v = args.k;
+      v.shape[2] = layer.kv_lora_rank;
+    }
+    c.v = npy_from_tensor_f32(v);
   }
   if (layer.has_sinks && args.sinks != nullptr) {
     c.sinks = make_npy(DType::f32, std::vector<int64_t>{layer.num_q_heads}, args.sinks);
@@ -563,7 +583,8 @@ ReplayResult replay_case(const Case& c, const std::string& backend, bool want_ls
     k = to_act_dtype(c.k, c.act_dtype);
     v = to_act_dtype(c.v, c.act_dtype);
     args.k = k.view();
-    args.v = v.view();
+    // MLA: the latent rows alone (V is a view of them, nothing of its own is stored).
+    if (layer.kind != LayerKind::mla) args.v = v.view();
   }
   args.save_kv = c.save_kv;
   if (c.sinks) args.sinks = c.sinks->as<float>();
