@@ -126,6 +126,16 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
   if (num_tiles > 0) copier.load(0);
   cp_async_commit();  // Q and tile 0
   copier.prefetch_slots(1);
+  if constexpr (FP8) {
+    // Q times 2^64 (this thread's own chunks, once they landed; the loop's barriers publish it).
+    cp_async_wait<0>();
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2)
+#pragma unroll
+      for (int i = 0; i < kBlocks; ++i) scale_q_chunk(smem + ld_swz + r2 * 32 * 128 + i * ROWS * 128);
+  }
+  constexpr float kUnit = FP8 ? kMlaFp8Unit : 1.f;   // of S and O
+  constexpr float kPScale = FP8 ? kMlaFp8PScale : 1.f;
 
   // This thread's rows (the same in both warpgroups): g and g + 8 of warp wq's 16.
   int row_t[2];
@@ -182,6 +192,10 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
     wgmma_commit();
     wgmma_wait<0>();
 
+    if constexpr (FP8) {
+#pragma unroll
+      for (int i = 0; i < HALF / 2; ++i) s[i] *= kUnit;
+    }
     if (cap.on) {
 #pragma unroll
       for (int i = 0; i < HALF / 2; ++i) s[i] = cap(s[i]);
@@ -262,7 +276,7 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
         const int key = wg * HALF + nb * 8 + 2 * c4;
         const uint32_t off = r * 128 + (((key >> 3) ^ (r & 7)) << 4) + (key & 7) * 2;
         *reinterpret_cast<uint32_t*>(p_tile + off) =
-            pack2<T>(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]);
+            pack2<T>(s[nb * 4 + 2 * h] * kPScale, s[nb * 4 + 2 * h + 1] * kPScale);
       }
     fence_proxy_async_smem();
     cta_bar(2);
@@ -304,7 +318,7 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
     const float mm = m[h];
     if (req.num_splits > 1) {
       const int64_t prow = req.part_start + static_cast<int64_t>(item.split) * req.qlen + t;
-      const float inv = ll > 0.f ? 1.f / ll : 0.f;
+      const float inv = ll > 0.f ? kUnit / ll : 0.f;
       float* dst = p.part_o + (prow * p.num_q_heads + head) * C::kDv + wg * ON + 2 * c4;
 #pragma unroll
       for (int nb = 0; nb < 2; ++nb)
@@ -318,7 +332,7 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
       const float m_use = mm == -INFINITY ? 0.f : mm;
       float den = ll;
       if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
-      const float inv = den > 0.f ? p.v_scale / den : 0.f;
+      const float inv = den > 0.f ? p.v_scale * kUnit / den : 0.f;
       T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
                head * p.o_stride_head + wg * ON + 2 * c4;
 #pragma unroll

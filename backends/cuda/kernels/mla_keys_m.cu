@@ -11,7 +11,7 @@
 //  - P^T (bf16, [16 columns][64 keys]) goes to shared memory, and O^T = V^T P^T: eight m64n16k16
 //    per 16 keys, A = the tile read M-major (the head dim as M), 64 fp32 accumulators a thread.
 // One warpgroup; Q 18 KB, two 72 KB latent tiles (or a bf16 tile and two 36 KB raw fp8 stages,
-// converted exactly as in mla_decode.cu), P^T 2 KB: one CTA per SM.
+// converted as in mla_decode.cu), P^T 2 KB: one CTA per SM.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -100,6 +100,14 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
   if (num_tiles > 0) copier.load(0);
   cp_async_commit();  // Q and tile 0
   copier.prefetch_slots(1);
+  if constexpr (FP8) {
+    // Q times 2^64 (this thread's own chunks, once they landed; the loop's barriers publish it).
+    cp_async_wait<0>();
+#pragma unroll
+    for (int i = 0; i < D / 64; ++i) scale_q_chunk(smem + ld_swz + i * NC * 128);
+  }
+  constexpr float kUnit = FP8 ? kMlaFp8Unit : 1.f;  // of S and O
+  constexpr float kPScale = FP8 ? kMlaFp8PScale : 1.f;
 
   // This thread's columns: nb * 8 + 2 c4 + e (nb, e in {0, 1}), i.e. (token, head) rows f0 + col.
   MaskRow col_row[2][2];
@@ -156,6 +164,10 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
     wgmma_commit();
     wgmma_wait<0>();
 
+    if constexpr (FP8) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] *= kUnit;
+    }
     if (cap.on) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) s[i] = cap(s[i]);
@@ -233,7 +245,7 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
         for (int e = 0; e < 2; ++e) {
           const int col = nb * 8 + 2 * c4 + e, key = wq * 16 + g + 8 * h;
           const uint32_t off = col * 128 + (((key >> 3) ^ (col & 7)) << 4) + (key & 7) * 2;
-          *reinterpret_cast<T*>(p_tile + off) = from_float<T>(s[nb * 4 + 2 * h + e]);
+          *reinterpret_cast<T*>(p_tile + off) = from_float<T>(s[nb * 4 + 2 * h + e] * kPScale);
         }
     fence_proxy_async_smem();
     wg_bar();
@@ -281,7 +293,7 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
       const bool first = wq == 0 && g == 0;  // writes the column's lse
       if (req.num_splits > 1) {
         const int64_t prow = req.part_start + static_cast<int64_t>(item.split) * req.qlen + t;
-        const float inv = ll > 0.f ? 1.f / ll : 0.f;
+        const float inv = ll > 0.f ? kUnit / ll : 0.f;
         float* dst = p.part_o + (prow * p.num_q_heads + head) * C::kDv + wq * 16 + g;
 #pragma unroll
         for (int mb = 0; mb < 8; ++mb)
@@ -292,7 +304,7 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
         const float m_use = mm == -INFINITY ? 0.f : mm;
         float den = ll;
         if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
-        const float inv = den > 0.f ? p.v_scale / den : 0.f;
+        const float inv = den > 0.f ? p.v_scale * kUnit / den : 0.f;
         T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
                  head * p.o_stride_head + wq * 16 + g;
 #pragma unroll

@@ -4,7 +4,8 @@
 // multiple of 8 so the rows share one swizzle): every chunk sits at one base offset plus
 // constants. The pool slots of a thread's rows are looked up a tile ahead (prefetch_slots), so a
 // page of one token adds no latency to the copies. An fp8 cache is copied raw into two 36 KB
-// stages in the second bf16 tile's space and converted exactly (through f16) into one bf16 tile.
+// stages in the second bf16 tile's space and converted (through f16, exactly, in units of 2^-112)
+// into one bf16 tile.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,22 +26,35 @@ inline constexpr int kMlaTileKeys = 64;
 inline constexpr int kMlaTileBytes = kMlaTileKeys * kMlaHeadDim * 2;
 inline constexpr int kMlaRawBytes = kMlaTileKeys * kMlaHeadDim;
 
-// 16 fp8 bytes (E5M2 or e4m3) -> 16 bf16 values in two 16-byte chunks, exactly (through f16).
+// An fp8 tile is converted to bf16 values times 2^-112 (convert.cuh's fp8x4_to: the exact f16 bits
+// moved into bf16 position, a shift instead of two more conversions a pair), so a CTA reading it
+// scales Q by kMlaFp8QScale and P by kMlaFp8PScale before their MMAs (no product underflows), and
+// multiplies S and O by kMlaFp8Unit = 2^112 / 2^64 after them.
+inline constexpr float kMlaFp8QScale = 0x1p64f;
+inline constexpr float kMlaFp8PScale = 0x1p64f;
+inline constexpr float kMlaFp8Unit = 0x1p48f;
+
+// 16 fp8 bytes (E5M2 or e4m3) -> 16 bf16 values times 2^-112, in two 16-byte chunks.
 template <bool E5M2>
 __device__ __forceinline__ void fp8x16_to_bf16(const uint4& w, uint4& lo, uint4& hi) {
-  uint32_t h[8];
-  fp8x4_to_f16<E5M2>(w.x, h[0], h[1]);
-  fp8x4_to_f16<E5M2>(w.y, h[2], h[3]);
-  fp8x4_to_f16<E5M2>(w.z, h[4], h[5]);
-  fp8x4_to_f16<E5M2>(w.w, h[6], h[7]);
   uint32_t b[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h[i]));
-    b[i] = pack2<__nv_bfloat16>(f.x, f.y);
-  }
+  fp8x4_to<__nv_bfloat16>(w.x, E5M2, b[0], b[1]);
+  fp8x4_to<__nv_bfloat16>(w.y, E5M2, b[2], b[3]);
+  fp8x4_to<__nv_bfloat16>(w.z, E5M2, b[4], b[5]);
+  fp8x4_to<__nv_bfloat16>(w.w, E5M2, b[6], b[7]);
   lo = make_uint4(b[0], b[1], b[2], b[3]);
   hi = make_uint4(b[4], b[5], b[6], b[7]);
+}
+
+// Eight bf16 values at `p` (shared memory) times 2^64, exactly (an exponent step; q is far below
+// 2^63).
+__device__ __forceinline__ void scale_q_chunk(unsigned char* p) {
+  uint4 v = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162 k = __float2bfloat162_rn(kMlaFp8QScale);
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __hmul2(h[i], k);
+  *reinterpret_cast<uint4*>(p) = v;
 }
 
 // T: the activations (bf16); FP8 / E5M2: the cache's storage; RPT: key rows a thread copies.
@@ -128,8 +142,15 @@ struct MlaTileCopier {
           if (c < kRowChunks) {
             uint4 lo16, hi16;
             fp8x16_to_bf16<E5M2>(*reinterpret_cast<const uint4*>(src + i * 128), lo16, hi16);
-            *reinterpret_cast<uint4*>(tiles + swz128_offset(kBN, key, 2 * c)) = lo16;
-            *reinterpret_cast<uint4*>(tiles + swz128_offset(kBN, key, 2 * c + 1)) = hi16;
+            // Threads ld_c < 4 and >= 4 write the same slots of two column blocks (the same
+            // banks): the second four store their odd chunk first, so each store of a quarter
+            // warp covers all 32 banks once (the even-first order measured 11.9M bank conflicts
+            // on mla-decode-h16-64x8192-fp8 and made fp8 slower than bf16).
+            const bool odd_first = ld_c & 4;
+            const uint32_t even = swz128_offset(kBN, key, 2 * c);
+            const uint32_t odd = swz128_offset(kBN, key, 2 * c + 1);
+            *reinterpret_cast<uint4*>(tiles + (odd_first ? odd : even)) = odd_first ? hi16 : lo16;
+            *reinterpret_cast<uint4*>(tiles + (odd_first ? even : odd)) = odd_first ? lo16 : hi16;
           }
         }
       }
