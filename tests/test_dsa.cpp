@@ -45,17 +45,6 @@ std::string data_file(const char* name) {
   return (std::filesystem::path(__FILE__).parent_path() / "data" / name).string();
 }
 
-float nan_f() { return std::numeric_limits<float>::quiet_NaN(); }
-
-void fill_normal(const TensorView& t, std::mt19937& rng) {
-  std::normal_distribution<float> d(0.f, 1.f);
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, d(rng));
-}
-
-void poison(const TensorView& t) {
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, nan_f());
-}
-
 // A mode of the step under test.
 enum class Kind { extend, mixed, decode, verify_chain, verify_tree, draft_extend };
 
@@ -81,17 +70,16 @@ Options options_for(const std::string& backend, int page) {
 }
 
 Step make_step(const ModelSpec& model, const Options& o, const StepSpec& spec, uint64_t seed) {
-  RuntimeConfig c;
-  c.max_requests = 8;
-  c.kv_slots = 4096;
-  c.max_num_tokens = 1024;
-  c.max_context_len = 1024;
-  c.cuda_graphs = false;
+  const RuntimeConfig c{.max_requests = 8,
+                        .kv_slots = 4096,
+                        .max_num_tokens = 1024,
+                        .max_context_len = 1024,
+                        .cuda_graphs = false};
   Step s;
   s.rt = std::make_unique<AttentionRuntime>(model, o, c);
   std::mt19937 rng(static_cast<uint32_t>(seed));
   const KVLayerView kv = s.rt->kv_cache().layer(0);
-  fill_normal(TensorView(kv.k, kv.dtype, {kv.num_rows, kv.k_row_stride}), rng);
+  test::fill_normal(TensorView(kv.k, kv.dtype, {kv.num_rows, kv.k_row_stride}), rng);
   if (model.layers[0].has_indexer()) {
     IndexKeyView ik = s.rt->kv_cache().index_keys(0);
     std::normal_distribution<float> d(0.f, 1.f);
@@ -162,7 +150,7 @@ struct Inputs {
         ik(DType::f32, {T, kIndexDim}),
         w(DType::f32, {T, kIndexHeads}) {
     std::mt19937 rng(static_cast<uint32_t>(seed * 31 + 7));
-    for (const HostBuffer* b : {&q, &latent, &iq, &ik, &w}) fill_normal(b->view(), rng);
+    for (const HostBuffer* b : {&q, &latent, &iq, &ik, &w}) test::fill_normal(b->view(), rng);
   }
   AttnArgs args(const TensorView& out, const TensorView& topk) const {
     AttnArgs a{.q = q.view(), .k = latent.view(), .v = {}, .out = out};
@@ -181,7 +169,7 @@ Result run(const ModelSpec& model, const Options& o, const StepSpec& spec, uint6
   const Inputs in(T, seed);
   const int topk = std::max(1, model.layers[0].indexer.index_topk);
   Result r{HostBuffer(DType::f32, {T, kHq, kRank}), HostBuffer(DType::i32, {T, topk})};
-  poison(r.out.view());
+  test::poison(r.out.view());
   std::fill_n(r.topk.ptr<int32_t>(), r.topk.numel(), -7);
   s.rt->begin_step(s.batch);
   AttnArgs a = in.args(r.out.view(), r.topk.view());
@@ -189,18 +177,6 @@ Result run(const ModelSpec& model, const Options& o, const StepSpec& spec, uint6
   s.rt->forward(0, a);
   s.rt->end_step();
   return r;
-}
-
-void expect_close(const TensorView& got, const TensorView& want, double tol, const std::string& what) {
-  ASSERT_EQ(got.numel(), want.numel());
-  int64_t bad = 0;
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    const double g = load_as_float(got.data, got.dtype, i), e = load_as_float(want.data, want.dtype, i);
-    if (!(std::abs(g - e) <= tol * (1.0 + std::abs(e)))) {
-      if (bad++ < 3) ADD_FAILURE() << what << "[" << i << "] = " << g << ", expected " << e;
-    }
-  }
-  EXPECT_EQ(bad, 0) << what;
 }
 
 std::vector<int32_t> row_of(const HostBuffer& topk, int64_t row) {
@@ -387,7 +363,7 @@ TEST(DsaConformance, CpuSelectsTheReferenceKeysAndMatchesItsOutputInEveryMode) {
       int64_t differ = 0;
       for (int64_t t = 0; t < T; ++t) differ += row_of(ref.topk, t) != row_of(cpu.topk, t);
       EXPECT_EQ(differ, 0) << "tokens whose selection differs";
-      expect_close(cpu.out.view(), ref.out.view(), 2e-4, "out");
+      test::expect_close(cpu.out.view(), ref.out.view(), 2e-4, "out");
     }
   }
 }
@@ -401,7 +377,7 @@ TEST(DsaConformance, TopkOfEveryKeyEqualsDenseMla) {
     EXPECT_EQ(std::memcmp(sparse.out.data(), dense.out.data(), sparse.out.bytes()), 0)
         << "reference DSA over every key differs from dense MLA";
     const Result cpu_sparse = run(dsa_model(1024), options_for("cpu", 1), m.spec, 9);
-    expect_close(cpu_sparse.out.view(), dense.out.view(), 2e-4, "cpu DSA vs dense");
+    test::expect_close(cpu_sparse.out.view(), dense.out.view(), 2e-4, "cpu DSA vs dense");
   }
 }
 
