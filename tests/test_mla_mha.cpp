@@ -21,7 +21,10 @@
 namespace attnrt {
 namespace {
 
+using test::expect_close;
 using test::expect_error;
+using test::fill_normal;
+using test::poison;
 
 constexpr int kHq = 4, kRank = 512, kRope = 64, kNope = 128, kV = 128;
 constexpr int kQk = kNope + kRope, kRow = kRank + kRope;
@@ -32,17 +35,6 @@ LayerSpec mla_layer(int id) {
   l.mha_v_head_dim = kV;
   l.scaling = 1.f / std::sqrt(static_cast<float>(kQk));
   return l;
-}
-
-float nan_f() { return std::numeric_limits<float>::quiet_NaN(); }
-
-void fill_normal(const TensorView& t, std::mt19937& rng) {
-  std::normal_distribution<float> d(0.f, 1.f);
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, d(rng));
-}
-
-void poison(const TensorView& t) {
-  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, nan_f());
 }
 
 // One step of a batch of requests (prefix p_i, extend e_i) on a runtime whose latent pool holds
@@ -111,18 +103,6 @@ void run_mha(AttentionRuntime& rt, const sim::MlaWeights& w, const TensorView& q
     rt.forward_mla_prefix_chunk(0, c, {.q = q, .k = kc.view(), .v = vc.view(), .out = out,
                                        .lse = lse});
   }
-}
-
-void expect_close(const TensorView& got, const TensorView& want, double tol, const char* what) {
-  ASSERT_EQ(got.numel(), want.numel());
-  int64_t bad = 0;
-  for (int64_t i = 0; i < got.numel(); ++i) {
-    const double g = load_as_float(got.data, got.dtype, i), e = load_as_float(want.data, want.dtype, i);
-    if (!(std::abs(g - e) <= tol * (1.0 + std::abs(e)))) {
-      if (bad++ < 3) ADD_FAILURE() << what << "[" << i << "] = " << g << ", expected " << e;
-    }
-  }
-  EXPECT_EQ(bad, 0) << what;
 }
 
 struct Result {

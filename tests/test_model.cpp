@@ -77,6 +77,7 @@ TEST(ModelPresets, EveryPresetValidatesWithItsPublishedShape) {
       {"mistral-7b", 32, 32, 32, 8, 128, 128},
       {"gemma3-12b", 48, 48, 16, 8, 256, 256},
       {"deepseek-v3", 61, 61, 128, 1, 576, 512},
+      {"deepseek-v3.2", 61, 61, 128, 1, 576, 512},
       {"qwen3-next-80b", 48, 12, 16, 2, 256, 256},
       {"kimi-linear-48b", 27, 7, 32, 1, 576, 512},
       {"nemotron-h-8b", 28, 4, 32, 8, 128, 128},

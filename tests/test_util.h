@@ -6,12 +6,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <initializer_list>
 #include <iterator>
+#include <limits>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -89,6 +91,34 @@ inline HostBuffer random_buffer(DType dtype, std::initializer_list<int64_t> shap
     store_from_float(b.data(), dtype, static_cast<size_t>(i), dist(rng));
   }
   return b;
+}
+
+// Fills t (any float dtype) with N(0, 1) samples of rng.
+inline void fill_normal(const TensorView& t, std::mt19937& rng) {
+  std::normal_distribution<float> d(0.f, 1.f);
+  for (int64_t i = 0; i < t.numel(); ++i) store_from_float(t.data, t.dtype, i, d(rng));
+}
+
+// Fills t with NaN, so that an element a call should write and does not shows up.
+inline void poison(const TensorView& t) {
+  for (int64_t i = 0; i < t.numel(); ++i) {
+    store_from_float(t.data, t.dtype, i, std::numeric_limits<float>::quiet_NaN());
+  }
+}
+
+// Every element of got within tol * (1 + |want|) of want (NaN fails); names the first few.
+inline void expect_close(const TensorView& got, const TensorView& want, double tol,
+                         const std::string& what) {
+  ASSERT_EQ(got.numel(), want.numel());
+  int64_t bad = 0;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const double g = load_as_float(got.data, got.dtype, i);
+    const double e = load_as_float(want.data, want.dtype, i);
+    if (!(std::abs(g - e) <= tol * (1.0 + std::abs(e)))) {
+      if (bad++ < 3) ADD_FAILURE() << what << "[" << i << "] = " << g << ", expected " << e;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what;
 }
 
 // A model of `layers`: activations of `dtype`, sequences of up to `max_context_len` tokens.

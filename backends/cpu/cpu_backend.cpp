@@ -153,6 +153,7 @@ void CpuBackend::init_forward_metadata(const ForwardBatch& batch) {
     for (const LayerSpec& layer : ctx_.model->layers) {
       if (!layer.uses_kv_cache()) continue;
       if (!layer.causal() && layer.sliding_window >= 0) continue;  // rejected at forward
+      if (layer.has_indexer()) continue;  // DSA: a work list per call, over the selected keys
       const KVLayerView kv = ctx_.kv_cache->layer(layer.layer_id);
       const VariantKey key = key_of(layer, kv);
       if (find_variant(key) != nullptr) continue;
@@ -333,18 +334,6 @@ void CpuBackend::attend(const AttnArgs& args, const LayerSpec& layer, const Forw
   const KVLayerView kv = check_host_attn_call("cpu", ctx_, planned, args, layer, batch);
   if (reqs_.empty()) return;
 
-  const VariantKey key = key_of(layer, kv);
-  const Variant* var = find_variant(key);
-  if (var == nullptr) {
-    // A layer outside ctx.model (or a model given no KV cache at plan time): planned once, then
-    // shared by the step's later layers of the same shape.
-    variants_.push_back(build_variant(key, kv, layer.layer_id));
-    var = &variants_.back();
-  }
-  if (args.save_kv && !args.k.empty()) {
-    ctx_.kv_cache->store_step_kv(layer.layer_id, args.k, args.v);
-  }
-
   cpu::LayerArgs a;
   set_io(a, args.q, args.out, args.lse);
   a.sinks = args.sinks;
@@ -364,8 +353,48 @@ void CpuBackend::attend(const AttnArgs& args, const LayerSpec& layer, const Forw
   a.softcap = layer.logit_cap;
   a.window = layer.sliding_window;
   a.causal = layer.causal();
+  if (layer.has_indexer()) {
+    attend_dsa(args, layer, kv, a);
+    return;
+  }
 
+  const VariantKey key = key_of(layer, kv);
+  const Variant* var = find_variant(key);
+  if (var == nullptr) {
+    // A layer outside ctx.model (or a model given no KV cache at plan time): planned once, then
+    // shared by the step's later layers of the same shape.
+    variants_.push_back(build_variant(key, kv, layer.layer_id));
+    var = &variants_.back();
+  }
+  if (args.save_kv && !args.k.empty()) {
+    ctx_.kv_cache->store_step_kv(layer.layer_id, args.k, args.v);
+  }
   run_variant(a, *var, reqs_, var->slots.empty() ? slots_ : var->slots, kv.slot_map != nullptr);
+}
+
+void CpuBackend::attend_dsa(const AttnArgs& args, const LayerSpec& layer, const KVLayerView& kv,
+                            cpu::LayerArgs& a) {
+  // Every key slot the selection may name, range-checked before anything is stored.
+  for (int32_t s : slots_) {
+    ATTNRT_CHECK(s >= 0 && s < kv.num_rows,
+                 "cpu backend: a request row holds slot {}; layer {} KV rows are [0, {})", s,
+                 layer.layer_id, kv.num_rows);
+  }
+  if (args.save_kv && !args.k.empty()) {
+    ctx_.kv_cache->store_step_kv(layer.layer_id, args.k, args.v);
+    ctx_.kv_cache->store_step_index_k(layer.layer_id, args.indexer.k);
+  }
+  const cpu::DsaStep step{.reqs = &reqs_,
+                          .slots = &slots_,
+                          .tree_mask = tree_mask_.data(),
+                          .tree_words = tree_words_,
+                          .num_threads = num_threads_};
+  cpu::select_dsa_keys(step, layer, args.indexer, ctx_.kv_cache->index_keys(layer.layer_id), dsa_);
+  // Each token is a request of one query over its selected keys, all visible (causal, the query
+  // at the last position).
+  VariantKey key = key_of(layer, kv);
+  const Variant var = build_variant(key, kv, layer.layer_id, dsa_.reqs, dsa_.slots);
+  run_variant(a, var, dsa_.reqs, dsa_.slots, false);
 }
 
 void CpuBackend::run_variant(const cpu::LayerArgs& a, const Variant& var,

@@ -15,6 +15,7 @@
 #include "attnrt/backend/host_mla_mha.h"
 #include "attnrt/backend/registry.h"
 #include "attnrt/batch/forward_batch.h"
+#include "backends/cpu/dsa_select.h"
 #include "backends/cpu/kernels/attention_plan.h"
 
 namespace attnrt {
@@ -80,6 +81,10 @@ class CpuBackend final : public OnePathAttnBackend {
   const Variant* find_variant(const VariantKey& key) const;
   bool planned_for(const ForwardBatch& batch) const;
   void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) override;
+  // DSA layers (docs/dsa.md): stores the step's latent rows and index keys, selects every query
+  // token's keys, then runs the single-query kernels over each token's selected keys.
+  void attend_dsa(const AttnArgs& args, const LayerSpec& layer, const KVLayerView& kv,
+                  cpu::LayerArgs& a);
   void run_variant(const cpu::LayerArgs& a, const Variant& var,
                    const std::vector<cpu::RequestInfo>& reqs, const std::vector<int32_t>& slots,
                    bool zero_slot_is_absent);
@@ -110,6 +115,7 @@ class CpuBackend final : public OnePathAttnBackend {
   std::vector<uint8_t> chunk_out_;  // a chunk's output, in the dtype of out
   std::vector<float> chunk_lse_;
   std::vector<float> kv_f32_;       // k / v copied when their layout is not the kernels'
+  cpu::DsaSelection dsa_;           // the selection of the last DSA layer call
 };
 
 // Threads the cpu backend runs: options->num_threads when > 0, else the environment variable

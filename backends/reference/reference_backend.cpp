@@ -5,6 +5,7 @@
 #include <limits>
 #include <memory>
 
+#include "attnrt/backend/dsa.h"
 #include "attnrt/backend/host_attn_checks.h"
 #include "attnrt/backend/host_backend_entry.h"
 #include "attnrt/core/error.h"
@@ -98,7 +99,10 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
 
   if (args.save_kv && !args.k.empty()) {
     ctx_.kv_cache->store_step_kv(layer.layer_id, args.k, args.v);
+    if (layer.has_indexer()) ctx_.kv_cache->store_step_index_k(layer.layer_id, args.indexer.k);
   }
+  const bool dsa = layer.has_indexer();
+  const IndexKeyView index_keys = dsa ? ctx_.kv_cache->index_keys(layer.layer_id) : IndexKeyView{};
 
   const double scale = layer.scaling > 0.f ? double{layer.scaling} : 1.0 / std::sqrt(static_cast<double>(dqk));
   const double qk_scale = scale * kv.k_scale;
@@ -171,6 +175,66 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
       }
     }
 
+    // DSA (docs/dsa.md): the index keys of the request, dequantised.
+    std::vector<double> ikeys;
+    if (dsa) {
+      const int di = index_keys.dim;
+      ikeys.resize(static_cast<size_t>(nkeys) * di);
+      for (int32_t j = 0; j < nkeys; ++j) {
+        const int64_t s = plan_.key_slots[k0 + j];
+        const uint8_t* codes = index_keys.codes(s);
+        const double ks = index_keys.scale(s);
+        for (int d = 0; d < di; ++d) ikeys[static_cast<size_t>(j) * di + d] = e4m3_to_float(codes[d]) * ks;
+      }
+    }
+    // The selection of query t: of the keys `vis` marks, the index_topk of highest index score
+    // (ties: the lower token index), all of them when there are no more; `vis` keeps only those.
+    auto select_keys = [&](int64_t row, std::vector<uint8_t>& vis) {
+      const IndexerSpec& ix = layer.indexer;
+      const int di = ix.index_head_dim;
+      std::vector<float> qh(di), qr(di);
+      std::vector<double> w(ix.index_n_heads);
+      std::vector<std::vector<double>> qd(ix.index_n_heads, std::vector<double>(di));
+      for (int h = 0; h < ix.index_n_heads; ++h) {
+        for (int d = 0; d < di; ++d) {
+          qh[d] = load_as_float(args.indexer.q.data, args.indexer.q.dtype,
+                                offset3(args.indexer.q, row, h, d));
+        }
+        round_index_query(qh.data(), di, qr.data());
+        for (int d = 0; d < di; ++d) qd[h][d] = qr[d];
+        const TensorView& wt = args.indexer.weights;
+        w[h] = load_as_float(wt.data, wt.dtype, row * wt.strides[0] + h * wt.strides[1]);
+      }
+      const double c = index_score_scale(layer);
+      std::vector<std::pair<double, int32_t>> ranked;  // (score, token index)
+      for (int32_t j = 0; j < nkeys; ++j) {
+        if (!vis[j]) continue;
+        const double* kr = ikeys.data() + static_cast<size_t>(j) * di;
+        double score = 0.0;
+        for (int h = 0; h < ix.index_n_heads; ++h) {
+          double dot = 0.0;
+          for (int d = 0; d < di; ++d) dot += qd[h][d] * kr[d];
+          score += w[h] * std::max(dot, 0.0);
+        }
+        ranked.emplace_back(c * score, j);
+      }
+      std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) {
+        return dsa_ranks_before(a.first, a.second, b.first, b.second);
+      });
+      if (ranked.size() > static_cast<size_t>(ix.index_topk)) ranked.resize(ix.index_topk);
+      std::fill(vis.begin(), vis.end(), uint8_t{0});
+      for (const auto& [score, j] : ranked) vis[j] = 1;
+      if (!args.indexer.topk.empty()) {
+        const TensorView& out = args.indexer.topk;
+        int32_t* dst = out.ptr<int32_t>() + row * out.strides[0];
+        int n = 0;
+        for (int32_t j = 0; j < nkeys; ++j) {
+          if (vis[j]) dst[(n++) * out.strides[1]] = j;
+        }
+        for (; n < ix.index_topk; ++n) dst[n * out.strides[1]] = -1;
+      }
+    };
+
     kbuf.resize(static_cast<size_t>(nkeys) * hkv * dqk);
     vbuf.resize(static_cast<size_t>(nkeys) * hkv * dv);
 #pragma omp parallel for schedule(static)
@@ -198,6 +262,7 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
       const int64_t row = l.query_start[i] + t;
       std::vector<uint8_t> vis;
       visible_keys(t, vis);
+      if (dsa) select_keys(row, vis);
       std::vector<double> q(dqk), scores(nkeys), acc(dv);
       const int g = h / group;
       for (int d = 0; d < dqk; ++d) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "attnrt/backend/dsa.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/req_to_token_pool.h"
 
@@ -94,6 +95,7 @@ void check_host_attn_args(std::string_view backend, const AttnArgs& args, const 
                "{} backend: layer {} KV cache holds [{} heads, {} / {} dims]; the layer needs "
                "[{} heads, {} / {} dims]",
                backend, layer.layer_id, kv.kv_heads, kv.head_dim, kv.v_head_dim, hkv, dqk, dv);
+  check_host_indexer_args(backend, args, layer, num_tokens);
 }
 
 }  // namespace

@@ -29,7 +29,7 @@ struct ForeignBackend {
   ForeignRole role;
 };
 
-constexpr std::array<ForeignBackend, 21> kForeignBackends{{
+constexpr std::array<ForeignBackend, 19> kForeignBackends{{
     {"flashinfer", "FlashInfer paged-attention kernels for NVIDIA GPUs", ForeignRole::nvidia_gpu},
     {"triton", "Triton kernels for GPUs", ForeignRole::nvidia_gpu},
     {"fa3", "FlashAttention-3 kernels for Hopper GPUs", ForeignRole::nvidia_gpu},
@@ -42,8 +42,6 @@ constexpr std::array<ForeignBackend, 21> kForeignBackends{{
     {"cutedsl_mla", "CuTe-DSL MLA kernels for Blackwell GPUs", ForeignRole::nvidia_gpu},
     {"dual_chunk_flash_attn", "dual-chunk attention for long-context Qwen models",
      ForeignRole::nvidia_gpu},
-    {"nsa", "native sparse attention for DeepSeek-V3.2", ForeignRole::nvidia_gpu},
-    {"dsa", "DeepSeek sparse attention for DeepSeek-V3.2", ForeignRole::nvidia_gpu},
     {"torch_native", "PyTorch scaled_dot_product_attention", ForeignRole::gpu_or_cpu},
     {"flex_attention", "PyTorch FlexAttention", ForeignRole::gpu_or_cpu},
     {"intel_amx", "Intel AMX kernels for Xeon CPUs", ForeignRole::cpu},
@@ -52,6 +50,19 @@ constexpr std::array<ForeignBackend, 21> kForeignBackends{{
     {"ascend", "Huawei Ascend NPU kernels", ForeignRole::other_hardware},
     {"intel_xpu", "Intel GPU kernels", ForeignRole::other_hardware},
     {"cutedsl", "CuTe-DSL linear-attention kernels", ForeignRole::linear_kernels},
+}};
+
+// The reference engine's DSA kernel backends (its --nsa-prefill-backend / --nsa-decode-backend).
+constexpr std::array<std::pair<std::string_view, std::string_view>, 9> kForeignDsaBackends{{
+    {"flashmla_sparse", "FlashMLA's sparse MLA kernels (bf16 latent, prefill)"},
+    {"flashmla_kv", "FlashMLA's sparse decode kernels over the fp8 latent cache"},
+    {"flashmla_auto", "the choice between flashmla_sparse and flashmla_kv"},
+    {"flashmla_prefill", "FlashMLA's sparse prefill kernels (older name)"},
+    {"flashmla_decode", "FlashMLA's sparse decode kernels (older name)"},
+    {"fa3", "FlashAttention-3 over the selected keys"},
+    {"tilelang", "TileLang sparse MLA kernels"},
+    {"aiter", "AMD ROCm sparse MLA kernels"},
+    {"trtllm", "TensorRT-LLM sparse MLA kernels for Blackwell"},
 }};
 
 const ForeignBackend* find_foreign(const std::string& name) {
@@ -104,6 +115,8 @@ struct ModelNeeds {
   size_t num_layers = 0;
   std::vector<int> attention_layers;  // layers with a KV cache
   std::vector<int> window_layers, softcap_layers, sink_layers, mla_layers, non_causal_layers;
+  std::vector<int> dsa_layers;
+  int dsa_topk = 0;  // index_topk of the first DSA layer
   // (layer kind, layer ids) for each linear kind the model has, in LayerKind order.
   std::vector<std::pair<LayerKind, std::vector<int>>> linear;
 
@@ -125,6 +138,10 @@ struct ModelNeeds {
       if (l.logit_cap > 0.f) softcap_layers.push_back(l.layer_id);
       if (l.has_sinks) sink_layers.push_back(l.layer_id);
       if (l.kind == LayerKind::mla) mla_layers.push_back(l.layer_id);
+      if (l.has_indexer()) {
+        if (dsa_layers.empty()) dsa_topk = l.indexer.index_topk;
+        dsa_layers.push_back(l.layer_id);
+      }
       if (!l.causal()) non_causal_layers.push_back(l.layer_id);
     }
     std::sort(linear.begin(), linear.end(),
@@ -185,6 +202,7 @@ std::optional<Problem> first_problem(const BackendEntry& entry, const Requiremen
         {needs.softcap_layers, caps.softcap, "logit soft-capping"},
         {needs.sink_layers, caps.sinks, "attention sinks"},
         {needs.mla_layers, caps.mla, "MLA (multi-head latent attention)"},
+        {needs.dsa_layers, caps.dsa, "DSA (DeepSeek sparse attention: indexer and top-k)"},
         {needs.non_causal_layers, caps.non_causal, "non-causal (bidirectional) attention"},
     };
     for (const Feature& f : features) {
@@ -267,6 +285,12 @@ struct Role {
 
 [[noreturn]] void fail_unknown(const Registry& registry, const std::string& flag,
                                const std::string& name) {
+  if (name == "dsa" || name == "nsa") {
+    fail("{} {}: '{}' routes the two phases of a DSA model to their backends; name it with "
+         "--attention-backend {} and choose the phases' backends with --dsa-prefill-backend / "
+         "--dsa-decode-backend",
+         flag, name, name, name);
+  }
   std::string note = foreign_backend_note(name);
   if (!note.empty()) {
     fail("{} {}: {} Registered attnrt backends: {}.", flag, name, note,
@@ -433,6 +457,82 @@ void resolve_pair(const Registry& registry, const std::string& common_flag,
   }
 }
 
+// The phase options of the attention layers after the DSA rule (docs/dsa.md "Options"): a model
+// with an indexer runs DSA when --attention-backend is dsa, nsa (deprecated) or unset, its phases
+// then taken from --dsa-prefill-backend / --dsa-decode-backend (else the phase options, else
+// auto among the backends that serve DSA). Records the choice in sel.reasons, sel.dsa and
+// sel.warnings; throws for a DSA name without an indexer, for DSA options beside another named
+// backend, and for the reference engine's DSA kernel names.
+struct DsaPhases {
+  std::string common, prefill, decode;
+  std::string prefill_flag = "--prefill-attention-backend";
+  std::string decode_flag = "--decode-attention-backend";
+};
+
+DsaPhases resolve_dsa(const Options& o, const ModelNeeds& needs, const Registry& registry,
+                      Selection& sel) {
+  DsaPhases p{o.attention_backend, o.prefill_attention_backend, o.decode_attention_backend};
+  const bool named = o.attention_backend == "dsa" || o.attention_backend == "nsa";
+  if (o.attention_backend == "nsa") {
+    sel.warnings.push_back(
+        "--attention-backend nsa is deprecated: use --attention-backend dsa (the same DSA "
+        "router)");
+    sel.reasons.push_back("warning: " + sel.warnings.back());
+  }
+  const bool has_indexer = !needs.dsa_layers.empty();
+  if (named) {
+    ATTNRT_CHECK(has_indexer,
+                 "--attention-backend {}: model '{}' has no indexer (no layer with index_topk), "
+                 "so there is no sparse attention to route; leave --attention-backend unset or "
+                 "name a backend ({})",
+                 o.attention_backend, needs.model_name, fmt::join(registry.names(), ", "));
+  }
+  const std::pair<const char*, const std::string*> dsa_opts[] = {
+      {"--dsa-prefill-backend", &o.dsa_prefill_backend},
+      {"--dsa-decode-backend", &o.dsa_decode_backend}};
+  std::vector<std::string> dsa_names;
+  for (const BackendEntry& e : registry.entries()) {
+    if (e.caps.dsa && unavailable_reason(e).empty()) dsa_names.push_back(e.name);
+  }
+  for (const auto& [flag, value] : dsa_opts) {
+    if (value->empty()) continue;
+    if (!registry.find(*value)) {
+      const std::string note = foreign_dsa_backend_note(*value, dsa_names);
+      if (!note.empty()) fail("{} {}: {}", flag, *value, note);
+      fail_unknown(registry, flag, *value);
+    }
+    if (!has_indexer) {
+      sel.reasons.push_back(fmt::format("{} {} has no effect: model '{}' has no indexer (DSA)",
+                                        flag, *value, needs.model_name));
+    } else if (!named && !o.attention_backend.empty()) {
+      fail("{} {}: --attention-backend {} names the backend of every phase; choose the DSA "
+           "phases' backends with --attention-backend dsa (or unset) instead",
+           flag, *value, o.attention_backend);
+    }
+  }
+  if (!has_indexer || (!named && !o.attention_backend.empty())) return p;
+  sel.dsa = true;
+  p.common.clear();
+  if (!o.dsa_prefill_backend.empty()) {
+    p.prefill = o.dsa_prefill_backend;
+    p.prefill_flag = "--dsa-prefill-backend";
+  }
+  if (!o.dsa_decode_backend.empty()) {
+    p.decode = o.dsa_decode_backend;
+    p.decode_flag = "--dsa-decode-backend";
+  }
+  sel.reasons.push_back(fmt::format(
+      "dsa: on ({}) — model '{}' has an indexer ({}; index_topk {}): every query token attends "
+      "only to the keys its indexer selects (docs/dsa.md); the phases' backends come from "
+      "--dsa-prefill-backend / --dsa-decode-backend, else the phase options, else auto among "
+      "the backends that serve DSA ({})",
+      named ? fmt::format("--attention-backend {}", o.attention_backend)
+            : std::string("auto: --attention-backend unset"),
+      needs.model_name, describe_layers(needs.dsa_layers, needs.num_layers),
+      needs.dsa_topk, fmt::join(dsa_names, ", ")));
+  return p;
+}
+
 int max_tree_draft_tokens(int steps, int topk) {
   // The draft stage scores topk candidates at its first step and topk*topk at every later one,
   // and the verify block keeps the best num_draft_tokens - 1 of them plus the root.
@@ -534,6 +634,19 @@ void check_devices(const Registry& registry, const std::vector<const Role*>& rol
 
 }  // namespace
 
+std::string foreign_dsa_backend_note(const std::string& name,
+                                     const std::vector<std::string>& dsa_backends) {
+  for (const auto& [foreign, what] : kForeignDsaBackends) {
+    if (foreign != name) continue;
+    return fmt::format(
+        "'{}' is a DSA kernel backend of the reference serving engine ({}), not of attnrt. In "
+        "attnrt the DSA phases run on attnrt backends that serve DSA: {} here (the cuda "
+        "backend has no DSA kernels yet). Leave the option unset to auto-select.",
+        name, what, dsa_backends.empty() ? std::string("none") : join_or(dsa_backends));
+  }
+  return "";
+}
+
 std::string foreign_backend_note(const std::string& name) {
   const ForeignBackend* f = find_foreign(name);
   if (!f) return "";
@@ -608,9 +721,10 @@ Selection resolve_backends(const Options& o, const ModelSpec& model, const Regis
   };
   Role prefill = make_role("prefill", true, !verify_on_decode);
   Role decode = make_role("decode", true, verify_on_decode);
-  resolve_pair(registry, "--attention-backend", o.attention_backend, "--prefill-attention-backend",
-               o.prefill_attention_backend, "--decode-attention-backend",
-               o.decode_attention_backend, prefill, decode, needs, model, cuda, sel.reasons);
+  const DsaPhases phases = resolve_dsa(o, needs, registry, sel);
+  resolve_pair(registry, "--attention-backend", phases.common, phases.prefill_flag, phases.prefill,
+               phases.decode_flag, phases.decode, prefill, decode, needs, model, cuda,
+               sel.reasons);
 
   // Verify problems can also be fixed by moving verify to the other phase.
   auto verify_fixes = [&](const Role& other, const Role& self) {

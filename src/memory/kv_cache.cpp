@@ -16,6 +16,16 @@ void KVCache::set_kv_scales(int layer_id, float, float) {
   fail("this KV cache does not take per-layer KV scales (layer {})", layer_id);
 }
 
+IndexKeyView KVCache::index_keys(int layer_id) const {
+  fail("this KV cache keeps no DSA index keys (layer {}); DSA layers are served by the host "
+       "backends (cpu, reference)",
+       layer_id);
+}
+
+void KVCache::store_step_index_k(int layer_id, const TensorView&) {
+  (void)index_keys(layer_id);
+}
+
 void KVCache::bind_layer_storage(int layer_id, void*, void*) {
   fail("this KV cache cannot read an engine's own buffers (layer {})", layer_id);
 }
@@ -169,11 +179,12 @@ class HostKVCache final : public KVCache {
         check_("KV cache", full_rows, map_) {
     using Shape = std::tuple<bool, int, int, int>;  // (swa, kv heads, head dim, v head dim)
     std::map<Shape, std::vector<LayerSpec>> groups;
-    std::vector<LayerSpec> mla;
+    std::vector<LayerSpec> mla, dsa;
     int max_id = -1;
     for (const LayerSpec& l : model.layers) {
       max_id = std::max(max_id, l.layer_id);
       if (!l.uses_kv_cache()) continue;
+      if (l.has_indexer()) dsa.push_back(l);
       if (l.kind == LayerKind::mla) {
         mla.push_back(l);
         continue;
@@ -200,6 +211,7 @@ class HostKVCache final : public KVCache {
       pools_.push_back(std::make_unique<MLATokenToKVPool>(full_rows, dtype_, mla));
       for (const LayerSpec& l : mla) entries_[l.layer_id].pool = pools_.back().get();
     }
+    if (!dsa.empty()) index_keys_ = std::make_unique<IndexKeyPool>(full_rows, page_size_, dsa);
     if (map_ != nullptr) {
       ATTNRT_CHECK(config.max_num_tokens >= 1,
                    "KV cache: max_num_tokens {} is invalid; it sizes the per-step SWA write-slot "
@@ -256,6 +268,29 @@ class HostKVCache final : public KVCache {
     entry(layer_id).pool->set_scales(layer_id, k_scale, v_scale);
   }
 
+  IndexKeyView index_keys(int layer_id) const override {
+    entry(layer_id);
+    ATTNRT_CHECK(index_keys_ != nullptr && index_keys_->holds(layer_id),
+                 "KV cache: layer {} has no indexer, so no index-key cache", layer_id);
+    return index_keys_->layer(layer_id);
+  }
+
+  void store_step_index_k(int layer_id, const TensorView& k) override {
+    index_keys(layer_id);
+    ATTNRT_CHECK(step_tokens_ >= 0,
+                 "store_step_index_k(layer {}): no step has begun; call begin_step(batch) first",
+                 layer_id);
+    index_keys_->store(layer_id, std::span<const int64_t>(step_loc_, static_cast<size_t>(step_tokens_)),
+                       k);
+  }
+
+  // The index keys move with the latent rows.
+  void copy_rows(std::span<const int> layers,
+                 std::span<const std::pair<int64_t, int64_t>> moves) override {
+    KVCache::copy_rows(layers, moves);
+    if (index_keys_ != nullptr) index_keys_->copy_rows(layers, moves);
+  }
+
   void bind_layer_storage(int layer_id, void* k, void* v) override {
     const Entry& e = entry(layer_id);
     ATTNRT_CHECK(!e.swa,
@@ -294,6 +329,7 @@ class HostKVCache final : public KVCache {
   std::vector<std::unique_ptr<TokenToKVPool>> pools_;
   std::vector<Entry> entries_;    // by layer id
   std::vector<int64_t> swa_loc_;  // [max_num_tokens], allocated once
+  std::unique_ptr<IndexKeyPool> index_keys_;  // DSA layers' index keys; null without any
   const int64_t* step_loc_ = nullptr;
   int64_t step_tokens_ = -1;  // -1: no valid step
   StepSlotCheck check_;

@@ -40,6 +40,7 @@ constexpr ModelType kModelTypes[] = {
     {"gemma3_text", Family::gemma3}, {"phi3", Family::mistral},    {"gpt_oss", Family::gpt_oss},
     {"deepseek_v2", Family::mla},    {"deepseek_v3", Family::mla}, {"qwen3_next", Family::qwen3_next},
     {"kimi_linear", Family::kimi_linear}, {"nemotron_h", Family::nemotron_h},
+    {"deepseek_v32", Family::mla},
 };
 
 std::string supported_types() {
@@ -290,11 +291,23 @@ std::vector<int> one_based_ids(const Fields& obj, const char* key, int num_layer
   return ids;
 }
 
-// deepseek_v2 / deepseek_v3: every layer is MLA (the dense / MoE split is the MLP's business).
+// deepseek_v2 / deepseek_v3 / deepseek_v32: every layer is MLA (the dense / MoE split is the MLP's
+// business). A config with `index_topk` (DeepSeek-V3.2: model_type deepseek_v32, architecture
+// DeepseekV32ForCausalLM; the reference engine also takes a DeepseekV3ForCausalLM that has one)
+// gives every layer an indexer (DSA) of index_n_heads x index_head_dim.
 ModelSpec load_mla_model(const Fields& f, std::string_view origin) {
   ModelSpec spec;
   const int n = positive(f, "num_hidden_layers", origin);
-  for (int i = 0; i < n; ++i) spec.layers.push_back(mla_layer(f, i, origin));
+  IndexerSpec indexer;
+  if (f.has("index_topk")) {
+    indexer.index_topk = positive(f, "index_topk", origin);
+    indexer.index_n_heads = positive(f, "index_n_heads", origin);
+    indexer.index_head_dim = positive(f, "index_head_dim", origin);
+  }
+  for (int i = 0; i < n; ++i) {
+    spec.layers.push_back(mla_layer(f, i, origin));
+    spec.layers.back().indexer = indexer;
+  }
   return spec;
 }
 

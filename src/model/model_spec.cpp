@@ -60,6 +60,13 @@ bool ModelSpec::has_linear_layers() const {
   return false;
 }
 
+bool ModelSpec::has_indexer() const {
+  for (const auto& l : layers) {
+    if (l.has_indexer()) return true;
+  }
+  return false;
+}
+
 bool ModelSpec::has_sliding_window() const {
   for (const auto& l : layers) {
     if (l.sliding_window >= 0) return true;
@@ -119,6 +126,16 @@ void validate_attention_layer(const std::string& name, const LayerSpec& l) {
                 "qk_nope_head_dim = {}, mha_v_head_dim = {}; both must be >= 0 (0 = no MHA form)",
                 l.qk_nope_head_dim, l.mha_v_head_dim);
   }
+  const IndexerSpec& ix = l.indexer;
+  if (ix.index_topk == 0 && ix.index_n_heads == 0 && ix.index_head_dim == 0) return;
+  LAYER_CHECK(l.kind == LayerKind::mla,
+              "index_topk = {}; an indexer (DSA) belongs to an mla layer only", ix.index_topk);
+  LAYER_CHECK(ix.index_topk > 0 && ix.index_n_heads > 0 && ix.index_head_dim > 0,
+              "indexer index_topk = {}, index_n_heads = {}, index_head_dim = {}; a DSA layer needs "
+              "all three > 0 (or all 0 for no indexer)",
+              ix.index_topk, ix.index_n_heads, ix.index_head_dim);
+  LAYER_CHECK(l.causal(), "index_topk = {}; the indexer selects among earlier tokens, so a DSA "
+              "layer must be causal (attn_type decoder)", ix.index_topk);
 }
 
 void validate_linear_layer(const std::string& name, const LayerSpec& l) {

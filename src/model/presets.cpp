@@ -89,6 +89,17 @@ ModelSpec deepseek_v3() {
   return m;
 }
 
+ModelSpec deepseek_v32() {
+  // deepseek-ai/DeepSeek-V3.2-Exp: the attention of DeepSeek-V3 (above) with an indexer on every
+  // layer (DSA): index_topk 2048, index_n_heads 64, index_head_dim 128.
+  ModelSpec m = deepseek_v3();
+  m.name = "deepseek-v3.2";
+  for (LayerSpec& l : m.layers) {
+    l.indexer = {.index_topk = 2048, .index_n_heads = 64, .index_head_dim = 128};
+  }
+  return m;
+}
+
 ModelSpec qwen3_next_80b() {
   // Qwen/Qwen3-Next-80B-A3B-Instruct: num_hidden_layers 48, full_attention_interval 4 (layers
   // 3, 7, ..., 47 are full attention), num_attention_heads 16, num_key_value_heads 2, head_dim 256;
@@ -176,6 +187,7 @@ constexpr Preset kPresets[] = {
     {"mistral-7b", mistral_7b},
     {"gemma3-12b", gemma3_12b},
     {"deepseek-v3", deepseek_v3},
+    {"deepseek-v3.2", deepseek_v32},
     {"qwen3-next-80b", qwen3_next_80b},
     {"kimi-linear-48b", kimi_linear_48b},
     {"nemotron-h-8b", nemotron_h_8b},

@@ -117,6 +117,7 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
   model_.validate();
   check_config(config_);
   selection_ = resolve_backends(options_, model_);
+  for (const std::string& w : selection_.warnings) fmt::print(stderr, "attnrt: warning: {}\n", w);
 
   for (size_t i = 0; i < model_.layers.size(); ++i) {
     const int id = model_.layers[i].layer_id;

@@ -14,8 +14,10 @@ void add_backend_options(CLI::App& cmd, Options& options) {
       "Which attention backends serve each phase, and how the KV cache is laid "
       "out (see docs/backends.md)");
   g->add_option("--attention-backend", options.attention_backend,
-                fmt::format("Backend for every phase: {}. Unset: auto-select (cuda on a Hopper "
-                            "GPU, else cpu; never reference)",
+                fmt::format("Backend for every phase: {}, or dsa (alias nsa, deprecated): the "
+                            "DSA router of models with an indexer. Unset: auto-select (cuda on a "
+                            "Hopper GPU, else cpu; never reference; dsa for a model with an "
+                            "indexer)",
                             names));
   g->add_option("--prefill-attention-backend", options.prefill_attention_backend,
                 "Backend for EXTEND and MIXED steps (and verify/draft extend with "
@@ -49,6 +51,13 @@ void add_backend_options(CLI::App& cmd, Options& options) {
                 "Tokens per verify block, the root included. A chain needs exactly num_steps + 1 "
                 "(the default when unset); a tree needs it set")
       ->check(CLI::NonNegativeNumber);
+  g->add_option("--dsa-prefill-backend", options.dsa_prefill_backend,
+                "DSA models (an indexer, e.g. deepseek-v3.2): backend for the prefill phase of "
+                "--attention-backend dsa (alias nsa, deprecated), which is on by default for "
+                "them. Unset: --prefill-attention-backend, else auto among the DSA backends");
+  g->add_option("--dsa-decode-backend", options.dsa_decode_backend,
+                "DSA models: backend for the decode phase of --attention-backend dsa. Unset: "
+                "--decode-attention-backend, else auto among the DSA backends");
   g->add_option("--linear-attn-backend", options.linear_attn_backend,
                 "Backend for the linear-attention layers (GDN, Mamba2, KDA) of hybrid models. "
                 "Unset: auto-select");

@@ -127,6 +127,7 @@ const std::vector<MatrixRow>& matrix_rows() {
       {"softcap", [](const BackendEntry& e) { return yes_no(e.caps.softcap); }},
       {"sinks", [](const BackendEntry& e) { return yes_no(e.caps.sinks); }},
       {"MLA", [](const BackendEntry& e) { return yes_no(e.caps.mla); }},
+      {"DSA", [](const BackendEntry& e) { return yes_no(e.caps.dsa); }},
       {"non-causal", [](const BackendEntry& e) { return yes_no(e.caps.non_causal); }},
       {"CUDA graphs", [](const BackendEntry& e) { return yes_no(e.caps.cuda_graphs); }},
       {"linear kinds", [](const BackendEntry& e) { return kinds_text(e.caps.linear_kinds); }},
@@ -171,6 +172,7 @@ json caps_json(const BackendCaps& c) {
           {"softcap", c.softcap},
           {"sinks", c.sinks},
           {"mla", c.mla},
+          {"dsa", c.dsa},
           {"non_causal", c.non_causal},
           {"cuda_graphs", c.cuda_graphs},
           {"linear_kinds", kinds}};

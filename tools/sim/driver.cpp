@@ -190,6 +190,10 @@ ModelSpec layers_to_run(const ModelSpec& model, int layers, bool on_host,
                         std::vector<std::string>& notes) {
   ATTNRT_CHECK(layers >= -1, "--layers = {}; use a layer count >= 1, 0 (all) or leave it unset",
                layers);
+  ATTNRT_CHECK(!model.has_indexer(),
+               "attnrt run: model '{}' has DSA layers (an indexer); the simulator does not make "
+               "indexer inputs yet, so DSA runs through the library API only (docs/dsa.md)",
+               model.name);
   ModelSpec m = model;
   size_t keep = model.layers.size();
   std::string why;

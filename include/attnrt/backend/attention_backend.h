@@ -29,6 +29,21 @@ struct BackendContext {
   Device device;
 };
 
+// The indexer inputs of a DSA layer's call (docs/dsa.md), empty for every other layer. T = tokens
+// of the step, Hi = index_n_heads, Di = index_head_dim; float tensors (fp32 / fp16 / bf16), any
+// strides, on the backend's device.
+//   q        [T, Hi, Di] index queries (after the model's RoPE and Hadamard rotation)
+//   k        [T, Di] the step's index keys, stored (fp8 + scale per token) at out_cache_loc with
+//            the latent rows; empty when the latent rows are not stored (k empty or !save_kv)
+//   weights  [T, Hi] the per-head weights (weights_proj(x), before any scaling)
+//   topk     optional int32 [T, index_topk]: the selection of every query token, the token indices
+//            (positions in its request's row) in increasing order, -1 after the last
+struct IndexerArgs {
+  TensorView q, k, weights;
+  TensorView topk;
+  bool empty() const { return q.empty() && k.empty() && weights.empty() && topk.empty(); }
+};
+
 // One layer's call. q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv], out [T, Hq, Dv] (T = tokens of
 // the step). k and v are both empty when the step's K/V were already stored (cross-layer KV sharing):
 // the backend then reads them from the pool at out_cache_loc.
@@ -37,6 +52,7 @@ struct AttnArgs {
   const float* sinks = nullptr;  // [Hq] sink logits when the layer has sinks
   TensorView lse;                // optional [T, Hq] fp32: log-sum-exp of each row (natural log)
   bool save_kv = true;
+  IndexerArgs indexer;           // DSA layers only (LayerSpec::has_indexer)
 };
 
 // One linear-attention layer's call (reference-semantics §2.3, §8.8, §8.9). T = tokens of the step.

@@ -10,7 +10,8 @@
 
 namespace attnrt {
 
-// The cpu device, any page size and head dim, every KV dtype, every feature (claim_every_feature),
+// The cpu device, any page size and head dim, every KV dtype, every feature (claim_every_feature,
+// and DSA),
 // no CUDA graphs, always available. Full serves the full-attention layers, Linear the linear ones.
 template <class Full, class Linear>
 BackendEntry host_backend_entry(std::string name, std::string summary, bool auto_selectable) {
@@ -20,6 +21,7 @@ BackendEntry host_backend_entry(std::string name, std::string summary, bool auto
   e.caps.devices = {DeviceKind::cpu};
   e.caps.kv_dtypes = {DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2};
   claim_every_feature(e.caps);
+  e.caps.dsa = true;  // not claimed by every built-in backend yet (cuda has no DSA kernels)
   e.caps.cuda_graphs = false;
   e.auto_selectable = auto_selectable;
   e.unavailable_reason = [] { return std::string(); };

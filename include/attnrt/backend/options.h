@@ -16,6 +16,11 @@ struct Options {
   int speculative_num_steps = 0;          // 0 = speculative decoding off
   int speculative_eagle_topk = 0;         // 0 = unset
   int speculative_num_draft_tokens = 0;   // 0 = unset
+  // DSA models (an indexer, docs/dsa.md): with attention_backend "dsa" (or "nsa", deprecated) or
+  // unset, the backends of the two phases; "" = prefill / decode_attention_backend, else auto
+  // among the backends that serve DSA.
+  std::string dsa_prefill_backend;
+  std::string dsa_decode_backend;
   std::string linear_attn_backend;        // "" = auto
   std::string linear_attn_prefill_backend;
   std::string linear_attn_decode_backend;

@@ -26,6 +26,7 @@ struct BackendCaps {
   bool softcap = false;
   bool sinks = false;
   bool mla = false;
+  bool dsa = false;  // DSA layers (MLA with an indexer, docs/dsa.md)
   bool non_causal = false;
   bool cuda_graphs = false;
   std::vector<LayerKind> linear_kinds;  // gdn / mamba2 / kda served by this backend

@@ -45,6 +45,11 @@ struct Selection {
   // The chosen entries, attention first; those not resolved are left out.
   std::vector<const BackendEntry*> entries() const;
   std::vector<std::string> reasons;  // one line per choice: what was chosen and why
+  // DSA is on: the model has an indexer and the phases run the DSA backends of
+  // --dsa-prefill-backend / --dsa-decode-backend (docs/dsa.md).
+  bool dsa = false;
+  // Options that still work but should change (a deprecated name); the runtime prints them.
+  std::vector<std::string> warnings;
 };
 
 // Validates the options against the model, the machine and the backends' caps before anything is
@@ -67,5 +72,11 @@ std::unique_ptr<AttentionBackend> create_backend(const Selection& selection,
 // When `name` is a backend of the reference serving engine that attnrt does not have, a sentence
 // saying so and naming the attnrt backend that plays its role; "" for any other name.
 std::string foreign_backend_note(const std::string& name);
+
+// The same for the reference engine's DSA kernel backends (--nsa-prefill-backend /
+// --nsa-decode-backend values: flashmla_sparse, flashmla_kv, fa3, ...), naming the attnrt
+// backends in `dsa_backends` that serve DSA instead; "" for any other name.
+std::string foreign_dsa_backend_note(const std::string& name,
+                                     const std::vector<std::string>& dsa_backends);
 
 }  // namespace attnrt

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attnrt/core/tensor.h"
+#include "attnrt/memory/index_key_cache.h"
 #include "attnrt/memory/layer_index.h"
 #include "attnrt/memory/token_allocator.h"
 #include "attnrt/model/model_spec.h"
@@ -63,6 +64,12 @@ class KVCache {
   // default. Scales must be finite and > 0. An MLA layer has one scale (V reads K's stored row):
   // v_scale must equal k_scale.
   virtual void set_kv_scales(int layer_id, float k_scale, float v_scale);
+  // DSA layers (docs/dsa.md): the layer's index-key cache, and the store of this step's index keys
+  // k [T, index_head_dim] (any float dtype; quantised per token) at the step's write slots, which
+  // checks k and the slots before writing anything. The defaults throw: the cache keeps no index
+  // keys (the host cache keeps them for every layer with an indexer).
+  virtual IndexKeyView index_keys(int layer_id) const;
+  virtual void store_step_index_k(int layer_id, const TensorView& k);
   virtual Device device() const = 0;
   virtual DType dtype() const = 0;
   virtual int page_size() const = 0;

@@ -27,6 +27,17 @@ struct LinearSpec {
   int chunk_size = 64;
 };
 
+// The indexer of a DSA layer (DeepSeek sparse attention, docs/dsa.md): per query token the
+// index_topk keys of highest index score are the only keys its MLA attention reads. The indexer
+// has its own per-token key cache (index_head_dim fp8 values and one fp32 scale per token) and
+// index_n_heads query heads; its heads are not split by tensor parallelism (every rank selects).
+// All zero: no indexer.
+struct IndexerSpec {
+  int index_topk = 0;
+  int index_n_heads = 0;
+  int index_head_dim = 0;
+};
+
 struct LayerSpec {
   int layer_id = 0;
   LayerKind kind = LayerKind::full;
@@ -47,14 +58,19 @@ struct LayerSpec {
   int qk_nope_head_dim = 0;
   int mha_v_head_dim = 0;
   LinearSpec linear;
+  IndexerSpec indexer;  // DSA: an mla layer with index_topk > 0
 
   bool causal() const { return attn_type == AttnType::decoder; }
   float softmax_scale() const;
   bool uses_kv_cache() const { return !is_linear_kind(kind); }
-  // An MLA layer whose MHA form is known (qk_nope_head_dim and mha_v_head_dim set).
+  // An MLA layer whose MHA form is known (qk_nope_head_dim and mha_v_head_dim set). DSA layers
+  // have none: the MHA form attends every key, a DSA layer only its selected ones.
   bool has_mha_form() const {
-    return kind == LayerKind::mla && qk_nope_head_dim > 0 && mha_v_head_dim > 0;
+    return kind == LayerKind::mla && qk_nope_head_dim > 0 && mha_v_head_dim > 0 &&
+           !has_indexer();
   }
+  // A DSA layer: MLA attention over the keys its indexer selects (docs/dsa.md).
+  bool has_indexer() const { return indexer.index_topk > 0; }
 };
 
 struct ModelSpec {
@@ -68,6 +84,7 @@ struct ModelSpec {
   bool has_kind(LayerKind k) const;
   bool has_linear_layers() const;
   bool has_sliding_window() const;
+  bool has_indexer() const;  // some layer is a DSA layer
   // Throws attnrt::Error when a field is out of range or inconsistent (heads not divisible, ...).
   void validate() const;
 };
