@@ -31,6 +31,9 @@ rb={r['name']:r for r in b['rows']}
 def f(r):
   return "%8.1f us %7.1f %-7s %5.1f%% chk=%s err=%.4f" % (r['time_ms']['median']*1000, r['rate'], r['metric'], r['pct_of_ceiling'], r['check']['passed'], r['check']['max_rel_err'])
 for r in a['rows']:
+  if r.get('status') != 'ok':
+    print("%-32s %s %s" % (r['name'], r.get('status'), r.get('reason', r.get('error', ''))[:90]))
+    continue
   x=rb.get(r['name'])
   print("%-32s base %s | mla %s | base/mla %.2fx" % (r['name'], f(r), f(x) if x else '-', r['time_ms']['median']/x['time_ms']['median'] if x else 0))
 PY

@@ -314,36 +314,13 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
     const float ll = l[h] + x_rows[(wg ^ 1) * ROWS + r];
     const int f = item.f0 + r, t = row_t[h], hg = f - t * G;
     if (t >= req.qlen) continue;
-    const int head = kvh * G + hg;
-    const float mm = m[h];
-    if (req.num_splits > 1) {
-      const int64_t prow = req.part_start + static_cast<int64_t>(item.split) * req.qlen + t;
-      const float inv = ll > 0.f ? kUnit / ll : 0.f;
-      float* dst = p.part_o + (prow * p.num_q_heads + head) * C::kDv + wg * ON + 2 * c4;
+    const MlaRowOut<T> row(p, req, item.split, t, kvh * G + hg, ll, m[h], kUnit,
+                           wg == 0 && c4 == 0);
 #pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
+    for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
-        for (int i = 0; i < 16; ++i)
-          *reinterpret_cast<float2*>(dst + nb * 128 + i * 8) =
-              make_float2(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
-      if (wg == 0 && c4 == 0)
-        p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
-    } else {
-      const float m_use = mm == -INFINITY ? 0.f : mm;
-      float den = ll;
-      if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
-      const float inv = den > 0.f ? p.v_scale * kUnit / den : 0.f;
-      T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
-               head * p.o_stride_head + wg * ON + 2 * c4;
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int i = 0; i < 16; ++i)
-          *reinterpret_cast<uint32_t*>(dst + nb * 128 + i * 8) =
-              pack2<T>(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
-      if (p.lse_out != nullptr && wg == 0 && c4 == 0)
-        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m_use + log2f(den)) * kLn2;
-    }
+      for (int i = 0; i < 16; ++i)
+        row.put2(wg * ON + nb * 128 + i * 8 + 2 * c4, o[nb][4 * i + 2 * h], o[nb][4 * i + 2 * h + 1]);
   }
 }
 

@@ -36,7 +36,7 @@ namespace {
 
 template <bool FP8>
 struct KeysMCfg {
-  static constexpr int kD = kMlaHeadDim, kDv = kMlaVHeadDim;
+  static constexpr int kD = kMlaHeadDim;
   static constexpr int kCols = 16;  // (token, head) rows of an item: the MMA's N
   static constexpr int kBN = 64;    // keys a tile: the MMA's M
   static constexpr int kThreads = 128;
@@ -288,33 +288,13 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
       const float ll = x_cols[col] + x_cols[NC + col] + x_cols[2 * NC + col] + x_cols[3 * NC + col];
       const int f = item.f0 + col, t = f / G, hg = f - t * G;
       if (t >= req.qlen) continue;
-      const int head = kvh * G + hg;
-      const float mm = m[nb][e];
-      const bool first = wq == 0 && g == 0;  // writes the column's lse
-      if (req.num_splits > 1) {
-        const int64_t prow = req.part_start + static_cast<int64_t>(item.split) * req.qlen + t;
-        const float inv = ll > 0.f ? kUnit / ll : 0.f;
-        float* dst = p.part_o + (prow * p.num_q_heads + head) * C::kDv + wq * 16 + g;
+      // Warp 0's lanes g = 0 write the column's lse.
+      const MlaRowOut<T> row(p, req, item.split, t, kvh * G + hg, ll, m[nb][e], kUnit,
+                             wq == 0 && g == 0);
 #pragma unroll
-        for (int mb = 0; mb < 8; ++mb)
+      for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) dst[mb * 64 + 8 * h] = o[mb][nb * 4 + 2 * h + e] * inv;
-        if (first) p.part_lse[prow * p.num_q_heads + head] = ll > 0.f ? mm + log2f(ll) : -INFINITY;
-      } else {
-        const float m_use = mm == -INFINITY ? 0.f : mm;
-        float den = ll;
-        if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
-        const float inv = den > 0.f ? p.v_scale * kUnit / den : 0.f;
-        T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok +
-                 head * p.o_stride_head + wq * 16 + g;
-#pragma unroll
-        for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            dst[mb * 64 + 8 * h] = from_float<T>(o[mb][nb * 4 + 2 * h + e] * inv);
-        if (p.lse_out != nullptr && first)
-          p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m_use + log2f(den)) * kLn2;
-      }
+        for (int h = 0; h < 2; ++h) row.put(mb * 64 + wq * 16 + g + 8 * h, o[mb][nb * 4 + 2 * h + e]);
     }
 }
 

@@ -15,6 +15,7 @@
 
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dispatch.h"
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
@@ -56,6 +57,50 @@ __device__ __forceinline__ void scale_q_chunk(unsigned char* p) {
   for (int i = 0; i < 4; ++i) h[i] = __hmul2(h[i], k);
   *reinterpret_cast<uint4*>(p) = v;
 }
+
+// One finished (token t, q head) row of an MLA CTA, with its softmax state m (log2 units) and
+// row sum l: a split writes its fp32 partial (times unit / l) and log2 lse, otherwise the row is
+// normalised (sinks in the denominator, v_scale folded in) and written in T with the natural-log
+// lse. `lead`: this thread writes the lse. put(c, x) stores column c of the row, x as accumulated.
+template <typename T>
+struct MlaRowOut {
+  float* part = nullptr;
+  T* out = nullptr;
+  float inv = 0.f;
+
+  __device__ __forceinline__ MlaRowOut(const AttnParams& p, const ReqInfo& req, int split, int t,
+                                       int head, float l, float m, float unit, bool lead) {
+    if (req.num_splits > 1) {
+      const int64_t prow = req.part_start + static_cast<int64_t>(split) * req.qlen + t;
+      inv = l > 0.f ? unit / l : 0.f;
+      part = p.part_o + (prow * p.num_q_heads + head) * kMlaVHeadDim;
+      if (lead) p.part_lse[prow * p.num_q_heads + head] = l > 0.f ? m + log2f(l) : -INFINITY;
+    } else {
+      const float m_use = m == -INFINITY ? 0.f : m;
+      float den = l;
+      if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
+      inv = den > 0.f ? p.v_scale * unit / den : 0.f;
+      out = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok + head * p.o_stride_head;
+      if (p.lse_out != nullptr && lead)
+        p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m_use + log2f(den)) * kLn2;
+    }
+  }
+  __device__ __forceinline__ void put(int c, float x) const {
+    if (part != nullptr) {
+      part[c] = x * inv;
+    } else {
+      out[c] = from_float<T>(x * inv);
+    }
+  }
+  // Columns c and c + 1 (c even).
+  __device__ __forceinline__ void put2(int c, float x0, float x1) const {
+    if (part != nullptr) {
+      *reinterpret_cast<float2*>(part + c) = make_float2(x0 * inv, x1 * inv);
+    } else {
+      *reinterpret_cast<uint32_t*>(out + c) = pack2<T>(x0 * inv, x1 * inv);
+    }
+  }
+};
 
 // T: the activations (bf16); FP8 / E5M2: the cache's storage; RPT: key rows a thread copies.
 template <typename T, bool FP8, bool E5M2, int RPT>
