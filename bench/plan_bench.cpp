@@ -123,13 +123,16 @@ void plan_step(cuda::HostPlanner& planner, Workload& w, Staging& staging, int pa
   }
 }
 
-cuda::PlannerConfig planner_config() {
+// `mla`: DeepSeek-V3's MLA layer (128 q heads, one latent KV head, 576 / 512) instead of the
+// d128 GQA layer: the plan cuts its rows into 64-row items (cuda::choose_shape).
+cuda::PlannerConfig planner_config(bool mla = false) {
   cuda::PlannerConfig cfg;
-  cfg.groups = {kQHeads / kKvHeads};
-  cfg.head_dims = {kHeadDim};
-  // Resident CTAs per SM of the d128 bf16 kernel shapes (decode, prefill, verify) on the H200.
-  cfg.occupancy = {{2, 1, 1, 2}};
-  cfg.num_kv_heads_max = kKvHeads;
+  cfg.groups = {mla ? 128 : kQHeads / kKvHeads};
+  cfg.head_dims = {mla ? cuda::kMlaHeadDim : kHeadDim};
+  // Resident CTAs per SM of the kernel shapes (decode, prefill, verify, decode32) on the H200:
+  // the d128 bf16 CTAs, or the MLA CTAs (one per SM).
+  cfg.occupancy = {mla ? std::array<int, 4>{1, 1, 1, 1} : std::array<int, 4>{2, 1, 1, 2}};
+  cfg.num_kv_heads_max = mla ? 1 : kKvHeads;
   cfg.sm_count = 132;
   return cfg;
 }
@@ -138,7 +141,7 @@ void BM_HostPlan(benchmark::State& state) {
   const auto kind = static_cast<Kind>(state.range(0));
   const int page = static_cast<int>(state.range(1));
   Workload w(kind, page);
-  cuda::HostPlanner planner(planner_config());
+  cuda::HostPlanner planner(planner_config(state.range(2) != 0));
   planner.enable_row_table(w.pool.size(), (w.pool.max_context_len() + page - 1) / page);
   Staging staging;
   // Committed pages in the row table.
@@ -197,13 +200,15 @@ BENCHMARK(BM_HostPlanColdCaches)
     ->Iterations(300);
 
 BENCHMARK(BM_HostPlan)
-    ->ArgNames({"kind", "page"})
-    ->Args({kDecode, 16})
-    ->Args({kVerify, 16})
-    ->Args({kExtend, 16})
-    ->Args({kDecodeRagged, 16})
-    ->Args({kDecodeScattered, 16})
-    ->Args({kDecode, 1});
+    ->ArgNames({"kind", "page", "mla"})
+    ->Args({kDecode, 16, 0})
+    ->Args({kVerify, 16, 0})
+    ->Args({kExtend, 16, 0})
+    ->Args({kDecodeRagged, 16, 0})
+    ->Args({kDecodeScattered, 16, 0})
+    ->Args({kDecode, 1, 0})
+    ->Args({kDecode, 64, 1})
+    ->Args({kVerify, 64, 1});
 
 void BM_MakeStepLayout(benchmark::State& state) {
   Workload w(static_cast<Kind>(state.range(0)));
