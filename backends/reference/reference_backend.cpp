@@ -252,6 +252,14 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
       }
     }
 
+    // DSA: the selection is per query row (not per head), so it is made once per row up front.
+    std::vector<std::vector<uint8_t>> selected(dsa ? rows.size() : 0);
+#pragma omp parallel for schedule(dynamic)
+    for (size_t r = 0; r < selected.size(); ++r) {
+      visible_keys(rows[r], selected[r]);
+      select_keys(l.query_start[i] + rows[r], selected[r]);
+    }
+
     // One task per (row, head): a decode request has a single row.
     const auto nh = static_cast<int64_t>(heads.size());
     const int64_t tasks = static_cast<int64_t>(rows.size()) * nh;
@@ -260,9 +268,9 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
       const int32_t t = rows[task / nh];
       const int h = heads[task % nh];
       const int64_t row = l.query_start[i] + t;
-      std::vector<uint8_t> vis;
-      visible_keys(t, vis);
-      if (dsa) select_keys(row, vis);
+      std::vector<uint8_t> own;
+      if (!dsa) visible_keys(t, own);
+      const std::vector<uint8_t>& vis = dsa ? selected[task / nh] : own;
       std::vector<double> q(dqk), scores(nkeys), acc(dv);
       const int g = h / group;
       for (int d = 0; d < dqk; ++d) {
