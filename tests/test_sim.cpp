@@ -668,6 +668,49 @@ TEST(SimDriver, DeepseekExtendsRunTheMhaFormWithPrefixChunks) {
   EXPECT_NE(format_report(r).find("MLA in the MHA form"), std::string::npos) << format_report(r);
 }
 
+// deepseek-v3.2 (DSA, docs/dsa.md): two layers on the cpu backend, every step with fresh random
+// indexer inputs (index q, index k, weights), every step checked against reference (which
+// recomputes the selection); without and with speculative decoding (a chain and a tree). Steps of a
+// DSA model always run absorbed: no layer takes the MHA form. With the preset's index_topk (2048)
+// every key of these short requests is selected; with index_topk 8 the selection is real.
+TEST(SimDriver, DsaModelRunsOnCpuWithIndexerInputsAndPassesItsChecks) {
+  for (const int index_topk : {0, 8}) {
+    ModelSpec model = model_preset("deepseek-v3.2");
+    if (index_topk > 0) {
+      for (LayerSpec& l : model.layers) l.indexer.index_topk = index_topk;
+    }
+    for (const int topk : {0, 1, 2}) {
+      if (index_topk == 0 && topk == 2) continue;  // the tree: with the real selection only
+      SCOPED_TRACE(fmt::format("index_topk {}, speculative topk {}", index_topk, topk));
+      Options o = topk > 0 ? attnrt::test::speculative_options("cpu", topk) : Options{};
+      o.attention_backend = "cpu";
+      o.num_threads = 2;
+      RunConfig rc = small_config();
+      rc.layers = 2;
+      rc.check_every = 1;
+      const RunReport r = run_trace(model, o, small_trace(), rc);
+      EXPECT_TRUE(r.ok()) << format_report(r);
+      EXPECT_EQ(r.failure_count, 0) << format_report(r);
+      EXPECT_TRUE(r.target_pool.ok) << r.target_pool.detail;
+      if (topk > 0) {
+        ASSERT_TRUE(r.draft_pool.has_value());
+        EXPECT_TRUE(r.draft_pool->ok) << r.draft_pool->detail;
+        EXPECT_GT(r.verify_rounds, 0);
+      }
+      int64_t checked = 0;
+      for (const ModeStats& m : r.modes) {
+        EXPECT_EQ(m.mha_layers, 0) << forward_mode_name(m.mode);
+        EXPECT_EQ(m.backend, "cpu") << forward_mode_name(m.mode);
+        if (m.mode != ForwardMode::IDLE) EXPECT_GT(m.checked_steps, 0) << forward_mode_name(m.mode);
+        checked += m.checked_rows;
+      }
+      EXPECT_GT(checked, 0);
+      const ModeStats* verify = find_mode(r, ModelRole::target, ForwardMode::TARGET_VERIFY);
+      EXPECT_EQ(verify != nullptr, topk > 0);
+    }
+  }
+}
+
 // An SWA-hybrid model (gemma3's first six layers: five sliding-window, one full) runs with its
 // sliding-window layers in a pool of --swa-full-tokens-ratio x the full slots, and says so.
 TEST(SimDriver, SwaHybridModelRunsWithItsSwaPoolRatio) {

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 
 #include "attnrt/backend/hybrid_attn_backend.h"
 #include "attnrt/backend/hybrid_linear_attn_backend.h"
@@ -190,10 +191,6 @@ ModelSpec layers_to_run(const ModelSpec& model, int layers, bool on_host,
                         std::vector<std::string>& notes) {
   ATTNRT_CHECK(layers >= -1, "--layers = {}; use a layer count >= 1, 0 (all) or leave it unset",
                layers);
-  ATTNRT_CHECK(!model.has_indexer(),
-               "attnrt run: model '{}' has DSA layers (an indexer); the simulator does not make "
-               "indexer inputs yet, so DSA runs through the library API only (docs/dsa.md)",
-               model.name);
   ModelSpec m = model;
   size_t keep = model.layers.size();
   std::string why;
@@ -367,6 +364,23 @@ StepDriver::StepDriver(const ModelSpec& model, int check_every, CheckRows check_
     buf_.gate_a = HostBuffer(model.dtype, {rows, widest.a});
     buf_.gate_b = HostBuffer(model.dtype, {rows, std::max<int64_t>(widest.b, 1)});
   }
+  // DSA layers of either model: the indexer's inputs.
+  int64_t index_q = 0, index_k = 0, index_w = 0;
+  for (const ModelSpec* m : {&model, draft != nullptr ? &std::as_const(draft->model) : nullptr}) {
+    if (m == nullptr) continue;
+    for (const LayerSpec& l : m->layers) {
+      if (!l.has_indexer()) continue;
+      const IndexerSpec& ix = l.indexer;
+      index_q = std::max<int64_t>(index_q, int64_t{ix.index_n_heads} * ix.index_head_dim);
+      index_k = std::max<int64_t>(index_k, ix.index_head_dim);
+      index_w = std::max<int64_t>(index_w, ix.index_n_heads);
+    }
+  }
+  if (index_q > 0) {
+    buf_.index_q = HostBuffer(model.dtype, {rows, index_q});
+    buf_.index_k = HostBuffer(model.dtype, {rows, index_k});
+    buf_.index_w = HostBuffer(model.dtype, {rows, index_w});
+  }
   for (Engine* e : {&target, draft}) {
     if (e == nullptr) continue;
     const int role = e == &target ? 0 : 1;
@@ -476,6 +490,19 @@ AttnArgs StepDriver::attention_inputs(const Step& s, const LayerSpec& layer,
   } else {
     fill_random(args.v, rng_, 1.f);
   }
+  if (layer.has_indexer()) {
+    // DSA (docs/dsa.md): the indexer's q [T, Hi, Di], the step's index keys [T, Di] (stored in
+    // the index-key cache with the latent rows) and the per-head weights [T, Hi].
+    const IndexerSpec& ix = layer.indexer;
+    ATTNRT_CHECK(lb.index_q.data() != nullptr, "attnrt run: no indexer buffers for DSA layer {}",
+                 layer.layer_id);
+    args.indexer.q = cut(lb.index_q, T, ix.index_n_heads, ix.index_head_dim);
+    args.indexer.k = TensorView(lb.index_k.data(), lb.index_k.dtype(), {T, ix.index_head_dim});
+    args.indexer.weights = TensorView(lb.index_w.data(), lb.index_w.dtype(), {T, ix.index_n_heads});
+    fill_random(args.indexer.q, rng_, 1.f);
+    fill_random(args.indexer.k, rng_, 1.f);
+    fill_random(args.indexer.weights, rng_, 1.f);
+  }
   poison(args.out);
   if (layer.has_sinks) {
     args.sinks = sinks_.at({static_cast<int>(s.scheduled.role), layer.layer_id}).data();
@@ -572,7 +599,8 @@ double StepDriver::run_eager(Step& s) {
       run_linear(s, layer, elapsed);
       continue;
     }
-    if (layer.kind == LayerKind::mla && e.runtime->mla_form() == MlaForm::mha) {
+    // DSA layers have no MHA form (docs/dsa.md): they always run absorbed.
+    if (layer.has_mha_form() && e.runtime->mla_form() == MlaForm::mha) {
       run_mla_mha(s, layer, elapsed);
       continue;
     }

@@ -38,6 +38,8 @@ struct LayerBuffers {
   std::vector<float> sinks;
   // Linear-attention layers: mixed_qkv, the gate inputs a and b.
   HostBuffer mixed, gate_a, gate_b;
+  // DSA layers (docs/dsa.md): the indexer's q [rows, Hi * Di], k [rows, Di] and weights [rows, Hi].
+  HostBuffer index_q, index_k, index_w;
 };
 
 // A [rows, heads, dim] view of the start of `buf`.
