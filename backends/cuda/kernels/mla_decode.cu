@@ -86,15 +86,12 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3;
   const int g = lane >> 2, c4 = lane & 3;
   const int kvh = blockIdx.x;
-  const WorkItem item = p.work[blockIdx.y];
-  const ReqInfo req = p.reqs[item.req];
+  const MlaItem w(p, ROWS);
+  const WorkItem& item = w.item;
+  const ReqInfo& req = w.req;
   const int G = p.group;
-  const int t_first = item.f0 / G;
-  const int t_last = min(req.qlen - 1, (item.f0 + ROWS - 1) / G);
+  const int t_first = w.t_first, t_last = w.t_last, lo = w.lo, hi = w.hi, num_tiles = w.num_tiles;
   const Mask<true> mask{p, req};
-  const KeyRange kr = split_keys(mask.span(t_first, t_last), req.num_splits, item.split, BN);
-  const int lo = kr.lo, hi = kr.hi;
-  const int num_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
 
   // Copies: eight threads per row, two rows per thread (ld_row and ld_row + 32, of Q and of every
   // tile), thread ld_c taking 16-byte chunk ld_c of each 64-column block; in the swizzled layout

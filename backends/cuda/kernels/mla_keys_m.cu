@@ -67,15 +67,12 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
   const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 5;
   const int g = lane >> 2, c4 = lane & 3;
   const int kvh = blockIdx.x;
-  const WorkItem item = p.work[blockIdx.y];
-  const ReqInfo req = p.reqs[item.req];
+  const MlaItem w(p, NC);
+  const WorkItem& item = w.item;
+  const ReqInfo& req = w.req;
   const int G = p.group;
-  const int t_first = item.f0 / G;
-  const int t_last = min(req.qlen - 1, (item.f0 + NC - 1) / G);
+  const int t_first = w.t_first, t_last = w.t_last, lo = w.lo, hi = w.hi, num_tiles = w.num_tiles;
   const Mask<true> mask{p, req};
-  const KeyRange kr = split_keys(mask.span(t_first, t_last), req.num_splits, item.split, BN);
-  const int lo = kr.lo, hi = kr.hi;
-  const int num_tiles = hi > lo ? (hi - lo + BN - 1) / BN : 0;
 
   // Copies: eight threads a row, thread ld_c taking chunk ld_c of every 64-column block: Q's 16
   // rows once, then four key rows a tile (ld_row + 16 r).

@@ -15,6 +15,7 @@
 
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/mask.cuh"
 #include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dispatch.h"
 #include "backends/cuda/kernels/paged_kv.cuh"
@@ -57,6 +58,28 @@ __device__ __forceinline__ void scale_q_chunk(unsigned char* p) {
   for (int i = 0; i < 4; ++i) h[i] = __hmul2(h[i], k);
   *reinterpret_cast<uint4*>(p) = v;
 }
+
+// The work item of an MLA CTA (blockIdx.y): its request, the tokens of its `rows` (token, head)
+// rows, and the keys of its split in whole 64-key tiles.
+struct MlaItem {
+  WorkItem item;
+  ReqInfo req;
+  int t_first, t_last;  // tokens of the item's rows
+  int lo, hi;           // keys of the split
+  int num_tiles;
+
+  __device__ __forceinline__ MlaItem(const AttnParams& p, int rows)
+      : item(p.work[blockIdx.y]), req(p.reqs[item.req]) {
+    t_first = item.f0 / p.group;
+    t_last = min(req.qlen - 1, (item.f0 + rows - 1) / p.group);
+    const KeyRange kr =
+        split_keys(Mask<true>{p, req}.span(t_first, t_last), req.num_splits, item.split,
+                   kMlaTileKeys);
+    lo = kr.lo;
+    hi = kr.hi;
+    num_tiles = hi > lo ? (hi - lo + kMlaTileKeys - 1) / kMlaTileKeys : 0;
+  }
+};
 
 // One finished (token t, q head) row of an MLA CTA, with its softmax state m (log2 units) and
 // row sum l: a split writes its fp32 partial (times unit / l) and log2 lse, otherwise the row is
