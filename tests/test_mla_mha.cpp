@@ -17,6 +17,7 @@
 #include "src/model/layer_builders.h"
 #include "tests/test_util.h"
 #include "tools/sim/mla_weights.h"
+#include "tests/mla_mha_case.h"
 
 namespace attnrt {
 namespace {
@@ -26,108 +27,7 @@ using test::expect_error;
 using test::fill_normal;
 using test::poison;
 
-constexpr int kHq = 4, kRank = 512, kRope = 64, kNope = 128, kV = 128;
-constexpr int kQk = kNope + kRope, kRow = kRank + kRope;
-
-LayerSpec mla_layer(int id) {
-  LayerSpec l = layer_builders::mla_layer(id, kHq, kRank, kRope);
-  l.qk_nope_head_dim = kNope;
-  l.mha_v_head_dim = kV;
-  l.scaling = 1.f / std::sqrt(static_cast<float>(kQk));
-  return l;
-}
-
-// One step of a batch of requests (prefix p_i, extend e_i) on a runtime whose latent pool holds
-// random rows everywhere (the same for the same seed), so that the prefixes read fresh values.
-struct Step {
-  std::unique_ptr<AttentionRuntime> rt;
-  ForwardBatch batch;
-};
-
-Step make_step(const std::string& backend, int page, int64_t capacity, int64_t threshold,
-               const std::vector<int32_t>& prefix, const std::vector<int32_t>& extend,
-               uint64_t pool_seed) {
-  Options o;
-  o.attention_backend = backend;
-  o.page_size = page;
-  o.max_chunk_capacity = capacity;
-  o.chunked_prefix_cache_threshold = threshold;
-  o.num_threads = 2;
-  RuntimeConfig c;
-  c.max_requests = 8;
-  c.kv_slots = 8192;
-  c.max_num_tokens = 1024;
-  c.max_context_len = 1024;
-  c.cuda_graphs = false;
-  Step s;
-  s.rt = std::make_unique<AttentionRuntime>(
-      test::make_model("mla-mha", DType::f32, 1024, {mla_layer(0)}), o, c);
-  const KVLayerView kv = s.rt->kv_cache().layer(0);
-  std::mt19937 rng(static_cast<uint32_t>(pool_seed));
-  fill_normal(TensorView(kv.k, kv.dtype, {kv.num_rows, kv.k_row_stride}), rng);
-  std::vector<int64_t> rows;
-  std::vector<int64_t> new_slots;
-  for (size_t i = 0; i < prefix.size(); ++i) {
-    const int row = s.rt->req_to_token().alloc();
-    const std::vector<int32_t> p{0}, n{prefix[i] + extend[i]};
-    const std::vector<int64_t> last{-1};
-    const std::vector<int64_t> slots = s.rt->allocator().alloc_extend(p, n, last);
-    s.rt->req_to_token().write(row, 0, slots);
-    rows.push_back(row);
-    new_slots.insert(new_slots.end(), slots.begin() + prefix[i], slots.end());
-  }
-  s.batch = make_extend_batch(rows, prefix, extend);
-  s.batch.out_cache_loc = new_slots;
-  return s;
-}
-
-// The model's side of an MHA-form step for layer 0: the causal part on (q, latent), then every
-// prefix chunk gathered from the pool and decompressed. out / lse are poisoned first.
-void run_mha(AttentionRuntime& rt, const sim::MlaWeights& w, const TensorView& q,
-             const TensorView& latent, const TensorView& out, const TensorView& lse) {
-  const int64_t T = q.shape[0];
-  HostBuffer k(DType::f32, {T, kHq, kQk}), v(DType::f32, {T, kHq, kV});
-  w.decompress(latent, k.view(), v.view());
-  poison(out);
-  poison(lse);
-  rt.forward_mla_mha(0, {.q = q, .k = k.view(), .v = v.view(), .out = out, .lse = lse,
-                         .latent = latent});
-  const PrefixChunkPlan& plan = rt.prefix_chunk_plan();
-  for (int c = 0; c < plan.num_chunks(); ++c) {
-    const int64_t n = plan.chunks[c].num_tokens;
-    HostBuffer lat(DType::f32, {n, 1, kRow}), kc(DType::f32, {n, kHq, kQk}),
-        vc(DType::f32, {n, kHq, kV});
-    poison(lat.view());
-    rt.gather_prefix_chunk(0, c, lat.view());
-    w.decompress(lat.view(), kc.view(), vc.view());
-    rt.forward_mla_prefix_chunk(0, c, {.q = q, .k = kc.view(), .v = vc.view(), .out = out,
-                                       .lse = lse});
-  }
-}
-
-struct Result {
-  HostBuffer out, lse;
-  int chunks = 0;
-};
-
-Result mha_result(const std::string& backend, int page, int64_t capacity,
-                  const std::vector<int32_t>& prefix, const std::vector<int32_t>& extend,
-                  uint64_t seed) {
-  Step s = make_step(backend, page, capacity, 1, prefix, extend, seed);
-  const int64_t T = s.batch.num_tokens();
-  std::mt19937 rng(static_cast<uint32_t>(seed * 7 + 1));
-  HostBuffer q(DType::f32, {T, kHq, kQk}), latent(DType::f32, {T, 1, kRow});
-  fill_normal(q.view(), rng);
-  fill_normal(latent.view(), rng);
-  Result r{HostBuffer(DType::f32, {T, kHq, kV}), HostBuffer(DType::f32, {T, kHq}), 0};
-  s.rt->begin_step(s.batch);
-  EXPECT_EQ(s.rt->mla_form(), MlaForm::mha);
-  r.chunks = s.rt->prefix_chunk_plan().num_chunks();
-  run_mha(*s.rt, sim::MlaWeights(mla_layer(0), 5), q.view(), latent.view(), r.out.view(),
-          r.lse.view());
-  s.rt->end_step();
-  return r;
-}
+using namespace mla_mha_case;
 
 TEST(MlaForm, FollowsTheReferenceEnginesRule) {
   Options o;

@@ -86,6 +86,7 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
     cfg.num_kv_heads_max = std::max(cfg.num_kv_heads_max, l.num_kv_heads);
     const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
     max_q_heads_x_dv_ = std::max<int64_t>(max_q_heads_x_dv_, int64_t{l.num_q_heads} * (dv + 1));
+    mha_served_ = mha_served_ || l.has_mha_form();
   }
   if (cfg.groups.empty()) cfg.groups.push_back(1);
   // Per class: the head dim and the resident CTAs per SM of each shape (for the split choice).
@@ -186,6 +187,7 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
   if (plan_timing_) t[4] = Clock::now();
   staging_.upload(graph ? graph_meta_.data() : meta_.data(), copy_bytes, stream_, capturing);
   graph_step_ = graph;
+  if (mha_served_) plan_mla_mha(batch);
   if (plan_timing_) {
     t[5] = Clock::now();
     auto s = [&](int i) { return std::chrono::duration<double>(t[i + 1] - t[i]).count(); };

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "attnrt/backend/attention_backend.h"
+#include "attnrt/backend/host_mla_mha.h"
 #include "attnrt/backend/registry.h"
 #include "attnrt/memory/kv_cache.h"
 #include "backends/cuda/cuda_plan.h"
@@ -46,6 +47,19 @@ class CudaBackend final : public OnePathAttnBackend {
   void init_forward_metadata_replay_cuda_graph(int bs, int raw_bs,
                                                const ForwardBatch& batch) override;
   int cuda_graph_seq_len_fill_value() const override { return 1; }
+
+  // MLA's MHA form with a chunked prefix (docs/mla.md; cuda_mla_mha.cpp): the causal part and
+  // each chunk on the warp-specialised prefill CTA at 192 / 128, the chunks merged into out / lse
+  // on the GPU, the chunks' latent rows gathered from the pool on the GPU. GPU tensors are used in
+  // place; host tensors (bf16 / fp16, contiguous) go through staging and the call synchronises.
+  MlaForm mla_form() const override { return mha_.form(); }
+  const PrefixChunkPlan& prefix_chunk_plan() const override { return mha_.chunks(); }
+  void forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer,
+                       const ForwardBatch& batch) override;
+  void forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args, const LayerSpec& layer,
+                                const ForwardBatch& batch) override;
+  void gather_prefix_chunk(int chunk, const KVLayerView& kv, int layer_id,
+                           const TensorView& latent) override;
 
   // The stream every launch and copy of this backend goes to (the CudaKVCache's when the context
   // holds one, else a stream of its own). set_stream also moves a CudaKVCache to that stream.
@@ -114,6 +128,39 @@ class CudaBackend final : public OnePathAttnBackend {
                    const ClassPlan& cls, const CallDims& c, const LayerKv& kv, const DeviceIo& io);
   void finish_call(const AttnArgs& args, const CallDims& c, const DeviceIo& io, const LayerKv& kv);
   void ensure(DeviceBuffer& buf, size_t bytes, const char* what);
+
+  // The MHA form (cuda_mla_mha.cpp). Its device plan: the token-index table its pools of page
+  // size 1 read, the requests and work items of the causal part and of each chunk, each chunk's
+  // latent slots; built on the host in init_forward_metadata of an MHA-form step and uploaded by
+  // that step's first MHA-form call.
+  struct MhaPart {
+    size_t reqs_off = 0, work_off = 0;
+    int num_items = 0;
+  };
+  struct MhaDevicePlan {
+    std::vector<unsigned char> host;  // the bytes to upload
+    bool uploaded = false;
+    size_t iota_off = 0;
+    MhaPart causal;
+    std::vector<MhaPart> chunks;
+    std::vector<size_t> slots_off;  // per chunk: int64 latent slots
+  };
+  void plan_mla_mha(const ForwardBatch& batch);
+  void upload_mha_plan();
+  bool planned_mha_for(const ForwardBatch& batch) const;
+  // One MHA-form attention launch (the causal part, or chunk `chunk`) over GPU tensors.
+  void launch_mla_mha(const LayerSpec& layer, const MhaPart& part, bool causal, const void* q,
+                      int64_t q_tok, int64_t q_head, const void* k, int64_t k_tok, const void* v,
+                      int64_t v_tok, void* out, int64_t o_tok, int64_t o_head, float* lse,
+                      int64_t lse_tok, int64_t kv_rows, bool fp16);
+
+  bool mha_served_ = false;  // the model has MLA layers with an MHA form
+  HostMlaMhaSteps mha_{/*device_tensors=*/true};
+  MhaDevicePlan mha_plan_;
+  ForwardMode mha_mode_ = ForwardMode::IDLE;
+  int mha_bs_ = -1;
+  int64_t mha_tokens_ = -1;
+  DeviceBuffer mha_meta_, mha_scratch_;
 
   CudaKVCache* device_cache_ = nullptr;
   cudaStream_t stream_ = nullptr;

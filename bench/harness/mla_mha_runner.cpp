@@ -18,6 +18,7 @@
 #include "attnrt/core/error.h"
 #include "attnrt/runtime/attention_runtime.h"
 #include "bench/harness/ceilings.h"
+#include "bench/harness/device_row.h"
 #include "bench/harness/row_check.h"
 #include "bench/harness/row_figures.h"
 #include "bench/harness/runner.h"
@@ -121,16 +122,30 @@ class MhaRun {
   const LayerSpec& layer_spec() const { return layer_; }
   const Workload& workload() const { return w_; }
   const HostBuffer& q() const { return q_; }
-  const HostBuffer& out() const { return out_; }
+  // The latent pool's rows on the host, with the rows the step stored: the pool itself, or a copy
+  // of a GPU pool refreshed with the step's rows.
+  const void* pool() {
+    const KVLayerView kv = rt_->kv_cache().layer(0);
+    if (!gpu_) return kv.k;
+    rt_->kv_cache().download_rows(0, batch_.out_cache_loc, pool_.data(), pool_.data());
+    return pool_.data();
+  }
+  // The output of the last attend(), downloaded first where it lives on the GPU.
+  const HostBuffer& out() {
+    if (gpu_) gpu_->download(dout_, out_.data(), out_.bytes());
+    return out_;
+  }
   const sim::MlaWeights& weights() const { return *weights_; }
 
+  // The pool's values, the step's inputs and every chunk's decompressed k / v; on a GPU pool
+  // (the cuda backend) device copies of them, which attend() then uses.
   void prepare() {
     const KVLayerView kv = rt_->kv_cache().layer(0);
-    ATTNRT_CHECK(kv.device.kind == DeviceKind::cpu,
-                 "{}: the MHA-form rows run on host pools; the backend keeps its pool on {}",
-                 w_.name, device_name(kv.device));
+    pool_ = HostBuffer(kv.dtype, {kv.num_rows, kv.k_row_stride});
     const ValueTable pool_values(w_.kv_dtype, seed_ + 1);
-    pool_values.fill(kv.k, kv.num_rows * kv.k_row_stride, seed_ + 2);
+    pool_values.fill(pool_.data(), kv.num_rows * kv.k_row_stride, seed_ + 2);
+    rt_->kv_cache().copy_layer_from_host(0, pool_.data(), pool_.data());
+    if (kv.device.kind != DeviceKind::cpu) gpu_ = make_device_tensors(kv.device, rt_->kv_cache());
     const ValueTable values(DType::bf16, seed_ + 3);
     const int64_t T = w_.num_tokens();
     const int hq = w_.q_heads, qk = w_.qk_head_dim(), dv = w_.v_head_dim();
@@ -151,24 +166,35 @@ class MhaRun {
       ch.v = HostBuffer(DType::bf16, {n, hq, dv});
       rt_->gather_prefix_chunk(0, c, ch.latent.view());
       weights_->decompress(ch.latent.view(), ch.k.view(), ch.v.view());
+      ch.dlatent = place(ch.latent);
+      ch.dk = place(ch.k);
+      ch.dv = place(ch.v);
     }
+    dq_ = place(q_);
+    dk_ = place(k_);
+    dv_ = place(v_);
+    dlatent_ = place(latent_);
+    dout_ = place(out_);
+    dlse_ = place(lse_);
   }
 
   // The layer's attention as an engine calls it (the timed region).
   void attend() {
-    rt_->forward_mla_mha(0, {.q = q_.view(),
-                             .k = k_.view(),
-                             .v = v_.view(),
-                             .out = out_.view(),
-                             .lse = lse_.view(),
-                             .latent = latent_.view()});
-    for (size_t c = 0; c < chunks_.size(); ++c) {
-      Chunk& ch = chunks_[c];
-      rt_->gather_prefix_chunk(0, static_cast<int>(c), ch.latent.view());
-      rt_->forward_mla_prefix_chunk(
-          0, static_cast<int>(c),
-          {.q = q_.view(), .k = ch.k.view(), .v = ch.v.view(), .out = out_.view(),
-           .lse = lse_.view()});
+    const auto body = [&] {
+      rt_->forward_mla_mha(
+          0, {.q = dq_, .k = dk_, .v = dv_, .out = dout_, .lse = dlse_, .latent = dlatent_});
+      for (size_t c = 0; c < chunks_.size(); ++c) {
+        Chunk& ch = chunks_[c];
+        rt_->gather_prefix_chunk(0, static_cast<int>(c), ch.dlatent);
+        rt_->forward_mla_prefix_chunk(
+            0, static_cast<int>(c),
+            {.q = dq_, .k = ch.dk, .v = ch.dv, .out = dout_, .lse = dlse_});
+      }
+    };
+    if (gpu_) {
+      gpu_->fenced(body);
+    } else {
+      body();
     }
   }
 
@@ -186,14 +212,18 @@ class MhaRun {
  private:
   struct Chunk {
     HostBuffer latent, k, v;
+    TensorView dlatent, dk, dv;  // what attend() passes: the buffers above or their GPU copies
   };
+  TensorView place(const HostBuffer& h) { return gpu_ ? upload(*gpu_, h) : h.view(); }
   Workload w_;
   LayerSpec layer_;
   uint64_t seed_;
   std::unique_ptr<AttentionRuntime> rt_;
   ForwardBatch batch_;
   bool begun_ = false;
-  HostBuffer q_, latent_, k_, v_, out_, lse_;
+  HostBuffer pool_, q_, latent_, k_, v_, out_, lse_;
+  std::unique_ptr<DeviceTensors> gpu_;
+  TensorView dq_, dk_, dv_, dlatent_, dout_, dlse_;
   std::vector<Chunk> chunks_;
   std::unique_ptr<sim::MlaWeights> weights_;
 };
@@ -223,6 +253,7 @@ CheckResult absorbed_check(MhaRun& run, double max_work, double tol, uint64_t se
   HostBuffer out_lat(DType::f32, {n, hq, rank}), want(DType::f32, {n, hq, dv});
   const KVLayerView kv = run.runtime().kv_cache().layer(0);
   const double scale = run.layer_spec().softmax_scale();
+  const void* pool = run.pool();
   const ReqToTokenPool& r2t = run.runtime().req_to_token();
 
 #pragma omp parallel for schedule(dynamic)
@@ -236,7 +267,7 @@ CheckResult absorbed_check(MhaRun& run, double max_work, double tol, uint64_t se
       const int64_t base = int64_t{r2t.get(row, j)} * kv.k_row_stride;
       for (int e = 0; e < row_dim; ++e) {
         keys[static_cast<size_t>(j) * row_dim + e] =
-            double{load_as_float(kv.k, kv.dtype, base + e)} * kv.k_scale;
+            double{load_as_float(pool, kv.dtype, base + e)} * kv.k_scale;
       }
     }
     std::vector<double> logits(nk), o(rank);
@@ -264,12 +295,13 @@ CheckResult absorbed_check(MhaRun& run, double max_work, double tol, uint64_t se
 
   double worst = 0;
   std::vector<double> ref(dv);
+  const HostBuffer& got = run.out();
   for (int64_t s = 0; s < n; ++s) {
     for (int h = 0; h < hq; ++h) {
       const float* wv = want.ptr<float>() + (s * hq + h) * dv;
       for (int e = 0; e < dv; ++e) ref[e] = wv[e];
       worst = std::max(worst,
-                       rel_err(run.out().ptr<uint16_t>() + (rows[s] * hq + h) * dv, ref.data(), dv));
+                       rel_err(got.ptr<uint16_t>() + (rows[s] * hq + h) * dv, ref.data(), dv));
     }
   }
   CheckResult c;

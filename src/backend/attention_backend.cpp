@@ -1,6 +1,7 @@
 #include "attnrt/backend/attention_backend.h"
 
 #include "attnrt/core/error.h"
+#include "attnrt/memory/kv_cache.h"
 
 namespace attnrt {
 
@@ -38,6 +39,11 @@ void AttentionBackend::update_state_after_verify(std::span<const int32_t>) {
   fail("backend '{}' holds no linear-attention state to commit after a verify; the linear "
        "backend that ran TARGET_VERIFY commits it",
        name());
+}
+
+void AttentionBackend::gather_prefix_chunk(int chunk, const KVLayerView& kv, int layer_id,
+                                           const TensorView& latent) {
+  gather_latent_rows(kv, layer_id, prefix_chunk_plan().chunks[chunk].slots, latent);
 }
 
 const PrefixChunkPlan& AttentionBackend::prefix_chunk_plan() const {

@@ -55,6 +55,11 @@ void HybridAttnBackend::forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& 
   select(batch.mode).forward_mla_prefix_chunk(chunk, args, layer, batch);
 }
 
+void HybridAttnBackend::gather_prefix_chunk(int chunk, const KVLayerView& kv, int layer_id,
+                                 const TensorView& latent) {
+  select(mode_).gather_prefix_chunk(chunk, kv, layer_id, latent);
+}
+
 void HybridAttnBackend::forward(const AttnArgs& args, const LayerSpec& layer,
                                 const ForwardBatch& batch) {
   select(batch.mode).forward(args, layer, batch);

@@ -85,6 +85,11 @@ void HybridLinearAttnBackend::forward_mla_prefix_chunk(int chunk, const MlaChunk
   full_->forward_mla_prefix_chunk(chunk, args, layer, batch);
 }
 
+void HybridLinearAttnBackend::gather_prefix_chunk(int chunk, const KVLayerView& kv, int layer_id,
+                                 const TensorView& latent) {
+  (*full_).gather_prefix_chunk(chunk, kv, layer_id, latent);
+}
+
 void HybridLinearAttnBackend::forward_linear(const LinearArgs& args, const LayerSpec& layer,
                                              const ForwardBatch& batch) {
   ATTNRT_CHECK(!is_full_layer(layer.layer_id) && is_linear_kind(layer.kind),

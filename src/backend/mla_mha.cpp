@@ -83,14 +83,36 @@ void check_mha_layer(std::string_view backend, const LayerSpec& layer) {
                                             : " without MHA-form dims");
 }
 
-void check_lse(std::string_view backend, const TensorView& lse, int64_t T, int hq) {
-  ATTNRT_CHECK(lse.device.kind == DeviceKind::cpu && lse.dtype == DType::f32 && lse.ndim == 2 &&
-                   lse.shape[0] == T && lse.shape[1] == hq,
-               "{} backend: lse is {}; expected fp32[{}, {}] (tokens, q heads) on cpu", backend,
-               lse.describe(), T, hq);
+void check_lse(std::string_view backend, bool device_ok, const TensorView& lse, int64_t T,
+               int hq) {
+  ATTNRT_CHECK((device_ok || lse.device.kind == DeviceKind::cpu) && lse.dtype == DType::f32 &&
+                   lse.ndim == 2 && lse.shape[0] == T && lse.shape[1] == hq,
+               "{} backend: lse is {}; expected fp32[{}, {}] (tokens, q heads){}", backend,
+               lse.describe(), T, hq, device_ok ? "" : " on cpu");
+}
+
+// check_host_tensor, or where the backend reads GPU memory too the same checks of a tensor on
+// either side.
+void check_tensor(std::string_view backend, bool device_ok, const char* what, const TensorView& t,
+                  int64_t d0, int64_t d1, int64_t d2, const char* dims) {
+  if (!device_ok || t.device.kind == DeviceKind::cpu) {
+    check_host_tensor(backend, what, t, d0, d1, d2, dims);
+    return;
+  }
+  ATTNRT_CHECK(is_float(t.dtype) && t.ndim == 3 && t.shape[0] == d0 && t.shape[1] == d1 &&
+                   t.shape[2] == d2,
+               "{} backend: {} is {}; expected a float [{}] = [{}, {}, {}]", backend, what,
+               t.describe(), dims, d0, d1, d2);
 }
 
 }  // namespace
+
+void HostMlaMhaSteps::reset() {
+  form_ = MlaForm::absorbed;
+  chunks_ = {};
+  layer_ = -1;
+  done_.clear();
+}
 
 void HostMlaMhaSteps::plan(std::string_view backend, const BackendContext& ctx,
                            const ForwardBatch& batch, const StepLayout& layout) {
@@ -135,20 +157,20 @@ KVLayerView HostMlaMhaSteps::check_causal(std::string_view backend, const Backen
   const int64_t T = batch.num_tokens();
   const int hq = layer.num_q_heads;
   const MlaMhaDims d = mla_mha_dims(layer);
-  check_host_tensor(backend, "q", args.q, T, hq, d.qk, "tokens, q heads, qk_nope + qk_rope");
-  check_host_tensor(backend, "k", args.k, T, hq, d.qk, "tokens, q heads, qk_nope + qk_rope");
-  check_host_tensor(backend, "v", args.v, T, hq, d.v, "tokens, q heads, mha_v_head_dim");
-  check_host_tensor(backend, "out", args.out, T, hq, d.v, "tokens, q heads, mha_v_head_dim");
+  check_tensor(backend, device_tensors_, "q", args.q, T, hq, d.qk, "tokens, q heads, qk_nope + qk_rope");
+  check_tensor(backend, device_tensors_, "k", args.k, T, hq, d.qk, "tokens, q heads, qk_nope + qk_rope");
+  check_tensor(backend, device_tensors_, "v", args.v, T, hq, d.v, "tokens, q heads, mha_v_head_dim");
+  check_tensor(backend, device_tensors_, "out", args.out, T, hq, d.v, "tokens, q heads, mha_v_head_dim");
   if (chunks_.num_chunks() > 0 || !args.lse.empty()) {
     ATTNRT_CHECK(!args.lse.empty(),
                  "{} backend: lse is empty but this step has {} prefix chunks, which merge into "
                  "it; pass fp32[{}, {}]",
                  backend, chunks_.num_chunks(), T, hq);
-    check_lse(backend, args.lse, T, hq);
+    check_lse(backend, device_tensors_, args.lse, T, hq);
   }
   const KVLayerView kv = ctx.kv_cache->layer(layer.layer_id);
   if (args.save_kv) {
-    check_host_tensor(backend, "latent", args.latent, T, 1, layer.head_dim,
+    check_tensor(backend, device_tensors_, "latent", args.latent, T, 1, layer.head_dim,
                       "tokens, 1, kv_lora_rank + qk_rope_head_dim");
   }
   return kv;
@@ -182,12 +204,12 @@ void HostMlaMhaSteps::check_chunk(std::string_view backend, bool planned, int ch
   const int64_t T = batch.num_tokens(), n = chunks_.chunks[chunk].num_tokens;
   const int hq = layer.num_q_heads;
   const MlaMhaDims d = mla_mha_dims(layer);
-  check_host_tensor(backend, "q", args.q, T, hq, d.qk, "tokens, q heads, qk_nope + qk_rope");
-  check_host_tensor(backend, "k", args.k, n, hq, d.qk,
+  check_tensor(backend, device_tensors_, "q", args.q, T, hq, d.qk, "tokens, q heads, qk_nope + qk_rope");
+  check_tensor(backend, device_tensors_, "k", args.k, n, hq, d.qk,
                     "chunk tokens, q heads, qk_nope + qk_rope");
-  check_host_tensor(backend, "v", args.v, n, hq, d.v, "chunk tokens, q heads, mha_v_head_dim");
-  check_host_tensor(backend, "out", args.out, T, hq, d.v, "tokens, q heads, mha_v_head_dim");
-  check_lse(backend, args.lse, T, hq);
+  check_tensor(backend, device_tensors_, "v", args.v, n, hq, d.v, "chunk tokens, q heads, mha_v_head_dim");
+  check_tensor(backend, device_tensors_, "out", args.out, T, hq, d.v, "tokens, q heads, mha_v_head_dim");
+  check_lse(backend, device_tensors_, args.lse, T, hq);
 }
 
 }  // namespace attnrt

@@ -337,7 +337,7 @@ void AttentionRuntime::gather_prefix_chunk(int layer_id, int chunk, const Tensor
                "gather_prefix_chunk: chunk {}; this {} step has prefix chunks [0, {}) (form {})",
                chunk, forward_mode_name(batch_->mode), plan.num_chunks(),
                mla_form_name(backend_->mla_form()));
-  gather_latent_rows(kv_cache_->layer(layer_id), layer_id, plan.chunks[chunk].slots, latent);
+  backend_->gather_prefix_chunk(chunk, kv_cache_->layer(layer_id), layer_id, latent);
 }
 
 void AttentionRuntime::forward_mla_prefix_chunk(int layer_id, int chunk,

@@ -18,6 +18,10 @@ namespace attnrt::cuda {
 inline constexpr int kMlaHeadDim = 576;
 inline constexpr int kMlaVHeadDim = 512;
 inline constexpr int kMlaTileRows = 64;
+// MLA's MHA form (prefill / extend, docs/mla.md): q / k columns (128 nope + 64 rope) and v columns
+// per q head, on the 128-row warp-specialised prefill CTA (prefill_mla_mha_entry).
+inline constexpr int kMlaMhaHeadDim = 192;
+inline constexpr int kMlaMhaVHeadDim = 128;
 
 // Up to 16 (token, head-in-group) rows per request: decode tiles; 17..32 rows: one decode32 CTA;
 // 33..64 rows: one verify CTA; more: prefill tiles. Each K/V tile is read once per request and KV

@@ -144,7 +144,27 @@ AttnCtaEntry ws_entry_dim(bool fp16, bool ping_pong) {
   return ping_pong ? ws_entry<D, true>(fp16) : ws_entry<D, false>(fp16);
 }
 
+// MLA's MHA form: the cp.async producer (its rows are token-indexed, page size 1).
+template <typename T>
+struct WsMlaCta {
+  using Cfg = PrefillWsMlaCfg<true>;
+  static cudaError_t launch(const AttnParams& p, const AttnKernelKey&, int num_items,
+                            cudaStream_t stream, bool) {
+    return launch_prefill_ws_cfg<T, Cfg, false>(p, WsTensorMaps{}, num_items,
+                                                prefill_ws_persistent(), stream);
+  }
+  static int occupancy(const AttnKernelKey&) {
+    return resident_ctas<prefill_ws_kernel<T, Cfg, false>>(Cfg::kThreads, Cfg::kSmemBytes);
+  }
+};
+
 }  // namespace
+
+AttnCtaEntry prefill_mla_mha_entry(bool fp16) {
+  return fp16 ? AttnCtaEntry{&WsMlaCta<__half>::launch, &WsMlaCta<__half>::occupancy}
+              : AttnCtaEntry{&WsMlaCta<__nv_bfloat16>::launch,
+                             &WsMlaCta<__nv_bfloat16>::occupancy};
+}
 
 int prefill_ws_mode() {
   int v = g_prefill_ws.load(std::memory_order_relaxed);

@@ -72,29 +72,35 @@
 
 namespace attnrt::cuda {
 
-// D: head dim; BN: keys per tile; STAGES: K/V tiles resident; PP: the consumers' ping-pong with
+// D: head dim of Q and K; DV: head dim of V and the output (D for every layer but MLA's MHA form,
+// 192 / 128); BN: keys per tile; STAGES: K/V tiles resident; PP: the consumers' ping-pong with
 // tile i's S = Q K^T issued together with tile i - 1's O += P V.
-template <int D, int BN, int STAGES, bool PP>
+template <int D, int DV, int BN, int STAGES, bool PP>
 struct PrefillWsConfig {
   static constexpr bool kPingPong = PP;
   static constexpr int kHeadDim = D;
+  static constexpr int kVHeadDim = DV;
   static constexpr int kBN = BN;
   static constexpr int kStages = STAGES;
   static constexpr int kRows = kPrefillTileRows;
   static constexpr int kConsumers = kRows / 64;  // consumer warpgroups, one m64 block each
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kProducerRegs = D > 128 && PP ? 24 : 40;
-  static constexpr int kConsumerRegs = D > 128 && PP ? 240 : 232;
-  static constexpr int kChunks = D / 8;
-  static constexpr int kON = D > 128 ? 128 : D;
+  static constexpr int kProducerRegs = DV > 128 && PP ? 24 : 40;
+  static constexpr int kConsumerRegs = DV > 128 && PP ? 240 : 232;
+  static constexpr int kChunks = D / 8;    // 16-byte chunks of a Q / K row
+  static constexpr int kVChunks = DV / 8;  // of a V row
+  static constexpr int kON = DV > 128 ? 128 : DV;
   static constexpr int kQBytes = kRows * D * 2;
-  static constexpr int kTileBytes = BN * D * 2;
-  static constexpr int kRingBytes = STAGES * 2 * kTileBytes;
+  static constexpr int kTileBytes = BN * D * 2;     // K tile; the V tile follows it
+  static constexpr int kVTileBytes = BN * DV * 2;
+  static constexpr int kStageBytes = kTileBytes + kVTileBytes;
+  static constexpr int kRingBytes = STAGES * kStageBytes;
   static constexpr int kSlotBytes = BN * 4;
   // full[STAGES], empty[STAGES], q full, q empty, unit; then the two unit slots
   static constexpr int kBarBytes = (2 * STAGES + 3) * 8 + 8;
   static constexpr int kSmemBytes = 1024 + kQBytes + kRingBytes + kSlotBytes + kBarBytes;
-  static_assert(kConsumers == 2 && D % 64 == 0 && BN % 64 == 0 && BN <= 128 && STAGES >= 2);
+  static_assert(kConsumers == 2 && D % 64 == 0 && DV % 64 == 0 && DV <= D && BN % 64 == 0 &&
+                BN <= 128 && STAGES >= 2);
   static_assert(BN * kChunks % 128 == 0 && kRows * kChunks % 128 == 0);
   static_assert(kSmemBytes <= 227 * 1024, "the ring must fit one SM's shared memory");
   // setmaxnreg moves registers between the warpgroups of the CTA only: what the consumers gain
@@ -106,9 +112,12 @@ struct PrefillWsConfig {
 
 template <int D, bool PP>
 using PrefillWsCfg =
-    std::conditional_t<D == 64, PrefillWsConfig<64, 128, 4, PP>,
-                       std::conditional_t<D == 128, PrefillWsConfig<128, 128, 3, PP>,
-                                          PrefillWsConfig<256, 64, 2, PP>>>;
+    std::conditional_t<D == 64, PrefillWsConfig<64, 64, 128, 4, PP>,
+                       std::conditional_t<D == 128, PrefillWsConfig<128, 128, 128, 3, PP>,
+                                          PrefillWsConfig<256, 256, 64, 2, PP>>>;
+// MLA's MHA form: q / k 192 (128 nope + 64 rope), v 128; 80 KiB a stage.
+template <bool PP>
+using PrefillWsMlaCfg = PrefillWsConfig<kMlaMhaHeadDim, kMlaMhaVHeadDim, 128, 2, PP>;
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -207,8 +216,9 @@ template <typename T, typename Cfg, bool TMA>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     prefill_ws_kernel(const AttnParams p, int num_units,
                       const __grid_constant__ WsTensorMaps maps) {
-  constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, ST = Cfg::kStages, CH = Cfg::kChunks;
-  constexpr int ON = Cfg::kON, NO = D / ON, ROWS = Cfg::kRows;
+  constexpr int D = Cfg::kHeadDim, DV = Cfg::kVHeadDim, BN = Cfg::kBN, ST = Cfg::kStages;
+  constexpr int CH = Cfg::kChunks, CHV = Cfg::kVChunks;
+  constexpr int ON = Cfg::kON, NO = DV / ON, ROWS = Cfg::kRows;
   constexpr int kLog2BN = BN == 128 ? 7 : 6;
   static_assert(BN == 1 << kLog2BN);
   extern __shared__ unsigned char smem_raw[];
@@ -305,7 +315,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         const int pmask = (1 << p.page_shift) - 1;
         const T* kbase = static_cast<const T*>(p.k) + kvh * D;
-        const T* vbase = static_cast<const T*>(p.v) + kvh * D;
+        const T* vbase = static_cast<const T*>(p.v) + kvh * DV;
         if constexpr (TMA) {
           // Chunks of P rows (a power of two, 8 .. BN: one page or a BN-row piece of one).
           const int pshift = min(p.page_shift, kLog2BN);
@@ -333,20 +343,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             if (tile_base + it >= ST) mbar_wait(empty_bar(stage), parity_of(it) ^ 1u);
             const int32_t slot = next_slot;
             next_slot = resolve_chunk(it + 1);  // in flight while this tile's copies are issued
-            const uint32_t dk = sKV + stage * 2 * Cfg::kTileBytes, dv = dk + Cfg::kTileBytes;
+            const uint32_t dk = sKV + stage * Cfg::kStageBytes, dv = dk + Cfg::kTileBytes;
             // The tile's TMA bytes are expected before any of its boxes is issued.
-            if (tid == 0) mbar_arrive_expect_tx(full_bar(stage), tma_rows * D * 4);
+            if (tid == 0) mbar_arrive_expect_tx(full_bar(stage), tma_rows * (D + DV) * 2);
             __syncwarp();
             if ((tid << pshift) < tma_rows) {
               const uint32_t r0 = (tid << pshift) * 128;
 #pragma unroll
               for (int cb = 0; cb < D / 64; ++cb) {
                 tma_load_3d(dk + cb * BN * 128 + r0, &maps.k, cb * 64, kvh, slot, full_bar(stage));
-                tma_load_3d(dv + cb * BN * 128 + r0, &maps.v, cb * 64, kvh, slot, full_bar(stage));
+                if (cb < DV / 64)
+                  tma_load_3d(dv + cb * BN * 128 + r0, &maps.v, cb * 64, kvh, slot,
+                              full_bar(stage));
               }
             }
             if (tma_rows < BN) {
-              unsigned char* ck = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes;
+              unsigned char* ck = smem + Cfg::kQBytes + stage * Cfg::kStageBytes;
               unsigned char* cv = ck + Cfg::kTileBytes;
 #pragma unroll 1
               for (int i = tid; i < (BN - tma_rows) * CH; i += 128) {
@@ -355,7 +367,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                 const int64_t s = valid ? tail_slot + (key - tma_rows) : 0;
                 const uint32_t so = swz128_offset(BN, key, c);
                 cp_async_16(ck + so, kbase + s * p.k_row_stride + c * 8, valid);
-                cp_async_16(cv + so, vbase + s * p.v_row_stride + c * 8, valid);
+                if (CHV == CH || c < CHV)
+                  cp_async_16(cv + swz128_offset(BN, key, c), vbase + s * p.v_row_stride + c * 8,
+                              valid);
               }
             }
             mbar_arrive_cp_async(full_bar(stage));
@@ -375,7 +389,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             if (tid < BN) sSlot[tid] = next_slot;
             named_bar_sync(1, 128);
             next_slot = resolve(it + 1);  // in flight while this tile's copies are issued
-            unsigned char* dk = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes;
+            unsigned char* dk = smem + Cfg::kQBytes + stage * Cfg::kStageBytes;
             unsigned char* dv = dk + Cfg::kTileBytes;
 #pragma unroll 2
             for (int i = tid; i < BN * CH; i += 128) {
@@ -385,7 +399,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               const int64_t s = valid ? sl : 0;
               const uint32_t so = swz128_offset(BN, key, c);
               cp_async_16(dk + so, kbase + s * p.k_row_stride + c * 8, valid);
-              cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 8, valid);
+              if (CHV == CH || c < CHV) cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 8, valid);
             }
             mbar_arrive_cp_async(full_bar(stage));
           }
@@ -550,7 +564,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           return wg_idle ||
                  tile_hidden(causal, windowed, p.window, req.prefix, kb, BN, gt_lo, gt_hi);
         };
-        auto tile_k = [&](int stage) { return sKV + stage * 2 * Cfg::kTileBytes; };
+        auto tile_k = [&](int stage) { return sKV + stage * Cfg::kStageBytes; };
         // The tiles this consumer's rows can see are one run [it_begin, it_end) (the window cuts a
         // prefix, the diagonal a suffix). Once the run's last S = Q K^T has completed, Q is read no
         // more: the warp tells the producer (q empty), which loads the next unit's Q while this
@@ -666,7 +680,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const int f = r0 + g + 8 * h;
           const int t = row_t[h], hg = f - t * G;
           if (t >= req.qlen) continue;
-          store_prefill_row<T, D, ON>(p, req, item.split, t, kvh * G + hg, c4, h, ll, m[h], o);
+          store_prefill_row<T, DV, ON>(p, req, item.split, t, kvh * G + hg, c4, h, ll, m[h], o);
         }
       }
       tile_base += num_tiles;

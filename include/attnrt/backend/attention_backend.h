@@ -14,6 +14,8 @@
 
 namespace attnrt {
 
+struct KVLayerView;
+
 class KVCache;
 class LinearStatePool;
 class ReqToTokenPool;
@@ -123,6 +125,12 @@ class AttentionBackend {
                                const ForwardBatch& batch);
   virtual void forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args,
                                         const LayerSpec& layer, const ForwardBatch& batch);
+  // The latent rows of prefix chunk `chunk` from `kv` (layer `layer_id`'s latent pool) into
+  // `latent` [chunk tokens, 1, kv_lora_rank + rope], for the model to decompress (the runtime's
+  // gather_prefix_chunk, which checked `chunk`). The default gathers from a host pool into a host
+  // tensor (gather_latent_rows).
+  virtual void gather_prefix_chunk(int chunk, const KVLayerView& kv, int layer_id,
+                                   const TensorView& latent);
 
   // GPU backends: the CUDA stream (a cudaStream_t) every later launch and copy goes to, ordered
   // after what the old stream still has queued; an engine passes its framework's current stream.

@@ -1,6 +1,8 @@
-// The MHA form of MLA (docs/mla.md) on the host-memory backends (reference, cpu): the step's form
-// and prefix-chunk plan, the checks of each call, and the order of the calls (a layer's prefix
-// chunks after its causal part, each chunk once). Every message starts with "<backend> backend:"
+// The MHA form of MLA (docs/mla.md), the part every backend shares: the step's form and
+// prefix-chunk plan, the checks of each call, and the order of the calls (a layer's prefix chunks
+// after its causal part, each chunk once). The host-memory backends (reference, cpu) take host
+// tensors only; a GPU backend constructs it with `device_tensors` (then a call's tensors may live
+// on the GPU too; where, and in which dtypes, its own checks say). Every message starts with "<backend> backend:"
 // and names the value and what is allowed; a rejected call changes nothing.
 #pragma once
 
@@ -16,6 +18,8 @@ namespace attnrt {
 
 class HostMlaMhaSteps {
  public:
+  explicit HostMlaMhaSteps(bool device_tensors = false) : device_tensors_(device_tensors) {}
+
   // In init_forward_metadata, after the layout: the form (choose_mla_form, served when the model
   // has an MLA layer with an MHA form) and, for the MHA form, the prefix-chunk plan.
   void plan(std::string_view backend, const BackendContext& ctx, const ForwardBatch& batch,
@@ -35,8 +39,11 @@ class HostMlaMhaSteps {
   void check_chunk(std::string_view backend, bool planned, int chunk, const MlaChunkArgs& args,
                    const LayerSpec& layer, const ForwardBatch& batch) const;
   void chunk_done(int chunk) { done_[chunk] = 1; }
+  // A step without MLA layers in the MHA form (absorbed, no chunks).
+  void reset();
 
  private:
+  bool device_tensors_ = false;
   MlaForm form_ = MlaForm::absorbed;
   PrefixChunkPlan chunks_;
   int layer_ = -1;             // the layer whose causal part ran last (-1: none this step)

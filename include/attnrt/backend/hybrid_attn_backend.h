@@ -27,6 +27,8 @@ class HybridAttnBackend final : public AttentionBackend {
                        const ForwardBatch& batch) override;
   void forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args, const LayerSpec& layer,
                                 const ForwardBatch& batch) override;
+  void gather_prefix_chunk(int chunk, const KVLayerView& kv, int layer_id,
+                           const TensorView& latent) override;
   void init_cuda_graph_state(int max_bs, int max_num_tokens) override;
   void init_forward_metadata_capture_cuda_graph(int bs, int num_tokens,
                                                 const ForwardBatch& batch) override;

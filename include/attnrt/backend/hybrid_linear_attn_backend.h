@@ -36,6 +36,8 @@ class HybridLinearAttnBackend final : public AttentionBackend {
                        const ForwardBatch& batch) override;
   void forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args, const LayerSpec& layer,
                                 const ForwardBatch& batch) override;
+  void gather_prefix_chunk(int chunk, const KVLayerView& kv, int layer_id,
+                           const TensorView& latent) override;
   void forward_linear(const LinearArgs& args, const LayerSpec& layer,
                       const ForwardBatch& batch) override;
   // Goes to the linear backend that serves TARGET_VERIFY.
