@@ -282,7 +282,7 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
       ASSERT_EQ(w[n].req, i) << "class " << c << " item " << n;
       ASSERT_EQ(w[n].f0, (tiles[i] - 1 - k) * cuda::tile_rows(shape)) << "item " << n;
       ASSERT_EQ(w[n].split, s) << "item " << n;
-      ASSERT_EQ(w[n].pad, 0);
+      ASSERT_EQ(w[n].kvh, 0);
     }
   }
 

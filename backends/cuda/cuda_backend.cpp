@@ -86,6 +86,7 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
     cfg.num_kv_heads_max = std::max(cfg.num_kv_heads_max, l.num_kv_heads);
     const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
     max_q_heads_x_dv_ = std::max<int64_t>(max_q_heads_x_dv_, int64_t{l.num_q_heads} * (dv + 1));
+    if (l.has_mha_form() && !mha_served_) mha_heads_ = l.num_q_heads;
     mha_served_ = mha_served_ || l.has_mha_form();
   }
   if (cfg.groups.empty()) cfg.groups.push_back(1);

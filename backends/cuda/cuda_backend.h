@@ -155,6 +155,7 @@ class CudaBackend final : public OnePathAttnBackend {
                       int64_t lse_tok, int64_t kv_rows, bool fp16);
 
   bool mha_served_ = false;  // the model has MLA layers with an MHA form
+  int mha_heads_ = 0;        // their q heads (the first one's)
   HostMlaMhaSteps mha_{/*device_tensors=*/true};
   MhaDevicePlan mha_plan_;
   ForwardMode mha_mode_ = ForwardMode::IDLE;

@@ -43,6 +43,7 @@ CudaDeviceInfo probe_device() {
   info.cc_minor = prop.minor;
   info.sm_count = prop.multiProcessorCount;
   info.total_memory = prop.totalGlobalMem;
+  info.l2_bytes = static_cast<size_t>(prop.l2CacheSize);
   if (info.driver_version < info.runtime_version) {
     info.reason = fmt::format("CUDA driver {} is older than the runtime {} this binary was built with",
                               info.driver_version, info.runtime_version);

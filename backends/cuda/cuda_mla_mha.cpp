@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 
 #include "attnrt/batch/forward_mode.h"
+#include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "backends/cuda/cuda_backend.h"
@@ -93,10 +94,17 @@ void CudaBackend::plan_mla_mha(const ForwardBatch& batch) {
     auto* t = reinterpret_cast<int32_t*>(bytes.data() + mp.iota_off);
     for (int64_t j = 0; j < iota; ++j) t[j] = static_cast<int32_t>(j);
   }
-  // One part: every request's query rows in 128-row items, heaviest first (the CTA takes units in
-  // list order); kv_len(i) keys of request i, the first at row pt_start(i) of the part's k / v.
+  // One part: every request's query rows in 128-row items on every head (one unit each); kv_len(i)
+  // keys of request i, the first at row pt_start(i) of the part's k / v. The CTAs take units in
+  // list order: the heads in groups whose K/V fit in half the L2 (all their units before the next
+  // group's, so that the CTAs running at once share K/V tiles there), heaviest units first within
+  // a group. On the H200 (50 MiB of L2), 1x16384 at 128 heads moves 10 MiB of K/V per head: ungrouped
+  // (every head at once) each tile came from DRAM.
+  const int hq = mha_heads_;
+  const int64_t l2 = static_cast<int64_t>(std::max<size_t>(query_cuda().l2_bytes, 8 << 20));
   std::vector<WorkItem> items;
-  auto add_part = [&](MhaPart& part, bool causal, auto kv_len, auto pt_start) {
+  auto add_part = [&](MhaPart& part, bool causal, int64_t part_tokens, auto kv_len,
+                      auto pt_start) {
     part.reqs_off = reserve(static_cast<size_t>(bs) * sizeof(ReqInfo));
     for (int i = 0; i < bs; ++i) {
       ReqInfo r{};
@@ -110,22 +118,28 @@ void CudaBackend::plan_mla_mha(const ForwardBatch& batch) {
       std::memcpy(bytes.data() + part.reqs_off + i * sizeof(ReqInfo), &r, sizeof(r));
     }
     items.clear();
-    for (int i = 0; i < bs; ++i) {
-      for (int f0 = 0; f0 < layout.query_lens[i]; f0 += kPrefillTileRows)
-        items.push_back({i, f0, 0, 0});
-    }
+    const int64_t head_bytes = std::max<int64_t>(part_tokens, 1) * (kMlaMhaHeadDim + kMlaMhaVHeadDim) * 2;
+    const int group = static_cast<int>(std::clamp<int64_t>(l2 / 2 / head_bytes, 1, hq));
     auto keys = [&](const WorkItem& w) {
       return causal ? std::min(layout.query_lens[w.req], w.f0 + kPrefillTileRows) : kv_len(w.req);
     };
-    std::stable_sort(items.begin(), items.end(),
-                     [&](const WorkItem& a, const WorkItem& b) { return keys(a) > keys(b); });
+    for (int h0 = 0; h0 < hq; h0 += group) {
+      const size_t first = items.size();
+      for (int i = 0; i < bs; ++i) {
+        for (int f0 = 0; f0 < layout.query_lens[i]; f0 += kPrefillTileRows) {
+          for (int h = h0; h < std::min(hq, h0 + group); ++h) items.push_back({i, f0, 0, h});
+        }
+      }
+      std::stable_sort(items.begin() + static_cast<std::ptrdiff_t>(first), items.end(),
+                       [&](const WorkItem& a, const WorkItem& b) { return keys(a) > keys(b); });
+    }
     part.num_items = static_cast<int>(items.size());
     part.work_off = reserve(items.size() * sizeof(WorkItem));
     if (!items.empty())
       std::memcpy(bytes.data() + part.work_off, items.data(), items.size() * sizeof(WorkItem));
   };
   add_part(
-      mp.causal, true, [&](int i) { return layout.query_lens[i]; },
+      mp.causal, true, layout.num_tokens, [&](int i) { return layout.query_lens[i]; },
       [&](int i) { return layout.query_start[i]; });
   mp.chunks.assign(chunks.chunks.size(), MhaPart{});
   mp.slots_off.assign(chunks.chunks.size(), 0);
@@ -134,15 +148,15 @@ void CudaBackend::plan_mla_mha(const ForwardBatch& batch) {
     // A request whose prefix ended before this chunk has its rows written with no keys (out 0,
     // lse -inf), which the merge skips.
     add_part(
-        mp.chunks[c], false, [&](int i) { return pc.lens[i]; },
+        mp.chunks[c], false, pc.num_tokens, [&](int i) { return pc.lens[i]; },
         [&](int i) { return pc.cu_seqlens[i]; });
     mp.slots_off[c] = reserve(pc.slots.size() * sizeof(int64_t));
     auto* s = reinterpret_cast<int64_t*>(bytes.data() + mp.slots_off[c]);
     for (size_t j = 0; j < pc.slots.size(); ++j) s[j] = pc.slots[j];
   }
-  ATTNRT_CHECK(mp.causal.num_items <= 65535 * 16,
-               "cuda backend: {} MHA-form work items in one step; at most {}", mp.causal.num_items,
-               65535 * 16);
+  ATTNRT_CHECK(int64_t{mp.causal.num_items} < (int64_t{1} << 31),
+               "cuda backend: {} MHA-form work units in one step; at most 2^31 - 1",
+               mp.causal.num_items);
 }
 
 void CudaBackend::upload_mha_plan() {
@@ -164,8 +178,10 @@ void CudaBackend::launch_mla_mha(const LayerSpec& layer, const MhaPart& part, bo
   if (part.num_items == 0) return;
   const char* meta = mha_meta_.ptr<char>();
   const int hq = layer.num_q_heads;
-  ATTNRT_CHECK(int64_t{part.num_items} * hq < (int64_t{1} << 31),
-               "cuda backend: {} x {} MHA-form work units; at most 2^31 - 1", part.num_items, hq);
+  ATTNRT_CHECK(hq == mha_heads_,
+               "cuda backend: layer {} has {} q heads; the MHA-form plan of this model is for {} "
+               "(the first MLA layer with an MHA form): every such layer must have as many",
+               layer.layer_id, hq, mha_heads_);
   const float scale = layer.softmax_scale();
   AttnParams p{};
   p.q = q;
@@ -197,6 +213,7 @@ void CudaBackend::launch_mla_mha(const LayerSpec& layer, const MhaPart& part, bo
   p.causal = causal ? 1 : 0;
   p.item_rows = kPrefillTileRows;
   p.sched = sched_.ptr<int32_t>();
+  p.item_heads = 1;
   const AttnCtaEntry entry = prefill_mla_mha_entry(fp16);
   ATTNRT_CUDA_CHECK(entry.launch(p, AttnKernelKey{}, part.num_items, stream_, false));
 }

@@ -655,6 +655,8 @@ void StepDriver::run_mla_mha(Step& s, const LayerSpec& layer, double& elapsed) {
   }
   ++s.ms.mha_layers;
   s.ms.prefix_chunks += plan.num_chunks();
+  // A GPU pool: the checker reads the host mirror, with the rows this step stored.
+  if (e.mirror && s.check) refresh_mirror(e, layer.layer_id, s.read_rows);
   e.checker->check_mla_mha(s.site(layer), s.scheduled.batch, q.view(), out.view(), w->second,
                            s.check, check_sample(s, layer), s.ms);
 }

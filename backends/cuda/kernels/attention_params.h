@@ -45,12 +45,13 @@ struct ReqInfo {
 
 // One CTA's work: `rows` flattened (token, head-in-group) rows starting at f0 of request `req`,
 // keys of split `split` (the key range of a split is derived on the device from the lengths, so a
-// captured graph stays valid when the lengths change).
+// captured graph stays valid when the lengths change). `kvh`: the item's KV head where the launch
+// has one unit per item (AttnParams::item_heads), else unused (every item runs on every KV head).
 struct WorkItem {
   int32_t req;
   int32_t f0;
   int32_t split;
-  int32_t pad;
+  int32_t kvh;
 };
 
 enum class KvKind : int32_t { same_as_q = 0, e4m3 = 1, e5m2 = 2 };
@@ -104,6 +105,10 @@ struct AttnParams {
   // Two zeroed words for kernels that hand out work dynamically (the warp-specialised prefill):
   // the next ticket and the CTAs done; the last CTA to finish zeroes both again.
   int32_t* sched;
+  // The warp-specialised prefill CTA: 1 = each work item names its KV head (WorkItem::kvh) and the
+  // launch has one unit per item, so that the plan orders (item, head) units itself (the MHA form
+  // groups the heads whose K/V fit in the L2); 0 = every item on every KV head.
+  int32_t item_heads;
 };
 
 struct MergeParams {

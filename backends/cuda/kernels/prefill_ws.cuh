@@ -191,8 +191,13 @@ struct WsUnit {
 template <int ROWS, int BN, bool TILED>
 __device__ __forceinline__ WsUnit ws_unit(const AttnParams& p, int unit) {
   WsUnit u;
-  u.kvh = unit % p.num_kv_heads;
-  u.item = p.work[unit / p.num_kv_heads];
+  if (p.item_heads) {
+    u.item = p.work[unit];
+    u.kvh = u.item.kvh;
+  } else {
+    u.kvh = unit % p.num_kv_heads;
+    u.item = p.work[unit / p.num_kv_heads];
+  }
   u.req = p.reqs[u.item.req];
   const int G = p.group;
   const int t_first = u.item.f0 / G;
@@ -707,7 +712,7 @@ cudaError_t launch_prefill_ws_cfg(const AttnParams& p, const WsTensorMaps& maps,
   if (p.sched == nullptr) return cudaErrorInvalidValue;
   const cudaError_t attr = allow_dynamic_smem<kernel>(Cfg::kSmemBytes);
   if (attr != cudaSuccess) return attr;
-  const int units = num_items * p.num_kv_heads;
+  const int units = p.item_heads ? num_items : num_items * p.num_kv_heads;
   int ctas = units;
   if (persistent) {
     const int sms = sm_count();

@@ -14,6 +14,7 @@ struct CudaDeviceInfo {
   int cc_major = 0, cc_minor = 0;
   int sm_count = 0;
   size_t total_memory = 0;
+  size_t l2_bytes = 0;  // the L2 cache
   int driver_version = 0, runtime_version = 0;
 };
 
