@@ -50,7 +50,7 @@ class CudaBackend final : public OnePathAttnBackend {
 
   // MLA's MHA form with a chunked prefix (docs/mla.md; cuda_mla_mha.cpp): the causal part and
   // each chunk on the warp-specialised prefill CTA at 192 / 128, the chunks merged into out / lse
-  // on the GPU, the chunks' latent rows gathered from the pool on the GPU. GPU tensors are used in
+  // by its epilogue, the chunks' latent rows gathered from the pool on the GPU. GPU tensors are used in
   // place; host tensors (bf16 / fp16, contiguous) go through staging and the call synchronises.
   MlaForm mla_form() const override { return mha_.form(); }
   const PrefixChunkPlan& prefix_chunk_plan() const override { return mha_.chunks(); }
@@ -129,9 +129,8 @@ class CudaBackend final : public OnePathAttnBackend {
   void finish_call(const AttnArgs& args, const CallDims& c, const DeviceIo& io, const LayerKv& kv);
   void ensure(DeviceBuffer& buf, size_t bytes, const char* what);
 
-  // The MHA form (cuda_mla_mha.cpp). Its device plan: the token-index table its pools of page
-  // size 1 read, the requests and work items of the causal part and of each chunk, each chunk's
-  // latent slots; built on the host in init_forward_metadata of an MHA-form step and uploaded by
+  // The MHA form (cuda_mla_mha.cpp). Its device plan: the requests and (item, head) units of the
+  // causal part and of each chunk, each chunk's latent slots; built on the host in init_forward_metadata of an MHA-form step and uploaded by
   // that step's first MHA-form call.
   struct MhaPart {
     size_t reqs_off = 0, work_off = 0;
@@ -140,7 +139,6 @@ class CudaBackend final : public OnePathAttnBackend {
   struct MhaDevicePlan {
     std::vector<unsigned char> host;  // the bytes to upload
     bool uploaded = false;
-    size_t iota_off = 0;
     MhaPart causal;
     std::vector<MhaPart> chunks;
     std::vector<size_t> slots_off;  // per chunk: int64 latent slots
@@ -148,8 +146,9 @@ class CudaBackend final : public OnePathAttnBackend {
   void plan_mla_mha(const ForwardBatch& batch);
   void upload_mha_plan();
   bool planned_mha_for(const ForwardBatch& batch) const;
-  // One MHA-form attention launch (the causal part, or chunk `chunk`) over GPU tensors.
-  void launch_mla_mha(const LayerSpec& layer, const MhaPart& part, bool causal, const void* q,
+  // One MHA-form attention launch over GPU tensors: the causal part, or (`chunk`) a prefix chunk
+  // whose rows merge into out / lse.
+  void launch_mla_mha(const LayerSpec& layer, const MhaPart& part, bool chunk, const void* q,
                       int64_t q_tok, int64_t q_head, const void* k, int64_t k_tok, const void* v,
                       int64_t v_tok, void* out, int64_t o_tok, int64_t o_head, float* lse,
                       int64_t lse_tok, int64_t kv_rows, bool fp16);

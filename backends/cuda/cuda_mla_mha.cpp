@@ -1,7 +1,7 @@
 // MLA's MHA form on the cuda backend (docs/mla.md): the causal part of an MHA-form step and each
 // prefix chunk run on the warp-specialised prefill CTA at q / k 192, v 128 (prefill_mla_mha_entry),
-// one KV head per q head, reading the model's k / v tensors as pools of page size 1 through a
-// token-index table; a chunk's (out, lse) is merged into the running result on the GPU
+// one KV head per q head, reading the model's k / v tensors in place (key j of a request is row
+// pt_start + j: AttnParams::kv_ragged), whole tiles by TMA; a chunk's (out, lse) is merged into the running result on the GPU
 // (launch_mla_merge_chunk); the chunks' latent rows are gathered from the latent pool on the GPU
 // (launch_gather_rows).
 //
@@ -75,11 +75,11 @@ void CudaBackend::plan_mla_mha(const ForwardBatch& batch) {
   if (mha_.form() != MlaForm::mha) return;
   const int bs = batch.batch_size;
   const PrefixChunkPlan& chunks = mha_.chunks();
-  int64_t iota = layout.num_tokens;
-  for (const PrefixChunk& c : chunks.chunks) iota = std::max(iota, c.num_tokens);
-  ATTNRT_CHECK(iota < (int64_t{1} << 31),
+  int64_t rows = layout.num_tokens;
+  for (const PrefixChunk& c : chunks.chunks) rows = std::max(rows, c.num_tokens);
+  ATTNRT_CHECK(rows < (int64_t{1} << 31),
                "cuda backend: an MHA-form step of {} tokens; the kernels index up to 2^31 - 1",
-               iota);
+               rows);
 
   MhaDevicePlan& mp = mha_plan_;
   std::vector<unsigned char>& bytes = mp.host;
@@ -89,11 +89,6 @@ void CudaBackend::plan_mla_mha(const ForwardBatch& batch) {
     bytes.resize(off + n);
     return off;
   };
-  mp.iota_off = reserve(static_cast<size_t>(iota) * sizeof(int32_t));
-  {
-    auto* t = reinterpret_cast<int32_t*>(bytes.data() + mp.iota_off);
-    for (int64_t j = 0; j < iota; ++j) t[j] = static_cast<int32_t>(j);
-  }
   // One part: every request's query rows in 128-row items on every head (one unit each); kv_len(i)
   // keys of request i, the first at row pt_start(i) of the part's k / v. The CTAs take units in
   // list order: the heads in groups whose K/V fit in half the L2 (all their units before the next
@@ -170,7 +165,7 @@ void CudaBackend::upload_mha_plan() {
   mha_plan_.uploaded = true;
 }
 
-void CudaBackend::launch_mla_mha(const LayerSpec& layer, const MhaPart& part, bool causal,
+void CudaBackend::launch_mla_mha(const LayerSpec& layer, const MhaPart& part, bool chunk,
                                  const void* q, int64_t q_tok, int64_t q_head, const void* k,
                                  int64_t k_tok, const void* v, int64_t v_tok, void* out,
                                  int64_t o_tok, int64_t o_head, float* lse, int64_t lse_tok,
@@ -197,10 +192,10 @@ void CudaBackend::launch_mla_mha(const LayerSpec& layer, const MhaPart& part, bo
   p.k_row_stride = k_tok;
   p.v_row_stride = v_tok;
   p.kv_kind = KvKind::same_as_q;
-  p.page_shift = 0;
+  p.kv_ragged = 1;
+  p.page_shift = mla_mha_tile_shift();
   p.kv_rows = kv_rows;
   p.reqs = reinterpret_cast<const ReqInfo*>(meta + part.reqs_off);
-  p.page_table = reinterpret_cast<const int32_t*>(meta + mha_plan_.iota_off);
   p.work = reinterpret_cast<const WorkItem*>(meta + part.work_off);
   p.num_q_heads = hq;
   p.num_kv_heads = hq;
@@ -210,7 +205,8 @@ void CudaBackend::launch_mla_mha(const LayerSpec& layer, const MhaPart& part, bo
   p.softcap = layer.logit_cap;
   p.v_scale = 1.f;
   p.window = -1;
-  p.causal = causal ? 1 : 0;
+  p.causal = chunk ? 0 : 1;
+  p.merge_out = chunk ? 1 : 0;
   p.item_rows = kPrefillTileRows;
   p.sched = sched_.ptr<int32_t>();
   p.item_heads = 1;
@@ -255,7 +251,7 @@ void CudaBackend::forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer
     ATTNRT_CHECK(args.lse.empty() || args.lse.strides[1] == 1,
                  "cuda backend: lse is {} with head stride {}; the heads must be contiguous",
                  args.lse.describe(), args.lse.empty() ? 0 : args.lse.strides[1]);
-    launch_mla_mha(layer, mha_plan_.causal, true, args.q.data, args.q.strides[0],
+    launch_mla_mha(layer, mha_plan_.causal, false, args.q.data, args.q.strides[0],
                    args.q.strides[1], args.k.data, args.k.strides[0], args.v.data,
                    args.v.strides[0], args.out.data, args.out.strides[0], args.out.strides[1],
                    args.lse.empty() ? nullptr : args.lse.ptr<float>(),
@@ -279,7 +275,7 @@ void CudaBackend::forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer
     ATTNRT_CUDA_CHECK(
         cudaMemcpyAsync(base + v_off, args.v.data, vb, cudaMemcpyHostToDevice, stream_));
     float* lse = lb > 0 ? reinterpret_cast<float*>(base + l_off) : nullptr;
-    launch_mla_mha(layer, mha_plan_.causal, true, base, int64_t{hq} * d.qk, d.qk, base + k_off,
+    launch_mla_mha(layer, mha_plan_.causal, false, base, int64_t{hq} * d.qk, d.qk, base + k_off,
                    int64_t{hq} * d.qk, base + v_off, int64_t{hq} * d.v, base + o_off,
                    int64_t{hq} * d.v, d.v, lse, hq, T, fp16);
     ATTNRT_CUDA_CHECK(
@@ -307,23 +303,19 @@ void CudaBackend::forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args,
                  args.q.describe(), what, t->describe());
   }
   upload_mha_plan();
-  const int64_t T = batch.num_tokens(), n = mha_.chunks().chunks[chunk].num_tokens;
+  const int64_t n = mha_.chunks().chunks[chunk].num_tokens;
   const int hq = layer.num_q_heads;
   const bool fp16 = dt == DType::f16;
   const size_t es = dtype_size(dt);
-  // The chunk's own result, [T, hq, v] contiguous and [T, hq], then merged into out / lse.
-  const size_t cb = static_cast<size_t>(T) * hq * d.v * es, clb = static_cast<size_t>(T) * hq * 4;
-  const size_t cl_off = align16(cb), stage_off = cl_off + align16(clb);
-  size_t need = stage_off;
   const size_t qb = args.q.numel() * es, kb = args.k.numel() * es, vb = args.v.numel() * es;
   const size_t ob = args.out.numel() * es, lb = args.lse.numel() * 4;
-  const size_t q_off = stage_off, k_off = q_off + align16(qb), v_off = k_off + align16(kb);
+  const size_t q_off = 0, k_off = q_off + align16(qb), v_off = k_off + align16(kb);
   const size_t o_off = v_off + align16(vb), l_off = o_off + align16(ob);
-  if (!dev) need = l_off + lb + 16;
-  ensure(mha_scratch_, need, "MHA-form chunk result");
-  char* base = mha_scratch_.ptr<char>();
-  void* chunk_out = base;
-  float* chunk_lse = reinterpret_cast<float*>(base + cl_off);
+  char* base = nullptr;
+  if (!dev) {
+    ensure(mha_scratch_, l_off + lb + 16, "MHA-form staging");
+    base = mha_scratch_.ptr<char>();
+  }
 
   const void *q = args.q.data, *k = args.k.data, *v = args.v.data;
   void* out = args.out.data;
@@ -368,21 +360,9 @@ void CudaBackend::forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args,
     out = base + o_off;
     lse = reinterpret_cast<float*>(base + l_off);
   }
-  launch_mla_mha(layer, mha_plan_.chunks[chunk], false, q, q_tok, q_head, k, k_tok, v, v_tok,
-                 chunk_out, int64_t{hq} * d.v, d.v, chunk_lse, hq, n, fp16);
-  MlaMergeParams mp{};
-  mp.out = out;
-  mp.o_stride_tok = o_tok;
-  mp.o_stride_head = o_head;
-  mp.lse = lse;
-  mp.lse_stride_tok = lse_tok;
-  mp.chunk_out = chunk_out;
-  mp.chunk_lse = chunk_lse;
-  mp.rows = T * hq;
-  mp.heads = hq;
-  mp.dim = d.v;
-  mp.dtype = static_cast<int32_t>(dt);
-  ATTNRT_CUDA_CHECK(launch_mla_merge_chunk(mp, stream_));
+  // The chunk's rows merge into out / lse in the kernel's epilogue (AttnParams::merge_out).
+  launch_mla_mha(layer, mha_plan_.chunks[chunk], true, q, q_tok, q_head, k, k_tok, v, v_tok, out,
+                 o_tok, o_head, lse, lse_tok, n, fp16);
   if (!dev) {
     ATTNRT_CUDA_CHECK(
         cudaMemcpyAsync(args.out.data, base + o_off, ob, cudaMemcpyDeviceToHost, stream_));

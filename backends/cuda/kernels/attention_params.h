@@ -109,6 +109,13 @@ struct AttnParams {
   // launch has one unit per item, so that the plan orders (item, head) units itself (the MHA form
   // groups the heads whose K/V fit in the L2); 0 = every item on every KV head.
   int32_t item_heads;
+  // The warp-specialised prefill CTA: 1 = key j of a request is row pt_start + j of K / V (the
+  // MHA form's contiguous tensors; no page table read), page_shift = log2 of the tile's keys.
+  int32_t kv_ragged;
+  // The 128-row prefill CTAs' epilogue: 1 = out / lse_out (natural log, required) hold a running
+  // result that this launch's rows are merged into by log-sum-exp (the MHA form's prefix chunks);
+  // a row without keys leaves it as it was.
+  int32_t merge_out;
 };
 
 struct MergeParams {

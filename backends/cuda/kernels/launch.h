@@ -87,21 +87,7 @@ cudaError_t launch_copy_rows(const CopyRowsParams& p, cudaStream_t stream);
 cudaError_t launch_scatter_slots(int64_t* map, const int64_t* index, const int64_t* value,
                                  int64_t count, cudaStream_t stream);
 
-// MLA's MHA form (kernels/mla_mha.cu). A prefix chunk's result (chunk_out [rows, dim] contiguous,
-// chunk_lse [rows], rows = tokens x heads) merged into the running out / lse (natural logs).
-struct MlaMergeParams {
-  void* out;
-  int64_t o_stride_tok, o_stride_head;
-  float* lse;
-  int64_t lse_stride_tok;
-  const void* chunk_out;
-  const float* chunk_lse;
-  int64_t rows;
-  int32_t heads, dim;
-  int32_t dtype;  // out and chunk_out: an attnrt::DType code (bf16, f16)
-};
-cudaError_t launch_mla_merge_chunk(const MlaMergeParams& p, cudaStream_t stream);
-
+// MLA's MHA form (kernels/mla_mha.cu): the gather of a prefix chunk's latent rows.
 // out[i, :dim] = pool row slots[i] x scale (through slot_map when set), any float pool dtype
 // (fp8 included) to a bf16 / f16 / f32 output with rows out_stride elements apart.
 struct GatherRowsParams {

@@ -1,6 +1,5 @@
-// The small kernels of MLA's MHA form on the cuda backend (cuda_mla_mha.cpp): a prefix chunk's
-// (out, lse) merged into the running result, and the gather of a chunk's latent rows from the
-// latent pool for the model to decompress.
+// The gather of a prefix chunk's latent rows from the latent pool for the model to decompress
+// (MLA's MHA form on the cuda backend, cuda_mla_mha.cpp).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -14,33 +13,6 @@
 
 namespace attnrt::cuda {
 namespace {
-
-// One warp per (token, head) row: (o, lse) <- merge((o, lse), (o_c, lse_c)), natural logs. A
-// chunk row without keys (lse_c = -inf) leaves the row as it is; so does a running row of
-// -inf (the merge then takes the chunk's values).
-__global__ void merge_chunk_kernel(const MlaMergeParams p) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  if (row >= p.rows) return;
-  const int lane = threadIdx.x & 31;
-  const int64_t t = row / p.heads;
-  const int h = static_cast<int>(row % p.heads);
-  const float lc = p.chunk_lse[row];
-  if (lc == -INFINITY) return;
-  float* lse = p.lse + t * p.lse_stride_tok + h;
-  const float la = *lse;
-  const float m = fmaxf(la, lc);
-  const float wa = la == -INFINITY ? 0.f : expf(la - m), wc = expf(lc - m);
-  const float inv = 1.f / (wa + wc);
-  const int64_t o0 = t * p.o_stride_tok + h * p.o_stride_head;
-  const int64_t c0 = row * p.dim;
-  for (int e = 2 * lane; e < p.dim; e += 64) {
-    const float2 a = load_elem2(p.out, p.dtype, o0 + e);
-    const float2 c = load_elem2(p.chunk_out, p.dtype, c0 + e);
-    store_elem2(p.out, p.dtype, o0 + e, (a.x * wa + c.x * wc) * inv, (a.y * wa + c.y * wc) * inv);
-  }
-  __syncwarp();
-  if (lane == 0) *lse = m + logf(wa + wc);
-}
 
 // One block per gathered row: out[i, :] = pool row slots[i] (through the SWA map when there is
 // one) times the pool's scale, converted to the output dtype.
@@ -58,13 +30,6 @@ __global__ void gather_rows_kernel(const GatherRowsParams p) {
 }
 
 }  // namespace
-
-cudaError_t launch_mla_merge_chunk(const MlaMergeParams& p, cudaStream_t stream) {
-  if (p.rows == 0) return cudaSuccess;
-  constexpr int kWarps = 8;
-  const dim3 grid(static_cast<unsigned>((p.rows + kWarps - 1) / kWarps));
-  return launch_kernel(merge_chunk_kernel, grid, dim3(32 * kWarps), 0, stream, false, p);
-}
 
 cudaError_t launch_gather_rows(const GatherRowsParams& p, cudaStream_t stream) {
   if (p.count == 0) return cudaSuccess;

@@ -35,11 +35,14 @@ AttnCtaEntry prefill_kernel_entry_d256(bool fp16, bool verify);
 constexpr int kWsAuto = -1;
 AttnCtaEntry prefill_ws_entry(int head_dim, bool fp16, bool ping_pong);
 int prefill_ws_mode();
-// The same CTA (ping-pong, cp.async producer) at MLA's MHA-form dims (q / k 192, v 128, one KV
-// head per q head), for the MHA-form calls of the cuda backend (cuda_mla_mha.cpp); empty for
-// other dims. Its K / V rows are the model's contiguous tensors, addressed as a pool of page
-// size 1 through the step's token-index table.
+// The same CTA at MLA's MHA-form dims (q / k 192, v 128, one KV head per q head), for the
+// MHA-form calls of the cuda backend (cuda_mla_mha.cpp): AttnParams::kv_ragged launches over the
+// model's contiguous k / v tensors, (item, head) units (AttnParams::item_heads), whole tiles by TMA
+// where the tensor maps can be encoded. ATTNRT_MLA_MHA_CTA=1 runs its consumers in ping-pong
+// (0, the default: free-running; read once).
 AttnCtaEntry prefill_mla_mha_entry(bool fp16);
+// log2 of the keys per tile of that CTA (AttnParams::page_shift of its kv_ragged launches).
+int mla_mha_tile_shift();
 void set_prefill_ws_mode(int mode);
 
 // The warp-specialised CTA's TMA producer (prefill_ws.cuh): K/V pages loaded by tensor-map copies

@@ -17,7 +17,8 @@ namespace attnrt::cuda {
 // `head`, with the softmax state m (log2 units) and l (already summed over the row's four
 // threads). A split writes its fp32 partial and lse (log2); otherwise the row is normalised
 // (sinks in the denominator, v_scale folded in) and written in T, with the natural-log lse when
-// asked for.
+// asked for; with p.merge_out merged into the row and lse already there (the four threads of the
+// row read the running lse before its first thread writes the merged one).
 template <typename T, int D, int ON>
 __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const ReqInfo& req,
                                                   int split_index, int t, int head, int c4, int h,
@@ -39,17 +40,42 @@ __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const Req
     const float m_use = mm == -INFINITY ? 0.f : mm;
     float den = ll;
     if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
-    const float inv = den > 0.f ? p.v_scale / den : 0.f;
+    float inv = den > 0.f ? p.v_scale / den : 0.f;
     T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok + head * p.o_stride_head +
              2 * c4;
+    float lse = (m_use + log2f(den)) * kLn2;  // -inf without keys
+    float* lse_dst =
+        p.lse_out != nullptr ? p.lse_out + (req.qo_start + t) * p.lse_stride_tok + head : nullptr;
+    if (p.merge_out) {
+      // (o, lse) <- merge((o_running, lse_running), (this row, lse)).
+      const float la = *lse_dst;
+      const float m = fmaxf(la, lse);
+      const float wa = la == -INFINITY ? 0.f : __expf(la - m);
+      const float wn = lse == -INFINITY ? 0.f : __expf(lse - m);
+      const float sum = wa + wn;
+      const float keep = sum > 0.f ? wa / sum : 1.f;
+      inv *= sum > 0.f ? wn / sum : 0.f;
 #pragma unroll
-    for (int nb = 0; nb < NO; ++nb)
+      for (int nb = 0; nb < NO; ++nb)
 #pragma unroll
-      for (int i = 0; i < ON / 8; ++i)
-        *reinterpret_cast<uint32_t*>(dst + nb * ON + i * 8) =
-            pack2<T>(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
-    if (p.lse_out != nullptr && c4 == 0)
-      p.lse_out[(req.qo_start + t) * p.lse_stride_tok + head] = (m_use + log2f(den)) * kLn2;
+        for (int i = 0; i < ON / 8; ++i) {
+          T* e = dst + nb * ON + i * 8;
+          *reinterpret_cast<uint32_t*>(e) =
+              pack2<T>(fmaf(to_float(e[0]), keep, o[nb][4 * i + 2 * h] * inv),
+                       fmaf(to_float(e[1]), keep, o[nb][4 * i + 2 * h + 1] * inv));
+        }
+      lse = sum > 0.f ? m + __logf(sum) : la;
+      // Every thread of the row has read the running lse before the first one writes.
+      __syncwarp(0xfu << (threadIdx.x & 28));
+    } else {
+#pragma unroll
+      for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+        for (int i = 0; i < ON / 8; ++i)
+          *reinterpret_cast<uint32_t*>(dst + nb * ON + i * 8) =
+              pack2<T>(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
+    }
+    if (lse_dst != nullptr && c4 == 0) *lse_dst = lse;
   }
 }
 

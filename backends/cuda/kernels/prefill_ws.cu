@@ -88,13 +88,15 @@ std::optional<CUtensorMap> tensor_map(const TensorMapKey& key) {
   return map;
 }
 
-// The K and V maps of a launch whose tiles hold `bn` keys.
-std::optional<WsTensorMaps> ws_tensor_maps(const AttnParams& p, int head_dim, int bn, bool fp16) {
+// The K and V maps of a launch whose tiles hold `bn` keys (K rows of head_dim, V rows of
+// v_head_dim per head).
+std::optional<WsTensorMaps> ws_tensor_maps(const AttnParams& p, int head_dim, int v_head_dim,
+                                           int bn, bool fp16) {
   const int box_rows = std::min(1 << p.page_shift, bn);
   const auto k =
       tensor_map({p.k, p.kv_rows, p.k_row_stride, p.num_kv_heads, head_dim, box_rows, fp16});
   const auto v =
-      tensor_map({p.v, p.kv_rows, p.v_row_stride, p.num_kv_heads, head_dim, box_rows, fp16});
+      tensor_map({p.v, p.kv_rows, p.v_row_stride, p.num_kv_heads, v_head_dim, box_rows, fp16});
   if (!k || !v) return std::nullopt;
   WsTensorMaps maps;
   maps.k = *k;
@@ -108,7 +110,7 @@ std::optional<WsTensorMaps> tma_maps(const AttnParams& p, int head_dim, bool fp1
   // Keys per tile of the CTAs with a TMA instantiation.
   const int bn = head_dim == 256 ? PrefillWsCfg<256, false>::kBN : PrefillWsCfg<128, true>::kBN;
   static_assert(PrefillWsCfg<64, true>::kBN == PrefillWsCfg<128, true>::kBN);
-  return ws_tensor_maps(p, head_dim, bn, fp16);
+  return ws_tensor_maps(p, head_dim, head_dim, bn, fp16);
 }
 
 // The warp-specialised CTA for activations T at head dim D: the TMA producer where it has an
@@ -144,12 +146,26 @@ AttnCtaEntry ws_entry_dim(bool fp16, bool ping_pong) {
   return ping_pong ? ws_entry<D, true>(fp16) : ws_entry<D, false>(fp16);
 }
 
-// MLA's MHA form: the cp.async producer (its rows are token-indexed, page size 1).
-template <typename T>
+// MLA's MHA form (p.kv_ragged: contiguous K / V rows per request): the TMA producer, whole tiles of
+// the model's k / v tensors by tensor-map copies, where the maps can be encoded (16-byte aligned
+// rows, the switch on), else the cp.async producer.
+template <typename T, typename Cfg>
 struct WsMlaCta {
-  using Cfg = PrefillWsMlaCfg<true>;
   static cudaError_t launch(const AttnParams& p, const AttnKernelKey&, int num_items,
                             cudaStream_t stream, bool) {
+    constexpr bool fp16 = std::is_same_v<T, __half>;
+    const auto aligned = [](const void* ptr) {
+      return ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+    };
+    static_assert(Cfg::kBN == 128);
+    if (prefill_tma_enabled() && p.kv_ragged && p.page_shift == 7 &&
+        p.kv_rows > 0 && p.kv_rows <= INT_MAX && aligned(p.k) && aligned(p.v) &&
+        p.k_row_stride % 8 == 0 && p.v_row_stride % 8 == 0) {
+      if (const auto maps =
+              ws_tensor_maps(p, Cfg::kHeadDim, Cfg::kVHeadDim, Cfg::kBN, fp16))
+        return launch_prefill_ws_cfg<T, Cfg, true>(p, *maps, num_items, prefill_ws_persistent(),
+                                                   stream);
+    }
     return launch_prefill_ws_cfg<T, Cfg, false>(p, WsTensorMaps{}, num_items,
                                                 prefill_ws_persistent(), stream);
   }
@@ -160,10 +176,30 @@ struct WsMlaCta {
 
 }  // namespace
 
+template <typename Cfg>
+AttnCtaEntry mla_entry(bool fp16) {
+  return fp16 ? AttnCtaEntry{&WsMlaCta<__half, Cfg>::launch, &WsMlaCta<__half, Cfg>::occupancy}
+              : AttnCtaEntry{&WsMlaCta<__nv_bfloat16, Cfg>::launch,
+                             &WsMlaCta<__nv_bfloat16, Cfg>::occupancy};
+}
+
+// The consumers' schedule of the MHA-form CTA: 0 (the default) free-running, 1 ping-pong. H200,
+// TMA producer, tiles of 128 keys in 2 stages: mla-prefill-1x16384 561 TFLOP/s free-running, 499
+// in ping-pong (a stage is held a tile longer there, and 2 stages are all that fit at 192 + 128
+// columns); 64-key tiles in 4 stages: 488 and 512.
+bool mla_mha_ping_pong() {
+  static const bool pp =
+      env_integer("ATTNRT_MLA_MHA_CTA", 0, 1, "cuda backend",
+                  "0 (the MHA-form CTA's consumers free-running) or 1 (in ping-pong)")
+          .value_or(0) != 0;
+  return pp;
+}
+
+int mla_mha_tile_shift() { return 7; }
+
 AttnCtaEntry prefill_mla_mha_entry(bool fp16) {
-  return fp16 ? AttnCtaEntry{&WsMlaCta<__half>::launch, &WsMlaCta<__half>::occupancy}
-              : AttnCtaEntry{&WsMlaCta<__nv_bfloat16>::launch,
-                             &WsMlaCta<__nv_bfloat16>::occupancy};
+  return mla_mha_ping_pong() ? mla_entry<PrefillWsMlaCfg<128, 2, true>>(fp16)
+                             : mla_entry<PrefillWsMlaCfg<128, 2, false>>(fp16);
 }
 
 int prefill_ws_mode() {

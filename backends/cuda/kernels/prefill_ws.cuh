@@ -85,8 +85,10 @@ struct PrefillWsConfig {
   static constexpr int kRows = kPrefillTileRows;
   static constexpr int kConsumers = kRows / 64;  // consumer warpgroups, one m64 block each
   static constexpr int kThreads = 128 * (1 + kConsumers);
-  static constexpr int kProducerRegs = DV > 128 && PP ? 24 : 40;
-  static constexpr int kConsumerRegs = DV > 128 && PP ? 240 : 232;
+  // The cp.async producer of the MHA form (D != DV: separate K and V chunk counts) needs more
+  // than 40 registers not to spill.
+  static constexpr int kProducerRegs = DV > 128 && PP ? 24 : D != DV ? 56 : 40;
+  static constexpr int kConsumerRegs = DV > 128 && PP ? 240 : D != DV ? 224 : 232;
   static constexpr int kChunks = D / 8;    // 16-byte chunks of a Q / K row
   static constexpr int kVChunks = DV / 8;  // of a V row
   static constexpr int kON = DV > 128 ? 128 : DV;
@@ -115,9 +117,9 @@ using PrefillWsCfg =
     std::conditional_t<D == 64, PrefillWsConfig<64, 64, 128, 4, PP>,
                        std::conditional_t<D == 128, PrefillWsConfig<128, 128, 128, 3, PP>,
                                           PrefillWsConfig<256, 256, 64, 2, PP>>>;
-// MLA's MHA form: q / k 192 (128 nope + 64 rope), v 128; 80 KiB a stage.
-template <bool PP>
-using PrefillWsMlaCfg = PrefillWsConfig<kMlaMhaHeadDim, kMlaMhaVHeadDim, 128, 2, PP>;
+// MLA's MHA form: q / k 192 (128 nope + 64 rope), v 128; 80 KiB a stage at 128 keys, 40 at 64.
+template <int BN, int STAGES, bool PP>
+using PrefillWsMlaCfg = PrefillWsConfig<kMlaMhaHeadDim, kMlaMhaVHeadDim, BN, STAGES, PP>;
 
 __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
@@ -319,6 +321,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           mbar_arrive_cp_async(q_bar);
         }
         const int pmask = (1 << p.page_shift) - 1;
+        // The row of key j of the unit's request.
+        auto key_slot = [&](int j) -> int64_t {
+          return p.kv_ragged ? int64_t{req.pt_start} + j
+                             : slot_of_page(p, pmask, page_id(p, req, j >> p.page_shift), j);
+        };
         const T* kbase = static_cast<const T*>(p.k) + kvh * D;
         const T* vbase = static_cast<const T*>(p.v) + kvh * DV;
         if constexpr (TMA) {
@@ -330,8 +337,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           auto resolve_chunk = [&](int it) -> int32_t {
             const int j0 = lo + it * BN + (tid << pshift);
             if (tid >= (BN >> pshift) || it >= num_tiles || j0 + P > hi) return -1;
-            return static_cast<int32_t>(
-                slot_of_page(p, pmask, page_id(p, req, j0 >> p.page_shift), j0));
+            return static_cast<int32_t>(key_slot(j0));
           };
           int32_t next_slot = resolve_chunk(0);
           for (int it = 0; it < num_tiles; ++it) {
@@ -343,7 +349,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             const int j_tail = kb + tma_rows;
             const int64_t tail_slot =
                 tma_rows < BN && j_tail < hi
-                    ? slot_of_page(p, pmask, page_id(p, req, j_tail >> p.page_shift), j_tail)
+                    ? key_slot(j_tail)
                     : 0;
             if (tile_base + it >= ST) mbar_wait(empty_bar(stage), parity_of(it) ^ 1u);
             const int32_t slot = next_slot;
@@ -383,8 +389,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           auto resolve = [&](int it) -> int32_t {
             const int j = lo + it * BN + tid;
             if (tid >= BN || it >= num_tiles || j >= hi) return -1;
-            return static_cast<int32_t>(
-                slot_of_page(p, pmask, page_id(p, req, j >> p.page_shift), j));
+            return static_cast<int32_t>(key_slot(j));
           };
           int32_t next_slot = resolve(0);
           for (int it = 0; it < num_tiles; ++it) {
