@@ -1,0 +1,445 @@
+#include "attnrt/runtime/dcp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "attnrt/core/error.h"
+
+namespace attnrt {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int v_dim_of(const LayerSpec& l) { return l.v_head_dim > 0 ? l.v_head_dim : l.head_dim; }
+
+const LayerSpec& layer_by_id(const ModelSpec& model, int layer_id, const char* what) {
+  for (const LayerSpec& l : model.layers) {
+    if (l.layer_id == layer_id) return l;
+  }
+  fail("{}: model '{}' has no layer {}", what, model.name, layer_id);
+}
+
+// Rows `rows` of a [T, H, D] host tensor (any float dtype and strides) as contiguous fp32.
+TensorView gather_rows(const TensorView& src, std::span<const int64_t> rows,
+                       std::vector<float>& buf) {
+  const int64_t h = src.shape[1], d = src.shape[2];
+  buf.resize(std::max<size_t>(1, rows.size() * h * d));
+  size_t at = 0;
+  for (const int64_t row : rows) {
+    for (int64_t i = 0; i < h; ++i) {
+      for (int64_t j = 0; j < d; ++j) {
+        buf[at++] = load_as_float(
+            src.data, src.dtype,
+            static_cast<size_t>(row * src.strides[0] + i * src.strides[1] + j * src.strides[2]));
+      }
+    }
+  }
+  return TensorView(buf.data(), DType::f32, {static_cast<int64_t>(rows.size()), h, d});
+}
+
+void check_global_tensor(const char* what, const TensorView& t, int64_t d0, int64_t d1,
+                         int64_t d2) {
+  ATTNRT_CHECK(!t.empty() && t.device.kind == DeviceKind::cpu && is_float(t.dtype) &&
+                   t.ndim == 3 && t.shape[0] == d0 && t.shape[1] == d1 && t.shape[2] == d2,
+               "DcpAttention: {} is {}; expected a float host tensor [{}, {}, {}]", what,
+               t.empty() ? "empty" : t.describe(), d0, d1, d2);
+}
+
+bool is_tree(const ForwardBatch& batch) {
+  if (!is_target_verify(batch.mode) || !batch.spec_info) return false;
+  const SpecInfo& s = *batch.spec_info;
+  for (size_t k = 0; k < s.parents.size(); ++k) {
+    if (s.parents[k] != static_cast<int32_t>(k % s.draft_token_num) - 1) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void validate_dcp(const ModelSpec& model, const Options& options) {
+  const int n = options.dcp_size;
+  ATTNRT_CHECK(n >= 1 && n <= kMaxDcpSize,
+               "dcp_size = {}; it must be in [1, {}] (ranks of one decode-context-parallel group)",
+               n, kMaxDcpSize);
+  if (n == 1) return;
+  for (const LayerSpec& l : model.layers) {
+    ATTNRT_CHECK(!is_linear_kind(l.kind),
+                 "dcp_size = {}: model '{}' layer {} is a {} layer; linear-attention state is "
+                 "not split by context. DCP serves full and mla layers (use dcp_size 1)",
+                 n, model.name, l.layer_id, layer_kind_name(l.kind));
+    ATTNRT_CHECK(l.sliding_window < 0,
+                 "dcp_size = {}: model '{}' layer {} has sliding_window {}; a window on global "
+                 "positions is not split by context yet (docs/dcp.md). Use dcp_size 1 or a model "
+                 "without sliding-window layers",
+                 n, model.name, l.layer_id, l.sliding_window);
+    ATTNRT_CHECK(l.causal(),
+                 "dcp_size = {}: model '{}' layer {} is not causal; DCP splits causal attention "
+                 "only (use dcp_size 1)",
+                 n, model.name, l.layer_id);
+    ATTNRT_CHECK(!l.has_indexer(),
+                 "dcp_size = {}: model '{}' layer {} is a DSA layer (index_topk {}); its top-k "
+                 "selection over all keys does not decompose by rank (use dcp_size 1)",
+                 n, model.name, l.layer_id, l.indexer.index_topk);
+  }
+}
+
+float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float> sink,
+                float* out) {
+  double m = sink ? double{*sink} : -std::numeric_limits<double>::infinity();
+  for (const float* p : parts) m = std::max(m, double{p[dv]});
+  if (m == -std::numeric_limits<double>::infinity()) {
+    std::fill_n(out, dv, 0.f);
+    return kNegInf;
+  }
+  double den = sink ? std::exp(double{*sink} - m) : 0.0;
+  std::vector<double> acc(dv, 0.0);
+  for (const float* p : parts) {
+    if (p[dv] == kNegInf) continue;
+    const double w = std::exp(double{p[dv]} - m);
+    den += w;
+    for (int d = 0; d < dv; ++d) acc[d] += w * p[d];
+  }
+  for (int d = 0; d < dv; ++d) out[d] = static_cast<float>(acc[d] / den);
+  return static_cast<float>(m + std::log(den));
+}
+
+// ---------------------------------------------------------------------------------------------
+
+DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
+                 const RuntimeConfig& config, Communicator& comm)
+    : rank_(rank), size_(options.dcp_size), model_(model), comm_(&comm) {
+  ATTNRT_CHECK(rank >= 0 && rank < size_, "DcpRank: rank {}; the group has ranks 0..{}", rank,
+               size_ - 1);
+  ATTNRT_CHECK(comm.size() == size_,
+               "DcpRank: the communicator has {} ranks but dcp_size is {}", comm.size(), size_);
+  ModelSpec local = model;
+  for (LayerSpec& l : local.layers) l.has_sinks = false;
+  Options o = options;
+  o.dcp_size = 1;
+  RuntimeConfig c = config;
+  const int context = config.max_context_len > 0 ? config.max_context_len : model.max_context_len;
+  const bool tree = options.speculative_eagle_topk > 1;
+  const int block = std::max(options.speculative_num_draft_tokens, 0);
+  c.max_context_len = std::min(context, dcp_local_count(context, 0, size_) + block);
+  const int scratch = tree ? config.max_num_tokens : 0;
+  c.max_requests = config.max_requests + scratch;
+  max_requests_ = config.max_requests;
+  runtime_ = std::make_unique<AttentionRuntime>(std::move(local), std::move(o), c);
+  // Rows 0 .. max_requests are the requests' (handed out from 0 up, as in one runtime); the
+  // scratch rows above them are taken once, here.
+  ReqToTokenPool& pool = runtime_->req_to_token();
+  for (int r = 0; r < c.max_requests; ++r) pool.alloc();
+  for (int r = max_requests_ - 1; r >= 0; --r) pool.free(r);
+  for (int r = max_requests_; r < c.max_requests; ++r) scratch_rows_.push_back(r);
+  stored_.assign(c.max_requests, 0);
+}
+
+int DcpRank::alloc_request() {
+  const int row = runtime_->req_to_token().alloc();
+  stored_[row] = 0;
+  return row;
+}
+
+void DcpRank::free_request(int row) {
+  ATTNRT_CHECK(row >= 0 && row < max_requests_ && runtime_->req_to_token().is_allocated(row),
+               "DcpAttention::free_request: row {} is not an allocated request row (0..{})", row,
+               max_requests_ - 1);
+  const int32_t* cols = runtime_->req_to_token().row_ptr(row);
+  std::vector<int64_t> slots(cols, cols + stored_[row]);
+  if (!slots.empty()) runtime_->allocator().free(slots);
+  stored_[row] = 0;
+  runtime_->req_to_token().free(row);
+}
+
+void DcpRank::begin_step(const ForwardBatch& batch) {
+  in_step_ = false;
+  const StepLayout layout = make_step_layout(batch);
+  const int n = size_, r = rank_;
+  const bool verify = is_target_verify(batch.mode);
+  const bool tree = is_tree(batch);
+  const SpecInfo* spec = verify ? &*batch.spec_info : nullptr;
+  ReqToTokenPool& pool = runtime_->req_to_token();
+  TokenAllocator& alloc = runtime_->allocator();
+  const int page = alloc.page_size();
+
+  // Global position of query t of request i: verify tokens by depth, everything else in order.
+  auto gpos = [&](int i, int32_t t) -> int64_t {
+    return int64_t{layout.prefix_lens[i]} + (verify ? spec->depth(i, t) : t);
+  };
+
+  // 1. Columns beyond the prefix (drafts of an earlier verify) go back, in whole pages; then the
+  //    new tokens this rank owns get slots, after the prefix, in query order.
+  std::vector<int32_t> a_prefix, a_seq;
+  std::vector<int64_t> a_last;
+  std::vector<int> a_req;
+  for (int i = 0; i < batch.batch_size; ++i) {
+    const int row = static_cast<int>(batch.req_pool_indices[i]);
+    ATTNRT_CHECK(row >= 0 && row < max_requests_ && pool.is_allocated(row),
+                 "DcpAttention: req_pool_indices[{}] = {} is not a request row of the group; get "
+                 "rows from DcpAttention::alloc_request()",
+                 i, row);
+    const int32_t lp = dcp_local_count(layout.prefix_lens[i], r, n);
+    ATTNRT_CHECK(stored_[row] >= lp,
+                 "DcpAttention: request {} (row {}) has a prefix of {} tokens, but rank {} holds "
+                 "{} of its {}: tokens of earlier steps are missing (every token is stored by the "
+                 "step that brings it)",
+                 i, row, layout.prefix_lens[i], r, stored_[row], lp);
+    if (stored_[row] > lp) {
+      const int32_t keep = (lp + page - 1) / page * page;
+      const int32_t* cols = pool.row_ptr(row);
+      if (stored_[row] > keep) {
+        std::vector<int64_t> drop(cols + keep, cols + stored_[row]);
+        alloc.free(drop);
+      }
+      stored_[row] = lp;
+    }
+    int32_t owned = 0;
+    for (int32_t t = 0; t < layout.query_lens[i]; ++t) owned += gpos(i, t) % n == r;
+    if (owned == 0) continue;
+    ATTNRT_CHECK(lp + owned <= pool.max_context_len(),
+                 "DcpAttention: request {} needs {} columns on rank {}; a rank's row holds {} "
+                 "(max_context_len / dcp_size + the verify block)",
+                 i, lp + owned, r, pool.max_context_len());
+    a_req.push_back(i);
+    a_prefix.push_back(lp);
+    a_seq.push_back(lp + owned);
+    a_last.push_back(lp > 0 ? pool.get(row, lp - 1) : -1);
+  }
+  const std::vector<int64_t> fresh = alloc.alloc_extend(a_prefix, a_seq, a_last);
+  size_t at = 0;
+  for (size_t k = 0; k < a_req.size(); ++k) {
+    const int row = static_cast<int>(batch.req_pool_indices[a_req[k]]);
+    const auto count = static_cast<size_t>(a_seq[k] - a_prefix[k]);
+    pool.write(row, a_prefix[k], std::span<const int64_t>(fresh.data() + at, count));
+    stored_[row] = a_seq[k];
+    at += count;
+  }
+
+  // 2. One decode-shaped entry per global row that sees a key here.
+  std::vector<int64_t> req_rows;
+  std::vector<int32_t> seq_lens;
+  std::vector<int64_t> write_slots;
+  rows_.clear();
+  size_t scratch = 0;
+  std::vector<int64_t> keys;
+  for (int i = 0; i < batch.batch_size; ++i) {
+    const int row = static_cast<int>(batch.req_pool_indices[i]);
+    const int32_t lp = dcp_local_count(layout.prefix_lens[i], r, n);
+    const int32_t* cols = pool.row_ptr(row);
+    const int32_t* parents =
+        tree ? spec->parents.data() + static_cast<size_t>(i) * spec->draft_token_num : nullptr;
+    // Local column of each owned query token (in query order after the prefix).
+    std::vector<int32_t> column(layout.query_lens[i], -1);
+    int32_t next = lp;
+    for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
+      if (gpos(i, t) % n == r) column[t] = next++;
+    }
+    for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
+      int64_t entry_row = row;
+      int32_t count = 0;
+      if (tree) {
+        keys.assign(cols, cols + lp);
+        const size_t base = keys.size();
+        for (int32_t a = t; a >= 0; a = parents[a]) {
+          if (column[a] >= 0) keys.push_back(cols[column[a]]);
+        }
+        std::reverse(keys.begin() + static_cast<std::ptrdiff_t>(base), keys.end());
+        count = static_cast<int32_t>(keys.size());
+        if (count == 0) continue;
+        ATTNRT_CHECK(scratch < scratch_rows_.size(),
+                     "DcpAttention: a tree verify step of {} rows needs a scratch row per row on "
+                     "rank {}, which keeps {} (RuntimeConfig.max_num_tokens, kept when "
+                     "speculative_eagle_topk > 1; it is {})",
+                     layout.num_tokens, r, scratch_rows_.size(), runtime_->options().speculative_eagle_topk);
+        entry_row = scratch_rows_[scratch++];
+        pool.write(static_cast<int>(entry_row), 0, keys);
+      } else {
+        count = dcp_local_count(gpos(i, t) + 1, r, n);
+        if (count == 0) continue;
+      }
+      req_rows.push_back(entry_row);
+      seq_lens.push_back(count);
+      write_slots.push_back(column[t] >= 0 ? cols[column[t]] : 0);
+      rows_.push_back(layout.query_start[i] + t);
+    }
+  }
+  num_tokens_ = layout.num_tokens;
+  if (rows_.empty()) {
+    rank_batch_ = make_idle_batch();
+  } else {
+    rank_batch_ = make_decode_batch(req_rows, seq_lens);
+    rank_batch_.out_cache_loc = std::move(write_slots);
+  }
+  runtime_->begin_step(rank_batch_);
+  in_step_ = true;
+}
+
+void DcpRank::forward(int layer_id, const AttnArgs& args) {
+  ATTNRT_CHECK(in_step_, "DcpRank {}: forward(layer {}) outside a step; call begin_step first",
+               rank_, layer_id);
+  const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
+  const int hq = layer.num_q_heads, dv = v_dim_of(layer), n = size_;
+  const int64_t T = num_tokens_, rows = static_cast<int64_t>(rows_.size());
+  const int64_t packed = dv + 1;
+
+  // The partial of every row this rank sees; rows it does not see stay (0, -inf).
+  send_.assign(static_cast<size_t>(T * hq * packed), 0.f);
+  if (rows > 0) {
+    AttnArgs a;
+    a.q = gather_rows(args.q, rows_, q_);
+    if (!args.k.empty()) a.k = gather_rows(args.k, rows_, k_);
+    if (!args.v.empty() && layer.kind != LayerKind::mla) a.v = gather_rows(args.v, rows_, v_);
+    out_.resize(static_cast<size_t>(rows * hq * dv));
+    lse_.resize(static_cast<size_t>(rows * hq));
+    a.out = TensorView(out_.data(), DType::f32, {rows, hq, dv});
+    a.lse = TensorView(lse_.data(), DType::f32, {rows, hq});
+    a.save_kv = args.save_kv;
+    runtime_->forward(layer_id, a);
+  }
+  std::vector<int64_t> entry(T, -1);
+  for (int64_t e = 0; e < rows; ++e) entry[rows_[e]] = e;
+  std::vector<int64_t> send_counts(n), recv_counts(n);
+  const int mine = dcp_head_begin(rank_ + 1, hq, n) - dcp_head_begin(rank_, hq, n);
+  int64_t block = 0;
+  for (int d = 0; d < n; ++d) {
+    const int h0 = dcp_head_begin(d, hq, n), h1 = dcp_head_begin(d + 1, hq, n);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int h = h0; h < h1; ++h) {
+        float* dst = send_.data() + block + (t * (h1 - h0) + (h - h0)) * packed;
+        if (entry[t] < 0) {
+          dst[dv] = kNegInf;
+          continue;
+        }
+        std::copy_n(out_.data() + (entry[t] * hq + h) * dv, dv, dst);
+        dst[dv] = lse_[entry[t] * hq + h];
+      }
+    }
+    send_counts[d] = T * (h1 - h0) * packed;
+    recv_counts[d] = T * mine * packed;
+    block += send_counts[d];
+  }
+  recv_.assign(static_cast<size_t>(n * T * mine * packed), 0.f);
+  comm_->all_to_all(rank_, send_, send_counts, recv_, recv_counts);
+}
+
+void DcpRank::merge(int layer_id, const AttnArgs& args) {
+  const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
+  const int hq = layer.num_q_heads, dv = v_dim_of(layer), n = size_;
+  const int64_t T = num_tokens_, packed = dv + 1;
+  const int h0 = dcp_head_begin(rank_, hq, n), h1 = dcp_head_begin(rank_ + 1, hq, n);
+  const int64_t mine = h1 - h0, block = T * mine * packed;
+  std::vector<const float*> parts(n);
+  std::vector<float> o(dv);
+  const TensorView& out = args.out;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int h = h0; h < h1; ++h) {
+      for (int s = 0; s < n; ++s) parts[s] = recv_.data() + s * block + (t * mine + h - h0) * packed;
+      const std::optional<float> sink =
+          layer.has_sinks ? std::optional<float>(args.sinks[h]) : std::nullopt;
+      const float lse = dcp_merge(parts, dv, sink, o.data());
+      for (int d = 0; d < dv; ++d) {
+        store_from_float(out.data, out.dtype,
+                         static_cast<size_t>(t * out.strides[0] + h * out.strides[1] +
+                                             d * out.strides[2]),
+                         o[d]);
+      }
+      if (!args.lse.empty()) args.lse.ptr<float>()[t * args.lse.strides[0] + h * args.lse.strides[1]] = lse;
+    }
+  }
+}
+
+void DcpRank::end_step() {
+  if (in_step_) runtime_->end_step();
+  in_step_ = false;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+DcpAttention::DcpAttention(ModelSpec model, Options options, RuntimeConfig config)
+    : model_(std::move(model)), options_(std::move(options)) {
+  validate_dcp(model_, options_);
+  max_context_len_ = config.max_context_len > 0 ? config.max_context_len : model_.max_context_len;
+  Options rank_options = options_;
+  rank_options.dcp_size = 1;
+  const Selection selection = resolve_backends(rank_options, model_);
+  ATTNRT_CHECK(kv_pool_device(selection) == DeviceKind::cpu,
+               "dcp_size = {} with the {} backend: ranks on GPUs need NCCL and {} GPUs, and this "
+               "build has no NCCL communicator; simulated ranks run on host backends (reference, "
+               "cpu)",
+               options_.dcp_size, selection.backend_for(ForwardMode::DECODE), options_.dcp_size);
+  comm_ = make_communicator("in_process", options_.dcp_size);
+  for (int r = 0; r < options_.dcp_size; ++r) {
+    ranks_.push_back(std::make_unique<DcpRank>(r, model_, options_, config, *comm_));
+  }
+}
+
+DcpRank& DcpAttention::rank(int r) {
+  ATTNRT_CHECK(r >= 0 && r < size(), "DcpAttention::rank({}): the group has ranks 0..{}", r,
+               size() - 1);
+  return *ranks_[r];
+}
+
+int DcpAttention::alloc_request() {
+  const int row = ranks_[0]->alloc_request();
+  for (int r = 1; r < size(); ++r) {
+    const int other = ranks_[r]->alloc_request();
+    ATTNRT_CHECK(other == row, "DcpAttention: rank {} gave row {} where rank 0 gave {}", r, other,
+                 row);
+  }
+  return row;
+}
+
+void DcpAttention::free_request(int row) {
+  for (auto& r : ranks_) r->free_request(row);
+}
+
+void DcpAttention::set_kv_scales(int layer_id, float k_scale, float v_scale) {
+  for (auto& r : ranks_) r->runtime().kv_cache().set_kv_scales(layer_id, k_scale, v_scale);
+}
+
+void DcpAttention::begin_step(const ForwardBatch& batch) {
+  batch_ = nullptr;
+  const StepLayout layout = make_step_layout(batch);
+  for (int i = 0; i < batch.batch_size; ++i) {
+    ATTNRT_CHECK(layout.kv_len(i) <= max_context_len_,
+                 "DcpAttention: request {} spans {} tokens, more than max_context_len = {}", i,
+                 layout.kv_len(i), max_context_len_);
+  }
+  for (auto& r : ranks_) r->begin_step(batch);
+  batch_ = &batch;
+}
+
+void DcpAttention::forward(int layer_id, const AttnArgs& args) {
+  ATTNRT_CHECK(batch_ != nullptr, "DcpAttention: forward(layer {}) outside a step; call "
+               "begin_step(batch) first", layer_id);
+  const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
+  const int64_t T = batch_->num_tokens();
+  const int hq = layer.num_q_heads, hkv = layer.num_kv_heads, dv = v_dim_of(layer);
+  check_global_tensor("q", args.q, T, hq, layer.head_dim);
+  check_global_tensor("out", args.out, T, hq, dv);
+  if (!args.k.empty()) check_global_tensor("k", args.k, T, hkv, layer.head_dim);
+  if (!args.v.empty() && layer.kind != LayerKind::mla) {
+    check_global_tensor("v", args.v, T, hkv, dv);
+  }
+  ATTNRT_CHECK(layer.has_sinks == (args.sinks != nullptr),
+               "DcpAttention: layer {} {} sinks but AttnArgs.sinks is {}", layer_id,
+               layer.has_sinks ? "has" : "has no", args.sinks ? "set" : "null");
+  ATTNRT_CHECK(args.lse.empty() || (args.lse.device.kind == DeviceKind::cpu &&
+                                    args.lse.dtype == DType::f32 && args.lse.ndim == 2 &&
+                                    args.lse.shape[0] == T && args.lse.shape[1] == hq),
+               "DcpAttention: lse is {}; expected fp32[{}, {}] (tokens, q heads) on cpu",
+               args.lse.describe(), T, hq);
+  ATTNRT_CHECK(args.indexer.empty(), "DcpAttention: layer {} got indexer inputs; DSA layers are "
+               "not split by context", layer_id);
+  for (auto& r : ranks_) r->forward(layer_id, args);
+  for (auto& r : ranks_) r->merge(layer_id, args);
+}
+
+void DcpAttention::end_step() {
+  for (auto& r : ranks_) r->end_step();
+  batch_ = nullptr;
+}
+
+}  // namespace attnrt
