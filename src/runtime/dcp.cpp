@@ -120,15 +120,13 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
   o.dcp_size = 1;
   RuntimeConfig c = config;
   const int context = config.max_context_len > 0 ? config.max_context_len : model.max_context_len;
-  const bool tree = options.speculative_eagle_topk > 1;
   const int block = std::max(options.speculative_num_draft_tokens, 0);
   c.max_context_len = std::min(context, dcp_local_count(context, 0, size_) + block);
-  const int scratch = tree ? config.max_num_tokens : 0;
-  c.max_requests = config.max_requests + scratch;
+  c.max_requests = config.max_requests + config.max_num_tokens;
   max_requests_ = config.max_requests;
   runtime_ = std::make_unique<AttentionRuntime>(std::move(local), std::move(o), c);
   // Rows 0 .. max_requests are the requests' (handed out from 0 up, as in one runtime); the
-  // scratch rows above them are taken once, here.
+  // key-list rows above them (one per query row of a step) are taken once, here.
   ReqToTokenPool& pool = runtime_->req_to_token();
   for (int r = 0; r < c.max_requests; ++r) pool.alloc();
   for (int r = max_requests_ - 1; r >= 0; --r) pool.free(r);
@@ -151,6 +149,27 @@ void DcpRank::free_request(int row) {
   if (!slots.empty()) runtime_->allocator().free(slots);
   stored_[row] = 0;
   runtime_->req_to_token().free(row);
+}
+
+void DcpRank::check_step(const ForwardBatch& batch, const StepLayout& layout) const {
+  const ReqToTokenPool& pool = runtime_->req_to_token();
+  ATTNRT_CHECK(layout.num_tokens <= static_cast<int64_t>(scratch_rows_.size()),
+               "DcpAttention: the step has {} tokens, more than RuntimeConfig.max_num_tokens = {}; "
+               "split the step or raise max_num_tokens",
+               layout.num_tokens, scratch_rows_.size());
+  for (int i = 0; i < batch.batch_size; ++i) {
+    const int64_t row = batch.req_pool_indices[i];
+    ATTNRT_CHECK(row >= 0 && row < max_requests_ && pool.is_allocated(static_cast<int>(row)),
+                 "DcpAttention: req_pool_indices[{}] = {} is not a request row of the group; get "
+                 "rows from DcpAttention::alloc_request()",
+                 i, row);
+    const int32_t lp = dcp_local_count(layout.prefix_lens[i], rank_, size_);
+    ATTNRT_CHECK(stored_[row] >= lp,
+                 "DcpAttention: request {} (row {}) has a prefix of {} tokens, but rank {} holds "
+                 "{} of its {}: tokens of earlier steps are missing (every token is stored by the "
+                 "step that brings it)",
+                 i, row, layout.prefix_lens[i], rank_, stored_[row], lp);
+  }
 }
 
 void DcpRank::begin_step(const ForwardBatch& batch) {
@@ -176,16 +195,7 @@ void DcpRank::begin_step(const ForwardBatch& batch) {
   std::vector<int> a_req;
   for (int i = 0; i < batch.batch_size; ++i) {
     const int row = static_cast<int>(batch.req_pool_indices[i]);
-    ATTNRT_CHECK(row >= 0 && row < max_requests_ && pool.is_allocated(row),
-                 "DcpAttention: req_pool_indices[{}] = {} is not a request row of the group; get "
-                 "rows from DcpAttention::alloc_request()",
-                 i, row);
     const int32_t lp = dcp_local_count(layout.prefix_lens[i], r, n);
-    ATTNRT_CHECK(stored_[row] >= lp,
-                 "DcpAttention: request {} (row {}) has a prefix of {} tokens, but rank {} holds "
-                 "{} of its {}: tokens of earlier steps are missing (every token is stored by the "
-                 "step that brings it)",
-                 i, row, layout.prefix_lens[i], r, stored_[row], lp);
     if (stored_[row] > lp) {
       const int32_t keep = (lp + page - 1) / page * page;
       const int32_t* cols = pool.row_ptr(row);
@@ -237,8 +247,6 @@ void DcpRank::begin_step(const ForwardBatch& batch) {
       if (gpos(i, t) % n == r) column[t] = next++;
     }
     for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
-      int64_t entry_row = row;
-      int32_t count = 0;
       if (tree) {
         keys.assign(cols, cols + lp);
         const size_t base = keys.size();
@@ -246,19 +254,13 @@ void DcpRank::begin_step(const ForwardBatch& batch) {
           if (column[a] >= 0) keys.push_back(cols[column[a]]);
         }
         std::reverse(keys.begin() + static_cast<std::ptrdiff_t>(base), keys.end());
-        count = static_cast<int32_t>(keys.size());
-        if (count == 0) continue;
-        ATTNRT_CHECK(scratch < scratch_rows_.size(),
-                     "DcpAttention: a tree verify step of {} rows needs a scratch row per row on "
-                     "rank {}, which keeps {} (RuntimeConfig.max_num_tokens, kept when "
-                     "speculative_eagle_topk > 1; it is {})",
-                     layout.num_tokens, r, scratch_rows_.size(), runtime_->options().speculative_eagle_topk);
-        entry_row = scratch_rows_[scratch++];
-        pool.write(static_cast<int>(entry_row), 0, keys);
       } else {
-        count = dcp_local_count(gpos(i, t) + 1, r, n);
-        if (count == 0) continue;
+        keys.assign(cols, cols + dcp_local_count(gpos(i, t) + 1, r, n));
       }
+      const auto count = static_cast<int32_t>(keys.size());
+      if (count == 0) continue;
+      const int entry_row = scratch_rows_[scratch++];
+      pool.write(entry_row, 0, keys);
       req_rows.push_back(entry_row);
       seq_lens.push_back(count);
       write_slots.push_back(column[t] >= 0 ? cols[column[t]] : 0);
@@ -271,6 +273,7 @@ void DcpRank::begin_step(const ForwardBatch& batch) {
   } else {
     rank_batch_ = make_decode_batch(req_rows, seq_lens);
     rank_batch_.out_cache_loc = std::move(write_slots);
+    rank_batch_.dcp_partial = true;
   }
   runtime_->begin_step(rank_batch_);
   in_step_ = true;
@@ -407,6 +410,7 @@ void DcpAttention::begin_step(const ForwardBatch& batch) {
                  "DcpAttention: request {} spans {} tokens, more than max_context_len = {}", i,
                  layout.kv_len(i), max_context_len_);
   }
+  for (auto& r : ranks_) r->check_step(batch, layout);
   for (auto& r : ranks_) r->begin_step(batch);
   batch_ = &batch;
 }

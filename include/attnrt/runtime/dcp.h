@@ -45,8 +45,8 @@ class DcpRank {
  public:
   // The rank's runtime is built from `model` without sinks (they are added in the merge), with
   // `options` (dcp_size = 1 on the rank) and `config` per rank, its rows max_context_len / n (+ the
-  // verify block) wide; with options.speculative_eagle_topk > 1 it also keeps max_num_tokens
-  // scratch rows for tree verify (above config.max_requests).
+  // verify block) wide; above config.max_requests it keeps max_num_tokens key-list rows (one per
+  // query row of a step).
   DcpRank(int rank, const ModelSpec& model, const Options& options, const RuntimeConfig& config,
           Communicator& comm);
 
@@ -59,6 +59,9 @@ class DcpRank {
   int alloc_request();
   void free_request(int row);
 
+  // The errors begin_step would give, before anything changes: rows of the group, the prefix
+  // stored, the step within max_num_tokens.
+  void check_step(const ForwardBatch& batch, const StepLayout& layout) const;
   // Derives the rank's batch from the global one (docs/dcp.md), allocates the local slots of the
   // tokens this rank owns and begins the rank runtime's step. `batch` must outlive end_step.
   void begin_step(const ForwardBatch& batch);
@@ -76,7 +79,7 @@ class DcpRank {
   Communicator* comm_;
   std::unique_ptr<AttentionRuntime> runtime_;
   std::vector<int32_t> stored_;     // per request row: local columns in use
-  std::vector<int> scratch_rows_;   // tree verify key lists
+  std::vector<int> scratch_rows_;   // key lists of the step's query rows
   int max_requests_ = 0;
   // The step.
   ForwardBatch rank_batch_;
