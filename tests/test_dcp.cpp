@@ -90,9 +90,7 @@ class DcpHarness {
   std::vector<int64_t> alloc_requests(int n) {
     std::vector<int64_t> rows;
     for (int i = 0; i < n; ++i) {
-      const int row = one_->req_to_token().alloc();
-      EXPECT_EQ(dcp_->alloc_request(), row);
-      rows.push_back(row);
+      rows.push_back(one_->req_to_token().alloc());
     }
     return rows;
   }
@@ -294,8 +292,7 @@ TEST(Dcp, MergeOrderIsFixed) {
     cfg.cuda_graphs = false;
     DcpAttention g(gqa_model(), o, cfg);
     std::mt19937 rng(seed);
-    const int row = g.alloc_request();
-    ForwardBatch b = make_extend_batch({row}, {0}, {37});
+    ForwardBatch b = make_extend_batch({1}, {0}, {37});
     b.out_cache_loc.assign(37, 0);
     g.begin_step(b);
     const LayerSpec& l = g.model().layers[0];
@@ -461,7 +458,7 @@ TEST(Dcp, MisuseIsAnError) {
   cfg.cuda_graphs = false;
   DcpAttention g(gqa_model(), o, cfg);
   // A decode whose prefix was never stored.
-  const int row = g.alloc_request();
+  const int row = 1;
   ForwardBatch b = make_decode_batch({row}, {5});
   b.out_cache_loc.assign(1, 0);
   test::expect_error([&] { g.begin_step(b); }, {"prefix of 4 tokens", "rank 0 holds 0 of its 2"});
@@ -475,6 +472,41 @@ TEST(Dcp, MisuseIsAnError) {
   ForwardBatch big = make_extend_batch({row}, {0}, {33});
   big.out_cache_loc.assign(33, 0);
   test::expect_error([&] { g.begin_step(big); }, {"33 tokens", "max_num_tokens = 32"});
+}
+
+// Tokens land on their owners, compacted; free_request gives every slot back on every rank.
+TEST(Dcp, RequestsLiveInterleavedAndFreeEverySlot) {
+  Options o;
+  o.attention_backend = "reference";
+  o.dcp_size = 3;
+  o.page_size = 16;
+  RuntimeConfig cfg;
+  cfg.max_requests = 2;
+  cfg.kv_slots = 512;
+  cfg.max_num_tokens = 64;
+  cfg.cuda_graphs = false;
+  DcpAttention g(gqa_model(), o, cfg);
+  std::vector<int64_t> before;
+  for (int r = 0; r < 3; ++r) before.push_back(g.rank(r).runtime().allocator().available_size());
+  ForwardBatch b = make_extend_batch({0, 1}, {0, 0}, {20, 7});
+  b.out_cache_loc.assign(27, 0);
+  g.begin_step(b);
+  g.end_step();
+  ForwardBatch v = make_verify_batch({0, 1}, {20, 7}, SpecInfo::chain(2, 4));
+  v.out_cache_loc.assign(8, 0);
+  g.begin_step(v);
+  g.end_step();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(g.rank(r).local_row(0).size(), static_cast<size_t>(dcp_local_count(24, r, 3)));
+    EXPECT_EQ(g.rank(r).local_row(1).size(), static_cast<size_t>(dcp_local_count(11, r, 3)));
+  }
+  g.free_request(0);
+  g.free_request(1);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(g.rank(r).runtime().allocator().available_size(), before[r]);
+    EXPECT_TRUE(g.rank(r).local_row(0).empty());
+  }
+  test::expect_error([&] { g.free_request(2); }, {"row 2", "0..1"});
 }
 
 }  // namespace

@@ -122,53 +122,45 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
   const int context = config.max_context_len > 0 ? config.max_context_len : model.max_context_len;
   const int block = std::max(options.speculative_num_draft_tokens, 0);
   c.max_context_len = std::min(context, dcp_local_count(context, 0, size_) + block);
-  c.max_requests = config.max_requests + config.max_num_tokens;
-  max_requests_ = config.max_requests;
+  // The rank's req_to_token holds the key lists of a step's query rows (one row each, taken once
+  // here); the requests' own compacted rows are local_.
+  c.max_requests = config.max_num_tokens;
   runtime_ = std::make_unique<AttentionRuntime>(std::move(local), std::move(o), c);
-  // Rows 0 .. max_requests are the requests' (handed out from 0 up, as in one runtime); the
-  // key-list rows above them (one per query row of a step) are taken once, here.
   ReqToTokenPool& pool = runtime_->req_to_token();
-  for (int r = 0; r < c.max_requests; ++r) pool.alloc();
-  for (int r = max_requests_ - 1; r >= 0; --r) pool.free(r);
-  for (int r = max_requests_; r < c.max_requests; ++r) scratch_rows_.push_back(r);
-  stored_.assign(c.max_requests, 0);
-}
-
-int DcpRank::alloc_request() {
-  const int row = runtime_->req_to_token().alloc();
-  stored_[row] = 0;
-  return row;
+  for (int r = 0; r < c.max_requests; ++r) scratch_rows_.push_back(pool.alloc());
+  local_.resize(config.max_requests);
 }
 
 void DcpRank::free_request(int row) {
-  ATTNRT_CHECK(row >= 0 && row < max_requests_ && runtime_->req_to_token().is_allocated(row),
-               "DcpAttention::free_request: row {} is not an allocated request row (0..{})", row,
-               max_requests_ - 1);
-  const int32_t* cols = runtime_->req_to_token().row_ptr(row);
-  std::vector<int64_t> slots(cols, cols + stored_[row]);
-  if (!slots.empty()) runtime_->allocator().free(slots);
-  stored_[row] = 0;
-  runtime_->req_to_token().free(row);
+  ATTNRT_CHECK(row >= 0 && row < static_cast<int>(local_.size()),
+               "DcpAttention::free_request: row {}; request rows are 0..{}", row,
+               local_.size() - 1);
+  std::vector<int32_t>& cols = local_[row];
+  if (!cols.empty()) {
+    const std::vector<int64_t> slots(cols.begin(), cols.end());
+    runtime_->allocator().free(slots);
+  }
+  cols.clear();
 }
 
 void DcpRank::check_step(const ForwardBatch& batch, const StepLayout& layout) const {
-  const ReqToTokenPool& pool = runtime_->req_to_token();
   ATTNRT_CHECK(layout.num_tokens <= static_cast<int64_t>(scratch_rows_.size()),
                "DcpAttention: the step has {} tokens, more than RuntimeConfig.max_num_tokens = {}; "
                "split the step or raise max_num_tokens",
                layout.num_tokens, scratch_rows_.size());
   for (int i = 0; i < batch.batch_size; ++i) {
     const int64_t row = batch.req_pool_indices[i];
-    ATTNRT_CHECK(row >= 0 && row < max_requests_ && pool.is_allocated(static_cast<int>(row)),
-                 "DcpAttention: req_pool_indices[{}] = {} is not a request row of the group; get "
-                 "rows from DcpAttention::alloc_request()",
-                 i, row);
+    ATTNRT_CHECK(row >= 0 && row < static_cast<int64_t>(local_.size()),
+                 "DcpAttention: req_pool_indices[{}] = {}; request rows are 0..{} "
+                 "(RuntimeConfig.max_requests)",
+                 i, row, local_.size() - 1);
     const int32_t lp = dcp_local_count(layout.prefix_lens[i], rank_, size_);
-    ATTNRT_CHECK(stored_[row] >= lp,
+    const auto stored = static_cast<int32_t>(local_[row].size());
+    ATTNRT_CHECK(stored >= lp,
                  "DcpAttention: request {} (row {}) has a prefix of {} tokens, but rank {} holds "
                  "{} of its {}: tokens of earlier steps are missing (every token is stored by the "
                  "step that brings it)",
-                 i, row, layout.prefix_lens[i], rank_, stored_[row], lp);
+                 i, row, layout.prefix_lens[i], rank_, stored, lp);
   }
 }
 
@@ -196,14 +188,14 @@ void DcpRank::begin_step(const ForwardBatch& batch) {
   for (int i = 0; i < batch.batch_size; ++i) {
     const int row = static_cast<int>(batch.req_pool_indices[i]);
     const int32_t lp = dcp_local_count(layout.prefix_lens[i], r, n);
-    if (stored_[row] > lp) {
+    std::vector<int32_t>& cols = local_[row];
+    if (static_cast<int32_t>(cols.size()) > lp) {
       const int32_t keep = (lp + page - 1) / page * page;
-      const int32_t* cols = pool.row_ptr(row);
-      if (stored_[row] > keep) {
-        std::vector<int64_t> drop(cols + keep, cols + stored_[row]);
+      if (static_cast<int32_t>(cols.size()) > keep) {
+        const std::vector<int64_t> drop(cols.begin() + keep, cols.end());
         alloc.free(drop);
       }
-      stored_[row] = lp;
+      cols.resize(lp);
     }
     int32_t owned = 0;
     for (int32_t t = 0; t < layout.query_lens[i]; ++t) owned += gpos(i, t) % n == r;
@@ -215,15 +207,15 @@ void DcpRank::begin_step(const ForwardBatch& batch) {
     a_req.push_back(i);
     a_prefix.push_back(lp);
     a_seq.push_back(lp + owned);
-    a_last.push_back(lp > 0 ? pool.get(row, lp - 1) : -1);
+    a_last.push_back(lp > 0 ? cols[lp - 1] : -1);
   }
   const std::vector<int64_t> fresh = alloc.alloc_extend(a_prefix, a_seq, a_last);
   size_t at = 0;
   for (size_t k = 0; k < a_req.size(); ++k) {
     const int row = static_cast<int>(batch.req_pool_indices[a_req[k]]);
     const auto count = static_cast<size_t>(a_seq[k] - a_prefix[k]);
-    pool.write(row, a_prefix[k], std::span<const int64_t>(fresh.data() + at, count));
-    stored_[row] = a_seq[k];
+    local_[row].insert(local_[row].end(), fresh.begin() + static_cast<std::ptrdiff_t>(at),
+                       fresh.begin() + static_cast<std::ptrdiff_t>(at + count));
     at += count;
   }
 
@@ -237,7 +229,7 @@ void DcpRank::begin_step(const ForwardBatch& batch) {
   for (int i = 0; i < batch.batch_size; ++i) {
     const int row = static_cast<int>(batch.req_pool_indices[i]);
     const int32_t lp = dcp_local_count(layout.prefix_lens[i], r, n);
-    const int32_t* cols = pool.row_ptr(row);
+    const int32_t* cols = local_[row].data();
     const int32_t* parents =
         tree ? spec->parents.data() + static_cast<size_t>(i) * spec->draft_token_num : nullptr;
     // Local column of each owned query token (in query order after the prefix).
@@ -382,16 +374,6 @@ DcpRank& DcpAttention::rank(int r) {
   ATTNRT_CHECK(r >= 0 && r < size(), "DcpAttention::rank({}): the group has ranks 0..{}", r,
                size() - 1);
   return *ranks_[r];
-}
-
-int DcpAttention::alloc_request() {
-  const int row = ranks_[0]->alloc_request();
-  for (int r = 1; r < size(); ++r) {
-    const int other = ranks_[r]->alloc_request();
-    ATTNRT_CHECK(other == row, "DcpAttention: rank {} gave row {} where rank 0 gave {}", r, other,
-                 row);
-  }
-  return row;
 }
 
 void DcpAttention::free_request(int row) {

@@ -44,19 +44,18 @@ float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float
 class DcpRank {
  public:
   // The rank's runtime is built from `model` without sinks (they are added in the merge), with
-  // `options` (dcp_size = 1 on the rank) and `config` per rank, its rows max_context_len / n (+ the
-  // verify block) wide; above config.max_requests it keeps max_num_tokens key-list rows (one per
-  // query row of a step).
+  // `options` (dcp_size = 1 on the rank) and `config` per rank; its req_to_token has
+  // max_num_tokens key-list rows (one per query row of a step), max_context_len / n (+ the verify
+  // block) wide.
   DcpRank(int rank, const ModelSpec& model, const Options& options, const RuntimeConfig& config,
           Communicator& comm);
 
   int rank() const { return rank_; }
   int size() const { return size_; }
   AttentionRuntime& runtime() { return *runtime_; }
-  // Columns of request row `row` this rank holds.
-  int32_t stored(int row) const { return stored_[row]; }
-
-  int alloc_request();
+  // The local slots of request row `row` on this rank, in column order.
+  const std::vector<int32_t>& local_row(int row) const { return local_[row]; }
+  // Releases the request's slots on this rank; the row starts empty again.
   void free_request(int row);
 
   // The errors begin_step would give, before anything changes: rows of the group, the prefix
@@ -78,9 +77,8 @@ class DcpRank {
   ModelSpec model_;  // the global model (with sinks)
   Communicator* comm_;
   std::unique_ptr<AttentionRuntime> runtime_;
-  std::vector<int32_t> stored_;     // per request row: local columns in use
+  std::vector<std::vector<int32_t>> local_;  // per request row: the slots of the rank's columns
   std::vector<int> scratch_rows_;   // key lists of the step's query rows
-  int max_requests_ = 0;
   // The step.
   ForwardBatch rank_batch_;
   std::vector<int64_t> rows_;       // global query row of each rank-batch entry
@@ -101,8 +99,9 @@ class DcpAttention {
   DcpRank& rank(int r);
   Communicator& communicator() { return *comm_; }
 
-  // A request row, the same on every rank; free_request releases its slots on every rank.
-  int alloc_request();
+  // Request rows are the engine's ids in [0, config.max_requests) (e.g. its own req_to_token
+  // rows); a row starts empty, steps store its tokens, free_request releases them on every rank
+  // when the request ends.
   void free_request(int row);
   // fp8 scales of a layer, on every rank.
   void set_kv_scales(int layer_id, float k_scale, float v_scale);
