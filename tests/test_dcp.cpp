@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -507,6 +508,34 @@ TEST(Dcp, RequestsLiveInterleavedAndFreeEverySlot) {
     EXPECT_TRUE(g.rank(r).local_row(0).empty());
   }
   test::expect_error([&] { g.free_request(2); }, {"row 2", "0..1"});
+}
+
+// `attnrt run --dcp-size N`: the target's attention layers also run on N simulated ranks and match
+// the single runtime; what cannot be split is named.
+class DcpCli : public test::CliTest {};
+
+TEST_F(DcpCli, RunSplitsTheTargetOverSimulatedRanks) {
+  const auto trace = dir_ / "tiny.jsonl";
+  std::ofstream(trace)
+      << R"({"arrival_step":0,"id":"a","output_len":4,"prompt_len":30})" "\n"
+      << R"({"arrival_step":1,"id":"b","output_len":6,"prompt_len":50,"shared_prefix":"s","shared_prefix_len":16})" "\n"
+      << R"({"arrival_step":1,"id":"c","output_len":5,"prompt_len":24,"shared_prefix":"s","shared_prefix_len":16})" "\n";
+  const test::CommandResult r =
+      run("run --trace '" + trace.string() +
+          "' --attention-backend cpu --dcp-size 3 --no-progress --speculative-num-steps 2 "
+          "--chunked-prefill-size 32 --check-every 2");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  test::expect_contains(r.out, {"dcp: 3 simulated ranks", "0 beyond tolerance",
+                                "not split, layer 2", "sliding_window 64",
+                                "shared prefixes: not reused", "TARGET_VERIFY"});
+  const test::CommandResult zero = run("run --dcp-size 0 --no-progress");
+  EXPECT_NE(zero.status, 0);
+  test::expect_contains(zero.err, {"dcp_size = 0", "[1, 64]"});
+  const test::CommandResult tree =
+      run("run --dcp-size 2 --no-progress --speculative-num-steps 2 --speculative-eagle-topk 2 "
+          "--speculative-num-draft-tokens 4");
+  EXPECT_NE(tree.status, 0);
+  test::expect_contains(tree.err, {"--dcp-size 2", "--speculative-eagle-topk 2", "not built yet"});
 }
 
 }  // namespace
