@@ -104,8 +104,8 @@ class DcpHarness {
     std::vector<int32_t> seq;
     for (int i = 0; i < b.batch_size; ++i) {
       const int32_t p = l.prefix_lens[i];
-      last.push_back(p > 0 ? one_->req_to_token().get(static_cast<int>(b.req_pool_indices[i]), p - 1)
-                           : -1);
+      last.push_back(
+          p > 0 ? one_->req_to_token().get(static_cast<int>(b.req_pool_indices[i]), p - 1) : -1);
       seq.push_back(p + l.query_lens[i]);
     }
     b.out_cache_loc = one_->allocator().alloc_extend(l.prefix_lens, seq, last);
@@ -170,8 +170,9 @@ class DcpHarness {
         fill_lens.push_back(prefix.back());
       }
     }
-    run_and_compare(make_extend_batch(fill_rows, std::vector<int32_t>(fill_rows.size(), 0), fill_lens),
-                    "prefill");
+    run_and_compare(
+        make_extend_batch(fill_rows, std::vector<int32_t>(fill_rows.size(), 0), fill_lens),
+        "prefill");
     return prefix;
   }
 
@@ -230,8 +231,9 @@ TEST_P(DcpMatchesOneRuntime, ChainVerifyThenDecodeAfterAcceptance) {
     const auto rows = h.alloc_requests(h.rand_int(1, 4));
     std::vector<int32_t> prefix = h.fill(rows, 40);
     const int n = 5;
-    h.run_and_compare(make_verify_batch(rows, prefix, SpecInfo::chain(static_cast<int>(rows.size()), n)),
-                      model.name + " chain verify");
+    h.run_and_compare(
+        make_verify_batch(rows, prefix, SpecInfo::chain(static_cast<int>(rows.size()), n)),
+        model.name + " chain verify");
     // Accept a random number of drafts: the next decode's prefix ends inside the old block and the
     // group releases what lies beyond it.
     std::vector<int32_t> seq;
@@ -440,7 +442,8 @@ TEST(Dcp, OptionErrorsNameTheValueAndWhatIsAllowed) {
   o.dcp_size = 2;
   ModelSpec swa = gqa_model();
   swa.layers[1].sliding_window = 7;
-  test::expect_error([&] { validate_dcp(swa, o); }, {"dcp_size = 2", "layer 1", "sliding_window 7"});
+  test::expect_error([&] { validate_dcp(swa, o); },
+                     {"dcp_size = 2", "layer 1", "sliding_window 7"});
   o.dcp_size = 1;
   validate_dcp(swa, o);
   o.dcp_size = 2;
@@ -517,17 +520,20 @@ class DcpCli : public test::CliTest {};
 TEST_F(DcpCli, RunSplitsTheTargetOverSimulatedRanks) {
   const auto trace = dir_ / "tiny.jsonl";
   std::ofstream(trace)
-      << R"({"arrival_step":0,"id":"a","output_len":4,"prompt_len":30})" "\n"
-      << R"({"arrival_step":1,"id":"b","output_len":6,"prompt_len":50,"shared_prefix":"s","shared_prefix_len":16})" "\n"
-      << R"({"arrival_step":1,"id":"c","output_len":5,"prompt_len":24,"shared_prefix":"s","shared_prefix_len":16})" "\n";
+      << R"({"arrival_step":0,"id":"a","output_len":4,"prompt_len":30})"
+         "\n"
+      << R"({"arrival_step":1,"id":"b","output_len":6,"prompt_len":50,"shared_prefix":"s","shared_prefix_len":16})"
+         "\n"
+      << R"({"arrival_step":1,"id":"c","output_len":5,"prompt_len":24,"shared_prefix":"s","shared_prefix_len":16})"
+         "\n";
   const test::CommandResult r =
       run("run --trace '" + trace.string() +
           "' --attention-backend cpu --dcp-size 3 --no-progress --speculative-num-steps 2 "
           "--chunked-prefill-size 32 --check-every 2");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
-  test::expect_contains(r.out, {"dcp: 3 simulated ranks", "0 beyond tolerance",
-                                "not split, layer 2", "sliding_window 64",
-                                "shared prefixes: not reused", "TARGET_VERIFY"});
+  test::expect_contains(r.out,
+                        {"dcp: 3 simulated ranks", "0 beyond tolerance", "not split, layer 2",
+                         "sliding_window 64", "shared prefixes: not reused", "TARGET_VERIFY"});
   const test::CommandResult zero = run("run --dcp-size 0 --no-progress");
   EXPECT_NE(zero.status, 0);
   test::expect_contains(zero.err, {"dcp_size = 0", "[1, 64]"});

@@ -13,10 +13,14 @@ enum class Op { none, all_to_all, all_gather, barrier };
 
 const char* op_name(Op op) {
   switch (op) {
-    case Op::all_to_all: return "all_to_all";
-    case Op::all_gather: return "all_gather";
-    case Op::barrier: return "barrier";
-    case Op::none: break;
+    case Op::all_to_all:
+      return "all_to_all";
+    case Op::all_gather:
+      return "all_gather";
+    case Op::barrier:
+      return "barrier";
+    case Op::none:
+      break;
   }
   return "none";
 }
@@ -40,8 +44,8 @@ struct InProcessCommunicator::State {
 
   // Records rank's call of `op`; true when it is the last one (the caller then moves the data).
   bool arrive(Op op, int rank, Call call) {
-    ATTNRT_CHECK(rank >= 0 && rank < size, "in_process communicator: rank {}; the group has ranks 0..{}",
-                 rank, size - 1);
+    ATTNRT_CHECK(rank >= 0 && rank < size,
+                 "in_process communicator: rank {}; the group has ranks 0..{}", rank, size - 1);
     ATTNRT_CHECK(pending == Op::none || pending == op,
                  "in_process communicator: rank {} called {} while {} is pending; every rank must "
                  "make the same sequence of collectives",
@@ -98,7 +102,9 @@ void InProcessCommunicator::all_to_all(int rank, std::span<const float> send,
                "in_process communicator: all_to_all of rank {} sends {} floats from a buffer of {} "
                "and receives {} into a buffer of {}",
                rank, send_total, send.size(), recv_total, recv.size());
-  Call call{send, {send_counts.begin(), send_counts.end()}, recv,
+  Call call{send,
+            {send_counts.begin(), send_counts.end()},
+            recv,
             {recv_counts.begin(), recv_counts.end()}};
   if (!s.arrive(Op::all_to_all, rank, std::move(call))) return;
   // Every rank has called: check that the counts pair up, then move block (src -> dst).
@@ -107,9 +113,10 @@ void InProcessCommunicator::all_to_all(int rank, std::span<const float> send,
       const int64_t a = s.calls[src].send_counts[dst], b = s.calls[dst].recv_counts[src];
       if (a != b) {
         s.reset();
-        fail("in_process communicator: all_to_all: rank {} sends {} floats to rank {}, which "
-             "expects {}",
-             src, a, dst, b);
+        fail(
+            "in_process communicator: all_to_all: rank {} sends {} floats to rank {}, which "
+            "expects {}",
+            src, a, dst, b);
       }
     }
   }
@@ -140,9 +147,10 @@ void InProcessCommunicator::all_gather(int rank, std::span<const float> send,
     if (s.calls[src].send.size() != send.size()) {
       const size_t got = s.calls[src].send.size();
       s.reset();
-      fail("in_process communicator: all_gather: rank {} sends {} floats, rank {} sends {}; every "
-           "rank sends the same count",
-           src, got, rank, send.size());
+      fail(
+          "in_process communicator: all_gather: rank {} sends {} floats, rank {} sends {}; every "
+          "rank sends the same count",
+          src, got, rank, send.size());
     }
   }
   for (size_t dst = 0; dst < n; ++dst) {

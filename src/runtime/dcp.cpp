@@ -41,8 +41,8 @@ TensorView gather_rows(const TensorView& src, std::span<const int64_t> rows,
 
 void check_global_tensor(const char* what, const TensorView& t, int64_t d0, int64_t d1,
                          int64_t d2) {
-  ATTNRT_CHECK(!t.empty() && t.device.kind == DeviceKind::cpu && is_float(t.dtype) &&
-                   t.ndim == 3 && t.shape[0] == d0 && t.shape[1] == d1 && t.shape[2] == d2,
+  ATTNRT_CHECK(!t.empty() && t.device.kind == DeviceKind::cpu && is_float(t.dtype) && t.ndim == 3 &&
+                   t.shape[0] == d0 && t.shape[1] == d1 && t.shape[2] == d2,
                "DcpAttention: {} is {}; expected a float host tensor [{}, {}, {}]", what,
                t.empty() ? "empty" : t.describe(), d0, d1, d2);
 }
@@ -112,8 +112,8 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
     : rank_(rank), size_(options.dcp_size), model_(model), comm_(&comm) {
   ATTNRT_CHECK(rank >= 0 && rank < size_, "DcpRank: rank {}; the group has ranks 0..{}", rank,
                size_ - 1);
-  ATTNRT_CHECK(comm.size() == size_,
-               "DcpRank: the communicator has {} ranks but dcp_size is {}", comm.size(), size_);
+  ATTNRT_CHECK(comm.size() == size_, "DcpRank: the communicator has {} ranks but dcp_size is {}",
+               comm.size(), size_);
   ModelSpec local = model;
   for (LayerSpec& l : local.layers) l.has_sinks = false;
   Options o = options;
@@ -330,17 +330,19 @@ void DcpRank::merge(int layer_id, const AttnArgs& args) {
   const TensorView& out = args.out;
   for (int64_t t = 0; t < T; ++t) {
     for (int h = h0; h < h1; ++h) {
-      for (int s = 0; s < n; ++s) parts[s] = recv_.data() + s * block + (t * mine + h - h0) * packed;
+      for (int s = 0; s < n; ++s)
+        parts[s] = recv_.data() + s * block + (t * mine + h - h0) * packed;
       const std::optional<float> sink =
           layer.has_sinks ? std::optional<float>(args.sinks[h]) : std::nullopt;
       const float lse = dcp_merge(parts, dv, sink, o.data());
       for (int d = 0; d < dv; ++d) {
-        store_from_float(out.data, out.dtype,
-                         static_cast<size_t>(t * out.strides[0] + h * out.strides[1] +
-                                             d * out.strides[2]),
-                         o[d]);
+        store_from_float(
+            out.data, out.dtype,
+            static_cast<size_t>(t * out.strides[0] + h * out.strides[1] + d * out.strides[2]),
+            o[d]);
       }
-      if (!args.lse.empty()) args.lse.ptr<float>()[t * args.lse.strides[0] + h * args.lse.strides[1]] = lse;
+      if (!args.lse.empty())
+        args.lse.ptr<float>()[t * args.lse.strides[0] + h * args.lse.strides[1]] = lse;
     }
   }
 }
@@ -398,8 +400,10 @@ void DcpAttention::begin_step(const ForwardBatch& batch) {
 }
 
 void DcpAttention::forward(int layer_id, const AttnArgs& args) {
-  ATTNRT_CHECK(batch_ != nullptr, "DcpAttention: forward(layer {}) outside a step; call "
-               "begin_step(batch) first", layer_id);
+  ATTNRT_CHECK(batch_ != nullptr,
+               "DcpAttention: forward(layer {}) outside a step; call "
+               "begin_step(batch) first",
+               layer_id);
   const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
   const int64_t T = batch_->num_tokens();
   const int hq = layer.num_q_heads, hkv = layer.num_kv_heads, dv = v_dim_of(layer);
@@ -412,13 +416,15 @@ void DcpAttention::forward(int layer_id, const AttnArgs& args) {
   ATTNRT_CHECK(layer.has_sinks == (args.sinks != nullptr),
                "DcpAttention: layer {} {} sinks but AttnArgs.sinks is {}", layer_id,
                layer.has_sinks ? "has" : "has no", args.sinks ? "set" : "null");
-  ATTNRT_CHECK(args.lse.empty() || (args.lse.device.kind == DeviceKind::cpu &&
-                                    args.lse.dtype == DType::f32 && args.lse.ndim == 2 &&
-                                    args.lse.shape[0] == T && args.lse.shape[1] == hq),
+  ATTNRT_CHECK(args.lse.empty() ||
+                   (args.lse.device.kind == DeviceKind::cpu && args.lse.dtype == DType::f32 &&
+                    args.lse.ndim == 2 && args.lse.shape[0] == T && args.lse.shape[1] == hq),
                "DcpAttention: lse is {}; expected fp32[{}, {}] (tokens, q heads) on cpu",
                args.lse.describe(), T, hq);
-  ATTNRT_CHECK(args.indexer.empty(), "DcpAttention: layer {} got indexer inputs; DSA layers are "
-               "not split by context", layer_id);
+  ATTNRT_CHECK(args.indexer.empty(),
+               "DcpAttention: layer {} got indexer inputs; DSA layers are "
+               "not split by context",
+               layer_id);
   for (auto& r : ranks_) r->forward(layer_id, args);
   for (auto& r : ranks_) r->merge(layer_id, args);
 }

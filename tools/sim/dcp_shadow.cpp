@@ -75,15 +75,16 @@ void DcpShadow::forward(const LayerSite& site, const AttnArgs& args) {
         site, c,
         fmt::format("step {} {} layer {}: dcp ({} ranks) differs from the single runtime at "
                     "token {} head {} column {}: {} vs {} ({} elements beyond tolerance)",
-                    site.step, forward_mode_name(site.mode), site.layer->layer_id,
-                    group_->size(), c.token, c.head, c.column, c.got, c.expected, c.bad));
+                    site.step, forward_mode_name(site.mode), site.layer->layer_id, group_->size(),
+                    c.token, c.head, c.column, c.got, c.expected, c.bad));
   }
 }
 
 void DcpShadow::store_latent(const LayerSite& site, const TensorView& latent) {
   const LayerSpec& l = *site.layer;
   const int64_t T = latent.shape[0];
-  HostBuffer q(DType::f32, {T, l.num_q_heads, l.head_dim}), out(DType::f32, {T, l.num_q_heads, l.v_head_dim});
+  HostBuffer q(DType::f32, {T, l.num_q_heads, l.head_dim}),
+      out(DType::f32, {T, l.num_q_heads, l.v_head_dim});
   std::fill_n(q.view().ptr<float>(), q.view().numel(), 0.f);
   AttnArgs a;
   a.q = q.view();

@@ -37,8 +37,8 @@ class DcpShadow {
  private:
   std::unique_ptr<DcpAttention> group_;
   int group_id(int layer_id) const;  // the layer's id in the group's model, -1 if not split
-  std::vector<int> split_;  // the model's layer ids on the group (group ids 0, 1, ...)
-  std::vector<std::string> left_;  // why each other layer stays on the single runtime
+  std::vector<int> split_;           // the model's layer ids on the group (group ids 0, 1, ...)
+  std::vector<std::string> left_;    // why each other layer stays on the single runtime
   Tolerance tolerance_;
   FailureLog* failures_;
   int64_t compared_ = 0, stored_only_ = 0, bad_ = 0;

@@ -822,9 +822,10 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
       r.shared_prefix_len = 0;
     }
     if (stripped > 0) {
-      notes.push_back(fmt::format("shared prefixes: not reused ({} requests prefill them "
-                                  "themselves): the DCP ranks keep each request's tokens apart",
-                                  stripped));
+      notes.push_back(
+          fmt::format("shared prefixes: not reused ({} requests prefill them "
+                      "themselves): the DCP ranks keep each request's tokens apart",
+                      stripped));
     }
   }
   SchedulerConfig sc = config.scheduler;

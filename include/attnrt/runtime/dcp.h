@@ -1,10 +1,12 @@
 // Decode context parallelism (docs/dcp.md): token g of a request lives on rank g mod n; each rank
 // attends its share, the partials (output | lse) are exchanged by one all-to-all per layer and
 // merged exactly, in rank order.
-//   DcpRank       one rank: its AttentionRuntime, its batch derived from the global one, its partial
+//   DcpRank       one rank: its AttentionRuntime, its batch derived from the global one, its
+//   partial
 //                 and its merge (the unit a process per GPU would hold)
 //   DcpAttention  n simulated ranks in one process over an InProcessCommunicator, with the
-//                 interface of one runtime: begin_step(global batch), forward(layer, args), end_step
+//                 interface of one runtime: begin_step(global batch), forward(layer, args),
+//                 end_step
 #pragma once
 
 #include <cstdint>
@@ -34,12 +36,11 @@ inline int dcp_head_begin(int d, int num_q_heads, int n) {
 // the value and what is allowed. dcp_size 1 accepts every model.
 void validate_dcp(const ModelSpec& model, const Options& options);
 
-// The exact merge of one (row, head): parts[r] = rank r's packed partial [dv outputs | lse], in rank
-// order; sink = the layer's sink logit of the head, if any. Writes the merged output to out[0, dv)
-// and returns the merged lse. Ranks with lse = -inf contribute nothing; when every part is empty
-// (and no sink) the output is 0 and the lse -inf.
-float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float> sink,
-                float* out);
+// The exact merge of one (row, head): parts[r] = rank r's packed partial [dv outputs | lse], in
+// rank order; sink = the layer's sink logit of the head, if any. Writes the merged output to out[0,
+// dv) and returns the merged lse. Ranks with lse = -inf contribute nothing; when every part is
+// empty (and no sink) the output is 0 and the lse -inf.
+float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float> sink, float* out);
 
 class DcpRank {
  public:
@@ -78,10 +79,10 @@ class DcpRank {
   Communicator* comm_;
   std::unique_ptr<AttentionRuntime> runtime_;
   std::vector<std::vector<int32_t>> local_;  // per request row: the slots of the rank's columns
-  std::vector<int> scratch_rows_;   // key lists of the step's query rows
+  std::vector<int> scratch_rows_;            // key lists of the step's query rows
   // The step.
   ForwardBatch rank_batch_;
-  std::vector<int64_t> rows_;       // global query row of each rank-batch entry
+  std::vector<int64_t> rows_;  // global query row of each rank-batch entry
   int64_t num_tokens_ = 0;
   bool in_step_ = false;
   // Per layer call: gathered inputs, the partial, the packed send / recv buffers.
