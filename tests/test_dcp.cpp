@@ -119,7 +119,7 @@ class DcpHarness {
   }
 
   // Runs the step on both, every layer with fresh q/k/v, and compares out and lse.
-  void run_and_compare(ForwardBatch b, const std::string& what, double tol = 2e-4) {
+  ForwardBatch run_and_compare(ForwardBatch b, const std::string& what, double tol = 2e-4) {
     place(b);
     const int64_t T = b.num_tokens();
     one_->begin_step(b);
@@ -153,6 +153,38 @@ class DcpHarness {
     }
     one_->end_step();
     dcp_->end_step();
+    return b;
+  }
+
+  // After a tree verify step: both keep the accepted paths (the oracle as an engine does: the
+  // accepted nodes' K/V copied down to columns seq_len + k; the group by commit_verify).
+  void commit(const ForwardBatch& verify, const std::vector<std::vector<int32_t>>& paths) {
+    std::vector<std::pair<int64_t, int64_t>> moves;
+    for (int i = 0; i < verify.batch_size; ++i) {
+      const int row = static_cast<int>(verify.req_pool_indices[i]);
+      const int32_t s = verify.seq_lens[i];
+      for (size_t k = 1; k < paths[i].size(); ++k) {
+        moves.emplace_back(one_->req_to_token().get(row, s + paths[i][k]),
+                           one_->req_to_token().get(row, s + static_cast<int32_t>(k)));
+      }
+    }
+    std::vector<int> layers;
+    for (const LayerSpec& l : model_.layers) layers.push_back(l.layer_id);
+    one_->kv_cache().copy_rows(layers, moves);
+    dcp_->commit_verify(verify, paths);
+  }
+
+  // A random path from the root down `parents` (block indices, root first).
+  std::vector<int32_t> random_path(const int32_t* parents, int n) {
+    std::vector<int32_t> path = {0};
+    for (;;) {
+      std::vector<int32_t> kids;
+      for (int t = 1; t < n; ++t) {
+        if (parents[t] == path.back()) kids.push_back(t);
+      }
+      if (kids.empty() || rand_int(0, 3) == 0) return path;
+      path.push_back(kids[rand_int(0, static_cast<int>(kids.size()) - 1)]);
+    }
   }
 
   int rand_int(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
@@ -242,7 +274,7 @@ TEST_P(DcpMatchesOneRuntime, ChainVerifyThenDecodeAfterAcceptance) {
   }
 }
 
-TEST_P(DcpMatchesOneRuntime, TreeVerify) {
+TEST_P(DcpMatchesOneRuntime, TreeVerifyThenDecodeAfterCommit) {
   for (const ModelSpec& model : {gqa_model(), mla_model()}) {
     DcpHarness h(model, GetParam(), seed_, /*tree=*/true);
     const auto rows = h.alloc_requests(h.rand_int(1, 4));
@@ -254,7 +286,21 @@ TEST_P(DcpMatchesOneRuntime, TreeVerify) {
     for (size_t i = 0; i < rows.size(); ++i) {
       for (int32_t p : h.random_tree(n)) spec.parents.push_back(p);
     }
-    h.run_and_compare(make_verify_batch(rows, prefix, spec), model.name + " tree verify");
+    const ForwardBatch v = h.run_and_compare(make_verify_batch(rows, prefix, spec),
+                                             model.name + " tree verify");
+    // Keep a random path of each tree; the next decode sees exactly the accepted tokens.
+    std::vector<std::vector<int32_t>> paths;
+    std::vector<int32_t> seq;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      paths.push_back(h.random_path(spec.parents.data() + i * n, n));
+      seq.push_back(prefix[i] + static_cast<int32_t>(paths.back().size()) + 1);
+    }
+    std::vector<std::vector<int32_t>> bad = paths;
+    bad[0] = {1};
+    test::expect_error([&] { h.dcp().commit_verify(v, bad); },
+                       {"accepted[0] = [1] is not a path"});
+    h.commit(v, paths);
+    h.run_and_compare(make_decode_batch(rows, seq), model.name + " decode after tree commit");
   }
 }
 

@@ -4,6 +4,9 @@
 #include <cmath>
 #include <limits>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include "attnrt/core/error.h"
 
 namespace attnrt {
@@ -347,6 +350,55 @@ void DcpRank::merge(int layer_id, const AttnArgs& args) {
   }
 }
 
+void DcpRank::commit_verify(const ForwardBatch& batch,
+                            std::span<const std::vector<int32_t>> accepted) {
+  ATTNRT_CHECK(is_target_verify(batch.mode) && batch.spec_info.has_value(),
+               "DcpAttention::commit_verify: the batch is {}; pass the TARGET_VERIFY step that ran",
+               forward_mode_name(batch.mode));
+  ATTNRT_CHECK(accepted.size() == static_cast<size_t>(batch.batch_size),
+               "DcpAttention::commit_verify: {} accepted paths for a step of {} requests",
+               accepted.size(), batch.batch_size);
+  const SpecInfo& spec = *batch.spec_info;
+  const int N = spec.draft_token_num, n = size_, r = rank_;
+  std::vector<std::pair<int64_t, int64_t>> moves;
+  for (int i = 0; i < batch.batch_size; ++i) {
+    const std::vector<int32_t>& path = accepted[i];
+    const int32_t* parents = spec.parents.data() + static_cast<size_t>(i) * N;
+    bool ok = !path.empty() && path[0] == 0 && static_cast<int>(path.size()) <= N;
+    for (size_t k = 1; ok && k < path.size(); ++k) {
+      ok = path[k] > 0 && path[k] < N && parents[path[k]] == path[k - 1];
+    }
+    ATTNRT_CHECK(ok,
+                 "DcpAttention::commit_verify: accepted[{}] = [{}] is not a path of block indices "
+                 "from the root (0) down the request's tree",
+                 i, fmt::join(path, ", "));
+    const int row = static_cast<int>(batch.req_pool_indices[i]);
+    const int32_t s = batch.seq_lens[i], lp = dcp_local_count(s, r, n);
+    std::vector<int32_t>& cols = local_[row];
+    // The columns this rank gave the block's tokens (begin_step: after the prefix, block order).
+    std::vector<int32_t> column(N, -1);
+    int32_t next = lp;
+    for (int t = 0; t < N; ++t) {
+      if ((s + spec.depth(i, t)) % n == r) column[t] = next++;
+    }
+    ATTNRT_CHECK(static_cast<int32_t>(cols.size()) == next,
+                 "DcpAttention::commit_verify: request {} (row {}) has {} columns on rank {}; the "
+                 "verify step left {}: commit right after the verify step",
+                 i, row, cols.size(), r, next);
+    // The accepted node at depth k goes to the column of position s + k on its owner.
+    int32_t keep = lp;
+    for (size_t k = 0; k < path.size(); ++k) {
+      if ((s + static_cast<int64_t>(k)) % n != r) continue;
+      if (column[path[k]] != keep) moves.emplace_back(cols[column[path[k]]], cols[keep]);
+      ++keep;
+    }
+  }
+  if (moves.empty()) return;
+  std::vector<int> layers;
+  for (const LayerSpec& l : model_.layers) layers.push_back(l.layer_id);
+  runtime_->kv_cache().copy_rows(layers, moves);
+}
+
 void DcpRank::end_step() {
   if (in_step_) runtime_->end_step();
   in_step_ = false;
@@ -427,6 +479,11 @@ void DcpAttention::forward(int layer_id, const AttnArgs& args) {
                layer_id);
   for (auto& r : ranks_) r->forward(layer_id, args);
   for (auto& r : ranks_) r->merge(layer_id, args);
+}
+
+void DcpAttention::commit_verify(const ForwardBatch& batch,
+                                 std::span<const std::vector<int32_t>> accepted) {
+  for (auto& r : ranks_) r->commit_verify(batch, accepted);
 }
 
 void DcpAttention::end_step() {

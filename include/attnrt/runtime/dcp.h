@@ -72,6 +72,8 @@ class DcpRank {
   // into args.out (and args.lse when given) at those heads; other heads are not touched.
   void merge(int layer_id, const AttnArgs& args);
   void end_step();
+  // See DcpAttention::commit_verify.
+  void commit_verify(const ForwardBatch& batch, std::span<const std::vector<int32_t>> accepted);
 
  private:
   int rank_, size_;
@@ -114,6 +116,12 @@ class DcpAttention {
   // the absorbed form).
   void forward(int layer_id, const AttnArgs& args);
   void end_step();
+  // After a TARGET_VERIFY step, before the next begin_step: request i of `batch` (that step)
+  // keeps the block tokens accepted[i] (block indices by depth, the root 0 first); the one at
+  // depth k is moved to the column of position seq_len + k on its owner (KV rows copied, as
+  // one runtime's engine compacts a tree path). The next step's lengths then release the rest.
+  // A chain needs no commit. Throws attnrt::Error for a path that is not one of the tree.
+  void commit_verify(const ForwardBatch& batch, std::span<const std::vector<int32_t>> accepted);
 
  private:
   ModelSpec model_;
