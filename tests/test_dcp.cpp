@@ -583,11 +583,13 @@ TEST_F(DcpCli, RunSplitsTheTargetOverSimulatedRanks) {
   const test::CommandResult zero = run("run --dcp-size 0 --no-progress");
   EXPECT_NE(zero.status, 0);
   test::expect_contains(zero.err, {"dcp_size = 0", "[1, 64]"});
+  // Trees: the accepted paths are committed on the ranks after every verify.
   const test::CommandResult tree =
-      run("run --dcp-size 2 --no-progress --speculative-num-steps 2 --speculative-eagle-topk 2 "
-          "--speculative-num-draft-tokens 4");
-  EXPECT_NE(tree.status, 0);
-  test::expect_contains(tree.err, {"--dcp-size 2", "--speculative-eagle-topk 2", "not built yet"});
+      run("run --trace '" + trace.string() +
+          "' --attention-backend cpu --dcp-size 2 --no-progress --speculative-num-steps 2 "
+          "--speculative-eagle-topk 2 --speculative-num-draft-tokens 4 --page-size 16");
+  ASSERT_EQ(tree.status, 0) << tree.out << tree.err;
+  test::expect_contains(tree.out, {"dcp: 2 simulated ranks", "0 beyond tolerance"});
 }
 
 }  // namespace

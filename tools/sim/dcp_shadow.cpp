@@ -98,7 +98,11 @@ void DcpShadow::store_latent(const LayerSite& site, const TensorView& latent) {
 
 void DcpShadow::end_step() { group_->end_step(); }
 
-void DcpShadow::free_request(int row) { group_->free_request(row); }
+void DcpShadow::commit_verify(const ForwardBatch& batch,
+                              const std::vector<std::vector<int>>& paths) {
+  group_->commit_verify(batch, paths);
+}
+
 
 std::vector<std::string> DcpShadow::notes() const {
   std::vector<std::string> n;

@@ -29,8 +29,8 @@ class DcpShadow {
   // An MLA layer run in the MHA form: only its latent rows [T, 1, rank + rope] go to the ranks.
   void store_latent(const LayerSite& site, const TensorView& latent);
   void end_step();
-  // A request that finished: its columns on every rank are released.
-  void free_request(int row);
+  // After the scheduler accepted the paths of a TARGET_VERIFY step (DcpAttention::commit_verify).
+  void commit_verify(const ForwardBatch& batch, const std::vector<std::vector<int>>& paths);
   // One line per fact for the report's notes.
   std::vector<std::string> notes() const;
 

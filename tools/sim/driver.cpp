@@ -802,11 +802,6 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
     Options o = options;
     o.dcp_size = dcp_size;
     validate_dcp(ModelSpec{}, o);
-    ATTNRT_CHECK(options.speculative_eagle_topk <= 1,
-                 "--dcp-size {} with --speculative-eagle-topk {}: committing a tree verify's "
-                 "accepted path on the ranks is not built yet (docs/dcp.md); use chains "
-                 "(topk 1) or --dcp-size 1",
-                 dcp_size, options.speculative_eagle_topk);
   }
   const bool on_host =
       config.layers < 0 && kv_pool_device(resolve_backends(options, model_in)) == DeviceKind::cpu;
@@ -909,7 +904,10 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
     const ForwardMode mode = step.batch.mode;
     const ModelRole role = step.role;
     const int done_steps = step.index + 1;
+    std::optional<ForwardBatch> verified;
+    if (dcp && role == ModelRole::target && is_target_verify(mode)) verified = step.batch;
     sched.complete();
+    if (verified) dcp->commit_verify(*verified, sched.last_accepted_paths());
     if (e.runtime->has_linear_layers()) driver.release_states(e, sched, is_target_verify(mode));
     if (progress) {
       Progress p;
