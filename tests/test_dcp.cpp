@@ -62,12 +62,12 @@ std::string case_name(const testing::TestParamInfo<DcpCase>& info) {
 class DcpHarness {
  public:
   DcpHarness(ModelSpec model, const DcpCase& c, uint32_t seed, bool tree = false,
-             bool deterministic = false)
+             bool deterministic = false, const std::string& kv_dtype = "fp32")
       : model_(std::move(model)), rng_(seed) {
     Options one;
     one.attention_backend = "reference";
     one.page_size = c.page_size;
-    one.kv_cache_dtype = "fp32";
+    one.kv_cache_dtype = kv_dtype;
     Options group = one;
     group.attention_backend = c.backend;
     group.dcp_size = c.ranks;
@@ -87,6 +87,11 @@ class DcpHarness {
   }
 
   DcpAttention& dcp() { return *dcp_; }
+
+  void set_kv_scales(int layer_id, float k_scale, float v_scale) {
+    one_->kv_cache().set_kv_scales(layer_id, k_scale, v_scale);
+    dcp_->set_kv_scales(layer_id, k_scale, v_scale);
+  }
 
   std::vector<int64_t> alloc_requests(int n) {
     std::vector<int64_t> rows;
@@ -301,6 +306,20 @@ TEST_P(DcpMatchesOneRuntime, TreeVerifyThenDecodeAfterCommit) {
                        {"accepted[0] = [1] is not a path"});
     h.commit(v, paths);
     h.run_and_compare(make_decode_batch(rows, seq), model.name + " decode after tree commit");
+  }
+}
+
+TEST_P(DcpMatchesOneRuntime, Fp8KvWithScales) {
+  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+    DcpHarness h(model, GetParam(), seed_, false, false, "fp8_e4m3");
+    for (const LayerSpec& l : model.layers) {
+      h.set_kv_scales(l.layer_id, 0.37f, l.kind == LayerKind::mla ? 0.37f : 1.7f);
+    }
+    const auto rows = h.alloc_requests(3);
+    std::vector<int32_t> prefix = h.fill(rows, 30);
+    std::vector<int32_t> seq;
+    for (int32_t p : prefix) seq.push_back(p + 1);
+    h.run_and_compare(make_decode_batch(rows, seq), model.name + " fp8 decode", 2e-3);
   }
 }
 
