@@ -12,6 +12,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "attnrt/batch/forward_batch.h"
@@ -291,8 +292,8 @@ TEST_P(DcpMatchesOneRuntime, TreeVerifyThenDecodeAfterCommit) {
     for (size_t i = 0; i < rows.size(); ++i) {
       for (int32_t p : h.random_tree(n)) spec.parents.push_back(p);
     }
-    const ForwardBatch v = h.run_and_compare(make_verify_batch(rows, prefix, spec),
-                                             model.name + " tree verify");
+    const ForwardBatch v =
+        h.run_and_compare(make_verify_batch(rows, prefix, spec), model.name + " tree verify");
     // Keep a random path of each tree; the next decode sees exactly the accepted tokens.
     std::vector<std::vector<int32_t>> paths;
     std::vector<int32_t> seq;
@@ -302,8 +303,7 @@ TEST_P(DcpMatchesOneRuntime, TreeVerifyThenDecodeAfterCommit) {
     }
     std::vector<std::vector<int32_t>> bad = paths;
     bad[0] = {1};
-    test::expect_error([&] { h.dcp().commit_verify(v, bad); },
-                       {"accepted[0] = [1] is not a path"});
+    test::expect_error([&] { h.dcp().commit_verify(v, bad); }, {"accepted[0] = [1] is not a path"});
     h.commit(v, paths);
     h.run_and_compare(make_decode_batch(rows, seq), model.name + " decode after tree commit");
   }
@@ -609,6 +609,71 @@ TEST_F(DcpCli, RunSplitsTheTargetOverSimulatedRanks) {
           "--speculative-eagle-topk 2 --speculative-num-draft-tokens 4 --page-size 16");
   ASSERT_EQ(tree.status, 0) << tree.out << tree.err;
   test::expect_contains(tree.out, {"dcp: 2 simulated ranks", "0 beyond tolerance"});
+}
+
+// Ranks as threads: each DcpRank on a thread of its own over a blocking communicator gives the
+// bits the sequential group gives (the same partials, merged in the same order).
+TEST(Dcp, RanksOnThreadsMatchTheSequentialGroup) {
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int n = 3;
+  Options o;
+  o.attention_backend = "reference";
+  o.kv_cache_dtype = "fp32";
+  o.page_size = 16;
+  o.dcp_size = n;
+  RuntimeConfig cfg;
+  cfg.max_requests = 2;
+  cfg.kv_slots = 1024;
+  cfg.max_num_tokens = 64;
+  cfg.cuda_graphs = false;
+  const ModelSpec model = gqa_model();
+  DcpAttention group(model, o, cfg);
+  InProcessCommunicator comm(n, /*blocking=*/true);
+  std::vector<std::unique_ptr<DcpRank>> ranks;
+  for (int r = 0; r < n; ++r) ranks.push_back(std::make_unique<DcpRank>(r, model, o, cfg, comm));
+
+  std::mt19937 rng(seed);
+  const std::vector<ForwardBatch> steps = {make_extend_batch({0, 1}, {0, 0}, {23, 9}),
+                                           make_extend_batch({0, 1}, {23, 9}, {5, 11}),
+                                           make_decode_batch({0, 1}, {29, 21})};
+  for (ForwardBatch b : steps) {
+    b.out_cache_loc.assign(b.positions.size(), 0);
+    const int64_t T = b.num_tokens();
+    group.begin_step(b);
+    std::vector<std::thread> threads;
+    for (auto& r : ranks) r->begin_step(b);
+    for (const LayerSpec& l : model.layers) {
+      const int dv = l.v_head_dim;
+      HostBuffer q = test::random_buffer(DType::f32, {T, l.num_q_heads, l.head_dim}, rng);
+      HostBuffer k = test::random_buffer(DType::f32, {T, l.num_kv_heads, l.head_dim}, rng);
+      HostBuffer v = test::random_buffer(DType::f32, {T, l.num_kv_heads, dv}, rng);
+      std::vector<float> sinks(l.num_q_heads, 0.3f);
+      HostBuffer seq(DType::f32, {T, l.num_q_heads, dv}), thr(DType::f32, {T, l.num_q_heads, dv});
+      test::poison(seq.view());
+      test::poison(thr.view());
+      AttnArgs a;
+      a.q = q.view();
+      a.k = k.view();
+      a.v = v.view();
+      a.sinks = l.has_sinks ? sinks.data() : nullptr;
+      a.out = seq.view();
+      group.forward(l.layer_id, a);
+      a.out = thr.view();
+      threads.clear();
+      for (auto& r : ranks) {
+        threads.emplace_back([&, rank = r.get()] {
+          rank->forward(l.layer_id, a);  // returns once every rank's partials are exchanged
+          rank->merge(l.layer_id, a);
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      EXPECT_EQ(std::memcmp(seq.data(), thr.data(), seq.view().numel() * sizeof(float)), 0)
+          << "layer " << l.layer_id;
+    }
+    group.end_step();
+    for (auto& r : ranks) r->end_step();
+  }
 }
 
 }  // namespace

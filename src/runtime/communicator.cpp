@@ -1,7 +1,11 @@
 #include "attnrt/runtime/communicator.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <condition_variable>
 #include <mutex>
+#include <string>
 
 #include "attnrt/core/error.h"
 
@@ -36,7 +40,11 @@ struct Call {
 
 struct InProcessCommunicator::State {
   int size = 0;
+  bool blocking = false;
   std::mutex mutex;
+  std::condition_variable done;
+  uint64_t generation = 0;  // collectives completed
+  std::string error;        // why the last collective failed ("" = it did not)
   Op pending = Op::none;
   int arrived = 0;
   std::vector<uint8_t> called;
@@ -59,17 +67,35 @@ struct InProcessCommunicator::State {
     return ++arrived == size;
   }
 
-  void reset() {
+  // The last rank's call: the collective is over (failed, with `why`, when not empty).
+  void complete(std::string why = {}) {
     pending = Op::none;
     arrived = 0;
     std::fill(called.begin(), called.end(), uint8_t{0});
     for (Call& c : calls) c = Call{};
+    error = std::move(why);
+    ++generation;
+    done.notify_all();
+  }
+
+  // An earlier rank's call: with blocking ranks, waits until collective `gen` is over.
+  void wait(std::unique_lock<std::mutex>& lock, uint64_t gen) {
+    if (!blocking) return;
+    done.wait(lock, [&] { return generation != gen; });
+    if (generation == gen + 1 && !error.empty()) fail("{}", error);
+  }
+
+  [[noreturn]] void abort(std::string why) {
+    complete(why);
+    fail("{}", why);
   }
 };
 
-InProcessCommunicator::InProcessCommunicator(int size) : state_(std::make_unique<State>()) {
+InProcessCommunicator::InProcessCommunicator(int size, bool blocking)
+    : state_(std::make_unique<State>()) {
   ATTNRT_CHECK(size >= 1, "in_process communicator: size {}; a group has at least 1 rank", size);
   state_->size = size;
+  state_->blocking = blocking;
   state_->called.assign(size, 0);
   state_->calls.resize(size);
 }
@@ -82,7 +108,7 @@ void InProcessCommunicator::all_to_all(int rank, std::span<const float> send,
                                        std::span<const int64_t> send_counts, std::span<float> recv,
                                        std::span<const int64_t> recv_counts) {
   State& s = *state_;
-  const std::lock_guard lock(s.mutex);
+  std::unique_lock lock(s.mutex);
   const auto n = static_cast<size_t>(s.size);
   ATTNRT_CHECK(send_counts.size() == n && recv_counts.size() == n,
                "in_process communicator: all_to_all of rank {} has {} send and {} recv counts; the "
@@ -106,17 +132,17 @@ void InProcessCommunicator::all_to_all(int rank, std::span<const float> send,
             {send_counts.begin(), send_counts.end()},
             recv,
             {recv_counts.begin(), recv_counts.end()}};
-  if (!s.arrive(Op::all_to_all, rank, std::move(call))) return;
+  const uint64_t gen = s.generation;
+  if (!s.arrive(Op::all_to_all, rank, std::move(call))) return s.wait(lock, gen);
   // Every rank has called: check that the counts pair up, then move block (src -> dst).
   for (size_t src = 0; src < n; ++src) {
     for (size_t dst = 0; dst < n; ++dst) {
       const int64_t a = s.calls[src].send_counts[dst], b = s.calls[dst].recv_counts[src];
       if (a != b) {
-        s.reset();
-        fail(
-            "in_process communicator: all_to_all: rank {} sends {} floats to rank {}, which "
-            "expects {}",
-            src, a, dst, b);
+        s.abort(
+            fmt::format("in_process communicator: all_to_all: rank {} sends {} floats to "
+                        "rank {}, which expects {}",
+                        src, a, dst, b));
       }
     }
   }
@@ -130,27 +156,26 @@ void InProcessCommunicator::all_to_all(int rank, std::span<const float> send,
       at += count;
     }
   }
-  s.reset();
+  s.complete();
 }
 
 void InProcessCommunicator::all_gather(int rank, std::span<const float> send,
                                        std::span<float> recv) {
   State& s = *state_;
-  const std::lock_guard lock(s.mutex);
+  std::unique_lock lock(s.mutex);
   const auto n = static_cast<size_t>(s.size);
   ATTNRT_CHECK(recv.size() >= n * send.size(),
                "in_process communicator: all_gather of rank {} sends {} floats but its recv buffer "
                "holds {}; it needs {} ranks x {}",
                rank, send.size(), recv.size(), n, send.size());
-  if (!s.arrive(Op::all_gather, rank, Call{send, {}, recv, {}})) return;
+  const uint64_t gen = s.generation;
+  if (!s.arrive(Op::all_gather, rank, Call{send, {}, recv, {}})) return s.wait(lock, gen);
   for (size_t src = 0; src < n; ++src) {
     if (s.calls[src].send.size() != send.size()) {
-      const size_t got = s.calls[src].send.size();
-      s.reset();
-      fail(
-          "in_process communicator: all_gather: rank {} sends {} floats, rank {} sends {}; every "
-          "rank sends the same count",
-          src, got, rank, send.size());
+      s.abort(
+          fmt::format("in_process communicator: all_gather: rank {} sends {} floats, rank {} "
+                      "sends {}; every rank sends the same count",
+                      src, s.calls[src].send.size(), rank, send.size()));
     }
   }
   for (size_t dst = 0; dst < n; ++dst) {
@@ -159,13 +184,15 @@ void InProcessCommunicator::all_gather(int rank, std::span<const float> send,
                 s.calls[dst].recv.begin() + static_cast<std::ptrdiff_t>(src * send.size()));
     }
   }
-  s.reset();
+  s.complete();
 }
 
 void InProcessCommunicator::barrier(int rank) {
   State& s = *state_;
-  const std::lock_guard lock(s.mutex);
-  if (s.arrive(Op::barrier, rank, Call{})) s.reset();
+  std::unique_lock lock(s.mutex);
+  const uint64_t gen = s.generation;
+  if (!s.arrive(Op::barrier, rank, Call{})) return s.wait(lock, gen);
+  s.complete();
 }
 
 std::unique_ptr<Communicator> make_communicator(std::string_view kind, int size) {

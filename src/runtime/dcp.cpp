@@ -1,11 +1,11 @@
 #include "attnrt/runtime/dcp.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
-
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include "attnrt/core/error.h"
 

@@ -103,7 +103,6 @@ void DcpShadow::commit_verify(const ForwardBatch& batch,
   group_->commit_verify(batch, paths);
 }
 
-
 std::vector<std::string> DcpShadow::notes() const {
   std::vector<std::string> n;
   n.push_back(fmt::format(

@@ -31,13 +31,15 @@ class Communicator {
   virtual void barrier(int rank) = 0;
 };
 
-// n simulated ranks in one process, served one after another or from one thread each (calls are
-// serialised by a mutex; a call never waits for the other ranks). The data moves when the last
-// rank of a collective calls. Mismatched calls (another collective while one is pending, a rank
-// calling twice, counts that do not pair up) throw attnrt::Error naming the ranks and values.
+// n simulated ranks in one process. The data moves when the last rank of a collective calls.
+// blocking = false: the ranks are served one after another from one thread; a call returns at
+// once. blocking = true: each rank runs on a thread of its own; a call returns when the collective
+// has completed (as a rank of NCCL sees it). Mismatched calls (another collective while one is
+// pending, a rank calling twice, counts that do not pair up) throw attnrt::Error naming the ranks
+// and values (a failed collective throws on every waiting rank too).
 class InProcessCommunicator final : public Communicator {
  public:
-  explicit InProcessCommunicator(int size);
+  explicit InProcessCommunicator(int size, bool blocking = false);
   ~InProcessCommunicator() override;
   std::string_view name() const override { return "in_process"; }
   int size() const override;
