@@ -29,13 +29,17 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 
 uint32_t fresh_seed() { return std::random_device{}(); }
 
-// GQA with uneven head splits (6 q heads over 4 ranks), soft-cap, and a layer with sinks.
+// GQA with uneven head splits (6 q heads over 4 ranks), soft-cap, a layer with sinks and a
+// sliding-window layer.
 ModelSpec gqa_model() {
   LayerSpec a = test::attention_layer(0, 6, 2, 16);
   a.logit_cap = 5.f;
   LayerSpec b = test::attention_layer(1, 4, 4, 8, 12);
   b.has_sinks = true;
-  return test::make_model("dcp-gqa", DType::f32, 512, {a, b});
+  LayerSpec w = test::attention_layer(2, 4, 2, 16);  // a sliding window on global positions
+  w.kind = LayerKind::swa;
+  w.sliding_window = 9;
+  return test::make_model("dcp-gqa", DType::f32, 512, {a, b, w});
 }
 
 ModelSpec mla_model() {
@@ -505,12 +509,11 @@ TEST(Dcp, OptionErrorsNameTheValueAndWhatIsAllowed) {
   o.dcp_size = 65;
   test::expect_error([&] { validate_dcp(gqa_model(), o); }, {"dcp_size = 65", "[1, 64]"});
   o.dcp_size = 2;
-  ModelSpec swa = gqa_model();
-  swa.layers[1].sliding_window = 7;
-  test::expect_error([&] { validate_dcp(swa, o); },
-                     {"dcp_size = 2", "layer 1", "sliding_window 7"});
+  ModelSpec enc = gqa_model();
+  enc.layers[1].attn_type = AttnType::encoder_only;
+  test::expect_error([&] { validate_dcp(enc, o); }, {"dcp_size = 2", "layer 1", "not causal"});
   o.dcp_size = 1;
-  validate_dcp(swa, o);
+  validate_dcp(enc, o);
   o.dcp_size = 2;
   test::expect_error([&] { AttentionRuntime rt(gqa_model(), o); },
                      {"Options.dcp_size = 2", "DcpAttention"});
@@ -596,9 +599,10 @@ TEST_F(DcpCli, RunSplitsTheTargetOverSimulatedRanks) {
           "' --attention-backend cpu --dcp-size 3 --no-progress --speculative-num-steps 2 "
           "--chunked-prefill-size 32 --check-every 2");
   ASSERT_EQ(r.status, 0) << r.out << r.err;
+  // The demo model's sliding-window layer (2) splits too: its window is on global positions.
   test::expect_contains(r.out,
-                        {"dcp: 3 simulated ranks", "0 beyond tolerance", "not split, layer 2",
-                         "sliding_window 64", "shared prefixes: not reused", "TARGET_VERIFY"});
+                        {"dcp: 3 simulated ranks", "over layers 0, 1, 2, 3", "0 beyond tolerance",
+                         "shared prefixes: not reused", "TARGET_VERIFY"});
   const test::CommandResult zero = run("run --dcp-size 0 --no-progress");
   EXPECT_NE(zero.status, 0);
   test::expect_contains(zero.err, {"dcp_size = 0", "[1, 64]"});

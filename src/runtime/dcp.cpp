@@ -72,11 +72,6 @@ void validate_dcp(const ModelSpec& model, const Options& options) {
                  "dcp_size = {}: model '{}' layer {} is a {} layer; linear-attention state is "
                  "not split by context. DCP serves full and mla layers (use dcp_size 1)",
                  n, model.name, l.layer_id, layer_kind_name(l.kind));
-    ATTNRT_CHECK(l.sliding_window < 0,
-                 "dcp_size = {}: model '{}' layer {} has sliding_window {}; a window on global "
-                 "positions is not split by context yet (docs/dcp.md). Use dcp_size 1 or a model "
-                 "without sliding-window layers",
-                 n, model.name, l.layer_id, l.sliding_window);
     ATTNRT_CHECK(l.causal(),
                  "dcp_size = {}: model '{}' layer {} is not causal; DCP splits causal attention "
                  "only (use dcp_size 1)",
@@ -117,48 +112,87 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
                size_ - 1);
   ATTNRT_CHECK(comm.size() == size_, "DcpRank: the communicator has {} ranks but dcp_size is {}",
                comm.size(), size_);
-  ModelSpec local = model;
-  for (LayerSpec& l : local.layers) l.has_sinks = false;
   Options o = options;
   o.dcp_size = 1;
   RuntimeConfig c = config;
   const int context = config.max_context_len > 0 ? config.max_context_len : model.max_context_len;
   const int block = std::max(options.speculative_num_draft_tokens, 0);
   c.max_context_len = std::min(context, dcp_local_count(context, 0, size_) + block);
-  // The rank's req_to_token holds the key lists of a step's query rows (one row each, taken once
-  // here); the requests' own compacted rows are local_.
+  // A part's req_to_token holds the key lists of a step's query rows (one row each, taken once
+  // here); the requests' own compacted columns are Part::local.
   c.max_requests = config.max_num_tokens;
-  runtime_ = std::make_unique<AttentionRuntime>(std::move(local), std::move(o), c);
-  ReqToTokenPool& pool = runtime_->req_to_token();
-  for (int r = 0; r < c.max_requests; ++r) scratch_rows_.push_back(pool.alloc());
-  local_.resize(config.max_requests);
+  for (const LayerSpec& l : model.layers) {
+    auto it = std::find_if(parts_.begin(), parts_.end(),
+                           [&](const Part& p) { return p.window == l.sliding_window; });
+    if (it == parts_.end()) {
+      parts_.emplace_back();
+      it = parts_.end() - 1;
+      it->window = l.sliding_window;
+    }
+    it->layer_ids.push_back(l.layer_id);
+  }
+  for (Part& p : parts_) {
+    ModelSpec m = model;
+    m.layers.clear();
+    for (const int id : p.layer_ids) {
+      m.layers.push_back(layer_by_id(model, id, "DcpRank"));
+      m.layers.back().layer_id = static_cast<int>(m.layers.size()) - 1;
+      m.layers.back().has_sinks = false;  // added once, in the merge
+    }
+    p.runtime = std::make_unique<AttentionRuntime>(std::move(m), o, c);
+    ReqToTokenPool& pool = p.runtime->req_to_token();
+    for (int r = 0; r < c.max_requests; ++r) p.scratch_rows.push_back(pool.alloc());
+    p.local.resize(config.max_requests);
+  }
+}
+
+std::pair<DcpRank::Part*, int> DcpRank::part_of(int layer_id) {
+  for (Part& p : parts_) {
+    const auto it = std::find(p.layer_ids.begin(), p.layer_ids.end(), layer_id);
+    if (it != p.layer_ids.end()) return {&p, static_cast<int>(it - p.layer_ids.begin())};
+  }
+  fail("DcpAttention: model '{}' has no layer {}", model_.name, layer_id);
+}
+
+AttentionRuntime& DcpRank::runtime(int part) { return *parts_.at(part).runtime; }
+
+const std::vector<int32_t>& DcpRank::local_row(int row, int part) const {
+  return parts_.at(part).local.at(row);
+}
+
+void DcpRank::set_kv_scales(int layer_id, float k_scale, float v_scale) {
+  const auto [part, id] = part_of(layer_id);
+  part->runtime->kv_cache().set_kv_scales(id, k_scale, v_scale);
 }
 
 void DcpRank::free_request(int row) {
-  ATTNRT_CHECK(row >= 0 && row < static_cast<int>(local_.size()),
+  ATTNRT_CHECK(row >= 0 && row < static_cast<int>(parts_[0].local.size()),
                "DcpAttention::free_request: row {}; request rows are 0..{}", row,
-               local_.size() - 1);
-  std::vector<int32_t>& cols = local_[row];
-  if (!cols.empty()) {
-    const std::vector<int64_t> slots(cols.begin(), cols.end());
-    runtime_->allocator().free(slots);
+               parts_[0].local.size() - 1);
+  for (Part& p : parts_) {
+    std::vector<int32_t>& cols = p.local[row];
+    if (!cols.empty()) {
+      const std::vector<int64_t> slots(cols.begin(), cols.end());
+      p.runtime->allocator().free(slots);
+    }
+    cols.clear();
   }
-  cols.clear();
 }
 
 void DcpRank::check_step(const ForwardBatch& batch, const StepLayout& layout) const {
-  ATTNRT_CHECK(layout.num_tokens <= static_cast<int64_t>(scratch_rows_.size()),
+  ATTNRT_CHECK(layout.num_tokens <= static_cast<int64_t>(parts_[0].scratch_rows.size()),
                "DcpAttention: the step has {} tokens, more than RuntimeConfig.max_num_tokens = {}; "
                "split the step or raise max_num_tokens",
-               layout.num_tokens, scratch_rows_.size());
+               layout.num_tokens, parts_[0].scratch_rows.size());
+  const auto rows = static_cast<int64_t>(parts_[0].local.size());
   for (int i = 0; i < batch.batch_size; ++i) {
     const int64_t row = batch.req_pool_indices[i];
-    ATTNRT_CHECK(row >= 0 && row < static_cast<int64_t>(local_.size()),
+    ATTNRT_CHECK(row >= 0 && row < rows,
                  "DcpAttention: req_pool_indices[{}] = {}; request rows are 0..{} "
                  "(RuntimeConfig.max_requests)",
-                 i, row, local_.size() - 1);
+                 i, row, rows - 1);
     const int32_t lp = dcp_local_count(layout.prefix_lens[i], rank_, size_);
-    const auto stored = static_cast<int32_t>(local_[row].size());
+    const auto stored = static_cast<int32_t>(parts_[0].local[row].size());
     ATTNRT_CHECK(stored >= lp,
                  "DcpAttention: request {} (row {}) has a prefix of {} tokens, but rank {} holds "
                  "{} of its {}: tokens of earlier steps are missing (every token is stored by the "
@@ -170,12 +204,18 @@ void DcpRank::check_step(const ForwardBatch& batch, const StepLayout& layout) co
 void DcpRank::begin_step(const ForwardBatch& batch) {
   in_step_ = false;
   const StepLayout layout = make_step_layout(batch);
+  num_tokens_ = layout.num_tokens;
+  for (Part& p : parts_) begin_part(p, batch, layout);
+  in_step_ = true;
+}
+
+void DcpRank::begin_part(Part& part, const ForwardBatch& batch, const StepLayout& layout) {
   const int n = size_, r = rank_;
   const bool verify = is_target_verify(batch.mode);
   const bool tree = is_tree(batch);
   const SpecInfo* spec = verify ? &*batch.spec_info : nullptr;
-  ReqToTokenPool& pool = runtime_->req_to_token();
-  TokenAllocator& alloc = runtime_->allocator();
+  ReqToTokenPool& pool = part.runtime->req_to_token();
+  TokenAllocator& alloc = part.runtime->allocator();
   const int page = alloc.page_size();
 
   // Global position of query t of request i: verify tokens by depth, everything else in order.
@@ -191,7 +231,7 @@ void DcpRank::begin_step(const ForwardBatch& batch) {
   for (int i = 0; i < batch.batch_size; ++i) {
     const int row = static_cast<int>(batch.req_pool_indices[i]);
     const int32_t lp = dcp_local_count(layout.prefix_lens[i], r, n);
-    std::vector<int32_t>& cols = local_[row];
+    std::vector<int32_t>& cols = part.local[row];
     if (static_cast<int32_t>(cols.size()) > lp) {
       const int32_t keep = (lp + page - 1) / page * page;
       if (static_cast<int32_t>(cols.size()) > keep) {
@@ -215,24 +255,26 @@ void DcpRank::begin_step(const ForwardBatch& batch) {
   const std::vector<int64_t> fresh = alloc.alloc_extend(a_prefix, a_seq, a_last);
   size_t at = 0;
   for (size_t k = 0; k < a_req.size(); ++k) {
-    const int row = static_cast<int>(batch.req_pool_indices[a_req[k]]);
+    std::vector<int32_t>& cols = part.local[batch.req_pool_indices[a_req[k]]];
     const auto count = static_cast<size_t>(a_seq[k] - a_prefix[k]);
-    local_[row].insert(local_[row].end(), fresh.begin() + static_cast<std::ptrdiff_t>(at),
-                       fresh.begin() + static_cast<std::ptrdiff_t>(at + count));
+    cols.insert(cols.end(), fresh.begin() + static_cast<std::ptrdiff_t>(at),
+                fresh.begin() + static_cast<std::ptrdiff_t>(at + count));
     at += count;
   }
 
-  // 2. One decode-shaped entry per global row that sees a key here.
+  // 2. One decode-shaped entry per global row that sees a key here: the causal (or tree) rule
+  //    on global positions, then the part's window [q - W, q] on them.
   std::vector<int64_t> req_rows;
   std::vector<int32_t> seq_lens;
   std::vector<int64_t> write_slots;
-  rows_.clear();
+  part.rows.clear();
   size_t scratch = 0;
   std::vector<int64_t> keys;
+  const int64_t window = part.window;
   for (int i = 0; i < batch.batch_size; ++i) {
     const int row = static_cast<int>(batch.req_pool_indices[i]);
     const int32_t lp = dcp_local_count(layout.prefix_lens[i], r, n);
-    const int32_t* cols = local_[row].data();
+    const int32_t* cols = part.local[row].data();
     const int32_t* parents =
         tree ? spec->parents.data() + static_cast<size_t>(i) * spec->draft_token_num : nullptr;
     // Local column of each owned query token (in query order after the prefix).
@@ -242,42 +284,44 @@ void DcpRank::begin_step(const ForwardBatch& batch) {
       if (gpos(i, t) % n == r) column[t] = next++;
     }
     for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
+      const int64_t q = gpos(i, t);
+      const int64_t first = window < 0 ? 0 : std::max<int64_t>(0, q - window);
       if (tree) {
-        keys.assign(cols, cols + lp);
+        keys.assign(cols + std::min(lp, dcp_local_count(first, r, n)), cols + lp);
         const size_t base = keys.size();
         for (int32_t a = t; a >= 0; a = parents[a]) {
-          if (column[a] >= 0) keys.push_back(cols[column[a]]);
+          if (column[a] >= 0 && gpos(i, a) >= first) keys.push_back(cols[column[a]]);
         }
         std::reverse(keys.begin() + static_cast<std::ptrdiff_t>(base), keys.end());
       } else {
-        keys.assign(cols, cols + dcp_local_count(gpos(i, t) + 1, r, n));
+        keys.assign(cols + dcp_local_count(first, r, n), cols + dcp_local_count(q + 1, r, n));
       }
       const auto count = static_cast<int32_t>(keys.size());
       if (count == 0) continue;
-      const int entry_row = scratch_rows_[scratch++];
+      const int entry_row = part.scratch_rows[scratch++];
       pool.write(entry_row, 0, keys);
       req_rows.push_back(entry_row);
       seq_lens.push_back(count);
       write_slots.push_back(column[t] >= 0 ? cols[column[t]] : 0);
-      rows_.push_back(layout.query_start[i] + t);
+      part.rows.push_back(layout.query_start[i] + t);
     }
   }
-  num_tokens_ = layout.num_tokens;
-  if (rows_.empty()) {
-    rank_batch_ = make_idle_batch();
+  if (part.rows.empty()) {
+    part.batch = make_idle_batch();
   } else {
-    rank_batch_ = make_decode_batch(req_rows, seq_lens);
-    rank_batch_.out_cache_loc = std::move(write_slots);
-    rank_batch_.dcp_partial = true;
+    part.batch = make_decode_batch(req_rows, seq_lens);
+    part.batch.out_cache_loc = std::move(write_slots);
+    part.batch.dcp_partial = true;
   }
-  runtime_->begin_step(rank_batch_);
-  in_step_ = true;
+  part.runtime->begin_step(part.batch);
 }
 
 void DcpRank::forward(int layer_id, const AttnArgs& args) {
   ATTNRT_CHECK(in_step_, "DcpRank {}: forward(layer {}) outside a step; call begin_step first",
                rank_, layer_id);
   const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
+  const auto [part, local_id] = part_of(layer_id);
+  const std::vector<int64_t>& rows_ = part->rows;
   const int hq = layer.num_q_heads, dv = v_dim_of(layer), n = size_;
   const int64_t T = num_tokens_, rows = static_cast<int64_t>(rows_.size());
   const int64_t packed = dv + 1;
@@ -294,7 +338,7 @@ void DcpRank::forward(int layer_id, const AttnArgs& args) {
     a.out = TensorView(out_.data(), DType::f32, {rows, hq, dv});
     a.lse = TensorView(lse_.data(), DType::f32, {rows, hq});
     a.save_kv = args.save_kv;
-    runtime_->forward(layer_id, a);
+    part->runtime->forward(local_id, a);
   }
   std::vector<int64_t> entry(T, -1);
   for (int64_t e = 0; e < rows; ++e) entry[rows_[e]] = e;
@@ -360,7 +404,7 @@ void DcpRank::commit_verify(const ForwardBatch& batch,
                accepted.size(), batch.batch_size);
   const SpecInfo& spec = *batch.spec_info;
   const int N = spec.draft_token_num, n = size_, r = rank_;
-  std::vector<std::pair<int64_t, int64_t>> moves;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> moves(parts_.size());
   for (int i = 0; i < batch.batch_size; ++i) {
     const std::vector<int32_t>& path = accepted[i];
     const int32_t* parents = spec.parents.data() + static_cast<size_t>(i) * N;
@@ -374,7 +418,7 @@ void DcpRank::commit_verify(const ForwardBatch& batch,
                  i, fmt::join(path, ", "));
     const int row = static_cast<int>(batch.req_pool_indices[i]);
     const int32_t s = batch.seq_lens[i], lp = dcp_local_count(s, r, n);
-    std::vector<int32_t>& cols = local_[row];
+    std::vector<int32_t>& cols = parts_[0].local[row];
     // The columns this rank gave the block's tokens (begin_step: after the prefix, block order).
     std::vector<int32_t> column(N, -1);
     int32_t next = lp;
@@ -386,21 +430,28 @@ void DcpRank::commit_verify(const ForwardBatch& batch,
                  "verify step left {}: commit right after the verify step",
                  i, row, cols.size(), r, next);
     // The accepted node at depth k goes to the column of position s + k on its owner.
-    int32_t keep = lp;
-    for (size_t k = 0; k < path.size(); ++k) {
-      if ((s + static_cast<int64_t>(k)) % n != r) continue;
-      if (column[path[k]] != keep) moves.emplace_back(cols[column[path[k]]], cols[keep]);
-      ++keep;
+    for (size_t p = 0; p < parts_.size(); ++p) {
+      const std::vector<int32_t>& pc = parts_[p].local[row];
+      int32_t keep = lp;
+      for (size_t k = 0; k < path.size(); ++k) {
+        if ((s + static_cast<int64_t>(k)) % n != r) continue;
+        if (column[path[k]] != keep) moves[p].emplace_back(pc[column[path[k]]], pc[keep]);
+        ++keep;
+      }
     }
   }
-  if (moves.empty()) return;
-  std::vector<int> layers;
-  for (const LayerSpec& l : model_.layers) layers.push_back(l.layer_id);
-  runtime_->kv_cache().copy_rows(layers, moves);
+  for (size_t p = 0; p < parts_.size(); ++p) {
+    if (moves[p].empty()) continue;
+    std::vector<int> layers(parts_[p].layer_ids.size());
+    for (size_t id = 0; id < layers.size(); ++id) layers[id] = static_cast<int>(id);
+    parts_[p].runtime->kv_cache().copy_rows(layers, moves[p]);
+  }
 }
 
 void DcpRank::end_step() {
-  if (in_step_) runtime_->end_step();
+  if (in_step_) {
+    for (Part& p : parts_) p.runtime->end_step();
+  }
   in_step_ = false;
 }
 
@@ -435,7 +486,7 @@ void DcpAttention::free_request(int row) {
 }
 
 void DcpAttention::set_kv_scales(int layer_id, float k_scale, float v_scale) {
-  for (auto& r : ranks_) r->runtime().kv_cache().set_kv_scales(layer_id, k_scale, v_scale);
+  for (auto& r : ranks_) r->set_kv_scales(layer_id, k_scale, v_scale);
 }
 
 void DcpAttention::begin_step(const ForwardBatch& batch) {

@@ -32,8 +32,8 @@ inline int dcp_head_begin(int d, int num_q_heads, int n) {
 }
 
 // Throws attnrt::Error when options.dcp_size is out of range or a layer of the model cannot be
-// split by context (sliding window, non-causal, DSA indexer, linear attention), naming the layer,
-// the value and what is allowed. dcp_size 1 accepts every model.
+// split by context (non-causal, DSA indexer, linear attention), naming the layer, the value and
+// what is allowed. dcp_size 1 accepts every model.
 void validate_dcp(const ModelSpec& model, const Options& options);
 
 // The exact merge of one (row, head): parts[r] = rank r's packed partial [dv outputs | lse], in
@@ -53,9 +53,13 @@ class DcpRank {
 
   int rank() const { return rank_; }
   int size() const { return size_; }
-  AttentionRuntime& runtime() { return *runtime_; }
-  // The local slots of request row `row` on this rank, in column order.
-  const std::vector<int32_t>& local_row(int row) const { return local_[row]; }
+  // The rank's runtimes, one per sliding window of the model's layers (in the order the layers
+  // first use them): a step's key lists differ between windows. local_row: the slots of request row
+  // `row` in part `part`'s pool, in column order.
+  int num_parts() const { return static_cast<int>(parts_.size()); }
+  AttentionRuntime& runtime(int part = 0);
+  const std::vector<int32_t>& local_row(int row, int part = 0) const;
+  void set_kv_scales(int layer_id, float k_scale, float v_scale);
   // Releases the request's slots on this rank; the row starts empty again.
   void free_request(int row);
 
@@ -79,12 +83,19 @@ class DcpRank {
   int rank_, size_;
   ModelSpec model_;  // the global model (with sinks)
   Communicator* comm_;
-  std::unique_ptr<AttentionRuntime> runtime_;
-  std::vector<std::vector<int32_t>> local_;  // per request row: the slots of the rank's columns
-  std::vector<int> scratch_rows_;            // key lists of the step's query rows
-  // The step.
-  ForwardBatch rank_batch_;
-  std::vector<int64_t> rows_;  // global query row of each rank-batch entry
+  // The layers of one sliding window (-1: none) on this rank, with a runtime of their own.
+  struct Part {
+    int window = -1;
+    std::vector<int> layer_ids;  // the model's ids; the part's runtime numbers them 0, 1, ...
+    std::unique_ptr<AttentionRuntime> runtime;
+    std::vector<std::vector<int32_t>> local;  // per request row: the slots of its columns
+    std::vector<int> scratch_rows;            // key lists of the step's query rows
+    ForwardBatch batch;                       // the step's decode-shaped entries
+    std::vector<int64_t> rows;                // global query row of each entry
+  };
+  std::vector<Part> parts_;
+  std::pair<Part*, int> part_of(int layer_id);  // the part and the layer's id in its runtime
+  void begin_part(Part& part, const ForwardBatch& batch, const StepLayout& layout);
   int64_t num_tokens_ = 0;
   bool in_step_ = false;
   // Per layer call: gathered inputs, the partial, the packed send / recv buffers.
