@@ -534,6 +534,11 @@ TEST(Dcp, MisuseIsAnError) {
   ForwardBatch b = make_decode_batch({row}, {5});
   b.out_cache_loc.assign(1, 0);
   test::expect_error([&] { g.begin_step(b); }, {"prefix of 4 tokens", "rank 0 holds 0 of its 2"});
+  // An IDLE step does nothing, even without tensors.
+  const ForwardBatch idle = make_idle_batch();
+  g.begin_step(idle);
+  g.forward(0, AttnArgs{});
+  g.end_step();
   test::expect_error(
       [&] {
         HostBuffer q(DType::f32, {1, 6, 16});

@@ -321,18 +321,18 @@ void DcpRank::forward(int layer_id, const AttnArgs& args) {
                rank_, layer_id);
   const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
   const auto [part, local_id] = part_of(layer_id);
-  const std::vector<int64_t>& rows_ = part->rows;
+  const std::vector<int64_t>& entries = part->rows;
   const int hq = layer.num_q_heads, dv = v_dim_of(layer), n = size_;
-  const int64_t T = num_tokens_, rows = static_cast<int64_t>(rows_.size());
+  const int64_t T = num_tokens_, rows = static_cast<int64_t>(entries.size());
   const int64_t packed = dv + 1;
 
   // The partial of every row this rank sees; rows it does not see stay (0, -inf).
   send_.assign(static_cast<size_t>(T * hq * packed), 0.f);
   if (rows > 0) {
     AttnArgs a;
-    a.q = gather_rows(args.q, rows_, q_);
-    if (!args.k.empty()) a.k = gather_rows(args.k, rows_, k_);
-    if (!args.v.empty() && layer.kind != LayerKind::mla) a.v = gather_rows(args.v, rows_, v_);
+    a.q = gather_rows(args.q, entries, q_);
+    if (!args.k.empty()) a.k = gather_rows(args.k, entries, k_);
+    if (!args.v.empty() && layer.kind != LayerKind::mla) a.v = gather_rows(args.v, entries, v_);
     out_.resize(static_cast<size_t>(rows * hq * dv));
     lse_.resize(static_cast<size_t>(rows * hq));
     a.out = TensorView(out_.data(), DType::f32, {rows, hq, dv});
@@ -341,7 +341,7 @@ void DcpRank::forward(int layer_id, const AttnArgs& args) {
     part->runtime->forward(local_id, a);
   }
   std::vector<int64_t> entry(T, -1);
-  for (int64_t e = 0; e < rows; ++e) entry[rows_[e]] = e;
+  for (int64_t e = 0; e < rows; ++e) entry[entries[e]] = e;
   std::vector<int64_t> send_counts(n), recv_counts(n);
   const int mine = dcp_head_begin(rank_ + 1, hq, n) - dcp_head_begin(rank_, hq, n);
   int64_t block = 0;
@@ -504,11 +504,11 @@ void DcpAttention::begin_step(const ForwardBatch& batch) {
 
 void DcpAttention::forward(int layer_id, const AttnArgs& args) {
   ATTNRT_CHECK(batch_ != nullptr,
-               "DcpAttention: forward(layer {}) outside a step; call "
-               "begin_step(batch) first",
+               "DcpAttention: forward(layer {}) outside a step; call begin_step(batch) first",
                layer_id);
   const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
   const int64_t T = batch_->num_tokens();
+  if (T == 0) return;  // IDLE (or no tokens): nothing to attend, the pools untouched
   const int hq = layer.num_q_heads, hkv = layer.num_kv_heads, dv = v_dim_of(layer);
   check_global_tensor("q", args.q, T, hq, layer.head_dim);
   check_global_tensor("out", args.out, T, hq, dv);
