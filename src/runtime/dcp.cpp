@@ -457,7 +457,7 @@ void DcpRank::end_step() {
 
 // ---------------------------------------------------------------------------------------------
 
-DcpAttention::DcpAttention(ModelSpec model, Options options, RuntimeConfig config)
+DcpAttention::DcpAttention(ModelSpec model, Options options, const RuntimeConfig& config)
     : model_(std::move(model)), options_(std::move(options)) {
   validate_dcp(model_, options_);
   max_context_len_ = config.max_context_len > 0 ? config.max_context_len : model_.max_context_len;

@@ -105,7 +105,7 @@ class DcpRank {
 class DcpAttention {
  public:
   // options.dcp_size ranks (validate_dcp), each a DcpRank with `config`.
-  DcpAttention(ModelSpec model, Options options, RuntimeConfig config = {});
+  DcpAttention(ModelSpec model, Options options, const RuntimeConfig& config = {});
 
   int size() const { return static_cast<int>(ranks_.size()); }
   const ModelSpec& model() const { return model_; }
