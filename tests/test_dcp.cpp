@@ -247,7 +247,7 @@ TEST_P(DcpMatchesOneRuntime, ExtendOverAPrefixThenDecode) {
   for (const ModelSpec& model : {gqa_model(), mla_model()}) {
     DcpHarness h(model, GetParam(), seed_);
     const auto rows = h.alloc_requests(h.rand_int(1, 4));
-    std::vector<int32_t> prefix = h.fill(rows, 40);
+    std::vector<int32_t> prefix = h.fill(rows, 70);
     std::vector<int32_t> ext, seq;
     for (size_t i = 0; i < rows.size(); ++i) ext.push_back(h.rand_int(1, 19));
     h.run_and_compare(make_extend_batch(rows, prefix, ext), model.name + " extend");
@@ -271,7 +271,7 @@ TEST_P(DcpMatchesOneRuntime, ChainVerifyThenDecodeAfterAcceptance) {
   for (const ModelSpec& model : {gqa_model(), mla_model()}) {
     DcpHarness h(model, GetParam(), seed_);
     const auto rows = h.alloc_requests(h.rand_int(1, 4));
-    std::vector<int32_t> prefix = h.fill(rows, 40);
+    std::vector<int32_t> prefix = h.fill(rows, 70);
     const int n = 5;
     h.run_and_compare(
         make_verify_batch(rows, prefix, SpecInfo::chain(static_cast<int>(rows.size()), n)),
@@ -288,7 +288,7 @@ TEST_P(DcpMatchesOneRuntime, TreeVerifyThenDecodeAfterCommit) {
   for (const ModelSpec& model : {gqa_model(), mla_model()}) {
     DcpHarness h(model, GetParam(), seed_, /*tree=*/true);
     const auto rows = h.alloc_requests(h.rand_int(1, 4));
-    std::vector<int32_t> prefix = h.fill(rows, 40);
+    std::vector<int32_t> prefix = h.fill(rows, 70);
     const int n = 6;
     SpecInfo spec;
     spec.draft_token_num = n;

@@ -92,7 +92,8 @@ float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float
     return kNegInf;
   }
   double den = sink ? std::exp(double{*sink} - m) : 0.0;
-  std::vector<double> acc(dv, 0.0);
+  thread_local std::vector<double> acc;
+  acc.assign(dv, 0.0);
   for (const float* p : parts) {
     if (p[dv] == kNegInf) continue;
     const double w = std::exp(double{p[dv]} - m);
