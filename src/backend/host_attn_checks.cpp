@@ -121,6 +121,7 @@ const int32_t* checked_request_row(std::string_view backend, const BackendContex
   const int32_t* slots = pool.row_ptr(static_cast<int>(row));
   for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
     const int64_t q = layout.query_start[i] + t;
+    if (batch.dcp_partial && batch.out_cache_loc[q] == 0) continue;  // a query that is no key here
     ATTNRT_CHECK(slots[prefix + t] == batch.out_cache_loc[q],
                  "{} backend: req_to_token[{}, {}] = {} but out_cache_loc[{}] = {} (request {}, "
                  "new token {}); write the step's slots into the request row before the forward",

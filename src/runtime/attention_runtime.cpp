@@ -116,6 +116,10 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
     : model_(std::move(model)), options_(std::move(options)), config_(config) {
   model_.validate();
   check_config(config_);
+  ATTNRT_CHECK(options_.dcp_size == 1,
+               "Options.dcp_size = {}: one AttentionRuntime is one rank; a group of {} ranks is a "
+               "DcpAttention (docs/dcp.md)",
+               options_.dcp_size, options_.dcp_size);
   selection_ = resolve_backends(options_, model_);
   for (const std::string& w : selection_.warnings) fmt::print(stderr, "attnrt: warning: {}\n", w);
 

@@ -153,6 +153,11 @@ void add_run_command(CLI::App& app) {
                   "JSON-lines trace, one request per line (docs/trace.md); default: the built-in "
                   "trace of 34 requests");
   add_backend_options(*cmd, args->options);
+  cmd->add_option("--dcp-size", args->options.dcp_size,
+                  "Decode context parallelism (docs/dcp.md): the target's attention layers also "
+                  "run on N simulated ranks (host backends), each holding every N-th token, and "
+                  "are compared with the single runtime; 1 = off")
+      ->capture_default_str();
   auto* sched = "Scheduler";
   cmd->add_option("--max-running-requests", args->config.scheduler.max_running_requests,
                   "Requests admitted at once (request rows)")

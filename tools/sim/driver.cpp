@@ -22,6 +22,7 @@
 #include "attnrt/runtime/attention_runtime.h"
 #include "tools/sim/case_dumper.h"
 #include "tools/sim/checker.h"
+#include "tools/sim/dcp_shadow.h"
 #include "tools/sim/step_inputs.h"
 
 namespace attnrt::sim {
@@ -269,6 +270,8 @@ class StepDriver {
   void release_states(Engine& e, const Scheduler& sched, bool verified);
 
   std::vector<ModeStats> stats() const;
+  // --dcp-size: the target's attention layers also run on this group and are compared.
+  void set_dcp(DcpShadow* dcp) { dcp_ = dcp; }
 
  private:
   // What one running step needs from layer to layer.
@@ -316,6 +319,7 @@ class StepDriver {
   std::map<int, LinearWeights> linear_weights_;
   std::map<std::pair<int, int>, MlaWeights> mla_weights_;  // (role, layer) -> W_UK, W_UV
   std::map<std::pair<int, int>, ModeStats> stats_;  // (role, mode) -> stats
+  DcpShadow* dcp_ = nullptr;
 };
 
 StepDriver::StepDriver(const ModelSpec& model, int check_every, CheckRows check_rows, int64_t rows,
@@ -454,6 +458,7 @@ void StepDriver::run(const ScheduledStep& step) {
     const Clock::time_point t0 = Clock::now();
     e.runtime->begin_step(batch);
     elapsed += seconds_since(t0);
+    if (dcp_ != nullptr && &e == &target_) dcp_->begin_step(batch);
   }
   if (check) {
     if (e.mirror) e.mirror->begin_step(batch);
@@ -608,11 +613,15 @@ double StepDriver::run_eager(Step& s) {
     const Clock::time_point t0 = Clock::now();
     e.runtime->forward(layer.layer_id, args);
     elapsed += seconds_since(t0);
+    if (dcp_ != nullptr && &e == &target_ && dcp_->splits(layer.layer_id)) {
+      dcp_->forward(s.site(layer), args);
+    }
     finish_attention(s, layer, args);
   }
   const Clock::time_point t0 = Clock::now();
   e.runtime->end_step();
   elapsed += seconds_since(t0);
+  if (dcp_ != nullptr && &e == &target_) dcp_->end_step();
   return elapsed;
 }
 
@@ -639,6 +648,9 @@ void StepDriver::run_mla_mha(Step& s, const LayerSpec& layer, double& elapsed) {
                                               .out = out.view(), .lse = lse.view(),
                                               .latent = latent.view()});
   elapsed += seconds_since(t0);
+  if (dcp_ != nullptr && &e == &target_ && dcp_->splits(layer.layer_id)) {
+    dcp_->store_latent(s.site(layer), latent.view());
+  }
   const PrefixChunkPlan& plan = e.runtime->prefix_chunk_plan();
   for (int c = 0; c < plan.num_chunks(); ++c) {
     const int64_t n = plan.chunks[c].num_tokens;
@@ -784,13 +796,35 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   ATTNRT_CHECK(config.check_every >= 0, "--check-every = {}; must be >= 0 (0 = no checking)",
                config.check_every);
   std::vector<std::string> notes;
-  const Options options = complete_spec_options(options_in);
+  // --dcp-size N: the runtimes stay single ranks; a DcpShadow runs the N simulated ranks.
+  const int dcp_size = options_in.dcp_size;
+  Options options = complete_spec_options(options_in);
+  options.dcp_size = 1;
+  if (dcp_size != 1) {
+    Options o = options;
+    o.dcp_size = dcp_size;
+    validate_dcp(ModelSpec{}, o);
+  }
   const bool on_host =
       config.layers < 0 && kv_pool_device(resolve_backends(options, model_in)) == DeviceKind::cpu;
   const ModelSpec model = layers_to_run(model_in, config.layers, on_host, notes);
   const bool hybrid = model.has_linear_layers();
   Trace trace = trace_in;
   if (hybrid) drop_shared_prefixes(trace, notes);
+  if (dcp_size > 1) {
+    int stripped = 0;
+    for (TraceRequest& r : trace.requests) {
+      stripped += r.shared_prefix.empty() ? 0 : 1;
+      r.shared_prefix.clear();
+      r.shared_prefix_len = 0;
+    }
+    if (stripped > 0) {
+      notes.push_back(
+          fmt::format("shared prefixes: not reused ({} requests prefill them "
+                      "themselves): the DCP ranks keep each request's tokens apart",
+                      stripped));
+    }
+  }
   SchedulerConfig sc = config.scheduler;
   sc.page_size = options.page_size;
   sc.seed = config.seed;
@@ -849,6 +883,19 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   CaseDumper dumper(rc.dump_step, rc.dump_dir);
   StepDriver driver(model, rc.check_every, rc.check_rows, std::max(max_tokens, 1), config.seed,
                     target, draft ? &*draft : nullptr, dumper, options);
+  std::unique_ptr<DcpShadow> dcp;
+  if (dcp_size > 1) {
+    Options o = options;
+    o.dcp_size = dcp_size;
+    RuntimeConfig dc;
+    dc.max_requests = sc.max_running_requests;
+    dc.kv_slots = config.max_total_tokens;
+    dc.max_num_tokens = std::max(max_tokens, 1);
+    dc.max_context_len = context;
+    dc.cuda_graphs = false;
+    dcp = std::make_unique<DcpShadow>(model, o, dc, rep.tolerance, failures);
+    driver.set_dcp(dcp.get());
+  }
   int64_t tokens_done = 0;
   while (!sched.done()) {
     const ScheduledStep& step = sched.next();
@@ -859,7 +906,10 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
     const ForwardMode mode = step.batch.mode;
     const ModelRole role = step.role;
     const int done_steps = step.index + 1;
+    std::optional<ForwardBatch> verified;
+    if (dcp && role == ModelRole::target && is_target_verify(mode)) verified = step.batch;
     sched.complete();
+    if (verified) dcp->commit_verify(*verified, sched.last_accepted_paths());
     if (e.runtime->has_linear_layers()) driver.release_states(e, sched, is_target_verify(mode));
     if (progress) {
       Progress p;
@@ -874,6 +924,9 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   }
 
   rep.modes = driver.stats();
+  if (dcp) {
+    for (std::string& n : dcp->notes()) rep.notes.push_back(std::move(n));
+  }
   rep.failures = failures.listed();
   rep.failure_count = failures.count();
   for (Engine* e : {&target, draft ? &*draft : nullptr}) {

@@ -26,6 +26,9 @@ struct Options {
   std::string linear_attn_decode_backend;
   int num_threads = 0;                    // cpu backends; 0 = ATTNRT_NUM_THREADS or all cores
   bool deterministic = false;             // fixed split sizes: batch-invariant results
+  // Decode context parallelism (docs/dcp.md): ranks that each hold 1/dcp_size of every request's
+  // KV cache. One AttentionRuntime is one rank (1); a DcpAttention holds dcp_size of them.
+  int dcp_size = 1;
   // MLA extend in the MHA form with a chunked prefix (docs/mla.md). An EXTEND / MIXED step runs
   // MLA layers in the MHA form when its prefixes sum to 0, or to at least
   // chunked_prefix_cache_threshold while disable_chunked_prefix_cache is off; else absorbed.

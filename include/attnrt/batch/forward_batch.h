@@ -47,6 +47,11 @@ struct ForwardBatch {
   std::vector<int64_t> out_cache_loc;      // [T] full-pool slot of each query token's K/V
   std::vector<int64_t> positions;          // [T]
   std::optional<SpecInfo> spec_info;
+  // A rank's batch under decode context parallelism (docs/dcp.md; DECODE): a row whose
+  // out_cache_loc is the dummy slot 0 is a query that is not a key of this rank; it attends
+  // req_to_token[row, 0 : seq_len) as written, without its own token. Every other row still has
+  // its own slot as the last key of its row.
+  bool dcp_partial = false;
 
   int64_t num_tokens() const { return static_cast<int64_t>(out_cache_loc.size()); }
   int64_t seq_lens_sum() const;

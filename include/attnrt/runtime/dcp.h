@@ -1,0 +1,146 @@
+// Decode context parallelism (docs/dcp.md): token g of a request lives on rank g mod n; each rank
+// attends its share, the partials (output | lse) are exchanged by one all-to-all per layer and
+// merged exactly, in rank order.
+//   DcpRank       one rank: its AttentionRuntime, its batch derived from the global one, its
+//   partial
+//                 and its merge (the unit a process per GPU would hold)
+//   DcpAttention  n simulated ranks in one process over an InProcessCommunicator, with the
+//                 interface of one runtime: begin_step(global batch), forward(layer, args),
+//                 end_step
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "attnrt/runtime/attention_runtime.h"
+#include "attnrt/runtime/communicator.h"
+
+namespace attnrt {
+
+inline constexpr int kMaxDcpSize = 64;
+
+// Of a request's first x tokens, how many rank r of n holds.
+inline int32_t dcp_local_count(int64_t x, int r, int n) {
+  return static_cast<int32_t>((x + n - 1 - r) / n);
+}
+// Rank d of n merges q heads [dcp_head_begin(d), dcp_head_begin(d + 1)).
+inline int dcp_head_begin(int d, int num_q_heads, int n) {
+  return static_cast<int>(int64_t{d} * num_q_heads / n);
+}
+
+// Throws attnrt::Error when options.dcp_size is out of range or a layer of the model cannot be
+// split by context (non-causal, DSA indexer, linear attention), naming the layer, the value and
+// what is allowed. dcp_size 1 accepts every model.
+void validate_dcp(const ModelSpec& model, const Options& options);
+
+// The exact merge of one (row, head): parts[r] = rank r's packed partial [dv outputs | lse], in
+// rank order; sink = the layer's sink logit of the head, if any. Writes the merged output to out[0,
+// dv) and returns the merged lse. Ranks with lse = -inf contribute nothing; when every part is
+// empty (and no sink) the output is 0 and the lse -inf.
+float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float> sink, float* out);
+
+class DcpRank {
+ public:
+  // The rank's runtime is built from `model` without sinks (they are added in the merge), with
+  // `options` (dcp_size = 1 on the rank) and `config` per rank; its req_to_token has
+  // max_num_tokens key-list rows (one per query row of a step), max_context_len / n (+ the verify
+  // block) wide.
+  DcpRank(int rank, const ModelSpec& model, const Options& options, const RuntimeConfig& config,
+          Communicator& comm);
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  // The rank's runtimes, one per sliding window of the model's layers (in the order the layers
+  // first use them): a step's key lists differ between windows. local_row: the slots of request row
+  // `row` in part `part`'s pool, in column order.
+  int num_parts() const { return static_cast<int>(parts_.size()); }
+  AttentionRuntime& runtime(int part = 0);
+  const std::vector<int32_t>& local_row(int row, int part = 0) const;
+  void set_kv_scales(int layer_id, float k_scale, float v_scale);
+  // Releases the request's slots on this rank; the row starts empty again.
+  void free_request(int row);
+
+  // The errors begin_step would give, before anything changes: rows of the group, the prefix
+  // stored, the step within max_num_tokens.
+  void check_step(const ForwardBatch& batch, const StepLayout& layout) const;
+  // Derives the rank's batch from the global one (docs/dcp.md), allocates the local slots of the
+  // tokens this rank owns and begins the rank runtime's step. `batch` must outlive end_step.
+  void begin_step(const ForwardBatch& batch);
+  // The rank's partial of layer `layer_id` for every global row (q, k, v of the global step; the
+  // rank stores the k/v of the tokens it owns), packed and handed to the all-to-all.
+  void forward(int layer_id, const AttnArgs& args);
+  // After the all-to-all has completed on every rank: the merged rows of this rank's heads, written
+  // into args.out (and args.lse when given) at those heads; other heads are not touched.
+  void merge(int layer_id, const AttnArgs& args);
+  void end_step();
+  // See DcpAttention::commit_verify.
+  void commit_verify(const ForwardBatch& batch, std::span<const std::vector<int32_t>> accepted);
+
+ private:
+  int rank_, size_;
+  ModelSpec model_;  // the global model (with sinks)
+  Communicator* comm_;
+  // The layers of one sliding window (-1: none) on this rank, with a runtime of their own.
+  struct Part {
+    int window = -1;
+    std::vector<int> layer_ids;  // the model's ids; the part's runtime numbers them 0, 1, ...
+    std::unique_ptr<AttentionRuntime> runtime;
+    std::vector<std::vector<int32_t>> local;  // per request row: the slots of its columns
+    std::vector<int> scratch_rows;            // key lists of the step's query rows
+    ForwardBatch batch;                       // the step's decode-shaped entries
+    std::vector<int64_t> rows;                // global query row of each entry
+  };
+  std::vector<Part> parts_;
+  std::pair<Part*, int> part_of(int layer_id);  // the part and the layer's id in its runtime
+  void begin_part(Part& part, const ForwardBatch& batch, const StepLayout& layout);
+  int64_t num_tokens_ = 0;
+  bool in_step_ = false;
+  // Per layer call: gathered inputs, the partial, the packed send / recv buffers.
+  std::vector<float> q_, k_, v_, out_, lse_, send_, recv_;
+};
+
+class DcpAttention {
+ public:
+  // options.dcp_size ranks (validate_dcp), each a DcpRank with `config`.
+  DcpAttention(ModelSpec model, Options options, const RuntimeConfig& config = {});
+
+  int size() const { return static_cast<int>(ranks_.size()); }
+  const ModelSpec& model() const { return model_; }
+  const Options& options() const { return options_; }
+  DcpRank& rank(int r);
+  Communicator& communicator() { return *comm_; }
+
+  // Request rows are the engine's ids in [0, config.max_requests) (e.g. its own req_to_token
+  // rows); a row starts empty, steps store its tokens, free_request releases them on every rank
+  // when the request ends.
+  void free_request(int row);
+  // fp8 scales of a layer, on every rank.
+  void set_kv_scales(int layer_id, float k_scale, float v_scale);
+
+  // The global batch as one runtime would take it; its out_cache_loc values are not read (the
+  // group allocates each new token's slot on its owner), its length must be the step's tokens.
+  void begin_step(const ForwardBatch& batch);
+  // q, k, v, out (and optionally lse) as for one runtime (host tensors, any float dtype; MLA:
+  // the absorbed form).
+  void forward(int layer_id, const AttnArgs& args);
+  void end_step();
+  // After a TARGET_VERIFY step, before the next begin_step: request i of `batch` (that step)
+  // keeps the block tokens accepted[i] (block indices by depth, the root 0 first); the one at
+  // depth k is moved to the column of position seq_len + k on its owner (KV rows copied, as
+  // one runtime's engine compacts a tree path). The next step's lengths then release the rest.
+  // A chain needs no commit. Throws attnrt::Error for a path that is not one of the tree.
+  void commit_verify(const ForwardBatch& batch, std::span<const std::vector<int32_t>> accepted);
+
+ private:
+  ModelSpec model_;
+  Options options_;
+  std::unique_ptr<Communicator> comm_;
+  std::vector<std::unique_ptr<DcpRank>> ranks_;
+  int max_context_len_ = 0;
+  const ForwardBatch* batch_ = nullptr;
+};
+
+}  // namespace attnrt

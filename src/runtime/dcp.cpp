@@ -1,0 +1,546 @@
+#include "attnrt/runtime/dcp.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "attnrt/core/error.h"
+
+namespace attnrt {
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+int v_dim_of(const LayerSpec& l) { return l.v_head_dim > 0 ? l.v_head_dim : l.head_dim; }
+
+const LayerSpec& layer_by_id(const ModelSpec& model, int layer_id, const char* what) {
+  for (const LayerSpec& l : model.layers) {
+    if (l.layer_id == layer_id) return l;
+  }
+  fail("{}: model '{}' has no layer {}", what, model.name, layer_id);
+}
+
+// Rows `rows` of a [T, H, D] host tensor (any float dtype and strides) as contiguous fp32.
+TensorView gather_rows(const TensorView& src, std::span<const int64_t> rows,
+                       std::vector<float>& buf) {
+  const int64_t h = src.shape[1], d = src.shape[2];
+  buf.resize(std::max<size_t>(1, rows.size() * h * d));
+  size_t at = 0;
+  for (const int64_t row : rows) {
+    for (int64_t i = 0; i < h; ++i) {
+      for (int64_t j = 0; j < d; ++j) {
+        buf[at++] = load_as_float(
+            src.data, src.dtype,
+            static_cast<size_t>(row * src.strides[0] + i * src.strides[1] + j * src.strides[2]));
+      }
+    }
+  }
+  return TensorView(buf.data(), DType::f32, {static_cast<int64_t>(rows.size()), h, d});
+}
+
+void check_global_tensor(const char* what, const TensorView& t, int64_t d0, int64_t d1,
+                         int64_t d2) {
+  ATTNRT_CHECK(!t.empty() && t.device.kind == DeviceKind::cpu && is_float(t.dtype) && t.ndim == 3 &&
+                   t.shape[0] == d0 && t.shape[1] == d1 && t.shape[2] == d2,
+               "DcpAttention: {} is {}; expected a float host tensor [{}, {}, {}]", what,
+               t.empty() ? "empty" : t.describe(), d0, d1, d2);
+}
+
+bool is_tree(const ForwardBatch& batch) {
+  if (!is_target_verify(batch.mode) || !batch.spec_info) return false;
+  const SpecInfo& s = *batch.spec_info;
+  for (size_t k = 0; k < s.parents.size(); ++k) {
+    if (s.parents[k] != static_cast<int32_t>(k % s.draft_token_num) - 1) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void validate_dcp(const ModelSpec& model, const Options& options) {
+  const int n = options.dcp_size;
+  ATTNRT_CHECK(n >= 1 && n <= kMaxDcpSize,
+               "dcp_size = {}; it must be in [1, {}] (ranks of one decode-context-parallel group)",
+               n, kMaxDcpSize);
+  if (n == 1) return;
+  for (const LayerSpec& l : model.layers) {
+    ATTNRT_CHECK(!is_linear_kind(l.kind),
+                 "dcp_size = {}: model '{}' layer {} is a {} layer; linear-attention state is "
+                 "not split by context. DCP serves full and mla layers (use dcp_size 1)",
+                 n, model.name, l.layer_id, layer_kind_name(l.kind));
+    ATTNRT_CHECK(l.causal(),
+                 "dcp_size = {}: model '{}' layer {} is not causal; DCP splits causal attention "
+                 "only (use dcp_size 1)",
+                 n, model.name, l.layer_id);
+    ATTNRT_CHECK(!l.has_indexer(),
+                 "dcp_size = {}: model '{}' layer {} is a DSA layer (index_topk {}); its top-k "
+                 "selection over all keys does not decompose by rank (use dcp_size 1)",
+                 n, model.name, l.layer_id, l.indexer.index_topk);
+  }
+}
+
+float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float> sink,
+                float* out) {
+  double m = sink ? double{*sink} : -std::numeric_limits<double>::infinity();
+  for (const float* p : parts) m = std::max(m, double{p[dv]});
+  if (m == -std::numeric_limits<double>::infinity()) {
+    std::fill_n(out, dv, 0.f);
+    return kNegInf;
+  }
+  double den = sink ? std::exp(double{*sink} - m) : 0.0;
+  thread_local std::vector<double> acc;
+  acc.assign(dv, 0.0);
+  for (const float* p : parts) {
+    if (p[dv] == kNegInf) continue;
+    const double w = std::exp(double{p[dv]} - m);
+    den += w;
+    for (int d = 0; d < dv; ++d) acc[d] += w * p[d];
+  }
+  for (int d = 0; d < dv; ++d) out[d] = static_cast<float>(acc[d] / den);
+  return static_cast<float>(m + std::log(den));
+}
+
+// ---------------------------------------------------------------------------------------------
+
+DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
+                 const RuntimeConfig& config, Communicator& comm)
+    : rank_(rank), size_(options.dcp_size), model_(model), comm_(&comm) {
+  ATTNRT_CHECK(rank >= 0 && rank < size_, "DcpRank: rank {}; the group has ranks 0..{}", rank,
+               size_ - 1);
+  ATTNRT_CHECK(comm.size() == size_, "DcpRank: the communicator has {} ranks but dcp_size is {}",
+               comm.size(), size_);
+  Options o = options;
+  o.dcp_size = 1;
+  RuntimeConfig c = config;
+  const int context = config.max_context_len > 0 ? config.max_context_len : model.max_context_len;
+  const int block = std::max(options.speculative_num_draft_tokens, 0);
+  c.max_context_len = std::min(context, dcp_local_count(context, 0, size_) + block);
+  // A part's req_to_token holds the key lists of a step's query rows (one row each, taken once
+  // here); the requests' own compacted columns are Part::local.
+  c.max_requests = config.max_num_tokens;
+  for (const LayerSpec& l : model.layers) {
+    auto it = std::find_if(parts_.begin(), parts_.end(),
+                           [&](const Part& p) { return p.window == l.sliding_window; });
+    if (it == parts_.end()) {
+      parts_.emplace_back();
+      it = parts_.end() - 1;
+      it->window = l.sliding_window;
+    }
+    it->layer_ids.push_back(l.layer_id);
+  }
+  for (Part& p : parts_) {
+    ModelSpec m = model;
+    m.layers.clear();
+    for (const int id : p.layer_ids) {
+      m.layers.push_back(layer_by_id(model, id, "DcpRank"));
+      m.layers.back().layer_id = static_cast<int>(m.layers.size()) - 1;
+      m.layers.back().has_sinks = false;  // added once, in the merge
+    }
+    p.runtime = std::make_unique<AttentionRuntime>(std::move(m), o, c);
+    ReqToTokenPool& pool = p.runtime->req_to_token();
+    for (int r = 0; r < c.max_requests; ++r) p.scratch_rows.push_back(pool.alloc());
+    p.local.resize(config.max_requests);
+  }
+}
+
+std::pair<DcpRank::Part*, int> DcpRank::part_of(int layer_id) {
+  for (Part& p : parts_) {
+    const auto it = std::find(p.layer_ids.begin(), p.layer_ids.end(), layer_id);
+    if (it != p.layer_ids.end()) return {&p, static_cast<int>(it - p.layer_ids.begin())};
+  }
+  fail("DcpAttention: model '{}' has no layer {}", model_.name, layer_id);
+}
+
+AttentionRuntime& DcpRank::runtime(int part) { return *parts_.at(part).runtime; }
+
+const std::vector<int32_t>& DcpRank::local_row(int row, int part) const {
+  return parts_.at(part).local.at(row);
+}
+
+void DcpRank::set_kv_scales(int layer_id, float k_scale, float v_scale) {
+  const auto [part, id] = part_of(layer_id);
+  part->runtime->kv_cache().set_kv_scales(id, k_scale, v_scale);
+}
+
+void DcpRank::free_request(int row) {
+  ATTNRT_CHECK(row >= 0 && row < static_cast<int>(parts_[0].local.size()),
+               "DcpAttention::free_request: row {}; request rows are 0..{}", row,
+               parts_[0].local.size() - 1);
+  for (Part& p : parts_) {
+    std::vector<int32_t>& cols = p.local[row];
+    if (!cols.empty()) {
+      const std::vector<int64_t> slots(cols.begin(), cols.end());
+      p.runtime->allocator().free(slots);
+    }
+    cols.clear();
+  }
+}
+
+void DcpRank::check_step(const ForwardBatch& batch, const StepLayout& layout) const {
+  ATTNRT_CHECK(layout.num_tokens <= static_cast<int64_t>(parts_[0].scratch_rows.size()),
+               "DcpAttention: the step has {} tokens, more than RuntimeConfig.max_num_tokens = {}; "
+               "split the step or raise max_num_tokens",
+               layout.num_tokens, parts_[0].scratch_rows.size());
+  const auto rows = static_cast<int64_t>(parts_[0].local.size());
+  for (int i = 0; i < batch.batch_size; ++i) {
+    const int64_t row = batch.req_pool_indices[i];
+    ATTNRT_CHECK(row >= 0 && row < rows,
+                 "DcpAttention: req_pool_indices[{}] = {}; request rows are 0..{} "
+                 "(RuntimeConfig.max_requests)",
+                 i, row, rows - 1);
+    const int32_t lp = dcp_local_count(layout.prefix_lens[i], rank_, size_);
+    const auto stored = static_cast<int32_t>(parts_[0].local[row].size());
+    ATTNRT_CHECK(stored >= lp,
+                 "DcpAttention: request {} (row {}) has a prefix of {} tokens, but rank {} holds "
+                 "{} of its {}: tokens of earlier steps are missing (every token is stored by the "
+                 "step that brings it)",
+                 i, row, layout.prefix_lens[i], rank_, stored, lp);
+  }
+}
+
+void DcpRank::begin_step(const ForwardBatch& batch) {
+  in_step_ = false;
+  const StepLayout layout = make_step_layout(batch);
+  num_tokens_ = layout.num_tokens;
+  for (Part& p : parts_) begin_part(p, batch, layout);
+  in_step_ = true;
+}
+
+void DcpRank::begin_part(Part& part, const ForwardBatch& batch, const StepLayout& layout) {
+  const int n = size_, r = rank_;
+  const bool verify = is_target_verify(batch.mode);
+  const bool tree = is_tree(batch);
+  const SpecInfo* spec = verify ? &*batch.spec_info : nullptr;
+  ReqToTokenPool& pool = part.runtime->req_to_token();
+  TokenAllocator& alloc = part.runtime->allocator();
+  const int page = alloc.page_size();
+
+  // Global position of query t of request i: verify tokens by depth, everything else in order.
+  auto gpos = [&](int i, int32_t t) -> int64_t {
+    return int64_t{layout.prefix_lens[i]} + (verify ? spec->depth(i, t) : t);
+  };
+
+  // 1. Columns beyond the prefix (drafts of an earlier verify) go back, in whole pages; then the
+  //    new tokens this rank owns get slots, after the prefix, in query order.
+  std::vector<int32_t> a_prefix, a_seq;
+  std::vector<int64_t> a_last;
+  std::vector<int> a_req;
+  for (int i = 0; i < batch.batch_size; ++i) {
+    const int row = static_cast<int>(batch.req_pool_indices[i]);
+    const int32_t lp = dcp_local_count(layout.prefix_lens[i], r, n);
+    std::vector<int32_t>& cols = part.local[row];
+    if (static_cast<int32_t>(cols.size()) > lp) {
+      const int32_t keep = (lp + page - 1) / page * page;
+      if (static_cast<int32_t>(cols.size()) > keep) {
+        const std::vector<int64_t> drop(cols.begin() + keep, cols.end());
+        alloc.free(drop);
+      }
+      cols.resize(lp);
+    }
+    int32_t owned = 0;
+    for (int32_t t = 0; t < layout.query_lens[i]; ++t) owned += gpos(i, t) % n == r;
+    if (owned == 0) continue;
+    ATTNRT_CHECK(lp + owned <= pool.max_context_len(),
+                 "DcpAttention: request {} needs {} columns on rank {}; a rank's row holds {} "
+                 "(max_context_len / dcp_size + the verify block)",
+                 i, lp + owned, r, pool.max_context_len());
+    a_req.push_back(i);
+    a_prefix.push_back(lp);
+    a_seq.push_back(lp + owned);
+    a_last.push_back(lp > 0 ? cols[lp - 1] : -1);
+  }
+  const std::vector<int64_t> fresh = alloc.alloc_extend(a_prefix, a_seq, a_last);
+  size_t at = 0;
+  for (size_t k = 0; k < a_req.size(); ++k) {
+    std::vector<int32_t>& cols = part.local[batch.req_pool_indices[a_req[k]]];
+    const auto count = static_cast<size_t>(a_seq[k] - a_prefix[k]);
+    cols.insert(cols.end(), fresh.begin() + static_cast<std::ptrdiff_t>(at),
+                fresh.begin() + static_cast<std::ptrdiff_t>(at + count));
+    at += count;
+  }
+
+  // 2. One decode-shaped entry per global row that sees a key here: the causal (or tree) rule
+  //    on global positions, then the part's window [q - W, q] on them.
+  std::vector<int64_t> req_rows;
+  std::vector<int32_t> seq_lens;
+  std::vector<int64_t> write_slots;
+  part.rows.clear();
+  size_t scratch = 0;
+  std::vector<int64_t> keys;
+  const int64_t window = part.window;
+  for (int i = 0; i < batch.batch_size; ++i) {
+    const int row = static_cast<int>(batch.req_pool_indices[i]);
+    const int32_t lp = dcp_local_count(layout.prefix_lens[i], r, n);
+    const int32_t* cols = part.local[row].data();
+    const int32_t* parents =
+        tree ? spec->parents.data() + static_cast<size_t>(i) * spec->draft_token_num : nullptr;
+    // Local column of each owned query token (in query order after the prefix).
+    std::vector<int32_t> column(layout.query_lens[i], -1);
+    int32_t next = lp;
+    for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
+      if (gpos(i, t) % n == r) column[t] = next++;
+    }
+    for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
+      const int64_t q = gpos(i, t);
+      const int64_t first = window < 0 ? 0 : std::max<int64_t>(0, q - window);
+      if (tree) {
+        keys.assign(cols + std::min(lp, dcp_local_count(first, r, n)), cols + lp);
+        const size_t base = keys.size();
+        for (int32_t a = t; a >= 0; a = parents[a]) {
+          if (column[a] >= 0 && gpos(i, a) >= first) keys.push_back(cols[column[a]]);
+        }
+        std::reverse(keys.begin() + static_cast<std::ptrdiff_t>(base), keys.end());
+      } else {
+        keys.assign(cols + dcp_local_count(first, r, n), cols + dcp_local_count(q + 1, r, n));
+      }
+      const auto count = static_cast<int32_t>(keys.size());
+      if (count == 0) continue;
+      const int entry_row = part.scratch_rows[scratch++];
+      pool.write(entry_row, 0, keys);
+      req_rows.push_back(entry_row);
+      seq_lens.push_back(count);
+      write_slots.push_back(column[t] >= 0 ? cols[column[t]] : 0);
+      part.rows.push_back(layout.query_start[i] + t);
+    }
+  }
+  if (part.rows.empty()) {
+    part.batch = make_idle_batch();
+  } else {
+    part.batch = make_decode_batch(req_rows, seq_lens);
+    part.batch.out_cache_loc = std::move(write_slots);
+    part.batch.dcp_partial = true;
+  }
+  part.runtime->begin_step(part.batch);
+}
+
+void DcpRank::forward(int layer_id, const AttnArgs& args) {
+  ATTNRT_CHECK(in_step_, "DcpRank {}: forward(layer {}) outside a step; call begin_step first",
+               rank_, layer_id);
+  const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
+  const auto [part, local_id] = part_of(layer_id);
+  const std::vector<int64_t>& entries = part->rows;
+  const int hq = layer.num_q_heads, dv = v_dim_of(layer), n = size_;
+  const int64_t T = num_tokens_, rows = static_cast<int64_t>(entries.size());
+  const int64_t packed = dv + 1;
+
+  // The partial of every row this rank sees; rows it does not see stay (0, -inf).
+  send_.assign(static_cast<size_t>(T * hq * packed), 0.f);
+  if (rows > 0) {
+    AttnArgs a;
+    a.q = gather_rows(args.q, entries, q_);
+    if (!args.k.empty()) a.k = gather_rows(args.k, entries, k_);
+    if (!args.v.empty() && layer.kind != LayerKind::mla) a.v = gather_rows(args.v, entries, v_);
+    out_.resize(static_cast<size_t>(rows * hq * dv));
+    lse_.resize(static_cast<size_t>(rows * hq));
+    a.out = TensorView(out_.data(), DType::f32, {rows, hq, dv});
+    a.lse = TensorView(lse_.data(), DType::f32, {rows, hq});
+    a.save_kv = args.save_kv;
+    part->runtime->forward(local_id, a);
+  }
+  std::vector<int64_t> entry(T, -1);
+  for (int64_t e = 0; e < rows; ++e) entry[entries[e]] = e;
+  std::vector<int64_t> send_counts(n), recv_counts(n);
+  const int mine = dcp_head_begin(rank_ + 1, hq, n) - dcp_head_begin(rank_, hq, n);
+  int64_t block = 0;
+  for (int d = 0; d < n; ++d) {
+    const int h0 = dcp_head_begin(d, hq, n), h1 = dcp_head_begin(d + 1, hq, n);
+    for (int64_t t = 0; t < T; ++t) {
+      for (int h = h0; h < h1; ++h) {
+        float* dst = send_.data() + block + (t * (h1 - h0) + (h - h0)) * packed;
+        if (entry[t] < 0) {
+          dst[dv] = kNegInf;
+          continue;
+        }
+        std::copy_n(out_.data() + (entry[t] * hq + h) * dv, dv, dst);
+        dst[dv] = lse_[entry[t] * hq + h];
+      }
+    }
+    send_counts[d] = T * (h1 - h0) * packed;
+    recv_counts[d] = T * mine * packed;
+    block += send_counts[d];
+  }
+  recv_.assign(static_cast<size_t>(n * T * mine * packed), 0.f);
+  comm_->all_to_all(rank_, send_, send_counts, recv_, recv_counts);
+}
+
+void DcpRank::merge(int layer_id, const AttnArgs& args) {
+  const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
+  const int hq = layer.num_q_heads, dv = v_dim_of(layer), n = size_;
+  const int64_t T = num_tokens_, packed = dv + 1;
+  const int h0 = dcp_head_begin(rank_, hq, n), h1 = dcp_head_begin(rank_ + 1, hq, n);
+  const int64_t mine = h1 - h0, block = T * mine * packed;
+  std::vector<const float*> parts(n);
+  std::vector<float> o(dv);
+  const TensorView& out = args.out;
+  for (int64_t t = 0; t < T; ++t) {
+    for (int h = h0; h < h1; ++h) {
+      for (int s = 0; s < n; ++s)
+        parts[s] = recv_.data() + s * block + (t * mine + h - h0) * packed;
+      const std::optional<float> sink =
+          layer.has_sinks ? std::optional<float>(args.sinks[h]) : std::nullopt;
+      const float lse = dcp_merge(parts, dv, sink, o.data());
+      for (int d = 0; d < dv; ++d) {
+        store_from_float(
+            out.data, out.dtype,
+            static_cast<size_t>(t * out.strides[0] + h * out.strides[1] + d * out.strides[2]),
+            o[d]);
+      }
+      if (!args.lse.empty())
+        args.lse.ptr<float>()[t * args.lse.strides[0] + h * args.lse.strides[1]] = lse;
+    }
+  }
+}
+
+void DcpRank::commit_verify(const ForwardBatch& batch,
+                            std::span<const std::vector<int32_t>> accepted) {
+  ATTNRT_CHECK(is_target_verify(batch.mode) && batch.spec_info.has_value(),
+               "DcpAttention::commit_verify: the batch is {}; pass the TARGET_VERIFY step that ran",
+               forward_mode_name(batch.mode));
+  ATTNRT_CHECK(accepted.size() == static_cast<size_t>(batch.batch_size),
+               "DcpAttention::commit_verify: {} accepted paths for a step of {} requests",
+               accepted.size(), batch.batch_size);
+  const SpecInfo& spec = *batch.spec_info;
+  const int N = spec.draft_token_num, n = size_, r = rank_;
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> moves(parts_.size());
+  for (int i = 0; i < batch.batch_size; ++i) {
+    const std::vector<int32_t>& path = accepted[i];
+    const int32_t* parents = spec.parents.data() + static_cast<size_t>(i) * N;
+    bool ok = !path.empty() && path[0] == 0 && static_cast<int>(path.size()) <= N;
+    for (size_t k = 1; ok && k < path.size(); ++k) {
+      ok = path[k] > 0 && path[k] < N && parents[path[k]] == path[k - 1];
+    }
+    ATTNRT_CHECK(ok,
+                 "DcpAttention::commit_verify: accepted[{}] = [{}] is not a path of block indices "
+                 "from the root (0) down the request's tree",
+                 i, fmt::join(path, ", "));
+    const int row = static_cast<int>(batch.req_pool_indices[i]);
+    const int32_t s = batch.seq_lens[i], lp = dcp_local_count(s, r, n);
+    std::vector<int32_t>& cols = parts_[0].local[row];
+    // The columns this rank gave the block's tokens (begin_step: after the prefix, block order).
+    std::vector<int32_t> column(N, -1);
+    int32_t next = lp;
+    for (int t = 0; t < N; ++t) {
+      if ((s + spec.depth(i, t)) % n == r) column[t] = next++;
+    }
+    ATTNRT_CHECK(static_cast<int32_t>(cols.size()) == next,
+                 "DcpAttention::commit_verify: request {} (row {}) has {} columns on rank {}; the "
+                 "verify step left {}: commit right after the verify step",
+                 i, row, cols.size(), r, next);
+    // The accepted node at depth k goes to the column of position s + k on its owner.
+    for (size_t p = 0; p < parts_.size(); ++p) {
+      const std::vector<int32_t>& pc = parts_[p].local[row];
+      int32_t keep = lp;
+      for (size_t k = 0; k < path.size(); ++k) {
+        if ((s + static_cast<int64_t>(k)) % n != r) continue;
+        if (column[path[k]] != keep) moves[p].emplace_back(pc[column[path[k]]], pc[keep]);
+        ++keep;
+      }
+    }
+  }
+  for (size_t p = 0; p < parts_.size(); ++p) {
+    if (moves[p].empty()) continue;
+    std::vector<int> layers(parts_[p].layer_ids.size());
+    for (size_t id = 0; id < layers.size(); ++id) layers[id] = static_cast<int>(id);
+    parts_[p].runtime->kv_cache().copy_rows(layers, moves[p]);
+  }
+}
+
+void DcpRank::end_step() {
+  if (in_step_) {
+    for (Part& p : parts_) p.runtime->end_step();
+  }
+  in_step_ = false;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+DcpAttention::DcpAttention(ModelSpec model, Options options, const RuntimeConfig& config)
+    : model_(std::move(model)), options_(std::move(options)) {
+  validate_dcp(model_, options_);
+  max_context_len_ = config.max_context_len > 0 ? config.max_context_len : model_.max_context_len;
+  Options rank_options = options_;
+  rank_options.dcp_size = 1;
+  const Selection selection = resolve_backends(rank_options, model_);
+  ATTNRT_CHECK(kv_pool_device(selection) == DeviceKind::cpu,
+               "dcp_size = {} with the {} backend: ranks on GPUs need NCCL and {} GPUs, and this "
+               "build has no NCCL communicator; simulated ranks run on host backends (reference, "
+               "cpu)",
+               options_.dcp_size, selection.backend_for(ForwardMode::DECODE), options_.dcp_size);
+  comm_ = make_communicator("in_process", options_.dcp_size);
+  for (int r = 0; r < options_.dcp_size; ++r) {
+    ranks_.push_back(std::make_unique<DcpRank>(r, model_, options_, config, *comm_));
+  }
+}
+
+DcpRank& DcpAttention::rank(int r) {
+  ATTNRT_CHECK(r >= 0 && r < size(), "DcpAttention::rank({}): the group has ranks 0..{}", r,
+               size() - 1);
+  return *ranks_[r];
+}
+
+void DcpAttention::free_request(int row) {
+  for (auto& r : ranks_) r->free_request(row);
+}
+
+void DcpAttention::set_kv_scales(int layer_id, float k_scale, float v_scale) {
+  for (auto& r : ranks_) r->set_kv_scales(layer_id, k_scale, v_scale);
+}
+
+void DcpAttention::begin_step(const ForwardBatch& batch) {
+  batch_ = nullptr;
+  const StepLayout layout = make_step_layout(batch);
+  for (int i = 0; i < batch.batch_size; ++i) {
+    ATTNRT_CHECK(layout.kv_len(i) <= max_context_len_,
+                 "DcpAttention: request {} spans {} tokens, more than max_context_len = {}", i,
+                 layout.kv_len(i), max_context_len_);
+  }
+  for (auto& r : ranks_) r->check_step(batch, layout);
+  for (auto& r : ranks_) r->begin_step(batch);
+  batch_ = &batch;
+}
+
+void DcpAttention::forward(int layer_id, const AttnArgs& args) {
+  ATTNRT_CHECK(batch_ != nullptr,
+               "DcpAttention: forward(layer {}) outside a step; call begin_step(batch) first",
+               layer_id);
+  const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
+  const int64_t T = batch_->num_tokens();
+  if (T == 0) return;  // IDLE (or no tokens): nothing to attend, the pools untouched
+  const int hq = layer.num_q_heads, hkv = layer.num_kv_heads, dv = v_dim_of(layer);
+  check_global_tensor("q", args.q, T, hq, layer.head_dim);
+  check_global_tensor("out", args.out, T, hq, dv);
+  if (!args.k.empty()) check_global_tensor("k", args.k, T, hkv, layer.head_dim);
+  if (!args.v.empty() && layer.kind != LayerKind::mla) {
+    check_global_tensor("v", args.v, T, hkv, dv);
+  }
+  ATTNRT_CHECK(layer.has_sinks == (args.sinks != nullptr),
+               "DcpAttention: layer {} {} sinks but AttnArgs.sinks is {}", layer_id,
+               layer.has_sinks ? "has" : "has no", args.sinks ? "set" : "null");
+  ATTNRT_CHECK(args.lse.empty() ||
+                   (args.lse.device.kind == DeviceKind::cpu && args.lse.dtype == DType::f32 &&
+                    args.lse.ndim == 2 && args.lse.shape[0] == T && args.lse.shape[1] == hq),
+               "DcpAttention: lse is {}; expected fp32[{}, {}] (tokens, q heads) on cpu",
+               args.lse.describe(), T, hq);
+  ATTNRT_CHECK(args.indexer.empty(),
+               "DcpAttention: layer {} got indexer inputs; DSA layers are "
+               "not split by context",
+               layer_id);
+  for (auto& r : ranks_) r->forward(layer_id, args);
+  for (auto& r : ranks_) r->merge(layer_id, args);
+}
+
+void DcpAttention::commit_verify(const ForwardBatch& batch,
+                                 std::span<const std::vector<int32_t>> accepted) {
+  for (auto& r : ranks_) r->commit_verify(batch, accepted);
+}
+
+void DcpAttention::end_step() {
+  for (auto& r : ranks_) r->end_step();
+  batch_ = nullptr;
+}
+
+}  // namespace attnrt

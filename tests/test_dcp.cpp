@@ -1,0 +1,688 @@
+// Decode context parallelism (docs/dcp.md): n simulated ranks over `reference` and `cpu` give the
+// output and lse of one `reference` runtime holding every token, in every mode, with ragged
+// lengths across page boundaries, GQA, sinks, soft-cap and MLA; plus the merge math, the
+// communicator and the errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/runtime/attention_runtime.h"
+#include "attnrt/runtime/communicator.h"
+#include "attnrt/runtime/dcp.h"
+#include "tests/test_util.h"
+
+using namespace attnrt;
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+uint32_t fresh_seed() { return std::random_device{}(); }
+
+// GQA with uneven head splits (6 q heads over 4 ranks), soft-cap, a layer with sinks and a
+// sliding-window layer.
+ModelSpec gqa_model() {
+  LayerSpec a = test::attention_layer(0, 6, 2, 16);
+  a.logit_cap = 5.f;
+  LayerSpec b = test::attention_layer(1, 4, 4, 8, 12);
+  b.has_sinks = true;
+  LayerSpec w = test::attention_layer(2, 4, 2, 16);  // a sliding window on global positions
+  w.kind = LayerKind::swa;
+  w.sliding_window = 9;
+  return test::make_model("dcp-gqa", DType::f32, 512, {a, b, w});
+}
+
+ModelSpec mla_model() {
+  LayerSpec l = test::attention_layer(0, 5, 1, 40, 32);
+  l.kind = LayerKind::mla;
+  l.kv_lora_rank = 32;
+  l.qk_rope_head_dim = 8;
+  l.scaling = 0.2f;
+  return test::make_model("dcp-mla", DType::f32, 512, {l});
+}
+
+struct DcpCase {
+  std::string backend;
+  int ranks;
+  int page_size;
+};
+
+std::string case_name(const testing::TestParamInfo<DcpCase>& info) {
+  return info.param.backend + "_n" + std::to_string(info.param.ranks) + "_page" +
+         std::to_string(info.param.page_size);
+}
+
+// One `reference` runtime (the oracle, which also hands out the global batch's slots) and a DCP
+// group fed the same batches and the same q/k/v.
+class DcpHarness {
+ public:
+  DcpHarness(ModelSpec model, const DcpCase& c, uint32_t seed, bool tree = false,
+             bool deterministic = false, const std::string& kv_dtype = "fp32")
+      : model_(std::move(model)), rng_(seed) {
+    Options one;
+    one.attention_backend = "reference";
+    one.page_size = c.page_size;
+    one.kv_cache_dtype = kv_dtype;
+    Options group = one;
+    group.attention_backend = c.backend;
+    group.dcp_size = c.ranks;
+    group.deterministic = deterministic;
+    if (tree) {
+      group.speculative_num_steps = 3;
+      group.speculative_eagle_topk = 2;
+      group.speculative_num_draft_tokens = 6;
+    }
+    RuntimeConfig cfg;
+    cfg.max_requests = 6;
+    cfg.kv_slots = 4096;
+    cfg.max_num_tokens = 256;
+    cfg.cuda_graphs = false;
+    one_ = std::make_unique<AttentionRuntime>(model_, one, cfg);
+    dcp_ = std::make_unique<DcpAttention>(model_, group, cfg);
+  }
+
+  DcpAttention& dcp() { return *dcp_; }
+
+  void set_kv_scales(int layer_id, float k_scale, float v_scale) {
+    one_->kv_cache().set_kv_scales(layer_id, k_scale, v_scale);
+    dcp_->set_kv_scales(layer_id, k_scale, v_scale);
+  }
+
+  std::vector<int64_t> alloc_requests(int n) {
+    std::vector<int64_t> rows;
+    for (int i = 0; i < n; ++i) {
+      rows.push_back(one_->req_to_token().alloc());
+    }
+    return rows;
+  }
+
+  // Gives the oracle's slots to the step's new tokens (columns prefix .. prefix + query).
+  void place(ForwardBatch& b) {
+    b.out_cache_loc.assign(b.positions.size(), 0);
+    const StepLayout l = make_step_layout(b);
+    std::vector<int64_t> last;
+    std::vector<int32_t> seq;
+    for (int i = 0; i < b.batch_size; ++i) {
+      const int32_t p = l.prefix_lens[i];
+      last.push_back(
+          p > 0 ? one_->req_to_token().get(static_cast<int>(b.req_pool_indices[i]), p - 1) : -1);
+      seq.push_back(p + l.query_lens[i]);
+    }
+    b.out_cache_loc = one_->allocator().alloc_extend(l.prefix_lens, seq, last);
+    size_t at = 0;
+    for (int i = 0; i < b.batch_size; ++i) {
+      const auto q = static_cast<size_t>(l.query_lens[i]);
+      one_->req_to_token().write(static_cast<int>(b.req_pool_indices[i]), l.prefix_lens[i],
+                                 std::span<const int64_t>(b.out_cache_loc.data() + at, q));
+      at += q;
+    }
+  }
+
+  // Runs the step on both, every layer with fresh q/k/v, and compares out and lse.
+  ForwardBatch run_and_compare(ForwardBatch b, const std::string& what, double tol = 2e-4) {
+    place(b);
+    const int64_t T = b.num_tokens();
+    one_->begin_step(b);
+    dcp_->begin_step(b);
+    for (const LayerSpec& l : model_.layers) {
+      const int hq = l.num_q_heads, hkv = l.num_kv_heads, dqk = l.head_dim;
+      const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+      const bool mla = l.kind == LayerKind::mla;
+      HostBuffer q = test::random_buffer(DType::f32, {T, hq, dqk}, rng_);
+      HostBuffer k = test::random_buffer(DType::f32, {T, hkv, dqk}, rng_);
+      HostBuffer v = test::random_buffer(DType::f32, {T, hkv, dv}, rng_);
+      std::vector<float> sinks(hq);
+      for (float& s : sinks) s = std::normal_distribution<float>(0.f, 1.f)(rng_);
+      HostBuffer out1(DType::f32, {T, hq, dv}), outn(DType::f32, {T, hq, dv});
+      HostBuffer lse1(DType::f32, {T, hq}), lsen(DType::f32, {T, hq});
+      for (const HostBuffer* p : {&out1, &outn, &lse1, &lsen}) test::poison(p->view());
+      AttnArgs a;
+      a.q = q.view();
+      a.k = k.view();
+      if (!mla) a.v = v.view();
+      a.sinks = l.has_sinks ? sinks.data() : nullptr;
+      a.out = out1.view();
+      a.lse = lse1.view();
+      one_->forward(l.layer_id, a);
+      a.out = outn.view();
+      a.lse = lsen.view();
+      dcp_->forward(l.layer_id, a);
+      const std::string name = what + " layer " + std::to_string(l.layer_id);
+      test::expect_close(outn.view(), out1.view(), tol, name + " out");
+      test::expect_close(lsen.view(), lse1.view(), tol, name + " lse");
+    }
+    one_->end_step();
+    dcp_->end_step();
+    return b;
+  }
+
+  // After a tree verify step: both keep the accepted paths (the oracle as an engine does: the
+  // accepted nodes' K/V copied down to columns seq_len + k; the group by commit_verify).
+  void commit(const ForwardBatch& verify, const std::vector<std::vector<int32_t>>& paths) {
+    std::vector<std::pair<int64_t, int64_t>> moves;
+    for (int i = 0; i < verify.batch_size; ++i) {
+      const int row = static_cast<int>(verify.req_pool_indices[i]);
+      const int32_t s = verify.seq_lens[i];
+      for (size_t k = 1; k < paths[i].size(); ++k) {
+        moves.emplace_back(one_->req_to_token().get(row, s + paths[i][k]),
+                           one_->req_to_token().get(row, s + static_cast<int32_t>(k)));
+      }
+    }
+    std::vector<int> layers;
+    for (const LayerSpec& l : model_.layers) layers.push_back(l.layer_id);
+    one_->kv_cache().copy_rows(layers, moves);
+    dcp_->commit_verify(verify, paths);
+  }
+
+  // A random path from the root down `parents` (block indices, root first).
+  std::vector<int32_t> random_path(const int32_t* parents, int n) {
+    std::vector<int32_t> path = {0};
+    for (;;) {
+      std::vector<int32_t> kids;
+      for (int t = 1; t < n; ++t) {
+        if (parents[t] == path.back()) kids.push_back(t);
+      }
+      if (kids.empty() || rand_int(0, 3) == 0) return path;
+      path.push_back(kids[rand_int(0, static_cast<int>(kids.size()) - 1)]);
+    }
+  }
+
+  int rand_int(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
+
+  // Requests with cached prefixes of random (ragged) lengths in [0, max_prefix], stored by an
+  // EXTEND step from 0 (itself compared); returns the prefix lengths.
+  std::vector<int32_t> fill(const std::vector<int64_t>& rows, int max_prefix) {
+    std::vector<int32_t> prefix;
+    std::vector<int64_t> fill_rows;
+    std::vector<int32_t> fill_lens;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      prefix.push_back(rand_int(i == 0 ? 1 : 0, max_prefix));
+      if (prefix.back() > 0) {
+        fill_rows.push_back(rows[i]);
+        fill_lens.push_back(prefix.back());
+      }
+    }
+    run_and_compare(
+        make_extend_batch(fill_rows, std::vector<int32_t>(fill_rows.size(), 0), fill_lens),
+        "prefill");
+    return prefix;
+  }
+
+  // A random tree of n tokens (parents precede children), not a chain.
+  std::vector<int32_t> random_tree(int n) {
+    std::vector<int32_t> p(n, -1);
+    for (int t = 1; t < n; ++t) p[t] = rand_int(0, t - 1);
+    if (n >= 3) p[2] = 0;  // a sibling of token 1
+    return p;
+  }
+
+ private:
+  ModelSpec model_;
+  std::mt19937 rng_;
+  std::unique_ptr<AttentionRuntime> one_;
+  std::unique_ptr<DcpAttention> dcp_;
+};
+
+class DcpMatchesOneRuntime : public testing::TestWithParam<DcpCase> {
+ protected:
+  void SetUp() override {
+    seed_ = fresh_seed();
+    trace_.emplace(__FILE__, __LINE__, "seed " + std::to_string(seed_));
+  }
+  uint32_t seed_ = 0;
+  std::optional<testing::ScopedTrace> trace_;
+};
+
+TEST_P(DcpMatchesOneRuntime, ExtendOverAPrefixThenDecode) {
+  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+    DcpHarness h(model, GetParam(), seed_);
+    const auto rows = h.alloc_requests(h.rand_int(1, 4));
+    std::vector<int32_t> prefix = h.fill(rows, 70);
+    std::vector<int32_t> ext, seq;
+    for (size_t i = 0; i < rows.size(); ++i) ext.push_back(h.rand_int(1, 19));
+    h.run_and_compare(make_extend_batch(rows, prefix, ext), model.name + " extend");
+    for (size_t i = 0; i < rows.size(); ++i) seq.push_back(prefix[i] + ext[i] + 1);
+    h.run_and_compare(make_decode_batch(rows, seq), model.name + " decode");
+    for (int32_t& s : seq) ++s;
+    h.run_and_compare(make_decode_batch(rows, seq), model.name + " decode 2");
+  }
+}
+
+TEST_P(DcpMatchesOneRuntime, MixedChunkedPrefillAndDecodes) {
+  DcpHarness h(gqa_model(), GetParam(), seed_);
+  const auto rows = h.alloc_requests(4);
+  std::vector<int32_t> prefix = h.fill(rows, 35);
+  std::vector<int32_t> ext;
+  for (size_t i = 0; i < rows.size(); ++i) ext.push_back(i % 2 == 0 ? h.rand_int(2, 17) : 1);
+  h.run_and_compare(make_extend_batch(rows, prefix, ext, ForwardMode::MIXED), "mixed");
+}
+
+TEST_P(DcpMatchesOneRuntime, ChainVerifyThenDecodeAfterAcceptance) {
+  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+    DcpHarness h(model, GetParam(), seed_);
+    const auto rows = h.alloc_requests(h.rand_int(1, 4));
+    std::vector<int32_t> prefix = h.fill(rows, 70);
+    const int n = 5;
+    h.run_and_compare(
+        make_verify_batch(rows, prefix, SpecInfo::chain(static_cast<int>(rows.size()), n)),
+        model.name + " chain verify");
+    // Accept a random number of drafts: the next decode's prefix ends inside the old block and the
+    // group releases what lies beyond it.
+    std::vector<int32_t> seq;
+    for (int32_t p : prefix) seq.push_back(p + h.rand_int(0, n - 1) + 2);
+    h.run_and_compare(make_decode_batch(rows, seq), model.name + " decode after verify");
+  }
+}
+
+TEST_P(DcpMatchesOneRuntime, TreeVerifyThenDecodeAfterCommit) {
+  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+    DcpHarness h(model, GetParam(), seed_, /*tree=*/true);
+    const auto rows = h.alloc_requests(h.rand_int(1, 4));
+    std::vector<int32_t> prefix = h.fill(rows, 70);
+    const int n = 6;
+    SpecInfo spec;
+    spec.draft_token_num = n;
+    spec.topk = 2;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      for (int32_t p : h.random_tree(n)) spec.parents.push_back(p);
+    }
+    const ForwardBatch v =
+        h.run_and_compare(make_verify_batch(rows, prefix, spec), model.name + " tree verify");
+    // Keep a random path of each tree; the next decode sees exactly the accepted tokens.
+    std::vector<std::vector<int32_t>> paths;
+    std::vector<int32_t> seq;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      paths.push_back(h.random_path(spec.parents.data() + i * n, n));
+      seq.push_back(prefix[i] + static_cast<int32_t>(paths.back().size()) + 1);
+    }
+    std::vector<std::vector<int32_t>> bad = paths;
+    bad[0] = {1};
+    test::expect_error([&] { h.dcp().commit_verify(v, bad); }, {"accepted[0] = [1] is not a path"});
+    h.commit(v, paths);
+    h.run_and_compare(make_decode_batch(rows, seq), model.name + " decode after tree commit");
+  }
+}
+
+TEST_P(DcpMatchesOneRuntime, Fp8KvWithScales) {
+  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+    DcpHarness h(model, GetParam(), seed_, false, false, "fp8_e4m3");
+    for (const LayerSpec& l : model.layers) {
+      h.set_kv_scales(l.layer_id, 0.37f, l.kind == LayerKind::mla ? 0.37f : 1.7f);
+    }
+    const auto rows = h.alloc_requests(3);
+    std::vector<int32_t> prefix = h.fill(rows, 30);
+    std::vector<int32_t> seq;
+    for (int32_t p : prefix) seq.push_back(p + 1);
+    h.run_and_compare(make_decode_batch(rows, seq), model.name + " fp8 decode", 2e-3);
+  }
+}
+
+TEST_P(DcpMatchesOneRuntime, DraftExtend) {
+  DcpHarness h(gqa_model(), GetParam(), seed_);
+  const auto rows = h.alloc_requests(3);
+  std::vector<int32_t> prefix = h.fill(rows, 30);
+  std::vector<int32_t> accept, seq;
+  for (int32_t p : prefix) {
+    accept.push_back(h.rand_int(0, 3));
+    seq.push_back(p + accept.back() + 1);
+  }
+  h.run_and_compare(make_draft_extend_batch(rows, seq, accept), "draft extend");
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, DcpMatchesOneRuntime,
+                         testing::Values(DcpCase{"reference", 1, 1}, DcpCase{"reference", 2, 16},
+                                         DcpCase{"reference", 3, 1}, DcpCase{"reference", 4, 16},
+                                         DcpCase{"cpu", 1, 16}, DcpCase{"cpu", 2, 1},
+                                         DcpCase{"cpu", 3, 16}, DcpCase{"cpu", 4, 1}),
+                         case_name);
+
+// The same step merged twice gives bit-identical outputs: the merge order is the rank order.
+TEST(Dcp, MergeOrderIsFixed) {
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::vector<float> first;
+  for (int run = 0; run < 2; ++run) {
+    Options o;
+    o.attention_backend = "cpu";
+    o.dcp_size = 3;
+    o.deterministic = true;
+    o.kv_cache_dtype = "fp32";
+    RuntimeConfig cfg;
+    cfg.max_requests = 2;
+    cfg.kv_slots = 1024;
+    cfg.max_num_tokens = 64;
+    cfg.cuda_graphs = false;
+    DcpAttention g(gqa_model(), o, cfg);
+    std::mt19937 rng(seed);
+    ForwardBatch b = make_extend_batch({1}, {0}, {37});
+    b.out_cache_loc.assign(37, 0);
+    g.begin_step(b);
+    const LayerSpec& l = g.model().layers[0];
+    HostBuffer q = test::random_buffer(DType::f32, {37, l.num_q_heads, l.head_dim}, rng);
+    HostBuffer k = test::random_buffer(DType::f32, {37, l.num_kv_heads, l.head_dim}, rng);
+    HostBuffer v = test::random_buffer(DType::f32, {37, l.num_kv_heads, l.head_dim}, rng);
+    HostBuffer out(DType::f32, {37, l.num_q_heads, l.head_dim});
+    test::poison(out.view());
+    g.forward(0, AttnArgs{.q = q.view(), .k = k.view(), .v = v.view(), .out = out.view()});
+    g.end_step();
+    const float* p = out.view().ptr<float>();
+    std::vector<float> got(p, p + out.view().numel());
+    if (run == 0) {
+      first = got;
+    } else {
+      EXPECT_EQ(std::memcmp(first.data(), got.data(), got.size() * sizeof(float)), 0);
+    }
+  }
+}
+
+// Packed partial [o | lse] of one (row, head).
+std::vector<float> part(std::vector<float> o, float lse) {
+  o.push_back(lse);
+  return o;
+}
+
+TEST(DcpMerge, EqualsOneSoftmaxOverTheUnion) {
+  // Keys with scores s and values x, split over three ranks (the second gets none).
+  const std::vector<double> s = {0.3, -1.2, 2.0, 0.7, -0.1};
+  const std::vector<double> x = {1.0, -2.0, 0.5, 3.0, -1.0};
+  const std::vector<std::vector<int>> split = {{0, 3}, {}, {1, 2, 4}};
+  auto partial = [&](const std::vector<int>& keys) {
+    if (keys.empty()) return part({0.f}, -kInf);
+    double m = -1e300, den = 0.0, acc = 0.0;
+    for (int j : keys) m = std::max(m, s[j]);
+    for (int j : keys) {
+      den += std::exp(s[j] - m);
+      acc += std::exp(s[j] - m) * x[j];
+    }
+    return part({static_cast<float>(acc / den)}, static_cast<float>(m + std::log(den)));
+  };
+  std::vector<std::vector<float>> parts;
+  for (const auto& keys : split) parts.push_back(partial(keys));
+  const std::vector<const float*> ptrs = {parts[0].data(), parts[1].data(), parts[2].data()};
+  const std::vector<float> whole = partial({0, 1, 2, 3, 4});
+  float o = 0.f;
+  const float lse = dcp_merge(ptrs, 1, std::nullopt, &o);
+  EXPECT_NEAR(o, whole[0], 1e-6);
+  EXPECT_NEAR(lse, whole[1], 1e-6);
+  // A sink only enlarges the denominator.
+  const float sink = 0.4f;
+  const float lse_s = dcp_merge(ptrs, 1, sink, &o);
+  const double den = std::exp(double{whole[1]}) + std::exp(double{sink});
+  EXPECT_NEAR(o, whole[0] * std::exp(double{whole[1]}) / den, 1e-6);
+  EXPECT_NEAR(lse_s, std::log(den), 1e-6);
+}
+
+TEST(DcpMerge, RanksWithoutKeysContributeNothing) {
+  const std::vector<float> a = part({1.5f, -2.f}, 0.25f), empty = part({7.f, 7.f}, -kInf);
+  const std::vector<const float*> ptrs = {empty.data(), a.data(), empty.data()};
+  float o[2];
+  EXPECT_EQ(dcp_merge(ptrs, 2, std::nullopt, o), 0.25f);
+  EXPECT_EQ(o[0], 1.5f);
+  EXPECT_EQ(o[1], -2.f);
+}
+
+TEST(DcpMerge, EveryRankEmptyGivesZeroAndMinusInfinity) {
+  const std::vector<float> empty = part({3.f}, -kInf);
+  const std::vector<const float*> ptrs = {empty.data(), empty.data()};
+  float o = 1.f;
+  EXPECT_EQ(dcp_merge(ptrs, 1, std::nullopt, &o), -kInf);
+  EXPECT_EQ(o, 0.f);
+  // With a sink and no keys: output 0, lse = the sink.
+  EXPECT_EQ(dcp_merge(ptrs, 1, 1.5f, &o), 1.5f);
+  EXPECT_EQ(o, 0.f);
+}
+
+TEST(DcpLayout, TokensInterleaveOverRanks) {
+  for (int n = 1; n <= 5; ++n) {
+    for (int x = 0; x < 23; ++x) {
+      int total = 0;
+      for (int r = 0; r < n; ++r) {
+        int want = 0;
+        for (int g = 0; g < x; ++g) want += g % n == r;
+        EXPECT_EQ(dcp_local_count(x, r, n), want) << "x " << x << " r " << r << " n " << n;
+        total += want;
+      }
+      EXPECT_EQ(total, x);
+    }
+  }
+  EXPECT_EQ(dcp_head_begin(0, 6, 4), 0);
+  EXPECT_EQ(dcp_head_begin(4, 6, 4), 6);
+}
+
+TEST(InProcessCommunicator, AllToAllAndAllGatherMoveBlocksInRankOrder) {
+  InProcessCommunicator c(3);
+  // Rank s sends (10 s + d) repeated d + 1 times to rank d.
+  std::vector<std::vector<float>> send(3), recv(3);
+  std::vector<std::vector<int64_t>> sc(3), rc(3);
+  for (int s = 0; s < 3; ++s) {
+    for (int d = 0; d < 3; ++d) {
+      sc[s].push_back(d + 1);
+      rc[s].push_back(s + 1);
+      for (int i = 0; i <= d; ++i) send[s].push_back(static_cast<float>(10 * s + d));
+    }
+    recv[s].assign(3 * (s + 1), -1.f);
+  }
+  for (int r : {2, 0, 1}) c.all_to_all(r, send[r], sc[r], recv[r], rc[r]);
+  for (int d = 0; d < 3; ++d) {
+    for (int s = 0; s < 3; ++s) {
+      for (int i = 0; i <= d; ++i) EXPECT_EQ(recv[d][s * (d + 1) + i], 10.f * s + d);
+    }
+  }
+  std::vector<std::vector<float>> g(3, std::vector<float>(6));
+  const std::vector<std::vector<float>> mine = {{1, 2}, {3, 4}, {5, 6}};
+  for (int r = 0; r < 3; ++r) c.all_gather(r, mine[r], g[r]);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(g[r], (std::vector<float>{1, 2, 3, 4, 5, 6}));
+  for (int r = 0; r < 3; ++r) c.barrier(r);
+}
+
+TEST(InProcessCommunicator, MismatchedCallsAreErrors) {
+  InProcessCommunicator c(2);
+  std::vector<float> a(2), b(4);
+  c.all_gather(0, a, b);
+  test::expect_error([&] { c.barrier(1); }, {"rank 1 called barrier while all_gather is pending"});
+  test::expect_error([&] { c.all_gather(0, a, b); }, {"rank 0 called all_gather twice"});
+  std::vector<float> small(3);
+  test::expect_error([&] { c.all_gather(1, small, b); }, {"rank 1 sends 3 floats", "holds 4"});
+}
+
+TEST(Communicator, NcclIsNotBuiltHere) {
+  test::expect_error([] { make_communicator("nccl", 2); },
+                     {"'nccl'", "without NCCL", "one GPU per rank", "in_process"});
+  test::expect_error([] { make_communicator("mpi", 2); }, {"'mpi' is unknown", "in_process, nccl"});
+}
+
+TEST(Dcp, OptionErrorsNameTheValueAndWhatIsAllowed) {
+  Options o;
+  o.attention_backend = "reference";
+  o.dcp_size = 0;
+  test::expect_error([&] { validate_dcp(gqa_model(), o); }, {"dcp_size = 0", "[1, 64]"});
+  o.dcp_size = 65;
+  test::expect_error([&] { validate_dcp(gqa_model(), o); }, {"dcp_size = 65", "[1, 64]"});
+  o.dcp_size = 2;
+  ModelSpec enc = gqa_model();
+  enc.layers[1].attn_type = AttnType::encoder_only;
+  test::expect_error([&] { validate_dcp(enc, o); }, {"dcp_size = 2", "layer 1", "not causal"});
+  o.dcp_size = 1;
+  validate_dcp(enc, o);
+  o.dcp_size = 2;
+  test::expect_error([&] { AttentionRuntime rt(gqa_model(), o); },
+                     {"Options.dcp_size = 2", "DcpAttention"});
+}
+
+TEST(Dcp, MisuseIsAnError) {
+  Options o;
+  o.attention_backend = "reference";
+  o.dcp_size = 2;
+  RuntimeConfig cfg;
+  cfg.max_requests = 2;
+  cfg.kv_slots = 256;
+  cfg.max_num_tokens = 32;
+  cfg.cuda_graphs = false;
+  DcpAttention g(gqa_model(), o, cfg);
+  // A decode whose prefix was never stored.
+  const int row = 1;
+  ForwardBatch b = make_decode_batch({row}, {5});
+  b.out_cache_loc.assign(1, 0);
+  test::expect_error([&] { g.begin_step(b); }, {"prefix of 4 tokens", "rank 0 holds 0 of its 2"});
+  // An IDLE step does nothing, even without tensors.
+  const ForwardBatch idle = make_idle_batch();
+  g.begin_step(idle);
+  g.forward(0, AttnArgs{});
+  g.end_step();
+  test::expect_error(
+      [&] {
+        HostBuffer q(DType::f32, {1, 6, 16});
+        g.forward(0, AttnArgs{.q = q.view(), .out = q.view()});
+      },
+      {"outside a step"});
+  // A step with more query rows than the key-list rows a rank keeps (max_num_tokens).
+  ForwardBatch big = make_extend_batch({row}, {0}, {33});
+  big.out_cache_loc.assign(33, 0);
+  test::expect_error([&] { g.begin_step(big); }, {"33 tokens", "max_num_tokens = 32"});
+}
+
+// Tokens land on their owners, compacted; free_request gives every slot back on every rank.
+TEST(Dcp, RequestsLiveInterleavedAndFreeEverySlot) {
+  Options o;
+  o.attention_backend = "reference";
+  o.dcp_size = 3;
+  o.page_size = 16;
+  RuntimeConfig cfg;
+  cfg.max_requests = 2;
+  cfg.kv_slots = 512;
+  cfg.max_num_tokens = 64;
+  cfg.cuda_graphs = false;
+  DcpAttention g(gqa_model(), o, cfg);
+  std::vector<int64_t> before;
+  for (int r = 0; r < 3; ++r) before.push_back(g.rank(r).runtime().allocator().available_size());
+  ForwardBatch b = make_extend_batch({0, 1}, {0, 0}, {20, 7});
+  b.out_cache_loc.assign(27, 0);
+  g.begin_step(b);
+  g.end_step();
+  ForwardBatch v = make_verify_batch({0, 1}, {20, 7}, SpecInfo::chain(2, 4));
+  v.out_cache_loc.assign(8, 0);
+  g.begin_step(v);
+  g.end_step();
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(g.rank(r).local_row(0).size(), static_cast<size_t>(dcp_local_count(24, r, 3)));
+    EXPECT_EQ(g.rank(r).local_row(1).size(), static_cast<size_t>(dcp_local_count(11, r, 3)));
+  }
+  g.free_request(0);
+  g.free_request(1);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(g.rank(r).runtime().allocator().available_size(), before[r]);
+    EXPECT_TRUE(g.rank(r).local_row(0).empty());
+  }
+  test::expect_error([&] { g.free_request(2); }, {"row 2", "0..1"});
+}
+
+// `attnrt run --dcp-size N`: the target's attention layers also run on N simulated ranks and match
+// the single runtime; what cannot be split is named.
+class DcpCli : public test::CliTest {};
+
+TEST_F(DcpCli, RunSplitsTheTargetOverSimulatedRanks) {
+  const auto trace = dir_ / "tiny.jsonl";
+  std::ofstream(trace)
+      << R"({"arrival_step":0,"id":"a","output_len":4,"prompt_len":30})"
+         "\n"
+      << R"({"arrival_step":1,"id":"b","output_len":6,"prompt_len":50,"shared_prefix":"s","shared_prefix_len":16})"
+         "\n"
+      << R"({"arrival_step":1,"id":"c","output_len":5,"prompt_len":24,"shared_prefix":"s","shared_prefix_len":16})"
+         "\n";
+  const test::CommandResult r =
+      run("run --trace '" + trace.string() +
+          "' --attention-backend cpu --dcp-size 3 --no-progress --speculative-num-steps 2 "
+          "--chunked-prefill-size 32 --check-every 2");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  // The demo model's sliding-window layer (2) splits too: its window is on global positions.
+  test::expect_contains(r.out,
+                        {"dcp: 3 simulated ranks", "over layers 0, 1, 2, 3", "0 beyond tolerance",
+                         "shared prefixes: not reused", "TARGET_VERIFY"});
+  const test::CommandResult zero = run("run --dcp-size 0 --no-progress");
+  EXPECT_NE(zero.status, 0);
+  test::expect_contains(zero.err, {"dcp_size = 0", "[1, 64]"});
+  // Trees: the accepted paths are committed on the ranks after every verify.
+  const test::CommandResult tree =
+      run("run --trace '" + trace.string() +
+          "' --attention-backend cpu --dcp-size 2 --no-progress --speculative-num-steps 2 "
+          "--speculative-eagle-topk 2 --speculative-num-draft-tokens 4 --page-size 16");
+  ASSERT_EQ(tree.status, 0) << tree.out << tree.err;
+  test::expect_contains(tree.out, {"dcp: 2 simulated ranks", "0 beyond tolerance"});
+}
+
+// Ranks as threads: each DcpRank on a thread of its own over a blocking communicator gives the
+// bits the sequential group gives (the same partials, merged in the same order).
+TEST(Dcp, RanksOnThreadsMatchTheSequentialGroup) {
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int n = 3;
+  Options o;
+  o.attention_backend = "reference";
+  o.kv_cache_dtype = "fp32";
+  o.page_size = 16;
+  o.dcp_size = n;
+  RuntimeConfig cfg;
+  cfg.max_requests = 2;
+  cfg.kv_slots = 1024;
+  cfg.max_num_tokens = 64;
+  cfg.cuda_graphs = false;
+  const ModelSpec model = gqa_model();
+  DcpAttention group(model, o, cfg);
+  InProcessCommunicator comm(n, /*blocking=*/true);
+  std::vector<std::unique_ptr<DcpRank>> ranks;
+  for (int r = 0; r < n; ++r) ranks.push_back(std::make_unique<DcpRank>(r, model, o, cfg, comm));
+
+  std::mt19937 rng(seed);
+  const std::vector<ForwardBatch> steps = {make_extend_batch({0, 1}, {0, 0}, {23, 9}),
+                                           make_extend_batch({0, 1}, {23, 9}, {5, 11}),
+                                           make_decode_batch({0, 1}, {29, 21})};
+  for (ForwardBatch b : steps) {
+    b.out_cache_loc.assign(b.positions.size(), 0);
+    const int64_t T = b.num_tokens();
+    group.begin_step(b);
+    std::vector<std::thread> threads;
+    for (auto& r : ranks) r->begin_step(b);
+    for (const LayerSpec& l : model.layers) {
+      const int dv = l.v_head_dim;
+      HostBuffer q = test::random_buffer(DType::f32, {T, l.num_q_heads, l.head_dim}, rng);
+      HostBuffer k = test::random_buffer(DType::f32, {T, l.num_kv_heads, l.head_dim}, rng);
+      HostBuffer v = test::random_buffer(DType::f32, {T, l.num_kv_heads, dv}, rng);
+      std::vector<float> sinks(l.num_q_heads, 0.3f);
+      HostBuffer seq(DType::f32, {T, l.num_q_heads, dv}), thr(DType::f32, {T, l.num_q_heads, dv});
+      test::poison(seq.view());
+      test::poison(thr.view());
+      AttnArgs a;
+      a.q = q.view();
+      a.k = k.view();
+      a.v = v.view();
+      a.sinks = l.has_sinks ? sinks.data() : nullptr;
+      a.out = seq.view();
+      group.forward(l.layer_id, a);
+      a.out = thr.view();
+      threads.clear();
+      for (auto& r : ranks) {
+        threads.emplace_back([&, rank = r.get()] {
+          rank->forward(l.layer_id, a);  // returns once every rank's partials are exchanged
+          rank->merge(l.layer_id, a);
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      EXPECT_EQ(std::memcmp(seq.data(), thr.data(), seq.view().numel() * sizeof(float)), 0)
+          << "layer " << l.layer_id;
+    }
+    group.end_step();
+    for (auto& r : ranks) r->end_step();
+  }
+}
+
+}  // namespace

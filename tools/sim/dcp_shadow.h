@@ -1,0 +1,48 @@
+// `attnrt run --dcp-size N` (docs/dcp.md): the target model's attention layers also run on a
+// DcpAttention group of N simulated ranks over the same backends, with the same batches and
+// q / k / v, and each layer's merged output is compared with the single runtime's (which the
+// reference checks). Layers that cannot be split (sliding window, non-causal, DSA) stay on the
+// single runtime; MLA layers are compared in the absorbed form, and their MHA-form prefills only
+// store the latent rows on the ranks. The report's notes say which layers and why.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "attnrt/runtime/dcp.h"
+#include "tools/sim/checker.h"
+
+namespace attnrt::sim {
+
+class DcpShadow {
+ public:
+  // `options.dcp_size` ranks over `model`'s splittable layers with `config` per rank. Throws
+  // attnrt::Error when no layer can be split, or for the group's own errors (e.g. a cuda backend).
+  DcpShadow(const ModelSpec& model, const Options& options, const RuntimeConfig& config,
+            Tolerance tolerance, FailureLog& failures);
+
+  bool splits(int layer_id) const;
+  void begin_step(const ForwardBatch& batch);
+  // The layer on the group; its output is compared with args.out (the single runtime's).
+  void forward(const LayerSite& site, const AttnArgs& args);
+  // An MLA layer run in the MHA form: only its latent rows [T, 1, rank + rope] go to the ranks.
+  void store_latent(const LayerSite& site, const TensorView& latent);
+  void end_step();
+  // After the scheduler accepted the paths of a TARGET_VERIFY step (DcpAttention::commit_verify).
+  void commit_verify(const ForwardBatch& batch, const std::vector<std::vector<int>>& paths);
+  // One line per fact for the report's notes.
+  std::vector<std::string> notes() const;
+
+ private:
+  std::unique_ptr<DcpAttention> group_;
+  int group_id(int layer_id) const;  // the layer's id in the group's model, -1 if not split
+  std::vector<int> split_;           // the model's layer ids on the group (group ids 0, 1, ...)
+  std::vector<std::string> left_;    // why each other layer stays on the single runtime
+  Tolerance tolerance_;
+  FailureLog* failures_;
+  int64_t compared_ = 0, stored_only_ = 0, bad_ = 0;
+  double max_abs_ = 0, seconds_ = 0;
+};
+
+}  // namespace attnrt::sim
