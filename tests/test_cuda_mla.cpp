@@ -79,6 +79,8 @@ TEST(CudaMlaCta, ExplainNamesTheCtaOfEachPhase) {
   for (size_t i = 1; i <= 3; ++i) EXPECT_NE(bf16[i].find("MLA CTA (mla_decode.cu)"), std::string::npos) << bf16[i];
   EXPECT_TRUE(has(bf16, "decode ")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(bf16, "verify ")) << ::testing::PrintToString(bf16);
+  EXPECT_TRUE(has(bf16, "MHA form (EXTEND / MIXED")) << ::testing::PrintToString(bf16);
+  EXPECT_TRUE(has(bf16, "q / k 192, v 128")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(cuda::explain_cuda_kernels(m, o, DType::e4m3), "converted from fp8"));
   const std::vector<std::string> tp8 =
       cuda::explain_cuda_kernels(apply_tensor_parallel(m, 8), o, DType::bf16);

@@ -116,10 +116,22 @@ std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Opti
         cta = AttnCta::mla;
       out.push_back(fmt::format("  {:<7} {}", ph.name, describe(cta, key, ph.qlen * group)));
     }
-    if (l.kind == LayerKind::mla)
-      out.push_back(
-          "  (extends run in the absorbed form: the cuda backend does not serve MLA's MHA form "
-          "with prefix chunks yet, docs/mla.md)");
+    if (l.kind == LayerKind::mla && l.has_mha_form()) {
+      const MlaMhaDims d = mla_mha_dims(l);
+      const bool served = d.qk == kMlaMhaHeadDim && d.v == kMlaMhaVHeadDim;
+      out.push_back(fmt::format(
+          "  {:<7} {}", "mha",
+          served ? fmt::format(
+                       "MHA form (EXTEND / MIXED without a prefix, or with prefixes summing to "
+                       ">= {} tokens): warp-specialised prefill CTA (prefill_ws.cuh) at q / k "
+                       "{}, v {}, k / v read in place by TMA, prefix chunks of <= {} keys merged "
+                       "in its epilogue (docs/mla.md)",
+                       options.chunked_prefix_cache_threshold, d.qk, d.v,
+                       options.max_chunk_capacity)
+                 : fmt::format("MHA form of q / k {}, v {}: no cuda kernel (it takes {} / {}); "
+                               "use the cpu or reference backend",
+                               d.qk, d.v, kMlaMhaHeadDim, kMlaMhaVHeadDim)));
+    }
   }
   return out;
 }
