@@ -112,12 +112,31 @@ void CudaBackend::plan_mla_mha(const ForwardBatch& batch) {
       r.tree_start = -1;
       std::memcpy(bytes.data() + part.reqs_off + i * sizeof(ReqInfo), &r, sizeof(r));
     }
-    items.clear();
-    const int64_t head_bytes = std::max<int64_t>(part_tokens, 1) * (kMlaMhaHeadDim + kMlaMhaVHeadDim) * 2;
+    const int64_t head_bytes =
+        std::max<int64_t>(part_tokens, 1) * (kMlaMhaHeadDim + kMlaMhaVHeadDim) * 2;
     const int group = static_cast<int>(std::clamp<int64_t>(l2 / 2 / head_bytes, 1, hq));
+    // The (request, rows) items heaviest first, once; then per head group each item on each of
+    // the group's heads, written in place.
+    items.clear();
+    for (int i = 0; i < bs; ++i) {
+      for (int f0 = 0; f0 < layout.query_lens[i]; f0 += kPrefillTileRows)
+        items.push_back({i, f0, 0, 0});
+    }
     auto keys = [&](const WorkItem& w) {
       return causal ? std::min(layout.query_lens[w.req], w.f0 + kPrefillTileRows) : kv_len(w.req);
     };
+    std::stable_sort(items.begin(), items.end(),
+                     [&](const WorkItem& a, const WorkItem& b) { return keys(a) > keys(b); });
+    part.num_items = static_cast<int>(items.size()) * hq;
+    part.work_off = reserve(static_cast<size_t>(part.num_items) * sizeof(WorkItem));
+    auto* unit = reinterpret_cast<WorkItem*>(bytes.data() + part.work_off);
+    for (int h0 = 0; h0 < hq; h0 += group) {
+      const int h1 = std::min(hq, h0 + group);
+      for (const WorkItem& w : items) {
+        for (int h = h0; h < h1; ++h) *unit++ = {w.req, w.f0, 0, h};
+      }
+    }
+  };
     for (int h0 = 0; h0 < hq; h0 += group) {
       const size_t first = items.size();
       for (int i = 0; i < bs; ++i) {
