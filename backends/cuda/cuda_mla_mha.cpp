@@ -137,21 +137,6 @@ void CudaBackend::plan_mla_mha(const ForwardBatch& batch) {
       }
     }
   };
-    for (int h0 = 0; h0 < hq; h0 += group) {
-      const size_t first = items.size();
-      for (int i = 0; i < bs; ++i) {
-        for (int f0 = 0; f0 < layout.query_lens[i]; f0 += kPrefillTileRows) {
-          for (int h = h0; h < std::min(hq, h0 + group); ++h) items.push_back({i, f0, 0, h});
-        }
-      }
-      std::stable_sort(items.begin() + static_cast<std::ptrdiff_t>(first), items.end(),
-                       [&](const WorkItem& a, const WorkItem& b) { return keys(a) > keys(b); });
-    }
-    part.num_items = static_cast<int>(items.size());
-    part.work_off = reserve(items.size() * sizeof(WorkItem));
-    if (!items.empty())
-      std::memcpy(bytes.data() + part.work_off, items.data(), items.size() * sizeof(WorkItem));
-  };
   add_part(
       mp.causal, true, layout.num_tokens, [&](int i) { return layout.query_lens[i]; },
       [&](int i) { return layout.query_start[i]; });
