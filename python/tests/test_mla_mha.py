@@ -140,3 +140,85 @@ def test_mha_form_calls_refuse_an_absorbed_step():
         rt.forward_mla_mha(0, q, k, torch.randn(4, HEADS, V), torch.randn(4, 1, ROW))
     rt.end_step()
     rt.close()
+
+
+CUDA_OK, CUDA_WHY = attnrt.cuda_status()
+
+
+@pytest.mark.skipif(not (CUDA_OK and torch.cuda.is_available()),
+                    reason=f"no usable CUDA device: {CUDA_WHY}")
+def test_mha_form_on_cuda_uses_the_tensors_in_place(seed):
+    """DeepSeek-V3's dims on the cuda backend with torch CUDA tensors: out / lse written in place
+    (their own data_ptr), the latent rows gathered into a CUDA tensor, three chunks, against
+    float64 torch over the pool rows each query sees."""
+    heads, rank, rope, nope, vd = 16, 512, 64, 128, 128
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 1, "num_attention_heads": heads,
+           "kv_lora_rank": rank, "qk_rope_head_dim": rope, "qk_nope_head_dim": nope,
+           "v_head_dim": vd, "rope_scaling": None, "max_position_embeddings": 4096,
+           "torch_dtype": "bfloat16"}
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    prefix, extend = [300, 77], [150, 9]
+    rt = attnrt.Runtime(cfg, dtype=torch.bfloat16, attention_backend="cuda", page_size=64,
+                        max_requests=4, kv_slots=2048, max_num_tokens=512, cuda_graphs=False,
+                        chunked_prefix_cache_threshold=1, max_chunk_capacity=256)
+    pool = rt.kv_buffers(0)[0]
+    assert pool.is_cuda
+    rows, slots, new_slots = [], [], []
+    for p, e in zip(prefix, extend):
+        row = rt.alloc_request()
+        s = rt.alloc_extend([0], [p + e], [-1])
+        rt.write_req_to_token(row, 0, s)
+        pool[torch.tensor(s[:p], device="cuda")] = torch.randn(
+            p, 1, rank + rope, generator=gen, device="cuda").to(torch.bfloat16)
+        rows.append(row)
+        slots.append(s)
+        new_slots += s[p:]
+    T = sum(extend)
+    positions = [p + t for p, e in zip(prefix, extend) for t in range(e)]
+    rt.begin_step(attnrt.ForwardBatch("EXTEND", rows, [p + e for p, e in zip(prefix, extend)],
+                                      new_slots, extend_prefix_lens=prefix,
+                                      extend_seq_lens=extend, positions=positions))
+    assert rt.mla_form() == "mha"
+    plan = rt.prefix_chunk_plan()
+    assert len(plan["chunks"]) == 3  # 128 prefix positions per request per chunk
+    uk = (torch.randn(heads, rank, nope, generator=gen, device="cuda") / rank ** 0.5)
+    uv = (torch.randn(heads, rank, vd, generator=gen, device="cuda") / rank ** 0.5)
+
+    def decompress(lat):
+        c, r = lat[:, 0, :rank].float(), lat[:, 0, rank:].float()
+        k = torch.cat([torch.einsum("nr,hrd->nhd", c, uk), r[:, None].expand(-1, heads, -1)], -1)
+        return (k.to(torch.bfloat16).contiguous(),
+                torch.einsum("nr,hrd->nhd", c, uv).to(torch.bfloat16).contiguous())
+
+    q = torch.randn(T, heads, nope + rope, generator=gen, device="cuda").to(torch.bfloat16)
+    latent = torch.randn(T, 1, rank + rope, generator=gen, device="cuda").to(torch.bfloat16)
+    k, v = decompress(latent)
+    out = torch.full((T, heads, vd), float("nan"), device="cuda", dtype=torch.bfloat16)
+    lse = torch.full((T, heads), float("nan"), device="cuda")
+    o2, l2 = rt.forward_mla_mha(0, q, k, v, latent, out, lse)
+    assert o2.data_ptr() == out.data_ptr() and l2.data_ptr() == lse.data_ptr()
+    for c, chunk in enumerate(plan["chunks"]):
+        lat = rt.gather_prefix_chunk(0, c)
+        assert lat.is_cuda and lat.shape == (chunk["num_tokens"], 1, rank + rope)
+        assert torch.equal(lat, pool[torch.tensor(chunk["slots"], device="cuda")])
+        k_c, v_c = decompress(lat)
+        rt.forward_mla_prefix_chunk(0, c, q, k_c, v_c, out, lse)
+    rt.end_step()
+    torch.cuda.synchronize()
+    assert torch.equal(pool[torch.tensor(new_slots, device="cuda")], latent)
+
+    # float64: each query against its request's decompressed prefix and extend tokens 0..t.
+    scale = rt.layers[0]["scaling"]
+    i = 0
+    for r, (p, e) in enumerate(zip(prefix, extend)):
+        keys_lat = pool[torch.tensor(slots[r], device="cuda")]
+        kk, vv = decompress(keys_lat)
+        kk, vv = kk.double(), vv.double()
+        for t in range(e):
+            s = scale * torch.einsum("hd,nhd->hn", q[i].double(), kk[:p + t + 1])
+            want = torch.einsum("hn,nhd->hd", torch.softmax(s, -1), vv[:p + t + 1])
+            torch.testing.assert_close(out[i].double(), want, rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(lse[i].double(), torch.logsumexp(s, -1), rtol=1e-3,
+                                       atol=1e-3)
+            i += 1
+    rt.close()
