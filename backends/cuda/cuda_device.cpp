@@ -49,6 +49,35 @@ CudaDeviceInfo probe_device() {
                               info.driver_version, info.runtime_version);
     return info;
   }
+  for (int i = 0; i < info.device_count; ++i) {
+    cudaDeviceProp p{};
+    if (cudaGetDeviceProperties(&p, i) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    char bus[32] = {};
+    cudaDeviceGetPCIBusId(bus, sizeof(bus), i);
+    info.gpus.push_back(fmt::format("{}: {}, {:.1f} GiB, {} SMs, PCI {}", i, p.name,
+                                    static_cast<double>(p.totalGlobalMem) / (1 << 30),
+                                    p.multiProcessorCount, bus));
+  }
+  for (int i = 0; i < info.device_count; ++i) {
+    for (int j = i + 1; j < info.device_count; ++j) {
+      int access = 0, atomics = 0, rank = 0;
+      cudaDeviceCanAccessPeer(&access, i, j);
+      cudaDeviceGetP2PAttribute(&atomics, cudaDevP2PAttrNativeAtomicSupported, i, j);
+      cudaDeviceGetP2PAttribute(&rank, cudaDevP2PAttrPerformanceRank, i, j);
+      cudaGetLastError();
+      info.links.push_back(
+          !access   ? fmt::format("{}-{}: no peer access (copies go through host memory)", i, j)
+          : atomics ? fmt::format("{}-{}: NVLink (peer access with native atomics, performance "
+                                  "rank {})",
+                                  i, j, rank)
+                    : fmt::format("{}-{}: PCIe (peer access without native atomics, performance "
+                                  "rank {})",
+                                  i, j, rank));
+    }
+  }
   info.usable = true;
   return info;
 }

@@ -45,6 +45,8 @@ _OPTIONS = {
     "disable_chunked_prefix_cache": bool,
     "chunked_prefix_cache_threshold": int,
     "max_chunk_capacity": int,
+    "dsa_prefill_backend": str,
+    "dsa_decode_backend": str,
 }
 _CONFIG = {
     "max_requests": int,
@@ -201,7 +203,8 @@ class Runtime:
         speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens,
         linear_attn_backend, linear_attn_prefill_backend, linear_attn_decode_backend, num_threads,
         deterministic; MLA's MHA form (docs/mla.md): disable_chunked_prefix_cache,
-        chunked_prefix_cache_threshold, max_chunk_capacity.
+        chunked_prefix_cache_threshold, max_chunk_capacity; DSA models (docs/dsa.md):
+        dsa_prefill_backend, dsa_decode_backend.
     Sizes: max_requests, kv_slots, max_num_tokens, max_context_len, swa_full_tokens_ratio,
         linear_state_slots, linear_verify_requests, cuda_graphs, cuda_graph_max_bs,
         cuda_graph_batch_sizes.
@@ -411,10 +414,16 @@ class Runtime:
                                 _host_ints(accept, "spec_info.accept_length"), kind, bs)
 
     def forward(self, layer_id: int, q, k, v, out=None, *, save_kv: bool = True, sinks=None,
-                lse=None):
+                lse=None, index_q=None, index_k=None, index_weights=None, index_topk=None):
         """Attention of one layer for the step begun: stores k / v (when save_kv) and attends.
         q [T, Hq, D] (or [T, Hq*D]), k / v [T, Hkv, D] (or flat), out [T, Hq, Dv] (or flat) or
-        None (a new [T, Hq, Dv] tensor). Returns out."""
+        None (a new [T, Hq, Dv] tensor). Returns out.
+
+        DSA layers (a model with an indexer, e.g. deepseek-v3.2; docs/dsa.md) also take the
+        indexer's inputs: index_q [T, index_n_heads, index_head_dim], index_k [T, index_head_dim]
+        (stored in the layer's index-key cache with the latent rows; None when save_kv is off),
+        index_weights [T, index_n_heads]; index_topk, an int32 [T, index_topk] tensor, receives
+        each token's selected token indices (increasing, -1 after the last) when given."""
         if out is None:
             info = self.layers.get(layer_id)
             if info is None:
@@ -425,9 +434,12 @@ class Runtime:
         if self._capturing:
             self._use_current_stream()  # the capture runs on a stream of its own
         try:
-            self._rt.forward(layer_id, q, k, v, out, save_kv, sinks, lse)
+            self._rt.forward(layer_id, q, k, v, out, save_kv, sinks, lse, index_q, index_k,
+                             index_weights, index_topk)
         except TypeError as e:
-            _explain_tensor_error(e, q=q, k=k, v=v, out=out, sinks=sinks, lse=lse)
+            _explain_tensor_error(e, q=q, k=k, v=v, out=out, sinks=sinks, lse=lse,
+                                  index_q=index_q, index_k=index_k, index_weights=index_weights,
+                                  index_topk=index_topk)
             raise
         return out
 

@@ -481,7 +481,8 @@ class Runtime {
   }
 
   void forward(int layer_id, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
-               bool save_kv, nb::handle sinks, nb::handle lse) {
+               bool save_kv, nb::handle sinks, nb::handle lse, nb::handle index_q,
+               nb::handle index_k, nb::handle index_weights, nb::handle index_topk) {
     AttentionRuntime& r = rt();
     const LayerSpec& l = layer(layer_id);
     if (capturing_) follow_stream();
@@ -500,6 +501,12 @@ class Runtime {
       a.sinks = s.ptr<const float>();
     }
     a.lse = tensor_of(lse, "lse");
+    // DSA layers (docs/dsa.md): the indexer's inputs, any float dtype and strides; index_topk an
+    // optional int32 [T, index_topk] output of the selection.
+    a.indexer.q = tensor_of(index_q, "index_q");
+    a.indexer.k = tensor_of(index_k, "index_k");
+    a.indexer.weights = tensor_of(index_weights, "index_weights");
+    a.indexer.topk = tensor_of(index_topk, "index_topk");
     r.forward(layer_id, a);
   }
 
@@ -634,6 +641,10 @@ nb::dict layer_dict(const LayerSpec& l) {
   d["qk_nope_head_dim"] = l.qk_nope_head_dim;
   d["mha_v_head_dim"] = l.mha_v_head_dim;
   d["uses_kv_cache"] = l.uses_kv_cache();
+  // DSA layers (docs/dsa.md): the indexer's dims, 0 where the layer has none.
+  d["index_topk"] = l.indexer.index_topk;
+  d["index_n_heads"] = l.indexer.index_n_heads;
+  d["index_head_dim"] = l.indexer.index_head_dim;
   return d;
 }
 
@@ -673,7 +684,9 @@ NB_MODULE(_native, m) {
       .def_rw("deterministic", &Options::deterministic)
       .def_rw("disable_chunked_prefix_cache", &Options::disable_chunked_prefix_cache)
       .def_rw("chunked_prefix_cache_threshold", &Options::chunked_prefix_cache_threshold)
-      .def_rw("max_chunk_capacity", &Options::max_chunk_capacity);
+      .def_rw("max_chunk_capacity", &Options::max_chunk_capacity)
+      .def_rw("dsa_prefill_backend", &Options::dsa_prefill_backend)
+      .def_rw("dsa_decode_backend", &Options::dsa_decode_backend);
 
   nb::class_<RuntimeConfig>(m, "RuntimeConfig")
       .def(nb::init<>())
@@ -810,7 +823,9 @@ NB_MODULE(_native, m) {
            [](Runtime& r) { return r.rt().cuda_graph_seq_len_fill_value(); })
       .def("forward", &Runtime::forward, "layer_id"_a, "q"_a.none(), "k"_a.none(), "v"_a.none(),
            "out"_a.none(), "save_kv"_a = true, "sinks"_a.none() = nb::none(),
-           "lse"_a.none() = nb::none())
+           "lse"_a.none() = nb::none(), "index_q"_a.none() = nb::none(),
+           "index_k"_a.none() = nb::none(), "index_weights"_a.none() = nb::none(),
+           "index_topk"_a.none() = nb::none())
       .def("forward_linear", &Runtime::forward_linear, "layer_id"_a, "mixed_qkv"_a, "a"_a,
            "b"_a.none(), "conv_weight"_a, "conv_bias"_a.none(), "A_log"_a, "dt_bias"_a,
            "D"_a.none(), "out"_a)

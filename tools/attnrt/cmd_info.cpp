@@ -337,6 +337,8 @@ void run_info(CLI::App& cmd, const InfoArgs& args) {
                    {"sm_count", cuda.sm_count},
                    {"total_memory_bytes", cuda.total_memory},
                    {"driver_version", cuda.driver_version},
+                   {"gpus", cuda.gpus},
+                   {"links", cuda.links},
                    {"runtime_version", cuda.runtime_version}};
     json backends = json::array();
     for (const BackendEntry& e : registry.entries()) {
@@ -378,6 +380,12 @@ void run_info(CLI::App& cmd, const InfoArgs& args) {
         "{}\n",
         cuda.name, cuda.cc_major, cuda.cc_minor, cuda.sm_count, gib(cuda.total_memory),
         cuda.device_count, cuda_version(cuda.driver_version), cuda_version(cuda.runtime_version));
+    for (const std::string& g : cuda.gpus) fmt::print("  GPU {}\n", g);
+    if (cuda.device_count > 1) {
+      for (const std::string& l : cuda.links) fmt::print("  link {}\n", l);
+    } else {
+      fmt::print("  links: one GPU, no peers (--dcp-size and --tp-size > 1 need more)\n");
+    }
   } else {
     fmt::print("CUDA:  no usable device: {}\n", cuda.reason);
   }

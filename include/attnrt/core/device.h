@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 namespace attnrt {
 
@@ -15,6 +16,11 @@ struct CudaDeviceInfo {
   int sm_count = 0;
   size_t total_memory = 0;
   size_t l2_bytes = 0;  // the L2 cache
+  // Every device ("index: name, memory, SMs, PCI bus id") and every pair's link as the runtime sees
+  // it ("i-j: ..."): peer access with native atomics (NVLink), peer access without them (PCIe P2P),
+  // or none (through host memory). Without NVML the link kind is inferred from these attributes.
+  std::vector<std::string> gpus;
+  std::vector<std::string> links;
   int driver_version = 0, runtime_version = 0;
 };
 

@@ -1,0 +1,92 @@
+"""DSA (DeepSeek V3.2's sparse attention, docs/dsa.md) from Python: a small deepseek_v32 config with
+an indexer, a prefill longer than index_topk, then a decode, on the cpu backend against the
+reference backend: the same selections (index_topk output) and outputs. Also the options and
+the errors of misused indexer inputs.
+
+Inputs are drawn fresh from a seed printed with every failure (ATTNRT_TEST_SEED replays one)."""
+import pytest
+
+torch = pytest.importorskip("torch")
+attnrt = pytest.importorskip("attnrt")
+
+HEADS, RANK, ROPE, NOPE, V = 4, 64, 16, 32, 24
+ROW = RANK + ROPE
+TOPK, IH, ID = 8, 4, 32
+
+
+def dsa_config():
+    return {"model_type": "deepseek_v32", "num_hidden_layers": 1, "num_attention_heads": HEADS,
+            "kv_lora_rank": RANK, "qk_rope_head_dim": ROPE, "qk_nope_head_dim": NOPE,
+            "v_head_dim": V, "index_topk": TOPK, "index_n_heads": IH, "index_head_dim": ID,
+            "rope_scaling": None, "max_position_embeddings": 1024, "torch_dtype": "float32"}
+
+
+def run(backend, steps):
+    rt = attnrt.Runtime(dsa_config(), dtype=torch.float32, attention_backend=backend,
+                        page_size=16, max_requests=4, kv_slots=512, max_num_tokens=64)
+    info = rt.layers[0]
+    assert (info["index_topk"], info["index_n_heads"], info["index_head_dim"]) == (TOPK, IH, ID)
+    lens = [20, 13]
+    rows = [rt.alloc_request() for _ in lens]
+    slots = [rt.alloc_extend([0], [n + 1], [-1]) for n in lens]
+    for r, s in zip(rows, slots):
+        rt.write_req_to_token(r, 0, s)
+    results = []
+    # Step 1: the prompts (EXTEND without a prefix); step 2: one decode token each.
+    batches = [
+        attnrt.ForwardBatch("EXTEND", rows, lens, [x for s, n in zip(slots, lens) for x in s[:n]],
+                            extend_prefix_lens=[0, 0], extend_seq_lens=lens,
+                            positions=[t for n in lens for t in range(n)]),
+        attnrt.ForwardBatch("DECODE", rows, [n + 1 for n in lens], [s[n] for s, n in zip(slots, lens)],
+                            positions=list(lens)),
+    ]
+    for batch, (q, lat, iq, ik, iw) in zip(batches, steps):
+        T = q.shape[0]
+        out = torch.full((T, HEADS, RANK), float("nan"))
+        topk = torch.full((T, TOPK), -7, dtype=torch.int32)
+        rt.begin_step(batch)
+        rt.forward(0, q, lat, lat[:, :, :RANK], out, index_q=iq, index_k=ik, index_weights=iw,
+                   index_topk=topk)
+        rt.end_step()
+        results.append((out, topk))
+    rt.close()
+    return results
+
+
+def draw(gen, T):
+    return (torch.randn(T, HEADS, ROW, generator=gen), torch.randn(T, 1, ROW, generator=gen),
+            torch.randn(T, IH, ID, generator=gen), torch.randn(T, ID, generator=gen),
+            torch.rand(T, IH, generator=gen))
+
+
+def test_cpu_matches_reference_selection_and_output(seed):
+    gen = torch.Generator().manual_seed(seed)
+    steps = [draw(gen, 33), draw(gen, 2)]
+    want = run("reference", steps)
+    got = run("cpu", steps)
+    for (o, k), (wo, wk) in zip(got, want):
+        assert torch.equal(k, wk)
+        torch.testing.assert_close(o, wo, rtol=2e-4, atol=2e-4)
+    # A prompt token t selects min(t + 1, TOPK) tokens: every one of them when it has fewer.
+    k = want[0][1]
+    assert (k[0, 1:] == -1).all() and k[0, 0] == 0
+    assert (k[19] >= 0).all() and (k[19] <= 19).all()
+
+
+def test_indexer_inputs_are_checked():
+    rt = attnrt.Runtime(dsa_config(), dtype=torch.float32, attention_backend="cpu", page_size=16,
+                        max_requests=2, kv_slots=128, dsa_decode_backend="cpu")
+    row = rt.alloc_request()
+    s = rt.alloc_extend([0], [4], [-1])
+    rt.write_req_to_token(row, 0, s)
+    rt.begin_step(attnrt.ForwardBatch("EXTEND", [row], [4], s, extend_prefix_lens=[0],
+                                      extend_seq_lens=[4], positions=list(range(4))))
+    q, lat = torch.randn(4, HEADS, ROW), torch.randn(4, 1, ROW)
+    with pytest.raises(attnrt.Error, match="index"):
+        rt.forward(0, q, lat, lat[:, :, :RANK], torch.empty(4, HEADS, RANK))
+    with pytest.raises(attnrt.Error, match="index"):
+        rt.forward(0, q, lat, lat[:, :, :RANK], torch.empty(4, HEADS, RANK),
+                   index_q=torch.randn(4, IH, ID + 1), index_k=torch.randn(4, ID),
+                   index_weights=torch.rand(4, IH))
+    rt.end_step()
+    rt.close()
