@@ -46,6 +46,22 @@ class Weights:
         return torch.einsum("thr,hrd->thd", out_lat, self.uv.to(out_lat.dtype))
 
 
+def place_requests(rt, pool, prefix, extend, rows_of):
+    """One request per (prefix, extend): its slots allocated and written to req_to_token, its
+    prefix rows in the latent pool from rows_of(prefix). Returns (rows, slots, the step's new
+    slots)."""
+    rows, slots, new_slots = [], [], []
+    for p, e in zip(prefix, extend):
+        row = rt.alloc_request()
+        s = rt.alloc_extend([0], [p + e], [-1])
+        rt.write_req_to_token(row, 0, s)
+        pool[torch.tensor(s[:p], device=pool.device)] = rows_of(p)
+        rows.append(row)
+        slots.append(s)
+        new_slots += s[p:]
+    return rows, slots, new_slots
+
+
 def test_mha_form_with_two_chunks_equals_the_absorbed_form(seed):
     gen = torch.Generator().manual_seed(seed)
     prefix, extend = [40, 23], [6, 9]
@@ -61,15 +77,8 @@ def test_mha_form_with_two_chunks_equals_the_absorbed_form(seed):
 
     # Requests whose prefixes are already in the latent pool (random rows written in place).
     pool = rt.kv_buffers(0)[0]  # [rows, 1, R + P], zero-copy
-    rows, slots, new_slots = [], [], []
-    for p, e in zip(prefix, extend):
-        row = rt.alloc_request()
-        s = rt.alloc_extend([0], [p + e], [-1])
-        rt.write_req_to_token(row, 0, s)
-        pool[torch.tensor(s[:p])] = torch.randn(p, 1, ROW, generator=gen)
-        rows.append(row)
-        slots.append(s)
-        new_slots += s[p:]
+    rows, slots, new_slots = place_requests(
+        rt, pool, prefix, extend, lambda p: torch.randn(p, 1, ROW, generator=gen))
     T = sum(extend)
     positions = [p + t for p, e in zip(prefix, extend) for t in range(e)]
     rt.begin_step(attnrt.ForwardBatch("EXTEND", rows, [p + e for p, e in zip(prefix, extend)],
@@ -163,16 +172,9 @@ def test_mha_form_on_cuda_uses_the_tensors_in_place(seed):
                         chunked_prefix_cache_threshold=1, max_chunk_capacity=256)
     pool = rt.kv_buffers(0)[0]
     assert pool.is_cuda
-    rows, slots, new_slots = [], [], []
-    for p, e in zip(prefix, extend):
-        row = rt.alloc_request()
-        s = rt.alloc_extend([0], [p + e], [-1])
-        rt.write_req_to_token(row, 0, s)
-        pool[torch.tensor(s[:p], device="cuda")] = torch.randn(
-            p, 1, rank + rope, generator=gen, device="cuda").to(torch.bfloat16)
-        rows.append(row)
-        slots.append(s)
-        new_slots += s[p:]
+    rows, slots, new_slots = place_requests(
+        rt, pool, prefix, extend,
+        lambda p: torch.randn(p, 1, rank + rope, generator=gen, device="cuda").to(torch.bfloat16))
     T = sum(extend)
     positions = [p + t for p, e in zip(prefix, extend) for t in range(e)]
     rt.begin_step(attnrt.ForwardBatch("EXTEND", rows, [p + e for p, e in zip(prefix, extend)],
