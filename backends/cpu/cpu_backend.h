@@ -37,6 +37,7 @@ class CpuBackend final : public OnePathAttnBackend {
     int64_t items = 0;
     int64_t merges = 0;          // rows whose keys were split over several items
     int64_t single_query = 0;    // items run by the single-query kernel
+    int threads = 1;             // threads the layer runs on (as many as its work keeps busy)
   };
   WorkSummary work_summary(const LayerSpec& layer) const;
 
@@ -63,6 +64,7 @@ class CpuBackend final : public OnePathAttnBackend {
     std::vector<cpu::WorkItem> items;
     std::vector<cpu::MergeItem> merges;
     int64_t partial_floats = 0;
+    int threads = 1;  // at most num_threads_, fewer for little work
   };
 
   // The MHA form's work: requests whose keys are rows of the call's own k / v (the causal part:
