@@ -31,6 +31,7 @@ namespace conf = attnrt::conformance;
 struct CheckArgs {
   std::string backend;
   int64_t cases = 200;
+  int64_t first_case = 0;
   uint64_t seed = 0;
   bool seed_given = false;  // else the seed is drawn from the clock
   std::vector<std::string> features;
@@ -103,7 +104,8 @@ void check(const CheckArgs& a) {
     // Each case on one thread (the reference's float64 loops included) and the cases spread over
     // the jobs: small cases would spend more on waking threads than on their arithmetic.
     omp_set_num_threads(1);
-    for (int64_t k = next++; k < a.cases; k = next++) {
+    for (int64_t i = next++; i < a.cases; i = next++) {
+      const int64_t k = a.first_case + i;
       try {
         const std::optional<conf::Feature> f =
             focus.empty()
@@ -134,9 +136,12 @@ void check(const CheckArgs& a) {
   bar.finish();
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 
-  std::printf("conformance of '%s' against reference: %lld random cases%s, seed %llu (%s)\n\n",
+  std::printf("conformance of '%s' against reference: %lld random cases%s%s, seed %llu (%s)\n\n",
               a.backend.c_str(), static_cast<long long>(a.cases),
               focus.empty() ? "" : " around the chosen features",
+              a.first_case == 0
+                  ? ""
+                  : fmt::format(" ({} .. {})", a.first_case, a.first_case + a.cases - 1).c_str(),
               static_cast<unsigned long long>(seed),
               a.seed_given ? "--seed" : "drawn from the clock; pass --seed to repeat the run");
   const std::string head = fmt::format("{:<18} {:>9} {:>9} {:>10} {:>10}  {}\n", "feature", "cases",
@@ -208,6 +213,12 @@ void add_check_command(CLI::App& app) {
                   "Seed of the random cases; unset: drawn from the clock (printed, so a failing "
                   "run can be repeated)")
       ->check(seed_value());
+  cmd->add_option("--first-case", args->first_case,
+                  "Index of the first case: runs cases K .. K + N - 1 of the seed's sequence (a "
+                  "failure names its case index; --first-case K --cases 1 runs it alone, and a "
+                  "long run can be split into pieces)")
+      ->check(int_in(0, int64_t{1} << 50))
+      ->capture_default_str();
   std::string names;
   for (conf::Feature f : conf::all_features()) {
     names += (names.empty() ? "" : ", ") + std::string(conf::feature_name(f));
