@@ -33,9 +33,9 @@ constexpr int32_t kSplitAlign = 64;
 constexpr int32_t kDeterministicSplitKeys = 2048;
 // q heads per kv head from which single queries run as tiles of heads too.
 constexpr int kWideGroup = 16;
-// Multiply-adds (query row x key x (qk dim + v dim)) a thread must get before another one is woken
-// for a layer: about a tenth of a millisecond of one core. Below it the fork and join cost more
-// than they save, and on a shared machine idle-spinning threads steal the cores others need.
+// Multiply-adds a thread must get before another one is woken for a call: about a tenth of a
+// millisecond of one core. Below it the fork and join cost more than they save, and on a shared
+// machine idle-spinning threads steal the cores others need.
 constexpr int64_t kMinMacsPerThread = int64_t{1} << 21;
 
 int v_dim_of(const LayerSpec& layer) {
@@ -79,6 +79,11 @@ int cpu_num_threads(const Options* options) {
     return value;
   }
   return std::max(1, omp_get_num_procs());
+}
+
+int cpu_threads_for(int64_t macs, int max_threads) {
+  return static_cast<int>(
+      std::clamp<int64_t>(macs / kMinMacsPerThread, 1, std::max(1, max_threads)));
 }
 
 std::string cpu_simd_target() { return cpu::simd_target_name(); }
@@ -282,9 +287,7 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
   for (const Pending& p : pending) total += p.cost * p.tasks;
   const bool deterministic = ctx_.options != nullptr && ctx_.options->deterministic;
   // Only as many threads as the work keeps busy (small decode batches run on one).
-  const int64_t macs = total * (kv.head_dim + key.v_dim);
-  var.threads =
-      static_cast<int>(std::clamp<int64_t>(macs / kMinMacsPerThread, 1, std::max(1, num_threads_)));
+  var.threads = cpu_threads_for(total * (kv.head_dim + key.v_dim), num_threads_);
   // A task longer than a quarter of a thread's share is split over its keys so that a few long
   // requests (or one) still occupy every thread.
   const int64_t target = std::max<int64_t>(1, total / (4 * int64_t{var.threads}));

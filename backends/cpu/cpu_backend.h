@@ -124,6 +124,11 @@ class CpuBackend final : public OnePathAttnBackend {
 // ATTNRT_NUM_THREADS, else every core. Throws attnrt::Error for a malformed value.
 int cpu_num_threads(const Options* options);
 
+// Threads worth waking for `macs` multiply-adds of one call: one per 2M (about a tenth of a
+// millisecond of a core), at least 1, at most `max_threads`. Small decode steps stay on one
+// thread instead of fanning out to every core of a possibly shared machine.
+int cpu_threads_for(int64_t macs, int max_threads);
+
 // The SIMD target the kernels dispatch to on this CPU ("AVX3", "AVX2", "NEON", ...).
 std::string cpu_simd_target();
 

@@ -7,8 +7,10 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <sstream>
+#include <thread>
 
 #include "attnrt/backend/registry.h"
 #include "attnrt/backend/selection.h"
@@ -115,6 +117,33 @@ CLI::Validator seed_value() {
 }
 
 int max_threads_option() { return max_num_threads(); }
+
+void warn_if_machine_busy(const Options& options) {
+  const char* env_threads = std::getenv("ATTNRT_NUM_THREADS");
+  const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+  // Only `reference` named for every phase: no cpu backend runs.
+  const bool reference_only =
+      options.attention_backend == "reference" &&
+      (options.prefill_attention_backend.empty() ||
+       options.prefill_attention_backend == "reference") &&
+      (options.decode_attention_backend.empty() || options.decode_attention_backend == "reference");
+  if (reference_only || options.num_threads > 0 ||
+      (env_threads != nullptr && *env_threads != '\0') || wait_policy != nullptr) {
+    return;
+  }
+  double load = 0;
+  if (std::FILE* f = std::fopen("/proc/loadavg", "r")) {
+    if (std::fscanf(f, "%lf", &load) != 1) load = 0;
+    std::fclose(f);
+  }
+  const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  if (cores == 1 || load < cores) return;
+  std::fprintf(stderr,
+               "note: this machine is busy (load average %.1f on %d hardware threads); the cpu "
+               "backends' idle OpenMP threads would spin between steps and slow everything "
+               "down: pass --threads 1, or set OMP_WAIT_POLICY=passive\n",
+               load, cores);
+}
 
 int report_parse_error(CLI::App& app, const CLI::ParseError& e) {
   if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version

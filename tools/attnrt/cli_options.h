@@ -38,6 +38,12 @@ CLI::Validator seed_value();
 // The largest --threads: four threads per hardware thread of this machine.
 int max_threads_option();
 
+// With a cpu backend's thread count left automatic (no --threads, no ATTNRT_NUM_THREADS) on a
+// machine whose 1-minute load average already reaches its hardware threads, prints a note on
+// stderr: OpenMP's idle threads spin between steps and take the cores other processes need (a
+// small trace ran 2-4x slower than on one thread), and says what to set instead.
+void warn_if_machine_busy(const Options& options);
+
 // Reports a parse error of `app` the way attnrt reports bad input: "error: ..." on stderr, the
 // option and the value named; an unknown option is named with the closest known one of its
 // subcommand. Returns the exit status: 0 for --help / --version (printed by CLI11), else 2.

@@ -86,6 +86,7 @@ void run(const RunArgs& a) {
     ATTNRT_CHECK(json_out->good(), "--json {}: cannot open the file for writing", a.json_path);
   }
 
+  warn_if_machine_busy(a.options);
   ProgressBar bar("run", !a.no_progress);
   bar.set_long_run_hint(
       "to shorten it: --layers N (fewer layers per step), --check-every N (a larger N checks fewer "
