@@ -18,6 +18,7 @@
 
 #include "attnrt/backend/options.h"
 #include "attnrt/backend/registry.h"
+#include "attnrt/backend/selection.h"
 #include "attnrt/core/dtype.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
@@ -633,7 +634,10 @@ TEST(CpuBackend, ThreadCountComesFromOptionsThenEnvironment) {
   EXPECT_NE(error_of([&] { cpu_num_threads(&o); }).find("ATTNRT_NUM_THREADS = 'two'"),
             std::string::npos);
   setenv("ATTNRT_NUM_THREADS", "0", 1);
-  EXPECT_NE(error_of([&] { cpu_num_threads(&o); }).find("positive integer"), std::string::npos);
+  EXPECT_NE(error_of([&] { cpu_num_threads(&o); }).find("an integer in [1, "), std::string::npos);
+  setenv("ATTNRT_NUM_THREADS", std::to_string(max_num_threads() + 1).c_str(), 1);
+  EXPECT_NE(error_of([&] { cpu_num_threads(&o); }).find("four per hardware thread"),
+            std::string::npos);
   unsetenv("ATTNRT_NUM_THREADS");
   EXPECT_GE(cpu_num_threads(&o), 1);
   if (saved) setenv("ATTNRT_NUM_THREADS", saved_value.c_str(), 1);

@@ -509,10 +509,17 @@ TEST(Selection, RejectsBadScalarOptions) {
   EXPECT_HAS(x.error(o), "--speculative-attention-mode 'verify' is not valid: use 'prefill'");
   o = Options{};
   o.page_size = -x.mk.uniform(0, 64);
-  EXPECT_HAS(x.error(o), fmt::format("--page-size {} is not valid: use 1", o.page_size));
+  EXPECT_HAS(x.error(o),
+             fmt::format("--page-size {} is not valid: use an integer in [1, 1024]", o.page_size));
+  o.page_size = kMaxPageSize + x.mk.uniform(1, 64);
+  EXPECT_HAS(x.error(o), fmt::format("--page-size {} is not valid", o.page_size));
   o = Options{};
   o.num_threads = -x.mk.uniform(1, 64);
-  EXPECT_HAS(x.error(o), fmt::format("--threads {} is negative", o.num_threads));
+  EXPECT_HAS(x.error(o), fmt::format("--threads {} is not valid: use 0 (automatic) or a thread "
+                                     "count in [1, {}]",
+                                     o.num_threads, max_num_threads()));
+  o.num_threads = max_num_threads() + 1;
+  EXPECT_HAS(x.error(o), fmt::format("--threads {} is not valid", o.num_threads));
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -427,13 +427,21 @@ TEST(SimScheduler, IdleUntilTheFirstArrival) {
   Scheduler s(parse_trace("{\"arrival_step\": 3, \"prompt_len\": 10, \"output_len\": 2}", "x"), cfg,
               pools.space());
   std::vector<ForwardMode> modes;
+  std::vector<int> iterations, indices;
   while (!s.done()) {
-    modes.push_back(s.next().batch.mode);
+    const ScheduledStep& step = s.next();
+    modes.push_back(step.batch.mode);
+    iterations.push_back(step.iterations);
+    indices.push_back(step.index);
     s.complete();
   }
-  EXPECT_EQ(modes,
-            (std::vector<ForwardMode>{ForwardMode::IDLE, ForwardMode::IDLE, ForwardMode::IDLE,
-                                      ForwardMode::EXTEND, ForwardMode::DECODE}));
+  // Nothing runs and nothing waits before iteration 3: one IDLE step stands for all three.
+  EXPECT_EQ(modes, (std::vector<ForwardMode>{ForwardMode::IDLE, ForwardMode::EXTEND,
+                                             ForwardMode::DECODE}));
+  EXPECT_EQ(iterations, (std::vector<int>{3, 1, 1}));
+  EXPECT_EQ(indices, (std::vector<int>{0, 3, 4}));
+  EXPECT_EQ(s.iteration(), 5);
+  EXPECT_EQ(s.steps_planned(), 5);
   expect_error([&] { s.next(); }, {"after every request finished"});
 }
 

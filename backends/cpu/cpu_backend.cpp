@@ -10,9 +10,10 @@
 #include <memory>
 #include <string>
 
-#include "attnrt/backend/options.h"
 #include "attnrt/backend/host_attn_checks.h"
 #include "attnrt/backend/host_backend_entry.h"
+#include "attnrt/backend/options.h"
+#include "attnrt/backend/selection.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "backends/cpu/kernels/attention_kernels.h"
@@ -32,6 +33,10 @@ constexpr int32_t kSplitAlign = 64;
 constexpr int32_t kDeterministicSplitKeys = 2048;
 // q heads per kv head from which single queries run as tiles of heads too.
 constexpr int kWideGroup = 16;
+// Multiply-adds a thread must get before another one is woken for a call: about a tenth of a
+// millisecond of one core. Below it the fork and join cost more than they save, and on a shared
+// machine idle-spinning threads steal the cores others need.
+constexpr int64_t kMinMacsPerThread = int64_t{1} << 21;
 
 int v_dim_of(const LayerSpec& layer) {
   return layer.v_head_dim > 0 ? layer.v_head_dim : layer.head_dim;
@@ -56,23 +61,29 @@ void set_io(cpu::LayerArgs& a, const TensorView& q, const TensorView& out, const
 
 int cpu_num_threads(const Options* options) {
   if (options != nullptr) {
-    ATTNRT_CHECK(options->num_threads >= 0,
-                 "cpu backend: num_threads = {}; use a positive thread count, or 0 for "
-                 "ATTNRT_NUM_THREADS / every core",
-                 options->num_threads);
+    ATTNRT_CHECK(options->num_threads >= 0 && options->num_threads <= max_num_threads(),
+                 "cpu backend: num_threads = {}; use a thread count in [1, {}] (four per hardware "
+                 "thread), or 0 for ATTNRT_NUM_THREADS / every core",
+                 options->num_threads, max_num_threads());
     if (options->num_threads > 0) return options->num_threads;
   }
   if (const char* env = std::getenv("ATTNRT_NUM_THREADS"); env != nullptr && *env != '\0') {
     const std::string text(env);
     int value = 0;
     const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    ATTNRT_CHECK(ec == std::errc() && end == text.data() + text.size() && value > 0,
-                 "ATTNRT_NUM_THREADS = '{}'; expected a positive integer (threads of the cpu "
-                 "backend), or unset it to use every core",
-                 text);
+    ATTNRT_CHECK(ec == std::errc() && end == text.data() + text.size() && value > 0 &&
+                     value <= max_num_threads(),
+                 "ATTNRT_NUM_THREADS = '{}'; expected an integer in [1, {}] (threads of the cpu "
+                 "backend, four per hardware thread at most), or unset it to use every core",
+                 text, max_num_threads());
     return value;
   }
   return std::max(1, omp_get_num_procs());
+}
+
+int cpu_threads_for(int64_t macs, int max_threads) {
+  return static_cast<int>(
+      std::clamp<int64_t>(macs / kMinMacsPerThread, 1, std::max(1, max_threads)));
 }
 
 std::string cpu_simd_target() { return cpu::simd_target_name(); }
@@ -275,9 +286,11 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
   int64_t total = 0;
   for (const Pending& p : pending) total += p.cost * p.tasks;
   const bool deterministic = ctx_.options != nullptr && ctx_.options->deterministic;
+  // Only as many threads as the work keeps busy (small decode batches run on one).
+  var.threads = cpu_threads_for(total * (kv.head_dim + key.v_dim), num_threads_);
   // A task longer than a quarter of a thread's share is split over its keys so that a few long
   // requests (or one) still occupy every thread.
-  const int64_t target = std::max<int64_t>(1, total / (4 * int64_t{num_threads_}));
+  const int64_t target = std::max<int64_t>(1, total / (4 * int64_t{var.threads}));
   for (const Pending& p : pending) {
     const cpu::WorkItem& it = p.item;
     std::vector<int32_t> cuts = {it.k0};
@@ -286,7 +299,7 @@ CpuBackend::Variant CpuBackend::build_variant(const VariantKey& key, const KVLay
            b += kDeterministicSplitKeys) {
         cuts.push_back(b);
       }
-    } else if (num_threads_ > 1) {
+    } else if (var.threads > 1) {
       const int32_t keys = it.k1 - it.k0;
       const int64_t by_work = (p.cost + target - 1) / target;
       const int64_t pieces = std::min<int64_t>(by_work, keys / kMinSplitKeys);
@@ -325,6 +338,7 @@ CpuBackend::WorkSummary CpuBackend::work_summary(const LayerSpec& layer) const {
   WorkSummary s;
   s.items = static_cast<int64_t>(var->items.size());
   s.merges = static_cast<int64_t>(var->merges.size());
+  s.threads = var->threads;
   for (const cpu::WorkItem& it : var->items) s.single_query += it.tile ? 0 : 1;
   return s;
 }
@@ -415,7 +429,7 @@ void CpuBackend::run_variant(const cpu::LayerArgs& a, const Variant& var,
   p.tree_words = tree_words_;
   p.zero_slot_is_absent = zero_slot_is_absent;
   p.partial = partial_.data();
-  p.num_threads = num_threads_;
+  p.num_threads = var.threads;
   cpu::run_attention(a, p);
 }
 

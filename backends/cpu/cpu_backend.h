@@ -37,6 +37,7 @@ class CpuBackend final : public OnePathAttnBackend {
     int64_t items = 0;
     int64_t merges = 0;          // rows whose keys were split over several items
     int64_t single_query = 0;    // items run by the single-query kernel
+    int threads = 1;             // threads the layer runs on (as many as its work keeps busy)
   };
   WorkSummary work_summary(const LayerSpec& layer) const;
 
@@ -63,6 +64,7 @@ class CpuBackend final : public OnePathAttnBackend {
     std::vector<cpu::WorkItem> items;
     std::vector<cpu::MergeItem> merges;
     int64_t partial_floats = 0;
+    int threads = 1;  // at most num_threads_, fewer for little work
   };
 
   // The MHA form's work: requests whose keys are rows of the call's own k / v (the causal part:
@@ -121,6 +123,11 @@ class CpuBackend final : public OnePathAttnBackend {
 // Threads the cpu backend runs: options->num_threads when > 0, else the environment variable
 // ATTNRT_NUM_THREADS, else every core. Throws attnrt::Error for a malformed value.
 int cpu_num_threads(const Options* options);
+
+// Threads worth waking for `macs` multiply-adds of one call: one per 2M (about a tenth of a
+// millisecond of a core), at least 1, at most `max_threads`. Small decode steps stay on one
+// thread instead of fanning out to every core of a possibly shared machine.
+int cpu_threads_for(int64_t macs, int max_threads);
 
 // The SIMD target the kernels dispatch to on this CPU ("AVX3", "AVX2", "NEON", ...).
 std::string cpu_simd_target();

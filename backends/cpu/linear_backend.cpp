@@ -106,7 +106,8 @@ void CpuLinearBackend::run_conv(const LayerSpec& layer, const LinearLayerState& 
   const int64_t items = static_cast<int64_t>(plan_.reqs.size()) * blocks;
   const int n = plan_.draft_tokens;
   y_.resize(x_.size());
-#pragma omp parallel num_threads(num_threads_)
+  const int threads = cpu_threads_for(plan_.num_tokens * dim * K, num_threads_);
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
     std::vector<float> win0(static_cast<size_t>(W) * kConvBlock), win(win0.size()),
         next(win0.size());
@@ -188,8 +189,10 @@ void CpuLinearBackend::run_recurrence(const LayerSpec& layer, const LinearLayerS
   const bool in_place = st.ssm_dtype == DType::f32;
   o_.resize(static_cast<size_t>(plan_.num_tokens * ow));
   const int64_t items = static_cast<int64_t>(plan_.reqs.size()) * heads;
+  // Per token and head: a few passes over the state (decay, k.S, the rank-1 update, q.S).
+  const int threads = cpu_threads_for(plan_.num_tokens * heads * per_head * 4, num_threads_);
 
-#pragma omp parallel num_threads(num_threads_)
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
     std::vector<float> work(in_place ? 0 : static_cast<size_t>(per_head));
     const size_t c_max =

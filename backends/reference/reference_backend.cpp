@@ -20,6 +20,17 @@ int64_t offset3(const TensorView& t, int64_t a, int64_t b, int64_t c) {
   return a * t.strides[0] + b * t.strides[1] + c * t.strides[2];
 }
 
+// The output row (and lse) of a row that met a NaN or an infinity.
+void write_nan_row(const AttnArgs& args, int64_t row, int h, int dv) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int d = 0; d < dv; ++d) {
+    store_from_float(args.out.data, args.out.dtype, offset3(args.out, row, h, d), nan);
+  }
+  if (!args.lse.empty()) {
+    args.lse.ptr<float>()[row * args.lse.strides[0] + h * args.lse.strides[1]] = nan;
+  }
+}
+
 }  // namespace
 
 ReferenceBackend::ReferenceBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {}
@@ -273,8 +284,13 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
       const std::vector<uint8_t>& vis = dsa ? selected[task / nh] : own;
       std::vector<double> q(dqk), scores(nkeys), acc(dv);
       const int g = h / group;
+      // A NaN or an infinity in q, or in K or V of a visible key, makes the row NaN
+      // (docs/backends.md, "NaN and infinity"); IEEE arithmetic alone would let some through (an
+      // infinite score capped by tanh, a -inf score weighted 0).
+      bool finite = true;
       for (int d = 0; d < dqk; ++d) {
         q[d] = load_as_float(args.q.data, args.q.dtype, offset3(args.q, row, h, d));
+        finite = finite && std::isfinite(q[d]);
       }
       double m = -std::numeric_limits<double>::infinity();
       for (int32_t j = 0; j < nkeys; ++j) {
@@ -282,6 +298,7 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
         const double* kr = kbuf.data() + (static_cast<size_t>(j) * hkv + g) * dqk;
         double dot = 0.0;
         for (int d = 0; d < dqk; ++d) dot += q[d] * kr[d];
+        finite = finite && std::isfinite(dot);
         double s = qk_scale * dot;
         if (cap > 0.0) s = cap * std::tanh(s / cap);
         scores[j] = s;
@@ -296,7 +313,14 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
         const double p = std::exp(scores[j] - m);
         den += p;
         const double* vr = vbuf.data() + (static_cast<size_t>(j) * hkv + g) * dv;
-        for (int d = 0; d < dv; ++d) acc[d] += p * vr[d];
+        for (int d = 0; d < dv; ++d) {
+          acc[d] += p * vr[d];
+          finite = finite && std::isfinite(vr[d]);
+        }
+      }
+      if (!finite) {
+        write_nan_row(args, row, h, dv);
+        continue;
       }
       // Every real row sees at least itself, so den > 0; the guard keeps an all-masked row at 0.
       const double norm = den > 0.0 ? kv.v_scale / den : 0.0;
@@ -323,10 +347,12 @@ double attend_rows(const TensorView& q, int64_t row, int h, const TensorView& k,
   const int dqk = static_cast<int>(q.shape[2]), dv = static_cast<int>(v.shape[2]);
   std::vector<double> qd(dqk), s(k1 - k0);
   for (int d = 0; d < dqk; ++d) qd[d] = load_as_float(q.data, q.dtype, offset3(q, row, h, d));
+  bool finite = std::all_of(qd.begin(), qd.end(), [](double x) { return std::isfinite(x); });
   double m = -std::numeric_limits<double>::infinity();
   for (int64_t j = k0; j < k1; ++j) {
     double dot = 0.0;
     for (int d = 0; d < dqk; ++d) dot += qd[d] * load_as_float(k.data, k.dtype, offset3(k, j, h, d));
+    finite = finite && std::isfinite(dot);
     double x = scale * dot;
     if (cap > 0.0) x = cap * std::tanh(x / cap);
     s[j - k0] = x;
@@ -338,7 +364,15 @@ double attend_rows(const TensorView& q, int64_t row, int h, const TensorView& k,
   for (int64_t j = k0; j < k1; ++j) {
     const double p = std::exp(s[j - k0] - m);
     den += p;
-    for (int d = 0; d < dv; ++d) o[d] += p * load_as_float(v.data, v.dtype, offset3(v, j, h, d));
+    for (int d = 0; d < dv; ++d) {
+      const double x = load_as_float(v.data, v.dtype, offset3(v, j, h, d));
+      o[d] += p * x;
+      finite = finite && std::isfinite(x);
+    }
+  }
+  if (!finite) {
+    o.assign(dv, std::numeric_limits<double>::quiet_NaN());
+    return std::numeric_limits<double>::quiet_NaN();
   }
   for (double& x : o) x /= den;
   return m + std::log(den);

@@ -7,6 +7,7 @@
 #include <array>
 #include <optional>
 #include <string_view>
+#include <thread>
 
 #include "attnrt/backend/hybrid_attn_backend.h"
 #include "attnrt/backend/hybrid_linear_attn_backend.h"
@@ -680,6 +681,10 @@ std::string foreign_backend_note(const std::string& name) {
       name, f->what, role);
 }
 
+int max_num_threads() {
+  return 4 * std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
 Selection resolve_backends(const Options& options, const ModelSpec& model,
                            const Registry& registry) {
   return resolve_backends(options, model, registry, query_cuda());
@@ -689,13 +694,13 @@ Selection resolve_backends(const Options& o, const ModelSpec& model, const Regis
                            const CudaDeviceInfo& cuda) {
   Selection sel;
   sel.spec_mode = parse_speculative_attention_mode(o.speculative_attention_mode);
-  ATTNRT_CHECK(o.page_size >= 1,
-               "--page-size {} is not valid: use 1 (token granularity) or a larger page size",
-               o.page_size);
-  ATTNRT_CHECK(
-      o.num_threads >= 0,
-      "--threads {} is negative: use 0 (ATTNRT_NUM_THREADS or all cores) or a thread count",
-      o.num_threads);
+  ATTNRT_CHECK(o.page_size >= 1 && o.page_size <= kMaxPageSize,
+               "--page-size {} is not valid: use an integer in [1, {}] (1 = token granularity)",
+               o.page_size, kMaxPageSize);
+  ATTNRT_CHECK(o.num_threads >= 0 && o.num_threads <= max_num_threads(),
+               "--threads {} is not valid: use 0 (automatic) or a thread count in [1, {}] (four "
+               "per hardware thread of this machine)",
+               o.num_threads, max_num_threads());
   const ModelNeeds needs(model);
   std::vector<std::string> setup_reasons;
   sel.kv_dtype = resolve_kv_dtype(o, model, setup_reasons);

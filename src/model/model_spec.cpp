@@ -76,6 +76,14 @@ bool ModelSpec::has_sliding_window() const {
 
 namespace {
 
+// Limits of a layer's shape. Real models stay far below them (128 q heads, head dims up to 576
+// with MLA's latent rows); beyond them the per-head buffers of the kernels and the KV rows of a
+// pool would be absurd or overflow their 32-bit offsets.
+constexpr int kMaxHeads = 1024;        // q, kv, linear and indexer heads of a layer
+constexpr int kMaxHeadDim = 1024;      // head_dim, v_head_dim, linear and indexer dims
+constexpr int kMaxLinearState = 1024;  // mamba2 d_state
+constexpr int kMaxConvKernel = 64;     // linear layers' short convolution
+
 // Every message starts with the model and layer so that a user with a 60-layer config can find the
 // offending entry.
 #define LAYER_CHECK(cond, fmtstr, ...)                                      \
@@ -83,15 +91,20 @@ namespace {
                layer_kind_name(l.kind), __VA_ARGS__)
 
 void validate_attention_layer(const std::string& name, const LayerSpec& l) {
-  LAYER_CHECK(l.num_q_heads > 0, "num_q_heads = {}; it must be > 0", l.num_q_heads);
-  LAYER_CHECK(l.num_kv_heads > 0, "num_kv_heads = {}; it must be > 0", l.num_kv_heads);
+  LAYER_CHECK(l.num_q_heads > 0 && l.num_q_heads <= kMaxHeads, "num_q_heads = {}; allowed: 1 to {}",
+              l.num_q_heads, kMaxHeads);
+  LAYER_CHECK(l.num_kv_heads > 0 && l.num_kv_heads <= kMaxHeads,
+              "num_kv_heads = {}; allowed: 1 to {}", l.num_kv_heads, kMaxHeads);
   LAYER_CHECK(l.num_q_heads % l.num_kv_heads == 0,
               "num_q_heads = {} is not a multiple of num_kv_heads = {}; every kv head must serve "
               "the same number of q heads",
               l.num_q_heads, l.num_kv_heads);
-  LAYER_CHECK(l.head_dim > 0, "head_dim = {}; it must be > 0", l.head_dim);
+  LAYER_CHECK(l.head_dim > 0 && l.head_dim <= kMaxHeadDim, "head_dim = {}; allowed: 1 to {}",
+              l.head_dim, kMaxHeadDim);
   LAYER_CHECK(l.v_head_dim > 0, "v_head_dim = {}; it must be set (> 0; usually = head_dim {})",
               l.v_head_dim, l.head_dim);
+  LAYER_CHECK(l.v_head_dim <= kMaxHeadDim, "v_head_dim = {}; allowed: 1 to {}", l.v_head_dim,
+              kMaxHeadDim);
   LAYER_CHECK(std::isfinite(l.scaling) && l.scaling >= 0.f,
               "scaling = {}; it must be a finite value >= 0 (0 = head_dim^-1/2)", l.scaling);
   LAYER_CHECK(std::isfinite(l.logit_cap) && l.logit_cap >= 0.f,
@@ -134,16 +147,27 @@ void validate_attention_layer(const std::string& name, const LayerSpec& l) {
               "indexer index_topk = {}, index_n_heads = {}, index_head_dim = {}; a DSA layer needs "
               "all three > 0 (or all 0 for no indexer)",
               ix.index_topk, ix.index_n_heads, ix.index_head_dim);
+  LAYER_CHECK(
+      ix.index_n_heads <= kMaxHeads && ix.index_head_dim <= kMaxHeadDim,
+      "indexer index_n_heads = {}, index_head_dim = {}; allowed: heads 1 to {}, dim 1 to {}",
+      ix.index_n_heads, ix.index_head_dim, kMaxHeads, kMaxHeadDim);
   LAYER_CHECK(l.causal(), "index_topk = {}; the indexer selects among earlier tokens, so a DSA "
               "layer must be causal (attn_type decoder)", ix.index_topk);
 }
 
 void validate_linear_layer(const std::string& name, const LayerSpec& l) {
   const LinearSpec& s = l.linear;
-  LAYER_CHECK(s.conv_kernel >= 1, "linear.conv_kernel = {}; it must be >= 1", s.conv_kernel);
+  LAYER_CHECK(s.conv_kernel >= 1 && s.conv_kernel <= kMaxConvKernel,
+              "linear.conv_kernel = {}; allowed: 1 to {}", s.conv_kernel, kMaxConvKernel);
   LAYER_CHECK(s.chunk_size >= 1, "linear.chunk_size = {}; it must be >= 1", s.chunk_size);
-  LAYER_CHECK(s.head_v_dim > 0, "linear.head_v_dim = {}; it must be > 0", s.head_v_dim);
-  LAYER_CHECK(s.num_v_heads > 0, "linear.num_v_heads = {}; it must be > 0", s.num_v_heads);
+  LAYER_CHECK(s.head_v_dim > 0 && s.head_v_dim <= kMaxHeadDim,
+              "linear.head_v_dim = {}; allowed: 1 to {}", s.head_v_dim, kMaxHeadDim);
+  LAYER_CHECK(s.num_v_heads > 0 && s.num_v_heads <= kMaxHeads,
+              "linear.num_v_heads = {}; allowed: 1 to {}", s.num_v_heads, kMaxHeads);
+  LAYER_CHECK(s.num_k_heads <= kMaxHeads && s.head_k_dim <= kMaxHeadDim,
+              "linear.num_k_heads = {}, linear.head_k_dim = {}; allowed: heads up to {}, dim up to "
+              "{}",
+              s.num_k_heads, s.head_k_dim, kMaxHeads, kMaxHeadDim);
   switch (l.kind) {
     case LayerKind::gdn:
       LAYER_CHECK(s.num_k_heads > 0, "linear.num_k_heads = {}; it must be > 0", s.num_k_heads);
@@ -160,7 +184,8 @@ void validate_linear_layer(const std::string& name, const LayerSpec& l) {
       LAYER_CHECK(s.head_k_dim > 0, "linear.head_k_dim = {}; it must be > 0", s.head_k_dim);
       break;
     case LayerKind::mamba2:
-      LAYER_CHECK(s.d_state > 0, "linear.d_state = {}; it must be > 0", s.d_state);
+      LAYER_CHECK(s.d_state > 0 && s.d_state <= kMaxLinearState,
+                  "linear.d_state = {}; allowed: 1 to {}", s.d_state, kMaxLinearState);
       LAYER_CHECK(s.n_groups > 0, "linear.n_groups = {}; it must be > 0", s.n_groups);
       LAYER_CHECK(s.num_v_heads % s.n_groups == 0,
                   "linear.num_v_heads = {} (heads) is not a multiple of linear.n_groups = {}",

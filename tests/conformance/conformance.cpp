@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <tuple>
 #include <utility>
@@ -18,7 +19,7 @@ namespace attnrt::conformance {
 
 namespace {
 
-constexpr std::array<std::pair<Feature, std::string_view>, 22> kFeatureNames{{
+constexpr std::array<std::pair<Feature, std::string_view>, 26> kFeatureNames{{
     {Feature::decode, "decode"},
     {Feature::extend_prefix, "extend_prefix"},
     {Feature::mixed, "mixed"},
@@ -41,7 +42,24 @@ constexpr std::array<std::pair<Feature, std::string_view>, 22> kFeatureNames{{
     {Feature::mla, "mla"},
     {Feature::head_dim_other, "head_dim_other"},
     {Feature::v_head_dim_differs, "v_head_dim_differs"},
+    {Feature::dsa, "dsa"},
+    {Feature::gdn, "gdn"},
+    {Feature::mamba2, "mamba2"},
+    {Feature::kda, "kda"},
 }};
+
+std::optional<LayerKind> linear_kind(Feature f) {
+  switch (f) {
+    case Feature::gdn:
+      return LayerKind::gdn;
+    case Feature::mamba2:
+      return LayerKind::mamba2;
+    case Feature::kda:
+      return LayerKind::kda;
+    default:
+      return std::nullopt;
+  }
+}
 
 constexpr std::array<Feature, kFeatureNames.size()> kFeatures = [] {
   std::array<Feature, kFeatureNames.size()> a{};
@@ -158,6 +176,16 @@ Feature parse_feature(std::string_view name) {
 }
 
 std::string unsupported_reason(const BackendCaps& caps, Feature f) {
+  if (const std::optional<LayerKind> kind = linear_kind(f)) {
+    if (!contains(caps.linear_kinds, *kind)) {
+      return fmt::format("caps do not claim {} layers (linear_kinds)", layer_kind_name(*kind));
+    }
+    // The linear cases hand the backend host state pools and host inputs.
+    return contains(caps.devices, DeviceKind::cpu)
+               ? ""
+               : "linear-layer cases run on host memory only; the GPU linear backends have "
+                 "tests of their own (tests/test_cuda_linear*.cpp)";
+  }
   if (!caps.full_attention) return "the backend does not serve full-attention layers";
   if (!contains(caps.kv_dtypes, DType::f32) && !contains(caps.kv_dtypes, DType::bf16) &&
       !contains(caps.kv_dtypes, DType::f16)) {
@@ -181,6 +209,9 @@ std::string unsupported_reason(const BackendCaps& caps, Feature f) {
     case Feature::mixed:
     case Feature::gqa:
     case Feature::mqa:
+    case Feature::gdn:  // answered above
+    case Feature::mamba2:
+    case Feature::kda:
       return "";
     case Feature::verify_chain:
     case Feature::draft_extend:
@@ -209,15 +240,19 @@ std::string unsupported_reason(const BackendCaps& caps, Feature f) {
       return kv(DType::f16);
     case Feature::bf16:
       return kv(DType::bf16);
+    case Feature::dsa:
+      if (!caps.dsa) return "caps do not claim dsa";
+      [[fallthrough]];
     case Feature::mla:
       if (!caps.mla) return "caps do not claim mla";
       [[fallthrough]];
     case Feature::head_dim_other:
     case Feature::v_head_dim_differs:
-      return usable_dims(caps, f).empty()
-                 ? fmt::format("head dims [{}] hold none of the feature's (head_dim, v_head_dim) "
-                               "pairs",
-                               fmt::join(caps.head_dims, ", "))
+      return usable_dims(caps, f == Feature::dsa ? Feature::mla : f).empty()
+                 ? fmt::format(
+                       "head dims [{}] hold none of the feature's (head_dim, v_head_dim) "
+                       "pairs",
+                       fmt::join(caps.head_dims, ", "))
                  : "";
   }
   return "unknown feature";
@@ -242,10 +277,10 @@ std::string CaseSpec::describe() const {
     tree = fmt::format(" topk={} parents=[{}]", spec.topk, fmt::join(spec.parents, ","));
   }
   return fmt::format(
-      "{} seed={:#x} mode={} page={} kv={} act={} k_scale={} v_scale={} q_amp={} "
+      "{} seed={:#x} mode={} page={} kv={} act={} k_scale={} v_scale={} q_amp={} threads={} "
       "requests(prefix+query)=[{}]{} layers: {}",
       label, seed, forward_mode_name(mode), page_size, dtype_name(kv_dtype), dtype_name(act_dtype),
-      k_scale, v_scale, q_amplitude, reqs, tree, layer_text);
+      k_scale, v_scale, q_amplitude, threads, reqs, tree, layer_text);
 }
 
 ConformanceCase make_case(CaseSpec spec) {
@@ -316,67 +351,204 @@ ConformanceCase make_case(CaseSpec spec) {
       lv.sinks.resize(l.num_q_heads);
       for (float& s : lv.sinks) s = 1.5f * normal(rng);
     }
+    if (l.has_indexer()) {
+      const int64_t hi = l.indexer.index_n_heads, di = l.indexer.index_head_dim;
+      lv.index_q = draw(step_tokens * hi * di, 1.f);
+      lv.index_k = draw(step_tokens * di, 1.f);
+      lv.index_w = draw(step_tokens * hi, 1.f);
+      lv.prefix_index_k = draw(prefix_tokens * di, 1.f);
+    }
     c.values.push_back(std::move(lv));
   }
   c.spec = std::move(spec);
   return c;
 }
 
-ConformanceCase generate_case(Feature feature, uint64_t seed, const BackendCaps& caps) {
-  std::mt19937_64 rng(splitmix64(seed));
-  CaseSpec s;
-  s.label = std::string(feature_name(feature));
-  s.seed = splitmix64(seed ^ 0x5eedull);
+namespace {
 
-  const DType base = base_dtype(caps);
-  s.kv_dtype = s.act_dtype = base;
-  switch (feature) {
-    case Feature::fp8_e4m3:
-    case Feature::fp8_e5m2:
-      s.kv_dtype = feature == Feature::fp8_e4m3 ? DType::e4m3 : DType::e5m2;
-      s.k_scale = std::exp2(std::uniform_real_distribution<float>(-2.f, 2.f)(rng));
-      s.v_scale = std::exp2(std::uniform_real_distribution<float>(-2.f, 2.f)(rng));
+// Every feature an attention case exercises, from what it ended up with.
+std::vector<Feature> features_of(const CaseSpec& s) {
+  std::vector<Feature> out;
+  switch (s.mode) {
+    case ForwardMode::DECODE:
+      out.push_back(Feature::decode);
       break;
-    case Feature::fp16:
-      s.kv_dtype = s.act_dtype = DType::f16;
+    case ForwardMode::EXTEND:
+      out.push_back(Feature::extend_prefix);
       break;
-    case Feature::bf16:
-      s.kv_dtype = s.act_dtype = DType::bf16;
+    case ForwardMode::MIXED:
+      out.push_back(Feature::mixed);
+      break;
+    case ForwardMode::TARGET_VERIFY:
+      out.push_back(s.spec.topk > 1 ? Feature::verify_tree : Feature::verify_chain);
+      break;
+    case ForwardMode::DRAFT_EXTEND:
+    case ForwardMode::DRAFT_EXTEND_V2:
+      out.push_back(Feature::draft_extend);
+      break;
+    case ForwardMode::IDLE:
+      break;
+  }
+  if (s.page_size == 1) out.push_back(Feature::page1);
+  if (s.page_size == 16) out.push_back(Feature::page16);
+  if (s.page_size == 64) out.push_back(Feature::page64);
+  switch (s.kv_dtype) {
+    case DType::e4m3:
+      out.push_back(Feature::fp8_e4m3);
+      break;
+    case DType::e5m2:
+      out.push_back(Feature::fp8_e5m2);
+      break;
+    case DType::f16:
+      out.push_back(Feature::fp16);
+      break;
+    case DType::bf16:
+      out.push_back(Feature::bf16);
       break;
     default:
       break;
   }
-  switch (feature) {
-    case Feature::page1: s.page_size = 1; break;
-    case Feature::page16: s.page_size = 16; break;
-    case Feature::page64: s.page_size = 64; break;
-    default: s.page_size = pick_of(rng, usable_page_sizes(caps)); break;
+  const LayerSpec& l = s.layers.back();
+  auto add = [&](bool on, Feature f) {
+    if (on && !contains(out, f)) out.push_back(f);
+  };
+  for (const LayerSpec& x : s.layers) add(x.kind == LayerKind::swa, Feature::swa);
+  add(l.logit_cap > 0.f, Feature::softcap);
+  add(l.has_sinks, Feature::sinks);
+  add(!l.causal(), Feature::non_causal);
+  const int group = l.num_q_heads / l.num_kv_heads;
+  add(l.kind != LayerKind::mla && group > 1 && l.num_kv_heads > 1, Feature::gqa);
+  add(l.kind != LayerKind::mla && group > 1 && l.num_kv_heads == 1, Feature::mqa);
+  add(l.kind == LayerKind::mla, Feature::mla);
+  add(l.has_indexer(), Feature::dsa);
+  if (l.kind != LayerKind::mla) {
+    add(l.head_dim == l.v_head_dim && l.head_dim != 64 && l.head_dim != 128 && l.head_dim != 256,
+        Feature::head_dim_other);
+    add(l.head_dim != l.v_head_dim, Feature::v_head_dim_differs);
+  }
+  return out;
+}
+
+}  // namespace
+
+ConformanceCase draw_case(uint64_t seed, const BackendCaps& caps, std::optional<Feature> focus) {
+  std::mt19937_64 rng(splitmix64(seed));
+  auto claims = [&](Feature f) { return unsupported_reason(caps, f).empty(); };
+  if (focus) {
+    const std::string why = unsupported_reason(caps, *focus);
+    ATTNRT_CHECK(why.empty(), "conformance: feature {} is not claimed by these caps: {}",
+                 feature_name(*focus), why);
+  }
+  // Linear layers: a case of their own, about one case in six when the backend serves both.
+  std::vector<Feature> linear;
+  for (Feature f : {Feature::gdn, Feature::mamba2, Feature::kda}) {
+    if (claims(f)) linear.push_back(f);
+  }
+  const bool attention = claims(Feature::decode);
+  const bool draw_linear = focus ? linear_kind(*focus).has_value()
+                                 : !linear.empty() && (!attention || chance(rng, 1.0 / 6));
+  if (draw_linear) {
+    const Feature f = focus ? *focus : pick_of(rng, linear);
+    ConformanceCase c;
+    c.linear = random_linear_case(rng, *linear_kind(f));
+    c.features = {f};
+    return c;
+  }
+  ATTNRT_CHECK(attention, "conformance: the caps claim no attention layers and no linear kinds");
+  auto focused = [&](Feature f) { return focus && *focus == f; };
+  // Any other feature is switched on with probability p when the caps claim it.
+  auto maybe = [&](Feature f, double p) { return focused(f) || (claims(f) && chance(rng, p)); };
+
+  CaseSpec s;
+  s.label = focus ? std::string(feature_name(*focus)) : "random";
+  s.seed = splitmix64(seed ^ 0x5eedull);
+
+  // KV and activation dtypes: the most exact one the backend takes, or one of the dtype features.
+  const DType base = base_dtype(caps);
+  s.kv_dtype = s.act_dtype = base;
+  const std::vector<std::pair<Feature, DType>> dtypes = {{Feature::fp8_e4m3, DType::e4m3},
+                                                         {Feature::fp8_e5m2, DType::e5m2},
+                                                         {Feature::fp16, DType::f16},
+                                                         {Feature::bf16, DType::bf16}};
+  std::optional<Feature> dtype_feature;
+  for (const auto& [f, t] : dtypes) {
+    if (focused(f)) dtype_feature = f;
+  }
+  if (!dtype_feature && chance(rng, 0.6)) {
+    std::vector<Feature> claimed;
+    for (const auto& [f, t] : dtypes) {
+      if (claims(f) && t != base) claimed.push_back(f);
+    }
+    if (!claimed.empty()) dtype_feature = pick_of(rng, claimed);
+  }
+  if (dtype_feature) {
+    for (const auto& [f, t] : dtypes) {
+      if (f != *dtype_feature) continue;
+      s.kv_dtype = t;
+      if (!is_fp8(t)) s.act_dtype = t;
+    }
+    if (is_fp8(s.kv_dtype)) {
+      s.k_scale = std::exp2(std::uniform_real_distribution<float>(-2.f, 2.f)(rng));
+      s.v_scale = std::exp2(std::uniform_real_distribution<float>(-2.f, 2.f)(rng));
+    }
+  }
+  if (focused(Feature::page1)) {
+    s.page_size = 1;
+  } else if (focused(Feature::page16)) {
+    s.page_size = 16;
+  } else if (focused(Feature::page64)) {
+    s.page_size = 64;
+  } else {
+    s.page_size = pick_of(rng, usable_page_sizes(caps));
   }
 
-  // Modes: the feature's own, or any mode the backend serves for features that are orthogonal.
+  // Layer kind: MLA (with an indexer: DSA) about one case in eight, else MHA / GQA / MQA with a
+  // random mix of window, soft-cap, sinks and non-causal attention.
+  const bool mha_focus =
+      focus &&
+      contains(std::vector<Feature>{Feature::non_causal, Feature::softcap, Feature::sinks,
+                                    Feature::swa, Feature::head_dim_other,
+                                    Feature::v_head_dim_differs, Feature::gqa, Feature::mqa},
+               *focus);
+  const bool dsa = !mha_focus && maybe(Feature::dsa, 0.04);
+  const bool mla = dsa || (!mha_focus && maybe(Feature::mla, 0.08));
+
+  // Modes: the feature's own, or any mode the backend serves.
   std::vector<ForwardMode> modes = {ForwardMode::EXTEND, ForwardMode::DECODE, ForwardMode::MIXED};
   if (caps.spec_topk1 || caps.spec_topk_gt1) modes.push_back(ForwardMode::TARGET_VERIFY);
   if (caps.spec_topk1) modes.push_back(ForwardMode::DRAFT_EXTEND);
   bool tree = caps.spec_topk_gt1 && (!caps.spec_topk1 || chance(rng, 0.5));
-  switch (feature) {
-    case Feature::decode: s.mode = ForwardMode::DECODE; break;
-    case Feature::extend_prefix: s.mode = ForwardMode::EXTEND; break;
-    case Feature::mixed: s.mode = ForwardMode::MIXED; break;
-    case Feature::verify_chain: s.mode = ForwardMode::TARGET_VERIFY; tree = false; break;
-    case Feature::verify_tree: s.mode = ForwardMode::TARGET_VERIFY; tree = true; break;
-    case Feature::draft_extend:
-      s.mode = chance(rng, 0.7) ? ForwardMode::DRAFT_EXTEND : ForwardMode::DRAFT_EXTEND_V2;
-      break;
-    case Feature::non_causal:
-      s.mode = chance(rng, 0.5) ? ForwardMode::EXTEND : ForwardMode::MIXED;
-      break;
-    default: s.mode = pick_of(rng, modes); break;
+  const bool non_causal = !mla && maybe(Feature::non_causal, 0.08);
+  if (focused(Feature::decode)) {
+    s.mode = ForwardMode::DECODE;
+  } else if (focused(Feature::extend_prefix)) {
+    s.mode = ForwardMode::EXTEND;
+  } else if (focused(Feature::mixed)) {
+    s.mode = ForwardMode::MIXED;
+  } else if (focused(Feature::verify_chain)) {
+    s.mode = ForwardMode::TARGET_VERIFY;
+    tree = false;
+  } else if (focused(Feature::verify_tree)) {
+    s.mode = ForwardMode::TARGET_VERIFY;
+    tree = true;
+  } else if (focused(Feature::draft_extend)) {
+    s.mode = chance(rng, 0.7) ? ForwardMode::DRAFT_EXTEND : ForwardMode::DRAFT_EXTEND_V2;
+  } else if (non_causal) {
+    s.mode = chance(rng, 0.5) ? ForwardMode::EXTEND : ForwardMode::MIXED;
+  } else {
+    s.mode = pick_of(rng, modes);
+    if (s.mode == ForwardMode::DRAFT_EXTEND && chance(rng, 0.3)) {
+      s.mode = ForwardMode::DRAFT_EXTEND_V2;
+    }
   }
 
-  // Lengths: ragged, some prefixes ending exactly on a page boundary, some length-1 requests.
+  // Lengths: ragged, some prefixes ending exactly on a page boundary, some length-1 requests; one
+  // case in fifty is several times longer (and splits its keys over two threads).
+  const int big = chance(rng, 0.02) ? 6 : 1;
+  s.threads = big > 1 || chance(rng, 0.1) ? 2 : 1;
   const int bs = pick(rng, 1, 5);
   auto prefix_len = [&](int lo, int hi) {
-    int p = pick(rng, lo, hi);
+    int p = pick(rng, lo, hi * big);
     if (s.page_size > 1 && chance(rng, 0.3)) p = std::max(lo, p / s.page_size * s.page_size);
     return p;
   };
@@ -393,14 +565,14 @@ ConformanceCase generate_case(Feature feature, uint64_t seed, const BackendCaps&
     switch (s.mode) {
       case ForwardMode::EXTEND:
         p = chance(rng, 0.3) ? 0 : prefix_len(1, 90);
-        q = chance(rng, 0.2) ? 1 : pick(rng, 1, 24);
+        q = chance(rng, 0.2) ? 1 : pick(rng, 1, 24 * big);
         break;
       case ForwardMode::MIXED:
         if (chance(rng, 0.5)) {
           p = prefix_len(1, 100);
         } else {
           p = chance(rng, 0.4) ? 0 : prefix_len(1, 60);
-          q = pick(rng, 1, 20);
+          q = pick(rng, 1, 20 * big);
         }
         break;
       case ForwardMode::DECODE:
@@ -439,54 +611,78 @@ ConformanceCase generate_case(Feature feature, uint64_t seed, const BackendCaps&
   // Heads and dims.
   int hkv = pick_of(rng, std::vector<int>{1, 2, 4});
   int group = pick(rng, 1, 2);
-  if (feature == Feature::gqa) {
-    hkv = pick(rng, 1, 2);
+  if (focused(Feature::gqa) || (!focused(Feature::mqa) && chance(rng, 0.3))) {
+    hkv = pick(rng, 2, 3);
     group = pick_of(rng, std::vector<int>{4, 8});
-  } else if (feature == Feature::mqa) {
+  } else if (focused(Feature::mqa) || chance(rng, 0.15)) {
     hkv = 1;
     group = pick_of(rng, std::vector<int>{4, 8});
   }
-  // A backend that takes any head dim is drawn at the production dims here (its fast kernels); the
-  // dims features cover the others.
-  const int head_dim = caps.head_dims.empty() ? pick_of(rng, std::vector<int>{64, 128, 256})
-                                              : pick_of(rng, caps.head_dims);
+  // A backend that takes any head dim is drawn at the production dims here (its fast kernels),
+  // mostly the small ones; the dims features cover the others.
+  const int head_dim = caps.head_dims.empty()
+                           ? pick_of(rng, std::vector<int>{64, 64, 64, 128, 128, 256})
+                           : pick_of(rng, caps.head_dims);
   LayerSpec layer;
   layer.num_q_heads = hkv * group;
   layer.num_kv_heads = hkv;
   layer.head_dim = layer.v_head_dim = head_dim;
-  const std::vector<std::pair<int, int>> dims = usable_dims(caps, feature);
-  if (!dims.empty()) std::tie(layer.head_dim, layer.v_head_dim) = pick_of(rng, dims);
-  if (feature == Feature::mla) {
+  std::optional<Feature> dims_feature;
+  if (mla) {
+    dims_feature = Feature::mla;
+  } else if (maybe(Feature::head_dim_other, 0.1)) {
+    dims_feature = Feature::head_dim_other;
+  } else if (maybe(Feature::v_head_dim_differs, 0.1)) {
+    dims_feature = Feature::v_head_dim_differs;
+  }
+  if (dims_feature) {
+    std::tie(layer.head_dim, layer.v_head_dim) = pick_of(rng, usable_dims(caps, *dims_feature));
+  }
+  if (mla) {
     layer.kind = LayerKind::mla;
     layer.num_kv_heads = 1;
-    layer.num_q_heads = pick_of(rng, std::vector<int>{1, 4, 8, 16, 128});
+    // DeepSeek's 128 q heads in one MLA case in ten (they cost the float64 reference most).
+    layer.num_q_heads = chance(rng, 0.1) ? 128 : pick_of(rng, std::vector<int>{1, 4, 8, 16});
     layer.kv_lora_rank = layer.v_head_dim;
     layer.qk_rope_head_dim = layer.head_dim - layer.v_head_dim;
     // KV dtype: any the backend takes, fp8 with one scale (V reads K's stored row).
-    std::vector<DType> kv_dtypes;
-    for (DType t : {base, DType::e4m3, DType::e5m2}) {
-      if (contains(caps.kv_dtypes, t)) kv_dtypes.push_back(t);
+    if (!dtype_feature) {
+      std::vector<DType> kv_dtypes;
+      for (DType t : {base, DType::e4m3, DType::e5m2}) {
+        if (contains(caps.kv_dtypes, t)) kv_dtypes.push_back(t);
+      }
+      s.kv_dtype = pick_of(rng, kv_dtypes);
     }
-    s.kv_dtype = pick_of(rng, kv_dtypes);
     if (is_fp8(s.kv_dtype)) {
       s.k_scale = s.v_scale = std::exp2(std::uniform_real_distribution<float>(-2.f, 2.f)(rng));
     }
+    if (dsa) {
+      layer.indexer.index_topk = pick(rng, 1, 64);
+      layer.indexer.index_n_heads = pick_of(rng, std::vector<int>{1, 4, 8});
+      layer.indexer.index_head_dim = pick_of(rng, std::vector<int>{16, 32, 64});
+    }
   }
   if (chance(rng, 0.5)) layer.scaling = std::uniform_real_distribution<float>(0.05f, 0.3f)(rng);
-  if (feature == Feature::softcap) {
+  if (!mla && maybe(Feature::softcap, 0.15)) {
     layer.logit_cap = std::uniform_real_distribution<float>(2.f, 15.f)(rng);
     s.q_amplitude = 3.f;
   }
-  layer.has_sinks = feature == Feature::sinks;
-  if (feature == Feature::non_causal) layer.attn_type = AttnType::decoder_bidirectional;
-  // Two layers, so that per-layer pool addressing is exercised; the swa feature makes the first a
+  layer.has_sinks = !mla && maybe(Feature::sinks, 0.15);
+  if (non_causal) layer.attn_type = AttnType::decoder_bidirectional;
+  // Two layers, so that per-layer pool addressing is exercised; a window makes the first a
   // windowed layer, which puts it in the SWA pool of a hybrid cache.
   s.layers = {layer, layer};
-  if (feature == Feature::swa) {
+  if (!mla && !non_causal && maybe(Feature::swa, 0.2)) {
     s.layers[0].kind = LayerKind::swa;
-    s.layers[0].sliding_window = pick(rng, 0, 24);
+    s.layers[0].sliding_window = pick(rng, 0, 24 * big);
   }
-  return make_case(std::move(s));
+  ConformanceCase c = make_case(std::move(s));
+  c.features = features_of(c.spec);
+  return c;
+}
+
+ConformanceCase generate_case(Feature feature, uint64_t seed, const BackendCaps& caps) {
+  return draw_case(seed, caps, feature);
 }
 
 BackendContext CaseInstance::context(Device device) const {
@@ -506,6 +702,7 @@ std::unique_ptr<CaseInstance> materialize(const ConformanceCase& c) {
   auto inst = std::make_unique<CaseInstance>();
   inst->model = c.model;
   inst->options.page_size = p;
+  inst->options.num_threads = s.threads;
   inst->options.kv_cache_dtype = std::string(dtype_name(s.kv_dtype));
 
   int64_t pages = 2 * s.scatter_pages + 2, prefix_tokens = 0, step_tokens = 0;
@@ -577,6 +774,12 @@ std::unique_ptr<CaseInstance> materialize(const ConformanceCase& c) {
       HostBuffer v = to_buffer(s.act_dtype, c.values[li].prefix_v, prefix_tokens, l.num_kv_heads,
                                l.v_head_dim);
       cache.store_step_kv(l.layer_id, k.view(), v.view());
+      if (l.has_indexer()) {
+        HostBuffer ik = to_buffer(s.act_dtype, c.values[li].prefix_index_k, prefix_tokens, 1,
+                                  l.indexer.index_head_dim);
+        cache.store_step_index_k(l.layer_id, TensorView(ik.data(), s.act_dtype,
+                                                        {prefix_tokens, l.indexer.index_head_dim}));
+      }
     }
   }
 
@@ -650,6 +853,16 @@ RunOutput run_backend(const BackendEntry& entry, const ConformanceCase& c, CaseI
     args.v = v.view();
     args.out = o.view();
     args.sinks = l.has_sinks ? lv.sinks.data() : nullptr;
+    HostBuffer iq, ik, iw;
+    if (l.has_indexer()) {
+      const int64_t hi = l.indexer.index_n_heads, di = l.indexer.index_head_dim;
+      iq = to_buffer(s.act_dtype, lv.index_q, t, hi, di);
+      ik = to_buffer(s.act_dtype, lv.index_k, t, 1, di);
+      iw = to_buffer(s.act_dtype, lv.index_w, t, 1, hi);
+      args.indexer.q = iq.view();
+      args.indexer.k = TensorView(ik.data(), s.act_dtype, {t, di});
+      args.indexer.weights = TensorView(iw.data(), s.act_dtype, {t, hi});
+    }
     if (s.want_lse) {
       HostBuffer lse(DType::f32, {t, l.num_q_heads});
       poison(lse);
@@ -709,6 +922,7 @@ void compare(const HostBuffer& got, const HostBuffer& want, Tolerance tol, std::
 }  // namespace
 
 CaseResult run_case(const BackendEntry& entry, const ConformanceCase& c, const Registry& registry) {
+  if (c.linear) return run_linear_case(entry, *c.linear, registry);
   const BackendEntry& ref = registry.get("reference");
   CaseResult result;
   auto ref_inst = materialize(c);

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -24,6 +25,7 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/model/model_spec.h"
+#include "tests/conformance/linear_case.h"
 
 namespace attnrt::conformance {
 
@@ -50,6 +52,10 @@ enum class Feature : uint8_t {
   mla,                 // latent MLA layers: one kv head, V = the first kv_lora_rank K columns
   head_dim_other,      // head dims outside 64 / 128 / 256 (v_head_dim = head_dim)
   v_head_dim_differs,  // v_head_dim != head_dim
+  dsa,                 // MLA layers with an indexer: DeepSeek sparse attention (docs/dsa.md)
+  gdn,                 // linear-attention layers (docs/linear.md): Gated DeltaNet,
+  mamba2,              // Mamba2,
+  kda,                 // and Kimi delta attention
 };
 
 std::span<const Feature> all_features();
@@ -75,6 +81,7 @@ struct CaseSpec {
   float q_amplitude = 1.f;        // larger values push logits into the soft-cap's bend
   int scatter_pages = 4;          // pages taken and released before allocation: non-adjacent pages
   bool want_lse = false;          // also compare the log-sum-exp output
+  int threads = 0;                // Options::num_threads of both backends (0: their default)
 
   std::string describe() const;   // one line with every parameter, enough to reproduce the case
 };
@@ -84,17 +91,28 @@ struct LayerValues {
   // rows follow the step's token order.
   std::vector<float> prefix_k, prefix_v, q, k, v;
   std::vector<float> sinks;  // [Hq] when the layer has sinks
+  // DSA layers: the indexer's inputs. index_q [T, Hi, Di], index_k [T, Di], index_w [T, Hi];
+  // prefix_index_k [sum(prefix_lens), Di].
+  std::vector<float> index_q, index_k, index_w, prefix_index_k;
 };
 
 struct ConformanceCase {
   CaseSpec spec;
   ModelSpec model;
   std::vector<LayerValues> values;  // one per layer
+  // A linear-attention case instead (spec, model and values then unused).
+  std::optional<LinearCase> linear;
+  std::vector<Feature> features;  // every feature the case exercises (counted once per case)
 };
 
 // Draws the values of a case. Throws attnrt::Error for an inconsistent spec.
 ConformanceCase make_case(CaseSpec spec);
-// A random case exercising `feature` within what `caps` claims (page sizes, KV dtypes, head dims).
+// A random case: a random combination of the features `caps` claims (mode, page size, KV dtype,
+// GQA / MQA ratio, window, soft-cap, sinks, non-causal, MLA, DSA, head dims; or one linear layer),
+// small shapes mostly and a few bigger ones. With `focus`, that feature is always part of it.
+ConformanceCase draw_case(uint64_t seed, const BackendCaps& caps,
+                          std::optional<Feature> focus = std::nullopt);
+// A random case exercising `feature` (draw_case with it as the focus).
 ConformanceCase generate_case(Feature feature, uint64_t seed, const BackendCaps& caps);
 
 // A fresh set of host pools for one run of a case.

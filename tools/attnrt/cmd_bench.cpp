@@ -14,6 +14,7 @@
 #include "bench/harness/report.h"
 #include "bench/harness/runner.h"
 #include "bench/harness/workload.h"
+#include "tools/attnrt/cli_options.h"
 #include "tools/attnrt/commands.h"
 
 namespace attnrt::cli {
@@ -175,15 +176,16 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--backend,--attention-backend", args->backend,
                   "Backend to measure (registry name). Unset: the one auto-selection picks for "
                   "decode on this machine");
-  cmd->add_option("--suite", args->suite,
-                  "Which rows: attention (the full-attention rows of docs/workloads.md), linear (one "
-                  "GDN, KDA or Mamba2 layer: gdn-decode-64/256, mamba2-decode-64/256, "
-                  "gdn-extend-8x8192, kda-extend-8x8192, mamba2-extend-8x8192/1x8192; "
-                  "docs/bench.md), mla (one DeepSeek-V3 latent-attention layer: mla-decode-*, "
-                  "mla-verify-* in the absorbed form, mla-prefill-1x16384 and "
-                  "mla-extend-8x4096+512 in the MHA form, n/a on backends without it; "
-                  "docs/workloads.md \"MLA rows\") or all")
-      ->check(CLI::IsMember({"attention", "mla", "linear", "all"}))
+  cmd->add_option(
+         "--suite", args->suite,
+         "Which rows: attention (the full-attention rows of docs/workloads.md), linear (one "
+         "GDN, KDA or Mamba2 layer: gdn-decode-64/256, mamba2-decode-64/256, "
+         "gdn-extend-8x8192, kda-extend-8x8192, mamba2-extend-8x8192/1x8192; "
+         "docs/bench.md), mla (one DeepSeek-V3 latent-attention layer: mla-decode-*, "
+         "mla-verify-* in the absorbed form, mla-prefill-1x16384 and "
+         "mla-extend-8x4096+512 in the MHA form, n/a on backends without it; "
+         "docs/workloads.md \"MLA rows\") or all")
+      ->check(one_of({"attention", "mla", "linear", "all"}))
       ->capture_default_str();
   cmd->add_option("--workload", args->workload,
                   "Rows of the suite: all, a kind (decode, prefill, extend, verify; mla: "
@@ -195,21 +197,22 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--scale", args->scale,
                   "Multiply every batch and length by this factor in (0, 1] (lengths stay whole "
                   "pages); the output marks scaled rows")
+      ->check(real_in(0, 1, /*lo_open=*/true))
       ->capture_default_str();
   cmd->add_option("--preset", args->preset,
                   "Size the rows for a kind of machine instead of --scale: cpu-small (a 2-core "
                   "box: KV <= 1.25 GiB and <= 6e11 FLOPs per attention row; linear rows <= 1.25 "
                   "GiB moved and <= 5e10 FLOPs)");
   cmd->add_option("--repeats", args->repeats, "Timed repetitions per row (median reported)")
-      ->check(CLI::PositiveNumber)
+      ->check(int_in(1, 100000))
       ->capture_default_str();
   cmd->add_option("--warmup", args->warmup, "Untimed calls before timing")
-      ->check(CLI::NonNegativeNumber)
+      ->check(int_in(0, 100000))
       ->capture_default_str();
   cmd->add_option("--threads", args->threads,
                   "Threads of the backend and of the ceiling probes; 0 = $ATTNRT_NUM_THREADS, else "
                   "every core")
-      ->check(CLI::NonNegativeNumber)
+      ->check(int_in(0, max_threads_option()))
       ->capture_default_str();
   cmd->add_option("--json", args->json, "Write machine, commit, ceilings and rows as JSON");
   cmd->add_option("--plot", args->plot,

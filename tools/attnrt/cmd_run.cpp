@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 
@@ -85,6 +86,7 @@ void run(const RunArgs& a) {
     ATTNRT_CHECK(json_out->good(), "--json {}: cannot open the file for writing", a.json_path);
   }
 
+  warn_if_machine_busy(a.options);
   ProgressBar bar("run", !a.no_progress);
   bar.set_long_run_hint(
       "to shorten it: --layers N (fewer layers per step), --check-every N (a larger N checks fewer "
@@ -161,20 +163,20 @@ void add_run_command(CLI::App& app) {
   auto* sched = "Scheduler";
   cmd->add_option("--max-running-requests", args->config.scheduler.max_running_requests,
                   "Requests admitted at once (request rows)")
-      ->check(CLI::PositiveNumber)
+      ->check(int_in(1, 1 << 16))
       ->capture_default_str()
       ->group(sched);
   cmd->add_option("--chunked-prefill-size", args->config.scheduler.chunked_prefill_size,
                   "Prefill tokens per step; longer prompts are prefilled in chunks (in MIXED steps "
                   "the decodes count against it)")
-      ->check(CLI::PositiveNumber)
+      ->check(int_in(1, 1 << 20))
       ->capture_default_str()
       ->group(sched);
   cmd->add_option(
          "--max-total-tokens", args->config.max_total_tokens,
          "KV slots of the pool (the draft model gets as many); requests wait for admission "
          "until their whole life fits")
-      ->check(CLI::PositiveNumber)
+      ->check(int_in(1, std::numeric_limits<int32_t>::max()))
       ->capture_default_str()
       ->group(sched);
   cmd->add_option(
@@ -182,7 +184,7 @@ void add_run_command(CLI::App& app) {
          "SWA-hybrid models (sliding-window and full layers, e.g. gemma3-12b): slots of the "
          "sliding-window layers' pool per full-pool slot; admission waits for room in both pools. "
          "Ignored for other models")
-      ->check(CLI::PositiveNumber)
+      ->check(real_in(0, 64, /*lo_open=*/true))
       ->capture_default_str()
       ->group(sched);
   cmd->add_flag("--no-mixed-chunk", args->no_mixed_chunk,
@@ -193,13 +195,13 @@ void add_run_command(CLI::App& app) {
          "--accept-prob", args->accept_prob,
          "Speculative decoding: chance that the draft on the accepted path is right at each "
          "depth (accepted lengths are random)")
-      ->check(CLI::Range(0.0, 1.0))
+      ->check(real_in(0, 1))
       ->capture_default_str()
       ->group(sched);
   cmd->add_option("--check-every", args->config.check_every,
                   "Recompute every Nth step of each forward mode (its first step included) on "
                   "`reference` over the same pools and compare; 0 = no checking")
-      ->check(CLI::NonNegativeNumber)
+      ->check(int_in(0, 1 << 30))
       ->capture_default_str();
   cmd->add_option("--check-rows", args->check_rows,
                   "Rows of a checked step's attention layers recomputed on `reference`: TxH = at "
@@ -215,8 +217,9 @@ void add_run_command(CLI::App& app) {
                   "attention layers do more than 600k multiply-adds per query token and key in "
                   "all (q heads x (qk dim + v dim) summed over layers): the first layers within "
                   "that, at least 2 (DeepSeek-V3: 4 of 61); the report says which layers ran")
-      ->check(CLI::Range(0, 1 << 20));
+      ->check(int_in(0, 1 << 20));
   cmd->add_option("--seed", args->config.seed, "Seed of q/k/v data, acceptance and draft trees")
+      ->check(seed_value())
       ->capture_default_str();
   cmd->add_option("--dump-step", args->dump_step,
                   "Write step N's first full-attention layer as a replay case into DIR (see "

@@ -1,11 +1,12 @@
+#include <fmt/format.h>
+
 #include <cstdio>
 #include <exception>
-
-#include <fmt/format.h>
 
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
 #include "bench/harness/report.h"
+#include "tools/attnrt/cli_options.h"
 #include "tools/attnrt/commands.h"
 
 int main(int argc, char** argv) {
@@ -29,7 +30,7 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    return attnrt::cli::report_parse_error(app, e);
   } catch (const attnrt::cli::ExitCode& e) {
     return e.code;
   } catch (const attnrt::Error& e) {

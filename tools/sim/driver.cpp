@@ -34,15 +34,25 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-std::string served_by(AttentionBackend& b, ForwardMode mode) {
+// The backend that runs the attention layers (not the linear ones) of a `mode` step: the name a
+// replay case records, which `attnrt replay` can look up in the registry.
+std::string attention_served_by(AttentionBackend& b, ForwardMode mode) {
   if (auto* linear = dynamic_cast<HybridLinearAttnBackend*>(&b)) {
-    return fmt::format("{}; linear {}", served_by(linear->full_backend(), mode),
-                       linear->linear_backend(mode).name());
+    return attention_served_by(linear->full_backend(), mode);
   }
   if (auto* hybrid = dynamic_cast<HybridAttnBackend*>(&b)) {
     return std::string(hybrid->select(mode).name());
   }
   return std::string(b.name());
+}
+
+// The report's backend column: the attention backend, and the linear one of a hybrid model.
+std::string served_by(AttentionBackend& b, ForwardMode mode) {
+  if (auto* linear = dynamic_cast<HybridLinearAttnBackend*>(&b)) {
+    return fmt::format("{}; linear {}", attention_served_by(linear->full_backend(), mode),
+                       linear->linear_backend(mode).name());
+  }
+  return attention_served_by(b, mode);
 }
 
 struct Engine {
@@ -467,7 +477,7 @@ void StepDriver::run(const ScheduledStep& step) {
   if (e.mirror && (check || dumper_.wants_step(step.index, T)))
     s.read_rows = step_rows(batch, e.runtime->req_to_token());
   elapsed += graph ? run_graph(s) : run_eager(s);
-  ++ms.steps;
+  ms.steps += step.iterations;
   ms.tokens += T;
   ms.seconds += elapsed;
   if (check) ++ms.checked_steps;
@@ -523,7 +533,7 @@ void StepDriver::finish_attention(const Step& s, const LayerSpec& layer, const A
   if (dump) {
     dumper_.write(step.index, step.role, e.model, layer.layer_id, options_, step.batch,
                   e.runtime->req_to_token(), e.mirror ? *e.mirror : e.runtime->kv_cache(), args,
-                  s.ms.backend);
+                  attention_served_by(e.runtime->backend(), step.batch.mode));
   }
   e.checker->check_attention(s.site(layer), step.batch, args, s.check, check_sample(s, layer),
                              s.ms);
@@ -905,7 +915,7 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
     // `step` is the scheduler's, and complete() moves on from it.
     const ForwardMode mode = step.batch.mode;
     const ModelRole role = step.role;
-    const int done_steps = step.index + 1;
+    const int done_steps = step.index + step.iterations;
     std::optional<ForwardBatch> verified;
     if (dcp && role == ModelRole::target && is_target_verify(mode)) verified = step.batch;
     sched.complete();

@@ -1,5 +1,7 @@
 #include "tools/sim/scheduler.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cstring>
 #include <numeric>
@@ -104,14 +106,13 @@ Scheduler::Scheduler(Trace trace, SchedulerConfig config, KvSpace target,
                    model_role_name(is_draft ? ModelRole::draft : ModelRole::target),
                    space->kv.req_to_token->max_context_len());
       const int64_t need_slots = ceil_div(need, config_.page_size) * config_.page_size;
-      ATTNRT_CHECK(
-          need_slots <= space->initial_free,
-          "request '{}' (trace line {}) needs up to {} KV slots (prompt {} + output {}{}, in "
-          "pages of {}) but the {} pool has {}; raise --max-total-tokens or shorten the "
-          "request",
-          tr.id, tr.line, need_slots, tr.prompt_len, tr.output_len,
-          spec.enabled() && !is_draft ? " + verify block" : "", config_.page_size,
-          model_role_name(is_draft ? ModelRole::draft : ModelRole::target), space->initial_free);
+      ATTNRT_CHECK(need_slots <= space->initial_free,
+                   "request '{}' (trace line {}) needs up to {} KV slots (prompt {} + output {}{}, "
+                   "in pages of {}) but {}; {} or shorten the request",
+                   tr.id, tr.line, need_slots, tr.prompt_len, tr.output_len,
+                   spec.enabled() && !is_draft ? " + verify block" : "", config_.page_size,
+                   pool_size_text(*space, is_draft ? ModelRole::draft : ModelRole::target),
+                   pool_size_fix(*space));
     }
   }
   arrival_order_.resize(reqs_.size());
@@ -179,6 +180,37 @@ bool Scheduler::can_admit(const RequestState& r, int prefix_len) const {
   return true;
 }
 
+// The pool that bounds a request of `space`: an SWA-hybrid model has two, and the smaller one is
+// named with how its size follows from the options.
+std::string Scheduler::pool_size_text(const Space& space, ModelRole role) {
+  const auto* hybrid = dynamic_cast<const SWATokenAllocator*>(space.kv.allocator);
+  if (hybrid != nullptr && hybrid->swa().available_size() < hybrid->full().available_size()) {
+    const int64_t full = hybrid->full().num_pages() * hybrid->page_size();
+    const int64_t swa = hybrid->swa().num_pages() * hybrid->page_size();
+    return fmt::format(
+        "the {} model's SWA pool (the KV of its sliding-window layers) has {} free of {} slots: "
+        "the full pool's {} slots (--max-total-tokens) x --swa-full-tokens-ratio {:.3g}, in whole "
+        "pages",
+        model_role_name(role), hybrid->swa().available_size(), swa, full,
+        static_cast<double>(swa) / static_cast<double>(full));
+  }
+  const int64_t free = space.kv.allocator->available_size();
+  if (hybrid != nullptr) {
+    return fmt::format(
+        "the {} model's full pool (the KV of its full-attention layers) has {} free slots "
+        "(--max-total-tokens {} in whole pages)",
+        model_role_name(role), free, hybrid->full().num_pages() * hybrid->page_size());
+  }
+  return fmt::format("the {} model's KV pool has {} free slots (--max-total-tokens)",
+                     model_role_name(role), free);
+}
+
+std::string Scheduler::pool_size_fix(const Space& space) {
+  return dynamic_cast<const SWATokenAllocator*>(space.kv.allocator) != nullptr
+             ? "raise --max-total-tokens (or, for the SWA pool, --swa-full-tokens-ratio)"
+             : "raise --max-total-tokens";
+}
+
 void Scheduler::admit_arrivals() {
   while (next_arrival_ < arrival_order_.size() &&
          trace_.requests[arrival_order_[next_arrival_]].arrival_step <= iteration_) {
@@ -235,7 +267,8 @@ const ScheduledStep& Scheduler::next() {
   } else {
     plan_target_step();
   }
-  step_.index = step_count_++;
+  step_.index = step_count_;
+  step_count_ += step_.iterations;
   step_open_ = true;
   return step_;
 }
@@ -397,13 +430,16 @@ void Scheduler::plan_target_step() {
       // never be admitted.
       const TraceRequest& tr = trace_.requests[waiting_.front()];
       fail(
-          "request '{}' (trace line {}) can never be admitted: it needs {} KV slots but only {} "
-          "are "
-          "free while the shared-prefix cache holds the rest; raise --max-total-tokens",
+          "request '{}' (trace line {}) can never be admitted: it needs {} KV slots but {} while "
+          "the shared-prefix cache holds the rest; {}",
           tr.id, tr.line, lifetime_tokens(reqs_[waiting_.front()], false),
-          target_.kv.allocator->available_size());
+          pool_size_text(target_, ModelRole::target), pool_size_fix(target_));
     }
     set_step(ModelRole::target, make_idle_batch(), {});
+    if (running_.empty() && next_arrival_ < arrival_order_.size()) {
+      const int arrival = trace_.requests[arrival_order_[next_arrival_]].arrival_step;
+      step_.iterations = std::max(1, arrival - iteration_);
+    }
     last_was_prefill_ = false;
     return;
   }
@@ -610,7 +646,7 @@ void Scheduler::complete() {
     default:
       fail("scheduler: cannot commit a target step in mode {}", forward_mode_name(s.batch.mode));
   }
-  ++iteration_;
+  iteration_ += s.iterations;
 }
 
 int64_t Scheduler::estimate_remaining_steps() const {

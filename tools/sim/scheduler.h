@@ -72,6 +72,10 @@ std::string_view model_role_name(ModelRole r);
 struct ScheduledStep {
   int index = 0;      // 0-based over every step of the run (target and draft)
   int iteration = 0;  // the target iteration it belongs to (draft steps follow their target step)
+  // Iterations (and step indices) it stands for: 1, except an IDLE step while nothing runs and
+  // nothing waits, which covers the whole gap until the next arrival (the idle iterations in
+  // between would all be the same no-op, so a trace with long pauses runs in one step per pause).
+  int iterations = 1;
   ModelRole role = ModelRole::target;
   ForwardBatch batch;
   std::vector<int> requests;  // trace index of each batch row
@@ -141,6 +145,9 @@ class Scheduler {
     int64_t initial_free = 0;
   };
 
+  // "the target model's SWA pool ... has N slots: ..." and the options that raise it.
+  static std::string pool_size_text(const Space& space, ModelRole role);
+  static std::string pool_size_fix(const Space& space);
   void plan_target_step();
   void admit_arrivals();
   bool can_admit(const RequestState& r, int prefix_len) const;

@@ -45,6 +45,14 @@ HWY_INLINE float SoftmaxKeysInLanes(float* s, int n, float scale, float softcap,
     }
   }
   for (int j = n; j < padded; ++j) s[j] = kNegInf;
+  // A NaN or +inf score (a NaN or an infinity in a key's K; every key here is visible) makes the
+  // row NaN (docs/backends.md, "NaN and infinity"): the maximum would skip a NaN and the soft-cap
+  // could bend an infinity back, so l is set to NaN below.
+  VF bad = hn::Zero(df);
+  for (int j = 0; j < padded; j += lanes) {
+    const VF v = hn::Load(df, s + j);
+    bad = hn::Or(bad, hn::VecFromMask(df, hn::Or(hn::IsNaN(v), hn::Eq(v, hn::Set(df, kPosInf)))));
+  }
   VF vmax = hn::Set(df, kNegInf);
   if (softcap > 0.f) {
     const VF cap = hn::Set(df, softcap), inv_cap = hn::Set(df, 1.f / softcap);
@@ -67,6 +75,7 @@ HWY_INLINE float SoftmaxKeysInLanes(float* s, int n, float scale, float softcap,
     sum = hn::Add(sum, e);
   }
   l = l * alpha + hn::GetLane(hn::SumOfLanes(df, sum));
+  if (!hn::AllFalse(df, hn::MaskFromVec(bad))) l = kNaN;
   m = m_new;
   return alpha;
 }

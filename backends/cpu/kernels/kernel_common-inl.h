@@ -33,6 +33,8 @@ using DF = hn::ScalableTag<float>;
 using VF = hn::Vec<DF>;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kPosInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 // Row vectors of the tile kernel's largest tiles: four where the register file holds 32 vectors
 // (AVX-512: a 4 x 4 block of accumulators and its operands), which halves the K/V reads and the
 // per-block work per query row against two.
@@ -247,11 +249,45 @@ struct RowMap {
   int head(int i) const { return kv_head * group + g0 + i % ng; }
 };
 
+// Non-finite inputs (docs/backends.md, "NaN and infinity"): a row whose q holds a NaN or an
+// infinity, or that attends to a key whose K or V does, is written as NaN, as on `reference`. The
+// q row is checked here (a few dozen loads per row); K and V reach the row through its scores and
+// its weighted sum, whose state then is not finite (the score max skips NaN, so m alone is not
+// enough: l or acc carries it).
+HWY_INLINE bool RowIsFinite(const LayerArgs& a, int64_t t, int h, const float* acc,
+                            int64_t acc_stride, float m, float l) {
+  if (std::isnan(m) || m == std::numeric_limits<float>::infinity() || !std::isfinite(l)) {
+    return false;
+  }
+  for (int d = 0; d < a.head_dim; ++d) {
+    const size_t at =
+        static_cast<size_t>(t * a.q_stride[0] + h * a.q_stride[1] + d * a.q_stride[2]);
+    if (!std::isfinite(load_as_float(a.q, a.q_dtype, at))) return false;
+  }
+  for (int d = 0; d < a.v_head_dim; ++d) {
+    if (!std::isfinite(acc[d * acc_stride])) return false;
+  }
+  return true;
+}
+
+HWY_INLINE void WriteNanRow(const LayerArgs& a, int64_t t, int h) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int64_t base = t * a.out_stride[0] + h * a.out_stride[1];
+  for (int d = 0; d < a.v_head_dim; ++d) {
+    store_from_float(a.out, a.out_dtype, static_cast<size_t>(base + d * a.out_stride[2]), nan);
+  }
+  if (a.lse != nullptr) a.lse[t * a.lse_stride[0] + h * a.lse_stride[1]] = nan;
+}
+
 // acc: the row's Dv accumulated values (stride acc_stride between dims); m, l its softmax state.
 HWY_INLINE void WriteRow(const LayerArgs& a, const RowMap& rows, int i, const float* acc,
                          int64_t acc_stride, float m, float l) {
   const int64_t t = rows.token_row(i);
   const int h = rows.head(i);
+  if (!RowIsFinite(a, t, h, acc, acc_stride, m, l)) {
+    WriteNanRow(a, t, h);
+    return;
+  }
   float big = m;
   if (a.sinks != nullptr) big = std::max(big, a.sinks[h]);
   const float keep = big == kNegInf ? 0.f : std::exp(m - big);

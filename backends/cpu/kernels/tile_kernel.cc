@@ -155,9 +155,10 @@ ATTNRT_BF16_FN void ScoresBf16(const uint32_t* const* k, int n, int n_step, int 
 // 2^x for x <= 0 (a score minus its row's running maximum, in log2 units): x = n + f with n an
 // integer and |f| <= 1/2, 2^f from its Taylor polynomial of degree 5 (relative error below 3.3e-6,
 // far under the bf16 rounding the probabilities get next), 2^n applied by vscalefps. -inf (a masked
-// key) and NaN clamp to -200, whose power underflows to exactly 0.
+// key) clamps to -200, whose power underflows to exactly 0. NaN (a NaN in a visible key's K) stays
+// NaN, so that the row's sum carries it (vmaxps returns its second operand when one is NaN).
 ATTNRT_BF16_FN HWY_INLINE __m512 Exp2NonPositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.f));
+  x = _mm512_max_ps(_mm512_set1_ps(-200.f), x);
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
   __m512 p = _mm512_set1_ps(1.3333558e-3f);  // ln2^5 / 5!
@@ -444,10 +445,13 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
     // score kernel already has its maxima.
     const float log2_scale = a.qk_scale * kLog2e;
     const bool direct = kDot && !masked && a.softcap <= 0.f && log2_scale > 0.f;
-    VF qp[NV], bmax[NV];
+    // bad: rows with a NaN or +inf raw score of a visible key (a NaN or an infinity in its K),
+    // which the maximum would skip and the soft-cap could bend back: their l becomes NaN below.
+    VF qp[NV], bmax[NV], bad[NV];
     for (int v = 0; v < NV; ++v) {
       qp[v] = hn::Load(df, qpos + v * lanes);
       bmax[v] = neg_inf;
+      bad[v] = zero;
     }
     const VF cap = hn::Set(df, kDot ? a.softcap * kLog2e : a.softcap);
     const VF inv_cap = hn::Set(df, a.softcap > 0.f ? 1.f / a.softcap : 0.f);
@@ -463,12 +467,16 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
         float* sp = st + static_cast<size_t>(j) * rl + v * lanes;
         VF s = hn::Load(df, sp);
         if constexpr (kDot) s = hn::Mul(s, pre_scale);
+        const VF nonfinite = hn::VecFromMask(df, hn::Or(hn::IsNaN(s), hn::Eq(s, hn::Neg(neg_inf))));
         if (a.softcap > 0.f) s = hn::Mul(cap, hn::Tanh(df, hn::Mul(s, inv_cap)));
         if (masked) {
           auto vis = draft ? hn::Gt(hn::Load(df, tvis + static_cast<size_t>(u) * rl + v * lanes), zero)
                            : hn::Le(kpos, qp[v]);
           if (a.window >= 0) vis = hn::And(vis, hn::Le(hn::Sub(qp[v], kpos), window));
           s = hn::IfThenElse(vis, s, neg_inf);
+          bad[v] = hn::Or(bad[v], hn::And(hn::VecFromMask(df, vis), nonfinite));
+        } else {
+          bad[v] = hn::Or(bad[v], nonfinite);
         }
         hn::Store(s, df, sp);
         bmax[v] = hn::Max(s, bmax[v]);  // x86 max returns the second operand for a NaN: dropped
@@ -500,6 +508,10 @@ void TileItem(const LayerArgs& a, const KernelPlan& p, const WorkItem& it, int k
       hn::Store(m_new, df, m + v * lanes);
       hn::Store(al, df, alpha + v * lanes);
       hn::Store(hn::MulAdd(hn::Load(df, l + v * lanes), al, sum), df, l + v * lanes);
+    }
+    for (int v = 0; v < NV && !direct; ++v) {
+      const VF lv = hn::Load(df, l + v * lanes);
+      hn::Store(hn::IfThenElse(hn::MaskFromVec(bad[v]), hn::Set(df, kNaN), lv), df, l + v * lanes);
     }
 
     // O^T[d][rows] = O^T[d][rows] * alpha + sum_j V[j][d] * P^T[j][rows].

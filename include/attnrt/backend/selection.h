@@ -16,6 +16,14 @@
 
 namespace attnrt {
 
+// The largest page size (Options::page_size): a page is the unit of prefix reuse and of the
+// backends' page tables, and pages beyond this only waste the tail of every request.
+inline constexpr int kMaxPageSize = 1024;
+
+// The most threads a cpu backend takes (Options::num_threads, ATTNRT_NUM_THREADS): four per
+// hardware thread of this machine; more only oversubscribe the cores.
+int max_num_threads();
+
 struct Selection {
   std::string prefill;  // full-attention backend for EXTEND / MIXED (and verify in prefill mode)
   std::string decode;   // full-attention backend for DECODE / IDLE (and verify in decode mode)
