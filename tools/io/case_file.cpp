@@ -381,7 +381,7 @@ Case parse_case(const CaseFileReader& read_file, const std::string& dir) {
   json j;
   try {
     j = json::parse(*text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999
     fail("{}: malformed JSON: {}", path, e.what());
   }
   const Reader r(path);

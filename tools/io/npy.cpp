@@ -132,14 +132,21 @@ int64_t product(std::span<const int64_t> shape) {
   return n;
 }
 
-// Bytes of the data of `shape` in `dtype`; nullopt past 2^62 (where the product would overflow).
+// Bytes of the data of `shape` in `dtype`; nullopt when the extents other than 0 multiply past
+// 2^62 bytes, so that neither the size nor any stride of a view (an empty array's included)
+// overflows.
 std::optional<int64_t> data_bytes(std::span<const int64_t> shape, DType dtype) {
   int64_t n = static_cast<int64_t>(dtype_size(dtype));
+  bool empty = false;
   for (int64_t d : shape) {
-    if (d != 0 && n > (int64_t{1} << 62) / d) return std::nullopt;
+    if (d == 0) {
+      empty = true;
+      continue;
+    }
+    if (n > (int64_t{1} << 62) / d) return std::nullopt;
     n *= d;
   }
-  return n;
+  return empty ? 0 : n;
 }
 
 }  // namespace
@@ -300,8 +307,10 @@ NpyArray parse_npy(std::string_view file, const std::string& path) {
                "{}: {} dims; at most {} are supported", path, a.shape.size(), kMaxDims);
   const int64_t have = file_size - data_start;
   const std::optional<int64_t> want = data_bytes(a.shape, a.dtype);
-  ATTNRT_CHECK(want.has_value(), "{}: shape {} of '{}' needs more than 2^62 data bytes", path,
-               shape_str(a.shape), descr);
+  ATTNRT_CHECK(want.has_value(),
+               "{}: shape {} of '{}' is too large: its extents other than 0 span more than 2^62 "
+               "bytes",
+               path, shape_str(a.shape), descr);
   ATTNRT_CHECK(have == *want, "{}: shape {} of '{}' needs {} data bytes, the file has {} ({})",
                path, shape_str(a.shape), descr, *want, have,
                have < *want ? "truncated" : "trailing bytes");
