@@ -448,6 +448,18 @@ TEST(StepLayout, FindsRepeatedRowsAmongManyRequests) {
                      {"req_pool_indices[299] = 73014444039 duplicates req_pool_indices[17]"});
 }
 
+// Issue 21 (fuzz_batch, UBSan): row INT64_MAX overflowed the duplicate check's `row + 1` key.
+// Rows up to INT64_MAX are told apart (the runtime then refuses them as unallocated).
+TEST(StepLayout, LargestRowsAreComparedWithoutOverflow) {
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  ForwardBatch b = make_decode_batch({max, max - 1}, {5, 5});
+  b.out_cache_loc.assign(2, 0);
+  ASSERT_NO_THROW(make_step_layout(b));
+  b.req_pool_indices[1] = max;
+  test::expect_error([&] { make_step_layout(b); },
+                     {"req_pool_indices[1] = 9223372036854775807 duplicates req_pool_indices[0]"});
+}
+
 namespace {
 
 // A valid batch of a random mode and size, its rows small or far apart, then 0-3 random edits

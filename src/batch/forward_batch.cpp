@@ -276,7 +276,8 @@ class LayoutBuilder {
   // allocation per step once grown; a hash map allocated a node per request).
   void check_rows_hashed() const {
     const int bs = b_.batch_size;
-    thread_local std::vector<int64_t> slots;  // row + 1, 0 = empty; then the request index
+    // row + 1, 0 = empty (unsigned: row + 1 of row INT64_MAX fits); then the request index.
+    thread_local std::vector<uint64_t> slots;
     size_t cap = 16;
     while (cap < 2 * static_cast<size_t>(bs)) cap *= 2;
     slots.assign(2 * cap, 0);
@@ -285,14 +286,15 @@ class LayoutBuilder {
       const int64_t row = b_.req_pool_indices[i];
       ATTNRT_CHECK(row >= 0, "ForwardBatch ({}): req_pool_indices[{}] = {}; rows are >= 0", mode_,
                    i, row);
+      const uint64_t key = static_cast<uint64_t>(row) + 1;
       size_t h = (static_cast<uint64_t>(row) * 0x9e3779b97f4a7c15ull) >> 32 & mask;
-      while (slots[h] != 0 && slots[h] != row + 1) h = (h + 1) & mask;
+      while (slots[h] != 0 && slots[h] != key) h = (h + 1) & mask;
       ATTNRT_CHECK(slots[h] == 0,
                    "ForwardBatch ({}): req_pool_indices[{}] = {} duplicates req_pool_indices[{}]; "
                    "each request of a step has its own row",
                    mode_, i, row, slots[cap + h]);
-      slots[h] = row + 1;
-      slots[cap + h] = i;
+      slots[h] = key;
+      slots[cap + h] = static_cast<uint64_t>(i);
     }
   }
 
