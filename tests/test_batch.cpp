@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -460,6 +461,24 @@ TEST(StepLayout, LargestRowsAreComparedWithoutOverflow) {
                      {"req_pool_indices[1] = 9223372036854775807 duplicates req_pool_indices[0]"});
 }
 
+// Issue 21 (ASan/UBSan build, FusedPathAcceptsAndRejectsExactlyAsTheCheckedPath): a verify block
+// on top of seq_lens near INT32_MAX overflowed the int32 kv length (undefined behaviour in the
+// checked path; the fused path wrapped it and accepted the batch). Both refuse it.
+TEST(StepLayout, VerifyKeysBeyondInt32AreRefused) {
+  ForwardBatch b =
+      make_verify_batch({1}, {std::numeric_limits<int32_t>::max() - 4}, SpecInfo::chain(1, 4));
+  b.out_cache_loc.assign(4, 0);
+  StepLayout l;
+  ASSERT_NO_THROW(make_step_layout(b));
+  b.seq_lens[0] += 1;
+  b.extend_prefix_lens.clear();
+  for (int64_t& p : b.positions) p += 1;
+  const std::vector<std::string> expect = {"seq_lens[0] = 2147483644 plus draft_token_num = 4",
+                                           "at most 2^31 - 1"};
+  test::expect_error([&] { make_step_layout(b); }, expect);
+  test::expect_error([&] { make_step_layout_checked(b, l); }, expect);
+}
+
 namespace {
 
 // A valid batch of a random mode and size, its rows small or far apart, then 0-3 random edits
@@ -533,7 +552,11 @@ ForwardBatch random_batch(std::mt19937& rng) {
           x = -1;
           break;
         default:
-          x += pick(0, 1) ? 1 : -1;
+          // Nudged in int64 and kept in range: an extreme set by an earlier edit must not
+          // overflow here (undefined behaviour the sanitizer build stops on).
+          x = static_cast<int32_t>(std::clamp<int64_t>(int64_t{x} + (pick(0, 1) ? 1 : -1),
+                                                       std::numeric_limits<int32_t>::min(),
+                                                       std::numeric_limits<int32_t>::max()));
       }
     };
     auto edit64 = [&](std::vector<int64_t>& v) {

@@ -438,7 +438,7 @@ class LayoutBuilder {
     int32_t max_kv = 0;
     for (int i = 0; i < bs; ++i) {
       const int32_t sl = seq[i];
-      bad |= sl < 0;
+      bad |= (sl < 0) | (int64_t{sl} + n > INT32_MAX);
       l.prefix_lens[i] = sl;
       l.query_lens[i] = n;
       l.query_start[i] = int64_t{i} * n;
@@ -549,6 +549,10 @@ class LayoutBuilder {
                    "ForwardBatch (TARGET_VERIFY): seq_lens[{}] = {}; verify seq_lens count the "
                    "tokens before the drafts (>= 0)",
                    i, sl);
+      ATTNRT_CHECK(int64_t{sl} + n <= INT32_MAX,
+                   "ForwardBatch (TARGET_VERIFY): seq_lens[{}] = {} plus draft_token_num = {} is "
+                   "{} keys; a request holds at most 2^31 - 1",
+                   i, sl, n, int64_t{sl} + n);
       if (has_ext) {
         ATTNRT_CHECK(b_.extend_seq_lens[i] == n,
                      "ForwardBatch (TARGET_VERIFY): extend_seq_lens[{}] = {}; must be "
