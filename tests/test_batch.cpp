@@ -479,6 +479,20 @@ TEST(StepLayout, VerifyKeysBeyondInt32AreRefused) {
   test::expect_error([&] { make_step_layout_checked(b, l); }, expect);
 }
 
+// Issue 21 (fuzz_batch, UBSan): spec_info.accept_length = INT32_MAX overflowed `+ 1` in the
+// draft-extend check, and in make_draft_extend_batch.
+TEST(StepLayout, AcceptLengthAtInt32MaxIsRefusedWithoutOverflow) {
+  ForwardBatch b = make_draft_extend_batch({1}, {9}, {2});
+  b.out_cache_loc.assign(3, 0);
+  ASSERT_NO_THROW(make_step_layout(b));
+  b.spec_info->accept_length[0] = std::numeric_limits<int32_t>::max();
+  test::expect_error([&] { make_step_layout(b); },
+                     {"spec_info.accept_length[0] = 2147483647", "accept_length + 1"});
+  test::expect_error(
+      [] { make_draft_extend_batch({1}, {9}, {std::numeric_limits<int32_t>::max()}); },
+      {"accept_lengths[0] = 2147483647", "[0, 2^31 - 2]"});
+}
+
 namespace {
 
 // A valid batch of a random mode and size, its rows small or far apart, then 0-3 random edits

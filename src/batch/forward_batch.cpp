@@ -594,7 +594,7 @@ class LayoutBuilder {
                        i, e, s->draft_token_num);
         }
       } else if (has_accept) {
-        ATTNRT_CHECK(s->accept_length[i] >= 0 && e == s->accept_length[i] + 1,
+        ATTNRT_CHECK(s->accept_length[i] >= 0 && e == int64_t{s->accept_length[i]} + 1,
                      "ForwardBatch (DRAFT_EXTEND): extend_seq_lens[{}] = {} but "
                      "spec_info.accept_length[{}] = {}; must be accept_length + 1",
                      i, e, i, s->accept_length[i]);
@@ -768,8 +768,8 @@ ForwardBatch make_draft_extend_batch(const std::vector<int64_t>& req_rows,
   b.extend_seq_lens.resize(b.batch_size);
   b.extend_prefix_lens.resize(b.batch_size);
   for (int i = 0; i < b.batch_size; ++i) {
-    ATTNRT_CHECK(accept_lengths[i] >= 0,
-                 "make_draft_extend_batch: accept_lengths[{}] = {}; must be >= 0", i,
+    ATTNRT_CHECK(accept_lengths[i] >= 0 && accept_lengths[i] < INT32_MAX,
+                 "make_draft_extend_batch: accept_lengths[{}] = {}; must be in [0, 2^31 - 2]", i,
                  accept_lengths[i]);
     b.extend_seq_lens[i] = accept_lengths[i] + 1;
     b.extend_prefix_lens[i] = b.seq_lens[i] - b.extend_seq_lens[i];
