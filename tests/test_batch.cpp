@@ -493,6 +493,20 @@ TEST(StepLayout, AcceptLengthAtInt32MaxIsRefusedWithoutOverflow) {
       {"accept_lengths[0] = 2147483647", "[0, 2^31 - 2]"});
 }
 
+// Issue 21 (fuzz_batch, out of memory): an empty TARGET_VERIFY step (batch_size 0) with a tree
+// of draft_token_num = 2^30 passed every size check and the fused path sized its depth scratch by
+// draft_token_num: 4 GiB allocated to validate nothing. It is accepted without that allocation.
+TEST(StepLayout, EmptyVerifyStepAllocatesNothingForItsTree) {
+  ForwardBatch b;
+  b.mode = ForwardMode::TARGET_VERIFY;
+  SpecInfo s;
+  s.draft_token_num = 1 << 30;
+  s.topk = 4;
+  b.spec_info = s;
+  const StepLayout l = make_step_layout(b);
+  EXPECT_EQ(l.num_tokens, 0);
+}
+
 namespace {
 
 // A valid batch of a random mode and size, its rows small or far apart, then 0-3 random edits

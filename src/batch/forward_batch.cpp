@@ -452,7 +452,9 @@ class LayoutBuilder {
     l.num_tokens = total;
     l.max_query_len = bs > 0 ? n : 0;
     l.max_kv_len = max_kv;
-    if (s.is_chain()) return positions_count_up(l);  // a chain's depths are the block indices
+    // A chain's depths are the block indices; an empty step has no tree to walk (and its
+    // draft_token_num, unchecked against any parents, must not size the scratch below).
+    if (s.is_chain() || bs == 0) return positions_count_up(l);
     thread_local std::vector<int32_t> depth;
     depth.resize(n);
     const int64_t* pos = b_.positions.data();
