@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -448,6 +449,64 @@ TEST(StepLayout, FindsRepeatedRowsAmongManyRequests) {
                      {"req_pool_indices[299] = 73014444039 duplicates req_pool_indices[17]"});
 }
 
+// Issue 21 (fuzz_batch, UBSan): row INT64_MAX overflowed the duplicate check's `row + 1` key.
+// Rows up to INT64_MAX are told apart (the runtime then refuses them as unallocated).
+TEST(StepLayout, LargestRowsAreComparedWithoutOverflow) {
+  const int64_t max = std::numeric_limits<int64_t>::max();
+  ForwardBatch b = make_decode_batch({max, max - 1}, {5, 5});
+  b.out_cache_loc.assign(2, 0);
+  ASSERT_NO_THROW(make_step_layout(b));
+  b.req_pool_indices[1] = max;
+  test::expect_error([&] { make_step_layout(b); },
+                     {"req_pool_indices[1] = 9223372036854775807 duplicates req_pool_indices[0]"});
+}
+
+// Issue 21 (ASan/UBSan build, FusedPathAcceptsAndRejectsExactlyAsTheCheckedPath): a verify block
+// on top of seq_lens near INT32_MAX overflowed the int32 kv length (undefined behaviour in the
+// checked path; the fused path wrapped it and accepted the batch). Both refuse it.
+TEST(StepLayout, VerifyKeysBeyondInt32AreRefused) {
+  ForwardBatch b =
+      make_verify_batch({1}, {std::numeric_limits<int32_t>::max() - 4}, SpecInfo::chain(1, 4));
+  b.out_cache_loc.assign(4, 0);
+  StepLayout l;
+  ASSERT_NO_THROW(make_step_layout(b));
+  b.seq_lens[0] += 1;
+  b.extend_prefix_lens.clear();
+  for (int64_t& p : b.positions) p += 1;
+  const std::vector<std::string> expect = {"seq_lens[0] = 2147483644 plus draft_token_num = 4",
+                                           "at most 2^31 - 1"};
+  test::expect_error([&] { make_step_layout(b); }, expect);
+  test::expect_error([&] { make_step_layout_checked(b, l); }, expect);
+}
+
+// Issue 21 (fuzz_batch, UBSan): spec_info.accept_length = INT32_MAX overflowed `+ 1` in the
+// draft-extend check, and in make_draft_extend_batch.
+TEST(StepLayout, AcceptLengthAtInt32MaxIsRefusedWithoutOverflow) {
+  ForwardBatch b = make_draft_extend_batch({1}, {9}, {2});
+  b.out_cache_loc.assign(3, 0);
+  ASSERT_NO_THROW(make_step_layout(b));
+  b.spec_info->accept_length[0] = std::numeric_limits<int32_t>::max();
+  test::expect_error([&] { make_step_layout(b); },
+                     {"spec_info.accept_length[0] = 2147483647", "accept_length + 1"});
+  test::expect_error(
+      [] { make_draft_extend_batch({1}, {9}, {std::numeric_limits<int32_t>::max()}); },
+      {"accept_lengths[0] = 2147483647", "[0, 2^31 - 2]"});
+}
+
+// Issue 21 (fuzz_batch, out of memory): an empty TARGET_VERIFY step (batch_size 0) with a tree
+// of draft_token_num = 2^30 passed every size check and the fused path sized its depth scratch by
+// draft_token_num: 4 GiB allocated to validate nothing. It is accepted without that allocation.
+TEST(StepLayout, EmptyVerifyStepAllocatesNothingForItsTree) {
+  ForwardBatch b;
+  b.mode = ForwardMode::TARGET_VERIFY;
+  SpecInfo s;
+  s.draft_token_num = 1 << 30;
+  s.topk = 4;
+  b.spec_info = s;
+  const StepLayout l = make_step_layout(b);
+  EXPECT_EQ(l.num_tokens, 0);
+}
+
 namespace {
 
 // A valid batch of a random mode and size, its rows small or far apart, then 0-3 random edits
@@ -521,7 +580,11 @@ ForwardBatch random_batch(std::mt19937& rng) {
           x = -1;
           break;
         default:
-          x += pick(0, 1) ? 1 : -1;
+          // Nudged in int64 and kept in range: an extreme set by an earlier edit must not
+          // overflow here (undefined behaviour the sanitizer build stops on).
+          x = static_cast<int32_t>(std::clamp<int64_t>(int64_t{x} + (pick(0, 1) ? 1 : -1),
+                                                       std::numeric_limits<int32_t>::min(),
+                                                       std::numeric_limits<int32_t>::max()));
       }
     };
     auto edit64 = [&](std::vector<int64_t>& v) {

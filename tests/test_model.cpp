@@ -547,6 +547,17 @@ TEST(HfConfig, BadFilesNameTheFileAndTheField) {
   EXPECT_NE(missing.find("/nonexistent/config.json"), std::string::npos) << missing;
 }
 
+// Issue 21 (fuzz_hf_config): a number too large for a double (1e999) made the JSON parser throw
+// its out_of_range exception, which escaped the loader (only parse errors were caught) and
+// ended the program. It is malformed JSON like any other.
+TEST(HfConfig, NumbersBeyondDoubleAreMalformedJson) {
+  const std::string msg = error_of([] {
+    load_hf_config_text(R"({"model_type": "llama", "rope_theta": 1e999})", "big.json");
+  });
+  EXPECT_NE(msg.find("big.json: malformed JSON"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("1e999"), std::string::npos) << msg;
+}
+
 TEST(ResolveModel, PresetsPathsAndDirectories) {
   EXPECT_EQ(resolve_model("demo").name, "demo");
   EXPECT_EQ(resolve_model(data_file("llama3_8b_config.json")).layers.size(), 32u);

@@ -187,3 +187,36 @@ TEST_F(NpyTest, TensorToFloat32FollowsStrides) {
       error_of([&] { npy_from_tensor_f32(TensorView(ints.data(), DType::i32, {4})); });
   EXPECT_NE(msg.find("not of a float dtype"), std::string::npos) << msg;
 }
+
+// Issue 21 (fuzz_npy): extents each within the parser's 2^48 bound whose product overflowed int64
+// (undefined behaviour: the size check, or the strides of an empty array's view). Such a shape is
+// refused before any arithmetic overflows, and so is a file that ends inside its header length.
+TEST_F(NpyTest, ShapesTooLargeToAddressAreRefused) {
+  const std::string huge =
+      raw_file("huge.npy", 1, npy_dict("<f4", "(1099511627776, 1099511627776, 1099511627776)"), 0);
+  const std::string msg = error_of([&] { read_npy(huge); });
+  EXPECT_NE(msg.find("is too large"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(huge), std::string::npos) << msg;
+  // An empty array's view still has strides: the extents other than 0 must not overflow them.
+  const std::string empty =
+      raw_file("empty.npy", 1, npy_dict("<f4", "(0, 1099511627776, 1099511627776)"), 0);
+  EXPECT_NE(error_of([&] { read_npy(empty); }).find("is too large"), std::string::npos);
+  const NpyArray fine = read_npy(raw_file("fine.npy", 1, npy_dict("<f4", "(0, 1024, 1024)"), 0));
+  EXPECT_EQ(fine.view().strides[0], 1024 * 1024);
+  const std::string cut = path("cut.npy");
+  std::ofstream(cut, std::ios::binary) << std::string("\x93NUMPY\x02\x00\x10", 9);
+  EXPECT_NE(error_of([&] { read_npy(cut); }).find("truncated .npy header"), std::string::npos);
+}
+
+TEST_F(NpyTest, ParseNpyReadsTheFileBytesFromMemory) {
+  const std::string file = raw_file("one.npy", 1, npy_dict("<i4", "(1,)"), 4);
+  std::ifstream in(file, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const NpyArray a = parse_npy(bytes, "in memory");
+  EXPECT_EQ(a.dtype, DType::i32);
+  EXPECT_EQ(a.shape, std::vector<int64_t>{1});
+  EXPECT_EQ(a.origin, "in memory");
+  EXPECT_EQ(a.bytes.size(), 4u);
+  const std::string msg = error_of([&] { parse_npy(bytes.substr(0, 12), "cut"); });
+  EXPECT_NE(msg.find("cut: truncated .npy header"), std::string::npos) << msg;
+}

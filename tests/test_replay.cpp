@@ -406,6 +406,8 @@ TEST_F(ReplayTest, BadCasesNameTheFileAndField) {
       {"\"mode\": \"EXTEND\"", "\"mode\": \"SIDEWAYS\"", "SIDEWAYS"},
       {"\"save_kv\": true", "\"save_kv_typo\": true", "missing field 'save_kv'"},
       {"{", "{{", "case.json: malformed JSON"},
+      // Issue 21 (fuzz_case): the JSON parser's out_of_range escaped as another exception type.
+      {"\"version\": 1", "\"version\": 1e999", "case.json: malformed JSON"},
   };
   for (const Edit& edit : edits) {
     std::string t = text;

@@ -137,6 +137,13 @@ TEST(SimTrace, MalformedLinesNameLineAndField) {
                {"/nonexistent/trace.jsonl", "cannot open"});
 }
 
+// Issue 21 (fuzz_hf_config, the same JSON parser): a number beyond a double's range threw an
+// exception other than attnrt::Error out of parse_trace.
+TEST(SimTrace, NumbersBeyondDoubleAreInvalidJson) {
+  expect_error([] { parse_trace("{\"prompt_len\": 4, \"output_len\": 1e999}", "big.jsonl"); },
+               {"big.jsonl", "line 1", "not valid JSON", "1e999"});
+}
+
 TEST(SimTrace, BuiltinTraceIsDeterministicAndMixed) {
   const Trace a = builtin_trace(), b = builtin_trace();
   EXPECT_EQ(to_jsonl(a), to_jsonl(b));

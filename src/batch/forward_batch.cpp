@@ -276,7 +276,8 @@ class LayoutBuilder {
   // allocation per step once grown; a hash map allocated a node per request).
   void check_rows_hashed() const {
     const int bs = b_.batch_size;
-    thread_local std::vector<int64_t> slots;  // row + 1, 0 = empty; then the request index
+    // row + 1, 0 = empty (unsigned: row + 1 of row INT64_MAX fits); then the request index.
+    thread_local std::vector<uint64_t> slots;
     size_t cap = 16;
     while (cap < 2 * static_cast<size_t>(bs)) cap *= 2;
     slots.assign(2 * cap, 0);
@@ -285,14 +286,15 @@ class LayoutBuilder {
       const int64_t row = b_.req_pool_indices[i];
       ATTNRT_CHECK(row >= 0, "ForwardBatch ({}): req_pool_indices[{}] = {}; rows are >= 0", mode_,
                    i, row);
+      const uint64_t key = static_cast<uint64_t>(row) + 1;
       size_t h = (static_cast<uint64_t>(row) * 0x9e3779b97f4a7c15ull) >> 32 & mask;
-      while (slots[h] != 0 && slots[h] != row + 1) h = (h + 1) & mask;
+      while (slots[h] != 0 && slots[h] != key) h = (h + 1) & mask;
       ATTNRT_CHECK(slots[h] == 0,
                    "ForwardBatch ({}): req_pool_indices[{}] = {} duplicates req_pool_indices[{}]; "
                    "each request of a step has its own row",
                    mode_, i, row, slots[cap + h]);
-      slots[h] = row + 1;
-      slots[cap + h] = i;
+      slots[h] = key;
+      slots[cap + h] = static_cast<uint64_t>(i);
     }
   }
 
@@ -436,7 +438,7 @@ class LayoutBuilder {
     int32_t max_kv = 0;
     for (int i = 0; i < bs; ++i) {
       const int32_t sl = seq[i];
-      bad |= sl < 0;
+      bad |= (sl < 0) | (int64_t{sl} + n > INT32_MAX);
       l.prefix_lens[i] = sl;
       l.query_lens[i] = n;
       l.query_start[i] = int64_t{i} * n;
@@ -450,7 +452,9 @@ class LayoutBuilder {
     l.num_tokens = total;
     l.max_query_len = bs > 0 ? n : 0;
     l.max_kv_len = max_kv;
-    if (s.is_chain()) return positions_count_up(l);  // a chain's depths are the block indices
+    // A chain's depths are the block indices; an empty step has no tree to walk (and its
+    // draft_token_num, unchecked against any parents, must not size the scratch below).
+    if (s.is_chain() || bs == 0) return positions_count_up(l);
     thread_local std::vector<int32_t> depth;
     depth.resize(n);
     const int64_t* pos = b_.positions.data();
@@ -547,6 +551,10 @@ class LayoutBuilder {
                    "ForwardBatch (TARGET_VERIFY): seq_lens[{}] = {}; verify seq_lens count the "
                    "tokens before the drafts (>= 0)",
                    i, sl);
+      ATTNRT_CHECK(int64_t{sl} + n <= INT32_MAX,
+                   "ForwardBatch (TARGET_VERIFY): seq_lens[{}] = {} plus draft_token_num = {} is "
+                   "{} keys; a request holds at most 2^31 - 1",
+                   i, sl, n, int64_t{sl} + n);
       if (has_ext) {
         ATTNRT_CHECK(b_.extend_seq_lens[i] == n,
                      "ForwardBatch (TARGET_VERIFY): extend_seq_lens[{}] = {}; must be "
@@ -588,7 +596,7 @@ class LayoutBuilder {
                        i, e, s->draft_token_num);
         }
       } else if (has_accept) {
-        ATTNRT_CHECK(s->accept_length[i] >= 0 && e == s->accept_length[i] + 1,
+        ATTNRT_CHECK(s->accept_length[i] >= 0 && e == int64_t{s->accept_length[i]} + 1,
                      "ForwardBatch (DRAFT_EXTEND): extend_seq_lens[{}] = {} but "
                      "spec_info.accept_length[{}] = {}; must be accept_length + 1",
                      i, e, i, s->accept_length[i]);
@@ -762,8 +770,8 @@ ForwardBatch make_draft_extend_batch(const std::vector<int64_t>& req_rows,
   b.extend_seq_lens.resize(b.batch_size);
   b.extend_prefix_lens.resize(b.batch_size);
   for (int i = 0; i < b.batch_size; ++i) {
-    ATTNRT_CHECK(accept_lengths[i] >= 0,
-                 "make_draft_extend_batch: accept_lengths[{}] = {}; must be >= 0", i,
+    ATTNRT_CHECK(accept_lengths[i] >= 0 && accept_lengths[i] < INT32_MAX,
+                 "make_draft_extend_batch: accept_lengths[{}] = {}; must be in [0, 2^31 - 2]", i,
                  accept_lengths[i]);
     b.extend_seq_lens[i] = accept_lengths[i] + 1;
     b.extend_prefix_lens[i] = b.seq_lens[i] - b.extend_seq_lens[i];

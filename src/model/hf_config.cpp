@@ -431,7 +431,7 @@ ModelSpec load_hf_config_text(std::string_view json_text, std::string_view origi
   json top;
   try {
     top = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999
     fail("{}: malformed JSON: {}", origin, e.what());
   }
   if (!top.is_object())

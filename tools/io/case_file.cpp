@@ -361,15 +361,27 @@ void write_case(const std::string& dir, const Case& c) {
 Case read_case(const std::string& dir) {
   const fs::path d(dir);
   ATTNRT_CHECK(fs::is_directory(d), "'{}' is not a case directory (it does not exist)", dir);
+  return parse_case(
+      [&](const std::string& name) -> std::optional<std::string> {
+        std::ifstream in(d / name, std::ios::binary);
+        if (!in.good()) return std::nullopt;
+        std::ostringstream text;
+        text << in.rdbuf();
+        ATTNRT_CHECK(!in.bad(), "{}: read error", (d / name).string());
+        return text.str();
+      },
+      dir);
+}
+
+Case parse_case(const CaseFileReader& read_file, const std::string& dir) {
+  const fs::path d(dir);
   const std::string path = (d / "case.json").string();
-  std::ifstream in(path);
-  ATTNRT_CHECK(in.good(), "'{}' is not a case directory: it has no case.json", dir);
-  std::stringstream text;
-  text << in.rdbuf();
+  const std::optional<std::string> text = read_file("case.json");
+  ATTNRT_CHECK(text.has_value(), "'{}' is not a case directory: it has no case.json", dir);
   json j;
   try {
-    j = json::parse(text.str());
-  } catch (const json::parse_error& e) {
+    j = json::parse(*text);
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999
     fail("{}: malformed JSON: {}", path, e.what());
   }
   const Reader r(path);
@@ -416,7 +428,12 @@ Case read_case(const std::string& dir) {
                  i, layout.kv_len(i));
   }
 
-  auto load = [&](const char* name) { return read_npy((d / name).string()); };
+  auto load = [&](const char* name) {
+    const std::string file = (d / name).string();
+    const std::optional<std::string> bytes = read_file(name);
+    if (!bytes) fail("cannot open '{}': no such file or not readable", file);
+    return parse_npy(*bytes, file);
+  };
   const auto bs = static_cast<int64_t>(c.batch.batch_size);
   NpyArray table = load("req_to_token.npy");
   table.expect(DType::i32, {bs, -1});

@@ -3,6 +3,7 @@
 // `attnrt replay` reads and runs them.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -63,6 +64,10 @@ Case capture_case(const ModelSpec& model, int layer_id, const Options& options,
 // Writes / reads a case directory (created if missing; existing case files are replaced).
 void write_case(const std::string& dir, const Case& c);
 Case read_case(const std::string& dir);
+// read_case over files given by name ("case.json", "q.npy", ...): `read_file` returns a file's
+// bytes, or nullopt when it is missing; `dir` names the case in messages.
+using CaseFileReader = std::function<std::optional<std::string>(const std::string& name)>;
+Case parse_case(const CaseFileReader& read_file, const std::string& dir);
 
 // capture_case + write_case: what `attnrt run --dump-step N DIR` calls.
 void write_step_case(const std::string& dir, const ModelSpec& model, int layer_id,

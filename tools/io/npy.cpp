@@ -5,6 +5,7 @@
 #include <bit>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 #include <optional>
 #include <string_view>
 
@@ -131,6 +132,23 @@ int64_t product(std::span<const int64_t> shape) {
   return n;
 }
 
+// Bytes of the data of `shape` in `dtype`; nullopt when the extents other than 0 multiply past
+// 2^62 bytes, so that neither the size nor any stride of a view (an empty array's included)
+// overflows.
+std::optional<int64_t> data_bytes(std::span<const int64_t> shape, DType dtype) {
+  int64_t n = static_cast<int64_t>(dtype_size(dtype));
+  bool empty = false;
+  for (int64_t d : shape) {
+    if (d == 0) {
+      empty = true;
+      continue;
+    }
+    if (n > (int64_t{1} << 62) / d) return std::nullopt;
+    n *= d;
+  }
+  return empty ? 0 : n;
+}
+
 }  // namespace
 
 int64_t NpyArray::numel() const { return product(shape); }
@@ -239,32 +257,26 @@ void write_npy(const std::string& path, DType dtype, std::span<const int64_t> sh
   ATTNRT_CHECK(out.good(), "writing '{}' failed (disk full or not writable?)", path);
 }
 
-NpyArray read_npy(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail("cannot open '{}': no such file or not readable", path);
-  in.seekg(0, std::ios::end);
-  const auto file_size = static_cast<int64_t>(in.tellg());
-  in.seekg(0);
-
-  char magic[kMagicLen + 2] = {};
-  in.read(magic, sizeof magic);
-  if (!in || std::memcmp(magic, kMagic, kMagicLen) != 0) {
+NpyArray parse_npy(std::string_view file, const std::string& path) {
+  const auto file_size = static_cast<int64_t>(file.size());
+  if (file.size() < kMagicLen + 2 || std::memcmp(file.data(), kMagic, kMagicLen) != 0) {
     fail("{}: not a .npy file (bad magic; expected \\x93NUMPY)", path);
   }
-  const int major = static_cast<uint8_t>(magic[kMagicLen]);
+  const int major = static_cast<uint8_t>(file[kMagicLen]);
   ATTNRT_CHECK(major >= 1 && major <= 3,
                "{}: .npy format version {}.{} is not supported (1.0, 2.0 and 3.0 are)", path, major,
-               static_cast<uint8_t>(magic[kMagicLen + 1]));
+               static_cast<uint8_t>(file[kMagicLen + 1]));
+  const size_t len_bytes = major == 1 ? 2 : 4;
+  ATTNRT_CHECK(file.size() >= kMagicLen + 2 + len_bytes,
+               "{}: truncated .npy header (the file ends inside the header length, {} bytes)", path,
+               file_size);
   uint32_t header_len = 0;
-  in.read(reinterpret_cast<char*>(&header_len), major == 1 ? 2 : 4);
-  const int64_t data_start =
-      static_cast<int64_t>(kMagicLen) + 2 + (major == 1 ? 2 : 4) + header_len;
-  ATTNRT_CHECK(in.good() && data_start <= file_size,
+  std::memcpy(&header_len, file.data() + kMagicLen + 2, len_bytes);
+  const int64_t data_start = static_cast<int64_t>(kMagicLen + 2 + len_bytes) + header_len;
+  ATTNRT_CHECK(data_start <= file_size,
                "{}: truncated .npy header ({} header bytes announced, file has {} bytes)", path,
                header_len, file_size);
-  std::string header(header_len, '\0');
-  in.read(header.data(), header_len);
-
+  const std::string header(file.substr(kMagicLen + 2 + len_bytes, header_len));
   const HeaderParser parser(header, path);
   const std::string descr = parser.descr();
   std::optional<DType> dtype;
@@ -287,21 +299,32 @@ NpyArray read_npy(const std::string& path) {
     fail("{}: Fortran-order data is not supported; save a C-order array (np.ascontiguousarray)",
          path);
   }
-
   NpyArray a;
   a.dtype = *dtype;
   a.shape = parser.shape();
   a.origin = path;
   ATTNRT_CHECK(a.shape.size() <= static_cast<size_t>(kMaxDims),
                "{}: {} dims; at most {} are supported", path, a.shape.size(), kMaxDims);
-  const int64_t want = a.numel() * static_cast<int64_t>(dtype_size(a.dtype));
   const int64_t have = file_size - data_start;
-  ATTNRT_CHECK(have == want, "{}: shape {} of '{}' needs {} data bytes, the file has {} ({})", path,
-               shape_str(a.shape), descr, want, have, have < want ? "truncated" : "trailing bytes");
-  a.bytes.resize(static_cast<size_t>(want));
-  if (want > 0) in.read(reinterpret_cast<char*>(a.bytes.data()), want);
-  ATTNRT_CHECK(in.good() || want == 0, "{}: read error", path);
+  const std::optional<int64_t> want = data_bytes(a.shape, a.dtype);
+  ATTNRT_CHECK(want.has_value(),
+               "{}: shape {} of '{}' is too large: its extents other than 0 span more than 2^62 "
+               "bytes",
+               path, shape_str(a.shape), descr);
+  ATTNRT_CHECK(have == *want, "{}: shape {} of '{}' needs {} data bytes, the file has {} ({})",
+               path, shape_str(a.shape), descr, *want, have,
+               have < *want ? "truncated" : "trailing bytes");
+  a.bytes.assign(file.begin() + data_start, file.end());
   return a;
+}
+
+NpyArray read_npy(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("cannot open '{}': no such file or not readable", path);
+  std::ostringstream text;
+  text << in.rdbuf();
+  ATTNRT_CHECK(!in.bad(), "{}: read error", path);
+  return parse_npy(text.str(), path);
 }
 
 }  // namespace attnrt

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "attnrt/core/tensor.h"
@@ -51,5 +52,7 @@ void write_npy(const std::string& path, DType dtype, std::span<const int64_t> sh
 // Throws attnrt::Error naming the file: bad magic, unsupported version or dtype, big-endian data,
 // Fortran order, malformed header, truncated or oversized data.
 NpyArray read_npy(const std::string& path);
+// The same from the file's bytes in memory; `path` names it in messages.
+NpyArray parse_npy(std::string_view file, const std::string& path);
 
 }  // namespace attnrt

@@ -214,7 +214,9 @@ void FailureLog::record(const LayerSite& site, const Comparison& c, std::string 
 }
 
 StateCopy save_state(const LinearStatePool& pool, int layer_id, const StateRegion& r) {
-  const auto [cb, sb] = state_bytes(pool.layer(layer_id));
+  // Plain variables: lambdas capture no structured bindings before clang 16 (sanitize/fuzz build).
+  const std::pair<size_t, size_t> bytes = state_bytes(pool.layer(layer_id));
+  const size_t cb = bytes.first, sb = bytes.second;
   StateCopy c;
   c.count = static_cast<int64_t>(r.slots.size()) + (r.verify ? r.checkpoints : 0);
   c.conv.resize(cb * static_cast<size_t>(c.count));
@@ -231,7 +233,8 @@ StateCopy save_state(const LinearStatePool& pool, int layer_id, const StateRegio
 }
 
 void restore_state(LinearStatePool& pool, int layer_id, const StateRegion& r, const StateCopy& c) {
-  const auto [cb, sb] = state_bytes(pool.layer(layer_id));
+  const std::pair<size_t, size_t> bytes = state_bytes(pool.layer(layer_id));
+  const size_t cb = bytes.first, sb = bytes.second;
   for_each_state(
       r,
       [&](int slot, size_t at) {

@@ -72,7 +72,7 @@ TraceRequest parse_line(const std::string& text, std::string_view origin, int li
   json obj;
   try {
     obj = json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999
     fail(
         "trace {} line {}: not valid JSON ({}); each line must be one JSON object such as "
         "{{\"id\": \"r0\", \"arrival_step\": 0, \"prompt_len\": 300, \"output_len\": 40}}",

@@ -125,11 +125,13 @@ HWY_INLINE void WithKvType(DType dtype, const Fn& fn) {
   }
 }
 
-// How much larger the stored values are than what KvElem<DT>::Load returns.
+// How much larger the stored values are than what KvElem<DT>::Load returns. `inline`: an explicit
+// specialization of a variable template is not implicitly inline, and this header is included by
+// several kernel files (one definition each otherwise; clang's linker refuses the duplicates).
 template <DType DT>
-constexpr float kLoadFactor = 1.f;
+inline constexpr float kLoadFactor = 1.f;
 template <>
-constexpr float kLoadFactor<DType::e4m3> = KvElem<DType::e4m3>::kFactor;
+inline constexpr float kLoadFactor<DType::e4m3> = KvElem<DType::e4m3>::kFactor;
 
 // One element the way Load returns it (vector tails).
 template <DType DT>
