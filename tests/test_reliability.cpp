@@ -78,6 +78,9 @@ TEST_F(CliReliability, UnknownOptionExitsTwoAndSuggestsTheClosest) {
   expect_rejected("check --backend cpu --case 3", {"'--case'", "did you mean --cases?"});
   expect_rejected("info --frobnicate", {"'--frobnicate'", "attnrt info --help"});
   expect_rejected("rnu", {"'rnu'", "did you mean run?"});
+  // CLI11 2.1 looped forever on an empty argument before an unknown option.
+  expect_rejected("run '' -x", {"argument 2 is empty"});
+  expect_rejected("info a '' -y", {"argument 3 is empty"});
 }
 
 TEST_F(CliReliability, ThreadsAboveFourPerHardwareThreadAreRejectedNamingTheLimit) {

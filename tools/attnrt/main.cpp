@@ -27,6 +27,17 @@ int main(int argc, char** argv) {
   attnrt::cli::add_run_command(app);
   attnrt::cli::add_replay_command(app);
   attnrt::cli::add_bench_command(app);
+  // CLI11 2.1 loops forever on an empty argument followed by an unknown option (the empty string
+  // matches the backend option group's empty name): no argument may be empty.
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] == '\0') {
+      std::fprintf(stderr,
+                   "error: argument %d is empty; attnrt takes no empty arguments (a shell variable "
+                   "that expanded to nothing?)\n",
+                   i);
+      return 2;
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
