@@ -74,8 +74,10 @@ def test_cpu_matches_reference_selection_and_output(seed):
 
 
 def test_indexer_inputs_are_checked():
-    rt = attnrt.Runtime(dsa_config(), dtype=torch.float32, attention_backend="cpu", page_size=16,
-                        max_requests=2, kv_slots=128, dsa_decode_backend="cpu")
+    # The dsa router with its phases' sub-backends named (the reference engine's option names).
+    rt = attnrt.Runtime(dsa_config(), dtype=torch.float32, attention_backend="dsa", page_size=16,
+                        max_requests=2, kv_slots=128, dsa_prefill_backend="cpu",
+                        dsa_decode_backend="cpu")
     row = rt.alloc_request()
     s = rt.alloc_extend([0], [4], [-1])
     rt.write_req_to_token(row, 0, s)
