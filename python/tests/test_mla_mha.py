@@ -46,6 +46,14 @@ class Weights:
         return torch.einsum("thr,hrd->thd", out_lat, self.uv.to(out_lat.dtype))
 
 
+def extend_batch(rows, prefix, extend, new_slots):
+    """The EXTEND step of those requests: extend[i] new tokens after prefix[i] cached ones."""
+    positions = [p + t for p, e in zip(prefix, extend) for t in range(e)]
+    return attnrt.ForwardBatch("EXTEND", rows, [p + e for p, e in zip(prefix, extend)], new_slots,
+                               extend_prefix_lens=prefix, extend_seq_lens=extend,
+                               positions=positions)
+
+
 def place_requests(rt, pool, prefix, extend, rows_of):
     """One request per (prefix, extend): its slots allocated and written to req_to_token, its
     prefix rows in the latent pool from rows_of(prefix). Returns (rows, slots, the step's new
@@ -80,10 +88,7 @@ def test_mha_form_with_two_chunks_equals_the_absorbed_form(seed):
     rows, slots, new_slots = place_requests(
         rt, pool, prefix, extend, lambda p: torch.randn(p, 1, ROW, generator=gen))
     T = sum(extend)
-    positions = [p + t for p, e in zip(prefix, extend) for t in range(e)]
-    rt.begin_step(attnrt.ForwardBatch("EXTEND", rows, [p + e for p, e in zip(prefix, extend)],
-                                      new_slots, extend_prefix_lens=prefix,
-                                      extend_seq_lens=extend, positions=positions))
+    rt.begin_step(extend_batch(rows, prefix, extend, new_slots))
     assert rt.mla_form() == "mha"
     plan = rt.prefix_chunk_plan()
     assert plan["chunk_len"] == 20
@@ -176,10 +181,7 @@ def test_mha_form_on_cuda_uses_the_tensors_in_place(seed):
         rt, pool, prefix, extend,
         lambda p: torch.randn(p, 1, rank + rope, generator=gen, device="cuda").to(torch.bfloat16))
     T = sum(extend)
-    positions = [p + t for p, e in zip(prefix, extend) for t in range(e)]
-    rt.begin_step(attnrt.ForwardBatch("EXTEND", rows, [p + e for p, e in zip(prefix, extend)],
-                                      new_slots, extend_prefix_lens=prefix,
-                                      extend_seq_lens=extend, positions=positions))
+    rt.begin_step(extend_batch(rows, prefix, extend, new_slots))
     assert rt.mla_form() == "mha"
     plan = rt.prefix_chunk_plan()
     assert len(plan["chunks"]) == 3  # 128 prefix positions per request per chunk
