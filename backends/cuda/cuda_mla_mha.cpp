@@ -54,6 +54,33 @@ void check_act_dtype(const char* what, const TensorView& t, DType want) {
                what, t.describe(), dtype_name(want));
 }
 
+// The tensors of an MHA-form call (`call`: the causal part or a prefix chunk): q, k, v and out in
+// one 16-bit dtype, all five on the GPU or all on the host, and on the GPU in the layouts the CTA
+// reads (k / v heads packed). Returns whether they are on the GPU.
+bool check_mha_tensors(const char* call, const TensorView& q, const TensorView& k,
+                       const TensorView& v, const TensorView& out, const TensorView& lse,
+                       const MlaMhaDims& d) {
+  for (auto [what, t] : {std::pair{"k", &k}, {"v", &v}, {"out", &out}})
+    check_act_dtype(what, *t, q.dtype);
+  const bool dev = on_gpu(q);
+  for (auto [what, t] : {std::pair{"k", &k}, {"v", &v}, {"out", &out}, {"lse", &lse}}) {
+    ATTNRT_CHECK(t->empty() || on_gpu(*t) == dev,
+                 "cuda backend: q is {} but {} is {}; {}'s q, k, v, out and lse must all be on "
+                 "the GPU or all on the host",
+                 q.describe(), what, t->describe(), call);
+  }
+  if (dev) {
+    check_gpu_layout("q", q, 0);
+    check_gpu_layout("k", k, d.qk);
+    check_gpu_layout("v", v, d.v);
+    check_gpu_layout("out", out, 0);
+    ATTNRT_CHECK(lse.empty() || lse.strides[1] == 1,
+                 "cuda backend: lse is {} with head stride {}; the heads must be contiguous",
+                 lse.describe(), lse.empty() ? 0 : lse.strides[1]);
+  }
+  return dev;
+}
+
 }  // namespace
 
 bool CudaBackend::planned_mha_for(const ForwardBatch& batch) const {
@@ -228,16 +255,8 @@ void CudaBackend::forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer
                "backend for other dims",
                layer.layer_id, d.qk, d.v, kMlaMhaHeadDim, kMlaMhaVHeadDim);
   const DType dt = args.q.dtype;
-  for (auto [what, t] : {std::pair{"k", &args.k}, {"v", &args.v}, {"out", &args.out}})
-    check_act_dtype(what, *t, dt);
-  const bool dev = on_gpu(args.q);
-  for (auto [what, t] : {std::pair{"k", &args.k}, {"v", &args.v}, {"out", &args.out},
-                         {"lse", &args.lse}}) {
-    ATTNRT_CHECK(t->empty() || on_gpu(*t) == dev,
-                 "cuda backend: q is {} but {} is {}; the MHA form's q, k, v, out and lse must all "
-                 "be on the GPU or all on the host",
-                 args.q.describe(), what, t->describe());
-  }
+  const bool dev =
+      check_mha_tensors("the MHA form", args.q, args.k, args.v, args.out, args.lse, d);
   ATTNRT_CHECK(dev || !stream_is_capturing(stream_),
                "cuda backend: host tensors ({}) cannot be used inside a CUDA-graph capture",
                args.q.describe());
@@ -248,13 +267,6 @@ void CudaBackend::forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& layer
   const bool fp16 = dt == DType::f16;
   const size_t es = dtype_size(dt);
   if (dev) {
-    check_gpu_layout("q", args.q, 0);
-    check_gpu_layout("k", args.k, d.qk);
-    check_gpu_layout("v", args.v, d.v);
-    check_gpu_layout("out", args.out, 0);
-    ATTNRT_CHECK(args.lse.empty() || args.lse.strides[1] == 1,
-                 "cuda backend: lse is {} with head stride {}; the heads must be contiguous",
-                 args.lse.describe(), args.lse.empty() ? 0 : args.lse.strides[1]);
     launch_mla_mha(layer, mha_plan_.causal, false, args.q.data, args.q.strides[0],
                    args.q.strides[1], args.k.data, args.k.strides[0], args.v.data,
                    args.v.strides[0], args.out.data, args.out.strides[0], args.out.strides[1],
@@ -296,16 +308,8 @@ void CudaBackend::forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args,
   mha_.check_chunk("cuda", planned_mha_for(batch), chunk, args, layer, batch);
   const MlaMhaDims d = mla_mha_dims(layer);
   const DType dt = args.q.dtype;
-  for (auto [what, t] : {std::pair{"k", &args.k}, {"v", &args.v}, {"out", &args.out}})
-    check_act_dtype(what, *t, dt);
-  const bool dev = on_gpu(args.q);
-  for (auto [what, t] : {std::pair{"k", &args.k}, {"v", &args.v}, {"out", &args.out},
-                         {"lse", &args.lse}}) {
-    ATTNRT_CHECK(on_gpu(*t) == dev,
-                 "cuda backend: q is {} but {} is {}; a prefix chunk's q, k, v, out and lse must "
-                 "all be on the GPU or all on the host",
-                 args.q.describe(), what, t->describe());
-  }
+  const bool dev =
+      check_mha_tensors("a prefix chunk", args.q, args.k, args.v, args.out, args.lse, d);
   upload_mha_plan();
   const int64_t n = mha_.chunks().chunks[chunk].num_tokens;
   const int hq = layer.num_q_heads;
@@ -327,13 +331,6 @@ void CudaBackend::forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& args,
   int64_t q_tok = hq * int64_t{d.qk}, q_head = d.qk, k_tok = q_tok, v_tok = hq * int64_t{d.v};
   int64_t o_tok = v_tok, o_head = d.v, lse_tok = hq;
   if (dev) {
-    check_gpu_layout("q", args.q, 0);
-    check_gpu_layout("k", args.k, d.qk);
-    check_gpu_layout("v", args.v, d.v);
-    check_gpu_layout("out", args.out, 0);
-    ATTNRT_CHECK(args.lse.strides[1] == 1,
-                 "cuda backend: lse is {} with head stride {}; the heads must be contiguous",
-                 args.lse.describe(), args.lse.strides[1]);
     q_tok = args.q.strides[0];
     q_head = args.q.strides[1];
     k_tok = args.k.strides[0];
