@@ -29,6 +29,8 @@ constexpr float kLn2 = 0.693147181f;
 // Keys per block of the tile kernel (a multiple of kTileKeyStep), and of its bf16 form: twice as
 // many halve the per-block work (pairing V, rescaling O^T) per vdpbf16ps.
 constexpr int kTileKeys = 32;
+// Dims per partial sum of the fp32 score micro-kernel.
+constexpr int kScoreChunk = 32;
 constexpr int kDotKeys = 64;
 // Register blocking of the fp32 tile: keys per S^T step and value dims per O^T step, over panels
 // of kWideTile row vectors. Where the register file holds 32 vectors (AVX-512): 4 x 4
@@ -47,23 +49,32 @@ HWY_INLINE void ScorePanel(const float* qt, int rl, int v0, const float* kb, int
                            float* st) {
   const DF df;
   const int lanes = static_cast<int>(hn::Lanes(df));
-  VF acc[kTileKeyStep][P];
-  for (int kk = 0; kk < kTileKeyStep; ++kk) {
-    for (int v = 0; v < P; ++v) acc[kk][v] = hn::Zero(df);
-  }
-  for (int d = 0; d < dim; ++d) {
-    VF qv[P];
-    for (int v = 0; v < P; ++v) {
-      qv[v] = hn::Load(df, qt + static_cast<size_t>(d) * rl + (v0 + v) * lanes);
+  // Dims are summed in chunks whose sums are then added: one FMA chain over all of MLA's 576
+  // dims loses about four times the accuracy of the decode kernel's lane-split sums, which showed
+  // as verify steps (this kernel) drifting from decode steps (that one) in float32 models.
+  VF sum[kTileKeyStep][P];
+  for (int d0 = 0; d0 < dim; d0 += kScoreChunk) {
+    VF acc[kTileKeyStep][P];
+    for (int kk = 0; kk < kTileKeyStep; ++kk) {
+      for (int v = 0; v < P; ++v) acc[kk][v] = hn::Zero(df);
+    }
+    for (int d = d0; d < std::min(dim, d0 + kScoreChunk); ++d) {
+      VF qv[P];
+      for (int v = 0; v < P; ++v) {
+        qv[v] = hn::Load(df, qt + static_cast<size_t>(d) * rl + (v0 + v) * lanes);
+      }
+      for (int kk = 0; kk < kTileKeyStep; ++kk) {
+        const VF kv = hn::Set(df, kb[static_cast<size_t>(kk) * kstride + d]);
+        for (int v = 0; v < P; ++v) acc[kk][v] = hn::MulAdd(kv, qv[v], acc[kk][v]);
+      }
     }
     for (int kk = 0; kk < kTileKeyStep; ++kk) {
-      const VF kv = hn::Set(df, kb[static_cast<size_t>(kk) * kstride + d]);
-      for (int v = 0; v < P; ++v) acc[kk][v] = hn::MulAdd(kv, qv[v], acc[kk][v]);
+      for (int v = 0; v < P; ++v) sum[kk][v] = d0 == 0 ? acc[kk][v] : hn::Add(sum[kk][v], acc[kk][v]);
     }
   }
   for (int kk = 0; kk < kTileKeyStep; ++kk) {
     for (int v = 0; v < P; ++v) {
-      hn::Store(acc[kk][v], df, st + static_cast<size_t>(kk) * rl + (v0 + v) * lanes);
+      hn::Store(sum[kk][v], df, st + static_cast<size_t>(kk) * rl + (v0 + v) * lanes);
     }
   }
 }
