@@ -495,9 +495,8 @@ TEST(InProcessCommunicator, MismatchedCallsAreErrors) {
   test::expect_error([&] { c.all_gather(1, small, b); }, {"rank 1 sends 3 floats", "holds 4"});
 }
 
-TEST(Communicator, NcclIsNotBuiltHere) {
-  test::expect_error([] { make_communicator("nccl", 2); },
-                     {"'nccl'", "without NCCL", "one GPU per rank", "in_process"});
+TEST(Communicator, UnknownKindsAreListed) {
+  // make_communicator("nccl", n): tests/test_cuda_nccl.cpp.
   test::expect_error([] { make_communicator("mpi", 2); }, {"'mpi' is unknown", "in_process, nccl"});
 }
 

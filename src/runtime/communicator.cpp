@@ -197,11 +197,17 @@ void InProcessCommunicator::barrier(int rank) {
 
 std::unique_ptr<Communicator> make_communicator(std::string_view kind, int size) {
   if (kind == "in_process") return std::make_unique<InProcessCommunicator>(size);
-  ATTNRT_CHECK(kind != "nccl",
-               "communicator 'nccl': this attnrt is built without NCCL; a DCP group across GPUs "
-               "needs NCCL and one GPU per rank ({} here). Use 'in_process' (simulated ranks on "
-               "host backends, docs/dcp.md)",
-               size);
+  if (kind == "nccl") {
+    const std::string why = nccl_unavailable_reason();
+    ATTNRT_CHECK(why.empty(),
+                 "communicator 'nccl': {}; a DCP group across GPUs needs NCCL and one GPU per rank "
+                 "({} here). Use 'in_process' (simulated ranks on host backends, docs/dcp.md)",
+                 why, size);
+    fail("communicator 'nccl' of {} ranks: an NCCL rank needs its rank, device and the group's "
+         "id; use make_nccl_communicator(nccl_unique_id(), {}, rank, device) in each rank's "
+         "thread or process, or make_nccl_group(devices) (docs/dcp.md)",
+         size, size);
+  }
   fail("communicator '{}' is unknown; kinds: in_process, nccl", kind);
 }
 

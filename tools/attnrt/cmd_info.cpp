@@ -21,6 +21,7 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/model/model_spec.h"
 #include "attnrt/runtime/attention_runtime.h"
+#include "attnrt/runtime/communicator.h"
 #include "backends/cpu/cpu_backend.h"
 #include "tools/attnrt/cli_options.h"
 #include "tools/attnrt/commands.h"
@@ -33,6 +34,17 @@
 namespace attnrt::cli {
 
 namespace {
+
+// "2.28.7" when the NCCL library loads (GPU or not), else "".
+std::string nccl_version_text() {
+  if (!built_with_cuda()) return {};
+  try {
+    const int v = nccl_version();
+    return fmt::format("{}.{}.{}", v / 10000, v / 100 % 100, v % 100);
+  } catch (const Error&) {
+    return {};
+  }
+}
 
 using nlohmann::json;
 
@@ -340,6 +352,7 @@ void run_info(CLI::App& cmd, const InfoArgs& args) {
                    {"gpus", cuda.gpus},
                    {"links", cuda.links},
                    {"runtime_version", cuda.runtime_version}};
+    out["nccl"] = {{"version", nccl_version_text()}, {"unavailable_reason", nccl_unavailable_reason()}};
     json backends = json::array();
     for (const BackendEntry& e : registry.entries()) {
       std::string reason = e.unavailable_reason ? e.unavailable_reason() : "";
@@ -388,6 +401,12 @@ void run_info(CLI::App& cmd, const InfoArgs& args) {
     }
   } else {
     fmt::print("CUDA:  no usable device: {}\n", cuda.reason);
+  }
+  if (const std::string why = nccl_unavailable_reason(); why.empty()) {
+    fmt::print("NCCL:  {} (DCP ranks across GPUs, docs/dcp.md)\n", nccl_version_text());
+  } else if (built_with_cuda()) {
+    fmt::print("NCCL:  {}not usable: {}\n",
+               nccl_version_text().empty() ? "" : nccl_version_text() + " loaded, ", why);
   }
 
   fmt::print("\nBackends:\n");

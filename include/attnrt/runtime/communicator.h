@@ -6,9 +6,11 @@
 // Blocks are in rank order on both sides.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -53,9 +55,43 @@ class InProcessCommunicator final : public Communicator {
   std::unique_ptr<State> state_;
 };
 
-// kind "in_process": InProcessCommunicator(size). kind "nccl": one rank per GPU over NCCL, which
-// this build does not contain: throws attnrt::Error saying so (docs/dcp.md, the GPU part). Any
-// other kind: attnrt::Error listing the kinds.
+// kind "in_process": InProcessCommunicator(size). kind "nccl" needs a rank, a device and the
+// group's id: an attnrt::Error pointing at make_nccl_communicator (or saying why NCCL cannot be
+// used here). Any other kind: attnrt::Error listing the kinds.
 std::unique_ptr<Communicator> make_communicator(std::string_view kind, int size);
+
+// ---- NCCL (docs/dcp.md "Over NCCL") ------------------------------------------------------------
+// One rank per GPU. A communicator over NCCL is ONE rank of its group: its calls take that rank's
+// index (anything else is an error), their buffers are device memory of its GPU, and they are
+// enqueued on its stream and return at once (barrier() also waits for the stream). NCCL is loaded
+// when first needed (dlopen of libnccl.so.2: $ATTNRT_NCCL_LIBRARY, else the loader's search path,
+// else the CUDA toolkit's lib folders), so attnrt starts and runs without it.
+
+// NCCL's unique id of a group: made by one process (nccl_unique_id), handed to every rank by the
+// engine's own means (it is plain bytes).
+struct NcclUniqueId {
+  std::array<char, 128> bytes{};
+};
+
+// "" when NCCL can be used here (a CUDA build, a usable CUDA device, the library loaded); else why
+// not, in words that say what to change.
+std::string nccl_unavailable_reason();
+// The library's version as NCCL writes it (e.g. 22807 for 2.28.7), GPU or not; throws when the
+// library cannot be loaded.
+int nccl_version();
+NcclUniqueId nccl_unique_id();
+
+// Joins the group `id` as `rank` of `size` on CUDA device `device` (ncclCommInitRank: blocks until
+// every rank has joined, so the ranks of one process must call from threads of their own).
+// `stream` is the cudaStream_t collectives go to (null: the device's legacy default stream).
+std::unique_ptr<Communicator> make_nccl_communicator(const NcclUniqueId& id, int size, int rank,
+                                                     int device, void* stream = nullptr);
+// Every rank of a group in this process at once, rank i on devices[i] (ncclCommInitAll); streams
+// empty or one per device.
+std::vector<std::unique_ptr<Communicator>> make_nccl_group(std::span<const int> devices,
+                                                           std::span<void* const> streams = {});
+// A communicator over an ncclComm_t the engine created (its rank and size are the comm's); the
+// engine keeps ownership and destroys the comm after this object.
+std::unique_ptr<Communicator> wrap_nccl_comm(void* nccl_comm, void* stream = nullptr);
 
 }  // namespace attnrt
