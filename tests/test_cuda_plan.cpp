@@ -123,7 +123,7 @@ std::vector<int32_t> expected_splits(const PlannerConfig& cfg, size_t c, TileSha
   const int64_t heads = cfg.num_kv_heads_max;
   std::vector<int32_t> splits(bs, 1);
   auto kv = [&](int i) { return int64_t{e.prefix[i]} + e.qlen[i]; };
-  if (st.graph != nullptr) {
+  if (st.graph != nullptr && !cfg.deterministic) {
     const bool verify = is_target_verify(st.batch.mode);
     const int pad_q = verify && st.batch.spec_info ? st.batch.spec_info->draft_token_num : 1;
     const int64_t t = cdiv(int64_t{pad_q} * cfg.groups[c], cuda::tile_rows(shape));
@@ -250,12 +250,19 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
           cdiv(int64_t{e.qlen[i]} * cfg.groups[c], cuda::tile_rows(shape)));
     const std::vector<int32_t> splits = expected_splits(cfg, c, shape, e, tiles, st);
     class_splits.push_back(splits);
+    // A deterministic graph step pads every request's items to the graph's count (the kernels
+    // skip those past its own splits), and always captures the merge.
+    const int32_t pad = st.graph != nullptr && cfg.deterministic &&
+                                (shape == TileShape::decode || shape == TileShape::decode32)
+                            ? st.graph->det_splits
+                            : 0;
     int64_t items = 0, part_rows = 0;
-    int max_splits = 1;
+    int max_splits = pad > 0 ? pad : 1;
     for (int i = 0; i < bs; ++i) {
-      items += int64_t{tiles[i]} * splits[i];
+      items += int64_t{tiles[i]} * (pad > 0 ? pad : splits[i]);
       if (splits[i] > 1) part_rows += int64_t{splits[i]} * e.qlen[i];
       max_splits = std::max(max_splits, splits[i]);
+      if (pad > 0) ASSERT_LE(splits[i], pad) << "request " << i;
     }
     ASSERT_EQ(cp.num_items, items) << "class " << c;
     ASSERT_EQ(cp.part_rows, part_rows) << "class " << c;
@@ -274,7 +281,7 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
     std::vector<std::tuple<int32_t, int32_t, int32_t>> want;
     for (int i = 0; i < bs; ++i)
       for (int32_t k = 0; k < tiles[i]; ++k)
-        for (int32_t s = 0; s < splits[i]; ++s) want.emplace_back(k, i, s);
+        for (int32_t s = 0; s < (pad > 0 ? pad : splits[i]); ++s) want.emplace_back(k, i, s);
     std::sort(want.begin(), want.end());
     const WorkItem* w = reinterpret_cast<const WorkItem*>(host + cp.work_off);
     for (size_t n = 0; n < want.size(); ++n) {
@@ -459,6 +466,7 @@ void run_scenario(const Scenario& sc, uint32_t seed, int steps) {
   gl.work_cap = 40 * 64 * 8;
   gl.tree_cap = 40 * 16;
   gl.meta_bytes = size_t{64} << 20;
+  gl.det_splits = sc.cfg.deterministic ? cuda::deterministic_splits(kMaxCtx) : 0;
   for (int r = 0; r < kRows; ++r) rows.grow(r, 1 + static_cast<int>(rng() % 3000));
 
   for (int step = 0; step < steps; ++step) {

@@ -593,6 +593,9 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
   gl.reqs_cap = static_cast<size_t>(max_bs);
   gl.tree_cap = static_cast<size_t>(max_num_tokens);
   gl.work_cap = 0;
+  // Deterministic mode: every request's own split count, at most that of the longest context.
+  gl.det_splits =
+      cfg.deterministic ? deterministic_splits(ctx_.req_to_token->max_context_len()) : 0;
   int64_t part_rows = 0;
   // Decode steps (one token per request) are captured beside verify steps of per_req tokens;
   // fewer rows per request mean more splits, so both shapes size the buffers.
@@ -600,8 +603,11 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
     for (size_t c = 0; c < cfg.groups.size(); ++c) {
       const TileShape shape = choose_shape(tokens, cfg.groups[c], cfg.head_dims[c]);
       const int64_t tiles = ceil_div(int64_t{tokens} * cfg.groups[c], tile_rows(shape));
+      const bool decode_shape = shape == TileShape::decode || shape == TileShape::decode32;
       for (int bs = 1; bs <= max_bs; ++bs) {
-        const int s = graph_splits(cfg, c, shape, bs, tokens);
+        const int s = !cfg.deterministic ? graph_splits(cfg, c, shape, bs, tokens)
+                      : decode_shape     ? gl.det_splits
+                                         : 1;
         gl.work_cap = std::max<size_t>(gl.work_cap, static_cast<size_t>(bs * tiles * s));
         if (s > 1) part_rows = std::max<int64_t>(part_rows, int64_t{bs} * s * tokens);
       }
@@ -655,6 +661,7 @@ BackendEntry cuda_backend_entry() {
   e.caps.head_dims = {};
   claim_every_feature(e.caps);
   e.caps.cuda_graphs = true;
+  e.caps.deterministic_graphs = true;
   e.auto_selectable = true;
   e.unavailable_reason = []() -> std::string {
     const CudaDeviceInfo& info = query_cuda();

@@ -348,6 +348,7 @@ void HostPlanner::plan_class(size_t c, int bs) {
   ClassState& cs = classes_[c];
   ClassWork& w = cs.work;
   cp = ClassPlan{};
+  w.pad_splits = 0;
   cp.group = cs.group;
   cp.head_dim = cs.head_dim;
   cp.shape = choose_shape(stats_.max_q, cp.group, cp.head_dim);
@@ -370,16 +371,21 @@ void HostPlanner::plan_class(size_t c, int bs) {
   } else {
     for (int i = 0; i < bs; ++i) base += tiles[i] = tiles_of(r[i].qlen);
   }
-  const bool uniform_kv = stats_.min_kv == stats_.max_kv;
+  const bool decode_shape = cp.shape == TileShape::decode || cp.shape == TileShape::decode32;
+  // A batch-invariant graph step: each request's own deterministic split count, its items padded
+  // to the graph's fixed count per (request, tile).
+  const int32_t pad = graph_ != nullptr && config_.deterministic && decode_shape
+                          ? graph_->det_splits
+                          : 0;
+  const bool uniform_kv = stats_.min_kv == stats_.max_kv && pad == 0;
   const int64_t heads = config_.num_kv_heads_max;
   // Splits: one count for all, or a chunk of keys that each request divides its length by.
   int32_t uniform = 1;
   uint32_t chunk = 0;
-  if (graph_ != nullptr) {
+  if (graph_ != nullptr && !config_.deterministic) {
     uniform = graph_splits(config_, c, cp.shape, bs, pad_qlen_);
   } else if (config_.deterministic) {
-    if (cp.shape == TileShape::decode || cp.shape == TileShape::decode32)
-      chunk = kDeterministicChunk;
+    if (decode_shape) chunk = kDeterministicChunk;
   } else if (cp.shape != TileShape::prefill) {
     if (base > 0) {
       const int64_t cap =
@@ -426,10 +432,20 @@ void HostPlanner::plan_class(size_t c, int bs) {
   for (int i = 0; i < bs; ++i) {
     const int32_t s = std::clamp<int32_t>(div(kv[i]), 1, kMaxSplits);
     splits[i] = s;
-    items += int64_t{w.tiles > 0 ? w.tiles : tiles[i]} * s;
+    items += int64_t{w.tiles > 0 ? w.tiles : tiles[i]} * (pad > 0 ? pad : s);
     part_rows += s > 1 ? int64_t{s} * r[i].qlen : 0;
     max_splits = std::max(max_splits, s);
   }
+  if (pad > 0) {
+    ATTNRT_CHECK(max_splits <= pad,
+                 "cuda backend: a deterministic graph step has a request of {} splits ({} keys "
+                 "each); the graph state holds {} per request, sized by max_context_len at "
+                 "init_cuda_graph_state",
+                 max_splits, kDeterministicChunk, pad);
+    // The merge is captured whenever a replay may need it.
+    max_splits = std::max(max_splits, pad);
+  }
+  w.pad_splits = pad;
   cp.num_items = static_cast<int>(items);
   cp.part_rows = part_rows;
   cp.max_splits = max_splits;
@@ -661,7 +677,7 @@ void HostPlanner::write_work_ragged(size_t c, WorkItem* items) const {
     for (int i = 0; i < bs; ++i) {
       const int32_t t = w.tiles > 0 ? w.tiles : tiles[i];
       if (k >= t) continue;
-      const int32_t s_n = w.splits > 0 ? w.splits : splits[i];
+      const int32_t s_n = w.pad_splits > 0 ? w.pad_splits : w.splits > 0 ? w.splits : splits[i];
       for (int32_t s = 0; s < s_n; ++s) items[n++] = {i, (t - 1 - k) * rows, s, 0};
     }
   }

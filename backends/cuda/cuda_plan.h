@@ -26,6 +26,14 @@ constexpr int kMinChunkPrefill = 1024;
 // Deterministic mode: splits depend on the request's own length only, so a request's output does
 // not change with the rest of the batch.
 constexpr int kDeterministicChunk = 1024;
+
+// Deterministic mode's split count of a decode-shaped request of kv_len keys: its own length by
+// kDeterministicChunk, 1 to kMaxSplits. Eager and graph steps use the same rule, so a request's
+// output is the same whatever batch it is in and whether it runs captured or not.
+constexpr int32_t deterministic_splits(int64_t kv_len) {
+  const int64_t s = (kv_len + kDeterministicChunk - 1) / kDeterministicChunk;
+  return static_cast<int32_t>(s < 1 ? 1 : s > kMaxSplits ? kMaxSplits : s);
+}
 constexpr int kCtasPerSm = 4;
 
 // One GQA group size of the model's KV layers: its CTA shape, split counts and work list.
@@ -72,6 +80,11 @@ struct GraphLayout {
   int max_bs = 0;
   size_t reqs_cap = 0, work_cap = 0, tree_cap = 0;  // entries per class / per step
   size_t meta_bytes = 0;                            // size of the graph metadata buffer
+  // Deterministic mode (batch-invariant graphs): the work items each (request, query tile) of a
+  // decode-shaped class gets, deterministic_splits(max_context_len), fixed so that the captured
+  // grid holds every replay. A request of fewer splits leaves its items past num_splits empty,
+  // and the kernels return at once on those (item.split >= num_splits). 0: not deterministic.
+  int det_splits = 0;
 };
 
 // Split counts every request of layer class `c` gets in a graph step (they depend on the batch
@@ -116,6 +129,7 @@ class HostPlanner {
   struct ClassWork {
     int32_t tiles = 0;
     int32_t splits = 0;
+    int32_t pad_splits = 0;  // > 0: items per (request, tile), whatever its own split count
   };
   // What the plan reads of a layer class every step, in one cache line: the config's values
   // (copied at construction) and the class's work. A plan starts cold in serving, where each

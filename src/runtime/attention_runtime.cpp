@@ -185,10 +185,17 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
              !selection_.entry_for(ForwardMode::TARGET_VERIFY)->caps.cuda_graphs) {
     graph_off_reason_ =
         fmt::format("backend '{}' (TARGET_VERIFY) does not support CUDA graphs", verify_backend);
-  } else if (options_.deterministic) {
-    graph_off_reason_ =
-        "deterministic mode splits each request by its own length, which a captured graph cannot "
-        "follow";
+  } else if (options_.deterministic && !selection_.decode_entry->caps.deterministic_graphs) {
+    graph_off_reason_ = fmt::format(
+        "deterministic mode splits each request by its own length, which backend '{}' (DECODE) "
+        "cannot capture",
+        selection_.decode);
+  } else if (options_.deterministic && selection_.speculative() &&
+             !selection_.entry_for(ForwardMode::TARGET_VERIFY)->caps.deterministic_graphs) {
+    graph_off_reason_ = fmt::format(
+        "deterministic mode splits each request by its own length, which backend '{}' "
+        "(TARGET_VERIFY) cannot capture",
+        verify_backend);
   } else if (linear_state_ != nullptr) {
     graph_off_reason_ =
         "the model has linear-attention layers, which run eagerly: the captured graphs hold the "

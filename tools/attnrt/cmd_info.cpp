@@ -187,6 +187,7 @@ json caps_json(const BackendCaps& c) {
           {"dsa", c.dsa},
           {"non_causal", c.non_causal},
           {"cuda_graphs", c.cuda_graphs},
+          {"deterministic_graphs", c.deterministic_graphs},
           {"linear_kinds", kinds}};
 }
 

@@ -97,6 +97,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) attention_kern
   const int kvh = blockIdx.x;
   const WorkItem item = p.work[blockIdx.y];
   const ReqInfo req = p.reqs[item.req];
+  // A padded item of a batch-invariant graph step (GraphLayout::det_splits): nothing to do.
+  if (item.split >= req.num_splits) return;
   const int G = p.group;
   const int t_first = item.f0 / G;
   const int t_last = min(req.qlen - 1, (item.f0 + ROWS - 1) / G);

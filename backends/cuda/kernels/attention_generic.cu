@@ -51,6 +51,8 @@ __global__ void __launch_bounds__(kThreads)
   const int kvh = blockIdx.x;
   const WorkItem item = p.work[blockIdx.y];
   const ReqInfo req = p.reqs[item.req];
+  // A padded item of a batch-invariant graph step (GraphLayout::det_splits): nothing to do.
+  if (item.split >= req.num_splits) return;
   const int G = p.group;
 
   write_back_committed_pages(p, req, item, kvh, threadIdx.x, kThreads);

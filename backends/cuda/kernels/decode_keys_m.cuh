@@ -266,6 +266,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinBlocks) decode_keys_m_
   const int kvh = blockIdx.x;
   const WorkItem item = p.work[blockIdx.y];
   const ReqInfo req = p.reqs[item.req];
+  // A padded item of a batch-invariant graph step (GraphLayout::det_splits): nothing to do.
+  if (item.split >= req.num_splits) return;
   const int G = p.group;
   const int t_first = item.f0 / G;
   const int t_last = min(req.qlen - 1, (item.f0 + COLS - 1) / G);

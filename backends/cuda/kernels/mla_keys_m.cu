@@ -68,6 +68,8 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
   const int g = lane >> 2, c4 = lane & 3;
   const int kvh = blockIdx.x;
   const MlaItem w(p, NC);
+  // A padded item of a batch-invariant graph step (GraphLayout::det_splits): nothing to do.
+  if (w.item.split >= w.req.num_splits) return;
   const WorkItem& item = w.item;
   const ReqInfo& req = w.req;
   const int G = p.group;

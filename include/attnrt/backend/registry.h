@@ -29,6 +29,9 @@ struct BackendCaps {
   bool dsa = false;  // DSA layers (MLA with an indexer, docs/dsa.md)
   bool non_causal = false;
   bool cuda_graphs = false;
+  // Its captured steps keep --deterministic's batch invariance (split counts from each request's
+  // own length, the same as its eager steps), so deterministic mode may run them as graphs.
+  bool deterministic_graphs = false;
   std::vector<LayerKind> linear_kinds;  // gdn / mamba2 / kda served by this backend
 };
 
