@@ -45,6 +45,7 @@ GraphOverhead measure_graph_overhead(const BenchConfig& config) {
     Options options;
     options.attention_backend = config.backend;
     options.page_size = kPage;
+    options.deterministic = config.deterministic;
     RuntimeConfig rc;
     rc.max_requests = kBatch;
     rc.kv_slots = int64_t{kBatch} * kLen;

@@ -166,10 +166,11 @@ struct BackendRun {
   // `own_stream`: on a GPU, the row's work goes to its KV cache's own stream rather than the
   // legacy default stream the device timer records on (make_device_row).
   BackendRun(RowData& d, const std::string& name, int threads, const Registry& registry,
-             Device device, bool own_stream = false)
+             Device device, bool own_stream = false, bool deterministic = false)
       : data(&d) {
     const Workload& w = d.w;
     options.attention_backend = name;
+    options.deterministic = deterministic;
     options.page_size = w.page_size;
     options.kv_cache_dtype = std::string(dtype_name(w.kv_dtype));
     options.num_threads = threads;
@@ -387,7 +388,8 @@ ReferenceResult measure_reference(const BenchConfig& config, const Workload& w, 
   ref.workload = fit_workload(w, config.reference_max_bytes, config.reference_max_work,
                               "reference measured scaled down");
   RowData data(ref.workload, config.seed ^ 0x7e7e7e7e);
-  BackendRun tested(data, config.backend, threads, registry_of(config), config.device);
+  BackendRun tested(data, config.backend, threads, registry_of(config), config.device,
+                    /*own_stream=*/false, config.deterministic);
   BackendRun oracle(data, "reference", threads, registry_of(config), Device::cpu());
   tested.plan();
   tested.forward();
@@ -444,7 +446,8 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
     {
       say(config, fmt::format("{}: setting up {} ({} of KV)", w.name, w.shape(), fmt_bytes(row.bytes)));
       RowData data(w, config.seed);
-      BackendRun run(data, config.backend, threads, registry_of(config), config.device);
+      BackendRun run(data, config.backend, threads, registry_of(config), config.device,
+                     /*own_stream=*/false, config.deterministic);
       run.plan();
       run.forward();
       run.collect();
@@ -466,7 +469,8 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
       Workload dw = decode_companion(w);
       say(config, fmt::format("{}: timing the decode {} it is compared with", w.name, dw.shape()));
       RowData data(dw, config.seed + 17);
-      BackendRun run(data, config.backend, threads, registry_of(config), config.device);
+      BackendRun run(data, config.backend, threads, registry_of(config), config.device,
+                     /*own_stream=*/false, config.deterministic);
       run.plan();
       run.forward();
       run.collect();
@@ -527,7 +531,8 @@ std::vector<PlanTiming> measure_plans_bs256(const BenchConfig& config) {
     try {
       say(config, fmt::format("{}: timing the host plan", w.name));
       RowData data(w, config.seed + 31);
-      BackendRun run(data, config.backend, threads, registry_of(config), config.device, own_stream);
+      BackendRun run(data, config.backend, threads, registry_of(config), config.device, own_stream,
+                     config.deterministic);
       run.plan();
       run.forward();
       p.time = run.time_plan(std::max(config.repeats, 50), &p.parts);

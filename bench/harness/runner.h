@@ -25,6 +25,8 @@ struct BenchConfig {
   int warmup = 2;
   int threads = 0;  // 0 = resolve_threads(0)
   bool compare_reference = true;
+  // --deterministic: the backend under test (and the graph-overhead runtime) in deterministic mode.
+  bool deterministic = false;
   uint64_t seed = 0x5eed;
   // Shapes larger than these run on the reference backend scaled down (fit_workload) and the
   // speed-up compares work per second, not time.

@@ -45,6 +45,7 @@ struct BenchArgs {
   std::string json;
   std::string plot;
   bool no_reference = false;
+  bool deterministic = false;
   bool quiet = false;
 };
 
@@ -57,6 +58,7 @@ std::string command_line(const BenchArgs& a, const std::string& backend) {
   s += fmt::format(" --repeats {} --warmup {}", a.repeats, a.warmup);
   if (a.threads > 0) s += fmt::format(" --threads {}", a.threads);
   if (a.no_reference) s += " --no-reference";
+  if (a.deterministic) s += " --deterministic";
   if (!a.json.empty()) s += " --json " + a.json;
   if (!a.plot.empty()) s += " --plot " + a.plot;
   return s;
@@ -129,6 +131,7 @@ void run_bench_command(const BenchArgs& a) {
   config.warmup = a.warmup;
   config.threads = a.threads;
   config.compare_reference = !a.no_reference && config.backend != "reference";
+  config.deterministic = a.deterministic;
   // A backend that runs only on GPUs is measured there: device pools, CUDA-event timing, GPU
   // ceilings.
   const std::vector<DeviceKind>& devices = Registry::global().get(config.backend).caps.devices;
@@ -221,6 +224,10 @@ void add_bench_command(CLI::App& app) {
   cmd->add_flag("--no-reference", args->no_reference,
                 "Skip the reference backend (no speed-up column, no reference comparison; the "
                 "float64 check of every row still runs)");
+  cmd->add_flag("--deterministic", args->deterministic,
+                "Run the backend under test in deterministic mode (split sizes from each "
+                "request's own length, as `attnrt run --deterministic`), to measure what batch "
+                "invariance costs against the default");
   cmd->add_flag("--quiet", args->quiet, "No progress lines on stderr");
   cmd->callback([args] { run_bench_command(*args); });
 }

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One GPU call that verifies a round on the H200: the GPU test suite (or TESTS, a gtest filter),
+# `--deterministic` against the default (bench decode / verify rows eagerly, and `attnrt run` with
+# CUDA graphs: tokens/s of both), the host plan at batch 256 (printed by the first bench), the NCCL
+# version the machine loads, and torch's DSA anchors (bench/torch_dsa.py) when present.
+#   usage: OUT=DIR scripts/gpu_round.sh   (carry .gpubin from scripts/gpu_prebuild.sh and .devdeps)
+#   TEST_TIMEOUT (s, default 170), ROWS (bench rows, default decode-64x4096,decode-1x32768,
+#   decode-256x2048,verify-chain-64x4096+8)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+O=${OUT:-/tmp/o}; mkdir -p "$O"
+source .devdeps/unpack-debs.sh >/dev/null
+source scripts/gpubin.sh
+B=/tmp/bin; gpubin_unpack .gpubin $B
+# PyTorch's NCCL where the toolkit has none.
+if [ -z "${ATTNRT_NCCL_LIBRARY:-}" ]; then
+  lib=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib', 'libnccl.so.2'))" 2>/dev/null)
+  [ -n "$lib" ] && [ -f "$lib" ] && export ATTNRT_NCCL_LIBRARY=$lib
+fi
+$B/attnrt info | head -8 > $O/info.txt; cat $O/info.txt
+
+s=$(date +%s)
+timeout "${TEST_TIMEOUT:-170}" $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="${TESTS:-*}" > $O/tests.log 2>&1
+echo "tests rc=$? $(( $(date +%s)-s )) s"
+grep -E "FAILED|PASSED|SKIPPED \]|Failure|tests ran" $O/tests.log | head -30
+
+rows=${ROWS:-decode-64x4096,decode-1x32768,decode-256x2048,verify-chain-64x4096+8}
+for mode in default deterministic; do
+  flag=(); [ $mode = deterministic ] && flag=(--deterministic)
+  s=$(date +%s)
+  timeout 120 $B/attnrt bench --backend cuda --workload "$rows" --no-reference --repeats 10 \
+    --warmup 2 "${flag[@]}" --json $O/bench_$mode.json > $O/bench_$mode.txt 2>&1
+  echo "bench $mode rc=$? $(( $(date +%s)-s )) s"
+  grep -E "^(decode|verify)|plan|graph" $O/bench_$mode.txt | head -14
+done
+for mode in default deterministic; do
+  flag=(); [ $mode = deterministic ] && flag=(--deterministic)
+  s=$(date +%s)
+  timeout 60 $B/attnrt run --attention-backend cuda "${flag[@]}" --json $O/run_$mode.json \
+    --no-progress > $O/run_$mode.txt 2>&1
+  echo "run $mode rc=$? $(( $(date +%s)-s )) s"
+  grep -E -i "DECODE|graph|tokens/s|leak" $O/run_$mode.txt | head -8
+done
+if [ -f bench/torch_dsa.py ]; then
+  s=$(date +%s)
+  (cd bench && timeout 90 python3 torch_dsa.py --json $O/torch_dsa.json) > $O/torch_dsa.txt 2>&1
+  echo "torch_dsa rc=$? $(( $(date +%s)-s )) s"; tail -12 $O/torch_dsa.txt
+fi
