@@ -19,6 +19,14 @@ if [ -z "${ATTNRT_NCCL_LIBRARY:-}" ]; then
 fi
 $B/attnrt info | head -8 > $O/info.txt; cat $O/info.txt
 
+# The round's own tests first (FIRST, a gtest filter), so that they report even if the whole suite
+# runs out of time.
+if [ -n "${FIRST:-}" ]; then
+  s=$(date +%s)
+  timeout 90 $B/attnrt_cuda_tests --gtest_filter="$FIRST" > $O/tests_first.log 2>&1
+  echo "first tests rc=$? $(( $(date +%s)-s )) s"
+  grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|Failure|Expected|Which is|tests ran" $O/tests_first.log | head -40
+fi
 s=$(date +%s)
 timeout "${TEST_TIMEOUT:-170}" $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="${TESTS:-*}" > $O/tests.log 2>&1
 echo "tests rc=$? $(( $(date +%s)-s )) s"
