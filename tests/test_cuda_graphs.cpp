@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "attnrt/backend/options.h"
+#include "attnrt/backend/registry.h"
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
@@ -38,6 +39,7 @@
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
 
+#include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_kv_cache.h"
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/kernels/l2_evict.h"
@@ -137,7 +139,19 @@ using test::fill_random;
 // longest length from the start; the pools hold random K/V.
 class CudaGraphRuntime : public ::testing::Test {
  protected:
-  void SetUp() override { SKIP_WITHOUT_GPU(); }
+  void SetUp() override {
+    SKIP_WITHOUT_GPU();
+    // The cuda backend with deterministic graphs on (its own entry keeps them off until this
+    // test has passed on the GPU; docs/cuda_graphs.md).
+    if (Registry::global().find(kDetGraphs) == nullptr) {
+      BackendEntry e = cuda::cuda_backend_entry();
+      e.name = kDetGraphs;
+      e.auto_selectable = false;
+      e.caps.deterministic_graphs = true;
+      Registry::global().add(std::move(e));
+    }
+  }
+  static constexpr const char* kDetGraphs = "cuda-deterministic-graphs";
 
   void build(int page, int spec_steps, int topk, int draft_tokens, bool deterministic = false) {
     model_.name = "graph-gpu";
@@ -150,7 +164,7 @@ class CudaGraphRuntime : public ::testing::Test {
     LayerSpec c = attention_layer(2, 16, 2, 128);
     model_.layers = {a, b, c};
     Options o;
-    o.attention_backend = "cuda";
+    o.attention_backend = deterministic ? kDetGraphs : "cuda";
     o.page_size = page;
     o.speculative_num_steps = spec_steps;
     o.speculative_eagle_topk = topk;

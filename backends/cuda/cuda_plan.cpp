@@ -442,8 +442,10 @@ void HostPlanner::plan_class(size_t c, int bs) {
                  "each); the graph state holds {} per request, sized by max_context_len at "
                  "init_cuda_graph_state",
                  max_splits, kDeterministicChunk, pad);
-    // The merge is captured whenever a replay may need it.
+    // The merge is captured whenever a replay may need it, and the partials' size (which places
+    // the lse after the outputs in the captured kernels' parameters) is that of the most splits.
     max_splits = std::max(max_splits, pad);
+    part_rows = int64_t{bs} * pad * pad_qlen_;
   }
   w.pad_splits = pad;
   cp.num_items = static_cast<int>(items);
