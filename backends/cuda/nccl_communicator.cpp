@@ -157,25 +157,7 @@ class NcclCommunicator final : public Communicator {
   void all_to_all(int rank, std::span<const float> send, std::span<const int64_t> send_counts,
                   std::span<float> recv, std::span<const int64_t> recv_counts) override {
     check_rank(rank, "all_to_all");
-    const auto n = static_cast<size_t>(size_);
-    ATTNRT_CHECK(send_counts.size() == n && recv_counts.size() == n,
-                 "nccl communicator: all_to_all of rank {} has {} send and {} recv counts; the "
-                 "group has {} ranks",
-                 rank, send_counts.size(), recv_counts.size(), n);
-    int64_t send_total = 0, recv_total = 0;
-    for (size_t d = 0; d < n; ++d) {
-      ATTNRT_CHECK(send_counts[d] >= 0 && recv_counts[d] >= 0,
-                   "nccl communicator: all_to_all of rank {}: counts for rank {} are {} / {}; "
-                   "counts are >= 0",
-                   rank, d, send_counts[d], recv_counts[d]);
-      send_total += send_counts[d];
-      recv_total += recv_counts[d];
-    }
-    ATTNRT_CHECK(send_total <= static_cast<int64_t>(send.size()) &&
-                     recv_total <= static_cast<int64_t>(recv.size()),
-                 "nccl communicator: all_to_all of rank {} sends {} floats from a buffer of {} "
-                 "and receives {} into a buffer of {}",
-                 rank, send_total, send.size(), recv_total, recv.size());
+    check_all_to_all("nccl", rank, size_, send, send_counts, recv, recv_counts);
     const NcclApi& api = nccl();
     // One group: NCCL pairs each send with the peer's matching receive, self included.
     check_nccl(api.group_start(), "ncclGroupStart");

@@ -38,6 +38,30 @@ struct Call {
 
 }  // namespace
 
+void check_all_to_all(std::string_view who, int rank, int size, std::span<const float> send,
+                      std::span<const int64_t> send_counts, std::span<float> recv,
+                      std::span<const int64_t> recv_counts) {
+  const auto n = static_cast<size_t>(size);
+  ATTNRT_CHECK(send_counts.size() == n && recv_counts.size() == n,
+               "{} communicator: all_to_all of rank {} has {} send and {} recv counts; the group "
+               "has {} ranks",
+               who, rank, send_counts.size(), recv_counts.size(), n);
+  int64_t send_total = 0, recv_total = 0;
+  for (size_t d = 0; d < n; ++d) {
+    ATTNRT_CHECK(send_counts[d] >= 0 && recv_counts[d] >= 0,
+                 "{} communicator: all_to_all of rank {}: counts for rank {} are {} / {}; counts "
+                 "are >= 0",
+                 who, rank, d, send_counts[d], recv_counts[d]);
+    send_total += send_counts[d];
+    recv_total += recv_counts[d];
+  }
+  ATTNRT_CHECK(send_total <= static_cast<int64_t>(send.size()) &&
+                   recv_total <= static_cast<int64_t>(recv.size()),
+               "{} communicator: all_to_all of rank {} sends {} floats from a buffer of {} and "
+               "receives {} into a buffer of {}",
+               who, rank, send_total, send.size(), recv_total, recv.size());
+}
+
 struct InProcessCommunicator::State {
   int size = 0;
   bool blocking = false;
@@ -109,25 +133,8 @@ void InProcessCommunicator::all_to_all(int rank, std::span<const float> send,
                                        std::span<const int64_t> recv_counts) {
   State& s = *state_;
   std::unique_lock lock(s.mutex);
+  check_all_to_all("in_process", rank, s.size, send, send_counts, recv, recv_counts);
   const auto n = static_cast<size_t>(s.size);
-  ATTNRT_CHECK(send_counts.size() == n && recv_counts.size() == n,
-               "in_process communicator: all_to_all of rank {} has {} send and {} recv counts; the "
-               "group has {} ranks",
-               rank, send_counts.size(), recv_counts.size(), n);
-  int64_t send_total = 0, recv_total = 0;
-  for (size_t d = 0; d < n; ++d) {
-    ATTNRT_CHECK(send_counts[d] >= 0 && recv_counts[d] >= 0,
-                 "in_process communicator: all_to_all of rank {}: counts for rank {} are {} / {}; "
-                 "counts are >= 0",
-                 rank, d, send_counts[d], recv_counts[d]);
-    send_total += send_counts[d];
-    recv_total += recv_counts[d];
-  }
-  ATTNRT_CHECK(send_total <= static_cast<int64_t>(send.size()) &&
-                   recv_total <= static_cast<int64_t>(recv.size()),
-               "in_process communicator: all_to_all of rank {} sends {} floats from a buffer of {} "
-               "and receives {} into a buffer of {}",
-               rank, send_total, send.size(), recv_total, recv.size());
   Call call{send,
             {send_counts.begin(), send_counts.end()},
             recv,

@@ -33,6 +33,12 @@ class Communicator {
   virtual void barrier(int rank) = 0;
 };
 
+// For Communicator implementations: the checks of an all_to_all call (a count per rank on both
+// sides, none negative, the buffers large enough), errors starting "<who> communicator:".
+void check_all_to_all(std::string_view who, int rank, int size, std::span<const float> send,
+                      std::span<const int64_t> send_counts, std::span<float> recv,
+                      std::span<const int64_t> recv_counts);
+
 // n simulated ranks in one process. The data moves when the last rank of a collective calls.
 // blocking = false: the ranks are served one after another from one thread; a call returns at
 // once. blocking = true: each rank runs on a thread of its own; a call returns when the collective
