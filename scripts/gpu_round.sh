@@ -8,7 +8,10 @@
 #   decode-256x2048,verify-chain-64x4096+8)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-O=${OUT:-/tmp/o}; mkdir -p "$O"
+# At most 8 files come back from $OUT: logs go to $O/logs and are packed into one tarball at the
+# end; the summary (what is printed) is in the call's output.
+OUTDIR=${OUT:-/tmp/o}; O=$OUTDIR/logs; mkdir -p "$O"
+trap 'tar -C "$OUTDIR" -czf "$OUTDIR/logs.tar.gz" logs && rm -rf "$O"' EXIT
 source .devdeps/unpack-debs.sh >/dev/null
 source scripts/gpubin.sh
 B=/tmp/bin; gpubin_unpack .gpubin $B
@@ -25,12 +28,14 @@ if [ -n "${FIRST:-}" ]; then
   s=$(date +%s)
   timeout 90 $B/attnrt_cuda_tests --gtest_filter="$FIRST" > $O/tests_first.log 2>&1
   echo "first tests rc=$? $(( $(date +%s)-s )) s"
-  grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|Failure|Expected|Which is|tests ran" $O/tests_first.log | head -40
+  grep -E "^\[ +(OK|FAILED|SKIPPED) +\]|tests ran" $O/tests_first.log | head -40
+  grep -E "Failure" $O/tests_first.log | sort | uniq -c | head -20
 fi
 s=$(date +%s)
 timeout "${TEST_TIMEOUT:-170}" $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="${TESTS:-*}" > $O/tests.log 2>&1
 echo "tests rc=$? $(( $(date +%s)-s )) s"
-grep -E "FAILED|PASSED|SKIPPED \]|Failure|tests ran" $O/tests.log | head -30
+grep -E "^\[ +(PASSED|FAILED) +\]|tests ran" $O/tests.log | head -40
+grep -E "Failure" $O/tests.log | sort | uniq -c | head -20
 
 rows=${ROWS:-decode-64x4096,decode-1x32768,decode-256x2048,verify-chain-64x4096+8}
 for mode in default deterministic; do
