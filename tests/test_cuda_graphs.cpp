@@ -421,6 +421,22 @@ TEST_F(CudaGraphRuntime, DeterministicGraphsAreBatchInvariant) {
   check_step(decode({17, 2500}));
 }
 
+// The same for TARGET_VERIFY chains of 4 drafts (verify tiles, split by length as decode's).
+TEST_F(CudaGraphRuntime, DeterministicVerifyGraphsAreBatchInvariant) {
+  build(16, 3, 1, 4, /*deterministic=*/true);
+  std::vector<test::Qkv> first;
+  for (const LayerSpec& l : model_.layers) first.push_back(test::random_qkv(model_.dtype, l, 1, rng_));
+  const auto alone = first_rows(verify({2800}, 4, 1), first, /*graph=*/true);
+  const auto eager = first_rows(verify({2800}, 4, 1), first, /*graph=*/false);
+  const auto three = first_rows(verify({2800, 100, 3500}, 4, 1), first, true);
+  for (size_t i = 0; i < model_.layers.size(); ++i) {
+    SCOPED_TRACE(testing::Message() << "layer " << i);
+    EXPECT_EQ(alone[i], eager[i]) << "graph vs eager, batch of 1";
+    EXPECT_EQ(alone[i], three[i]) << "batch of 1 vs batch of 3 (padded to 4)";
+  }
+  check_step(verify({3000, 1025, 5}, 4, 1));
+}
+
 TEST_F(CudaGraphRuntime, VerifyChainAndTreeGraphs) {
   build(16, 3, 1, 4);
   check_step(verify({1200, 40, 3000}, 4, 1));

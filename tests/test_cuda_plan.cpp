@@ -134,7 +134,7 @@ std::vector<int32_t> expected_splits(const PlannerConfig& cfg, size_t c, TileSha
     return splits;
   }
   if (cfg.deterministic) {
-    if (shape == TileShape::decode || shape == TileShape::decode32)
+    if (shape != TileShape::prefill)
       for (int i = 0; i < bs; ++i)
         splits[i] = static_cast<int32_t>(std::clamp<int64_t>(cdiv(kv(i), 1024), 1, 64));
     return splits;
@@ -253,7 +253,7 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
     // A deterministic graph step pads every request's items to the graph's count (the kernels
     // skip those past its own splits), and always captures the merge.
     const int32_t pad = st.graph != nullptr && cfg.deterministic &&
-                                (shape == TileShape::decode || shape == TileShape::decode32)
+                                shape != TileShape::prefill
                             ? st.graph->det_splits
                             : 0;
     int64_t items = 0, part_rows = 0;

@@ -603,10 +603,9 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
     for (size_t c = 0; c < cfg.groups.size(); ++c) {
       const TileShape shape = choose_shape(tokens, cfg.groups[c], cfg.head_dims[c]);
       const int64_t tiles = ceil_div(int64_t{tokens} * cfg.groups[c], tile_rows(shape));
-      const bool decode_shape = shape == TileShape::decode || shape == TileShape::decode32;
       for (int bs = 1; bs <= max_bs; ++bs) {
         const int s = !cfg.deterministic ? graph_splits(cfg, c, shape, bs, tokens)
-                      : decode_shape     ? gl.det_splits
+                      : deterministic_split_shape(shape) ? gl.det_splits
                                          : 1;
         gl.work_cap = std::max<size_t>(gl.work_cap, static_cast<size_t>(bs * tiles * s));
         if (s > 1) part_rows = std::max<int64_t>(part_rows, int64_t{bs} * s * tokens);

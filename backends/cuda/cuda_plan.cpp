@@ -371,10 +371,10 @@ void HostPlanner::plan_class(size_t c, int bs) {
   } else {
     for (int i = 0; i < bs; ++i) base += tiles[i] = tiles_of(r[i].qlen);
   }
-  const bool decode_shape = cp.shape == TileShape::decode || cp.shape == TileShape::decode32;
+  const bool split_shape = deterministic_split_shape(cp.shape);
   // A batch-invariant graph step: each request's own deterministic split count, its items padded
   // to the graph's fixed count per (request, tile).
-  const int32_t pad = graph_ != nullptr && config_.deterministic && decode_shape
+  const int32_t pad = graph_ != nullptr && config_.deterministic && split_shape
                           ? graph_->det_splits
                           : 0;
   const bool uniform_kv = stats_.min_kv == stats_.max_kv && pad == 0;
@@ -385,7 +385,7 @@ void HostPlanner::plan_class(size_t c, int bs) {
   if (graph_ != nullptr && !config_.deterministic) {
     uniform = graph_splits(config_, c, cp.shape, bs, pad_qlen_);
   } else if (config_.deterministic) {
-    if (decode_shape) chunk = kDeterministicChunk;
+    if (split_shape) chunk = kDeterministicChunk;
   } else if (cp.shape != TileShape::prefill) {
     if (base > 0) {
       const int64_t cap =

@@ -27,7 +27,11 @@ constexpr int kMinChunkPrefill = 1024;
 // not change with the rest of the batch.
 constexpr int kDeterministicChunk = 1024;
 
-// Deterministic mode's split count of a decode-shaped request of kv_len keys: its own length by
+// The tile shapes deterministic mode splits by kDeterministicChunk: decode and verify tiles (a
+// prefill-shaped tile, of more than 64 query rows, is never split in that mode).
+constexpr bool deterministic_split_shape(TileShape shape) { return shape != TileShape::prefill; }
+
+// Deterministic mode's split count of a decode- or verify-shaped request of kv_len keys: its own length by
 // kDeterministicChunk, 1 to kMaxSplits. Eager and graph steps use the same rule, so a request's
 // output is the same whatever batch it is in and whether it runs captured or not.
 constexpr int32_t deterministic_splits(int64_t kv_len) {
@@ -81,8 +85,8 @@ struct GraphLayout {
   size_t reqs_cap = 0, work_cap = 0, tree_cap = 0;  // entries per class / per step
   size_t meta_bytes = 0;                            // size of the graph metadata buffer
   // Deterministic mode (batch-invariant graphs): the work items each (request, query tile) of a
-  // decode-shaped class gets, deterministic_splits(max_context_len), fixed so that the captured
-  // grid holds every replay. A request of fewer splits leaves its items past num_splits empty,
+  // decode- or verify-shaped class gets, deterministic_splits(max_context_len), fixed so that the
+  // captured grid holds every replay. A request of fewer splits leaves its items past num_splits empty,
   // and the kernels return at once on those (item.split >= num_splits). 0: not deterministic.
   int det_splits = 0;
 };
