@@ -259,6 +259,26 @@ TEST(DsaIndexKeys, BlockQuantisationHasAPowerOfTwoScaleAndFp8Codes) {
   }
 }
 
+// The scale is 2^ceil(log2(amax / 448)) exactly, also where amax / 448 lies a few ulps above a
+// power of two (log2f rounds those onto the power, which halved the scale) or on one.
+TEST(DsaIndexKeys, ScaleIsTheExactPowerOfTwoAtAndJustAboveBoundaries) {
+  for (int e = -20; e <= 6; ++e) {
+    const float p = std::ldexp(kFp8E4m3Max, e);  // amax / 448 = 2^e exactly
+    for (int ulps = 0; ulps < 40; ++ulps) {
+      float amax = p;
+      for (int u = 0; u < ulps; ++u) amax = std::nextafter(amax, 1e30f);
+      std::vector<float> x(128, 0.f);
+      x[7] = -amax;
+      std::vector<uint8_t> codes(128);
+      const float scale = quantize_fp8_block(x.data(), 128, codes.data());
+      SCOPED_TRACE(testing::Message() << "amax 448 * 2^" << e << " + " << ulps << " ulps");
+      EXPECT_EQ(scale, std::ldexp(1.f, ulps == 0 ? e : e + 1));
+      EXPECT_LE(amax / scale, kFp8E4m3Max);
+      EXPECT_NEAR(e4m3_to_float(codes[7]) * scale, -amax, amax / 16);
+    }
+  }
+}
+
 TEST(DsaIndexKeys, StoredAtOutCacheLocInTheDeepGemmPageLayout) {
   const int page = 16;
   const StepSpec spec{Kind::extend, {5}, {20}};  // the new tokens cross a page boundary
