@@ -64,6 +64,20 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
     e.kp = e.k.data();
     e.vp = e.v.data();  // null for MLA layers: V is a view of K
   }
+  index_keys_.resize(layers_.size());
+  index_dim_.assign(layers_.size(), 0);
+  for (const LayerSpec& l : model.layers) {
+    if (!l.has_indexer()) continue;
+    ATTNRT_CHECK(rows_ % page_size_ == 0 && l.indexer.index_head_dim > 0,
+                 "CUDA KV cache: DSA layer {}: {} rows in pages of {} with index_head_dim {}; the "
+                 "index-key cache needs whole pages and a positive index_head_dim",
+                 l.layer_id, rows_, page_size_, l.indexer.index_head_dim);
+    index_dim_[l.layer_id] = l.indexer.index_head_dim;
+    const size_t bytes = static_cast<size_t>(rows_) * (l.indexer.index_head_dim + 4);
+    index_keys_[l.layer_id].reserve(bytes);
+    // Never-written slots read as key 0 with scale 0, as on the host.
+    ATTNRT_CUDA_CHECK(cudaMemsetAsync(index_keys_[l.layer_id].data(), 0, bytes, stream_));
+  }
   loc_.reserve(static_cast<size_t>(max_num_tokens_) * sizeof(int64_t) * (map_ ? 2 : 1));
   if (map_ != nullptr) {
     const size_t bytes = map_->size() * sizeof(int64_t);
@@ -279,6 +293,71 @@ void CudaKVCache::set_kv_scales(int layer_id, float k_scale, float v_scale) {
   layers_[layer_id].v_scale = v_scale;
 }
 
+IndexKeyView CudaKVCache::index_keys(int layer_id) const {
+  find(layer_id);
+  ATTNRT_CHECK(index_dim_[layer_id] > 0,
+               "CUDA KV cache: layer {} has no index-key cache (only DSA layers, with an indexer, "
+               "have one)",
+               layer_id);
+  IndexKeyView v;
+  v.data = index_keys_[layer_id].ptr<uint8_t>();
+  v.device = device();
+  v.num_rows = rows_;
+  v.page_size = page_size_;
+  v.dim = index_dim_[layer_id];
+  return v;
+}
+
+void CudaKVCache::store_step_index_k(int layer_id, const TensorView& k) {
+  const IndexKeyView v = index_keys(layer_id);
+  ATTNRT_CHECK(step_tokens_ >= 0,
+               "CUDA KV cache: store_step_index_k(layer {}): no step has begun; call "
+               "begin_step(batch) first",
+               layer_id);
+  ATTNRT_CHECK(k.data != nullptr && k.ndim == 2 && k.shape[0] == step_tokens_ &&
+                   k.shape[1] == v.dim &&
+                   (k.dtype == DType::f32 || k.dtype == DType::f16 || k.dtype == DType::bf16) &&
+                   k.strides[1] == 1,
+               "CUDA KV cache: store_step_index_k(layer {}): index k is {}; expected fp32, fp16 "
+               "or bf16 [{}, {}] (tokens, index_head_dim) with a contiguous last dim",
+               layer_id, k.empty() ? std::string("empty") : k.describe(), step_tokens_, v.dim);
+  if (step_tokens_ == 0) return;
+  const void* src = k.data;
+  int64_t stride = k.strides[0];
+  const bool host = k.device.kind != DeviceKind::cuda;
+  if (host) {
+    ATTNRT_CHECK(k.is_contiguous(),
+                 "CUDA KV cache: store_step_index_k(layer {}): host tensor {} must be contiguous",
+                 layer_id, k.describe());
+    const size_t bytes = static_cast<size_t>(k.numel()) * dtype_size(k.dtype);
+    index_scratch_.reserve_async(bytes, stream_);
+    // Stream order: copied on stream_ before the store kernel reads it; the call returns after
+    // both ran, so the caller may reuse the source.
+    ATTNRT_CUDA_CHECK(
+        cudaMemcpyAsync(index_scratch_.data(), k.data, bytes, cudaMemcpyHostToDevice, stream_));
+    src = index_scratch_.data();
+    stride = v.dim;
+  }
+  IndexKeyStoreParams p{};
+  p.src = src;
+  p.src_stride_tok = stride;
+  p.src_dtype = static_cast<int32_t>(k.dtype);
+  p.loc = loc_.ptr<int64_t>();
+  p.num_tokens = step_tokens_;
+  p.data = v.data;
+  p.page_size = page_size_;
+  p.dim = v.dim;
+  ATTNRT_CUDA_CHECK(launch_store_index_keys(p, stream_));
+  if (host) ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+void CudaKVCache::copy_index_keys_to_host(int layer_id, void* dst) const {
+  const IndexKeyView v = index_keys(layer_id);
+  ATTNRT_CUDA_CHECK(cudaMemcpyAsync(dst, v.data, static_cast<size_t>(rows_) * (v.dim + 4),
+                                    cudaMemcpyDeviceToHost, stream_));
+  ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
 void CudaKVCache::copy_layer_from_host(int layer_id, const void* k, const void* v) {
   const Layer& e = find(layer_id);
   ATTNRT_CUDA_CHECK(cudaMemcpyAsync(e.kp, k, k_bytes(e), cudaMemcpyHostToDevice, stream_));
@@ -366,6 +445,19 @@ void CudaKVCache::copy_rows(std::span<const int> layers,
       p.dst = base;
       p.dst_rows = dst_rows;
       ATTNRT_CUDA_CHECK(launch_copy_rows(p, stream_));
+    }
+    if (index_dim_[layer_id] > 0) {
+      const int dim = index_dim_[layer_id];
+      index_scratch_.reserve_async(n * static_cast<size_t>(dim + 4), stream_);
+      IndexKeyMoveParams m{};
+      m.data = index_keys_[layer_id].ptr<uint8_t>();
+      m.page_size = page_size_;
+      m.dim = dim;
+      m.src_rows = src_rows;
+      m.dst_rows = dst_rows;
+      m.count = static_cast<int64_t>(n);
+      m.scratch = index_scratch_.ptr<uint8_t>();
+      ATTNRT_CUDA_CHECK(launch_move_index_keys(m, stream_));
     }
   }
 }

@@ -60,6 +60,15 @@ class CudaKVCache final : public KVCache {
   // k/v on the GPU are read in place; host tensors are staged through a device scratch first.
   void store_step_kv(int layer_id, const TensorView& k, const TensorView& v) override;
   void set_kv_scales(int layer_id, float k_scale, float v_scale) override;
+  // DSA layers (docs/dsa.md): their index-key cache in GPU memory, in the host pool's paged layout
+  // (IndexKeyView, device cuda), zeroed at creation; the store quantises a step's index keys on
+  // the GPU at the step's write slots (k on the GPU in place, or host k staged), bit for bit as
+  // the host pool does. copy_rows moves a DSA layer's index keys with its latent rows.
+  IndexKeyView index_keys(int layer_id) const override;
+  void store_step_index_k(int layer_id, const TensorView& k) override;
+  // A DSA layer's whole index-key cache into host memory (rows * (index_head_dim + 4) bytes, the
+  // host pool's layout): tests, tooling. Synchronises the stream.
+  void copy_index_keys_to_host(int layer_id, void* dst) const;
   void bind_layer_storage(int layer_id, void* k, void* v) override;
   Device device() const override { return Device::cuda(device_); }
   DType dtype() const override { return dtype_; }
@@ -130,6 +139,10 @@ class CudaKVCache final : public KVCache {
   int64_t* swa_loc() const { return loc_.ptr<int64_t>() + max_num_tokens_; }
 
   std::vector<Layer> layers_;  // by layer id
+  // DSA layers' index keys, by layer id (index_dim_ 0: no indexer).
+  std::vector<DeviceBuffer> index_keys_;
+  std::vector<int> index_dim_;
+  DeviceBuffer index_scratch_;  // staged host index keys; moved keys in copy_rows
   std::shared_ptr<const std::vector<int64_t>> map_;  // host full->SWA map; null: one slot space
   DeviceBuffer map_dev_;  // [rows + 1] int64, fixed address: the device copy of map_
   // [max_num_tokens] int64 write slots, fixed address; SWA-hybrid: then [max_num_tokens] of

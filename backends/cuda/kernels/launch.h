@@ -87,6 +87,32 @@ cudaError_t launch_copy_rows(const CopyRowsParams& p, cudaStream_t stream);
 cudaError_t launch_scatter_slots(int64_t* map, const int64_t* index, const int64_t* value,
                                  int64_t count, cudaStream_t stream);
 
+// DSA's index-key cache on the GPU (kernels/index_keys.cu; docs/dsa.md): rows of src [T, dim]
+// (kBF16 / kF16 / kF32, rows src_stride_tok elements apart, contiguous within) quantised per token
+// to fp8 e4m3 with a power-of-two scale, as quantize_fp8_block, and stored at slot loc[t] of the
+// paged layout (pages of page_size slots: codes, then fp32 scales).
+struct IndexKeyStoreParams {
+  const void* src;
+  int64_t src_stride_tok;
+  int32_t src_dtype;
+  const int64_t* loc;
+  int64_t num_tokens;
+  uint8_t* data;
+  int32_t page_size, dim;
+};
+cudaError_t launch_store_index_keys(const IndexKeyStoreParams& p, cudaStream_t stream);
+// Slot src_rows[i]'s key (codes and scale) moved to slot dst_rows[i], every source read before
+// any destination is written (through scratch, count * (dim + 4) bytes).
+struct IndexKeyMoveParams {
+  uint8_t* data;
+  int32_t page_size, dim;
+  const int64_t* src_rows;
+  const int64_t* dst_rows;
+  int64_t count;
+  uint8_t* scratch;
+};
+cudaError_t launch_move_index_keys(const IndexKeyMoveParams& p, cudaStream_t stream);
+
 // MLA's MHA form (kernels/mla_mha.cu): the gather of a prefix chunk's latent rows.
 // out[i, :dim] = pool row slots[i] x scale (through slot_map when set), any float pool dtype
 // (fp8 included) to a bf16 / f16 / f32 output with rows out_stride elements apart.
