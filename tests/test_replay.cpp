@@ -408,6 +408,9 @@ TEST_F(ReplayTest, BadCasesNameTheFileAndField) {
       {"{", "{{", "case.json: malformed JSON"},
       // Issue 21 (fuzz_case): the JSON parser's out_of_range escaped as another exception type.
       {"\"version\": 1", "\"version\": 1e999", "case.json: malformed JSON"},
+      // Issue 21 (fuzz_case, long run): a "format" that is not a string made nlohmann's value()
+      // throw type_error, which escaped as another exception type.
+      {"\"format\": \"attnrt-case\"", "\"format\": {\"x\": 1}", "not an attnrt case"},
   };
   for (const Edit& edit : edits) {
     std::string t = text;

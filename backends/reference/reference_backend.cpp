@@ -108,6 +108,52 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
     slots[k] = s;
   }
 
+  const double cap = layer.logit_cap;
+  const int64_t window = layer.sliding_window;
+  const bool causal = layer.causal();
+  const bool tree = is_target_verify(batch.mode);
+  // Which keys query row t of request i sees: the mode's mask, then the window on positions
+  // (§8.4, §8.5).
+  auto request_keys = [&](int i, int32_t t, std::vector<uint8_t>& vis) {
+    const int64_t k0 = plan_.key_start[i];
+    const int32_t nkeys = l.kv_len(i), prefix = l.prefix_lens[i];
+    vis.assign(nkeys, 0);
+    if (!causal) {
+      std::fill(vis.begin(), vis.end(), uint8_t{1});
+    } else if (tree) {
+      const int32_t* parents =
+          batch.spec_info->parents.data() + static_cast<size_t>(i) * l.query_lens[i];
+      std::fill(vis.begin(), vis.begin() + prefix, uint8_t{1});
+      for (int32_t a = t; a >= 0; a = parents[a]) vis[prefix + a] = 1;
+    } else {
+      std::fill(vis.begin(), vis.begin() + prefix + t + 1, uint8_t{1});
+    }
+    if (window >= 0) {
+      const int64_t qpos = plan_.query_pos[l.query_start[i] + t];
+      for (int32_t j = 0; j < nkeys; ++j) {
+        const int64_t d = qpos - plan_.key_pos[k0 + j];
+        if (d < 0 || d > window) vis[j] = 0;
+      }
+    }
+  };
+  // An SWA pool drops keys that left every window (mapped to slot 0); reading one would be a
+  // scheduling bug, so it is reported rather than silently attended, before anything is stored.
+  if (kv.slot_map != nullptr) {
+    std::vector<uint8_t> vis;
+    for (int i = 0; i < bs; ++i) {
+      const int64_t k0 = plan_.key_start[i];
+      for (int32_t t = 0; t < l.query_lens[i]; ++t) {
+        request_keys(i, t, vis);
+        for (int32_t j = 0; j < l.kv_len(i); ++j) {
+          ATTNRT_CHECK(!vis[j] || slots[k0 + j] != 0,
+                       "reference backend: layer {} request {} key {} (full slot {}) is inside the "
+                       "window of query {} but has no slot in the SWA pool",
+                       layer.layer_id, i, j, plan_.key_slots[k0 + j], t);
+        }
+      }
+    }
+  }
+
   if (args.save_kv && !args.k.empty()) {
     ctx_.kv_cache->store_step_kv(layer.layer_id, args.k, args.v);
     if (layer.has_indexer()) ctx_.kv_cache->store_step_index_k(layer.layer_id, args.indexer.k);
@@ -117,11 +163,6 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
 
   const double scale = layer.scaling > 0.f ? double{layer.scaling} : 1.0 / std::sqrt(static_cast<double>(dqk));
   const double qk_scale = scale * kv.k_scale;
-  const double cap = layer.logit_cap;
-  const int64_t window = layer.sliding_window;
-  const bool causal = layer.causal();
-  const bool tree = is_target_verify(batch.mode);
-
   std::vector<int> heads = sample_heads_;
   if (heads.empty()) {
     heads.resize(hq);
@@ -147,44 +188,9 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
     }
     if (rows.empty()) continue;
     const int64_t k0 = plan_.key_start[i];
-    const int32_t nkeys = l.kv_len(i), prefix = l.prefix_lens[i];
-    const int32_t* parents =
-        tree ? batch.spec_info->parents.data() + static_cast<size_t>(i) * l.query_lens[i] : nullptr;
+    const int32_t nkeys = l.kv_len(i);
 
-    // Which keys each query row sees: the mode's mask, then the window on positions (§8.4, §8.5).
-    auto visible_keys = [&](int32_t t, std::vector<uint8_t>& vis) {
-      vis.assign(nkeys, 0);
-      if (!causal) {
-        std::fill(vis.begin(), vis.end(), uint8_t{1});
-      } else if (tree) {
-        std::fill(vis.begin(), vis.begin() + prefix, uint8_t{1});
-        for (int32_t a = t; a >= 0; a = parents[a]) vis[prefix + a] = 1;
-      } else {
-        std::fill(vis.begin(), vis.begin() + prefix + t + 1, uint8_t{1});
-      }
-      if (window >= 0) {
-        const int64_t qpos = plan_.query_pos[l.query_start[i] + t];
-        for (int32_t j = 0; j < nkeys; ++j) {
-          const int64_t d = qpos - plan_.key_pos[k0 + j];
-          if (d < 0 || d > window) vis[j] = 0;
-        }
-      }
-    };
-
-    // An SWA pool drops keys that left every window (mapped to slot 0); reading one would be a
-    // scheduling bug, so it is reported rather than silently attended.
-    if (kv.slot_map != nullptr) {
-      std::vector<uint8_t> vis;
-      for (int32_t t = 0; t < l.query_lens[i]; ++t) {
-        visible_keys(t, vis);
-        for (int32_t j = 0; j < nkeys; ++j) {
-          ATTNRT_CHECK(!vis[j] || slots[k0 + j] != 0,
-                       "reference backend: layer {} request {} key {} (full slot {}) is inside the "
-                       "window of query {} but has no slot in the SWA pool",
-                       layer.layer_id, i, j, plan_.key_slots[k0 + j], t);
-        }
-      }
-    }
+    auto visible_keys = [&](int32_t t, std::vector<uint8_t>& vis) { request_keys(i, t, vis); };
 
     // DSA (docs/dsa.md): the index keys of the request, dequantised.
     std::vector<double> ikeys;

@@ -385,7 +385,9 @@ Case parse_case(const CaseFileReader& read_file, const std::string& dir) {
     fail("{}: malformed JSON: {}", path, e.what());
   }
   const Reader r(path);
-  ATTNRT_CHECK(j.is_object() && j.value("format", "") == kFormat,
+  // (json::value throws type_error for a "format" that is not a string: checked by hand.)
+  const auto format = j.is_object() ? j.find("format") : j.end();
+  ATTNRT_CHECK(format != j.end() && format->is_string() && *format == kFormat,
                "{}: not an attnrt case (field 'format' must be \"{}\")", path, kFormat);
   const int version = r.get<int>(j, "", "version");
   ATTNRT_CHECK(version == kCaseFormatVersion,
