@@ -28,17 +28,8 @@ TEST(SwaAbsentKeys, AKeyWithoutAnSwaSlotInsideTheWindowIsAnErrorAtForward) {
     Options o;
     o.attention_backend = backend;
     o.num_threads = 1;
-    RuntimeConfig c;
-    c.max_requests = 2;
-    c.kv_slots = 512;
-    c.max_num_tokens = 64;
-    c.max_context_len = 160;
-    c.cuda_graphs = false;
-    AttentionRuntime rt(model, o, c);
-    const int row = rt.req_to_token().alloc();
-    const std::vector<int32_t> zero{0}, len{10};
-    const std::vector<int64_t> none{-1};
-    std::vector<int64_t> slots = rt.allocator().alloc_extend(zero, len, none);
+    AttentionRuntime rt(model, o, test::host_config(2, 512, 64, 160));
+    auto [row, slots] = test::new_request(rt, 10);
     // Key 0 becomes a full slot the allocator never gave out: it has no SWA slot.
     int64_t foreign = 1;
     while (std::find(slots.begin(), slots.end(), foreign) != slots.end()) ++foreign;

@@ -24,6 +24,7 @@
 #include "attnrt/core/error.h"
 #include "attnrt/core/tensor.h"
 #include "attnrt/model/model_spec.h"
+#include "attnrt/runtime/attention_runtime.h"
 
 namespace attnrt::test {
 
@@ -196,5 +197,28 @@ class CliTest : public ::testing::Test {
   std::string cli_;
   std::filesystem::path dir_;
 };
+
+// A runtime's config for host tests: sizes as given, CUDA graphs off.
+inline RuntimeConfig host_config(int max_requests, int64_t kv_slots, int max_num_tokens,
+                                 int max_context_len = 0) {
+  RuntimeConfig c;
+  c.max_requests = max_requests;
+  c.kv_slots = kv_slots;
+  c.max_num_tokens = max_num_tokens;
+  if (max_context_len > 0) c.max_context_len = max_context_len;
+  c.cuda_graphs = false;
+  return c;
+}
+
+// A new request row of `len` tokens: slots from the runtime's allocator, written into the row;
+// returns the row and the slots.
+inline std::pair<int, std::vector<int64_t>> new_request(AttentionRuntime& rt, int32_t len) {
+  const int row = rt.req_to_token().alloc();
+  const std::vector<int32_t> zero{0}, lens{len};
+  const std::vector<int64_t> none{-1};
+  std::vector<int64_t> slots = rt.allocator().alloc_extend(zero, lens, none);
+  rt.req_to_token().write(row, 0, slots);
+  return {row, std::move(slots)};
+}
 
 }  // namespace attnrt::test
