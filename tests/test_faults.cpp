@@ -549,6 +549,24 @@ TEST(SimSoak, HybridRunWithAbortsAndRetractionsHoldsEveryInvariant) {
   EXPECT_NE(text.find(fmt::format("retractions: {}", r.retractions)), std::string::npos) << text;
 }
 
+TEST(SimSoak, DcpRanksTakeAVerifyAbort) {
+  // 'v' is aborted in the verify step of iteration 3: the DCP ranks get no accepted path for it.
+  const sim::Trace t = sim::parse_trace(
+      "{\"id\": \"v\", \"prompt_len\": 10, \"output_len\": 40, \"abort_step\": 3}\n"
+      "{\"id\": \"w\", \"prompt_len\": 12, \"output_len\": 9}\n",
+      "dcp-abort");
+  Options o = test::speculative_options("cpu", 1);
+  o.dcp_size = 2;
+  sim::RunConfig rc = test::small_run_config(512, 1, 5);
+  rc.check_invariants_every = 1;
+  const sim::RunReport r = sim::run_trace(test::make_model("tiny", DType::f32, 256,
+                                                           {test::attention_layer(0, 4, 2, 16)}),
+                                          o, t, rc);
+  EXPECT_TRUE(r.ok()) << sim::format_report(r);
+  EXPECT_EQ(r.aborts.verify, 1);
+  EXPECT_EQ(r.aborts.total(), 1);
+}
+
 class SoakCli : public test::CliTest {};
 
 TEST_F(SoakCli, ShortSoakEndsWithoutLeaksAndReportsItsRates) {

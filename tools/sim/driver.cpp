@@ -935,7 +935,8 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
     }
     ++rep.invariant_checks;
   };
-  // Per target step: (first step index, target tokens, seconds of the whole loop iteration).
+  // Per step: its first index, its target tokens (0 for a draft step) and the seconds of its whole
+  // loop iteration (planning, inputs, layers, checks, commit).
   struct StepTime {
     int64_t index, tokens;
     double seconds;
@@ -959,7 +960,15 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
     std::optional<ForwardBatch> verified;
     if (dcp && role == ModelRole::target && is_target_verify(mode)) verified = step.batch;
     sched.complete();
-    if (verified) dcp->commit_verify(*verified, sched.last_accepted_paths());
+    if (verified) {
+      // A request aborted in the verify step has no path; the ranks keep its root, and the row is
+      // rewritten from column 0 by the next request that gets it.
+      std::vector<std::vector<int>> paths = sched.last_accepted_paths();
+      for (std::vector<int>& p : paths) {
+        if (p.empty()) p = {0};
+      }
+      dcp->commit_verify(*verified, paths);
+    }
     if (e.runtime->has_linear_layers()) driver.release_states(e, sched, is_target_verify(mode));
     times.push_back({step_index, step_tokens, seconds_since(step0)});
     if (rc.check_invariants_every > 0) {
