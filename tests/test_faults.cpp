@@ -466,6 +466,39 @@ TEST(SimAbort, AnOwnerAbortedBeforeItsPrefixIsCachedHandsThePrefixOn) {
   EXPECT_EQ(rep.prefixes, 1);  // registered by 'user'
 }
 
+TEST(SimInvariants, SchedulerFindsPagesAndRowsTakenOrFreedBehindItsBack) {
+  const sim::Trace trace = sim::parse_trace(
+      "{\"id\": \"a\", \"prompt_len\": 20, \"output_len\": 10}\n"
+      "{\"id\": \"b\", \"prompt_len\": 9, \"output_len\": 10}\n",
+      "two");
+  SimPools pools(4, 256, 256, 4);
+  sim::Scheduler s(trace, small_config(false), pools.space());
+  while (s.requests()[0].phase != Phase::decode) {
+    s.next();
+    s.complete();
+  }
+  s.check_invariants();
+  // A page nobody holds: leaked.
+  const std::vector<int64_t> stray = pools.alloc.alloc_extend(
+      std::vector<int32_t>{0}, std::vector<int32_t>{1}, std::vector<int64_t>{-1});
+  expect_error([&] { s.check_invariants(); },
+               {"the target model's pools after step", "is in use but no owner holds it: leaked"});
+  pools.alloc.free(stray);
+  s.check_invariants();
+  // A page of a running request freed: the request holds a free page.
+  const sim::RequestState& r = s.requests()[0];
+  const int64_t slot = pools.rows.get(r.target_row, 0);
+  pools.alloc.free(std::vector<int64_t>{slot});
+  expect_error([&] { s.check_invariants(); }, {"owner 0 holds slot", "which is free"});
+  // A request row nobody holds.
+  SimPools fresh(4, 256, 256, 4);
+  sim::Scheduler t(trace, small_config(false), fresh.space());
+  t.next();
+  t.complete();
+  fresh.rows.alloc();
+  expect_error([&] { t.check_invariants(); }, {"is allocated but no live request holds it"});
+}
+
 TEST(SimRetract, MemoryPressureRetractsNewestRequestsThatThenFinish) {
   for (bool spec : {false, true}) {
     SCOPED_TRACE(fmt::format("speculative {}", spec));

@@ -859,9 +859,10 @@ void Scheduler::check_space(const Space& space, ModelRole role) const {
     space.kv.allocator->check_invariants(owners);
   } catch (const Error& e) {
     fail(
-        "scheduler: the {} model's pools after step {}: {} (live requests and owners 0..{} are "
-        "the running requests in admission order, the cached shared prefixes after them)",
-        model_role_name(role), step_count_, e.what(), running_.size() - 1);
+        "scheduler: the {} model's pools after step {}: {} (live requests and owners are "
+        "numbered in admission order of the {} running requests, the cached shared prefixes "
+        "after them)",
+        model_role_name(role), step_count_, e.what(), running_.size());
   }
 }
 
