@@ -620,6 +620,11 @@ TEST_F(SoakCli, ShortSoakEndsWithoutLeaksAndReportsItsRates) {
   EXPECT_GT(j["invariant_checks"].get<int64_t>(), 10);
   EXPECT_GT(j["tokens_per_s_first_tenth"].get<double>(), 0);
   EXPECT_GT(j["tokens_per_s_last_tenth"].get<double>(), 0);
+  const std::vector<double> tenths = j["tokens_per_s_by_tenth"].get<std::vector<double>>();
+  ASSERT_EQ(tenths.size(), 10u);
+  EXPECT_EQ(tenths.front(), j["tokens_per_s_first_tenth"].get<double>());
+  EXPECT_EQ(tenths.back(), j["tokens_per_s_last_tenth"].get<double>());
+  for (double t : tenths) EXPECT_GT(t, 0);
   EXPECT_GT(j["total"]["checked_steps"].get<int64_t>(), 0);
   const test::CommandResult both = run("run --soak-steps 10 --trace '" + json_path + "'");
   EXPECT_EQ(both.status, 2) << both.out << both.err;

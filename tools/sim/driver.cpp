@@ -1020,8 +1020,11 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
       }
       return seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
     };
-    rep.first_tenth_tokens_per_s = rate(0, rep.steps / 10);
-    rep.last_tenth_tokens_per_s = rate(rep.steps - rep.steps / 10, rep.steps);
+    for (int64_t k = 0; k < 10; ++k) {
+      rep.tenth_tokens_per_s.push_back(rate(rep.steps * k / 10, rep.steps * (k + 1) / 10));
+    }
+    rep.first_tenth_tokens_per_s = rep.tenth_tokens_per_s.front();
+    rep.last_tenth_tokens_per_s = rep.tenth_tokens_per_s.back();
   }
   rep.target_pool = sched.finish_and_check_pools(ModelRole::target);
   if (hybrid) {

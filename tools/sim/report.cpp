@@ -151,8 +151,9 @@ std::string format_report(const RunReport& r) {
   if (r.first_tenth_tokens_per_s > 0 || r.last_tenth_tokens_per_s > 0) {
     out += fmt::format(
         "target tokens/s (wall, whole step loop): first tenth of the {} steps {:.0f}, last "
-        "tenth {:.0f}\n",
-        r.steps, r.first_tenth_tokens_per_s, r.last_tenth_tokens_per_s);
+        "tenth {:.0f}; by tenth {:.0f}\n",
+        r.steps, r.first_tenth_tokens_per_s, r.last_tenth_tokens_per_s,
+        fmt::join(r.tenth_tokens_per_s, " "));
   }
   if (!r.dump_written.empty()) out += fmt::format("step case written to {}\n", r.dump_written);
   if (!r.dump_error.empty()) out += fmt::format("no step case written: {}\n", r.dump_error);
@@ -241,6 +242,7 @@ nlohmann::json report_to_json(const RunReport& r) {
   j["steps"] = r.steps;
   j["tokens_per_s_first_tenth"] = r.first_tenth_tokens_per_s;
   j["tokens_per_s_last_tenth"] = r.last_tenth_tokens_per_s;
+  j["tokens_per_s_by_tenth"] = r.tenth_tokens_per_s;
   if (r.spec.enabled()) {
     j["speculative"] = {{"num_steps", r.spec.num_steps},
                         {"topk", r.spec.topk},

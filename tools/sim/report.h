@@ -89,6 +89,7 @@ struct RunReport {
   // counted by index; the whole step loop timed: scheduling, inputs, kernels, checks); 0 when the
   // run has fewer than 10 steps.
   double first_tenth_tokens_per_s = 0, last_tenth_tokens_per_s = 0;
+  std::vector<double> tenth_tokens_per_s;  // all ten tenths, first to last (empty: < 10 steps)
   int64_t steps = 0;
   // What the run changed about the model or the trace, one sentence each (layers left out, shared
   // prefixes not reused, ...).
