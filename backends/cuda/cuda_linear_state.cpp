@@ -2,6 +2,7 @@
 
 #include "attnrt/core/device.h"
 #include "attnrt/core/error.h"
+#include "attnrt/core/fault_injection.h"
 #include "backends/cuda/cuda_kv_cache.h"
 #include "backends/cuda/cuda_util.h"
 
@@ -26,6 +27,7 @@ cudaStream_t CudaLinearStateMemory::stream() const {
 }
 
 void* CudaLinearStateMemory::allocate_zeroed(size_t bytes) {
+  fault_point(FaultSite::device_alloc, "linear state pool GPU memory");
   void* p = nullptr;
   const cudaError_t err = cudaMalloc(&p, bytes > 0 ? bytes : 1);
   if (err != cudaSuccess) {

@@ -2,10 +2,13 @@
 
 #include <algorithm>
 
+#include "attnrt/core/fault_injection.h"
+
 namespace attnrt::cuda {
 
 void DeviceBuffer::reserve(size_t bytes) {
   if (bytes <= bytes_) return;
+  fault_point(FaultSite::device_alloc, "DeviceBuffer::reserve");
   release();
   const size_t want = std::max<size_t>(bytes, 256);
   ATTNRT_CUDA_CHECK(cudaMalloc(&ptr_, want));
@@ -14,6 +17,7 @@ void DeviceBuffer::reserve(size_t bytes) {
 
 void DeviceBuffer::reserve_async(size_t bytes, cudaStream_t stream) {
   if (bytes <= bytes_) return;
+  fault_point(FaultSite::device_alloc, "DeviceBuffer::reserve_async");
   if (ptr_ != nullptr) ATTNRT_CUDA_CHECK(cudaFreeAsync(ptr_, stream));
   ptr_ = nullptr;
   bytes_ = 0;

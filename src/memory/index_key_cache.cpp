@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "attnrt/core/error.h"
+#include "attnrt/core/fault_injection.h"
 
 namespace attnrt {
 
@@ -35,6 +36,7 @@ IndexKeyPool::IndexKeyPool(int64_t rows, int page_size, const std::vector<LayerS
     Layer& x = layers_.emplace_back();
     x.layer_id = l.layer_id;
     x.dim = l.indexer.index_head_dim;
+    fault_point(FaultSite::host_alloc, "IndexKeyPool layer buffer");
     x.data.assign(static_cast<size_t>(rows) * (x.dim + 4), 0);
   }
 }

@@ -8,6 +8,7 @@
 
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/error.h"
+#include "attnrt/core/fault_injection.h"
 #include "src/core/index_scan.h"
 
 namespace attnrt {
@@ -217,6 +218,7 @@ class HostKVCache final : public KVCache {
                    "KV cache: max_num_tokens {} is invalid; it sizes the per-step SWA write-slot "
                    "buffer and must be >= 1",
                    config.max_num_tokens);
+      fault_point(FaultSite::host_alloc, "KV cache SWA write-slot scratch");
       swa_loc_.assign(static_cast<size_t>(config.max_num_tokens), 0);
     }
   }

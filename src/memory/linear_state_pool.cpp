@@ -2,8 +2,10 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
 #include "attnrt/core/error.h"
+#include "attnrt/core/fault_injection.h"
 
 namespace attnrt {
 
@@ -13,6 +15,7 @@ class HostLinearStateMemory final : public LinearStateMemory {
  public:
   Device device() const override { return Device::cpu(); }
   void* allocate_zeroed(size_t bytes) override {
+    fault_point(FaultSite::host_alloc, "LinearStatePool host memory");
     void* p = std::calloc(bytes > 0 ? bytes : 1, 1);
     ATTNRT_CHECK(p != nullptr, "LinearStatePool: out of host memory allocating {} bytes", bytes);
     return p;
@@ -143,6 +146,7 @@ int LinearStatePool::alloc() {
                "LinearStatePool: all {} linear-state slots are in use; allow more running "
                "requests (max_slots) or free finished requests first",
                config_.max_slots);
+  fault_point(FaultSite::slot_alloc, "LinearStatePool::alloc");
   const int slot = free_slots_.back();
   free_slots_.pop_back();
   in_use_[slot] = 1;
@@ -152,6 +156,68 @@ int LinearStatePool::alloc() {
 
 bool LinearStatePool::is_allocated(int slot) const {
   return slot >= 1 && slot <= config_.max_slots && in_use_[slot] != 0;
+}
+
+void LinearStatePool::check_invariants() const {
+  const int n = config_.max_slots;
+  ATTNRT_CHECK(in_use_[0] != 0 && slot_row_[0] < 0,
+               "LinearStatePool invariant: slot 0 is reserved (in use, bound to no row); it is {} "
+               "and bound to row {}",
+               in_use_[0] != 0 ? "in use" : "free", slot_row_[0]);
+  std::vector<uint8_t> listed(static_cast<size_t>(n) + 1, 0);
+  for (size_t i = 0; i < free_slots_.size(); ++i) {
+    const int slot = free_slots_[i];
+    ATTNRT_CHECK(slot >= 1 && slot <= n,
+                 "LinearStatePool invariant: free list entry {} is slot {}, outside 1..{}", i, slot,
+                 n);
+    ATTNRT_CHECK(listed[slot] == 0, "LinearStatePool invariant: slot {} is listed free twice",
+                 slot);
+    ATTNRT_CHECK(in_use_[slot] == 0,
+                 "LinearStatePool invariant: slot {} is listed free but marked allocated", slot);
+    listed[slot] = 1;
+  }
+  for (int slot = 1; slot <= n; ++slot) {
+    ATTNRT_CHECK(listed[slot] != 0 || in_use_[slot] != 0,
+                 "LinearStatePool invariant: slot {} is neither free nor allocated (lost from the "
+                 "free list); free + allocated must be the {} slots",
+                 slot, n);
+    const int row = slot_row_[slot];
+    if (row < 0) continue;
+    ATTNRT_CHECK(in_use_[slot] != 0,
+                 "LinearStatePool invariant: slot {} is free but bound to request row {}", slot,
+                 row);
+    ATTNRT_CHECK(row < config_.max_request_rows && row_slot_[row] == slot,
+                 "LinearStatePool invariant: slot {} is bound to request row {}, but that row "
+                 "holds slot {}",
+                 slot, row, row < config_.max_request_rows ? row_slot_[row] : -1);
+  }
+  for (int row = 0; row < config_.max_request_rows; ++row) {
+    const int slot = row_slot_[row];
+    ATTNRT_CHECK(slot < 0 || (slot >= 1 && slot <= n && slot_row_[slot] == row),
+                 "LinearStatePool invariant: request row {} holds slot {}, which is not bound back "
+                 "to it (slots 1..{})",
+                 row, slot, n);
+  }
+}
+
+void LinearStatePool::check_invariants(std::span<const int> live_rows) const {
+  check_invariants();
+  std::vector<uint8_t> live(static_cast<size_t>(config_.max_request_rows), 0);
+  for (int row : live_rows) {
+    ATTNRT_CHECK(row >= 0 && row < config_.max_request_rows && slot_of(row) >= 1,
+                 "LinearStatePool invariant: live request row {} holds no state slot (rows "
+                 "0..{})",
+                 row, config_.max_request_rows - 1);
+    live[row] = 1;
+  }
+  for (int slot = 1; slot <= config_.max_slots; ++slot) {
+    if (in_use_[slot] == 0) continue;
+    const int row = slot_row_[slot];
+    ATTNRT_CHECK(row >= 0 && live[row] != 0,
+                 "LinearStatePool invariant: slot {} is allocated but {}: leaked", slot,
+                 row < 0 ? std::string("bound to no request row")
+                         : fmt::format("bound to row {}, which no live request holds", row));
+  }
 }
 
 void LinearStatePool::check_slot(int slot, const char* what) const {

@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "attnrt/core/error.h"
+#include "attnrt/core/fault_injection.h"
 #include "attnrt/memory/kv_cache.h"
 #include "src/memory/kv_scatter.h"
 
@@ -27,6 +28,7 @@ MHATokenToKVPool::MHATokenToKVPool(int64_t rows, DType dtype, const std::vector<
     x.kv_heads = l.num_kv_heads;
     x.head_dim = l.head_dim;
     x.v_head_dim = v_dim;
+    fault_point(FaultSite::host_alloc, "MHATokenToKVPool layer buffers");
     x.k = HostBuffer(dtype, {rows, l.num_kv_heads, l.head_dim});
     x.v = HostBuffer(dtype, {rows, l.num_kv_heads, v_dim});
     // Zeroed so that the reserved row and never-written slots read as 0, never as stale bytes.

@@ -2,6 +2,7 @@
 #include <cstring>
 
 #include "attnrt/core/error.h"
+#include "attnrt/core/fault_injection.h"
 #include "attnrt/memory/kv_cache.h"
 #include "src/memory/kv_scatter.h"
 
@@ -26,6 +27,7 @@ MLATokenToKVPool::MLATokenToKVPool(int64_t rows, DType dtype, const std::vector<
     x.layer_id = l.layer_id;
     x.row_dim = l.head_dim;
     x.v_dim = v_dim;
+    fault_point(FaultSite::host_alloc, "MLATokenToKVPool layer buffer");
     x.kv = HostBuffer(dtype, {rows, 1, l.head_dim});
     // Zeroed so that the reserved row and never-written slots read as 0, never as stale bytes.
     std::memset(x.kv.data(), 0, x.kv.bytes());

@@ -4,6 +4,7 @@
 #include <utility>
 
 #include "attnrt/core/error.h"
+#include "attnrt/core/fault_injection.h"
 #include "src/memory/alloc_lens.h"
 
 namespace attnrt {
@@ -110,6 +111,7 @@ std::vector<int64_t> PageAllocator::alloc_extend(std::span<const int32_t> prefix
         seq_lens.size(), alloc_lens::new_tokens(prefix_lens, seq_lens), pages, page_size_,
         available_size(), num_pages_ * page_size_, free_pages());
   }
+  fault_point(FaultSite::slot_alloc, "PageAllocator::alloc_extend");
   return fill(prefix_lens, seq_lens, last_locs);
 }
 
@@ -124,6 +126,7 @@ std::vector<int64_t> PageAllocator::alloc_decode(std::span<const int32_t> seq_le
         "free finished requests first",
         seq_lens.size(), pages, page_size_, free_pages(), num_pages_);
   }
+  fault_point(FaultSite::slot_alloc, "PageAllocator::alloc_decode");
   return fill(prefix, seq_lens, last_locs);
 }
 
@@ -157,5 +160,59 @@ void PageAllocator::release_pages(const std::vector<int64_t>& pages) {
 }
 
 void PageAllocator::free(std::span<const int64_t> slots) { release_pages(pages_of(slots)); }
+
+void PageAllocator::check_invariants() const {
+  ATTNRT_CHECK(in_use_.size() == static_cast<size_t>(num_pages_) + 1 && in_use_[0] != 0,
+               "PageAllocator invariant: page 0 is reserved and must stay in use; it is {} ({} "
+               "page flags for {} pages)",
+               in_use_.empty() || in_use_[0] == 0 ? "free" : "in use", in_use_.size(), num_pages_);
+  std::vector<uint8_t> listed(in_use_.size(), 0);
+  for (size_t i = 0; i < free_list_.size(); ++i) {
+    const int64_t page = free_list_[i];
+    ATTNRT_CHECK(page >= 1 && page <= num_pages_,
+                 "PageAllocator invariant: free list entry {} is page {}, outside the usable "
+                 "pages 1..{}",
+                 i, page, num_pages_);
+    ATTNRT_CHECK(listed[page] == 0, "PageAllocator invariant: page {} is listed free twice", page);
+    ATTNRT_CHECK(in_use_[page] == 0,
+                 "PageAllocator invariant: page {} is listed free but marked in use", page);
+    listed[page] = 1;
+  }
+  for (int64_t page = 1; page <= num_pages_; ++page) {
+    ATTNRT_CHECK(listed[page] != 0 || in_use_[page] != 0,
+                 "PageAllocator invariant: page {} is neither free nor in use (lost from the free "
+                 "list); free + in use must be the {} usable pages",
+                 page, num_pages_);
+  }
+}
+
+void PageAllocator::check_invariants(const SlotOwners& owners) const {
+  check_invariants();
+  std::vector<int64_t> owner_of(in_use_.size(), -1);
+  for (size_t o = 0; o < owners.size(); ++o) {
+    for (int64_t s : owners[o]) {
+      ATTNRT_CHECK(s >= page_size_ && s < pool_rows(),
+                   "PageAllocator invariant: owner {} holds slot {}, which is not a usable slot "
+                   "({}..{})",
+                   o, s, page_size_, pool_rows() - 1);
+      const int64_t page = s / page_size_;
+      ATTNRT_CHECK(in_use_[page] != 0,
+                   "PageAllocator invariant: owner {} holds slot {} in page {}, which is free", o,
+                   s, page);
+      const int64_t prev = owner_of[page];
+      ATTNRT_CHECK(prev < 0 || prev == static_cast<int64_t>(o),
+                   "PageAllocator invariant: page {} (slot {}) is held by owners {} and {}; a "
+                   "page belongs to one owner",
+                   page, s, prev, o);
+      owner_of[page] = static_cast<int64_t>(o);
+    }
+  }
+  for (int64_t page = 1; page <= num_pages_; ++page) {
+    ATTNRT_CHECK(in_use_[page] == 0 || owner_of[page] >= 0,
+                 "PageAllocator invariant: page {} (slots {}..{}) is in use but no owner holds "
+                 "it: leaked",
+                 page, page * page_size_, (page + 1) * page_size_ - 1);
+  }
+}
 
 }  // namespace attnrt

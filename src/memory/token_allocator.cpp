@@ -69,9 +69,22 @@ std::vector<int64_t> SWATokenAllocator::alloc(std::span<const int32_t> prefix_le
   const std::vector<int64_t> full_slots =
       decode ? full_.alloc_decode(seq_lens, last_locs)
              : full_.alloc_extend(prefix_lens, seq_lens, last_locs);
-  const std::vector<int64_t> swa_slots = decode
-                                             ? swa_.alloc_decode(seq_lens, swa_last)
-                                             : swa_.alloc_extend(prefix_lens, seq_lens, swa_last);
+  std::vector<int64_t> swa_slots;
+  try {
+    swa_slots = decode ? swa_.alloc_decode(seq_lens, swa_last)
+                       : swa_.alloc_extend(prefix_lens, seq_lens, swa_last);
+  } catch (const Error&) {
+    // Validated and within capacity above, so only an injected fault lands here: give back the
+    // full pages this call took (those whose first slot it handed out; slot % P == position % P),
+    // not the partial pages it continued, so that the call changes nothing.
+    const int64_t P = page_size();
+    std::vector<int64_t> taken;
+    for (int64_t s : full_slots) {
+      if (s % P == 0) taken.push_back(s);
+    }
+    if (!taken.empty()) full_.free(taken);
+    throw;
+  }
   auto& m = *map_;
   for (size_t i = 0; i < full_slots.size(); ++i) {
     m[static_cast<size_t>(full_slots[i])] = swa_slots[i];
@@ -134,6 +147,63 @@ void SWATokenAllocator::free_swa(std::span<const int64_t> slots) {
   for (size_t i = 0; i < given.size(); ++i) swa_slots[i] = m[static_cast<size_t>(given[i])];
   swa_.free(swa_slots);
   for (int64_t s : given) m[static_cast<size_t>(s)] = 0;
+}
+
+void SWATokenAllocator::check_invariants() const {
+  full_.check_invariants();
+  swa_.check_invariants();
+  check_map();
+}
+
+void SWATokenAllocator::check_invariants(const SlotOwners& owners) const {
+  full_.check_invariants(owners);
+  swa_.check_invariants();
+  check_map();
+}
+
+void SWATokenAllocator::check_map() const {
+  const auto& m = *map_;
+  const int64_t P = page_size();
+  const int64_t full_rows = full_.pool_rows();
+  ATTNRT_CHECK(static_cast<int64_t>(m.size()) == full_rows + 1 && m.back() == -1,
+               "SWATokenAllocator invariant: the full->SWA map has {} entries ending in {}; it "
+               "must have {} (full rows + 1) ending in -1",
+               m.size(), m.empty() ? 0 : m.back(), full_rows + 1);
+  std::vector<int64_t> mapped_from(static_cast<size_t>(swa_.pool_rows()), -1);
+  std::vector<int64_t> swa_page_owner(static_cast<size_t>(swa_.num_pages()) + 1, -1);
+  for (int64_t s = 0; s < full_rows; ++s) {
+    const int64_t v = m[static_cast<size_t>(s)];
+    if (v == 0) continue;
+    ATTNRT_CHECK(s >= P && full_.page_in_use(s / P),
+                 "SWATokenAllocator invariant: full slot {} maps to SWA slot {}, but its full page "
+                 "{} is not in use; freed full pages must have no SWA slots",
+                 s, v, s / P);
+    ATTNRT_CHECK(v >= P && v < swa_.pool_rows() && swa_.page_in_use(v / P),
+                 "SWATokenAllocator invariant: full slot {} maps to SWA slot {}, which is not in "
+                 "an SWA page in use (usable SWA slots {}..{})",
+                 s, v, P, swa_.pool_rows() - 1);
+    ATTNRT_CHECK(v % P == s % P,
+                 "SWATokenAllocator invariant: full slot {} maps to SWA slot {}; offsets in the "
+                 "page must match ({} vs {})",
+                 s, v, s % P, v % P);
+    ATTNRT_CHECK(mapped_from[v] < 0,
+                 "SWATokenAllocator invariant: SWA slot {} is mapped from full slots {} and {}; "
+                 "an SWA slot belongs to one token",
+                 v, mapped_from[v], s);
+    mapped_from[v] = s;
+    int64_t& owner = swa_page_owner[v / P];
+    ATTNRT_CHECK(owner < 0 || owner == s / P,
+                 "SWATokenAllocator invariant: SWA page {} holds tokens of full pages {} and {}; "
+                 "an SWA page belongs to one full page",
+                 v / P, owner, s / P);
+    owner = s / P;
+  }
+  for (int64_t page = 1; page <= swa_.num_pages(); ++page) {
+    ATTNRT_CHECK(!swa_.page_in_use(page) || swa_page_owner[page] >= 0,
+                 "SWATokenAllocator invariant: SWA page {} is in use but no full slot maps into "
+                 "it: leaked",
+                 page);
+  }
 }
 
 int64_t SWATokenAllocator::available_size() const {

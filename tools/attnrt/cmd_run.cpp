@@ -32,7 +32,13 @@ struct RunArgs {
   bool print_trace = false;
   bool no_mixed_chunk = false;
   double accept_prob = 0.7;
+  int soak_steps = 0;
 };
+
+// Requests of a soak trace with an abort_step: one in kSoakAbortEvery.
+constexpr int kSoakAbortEvery = 8;
+// Pool invariants of a soak run are checked this often unless --check-invariants says otherwise.
+constexpr int kSoakCheckInvariantsEvery = 1000;
 
 // --check-rows: "all", or TxH (at most T query rows x H heads per checked layer; 0 = no limit).
 sim::CheckRows parse_check_rows(const std::string& text) {
@@ -55,12 +61,24 @@ sim::CheckRows parse_check_rows(const std::string& text) {
 
 void run(const RunArgs& a) {
   const ModelSpec model = resolve_model(a.model);
-  const sim::Trace trace = a.trace.empty() ? sim::builtin_trace() : sim::load_trace(a.trace);
+  sim::RunConfig config = a.config;
+  sim::Trace trace;
+  if (a.soak_steps > 0) {
+    ATTNRT_CHECK(a.trace.empty(),
+                 "--soak-steps {} generates its own trace; drop --trace {} (or --soak-steps)",
+                 a.soak_steps, a.trace);
+    trace = sim::soak_trace(a.soak_steps, config.scheduler.max_running_requests,
+                            config.scheduler.chunked_prefill_size, kSoakAbortEvery, config.seed);
+    config.scheduler.retract = true;
+    if (config.check_invariants_every == 0)
+      config.check_invariants_every = kSoakCheckInvariantsEvery;
+  } else {
+    trace = a.trace.empty() ? sim::builtin_trace() : sim::load_trace(a.trace);
+  }
   if (a.print_trace) {
     std::fputs(sim::to_jsonl(trace).c_str(), stdout);
     return;
   }
-  sim::RunConfig config = a.config;
   config.check_rows = parse_check_rows(a.check_rows);
   config.scheduler.mixed_chunk = !a.no_mixed_chunk;
   config.scheduler.spec.accept_prob = a.accept_prob;
@@ -198,6 +216,29 @@ void add_run_command(CLI::App& app) {
       ->check(real_in(0, 1))
       ->capture_default_str()
       ->group(sched);
+  cmd->add_flag("--retract", args->config.scheduler.retract,
+                "Admit a request when its prompt fits (not its whole life) and, when a decode "
+                "round does not fit, retract running requests as the reference engine does "
+                "(newest first, never the oldest): free their KV and linear state and queue them "
+                "again to be prefilled from their prompt. The report counts retractions")
+      ->group(sched);
+  cmd->add_option(
+         "--soak-steps", args->soak_steps,
+         "Soak run (docs/run.md): replace the trace by a random one (from --seed) whose requests "
+         "arrive over N iterations, about --max-running-requests at a time, prompts up to 4 x "
+         "--chunked-prefill-size, one in 8 with an abort_step; turns on --retract and checks the "
+         "pool invariants every 1000 steps (--check-invariants) and after every abort or "
+         "retraction. Reports the target tokens/s of the first and the last tenth of the steps")
+      ->check(int_in(1, 1 << 30))
+      ->group(sched);
+  cmd->add_option("--check-invariants", args->config.check_invariants_every,
+                  "Check the pool invariants (no slot, request row or linear-state slot leaked, "
+                  "shared or listed free twice) every N steps and after every step that aborted "
+                  "or retracted a request; 0 = only at the end of the run, which is always done. "
+                  "A broken invariant stops the run with an error naming the step, the pool and "
+                  "the slot or row")
+      ->check(int_in(0, 1 << 30))
+      ->capture_default_str();
   cmd->add_option("--check-every", args->config.check_every,
                   "Recompute every Nth step of each forward mode (its first step included) on "
                   "`reference` over the same pools and compare; 0 = no checking")

@@ -64,7 +64,8 @@ struct Engine {
   // repeated on it), which the reference's linear side reads.
   std::unique_ptr<LinearStatePool> linear_mirror;
   std::vector<int> kv_layers;
-  std::map<int, int> linear_rows;  // trace index -> request row holding a linear-state slot
+  // trace index -> (request row holding a linear-state slot, the row's generation then)
+  std::map<int, std::pair<int, uint64_t>> linear_rows;
   // GPU pools: a host copy of the KV pools that the reference (and --dump-step) read. Before a
   // layer is checked, the rows the step reads are copied into it from the GPU, outside the timed
   // region.
@@ -276,8 +277,12 @@ class StepDriver {
   // Runs one step: begin_step, every layer, end_step (the timed part), and the checks.
   void run(const ScheduledStep& step);
   // After the scheduler completed a step of `e` (a linear-attention model): the state each request
-  // keeps after a verify, and the slots of finished requests freed.
+  // keeps after a verify, and the slots of requests that no longer run freed.
   void release_states(Engine& e, const Scheduler& sched, bool verified);
+  // Frees the state slots of requests that finished, were aborted or were retracted (their rows
+  // may already have been handed to a request admitted by the step just planned, which takes its
+  // slot when it runs).
+  static void free_stale_states(Engine& e, const Scheduler& sched);
 
   std::vector<ModeStats> stats() const;
   // --dcp-size: the target's attention layers also run on this group and are compared.
@@ -431,7 +436,7 @@ StateRegion StepDriver::take_state_slots(Engine& e, const ScheduledStep& step) {
                      "slot {}, the GPU pool slot {}",
                      row, copy, slot);
       }
-      e.linear_rows[step.requests[i]] = row;
+      e.linear_rows[step.requests[i]] = {row, e.runtime->req_to_token().generation(row)};
     }
     region.slots.push_back(states.slot_of(row));
   }
@@ -692,10 +697,20 @@ void StepDriver::release_states(Engine& e, const Scheduler& sched, bool verified
     }
     e.runtime->update_state_after_verify(last);
   }
+  free_stale_states(e, sched);
+}
+
+void StepDriver::free_stale_states(Engine& e, const Scheduler& sched) {
   for (auto it = e.linear_rows.begin(); it != e.linear_rows.end();) {
-    if (sched.requests()[static_cast<size_t>(it->first)].phase == RequestState::Phase::finished) {
-      e.runtime->linear_state().free_for(it->second);
-      if (e.linear_mirror) e.linear_mirror->free_for(it->second);
+    const RequestState& r = sched.requests()[static_cast<size_t>(it->first)];
+    const auto [row, generation] = it->second;
+    // A row that changed hands since (freed, perhaps given to this request again) holds the state
+    // of a request that no longer runs.
+    const bool runs =
+        r.phase == RequestState::Phase::prefill || r.phase == RequestState::Phase::decode;
+    if (!runs || r.target_row != row || e.runtime->req_to_token().generation(row) != generation) {
+      e.runtime->linear_state().free_for(row);
+      if (e.linear_mirror) e.linear_mirror->free_for(row);
       it = e.linear_rows.erase(it);
     } else {
       ++it;
@@ -907,11 +922,37 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
     driver.set_dcp(dcp.get());
   }
   int64_t tokens_done = 0;
+  const bool linear_target = target.runtime->has_linear_layers();
+  auto check_invariants = [&](int64_t after_step) {
+    try {
+      sched.check_invariants();
+      if (linear_target) {
+        target.runtime->linear_state().check_invariants(sched.live_target_rows());
+        if (target.linear_mirror) target.linear_mirror->check_invariants(sched.live_target_rows());
+      }
+    } catch (const Error& err) {
+      fail("attnrt run: a pool invariant is broken after step {}: {}", after_step, err.what());
+    }
+    ++rep.invariant_checks;
+  };
+  // Per step: its first index, its target tokens (0 for a draft step) and the seconds of its whole
+  // loop iteration (planning, inputs, layers, checks, commit).
+  struct StepTime {
+    int64_t index, tokens;
+    double seconds;
+  };
+  std::vector<StepTime> times;
+  int64_t next_check = rc.check_invariants_every;
   while (!sched.done()) {
+    const Clock::time_point step0 = Clock::now();
+    const int64_t events_before = sched.aborts().total() + sched.retractions();
     const ScheduledStep& step = sched.next();
     Engine& e = step.role == ModelRole::target ? target : *draft;
+    if (e.runtime->has_linear_layers()) StepDriver::free_stale_states(e, sched);
     driver.run(step);
     tokens_done += step.batch.num_tokens();
+    const int64_t step_tokens = step.role == ModelRole::target ? step.batch.num_tokens() : 0;
+    const int64_t step_index = step.index;
     // `step` is the scheduler's, and complete() moves on from it.
     const ForwardMode mode = step.batch.mode;
     const ModelRole role = step.role;
@@ -919,8 +960,24 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
     std::optional<ForwardBatch> verified;
     if (dcp && role == ModelRole::target && is_target_verify(mode)) verified = step.batch;
     sched.complete();
-    if (verified) dcp->commit_verify(*verified, sched.last_accepted_paths());
+    if (verified) {
+      // A request aborted in the verify step has no path; the ranks keep its root, and the row is
+      // rewritten from column 0 by the next request that gets it.
+      std::vector<std::vector<int>> paths = sched.last_accepted_paths();
+      for (std::vector<int>& p : paths) {
+        if (p.empty()) p = {0};
+      }
+      dcp->commit_verify(*verified, paths);
+    }
     if (e.runtime->has_linear_layers()) driver.release_states(e, sched, is_target_verify(mode));
+    times.push_back({step_index, step_tokens, seconds_since(step0)});
+    if (rc.check_invariants_every > 0) {
+      const bool events = sched.aborts().total() + sched.retractions() != events_before;
+      if (events || done_steps >= next_check) {
+        check_invariants(done_steps);
+        while (next_check <= done_steps) next_check += rc.check_invariants_every;
+      }
+    }
     if (progress) {
       Progress p;
       p.steps_done = done_steps;
@@ -947,6 +1004,27 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   for (const RequestState& r : sched.requests()) {
     rep.verify_rounds += static_cast<int64_t>(r.accept_lengths.size());
     for (int a : r.accept_lengths) rep.accepted_drafts += a;
+  }
+  check_invariants(sched.steps_planned());
+  rep.aborts = sched.aborts();
+  rep.retractions = sched.retractions();
+  rep.steps = sched.steps_planned();
+  if (rep.steps >= 10) {
+    auto rate = [&](int64_t from, int64_t to) {
+      int64_t tokens = 0;
+      double seconds = 0;
+      for (const StepTime& t : times) {
+        if (t.index < from || t.index >= to) continue;
+        tokens += t.tokens;
+        seconds += t.seconds;
+      }
+      return seconds > 0 ? static_cast<double>(tokens) / seconds : 0.0;
+    };
+    for (int64_t k = 0; k < 10; ++k) {
+      rep.tenth_tokens_per_s.push_back(rate(rep.steps * k / 10, rep.steps * (k + 1) / 10));
+    }
+    rep.first_tenth_tokens_per_s = rep.tenth_tokens_per_s.front();
+    rep.last_tenth_tokens_per_s = rep.tenth_tokens_per_s.back();
   }
   rep.target_pool = sched.finish_and_check_pools(ModelRole::target);
   if (hybrid) {

@@ -30,6 +30,9 @@ struct RunConfig {
   // Rows of a checked step's attention layers that the reference recomputes (the others are still
   // scanned for unwritten outputs); linear-attention layers are always checked whole.
   CheckRows check_rows;
+  // Pool invariants (Scheduler::check_invariants, the linear-state pool's): every N steps and after
+  // every step that aborted or retracted a request; 0 = only at the end of the run (always done).
+  int check_invariants_every = 0;
   uint64_t seed = 1;   // q/k/v data, acceptance sampling, tree shapes
   int dump_step = -1;  // write this step's first full-attention layer as a case
   std::string dump_dir;
@@ -70,7 +73,8 @@ Options complete_spec_options(Options options);
 // cache.
 ModelSpec make_draft_model(const ModelSpec& target);
 
-// Runs the whole trace. Throws attnrt::Error for bad input (options, trace, pool too small);
+// Runs the whole trace. Throws attnrt::Error for bad input (options, trace, pool too small) and for
+// a broken pool invariant (naming the step, the pool, the invariant and the slot or row);
 // mismatches against reference, pool leaks and a --dump-step that named no step with tokens are
 // reported in RunReport (ok() false), not thrown, so that the report of the run is still printed.
 RunReport run_trace(const ModelSpec& model, const Options& options, const Trace& trace,

@@ -140,6 +140,21 @@ std::string format_report(const RunReport& r) {
                              r.linear_slots)
                : fmt::format("linear state check (target): LEAK: {}\n", r.linear_pool_detail);
   }
+  if (r.aborts.total() > 0 || r.retractions > 0) {
+    out += fmt::format(
+        "aborts: {} (waiting {}, mid-prefill {}, decode {}, verify {}) | retractions: {}\n",
+        r.aborts.total(), r.aborts.waiting, r.aborts.prefill, r.aborts.decode, r.aborts.verify,
+        r.retractions);
+  }
+  out += fmt::format("pool invariants: checked {} time{}, all held\n", r.invariant_checks,
+                     r.invariant_checks == 1 ? "" : "s");
+  if (r.first_tenth_tokens_per_s > 0 || r.last_tenth_tokens_per_s > 0) {
+    out += fmt::format(
+        "target tokens/s (wall, whole step loop): first tenth of the {} steps {:.0f}, last "
+        "tenth {:.0f}; by tenth {:.0f}\n",
+        r.steps, r.first_tenth_tokens_per_s, r.last_tenth_tokens_per_s,
+        fmt::join(r.tenth_tokens_per_s, " "));
+  }
   if (!r.dump_written.empty()) out += fmt::format("step case written to {}\n", r.dump_written);
   if (!r.dump_error.empty()) out += fmt::format("no step case written: {}\n", r.dump_error);
   if (r.failure_count > 0) {
@@ -217,6 +232,17 @@ nlohmann::json report_to_json(const RunReport& r) {
         {"ok", r.linear_pool_ok}, {"slots", r.linear_slots}, {"detail", r.linear_pool_detail}};
   }
   if (!r.notes.empty()) j["notes"] = r.notes;
+  j["aborts"] = {{"waiting", r.aborts.waiting},
+                 {"prefill", r.aborts.prefill},
+                 {"decode", r.aborts.decode},
+                 {"verify", r.aborts.verify},
+                 {"total", r.aborts.total()}};
+  j["retractions"] = r.retractions;
+  j["invariant_checks"] = r.invariant_checks;
+  j["steps"] = r.steps;
+  j["tokens_per_s_first_tenth"] = r.first_tenth_tokens_per_s;
+  j["tokens_per_s_last_tenth"] = r.last_tenth_tokens_per_s;
+  j["tokens_per_s_by_tenth"] = r.tenth_tokens_per_s;
   if (r.spec.enabled()) {
     j["speculative"] = {{"num_steps", r.spec.num_steps},
                         {"topk", r.spec.topk},

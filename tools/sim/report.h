@@ -80,6 +80,17 @@ struct RunReport {
   bool linear_pool_ok = true;
   std::string linear_pool_detail;
   int linear_slots = 0;
+  // Aborts (trace abort_step) by what the request was doing, retractions under memory pressure, and
+  // how often the pool invariants were checked (all passed, or the run stopped with an error).
+  AbortCounts aborts;
+  int64_t retractions = 0;
+  int64_t invariant_checks = 0;
+  // Target tokens per second of wall time over the first and the last tenth of the steps (steps
+  // counted by index; the whole step loop timed: scheduling, inputs, kernels, checks); 0 when the
+  // run has fewer than 10 steps.
+  double first_tenth_tokens_per_s = 0, last_tenth_tokens_per_s = 0;
+  std::vector<double> tenth_tokens_per_s;  // all ten tenths, first to last (empty: < 10 steps)
+  int64_t steps = 0;
   // What the run changed about the model or the trace, one sentence each (layers left out, shared
   // prefixes not reused, ...).
   std::vector<std::string> notes;

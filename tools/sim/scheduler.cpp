@@ -120,10 +120,16 @@ Scheduler::Scheduler(Trace trace, SchedulerConfig config, KvSpace target,
   std::stable_sort(arrival_order_.begin(), arrival_order_.end(), [&](int a, int b) {
     return trace_.requests[a].arrival_step < trace_.requests[b].arrival_step;
   });
+  for (int idx : arrival_order_) {
+    if (trace_.requests[idx].abort_step >= 0) abort_order_.push_back(idx);
+  }
+  std::stable_sort(abort_order_.begin(), abort_order_.end(), [&](int a, int b) {
+    return trace_.requests[a].abort_step < trace_.requests[b].abort_step;
+  });
 }
 
 bool Scheduler::done() const {
-  if (step_open_ || pending_draft_) return false;
+  if (step_open_ || pending_draft_ || draft_due_) return false;
   return std::all_of(reqs_.begin(), reqs_.end(), [](const RequestState& r) {
     return r.phase == RequestState::Phase::finished;
   });
@@ -169,10 +175,25 @@ int64_t Scheduler::outstanding_pages(bool draft) const {
 
 bool Scheduler::can_admit(const RequestState& r, int prefix_len) const {
   const int P = config_.page_size;
+  std::vector<int> decoding;
+  if (config_.retract) {
+    for (int idx : running_) {
+      if (reqs_[idx].phase == RequestState::Phase::decode) decoding.push_back(idx);
+    }
+  }
   for (bool is_draft : {false, true}) {
     const Space* space = is_draft ? (draft_ ? &*draft_ : nullptr) : &target_;
     if (space == nullptr) continue;
     if (space->kv.req_to_token->available() == 0) return false;
+    if (config_.retract) {
+      // The prompt's pages on top of what prefilling requests are owed and the next decode round.
+      const int64_t need = ceil_div(trace_.requests[r.trace_index].prompt_len, P) - prefix_len / P;
+      if (free_pages(is_draft) - owed_prefill_pages(is_draft) -
+              decode_round_pages(decoding, is_draft) <
+          need)
+        return false;
+      continue;
+    }
     const int64_t need = ceil_div(lifetime_tokens(r, is_draft), P) - prefix_len / P;
     const int64_t free_pages = space->kv.allocator->available_size() / P;
     if (free_pages - outstanding_pages(is_draft) < need) return false;
@@ -214,8 +235,79 @@ std::string Scheduler::pool_size_fix(const Space& space) {
 void Scheduler::admit_arrivals() {
   while (next_arrival_ < arrival_order_.size() &&
          trace_.requests[arrival_order_[next_arrival_]].arrival_step <= iteration_) {
-    waiting_.push_back(arrival_order_[next_arrival_++]);
+    const int idx = arrival_order_[next_arrival_++];
+    if (reqs_[idx].phase != RequestState::Phase::finished) waiting_.push_back(idx);
   }
+}
+
+int64_t Scheduler::free_pages(bool draft) const {
+  const Space& space = draft ? *draft_ : target_;
+  return space.kv.allocator->available_size() / config_.page_size;
+}
+
+int64_t Scheduler::owed_prefill_pages(bool draft) const {
+  const int P = config_.page_size;
+  int64_t pages = 0;
+  for (int idx : running_) {
+    const RequestState& r = reqs_[idx];
+    if (r.phase != RequestState::Phase::prefill) continue;
+    pages += ceil_div(trace_.requests[idx].prompt_len, P) -
+             ceil_div(draft ? r.draft_kv_len : r.kv_len, P);
+  }
+  return pages;
+}
+
+int64_t Scheduler::decode_round_pages(const std::vector<int>& decoding, bool draft) const {
+  const int P = config_.page_size;
+  // A decode takes one token; a verify round holds the whole block, and the draft model then
+  // catches up to at most as many tokens.
+  const int step = config_.spec.enabled() ? config_.spec.num_draft_tokens : 1;
+  int64_t pages = 0;
+  for (int idx : decoding) {
+    const RequestState& r = reqs_[idx];
+    pages += ceil_div(r.kv_len + step, P) - ceil_div(draft ? r.draft_kv_len : r.kv_len, P);
+  }
+  return pages;
+}
+
+void Scheduler::retract_for_decode(std::vector<int>& decoding) {
+  auto fits = [&] {
+    for (bool is_draft : {false, true}) {
+      if (is_draft && !draft_) continue;
+      if (decode_round_pages(decoding, is_draft) + owed_prefill_pages(is_draft) >
+          free_pages(is_draft))
+        return false;
+    }
+    return true;
+  };
+  while (!fits()) {
+    if (running_.size() <= 1) {
+      const TraceRequest& tr = trace_.requests[running_.front()];
+      fail(
+          "out of KV cache: request '{}' (trace line {}) runs alone and its next decode round "
+          "does not fit: {}; {}",
+          tr.id, tr.line, pool_size_text(target_, ModelRole::target), pool_size_fix(target_));
+    }
+    // Newest first, as the reference engine retracts; the oldest always keeps running, so the run
+    // makes progress.
+    const int victim = running_.back();
+    RequestState& r = reqs_[victim];
+    release_request(victim, r.kv_len);
+    running_.pop_back();
+    reset_to_waiting(r);
+    ++r.retractions;
+    ++retractions_;
+    waiting_.push_front(victim);
+    decoding.erase(std::remove(decoding.begin(), decoding.end(), victim), decoding.end());
+  }
+}
+
+void Scheduler::reset_to_waiting(RequestState& r) {
+  r.phase = RequestState::Phase::waiting;
+  r.prefilled = r.kv_len = r.draft_kv_len = r.generated = 0;
+  r.target_row = r.draft_row = -1;
+  r.cached_prefix_len = 0;
+  r.admitted_iteration = -1;
 }
 
 std::vector<int64_t> Scheduler::extend_slots(Space& space, const std::vector<int64_t>& rows,
@@ -261,6 +353,7 @@ const ScheduledStep& Scheduler::next() {
   ATTNRT_CHECK(!step_open_, "scheduler: next() called again before complete() of step {}",
                step_.index);
   ATTNRT_CHECK(!done(), "scheduler: next() called after every request finished");
+  if (draft_due_) queue_due_draft();
   if (pending_draft_) {
     step_ = std::move(*pending_draft_);
     pending_draft_.reset();
@@ -311,6 +404,17 @@ void Scheduler::plan_prefill(int budget, std::vector<int>& reqs, std::vector<int
     }
     // First come, first served on memory: a request that does not fit stops admission.
     if (!can_admit(r, attach)) break;
+    // Rows first: a failed allocation leaves the request queued and nothing allocated.
+    const int target_row = target_.kv.req_to_token->alloc();
+    if (draft_) {
+      try {
+        r.draft_row = draft_->kv.req_to_token->alloc();
+      } catch (const Error&) {
+        target_.kv.req_to_token->free(target_row);
+        throw;
+      }
+    }
+    r.target_row = target_row;
     waiting_.pop_front();
     if (shared > 0 && entry == nullptr) {
       PrefixEntry fresh;
@@ -318,12 +422,8 @@ void Scheduler::plan_prefill(int budget, std::vector<int>& reqs, std::vector<int
       fresh.owner = idx;
       prefixes_.emplace(tr.shared_prefix, std::move(fresh));
     }
-    r.target_row = target_.kv.req_to_token->alloc();
     if (attach > 0) target_.kv.req_to_token->write(r.target_row, 0, entry->target_slots);
-    if (draft_) {
-      r.draft_row = draft_->kv.req_to_token->alloc();
-      if (attach > 0) draft_->kv.req_to_token->write(r.draft_row, 0, entry->draft_slots);
-    }
+    if (draft_ && attach > 0) draft_->kv.req_to_token->write(r.draft_row, 0, entry->draft_slots);
     r.cached_prefix_len = attach;
     r.prefilled = r.kv_len = r.draft_kv_len = attach;
     r.phase = RequestState::Phase::prefill;
@@ -404,6 +504,36 @@ void Scheduler::plan_target_step() {
   for (int idx : running_) {
     if (reqs_[idx].phase == RequestState::Phase::decode) decoding.push_back(idx);
   }
+  if (config_.retract && !decoding.empty()) retract_for_decode(decoding);
+  // Admission and the step's slot allocation either both happen or neither: on a failed
+  // allocation the requests admitted for this step give their rows back and queue again, so the
+  // next call plans the same step. Retractions above stand.
+  const size_t running_before = running_.size();
+  const std::deque<int> waiting_before = waiting_;
+  const bool last_before = last_was_prefill_;
+  try {
+    plan_batch(decoding);
+  } catch (const Error&) {
+    for (size_t k = running_before; k < running_.size(); ++k) {
+      RequestState& r = reqs_[running_[k]];
+      target_.kv.req_to_token->free(r.target_row);
+      if (draft_) draft_->kv.req_to_token->free(r.draft_row);
+      reset_to_waiting(r);
+    }
+    running_.resize(running_before);
+    waiting_ = waiting_before;
+    last_was_prefill_ = last_before;
+    // Shared prefixes registered by requests that are queued again hold nothing yet.
+    for (auto it = prefixes_.begin(); it != prefixes_.end();) {
+      const bool unclaimed = !it->second.target_ready && !it->second.draft_ready &&
+                             reqs_[it->second.owner].phase == RequestState::Phase::waiting;
+      it = unclaimed ? prefixes_.erase(it) : std::next(it);
+    }
+    throw;
+  }
+}
+
+void Scheduler::plan_batch(const std::vector<int>& decoding) {
   const bool spec = config_.spec.enabled();
   const bool mix = config_.mixed_chunk && !spec;
   auto decode_step = [&] {
@@ -502,6 +632,7 @@ void Scheduler::commit_verify(const ScheduledStep& s) {
   std::vector<std::pair<int64_t, int64_t>> moves;
   for (size_t i = 0; i < s.requests.size(); ++i) {
     const RequestState& r = reqs_[s.requests[i]];
+    if (r.aborted) continue;  // aborted before acceptance: no path, its block is freed
     const int remaining = trace_.requests[s.requests[i]].output_len - r.generated;
     // Accepted drafts plus the bonus token must not overshoot the requested output length.
     last_paths_[i] = sample_path(spec, static_cast<int>(i), std::min(N - 1, remaining - 1));
@@ -522,6 +653,7 @@ void Scheduler::commit_verify(const ScheduledStep& s) {
   for (size_t i = 0; i < s.requests.size(); ++i) {
     const int idx = s.requests[i];
     RequestState& r = reqs_[idx];
+    if (r.aborted) continue;
     const std::vector<int>& path = last_paths_[i];
     const int accepted = static_cast<int>(path.size()) - 1;
     const int base = r.kv_len;
@@ -535,7 +667,7 @@ void Scheduler::commit_verify(const ScheduledStep& s) {
       to_draft.push_back(idx);
     }
   }
-  if (!to_draft.empty()) queue_draft_step(to_draft, true);
+  if (!to_draft.empty()) draft_due_ = DraftDue{to_draft, true};
 }
 
 void Scheduler::queue_draft_step(const std::vector<int>& reqs, bool after_verify) {
@@ -576,15 +708,19 @@ void Scheduler::commit_draft(const ScheduledStep& s) {
   }
 }
 
-void Scheduler::finish_request(int idx) {
+void Scheduler::release_request(int idx, int target_held) {
   RequestState& r = reqs_[idx];
   int keep_target = r.cached_prefix_len, keep_draft = r.cached_prefix_len;
-  // The owner's first pages now belong to the prefix cache.
-  if (const PrefixEntry* e = owned_prefix(idx)) {
-    if (e->target_ready) keep_target = e->len;
-    if (e->draft_ready) keep_draft = e->len;
+  if (PrefixEntry* e = owned_prefix(idx)) {
+    if (prefix_ready(*e)) {
+      // The owner's first pages now belong to the prefix cache.
+      keep_target = keep_draft = e->len;
+    } else {
+      // Not registered in both models yet: nobody uses it, and its pages are the owner's.
+      prefixes_.erase(trace_.requests[idx].shared_prefix);
+    }
   }
-  free_positions(target_, r.target_row, keep_target, r.kv_len);
+  free_positions(target_, r.target_row, keep_target, target_held);
   target_.kv.req_to_token->free(r.target_row);
   r.target_row = -1;
   if (draft_) {
@@ -592,9 +728,142 @@ void Scheduler::finish_request(int idx) {
     draft_->kv.req_to_token->free(r.draft_row);
     r.draft_row = -1;
   }
+}
+
+void Scheduler::finish_request(int idx) {
+  RequestState& r = reqs_[idx];
+  release_request(idx, r.kv_len);
   r.phase = RequestState::Phase::finished;
   r.finished_iteration = iteration_;
   running_.erase(std::find(running_.begin(), running_.end(), idx));
+}
+
+void Scheduler::abort_request(int idx, int target_held, int64_t& counter) {
+  RequestState& r = reqs_[idx];
+  release_request(idx, target_held);
+  r.aborted = true;
+  r.phase = RequestState::Phase::finished;
+  r.finished_iteration = iteration_;
+  running_.erase(std::find(running_.begin(), running_.end(), idx));
+  ++counter;
+}
+
+void Scheduler::apply_aborts(const ScheduledStep& s) {
+  const int64_t end = int64_t{iteration_} + s.iterations;  // the first iteration after the step
+  auto due = [&](int idx) {
+    const int a = trace_.requests[idx].abort_step;
+    return a >= 0 && a < end;
+  };
+  if (next_abort_ == abort_order_.size() || !due(abort_order_[next_abort_])) return;
+  const bool spec = config_.spec.enabled();
+  // The step's own requests: what they hold includes the step's slots.
+  for (size_t i = 0; i < s.requests.size(); ++i) {
+    const int idx = s.requests[i];
+    if (!due(idx)) continue;
+    RequestState& r = reqs_[idx];
+    switch (s.batch.mode) {
+      case ForwardMode::TARGET_VERIFY:
+        abort_request(idx, r.kv_len + config_.spec.num_draft_tokens, aborts_.verify);
+        break;
+      case ForwardMode::DECODE:
+        abort_request(idx, r.kv_len + 1, aborts_.decode);
+        break;
+      default:
+        if (r.phase == RequestState::Phase::prefill) {
+          abort_request(idx, r.prefilled + s.batch.extend_seq_lens[i], aborts_.prefill);
+        } else {
+          abort_request(idx, r.kv_len + 1, aborts_.decode);
+        }
+    }
+  }
+  for (; next_abort_ < abort_order_.size() && due(abort_order_[next_abort_]); ++next_abort_) {
+    const int idx = abort_order_[next_abort_];
+    RequestState& r = reqs_[idx];
+    switch (r.phase) {
+      case RequestState::Phase::finished:
+        break;  // done before its abort_step, or aborted in the step above
+      case RequestState::Phase::waiting: {
+        auto it = std::find(waiting_.begin(), waiting_.end(), idx);
+        if (it != waiting_.end()) waiting_.erase(it);
+        r.aborted = true;
+        r.phase = RequestState::Phase::finished;
+        r.finished_iteration = iteration_;
+        ++aborts_.waiting;
+        break;
+      }
+      case RequestState::Phase::prefill:
+        abort_request(idx, r.kv_len, aborts_.prefill);
+        break;
+      case RequestState::Phase::decode:
+        abort_request(idx, r.kv_len, spec ? aborts_.verify : aborts_.decode);
+        break;
+    }
+  }
+}
+
+void Scheduler::queue_due_draft() {
+  // queue_draft_step allocates before it changes anything: on failure the draft stays due.
+  queue_draft_step(draft_due_->reqs, draft_due_->after_verify);
+  draft_due_.reset();
+}
+
+std::vector<int> Scheduler::live_target_rows() const {
+  std::vector<int> rows;
+  rows.reserve(running_.size());
+  for (int idx : running_) rows.push_back(reqs_[idx].target_row);
+  return rows;
+}
+
+void Scheduler::check_invariants() const {
+  ATTNRT_CHECK(!step_open_,
+               "scheduler: check_invariants() called between next() and complete() of step {}; "
+               "pools are checked between steps",
+               step_.index);
+  check_space(target_, ModelRole::target);
+  if (draft_) check_space(*draft_, ModelRole::draft);
+}
+
+void Scheduler::check_space(const Space& space, ModelRole role) const {
+  const bool draft = role == ModelRole::draft;
+  std::vector<uint8_t> drafting(reqs_.size(), 0);  // requests with a queued draft step
+  if (draft && pending_draft_) {
+    for (int idx : pending_draft_->requests) drafting[static_cast<size_t>(idx)] = 1;
+  }
+  SlotOwners owners;
+  std::vector<int> rows;
+  for (int idx : running_) {
+    const RequestState& r = reqs_[idx];
+    const int row = draft ? r.draft_row : r.target_row;
+    rows.push_back(row);
+    const int held = !draft                               ? r.kv_len
+                     : drafting[static_cast<size_t>(idx)] ? r.kv_len
+                                                          : r.draft_kv_len;
+    int keep = r.cached_prefix_len;
+    const TraceRequest& tr = trace_.requests[idx];
+    if (auto it = prefixes_.find(tr.shared_prefix);
+        it != prefixes_.end() && it->second.owner == idx &&
+        (draft ? it->second.draft_ready : it->second.target_ready)) {
+      keep = it->second.len;
+    }
+    std::vector<int64_t>& slots = owners.emplace_back();
+    if (row < 0 || row >= space.kv.req_to_token->size()) continue;  // the row check names it
+    const int32_t* tokens = space.kv.req_to_token->row_ptr(row);
+    slots.assign(tokens + keep, tokens + std::max(keep, held));
+  }
+  for (const auto& [name, e] : prefixes_) {
+    if (draft ? e.draft_ready : e.target_ready)
+      owners.push_back(draft ? e.draft_slots : e.target_slots);
+  }
+  try {
+    space.kv.req_to_token->check_invariants(rows);
+    space.kv.allocator->check_invariants(owners);
+  } catch (const Error& e) {
+    fail(
+        "scheduler: the {} model's pools after step {}: {} (live requests and owners are "
+        "numbered in admission order of the {} running requests, the cached shared prefixes "
+        "after them)",
+        model_role_name(role), step_count_, e.what(), running_.size());
+  }
 }
 
 void Scheduler::complete() {
@@ -606,6 +875,7 @@ void Scheduler::complete() {
     return;
   }
   const bool spec = config_.spec.enabled();
+  apply_aborts(s);
   switch (s.batch.mode) {
     case ForwardMode::IDLE:
       break;
@@ -615,6 +885,7 @@ void Scheduler::complete() {
       for (size_t i = 0; i < s.requests.size(); ++i) {
         const int idx = s.requests[i];
         RequestState& r = reqs_[idx];
+        if (r.aborted) continue;
         if (r.phase == RequestState::Phase::prefill) {
           commit_prefill_row(idx, s.batch.extend_seq_lens[i]);
           prefilled.push_back(idx);
@@ -626,9 +897,10 @@ void Scheduler::complete() {
       if (spec) {
         // The draft model computes its own K/V for the same prompt chunks; finishing waits for it
         // (it may register the draft half of a shared prefix).
-        queue_draft_step(prefilled, false);
+        if (!prefilled.empty()) draft_due_ = DraftDue{prefilled, false};
       } else {
         for (int idx : s.requests) {
+          if (reqs_[idx].aborted) continue;
           if (reqs_[idx].generated >= trace_.requests[idx].output_len) finish_request(idx);
         }
       }
@@ -636,6 +908,7 @@ void Scheduler::complete() {
     }
     case ForwardMode::DECODE:
       for (int idx : s.requests) {
+        if (reqs_[idx].aborted) continue;
         ++reqs_[idx].kv_len;
         if (++reqs_[idx].generated >= trace_.requests[idx].output_len) finish_request(idx);
       }
@@ -647,6 +920,8 @@ void Scheduler::complete() {
       fail("scheduler: cannot commit a target step in mode {}", forward_mode_name(s.batch.mode));
   }
   iteration_ += s.iterations;
+  // The draft step's slots: a failed allocation leaves it due, and next() tries again.
+  if (draft_due_) queue_due_draft();
 }
 
 int64_t Scheduler::estimate_remaining_steps() const {

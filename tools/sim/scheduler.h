@@ -9,6 +9,14 @@
 // cached prefix; requests naming a registered shared prefix start from it), then decodes (DECODE,
 // or the decode half of a MIXED step, or TARGET_VERIFY + DRAFT_EXTEND rounds with speculation)
 // until it has produced output_len tokens, and releases everything it holds.
+//
+// Aborts: a request whose trace record gives abort_step is dropped by the first target step that
+// completes at or after that iteration. A request of that step loses the step's work (a prefill
+// chunk, a decode token, or a verify block before acceptance) and everything it holds; a waiting
+// one leaves the queue. With SchedulerConfig::retract, admission reserves only what a request's
+// prompt needs, and when a decode round does not fit, running requests are retracted as the
+// reference engine does (newest first, never the oldest): their KV, rows and linear state are
+// freed and they go back to the head of the queue, to be prefilled again from their prompt.
 #pragma once
 
 #include <cstdint>
@@ -59,6 +67,9 @@ struct SchedulerConfig {
   int max_running_requests = 16;
   int chunked_prefill_size = 128;  // prefill tokens per step (in MIXED steps, decodes count too)
   bool mixed_chunk = true;         // MIXED steps (ignored with speculation, as engines do)
+  // Admit on the prompt's pages (not the whole life) and retract running requests when a decode
+  // round does not fit (see above); false: admission reserves each request's whole life.
+  bool retract = false;
   int page_size = 1;               // must equal the allocator's
   SpecConfig spec;
   uint64_t seed = 1;  // acceptance sampling and tree shapes
@@ -91,6 +102,8 @@ struct RequestState {
   int target_row = -1, draft_row = -1;
   int cached_prefix_len = 0;  // tokens reused from a registered shared prefix
   int admitted_iteration = -1, finished_iteration = -1;
+  bool aborted = false;             // finished by its abort_step, not by producing its output
+  int retractions = 0;              // times it was retracted and queued again
   std::vector<int> accept_lengths;  // per verify round (accepted drafts, root/bonus excluded)
 };
 
@@ -105,6 +118,15 @@ struct PoolReport {
   std::string detail;              // what leaked, when !ok
 };
 
+// Aborts by what the request was doing when its abort_step came.
+struct AbortCounts {
+  int64_t waiting = 0;  // queued (never admitted, or retracted)
+  int64_t prefill = 0;  // admitted, prompt not complete (between chunks or in a chunk's step)
+  int64_t decode = 0;   // decoding, in or between DECODE / MIXED steps
+  int64_t verify = 0;   // in a TARGET_VERIFY step, before acceptance (or between verify rounds)
+  int64_t total() const { return waiting + prefill + decode + verify; }
+};
+
 class Scheduler {
  public:
   // `draft` is required when config.spec is enabled (the draft model's own pools).
@@ -112,12 +134,27 @@ class Scheduler {
             std::optional<KvSpace> draft = std::nullopt);
 
   bool done() const;
-  // Plans the next step and allocates its slots. Call complete() after running it.
+  // Plans the next step and allocates its slots. Call complete() after running it. A failed
+  // allocation (attnrt::Error) leaves no request admitted by the call and no slot allocated for it,
+  // so calling next() again plans the same step; requests it retracted stay queued.
   const ScheduledStep& next();
   // Commits the step returned by next(): lengths advance, verify acceptance is sampled (accepted
   // tree paths are moved to consecutive slots, rejected slots freed), finished requests release
-  // everything.
+  // everything, aborts due by the end of the step take effect. With speculation it then allocates
+  // the draft step's slots; if that fails (attnrt::Error) the step stays committed and the draft
+  // step is allocated by the next call of next().
   void complete();
+
+  // Pools and request tables of every model: each allocator's, request pool's check_invariants with
+  // the holders the scheduler knows (every running request's own pages, each cached prefix, the
+  // pages of a queued draft step). Throws attnrt::Error naming the model, the invariant and the
+  // slot or row. Between steps only (not between next() and complete()).
+  void check_invariants() const;
+  // The target request rows of the running requests (the live rows of a linear-state pool).
+  std::vector<int> live_target_rows() const;
+
+  const AbortCounts& aborts() const { return aborts_; }
+  int64_t retractions() const { return retractions_; }
 
   // When done(): checks that every request row and every slot is free except those of the cached
   // shared prefixes, then releases the prefixes and checks again. One report per model.
@@ -149,6 +186,8 @@ class Scheduler {
   static std::string pool_size_text(const Space& space, ModelRole role);
   static std::string pool_size_fix(const Space& space);
   void plan_target_step();
+  // The step after admission of arrivals and retraction; allocates its slots.
+  void plan_batch(const std::vector<int>& decoding);
   void admit_arrivals();
   bool can_admit(const RequestState& r, int prefix_len) const;
   int64_t outstanding_pages(bool draft) const;
@@ -165,6 +204,22 @@ class Scheduler {
   void commit_verify(const ScheduledStep& s);
   void commit_draft(const ScheduledStep& s);
   void finish_request(int idx);
+  // Frees what request `idx` holds beyond the prefix cache: target positions up to target_held,
+  // draft positions up to its draft_kv_len, and both rows. A prefix it owns that is not ready yet
+  // is dropped (its waiters become owners later).
+  void release_request(int idx, int target_held);
+  void reset_to_waiting(RequestState& r);
+  // Aborts due by the end of the target step `s` (its requests first: they lose the step's work).
+  void apply_aborts(const ScheduledStep& s);
+  void abort_request(int idx, int target_held, int64_t& counter);
+  // retract mode: retracts running requests (newest first, never the oldest) until the next decode
+  // round of `decoding` fits with what prefilling requests are owed; removes them from `decoding`.
+  void retract_for_decode(std::vector<int>& decoding);
+  int64_t owed_prefill_pages(bool draft) const;
+  int64_t decode_round_pages(const std::vector<int>& decoding, bool draft) const;
+  int64_t free_pages(bool draft) const;
+  void queue_due_draft();
+  void check_space(const Space& space, ModelRole role) const;
   void queue_draft_step(const std::vector<int>& reqs, bool after_verify);
   bool prefix_ready(const PrefixEntry& e) const;
   PrefixEntry* owned_prefix(int idx);  // the entry request `idx` prefills, if it owns one
@@ -194,6 +249,16 @@ class Scheduler {
   int step_count_ = 0;
   bool step_open_ = false;
   std::optional<ScheduledStep> pending_draft_;
+  // A draft step whose slots could not be allocated yet (complete() queues it; next() retries).
+  struct DraftDue {
+    std::vector<int> reqs;
+    bool after_verify = false;
+  };
+  std::optional<DraftDue> draft_due_;
+  std::vector<int> abort_order_;  // trace indices with an abort_step, by abort_step
+  size_t next_abort_ = 0;
+  AbortCounts aborts_;
+  int64_t retractions_ = 0;
   std::vector<std::vector<int>> last_paths_;
   std::mt19937_64 rng_;
 };

@@ -17,7 +17,7 @@ namespace {
 using json = nlohmann::json;
 
 constexpr const char* kFields =
-    "id, arrival_step, prompt_len, output_len, shared_prefix, shared_prefix_len";
+    "id, arrival_step, prompt_len, output_len, shared_prefix, shared_prefix_len, abort_step";
 
 // Reads an integer field; `min` is the smallest allowed value.
 int int_field(const json& obj, const char* name, int fallback, bool required, int min,
@@ -82,7 +82,9 @@ TraceRequest parse_line(const std::string& text, std::string_view origin, int li
                obj.dump());
   for (const auto& [key, value] : obj.items()) {
     static const std::vector<std::string> known = {
-        "id", "arrival_step", "prompt_len", "output_len", "shared_prefix", "shared_prefix_len"};
+        "id",         "arrival_step",  "prompt_len",
+        "output_len", "shared_prefix", "shared_prefix_len",
+        "abort_step"};
     ATTNRT_CHECK(std::find(known.begin(), known.end(), key) != known.end(),
                  "trace {} line {}: unknown field '{}'; known fields: {}", origin, line, key,
                  kFields);
@@ -110,6 +112,11 @@ TraceRequest parse_line(const std::string& text, std::string_view origin, int li
         "{} (at least one prompt token is computed by the request itself)",
         origin, line, r.shared_prefix_len, r.prompt_len);
   }
+  r.abort_step = int_field(obj, "abort_step", -1, false, 0, origin, line);
+  ATTNRT_CHECK(r.abort_step < 0 || r.abort_step >= r.arrival_step,
+               "trace {} line {}: field 'abort_step' = {} comes before arrival_step = {}; a "
+               "request is aborted at or after its arrival",
+               origin, line, r.abort_step, r.arrival_step);
   return r;
 }
 
@@ -219,6 +226,35 @@ Trace builtin_trace() {
   return trace;
 }
 
+Trace soak_trace(int steps, int max_running, int chunk, int abort_every, uint64_t seed) {
+  ATTNRT_CHECK(steps >= 1 && max_running >= 1 && chunk >= 1 && abort_every >= 0,
+               "soak trace: steps {}, max_running {}, chunk {}, abort_every {}; the first three "
+               "must be >= 1 and abort_every >= 0",
+               steps, max_running, chunk, abort_every);
+  Trace trace;
+  trace.origin = fmt::format("soak (seed {})", seed);
+  Mix rng{seed};
+  // A request lives about 30 iterations (a few prefill chunks, ~24 outputs): arrivals every
+  // 60 / max_running iterations on average keep about max_running of them running.
+  const int gap = std::max(1, 60 / max_running);
+  for (int arrival = 0; arrival < steps; arrival += rng.uniform(0, 2 * gap)) {
+    TraceRequest r;
+    r.id = fmt::format("s{}", trace.requests.size());
+    r.arrival_step = arrival;
+    r.prompt_len = rng.uniform(1, 4 * chunk);
+    r.output_len = rng.uniform(1, 48);
+    if (rng.uniform(0, 7) == 0 && r.prompt_len > 16) {
+      r.shared_prefix = fmt::format("sys-{}", rng.uniform(0, 3));
+      r.shared_prefix_len = 16;
+    }
+    if (abort_every > 0 && rng.uniform(1, abort_every) == 1) {
+      r.abort_step = arrival + rng.uniform(0, 60);
+    }
+    trace.requests.push_back(std::move(r));
+  }
+  return trace;
+}
+
 std::string to_jsonl(const Trace& trace) {
   std::string out;
   for (const TraceRequest& r : trace.requests) {
@@ -230,6 +266,7 @@ std::string to_jsonl(const Trace& trace) {
       obj["shared_prefix"] = r.shared_prefix;
       obj["shared_prefix_len"] = r.shared_prefix_len;
     }
+    if (r.abort_step >= 0) obj["abort_step"] = r.abort_step;
     out += obj.dump();
     out += '\n';
   }

@@ -17,6 +17,8 @@ struct TraceRequest {
   // prompt): it is prefilled once and then reused from the cache in whole pages. "" = none.
   std::string shared_prefix;
   int shared_prefix_len = 0;
+  // The iteration at which the client cancels the request (-1 = never); see docs/trace.md.
+  int abort_step = -1;
   int line = 0;  // 1-based line in the trace file (0 for generated traces), for error messages
 };
 
@@ -40,6 +42,14 @@ Trace load_trace(const std::string& path);
 // engine has idle iterations), and two groups sharing a system prompt. Deterministic: generated in
 // code from a fixed seed, identical on every machine.
 Trace builtin_trace();
+
+// A random trace for a soak run (`attnrt run --soak-steps`): requests arrive over about `steps`
+// iterations at a rate that keeps about `max_running` requests busy, with prompts of 1 to
+// 4 x `chunk` tokens (so many are prefilled in several chunks), outputs of 1 to 48 tokens, a shared
+// prefix on one request in eight, and an abort_step on about one request in `abort_every` (0 =
+// none) that falls anywhere from its arrival to well past its expected end. Deterministic in
+// `seed`.
+Trace soak_trace(int steps, int max_running, int chunk, int abort_every, uint64_t seed);
 
 // The trace back as JSON lines (parse_trace(to_jsonl(t)) == t up to `line` and `origin`).
 std::string to_jsonl(const Trace& trace);

@@ -113,6 +113,14 @@ class LinearStatePool {
     return dst;
   }
   bool is_allocated(int slot) const;
+  // Throws attnrt::Error naming the first broken invariant and its slot or row: slot 0 is reserved;
+  // the free slots are in 1..size, each listed once and none allocated; free + allocated == size;
+  // the row -> slot and slot -> row bindings mirror each other and bind allocated slots only.
+  // O(size + request rows).
+  void check_invariants() const;
+  // The same, and the rows bound to slots are exactly `live_rows` (every live request holds one
+  // slot; an allocated slot of no live row is leaked).
+  void check_invariants(std::span<const int> live_rows) const;
   int size() const { return config_.max_slots; }
   int available() const { return static_cast<int>(free_slots_.size()); }
 

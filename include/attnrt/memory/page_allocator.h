@@ -12,6 +12,10 @@
 
 namespace attnrt {
 
+// The slots each holder of KV slots holds (a running request, a cached prefix), one list per
+// holder, for the leak checks of check_invariants().
+using SlotOwners = std::vector<std::vector<int64_t>>;
+
 class PageAllocator {
  public:
   // `size` usable token slots (rounded down to whole pages, at least one page); page_size >= 1.
@@ -37,6 +41,14 @@ class PageAllocator {
   // The distinct pages holding `slots`, ascending; throws (changing nothing) on a slot outside the
   // usable pages or on a page that is not in use.
   std::vector<int64_t> pages_of(std::span<const int64_t> slots, const char* what = "free") const;
+
+  // Throws attnrt::Error naming the first broken invariant and its page: page 0 is reserved; the
+  // free list holds usable pages (1..num_pages), each once and none in use; every other usable page
+  // is in use (free + in use == num_pages). O(num_pages).
+  void check_invariants() const;
+  // The same, and the pages in use are exactly those of `owners`' slots, none held by two owners
+  // (a page in use that no owner holds is leaked). O(num_pages + slots listed).
+  void check_invariants(const SlotOwners& owners) const;
 
   int page_size() const { return page_size_; }
   int64_t num_pages() const { return num_pages_; }

@@ -30,6 +30,13 @@ class ReqToTokenPool {
   int available() const { return static_cast<int>(free_rows_.size()); }
   bool is_allocated(int row) const;
 
+  // Throws attnrt::Error naming the first broken invariant and its row: the free rows are in range
+  // 0..size-1, each listed once and none allocated, and free + allocated == size. O(size).
+  void check_invariants() const;
+  // The same, and the allocated rows are exactly `live_rows` (one per live request: a row listed
+  // twice is shared by two requests; an allocated row not listed is leaked).
+  void check_invariants(std::span<const int> live_rows) const;
+
  private:
   int size_;
   int max_context_len_;

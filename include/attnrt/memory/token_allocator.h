@@ -26,6 +26,10 @@ class TokenAllocator {
   virtual void free_swa(std::span<const int64_t> slots) { (void)slots; }
   virtual int64_t available_size() const = 0;
   virtual int page_size() const = 0;
+  // PageAllocator::check_invariants of every pool (and, for SWA, of the full->SWA mapping); with
+  // `owners`, also that the full pool's pages in use are exactly the owners' (no leak, no sharing).
+  virtual void check_invariants() const = 0;
+  virtual void check_invariants(const SlotOwners& owners) const = 0;
 };
 
 // The plain allocator: one PageAllocator over the full pool's slots.
@@ -44,6 +48,10 @@ class PagedTokenAllocator final : public TokenAllocator {
   void free(std::span<const int64_t> slots) override { pages_.free(slots); }
   int64_t available_size() const override { return pages_.available_size(); }
   int page_size() const override { return pages_.page_size(); }
+  void check_invariants() const override { pages_.check_invariants(); }
+  void check_invariants(const SlotOwners& owners) const override {
+    pages_.check_invariants(owners);
+  }
   const PageAllocator& pages() const { return pages_; }
 
  private:
@@ -69,6 +77,12 @@ class SWATokenAllocator final : public TokenAllocator {
   void free_swa(std::span<const int64_t> slots) override;
   int64_t available_size() const override;
   int page_size() const override { return full_.page_size(); }
+  // Besides both pools' own invariants: the map has full rows + 1 entries ending in -1; a mapped
+  // full slot lies in a page in use and maps to an SWA slot in a page in use with the same offset;
+  // no SWA slot is mapped twice, an SWA page holds tokens of one full page, and every SWA page in
+  // use is mapped from some full slot (else it leaked).
+  void check_invariants() const override;
+  void check_invariants(const SlotOwners& owners) const override;
 
   const PageAllocator& full() const { return full_; }
   const PageAllocator& swa() const { return swa_; }
@@ -83,6 +97,7 @@ class SWATokenAllocator final : public TokenAllocator {
   std::vector<int64_t> alloc(std::span<const int32_t> prefix_lens,
                              std::span<const int32_t> seq_lens, std::span<const int64_t> last_locs,
                              bool decode);
+  void check_map() const;
   PageAllocator full_, swa_;
   std::shared_ptr<std::vector<int64_t>> map_;
 };
