@@ -201,4 +201,72 @@ TEST_F(Cli, BenchLinearSuiteRunsOnCpuAtSmallSizeAndWritesJson) {
   EXPECT_NE(bad.err.find("--suite"), std::string::npos) << bad.err;
 }
 
+TEST_F(Cli, BenchDsaSuiteRunsOnCpuAtCpuSmallAndWritesJson) {
+  const fs::path json = dir_ / "dsa.json";
+  const Result r = run(fmt::format(
+      "bench --backend cpu --suite dsa --preset cpu-small --repeats 1 --warmup 0 --threads 2 "
+      "--quiet --json '{}'",
+      json.string()));
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  for (const char* part :
+       {"dsa row", "dsa-decode-64x32768*", "dsa-index-64x32768*", "dsa-sparse-64x32768*",
+        "dsa-decode-16x131072*", "dsa-index-16x131072*", "dsa-sparse-16x131072*",
+        "dsa-prefill-1x32768*", "dense = mla-decode-h128-", "dense = mla-prefill-",
+        "SCALED RUN (--preset cpu-small)"}) {
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
+  }
+  const nlohmann::json j = nlohmann::json::parse(read_text(json));
+  EXPECT_NE(j["command"].get<std::string>().find("--suite dsa"), std::string::npos);
+  ASSERT_EQ(j["rows"].size(), 7u);
+  for (const auto& row : j["rows"]) {
+    SCOPED_TRACE(row["name"].get<std::string>());
+    EXPECT_EQ(row["suite"], "dsa");
+    EXPECT_EQ(row["status"], "ok");
+    EXPECT_TRUE(row["scaled"].get<bool>());
+    EXPECT_TRUE(row["check"]["passed"].get<bool>());
+    EXPECT_LE(row["check"]["max_rel_err"].get<double>(), 2e-2);
+    EXPECT_GT(row["selection"]["selected_checked"].get<int>(), 0);
+    EXPECT_GT(row["time_ms"]["median"].get<double>(), 0);
+    EXPECT_GT(row["rate"].get<double>(), 0);
+    EXPECT_GT(row["figure"]["value"].get<double>(), 0);
+    EXPECT_GT(row["dense"]["time_ms"]["median"].get<double>(), 0);
+    const auto& shape = row["shape"];
+    EXPECT_LT(shape["index_topk"].get<int>(), shape["kv_len"].get<int>()) << "a real selection";
+    if (shape["part"] == "index") {
+      EXPECT_EQ(row["counted"]["bytes"].get<double>(),
+                132.0 * shape["batch"].get<int>() * shape["kv_len"].get<int>());
+      EXPECT_EQ(row["metric"], "GB/s");
+    }
+  }
+  EXPECT_EQ(j["rows"][0]["standard"]["batch"], 64);
+  EXPECT_EQ(j["rows"][0]["standard"]["index_topk"], 2048);
+
+  Result bad = run("bench --backend cpu --suite dsa --workload dsa-verify");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("unknown workload 'dsa-verify'"), std::string::npos) << bad.err;
+}
+
+// The cuda backend does not serve DSA yet: its DSA rows are n/a (not failures), on any machine.
+TEST_F(Cli, BenchDsaSuiteIsNotApplicableOnCuda) {
+  const fs::path json = dir_ / "dsa_cuda.json";
+  const Result r = run(fmt::format(
+      "bench --backend cuda --suite dsa --preset cpu-small --repeats 1 --quiet --json '{}'",
+      json.string()));
+  if (r.err.find("unknown attention backend 'cuda'") != std::string::npos) {
+    GTEST_SKIP() << "this build has no cuda backend: " << r.err;
+  }
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("n/a: cuda does not serve DSA layers"), std::string::npos) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(read_text(json));
+  ASSERT_EQ(j["rows"].size(), 7u);
+  for (const auto& row : j["rows"]) EXPECT_EQ(row["status"], "n/a");
+}
+
+TEST_F(Cli, BenchHelpNamesTheDsaSuite) {
+  const Result r = run("bench --help");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("dsa (one DeepSeek-V3.2 DSA layer"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("dsa-index"), std::string::npos) << r.out;
+}
+
 }  // namespace
