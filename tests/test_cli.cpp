@@ -201,6 +201,50 @@ TEST_F(Cli, BenchLinearSuiteRunsOnCpuAtSmallSizeAndWritesJson) {
   EXPECT_NE(bad.err.find("--suite"), std::string::npos) << bad.err;
 }
 
+// `attnrt run --dump-step` of a DSA model (the deepseek-v3.2 config with index_topk 8, so the
+// selection is real) writes the indexer's part of the case, and `attnrt replay` runs it on cpu and
+// reference and compares selections and outputs.
+TEST_F(Cli, DsaStepCaseIsDumpedAndReplayedWithItsSelection) {
+  nlohmann::json config = nlohmann::json::parse(
+      read_text(fs::path(__FILE__).parent_path() / "data" / "deepseek_v32_config.json"));
+  config["index_topk"] = 8;
+  const fs::path model = write("v32.json", config.dump());
+  const fs::path trace = write("trace.jsonl", kTinyTrace);
+  const fs::path dir = dir_ / "dsa-case";
+  const Result r = run(fmt::format(
+      "run --model '{}' --trace '{}' --attention-backend cpu --layers 2 --threads 2 --no-progress "
+      "--dump-step 4 '{}'",
+      model.string(), trace.string(), dir.string()));
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  for (const char* f : {"index_q.npy", "index_k.npy", "index_weights.npy", "index_key_codes.npy",
+                        "index_key_scales.npy", "expected_topk.npy"}) {
+    EXPECT_TRUE(fs::exists(dir / f)) << f;
+  }
+  const nlohmann::json c = nlohmann::json::parse(read_text(dir / "case.json"));
+  EXPECT_EQ(c["version"], 2);
+  EXPECT_EQ(c["layer"]["index_topk"], 8);
+  EXPECT_TRUE(c["has_expected_topk"].get<bool>());
+
+  const Result cpu = run(fmt::format("replay '{}' --backend cpu --out '{}'", dir.string(),
+                                     (dir_ / "out-cpu").string()));
+  ASSERT_EQ(cpu.status, 0) << cpu.out << cpu.err;
+  for (const char* part : {"and topk.npy", "DSA layer: index_topk 8", "vs recorded output (cpu): bit-exact",
+                           "selection vs recorded: identical", "selection vs reference: identical"}) {
+    EXPECT_NE(cpu.out.find(part), std::string::npos) << part << " missing from\n" << cpu.out;
+  }
+  EXPECT_TRUE(fs::exists(dir_ / "out-cpu" / "topk.npy"));
+  const Result ref = run(fmt::format("replay '{}' --backend reference --out '{}'", dir.string(),
+                                     (dir_ / "out-ref").string()));
+  ASSERT_EQ(ref.status, 0) << ref.out << ref.err;
+  EXPECT_NE(ref.out.find("selection vs recorded: identical"), std::string::npos) << ref.out;
+
+  // A DSA case without its index-key files cannot be replayed, and says which file is missing.
+  fs::remove(dir / "index_key_codes.npy");
+  const Result bad = run(fmt::format("replay '{}'", dir.string()));
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("index_key_codes.npy"), std::string::npos) << bad.err;
+}
+
 TEST_F(Cli, BenchDsaSuiteRunsOnCpuAtCpuSmallAndWritesJson) {
   const fs::path json = dir_ / "dsa.json";
   const Result r = run(fmt::format(
