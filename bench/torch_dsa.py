@@ -246,7 +246,7 @@ def main():
             gbs = b * l * (IDX_DIM + 4) / med / 1e9
             r.update(metric="GB/s", rate=gbs, figure={"name": "GB/s over 132 B per cached key",
                                                       "value": gbs})
-            rate, fig = f"{gbs:.1f} GB/s", "-"
+            rate, fig = f"{gbs:.3g} GB/s", "-"
         elif part == "sparse":
             pct = 100 * (selected_pairs(row) / med) / (b * l / dense)
             r.update(figure={"name": "per-token rate % of dense", "value": pct})
