@@ -46,10 +46,10 @@ DsaWorkload tiny(DsaPart part, bool prefill, int batch, int kv_len) {
 TEST(BenchDsa, RowsAreTheIssuesTableInOrder) {
   std::vector<std::string> names;
   for (const DsaWorkload& w : dsa_workloads()) names.push_back(w.name);
-  EXPECT_EQ(names, (std::vector<std::string>{
-                       "dsa-decode-64x32768", "dsa-index-64x32768", "dsa-sparse-64x32768",
-                       "dsa-decode-16x131072", "dsa-index-16x131072", "dsa-sparse-16x131072",
-                       "dsa-prefill-1x32768"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"dsa-decode-64x32768", "dsa-index-64x32768",
+                                             "dsa-sparse-64x32768", "dsa-decode-16x131072",
+                                             "dsa-index-16x131072", "dsa-sparse-16x131072",
+                                             "dsa-prefill-1x32768"}));
   const DsaWorkload& d = named(dsa_workloads(), "dsa-decode-64x32768");
   EXPECT_EQ(d.q_heads, 128);
   EXPECT_EQ(d.latent_dim(), 576);
@@ -70,8 +70,7 @@ TEST(BenchDsa, CountsIndexKeysAndSelectedRows) {
   const DsaWorkload& sparse = named(dsa_workloads(), "dsa-sparse-16x131072");
   EXPECT_DOUBLE_EQ(dsa_selected_pairs(sparse), 16.0 * 2048);
   EXPECT_DOUBLE_EQ(dsa_counted_flops(sparse), 16.0 * 2048 * 2 * 128 * (576 + 512));
-  EXPECT_DOUBLE_EQ(dsa_counted_bytes(sparse),
-                   16.0 * 2048 * 576 * 2 + 16.0 * 128 * (576 + 512) * 2);
+  EXPECT_DOUBLE_EQ(dsa_counted_bytes(sparse), 16.0 * 2048 * 576 * 2 + 16.0 * 128 * (576 + 512) * 2);
   // Prefill: query t sees t + 1 keys, min(t + 1, K) of them selected.
   DsaWorkload p = tiny(DsaPart::step, true, 1, 40);
   p.index_topk = 10;
@@ -160,7 +159,8 @@ TEST(BenchDsa, RowsAreNotApplicableOnABackendWithoutDsa) {
   ASSERT_EQ(r.dsa_rows.size(), 2u);
   for (const DsaRowResult& row : r.dsa_rows) {
     EXPECT_EQ(row.status, "n/a");
-    EXPECT_EQ(row.error, "no-dsa does not serve DSA layers (no DSA caps; docs/dsa.md \"Backends\")");
+    EXPECT_EQ(row.error,
+              "no-dsa does not serve DSA layers (no DSA caps; docs/dsa.md \"Backends\")");
     EXPECT_EQ(row.time.repeats, 0);
   }
   EXPECT_TRUE(r.all_passed());

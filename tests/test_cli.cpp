@@ -228,8 +228,9 @@ TEST_F(Cli, DsaStepCaseIsDumpedAndReplayedWithItsSelection) {
   const Result cpu = run(fmt::format("replay '{}' --backend cpu --out '{}'", dir.string(),
                                      (dir_ / "out-cpu").string()));
   ASSERT_EQ(cpu.status, 0) << cpu.out << cpu.err;
-  for (const char* part : {"and topk.npy", "DSA layer: index_topk 8", "vs recorded output (cpu): bit-exact",
-                           "selection vs recorded: identical", "selection vs reference: identical"}) {
+  for (const char* part :
+       {"and topk.npy", "DSA layer: index_topk 8", "vs recorded output (cpu): bit-exact",
+        "selection vs recorded: identical", "selection vs reference: identical"}) {
     EXPECT_NE(cpu.out.find(part), std::string::npos) << part << " missing from\n" << cpu.out;
   }
   EXPECT_TRUE(fs::exists(dir_ / "out-cpu" / "topk.npy"));

@@ -95,8 +95,8 @@ struct StepIo {
     a.k = k.view();
     a.out = out.view();
     a.save_kv = true;
-    a.indexer = {.q = index_q.view(), .k = index_k.view(), .weights = weights.view(),
-                 .topk = topk.view()};
+    a.indexer = {
+        .q = index_q.view(), .k = index_k.view(), .weights = weights.view(), .topk = topk.view()};
     return a;
   }
   StepIo rows(const std::vector<int64_t>& r) const {
@@ -191,9 +191,9 @@ struct DsaData {
 };
 
 std::unique_ptr<AttentionBackend> make_backend(const std::string& name, const ModelSpec& model,
-                                               Options& options, const DsaWorkload& w,
-                                               KVCache* kv, const ReqToTokenPool* r2t,
-                                               int threads, const Registry& registry) {
+                                               Options& options, const DsaWorkload& w, KVCache* kv,
+                                               const ReqToTokenPool* r2t, int threads,
+                                               const Registry& registry) {
   options.attention_backend = name;
   options.page_size = w.page_size;
   options.kv_cache_dtype = "bf16";
@@ -212,7 +212,8 @@ std::unique_ptr<AttentionBackend> make_backend(const std::string& name, const Mo
 // request; prefill, the last min(16, S) tokens of the request (each scores about S keys), run as
 // an EXTEND over the prefix the step stored.
 std::vector<int64_t> checked_tokens(const DsaWorkload& w) {
-  if (!w.prefill) return w.batch > 1 ? std::vector<int64_t>{0, w.batch - 1} : std::vector<int64_t>{0};
+  if (!w.prefill)
+    return w.batch > 1 ? std::vector<int64_t>{0, w.batch - 1} : std::vector<int64_t>{0};
   std::vector<int64_t> t;
   for (int i = std::max(0, w.kv_len - 16); i < w.kv_len; ++i) t.push_back(i);
   return t;
@@ -302,8 +303,7 @@ struct SparseRun {
   HostBuffer out;
   AttnArgs args;
 
-  SparseRun(const BenchConfig& config, DsaData& d, int threads)
-      : model(dsa_model(d.w, false)) {
+  SparseRun(const BenchConfig& config, DsaData& d, int threads) : model(dsa_model(d.w, false)) {
     const DsaWorkload& w = d.w;
     r2t = std::make_unique<ReqToTokenPool>(w.batch, w.index_topk);
     std::vector<int64_t> rows;
@@ -382,8 +382,8 @@ ShapeMeasure measure_shape(const BenchConfig& config, const DsaWorkload& w, bool
       d.kv->begin_step(sparse->batch);
       sparse->backend->init_forward_metadata(sparse->batch);
       sparse->backend->forward(sparse->args, sparse->model.layers[0], sparse->batch);
-      m.sparse_vs_step_err = max_rel_err_bf16(sparse->out, d.io.out,
-                                              w.num_tokens() * w.q_heads, w.kv_lora_rank);
+      m.sparse_vs_step_err =
+          max_rel_err_bf16(sparse->out, d.io.out, w.num_tokens() * w.q_heads, w.kv_lora_rank);
       ATTNRT_CHECK(m.sparse_vs_step_err <= config.check_tolerance,
                    "{}: the sparse attention alone over the step's selection differs from the "
                    "step's output (relative error {:.3g}, allowed {:.3g})",
@@ -442,8 +442,8 @@ ShapeMeasure measure_shape(const BenchConfig& config, const DsaWorkload& w, bool
       r = run_row(dense_config, dsa_dense_companion(w, true), ceilings);
     }
     if (r.status != "ok") {
-      m.error = fmt::format("the dense {} it is compared with did not run: {} {}",
-                            r.workload.name, r.status, r.error);
+      m.error = fmt::format("the dense {} it is compared with did not run: {} {}", r.workload.name,
+                            r.status, r.error);
     } else {
       m.dense = std::move(r);
     }
@@ -471,8 +471,9 @@ void fill_row(DsaRowResult& row, const ShapeMeasure& m, const Ceilings& ceilings
   if (row.time.median > 0) {
     set_rate(row, ceilings);
   } else {
-    row.notes.push_back("the step was not slower than its sparse attention alone: the indexer's "
-                        "time is within the noise of this run (no rate)");
+    row.notes.push_back(
+        "the step was not slower than its sparse attention alone: the indexer's "
+        "time is within the noise of this run (no rate)");
   }
   if (w.part == DsaPart::index) {
     row.notes.push_back(fmt::format(
@@ -504,9 +505,9 @@ void fill_row(DsaRowResult& row, const ShapeMeasure& m, const Ceilings& ceilings
       const double sparse_rate = dsa_selected_pairs(w) / row.time.median;
       const double dense_rate = static_cast<double>(w.batch) * w.kv_len / m.dense->time.median;
       row.figure = 100 * sparse_rate / dense_rate;
-      row.notes.push_back(fmt::format(
-          "{:.4g} selected tokens/s against the dense decode's {:.4g} cached tokens/s",
-          sparse_rate, dense_rate));
+      row.notes.push_back(
+          fmt::format("{:.4g} selected tokens/s against the dense decode's {:.4g} cached tokens/s",
+                      sparse_rate, dense_rate));
       break;
     }
   }

@@ -40,9 +40,12 @@ double query_bytes(const DsaWorkload& w) {
 
 std::string_view dsa_part_name(DsaPart p) {
   switch (p) {
-    case DsaPart::step: return "decode";
-    case DsaPart::index: return "index";
-    case DsaPart::sparse: return "sparse";
+    case DsaPart::step:
+      return "decode";
+    case DsaPart::index:
+      return "index";
+    case DsaPart::sparse:
+      return "sparse";
   }
   return "?";
 }
@@ -50,8 +53,8 @@ std::string_view dsa_part_name(DsaPart p) {
 Bound DsaWorkload::bound() const { return part == DsaPart::index ? Bound::memory : Bound::compute; }
 
 std::string DsaWorkload::shape() const {
-  return fmt::format("h{} {}x{}{} top{} page {}", q_heads, batch, kv_len,
-                     prefill ? " causal" : "", index_topk, page_size);
+  return fmt::format("h{} {}x{}{} top{} page {}", q_heads, batch, kv_len, prefill ? " causal" : "",
+                     index_topk, page_size);
 }
 
 double dsa_candidate_pairs(const DsaWorkload& w) {
@@ -84,9 +87,12 @@ double dsa_sparse_flops(const DsaWorkload& w) {
 
 double dsa_counted_bytes(const DsaWorkload& w) {
   switch (w.part) {
-    case DsaPart::index: return dsa_index_bytes(w);
-    case DsaPart::sparse: return dsa_sparse_bytes(w);
-    case DsaPart::step: break;
+    case DsaPart::index:
+      return dsa_index_bytes(w);
+    case DsaPart::sparse:
+      return dsa_sparse_bytes(w);
+    case DsaPart::step:
+      break;
   }
   const double index_inputs =
       static_cast<double>(w.num_tokens()) * w.index_heads * (w.index_head_dim + 1) * 2.0;
@@ -95,9 +101,12 @@ double dsa_counted_bytes(const DsaWorkload& w) {
 
 double dsa_counted_flops(const DsaWorkload& w) {
   switch (w.part) {
-    case DsaPart::index: return dsa_index_flops(w);
-    case DsaPart::sparse: return dsa_sparse_flops(w);
-    case DsaPart::step: break;
+    case DsaPart::index:
+      return dsa_index_flops(w);
+    case DsaPart::sparse:
+      return dsa_sparse_flops(w);
+    case DsaPart::step:
+      break;
   }
   return dsa_index_flops(w) + dsa_sparse_flops(w);
 }
@@ -118,8 +127,8 @@ Workload dsa_dense_companion(const DsaWorkload& w, bool dense_absorbed) {
       d.qk_nope_head_dim = 128;
       d.mha_v_head_dim = 128;
     }
-    d.name = fmt::format("mla-prefill-{}x{}{}", w.batch, w.kv_len,
-                         dense_absorbed ? "-absorbed" : "");
+    d.name =
+        fmt::format("mla-prefill-{}x{}{}", w.batch, w.kv_len, dense_absorbed ? "-absorbed" : "");
   } else {
     d.kind = WorkloadKind::decode;
     d.prefix_len = w.kv_len - 1;
@@ -132,9 +141,12 @@ Workload dsa_dense_companion(const DsaWorkload& w, bool dense_absorbed) {
 DsaTarget dsa_target(const DsaWorkload& w) {
   if (w.prefill) return {2.0, false};
   switch (w.part) {
-    case DsaPart::step: return {w.kv_len > 32768 ? 0.15 : 0.35, true};
-    case DsaPart::index: return {80.0, false};
-    case DsaPart::sparse: return {80.0, false};
+    case DsaPart::step:
+      return {w.kv_len > 32768 ? 0.15 : 0.35, true};
+    case DsaPart::index:
+      return {80.0, false};
+    case DsaPart::sparse:
+      return {80.0, false};
   }
   return {};
 }

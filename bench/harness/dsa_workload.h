@@ -19,7 +19,8 @@ namespace attnrt::bench {
 //           the same selection, repetition by repetition
 //   sparse: the sparse MLA attention alone over a fixed selection (the step's own)
 enum class DsaPart : uint8_t { step, index, sparse };
-std::string_view dsa_part_name(DsaPart p);  // "decode" (a decode step), "prefill", "index", "sparse"
+std::string_view dsa_part_name(
+    DsaPart p);  // "decode" (a decode step), "prefill", "index", "sparse"
 
 struct DsaWorkload {
   std::string name;  // e.g. "dsa-decode-64x32768"; kept when scaled

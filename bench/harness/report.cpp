@@ -466,14 +466,14 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
     const std::string check =
         row.status == "ok" ? fmt::format("{:.1e}", row.check.max_rel_err) : "FAIL";
     if (row.time.repeats == 0) {
-      s << fmt::format("{:<24} {:<34} {:>9} {:>17} {:>10} {:>16} {:>7} {:>9} {:>26} {:>8}\n",
-                       name, w.shape(), "-", "-", counted, "-", "-", "-", "-", check);
+      s << fmt::format("{:<24} {:<34} {:>9} {:>17} {:>10} {:>16} {:>7} {:>9} {:>26} {:>8}\n", name,
+                       w.shape(), "-", "-", counted, "-", "-", "-", "-", check);
     } else {
-      const std::string figure =
-          fmt::format("{:.3g} {} {:g}{}", row.figure, row.target.at_most ? "<=" : ">=",
-                      row.target.value, row.target_met ? "" : " MISS");
-      s << fmt::format("{:<24} {:<34} {:>9} {:>17} {:>10} {:>16} {:>7} {:>9} {:>26} {:>8}\n",
-                       name, w.shape(), ms(row.time.median),
+      const std::string figure = fmt::format("{:.3g} {} {:g}{}", row.figure,
+                                             row.target.at_most ? "<=" : ">=", row.target.value,
+                                             row.target_met ? "" : " MISS");
+      s << fmt::format("{:<24} {:<34} {:>9} {:>17} {:>10} {:>16} {:>7} {:>9} {:>26} {:>8}\n", name,
+                       w.shape(), ms(row.time.median),
                        fmt::format("{}..{}", ms(row.time.p10), ms(row.time.p90)), counted,
                        fmt::format("{:.1f} {}", row.rate, row.metric_unit()),
                        fmt::format("{:.0f}%", row.pct_of_ceiling),

@@ -431,9 +431,8 @@ bool BenchResult::all_passed() const {
                      [](const RowResult& r) { return r.status == "ok" || r.status == "n/a"; }) &&
          std::all_of(linear_rows.begin(), linear_rows.end(),
                      [](const LinearRowResult& r) { return r.status == "ok"; }) &&
-         std::all_of(dsa_rows.begin(), dsa_rows.end(), [](const DsaRowResult& r) {
-           return r.status == "ok" || r.status == "n/a";
-         });
+         std::all_of(dsa_rows.begin(), dsa_rows.end(),
+                     [](const DsaRowResult& r) { return r.status == "ok" || r.status == "n/a"; });
 }
 
 RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& ceilings) {

@@ -208,12 +208,13 @@ void add_bench_command(CLI::App& app) {
          "docs/workloads.md \"DSA rows\") or all")
       ->check(one_of({"attention", "mla", "linear", "dsa", "all"}))
       ->capture_default_str();
-  cmd->add_option("--workload", args->workload,
-                  "Rows of the suite: all, a kind (decode, prefill, extend, verify; mla: "
-                  "mla-decode, mla-verify, mla-verify-chain, mla-verify-tree, mla-prefill, mla-extend; "
-                  "dsa: dsa-decode, dsa-index, dsa-sparse, dsa-prefill; linear: "
-                  "decode, extend, gdn, kda, mamba2), a row name such as decode-16x4096 or "
-                  "gdn-decode-64, or a comma-separated list")
+  cmd->add_option(
+         "--workload", args->workload,
+         "Rows of the suite: all, a kind (decode, prefill, extend, verify; mla: "
+         "mla-decode, mla-verify, mla-verify-chain, mla-verify-tree, mla-prefill, mla-extend; "
+         "dsa: dsa-decode, dsa-index, dsa-sparse, dsa-prefill; linear: "
+         "decode, extend, gdn, kda, mamba2), a row name such as decode-16x4096 or "
+         "gdn-decode-64, or a comma-separated list")
       ->capture_default_str();
   cmd->add_option("--scale", args->scale,
                   "Multiply every batch and length by this factor in (0, 1] (lengths stay whole "

@@ -105,8 +105,7 @@ void run_replay(const ReplayArgs& args) {
 
   const ReplayResult r = replay_case(c, backend, args.lse);
   write_replay_result(out_dir, r);
-  fmt::print("{}: wrote {}{}{}\n", backend,
-             (std::filesystem::path(out_dir) / "out.npy").string(),
+  fmt::print("{}: wrote {}{}{}\n", backend, (std::filesystem::path(out_dir) / "out.npy").string(),
              args.lse ? " and lse.npy" : "", c.indexer ? " and topk.npy" : "");
   if (c.indexer) {
     fmt::print("  DSA layer: index_topk {}, {} index heads x {}, {} index keys in the case\n",
@@ -119,9 +118,9 @@ void run_replay(const ReplayArgs& args) {
                describe(compare(r.out, c.expected_out->as<float>()), c));
   }
   if (c.indexer && c.indexer->expected_topk) {
-    fmt::print("  selection vs recorded: {}\n",
-               describe_selection(r.topk.ptr<int32_t>(), c.indexer->expected_topk->as<int32_t>(),
-                                  c));
+    fmt::print(
+        "  selection vs recorded: {}\n",
+        describe_selection(r.topk.ptr<int32_t>(), c.indexer->expected_topk->as<int32_t>(), c));
   }
   if (backend != "reference") {
     const ReplayResult ref = replay_case(c, "reference", false);
@@ -143,7 +142,8 @@ void add_replay_command(CLI::App& app) {
       "Run one saved step again (a case directory written by `attnrt run --dump-step N DIR`): "
       "rebuilds the request table and the KV rows the step reads, runs the layer on a backend, "
       "writes out.npy (float32, [tokens, q heads, v_head_dim]; DSA layers also topk.npy, the "
-      "selection), and compares it with the recorded output and with the reference backend. docs/replay.md describes the format.");
+      "selection), and compares it with the recorded output and with the reference backend. "
+      "docs/replay.md describes the format.");
   cmd->add_option("CASE_DIR", args->case_dir, "Case directory (holds case.json and the .npy files)")
       ->required();
   cmd->add_option("--backend", args->backend,

@@ -129,12 +129,12 @@ LayerSpec layer_from_json(const Reader& r, const json& j) {
   ATTNRT_CHECK(l.indexer.index_topk >= 0, "{}: layer.index_topk {} must be >= 0 (0: no indexer)",
                r.path(), l.indexer.index_topk);
   if (l.has_indexer()) {
-    ATTNRT_CHECK(l.kind == LayerKind::mla && l.indexer.index_n_heads > 0 &&
-                     l.indexer.index_head_dim > 0,
-                 "{}: layer.index_topk {} needs an mla layer with index_n_heads and "
-                 "index_head_dim > 0; got a {} layer with {} and {}",
-                 r.path(), l.indexer.index_topk, layer_kind_name(l.kind),
-                 l.indexer.index_n_heads, l.indexer.index_head_dim);
+    ATTNRT_CHECK(
+        l.kind == LayerKind::mla && l.indexer.index_n_heads > 0 && l.indexer.index_head_dim > 0,
+        "{}: layer.index_topk {} needs an mla layer with index_n_heads and "
+        "index_head_dim > 0; got a {} layer with {} and {}",
+        r.path(), l.indexer.index_topk, layer_kind_name(l.kind), l.indexer.index_n_heads,
+        l.indexer.index_head_dim);
   }
   return l;
 }
@@ -260,9 +260,8 @@ IndexerCase capture_indexer(const LayerSpec& layer, const AttnArgs& args, const 
     ATTNRT_CHECK(ix.topk.dtype == DType::i32 && ix.topk.is_contiguous(),
                  "capture_case: the indexer's topk is {}; cases record a contiguous int32 one",
                  ix.topk.describe());
-    c.expected_topk =
-        make_npy(DType::i32, std::vector<int64_t>{ix.topk.shape[0], ix.topk.shape[1]},
-                 ix.topk.data);
+    c.expected_topk = make_npy(DType::i32, std::vector<int64_t>{ix.topk.shape[0], ix.topk.shape[1]},
+                               ix.topk.data);
   }
   return c;
 }

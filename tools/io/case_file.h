@@ -30,11 +30,11 @@ inline constexpr int kCaseFormatVersionWithoutIndexer = 1;
 // reads (after the call, so the step's own keys included) and the selection the recording backend
 // returned.
 struct IndexerCase {
-  NpyArray q;        // float32 [T, Hi, Di]
-  NpyArray k;        // float32 [T, Di], when save_kv
-  NpyArray weights;  // float32 [T, Hi]
-  NpyArray key_codes;   // fp8 e4m3 codes [S, Di] of each slot of kv_slots
-  NpyArray key_scales;  // float32 [S]
+  NpyArray q;                             // float32 [T, Hi, Di]
+  NpyArray k;                             // float32 [T, Di], when save_kv
+  NpyArray weights;                       // float32 [T, Hi]
+  NpyArray key_codes;                     // fp8 e4m3 codes [S, Di] of each slot of kv_slots
+  NpyArray key_scales;                    // float32 [S]
   std::optional<NpyArray> expected_topk;  // int32 [T, index_topk], -1 after the last
 };
 
