@@ -201,4 +201,117 @@ TEST_F(Cli, BenchLinearSuiteRunsOnCpuAtSmallSizeAndWritesJson) {
   EXPECT_NE(bad.err.find("--suite"), std::string::npos) << bad.err;
 }
 
+// `attnrt run --dump-step` of a DSA model (the deepseek-v3.2 config with index_topk 8, so the
+// selection is real) writes the indexer's part of the case, and `attnrt replay` runs it on cpu and
+// reference and compares selections and outputs.
+TEST_F(Cli, DsaStepCaseIsDumpedAndReplayedWithItsSelection) {
+  nlohmann::json config = nlohmann::json::parse(
+      read_text(fs::path(__FILE__).parent_path() / "data" / "deepseek_v32_config.json"));
+  config["index_topk"] = 8;
+  const fs::path model = write("v32.json", config.dump());
+  const fs::path trace = write("trace.jsonl", kTinyTrace);
+  const fs::path dir = dir_ / "dsa-case";
+  const Result r = run(fmt::format(
+      "run --model '{}' --trace '{}' --attention-backend cpu --layers 2 --threads 2 --no-progress "
+      "--dump-step 4 '{}'",
+      model.string(), trace.string(), dir.string()));
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  for (const char* f : {"index_q.npy", "index_k.npy", "index_weights.npy", "index_key_codes.npy",
+                        "index_key_scales.npy", "expected_topk.npy"}) {
+    EXPECT_TRUE(fs::exists(dir / f)) << f;
+  }
+  const nlohmann::json c = nlohmann::json::parse(read_text(dir / "case.json"));
+  EXPECT_EQ(c["version"], 2);
+  EXPECT_EQ(c["layer"]["index_topk"], 8);
+  EXPECT_TRUE(c["has_expected_topk"].get<bool>());
+
+  const Result cpu = run(fmt::format("replay '{}' --backend cpu --out '{}'", dir.string(),
+                                     (dir_ / "out-cpu").string()));
+  ASSERT_EQ(cpu.status, 0) << cpu.out << cpu.err;
+  for (const char* part :
+       {"and topk.npy", "DSA layer: index_topk 8", "vs recorded output (cpu): bit-exact",
+        "selection vs recorded: identical", "selection vs reference: identical"}) {
+    EXPECT_NE(cpu.out.find(part), std::string::npos) << part << " missing from\n" << cpu.out;
+  }
+  EXPECT_TRUE(fs::exists(dir_ / "out-cpu" / "topk.npy"));
+  const Result ref = run(fmt::format("replay '{}' --backend reference --out '{}'", dir.string(),
+                                     (dir_ / "out-ref").string()));
+  ASSERT_EQ(ref.status, 0) << ref.out << ref.err;
+  EXPECT_NE(ref.out.find("selection vs recorded: identical"), std::string::npos) << ref.out;
+
+  // A DSA case without its index-key files cannot be replayed, and says which file is missing.
+  fs::remove(dir / "index_key_codes.npy");
+  const Result bad = run(fmt::format("replay '{}'", dir.string()));
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("index_key_codes.npy"), std::string::npos) << bad.err;
+}
+
+TEST_F(Cli, BenchDsaSuiteRunsOnCpuAtCpuSmallAndWritesJson) {
+  const fs::path json = dir_ / "dsa.json";
+  const Result r = run(fmt::format(
+      "bench --backend cpu --suite dsa --preset cpu-small --repeats 1 --warmup 0 --threads 2 "
+      "--quiet --json '{}'",
+      json.string()));
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  for (const char* part :
+       {"dsa row", "dsa-decode-64x32768*", "dsa-index-64x32768*", "dsa-sparse-64x32768*",
+        "dsa-decode-16x131072*", "dsa-index-16x131072*", "dsa-sparse-16x131072*",
+        "dsa-prefill-1x32768*", "dense = mla-decode-h128-", "dense = mla-prefill-",
+        "SCALED RUN (--preset cpu-small)"}) {
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
+  }
+  const nlohmann::json j = nlohmann::json::parse(read_text(json));
+  EXPECT_NE(j["command"].get<std::string>().find("--suite dsa"), std::string::npos);
+  ASSERT_EQ(j["rows"].size(), 7u);
+  for (const auto& row : j["rows"]) {
+    SCOPED_TRACE(row["name"].get<std::string>());
+    EXPECT_EQ(row["suite"], "dsa");
+    EXPECT_EQ(row["status"], "ok");
+    EXPECT_TRUE(row["scaled"].get<bool>());
+    EXPECT_TRUE(row["check"]["passed"].get<bool>());
+    EXPECT_LE(row["check"]["max_rel_err"].get<double>(), 2e-2);
+    EXPECT_GT(row["selection"]["selected_checked"].get<int>(), 0);
+    EXPECT_GT(row["time_ms"]["median"].get<double>(), 0);
+    EXPECT_GT(row["rate"].get<double>(), 0);
+    EXPECT_GT(row["figure"]["value"].get<double>(), 0);
+    EXPECT_GT(row["dense"]["time_ms"]["median"].get<double>(), 0);
+    const auto& shape = row["shape"];
+    EXPECT_LT(shape["index_topk"].get<int>(), shape["kv_len"].get<int>()) << "a real selection";
+    if (shape["part"] == "index") {
+      EXPECT_EQ(row["counted"]["bytes"].get<double>(),
+                132.0 * shape["batch"].get<int>() * shape["kv_len"].get<int>());
+      EXPECT_EQ(row["metric"], "GB/s");
+    }
+  }
+  EXPECT_EQ(j["rows"][0]["standard"]["batch"], 64);
+  EXPECT_EQ(j["rows"][0]["standard"]["index_topk"], 2048);
+
+  Result bad = run("bench --backend cpu --suite dsa --workload dsa-verify");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("unknown workload 'dsa-verify'"), std::string::npos) << bad.err;
+}
+
+// The cuda backend does not serve DSA yet: its DSA rows are n/a (not failures), on any machine.
+TEST_F(Cli, BenchDsaSuiteIsNotApplicableOnCuda) {
+  const fs::path json = dir_ / "dsa_cuda.json";
+  const Result r = run(fmt::format(
+      "bench --backend cuda --suite dsa --preset cpu-small --repeats 1 --quiet --json '{}'",
+      json.string()));
+  if (r.err.find("unknown attention backend 'cuda'") != std::string::npos) {
+    GTEST_SKIP() << "this build has no cuda backend: " << r.err;
+  }
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("n/a: cuda does not serve DSA layers"), std::string::npos) << r.out;
+  const nlohmann::json j = nlohmann::json::parse(read_text(json));
+  ASSERT_EQ(j["rows"].size(), 7u);
+  for (const auto& row : j["rows"]) EXPECT_EQ(row["status"], "n/a");
+}
+
+TEST_F(Cli, BenchHelpNamesTheDsaSuite) {
+  const Result r = run("bench --help");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("dsa (one DeepSeek-V3.2 DSA layer"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("dsa-index"), std::string::npos) << r.out;
+}
+
 }  // namespace

@@ -22,6 +22,7 @@
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/memory/token_allocator.h"
 #include "attnrt/model/model_spec.h"
+#include "tools/io/case_file.h"
 #include "tools/sim/driver.h"
 #include "tools/sim/scheduler.h"
 #include "tools/sim/trace.h"
@@ -724,6 +725,71 @@ TEST(SimDriver, DsaModelRunsOnCpuWithIndexerInputsAndPassesItsChecks) {
       EXPECT_EQ(verify != nullptr, topk > 0);
     }
   }
+}
+
+// --dump-step of a DSA model (deepseek-v3.2 with index_topk 8, so requests of more keys select)
+// writes the indexer's inputs, the index-key cache rows the step reads and the recorded selection;
+// replaying the case on cpu reproduces the recorded selection and output, reference selects the
+// same keys, and the replay really reads the recorded index keys (scaled to zero, every score
+// ties and the selection changes).
+TEST(SimDriver, DsaStepDumpCarriesTheIndexerAndReplaysOnReferenceAndCpu) {
+  ModelSpec model = model_preset("deepseek-v3.2");
+  for (LayerSpec& l : model.layers) l.indexer.index_topk = 8;
+  Options o;
+  o.attention_backend = "cpu";
+  o.num_threads = 2;
+  RunConfig rc = small_config();
+  rc.layers = 2;
+  rc.dump_step = 4;
+  rc.dump_dir = (std::filesystem::path(::testing::TempDir()) / "attnrt-dsa-case").string();
+  std::filesystem::remove_all(rc.dump_dir);
+  const RunReport r = run_trace(model, o, small_trace(), rc);
+  ASSERT_TRUE(r.ok()) << format_report(r);
+  ASSERT_FALSE(r.dump_written.empty()) << r.dump_error;
+
+  const Case c = read_case(rc.dump_dir);
+  ASSERT_TRUE(c.layer.has_indexer());
+  EXPECT_EQ(c.layer.indexer.index_topk, 8);
+  ASSERT_TRUE(c.indexer.has_value());
+  ASSERT_TRUE(c.indexer->expected_topk.has_value());
+  const int64_t t = c.num_tokens(), k = 8;
+  EXPECT_EQ(c.indexer->q.shape, (std::vector<int64_t>{t, 64, 128}));
+  EXPECT_EQ(c.indexer->weights.shape, (std::vector<int64_t>{t, 64}));
+  EXPECT_EQ(c.indexer->key_codes.shape,
+            (std::vector<int64_t>{static_cast<int64_t>(c.kv_slots.size()), 128}));
+  // The selection is real: some token had more candidates than it keeps.
+  const int32_t* recorded = c.indexer->expected_topk->as<int32_t>();
+  int full_rows = 0;
+  for (int64_t i = 0; i < t; ++i) full_rows += recorded[i * k + k - 1] >= 0;
+  int max_kv = 0;
+  for (const auto& row : c.req_to_token) max_kv = std::max<int>(max_kv, row.size());
+  EXPECT_GT(max_kv, 2 * k);
+  EXPECT_GT(full_rows, 0);
+
+  auto same_selection = [&](const HostBuffer& topk) {
+    return std::equal(recorded, recorded + t * k, topk.ptr<int32_t>());
+  };
+  const ReplayResult cpu = replay_case(c, "cpu");
+  EXPECT_TRUE(same_selection(cpu.topk));
+  ASSERT_TRUE(c.expected_out.has_value());
+  const float* want = c.expected_out->as<float>();
+  for (int64_t i = 0; i < cpu.out.numel(); ++i) {
+    ASSERT_EQ(load_as_float(cpu.out.data(), cpu.out.dtype(), static_cast<size_t>(i)), want[i])
+        << "cpu replays its own step bit for bit, value " << i;
+  }
+  const ReplayResult ref = replay_case(c, "reference");
+  EXPECT_TRUE(same_selection(ref.topk));
+  double worst = 0;
+  for (int64_t i = 0; i < ref.out.numel(); ++i) {
+    const double a = load_as_float(ref.out.data(), ref.out.dtype(), static_cast<size_t>(i));
+    worst = std::max(worst, std::fabs(a - want[i]) / (0.02 + 0.02 * std::fabs(a)));
+  }
+  EXPECT_LE(worst, 1.0) << "reference against the recorded cpu output";
+
+  Case zeroed = c;
+  std::fill(zeroed.indexer->key_scales.bytes.begin(), zeroed.indexer->key_scales.bytes.end(), 0);
+  EXPECT_FALSE(same_selection(replay_case(zeroed, "cpu").topk))
+      << "with every index score 0 the lowest token indices are selected instead";
 }
 
 // An SWA-hybrid model (gemma3's first six layers: five sliding-window, one full) runs with its

@@ -87,6 +87,26 @@ json linear_shape_json(const LinearWorkload& w) {
           {"shape", w.shape()}};
 }
 
+json dsa_shape_json(const DsaWorkload& w) {
+  return {{"kind", w.prefill ? "prefill" : "decode"},
+          {"part", w.prefill ? "prefill" : std::string(dsa_part_name(w.part))},
+          {"batch", w.batch},
+          {"prefix_len", w.prefix_len()},
+          {"new_tokens", w.new_tokens()},
+          {"kv_len", w.kv_len},
+          {"q_heads", w.q_heads},
+          {"kv_lora_rank", w.kv_lora_rank},
+          {"rope_dim", w.rope_dim},
+          {"head_dim", w.latent_dim()},
+          {"index_n_heads", w.index_heads},
+          {"index_head_dim", w.index_head_dim},
+          {"index_topk", w.index_topk},
+          {"page_size", w.page_size},
+          {"kv_dtype", "bf16"},
+          {"layer", "dsa"},
+          {"shape", w.shape()}};
+}
+
 json ceiling_json(const Ceiling& c, const char* unit) {
   if (!c.available()) return {{"available", false}, {"reason", c.unavailable}};
   return {{"available", true}, {"value", c.value}, {"unit", unit}, {"method", c.method}};
@@ -226,6 +246,28 @@ json to_json(const BenchResult& r, const RunInfo& info) {
     json x = row_json(row, linear_shape_json, r.ceilings);
     x["suite"] = "linear";
     if (row.time.repeats > 0) x["tokens_per_s"] = row.tokens_per_second;
+    rows.push_back(std::move(x));
+  }
+  // DSA rows too, marked by "suite" (their SHAPE differs).
+  for (const DsaRowResult& row : r.dsa_rows) {
+    json x = row_json(row, dsa_shape_json, r.ceilings);
+    x["suite"] = "dsa";
+    if (row.selected_checked > 0) {
+      x["selection"] = {{"selected_checked", row.selected_checked},
+                        {"mismatches", row.selection_mismatches}};
+    }
+    if (row.dense_workload) {
+      x["dense"] = {{"name", row.dense_workload->name},
+                    {"shape", shape_json(*row.dense_workload)},
+                    {"time_ms", timing_json(row.dense_time, 1e3)}};
+    }
+    if (row.time.repeats > 0) {
+      x["figure"] = {{"name", row.figure_name},
+                     {"value", row.figure},
+                     {"target", row.target.value},
+                     {"target_is", row.target.at_most ? "at_most" : "at_least"},
+                     {"met", row.target_met}};
+    }
     rows.push_back(std::move(x));
   }
   j["rows"] = std::move(rows);
@@ -404,6 +446,54 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
          "batch; extend: from empty states);\n  decode counts state + conv window read and "
          "written, inputs read, outputs written (GB/s vs memory); extend counts the chunked "
          "form's FLOPs (docs/bench.md)\n";
+  }
+  if (!r.dsa_rows.empty()) {
+    if (!r.rows.empty() || !r.linear_rows.empty()) s << "\n";
+    s << fmt::format("{:<24} {:<34} {:>9} {:>17} {:>10} {:>16} {:>7} {:>9} {:>26} {:>8}\n",
+                     "dsa row", "shape", "ms", "p10..p90 ms", "counted", "rate", "% ceil",
+                     "dense ms", "figure (target)", "check");
+  }
+  for (const DsaRowResult& row : r.dsa_rows) {
+    const DsaWorkload& w = row.workload;
+    const std::string name = w.name + (w.scale_note.empty() ? "" : "*");
+    if (row.status == "error" || row.status == "n/a") {
+      s << fmt::format("{:<24} {:<34} {}: {}\n", name, w.shape(),
+                       row.status == "error" ? "ERROR" : "n/a", row.error);
+      continue;
+    }
+    const std::string counted =
+        row.bound == Bound::memory ? si(row.bytes, "B") : si(row.flops, "FLOP");
+    const std::string check =
+        row.status == "ok" ? fmt::format("{:.1e}", row.check.max_rel_err) : "FAIL";
+    if (row.time.repeats == 0) {
+      s << fmt::format("{:<24} {:<34} {:>9} {:>17} {:>10} {:>16} {:>7} {:>9} {:>26} {:>8}\n", name,
+                       w.shape(), "-", "-", counted, "-", "-", "-", "-", check);
+    } else {
+      const std::string figure = fmt::format("{:.3g} {} {:g}{}", row.figure,
+                                             row.target.at_most ? "<=" : ">=", row.target.value,
+                                             row.target_met ? "" : " MISS");
+      s << fmt::format("{:<24} {:<34} {:>9} {:>17} {:>10} {:>16} {:>7} {:>9} {:>26} {:>8}\n", name,
+                       w.shape(), ms(row.time.median),
+                       fmt::format("{}..{}", ms(row.time.p10), ms(row.time.p90)), counted,
+                       fmt::format("{:.1f} {}", row.rate, row.metric_unit()),
+                       fmt::format("{:.0f}%", row.pct_of_ceiling),
+                       row.dense_workload ? ms(row.dense_time.median) : "-", figure, check);
+    }
+    std::vector<std::string> parts;
+    if (!w.scale_note.empty()) parts.push_back(w.scale_note);
+    if (row.dense_workload) {
+      parts.push_back(fmt::format("figure: {}; dense = {} ({})", row.figure_name,
+                                  row.dense_workload->name, row.dense_workload->shape()));
+    } else if (row.time.repeats > 0) {
+      parts.push_back("figure: " + row.figure_name);
+    }
+    parts.insert(parts.end(), row.notes.begin(), row.notes.end());
+    notes.push_back(fmt::format("{}: {}", w.name, fmt::join(parts, "; ")));
+  }
+  if (!r.dsa_rows.empty()) {
+    s << "dsa rows: decode = one DSA layer's step (index keys stored, scores, top-k, sparse MLA); "
+         "index = step minus sparse alone;\n  sparse = the MLA decode over the step's selection; "
+         "each beside the dense MLA row of the same shape (docs/workloads.md \"DSA rows\")\n";
   }
   if (!notes.empty()) {
     s << "\nnotes:\n";

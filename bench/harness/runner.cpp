@@ -432,7 +432,9 @@ bool BenchResult::all_passed() const {
   return std::all_of(rows.begin(), rows.end(),
                      [](const RowResult& r) { return r.status == "ok" || r.status == "n/a"; }) &&
          std::all_of(linear_rows.begin(), linear_rows.end(),
-                     [](const LinearRowResult& r) { return r.status == "ok"; });
+                     [](const LinearRowResult& r) { return r.status == "ok"; }) &&
+         std::all_of(dsa_rows.begin(), dsa_rows.end(),
+                     [](const DsaRowResult& r) { return r.status == "ok" || r.status == "n/a"; });
 }
 
 RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& ceilings) {
@@ -545,7 +547,8 @@ std::vector<PlanTiming> measure_plans_bs256(const BenchConfig& config) {
 }
 
 BenchResult run_bench(const BenchConfig& config) {
-  ATTNRT_CHECK(!config.workloads.empty() || !config.linear_workloads.empty(),
+  ATTNRT_CHECK(!config.workloads.empty() || !config.linear_workloads.empty() ||
+                   !config.dsa_workloads.empty(),
                "no workloads to run");
   // Looking the backend up registers the built-in backends, and with them the GPU probes.
   const BackendEntry& entry = registry_of(config).get(config.backend);
@@ -561,6 +564,21 @@ BenchResult run_bench(const BenchConfig& config) {
   if (config.backend == "cpu") result.backend_simd_target = ::attnrt::cpu_simd_target();
   result.repeats = config.repeats;
   result.warmup = config.warmup;
+  // Only DSA rows on a backend that does not serve DSA: every row is n/a, nothing is measured.
+  std::string no_dsa;
+  const bool only_na = config.workloads.empty() && config.linear_workloads.empty() &&
+                       !backend_serves_dsa(config, &no_dsa);
+  if (only_na) {
+    result.ceilings.device = config.device;
+    result.ceilings.threads = result.threads;
+    const std::string why = "not measured: no row runs (" + no_dsa + ")";
+    result.ceilings.memory.unavailable = why;
+    result.ceilings.fp32.unavailable = why;
+    result.ceilings.bf16.unavailable = why;
+    result.timer_method = "none (no row runs)";
+    result.dsa_rows = run_dsa_rows(config, config.dsa_workloads, result.ceilings);
+    return result;
+  }
   say(config, fmt::format("measuring the ceilings of {} on {} threads", device_name(config.device),
                           result.threads));
   CeilingOptions co = config.ceiling_options;
@@ -573,6 +591,9 @@ BenchResult run_bench(const BenchConfig& config) {
   }
   for (const LinearWorkload& w : config.linear_workloads) {
     result.linear_rows.push_back(run_linear_row(config, w, result.ceilings));
+  }
+  if (!config.dsa_workloads.empty()) {
+    result.dsa_rows = run_dsa_rows(config, config.dsa_workloads, result.ceilings);
   }
   // The step costs are those of attention steps: measured when attention rows ran.
   if (config.device.kind != DeviceKind::cpu && config.gpu_step_costs && !config.workloads.empty()) {

@@ -9,6 +9,7 @@
 
 #include "attnrt/backend/registry.h"
 #include "bench/harness/ceilings.h"
+#include "bench/harness/dsa_workload.h"
 #include "bench/harness/linear_workload.h"
 #include "bench/harness/timing.h"
 #include "bench/harness/workload.h"
@@ -19,6 +20,7 @@ struct BenchConfig {
   std::string backend;              // registry name of the backend under test
   std::vector<Workload> workloads;  // as they run (already scaled)
   std::vector<LinearWorkload> linear_workloads;  // --suite linear rows, as they run
+  std::vector<DsaWorkload> dsa_workloads;        // --suite dsa rows, as they run
   double scale = 1.0;               // --scale, for the report
   std::string preset;               // --preset, for the report ("" = none)
   int repeats = 10;
@@ -108,6 +110,37 @@ struct LinearRowResult {
   std::string metric_unit() const { return bound == Bound::memory ? "GB/s" : "GFLOP/s"; }
 };
 
+// One DSA row (docs/workloads.md "DSA rows"): a part of one DSA layer's step, beside the dense MLA
+// row of the same shape measured in the same run.
+struct DsaRowResult {
+  DsaWorkload standard;       // the row as docs/workloads.md defines it
+  DsaWorkload workload;       // what ran (scale_note says how it differs)
+  std::string status = "ok";  // ok | mismatch | error | n/a
+  std::string error;          // status error: the message; n/a: why the backend has no such row
+  // The step's outputs and selections against the reference backend (float64) on sampled query
+  // tokens; selection_mismatches counts selected keys that differ from the reference's.
+  CheckResult check;
+  int64_t selected_checked = 0;
+  int64_t selection_mismatches = 0;
+  TimingStats time;  // seconds of the row's part (index: step minus sparse, per repetition)
+  double bytes = 0;  // dsa_counted_bytes
+  double flops = 0;  // dsa_counted_flops
+  Bound bound = Bound::compute;
+  double rate = 0;            // GB/s (index rows) or GFLOP/s
+  double pct_of_ceiling = 0;  // rate / the matching ceiling * 100; 0 when no ceiling
+  // The dense MLA row of the same shape (dsa_dense_companion), measured in the same run by the
+  // mla suite's runner: its time, and the row's figure against it (dsa_target says which).
+  std::optional<Workload> dense_workload;
+  TimingStats dense_time;
+  std::string figure_name;  // e.g. "dsa / dense time"
+  double figure = 0;
+  DsaTarget target;
+  bool target_met = false;
+  std::vector<std::string> notes;
+
+  std::string metric_unit() const { return bound == Bound::memory ? "GB/s" : "GFLOP/s"; }
+};
+
 // Host seconds of the phases of a cuda plan (CudaBackend::PlanParts): the stream's capture query,
 // the staging slot's acquire, the planner's prepare and write, the copy's issue. Timed in a pass
 // of their own after the plan's, so the clock reads stay out of PlanTiming::time.
@@ -144,11 +177,13 @@ struct BenchResult {
   Ceilings ceilings;
   std::vector<RowResult> rows;
   std::vector<LinearRowResult> linear_rows;
+  std::vector<DsaRowResult> dsa_rows;
   std::string timer_method;
   std::vector<PlanTiming> plans;        // GPU runs (BenchConfig::gpu_step_costs)
   std::string host_sync;  // GPU runs: how the host thread waits for the device (device_row.h)
   std::optional<GraphOverhead> graph;  // GPU runs (BenchConfig::gpu_step_costs)
-  // Every row ok (attention rows of status n/a, which the backend does not serve, included).
+  // Every row ok (attention and DSA rows of status n/a, which the backend does not serve,
+  // included).
   bool all_passed() const;
 };
 
@@ -173,6 +208,15 @@ RowResult run_row(const BenchConfig& config, const Workload& workload, const Cei
 // Registry::global()); status "n/a" when the backend serves MLA extends in the absorbed form.
 RowResult run_mla_mha_row(const BenchConfig& config, const Workload& workload,
                           const Ceilings& ceilings);
+
+// The DSA rows (docs/workloads.md "DSA rows"). Rows of one shape share their measurements: the
+// step, the sparse attention over the step's selection and the dense companion are each measured
+// once for all the rows of that shape that need them. A backend without DSA caps gets n/a rows.
+std::vector<DsaRowResult> run_dsa_rows(const BenchConfig& config,
+                                       const std::vector<DsaWorkload>& rows,
+                                       const Ceilings& ceilings);
+// True when `backend` (in the config's registry) serves DSA layers; else `why` says so.
+bool backend_serves_dsa(const BenchConfig& config, std::string* why);
 
 // One linear row: its states built (decode: an untimed EXTEND of prefix_len tokens), one checked
 // call (the outputs of the first and last request, the first tokens of each for extend rows,

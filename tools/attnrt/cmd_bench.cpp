@@ -10,6 +10,7 @@
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
 #include "bench/harness/chart.h"
+#include "bench/harness/dsa_workload.h"
 #include "bench/harness/linear_workload.h"
 #include "bench/harness/report.h"
 #include "bench/harness/runner.h"
@@ -72,19 +73,26 @@ void run_bench_command(const BenchArgs& a) {
   if (!a.plot.empty()) bench::chart_format_for(a.plot);
   std::vector<bench::Workload> rows;
   std::vector<bench::LinearWorkload> linear;
+  std::vector<bench::DsaWorkload> dsa;
   if (a.suite == "attention") {
     rows = bench::select_workloads(a.workload);
   } else if (a.suite == "mla") {
     rows = bench::select_mla_workloads(a.workload);
   } else if (a.suite == "linear") {
     linear = bench::select_linear_workloads(a.workload);
+  } else if (a.suite == "dsa") {
+    dsa = bench::select_dsa_workloads(a.workload);
   } else {
     // --suite all: each entry selects from every suite that has rows of that name.
-    std::string attention_items, mla_items, linear_items;
+    std::string attention_items, mla_items, linear_items, dsa_items;
     for (const std::string& item : split_list(a.workload)) {
       bool found = false;
       if (bench::is_linear_selector(item)) {
         linear_items += item + ",";
+        found = true;
+      }
+      if (bench::is_dsa_selector(item)) {
+        dsa_items += item + ",";
         found = true;
       }
       try {
@@ -102,8 +110,8 @@ void run_bench_command(const BenchArgs& a) {
       ATTNRT_CHECK(found,
                    "unknown workload '{}' for --suite all: use all, a kind (decode, prefill, "
                    "extend, verify, mla-decode, mla-verify, mla-prefill, mla-extend, gdn, kda, "
-                   "mamba2) or a row name "
-                   "(`attnrt bench --suite attention|mla|linear --workload x` list them)",
+                   "mamba2, dsa-decode, dsa-index, dsa-sparse, dsa-prefill) or a row name "
+                   "(`attnrt bench --suite attention|mla|linear|dsa --workload x` list them)",
                    item);
     }
     if (!attention_items.empty()) rows = bench::select_workloads(attention_items);
@@ -111,13 +119,16 @@ void run_bench_command(const BenchArgs& a) {
       for (const bench::Workload& w : bench::select_mla_workloads(mla_items)) rows.push_back(w);
     }
     if (!linear_items.empty()) linear = bench::select_linear_workloads(linear_items);
+    if (!dsa_items.empty()) dsa = bench::select_dsa_workloads(dsa_items);
   }
   if (!a.preset.empty()) {
     rows = bench::apply_preset(rows, a.preset);
     linear = bench::apply_linear_preset(linear, a.preset);
+    dsa = bench::apply_dsa_preset(dsa, a.preset);
   } else {
     for (bench::Workload& w : rows) w = bench::scale_workload(w, a.scale);
     for (bench::LinearWorkload& w : linear) w = bench::scale_linear_workload(w, a.scale);
+    for (bench::DsaWorkload& w : dsa) w = bench::scale_dsa_workload(w, a.scale);
   }
 
   bench::BenchConfig config;
@@ -125,6 +136,7 @@ void run_bench_command(const BenchArgs& a) {
   config.backend = a.backend.empty() ? bench::auto_bench_backend(&reason) : a.backend;
   config.workloads = rows;
   config.linear_workloads = linear;
+  config.dsa_workloads = dsa;
   config.scale = a.scale;
   config.preset = a.preset;
   config.repeats = a.repeats;
@@ -141,7 +153,12 @@ void run_bench_command(const BenchArgs& a) {
     const std::string why = Registry::global().get(config.backend).unavailable_reason
                                 ? Registry::global().get(config.backend).unavailable_reason()
                                 : std::string();
-    ATTNRT_CHECK(why.empty(), "--backend {}: it cannot run here: {}", config.backend, why);
+    // DSA rows of a backend that does not serve DSA are n/a wherever it runs: nothing is
+    // measured, so the device need not be usable.
+    const bool nothing_runs = rows.empty() && linear.empty() && !dsa.empty() &&
+                              !bench::backend_serves_dsa(config, nullptr);
+    ATTNRT_CHECK(why.empty() || nothing_runs, "--backend {}: it cannot run here: {}",
+                 config.backend, why);
   }
   if (!a.quiet) {
     config.progress = [](const std::string& line) { std::fprintf(stderr, "bench: %s\n", line.c_str()); };
@@ -174,7 +191,8 @@ void add_bench_command(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "bench",
       "Run the standard attention workloads (docs/bench.md, docs/workloads.md), or with --suite "
-      "linear the linear-attention layers, and report time, GB/s or FLOP/s, % of this "
+      "linear the linear-attention layers, with --suite dsa a DeepSeek-V3.2 sparse-attention "
+      "layer, and report time, GB/s or FLOP/s, % of this "
       "machine's measured ceilings and the speed-up over reference");
   cmd->add_option("--backend,--attention-backend", args->backend,
                   "Backend to measure (registry name). Unset: the one auto-selection picks for "
@@ -187,15 +205,19 @@ void add_bench_command(CLI::App& app) {
          "docs/bench.md), mla (one DeepSeek-V3 latent-attention layer: mla-decode-*, "
          "mla-verify-* in the absorbed form, mla-prefill-1x16384 and "
          "mla-extend-8x4096+512 in the MHA form, n/a on backends without it; "
-         "docs/workloads.md \"MLA rows\") or all")
-      ->check(one_of({"attention", "mla", "linear", "all"}))
+         "docs/workloads.md \"MLA rows\"), dsa (one DeepSeek-V3.2 DSA layer: dsa-decode-* "
+         "steps, dsa-index-* and dsa-sparse-* parts of them, dsa-prefill-1x32768, each beside "
+         "the dense MLA row of its shape; n/a on backends that do not serve DSA; "
+         "docs/workloads.md \"DSA rows\") or all")
+      ->check(one_of({"attention", "mla", "linear", "dsa", "all"}))
       ->capture_default_str();
-  cmd->add_option("--workload", args->workload,
-                  "Rows of the suite: all, a kind (decode, prefill, extend, verify; mla: "
-                  "mla-decode, mla-verify, mla-verify-chain, mla-verify-tree, mla-prefill, mla-extend; "
-                  "linear: "
-                  "decode, extend, gdn, kda, mamba2), a row name such as decode-16x4096 or "
-                  "gdn-decode-64, or a comma-separated list")
+  cmd->add_option(
+         "--workload", args->workload,
+         "Rows of the suite: all, a kind (decode, prefill, extend, verify; mla: "
+         "mla-decode, mla-verify, mla-verify-chain, mla-verify-tree, mla-prefill, mla-extend; "
+         "dsa: dsa-decode, dsa-index, dsa-sparse, dsa-prefill; linear: "
+         "decode, extend, gdn, kda, mamba2), a row name such as decode-16x4096 or "
+         "gdn-decode-64, or a comma-separated list")
       ->capture_default_str();
   cmd->add_option("--scale", args->scale,
                   "Multiply every batch and length by this factor in (0, 1] (lengths stay whole "
@@ -205,7 +227,8 @@ void add_bench_command(CLI::App& app) {
   cmd->add_option("--preset", args->preset,
                   "Size the rows for a kind of machine instead of --scale: cpu-small (a 2-core "
                   "box: KV <= 1.25 GiB and <= 6e11 FLOPs per attention row; linear rows <= 1.25 "
-                  "GiB moved and <= 5e10 FLOPs)");
+                  "GiB moved and <= 5e10 FLOPs; dsa rows: the dense companion <= 2e10 FLOPs, "
+                  "index_topk scaled with the lengths)");
   cmd->add_option("--repeats", args->repeats, "Timed repetitions per row (median reported)")
       ->check(int_in(1, 100000))
       ->capture_default_str();

@@ -58,6 +58,24 @@ std::string describe(const Diff& d, const Case& c) {
                      d.nan_mismatch ? " (NaN in one output only)" : "");
 }
 
+// Two selections of a DSA layer ([T, index_topk] int32 token indices, -1 after the last): how many
+// tokens selected other keys, and how many keys differ in all.
+std::string describe_selection(const int32_t* got, const int32_t* want, const Case& c) {
+  const int64_t t = c.num_tokens(), k = c.layer.indexer.index_topk;
+  int64_t tokens = 0, keys = 0, first = -1;
+  for (int64_t i = 0; i < t; ++i) {
+    int64_t differ = 0;
+    for (int64_t e = 0; e < k; ++e) differ += got[i * k + e] != want[i * k + e];
+    if (differ == 0) continue;
+    ++tokens;
+    keys += differ;
+    if (first < 0) first = i;
+  }
+  if (tokens == 0) return fmt::format("identical ({} token(s), index_topk {})", t, k);
+  return fmt::format("{} of {} token(s) select other keys ({} entries differ; first at token {})",
+                     tokens, t, keys, first);
+}
+
 std::vector<float> widen(const HostBuffer& b) {
   std::vector<float> v(static_cast<size_t>(b.numel()));
   for (size_t i = 0; i < v.size(); ++i) v[i] = load_as_float(b.data(), b.dtype(), i);
@@ -87,17 +105,31 @@ void run_replay(const ReplayArgs& args) {
 
   const ReplayResult r = replay_case(c, backend, args.lse);
   write_replay_result(out_dir, r);
-  fmt::print("{}: wrote {}{}\n", backend, (std::filesystem::path(out_dir) / "out.npy").string(),
-             args.lse ? " and lse.npy" : "");
+  fmt::print("{}: wrote {}{}{}\n", backend, (std::filesystem::path(out_dir) / "out.npy").string(),
+             args.lse ? " and lse.npy" : "", c.indexer ? " and topk.npy" : "");
+  if (c.indexer) {
+    fmt::print("  DSA layer: index_topk {}, {} index heads x {}, {} index keys in the case\n",
+               l.indexer.index_topk, l.indexer.index_n_heads, l.indexer.index_head_dim,
+               c.kv_slots.size());
+  }
 
   if (c.expected_out) {
     fmt::print("  vs recorded output ({}): {}\n", c.backend.empty() ? "backend unknown" : c.backend,
                describe(compare(r.out, c.expected_out->as<float>()), c));
   }
+  if (c.indexer && c.indexer->expected_topk) {
+    fmt::print(
+        "  selection vs recorded: {}\n",
+        describe_selection(r.topk.ptr<int32_t>(), c.indexer->expected_topk->as<int32_t>(), c));
+  }
   if (backend != "reference") {
     const ReplayResult ref = replay_case(c, "reference", false);
     const std::vector<float> want = widen(ref.out);
     fmt::print("  vs reference: {}\n", describe(compare(r.out, want.data()), c));
+    if (c.indexer) {
+      fmt::print("  selection vs reference: {}\n",
+                 describe_selection(r.topk.ptr<int32_t>(), ref.topk.ptr<int32_t>(), c));
+    }
   }
 }
 
@@ -109,8 +141,9 @@ void add_replay_command(CLI::App& app) {
       "replay",
       "Run one saved step again (a case directory written by `attnrt run --dump-step N DIR`): "
       "rebuilds the request table and the KV rows the step reads, runs the layer on a backend, "
-      "writes out.npy (float32, [tokens, q heads, v_head_dim]), and compares it with the "
-      "recorded output and with the reference backend. docs/replay.md describes the format.");
+      "writes out.npy (float32, [tokens, q heads, v_head_dim]; DSA layers also topk.npy, the "
+      "selection), and compares it with the recorded output and with the reference backend. "
+      "docs/replay.md describes the format.");
   cmd->add_option("CASE_DIR", args->case_dir, "Case directory (holds case.json and the .npy files)")
       ->required();
   cmd->add_option("--backend", args->backend,

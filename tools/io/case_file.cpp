@@ -12,6 +12,7 @@
 
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
+#include "attnrt/memory/index_key_cache.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 
@@ -98,7 +99,10 @@ json layer_to_json(const LayerSpec& l) {
               {"kv_lora_rank", l.kv_lora_rank},
               {"qk_rope_head_dim", l.qk_rope_head_dim},
               {"qk_nope_head_dim", l.qk_nope_head_dim},
-              {"mha_v_head_dim", l.mha_v_head_dim}};
+              {"mha_v_head_dim", l.mha_v_head_dim},
+              {"index_topk", l.indexer.index_topk},
+              {"index_n_heads", l.indexer.index_n_heads},
+              {"index_head_dim", l.indexer.index_head_dim}};
 }
 
 LayerSpec layer_from_json(const Reader& r, const json& j) {
@@ -119,6 +123,19 @@ LayerSpec layer_from_json(const Reader& r, const json& j) {
   l.qk_rope_head_dim = r.get_or<int>(j, p, "qk_rope_head_dim", 0);
   l.qk_nope_head_dim = r.get_or<int>(j, p, "qk_nope_head_dim", 0);
   l.mha_v_head_dim = r.get_or<int>(j, p, "mha_v_head_dim", 0);
+  l.indexer.index_topk = r.get_or<int>(j, p, "index_topk", 0);
+  l.indexer.index_n_heads = r.get_or<int>(j, p, "index_n_heads", 0);
+  l.indexer.index_head_dim = r.get_or<int>(j, p, "index_head_dim", 0);
+  ATTNRT_CHECK(l.indexer.index_topk >= 0, "{}: layer.index_topk {} must be >= 0 (0: no indexer)",
+               r.path(), l.indexer.index_topk);
+  if (l.has_indexer()) {
+    ATTNRT_CHECK(
+        l.kind == LayerKind::mla && l.indexer.index_n_heads > 0 && l.indexer.index_head_dim > 0,
+        "{}: layer.index_topk {} needs an mla layer with index_n_heads and "
+        "index_head_dim > 0; got a {} layer with {} and {}",
+        r.path(), l.indexer.index_topk, layer_kind_name(l.kind), l.indexer.index_n_heads,
+        l.indexer.index_head_dim);
+  }
   return l;
 }
 
@@ -214,6 +231,41 @@ size_t row_bytes(const KVLayerView& v, int dim) {
   return static_cast<size_t>(v.kv_heads) * dim * dtype_size(v.dtype);
 }
 
+// The indexer's part of a case: the call's inputs, the index-key cache rows of `slots` (codes and
+// scale of each, copied from the cache's pages) and the selection, when the call asked for it.
+IndexerCase capture_indexer(const LayerSpec& layer, const AttnArgs& args, const KVCache& kv_cache,
+                            const std::vector<int64_t>& slots, bool save_kv) {
+  const IndexerArgs& ix = args.indexer;
+  ATTNRT_CHECK(!ix.q.empty() && !ix.weights.empty(),
+               "capture_case: layer {} is a DSA layer but its call has no indexer inputs (q {}, "
+               "weights {}); the case could not be replayed",
+               layer.layer_id, ix.q.describe(), ix.weights.describe());
+  IndexerCase c;
+  c.q = npy_from_tensor_f32(ix.q);
+  c.weights = npy_from_tensor_f32(ix.weights);
+  if (save_kv) c.k = npy_from_tensor_f32(ix.k);
+  const IndexKeyView keys = kv_cache.index_keys(layer.layer_id);
+  const auto s = static_cast<int64_t>(slots.size());
+  c.key_codes = make_npy(DType::e4m3, std::vector<int64_t>{s, keys.dim}, nullptr);
+  c.key_scales = make_npy(DType::f32, std::vector<int64_t>{s}, nullptr);
+  for (int64_t j = 0; j < s; ++j) {
+    ATTNRT_CHECK(slots[j] >= 0 && slots[j] < keys.num_rows,
+                 "capture_case: slot {} is outside the index-key cache's {} rows", slots[j],
+                 keys.num_rows);
+    std::memcpy(c.key_codes.bytes.data() + j * keys.dim, keys.codes(slots[j]), keys.dim);
+    std::memcpy(c.key_scales.bytes.data() + j * sizeof(float), keys.scale_ptr(slots[j]),
+                sizeof(float));
+  }
+  if (!ix.topk.empty()) {
+    ATTNRT_CHECK(ix.topk.dtype == DType::i32 && ix.topk.is_contiguous(),
+                 "capture_case: the indexer's topk is {}; cases record a contiguous int32 one",
+                 ix.topk.describe());
+    c.expected_topk = make_npy(DType::i32, std::vector<int64_t>{ix.topk.shape[0], ix.topk.shape[1]},
+                               ix.topk.data);
+  }
+  return c;
+}
+
 }  // namespace
 
 Case capture_case(const ModelSpec& model, int layer_id, const Options& options,
@@ -295,6 +347,7 @@ Case capture_case(const ModelSpec& model, int layer_id, const Options& options,
   }
   if (!args.out.empty()) c.expected_out = npy_from_tensor_f32(args.out);
   if (!args.lse.empty()) c.expected_lse = npy_from_tensor_f32(args.lse);
+  if (layer.has_indexer()) c.indexer = capture_indexer(layer, args, kv_cache, slots, c.save_kv);
   return c;
 }
 
@@ -331,9 +384,19 @@ void write_case(const std::string& dir, const Case& c) {
   if (c.sinks) write_npy((d / "sinks.npy").string(), *c.sinks);
   if (c.expected_out) write_npy((d / "expected_out.npy").string(), *c.expected_out);
   if (c.expected_lse) write_npy((d / "expected_lse.npy").string(), *c.expected_lse);
+  if (c.indexer) {
+    write_npy((d / "index_q.npy").string(), c.indexer->q);
+    if (c.save_kv) write_npy((d / "index_k.npy").string(), c.indexer->k);
+    write_npy((d / "index_weights.npy").string(), c.indexer->weights);
+    write_npy((d / "index_key_codes.npy").string(), c.indexer->key_codes);
+    write_npy((d / "index_key_scales.npy").string(), c.indexer->key_scales);
+    if (c.indexer->expected_topk) {
+      write_npy((d / "expected_topk.npy").string(), *c.indexer->expected_topk);
+    }
+  }
 
   json j{{"format", kFormat},
-         {"version", kCaseFormatVersion},
+         {"version", c.indexer ? kCaseFormatVersion : kCaseFormatVersionWithoutIndexer},
          {"model", json{{"name", c.model_name},
                         {"dtype", dtype_name(c.act_dtype)},
                         {"max_context_len", c.max_context_len}}},
@@ -349,7 +412,8 @@ void write_case(const std::string& dir, const Case& c) {
          {"save_kv", c.save_kv},
          {"has_sinks_file", c.sinks.has_value()},
          {"has_expected_out", c.expected_out.has_value()},
-         {"has_expected_lse", c.expected_lse.has_value()}};
+         {"has_expected_lse", c.expected_lse.has_value()},
+         {"has_expected_topk", c.indexer && c.indexer->expected_topk.has_value()}};
   const std::string path = (d / "case.json").string();
   std::ofstream out(path, std::ios::trunc);
   ATTNRT_CHECK(out.good(), "cannot create '{}' for writing", path);
@@ -390,9 +454,9 @@ Case parse_case(const CaseFileReader& read_file, const std::string& dir) {
   ATTNRT_CHECK(format != j.end() && format->is_string() && *format == kFormat,
                "{}: not an attnrt case (field 'format' must be \"{}\")", path, kFormat);
   const int version = r.get<int>(j, "", "version");
-  ATTNRT_CHECK(version == kCaseFormatVersion,
-               "{}: case format version {} is not supported; this build reads version {}", path,
-               version, kCaseFormatVersion);
+  ATTNRT_CHECK(version >= kCaseFormatVersionWithoutIndexer && version <= kCaseFormatVersion,
+               "{}: case format version {} is not supported; this build reads versions {} to {}",
+               path, version, kCaseFormatVersionWithoutIndexer, kCaseFormatVersion);
 
   Case c;
   const json& model = r.at(j, "", "model");
@@ -400,6 +464,10 @@ Case parse_case(const CaseFileReader& read_file, const std::string& dir) {
   c.act_dtype = parse_dtype(r.get<std::string>(model, "model.", "dtype"));
   c.max_context_len = r.get<int>(model, "model.", "max_context_len");
   c.layer = layer_from_json(r, r.at(j, "", "layer"));
+  ATTNRT_CHECK(!c.layer.has_indexer() || version >= 2,
+               "{}: layer.index_topk {} (a DSA layer) needs case format version 2; the file says "
+               "version {}",
+               path, c.layer.indexer.index_topk, version);
   c.options = options_from_json(r, r.at(j, "", "options"));
   c.backend = r.get_or<std::string>(j, "", "backend", "");
   const json& kv = r.at(j, "", "kv_cache");
@@ -494,6 +562,26 @@ Case parse_case(const CaseFileReader& read_file, const std::string& dir) {
     c.expected_lse = load("expected_lse.npy");
     c.expected_lse->expect(DType::f32, {t, l.num_q_heads});
   }
+  if (l.has_indexer()) {
+    const int64_t hi = l.indexer.index_n_heads, di = l.indexer.index_head_dim;
+    IndexerCase& ix = c.indexer.emplace();
+    ix.q = load("index_q.npy");
+    ix.q.expect(DType::f32, {t, hi, di});
+    if (c.save_kv) {
+      ix.k = load("index_k.npy");
+      ix.k.expect(DType::f32, {t, di});
+    }
+    ix.weights = load("index_weights.npy");
+    ix.weights.expect(DType::f32, {t, hi});
+    ix.key_codes = load("index_key_codes.npy");
+    ix.key_codes.expect(DType::e4m3, {s, di});
+    ix.key_scales = load("index_key_scales.npy");
+    ix.key_scales.expect(DType::f32, {s});
+    if (r.get_or<bool>(j, "", "has_expected_topk", false)) {
+      ix.expected_topk = load("expected_topk.npy");
+      ix.expected_topk->expect(DType::i32, {t, l.indexer.index_topk});
+    }
+  }
   return c;
 }
 
@@ -508,7 +596,9 @@ void write_step_case(const std::string& dir, const ModelSpec& model, int layer_i
 namespace {
 
 HostBuffer to_act_dtype(const NpyArray& a, DType dtype) {
-  HostBuffer b(dtype, {a.shape[0], a.shape[1], a.shape[2]});
+  std::array<int64_t, kMaxDims> shape{};
+  std::copy(a.shape.begin(), a.shape.end(), shape.begin());
+  HostBuffer b(dtype, shape, static_cast<int>(a.shape.size()));
   const float* src = a.as<float>();
   for (int64_t i = 0; i < a.numel(); ++i)
     store_from_float(b.data(), dtype, static_cast<size_t>(i), src[i]);
@@ -561,6 +651,16 @@ ReplayResult replay_case(const Case& c, const std::string& backend, bool want_ls
                 c.k_cache.bytes.data() + j * kb, kb);
     std::memcpy(static_cast<uint8_t*>(view.v) + row * view.v_row_stride * esize,
                 c.v_cache.bytes.data() + j * vb, vb);
+  }
+  if (c.indexer) {
+    // The index-key cache shares the latent pool's slot space: the same renumbering.
+    IndexKeyView keys = kv->index_keys(0);
+    for (size_t j = 0; j < c.kv_slots.size(); ++j) {
+      const int64_t slot = remap(c.kv_slots[j]);
+      std::memcpy(keys.codes(slot), c.indexer->key_codes.bytes.data() + j * keys.dim, keys.dim);
+      std::memcpy(const_cast<uint8_t*>(keys.scale_ptr(slot)),
+                  c.indexer->key_scales.bytes.data() + j * sizeof(float), sizeof(float));
+    }
   }
 
   // Request rows renumbered in order of first use.
@@ -616,6 +716,19 @@ ReplayResult replay_case(const Case& c, const std::string& backend, bool want_ls
     result.lse = HostBuffer(DType::f32, {t, layer.num_q_heads});
     args.lse = result.lse.view();
   }
+  HostBuffer index_q, index_k, index_w;
+  if (c.indexer) {
+    index_q = to_act_dtype(c.indexer->q, c.act_dtype);
+    index_w = to_act_dtype(c.indexer->weights, c.act_dtype);
+    args.indexer.q = index_q.view();
+    args.indexer.weights = index_w.view();
+    if (c.save_kv) {
+      index_k = to_act_dtype(c.indexer->k, c.act_dtype);
+      args.indexer.k = index_k.view();
+    }
+    result.topk = HostBuffer(DType::i32, {t, layer.indexer.index_topk});
+    args.indexer.topk = result.topk.view();
+  }
   impl->forward(args, layer, batch);
   return result;
 }
@@ -628,6 +741,11 @@ void write_replay_result(const std::string& dir, const ReplayResult& result) {
   write_npy((fs::path(dir) / "out.npy").string(), npy_from_tensor_f32(result.out.view()));
   if (result.lse.data() != nullptr) {
     write_npy((fs::path(dir) / "lse.npy").string(), npy_from_tensor_f32(result.lse.view()));
+  }
+  if (result.topk.data() != nullptr) {
+    const TensorView t = result.topk.view();
+    write_npy((fs::path(dir) / "topk.npy").string(), DType::i32,
+              std::vector<int64_t>{t.shape[0], t.shape[1]}, t.data);
   }
 }
 

@@ -20,7 +20,23 @@ namespace attnrt {
 class KVCache;
 class ReqToTokenPool;
 
-inline constexpr int kCaseFormatVersion = 1;
+// Version 2 adds the indexer of DSA layers (docs/replay.md); cases of other layers are written as
+// version 1, so older builds still read them, and refuse a DSA case rather than replay it without
+// its indexer.
+inline constexpr int kCaseFormatVersion = 2;
+inline constexpr int kCaseFormatVersionWithoutIndexer = 1;
+
+// The indexer of a DSA layer's call (docs/dsa.md): its inputs, the index-key cache rows the step
+// reads (after the call, so the step's own keys included) and the selection the recording backend
+// returned.
+struct IndexerCase {
+  NpyArray q;                             // float32 [T, Hi, Di]
+  NpyArray k;                             // float32 [T, Di], when save_kv
+  NpyArray weights;                       // float32 [T, Hi]
+  NpyArray key_codes;                     // fp8 e4m3 codes [S, Di] of each slot of kv_slots
+  NpyArray key_scales;                    // float32 [S]
+  std::optional<NpyArray> expected_topk;  // int32 [T, index_topk], -1 after the last
+};
 
 struct Case {
   // The model around the layer: name, activation dtype (q/k/v/out), max_context_len.
@@ -49,6 +65,7 @@ struct Case {
   std::optional<NpyArray> sinks;         // [Hq] float32 when the layer has sinks
   std::optional<NpyArray> expected_out;  // [T, Hq, Dv] float32, as the backend produced it
   std::optional<NpyArray> expected_lse;  // [T, Hq] float32
+  std::optional<IndexerCase> indexer;    // DSA layers (layer.has_indexer())
 
   int64_t num_tokens() const { return static_cast<int64_t>(batch.out_cache_loc.size()); }
 };
@@ -79,6 +96,7 @@ struct ReplayResult {
   std::string backend;
   HostBuffer out;  // [T, Hq, Dv] in the case's activation dtype
   HostBuffer lse;  // [T, Hq] float32 when asked for, else empty
+  HostBuffer topk;  // DSA layers: int32 [T, index_topk], each token's selection (docs/dsa.md)
 };
 
 // Rebuilds a request table and a host KV cache holding only the case's rows (pages renumbered
@@ -87,7 +105,7 @@ struct ReplayResult {
 // reproduces expected_out bit for bit.
 ReplayResult replay_case(const Case& c, const std::string& backend, bool want_lse = false);
 
-// out.npy (float32) and lse.npy (when computed) into `dir`.
+// out.npy (float32), lse.npy (when computed) and topk.npy (DSA layers) into `dir`.
 void write_replay_result(const std::string& dir, const ReplayResult& result);
 
 }  // namespace attnrt

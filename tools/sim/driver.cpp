@@ -327,6 +327,7 @@ class StepDriver {
   Engine& target_;
   Engine* draft_;
   CaseDumper& dumper_;
+  HostBuffer dump_topk_;  // the dumped DSA layer's selection, [T, index_topk] int32
   FastRng rng_;
   LayerBuffers buf_;
   // Sink logits are weights of the model: fixed per (role, layer) for the whole run.
@@ -522,6 +523,11 @@ AttnArgs StepDriver::attention_inputs(const Step& s, const LayerSpec& layer,
     fill_random(args.indexer.q, rng_, 1.f);
     fill_random(args.indexer.k, rng_, 1.f);
     fill_random(args.indexer.weights, rng_, 1.f);
+    // The layer --dump-step writes records its selection too (docs/replay.md).
+    if (dumper_.wants_layer(s.scheduled.index, T, s.e.model, layer.layer_id)) {
+      dump_topk_ = HostBuffer(DType::i32, {T, ix.index_topk});
+      args.indexer.topk = dump_topk_.view();
+    }
   }
   poison(args.out);
   if (layer.has_sinks) {
