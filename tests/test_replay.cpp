@@ -402,6 +402,11 @@ TEST_F(ReplayTest, BadCasesNameTheFileAndField) {
       // Issue 21 (fuzz_case, long run): a "format" that is not a string made nlohmann's value()
       // throw type_error, which escaped as another exception type.
       {"\"format\": \"attnrt-case\"", "\"format\": {\"x\": 1}", "not an attnrt case"},
+      // Issue 21 (fuzz_case, second long run): a float past int64 read as an integer field was
+      // converted by a plain cast (UBSan: undefined behaviour); whole numbers in range only.
+      {"\"num_q_heads\": 4", "\"num_q_heads\": 1.3e58", "expected a whole number"},
+      {"\"num_q_heads\": 4", "\"num_q_heads\": 4.5", "expected a whole number"},
+      {"\"num_q_heads\": 4", "\"num_q_heads\": 4294967296", "expected a whole number"},
   };
   for (const Edit& edit : edits) {
     std::string t = text;

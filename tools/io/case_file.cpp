@@ -4,10 +4,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 
 #include "attnrt/backend/registry.h"
@@ -67,6 +69,19 @@ class Reader {
   template <typename T>
   T get(const json& obj, const std::string& prefix, const char* key) const {
     const json& v = at(obj, prefix, key);
+    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
+      if (!v.is_number()) fail("{}: field '{}{}' has the wrong type ({})", path_, prefix, key, v.dump());
+      // nlohmann converts a float or an out-of-range integer to T with a plain cast (undefined
+      // behaviour past T's range): whole numbers in range only.
+      const bool in_range =
+          v.is_number_unsigned()
+              ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
+              : v.is_number_integer() && v.get<int64_t>() >= std::numeric_limits<T>::min() &&
+                    v.get<int64_t>() <= static_cast<int64_t>(std::numeric_limits<T>::max());
+      if (!in_range)
+        fail("{}: field '{}{}' is {}; expected a whole number in [{}, {}]", path_, prefix, key,
+             v.dump(), std::numeric_limits<T>::min(), std::numeric_limits<T>::max());
+    }
     try {
       return v.get<T>();
     } catch (const json::exception&) {
