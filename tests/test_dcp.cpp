@@ -82,11 +82,7 @@ class DcpHarness {
       group.speculative_eagle_topk = 2;
       group.speculative_num_draft_tokens = 6;
     }
-    RuntimeConfig cfg;
-    cfg.max_requests = 6;
-    cfg.kv_slots = 4096;
-    cfg.max_num_tokens = 256;
-    cfg.cuda_graphs = false;
+    const RuntimeConfig cfg = test::host_config(6, 4096, 256);
     one_ = std::make_unique<AttentionRuntime>(model_, one, cfg);
     dcp_ = std::make_unique<DcpAttention>(model_, group, cfg);
   }
@@ -357,11 +353,7 @@ TEST(Dcp, MergeOrderIsFixed) {
     o.dcp_size = 3;
     o.deterministic = true;
     o.kv_cache_dtype = "fp32";
-    RuntimeConfig cfg;
-    cfg.max_requests = 2;
-    cfg.kv_slots = 1024;
-    cfg.max_num_tokens = 64;
-    cfg.cuda_graphs = false;
+    const RuntimeConfig cfg = test::host_config(2, 1024, 64);
     DcpAttention g(gqa_model(), o, cfg);
     std::mt19937 rng(seed);
     ForwardBatch b = make_extend_batch({1}, {0}, {37});
@@ -522,11 +514,7 @@ TEST(Dcp, MisuseIsAnError) {
   Options o;
   o.attention_backend = "reference";
   o.dcp_size = 2;
-  RuntimeConfig cfg;
-  cfg.max_requests = 2;
-  cfg.kv_slots = 256;
-  cfg.max_num_tokens = 32;
-  cfg.cuda_graphs = false;
+  const RuntimeConfig cfg = test::host_config(2, 256, 32);
   DcpAttention g(gqa_model(), o, cfg);
   // A decode whose prefix was never stored.
   const int row = 1;
@@ -556,11 +544,7 @@ TEST(Dcp, RequestsLiveInterleavedAndFreeEverySlot) {
   o.attention_backend = "reference";
   o.dcp_size = 3;
   o.page_size = 16;
-  RuntimeConfig cfg;
-  cfg.max_requests = 2;
-  cfg.kv_slots = 512;
-  cfg.max_num_tokens = 64;
-  cfg.cuda_graphs = false;
+  const RuntimeConfig cfg = test::host_config(2, 512, 64);
   DcpAttention g(gqa_model(), o, cfg);
   std::vector<int64_t> before;
   for (int r = 0; r < 3; ++r) before.push_back(g.rank(r).runtime().allocator().available_size());
@@ -630,11 +614,7 @@ TEST(Dcp, RanksOnThreadsMatchTheSequentialGroup) {
   o.kv_cache_dtype = "fp32";
   o.page_size = 16;
   o.dcp_size = n;
-  RuntimeConfig cfg;
-  cfg.max_requests = 2;
-  cfg.kv_slots = 1024;
-  cfg.max_num_tokens = 64;
-  cfg.cuda_graphs = false;
+  const RuntimeConfig cfg = test::host_config(2, 1024, 64);
   const ModelSpec model = gqa_model();
   DcpAttention group(model, o, cfg);
   InProcessCommunicator comm(n, /*blocking=*/true);
