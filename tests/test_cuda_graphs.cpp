@@ -141,17 +141,8 @@ class CudaGraphRuntime : public ::testing::Test {
  protected:
   void SetUp() override {
     SKIP_WITHOUT_GPU();
-    // The cuda backend with deterministic graphs on (its own entry keeps them off until this
-    // test has passed on the GPU; docs/cuda_graphs.md).
-    if (Registry::global().find(kDetGraphs) == nullptr) {
-      BackendEntry e = cuda::cuda_backend_entry();
-      e.name = kDetGraphs;
-      e.auto_selectable = false;
-      e.caps.deterministic_graphs = true;
-      Registry::global().add(std::move(e));
-    }
+    ASSERT_TRUE(Registry::global().get("cuda").caps.deterministic_graphs);
   }
-  static constexpr const char* kDetGraphs = "cuda-deterministic-graphs";
 
   void build(int page, int spec_steps, int topk, int draft_tokens, bool deterministic = false) {
     model_.name = "graph-gpu";
@@ -164,7 +155,7 @@ class CudaGraphRuntime : public ::testing::Test {
     LayerSpec c = attention_layer(2, 16, 2, 128);
     model_.layers = {a, b, c};
     Options o;
-    o.attention_backend = deterministic ? kDetGraphs : "cuda";
+    o.attention_backend = "cuda";
     o.page_size = page;
     o.speculative_num_steps = spec_steps;
     o.speculative_eagle_topk = topk;

@@ -660,10 +660,8 @@ BackendEntry cuda_backend_entry() {
   e.caps.head_dims = {};
   claim_every_feature(e.caps);
   e.caps.cuda_graphs = true;
-  // The plan and kernels capture --deterministic steps batch-invariantly (docs/cuda_graphs.md),
-  // but that path has not yet passed its GPU test after its last fix, so deterministic mode keeps
-  // graphs off here; tests/test_cuda_graphs.cpp registers a copy of this entry with the flag on.
-  e.caps.deterministic_graphs = false;
+  // The plan and kernels capture --deterministic steps batch-invariantly (docs/cuda_graphs.md).
+  e.caps.deterministic_graphs = true;
   e.auto_selectable = true;
   e.unavailable_reason = []() -> std::string {
     const CudaDeviceInfo& info = query_cuda();
