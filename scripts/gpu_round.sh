@@ -56,6 +56,6 @@ for mode in default deterministic; do
 done
 if [ -f bench/torch_dsa.py ]; then
   s=$(date +%s)
-  (cd bench && timeout 90 python3 torch_dsa.py --json $O/torch_dsa.json) > $O/torch_dsa.txt 2>&1
+  (cd bench && timeout 90 python3 torch_dsa.py --device cuda --json $O/torch_dsa.json) > $O/torch_dsa.txt 2>&1
   echo "torch_dsa rc=$? $(( $(date +%s)-s )) s"; tail -12 $O/torch_dsa.txt
 fi
