@@ -303,6 +303,19 @@ TEST(DsaIndexKeys, StoredAtOutCacheLocInTheDeepGemmPageLayout) {
   }
 }
 
+// A host cache's index keys copied into another cache of the same shape: byte for byte (the
+// bench's device mirror uses the same call on a GPU cache).
+TEST(DsaIndexKeys, CopyFromHostMirrorsEveryByte) {
+  const Step a = make_step(dsa_model(8), options_for("cpu", 16), {Kind::decode, {40}, {1}}, 3);
+  const Step b = make_step(dsa_model(8), options_for("cpu", 16), {Kind::decode, {40}, {1}}, 4);
+  const IndexKeyView src = a.rt->kv_cache().index_keys(0), dst = b.rt->kv_cache().index_keys(0);
+  ASSERT_EQ(src.num_rows, dst.num_rows);
+  const size_t bytes = static_cast<size_t>(src.num_rows) * (src.dim + 4);
+  ASSERT_NE(std::memcmp(src.data, dst.data, bytes), 0);  // different seeds, different keys
+  b.rt->kv_cache().copy_index_keys_from_host(0, src.data);
+  EXPECT_EQ(std::memcmp(src.data, dst.data, bytes), 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Selection
 

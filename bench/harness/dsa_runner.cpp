@@ -9,6 +9,9 @@
 //     alternately with the step, so the indexer's time is their difference repetition by
 //     repetition;
 //   - the dense MLA row of the same shape, through the mla suite's runner (run_row).
+// On a GPU the tested backend runs on a device copy of the pools (latent rows and index keys) and
+// of the step's tensors (DeviceStep); the host pools, updated with the step's stores, stay what
+// the reference check reads.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -29,6 +32,7 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/model/model_spec.h"
+#include "bench/harness/device_row.h"
 #include "bench/harness/row_check.h"
 #include "bench/harness/row_figures.h"
 #include "bench/harness/runner.h"
@@ -193,7 +197,8 @@ struct DsaData {
 std::unique_ptr<AttentionBackend> make_backend(const std::string& name, const ModelSpec& model,
                                                Options& options, const DsaWorkload& w, KVCache* kv,
                                                const ReqToTokenPool* r2t, int threads,
-                                               const Registry& registry) {
+                                               const Registry& registry,
+                                               Device device = Device::cpu()) {
   options.attention_backend = name;
   options.page_size = w.page_size;
   options.kv_cache_dtype = "bf16";
@@ -204,9 +209,51 @@ std::unique_ptr<AttentionBackend> make_backend(const std::string& name, const Mo
   ctx.options = &options;
   ctx.kv_cache = kv;
   ctx.req_to_token = r2t;
-  ctx.device = Device::cpu();
+  ctx.device = device;
   return create_backend(selection, ctx, registry);
 }
+
+// The tested backend's copy of a shape on a GPU: the latent pool and the index-key cache copied
+// from the host ones, the step's tensors uploaded, out and topk allocated there. Work goes to the
+// default stream, which the device timer records on.
+struct DeviceStep {
+  std::unique_ptr<DeviceRow> row;
+  std::unique_ptr<DeviceTensors> tensors;
+  TensorView index_q, index_k, weights, topk;
+
+  DeviceStep(Device device, DsaData& d) {
+    // The row's v is not read (an MLA layer stores and reads its latent rows through k).
+    row = make_device_row(device, d.model, d.config, *d.kv, d.io.q, d.io.k, d.io.k, d.io.out);
+    const IndexKeyView host = d.kv->index_keys(0);
+    row->cache().copy_index_keys_from_host(0, host.data);
+    tensors = make_device_tensors(device, row->cache());
+    index_q = upload(*tensors, d.io.index_q);
+    index_k = upload(*tensors, d.io.index_k);
+    weights = upload(*tensors, d.io.weights);
+    topk = tensors->allocate(d.io.topk.bytes(), d.io.topk.view());
+  }
+
+  KVCache& cache() { return row->cache(); }
+
+  AttnArgs args() const {
+    AttnArgs a = row->args();
+    a.v = {};
+    a.save_kv = true;
+    a.indexer = {.q = index_q, .k = index_k, .weights = weights, .topk = topk};
+    return a;
+  }
+
+  // After a step: its out and topk on the host, and its stores (latent rows and index keys) in
+  // the host pools too, which the reference check reads (the host store quantises the index keys
+  // exactly as the device's does).
+  void collect(DsaData& d) {
+    row->download_out(d.io.out);
+    tensors->download(topk, d.io.topk.data(), d.io.topk.bytes());
+    d.kv->begin_step(d.batch);
+    d.kv->store_step_kv(0, d.io.k.view(), {});
+    d.kv->store_step_index_k(0, d.io.index_k.view());
+  }
+};
 
 // The query tokens the check recomputes on the reference backend: decode, the first and the last
 // request; prefill, the last min(16, S) tokens of the request (each scores about S keys), run as
@@ -302,8 +349,12 @@ struct SparseRun {
   std::unique_ptr<AttentionBackend> backend;
   HostBuffer out;
   AttnArgs args;
+  DeviceStep* gpu = nullptr;
+  TensorView gpu_out;
 
-  SparseRun(const BenchConfig& config, DsaData& d, int threads) : model(dsa_model(d.w, false)) {
+  // On `cache` (the host pool, or the DeviceStep's copy when `gpu` is given).
+  SparseRun(const BenchConfig& config, DsaData& d, int threads, KVCache& cache, DeviceStep* gpu)
+      : model(dsa_model(d.w, false)), gpu(gpu) {
     const DsaWorkload& w = d.w;
     r2t = std::make_unique<ReqToTokenPool>(w.batch, w.index_topk);
     std::vector<int64_t> rows;
@@ -321,12 +372,23 @@ struct SparseRun {
     const std::vector<int64_t> loc = batch.out_cache_loc;
     batch = make_decode_batch(rows, lens);
     batch.out_cache_loc = loc;
-    backend = make_backend(config.backend, model, options, w, d.kv.get(), r2t.get(), threads,
-                           registry_of(config));
+    backend = make_backend(config.backend, model, options, w, &cache, r2t.get(), threads,
+                           registry_of(config), config.device);
     out = HostBuffer(DType::bf16, {w.num_tokens(), w.q_heads, w.kv_lora_rank});
-    args.q = d.io.q.view();
-    args.out = out.view();
+    if (gpu != nullptr) {
+      args.q = gpu->row->args().q;
+      gpu_out = gpu->tensors->allocate(out.bytes(), out.view());
+      args.out = gpu_out;
+    } else {
+      args.q = d.io.q.view();
+      args.out = out.view();
+    }
     args.save_kv = false;  // the latent rows are in the pool: only attention is measured
+  }
+
+  // The output on the host once the GPU is done with it.
+  void collect() {
+    if (gpu != nullptr) gpu->tensors->download(gpu_out, out.data(), out.bytes());
   }
 };
 
@@ -365,23 +427,31 @@ ShapeMeasure measure_shape(const BenchConfig& config, const DsaWorkload& w, bool
     say(config, fmt::format("{}: setting up {} ({:.1f} MiB of index keys)", w.name, w.shape(),
                             dsa_index_bytes(w) / double(1 << 20)));
     DsaData d(w, config.seed);
+    std::unique_ptr<DeviceStep> gpu;
+    if (config.device.kind != DeviceKind::cpu) {
+      say(config, fmt::format("{}: copying the pools to {}", w.name, device_name(config.device)));
+      gpu = std::make_unique<DeviceStep>(config.device, d);
+    }
+    KVCache& cache = gpu ? gpu->cache() : *d.kv;
     Options options;
-    auto tested = make_backend(config.backend, d.model, options, w, d.kv.get(),
-                               d.req_to_token.get(), threads, registry_of(config));
-    const AttnArgs args = d.io.args();
-    d.kv->begin_step(d.batch);
+    auto tested = make_backend(config.backend, d.model, options, w, &cache,
+                               d.req_to_token.get(), threads, registry_of(config), config.device);
+    const AttnArgs args = gpu ? gpu->args() : d.io.args();
+    cache.begin_step(d.batch);
     tested->init_forward_metadata(d.batch);
     tested->forward(args, d.layer(), d.batch);
+    if (gpu) gpu->collect(d);
     say(config, fmt::format("{}: checking against the reference backend", w.name));
     m.check = check_against_reference(config, d, threads);
     if (!m.check.check.passed) return m;
 
     std::unique_ptr<SparseRun> sparse;
     if (need_sparse) {
-      sparse = std::make_unique<SparseRun>(config, d, threads);
-      d.kv->begin_step(sparse->batch);
+      sparse = std::make_unique<SparseRun>(config, d, threads, cache, gpu.get());
+      cache.begin_step(sparse->batch);
       sparse->backend->init_forward_metadata(sparse->batch);
       sparse->backend->forward(sparse->args, sparse->model.layers[0], sparse->batch);
+      sparse->collect();
       m.sparse_vs_step_err =
           max_rel_err_bf16(sparse->out, d.io.out, w.num_tokens() * w.q_heads, w.kv_lora_rank);
       ATTNRT_CHECK(m.sparse_vs_step_err <= config.check_tolerance,
@@ -396,28 +466,28 @@ ShapeMeasure measure_shape(const BenchConfig& config, const DsaWorkload& w, bool
     // The step and (when measured) the sparse attention alternate, each after a cache flush,
     // each after its own begin_step (untimed): the step stores its rows at its own write slots.
     say(config, fmt::format("{}: timing ({} repeats)", w.name, config.repeats));
-    auto timer = make_device_timer(Device::cpu());
-    d.kv->begin_step(d.batch);
+    auto timer = make_device_timer(config.device);
+    cache.begin_step(d.batch);
     tested->init_forward_metadata(d.batch);
     auto run_step = [&] { tested->forward(args, d.layer(), d.batch); };
     auto run_sparse = [&] {
       sparse->backend->forward(sparse->args, sparse->model.layers[0], sparse->batch);
     };
     for (int i = 0; i < config.warmup; ++i) {
-      d.kv->begin_step(d.batch);
+      cache.begin_step(d.batch);
       run_step();
       if (sparse) {
-        d.kv->begin_step(sparse->batch);
+        cache.begin_step(sparse->batch);
         run_sparse();
       }
     }
     std::vector<double> step_s, sparse_s;
     for (int i = 0; i < config.repeats; ++i) {
-      d.kv->begin_step(d.batch);
+      cache.begin_step(d.batch);
       timer->flush_caches();
       step_s.push_back(timer->time(run_step));
       if (sparse) {
-        d.kv->begin_step(sparse->batch);
+        cache.begin_step(sparse->batch);
         timer->flush_caches();
         sparse_s.push_back(timer->time(run_sparse));
       }
@@ -541,16 +611,6 @@ std::vector<DsaRowResult> run_dsa_rows(const BenchConfig& config,
     for (DsaRowResult& row : out) {
       row.status = "n/a";
       row.error = why;
-    }
-    return out;
-  }
-  if (config.device.kind != DeviceKind::cpu) {
-    for (DsaRowResult& row : out) {
-      row.status = "error";
-      row.error = fmt::format(
-          "{} serves DSA on {}, but the DSA rows lay out their pools in host memory only: the "
-          "device layout of the index-key cache is not written yet",
-          config.backend, device_name(config.device));
     }
     return out;
   }

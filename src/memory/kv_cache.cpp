@@ -27,6 +27,11 @@ void KVCache::store_step_index_k(int layer_id, const TensorView&) {
   (void)index_keys(layer_id);
 }
 
+void KVCache::copy_index_keys_from_host(int layer_id, const void* src) {
+  const IndexKeyView v = index_keys(layer_id);
+  copy(v.data, src, static_cast<size_t>(v.num_rows) * (v.dim + 4));
+}
+
 void KVCache::bind_layer_storage(int layer_id, void*, void*) {
   fail("this KV cache cannot read an engine's own buffers (layer {})", layer_id);
 }

@@ -70,6 +70,10 @@ class KVCache {
   // keys (the host cache keeps them for every layer with an indexer).
   virtual IndexKeyView index_keys(int layer_id) const;
   virtual void store_step_index_k(int layer_id, const TensorView& k);
+  // Fills layer `layer_id`'s index-key cache with the bytes of a host one laid out the same way
+  // (index_keys(layer_id): num_rows slots, docs/dsa.md "The index-key cache"): a device mirror of
+  // a host cache, for tests and tools. Complete on return; throws where index_keys does.
+  void copy_index_keys_from_host(int layer_id, const void* src);
   virtual Device device() const = 0;
   virtual DType dtype() const = 0;
   virtual int page_size() const = 0;
