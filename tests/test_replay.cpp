@@ -404,9 +404,11 @@ TEST_F(ReplayTest, BadCasesNameTheFileAndField) {
       {"\"format\": \"attnrt-case\"", "\"format\": {\"x\": 1}", "not an attnrt case"},
       // Issue 21 (fuzz_case, second long run): a float past int64 read as an integer field was
       // converted by a plain cast (UBSan: undefined behaviour); whole numbers in range only.
-      {"\"num_q_heads\": 4", "\"num_q_heads\": 1.3e58", "expected a whole number"},
-      {"\"num_q_heads\": 4", "\"num_q_heads\": 4.5", "expected a whole number"},
-      {"\"num_q_heads\": 4", "\"num_q_heads\": 4294967296", "expected a whole number"},
+      {"\"num_q_heads\": 4", "\"num_q_heads\": 1.3e58", "expected whole numbers"},
+      {"\"num_q_heads\": 4", "\"num_q_heads\": 4.5", "expected whole numbers"},
+      {"\"num_q_heads\": 4", "\"num_q_heads\": 4294967296", "expected whole numbers"},
+      // Issue 21 (fuzz_case, third long run): the same cast in the elements of an integer array.
+      {"\"seq_lens\": [", "\"seq_lens\": [1e300, ", "expected whole numbers"},
   };
   for (const Edit& edit : edits) {
     std::string t = text;

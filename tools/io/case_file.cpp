@@ -69,18 +69,12 @@ class Reader {
   template <typename T>
   T get(const json& obj, const std::string& prefix, const char* key) const {
     const json& v = at(obj, prefix, key);
-    if constexpr (std::is_integral_v<T> && !std::is_same_v<T, bool>) {
-      if (!v.is_number()) fail("{}: field '{}{}' has the wrong type ({})", path_, prefix, key, v.dump());
-      // nlohmann converts a float or an out-of-range integer to T with a plain cast (undefined
-      // behaviour past T's range): whole numbers in range only.
-      const bool in_range =
-          v.is_number_unsigned()
-              ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
-              : v.is_number_integer() && v.get<int64_t>() >= std::numeric_limits<T>::min() &&
-                    v.get<int64_t>() <= static_cast<int64_t>(std::numeric_limits<T>::max());
-      if (!in_range)
-        fail("{}: field '{}{}' is {}; expected a whole number in [{}, {}]", path_, prefix, key,
-             v.dump(), std::numeric_limits<T>::min(), std::numeric_limits<T>::max());
+    if constexpr (is_integer<T>) {
+      check_whole<T>(v, prefix, key);
+    } else if constexpr (is_integer_vector<T>) {
+      if (v.is_array()) {
+        for (const json& e : v) check_whole<typename T::value_type>(e, prefix, key);
+      }
     }
     try {
       return v.get<T>();
@@ -96,6 +90,30 @@ class Reader {
   const std::string& path() const { return path_; }
 
  private:
+  template <typename T>
+  static constexpr bool is_integer = std::is_integral_v<T> && !std::is_same_v<T, bool>;
+  template <typename T>
+  struct IsIntegerVector : std::false_type {};
+  template <typename I>
+  struct IsIntegerVector<std::vector<I>> : std::bool_constant<is_integer<I>> {};
+  template <typename T>
+  static constexpr bool is_integer_vector = IsIntegerVector<T>::value;
+
+  // nlohmann converts a float or an out-of-range integer to an integer type with a plain cast
+  // (undefined behaviour past its range): whole numbers in range only, fields and array elements.
+  template <typename T>
+  void check_whole(const json& v, const std::string& prefix, const char* key) const {
+    if (!v.is_number()) fail("{}: field '{}{}' has the wrong type ({})", path_, prefix, key, v.dump());
+    const bool in_range =
+        v.is_number_unsigned()
+            ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
+            : v.is_number_integer() && v.get<int64_t>() >= std::numeric_limits<T>::min() &&
+                  v.get<int64_t>() <= static_cast<int64_t>(std::numeric_limits<T>::max());
+    if (!in_range)
+      fail("{}: field '{}{}' holds {}; expected whole numbers in [{}, {}]", path_, prefix, key,
+           v.dump(), std::numeric_limits<T>::min(), std::numeric_limits<T>::max());
+  }
+
   std::string path_;
 };
 
