@@ -46,6 +46,13 @@ for mode in default deterministic; do
   echo "bench $mode rc=$? $(( $(date +%s)-s )) s"
   grep -E "^(decode|verify)|plan|graph" $O/bench_$mode.txt | head -14
 done
+# The split policy measured (CHUNKS: keys per split through ATTNRT_KV_CHUNK, eager steps, on
+# CHUNK_ROWS), e.g. what deterministic mode's fixed chunk costs a row.
+for c in ${CHUNKS:-}; do
+  ATTNRT_KV_CHUNK=$c timeout 60 $B/attnrt bench --backend cuda --workload "${CHUNK_ROWS:-$rows}" \
+    --no-reference --repeats 10 --warmup 2 > $O/bench_chunk_$c.txt 2>&1
+  echo "bench ATTNRT_KV_CHUNK=$c rc=$?"; grep -E "^(decode|verify)" $O/bench_chunk_$c.txt
+done
 for mode in default deterministic; do
   flag=(); [ $mode = deterministic ] && flag=(--deterministic)
   s=$(date +%s)
