@@ -8,11 +8,9 @@
 #   100), SOAK_STEPS (30000), SOAK_SECONDS (150), PARTS (check,sanitize,soak).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUTDIR=${OUT:-/tmp/o}; O=$OUTDIR/logs; mkdir -p "$O"
-trap 'tar -C "$OUTDIR" -czf "$OUTDIR/logs.tar.gz" logs && rm -rf "$O"' EXIT
-source .devdeps/unpack-debs.sh >/dev/null
+# The summary (what is printed) is in the call's output; logs come back in $OUT/logs.tar.gz.
 source scripts/gpubin.sh
-B=/tmp/bin; gpubin_unpack .gpubin $B
+gpu_call_setup
 parts=${PARTS:-check,sanitize,soak}
 has() { [[ ",$parts," == *",$1,"* ]]; }
 $B/attnrt info | sed -n 3p

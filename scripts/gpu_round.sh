@@ -8,13 +8,9 @@
 #   decode-256x2048,verify-chain-64x4096+8)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# At most 8 files come back from $OUT: logs go to $O/logs and are packed into one tarball at the
-# end; the summary (what is printed) is in the call's output.
-OUTDIR=${OUT:-/tmp/o}; O=$OUTDIR/logs; mkdir -p "$O"
-trap 'tar -C "$OUTDIR" -czf "$OUTDIR/logs.tar.gz" logs && rm -rf "$O"' EXIT
-source .devdeps/unpack-debs.sh >/dev/null
+# The summary (what is printed) is in the call's output; logs come back in $OUT/logs.tar.gz.
 source scripts/gpubin.sh
-B=/tmp/bin; gpubin_unpack .gpubin $B
+gpu_call_setup
 # PyTorch's NCCL where the toolkit has none.
 if [ -z "${ATTNRT_NCCL_LIBRARY:-}" ]; then
   lib=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib', 'libnccl.so.2'))" 2>/dev/null)
