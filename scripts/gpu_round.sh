@@ -5,7 +5,8 @@
 # version the machine loads, and torch's DSA anchors (bench/torch_dsa.py) when present.
 #   usage: OUT=DIR scripts/gpu_round.sh   (carry .gpubin from scripts/gpu_prebuild.sh and .devdeps)
 #   TEST_TIMEOUT (s, default 170), ROWS (bench rows, default decode-64x4096,decode-1x32768,
-#   decode-256x2048,verify-chain-64x4096+8)
+#   decode-256x2048,verify-chain-64x4096+8), CHUNKS / CHUNK_ROWS (the split policy), RUNS (more
+#   `attnrt run` argument sets, ';'-separated), SUITES (bench suites, e.g. dsa), TORCH_DSA=0 (skip)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The summary (what is printed) is in the call's output; logs come back in $OUT/logs.tar.gz.
@@ -57,7 +58,24 @@ for mode in default deterministic; do
   echo "run $mode rc=$? $(( $(date +%s)-s )) s"
   grep -E -i "DECODE|graph|tokens/s|leak" $O/run_$mode.txt | head -8
 done
-if [ -f bench/torch_dsa.py ]; then
+# RUNS: more `attnrt run` argument sets, separated by ';' (each on cuda, its summary printed).
+IFS=';' read -r -a runs <<<"${RUNS:-}"
+for i in "${!runs[@]}"; do
+  s=$(date +%s)
+  # shellcheck disable=SC2086  # each set is split into its arguments
+  timeout 120 $B/attnrt run --attention-backend cuda --no-progress ${runs[$i]} > $O/run_extra_$i.txt 2>&1
+  echo "run ${runs[$i]} rc=$? $(( $(date +%s)-s )) s"
+  grep -E -i "^(EXTEND|DECODE|MIXED|TARGET|DRAFT|total)|graph|dcp|error|fail|leak" $O/run_extra_$i.txt | head -14
+done
+# SUITES: `attnrt bench --suite S` on cuda for each S (e.g. dsa), rows printed.
+for suite in ${SUITES:-}; do
+  s=$(date +%s)
+  timeout 240 $B/attnrt bench --backend cuda --suite $suite --no-reference --repeats 10 \
+    --warmup 2 --json $O/bench_suite_$suite.json > $O/bench_suite_$suite.txt 2>&1
+  echo "bench --suite $suite rc=$? $(( $(date +%s)-s )) s"
+  grep -v -E "^bench: " $O/bench_suite_$suite.txt | tail -24
+done
+if [ -f bench/torch_dsa.py ] && [ "${TORCH_DSA:-1}" != 0 ]; then
   s=$(date +%s)
   (cd bench && timeout 90 python3 torch_dsa.py --device cuda --json $O/torch_dsa.json) > $O/torch_dsa.txt 2>&1
   echo "torch_dsa rc=$? $(( $(date +%s)-s )) s"; tail -12 $O/torch_dsa.txt
