@@ -4,8 +4,9 @@
 # CHECK_SECONDS), compute-sanitizer's four tools over parts of the GPU suite and over `attnrt run`
 # (graphs on, speculative decoding), and a soak with CUDA graphs.
 #   usage: OUT=DIR scripts/gpu_reliability.sh   (carry .gpubin from scripts/gpu_prebuild.sh and
-#   .devdeps). SEED (20261204), CHECK_PIECE (5000), CHECK_SECONDS (240), SAN_SECONDS (per tool,
-#   100), SOAK_STEPS (30000), SOAK_SECONDS (150), PARTS (check,sanitize,soak).
+#   .devdeps). SEED (20261204), CHECK_PIECE (5000), CHECK_SECONDS (240), SAN_SECONDS (per run,
+#   100), MEMCHECK_TESTS / RACECHECK_TESTS (gtest filters), SOAK_STEPS (30000), SOAK_SECONDS
+#   (150), PARTS (check,sanitize,soak), FIRST_CASE (0: where the pieces start).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The summary (what is printed) is in the call's output; logs come back in $OUT/logs.tar.gz.
@@ -17,7 +18,7 @@ $B/attnrt info | sed -n 3p
 
 if has check; then
   seed=${SEED:-20261204} piece=${CHECK_PIECE:-5000}
-  end=$(( $(date +%s) + ${CHECK_SECONDS:-240} )); first=0; s=$(date +%s)
+  end=$(( $(date +%s) + ${CHECK_SECONDS:-240} )); first=${FIRST_CASE:-0}; s=$(date +%s)
   while [ $(( $(date +%s) + 60 )) -lt $end ]; do
     timeout $(( end - $(date +%s) )) $B/attnrt check --backend cuda --seed $seed \
       --first-case $first --cases $piece --jobs 8 --no-progress > $O/check_$first.txt 2>&1
@@ -43,13 +44,19 @@ if has sanitize; then
       grep -E "^\[ +(PASSED|FAILED) +\]|tests ran" $O/san_${tool}_$label.txt | head -3
     }
     run=($B/attnrt run --attention-backend cuda --no-progress --speculative-num-steps 3)
-    tests_mem='CudaBackendTest.*:CudaMlaCta.*:CudaPrefillWsTest.*:CudaGraphRuntime.Decode*:CudaLinearChunked.*'
-    tests_small='CudaBackendTest.*:CudaMlaCta.*:CudaPrefillWsTest.*'
+    # The runs: full attention (demo), MLA (deepseek-v3, one layer), hybrid linear + full
+    # (qwen3-next, two layers), each with graphs and chain verify; then parts of the GPU suite.
     san memcheck run "${run[@]}"
-    san memcheck tests $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$tests_mem"
+    san memcheck run_mla "${run[@]}" --model deepseek-v3 --layers 1
+    san memcheck run_hybrid "${run[@]}" --model qwen3-next-80b --layers 4
     san initcheck run "${run[@]}"
-    san synccheck tests $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$tests_small"
-    san racecheck tests $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$tests_small"
+    san initcheck run_mla "${run[@]}" --model deepseek-v3 --layers 1
+    san synccheck tests $B/attnrt_cuda_tests --gtest_brief=1 \
+      --gtest_filter='CudaBackendTest.*:CudaMlaCta.*:CudaPrefillWsTest.*'
+    san memcheck tests $B/attnrt_cuda_tests --gtest_brief=1 \
+      --gtest_filter="${MEMCHECK_TESTS:-CudaBackendTest.*:CudaMlaCta.*}"
+    san racecheck tests $B/attnrt_cuda_tests --gtest_brief=1 \
+      --gtest_filter="${RACECHECK_TESTS:-CudaBackendTest.Decode*:CudaBackendTest.TargetVerify*}"
   fi
 fi
 
