@@ -25,22 +25,26 @@ const LayerSpec& layer_by_id(const ModelSpec& model, int layer_id, const char* w
   fail("{}: model '{}' has no layer {}", what, model.name, layer_id);
 }
 
-// Rows `rows` of a [T, H, D] host tensor (any float dtype and strides) as contiguous fp32.
+// Rows `rows` of a [T, H, D] host tensor (any float dtype and strides), contiguous, as `dtype`
+// (fp32 for host ranks; the activations' own dtype for cuda ranks, whose kernels take bf16 / fp16).
 TensorView gather_rows(const TensorView& src, std::span<const int64_t> rows,
-                       std::vector<float>& buf) {
+                       std::vector<float>& buf, DType dtype = DType::f32) {
   const int64_t h = src.shape[1], d = src.shape[2];
-  buf.resize(std::max<size_t>(1, rows.size() * h * d));
+  const size_t n = rows.size() * h * d;
+  buf.resize(std::max<size_t>(1, (n * dtype_size(dtype) + sizeof(float) - 1) / sizeof(float)));
   size_t at = 0;
   for (const int64_t row : rows) {
     for (int64_t i = 0; i < h; ++i) {
       for (int64_t j = 0; j < d; ++j) {
-        buf[at++] = load_as_float(
-            src.data, src.dtype,
-            static_cast<size_t>(row * src.strides[0] + i * src.strides[1] + j * src.strides[2]));
+        store_from_float(buf.data(), dtype, at++,
+                         load_as_float(src.data, src.dtype,
+                                       static_cast<size_t>(row * src.strides[0] +
+                                                           i * src.strides[1] +
+                                                           j * src.strides[2])));
       }
     }
   }
-  return TensorView(buf.data(), DType::f32, {static_cast<int64_t>(rows.size()), h, d});
+  return TensorView(buf.data(), dtype, {static_cast<int64_t>(rows.size()), h, d});
 }
 
 void check_global_tensor(const char* what, const TensorView& t, DeviceKind device, int64_t d0,
@@ -151,6 +155,9 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
       m.layers.back().has_sinks = false;  // added once, in the merge
     }
     p.runtime = std::make_unique<AttentionRuntime>(std::move(m), o, c);
+    // GPU pools: every part of the rank (and its gather / pack / merge) works on one stream, the
+    // legacy default one, which the group's device communicator orders its copies on.
+    if (p.runtime->kv_cache().device().kind == DeviceKind::cuda) p.runtime->set_stream(nullptr);
     ReqToTokenPool& pool = p.runtime->req_to_token();
     for (int r = 0; r < c.max_requests; ++r) p.scratch_rows.push_back(pool.alloc());
     p.local.resize(config.max_requests);
@@ -355,14 +362,18 @@ void DcpRank::forward(int layer_id, const AttnArgs& args) {
 
   // The partial of every row this rank sees; rows it does not see stay (0, -inf).
   send_.assign(static_cast<size_t>(T * hq * packed), 0.f);
+  // Host ranks attend fp32 copies; cuda ranks (host tensors staged by their backend) the
+  // activations' dtype, which their kernels take, with the partial output in it too.
+  const bool gpu = part->runtime->kv_cache().device().kind == DeviceKind::cuda;
+  const DType dt = gpu ? args.q.dtype : DType::f32;
   if (rows > 0) {
     AttnArgs a;
-    a.q = gather_rows(args.q, entries, q_);
-    if (!args.k.empty()) a.k = gather_rows(args.k, entries, k_);
-    if (!args.v.empty() && layer.kind != LayerKind::mla) a.v = gather_rows(args.v, entries, v_);
+    a.q = gather_rows(args.q, entries, q_, dt);
+    if (!args.k.empty()) a.k = gather_rows(args.k, entries, k_, dt);
+    if (!args.v.empty() && layer.kind != LayerKind::mla) a.v = gather_rows(args.v, entries, v_, dt);
     out_.resize(static_cast<size_t>(rows * hq * dv));
     lse_.resize(static_cast<size_t>(rows * hq));
-    a.out = TensorView(out_.data(), DType::f32, {rows, hq, dv});
+    a.out = TensorView(out_.data(), dt, {rows, hq, dv});
     a.lse = TensorView(lse_.data(), DType::f32, {rows, hq});
     a.save_kv = args.save_kv;
     part->runtime->forward(local_id, a);
@@ -381,7 +392,9 @@ void DcpRank::forward(int layer_id, const AttnArgs& args) {
           dst[dv] = kNegInf;
           continue;
         }
-        std::copy_n(out_.data() + (entry[t] * hq + h) * dv, dv, dst);
+        for (int j = 0; j < dv; ++j) {
+          dst[j] = load_as_float(out_.data(), dt, static_cast<size_t>((entry[t] * hq + h) * dv + j));
+        }
         dst[dv] = lse_[entry[t] * hq + h];
       }
     }

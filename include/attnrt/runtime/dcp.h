@@ -50,6 +50,7 @@ class DcpRank {
   // `options` (dcp_size = 1 on the rank) and `config` per rank; its req_to_token has
   // max_num_tokens key-list rows (one per query row of a step), max_context_len / n (+ the verify
   // block) wide.
+  // A rank on GPU pools runs its part runtimes on the legacy default stream (set_stream(nullptr)).
   // `comm` moves the partials: host buffers (in_process) for host tensors, device buffers
   // (device_in_process, nccl) for GPU tensors; a rank with a device communicator takes host
   // tensors too when `host_comm` (host buffers, the same group) is given.
