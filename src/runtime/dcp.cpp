@@ -212,6 +212,27 @@ void DcpRank::free_request(int row) {
   }
 }
 
+void DcpRank::reserve_prefix(int row, int32_t tokens) {
+  ATTNRT_CHECK(row >= 0 && row < static_cast<int>(parts_[0].local.size()) && tokens >= 0,
+               "DcpAttention::reserve_prefix: row {}, {} tokens; request rows are 0..{}", row,
+               tokens, parts_[0].local.size() - 1);
+  const int32_t need = dcp_local_count(tokens, rank_, size_);
+  for (Part& p : parts_) {
+    std::vector<int32_t>& cols = p.local[row];
+    const auto have = static_cast<int32_t>(cols.size());
+    if (have >= need) continue;
+    ATTNRT_CHECK(need <= p.runtime->req_to_token().max_context_len(),
+                 "DcpAttention::reserve_prefix: {} tokens need {} columns on rank {}; a rank's "
+                 "row holds {}",
+                 tokens, need, rank_, p.runtime->req_to_token().max_context_len());
+    const std::vector<int32_t> prefix = {have}, seq = {need};
+    const std::vector<int64_t> last = {have > 0 ? cols.back() : -1};
+    for (const int64_t slot : p.runtime->allocator().alloc_extend(prefix, seq, last)) {
+      cols.push_back(static_cast<int32_t>(slot));
+    }
+  }
+}
+
 void DcpRank::check_step(const ForwardBatch& batch, const StepLayout& layout) const {
   ATTNRT_CHECK(layout.num_tokens <= static_cast<int64_t>(parts_[0].scratch_rows.size()),
                "DcpAttention: the step has {} tokens, more than RuntimeConfig.max_num_tokens = {}; "
@@ -349,7 +370,7 @@ void DcpRank::begin_part(Part& part, const ForwardBatch& batch, const StepLayout
   part.runtime->begin_step(part.batch);
 }
 
-void DcpRank::forward(int layer_id, const AttnArgs& args) {
+void DcpRank::partial(int layer_id, const AttnArgs& args) {
   ATTNRT_CHECK(in_step_, "DcpRank {}: forward(layer {}) outside a step; call begin_step first",
                rank_, layer_id);
   if (args.q.device.kind == DeviceKind::cuda) return forward_device(layer_id, args);
@@ -380,7 +401,10 @@ void DcpRank::forward(int layer_id, const AttnArgs& args) {
   }
   std::vector<int64_t> entry(T, -1);
   for (int64_t e = 0; e < rows; ++e) entry[entries[e]] = e;
-  std::vector<int64_t> send_counts(n), recv_counts(n);
+  std::vector<int64_t>& send_counts = send_counts_;
+  std::vector<int64_t>& recv_counts = recv_counts_;
+  send_counts.assign(n, 0);
+  recv_counts.assign(n, 0);
   const int mine = dcp_head_begin(rank_ + 1, hq, n) - dcp_head_begin(rank_, hq, n);
   int64_t block = 0;
   for (int d = 0; d < n; ++d) {
@@ -403,7 +427,9 @@ void DcpRank::forward(int layer_id, const AttnArgs& args) {
     block += send_counts[d];
   }
   recv_.assign(static_cast<size_t>(n * T * mine * packed), 0.f);
-  host_communicator().all_to_all(rank_, send_, send_counts, recv_, recv_counts);
+  exchange_comm_ = &host_communicator();
+  exchange_send_ = send_;
+  exchange_recv_ = recv_;
 }
 
 // The counts of the all-to-all of a layer: block d (heads of rank d) of every row to rank d.
@@ -443,11 +469,24 @@ void DcpRank::forward_device(int layer_id, const AttnArgs& args) {
     a.save_kv = args.save_kv;
     part->runtime->forward(local_id, a);
   }
-  const std::span<float> send = dev.pack(hq, dv, n);
-  std::vector<int64_t> send_counts, recv_counts;
-  exchange_counts(rank_, n, hq, dv, T, send_counts, recv_counts);
-  const std::span<float> recv = dev.recv(n * recv_counts[0]);
-  comm_->all_to_all(rank_, send, send_counts, recv, recv_counts);
+  exchange_send_ = dev.pack(hq, dv, n);
+  exchange_counts(rank_, n, hq, dv, T, send_counts_, recv_counts_);
+  exchange_recv_ = dev.recv(n * recv_counts_[0]);
+  exchange_comm_ = comm_;
+}
+
+void DcpRank::forward(int layer_id, const AttnArgs& args) {
+  partial(layer_id, args);
+  exchange();
+}
+
+void DcpRank::exchange() {
+  ATTNRT_CHECK(exchange_comm_ != nullptr,
+               "DcpRank {}: exchange() without a partial to send; call partial(layer, args) first",
+               rank_);
+  Communicator* comm = exchange_comm_;
+  exchange_comm_ = nullptr;
+  comm->all_to_all(rank_, exchange_send_, send_counts_, exchange_recv_, recv_counts_);
 }
 
 void DcpRank::merge_device(int layer_id, const AttnArgs& args) {
@@ -584,6 +623,13 @@ DcpRank& DcpAttention::rank(int r) {
 
 void DcpAttention::free_request(int row) {
   for (auto& r : ranks_) r->free_request(row);
+}
+
+void DcpAttention::reserve_prefix(int row, int32_t tokens) {
+  ATTNRT_CHECK(tokens <= max_context_len_,
+               "DcpAttention::reserve_prefix: {} tokens, more than max_context_len = {}", tokens,
+               max_context_len_);
+  for (auto& r : ranks_) r->reserve_prefix(row, tokens);
 }
 
 void DcpAttention::set_kv_scales(int layer_id, float k_scale, float v_scale) {

@@ -69,6 +69,8 @@ class DcpRank {
   void set_kv_scales(int layer_id, float k_scale, float v_scale);
   // Releases the request's slots on this rank; the row starts empty again.
   void free_request(int row);
+  // See DcpAttention::reserve_prefix.
+  void reserve_prefix(int row, int32_t tokens);
 
   // The errors begin_step would give, before anything changes: rows of the group, the prefix
   // stored, the step within max_num_tokens.
@@ -81,6 +83,10 @@ class DcpRank {
   // (the rank's runtimes on the cuda backend): the rows are gathered, attended, packed and merged
   // in GPU memory on the rank runtime's stream (kernels/dcp.h).
   void forward(int layer_id, const AttnArgs& args);
+  // forward() in its two halves (to time or overlap them): the partial, packed into the send
+  // buffer; then the rank's all-to-all call.
+  void partial(int layer_id, const AttnArgs& args);
+  void exchange();
   // After the all-to-all has completed on every rank: the merged rows of this rank's heads, written
   // into args.out (and args.lse when given) at those heads; other heads are not touched.
   void merge(int layer_id, const AttnArgs& args);
@@ -97,6 +103,11 @@ class DcpRank {
   Communicator* host_comm_;
   std::unique_ptr<DcpDeviceRank> device_;  // GPU tensors: buffers and kernels, made when first used
   void forward_device(int layer_id, const AttnArgs& args);
+  // The exchange partial() prepared (host or device buffers).
+  Communicator* exchange_comm_ = nullptr;
+  std::span<const float> exchange_send_;
+  std::span<float> exchange_recv_;
+  std::vector<int64_t> send_counts_, recv_counts_;
   void merge_device(int layer_id, const AttnArgs& args);
   Communicator& host_communicator();
   // The layers of one sliding window (-1: none) on this rank, with a runtime of their own.
@@ -136,6 +147,11 @@ class DcpAttention {
   // rows); a row starts empty, steps store its tokens, free_request releases them on every rank
   // when the request ends.
   void free_request(int row);
+  // The first `tokens` tokens of request row `row` count as stored: their slots are allocated on
+  // their owners (columns as a prefill would give them), their K/V left as the pools hold them.
+  // For benchmarks (a long context without its prefill) and engines that write the pools
+  // themselves.
+  void reserve_prefix(int row, int32_t tokens);
   // fp8 scales of a layer, on every rank.
   void set_kv_scales(int layer_id, float k_scale, float v_scale);
 
