@@ -475,6 +475,92 @@ TEST(CudaDcpCommunicator, DeviceInProcessMovesBlocks) {
                      {"rank 2 sends 2 floats to rank 0, which expects 1"});
 }
 
+// The NCCL path of a rank (one rank per GPU): a DcpRank over a group of 1 GPU
+// (make_nccl_group({0})), GPU tensors, its all-to-all a send to itself through NCCL, against one
+// `reference` runtime: an EXTEND prefill of two requests, an EXTEND over the prefix and two decodes,
+// every layer of the GQA model. Skips, with the reason, where NCCL cannot be loaded.
+TEST(CudaDcpNccl, OneRankGroupMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  if (const std::string why = nccl_unavailable_reason(); !why.empty()) {
+    GTEST_SKIP() << "NCCL: " << why;
+  }
+  const uint32_t seed = test::test_seed();
+  SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const std::vector<int> devices = {0};
+  std::vector<std::unique_ptr<Communicator>> comms = make_nccl_group(devices);
+  ASSERT_EQ(comms.size(), 1u);
+  const ModelSpec model = gqa_model();
+  Options ref_opts;
+  ref_opts.attention_backend = "reference";
+  ref_opts.page_size = 1;
+  Options o = ref_opts;
+  o.attention_backend = "cuda";
+  const RuntimeConfig cfg = test::host_config(4, 2048, 64);
+  AttentionRuntime ref(model, ref_opts, cfg);
+  DcpRank rank(0, model, o, cfg, *comms[0]);
+  const std::vector<int64_t> rows = {ref.req_to_token().alloc(), ref.req_to_token().alloc()};
+  auto step = [&](ForwardBatch b, const std::string& what) {
+    const StepLayout lay = make_step_layout(b);
+    std::vector<int64_t> last;
+    std::vector<int32_t> seq;
+    for (int i = 0; i < b.batch_size; ++i) {
+      const int32_t p = lay.prefix_lens[i];
+      last.push_back(p > 0 ? ref.req_to_token().get(static_cast<int>(rows[i]), p - 1) : -1);
+      seq.push_back(p + lay.query_lens[i]);
+    }
+    b.out_cache_loc = ref.allocator().alloc_extend(lay.prefix_lens, seq, last);
+    size_t at = 0;
+    for (int i = 0; i < b.batch_size; ++i) {
+      const auto q = static_cast<size_t>(lay.query_lens[i]);
+      ref.req_to_token().write(static_cast<int>(rows[i]), lay.prefix_lens[i],
+                               std::span<const int64_t>(b.out_cache_loc.data() + at, q));
+      at += q;
+    }
+    const int64_t T = b.num_tokens();
+    ref.begin_step(b);
+    rank.check_step(b, lay);
+    rank.begin_step(b);
+    for (const LayerSpec& l : model.layers) {
+      const int hq = l.num_q_heads, hkv = l.num_kv_heads, d = l.head_dim, dv = l.v_head_dim;
+      HostBuffer q = test::random_buffer(DType::bf16, {T, hq, d}, rng);
+      HostBuffer k = test::random_buffer(DType::bf16, {T, hkv, d}, rng);
+      HostBuffer v = test::random_buffer(DType::bf16, {T, hkv, dv}, rng);
+      std::vector<float> sinks(hq, 0.5f);
+      HostBuffer out1(DType::bf16, {T, hq, dv}), outn(DType::bf16, {T, hq, dv});
+      HostBuffer lse1(DType::f32, {T, hq}), lsen(DType::f32, {T, hq});
+      for (const HostBuffer* p : {&out1, &outn, &lse1, &lsen}) test::poison(p->view());
+      AttnArgs a{.q = q.view(), .k = k.view(), .v = v.view(), .out = out1.view(),
+                 .lse = lse1.view()};
+      a.sinks = l.has_sinks ? sinks.data() : nullptr;
+      ref.forward(l.layer_id, a);
+      test::DevTensor dq(q.view()), dk(k.view()), dvv(v.view()), dout(outn.view()),
+          dlse(lsen.view());
+      AttnArgs g = a;
+      g.q = dq.view;
+      g.k = dk.view;
+      g.v = dvv.view;
+      g.out = dout.view;
+      g.lse = dlse.view;
+      rank.forward(l.layer_id, g);
+      rank.merge(l.layer_id, g);
+      rank.synchronize();
+      dout.download(outn.view());
+      dlse.download(lsen.view());
+      const std::string name = "1 cuda rank over NCCL, " + what + ", layer " +
+                               std::to_string(l.layer_id);
+      test::expect_close(outn.view(), out1.view(), kOutTol, name + " out [T, Hq, Dv]");
+      test::expect_close(lsen.view(), lse1.view(), kLseTol, name + " lse [T, Hq]");
+    }
+    ref.end_step();
+    rank.end_step();
+  };
+  step(make_extend_batch(rows, {0, 0}, {37, 20}), "prefill");
+  step(make_extend_batch(rows, {37, 20}, {5, 9}), "extend over a prefix");
+  step(make_decode_batch(rows, {43, 30}), "decode");
+  step(make_decode_batch(rows, {44, 31}), "decode 2");
+}
+
 // GPU tensors with host ranks, and page_size > 1 with cuda ranks, are refused with the reason.
 TEST(CudaDcpErrors, PageSizeAndDevices) {
   SKIP_WITHOUT_GPU();
