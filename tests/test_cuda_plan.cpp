@@ -701,3 +701,47 @@ TEST(CudaHostPlan, PrepareBytesFollowTheRowsOfABadBatch) {
 
 }  // namespace
 }  // namespace attnrt
+
+namespace attnrt {
+namespace {
+
+// A DCP rank's batch (ForwardBatch::dcp_partial, docs/dcp.md): a row on the dummy slot 0 is a query
+// that is no key here, so every page it reads comes from its (key-list) row, never from the slot:
+// one of one page at position 8 (the slot's offset would be refused) and one at position 0 (the
+// slot would name page 0); a row that owns its token still takes its page from the slot. Another
+// mode marked dcp_partial is refused.
+TEST(CudaHostPlan, DcpPartialRowsOnTheDummySlotReadTheirRow) {
+  Rows rows(3, 256, 16);
+  rows.grow(0, 9);
+  rows.grow(1, 1);
+  rows.grow(2, 40);
+  HostPlanner planner(config({4}, {128}, 8, false));
+  std::vector<uint64_t> buf(4096);
+  ForwardBatch b = make_decode_batch({0, 1, 2}, {9, 1, 40});
+  b.dcp_partial = true;
+  b.out_cache_loc = {0, 0, rows.pool.get(2, 39)};
+  planner.prepare(b, &rows.pool, 16, 0, nullptr, false, false, buf.data());
+  ASSERT_LE(planner.plan().bytes, buf.size() * 8);
+  planner.write(buf.data());
+  const char* host = reinterpret_cast<const char*>(buf.data());
+  const StepPlan& plan = planner.plan();
+  const auto* ri = reinterpret_cast<const ReqInfo*>(host + plan.classes[0].reqs_off);
+  const auto* pt = reinterpret_cast<const int32_t*>(host + plan.pt_off);
+  for (int i = 0; i < 3; ++i) {
+    const int row = static_cast<int>(b.req_pool_indices[i]);
+    for (int32_t j = ri[i].pt_known; j < static_cast<int32_t>(cdiv(b.seq_lens[i], 16)); ++j) {
+      EXPECT_EQ(pt[ri[i].pt_start - ri[i].pt_known + j], rows.pool.get(row, j * 16) / 16)
+          << "request " << i << " (row " << row << ", out_cache_loc " << b.out_cache_loc[i]
+          << ") page " << j << ": the page table should hold req_to_token's page";
+    }
+  }
+  ForwardBatch e = make_extend_batch({0}, {0}, {9});
+  e.out_cache_loc.assign(9, 0);
+  e.dcp_partial = true;
+  test::expect_error(
+      [&] { planner.prepare(e, &rows.pool, 16, 0, nullptr, false, false, buf.data()); },
+      {"EXTEND batch is marked dcp_partial", "DECODE"});
+}
+
+}  // namespace
+}  // namespace attnrt

@@ -489,7 +489,59 @@ TEST(InProcessCommunicator, MismatchedCallsAreErrors) {
 
 TEST(Communicator, UnknownKindsAreListed) {
   // make_communicator("nccl", n): tests/test_cuda_nccl.cpp.
-  test::expect_error([] { make_communicator("mpi", 2); }, {"'mpi' is unknown", "in_process, nccl"});
+  test::expect_error([] { make_communicator("mpi", 2); },
+                     {"'mpi' is unknown", "in_process, device_in_process, nccl"});
+  EXPECT_FALSE(make_communicator("in_process", 2)->device_buffers());
+}
+
+// GPU tensors reach only cuda ranks; host ranks name the mismatch before touching the data.
+TEST(Dcp, GpuTensorsOnHostRanksAreAnError) {
+  Options o;
+  o.attention_backend = "reference";
+  o.dcp_size = 2;
+  DcpAttention g(gqa_model(), o, test::host_config(2, 256, 32));
+  g.reserve_prefix(0, 4);
+  ForwardBatch b = make_decode_batch({0}, {5});
+  b.out_cache_loc.assign(1, 0);
+  g.begin_step(b);
+  TensorView q(reinterpret_cast<void*>(uintptr_t{4096}), DType::bf16, {1, 6, 16},
+               Device::cuda(0));
+  test::expect_error([&] { g.forward(0, AttnArgs{.q = q, .out = q}); },
+                     {"q is bf16[1, 6, 16] on cuda", "host backends", "pass host tensors"});
+  g.end_step();
+}
+
+// reserve_prefix: a long context without its prefill. Each rank holds its columns, and a decode
+// over them plans (forward and exchange in their two halves, partial + exchange, too).
+TEST(Dcp, ReservePrefixAllocatesEachRanksColumns) {
+  Options o;
+  o.attention_backend = "reference";
+  o.dcp_size = 3;
+  DcpAttention g(gqa_model(), o, test::host_config(2, 256, 32, 64));
+  g.reserve_prefix(1, 10);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(g.rank(r).local_row(1).size(), static_cast<size_t>(dcp_local_count(10, r, 3)))
+        << "rank " << r;
+  }
+  g.reserve_prefix(1, 7);  // already held: nothing changes
+  EXPECT_EQ(g.rank(0).local_row(1).size(), 4u);
+  ForwardBatch b = make_decode_batch({1}, {11});
+  b.out_cache_loc.assign(1, 0);
+  g.begin_step(b);
+  std::mt19937 rng(7);
+  HostBuffer q = test::random_buffer(DType::f32, {1, 6, 16}, rng);
+  HostBuffer out(DType::f32, {1, 6, 16});
+  test::poison(out.view());
+  const AttnArgs a{.q = q.view(), .out = out.view()};
+  for (int r = 0; r < 3; ++r) g.rank(r).partial(0, a);
+  for (int r = 0; r < 3; ++r) g.rank(r).exchange();
+  for (int r = 0; r < 3; ++r) g.rank(r).merge(0, a);
+  for (int64_t i = 0; i < out.view().numel(); ++i) {
+    EXPECT_TRUE(std::isfinite(out.view().ptr<float>()[i])) << "out[" << i << "] not written";
+  }
+  test::expect_error([&] { g.rank(0).exchange(); }, {"exchange() without a partial"});
+  g.end_step();
+  test::expect_error([&] { g.reserve_prefix(1, 65); }, {"65 tokens", "max_context_len = 64"});
 }
 
 TEST(Dcp, OptionErrorsNameTheValueAndWhatIsAllowed) {

@@ -262,6 +262,10 @@ CudaBackend::CallDims CudaBackend::check_call(const AttnArgs& args, const LayerS
   ATTNRT_CHECK(layer.uses_kv_cache(),
                "cuda backend: layer {} is {}; the cuda backend serves full, swa and mla layers",
                layer.layer_id, layer_kind_name(layer.kind));
+  ATTNRT_CHECK(!batch.dcp_partial || (layer.causal() && !layer.has_indexer()),
+               "cuda backend: layer {} is {}; a DCP rank's batch (dcp_partial) serves causal "
+               "full, swa and mla layers without a DSA indexer (docs/dcp.md)",
+               layer.layer_id, layer.has_indexer() ? "a DSA layer" : "not causal");
   CallDims c;
   c.mla = layer.kind == LayerKind::mla;
   c.hq = layer.num_q_heads;

@@ -183,6 +183,15 @@ void CudaKVCache::begin_step(const ForwardBatch& batch) {
   auto* host = static_cast<int64_t*>(staging_.acquire(bytes * (map_ ? 2 : 1), stream_));
   check_(batch.out_cache_loc, host + tokens);
   if (bytes > 0) std::memcpy(host, batch.out_cache_loc.data(), bytes);
+  // A DCP rank's batch (docs/dcp.md): a query on the dummy slot 0 is no key of this rank; its K/V
+  // are stored nowhere (slot -1: the store and scatter kernels skip it).
+  if (batch.dcp_partial) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      if (host[t] != 0) continue;
+      host[t] = -1;
+      if (map_ != nullptr) host[tokens + t] = -1;
+    }
+  }
   if (map_ == nullptr) {
     staging_.upload(loc_.data(), bytes, stream_);
   } else if (tokens > 0) {

@@ -90,6 +90,9 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
   // the slots that break write()'s check (the sign, and an offset in the page other than the
   // token's position's).
   const int64_t* loc = batch.out_cache_loc.data();
+  // A DCP rank's batch (docs/dcp.md): a row whose slot is the dummy 0 is a query that is no key
+  // here; its last key is in its row, not at its slot, so the step takes the row's pages.
+  const uint64_t dcp_dummy = batch.dcp_partial ? 1 : 0;
   int32_t* token_page = token_page_.data();
   const uint64_t slot_bits = static_cast<uint64_t>(offset_mask) | (uint64_t{1} << 63);
   uint64_t bad_slots = 0;
@@ -135,6 +138,7 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
     if constexpr (kDecode) {
       const int64_t slot = loc[i];
       bad_slots |= (static_cast<uint64_t>(slot) ^ static_cast<uint64_t>(prefix)) & slot_bits;
+      bad_slots |= dcp_dummy & static_cast<uint64_t>(slot == 0);
       token_page[i] = static_cast<int32_t>(slot >> shift);
     }
     st.tokens += qlen;
@@ -220,6 +224,10 @@ void HostPlanner::derive_requests(const ForwardBatch& batch) {
                batch.seq_lens.size());
   const ForwardMode mode = batch.mode;
   const int32_t* seq = batch.seq_lens.data();
+  ATTNRT_CHECK(!batch.dcp_partial || mode == ForwardMode::DECODE,
+               "cuda backend: a {} batch is marked dcp_partial; a DCP rank's batch is DECODE "
+               "(decode-shaped rows over key lists, docs/dcp.md)",
+               forward_mode_name(mode));
   if (mode == ForwardMode::DECODE) {
     ATTNRT_CHECK(batch.out_cache_loc.size() == static_cast<size_t>(bs),
                  "cuda backend: {} batch has {} out_cache_loc entries; expected one per query "
@@ -718,7 +726,8 @@ void HostPlanner::write(void* dst) {
     const ReqInfo& r = info[i];
     const int32_t pages = (r.kv_len + offset_mask) >> shift;
     int32_t* dst_pt = pt + r.pt_start - r.pt_known;
-    if (loc != nullptr && i < raw_bs && r.pt_known == pages - 1) {
+    if (loc != nullptr && i < raw_bs && r.pt_known == pages - 1 &&
+        !(batch_->dcp_partial && loc[r.qo_start] == 0)) {
       const int64_t slot = loc[r.qo_start];
       ATTNRT_CHECK(slot >= 0 && (slot & offset_mask) == (r.prefix & offset_mask),
                    "cuda backend: out_cache_loc[{}] = {} cannot hold position {} of request {} "

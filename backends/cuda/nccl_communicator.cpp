@@ -152,6 +152,7 @@ class NcclCommunicator final : public Communicator {
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
 
   std::string_view name() const override { return "nccl"; }
+  bool device_buffers() const override { return true; }
   int size() const override { return size_; }
 
   void all_to_all(int rank, std::span<const float> send, std::span<const int64_t> send_counts,

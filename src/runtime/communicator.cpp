@@ -215,7 +215,8 @@ std::unique_ptr<Communicator> make_communicator(std::string_view kind, int size)
          "thread or process, or make_nccl_group(devices) (docs/dcp.md)",
          size, size);
   }
-  fail("communicator '{}' is unknown; kinds: in_process, nccl", kind);
+  if (kind == "device_in_process") return make_device_in_process_communicator(size);
+  fail("communicator '{}' is unknown; kinds: in_process, device_in_process, nccl", kind);
 }
 
 }  // namespace attnrt

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "attnrt/core/error.h"
+#include "src/runtime/dcp_device.h"
 
 namespace attnrt {
 
@@ -24,30 +25,36 @@ const LayerSpec& layer_by_id(const ModelSpec& model, int layer_id, const char* w
   fail("{}: model '{}' has no layer {}", what, model.name, layer_id);
 }
 
-// Rows `rows` of a [T, H, D] host tensor (any float dtype and strides) as contiguous fp32.
+// Rows `rows` of a [T, H, D] host tensor (any float dtype and strides), contiguous, as `dtype`
+// (fp32 for host ranks; the activations' own dtype for cuda ranks, whose kernels take bf16 / fp16).
 TensorView gather_rows(const TensorView& src, std::span<const int64_t> rows,
-                       std::vector<float>& buf) {
+                       std::vector<float>& buf, DType dtype = DType::f32) {
   const int64_t h = src.shape[1], d = src.shape[2];
-  buf.resize(std::max<size_t>(1, rows.size() * h * d));
+  const size_t n = rows.size() * h * d;
+  buf.resize(std::max<size_t>(1, (n * dtype_size(dtype) + sizeof(float) - 1) / sizeof(float)));
   size_t at = 0;
   for (const int64_t row : rows) {
     for (int64_t i = 0; i < h; ++i) {
       for (int64_t j = 0; j < d; ++j) {
-        buf[at++] = load_as_float(
-            src.data, src.dtype,
-            static_cast<size_t>(row * src.strides[0] + i * src.strides[1] + j * src.strides[2]));
+        store_from_float(buf.data(), dtype, at++,
+                         load_as_float(src.data, src.dtype,
+                                       static_cast<size_t>(row * src.strides[0] +
+                                                           i * src.strides[1] +
+                                                           j * src.strides[2])));
       }
     }
   }
-  return TensorView(buf.data(), DType::f32, {static_cast<int64_t>(rows.size()), h, d});
+  return TensorView(buf.data(), dtype, {static_cast<int64_t>(rows.size()), h, d});
 }
 
-void check_global_tensor(const char* what, const TensorView& t, int64_t d0, int64_t d1,
-                         int64_t d2) {
-  ATTNRT_CHECK(!t.empty() && t.device.kind == DeviceKind::cpu && is_float(t.dtype) && t.ndim == 3 &&
+void check_global_tensor(const char* what, const TensorView& t, DeviceKind device, int64_t d0,
+                         int64_t d1, int64_t d2) {
+  ATTNRT_CHECK(!t.empty() && t.device.kind == device && is_float(t.dtype) && t.ndim == 3 &&
                    t.shape[0] == d0 && t.shape[1] == d1 && t.shape[2] == d2,
-               "DcpAttention: {} is {}; expected a float host tensor [{}, {}, {}]", what,
-               t.empty() ? "empty" : t.describe(), d0, d1, d2);
+               "DcpAttention: {} is {}; expected a float {} tensor [{}, {}, {}] (q, k, v, out "
+               "and lse all on the host or all on the GPU)",
+               what, t.empty() ? "empty" : t.describe(),
+               device == DeviceKind::cpu ? "host" : "GPU", d0, d1, d2);
 }
 
 bool is_tree(const ForwardBatch& batch) {
@@ -107,8 +114,12 @@ float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float
 // ---------------------------------------------------------------------------------------------
 
 DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
-                 const RuntimeConfig& config, Communicator& comm)
-    : rank_(rank), size_(options.dcp_size), model_(model), comm_(&comm) {
+                 const RuntimeConfig& config, Communicator& comm, Communicator* host_comm)
+    : rank_(rank), size_(options.dcp_size), model_(model), comm_(&comm), host_comm_(host_comm) {
+  ATTNRT_CHECK(host_comm == nullptr || (!host_comm->device_buffers() && host_comm->size() == size_),
+               "DcpRank: host_comm must move host buffers between the group's {} ranks; it is "
+               "'{}' of {}",
+               size_, host_comm->name(), host_comm->size());
   ATTNRT_CHECK(rank >= 0 && rank < size_, "DcpRank: rank {}; the group has ranks 0..{}", rank,
                size_ - 1);
   ATTNRT_CHECK(comm.size() == size_, "DcpRank: the communicator has {} ranks but dcp_size is {}",
@@ -122,6 +133,9 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
   // A part's req_to_token holds the key lists of a step's query rows (one row each, taken once
   // here); the requests' own compacted columns are Part::local.
   c.max_requests = config.max_num_tokens;
+  // A rank's steps are eager: its batch is rebuilt every step (key lists, entries); CUDA graphs
+  // of the rank plan are left for the GPU part (docs/dcp.md).
+  c.cuda_graphs = false;
   for (const LayerSpec& l : model.layers) {
     auto it = std::find_if(parts_.begin(), parts_.end(),
                            [&](const Part& p) { return p.window == l.sliding_window; });
@@ -141,10 +155,28 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
       m.layers.back().has_sinks = false;  // added once, in the merge
     }
     p.runtime = std::make_unique<AttentionRuntime>(std::move(m), o, c);
+    // GPU pools: every part of the rank (and its gather / pack / merge) works on one stream, the
+    // legacy default one, which the group's device communicator orders its copies on.
+    if (p.runtime->kv_cache().device().kind == DeviceKind::cuda) p.runtime->set_stream(nullptr);
     ReqToTokenPool& pool = p.runtime->req_to_token();
     for (int r = 0; r < c.max_requests; ++r) p.scratch_rows.push_back(pool.alloc());
     p.local.resize(config.max_requests);
   }
+}
+
+DcpRank::~DcpRank() = default;
+
+Communicator& DcpRank::host_communicator() {
+  if (!comm_->device_buffers()) return *comm_;
+  ATTNRT_CHECK(host_comm_ != nullptr,
+               "DcpRank {}: host tensors, but the communicator '{}' moves GPU buffers; pass GPU "
+               "tensors (or give the rank a host communicator)",
+               rank_, comm_->name());
+  return *host_comm_;
+}
+
+void DcpRank::synchronize() {
+  if (device_) device_->synchronize();
 }
 
 std::pair<DcpRank::Part*, int> DcpRank::part_of(int layer_id) {
@@ -177,6 +209,27 @@ void DcpRank::free_request(int row) {
       p.runtime->allocator().free(slots);
     }
     cols.clear();
+  }
+}
+
+void DcpRank::reserve_prefix(int row, int32_t tokens) {
+  ATTNRT_CHECK(row >= 0 && row < static_cast<int>(parts_[0].local.size()) && tokens >= 0,
+               "DcpAttention::reserve_prefix: row {}, {} tokens; request rows are 0..{}", row,
+               tokens, parts_[0].local.size() - 1);
+  const int32_t need = dcp_local_count(tokens, rank_, size_);
+  for (Part& p : parts_) {
+    std::vector<int32_t>& cols = p.local[row];
+    const auto have = static_cast<int32_t>(cols.size());
+    if (have >= need) continue;
+    ATTNRT_CHECK(need <= p.runtime->req_to_token().max_context_len(),
+                 "DcpAttention::reserve_prefix: {} tokens need {} columns on rank {}; a rank's "
+                 "row holds {}",
+                 tokens, need, rank_, p.runtime->req_to_token().max_context_len());
+    const std::vector<int32_t> prefix = {have}, seq = {need};
+    const std::vector<int64_t> last = {have > 0 ? cols.back() : -1};
+    for (const int64_t slot : p.runtime->allocator().alloc_extend(prefix, seq, last)) {
+      cols.push_back(static_cast<int32_t>(slot));
+    }
   }
 }
 
@@ -317,9 +370,10 @@ void DcpRank::begin_part(Part& part, const ForwardBatch& batch, const StepLayout
   part.runtime->begin_step(part.batch);
 }
 
-void DcpRank::forward(int layer_id, const AttnArgs& args) {
+void DcpRank::partial(int layer_id, const AttnArgs& args) {
   ATTNRT_CHECK(in_step_, "DcpRank {}: forward(layer {}) outside a step; call begin_step first",
                rank_, layer_id);
+  if (args.q.device.kind == DeviceKind::cuda) return forward_device(layer_id, args);
   const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
   const auto [part, local_id] = part_of(layer_id);
   const std::vector<int64_t>& entries = part->rows;
@@ -329,21 +383,28 @@ void DcpRank::forward(int layer_id, const AttnArgs& args) {
 
   // The partial of every row this rank sees; rows it does not see stay (0, -inf).
   send_.assign(static_cast<size_t>(T * hq * packed), 0.f);
+  // Host ranks attend fp32 copies; cuda ranks (host tensors staged by their backend) the
+  // activations' dtype, which their kernels take, with the partial output in it too.
+  const bool gpu = part->runtime->kv_cache().device().kind == DeviceKind::cuda;
+  const DType dt = gpu ? args.q.dtype : DType::f32;
   if (rows > 0) {
     AttnArgs a;
-    a.q = gather_rows(args.q, entries, q_);
-    if (!args.k.empty()) a.k = gather_rows(args.k, entries, k_);
-    if (!args.v.empty() && layer.kind != LayerKind::mla) a.v = gather_rows(args.v, entries, v_);
+    a.q = gather_rows(args.q, entries, q_, dt);
+    if (!args.k.empty()) a.k = gather_rows(args.k, entries, k_, dt);
+    if (!args.v.empty() && layer.kind != LayerKind::mla) a.v = gather_rows(args.v, entries, v_, dt);
     out_.resize(static_cast<size_t>(rows * hq * dv));
     lse_.resize(static_cast<size_t>(rows * hq));
-    a.out = TensorView(out_.data(), DType::f32, {rows, hq, dv});
+    a.out = TensorView(out_.data(), dt, {rows, hq, dv});
     a.lse = TensorView(lse_.data(), DType::f32, {rows, hq});
     a.save_kv = args.save_kv;
     part->runtime->forward(local_id, a);
   }
   std::vector<int64_t> entry(T, -1);
   for (int64_t e = 0; e < rows; ++e) entry[entries[e]] = e;
-  std::vector<int64_t> send_counts(n), recv_counts(n);
+  std::vector<int64_t>& send_counts = send_counts_;
+  std::vector<int64_t>& recv_counts = recv_counts_;
+  send_counts.assign(n, 0);
+  recv_counts.assign(n, 0);
   const int mine = dcp_head_begin(rank_ + 1, hq, n) - dcp_head_begin(rank_, hq, n);
   int64_t block = 0;
   for (int d = 0; d < n; ++d) {
@@ -355,7 +416,9 @@ void DcpRank::forward(int layer_id, const AttnArgs& args) {
           dst[dv] = kNegInf;
           continue;
         }
-        std::copy_n(out_.data() + (entry[t] * hq + h) * dv, dv, dst);
+        for (int j = 0; j < dv; ++j) {
+          dst[j] = load_as_float(out_.data(), dt, static_cast<size_t>((entry[t] * hq + h) * dv + j));
+        }
         dst[dv] = lse_[entry[t] * hq + h];
       }
     }
@@ -364,10 +427,77 @@ void DcpRank::forward(int layer_id, const AttnArgs& args) {
     block += send_counts[d];
   }
   recv_.assign(static_cast<size_t>(n * T * mine * packed), 0.f);
-  comm_->all_to_all(rank_, send_, send_counts, recv_, recv_counts);
+  exchange_comm_ = &host_communicator();
+  exchange_send_ = send_;
+  exchange_recv_ = recv_;
+}
+
+// The counts of the all-to-all of a layer: block d (heads of rank d) of every row to rank d.
+namespace {
+void exchange_counts(int rank, int n, int hq, int dv, int64_t T, std::vector<int64_t>& send_counts,
+                     std::vector<int64_t>& recv_counts) {
+  send_counts.assign(n, 0);
+  recv_counts.assign(n, 0);
+  const int64_t mine = dcp_head_begin(rank + 1, hq, n) - dcp_head_begin(rank, hq, n);
+  for (int d = 0; d < n; ++d) {
+    send_counts[d] = T * (dcp_head_begin(d + 1, hq, n) - dcp_head_begin(d, hq, n)) * (dv + 1);
+    recv_counts[d] = T * mine * (dv + 1);
+  }
+}
+}  // namespace
+
+void DcpRank::forward_device(int layer_id, const AttnArgs& args) {
+  ATTNRT_CHECK(comm_->device_buffers(),
+               "DcpRank {}: q is on the GPU but the communicator '{}' moves host buffers; GPU "
+               "ranks exchange through device_in_process (one GPU) or nccl",
+               rank_, comm_->name());
+  const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
+  const auto [part, local_id] = part_of(layer_id);
+  const std::vector<int64_t>& entries = part->rows;
+  const int hq = layer.num_q_heads, dv = v_dim_of(layer), n = size_;
+  const int64_t T = num_tokens_, rows = static_cast<int64_t>(entries.size());
+  if (!device_) device_ = make_dcp_device_rank(parts_[0].runtime->stream());
+  DcpDeviceRank& dev = *device_;
+  dev.set_entries(entries, T);
+  if (rows > 0) {
+    AttnArgs a;
+    a.q = dev.gather(0, args.q);
+    if (!args.k.empty()) a.k = dev.gather(1, args.k);
+    if (!args.v.empty() && layer.kind != LayerKind::mla) a.v = dev.gather(2, args.v);
+    a.out = dev.partial_out(args.q.dtype, rows, hq, dv);
+    a.lse = dev.partial_lse(rows, hq);
+    a.save_kv = args.save_kv;
+    part->runtime->forward(local_id, a);
+  }
+  exchange_send_ = dev.pack(hq, dv, n);
+  exchange_counts(rank_, n, hq, dv, T, send_counts_, recv_counts_);
+  exchange_recv_ = dev.recv(n * recv_counts_[0]);
+  exchange_comm_ = comm_;
+}
+
+void DcpRank::forward(int layer_id, const AttnArgs& args) {
+  partial(layer_id, args);
+  exchange();
+}
+
+void DcpRank::exchange() {
+  ATTNRT_CHECK(exchange_comm_ != nullptr,
+               "DcpRank {}: exchange() without a partial to send; call partial(layer, args) first",
+               rank_);
+  Communicator* comm = exchange_comm_;
+  exchange_comm_ = nullptr;
+  comm->all_to_all(rank_, exchange_send_, send_counts_, exchange_recv_, recv_counts_);
+}
+
+void DcpRank::merge_device(int layer_id, const AttnArgs& args) {
+  const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
+  const int hq = layer.num_q_heads, n = size_;
+  device_->merge(n, dcp_head_begin(rank_, hq, n), dcp_head_begin(rank_ + 1, hq, n),
+                 v_dim_of(layer), layer.has_sinks ? args.sinks : nullptr, args.out, args.lse);
 }
 
 void DcpRank::merge(int layer_id, const AttnArgs& args) {
+  if (args.q.device.kind == DeviceKind::cuda) return merge_device(layer_id, args);
   const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
   const int hq = layer.num_q_heads, dv = v_dim_of(layer), n = size_;
   const int64_t T = num_tokens_, packed = dv + 1;
@@ -465,14 +595,23 @@ DcpAttention::DcpAttention(ModelSpec model, Options options, const RuntimeConfig
   Options rank_options = options_;
   rank_options.dcp_size = 1;
   const Selection selection = resolve_backends(rank_options, model_);
-  ATTNRT_CHECK(kv_pool_device(selection) == DeviceKind::cpu,
-               "dcp_size = {} with the {} backend: ranks on GPUs need NCCL and {} GPUs, and this "
-               "build has no NCCL communicator; simulated ranks run on host backends (reference, "
-               "cpu)",
-               options_.dcp_size, selection.backend_for(ForwardMode::DECODE), options_.dcp_size);
-  comm_ = make_communicator("in_process", options_.dcp_size);
+  // GPU ranks share the caller's GPU (one runtime each): they measure correctness, not speed.
+  // Their key lists are gathered slot lists (a tree's ancestors, a window's first key), which a
+  // paged GPU plan cannot read as whole pages.
+  ATTNRT_CHECK(kv_pool_device(selection) == DeviceKind::cpu || options_.page_size == 1,
+               "dcp_size = {} with the {} backend and page_size {}: ranks on the GPU need "
+               "page_size 1 (a rank's key lists, e.g. a tree's ancestors or a window's keys, are "
+               "slot lists, not whole pages)",
+               options_.dcp_size, selection.backend_for(ForwardMode::DECODE), options_.page_size);
+  if (kv_pool_device(selection) == DeviceKind::cpu) {
+    comm_ = make_communicator("in_process", options_.dcp_size);
+  } else {
+    comm_ = make_communicator("device_in_process", options_.dcp_size);
+    host_comm_ = make_communicator("in_process", options_.dcp_size);
+  }
   for (int r = 0; r < options_.dcp_size; ++r) {
-    ranks_.push_back(std::make_unique<DcpRank>(r, model_, options_, config, *comm_));
+    ranks_.push_back(
+        std::make_unique<DcpRank>(r, model_, options_, config, *comm_, host_comm_.get()));
   }
 }
 
@@ -484,6 +623,13 @@ DcpRank& DcpAttention::rank(int r) {
 
 void DcpAttention::free_request(int row) {
   for (auto& r : ranks_) r->free_request(row);
+}
+
+void DcpAttention::reserve_prefix(int row, int32_t tokens) {
+  ATTNRT_CHECK(tokens <= max_context_len_,
+               "DcpAttention::reserve_prefix: {} tokens, more than max_context_len = {}", tokens,
+               max_context_len_);
+  for (auto& r : ranks_) r->reserve_prefix(row, tokens);
 }
 
 void DcpAttention::set_kv_scales(int layer_id, float k_scale, float v_scale) {
@@ -511,26 +657,34 @@ void DcpAttention::forward(int layer_id, const AttnArgs& args) {
   const int64_t T = batch_->num_tokens();
   if (T == 0) return;  // IDLE (or no tokens): nothing to attend, the pools untouched
   const int hq = layer.num_q_heads, hkv = layer.num_kv_heads, dv = v_dim_of(layer);
-  check_global_tensor("q", args.q, T, hq, layer.head_dim);
-  check_global_tensor("out", args.out, T, hq, dv);
-  if (!args.k.empty()) check_global_tensor("k", args.k, T, hkv, layer.head_dim);
+  const DeviceKind dev = args.q.device.kind;
+  ATTNRT_CHECK(dev == DeviceKind::cpu || comm_->device_buffers(),
+               "DcpAttention: q is {}; the ranks run on host backends, pass host tensors "
+               "(GPU tensors need --attention-backend cuda ranks)",
+               args.q.describe());
+  check_global_tensor("q", args.q, dev, T, hq, layer.head_dim);
+  check_global_tensor("out", args.out, dev, T, hq, dv);
+  if (!args.k.empty()) check_global_tensor("k", args.k, dev, T, hkv, layer.head_dim);
   if (!args.v.empty() && layer.kind != LayerKind::mla) {
-    check_global_tensor("v", args.v, T, hkv, dv);
+    check_global_tensor("v", args.v, dev, T, hkv, dv);
   }
   ATTNRT_CHECK(layer.has_sinks == (args.sinks != nullptr),
                "DcpAttention: layer {} {} sinks but AttnArgs.sinks is {}", layer_id,
                layer.has_sinks ? "has" : "has no", args.sinks ? "set" : "null");
   ATTNRT_CHECK(args.lse.empty() ||
-                   (args.lse.device.kind == DeviceKind::cpu && args.lse.dtype == DType::f32 &&
+                   (args.lse.device.kind == dev && args.lse.dtype == DType::f32 &&
                     args.lse.ndim == 2 && args.lse.shape[0] == T && args.lse.shape[1] == hq),
-               "DcpAttention: lse is {}; expected fp32[{}, {}] (tokens, q heads) on cpu",
-               args.lse.describe(), T, hq);
+               "DcpAttention: lse is {}; expected fp32[{}, {}] (tokens, q heads) on the {}",
+               args.lse.describe(), T, hq, dev == DeviceKind::cpu ? "host" : "GPU");
   ATTNRT_CHECK(args.indexer.empty(),
                "DcpAttention: layer {} got indexer inputs; DSA layers are "
                "not split by context",
                layer_id);
   for (auto& r : ranks_) r->forward(layer_id, args);
   for (auto& r : ranks_) r->merge(layer_id, args);
+  if (dev == DeviceKind::cuda) {
+    for (auto& r : ranks_) r->synchronize();
+  }
 }
 
 void DcpAttention::commit_verify(const ForwardBatch& batch,

@@ -10,6 +10,7 @@
 #include "attnrt/backend/registry.h"
 #include "attnrt/core/error.h"
 #include "bench/harness/chart.h"
+#include "bench/harness/dcp_bench.h"
 #include "bench/harness/dsa_workload.h"
 #include "bench/harness/linear_workload.h"
 #include "bench/harness/report.h"
@@ -48,7 +49,25 @@ struct BenchArgs {
   bool no_reference = false;
   bool deterministic = false;
   bool quiet = false;
+  int dcp_size = 1;
 };
+
+// --dcp-size N: the DCP decode rows alone (bench/harness/dcp_bench.h), on cuda ranks sharing the
+// one GPU.
+void run_dcp_bench_command(const BenchArgs& a) {
+  bench::DcpBenchConfig c;
+  c.ranks = a.dcp_size;
+  c.scale = a.scale;
+  c.repeats = a.repeats;
+  c.warmup = a.warmup;
+  if (a.workload != "all") c.rows = split_list(a.workload);
+  const std::vector<bench::DcpBenchRow> rows = bench::run_dcp_bench(c);
+  std::fputs(bench::format_dcp_report(c, rows).c_str(), stdout);
+  std::fflush(stdout);
+  for (const bench::DcpBenchRow& r : rows) {
+    if (!r.error.empty()) throw ExitCode{1};
+  }
+}
 
 std::string command_line(const BenchArgs& a, const std::string& backend) {
   std::string s = fmt::format("attnrt bench --backend {}", backend);
@@ -66,6 +85,7 @@ std::string command_line(const BenchArgs& a, const std::string& backend) {
 }
 
 void run_bench_command(const BenchArgs& a) {
+  if (a.dcp_size > 1) return run_dcp_bench_command(a);
   ATTNRT_CHECK(a.preset.empty() || a.scale == 1.0,
                "--scale {:g} and --preset {} both shrink the workloads: give one of them", a.scale,
                a.preset);
@@ -252,6 +272,14 @@ void add_bench_command(CLI::App& app) {
                 "request's own length, as `attnrt run --deterministic`), to measure what batch "
                 "invariance costs against the default");
   cmd->add_flag("--quiet", args->quiet, "No progress lines on stderr");
+  cmd->add_option("--dcp-size", args->dcp_size,
+                  "Decode context parallelism (docs/dcp.md \"Benchmark\"): instead of the suite, "
+                  "the DCP decode rows (dcp-decode-1x131072, -8x131072, -64x8192, or --workload "
+                  "dcp-decode-BxL,...) on one cuda runtime and on N cuda ranks SIMULATED ON THIS "
+                  "ONE GPU: each rank's partial, the exchange and the merge timed apart, and the "
+                  "projection to N GPUs; 1 = off")
+      ->check(int_in(1, 64))
+      ->capture_default_str();
   cmd->callback([args] { run_bench_command(*args); });
 }
 

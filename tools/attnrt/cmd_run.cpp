@@ -175,8 +175,10 @@ void add_run_command(CLI::App& app) {
   add_backend_options(*cmd, args->options);
   cmd->add_option("--dcp-size", args->options.dcp_size,
                   "Decode context parallelism (docs/dcp.md): the target's attention layers also "
-                  "run on N simulated ranks (host backends), each holding every N-th token, and "
-                  "are compared with the single runtime; 1 = off")
+                  "run on N simulated ranks, each holding every N-th token, and are compared with "
+                  "the single runtime; 1 = off. Host backends: N ranks in this process. "
+                  "--attention-backend cuda: N cuda runtimes sharing this ONE GPU (page size 1, "
+                  "target steps eager): a correctness check, not a speed measurement")
       ->capture_default_str();
   auto* sched = "Scheduler";
   cmd->add_option("--max-running-requests", args->config.scheduler.max_running_requests,

@@ -41,6 +41,9 @@ DcpShadow::DcpShadow(const ModelSpec& model, const Options& options, const Runti
                "use --dcp-size 1 or another model",
                options.dcp_size, model.name, fmt::join(left_, "; "));
   group_ = std::make_unique<DcpAttention>(std::move(sub), options, config);
+  Options one = options;
+  one.dcp_size = 1;
+  gpu_ = kv_pool_device(resolve_backends(one, model)) == DeviceKind::cuda;
 }
 
 bool DcpShadow::splits(int layer_id) const { return group_id(layer_id) >= 0; }
@@ -83,9 +86,10 @@ void DcpShadow::forward(const LayerSite& site, const AttnArgs& args) {
 void DcpShadow::store_latent(const LayerSite& site, const TensorView& latent) {
   const LayerSpec& l = *site.layer;
   const int64_t T = latent.shape[0];
-  HostBuffer q(DType::f32, {T, l.num_q_heads, l.head_dim}),
-      out(DType::f32, {T, l.num_q_heads, l.v_head_dim});
-  std::fill_n(q.view().ptr<float>(), q.view().numel(), 0.f);
+  // The latent's dtype (cuda ranks take bf16 / fp16 activations only).
+  HostBuffer q(latent.dtype, {T, l.num_q_heads, l.head_dim}),
+      out(latent.dtype, {T, l.num_q_heads, l.v_head_dim});
+  for (int64_t i = 0; i < q.view().numel(); ++i) store_from_float(q.view().data, q.view().dtype, i, 0.f);
   AttnArgs a;
   a.q = q.view();
   a.k = latent;
@@ -106,10 +110,15 @@ void DcpShadow::commit_verify(const ForwardBatch& batch,
 std::vector<std::string> DcpShadow::notes() const {
   std::vector<std::string> n;
   n.push_back(fmt::format(
-      "dcp: {} simulated ranks (in-process all-to-all, docs/dcp.md) over layers {}: {} layer "
+      "dcp: {} simulated ranks ({}, docs/dcp.md) over layers {}: {} layer "
       "calls compared with the single runtime, {} beyond tolerance, largest difference {:.3g}; "
       "{:.3f} s on the ranks{}",
-      group_->size(), fmt::join(split_, ", "), compared_, bad_, max_abs_, seconds_,
+      group_->size(),
+      gpu_ ? "cuda ranks sharing ONE GPU, each a runtime of its own; host activations staged "
+             "per rank, in-process all-to-all: this checks correctness, the time is not DCP's "
+             "speed"
+           : "in-process all-to-all",
+      fmt::join(split_, ", "), compared_, bad_, max_abs_, seconds_,
       stored_only_ > 0 ? fmt::format("; {} MLA calls in the MHA form only stored their latent "
                                      "rows on the ranks (DCP splits the absorbed form)",
                                      stored_only_)

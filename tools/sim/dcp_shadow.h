@@ -1,5 +1,5 @@
 // `attnrt run --dcp-size N` (docs/dcp.md): the target model's attention layers also run on a
-// DcpAttention group of N simulated ranks over the same backends, with the same batches and
+// DcpAttention group of N simulated ranks over the same backends (cuda ranks share the one GPU), with the same batches and
 // q / k / v, and each layer's merged output is compared with the single runtime's (which the
 // reference checks). Layers that cannot be split (sliding window, non-causal, DSA) stay on the
 // single runtime; MLA layers are compared in the absorbed form, and their MHA-form prefills only
@@ -18,7 +18,8 @@ namespace attnrt::sim {
 class DcpShadow {
  public:
   // `options.dcp_size` ranks over `model`'s splittable layers with `config` per rank. Throws
-  // attnrt::Error when no layer can be split, or for the group's own errors (e.g. a cuda backend).
+  // attnrt::Error when no layer can be split, or for the group's own errors (e.g. page_size > 1
+  // with a cuda backend).
   DcpShadow(const ModelSpec& model, const Options& options, const RuntimeConfig& config,
             Tolerance tolerance, FailureLog& failures);
 
@@ -43,6 +44,7 @@ class DcpShadow {
   FailureLog* failures_;
   int64_t compared_ = 0, stored_only_ = 0, bad_ = 0;
   double max_abs_ = 0, seconds_ = 0;
+  bool gpu_ = false;  // the ranks are cuda runtimes sharing the one GPU
 };
 
 }  // namespace attnrt::sim

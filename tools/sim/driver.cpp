@@ -130,7 +130,7 @@ void refresh_mirror(Engine& e, int layer_id, const std::vector<int64_t>& rows) {
 }
 
 Engine make_engine(const ModelSpec& model, const Options& options, const RunConfig& config,
-                   int max_num_tokens, int max_context_len) {
+                   int max_num_tokens, int max_context_len, bool cuda_graphs = true) {
   Engine e;
   e.model = model;
   RuntimeConfig rc;
@@ -139,6 +139,7 @@ Engine make_engine(const ModelSpec& model, const Options& options, const RunConf
   rc.swa_full_tokens_ratio = config.swa_full_tokens_ratio;
   rc.max_num_tokens = max_num_tokens;
   rc.max_context_len = max_context_len;
+  rc.cuda_graphs = cuda_graphs;
   e.runtime = std::make_unique<AttentionRuntime>(model, options, rc);
   for (const LayerSpec& l : model.layers) {
     if (l.uses_kv_cache()) e.kv_layers.push_back(l.layer_id);
@@ -874,7 +875,8 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
   }
   const int context = static_cast<int>(std::min<int64_t>(longest, model.max_context_len));
 
-  Engine target = make_engine(model, options, rc, max_tokens, context);
+  // --dcp-size: every target step runs eagerly, so that the ranks take each layer's inputs.
+  Engine target = make_engine(model, options, rc, max_tokens, context, dcp_size == 1);
   std::optional<Engine> draft;
   if (sc.spec.enabled()) {
     draft = make_engine(draft_model_for(model, model_in, notes), options, rc, max_tokens, context);

@@ -27,7 +27,7 @@ __global__ void copy_rows_kernel(const CopyRowsParams p) {
 __global__ void scatter_slots_kernel(int64_t* map, const int64_t* index, const int64_t* value,
                                      int64_t count) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < count) map[index[i]] = value[i];
+  if (i < count && index[i] >= 0) map[index[i]] = value[i];  // < 0: a token stored nowhere
 }
 
 bool aligned16(const void* p, int64_t stride) {

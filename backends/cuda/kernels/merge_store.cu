@@ -120,7 +120,8 @@ __global__ void store_kv_kernel(const StoreParams p) {
   launch_dependent_grids();
   const int64_t t = blockIdx.x;
   const int64_t slot = p.loc[t];
-  const int n = p.heads * p.dim;
+  // A negative slot is a token stored nowhere (a DCP rank's query that is no key there).
+  const int n = slot >= 0 ? p.heads * p.dim : 0;
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int h = i / p.dim, d = i % p.dim;
     // Stored = round(x / scale) with a true division, bit-identical to the host pools.
@@ -149,9 +150,9 @@ __global__ void __launch_bounds__(kStoreThreads) store_kv_vec_kernel(const Store
   const int64_t t = blockIdx.x;
   const int v = blockIdx.y * kStoreThreads + threadIdx.x;  // vector of the token's row
   const int per_head = p.dim / kStoreVec;
-  if (v < p.heads * per_head) {
+  const int64_t slot = p.loc[t];
+  if (v < p.heads * per_head && slot >= 0) {  // slot < 0: stored nowhere (see store_kv_kernel)
     const int h = v / per_head, d = (v - h * per_head) * kStoreVec;
-    const int64_t slot = p.loc[t];
     const uint4 raw = *reinterpret_cast<const uint4*>(
         static_cast<const uint16_t*>(p.src) + t * p.src_stride_tok + h * p.src_stride_head + d);
     const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};

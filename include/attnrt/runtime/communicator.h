@@ -31,6 +31,8 @@ class Communicator {
   // blocks, rank order.
   virtual void all_gather(int rank, std::span<const float> send, std::span<float> recv) = 0;
   virtual void barrier(int rank) = 0;
+  // Whether the buffers are GPU memory (nccl, device_in_process) rather than host memory.
+  virtual bool device_buffers() const { return false; }
 };
 
 // For Communicator implementations: the checks of an all_to_all call (a count per rank on both
@@ -61,7 +63,18 @@ class InProcessCommunicator final : public Communicator {
   std::unique_ptr<State> state_;
 };
 
-// kind "in_process": InProcessCommunicator(size). kind "nccl" needs a rank, a device and the
+// n simulated ranks on ONE GPU (docs/dcp.md "Ranks on one GPU"), served one after another from
+// one thread: buffers are device memory of the current device; a collective's blocks are copied
+// (cudaMemcpyAsync, device to device) on each receiving rank's stream once the last rank has
+// called, ordered after every rank's call by events, and every rank's stream then waits for all
+// copies. streams: one cudaStream_t per rank, or empty for the legacy default stream. NCCL cannot
+// put two ranks on one GPU; this is how DcpAttention runs `cuda` ranks in one process. A build
+// without CUDA throws.
+std::unique_ptr<Communicator> make_device_in_process_communicator(
+    int size, std::span<void* const> streams = {});
+
+// kind "in_process": InProcessCommunicator(size); "device_in_process": the above on the legacy
+// default stream. kind "nccl" needs a rank, a device and the
 // group's id: an attnrt::Error pointing at make_nccl_communicator (or saying why NCCL cannot be
 // used here). Any other kind: attnrt::Error listing the kinds.
 std::unique_ptr<Communicator> make_communicator(std::string_view kind, int size);

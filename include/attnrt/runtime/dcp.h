@@ -20,6 +20,8 @@
 
 namespace attnrt {
 
+class DcpDeviceRank;  // src/runtime/dcp_device.h
+
 inline constexpr int kMaxDcpSize = 64;
 
 // Of a request's first x tokens, how many rank r of n holds.
@@ -48,8 +50,13 @@ class DcpRank {
   // `options` (dcp_size = 1 on the rank) and `config` per rank; its req_to_token has
   // max_num_tokens key-list rows (one per query row of a step), max_context_len / n (+ the verify
   // block) wide.
+  // A rank on GPU pools runs its part runtimes on the legacy default stream (set_stream(nullptr)).
+  // `comm` moves the partials: host buffers (in_process) for host tensors, device buffers
+  // (device_in_process, nccl) for GPU tensors; a rank with a device communicator takes host
+  // tensors too when `host_comm` (host buffers, the same group) is given.
   DcpRank(int rank, const ModelSpec& model, const Options& options, const RuntimeConfig& config,
-          Communicator& comm);
+          Communicator& comm, Communicator* host_comm = nullptr);
+  ~DcpRank();
 
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -62,6 +69,8 @@ class DcpRank {
   void set_kv_scales(int layer_id, float k_scale, float v_scale);
   // Releases the request's slots on this rank; the row starts empty again.
   void free_request(int row);
+  // See DcpAttention::reserve_prefix.
+  void reserve_prefix(int row, int32_t tokens);
 
   // The errors begin_step would give, before anything changes: rows of the group, the prefix
   // stored, the step within max_num_tokens.
@@ -70,19 +79,37 @@ class DcpRank {
   // tokens this rank owns and begins the rank runtime's step. `batch` must outlive end_step.
   void begin_step(const ForwardBatch& batch);
   // The rank's partial of layer `layer_id` for every global row (q, k, v of the global step; the
-  // rank stores the k/v of the tokens it owns), packed and handed to the all-to-all.
+  // rank stores the k/v of the tokens it owns), packed and handed to the all-to-all. GPU tensors
+  // (the rank's runtimes on the cuda backend): the rows are gathered, attended, packed and merged
+  // in GPU memory on the rank runtime's stream (kernels/dcp.h).
   void forward(int layer_id, const AttnArgs& args);
+  // forward() in its two halves (to time or overlap them): the partial, packed into the send
+  // buffer; then the rank's all-to-all call.
+  void partial(int layer_id, const AttnArgs& args);
+  void exchange();
   // After the all-to-all has completed on every rank: the merged rows of this rank's heads, written
   // into args.out (and args.lse when given) at those heads; other heads are not touched.
   void merge(int layer_id, const AttnArgs& args);
   void end_step();
   // See DcpAttention::commit_verify.
   void commit_verify(const ForwardBatch& batch, std::span<const std::vector<int32_t>> accepted);
+  // Waits for the rank's GPU work (its runtime's stream); nothing to wait for on the host.
+  void synchronize();
 
  private:
   int rank_, size_;
   ModelSpec model_;  // the global model (with sinks)
   Communicator* comm_;
+  Communicator* host_comm_;
+  std::unique_ptr<DcpDeviceRank> device_;  // GPU tensors: buffers and kernels, made when first used
+  void forward_device(int layer_id, const AttnArgs& args);
+  // The exchange partial() prepared (host or device buffers).
+  Communicator* exchange_comm_ = nullptr;
+  std::span<const float> exchange_send_;
+  std::span<float> exchange_recv_;
+  std::vector<int64_t> send_counts_, recv_counts_;
+  void merge_device(int layer_id, const AttnArgs& args);
+  Communicator& host_communicator();
   // The layers of one sliding window (-1: none) on this rank, with a runtime of their own.
   struct Part {
     int window = -1;
@@ -104,7 +131,10 @@ class DcpRank {
 
 class DcpAttention {
  public:
-  // options.dcp_size ranks (validate_dcp), each a DcpRank with `config`.
+  // options.dcp_size ranks (validate_dcp), each a DcpRank with `config`. Ranks on the `cuda`
+  // backend share the current GPU (one runtime each, on the legacy default stream), exchange
+  // device partials through a device_in_process communicator and host ones through an in_process
+  // one: a simulation of the group on one GPU (correctness, not speed; docs/dcp.md).
   DcpAttention(ModelSpec model, Options options, const RuntimeConfig& config = {});
 
   int size() const { return static_cast<int>(ranks_.size()); }
@@ -117,14 +147,21 @@ class DcpAttention {
   // rows); a row starts empty, steps store its tokens, free_request releases them on every rank
   // when the request ends.
   void free_request(int row);
+  // The first `tokens` tokens of request row `row` count as stored: their slots are allocated on
+  // their owners (columns as a prefill would give them), their K/V left as the pools hold them.
+  // For benchmarks (a long context without its prefill) and engines that write the pools
+  // themselves.
+  void reserve_prefix(int row, int32_t tokens);
   // fp8 scales of a layer, on every rank.
   void set_kv_scales(int layer_id, float k_scale, float v_scale);
 
   // The global batch as one runtime would take it; its out_cache_loc values are not read (the
   // group allocates each new token's slot on its owner), its length must be the step's tokens.
   void begin_step(const ForwardBatch& batch);
-  // q, k, v, out (and optionally lse) as for one runtime (host tensors, any float dtype; MLA:
-  // the absorbed form).
+  // q, k, v, out (and optionally lse) as for one runtime (host tensors, any float dtype; or, with
+  // cuda ranks, GPU tensors of fp32 / fp16 / bf16, all on the GPU; MLA: the absorbed form). GPU
+  // tensors must be ready when called (the ranks run on their own streams) and the results are
+  // when it returns (it waits for every rank).
   void forward(int layer_id, const AttnArgs& args);
   void end_step();
   // After a TARGET_VERIFY step, before the next begin_step: request i of `batch` (that step)
@@ -138,6 +175,7 @@ class DcpAttention {
   ModelSpec model_;
   Options options_;
   std::unique_ptr<Communicator> comm_;
+  std::unique_ptr<Communicator> host_comm_;  // cuda ranks: the exchange of host tensors
   std::vector<std::unique_ptr<DcpRank>> ranks_;
   int max_context_len_ = 0;
   const ForwardBatch* batch_ = nullptr;

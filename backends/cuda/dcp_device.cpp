@@ -1,0 +1,338 @@
+// DCP ranks on one GPU (docs/dcp.md "Ranks on one GPU"): a rank's device work (gather, pack,
+// merge: kernels/dcp.h) and the in-process communicator of device buffers, which copies each
+// all-to-all block with cudaMemcpyAsync on the receiving rank's stream once every rank has called.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "attnrt/core/error.h"
+#include "attnrt/runtime/communicator.h"
+#include "backends/cuda/cuda_util.h"
+#include "backends/cuda/kernels/dcp.h"
+#include "src/runtime/dcp_device.h"
+
+namespace attnrt {
+
+namespace {
+
+using cuda::DeviceBuffer;
+
+bool on_device(const void* p) {
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+}
+
+void grow(DeviceBuffer& buf, size_t bytes) {
+  // Growing frees the old buffer (cudaFree waits for the device), so nothing queued still reads
+  // it; the contents are rewritten by every call anyway.
+  if (buf.bytes() < bytes) buf.reserve(std::max(bytes, buf.bytes() * 2));
+}
+
+int32_t act_code(const TensorView& t, const char* what) {
+  ATTNRT_CHECK(t.dtype == DType::f32 || t.dtype == DType::f16 || t.dtype == DType::bf16,
+               "DcpAttention on the GPU: {} is {}; expected fp32, fp16 or bf16", what,
+               t.describe());
+  return static_cast<int32_t>(t.dtype);
+}
+
+class CudaDcpRank final : public DcpDeviceRank {
+ public:
+  explicit CudaDcpRank(void* stream) : stream_(static_cast<cudaStream_t>(stream)) {}
+
+  void set_entries(std::span<const int64_t> rows, int64_t tokens) override {
+    entries_ = static_cast<int64_t>(rows.size());
+    tokens_ = tokens;
+    host_.assign(static_cast<size_t>(entries_ + tokens), -1);
+    std::copy(rows.begin(), rows.end(), host_.begin());
+    for (int64_t e = 0; e < entries_; ++e) host_[entries_ + rows[e]] = e;
+    grow(index_, std::max<size_t>(1, host_.size()) * sizeof(int64_t));
+    // Pageable source: the copy is staged before the call returns, host_ may change afterwards.
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(index_.data(), host_.data(), host_.size() * sizeof(int64_t),
+                                      cudaMemcpyHostToDevice, stream_));
+  }
+
+  TensorView gather(int slot, const TensorView& src) override {
+    ATTNRT_CHECK(src.device.kind == DeviceKind::cuda && src.ndim == 3 && src.strides[2] == 1,
+                 "DcpAttention on the GPU: an input is {}; expected a GPU tensor [T, H, D] with a "
+                 "contiguous last dim",
+                 src.describe());
+    const int32_t code = act_code(src, "an input");
+    DeviceBuffer& buf = rows_[slot];
+    const int64_t per_row = src.shape[1] * src.shape[2];
+    grow(buf, std::max<size_t>(1, entries_ * per_row) * dtype_size(src.dtype));
+    cuda::DcpGatherParams p{};
+    p.src = src.data;
+    p.src_stride_tok = src.strides[0];
+    p.src_stride_head = src.strides[1];
+    p.dtype = code;
+    p.heads = static_cast<int32_t>(src.shape[1]);
+    p.dim = static_cast<int32_t>(src.shape[2]);
+    p.rows = index_.ptr<int64_t>();
+    p.count = entries_;
+    p.dst = buf.data();
+    ATTNRT_CUDA_CHECK(cuda::launch_dcp_gather(p, stream_));
+    return TensorView(buf.data(), src.dtype, {entries_, src.shape[1], src.shape[2]}, src.device);
+  }
+
+  TensorView partial_out(DType dtype, int64_t entries, int hq, int dv) override {
+    grow(out_, std::max<size_t>(1, entries * hq * dv) * dtype_size(dtype));
+    out_dtype_ = dtype;
+    return TensorView(out_.data(), dtype, {entries, hq, dv}, device());
+  }
+
+  TensorView partial_lse(int64_t entries, int hq) override {
+    grow(lse_, std::max<size_t>(1, entries * hq) * sizeof(float));
+    return TensorView(lse_.data(), DType::f32, {entries, hq}, device());
+  }
+
+  std::span<float> pack(int hq, int dv, int ranks) override {
+    const int64_t floats = tokens_ * hq * (dv + 1);
+    grow(send_, std::max<size_t>(1, floats) * sizeof(float));
+    cuda::DcpPackParams p{};
+    p.out = out_.data();
+    p.out_dtype = static_cast<int32_t>(out_dtype_);
+    p.lse = lse_.ptr<float>();
+    p.entry = index_.ptr<int64_t>() + entries_;
+    p.tokens = tokens_;
+    p.hq = hq;
+    p.dv = dv;
+    p.ranks = ranks;
+    p.send = send_.ptr<float>();
+    if (entries_ == 0) {  // nothing attended here: out / lse were never written, every row is empty
+      p.out = nullptr;
+      p.lse = nullptr;
+    }
+    ATTNRT_CUDA_CHECK(cuda::launch_dcp_pack(p, stream_));
+    return {send_.ptr<float>(), static_cast<size_t>(floats)};
+  }
+
+  std::span<float> recv(int64_t floats) override {
+    grow(recv_, std::max<size_t>(1, floats) * sizeof(float));
+    return {recv_.ptr<float>(), static_cast<size_t>(floats)};
+  }
+
+  void merge(int ranks, int h0, int h1, int dv, const float* sinks, const TensorView& out,
+             const TensorView& lse) override {
+    ATTNRT_CHECK(out.device.kind == DeviceKind::cuda && out.strides[2] == 1,
+                 "DcpAttention on the GPU: out is {}; expected a GPU tensor with a contiguous "
+                 "last dim",
+                 out.describe());
+    cuda::DcpMergeParams p{};
+    p.recv = recv_.ptr<float>();
+    p.ranks = ranks;
+    p.tokens = tokens_;
+    p.h0 = h0;
+    p.heads = h1 - h0;
+    p.dv = dv;
+    if (sinks != nullptr) {
+      if (on_device(sinks)) {
+        p.sinks = sinks;
+      } else {
+        // The layer's sink logits are a weight: a host array is copied for this call.
+        const int64_t hq = out.shape[1];
+        grow(sinks_, hq * sizeof(float));
+        ATTNRT_CUDA_CHECK(cudaMemcpyAsync(sinks_.data(), sinks, hq * sizeof(float),
+                                          cudaMemcpyHostToDevice, stream_));
+        p.sinks = sinks_.ptr<float>();
+      }
+    }
+    p.out = out.data;
+    p.out_dtype = act_code(out, "out");
+    p.out_stride_tok = out.strides[0];
+    p.out_stride_head = out.strides[1];
+    if (!lse.empty()) {
+      p.lse = lse.ptr<float>();
+      p.lse_stride_tok = lse.strides[0];
+      p.lse_stride_head = lse.strides[1];
+    }
+    ATTNRT_CUDA_CHECK(cuda::launch_dcp_merge(p, stream_));
+  }
+
+  void synchronize() override { ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+ private:
+  static Device device() {
+    int d = 0;
+    ATTNRT_CUDA_CHECK(cudaGetDevice(&d));
+    return Device::cuda(d);
+  }
+
+  cudaStream_t stream_;
+  int64_t entries_ = 0, tokens_ = 0;
+  std::vector<int64_t> host_;  // [entries: global row | tokens: entry or -1]
+  DeviceBuffer index_, rows_[3], out_, lse_, send_, recv_, sinks_;
+  DType out_dtype_ = DType::f32;
+};
+
+// n ranks on one GPU, served one after another from one thread (DcpAttention): a collective's
+// data moves when its last rank calls. Block (s -> d) is copied on rank d's stream after rank s's
+// stream reached its call (an event); every rank's stream then waits for all copies before it
+// goes on (a rank may rewrite its send buffer next).
+class DeviceInProcessCommunicator final : public Communicator {
+ public:
+  DeviceInProcessCommunicator(int size, std::span<void* const> streams) : size_(size) {
+    ATTNRT_CHECK(size >= 1, "device_in_process communicator: size {}; need at least 1 rank", size);
+    ATTNRT_CHECK(streams.empty() || static_cast<int>(streams.size()) == size,
+                 "device_in_process communicator: {} streams for {} ranks; pass none or one per "
+                 "rank",
+                 streams.size(), size);
+    streams_.assign(size, nullptr);
+    for (size_t i = 0; i < streams.size(); ++i) streams_[i] = static_cast<cudaStream_t>(streams[i]);
+    events_.resize(size);
+    for (cudaEvent_t& e : events_)
+      ATTNRT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    calls_.resize(size);
+  }
+  ~DeviceInProcessCommunicator() override {
+    for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  }
+  std::string_view name() const override { return "device_in_process"; }
+  int size() const override { return size_; }
+  bool device_buffers() const override { return true; }
+
+  void all_to_all(int rank, std::span<const float> send, std::span<const int64_t> send_counts,
+                  std::span<float> recv, std::span<const int64_t> recv_counts) override {
+    check_all_to_all("device_in_process", rank, size_, send, send_counts, recv, recv_counts);
+    Call& c = arrive(rank, Kind::all_to_all);
+    c.send = send.data();
+    c.recv = recv.data();
+    c.send_counts.assign(send_counts.begin(), send_counts.end());
+    c.recv_counts.assign(recv_counts.begin(), recv_counts.end());
+    if (++arrived_ < size_) return;
+    for (int d = 0; d < size_; ++d) {
+      for (int s = 0; s < size_; ++s) {
+        ATTNRT_CHECK(calls_[s].send_counts[d] == calls_[d].recv_counts[s],
+                     "device_in_process communicator: all_to_all: rank {} sends {} floats to rank "
+                     "{}, which expects {}",
+                     s, calls_[s].send_counts[d], d, calls_[d].recv_counts[s]);
+      }
+    }
+    run([&](int d) {
+      int64_t at = 0;
+      for (int s = 0; s < size_; ++s) {
+        int64_t from = 0;
+        for (int k = 0; k < d; ++k) from += calls_[s].send_counts[k];
+        const int64_t n = calls_[d].recv_counts[s];
+        if (n > 0) {
+          ATTNRT_CUDA_CHECK(cudaMemcpyAsync(calls_[d].recv + at, calls_[s].send + from,
+                                            n * sizeof(float), cudaMemcpyDeviceToDevice,
+                                            streams_[d]));
+        }
+        at += n;
+      }
+    });
+  }
+
+  void all_gather(int rank, std::span<const float> send, std::span<float> recv) override {
+    ATTNRT_CHECK(recv.size() >= send.size() * size_,
+                 "device_in_process communicator: all_gather: rank {} receives into {} floats; "
+                 "{} ranks of {} need {}",
+                 rank, recv.size(), size_, send.size(), send.size() * size_);
+    Call& c = arrive(rank, Kind::all_gather);
+    c.send = send.data();
+    c.recv = recv.data();
+    c.send_counts.assign(1, static_cast<int64_t>(send.size()));
+    if (++arrived_ < size_) return;
+    for (int s = 1; s < size_; ++s) {
+      ATTNRT_CHECK(calls_[s].send_counts[0] == calls_[0].send_counts[0],
+                   "device_in_process communicator: all_gather: rank {} sends {} floats, rank 0 "
+                   "{}; every rank sends the same count",
+                   s, calls_[s].send_counts[0], calls_[0].send_counts[0]);
+    }
+    run([&](int d) {
+      const int64_t n = calls_[0].send_counts[0];
+      for (int s = 0; s < size_ && n > 0; ++s) {
+        ATTNRT_CUDA_CHECK(cudaMemcpyAsync(calls_[d].recv + s * n, calls_[s].send, n * sizeof(float),
+                                          cudaMemcpyDeviceToDevice, streams_[d]));
+      }
+    });
+  }
+
+  void barrier(int rank) override {
+    arrive(rank, Kind::barrier);
+    if (++arrived_ < size_) return;
+    run([](int) {});
+    for (cudaStream_t s : streams_) ATTNRT_CUDA_CHECK(cudaStreamSynchronize(s));
+  }
+
+ private:
+  enum class Kind { none, all_to_all, all_gather, barrier };
+  struct Call {
+    const float* send = nullptr;
+    float* recv = nullptr;
+    std::vector<int64_t> send_counts, recv_counts;
+  };
+
+  static const char* kind_name(Kind k) {
+    return k == Kind::all_to_all ? "all_to_all" : k == Kind::all_gather ? "all_gather" : "barrier";
+  }
+
+  Call& arrive(int rank, Kind kind) {
+    ATTNRT_CHECK(rank >= 0 && rank < size_,
+                 "device_in_process communicator: rank {}; the group has ranks 0..{}", rank,
+                 size_ - 1);
+    ATTNRT_CHECK(pending_ == Kind::none || pending_ == kind,
+                 "device_in_process communicator: rank {} calls {} while {} is pending", rank,
+                 kind_name(kind), kind_name(pending_));
+    ATTNRT_CHECK(!called_[rank],
+                 "device_in_process communicator: rank {} calls {} twice before every rank has "
+                 "called it once",
+                 rank, kind_name(kind));
+    if (pending_ == Kind::none) called_.assign(size_, false);
+    pending_ = kind;
+    called_[rank] = true;
+    // The rank's stream has reached its call: its send buffer holds the data from here on.
+    ATTNRT_CUDA_CHECK(cudaEventRecord(events_[rank], streams_[rank]));
+    return calls_[rank];
+  }
+
+  // The copies of the completed collective, per receiving rank, ordered after every rank's call;
+  // then every stream waits for every copy.
+  template <typename Copy>
+  void run(Copy copy) {
+    pending_ = Kind::none;
+    arrived_ = 0;
+    called_.assign(size_, false);
+    for (int d = 0; d < size_; ++d) {
+      for (int s = 0; s < size_; ++s) {
+        if (streams_[s] != streams_[d])
+          ATTNRT_CUDA_CHECK(cudaStreamWaitEvent(streams_[d], events_[s], 0));
+      }
+      copy(d);
+    }
+    for (int d = 0; d < size_; ++d) ATTNRT_CUDA_CHECK(cudaEventRecord(events_[d], streams_[d]));
+    for (int s = 0; s < size_; ++s) {
+      for (int d = 0; d < size_; ++d) {
+        if (streams_[s] != streams_[d])
+          ATTNRT_CUDA_CHECK(cudaStreamWaitEvent(streams_[s], events_[d], 0));
+      }
+    }
+  }
+
+  int size_;
+  std::vector<cudaStream_t> streams_;
+  std::vector<cudaEvent_t> events_;
+  std::vector<Call> calls_;
+  std::vector<bool> called_ = std::vector<bool>(static_cast<size_t>(size_), false);
+  Kind pending_ = Kind::none;
+  int arrived_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<DcpDeviceRank> make_dcp_device_rank(void* stream) {
+  return std::make_unique<CudaDcpRank>(stream);
+}
+
+std::unique_ptr<Communicator> make_device_in_process_communicator(int size,
+                                                                   std::span<void* const> streams) {
+  return std::make_unique<DeviceInProcessCommunicator>(size, streams);
+}
+
+}  // namespace attnrt

@@ -1,0 +1,43 @@
+// The device work of one DCP rank whose activations live on the GPU (docs/dcp.md "Ranks on one
+// GPU"): buffers in GPU memory and the kernels of kernels/dcp.h, enqueued on the rank runtime's
+// stream. Implemented by the cuda backend (backends/cuda/dcp_device.cpp); a build without CUDA
+// has none (make_dcp_device_rank throws).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+
+#include "attnrt/core/tensor.h"
+
+namespace attnrt {
+
+class DcpDeviceRank {
+ public:
+  virtual ~DcpDeviceRank() = default;
+  // The step's entries: the global row of each (rows) of the step's `tokens` rows; uploaded with
+  // the row -> entry map the packing reads.
+  virtual void set_entries(std::span<const int64_t> rows, int64_t tokens) = 0;
+  // The entries' rows of a device tensor [T, H, D] (last dim contiguous), contiguous [E, H, D];
+  // slot 0, 1, 2 are separate buffers (q, k, v).
+  virtual TensorView gather(int slot, const TensorView& src) = 0;
+  // The rank's partial output [E, hq, dv] (dtype) and lse fp32 [E, hq], device buffers.
+  virtual TensorView partial_out(DType dtype, int64_t entries, int hq, int dv) = 0;
+  virtual TensorView partial_lse(int64_t entries, int hq) = 0;
+  // Packs the partial (dv outputs | lse per row and head, (0, -inf) for rows without an entry)
+  // into the all-to-all's send buffer of `ranks` blocks; returns it (device floats).
+  virtual std::span<float> pack(int hq, int dv, int ranks) = 0;
+  // The receive buffer of `floats` floats (device), kept until the next call.
+  virtual std::span<float> recv(int64_t floats) = 0;
+  // The exact merge of heads [h0, h1) from the receive buffer into out (and lse when not empty),
+  // device tensors; sinks: the layer's sink logits ([hq], host or device), or null.
+  virtual void merge(int ranks, int h0, int h1, int dv, const float* sinks, const TensorView& out,
+                     const TensorView& lse) = 0;
+  // Waits for the rank's stream.
+  virtual void synchronize() = 0;
+};
+
+// One rank's device work on `stream` (a cudaStream_t; null: the legacy default stream).
+std::unique_ptr<DcpDeviceRank> make_dcp_device_rank(void* stream);
+
+}  // namespace attnrt

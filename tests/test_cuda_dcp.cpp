@@ -1,0 +1,578 @@
+// Decode context parallelism on one GPU (docs/dcp.md "Ranks on one GPU"): a DcpAttention of 2 and
+// 3 `cuda` ranks sharing the GPU against one `reference` runtime holding every token, fed the same
+// batches and q/k/v, for EXTEND over a prefix, DECODE, chain TARGET_VERIFY and tree TARGET_VERIFY
+// (with its accepted paths committed), GQA with soft-cap, sinks and a sliding window, and
+// DeepSeek-V3's MLA (absorbed form, 576 / 512); with host tensors (the ranks' backend stages them)
+// and with GPU tensors (gather, pack, the device all-to-all and the merge kernel in GPU memory).
+// Outputs are poisoned (NaN) first. Also the merge kernel against dcp_merge, bit for bit on most
+// elements, and the device communicator's blocks element for element. Fresh random inputs every
+// run (ATTNRT_TEST_SEED replays one); skips, with the reason, where no CUDA device is usable.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/runtime/attention_runtime.h"
+#include "attnrt/runtime/communicator.h"
+#include "attnrt/runtime/dcp.h"
+#include "tests/test_cuda_util.h"
+#include "tests/test_util.h"
+
+#ifdef ATTNRT_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "src/runtime/dcp_device.h"
+#endif
+
+namespace attnrt {
+namespace {
+
+#ifdef ATTNRT_HAS_CUDA
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Full attention with GQA and soft-cap, a layer with sinks, and a sliding window on global
+// positions (bf16: the cuda kernels take bf16 / fp16 activations).
+ModelSpec gqa_model() {
+  LayerSpec a = test::attention_layer(0, 8, 2, 128);
+  a.logit_cap = 30.f;
+  LayerSpec b = test::attention_layer(1, 6, 6, 64);
+  b.has_sinks = true;
+  LayerSpec w = test::attention_layer(2, 8, 2, 128);
+  w.kind = LayerKind::swa;
+  w.sliding_window = 9;
+  return test::make_model("cuda-dcp-gqa", DType::bf16, 512, {a, b, w});
+}
+
+// DeepSeek-V3's latent rows (kv_lora_rank 512 + rope 64), 16 heads (a TP shard's).
+ModelSpec mla_model() {
+  LayerSpec l = test::attention_layer(0, 16, 1, 576, 512);
+  l.kind = LayerKind::mla;
+  l.kv_lora_rank = 512;
+  l.qk_rope_head_dim = 64;
+  l.scaling = 0.06f;
+  return test::make_model("cuda-dcp-mla", DType::bf16, 512, {l});
+}
+
+struct Case {
+  int ranks;
+  bool gpu_tensors;
+};
+
+std::string case_name(const testing::TestParamInfo<Case>& info) {
+  return "n" + std::to_string(info.param.ranks) + (info.param.gpu_tensors ? "_gpu" : "_host") +
+         "_tensors";
+}
+
+// bf16 outputs of the cuda kernels against the reference's on the same bf16 inputs.
+constexpr double kOutTol = 2e-2, kLseTol = 1e-2;
+
+// One `reference` runtime (the oracle, which also hands out the global batch's slots) and a group
+// of `cuda` ranks on the GPU, fed the same batches and q/k/v.
+class Harness {
+ public:
+  Harness(ModelSpec model, const Case& c, uint32_t seed, bool tree = false)
+      : model_(std::move(model)), case_(c), rng_(seed) {
+    Options one;
+    one.attention_backend = "reference";
+    one.page_size = 1;
+    Options group = one;
+    group.attention_backend = "cuda";
+    group.dcp_size = c.ranks;
+    if (tree) {
+      group.speculative_num_steps = 3;
+      group.speculative_eagle_topk = 2;
+      group.speculative_num_draft_tokens = 6;
+    }
+    const RuntimeConfig cfg = test::host_config(6, 4096, 256);
+    one_ = std::make_unique<AttentionRuntime>(model_, one, cfg);
+    dcp_ = std::make_unique<DcpAttention>(model_, group, cfg);
+  }
+
+  DcpAttention& dcp() { return *dcp_; }
+  int rand_int(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
+
+  std::vector<int64_t> alloc_requests(int n) {
+    std::vector<int64_t> rows;
+    for (int i = 0; i < n; ++i) rows.push_back(one_->req_to_token().alloc());
+    return rows;
+  }
+
+  void place(ForwardBatch& b) {
+    const StepLayout l = make_step_layout(b);
+    std::vector<int64_t> last;
+    std::vector<int32_t> seq;
+    for (int i = 0; i < b.batch_size; ++i) {
+      const int32_t p = l.prefix_lens[i];
+      last.push_back(
+          p > 0 ? one_->req_to_token().get(static_cast<int>(b.req_pool_indices[i]), p - 1) : -1);
+      seq.push_back(p + l.query_lens[i]);
+    }
+    b.out_cache_loc = one_->allocator().alloc_extend(l.prefix_lens, seq, last);
+    size_t at = 0;
+    for (int i = 0; i < b.batch_size; ++i) {
+      const auto q = static_cast<size_t>(l.query_lens[i]);
+      one_->req_to_token().write(static_cast<int>(b.req_pool_indices[i]), l.prefix_lens[i],
+                                 std::span<const int64_t>(b.out_cache_loc.data() + at, q));
+      at += q;
+    }
+  }
+
+  // Runs the step on both, every layer with fresh q/k/v, and compares out and lse; the failure
+  // names the step, the layer, the tensor and the element (token * heads * dims + ...).
+  ForwardBatch run_and_compare(ForwardBatch b, const std::string& step) {
+    place(b);
+    const int64_t T = b.num_tokens();
+    one_->begin_step(b);
+    dcp_->begin_step(b);
+    for (const LayerSpec& l : model_.layers) {
+      const int hq = l.num_q_heads, hkv = l.num_kv_heads, dqk = l.head_dim;
+      const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+      const bool mla = l.kind == LayerKind::mla;
+      HostBuffer q = test::random_buffer(DType::bf16, {T, hq, dqk}, rng_);
+      HostBuffer k = test::random_buffer(DType::bf16, {T, hkv, dqk}, rng_);
+      HostBuffer v = test::random_buffer(DType::bf16, {T, hkv, dv}, rng_);
+      std::vector<float> sinks(hq);
+      for (float& s : sinks) s = std::normal_distribution<float>(0.f, 1.f)(rng_);
+      HostBuffer out1(DType::bf16, {T, hq, dv}), outn(DType::bf16, {T, hq, dv});
+      HostBuffer lse1(DType::f32, {T, hq}), lsen(DType::f32, {T, hq});
+      for (const HostBuffer* p : {&out1, &outn, &lse1, &lsen}) test::poison(p->view());
+      AttnArgs a;
+      a.q = q.view();
+      a.k = k.view();
+      if (!mla) a.v = v.view();
+      a.sinks = l.has_sinks ? sinks.data() : nullptr;
+      a.out = out1.view();
+      a.lse = lse1.view();
+      one_->forward(l.layer_id, a);
+      if (case_.gpu_tensors) {
+        test::DevTensor dq(q.view()), dk(k.view()), dvv(v.view()), dout(outn.view()),
+            dlse(lsen.view());  // poisoned outputs uploaded as they are
+        AttnArgs g = a;
+        g.q = dq.view;
+        g.k = dk.view;
+        g.v = mla ? TensorView() : dvv.view;
+        g.out = dout.view;
+        g.lse = dlse.view;
+        dcp_->forward(l.layer_id, g);
+        dout.download(outn.view());
+        dlse.download(lsen.view());
+      } else {
+        a.out = outn.view();
+        a.lse = lsen.view();
+        dcp_->forward(l.layer_id, a);
+      }
+      const std::string name = model_.name + " " + step + " on " + std::to_string(case_.ranks) +
+                               " cuda ranks (" + (case_.gpu_tensors ? "GPU" : "host") +
+                               " tensors), layer " + std::to_string(l.layer_id);
+      test::expect_close(outn.view(), out1.view(), kOutTol, name + " out [T, Hq, Dv]");
+      test::expect_close(lsen.view(), lse1.view(), kLseTol, name + " lse [T, Hq]");
+    }
+    one_->end_step();
+    dcp_->end_step();
+    return b;
+  }
+
+  void commit(const ForwardBatch& verify, const std::vector<std::vector<int32_t>>& paths) {
+    std::vector<std::pair<int64_t, int64_t>> moves;
+    for (int i = 0; i < verify.batch_size; ++i) {
+      const int row = static_cast<int>(verify.req_pool_indices[i]);
+      const int32_t s = verify.seq_lens[i];
+      for (size_t k = 1; k < paths[i].size(); ++k) {
+        moves.emplace_back(one_->req_to_token().get(row, s + paths[i][k]),
+                           one_->req_to_token().get(row, s + static_cast<int32_t>(k)));
+      }
+    }
+    std::vector<int> layers;
+    for (const LayerSpec& l : model_.layers) layers.push_back(l.layer_id);
+    one_->kv_cache().copy_rows(layers, moves);
+    dcp_->commit_verify(verify, paths);
+  }
+
+  std::vector<int32_t> random_path(const int32_t* parents, int n) {
+    std::vector<int32_t> path = {0};
+    for (;;) {
+      std::vector<int32_t> kids;
+      for (int t = 1; t < n; ++t) {
+        if (parents[t] == path.back()) kids.push_back(t);
+      }
+      if (kids.empty() || rand_int(0, 3) == 0) return path;
+      path.push_back(kids[rand_int(0, static_cast<int>(kids.size()) - 1)]);
+    }
+  }
+
+  // Cached prefixes of random lengths in [0, max_prefix] (the first at least 1), stored by an
+  // EXTEND step from 0 (itself compared).
+  std::vector<int32_t> fill(const std::vector<int64_t>& rows, int max_prefix) {
+    std::vector<int32_t> prefix;
+    std::vector<int64_t> fill_rows;
+    std::vector<int32_t> fill_lens;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      prefix.push_back(rand_int(i == 0 ? 1 : 0, max_prefix));
+      if (prefix.back() > 0) {
+        fill_rows.push_back(rows[i]);
+        fill_lens.push_back(prefix.back());
+      }
+    }
+    run_and_compare(
+        make_extend_batch(fill_rows, std::vector<int32_t>(fill_rows.size(), 0), fill_lens),
+        "prefill");
+    return prefix;
+  }
+
+  std::vector<int32_t> random_tree(int n) {
+    std::vector<int32_t> p(n, -1);
+    for (int t = 1; t < n; ++t) p[t] = rand_int(0, t - 1);
+    if (n >= 3) p[2] = 0;
+    return p;
+  }
+
+ private:
+  ModelSpec model_;
+  Case case_;
+  std::mt19937 rng_;
+  std::unique_ptr<AttentionRuntime> one_;
+  std::unique_ptr<DcpAttention> dcp_;
+};
+
+class CudaDcp : public testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_GPU();
+    seed_ = test::test_seed();
+    trace_.emplace(__FILE__, __LINE__, "ATTNRT_TEST_SEED=" + std::to_string(seed_));
+  }
+  uint32_t seed_ = 0;
+  std::optional<testing::ScopedTrace> trace_;
+};
+
+TEST_P(CudaDcp, ExtendOverAPrefixThenDecode) {
+  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+    Harness h(model, GetParam(), seed_);
+    const auto rows = h.alloc_requests(h.rand_int(1, 4));
+    std::vector<int32_t> prefix = h.fill(rows, 70);
+    std::vector<int32_t> ext, seq;
+    for (size_t i = 0; i < rows.size(); ++i) ext.push_back(h.rand_int(1, 19));
+    h.run_and_compare(make_extend_batch(rows, prefix, ext), "extend over a prefix");
+    for (size_t i = 0; i < rows.size(); ++i) seq.push_back(prefix[i] + ext[i] + 1);
+    h.run_and_compare(make_decode_batch(rows, seq), "decode");
+    for (int32_t& s : seq) ++s;
+    h.run_and_compare(make_decode_batch(rows, seq), "decode 2");
+  }
+}
+
+TEST_P(CudaDcp, ChainVerifyThenDecodeAfterAcceptance) {
+  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+    Harness h(model, GetParam(), seed_);
+    const auto rows = h.alloc_requests(h.rand_int(1, 4));
+    std::vector<int32_t> prefix = h.fill(rows, 70);
+    const int n = 5;
+    h.run_and_compare(
+        make_verify_batch(rows, prefix, SpecInfo::chain(static_cast<int>(rows.size()), n)),
+        "chain verify");
+    std::vector<int32_t> seq;
+    for (int32_t p : prefix) seq.push_back(p + h.rand_int(0, n - 1) + 2);
+    h.run_and_compare(make_decode_batch(rows, seq), "decode after chain verify");
+  }
+}
+
+TEST_P(CudaDcp, TreeVerifyThenDecodeAfterCommit) {
+  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+    Harness h(model, GetParam(), seed_, /*tree=*/true);
+    const auto rows = h.alloc_requests(h.rand_int(1, 4));
+    std::vector<int32_t> prefix = h.fill(rows, 70);
+    const int n = 6;
+    SpecInfo spec;
+    spec.draft_token_num = n;
+    spec.topk = 2;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      for (int32_t p : h.random_tree(n)) spec.parents.push_back(p);
+    }
+    const ForwardBatch v = h.run_and_compare(make_verify_batch(rows, prefix, spec), "tree verify");
+    std::vector<std::vector<int32_t>> paths;
+    std::vector<int32_t> seq;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      paths.push_back(h.random_path(spec.parents.data() + i * n, n));
+      seq.push_back(prefix[i] + static_cast<int32_t>(paths.back().size()) + 1);
+    }
+    h.commit(v, paths);
+    h.run_and_compare(make_decode_batch(rows, seq), "decode after tree commit");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, CudaDcp,
+                         testing::Values(Case{2, false}, Case{2, true}, Case{3, false},
+                                         Case{3, true}),
+                         case_name);
+
+// The merge kernel against dcp_merge (double accumulation both): random partials of 3 ranks, some
+// empty (lse -inf), a row empty on every rank, with and without sinks, into a poisoned fp32 out.
+TEST(CudaDcpMerge, KernelMatchesHostMerge) {
+  SKIP_WITHOUT_GPU();
+  const uint32_t seed = test::test_seed();
+  SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int n = 3, hq = 5, dv = 24;
+  const int64_t T = 7;
+  for (const bool with_sinks : {false, true}) {
+    // Every rank's packed partial of every head ([T, hq, dv + 1]).
+    std::vector<std::vector<float>> part(n, std::vector<float>(T * hq * (dv + 1)));
+    std::normal_distribution<float> dist(0.f, 3.f);
+    for (int r = 0; r < n; ++r) {
+      for (int64_t t = 0; t < T; ++t) {
+        for (int h = 0; h < hq; ++h) {
+          float* p = part[r].data() + (t * hq + h) * (dv + 1);
+          for (int j = 0; j < dv; ++j) p[j] = dist(rng);
+          const bool empty = t == 3 || (t + h + r) % 4 == 0;
+          p[dv] = empty ? -kInf : dist(rng);
+        }
+      }
+    }
+    std::vector<float> sinks(hq);
+    for (float& s : sinks) s = dist(rng);
+    // Rank d's receive buffer: n blocks [T, heads(d), dv + 1], source rank order.
+    for (int d = 0; d < n; ++d) {
+      const int h0 = dcp_head_begin(d, hq, n), h1 = dcp_head_begin(d + 1, hq, n), m = h1 - h0;
+      std::vector<float> recv;
+      for (int s = 0; s < n; ++s) {
+        for (int64_t t = 0; t < T; ++t) {
+          for (int h = h0; h < h1; ++h) {
+            const float* p = part[s].data() + (t * hq + h) * (dv + 1);
+            recv.insert(recv.end(), p, p + dv + 1);
+          }
+        }
+      }
+      HostBuffer out(DType::f32, {T, hq, dv}), lse(DType::f32, {T, hq});
+      test::poison(out.view());
+      test::poison(lse.view());
+      test::DevTensor dout(out.view()), dlse(lse.view());
+      test::DeviceMemory dsinks(hq * sizeof(float));
+      dsinks.upload(sinks.data());
+      std::unique_ptr<DcpDeviceRank> dev = make_dcp_device_rank(nullptr);
+      dev->set_entries({}, T);
+      const std::span<float> r = dev->recv(static_cast<int64_t>(recv.size()));
+      ASSERT_EQ(cudaMemcpy(r.data(), recv.data(), recv.size() * sizeof(float),
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+      dev->merge(n, h0, h1, dv, with_sinks ? dsinks.as<float>() : nullptr, dout.view, dlse.view);
+      dev->synchronize();
+      dout.download(out.view());
+      dlse.download(lse.view());
+      for (int64_t t = 0; t < T; ++t) {
+        for (int h = 0; h < hq; ++h) {
+          const float* o = out.view().ptr<float>() + (t * hq + h) * dv;
+          const float l = lse.view().ptr<float>()[t * hq + h];
+          const std::string at = "rank " + std::to_string(d) + " row " + std::to_string(t) +
+                                 " head " + std::to_string(h) +
+                                 (with_sinks ? " (sinks)" : " (no sinks)");
+          if (h < h0 || h >= h1) {  // another rank's head: untouched
+            EXPECT_TRUE(std::isnan(o[0]) && std::isnan(l)) << at << ": written, not its head";
+            continue;
+          }
+          std::vector<const float*> parts;
+          for (int s = 0; s < n; ++s) parts.push_back(part[s].data() + (t * hq + h) * (dv + 1));
+          std::vector<float> want(dv);
+          const float want_lse = dcp_merge(
+              parts, dv, with_sinks ? std::optional<float>(sinks[h]) : std::nullopt, want.data());
+          EXPECT_TRUE(l == want_lse || std::abs(l - want_lse) <= 1e-6f * (1 + std::abs(want_lse)))
+              << at << ": lse " << l << ", dcp_merge " << want_lse;
+          for (int j = 0; j < dv; ++j) {
+            EXPECT_NEAR(o[j], want[j], 1e-6 * (1 + std::abs(want[j])))
+                << at << " column " << j << ": merge kernel vs dcp_merge";
+          }
+        }
+      }
+    }
+  }
+}
+
+// The device communicator of 3 ranks on the GPU: random blocks of random sizes (zero included)
+// between every pair, into poisoned receive buffers; an all_gather; a mismatched count named.
+TEST(CudaDcpCommunicator, DeviceInProcessMovesBlocks) {
+  SKIP_WITHOUT_GPU();
+  const uint32_t seed = test::test_seed();
+  SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int n = 3;
+  std::unique_ptr<Communicator> comm = make_communicator("device_in_process", n);
+  EXPECT_TRUE(comm->device_buffers());
+  // counts[s][d]: floats rank s sends to rank d.
+  std::vector<std::vector<int64_t>> counts(n, std::vector<int64_t>(n));
+  for (auto& row : counts) {
+    for (int64_t& c : row) c = std::uniform_int_distribution<int>(0, 3)(rng) == 0 ? 0 : 1 + rng() % 40;
+  }
+  std::vector<std::vector<float>> send(n);
+  std::vector<std::unique_ptr<test::DeviceMemory>> dsend, drecv;
+  std::vector<std::vector<int64_t>> recv_counts(n, std::vector<int64_t>(n));
+  std::vector<int64_t> recv_total(n, 0);
+  for (int s = 0; s < n; ++s) {
+    for (int d = 0; d < n; ++d) {
+      for (int64_t i = 0; i < counts[s][d]; ++i) send[s].push_back(1000.f * s + 100.f * d + i);
+      recv_counts[d][s] = counts[s][d];
+      recv_total[d] += counts[s][d];
+    }
+  }
+  for (int r = 0; r < n; ++r) {
+    dsend.push_back(std::make_unique<test::DeviceMemory>(send[r].size() * sizeof(float)));
+    if (!send[r].empty()) dsend.back()->upload(send[r].data());
+    drecv.push_back(std::make_unique<test::DeviceMemory>(recv_total[r] * sizeof(float)));
+    std::vector<float> nan(recv_total[r], std::numeric_limits<float>::quiet_NaN());
+    if (!nan.empty()) drecv.back()->upload(nan.data());
+  }
+  for (int r = 0; r < n; ++r) {
+    comm->all_to_all(r, {dsend[r]->as<float>(), send[r].size()}, counts[r],
+                     {drecv[r]->as<float>(), static_cast<size_t>(recv_total[r])}, recv_counts[r]);
+  }
+  comm->barrier(0);
+  comm->barrier(1);
+  comm->barrier(2);
+  for (int d = 0; d < n; ++d) {
+    std::vector<float> got(recv_total[d]);
+    if (!got.empty()) drecv[d]->download(got.data());
+    size_t at = 0;
+    for (int s = 0; s < n; ++s) {
+      for (int64_t i = 0; i < counts[s][d]; ++i, ++at) {
+        EXPECT_EQ(got[at], 1000.f * s + 100.f * d + i)
+            << "rank " << d << " block from rank " << s << " element " << i;
+      }
+    }
+  }
+  // all_gather of 5 floats per rank.
+  std::vector<std::unique_ptr<test::DeviceMemory>> gs, gr;
+  for (int r = 0; r < n; ++r) {
+    std::vector<float> v(5);
+    for (int i = 0; i < 5; ++i) v[i] = 10.f * r + i;
+    gs.push_back(std::make_unique<test::DeviceMemory>(5 * sizeof(float)));
+    gs.back()->upload(v.data());
+    gr.push_back(std::make_unique<test::DeviceMemory>(5 * n * sizeof(float)));
+  }
+  for (int r = 0; r < n; ++r) {
+    comm->all_gather(r, {gs[r]->as<float>(), 5}, {gr[r]->as<float>(), static_cast<size_t>(5 * n)});
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  for (int d = 0; d < n; ++d) {
+    std::vector<float> got(5 * n);
+    gr[d]->download(got.data());
+    for (int s = 0; s < n; ++s) {
+      for (int i = 0; i < 5; ++i) {
+        EXPECT_EQ(got[s * 5 + i], 10.f * s + i) << "all_gather: rank " << d << " block " << s;
+      }
+    }
+  }
+  // Counts that do not pair up.
+  std::vector<int64_t> one(n, 1), two(n, 2);
+  test::DeviceMemory buf(16 * sizeof(float));
+  const std::span<float> b(buf.as<float>(), 16);
+  comm->all_to_all(0, b, one, b, one);
+  comm->all_to_all(1, b, one, b, one);
+  test::expect_error([&] { comm->all_to_all(2, b, two, b, one); },
+                     {"rank 2 sends 2 floats to rank 0, which expects 1"});
+}
+
+// The NCCL path of a rank (one rank per GPU): a DcpRank over a group of 1 GPU
+// (make_nccl_group({0})), GPU tensors, its all-to-all a send to itself through NCCL, against one
+// `reference` runtime: an EXTEND prefill of two requests, an EXTEND over the prefix and two decodes,
+// every layer of the GQA model. Skips, with the reason, where NCCL cannot be loaded.
+TEST(CudaDcpNccl, OneRankGroupMatchesReference) {
+  SKIP_WITHOUT_GPU();
+  if (const std::string why = nccl_unavailable_reason(); !why.empty()) {
+    GTEST_SKIP() << "NCCL: " << why;
+  }
+  const uint32_t seed = test::test_seed();
+  SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const std::vector<int> devices = {0};
+  std::vector<std::unique_ptr<Communicator>> comms = make_nccl_group(devices);
+  ASSERT_EQ(comms.size(), 1u);
+  const ModelSpec model = gqa_model();
+  Options ref_opts;
+  ref_opts.attention_backend = "reference";
+  ref_opts.page_size = 1;
+  Options o = ref_opts;
+  o.attention_backend = "cuda";
+  const RuntimeConfig cfg = test::host_config(4, 2048, 64);
+  AttentionRuntime ref(model, ref_opts, cfg);
+  DcpRank rank(0, model, o, cfg, *comms[0]);
+  const std::vector<int64_t> rows = {ref.req_to_token().alloc(), ref.req_to_token().alloc()};
+  auto step = [&](ForwardBatch b, const std::string& what) {
+    const StepLayout lay = make_step_layout(b);
+    std::vector<int64_t> last;
+    std::vector<int32_t> seq;
+    for (int i = 0; i < b.batch_size; ++i) {
+      const int32_t p = lay.prefix_lens[i];
+      last.push_back(p > 0 ? ref.req_to_token().get(static_cast<int>(rows[i]), p - 1) : -1);
+      seq.push_back(p + lay.query_lens[i]);
+    }
+    b.out_cache_loc = ref.allocator().alloc_extend(lay.prefix_lens, seq, last);
+    size_t at = 0;
+    for (int i = 0; i < b.batch_size; ++i) {
+      const auto q = static_cast<size_t>(lay.query_lens[i]);
+      ref.req_to_token().write(static_cast<int>(rows[i]), lay.prefix_lens[i],
+                               std::span<const int64_t>(b.out_cache_loc.data() + at, q));
+      at += q;
+    }
+    const int64_t T = b.num_tokens();
+    ref.begin_step(b);
+    rank.check_step(b, lay);
+    rank.begin_step(b);
+    for (const LayerSpec& l : model.layers) {
+      const int hq = l.num_q_heads, hkv = l.num_kv_heads, d = l.head_dim, dv = l.v_head_dim;
+      HostBuffer q = test::random_buffer(DType::bf16, {T, hq, d}, rng);
+      HostBuffer k = test::random_buffer(DType::bf16, {T, hkv, d}, rng);
+      HostBuffer v = test::random_buffer(DType::bf16, {T, hkv, dv}, rng);
+      std::vector<float> sinks(hq, 0.5f);
+      HostBuffer out1(DType::bf16, {T, hq, dv}), outn(DType::bf16, {T, hq, dv});
+      HostBuffer lse1(DType::f32, {T, hq}), lsen(DType::f32, {T, hq});
+      for (const HostBuffer* p : {&out1, &outn, &lse1, &lsen}) test::poison(p->view());
+      AttnArgs a{.q = q.view(), .k = k.view(), .v = v.view(), .out = out1.view(),
+                 .lse = lse1.view()};
+      a.sinks = l.has_sinks ? sinks.data() : nullptr;
+      ref.forward(l.layer_id, a);
+      test::DevTensor dq(q.view()), dk(k.view()), dvv(v.view()), dout(outn.view()),
+          dlse(lsen.view());
+      AttnArgs g = a;
+      g.q = dq.view;
+      g.k = dk.view;
+      g.v = dvv.view;
+      g.out = dout.view;
+      g.lse = dlse.view;
+      rank.forward(l.layer_id, g);
+      rank.merge(l.layer_id, g);
+      rank.synchronize();
+      dout.download(outn.view());
+      dlse.download(lsen.view());
+      const std::string name = "1 cuda rank over NCCL, " + what + ", layer " +
+                               std::to_string(l.layer_id);
+      test::expect_close(outn.view(), out1.view(), kOutTol, name + " out [T, Hq, Dv]");
+      test::expect_close(lsen.view(), lse1.view(), kLseTol, name + " lse [T, Hq]");
+    }
+    ref.end_step();
+    rank.end_step();
+  };
+  step(make_extend_batch(rows, {0, 0}, {37, 20}), "prefill");
+  step(make_extend_batch(rows, {37, 20}, {5, 9}), "extend over a prefix");
+  step(make_decode_batch(rows, {43, 30}), "decode");
+  step(make_decode_batch(rows, {44, 31}), "decode 2");
+}
+
+// GPU tensors with host ranks, and page_size > 1 with cuda ranks, are refused with the reason.
+TEST(CudaDcpErrors, PageSizeAndDevices) {
+  SKIP_WITHOUT_GPU();
+  Options o;
+  o.attention_backend = "cuda";
+  o.dcp_size = 2;
+  o.page_size = 16;
+  test::expect_error([&] { DcpAttention(gqa_model(), o, test::host_config(4, 1024, 64)); },
+                     {"dcp_size = 2", "page_size 16", "need page_size 1"});
+}
+
+#endif  // ATTNRT_HAS_CUDA
+
+}  // namespace
+}  // namespace attnrt
