@@ -5,12 +5,13 @@
 // than, exactly, one more than and many more than index_topk candidates), at the small dims of the
 // generic kernel and DeepSeek-V3.2's (576 / 512 latent rows on the MLA CTAs, 64 x 128 index heads,
 // bf16 and fp8 latent pools), with GPU tensors and host tensors (the conformance harness's host
-// pools); the errors of bad indexer inputs leave the pools as they were; graphs are off for a DSA
+// pools), prefills scored in several rounds of a small score budget; the errors of bad indexer inputs leave the pools as they were; graphs are off for a DSA
 // model. The host plan (plan_dsa) is checked without a GPU. Fresh random inputs every run
 // (ATTNRT_TEST_SEED replays one).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -348,6 +349,17 @@ TEST(CudaDsa, DeepSeekV32ShapesOnTheMlaCtas) {
   expect_matches_reference(big, 64, "fp8_e4m3", {Kind::decode, {3000}, {1}});
 }
 
+// A prefill whose scores exceed the score budget (ATTNRT_DSA_SCORE_BUDGET, read at construction):
+// scored and selected in several rounds, the same selection.
+TEST(CudaDsa, PrefillInScoreRoundsSelectsTheSameKeys) {
+  SKIP_WITHOUT_GPU();
+  ASSERT_EQ(setenv("ATTNRT_DSA_SCORE_BUDGET", "300", 1), 0);
+  Dims d = kSmall;
+  d.topk = 16;
+  expect_matches_reference(d, 16, "auto", {Kind::extend, {50, 0}, {60, 90}});
+  unsetenv("ATTNRT_DSA_SCORE_BUDGET");
+}
+
 // The conformance harness's random DSA cases (its host pools, host tensors, any mode).
 TEST(CudaDsa, ConformanceCasesMatchTheReference) {
   SKIP_WITHOUT_GPU();
@@ -455,6 +467,27 @@ TEST(CudaDsaPlan, CandidatesScoresAndPseudoRequests) {
   EXPECT_EQ(p.num_scores, off);
   EXPECT_EQ(p.scored, (std::vector<int32_t>{4, 5}));
   EXPECT_EQ(p.max_cand, 12);
+  ASSERT_EQ(p.rounds.size(), 1u);
+  EXPECT_EQ(p.rounds[0].row0, 0);
+  EXPECT_EQ(p.rounds[0].row1, 6);
+  // A budget of 20 scores: the two scored tokens (11 and 12 candidates) in rounds of their own,
+  // each round's offsets from its own start.
+  cuda::DsaShape tight = shape;
+  tight.score_budget = 20;
+  cuda::plan_dsa(b, lay, false, tight, p);
+  ASSERT_EQ(p.rounds.size(), 2u);
+  EXPECT_EQ(p.rounds[0].row0, 0);
+  EXPECT_EQ(p.rounds[0].row1, 5);
+  EXPECT_EQ(p.rounds[0].scored0, 0);
+  EXPECT_EQ(p.rounds[0].scored1, 1);
+  EXPECT_EQ(p.rounds[1].row0, 5);
+  EXPECT_EQ(p.rounds[1].row1, 6);
+  EXPECT_EQ(p.rounds[1].scored0, 1);
+  EXPECT_EQ(p.rounds[1].scored1, 2);
+  EXPECT_EQ(p.rounds[1].max_cand, 12);
+  EXPECT_EQ(p.tokens[4].score_off, 0);
+  EXPECT_EQ(p.tokens[5].score_off, 0);
+  EXPECT_EQ(p.num_scores, 12);
   // A tree: 0 root, 1 and 2 its children, 3 child of 1: candidates prefix + depth + 1.
   SpecInfo info;
   info.draft_token_num = 4;

@@ -75,6 +75,9 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
                                  "a number of bytes from 0 to 16777216 (0 = copy the plan's own "
                                  "size)"))
     copy_min_bytes_ = static_cast<size_t>(*v);
+  if (const auto v = env_integer("ATTNRT_DSA_SCORE_BUDGET", 1, 1L << 40, "cuda backend",
+                                 "a number of fp32 index scores held at once (DSA layers)"))
+    dsa_score_budget_ = *v;
   // The prefill switches are read now, so that a bad value fails the construction, not a step.
   prefill_ws_mode();
   prefill_tma_enabled();

@@ -139,6 +139,9 @@ class CudaBackend final : public OnePathAttnBackend {
     size_t tokens = 0, scored = 0, reqs = 0, work = 0;  // byte offsets in dsa_meta_
   };
   bool dsa_served_ = false;   // the model has DSA layers
+  // Most fp32 scores held at once (ATTNRT_DSA_SCORE_BUDGET, default 2^26 = 256 MiB): tokens past
+  // it are scored and selected in later rounds.
+  int64_t dsa_score_budget_ = int64_t{1} << 26;
   bool dsa_planned_ = false;  // dsa_plan_ is this step's, uploaded
   DsaShape dsa_shape_;
   StepLayout dsa_layout_;

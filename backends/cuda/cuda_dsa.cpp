@@ -58,8 +58,10 @@ void plan_dsa(const ForwardBatch& batch, const StepLayout& layout, bool tree, co
   const int64_t T = layout.num_tokens;
   out.tokens.assign(static_cast<size_t>(T), DsaToken{});
   out.scored.clear();
+  out.rounds.clear();
   out.max_cand = 0;
   out.num_scores = 0;
+  DsaRound round;
   std::vector<int32_t> kv(static_cast<size_t>(T));
   const int bs = static_cast<int>(layout.prefix_lens.size());
   for (int i = 0; i < bs; ++i) {
@@ -70,13 +72,27 @@ void plan_dsa(const ForwardBatch& batch, const StepLayout& layout, bool tree, co
       DsaToken& tok = out.tokens[row];
       tok = DsaToken{.req = i, .t = t, .num_cand = n, .pad = 0, .score_off = -1};
       if (n > shape.topk) {
-        tok.score_off = out.num_scores;
-        out.num_scores += n;
+        if (round.num_scores > 0 && round.num_scores + n > shape.score_budget) {
+          round.row1 = row;
+          round.scored1 = static_cast<int32_t>(out.scored.size());
+          out.rounds.push_back(round);
+          round = DsaRound{.row0 = row, .scored0 = round.scored1};
+        }
+        tok.score_off = round.num_scores;
+        round.num_scores += n;
+        round.max_cand = std::max(round.max_cand, n);
         out.scored.push_back(static_cast<int32_t>(row));
         out.max_cand = std::max(out.max_cand, n);
+        out.num_scores = std::max(out.num_scores, round.num_scores);
       }
       kv[row] = std::min(n, shape.topk);
     }
+  }
+
+  if (T > 0) {
+    round.row1 = T;
+    round.scored1 = static_cast<int32_t>(out.scored.size());
+    out.rounds.push_back(round);
   }
 
   // The sparse MLA: token t is a request of one query over its kv[t] selected slots, all visible
@@ -145,7 +161,8 @@ void CudaBackend::attend_dsa(const AttnArgs& args, const LayerSpec& layer,
                           .head_dim = c.d,
                           .sm_count = planner_->config().sm_count,
                           .occupancy = 1,
-                          .deterministic = planner_->config().deterministic};
+                          .deterministic = planner_->config().deterministic,
+                          .score_budget = dsa_score_budget_};
     AttnKernelKey key{.head_dim = c.d,
                       .v_head_dim = c.dv,
                       .fp16 = args.q.dtype == DType::f16,
@@ -200,10 +217,6 @@ void CudaBackend::attend_dsa(const AttnArgs& args, const LayerSpec& layer,
   d.page_shift = plan.page_shift;
   d.tree = plan.tree ? 1 : 0;
   d.tokens = reinterpret_cast<const DsaToken*>(meta + dsa_offsets_.tokens);
-  d.num_tokens = T;
-  d.scored = reinterpret_cast<const int32_t*>(meta + dsa_offsets_.scored);
-  d.num_scored = static_cast<int32_t>(dp.scored.size());
-  d.max_cand = dp.max_cand;
   d.heads = hi;
   d.dim = di;
   d.score_scale = index_score_scale(layer);
@@ -266,7 +279,16 @@ void CudaBackend::attend_dsa(const AttnArgs& args, const LayerSpec& layer,
       d.topk_s1 = 1;
     }
   }
-  ATTNRT_CUDA_CHECK(launch_dsa_select(d, stream_));
+  // Round by round: a round's scores are selected before the next round overwrites them.
+  const auto* scored = reinterpret_cast<const int32_t*>(meta + dsa_offsets_.scored);
+  for (const DsaRound& r : dp.rounds) {
+    d.row0 = r.row0;
+    d.num_tokens = r.row1 - r.row0;
+    d.scored = scored + r.scored0;
+    d.num_scored = r.scored1 - r.scored0;
+    d.max_cand = r.max_cand;
+    ATTNRT_CUDA_CHECK(launch_dsa_select(d, stream_));
+  }
 
   // The sparse MLA over the selected slots.
   ClassPlan cls;

@@ -22,15 +22,28 @@ struct DsaShape {
   int sm_count = 132;
   int occupancy = 1;  // resident CTAs per SM of the MLA CTA of this shape
   bool deterministic = false;
+  // Most scores held at once: tokens are cut into rounds of consecutive rows whose scores fit
+  // (a token with more candidates is a round of its own).
+  int64_t score_budget = int64_t{1} << 26;
+};
+
+// Consecutive tokens rows [row0, row1) scored and selected by one launch of launch_dsa_select;
+// their scored rows are scored[scored0 .. scored1).
+struct DsaRound {
+  int64_t row0 = 0, row1 = 0;
+  int32_t scored0 = 0, scored1 = 0;
+  int32_t max_cand = 0;
+  int64_t num_scores = 0;
 };
 
 struct DsaHostPlan {
   std::vector<DsaToken> tokens;   // [T]
   std::vector<int32_t> scored;    // rows of the tokens with more than topk candidates
+  std::vector<DsaRound> rounds;
   std::vector<ReqInfo> reqs;      // [T]: token t's pseudo-request (qo_start t, qlen 1)
   std::vector<WorkItem> work;
   int32_t max_cand = 0;           // most candidates of a scored token
-  int64_t num_scores = 0;         // scores of every scored token's candidates
+  int64_t num_scores = 0;         // most scores of a round
   int64_t part_rows = 0;          // split-KV partial rows
   int max_splits = 1;
   TileShape shape = TileShape::decode;

@@ -137,7 +137,7 @@ __global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const DsaPar
   __shared__ int hist[256];
   __shared__ uint32_t s_prefix;
   __shared__ int s_remaining;
-  const int64_t row = blockIdx.x;
+  const int64_t row = p.row0 + blockIdx.x;
   const DsaToken tok = p.tokens[row];
   const ReqInfo req = p.reqs[tok.req];
   const int tid = threadIdx.x, K = p.topk, n = tok.num_cand;

@@ -22,7 +22,8 @@ struct DsaToken {
   int32_t t;         // its index among the request's query tokens
   int32_t num_cand;  // |C(t)|: candidates, in increasing token index (docs/dsa.md "Modes")
   int32_t pad;
-  int64_t score_off;  // its first score in DsaParams::scores; -1 = not scored (|C(t)| <= topk)
+  int64_t score_off;  // its first score in DsaParams::scores (from its round's start); -1 = not
+                      // scored (|C(t)| <= topk)
 };
 
 struct DsaParams {
@@ -34,11 +35,13 @@ struct DsaParams {
   int32_t page_shift;
   int32_t tree;  // 1 = a TARGET_VERIFY tree: candidates are the prefix and the ancestors-or-self
 
-  const DsaToken* tokens;  // [num_tokens]
-  int64_t num_tokens;
-  const int32_t* scored;  // rows of the tokens with more than topk candidates
+  // The launch's tokens: rows row0 .. row0 + num_tokens - 1 of `tokens` (one round of the plan,
+  // whose scores fit the scores buffer together).
+  const DsaToken* tokens;
+  int64_t row0, num_tokens;
+  const int32_t* scored;  // rows of the round's tokens with more than topk candidates
   int32_t num_scored;
-  int32_t max_cand;  // most candidates of a scored token
+  int32_t max_cand;  // most candidates of a scored token of the round
 
   // Indexer inputs (dtype codes of convert.cuh: f32, f16, bf16; element strides).
   const void* q;  // [T, heads, dim]
@@ -61,8 +64,8 @@ struct DsaParams {
   int64_t topk_s0, topk_s1;
 };
 
-// Scores every scored token's candidates, then selects (every candidate when at most topk), and
-// writes sel_slots (and topk_out). Both kernels on `stream`.
+// Scores the round's scored tokens' candidates, then selects for each of its tokens (every
+// candidate when at most topk), and writes sel_slots (and topk_out). Both kernels on `stream`.
 cudaError_t launch_dsa_select(const DsaParams& p, cudaStream_t stream);
 
 }  // namespace attnrt::cuda
