@@ -5,7 +5,7 @@
 // than, exactly, one more than and many more than index_topk candidates), at the small dims of the
 // generic kernel and DeepSeek-V3.2's (576 / 512 latent rows on the MLA CTAs, 64 x 128 index heads,
 // bf16 and fp8 latent pools), with GPU tensors and host tensors (the conformance harness's host
-// pools), prefills scored in several rounds of a small score budget; the errors of bad indexer inputs leave the pools as they were; graphs are off for a DSA
+// pools), prefills scored in several rounds of a small score budget, an IDLE step; the errors of bad indexer inputs leave the pools as they were; graphs are off for a DSA
 // model. The host plan (plan_dsa) is checked without a GPU. Fresh random inputs every run
 // (ATTNRT_TEST_SEED replays one).
 #include <gtest/gtest.h>
@@ -105,6 +105,7 @@ void write_pools(AttentionRuntime& rt, const PoolValues& v) {
     for (int c = 0; c < kv.head_dim; ++c)
       store_from_float(rows.data(), kv.dtype, r * kv.k_row_stride + c,
                        v.latent[static_cast<size_t>(r) * kv.head_dim + c]);
+  ASSERT_EQ(v.latent.size(), static_cast<size_t>(kv.num_rows) * kv.head_dim);
   ASSERT_EQ(v.keys.size(), static_cast<size_t>(ik.num_rows) * (ik.dim + 4));
   if (rt.kv_cache().device().kind == DeviceKind::cuda) {
     ASSERT_EQ(cudaMemcpy(kv.k, rows.data(), rows.bytes(), cudaMemcpyHostToDevice), cudaSuccess);
@@ -428,6 +429,23 @@ TEST(CudaDsa, BadIndexerInputsNameTheTensorAndLeaveThePoolsUntouched) {
                {"indexer topk", "int32[" + std::to_string(T) + ", 24]"});
   EXPECT_TRUE(download() == before) << "a rejected call changed the latent pool or index keys";
   s.rt->end_step();
+}
+
+TEST(CudaDsa, IdleStepDoesNothing) {
+  SKIP_WITHOUT_GPU();
+  const Dims d = kSmall;
+  RuntimeConfig c;
+  c.kv_slots = 256;
+  c.cuda_graphs = false;
+  AttentionRuntime rt(dsa_model(d), options_for("cuda", 16, "auto"), c);
+  const ForwardBatch idle = make_idle_batch();
+  rt.begin_step(idle);
+  HostBuffer q(DType::bf16, {0, d.hq, d.row()}), out(DType::bf16, {0, d.hq, d.rank}),
+      iq(DType::f32, {0, d.index_heads, d.index_dim}), w(DType::f32, {0, d.index_heads});
+  AttnArgs a{.q = q.view(), .k = {}, .v = {}, .out = out.view()};
+  a.indexer = {.q = iq.view(), .k = {}, .weights = w.view(), .topk = {}};
+  rt.forward(0, a);
+  rt.end_step();
 }
 
 TEST(CudaDsa, GraphsAreOffForADsaModelWithTheReason) {
