@@ -27,6 +27,8 @@
 #include "tests/test_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
+#include "attnrt/backend/options.h"
+#include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_dsa.h"
 #endif
 
@@ -457,6 +459,19 @@ TEST(CudaDsa, GraphsAreOffForADsaModelWithTheReason) {
   EXPECT_FALSE(rt.cuda_graphs_enabled());
   EXPECT_NE(rt.cuda_graphs_off_reason().find("DSA"), std::string::npos)
       << rt.cuda_graphs_off_reason();
+}
+
+// Host only: `attnrt info --explain` gives a DSA layer one line for every mode (one-query requests
+// over the selected keys), on the CTA the sparse MLA launches take.
+TEST(CudaDsaPlan, ExplainNamesTheIndexerAndTheOneQueryCta) {
+  Options o;
+  o.speculative_num_steps = 3;
+  const ModelSpec m = apply_tensor_parallel(model_preset("deepseek-v3.2"), 8);
+  const std::vector<std::string> lines = cuda::explain_cuda_kernels(m, o, DType::bf16);
+  ASSERT_EQ(lines.size(), 2u) << ::testing::PrintToString(lines);
+  EXPECT_NE(lines[1].find("dsa     every mode: the indexer"), std::string::npos) << lines[1];
+  EXPECT_NE(lines[1].find("radix top-2048"), std::string::npos) << lines[1];
+  EXPECT_NE(lines[1].find("keys-on-M"), std::string::npos) << lines[1];
 }
 
 // Host only: the plan of a step. Candidates per mode (tree: prefix + depth + 1), scores only past
