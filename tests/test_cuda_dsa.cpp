@@ -6,7 +6,8 @@
 // generic kernel and DeepSeek-V3.2's (576 / 512 latent rows on the MLA CTAs, 64 x 128 index heads,
 // bf16 and fp8 latent pools), with GPU tensors and host tensors (the conformance harness's host
 // pools), prefills scored in several rounds of a small score budget, an IDLE step; the errors of bad indexer inputs leave the pools as they were; graphs are off for a DSA
-// model. The host plan (plan_dsa) is checked without a GPU. Fresh random inputs every run
+// model; `attnrt run` on a DSA model checks every step against reference. The host plan
+// (plan_dsa) and the explain line are checked without a GPU. Fresh random inputs every run
 // (ATTNRT_TEST_SEED replays one).
 #include <gtest/gtest.h>
 
@@ -24,7 +25,10 @@
 #include "src/model/layer_builders.h"
 #include "tests/conformance/conformance.h"
 #include "tests/test_cuda_util.h"
+#include "tests/test_sim_util.h"
 #include "tests/test_util.h"
+#include "tools/sim/driver.h"
+#include "tools/sim/report.h"
 
 #ifdef ATTNRT_HAS_CUDA
 #include "attnrt/backend/options.h"
@@ -459,6 +463,30 @@ TEST(CudaDsa, GraphsAreOffForADsaModelWithTheReason) {
   EXPECT_FALSE(rt.cuda_graphs_enabled());
   EXPECT_NE(rt.cuda_graphs_off_reason().find("DSA"), std::string::npos)
       << rt.cuda_graphs_off_reason();
+}
+
+// `attnrt run`'s driver on a DSA model on cuda (GPU pools): every step of every mode, chain and
+// tree verify and draft extends included, checked against reference on the host copy of the pools
+// (latent rows and index keys downloaded), eager (graphs are off for DSA).
+TEST(CudaDsaRun, EveryStepMatchesReferenceOnTheHostCopyOfTheGpuPools) {
+  SKIP_WITHOUT_GPU();
+  Dims d = kSmall;
+  d.topk = 16;
+  for (int topk : {1, 3}) {
+    SCOPED_TRACE(testing::Message() << "eagle topk " << topk);
+    Options o = test::speculative_options("cuda", topk);
+    o.page_size = 16;
+    const sim::RunReport r = sim::run_trace(dsa_model(d), o, test::four_request_trace("dsa-run"),
+                                            test::small_run_config(2048, 1, 17));
+    EXPECT_TRUE(r.ok()) << sim::format_report(r);
+    for (const sim::ModeStats& m : r.modes) {
+      SCOPED_TRACE(forward_mode_name(m.mode));
+      EXPECT_EQ(m.backend, "cuda");
+      EXPECT_EQ(m.checked_steps, m.steps);
+      EXPECT_EQ(m.graph_steps, 0);
+    }
+    EXPECT_NE(test::find_mode(r, sim::ModelRole::target, ForwardMode::TARGET_VERIFY), nullptr);
+  }
 }
 
 // Host only: `attnrt info --explain` gives a DSA layer one line for every mode (one-query requests
