@@ -5,10 +5,10 @@
 // than, exactly, one more than and many more than index_topk candidates), at the small dims of the
 // generic kernel and DeepSeek-V3.2's (576 / 512 latent rows on the MLA CTAs, 64 x 128 index heads,
 // bf16 and fp8 latent pools), with GPU tensors and host tensors (the conformance harness's host
-// pools), prefills scored in several rounds of a small score budget, an IDLE step; the errors of bad indexer inputs leave the pools as they were; graphs are off for a DSA
-// model; `attnrt run` on a DSA model checks every step against reference. The host plan
-// (plan_dsa) and the explain line are checked without a GPU. Fresh random inputs every run
-// (ATTNRT_TEST_SEED replays one).
+// pools), prefills scored in several rounds of a small score budget, an IDLE step; the errors of
+// bad indexer inputs leave the pools as they were; graphs are off for a DSA model; `attnrt run` on
+// a DSA model checks every step against reference. The host plan (plan_dsa) and the explain line
+// are checked without a GPU. Fresh random inputs every run (ATTNRT_TEST_SEED replays one).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -81,8 +81,8 @@ struct StepSpec {
 // The pools' contents, drawn once per case and written into both runtimes' pools (the latent rows
 // as floats, rounded by each pool's dtype alike; the index keys as the cache's bytes).
 struct PoolValues {
-  std::vector<float> latent;   // [rows, row]
-  std::vector<uint8_t> keys;   // rows * (index_dim + 4), the paged layout
+  std::vector<float> latent;  // [rows, row]
+  std::vector<uint8_t> keys;  // rows * (index_dim + 4), the paged layout
 };
 
 PoolValues draw_pools(const KVLayerView& kv, const IndexKeyView& ik, std::mt19937& rng) {
@@ -229,8 +229,8 @@ Result run(const Dims& d, const Options& o, const StepSpec& spec, const PoolValu
     topk.download(r.topk.view());
   } else {
     AttnArgs a{.q = in.q.view(), .k = in.latent.view(), .v = {}, .out = r.out.view()};
-    a.indexer = {.q = in.iq.view(), .k = in.ik.view(), .weights = in.w.view(),
-                 .topk = r.topk.view()};
+    a.indexer = {
+        .q = in.iq.view(), .k = in.ik.view(), .weights = in.w.view(), .topk = r.topk.view()};
     s.rt->forward(0, a);
   }
   s.rt->end_step();
@@ -260,13 +260,14 @@ void expect_same(const Result& got, const Result& want, const Dims& d) {
     const double x = load_as_float(got.out.data(), DType::bf16, i);
     const double y = load_as_float(want.out.data(), DType::bf16, i);
     if (!(std::fabs(x - y) <= tol.abs + tol.rel * std::fabs(y)) && bad++ < 8) {
-      const int64_t col = i % d.rank, head = (i / d.rank) % d.hq, tok = i / (int64_t{d.rank} * d.hq);
-      ADD_FAILURE() << "out[token " << tok << ", head " << head << ", column " << col
-                    << "] = " << x << " on cuda, " << y << " on reference";
+      const int64_t col = i % d.rank, head = (i / d.rank) % d.hq,
+                    tok = i / (int64_t{d.rank} * d.hq);
+      ADD_FAILURE() << "out[token " << tok << ", head " << head << ", column " << col << "] = " << x
+                    << " on cuda, " << y << " on reference";
     }
   }
-  EXPECT_EQ(bad, 0) << "output elements past the tolerance (abs " << tol.abs << ", rel "
-                    << tol.rel << ")";
+  EXPECT_EQ(bad, 0) << "output elements past the tolerance (abs " << tol.abs << ", rel " << tol.rel
+                    << ")";
 }
 
 // cuda (GPU or host tensors) against reference on the same pools and inputs.

@@ -138,7 +138,7 @@ class CudaBackend final : public OnePathAttnBackend {
   struct DsaOffsets {
     size_t tokens = 0, scored = 0, reqs = 0, work = 0;  // byte offsets in dsa_meta_
   };
-  bool dsa_served_ = false;   // the model has DSA layers
+  bool dsa_served_ = false;  // the model has DSA layers
   // Most fp32 scores held at once (ATTNRT_DSA_SCORE_BUDGET, default 2^26 = 256 MiB): tokens past
   // it are scored and selected in later rounds.
   int64_t dsa_score_budget_ = int64_t{1} << 26;

@@ -344,7 +344,8 @@ void CudaBackend::attend_dsa(const AttnArgs& args, const LayerSpec& layer,
     ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
     int32_t* dst = topk.ptr<int32_t>();
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t k = 0; k < K; ++k) dst[t * topk.strides[0] + k * topk.strides[1]] = sel[t * K + k];
+      for (int64_t k = 0; k < K; ++k)
+        dst[t * topk.strides[0] + k * topk.strides[1]] = sel[t * K + k];
   }
   finish_call(args, c, io, kv);
 }

@@ -37,14 +37,14 @@ struct DsaRound {
 };
 
 struct DsaHostPlan {
-  std::vector<DsaToken> tokens;   // [T]
-  std::vector<int32_t> scored;    // rows of the tokens with more than topk candidates
+  std::vector<DsaToken> tokens;  // [T]
+  std::vector<int32_t> scored;   // rows of the tokens with more than topk candidates
   std::vector<DsaRound> rounds;
-  std::vector<ReqInfo> reqs;      // [T]: token t's pseudo-request (qo_start t, qlen 1)
+  std::vector<ReqInfo> reqs;  // [T]: token t's pseudo-request (qo_start t, qlen 1)
   std::vector<WorkItem> work;
-  int32_t max_cand = 0;           // most candidates of a scored token
-  int64_t num_scores = 0;         // most scores of a round
-  int64_t part_rows = 0;          // split-KV partial rows
+  int32_t max_cand = 0;    // most candidates of a scored token
+  int64_t num_scores = 0;  // most scores of a round
+  int64_t part_rows = 0;   // split-KV partial rows
   int max_splits = 1;
   TileShape shape = TileShape::decode;
   int item_rows = 16;

@@ -87,8 +87,7 @@ std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Opti
     const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
     const int group = l.num_q_heads / l.num_kv_heads;
     const int kind = l.has_indexer() ? -1 : static_cast<int>(l.kind);
-    if (!seen.emplace(kind, l.num_q_heads, l.num_kv_heads, l.head_dim, dv).second)
-      continue;
+    if (!seen.emplace(kind, l.num_q_heads, l.num_kv_heads, l.head_dim, dv).second) continue;
     out.push_back(fmt::format("{} layers ({} q / {} kv heads, head_dim {} / {}):",
                               layer_kind_name(l.kind), l.num_q_heads, l.num_kv_heads, l.head_dim,
                               dv));

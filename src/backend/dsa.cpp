@@ -27,10 +27,10 @@ const char* memory_of(DeviceKind device) {
   return device == DeviceKind::cpu ? "in host memory" : "in GPU memory";
 }
 
-void check_float(std::string_view backend, DeviceKind device, const char* what,
-                 const TensorView& t, int ndim, const int64_t* dims, const char* names) {
-  bool ok = t.data != nullptr && t.device.kind == device && is_float(t.dtype) &&
-            !is_fp8(t.dtype) && t.ndim == ndim;
+void check_float(std::string_view backend, DeviceKind device, const char* what, const TensorView& t,
+                 int ndim, const int64_t* dims, const char* names) {
+  bool ok = t.data != nullptr && t.device.kind == device && is_float(t.dtype) && !is_fp8(t.dtype) &&
+            t.ndim == ndim;
   for (int i = 0; ok && i < ndim; ++i) ok = t.shape[i] == dims[i];
   ATTNRT_CHECK(ok,
                "{} backend: indexer {} is {}; expected a float (fp32 / fp16 / bf16) [{}] = [{}] "

@@ -12,11 +12,10 @@
 // candidates in increasing token index then takes every key above tau and the first of those
 // equal to it (the tie rule: lower token index first), placing each by a block prefix count, so
 // the slots come out in increasing token index.
-#include <cub/block/block_scan.cuh>
-
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cub/block/block_scan.cuh>
 
 #include "backends/cuda/kernels/common/convert.cuh"
 #include "backends/cuda/kernels/common/elem.cuh"
@@ -33,7 +32,7 @@ constexpr float kE4m3Max = 448.f;
 // Token index of candidate m of token t of `req`: m itself, or in a tree the m-th of the prefix
 // and the drafts that are t or its ancestors.
 __device__ __forceinline__ int32_t candidate(const DsaParams& p, const ReqInfo& req, int t,
-                                            int32_t m) {
+                                             int32_t m) {
   if (!p.tree || m < req.prefix) return m;
   uint64_t bits = p.tree_mask[req.tree_start + t];
   for (int32_t k = m - req.prefix; k > 0; --k) bits &= bits - 1;
@@ -63,8 +62,8 @@ __global__ void __launch_bounds__(kScoreCands) dsa_score_kernel(const DsaParams 
   if (m0 >= tok.num_cand) return;
   const ReqInfo req = p.reqs[tok.req];
   const int H = p.heads, D = p.dim, KS = D + 4;  // key rows padded: conflict-free float4 reads
-  float* sq = smem;                        // [H][D] rounded queries
-  float* sk = sq + H * D;                  // [kScoreCands][KS] dequantised keys
+  float* sq = smem;                              // [H][D] rounded queries
+  float* sk = sq + H * D;                        // [kScoreCands][KS] dequantised keys
   int64_t* sslot = reinterpret_cast<int64_t*>(sk + kScoreCands * KS);  // [kScoreCands]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
@@ -97,8 +96,9 @@ __global__ void __launch_bounds__(kScoreCands) dsa_score_kernel(const DsaParams 
       const float sc = *reinterpret_cast<const float*>(p.keys + scale_at(s, p.key_page, D));
       const uint32_t w4 =
           *reinterpret_cast<const uint32_t*>(p.keys + codes_at(s, p.key_page, D) + 4 * wd);
-      v = make_float4(fp8_to_float(w4 & 0xff, false) * sc, fp8_to_float((w4 >> 8) & 0xff, false) * sc,
-                      fp8_to_float((w4 >> 16) & 0xff, false) * sc, fp8_to_float(w4 >> 24, false) * sc);
+      v = make_float4(
+          fp8_to_float(w4 & 0xff, false) * sc, fp8_to_float((w4 >> 8) & 0xff, false) * sc,
+          fp8_to_float((w4 >> 16) & 0xff, false) * sc, fp8_to_float(w4 >> 24, false) * sc);
     }
     *reinterpret_cast<float4*>(sk + c * KS + 4 * wd) = v;
   }
@@ -213,10 +213,10 @@ cudaError_t launch_dsa_select(const DsaParams& p, cudaStream_t stream) {
       p.heads > kDsaMaxIndexHeads || p.topk <= 0 || p.num_tokens > INT32_MAX)
     return cudaErrorInvalidValue;
   if (p.num_scored > 0) {
-    const size_t smem = (static_cast<size_t>(p.heads) * p.dim +
-                         static_cast<size_t>(kScoreCands) * (p.dim + 4)) *
-                            sizeof(float) +
-                        kScoreCands * sizeof(int64_t);
+    const size_t smem =
+        (static_cast<size_t>(p.heads) * p.dim + static_cast<size_t>(kScoreCands) * (p.dim + 4)) *
+            sizeof(float) +
+        kScoreCands * sizeof(int64_t);
     static bool attr_set = false;
     if (!attr_set) {
       const size_t most = (static_cast<size_t>(kDsaMaxIndexHeads) * kDsaMaxIndexDim +

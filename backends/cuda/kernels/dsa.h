@@ -1,7 +1,7 @@
 // DSA's indexer on the GPU (kernels/dsa.cu; docs/dsa.md): the index scores of every query token
-// over its candidate keys, read from the paged fp8 index-key cache, and the top-k selection, written
-// as the slot list of each token that the sparse MLA launch reads as a page table of page size 1.
-// Plain-old-data: the host plan (cuda_dsa.cpp) fills it without CUDA types.
+// over its candidate keys, read from the paged fp8 index-key cache, and the top-k selection,
+// written as the slot list of each token that the sparse MLA launch reads as a page table of page
+// size 1. Plain-old-data: the host plan (cuda_dsa.cpp) fills it without CUDA types.
 #pragma once
 
 #include <cuda_runtime_api.h>
