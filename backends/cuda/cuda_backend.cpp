@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <memory>
 
+#include "attnrt/backend/dsa.h"
 #include "attnrt/backend/options.h"
 #include "attnrt/core/device.h"
 #include "attnrt/core/env.h"
@@ -74,6 +75,9 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
                                  "a number of bytes from 0 to 16777216 (0 = copy the plan's own "
                                  "size)"))
     copy_min_bytes_ = static_cast<size_t>(*v);
+  if (const auto v = env_integer("ATTNRT_DSA_SCORE_BUDGET", 1, 1L << 40, "cuda backend",
+                                 "a number of fp32 index scores held at once (DSA layers)"))
+    dsa_score_budget_ = *v;
   // The prefill switches are read now, so that a bad value fails the construction, not a step.
   prefill_ws_mode();
   prefill_tma_enabled();
@@ -86,6 +90,7 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
     cfg.num_kv_heads_max = std::max(cfg.num_kv_heads_max, l.num_kv_heads);
     const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
     max_q_heads_x_dv_ = std::max<int64_t>(max_q_heads_x_dv_, int64_t{l.num_q_heads} * (dv + 1));
+    dsa_served_ = dsa_served_ || l.has_indexer();
     if (l.has_mha_form() && !mha_served_) mha_heads_ = l.num_q_heads;
     mha_served_ = mha_served_ || l.has_mha_form();
   }
@@ -188,6 +193,7 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
   if (plan_timing_) t[4] = Clock::now();
   staging_.upload(graph ? graph_meta_.data() : meta_.data(), copy_bytes, stream_, capturing);
   graph_step_ = graph;
+  dsa_planned_ = false;
   if (mha_served_) plan_mla_mha(batch);
   if (plan_timing_) {
     t[5] = Clock::now();
@@ -241,6 +247,11 @@ void CudaBackend::attend(const AttnArgs& args, const LayerSpec& layer,
                          const ForwardBatch& batch) {
   const StepPlan& plan = planner_->plan();
   const CallDims dims = check_call(args, layer, batch, plan);
+  if (layer.has_indexer()) {
+    attend_dsa(args, layer, batch, plan, dims);
+    return;
+  }
+  if (!args.indexer.empty()) check_indexer_args("cuda", args, layer, dims.tokens, DeviceKind::cuda);
   LayerKv kv = store_and_view_kv(args, layer, dims);
   if (!kv.cache_on_device) mirror_host_layer(layer.layer_id, kv);
   const DeviceIo io = stage_activations(args, dims);
@@ -631,6 +642,9 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
 void CudaBackend::init_forward_metadata_capture_cuda_graph(int bs, int num_tokens,
                                                            const ForwardBatch& batch) {
   ATTNRT_CHECK(graph_ready_, "cuda backend: capture before init_cuda_graph_state");
+  ATTNRT_CHECK(!dsa_served_,
+               "cuda backend: the model has DSA layers, which run eagerly (no CUDA graphs for DSA "
+               "yet); leave CUDA graphs off for it");
   ATTNRT_CHECK(is_cuda_graph(batch.mode),
                "cuda backend: mode {} cannot be captured; DECODE, TARGET_VERIFY and IDLE can",
                forward_mode_name(batch.mode));
@@ -663,6 +677,8 @@ BackendEntry cuda_backend_entry() {
   // for other multiples of 8 up to 576 (forward says so for anything else).
   e.caps.head_dims = {};
   claim_every_feature(e.caps);
+  // DSA layers: the indexer and the sparse MLA on the GPU, eager (cuda_dsa.cpp).
+  e.caps.dsa = true;
   e.caps.cuda_graphs = true;
   // The plan and kernels capture --deterministic steps batch-invariantly (docs/cuda_graphs.md).
   e.caps.deterministic_graphs = true;

@@ -24,6 +24,7 @@
 #include "attnrt/backend/host_mla_mha.h"
 #include "attnrt/backend/registry.h"
 #include "attnrt/memory/kv_cache.h"
+#include "backends/cuda/cuda_dsa.h"
 #include "backends/cuda/cuda_plan.h"
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/kernels/attention_params.h"
@@ -128,6 +129,28 @@ class CudaBackend final : public OnePathAttnBackend {
                    const ClassPlan& cls, const CallDims& c, const LayerKv& kv, const DeviceIo& io);
   void finish_call(const AttnArgs& args, const CallDims& c, const DeviceIo& io, const LayerKv& kv);
   void ensure(DeviceBuffer& buf, size_t bytes, const char* what);
+
+  // DSA layers (cuda_dsa.cpp): the indexer's selection on the GPU, then the MLA CTA over each
+  // token's selected slots. The plan is built and uploaded by the step's first DSA call.
+  void attend_dsa(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch,
+                  const StepPlan& plan, const CallDims& c);
+  void upload_dsa_plan();
+  struct DsaOffsets {
+    size_t tokens = 0, scored = 0, reqs = 0, work = 0;  // byte offsets in dsa_meta_
+  };
+  bool dsa_served_ = false;  // the model has DSA layers
+  // Most fp32 scores held at once (ATTNRT_DSA_SCORE_BUDGET, default 2^26 = 256 MiB): tokens past
+  // it are scored and selected in later rounds.
+  int64_t dsa_score_budget_ = int64_t{1} << 26;
+  bool dsa_planned_ = false;  // dsa_plan_ is this step's, uploaded
+  DsaShape dsa_shape_;
+  StepLayout dsa_layout_;
+  DsaHostPlan dsa_plan_;
+  DsaOffsets dsa_offsets_;
+  StagingRing dsa_staging_;
+  DeviceBuffer dsa_meta_, dsa_scores_, dsa_slots_, dsa_io_, dsa_key_mirror_;
+  std::vector<float> dsa_host_in_;      // host indexer inputs as fp32 rows
+  std::vector<int32_t> dsa_host_topk_;  // the selection, on its way to a host topk
 
   // The MHA form (cuda_mla_mha.cpp). Its device plan: the requests and (item, head) units of the
   // causal part and of each chunk, each chunk's latent slots; built on the host in init_forward_metadata of an MHA-form step and uploaded by

@@ -86,9 +86,8 @@ std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Opti
     if (!l.uses_kv_cache() || l.num_kv_heads <= 0) continue;
     const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
     const int group = l.num_q_heads / l.num_kv_heads;
-    if (!seen.emplace(static_cast<int>(l.kind), l.num_q_heads, l.num_kv_heads, l.head_dim, dv)
-             .second)
-      continue;
+    const int kind = l.has_indexer() ? -1 : static_cast<int>(l.kind);
+    if (!seen.emplace(kind, l.num_q_heads, l.num_kv_heads, l.head_dim, dv).second) continue;
     out.push_back(fmt::format("{} layers ({} q / {} kv heads, head_dim {} / {}):",
                               layer_kind_name(l.kind), l.num_q_heads, l.num_kv_heads, l.head_dim,
                               dv));
@@ -97,9 +96,10 @@ std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Opti
       int qlen;
       bool verify;
     };
-    std::vector<Phase> phases = {{"decode", 1, false}};
-    if (draft > 0) phases.push_back({"verify", draft, true});
-    phases.push_back({"extend", 512, false});
+    // DSA layers run every mode as one-query requests over each token's selected keys.
+    std::vector<Phase> phases = {{l.has_indexer() ? "dsa" : "decode", 1, false}};
+    if (draft > 0 && !l.has_indexer()) phases.push_back({"verify", draft, true});
+    if (!l.has_indexer()) phases.push_back({"extend", 512, false});
     for (const Phase& ph : phases) {
       const TileShape shape = choose_shape(ph.qlen, group, l.head_dim);
       const AttnKernelKey key{.head_dim = l.head_dim,
@@ -114,6 +114,13 @@ std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Opti
         cta = AttnCta::generic;
       else if (cta == AttnCta::mla_keys_m && !mla_keys_m_enabled())
         cta = AttnCta::mla;
+      if (l.has_indexer()) {
+        out.push_back(fmt::format(
+            "  {:<7} every mode: the indexer (dsa.cu: fp8-rounded index scores on CUDA cores, a "
+            "radix top-{} per token), then each token one query over its selected keys on the {}",
+            ph.name, l.indexer.index_topk, describe(cta, key, ph.qlen * group)));
+        continue;
+      }
       out.push_back(fmt::format("  {:<7} {}", ph.name, describe(cta, key, ph.qlen * group)));
     }
     if (l.kind == LayerKind::mla && l.has_mha_form()) {

@@ -69,6 +69,9 @@ class CudaKVCache final : public KVCache {
   // A DSA layer's whole index-key cache into host memory (rows * (index_head_dim + 4) bytes, the
   // host pool's layout): tests, tooling. Synchronises the stream.
   void copy_index_keys_to_host(int layer_id, void* dst) const;
+  void download_index_keys(int layer_id, void* dst) override {
+    copy_index_keys_to_host(layer_id, dst);
+  }
   void bind_layer_storage(int layer_id, void* k, void* v) override;
   Device device() const override { return Device::cuda(device_); }
   DType dtype() const override { return dtype_; }

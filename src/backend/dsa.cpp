@@ -23,23 +23,33 @@ namespace {
 
 std::string shape_of(const TensorView& t) { return t.empty() ? "empty" : t.describe(); }
 
-void check_float(std::string_view backend, const char* what, const TensorView& t, int ndim,
-                 const int64_t* dims, const char* names) {
-  bool ok = t.data != nullptr && t.device.kind == DeviceKind::cpu && is_float(t.dtype) &&
-            !is_fp8(t.dtype) && t.ndim == ndim;
+const char* memory_of(DeviceKind device) {
+  return device == DeviceKind::cpu ? "in host memory" : "in GPU memory";
+}
+
+void check_float(std::string_view backend, DeviceKind device, const char* what, const TensorView& t,
+                 int ndim, const int64_t* dims, const char* names) {
+  bool ok = t.data != nullptr && t.device.kind == device && is_float(t.dtype) && !is_fp8(t.dtype) &&
+            t.ndim == ndim;
   for (int i = 0; ok && i < ndim; ++i) ok = t.shape[i] == dims[i];
   ATTNRT_CHECK(ok,
                "{} backend: indexer {} is {}; expected a float (fp32 / fp16 / bf16) [{}] = [{}] "
-               "in host memory",
+               "{}",
                backend, what, shape_of(t), names,
                ndim == 3 ? fmt::format("{}, {}, {}", dims[0], dims[1], dims[2])
-                         : fmt::format("{}, {}", dims[0], dims[1]));
+                         : fmt::format("{}, {}", dims[0], dims[1]),
+               memory_of(device));
 }
 
 }  // namespace
 
 void check_host_indexer_args(std::string_view backend, const AttnArgs& args,
                              const LayerSpec& layer, int64_t num_tokens) {
+  check_indexer_args(backend, args, layer, num_tokens, DeviceKind::cpu);
+}
+
+void check_indexer_args(std::string_view backend, const AttnArgs& args, const LayerSpec& layer,
+                        int64_t num_tokens, DeviceKind device) {
   const IndexerArgs& ix = args.indexer;
   if (!layer.has_indexer()) {
     ATTNRT_CHECK(ix.empty(),
@@ -51,9 +61,9 @@ void check_host_indexer_args(std::string_view backend, const AttnArgs& args,
   }
   const IndexerSpec& s = layer.indexer;
   const int64_t q_dims[] = {num_tokens, s.index_n_heads, s.index_head_dim};
-  check_float(backend, "q", ix.q, 3, q_dims, "tokens, index_n_heads, index_head_dim");
+  check_float(backend, device, "q", ix.q, 3, q_dims, "tokens, index_n_heads, index_head_dim");
   const int64_t w_dims[] = {num_tokens, s.index_n_heads};
-  check_float(backend, "weights", ix.weights, 2, w_dims, "tokens, index_n_heads");
+  check_float(backend, device, "weights", ix.weights, 2, w_dims, "tokens, index_n_heads");
   const bool stores = args.save_kv && !args.k.empty();
   if (stores || !ix.k.empty()) {
     ATTNRT_CHECK(stores,
@@ -62,15 +72,14 @@ void check_host_indexer_args(std::string_view backend, const AttnArgs& args,
                  backend, layer.layer_id, shape_of(ix.k),
                  args.save_kv ? "k is empty" : "save_kv is false");
     const int64_t k_dims[] = {num_tokens, s.index_head_dim};
-    check_float(backend, "k", ix.k, 2, k_dims, "tokens, index_head_dim");
+    check_float(backend, device, "k", ix.k, 2, k_dims, "tokens, index_head_dim");
   }
   if (!ix.topk.empty()) {
-    ATTNRT_CHECK(ix.topk.device.kind == DeviceKind::cpu && ix.topk.dtype == DType::i32 &&
+    ATTNRT_CHECK(ix.topk.device.kind == device && ix.topk.dtype == DType::i32 &&
                      ix.topk.ndim == 2 && ix.topk.shape[0] == num_tokens &&
                      ix.topk.shape[1] == s.index_topk,
-                 "{} backend: indexer topk is {}; expected int32[{}, {}] (tokens, index_topk) in "
-                 "host memory",
-                 backend, ix.topk.describe(), num_tokens, s.index_topk);
+                 "{} backend: indexer topk is {}; expected int32[{}, {}] (tokens, index_topk) {}",
+                 backend, ix.topk.describe(), num_tokens, s.index_topk, memory_of(device));
   }
 }
 

@@ -95,6 +95,11 @@ void KVCache::download_rows(int layer_id, std::span<const int64_t>, void*, void*
        device_name(device()));
 }
 
+void KVCache::download_index_keys(int layer_id, void*) {
+  fail("download_index_keys(layer {}): the KV cache is on {}, which needs no host copy", layer_id,
+       device_name(device()));
+}
+
 StepSlotCheck::StepSlotCheck(const char* who, int64_t full_rows,
                              std::shared_ptr<const std::vector<int64_t>> full_to_swa)
     : who_(who),

@@ -196,6 +196,11 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
         "deterministic mode splits each request by its own length, which backend '{}' "
         "(TARGET_VERIFY) cannot capture",
         verify_backend);
+  } else if (std::any_of(model_.layers.begin(), model_.layers.end(),
+                         [](const LayerSpec& l) { return l.has_indexer(); })) {
+    graph_off_reason_ =
+        "the model has DSA layers (an indexer), which run eagerly: no backend captures the "
+        "indexer's selection yet";
   } else if (linear_state_ != nullptr) {
     graph_off_reason_ =
         "the model has linear-attention layers, which run eagerly: the captured graphs hold the "

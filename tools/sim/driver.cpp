@@ -123,10 +123,15 @@ std::vector<int64_t> step_rows(const ForwardBatch& batch, const ReqToTokenPool& 
   return rows;
 }
 
-// Brings the host copy of one layer up to date with the GPU pool at `rows`.
-void refresh_mirror(Engine& e, int layer_id, const std::vector<int64_t>& rows) {
-  const KVLayerView h = e.mirror->layer(layer_id);
-  e.runtime->kv_cache().download_rows(layer_id, rows, h.k, h.v);
+// Brings the host copy of one layer up to date with the GPU pool at `rows` (a DSA layer's index
+// keys: the whole layer, which the reference's selection reads).
+void refresh_mirror(Engine& e, const LayerSpec& layer, const std::vector<int64_t>& rows) {
+  const KVLayerView h = e.mirror->layer(layer.layer_id);
+  e.runtime->kv_cache().download_rows(layer.layer_id, rows, h.k, h.v);
+  if (layer.has_indexer()) {
+    e.runtime->kv_cache().download_index_keys(layer.layer_id,
+                                              e.mirror->index_keys(layer.layer_id).data);
+  }
 }
 
 Engine make_engine(const ModelSpec& model, const Options& options, const RunConfig& config,
@@ -541,7 +546,7 @@ void StepDriver::finish_attention(const Step& s, const LayerSpec& layer, const A
   Engine& e = s.e;
   const ScheduledStep& step = s.scheduled;
   const bool dump = dumper_.wants_layer(step.index, s.T, e.model, layer.layer_id);
-  if (e.mirror && (dump || s.check)) refresh_mirror(e, layer.layer_id, s.read_rows);
+  if (e.mirror && (dump || s.check)) refresh_mirror(e, layer, s.read_rows);
   if (dump) {
     dumper_.write(step.index, step.role, e.model, layer.layer_id, options_, step.batch,
                   e.runtime->req_to_token(), e.mirror ? *e.mirror : e.runtime->kv_cache(), args,
@@ -690,7 +695,7 @@ void StepDriver::run_mla_mha(Step& s, const LayerSpec& layer, double& elapsed) {
   ++s.ms.mha_layers;
   s.ms.prefix_chunks += plan.num_chunks();
   // A GPU pool: the checker reads the host mirror, with the rows this step stored.
-  if (e.mirror && s.check) refresh_mirror(e, layer.layer_id, s.read_rows);
+  if (e.mirror && s.check) refresh_mirror(e, layer, s.read_rows);
   e.checker->check_mla_mha(s.site(layer), s.scheduled.batch, q.view(), out.view(), w->second,
                            s.check, check_sample(s, layer), s.ms);
 }

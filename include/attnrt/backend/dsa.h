@@ -31,5 +31,8 @@ inline bool dsa_ranks_before(double score_a, int32_t index_a, double score_b, in
 // layer must leave args.indexer empty. Messages start with "<backend> backend:".
 void check_host_indexer_args(std::string_view backend, const AttnArgs& args,
                              const LayerSpec& layer, int64_t num_tokens);
+// The same checks with every indexer tensor on `device` (a GPU backend: where its q lives).
+void check_indexer_args(std::string_view backend, const AttnArgs& args, const LayerSpec& layer,
+                        int64_t num_tokens, DeviceKind device);
 
 }  // namespace attnrt

@@ -21,7 +21,7 @@ BackendEntry host_backend_entry(std::string name, std::string summary, bool auto
   e.caps.devices = {DeviceKind::cpu};
   e.caps.kv_dtypes = {DType::f32, DType::f16, DType::bf16, DType::e4m3, DType::e5m2};
   claim_every_feature(e.caps);
-  e.caps.dsa = true;  // not claimed by every built-in backend yet (cuda has no DSA kernels)
+  e.caps.dsa = true;
   e.caps.cuda_graphs = false;
   e.auto_selectable = auto_selectable;
   e.unavailable_reason = [] { return std::string(); };

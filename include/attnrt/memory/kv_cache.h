@@ -106,6 +106,9 @@ class KVCache {
   // layer(layer_id) in the full slot space (a host mirror of a device pool). Throws attnrt::Error
   // on the host, where the pool itself is host memory.
   virtual void download_rows(int layer_id, std::span<const int64_t> slots, void* k, void* v);
+  // A DSA layer's whole index-key cache into host memory laid out as index_keys(layer_id) (the
+  // host mirror of a device pool, docs/dsa.md). Throws attnrt::Error on the host.
+  virtual void download_index_keys(int layer_id, void* dst);
 };
 
 // The per-layer storage of one slot space; the KV cache routes each layer to one of these.

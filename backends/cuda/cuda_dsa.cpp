@@ -1,0 +1,372 @@
+// DSA layers on the cuda backend (docs/dsa.md): the same reduction as the cpu backend, on the GPU.
+// Per call: the latent rows and index keys are stored, the indexer (kernels/dsa.cu) scores every
+// query token's candidates from the GPU index-key cache and writes each token's selected slots
+// into a [T, topk] table, and the MLA CTA runs every token as a single-query request over its
+// selected slots, reading that table as its page table (page size 1). The lengths of those
+// requests, min(topk, |C(t)|), follow from the batch, so the host plan (splits, work items,
+// partials) is built before any kernel runs and nothing is read back.
+#include "backends/cuda/cuda_dsa.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "attnrt/backend/dsa.h"
+#include "attnrt/core/dtype.h"
+#include "attnrt/core/error.h"
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_device.h"
+#include "backends/cuda/cuda_kv_cache.h"
+#include "backends/cuda/cuda_plan.h"
+#include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/launch.h"
+
+namespace attnrt::cuda {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+KvKind kv_kind_of_dtype(DType t) {
+  return t == DType::e4m3 ? KvKind::e4m3 : t == DType::e5m2 ? KvKind::e5m2 : KvKind::same_as_q;
+}
+
+// Split-KV counts of the pseudo-requests of `kv` keys each: none when the step's items fill the
+// GPU, else a chunk of keys (whole 64-key tiles, at least kMinChunkDecode) that spreads the keys
+// over about one wave; deterministic mode splits by each request's own length.
+void choose_splits(const DsaShape& s, int64_t tiles, const std::vector<int32_t>& kv,
+                   std::vector<int32_t>& splits) {
+  splits.assign(kv.size(), 1);
+  if (s.deterministic) {
+    for (size_t i = 0; i < kv.size(); ++i) splits[i] = deterministic_splits(kv[i]);
+    return;
+  }
+  const int64_t cap = int64_t{s.sm_count} * std::max(1, s.occupancy);
+  const int64_t base = static_cast<int64_t>(kv.size()) * tiles;
+  if (base == 0 || base >= cap) return;
+  int64_t keys = 0;
+  for (int32_t n : kv) keys += n;
+  const int64_t chunk =
+      ceil_div(std::max<int64_t>(kMinChunkDecode, ceil_div(keys * tiles, cap)), 64) * 64;
+  for (size_t i = 0; i < kv.size(); ++i)
+    splits[i] = static_cast<int32_t>(std::clamp<int64_t>(ceil_div(kv[i], chunk), 1, kMaxSplits));
+}
+
+}  // namespace
+
+void plan_dsa(const ForwardBatch& batch, const StepLayout& layout, bool tree, const DsaShape& shape,
+              DsaHostPlan& out) {
+  const int64_t T = layout.num_tokens;
+  out.tokens.assign(static_cast<size_t>(T), DsaToken{});
+  out.scored.clear();
+  out.rounds.clear();
+  out.max_cand = 0;
+  out.num_scores = 0;
+  DsaRound round;
+  std::vector<int32_t> kv(static_cast<size_t>(T));
+  const int bs = static_cast<int>(layout.prefix_lens.size());
+  for (int i = 0; i < bs; ++i) {
+    const int32_t prefix = layout.prefix_lens[i];
+    for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
+      const int64_t row = layout.query_start[i] + t;
+      const int32_t n = prefix + 1 + (tree ? batch.spec_info->depth(i, t) : t);
+      DsaToken& tok = out.tokens[row];
+      tok = DsaToken{.req = i, .t = t, .num_cand = n, .pad = 0, .score_off = -1};
+      if (n > shape.topk) {
+        if (round.num_scores > 0 && round.num_scores + n > shape.score_budget) {
+          round.row1 = row;
+          round.scored1 = static_cast<int32_t>(out.scored.size());
+          out.rounds.push_back(round);
+          round = DsaRound{.row0 = row, .scored0 = round.scored1};
+        }
+        tok.score_off = round.num_scores;
+        round.num_scores += n;
+        round.max_cand = std::max(round.max_cand, n);
+        out.scored.push_back(static_cast<int32_t>(row));
+        out.max_cand = std::max(out.max_cand, n);
+        out.num_scores = std::max(out.num_scores, round.num_scores);
+      }
+      kv[row] = std::min(n, shape.topk);
+    }
+  }
+
+  if (T > 0) {
+    round.row1 = T;
+    round.scored1 = static_cast<int32_t>(out.scored.size());
+    out.rounds.push_back(round);
+  }
+
+  // The sparse MLA: token t is a request of one query over its kv[t] selected slots, all visible
+  // (causal, the query at the last position), its page table at t * topk with page size 1.
+  out.shape = choose_shape(1, shape.q_heads, shape.head_dim);
+  const int rows = tile_rows(out.shape);
+  out.item_rows = std::min(shape.q_heads, rows);
+  const int64_t tiles = ceil_div(shape.q_heads, rows);
+  std::vector<int32_t> splits;
+  choose_splits(shape, tiles, kv, splits);
+  out.reqs.assign(static_cast<size_t>(T), ReqInfo{});
+  out.work.clear();
+  out.part_rows = 0;
+  out.max_splits = 1;
+  for (int64_t t = 0; t < T; ++t) {
+    const int32_t s = splits[t];
+    out.reqs[t] = ReqInfo{.qo_start = static_cast<int32_t>(t),
+                          .qlen = 1,
+                          .prefix = kv[t] - 1,
+                          .kv_len = kv[t],
+                          .pt_start = static_cast<int32_t>(t * shape.topk),
+                          .num_splits = s,
+                          .part_start = s > 1 ? static_cast<int32_t>(out.part_rows) : 0,
+                          .tree_start = -1,
+                          .pt_row = 0,
+                          .pt_known = 0,
+                          .pt_commit = 0,
+                          .pad = 0};
+    if (s > 1) out.part_rows += s;
+    out.max_splits = std::max(out.max_splits, static_cast<int>(s));
+    for (int64_t k = 0; k < tiles; ++k)
+      for (int32_t sp = 0; sp < s; ++sp)
+        out.work.push_back({static_cast<int32_t>(t), static_cast<int32_t>(k * rows), sp, 0});
+  }
+}
+
+// A DSA layer's call (attend() hands it over after check_call): every check first, so that a
+// rejected call leaves the latent pool and the index-key cache as they were.
+void CudaBackend::attend_dsa(const AttnArgs& args, const LayerSpec& layer,
+                             const ForwardBatch& batch, const StepPlan& plan, const CallDims& c) {
+  const IndexerSpec& ix = layer.indexer;
+  ATTNRT_CHECK(!graph_step_ && !stream_is_capturing(stream_),
+               "cuda backend: DSA layer {} in a CUDA-graph step; DSA layers run eagerly (no "
+               "graphs yet): leave CUDA graphs off for a model with an indexer",
+               layer.layer_id);
+  ATTNRT_CHECK(c.mla, "cuda backend: layer {} has an indexer but is {}; DSA layers are MLA layers",
+               layer.layer_id, layer_kind_name(layer.kind));
+  ATTNRT_CHECK(!batch.dcp_partial,
+               "cuda backend: DSA layer {} in a decode-context-parallel step; DSA selects over "
+               "every key of a request, which one rank does not hold",
+               layer.layer_id);
+  ATTNRT_CHECK(ix.index_head_dim % 4 == 0 && ix.index_head_dim <= kDsaMaxIndexDim &&
+                   ix.index_n_heads <= kDsaMaxIndexHeads,
+               "cuda backend: DSA layer {} has index_n_heads {} and index_head_dim {}; the "
+               "indexer kernels take up to {} heads and head dims that are multiples of 4 up to "
+               "{}",
+               layer.layer_id, ix.index_n_heads, ix.index_head_dim, kDsaMaxIndexHeads,
+               kDsaMaxIndexDim);
+  check_indexer_args("cuda", args, layer, c.tokens,
+                     c.on_device ? DeviceKind::cuda : DeviceKind::cpu);
+  // The plan of the step's DSA calls, built by the first (the batch is the step's).
+  if (!dsa_planned_ || dsa_shape_.q_heads != c.hq || dsa_shape_.head_dim != c.d ||
+      dsa_shape_.topk != ix.index_topk) {
+    dsa_shape_ = DsaShape{.topk = ix.index_topk,
+                          .q_heads = c.hq,
+                          .head_dim = c.d,
+                          .sm_count = planner_->config().sm_count,
+                          .occupancy = 1,
+                          .deterministic = planner_->config().deterministic,
+                          .score_budget = dsa_score_budget_};
+    AttnKernelKey key{.head_dim = c.d,
+                      .v_head_dim = c.dv,
+                      .fp16 = args.q.dtype == DType::f16,
+                      .kv = kv_kind_of_dtype(ctx_.kv_cache->layer(layer.layer_id).dtype),
+                      .shape = choose_shape(1, c.hq, c.d),
+                      .rows = std::min(c.hq, tile_rows(choose_shape(1, c.hq, c.d))),
+                      .target_verify = false};
+    dsa_shape_.occupancy = attention_occupancy(key);
+    make_step_layout(batch, dsa_layout_);
+    plan_dsa(batch, dsa_layout_, plan.tree, dsa_shape_, dsa_plan_);
+    ATTNRT_CHECK(ceil_div(dsa_plan_.max_cand, 128) <= 65535 && dsa_plan_.work.size() <= 65535 &&
+                     int64_t{c.tokens} * ix.index_topk <= INT32_MAX,
+                 "cuda backend: DSA layer {}: {} candidates of one token, {} work items, {} "
+                 "tokens x index_topk {}: past the launch limits (8388480 candidates, 65535 "
+                 "items, 2^31 selected slots)",
+                 layer.layer_id, dsa_plan_.max_cand, dsa_plan_.work.size(), c.tokens,
+                 ix.index_topk);
+    upload_dsa_plan();
+    dsa_planned_ = true;
+  }
+
+  KVCache& cache = *ctx_.kv_cache;
+  LayerKv kv = store_and_view_kv(args, layer, c);
+  if (args.save_kv && !args.k.empty()) cache.store_step_index_k(layer.layer_id, args.indexer.k);
+  if (c.tokens == 0) return;
+  // A host cache (the correctness path) is mirrored whole, index keys included; the call
+  // synchronises before the host pools change again.
+  const IndexKeyView keys = cache.index_keys(layer.layer_id);
+  const uint8_t* key_bytes = keys.data;
+  if (!kv.cache_on_device) {
+    mirror_host_layer(layer.layer_id, kv);
+    const size_t kb = static_cast<size_t>(keys.num_rows) * (keys.dim + 4);
+    ensure(dsa_key_mirror_, kb, "mirrored index keys");
+    ATTNRT_CUDA_CHECK(
+        cudaMemcpyAsync(dsa_key_mirror_.data(), keys.data, kb, cudaMemcpyHostToDevice, stream_));
+    key_bytes = dsa_key_mirror_.ptr<uint8_t>();
+  }
+  const DeviceIo io = stage_activations(args, c);
+
+  // Indexer inputs: GPU tensors in place; host ones as fp32 rows through the DSA staging.
+  const DsaHostPlan& dp = dsa_plan_;
+  const int64_t T = c.tokens, K = ix.index_topk;
+  const int hi = ix.index_n_heads, di = ix.index_head_dim;
+  ensure(dsa_scores_, std::max<int64_t>(dp.num_scores, 1) * sizeof(float), "DSA scores");
+  ensure(dsa_slots_, static_cast<size_t>(T * K) * sizeof(int32_t), "DSA selected slots");
+  const char* meta = dsa_meta_.ptr<char>();
+  DsaParams d{};
+  d.reqs = reinterpret_cast<const ReqInfo*>(meta_.ptr<char>() + plan.classes[0].reqs_off);
+  d.page_table = reinterpret_cast<const int32_t*>(meta_.ptr<char>() + plan.pt_off);
+  d.row_table = row_table_ready_ ? row_table_.ptr<int32_t>() : nullptr;
+  d.tree_mask = reinterpret_cast<const uint64_t*>(meta_.ptr<char>() + plan.tree_mask_off);
+  d.page_shift = plan.page_shift;
+  d.tree = plan.tree ? 1 : 0;
+  d.tokens = reinterpret_cast<const DsaToken*>(meta + dsa_offsets_.tokens);
+  d.heads = hi;
+  d.dim = di;
+  d.score_scale = index_score_scale(layer);
+  d.keys = key_bytes;
+  d.key_page = keys.page_size;
+  d.scores = dsa_scores_.ptr<float>();
+  d.topk = static_cast<int32_t>(K);
+  d.sel_slots = dsa_slots_.ptr<int32_t>();
+  const TensorView& iq = args.indexer.q;
+  const TensorView& iw = args.indexer.weights;
+  const TensorView& topk = args.indexer.topk;
+  if (c.on_device) {
+    d.q = iq.data;
+    d.q_dtype = static_cast<int32_t>(iq.dtype);
+    d.q_s0 = iq.strides[0];
+    d.q_s1 = iq.strides[1];
+    d.q_s2 = iq.strides[2];
+    d.w = iw.data;
+    d.w_dtype = static_cast<int32_t>(iw.dtype);
+    d.w_s0 = iw.strides[0];
+    d.w_s1 = iw.strides[1];
+    if (!topk.empty()) {
+      d.topk_out = topk.ptr<int32_t>();
+      d.topk_s0 = topk.strides[0];
+      d.topk_s1 = topk.strides[1];
+    }
+  } else {
+    // Host inputs (the correctness path: the call synchronises at its end).
+    std::vector<float>& h = dsa_host_in_;
+    const size_t qn = static_cast<size_t>(T) * hi * di, wn = static_cast<size_t>(T) * hi;
+    h.resize(qn + wn);
+    for (int64_t t = 0; t < T; ++t)
+      for (int a = 0; a < hi; ++a) {
+        for (int e = 0; e < di; ++e)
+          h[(t * hi + a) * di + e] = load_as_float(
+              iq.data, iq.dtype,
+              static_cast<size_t>(t * iq.strides[0] + a * iq.strides[1] + e * iq.strides[2]));
+        h[qn + t * hi + a] = load_as_float(
+            iw.data, iw.dtype, static_cast<size_t>(t * iw.strides[0] + a * iw.strides[1]));
+      }
+    const size_t w_off = align_up(qn * sizeof(float), 256);
+    const size_t t_off = w_off + align_up(wn * sizeof(float), 256);
+    ensure(dsa_io_, t_off + static_cast<size_t>(T * K) * sizeof(int32_t), "DSA host inputs");
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(dsa_io_.data(), h.data(), qn * sizeof(float),
+                                      cudaMemcpyHostToDevice, stream_));
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(dsa_io_.ptr<char>() + w_off, h.data() + qn,
+                                      wn * sizeof(float), cudaMemcpyHostToDevice, stream_));
+    d.q = dsa_io_.data();
+    d.q_dtype = static_cast<int32_t>(DType::f32);
+    d.q_s0 = int64_t{hi} * di;
+    d.q_s1 = di;
+    d.q_s2 = 1;
+    d.w = dsa_io_.ptr<char>() + w_off;
+    d.w_dtype = static_cast<int32_t>(DType::f32);
+    d.w_s0 = hi;
+    d.w_s1 = 1;
+    if (!topk.empty()) {
+      d.topk_out = reinterpret_cast<int32_t*>(dsa_io_.ptr<char>() + t_off);
+      d.topk_s0 = K;
+      d.topk_s1 = 1;
+    }
+  }
+  // Round by round: a round's scores are selected before the next round overwrites them.
+  const auto* scored = reinterpret_cast<const int32_t*>(meta + dsa_offsets_.scored);
+  for (const DsaRound& r : dp.rounds) {
+    d.row0 = r.row0;
+    d.num_tokens = r.row1 - r.row0;
+    d.scored = scored + r.scored0;
+    d.num_scored = r.scored1 - r.scored0;
+    d.max_cand = r.max_cand;
+    ATTNRT_CUDA_CHECK(launch_dsa_select(d, stream_));
+  }
+
+  // The sparse MLA over the selected slots.
+  ClassPlan cls;
+  cls.group = c.hq;
+  cls.head_dim = c.d;
+  cls.shape = dp.shape;
+  cls.item_rows = dp.item_rows;
+  cls.num_items = static_cast<int>(dp.work.size());
+  cls.part_rows = dp.part_rows;
+  cls.max_splits = dp.max_splits;
+  ensure_partials(cls, c, kv);
+  AttnParams p = attn_params(layer, plan, cls, c, kv, io);
+  p.reqs = reinterpret_cast<const ReqInfo*>(meta + dsa_offsets_.reqs);
+  p.work = reinterpret_cast<const WorkItem*>(meta + dsa_offsets_.work);
+  p.page_table = dsa_slots_.ptr<int32_t>();
+  p.row_table = nullptr;
+  p.page_shift = 0;
+  p.slot_map = nullptr;
+  p.tree = 0;
+  p.window = -1;
+  p.causal = 1;
+  p.item_rows = dp.item_rows;
+  const bool fp16 = args.q.dtype == DType::f16;
+  const AttnKernelKey key{.head_dim = c.d,
+                          .v_head_dim = c.dv,
+                          .fp16 = fp16,
+                          .kv = p.kv_kind,
+                          .shape = dp.shape,
+                          .rows = dp.item_rows,
+                          .target_verify = false};
+  ATTNRT_CUDA_CHECK(launch_attention(p, key, cls.num_items, stream_, /*dependent=*/false));
+  if (dp.max_splits > 1) {
+    const MergeParams mp{.reqs = p.reqs,
+                         .num_reqs = static_cast<int32_t>(T),
+                         .part_o = p.part_o,
+                         .part_lse = p.part_lse,
+                         .out = io.out,
+                         .o_stride_tok = io.o_tok,
+                         .o_stride_head = io.o_head,
+                         .lse_out = io.lse,
+                         .lse_stride_tok = io.lse_tok,
+                         .num_q_heads = c.hq,
+                         .head_dim = c.dv,
+                         .v_scale = p.v_scale,
+                         .sinks = io.sinks};
+    ATTNRT_CUDA_CHECK(launch_merge(mp, fp16, stream_, /*dependent=*/true));
+  }
+  if (!c.on_device && !topk.empty()) {
+    std::vector<int32_t>& sel = dsa_host_topk_;
+    sel.resize(static_cast<size_t>(T * K));
+    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(sel.data(), d.topk_out, sel.size() * sizeof(int32_t),
+                                      cudaMemcpyDeviceToHost, stream_));
+    ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    int32_t* dst = topk.ptr<int32_t>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t k = 0; k < K; ++k)
+        dst[t * topk.strides[0] + k * topk.strides[1]] = sel[t * K + k];
+  }
+  finish_call(args, c, io, kv);
+}
+
+// The DSA plan's bytes into dsa_meta_ (one copy through the DSA staging ring, stream-ordered
+// before every kernel of the step's DSA calls).
+void CudaBackend::upload_dsa_plan() {
+  const DsaHostPlan& dp = dsa_plan_;
+  DsaOffsets& o = dsa_offsets_;
+  o.tokens = 0;
+  o.scored = align_up(dp.tokens.size() * sizeof(DsaToken), 16);
+  o.reqs = o.scored + align_up(dp.scored.size() * sizeof(int32_t), 16);
+  o.work = o.reqs + align_up(dp.reqs.size() * sizeof(ReqInfo), 16);
+  const size_t bytes = std::max<size_t>(o.work + dp.work.size() * sizeof(WorkItem), 16);
+  ensure(dsa_meta_, bytes, "DSA metadata");
+  auto* host = static_cast<char*>(dsa_staging_.acquire(bytes, stream_));
+  std::memcpy(host + o.tokens, dp.tokens.data(), dp.tokens.size() * sizeof(DsaToken));
+  std::memcpy(host + o.scored, dp.scored.data(), dp.scored.size() * sizeof(int32_t));
+  std::memcpy(host + o.reqs, dp.reqs.data(), dp.reqs.size() * sizeof(ReqInfo));
+  std::memcpy(host + o.work, dp.work.data(), dp.work.size() * sizeof(WorkItem));
+  dsa_staging_.upload(dsa_meta_.data(), bytes, stream_);
+}
+
+}  // namespace attnrt::cuda
