@@ -589,18 +589,7 @@ void fill_row(DsaRowResult& row, const ShapeMeasure& m, const Ceilings& ceilings
 
 bool backend_serves_dsa(const BenchConfig& config, std::string* why) {
   const BackendEntry& e = registry_of(config).get(config.backend);
-  const bool host = std::find(e.caps.devices.begin(), e.caps.devices.end(), DeviceKind::cpu) !=
-                    e.caps.devices.end();
-  if (e.caps.dsa && host) return true;
-  if (e.caps.dsa) {
-    if (why != nullptr) {
-      *why = fmt::format(
-          "{} serves DSA layers on the GPU, but the bench's DSA rows lay out their pools in host "
-          "memory only (docs/dsa.md \"Not done yet\")",
-          config.backend);
-    }
-    return false;
-  }
+  if (e.caps.dsa) return true;
   if (why != nullptr) {
     *why = fmt::format("{} does not serve DSA layers (no DSA caps; docs/dsa.md \"Backends\")",
                        config.backend);

@@ -215,8 +215,7 @@ RowResult run_mla_mha_row(const BenchConfig& config, const Workload& workload,
 std::vector<DsaRowResult> run_dsa_rows(const BenchConfig& config,
                                        const std::vector<DsaWorkload>& rows,
                                        const Ceilings& ceilings);
-// True when the DSA rows can measure `backend` (in the config's registry): it serves DSA layers on
-// the host (the rows lay out host pools); else `why` says why not.
+// True when `backend` (in the config's registry) serves DSA layers; else `why` says so.
 bool backend_serves_dsa(const BenchConfig& config, std::string* why);
 
 // One linear row: its states built (decode: an untimed EXTEND of prefix_len tokens), one checked
