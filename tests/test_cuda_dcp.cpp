@@ -105,6 +105,7 @@ class Harness {
   }
 
   void place(ForwardBatch& b) {
+    b.out_cache_loc.assign(b.positions.size(), 0);  // the layout checks its length; slots below
     const StepLayout l = make_step_layout(b);
     std::vector<int64_t> last;
     std::vector<int32_t> seq;
@@ -501,6 +502,7 @@ TEST(CudaDcpNccl, OneRankGroupMatchesReference) {
   DcpRank rank(0, model, o, cfg, *comms[0]);
   const std::vector<int64_t> rows = {ref.req_to_token().alloc(), ref.req_to_token().alloc()};
   auto step = [&](ForwardBatch b, const std::string& what) {
+    b.out_cache_loc.assign(b.positions.size(), 0);  // the layout checks its length; slots below
     const StepLayout lay = make_step_layout(b);
     std::vector<int64_t> last;
     std::vector<int32_t> seq;

@@ -483,7 +483,8 @@ TEST(CudaDsaRun, EveryStepMatchesReferenceOnTheHostCopyOfTheGpuPools) {
     for (const sim::ModeStats& m : r.modes) {
       SCOPED_TRACE(forward_mode_name(m.mode));
       EXPECT_EQ(m.backend, "cuda");
-      EXPECT_EQ(m.checked_steps, m.steps);
+      // (IDLE steps have no tokens to check.)
+      if (m.mode != ForwardMode::IDLE) EXPECT_EQ(m.checked_steps, m.steps);
       EXPECT_EQ(m.graph_steps, 0);
     }
     EXPECT_NE(test::find_mode(r, sim::ModelRole::target, ForwardMode::TARGET_VERIFY), nullptr);

@@ -173,10 +173,10 @@ void CudaBackend::attend_dsa(const AttnArgs& args, const LayerSpec& layer,
     dsa_shape_.occupancy = attention_occupancy(key);
     make_step_layout(batch, dsa_layout_);
     plan_dsa(batch, dsa_layout_, plan.tree, dsa_shape_, dsa_plan_);
-    ATTNRT_CHECK(ceil_div(dsa_plan_.max_cand, 128) <= 65535 && dsa_plan_.work.size() <= 65535 &&
+    ATTNRT_CHECK(ceil_div(dsa_plan_.max_cand, 128) <= 65535 && dsa_plan_.work.size() <= INT32_MAX &&
                      int64_t{c.tokens} * ix.index_topk <= INT32_MAX,
                  "cuda backend: DSA layer {}: {} candidates of one token, {} work items, {} "
-                 "tokens x index_topk {}: past the launch limits (8388480 candidates, 65535 "
+                 "tokens x index_topk {}: past the launch limits (8388480 candidates, 2^31 "
                  "items, 2^31 selected slots)",
                  layer.layer_id, dsa_plan_.max_cand, dsa_plan_.work.size(), c.tokens,
                  ix.index_topk);
@@ -319,7 +319,16 @@ void CudaBackend::attend_dsa(const AttnArgs& args, const LayerSpec& layer,
                           .shape = dp.shape,
                           .rows = dp.item_rows,
                           .target_verify = false};
-  ATTNRT_CUDA_CHECK(launch_attention(p, key, cls.num_items, stream_, /*dependent=*/false));
+  // A grid holds at most 65535 items on y (a long prefill has two MLA items a token): launches of
+  // consecutive slices of the work list (the CTAs read p.work[blockIdx.y] and nothing else of
+  // their position).
+  constexpr int kGridItems = 65535;
+  for (int base = 0; base < cls.num_items; base += kGridItems) {
+    AttnParams slice = p;
+    slice.work = p.work + base;
+    ATTNRT_CUDA_CHECK(launch_attention(slice, key, std::min(kGridItems, cls.num_items - base),
+                                       stream_, /*dependent=*/false));
+  }
   if (dp.max_splits > 1) {
     const MergeParams mp{.reqs = p.reqs,
                          .num_reqs = static_cast<int32_t>(T),

@@ -393,7 +393,7 @@ void HostPlanner::plan_class(size_t c, int bs) {
   if (graph_ != nullptr && !config_.deterministic) {
     uniform = graph_splits(config_, c, cp.shape, bs, pad_qlen_);
   } else if (config_.deterministic) {
-    if (split_shape) chunk = kDeterministicChunk;
+    if (split_shape) chunk = static_cast<uint32_t>(deterministic_chunk(cp.shape));
   } else if (cp.shape != TileShape::prefill) {
     if (base > 0) {
       const int64_t cap =
@@ -449,11 +449,12 @@ void HostPlanner::plan_class(size_t c, int bs) {
                  "cuda backend: a deterministic graph step has a request of {} splits ({} keys "
                  "each); the graph state holds {} per request, sized by max_context_len at "
                  "init_cuda_graph_state",
-                 max_splits, kDeterministicChunk, pad);
+                 max_splits, chunk, pad);
     // The merge is captured whenever a replay may need it, and the partials' size (which places
     // the lse after the outputs in the captured kernels' parameters) is that of the most splits.
+    // (pad 1: no replay splits, so there are no partials; init_cuda_graph_state reserves none.)
     max_splits = std::max(max_splits, pad);
-    part_rows = int64_t{bs} * pad * pad_qlen_;
+    part_rows = pad > 1 ? int64_t{bs} * pad * pad_qlen_ : 0;
   }
   w.pad_splits = pad;
   cp.num_items = static_cast<int>(items);

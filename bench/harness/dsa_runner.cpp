@@ -349,12 +349,13 @@ struct SparseRun {
   std::unique_ptr<AttentionBackend> backend;
   HostBuffer out;
   AttnArgs args;
-  DeviceStep* gpu = nullptr;
-  TensorView gpu_out;
+  // On a GPU: a device copy of the latent pool of its own at page size 1 (the selected slots of a
+  // request are not whole pages; the slot-major pool reads the same at any page size).
+  std::unique_ptr<DeviceRow> gpu;
 
-  // On `cache` (the host pool, or the DeviceStep's copy when `gpu` is given).
-  SparseRun(const BenchConfig& config, DsaData& d, int threads, KVCache& cache, DeviceStep* gpu)
-      : model(dsa_model(d.w, false)), gpu(gpu) {
+  // On the host pool, or (`device` not cpu) on a device copy of it.
+  SparseRun(const BenchConfig& config, DsaData& d, int threads, Device device)
+      : model(dsa_model(d.w, false)) {
     const DsaWorkload& w = d.w;
     r2t = std::make_unique<ReqToTokenPool>(w.batch, w.index_topk);
     std::vector<int64_t> rows;
@@ -372,23 +373,28 @@ struct SparseRun {
     const std::vector<int64_t> loc = batch.out_cache_loc;
     batch = make_decode_batch(rows, lens);
     batch.out_cache_loc = loc;
-    backend = make_backend(config.backend, model, options, w, &cache, r2t.get(), threads,
-                           registry_of(config), config.device);
     out = HostBuffer(DType::bf16, {w.num_tokens(), w.q_heads, w.kv_lora_rank});
-    if (gpu != nullptr) {
-      args.q = gpu->row->args().q;
-      gpu_out = gpu->tensors->allocate(out.bytes(), out.view());
-      args.out = gpu_out;
-    } else {
-      args.q = d.io.q.view();
-      args.out = out.view();
+    DsaWorkload paged = w;
+    KVCache* cache = d.kv.get();
+    if (device.kind != DeviceKind::cpu) {
+      KVCacheConfig one = d.config;
+      one.page_size = 1;
+      paged.page_size = 1;
+      gpu = make_device_row(device, model, one, *d.kv, d.io.q, d.io.k, d.io.k, out);
+      cache = &gpu->cache();
     }
+    backend = make_backend(config.backend, model, options, paged, cache, r2t.get(), threads,
+                           registry_of(config), device);
+    args.q = gpu ? gpu->args().q : d.io.q.view();
+    args.out = gpu ? gpu->args().out : out.view();
     args.save_kv = false;  // the latent rows are in the pool: only attention is measured
   }
 
+  KVCache& cache(DsaData& d) { return gpu ? gpu->cache() : *d.kv; }
+
   // The output on the host once the GPU is done with it.
   void collect() {
-    if (gpu != nullptr) gpu->tensors->download(gpu_out, out.data(), out.bytes());
+    if (gpu) gpu->download_out(out);
   }
 };
 
@@ -447,8 +453,8 @@ ShapeMeasure measure_shape(const BenchConfig& config, const DsaWorkload& w, bool
 
     std::unique_ptr<SparseRun> sparse;
     if (need_sparse) {
-      sparse = std::make_unique<SparseRun>(config, d, threads, cache, gpu.get());
-      cache.begin_step(sparse->batch);
+      sparse = std::make_unique<SparseRun>(config, d, threads, config.device);
+      sparse->cache(d).begin_step(sparse->batch);
       sparse->backend->init_forward_metadata(sparse->batch);
       sparse->backend->forward(sparse->args, sparse->model.layers[0], sparse->batch);
       sparse->collect();
@@ -477,7 +483,7 @@ ShapeMeasure measure_shape(const BenchConfig& config, const DsaWorkload& w, bool
       cache.begin_step(d.batch);
       run_step();
       if (sparse) {
-        cache.begin_step(sparse->batch);
+        sparse->cache(d).begin_step(sparse->batch);
         run_sparse();
       }
     }
@@ -487,7 +493,7 @@ ShapeMeasure measure_shape(const BenchConfig& config, const DsaWorkload& w, bool
       timer->flush_caches();
       step_s.push_back(timer->time(run_step));
       if (sparse) {
-        cache.begin_step(sparse->batch);
+        sparse->cache(d).begin_step(sparse->batch);
         timer->flush_caches();
         sparse_s.push_back(timer->time(run_sparse));
       }
