@@ -379,6 +379,9 @@ struct SparseRun {
     if (device.kind != DeviceKind::cpu) {
       KVCacheConfig one = d.config;
       one.page_size = 1;
+      // The same rows as the host pool ((pages + 1) x page_size: its reserved page 0 too), so
+      // every slot of its last page is in the copy: (full_slots + 1) x 1 rows at page size 1.
+      one.full_slots = d.config.full_slots + d.w.page_size - 1;
       paged.page_size = 1;
       gpu = make_device_row(device, model, one, *d.kv, d.io.q, d.io.k, d.io.k, out);
       cache = &gpu->cache();
