@@ -26,6 +26,7 @@
 #include "tests/conformance/conformance.h"
 #include "tests/test_cuda_util.h"
 #include "tests/test_sim_util.h"
+#include "tests/dsa_steps.h"
 #include "tests/test_util.h"
 #include "tools/sim/driver.h"
 #include "tools/sim/report.h"
@@ -70,13 +71,8 @@ Options options_for(const std::string& backend, int page, const std::string& kv_
   return o;
 }
 
-enum class Kind { extend, mixed, decode, verify_chain, verify_tree, draft_extend };
-
-struct StepSpec {
-  Kind kind = Kind::extend;
-  std::vector<int32_t> prefix;  // cached tokens before the step (decode: seq_len - 1)
-  std::vector<int32_t> fresh;   // the step's tokens per request
-};
+using test::Kind;
+using test::StepSpec;
 
 // The pools' contents, drawn once per case and written into both runtimes' pools (the latent rows
 // as floats, rounded by each pool's dtype alike; the index keys as the cache's bytes).
@@ -138,52 +134,7 @@ Step make_step(const ModelSpec& model, const Options& o, const StepSpec& spec) {
                         .cuda_graphs = false};
   Step s;
   s.rt = std::make_unique<AttentionRuntime>(model, o, c);
-  const int bs = static_cast<int>(spec.prefix.size());
-  std::vector<int64_t> rows, out_loc;
-  std::vector<int32_t> lens;
-  for (int i = 0; i < bs; ++i) {
-    const int row = s.rt->req_to_token().alloc();
-    const int32_t total = spec.prefix[i] + spec.fresh[i];
-    const std::vector<int32_t> p{0}, n{total};
-    const std::vector<int64_t> last{-1};
-    const std::vector<int64_t> slots = s.rt->allocator().alloc_extend(p, n, last);
-    s.rt->req_to_token().write(row, 0, slots);
-    rows.push_back(row);
-    out_loc.insert(out_loc.end(), slots.begin() + spec.prefix[i], slots.end());
-    lens.push_back(total);
-  }
-  switch (spec.kind) {
-    case Kind::extend:
-      s.batch = make_extend_batch(rows, spec.prefix, spec.fresh);
-      break;
-    case Kind::mixed:
-      s.batch = make_extend_batch(rows, spec.prefix, spec.fresh, ForwardMode::MIXED);
-      break;
-    case Kind::decode:
-      s.batch = make_decode_batch(rows, lens);
-      break;
-    case Kind::verify_chain:
-      s.batch = make_verify_batch(rows, spec.prefix, SpecInfo::chain(bs, spec.fresh[0]));
-      break;
-    case Kind::verify_tree: {
-      // Root 0; 1 and 2 its children; 3 child of 1, 4 child of 2; more: child of t - 2.
-      const int n = spec.fresh[0];
-      SpecInfo info;
-      info.draft_token_num = n;
-      info.topk = 2;
-      for (int i = 0; i < bs; ++i)
-        for (int t = 0; t < n; ++t) info.parents.push_back(t == 0 ? -1 : t <= 2 ? 0 : t - 2);
-      s.batch = make_verify_batch(rows, spec.prefix, info);
-      break;
-    }
-    case Kind::draft_extend: {
-      std::vector<int32_t> accept;
-      for (int32_t f : spec.fresh) accept.push_back(f - 1);
-      s.batch = make_draft_extend_batch(rows, lens, accept);
-      break;
-    }
-  }
-  s.batch.out_cache_loc = out_loc;
+  s.batch = test::dsa_step_batch(*s.rt, spec);
   return s;
 }
 

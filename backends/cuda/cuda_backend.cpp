@@ -557,21 +557,26 @@ void CudaBackend::launch_step(const AttnParams& p, const AttnArgs& args, const S
   ATTNRT_CUDA_CHECK(launch_attention(p, key, cls.num_items, stream_, after_stores));
   planner_->launched();
   if (cls.max_splits > 1) {
-    const MergeParams mp{.reqs = p.reqs,
-                         .num_reqs = plan.bs,
-                         .part_o = p.part_o,
-                         .part_lse = p.part_lse,
-                         .out = io.out,
-                         .o_stride_tok = io.o_tok,
-                         .o_stride_head = io.o_head,
-                         .lse_out = io.lse,
-                         .lse_stride_tok = io.lse_tok,
-                         .num_q_heads = c.hq,
-                         .head_dim = c.dv,
-                         .v_scale = p.v_scale,
-                         .sinks = io.sinks};
-    ATTNRT_CUDA_CHECK(launch_merge(mp, fp16, stream_, /*dependent=*/cls.num_items > 0));
+    merge_partials(p, c, io, plan.bs, fp16, /*dependent=*/cls.num_items > 0);
   }
+}
+
+void CudaBackend::merge_partials(const AttnParams& p, const CallDims& c, const DeviceIo& io,
+                                 int num_reqs, bool fp16, bool dependent) {
+  const MergeParams mp{.reqs = p.reqs,
+                       .num_reqs = num_reqs,
+                       .part_o = p.part_o,
+                       .part_lse = p.part_lse,
+                       .out = io.out,
+                       .o_stride_tok = io.o_tok,
+                       .o_stride_head = io.o_head,
+                       .lse_out = io.lse,
+                       .lse_stride_tok = io.lse_tok,
+                       .num_q_heads = c.hq,
+                       .head_dim = c.dv,
+                       .v_scale = p.v_scale,
+                       .sinks = io.sinks};
+  ATTNRT_CUDA_CHECK(launch_merge(mp, fp16, stream_, dependent));
 }
 
 // Host outputs back to the caller's tensors.

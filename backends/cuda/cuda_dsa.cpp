@@ -330,20 +330,7 @@ void CudaBackend::attend_dsa(const AttnArgs& args, const LayerSpec& layer,
                                        stream_, /*dependent=*/false));
   }
   if (dp.max_splits > 1) {
-    const MergeParams mp{.reqs = p.reqs,
-                         .num_reqs = static_cast<int32_t>(T),
-                         .part_o = p.part_o,
-                         .part_lse = p.part_lse,
-                         .out = io.out,
-                         .o_stride_tok = io.o_tok,
-                         .o_stride_head = io.o_head,
-                         .lse_out = io.lse,
-                         .lse_stride_tok = io.lse_tok,
-                         .num_q_heads = c.hq,
-                         .head_dim = c.dv,
-                         .v_scale = p.v_scale,
-                         .sinks = io.sinks};
-    ATTNRT_CUDA_CHECK(launch_merge(mp, fp16, stream_, /*dependent=*/true));
+    merge_partials(p, c, io, static_cast<int>(T), fp16, /*dependent=*/true);
   }
   if (!c.on_device && !topk.empty()) {
     std::vector<int32_t>& sel = dsa_host_topk_;
