@@ -22,6 +22,7 @@
 #include "attnrt/runtime/communicator.h"
 #include "attnrt/runtime/dcp.h"
 #include "tests/test_cuda_util.h"
+#include "tests/dcp_steps.h"
 #include "tests/test_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
@@ -104,26 +105,7 @@ class Harness {
     return rows;
   }
 
-  void place(ForwardBatch& b) {
-    b.out_cache_loc.assign(b.positions.size(), 0);  // the layout checks its length; slots below
-    const StepLayout l = make_step_layout(b);
-    std::vector<int64_t> last;
-    std::vector<int32_t> seq;
-    for (int i = 0; i < b.batch_size; ++i) {
-      const int32_t p = l.prefix_lens[i];
-      last.push_back(
-          p > 0 ? one_->req_to_token().get(static_cast<int>(b.req_pool_indices[i]), p - 1) : -1);
-      seq.push_back(p + l.query_lens[i]);
-    }
-    b.out_cache_loc = one_->allocator().alloc_extend(l.prefix_lens, seq, last);
-    size_t at = 0;
-    for (int i = 0; i < b.batch_size; ++i) {
-      const auto q = static_cast<size_t>(l.query_lens[i]);
-      one_->req_to_token().write(static_cast<int>(b.req_pool_indices[i]), l.prefix_lens[i],
-                                 std::span<const int64_t>(b.out_cache_loc.data() + at, q));
-      at += q;
-    }
-  }
+  void place(ForwardBatch& b) { test::place_on(*one_, b); }
 
   // Runs the step on both, every layer with fresh q/k/v, and compares out and lse; the failure
   // names the step, the layer, the tensor and the element (token * heads * dims + ...).
@@ -181,31 +163,11 @@ class Harness {
   }
 
   void commit(const ForwardBatch& verify, const std::vector<std::vector<int32_t>>& paths) {
-    std::vector<std::pair<int64_t, int64_t>> moves;
-    for (int i = 0; i < verify.batch_size; ++i) {
-      const int row = static_cast<int>(verify.req_pool_indices[i]);
-      const int32_t s = verify.seq_lens[i];
-      for (size_t k = 1; k < paths[i].size(); ++k) {
-        moves.emplace_back(one_->req_to_token().get(row, s + paths[i][k]),
-                           one_->req_to_token().get(row, s + static_cast<int32_t>(k)));
-      }
-    }
-    std::vector<int> layers;
-    for (const LayerSpec& l : model_.layers) layers.push_back(l.layer_id);
-    one_->kv_cache().copy_rows(layers, moves);
-    dcp_->commit_verify(verify, paths);
+    test::commit_accepted(*one_, *dcp_, model_, verify, paths);
   }
 
   std::vector<int32_t> random_path(const int32_t* parents, int n) {
-    std::vector<int32_t> path = {0};
-    for (;;) {
-      std::vector<int32_t> kids;
-      for (int t = 1; t < n; ++t) {
-        if (parents[t] == path.back()) kids.push_back(t);
-      }
-      if (kids.empty() || rand_int(0, 3) == 0) return path;
-      path.push_back(kids[rand_int(0, static_cast<int>(kids.size()) - 1)]);
-    }
+    return test::random_path(parents, n, rng_);
   }
 
   // Cached prefixes of random lengths in [0, max_prefix] (the first at least 1), stored by an
@@ -502,23 +464,8 @@ TEST(CudaDcpNccl, OneRankGroupMatchesReference) {
   DcpRank rank(0, model, o, cfg, *comms[0]);
   const std::vector<int64_t> rows = {ref.req_to_token().alloc(), ref.req_to_token().alloc()};
   auto step = [&](ForwardBatch b, const std::string& what) {
-    b.out_cache_loc.assign(b.positions.size(), 0);  // the layout checks its length; slots below
+    test::place_on(ref, b);
     const StepLayout lay = make_step_layout(b);
-    std::vector<int64_t> last;
-    std::vector<int32_t> seq;
-    for (int i = 0; i < b.batch_size; ++i) {
-      const int32_t p = lay.prefix_lens[i];
-      last.push_back(p > 0 ? ref.req_to_token().get(static_cast<int>(rows[i]), p - 1) : -1);
-      seq.push_back(p + lay.query_lens[i]);
-    }
-    b.out_cache_loc = ref.allocator().alloc_extend(lay.prefix_lens, seq, last);
-    size_t at = 0;
-    for (int i = 0; i < b.batch_size; ++i) {
-      const auto q = static_cast<size_t>(lay.query_lens[i]);
-      ref.req_to_token().write(static_cast<int>(rows[i]), lay.prefix_lens[i],
-                               std::span<const int64_t>(b.out_cache_loc.data() + at, q));
-      at += q;
-    }
     const int64_t T = b.num_tokens();
     ref.begin_step(b);
     rank.check_step(b, lay);

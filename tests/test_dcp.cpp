@@ -19,6 +19,7 @@
 #include "attnrt/runtime/attention_runtime.h"
 #include "attnrt/runtime/communicator.h"
 #include "attnrt/runtime/dcp.h"
+#include "tests/dcp_steps.h"
 #include "tests/test_util.h"
 
 using namespace attnrt;
@@ -103,26 +104,7 @@ class DcpHarness {
   }
 
   // Gives the oracle's slots to the step's new tokens (columns prefix .. prefix + query).
-  void place(ForwardBatch& b) {
-    b.out_cache_loc.assign(b.positions.size(), 0);
-    const StepLayout l = make_step_layout(b);
-    std::vector<int64_t> last;
-    std::vector<int32_t> seq;
-    for (int i = 0; i < b.batch_size; ++i) {
-      const int32_t p = l.prefix_lens[i];
-      last.push_back(
-          p > 0 ? one_->req_to_token().get(static_cast<int>(b.req_pool_indices[i]), p - 1) : -1);
-      seq.push_back(p + l.query_lens[i]);
-    }
-    b.out_cache_loc = one_->allocator().alloc_extend(l.prefix_lens, seq, last);
-    size_t at = 0;
-    for (int i = 0; i < b.batch_size; ++i) {
-      const auto q = static_cast<size_t>(l.query_lens[i]);
-      one_->req_to_token().write(static_cast<int>(b.req_pool_indices[i]), l.prefix_lens[i],
-                                 std::span<const int64_t>(b.out_cache_loc.data() + at, q));
-      at += q;
-    }
-  }
+  void place(ForwardBatch& b) { test::place_on(*one_, b); }
 
   // Runs the step on both, every layer with fresh q/k/v, and compares out and lse.
   ForwardBatch run_and_compare(ForwardBatch b, const std::string& what, double tol = 2e-4) {
@@ -165,32 +147,12 @@ class DcpHarness {
   // After a tree verify step: both keep the accepted paths (the oracle as an engine does: the
   // accepted nodes' K/V copied down to columns seq_len + k; the group by commit_verify).
   void commit(const ForwardBatch& verify, const std::vector<std::vector<int32_t>>& paths) {
-    std::vector<std::pair<int64_t, int64_t>> moves;
-    for (int i = 0; i < verify.batch_size; ++i) {
-      const int row = static_cast<int>(verify.req_pool_indices[i]);
-      const int32_t s = verify.seq_lens[i];
-      for (size_t k = 1; k < paths[i].size(); ++k) {
-        moves.emplace_back(one_->req_to_token().get(row, s + paths[i][k]),
-                           one_->req_to_token().get(row, s + static_cast<int32_t>(k)));
-      }
-    }
-    std::vector<int> layers;
-    for (const LayerSpec& l : model_.layers) layers.push_back(l.layer_id);
-    one_->kv_cache().copy_rows(layers, moves);
-    dcp_->commit_verify(verify, paths);
+    test::commit_accepted(*one_, *dcp_, model_, verify, paths);
   }
 
   // A random path from the root down `parents` (block indices, root first).
   std::vector<int32_t> random_path(const int32_t* parents, int n) {
-    std::vector<int32_t> path = {0};
-    for (;;) {
-      std::vector<int32_t> kids;
-      for (int t = 1; t < n; ++t) {
-        if (parents[t] == path.back()) kids.push_back(t);
-      }
-      if (kids.empty() || rand_int(0, 3) == 0) return path;
-      path.push_back(kids[rand_int(0, static_cast<int>(kids.size()) - 1)]);
-    }
+    return test::random_path(parents, n, rng_);
   }
 
   int rand_int(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
