@@ -20,6 +20,24 @@ struct StepSpec {
   std::vector<int32_t> fresh;   // the step's tokens per request
 };
 
+// One step of every mode, with prefixes and lengths across pages and the top-k boundaries the
+// tests use (both test files run each of them).
+struct ModeCase {
+  const char* name;
+  StepSpec spec;
+};
+
+inline const ModeCase kModes[] = {
+    {"extend_no_prefix", {Kind::extend, {0, 0}, {40, 23}}},
+    {"extend_prefix", {Kind::extend, {37, 64, 3}, {9, 17, 30}}},
+    {"chunked_prefill", {Kind::extend, {96}, {33}}},
+    {"mixed", {Kind::mixed, {50, 20, 77}, {25, 1, 1}}},
+    {"decode", {Kind::decode, {5, 63, 64, 100}, {1, 1, 1, 1}}},
+    {"verify_chain", {Kind::verify_chain, {30, 61}, {4, 4}}},
+    {"verify_tree", {Kind::verify_tree, {45, 12}, {6, 6}}},
+    {"draft_extend", {Kind::draft_extend, {40, 70}, {3, 2}}},
+};
+
 // Verify trees: root 0; 1 and 2 its children; 3 child of 1, 4 child of 2; more: child of t - 2.
 inline ForwardBatch dsa_step_batch(AttentionRuntime& rt, const StepSpec& spec) {
   const int bs = static_cast<int>(spec.prefix.size());

@@ -239,21 +239,8 @@ void expect_matches_reference(const Dims& d, int page, const std::string& kv_dty
   expect_same(got, want, d);
 }
 
-struct ModeCase {
-  const char* name;
-  StepSpec spec;
-};
-
-const ModeCase kModes[] = {
-    {"extend_no_prefix", {Kind::extend, {0, 0}, {40, 23}}},
-    {"extend_prefix", {Kind::extend, {37, 64, 3}, {9, 17, 30}}},
-    {"chunked_prefill", {Kind::extend, {96}, {33}}},
-    {"mixed", {Kind::mixed, {50, 20, 77}, {25, 1, 1}}},
-    {"decode", {Kind::decode, {5, 63, 64, 100}, {1, 1, 1, 1}}},
-    {"verify_chain", {Kind::verify_chain, {30, 61}, {4, 4}}},
-    {"verify_tree", {Kind::verify_tree, {45, 12}, {6, 6}}},
-    {"draft_extend", {Kind::draft_extend, {40, 70}, {3, 2}}},
-};
+using test::kModes;
+using test::ModeCase;
 
 TEST(CudaDsa, SelectsTheReferenceKeysAndMatchesItsOutputInEveryMode) {
   SKIP_WITHOUT_GPU();
