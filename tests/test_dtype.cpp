@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
+#include <random>
 #include <cstdlib>
 #include <string>
 
@@ -78,6 +80,123 @@ TEST(DType, Bf16AndFp16RoundToNearestEven) {
   }
   EXPECT_EQ(float_to_fp16(65520.f), 0x7c00);  // overflow to infinity (IEEE)
   EXPECT_EQ(float_to_fp16(65519.f), 0x7bff);
+}
+
+// The conversions' arithmetic definition, the oracle of the bit-level ones in dtype.cpp: the
+// value rounded in double to the format's quantum at its binade (ties to even), then saturated or
+// overflowed, then encoded field by field.
+struct SmallFloat {
+  int mbits, bias;
+  double max_finite;
+  bool saturate;      // fp8: clamp to max_finite; fp16: overflow to infinity
+  uint32_t nan_code;  // without sign
+  uint32_t inf_code;  // without sign (only used when !saturate)
+  int total_bits;
+  bool has_inf;
+};
+constexpr SmallFloat kE4M3{3, 7, 448.0, true, 0x7f, 0, 8, false};
+constexpr SmallFloat kE5M2{2, 15, 57344.0, true, 0x7f, 0x7c, 8, true};
+constexpr SmallFloat kF16{10, 15, 65504.0, false, 0x7e00, 0x7c00, 16, true};
+
+uint32_t encode_by_definition(float xf, const SmallFloat& f) {
+  const uint32_t sign = std::signbit(xf) ? (1u << (f.total_bits - 1)) : 0u;
+  if (std::isnan(xf)) return sign | f.nan_code;
+  double a = std::fabs(static_cast<double>(xf));
+  const int min_exp = 1 - f.bias;
+  if (!std::isinf(a) && a != 0.0) {
+    int e;
+    std::frexp(a, &e);
+    const double quantum = std::ldexp(1.0, std::max(e - 1, min_exp) - f.mbits);
+    a = std::nearbyint(a / quantum) * quantum;
+  }
+  if (a > f.max_finite) {
+    if (!f.saturate) return sign | f.inf_code;
+    a = f.max_finite;
+  }
+  if (a == 0.0) return sign;
+  int e;
+  std::frexp(a, &e);
+  if (e - 1 < min_exp) return sign | static_cast<uint32_t>(std::ldexp(a, f.mbits - min_exp));
+  const auto mant = static_cast<uint32_t>(std::ldexp(a, f.mbits - (e - 1))) - (1u << f.mbits);
+  return sign | (static_cast<uint32_t>(e - 1 + f.bias) << f.mbits) | mant;
+}
+
+double decode_by_definition(uint32_t bits, const SmallFloat& f) {
+  const int ebits = f.total_bits - 1 - f.mbits;
+  const bool neg = (bits >> (f.total_bits - 1)) & 1u;
+  const uint32_t exp = (bits >> f.mbits) & ((1u << ebits) - 1), mant = bits & ((1u << f.mbits) - 1);
+  double v;
+  if (f.has_inf && exp == (1u << ebits) - 1) {
+    v = mant ? NAN : INFINITY;
+  } else if (!f.has_inf && (bits & ((1u << (f.total_bits - 1)) - 1)) == f.nan_code) {
+    v = NAN;
+  } else if (exp == 0) {
+    v = std::ldexp(static_cast<double>(mant), 1 - f.bias - f.mbits);
+  } else {
+    v = std::ldexp(static_cast<double>(mant + (1u << f.mbits)), static_cast<int>(exp) - f.bias - f.mbits);
+  }
+  return neg ? -v : v;
+}
+
+void expect_decodes_by_definition(float got, uint32_t code, const SmallFloat& f) {
+  const double want = decode_by_definition(code, f);
+  if (std::isnan(want)) {
+    ASSERT_TRUE(std::isnan(got)) << "code " << code;
+    ASSERT_EQ(std::signbit(got), std::signbit(want)) << "code " << code;
+  } else {
+    ASSERT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(static_cast<float>(want)))
+        << "code " << code;
+  }
+}
+
+TEST(DType, DecodersMatchTheArithmeticDefinitionOnEveryCode) {
+  for (uint32_t c = 0; c < 0x10000; ++c)
+    expect_decodes_by_definition(fp16_to_float(static_cast<uint16_t>(c)), c, kF16);
+  for (uint32_t c = 0; c < 0x100; ++c) {
+    expect_decodes_by_definition(e4m3_to_float(static_cast<uint8_t>(c)), c, kE4M3);
+    expect_decodes_by_definition(e5m2_to_float(static_cast<uint8_t>(c)), c, kE5M2);
+  }
+}
+
+// The float bit patterns where rounding decides: for each exponent and leading mantissa bits of a
+// float, the low bits just below, at and above half a code's step (fp16 drops 13 bits, fp8 20 and
+// 21), plus uniformly random bits and random values inside each format's range, both signs.
+void expect_encoders_match(uint32_t u) {
+  const float x = std::bit_cast<float>(u);
+  ASSERT_EQ(float_to_fp16(x), encode_by_definition(x, kF16)) << std::hexfloat << x;
+  ASSERT_EQ(float_to_e4m3(x), encode_by_definition(x, kE4M3)) << std::hexfloat << x;
+  ASSERT_EQ(float_to_e5m2(x), encode_by_definition(x, kE5M2)) << std::hexfloat << x;
+}
+
+TEST(DType, EncodersMatchTheArithmeticDefinition) {
+  for (int drop : {13, 20, 21}) {
+    const uint32_t half = 1u << (drop - 1), step = 1u << drop;
+    for (uint32_t hi = 0; hi < (1u << (32 - drop)); ++hi) {
+      for (uint32_t lo : {0u, 1u, half - 1, half, half + 1, step - 1}) {
+        expect_encoders_match((hi << drop) | lo);
+        if (testing::Test::HasFatalFailure()) return;
+      }
+    }
+  }
+  std::mt19937_64 rng(std::random_device{}());
+  std::uniform_real_distribution<float> in_range(-70000.f, 70000.f), small(-1e-3f, 1e-3f);
+  for (int i = 0; i < 1000000; ++i) {
+    expect_encoders_match(static_cast<uint32_t>(rng()));
+    expect_encoders_match(std::bit_cast<uint32_t>(in_range(rng)));
+    expect_encoders_match(std::bit_cast<uint32_t>(small(rng)));
+    if (testing::Test::HasFatalFailure()) return;
+  }
+}
+
+// Every float, when asked for (ATTNRT_DTYPE_EXHAUSTIVE=1; about four minutes of one core).
+TEST(DType, EncodersMatchTheArithmeticDefinitionOnEveryFloat) {
+  const char* on = std::getenv("ATTNRT_DTYPE_EXHAUSTIVE");
+  if (on == nullptr || std::string(on) != "1") GTEST_SKIP() << "set ATTNRT_DTYPE_EXHAUSTIVE=1";
+  uint32_t u = 0;
+  do {
+    expect_encoders_match(u);
+    if (testing::Test::HasFatalFailure()) return;
+  } while (++u != 0);
 }
 
 TEST(DType, ParseNamesAndRejectUnknown) {

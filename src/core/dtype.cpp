@@ -1,5 +1,7 @@
 #include "attnrt/core/dtype.h"
 
+#include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -56,76 +58,88 @@ DType parse_dtype(std::string_view name) {
 
 namespace {
 
-// A small IEEE-style binary format: `mbits` mantissa bits, exponent bias `bias`.
-struct SmallFloat {
-  int mbits;
-  int bias;
-  double max_finite;
-  bool saturate;      // fp8: clamp to max_finite; fp16: overflow to infinity
-  uint32_t nan_code;  // without sign
-  uint32_t inf_code;  // without sign (only used when !saturate)
-  int total_bits;
-};
-
-constexpr SmallFloat kE4M3{3, 7, 448.0, true, 0x7f, 0, 8};
-constexpr SmallFloat kE5M2{2, 15, 57344.0, true, 0x7f, 0x7c, 8};
-constexpr SmallFloat kF16{10, 15, 65504.0, false, 0x7e00, 0x7c00, 16};
-
-uint32_t encode(float xf, const SmallFloat& f) {
-  const uint32_t sign = std::signbit(xf) ? (1u << (f.total_bits - 1)) : 0u;
-  if (std::isnan(xf)) return sign | f.nan_code;
-  double a = std::fabs(static_cast<double>(xf));
-  const int min_exp = 1 - f.bias;  // exponent of the smallest normal
-  if (!std::isinf(a) && a != 0.0) {
-    int e;
-    std::frexp(a, &e);
-    int exp = std::max(e - 1, min_exp);
-    double quantum = std::ldexp(1.0, exp - f.mbits);
-    a = std::nearbyint(a / quantum) * quantum;  // default FP environment: ties to even
+// The narrow formats by their bit fields: M mantissa bits, exponent bias B. A float's bits, sign
+// cleared and finite, rounded to the format (round to nearest, ties to even), before any
+// saturation: the mantissa is the float's, shifted; below the smallest normal 2^(1-B) the value
+// is a multiple of the quantum 2^(1-B-M), found by scaling (exact: a power of two) and rounding
+// to an integer. A code that rounds up into the next binade carries into the exponent field.
+template <int M, int B>
+uint32_t round_to_code(uint32_t x) {
+  constexpr uint32_t kMinNormal = static_cast<uint32_t>(127 + 1 - B) << 23;
+  if (x < kMinNormal) {
+    constexpr float kToQuanta = std::bit_cast<float>(static_cast<uint32_t>(127 + B + M - 1) << 23);
+    return static_cast<uint32_t>(std::nearbyint(std::bit_cast<float>(x) * kToQuanta));
   }
-  if (a > f.max_finite) {
-    if (f.saturate) a = f.max_finite;
-    else return sign | f.inf_code;
-  }
-  if (a == 0.0) return sign;
-  int e;
-  std::frexp(a, &e);
-  int exp = e - 1;
-  if (exp < min_exp) {  // subnormal
-    auto mant = static_cast<uint32_t>(std::ldexp(a, f.mbits - min_exp));
-    return sign | mant;
-  }
-  auto mant = static_cast<uint32_t>(std::ldexp(a, f.mbits - exp)) - (1u << f.mbits);
-  return sign | (static_cast<uint32_t>(exp + f.bias) << f.mbits) | mant;
+  constexpr int kDrop = 23 - M;
+  x += ((1u << (kDrop - 1)) - 1) + ((x >> kDrop) & 1u);
+  return (x >> kDrop) - (static_cast<uint32_t>(127 - B) << M);
 }
 
-float decode(uint32_t bits, const SmallFloat& f, bool has_inf) {
-  const int ebits = f.total_bits - 1 - f.mbits;
-  const bool neg = (bits >> (f.total_bits - 1)) & 1u;
-  const uint32_t exp = (bits >> f.mbits) & ((1u << ebits) - 1);
-  const uint32_t mant = bits & ((1u << f.mbits) - 1);
-  double v;
-  if (has_inf && exp == (1u << ebits) - 1) {
-    v = mant ? std::numeric_limits<double>::quiet_NaN() : std::numeric_limits<double>::infinity();
-  } else if (!has_inf && (bits & ((1u << (f.total_bits - 1)) - 1)) == f.nan_code) {
-    v = std::numeric_limits<double>::quiet_NaN();
-  } else if (exp == 0) {
-    v = std::ldexp(static_cast<double>(mant), 1 - f.bias - f.mbits);
-  } else {
-    v = std::ldexp(static_cast<double>(mant + (1u << f.mbits)),
-                   static_cast<int>(exp) - f.bias - f.mbits);
-  }
-  return static_cast<float>(neg ? -v : v);
+// An fp8 code of |x| (bits with the sign cleared): NaN stays NaN (0x7f), anything at or above the
+// largest finite value `max_bits` (infinity too) saturates to `max_code`, as does a value that
+// rounds past it.
+template <int M, int B>
+uint8_t fp8_code(float x, uint32_t max_bits, uint32_t max_code) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const auto sign = static_cast<uint8_t>((u >> 24) & 0x80);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7f;
+  if (a >= max_bits) return static_cast<uint8_t>(sign | max_code);
+  return static_cast<uint8_t>(sign | std::min(round_to_code<M, B>(a), max_code));
 }
+
+// The 256 values of an fp8 format, decoded at compile time: M mantissa bits, bias B, whether the
+// top exponent holds infinities and NaNs (e5m2) or only NaN at 0x7f (e4m3fn).
+template <int M, int B, bool kIeee>
+constexpr std::array<float, 256> fp8_table() {
+  std::array<float, 256> t{};
+  for (uint32_t c = 0; c < 256; ++c) {
+    const uint32_t sign = (c & 0x80) << 24, exp = (c & 0x7f) >> M, mant = c & ((1u << M) - 1);
+    uint32_t bits;
+    if (kIeee && exp == (0x7fu >> M)) {
+      bits = 0x7f800000u | (mant ? 0x400000u : 0u);
+    } else if (!kIeee && (c & 0x7f) == 0x7f) {
+      bits = 0x7fc00000u;
+    } else if (exp == 0) {  // mant * 2^(1-B-M), exact
+      constexpr float kQuantum = std::bit_cast<float>(static_cast<uint32_t>(127 + 1 - B - M) << 23);
+      bits = std::bit_cast<uint32_t>(static_cast<float>(mant) * kQuantum);
+    } else {
+      bits = ((exp + 127 - B) << 23) | (mant << (23 - M));
+    }
+    t[c] = std::bit_cast<float>(sign | bits);
+  }
+  return t;
+}
+
+constexpr std::array<float, 256> kE4m3Values = fp8_table<3, 7, false>();
+constexpr std::array<float, 256> kE5m2Values = fp8_table<2, 15, true>();
 
 }  // namespace
 
-float fp16_to_float(uint16_t bits) { return decode(bits, kF16, true); }
-uint16_t float_to_fp16(float x) { return static_cast<uint16_t>(encode(x, kF16)); }
-float e4m3_to_float(uint8_t bits) { return decode(bits, kE4M3, false); }
-uint8_t float_to_e4m3(float x) { return static_cast<uint8_t>(encode(x, kE4M3)); }
-float e5m2_to_float(uint8_t bits) { return decode(bits, kE5M2, true); }
-uint8_t float_to_e5m2(float x) { return static_cast<uint8_t>(encode(x, kE5M2)); }
+float fp16_to_float(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000) << 16;
+  const uint32_t exp = (bits >> 10) & 0x1f, mant = bits & 0x3ff;
+  if (exp == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mant ? 0x400000u : 0u));
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact
+    const float v = static_cast<float>(mant) * 0x1p-24f;
+    return sign ? -v : v;
+  }
+  return std::bit_cast<float>(sign | ((exp + 127 - 15) << 23) | (mant << 13));
+}
+
+uint16_t float_to_fp16(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const auto sign = static_cast<uint16_t>((u >> 16) & 0x8000);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00;   // NaN
+  if (a >= 0x477ff000u) return sign | 0x7c00;  // 65520 and above round to infinity (IEEE)
+  return static_cast<uint16_t>(sign | round_to_code<10, 15>(a));
+}
+
+float e4m3_to_float(uint8_t bits) { return kE4m3Values[bits]; }
+uint8_t float_to_e4m3(float x) { return fp8_code<3, 7>(x, 0x43e00000u /* 448 */, 0x7e); }
+float e5m2_to_float(uint8_t bits) { return kE5m2Values[bits]; }
+uint8_t float_to_e5m2(float x) { return fp8_code<2, 15>(x, 0x47600000u /* 57344 */, 0x7b); }
 
 float load_as_float(const void* base, DType t, size_t i) {
   switch (t) {
