@@ -7,8 +7,10 @@
 // bf16 and fp8 latent pools), with GPU tensors and host tensors (the conformance harness's host
 // pools), prefills scored in several rounds of a small score budget, an IDLE step; the errors of
 // bad indexer inputs leave the pools as they were; graphs are off for a DSA model; `attnrt run` on
-// a DSA model checks every step against reference. The host plan (plan_dsa) and the explain line
-// are checked without a GPU. Fresh random inputs every run (ATTNRT_TEST_SEED replays one).
+// a DSA model checks every step against reference. The tests that score run once with each
+// indexer kernel (ATTNRT_DSA_INDEXER: cuda_core, mma; the mma runs take index dims the tensor-core
+// kernel serves, 16 x 32 at the small dims). The host plan (plan_dsa) and the explain line are
+// checked without a GPU. Fresh random inputs every run (ATTNRT_TEST_SEED replays one).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -52,6 +54,7 @@ struct Dims {
 // The generic kernel's dims (head dim 80), and DeepSeek-V3.2's at 16 and 64 q heads (the
 // keys-on-M and the 64-row MLA CTA).
 constexpr Dims kSmall{4, 64, 16, 4, 32, 24};
+constexpr Dims kSmallMma{4, 64, 16, 16, 32, 24};  // index heads a multiple of 16: the mma kernel
 constexpr Dims kV32Heads16{16, 512, 64, 64, 128, 64};
 constexpr Dims kV32Heads64{64, 512, 64, 64, 128, 64};
 
@@ -242,30 +245,53 @@ void expect_matches_reference(const Dims& d, int page, const std::string& kv_dty
 using test::kModes;
 using test::ModeCase;
 
-TEST(CudaDsa, SelectsTheReferenceKeysAndMatchesItsOutputInEveryMode) {
+// The tests that score, once with each indexer kernel (the choice restored after each test).
+class CudaDsaIndexer : public testing::TestWithParam<cuda::DsaIndexer> {
+ protected:
+  void SetUp() override {
+    before_ = cuda::dsa_indexer();
+    cuda::set_dsa_indexer(GetParam());
+  }
+  void TearDown() override { cuda::set_dsa_indexer(before_); }
+  // The small dims the kernel under test serves.
+  static Dims small() { return GetParam() == cuda::DsaIndexer::mma ? kSmallMma : kSmall; }
+
+ private:
+  cuda::DsaIndexer before_ = cuda::DsaIndexer::cuda_core;
+};
+
+std::string indexer_name(const testing::TestParamInfo<cuda::DsaIndexer>& i) {
+  return i.param == cuda::DsaIndexer::mma ? "mma" : "cuda_core";
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, CudaDsaIndexer,
+                         testing::Values(cuda::DsaIndexer::cuda_core, cuda::DsaIndexer::mma),
+                         indexer_name);
+
+TEST_P(CudaDsaIndexer, SelectsTheReferenceKeysAndMatchesItsOutputInEveryMode) {
   SKIP_WITHOUT_GPU();
   for (int page : {1, 16, 64}) {
     for (const ModeCase& m : kModes) {
       SCOPED_TRACE(m.name);
-      expect_matches_reference(kSmall, page, "auto", m.spec);
+      expect_matches_reference(small(), page, "auto", m.spec);
     }
   }
 }
 
-TEST(CudaDsa, HostTensorsAndFp8LatentPoolMatchTheReference) {
+TEST_P(CudaDsaIndexer, HostTensorsAndFp8LatentPoolMatchTheReference) {
   SKIP_WITHOUT_GPU();
   for (const ModeCase& m : kModes) {
     SCOPED_TRACE(m.name);
-    expect_matches_reference(kSmall, 16, "auto", m.spec, /*on_gpu=*/false);
-    expect_matches_reference(kSmall, 16, "fp8_e4m3", m.spec);
+    expect_matches_reference(small(), 16, "auto", m.spec, /*on_gpu=*/false);
+    expect_matches_reference(small(), 16, "fp8_e4m3", m.spec);
   }
 }
 
 // Candidates around index_topk (16): fewer, exactly, one more, many more; lengths across page
 // edges (page 16: 15, 16, 17, 33, 700 keys).
-TEST(CudaDsa, TopkBoundaryAndPageEdges) {
+TEST_P(CudaDsaIndexer, TopkBoundaryAndPageEdges) {
   SKIP_WITHOUT_GPU();
-  Dims d = kSmall;
+  Dims d = small();
   d.topk = 16;
   for (int page : {1, 16}) {
     for (int seq : {1, 15, 16, 17, 33, 700}) {
@@ -280,7 +306,7 @@ TEST(CudaDsa, TopkBoundaryAndPageEdges) {
 
 // DeepSeek-V3.2's shapes on the MLA CTAs: bf16 and fp8 latent pools, selections real (64 of up to
 // ~1000 keys) and with index_topk 2048 over longer contexts (split-KV over the selected keys).
-TEST(CudaDsa, DeepSeekV32ShapesOnTheMlaCtas) {
+TEST_P(CudaDsaIndexer, DeepSeekV32ShapesOnTheMlaCtas) {
   SKIP_WITHOUT_GPU();
   for (const Dims& d : {kV32Heads16, kV32Heads64}) {
     for (const char* kv : {"auto", "fp8_e4m3"}) {
@@ -297,16 +323,18 @@ TEST(CudaDsa, DeepSeekV32ShapesOnTheMlaCtas) {
 
 // A prefill whose scores exceed the score budget (ATTNRT_DSA_SCORE_BUDGET, read at construction):
 // scored and selected in several rounds, the same selection.
-TEST(CudaDsa, PrefillInScoreRoundsSelectsTheSameKeys) {
+TEST_P(CudaDsaIndexer, PrefillInScoreRoundsSelectsTheSameKeys) {
   SKIP_WITHOUT_GPU();
   ASSERT_EQ(setenv("ATTNRT_DSA_SCORE_BUDGET", "300", 1), 0);
-  Dims d = kSmall;
+  Dims d = small();
   d.topk = 16;
   expect_matches_reference(d, 16, "auto", {Kind::extend, {50, 0}, {60, 90}});
   unsetenv("ATTNRT_DSA_SCORE_BUDGET");
 }
 
-// The conformance harness's random DSA cases (its host pools, host tensors, any mode).
+// The conformance harness's random DSA cases (its host pools, host tensors, any mode). Its index
+// dims (1, 4 or 8 heads) are outside the mma kernel's, so the CUDA-core kernel scores them either
+// way.
 TEST(CudaDsa, ConformanceCasesMatchTheReference) {
   SKIP_WITHOUT_GPU();
   const BackendEntry* entry = Registry::global().find("cuda");
@@ -407,9 +435,14 @@ TEST(CudaDsa, GraphsAreOffForADsaModelWithTheReason) {
 // `attnrt run`'s driver on a DSA model on cuda (GPU pools): every step of every mode, chain and
 // tree verify and draft extends included, checked against reference on the host copy of the pools
 // (latent rows and index keys downloaded), eager (graphs are off for DSA).
-TEST(CudaDsaRun, EveryStepMatchesReferenceOnTheHostCopyOfTheGpuPools) {
+class CudaDsaRun : public CudaDsaIndexer {};
+INSTANTIATE_TEST_SUITE_P(Kernels, CudaDsaRun,
+                         testing::Values(cuda::DsaIndexer::cuda_core, cuda::DsaIndexer::mma),
+                         indexer_name);
+
+TEST_P(CudaDsaRun, EveryStepMatchesReferenceOnTheHostCopyOfTheGpuPools) {
   SKIP_WITHOUT_GPU();
-  Dims d = kSmall;
+  Dims d = small();
   d.topk = 16;
   for (int topk : {1, 3}) {
     SCOPED_TRACE(testing::Message() << "eagle topk " << topk);
@@ -440,6 +473,16 @@ TEST(CudaDsaPlan, ExplainNamesTheIndexerAndTheOneQueryCta) {
   EXPECT_NE(lines[1].find("dsa     every mode: the indexer"), std::string::npos) << lines[1];
   EXPECT_NE(lines[1].find("radix top-2048"), std::string::npos) << lines[1];
   EXPECT_NE(lines[1].find("keys-on-M"), std::string::npos) << lines[1];
+  // The indexer kernel the switch picks (V3.2's 64 x 128 index dims: the tensor-core one).
+  const cuda::DsaIndexer before = cuda::dsa_indexer();
+  cuda::set_dsa_indexer(cuda::DsaIndexer::cuda_core);
+  EXPECT_NE(cuda::explain_cuda_kernels(m, o, DType::bf16)[1].find("scores on CUDA cores"),
+            std::string::npos);
+  cuda::set_dsa_indexer(cuda::DsaIndexer::mma);
+  EXPECT_NE(cuda::explain_cuda_kernels(m, o, DType::bf16)[1].find(
+                "scores on tensor cores [ATTNRT_DSA_INDEXER=mma]"),
+            std::string::npos);
+  cuda::set_dsa_indexer(before);
 }
 
 // Host only: the plan of a step. Candidates per mode (tree: prefix + depth + 1), scores only past

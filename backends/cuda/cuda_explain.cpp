@@ -13,6 +13,7 @@
 #include "attnrt/model/model_spec.h"
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/dsa.h"
 #include "backends/cuda/kernels/mla.h"
 
 namespace attnrt::cuda {
@@ -115,10 +116,13 @@ std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Opti
       else if (cta == AttnCta::mla_keys_m && !mla_keys_m_enabled())
         cta = AttnCta::mla;
       if (l.has_indexer()) {
+        const bool mma = dsa_indexer() == DsaIndexer::mma &&
+                         dsa_mma_takes(l.indexer.index_n_heads, l.indexer.index_head_dim);
         out.push_back(fmt::format(
-            "  {:<7} every mode: the indexer (dsa.cu: fp8-rounded index scores on CUDA cores, a "
+            "  {:<7} every mode: the indexer (dsa.cu: fp8-rounded index scores on {}, a "
             "radix top-{} per token), then each token one query over its selected keys on the {}",
-            ph.name, l.indexer.index_topk, describe(cta, key, ph.qlen * group)));
+            ph.name, mma ? "tensor cores [ATTNRT_DSA_INDEXER=mma]" : "CUDA cores",
+            l.indexer.index_topk, describe(cta, key, ph.qlen * group)));
         continue;
       }
       out.push_back(fmt::format("  {:<7} {}", ph.name, describe(cta, key, ph.qlen * group)));

@@ -6,6 +6,18 @@
 // paged cache into shared memory (codes times the slot's scale, both exact), and takes per head an
 // fp32 dot product, across heads an fp64 sum of w_h * relu(dot), as the cpu backend does.
 //
+// Scores on tensor cores (dsa_score_mma_kernel, ATTNRT_DSA_INDEXER=mma): one CTA per (scored
+// token, 1 to 4 tiles of 128 candidates), four warps. The CTA stages the token's rounded queries
+// once as bf16 (the e4m3 codes times 2^112, exact) in shared memory, then looks up the slots of
+// all its candidates. Each warp then owns 32 candidates of every tile: it loads their fp8 codes
+// (a 4-byte word per lane, the next tile's in flight during this tile's MMAs), converts them to
+// bf16 (the codes times 2^-112, exact: fp8x4_to) into its own rows of shared memory (rows padded
+// by 16 bytes, so ldmatrix is conflict-free), and takes the heads x 32 dot block of codes on
+// m16n8k16 bf16 MMAs with fp32 accumulation (the factors 2^112 and 2^-112 cancel, the products
+// are exact). The epilogue applies the power-of-two scales after the dot (exact), sums
+// w_h * q_scale_h * relu(dot) over its heads in fp64, adds up the eight lane groups by shuffles
+// and writes one score per lane. Only the fp32 summation order differs from the CUDA-core kernel.
+//
 // Selection: one CTA per token. At most topk candidates: all of them. Otherwise a radix select on
 // the scores as order-preserving uint32 keys (four 8-bit passes over a shared histogram) finds
 // the topk-th largest key tau and how many keys equal to tau are taken; a pass over the
@@ -14,12 +26,16 @@
 // the slots come out in increasing token index.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cub/block/block_scan.cuh>
+#include <string_view>
 
 #include "backends/cuda/kernels/common/convert.cuh"
 #include "backends/cuda/kernels/common/elem.cuh"
 #include "backends/cuda/kernels/dsa.h"
+#include "backends/cuda/kernels/primitives.cuh"
 
 namespace attnrt::cuda {
 
@@ -28,6 +44,15 @@ namespace {
 constexpr int kScoreCands = 128;  // candidates (threads) of a score CTA
 constexpr int kSelectThreads = 512;
 constexpr float kE4m3Max = 448.f;
+
+constexpr int kMmaCands = 128;  // candidates of a tensor-core key tile: 32 per warp
+constexpr int kMmaWarps = kMmaCands / 32;
+constexpr int kMmaMaxTiles = 4;  // tiles of one tensor-core CTA at most
+// A tensor-core CTA takes one more tile (up to kMmaMaxTiles) per this many tiles of its launch.
+constexpr int kMmaTilesPerCta = 1024;
+constexpr float kQueryUp = 0x1p112f;  // undoes the 2^-112 of the keys' bf16 codes (fp8x4_to)
+
+int g_indexer = -1;  // -1: not read yet; else a DsaIndexer
 
 // Token index of candidate m of token t of `req`: m itself, or in a tree the m-th of the prefix
 // and the drafts that are t or its ancestors.
@@ -54,6 +79,18 @@ __device__ __forceinline__ int64_t scale_at(int64_t slot, int page, int dim) {
   return (slot / page) * page * (dim + 4) + int64_t{page} * dim + (slot % page) * 4;
 }
 
+// The power-of-two scale of one index query head (round_index_query: from the binary form of
+// amax / 448), its dims at q[base + d * q_s2]. Warp-collective.
+__device__ __forceinline__ float query_head_scale(const DsaParams& p, int64_t base, int lane) {
+  float amax = 1e-4f;
+  for (int d = lane; d < p.dim; d += 32)
+    amax = fmaxf(amax, fabsf(load_elem(p.q, p.q_dtype, base + d * p.q_s2)));
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  int e = 0;
+  const float mant = frexpf(amax / kE4m3Max, &e);
+  return ldexpf(1.f, mant == 0.5f ? e - 1 : e);
+}
+
 __global__ void __launch_bounds__(kScoreCands) dsa_score_kernel(const DsaParams p) {
   extern __shared__ float smem[];
   const int row = p.scored[blockIdx.x];
@@ -70,13 +107,7 @@ __global__ void __launch_bounds__(kScoreCands) dsa_score_kernel(const DsaParams 
   // The rounded index queries, a warp per head.
   for (int h = warp; h < H; h += kScoreCands / 32) {
     const int64_t base = row * p.q_s0 + h * p.q_s1;
-    float amax = 1e-4f;
-    for (int d = lane; d < D; d += 32)
-      amax = fmaxf(amax, fabsf(load_elem(p.q, p.q_dtype, base + d * p.q_s2)));
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    int e = 0;
-    const float mant = frexpf(amax / kE4m3Max, &e);
-    const float scale = ldexpf(1.f, mant == 0.5f ? e - 1 : e);
+    const float scale = query_head_scale(p, base, lane);
     for (int d = lane; d < D; d += 32) {
       const float x = load_elem(p.q, p.q_dtype, base + d * p.q_s2);
       sq[h * D + d] = fp8_to_float(float_to_fp8(x / scale, false), false) * scale;
@@ -123,6 +154,147 @@ __global__ void __launch_bounds__(kScoreCands) dsa_score_kernel(const DsaParams 
   // +0 for every zero score, so that equal scores get equal keys in the selection.
   const float score = static_cast<float>(p.score_scale * sum);
   p.scores[tok.score_off + m] = score == 0.f ? 0.f : score;
+}
+
+// Shared memory of the tensor-core CTA: the queries' and the keys' bf16 rows (D + 8 columns),
+// w_h * q_scale_h per head, then per candidate its codes' offset and its scale.
+constexpr size_t mma_smem_bytes(int heads, int dim, int tiles) {
+  return (static_cast<size_t>(heads) + kMmaCands) * (dim + 8) * sizeof(__nv_bfloat16) +
+         static_cast<size_t>(heads) * sizeof(double) +
+         static_cast<size_t>(tiles) * kMmaCands * (sizeof(int64_t) + sizeof(float));
+}
+
+__global__ void __launch_bounds__(kMmaCands, 3) dsa_score_mma_kernel(const DsaParams p, int tiles) {
+  extern __shared__ __align__(16) unsigned char mma_smem[];
+  const int row = p.scored[blockIdx.x];
+  const DsaToken tok = p.tokens[row];
+  const int32_t c0 = static_cast<int32_t>(blockIdx.y) * tiles * kMmaCands;
+  if (c0 >= tok.num_cand) return;
+  const int n = min(tok.num_cand - c0, tiles * kMmaCands);  // this CTA's candidates
+  const ReqInfo req = p.reqs[tok.req];
+  // Rows of LD bf16 (16 bytes of padding: the eight rows of an ldmatrix hit eight bank groups):
+  // sq [H][LD] query codes * 2^112, sk [kMmaCands][LD] key codes * 2^-112; swq [H] w_h * q
+  // scale_h; per candidate of the CTA its codes' offset (soff) and its key scale (sscale).
+  const int H = p.heads, D = p.dim, LD = D + 8;
+  auto* sq = reinterpret_cast<__nv_bfloat16*>(mma_smem);
+  __nv_bfloat16* sk = sq + H * LD;
+  auto* swq = reinterpret_cast<double*>(sk + kMmaCands * LD);
+  auto* soff = reinterpret_cast<int64_t*>(swq + H);
+  auto* sscale = reinterpret_cast<float*>(soff + tiles * kMmaCands);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  // The rounded index queries as bf16 codes, a warp per head.
+  for (int h = warp; h < H; h += kMmaWarps) {
+    const int64_t base = row * p.q_s0 + h * p.q_s1;
+    const float scale = query_head_scale(p, base, lane);
+    for (int d = lane; d < D; d += 32) {
+      const float x = load_elem(p.q, p.q_dtype, base + d * p.q_s2);
+      sq[h * LD + d] =
+          __float2bfloat16_rn(fp8_to_float(float_to_fp8(x / scale, false), false) * kQueryUp);
+    }
+    if (lane == 0)
+      swq[h] = static_cast<double>(load_elem(p.w, p.w_dtype, row * p.w_s0 + h * p.w_s1)) * scale;
+  }
+  // Every candidate's slot, resolved once: its codes' offset and its scale.
+  for (int i = tid; i < n; i += kMmaCands) {
+    const int64_t s = slot_of(p, req, candidate(p, req, tok.t, c0 + i));
+    soff[i] = codes_at(s, p.key_page, D);
+    sscale[i] = *reinterpret_cast<const float*>(p.keys + scale_at(s, p.key_page, D));
+  }
+  __syncthreads();
+
+  // From here each warp works alone on candidates [tb, tb + 32) of every tile, in its own rows.
+  __nv_bfloat16* wk = sk + warp * 32 * LD;
+  const bool word_lane = lane < D / 4;  // lane l carries bytes 4l .. 4l + 3 of every key
+  uint32_t code[32];
+  auto load_codes = [&](int tb) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j)
+      code[j] = word_lane && tb + j < n
+                    ? reinterpret_cast<const uint32_t*>(p.keys + soff[tb + j])[lane]
+                    : 0u;
+  };
+  const int g = lane >> 2, t = lane & 3;  // the fragments' row group and column pair
+  const int mtiles = H / 16;
+  load_codes(warp * 32);
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int tb = tile * kMmaCands + warp * 32;
+    if (tb >= n) break;
+    __syncwarp();  // the previous tile's ldmatrix reads are done
+    if (word_lane) {
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        uint32_t lo, hi;
+        fp8x4_to<__nv_bfloat16>(code[j], false, lo, hi);
+        *reinterpret_cast<uint2*>(wk + j * LD + 4 * lane) = make_uint2(lo, hi);
+      }
+    }
+    __syncwarp();
+    if (tb + kMmaCands < n) load_codes(tb + kMmaCands);  // in flight during the MMAs
+
+    // dot[h][c] = <q codes of head h, key codes of candidate tb + c>: A = queries (heads on M),
+    // B = keys (candidates on N, four n-tiles of 8), K = the index dims.
+    float acc[4][4][4];
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+        acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+#pragma unroll 2
+    for (int k0 = 0; k0 < D; k0 += 16) {
+      // b[np]: n-tiles 2np (regs 0, 1) and 2np + 1 (regs 2, 3), dims k0 .. k0 + 15.
+      uint32_t b[2][4];
+#pragma unroll
+      for (int np = 0; np < 2; ++np)
+        ldmatrix_x4(
+            b[np], wk + (np * 16 + (lane & 7) + (lane >> 4) * 8) * LD + k0 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt) {
+        if (mt < mtiles) {
+          uint32_t a[4];
+          ldmatrix_x4(a, sq + (mt * 16 + (lane & 15)) * LD + k0 + (lane >> 4) * 8);
+#pragma unroll
+          for (int np = 0; np < 2; ++np) {
+            mma_16816<__nv_bfloat16>(acc[mt][2 * np], a, b[np][0], b[np][1]);
+            mma_16816<__nv_bfloat16>(acc[mt][2 * np + 1], a, b[np][2], b[np][3]);
+          }
+        }
+      }
+    }
+
+    // acc[mt][nt][e] is dot[mt * 16 + g + (e >> 1) * 8][nt * 8 + 2t + (e & 1)]: per column the
+    // lane's heads in fp64, then the sum over the eight row groups (lanes g = 0 .. 7).
+    double sum[4][2];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) sum[nt][0] = sum[nt][1] = 0.0;
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt) {
+      if (mt < mtiles) {
+        const double w0 = swq[mt * 16 + g], w1 = swq[mt * 16 + g + 8];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            sum[nt][e] += w0 * fmaxf(acc[mt][nt][e], 0.f) + w1 * fmaxf(acc[mt][nt][2 + e], 0.f);
+      }
+    }
+    double v = 0.0;
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) sum[nt][e] += __shfl_xor_sync(0xffffffffu, sum[nt][e], o);
+        if (g == nt * 2 + e) v = sum[nt][e];
+      }
+    // Lane (g, t) writes column (g >> 1) * 8 + 2t + (g & 1): the warp's 32 columns once each.
+    const int i = tb + (g >> 1) * 8 + 2 * t + (g & 1);
+    if (i < n) {
+      // +0 for every zero score, so that equal scores get equal keys in the selection.
+      const float score = static_cast<float>(p.score_scale * (sscale[i] * v));
+      p.scores[tok.score_off + c0 + i] = score == 0.f ? 0.f : score;
+    }
+  }
 }
 
 // Order-preserving: a larger float gets a larger key.
@@ -205,7 +377,65 @@ __global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const DsaPar
   }
 }
 
+cudaError_t launch_score_cuda_core(const DsaParams& p, cudaStream_t stream) {
+  const size_t smem =
+      (static_cast<size_t>(p.heads) * p.dim + static_cast<size_t>(kScoreCands) * (p.dim + 4)) *
+          sizeof(float) +
+      kScoreCands * sizeof(int64_t);
+  static bool attr_set = false;
+  if (!attr_set) {
+    const size_t most = (static_cast<size_t>(kDsaMaxIndexHeads) * kDsaMaxIndexDim +
+                         static_cast<size_t>(kScoreCands) * (kDsaMaxIndexDim + 4)) *
+                            sizeof(float) +
+                        kScoreCands * sizeof(int64_t);
+    const cudaError_t e = cudaFuncSetAttribute(
+        dsa_score_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(most));
+    if (e != cudaSuccess) return e;
+    attr_set = true;
+  }
+  const dim3 grid(static_cast<unsigned>(p.num_scored),
+                  static_cast<unsigned>((p.max_cand + kScoreCands - 1) / kScoreCands));
+  dsa_score_kernel<<<grid, kScoreCands, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// A CTA takes several tiles of a token (its queries staged once for all) when the launch has many.
+cudaError_t launch_score_mma(const DsaParams& p, cudaStream_t stream) {
+  static bool attr_set = false;
+  if (!attr_set) {
+    const cudaError_t e = cudaFuncSetAttribute(
+        dsa_score_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(mma_smem_bytes(kDsaMaxIndexHeads, kDsaMaxIndexDim, kMmaMaxTiles)));
+    if (e != cudaSuccess) return e;
+    attr_set = true;
+  }
+  const int64_t token_tiles = (p.max_cand + kMmaCands - 1) / kMmaCands;
+  const int tiles = static_cast<int>(
+      std::clamp<int64_t>(int64_t{p.num_scored} * token_tiles / kMmaTilesPerCta, 1, kMmaMaxTiles));
+  const dim3 grid(static_cast<unsigned>(p.num_scored),
+                  static_cast<unsigned>((token_tiles + tiles - 1) / tiles));
+  dsa_score_mma_kernel<<<grid, kMmaCands, mma_smem_bytes(p.heads, p.dim, tiles), stream>>>(p,
+                                                                                           tiles);
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+DsaIndexer dsa_indexer() {
+  if (g_indexer < 0) {
+    const char* v = std::getenv("ATTNRT_DSA_INDEXER");
+    g_indexer = static_cast<int>(
+        v != nullptr && std::string_view(v) == "mma" ? DsaIndexer::mma : DsaIndexer::cuda_core);
+  }
+  return static_cast<DsaIndexer>(g_indexer);
+}
+
+void set_dsa_indexer(DsaIndexer k) { g_indexer = static_cast<int>(k); }
+
+bool dsa_mma_takes(int heads, int dim) {
+  return heads > 0 && heads % 16 == 0 && heads <= kDsaMaxIndexHeads && dim > 0 && dim % 16 == 0 &&
+         dim <= kDsaMaxIndexDim;
+}
 
 cudaError_t launch_dsa_select(const DsaParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0) return cudaSuccess;
@@ -213,25 +443,9 @@ cudaError_t launch_dsa_select(const DsaParams& p, cudaStream_t stream) {
       p.heads > kDsaMaxIndexHeads || p.topk <= 0 || p.num_tokens > INT32_MAX)
     return cudaErrorInvalidValue;
   if (p.num_scored > 0) {
-    const size_t smem =
-        (static_cast<size_t>(p.heads) * p.dim + static_cast<size_t>(kScoreCands) * (p.dim + 4)) *
-            sizeof(float) +
-        kScoreCands * sizeof(int64_t);
-    static bool attr_set = false;
-    if (!attr_set) {
-      const size_t most = (static_cast<size_t>(kDsaMaxIndexHeads) * kDsaMaxIndexDim +
-                           static_cast<size_t>(kScoreCands) * (kDsaMaxIndexDim + 4)) *
-                              sizeof(float) +
-                          kScoreCands * sizeof(int64_t);
-      const cudaError_t e = cudaFuncSetAttribute(
-          dsa_score_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(most));
-      if (e != cudaSuccess) return e;
-      attr_set = true;
-    }
-    const dim3 grid(static_cast<unsigned>(p.num_scored),
-                    static_cast<unsigned>((p.max_cand + kScoreCands - 1) / kScoreCands));
-    dsa_score_kernel<<<grid, kScoreCands, smem, stream>>>(p);
-    const cudaError_t e = cudaGetLastError();
+    const cudaError_t e = dsa_indexer() == DsaIndexer::mma && dsa_mma_takes(p.heads, p.dim)
+                              ? launch_score_mma(p, stream)
+                              : launch_score_cuda_core(p, stream);
     if (e != cudaSuccess) return e;
   }
   dsa_select_kernel<<<static_cast<unsigned>(p.num_tokens), kSelectThreads, 0, stream>>>(p);

@@ -64,6 +64,17 @@ struct DsaParams {
   int64_t topk_s0, topk_s1;
 };
 
+// Which kernel scores the candidates: the CUDA-core kernel (the default) or the tensor-core one
+// (bf16 m16n8k16 MMAs on the fp8 codes, fp32 accumulation, the power-of-two scales applied after
+// the dot: the same products, only the fp32 summation order differs). ATTNRT_DSA_INDEXER=mma or
+// =cuda_core in the environment, read once at the first launch unless set_dsa_indexer chose
+// first. The tensor-core kernel takes index heads and head dims that are multiples of 16
+// (dsa_mma_takes); other shapes run on CUDA cores whatever the choice.
+enum class DsaIndexer { cuda_core, mma };
+DsaIndexer dsa_indexer();
+void set_dsa_indexer(DsaIndexer k);
+bool dsa_mma_takes(int heads, int dim);
+
 // Scores the round's scored tokens' candidates, then selects for each of its tokens (every
 // candidate when at most topk), and writes sel_slots (and topk_out). Both kernels on `stream`.
 cudaError_t launch_dsa_select(const DsaParams& p, cudaStream_t stream);
