@@ -188,7 +188,7 @@ TEST(DType, EncodersMatchTheArithmeticDefinition) {
   }
 }
 
-// Every float, when asked for (ATTNRT_DTYPE_EXHAUSTIVE=1; about four minutes of one core).
+// Every float, when asked for (ATTNRT_DTYPE_EXHAUSTIVE=1; about a quarter of an hour of one core).
 TEST(DType, EncodersMatchTheArithmeticDefinitionOnEveryFloat) {
   const char* on = std::getenv("ATTNRT_DTYPE_EXHAUSTIVE");
   if (on == nullptr || std::string(on) != "1") GTEST_SKIP() << "set ATTNRT_DTYPE_EXHAUSTIVE=1";

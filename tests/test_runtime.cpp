@@ -288,4 +288,22 @@ TEST(RuntimeConstruction, RejectsBadModelsAndConfigs) {
                {"no-such-backend"});
 }
 
+// Slot ids are int32: a pool past them is refused by its size before anything is allocated (it
+// used to reach the page allocator's free list and end in std::bad_alloc).
+TEST(RuntimeConstruction, KvSlotsBeyondInt32SlotIdsAreRefusedBeforeAllocating) {
+  Options o;
+  o.attention_backend = "reference";
+  o.page_size = 16;
+  RuntimeConfig c;
+  c.kv_slots = int64_t{1} << 40;
+  expect_error([&] { AttentionRuntime(hybrid_model(), o, c); },
+               {"kv_slots = 1099511627776", "int32", "use at most 2147483631"});
+}
+
+TEST(SpecInfoChain, MoreBlockTokensThanAStepHoldsAreRefused) {
+  EXPECT_EQ(SpecInfo::chain(2, 3).parents, (std::vector<int32_t>{-1, 0, 1, -1, 0, 1}));
+  expect_error([] { SpecInfo::chain(65536, 65536); },
+               {"batch_size = 65536", "num_draft_tokens = 65536", "2^31 - 1"});
+}
+
 }  // namespace

@@ -141,7 +141,21 @@ def _host_ints(x: Any, name: str):
     if np is not None:
         if isinstance(x, np.ndarray):
             return x
-        return np.asarray(list(x), dtype=np.int64)
+        try:
+            values = list(x)
+        except TypeError:
+            raise TypeError(
+                f"batch field {name}: {type(x).__name__}; pass a list, numpy array or tensor of "
+                "integers") from None
+        bad = next((v for v in values if isinstance(v, bool) or not isinstance(v, (int, np.integer))), None)
+        if bad is not None:
+            raise TypeError(f"batch field {name}: element {bad!r} ({type(bad).__name__}); the "
+                            "values must be integers")
+        try:
+            return np.asarray(values, dtype=np.int64)
+        except OverflowError:
+            big = next(v for v in values if not -2**63 <= int(v) < 2**63)
+            raise ValueError(f"batch field {name}: {big} does not fit int64") from None
     raise TypeError(f"batch field {name}: {type(x).__name__}; pass a list, numpy array or tensor")
 
 
@@ -430,7 +444,7 @@ class Runtime:
                 raise ValueError(
                     f"forward: layer_id {layer_id} is not a layer of the model; layers are "
                     f"0..{len(self.layers) - 1}")
-            out = q.new_empty((q.shape[0], info["num_q_heads"], info["v_head_dim"]))
+            out = _new_out(q, "forward", info["num_q_heads"], info["v_head_dim"])
         if self._capturing:
             self._use_current_stream()  # the capture runs on a stream of its own
         try:
@@ -463,7 +477,7 @@ class Runtime:
         result the prefix chunks merge into."""
         info = self._mla_layer(layer_id)
         if out is None:
-            out = q.new_empty((q.shape[0], info["num_q_heads"], info["mha_v_head_dim"]))
+            out = _new_out(q, "forward_mla_mha", info["num_q_heads"], info["mha_v_head_dim"])
         if lse is None:
             lse = q.new_empty((q.shape[0], info["num_q_heads"]), dtype=_torch().float32)
         try:
@@ -559,6 +573,16 @@ class Runtime:
         return (f"attnrt.Runtime({self._rt.model_name!r}, prefill={s['prefill']}, "
                 f"decode={s['decode']}, kv={s['kv_cache_dtype']}, page_size={self.page_size}, "
                 f"device={self.device})")
+
+
+def _new_out(q, call: str, heads: int, dim: int):
+    """The output tensor [T, heads, dim] a call makes when the caller passes none: q's kind."""
+    if not hasattr(q, "new_empty") or not hasattr(q, "shape"):
+        raise TypeError(f"{call}: q is {type(q).__name__}; pass a torch tensor")
+    if q.dim() == 0:
+        raise ValueError(f"{call}: q is a 0-dimensional tensor; pass q [T, heads, head_dim] (or "
+                         "[T, heads * head_dim])")
+    return q.new_empty((q.shape[0], heads, dim))
 
 
 def _as_torch(array):

@@ -451,7 +451,15 @@ class Runtime {
       s.topk = topk;
       s.parents = field<int32_t>(parents, "spec_info.parents");
       s.accept_length = field<int32_t>(accept_length, "spec_info.accept_length");
-      if (s.parents.empty() && is_target_verify(b.mode) && s.is_chain()) {
+      if (s.parents.empty() && is_target_verify(b.mode) && s.is_chain() && draft_token_num > 0) {
+        // A chain's parents, made here for the caller: only for as many block tokens as the step
+        // writes (a draft_token_num that disagrees must not size an allocation).
+        const int64_t block = int64_t{b.batch_size} * draft_token_num;
+        ATTNRT_CHECK(block == static_cast<int64_t>(b.out_cache_loc.size()),
+                     "ForwardBatch (TARGET_VERIFY): spec_info.draft_token_num = {} for {} "
+                     "requests is {} block tokens, but out_cache_loc has {} entries (one per "
+                     "block token)",
+                     draft_token_num, b.batch_size, block, b.out_cache_loc.size());
         s.parents = SpecInfo::chain(b.batch_size, draft_token_num).parents;
       }
       b.spec_info = std::move(s);

@@ -313,6 +313,57 @@ def test_bad_input_names_the_problem_and_leaves_the_pools_as_they_were():
     rt.close()  # a second close is harmless
 
 
+def test_inputs_the_python_fuzzer_found_give_errors_that_name_them():
+    """fuzz/fuzz_python.py's findings, each once: an exception other than attnrt.Error / TypeError /
+    ValueError, or an allocation sized by a bad field, before the fix."""
+    rt, eng, gen = cpu_engine(5)
+    eng.add(0)
+    batch = eng.extend([0], [4])
+    before = rt.kv_buffers(0)[0].clone()
+    # Batch fields: an int past int64 (was OverflowError), a float (was silently truncated).
+    for seq_lens, err, match in (([2**64], ValueError, "seq_lens: 18446744073709551616 does not fit"),
+                                 ([4.5], TypeError, r"seq_lens: element 4.5 \(float\)")):
+        bad = attnrt.ForwardBatch("EXTEND", batch.req_pool_indices, seq_lens, batch.out_cache_loc,
+                                  extend_prefix_lens=[0], extend_seq_lens=[4])
+        with pytest.raises(err, match=match):
+            rt.begin_step(bad)
+    with pytest.raises(ValueError, match="last_accepted: -100000000000000000000 does not fit"):
+        rt.update_state_after_verify([-10**20])
+    rt.begin_step(batch)
+    q, k, v = eng.qkv(0, 4)
+    # q that is not a tensor, or 0-dimensional, without out (was AttributeError / IndexError).
+    with pytest.raises(TypeError, match="forward: q is ndarray; pass a torch tensor"):
+        rt.forward(0, q.numpy(), k, v)
+    with pytest.raises(ValueError, match="q is a 0-dimensional tensor"):
+        rt.forward(0, q[0, 0, 0], k, v)
+    rt.end_step()
+    # A verify block whose draft_token_num disagrees with out_cache_loc (sized an 8 GB chain).
+    spec = attnrt.SpecInfo(draft_token_num=2**31 - 1)
+    with pytest.raises(attnrt.Error, match="2147483647 block tokens, but out_cache_loc has 1"):
+        rt.begin_step(attnrt.ForwardBatch("TARGET_VERIFY", [eng.rows[0]], [4], [100],
+                                          spec_info=spec))
+    assert torch.equal(rt.kv_buffers(0)[0], before)
+    # A pool past int32 slot ids (was std::bad_alloc, a MemoryError).
+    with pytest.raises(attnrt.Error, match="kv_slots = 1099511627776 is too large"):
+        attnrt.Runtime(llama_config(layers=1), attention_backend="cpu", kv_slots=2**40)
+
+
+def test_the_python_fuzzers_seed_corpus_replays_clean():
+    """Every input of fuzz/corpus/python through the harness (its rules: only attnrt.Error,
+    TypeError or ValueError, pools unchanged by a failed call), without atheris."""
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("fuzz_python", root / "fuzz" / "fuzz_python.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    seeds = sorted((root / "fuzz" / "corpus" / "python").iterdir())
+    assert len(seeds) >= 20
+    for path in seeds:
+        harness.TestOneInput(path.read_bytes())
+
+
 def test_strided_tensors_give_the_results_of_contiguous_ones():
     """Views with any strides pass without a copy and read right (attnrt honours strides)."""
     rt, eng, gen = cpu_engine(8)

@@ -1,6 +1,7 @@
 #include "attnrt/batch/forward_batch.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <unordered_map>
 
@@ -18,6 +19,10 @@ SpecInfo SpecInfo::chain(int batch_size, int num_draft_tokens) {
   ATTNRT_CHECK(num_draft_tokens >= 1,
                "SpecInfo::chain: num_draft_tokens = {}; a verify block holds at least the root (>= 1)",
                num_draft_tokens);
+  ATTNRT_CHECK(int64_t{batch_size} * num_draft_tokens <= std::numeric_limits<int32_t>::max(),
+               "SpecInfo::chain: batch_size = {} times num_draft_tokens = {} is more block tokens "
+               "than a step holds (2^31 - 1)",
+               batch_size, num_draft_tokens);
   SpecInfo s;
   s.draft_token_num = num_draft_tokens;
   s.topk = 1;

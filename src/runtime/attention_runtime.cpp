@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
+#include <new>
 
 #include "attnrt/backend/registry.h"
 #include "attnrt/batch/forward_batch.h"
@@ -129,34 +131,21 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
     layer_index_[id] = static_cast<int>(i);
   }
 
-  const int context =
-      config_.max_context_len > 0 ? config_.max_context_len : model_.max_context_len;
-  req_to_token_ = std::make_unique<ReqToTokenPool>(config_.max_requests, context);
-  KVCacheConfig kv;
-  kv.full_slots = config_.kv_slots;
-  kv.swa_full_tokens_ratio = config_.swa_full_tokens_ratio;
-  kv.page_size = options_.page_size;
-  kv.dtype = selection_.kv_dtype;
-  kv.max_num_tokens = config_.max_num_tokens;
-  device_ = &kv_pool_services(selection_);
-  KVStorage storage = device_->make_kv_storage(model_, kv);
-  allocator_ = std::move(storage.allocator);
-  kv_cache_ = std::move(storage.cache);
-
-  if (model_.has_linear_layers()) {
-    LinearStateConfig lc;
-    lc.max_slots =
-        config_.linear_state_slots > 0 ? config_.linear_state_slots : config_.max_requests;
-    lc.max_request_rows = config_.max_requests;
-    lc.ssm_dtype = config_.linear_state_dtype;
-    lc.conv_dtype = config_.linear_conv_dtype;
-    if (selection_.speculative()) {
-      lc.verify_rows = config_.linear_verify_requests > 0 ? config_.linear_verify_requests
-                                                          : config_.max_requests;
-      lc.num_draft_tokens = selection_.spec_num_draft_tokens;
-    }
-    linear_state_ =
-        std::make_unique<LinearStatePool>(model_, lc, device_->make_linear_state_memory(*kv_cache_));
+  // Slot ids are int32 (req_to_token, the plans), and the pool keeps one reserved page.
+  const int64_t max_slots = std::numeric_limits<int32_t>::max() - int64_t{options_.page_size};
+  ATTNRT_CHECK(config_.kv_slots <= max_slots,
+               "RuntimeConfig.kv_slots = {} is too large: slot ids are int32 and the pool keeps "
+               "one reserved page of {}; use at most {}",
+               config_.kv_slots, options_.page_size, max_slots);
+  // A pool too large for this host's memory is a configuration error, not a crash: the sizes
+  // are named so that the caller can lower them.
+  try {
+    make_pools();
+  } catch (const std::bad_alloc&) {
+    fail("out of host memory making the pools of model '{}' ({} layers) with kv_slots = {}, "
+         "max_requests = {}, max_context_len = {}; lower kv_slots or max_requests",
+         model_.name, model_.layers.size(), config_.kv_slots, config_.max_requests,
+         config_.max_context_len > 0 ? config_.max_context_len : model_.max_context_len);
   }
 
   BackendContext ctx;
@@ -222,6 +211,40 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
     }
     graph_verify_tokens_ = selection_.speculative() ? selection_.spec_num_draft_tokens : 0;
   }
+}
+
+// The request table, the KV pools and their slot allocator, and a hybrid model's linear state.
+void AttentionRuntime::make_pools() {
+  const int context =
+      config_.max_context_len > 0 ? config_.max_context_len : model_.max_context_len;
+  req_to_token_ = std::make_unique<ReqToTokenPool>(config_.max_requests, context);
+  KVCacheConfig kv;
+  kv.full_slots = config_.kv_slots;
+  kv.swa_full_tokens_ratio = config_.swa_full_tokens_ratio;
+  kv.page_size = options_.page_size;
+  kv.dtype = selection_.kv_dtype;
+  kv.max_num_tokens = config_.max_num_tokens;
+  device_ = &kv_pool_services(selection_);
+  KVStorage storage = device_->make_kv_storage(model_, kv);
+  allocator_ = std::move(storage.allocator);
+  kv_cache_ = std::move(storage.cache);
+
+  if (model_.has_linear_layers()) {
+    LinearStateConfig lc;
+    lc.max_slots =
+        config_.linear_state_slots > 0 ? config_.linear_state_slots : config_.max_requests;
+    lc.max_request_rows = config_.max_requests;
+    lc.ssm_dtype = config_.linear_state_dtype;
+    lc.conv_dtype = config_.linear_conv_dtype;
+    if (selection_.speculative()) {
+      lc.verify_rows = config_.linear_verify_requests > 0 ? config_.linear_verify_requests
+                                                          : config_.max_requests;
+      lc.num_draft_tokens = selection_.spec_num_draft_tokens;
+    }
+    linear_state_ =
+        std::make_unique<LinearStatePool>(model_, lc, device_->make_linear_state_memory(*kv_cache_));
+  }
+
 }
 
 AttentionRuntime::~AttentionRuntime() = default;

@@ -178,6 +178,7 @@ class AttentionRuntime {
   void copy_tensor(const TensorView& dst, const TensorView& src);
 
  private:
+  void make_pools();  // the constructor's pools (req_to_token, KV, linear state)
   void check_step(const ForwardBatch& batch) const;
   std::string graph_unsupported(const ForwardBatch& batch) const;
   StepGraphRunner& graph_runner();
