@@ -6,7 +6,10 @@
 #   usage: OUT=DIR scripts/gpu_round.sh   (carry .gpubin from scripts/gpu_prebuild.sh and .devdeps)
 #   TEST_TIMEOUT (s, default 170), ROWS (bench rows, default decode-64x4096,decode-1x32768,
 #   decode-256x2048,verify-chain-64x4096+8), CHUNKS / CHUNK_ROWS (the split policy), RUNS (more
-#   `attnrt run` argument sets, ';'-separated), SUITES (bench suites, e.g. dsa), TORCH_DSA=0 (skip)
+#   `attnrt run` argument sets, ';'-separated), SUITES (bench suites, e.g. dsa), SUITE_ENVS (run
+#   each suite once per VAR=value word, for A/B of a kernel switch, e.g. "ATTNRT_DSA_INDEXER=cuda_core
+#   ATTNRT_DSA_INDEXER=mma"), TORCH_DSA=0 (skip), DEFAULT_ROWS=0 (skip the default / deterministic
+#   bench rows and runs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # The summary (what is printed) is in the call's output; logs come back in $OUT/logs.tar.gz.
@@ -35,7 +38,8 @@ grep -E "^\[ +(PASSED|FAILED) +\]|tests ran" $O/tests.log | head -40
 grep -E "Failure" $O/tests.log | sort | uniq -c | head -20
 
 rows=${ROWS:-decode-64x4096,decode-1x32768,decode-256x2048,verify-chain-64x4096+8}
-for mode in default deterministic; do
+modes=(default deterministic); [ "${DEFAULT_ROWS:-1}" = 0 ] && modes=()
+for mode in "${modes[@]}"; do
   flag=(); [ $mode = deterministic ] && flag=(--deterministic)
   s=$(date +%s)
   timeout 120 $B/attnrt bench --backend cuda --workload "$rows" --no-reference --repeats 10 \
@@ -50,7 +54,7 @@ for c in ${CHUNKS:-}; do
     --no-reference --repeats 10 --warmup 2 > $O/bench_chunk_$c.txt 2>&1
   echo "bench ATTNRT_KV_CHUNK=$c rc=$?"; grep -E "^(decode|verify)" $O/bench_chunk_$c.txt
 done
-for mode in default deterministic; do
+for mode in "${modes[@]}"; do
   flag=(); [ $mode = deterministic ] && flag=(--deterministic)
   s=$(date +%s)
   timeout 60 $B/attnrt run --attention-backend cuda "${flag[@]}" --json $O/run_$mode.json \
@@ -69,11 +73,15 @@ for i in "${!runs[@]}"; do
 done
 # SUITES: `attnrt bench --suite S` on cuda for each S (e.g. dsa), rows printed.
 for suite in ${SUITES:-}; do
-  s=$(date +%s)
-  timeout 240 $B/attnrt bench --backend cuda --suite $suite --no-reference --repeats 10 \
-    --warmup 2 --json $O/bench_suite_$suite.json > $O/bench_suite_$suite.txt 2>&1
-  echo "bench --suite $suite rc=$? $(( $(date +%s)-s )) s"
-  grep -v -E "^bench: " $O/bench_suite_$suite.txt | tail -24
+  for e in ${SUITE_ENVS:-plain}; do
+    tag=$suite; envs=()
+    [ "$e" = plain ] || { tag=${suite}_${e##*=}; envs=("$e"); }
+    s=$(date +%s)
+    env "${envs[@]}" timeout 240 $B/attnrt bench --backend cuda --suite $suite --no-reference \
+      --repeats 10 --warmup 2 --json $O/bench_suite_$tag.json > $O/bench_suite_$tag.txt 2>&1
+    echo "bench --suite $suite ${envs[*]} rc=$? $(( $(date +%s)-s )) s"
+    grep -v -E "^bench: " $O/bench_suite_$tag.txt | tail -24
+  done
 done
 if [ -f bench/torch_dsa.py ] && [ "${TORCH_DSA:-1}" != 0 ]; then
   s=$(date +%s)
