@@ -404,6 +404,20 @@ class _null:
         return False
 
 
+def _instrument_this_module():
+    """Coverage of the harness's own decisions too, so that the fuzzer sees which calls and
+    spoilings an input reached."""
+    import inspect
+
+    for name, obj in list(globals().items()):
+        if inspect.isfunction(obj) and obj.__module__ == __name__ and name != "main":
+            globals()[name] = atheris.instrument_func(obj)
+        elif inspect.isclass(obj) and obj.__module__ == __name__:
+            for key, value in list(vars(obj).items()):
+                if inspect.isfunction(value):
+                    setattr(obj, key, atheris.instrument_func(value))
+
+
 def main(argv):
     if not FUZZING:
         for path in argv[1:]:  # replay files without atheris
@@ -411,6 +425,7 @@ def main(argv):
                 TestOneInput(f.read())
             print(f"{path}: ok")
         return
+    _instrument_this_module()
     atheris.Setup(argv, TestOneInput)
     atheris.Fuzz()
 
