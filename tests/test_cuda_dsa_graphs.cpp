@@ -1,15 +1,15 @@
 // CUDA graphs of DSA layers (docs/cuda_graphs.md "DSA layers"; ATTNRT_DSA_GRAPHS=1, set here with
-// set_dsa_graphs): a two-layer DSA model (small MLA dims, index_topk 16) whose DECODE and
-// TARGET_VERIFY (chain and tree) steps are captured at one set of lengths and replayed at others,
-// padded to their bucket or filling it, with a score budget of three tokens of max_context_len so
-// that a step scores in several rounds. Every replay is compared with the same step run eagerly on
-// the runtime (the selected token indices equal, the outputs within the bf16 tolerance) and with
-// reference over a host copy of the pools (selections equal, outputs within tolerance); padded
-// requests leave the real requests' rows and the pools' other slots unchanged; `attnrt run` on a
-// DSA model with graphs checks every step against reference. Each test runs once with each indexer
-// kernel (ATTNRT_DSA_INDEXER: cuda_core, mma). GPU tests: skipped with the reason elsewhere. Fresh
-// random inputs every run (ATTNRT_TEST_SEED replays one); outputs and selections are poisoned
-// before every run.
+// set_dsa_graphs): a two-layer DSA model (small MLA dims at index_topk 16, and DeepSeek-V3.2's
+// dims at index_topk 64) whose DECODE and TARGET_VERIFY (chain and tree) steps are captured at one
+// set of lengths and replayed at others, padded to their bucket or filling it, with a score budget
+// of three tokens of max_context_len so that a step scores in several rounds. Every replay is
+// compared with the same step run eagerly on the runtime (the selected token indices equal, the
+// outputs within the bf16 tolerance) and with reference over a host copy of the pools (selections
+// equal, outputs within tolerance); padded requests leave the real requests' rows and the pools'
+// other slots unchanged; `attnrt run` on a DSA model with graphs checks every step against
+// reference. Each test runs once with each indexer kernel (ATTNRT_DSA_INDEXER: cuda_core, mma). GPU
+// tests: skipped with the reason elsewhere. Fresh random inputs every run (ATTNRT_TEST_SEED replays
+// one); outputs and selections are poisoned before every run.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -50,14 +50,21 @@ namespace {
 
 #ifdef ATTNRT_HAS_CUDA
 
-constexpr int kHq = 4, kRank = 64, kRope = 16, kRow = kRank + kRope;
-constexpr int kIndexHeads = 16, kIndexDim = 32, kTopk = 16;  // dims both indexer kernels take
+// One DSA layer's dims: the generic kernel's (head dim 80) with index dims both indexer kernels
+// take, and DeepSeek-V3.2's at 16 q heads (576 / 512 latent rows on the keys-on-M MLA CTA, 64 x
+// 128 index heads), both at a small index_topk so that the selection is real.
+struct Dims {
+  int hq, rank, rope, index_heads, index_dim, topk;
+  int row() const { return rank + rope; }
+};
+constexpr Dims kSmall{4, 64, 16, 16, 32, 16};
+constexpr Dims kV32{16, 512, 64, 64, 128, 64};
 constexpr int kContext = 4096;
 
-LayerSpec dsa_layer(int id) {
-  LayerSpec l = layer_builders::mla_layer(id, kHq, kRank, kRope);
-  l.scaling = 1.f / std::sqrt(static_cast<float>(kRow));
-  l.indexer = {.index_topk = kTopk, .index_n_heads = kIndexHeads, .index_head_dim = kIndexDim};
+LayerSpec dsa_layer(int id, const Dims& d) {
+  LayerSpec l = layer_builders::mla_layer(id, d.hq, d.rank, d.rope);
+  l.scaling = 1.f / std::sqrt(static_cast<float>(d.row()));
+  l.indexer = {.index_topk = d.topk, .index_n_heads = d.index_heads, .index_head_dim = d.index_dim};
   return l;
 }
 
@@ -65,10 +72,10 @@ LayerSpec dsa_layer(int id) {
 struct LayerIn {
   HostBuffer q, latent, iq, ik, w;
 };
-LayerIn draw_inputs(int64_t T, std::mt19937& rng) {
-  LayerIn x{HostBuffer(DType::bf16, {T, kHq, kRow}), HostBuffer(DType::bf16, {T, 1, kRow}),
-            HostBuffer(DType::bf16, {T, kIndexHeads, kIndexDim}),
-            HostBuffer(DType::bf16, {T, kIndexDim}), HostBuffer(DType::bf16, {T, kIndexHeads})};
+LayerIn draw_inputs(const Dims& d, int64_t T, std::mt19937& rng) {
+  LayerIn x{HostBuffer(DType::bf16, {T, d.hq, d.row()}), HostBuffer(DType::bf16, {T, 1, d.row()}),
+            HostBuffer(DType::bf16, {T, d.index_heads, d.index_dim}),
+            HostBuffer(DType::bf16, {T, d.index_dim}), HostBuffer(DType::bf16, {T, d.index_heads})};
   for (const HostBuffer* b : {&x.q, &x.latent, &x.iq, &x.ik, &x.w})
     test::fill_normal(b->view(), rng);
   return x;
@@ -77,7 +84,8 @@ LayerIn draw_inputs(int64_t T, std::mt19937& rng) {
 // One layer's results: its output [T, Hq, rank] and its selection [T, topk].
 struct LayerOut {
   HostBuffer out, topk;
-  explicit LayerOut(int64_t T) : out(DType::bf16, {T, kHq, kRank}), topk(DType::i32, {T, kTopk}) {
+  LayerOut(const Dims& d, int64_t T)
+      : out(DType::bf16, {T, d.hq, d.rank}), topk(DType::i32, {T, d.topk}) {
     test::poison(out.view());
     std::fill_n(topk.ptr<int32_t>(), topk.numel(), -7);
   }
@@ -103,8 +111,10 @@ class CudaDsaGraphs : public testing::TestWithParam<cuda::DsaIndexer> {
   // A runtime of two DSA layers on GPU pools (page `page`; speculative with `draft_tokens` drafts
   // of EAGLE topk `topk` when spec_steps > 0), a score budget of three tokens of max_context_len,
   // four request rows of 3900 slots, and random latent rows and index keys in the pools.
-  void build(int page, int spec_steps, int topk, int draft_tokens) {
-    model_ = test::make_model("dsa-graph-gpu", DType::bf16, kContext, {dsa_layer(0), dsa_layer(1)});
+  void build(int page, int spec_steps, int topk, int draft_tokens, const Dims& d = kSmall) {
+    d_ = d;
+    model_ = test::make_model("dsa-graph-gpu", DType::bf16, kContext,
+                              {dsa_layer(0, d), dsa_layer(1, d)});
     Options o;
     o.attention_backend = "cuda";
     o.page_size = page;
@@ -191,7 +201,7 @@ class CudaDsaGraphs : public testing::TestWithParam<cuda::DsaIndexer> {
       rt_->copy_tensor(x.index_q, in[i].iq.view());
       rt_->copy_tensor(x.index_k, in[i].ik.view());
       rt_->copy_tensor(x.index_weights, in[i].w.view());
-      const LayerOut poison(T);
+      const LayerOut poison(d_, T);
       rt_->copy_tensor(x.out, poison.out.view());
       rt_->copy_tensor(x.index_topk, poison.topk.view());
     }
@@ -200,7 +210,7 @@ class CudaDsaGraphs : public testing::TestWithParam<cuda::DsaIndexer> {
     std::vector<LayerOut> got;
     for (const LayerSpec& l : model_.layers) {
       const GraphLayerIO x = rt_->graph_io(l.layer_id, T);
-      LayerOut o(T);
+      LayerOut o(d_, T);
       rt_->copy_tensor(o.out.view(), x.out);
       rt_->copy_tensor(o.topk.view(), x.index_topk);
       got.push_back(std::move(o));
@@ -215,7 +225,7 @@ class CudaDsaGraphs : public testing::TestWithParam<cuda::DsaIndexer> {
     std::vector<LayerOut> got;
     rt_->begin_step(batch);
     for (size_t i = 0; i < in.size(); ++i) {
-      LayerOut o(T);
+      LayerOut o(d_, T);
       test::DevTensor q(in[i].q.view()), lat(in[i].latent.view()), iq(in[i].iq.view()),
           ik(in[i].ik.view()), w(in[i].w.view()), out(o.out.view()), topk(o.topk.view());
       AttnArgs a{.q = q.view, .k = lat.view, .v = {}, .out = out.view};
@@ -254,7 +264,7 @@ class CudaDsaGraphs : public testing::TestWithParam<cuda::DsaIndexer> {
     ref.init_forward_metadata(batch);
     std::vector<LayerOut> got;
     for (size_t i = 0; i < in.size(); ++i) {
-      LayerOut o(T);
+      LayerOut o(d_, T);
       AttnArgs a{.q = in[i].q.view(), .k = in[i].latent.view(), .v = {}, .out = o.out.view()};
       a.indexer = {.q = in[i].iq.view(),
                    .k = in[i].ik.view(),
@@ -270,7 +280,7 @@ class CudaDsaGraphs : public testing::TestWithParam<cuda::DsaIndexer> {
   void check_step(const ForwardBatch& batch) {
     const int64_t T = batch.num_tokens();
     std::vector<LayerIn> in;
-    for (size_t i = 0; i < model_.layers.size(); ++i) in.push_back(draw_inputs(T, rng_));
+    for (size_t i = 0; i < model_.layers.size(); ++i) in.push_back(draw_inputs(d_, T, rng_));
     const std::vector<LayerOut> graph = run_graph(batch, in);
     const std::vector<LayerOut> ref = run_reference(batch, in);
     const std::vector<LayerOut> eager = run_eager(batch, in);
@@ -283,13 +293,14 @@ class CudaDsaGraphs : public testing::TestWithParam<cuda::DsaIndexer> {
     }
   }
 
-  static void expect_same_selection(const LayerOut& got, const LayerOut& want, int64_t T,
-                                    const char* what) {
+  void expect_same_selection(const LayerOut& got, const LayerOut& want, int64_t T,
+                             const char* what) const {
+    const int K = d_.topk;
     int reported = 0;
     for (int64_t t = 0; t < T; ++t) {
-      for (int k = 0; k < kTopk; ++k) {
-        const int32_t a = got.topk.ptr<int32_t>()[t * kTopk + k];
-        const int32_t b = want.topk.ptr<int32_t>()[t * kTopk + k];
+      for (int k = 0; k < K; ++k) {
+        const int32_t a = got.topk.ptr<int32_t>()[t * K + k];
+        const int32_t b = want.topk.ptr<int32_t>()[t * K + k];
         if (a != b && reported++ < 8) {
           ADD_FAILURE() << "token " << t << ": selected key " << k << " is token index " << a
                         << " in the graph, " << b << " " << what;
@@ -299,20 +310,22 @@ class CudaDsaGraphs : public testing::TestWithParam<cuda::DsaIndexer> {
     }
   }
 
-  static void expect_close(const LayerOut& got, const LayerOut& want, const char* what) {
+  void expect_close(const LayerOut& got, const LayerOut& want, const char* what) const {
+    const int hq = d_.hq, rank = d_.rank;
     const conformance::Tolerance tol = conformance::tolerance_for(DType::bf16);
     int bad = 0;
     for (int64_t i = 0; i < want.out.numel(); ++i) {
       const double x = load_as_float(got.out.data(), DType::bf16, i);
       const double y = load_as_float(want.out.data(), DType::bf16, i);
       if (!(std::fabs(x - y) <= tol.abs + tol.rel * std::fabs(y)) && bad++ < 8) {
-        ADD_FAILURE() << "out[" << i / (kHq * kRank) << ", " << (i / kRank) % kHq << ", "
-                      << i % kRank << "] = " << x << " in the graph, " << y << " " << what;
+        ADD_FAILURE() << "out[" << i / (hq * rank) << ", " << (i / rank) % hq << ", " << i % rank
+                      << "] = " << x << " in the graph, " << y << " " << what;
       }
     }
     EXPECT_EQ(bad, 0) << "output elements past the tolerance against " << what;
   }
 
+  Dims d_ = kSmall;
   ModelSpec model_;
   Options options_;
   std::unique_ptr<AttentionRuntime> rt_;
@@ -386,10 +399,10 @@ TEST_P(CudaDsaGraphs, PaddedRequestsLeaveTheRealRowsUnchanged) {
   const ForwardBatch three = decode({2100, 640, 3000});
   const ForwardBatch four = decode({2100, 640, 3000, 1500});
   std::vector<LayerIn> in4;
-  for (size_t i = 0; i < model_.layers.size(); ++i) in4.push_back(draw_inputs(4, rng_));
+  for (size_t i = 0; i < model_.layers.size(); ++i) in4.push_back(draw_inputs(d_, 4, rng_));
   std::vector<LayerIn> in3;
   for (const LayerIn& x : in4) {
-    LayerIn y = draw_inputs(3, rng_);
+    LayerIn y = draw_inputs(d_, 3, rng_);
     for (const auto& [dst, src] :
          {std::pair{&y.q, &x.q}, std::pair{&y.latent, &x.latent}, std::pair{&y.iq, &x.iq},
           std::pair{&y.ik, &x.ik}, std::pair{&y.w, &x.w}})
@@ -445,11 +458,23 @@ TEST_P(CudaDsaGraphs, PaddedRequestsLeaveTheRealRowsUnchanged) {
   check_step(three);
 }
 
+// DeepSeek-V3.2's dims (the keys-on-M MLA CTA over the selected slots, 64 x 128 index heads) in
+// decode and chain verify graphs, against eager and reference.
+TEST_P(CudaDsaGraphs, DeepSeekV32ShapesOnTheMlaCtas) {
+  SCOPED_TRACE(testing::Message() << "seed " << test::test_seed());
+  build(16, 0, 0, 0, kV32);
+  check_step(decode({1000, 300, 2000}));
+  check_step(decode({3800, 64, 65, 777}));
+  build(16, 3, 1, 4, kV32);
+  check_step(verify({1000, 60, 2000}, 4, 1));
+  check_step(verify({3800, 1, 1200, 777}, 4, 1));
+}
+
 // `attnrt run` on a DSA model (index_topk 16, so the selection is real) on cuda with graphs:
 // DECODE and TARGET_VERIFY steps (speculative chains and trees) run as graphs, every step checked
 // against reference on the host copy of the pools (latent rows and index keys downloaded).
 TEST_P(CudaDsaGraphs, RunChecksEveryGraphStepAgainstReference) {
-  LayerSpec l = dsa_layer(0);
+  const LayerSpec l = dsa_layer(0, kSmall);
   const ModelSpec model = test::make_model("cuda-dsa-graph-run", DType::bf16, 8192, {l});
   for (int topk : {1, 3}) {
     SCOPED_TRACE(testing::Message() << "eagle topk " << topk);
