@@ -6,7 +6,8 @@
 // generic kernel and DeepSeek-V3.2's (576 / 512 latent rows on the MLA CTAs, 64 x 128 index heads,
 // bf16 and fp8 latent pools), with GPU tensors and host tensors (the conformance harness's host
 // pools), prefills scored in several rounds of a small score budget, an IDLE step; the errors of
-// bad indexer inputs leave the pools as they were; graphs are off for a DSA model; `attnrt run` on
+// bad indexer inputs leave the pools as they were; graphs are off for a DSA model unless
+// ATTNRT_DSA_GRAPHS=1 (graph steps: tests/test_cuda_dsa_graphs.cpp); `attnrt run` on
 // a DSA model checks every step against reference. The tests that score run once with each
 // indexer kernel (ATTNRT_DSA_INDEXER: cuda_core, mma; the mma runs take index dims the tensor-core
 // kernel serves, 16 x 32 at the small dims). The host plan (plan_dsa) and the explain line are
@@ -21,14 +22,15 @@
 #include <string>
 #include <vector>
 
+#include "attnrt/backend/dsa.h"
 #include "attnrt/backend/registry.h"
 #include "attnrt/memory/index_key_cache.h"
 #include "attnrt/runtime/attention_runtime.h"
 #include "src/model/layer_builders.h"
 #include "tests/conformance/conformance.h"
+#include "tests/dsa_steps.h"
 #include "tests/test_cuda_util.h"
 #include "tests/test_sim_util.h"
-#include "tests/dsa_steps.h"
 #include "tests/test_util.h"
 #include "tools/sim/driver.h"
 #include "tools/sim/report.h"
@@ -421,15 +423,30 @@ TEST(CudaDsa, IdleStepDoesNothing) {
   rt.end_step();
 }
 
+// Without ATTNRT_DSA_GRAPHS=1 a DSA model's steps stay eager and the reason names the switch; with
+// it (set_dsa_graphs) the model's DECODE steps are captured (tests/test_cuda_dsa_graphs.cpp).
 TEST(CudaDsa, GraphsAreOffForADsaModelWithTheReason) {
   SKIP_WITHOUT_GPU();
   RuntimeConfig c;
   c.kv_slots = 1024;
   c.cuda_graphs = true;
-  AttentionRuntime rt(dsa_model(kSmall), options_for("cuda", 16, "auto"), c);
-  EXPECT_FALSE(rt.cuda_graphs_enabled());
-  EXPECT_NE(rt.cuda_graphs_off_reason().find("DSA"), std::string::npos)
-      << rt.cuda_graphs_off_reason();
+  const bool before = dsa_graphs_enabled();
+  set_dsa_graphs(false);
+  {
+    AttentionRuntime rt(dsa_model(kSmall), options_for("cuda", 16, "auto"), c);
+    EXPECT_FALSE(rt.cuda_graphs_enabled());
+    EXPECT_NE(rt.cuda_graphs_off_reason().find("DSA"), std::string::npos)
+        << rt.cuda_graphs_off_reason();
+    EXPECT_NE(rt.cuda_graphs_off_reason().find("ATTNRT_DSA_GRAPHS=1"), std::string::npos)
+        << rt.cuda_graphs_off_reason();
+  }
+  set_dsa_graphs(true);
+  {
+    AttentionRuntime rt(dsa_model(kSmall), options_for("cuda", 16, "auto"), c);
+    EXPECT_TRUE(rt.cuda_graphs_enabled()) << rt.cuda_graphs_off_reason();
+    EXPECT_TRUE(rt.cuda_graphs_off_reason().empty()) << rt.cuda_graphs_off_reason();
+  }
+  set_dsa_graphs(before);
 }
 
 // `attnrt run`'s driver on a DSA model on cuda (GPU pools): every step of every mode, chain and
@@ -552,6 +569,112 @@ TEST(CudaDsaPlan, CandidatesScoresAndPseudoRequests) {
   EXPECT_GT(p.reqs[0].num_splits, 1);
   EXPECT_EQ(p.part_rows, p.reqs[0].num_splits);
   EXPECT_EQ(p.work.size(), static_cast<size_t>(p.reqs[0].num_splits));
+}
+
+// Host only: a graph step's plan (docs/cuda_graphs.md "DSA layers"). Rounds cut every
+// graph_round_tokens rows whatever the lengths, each round's scored rows from its first row on and
+// its count in round_scored, every token graph_items work items (its split count); padded
+// requests (past batch_size) are chains of their own prefix.
+TEST(CudaDsaPlan, GraphPlansHaveFixedRoundsAndItems) {
+  ForwardBatch b = make_decode_batch({0, 1, 2}, {30, 5, 50});
+  b.out_cache_loc.assign(3, 1);
+  StepLayout lay = make_step_layout(b);
+  lay.prefix_lens.push_back(0);  // the planner's padded decode request: one key
+  lay.query_lens.push_back(1);
+  lay.query_start.push_back(lay.query_start.back() + 1);
+  lay.num_tokens = 4;
+  cuda::DsaShape shape{.topk = 8, .q_heads = 16, .head_dim = 576, .sm_count = 132};
+  shape.graph_round_tokens = 2;
+  shape.graph_items = 3;
+  cuda::DsaHostPlan p;
+  cuda::plan_dsa(b, lay, false, shape, p);
+  ASSERT_EQ(p.rounds.size(), 2u);
+  EXPECT_EQ(p.rounds[0].row0, 0);
+  EXPECT_EQ(p.rounds[0].row1, 2);
+  EXPECT_EQ(p.rounds[0].scored0, 0);
+  EXPECT_EQ(p.rounds[1].row0, 2);
+  EXPECT_EQ(p.rounds[1].row1, 4);
+  EXPECT_EQ(p.rounds[1].scored0, 2);
+  EXPECT_EQ(p.round_scored, (std::vector<int32_t>{1, 1}));
+  ASSERT_EQ(p.scored.size(), 4u);
+  EXPECT_EQ(p.scored[0], 0);
+  EXPECT_EQ(p.scored[2], 2);
+  EXPECT_EQ(p.tokens[0].score_off, 0);
+  EXPECT_EQ(p.tokens[1].score_off, -1);
+  EXPECT_EQ(p.tokens[2].score_off, 0);
+  EXPECT_EQ(p.tokens[3].num_cand, 1);
+  EXPECT_EQ(p.max_splits, 3);
+  EXPECT_EQ(p.part_rows, 12);
+  ASSERT_EQ(p.work.size() % 12, 0u);
+  for (int t = 0; t < 4; ++t) {
+    SCOPED_TRACE(t);
+    EXPECT_EQ(p.reqs[t].num_splits, 3);
+    EXPECT_EQ(p.reqs[t].part_start, 3 * t);
+    EXPECT_EQ(p.reqs[t].kv_len, std::min(p.tokens[t].num_cand, 8));
+  }
+  // No scored token: the rounds are still the bucket's, with zero counts.
+  ForwardBatch few = make_decode_batch({0, 1, 2}, {3, 5, 8});
+  few.out_cache_loc.assign(3, 1);
+  StepLayout few_lay = make_step_layout(few);
+  few_lay.prefix_lens.push_back(0);
+  few_lay.query_lens.push_back(1);
+  few_lay.query_start.push_back(4);
+  few_lay.num_tokens = 4;
+  cuda::plan_dsa(few, few_lay, false, shape, p);
+  EXPECT_EQ(p.rounds.size(), 2u);
+  EXPECT_EQ(p.round_scored, (std::vector<int32_t>{0, 0}));
+  EXPECT_EQ(p.work.size() % 12, 0u);
+  // Deterministic: each token's own split count, graph_items items each (the rest empty).
+  cuda::DsaShape det = shape;
+  det.deterministic = true;
+  det.topk = 2048;
+  det.graph_items = cuda::deterministic_splits(2048);
+  ForwardBatch longer = make_decode_batch({0}, {900});
+  longer.out_cache_loc.assign(1, 1);
+  StepLayout one = make_step_layout(longer);
+  cuda::plan_dsa(longer, one, false, det, p);
+  EXPECT_EQ(p.reqs[0].num_splits, cuda::deterministic_splits(900));
+  EXPECT_LT(p.reqs[0].num_splits, det.graph_items);
+  EXPECT_EQ(p.part_rows, det.graph_items);
+  // A tree verify of one request padded by a second: the padded drafts are a chain on a prefix of
+  // one key (the planner's fill request), the real ones follow their parents.
+  SpecInfo info;
+  info.draft_token_num = 4;
+  info.topk = 2;
+  info.parents = {-1, 0, 0, 1};
+  ForwardBatch v = make_verify_batch({0}, {20}, info);
+  v.out_cache_loc.assign(4, 1);
+  StepLayout vl = make_step_layout(v);
+  vl.prefix_lens.push_back(1);
+  vl.query_lens.push_back(4);
+  vl.query_start.push_back(8);
+  vl.num_tokens = 8;
+  cuda::DsaShape vs = shape;
+  vs.graph_round_tokens = 8;
+  cuda::plan_dsa(v, vl, true, vs, p);
+  const std::vector<int32_t> cand{21, 22, 22, 23, 2, 3, 4, 5};
+  for (size_t t = 0; t < cand.size(); ++t) EXPECT_EQ(p.tokens[t].num_cand, cand[t]) << t;
+}
+
+// Host only: the graph buffers' sizes for DeepSeek-V3.2 (index_topk 2048, 128 q heads of 576,
+// 163840 tokens of context): the scores of a decode bucket of 256 in one round (160 MiB), a verify
+// bucket of 256 x 4 tokens capped by the 2^26-score budget (409 tokens a round, 255.6 MiB); no
+// scores where no request can pass index_topk.
+TEST(CudaDsaPlan, GraphScoresBufferIsBoundedByTheScoreBudget) {
+  const cuda::DsaShape v32{.topk = 2048, .q_heads = 128, .head_dim = 576, .sm_count = 132};
+  const cuda::DsaGraphSizes decode = cuda::dsa_graph_sizes(v32, 256, 163840);
+  EXPECT_EQ(decode.round_tokens, 256);
+  EXPECT_EQ(decode.scores * 4, int64_t{160} << 20);
+  EXPECT_EQ(decode.items, 1);
+  const cuda::DsaGraphSizes verify = cuda::dsa_graph_sizes(v32, 1024, 163840);
+  EXPECT_EQ(verify.round_tokens, 409);
+  EXPECT_EQ(verify.scores, int64_t{409} * 163840);
+  EXPECT_LE(verify.scores, v32.score_budget);
+  const cuda::DsaGraphSizes one = cuda::dsa_graph_sizes(v32, 1, 163840);
+  EXPECT_EQ(one.round_tokens, 1);
+  EXPECT_GT(one.items, 1);
+  EXPECT_LE(one.items, 8);  // never below 256 keys a split
+  EXPECT_EQ(cuda::dsa_graph_sizes(v32, 256, 2048).scores, 0);
 }
 
 #endif  // ATTNRT_HAS_CUDA

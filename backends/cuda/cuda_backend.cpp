@@ -122,6 +122,36 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
       break;
     }
   }
+  // The DSA layers' shape for graph plans (the eager plan takes each call's own).
+  const LayerSpec* dsa_first = nullptr;
+  for (const LayerSpec& l : ctx.model->layers) {
+    if (!l.has_indexer()) continue;
+    if (dsa_first == nullptr) {
+      dsa_first = &l;
+      const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+      const AttnKernelKey key{
+          .head_dim = l.head_dim,
+          .v_head_dim = dv,
+          .fp16 = fp16,
+          .kv = kv_kind_of(ctx.kv_cache->layer(l.layer_id).dtype),
+          .shape = choose_shape(1, l.num_q_heads, l.head_dim),
+          .rows = std::min(l.num_q_heads, tile_rows(choose_shape(1, l.num_q_heads, l.head_dim))),
+          .target_verify = false};
+      dsa_graph_shape_ = DsaShape{.topk = l.indexer.index_topk,
+                                  .q_heads = l.num_q_heads,
+                                  .head_dim = l.head_dim,
+                                  .sm_count = cfg.sm_count,
+                                  .occupancy = attention_occupancy(key),
+                                  .deterministic = cfg.deterministic,
+                                  .score_budget = dsa_score_budget_};
+    }
+    const LayerSpec& f = *dsa_first;
+    dsa_graph_uniform_ =
+        dsa_graph_uniform_ && l.indexer.index_topk == f.indexer.index_topk &&
+        l.num_q_heads == f.num_q_heads && l.head_dim == f.head_dim &&
+        l.v_head_dim == f.v_head_dim &&
+        ctx.kv_cache->layer(l.layer_id).dtype == ctx.kv_cache->layer(f.layer_id).dtype;
+  }
   planner_ = std::make_unique<HostPlanner>(std::move(cfg));
 }
 
@@ -194,6 +224,7 @@ void CudaBackend::build_plan(const ForwardBatch& batch, int padded_bs, bool grap
   staging_.upload(graph ? graph_meta_.data() : meta_.data(), copy_bytes, stream_, capturing);
   graph_step_ = graph;
   dsa_planned_ = false;
+  if (graph && dsa_graph_ready_) plan_dsa_graph(batch, padded_bs);
   if (mha_served_) plan_mla_mha(batch);
   if (plan_timing_) {
     t[5] = Clock::now();
@@ -640,6 +671,8 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
   graph_meta_.reserve(meta);
   gl.meta_bytes = graph_meta_.bytes();
   if (!row_table_ready_) init_row_table();
+  if (dsa_served_ && dsa_graphs_enabled() && dsa_graph_uniform_)
+    part_rows = std::max(part_rows, init_dsa_graph_state(max_bs, max_num_tokens, per_req));
   graph_partials_.reserve(static_cast<size_t>(part_rows) * max_q_heads_x_dv_ * sizeof(float) + 256);
   graph_ready_ = true;
 }
@@ -647,9 +680,12 @@ void CudaBackend::init_cuda_graph_state(int max_bs, int max_num_tokens) {
 void CudaBackend::init_forward_metadata_capture_cuda_graph(int bs, int num_tokens,
                                                            const ForwardBatch& batch) {
   ATTNRT_CHECK(graph_ready_, "cuda backend: capture before init_cuda_graph_state");
-  ATTNRT_CHECK(!dsa_served_,
-               "cuda backend: the model has DSA layers, which run eagerly (no CUDA graphs for DSA "
-               "yet); leave CUDA graphs off for it");
+  ATTNRT_CHECK(!dsa_served_ || dsa_graph_ready_,
+               "cuda backend: the model has DSA layers, which are captured only with "
+               "ATTNRT_DSA_GRAPHS=1 (set before init_cuda_graph_state) and when every DSA layer "
+               "has the same index_topk, heads, head dims and KV dtype ({}); leave CUDA graphs "
+               "off for it",
+               dsa_graph_uniform_ ? "they have" : "they do not");
   ATTNRT_CHECK(is_cuda_graph(batch.mode),
                "cuda backend: mode {} cannot be captured; DECODE, TARGET_VERIFY and IDLE can",
                forward_mode_name(batch.mode));
@@ -682,11 +718,13 @@ BackendEntry cuda_backend_entry() {
   // for other multiples of 8 up to 576 (forward says so for anything else).
   e.caps.head_dims = {};
   claim_every_feature(e.caps);
-  // DSA layers: the indexer and the sparse MLA on the GPU, eager (cuda_dsa.cpp).
+  // DSA layers: the indexer and the sparse MLA on the GPU (cuda_dsa.cpp).
   e.caps.dsa = true;
   e.caps.cuda_graphs = true;
   // The plan and kernels capture --deterministic steps batch-invariantly (docs/cuda_graphs.md).
   e.caps.deterministic_graphs = true;
+  // DSA layers in captured steps (cuda_dsa.cpp), while ATTNRT_DSA_GRAPHS=1.
+  e.caps.dsa_graphs = true;
   e.auto_selectable = true;
   e.unavailable_reason = []() -> std::string {
     const CudaDeviceInfo& info = query_cuda();

@@ -137,11 +137,28 @@ class CudaBackend final : public OnePathAttnBackend {
   // token's selected slots. The plan is built and uploaded by the step's first DSA call.
   void attend_dsa(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch,
                   const StepPlan& plan, const CallDims& c);
-  void upload_dsa_plan();
   struct DsaOffsets {
-    size_t tokens = 0, scored = 0, reqs = 0, work = 0;  // byte offsets in dsa_meta_
+    // Byte offsets in dsa_meta_ / graph_dsa_meta_ (round_scored: graph steps only).
+    size_t tokens = 0, scored = 0, round_scored = 0, reqs = 0, work = 0;
   };
+  void upload_dsa_plan(const DsaHostPlan& dp, const DsaOffsets& o, DeviceBuffer& dst);
+  // CUDA graphs of DSA layers (docs/cuda_graphs.md "DSA layers"): the fixed buffers, sized by
+  // init_cuda_graph_state for its buckets (returns the split-KV partial rows the sparse MLA needs),
+  // and each graph plan's DSA part, planned and uploaded with the step's plan (outside a capture).
+  int64_t init_dsa_graph_state(int max_bs, int max_tokens, int per_req);
+  void plan_dsa_graph(const ForwardBatch& batch, int padded_bs);
   bool dsa_served_ = false;  // the model has DSA layers
+  // The DSA layers' shape (the first one's), for graph plans; dsa_graph_uniform_: every DSA layer
+  // has it (same topk, q heads, head dims, KV dtype), which graph steps need (one plan per step).
+  DsaShape dsa_graph_shape_;
+  bool dsa_graph_uniform_ = true;
+  bool dsa_graph_ready_ = false;   // init_cuda_graph_state sized the DSA graph buffers
+  int64_t dsa_graph_context_ = 0;  // max_context_len of the request rows: the scored bound
+  StepLayout dsa_graph_layout_;
+  DsaHostPlan dsa_graph_plan_;
+  DsaOffsets dsa_graph_offsets_;
+  size_t dsa_graph_work_cap_ = 0, dsa_graph_round_cap_ = 0;
+  DeviceBuffer graph_dsa_meta_, graph_dsa_scores_, graph_dsa_slots_;
   // Most fp32 scores held at once (ATTNRT_DSA_SCORE_BUDGET, default 2^26 = 256 MiB): tokens past
   // it are scored and selected in later rounds.
   int64_t dsa_score_budget_ = int64_t{1} << 26;

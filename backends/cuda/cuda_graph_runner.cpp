@@ -52,6 +52,14 @@ class Runner final : public StepGraphRunner {
     x.v = TensorView(b.v.data(), model_.dtype, {tokens, l.num_kv_heads, dv}, gpu);
     x.out = TensorView(b.out.data(), model_.dtype, {tokens, l.num_q_heads, dv}, gpu);
     if (l.has_sinks) x.sinks = TensorView(b.sinks.data(), DType::f32, {l.num_q_heads}, gpu);
+    if (l.has_indexer()) {
+      const IndexerSpec& ix = l.indexer;
+      x.index_q = TensorView(b.index_q.data(), model_.dtype,
+                             {tokens, ix.index_n_heads, ix.index_head_dim}, gpu);
+      x.index_k = TensorView(b.index_k.data(), model_.dtype, {tokens, ix.index_head_dim}, gpu);
+      x.index_weights = TensorView(b.index_w.data(), model_.dtype, {tokens, ix.index_n_heads}, gpu);
+      x.index_topk = TensorView(b.index_topk.data(), DType::i32, {tokens, ix.index_topk}, gpu);
+    }
     return x;
   }
 
@@ -73,6 +81,7 @@ class Runner final : public StepGraphRunner {
  private:
   struct Buffers {
     DeviceBuffer q, k, v, out, sinks;
+    DeviceBuffer index_q, index_k, index_w, index_topk;  // DSA layers
   };
   using Key = std::tuple<int, int, bool>;  // mode, bucket, tree
 
@@ -94,12 +103,17 @@ class Runner final : public StepGraphRunner {
       Buffers& b = buffers_[l->layer_id];
       const int dv = l->v_head_dim > 0 ? l->v_head_dim : l->head_dim;
       const auto rows = static_cast<size_t>(max_tokens_);
+      const IndexerSpec ix = l->has_indexer() ? l->indexer : IndexerSpec{};
       const std::pair<DeviceBuffer*, size_t> parts[] = {
           {&b.q, rows * l->num_q_heads * l->head_dim * act},
           {&b.k, rows * l->num_kv_heads * l->head_dim * act},
           {&b.v, rows * l->num_kv_heads * dv * act},
           {&b.out, rows * l->num_q_heads * dv * act},
-          {&b.sinks, l->has_sinks ? l->num_q_heads * sizeof(float) : 0}};
+          {&b.sinks, l->has_sinks ? l->num_q_heads * sizeof(float) : 0},
+          {&b.index_q, rows * ix.index_n_heads * ix.index_head_dim * act},
+          {&b.index_k, rows * ix.index_head_dim * act},
+          {&b.index_w, rows * ix.index_n_heads * act},
+          {&b.index_topk, rows * ix.index_topk * sizeof(int32_t)}};
       for (const auto& [buf, bytes] : parts) {
         if (bytes == 0) continue;
         buf->reserve(bytes);
@@ -116,7 +130,8 @@ class Runner final : public StepGraphRunner {
     write_.out_cache_loc.resize(static_cast<size_t>(padded), 0);
   }
 
-  // Records every attention layer of a step of `bucket` padded requests. The plan runs before the
+  // Records every attention layer of a step of `bucket` padded requests (DSA layers with their
+  // indexer: docs/cuda_graphs.md "DSA layers"). The plan runs before the
   // capture (its upload is not part of the graph); the kernels recorded read only the backend's
   // graph buffers, the cache's write-slot buffers and (SWA-hybrid) its device full->SWA map, and
   // the static tensors, so a replay sees what the replay plan, begin_step and the caller wrote
@@ -146,6 +161,10 @@ class Runner final : public StepGraphRunner {
         a.v = x.v;
         a.out = x.out;
         a.sinks = l->has_sinks ? x.sinks.ptr<const float>() : nullptr;
+        if (l->has_indexer()) {
+          a.indexer = {
+              .q = x.index_q, .k = x.index_k, .weights = x.index_weights, .topk = x.index_topk};
+        }
         backend_.forward(a, *l, cap);
       }
     } catch (...) {

@@ -1,6 +1,8 @@
 #include "attnrt/backend/dsa.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
 
 #include "attnrt/core/error.h"
@@ -82,5 +84,19 @@ void check_indexer_args(std::string_view backend, const AttnArgs& args, const La
                  backend, ix.topk.describe(), num_tokens, s.index_topk, memory_of(device));
   }
 }
+
+namespace {
+int g_dsa_graphs = -1;  // -1: not read yet; else 0 / 1
+}  // namespace
+
+bool dsa_graphs_enabled() {
+  if (g_dsa_graphs < 0) {
+    const char* v = std::getenv("ATTNRT_DSA_GRAPHS");
+    g_dsa_graphs = v != nullptr && std::string_view(v) == "1" ? 1 : 0;
+  }
+  return g_dsa_graphs == 1;
+}
+
+void set_dsa_graphs(bool on) { g_dsa_graphs = on ? 1 : 0; }
 
 }  // namespace attnrt

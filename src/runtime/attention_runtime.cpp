@@ -8,6 +8,7 @@
 #include <limits>
 #include <new>
 
+#include "attnrt/backend/dsa.h"
 #include "attnrt/backend/registry.h"
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/device.h"
@@ -160,6 +161,8 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
   // CUDA graphs: decided once, with the reason when they are off.
   const std::string& verify_backend = selection_.backend_for(ForwardMode::TARGET_VERIFY);
   const int per_request = selection_.speculative() ? selection_.spec_num_draft_tokens : 1;
+  const bool has_dsa = std::any_of(model_.layers.begin(), model_.layers.end(),
+                                   [](const LayerSpec& l) { return l.has_indexer(); });
   if (!config_.cuda_graphs) {
     graph_off_reason_ = "RuntimeConfig::cuda_graphs is false";
   } else if (!built_with_cuda()) {
@@ -185,11 +188,20 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
         "deterministic mode splits each request by its own length, which backend '{}' "
         "(TARGET_VERIFY) cannot capture",
         verify_backend);
-  } else if (std::any_of(model_.layers.begin(), model_.layers.end(),
-                         [](const LayerSpec& l) { return l.has_indexer(); })) {
+  } else if (has_dsa && !dsa_graphs_enabled()) {
     graph_off_reason_ =
-        "the model has DSA layers (an indexer), which run eagerly: no backend captures the "
-        "indexer's selection yet";
+        "the model has DSA layers (an indexer), which run eagerly: their CUDA graphs await "
+        "verification on a GPU and are off unless ATTNRT_DSA_GRAPHS=1";
+  } else if (has_dsa && !selection_.decode_entry->caps.dsa_graphs) {
+    graph_off_reason_ = fmt::format(
+        "the model has DSA layers (an indexer), which backend '{}' (DECODE) does not capture",
+        selection_.decode);
+  } else if (has_dsa && selection_.speculative() &&
+             !selection_.entry_for(ForwardMode::TARGET_VERIFY)->caps.dsa_graphs) {
+    graph_off_reason_ = fmt::format(
+        "the model has DSA layers (an indexer), which backend '{}' (TARGET_VERIFY) does not "
+        "capture",
+        verify_backend);
   } else if (linear_state_ != nullptr) {
     graph_off_reason_ =
         "the model has linear-attention layers, which run eagerly: the captured graphs hold the "

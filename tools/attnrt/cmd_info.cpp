@@ -188,6 +188,7 @@ json caps_json(const BackendCaps& c) {
           {"non_causal", c.non_causal},
           {"cuda_graphs", c.cuda_graphs},
           {"deterministic_graphs", c.deterministic_graphs},
+          {"dsa_graphs", c.dsa_graphs},
           {"linear_kinds", kinds}};
 }
 

@@ -581,6 +581,12 @@ double StepDriver::run_graph(Step& s) {
       lb.k = HostBuffer(model_.dtype, {rows_, layer.num_kv_heads * layer.head_dim});
       lb.v = HostBuffer(model_.dtype, {rows_, layer.num_kv_heads * layer.v_head_dim});
       lb.out = HostBuffer(model_.dtype, {rows_, layer.num_q_heads * layer.v_head_dim});
+      if (layer.has_indexer()) {
+        const IndexerSpec& ix = layer.indexer;
+        lb.index_q = HostBuffer(model_.dtype, {rows_, ix.index_n_heads * ix.index_head_dim});
+        lb.index_k = HostBuffer(model_.dtype, {rows_, ix.index_head_dim});
+        lb.index_w = HostBuffer(model_.dtype, {rows_, ix.index_n_heads});
+      }
     }
     const AttnArgs args = attention_inputs(s, layer, lb);
     const GraphLayerIO io = e.runtime->graph_io(layer.layer_id, s.T);
@@ -588,6 +594,11 @@ double StepDriver::run_graph(Step& s) {
     e.runtime->copy_tensor(io.k, args.k);
     e.runtime->copy_tensor(io.v, args.v);
     e.runtime->copy_tensor(io.out, args.out);
+    if (layer.has_indexer()) {
+      e.runtime->copy_tensor(io.index_q, args.indexer.q);
+      e.runtime->copy_tensor(io.index_k, args.indexer.k);
+      e.runtime->copy_tensor(io.index_weights, args.indexer.weights);
+    }
     if (layer.has_sinks && !e.graph_sinks_written) {
       e.runtime->copy_tensor(io.sinks, TensorView(const_cast<float*>(args.sinks), DType::f32,
                                                   {layer.num_q_heads}));
@@ -600,7 +611,9 @@ double StepDriver::run_graph(Step& s) {
   e.runtime->synchronize();
   const double elapsed = seconds_since(t0);
   for (const auto& [layer, args] : layer_args) {
-    e.runtime->copy_tensor(args.out, e.runtime->graph_io(layer->layer_id, s.T).out);
+    const GraphLayerIO io = e.runtime->graph_io(layer->layer_id, s.T);
+    e.runtime->copy_tensor(args.out, io.out);
+    if (!args.indexer.topk.empty()) e.runtime->copy_tensor(args.indexer.topk, io.index_topk);
     finish_attention(s, *layer, args);
   }
   return elapsed;

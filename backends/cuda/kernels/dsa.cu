@@ -50,6 +50,9 @@ constexpr int kMmaWarps = kMmaCands / 32;
 constexpr int kMmaMaxTiles = 4;  // tiles of one tensor-core CTA at most
 // A tensor-core CTA takes one more tile (up to kMmaMaxTiles) per this many tiles of its launch.
 constexpr int kMmaTilesPerCta = 1024;
+// CTAs of a graph step's score launch, about (score_ctas_y): 16 waves of the CUDA-core CTA (two
+// resident per SM) on 132 SMs.
+constexpr int64_t kGraphScoreCtas = 4096;
 constexpr float kQueryUp = 0x1p112f;  // undoes the 2^-112 of the keys' bf16 codes (fp8x4_to)
 
 int g_indexer = -1;  // -1: not read yet; else a DsaIndexer
@@ -91,13 +94,17 @@ __device__ __forceinline__ float query_head_scale(const DsaParams& p, int64_t ba
   return ldexpf(1.f, mant == 0.5f ? e - 1 : e);
 }
 
+// The round's count of scored tokens: the device's in a graph step, else the launch's.
+__device__ __forceinline__ int32_t scored_count(const DsaParams& p) {
+  return p.num_scored_dev != nullptr ? *p.num_scored_dev : p.num_scored;
+}
+
 __global__ void __launch_bounds__(kScoreCands) dsa_score_kernel(const DsaParams p) {
   extern __shared__ float smem[];
+  if (static_cast<int32_t>(blockIdx.x) >= scored_count(p)) return;
   const int row = p.scored[blockIdx.x];
   const DsaToken tok = p.tokens[row];
-  const int32_t m0 = static_cast<int32_t>(blockIdx.y) * kScoreCands;
-  if (m0 >= tok.num_cand) return;
-  const ReqInfo req = p.reqs[tok.req];
+  if (static_cast<int32_t>(blockIdx.y) * kScoreCands >= tok.num_cand) return;
   const int H = p.heads, D = p.dim, KS = D + 4;  // key rows padded: conflict-free float4 reads
   float* sq = smem;                              // [H][D] rounded queries
   float* sk = sq + H * D;                        // [kScoreCands][KS] dequantised keys
@@ -113,47 +120,60 @@ __global__ void __launch_bounds__(kScoreCands) dsa_score_kernel(const DsaParams 
       sq[h * D + d] = fp8_to_float(float_to_fp8(x / scale, false), false) * scale;
     }
   }
-  // The candidates' slots, then their keys (codes read as words: dim is a multiple of 4).
-  const int32_t m = m0 + tid;
-  const bool live = m < tok.num_cand;
-  sslot[tid] = live ? slot_of(p, req, candidate(p, req, tok.t, m)) : -1;
-  __syncthreads();
+  // Tiles of 128 candidates: blockIdx.y, then every gridDim.y-th (one tile per CTA in an eager
+  // launch, whose grid covers the round's most candidates).
   const int words = D / 4;
-  for (int i = tid; i < kScoreCands * words; i += kScoreCands) {
-    const int c = i / words, wd = i - c * words;
-    const int64_t s = sslot[c];
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (s >= 0) {
-      const float sc = *reinterpret_cast<const float*>(p.keys + scale_at(s, p.key_page, D));
-      const uint32_t w4 =
-          *reinterpret_cast<const uint32_t*>(p.keys + codes_at(s, p.key_page, D) + 4 * wd);
-      v = make_float4(
-          fp8_to_float(w4 & 0xff, false) * sc, fp8_to_float((w4 >> 8) & 0xff, false) * sc,
-          fp8_to_float((w4 >> 16) & 0xff, false) * sc, fp8_to_float(w4 >> 24, false) * sc);
+  const int32_t num_cand = tok.num_cand;
+  float* const scores = p.scores + tok.score_off;
+  for (int32_t m0 = static_cast<int32_t>(blockIdx.y) * kScoreCands; m0 < num_cand;
+       m0 += static_cast<int32_t>(gridDim.y) * kScoreCands) {
+    // The candidates' slots, then their keys (codes read as words: dim is a multiple of 4).
+    const int32_t m = m0 + tid;
+    const bool live = m < num_cand;
+    if (live) {
+      const ReqInfo r = p.reqs[tok.req];  // re-read per tile: held across the loop, it spills
+      sslot[tid] = slot_of(p, r, candidate(p, r, tok.t, m));
+    } else {
+      sslot[tid] = -1;
     }
-    *reinterpret_cast<float4*>(sk + c * KS + 4 * wd) = v;
-  }
-  __syncthreads();
-  if (!live) return;
-
-  const float4* key = reinterpret_cast<const float4*>(sk + tid * KS);
-  double sum = 0.0;
-  for (int h = 0; h < H; ++h) {
-    const float4* qh = reinterpret_cast<const float4*>(sq + h * D);
-    float dot = 0.f;
-    for (int d4 = 0; d4 < words; ++d4) {
-      const float4 a = qh[d4], b = key[d4];
-      dot = fmaf(a.x, b.x, dot);
-      dot = fmaf(a.y, b.y, dot);
-      dot = fmaf(a.z, b.z, dot);
-      dot = fmaf(a.w, b.w, dot);
+    __syncthreads();
+    for (int i = tid; i < kScoreCands * words; i += kScoreCands) {
+      const int c = i / words, wd = i - c * words;
+      const int64_t s = sslot[c];
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (s >= 0) {
+        const float sc = *reinterpret_cast<const float*>(p.keys + scale_at(s, p.key_page, D));
+        const uint32_t w4 =
+            *reinterpret_cast<const uint32_t*>(p.keys + codes_at(s, p.key_page, D) + 4 * wd);
+        v = make_float4(
+            fp8_to_float(w4 & 0xff, false) * sc, fp8_to_float((w4 >> 8) & 0xff, false) * sc,
+            fp8_to_float((w4 >> 16) & 0xff, false) * sc, fp8_to_float(w4 >> 24, false) * sc);
+      }
+      *reinterpret_cast<float4*>(sk + c * KS + 4 * wd) = v;
     }
-    const double w = load_elem(p.w, p.w_dtype, row * p.w_s0 + h * p.w_s1);
-    sum += w * fmaxf(dot, 0.f);
+    __syncthreads();
+    if (live) {
+      const float4* key = reinterpret_cast<const float4*>(sk + tid * KS);
+      double sum = 0.0;
+      for (int h = 0; h < H; ++h) {
+        const float4* qh = reinterpret_cast<const float4*>(sq + h * D);
+        float dot = 0.f;
+        for (int d4 = 0; d4 < words; ++d4) {
+          const float4 a = qh[d4], b = key[d4];
+          dot = fmaf(a.x, b.x, dot);
+          dot = fmaf(a.y, b.y, dot);
+          dot = fmaf(a.z, b.z, dot);
+          dot = fmaf(a.w, b.w, dot);
+        }
+        const double w = load_elem(p.w, p.w_dtype, row * p.w_s0 + h * p.w_s1);
+        sum += w * fmaxf(dot, 0.f);
+      }
+      // +0 for every zero score, so that equal scores get equal keys in the selection.
+      const float score = static_cast<float>(p.score_scale * sum);
+      scores[m] = score == 0.f ? 0.f : score;
+    }
+    __syncthreads();  // the next tile overwrites sslot and sk
   }
-  // +0 for every zero score, so that equal scores get equal keys in the selection.
-  const float score = static_cast<float>(p.score_scale * sum);
-  p.scores[tok.score_off + m] = score == 0.f ? 0.f : score;
 }
 
 // Shared memory of the tensor-core CTA: the queries' and the keys' bf16 rows (D + 8 columns),
@@ -166,11 +186,11 @@ constexpr size_t mma_smem_bytes(int heads, int dim, int tiles) {
 
 __global__ void __launch_bounds__(kMmaCands, 3) dsa_score_mma_kernel(const DsaParams p, int tiles) {
   extern __shared__ __align__(16) unsigned char mma_smem[];
+  if (static_cast<int32_t>(blockIdx.x) >= scored_count(p)) return;
   const int row = p.scored[blockIdx.x];
   const DsaToken tok = p.tokens[row];
-  const int32_t c0 = static_cast<int32_t>(blockIdx.y) * tiles * kMmaCands;
-  if (c0 >= tok.num_cand) return;
-  const int n = min(tok.num_cand - c0, tiles * kMmaCands);  // this CTA's candidates
+  const int32_t span = tiles * kMmaCands;  // candidates of one pass of the CTA
+  if (static_cast<int32_t>(blockIdx.y) * span >= tok.num_cand) return;
   const ReqInfo req = p.reqs[tok.req];
   // Rows of LD bf16 (16 bytes of padding: the eight rows of an ldmatrix hit eight bank groups):
   // sq [H][LD] query codes * 2^112, sk [kMmaCands][LD] key codes * 2^-112; swq [H] w_h * q
@@ -195,105 +215,113 @@ __global__ void __launch_bounds__(kMmaCands, 3) dsa_score_mma_kernel(const DsaPa
     if (lane == 0)
       swq[h] = static_cast<double>(load_elem(p.w, p.w_dtype, row * p.w_s0 + h * p.w_s1)) * scale;
   }
-  // Every candidate's slot, resolved once: its codes' offset and its scale.
-  for (int i = tid; i < n; i += kMmaCands) {
-    const int64_t s = slot_of(p, req, candidate(p, req, tok.t, c0 + i));
-    soff[i] = codes_at(s, p.key_page, D);
-    sscale[i] = *reinterpret_cast<const float*>(p.keys + scale_at(s, p.key_page, D));
-  }
-  __syncthreads();
-
-  // From here each warp works alone on candidates [tb, tb + 32) of every tile, in its own rows.
-  __nv_bfloat16* wk = sk + warp * 32 * LD;
-  const bool word_lane = lane < D / 4;  // lane l carries bytes 4l .. 4l + 3 of every key
-  uint32_t code[32];
-  auto load_codes = [&](int tb) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j)
-      code[j] = word_lane && tb + j < n
-                    ? reinterpret_cast<const uint32_t*>(p.keys + soff[tb + j])[lane]
-                    : 0u;
-  };
-  const int g = lane >> 2, t = lane & 3;  // the fragments' row group and column pair
-  const int mtiles = H / 16;
-  load_codes(warp * 32);
-  for (int tile = 0; tile < tiles; ++tile) {
-    const int tb = tile * kMmaCands + warp * 32;
-    if (tb >= n) break;
-    __syncwarp();  // the previous tile's ldmatrix reads are done
-    if (word_lane) {
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        uint32_t lo, hi;
-        fp8x4_to<__nv_bfloat16>(code[j], false, lo, hi);
-        *reinterpret_cast<uint2*>(wk + j * LD + 4 * lane) = make_uint2(lo, hi);
-      }
+  // Passes over `span` candidates: blockIdx.y, then every gridDim.y-th (one pass in an eager
+  // launch, whose grid covers the round's most candidates).
+  for (int32_t c0 = static_cast<int32_t>(blockIdx.y) * span; c0 < tok.num_cand;
+       c0 += static_cast<int32_t>(gridDim.y) * span) {
+    const int n = min(tok.num_cand - c0, span);  // this pass's candidates
+    // Every candidate's slot, resolved once: its codes' offset and its scale.
+    for (int i = tid; i < n; i += kMmaCands) {
+      const int64_t s = slot_of(p, req, candidate(p, req, tok.t, c0 + i));
+      soff[i] = codes_at(s, p.key_page, D);
+      sscale[i] = *reinterpret_cast<const float*>(p.keys + scale_at(s, p.key_page, D));
     }
-    __syncwarp();
-    if (tb + kMmaCands < n) load_codes(tb + kMmaCands);  // in flight during the MMAs
+    __syncthreads();
 
-    // dot[h][c] = <q codes of head h, key codes of candidate tb + c>: A = queries (heads on M),
-    // B = keys (candidates on N, four n-tiles of 8), K = the index dims.
-    float acc[4][4][4];
+    // From here each warp works alone on candidates [tb, tb + 32) of every tile, in its own rows.
+    __nv_bfloat16* wk = sk + warp * 32 * LD;
+    const bool word_lane = lane < D / 4;  // lane l carries bytes 4l .. 4l + 3 of every key
+    uint32_t code[32];
+    auto load_codes = [&](int tb) {
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
+      for (int j = 0; j < 32; ++j)
+        code[j] = word_lane && tb + j < n
+                      ? reinterpret_cast<const uint32_t*>(p.keys + soff[tb + j])[lane]
+                      : 0u;
+    };
+    const int g = lane >> 2, t = lane & 3;  // the fragments' row group and column pair
+    const int mtiles = H / 16;
+    load_codes(warp * 32);
+    for (int tile = 0; tile < tiles; ++tile) {
+      const int tb = tile * kMmaCands + warp * 32;
+      if (tb >= n) break;
+      __syncwarp();  // the previous tile's ldmatrix reads are done
+      if (word_lane) {
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-        acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+        for (int j = 0; j < 32; ++j) {
+          uint32_t lo, hi;
+          fp8x4_to<__nv_bfloat16>(code[j], false, lo, hi);
+          *reinterpret_cast<uint2*>(wk + j * LD + 4 * lane) = make_uint2(lo, hi);
+        }
+      }
+      __syncwarp();
+      if (tb + kMmaCands < n) load_codes(tb + kMmaCands);  // in flight during the MMAs
+
+      // dot[h][c] = <q codes of head h, key codes of candidate tb + c>: A = queries (heads on M),
+      // B = keys (candidates on N, four n-tiles of 8), K = the index dims.
+      float acc[4][4][4];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+          acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
 #pragma unroll 2
-    for (int k0 = 0; k0 < D; k0 += 16) {
-      // b[np]: n-tiles 2np (regs 0, 1) and 2np + 1 (regs 2, 3), dims k0 .. k0 + 15.
-      uint32_t b[2][4];
+      for (int k0 = 0; k0 < D; k0 += 16) {
+        // b[np]: n-tiles 2np (regs 0, 1) and 2np + 1 (regs 2, 3), dims k0 .. k0 + 15.
+        uint32_t b[2][4];
 #pragma unroll
-      for (int np = 0; np < 2; ++np)
-        ldmatrix_x4(
-            b[np], wk + (np * 16 + (lane & 7) + (lane >> 4) * 8) * LD + k0 + ((lane >> 3) & 1) * 8);
+        for (int np = 0; np < 2; ++np)
+          ldmatrix_x4(b[np], wk + (np * 16 + (lane & 7) + (lane >> 4) * 8) * LD + k0 +
+                                 ((lane >> 3) & 1) * 8);
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt) {
-        if (mt < mtiles) {
-          uint32_t a[4];
-          ldmatrix_x4(a, sq + (mt * 16 + (lane & 15)) * LD + k0 + (lane >> 4) * 8);
+        for (int mt = 0; mt < 4; ++mt) {
+          if (mt < mtiles) {
+            uint32_t a[4];
+            ldmatrix_x4(a, sq + (mt * 16 + (lane & 15)) * LD + k0 + (lane >> 4) * 8);
 #pragma unroll
-          for (int np = 0; np < 2; ++np) {
-            mma_16816<__nv_bfloat16>(acc[mt][2 * np], a, b[np][0], b[np][1]);
-            mma_16816<__nv_bfloat16>(acc[mt][2 * np + 1], a, b[np][2], b[np][3]);
+            for (int np = 0; np < 2; ++np) {
+              mma_16816<__nv_bfloat16>(acc[mt][2 * np], a, b[np][0], b[np][1]);
+              mma_16816<__nv_bfloat16>(acc[mt][2 * np + 1], a, b[np][2], b[np][3]);
+            }
           }
         }
       }
-    }
 
-    // acc[mt][nt][e] is dot[mt * 16 + g + (e >> 1) * 8][nt * 8 + 2t + (e & 1)]: per column the
-    // lane's heads in fp64, then the sum over the eight row groups (lanes g = 0 .. 7).
-    double sum[4][2];
+      // acc[mt][nt][e] is dot[mt * 16 + g + (e >> 1) * 8][nt * 8 + 2t + (e & 1)]: per column the
+      // lane's heads in fp64, then the sum over the eight row groups (lanes g = 0 .. 7).
+      double sum[4][2];
 #pragma unroll
-    for (int nt = 0; nt < 4; ++nt) sum[nt][0] = sum[nt][1] = 0.0;
+      for (int nt = 0; nt < 4; ++nt) sum[nt][0] = sum[nt][1] = 0.0;
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt) {
-      if (mt < mtiles) {
-        const double w0 = swq[mt * 16 + g], w1 = swq[mt * 16 + g + 8];
+      for (int mt = 0; mt < 4; ++mt) {
+        if (mt < mtiles) {
+          const double w0 = swq[mt * 16 + g], w1 = swq[mt * 16 + g + 8];
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
+          for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-          for (int e = 0; e < 2; ++e)
-            sum[nt][e] += w0 * fmaxf(acc[mt][nt][e], 0.f) + w1 * fmaxf(acc[mt][nt][2 + e], 0.f);
+            for (int e = 0; e < 2; ++e)
+              sum[nt][e] += w0 * fmaxf(acc[mt][nt][e], 0.f) + w1 * fmaxf(acc[mt][nt][2 + e], 0.f);
+        }
+      }
+      double v = 0.0;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1)
+            sum[nt][e] += __shfl_xor_sync(0xffffffffu, sum[nt][e], o);
+          if (g == nt * 2 + e) v = sum[nt][e];
+        }
+      // Lane (g, t) writes column (g >> 1) * 8 + 2t + (g & 1): the warp's 32 columns once each.
+      const int i = tb + (g >> 1) * 8 + 2 * t + (g & 1);
+      if (i < n) {
+        // +0 for every zero score, so that equal scores get equal keys in the selection.
+        const float score = static_cast<float>(p.score_scale * (sscale[i] * v));
+        p.scores[tok.score_off + c0 + i] = score == 0.f ? 0.f : score;
       }
     }
-    double v = 0.0;
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) sum[nt][e] += __shfl_xor_sync(0xffffffffu, sum[nt][e], o);
-        if (g == nt * 2 + e) v = sum[nt][e];
-      }
-    // Lane (g, t) writes column (g >> 1) * 8 + 2t + (g & 1): the warp's 32 columns once each.
-    const int i = tb + (g >> 1) * 8 + 2 * t + (g & 1);
-    if (i < n) {
-      // +0 for every zero score, so that equal scores get equal keys in the selection.
-      const float score = static_cast<float>(p.score_scale * (sscale[i] * v));
-      p.scores[tok.score_off + c0 + i] = score == 0.f ? 0.f : score;
-    }
+    __syncthreads();  // the next pass overwrites soff and sscale
   }
 }
 
@@ -315,6 +343,10 @@ __global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const DsaPar
   const int tid = threadIdx.x, K = p.topk, n = tok.num_cand;
   int32_t* slots = p.sel_slots + row * K;
   int32_t* out = p.topk_out != nullptr ? p.topk_out + row * p.topk_s0 : nullptr;
+  if (p.row_table_out != nullptr && tok.t == 0) {
+    for (int j = req.pt_known + tid; j < req.pt_commit; j += kSelectThreads)
+      p.row_table_out[req.pt_row + j] = p.page_table[req.pt_start + j - req.pt_known];
+  }
 
   if (n <= K) {
     for (int m = tid; m < K; m += kSelectThreads) {
@@ -377,6 +409,16 @@ __global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const DsaPar
   }
 }
 
+// CTAs per scored token of a score launch that has `passes` passes of candidates per token at
+// most: all of them in an eager launch (one pass each); in a graph step, whose bound is the
+// longest context, no more than make about kGraphScoreCtas CTAs in all (each then loops over
+// every gridDim.y-th pass), so that a replay of short contexts does not pay for a grid of empty
+// CTAs sized for max_context_len.
+int64_t score_ctas_y(const DsaParams& p, int64_t passes) {
+  if (p.num_scored_dev == nullptr) return passes;
+  return std::clamp<int64_t>((kGraphScoreCtas + p.num_scored - 1) / p.num_scored, 1, passes);
+}
+
 cudaError_t launch_score_cuda_core(const DsaParams& p, cudaStream_t stream) {
   const size_t smem =
       (static_cast<size_t>(p.heads) * p.dim + static_cast<size_t>(kScoreCands) * (p.dim + 4)) *
@@ -393,8 +435,9 @@ cudaError_t launch_score_cuda_core(const DsaParams& p, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
     attr_set = true;
   }
-  const dim3 grid(static_cast<unsigned>(p.num_scored),
-                  static_cast<unsigned>((p.max_cand + kScoreCands - 1) / kScoreCands));
+  const dim3 grid(
+      static_cast<unsigned>(p.num_scored),
+      static_cast<unsigned>(score_ctas_y(p, (p.max_cand + kScoreCands - 1) / kScoreCands)));
   dsa_score_kernel<<<grid, kScoreCands, smem, stream>>>(p);
   return cudaGetLastError();
 }
@@ -413,7 +456,7 @@ cudaError_t launch_score_mma(const DsaParams& p, cudaStream_t stream) {
   const int tiles = static_cast<int>(
       std::clamp<int64_t>(int64_t{p.num_scored} * token_tiles / kMmaTilesPerCta, 1, kMmaMaxTiles));
   const dim3 grid(static_cast<unsigned>(p.num_scored),
-                  static_cast<unsigned>((token_tiles + tiles - 1) / tiles));
+                  static_cast<unsigned>(score_ctas_y(p, (token_tiles + tiles - 1) / tiles)));
   dsa_score_mma_kernel<<<grid, kMmaCands, mma_smem_bytes(p.heads, p.dim, tiles), stream>>>(p,
                                                                                            tiles);
   return cudaGetLastError();

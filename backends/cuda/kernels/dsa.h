@@ -42,6 +42,16 @@ struct DsaParams {
   const int32_t* scored;  // rows of the round's tokens with more than topk candidates
   int32_t num_scored;
   int32_t max_cand;  // most candidates of a scored token of the round
+  // A CUDA-graph step (docs/cuda_graphs.md "DSA layers"): the round's scored-token count on the
+  // device, rewritten by each replay's plan. num_scored and max_cand are then the bucket's bounds
+  // (the round's tokens, max_context_len), which fix the grids: score CTAs past the count, or past
+  // a token's candidates, return at once. Null in an eager step.
+  const int32_t* num_scored_dev;
+  // A graph step's plan counts its commits as stored (cuda_plan.h, incremental page tables): the
+  // select CTA of each request's first query token stores the request's pages [pt_known,
+  // pt_commit) into this row table (the one row_table reads; nothing in the step reads those
+  // entries there). Null: no write-back (eager steps, whose plans do not count DSA launches).
+  int32_t* row_table_out;
 
   // Indexer inputs (dtype codes of convert.cuh: f32, f16, bf16; element strides).
   const void* q;  // [T, heads, dim]
@@ -77,6 +87,9 @@ bool dsa_mma_takes(int heads, int dim);
 
 // Scores the round's scored tokens' candidates, then selects for each of its tokens (every
 // candidate when at most topk), and writes sel_slots (and topk_out). Both kernels on `stream`.
+// The grids depend on num_tokens, num_scored and max_cand only; with num_scored_dev set they are
+// capped (a score CTA then loops over every gridDim.y-th group of candidate tiles), so a graph's
+// launch is fixed by the bucket.
 cudaError_t launch_dsa_select(const DsaParams& p, cudaStream_t stream);
 
 }  // namespace attnrt::cuda

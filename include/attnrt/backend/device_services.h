@@ -28,6 +28,10 @@ struct ForwardBatch;
 // weight: written once, read by every step). Rows are request-major as in ForwardBatch.
 struct GraphLayerIO {
   TensorView q, k, v, out, sinks;
+  // DSA layers (LayerSpec::has_indexer; docs/dsa.md "API"): the indexer's inputs, index q
+  // [T, Hi, Di], index k [T, Di] and weights [T, Hi] in the model's dtype, written by the caller
+  // like q / k / v, and the selection each step writes, int32 [T, index_topk]. Empty otherwise.
+  TensorView index_q, index_k, index_weights, index_topk;
 };
 
 // Capture and replay of whole attention steps (docs/cuda_graphs.md), for AttentionRuntime.

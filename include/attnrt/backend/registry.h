@@ -32,6 +32,9 @@ struct BackendCaps {
   // Its captured steps keep --deterministic's batch invariance (split counts from each request's
   // own length, the same as its eager steps), so deterministic mode may run them as graphs.
   bool deterministic_graphs = false;
+  // Its captured steps hold DSA layers (docs/cuda_graphs.md "DSA layers"); used only while
+  // dsa_graphs_enabled() (ATTNRT_DSA_GRAPHS=1).
+  bool dsa_graphs = false;
   std::vector<LayerKind> linear_kinds;  // gdn / mamba2 / kda served by this backend
 };
 
