@@ -87,8 +87,9 @@ def test_python_rows_quick_on_the_cpu(tmp_path):
         assert r["python_ms"]["median"] > 0 and math.isfinite(r["rate"]) and r["rate"] > 0, r
         assert r["torch"]["sdpa"]["median"] > 0, r
         if cli:
-            # Tiny CPU rows: the Python call costs tens of us on top of C++ here, so only sanity.
-            assert 0.2 < r["python_over_cli"] < 5, r
+            # Tiny CPU rows timed on a shared machine: only sanity (a unit mistake is a factor of
+            # 1000), not a speed claim; the band is wide because other work can slow either side.
+            assert 0.05 < r["python_over_cli"] < 20, r
         if r["shape"]["kind"].startswith("verify"):
             assert r["python_verify_over_decode"] > 0, r
     assert "python / cli:" in out
