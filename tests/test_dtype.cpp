@@ -211,6 +211,25 @@ TEST(DType, ParseNamesAndRejectUnknown) {
   }
 }
 
+TEST(EnvChoice, UnsetEmptyChosenAndRejected) {
+  const char* name = "ATTNRT_TEST_ENV_CHOICE";
+  unsetenv(name);
+  EXPECT_FALSE(env_choice(name, {"a", "bb"}, "test").has_value());
+  setenv(name, "", 1);
+  EXPECT_FALSE(env_choice(name, {"a", "bb"}, "test").has_value());
+  setenv(name, "bb", 1);
+  EXPECT_EQ(env_choice(name, {"a", "bb"}, "test"), "bb");
+  setenv(name, "b", 1);
+  try {
+    env_choice(name, {"a", "bb"}, "test");
+    ADD_FAILURE() << "b was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "test: ATTNRT_TEST_ENV_CHOICE=b is invalid; use one of a, bb (or leave it unset)");
+  }
+  unsetenv(name);
+}
+
 TEST(EnvInteger, UnsetEmptyInRangeAndRejected) {
   const char* name = "ATTNRT_TEST_ENV_INTEGER";
   unsetenv(name);

@@ -55,6 +55,9 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
                info.name, info.cc_major, info.cc_minor);
   ATTNRT_CHECK(ctx.model != nullptr && ctx.kv_cache != nullptr,
                "cuda backend: BackendContext needs the model and the KV cache");
+  // The DSA score kernel's switch (read again, without checks, by kernels/dsa.cu): a misspelt
+  // value must not quietly measure the default kernel.
+  env_choice("ATTNRT_DSA_INDEXER", {"cuda_core", "mma"}, "cuda backend");
   device_cache_ = dynamic_cast<CudaKVCache*>(ctx.kv_cache);
   if (device_cache_ != nullptr) {
     stream_ = device_cache_->stream();

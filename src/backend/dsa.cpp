@@ -5,6 +5,7 @@
 #include <string_view>
 #include <vector>
 
+#include "attnrt/core/env.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/index_key_cache.h"
 
@@ -91,8 +92,10 @@ int g_dsa_graphs = -1;  // -1: not read yet; else 0 / 1
 
 bool dsa_graphs_enabled() {
   if (g_dsa_graphs < 0) {
-    const char* v = std::getenv("ATTNRT_DSA_GRAPHS");
-    g_dsa_graphs = v != nullptr && std::string_view(v) == "1" ? 1 : 0;
+    g_dsa_graphs = static_cast<int>(
+        env_integer("ATTNRT_DSA_GRAPHS", 0, 1, "DSA CUDA graphs",
+                    "1 (capture DSA layers in DECODE / TARGET_VERIFY graphs) or 0")
+            .value_or(0));
   }
   return g_dsa_graphs == 1;
 }
