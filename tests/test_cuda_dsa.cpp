@@ -14,6 +14,7 @@
 // checked without a GPU. Fresh random inputs every run (ATTNRT_TEST_SEED replays one).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -479,6 +480,17 @@ TEST_P(CudaDsaRun, EveryStepMatchesReferenceOnTheHostCopyOfTheGpuPools) {
   }
 }
 
+// Round r of a DSA plan: its rows [row0, row1) and scored rows [scored0, scored1) (-1: not
+// checked).
+void expect_round(const cuda::DsaHostPlan& p, size_t r, std::array<int64_t, 4> want) {
+  ASSERT_LT(r, p.rounds.size());
+  const auto& got = p.rounds[r];
+  EXPECT_EQ(got.row0, want[0]) << "round " << r;
+  EXPECT_EQ(got.row1, want[1]) << "round " << r;
+  EXPECT_EQ(got.scored0, want[2]) << "round " << r;
+  if (want[3] >= 0) EXPECT_EQ(got.scored1, want[3]) << "round " << r;
+}
+
 // Host only: `attnrt info --explain` gives a DSA layer one line for every mode (one-query requests
 // over the selected keys), on the CTA the sparse MLA launches take.
 TEST(CudaDsaPlan, ExplainNamesTheIndexerAndTheOneQueryCta) {
@@ -537,14 +549,8 @@ TEST(CudaDsaPlan, CandidatesScoresAndPseudoRequests) {
   tight.score_budget = 20;
   cuda::plan_dsa(b, lay, false, tight, p);
   ASSERT_EQ(p.rounds.size(), 2u);
-  EXPECT_EQ(p.rounds[0].row0, 0);
-  EXPECT_EQ(p.rounds[0].row1, 5);
-  EXPECT_EQ(p.rounds[0].scored0, 0);
-  EXPECT_EQ(p.rounds[0].scored1, 1);
-  EXPECT_EQ(p.rounds[1].row0, 5);
-  EXPECT_EQ(p.rounds[1].row1, 6);
-  EXPECT_EQ(p.rounds[1].scored0, 1);
-  EXPECT_EQ(p.rounds[1].scored1, 2);
+  expect_round(p, 0, {0, 5, 0, 1});
+  expect_round(p, 1, {5, 6, 1, 2});
   EXPECT_EQ(p.rounds[1].max_cand, 12);
   EXPECT_EQ(p.tokens[4].score_off, 0);
   EXPECT_EQ(p.tokens[5].score_off, 0);
@@ -589,12 +595,8 @@ TEST(CudaDsaPlan, GraphPlansHaveFixedRoundsAndItems) {
   cuda::DsaHostPlan p;
   cuda::plan_dsa(b, lay, false, shape, p);
   ASSERT_EQ(p.rounds.size(), 2u);
-  EXPECT_EQ(p.rounds[0].row0, 0);
-  EXPECT_EQ(p.rounds[0].row1, 2);
-  EXPECT_EQ(p.rounds[0].scored0, 0);
-  EXPECT_EQ(p.rounds[1].row0, 2);
-  EXPECT_EQ(p.rounds[1].row1, 4);
-  EXPECT_EQ(p.rounds[1].scored0, 2);
+  expect_round(p, 0, {0, 2, 0, -1});
+  expect_round(p, 1, {2, 4, 2, -1});
   EXPECT_EQ(p.round_scored, (std::vector<int32_t>{1, 1}));
   ASSERT_EQ(p.scored.size(), 4u);
   EXPECT_EQ(p.scored[0], 0);

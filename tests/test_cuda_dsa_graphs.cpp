@@ -354,25 +354,8 @@ TEST_P(CudaDsaGraphs, DecodeCapturedOnceReplaysAtNewLengthsAndPadding) {
   for (int page : {16, 1}) {
     SCOPED_TRACE(testing::Message() << "page " << page << ", seed " << test::test_seed());
     build(page, 0, 0, 0);
-    {
-      SCOPED_TRACE("3 requests padded to 4: capture");
-      check_step(decode({1000, 300, 2000}));
-    }
-    EXPECT_EQ(rt_->cuda_graphs_captured(), 1);
-    {
-      SCOPED_TRACE("3 requests, other lengths: replay");
-      check_step(decode({2500, 17, 16}));
-    }
-    {
-      SCOPED_TRACE("4 requests: the same graph, no padding");
-      check_step(decode({3800, 1, 1200, 777}));
-    }
-    EXPECT_EQ(rt_->cuda_graphs_captured(), 1);
-    {
-      SCOPED_TRACE("1 request: a second graph");
-      check_step(decode({3333}));
-    }
-    EXPECT_EQ(rt_->cuda_graphs_captured(), 2);
+    test::decode_graph_scenario([&](const std::vector<int32_t>& seq) { check_step(decode(seq)); },
+                                [&] { return rt_->cuda_graphs_captured(); }, {2500, 17, 16});
   }
 }
 

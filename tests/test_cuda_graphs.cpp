@@ -364,25 +364,8 @@ TEST_F(CudaGraphRuntime, DecodeCapturedOnceReplaysAtNewLengthsAndPadding) {
     slots_.clear();
     rows_.clear();
     build(page, 0, 0, 0);
-    {
-      SCOPED_TRACE("3 requests padded to 4: capture");
-      check_step(decode({1000, 300, 2000}));
-    }
-    EXPECT_EQ(rt_->cuda_graphs_captured(), 1);
-    {
-      SCOPED_TRACE("3 requests, other lengths: replay");
-      check_step(decode({2500, 650, 17}));
-    }
-    {
-      SCOPED_TRACE("4 requests: the same graph, no padding");
-      check_step(decode({3800, 1, 1200, 777}));
-    }
-    EXPECT_EQ(rt_->cuda_graphs_captured(), 1);
-    {
-      SCOPED_TRACE("1 request: a second graph");
-      check_step(decode({3333}));
-    }
-    EXPECT_EQ(rt_->cuda_graphs_captured(), 2);
+    test::decode_graph_scenario([&](const std::vector<int32_t>& seq) { check_step(decode(seq)); },
+                                [&] { return rt_->cuda_graphs_captured(); }, {2500, 650, 17});
   }
 }
 

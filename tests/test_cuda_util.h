@@ -10,7 +10,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <random>
+#include <vector>
 
 #include "attnrt/backend/attention_backend.h"
 #include "attnrt/batch/forward_batch.h"
@@ -34,6 +36,33 @@
   } while (0)
 
 namespace attnrt::test {
+
+// The decode-graph scenario of the graph suites: three requests padded to a bucket of 4 captured,
+// replayed at the lengths `replay`, the full bucket by the same graph, then one request in a
+// second graph. `step` runs and checks a decode step of those lengths; `captured` counts graphs.
+inline void decode_graph_scenario(const std::function<void(const std::vector<int32_t>&)>& step,
+                                  const std::function<int()>& captured,
+                                  const std::vector<int32_t>& replay) {
+  {
+    SCOPED_TRACE("3 requests padded to 4: capture");
+    step({1000, 300, 2000});
+  }
+  EXPECT_EQ(captured(), 1);
+  {
+    SCOPED_TRACE("3 requests, other lengths: replay");
+    step(replay);
+  }
+  {
+    SCOPED_TRACE("4 requests: the same graph, no padding");
+    step({3800, 1, 1200, 777});
+  }
+  EXPECT_EQ(captured(), 1);
+  {
+    SCOPED_TRACE("1 request: a second graph");
+    step({3333});
+  }
+  EXPECT_EQ(captured(), 2);
+}
 
 // ATTNRT_TEST_SEED where set (to replay a run), else a fresh random seed.
 inline uint32_t test_seed() {
