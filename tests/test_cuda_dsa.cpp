@@ -480,6 +480,15 @@ TEST_P(CudaDsaRun, EveryStepMatchesReferenceOnTheHostCopyOfTheGpuPools) {
   }
 }
 
+// Appends the graph planner's padding request (a prefix of `prefix` keys, `qlen` query tokens) to
+// a step layout, as a padded bucket has it.
+void pad_request(StepLayout& lay, int32_t prefix, int32_t qlen) {
+  lay.prefix_lens.push_back(prefix);
+  lay.query_lens.push_back(qlen);
+  lay.query_start.push_back(lay.query_start.back() + qlen);
+  lay.num_tokens += qlen;
+}
+
 // Round r of a DSA plan: its rows [row0, row1) and scored rows [scored0, scored1) (-1: not
 // checked).
 void expect_round(const cuda::DsaHostPlan& p, size_t r, std::array<int64_t, 4> want) {
@@ -585,10 +594,7 @@ TEST(CudaDsaPlan, GraphPlansHaveFixedRoundsAndItems) {
   ForwardBatch b = make_decode_batch({0, 1, 2}, {30, 5, 50});
   b.out_cache_loc.assign(3, 1);
   StepLayout lay = make_step_layout(b);
-  lay.prefix_lens.push_back(0);  // the planner's padded decode request: one key
-  lay.query_lens.push_back(1);
-  lay.query_start.push_back(lay.query_start.back() + 1);
-  lay.num_tokens = 4;
+  pad_request(lay, 0, 1);  // the planner's padded decode request: one key
   cuda::DsaShape shape{.topk = 8, .q_heads = 16, .head_dim = 576, .sm_count = 132};
   shape.graph_round_tokens = 2;
   shape.graph_items = 3;
@@ -618,10 +624,7 @@ TEST(CudaDsaPlan, GraphPlansHaveFixedRoundsAndItems) {
   ForwardBatch few = make_decode_batch({0, 1, 2}, {3, 5, 8});
   few.out_cache_loc.assign(3, 1);
   StepLayout few_lay = make_step_layout(few);
-  few_lay.prefix_lens.push_back(0);
-  few_lay.query_lens.push_back(1);
-  few_lay.query_start.push_back(4);
-  few_lay.num_tokens = 4;
+  pad_request(few_lay, 0, 1);
   cuda::plan_dsa(few, few_lay, false, shape, p);
   EXPECT_EQ(p.rounds.size(), 2u);
   EXPECT_EQ(p.round_scored, (std::vector<int32_t>{0, 0}));
@@ -647,10 +650,7 @@ TEST(CudaDsaPlan, GraphPlansHaveFixedRoundsAndItems) {
   ForwardBatch v = make_verify_batch({0}, {20}, info);
   v.out_cache_loc.assign(4, 1);
   StepLayout vl = make_step_layout(v);
-  vl.prefix_lens.push_back(1);
-  vl.query_lens.push_back(4);
-  vl.query_start.push_back(8);
-  vl.num_tokens = 8;
+  pad_request(vl, 1, 4);
   cuda::DsaShape vs = shape;
   vs.graph_round_tokens = 8;
   cuda::plan_dsa(v, vl, true, vs, p);

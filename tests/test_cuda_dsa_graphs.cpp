@@ -166,27 +166,10 @@ class CudaDsaGraphs : public testing::TestWithParam<cuda::DsaIndexer> {
   }
 
   ForwardBatch decode(const std::vector<int32_t>& seq) const {
-    const std::vector<int64_t> rows(rows_.begin(), rows_.begin() + seq.size());
-    ForwardBatch b = make_decode_batch(rows, seq);
-    b.out_cache_loc.clear();
-    for (size_t i = 0; i < seq.size(); ++i) b.out_cache_loc.push_back(slots_[i][seq[i] - 1]);
-    return b;
+    return test::graph_decode_batch(rows_, slots_, seq);
   }
-
   ForwardBatch verify(const std::vector<int32_t>& seq, int n, int topk) {
-    const std::vector<int64_t> rows(rows_.begin(), rows_.begin() + seq.size());
-    SpecInfo spec = SpecInfo::chain(static_cast<int>(seq.size()), n);
-    if (topk > 1) {
-      spec.topk = topk;
-      for (size_t i = 0; i < seq.size(); ++i)
-        for (int t = 1; t < n; ++t)
-          spec.parents[i * n + t] = std::uniform_int_distribution<int>(0, t - 1)(rng_);
-    }
-    ForwardBatch b = make_verify_batch(rows, seq, std::move(spec));
-    b.out_cache_loc.clear();
-    for (size_t i = 0; i < seq.size(); ++i)
-      for (int t = 0; t < n; ++t) b.out_cache_loc.push_back(slots_[i][seq[i] + t]);
-    return b;
+    return test::graph_verify_batch(rows_, slots_, seq, n, topk, rng_);
   }
 
   // Writes `in` into the layers' static tensors, poisons their outputs and selections, runs the

@@ -37,6 +37,39 @@
 
 namespace attnrt::test {
 
+// The graph suites' batches over request rows `rows` whose token slots are `slots[i]`: a DECODE of
+// the lengths `seq` (each request's last slot written), and a TARGET_VERIFY of n block tokens per
+// request after `seq` (a tree of random parents when topk > 1).
+template <typename Row>
+ForwardBatch graph_decode_batch(const std::vector<Row>& rows,
+                                const std::vector<std::vector<int64_t>>& slots,
+                                const std::vector<int32_t>& seq) {
+  ForwardBatch b = make_decode_batch(std::vector<int64_t>(rows.begin(), rows.begin() + seq.size()), seq);
+  b.out_cache_loc.clear();
+  for (size_t i = 0; i < seq.size(); ++i) b.out_cache_loc.push_back(slots[i][seq[i] - 1]);
+  return b;
+}
+
+template <typename Row>
+ForwardBatch graph_verify_batch(const std::vector<Row>& rows,
+                                const std::vector<std::vector<int64_t>>& slots,
+                                const std::vector<int32_t>& seq, int n, int topk,
+                                std::mt19937& rng) {
+  SpecInfo spec = SpecInfo::chain(static_cast<int>(seq.size()), n);
+  if (topk > 1) {
+    spec.topk = topk;
+    for (size_t i = 0; i < seq.size(); ++i)
+      for (int t = 1; t < n; ++t)
+        spec.parents[i * n + t] = std::uniform_int_distribution<int>(0, t - 1)(rng);
+  }
+  ForwardBatch b = make_verify_batch(std::vector<int64_t>(rows.begin(), rows.begin() + seq.size()),
+                                     seq, std::move(spec));
+  b.out_cache_loc.clear();
+  for (size_t i = 0; i < seq.size(); ++i)
+    for (int t = 0; t < n; ++t) b.out_cache_loc.push_back(slots[i][seq[i] + t]);
+  return b;
+}
+
 // The decode-graph scenario of the graph suites: three requests padded to a bucket of 4 captured,
 // replayed at the lengths `replay`, the full bucket by the same graph, then one request in a
 // second graph. `step` runs and checks a decode step of those lengths; `captured` counts graphs.
