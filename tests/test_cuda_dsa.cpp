@@ -480,6 +480,18 @@ TEST_P(CudaDsaRun, EveryStepMatchesReferenceOnTheHostCopyOfTheGpuPools) {
   }
 }
 
+// A TARGET_VERIFY tree of one request on 20 cached tokens: 0 the root, 1 and 2 its children, 3 a
+// child of 1 (write slots all 1: the planner does not read them).
+ForwardBatch tree_verify_of_four() {
+  SpecInfo info;
+  info.draft_token_num = 4;
+  info.topk = 2;
+  info.parents = {-1, 0, 0, 1};
+  ForwardBatch v = make_verify_batch({0}, {20}, info);
+  v.out_cache_loc.assign(4, 1);
+  return v;
+}
+
 // Appends the graph planner's padding request (a prefix of `prefix` keys, `qlen` query tokens) to
 // a step layout, as a padded bucket has it.
 void pad_request(StepLayout& lay, int32_t prefix, int32_t qlen) {
@@ -565,12 +577,7 @@ TEST(CudaDsaPlan, CandidatesScoresAndPseudoRequests) {
   EXPECT_EQ(p.tokens[5].score_off, 0);
   EXPECT_EQ(p.num_scores, 12);
   // A tree: 0 root, 1 and 2 its children, 3 child of 1: candidates prefix + depth + 1.
-  SpecInfo info;
-  info.draft_token_num = 4;
-  info.topk = 2;
-  info.parents = {-1, 0, 0, 1};
-  ForwardBatch v = make_verify_batch({0}, {20}, info);
-  v.out_cache_loc.assign(4, 1);
+  ForwardBatch v = tree_verify_of_four();
   cuda::plan_dsa(v, make_step_layout(v), true, shape, p);
   const std::vector<int32_t> tree_cand{21, 22, 22, 23};
   for (size_t t = 0; t < tree_cand.size(); ++t) EXPECT_EQ(p.tokens[t].num_cand, tree_cand[t]) << t;
@@ -643,12 +650,7 @@ TEST(CudaDsaPlan, GraphPlansHaveFixedRoundsAndItems) {
   EXPECT_EQ(p.part_rows, det.graph_items);
   // A tree verify of one request padded by a second: the padded drafts are a chain on a prefix of
   // one key (the planner's fill request), the real ones follow their parents.
-  SpecInfo info;
-  info.draft_token_num = 4;
-  info.topk = 2;
-  info.parents = {-1, 0, 0, 1};
-  ForwardBatch v = make_verify_batch({0}, {20}, info);
-  v.out_cache_loc.assign(4, 1);
+  ForwardBatch v = tree_verify_of_four();
   StepLayout vl = make_step_layout(v);
   pad_request(vl, 1, 4);
   cuda::DsaShape vs = shape;

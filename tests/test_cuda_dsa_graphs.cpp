@@ -115,12 +115,7 @@ class CudaDsaGraphs : public testing::TestWithParam<cuda::DsaIndexer> {
     d_ = d;
     model_ = test::make_model("dsa-graph-gpu", DType::bf16, kContext,
                               {dsa_layer(0, d), dsa_layer(1, d)});
-    Options o;
-    o.attention_backend = "cuda";
-    o.page_size = page;
-    o.speculative_num_steps = spec_steps;
-    o.speculative_eagle_topk = topk;
-    o.speculative_num_draft_tokens = draft_tokens;
+    Options o = test::cuda_graph_options(page, spec_steps, topk, draft_tokens);
     options_ = o;
     RuntimeConfig rc;
     rc.max_requests = 8;

@@ -154,12 +154,7 @@ class CudaGraphRuntime : public ::testing::Test {
     b.has_sinks = true;
     LayerSpec c = attention_layer(2, 16, 2, 128);
     model_.layers = {a, b, c};
-    Options o;
-    o.attention_backend = "cuda";
-    o.page_size = page;
-    o.speculative_num_steps = spec_steps;
-    o.speculative_eagle_topk = topk;
-    o.speculative_num_draft_tokens = draft_tokens;
+    Options o = test::cuda_graph_options(page, spec_steps, topk, draft_tokens);
     o.deterministic = deterministic;
     options_ = o;
     RuntimeConfig rc;

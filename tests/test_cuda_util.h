@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attnrt/backend/attention_backend.h"
+#include "attnrt/backend/options.h"
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/core/device.h"
 #include "attnrt/core/dtype.h"
@@ -36,6 +37,18 @@
   } while (0)
 
 namespace attnrt::test {
+
+// Options of the graph suites' cuda runtimes: pages of `page`, speculative decoding with
+// `draft_tokens` drafts of EAGLE topk `topk` when spec_steps > 0.
+inline Options cuda_graph_options(int page, int spec_steps, int topk, int draft_tokens) {
+  Options o;
+  o.attention_backend = "cuda";
+  o.page_size = page;
+  o.speculative_num_steps = spec_steps;
+  o.speculative_eagle_topk = topk;
+  o.speculative_num_draft_tokens = draft_tokens;
+  return o;
+}
 
 // The graph suites' batches over request rows `rows` whose token slots are `slots[i]`: a DECODE of
 // the lengths `seq` (each request's last slot written), and a TARGET_VERIFY of n block tokens per
