@@ -467,7 +467,13 @@ TEST(DsaOptions, ErrorsNameTheOptionAndWhatToUse) {
   o.dsa_prefill_backend = "";
   o.dsa_decode_backend = "flashmla_kv";
   expect_error([&] { resolve_backends(o, dsa_model(8), Registry::global(), no_gpu()); },
-               {"--dsa-decode-backend flashmla_kv", "fp8 latent"});
+               {"--dsa-decode-backend flashmla_kv", "fp8 latent", "cuda on NVIDIA GPUs",
+                "usable here: reference or cpu"});
+  // The reference engine's DSA kernel name where a whole backend is named.
+  Options whole;
+  whole.attention_backend = "flashmla_sparse";
+  expect_error([&] { resolve_backends(whole, dsa_model(8), Registry::global(), no_gpu()); },
+               {"--attention-backend flashmla_sparse", "DSA kernel backend", "--dsa-prefill-backend"});
   Options named;
   named.attention_backend = "cpu";
   named.dsa_decode_backend = "reference";

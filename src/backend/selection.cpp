@@ -293,6 +293,19 @@ struct Role {
          flag, name, name, name);
   }
   std::string note = foreign_backend_note(name);
+  if (note.empty()) {
+    // A DSA kernel name of the reference engine given where a whole backend is named.
+    std::vector<std::string> dsa_names;
+    for (const BackendEntry& e : registry.entries()) {
+      if (e.caps.dsa && unavailable_reason(e).empty()) dsa_names.push_back(e.name);
+    }
+    note = foreign_dsa_backend_note(name, dsa_names);
+    if (!note.empty()) {
+      fail("{} {}: {} The DSA phases' backends are chosen with --dsa-prefill-backend / "
+           "--dsa-decode-backend (with --attention-backend dsa or unset).",
+           flag, name, note);
+    }
+  }
   if (!note.empty()) {
     fail("{} {}: {} Registered attnrt backends: {}.", flag, name, note,
          fmt::join(registry.names(), ", "));
@@ -641,8 +654,9 @@ std::string foreign_dsa_backend_note(const std::string& name,
     if (foreign != name) continue;
     return fmt::format(
         "'{}' is a DSA kernel backend of the reference serving engine ({}), not of attnrt. In "
-        "attnrt the DSA phases run on attnrt backends that serve DSA: {} here (the cuda "
-        "backend has no DSA kernels yet). Leave the option unset to auto-select.",
+        "attnrt the DSA phases run on attnrt backends that serve DSA: cuda on NVIDIA GPUs (its "
+        "own indexer, top-k and sparse MLA kernels), cpu and reference anywhere; usable here: "
+        "{}. Leave the option unset to auto-select.",
         name, what, dsa_backends.empty() ? std::string("none") : join_or(dsa_backends));
   }
   return "";
