@@ -15,6 +15,9 @@ __version__ = _native_version()
 
 from .runtime import Runtime, ForwardBatch, SpecInfo, cuda_status, presets  # noqa: E402
 from .engine import AttnrtBackend  # noqa: E402
+from .dcp import (DcpAttention, DcpRank, in_process_group, nccl_communicator,  # noqa: E402
+                  nccl_unique_id, wrap_nccl_comm)
 
 __all__ = ["Error", "Runtime", "AttnrtBackend", "ForwardBatch", "SpecInfo", "cuda_status",
-           "presets", "__version__"]
+           "presets", "DcpAttention", "DcpRank", "in_process_group", "nccl_communicator",
+           "nccl_unique_id", "wrap_nccl_comm", "__version__"]

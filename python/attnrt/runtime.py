@@ -196,6 +196,72 @@ def _model_source(model: Any) -> tuple[str, str]:
     )
 
 
+def _options_and_config(kwargs: dict, who: str, extra: tuple = ()):
+    """The native Options and RuntimeConfig from keyword arguments (the reference engine's names);
+    TypeError naming the argument for an unknown name or a value of the wrong type."""
+    options = _native.Options()
+    config = _native.RuntimeConfig()
+    for key, value in kwargs.items():
+        if key in _OPTIONS:
+            target = options
+            kind = _OPTIONS[key]
+        elif key in _CONFIG:
+            target = config
+            kind = _CONFIG[key]
+        else:
+            allowed = ", ".join(sorted(list(_OPTIONS) + list(_CONFIG) + ["dtype", "tp_size"] +
+                                       list(extra)))
+            raise TypeError(f"{who}: unknown option {key!r}; the options are {allowed}")
+        if value is None:
+            continue
+        if key == "kv_cache_dtype" and not isinstance(value, str):
+            value = str(value).replace("torch.", "")
+        if kind is bool and not isinstance(value, bool):
+            raise TypeError(f"{who}: {key}={value!r}; it must be True or False")
+        if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+            raise TypeError(f"{who}: {key}={value!r}; it must be an integer")
+        if kind is str and not isinstance(value, str):
+            raise TypeError(f"{who}: {key}={value!r}; it must be a string")
+        setattr(target, key, list(value) if kind is list else kind(value))
+    return options, config
+
+
+def _dtype_name(dtype: Any) -> str:
+    if dtype is not None and not isinstance(dtype, str):
+        dtype = str(dtype).replace("torch.", "")
+    return dtype or ""
+
+
+def _begin_native(begin, batch: Any, *extra) -> None:
+    """Calls a native begin_step with the batch's fields: lists, numpy arrays and CPU tensors as
+    they are, anything else (GPU tensors, other integer types, iterables) as host int64 copies."""
+    mode = batch.forward_mode
+    if type(mode) is not str or not mode.isupper():
+        mode = _mode_name(mode)
+    spec = getattr(batch, "spec_info", None)
+    n, topk, parents, accept = 0, 1, None, None
+    rows = batch.req_pool_indices
+    if spec is not None:
+        n = int(getattr(spec, "draft_token_num", 0) or 0)
+        topk = int(getattr(spec, "topk", 1) or 1)
+        parents = getattr(spec, "parents", None)
+        nt = getattr(spec, "retrive_next_token", None)
+        if parents is None and nt is not None and topk > 1:
+            parents = _parents_from_retrive(nt, spec.retrive_next_sibling, len(rows), n)
+        accept = getattr(spec, "accept_length", None)
+    fields = [rows, batch.seq_lens, getattr(batch, "extend_prefix_lens", None),
+              getattr(batch, "extend_seq_lens", None), batch.out_cache_loc,
+              getattr(batch, "positions", None)]
+    try:
+        begin(mode, *fields, n, topk, parents, accept, *extra)
+    except TypeError:
+        names = ("req_pool_indices", "seq_lens", "extend_prefix_lens", "extend_seq_lens",
+                 "out_cache_loc", "positions")
+        fields = [_host_ints(x, name) for x, name in zip(fields, names)]
+        begin(mode, *fields, n, topk, _host_ints(parents, "spec_info.parents"),
+              _host_ints(accept, "spec_info.accept_length"), *extra)
+
+
 def _torch():
     import torch
 
@@ -225,33 +291,9 @@ class Runtime:
     """
 
     def __init__(self, model: Any = "demo", *, dtype: Any = None, tp_size: int = 1, **kwargs):
-        options = _native.Options()
-        config = _native.RuntimeConfig()
-        for key, value in kwargs.items():
-            if key in _OPTIONS:
-                target = options
-                kind = _OPTIONS[key]
-            elif key in _CONFIG:
-                target = config
-                kind = _CONFIG[key]
-            else:
-                allowed = ", ".join(sorted(list(_OPTIONS) + list(_CONFIG) + ["dtype", "tp_size"]))
-                raise TypeError(f"Runtime: unknown option {key!r}; the options are {allowed}")
-            if value is None:
-                continue
-            if key == "kv_cache_dtype" and not isinstance(value, str):
-                value = str(value).replace("torch.", "")
-            if kind is bool and not isinstance(value, bool):
-                raise TypeError(f"Runtime: {key}={value!r}; it must be True or False")
-            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise TypeError(f"Runtime: {key}={value!r}; it must be an integer")
-            if kind is str and not isinstance(value, str):
-                raise TypeError(f"Runtime: {key}={value!r}; it must be a string")
-            setattr(target, key, list(value) if kind is list else kind(value))
+        options, config = _options_and_config(kwargs, "Runtime")
         name, text = _model_source(model)
-        if dtype is not None and not isinstance(dtype, str):
-            dtype = str(dtype).replace("torch.", "")
-        self._rt = _native.Runtime(name, text, dtype or "", int(tp_size), options, config)
+        self._rt = _native.Runtime(name, text, _dtype_name(dtype), int(tp_size), options, config)
         self.layers = {l["layer_id"]: l for l in self._rt.layers}
         kind, index = self._rt.pool_device
         self._cuda = kind == "cuda"
@@ -400,32 +442,8 @@ class Runtime:
         return self._rt.cuda_graph_seq_len_fill_value()
 
     def _begin(self, batch: Any, kind: int, bs: int) -> None:
-        mode = batch.forward_mode
-        if type(mode) is not str or not mode.isupper():
-            mode = _mode_name(mode)
-        spec = getattr(batch, "spec_info", None)
-        n, topk, parents, accept = 0, 1, None, None
-        rows = batch.req_pool_indices
-        if spec is not None:
-            n = int(getattr(spec, "draft_token_num", 0) or 0)
-            topk = int(getattr(spec, "topk", 1) or 1)
-            parents = getattr(spec, "parents", None)
-            nt = getattr(spec, "retrive_next_token", None)
-            if parents is None and nt is not None and topk > 1:
-                parents = _parents_from_retrive(nt, spec.retrive_next_sibling, len(rows), n)
-            accept = getattr(spec, "accept_length", None)
         self._use_current_stream()
-        fields = [rows, batch.seq_lens, getattr(batch, "extend_prefix_lens", None),
-                  getattr(batch, "extend_seq_lens", None), batch.out_cache_loc,
-                  getattr(batch, "positions", None)]
-        try:  # lists, numpy arrays and CPU tensors go through as they are
-            self._rt.begin_step(mode, *fields, n, topk, parents, accept, kind, bs)
-        except TypeError:  # GPU tensors, other integer types, iterables: host int64 copies
-            names = ("req_pool_indices", "seq_lens", "extend_prefix_lens", "extend_seq_lens",
-                     "out_cache_loc", "positions")
-            fields = [_host_ints(x, name) for x, name in zip(fields, names)]
-            self._rt.begin_step(mode, *fields, n, topk, _host_ints(parents, "spec_info.parents"),
-                                _host_ints(accept, "spec_info.accept_length"), kind, bs)
+        _begin_native(self._rt.begin_step, batch, kind, bs)
 
     def forward(self, layer_id: int, q, k, v, out=None, *, save_kv: bool = True, sinks=None,
                 lse=None, index_q=None, index_k=None, index_weights=None, index_topk=None):

@@ -6,10 +6,12 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -23,6 +25,8 @@
 #include "attnrt/core/error.h"
 #include "attnrt/model/model_spec.h"
 #include "attnrt/runtime/attention_runtime.h"
+#include "attnrt/runtime/communicator.h"
+#include "attnrt/runtime/dcp.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -369,6 +373,96 @@ std::vector<T> field(nb::handle h, const char* name) {
   return ints<T>(a, name);
 }
 
+// A step's ForwardBatch from the reference engine's fields (Python handles: see field()).
+void fill_batch(ForwardBatch& b, const std::string& mode, nb::handle req_pool_indices,
+                nb::handle seq_lens, nb::handle extend_prefix_lens, nb::handle extend_seq_lens,
+                nb::handle out_cache_loc, nb::handle positions, int draft_token_num, int topk,
+                nb::handle parents, nb::handle accept_length) {
+  b.mode = parse_forward_mode(mode);
+  b.req_pool_indices = field<int64_t>(req_pool_indices, "req_pool_indices");
+  b.batch_size = static_cast<int>(b.req_pool_indices.size());
+  b.seq_lens = field<int32_t>(seq_lens, "seq_lens");
+  b.extend_prefix_lens = field<int32_t>(extend_prefix_lens, "extend_prefix_lens");
+  b.extend_seq_lens = field<int32_t>(extend_seq_lens, "extend_seq_lens");
+  b.extend_start_loc.clear();
+  if (!b.extend_seq_lens.empty()) {
+    int32_t at = 0;
+    for (int32_t n : b.extend_seq_lens) {
+      b.extend_start_loc.push_back(at);
+      at += n;
+    }
+  }
+  b.out_cache_loc = field<int64_t>(out_cache_loc, "out_cache_loc");
+  b.positions = field<int64_t>(positions, "positions");
+  b.spec_info.reset();
+  if (draft_token_num > 0 || !parents.is_none() || !accept_length.is_none()) {
+    SpecInfo s;
+    s.draft_token_num = draft_token_num;
+    s.topk = topk;
+    s.parents = field<int32_t>(parents, "spec_info.parents");
+    s.accept_length = field<int32_t>(accept_length, "spec_info.accept_length");
+    if (s.parents.empty() && is_target_verify(b.mode) && s.is_chain() && draft_token_num > 0) {
+      // A chain's parents, made here for the caller: only for as many block tokens as the step
+      // writes (a draft_token_num that disagrees must not size an allocation).
+      const int64_t block = int64_t{b.batch_size} * draft_token_num;
+      ATTNRT_CHECK(block == static_cast<int64_t>(b.out_cache_loc.size()),
+                   "ForwardBatch (TARGET_VERIFY): spec_info.draft_token_num = {} for {} "
+                   "requests is {} block tokens, but out_cache_loc has {} entries (one per "
+                   "block token)",
+                   draft_token_num, b.batch_size, block, b.out_cache_loc.size());
+      s.parents = SpecInfo::chain(b.batch_size, draft_token_num).parents;
+    }
+    b.spec_info = std::move(s);
+  }
+}
+
+// The arguments of one attention call of layer `l` (forward()'s): flat [T, H*D] tensors split
+// into heads; DSA layers' indexer inputs, any float dtype and strides; index_topk an optional int32
+// [T, index_topk] output of the selection.
+AttnArgs attn_args(const LayerSpec& l, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+                   bool save_kv, nb::handle sinks, nb::handle lse, nb::handle index_q,
+                   nb::handle index_k, nb::handle index_weights, nb::handle index_topk) {
+  const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+  AttnArgs a;
+  a.q = split_heads(activation_of(q, "q"), l.num_q_heads, l.head_dim, "q");
+  a.k = split_heads(activation_of(k, "k"), l.num_kv_heads, l.head_dim, "k");
+  a.v = split_heads(activation_of(v, "v"), l.num_kv_heads, dv, "v");
+  a.out = split_heads(activation_of(out, "out"), l.num_q_heads, dv, "out");
+  a.save_kv = save_kv;
+  if (!sinks.is_none()) {
+    const TensorView s = tensor_of(sinks, "sinks");
+    ATTNRT_CHECK(s.dtype == DType::f32 && s.is_contiguous(),
+                 "sinks: {}; the sink logits are a contiguous float32 tensor [num_q_heads]",
+                 s.describe());
+    a.sinks = s.ptr<const float>();
+  }
+  a.lse = tensor_of(lse, "lse");
+  // DSA layers (docs/dsa.md): the indexer's inputs, any float dtype and strides; index_topk an
+  // optional int32 [T, index_topk] output of the selection.
+  a.indexer.q = tensor_of(index_q, "index_q");
+  a.indexer.k = tensor_of(index_k, "index_k");
+  a.indexer.weights = tensor_of(index_weights, "index_weights");
+  a.indexer.topk = tensor_of(index_topk, "index_topk");
+  return a;
+}
+
+// Layer `layer_id` of `m` (attnrt::Error naming the layers when there is none); `table` caches the
+// lookup by id.
+const LayerSpec& find_layer(const ModelSpec& m, std::vector<const LayerSpec*>& table,
+                            int layer_id) {
+  if (table.empty()) {
+    for (const LayerSpec& l : m.layers) {
+      if (static_cast<size_t>(l.layer_id) >= table.size()) table.resize(l.layer_id + 1);
+      table[l.layer_id] = &l;
+    }
+  }
+  ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < table.size() &&
+                   table[layer_id] != nullptr,
+               "forward: layer_id {} is not a layer of model '{}'; layers are 0..{}", layer_id,
+               m.name, table.size() - 1);
+  return *table[layer_id];
+}
+
 // A preset name or config.json path, or the text of a config.json (then `model` names its origin);
 // `dtype` ("" = the model's) replaces the activation dtype; tp_size splits the heads.
 ModelSpec load_model(const std::string& model, const std::string& config_json,
@@ -428,42 +522,8 @@ class Runtime {
                   nb::handle parents, nb::handle accept_length, int kind, int bs) {
     AttentionRuntime& r = rt();
     ForwardBatch& b = batch_;
-    b.mode = parse_forward_mode(mode);
-    b.req_pool_indices = field<int64_t>(req_pool_indices, "req_pool_indices");
-    b.batch_size = static_cast<int>(b.req_pool_indices.size());
-    b.seq_lens = field<int32_t>(seq_lens, "seq_lens");
-    b.extend_prefix_lens = field<int32_t>(extend_prefix_lens, "extend_prefix_lens");
-    b.extend_seq_lens = field<int32_t>(extend_seq_lens, "extend_seq_lens");
-    b.extend_start_loc.clear();
-    if (!b.extend_seq_lens.empty()) {
-      int32_t at = 0;
-      for (int32_t n : b.extend_seq_lens) {
-        b.extend_start_loc.push_back(at);
-        at += n;
-      }
-    }
-    b.out_cache_loc = field<int64_t>(out_cache_loc, "out_cache_loc");
-    b.positions = field<int64_t>(positions, "positions");
-    b.spec_info.reset();
-    if (draft_token_num > 0 || !parents.is_none() || !accept_length.is_none()) {
-      SpecInfo s;
-      s.draft_token_num = draft_token_num;
-      s.topk = topk;
-      s.parents = field<int32_t>(parents, "spec_info.parents");
-      s.accept_length = field<int32_t>(accept_length, "spec_info.accept_length");
-      if (s.parents.empty() && is_target_verify(b.mode) && s.is_chain() && draft_token_num > 0) {
-        // A chain's parents, made here for the caller: only for as many block tokens as the step
-        // writes (a draft_token_num that disagrees must not size an allocation).
-        const int64_t block = int64_t{b.batch_size} * draft_token_num;
-        ATTNRT_CHECK(block == static_cast<int64_t>(b.out_cache_loc.size()),
-                     "ForwardBatch (TARGET_VERIFY): spec_info.draft_token_num = {} for {} "
-                     "requests is {} block tokens, but out_cache_loc has {} entries (one per "
-                     "block token)",
-                     draft_token_num, b.batch_size, block, b.out_cache_loc.size());
-        s.parents = SpecInfo::chain(b.batch_size, draft_token_num).parents;
-      }
-      b.spec_info = std::move(s);
-    }
+    fill_batch(b, mode, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens,
+               out_cache_loc, positions, draft_token_num, topk, parents, accept_length);
     if (in_step_) {
       r.end_step();
       in_step_ = false;
@@ -494,27 +554,8 @@ class Runtime {
     AttentionRuntime& r = rt();
     const LayerSpec& l = layer(layer_id);
     if (capturing_) follow_stream();
-    const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
-    AttnArgs a;
-    a.q = split_heads(activation_of(q, "q"), l.num_q_heads, l.head_dim, "q");
-    a.k = split_heads(activation_of(k, "k"), l.num_kv_heads, l.head_dim, "k");
-    a.v = split_heads(activation_of(v, "v"), l.num_kv_heads, dv, "v");
-    a.out = split_heads(activation_of(out, "out"), l.num_q_heads, dv, "out");
-    a.save_kv = save_kv;
-    if (!sinks.is_none()) {
-      const TensorView s = tensor_of(sinks, "sinks");
-      ATTNRT_CHECK(s.dtype == DType::f32 && s.is_contiguous(),
-                   "sinks: {}; the sink logits are a contiguous float32 tensor [num_q_heads]",
-                   s.describe());
-      a.sinks = s.ptr<const float>();
-    }
-    a.lse = tensor_of(lse, "lse");
-    // DSA layers (docs/dsa.md): the indexer's inputs, any float dtype and strides; index_topk an
-    // optional int32 [T, index_topk] output of the selection.
-    a.indexer.q = tensor_of(index_q, "index_q");
-    a.indexer.k = tensor_of(index_k, "index_k");
-    a.indexer.weights = tensor_of(index_weights, "index_weights");
-    a.indexer.topk = tensor_of(index_topk, "index_topk");
+    const AttnArgs a = attn_args(l, q, k, v, out, save_kv, sinks, lse, index_q, index_k,
+                                 index_weights, index_topk);
     r.forward(layer_id, a);
   }
 
@@ -577,20 +618,7 @@ class Runtime {
   }
 
   // The layer `layer_id` of the model (attnrt::Error naming the layers when there is none).
-  const LayerSpec& layer(int layer_id) {
-    const ModelSpec& m = rt().model();
-    if (layers_.empty()) {
-      for (const LayerSpec& l : m.layers) {
-        if (static_cast<size_t>(l.layer_id) >= layers_.size()) layers_.resize(l.layer_id + 1);
-        layers_[l.layer_id] = &l;
-      }
-    }
-    ATTNRT_CHECK(layer_id >= 0 && static_cast<size_t>(layer_id) < layers_.size() &&
-                     layers_[layer_id] != nullptr,
-                 "forward: layer_id {} is not a layer of model '{}'; layers are 0..{}", layer_id,
-                 m.name, layers_.size() - 1);
-    return *layers_[layer_id];
-  }
+  const LayerSpec& layer(int layer_id) { return find_layer(rt().model(), layers_, layer_id); }
 
   void forward_linear(int layer_id, const Array& mixed_qkv, const Array& a, std::optional<Array> b,
                       const Array& conv_weight, std::optional<Array> conv_bias,
@@ -621,6 +649,151 @@ class Runtime {
   int cuda_device_ = -1;
   void* stream_ = nullptr;
   bool stream_known_ = false;
+};
+
+// ---- Decode context parallelism (docs/dcp.md, docs/python.md) -----------------------------------
+
+// One rank's handle on a group's communicator: an in-process group (shared by the handles of all
+// its ranks, a thread each) or one rank over NCCL.
+struct Comm {
+  std::shared_ptr<Communicator> comm;
+  std::shared_ptr<Communicator> host;  // a device communicator's exchange of host tensors, if any
+  int rank = 0;
+};
+
+// The accepted block indices of a verify step, per request (lists of ints).
+std::vector<std::vector<int32_t>> accepted_paths(nb::handle accepted) {
+  std::vector<std::vector<int32_t>> out;
+  if (!PyList_Check(accepted.ptr()) && !PyTuple_Check(accepted.ptr())) {
+    throw nb::type_error(fmt::format("commit_verify: accepted is {}; pass a list with one list of "
+                                     "block indices per request (the root 0 first)",
+                                     nb::inst_name(accepted).c_str())
+                             .c_str());
+  }
+  for (nb::handle path : accepted) out.push_back(field<int32_t>(path, "accepted[i]"));
+  return out;
+}
+
+// What DcpAttention and DcpRank share: the step's batch, the layer lookup, the closed state.
+template <class Impl>
+class DcpBase {
+ public:
+  Impl& impl() {
+    if (!impl_) throw std::runtime_error("attnrt: the DCP group was closed; create a new one");
+    return *impl_;
+  }
+  bool closed() const { return !impl_; }
+  bool in_step() const { return in_step_; }
+
+  void begin_step(const std::string& mode, nb::handle req_pool_indices, nb::handle seq_lens,
+                  nb::handle extend_prefix_lens, nb::handle extend_seq_lens,
+                  nb::handle out_cache_loc, nb::handle positions, int draft_token_num, int topk,
+                  nb::handle parents, nb::handle accept_length) {
+    Impl& g = impl();
+    // A new step ends the one in progress (as Runtime does); the batch is kept for commit_verify.
+    if (in_step_) {
+      g.end_step();
+      in_step_ = false;
+    }
+    stepped_ = false;
+    fill_batch(batch_, mode, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens,
+               out_cache_loc, positions, draft_token_num, topk, parents, accept_length);
+    g.begin_step(batch_);
+    in_step_ = true;
+    stepped_ = true;
+  }
+  void end_step() {
+    Impl& g = impl();
+    ATTNRT_CHECK(in_step_, "end_step: no step in progress; call begin_step first");
+    g.end_step();
+    in_step_ = false;
+  }
+  void commit_verify(nb::handle accepted) {
+    Impl& g = impl();
+    ATTNRT_CHECK(stepped_ && !in_step_,
+                 "commit_verify: call it after the TARGET_VERIFY step's end_step and before the "
+                 "next begin_step");
+    const std::vector<std::vector<int32_t>> paths = accepted_paths(accepted);
+    g.commit_verify(batch_, paths);
+  }
+  void close() {
+    if (impl_ && in_step_) impl_->end_step();
+    in_step_ = false;
+    impl_.reset();
+  }
+
+ protected:
+  std::unique_ptr<Impl> impl_;
+  ForwardBatch batch_;
+  bool in_step_ = false;
+  bool stepped_ = false;
+  std::vector<const LayerSpec*> layers_;
+};
+
+// n simulated ranks in one process (DcpAttention): host backends, or cuda ranks on one GPU.
+class Dcp : public DcpBase<DcpAttention> {
+ public:
+  Dcp(const std::string& model, const std::string& config_json, const std::string& dtype,
+      int tp_size, const Options& options, const RuntimeConfig& config) {
+    impl_ = std::make_unique<DcpAttention>(load_model(model, config_json, dtype, tp_size), options,
+                                           config);
+  }
+  const ModelSpec& model() { return impl().model(); }
+  void forward(int layer_id, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+               bool save_kv, nb::handle sinks, nb::handle lse) {
+    DcpAttention& g = impl();
+    const LayerSpec& l = find_layer(g.model(), layers_, layer_id);
+    const nb::handle none = nb::none();
+    const AttnArgs a = attn_args(l, q, k, v, out, save_kv, sinks, lse, none, none, none, none);
+    g.forward(layer_id, a);
+  }
+};
+
+// One rank of a group (DcpRank) over the communicator the caller made.
+class DcpRankPy : public DcpBase<DcpRank> {
+ public:
+  DcpRankPy(const std::string& model, const std::string& config_json, const std::string& dtype,
+            int tp_size, const Options& options, const RuntimeConfig& config, const Comm& comm)
+      : comm_(comm), model_(load_model(model, config_json, dtype, tp_size)) {
+    ATTNRT_CHECK(comm.comm != nullptr, "DcpRank: the communicator is empty");
+    ATTNRT_CHECK(options.dcp_size == comm.comm->size(),
+                 "DcpRank: dcp_size = {} but the communicator's group has {} ranks",
+                 options.dcp_size, comm.comm->size());
+    validate_dcp(model_, options);
+    impl_ = std::make_unique<DcpRank>(comm.rank, model_, options, config, *comm_.comm,
+                                      comm_.host.get());
+  }
+  const ModelSpec& model() const { return model_; }
+  int rank() { return impl().rank(); }
+  // The q heads whose merged rows forward() writes on this rank: [begin, end).
+  std::pair<int, int> head_range(int layer_id) {
+    const LayerSpec& l = find_layer(model_, layers_, layer_id);
+    const DcpRank& r = impl();
+    return {dcp_head_begin(r.rank(), l.num_q_heads, r.size()),
+            dcp_head_begin(r.rank() + 1, l.num_q_heads, r.size())};
+  }
+  void forward(int layer_id, nb::handle q, nb::handle k, nb::handle v, nb::handle out,
+               bool save_kv, nb::handle sinks, nb::handle lse) {
+    DcpRank& r = impl();
+    const LayerSpec& l = find_layer(model_, layers_, layer_id);
+    const nb::handle none = nb::none();
+    const AttnArgs a = attn_args(l, q, k, v, out, save_kv, sinks, lse, none, none, none, none);
+    // The exchange waits for the group's other ranks, which other threads drive; the
+    // communicators made here complete a collective when every rank's call returns (in process)
+    // or in stream order (NCCL), so the merge follows at once.
+    nb::gil_scoped_release unlocked;
+    r.forward(layer_id, a);
+    r.merge(layer_id, a);
+  }
+  void synchronize() {
+    DcpRank& r = impl();
+    nb::gil_scoped_release unlocked;
+    r.synchronize();
+  }
+
+ private:
+  Comm comm_;  // keeps the communicator alive for the rank
+  ModelSpec model_;
 };
 
 // A zero-copy array over memory the runtime owns; `owner` (the Python Runtime) keeps it alive.
@@ -694,7 +867,8 @@ NB_MODULE(_native, m) {
       .def_rw("chunked_prefix_cache_threshold", &Options::chunked_prefix_cache_threshold)
       .def_rw("max_chunk_capacity", &Options::max_chunk_capacity)
       .def_rw("dsa_prefill_backend", &Options::dsa_prefill_backend)
-      .def_rw("dsa_decode_backend", &Options::dsa_decode_backend);
+      .def_rw("dsa_decode_backend", &Options::dsa_decode_backend)
+      .def_rw("dcp_size", &Options::dcp_size);
 
   nb::class_<RuntimeConfig>(m, "RuntimeConfig")
       .def(nb::init<>())
@@ -852,4 +1026,100 @@ NB_MODULE(_native, m) {
              r.rt().update_state_after_verify(v);
            })
       .def("synchronize", [](Runtime& r) { r.rt().synchronize(); });
+
+  // Decode context parallelism (docs/dcp.md): communicators, the simulated group, one rank.
+  nb::class_<python::Comm>(m, "Communicator")
+      .def_prop_ro("name", [](const python::Comm& c) { return std::string(c.comm->name()); })
+      .def_prop_ro("size", [](const python::Comm& c) { return c.comm->size(); })
+      .def_prop_ro("rank", [](const python::Comm& c) { return c.rank; });
+  m.def("in_process_group", [](int size) {
+    ATTNRT_CHECK(size >= 1 && size <= kMaxDcpSize,
+                 "in_process_group: size {}; a group has 1..{} ranks", size, kMaxDcpSize);
+    std::shared_ptr<Communicator> group = std::make_shared<InProcessCommunicator>(size, true);
+    std::vector<python::Comm> out;
+    for (int r = 0; r < size; ++r) out.push_back(python::Comm{group, nullptr, r});
+    return out;
+  });
+  m.def("nccl_unavailable_reason", &nccl_unavailable_reason);
+  m.def("nccl_version", &nccl_version);
+  m.def("nccl_unique_id", [] {
+    const NcclUniqueId id = nccl_unique_id();
+    return nb::bytes(id.bytes.data(), id.bytes.size());
+  });
+  m.def(
+      "nccl_communicator",
+      [](nb::bytes id, int size, int rank, int device, uintptr_t stream) {
+        NcclUniqueId u;
+        ATTNRT_CHECK(id.size() == u.bytes.size(),
+                     "nccl_communicator: unique_id has {} bytes; NCCL's id has {} (pass what "
+                     "nccl_unique_id() returned on one rank)",
+                     id.size(), u.bytes.size());
+        std::memcpy(u.bytes.data(), id.c_str(), u.bytes.size());
+        std::unique_ptr<Communicator> c;
+        {
+          nb::gil_scoped_release unlocked;  // joins block until every rank has called
+          c = make_nccl_communicator(u, size, rank, device, reinterpret_cast<void*>(stream));
+        }
+        return python::Comm{std::shared_ptr<Communicator>(std::move(c)), nullptr, rank};
+      },
+      "unique_id"_a, "size"_a, "rank"_a, "device"_a, "stream"_a = 0);
+  m.def(
+      "wrap_nccl_comm",
+      [](uintptr_t comm, int rank, uintptr_t stream) {
+        std::unique_ptr<Communicator> c =
+            wrap_nccl_comm(reinterpret_cast<void*>(comm), reinterpret_cast<void*>(stream));
+        return python::Comm{std::shared_ptr<Communicator>(std::move(c)), nullptr, rank};
+      },
+      "comm"_a, "rank"_a, "stream"_a = 0);
+
+#define ATTNRT_DCP_STEP(C)                                                                        \
+  .def("begin_step", &C::begin_step, "mode"_a, "req_pool_indices"_a.none(), "seq_lens"_a.none(), \
+       "extend_prefix_lens"_a.none(), "extend_seq_lens"_a.none(), "out_cache_loc"_a.none(),      \
+       "positions"_a.none(), "draft_token_num"_a = 0, "topk"_a = 1,                              \
+       "parents"_a.none() = nb::none(), "accept_length"_a.none() = nb::none())                   \
+      .def("forward", &C::forward, "layer_id"_a, "q"_a.none(), "k"_a.none(), "v"_a.none(),       \
+           "out"_a.none(), "save_kv"_a = true, "sinks"_a.none() = nb::none(),                    \
+           "lse"_a.none() = nb::none())                                                          \
+      .def("end_step", &C::end_step)                                                             \
+      .def("commit_verify", &C::commit_verify, "accepted"_a)                                     \
+      .def("free_request", [](C& g, int row) { g.impl().free_request(row); })                    \
+      .def("reserve_prefix", [](C& g, int row, int32_t n) { g.impl().reserve_prefix(row, n); })  \
+      .def("set_kv_scales",                                                                      \
+           [](C& g, int layer_id, float k, float v) { g.impl().set_kv_scales(layer_id, k, v); }) \
+      .def("close", &C::close)                                                                   \
+      .def_prop_ro("closed", &C::closed)                                                         \
+      .def_prop_ro("in_step", &C::in_step)                                                       \
+      .def_prop_ro("size", [](C& g) { return g.impl().size(); })                                 \
+      .def_prop_ro("layers", [](C& g) {                                                          \
+        nb::list out;                                                                            \
+        for (const LayerSpec& l : g.model().layers) out.append(python::layer_dict(l));           \
+        return out;                                                                              \
+      })                                                                                         \
+      .def_prop_ro("model_dtype",                                                                \
+                   [](C& g) { return std::string(dtype_name(g.model().dtype)); })
+
+  nb::class_<python::Dcp>(m, "DcpAttention")
+      .def(nb::init<const std::string&, const std::string&, const std::string&, int,
+                    const Options&, const RuntimeConfig&>(),
+           "model"_a, "config_json"_a, "dtype"_a, "tp_size"_a, "options"_a, "config"_a)
+      ATTNRT_DCP_STEP(python::Dcp)
+      .def_prop_ro("pool_device", [](python::Dcp& g) {
+        const Device d = g.impl().rank(0).runtime().kv_cache().device();
+        return nb::make_tuple(d.kind == DeviceKind::cuda ? "cuda" : "cpu", d.index);
+      });
+
+  nb::class_<python::DcpRankPy>(m, "DcpRank")
+      .def(nb::init<const std::string&, const std::string&, const std::string&, int,
+                    const Options&, const RuntimeConfig&, const python::Comm&>(),
+           "model"_a, "config_json"_a, "dtype"_a, "tp_size"_a, "options"_a, "config"_a,
+           "communicator"_a)
+      ATTNRT_DCP_STEP(python::DcpRankPy)
+      .def_prop_ro("rank", &python::DcpRankPy::rank)
+      .def("head_range", &python::DcpRankPy::head_range, "layer_id"_a)
+      .def("synchronize", &python::DcpRankPy::synchronize)
+      .def_prop_ro("pool_device", [](python::DcpRankPy& g) {
+        const Device d = g.impl().runtime().kv_cache().device();
+        return nb::make_tuple(d.kind == DeviceKind::cuda ? "cuda" : "cpu", d.index);
+      });
+#undef ATTNRT_DCP_STEP
 }

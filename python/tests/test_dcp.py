@@ -1,0 +1,295 @@
+"""Decode context parallelism from Python (docs/dcp.md): attnrt.DcpAttention (n simulated ranks in
+one process) against one attnrt.Runtime holding everything, over a serving-like sequence of steps:
+prompts, a chunk over the cached prefix, decodes, a chain verify and a tree verify with its
+accepted paths committed; and attnrt.DcpRank on a thread per rank (in_process_group) against the
+group, bit for bit. GQA and MLA layers, 2 and 3 ranks, pages of 1 and 16; the errors of misuse.
+
+Inputs are drawn fresh from a seed printed with every failure (ATTNRT_TEST_SEED replays one)."""
+import concurrent.futures
+
+import pytest
+
+torch = pytest.importorskip("torch")
+attnrt = pytest.importorskip("attnrt")
+
+CUDA_OK, _ = attnrt.cuda_status()
+GPU = CUDA_OK and torch.cuda.is_available()
+
+
+def gqa_config():
+    return {"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 6,
+            "num_key_value_heads": 2, "hidden_size": 6 * 32, "head_dim": 32,
+            "max_position_embeddings": 2048, "torch_dtype": "float32"}
+
+
+def mla_config():
+    return {"model_type": "deepseek_v3", "num_hidden_layers": 1, "num_attention_heads": 4,
+            "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 24,
+            "rope_scaling": None, "max_position_embeddings": 2048, "torch_dtype": "float32"}
+
+
+CONFIGS = {"gqa": gqa_config, "mla": mla_config}
+ROWS = [3, 0, 5]  # the engine's request ids (any rows below max_requests)
+TREE = [-1, 0, 0, 1, 1, 2]  # parents of a verify block of 6 (depths 0 1 1 2 2 2)
+
+
+class Oracle:
+    """One Runtime as an engine drives it: slots per step, a verify's accepted path copied down."""
+
+    def __init__(self, cfg, **opts):
+        self.rt = attnrt.Runtime(cfg, dtype=torch.float32, attention_backend="cpu", page_size=1,
+                                 max_requests=8, kv_slots=4096, max_num_tokens=256, **opts)
+        self.row = {r: self.rt.alloc_request() for r in ROWS}
+        self.lens = {r: 0 for r in ROWS}
+
+    def place(self, rows, counts):
+        """Slots for `counts` new tokens of each request after its cached ones."""
+        prefix = [self.lens[r] for r in rows]
+        last = [int(self.rt.req_to_token[self.row[r], p - 1]) if p > 0 else -1
+                for r, p in zip(rows, prefix)]
+        slots = self.rt.alloc_extend(prefix, [p + n for p, n in zip(prefix, counts)], last)
+        at = 0
+        for r, p, n in zip(rows, prefix, counts):
+            self.rt.write_req_to_token(self.row[r], p, slots[at:at + n])
+            at += n
+        return prefix, slots
+
+    def batch(self, mode, rows, counts, spec=None):
+        prefix, slots = self.place(rows, counts)
+        engine_rows = [self.row[r] for r in rows]
+        if mode == "DECODE":
+            return attnrt.ForwardBatch("DECODE", engine_rows, [p + 1 for p in prefix], slots,
+                                       positions=prefix), rows
+        if mode == "TARGET_VERIFY":
+            depth = [0] * len(TREE)
+            for t in range(1, len(TREE)):
+                depth[t] = depth[TREE[t]] + 1
+            n = counts[0]
+            d = depth if spec.topk > 1 else list(range(n))
+            return attnrt.ForwardBatch("TARGET_VERIFY", engine_rows, prefix, slots,
+                                       positions=[p + d[t] for p in prefix for t in range(n)],
+                                       spec_info=spec), rows
+        return attnrt.ForwardBatch("EXTEND", engine_rows, [p + n for p, n in zip(prefix, counts)],
+                                   slots, extend_prefix_lens=prefix, extend_seq_lens=counts,
+                                   positions=[p + t for p, n in zip(prefix, counts)
+                                              for t in range(n)]), rows
+
+    def keep(self, rows, block, kept, paths=None):
+        """After a step: request rows[i] keeps kept[i] of its block[i] new tokens; a tree verify's
+        accepted path (paths[i]) first has its nodes' K/V copied down to the columns after the
+        prefix, as an engine compacts a tree path. The rest of the block is freed."""
+        for i, r in enumerate(rows):
+            row, p = self.row[r], self.lens[r]
+            cols = self.rt.req_to_token[row]
+            if paths is not None:
+                for layer in self.rt.layers:
+                    k, v, _, _ = self.rt.kv_buffers(layer)
+                    for depth, node in enumerate(paths[i]):
+                        src, dst = int(cols[p + node]), int(cols[p + depth])
+                        k[dst] = k[src].clone()
+                        if v.data_ptr() != k.data_ptr():
+                            v[dst] = v[src].clone()
+            if block[i] > kept[i]:
+                self.rt.free_slots([int(x) for x in cols[p + kept[i]:p + block[i]]])
+            self.lens[r] = p + kept[i]
+
+
+def draw(layers, T, gen, device="cpu"):
+    """q, k, v of every layer for T tokens (MLA: the absorbed form, v a view of the latent rows)."""
+    out = []
+    for info in layers.values():
+        if info["kind"] == "mla":
+            row = info["head_dim"]
+            q = torch.randn(T, info["num_q_heads"], row, generator=gen)
+            k = torch.randn(T, 1, row, generator=gen)
+            out.append((q.to(device), k.to(device), k.to(device)[:, :, :info["v_head_dim"]]))
+        else:
+            h, kv, d = info["num_q_heads"], info["num_kv_heads"], info["head_dim"]
+            out.append(tuple(x.to(device) for x in (torch.randn(T, h, d, generator=gen),
+                                                    torch.randn(T, kv, d, generator=gen),
+                                                    torch.randn(T, kv, d, generator=gen))))
+    return out
+
+
+def steps(oracle):
+    """The steps of the scenario as (mode, rows, new tokens per row, spec, accepted paths)."""
+    chain = attnrt.SpecInfo(draft_token_num=4, topk=1)
+    tree = attnrt.SpecInfo(draft_token_num=len(TREE), topk=2, parents=TREE * 2)
+    yield "EXTEND", ROWS, [37, 20, 3], None, None           # prompts of ragged lengths
+    yield "EXTEND", ROWS[:2], [9, 17], None, None           # a chunk over the cached prefix
+    yield "DECODE", ROWS, [1, 1, 1], None, None
+    yield "TARGET_VERIFY", ROWS, [4, 4, 4], chain, [[0, 1], [0, 1, 2, 3], [0]]
+    yield "DECODE", ROWS, [1, 1, 1], None, None
+    yield "TARGET_VERIFY", ROWS[1:], [6, 6], tree, [[0, 2, 5], [0, 1, 3]]
+    yield "DECODE", ROWS, [1, 1, 1], None, None
+
+
+def run_scenario(cfg, group_of, gen, device="cpu"):
+    """Every step on the oracle and on the DCP side (group_of(batch, layer inputs) -> outputs);
+    returns the largest difference per step."""
+    oracle = Oracle(cfg)
+    diffs = []
+    for mode, rows, counts, spec, paths in steps(oracle):
+        batch, _ = oracle.batch(mode, rows, counts, spec)
+        T = sum(counts)
+        inputs = draw(oracle.rt.layers, T, gen)
+        want = []
+        oracle.rt.begin_step(batch)
+        for layer, (q, k, v) in zip(oracle.rt.layers, inputs):
+            want.append(oracle.rt.forward(layer, q, k, v))
+        oracle.rt.end_step()
+        moved = [tuple(x.to(device) for x in qkv) for qkv in inputs]
+        tree_paths = paths if spec is not None and spec.topk > 1 else None
+        got = group_of(batch, moved, tree_paths)
+        for w, g in zip(want, got):
+            assert not torch.isnan(g).any(), f"{mode}: unwritten output elements"
+            diffs.append((mode, (w - g.cpu()).abs().max().item()))
+        if paths is None:
+            oracle.keep(rows, counts, counts)
+        else:  # a verify keeps its accepted tokens (a chain's: a prefix of its block)
+            oracle.keep(rows, counts, [len(p) for p in paths], tree_paths)
+    oracle.rt.close()
+    return diffs
+
+
+def group_runner(group, layers, device="cpu"):
+    def run(batch, inputs, tree_paths):
+        group.begin_step(batch)
+        outs = []
+        for layer, (q, k, v) in zip(layers, inputs):
+            info = layers[layer]
+            out = torch.full((q.shape[0], info["num_q_heads"], info["v_head_dim"]), float("nan"),
+                             device=device)
+            outs.append(group.forward(layer, q, k, v, out))
+        group.end_step()
+        if tree_paths is not None:
+            group.commit_verify(tree_paths)
+        return outs
+    return run
+
+
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("ranks,page", [(2, 1), (3, 16)])
+def test_group_equals_one_runtime(kind, ranks, page, seed):
+    cfg = CONFIGS[kind]()
+    gen = torch.Generator().manual_seed(seed)
+    with attnrt.DcpAttention(cfg, dcp_size=ranks, dtype=torch.float32, attention_backend="cpu",
+                             page_size=page, max_requests=8, max_num_tokens=256) as group:
+        assert group.size == ranks
+        diffs = run_scenario(cfg, group_runner(group, group.layers), gen)
+    worst = max(d for _, d in diffs)
+    assert worst < 2e-4, diffs
+
+
+def test_ranks_on_threads_equal_the_group(seed):
+    """A DcpRank per thread over an in-process group: each writes its heads' merged rows; together
+    they are the simulated group's output, bit for bit."""
+    cfg, ranks = gqa_config(), 2
+    opts = dict(dtype=torch.float32, attention_backend="cpu", page_size=16, max_requests=8,
+                max_num_tokens=256)
+    comms = attnrt.in_process_group(ranks)
+    assert [c.rank for c in comms] == [0, 1] and comms[0].size == ranks
+    members = [attnrt.DcpRank(cfg, rank=r, dcp_size=ranks, communicator=comms[r], **opts)
+               for r in range(ranks)]
+    group = attnrt.DcpAttention(cfg, dcp_size=ranks, **opts)
+    layers = group.layers
+    heads = [m.head_range(0) for m in members]
+    assert heads[0][0] == 0 and heads[-1][1] == layers[0]["num_q_heads"]
+    assert all(heads[r][1] == heads[r + 1][0] for r in range(ranks - 1))
+    pool = concurrent.futures.ThreadPoolExecutor(ranks)
+
+    def on_ranks(batch, inputs, tree_paths):
+        outs = [torch.full((inputs[0][0].shape[0], layers[l]["num_q_heads"],
+                            layers[l]["v_head_dim"]), float("nan")) for l in layers]
+
+        def one(member):
+            member.begin_step(batch)
+            for i, (q, k, v) in enumerate(inputs):
+                member.forward(i, q, k, v, outs[i])
+            member.end_step()
+            if tree_paths is not None:
+                member.commit_verify(tree_paths)
+
+        for f in [pool.submit(one, m) for m in members]:
+            f.result(timeout=120)
+        return outs
+
+    gen = torch.Generator().manual_seed(seed)
+    run_group = group_runner(group, layers)
+
+    def both(batch, inputs, tree_paths):
+        a = on_ranks(batch, inputs, tree_paths)
+        b = run_group(batch, inputs, tree_paths)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+        return a
+
+    run_scenario(cfg, both, gen)
+    pool.shutdown()
+    for m in members:
+        m.close()
+    group.close()
+
+
+def test_errors_name_the_problem():
+    dsa = {"model_type": "deepseek_v32", "num_hidden_layers": 1, "num_attention_heads": 4,
+           "kv_lora_rank": 64, "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 24,
+           "index_topk": 8, "index_n_heads": 4, "index_head_dim": 32, "rope_scaling": None,
+           "max_position_embeddings": 1024, "torch_dtype": "float32"}
+    with pytest.raises(attnrt.Error, match="indexer|DSA"):
+        attnrt.DcpAttention(dsa, dcp_size=2, attention_backend="cpu")
+    with pytest.raises(attnrt.Error, match="dcp_size"):
+        attnrt.DcpAttention(gqa_config(), dcp_size=0, attention_backend="cpu")
+    with pytest.raises(TypeError, match="dcp_size"):
+        attnrt.DcpAttention(gqa_config(), dcp_size="2")
+    with pytest.raises(TypeError, match="unknown option 'page_sise'"):
+        attnrt.DcpAttention(gqa_config(), dcp_size=2, page_sise=16)
+    comms = attnrt.in_process_group(2)
+    with pytest.raises(ValueError, match="rank=1 but the communicator is rank 0"):
+        attnrt.DcpRank(gqa_config(), rank=1, dcp_size=2, communicator=comms[0])
+    with pytest.raises(attnrt.Error, match="dcp_size = 3 but the communicator's group has 2"):
+        attnrt.DcpRank(gqa_config(), rank=0, dcp_size=3, communicator=comms[0],
+                       attention_backend="cpu")
+    with pytest.raises(TypeError, match="communicator"):
+        attnrt.DcpRank(gqa_config(), rank=0, dcp_size=2, communicator="nccl")
+    with pytest.raises(attnrt.Error, match="size 0"):
+        attnrt.in_process_group(0)
+    group = attnrt.DcpAttention(gqa_config(), dcp_size=2, attention_backend="cpu", max_requests=4)
+    with pytest.raises(attnrt.Error, match="commit_verify"):
+        group.commit_verify([[0]])
+    batch = attnrt.ForwardBatch("EXTEND", [9], [4], [0, 0, 0, 0], extend_prefix_lens=[0],
+                                extend_seq_lens=[4], positions=[0, 1, 2, 3])
+    with pytest.raises(attnrt.Error, match="req_pool_indices"):
+        group.begin_step(batch)
+    group.close()
+    assert group.closed
+    with pytest.raises(RuntimeError, match="closed"):
+        group.begin_step(batch)
+    if not GPU:
+        with pytest.raises(attnrt.Error, match="NCCL cannot be used here"):
+            attnrt.nccl_unique_id()
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_cuda_ranks_on_one_gpu_equal_one_runtime(seed):
+    cfg = gqa_config()
+    gen = torch.Generator().manual_seed(seed)
+    with attnrt.DcpAttention(cfg, dcp_size=2, dtype=torch.float32, attention_backend="cuda",
+                             page_size=1, max_requests=8, max_num_tokens=256) as group:
+        assert group.device.type == "cuda"
+        diffs = run_scenario(cfg, group_runner(group, group.layers, "cuda"), gen, "cuda")
+    assert max(d for _, d in diffs) < 2e-3, diffs
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_one_rank_over_nccl(seed):
+    """A group of one GPU over NCCL (this machine's): the NCCL path end to end."""
+    cfg = gqa_config()
+    comm = attnrt.nccl_communicator(attnrt.nccl_unique_id(), 1, 0)
+    with attnrt.DcpRank(cfg, rank=0, dcp_size=1, communicator=comm, dtype=torch.float32,
+                        attention_backend="cuda", page_size=1, max_requests=8,
+                        max_num_tokens=256) as rank:
+        assert rank.head_range(0) == (0, 6)
+        diffs = run_scenario(cfg, group_runner(rank, rank.layers, "cuda"),
+                             torch.Generator().manual_seed(seed), "cuda")
+    assert max(d for _, d in diffs) < 2e-3, diffs
