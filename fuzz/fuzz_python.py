@@ -1,6 +1,8 @@
 """Fuzz harness of the Python API's argument checks (docs/RELIABILITY.md "Fuzzing").
 
-Each input is a short program run against fresh attnrt.Runtime objects on the CPU: the bytes pick
+Each input is a short program run against fresh attnrt.Runtime objects on the CPU (inputs whose
+first byte is 0xDC: an attnrt.DcpAttention group of simulated ranks, whose pools are not compared):
+the bytes pick
 a model (full attention with GQA, sliding window, MLA, DSA), its options, then up to 24 calls, each
 either a step an engine would make (requests allocated, req_to_token written, a batch built and
 every layer's forward called) with one field or tensor possibly spoiled, or a call with arguments
@@ -97,7 +99,7 @@ def mla(b: Bytes) -> dict:
     return cfg
 
 
-def make_runtime(b: Bytes):
+def model_and_options(b: Bytes):
     cfg = mla(b) if b.chance(64) else llama(b)
     opts = {"attention_backend": b.pick(("cpu", "reference")), "page_size": b.pick((1, 2, 16)),
             "max_requests": 1 + b.below(4), "kv_slots": b.pick((16, 64, 256)), "max_num_tokens": 64}
@@ -106,6 +108,11 @@ def make_runtime(b: Bytes):
     if b.chance(24):  # one option spoiled: unknown name, wrong type, out of range
         key = b.pick(list(opts) + ["bogus_option", "speculative_num_draft_tokens", "num_threads"])
         opts[key] = b.pick((None, -1, 0, 2**40, "x", 1.5, True, [1], "cpu"))
+    return cfg, opts
+
+
+def make_runtime(b: Bytes):
+    cfg, opts = model_and_options(b)
     return attnrt.Runtime(cfg, **opts)
 
 
@@ -136,13 +143,13 @@ class Finding(AssertionError):
 
 def call(h, what, fn, *args, **kwargs):
     """fn(*args) under the rules above; returns (ok, result)."""
-    before = snapshot(h.rt) if not h.closed else None
+    before = h.snapshot() if not h.closed else None
     try:
         return True, fn(*args, **kwargs)
     except ALLOWED as e:
         if not str(e).strip():
             raise Finding(f"{what}: {type(e).__name__} with an empty message") from e
-        if before is not None and not h.closed and not same(before, snapshot(h.rt)):
+        if before is not None and not h.closed and not same(before, h.snapshot()):
             raise Finding(f"{what}: raised {type(e).__name__}({e}) and changed the pools") from e
         return False, None
     except RuntimeError as e:
@@ -223,6 +230,9 @@ class Harness:
         self.rt = make_runtime(b)
         self.closed = False
         self.rows = {}  # row -> committed slots
+
+    def snapshot(self):
+        return snapshot(self.rt)
 
     def add_request(self):
         ok, row = call(self, "alloc_request", self.rt.alloc_request)
@@ -384,13 +394,167 @@ class Harness:
                 return
 
 
+# ---- decode context parallelism: attnrt.DcpAttention ----------------------------------------
+class DcpHarness:
+    """The same kind of program against a simulated DCP group (docs/dcp.md): the group keeps its
+    pools to itself, so only the exception rules are checked, not the pools."""
+
+    def __init__(self, b: Bytes):
+        self.b = b
+        cfg, opts = model_and_options(b)
+        size = b.pick((1, 2, 3, 4)) if b.chance(232) else b.wild_int()
+        self.g = attnrt.DcpAttention(cfg, dcp_size=size, **opts)
+        self.closed = False
+        self.max_rows = opts.get("max_requests") if isinstance(opts.get("max_requests"), int) else 1
+        self.lens = {}  # row -> tokens stored
+
+    def snapshot(self):
+        return None
+
+    def batch(self):
+        b = self.b
+        rows = sorted({b.below(max(self.max_rows, 1)) for _ in range(1 + b.below(3))})
+        mode = b.pick(("EXTEND", "DECODE", "TARGET_VERIFY", "MIXED", "IDLE"))
+        if mode == "IDLE":
+            return attnrt.ForwardBatch("IDLE", [], [], []), []
+        prefix = [self.lens.get(r, 0) for r in rows]
+        if mode != "EXTEND" and not all(prefix):
+            mode = "EXTEND"
+        spec = None
+        if mode in ("EXTEND", "MIXED"):
+            lens = [1 + b.below(6) for _ in rows]
+            fb = attnrt.ForwardBatch(mode, rows, [p + n for p, n in zip(prefix, lens)],
+                                     [0] * sum(lens), extend_prefix_lens=prefix,
+                                     extend_seq_lens=lens,
+                                     positions=[p + t for p, n in zip(prefix, lens) for t in range(n)])
+            keep = lens
+        elif mode == "DECODE":
+            fb = attnrt.ForwardBatch("DECODE", rows, [p + 1 for p in prefix], [0] * len(rows),
+                                     positions=prefix)
+            keep = [1] * len(rows)
+        else:
+            n = 1 + b.below(4)
+            topk = 1 if n == 1 or b.chance(128) else 2
+            parents = [(-1 if t == 0 else b.below(t)) for _ in rows for t in range(n)] if topk > 1 else None
+            spec = attnrt.SpecInfo(draft_token_num=n, topk=topk, parents=parents)
+            fb = attnrt.ForwardBatch("TARGET_VERIFY", rows, prefix, [0] * (n * len(rows)),
+                                     spec_info=spec, positions=[p + t for p in prefix for t in range(n)])
+            keep = None
+        if b.chance(64):
+            name = b.pick(("req_pool_indices", "seq_lens", "out_cache_loc", "extend_prefix_lens",
+                           "extend_seq_lens", "positions"))
+            setattr(fb, name, spoil_ints(b, getattr(fb, name) or []))
+        return fb, keep
+
+    def forward_layers(self, tokens: int):
+        b, g = self.b, self.g
+        for layer, info in g.layers.items():
+            dt = g.dtype
+            hq, hkv, d, dv = (info["num_q_heads"], info["num_kv_heads"], info["head_dim"],
+                              info["v_head_dim"])
+            q = tensor(b, (tokens, hq, d), dt)
+            k = tensor(b, (tokens, hkv, d), dt)
+            v = tensor(b, (tokens, hkv, dv), dt)
+            if info["kv_lora_rank"] and isinstance(k, torch.Tensor) and k.dim() == 3 and b.chance(200):
+                v = k[:, :, :info["kv_lora_rank"]]
+            out = tensor(b, (tokens, hq, dv), dt) if b.chance(128) else None
+            lse = tensor(b, (tokens, hq), torch.float32) if b.chance(32) else None
+            lid = layer if b.chance(240) else b.wild_int()
+            call(self, "dcp forward", g.forward, lid, q, k, v, out, save_kv=b.chance(224), lse=lse)
+
+    def step(self):
+        b, g = self.b, self.g
+        fb, keep = self.batch()
+        ok, _ = call(self, "dcp begin_step", g.begin_step, fb)
+        tokens = len(fb.out_cache_loc) if isinstance(fb.out_cache_loc, list) else 1
+        if ok or b.chance(32):
+            self.forward_layers(tokens if fb.forward_mode != "IDLE" else 0)
+        if b.chance(240):
+            call(self, "dcp end_step", g.end_step)
+        if not ok:
+            return
+        rows = list(fb.req_pool_indices)
+        if keep is not None:
+            for r, n in zip(rows, keep):
+                self.lens[r] = self.lens.get(r, 0) + n
+            return
+        spec = fb.spec_info
+        n = spec.draft_token_num
+        paths = []
+        for i, r in enumerate(rows):
+            path = [0]
+            while spec.topk > 1 and b.chance(160):
+                kids = [t for t in range(1, n) if spec.parents[i * n + t] == path[-1]]
+                if not kids:
+                    break
+                path.append(b.pick(kids))
+            if spec.topk == 1:
+                path = list(range(1 + b.below(n)))
+            paths.append(path)
+        if b.chance(32):
+            paths = b.pick(([[0]], [[1, 0]], [[0, n]], "x", [[]], [[0]] * (len(rows) + 1), None))
+        if spec.topk > 1 or b.chance(16):
+            ok, _ = call(self, "dcp commit_verify", g.commit_verify, paths)
+        if ok and isinstance(paths, list):
+            for r, p in zip(rows, paths):
+                self.lens[r] = self.lens.get(r, 0) + len(p)
+
+    def wild(self):
+        b, g = self.b, self.g
+        k = b.below(6)
+        if k == 0:
+            row = b.wild_int()
+            ok, _ = call(self, "dcp free_request", g.free_request, row)
+            if ok:
+                self.lens.pop(row, None)
+        elif k == 1:
+            row, n = b.wild_int(), b.wild_int()
+            ok, _ = call(self, "dcp reserve_prefix", g.reserve_prefix, row, n)
+            if ok:
+                self.lens[row] = max(self.lens.get(row, 0), n)
+        elif k == 2:
+            call(self, "dcp commit_verify", g.commit_verify,
+                 b.pick(([[0]], [[b.wild_int()]], [], "x", None, [[0, 1]])))
+        elif k == 3:
+            call(self, "dcp set_kv_scales", g.set_kv_scales, b.wild_int(),
+                 b.pick((1.0, 0.0, -1.0, float("nan"), 1e-30)), 1.0)
+        elif k == 4:
+            fb = attnrt.ForwardBatch(b.pick(MODES), *(spoil_ints(b, [b.wild_int()]) for _ in range(3)),
+                                     extend_prefix_lens=spoil_ints(b, [0]),
+                                     extend_seq_lens=spoil_ints(b, [1]))
+            call(self, "dcp begin_step", g.begin_step, fb)
+        else:
+            call(self, "dcp end_step", g.end_step)
+
+    def run(self):
+        for _ in range(24):
+            if self.b.done:
+                break
+            k = self.b.below(16)
+            if k < 10:
+                self.step()
+            elif k < 15:
+                self.wild()
+            else:
+                self.g.close()
+                self.closed = True
+                call(self, "dcp begin_step after close", self.g.begin_step,
+                     attnrt.ForwardBatch("IDLE", [], [], []))
+                return
+
+
 def TestOneInput(data: bytes) -> None:
     b = Bytes(data)
+    # Inputs starting with 0xDC run against a DCP group (the seeds before it keep their meaning).
+    dcp = len(data) > 0 and data[0] == 0xDC
+    if dcp:
+        b.byte()
     try:
-        h = Harness(b)
+        h = DcpHarness(b) if dcp else Harness(b)
     except ALLOWED as e:  # options refused: fine, with a message
         if not str(e).strip():
-            raise Finding(f"Runtime: {type(e).__name__} with an empty message") from e
+            raise Finding(f"{'DcpAttention' if dcp else 'Runtime'}: {type(e).__name__} with an "
+                          "empty message") from e
         return
     with torch.no_grad() if b.chance(200) else _null():
         h.run()

@@ -34,7 +34,9 @@ if want examples; then
   { python3 examples/python/engine_step.py && \
     python3 examples/python/serve.py --device cuda --cuda-graphs --no-progress && \
     python3 examples/python/serve.py --device cuda --model-preset llama3-8b --layers 8 \
-      --requests 256 --max-running 64 --cuda-graphs --no-progress; } >"$out/examples.log" 2>&1
+      --requests 256 --max-running 64 --cuda-graphs --no-progress && \
+    python3 -m torch.distributed.run --nproc-per-node "$(nvidia-smi -L | wc -l)" \
+      examples/python/dcp_decode.py --nccl --context 8192 --chunk 1024; } >"$out/examples.log" 2>&1
   summary+=("examples rc=$? $(($(date +%s) - t0))s")
 fi
 if want overhead; then

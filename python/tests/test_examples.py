@@ -2,6 +2,7 @@
 arguments, on the CPU), and what they print holds up:
 
 - examples/python/engine_step.py: every KV slot comes back after the request ends;
+- examples/python/dcp_decode.py --ranks 3: ranks on threads agree with one runtime;
 - examples/python/serve.py --check: tokens/s > 0, every request produced its output length, the
   attention share of DECODE steps is a percentage in (0, 100), and the tokens generated with attnrt
   equal those of the same model and scheduler with plain torch SDPA attention, with and without
@@ -54,6 +55,13 @@ def test_engine_step_returns_every_slot():
     assert out.count("DECODE  seq_len") == 4
     m = re.search(r"done: (\d+) of (\d+) KV slots available again", out)
     assert m and m.group(1) == m.group(2) and int(m.group(1)) > 0, out
+
+
+def test_dcp_decode_ranks_agree_with_one_runtime():
+    out = run(["examples/python/dcp_decode.py", "--ranks", "3", "--batch", "2", "--context", "384",
+               "--chunk", "128", "--steps", "3", "--layers", "1"])
+    assert out.count("tokens/s") == 3
+    assert "within the bf16 tolerance" in out, out
 
 
 @pytest.mark.parametrize("mixed", [True, False])
