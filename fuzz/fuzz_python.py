@@ -224,7 +224,27 @@ def tensor(b: Bytes, shape, dtype):
 
 
 # ---- the engine side: requests, slots, batches ----------------------------------------------
-class Harness:
+class Program:
+    """Up to 24 calls: mostly steps, some wild calls, now and then close() and a call after it."""
+
+    def run(self):
+        for _ in range(24):
+            if self.b.done:
+                break
+            k = self.b.below(16)
+            if k < 10:
+                self.step()
+            elif k < 15:
+                self.wild()
+            else:
+                self.target().close()
+                self.closed = True
+                call(self, "begin_step after close", self.target().begin_step,
+                     attnrt.ForwardBatch("IDLE", [], [], []))
+                return
+
+
+class Harness(Program):
     def __init__(self, b: Bytes):
         self.b = b
         self.rt = make_runtime(b)
@@ -377,25 +397,12 @@ class Harness:
         else:
             call(self, "end_step", rt.end_step)
 
-    def run(self):
-        for _ in range(24):
-            if self.b.done:
-                break
-            k = self.b.below(16)
-            if k < 10:
-                self.step()
-            elif k < 15:
-                self.wild()
-            else:
-                self.rt.close()
-                self.closed = True
-                call(self, "begin_step after close", self.rt.begin_step,
-                     attnrt.ForwardBatch("IDLE", [], [], []))
-                return
+    def target(self):
+        return self.rt
 
 
 # ---- decode context parallelism: attnrt.DcpAttention ----------------------------------------
-class DcpHarness:
+class DcpHarness(Program):
     """The same kind of program against a simulated DCP group (docs/dcp.md): the group keeps its
     pools to itself, so only the exception rules are checked, not the pools."""
 
@@ -526,21 +533,8 @@ class DcpHarness:
         else:
             call(self, "dcp end_step", g.end_step)
 
-    def run(self):
-        for _ in range(24):
-            if self.b.done:
-                break
-            k = self.b.below(16)
-            if k < 10:
-                self.step()
-            elif k < 15:
-                self.wild()
-            else:
-                self.g.close()
-                self.closed = True
-                call(self, "dcp begin_step after close", self.g.begin_step,
-                     attnrt.ForwardBatch("IDLE", [], [], []))
-                return
+    def target(self):
+        return self.g
 
 
 def TestOneInput(data: bytes) -> None:

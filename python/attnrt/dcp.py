@@ -26,8 +26,8 @@ from __future__ import annotations
 from typing import Any
 
 from . import _native
-from .runtime import (_begin_native, _dtype_name, _explain_tensor_error, _model_source, _new_out,
-                      _options_and_config, _torch)
+from .runtime import (_begin_native, _dtype_name, _explain_tensor_error, _forward_out,
+                      _model_source, _options_and_config, _torch)
 
 
 def in_process_group(size: int) -> list:
@@ -117,12 +117,7 @@ class _DcpSteps:
         their first kv_lora_rank values). lse (float32 [T, Hq]), when given, gets the merged
         log-sum-exp. Returns out."""
         if out is None:
-            info = self.layers.get(layer_id)
-            if info is None:
-                raise ValueError(
-                    f"forward: layer_id {layer_id} is not a layer of the model; layers are "
-                    f"0..{len(self.layers) - 1}")
-            out = _new_out(q, "forward", info["num_q_heads"], info["v_head_dim"])
+            out = _forward_out(self.layers, layer_id, q)
         self._ready()
         try:
             self._g.forward(layer_id, q, k, v, out, save_kv, sinks, lse)

@@ -457,12 +457,7 @@ class Runtime:
         index_weights [T, index_n_heads]; index_topk, an int32 [T, index_topk] tensor, receives
         each token's selected token indices (increasing, -1 after the last) when given."""
         if out is None:
-            info = self.layers.get(layer_id)
-            if info is None:
-                raise ValueError(
-                    f"forward: layer_id {layer_id} is not a layer of the model; layers are "
-                    f"0..{len(self.layers) - 1}")
-            out = _new_out(q, "forward", info["num_q_heads"], info["v_head_dim"])
+            out = _forward_out(self.layers, layer_id, q)
         if self._capturing:
             self._use_current_stream()  # the capture runs on a stream of its own
         try:
@@ -601,6 +596,15 @@ def _new_out(q, call: str, heads: int, dim: int):
         raise ValueError(f"{call}: q is a 0-dimensional tensor; pass q [T, heads, head_dim] (or "
                          "[T, heads * head_dim])")
     return q.new_empty((q.shape[0], heads, dim))
+
+
+def _forward_out(layers: dict, layer_id: int, q):
+    """forward()'s output when the caller passes none: [T, Hq, Dv] of layer `layer_id`."""
+    info = layers.get(layer_id)
+    if info is None:
+        raise ValueError(f"forward: layer_id {layer_id} is not a layer of the model; layers are "
+                         f"0..{len(layers) - 1}")
+    return _new_out(q, "forward", info["num_q_heads"], info["v_head_dim"])
 
 
 def _as_torch(array):
