@@ -223,6 +223,17 @@ def tensor(b: Bytes, shape, dtype):
     return t
 
 
+def qkv(b: Bytes, info: dict, tokens: int, dt):
+    """q, k, v of a layer's call (MLA: v now and then the latent part of k, as engines pass it)."""
+    hq, hkv, d, dv = info["num_q_heads"], info["num_kv_heads"], info["head_dim"], info["v_head_dim"]
+    q = tensor(b, (tokens, hq, d), dt)
+    k = tensor(b, (tokens, hkv, d), dt)
+    v = tensor(b, (tokens, hkv, dv), dt)
+    if info["kv_lora_rank"] and isinstance(k, torch.Tensor) and k.dim() == 3 and b.chance(200):
+        v = k[:, :, :info["kv_lora_rank"]]
+    return q, k, v
+
+
 # ---- the engine side: requests, slots, batches ----------------------------------------------
 class Program:
     """Up to 24 calls: mostly steps, some wild calls, now and then close() and a call after it."""
@@ -334,13 +345,8 @@ class Harness(Program):
         b, rt = self.b, self.rt
         for layer, info in rt.layers.items():
             dt = rt.dtype
-            hq, hkv, d, dv = (info["num_q_heads"], info["num_kv_heads"], info["head_dim"],
-                              info["v_head_dim"])
-            q = tensor(b, (tokens, hq, d), dt)
-            k = tensor(b, (tokens, hkv, d), dt)
-            v = tensor(b, (tokens, hkv, dv), dt)
-            if info["kv_lora_rank"] and isinstance(k, torch.Tensor) and k.dim() == 3 and b.chance(200):
-                v = k[:, :, :info["kv_lora_rank"]]  # MLA: v is the latent part of k
+            hq, dv = info["num_q_heads"], info["v_head_dim"]
+            q, k, v = qkv(b, info, tokens, dt)
             kw = {}
             if info["index_topk"]:
                 kw = dict(index_q=tensor(b, (tokens, info["index_n_heads"], info["index_head_dim"]), dt),
@@ -457,13 +463,8 @@ class DcpHarness(Program):
         b, g = self.b, self.g
         for layer, info in g.layers.items():
             dt = g.dtype
-            hq, hkv, d, dv = (info["num_q_heads"], info["num_kv_heads"], info["head_dim"],
-                              info["v_head_dim"])
-            q = tensor(b, (tokens, hq, d), dt)
-            k = tensor(b, (tokens, hkv, d), dt)
-            v = tensor(b, (tokens, hkv, dv), dt)
-            if info["kv_lora_rank"] and isinstance(k, torch.Tensor) and k.dim() == 3 and b.chance(200):
-                v = k[:, :, :info["kv_lora_rank"]]
+            hq, dv = info["num_q_heads"], info["v_head_dim"]
+            q, k, v = qkv(b, info, tokens, dt)
             out = tensor(b, (tokens, hq, dv), dt) if b.chance(128) else None
             lse = tensor(b, (tokens, hq), torch.float32) if b.chance(32) else None
             lid = layer if b.chance(240) else b.wild_int()
