@@ -258,12 +258,17 @@ void BM_KVCacheBeginStep(benchmark::State& state) {
 BENCHMARK(BM_KVCacheBeginStep)->ArgName("kind")->Arg(kDecode)->Arg(kVerify)->Arg(kExtend);
 
 // DcpAttention::begin_step + end_step of a steady decode: `batch` requests of `context` tokens
-// (reserve_prefix: slots on their owners, no prefill) over `ranks` cpu ranks, page size 1, one
-// small layer (the step's host work does not depend on the heads). Each step decodes the next
-// token of every request; after 4096 steps the requests are freed and reserved again (untimed).
+// (reserve_prefix: slots on their owners, no prefill) over `ranks` ranks of the `cpu` (backend 0)
+// or `reference` (1) backend, page size 1, one small layer (the step's host work does not depend
+// on the heads). Each step decodes the next token of every request; after 4096 steps the
+// requests are freed and reserved again (untimed). direct 0: every entry on a key-list row (a
+// copy of its keys, the path before request rows were read directly; set_direct_rows(false)).
+// The cpu backend's own plan copies each request's slots too (its layout); reference's does not,
+// so its figure is the group's own host work. Counter `copied`: slot ids written per step.
 void BM_DcpDecodeBeginStep(benchmark::State& state) {
   const int batch = static_cast<int>(state.range(0)), context = static_cast<int>(state.range(1));
   const int ranks = static_cast<int>(state.range(2));
+  const bool reference = state.range(3) != 0, direct = state.range(4) != 0;
   constexpr int kSteps = 4096;
   ModelSpec m;
   m.name = "dcp-bench";
@@ -278,7 +283,7 @@ void BM_DcpDecodeBeginStep(benchmark::State& state) {
   l.v_head_dim = 8;
   m.layers.push_back(l);
   Options o;
-  o.attention_backend = "cpu";
+  o.attention_backend = reference ? "reference" : "cpu";
   o.kv_cache_dtype = "fp32";
   o.dcp_size = ranks;
   RuntimeConfig c;
@@ -288,6 +293,7 @@ void BM_DcpDecodeBeginStep(benchmark::State& state) {
   c.kv_slots = static_cast<int64_t>(batch) * ((m.max_context_len + ranks - 1) / ranks + 64);
   c.cuda_graphs = false;
   DcpAttention g(m, o, c);
+  g.set_direct_rows(direct);
   std::vector<int64_t> rows(batch);
   std::iota(rows.begin(), rows.end(), int64_t{0});
   int step = kSteps;
@@ -308,11 +314,14 @@ void BM_DcpDecodeBeginStep(benchmark::State& state) {
     g.begin_step(b);
     g.end_step();
   }
+  int64_t copied = 0;
+  for (int r = 0; r < ranks; ++r) copied += g.rank(r).step_counts().copied;
+  state.counters["copied"] = static_cast<double>(copied);
 }
 BENCHMARK(BM_DcpDecodeBeginStep)
-    ->ArgNames({"batch", "context", "ranks"})
-    ->Args({8, 131072, 2})
-    ->Args({64, 8192, 2})
+    ->ArgNames({"batch", "context", "ranks", "backend", "direct"})
+    ->ArgsProduct({{8}, {131072}, {2}, {0, 1}, {0, 1}})
+    ->ArgsProduct({{64}, {8192}, {2}, {0, 1}, {0, 1}})
     ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
