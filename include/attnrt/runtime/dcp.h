@@ -81,6 +81,9 @@ class DcpRank {
     int64_t direct = 0, listed = 0, copied = 0;
   };
   const StepCounts& step_counts() const { return counts_; }
+  // The batch the last begin_step gave part `part`'s runtime (decode-shaped entries over
+  // request rows and key-list rows of its req_to_token, marked dcp_partial; IDLE when none).
+  const ForwardBatch& part_batch(int part = 0) const { return parts_.at(part).batch; }
   // false: every entry reads a key-list row (a copy of its keys), as before request rows were
   // read directly; for tests comparing the two. Default true.
   void set_direct_rows(bool on) { direct_rows_ = on; }
