@@ -97,6 +97,7 @@ class DcpHarness {
 
   DcpAttention& dcp() { return *dcp_; }
   DcpAttention& twin() { return *twin_; }
+  AttentionRuntime& one() { return *one_; }
   // The request row freed on the group(s) (the oracle's row is reused as it is).
   void free_request(int64_t row) {
     dcp_->free_request(static_cast<int>(row));
@@ -466,6 +467,39 @@ TEST_P(DcpDirectRows, MixedStepsMlaAndWindowsGiveTheBitsOfKeyLists) {
       for (int32_t& p : prefix) seq.push_back(++p);
       h.run_and_compare(make_decode_batch(rows, seq), model.name + " decode " + std::to_string(step));
     }
+  }
+}
+
+// A tree verify (key lists), its accepted paths committed (KV rows copied down on the ranks; the
+// columns keep their slots), then decodes on request rows: the bits of the twin.
+TEST_P(DcpDirectRows, TreeCommitThenDecodesGiveTheBitsOfKeyLists) {
+  DcpHarness h(full_model(), GetParam(), seed_, /*tree=*/true, /*deterministic=*/true, "fp32",
+               /*twin=*/true);
+  const auto rows = h.alloc_requests(3);
+  std::vector<int32_t> prefix = h.fill(rows, 70);
+  const int nd = 6;
+  SpecInfo spec;
+  spec.draft_token_num = nd;
+  spec.topk = 2;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    for (int32_t p : h.random_tree(nd)) spec.parents.push_back(p);
+  }
+  const ForwardBatch v = h.run_and_compare(make_verify_batch(rows, prefix, spec), "tree verify");
+  std::vector<std::vector<int32_t>> paths;
+  std::vector<int32_t> seq;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    paths.push_back(h.random_path(spec.parents.data() + i * nd, nd));
+    seq.push_back(prefix[i] + static_cast<int32_t>(paths.back().size()) + 1);
+  }
+  test::commit_accepted(h.one(), h.dcp(), full_model(), v, paths);
+  h.twin().commit_verify(v, paths);
+  h.on_begin = [&](const ForwardBatch& b) {
+    expect_direct_decode(h.dcp(), b, true);
+    expect_key_lists_only(h.twin());
+  };
+  for (int step = 0; step < 3; ++step) {
+    h.run_and_compare(make_decode_batch(rows, seq), "decode after commit " + std::to_string(step));
+    for (int32_t& s : seq) ++s;
   }
 }
 
