@@ -5,6 +5,8 @@
 // pages are in the row table as in serving, and writes into the next of 8 staging buffers (the
 // backend's ring). Also the per-step work every backend pays around its plan: make_step_layout
 // (AttentionRuntime::check_step runs it every step, in place) and the host KV cache's begin_step.
+// And the host cost of a DCP group's step (DcpAttention::begin_step + end_step, docs/dcp.md):
+// decode of 8 requests x 131072 tokens over 2 `cpu` ranks, lengths growing by one each step.
 //
 //   attnrt_plan_bench --benchmark_repetitions=9 --benchmark_report_aggregates_only=true
 #include <benchmark/benchmark.h>
@@ -21,6 +23,7 @@
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/model/model_spec.h"
+#include "attnrt/runtime/dcp.h"
 #include "backends/cuda/cuda_plan.h"
 
 namespace attnrt {
@@ -253,6 +256,73 @@ void BM_KVCacheBeginStep(benchmark::State& state) {
   for (auto _ : state) kv->begin_step(w.batch);
 }
 BENCHMARK(BM_KVCacheBeginStep)->ArgName("kind")->Arg(kDecode)->Arg(kVerify)->Arg(kExtend);
+
+// DcpAttention::begin_step + end_step of a steady decode: `batch` requests of `context` tokens
+// (reserve_prefix: slots on their owners, no prefill) over `ranks` ranks of the `cpu` (backend 0)
+// or `reference` (1) backend, page size 1, one small layer (the step's host work does not depend
+// on the heads). Each step decodes the next token of every request; after 4096 steps the
+// requests are freed and reserved again (untimed). direct 0: every entry on a key-list row (a
+// copy of its keys, the path before request rows were read directly; set_direct_rows(false)).
+// The cpu backend's own plan copies each request's slots too (its layout); reference's does not,
+// so its figure is the group's own host work. Counter `copied`: slot ids written per step.
+void BM_DcpDecodeBeginStep(benchmark::State& state) {
+  const int batch = static_cast<int>(state.range(0)), context = static_cast<int>(state.range(1));
+  const int ranks = static_cast<int>(state.range(2));
+  const bool reference = state.range(3) != 0, direct = state.range(4) != 0;
+  constexpr int kSteps = 4096;
+  ModelSpec m;
+  m.name = "dcp-bench";
+  m.dtype = DType::f32;
+  m.max_context_len = context + kSteps;
+  LayerSpec l;
+  l.layer_id = 0;
+  l.kind = LayerKind::full;
+  l.num_q_heads = 1;
+  l.num_kv_heads = 1;
+  l.head_dim = 8;
+  l.v_head_dim = 8;
+  m.layers.push_back(l);
+  Options o;
+  o.attention_backend = reference ? "reference" : "cpu";
+  o.kv_cache_dtype = "fp32";
+  o.dcp_size = ranks;
+  RuntimeConfig c;
+  c.max_requests = batch;
+  c.max_num_tokens = std::max(batch, 64);
+  c.max_context_len = m.max_context_len;
+  c.kv_slots = static_cast<int64_t>(batch) * ((m.max_context_len + ranks - 1) / ranks + 64);
+  c.cuda_graphs = false;
+  DcpAttention g(m, o, c);
+  g.set_direct_rows(direct);
+  std::vector<int64_t> rows(batch);
+  std::iota(rows.begin(), rows.end(), int64_t{0});
+  int step = kSteps;
+  std::vector<int32_t> seq(batch);
+  for (auto _ : state) {
+    if (step == kSteps) {
+      state.PauseTiming();
+      for (int r = 0; r < batch; ++r) {
+        g.free_request(r);
+        g.reserve_prefix(r, context - 1);
+      }
+      step = 0;
+      state.ResumeTiming();
+    }
+    std::fill(seq.begin(), seq.end(), context + step++);
+    ForwardBatch b = make_decode_batch(rows, seq);
+    b.out_cache_loc.assign(static_cast<size_t>(batch), 0);
+    g.begin_step(b);
+    g.end_step();
+  }
+  int64_t copied = 0;
+  for (int r = 0; r < ranks; ++r) copied += g.rank(r).step_counts().copied;
+  state.counters["copied"] = static_cast<double>(copied);
+}
+BENCHMARK(BM_DcpDecodeBeginStep)
+    ->ArgNames({"batch", "context", "ranks", "backend", "direct"})
+    ->ArgsProduct({{8}, {131072}, {2}, {0, 1}, {0, 1}})
+    ->ArgsProduct({{64}, {8192}, {2}, {0, 1}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace attnrt

@@ -2,13 +2,15 @@
 // 3 `cuda` ranks sharing the GPU against one `reference` runtime holding every token, fed the same
 // batches and q/k/v, for EXTEND over a prefix, DECODE, chain TARGET_VERIFY and tree TARGET_VERIFY
 // (with its accepted paths committed), GQA with soft-cap, sinks and a sliding window, and
-// DeepSeek-V3's MLA (absorbed form, 576 / 512); with host tensors (the ranks' backend stages them)
+// DeepSeek-V3's MLA (absorbed form, 576 / 512), at page size 1 and (full attention, no tree) 16
+// and 64; with host tensors (the ranks' backend stages them)
 // and with GPU tensors (gather, pack, the device all-to-all and the merge kernel in GPU memory).
 // Outputs are poisoned (NaN) first. Also the merge kernel against dcp_merge, bit for bit on most
 // elements, and the device communicator's blocks element for element. Fresh random inputs every
 // run (ATTNRT_TEST_SEED replays one); skips, with the reason, where no CUDA device is usable.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
@@ -61,14 +63,24 @@ ModelSpec mla_model() {
   return test::make_model("cuda-dcp-mla", DType::bf16, 512, {l});
 }
 
+// Full attention only (GQA with soft-cap, a layer with sinks): what cuda ranks run at
+// page_size > 1 (a window's key lists are not row prefixes).
+ModelSpec full_model() {
+  ModelSpec m = gqa_model();
+  m.layers.pop_back();
+  m.name = "cuda-dcp-full";
+  return m;
+}
+
 struct Case {
   int ranks;
   bool gpu_tensors;
+  int page = 1;  // the cuda ranks' page size (the oracle's is 1)
 };
 
 std::string case_name(const testing::TestParamInfo<Case>& info) {
   return "n" + std::to_string(info.param.ranks) + (info.param.gpu_tensors ? "_gpu" : "_host") +
-         "_tensors";
+         "_tensors" + (info.param.page > 1 ? "_page" + std::to_string(info.param.page) : "");
 }
 
 // bf16 outputs of the cuda kernels against the reference's on the same bf16 inputs.
@@ -86,6 +98,7 @@ class Harness {
     Options group = one;
     group.attention_backend = "cuda";
     group.dcp_size = c.ranks;
+    group.page_size = c.page;
     if (tree) {
       group.speculative_num_steps = 3;
       group.speculative_eagle_topk = 2;
@@ -153,7 +166,8 @@ class Harness {
       }
       const std::string name = model_.name + " " + step + " on " + std::to_string(case_.ranks) +
                                " cuda ranks (" + (case_.gpu_tensors ? "GPU" : "host") +
-                               " tensors), layer " + std::to_string(l.layer_id);
+                               " tensors, page_size " + std::to_string(case_.page) + "), layer " +
+                               std::to_string(l.layer_id);
       test::expect_close(outn.view(), out1.view(), kOutTol, name + " out [T, Hq, Dv]");
       test::expect_close(lsen.view(), lse1.view(), kLseTol, name + " lse [T, Hq]");
     }
@@ -273,6 +287,93 @@ INSTANTIATE_TEST_SUITE_P(Ranks, CudaDcp,
                          testing::Values(Case{2, false}, Case{2, true}, Case{3, false},
                                          Case{3, true}),
                          case_name);
+
+// cuda ranks at page_size 16 and 64 (docs/dcp.md): a DECODE entry reads its request's own row, an
+// EXTEND / chain-verify entry a key-list copy of a row prefix; both are whole pages and a partial
+// last one, which the cuda plan reads as pages. Full-attention models (GQA with soft-cap and
+// sinks, DeepSeek-V3's MLA), ragged lengths across page edges on the ranks.
+class CudaDcpPaged : public CudaDcp {};
+
+TEST_P(CudaDcpPaged, ExtendOverAPrefixThenDecodes) {
+  const int page = GetParam().page, n = GetParam().ranks;
+  for (const ModelSpec& model : {full_model(), mla_model()}) {
+    Harness h(model, GetParam(), seed_);
+    const auto rows = h.alloc_requests(3);
+    // Prefixes whose local counts end around page edges (n * page global tokens per local page),
+    // stored in chunks that fit a step.
+    std::vector<int32_t> prefix;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      prefix.push_back(std::clamp(n * page + h.rand_int(-n - 1, n + 1), 1, 240));
+      h.run_and_compare(make_extend_batch({rows[i]}, {0}, {prefix.back()}), "prefill");
+    }
+    std::vector<int32_t> ext, seq;
+    for (size_t i = 0; i < rows.size(); ++i) ext.push_back(h.rand_int(1, 19));
+    h.run_and_compare(make_extend_batch(rows, prefix, ext), "extend over a prefix");
+    for (size_t i = 0; i < rows.size(); ++i) seq.push_back(prefix[i] + ext[i]);
+    for (int step = 0; step < 2 * n + 1; ++step) {
+      for (int32_t& s : seq) ++s;
+      h.run_and_compare(make_decode_batch(rows, seq), "decode " + std::to_string(step));
+    }
+  }
+}
+
+TEST_P(CudaDcpPaged, ChainVerifyThenDecodeAfterAcceptance) {
+  const int page = GetParam().page, n = GetParam().ranks;
+  for (const ModelSpec& model : {full_model(), mla_model()}) {
+    Harness h(model, GetParam(), seed_);
+    const auto rows = h.alloc_requests(3);
+    std::vector<int32_t> prefix;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      prefix.push_back(std::clamp(n * page + h.rand_int(-n - 1, n + 1), 1, 240));
+      h.run_and_compare(make_extend_batch({rows[i]}, {0}, {prefix.back()}), "prefill");
+    }
+    std::vector<int32_t> seq;
+    for (int32_t p : prefix) seq.push_back(p + 1);
+    h.run_and_compare(make_decode_batch(rows, seq), "decode");
+    const int nd = 5;
+    h.run_and_compare(make_verify_batch(rows, seq, SpecInfo::chain(3, nd)), "chain verify");
+    for (int32_t& s : seq) s += h.rand_int(0, nd - 1) + 2;
+    h.run_and_compare(make_decode_batch(rows, seq), "decode after chain verify");
+    for (int32_t& s : seq) ++s;
+    h.run_and_compare(make_decode_batch(rows, seq), "decode 2 after chain verify");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Pages, CudaDcpPaged,
+                         testing::Values(Case{2, false, 16}, Case{2, true, 16}, Case{3, true, 16},
+                                         Case{2, true, 64}, Case{3, false, 64},
+                                         Case{3, true, 64}),
+                         case_name);
+
+// A tree TARGET_VERIFY step on cuda ranks with page_size > 1 is refused at begin_step, naming the
+// page size, the mode and what is allowed, before anything is stored; the group goes on with a
+// chain verify and a decode.
+TEST(CudaDcpErrors, TreeVerifyWithPagesIsRefused) {
+  SKIP_WITHOUT_GPU();
+  const uint32_t seed = test::test_seed();
+  SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
+  Harness h(full_model(), Case{2, true, 16}, seed, /*tree=*/true);
+  const auto rows = h.alloc_requests(2);
+  h.run_and_compare(make_extend_batch(rows, {0, 0}, {37, 20}), "prefill");
+  SpecInfo spec;
+  spec.draft_token_num = 6;
+  spec.topk = 2;
+  for (int i = 0; i < 2; ++i) {
+    for (int32_t p : {-1, 0, 0, 1, 2, 3}) spec.parents.push_back(p);
+  }
+  ForwardBatch tree = make_verify_batch(rows, {37, 20}, spec);
+  tree.out_cache_loc.assign(tree.positions.size(), 0);
+  std::vector<size_t> held;
+  for (int r = 0; r < 2; ++r) held.push_back(h.dcp().rank(r).local_row(static_cast<int>(rows[0])).size());
+  test::expect_error([&] { h.dcp().begin_step(tree); },
+                     {"tree TARGET_VERIFY", "page_size 16", "page_size 1", "chain verify"});
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(h.dcp().rank(r).local_row(static_cast<int>(rows[0])).size(), held[r])
+        << "rank " << r << ": the refused step stored something";
+  }
+  h.run_and_compare(make_verify_batch(rows, {37, 20}, SpecInfo::chain(2, 6)), "chain verify");
+  h.run_and_compare(make_decode_batch(rows, {40, 22}), "decode after chain verify");
+}
 
 // The merge kernel against dcp_merge (double accumulation both): random partials of 3 ranks, some
 // empty (lse -inf), a row empty on every rank, with and without sinks, into a poisoned fp32 out.
@@ -510,7 +611,8 @@ TEST(CudaDcpNccl, OneRankGroupMatchesReference) {
   step(make_decode_batch(rows, {44, 31}), "decode 2");
 }
 
-// GPU tensors with host ranks, and page_size > 1 with cuda ranks, are refused with the reason.
+// page_size > 1 with cuda ranks for a model with a sliding-window layer is refused with the
+// reason; without one it is taken.
 TEST(CudaDcpErrors, PageSizeAndDevices) {
   SKIP_WITHOUT_GPU();
   Options o;
@@ -518,7 +620,10 @@ TEST(CudaDcpErrors, PageSizeAndDevices) {
   o.dcp_size = 2;
   o.page_size = 16;
   test::expect_error([&] { DcpAttention(gqa_model(), o, test::host_config(4, 1024, 64)); },
-                     {"dcp_size = 2", "page_size 16", "need page_size 1"});
+                     {"dcp_size = 2", "page_size 16", "layer 2", "sliding window (9)",
+                      "page_size 1"});
+  DcpAttention ok(full_model(), o, test::host_config(4, 1024, 64));
+  EXPECT_EQ(ok.size(), 2);
 }
 
 #endif  // ATTNRT_HAS_CUDA

@@ -17,6 +17,7 @@
 
 #include "attnrt/batch/forward_batch.h"
 #include "attnrt/memory/req_to_token_pool.h"
+#include "attnrt/runtime/dcp.h"
 #include "backends/cuda/cuda_plan.h"
 #include "tests/test_util.h"
 
@@ -747,6 +748,165 @@ TEST(CudaHostPlan, DcpPartialRowsOnTheDummySlotReadTheirRow) {
   test::expect_error(
       [&] { planner.prepare(e, &rows.pool, 16, 0, nullptr, false, false, buf.data()); },
       {"EXTEND batch is marked dcp_partial", "DECODE"});
+}
+
+// A DCP rank's batches at page sizes 16 and 64 (docs/dcp.md "Each rank's batch"): entries on
+// their request's own row (DECODE) and on key-list copies of a row prefix (EXTEND, MIXED, chain
+// verify) are whole pages and a partial last one, so the plan resolves every key j of an entry,
+// page_table[j / page] * page + j % page, to req_to_token[row, j], across steps with the
+// incremental row table: growing decodes, a chain verify whose rejected drafts are dropped, a
+// decode at a lower length whose dropped pages went to another request first (the request row's
+// columns change: its generation must too), a request freed and its row reused. Host ranks
+// (`reference`) build the batches; one planner per rank, as each cuda rank's backend has.
+TEST(CudaHostPlan, DcpRankBatchesResolveTheirKeysAtPageSizes16And64) {
+  const uint32_t seed = std::random_device{}();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  auto rnd = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  for (const int page : {16, 64}) {
+    for (const int n : {2, 3}) {
+      SCOPED_TRACE(testing::Message() << "page " << page << ", " << n << " ranks");
+      const int shift = std::countr_zero(static_cast<unsigned>(page));
+      ModelSpec model = test::make_model("dcp-plan", DType::f32, 2048,
+                                         {test::attention_layer(0, 4, 2, 16)});
+      Options o;
+      o.attention_backend = "reference";
+      o.kv_cache_dtype = "fp32";
+      o.page_size = page;
+      o.dcp_size = n;
+      DcpAttention g(model, o, test::host_config(4, 16384, 512));
+      std::vector<HostPlanner> planners;
+      std::vector<DeviceModel> devs(n);
+      for (int r = 0; r < n; ++r) {
+        planners.emplace_back(config({2}, {16}, 2, false));
+        const ReqToTokenPool& pool = g.rank(r).runtime().req_to_token();
+        devs[r].pages_per_row = cdiv(pool.max_context_len(), page);
+        planners.back().enable_row_table(pool.size(), devs[r].pages_per_row);
+        devs[r].table.assign(pool.size() * devs[r].pages_per_row, -1);
+        devs[r].gen.assign(pool.size(), ~uint64_t{0});
+        devs[r].known.assign(pool.size(), 0);
+      }
+      int bumps = 0;  // new generations of request rows in the steps after going back
+      auto step = [&](ForwardBatch b, const std::string& what, bool count_bumps = false) {
+        SCOPED_TRACE(what);
+        b.out_cache_loc.assign(b.positions.size(), 0);
+        // The request rows' columns before the step, to tell when a column changes.
+        std::vector<std::vector<std::vector<int32_t>>> before(n);
+        for (int r = 0; r < n; ++r) {
+          for (int row = 0; row < 4; ++row) {
+            const ReqToTokenPool& pool = g.rank(r).runtime().req_to_token();
+            const int32_t* p = pool.row_ptr(g.rank(r).request_row(row));
+            before[r].emplace_back(p, p + pool.max_context_len());
+          }
+        }
+        std::vector<std::vector<uint64_t>> gen_before(n);
+        for (int r = 0; r < n; ++r) {
+          for (int row = 0; row < 4; ++row) {
+            gen_before[r].push_back(
+                g.rank(r).runtime().req_to_token().generation(g.rank(r).request_row(row)));
+          }
+        }
+        g.begin_step(b);
+        for (int r = 0; r < n; ++r) {
+          const ForwardBatch& rb = g.rank(r).part_batch();
+          if (rb.mode == ForwardMode::IDLE) continue;
+          ASSERT_TRUE(rb.dcp_partial);
+          const ReqToTokenPool& pool = g.rank(r).runtime().req_to_token();
+          for (int row = 0; row < 4; ++row) {
+            const int pr = g.rank(r).request_row(row);
+            if (pool.generation(pr) != gen_before[r][row]) {
+              bumps += count_bumps;
+              continue;
+            }
+            // Same generation: the columns the plan may hold pages of are unchanged.
+            for (int j = 0; j < devs[r].known[pr] * page; ++j) {
+              ASSERT_EQ(pool.get(pr, j), before[r][row][j])
+                  << "rank " << r << " request row " << row << " column " << j
+                  << " changed while its generation held";
+            }
+          }
+          std::vector<uint64_t> buf(HostPlanner::prepare_bytes(rb, 0) / 8 + (1 << 16));
+          const StepPlan& plan =
+              planners[r].prepare(rb, &pool, page, 0, nullptr, false, false, buf.data());
+          if (plan.bytes > buf.size() * 8) {
+            buf.resize(plan.bytes / 8 + 1);
+          }
+          planners[r].write(buf.data());
+          const char* host = reinterpret_cast<const char*>(buf.data());
+          const auto* ri = reinterpret_cast<const ReqInfo*>(host + plan.classes[0].reqs_off);
+          const auto* pt = reinterpret_cast<const int32_t*>(host + plan.pt_off);
+          for (int i = 0; i < rb.batch_size; ++i) {
+            const int row = static_cast<int>(rb.req_pool_indices[i]);
+            for (int32_t j = 0; j < rb.seq_lens[i]; ++j) {
+              const int32_t pj = j >> shift;
+              const int32_t pg = pj < ri[i].pt_known ? devs[r].table[ri[i].pt_row + pj]
+                                                     : pt[ri[i].pt_start + pj - ri[i].pt_known];
+              ASSERT_EQ(int64_t{pg} * page + (j & (page - 1)), pool.get(row, j))
+                  << "rank " << r << " entry " << i << " (pool row " << row << ", "
+                  << rb.seq_lens[i] << " keys) key " << j;
+            }
+            if (rb.out_cache_loc[i] != 0) {
+              ASSERT_EQ(rb.out_cache_loc[i], pool.get(row, rb.seq_lens[i] - 1)) << "entry " << i;
+            }
+          }
+          // The kernels store the committed pages back; the plan counts them once launched.
+          for (int i = 0; i < rb.batch_size; ++i) {
+            if (ri[i].pt_row < 0) continue;
+            for (int j = ri[i].pt_known; j < ri[i].pt_commit; ++j)
+              devs[r].table[ri[i].pt_row + j] = pt[ri[i].pt_start + j - ri[i].pt_known];
+          }
+          planners[r].launched();
+          for (int i = 0; i < rb.batch_size; ++i) {
+            if (ri[i].pt_row < 0) continue;
+            const int row = static_cast<int>(rb.req_pool_indices[i]);
+            devs[r].gen[row] = pool.generation(row);
+            devs[r].known[row] = ri[i].pt_commit;
+          }
+        }
+        g.end_step();
+      };
+      // Prefills of ragged lengths around page edges on the ranks (n * page global tokens make a
+      // page of local columns), in chunks.
+      std::vector<int64_t> rows = {0, 1, 2};
+      std::vector<int32_t> len;
+      for (int i = 0; i < 3; ++i) len.push_back(n * page * rnd(2, 3) + rnd(-n, n));
+      for (int i = 0; i < 3; ++i) {
+        for (int32_t done = 0; done < len[i]; done += 300) {
+          step(make_extend_batch({rows[i]}, {done}, {std::min(300, len[i] - done)}), "prefill");
+        }
+      }
+      std::vector<int32_t> seq = len;
+      for (int k = 0; k < n * page + 3; ++k) {
+        for (int32_t& s : seq) ++s;
+        step(make_decode_batch(rows, seq), "decode " + std::to_string(k));
+      }
+      step(make_verify_batch(rows, seq, SpecInfo::chain(3, 5)), "chain verify");
+      for (int32_t& s : seq) s += rnd(0, 4) + 1;
+      step(make_decode_batch(rows, seq), "decode after verify");
+      // Request 0 goes back by two pages of local columns and extends by two columns per rank
+      // (key lists: its row is in no plan at the lower length); request 3 (new) takes the freed
+      // pages first.
+      seq[0] -= 2 * n * page;
+      step(make_extend_batch({3, rows[0], rows[1], rows[2]}, {0, seq[0] - 2 * n, seq[1], seq[2]},
+                             {2 * n * page + 1, 2 * n, 1, 1}, ForwardMode::MIXED),
+           "mixed: request 0 at a lower length");
+      ++seq[1];
+      ++seq[2];
+      // Past the kept page into columns whose pages request 3 took: request 0's row changes.
+      for (int k = 0; k < n * page + 2; ++k) {
+        for (int32_t& s : seq) ++s;
+        step(make_decode_batch(rows, seq), "decode after going back " + std::to_string(k), true);
+      }
+      g.free_request(1);
+      step(make_extend_batch({rows[1]}, {0}, {n * page + 1}), "row 1 reused");
+      seq[1] = n * page + 1;
+      for (int k = 0; k < 3; ++k) {
+        for (int32_t& s : seq) ++s;
+        step(make_decode_batch(rows, seq), "decode of the reused row " + std::to_string(k));
+      }
+      EXPECT_GT(bumps, 0) << "request 0's row never changed after going back";
+    }
+  }
 }
 
 }  // namespace

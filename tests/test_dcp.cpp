@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -67,8 +68,10 @@ std::string case_name(const testing::TestParamInfo<DcpCase>& info) {
 // group fed the same batches and the same q/k/v.
 class DcpHarness {
  public:
+  // twin: a second group fed the same steps reads every key list from a key-list row
+  // (set_direct_rows(false)); its outputs must be the first group's bits.
   DcpHarness(ModelSpec model, const DcpCase& c, uint32_t seed, bool tree = false,
-             bool deterministic = false, const std::string& kv_dtype = "fp32")
+             bool deterministic = false, const std::string& kv_dtype = "fp32", bool twin = false)
       : model_(std::move(model)), rng_(seed) {
     Options one;
     one.attention_backend = "reference";
@@ -86,9 +89,22 @@ class DcpHarness {
     const RuntimeConfig cfg = test::host_config(6, 4096, 256);
     one_ = std::make_unique<AttentionRuntime>(model_, one, cfg);
     dcp_ = std::make_unique<DcpAttention>(model_, group, cfg);
+    if (twin) {
+      twin_ = std::make_unique<DcpAttention>(model_, group, cfg);
+      twin_->set_direct_rows(false);
+    }
   }
 
   DcpAttention& dcp() { return *dcp_; }
+  DcpAttention& twin() { return *twin_; }
+  AttentionRuntime& one() { return *one_; }
+  // The request row freed on the group(s) (the oracle's row is reused as it is).
+  void free_request(int64_t row) {
+    dcp_->free_request(static_cast<int>(row));
+    if (twin_) twin_->free_request(static_cast<int>(row));
+  }
+  // After each begin_step (before the layers), e.g. to inspect the ranks.
+  std::function<void(const ForwardBatch&)> on_begin;
 
   void set_kv_scales(int layer_id, float k_scale, float v_scale) {
     one_->kv_cache().set_kv_scales(layer_id, k_scale, v_scale);
@@ -112,6 +128,8 @@ class DcpHarness {
     const int64_t T = b.num_tokens();
     one_->begin_step(b);
     dcp_->begin_step(b);
+    if (twin_) twin_->begin_step(b);
+    if (on_begin) on_begin(b);
     for (const LayerSpec& l : model_.layers) {
       const int hq = l.num_q_heads, hkv = l.num_kv_heads, dqk = l.head_dim;
       const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
@@ -138,9 +156,22 @@ class DcpHarness {
       const std::string name = what + " layer " + std::to_string(l.layer_id);
       test::expect_close(outn.view(), out1.view(), tol, name + " out");
       test::expect_close(lsen.view(), lse1.view(), tol, name + " lse");
+      if (twin_) {
+        HostBuffer outt(DType::f32, {T, hq, dv}), lset(DType::f32, {T, hq});
+        test::poison(outt.view());
+        test::poison(lset.view());
+        a.out = outt.view();
+        a.lse = lset.view();
+        twin_->forward(l.layer_id, a);
+        EXPECT_EQ(std::memcmp(outt.data(), outn.data(), outn.view().numel() * sizeof(float)), 0)
+            << name << " out: request rows and key-list rows differ";
+        EXPECT_EQ(std::memcmp(lset.data(), lsen.data(), lsen.view().numel() * sizeof(float)), 0)
+            << name << " lse: request rows and key-list rows differ";
+      }
     }
     one_->end_step();
     dcp_->end_step();
+    if (twin_) twin_->end_step();
     return b;
   }
 
@@ -189,6 +220,7 @@ class DcpHarness {
   std::mt19937 rng_;
   std::unique_ptr<AttentionRuntime> one_;
   std::unique_ptr<DcpAttention> dcp_;
+  std::unique_ptr<DcpAttention> twin_;
 };
 
 class DcpMatchesOneRuntime : public testing::TestWithParam<DcpCase> {
@@ -302,6 +334,180 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DcpMatchesOneRuntime,
                                          DcpCase{"reference", 3, 1}, DcpCase{"reference", 4, 16},
                                          DcpCase{"cpu", 1, 16}, DcpCase{"cpu", 2, 1},
                                          DcpCase{"cpu", 3, 16}, DcpCase{"cpu", 4, 1}),
+                         case_name);
+
+// Full attention only (GQA with soft-cap, a layer with sinks): every part is the full one, so a
+// rank's step counts are those of the request rows.
+ModelSpec full_model() {
+  ModelSpec m = gqa_model();
+  m.layers.pop_back();
+  m.name = "dcp-full";
+  return m;
+}
+
+// Direct request rows (docs/dcp.md "Each rank's batch"): a DECODE entry reads its request's own
+// row, written incrementally, and gives the bits of the same entry read from a key-list copy
+// (the twin group, set_direct_rows(false)); both match the oracle. Steps with growing lengths
+// around page edges, a chain verify whose rejected drafts are dropped, a request freed and its row
+// reused, a row reused from prefix 0 without free_request; MLA and a sliding-window model too.
+class DcpDirectRows : public DcpMatchesOneRuntime {};
+
+// On every rank, after begin_step of `b`: a DECODE step reads request rows only (one entry per
+// request that sees a key there), each row's columns [0, count) are the request's local columns,
+// and a step copies no more slot ids than the columns its rows did not hold yet.
+void expect_direct_decode(DcpAttention& g, const ForwardBatch& b, bool first_use) {
+  const int n = g.size();
+  for (int r = 0; r < n; ++r) {
+    DcpRank& rank = g.rank(r);
+    const DcpRank::StepCounts& c = rank.step_counts();
+    int64_t entries = 0, owned = 0;
+    for (int i = 0; i < b.batch_size; ++i) {
+      const int row = static_cast<int>(b.req_pool_indices[i]);
+      const int32_t count = dcp_local_count(b.seq_lens[i], r, n);
+      if (count == 0) continue;
+      ++entries;
+      owned += (b.seq_lens[i] - 1) % n == r;
+      const std::vector<int32_t>& local = rank.local_row(row);
+      ASSERT_GE(local.size(), static_cast<size_t>(count)) << "rank " << r << " row " << row;
+      const ReqToTokenPool& pool = rank.runtime().req_to_token();
+      const int32_t* slots = pool.row_ptr(rank.request_row(row));
+      for (int32_t j = 0; j < count; ++j) {
+        ASSERT_EQ(slots[j], local[j]) << "rank " << r << " row " << row << " column " << j;
+      }
+    }
+    EXPECT_EQ(c.listed, 0) << "rank " << r << ": a DECODE entry read a key-list row";
+    EXPECT_EQ(c.direct, entries) << "rank " << r;
+    if (!first_use) EXPECT_LE(c.copied, owned) << "rank " << r << ": more than the new columns";
+  }
+}
+
+// The twin group (set_direct_rows(false)) reads key-list rows only.
+void expect_key_lists_only(DcpAttention& twin) {
+  for (int r = 0; r < twin.size(); ++r) EXPECT_EQ(twin.rank(r).step_counts().direct, 0);
+}
+
+TEST_P(DcpDirectRows, DecodeReadsRequestRowsWithTheBitsOfKeyLists) {
+  const int page = GetParam().page_size, n = GetParam().ranks;
+  DcpHarness h(full_model(), GetParam(), seed_, false, /*deterministic=*/true, "fp32",
+               /*twin=*/true);
+  const auto rows = h.alloc_requests(3);
+  // Lengths whose local counts end around page edges (a page of `page` local columns is
+  // n * page global tokens).
+  std::vector<int32_t> len;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    len.push_back(page == 1 ? h.rand_int(1, 40)
+                            : std::max(1, n * page + h.rand_int(-2 * n, 2 * n)));
+  }
+  // Prefills in chunks of at most 100 tokens (a step holds max_num_tokens = 256).
+  auto prefill = [&](const std::vector<int64_t>& rs, const std::vector<int32_t>& lens) {
+    for (size_t i = 0; i < rs.size(); ++i) {
+      for (int32_t done = 0; done < lens[i]; done += 100) {
+        h.run_and_compare(make_extend_batch({rs[i]}, {done}, {std::min(100, lens[i] - done)}),
+                          "prefill " + std::to_string(i) + " from " + std::to_string(done));
+      }
+    }
+  };
+  prefill(rows, len);
+  // Decodes, growing; the first writes the request rows, the next ones one column per token.
+  std::vector<int32_t> seq = len;
+  bool first = true;
+  h.on_begin = [&](const ForwardBatch& b) {
+    expect_direct_decode(h.dcp(), b, first);
+    expect_key_lists_only(h.twin());
+  };
+  for (int step = 0; step < 2 * n + 2; ++step) {
+    for (int32_t& s : seq) ++s;
+    h.run_and_compare(make_decode_batch(rows, seq), "decode " + std::to_string(step));
+    first = false;
+  }
+  // A chain verify (key lists: several entries per request), then a decode after a random
+  // acceptance: the drafts beyond it are dropped on the ranks.
+  h.on_begin = nullptr;
+  const int nd = 5;
+  h.run_and_compare(make_verify_batch(rows, seq, SpecInfo::chain(3, nd)), "chain verify");
+  for (int32_t& s : seq) s += h.rand_int(0, nd - 1) + 1;
+  h.on_begin = [&](const ForwardBatch& b) {
+    expect_direct_decode(h.dcp(), b, true);
+    expect_key_lists_only(h.twin());
+  };
+  for (int step = 0; step < 2; ++step) {
+    for (int32_t& s : seq) ++s;
+    h.run_and_compare(make_decode_batch(rows, seq), "decode after verify " + std::to_string(step));
+  }
+  // Request 0 ends and its row is reused by a new request; request 1's row is reused from prefix
+  // 0 without free_request (the step releases it).
+  h.on_begin = nullptr;
+  h.free_request(rows[0]);
+  seq[0] = page == 1 ? h.rand_int(1, 30) : n * page + h.rand_int(-n, n);
+  seq[1] = page == 1 ? h.rand_int(1, 30) : 2 * n * page + h.rand_int(-n, n);
+  prefill({rows[0], rows[1]}, {seq[0], seq[1]});
+  h.on_begin = [&](const ForwardBatch& b) {
+    expect_direct_decode(h.dcp(), b, true);
+    expect_key_lists_only(h.twin());
+  };
+  for (int step = 0; step < n + 1; ++step) {
+    for (int32_t& s : seq) ++s;
+    h.run_and_compare(make_decode_batch(rows, seq), "decode of reused rows " + std::to_string(step));
+  }
+}
+
+// Mixed steps (chunked prefill and decodes), MLA and a sliding-window model: the decodes of a
+// MIXED step read request rows, the rest key lists; the bits of the twin everywhere.
+TEST_P(DcpDirectRows, MixedStepsMlaAndWindowsGiveTheBitsOfKeyLists) {
+  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+    DcpHarness h(model, GetParam(), seed_, false, /*deterministic=*/true, "fp32", /*twin=*/true);
+    const auto rows = h.alloc_requests(4);
+    std::vector<int32_t> prefix = h.fill(rows, 60);
+    std::vector<int32_t> ext;
+    for (size_t i = 0; i < rows.size(); ++i) ext.push_back(i % 2 == 0 ? h.rand_int(2, 17) : 1);
+    h.run_and_compare(make_extend_batch(rows, prefix, ext, ForwardMode::MIXED), "mixed");
+    for (size_t i = 0; i < rows.size(); ++i) prefix[i] += ext[i];
+    for (int step = 0; step < 3; ++step) {
+      std::vector<int32_t> seq;
+      for (int32_t& p : prefix) seq.push_back(++p);
+      h.run_and_compare(make_decode_batch(rows, seq), model.name + " decode " + std::to_string(step));
+    }
+  }
+}
+
+// A tree verify (key lists), its accepted paths committed (KV rows copied down on the ranks; the
+// columns keep their slots), then decodes on request rows: the bits of the twin.
+TEST_P(DcpDirectRows, TreeCommitThenDecodesGiveTheBitsOfKeyLists) {
+  DcpHarness h(full_model(), GetParam(), seed_, /*tree=*/true, /*deterministic=*/true, "fp32",
+               /*twin=*/true);
+  const auto rows = h.alloc_requests(3);
+  std::vector<int32_t> prefix = h.fill(rows, 70);
+  const int nd = 6;
+  SpecInfo spec;
+  spec.draft_token_num = nd;
+  spec.topk = 2;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    for (int32_t p : h.random_tree(nd)) spec.parents.push_back(p);
+  }
+  const ForwardBatch v = h.run_and_compare(make_verify_batch(rows, prefix, spec), "tree verify");
+  std::vector<std::vector<int32_t>> paths;
+  std::vector<int32_t> seq;
+  for (size_t i = 0; i < rows.size(); ++i) {
+    paths.push_back(h.random_path(spec.parents.data() + i * nd, nd));
+    seq.push_back(prefix[i] + static_cast<int32_t>(paths.back().size()) + 1);
+  }
+  test::commit_accepted(h.one(), h.dcp(), full_model(), v, paths);
+  h.twin().commit_verify(v, paths);
+  h.on_begin = [&](const ForwardBatch& b) {
+    expect_direct_decode(h.dcp(), b, true);
+    expect_key_lists_only(h.twin());
+  };
+  for (int step = 0; step < 3; ++step) {
+    h.run_and_compare(make_decode_batch(rows, seq), "decode after commit " + std::to_string(step));
+    for (int32_t& s : seq) ++s;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, DcpDirectRows,
+                         testing::Values(DcpCase{"reference", 2, 1}, DcpCase{"reference", 3, 16},
+                                         DcpCase{"reference", 2, 64}, DcpCase{"cpu", 2, 16},
+                                         DcpCase{"cpu", 3, 1}, DcpCase{"cpu", 3, 64},
+                                         DcpCase{"cpu", 4, 16}),
                          case_name);
 
 // The same step merged twice gives bit-identical outputs: the merge order is the rank order.

@@ -130,9 +130,10 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
   const int context = config.max_context_len > 0 ? config.max_context_len : model.max_context_len;
   const int block = std::max(options.speculative_num_draft_tokens, 0);
   c.max_context_len = std::min(context, dcp_local_count(context, 0, size_) + block);
-  // A part's req_to_token holds the key lists of a step's query rows (one row each, taken once
-  // here); the requests' own compacted columns are Part::local.
-  c.max_requests = config.max_num_tokens;
+  // A part's req_to_token holds a row per request (its compacted columns, Part::local, for the
+  // entries that read a prefix of them) and the key lists of a step's other query rows (one row
+  // each); every row is taken once here.
+  c.max_requests = config.max_requests + config.max_num_tokens;
   // A rank's steps are eager: its batch is rebuilt every step (key lists, entries); CUDA graphs
   // of the rank plan are left for the GPU part (docs/dcp.md).
   c.cuda_graphs = false;
@@ -159,8 +160,11 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
     // legacy default one, which the group's device communicator orders its copies on.
     if (p.runtime->kv_cache().device().kind == DeviceKind::cuda) p.runtime->set_stream(nullptr);
     ReqToTokenPool& pool = p.runtime->req_to_token();
-    for (int r = 0; r < c.max_requests; ++r) p.scratch_rows.push_back(pool.alloc());
+    for (int r = 0; r < config.max_requests; ++r) p.req_rows.push_back(pool.alloc());
+    for (int r = 0; r < config.max_num_tokens; ++r) p.scratch_rows.push_back(pool.alloc());
     p.local.resize(config.max_requests);
+    p.row_valid.assign(config.max_requests, 0);
+    p.row_written.assign(config.max_requests, 0);
   }
 }
 
@@ -193,6 +197,8 @@ const std::vector<int32_t>& DcpRank::local_row(int row, int part) const {
   return parts_.at(part).local.at(row);
 }
 
+int DcpRank::request_row(int row, int part) const { return parts_.at(part).req_rows.at(row); }
+
 void DcpRank::set_kv_scales(int layer_id, float k_scale, float v_scale) {
   const auto [part, id] = part_of(layer_id);
   part->runtime->kv_cache().set_kv_scales(id, k_scale, v_scale);
@@ -209,6 +215,7 @@ void DcpRank::free_request(int row) {
       p.runtime->allocator().free(slots);
     }
     cols.clear();
+    p.row_valid[row] = 0;  // the next write starts at column 0: a new generation of the row
   }
 }
 
@@ -234,6 +241,7 @@ void DcpRank::reserve_prefix(int row, int32_t tokens) {
 }
 
 void DcpRank::check_step(const ForwardBatch& batch, const StepLayout& layout) const {
+  check_pages(batch);
   ATTNRT_CHECK(layout.num_tokens <= static_cast<int64_t>(parts_[0].scratch_rows.size()),
                "DcpAttention: the step has {} tokens, more than RuntimeConfig.max_num_tokens = {}; "
                "split the step or raise max_num_tokens",
@@ -255,8 +263,20 @@ void DcpRank::check_step(const ForwardBatch& batch, const StepLayout& layout) co
   }
 }
 
+void DcpRank::check_pages(const ForwardBatch& batch) const {
+  AttentionRuntime& rt = *parts_[0].runtime;
+  const int page = rt.options().page_size;
+  ATTNRT_CHECK(rt.kv_cache().device().kind != DeviceKind::cuda || page == 1 || !is_tree(batch),
+               "DcpAttention: a tree TARGET_VERIFY step on cuda ranks with page_size {}: a tree's "
+               "key lists (the prefix, then a token's ancestors) are not whole pages, which the "
+               "cuda plan reads; use page_size 1, or chain verify (speculative_eagle_topk 1)",
+               page);
+}
+
 void DcpRank::begin_step(const ForwardBatch& batch) {
   in_step_ = false;
+  check_pages(batch);
+  counts_ = {};
   const StepLayout layout = make_step_layout(batch);
   num_tokens_ = layout.num_tokens;
   for (Part& p : parts_) begin_part(p, batch, layout);
@@ -293,6 +313,7 @@ void DcpRank::begin_part(Part& part, const ForwardBatch& batch, const StepLayout
         alloc.free(drop);
       }
       cols.resize(lp);
+      part.row_valid[row] = std::min(part.row_valid[row], lp);
     }
     int32_t owned = 0;
     for (int32_t t = 0; t < layout.query_lens[i]; ++t) owned += gpos(i, t) % n == r;
@@ -317,14 +338,25 @@ void DcpRank::begin_part(Part& part, const ForwardBatch& batch, const StepLayout
   }
 
   // 2. One decode-shaped entry per global row that sees a key here: the causal (or tree) rule
-  //    on global positions, then the part's window [q - W, q] on them.
+  //    on global positions, then the part's window [q - W, q] on them. An entry whose keys are
+  //    columns [0, count) of its request (full attention, not a tree) and which is the request's
+  //    only entry here (a step's rows are distinct) reads the request's own row, nothing copied:
+  //    every DECODE row. The others get a key-list row with a copy of their keys.
   std::vector<int64_t> req_rows;
   std::vector<int32_t> seq_lens;
   std::vector<int64_t> write_slots;
   part.rows.clear();
   size_t scratch = 0;
-  std::vector<int64_t> keys;
+  std::vector<int64_t>& keys = slots_;
   const int64_t window = part.window;
+  const bool direct = direct_rows_ && window < 0 && !tree;
+  // The request's entries before they are placed: keys cols[c0, c1) (not a tree), the slot of
+  // its token, its global query row.
+  struct Pending {
+    int32_t c0, c1;
+    int64_t slot, qrow;
+  };
+  std::vector<Pending> pending;
   for (int i = 0; i < batch.batch_size; ++i) {
     const int row = static_cast<int>(batch.req_pool_indices[i]);
     const int32_t lp = dcp_local_count(layout.prefix_lens[i], r, n);
@@ -337,9 +369,12 @@ void DcpRank::begin_part(Part& part, const ForwardBatch& batch, const StepLayout
     for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
       if (gpos(i, t) % n == r) column[t] = next++;
     }
+    pending.clear();
     for (int32_t t = 0; t < layout.query_lens[i]; ++t) {
       const int64_t q = gpos(i, t);
       const int64_t first = window < 0 ? 0 : std::max<int64_t>(0, q - window);
+      const int64_t slot = column[t] >= 0 ? cols[column[t]] : 0;
+      const int64_t qrow = layout.query_start[i] + t;
       if (tree) {
         keys.assign(cols + std::min(lp, dcp_local_count(first, r, n)), cols + lp);
         const size_t base = keys.size();
@@ -347,17 +382,39 @@ void DcpRank::begin_part(Part& part, const ForwardBatch& batch, const StepLayout
           if (column[a] >= 0 && gpos(i, a) >= first) keys.push_back(cols[column[a]]);
         }
         std::reverse(keys.begin() + static_cast<std::ptrdiff_t>(base), keys.end());
-      } else {
-        keys.assign(cols + dcp_local_count(first, r, n), cols + dcp_local_count(q + 1, r, n));
+        if (keys.empty()) continue;
+        const int entry_row = part.scratch_rows[scratch++];
+        pool.write(entry_row, 0, keys);
+        counts_.listed += 1;
+        counts_.copied += static_cast<int64_t>(keys.size());
+        req_rows.push_back(entry_row);
+        seq_lens.push_back(static_cast<int32_t>(keys.size()));
+        write_slots.push_back(slot);
+        part.rows.push_back(qrow);
+        continue;
       }
-      const auto count = static_cast<int32_t>(keys.size());
-      if (count == 0) continue;
+      const int32_t c0 = dcp_local_count(first, r, n), c1 = dcp_local_count(q + 1, r, n);
+      if (c1 > c0) pending.push_back({c0, c1, slot, qrow});
+    }
+    if (direct && pending.size() == 1 && pending[0].c0 == 0) {
+      sync_request_row(part, row, pending[0].c1);
+      counts_.direct += 1;
+      req_rows.push_back(part.req_rows[row]);
+      seq_lens.push_back(pending[0].c1);
+      write_slots.push_back(pending[0].slot);
+      part.rows.push_back(pending[0].qrow);
+      continue;
+    }
+    for (const Pending& e : pending) {
+      keys.assign(cols + e.c0, cols + e.c1);
       const int entry_row = part.scratch_rows[scratch++];
       pool.write(entry_row, 0, keys);
+      counts_.listed += 1;
+      counts_.copied += e.c1 - e.c0;
       req_rows.push_back(entry_row);
-      seq_lens.push_back(count);
-      write_slots.push_back(column[t] >= 0 ? cols[column[t]] : 0);
-      part.rows.push_back(layout.query_start[i] + t);
+      seq_lens.push_back(e.c1 - e.c0);
+      write_slots.push_back(e.slot);
+      part.rows.push_back(e.qrow);
     }
   }
   if (part.rows.empty()) {
@@ -368,6 +425,30 @@ void DcpRank::begin_part(Part& part, const ForwardBatch& batch, const StepLayout
     part.batch.dcp_partial = true;
   }
   part.runtime->begin_step(part.batch);
+}
+
+void DcpRank::sync_request_row(Part& part, int row, int32_t count) {
+  int32_t& valid = part.row_valid[row];
+  if (count <= valid) return;
+  int32_t& written = part.row_written[row];
+  ReqToTokenPool& pool = part.runtime->req_to_token();
+  const int pool_row = part.req_rows[row];
+  const std::vector<int32_t>& cols = part.local[row];
+  int32_t from = valid;
+  if (from < written) {
+    // Columns [valid, written) held columns dropped since (drafts, a request that ended): the
+    // unchanged ones stay; a changed one means a new generation of the row (write() gives one
+    // from column 0), since a backend may keep the pages of a row's columns while it holds.
+    const int32_t end = std::min(written, count);
+    const int32_t* old = pool.row_ptr(pool_row);
+    while (from < end && old[from] == cols[from]) ++from;
+    if (from < end) from = 0;
+  }
+  slots_.assign(cols.begin() + from, cols.begin() + count);
+  pool.write(pool_row, from, slots_);
+  counts_.copied += count - from;
+  valid = count;
+  written = from == 0 ? count : std::max(written, count);
 }
 
 void DcpRank::partial(int layer_id, const AttnArgs& args) {
@@ -596,13 +677,19 @@ DcpAttention::DcpAttention(ModelSpec model, Options options, const RuntimeConfig
   rank_options.dcp_size = 1;
   const Selection selection = resolve_backends(rank_options, model_);
   // GPU ranks share the caller's GPU (one runtime each): they measure correctness, not speed.
-  // Their key lists are gathered slot lists (a tree's ancestors, a window's first key), which a
-  // paged GPU plan cannot read as whole pages.
-  ATTNRT_CHECK(kv_pool_device(selection) == DeviceKind::cpu || options_.page_size == 1,
-               "dcp_size = {} with the {} backend and page_size {}: ranks on the GPU need "
-               "page_size 1 (a rank's key lists, e.g. a tree's ancestors or a window's keys, are "
-               "slot lists, not whole pages)",
-               options_.dcp_size, selection.backend_for(ForwardMode::DECODE), options_.page_size);
+  // Their plan reads key lists as pages: a prefix of a request's columns is whole pages and a
+  // partial last one, a window's list (from its first key) is not; a tree verify's neither
+  // (refused by the step, check_pages).
+  if (kv_pool_device(selection) != DeviceKind::cpu && options_.page_size > 1) {
+    for (const LayerSpec& l : model_.layers) {
+      ATTNRT_CHECK(l.sliding_window < 0,
+                   "dcp_size = {} with the {} backend and page_size {}: model '{}' layer {} has a "
+                   "sliding window ({}); its key lists on a rank start inside a page, which the "
+                   "cuda plan cannot read. Use page_size 1 for models with sliding windows",
+                   options_.dcp_size, selection.backend_for(ForwardMode::DECODE),
+                   options_.page_size, model_.name, l.layer_id, l.sliding_window);
+    }
+  }
   if (kv_pool_device(selection) == DeviceKind::cpu) {
     comm_ = make_communicator("in_process", options_.dcp_size);
   } else {
@@ -634,6 +721,10 @@ void DcpAttention::reserve_prefix(int row, int32_t tokens) {
 
 void DcpAttention::set_kv_scales(int layer_id, float k_scale, float v_scale) {
   for (auto& r : ranks_) r->set_kv_scales(layer_id, k_scale, v_scale);
+}
+
+void DcpAttention::set_direct_rows(bool on) {
+  for (auto& r : ranks_) r->set_direct_rows(on);
 }
 
 void DcpAttention::begin_step(const ForwardBatch& batch) {

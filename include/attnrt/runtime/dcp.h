@@ -47,9 +47,9 @@ float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float
 class DcpRank {
  public:
   // The rank's runtime is built from `model` without sinks (they are added in the merge), with
-  // `options` (dcp_size = 1 on the rank) and `config` per rank; its req_to_token has
-  // max_num_tokens key-list rows (one per query row of a step), max_context_len / n (+ the verify
-  // block) wide.
+  // `options` (dcp_size = 1 on the rank) and `config` per rank; its req_to_token has a row per
+  // request row (max_requests, the request's local columns) and max_num_tokens key-list rows (one
+  // per query row of a step), max_context_len / n (+ the verify block) wide.
   // A rank on GPU pools runs its part runtimes on the legacy default stream (set_stream(nullptr)).
   // `comm` moves the partials: host buffers (in_process) for host tensors, device buffers
   // (device_in_process, nccl) for GPU tensors; a rank with a device communicator takes host
@@ -71,6 +71,22 @@ class DcpRank {
   void free_request(int row);
   // See DcpAttention::reserve_prefix.
   void reserve_prefix(int row, int32_t tokens);
+  // The pool row of request row `row` in part `part`'s req_to_token: it holds the request's local
+  // columns (written when an entry reads them, docs/dcp.md "Each rank's batch").
+  int request_row(int row, int part = 0) const;
+  // What the last begin_step built, over every part: entries that read their request's own row
+  // (a row prefix, nothing copied), entries that read a key-list row, and the slot ids written
+  // into req_to_token (key lists, and the columns request rows did not hold yet).
+  struct StepCounts {
+    int64_t direct = 0, listed = 0, copied = 0;
+  };
+  const StepCounts& step_counts() const { return counts_; }
+  // The batch the last begin_step gave part `part`'s runtime (decode-shaped entries over
+  // request rows and key-list rows of its req_to_token, marked dcp_partial; IDLE when none).
+  const ForwardBatch& part_batch(int part = 0) const { return parts_.at(part).batch; }
+  // false: every entry reads a key-list row (a copy of its keys), as before request rows were
+  // read directly; for tests comparing the two. Default true.
+  void set_direct_rows(bool on) { direct_rows_ = on; }
 
   // The errors begin_step would give, before anything changes: rows of the group, the prefix
   // stored, the step within max_num_tokens.
@@ -116,6 +132,12 @@ class DcpRank {
     std::vector<int> layer_ids;  // the model's ids; the part's runtime numbers them 0, 1, ...
     std::unique_ptr<AttentionRuntime> runtime;
     std::vector<std::vector<int32_t>> local;  // per request row: the slots of its columns
+    // Per request row: its pool row; how many leading columns of it equal `local` (an entry whose
+    // keys are columns [0, count) reads it); how many were written since the pool row's last
+    // generation change (a column below that which changes needs a new one: the cuda plan keeps
+    // a row's pages while its generation holds).
+    std::vector<int> req_rows;
+    std::vector<int32_t> row_valid, row_written;
     std::vector<int> scratch_rows;            // key lists of the step's query rows
     ForwardBatch batch;                       // the step's decode-shaped entries
     std::vector<int64_t> rows;                // global query row of each entry
@@ -123,6 +145,13 @@ class DcpRank {
   std::vector<Part> parts_;
   std::pair<Part*, int> part_of(int layer_id);  // the part and the layer's id in its runtime
   void begin_part(Part& part, const ForwardBatch& batch, const StepLayout& layout);
+  // Makes columns [0, count) of request row `row`'s pool row equal its local columns.
+  void sync_request_row(Part& part, int row, int32_t count);
+  // cuda ranks with page_size > 1 read key lists as pages: a tree verify step is an error.
+  void check_pages(const ForwardBatch& batch) const;
+  bool direct_rows_ = true;
+  StepCounts counts_;
+  std::vector<int64_t> slots_;  // a list being written into req_to_token
   int64_t num_tokens_ = 0;
   bool in_step_ = false;
   // Per layer call: gathered inputs, the partial, the packed send / recv buffers.
@@ -154,6 +183,8 @@ class DcpAttention {
   void reserve_prefix(int row, int32_t tokens);
   // fp8 scales of a layer, on every rank.
   void set_kv_scales(int layer_id, float k_scale, float v_scale);
+  // DcpRank::set_direct_rows on every rank (tests).
+  void set_direct_rows(bool on);
 
   // The global batch as one runtime would take it; its out_cache_loc values are not read (the
   // group allocates each new token's slot on its owner), its length must be the step's tokens.
