@@ -7,7 +7,7 @@ against one Runtime that holds the whole cache.
         N host ranks on threads of this process (attnrt.in_process_group), cpu backend
     torchrun --nproc-per-node 2 examples/python/dcp_decode.py --nccl
         a process per GPU over NCCL (attnrt.nccl_unique_id made on rank 0 and broadcast with
-        torch.distributed; cuda backend, page_size 1)
+        torch.distributed; cuda backend, page_size 16)
 
 Prints each rank's prefill and decode times, the decode tokens/s and the largest difference from
 the single runtime; exits 1 if it is beyond the tolerance.
@@ -71,7 +71,7 @@ class Single:
 def run_rank(rank: int, size: int, comm, args, device, report: dict) -> None:
     cfg = model_config(args.layers)
     opts = dict(dtype=torch.bfloat16, attention_backend="cuda" if args.nccl else "cpu",
-                page_size=1 if args.nccl else 16)
+                page_size=16)
     dcp = attnrt.DcpRank(cfg, rank=rank, dcp_size=size, communicator=comm, **opts,
                          max_requests=args.batch, max_num_tokens=args.batch * args.chunk,
                          max_context_len=args.context + args.steps + 1)

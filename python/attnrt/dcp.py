@@ -7,7 +7,8 @@ exactly. Two ways in:
     group = attnrt.DcpAttention("llama3-8b", dcp_size=2, attention_backend="cpu")
         n simulated ranks in one process, with the interface of one Runtime: begin_step(batch),
         forward(layer_id, q, k, v) (the merged output of every head), end_step(). Host backends,
-        or cuda ranks sharing the one GPU (page_size 1): correctness, not speed.
+        or cuda ranks sharing the one GPU: correctness, not speed. (cuda ranks take any page
+        size, except for models with sliding windows and for tree verify: page_size 1 there.)
 
     rank = attnrt.DcpRank("llama3-8b", rank=r, dcp_size=n, communicator=comm, ...)
         one rank of a real group, a process (or thread) per rank: the same calls, and forward()
