@@ -113,6 +113,25 @@ float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float
 
 // ---------------------------------------------------------------------------------------------
 
+namespace {
+
+// GPU ranks' plan reads key lists as pages: a prefix of a request's columns is whole pages and a
+// partial last one, a window's list (from its first key) is not; a tree verify's neither
+// (refused by the step, check_pages).
+void check_gpu_rank_pages(const ModelSpec& model, const Options& options, std::string_view backend) {
+  if (options.page_size <= 1) return;
+  for (const LayerSpec& l : model.layers) {
+    ATTNRT_CHECK(l.sliding_window < 0,
+                 "dcp_size = {} with the {} backend and page_size {}: model '{}' layer {} has a "
+                 "sliding window ({}); its key lists on a rank start inside a page, which the "
+                 "cuda plan cannot read. Use page_size 1 for models with sliding windows",
+                 options.dcp_size, backend, options.page_size, model.name, l.layer_id,
+                 l.sliding_window);
+  }
+}
+
+}  // namespace
+
 DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
                  const RuntimeConfig& config, Communicator& comm, Communicator* host_comm)
     : rank_(rank), size_(options.dcp_size), model_(model), comm_(&comm), host_comm_(host_comm) {
@@ -156,6 +175,8 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
       m.layers.back().has_sinks = false;  // added once, in the merge
     }
     p.runtime = std::make_unique<AttentionRuntime>(std::move(m), o, c);
+    if (p.runtime->kv_cache().device().kind == DeviceKind::cuda)
+      check_gpu_rank_pages(model, options, p.runtime->selection().backend_for(ForwardMode::DECODE));
     // GPU pools: every part of the rank (and its gather / pack / merge) works on one stream, the
     // legacy default one, which the group's device communicator orders its copies on.
     if (p.runtime->kv_cache().device().kind == DeviceKind::cuda) p.runtime->set_stream(nullptr);
@@ -680,15 +701,8 @@ DcpAttention::DcpAttention(ModelSpec model, Options options, const RuntimeConfig
   // Their plan reads key lists as pages: a prefix of a request's columns is whole pages and a
   // partial last one, a window's list (from its first key) is not; a tree verify's neither
   // (refused by the step, check_pages).
-  if (kv_pool_device(selection) != DeviceKind::cpu && options_.page_size > 1) {
-    for (const LayerSpec& l : model_.layers) {
-      ATTNRT_CHECK(l.sliding_window < 0,
-                   "dcp_size = {} with the {} backend and page_size {}: model '{}' layer {} has a "
-                   "sliding window ({}); its key lists on a rank start inside a page, which the "
-                   "cuda plan cannot read. Use page_size 1 for models with sliding windows",
-                   options_.dcp_size, selection.backend_for(ForwardMode::DECODE),
-                   options_.page_size, model_.name, l.layer_id, l.sliding_window);
-    }
+  if (kv_pool_device(selection) != DeviceKind::cpu) {
+    check_gpu_rank_pages(model_, options_, selection.backend_for(ForwardMode::DECODE));
   }
   if (kv_pool_device(selection) == DeviceKind::cpu) {
     comm_ = make_communicator("in_process", options_.dcp_size);
