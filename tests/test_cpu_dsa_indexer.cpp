@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -112,6 +113,59 @@ LayerSpec indexer_layer(int heads, int dim, int topk) {
   LayerSpec l;
   l.indexer = {.index_topk = topk, .index_n_heads = heads, .index_head_dim = dim};
   return l;
+}
+
+// dsa_round_queries against round_index_query, bit for bit, one head after another.
+void expect_rounding_as_round_index_query(const std::vector<float>& x, int heads, int dim) {
+  const int hp = (heads + cpu::kDsaHeadAlign - 1) / cpu::kDsaHeadAlign * cpu::kDsaHeadAlign;
+  std::vector<float> qt(static_cast<size_t>(dim) * hp, 0.f), want(dim);
+  cpu::dsa_round_queries(x.data(), dim, heads, dim, qt.data(), hp);
+  for (int h = 0; h < heads; ++h) {
+    round_index_query(x.data() + h * dim, dim, want.data());
+    for (int d = 0; d < dim; ++d) {
+      const float got = qt[static_cast<size_t>(d) * hp + h];
+      ASSERT_EQ(std::bit_cast<uint32_t>(got), std::bit_cast<uint32_t>(want[d]))
+          << "head " << h << " d " << d << ": " << x[h * dim + d] << " -> " << got << ", want "
+          << want[d];
+    }
+  }
+}
+
+TEST(CpuDsaIndexScores, QueriesRoundAsRoundIndexQueryBitForBit) {
+  std::mt19937 rng(std::random_device{}());
+  // Random heads of every magnitude (scales from 2^-22 up), dims with and without a vector tail.
+  for (int dim : {128, 64, 40, 7}) {
+    const int heads = 21;
+    std::vector<float> x(static_cast<size_t>(heads) * dim);
+    std::normal_distribution<float> nd;
+    std::uniform_int_distribution<int> ex(-40, 40);
+    for (int h = 0; h < heads; ++h) {
+      const float m = std::ldexp(1.f, ex(rng));
+      for (int d = 0; d < dim; ++d) x[h * dim + d] = nd(rng) * m;
+      x[h * dim + (h % dim)] = h % 3 == 0 ? -0.f : x[h * dim + (h % dim)];
+    }
+    expect_rounding_as_round_index_query(x, heads, dim);
+  }
+  // Scale 1 (448 in every head): every e4m3 value, the midpoints between neighbours (ties to
+  // even), a value just either side of each midpoint, and the subnormal range.
+  std::vector<float> grid;
+  for (int c = 0; c < 0x7f; ++c) grid.push_back(e4m3_to_float(static_cast<uint8_t>(c)));
+  std::vector<float> vals;
+  for (size_t i = 0; i + 1 < grid.size(); ++i) {
+    const float mid = (grid[i] + grid[i + 1]) / 2;  // exact: one more mantissa bit
+    for (float v : {grid[i], mid, std::nextafter(mid, 0.f), std::nextafter(mid, 1e9f)}) {
+      vals.push_back(v);
+      vals.push_back(-v);
+    }
+  }
+  for (float v = 1e-6f; v < 448.f; v *= 1.0137f) vals.push_back(v);
+  const int dim = 128;
+  std::vector<float> x;
+  for (size_t i = 0; i < vals.size();) {
+    x.push_back(448.f);
+    for (int d = 1; d < dim; ++d) x.push_back(i < vals.size() ? vals[i++] : 1.f);
+  }
+  expect_rounding_as_round_index_query(x, static_cast<int>(x.size() / dim), dim);
 }
 
 TEST(CpuDsaIndexScores, MatchAFloat64EvaluationOfTheSameMath) {

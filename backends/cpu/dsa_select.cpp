@@ -164,24 +164,29 @@ void select_dsa_keys(const DsaStep& step, const LayerSpec& layer, const IndexerA
 
 #pragma omp parallel num_threads(step.num_threads)
     {
-      std::vector<float> qh(di), qr(di);
+      std::vector<float> qf;
       std::vector<int32_t> order;
       // The rounded queries, transposed to [dim][heads], and the weights.
 #pragma omp for schedule(static)
       for (size_t n = 0; n < round_tokens.size(); ++n) {
         const QueryBlock& blk = blocks[round_tokens[n].first];
-        const int32_t t = round_tokens[n].second;
-        const int64_t row = reqs[blk.req].q_row + t;
+        const int64_t row = reqs[blk.req].q_row + round_tokens[n].second;
         float* qt = qbuf.get() + n * q_token;
-        std::fill(qt, qt + q_token, 0.f);
-        for (int h = 0; h < hi; ++h) {
-          for (int d = 0; d < di; ++d) {
-            qh[d] = load_as_float(q.data, q.dtype,
-                                  static_cast<size_t>(row * q.strides[0] + h * q.strides[1] +
-                                                      d * q.strides[2]));
+        if (hp > hi) std::fill(qt, qt + q_token, 0.f);
+        if (q.dtype == DType::f32 && q.strides[2] == 1) {
+          dsa_round_queries(q.ptr<float>() + row * q.strides[0], q.strides[1], hi, di, qt, hp);
+        } else {
+          qf.resize(static_cast<size_t>(hi) * di);
+          for (int h = 0; h < hi; ++h) {
+            for (int d = 0; d < di; ++d) {
+              qf[static_cast<size_t>(h) * di + d] = load_as_float(
+                  q.data, q.dtype,
+                  static_cast<size_t>(row * q.strides[0] + h * q.strides[1] + d * q.strides[2]));
+            }
           }
-          round_index_query(qh.data(), di, qr.data());
-          for (int d = 0; d < di; ++d) qt[static_cast<size_t>(d) * hp + h] = qr[d];
+          dsa_round_queries(qf.data(), di, hi, di, qt, hp);
+        }
+        for (int h = 0; h < hi; ++h) {
           wbuf[n * hp + h] = load_as_float(
               wt.data, wt.dtype, static_cast<size_t>(row * wt.strides[0] + h * wt.strides[1]));
         }

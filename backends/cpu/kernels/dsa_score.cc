@@ -142,6 +142,44 @@ void IndexScores(const DsaQueries& q, const IndexKeyView& keys, const int32_t* s
   }
 }
 
+// round_index_query in vectors: x / scale (exact: scale is a power of two), rounded to the e4m3
+// grid by adding and subtracting 2^(e + 20), e = max(floor(log2 |y|), -6), whose ulp is the grid
+// step 2^(e - 3) around |y| (fp32 addition rounds to nearest even, as the e4m3 conversion does;
+// e = -6 is the subnormal step), magnitudes from 448 up saturating at 448 as float_to_e4m3 does,
+// the sign put back, times scale.
+void RoundQueries(const float* q, int64_t head_stride, int index_heads, int dim, float* qt,
+                  int heads) {
+  const DF df;
+  const hn::RebindToUnsigned<DF> du;
+  const int lanes = static_cast<int>(hn::Lanes(df));
+  HWY_ALIGN float row[hn::MaxLanes(DF())];
+  for (int h = 0; h < index_heads; ++h) {
+    const float* x = q + h * head_stride;
+    VF vmax = hn::Zero(df);
+    int d = 0;
+    for (; d + lanes <= dim; d += lanes) vmax = hn::Max(vmax, hn::Abs(hn::LoadU(df, x + d)));
+    float amax = hn::GetLane(hn::MaxOfLanes(df, vmax));
+    for (; d < dim; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float scale = fp8_block_scale(amax);
+    const VF vscale = hn::Set(df, scale), inv = hn::Set(df, 1.f / scale);
+    const VF top = hn::Set(df, kFp8E4m3Max);
+    const auto min_exp = hn::Set(du, 121u), bias = hn::Set(du, 20u);
+    for (d = 0; d + lanes <= dim; d += lanes) {
+      const VF y = hn::Mul(hn::LoadU(df, x + d), inv);
+      const VF a = hn::Abs(y);
+      const auto e = hn::Max(hn::ShiftRight<23>(hn::BitCast(du, a)), min_exp);
+      const VF magic = hn::BitCast(df, hn::ShiftLeft<23>(hn::Add(e, bias)));
+      VF r = hn::Sub(hn::Add(a, magic), magic);
+      r = hn::IfThenElse(hn::Ge(a, top), top, r);
+      hn::Store(hn::Mul(hn::CopySignToAbs(r, y), vscale), df, row);
+      for (int i = 0; i < lanes; ++i) qt[static_cast<size_t>(d + i) * heads + h] = row[i];
+    }
+    for (; d < dim; ++d) {
+      qt[static_cast<size_t>(d) * heads + h] = e4m3_to_float(float_to_e4m3(x[d] / scale)) * scale;
+    }
+  }
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace attnrt::cpu
 HWY_AFTER_NAMESPACE();
@@ -150,6 +188,12 @@ HWY_AFTER_NAMESPACE();
 namespace attnrt::cpu {
 
 HWY_EXPORT(IndexScores);
+HWY_EXPORT(RoundQueries);
+
+void dsa_round_queries(const float* q, int64_t head_stride, int index_heads, int dim, float* qt,
+                       int heads) {
+  HWY_DYNAMIC_DISPATCH(RoundQueries)(q, head_stride, index_heads, dim, qt, heads);
+}
 
 void dsa_index_scores(const DsaQueries& q, const IndexKeyView& keys, const int32_t* slots,
                       int64_t n, double c, double* scores, int64_t stride) {

@@ -30,4 +30,10 @@ struct DsaQueries {
 void dsa_index_scores(const DsaQueries& q, const IndexKeyView& keys, const int32_t* slots,
                       int64_t n, double c, double* scores, int64_t stride);
 
+// Token t's index queries, q[h * head_stride + d] (index_n_heads x dim), rounded as
+// round_index_query rounds each head (the same floats), written transposed into qt
+// (qt[d * heads + h], heads = index_n_heads padded as in DsaQueries; the padding is not written).
+void dsa_round_queries(const float* q, int64_t head_stride, int index_heads, int dim, float* qt,
+                       int heads);
+
 }  // namespace attnrt::cpu
