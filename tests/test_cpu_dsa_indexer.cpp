@@ -324,6 +324,17 @@ TEST(CpuDsaSelection, ChainCandidatesEqualAFullSortByTheTieRule) {
   }
 }
 
+TEST(CpuDsaSelection, AStepOfManyTokensIsScoredInRoundsWithTheSameResult) {
+  // 2100 decodes of 64 x 128 index heads hold more queries (32 KiB a token) than one round of
+  // scoring takes (64 MiB), so the step is scored in two rounds.
+  std::mt19937 rng(std::random_device{}());
+  const int heads = 64, dim = 128, topk = 8;
+  const std::vector<std::pair<int32_t, int32_t>> decodes(2100, {11, 1});
+  const int64_t rows = 2100 * 12;
+  Keys keys(rows, dim, 64, rng);
+  check_selection(make_requests(decodes, rows, rng), keys, heads, dim, topk, 2, rng);
+}
+
 TEST(CpuDsaSelection, EqualScoresOfDuplicatedKeysRankTheLowerTokenIndexFirst) {
   std::mt19937 rng(std::random_device{}());
   const int heads = 64, dim = 128, topk = 40;
