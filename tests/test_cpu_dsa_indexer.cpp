@@ -173,8 +173,8 @@ TEST(CpuDsaIndexScores, MatchAFloat64EvaluationOfTheSameMath) {
   struct Shape {
     int heads, dim;
   };
-  for (const Shape sh : {Shape{64, 128}, Shape{16, 128}, Shape{64, 64}, Shape{16, 64},
-                         Shape{5, 40}, Shape{48, 24}}) {
+  for (const Shape sh : {Shape{64, 128}, Shape{16, 128}, Shape{64, 64}, Shape{16, 64}, Shape{5, 40},
+                         Shape{48, 24}}) {
     SCOPED_TRACE("heads " + std::to_string(sh.heads) + " dim " + std::to_string(sh.dim));
     const double c = index_score_scale(indexer_layer(sh.heads, sh.dim, 1));
     const int64_t rows = 3000;
@@ -229,8 +229,8 @@ std::vector<int32_t> candidates_of(const StepData& s, const cpu::RequestInfo& r,
 
 // Runs select_dsa_keys and checks every token's selection against a full sort of the kernel's
 // scores by dsa_ranks_before (or every candidate, with at most topk of them).
-void check_selection(const StepData& s, const Keys& keys, int heads, int dim, int topk,
-                     int threads, std::mt19937& rng) {
+void check_selection(const StepData& s, const Keys& keys, int heads, int dim, int topk, int threads,
+                     std::mt19937& rng) {
   int64_t tokens = 0;
   for (const auto& r : s.reqs) tokens = std::max(tokens, r.q_row + r.qlen);
   Queries qs(tokens, heads, dim, rng);
@@ -283,8 +283,8 @@ void check_selection(const StepData& s, const Keys& keys, int heads, int dim, in
 }
 
 // Requests laid out one after another in a pool of shuffled slots.
-StepData make_requests(const std::vector<std::pair<int32_t, int32_t>>& prefix_qlen,
-                       int64_t rows, std::mt19937& rng) {
+StepData make_requests(const std::vector<std::pair<int32_t, int32_t>>& prefix_qlen, int64_t rows,
+                       std::mt19937& rng) {
   StepData s;
   std::vector<int32_t> pool(static_cast<size_t>(rows));
   std::iota(pool.begin(), pool.end(), 0);
@@ -310,16 +310,16 @@ TEST(CpuDsaSelection, ChainCandidatesEqualAFullSortByTheTieRule) {
     int heads, dim, topk, threads;
   };
   for (const Case k : {Case{64, 128, 100, 2}, Case{16, 64, 33, 1}, Case{16, 128, 2, 2}}) {
-    SCOPED_TRACE("heads " + std::to_string(k.heads) + " dim " + std::to_string(k.dim) +
-                 " topk " + std::to_string(k.topk));
+    SCOPED_TRACE("heads " + std::to_string(k.heads) + " dim " + std::to_string(k.dim) + " topk " +
+                 std::to_string(k.topk));
     const int64_t rows = 8192;
     Keys keys(rows, k.dim, 64, rng);
     // Decodes (one query over a long list, another at exactly topk + 1 candidates, one under
     // topk), a prefill over a prefix whose first tokens have at most topk candidates, and a
     // prefill from nothing whose length is not a multiple of the query block.
     const StepData s = make_requests(
-        {{3100, 1}, {k.topk, 1}, {k.topk - 2, 1}, {k.topk / 2, 23}, {0, 2 * k.topk + 7}},
-        rows, rng);
+        {{3100, 1}, {k.topk, 1}, {k.topk - 2, 1}, {k.topk / 2, 23}, {0, 2 * k.topk + 7}}, rows,
+        rng);
     check_selection(s, keys, k.heads, k.dim, k.topk, k.threads, rng);
   }
 }

@@ -65,8 +65,9 @@ void select_top(const double* scores, int64_t n, int topk, const Index& index,
   order.resize(static_cast<size_t>(n));
   for (int64_t m = 0; m < n; ++m) order[m] = static_cast<int32_t>(m);
   // Candidates are in increasing token index, so comparing positions applies the tie rule.
-  std::nth_element(order.begin(), order.begin() + (topk - 1), order.end(),
-                   [&](int32_t a, int32_t b) { return dsa_ranks_before(scores[a], a, scores[b], b); });
+  std::nth_element(
+      order.begin(), order.begin() + (topk - 1), order.end(),
+      [&](int32_t a, int32_t b) { return dsa_ranks_before(scores[a], a, scores[b], b); });
   sel.resize(static_cast<size_t>(topk));
   for (int m = 0; m < topk; ++m) sel[m] = index(order[m]);
   std::sort(sel.begin(), sel.end());
@@ -153,7 +154,8 @@ void select_dsa_keys(const DsaStep& step, const LayerSpec& layer, const IndexerA
       for (int32_t t = blk.t0; t < blk.t1; ++t) {
         round_tokens.emplace_back(static_cast<int32_t>(b1), t);
       }
-      for (int64_t m = 0; m < blk.n; m += kItemKeys) items.emplace_back(static_cast<int32_t>(b1), m);
+      for (int64_t m = 0; m < blk.n; m += kItemKeys)
+        items.emplace_back(static_cast<int32_t>(b1), m);
       ntok += bt;
       nscore += bt * blk.n;
       ++b1;
@@ -214,10 +216,12 @@ void select_dsa_keys(const DsaStep& step, const LayerSpec& layer, const IndexerA
         const double* s = scores.data() + blk.score + k * blk.n;
         std::vector<int32_t>& sel = chosen[static_cast<size_t>(r.q_row + t)];
         if (blk.cand == nullptr) {
-          select_top(s, r.prefix + t + 1, topk, [](int32_t m) { return m; }, order, sel);
+          select_top(
+              s, r.prefix + t + 1, topk, [](int32_t m) { return m; }, order, sel);
         } else {
           const std::vector<int32_t>& cand = *blk.cand;
-          select_top(s, blk.n, topk, [&](int32_t m) { return cand[m]; }, order, sel);
+          select_top(
+              s, blk.n, topk, [&](int32_t m) { return cand[m]; }, order, sel);
         }
       }
     }
