@@ -9,16 +9,21 @@
 
 namespace attnrt {
 
-float quantize_fp8_block(const float* x, int n, uint8_t* codes) {
-  float amax = 1e-4f;
-  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+float fp8_block_scale(float amax) {
   // A power of two, so x / scale is exact and every backend stores the same codes. The exponent
   // ceil(log2(v)) is taken exactly from v's binary form: log2f rounds values a few ulps above a
   // power of two down onto it, which gave half the scale and codes past 448 (and a GPU's log2f
   // may round differently from the host's).
   int e = 0;
-  const float m = std::frexp(amax / kFp8E4m3Max, &e);  // v = m * 2^e, m in [0.5, 1)
-  const float scale = std::ldexp(1.f, m == 0.5f ? e - 1 : e);
+  // v = m * 2^e, m in [0.5, 1)
+  const float m = std::frexp(std::max(amax, 1e-4f) / kFp8E4m3Max, &e);
+  return std::ldexp(1.f, m == 0.5f ? e - 1 : e);
+}
+
+float quantize_fp8_block(const float* x, int n, uint8_t* codes) {
+  float amax = 1e-4f;
+  for (int i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float scale = fp8_block_scale(amax);
   for (int i = 0; i < n; ++i) codes[i] = float_to_e4m3(x[i] / scale);
   return scale;
 }

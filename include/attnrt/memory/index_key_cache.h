@@ -24,6 +24,8 @@ inline constexpr float kFp8E4m3Max = 448.f;
 // e4m3(x[i] / scale) (exact division, round to nearest even). Returns the scale; the value a
 // reader sees is e4m3_to_float(codes[i]) * scale. NaN or infinite inputs are the caller's error.
 float quantize_fp8_block(const float* x, int n, uint8_t* codes);
+// The scale quantize_fp8_block takes for a block whose largest magnitude is amax.
+float fp8_block_scale(float amax);
 
 // What a backend reads for one DSA layer.
 struct IndexKeyView {
