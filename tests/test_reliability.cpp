@@ -3,12 +3,16 @@
 // replays as it is; a far arrival costs one IDLE step; the pool-too-small error names the pool; NaN
 // and infinity propagate the same way on cpu as on reference; --threads is bounded and small steps
 // stay on one thread; absurd model dimensions are rejected at load.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <random>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
@@ -19,6 +23,7 @@
 #include "attnrt/core/error.h"
 #include "attnrt/model/model_spec.h"
 #include "backends/cpu/cpu_backend.h"
+#include "backends/cpu/kernels/attention_kernels.h"
 #include "tests/conformance/conformance.h"
 #include "tests/non_finite_case.h"
 #include "tests/test_util.h"
@@ -207,6 +212,35 @@ TEST(ModelLimits, AbsurdHeadCountsAndDimsAreRejectedAtLoadNamingTheLimit) {
   for (const std::string& name : preset_names()) {
     EXPECT_NO_THROW(model_preset(name).validate()) << name;
   }
+}
+
+// Every SIMD target this build has cpu kernels for and this CPU runs, not only the best one (an
+// AVX2-only or older machine runs the narrower paths): the conformance suite on each, chosen with
+// ATTNRT_CPU_SIMD, fresh seeds; and a name that is no target here is an error that lists them.
+TEST_F(CliReliability, ConformanceHoldsOnEverySimdTarget) {
+  const std::vector<std::string> targets = cpu::simd_target_names();
+  ASSERT_FALSE(targets.empty());
+  const uint64_t seed = std::random_device{}();
+  for (size_t i = 1; i < targets.size(); ++i) {
+    SCOPED_TRACE("ATTNRT_CPU_SIMD=" + targets[i] + ", seed " + std::to_string(seed));
+    ::setenv("ATTNRT_CPU_SIMD", targets[i].c_str(), 1);
+    std::string upper = targets[i];
+    for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    const CommandResult info = run("info");
+    EXPECT_NE(info.out.find("SIMD target " + upper), std::string::npos) << info.out;
+    const CommandResult r = run(fmt::format(
+        "check --backend cpu --cases 200 --seed {} --jobs 2 --no-progress", seed));
+    EXPECT_EQ(r.status, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find("0 failed"), std::string::npos) << r.out;
+  }
+  ::setenv("ATTNRT_CPU_SIMD", "avx9000", 1);
+  const CommandResult bad = run("run --attention-backend cpu");
+  ::unsetenv("ATTNRT_CPU_SIMD");
+  EXPECT_EQ(bad.status, 2);
+  for (const std::string& t : targets)
+    EXPECT_NE(bad.err.find(t), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("ATTNRT_CPU_SIMD=avx9000 is not a SIMD target"), std::string::npos)
+      << bad.err;
 }
 
 }  // namespace

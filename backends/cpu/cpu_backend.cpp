@@ -88,10 +88,16 @@ int cpu_threads_for(int64_t macs, int max_threads) {
 
 std::string cpu_simd_target() { return cpu::simd_target_name(); }
 
+// The tile heights are the first dispatch of a backend: ATTNRT_CPU_SIMD is applied before.
+static int chosen_tile_rows() {
+  cpu::choose_simd_target();
+  return cpu::tile_rows();
+}
+
 CpuBackend::CpuBackend(const BackendContext& ctx)
     : OnePathAttnBackend(ctx),
       num_threads_(cpu_num_threads(ctx.options)),
-      tile_rows_(cpu::tile_rows()),
+      tile_rows_(chosen_tile_rows()),
       wide_tile_rows_(cpu::wide_tile_rows()) {}
 
 void CpuBackend::init_forward_metadata(const ForwardBatch& batch) {

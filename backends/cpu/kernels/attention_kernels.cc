@@ -17,11 +17,17 @@
 
 #include <omp.h>
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
+#include <vector>
 
+#include "attnrt/core/error.h"
 #include "backends/cpu/kernels/attention_kernels.h"
 #include "backends/cpu/kernels/item_kernels.h"
 #include "backends/cpu/kernels/hwy_targets.h"
@@ -163,7 +169,49 @@ int tile_rows() { return HWY_DYNAMIC_DISPATCH(TileRows)(); }
 
 int wide_tile_rows() { return HWY_DYNAMIC_DISPATCH(WideTileRows)(); }
 
-std::string simd_target_name() { return HWY_DYNAMIC_DISPATCH(TargetName)(); }
+std::vector<std::string> simd_target_names() {
+  std::vector<std::string> names;
+  for (const int64_t t : hwy::SupportedAndGeneratedTargets()) {
+    std::string n = hwy::TargetName(t);
+    std::transform(n.begin(), n.end(), n.begin(), [](unsigned char c) { return std::tolower(c); });
+    names.push_back(std::move(n));
+  }
+  return names;
+}
+
+void choose_simd_target() {
+  // Once per process, before the first dispatch reads the choice (a failed choice is not kept:
+  // every later call raises the same error).
+  static const bool chosen = [] {
+    const char* v = std::getenv("ATTNRT_CPU_SIMD");
+    if (v == nullptr || *v == '\0') return true;
+    std::string want = v;
+    std::transform(want.begin(), want.end(), want.begin(),
+                   [](unsigned char c) { return std::tolower(c); });
+    const std::vector<std::string> names = simd_target_names();
+    const std::vector<int64_t> targets = hwy::SupportedAndGeneratedTargets();
+    for (size_t i = 0; i < names.size(); ++i) {
+      // Highway takes the lowest target bit it may: disabling every bit below this one leaves it.
+      if (names[i] == want) {
+        hwy::DisableTargets(targets[i] - 1);
+        return true;
+      }
+    }
+    fail("cpu backend: ATTNRT_CPU_SIMD={} is not a SIMD target of this build on this CPU; use one "
+         "of {} (or unset it for the best: {})",
+         v, fmt::join(names, ", "), names.empty() ? "none" : names.front());
+  }();
+  (void)chosen;
+}
+
+std::string simd_target_name() {
+  try {
+    choose_simd_target();
+  } catch (const Error& e) {
+    return std::string("none (") + e.what() + ")";  // a backend being built raises it
+  }
+  return HWY_DYNAMIC_DISPATCH(TargetName)();
+}
 
 void convert_to_float(DType dtype, const void* src, int64_t n, float* dst) {
   HWY_DYNAMIC_DISPATCH(ConvertToFloat)(dtype, src, n, dst);

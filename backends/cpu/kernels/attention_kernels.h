@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "backends/cpu/kernels/attention_plan.h"
 
@@ -19,8 +20,17 @@ int tile_rows();
 // more tokens in tiles of up to this many rows.
 int wide_tile_rows();
 
+// The SIMD targets this build has kernels for that this CPU runs, best first, as
+// ATTNRT_CPU_SIMD names them ("avx3", "avx2", "sse4", ...).
+std::vector<std::string> simd_target_names();
+// Applies ATTNRT_CPU_SIMD (docs/backends.md): the kernels dispatch to that target instead of the
+// best one, to test or compare the narrower paths. attnrt::Error naming the targets when it is not
+// one of simd_target_names(). Called before the first dispatch (CpuBackend, simd_target_name).
+void choose_simd_target();
+
 // Name of the SIMD target in use ("AVX3", "AVX2", "NEON", ...), "+BF16" when the bf16
-// dot-product kernels run (AVX-512 BF16 present and issuing about as fast as FMA).
+// dot-product kernels run (AVX-512 BF16 present and issuing about as fast as FMA); "none (why)"
+// when ATTNRT_CPU_SIMD names no target here.
 std::string simd_target_name();
 
 // Converts n stored KV elements (bf16, fp16, fp32, fp8 e4m3 / e5m2) to float with the same
