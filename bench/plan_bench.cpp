@@ -233,13 +233,13 @@ void BM_MakeStepLayoutInPlace(benchmark::State& state) {
 }
 BENCHMARK(BM_MakeStepLayoutInPlace)->ArgName("kind")->Arg(kDecode)->Arg(kVerify)->Arg(kExtend);
 
-// The host KV cache's begin_step (out_cache_loc checks) on a one-layer pool of the same slots.
-void BM_KVCacheBeginStep(benchmark::State& state) {
-  Workload w(static_cast<Kind>(state.range(0)));
+// A model of one small full-attention layer (1 head of 8): the host work of a step does not
+// depend on the heads.
+ModelSpec one_small_layer(const char* name, DType dtype, int max_context_len) {
   ModelSpec m;
-  m.name = "plan-bench";
-  m.dtype = DType::bf16;
-  m.max_context_len = w.pool.max_context_len();
+  m.name = name;
+  m.dtype = dtype;
+  m.max_context_len = max_context_len;
   LayerSpec l;
   l.layer_id = 0;
   l.kind = LayerKind::full;
@@ -248,6 +248,13 @@ void BM_KVCacheBeginStep(benchmark::State& state) {
   l.head_dim = 8;
   l.v_head_dim = 8;
   m.layers.push_back(l);
+  return m;
+}
+
+// The host KV cache's begin_step (out_cache_loc checks) on a one-layer pool of the same slots.
+void BM_KVCacheBeginStep(benchmark::State& state) {
+  Workload w(static_cast<Kind>(state.range(0)));
+  const ModelSpec m = one_small_layer("plan-bench", DType::bf16, w.pool.max_context_len());
   KVCacheConfig cfg;
   cfg.page_size = kPage;
   cfg.full_slots = (static_cast<int64_t>(kBatch) * ((2048 + 16 + kPage - 1) / kPage) + 1) * kPage;
@@ -270,18 +277,7 @@ void BM_DcpDecodeBeginStep(benchmark::State& state) {
   const int ranks = static_cast<int>(state.range(2));
   const bool reference = state.range(3) != 0, direct = state.range(4) != 0;
   constexpr int kSteps = 4096;
-  ModelSpec m;
-  m.name = "dcp-bench";
-  m.dtype = DType::f32;
-  m.max_context_len = context + kSteps;
-  LayerSpec l;
-  l.layer_id = 0;
-  l.kind = LayerKind::full;
-  l.num_q_heads = 1;
-  l.num_kv_heads = 1;
-  l.head_dim = 8;
-  l.v_head_dim = 8;
-  m.layers.push_back(l);
+  const ModelSpec m = one_small_layer("dcp-bench", DType::f32, context + kSteps);
   Options o;
   o.attention_backend = reference ? "reference" : "cpu";
   o.kv_cache_dtype = "fp32";

@@ -288,6 +288,18 @@ INSTANTIATE_TEST_SUITE_P(Ranks, CudaDcp,
                                          Case{3, true}),
                          case_name);
 
+// Prefills each request with a prompt whose local counts on the ranks end around a page edge
+// (n * page global tokens per local page), one request a step; returns the prompt lengths.
+template <class H>
+std::vector<int32_t> prefill_near_page_edges(H& h, const std::vector<int64_t>& rows, int n, int page) {
+  std::vector<int32_t> prefix;
+  for (const int64_t row : rows) {
+    prefix.push_back(std::clamp(n * page + h.rand_int(-n - 1, n + 1), 1, 240));
+    h.run_and_compare(make_extend_batch({row}, {0}, {prefix.back()}), "prefill");
+  }
+  return prefix;
+}
+
 // cuda ranks at page_size 16 and 64 (docs/dcp.md): a DECODE entry reads its request's own row, an
 // EXTEND / chain-verify entry a key-list copy of a row prefix; both are whole pages and a partial
 // last one, which the cuda plan reads as pages. Full-attention models (GQA with soft-cap and
@@ -299,13 +311,7 @@ TEST_P(CudaDcpPaged, ExtendOverAPrefixThenDecodes) {
   for (const ModelSpec& model : {full_model(), mla_model()}) {
     Harness h(model, GetParam(), seed_);
     const auto rows = h.alloc_requests(3);
-    // Prefixes whose local counts end around page edges (n * page global tokens per local page),
-    // stored in chunks that fit a step.
-    std::vector<int32_t> prefix;
-    for (size_t i = 0; i < rows.size(); ++i) {
-      prefix.push_back(std::clamp(n * page + h.rand_int(-n - 1, n + 1), 1, 240));
-      h.run_and_compare(make_extend_batch({rows[i]}, {0}, {prefix.back()}), "prefill");
-    }
+    const std::vector<int32_t> prefix = prefill_near_page_edges(h, rows, n, page);
     std::vector<int32_t> ext, seq;
     for (size_t i = 0; i < rows.size(); ++i) ext.push_back(h.rand_int(1, 19));
     h.run_and_compare(make_extend_batch(rows, prefix, ext), "extend over a prefix");
@@ -322,11 +328,7 @@ TEST_P(CudaDcpPaged, ChainVerifyThenDecodeAfterAcceptance) {
   for (const ModelSpec& model : {full_model(), mla_model()}) {
     Harness h(model, GetParam(), seed_);
     const auto rows = h.alloc_requests(3);
-    std::vector<int32_t> prefix;
-    for (size_t i = 0; i < rows.size(); ++i) {
-      prefix.push_back(std::clamp(n * page + h.rand_int(-n - 1, n + 1), 1, 240));
-      h.run_and_compare(make_extend_batch({rows[i]}, {0}, {prefix.back()}), "prefill");
-    }
+    const std::vector<int32_t> prefix = prefill_near_page_edges(h, rows, n, page);
     std::vector<int32_t> seq;
     for (int32_t p : prefix) seq.push_back(p + 1);
     h.run_and_compare(make_decode_batch(rows, seq), "decode");
