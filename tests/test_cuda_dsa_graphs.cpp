@@ -221,25 +221,9 @@ class CudaDsaGraphs : public testing::TestWithParam<cuda::DsaIndexer> {
   // The step on reference over a host copy of the pools as the GPU left them.
   std::vector<LayerOut> run_reference(const ForwardBatch& batch, const std::vector<LayerIn>& in) {
     const int64_t T = batch.num_tokens();
-    KVCacheConfig kc;
-    kc.full_slots = 8 * kContext;
-    kc.page_size = options_.page_size;
-    kc.dtype = rt_->kv_cache().dtype();
-    kc.max_num_tokens = 256;
-    KVStorage mirror = make_host_kv_storage(model_, kc);
-    for (const LayerSpec& l : model_.layers) {
-      const KVLayerView v = mirror.cache->layer(l.layer_id);
-      cache_->copy_layer_to_host(l.layer_id, v.k, v.v);
-      rt_->kv_cache().download_index_keys(l.layer_id, mirror.cache->index_keys(l.layer_id).data);
-    }
-    mirror.cache->begin_step(batch);
-    BackendContext ctx;
-    ctx.model = &model_;
-    ctx.options = &options_;
-    ctx.kv_cache = mirror.cache.get();
-    ctx.req_to_token = &rt_->req_to_token();
-    ReferenceBackend ref(ctx);
-    ref.init_forward_metadata(batch);
+    const auto host = test::host_reference(model_, options_, *rt_, *cache_, 8 * kContext, batch,
+                                           /*index_keys=*/true);
+    ReferenceBackend& ref = *host->ref;
     std::vector<LayerOut> got;
     for (size_t i = 0; i < in.size(); ++i) {
       LayerOut o(d_, T);

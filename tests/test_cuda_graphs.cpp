@@ -243,24 +243,9 @@ class CudaGraphRuntime : public ::testing::Test {
     rt_->end_step();
 
     // Reference over a host copy of the pools (rows as the GPU step left them).
-    KVCacheConfig kc;
-    kc.full_slots = 8 * 4096;
-    kc.page_size = options_.page_size;
-    kc.dtype = rt_->kv_cache().dtype();
-    kc.max_num_tokens = 256;
-    KVStorage mirror = make_host_kv_storage(model_, kc);
-    for (const LayerSpec& l : model_.layers) {
-      const KVLayerView v = mirror.cache->layer(l.layer_id);
-      cache_->copy_layer_to_host(l.layer_id, v.k, v.v);
-    }
-    mirror.cache->begin_step(batch);
-    BackendContext ctx;
-    ctx.model = &model_;
-    ctx.options = &options_;
-    ctx.kv_cache = mirror.cache.get();
-    ctx.req_to_token = &rt_->req_to_token();
-    ReferenceBackend ref(ctx);
-    ref.init_forward_metadata(batch);
+    const auto host = test::host_reference(model_, options_, *rt_, *cache_, 8 * 4096, batch,
+                                           /*index_keys=*/false);
+    ReferenceBackend& ref = *host->ref;
     for (size_t i = 0; i < io.size(); ++i) {
       const LayerSpec& l = model_.layers[i];
       ref.forward({.q = io[i].q.view(),

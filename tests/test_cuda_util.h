@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -22,12 +23,14 @@
 #include "attnrt/core/tensor.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/model/model_spec.h"
+#include "attnrt/runtime/attention_runtime.h"
 #include "backends/reference/reference_backend.h"
 #include "tests/test_util.h"
 
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
 
+#include "backends/cuda/cuda_kv_cache.h"
 #include "backends/cuda/kernels/launch.h"
 #endif
 
@@ -174,6 +177,47 @@ inline void reference_forward(const BackendContext& ctx, const ForwardBatch& bat
 
 // Relative L2 error and largest absolute error of the first `rows` rows of `got` against `want`;
 // a non-finite element of `got` makes both infinite.
+#ifdef ATTNRT_HAS_CUDA
+// The oracle of a GPU test's step: a host copy of the runtime's pools as the GPU left them (every
+// layer's KV rows, and DSA layers' index keys when `index_keys`), begun on `batch`, with a
+// reference backend over it. Heap-held: the backend keeps the context's addresses.
+struct HostReference {
+  KVStorage mirror;
+  BackendContext ctx;
+  std::unique_ptr<ReferenceBackend> ref;
+};
+
+inline std::unique_ptr<HostReference> host_reference(const ModelSpec& model,
+                                                     const Options& options,
+                                                     AttentionRuntime& rt,
+                                                     const cuda::CudaKVCache& cache,
+                                                     int64_t slots, const ForwardBatch& batch,
+                                                     bool index_keys) {
+  auto h = std::make_unique<HostReference>();
+  KVCacheConfig kc;
+  kc.full_slots = slots;
+  kc.page_size = options.page_size;
+  kc.dtype = rt.kv_cache().dtype();
+  kc.max_num_tokens = 256;
+  h->mirror = make_host_kv_storage(model, kc);
+  for (const LayerSpec& l : model.layers) {
+    const KVLayerView v = h->mirror.cache->layer(l.layer_id);
+    cache.copy_layer_to_host(l.layer_id, v.k, v.v);
+    if (index_keys) {
+      rt.kv_cache().download_index_keys(l.layer_id, h->mirror.cache->index_keys(l.layer_id).data);
+    }
+  }
+  h->mirror.cache->begin_step(batch);
+  h->ctx.model = &model;
+  h->ctx.options = &options;
+  h->ctx.kv_cache = h->mirror.cache.get();
+  h->ctx.req_to_token = &rt.req_to_token();
+  h->ref = std::make_unique<ReferenceBackend>(h->ctx);
+  h->ref->init_forward_metadata(batch);
+  return h;
+}
+#endif
+
 struct Compare {
   double rel = 0, max_abs = 0;
   bool finite = true;
