@@ -271,11 +271,19 @@ TEST_F(Cli, BenchDsaSuiteRunsOnCpuAtCpuSmallAndWritesJson) {
     EXPECT_TRUE(row["check"]["passed"].get<bool>());
     EXPECT_LE(row["check"]["max_rel_err"].get<double>(), 2e-2);
     EXPECT_GT(row["selection"]["selected_checked"].get<int>(), 0);
-    EXPECT_GT(row["time_ms"]["median"].get<double>(), 0);
-    EXPECT_GT(row["rate"].get<double>(), 0);
-    EXPECT_GT(row["figure"]["value"].get<double>(), 0);
-    EXPECT_GT(row["dense"]["time_ms"]["median"].get<double>(), 0);
     const auto& shape = row["shape"];
+    // An index row is the step's time minus its sparse part's; with the blocked cpu indexer that
+    // difference is a few ms, within one repetition's noise on a loaded machine. The row then
+    // says so and gives no rate.
+    if (shape["part"] == "index" && row["time_ms"]["median"].get<double>() <= 0) {
+      EXPECT_EQ(row["rate"].get<double>(), 0);
+      EXPECT_NE(row["notes"].dump().find("within the noise"), std::string::npos) << row.dump();
+    } else {
+      EXPECT_GT(row["time_ms"]["median"].get<double>(), 0);
+      EXPECT_GT(row["rate"].get<double>(), 0);
+      EXPECT_GT(row["figure"]["value"].get<double>(), 0);
+    }
+    EXPECT_GT(row["dense"]["time_ms"]["median"].get<double>(), 0);
     EXPECT_LT(shape["index_topk"].get<int>(), shape["kv_len"].get<int>()) << "a real selection";
     if (shape["part"] == "index") {
       EXPECT_EQ(row["counted"]["bytes"].get<double>(),
