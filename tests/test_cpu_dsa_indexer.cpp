@@ -180,6 +180,9 @@ TEST(CpuDsaIndexScores, MatchAFloat64EvaluationOfTheSameMath) {
     const int64_t rows = 3000;
     Keys keys(rows, sh.dim, 16, rng);
     Queries qs(2, sh.heads, sh.dim, rng);
+    // Counted over the shape: one key's score is 0 when every head's dot is negative (1 in 32 at
+    // 5 heads), so a single key says nothing about the relu.
+    int positive = 0;
     // Ragged counts (not multiples of any key block), keys in shuffled order.
     for (int64_t n : {1, 7, 13, 25, 1537}) {
       std::vector<int32_t> slots(static_cast<size_t>(rows));
@@ -190,16 +193,15 @@ TEST(CpuDsaIndexScores, MatchAFloat64EvaluationOfTheSameMath) {
         std::vector<double> want, bound;
         float64_scores(qs, t, sh.heads, sh.dim, keys, slots, c, want, bound);
         const std::vector<double> got = kernel_scores(qs, t, sh.heads, sh.dim, keys, slots, c);
-        int positive = 0;
         for (int64_t m = 0; m < n; ++m) {
           // fp32 dots of dim exact products: at most dim roundings of the magnitude sum.
           const double tol = (sh.dim + 2) * std::ldexp(1.0, -24) * bound[m] + 1e-300;
           ASSERT_NEAR(got[m], want[m], tol) << "n " << n << " token " << t << " key " << m;
           positive += want[m] != 0.0;
         }
-        EXPECT_GT(positive, 0);
       }
     }
+    EXPECT_GT(positive, 0);
   }
 }
 
