@@ -6,8 +6,8 @@
 // generic kernel and DeepSeek-V3.2's (576 / 512 latent rows on the MLA CTAs, 64 x 128 index heads,
 // bf16 and fp8 latent pools), with GPU tensors and host tensors (the conformance harness's host
 // pools), prefills scored in several rounds of a small score budget, an IDLE step; the errors of
-// bad indexer inputs leave the pools as they were; graphs are off for a DSA model unless
-// ATTNRT_DSA_GRAPHS=1 (graph steps: tests/test_cuda_dsa_graphs.cpp); `attnrt run` on
+// bad indexer inputs leave the pools as they were; graphs are off for a DSA model with
+// ATTNRT_DSA_GRAPHS=0 (graph steps: tests/test_cuda_dsa_graphs.cpp); `attnrt run` on
 // a DSA model checks every step against reference. The tests that score run once with each
 // indexer kernel (ATTNRT_DSA_INDEXER: cuda_core, mma; the mma runs take index dims the tensor-core
 // kernel serves, 16 x 32 at the small dims). The host plan (plan_dsa) and the explain line are
@@ -424,8 +424,8 @@ TEST(CudaDsa, IdleStepDoesNothing) {
   rt.end_step();
 }
 
-// Without ATTNRT_DSA_GRAPHS=1 a DSA model's steps stay eager and the reason names the switch; with
-// it (set_dsa_graphs) the model's DECODE steps are captured (tests/test_cuda_dsa_graphs.cpp).
+// With ATTNRT_DSA_GRAPHS=0 (set_dsa_graphs(false)) a DSA model's steps stay eager and the reason
+// names the switch; by default the model's steps are captured (tests/test_cuda_dsa_graphs.cpp).
 TEST(CudaDsa, GraphsAreOffForADsaModelWithTheReason) {
   SKIP_WITHOUT_GPU();
   RuntimeConfig c;
@@ -438,7 +438,7 @@ TEST(CudaDsa, GraphsAreOffForADsaModelWithTheReason) {
     EXPECT_FALSE(rt.cuda_graphs_enabled());
     EXPECT_NE(rt.cuda_graphs_off_reason().find("DSA"), std::string::npos)
         << rt.cuda_graphs_off_reason();
-    EXPECT_NE(rt.cuda_graphs_off_reason().find("ATTNRT_DSA_GRAPHS=1"), std::string::npos)
+    EXPECT_NE(rt.cuda_graphs_off_reason().find("ATTNRT_DSA_GRAPHS=0"), std::string::npos)
         << rt.cuda_graphs_off_reason();
   }
   set_dsa_graphs(true);
@@ -452,8 +452,23 @@ TEST(CudaDsa, GraphsAreOffForADsaModelWithTheReason) {
 
 // `attnrt run`'s driver on a DSA model on cuda (GPU pools): every step of every mode, chain and
 // tree verify and draft extends included, checked against reference on the host copy of the pools
-// (latent rows and index keys downloaded), eager (graphs are off for DSA).
-class CudaDsaRun : public CudaDsaIndexer {};
+// (latent rows and index keys downloaded), eager (DSA graphs turned off here; the graph run is in
+// tests/test_cuda_dsa_graphs.cpp).
+class CudaDsaRun : public CudaDsaIndexer {
+ protected:
+  void SetUp() override {
+    CudaDsaIndexer::SetUp();
+    graphs_before_ = dsa_graphs_enabled();
+    set_dsa_graphs(false);
+  }
+  void TearDown() override {
+    set_dsa_graphs(graphs_before_);
+    CudaDsaIndexer::TearDown();
+  }
+
+ private:
+  bool graphs_before_ = true;
+};
 INSTANTIATE_TEST_SUITE_P(Kernels, CudaDsaRun,
                          testing::Values(cuda::DsaIndexer::cuda_core, cuda::DsaIndexer::mma),
                          indexer_name);
@@ -526,11 +541,12 @@ TEST(CudaDsaPlan, ExplainNamesTheIndexerAndTheOneQueryCta) {
   // The indexer kernel the switch picks (V3.2's 64 x 128 index dims: the tensor-core one).
   const cuda::DsaIndexer before = cuda::dsa_indexer();
   cuda::set_dsa_indexer(cuda::DsaIndexer::cuda_core);
-  EXPECT_NE(cuda::explain_cuda_kernels(m, o, DType::bf16)[1].find("scores on CUDA cores"),
+  EXPECT_NE(cuda::explain_cuda_kernels(m, o, DType::bf16)[1].find(
+                "scores on CUDA cores [ATTNRT_DSA_INDEXER=cuda_core]"),
             std::string::npos);
   cuda::set_dsa_indexer(cuda::DsaIndexer::mma);
   EXPECT_NE(cuda::explain_cuda_kernels(m, o, DType::bf16)[1].find(
-                "scores on tensor cores [ATTNRT_DSA_INDEXER=mma]"),
+                "scores on tensor cores, a radix"),
             std::string::npos);
   cuda::set_dsa_indexer(before);
 }

@@ -684,8 +684,9 @@ void CudaBackend::init_forward_metadata_capture_cuda_graph(int bs, int num_token
                                                            const ForwardBatch& batch) {
   ATTNRT_CHECK(graph_ready_, "cuda backend: capture before init_cuda_graph_state");
   ATTNRT_CHECK(!dsa_served_ || dsa_graph_ready_,
-               "cuda backend: the model has DSA layers, which are captured only with "
-               "ATTNRT_DSA_GRAPHS=1 (set before init_cuda_graph_state) and when every DSA layer "
+               "cuda backend: the model has DSA layers, which are captured only "
+               "while DSA graphs are on (not ATTNRT_DSA_GRAPHS=0, set before "
+               "init_cuda_graph_state) and when every DSA layer "
                "has the same index_topk, heads, head dims and KV dtype ({}); leave CUDA graphs "
                "off for it",
                dsa_graph_uniform_ ? "they have" : "they do not");

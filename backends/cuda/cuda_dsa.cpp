@@ -180,7 +180,7 @@ void CudaBackend::attend_dsa(const AttnArgs& args, const LayerSpec& layer,
                            dsa_graph_shape_.q_heads == c.hq && dsa_graph_shape_.head_dim == c.d
                      : !stream_is_capturing(stream_),
                "cuda backend: DSA layer {} in a CUDA-graph step{}; DSA layers are captured only "
-               "with ATTNRT_DSA_GRAPHS=1 set before init_cuda_graph_state, in a graph step planned "
+               "while DSA graphs are on (not ATTNRT_DSA_GRAPHS=0) at init_cuda_graph_state, in a graph step planned "
                "by init_forward_metadata_capture_cuda_graph / _replay_cuda_graph, with every DSA "
                "layer of one shape",
                layer.layer_id, graph ? "" : " (the stream captures an eager plan)");

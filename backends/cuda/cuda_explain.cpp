@@ -121,7 +121,9 @@ std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Opti
         out.push_back(fmt::format(
             "  {:<7} every mode: the indexer (dsa.cu: fp8-rounded index scores on {}, a "
             "radix top-{} per token), then each token one query over its selected keys on the {}",
-            ph.name, mma ? "tensor cores [ATTNRT_DSA_INDEXER=mma]" : "CUDA cores",
+            ph.name, mma ? "tensor cores" : dsa_indexer() == DsaIndexer::mma
+                           ? "CUDA cores (index dims the tensor-core kernel does not take)"
+                           : "CUDA cores [ATTNRT_DSA_INDEXER=cuda_core]",
             l.indexer.index_topk, describe(cta, key, ph.qlen * group)));
         continue;
       }

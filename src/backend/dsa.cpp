@@ -95,7 +95,7 @@ bool dsa_graphs_enabled() {
     g_dsa_graphs = static_cast<int>(
         env_integer("ATTNRT_DSA_GRAPHS", 0, 1, "DSA CUDA graphs",
                     "1 (capture DSA layers in DECODE / TARGET_VERIFY graphs) or 0")
-            .value_or(0));
+            .value_or(1));
   }
   return g_dsa_graphs == 1;
 }

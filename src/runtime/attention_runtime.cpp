@@ -190,8 +190,8 @@ AttentionRuntime::AttentionRuntime(ModelSpec model, Options options, RuntimeConf
         verify_backend);
   } else if (has_dsa && !dsa_graphs_enabled()) {
     graph_off_reason_ =
-        "the model has DSA layers (an indexer), which run eagerly: their CUDA graphs await "
-        "verification on a GPU and are off unless ATTNRT_DSA_GRAPHS=1";
+        "the model has DSA layers (an indexer), which run eagerly: ATTNRT_DSA_GRAPHS=0 turns "
+        "their CUDA graphs off (unset it, or set 1, to capture them)";
   } else if (has_dsa && !selection_.decode_entry->caps.dsa_graphs) {
     graph_off_reason_ = fmt::format(
         "the model has DSA layers (an indexer), which backend '{}' (DECODE) does not capture",

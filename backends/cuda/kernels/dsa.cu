@@ -468,7 +468,7 @@ DsaIndexer dsa_indexer() {
   if (g_indexer < 0) {
     const char* v = std::getenv("ATTNRT_DSA_INDEXER");
     g_indexer = static_cast<int>(
-        v != nullptr && std::string_view(v) == "mma" ? DsaIndexer::mma : DsaIndexer::cuda_core);
+        v != nullptr && std::string_view(v) == "cuda_core" ? DsaIndexer::cuda_core : DsaIndexer::mma);
   }
   return static_cast<DsaIndexer>(g_indexer);
 }

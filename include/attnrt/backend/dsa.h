@@ -35,8 +35,8 @@ void check_host_indexer_args(std::string_view backend, const AttnArgs& args,
 void check_indexer_args(std::string_view backend, const AttnArgs& args, const LayerSpec& layer,
                         int64_t num_tokens, DeviceKind device);
 
-// CUDA graphs for a model with DSA layers (docs/cuda_graphs.md "DSA layers"): off unless
-// ATTNRT_DSA_GRAPHS=1 is in the environment (read once, at the first call) or set_dsa_graphs(true)
+// CUDA graphs for a model with DSA layers (docs/cuda_graphs.md "DSA layers"): on unless
+// ATTNRT_DSA_GRAPHS=0 is in the environment (read once, at the first call) or set_dsa_graphs(false)
 // chose first. Off, AttentionRuntime keeps such a model's steps eager and says so in
 // cuda_graphs_off_reason(). The switch is read when a runtime is built; set it before.
 bool dsa_graphs_enabled();
