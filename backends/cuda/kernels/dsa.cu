@@ -6,8 +6,8 @@
 // paged cache into shared memory (codes times the slot's scale, both exact), and takes per head an
 // fp32 dot product, across heads an fp64 sum of w_h * relu(dot), as the cpu backend does.
 //
-// Scores on tensor cores (dsa_score_mma_kernel, ATTNRT_DSA_INDEXER=mma): one CTA per (scored
-// token, 1 to 4 tiles of 128 candidates), four warps. The CTA stages the token's rounded queries
+// Scores on tensor cores (dsa_score_mma_kernel, the default; ATTNRT_DSA_INDEXER=cuda_core runs
+// dsa_score_kernel instead): one CTA per (scored token, 1 to 4 tiles of 128 candidates), four warps. The CTA stages the token's rounded queries
 // once as bf16 (the e4m3 codes times 2^112, exact) in shared memory, then looks up the slots of
 // all its candidates. Each warp then owns 32 candidates of every tile: it loads their fp8 codes
 // (a 4-byte word per lane, the next tile's in flight during this tile's MMAs), converts them to
@@ -23,7 +23,8 @@
 // the topk-th largest key tau and how many keys equal to tau are taken; a pass over the
 // candidates in increasing token index then takes every key above tau and the first of those
 // equal to it (the tie rule: lower token index first), placing each by a block prefix count, so
-// the slots come out in increasing token index.
+// the slots come out in increasing token index. Histogram adds are aggregated per warp and bin;
+// the last pass gives each thread 8 consecutive candidates (two block scans per 4096).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -43,6 +44,7 @@ namespace {
 
 constexpr int kScoreCands = 128;  // candidates (threads) of a score CTA
 constexpr int kSelectThreads = 512;
+constexpr int kSelectItems = 8;  // consecutive candidates per thread in the selection's last pass
 constexpr float kE4m3Max = 448.f;
 
 constexpr int kMmaCands = 128;  // candidates of a tensor-core key tile: 32 per warp
@@ -340,7 +342,7 @@ __global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const DsaPar
   const int64_t row = p.row0 + blockIdx.x;
   const DsaToken tok = p.tokens[row];
   const ReqInfo req = p.reqs[tok.req];
-  const int tid = threadIdx.x, K = p.topk, n = tok.num_cand;
+  const int tid = threadIdx.x, lane = tid & 31, K = p.topk, n = tok.num_cand;
   int32_t* slots = p.sel_slots + row * K;
   int32_t* out = p.topk_out != nullptr ? p.topk_out + row * p.topk_s0 : nullptr;
   if (p.row_table_out != nullptr && tok.t == 0) {
@@ -360,6 +362,9 @@ __global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const DsaPar
   const float* scores = p.scores + tok.score_off;
   // Radix select, most significant byte first: after pass b, s_prefix holds the top bytes of the
   // topk-th largest key and s_remaining how many keys with those bytes are still to be taken.
+  // Scores crowd into a few bins (the top byte is mostly the exponent), so a warp adds each of its
+  // bins once (lanes of one bin found by __match_any_sync) instead of one atomic per key on a
+  // handful of addresses.
   if (tid == 0) {
     s_prefix = 0;
     s_remaining = K;
@@ -369,9 +374,15 @@ __global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const DsaPar
     for (int b = tid; b < 256; b += kSelectThreads) hist[b] = 0;
     __syncthreads();
     const uint32_t prefix = s_prefix;
-    for (int m = tid; m < n; m += kSelectThreads) {
-      const uint32_t u = order_key(scores[m]);
-      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 0xff], 1);
+    for (int m0 = 0; m0 < n; m0 += kSelectThreads) {  // warp-uniform trip count
+      const int m = m0 + tid;
+      int bin = -1;
+      if (m < n) {
+        const uint32_t u = order_key(scores[m]);
+        if ((u & mask) == prefix) bin = static_cast<int>((u >> shift) & 0xff);
+      }
+      const unsigned peers = __match_any_sync(0xffffffffu, bin);
+      if (bin >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
     }
     __syncthreads();
     if (tid == 0) {
@@ -387,22 +398,43 @@ __global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const DsaPar
   const int take_equal = s_remaining;
 
   // Candidates in increasing token index: every key above tau, the first take_equal equal to it.
+  // A thread takes kSelectItems consecutive candidates of a chunk, so that a chunk of
+  // kSelectItems * kSelectThreads candidates costs two block scans.
   int placed = 0, equal_seen = 0;
-  for (int c0 = 0; c0 < n; c0 += kSelectThreads) {
-    const int m = c0 + tid;
-    const uint32_t u = m < n ? order_key(scores[m]) : 0u;
-    const int eq = m < n && u == tau ? 1 : 0;
+  constexpr int kChunk = kSelectItems * kSelectThreads;
+  for (int c0 = 0; c0 < n; c0 += kChunk) {
+    const int first = c0 + tid * kSelectItems;
+    uint32_t u[kSelectItems];
+    int eq = 0;
+#pragma unroll
+    for (int i = 0; i < kSelectItems; ++i) {
+      u[i] = first + i < n ? order_key(scores[first + i]) : 0u;
+      eq += first + i < n && u[i] == tau ? 1 : 0;
+    }
     int eq_rank = 0, eq_total = 0;
     Scan(scan).ExclusiveSum(eq, eq_rank, eq_total);
     __syncthreads();
-    const int sel = m < n && (u > tau || (eq && equal_seen + eq_rank < take_equal)) ? 1 : 0;
+    int sel = 0, eq_before = equal_seen + eq_rank;
+    unsigned taken = 0;  // bit i: candidate first + i is selected
+#pragma unroll
+    for (int i = 0; i < kSelectItems; ++i) {
+      const bool in = first + i < n;
+      const bool is_eq = in && u[i] == tau;
+      if (in && (u[i] > tau || (is_eq && eq_before < take_equal))) {
+        taken |= 1u << i;
+        ++sel;
+      }
+      eq_before += is_eq ? 1 : 0;
+    }
     int pos = 0, sel_total = 0;
     Scan(scan).ExclusiveSum(sel, pos, sel_total);
     __syncthreads();
-    if (sel) {
-      const int32_t j = candidate(p, req, tok.t, m);
+    for (int i = 0; taken != 0; ++i, taken >>= 1) {
+      if ((taken & 1u) == 0) continue;
+      const int32_t j = candidate(p, req, tok.t, first + i);
       slots[placed + pos] = static_cast<int32_t>(slot_of(p, req, j));
       if (out != nullptr) out[(placed + pos) * p.topk_s1] = j;
+      ++pos;
     }
     placed += sel_total;
     equal_seen += eq_total;
