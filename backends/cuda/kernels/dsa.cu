@@ -7,8 +7,8 @@
 // fp32 dot product, across heads an fp64 sum of w_h * relu(dot), as the cpu backend does.
 //
 // Scores on tensor cores (dsa_score_mma_kernel, the default; ATTNRT_DSA_INDEXER=cuda_core runs
-// dsa_score_kernel instead): one CTA per (scored token, 1 to 4 tiles of 128 candidates), four warps. The CTA stages the token's rounded queries
-// once as bf16 (the e4m3 codes times 2^112, exact) in shared memory, then looks up the slots of
+// dsa_score_kernel instead): one CTA per (scored token, 1 to 4 tiles of 128 candidates), four
+// warps. The CTA stages the token's rounded queries once as bf16 (the e4m3 codes times 2^112, exact) in shared memory, then looks up the slots of
 // all its candidates. Each warp then owns 32 candidates of every tile: it loads their fp8 codes
 // (a 4-byte word per lane, the next tile's in flight during this tile's MMAs), converts them to
 // bf16 (the codes times 2^-112, exact: fp8x4_to) into its own rows of shared memory (rows padded
