@@ -8,15 +8,16 @@
 //
 // Scores on tensor cores (dsa_score_mma_kernel, the default; ATTNRT_DSA_INDEXER=cuda_core runs
 // dsa_score_kernel instead): one CTA per (scored token, 1 to 4 tiles of 128 candidates), four
-// warps. The CTA stages the token's rounded queries once as bf16 (the e4m3 codes times 2^112, exact) in shared memory, then looks up the slots of
-// all its candidates. Each warp then owns 32 candidates of every tile: it loads their fp8 codes
-// (a 4-byte word per lane, the next tile's in flight during this tile's MMAs), converts them to
-// bf16 (the codes times 2^-112, exact: fp8x4_to) into its own rows of shared memory (rows padded
-// by 16 bytes, so ldmatrix is conflict-free), and takes the heads x 32 dot block of codes on
-// m16n8k16 bf16 MMAs with fp32 accumulation (the factors 2^112 and 2^-112 cancel, the products
-// are exact). The epilogue applies the power-of-two scales after the dot (exact), sums
-// w_h * q_scale_h * relu(dot) over its heads in fp64, adds up the eight lane groups by shuffles
-// and writes one score per lane. Only the fp32 summation order differs from the CUDA-core kernel.
+// warps. The CTA stages the token's rounded queries once as bf16 (the e4m3 codes times 2^112,
+// exact) in shared memory, then looks up the slots of all its candidates. Each warp then owns 32
+// candidates of every tile: it loads their fp8 codes (a 4-byte word per lane, the next tile's in
+// flight during this tile's MMAs), converts them to bf16 (the codes times 2^-112, exact: fp8x4_to)
+// into its own rows of shared memory (rows padded by 16 bytes, so ldmatrix is conflict-free), and
+// takes the heads x 32 dot block of codes on m16n8k16 bf16 MMAs with fp32 accumulation (the factors
+// 2^112 and 2^-112 cancel, the products are exact). The epilogue applies the power-of-two scales
+// after the dot (exact), sums w_h * q_scale_h * relu(dot) over its heads in fp64, adds up the eight
+// lane groups by shuffles and writes one score per lane. Only the fp32 summation order differs from
+// the CUDA-core kernel.
 //
 // Selection: one CTA per token. At most topk candidates: all of them. Otherwise a radix select on
 // the scores as order-preserving uint32 keys (four 8-bit passes over a shared histogram) finds
