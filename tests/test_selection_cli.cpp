@@ -46,6 +46,19 @@ TEST_F(InfoCli, ExplainsTheChoicePerPhaseForAModel) {
                           "decode: ", "hybrid router   yes"});
 }
 
+// A DSA model's layer line names its indexer, and --explain says DSA is on and why.
+TEST_F(InfoCli, ModelSummaryNamesTheDsaIndexer) {
+  Result r = run("info --model deepseek-v3.2 --explain");
+  ASSERT_EQ(r.status, 0) << r.err;
+  expect_contains(r.out, {"61 layer(s) mla: 128 q / 1 kv heads",
+                          "; DSA indexer 64 heads x 128, top 2048 keys per query token",
+                          "dsa: on (auto"});
+  // A model without an indexer says nothing of DSA on its layer line.
+  Result v3 = run("info --model deepseek-v3");
+  ASSERT_EQ(v3.status, 0) << v3.err;
+  EXPECT_FALSE(has(v3.out, "DSA indexer")) << v3.out;
+}
+
 TEST_F(InfoCli, JsonCarriesTheSelectionAndEveryBackendsCaps) {
   std::mt19937 rng(std::random_device{}());
   const int steps = std::uniform_int_distribution<int>(1, 6)(rng);

@@ -227,6 +227,11 @@ ModelSummary summarize(const ModelSpec& m) {
     if (l.kind == LayerKind::mla) {
       shape += fmt::format(" (kv_lora_rank {}, rope dim {})", l.kv_lora_rank, l.qk_rope_head_dim);
     }
+    if (l.has_indexer()) {
+      shape += fmt::format("; DSA indexer {} heads x {}, top {} keys per query token",
+                           l.indexer.index_n_heads, l.indexer.index_head_dim,
+                           l.indexer.index_topk);
+    }
     s.shapes[shape]++;
     if (l.sliding_window >= 0) s.windows[l.sliding_window]++;
     if (l.logit_cap > 0.f) s.softcap_layers++;
