@@ -12,6 +12,8 @@
 #include "attnrt/core/error.h"
 #include "bench/harness/ceilings.h"
 #include "bench/harness/chart.h"
+#include "bench/harness/dsa_workload.h"
+#include "bench/harness/linear_workload.h"
 #include "bench/harness/report.h"
 #include "bench/harness/timing.h"
 #include "tests/test_util.h"
@@ -383,6 +385,57 @@ TEST(BenchChart, SvgIsWellFormedAndLabelsEveryRow) {
   // The checker itself rejects broken markup.
   EXPECT_NE(xml_problem("<svg><text>a & b</text></svg>"), "");
   EXPECT_NE(xml_problem("<svg><g></svg>"), "");
+}
+
+// --suite linear, dsa and all: their rows are drawn too, each in its own group, a DSA row's label
+// with its figure against the dense MLA row and the target; a row that did not run says why.
+TEST(BenchChart, LinearAndDsaRowsAreDrawn) {
+  BenchResult r = synthetic_result();
+  r.rows.clear();
+  LinearRowResult gdn;
+  gdn.standard = gdn.workload = select_linear_workloads("gdn-decode-64").at(0);
+  gdn.time = stats(1e-3);
+  gdn.rate = 12.5;
+  gdn.pct_of_ceiling = 62.5;
+  gdn.tokens_per_second = 64e3;
+  LinearRowResult kda;
+  kda.standard = kda.workload = select_linear_workloads("kda-extend-8x8192").at(0);
+  kda.bound = Bound::compute;
+  kda.time = stats(0.5);
+  kda.rate = 40;
+  kda.pct_of_ceiling = 40;
+  DsaRowResult step;
+  step.standard = step.workload = select_dsa_workloads("dsa-decode-64x32768").at(0);
+  step.time = stats(8e-4);
+  step.rate = 87.5;
+  step.pct_of_ceiling = 11;
+  step.figure_name = "dsa / dense time";
+  step.figure = 0.553;
+  step.target = {0.35, true};
+  step.target_met = false;
+  DsaRowResult index;
+  index.standard = index.workload = select_dsa_workloads("dsa-index-64x32768").at(0);
+  index.status = "n/a";
+  index.error = "backend 'x' does not serve DSA";
+  r.linear_rows = {gdn, kda};
+  r.dsa_rows = {step, index};
+
+  const std::string svg = render_svg(r, synthetic_info());
+  EXPECT_EQ(xml_problem(svg), "") << svg;
+  for (const char* text :
+       {"gdn-decode-64", "62%: 12.5 GB/s, 6.4e+04 tokens/s", "linear layers, decode",
+        "kda-extend-8x8192", "linear layers, extend", "dsa-decode-64x32768",
+        "11%: 87.5 GFLOP/s; dsa / dense time 0.553 (target &lt;= 0.35: MISS)", "DSA layer",
+        "dsa-index-64x32768", "n/a: backend 'x' does not serve DSA"}) {
+    EXPECT_NE(svg.find(text), std::string::npos) << text << "\n" << svg;
+  }
+  // Four bars (the n/a row has none), no attention groups.
+  size_t bars = 0;
+  for (size_t at = svg.find("<rect x=\"260\""); at != std::string::npos;
+       at = svg.find("<rect x=\"260\"", at + 1))
+    ++bars;
+  EXPECT_EQ(bars, 3u) << svg;
+  EXPECT_EQ(svg.find(">decode: % of streaming-read"), std::string::npos) << svg;
 }
 
 TEST(BenchChart, FormatComesFromTheExtension) {

@@ -31,33 +31,83 @@ std::string xml_escape(std::string_view text) {
   return out;
 }
 
+// One bar: a row of any suite (attention, linear, DSA) as the chart draws it.
+struct Bar {
+  std::string name;
+  bool scaled = false;
+  bool ok = false;  // timed and correct: a bar at pct; else only the label, in red
+  double pct = 0;
+  std::string label;    // beside the bar
+  std::string tooltip;  // the bar's <title>
+};
+
 struct Group {
   std::string title;
   const char* colour;
-  std::vector<const RowResult*> rows;
+  std::vector<Bar> rows;
 };
 
 constexpr int kWidth = 1000;
 constexpr int kLabelWidth = 250;  // row names
 constexpr int kBarLeft = kLabelWidth + 10;
-constexpr int kBarWidth = 520;    // 0 .. axis maximum
+constexpr int kBarWidth = 520;  // 0 .. axis maximum
 constexpr int kRowHeight = 22;
 constexpr int kBarHeight = 15;
 
-std::string bar_label(const RowResult& row) {
-  if (row.status == "error") return "ERROR: " + row.error.substr(0, 90);
-  if (row.status == "mismatch") return "FAILED correctness check: not timed";
-  if (row.status == "n/a") return "n/a: " + row.error.substr(0, 90);
-  std::string label = fmt::format("{:.0f}%: {:.1f} {}", row.pct_of_ceiling, row.rate,
-                                  row.metric_unit());
-  if (row.decode_workload) label += fmt::format(", {:.2f}x the decode time", row.decode_ratio);
-  if (row.reference) label += fmt::format(", {:.0f}x reference", row.reference->speedup);
-  return label;
+// The label of a row that did not produce a bar; "" when it did (status ok and timed).
+std::string failed_label(const std::string& status, const std::string& error, bool timed) {
+  if (status == "error") return "ERROR: " + error.substr(0, 90);
+  if (status == "mismatch") return "FAILED correctness check: not timed";
+  if (status == "n/a") return "n/a: " + error.substr(0, 90);
+  if (!timed) return "not timed";
+  return "";
 }
 
-bool converter_available() {
-  return std::system("command -v rsvg-convert >/dev/null 2>&1") == 0;
+// Rows of every suite as bars: name, bar, label and tooltip, with the fields all rows share.
+template <typename Row>
+Bar bar_of(const Row& row, const std::string& name, const std::string& shape, bool scaled,
+           std::string extra) {
+  Bar b{.name = name, .scaled = scaled};
+  b.label = failed_label(row.status, row.error, row.time.repeats > 0);
+  b.ok = b.label.empty();
+  if (b.ok) {
+    b.pct = row.pct_of_ceiling;
+    b.label =
+        fmt::format("{:.0f}%: {:.1f} {}{}", row.pct_of_ceiling, row.rate, row.metric_unit(), extra);
+  }
+  b.tooltip = fmt::format("{} ({}): {}", name, shape, b.label);
+  return b;
 }
+
+Bar attention_bar(const RowResult& row) {
+  std::string extra;
+  if (row.decode_workload) extra += fmt::format(", {:.2f}x the decode time", row.decode_ratio);
+  if (row.reference) extra += fmt::format(", {:.0f}x reference", row.reference->speedup);
+  const Workload& w = row.workload;
+  return bar_of(row, w.name, w.shape(), !w.scale_note.empty(), extra);
+}
+
+Bar linear_bar(const LinearRowResult& row) {
+  const LinearWorkload& w = row.workload;
+  return bar_of(row, w.name, w.shape(), !w.scale_note.empty(),
+                row.tokens_per_second > 0 ? fmt::format(", {:.3g} tokens/s", row.tokens_per_second)
+                                          : std::string());
+}
+
+// A DSA row's bar is its rate against the ceiling; the label adds its figure against the dense
+// MLA row and the target (docs/workloads.md "DSA rows").
+Bar dsa_bar(const DsaRowResult& row) {
+  const DsaWorkload& w = row.workload;
+  std::string extra;
+  if (!row.figure_name.empty()) {
+    extra = fmt::format("; {} {:.3g} ({} {:g}: {})", row.figure_name, row.figure,
+                        row.target.at_most ? "target <=" : "target >=", row.target.value,
+                        row.target_met ? "met" : "MISS");
+  }
+  return bar_of(row, w.name, w.shape(), !w.scale_note.empty(), extra);
+}
+
+bool converter_available() { return std::system("command -v rsvg-convert >/dev/null 2>&1") == 0; }
 
 }  // namespace
 
@@ -70,13 +120,28 @@ std::string render_svg(const BenchResult& result, const RunInfo& info) {
        "#e08a2c",
        {}},
       {"speculative verify: % of streaming-read bandwidth", "#4f9a5a", {}},
+      {"linear layers, decode: % of streaming-read bandwidth", "#7b5ea7", {}},
+      {fmt::format("linear layers, extend: % of {} peak",
+                   c.compute_name() == "bf16" ? "bf16 dot" : "fp32 FMA"),
+       "#a0527a",
+       {}},
+      {"DSA layer (DeepSeek-V3.2): index part % of streaming-read bandwidth, the rest % of the "
+       "compute peak",
+       "#2a8c8c",
+       {}},
   };
-  double max_pct = 100;
   for (const RowResult& row : result.rows) {
     const Workload& w = row.workload;
-    int g = w.kind == WorkloadKind::decode ? 0 : is_verify(w.kind) ? 2 : 1;
-    groups[g].rows.push_back(&row);
-    max_pct = std::max(max_pct, row.pct_of_ceiling);
+    const int g = w.kind == WorkloadKind::decode ? 0 : is_verify(w.kind) ? 2 : 1;
+    groups[g].rows.push_back(attention_bar(row));
+  }
+  for (const LinearRowResult& row : result.linear_rows) {
+    groups[row.workload.mode == LinearMode::decode ? 3 : 4].rows.push_back(linear_bar(row));
+  }
+  for (const DsaRowResult& row : result.dsa_rows) groups[5].rows.push_back(dsa_bar(row));
+  double max_pct = 100;
+  for (const Group& g : groups) {
+    for (const Bar& b : g.rows) max_pct = std::max(max_pct, b.ok ? b.pct : 0.0);
   }
   // The axis ends at the next 25% step above the largest bar (at least 100%, at most 200%: a bar
   // beyond that is drawn clipped with its value in the label).
@@ -133,34 +198,32 @@ std::string render_svg(const BenchResult& result, const RunInfo& info) {
   bool any_scaled = false;
   for (const Group& g : groups) {
     if (g.rows.empty()) continue;
-    s << fmt::format("<text x=\"16\" y=\"{}\" font-size=\"14\" font-weight=\"bold\" fill=\"{}\">{}"
-                     "</text>\n",
-                     y + 20, g.colour, xml_escape(g.title));
+    s << fmt::format(
+        "<text x=\"16\" y=\"{}\" font-size=\"14\" font-weight=\"bold\" fill=\"{}\">{}"
+        "</text>\n",
+        y + 20, g.colour, xml_escape(g.title));
     y += group_header;
-    for (const RowResult* row : g.rows) {
-      const Workload& w = row->workload;
-      const bool scaled = !w.scale_note.empty();
-      any_scaled = any_scaled || scaled;
+    for (const Bar& b : g.rows) {
+      any_scaled = any_scaled || b.scaled;
       s << fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}{}</text>\n", kLabelWidth,
-                       y + kBarHeight - 3, xml_escape(w.name), scaled ? " *" : "");
-      const bool ok = row->status == "ok" && row->time.repeats > 0;
-      double end = ok ? x_of(row->pct_of_ceiling) : kBarLeft;
-      if (ok) {
+                       y + kBarHeight - 3, xml_escape(b.name), b.scaled ? " *" : "");
+      const double end = b.ok ? x_of(b.pct) : kBarLeft;
+      if (b.ok) {
         s << fmt::format(
             "<rect x=\"{}\" y=\"{}\" width=\"{:.1f}\" height=\"{}\" fill=\"{}\"><title>{}</title>"
             "</rect>\n",
-            kBarLeft, y, end - kBarLeft, kBarHeight, g.colour,
-            xml_escape(fmt::format("{} ({}): {}", w.name, w.shape(), bar_label(*row))));
+            kBarLeft, y, end - kBarLeft, kBarHeight, g.colour, xml_escape(b.tooltip));
       }
       s << fmt::format("<text x=\"{:.1f}\" y=\"{}\" fill=\"{}\">{}</text>\n", end + 6,
-                       y + kBarHeight - 3, ok ? "#222" : "#c0392b", xml_escape(bar_label(*row)));
+                       y + kBarHeight - 3, b.ok ? "#222" : "#c0392b", xml_escape(b.label));
       y += kRowHeight;
     }
   }
   y += 18;
-  s << fmt::format("<text x=\"16\" y=\"{}\" fill=\"#444\">Bars: achieved rate / ceiling. The dashed "
-                   "line is 100%. Decode only reads, so it may pass 100% of a read probe.</text>\n",
-                   y);
+  s << fmt::format(
+      "<text x=\"16\" y=\"{}\" fill=\"#444\">Bars: achieved rate / ceiling. The dashed "
+      "line is 100%. Decode only reads, so it may pass 100% of a read probe.</text>\n",
+      y);
   if (any_scaled) {
     s << fmt::format("<text x=\"16\" y=\"{}\" fill=\"#444\">* scaled down from the docs/workloads.md "
                      "shape for this machine; the JSON and the table say how.</text>\n",

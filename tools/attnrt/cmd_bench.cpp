@@ -261,9 +261,11 @@ void add_bench_command(CLI::App& app) {
       ->check(int_in(0, max_threads_option()))
       ->capture_default_str();
   cmd->add_option("--json", args->json, "Write machine, commit, ceilings and rows as JSON");
-  cmd->add_option("--plot", args->plot,
-                  "Write a chart of achieved vs ceiling per attention row: FILE.svg (or FILE.png "
-                  "when rsvg-convert is installed)");
+  cmd->add_option(
+      "--plot", args->plot,
+      "Write a chart of achieved vs ceiling per row (attention, MLA, linear and DSA rows; "
+      "DSA rows also show their figure and target): FILE.svg (or FILE.png "
+      "when rsvg-convert is installed)");
   cmd->add_flag("--no-reference", args->no_reference,
                 "Skip the reference backend (no speed-up column, no reference comparison; the "
                 "float64 check of every row still runs)");
