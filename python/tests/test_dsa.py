@@ -1,7 +1,7 @@
 """DSA (DeepSeek V3.2's sparse attention, docs/dsa.md) from Python: a small deepseek_v32 config with
-an indexer, a prefill longer than index_topk, then a decode, on the cpu backend against the
-reference backend: the same selections (index_topk output) and outputs. Also the options and
-the errors of misused indexer inputs.
+an indexer, a prefill longer than index_topk, then a decode, on the cpu backend (and the cuda
+backend, with every tensor on the GPU) against the reference backend: the same selections
+(index_topk output) and outputs. Also the options and the errors of misused indexer inputs.
 
 Inputs are drawn fresh from a seed printed with every failure (ATTNRT_TEST_SEED replays one)."""
 import pytest
@@ -21,8 +21,10 @@ def dsa_config():
             "rope_scaling": None, "max_position_embeddings": 1024, "torch_dtype": "float32"}
 
 
-def run(backend, steps):
-    rt = attnrt.Runtime(dsa_config(), dtype=torch.float32, attention_backend=backend,
+def run(backend, steps, device="cpu", dtype=torch.float32):
+    """The two steps on `backend`: q and the latent rows in `dtype` on `device`, the indexer's
+    inputs in float32 there; returns (out, index_topk) per step, on the host, out in float32."""
+    rt = attnrt.Runtime(dsa_config(), dtype=dtype, attention_backend=backend,
                         page_size=16, max_requests=4, kv_slots=512, max_num_tokens=64)
     info = rt.layers[0]
     assert (info["index_topk"], info["index_n_heads"], info["index_head_dim"]) == (TOPK, IH, ID)
@@ -42,13 +44,15 @@ def run(backend, steps):
     ]
     for batch, (q, lat, iq, ik, iw) in zip(batches, steps):
         T = q.shape[0]
-        out = torch.full((T, HEADS, RANK), float("nan"))
-        topk = torch.full((T, TOPK), -7, dtype=torch.int32)
+        q, lat = q.to(device=device, dtype=dtype), lat.to(device=device, dtype=dtype)
+        iq, ik, iw = (x.to(device) for x in (iq, ik, iw))
+        out = torch.full((T, HEADS, RANK), float("nan"), device=device, dtype=dtype)
+        topk = torch.full((T, TOPK), -7, dtype=torch.int32, device=device)
         rt.begin_step(batch)
         rt.forward(0, q, lat, lat[:, :, :RANK], out, index_q=iq, index_k=ik, index_weights=iw,
                    index_topk=topk)
         rt.end_step()
-        results.append((out, topk))
+        results.append((out.float().cpu(), topk.cpu()))
     rt.close()
     return results
 
@@ -71,6 +75,41 @@ def test_cpu_matches_reference_selection_and_output(seed):
     k = want[0][1]
     assert (k[0, 1:] == -1).all() and k[0, 0] == 0
     assert (k[19] >= 0).all() and (k[19] <= 19).all()
+
+
+def draw_exact(gen, T):
+    """Indexer inputs whose scores every backend computes exactly: small integers (exact in e4m3
+    at any power-of-two scale the rounding picks), weights of 1/4 steps; so the selections must
+    agree key for key, ties (frequent here) broken by the lower token index everywhere. q and the
+    latent rows are bf16-exact."""
+    def ints(*shape, lo=-7, hi=8):
+        return torch.randint(lo, hi, shape, generator=gen).float()
+    q, lat = (x.to(torch.bfloat16).float() for x in (torch.randn(T, HEADS, ROW, generator=gen),
+                                                    torch.randn(T, 1, ROW, generator=gen)))
+    return q, lat, ints(T, IH, ID), ints(T, ID), ints(T, IH, lo=1, hi=9) / 4
+
+
+def check_exact(backend, device, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    steps = [draw_exact(gen, 33), draw_exact(gen, 2)]
+    want = run("reference", steps)
+    got = run(backend, steps, device, dtype)
+    tol = 2e-4 if dtype == torch.float32 else 3e-2
+    for step, ((o, k), (wo, wk)) in enumerate(zip(got, want)):
+        assert torch.equal(k, wk), f"step {step}: selections differ\n{k}\n{wk}"
+        torch.testing.assert_close(o, wo, rtol=tol, atol=tol)
+
+
+def test_cpu_exact_scores_select_as_reference(seed):
+    check_exact("cpu", "cpu", torch.float32, seed)
+
+
+@pytest.mark.skipif(not (attnrt.cuda_status()[0] and torch.cuda.is_available()),
+                    reason="needs a CUDA device")
+def test_cuda_exact_scores_select_as_reference(seed):
+    """The cuda backend from Python (bf16 pools, every tensor on the GPU, index_topk written on the
+    device): the same selections as reference, outputs within the bf16 tolerance."""
+    check_exact("cuda", "cuda", torch.bfloat16, seed)
 
 
 def test_indexer_inputs_are_checked():
