@@ -15,6 +15,7 @@
 #include "bench/harness/dsa_workload.h"
 #include "bench/harness/linear_workload.h"
 #include "bench/harness/report.h"
+#include "bench/harness/row_figures.h"
 #include "bench/harness/timing.h"
 #include "tests/test_util.h"
 
@@ -366,6 +367,40 @@ TEST(BenchReport, PlanRowsCarryTheirPhasesWhenTimed) {
             std::string::npos)
       << table;
   EXPECT_EQ(table.find("plan-extend-256x(2048+16) parts"), std::string::npos) << table;
+}
+
+// A row counted by its bytes that does more FLOPs per byte than the machine's balance (compute
+// ceiling / memory ceiling) gets a note with its share of the compute ceiling; one below it does
+// not, and neither does a compute row.
+TEST(BenchRates, MemoryRowsAboveTheMachineBalanceSayTheyAreComputeBound) {
+  Ceilings c;
+  c.memory = {20.0, "read", ""};
+  c.fp32 = {400.0, "fma", ""};  // balance 20 FLOP per byte
+  RowResult row;
+  row.bound = Bound::memory;
+  row.time = stats(1.0);
+  row.bytes = 10e9;
+  row.flops = 300e9;  // 30 FLOP per byte
+  set_rate(row, c);
+  EXPECT_DOUBLE_EQ(row.rate, 10.0);
+  EXPECT_DOUBLE_EQ(row.pct_of_ceiling, 50.0);
+  ASSERT_EQ(row.notes.size(), 1u);
+  EXPECT_NE(row.notes[0].find("compute-bound on this machine: 30.0 FLOP per byte, above its "
+                              "balance of 20.0 (fp32 ceiling / memory ceiling): 300.0 GFLOP/s, "
+                              "75% of the fp32 ceiling"),
+            std::string::npos)
+      << row.notes[0];
+  RowResult light = row;
+  light.notes.clear();
+  light.flops = 100e9;  // 10 FLOP per byte
+  set_rate(light, c);
+  EXPECT_TRUE(light.notes.empty());
+  RowResult compute = row;
+  compute.notes.clear();
+  compute.bound = Bound::compute;
+  set_rate(compute, c);
+  EXPECT_TRUE(compute.notes.empty());
+  EXPECT_DOUBLE_EQ(compute.pct_of_ceiling, 75.0);
 }
 
 TEST(BenchChart, SvgIsWellFormedAndLabelsEveryRow) {
