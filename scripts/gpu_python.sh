@@ -33,6 +33,8 @@ if want examples; then
   t0=$(date +%s)
   { python3 examples/python/engine_step.py && \
     python3 examples/python/serve.py --device cuda --cuda-graphs --no-progress && \
+    python3 examples/python/dsa_step.py --check && \
+    python3 examples/python/dsa_step.py --preset --lens 3000,2500,700 --chunk 1024 && \
     python3 examples/python/serve.py --device cuda --model-preset llama3-8b --layers 8 \
       --requests 256 --max-running 64 --cuda-graphs --no-progress && \
     python3 -m torch.distributed.run --nproc-per-node "$(nvidia-smi -L | wc -l)" \

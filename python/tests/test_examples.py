@@ -3,6 +3,8 @@ arguments, on the CPU), and what they print holds up:
 
 - examples/python/engine_step.py: every KV slot comes back after the request ends;
 - examples/python/dcp_decode.py --ranks 3: ranks on threads agree with one runtime;
+- examples/python/dsa_step.py --check: a DSA layer's chunked prefills and decodes select the
+  tokens reference selects and agree with it within the bf16 tolerance;
 - examples/python/serve.py --check: tokens/s > 0, every request produced its output length, the
   attention share of DECODE steps is a percentage in (0, 100), and the tokens generated with attnrt
   equal those of the same model and scheduler with plain torch SDPA attention, with and without
@@ -62,6 +64,19 @@ def test_dcp_decode_ranks_agree_with_one_runtime():
                "--chunk", "128", "--steps", "3", "--layers", "1"])
     assert out.count("tokens/s") == 3
     assert "within the bf16 tolerance" in out, out
+
+
+def test_dsa_step_selects_as_reference():
+    out = run(["examples/python/dsa_step.py", "--check", "--lens", "150,70", "--chunk", "64",
+               "--decodes", "3", "--topk", "32"])
+    assert out.count("EXTEND ") == 3 and out.count("DECODE ") == 3, out
+    m = re.search(r"selections equal to reference for (\d+) of (\d+) query tokens; largest "
+                  r"output difference ([\d.e+-]+)", out)
+    assert m, out
+    agree, total, worst = int(m.group(1)), int(m.group(2)), float(m.group(3))
+    assert total == 150 + 70 + 2 * 3 and agree >= 0.95 * total and worst < 0.1, out
+    # The decodes attend exactly index_topk tokens (every request has more cached).
+    assert "DECODE     2 tokens, each attends 32..32 selected keys" in out, out
 
 
 @pytest.mark.parametrize("mixed", [True, False])
