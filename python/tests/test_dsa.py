@@ -42,19 +42,26 @@ def run(backend, steps, device="cpu", dtype=torch.float32):
         attnrt.ForwardBatch("DECODE", rows, [n + 1 for n in lens], [s[n] for s, n in zip(slots, lens)],
                             positions=list(lens)),
     ]
-    for batch, (q, lat, iq, ik, iw) in zip(batches, steps):
-        T = q.shape[0]
-        q, lat = q.to(device=device, dtype=dtype), lat.to(device=device, dtype=dtype)
-        iq, ik, iw = (x.to(device) for x in (iq, ik, iw))
-        out = torch.full((T, HEADS, RANK), float("nan"), device=device, dtype=dtype)
-        topk = torch.full((T, TOPK), -7, dtype=torch.int32, device=device)
-        rt.begin_step(batch)
-        rt.forward(0, q, lat, lat[:, :, :RANK], out, index_q=iq, index_k=ik, index_weights=iw,
-                   index_topk=topk)
-        rt.end_step()
-        results.append((out.float().cpu(), topk.cpu()))
+    for batch, inputs in zip(batches, steps):
+        results.append(step(rt, batch, inputs, device, dtype))
     rt.close()
     return results
+
+
+def step(rt, batch, inputs, device, dtype):
+    """One step of the layer: q and the latent rows in `dtype` on `device`, the indexer's inputs in
+    float32 there, outputs poisoned first; returns (out, index_topk) on the host, out in float32."""
+    q, lat, iq, ik, iw = inputs
+    T = q.shape[0]
+    q, lat = q.to(device=device, dtype=dtype), lat.to(device=device, dtype=dtype)
+    iq, ik, iw = (x.to(device) for x in (iq, ik, iw))
+    out = torch.full((T, HEADS, RANK), float("nan"), device=device, dtype=dtype)
+    topk = torch.full((T, TOPK), -7, dtype=torch.int32, device=device)
+    rt.begin_step(batch)
+    rt.forward(0, q, lat, lat[:, :, :RANK], out, index_q=iq, index_k=ik, index_weights=iw,
+               index_topk=topk)
+    rt.end_step()
+    return out.float().cpu(), topk.cpu()
 
 
 def draw(gen, T):
@@ -95,8 +102,8 @@ def check_exact(backend, device, dtype, seed):
     want = run("reference", steps)
     got = run(backend, steps, device, dtype)
     tol = 2e-4 if dtype == torch.float32 else 3e-2
-    for step, ((o, k), (wo, wk)) in enumerate(zip(got, want)):
-        assert torch.equal(k, wk), f"step {step}: selections differ\n{k}\n{wk}"
+    for i, ((o, k), (wo, wk)) in enumerate(zip(got, want)):
+        assert torch.equal(k, wk), f"step {i}: selections differ\n{k}\n{wk}"
         torch.testing.assert_close(o, wo, rtol=tol, atol=tol)
 
 
@@ -130,33 +137,20 @@ def test_torch_cuda_graph_of_a_dsa_decode_replays_like_the_eager_step(seed):
         for row, n in zip(rows[r_], lens):
             r_.write_req_to_token(row, 0, r_.alloc_extend([0], [n + 2], [-1]))
 
-    def eager(r_, batch, inputs, device, dtype):
-        q, lat, iq, ik, iw = inputs
-        T = q.shape[0]
-        q, lat = q.to(device=device, dtype=dtype), lat.to(device=device, dtype=dtype)
-        iq, ik, iw = (x.to(device) for x in (iq, ik, iw))
-        out = torch.full((T, HEADS, RANK), float("nan"), device=device, dtype=dtype)
-        topk = torch.full((T, TOPK), -7, dtype=torch.int32, device=device)
-        r_.begin_step(batch)
-        r_.forward(0, q, lat, lat[:, :, :RANK], out, index_q=iq, index_k=ik, index_weights=iw,
-                   index_topk=topk)
-        r_.end_step()
-        return out.float().cpu(), topk.cpu()
-
-    def batch_of(r_, mode, real, step):
+    def batch_of(r_, mode, real, k):
         rs = rows[r_][:real]
         if mode == "EXTEND":
             slots = [int(r_.req_to_token[row, t]) for row, n in zip(rs, lens) for t in range(n)]
             return attnrt.ForwardBatch("EXTEND", rs, lens, slots, extend_prefix_lens=[0] * real,
                                        extend_seq_lens=lens,
                                        positions=[t for n in lens for t in range(n)])
-        seq = [n + 1 + step for n in lens[:real]]
+        seq = [n + 1 + k for n in lens[:real]]
         slots = [int(r_.req_to_token[row, s - 1]) for row, s in zip(rs, seq)]
         return attnrt.ForwardBatch("DECODE", rs, seq, slots, positions=[s - 1 for s in seq])
 
     prompt = draw_exact(gen, sum(lens))
-    eager(rt, batch_of(rt, "EXTEND", 3, 0), prompt, "cuda", torch.bfloat16)
-    eager(ref, batch_of(ref, "EXTEND", 3, 0), prompt, "cpu", torch.float32)
+    step(rt, batch_of(rt, "EXTEND", 3, 0), prompt, "cuda", torch.bfloat16)
+    step(ref, batch_of(ref, "EXTEND", 3, 0), prompt, "cpu", torch.float32)
 
     bs = 4
     rt.init_cuda_graph_state(bs, bs)
@@ -175,20 +169,20 @@ def test_torch_cuda_graph_of_a_dsa_decode_replays_like_the_eager_step(seed):
         rt.forward(0, sq, slat, slat[:, :, :RANK], sout, index_q=siq, index_k=sik,
                    index_weights=siw, index_topk=stopk)
     rt.end_step()
-    for step, real in enumerate((3, 2)):
+    for k, real in enumerate((3, 2)):
         inputs = draw_exact(gen, real)
         for static, x in zip((sq, slat, siq, sik, siw), inputs):
             static.zero_()
             static[:real] = x.to(device="cuda", dtype=static.dtype)
         sout.fill_(float("nan"))
         stopk.fill_(-7)
-        rt.begin_replay_step(batch_of(rt, "DECODE", real, step), bs)
+        rt.begin_replay_step(batch_of(rt, "DECODE", real, k), bs)
         g.replay()
         rt.end_step()
         graph_out, graph_topk = sout[:real].float().cpu(), stopk[:real].cpu()
         # The same step eagerly (its K/V and index keys stored again at the same slots).
-        out, topk = eager(rt, batch_of(rt, "DECODE", real, step), inputs, "cuda", torch.bfloat16)
-        want_out, want_topk = eager(ref, batch_of(ref, "DECODE", real, step), inputs, "cpu",
+        out, topk = step(rt, batch_of(rt, "DECODE", real, k), inputs, "cuda", torch.bfloat16)
+        want_out, want_topk = step(ref, batch_of(ref, "DECODE", real, k), inputs, "cpu",
                                     torch.float32)
         assert torch.equal(graph_topk, topk), f"replay at {real}: graph and eager select apart"
         assert torch.equal(graph_topk, want_topk), f"replay at {real}: cuda and reference apart"
