@@ -110,3 +110,33 @@ TEST_F(InfoCli, InvalidCombinationsExitNonZeroWithTheSelectionError) {
   EXPECT_NE(r.status, 0);
   EXPECT_TRUE(has(r.err, "--speculative-attention-mode")) << r.err;
 }
+
+// --fp8-prefill-attention needs an fp8_e4m3 KV cache and a prefill backend with the fp8 prefill
+// kernel; anything else is refused with what was seen and what to change.
+TEST_F(InfoCli, Fp8PrefillAttentionNamesWhatItNeeds) {
+  Result r = run("info --model demo --attention-backend reference --fp8-prefill-attention");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_TRUE(has(r.err, "--fp8-prefill-attention: the KV cache dtype is bf16")) << r.err;
+  EXPECT_TRUE(has(r.err, "add --kv-cache-dtype fp8_e4m3")) << r.err;
+
+  r =
+      run("info --model demo --attention-backend reference --kv-cache-dtype fp8_e5m2 "
+          "--fp8-prefill-attention");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_TRUE(has(r.err, "the KV cache dtype is fp8_e5m2 (--kv-cache-dtype fp8_e5m2)")) << r.err;
+
+  r =
+      run("info --model demo --attention-backend reference --kv-cache-dtype fp8_e4m3 "
+          "--fp8-prefill-attention");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_TRUE(has(r.err,
+                  "--fp8-prefill-attention: prefill backend 'reference' has no fp8 prefill "
+                  "kernel"))
+      << r.err;
+
+  EXPECT_TRUE(has(r.err, "--prefill-attention-backend cuda")) << r.err;
+
+  // Off, the same selections are valid.
+  r = run("info --model demo --attention-backend reference --kv-cache-dtype fp8_e4m3");
+  EXPECT_EQ(r.status, 0) << r.err;
+}

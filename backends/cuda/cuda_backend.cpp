@@ -71,6 +71,7 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
   PlannerConfig cfg;
   cfg.sm_count = info.sm_count;
   cfg.deterministic = ctx.options != nullptr && ctx.options->deterministic;
+  fp8_prefill_ = ctx.options != nullptr && ctx.options->fp8_prefill_attention;
   if (const auto v = env_integer("ATTNRT_KV_CHUNK", 0, 1L << 30, "cuda backend",
                                  "a number of keys per split (0 = the plan's own choice)"))
     cfg.kv_chunk = static_cast<int>(*v);
@@ -587,7 +588,8 @@ void CudaBackend::launch_step(const AttnParams& p, const AttnArgs& args, const S
                           .kv = p.kv_kind,
                           .shape = cls.shape,
                           .rows = cls.item_rows,
-                          .target_verify = is_target_verify(plan.mode)};
+                          .target_verify = is_target_verify(plan.mode),
+                          .fp8_prefill = fp8_prefill_};
   ATTNRT_CUDA_CHECK(launch_attention(p, key, cls.num_items, stream_, after_stores));
   planner_->launched();
   if (cls.max_splits > 1) {
@@ -729,6 +731,8 @@ BackendEntry cuda_backend_entry() {
   e.caps.deterministic_graphs = true;
   // DSA layers in captured steps (cuda_dsa.cpp), while ATTNRT_DSA_GRAPHS=1.
   e.caps.dsa_graphs = true;
+  // --fp8-prefill-attention: the fp8 prefill CTA (kernels/prefill_fp8.cuh).
+  e.caps.fp8_prefill_attention = true;
   e.auto_selectable = true;
   e.unavailable_reason = []() -> std::string {
     const CudaDeviceInfo& info = query_cuda();

@@ -148,6 +148,7 @@ class CudaBackend final : public OnePathAttnBackend {
   int64_t init_dsa_graph_state(int max_bs, int max_tokens, int per_req);
   void plan_dsa_graph(const ForwardBatch& batch, int padded_bs);
   bool dsa_served_ = false;  // the model has DSA layers
+  bool fp8_prefill_ = false;  // Options::fp8_prefill_attention: AttnKernelKey::fp8_prefill
   // The DSA layers' shape (the first one's), for graph plans; dsa_graph_uniform_: every DSA layer
   // has it (same topk, q heads, head dims, KV dtype), which graph steps need (one plan per step).
   DsaShape dsa_graph_shape_;

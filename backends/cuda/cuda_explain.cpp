@@ -52,6 +52,12 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
           "warp-specialised prefill CTA (prefill_ws.cuh): 128 rows, a copy producer and warpgroup "
           "MMAs - 16-bit KV and {} rows a request",
           rows);
+    case AttnCta::fp8_prefill:
+      return fmt::format(
+          "fp8 prefill CTA (prefill_fp8.cuh): 128 rows, q and the softmax weights in e4m3 on fp8 "
+          "warpgroup MMAs against the e4m3 K / V (V transposed in shared memory) - "
+          "--fp8-prefill-attention, {} rows a request",
+          rows);
     case AttnCta::prefill_verify:
       return fmt::format(
           "64-row warpgroup-MMA CTA (prefill.cuh): the request's {} rows read each K/V tile once - "
@@ -109,7 +115,8 @@ std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Opti
                               .kv = kv_kind(kv),
                               .shape = shape,
                               .rows = std::min(ph.qlen * group, tile_rows(shape)),
-                              .target_verify = ph.verify};
+                              .target_verify = ph.verify,
+                              .fp8_prefill = options.fp8_prefill_attention};
       AttnCta cta = attention_cta(key);
       if ((cta == AttnCta::mla || cta == AttnCta::mla_keys_m) && !mla_cta_enabled())
         cta = AttnCta::generic;

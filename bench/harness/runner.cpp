@@ -29,6 +29,10 @@ namespace attnrt::bench {
 
 namespace {
 
+// The dense check's relative L2 tolerance for fp8 prefill rows (Workload::fp8_prefill): q and the
+// softmax weights each rounded to e4m3, 2^-4 relative at most, so 2^-3 (the 16-bit rows: 2e-2).
+constexpr double kFp8PrefillCheckTolerance = 0.125;
+
 ModelSpec bench_model(const Workload& w) {
   ModelSpec m;
   m.name = "bench";
@@ -173,6 +177,9 @@ struct BackendRun {
     options.deterministic = deterministic;
     options.page_size = w.page_size;
     options.kv_cache_dtype = std::string(dtype_name(w.kv_dtype));
+    const BackendEntry* entry = registry.find(name);
+    options.fp8_prefill_attention =
+        w.fp8_prefill && entry != nullptr && entry->caps.fp8_prefill_attention;
     options.num_threads = threads;
     if (is_verify(w.kind)) {
       options.speculative_num_draft_tokens = w.new_tokens;
@@ -440,7 +447,7 @@ bool BenchResult::all_passed() const {
 RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& ceilings) {
   if (w.is_mla_mha()) return run_mla_mha_row(config, w, ceilings);
   RowResult row;
-  start_row(row, w, w.is_mla() ? mla_workloads() : standard_workloads(), counted_bytes(w),
+  start_row(row, w, w.is_mla() ? mla_workloads() : attention_workloads(), counted_bytes(w),
             counted_flops(w));
   const int threads = resolve_threads(config.threads);
   try {
@@ -454,8 +461,11 @@ RowResult run_row(const BenchConfig& config, const Workload& w, const Ceilings& 
       run.forward();
       run.collect();
       say(config, fmt::format("{}: checking", w.name));
-      row.check = dense_check(data, run.out, config.check_max_work, config.check_tolerance,
-                              config.seed);
+      // fp8 prefill rows: q and P rounded to e4m3 (2^-4 relative each) on top of the fp8 KV.
+      const double tolerance = w.fp8_prefill
+                                   ? std::max(config.check_tolerance, kFp8PrefillCheckTolerance)
+                                   : config.check_tolerance;
+      row.check = dense_check(data, run.out, config.check_max_work, tolerance, config.seed);
       if (!row.check.passed) {
         mark_check_failed(row);
         return row;

@@ -50,6 +50,13 @@ Workload extend(int batch, int prefix, int ext) {
   return w;
 }
 
+Workload fp8_prefill(Workload w) {
+  w.kv_dtype = DType::e4m3;
+  w.fp8_prefill = true;
+  w.name += "-fp8";
+  return w;
+}
+
 Workload verify(int batch, int prefix, int drafts, int topk) {
   Workload w;
   w.kind = topk > 1 ? WorkloadKind::verify_tree : WorkloadKind::verify_chain;
@@ -175,6 +182,7 @@ std::string Workload::shape() const {
   }
   if (page_size != 16) s += fmt::format(" page {}", page_size);
   if (kv_dtype != DType::bf16) s += fmt::format(" {}", dtype_name(kv_dtype));
+  if (fp8_prefill) s += " fp8-prefill";
   return s;
 }
 
@@ -280,6 +288,17 @@ std::vector<Workload> standard_workloads() {
   return rows;
 }
 
+std::vector<Workload> fp8_prefill_workloads() {
+  return {fp8_prefill(prefill(1, 4096, 128)), fp8_prefill(prefill(1, 16384, 128)),
+          fp8_prefill(prefill(8, 2048, 128)), fp8_prefill(extend(8, 2048, 512))};
+}
+
+std::vector<Workload> attention_workloads() {
+  std::vector<Workload> rows = standard_workloads();
+  for (Workload& w : fp8_prefill_workloads()) rows.push_back(std::move(w));
+  return rows;
+}
+
 std::vector<Workload> mla_workloads() {
   struct Shape { int heads, batch, len; };
   const Shape decode_set[] = {{16, 1, 32768}, {16, 64, 8192}, {128, 64, 4096}, {128, 128, 8192}};
@@ -310,12 +329,14 @@ std::vector<Workload> select_mla_workloads(std::string_view selector) {
 
 std::vector<Workload> select_workloads(std::string_view selector) {
   return select_rows(
-      selector, standard_workloads(),
+      selector, attention_workloads(),
       [](const Workload& w, std::string_view item) {
+        if (w.fp8_prefill) return item == w.name || item == "fp8-prefill";
         return item == "all" || item == w.name || item == workload_kind_name(w.kind) ||
                (item == "verify" && is_verify(w.kind));
       },
-      "workload", "all, decode, prefill, extend, verify", "all, a kind, or a row name");
+      "workload", "all, decode, prefill, extend, verify, fp8-prefill",
+      "all, a kind, or a row name");
 }
 
 Workload scale_workload(const Workload& w, double factor) {

@@ -44,6 +44,10 @@ struct Workload {
   int qk_nope_head_dim = 0;
   int mha_v_head_dim = 0;
   int prefix_chunks = 0;
+  // Prefill / extend rows over an e4m3 KV cache run with --fp8-prefill-attention on the backends
+  // that have the fp8 prefill kernel (BackendCaps::fp8_prefill_attention; others run the fp8 KV
+  // path they have), counted as the bf16 row of the same shape so the two rates compare.
+  bool fp8_prefill = false;
 
   // Empty for a standard row; else what was changed and why ("scaled x0.25 from 16x4096").
   std::string scale_note;
@@ -94,8 +98,16 @@ std::vector<Workload> standard_workloads();
 // fp8, decode page 1, verify, then the MHA form's prefill and extend).
 std::vector<Workload> mla_workloads();
 
-// Selects rows: "all", a row name, a kind ("decode", "prefill", "extend", "verify"), or a
-// comma-separated list of those. Throws attnrt::Error naming the unknown entry and the valid names.
+// The fp8 variants of the large prefill / extend rows (fp8_prefill, names ending in "-fp8"):
+// prefill-1x4096-fp8, prefill-1x16384-fp8, prefill-8x2048-fp8, extend-8x2048+512-fp8. Beside the
+// docs/workloads.md set, selected by name or as "fp8-prefill" (not by "all" or a kind).
+std::vector<Workload> fp8_prefill_workloads();
+// standard_workloads() then fp8_prefill_workloads(): the rows select_workloads chooses from.
+std::vector<Workload> attention_workloads();
+
+// Selects rows: "all", a row name, a kind ("decode", "prefill", "extend", "verify"),
+// "fp8-prefill", or a comma-separated list of those. Throws attnrt::Error naming the unknown entry
+// and the valid names.
 std::vector<Workload> select_workloads(std::string_view selector);
 // The same over mla_workloads(): "all", a row name, a kind with or without the "mla-" prefix
 // ("mla-decode", "mla-verify", "mla-verify-chain", "mla-prefill", "mla-extend", "decode", ...), or

@@ -646,6 +646,31 @@ void check_devices(const Registry& registry, const std::vector<const Role*>& rol
       fmt::join(parts, "; "));
 }
 
+// --fp8-prefill-attention: an e4m3 KV cache and a prefill backend with the fp8 prefill kernel.
+// Refused rather than ignored: a user who asks for fp8 tensor cores and would silently get the
+// 16-bit path would misread every measurement.
+void check_fp8_prefill(const Registry& registry, const Selection& sel,
+                       const std::string& kv_dtype_text, std::vector<std::string>& reasons) {
+  ATTNRT_CHECK(sel.kv_dtype == DType::e4m3,
+               "--fp8-prefill-attention: the KV cache dtype is {} (--kv-cache-dtype {}); the fp8 "
+               "prefill kernels read an fp8_e4m3 KV cache: add --kv-cache-dtype fp8_e4m3, or drop "
+               "--fp8-prefill-attention",
+               dtype_name(sel.kv_dtype), kv_dtype_text);
+  std::vector<std::string> capable;
+  for (const BackendEntry& e : registry.entries())
+    if (e.caps.fp8_prefill_attention) capable.push_back(e.name);
+  ATTNRT_CHECK(registry.get(sel.prefill).caps.fp8_prefill_attention,
+               "--fp8-prefill-attention: prefill backend '{}' has no fp8 prefill kernel; backends "
+               "that have one: {}. Use --prefill-attention-backend {} (on a Hopper GPU), or drop "
+               "--fp8-prefill-attention",
+               sel.prefill, capable.empty() ? std::string("none") : join_or(capable),
+               capable.empty() ? std::string("cuda") : capable.front());
+  reasons.push_back(fmt::format(
+      "fp8 prefill: prefill tiles of attention layers at head dim 128 on {}'s fp8 tensor cores (q "
+      "and the softmax weights in e4m3; set by --fp8-prefill-attention)",
+      sel.prefill));
+}
+
 }  // namespace
 
 std::string foreign_dsa_backend_note(const std::string& name,
@@ -827,6 +852,7 @@ Selection resolve_backends(const Options& o, const ModelSpec& model, const Regis
     }
   }
   check_devices(registry, roles);
+  if (o.fp8_prefill_attention) check_fp8_prefill(registry, sel, base.kv_dtype_text, sel.reasons);
 
   if (sel.hybrid()) {
     sel.reasons.push_back(fmt::format(

@@ -255,6 +255,11 @@ void add_backend_options(CLI::App& cmd, Options& options) {
       ->capture_default_str();
   g->add_flag("--deterministic", options.deterministic,
               "Fixed split sizes, so results do not depend on batch composition or thread count");
+  g->add_flag("--fp8-prefill-attention", options.fp8_prefill_attention,
+              "Prefill / extend tiles of attention layers on fp8 tensor cores: q and the softmax "
+              "weights in e4m3 against the fp8 K / V (head dim 128; others run as before). Needs "
+              "--kv-cache-dtype fp8_e4m3 and the cuda prefill backend; tolerance in "
+              "docs/backends.md");
   g->add_flag("--disable-chunked-prefix-cache", options.disable_chunked_prefix_cache,
               "MLA models: EXTEND / MIXED steps with a cached prefix always run MLA absorbed (the "
               "MHA form only without prefixes); see docs/mla.md");

@@ -45,6 +45,8 @@ AttnCtaEntry attention_entry(const AttnKernelKey& key) {
       return prefill_entry(key.head_dim, key.fp16, /*verify=*/false);
     case AttnCta::prefill_verify:
       return prefill_entry(key.head_dim, key.fp16, /*verify=*/true);
+    case AttnCta::fp8_prefill:
+      return prefill_fp8_entry(key.head_dim, key.fp16);
     default:
       break;
   }

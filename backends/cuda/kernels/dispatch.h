@@ -66,7 +66,16 @@ struct AttnKernelKey {
   TileShape shape = TileShape::decode;
   int rows = 16;               // most (token, head-in-group) rows of a work item
   bool target_verify = false;  // a TARGET_VERIFY step (tree masks)
+  // Prefill items over an e4m3 pool on the fp8 tensor cores (Options::fp8_prefill_attention).
+  bool fp8_prefill = false;
 };
+
+// Whether the fp8 prefill CTA (prefill_fp8.cuh) takes a key's prefill items: asked for, e4m3 KV,
+// head dim 128 (its one instantiation), no tree mask.
+constexpr bool fp8_prefill_takes(const AttnKernelKey& k) {
+  return k.fp8_prefill && k.kv == KvKind::e4m3 && k.head_dim == 128 && k.v_head_dim == 128 &&
+         k.shape == TileShape::prefill && !k.target_verify;
+}
 
 enum class AttnCta : int32_t {
   generic,         // attention_generic.cu: dims without tensor-core kernels
@@ -79,6 +88,7 @@ enum class AttnCta : int32_t {
   decode32,
   verify,
   mma_prefill,
+  fp8_prefill,  // prefill_fp8.cuh: 128 rows, fp8 warpgroup MMAs over an e4m3 pool (opt-in)
 };
 
 // The table. Prefill tiles: the warpgroup-MMA CTA for 16-bit KV in every mode but TARGET_VERIFY
@@ -90,12 +100,14 @@ enum class AttnCta : int32_t {
 // kKeysMRows rows (H200, 64 x 4096 at group 4, per step: bf16 277 -> 266 us, fp8 e4m3 280 -> 181
 // us), else mma.sync. MLA layers (bf16 q; bf16 or fp8 latent) run the keys-on-M MLA CTA on decode
 // items (at most 16 rows: 16 heads or fewer) and the 64-row MLA CTA on the others
-// (choose_shape gives them no prefill items).
+// (choose_shape gives them no prefill items). With fp8_prefill set, prefill items that
+// fp8_prefill_takes run the fp8 CTA (q and P in e4m3: a documented tolerance, hence opt-in).
 constexpr AttnCta attention_cta(const AttnKernelKey& k) {
   if (is_mla_dims(k.head_dim, k.v_head_dim) && !k.fp16 && k.shape != TileShape::prefill)
     return k.shape == TileShape::decode ? AttnCta::mla_keys_m : AttnCta::mla;
   if (!has_tensor_core_kernel(k.head_dim, k.v_head_dim)) return AttnCta::generic;
   const bool fp8 = k.kv != KvKind::same_as_q;
+  if (fp8_prefill_takes(k)) return AttnCta::fp8_prefill;
   switch (k.shape) {
     case TileShape::prefill:
       return !fp8 && !k.target_verify ? AttnCta::prefill : AttnCta::mma_prefill;
@@ -111,9 +123,9 @@ constexpr AttnCta attention_cta(const AttnKernelKey& k) {
 
 // Whether a CTA may be launched as the dependent of the step's KV-store kernels (it reads only
 // the work list, the requests and q before its wait): the mma.sync, keys-on-M and 64-row
-// warpgroup-MMA CTAs. The 128-row prefill and the generic CTAs are plain launches.
+// warpgroup-MMA CTAs. The 128-row prefill CTAs and the generic CTA are plain launches.
 constexpr bool launches_as_dependent(AttnCta cta) {
-  return cta != AttnCta::generic && cta != AttnCta::prefill;
+  return cta != AttnCta::generic && cta != AttnCta::prefill && cta != AttnCta::fp8_prefill;
 }
 
 }  // namespace attnrt::cuda

@@ -48,6 +48,7 @@
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/prefill.h"
 #include "backends/cuda/kernels/prefill_store.cuh"
+#include "backends/cuda/kernels/prefill_tile.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
 
@@ -140,39 +141,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
 
   write_back_committed_pages(p, req, item, kvh, tid, NT);
 
-  // ---- K/V tile copies through the page table. All lookups of a tile are issued before its
-  // copies so their latencies overlap.
-  const int32_t* pt_step = p.page_table + req.pt_start - req.pt_known;
-  const int32_t* pt_row = p.row_table != nullptr ? p.row_table + req.pt_row : nullptr;
-  auto page_of = [&](int pj) -> int32_t { return pj < req.pt_known ? pt_row[pj] : pt_step[pj]; };
-  const int pshift = p.page_shift, pmask = (1 << p.page_shift) - 1;
+  // ---- K/V tile copies through the page table.
+  const PrefillPages pages(p, req);
   const T* kbase = static_cast<const T*>(p.k) + kvh * D;
   const T* vbase = static_cast<const T*>(p.v) + kvh * D;
   const int ld_c = tid % CH, ld_key = tid / CH;
   auto load_tile = [&](int kb, int stage) {
     unsigned char* dk = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes;
-    unsigned char* dv = dk + Cfg::kTileBytes;
-    // Slots fit 32 bits (page ids are int32 and a pool of 2^31 tokens is far beyond any GPU).
-    int32_t slot[Cfg::kPasses];
-#pragma unroll
-    for (int n = 0; n < Cfg::kPasses; ++n) {
-      const int j = kb + ld_key + n * Cfg::kKeysPerPass;
-      slot[n] = j < hi ? (page_of(j >> pshift) << pshift) | (j & pmask) : -1;
-    }
-    if (p.slot_map != nullptr) {
-#pragma unroll
-      for (int n = 0; n < Cfg::kPasses; ++n)
-        if (slot[n] >= 0) slot[n] = static_cast<int32_t>(p.slot_map[slot[n]]);
-    }
-#pragma unroll
-    for (int n = 0; n < Cfg::kPasses; ++n) {
-      const int key = ld_key + n * Cfg::kKeysPerPass;
-      const bool valid = slot[n] >= 0;
-      const int64_t s = valid ? slot[n] : 0;
-      const uint32_t so = swz128_offset(BN, key, ld_c);
-      cp_async_16(dk + so, kbase + s * p.k_row_stride + ld_c * 8, valid);
-      cp_async_16(dv + so, vbase + s * p.v_row_stride + ld_c * 8, valid);
-    }
+    load_prefill_tile<BN, Cfg::kPasses, Cfg::kKeysPerPass>(p, pages, kb, hi, ld_key, ld_c, kbase,
+                                                           vbase, dk, dk + Cfg::kTileBytes);
   };
 
   // Prologue: tiles 0 .. ST - 2 (Q rides in the first group). Every loop iteration commits one
@@ -187,19 +164,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   // warpgroup holds 16 rows and this thread rows g and g + 8 of those. Skips are decided per
   // warpgroup (its four warps issue each MMA together), masks per warp and block.
   const int wg_row0 = wg * 64 * MB;
-  int row_t[MB][2], wt_lo[MB], wt_hi[MB];
-  MaskRow rows[MB][2];
-#pragma unroll
-  for (int mb = 0; mb < MB; ++mb) {
-    const int r0 = item.f0 + wg_row0 + mb * 64 + wq * 16;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      row_t[mb][h] = (r0 + g + 8 * h) / G;
-      rows[mb][h] = mask.row(row_t[mb][h]);
-    }
-    wt_lo[mb] = min(r0 / G, req.qlen - 1);
-    wt_hi[mb] = min((r0 + 15) / G, req.qlen - 1);
-  }
+  const int first_row = item.f0 + wg_row0 + wq * 16;
+  const PrefillRows<MB, Cfg::kTree> rows(mask, first_row, g, G, req.qlen);
   const bool wg_idle = (item.f0 + wg_row0) / G >= req.qlen;
   const int gt_lo = min((item.f0 + wg_row0) / G, req.qlen - 1);
   const int gt_hi = min((item.f0 + wg_row0 + 64 * MB - 1) / G, req.qlen - 1);
@@ -247,69 +213,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
     wgmma_commit();
     wgmma_wait<0>();
 
-    // ---- Softcap (log2 units afterwards), then the mask on tiles that need one.
-    if (cap.on) {
-#pragma unroll
-      for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) s[mb][i] = cap(s[mb][i]);
-    }
-#pragma unroll
-    for (int mb = 0; mb < MB; ++mb) {
-      if (mask.needs_mask(kb, BN, hi, wt_lo[mb], wt_hi[mb])) {
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int j = kb + nb * 8 + 2 * c4 + (e & 1);
-            if (!mask.visible(rows[mb][e >> 1], j, hi)) s[mb][nb * 4 + e] = -INFINITY;
-          }
-      }
-    }
-
-    // ---- Online softmax (rows g and g + 8 of each block; a quad of lanes shares a row). m is in
-    // log2 units: p = 2^(s * sl - m), one FFMA and one MUFU per logit.
-    bool moved = false;
+    // ---- Softcap (log2 units afterwards), the mask on tiles that need one, the online softmax
+    // (p = 2^(s * sl - m), one FFMA and one MUFU per logit), the O rescale.
+    cap_and_mask<MB, BN>(s, cap, mask, rows, kb, hi, c4);
     float alpha[MB][2];
-#pragma unroll
-    for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = -INFINITY;
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb)
-          mx = fmaxf(mx, fmaxf(s[mb][nb * 4 + 2 * h], s[mb][nb * 4 + 2 * h + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-        const float m_new = fmaxf(m[mb][h], mx * sl);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        alpha[mb][h] = fast_exp2(m[mb][h] - m_use);
-        moved = moved || m_new != m[mb][h];
-        m[mb][h] = m_new;
-        float sum = 0.f;
-#pragma unroll
-        for (int nb = 0; nb < BN / 8; ++nb) {
-          float& x0 = s[mb][nb * 4 + 2 * h];
-          float& x1 = s[mb][nb * 4 + 2 * h + 1];
-          x0 = fast_exp2(fmaf(x0, sl, -m_use));
-          x1 = fast_exp2(fmaf(x1, sl, -m_use));
-          sum += x0 + x1;
-        }
-        l[mb][h] = l[mb][h] * alpha[mb][h] + sum;
-      }
-    if (__any_sync(0xffffffff, moved)) {
-#pragma unroll
-      for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-        for (int nb = 0; nb < NO; ++nb)
-#pragma unroll
-          for (int i = 0; i < ON / 8; ++i) {
-            o[mb][nb][4 * i] *= alpha[mb][0];
-            o[mb][nb][4 * i + 1] *= alpha[mb][0];
-            o[mb][nb][4 * i + 2] *= alpha[mb][1];
-            o[mb][nb][4 * i + 3] *= alpha[mb][1];
-          }
-    }
+    const bool moved = online_softmax<MB, BN, 0>(s, m, l, alpha, sl);
+    rescale_o<MB, NO, ON>(o, alpha, moved);
 
     // ---- O += P V: P (S accumulator layout) is the register A operand, 16 keys per MMA.
     uint32_t pa[MB][BN / 16][4];
@@ -338,18 +247,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, Cfg::kMinCtas) prefill_kernel(c
   cp_async_wait<0>();
 
   // ---- Epilogue: finish the row sums, then write the output (or this split's partial).
-#pragma unroll
-  for (int mb = 0; mb < MB; ++mb)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float ll = l[mb][h];
-      ll += __shfl_xor_sync(0xffffffff, ll, 1);
-      ll += __shfl_xor_sync(0xffffffff, ll, 2);
-      const int f = item.f0 + wg_row0 + mb * 64 + wq * 16 + g + 8 * h;
-      const int t = row_t[mb][h], hg = f - t * G;
-      if (t >= req.qlen) continue;
-      store_prefill_row<T, D, ON>(p, req, item.split, t, kvh * G + hg, c4, h, ll, m[mb][h], o[mb]);
-    }
+  store_prefill_rows<T, D, ON, 0>(p, req, item, kvh, first_row, g, c4, rows, l, m, o);
 }
 
 template <int D>

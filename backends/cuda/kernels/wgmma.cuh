@@ -35,6 +35,18 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t lbo) {
   return d;
 }
 
+// The same for a K-major operand in the 64-byte swizzled layout (rows of 64 bytes; inside each
+// 512-byte group of 8 rows the 16-byte chunk c of row r sits at c ^ ((r >> 1) & 3)); stride
+// between 8-row groups 512 bytes. Layout type 2 = 64-byte swizzle.
+__device__ __forceinline__ uint64_t wgmma_desc_sw64(uint32_t addr) {
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>(1) << 16;
+  d |= static_cast<uint64_t>(512 >> 4) << 32;
+  d |= static_cast<uint64_t>(2) << 62;
+  return d;
+}
+
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -69,6 +81,17 @@ __device__ __forceinline__ void wgmma_ss_tn(float (&d)[N / 2], uint64_t a, uint6
 // rows), B MN-major in shared memory.
 template <int N, typename T>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b);
+
+// D[64 x N] (+)= A[64 x 32] * B[32 x N] in fp8 e4m3 (k32: 32 bytes of a row, as a 16-bit k16
+// step): A and B K-major in shared memory. fp8 MMAs read both operands K-major only.
+template <int N>
+__device__ __forceinline__ void wgmma_ss_e4m3(float (&d)[N / 2], uint64_t a, uint64_t b,
+                                              int accumulate);
+// D[64 x N] += A[64 x 32] * B[32 x N] in fp8 e4m3: A in registers (four 32-bit registers of four
+// e4m3 bytes, fp8_pv_layout.h), B K-major in shared memory.
+template <int N>
+__device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[N / 2], const uint32_t (&a)[4],
+                                              uint64_t b);
 
 // The m64nNk16 MMAs with fp32 accumulators, written once per N and instantiated for bf16 and f16
 // below: ATTNRT_WGMMA_ACC<n> lists the n accumulator operands (%0 .. %n-1), ATTNRT_WGMMA_REGS<n>
@@ -160,6 +183,34 @@ ATTNRT_WGMMA_PAIR(64, 32, __half, "f16", 32, 33, 34, 32, 33, 34, 35, 36, 37)
 ATTNRT_WGMMA_PAIR(128, 64, __nv_bfloat16, "bf16", 64, 65, 66, 64, 65, 66, 67, 68, 69)
 ATTNRT_WGMMA_PAIR(128, 64, __half, "f16", 64, 65, 66, 64, 65, 66, 67, 68, 69)
 
+// clang-format off
+// The fp8 MMAs (no transpose operands: both K-major), N columns, ACC = N / 2 accumulators.
+#define ATTNRT_WGMMA_E4M3(N, ACC, SS_A, SS_B, SS_P, RS_A0, RS_A1, RS_A2, RS_A3, RS_B, RS_P)       \
+  template <>                                                                                      \
+  __device__ __forceinline__ void wgmma_ss_e4m3<N>(float(&d)[ACC], uint64_t a, uint64_t b,         \
+                                                   int accumulate) {                               \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #SS_P ", 0;\n"                               \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {"                      \
+                 ATTNRT_WGMMA_REGS##ACC "}, %" #SS_A ", %" #SS_B ", p, 1, 1;\n}\n"                 \
+                 : ATTNRT_WGMMA_ACC##ACC(d)                                                        \
+                 : "l"(a), "l"(b), "r"(accumulate));                                               \
+  }                                                                                                \
+  template <>                                                                                      \
+  __device__ __forceinline__ void wgmma_rs_e4m3<N>(float(&d)[ACC], const uint32_t(&a)[4],          \
+                                                   uint64_t b) {                                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #RS_P ", 0;\n"                               \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k32.f32.e4m3.e4m3 {"                      \
+                 ATTNRT_WGMMA_REGS##ACC "}, {%" #RS_A0 ", %" #RS_A1 ", %" #RS_A2 ", %" #RS_A3      \
+                 "}, %" #RS_B ", p, 1, 1;\n}\n"                                                    \
+                 : ATTNRT_WGMMA_ACC##ACC(d)                                                        \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));                    \
+  }
+
+ATTNRT_WGMMA_E4M3(64, 32, 32, 33, 34, 32, 33, 34, 35, 36, 37)
+ATTNRT_WGMMA_E4M3(128, 64, 64, 65, 66, 64, 65, 66, 67, 68, 69)
+// clang-format on
+
+#undef ATTNRT_WGMMA_E4M3
 #undef ATTNRT_WGMMA_PAIR
 #undef ATTNRT_WGMMA_REGS64
 #undef ATTNRT_WGMMA_REGS32

@@ -26,6 +26,11 @@ struct Options {
   std::string linear_attn_decode_backend;
   int num_threads = 0;                    // cpu backends; 0 = ATTNRT_NUM_THREADS or all cores
   bool deterministic = false;             // fixed split sizes: batch-invariant results
+  // Prefill tiles (EXTEND, MIXED, DRAFT_EXTEND) of attention layers over an fp8_e4m3 KV cache on
+  // fp8 tensor cores: q and the softmax weights rounded to e4m3 (docs/backends.md gives the
+  // tolerance). Needs --kv-cache-dtype fp8_e4m3 and a prefill backend that has such a kernel
+  // (BackendCaps::fp8_prefill_attention: cuda).
+  bool fp8_prefill_attention = false;
   // Decode context parallelism (docs/dcp.md): ranks that each hold 1/dcp_size of every request's
   // KV cache. One AttentionRuntime is one rank (1); a DcpAttention holds dcp_size of them.
   int dcp_size = 1;

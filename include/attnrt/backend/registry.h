@@ -35,6 +35,9 @@ struct BackendCaps {
   // Its captured steps hold DSA layers (docs/cuda_graphs.md "DSA layers"); used only while
   // dsa_graphs_enabled() (ATTNRT_DSA_GRAPHS=1).
   bool dsa_graphs = false;
+  // It runs prefill tiles over an e4m3 KV cache on fp8 tensor cores when
+  // Options::fp8_prefill_attention asks (q and P in e4m3).
+  bool fp8_prefill_attention = false;
   std::vector<LayerKind> linear_kinds;  // gdn / mamba2 / kda served by this backend
 };
 

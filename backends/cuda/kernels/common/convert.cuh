@@ -75,6 +75,15 @@ __device__ __forceinline__ uint8_t float_to_fp8(float x, bool e5m2) {
   return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
 }
 
+// Four floats as four e4m3 bytes of one register (x0 in the low byte), rounded to nearest and
+// saturated: two hardware conversions.
+__device__ __forceinline__ uint32_t pack4_e4m3(float x0, float x1, float x2, float x3) {
+  uint16_t lo, hi;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
 // Four fp8 bytes -> two registers of two f16 values (bytes 0, 1 -> lo; 2, 3 -> hi), exactly. e4m3
 // is one hardware conversion per pair; e5m2 is the upper byte of an f16, so it is only moved.
 template <bool E5M2>

@@ -1,0 +1,56 @@
+// How the fp8 prefill CTA (prefill_fp8.cuh) feeds the probabilities P to O += P V on the tensor
+// cores without moving registers between threads. Plain C++ (constexpr), so the CPU tests check
+// the same functions the kernel runs.
+//
+// The fp32 accumulator of S = Q K^T (wgmma m64nN, per warp 16 rows, lane l: q = l % 4, rows
+// r = l / 4 and r + 8) holds, in register 4j + e, row r + 8 * (e >> 1) and column
+// 8j + 2q + (e & 1). The 8-bit A operand of wgmma m64nNk32 (PTX ISA, "register fragment, matrix
+// A, .e4m3 / .e5m2") holds in register a (byte b) row r + 8 * (a & 1) and k position
+// 16 * (a >> 1) + 4q + b. The rows agree; the columns do not: the accumulator's thread holds
+// columns {2q, 2q + 1, 8 + 2q, 9 + 2q} of each 16, the A fragment's wants k {4q .. 4q + 3}.
+// Instead of exchanging registers, the kernel packs each thread's own values (pv_fragment_index)
+// and lets k position p of every 32-key step stand for key pv_key(p): the transposed V tile it
+// builds in shared memory holds key pv_key(p)'s row at position p. The sum over keys does not
+// depend on their order, so O is unchanged.
+#pragma once
+
+#include <cstdint>
+
+namespace attnrt::cuda {
+
+// The accumulator register (0 .. 15 within one 32-key step) that byte b of A register a takes.
+constexpr int pv_fragment_index(int a, int b) {
+  return (a >> 1) * 8 + (a & 1) * 2 + (b >> 1) * 4 + (b & 1);
+}
+
+// The key (within the tile) whose V row sits at k position p of the transposed V tile: in each
+// group of 32, p = 16h + 4q + i holds key 16h + 8 * (i >> 1) + 2q + (i & 1).
+constexpr int pv_key(int p) {
+  const int i = p & 3, q = (p >> 2) & 3;
+  return (p & ~15) + 8 * (i >> 1) + 2 * q + (i & 1);
+}
+
+// __byte_perm(x, y, s) on the host: byte k of the result is byte (s >> 4k) & 7 of y:x.
+constexpr uint32_t byte_perm_host(uint32_t x, uint32_t y, uint32_t s) {
+  const uint64_t xy = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t r = 0;
+  for (int k = 0; k < 4; ++k)
+    r |= static_cast<uint32_t>((xy >> (8 * ((s >> (4 * k)) & 7))) & 0xff) << (8 * k);
+  return r;
+}
+
+// The 4 x 4 byte transpose of the V transpose: in[i] holds bytes (key i, columns 0 .. 3); out[c]
+// gets bytes (column c, keys 0 .. 3). PERM is __byte_perm on the device, byte_perm_host here.
+template <typename Perm>
+constexpr void transpose4x4_bytes(const uint32_t (&in)[4], uint32_t (&out)[4], Perm perm) {
+  const uint32_t t0 = perm(in[0], in[1], 0x5140u);  // a0 b0 a1 b1
+  const uint32_t t1 = perm(in[0], in[1], 0x7362u);  // a2 b2 a3 b3
+  const uint32_t t2 = perm(in[2], in[3], 0x5140u);  // c0 d0 c1 d1
+  const uint32_t t3 = perm(in[2], in[3], 0x7362u);  // c2 d2 c3 d3
+  out[0] = perm(t0, t2, 0x5410u);
+  out[1] = perm(t0, t2, 0x7632u);
+  out[2] = perm(t1, t3, 0x5410u);
+  out[3] = perm(t1, t3, 0x7632u);
+}
+
+}  // namespace attnrt::cuda

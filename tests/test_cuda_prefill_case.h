@@ -1,0 +1,238 @@
+// The prefill suites' one step against the reference (test_cuda_prefill.cpp, the 16-bit CTAs;
+// test_cuda_prefill_fp8.cpp, the fp8 one): a ragged batch whose pages are scattered through the
+// pool, pool rows no request uses poisoned with NaN, outputs poisoned before the run, out and lse
+// compared with the reference backend over the same pool bytes.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "attnrt/backend/options.h"
+#include "attnrt/batch/forward_batch.h"
+#include "attnrt/core/device.h"
+#include "attnrt/memory/kv_cache.h"
+#include "attnrt/memory/req_to_token_pool.h"
+#include "tests/test_cuda_util.h"
+
+#ifdef ATTNRT_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/cuda_kv_cache.h"
+#include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/launch.h"
+#include "backends/cuda/kernels/prefill.h"
+
+namespace attnrt::test {
+
+struct PrefillCase : LayerCase {
+  ForwardMode mode = ForwardMode::EXTEND;
+  int page = 16;
+  DType act = DType::bf16;
+  std::vector<int32_t> prefix, qlen;  // DRAFT_EXTEND: qlen = accepted drafts + 1
+  uint32_t seed = 1;
+  // An fp8_e4m3 KV cache with these per-layer scales, and Options::fp8_prefill_attention (the
+  // fp8 prefill CTA, test_cuda_prefill_fp8.cpp).
+  bool fp8_kv = false;
+  float k_scale = 0.6f, v_scale = 1.3f;
+  bool fp8_prefill = false;
+};
+
+// A case of the default layer with these request lengths.
+inline PrefillCase lengths(std::vector<int32_t> prefix, std::vector<int32_t> qlen,
+                           uint32_t seed = 1) {
+  PrefillCase c;
+  c.prefix = std::move(prefix);
+  c.qlen = std::move(qlen);
+  c.seed = seed;
+  return c;
+}
+
+// What check_prefill accepts against the reference: relative L2 error of the output, its largest
+// absolute error, the largest lse error. The 16-bit CTAs' defaults (bf16 / fp16 rounding of P).
+struct PrefillTolerance {
+  double rel = 1.2e-2, rel_f16 = 4e-3, max_abs = 0.08, lse = 2e-2;
+};
+
+// Runs one step through the reference (host pools) and the cuda backend (device pools with the
+// same bytes, same slots) and compares out and lse; failures name the case as `what`.
+inline void check_prefill(const PrefillCase& c, const testing::Message& what = testing::Message(),
+                          const PrefillTolerance& tol = PrefillTolerance()) {
+  SCOPED_TRACE(what);
+  std::mt19937 rng(c.seed);
+  ModelSpec model;
+  model.name = "prefill-test";
+  model.dtype = c.act;
+  const LayerSpec layer = c.layer();
+  model.layers = {layer};
+  const int bs = static_cast<int>(c.prefix.size());
+  int32_t max_kv = 0;
+  for (int i = 0; i < bs; ++i) max_kv = std::max(max_kv, c.prefix[i] + c.qlen[i]);
+  model.max_context_len = max_kv + c.page;
+  Options options;
+  options.page_size = c.page;
+  options.fp8_prefill_attention = c.fp8_prefill;
+
+  // Pools with every request's pages scattered by a random permutation (page 0 is reserved).
+  std::vector<int64_t> pages_of(bs);
+  int64_t pages = 0;
+  for (int i = 0; i < bs; ++i)
+    pages += pages_of[i] = (c.prefix[i] + c.qlen[i] + c.page - 1) / c.page;
+  KVCacheConfig cfg;
+  cfg.full_slots = (pages + 2) * c.page;
+  cfg.page_size = c.page;
+  cfg.dtype = c.fp8_kv ? DType::e4m3 : c.act;
+  cfg.max_num_tokens = 1 << 15;
+  KVStorage host = make_host_kv_storage(model, cfg);
+  KVStorage dev = cuda::make_cuda_kv_storage(model, cfg);
+  auto* dev_cache = static_cast<cuda::CudaKVCache*>(dev.cache.get());
+  if (c.fp8_kv) {
+    host.cache->set_kv_scales(0, c.k_scale, c.v_scale);
+    dev.cache->set_kv_scales(0, c.k_scale, c.v_scale);
+  }
+  const KVLayerView hv = host.cache->layer(0);
+  fill_random(TensorView(hv.k, hv.dtype, {hv.num_rows * hv.k_row_stride}), rng, 2.f);
+  fill_random(TensorView(hv.v, hv.dtype, {hv.num_rows * hv.v_row_stride}), rng, 2.f);
+
+  ReqToTokenPool pool(bs, model.max_context_len);
+  std::vector<int64_t> perm(pages);
+  std::iota(perm.begin(), perm.end(), 1);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::vector<int64_t> rows;
+  std::vector<std::vector<int64_t>> slots(bs);
+  int64_t next_page = 0;
+  for (int i = 0; i < bs; ++i) {
+    rows.push_back(pool.alloc());
+    for (int32_t j = 0; j < c.prefix[i] + c.qlen[i]; ++j)
+      slots[i].push_back(perm[next_page + j / c.page] * c.page + j % c.page);
+    next_page += pages_of[i];
+    pool.write(static_cast<int>(rows.back()), 0, slots[i]);
+  }
+  // NaN in every row no request uses (the tails of last pages, the reserved and spare pages).
+  std::vector<bool> used(hv.num_rows, false);
+  for (const auto& s : slots)
+    for (int64_t slot : s) used[slot] = true;
+  for (int64_t row = 0; row < hv.num_rows; ++row) {
+    if (used[row]) continue;
+    for (int64_t e = 0; e < int64_t{hv.kv_heads} * hv.head_dim; ++e) {
+      store_from_float(hv.k, hv.dtype, row * hv.k_row_stride + e, NAN);
+      store_from_float(hv.v, hv.dtype, row * hv.v_row_stride + e, NAN);
+    }
+  }
+  dev_cache->copy_layer_from_host(0, hv.k, hv.v);
+
+  ForwardBatch batch;
+  if (c.mode == ForwardMode::DRAFT_EXTEND) {
+    std::vector<int32_t> seq(bs), accept(bs);
+    for (int i = 0; i < bs; ++i) {
+      seq[i] = c.prefix[i] + c.qlen[i];
+      accept[i] = c.qlen[i] - 1;
+    }
+    batch = make_draft_extend_batch(rows, seq, accept);
+  } else {
+    batch = make_extend_batch(rows, c.prefix, c.qlen, c.mode);
+  }
+  batch.out_cache_loc.clear();
+  for (int i = 0; i < bs; ++i)
+    for (int32_t t = 0; t < c.qlen[i]; ++t)
+      batch.out_cache_loc.push_back(slots[i][c.prefix[i] + t]);
+  const int64_t T = batch.num_tokens();
+
+  const Qkv in = random_qkv(c.act, layer, T, rng);
+  const auto& [q, k, v] = in;
+  std::vector<float> sinks(c.hq);
+  for (float& s : sinks) s = std::uniform_real_distribution<float>(-1.f, 3.f)(rng);
+
+  auto context = [&](KVCache* cache, Device device) {
+    BackendContext x;
+    x.model = &model;
+    x.options = &options;
+    x.kv_cache = cache;
+    x.req_to_token = &pool;
+    x.device = device;
+    return x;
+  };
+
+  HostBuffer ref_out(c.act, {T, c.hq, c.dim}), ref_lse(DType::f32, {T, c.hq});
+  reference_forward(context(host.cache.get(), Device::cpu()), batch, layer, in,
+                    c.sinks ? sinks.data() : nullptr, ref_out.view(), ref_lse.view());
+
+  HostBuffer out(c.act, {T, c.hq, c.dim}), lse(DType::f32, {T, c.hq});
+  std::memset(out.data(), 0xff, out.bytes());  // NaN poison: every element must be written
+  std::memset(lse.data(), 0xff, lse.bytes());
+  HostBuffer sink_buf(DType::f32, {c.hq});
+  std::memcpy(sink_buf.data(), sinks.data(), sinks.size() * sizeof(float));
+  DevTensor dq(q.view()), dk(k.view()), dv(v.view()), dout(out.view()), dlse(lse.view());
+  DevTensor dsinks(sink_buf.view());
+  dev.cache->begin_step(batch);
+  cuda::CudaBackend be(context(dev.cache.get(), Device::cuda(0)));
+  be.init_forward_metadata(batch);
+  ASSERT_EQ(be.plan().classes.size(), 1u);
+  ASSERT_EQ(be.plan().classes[0].shape, cuda::TileShape::prefill)
+      << "the case does not reach the prefill kernel";
+  const AttnArgs a{.q = dq.view,
+                   .k = dk.view,
+                   .v = dv.view,
+                   .out = dout.view,
+                   .sinks = c.sinks ? static_cast<const float*>(dsinks.ptr) : nullptr,
+                   .lse = dlse.view};
+  // The producer the warp-specialised CTA takes for this layer (the launch's own decision, on
+  // the pool the backend reads): the TMA one wherever it applies, unless switched off.
+  // Which CTA the table gives the case's prefill items: the fp8 one exactly when asked for.
+  const cuda::AttnKernelKey key{.head_dim = c.dim,
+                                .v_head_dim = c.dim,
+                                .fp16 = c.act == DType::f16,
+                                .kv = c.fp8_kv ? cuda::KvKind::e4m3 : cuda::KvKind::same_as_q,
+                                .shape = cuda::TileShape::prefill,
+                                .target_verify = false,
+                                .fp8_prefill = c.fp8_prefill};
+  ASSERT_EQ(cuda::attention_cta(key) == cuda::AttnCta::fp8_prefill, c.fp8_prefill && c.fp8_kv)
+      << "the case does not reach the CTA under test";
+  const int ws = cuda::prefill_ws_mode();
+  if (ws != 0 && !c.fp8_kv) {
+    const KVLayerView dv_layer = dev.cache->layer(0);
+    cuda::AttnParams p{};
+    p.k = dv_layer.k;
+    p.v = dv_layer.v;
+    p.k_row_stride = dv_layer.k_row_stride;
+    p.v_row_stride = dv_layer.v_row_stride;
+    p.kv_rows = dv_layer.num_rows;
+    p.kv_kind = cuda::KvKind::same_as_q;
+    p.page_shift = std::countr_zero(static_cast<unsigned>(c.page));
+    p.num_kv_heads = c.hkv;
+    const bool ping_pong = ws == 2 || (ws == cuda::kWsAuto && c.dim <= 128);
+    const bool tma = cuda::prefill_ws_uses_tma(p, c.dim, c.act == DType::f16, ping_pong);
+    const bool want = cuda::prefill_tma_enabled() && c.page >= 8 &&
+                      ping_pong == (c.dim <= 128);  // the TMA instantiations: the default's CTAs
+    EXPECT_EQ(tma, want) << "page " << c.page << ", dim " << c.dim << ", ws mode " << ws;
+  }
+  be.forward(a, layer, batch);
+  ASSERT_EQ(cudaStreamSynchronize(be.stream()), cudaSuccess);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  dout.download(out.view());
+  dlse.download(lse.view());
+
+  const Compare co = compare(out.view(), ref_out.view(), T);
+  double worst_lse = 0;
+  bool lse_finite = true;
+  for (int64_t i = 0; i < T * c.hq; ++i) {
+    const double got = lse.ptr<float>()[i];
+    lse_finite = lse_finite && std::isfinite(got);
+    worst_lse = std::max(worst_lse, std::abs(got - ref_lse.ptr<float>()[i]));
+  }
+  EXPECT_TRUE(co.finite && lse_finite) << "non-finite output or lse (unwritten or NaN)";
+  EXPECT_LT(co.rel, c.act == DType::f16 ? tol.rel_f16 : tol.rel) << "max abs error " << co.max_abs;
+  EXPECT_LT(co.max_abs, tol.max_abs);
+  EXPECT_LT(worst_lse, tol.lse) << "lse differs from the reference";
+}
+
+}  // namespace attnrt::test
+
+#endif

@@ -1,0 +1,300 @@
+// The fp8 prefill CTA (backends/cuda/kernels/prefill_fp8.cuh, --fp8-prefill-attention) against the
+// reference backend over the same e4m3 pool bytes: ragged extend batches with cached prefixes
+// crossing page edges, pages of 1, 16 and 64 slots, GQA groups 1, 4 and 8, causal and not, sliding
+// windows, softcap, sinks, split keys merged by lse, MIXED and DRAFT_EXTEND steps, fp16. Every case
+// checks that the table sends its prefill items to the fp8 CTA. Without a GPU only the host-side
+// models run: the register-fragment permutation and the byte transpose the kernel builds V from.
+//
+// Tolerance. The reference reads the same fp8 K and V; the CTA adds two roundings to e4m3 (3
+// mantissa bits: relative error at most 2^-4 each): q (at a power-of-two scale, so nothing else)
+// and the softmax weights P (the row sums add the unrounded weights).
+//  - q: a logit moves by ds = scale * sum_d dq_d k_d. Independent errors of q ~ U[-1, 1] against
+//    keys of at most kmax give a standard deviation of at most
+//    sigma = 2^-4 / sqrt(3) * rms(q) * rms(k) = 2^-4 / sqrt(3) * (1 / sqrt(3)) * (kmax / sqrt(3))
+//    at scale = D^-1/2 (0.024 at kmax = 2).
+//  - o = sum_j p_j (1 + e_j) v_j / sum_j p_j with weights p_j exp(ds_j): o moves by at most
+//    max|e| * max|v| (the rounding against the unrounded sums) plus max|e + ds| * the mean
+//    absolute deviation of v (at most max|v|), so |o - ref| <= max|v| (2^-3 + 5 sigma) with
+//    |ds| within five sigma; relative to o's size the independent errors leave about
+//    rms(e) + sigma, bounded here by 2^-4 + 2 sigma.
+//  - lse = m + log sum_j p_j exp(ds_j): off by at most max|ds|, 5 sigma (at least 0.02).
+// The 16-bit CTAs are held to 1.2e-2 relative (bf16 P); an fp8 CTA that lost a tile or misplaced
+// a key is off by O(max|v|), far beyond these.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <set>
+#include <vector>
+
+#include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/fp8_pv_layout.h"
+#include "tests/test_cuda_prefill_case.h"
+#include "tests/test_cuda_util.h"
+
+#ifdef ATTNRT_HAS_CUDA
+#include "backends/cuda/cuda_backend.h"
+#endif
+
+namespace attnrt {
+namespace {
+
+// ---- Host models (no GPU).
+
+// The fp32 accumulator of wgmma m64nN (PTX ISA, "wgmma D fragment"): register 4j + e of lane
+// quad position q holds row half e >> 1 (rows r, r + 8) and column 8j + 2q + (e & 1).
+struct Cell {
+  int half, col;
+};
+Cell accumulator_cell(int reg, int q) {
+  return {(reg & 3) >> 1, 8 * (reg >> 2) + 2 * q + (reg & 1)};
+}
+
+// The 8-bit A operand of wgmma m64nNk32 (PTX ISA, "wgmma A fragment, .e4m3"): byte b of register
+// a of lane quad position q holds row half a & 1 and k position 16 * (a >> 1) + 4q + b.
+Cell a_fragment_cell(int a, int b, int q) { return {a & 1, 16 * (a >> 1) + 4 * q + b}; }
+
+TEST(Fp8PrefillLayout, PackedWeightsMeetTheirKeysInTheTransposedV) {
+  // For every thread position and every byte of the A operand of one 32-key step: the
+  // accumulator value the kernel packs there lies in the same row, and its key (column of S) is
+  // the one the transposed V holds at that k position.
+  for (int q = 0; q < 4; ++q)
+    for (int a = 0; a < 4; ++a)
+      for (int b = 0; b < 4; ++b) {
+        const int idx = cuda::pv_fragment_index(a, b);
+        ASSERT_GE(idx, 0);
+        ASSERT_LT(idx, 16);
+        const Cell from = accumulator_cell(idx, q), to = a_fragment_cell(a, b, q);
+        EXPECT_EQ(from.half, to.half) << "q " << q << " a " << a << " b " << b;
+        EXPECT_EQ(from.col, cuda::pv_key(to.col)) << "q " << q << " a " << a << " b " << b;
+      }
+  // Each thread packs each of its 16 values of a step exactly once.
+  std::set<int> packed;
+  for (int a = 0; a < 4; ++a)
+    for (int b = 0; b < 4; ++b) packed.insert(cuda::pv_fragment_index(a, b));
+  EXPECT_EQ(packed.size(), 16u);
+}
+
+TEST(Fp8PrefillLayout, KeyOrderIsAPermutationOfEach32) {
+  // The transposed V tile of 64 keys: every key once, never leaving its group of 32 (a k32 MMA
+  // step reads one group).
+  std::set<int> keys;
+  for (int p = 0; p < 64; ++p) {
+    EXPECT_EQ(cuda::pv_key(p) / 32, p / 32) << "position " << p;
+    keys.insert(cuda::pv_key(p));
+  }
+  EXPECT_EQ(keys.size(), 64u);
+  // The order of the brief's derivation, spelled out for one thread (q = 1): positions 4..7 hold
+  // keys 2, 3, 10, 11; positions 20..23 keys 18, 19, 26, 27.
+  EXPECT_EQ(cuda::pv_key(4), 2);
+  EXPECT_EQ(cuda::pv_key(5), 3);
+  EXPECT_EQ(cuda::pv_key(6), 10);
+  EXPECT_EQ(cuda::pv_key(7), 11);
+  EXPECT_EQ(cuda::pv_key(20), 18);
+  EXPECT_EQ(cuda::pv_key(23), 27);
+}
+
+TEST(Fp8PrefillLayout, ByteTransposeOfFourKeysByFourColumns) {
+  uint32_t in[4], out[4];
+  for (int k = 0; k < 4; ++k) {
+    in[k] = 0;
+    for (int c = 0; c < 4; ++c) in[k] |= static_cast<uint32_t>(16 * k + c + 1) << (8 * c);
+  }
+  cuda::transpose4x4_bytes(in, out, cuda::byte_perm_host);
+  for (int c = 0; c < 4; ++c)
+    for (int k = 0; k < 4; ++k)
+      EXPECT_EQ((out[c] >> (8 * k)) & 0xff, static_cast<uint32_t>(16 * k + c + 1))
+          << "column " << c << " key " << k;
+}
+
+// The table (host code): the fp8 CTA takes prefill items over e4m3 at head dim 128 when asked
+// for, and nothing else.
+TEST(Fp8PrefillDispatch, OnlyAskedForE4m3PrefillItemsAtHeadDim128) {
+  using cuda::AttnCta;
+  using cuda::AttnKernelKey;
+  using cuda::KvKind;
+  using cuda::TileShape;
+  const AttnKernelKey on{.head_dim = 128,
+                         .v_head_dim = 128,
+                         .kv = KvKind::e4m3,
+                         .shape = TileShape::prefill,
+                         .rows = 128,
+                         .fp8_prefill = true};
+  EXPECT_EQ(cuda::attention_cta(on), AttnCta::fp8_prefill);
+  AttnKernelKey k = on;
+  k.fp16 = true;
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::fp8_prefill) << "fp16 q / out";
+  k = on;
+  k.fp8_prefill = false;
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::mma_prefill) << "off: as before";
+  k = on;
+  k.kv = KvKind::e5m2;
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::mma_prefill) << "e5m2";
+  k = on;
+  k.kv = KvKind::same_as_q;
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill) << "16-bit KV";
+  k = on;
+  k.target_verify = true;
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::mma_prefill) << "TARGET_VERIFY";
+  for (int d : {64, 256}) {
+    k = on;
+    k.head_dim = k.v_head_dim = d;
+    EXPECT_EQ(cuda::attention_cta(k), AttnCta::mma_prefill) << "head dim " << d;
+  }
+  for (TileShape sh : {TileShape::decode, TileShape::decode32, TileShape::verify}) {
+    k = on;
+    k.shape = sh;
+    EXPECT_NE(cuda::attention_cta(k), AttnCta::fp8_prefill) << static_cast<int>(sh);
+  }
+  EXPECT_FALSE(cuda::launches_as_dependent(AttnCta::fp8_prefill));
+}
+
+#ifdef ATTNRT_HAS_CUDA
+
+using test::check_prefill;
+using test::lengths;
+using test::PrefillCase;
+using test::PrefillTolerance;
+
+// The derivation above, for a case's scales: pool codes and new tokens' k / v lie in [-2, 2]
+// (codes times the layer's scale when read).
+PrefillTolerance fp8_tolerance(const PrefillCase& c) {
+  const double e = 1.0 / 16, vmax = 2.0 * std::max(1.f, c.v_scale),
+               kmax = 2.0 * std::max(1.f, c.k_scale);
+  const double sigma = e / std::sqrt(3.0) * (1.0 / std::sqrt(3.0)) * (kmax / std::sqrt(3.0));
+  PrefillTolerance t;
+  t.rel = t.rel_f16 = e + 2 * sigma;
+  t.max_abs = vmax * (2 * e + 5 * sigma);
+  t.lse = std::max(0.02, 5 * sigma);
+  return t;
+}
+
+PrefillCase fp8_case(std::vector<int32_t> prefix, std::vector<int32_t> qlen, uint32_t seed) {
+  PrefillCase c = lengths(std::move(prefix), std::move(qlen), seed);
+  c.fp8_kv = true;
+  c.fp8_prefill = true;
+  return c;
+}
+
+void check_fp8(const PrefillCase& c, const testing::Message& what = testing::Message()) {
+  check_prefill(c, what, fp8_tolerance(c));
+}
+
+// Host only: `attnrt info --explain` names the fp8 CTA for the extend phase when the option is on
+// over e4m3, and the mma.sync CTA without it.
+TEST(Fp8PrefillDispatch, ExplainNamesTheFp8CtaForExtend) {
+  ModelSpec m;
+  m.name = "fp8-prefill-explain";
+  m.layers = {test::attention_layer(0, 32, 8, 128)};
+  Options o;
+  auto extend_line = [&](DType kv) {
+    for (const std::string& line : cuda::explain_cuda_kernels(m, o, kv))
+      if (line.find("  extend") == 0) return line;
+    return std::string();
+  };
+  EXPECT_NE(extend_line(DType::e4m3).find("mma.sync CTA"), std::string::npos);
+  o.fp8_prefill_attention = true;
+  const std::string on = extend_line(DType::e4m3);
+  EXPECT_NE(on.find("fp8 prefill CTA (prefill_fp8.cuh)"), std::string::npos) << on;
+  EXPECT_NE(on.find("--fp8-prefill-attention"), std::string::npos) << on;
+}
+
+class CudaFp8PrefillTest : public ::testing::Test {
+ protected:
+  void SetUp() override { SKIP_WITHOUT_GPU(); }
+};
+
+TEST_F(CudaFp8PrefillTest, RaggedCausalExtendOverPageEdges) {
+  // Prefixes on a page boundary (0, 32, 256), one key past one (17) and mid-page (301); query runs
+  // shorter than a tile, one token, and several tiles long.
+  for (int page : {1, 16, 64}) {
+    PrefillCase c =
+        fp8_case({0, 17, 256, 32, 301}, {300, 45, 1, 129, 200}, static_cast<uint32_t>(page + 100));
+    c.page = page;
+    check_fp8(c, testing::Message() << "page " << page);
+  }
+}
+
+TEST_F(CudaFp8PrefillTest, GqaGroups) {
+  // Group 1, 4 and 8 (and 3: a 128-row tile ends inside a token's heads).
+  for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{16, 4}, std::pair{32, 4}, std::pair{12, 4}}) {
+    PrefillCase c = fp8_case({48, 0, 5}, {170, 97, 64}, static_cast<uint32_t>(hq * 10 + hkv));
+    c.hq = hq;
+    c.hkv = hkv;
+    check_fp8(c, testing::Message() << "hq " << hq << " hkv " << hkv);
+  }
+}
+
+TEST_F(CudaFp8PrefillTest, NonCausalAndLongRuns) {
+  PrefillCase c = fp8_case({0, 80}, {260, 150}, 7);
+  c.causal = false;
+  check_fp8(c);
+  PrefillCase l = fp8_case({640, 0}, {400, 600}, 8);
+  check_fp8(l);
+}
+
+TEST_F(CudaFp8PrefillTest, WindowSoftcapAndSinks) {
+  PrefillCase c = fp8_case({500, 0, 64}, {300, 260, 150}, 11);
+  c.window = 100;
+  c.cap = 20.f;
+  c.sinks = true;
+  check_fp8(c, testing::Message() << "window 100, softcap, sinks");
+  c.window = 0;  // each query sees only itself
+  c.cap = 0.f;
+  c.seed = 12;
+  check_fp8(c, testing::Message() << "window 0");
+  c.window = 130;  // a window edge that moves inside one key tile
+  c.sinks = false;
+  c.seed = 13;
+  check_fp8(c, testing::Message() << "window 130");
+  PrefillCase s = fp8_case({2990}, {140}, 14);
+  s.window = 1001;  // the window's first key inside a tile, keys split
+  s.page = 64;
+  check_fp8(s, testing::Message() << "window 1001, split keys");
+}
+
+TEST_F(CudaFp8PrefillTest, SplitKeysMergeWithLse) {
+  PrefillCase c = fp8_case({3000}, {129}, 15);
+  check_fp8(c);
+  c.causal = false;
+  c.seed = 16;
+  check_fp8(c);
+}
+
+TEST_F(CudaFp8PrefillTest, ScalesAndQMagnitudes) {
+  // Other per-layer scales (the power-of-two q scale is the CTA's own), and fp16 activations.
+  PrefillCase c = fp8_case({33, 0}, {220, 140}, 17);
+  c.k_scale = 0.05f;
+  c.v_scale = 4.f;
+  check_fp8(c, testing::Message() << "k_scale 0.05, v_scale 4");
+  c.act = DType::f16;
+  c.k_scale = 2.f;
+  c.v_scale = 0.25f;
+  c.seed = 18;
+  check_fp8(c, testing::Message() << "fp16, k_scale 2, v_scale 0.25");
+}
+
+TEST_F(CudaFp8PrefillTest, MixedAndDraftExtendSteps) {
+  PrefillCase m = fp8_case({100, 40, 41, 700}, {150, 1, 1, 1}, 19);
+  m.mode = ForwardMode::MIXED;
+  check_fp8(m, testing::Message() << "MIXED");
+  PrefillCase d = fp8_case({300, 1000, 64}, {9, 4, 7}, 20);
+  d.mode = ForwardMode::DRAFT_EXTEND;
+  d.hq = 32;
+  d.hkv = 4;  // 9 tokens x group 8 = 72 rows: the prefill shape
+  check_fp8(d, testing::Message() << "DRAFT_EXTEND");
+}
+
+TEST_F(CudaFp8PrefillTest, OffTheOptionTheMmaSyncCtaRunsTheSameCases) {
+  // The same pool without the option: the fp8 KV path of before (mma.sync, K / V dequantised to
+  // 16 bits), held to the 16-bit tolerance; a check that the case builder's fp8 pools are right.
+  PrefillCase c = fp8_case({0, 17, 301}, {300, 45, 200}, 21);
+  c.fp8_prefill = false;
+  check_prefill(c);
+}
+
+#endif
+
+}  // namespace
+}  // namespace attnrt
