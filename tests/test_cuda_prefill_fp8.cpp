@@ -2,8 +2,10 @@
 // reference backend over the same e4m3 pool bytes: ragged extend batches with cached prefixes
 // crossing page edges, pages of 1, 16 and 64 slots, GQA groups 1, 4 and 8, causal and not, sliding
 // windows, softcap, sinks, split keys merged by lse, MIXED and DRAFT_EXTEND steps, fp16. Every case
-// checks that the table sends its prefill items to the fp8 CTA. Without a GPU only the host-side
-// models run: the register-fragment permutation and the byte transpose the kernel builds V from.
+// checks that the table sends its prefill items to the fp8 CTA. Without a GPU the host-side models
+// run: the register-fragment permutation, the kernel's V transpose simulated thread by thread
+// (placement, coverage, bank conflicts), P V through the packed A operand and the transposed tile
+// read as the MMA's K-major B operand, the dispatch table and `info --explain`.
 //
 // Tolerance. The reference reads the same fp8 K and V; the CTA adds two roundings to e4m3 (3
 // mantissa bits: relative error at most 2^-4 each): q (at a power-of-two scale, so nothing else)
@@ -25,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <set>
 #include <vector>
 
@@ -106,6 +109,111 @@ TEST(Fp8PrefillLayout, ByteTransposeOfFourKeysByFourColumns) {
     for (int k = 0; k < 4; ++k)
       EXPECT_EQ((out[c] >> (8 * k)) & 0xff, static_cast<uint32_t>(16 * k + c + 1))
           << "column " << c << " key " << k;
+}
+
+// The kernel's V transpose run on the host: every thread's passes (vt_block) over a staged tile
+// whose bytes are `value(key, byte)`; returns the transposed tile. Fails the test when a byte of
+// the transposed tile is written other than exactly once, or a warp's 32-bit loads or stores meet
+// more than two-way bank conflicts.
+std::vector<uint8_t> simulate_v_transpose(int (*value)(int key, int byte)) {
+  std::vector<uint8_t> stage(64 * 128), vt(64 * 128);
+  std::vector<int> writes(vt.size(), 0);
+  for (int key = 0; key < 64; ++key)
+    for (int c = 0; c < 128; ++c)
+      stage[cuda::v_stage_offset(key, c)] = static_cast<uint8_t>(value(key, c));
+  auto load32 = [](const std::vector<uint8_t>& buf, int off) {
+    uint32_t w = 0;
+    for (int k = 0; k < 4; ++k) w |= static_cast<uint32_t>(buf[off + k]) << (8 * k);
+    return w;
+  };
+  // Distinct 4-byte words per bank among a warp's 32 accesses.
+  auto worst_conflict = [](const std::vector<int>& offsets) {
+    std::vector<std::set<int>> banks(32);
+    for (int off : offsets) banks[(off / 4) % 32].insert(off / 4);
+    size_t worst = 0;
+    for (const auto& b : banks) worst = std::max(worst, b.size());
+    return static_cast<int>(worst);
+  };
+  for (int warp = 0; warp < 4; ++warp)
+    for (int n = 0; n < 4; ++n) {
+      std::vector<std::vector<int>> loads(4), stores(4);
+      for (int lane = 0; lane < 32; ++lane) {
+        const cuda::VtBlock blk = cuda::vt_block(32 * warp + lane, n);
+        uint32_t in[4], out[4];
+        for (int i = 0; i < 4; ++i) {
+          const int off = cuda::v_stage_offset(cuda::pv_key(4 * blk.pq + i), 4 * blk.dq);
+          loads[i].push_back(off);
+          in[i] = load32(stage, off);
+        }
+        cuda::transpose4x4_bytes(in, out, cuda::byte_perm_host);
+        for (int b = 0; b < 4; ++b) {
+          const int off = cuda::vt_offset(4 * blk.dq + b, 4 * blk.pq);
+          stores[b].push_back(off);
+          for (int k = 0; k < 4; ++k) {
+            vt[off + k] = static_cast<uint8_t>(out[b] >> (8 * k));
+            ++writes[off + k];
+          }
+        }
+      }
+      for (int i = 0; i < 4; ++i) {
+        EXPECT_LE(worst_conflict(loads[i]), 2) << "warp " << warp << " pass " << n << " load " << i;
+        EXPECT_LE(worst_conflict(stores[i]), 2)
+            << "warp " << warp << " pass " << n << " store " << i;
+      }
+    }
+  for (size_t i = 0; i < writes.size(); ++i) EXPECT_EQ(writes[i], 1) << "transposed byte " << i;
+  return vt;
+}
+
+TEST(Fp8PrefillLayout, TransposedVHoldsKeyPvKeyOfEveryPositionInEveryRow) {
+  // Two runs: bytes naming their key, then their head-dim column; together they place every byte.
+  const std::vector<uint8_t> by_key = simulate_v_transpose([](int key, int) { return key; });
+  const std::vector<uint8_t> by_col = simulate_v_transpose([](int, int c) { return c; });
+  for (int d = 0; d < 128; ++d)
+    for (int p = 0; p < 64; ++p) {
+      ASSERT_EQ(by_key[cuda::vt_offset(d, p)], cuda::pv_key(p)) << "row " << d << " position " << p;
+      ASSERT_EQ(by_col[cuda::vt_offset(d, p)], d) << "row " << d << " position " << p;
+    }
+}
+
+TEST(Fp8PrefillLayout, PackedWeightsTimesTransposedVIsPTimesV) {
+  // One m64 block of P (64 rows x 64 keys) in the S accumulators of a warpgroup, packed into the A
+  // operand as the kernel packs it, times the transposed V read as the K-major B operand (element
+  // (k, n) at vt_offset(n, k)), against P V directly. Small integers: exact.
+  std::mt19937 rng(20);
+  std::uniform_int_distribution<int> small(0, 15);
+  std::vector<int> P(64 * 64), V(64 * 128);
+  for (int& x : P) x = small(rng);
+  static std::vector<int> v_values;
+  v_values.resize(V.size());
+  for (size_t i = 0; i < V.size(); ++i) v_values[i] = V[i] = small(rng);
+  const std::vector<uint8_t> vt =
+      simulate_v_transpose([](int key, int c) { return v_values[key * 128 + c]; });
+  std::vector<long> O(64 * 128, 0);
+  for (int warp = 0; warp < 4; ++warp)
+    for (int lane = 0; lane < 32; ++lane) {
+      const int q = lane % 4, r = 16 * warp + lane / 4;
+      int s[32];  // this thread's S accumulator of the block (m64n64)
+      for (int reg = 0; reg < 32; ++reg) {
+        const Cell c = accumulator_cell(reg, q);
+        s[reg] = P[(r + 8 * c.half) * 64 + c.col];
+      }
+      for (int t = 0; t < 2; ++t)  // the two k32 steps
+        for (int a = 0; a < 4; ++a)
+          for (int b = 0; b < 4; ++b) {
+            const Cell at = a_fragment_cell(a, b, q);
+            const int row = r + 8 * at.half, k = 32 * t + at.col;
+            const int weight = s[16 * t + cuda::pv_fragment_index(a, b)];
+            for (int n = 0; n < 128; ++n)
+              O[row * 128 + n] += long{weight} * vt[cuda::vt_offset(n, k)];
+          }
+    }
+  for (int row = 0; row < 64; ++row)
+    for (int n = 0; n < 128; ++n) {
+      long want = 0;
+      for (int key = 0; key < 64; ++key) want += long{P[row * 64 + key]} * V[key * 128 + n];
+      ASSERT_EQ(O[row * 128 + n], want) << "row " << row << " column " << n;
+    }
 }
 
 // The table (host code): the fp8 CTA takes prefill items over e4m3 at head dim 128 when asked

@@ -42,6 +42,7 @@ _OPTIONS = {
     "linear_attn_decode_backend": str,
     "num_threads": int,
     "deterministic": bool,
+    "fp8_prefill_attention": bool,
     "disable_chunked_prefix_cache": bool,
     "chunked_prefix_cache_threshold": int,
     "max_chunk_capacity": int,
@@ -282,9 +283,9 @@ class Runtime:
         decode_attention_backend, speculative_attention_mode, page_size, kv_cache_dtype,
         speculative_num_steps, speculative_eagle_topk, speculative_num_draft_tokens,
         linear_attn_backend, linear_attn_prefill_backend, linear_attn_decode_backend, num_threads,
-        deterministic; MLA's MHA form (docs/mla.md): disable_chunked_prefix_cache,
-        chunked_prefix_cache_threshold, max_chunk_capacity; DSA models (docs/dsa.md):
-        dsa_prefill_backend, dsa_decode_backend.
+        deterministic, fp8_prefill_attention (docs/backends.md "fp8 prefill"); MLA's MHA form
+        (docs/mla.md): disable_chunked_prefix_cache, chunked_prefix_cache_threshold,
+        max_chunk_capacity; DSA models (docs/dsa.md): dsa_prefill_backend, dsa_decode_backend.
     Sizes: max_requests, kv_slots, max_num_tokens, max_context_len, swa_full_tokens_ratio,
         linear_state_slots, linear_verify_requests, cuda_graphs, cuda_graph_max_bs,
         cuda_graph_batch_sizes.

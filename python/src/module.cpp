@@ -863,6 +863,7 @@ NB_MODULE(_native, m) {
       .def_rw("linear_attn_decode_backend", &Options::linear_attn_decode_backend)
       .def_rw("num_threads", &Options::num_threads)
       .def_rw("deterministic", &Options::deterministic)
+      .def_rw("fp8_prefill_attention", &Options::fp8_prefill_attention)
       .def_rw("disable_chunked_prefix_cache", &Options::disable_chunked_prefix_cache)
       .def_rw("chunked_prefix_cache_threshold", &Options::chunked_prefix_cache_threshold)
       .def_rw("max_chunk_capacity", &Options::max_chunk_capacity)

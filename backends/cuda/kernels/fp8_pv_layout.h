@@ -30,6 +30,31 @@ constexpr int pv_key(int p) {
   return (p & ~15) + 8 * (i >> 1) + 2 * q + (i & 1);
 }
 
+// The shared-memory tiles of the V transpose (64 keys x 128 head-dim bytes):
+//  - the staged tile as the copies land: key rows of 128 bytes, the 16-byte chunk c of row `key`
+//    at c ^ (key % 8) (the 128-byte swizzle of wgmma.cuh);
+//  - the transposed tile the P V MMAs read (K-major B operand, 64-byte swizzle): head-dim rows of
+//    64 bytes (64 key positions), the 16-byte chunk c of row d at c ^ ((d / 2) % 4).
+constexpr int v_stage_offset(int key, int byte) {
+  return key * 128 + ((((byte >> 4) ^ key) & 7) << 4) + (byte & 15);
+}
+constexpr int vt_offset(int d, int p) {
+  return d * 64 + ((((p >> 4) ^ (d >> 1)) & 3) << 4) + (p & 15);
+}
+
+// The 4 x 4 byte block of the transposed tile that thread `tid` (of 128) writes in pass n (of 4):
+// head-dim rows 4 dq .. 4 dq + 3, key positions 4 pq .. 4 pq + 3. Lanes take pq's low 2 bits,
+// dq's low 2 bits, then pq's bit 2; warps and passes the rest, so that the 32-bit loads from the
+// staged tile and the stores into the transposed one each meet at most two-way bank conflicts.
+struct VtBlock {
+  int dq, pq;
+};
+constexpr VtBlock vt_block(int tid, int n) {
+  const int lane = tid & 31, warp = tid >> 5;
+  return {((lane >> 2) & 3) | (((warp << 1) | (n & 1)) << 2),
+          (lane & 3) | ((lane >> 4) << 2) | ((n >> 1) << 3)};
+}
+
 // __byte_perm(x, y, s) on the host: byte k of the result is byte (s >> 4k) & 7 of y:x.
 constexpr uint32_t byte_perm_host(uint32_t x, uint32_t y, uint32_t s) {
   const uint64_t xy = (static_cast<uint64_t>(y) << 32) | x;

@@ -159,31 +159,24 @@ __global__ void __launch_bounds__(PrefillFp8Config::kThreads, PrefillFp8Config::
                                                            vbase, dk, dk + Cfg::kTileBytes);
   };
 
-  // ---- The V transpose: this thread's 4 x 4 byte blocks (head-dim quad dq, key-position quad
-  // pq). Lanes: pq's low 2 bits, dq's low 2 bits, then pq's bit 2; warps and passes the rest, so
-  // that loads and stores each see at most two-way bank conflicts.
+  // ---- The V transpose: this thread's 4 x 4 byte blocks (fp8_pv_layout.h: vt_block), key
+  // position p of the transposed tile holding key pv_key(p).
   auto transpose_v = [&](int stage) {
     const unsigned char* sv = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes + Cfg::kTileBytes;
 #pragma unroll
     for (int n = 0; n < 4; ++n) {
-      const int dq = (lane >> 2 & 3) | (((wq << 1) | (n & 1)) << 2);
-      const int pq = (lane & 3) | ((lane >> 4) << 2) | ((n >> 1) << 3);
+      const VtBlock blk = vt_block(tid, n);
       uint32_t in[4], out[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int key = pv_key(4 * pq + i);
-        in[i] =
-            *reinterpret_cast<const uint32_t*>(sv + swz128_offset(BN, key, dq >> 2) + (dq & 3) * 4);
-      }
+      for (int i = 0; i < 4; ++i)
+        in[i] = *reinterpret_cast<const uint32_t*>(
+            sv + v_stage_offset(pv_key(4 * blk.pq + i), 4 * blk.dq));
       transpose4x4_bytes(in, out, [](uint32_t x, uint32_t y, uint32_t s) {
         return static_cast<uint32_t>(__byte_perm(x, y, s));
       });
 #pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        const int row = 4 * dq + b;
-        *reinterpret_cast<uint32_t*>(vt + row * 64 + ((((pq >> 2) ^ (row >> 1)) & 3) << 4) +
-                                     (pq & 3) * 4) = out[b];
-      }
+      for (int b = 0; b < 4; ++b)
+        *reinterpret_cast<uint32_t*>(vt + vt_offset(4 * blk.dq + b, 4 * blk.pq)) = out[b];
     }
   };
 
