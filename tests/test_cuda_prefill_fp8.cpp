@@ -394,6 +394,13 @@ TEST_F(CudaFp8PrefillTest, MixedAndDraftExtendSteps) {
   check_fp8(d, testing::Message() << "DRAFT_EXTEND");
 }
 
+TEST_F(CudaFp8PrefillTest, SmallStepForTheSanitizers) {
+  // Two row tiles over three key tiles, the last one partial, a prefix off a page edge: every
+  // path of the CTA (Q quantisation, ring, transpose, masked diagonal, epilogue) at a size
+  // compute-sanitizer's racecheck runs in seconds.
+  check_fp8(fp8_case({17}, {150}, 30));
+}
+
 TEST_F(CudaFp8PrefillTest, OffTheOptionTheMmaSyncCtaRunsTheSameCases) {
   // The same pool without the option: the fp8 KV path of before (mma.sync, K / V dequantised to
   // 16 bits), held to the 16-bit tolerance; a check that the case builder's fp8 pools are right.
