@@ -129,7 +129,7 @@ def test_torch_cuda_graph_of_a_dsa_decode_replays_like_the_eager_step(seed):
     opts = dict(page_size=16, max_requests=8, kv_slots=1024, max_num_tokens=128)
     rt = attnrt.Runtime(dsa_config(), dtype=torch.bfloat16, attention_backend="cuda", **opts)
     ref = attnrt.Runtime(dsa_config(), dtype=torch.float32, attention_backend="reference", **opts)
-    assert rt.cuda_graphs_off_reason() == "", rt.cuda_graphs_off_reason()
+    assert rt.cuda_graphs_off_reason == "", rt.cuda_graphs_off_reason
     lens = [20, 13, 31]
     rows = {}
     for r_ in (rt, ref):

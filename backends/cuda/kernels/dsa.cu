@@ -7,7 +7,7 @@
 // fp32 dot product, across heads an fp64 sum of w_h * relu(dot), as the cpu backend does.
 //
 // Scores on tensor cores (dsa_score_mma_kernel, the default; ATTNRT_DSA_INDEXER=cuda_core runs
-// dsa_score_kernel instead): one CTA per (scored token, 1 to 4 tiles of 128 candidates), four
+// dsa_score_kernel instead): one CTA per (scored token, 1 to 8 tiles of 128 candidates), four
 // warps. The CTA stages the token's rounded queries once as bf16 (the e4m3 codes times 2^112,
 // exact) in shared memory, then looks up the slots of all its candidates. Each warp then owns 32
 // candidates of every tile: it loads their fp8 codes (a 4-byte word per lane, the next tile's in
@@ -46,11 +46,12 @@ namespace {
 constexpr int kScoreCands = 128;  // candidates (threads) of a score CTA
 constexpr int kSelectThreads = 512;
 constexpr int kSelectItems = 8;  // consecutive candidates per thread in the selection's last pass
+constexpr int kHistItems = 16;   // scores per thread per round of a histogram pass
 constexpr float kE4m3Max = 448.f;
 
 constexpr int kMmaCands = 128;  // candidates of a tensor-core key tile: 32 per warp
 constexpr int kMmaWarps = kMmaCands / 32;
-constexpr int kMmaMaxTiles = 4;  // tiles of one tensor-core CTA at most
+constexpr int kMmaMaxTiles = 8;  // tiles of one tensor-core CTA at most (3 CTAs of 8 fit an SM)
 // A tensor-core CTA takes one more tile (up to kMmaMaxTiles) per this many tiles of its launch.
 constexpr int kMmaTilesPerCta = 1024;
 // CTAs of a graph step's score launch, about (score_ctas_y): 16 waves of the CUDA-core CTA (two
@@ -87,14 +88,17 @@ __device__ __forceinline__ int64_t scale_at(int64_t slot, int page, int dim) {
 
 // The power-of-two scale of one index query head (round_index_query: from the binary form of
 // amax / 448), its dims at q[base + d * q_s2]. Warp-collective.
-__device__ __forceinline__ float query_head_scale(const DsaParams& p, int64_t base, int lane) {
-  float amax = 1e-4f;
-  for (int d = lane; d < p.dim; d += 32)
-    amax = fmaxf(amax, fabsf(load_elem(p.q, p.q_dtype, base + d * p.q_s2)));
+__device__ __forceinline__ float scale_of_amax(float amax) {
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   int e = 0;
   const float mant = frexpf(amax / kE4m3Max, &e);
   return ldexpf(1.f, mant == 0.5f ? e - 1 : e);
+}
+__device__ __forceinline__ float query_head_scale(const DsaParams& p, int64_t base, int lane) {
+  float amax = 1e-4f;
+  for (int d = lane; d < p.dim; d += 32)
+    amax = fmaxf(amax, fabsf(load_elem(p.q, p.q_dtype, base + d * p.q_s2)));
+  return scale_of_amax(amax);
 }
 
 // The round's count of scored tokens: the device's in a graph step, else the launch's.
@@ -206,28 +210,63 @@ __global__ void __launch_bounds__(kMmaCands, 3) dsa_score_mma_kernel(const DsaPa
   auto* sscale = reinterpret_cast<float*>(soff + tiles * kMmaCands);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
-  // The rounded index queries as bf16 codes, a warp per head.
-  for (int h = warp; h < H; h += kMmaWarps) {
-    const int64_t base = row * p.q_s0 + h * p.q_s1;
-    const float scale = query_head_scale(p, base, lane);
-    for (int d = lane; d < D; d += 32) {
-      const float x = load_elem(p.q, p.q_dtype, base + d * p.q_s2);
-      sq[h * LD + d] =
-          __float2bfloat16_rn(fp8_to_float(float_to_fp8(x / scale, false), false) * kQueryUp);
+  // The rounded index queries as bf16 codes, warp w taking heads w, w + 4, ...: every load of
+  // the warp's heads and weights issued before any is used (one memory round trip per CTA, not
+  // two per head).
+  {
+    constexpr int kHeads = kDsaMaxIndexHeads / kMmaWarps, kDims = kDsaMaxIndexDim / 32;
+    float x[kHeads][kDims];
+#pragma unroll
+    for (int i = 0; i < kHeads; ++i)
+#pragma unroll
+      for (int j = 0; j < kDims; ++j) {
+        const int h = warp + i * kMmaWarps, d = lane + 32 * j;
+        x[i][j] = h < H && d < D ? load_elem(p.q, p.q_dtype, row * p.q_s0 + h * p.q_s1 + d * p.q_s2)
+                                 : 0.f;
+      }
+    const int hw = warp + lane * kMmaWarps;  // lane i < kHeads holds head i's weight
+    const float wl =
+        lane < kHeads && hw < H ? load_elem(p.w, p.w_dtype, row * p.w_s0 + hw * p.w_s1) : 0.f;
+#pragma unroll
+    for (int i = 0; i < kHeads; ++i) {
+      const int h = warp + i * kMmaWarps;  // warp-uniform
+      const float w = __shfl_sync(0xffffffffu, wl, i);
+      if (h >= H) break;
+      float amax = 1e-4f;
+#pragma unroll
+      for (int j = 0; j < kDims; ++j)
+        if (lane + 32 * j < D) amax = fmaxf(amax, fabsf(x[i][j]));
+      const float scale = scale_of_amax(amax);
+#pragma unroll
+      for (int j = 0; j < kDims; ++j)
+        if (lane + 32 * j < D)
+          sq[h * LD + lane + 32 * j] = __float2bfloat16_rn(
+              fp8_to_float(float_to_fp8(x[i][j] / scale, false), false) * kQueryUp);
+      if (lane == 0) swq[h] = static_cast<double>(w) * scale;
     }
-    if (lane == 0)
-      swq[h] = static_cast<double>(load_elem(p.w, p.w_dtype, row * p.w_s0 + h * p.w_s1)) * scale;
   }
   // Passes over `span` candidates: blockIdx.y, then every gridDim.y-th (one pass in an eager
   // launch, whose grid covers the round's most candidates).
   for (int32_t c0 = static_cast<int32_t>(blockIdx.y) * span; c0 < tok.num_cand;
        c0 += static_cast<int32_t>(gridDim.y) * span) {
     const int n = min(tok.num_cand - c0, span);  // this pass's candidates
-    // Every candidate's slot, resolved once: its codes' offset and its scale.
-    for (int i = tid; i < n; i += kMmaCands) {
-      const int64_t s = slot_of(p, req, candidate(p, req, tok.t, c0 + i));
-      soff[i] = codes_at(s, p.key_page, D);
-      sscale[i] = *reinterpret_cast<const float*>(p.keys + scale_at(s, p.key_page, D));
+    // Every candidate's slot, resolved once: its codes' offset and its scale (the page-table
+    // reads of a thread's candidates in flight together, then their scales).
+    {
+      int64_t sl[kMmaMaxTiles];
+#pragma unroll
+      for (int k = 0; k < kMmaMaxTiles; ++k) {
+        const int i = tid + k * kMmaCands;
+        sl[k] = i < n ? slot_of(p, req, candidate(p, req, tok.t, c0 + i)) : -1;
+      }
+#pragma unroll
+      for (int k = 0; k < kMmaMaxTiles; ++k) {
+        const int i = tid + k * kMmaCands;
+        if (i < n) {
+          soff[i] = codes_at(sl[k], p.key_page, D);
+          sscale[i] = *reinterpret_cast<const float*>(p.keys + scale_at(sl[k], p.key_page, D));
+        }
+      }
     }
     __syncthreads();
 
@@ -375,15 +414,23 @@ __global__ void __launch_bounds__(kSelectThreads) dsa_select_kernel(const DsaPar
     for (int b = tid; b < 256; b += kSelectThreads) hist[b] = 0;
     __syncthreads();
     const uint32_t prefix = s_prefix;
-    for (int m0 = 0; m0 < n; m0 += kSelectThreads) {  // warp-uniform trip count
-      const int m = m0 + tid;
-      int bin = -1;
-      if (m < n) {
-        const uint32_t u = order_key(scores[m]);
-        if ((u & mask) == prefix) bin = static_cast<int>((u >> shift) & 0xff);
+    // kHistItems loads in flight per thread (the pass is bound by their latency, one CTA per
+    // token); warp-uniform trip counts.
+    for (int m0 = 0; m0 < n; m0 += kHistItems * kSelectThreads) {
+      uint32_t u[kHistItems];
+#pragma unroll
+      for (int i = 0; i < kHistItems; ++i) {
+        const int m = m0 + i * kSelectThreads + tid;
+        u[i] = m < n ? order_key(scores[m]) : 0u;
       }
-      const unsigned peers = __match_any_sync(0xffffffffu, bin);
-      if (bin >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+#pragma unroll
+      for (int i = 0; i < kHistItems; ++i) {
+        const int m = m0 + i * kSelectThreads + tid;
+        const int bin = m < n && (u[i] & mask) == prefix ? static_cast<int>((u[i] >> shift) & 0xff)
+                                                         : -1;
+        const unsigned peers = __match_any_sync(0xffffffffu, bin);
+        if (bin >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+      }
     }
     __syncthreads();
     if (tid == 0) {
