@@ -12,11 +12,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attnrt/batch/forward_batch.h"
@@ -30,6 +33,7 @@
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
 
+#include "backends/cuda/kernels/gpu_hold.h"
 #include "src/runtime/dcp_device.h"
 #endif
 
@@ -421,7 +425,7 @@ TEST(CudaDcpMerge, KernelMatchesHostMerge) {
       test::DeviceMemory dsinks(hq * sizeof(float));
       dsinks.upload(sinks.data());
       std::unique_ptr<DcpDeviceRank> dev = make_dcp_device_rank(nullptr);
-      dev->set_entries({}, T);
+      dev->set_entries(0, {}, T);
       const std::span<float> r = dev->recv(static_cast<int64_t>(recv.size()));
       ASSERT_EQ(cudaMemcpy(r.data(), recv.data(), recv.size() * sizeof(float),
                            cudaMemcpyHostToDevice),
@@ -611,6 +615,277 @@ TEST(CudaDcpNccl, OneRankGroupMatchesReference) {
   step(make_extend_batch(rows, {37, 20}, {5, 9}), "extend over a prefix");
   step(make_decode_batch(rows, {43, 30}), "decode");
   step(make_decode_batch(rows, {44, 31}), "decode 2");
+}
+
+// ---- ranks on an engine's stream (DcpAttention / DcpRank::set_stream, docs/dcp.md) -------------
+
+// A GPU delay on the step's stream before every layer's inputs are copied there: work that is not
+// in that stream's order (a kernel on the legacy stream, an exchange on another) runs long before
+// the inputs have arrived, or reads outputs not written yet.
+constexpr uint64_t kInputDelayNs = 2'000'000;
+
+// How a group is driven: begin_step; one layer with GPU tensors, ordered after the work queued on
+// `stream` and before the work queued there after it; end_step.
+struct Driver {
+  std::function<void(const ForwardBatch&)> begin;
+  std::function<void(int, const AttnArgs&)> forward;
+  std::function<void()> end;
+  cudaStream_t stream = nullptr;  // where the inputs are made and the outputs read back
+};
+
+Driver drive(DcpAttention& g, cudaStream_t stream) {
+  return {[&g](const ForwardBatch& b) { g.begin_step(b); },
+          [&g](int layer, const AttnArgs& a) { g.forward(layer, a); }, [&g] { g.end_step(); },
+          stream};
+}
+
+// Prompts of 3 requests, an extend over them, two decodes, a chain verify and two decodes after a
+// random acceptance.
+std::vector<ForwardBatch> stream_steps(std::mt19937& rng) {
+  auto rand_int = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  const std::vector<int64_t> rows = {0, 1, 2};
+  std::vector<int32_t> len = {rand_int(1, 60), rand_int(1, 60), rand_int(1, 60)};
+  std::vector<ForwardBatch> steps = {make_extend_batch(rows, {0, 0, 0}, len)};
+  const std::vector<int32_t> ext = {rand_int(1, 9), rand_int(1, 9), rand_int(1, 9)};
+  steps.push_back(make_extend_batch(rows, len, ext));
+  for (size_t i = 0; i < rows.size(); ++i) len[i] += ext[i];
+  for (int step = 0; step < 4; ++step) {
+    if (step == 2) {
+      steps.push_back(make_verify_batch(rows, len, SpecInfo::chain(3, 4)));
+      for (int32_t& l : len) l += rand_int(1, 4);  // the accepted drafts
+    }
+    for (int32_t& l : len) ++l;
+    steps.push_back(make_decode_batch(rows, len));
+  }
+  for (ForwardBatch& b : steps) b.out_cache_loc.assign(b.positions.size(), 0);
+  return steps;
+}
+
+// Every layer of every step through `d`, the inputs of (step, layer) drawn from `seed`: copied
+// from pinned memory on d.stream behind kInputDelayNs, the outputs poisoned (NaN) there first and
+// read back into pinned memory after the forward; the host waits once per step. Returns the bytes
+// of each layer's out and lse.
+std::vector<std::vector<uint8_t>> run_steps(const Driver& d, const ModelSpec& model,
+                                            const std::vector<ForwardBatch>& steps,
+                                            uint32_t seed) {
+  std::vector<std::vector<uint8_t>> results;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const ForwardBatch& b = steps[i];
+    const int64_t T = b.num_tokens();
+    d.begin(b);
+    std::vector<std::unique_ptr<test::DeviceMemory>> dev;
+    std::vector<std::unique_ptr<test::PinnedMem>> pinned;
+    std::vector<std::pair<const uint8_t*, size_t>> back;  // the outputs, read after the step
+    for (const LayerSpec& l : model.layers) {
+      std::mt19937 rng(seed + 1000 * static_cast<uint32_t>(i) + l.layer_id);
+      const int hq = l.num_q_heads, dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+      const bool mla = l.kind == LayerKind::mla;
+      std::vector<HostBuffer> in;
+      in.push_back(test::random_buffer(DType::bf16, {T, hq, l.head_dim}, rng));
+      in.push_back(test::random_buffer(DType::bf16, {T, l.num_kv_heads, l.head_dim}, rng));
+      if (!mla) in.push_back(test::random_buffer(DType::bf16, {T, l.num_kv_heads, dv}, rng));
+      std::vector<float> sinks(hq);
+      for (float& x : sinks) x = std::normal_distribution<float>(0.f, 1.f)(rng);
+      HostBuffer out(DType::bf16, {T, hq, dv}), lse(DType::f32, {T, hq});
+      // Every buffer first (an allocation may wait for the device), then the delay and the copies.
+      std::vector<TensorView> views;
+      for (const HostBuffer* h : {&in[0], &in[1], mla ? nullptr : &in[2], &out, &lse}) {
+        if (h == nullptr) continue;
+        const size_t bytes = static_cast<size_t>(h->view().numel()) * dtype_size(h->view().dtype);
+        dev.push_back(std::make_unique<test::DeviceMemory>(bytes));
+        pinned.push_back(std::make_unique<test::PinnedMem>(bytes));
+        std::memcpy(pinned.back()->ptr, h->view().data, bytes);
+        TensorView v = h->view();
+        v.data = dev.back()->ptr;
+        v.device = Device::cuda(0);
+        views.push_back(v);
+      }
+      EXPECT_EQ(cuda::launch_gpu_delay(kInputDelayNs, d.stream), cudaSuccess);
+      const size_t first = dev.size() - views.size();
+      for (size_t j = 0; j < views.size(); ++j) {
+        test::DeviceMemory& m = *dev[first + j];
+        const bool output = j + 2 >= views.size();
+        EXPECT_EQ(output ? cudaMemsetAsync(m.ptr, 0xFF, m.bytes, d.stream)
+                         : cudaMemcpyAsync(m.ptr, pinned[first + j]->ptr, m.bytes,
+                                           cudaMemcpyHostToDevice, d.stream),
+                  cudaSuccess);
+      }
+      AttnArgs a;
+      a.q = views[0];
+      a.k = views[1];
+      if (!mla) a.v = views[2];
+      a.out = views[views.size() - 2];
+      a.lse = views.back();
+      a.sinks = l.has_sinks ? sinks.data() : nullptr;
+      d.forward(l.layer_id, a);
+      for (size_t j = views.size() - 2; j < views.size(); ++j) {
+        const test::DeviceMemory& m = *dev[first + j];
+        EXPECT_EQ(cudaMemcpyAsync(pinned[first + j]->ptr, m.ptr, m.bytes, cudaMemcpyDeviceToHost,
+                                  d.stream),
+                  cudaSuccess);
+        back.emplace_back(static_cast<const uint8_t*>(pinned[first + j]->ptr), m.bytes);
+      }
+    }
+    d.end();
+    EXPECT_EQ(cudaStreamSynchronize(d.stream), cudaSuccess);
+    for (const auto& [p, n] : back) results.emplace_back(p, p + n);
+  }
+  return results;
+}
+
+// got and want output by output (each layer's out, then its lse, step after step), bit for bit.
+void expect_same_bits(const std::vector<std::vector<uint8_t>>& got,
+                      const std::vector<std::vector<uint8_t>>& want, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const auto at = std::mismatch(got[i].begin(), got[i].end(), want[i].begin());
+    EXPECT_TRUE(got[i].size() == want[i].size() && at.first == got[i].end())
+        << what << ": output " << i << " (" << (i % 2 ? "lse" : "out")
+        << ") differs from the legacy stream's from byte " << (at.first - got[i].begin());
+  }
+}
+
+Options stream_options(int ranks) {
+  Options o;
+  o.attention_backend = "cuda";
+  o.page_size = 1;
+  o.dcp_size = ranks;
+  o.deterministic = true;
+  return o;
+}
+
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess); }
+  ~Stream() { cudaStreamDestroy(s); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+
+// A group moved to a non-blocking stream (set_stream: every rank, its kernels and the device
+// exchange there) whose inputs are made on that stream just before each forward gives the bits of
+// the group on the legacy default stream: 2 and 3 ranks, GQA with soft-cap, sinks and a window,
+// and MLA.
+TEST(CudaDcpStreams, GroupOnANonBlockingStreamGivesTheLegacyStreamsBits) {
+  SKIP_WITHOUT_GPU();
+  const uint32_t seed = test::test_seed();
+  SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const RuntimeConfig cfg = test::host_config(6, 4096, 256);
+  for (const int n : {2, 3}) {
+    for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+      const std::vector<ForwardBatch> steps = stream_steps(rng);
+      Stream s;  // outlives the ranks on it
+      DcpAttention legacy(model, stream_options(n), cfg), moved(model, stream_options(n), cfg);
+      moved.set_stream(s.s);
+      ASSERT_EQ(moved.stream(), s.s);
+      for (int r = 0; r < n; ++r) {
+        EXPECT_EQ(moved.rank(r).stream(), s.s) << "rank " << r;
+        EXPECT_EQ(moved.rank(r).runtime().stream(), s.s) << "rank " << r;
+        EXPECT_EQ(moved.communicator().stream(r), s.s) << "rank " << r;
+      }
+      const auto want = run_steps(drive(legacy, nullptr), model, steps, seed);
+      const auto got = run_steps(drive(moved, s.s), model, steps, seed);
+      expect_same_bits(got, want, model.name + " on " + std::to_string(n) + " ranks");
+    }
+  }
+}
+
+// Ranks on streams of their own (a device_in_process communicator made with one stream per rank,
+// which each rank takes as its stream), driven as an engine of one process would: they wait for
+// the stream that made the inputs, the exchange orders itself with events, and that stream waits
+// for every rank. The bits of the group on the legacy stream. A rank is not moved while its
+// collective is pending.
+TEST(CudaDcpStreams, RanksOnStreamsOfTheirOwnGiveTheLegacyGroupsBits) {
+  SKIP_WITHOUT_GPU();
+  const uint32_t seed = test::test_seed();
+  SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const int n = 3;
+  const ModelSpec model = gqa_model();
+  const RuntimeConfig cfg = test::host_config(6, 4096, 256);
+  const std::vector<ForwardBatch> steps = stream_steps(rng);
+  Stream made, own[n];
+  std::vector<void*> streams;
+  for (const Stream& s : own) streams.push_back(s.s);
+  std::unique_ptr<Communicator> comm = make_device_in_process_communicator(n, streams);
+  std::vector<std::unique_ptr<DcpRank>> ranks;
+  for (int r = 0; r < n; ++r) {
+    ranks.push_back(std::make_unique<DcpRank>(r, model, stream_options(n), cfg, *comm));
+    EXPECT_EQ(ranks[r]->stream(), streams[r]) << "rank " << r << " did not take its stream";
+  }
+  cudaEvent_t ready = nullptr, done[n] = {};
+  ASSERT_EQ(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), cudaSuccess);
+  for (cudaEvent_t& e : done) ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+  Driver d;
+  d.stream = made.s;
+  d.begin = [&](const ForwardBatch& b) {
+    for (auto& r : ranks) r->begin_step(b);
+  };
+  d.forward = [&](int layer, const AttnArgs& a) {
+    EXPECT_EQ(cudaEventRecord(ready, made.s), cudaSuccess);
+    for (int r = 0; r < n; ++r) EXPECT_EQ(cudaStreamWaitEvent(own[r].s, ready, 0), cudaSuccess);
+    for (auto& r : ranks) r->forward(layer, a);
+    for (auto& r : ranks) r->merge(layer, a);
+    for (int r = 0; r < n; ++r) {
+      EXPECT_EQ(cudaEventRecord(done[r], own[r].s), cudaSuccess);
+      EXPECT_EQ(cudaStreamWaitEvent(made.s, done[r], 0), cudaSuccess);
+    }
+  };
+  d.end = [&] {
+    for (auto& r : ranks) r->end_step();
+  };
+  DcpAttention legacy(model, stream_options(n), cfg);
+  const auto want = run_steps(drive(legacy, nullptr), model, steps, seed);
+  expect_same_bits(run_steps(d, model, steps, seed), want, "3 ranks on streams of their own");
+  cudaEventDestroy(ready);
+  for (cudaEvent_t e : done) cudaEventDestroy(e);
+
+  test::DeviceMemory buf(16 * sizeof(float));
+  const std::span<float> b(buf.as<float>(), 16);
+  const std::vector<int64_t> one(n, 1);
+  comm->all_to_all(0, b, one, b, one);
+  test::expect_error([&] { ranks[0]->set_stream(nullptr); },
+                     {"set_stream of rank 0 while its all_to_all is pending"});
+  EXPECT_EQ(ranks[0]->stream(), streams[0]);
+  for (int r = 1; r < n; ++r) comm->all_to_all(r, b, one, b, one);
+  ranks[0]->set_stream(nullptr);
+  EXPECT_EQ(comm->stream(0), nullptr);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// One rank over NCCL (a group of this GPU) moved to a non-blocking stream: its collectives go
+// there too (the communicator's stream follows the rank's), with the bits of a group of one rank
+// on the legacy stream.
+TEST(CudaDcpNccl, OneRankOnANonBlockingStreamGivesTheLegacyGroupsBits) {
+  SKIP_WITHOUT_GPU();
+  if (const std::string why = nccl_unavailable_reason(); !why.empty()) {
+    GTEST_SKIP() << "NCCL: " << why;
+  }
+  const uint32_t seed = test::test_seed();
+  SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
+  std::mt19937 rng(seed);
+  const ModelSpec model = gqa_model();
+  const RuntimeConfig cfg = test::host_config(6, 4096, 256);
+  const std::vector<ForwardBatch> steps = stream_steps(rng);
+  const std::vector<int> devices = {0};
+  std::vector<std::unique_ptr<Communicator>> comms = make_nccl_group(devices);
+  Stream s;  // outlives the rank on it
+  DcpRank rank(0, model, stream_options(1), cfg, *comms[0]);
+  EXPECT_EQ(rank.stream(), nullptr);
+  rank.set_stream(s.s);
+  EXPECT_EQ(comms[0]->stream(0), s.s);
+  Driver d;
+  d.stream = s.s;
+  d.begin = [&](const ForwardBatch& b) { rank.begin_step(b); };
+  d.forward = [&](int layer, const AttnArgs& a) {
+    rank.forward(layer, a);
+    rank.merge(layer, a);
+  };
+  d.end = [&] { rank.end_step(); };
+  DcpAttention legacy(model, stream_options(1), cfg);
+  const auto want = run_steps(drive(legacy, nullptr), model, steps, seed);
+  expect_same_bits(run_steps(d, model, steps, seed), want, "1 rank over NCCL");
 }
 
 // page_size > 1 with cuda ranks for a model with a sliding-window layer is refused with the

@@ -144,15 +144,7 @@ void fill_inputs(uint16_t* dst, int64_t n, uint64_t seed, float amp) {
   for (int64_t i = 0; i < n; ++i) dst[i] = float_to_bf16(u(rng));
 }
 
-struct PinnedMem {
-  void* ptr = nullptr;
-  explicit PinnedMem(size_t bytes) {
-    EXPECT_EQ(cudaHostAlloc(&ptr, std::max<size_t>(bytes, 16), cudaHostAllocDefault), cudaSuccess);
-  }
-  ~PinnedMem() { cudaFreeHost(ptr); }
-  PinnedMem(const PinnedMem&) = delete;
-  PinnedMem& operator=(const PinnedMem&) = delete;
-};
+using test::PinnedMem;
 
 // Fixed per-layer weights of a linear layer (fp32, on the GPU), as attnrt run draws them.
 struct LinearWeights {

@@ -276,6 +276,17 @@ struct DeviceMemory {
   }
 };
 
+// Pinned host memory of `bytes` (at least 16): copies from and to it are truly asynchronous.
+struct PinnedMem {
+  void* ptr = nullptr;
+  explicit PinnedMem(size_t bytes) {
+    EXPECT_EQ(cudaHostAlloc(&ptr, std::max<size_t>(bytes, 16), cudaHostAllocDefault), cudaSuccess);
+  }
+  ~PinnedMem() { cudaFreeHost(ptr); }
+  PinnedMem(const PinnedMem&) = delete;
+  PinnedMem& operator=(const PinnedMem&) = delete;
+};
+
 // Device copy of a host tensor, freed with this object.
 struct DevTensor {
   void* ptr = nullptr;

@@ -679,6 +679,39 @@ TEST(Dcp, GpuTensorsOnHostRanksAreAnError) {
   g.end_step();
 }
 
+// set_stream on host ranks changes nothing (host pools have no stream, as one runtime's; nor has
+// the in_process communicator): a prefill and a decode give the bits of a group never moved.
+TEST(Dcp, SetStreamOnHostRanksIsHarmless) {
+  Options o;
+  o.attention_backend = "reference";
+  o.dcp_size = 2;
+  const RuntimeConfig cfg = test::host_config(2, 256, 32);
+  DcpAttention moved(gqa_model(), o, cfg), plain(gqa_model(), o, cfg);
+  void* stream = reinterpret_cast<void*>(uintptr_t{4096});
+  moved.set_stream(stream);
+  moved.communicator().set_stream(1, stream);
+  EXPECT_EQ(moved.stream(), nullptr);
+  EXPECT_EQ(moved.communicator().stream(1), nullptr);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(moved.rank(r).stream(), nullptr) << "rank " << r;
+  std::mt19937 rng(fresh_seed());
+  for (ForwardBatch b : {make_extend_batch({0}, {0}, {7}), make_decode_batch({0}, {8})}) {
+    b.out_cache_loc.assign(b.positions.size(), 0);
+    const int64_t T = b.num_tokens();
+    HostBuffer q = test::random_buffer(DType::f32, {T, 6, 16}, rng);
+    HostBuffer k = test::random_buffer(DType::f32, {T, 2, 16}, rng);
+    HostBuffer v = test::random_buffer(DType::f32, {T, 2, 16}, rng);
+    HostBuffer out_moved(DType::f32, {T, 6, 16}), out_plain(DType::f32, {T, 6, 16});
+    for (auto [g, out] : {std::pair{&moved, &out_moved}, std::pair{&plain, &out_plain}}) {
+      g->begin_step(b);
+      g->forward(0, AttnArgs{.q = q.view(), .k = k.view(), .v = v.view(), .out = out->view()});
+      g->end_step();
+    }
+    EXPECT_EQ(std::memcmp(out_moved.view().data, out_plain.view().data, T * 6 * 16 * sizeof(float)),
+              0)
+        << forward_mode_name(b.mode) << ": the group told of a stream differs";
+  }
+}
+
 // reserve_prefix: a long context without its prefill. Each rank holds its columns, and a decode
 // over them plans (forward and exchange in their two halves, partial + exchange, too).
 TEST(Dcp, ReservePrefixAllocatesEachRanksColumns) {

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "attnrt/core/error.h"
@@ -28,10 +29,10 @@ bool on_device(const void* p) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
-void grow(DeviceBuffer& buf, size_t bytes) {
-  // Growing frees the old buffer (cudaFree waits for the device), so nothing queued still reads
-  // it; the contents are rewritten by every call anyway.
-  if (buf.bytes() < bytes) buf.reserve(std::max(bytes, buf.bytes() * 2));
+void grow(DeviceBuffer& buf, size_t bytes, cudaStream_t stream) {
+  // Stream-ordered (cudaFreeAsync): the old buffer goes once the work queued before on `stream`
+  // has read it, and the host never waits; the contents are rewritten by every call anyway.
+  if (buf.bytes() < bytes) buf.reserve_async(std::max(bytes, buf.bytes() * 2), stream);
 }
 
 int32_t act_code(const TensorView& t, const char* what) {
@@ -45,16 +46,33 @@ class CudaDcpRank final : public DcpDeviceRank {
  public:
   explicit CudaDcpRank(void* stream) : stream_(static_cast<cudaStream_t>(stream)) {}
 
-  void set_entries(std::span<const int64_t> rows, int64_t tokens) override {
+  void set_stream(void* stream) override {
+    const auto s = static_cast<cudaStream_t>(stream);
+    // The buffers' last readers (the merge, the exchange) and the staged uploads on the old
+    // stream come first; a capturing stream records instead (as in CudaBackend::set_stream).
+    if (!cuda::stream_is_capturing(s)) cuda::order_after(s, stream_);
+    stream_ = s;
+  }
+
+  void set_entries(int list, std::span<const int64_t> rows, int64_t tokens) override {
     entries_ = static_cast<int64_t>(rows.size());
     tokens_ = tokens;
-    host_.assign(static_cast<size_t>(entries_ + tokens), -1);
-    std::copy(rows.begin(), rows.end(), host_.begin());
-    for (int64_t e = 0; e < entries_; ++e) host_[entries_ + rows[e]] = e;
-    grow(index_, std::max<size_t>(1, host_.size()) * sizeof(int64_t));
-    // Pageable source: the copy is staged before the call returns, host_ may change afterwards.
-    ATTNRT_CUDA_CHECK(cudaMemcpyAsync(index_.data(), host_.data(), host_.size() * sizeof(int64_t),
-                                      cudaMemcpyHostToDevice, stream_));
+    if (static_cast<size_t>(list) >= lists_.size()) lists_.resize(list + 1);
+    List& l = lists_[list];
+    index_ = &l.index;
+    if (l.tokens == tokens && std::equal(rows.begin(), rows.end(), l.rows.begin(), l.rows.end()))
+      return;  // the same entries as last time (the step's other layers, steady decodes)
+    l.rows.assign(rows.begin(), rows.end());
+    l.tokens = tokens;
+    const size_t count = static_cast<size_t>(entries_ + tokens);
+    const size_t bytes = std::max<size_t>(1, count) * sizeof(int64_t);
+    grow(l.index, bytes, stream_);
+    // Pinned staging: a copy from pageable memory may wait for the stream (the driver stages it).
+    auto* host = static_cast<int64_t*>(staging_.acquire(bytes, stream_));
+    std::fill_n(host, count, int64_t{-1});
+    std::copy(rows.begin(), rows.end(), host);
+    for (int64_t e = 0; e < entries_; ++e) host[entries_ + rows[e]] = e;
+    staging_.upload(l.index.data(), count * sizeof(int64_t), stream_);
   }
 
   TensorView gather(int slot, const TensorView& src) override {
@@ -65,7 +83,7 @@ class CudaDcpRank final : public DcpDeviceRank {
     const int32_t code = act_code(src, "an input");
     DeviceBuffer& buf = rows_[slot];
     const int64_t per_row = src.shape[1] * src.shape[2];
-    grow(buf, std::max<size_t>(1, entries_ * per_row) * dtype_size(src.dtype));
+    grow(buf, std::max<size_t>(1, entries_ * per_row) * dtype_size(src.dtype), stream_);
     cuda::DcpGatherParams p{};
     p.src = src.data;
     p.src_stride_tok = src.strides[0];
@@ -73,7 +91,7 @@ class CudaDcpRank final : public DcpDeviceRank {
     p.dtype = code;
     p.heads = static_cast<int32_t>(src.shape[1]);
     p.dim = static_cast<int32_t>(src.shape[2]);
-    p.rows = index_.ptr<int64_t>();
+    p.rows = index_->ptr<int64_t>();
     p.count = entries_;
     p.dst = buf.data();
     ATTNRT_CUDA_CHECK(cuda::launch_dcp_gather(p, stream_));
@@ -81,24 +99,24 @@ class CudaDcpRank final : public DcpDeviceRank {
   }
 
   TensorView partial_out(DType dtype, int64_t entries, int hq, int dv) override {
-    grow(out_, std::max<size_t>(1, entries * hq * dv) * dtype_size(dtype));
+    grow(out_, std::max<size_t>(1, entries * hq * dv) * dtype_size(dtype), stream_);
     out_dtype_ = dtype;
     return TensorView(out_.data(), dtype, {entries, hq, dv}, device());
   }
 
   TensorView partial_lse(int64_t entries, int hq) override {
-    grow(lse_, std::max<size_t>(1, entries * hq) * sizeof(float));
+    grow(lse_, std::max<size_t>(1, entries * hq) * sizeof(float), stream_);
     return TensorView(lse_.data(), DType::f32, {entries, hq}, device());
   }
 
   std::span<float> pack(int hq, int dv, int ranks) override {
     const int64_t floats = tokens_ * hq * (dv + 1);
-    grow(send_, std::max<size_t>(1, floats) * sizeof(float));
+    grow(send_, std::max<size_t>(1, floats) * sizeof(float), stream_);
     cuda::DcpPackParams p{};
     p.out = out_.data();
     p.out_dtype = static_cast<int32_t>(out_dtype_);
     p.lse = lse_.ptr<float>();
-    p.entry = index_.ptr<int64_t>() + entries_;
+    p.entry = index_->ptr<int64_t>() + entries_;
     p.tokens = tokens_;
     p.hq = hq;
     p.dv = dv;
@@ -113,7 +131,7 @@ class CudaDcpRank final : public DcpDeviceRank {
   }
 
   std::span<float> recv(int64_t floats) override {
-    grow(recv_, std::max<size_t>(1, floats) * sizeof(float));
+    grow(recv_, std::max<size_t>(1, floats) * sizeof(float), stream_);
     return {recv_.ptr<float>(), static_cast<size_t>(floats)};
   }
 
@@ -134,11 +152,11 @@ class CudaDcpRank final : public DcpDeviceRank {
       if (on_device(sinks)) {
         p.sinks = sinks;
       } else {
-        // The layer's sink logits are a weight: a host array is copied for this call.
-        const int64_t hq = out.shape[1];
-        grow(sinks_, hq * sizeof(float));
-        ATTNRT_CUDA_CHECK(cudaMemcpyAsync(sinks_.data(), sinks, hq * sizeof(float),
-                                          cudaMemcpyHostToDevice, stream_));
+        // The layer's sink logits are a weight: a host array is staged and copied for this call.
+        const size_t bytes = out.shape[1] * sizeof(float);
+        grow(sinks_, bytes, stream_);
+        std::memcpy(staging_.acquire(bytes, stream_), sinks, bytes);
+        staging_.upload(sinks_.data(), bytes, stream_);
         p.sinks = sinks_.ptr<float>();
       }
     }
@@ -164,9 +182,17 @@ class CudaDcpRank final : public DcpDeviceRank {
   }
 
   cudaStream_t stream_;
+  // A list of entries on the GPU: [entries: global row | tokens: entry or -1], and what it holds.
+  struct List {
+    DeviceBuffer index;
+    std::vector<int64_t> rows;
+    int64_t tokens = -1;
+  };
+  std::vector<List> lists_;
+  DeviceBuffer* index_ = nullptr;  // the list of the call
   int64_t entries_ = 0, tokens_ = 0;
-  std::vector<int64_t> host_;  // [entries: global row | tokens: entry or -1]
-  DeviceBuffer index_, rows_[3], out_, lse_, send_, recv_, sinks_;
+  cuda::StagingRing staging_;  // the uploads: entry lists, a host array of sinks
+  DeviceBuffer rows_[3], out_, lse_, send_, recv_, sinks_;
   DType out_dtype_ = DType::f32;
 };
 
@@ -254,6 +280,23 @@ class DeviceInProcessCommunicator final : public Communicator {
     });
   }
 
+  void set_stream(int rank, void* stream) override {
+    check_rank(rank);
+    ATTNRT_CHECK(!called_[rank],
+                 "device_in_process communicator: set_stream of rank {} while its {} is pending; "
+                 "move a rank between collectives",
+                 rank, kind_name(pending_));
+    const auto s = static_cast<cudaStream_t>(stream);
+    // The copies into the rank's receive buffers and its event came on the old stream; a
+    // capturing stream records instead (as in CudaBackend::set_stream).
+    if (!cuda::stream_is_capturing(s)) cuda::order_after(s, streams_[rank]);
+    streams_[rank] = s;
+  }
+  void* stream(int rank) const override {
+    check_rank(rank);
+    return streams_[rank];
+  }
+
   void barrier(int rank) override {
     arrive(rank, Kind::barrier);
     if (++arrived_ < size_) return;
@@ -273,10 +316,14 @@ class DeviceInProcessCommunicator final : public Communicator {
     return k == Kind::all_to_all ? "all_to_all" : k == Kind::all_gather ? "all_gather" : "barrier";
   }
 
-  Call& arrive(int rank, Kind kind) {
+  void check_rank(int rank) const {
     ATTNRT_CHECK(rank >= 0 && rank < size_,
                  "device_in_process communicator: rank {}; the group has ranks 0..{}", rank,
                  size_ - 1);
+  }
+
+  Call& arrive(int rank, Kind kind) {
+    check_rank(rank);
     ATTNRT_CHECK(pending_ == Kind::none || pending_ == kind,
                  "device_in_process communicator: rank {} calls {} while {} is pending", rank,
                  kind_name(kind), kind_name(pending_));

@@ -155,6 +155,19 @@ class NcclCommunicator final : public Communicator {
   bool device_buffers() const override { return true; }
   int size() const override { return size_; }
 
+  void set_stream(int rank, void* stream) override {
+    check_rank(rank, "set_stream");
+    const auto s = static_cast<cudaStream_t>(stream);
+    // The new stream waits for what the old one has queued (the last collectives, the barrier's
+    // zeroing); a capturing stream records instead of running (as in CudaBackend::set_stream).
+    if (!cuda::stream_is_capturing(s)) cuda::order_after(s, stream_);
+    stream_ = s;
+  }
+  void* stream(int rank) const override {
+    check_rank(rank, "stream");
+    return stream_;
+  }
+
   void all_to_all(int rank, std::span<const float> send, std::span<const int64_t> send_counts,
                   std::span<float> recv, std::span<const int64_t> recv_counts) override {
     check_rank(rank, "all_to_all");

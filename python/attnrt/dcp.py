@@ -17,6 +17,11 @@ exactly. Two ways in:
         one rank, handed to the others by the engine), attnrt.wrap_nccl_comm (the engine's own
         ncclComm_t) or attnrt.in_process_group(n) (host ranks on threads of one process).
 
+GPU ranks run on torch's current CUDA stream, as Runtime does: begin_step and every forward hand
+it to the ranks (their runtimes, gather / pack / merge and the exchange, the communicator's
+collectives included), so GPU tensors are read and written in that stream's order and the host
+never waits for the GPU.
+
 Request rows are the engine's ids in [0, max_requests); the group allocates every new token's slot
 on its owner (out_cache_loc values are not read, only its length) and frees a request's slots with
 free_request(row). After a tree TARGET_VERIFY step, commit_verify(accepted) moves each request's
@@ -52,7 +57,8 @@ def nccl_communicator(unique_id: bytes, size: int, rank: int, device: int | None
                       stream: int = 0):
     """This process's rank of the NCCL group `unique_id` (size ranks, one GPU each) on CUDA device
     `device` (default: torch's current device). Blocks until every rank has joined. `stream`: the
-    cudaStream_t the collectives go to (0: the device's legacy default stream)."""
+    cudaStream_t the collectives go to (0: the device's legacy default stream) until the DcpRank
+    using it moves them to torch's current stream, at its first step."""
     reason = _native.nccl_unavailable_reason()
     if reason:
         raise _native.Error(f"nccl_communicator: NCCL cannot be used here: {reason}")
@@ -78,6 +84,14 @@ class _DcpSteps:
         kind, index = self._g.pool_device
         self._cuda = kind == "cuda"
         self._device_index = index
+        self._stream = None  # the CUDA stream handed to the ranks last (without the fast path)
+        try:  # torch's current stream read natively through DLPack's C exchange table
+            import torch
+
+            if hasattr(torch.Tensor, "__dlpack_c_exchange_api__"):
+                self._g.use_framework(torch.Tensor)
+        except ImportError:  # pragma: no cover
+            pass
 
     @property
     def size(self) -> int:
@@ -99,16 +113,16 @@ class _DcpSteps:
     def begin_step(self, batch: Any) -> None:
         """Starts a step: `batch` as for Runtime.begin_step (the global batch of one runtime);
         out_cache_loc must have one entry per token, its values are not read."""
+        self._use_current_stream()
         _begin_native(self._g.begin_step, batch)
 
-    def _ready(self) -> None:
-        # The ranks run on the legacy default stream: work torch queued on another stream must be
-        # done first.
-        if self._cuda:
-            torch = _torch()
-            s = torch.cuda.current_stream(self._device_index)
-            if s.cuda_stream != 0:
-                s.synchronize()
+    def _use_current_stream(self) -> None:
+        if not self._cuda or self._g.follows_framework_stream:
+            return  # the native layer reads torch's current stream itself
+        s = _torch().cuda.current_stream(self._device_index).cuda_stream
+        if s != self._stream:
+            self._g.set_stream(s)
+            self._stream = s
 
     def forward(self, layer_id: int, q, k, v, out=None, *, save_kv: bool = True, sinks=None,
                 lse=None):
@@ -116,10 +130,11 @@ class _DcpSteps:
         whole step (each rank stores the tokens it owns); out [T, Hq, Dv] or None (a new tensor).
         MLA layers in the absorbed form (q [T, Hq, kv_lora_rank + rope], k the latent rows, v
         their first kv_lora_rank values). lse (float32 [T, Hq]), when given, gets the merged
-        log-sum-exp. Returns out."""
+        log-sum-exp. GPU tensors are read and written on torch's current stream, in its order
+        (no host wait). Returns out."""
         if out is None:
             out = _forward_out(self.layers, layer_id, q)
-        self._ready()
+        self._use_current_stream()
         try:
             self._g.forward(layer_id, q, k, v, out, save_kv, sinks, lse)
         except TypeError as e:
@@ -167,7 +182,9 @@ class _DcpSteps:
 class DcpAttention(_DcpSteps):
     """dcp_size simulated ranks in one process with the interface of one Runtime (see the module
     docstring). model, dtype, tp_size and the options as for Runtime; max_requests bounds the
-    request rows, max_num_tokens the tokens of a step."""
+    request rows, max_num_tokens the tokens of a step. cuda ranks all run on torch's current
+    stream (one after another, the exchange between them): forward() returns without waiting and
+    its output is ready in that stream's order, as Runtime.forward's is."""
 
     def __init__(self, model: Any = "demo", *, dcp_size: int, dtype: Any = None, tp_size: int = 1,
                  **kwargs):
@@ -191,7 +208,9 @@ class DcpRank(_DcpSteps):
     communicator (nccl_communicator, wrap_nccl_comm or in_process_group); model, dtype, tp_size
     and the options as for Runtime. forward() writes the merged rows of this rank's heads only
     (head_range(layer_id)); the engine's next collective (e.g. the TP-sharded o_proj) takes them
-    from there. Ranks over NCCL take GPU tensors; in-process ranks host tensors."""
+    from there. Ranks over NCCL take GPU tensors; in-process ranks host tensors. A GPU rank runs
+    on torch's current stream (its runtimes, kernels and the NCCL collectives: the communicator is
+    moved to that stream), so forward() neither waits for the GPU nor needs the engine to."""
 
     def __init__(self, model: Any = "demo", *, rank: int, dcp_size: int, communicator,
                  dtype: Any = None, tp_size: int = 1, **kwargs):
@@ -223,7 +242,7 @@ class DcpRank(_DcpSteps):
         return tuple(self._g.head_range(int(layer_id)))
 
     def synchronize(self) -> None:
-        """Waits for the rank's GPU work."""
+        """Waits for the rank's GPU work (queued on the stream of its last call)."""
         self._g.synchronize()
 
     def __repr__(self) -> str:

@@ -474,6 +474,36 @@ ModelSpec load_model(const std::string& model, const std::string& config_json,
   return tp_size > 1 ? apply_tensor_parallel(spec, tp_size) : spec;
 }
 
+// Follows the framework's current CUDA stream (its tensor type's exchange table): the engine's
+// work is queued there, and attnrt's must run in order with it.
+class StreamFollower {
+ public:
+  // The framework's tensor type; `pools`: where the pools live (host pools follow nothing).
+  void use(nb::handle tensor_type, Device pools) {
+    api_ = exchange_api(reinterpret_cast<PyTypeObject*>(tensor_type.ptr()));
+    cuda_device_ = pools.kind == DeviceKind::cuda ? pools.index : -1;
+  }
+  bool active() const { return api_ != nullptr && cuda_device_ >= 0; }
+  // set_stream(s) when the framework's current stream s is not the one handed over last.
+  template <class SetStream>
+  void follow(SetStream&& set_stream) {
+    if (!active()) return;
+    void* s = nullptr;
+    if (api_->current_work_stream(kDLCUDA, cuda_device_, &s) != 0) throw nb::python_error();
+    if (!known_ || s != stream_) {
+      set_stream(s);
+      stream_ = s;
+      known_ = true;
+    }
+  }
+
+ private:
+  const XApi* api_ = nullptr;
+  int cuda_device_ = -1;
+  void* stream_ = nullptr;
+  bool known_ = false;
+};
+
 // The runtime plus the batch of the step in progress (begin_step keeps a pointer to it).
 class Runtime {
  public:
@@ -496,24 +526,12 @@ class Runtime {
   // kind: 0 = an eager step, 1 = before a capture of `bs` requests, 2 = before a replay at `bs`.
   // The framework whose current CUDA stream the runtime follows (torch.Tensor's exchange table),
   // and the pools' CUDA device (-1: host pools).
-  void use_framework(nb::handle tensor_type) {
-    api_ = exchange_api(reinterpret_cast<PyTypeObject*>(tensor_type.ptr()));
-    const Device d = rt().kv_cache().device();
-    cuda_device_ = d.kind == DeviceKind::cuda ? d.index : -1;
-  }
-  bool follows_framework_stream() const { return api_ != nullptr && cuda_device_ >= 0; }
+  void use_framework(nb::handle tensor_type) { stream_.use(tensor_type, rt().kv_cache().device()); }
+  bool follows_framework_stream() const { return stream_.active(); }
 
-  // Moves the runtime to the framework's current stream when that changed: the engine's work is
-  // queued there, and attnrt's must run in order with it.
+  // Moves the runtime to the framework's current stream when that changed.
   void follow_stream() {
-    if (api_ == nullptr || cuda_device_ < 0) return;
-    void* s = nullptr;
-    if (api_->current_work_stream(kDLCUDA, cuda_device_, &s) != 0) throw nb::python_error();
-    if (!stream_known_ || s != stream_) {
-      rt().set_stream(s);
-      stream_ = s;
-      stream_known_ = true;
-    }
+    stream_.follow([&](void* s) { rt().set_stream(s); });
   }
 
   void begin_step(const std::string& mode, nb::handle req_pool_indices, nb::handle seq_lens,
@@ -645,10 +663,7 @@ class Runtime {
   bool in_step_ = false;
   bool capturing_ = false;  // between begin_capture_step and the next step
   std::vector<const LayerSpec*> layers_;  // by layer id (forward's lookup)
-  const XApi* api_ = nullptr;  // the framework's exchange table (use_framework)
-  int cuda_device_ = -1;
-  void* stream_ = nullptr;
-  bool stream_known_ = false;
+  StreamFollower stream_;                 // the framework's current stream (use_framework)
 };
 
 // ---- Decode context parallelism (docs/dcp.md, docs/python.md) -----------------------------------
@@ -674,7 +689,12 @@ std::vector<std::vector<int32_t>> accepted_paths(nb::handle accepted) {
   return out;
 }
 
-// What DcpAttention and DcpRank share: the step's batch, the layer lookup, the closed state.
+// The runtime of a group's (or rank's) first part: where the pools live.
+AttentionRuntime& first_runtime(DcpAttention& g) { return g.rank(0).runtime(); }
+AttentionRuntime& first_runtime(DcpRank& r) { return r.runtime(); }
+
+// What DcpAttention and DcpRank share: the step's batch, the layer lookup, the closed state, the
+// framework's current stream (followed as Runtime does, at begin_step and at every forward).
 template <class Impl>
 class DcpBase {
  public:
@@ -684,6 +704,12 @@ class DcpBase {
   }
   bool closed() const { return !impl_; }
   bool in_step() const { return in_step_; }
+  Device pool_device() { return first_runtime(impl()).kv_cache().device(); }
+  void use_framework(nb::handle tensor_type) { stream_.use(tensor_type, pool_device()); }
+  bool follows_framework_stream() const { return stream_.active(); }
+  void follow_stream() {
+    stream_.follow([&](void* s) { impl().set_stream(s); });
+  }
 
   void begin_step(const std::string& mode, nb::handle req_pool_indices, nb::handle seq_lens,
                   nb::handle extend_prefix_lens, nb::handle extend_seq_lens,
@@ -698,6 +724,7 @@ class DcpBase {
     stepped_ = false;
     fill_batch(batch_, mode, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens,
                out_cache_loc, positions, draft_token_num, topk, parents, accept_length);
+    follow_stream();
     g.begin_step(batch_);
     in_step_ = true;
     stepped_ = true;
@@ -728,6 +755,7 @@ class DcpBase {
   bool in_step_ = false;
   bool stepped_ = false;
   std::vector<const LayerSpec*> layers_;
+  StreamFollower stream_;
 };
 
 // n simulated ranks in one process (DcpAttention): host backends, or cuda ranks on one GPU.
@@ -745,6 +773,7 @@ class Dcp : public DcpBase<DcpAttention> {
     const LayerSpec& l = find_layer(g.model(), layers_, layer_id);
     const nb::handle none = nb::none();
     const AttnArgs a = attn_args(l, q, k, v, out, save_kv, sinks, lse, none, none, none, none);
+    follow_stream();
     g.forward(layer_id, a);
   }
 };
@@ -778,6 +807,7 @@ class DcpRankPy : public DcpBase<DcpRank> {
     const LayerSpec& l = find_layer(model_, layers_, layer_id);
     const nb::handle none = nb::none();
     const AttnArgs a = attn_args(l, q, k, v, out, save_kv, sinks, lse, none, none, none, none);
+    follow_stream();
     // The exchange waits for the group's other ranks, which other threads drive; the
     // communicators made here complete a collective when every rank's call returns (in process)
     // or in stream order (NCCL), so the merge follows at once.
@@ -1091,6 +1121,15 @@ NB_MODULE(_native, m) {
       .def_prop_ro("closed", &C::closed)                                                         \
       .def_prop_ro("in_step", &C::in_step)                                                       \
       .def_prop_ro("size", [](C& g) { return g.impl().size(); })                                 \
+      .def("set_stream",                                                                         \
+           [](C& g, uintptr_t s) { g.impl().set_stream(reinterpret_cast<void*>(s)); })           \
+      .def("stream", [](C& g) { return reinterpret_cast<uintptr_t>(g.impl().stream()); })      \
+      .def("use_framework", &C::use_framework, "tensor_type"_a)                                  \
+      .def_prop_ro("follows_framework_stream", &C::follows_framework_stream)                     \
+      .def_prop_ro("pool_device", [](C& g) {                                                     \
+        const Device d = g.pool_device();                                                        \
+        return nb::make_tuple(d.kind == DeviceKind::cuda ? "cuda" : "cpu", d.index);             \
+      })                                                                                         \
       .def_prop_ro("layers", [](C& g) {                                                          \
         nb::list out;                                                                            \
         for (const LayerSpec& l : g.model().layers) out.append(python::layer_dict(l));           \
@@ -1103,11 +1142,7 @@ NB_MODULE(_native, m) {
       .def(nb::init<const std::string&, const std::string&, const std::string&, int,
                     const Options&, const RuntimeConfig&>(),
            "model"_a, "config_json"_a, "dtype"_a, "tp_size"_a, "options"_a, "config"_a)
-      ATTNRT_DCP_STEP(python::Dcp)
-      .def_prop_ro("pool_device", [](python::Dcp& g) {
-        const Device d = g.impl().rank(0).runtime().kv_cache().device();
-        return nb::make_tuple(d.kind == DeviceKind::cuda ? "cuda" : "cpu", d.index);
-      });
+      ATTNRT_DCP_STEP(python::Dcp);
 
   nb::class_<python::DcpRankPy>(m, "DcpRank")
       .def(nb::init<const std::string&, const std::string&, const std::string&, int,
@@ -1117,10 +1152,6 @@ NB_MODULE(_native, m) {
       ATTNRT_DCP_STEP(python::DcpRankPy)
       .def_prop_ro("rank", &python::DcpRankPy::rank)
       .def("head_range", &python::DcpRankPy::head_range, "layer_id"_a)
-      .def("synchronize", &python::DcpRankPy::synchronize)
-      .def_prop_ro("pool_device", [](python::DcpRankPy& g) {
-        const Device d = g.impl().runtime().kv_cache().device();
-        return nb::make_tuple(d.kind == DeviceKind::cuda ? "cuda" : "cpu", d.index);
-      });
+      .def("synchronize", &python::DcpRankPy::synchronize);
 #undef ATTNRT_DCP_STEP
 }

@@ -6,6 +6,7 @@ group, bit for bit. GQA and MLA layers, 2 and 3 ranks, pages of 1 and 16; the er
 
 Inputs are drawn fresh from a seed printed with every failure (ATTNRT_TEST_SEED replays one)."""
 import concurrent.futures
+import time
 
 import pytest
 
@@ -290,14 +291,122 @@ def test_cuda_ranks_on_one_gpu_equal_one_runtime(page, seed):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
-def test_one_rank_over_nccl(seed):
-    """A group of one GPU over NCCL (this machine's): the NCCL path end to end."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_rank_over_nccl(stream, seed):
+    """A group of one GPU over NCCL (this machine's): the NCCL path end to end, on the legacy
+    default stream and under torch.cuda.stream(s) (the collectives then go to s)."""
     cfg = gqa_config()
     comm = attnrt.nccl_communicator(attnrt.nccl_unique_id(), 1, 0)
     with attnrt.DcpRank(cfg, rank=0, dcp_size=1, communicator=comm, dtype=torch.bfloat16,
                         attention_backend="cuda", page_size=1, max_requests=8,
                         max_num_tokens=256) as rank:
         assert rank.head_range(0) == (0, 6)
-        diffs = run_scenario(cfg, group_runner(rank, rank.layers, "cuda"),
-                             torch.Generator().manual_seed(seed), "cuda", dtype=torch.bfloat16)
+        runner = group_runner(rank, rank.layers, "cuda")
+        if stream:
+            runner = on_stream(runner, torch.cuda.Stream())
+        diffs = run_scenario(cfg, runner, torch.Generator().manual_seed(seed), "cuda",
+                             dtype=torch.bfloat16)
     assert max(d for _, d in diffs) < 3e-2, diffs
+
+
+# ---- torch's current stream (docs/python.md "Decode context parallelism") ----------------------
+def on_stream(runner, stream):
+    """`runner` with the step on `stream` (non-blocking, as torch makes them): a GPU sleep, then
+    the inputs copied there by a kernel, so ranks that read them out of that stream's order would
+    see them unwritten; the outputs are handed back in order with torch's default stream."""
+    def run(batch, inputs, tree_paths):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(20_000_000)
+            mine = []
+            for q, k, v in inputs:
+                k2 = k.clone()
+                v2 = k2[:, :, :v.shape[2]] if v.data_ptr() == k.data_ptr() else v.clone()
+                mine.append((q.clone(), k2, v2))
+            outs = runner(batch, mine, tree_paths)
+        torch.cuda.current_stream().wait_stream(stream)
+        return outs
+    return run
+
+
+nccl_why = attnrt.dcp._native.nccl_unavailable_reason() if GPU else "needs a CUDA device"
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_cuda_ranks_on_torchs_stream_equal_the_legacy_stream(seed):
+    """The group under torch.cuda.stream(s) gives the bits of the group on the legacy default
+    stream, step after step (tree verify and its commit included), with every rank on s."""
+    cfg = gqa_config()
+    opts = dict(dtype=torch.bfloat16, attention_backend="cuda", page_size=1, max_requests=8,
+                max_num_tokens=256, deterministic=True)
+    legacy = attnrt.DcpAttention(cfg, dcp_size=2, **opts)
+    streamed = attnrt.DcpAttention(cfg, dcp_size=2, **opts)
+    s = torch.cuda.Stream()
+    run_legacy = group_runner(legacy, legacy.layers, "cuda")
+    run_streamed = on_stream(group_runner(streamed, streamed.layers, "cuda"), s)
+
+    def both(batch, inputs, tree_paths):
+        a = run_legacy(batch, inputs, tree_paths)
+        b = run_streamed(batch, inputs, tree_paths)
+        assert streamed._g.stream() == s.cuda_stream and legacy._g.stream() == 0
+        for x, y in zip(a, b):
+            assert torch.equal(x, y), "the group on torch's stream differs from the legacy one"
+        return b
+
+    diffs = run_scenario(cfg, both, torch.Generator().manual_seed(seed), "cuda",
+                         dtype=torch.bfloat16)
+    assert max(d for _, d in diffs) < 3e-2, diffs
+    legacy.close()
+    streamed.close()
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["group", "nccl_rank"])
+def test_cuda_dcp_step_on_torchs_stream_does_not_wait_for_the_gpu(kind):
+    """A step (begin_step, forward, end_step) queued behind a long GPU sleep on torch's current
+    stream returns while the sleep still runs: nothing in it waits for the GPU."""
+    if kind == "nccl_rank" and nccl_why:
+        pytest.skip(f"NCCL: {nccl_why}")
+    cfg = gqa_config()
+    opts = dict(dtype=torch.bfloat16, attention_backend="cuda", page_size=16, max_requests=8,
+                max_num_tokens=256)
+    if kind == "group":
+        g = attnrt.DcpAttention(cfg, dcp_size=2, **opts)
+    else:
+        comm = attnrt.nccl_communicator(attnrt.nccl_unique_id(), 1, 0)
+        g = attnrt.DcpRank(cfg, rank=0, dcp_size=1, communicator=comm, **opts)
+    oracle = Oracle(cfg)
+    gen = torch.Generator().manual_seed(11)
+    s = torch.cuda.Stream()
+
+    def step(mode, counts, sleep=False):
+        batch, _ = oracle.batch(mode, ROWS, counts)
+        inputs = draw(g.layers, sum(counts), gen, "cuda")
+        torch.cuda.synchronize()
+        with torch.cuda.stream(s):
+            if sleep:
+                torch.cuda._sleep(200_000_000)  # the GPU is busy for a while on this stream
+            busy = torch.cuda.Event()
+            busy.record(s)
+            t0 = time.perf_counter()
+            g.begin_step(batch)
+            outs = [g.forward(l, *[x.to(torch.bfloat16) for x in qkv])
+                    for l, qkv in zip(g.layers, inputs)]
+            g.end_step()
+            host = time.perf_counter() - t0
+            running = not busy.query()
+            assert g._g.stream() == s.cuda_stream, "the ranks are not on torch's current stream"
+            done = [o.clone() for o in outs]  # after the ranks' kernels on the same stream
+        s.synchronize()
+        oracle.keep(ROWS, counts, counts)
+        assert not any(torch.isnan(d).any() for d in done)
+        return running, host
+
+    step("EXTEND", [37, 20, 3])
+    step("DECODE", [1, 1, 1])  # every kernel of a decode step loaded before the one timed
+    running, host = step("DECODE", [1, 1, 1], sleep=True)
+    assert running and host < 0.05, \
+        f"the decode step took {host * 1e3:.1f} ms on the host and the GPU sleep before it " \
+        f"{'still ran' if running else 'had ended'}: it synchronised"
+    g.close()
+    oracle.rt.close()

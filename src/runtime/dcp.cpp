@@ -177,9 +177,6 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
     p.runtime = std::make_unique<AttentionRuntime>(std::move(m), o, c);
     if (p.runtime->kv_cache().device().kind == DeviceKind::cuda)
       check_gpu_rank_pages(model, options, p.runtime->selection().backend_for(ForwardMode::DECODE));
-    // GPU pools: every part of the rank (and its gather / pack / merge) works on one stream, the
-    // legacy default one, which the group's device communicator orders its copies on.
-    if (p.runtime->kv_cache().device().kind == DeviceKind::cuda) p.runtime->set_stream(nullptr);
     ReqToTokenPool& pool = p.runtime->req_to_token();
     for (int r = 0; r < config.max_requests; ++r) p.req_rows.push_back(pool.alloc());
     for (int r = 0; r < config.max_num_tokens; ++r) p.scratch_rows.push_back(pool.alloc());
@@ -187,9 +184,27 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
     p.row_valid.assign(config.max_requests, 0);
     p.row_written.assign(config.max_requests, 0);
   }
+  // GPU pools: every part of the rank, its gather / pack / merge and its exchange work on one
+  // stream, so that each step of a layer follows the one before in stream order. It starts as the
+  // device communicator's stream of this rank (the one an engine made it with).
+  if (parts_[0].runtime->kv_cache().device().kind == DeviceKind::cuda) {
+    stream_ = comm.device_buffers() ? comm.stream(rank) : nullptr;
+    for (Part& p : parts_) p.runtime->set_stream(stream_);
+  }
 }
 
 DcpRank::~DcpRank() = default;
+
+void DcpRank::set_stream(void* stream) {
+  if (parts_[0].runtime->kv_cache().device().kind != DeviceKind::cuda) return;
+  // The communicator first: it refuses a rank whose collective is pending, before anything moved.
+  // The exchange is enqueued on the rank's own stream rather than ordered with events against
+  // the communicator's: NCCL takes any stream per call, and one stream needs no event per layer.
+  if (comm_->device_buffers()) comm_->set_stream(rank_, stream);
+  for (Part& p : parts_) p.runtime->set_stream(stream);
+  if (device_) device_->set_stream(stream);
+  stream_ = stream;
+}
 
 Communicator& DcpRank::host_communicator() {
   if (!comm_->device_buffers()) return *comm_;
@@ -201,7 +216,7 @@ Communicator& DcpRank::host_communicator() {
 }
 
 void DcpRank::synchronize() {
-  if (device_) device_->synchronize();
+  parts_[0].runtime->synchronize();  // every part, the device work and the exchange: one stream
 }
 
 std::pair<DcpRank::Part*, int> DcpRank::part_of(int layer_id) {
@@ -558,9 +573,9 @@ void DcpRank::forward_device(int layer_id, const AttnArgs& args) {
   const std::vector<int64_t>& entries = part->rows;
   const int hq = layer.num_q_heads, dv = v_dim_of(layer), n = size_;
   const int64_t T = num_tokens_, rows = static_cast<int64_t>(entries.size());
-  if (!device_) device_ = make_dcp_device_rank(parts_[0].runtime->stream());
+  if (!device_) device_ = make_dcp_device_rank(stream_);
   DcpDeviceRank& dev = *device_;
-  dev.set_entries(entries, T);
+  dev.set_entries(static_cast<int>(part - parts_.data()), entries, T);
   if (rows > 0) {
     AttnArgs a;
     a.q = dev.gather(0, args.q);
@@ -741,6 +756,10 @@ void DcpAttention::set_direct_rows(bool on) {
   for (auto& r : ranks_) r->set_direct_rows(on);
 }
 
+void DcpAttention::set_stream(void* stream) {
+  for (auto& r : ranks_) r->set_stream(stream);
+}
+
 void DcpAttention::begin_step(const ForwardBatch& batch) {
   batch_ = nullptr;
   const StepLayout layout = make_step_layout(batch);
@@ -785,11 +804,10 @@ void DcpAttention::forward(int layer_id, const AttnArgs& args) {
                "DcpAttention: layer {} got indexer inputs; DSA layers are "
                "not split by context",
                layer_id);
+  // GPU tensors: every rank and the exchange run on the group's one stream, so the merged rows
+  // are in its order like one runtime's output; the host goes on.
   for (auto& r : ranks_) r->forward(layer_id, args);
   for (auto& r : ranks_) r->merge(layer_id, args);
-  if (dev == DeviceKind::cuda) {
-    for (auto& r : ranks_) r->synchronize();
-  }
 }
 
 void DcpAttention::commit_verify(const ForwardBatch& batch,

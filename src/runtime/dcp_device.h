@@ -15,9 +15,14 @@ namespace attnrt {
 class DcpDeviceRank {
  public:
   virtual ~DcpDeviceRank() = default;
-  // The step's entries: the global row of each (rows) of the step's `tokens` rows; uploaded with
-  // the row -> entry map the packing reads.
-  virtual void set_entries(std::span<const int64_t> rows, int64_t tokens) = 0;
+  // Later work goes to `stream` (a cudaStream_t; null: the legacy default stream), ordered after
+  // what the old one still has queued (DcpRank::set_stream).
+  virtual void set_stream(void* stream) = 0;
+  // The entries of the calls that follow: the global row of each (rows) of the step's `tokens`
+  // rows, kept on the GPU with the row -> entry map the packing reads as list `list` (a part's),
+  // uploaded only when it differs from what that list held (once a step, or never for decodes
+  // of the same rows).
+  virtual void set_entries(int list, std::span<const int64_t> rows, int64_t tokens) = 0;
   // The entries' rows of a device tensor [T, H, D] (last dim contiguous), contiguous [E, H, D];
   // slot 0, 1, 2 are separate buffers (q, k, v).
   virtual TensorView gather(int slot, const TensorView& src) = 0;

@@ -33,6 +33,13 @@ class Communicator {
   virtual void barrier(int rank) = 0;
   // Whether the buffers are GPU memory (nccl, device_in_process) rather than host memory.
   virtual bool device_buffers() const { return false; }
+  // Device communicators: the CUDA stream (a cudaStream_t; nullptr = the legacy default stream)
+  // rank `rank`'s later collectives are enqueued on, ordered after what its old stream still has
+  // queued. A DcpRank puts its communicator on the rank's own stream (DcpRank::set_stream), so the
+  // exchange is in stream order with the partial before it and the merge after it, with no event
+  // and no host wait. Host communicators have no stream: nothing changes, stream() is nullptr.
+  virtual void set_stream(int /*rank*/, void* /*stream*/) {}
+  virtual void* stream(int /*rank*/) const { return nullptr; }
 };
 
 // For Communicator implementations: the checks of an all_to_all call (a count per rank on both
@@ -67,7 +74,8 @@ class InProcessCommunicator final : public Communicator {
 // one thread: buffers are device memory of the current device; a collective's blocks are copied
 // (cudaMemcpyAsync, device to device) on each receiving rank's stream once the last rank has
 // called, ordered after every rank's call by events, and every rank's stream then waits for all
-// copies. streams: one cudaStream_t per rank, or empty for the legacy default stream. NCCL cannot
+// copies. streams: one cudaStream_t per rank, or empty for the legacy default stream; set_stream
+// moves one rank (not while a collective it joined is pending). NCCL cannot
 // put two ranks on one GPU; this is how DcpAttention runs `cuda` ranks in one process. A build
 // without CUDA throws.
 std::unique_ptr<Communicator> make_device_in_process_communicator(
@@ -82,7 +90,8 @@ std::unique_ptr<Communicator> make_communicator(std::string_view kind, int size)
 // ---- NCCL (docs/dcp.md "Over NCCL") ------------------------------------------------------------
 // One rank per GPU. A communicator over NCCL is ONE rank of its group: its calls take that rank's
 // index (anything else is an error), their buffers are device memory of its GPU, and they are
-// enqueued on its stream and return at once (barrier() also waits for the stream). NCCL is loaded
+// enqueued on its stream and return at once (barrier() also waits for the stream); set_stream
+// changes that stream (a DcpRank puts it on the rank's). NCCL is loaded
 // when first needed (dlopen of libnccl.so.2: $ATTNRT_NCCL_LIBRARY, else the loader's search path,
 // else the CUDA toolkit's lib folders), so attnrt starts and runs without it.
 

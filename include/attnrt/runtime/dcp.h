@@ -50,7 +50,8 @@ class DcpRank {
   // `options` (dcp_size = 1 on the rank) and `config` per rank; its req_to_token has a row per
   // request row (max_requests, the request's local columns) and max_num_tokens key-list rows (one
   // per query row of a step), max_context_len / n (+ the verify block) wide.
-  // A rank on GPU pools runs its part runtimes on the legacy default stream (set_stream(nullptr)).
+  // A rank on GPU pools starts on its device communicator's stream for this rank (the legacy
+  // default one unless the communicator was made with another; set_stream moves it).
   // `comm` moves the partials: host buffers (in_process) for host tensors, device buffers
   // (device_in_process, nccl) for GPU tensors; a rank with a device communicator takes host
   // tensors too when `host_comm` (host buffers, the same group) is given.
@@ -67,6 +68,14 @@ class DcpRank {
   AttentionRuntime& runtime(int part = 0);
   const std::vector<int32_t>& local_row(int row, int part = 0) const;
   void set_kv_scales(int layer_id, float k_scale, float v_scale);
+  // GPU pools: the CUDA stream (a cudaStream_t; nullptr = the legacy default stream) that every
+  // later part runtime, the rank's gather / pack / merge and its exchange (the communicator's
+  // rank, Communicator::set_stream) run on, ordered after what the old stream still has queued.
+  // An engine passes its own stream (the Python package: torch's current one, per step); GPU
+  // tensors given to forward are then read and written in that stream's order, as by one
+  // runtime, and nothing waits on the host. Host pools ignore it (stream() stays nullptr).
+  void set_stream(void* stream);
+  void* stream() const { return stream_; }
   // Releases the request's slots on this rank; the row starts empty again.
   void free_request(int row);
   // See DcpAttention::reserve_prefix.
@@ -109,7 +118,7 @@ class DcpRank {
   void end_step();
   // See DcpAttention::commit_verify.
   void commit_verify(const ForwardBatch& batch, std::span<const std::vector<int32_t>> accepted);
-  // Waits for the rank's GPU work (its runtime's stream); nothing to wait for on the host.
+  // Waits for the rank's GPU work (its stream); nothing to wait for on the host.
   void synchronize();
 
  private:
@@ -117,6 +126,7 @@ class DcpRank {
   ModelSpec model_;  // the global model (with sinks)
   Communicator* comm_;
   Communicator* host_comm_;
+  void* stream_ = nullptr;                 // GPU pools: the stream everything of the rank runs on
   std::unique_ptr<DcpDeviceRank> device_;  // GPU tensors: buffers and kernels, made when first used
   void forward_device(int layer_id, const AttnArgs& args);
   // The exchange partial() prepared (host or device buffers).
@@ -161,9 +171,10 @@ class DcpRank {
 class DcpAttention {
  public:
   // options.dcp_size ranks (validate_dcp), each a DcpRank with `config`. Ranks on the `cuda`
-  // backend share the current GPU (one runtime each, on the legacy default stream), exchange
-  // device partials through a device_in_process communicator and host ones through an in_process
-  // one: a simulation of the group on one GPU (correctness, not speed; docs/dcp.md).
+  // backend share the current GPU (one runtime each, all on one stream: the legacy default one
+  // until set_stream), exchange device partials through a device_in_process communicator and host
+  // ones through an in_process one: a simulation of the group on one GPU (correctness, not speed;
+  // docs/dcp.md).
   DcpAttention(ModelSpec model, Options options, const RuntimeConfig& config = {});
 
   int size() const { return static_cast<int>(ranks_.size()); }
@@ -185,14 +196,18 @@ class DcpAttention {
   void set_kv_scales(int layer_id, float k_scale, float v_scale);
   // DcpRank::set_direct_rows on every rank (tests).
   void set_direct_rows(bool on);
+  // DcpRank::set_stream on every rank: the whole group (its ranks one after another, the exchange
+  // between them) runs on `stream`. Host ranks ignore it.
+  void set_stream(void* stream);
+  void* stream() const { return ranks_.front()->stream(); }
 
   // The global batch as one runtime would take it; its out_cache_loc values are not read (the
   // group allocates each new token's slot on its owner), its length must be the step's tokens.
   void begin_step(const ForwardBatch& batch);
   // q, k, v, out (and optionally lse) as for one runtime (host tensors, any float dtype; or, with
   // cuda ranks, GPU tensors of fp32 / fp16 / bf16, all on the GPU; MLA: the absorbed form). GPU
-  // tensors must be ready when called (the ranks run on their own streams) and the results are
-  // when it returns (it waits for every rank).
+  // tensors are read and written in the order of the group's stream (set_stream), as one
+  // runtime's are: the host does not wait.
   void forward(int layer_id, const AttnArgs& args);
   void end_step();
   // After a TARGET_VERIFY step, before the next begin_step: request i of `batch` (that step)
