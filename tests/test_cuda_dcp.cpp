@@ -545,18 +545,27 @@ TEST(CudaDcpCommunicator, DeviceInProcessMovesBlocks) {
                      {"rank 2 sends 2 floats to rank 0, which expects 1"});
 }
 
+// A rank over NCCL: skipped, with the reason, without a GPU or where NCCL cannot be loaded.
+class CudaDcpNccl : public testing::Test {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_GPU();
+    if (const std::string why = nccl_unavailable_reason(); !why.empty()) {
+      GTEST_SKIP() << "NCCL: " << why;
+    }
+    seed_ = test::test_seed();
+    trace_.emplace(__FILE__, __LINE__, "ATTNRT_TEST_SEED=" + std::to_string(seed_));
+  }
+  uint32_t seed_ = 0;
+  std::optional<testing::ScopedTrace> trace_;
+};
+
 // The NCCL path of a rank (one rank per GPU): a DcpRank over a group of 1 GPU
 // (make_nccl_group({0})), GPU tensors, its all-to-all a send to itself through NCCL, against one
 // `reference` runtime: an EXTEND prefill of two requests, an EXTEND over the prefix and two decodes,
 // every layer of the GQA model. Skips, with the reason, where NCCL cannot be loaded.
-TEST(CudaDcpNccl, OneRankGroupMatchesReference) {
-  SKIP_WITHOUT_GPU();
-  if (const std::string why = nccl_unavailable_reason(); !why.empty()) {
-    GTEST_SKIP() << "NCCL: " << why;
-  }
-  const uint32_t seed = test::test_seed();
-  SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
-  std::mt19937 rng(seed);
+TEST_F(CudaDcpNccl, OneRankGroupMatchesReference) {
+  std::mt19937 rng(seed_);
   const std::vector<int> devices = {0};
   std::vector<std::unique_ptr<Communicator>> comms = make_nccl_group(devices);
   ASSERT_EQ(comms.size(), 1u);
@@ -857,13 +866,8 @@ TEST(CudaDcpStreams, RanksOnStreamsOfTheirOwnGiveTheLegacyGroupsBits) {
 // One rank over NCCL (a group of this GPU) moved to a non-blocking stream: its collectives go
 // there too (the communicator's stream follows the rank's), with the bits of a group of one rank
 // on the legacy stream.
-TEST(CudaDcpNccl, OneRankOnANonBlockingStreamGivesTheLegacyGroupsBits) {
-  SKIP_WITHOUT_GPU();
-  if (const std::string why = nccl_unavailable_reason(); !why.empty()) {
-    GTEST_SKIP() << "NCCL: " << why;
-  }
-  const uint32_t seed = test::test_seed();
-  SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
+TEST_F(CudaDcpNccl, OneRankOnANonBlockingStreamGivesTheLegacyGroupsBits) {
+  const uint32_t seed = seed_;
   std::mt19937 rng(seed);
   const ModelSpec model = gqa_model();
   const RuntimeConfig cfg = test::host_config(6, 4096, 256);
