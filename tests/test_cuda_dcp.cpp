@@ -675,8 +675,7 @@ std::vector<ForwardBatch> stream_steps(std::mt19937& rng) {
 // read back into pinned memory after the forward; the host waits once per step. Returns the bytes
 // of each layer's out and lse.
 std::vector<std::vector<uint8_t>> run_steps(const Driver& d, const ModelSpec& model,
-                                            const std::vector<ForwardBatch>& steps,
-                                            uint32_t seed) {
+                                            const std::vector<ForwardBatch>& steps, uint32_t seed) {
   std::vector<std::vector<uint8_t>> results;
   for (size_t i = 0; i < steps.size(); ++i) {
     const ForwardBatch& b = steps[i];
@@ -825,7 +824,9 @@ TEST(CudaDcpStreams, RanksOnStreamsOfTheirOwnGiveTheLegacyGroupsBits) {
   }
   cudaEvent_t ready = nullptr, done[n] = {};
   ASSERT_EQ(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), cudaSuccess);
-  for (cudaEvent_t& e : done) ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+  for (cudaEvent_t& e : done) {
+    ASSERT_EQ(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), cudaSuccess);
+  }
   Driver d;
   d.stream = made.s;
   d.begin = [&](const ForwardBatch& b) {

@@ -1123,7 +1123,7 @@ NB_MODULE(_native, m) {
       .def_prop_ro("size", [](C& g) { return g.impl().size(); })                                 \
       .def("set_stream",                                                                         \
            [](C& g, uintptr_t s) { g.impl().set_stream(reinterpret_cast<void*>(s)); })           \
-      .def("stream", [](C& g) { return reinterpret_cast<uintptr_t>(g.impl().stream()); })      \
+      .def("stream", [](C& g) { return reinterpret_cast<uintptr_t>(g.impl().stream()); })        \
       .def("use_framework", &C::use_framework, "tensor_type"_a)                                  \
       .def_prop_ro("follows_framework_stream", &C::follows_framework_stream)                     \
       .def_prop_ro("pool_device", [](C& g) {                                                     \
