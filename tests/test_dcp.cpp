@@ -64,6 +64,9 @@ std::string case_name(const testing::TestParamInfo<DcpCase>& info) {
          std::to_string(info.param.page_size);
 }
 
+// Tokens of one step in the harness (its RuntimeConfig::max_num_tokens).
+inline constexpr int kStepTokens = 256;
+
 // One `reference` runtime (the oracle, which also hands out the global batch's slots) and a DCP
 // group fed the same batches and the same q/k/v.
 class DcpHarness {
@@ -86,7 +89,7 @@ class DcpHarness {
       group.speculative_eagle_topk = 2;
       group.speculative_num_draft_tokens = 6;
     }
-    const RuntimeConfig cfg = test::host_config(6, 4096, 256);
+    const RuntimeConfig cfg = test::host_config(6, 4096, kStepTokens);
     one_ = std::make_unique<AttentionRuntime>(model_, one, cfg);
     dcp_ = std::make_unique<DcpAttention>(model_, group, cfg);
     if (twin) {
@@ -190,7 +193,11 @@ class DcpHarness {
 
   // Requests with cached prefixes of random (ragged) lengths in [0, max_prefix], stored by an
   // EXTEND step from 0 (itself compared); returns the prefix lengths.
+  // Prefills each request with a random prefix of at most max_prefix tokens (the first at least
+  // one), in one EXTEND step: the bound is cut so the step fits max_num_tokens (4 requests x 70
+  // could draw 280 > 256).
   std::vector<int32_t> fill(const std::vector<int64_t>& rows, int max_prefix) {
+    max_prefix = std::min(max_prefix, kStepTokens / static_cast<int>(rows.size()));
     std::vector<int32_t> prefix;
     std::vector<int64_t> fill_rows;
     std::vector<int32_t> fill_lens;
