@@ -7,10 +7,9 @@
 #   usage: OUT=DIR scripts/gpu_fp8_prefill.sh   (carry .gpubin from scripts/gpu_prebuild.sh and .devdeps)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-O=${OUT:-/tmp/o}; mkdir -p $O
-source .devdeps/unpack-debs.sh >/dev/null
+# Logs under $OUT/logs, packed into $OUT/logs.tar.gz at exit; binaries in B=/tmp/bin.
 source scripts/gpubin.sh
-B=/tmp/bin; gpubin_unpack .gpubin $B
+gpu_call_setup
 s=$(date +%s)
 timeout 150 $B/attnrt_cuda_tests --gtest_brief=1 \
   --gtest_filter="${TESTS:-*Fp8Prefill*:*CudaPrefill*}" > $O/tests.log 2>&1
