@@ -214,6 +214,34 @@ TEST(BenchWorkload, SelectorsPickRowsAndRejectUnknownNames) {
   expect_error([] { select_workloads(","); }, {"empty"});
 }
 
+// The groups beside the standard set: by name or group, never by "all" or a kind.
+TEST(BenchWorkload, Fp8PrefillAndLongDecodeRowsAreChosenByNameOrGroup) {
+  std::vector<Workload> fp8 = select_workloads("fp8-prefill");
+  ASSERT_EQ(fp8.size(), 4u);
+  for (const Workload& w : fp8) {
+    EXPECT_TRUE(w.fp8_prefill) << w.name;
+    EXPECT_EQ(w.kv_dtype, DType::e4m3) << w.name;
+  }
+  std::vector<Workload> long_rows = select_workloads("long-decode");
+  ASSERT_EQ(long_rows.size(), 2u);
+  EXPECT_EQ(long_rows[0].name, "decode-1x131072");
+  EXPECT_EQ(long_rows[1].name, "decode-4x131072");
+  for (const Workload& w : long_rows) {
+    EXPECT_EQ(w.kv_len(), 131072) << w.name;
+    EXPECT_EQ(w.page_size, 16) << w.name;
+    EXPECT_EQ(w.kv_dtype, DType::bf16) << w.name;
+    EXPECT_TRUE(is_long_decode(w)) << w.name;
+  }
+  // 4 requests x 131072 keys x 8 KV heads x 128 x (K and V) x 2 bytes.
+  EXPECT_DOUBLE_EQ(counted_bytes(long_rows[1]), 4.0 * 131072 * 8 * 128 * 2 * 2);
+  EXPECT_EQ(select_workloads("decode-4x131072").size(), 1u);
+  for (const Workload& w : select_workloads("decode")) EXPECT_FALSE(is_long_decode(w)) << w.name;
+  for (const Workload& w : select_workloads("all")) {
+    EXPECT_FALSE(is_long_decode(w)) << w.name;
+    EXPECT_FALSE(w.fp8_prefill) << w.name;
+  }
+}
+
 TEST(BenchWorkload, MlaSetIsTheWorkloadsMdList) {
   std::vector<Workload> rows = mla_workloads();
   std::vector<std::string> names;

@@ -293,9 +293,18 @@ std::vector<Workload> fp8_prefill_workloads() {
           fp8_prefill(prefill(8, 2048, 128)), fp8_prefill(extend(8, 2048, 512))};
 }
 
+std::vector<Workload> long_decode_workloads() {
+  return {decode(1, 131072, 16, DType::bf16), decode(4, 131072, 16, DType::bf16)};
+}
+
+bool is_long_decode(const Workload& w) {
+  return w.kind == WorkloadKind::decode && w.kv_len() >= kLongDecodeKeys;
+}
+
 std::vector<Workload> attention_workloads() {
   std::vector<Workload> rows = standard_workloads();
   for (Workload& w : fp8_prefill_workloads()) rows.push_back(std::move(w));
+  for (Workload& w : long_decode_workloads()) rows.push_back(std::move(w));
   return rows;
 }
 
@@ -332,10 +341,11 @@ std::vector<Workload> select_workloads(std::string_view selector) {
       selector, attention_workloads(),
       [](const Workload& w, std::string_view item) {
         if (w.fp8_prefill) return item == w.name || item == "fp8-prefill";
+        if (is_long_decode(w)) return item == w.name || item == "long-decode";
         return item == "all" || item == w.name || item == workload_kind_name(w.kind) ||
                (item == "verify" && is_verify(w.kind));
       },
-      "workload", "all, decode, prefill, extend, verify, fp8-prefill",
+      "workload", "all, decode, prefill, extend, verify, fp8-prefill, long-decode",
       "all, a kind, or a row name");
 }
 

@@ -102,11 +102,19 @@ std::vector<Workload> mla_workloads();
 // prefill-1x4096-fp8, prefill-1x16384-fp8, prefill-8x2048-fp8, extend-8x2048+512-fp8. Beside the
 // docs/workloads.md set, selected by name or as "fp8-prefill" (not by "all" or a kind).
 std::vector<Workload> fp8_prefill_workloads();
-// standard_workloads() then fp8_prefill_workloads(): the rows select_workloads chooses from.
+// The long-context decode rows (bf16, page 16): decode-1x131072 and decode-4x131072, one or a few
+// requests whose keys a decode step must spread over many CTAs (split-KV, one merge). Beside the
+// docs/workloads.md set, selected by name or as "long-decode" (not by "all" or a kind: their pools
+// take 2-8 GB and the CPU backends minutes per row).
+constexpr int kLongDecodeKeys = 131072;
+std::vector<Workload> long_decode_workloads();
+bool is_long_decode(const Workload& w);
+// standard_workloads(), fp8_prefill_workloads(), then long_decode_workloads(): the rows
+// select_workloads chooses from.
 std::vector<Workload> attention_workloads();
 
 // Selects rows: "all", a row name, a kind ("decode", "prefill", "extend", "verify"),
-// "fp8-prefill", or a comma-separated list of those. Throws attnrt::Error naming the unknown entry
+// "fp8-prefill", "long-decode", or a comma-separated list of those. Throws attnrt::Error naming the unknown entry
 // and the valid names.
 std::vector<Workload> select_workloads(std::string_view selector);
 // The same over mla_workloads(): "all", a row name, a kind with or without the "mla-" prefix
