@@ -656,6 +656,12 @@ def test_torch_cuda_graph_of_a_whole_step_replays_like_the_eager_step(verify):
     rt.begin_capture_step(attnrt.ForwardBatch(mode, [], [], [], spec_info=spec), bs)
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
+    # cuBLAS creates its handle and workspace on first use, which a capture cannot do: run the
+    # step's matmul once on the capture stream first, as torch's graph docs ask (the test passed
+    # only after another test had used cuBLAS).
+    with torch.cuda.stream(s):
+        sq.view(bs * n, -1) @ w
+    s.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, stream=s):
         step()
