@@ -42,22 +42,6 @@ constexpr int vt_offset(int d, int p) {
   return d * 64 + ((((p >> 4) ^ (d >> 1)) & 3) << 4) + (p & 15);
 }
 
-// A tile of more keys (the warp-specialised CTA's 128) is transposed as tiles of 64 keys,
-// kFp8VtBytes apart; k32 step k of O += P V over it reads the descriptor starting at
-// vt_k32_offset(k): position 32 (k % 2) of row 0 of tile k / 2.
-inline constexpr int kFp8VtBytes = 64 * 128;
-constexpr int vt_k32_offset(int k) { return (k >> 1) * kFp8VtBytes + (k & 1) * 32; }
-
-// The Q tiles (128 rows): the 16-bit rows as copied (wgmma.cuh's swz128_offset: 16-byte chunk c,
-// elements 8c .. 8c + 7, of row r in column block c / 8 of `rows` rows) and the e4m3 tile the S
-// MMAs read (128-byte rows, 128-byte swizzle; the 8 bytes of elements 8c .. 8c + 7 of row r).
-constexpr int q16_offset(int rows, int r, int c) {
-  return (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
-}
-constexpr int q8_offset(int r, int c) {
-  return r * 128 + ((((c >> 1) ^ r) & 7) << 4) + (c & 1) * 8;
-}
-
 // The 4 x 4 byte block of the transposed tile that thread `tid` (of 128) writes in pass n (of 4):
 // head-dim rows 4 dq .. 4 dq + 3, key positions 4 pq .. 4 pq + 3. Lanes take pq's low 2 bits,
 // dq's low 2 bits, then pq's bit 2; warps and passes the rest, so that the 32-bit loads from the

@@ -35,9 +35,9 @@
 #include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/cta_entry.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
+#include "backends/cuda/kernels/fp8_pv_layout.h"
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/prefill.h"
-#include "backends/cuda/kernels/prefill_fp8_tile.cuh"
 #include "backends/cuda/kernels/prefill_tile.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
@@ -45,8 +45,8 @@
 namespace attnrt::cuda {
 
 struct PrefillFp8Config {
-  static constexpr int kHeadDim = kFp8HeadDim;
-  static constexpr int kBN = 64;  // keys per tile: 64-byte rows of the transposed V
+  static constexpr int kHeadDim = 128;  // bytes of a K / Q row: one 128-byte swizzle block
+  static constexpr int kBN = 64;        // keys per tile: 64-byte rows of the transposed V
   static constexpr int kStages = 3;
   static constexpr int kThreads = 128;
   static constexpr int kMinCtas = 2;
@@ -57,11 +57,20 @@ struct PrefillFp8Config {
   static constexpr int kTileBytes = kBN * kHeadDim;
   // Q, then per stage K and the V staging tile, then the transposed V; 1024 bytes of slack (swizzle
   // atoms start on a 1024-byte boundary).
-  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * 2 * kTileBytes + kFp8VtBytes;
+  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * 2 * kTileBytes + kTileBytes;
   static constexpr int kKeysPerPass = kThreads / kChunks;
   static constexpr int kPasses = kBN / kKeysPerPass;
   static_assert(kBN == 64, "the transposed V tile has 64-byte rows (64-byte swizzle)");
 };
+
+// The largest e4m3 value, and the power of two q is multiplied by: amax * scale <= 448.
+inline constexpr float kE4m3Max = 448.f;
+__device__ __forceinline__ float fp8_q_scale(float amax) {
+  if (!(amax > 0.f) || !isfinite(amax)) return 1.f;
+  int e;
+  frexpf(kE4m3Max / amax, &e);  // 448 / amax = m * 2^e, m in [0.5, 1)
+  return exp2f(static_cast<float>(min(max(e - 1, -100), 100)));
+}
 
 template <typename T>
 __global__ void __launch_bounds__(PrefillFp8Config::kThreads, PrefillFp8Config::kMinCtas)
@@ -109,7 +118,9 @@ __global__ void __launch_bounds__(PrefillFp8Config::kThreads, PrefillFp8Config::
       if (t < req.qlen)
         qv[n] = *reinterpret_cast<const uint4*>(q + (req.qo_start + t) * p.q_stride_tok +
                                                 (kvh * G + hg) * p.q_stride_head + c * 8);
-      amax = amax8<T>(qv[n], amax);
+      const T* e = reinterpret_cast<const T*>(&qv[n]);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(to_float(e[k])));
     }
 #pragma unroll
     for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
@@ -122,7 +133,12 @@ __global__ void __launch_bounds__(PrefillFp8Config::kThreads, PrefillFp8Config::
 #pragma unroll
     for (int n = 0; n < QN; ++n) {
       const int i = tid + n * NT, r = i / QCH, c = i % QCH;
-      *reinterpret_cast<uint2*>(smem + q8_offset(r, c)) = quantise8_e4m3<T>(qv[n], qs);
+      const T* e = reinterpret_cast<const T*>(&qv[n]);
+      const uint2 w = make_uint2(pack4_e4m3(to_float(e[0]) * qs, to_float(e[1]) * qs,
+                                            to_float(e[2]) * qs, to_float(e[3]) * qs),
+                                 pack4_e4m3(to_float(e[4]) * qs, to_float(e[5]) * qs,
+                                            to_float(e[6]) * qs, to_float(e[7]) * qs));
+      *reinterpret_cast<uint2*>(smem + swz128_offset(ROWS, r, c >> 1) + (c & 1) * 8) = w;
     }
     fence_proxy_async_smem();
   }
@@ -143,9 +159,25 @@ __global__ void __launch_bounds__(PrefillFp8Config::kThreads, PrefillFp8Config::
                                                            vbase, dk, dk + Cfg::kTileBytes);
   };
 
-  // ---- The V transpose of a stage's staged V tile (transpose_v64).
+  // ---- The V transpose: this thread's 4 x 4 byte blocks (fp8_pv_layout.h: vt_block), key
+  // position p of the transposed tile holding key pv_key(p).
   auto transpose_v = [&](int stage) {
-    transpose_v64(smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes + Cfg::kTileBytes, vt, tid);
+    const unsigned char* sv = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes + Cfg::kTileBytes;
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const VtBlock blk = vt_block(tid, n);
+      uint32_t in[4], out[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        in[i] = *reinterpret_cast<const uint32_t*>(
+            sv + v_stage_offset(pv_key(4 * blk.pq + i), 4 * blk.dq));
+      transpose4x4_bytes(in, out, [](uint32_t x, uint32_t y, uint32_t s) {
+        return static_cast<uint32_t>(__byte_perm(x, y, s));
+      });
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        *reinterpret_cast<uint32_t*>(vt + vt_offset(4 * blk.dq + b, 4 * blk.pq)) = out[b];
+    }
   };
 
 #pragma unroll
@@ -162,6 +194,8 @@ __global__ void __launch_bounds__(PrefillFp8Config::kThreads, PrefillFp8Config::
   // Logits of the fp8 product are qs times the true ones: the scales take 1 / qs.
   const SoftCap cap(p.softcap, p.softmax_scale * inv_qs);
   const float sl = cap.exp_scale(p.scale_log2 * inv_qs);
+  // P' = 2^8 P: weights in [0, 256].
+  constexpr int kPOffset = 8;
 
   float o[MB][1][D / 2];
 #pragma unroll
@@ -188,7 +222,13 @@ __global__ void __launch_bounds__(PrefillFp8Config::kThreads, PrefillFp8Config::
     float s[MB][BN / 2];
     wgmma_fence();
 #pragma unroll
-    for (int mb = 0; mb < MB; ++mb) mma_s_e4m3<BN>(s[mb], sQ + mb * 64 * 128, tK);
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+      for (int kk = 0; kk < D / 32; ++kk) {
+        const uint64_t da = wgmma_desc(sQ + mb * 64 * 128 + kk * 32, 16);
+        const uint64_t db = wgmma_desc(tK + kk * 32, 16);
+        wgmma_ss_e4m3<BN>(s[mb], da, db, kk > 0 ? 1 : 0);
+      }
     wgmma_commit();
     transpose_v(it % ST);
     fence_proxy_async_smem();
@@ -198,26 +238,37 @@ __global__ void __launch_bounds__(PrefillFp8Config::kThreads, PrefillFp8Config::
     // the O rescale.
     cap_and_mask<MB, BN>(s, cap, mask, rows, kb, hi, c4);
     float alpha[MB][2];
-    const bool moved = online_softmax<MB, BN, kFp8POffset>(s, m, l, alpha, sl);
+    const bool moved = online_softmax<MB, BN, kPOffset>(s, m, l, alpha, sl);
     rescale_o<MB, 1, D>(o, alpha, moved);
 
     // ---- O += P V: P' in e4m3 as the register A operand, 32 keys per MMA, against the
     // transposed V (the key order of fp8_pv_layout.h).
     uint32_t pa[MB][BN / 32][4];
 #pragma unroll
-    for (int mb = 0; mb < MB; ++mb) pack_p_e4m3<BN>(s[mb], pa[mb]);
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+      for (int k32 = 0; k32 < BN / 32; ++k32)
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+          const float* x = s[mb] + 16 * k32;
+          pa[mb][k32][a] = pack4_e4m3(x[pv_fragment_index(a, 0)], x[pv_fragment_index(a, 1)],
+                                      x[pv_fragment_index(a, 2)], x[pv_fragment_index(a, 3)]);
+        }
     // Every thread's part of the transposed V is written (and fenced) before any MMA reads it.
     __syncthreads();
     wgmma_fence();
 #pragma unroll
-    for (int mb = 0; mb < MB; ++mb) mma_pv_e4m3<BN>(o[mb][0], pa[mb], sVt);
+    for (int mb = 0; mb < MB; ++mb)
+#pragma unroll
+      for (int k32 = 0; k32 < BN / 32; ++k32)
+        wgmma_rs_e4m3<D>(o[mb][0], pa[mb][k32], wgmma_desc_sw64(sVt + k32 * 32));
     wgmma_commit();
     wgmma_wait<0>();
   }
   cp_async_wait<0>();
 
   // ---- Epilogue: the stored maximum is that of P (m - 8), so that lse and the merge see P.
-  store_prefill_rows<T, D, D, kFp8POffset>(p, req, item, kvh, first_row, g, c4, rows, l, m, o);
+  store_prefill_rows<T, D, D, kPOffset>(p, req, item, kvh, first_row, g, c4, rows, l, m, o);
 }
 
 }  // namespace attnrt::cuda

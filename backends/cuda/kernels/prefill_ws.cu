@@ -4,6 +4,7 @@
 // only: 64 and 128 in ping-pong, 256 without), in one translation unit.
 #include <cudaTypedefs.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdint>
 #include <map>
@@ -17,20 +18,11 @@
 namespace attnrt::cuda {
 namespace {
 
-EnvSwitch g_prefill_ws{"ATTNRT_PREFILL_WS",
-                       kWsAuto,
-                       2,
-                       kWsAuto,
-                       "cuda backend",
-                       "-1 (the plan chooses), 0 (the default prefill CTA), 1 (the "
-                       "warp-specialised CTA) or 2 (it with the ping-pong schedule)"};
-EnvSwitch g_prefill_tma{"ATTNRT_PREFILL_TMA",
-                        0,
-                        1,
-                        1,
-                        "cuda backend",
-                        "1 (the prefill CTA loads whole K/V pages by tensor-map copies where it "
-                        "can) or 0 (cp.async copies everywhere)"};
+// kWsUnread until the first read; then kWsAuto or a forced mode (0, 1, 2).
+constexpr int kWsUnread = -2;
+std::atomic<int> g_prefill_ws{kWsUnread};
+// -1 until the first read; then 0 or 1.
+std::atomic<int> g_prefill_tma{-1};
 
 // The CTAs with a TMA-producer instantiation.
 constexpr bool has_tma_variant(int head_dim, bool ping_pong) {
@@ -210,10 +202,22 @@ AttnCtaEntry prefill_mla_mha_entry(bool fp16) {
                              : mla_entry<PrefillWsMlaCfg<128, 2, false>>(fp16);
 }
 
-int prefill_ws_mode() { return static_cast<int>(g_prefill_ws.get()); }
+int prefill_ws_mode() {
+  int v = g_prefill_ws.load(std::memory_order_relaxed);
+  if (v == kWsUnread) {
+    const auto env = env_integer("ATTNRT_PREFILL_WS", kWsAuto, 2, "cuda backend",
+                                 "-1 (the plan chooses), 0 (the default prefill CTA), 1 (the "
+                                 "warp-specialised CTA) or 2 (it with the ping-pong schedule)");
+    v = env ? static_cast<int>(*env) : kWsAuto;
+    int expected = kWsUnread;
+    // A concurrent set_prefill_ws_mode wins over the environment.
+    if (!g_prefill_ws.compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v;
+}
 
 void set_prefill_ws_mode(int mode) {
-  g_prefill_ws.set(mode >= kWsAuto && mode <= 2 ? mode : kWsAuto);
+  g_prefill_ws.store(mode >= kWsAuto && mode <= 2 ? mode : kWsAuto);
 }
 
 bool prefill_ws_persistent() {
@@ -224,9 +228,21 @@ bool prefill_ws_persistent() {
   return on;
 }
 
-bool prefill_tma_enabled() { return g_prefill_tma.get() != 0; }
+bool prefill_tma_enabled() {
+  int v = g_prefill_tma.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const auto env = env_integer("ATTNRT_PREFILL_TMA", 0, 1, "cuda backend",
+                                 "1 (the prefill CTA loads whole K/V pages by tensor-map copies "
+                                 "where it can) or 0 (cp.async copies everywhere)");
+    v = env ? static_cast<int>(*env) : 1;
+    int expected = -1;
+    // A concurrent set_prefill_tma wins over the environment.
+    if (!g_prefill_tma.compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v != 0;
+}
 
-void set_prefill_tma(bool on) { g_prefill_tma.set(on ? 1 : 0); }
+void set_prefill_tma(bool on) { g_prefill_tma.store(on ? 1 : 0); }
 
 bool prefill_tma_applies(const AttnParams& p, int head_dim, bool ping_pong) {
   const auto aligned = [](const void* ptr) {

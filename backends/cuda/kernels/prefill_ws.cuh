@@ -67,7 +67,6 @@
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/prefill.h"
 #include "backends/cuda/kernels/prefill_store.cuh"
-#include "backends/cuda/kernels/prefill_ws_pipeline.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
 
@@ -99,7 +98,8 @@ struct PrefillWsConfig {
   static constexpr int kStageBytes = kTileBytes + kVTileBytes;
   static constexpr int kRingBytes = STAGES * kStageBytes;
   static constexpr int kSlotBytes = BN * 4;
-  static constexpr int kBarBytes = WsPipe<STAGES>::kBytes;
+  // full[STAGES], empty[STAGES], q full, q empty, unit; then the two unit slots
+  static constexpr int kBarBytes = (2 * STAGES + 3) * 8 + 8;
   static constexpr int kSmemBytes = 1024 + kQBytes + kRingBytes + kSlotBytes + kBarBytes;
   static_assert(kConsumers == 2 && D % 64 == 0 && DV % 64 == 0 && DV <= D && BN % 64 == 0 &&
                 BN <= 128 && STAGES >= 2);
@@ -121,6 +121,29 @@ using PrefillWsCfg =
 template <int BN, int STAGES, bool PP>
 using PrefillWsMlaCfg = PrefillWsConfig<kMlaMhaHeadDim, kMlaMhaVHeadDim, BN, STAGES, PP>;
 
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile(
+      "{\n.reg .b64 st;\nmbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
+      : "memory");
+}
+// Arrives on `bar` once every cp.async this thread issued so far has landed, without raising the
+// pending count (the barrier's expected count covers these arrivals).
+__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits for the completion of the phase of parity `parity`.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
 // Raises the phase's expected transaction bytes by `bytes`, then arrives (one of the counted
 // arrivals).
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -141,6 +164,55 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
+__device__ __forceinline__ void named_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+template <int N>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// One unit of the warp-specialised CTA: work item `unit / num_kv_heads` on KV head
+// `unit % num_kv_heads`, and the keys [lo, hi) of its split, as prefill_kernel cuts them.
+struct WsUnit {
+  int kvh;
+  WorkItem item;
+  ReqInfo req;
+  int lo, hi, num_tiles;
+};
+
+// TILED: the window's first key rounded down to a multiple of BN (the TMA producer loads whole
+// pages from a tile's first key on).
+template <int ROWS, int BN, bool TILED>
+__device__ __forceinline__ WsUnit ws_unit(const AttnParams& p, int unit) {
+  WsUnit u;
+  if (p.item_heads) {
+    u.item = p.work[unit];
+    u.kvh = u.item.kvh;
+  } else {
+    u.kvh = unit % p.num_kv_heads;
+    u.item = p.work[unit / p.num_kv_heads];
+  }
+  u.req = p.reqs[u.item.req];
+  const int G = p.group;
+  const int t_first = u.item.f0 / G;
+  const int t_last = min(u.req.qlen - 1, (u.item.f0 + ROWS - 1) / G);
+  KeyRange keys = Mask<false>{p, u.req}.span(t_first, t_last);
+  if constexpr (TILED) keys.lo = keys.lo / BN * BN;
+  const KeyRange k = split_keys(keys, u.req.num_splits, u.item.split, BN);
+  u.lo = k.lo;
+  u.hi = k.hi;
+  u.num_tiles = k.hi > k.lo ? (k.hi - k.lo + BN - 1) / BN : 0;
+  return u;
+}
+
 // The tensor maps of the TMA producer over the layer's K and V pools (see the header comment);
 // unused (zeros) by the cp.async producer.
 struct WsTensorMaps {
@@ -163,27 +235,50 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const uint32_t sQ = raw + pad;
   const uint32_t sKV = sQ + Cfg::kQBytes;
   int32_t* sSlot = reinterpret_cast<int32_t*>(smem + Cfg::kQBytes + Cfg::kRingBytes);
-  constexpr int kBarOffset = Cfg::kQBytes + Cfg::kRingBytes + Cfg::kSlotBytes;
-  WsPipe<ST> w(sQ + kBarOffset, smem + kBarOffset);
+  const uint32_t sBar = sKV + Cfg::kRingBytes + Cfg::kSlotBytes;
+  auto full_bar = [&](int s) { return sBar + 8 * s; };
+  auto empty_bar = [&](int s) { return sBar + 8 * (ST + s); };
+  const uint32_t q_bar = sBar + 8 * 2 * ST;
+  const uint32_t q_empty = q_bar + 8;
+  const uint32_t unit_bar = q_bar + 16;
+  volatile int32_t* unit_slot = reinterpret_cast<volatile int32_t*>(
+      smem + Cfg::kQBytes + Cfg::kRingBytes + Cfg::kSlotBytes + (2 * ST + 3) * 8);
 
   const int tid = threadIdx.x, wg = tid >> 7;
-  w.init(tid, TMA ? 129 : 128, 128, Cfg::kConsumers);
+  if (tid == 0) {
+    for (int s = 0; s < ST; ++s) {
+      mbar_init(full_bar(s), TMA ? 129 : 128);
+      mbar_init(empty_bar(s), 4 * Cfg::kConsumers);
+    }
+    mbar_init(q_bar, 128);
+    mbar_init(q_empty, 4 * Cfg::kConsumers);
+    mbar_init(unit_bar, 1);
+  }
+  __syncthreads();
 
   // A plain launch (the 128-row prefill is never a dependent): both calls are no-ops there, kept
   // at the point prefill_kernel has them so the PDL rules stay those of dependent_launch.cuh.
   grid_dependency_wait();
   launch_dependent_grids();
-  // The CTA's units (work item, KV head), walked as prefill_ws_pipeline.cuh says: tickets in list
-  // order (heaviest items first). The K/V ring's stages and phases run on across units
-  // (WsPipe::tile_base), and so do the phases of the Q barriers (q full: its n-th completion;
-  // q empty: the consumers are done reading Q of unit n, which also means they read unit n's slot,
-  // so the producer, one unit ahead at most, never overwrites a slot still to be read). Each role
-  // walks the units in its own loop, after its setmaxnreg, so that ptxas allocates each loop under
-  // its own register count.
+  // The CTA's units (work item, KV head): first unit blockIdx.x, then tickets handed out in list
+  // order (heaviest items first) by an atomic counter (p.sched), fetched by producer thread 0
+  // while the current unit's tiles are issued. Thread 0 publishes the n-th unit of the CTA in
+  // unit_slot[n & 1] and arrives on the unit barrier (its n-th phase); the consumers read it
+  // there. A unit >= num_units ends both loops. The K/V ring's stages and phases run on across
+  // units (tile_base: the tiles of the CTA's earlier units), and so do the phases of the Q
+  // barriers (q full: its n-th completion; q empty: the consumers are done reading Q of unit n,
+  // which also means they read unit n's slot, so the producer, one unit ahead at most, never
+  // overwrites a slot still to be read). Each role walks the units in its own loop, after its
+  // setmaxnreg, so that ptxas allocates each loop under its own register count.
   const int G = p.group;
   // The mask's flags, read once (the scalar rule of common/mask.cuh; chain rows only here).
   const bool causal = p.causal != 0;
   const bool windowed = causal && p.window >= 0;
+  // The ring position of tile `it` of the current unit (each thread has one role, so one
+  // counter serves both loops).
+  int tile_base = 0;
+  auto stage_of = [&](int it) { return (tile_base + it) % ST; };
+  auto parity_of = [&](int it) { return static_cast<uint32_t>((tile_base + it) / ST) & 1u; };
   if (wg == 0) {
     setmaxnreg_dec<Cfg::kProducerRegs>();
     if constexpr (TMA) {
@@ -194,15 +289,43 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     int ticket = blockIdx.x;  // thread 0: the CTA's next unit
     for (int n = 0;; ++n) {
-      const int unit = ws_publish_unit(w, n, ticket, tid);
+      if (n > 0) mbar_wait(q_empty, (n - 1) & 1);  // Q of the previous unit is no longer read
+      if (tid == 0) {
+        unit_slot[n & 1] = ticket;
+        mbar_arrive(unit_bar);
+      }
+      named_bar_sync(1, 128);
+      const int unit = unit_slot[n & 1];
       if (unit >= num_units) break;
       const WsUnit u = ws_unit<ROWS, BN, TMA>(p, unit);
       const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
+      const WorkItem item = u.item;
+      const ReqInfo req = u.req;
       {
         // ================= producer =================
-        write_back_committed_pages(p, u.req, u.item, kvh, tid, 128);
-        ws_take_ticket(p, tid, ticket);
-        ws_load_q<T, D, ROWS>(p, u, smem, w.q_full(), tid);
+        write_back_committed_pages(p, req, item, kvh, tid, 128);
+        // The next ticket, in flight while this unit's copies are issued.
+        if (tid == 0) ticket = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
+        {
+          const T* q = static_cast<const T*>(p.q);
+#pragma unroll 4
+          for (int i = tid; i < ROWS * CH; i += 128) {
+            const int r = i / CH, c = i % CH;
+            const int f = item.f0 + r, t = f / G, hg = f - t * G;
+            const bool valid = t < req.qlen;
+            const T* src = valid ? q + (req.qo_start + t) * p.q_stride_tok +
+                                       (kvh * G + hg) * p.q_stride_head + c * 8
+                                 : q;
+            cp_async_16(smem + swz128_offset(ROWS, r, c), src, valid);
+          }
+          mbar_arrive_cp_async(q_bar);
+        }
+        const int pmask = (1 << p.page_shift) - 1;
+        // The row of key j of the unit's request.
+        auto key_slot = [&](int j) -> int64_t {
+          return p.kv_ragged ? int64_t{req.pt_start} + j
+                             : slot_of_page(p, pmask, page_id(p, req, j >> p.page_shift), j);
+        };
         const T* kbase = static_cast<const T*>(p.k) + kvh * D;
         const T* vbase = static_cast<const T*>(p.v) + kvh * DV;
         if constexpr (TMA) {
@@ -214,32 +337,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           auto resolve_chunk = [&](int it) -> int32_t {
             const int j0 = lo + it * BN + (tid << pshift);
             if (tid >= (BN >> pshift) || it >= num_tiles || j0 + P > hi) return -1;
-            return static_cast<int32_t>(ws_key_slot(p, u.req, j0));
+            return static_cast<int32_t>(key_slot(j0));
           };
           int32_t next_slot = resolve_chunk(0);
           for (int it = 0; it < num_tiles; ++it) {
-            const int stage = w.stage(it);
+            const int stage = stage_of(it);
             const int kb = lo + it * BN;
             const int tma_rows = min(BN, hi - kb) & ~(P - 1);  // whole chunks below hi
             // The last tile: rows tma_rows .. BN - 1 hold the partial page at hi (keys j_tail ..
             // hi - 1, one page; its first slot looked up while the stage drains) and zeros past hi.
             const int j_tail = kb + tma_rows;
             const int64_t tail_slot =
-                tma_rows < BN && j_tail < hi ? ws_key_slot(p, u.req, j_tail) : 0;
-            if (w.tile_base + it >= ST) mbar_wait(w.empty(stage), w.parity(it) ^ 1u);
+                tma_rows < BN && j_tail < hi
+                    ? key_slot(j_tail)
+                    : 0;
+            if (tile_base + it >= ST) mbar_wait(empty_bar(stage), parity_of(it) ^ 1u);
             const int32_t slot = next_slot;
             next_slot = resolve_chunk(it + 1);  // in flight while this tile's copies are issued
             const uint32_t dk = sKV + stage * Cfg::kStageBytes, dv = dk + Cfg::kTileBytes;
             // The tile's TMA bytes are expected before any of its boxes is issued.
-            if (tid == 0) mbar_arrive_expect_tx(w.full(stage), tma_rows * (D + DV) * 2);
+            if (tid == 0) mbar_arrive_expect_tx(full_bar(stage), tma_rows * (D + DV) * 2);
             __syncwarp();
             if ((tid << pshift) < tma_rows) {
               const uint32_t r0 = (tid << pshift) * 128;
 #pragma unroll
               for (int cb = 0; cb < D / 64; ++cb) {
-                tma_load_3d(dk + cb * BN * 128 + r0, &maps.k, cb * 64, kvh, slot, w.full(stage));
+                tma_load_3d(dk + cb * BN * 128 + r0, &maps.k, cb * 64, kvh, slot, full_bar(stage));
                 if (cb < DV / 64)
-                  tma_load_3d(dv + cb * BN * 128 + r0, &maps.v, cb * 64, kvh, slot, w.full(stage));
+                  tma_load_3d(dv + cb * BN * 128 + r0, &maps.v, cb * 64, kvh, slot,
+                              full_bar(stage));
               }
             }
             if (tma_rows < BN) {
@@ -257,25 +383,64 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                               valid);
               }
             }
-            mbar_arrive_cp_async(w.full(stage));
+            mbar_arrive_cp_async(full_bar(stage));
           }
         } else {
-          ws_produce_tiles<BN>(p, w, u, sSlot, tid, [&](int, int stage) {
+          auto resolve = [&](int it) -> int32_t {
+            const int j = lo + it * BN + tid;
+            if (tid >= BN || it >= num_tiles || j >= hi) return -1;
+            return static_cast<int32_t>(key_slot(j));
+          };
+          int32_t next_slot = resolve(0);
+          for (int it = 0; it < num_tiles; ++it) {
+            const int stage = stage_of(it);
+            if (tile_base + it >= ST) mbar_wait(empty_bar(stage), parity_of(it) ^ 1u);
+            named_bar_sync(1, 128);  // every producer thread is done reading the previous slots
+            if (tid < BN) sSlot[tid] = next_slot;
+            named_bar_sync(1, 128);
+            next_slot = resolve(it + 1);  // in flight while this tile's copies are issued
             unsigned char* dk = smem + Cfg::kQBytes + stage * Cfg::kStageBytes;
-            ws_copy_tile<BN, CH, CHV>(p, sSlot, kbase, vbase, dk, dk + Cfg::kTileBytes, tid);
-            mbar_arrive_cp_async(w.full(stage));
-          });
+            unsigned char* dv = dk + Cfg::kTileBytes;
+#pragma unroll 2
+            for (int i = tid; i < BN * CH; i += 128) {
+              const int key = i / CH, c = i % CH;
+              const int32_t sl = sSlot[key];
+              const bool valid = sl >= 0;
+              const int64_t s = valid ? sl : 0;
+              const uint32_t so = swz128_offset(BN, key, c);
+              cp_async_16(dk + so, kbase + s * p.k_row_stride + c * 8, valid);
+              if (CHV == CH || c < CHV) cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 8, valid);
+            }
+            mbar_arrive_cp_async(full_bar(stage));
+          }
         }
       }
-      w.tile_base += num_tiles;
+      tile_base += num_tiles;
     }
-    ws_producer_exit(p, tid);
+    if (tid == 0) {
+      // This CTA takes no more tickets; the last CTA to get here zeroes the counters for the
+      // next launch (every other CTA's last ticket came before its count).
+      __threadfence();
+      if (atomicAdd(p.sched + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+        atomicExch(p.sched, 0);
+        atomicExch(p.sched + 1, 0);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its issuing thread
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
-    const int cw = (tid - 128) >> 7;
-    if constexpr (Cfg::kPingPong) ws_turns_begin(cw);
+    // Ping-pong: the turns alternate over all the CTA's units, the first consumer first (the
+    // second consumer's hand-over here) and taking the second's last hand-over after the last
+    // unit. Pairing them per unit instead would let the second consumer's hand-over for the next
+    // unit land on the same barrier phase as its last one of this unit (both are arrivals of
+    // barrier 2: 256 threads counted without the first consumer's wait).
+    const int consumer = (tid - 128) >> 7;
+    if constexpr (Cfg::kPingPong) {
+      if (consumer == 1) named_bar_arrive(2, 256);
+    }
     for (int n = 0;; ++n) {
-      const int unit = ws_read_unit(w, n);
+      mbar_wait(unit_bar, n & 1);
+      const int unit = unit_slot[n & 1];
       if (unit >= num_units) break;
       const WsUnit u = ws_unit<ROWS, BN, TMA>(p, unit);
       const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
@@ -283,7 +448,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const ReqInfo req = u.req;
       {
         // ================= consumers =================
-        const int ct = tid - 128, lane = ct & 31, wq = (ct >> 5) & 3;
+        const int ct = tid - 128, lane = ct & 31, wq = (ct >> 5) & 3, cw = ct >> 7;
         const int g = lane >> 2, c4 = lane & 3;
         const int wg_row0 = cw * 64;
         const int r0 = item.f0 + wg_row0 + wq * 16;
@@ -309,16 +474,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           for (int i = 0; i < ON / 2; ++i) o[nb][i] = 0.f;
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-        const WsRun run = ws_tile_run(num_tiles, [&](int it) {
-          return wg_idle || tile_hidden(causal, windowed, p.window, req.prefix, lo + it * BN, BN,
-                                        gt_lo, gt_hi);
-        });
-        mbar_wait(w.q_full(), n & 1);
+        mbar_wait(q_bar, n & 1);
 
-        auto tile_k = [&](int stage) { return sKV + stage * Cfg::kStageBytes; };
         // S = Q K^T (64 rows x BN keys) issued as one wgmma group.
-        auto issue_s = [&](float(&s)[BN / 2], int stage) {
-          const uint32_t tK = tile_k(stage);
+        auto issue_s = [&](float(&s)[BN / 2], uint32_t tK) {
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < D / 16; ++kk) {
@@ -330,8 +489,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           wgmma_commit();
         };
         // O += P V, P from registers, issued as one wgmma group.
-        auto issue_pv = [&](const uint32_t(&pa)[BN / 16][4], int stage) {
-          const uint32_t tV = tile_k(stage) + Cfg::kTileBytes;
+        auto issue_pv = [&](const uint32_t(&pa)[BN / 16][4], uint32_t tV) {
           wgmma_fence();
 #pragma unroll
           for (int k16 = 0; k16 < BN / 16; ++k16)
@@ -346,8 +504,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // Softcap, the mask of tiles that need one, then the online softmax in log2 units: s
         // becomes the tile's probabilities, m and l move, alpha is the factor of the O rows (moved:
         // some row maximum of the warp changed).
-        auto softmax_tile = [&](float(&s)[BN / 2], int it, float(&alpha)[2]) -> bool {
-          const int kb = lo + it * BN;
+        auto softmax_tile = [&](float(&s)[BN / 2], int kb, float(&alpha)[2]) -> bool {
           if (cap.on) {
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) s[i] = cap(s[i]);
@@ -409,8 +566,120 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             pa[k16][3] = pack2<T>(s[8 * k16 + 6], s[8 * k16 + 7]);
           }
         };
-        ws_consume_tiles<Cfg::kPingPong, float[BN / 2], uint32_t[BN / 16][4], float[2]>(
-            w, num_tiles, run, cw, lane, issue_s, issue_pv, softmax_tile, rescale_o, pack_p);
+        // This warp is done with the stage (its MMAs on it have completed).
+        auto release = [&](int stage) {
+          if (lane == 0) mbar_arrive(empty_bar(stage));
+        };
+        auto skips = [&](int kb) {
+          return wg_idle ||
+                 tile_hidden(causal, windowed, p.window, req.prefix, kb, BN, gt_lo, gt_hi);
+        };
+        auto tile_k = [&](int stage) { return sKV + stage * Cfg::kStageBytes; };
+        // The tiles this consumer's rows can see are one run [it_begin, it_end) (the window cuts a
+        // prefix, the diagonal a suffix). Once the run's last S = Q K^T has completed, Q is read no
+        // more: the warp tells the producer (q empty), which loads the next unit's Q while this
+        // unit's last P V and epilogue run.
+        int it_begin = num_tiles, it_end = num_tiles;
+        for (int it = 0; it < num_tiles; ++it) {
+          if (!skips(lo + it * BN)) {
+            if (it_begin == num_tiles) it_begin = it;
+            it_end = it + 1;
+          }
+        }
+        auto q_done = [&] {
+          if (lane == 0) mbar_arrive(q_empty);
+        };
+        if (it_begin == it_end) q_done();
+
+        if constexpr (!Cfg::kPingPong) {
+          for (int it = 0; it < num_tiles; ++it) {
+            const int stage = stage_of(it);
+            const int kb = lo + it * BN;
+            mbar_wait(full_bar(stage), parity_of(it));
+            if (!skips(kb)) {
+              fence_proxy_async_smem();
+              float s[BN / 2];
+              issue_s(s, tile_k(stage));
+              wgmma_wait<0>();
+              if (it == it_end - 1) q_done();
+              float alpha[2];
+              if (softmax_tile(s, kb, alpha)) rescale_o(alpha);
+              uint32_t pa[BN / 16][4];
+              pack_p(s, pa);
+              issue_pv(pa, tile_k(stage) + Cfg::kTileBytes);
+              wgmma_wait<0>();
+            }
+            release(stage);
+          }
+        } else {
+          // Ping-pong: the consumers take turns on the tensor cores (named barrier 2 + consumer),
+          // and within a consumer tile i's S = Q K^T is issued together with the previous tile's O
+          // += P V, so the softmax of one consumer overlaps the MMAs of the other. Every consumer
+          // takes its turn on every tile, with MMAs or not, so the turns stay paired (the first
+          // and last hand-overs are outside the unit loop). The MMAs of the run [it_begin,
+          // it_end) are issued on straight-line paths (a conditional wgmma makes ptxas serialise
+          // them).
+          auto turn_sync = [&] {
+            if (cw == 0)
+              named_bar_sync(2, 256);
+            else
+              named_bar_sync(3, 256);
+          };
+          auto turn_pass = [&] {
+            if (cw == 0)
+              named_bar_arrive(3, 256);
+            else
+              named_bar_arrive(2, 256);
+          };
+          // A tile outside the run: the turn, then the stage goes back once its copies landed.
+          auto pass_tile = [&](int it) {
+            mbar_wait(full_bar(stage_of(it)), parity_of(it));
+            turn_sync();
+            turn_pass();
+            release(stage_of(it));
+          };
+          for (int it = 0; it < it_begin; ++it) pass_tile(it);
+          if (it_begin < it_end) {
+            uint32_t pa[BN / 16][4];
+            {
+              const int stage = stage_of(it_begin);
+              mbar_wait(full_bar(stage), parity_of(it_begin));
+              fence_proxy_async_smem();
+              float s[BN / 2];
+              turn_sync();
+              issue_s(s, tile_k(stage));
+              turn_pass();
+              wgmma_wait<0>();
+              if (it_begin == it_end - 1) q_done();
+              float alpha[2];
+              if (softmax_tile(s, lo + it_begin * BN, alpha)) rescale_o(alpha);
+              pack_p(s, pa);
+            }
+            for (int it = it_begin + 1; it < it_end; ++it) {
+              const int stage = stage_of(it), prev = stage_of(it - 1);
+              mbar_wait(full_bar(stage), parity_of(it));
+              fence_proxy_async_smem();
+              float s[BN / 2];
+              turn_sync();
+              issue_s(s, tile_k(stage));
+              issue_pv(pa, tile_k(prev) + Cfg::kTileBytes);
+              turn_pass();
+              wgmma_wait<1>();  // S, the older group, has completed
+              if (it == it_end - 1) q_done();
+              float alpha[2];
+              const bool moved = softmax_tile(s, lo + it * BN, alpha);
+              wgmma_wait<0>();
+              release(prev);
+              if (moved) rescale_o(alpha);
+              pack_p(s, pa);
+            }
+            const int last = stage_of(it_end - 1);
+            issue_pv(pa, tile_k(last) + Cfg::kTileBytes);
+            wgmma_wait<0>();
+            release(last);
+          }
+          for (int it = it_end; it < num_tiles; ++it) pass_tile(it);
+        }
 
         // ---- Epilogue, as prefill_kernel's for one m64 block.
 #pragma unroll
@@ -424,19 +693,41 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           store_prefill_row<T, DV, ON>(p, req, item.split, t, kvh * G + hg, c4, h, ll, m[h], o);
         }
       }
-      w.tile_base += num_tiles;
+      tile_base += num_tiles;
     }
-    if constexpr (Cfg::kPingPong) ws_turns_end(cw);
+    if constexpr (Cfg::kPingPong) {
+      if (consumer == 0) named_bar_sync(2, 256);
+    }
   }
 }
 
-// The launch (launch_ws_units); TMA: the TMA producer over `maps` (prefill_tma_applies must hold
-// for p).
+// The launch over num_items x num_kv_heads units: persistent, as many CTAs as are resident at
+// once (one per SM) taking units from the ticket counter, when there are more than
+// kPersistentMinWaves units per resident CTA; otherwise (or when `persistent` is off) one CTA per
+// unit. On the H200 the persistent grid is 3-14% faster from 8 units per SM up (1x4096 at d128:
+// 347 against 324 TFLOP/s) and 6% slower at 1x1024 (512 units, ~4 per SM). p.sched must hold
+// two zeroed words (see AttnParams).
+constexpr int kPersistentMinWaves = 4;
+
+// TMA: the TMA producer over `maps` (prefill_tma_applies must hold for p).
 template <typename T, typename Cfg, bool TMA>
 cudaError_t launch_prefill_ws_cfg(const AttnParams& p, const WsTensorMaps& maps, int num_items,
                                   bool persistent, cudaStream_t stream) {
-  return launch_ws_units<prefill_ws_kernel<T, Cfg, TMA>, Cfg>(p, num_items, persistent, stream,
-                                                              maps);
+  constexpr auto kernel = prefill_ws_kernel<T, Cfg, TMA>;
+  if (p.sched == nullptr) return cudaErrorInvalidValue;
+  const cudaError_t attr = allow_dynamic_smem<kernel>(Cfg::kSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  const int units = p.item_heads ? num_items : num_items * p.num_kv_heads;
+  int ctas = units;
+  if (persistent) {
+    const int sms = sm_count();
+    if (sms <= 0) return cudaErrorInvalidDevice;
+    static const int per_sm = resident_ctas<kernel>(Cfg::kThreads, Cfg::kSmemBytes);
+    if (units > kPersistentMinWaves * sms * per_sm) ctas = sms * per_sm;
+  }
+  const dim3 grid(static_cast<unsigned>(std::min(units, ctas)));
+  return launch_kernel(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, false, p, units,
+                       maps);
 }
 
 }  // namespace attnrt::cuda
