@@ -288,9 +288,18 @@ std::vector<Workload> standard_workloads() {
   return rows;
 }
 
+// The same row over an e4m3 KV cache without the fp8 prefill kernel: what a backend does with an
+// fp8 cache by default (on cuda, the mma.sync CTA converting K / V in shared memory).
+Workload fp8_kv(Workload w) {
+  w.kv_dtype = DType::e4m3;
+  w.name += "-kvfp8";
+  return w;
+}
+
 std::vector<Workload> fp8_prefill_workloads() {
   return {fp8_prefill(prefill(1, 4096, 128)), fp8_prefill(prefill(1, 16384, 128)),
-          fp8_prefill(prefill(8, 2048, 128)), fp8_prefill(extend(8, 2048, 512))};
+          fp8_prefill(prefill(8, 2048, 128)), fp8_prefill(extend(8, 2048, 512)),
+          fp8_kv(prefill(1, 16384, 128)),     fp8_kv(extend(8, 2048, 512))};
 }
 
 std::vector<Workload> long_decode_workloads() {
@@ -340,7 +349,8 @@ std::vector<Workload> select_workloads(std::string_view selector) {
   return select_rows(
       selector, attention_workloads(),
       [](const Workload& w, std::string_view item) {
-        if (w.fp8_prefill) return item == w.name || item == "fp8-prefill";
+        if (w.fp8_prefill || (w.kind != WorkloadKind::decode && w.kv_dtype == DType::e4m3))
+          return item == w.name || item == "fp8-prefill";
         if (is_long_decode(w)) return item == w.name || item == "long-decode";
         return item == "all" || item == w.name || item == workload_kind_name(w.kind) ||
                (item == "verify" && is_verify(w.kind));
