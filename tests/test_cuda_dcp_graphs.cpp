@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -28,7 +29,9 @@
 #include "attnrt/runtime/dcp.h"
 #include "tests/dcp_steps.h"
 #include "tests/test_cuda_util.h"
+#include "tests/test_sim_util.h"
 #include "tests/test_util.h"
+#include "tools/sim/driver.h"
 
 #ifdef ATTNRT_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -727,6 +730,42 @@ TEST(CudaDcpNcclGraphs, OneRankGraphReplaysDecodes) {
   for (int step = 0; step < 4; ++step) {
     for (int32_t& l : len) ++l;
     h.run(make_decode_batch(rows, len), &g, "decode " + std::to_string(step));
+  }
+}
+
+// `attnrt run --dcp-size 2 --attention-backend cuda`: the ranks replay their DECODE and
+// TARGET_VERIFY steps from graphs they capture (chains at page 16, trees at page 1; the demo
+// model's window layer at page 1), every layer compared with the single runtime; the notes say how
+// many steps replayed graphs.
+TEST(CudaDcpRun, CudaRanksReplayDecodeAndVerifyGraphs) {
+  SKIP_WITHOUT_GPU();
+  for (const int topk : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << "topk " << topk);
+    Options o = test::speculative_options("cuda", topk);
+    o.page_size = topk == 1 ? 16 : 1;
+    o.dcp_size = 2;
+    sim::RunConfig rc = test::small_run_config(4096, 2, 17 + topk);
+    rc.scheduler.spec.accept_prob = 0.7;
+    ModelSpec model = model_preset("demo");
+    if (o.page_size > 1) {  // a window's key lists need page size 1 on cuda ranks
+      std::erase_if(model.layers, [](const LayerSpec& l) { return l.sliding_window >= 0; });
+      for (size_t i = 0; i < model.layers.size(); ++i)
+        model.layers[i].layer_id = static_cast<int>(i);
+    }
+    const sim::RunReport r = sim::run_trace(model, o, test::four_request_trace("dcp-run"), rc);
+    EXPECT_TRUE(r.ok()) << sim::format_report(r);
+    std::string note;
+    for (const std::string& n : r.notes) {
+      if (n.rfind("dcp: CUDA graphs: ", 0) == 0) note = n;
+    }
+    ASSERT_FALSE(note.empty()) << sim::format_report(r);
+    EXPECT_GT(std::atoi(note.c_str() + std::strlen("dcp: CUDA graphs: ")), 0) << note;
+    bool compared = false;
+    for (const std::string& n : r.notes) {
+      compared = compared || (n.rfind("dcp: 2 simulated ranks", 0) == 0 &&
+                              n.find(" 0 beyond tolerance") != std::string::npos);
+    }
+    EXPECT_TRUE(compared) << sim::format_report(r);
   }
 }
 
