@@ -341,13 +341,15 @@ class GraphHarness {
       test::expect_close(out, x.oute.view(), kOutTol, layer + ": graphed vs eager group out");
       test::expect_close(lse, x.lsee.view(), kLseTol, layer + ": graphed vs eager group lse");
       test::expect_close(x.oute.view(), x.out1.view(), kOutTol, layer + ": eager group out");
-      // Rows past the step's tokens: no entry on any rank, merged to 0 with lse -inf.
+      // Rows past the step's tokens: no entry on any rank, merged to 0 with lse -inf (the
+      // sink's logit, on a layer with sinks: the merge of nothing but the sink).
       const int hq = l.num_q_heads, dv = static_cast<int>(x.outg.view().shape[2]);
       int64_t bad = 0, first_bad = -1;
       for (int64_t t = T; t < rows; ++t) {
         for (int h = 0; h < hq; ++h) {
-          bool ok =
-              x.lseg.view().ptr<float>()[t * hq + h] == -std::numeric_limits<float>::infinity();
+          const float want_lse =
+              l.has_sinks ? io_[i].host_sinks[h] : -std::numeric_limits<float>::infinity();
+          bool ok = x.lseg.view().ptr<float>()[t * hq + h] == want_lse;
           for (int j = 0; j < dv; ++j) {
             ok = ok && load_as_float(x.outg.view().data, DType::bf16,
                                      static_cast<size_t>((t * hq + h) * dv + j)) == 0.f;
@@ -356,7 +358,8 @@ class GraphHarness {
         }
       }
       EXPECT_EQ(bad, 0) << layer << ": " << bad << " (row, head) pairs past the step's " << T
-                        << " tokens are not 0 with lse -inf, the first in row " << first_bad;
+                        << " tokens are not 0 with lse -inf (or the sink), the first in row "
+                        << first_bad;
     }
     one_->end_step();
     eager_.end();

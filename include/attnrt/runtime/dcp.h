@@ -163,9 +163,10 @@ class DcpRank {
   //                                  GPU tensors of `tokens` rows (q / k / v / out / lse: the
   //                                  engine's static tensors; sinks on the GPU), then end_step
   //   begin_replay_step(batch, tokens)  before every replay: the real step (at most `tokens`
-  //                                  tokens; rows past them come out as 0 with lse -inf): its
-  //                                  slots, key lists and entry lists, written into the fixed
-  //                                  buffers by stream-ordered copies from pinned staging; then
+  //                                  tokens; rows past them come out as 0, lse -inf or the
+  //                                  sink's logit): its slots, key lists and entry lists,
+  //                                  written into the fixed buffers by stream-ordered copies
+  //                                  from pinned staging; then
   //                                  the graph's launch on the rank's stream, then end_step
   // Eager steps (begin_step) go on alongside, with buffers of their own. Throws attnrt::Error,
   // changing nothing, when graphs are off (cuda_graphs_off_reason()), for tokens beyond
