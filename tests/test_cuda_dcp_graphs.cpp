@@ -153,7 +153,6 @@ class GraphHarness {
         eager_(std::move(eager)),
         graphed_(std::move(graphed)),
         stream_(stream),
-        max_rows_(max_rows),
         rng_(seed) {
     Options one;
     one.attention_backend = "reference";
@@ -378,7 +377,6 @@ class GraphHarness {
   ModelSpec model_;
   Group eager_, graphed_;
   cudaStream_t stream_;
-  int max_rows_;
   std::mt19937 rng_;
   std::unique_ptr<AttentionRuntime> one_;
   std::vector<LayerIo> io_;
