@@ -752,6 +752,102 @@ TEST(Dcp, ReservePrefixAllocatesEachRanksColumns) {
   test::expect_error([&] { g.reserve_prefix(1, 65); }, {"65 tokens", "max_context_len = 64"});
 }
 
+// The fixed buffers of a rank's CUDA-graph steps (docs/dcp.md "CUDA graphs") hold the largest
+// layer of each: 6 / 2 heads of 16 (the q rows, the partial and the send buffer), the 4 / 4 heads
+// with v_head_dim 12 (v rows), the uneven split of 6 heads over 4 ranks (1, 2, 1, 2: the
+// receive buffer), one entry list per window; MLA gathers no v. Activations at the model's dtype,
+// at least 2 bytes.
+TEST(DcpGraph, SizesHoldTheLargestLayerOfEachBuffer) {
+  const DcpGraphSizes s0 = dcp_graph_sizes(gqa_model(), 4, 0, 5);
+  const DcpGraphSizes s1 = dcp_graph_sizes(gqa_model(), 4, 1, 5);
+  EXPECT_EQ(s1.tokens, 5);
+  EXPECT_EQ(s1.gather[0], 5u * 6 * 16 * 4);  // q of layer 0
+  EXPECT_EQ(s1.gather[1], 5u * 2 * 16 * 4);  // k: 2 x 16 = 4 x 8 per row
+  EXPECT_EQ(s1.gather[2], 5u * 4 * 12 * 4);  // v of layer 1
+  EXPECT_EQ(s1.out, 5u * 6 * 16 * 4);
+  EXPECT_EQ(s1.lse, 5u * 6 * 4);
+  EXPECT_EQ(s1.send, 5u * 6 * 17 * 4);      // every head, dv + 1 floats
+  EXPECT_EQ(s0.recv, 4u * 5 * 1 * 17 * 4);  // rank 0 merges 1 head of layer 0 (and of 2)
+  EXPECT_EQ(s1.recv, 4u * 5 * 2 * 17 * 4);  // rank 1 merges 2 of layer 0
+  EXPECT_EQ(s1.index, 2u * 5 * 8);
+  EXPECT_EQ(s1.parts, 2);  // full attention and the window of 9
+  EXPECT_EQ(s1.total(), s1.gather[0] + s1.gather[1] + s1.gather[2] + s1.out + s1.lse + s1.send +
+                            s1.recv + 2 * s1.index);
+  // Rows scale every buffer; bf16 activations take 2 bytes, fp32 ones (lse, partials) stay 4.
+  ModelSpec half = gqa_model();
+  half.dtype = DType::bf16;
+  const DcpGraphSizes h = dcp_graph_sizes(half, 4, 1, 10);
+  EXPECT_EQ(h.gather[0], 10u * 6 * 16 * 2);
+  EXPECT_EQ(h.out, 10u * 6 * 16 * 2);
+  EXPECT_EQ(h.send, 2 * s1.send);
+  EXPECT_EQ(h.recv, 2 * s1.recv);
+  ModelSpec fp8 = gqa_model();
+  fp8.dtype = DType::e4m3;
+  EXPECT_EQ(dcp_graph_sizes(fp8, 4, 1, 5).gather[0], 5u * 6 * 16 * 2);
+  const DcpGraphSizes m = dcp_graph_sizes(mla_model(), 2, 1, 3);
+  EXPECT_EQ(m.gather[0], 3u * 5 * 40 * 4);
+  EXPECT_EQ(m.gather[1], 3u * 1 * 40 * 4);  // the latent rows
+  EXPECT_EQ(m.gather[2], 0u);               // V is a view of them
+  EXPECT_EQ(m.out, 3u * 5 * 32 * 4);
+  EXPECT_EQ(m.recv, 2u * 3 * 3 * 33 * 4);  // rank 1 merges heads 2..4
+  EXPECT_EQ(m.parts, 1);
+  test::expect_error([] { dcp_graph_sizes(mla_model(), 2, 0, 0); }, {"0 tokens"});
+  test::expect_error([] { dcp_graph_sizes(mla_model(), 2, 2, 4); }, {"rank 2 of 2"});
+}
+
+// The entry list the device work reads: an eager step's entries then each row's entry (-1: no
+// entry here); a graph step's padded to the captured rows with row 0, which no row maps to.
+TEST(DcpGraph, EntryListsPadToTheCapturedRows) {
+  const std::vector<int64_t> rows = {3, 0, 4};
+  std::vector<int64_t> eager(3 + 6, 99), graph(6 + 6, 99), none(4 + 4, 99);
+  dcp_entry_list(rows, 3, 6, eager.data());
+  EXPECT_EQ(eager, (std::vector<int64_t>{3, 0, 4, 1, -1, -1, 0, 2, -1}));
+  dcp_entry_list(rows, 6, 6, graph.data());
+  EXPECT_EQ(graph, (std::vector<int64_t>{3, 0, 4, 0, 0, 0, 1, -1, -1, 0, 2, -1}));
+  dcp_entry_list({}, 4, 4, none.data());  // a rank without a key for any row: every row empty
+  EXPECT_EQ(none, (std::vector<int64_t>{0, 0, 0, 0, -1, -1, -1, -1}));
+  std::vector<int64_t> buf(16);
+  test::expect_error([&] { dcp_entry_list(rows, 2, 6, buf.data()); }, {"3 entries in a list of 2"});
+  test::expect_error([&] { dcp_entry_list(rows, 3, 4, buf.data()); },
+                     {"entry 2 is row 4", "rows 0..3"});
+}
+
+// Host ranks have no graph steps: the reason names the host and what is needed, every graph call
+// is refused with it, and eager steps go on.
+TEST(DcpGraph, HostRanksRefuseGraphStepsWithTheReason) {
+  Options o;
+  o.attention_backend = "reference";
+  o.dcp_size = 2;
+  RuntimeConfig cfg = test::host_config(2, 256, 32);
+  cfg.cuda_graphs = true;
+  DcpAttention g(gqa_model(), o, cfg);
+  EXPECT_FALSE(g.cuda_graphs_enabled());
+  EXPECT_NE(g.cuda_graphs_off_reason().find("on the host"), std::string::npos)
+      << g.cuda_graphs_off_reason();
+  EXPECT_NE(g.cuda_graphs_off_reason().find("cuda ranks"), std::string::npos);
+  test::expect_error([&] { g.init_cuda_graph_state(8); },
+                     {"init_cuda_graph_state", "CUDA graphs are off", "on the host"});
+  test::expect_error([&] { g.begin_capture_step(4); },
+                     {"begin_capture_step", "CUDA graphs are off"});
+  ForwardBatch b = make_extend_batch({0}, {0}, {3});
+  b.out_cache_loc.assign(3, 0);
+  test::expect_error([&] { g.begin_replay_step(b, 4); },
+                     {"begin_replay_step", "CUDA graphs are off"});
+  EXPECT_TRUE(g.rank(0).local_row(0).empty()) << "a refused replay stored a token";
+  g.begin_step(b);
+  std::mt19937 rng(fresh_seed());
+  HostBuffer q = test::random_buffer(DType::f32, {3, 6, 16}, rng);
+  HostBuffer k = test::random_buffer(DType::f32, {3, 2, 16}, rng);
+  HostBuffer v = test::random_buffer(DType::f32, {3, 2, 16}, rng);
+  HostBuffer out(DType::f32, {3, 6, 16});
+  test::poison(out.view());
+  g.forward(0, AttnArgs{.q = q.view(), .k = k.view(), .v = v.view(), .out = out.view()});
+  g.end_step();
+  for (int64_t i = 0; i < out.view().numel(); ++i) {
+    ASSERT_TRUE(std::isfinite(out.view().ptr<float>()[i])) << "out[" << i << "] not written";
+  }
+}
+
 TEST(Dcp, OptionErrorsNameTheValueAndWhatIsAllowed) {
   Options o;
   o.attention_backend = "reference";

@@ -5,6 +5,7 @@
 
 #include <cstdlib>
 #include <string_view>
+#include <vector>
 
 #include "attnrt/core/error.h"
 #include "backends/cuda/cuda_kv_cache.h"
@@ -135,6 +136,53 @@ class CudaTensors final : public DeviceTensors {
   std::vector<DeviceBuffer> buffers_;
 };
 
+// Graphs captured on a non-blocking stream of their own (cudaStreamCaptureModeGlobal, as
+// torch.cuda.graph captures by default).
+class CudaStreamCapture final : public StreamCapture {
+ public:
+  CudaStreamCapture() {
+    ATTNRT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  ~CudaStreamCapture() override {
+    cudaStreamSynchronize(stream_);
+    for (cudaGraphExec_t g : graphs_) cudaGraphExecDestroy(g);
+    cudaStreamDestroy(stream_);
+  }
+  CudaStreamCapture(const CudaStreamCapture&) = delete;
+  CudaStreamCapture& operator=(const CudaStreamCapture&) = delete;
+
+  void* stream() const override { return stream_; }
+  void begin() override {
+    ATTNRT_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
+  }
+  int end() override {
+    cudaGraph_t graph = nullptr;
+    ATTNRT_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    ATTNRT_CUDA_CHECK(err);
+    graphs_.push_back(exec);
+    return static_cast<int>(graphs_.size()) - 1;
+  }
+  void abort() override {
+    cudaGraph_t broken = nullptr;
+    cudaStreamEndCapture(stream_, &broken);
+    if (broken != nullptr) cudaGraphDestroy(broken);
+    cudaGetLastError();
+  }
+  void launch(int graph) override {
+    ATTNRT_CHECK(graph >= 0 && static_cast<size_t>(graph) < graphs_.size(),
+                 "CUDA graphs: graph {}; {} were captured", graph, graphs_.size());
+    ATTNRT_CUDA_CHECK(cudaGraphLaunch(graphs_[graph], stream_));
+  }
+  void synchronize() override { ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream_)); }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  std::vector<cudaGraphExec_t> graphs_;
+};
+
 CudaKVCache& cuda_cache(KVCache& cache, const char* who) {
   auto* c = dynamic_cast<CudaKVCache*>(&cache);
   ATTNRT_CHECK(c != nullptr, "{}: the KV cache is on {}, not made by the cuda device", who,
@@ -160,6 +208,9 @@ class CudaServices final : public DeviceServices {
   }
   std::unique_ptr<DeviceTensors> make_tensors(KVCache& cache) const override {
     return std::make_unique<CudaTensors>(cuda_cache(cache, "device tensors"));
+  }
+  std::unique_ptr<StreamCapture> make_stream_capture() const override {
+    return std::make_unique<CudaStreamCapture>();
   }
   std::string host_sync_mode(Device device) const override;
 };

@@ -10,6 +10,7 @@
 
 #include "attnrt/core/error.h"
 #include "attnrt/runtime/communicator.h"
+#include "attnrt/runtime/dcp.h"
 #include "backends/cuda/cuda_util.h"
 #include "backends/cuda/kernels/dcp.h"
 #include "src/runtime/dcp_device.h"
@@ -20,7 +21,7 @@ namespace {
 
 using cuda::DeviceBuffer;
 
-bool on_device(const void* p) {
+bool is_device_memory(const void* p) {
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
     cudaGetLastError();
@@ -29,10 +30,28 @@ bool on_device(const void* p) {
   return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
 }
 
-void grow(DeviceBuffer& buf, size_t bytes, cudaStream_t stream) {
-  // Stream-ordered (cudaFreeAsync): the old buffer goes once the work queued before on `stream`
-  // has read it, and the host never waits; the contents are rewritten by every call anyway.
-  if (buf.bytes() < bytes) buf.reserve_async(std::max(bytes, buf.bytes() * 2), stream);
+// An eager step's buffer: grown stream-ordered (cudaFreeAsync: the old buffer goes once the work
+// queued before on `stream` has read it, and the host never waits); the contents are rewritten by
+// every call anyway. A capturing stream would record the allocation and free, and a graph must
+// read fixed buffers: that is refused.
+void grow(DeviceBuffer& buf, size_t bytes, cudaStream_t stream, const char* what) {
+  if (buf.bytes() >= bytes) return;
+  ATTNRT_CHECK(!cuda::stream_is_capturing(stream),
+               "DCP rank: the {} buffer must grow from {} to {} bytes while the stream captures a "
+               "CUDA graph; capture steps begun with begin_capture_step after "
+               "init_cuda_graph_state, whose buffers are fixed",
+               what, buf.bytes(), bytes);
+  buf.reserve_async(std::max(bytes, buf.bytes() * 2), stream);
+}
+
+// A graph step's buffer: allocated by reserve_graph, never grown (a captured graph holds its
+// address).
+void fits(const DeviceBuffer& buf, size_t bytes, const char* what) {
+  ATTNRT_CHECK(buf.bytes() >= bytes,
+               "DCP rank: a CUDA-graph step needs {} bytes of {}, but init_cuda_graph_state "
+               "reserved {} (activations at the model's dtype, steps of up to its max_num_tokens); "
+               "pass activations of the model's dtype",
+               bytes, what, buf.bytes());
 }
 
 int32_t act_code(const TensorView& t, const char* what) {
@@ -57,6 +76,7 @@ class CudaDcpRank final : public DcpDeviceRank {
   void set_entries(int list, std::span<const int64_t> rows, int64_t tokens) override {
     entries_ = static_cast<int64_t>(rows.size());
     tokens_ = tokens;
+    set_ = &eager_;
     if (static_cast<size_t>(list) >= lists_.size()) lists_.resize(list + 1);
     List& l = lists_[list];
     index_ = &l.index;
@@ -66,14 +86,55 @@ class CudaDcpRank final : public DcpDeviceRank {
     l.tokens = tokens;
     const size_t count = static_cast<size_t>(entries_ + tokens);
     const size_t bytes = std::max<size_t>(1, count) * sizeof(int64_t);
-    grow(l.index, bytes, stream_);
-    // Pinned staging: a copy from pageable memory may wait for the stream (the driver stages it).
-    auto* host = static_cast<int64_t*>(staging_.acquire(bytes, stream_));
-    std::fill_n(host, count, int64_t{-1});
-    std::copy(rows.begin(), rows.end(), host);
-    for (int64_t e = 0; e < entries_; ++e) host[entries_ + rows[e]] = e;
-    staging_.upload(l.index.data(), count * sizeof(int64_t), stream_);
+    grow(l.index, bytes, stream_, "entry list");
+    upload_list(l.index, rows, entries_, tokens);
   }
+
+  void reserve_graph(const DcpGraphSizes& sizes) override {
+    ATTNRT_CHECK(graph_tokens_ == 0 || graph_tokens_ == sizes.tokens,
+                 "DCP rank: graph buffers of {} tokens exist; a captured graph reads them, so "
+                 "they are not made again for {}",
+                 graph_tokens_, sizes.tokens);
+    if (graph_tokens_ == sizes.tokens) return;
+    ATTNRT_CHECK(!capturing(),
+                 "DCP rank: init_cuda_graph_state while the stream captures a CUDA graph; call it "
+                 "before any capture");
+    // Plain allocations (cudaMalloc), once, before any capture: their addresses hold for every
+    // stream the rank moves to, as the graphs recorded them.
+    const std::pair<DeviceBuffer*, size_t> parts[] = {
+        {&graph_.rows[0], sizes.gather[0]}, {&graph_.rows[1], sizes.gather[1]},
+        {&graph_.rows[2], sizes.gather[2]}, {&graph_.out, sizes.out},
+        {&graph_.lse, sizes.lse},           {&graph_.send, sizes.send},
+        {&graph_.recv, sizes.recv}};
+    for (const auto& [buf, bytes] : parts) buf->reserve(std::max<size_t>(bytes, 1));
+    graph_lists_.resize(static_cast<size_t>(sizes.parts));
+    for (DeviceBuffer& l : graph_lists_) l.reserve(sizes.index);
+    graph_tokens_ = sizes.tokens;
+  }
+
+  void set_graph_entries(int list, std::span<const int64_t> rows, int64_t tokens) override {
+    ATTNRT_CHECK(list >= 0 && static_cast<size_t>(list) < graph_lists_.size() && tokens >= 1 &&
+                     tokens <= graph_tokens_,
+                 "DCP rank: graph entry list {} of {} tokens; init_cuda_graph_state made {} lists "
+                 "of up to {} tokens",
+                 list, tokens, graph_lists_.size(), graph_tokens_);
+    upload_list(graph_lists_[list], rows, tokens, tokens);
+  }
+
+  void use_graph_entries(int list, int64_t tokens) override {
+    ATTNRT_CHECK(list >= 0 && static_cast<size_t>(list) < graph_lists_.size() && tokens >= 1 &&
+                     tokens <= graph_tokens_,
+                 "DCP rank: a graph step of {} tokens on list {}; init_cuda_graph_state made {} "
+                 "lists of up to {} tokens",
+                 tokens, list, graph_lists_.size(), graph_tokens_);
+    entries_ = tokens;
+    tokens_ = tokens;
+    index_ = &graph_lists_[list];
+    set_ = &graph_;
+  }
+
+  bool capturing() const override { return cuda::stream_is_capturing(stream_); }
+  bool on_device(const void* p) const override { return is_device_memory(p); }
 
   TensorView gather(int slot, const TensorView& src) override {
     ATTNRT_CHECK(src.device.kind == DeviceKind::cuda && src.ndim == 3 && src.strides[2] == 1,
@@ -81,9 +142,9 @@ class CudaDcpRank final : public DcpDeviceRank {
                  "contiguous last dim",
                  src.describe());
     const int32_t code = act_code(src, "an input");
-    DeviceBuffer& buf = rows_[slot];
+    DeviceBuffer& buf = set_->rows[slot];
     const int64_t per_row = src.shape[1] * src.shape[2];
-    grow(buf, std::max<size_t>(1, entries_ * per_row) * dtype_size(src.dtype), stream_);
+    need(buf, std::max<size_t>(1, entries_ * per_row) * dtype_size(src.dtype), "gathered rows");
     cuda::DcpGatherParams p{};
     p.src = src.data;
     p.src_stride_tok = src.strides[0];
@@ -99,40 +160,41 @@ class CudaDcpRank final : public DcpDeviceRank {
   }
 
   TensorView partial_out(DType dtype, int64_t entries, int hq, int dv) override {
-    grow(out_, std::max<size_t>(1, entries * hq * dv) * dtype_size(dtype), stream_);
+    need(set_->out, std::max<size_t>(1, entries * hq * dv) * dtype_size(dtype), "partial output");
     out_dtype_ = dtype;
-    return TensorView(out_.data(), dtype, {entries, hq, dv}, device());
+    return TensorView(set_->out.data(), dtype, {entries, hq, dv}, device());
   }
 
   TensorView partial_lse(int64_t entries, int hq) override {
-    grow(lse_, std::max<size_t>(1, entries * hq) * sizeof(float), stream_);
-    return TensorView(lse_.data(), DType::f32, {entries, hq}, device());
+    need(set_->lse, std::max<size_t>(1, entries * hq) * sizeof(float), "partial lse");
+    return TensorView(set_->lse.data(), DType::f32, {entries, hq}, device());
   }
 
   std::span<float> pack(int hq, int dv, int ranks) override {
     const int64_t floats = tokens_ * hq * (dv + 1);
-    grow(send_, std::max<size_t>(1, floats) * sizeof(float), stream_);
+    DeviceBuffer& send = set_->send;
+    need(send, std::max<size_t>(1, floats) * sizeof(float), "send buffer");
     cuda::DcpPackParams p{};
-    p.out = out_.data();
+    p.out = set_->out.data();
     p.out_dtype = static_cast<int32_t>(out_dtype_);
-    p.lse = lse_.ptr<float>();
+    p.lse = set_->lse.ptr<float>();
     p.entry = index_->ptr<int64_t>() + entries_;
     p.tokens = tokens_;
     p.hq = hq;
     p.dv = dv;
     p.ranks = ranks;
-    p.send = send_.ptr<float>();
+    p.send = send.ptr<float>();
     if (entries_ == 0) {  // nothing attended here: out / lse were never written, every row is empty
       p.out = nullptr;
       p.lse = nullptr;
     }
     ATTNRT_CUDA_CHECK(cuda::launch_dcp_pack(p, stream_));
-    return {send_.ptr<float>(), static_cast<size_t>(floats)};
+    return {send.ptr<float>(), static_cast<size_t>(floats)};
   }
 
   std::span<float> recv(int64_t floats) override {
-    grow(recv_, std::max<size_t>(1, floats) * sizeof(float), stream_);
-    return {recv_.ptr<float>(), static_cast<size_t>(floats)};
+    need(set_->recv, std::max<size_t>(1, floats) * sizeof(float), "receive buffer");
+    return {set_->recv.ptr<float>(), static_cast<size_t>(floats)};
   }
 
   void merge(int ranks, int h0, int h1, int dv, const float* sinks, const TensorView& out,
@@ -142,19 +204,24 @@ class CudaDcpRank final : public DcpDeviceRank {
                  "last dim",
                  out.describe());
     cuda::DcpMergeParams p{};
-    p.recv = recv_.ptr<float>();
+    p.recv = set_->recv.ptr<float>();
     p.ranks = ranks;
     p.tokens = tokens_;
     p.h0 = h0;
     p.heads = h1 - h0;
     p.dv = dv;
     if (sinks != nullptr) {
-      if (on_device(sinks)) {
+      if (is_device_memory(sinks)) {
         p.sinks = sinks;
       } else {
+        // A captured copy from the pinned staging would be replayed from a slot later steps
+        // reuse (DcpRank refuses host sinks in graph steps before any work).
+        ATTNRT_CHECK(set_ != &graph_,
+                     "DCP rank: the layer's sinks are host memory in a CUDA-graph step; pass them "
+                     "as a GPU tensor");
         // The layer's sink logits are a weight: a host array is staged and copied for this call.
         const size_t bytes = out.shape[1] * sizeof(float);
-        grow(sinks_, bytes, stream_);
+        grow(sinks_, bytes, stream_, "sinks");
         std::memcpy(staging_.acquire(bytes, stream_), sinks, bytes);
         staging_.upload(sinks_.data(), bytes, stream_);
         p.sinks = sinks_.ptr<float>();
@@ -181,6 +248,29 @@ class CudaDcpRank final : public DcpDeviceRank {
     return Device::cuda(d);
   }
 
+  // The buffers of the calls: an eager step's grow as needed; a graph step's were sized by
+  // reserve_graph and must hold the call.
+  void need(DeviceBuffer& buf, size_t bytes, const char* what) {
+    if (set_ == &graph_) {
+      fits(buf, bytes, what);
+    } else {
+      grow(buf, bytes, stream_, what);
+    }
+  }
+
+  // dcp_entry_list into `dst` (which holds it), from pinned staging: a copy from pageable memory
+  // may wait for the stream (the driver stages it). Stream order: the pinned slot is rewritten
+  // only after the copy that last read it ran (StagingRing::acquire); this copy precedes, on the
+  // stream, the kernels (or the replayed graph) that read the list.
+  void upload_list(DeviceBuffer& dst, std::span<const int64_t> rows, int64_t entries,
+                   int64_t tokens) {
+    const size_t count = static_cast<size_t>(entries + tokens);
+    const size_t bytes = std::max<size_t>(1, count) * sizeof(int64_t);
+    auto* host = static_cast<int64_t*>(staging_.acquire(bytes, stream_));
+    dcp_entry_list(rows, entries, tokens, host);
+    staging_.upload(dst.data(), count * sizeof(int64_t), stream_);
+  }
+
   cudaStream_t stream_;
   // A list of entries on the GPU: [entries: global row | tokens: entry or -1], and what it holds.
   struct List {
@@ -192,7 +282,16 @@ class CudaDcpRank final : public DcpDeviceRank {
   DeviceBuffer* index_ = nullptr;  // the list of the call
   int64_t entries_ = 0, tokens_ = 0;
   cuda::StagingRing staging_;  // the uploads: entry lists, a host array of sinks
-  DeviceBuffer rows_[3], out_, lse_, send_, recv_, sinks_;
+  // The gathered q / k / v rows, the partial (out, lse) and the exchange's send / receive buffers:
+  // an eager step's, and a graph step's at fixed addresses (reserve_graph).
+  struct Buffers {
+    DeviceBuffer rows[3], out, lse, send, recv;
+  };
+  Buffers eager_, graph_;
+  Buffers* set_ = &eager_;                 // the step's
+  std::vector<DeviceBuffer> graph_lists_;  // one entry list per part
+  int64_t graph_tokens_ = 0;               // reserve_graph's rows (0: none)
+  DeviceBuffer sinks_;
   DType out_dtype_ = DType::f32;
 };
 
@@ -298,6 +397,12 @@ class DeviceInProcessCommunicator final : public Communicator {
   }
 
   void barrier(int rank) override {
+    check_rank(rank);
+    ATTNRT_CHECK(!cuda::stream_is_capturing(streams_[rank]),
+                 "device_in_process communicator: barrier of rank {} while its stream captures a "
+                 "CUDA graph; a barrier waits for the streams on the host, which a capture cannot "
+                 "hold (the step's all_to_all needs none)",
+                 rank);
     arrive(rank, Kind::barrier);
     if (++arrived_ < size_) return;
     run([](int) {});
@@ -331,6 +436,19 @@ class DeviceInProcessCommunicator final : public Communicator {
                  "device_in_process communicator: rank {} calls {} twice before every rank has "
                  "called it once",
                  rank, kind_name(kind));
+    // A capture records the copies on the receiving ranks' streams and the events between the
+    // ranks' streams: only a capture on one stream shared by every rank holds all of them (the
+    // others' work, queued before, would be outside the graph).
+    if (cuda::stream_is_capturing(streams_[rank])) {
+      for (int r = 0; r < size_; ++r) {
+        ATTNRT_CHECK(streams_[r] == streams_[rank],
+                     "device_in_process communicator: rank {}'s stream captures a CUDA graph but "
+                     "rank {} runs on another stream; a captured exchange needs every rank of the "
+                     "group on the capturing stream (DcpAttention::set_stream, or one stream for "
+                     "every rank of make_device_in_process_communicator)",
+                     rank, r);
+      }
+    }
     if (pending_ == Kind::none) called_.assign(size_, false);
     pending_ = kind;
     called_[rank] = true;

@@ -206,6 +206,11 @@ class NcclCommunicator final : public Communicator {
   // A one-float all-reduce, then the stream drained: every rank has reached it.
   void barrier(int rank) override {
     check_rank(rank, "barrier");
+    ATTNRT_CHECK(!cuda::stream_is_capturing(stream_),
+                 "nccl communicator: barrier of rank {} while its stream captures a CUDA graph; a "
+                 "barrier waits for the stream on the host, which a capture cannot hold (the "
+                 "collectives themselves are captured)",
+                 rank);
     if (barrier_ == nullptr) {
       DeviceGuard guard(device_);
       ATTNRT_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&barrier_), sizeof(float)));

@@ -20,7 +20,9 @@ exactly. Two ways in:
 GPU ranks run on torch's current CUDA stream, as Runtime does: begin_step and every forward hand
 it to the ranks (their runtimes, gather / pack / merge and the exchange, the communicator's
 collectives included), so GPU tensors are read and written in that stream's order and the host
-never waits for the GPU.
+never waits for the GPU. So torch.cuda.graph captures them (docs/dcp.md "CUDA graphs"):
+init_cuda_graph_state(T) once, begin_capture_step(T) and the layers' forward() inside the
+capture, then per step begin_replay_step(batch, T), the graph's replay and end_step().
 
 Request rows are the engine's ids in [0, max_requests); the group allocates every new token's slot
 on its owner (out_cache_loc values are not read, only its length) and frees a request's slots with
@@ -115,6 +117,33 @@ class _DcpSteps:
         out_cache_loc must have one entry per token, its values are not read."""
         self._use_current_stream()
         _begin_native(self._g.begin_step, batch)
+
+    # ---- CUDA graphs the engine captures (torch.cuda.graph around its whole step) ----------
+    @property
+    def cuda_graphs_off_reason(self) -> str:
+        """Why graph steps are refused here ("" when cuda ranks can be captured)."""
+        return self._g.cuda_graphs_off_reason
+
+    def init_cuda_graph_state(self, max_num_tokens: int) -> None:
+        """Once, before any capture: every buffer of graph steps of up to max_num_tokens query
+        rows, at fixed addresses. A rank's batch is decode-shaped rows whatever the step's mode, so
+        a graph depends on its rows alone: one captured at T rows replays any step (DECODE, chain
+        or tree TARGET_VERIFY, EXTEND, ...) of at most T tokens."""
+        self._g.init_cuda_graph_state(int(max_num_tokens))
+
+    def begin_capture_step(self, tokens: int) -> None:
+        """Before capturing a step of `tokens` rows (outside torch.cuda.graph): the forward()
+        calls made inside the capture, with GPU tensors of `tokens` rows (sinks on the GPU),
+        record kernels and the exchange over fixed buffers only. Then end_step()."""
+        self._use_current_stream()
+        self._g.begin_capture_step(int(tokens))
+
+    def begin_replay_step(self, batch: Any, tokens: int) -> None:
+        """Before every replay of the graph captured at `tokens` rows: the real step (at most
+        `tokens` tokens; the rows past them come out as 0). Its slots and lists are written into
+        the graph's buffers on torch's current stream; replay the graph there, then end_step()."""
+        self._use_current_stream()
+        _begin_native(self._g.begin_step, batch, int(tokens))
 
     def _use_current_stream(self) -> None:
         if not self._cuda or self._g.follows_framework_stream:

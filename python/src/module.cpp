@@ -711,23 +711,38 @@ class DcpBase {
     stream_.follow([&](void* s) { impl().set_stream(s); });
   }
 
+  // graph_tokens > 0: before a replay of a graph captured at that many rows
+  // (begin_replay_step); else an eager step.
   void begin_step(const std::string& mode, nb::handle req_pool_indices, nb::handle seq_lens,
                   nb::handle extend_prefix_lens, nb::handle extend_seq_lens,
                   nb::handle out_cache_loc, nb::handle positions, int draft_token_num, int topk,
-                  nb::handle parents, nb::handle accept_length) {
+                  nb::handle parents, nb::handle accept_length, int graph_tokens) {
     Impl& g = impl();
-    // A new step ends the one in progress (as Runtime does); the batch is kept for commit_verify.
-    if (in_step_) {
-      g.end_step();
-      in_step_ = false;
-    }
-    stepped_ = false;
+    end_current();
     fill_batch(batch_, mode, req_pool_indices, seq_lens, extend_prefix_lens, extend_seq_lens,
                out_cache_loc, positions, draft_token_num, topk, parents, accept_length);
     follow_stream();
-    g.begin_step(batch_);
+    if (graph_tokens > 0) {
+      g.begin_replay_step(batch_, graph_tokens);
+    } else {
+      g.begin_step(batch_);
+    }
     in_step_ = true;
     stepped_ = true;
+  }
+  // CUDA graphs an engine captures (docs/dcp.md "CUDA graphs"): the stream followed is the
+  // current one here and at every forward, so a capture's forward calls go to its stream.
+  void init_cuda_graph_state(int max_num_tokens) {
+    Impl& g = impl();
+    end_current();
+    g.init_cuda_graph_state(max_num_tokens);
+  }
+  void begin_capture_step(int tokens) {
+    Impl& g = impl();
+    end_current();
+    follow_stream();
+    g.begin_capture_step(tokens);
+    in_step_ = true;  // no batch of its own: nothing to commit after it
   }
   void end_step() {
     Impl& g = impl();
@@ -750,6 +765,15 @@ class DcpBase {
   }
 
  protected:
+  // A new step ends the one in progress (as Runtime does); the batch is kept for commit_verify.
+  void end_current() {
+    if (in_step_) {
+      impl().end_step();
+      in_step_ = false;
+    }
+    stepped_ = false;
+  }
+
   std::unique_ptr<Impl> impl_;
   ForwardBatch batch_;
   bool in_step_ = false;
@@ -1107,7 +1131,12 @@ NB_MODULE(_native, m) {
   .def("begin_step", &C::begin_step, "mode"_a, "req_pool_indices"_a.none(), "seq_lens"_a.none(), \
        "extend_prefix_lens"_a.none(), "extend_seq_lens"_a.none(), "out_cache_loc"_a.none(),      \
        "positions"_a.none(), "draft_token_num"_a = 0, "topk"_a = 1,                              \
-       "parents"_a.none() = nb::none(), "accept_length"_a.none() = nb::none())                   \
+       "parents"_a.none() = nb::none(), "accept_length"_a.none() = nb::none(),                   \
+       "graph_tokens"_a = 0)                                                                     \
+      .def("init_cuda_graph_state", &C::init_cuda_graph_state, "max_num_tokens"_a)               \
+      .def("begin_capture_step", &C::begin_capture_step, "tokens"_a)                             \
+      .def_prop_ro("cuda_graphs_off_reason",                                                     \
+                   [](C& g) { return g.impl().cuda_graphs_off_reason(); })                       \
       .def("forward", &C::forward, "layer_id"_a, "q"_a.none(), "k"_a.none(), "v"_a.none(),       \
            "out"_a.none(), "save_kv"_a = true, "sinks"_a.none() = nb::none(),                    \
            "lse"_a.none() = nb::none())                                                          \

@@ -410,3 +410,113 @@ def test_cuda_dcp_step_on_torchs_stream_does_not_wait_for_the_gpu(kind):
         f"{'still ran' if running else 'had ended'}: it synchronised"
     g.close()
     oracle.rt.close()
+
+
+# ---- CUDA graphs the engine captures (docs/dcp.md "CUDA graphs") ------------------------------
+def graph_runner(group, layers, rows, eager_runner):
+    """Steps of at most `rows` tokens replayed from one torch.cuda.graph of the group (captured
+    at the first such step: every layer's forward over static tensors of `rows` rows), the others
+    (long prompts) run by `eager_runner`. Each replay gets its inputs copied into the static
+    tensors and its outputs poisoned first; the rows past the step's tokens must come out 0."""
+    static, graphs = {}, []
+
+    def capture(inputs):
+        group.init_cuda_graph_state(rows)
+        for layer, (q, k, v) in zip(layers, inputs):
+            info = layers[layer]
+            sq = torch.zeros((rows, *q.shape[1:]), device="cuda", dtype=q.dtype)
+            sk = torch.zeros((rows, *k.shape[1:]), device="cuda", dtype=k.dtype)
+            sv = sk[:, :, :v.shape[2]] if v.data_ptr() == k.data_ptr() else torch.zeros_like(sk)
+            out = torch.zeros((rows, info["num_q_heads"], info["v_head_dim"]), device="cuda",
+                              dtype=q.dtype)
+            static[layer] = (sq, sk, sv, out)
+        group.begin_capture_step(rows)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            for layer, (sq, sk, sv, out) in static.items():
+                group.forward(layer, sq, sk, sv, out)
+        group.end_step()
+        graphs.append(g)
+
+    def run(batch, inputs, tree_paths):
+        T = inputs[0][0].shape[0]
+        if T > rows:
+            return eager_runner(batch, inputs, tree_paths)
+        if not graphs:
+            capture(inputs)
+        for layer, (q, k, v) in zip(layers, inputs):
+            sq, sk, sv, out = static[layer]
+            sq.normal_()  # the rows past T: leftovers nothing may read
+            sk.normal_()
+            sq[:T] = q
+            sk[:T] = k
+            if sv.data_ptr() != sk.data_ptr():
+                sv.normal_()
+                sv[:T] = v
+            out.fill_(float("nan"))
+        group.begin_replay_step(batch, rows)
+        graphs[0].replay()
+        group.end_step()
+        if tree_paths is not None:
+            group.commit_verify(tree_paths)
+        outs = []
+        for layer in layers:
+            out = static[layer][3]
+            assert torch.equal(out[T:], torch.zeros_like(out[T:])), \
+                "rows past the step's tokens are not 0"
+            outs.append(out[:T].clone())
+        return outs
+    return run
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+def test_torch_cuda_graph_of_dcp_steps_replays_like_the_eager_group(kind, seed):
+    """torch.cuda.graph captures a step of 16 rows of a group of 2 cuda ranks (every layer's
+    forward on the capture's stream, torch's current one); the scenario's steps of at most 16
+    tokens (decodes, a chain verify, a tree verify with its commit) replay it with their inputs in
+    the static tensors. Outputs equal the eager group's and the oracle's (one Runtime)."""
+    cfg = CONFIGS[kind]()
+    opts = dict(dtype=torch.bfloat16, attention_backend="cuda", page_size=1, max_requests=8,
+                max_num_tokens=256)
+    eager = attnrt.DcpAttention(cfg, dcp_size=2, cuda_graphs=False, **opts)
+    graphed = attnrt.DcpAttention(cfg, dcp_size=2, **opts)
+    assert graphed.cuda_graphs_off_reason == "", graphed.cuda_graphs_off_reason
+    assert "cuda_graphs is false" in eager.cuda_graphs_off_reason
+    run_eager = group_runner(eager, eager.layers, "cuda")
+    run_graphed = graph_runner(graphed, graphed.layers, 16,
+                               group_runner(graphed, graphed.layers, "cuda"))
+    replayed = []
+
+    def both(batch, inputs, tree_paths):
+        a = run_eager(batch, inputs, tree_paths)
+        b = run_graphed(batch, inputs, tree_paths)
+        if inputs[0][0].shape[0] <= 16:
+            replayed.append(batch)
+        for x, y in zip(a, b):
+            err = (x.float() - y.float()).abs().max().item()
+            assert err < 3e-2, f"the replayed group differs from the eager one by {err}"
+        return b
+
+    diffs = run_scenario(cfg, both, torch.Generator().manual_seed(seed), "cuda",
+                         dtype=torch.bfloat16)
+    assert len(replayed) >= 5, "the scenario's decodes and verifies did not replay the graph"
+    assert max(d for _, d in diffs) < 3e-2, diffs
+    with pytest.raises(attnrt.Error, match="more than the 16 rows of the graph"):
+        batch = attnrt.ForwardBatch("EXTEND", [0], [17], [0] * 17, extend_prefix_lens=[0],
+                                    extend_seq_lens=[17], positions=list(range(17)))
+        graphed.begin_replay_step(batch, 16)
+    eager.close()
+    graphed.close()
+
+
+def test_graph_steps_on_host_ranks_say_why_not():
+    group = attnrt.DcpAttention(gqa_config(), dcp_size=2, attention_backend="cpu", max_requests=4)
+    assert "on the host" in group.cuda_graphs_off_reason
+    with pytest.raises(attnrt.Error, match="CUDA graphs are off"):
+        group.init_cuda_graph_state(8)
+    with pytest.raises(attnrt.Error, match="CUDA graphs are off"):
+        group.begin_capture_step(8)
+    group.close()

@@ -17,6 +17,10 @@ std::unique_ptr<DeviceTensors> DeviceServices::make_tensors(KVCache& cache) cons
   fail("bench: no device tensors on {}", device_name(cache.device()));
 }
 
+std::unique_ptr<StreamCapture> DeviceServices::make_stream_capture() const {
+  fail("CUDA graphs: the host has no stream to capture");
+}
+
 std::string DeviceServices::host_sync_mode(Device) const { return ""; }
 
 namespace {

@@ -556,6 +556,7 @@ void AttentionRuntime::begin_capture_step(const ForwardBatch& batch, int bs) {
   ForwardBatch& cap = engine_graph_batch_;
   cap = ForwardBatch{};
   cap.mode = batch.mode;
+  cap.dcp_partial = batch.dcp_partial;
   if (batch.spec_info) {
     SpecInfo spec;
     spec.draft_token_num = batch.spec_info->draft_token_num;
@@ -563,6 +564,7 @@ void AttentionRuntime::begin_capture_step(const ForwardBatch& batch, int bs) {
     cap.spec_info = std::move(spec);
   }
   engine_graph_slots_.out_cache_loc.assign(static_cast<size_t>(tokens), 0);
+  engine_graph_slots_.dcp_partial = batch.dcp_partial;
   kv_cache_->begin_step(engine_graph_slots_);
   backend_->init_forward_metadata_capture_cuda_graph(bs, static_cast<int>(tokens), cap);
   batch_ = &cap;
@@ -575,14 +577,19 @@ void AttentionRuntime::begin_replay_step(const ForwardBatch& batch, int bs) {
   stepped_ = true;
   check_graph_step(batch, engine_graph_max_bs_, "begin_replay_step",
                    "call init_cuda_graph_state and capture the step first", "replayed");
-  ATTNRT_CHECK(batch.batch_size >= 1 && batch.batch_size <= bs && bs <= engine_graph_max_bs_,
-               "begin_replay_step: {} requests replayed at the captured size {}; need 1 <= "
+  // No request at all pads every row (a DCP rank none of whose rows sees a key of its own).
+  ATTNRT_CHECK(batch.batch_size >= 0 && batch.batch_size <= bs && bs >= 1 &&
+                   bs <= engine_graph_max_bs_,
+               "begin_replay_step: {} requests replayed at the captured size {}; need 0 <= "
                "requests <= captured size <= init_cuda_graph_state's max_bs ({})",
                batch.batch_size, bs, engine_graph_max_bs_);
   check_step(batch);
   const int64_t tokens = int64_t{bs} * graph_tokens_per_request(batch);
   engine_graph_slots_.out_cache_loc.assign(batch.out_cache_loc.begin(), batch.out_cache_loc.end());
   engine_graph_slots_.out_cache_loc.resize(static_cast<size_t>(tokens), 0);
+  // A DCP rank's batch (docs/dcp.md): rows on the dummy slot 0 (queries that are no key here,
+  // padded rows) store nothing.
+  engine_graph_slots_.dcp_partial = batch.dcp_partial;
   kv_cache_->begin_step(engine_graph_slots_);
   backend_->init_forward_metadata_replay_cuda_graph(bs, batch.batch_size, batch);
   batch_ = &batch;

@@ -111,6 +111,55 @@ float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float
   return static_cast<float>(m + std::log(den));
 }
 
+size_t DcpGraphSizes::total() const {
+  return gather[0] + gather[1] + gather[2] + out + lse + send + recv +
+         index * static_cast<size_t>(parts);
+}
+
+DcpGraphSizes dcp_graph_sizes(const ModelSpec& model, int n, int rank, int64_t tokens) {
+  ATTNRT_CHECK(tokens >= 1, "dcp_graph_sizes: {} tokens; a graph step has at least one", tokens);
+  ATTNRT_CHECK(n >= 1 && n <= kMaxDcpSize && rank >= 0 && rank < n,
+               "dcp_graph_sizes: rank {} of {}; need 1 <= n <= {} and 0 <= rank < n", rank, n,
+               kMaxDcpSize);
+  const auto rows = static_cast<size_t>(tokens);
+  const size_t act = std::max<size_t>(2, dtype_size(model.dtype));
+  DcpGraphSizes s;
+  s.tokens = tokens;
+  std::vector<int> windows;
+  for (const LayerSpec& l : model.layers) {
+    if (std::find(windows.begin(), windows.end(), l.sliding_window) == windows.end())
+      windows.push_back(l.sliding_window);
+    const size_t hq = l.num_q_heads, hkv = l.num_kv_heads, d = l.head_dim;
+    const size_t dv = v_dim_of(l);
+    const auto mine = static_cast<size_t>(dcp_head_begin(rank + 1, l.num_q_heads, n) -
+                                          dcp_head_begin(rank, l.num_q_heads, n));
+    s.gather[0] = std::max(s.gather[0], rows * hq * d * act);
+    s.gather[1] = std::max(s.gather[1], rows * hkv * d * act);
+    if (l.kind != LayerKind::mla) s.gather[2] = std::max(s.gather[2], rows * hkv * dv * act);
+    s.out = std::max(s.out, rows * hq * dv * act);
+    s.lse = std::max(s.lse, rows * hq * sizeof(float));
+    s.send = std::max(s.send, rows * hq * (dv + 1) * sizeof(float));
+    s.recv = std::max(s.recv, static_cast<size_t>(n) * rows * mine * (dv + 1) * sizeof(float));
+  }
+  s.index = 2 * rows * sizeof(int64_t);
+  s.parts = static_cast<int>(windows.size());
+  return s;
+}
+
+void dcp_entry_list(std::span<const int64_t> rows, int64_t entries, int64_t tokens, int64_t* out) {
+  ATTNRT_CHECK(static_cast<int64_t>(rows.size()) <= entries,
+               "dcp_entry_list: {} entries in a list of {}", rows.size(), entries);
+  std::copy(rows.begin(), rows.end(), out);
+  std::fill(out + rows.size(), out + entries, int64_t{0});
+  std::fill_n(out + entries, tokens, int64_t{-1});
+  for (size_t e = 0; e < rows.size(); ++e) {
+    ATTNRT_CHECK(rows[e] >= 0 && rows[e] < tokens,
+                 "dcp_entry_list: entry {} is row {}; the step has rows 0..{}", e, rows[e],
+                 tokens - 1);
+    out[entries + rows[e]] = static_cast<int64_t>(e);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 
 namespace {
@@ -153,9 +202,8 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
   // entries that read a prefix of them) and the key lists of a step's other query rows (one row
   // each); every row is taken once here.
   c.max_requests = config.max_requests + config.max_num_tokens;
-  // A rank's steps are eager: its batch is rebuilt every step (key lists, entries); CUDA graphs
-  // of the rank plan are left for the GPU part (docs/dcp.md).
-  c.cuda_graphs = false;
+  // CUDA graphs as the caller configured them: a part runtime's engine-captured graphs (its
+  // decode-shaped batch of a graph step's rows) serve the rank's (init_cuda_graph_state).
   for (const LayerSpec& l : model.layers) {
     auto it = std::find_if(parts_.begin(), parts_.end(),
                            [&](const Part& p) { return p.window == l.sliding_window; });
@@ -190,6 +238,19 @@ DcpRank::DcpRank(int rank, const ModelSpec& model, const Options& options,
   if (parts_[0].runtime->kv_cache().device().kind == DeviceKind::cuda) {
     stream_ = comm.device_buffers() ? comm.stream(rank) : nullptr;
     for (Part& p : parts_) p.runtime->set_stream(stream_);
+  }
+  AttentionRuntime& first = *parts_[0].runtime;
+  if (first.kv_cache().device().kind != DeviceKind::cuda) {
+    graph_off_reason_ = fmt::format(
+        "the ranks' pools are on the host (backend '{}'); DCP graph steps need cuda ranks",
+        first.selection().backend_for(ForwardMode::DECODE));
+  } else if (!comm.device_buffers()) {
+    graph_off_reason_ = fmt::format(
+        "the communicator '{}' moves host buffers; a graph step exchanges GPU buffers "
+        "(device_in_process, nccl)",
+        comm.name());
+  } else if (!first.cuda_graphs_enabled()) {
+    graph_off_reason_ = first.cuda_graphs_off_reason();
   }
 }
 
@@ -311,15 +372,19 @@ void DcpRank::check_pages(const ForwardBatch& batch) const {
 
 void DcpRank::begin_step(const ForwardBatch& batch) {
   in_step_ = false;
+  graph_tokens_ = 0;
   check_pages(batch);
   counts_ = {};
   const StepLayout layout = make_step_layout(batch);
   num_tokens_ = layout.num_tokens;
-  for (Part& p : parts_) begin_part(p, batch, layout);
+  for (Part& p : parts_) {
+    build_part(p, batch, layout);
+    p.runtime->begin_step(p.batch);
+  }
   in_step_ = true;
 }
 
-void DcpRank::begin_part(Part& part, const ForwardBatch& batch, const StepLayout& layout) {
+void DcpRank::build_part(Part& part, const ForwardBatch& batch, const StepLayout& layout) {
   const int n = size_, r = rank_;
   const bool verify = is_target_verify(batch.mode);
   const bool tree = is_tree(batch);
@@ -460,7 +525,108 @@ void DcpRank::begin_part(Part& part, const ForwardBatch& batch, const StepLayout
     part.batch.out_cache_loc = std::move(write_slots);
     part.batch.dcp_partial = true;
   }
-  part.runtime->begin_step(part.batch);
+}
+
+DcpDeviceRank& DcpRank::device() {
+  if (!device_) device_ = make_dcp_device_rank(stream_);
+  return *device_;
+}
+
+void DcpRank::init_cuda_graph_state(int max_num_tokens) {
+  ATTNRT_CHECK(cuda_graphs_enabled(), "DcpRank {}: init_cuda_graph_state: CUDA graphs are off: {}",
+               rank_, graph_off_reason_);
+  const auto limit = static_cast<int>(parts_[0].scratch_rows.size());
+  ATTNRT_CHECK(max_num_tokens >= 1 && max_num_tokens <= limit,
+               "DcpRank {}: init_cuda_graph_state({}): need 1 <= max_num_tokens <= "
+               "RuntimeConfig.max_num_tokens ({})",
+               rank_, max_num_tokens, limit);
+  ATTNRT_CHECK(graph_max_tokens_ == 0 || graph_max_tokens_ == max_num_tokens,
+               "DcpRank {}: init_cuda_graph_state({}): it was called with {} already, and the "
+               "graphs captured since read its buffers; call it once, with the largest step "
+               "captured",
+               rank_, max_num_tokens, graph_max_tokens_);
+  if (graph_max_tokens_ == max_num_tokens) return;
+  ATTNRT_CHECK(!in_step_,
+               "DcpRank {}: init_cuda_graph_state inside a step; call it between steps (before "
+               "the first capture)",
+               rank_);
+  // Every entry of a graph step is a decode-shaped request of the part runtime: its graph state
+  // holds `max_num_tokens` of them.
+  for (Part& p : parts_) p.runtime->init_cuda_graph_state(max_num_tokens, max_num_tokens);
+  device().reserve_graph(dcp_graph_sizes(model_, size_, rank_, max_num_tokens));
+  graph_max_tokens_ = max_num_tokens;
+}
+
+void DcpRank::check_graph_tokens(const char* call, int64_t tokens) const {
+  ATTNRT_CHECK(cuda_graphs_enabled(), "DcpRank {}: {}: CUDA graphs are off: {}", rank_, call,
+               graph_off_reason_);
+  ATTNRT_CHECK(graph_max_tokens_ > 0,
+               "DcpRank {}: {}: no graph state; call init_cuda_graph_state(max_num_tokens) "
+               "first (it allocates every buffer a captured step touches)",
+               rank_, call);
+  ATTNRT_CHECK(tokens >= 1 && tokens <= graph_max_tokens_,
+               "DcpRank {}: {}({} tokens): init_cuda_graph_state sized the graph buffers for "
+               "steps of 1..{} tokens, and a captured step cannot grow them; call "
+               "init_cuda_graph_state with max_num_tokens >= {} before the first capture",
+               rank_, call, tokens, graph_max_tokens_, tokens);
+}
+
+void DcpRank::begin_capture_step(int tokens) {
+  in_step_ = false;
+  graph_tokens_ = 0;
+  check_graph_tokens("begin_capture_step", tokens);
+  DcpDeviceRank& dev = device();
+  ATTNRT_CHECK(!dev.capturing(),
+               "DcpRank {}: begin_capture_step while the rank's stream captures; call it before "
+               "the capture begins (its placeholder plan is uploaded now and must not become "
+               "part of the graph)",
+               rank_);
+  counts_ = {};
+  // The placeholder step: no entry of its own, every one of the `tokens` rows padded (the
+  // replays write the real ones into the same buffers).
+  for (size_t i = 0; i < parts_.size(); ++i) {
+    Part& p = parts_[i];
+    p.rows.clear();
+    p.batch = make_decode_batch({}, {});
+    p.batch.dcp_partial = true;
+    p.runtime->begin_capture_step(p.batch, tokens);
+    dev.set_graph_entries(static_cast<int>(i), {}, tokens);
+  }
+  num_tokens_ = tokens;
+  graph_tokens_ = tokens;
+  in_step_ = true;
+}
+
+void DcpRank::begin_replay_step(const ForwardBatch& batch, int tokens) {
+  in_step_ = false;
+  graph_tokens_ = 0;
+  check_graph_tokens("begin_replay_step", tokens);
+  check_pages(batch);
+  const StepLayout layout = make_step_layout(batch);
+  ATTNRT_CHECK(layout.num_tokens <= tokens,
+               "DcpRank {}: begin_replay_step: the step has {} tokens, more than the {} rows of "
+               "the graph; replay it in a graph captured with at least {} rows, or run it with "
+               "begin_step",
+               rank_, layout.num_tokens, tokens, layout.num_tokens);
+  DcpDeviceRank& dev = device();
+  ATTNRT_CHECK(!dev.capturing(),
+               "DcpRank {}: begin_replay_step while the rank's stream captures; call it before "
+               "the graph's launch, outside any capture",
+               rank_);
+  counts_ = {};
+  num_tokens_ = tokens;
+  for (size_t i = 0; i < parts_.size(); ++i) {
+    Part& p = parts_[i];
+    build_part(p, batch, layout);
+    if (p.rows.empty()) {  // every row padded: a decode of no request of its own
+      p.batch = make_decode_batch({}, {});
+      p.batch.dcp_partial = true;
+    }
+    p.runtime->begin_replay_step(p.batch, tokens);
+    dev.set_graph_entries(static_cast<int>(i), p.rows, tokens);
+  }
+  graph_tokens_ = tokens;
+  in_step_ = true;
 }
 
 void DcpRank::sync_request_row(Part& part, int row, int32_t count) {
@@ -491,6 +657,10 @@ void DcpRank::partial(int layer_id, const AttnArgs& args) {
   ATTNRT_CHECK(in_step_, "DcpRank {}: forward(layer {}) outside a step; call begin_step first",
                rank_, layer_id);
   if (args.q.device.kind == DeviceKind::cuda) return forward_device(layer_id, args);
+  ATTNRT_CHECK(graph_tokens_ == 0,
+               "DcpRank {}: q is {}; a CUDA-graph step (begin_capture_step / begin_replay_step) "
+               "takes GPU tensors",
+               rank_, args.q.describe());
   const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
   const auto [part, local_id] = part_of(layer_id);
   const std::vector<int64_t>& entries = part->rows;
@@ -572,10 +742,31 @@ void DcpRank::forward_device(int layer_id, const AttnArgs& args) {
   const auto [part, local_id] = part_of(layer_id);
   const std::vector<int64_t>& entries = part->rows;
   const int hq = layer.num_q_heads, dv = v_dim_of(layer), n = size_;
-  const int64_t T = num_tokens_, rows = static_cast<int64_t>(entries.size());
-  if (!device_) device_ = make_dcp_device_rank(stream_);
-  DcpDeviceRank& dev = *device_;
-  dev.set_entries(static_cast<int>(part - parts_.data()), entries, T);
+  const int64_t T = num_tokens_;
+  DcpDeviceRank& dev = device();
+  const int list = static_cast<int>(part - parts_.data());
+  int64_t rows = static_cast<int64_t>(entries.size());
+  if (graph_tokens_ > 0) {
+    // The merge reads the sinks at every replay: a host array would have to be copied by the
+    // graph from memory that is the caller's again by then.
+    ATTNRT_CHECK(!layer.has_sinks || args.sinks == nullptr || dev.on_device(args.sinks),
+                 "DcpRank {}: layer {}'s sinks are host memory in a CUDA-graph step; pass them as "
+                 "a GPU tensor (fp32 [num_q_heads]): the captured merge reads them at every "
+                 "replay",
+                 rank_, layer_id);
+    // Every one of the graph's rows is an entry (the padded ones attend and are dropped by the
+    // packing); the list was uploaded by begin_capture_step / begin_replay_step.
+    dev.use_graph_entries(list, graph_tokens_);
+    rows = graph_tokens_;
+  } else {
+    ATTNRT_CHECK(!dev.capturing(),
+                 "DcpRank {}: forward(layer {}) is being captured into a CUDA graph, but the step "
+                 "was begun with begin_step: its entry lists are uploaded per call and its "
+                 "buffers grow with the steps. Capture steps begun with begin_capture_step(tokens) "
+                 "after init_cuda_graph_state, and replay them after begin_replay_step",
+                 rank_, layer_id);
+    dev.set_entries(list, entries, T);
+  }
   if (rows > 0) {
     AttnArgs a;
     a.q = dev.gather(0, args.q);
@@ -701,6 +892,7 @@ void DcpRank::end_step() {
     for (Part& p : parts_) p.runtime->end_step();
   }
   in_step_ = false;
+  graph_tokens_ = 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -760,25 +952,49 @@ void DcpAttention::set_stream(void* stream) {
   for (auto& r : ranks_) r->set_stream(stream);
 }
 
-void DcpAttention::begin_step(const ForwardBatch& batch) {
-  batch_ = nullptr;
-  const StepLayout layout = make_step_layout(batch);
+void DcpAttention::check_batch(const ForwardBatch& batch, const StepLayout& layout) const {
   for (int i = 0; i < batch.batch_size; ++i) {
     ATTNRT_CHECK(layout.kv_len(i) <= max_context_len_,
                  "DcpAttention: request {} spans {} tokens, more than max_context_len = {}", i,
                  layout.kv_len(i), max_context_len_);
   }
-  for (auto& r : ranks_) r->check_step(batch, layout);
+  for (const auto& r : ranks_) r->check_step(batch, layout);
+}
+
+void DcpAttention::begin_step(const ForwardBatch& batch) {
+  step_rows_ = -1;
+  const StepLayout layout = make_step_layout(batch);
+  check_batch(batch, layout);
   for (auto& r : ranks_) r->begin_step(batch);
-  batch_ = &batch;
+  step_rows_ = layout.num_tokens;
+}
+
+void DcpAttention::init_cuda_graph_state(int max_num_tokens) {
+  for (auto& r : ranks_) r->init_cuda_graph_state(max_num_tokens);
+}
+
+void DcpAttention::begin_capture_step(int tokens) {
+  step_rows_ = -1;
+  // The ranks' checks are the same: a refused capture is refused by rank 0, before any change.
+  for (auto& r : ranks_) r->begin_capture_step(tokens);
+  step_rows_ = tokens;
+}
+
+void DcpAttention::begin_replay_step(const ForwardBatch& batch, int tokens) {
+  step_rows_ = -1;
+  const StepLayout layout = make_step_layout(batch);
+  check_batch(batch, layout);
+  for (auto& r : ranks_) r->begin_replay_step(batch, tokens);
+  step_rows_ = tokens;
 }
 
 void DcpAttention::forward(int layer_id, const AttnArgs& args) {
-  ATTNRT_CHECK(batch_ != nullptr,
+  ATTNRT_CHECK(step_rows_ >= 0,
                "DcpAttention: forward(layer {}) outside a step; call begin_step(batch) first",
                layer_id);
   const LayerSpec& layer = layer_by_id(model_, layer_id, "DcpAttention::forward");
-  const int64_t T = batch_->num_tokens();
+  // The rows of the step's tensors: its tokens, or a graph step's rows.
+  const int64_t T = step_rows_;
   if (T == 0) return;  // IDLE (or no tokens): nothing to attend, the pools untouched
   const int hq = layer.num_q_heads, hkv = layer.num_kv_heads, dv = v_dim_of(layer);
   const DeviceKind dev = args.q.device.kind;
@@ -817,7 +1033,7 @@ void DcpAttention::commit_verify(const ForwardBatch& batch,
 
 void DcpAttention::end_step() {
   for (auto& r : ranks_) r->end_step();
-  batch_ = nullptr;
+  step_rows_ = -1;
 }
 
 }  // namespace attnrt

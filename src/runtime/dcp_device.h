@@ -12,6 +12,8 @@
 
 namespace attnrt {
 
+struct DcpGraphSizes;  // attnrt/runtime/dcp.h
+
 class DcpDeviceRank {
  public:
   virtual ~DcpDeviceRank() = default;
@@ -40,6 +42,23 @@ class DcpDeviceRank {
                      const TensorView& lse) = 0;
   // Waits for the rank's stream.
   virtual void synchronize() = 0;
+  // Whether the rank's stream is capturing a CUDA graph.
+  virtual bool capturing() const = 0;
+  // Whether `p` points into GPU memory (a caller's sink logits).
+  virtual bool on_device(const void* p) const = 0;
+
+  // CUDA-graph steps (DcpRank::init_cuda_graph_state, docs/dcp.md "CUDA graphs"): every buffer of
+  // `sizes`, and an entry list per part, allocated now at fixed addresses and never grown; eager
+  // steps keep buffers of their own (they grow as steps need). Throws when called twice with
+  // other sizes (a captured graph holds the first ones).
+  virtual void reserve_graph(const DcpGraphSizes& sizes) = 0;
+  // A graph step's list `list`: its entries' rows, padded to `tokens` entries (dcp_entry_list),
+  // written into the list's fixed buffer now by a stream-ordered copy from pinned staging (before
+  // the capture or the replay that reads it).
+  virtual void set_graph_entries(int list, std::span<const int64_t> rows, int64_t tokens) = 0;
+  // The calls that follow (a captured layer) read graph list `list` of `tokens` entries and rows
+  // and the graph buffers; nothing is uploaded. Until the next set_entries.
+  virtual void use_graph_entries(int list, int64_t tokens) = 0;
 };
 
 // One rank's device work on `stream` (a cudaStream_t; null: the legacy default stream).

@@ -177,8 +177,9 @@ void add_run_command(CLI::App& app) {
                   "Decode context parallelism (docs/dcp.md): the target's attention layers also "
                   "run on N simulated ranks, each holding every N-th token, and are compared with "
                   "the single runtime; 1 = off. Host backends: N ranks in this process. "
-                  "--attention-backend cuda: N cuda runtimes sharing this ONE GPU (page size 1, "
-                  "target steps eager): a correctness check, not a speed measurement")
+                  "--attention-backend cuda: N cuda runtimes sharing this ONE GPU (target steps "
+                  "eager; the ranks' DECODE / TARGET_VERIFY steps replayed from CUDA graphs they "
+                  "capture as an engine would): a correctness check, not a speed measurement")
       ->capture_default_str();
   auto* sched = "Scheduler";
   cmd->add_option("--max-running-requests", args->config.scheduler.max_running_requests,

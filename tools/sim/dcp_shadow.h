@@ -1,11 +1,16 @@
 // `attnrt run --dcp-size N` (docs/dcp.md): the target model's attention layers also run on a
-// DcpAttention group of N simulated ranks over the same backends (cuda ranks share the one GPU), with the same batches and
-// q / k / v, and each layer's merged output is compared with the single runtime's (which the
-// reference checks). Layers that cannot be split (sliding window, non-causal, DSA) stay on the
-// single runtime; MLA layers are compared in the absorbed form, and their MHA-form prefills only
-// store the latent rows on the ranks. The report's notes say which layers and why.
+// DcpAttention group of N simulated ranks over the same backends (cuda ranks share the one GPU),
+// with the same batches and q / k / v, and each layer's merged output is compared with the single
+// runtime's (which the reference checks). Layers that cannot be split (non-causal, DSA, linear)
+// stay on the single runtime; MLA layers are compared in the absorbed form, and their MHA-form
+// prefills only store the latent rows on the ranks. The report's notes say which layers and why.
+// cuda ranks with CUDA graphs on (RuntimeConfig::cuda_graphs) run their DECODE and TARGET_VERIFY
+// steps as an engine would (docs/dcp.md "CUDA graphs"): each layer's inputs go into static GPU
+// tensors, and at end_step the group replays a graph of the step's rows (a power of two, captured
+// when first needed) on a stream of its own; the outputs are compared after it.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,6 +43,32 @@ class DcpShadow {
  private:
   std::unique_ptr<DcpAttention> group_;
   int group_id(int layer_id) const;  // the layer's id in the group's model, -1 if not split
+  void check(const LayerSite& site, const TensorView& got, const TensorView& want);
+  // Graph steps: the stream they are captured and replayed on, the static tensors (by group
+  // layer id: q, k, v, out of max_rows_ rows; the sinks), the graph of each row count, and the
+  // step in progress (its rows, batch and the outputs to compare after the replay).
+  struct Static {
+    TensorView q, k, v, out, sinks;
+    bool sinks_written = false;
+  };
+  struct Pending {
+    LayerSite site;
+    int group_layer = 0;
+    HostBuffer want;
+  };
+  std::unique_ptr<StreamCapture> capture_;
+  std::unique_ptr<DeviceTensors> tensors_;
+  std::map<int, Static> static_;
+  std::map<int, int> graphs_;  // rows -> the capture's graph index
+  int max_rows_ = 0;           // 0: no graph steps
+  int64_t step_rows_ = 0;      // rows of the graph step in progress (0: eager)
+  int64_t step_tokens_ = 0;
+  const ForwardBatch* step_batch_ = nullptr;
+  std::vector<Pending> pending_;
+  int64_t graph_steps_ = 0;
+  std::string graphs_off_;  // why cuda ranks run eagerly ("" when graphs are on or host ranks)
+  void capture(int rows);
+  void replay();
   std::vector<int> split_;           // the model's layer ids on the group (group ids 0, 1, ...)
   std::vector<std::string> left_;    // why each other layer stays on the single runtime
   Tolerance tolerance_;

@@ -949,7 +949,8 @@ RunReport run_trace(const ModelSpec& model_in, const Options& options_in, const 
     dc.kv_slots = config.max_total_tokens;
     dc.max_num_tokens = std::max(max_tokens, 1);
     dc.max_context_len = context;
-    dc.cuda_graphs = false;
+    // cuda ranks replay their DECODE / TARGET_VERIFY steps from CUDA graphs (DcpShadow).
+    dc.cuda_graphs = true;
     dcp = std::make_unique<DcpShadow>(model, o, dc, rep.tolerance, failures);
     driver.set_dcp(dcp.get());
   }

@@ -64,6 +64,26 @@ class DeviceTensors {
   virtual void fenced(const std::function<void()>& body) = 0;
 };
 
+// CUDA graphs of the work issued on one stream of their own, captured and replayed as an engine
+// does with its framework's graph (torch.cuda.graph): for the tools that drive a group of ranks
+// the way an engine would (DcpAttention's engine-captured graphs, docs/dcp.md "CUDA graphs").
+class StreamCapture {
+ public:
+  virtual ~StreamCapture() = default;
+  // The stream (a cudaStream_t, non-blocking), alive as long as this object.
+  virtual void* stream() const = 0;
+  // Starts capturing stream() (every thread's unsafe calls refused meanwhile, as torch's default).
+  virtual void begin() = 0;
+  // Ends the capture and instantiates it: the new graph's index. Throws the device's error when
+  // the capture failed.
+  virtual int end() = 0;
+  // Ends a capture that failed (an exception inside it) and discards what it recorded.
+  virtual void abort() = 0;
+  // Replays graph `graph` on stream().
+  virtual void launch(int graph) = 0;
+  virtual void synchronize() = 0;
+};
+
 class DeviceServices {
  public:
   virtual ~DeviceServices() = default;
@@ -85,6 +105,9 @@ class DeviceServices {
                                                              int verify_tokens) const;
   // Device tensors beside `cache` (made by this device). Throws attnrt::Error on the host.
   virtual std::unique_ptr<DeviceTensors> make_tensors(KVCache& cache) const;
+  // Captured graphs of a stream of their own on the current device. Throws attnrt::Error on the
+  // host.
+  virtual std::unique_ptr<StreamCapture> make_stream_capture() const;
   // How the host thread waits for the device ("spin", "yield", "blocking sync" or "auto");
   // ATTNRT_BENCH_SYNC=spin|yield|blocking|auto sets that first. "" on the host.
   virtual std::string host_sync_mode(Device device) const;

@@ -145,7 +145,8 @@ class AttentionRuntime {
   //                                   read only fixed buffers (the plan's, the write slots', the
   //                                   engine's own q / k / v / out tensors)
   //   begin_replay_step(batch, bs)    before every replay: the real batch (batch_size <= bs
-  //                                   requests, padded to bs here; padded rows write slot 0)
+  //                                   requests, padded to bs here; padded rows write slot 0;
+  //                                   batch_size 0 pads every row)
   //   end_step()                      after either
   // Throws attnrt::Error when graphs are off (cuda_graphs_off_reason()), for a mode other than
   // DECODE / TARGET_VERIFY, for bs or tokens beyond init_cuda_graph_state's, and when this

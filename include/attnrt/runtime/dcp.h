@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "attnrt/runtime/attention_runtime.h"
@@ -43,6 +44,33 @@ void validate_dcp(const ModelSpec& model, const Options& options);
 // dv) and returns the merged lse. Ranks with lse = -inf contribute nothing; when every part is
 // empty (and no sink) the output is 0 and the lse -inf.
 float dcp_merge(std::span<const float* const> parts, int dv, std::optional<float> sink, float* out);
+
+// The device buffers of one rank's CUDA-graph steps (docs/dcp.md "CUDA graphs"): sized for steps of
+// up to `tokens` query rows over every layer of `model` (the largest of each), allocated once by
+// DcpRank::init_cuda_graph_state at fixed addresses and never grown. Activations are counted at
+// the model's dtype (at least 2 bytes: the cuda kernels take bf16 / fp16).
+struct DcpGraphSizes {
+  int64_t tokens = 0;
+  size_t gather[3] = {0, 0, 0};  // the entries' q, k, v rows [tokens, H, D] (MLA: no v)
+  size_t out = 0;                // the partial output [tokens, Hq, Dv]
+  size_t lse = 0;                // its lse, fp32 [tokens, Hq]
+  size_t send = 0;               // the packed partials of every head, fp32 [tokens, Hq, Dv + 1]
+  size_t recv = 0;               // n blocks of this rank's heads, fp32 [n, tokens, heads, Dv + 1]
+  size_t index = 0;              // one entry list: [tokens entries' rows | tokens rows' entries]
+  int parts = 0;                 // entry lists: one per sliding window of the layers
+  // Everything above, the entry list once per part.
+  size_t total() const;
+};
+// Throws attnrt::Error for tokens < 1, n out of [1, kMaxDcpSize] or a rank outside [0, n).
+DcpGraphSizes dcp_graph_sizes(const ModelSpec& model, int n, int rank, int64_t tokens);
+
+// The entry list a rank's device work reads (docs/dcp.md "Each rank's batch"): `rows` (the global
+// query row of each entry) padded with row 0 to `entries` entries, then for each of the step's
+// `tokens` rows its entry, or -1 for a row without one (padded entries belong to no row); into
+// out[0, entries + tokens). An eager step's list has entries = rows.size(); a graph step's
+// entries = tokens = the captured rows. Throws attnrt::Error when rows.size() > entries or a row
+// is outside [0, tokens).
+void dcp_entry_list(std::span<const int64_t> rows, int64_t entries, int64_t tokens, int64_t* out);
 
 class DcpRank {
  public:
@@ -121,6 +149,39 @@ class DcpRank {
   // Waits for the rank's GPU work (its stream); nothing to wait for on the host.
   void synchronize();
 
+  // CUDA graphs an engine captures itself (docs/dcp.md "CUDA graphs"; the calls of
+  // AttentionRuntime's engine-captured graphs). The rank's batch is decode-shaped rows whatever
+  // the global step's mode, so a graph depends on its number of query rows alone: one captured
+  // at `tokens` rows replays any step (DECODE, TARGET_VERIFY chain or tree, EXTEND, MIXED,
+  // DRAFT_EXTEND) of at most that many tokens.
+  //   init_cuda_graph_state(max_num_tokens)  once, before any capture: every buffer a captured
+  //                                  step touches (dcp_graph_sizes, the part runtimes' graph
+  //                                  state), at fixed addresses
+  //   begin_capture_step(tokens)     before capturing a step of `tokens` rows (outside the
+  //                                  capture: it uploads the placeholder plan); then, inside it,
+  //                                  forward + merge of every layer on the rank's stream with
+  //                                  GPU tensors of `tokens` rows (q / k / v / out / lse: the
+  //                                  engine's static tensors; sinks on the GPU), then end_step
+  //   begin_replay_step(batch, tokens)  before every replay: the real step (at most `tokens`
+  //                                  tokens; rows past them come out as 0, lse -inf or the
+  //                                  sink's logit): its slots, key lists and entry lists,
+  //                                  written into the fixed buffers by stream-ordered copies
+  //                                  from pinned staging; then
+  //                                  the graph's launch on the rank's stream, then end_step
+  // Eager steps (begin_step) go on alongside, with buffers of their own. Throws attnrt::Error,
+  // changing nothing, when graphs are off (cuda_graphs_off_reason()), for tokens beyond
+  // init_cuda_graph_state's, a replayed step of more tokens than `tokens`, or the errors
+  // begin_step gives; and inside a capture for what cannot be captured (a step begun with
+  // begin_step, host tensors or sinks, a growing buffer), naming what to do instead.
+  bool cuda_graphs_enabled() const { return graph_off_reason_.empty(); }
+  const std::string& cuda_graphs_off_reason() const { return graph_off_reason_; }
+  void init_cuda_graph_state(int max_num_tokens);
+  int cuda_graph_max_tokens() const { return graph_max_tokens_; }
+  void begin_capture_step(int tokens);
+  void begin_replay_step(const ForwardBatch& batch, int tokens);
+  // The rows of the step begun: the batch's tokens (eager), or the graph's `tokens`.
+  int64_t step_rows() const { return num_tokens_; }
+
  private:
   int rank_, size_;
   ModelSpec model_;  // the global model (with sinks)
@@ -154,7 +215,15 @@ class DcpRank {
   };
   std::vector<Part> parts_;
   std::pair<Part*, int> part_of(int layer_id);  // the part and the layer's id in its runtime
-  void begin_part(Part& part, const ForwardBatch& batch, const StepLayout& layout);
+  // The part's batch of the step (slots of the new tokens it owns, key lists, entries).
+  void build_part(Part& part, const ForwardBatch& batch, const StepLayout& layout);
+  // CUDA graphs: why they are off ("" when on), init_cuda_graph_state's rows (0: not called), the
+  // rows of the graph step begun (0: an eager step) and whether it is being captured.
+  std::string graph_off_reason_;
+  int graph_max_tokens_ = 0;
+  int64_t graph_tokens_ = 0;
+  void check_graph_tokens(const char* call, int64_t tokens) const;
+  DcpDeviceRank& device();
   // Makes columns [0, count) of request row `row`'s pool row equal its local columns.
   void sync_request_row(Part& part, int row, int32_t count);
   // cuda ranks with page_size > 1 read key lists as pages: a tree verify step is an error.
@@ -217,6 +286,19 @@ class DcpAttention {
   // A chain needs no commit. Throws attnrt::Error for a path that is not one of the tree.
   void commit_verify(const ForwardBatch& batch, std::span<const std::vector<int32_t>> accepted);
 
+  // CUDA graphs an engine captures itself (DcpRank's, docs/dcp.md "CUDA graphs"), on every rank:
+  // the group's steps of up to `tokens` query rows captured on its stream (set_stream: a capture
+  // needs a stream other than the legacy default one, and every rank on it) and replayed there.
+  // forward then takes GPU tensors of `tokens` rows (sinks on the GPU). Off (with the reason) for
+  // host ranks and with RuntimeConfig::cuda_graphs false.
+  bool cuda_graphs_enabled() const { return ranks_.front()->cuda_graphs_enabled(); }
+  const std::string& cuda_graphs_off_reason() const {
+    return ranks_.front()->cuda_graphs_off_reason();
+  }
+  void init_cuda_graph_state(int max_num_tokens);
+  void begin_capture_step(int tokens);
+  void begin_replay_step(const ForwardBatch& batch, int tokens);
+
  private:
   ModelSpec model_;
   Options options_;
@@ -224,7 +306,8 @@ class DcpAttention {
   std::unique_ptr<Communicator> host_comm_;  // cuda ranks: the exchange of host tensors
   std::vector<std::unique_ptr<DcpRank>> ranks_;
   int max_context_len_ = 0;
-  const ForwardBatch* batch_ = nullptr;
+  int64_t step_rows_ = -1;  // the rows forward() takes in the step begun (-1: none)
+  void check_batch(const ForwardBatch& batch, const StepLayout& layout) const;
 };
 
 }  // namespace attnrt
