@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call for the checks that wait on a GPU after a CPU-side round (docs/BENCHMARKS.md "What
 # waits for the next calls"), each stage bounded so the call stays under 540 s:
-#   dcp      the DCP GPU tests (ranks on the engine's stream, NCCL with one rank, cuda ranks on
-#            one GPU, page sizes, stream order) and, when DCP_TESTS names more, those too
+#   dcp      the DCP GPU tests (ranks on the engine's stream and in CUDA graphs, NCCL with one
+#            rank, cuda ranks on one GPU, page sizes), the graph and run suites, stream order,
+#            `attnrt run --dcp-size 2` with cuda ranks; DCP_TESTS adds a gtest filter
 #   python   pytest of the Python package's DSA, DCP and runtime tests with CUDA tensors
 #   long     the long-context decode rows (long-decode) and the small decode rows, with torch's
 #            flash / cuDNN on the same shapes (bench/torch_sdpa.py --from)
@@ -23,11 +24,16 @@ $B/attnrt info 2>&1 | head -6
 
 if want dcp; then
   s=$(date +%s)
-  filter='CudaDcpStreams.*:CudaDcpNccl.*:Ranks/CudaDcp.*:Pages/CudaDcpPaged.*:Cases/CudaStreamOrder.*'
+  filter='*CudaDcp*:CudaGraph*:CudaRun.*:*CudaStreamOrder.*'
   timeout 150 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$filter${DCP_TESTS:+:$DCP_TESTS}" \
     > $O/dcp_tests.log 2>&1
   echo "dcp tests rc=$? $(( $(date +%s)-s )) s"
   grep -E "^\[ +(PASSED|FAILED|SKIPPED) +\]|tests ran|Failure" $O/dcp_tests.log | head -30
+  # cuda ranks replaying DECODE / TARGET_VERIFY graphs, every layer compared after the replay.
+  s=$(date +%s)
+  timeout 60 $B/attnrt run --dcp-size 2 --attention-backend cuda --speculative-num-steps 3 \
+    --no-progress > $O/dcp_run.txt 2>&1
+  echo "dcp run rc=$? $(( $(date +%s)-s )) s"; grep -iE "graph|dcp|error|FAILED" $O/dcp_run.txt | head -8
 fi
 
 if want python; then
