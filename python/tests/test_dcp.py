@@ -426,7 +426,8 @@ def graph_runner(group, layers, rows, eager_runner):
             info = layers[layer]
             sq = torch.zeros((rows, *q.shape[1:]), device="cuda", dtype=q.dtype)
             sk = torch.zeros((rows, *k.shape[1:]), device="cuda", dtype=k.dtype)
-            sv = sk[:, :, :v.shape[2]] if v.data_ptr() == k.data_ptr() else torch.zeros_like(sk)
+            sv = sk[:, :, :v.shape[2]] if v.data_ptr() == k.data_ptr() else \
+                torch.zeros((rows, *v.shape[1:]), device="cuda", dtype=v.dtype)
             out = torch.zeros((rows, info["num_q_heads"], info["v_head_dim"]), device="cuda",
                               dtype=q.dtype)
             static[layer] = (sq, sk, sv, out)
