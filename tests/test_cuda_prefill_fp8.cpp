@@ -1,11 +1,14 @@
-// The fp8 prefill CTA (backends/cuda/kernels/prefill_fp8.cuh, --fp8-prefill-attention) against the
-// reference backend over the same e4m3 pool bytes: ragged extend batches with cached prefixes
-// crossing page edges, pages of 1, 16 and 64 slots, GQA groups 1, 4 and 8, causal and not, sliding
-// windows, softcap, sinks, split keys merged by lse, MIXED and DRAFT_EXTEND steps, fp16. Every case
-// checks that the table sends its prefill items to the fp8 CTA. Without a GPU the host-side models
-// run: the register-fragment permutation, the kernel's V transpose simulated thread by thread
-// (placement, coverage, bank conflicts), P V through the packed A operand and the transposed tile
-// read as the MMA's K-major B operand, the dispatch table and `info --explain`.
+// The fp8 prefill CTAs (backends/cuda/kernels/prefill_fp8.cuh, one warpgroup, and
+// prefill_fp8_ws.cuh, warp-specialised with ATTNRT_PREFILL_FP8_WS=1; --fp8-prefill-attention)
+// against the reference backend over the same e4m3 pool bytes, every case on both CTAs: ragged
+// extend batches with cached prefixes crossing page edges, pages of 1, 16 and 64 slots, GQA groups
+// 1, 4 and 8, causal and not, sliding windows, softcap, sinks, split keys merged by lse, MIXED and
+// DRAFT_EXTEND steps, fp16, more units than the persistent grid has CTAs. Every case checks that
+// the table sends its prefill items to the fp8 CTA. Without a GPU the host-side models run: the
+// register-fragment permutation, the kernels' V transpose simulated thread by thread (placement,
+// coverage, bank conflicts), P V through the packed A operand and the transposed tiles (64 keys,
+// and 128 as two halves) read as the MMA's K-major B operand, the warp-specialised CTA's in-place
+// Q conversion, the dispatch table and `info --explain`.
 //
 // Tolerance. The reference reads the same fp8 K and V; the CTA adds two roundings to e4m3 (3
 // mantissa bits: relative error at most 2^-4 each): q (at a power-of-two scale, so nothing else)
@@ -176,44 +179,122 @@ TEST(Fp8PrefillLayout, TransposedVHoldsKeyPvKeyOfEveryPositionInEveryRow) {
     }
 }
 
-TEST(Fp8PrefillLayout, PackedWeightsTimesTransposedVIsPTimesV) {
-  // One m64 block of P (64 rows x 64 keys) in the S accumulators of a warpgroup, packed into the A
-  // operand as the kernel packs it, times the transposed V read as the K-major B operand (element
-  // (k, n) at vt_offset(n, k)), against P V directly. Small integers: exact.
-  std::mt19937 rng(20);
+// One m64 block of P (64 rows x `keys` keys, 64 or 128) in the S accumulators of a warpgroup,
+// packed into the A operand as the kernels pack it, times the transposed V (the kernel's transpose
+// of each 64 keys, kFp8VtBytes apart) read as the K-major B operand of each k32 step from its
+// descriptor start vt_k32_offset (element (k, n) of a step at vt_offset(n, k) from there, the
+// 64-byte swizzle being a function of the address), against P V directly. Small integers: exact.
+void check_packed_pv(int keys, uint32_t seed) {
+  std::mt19937 rng(seed);
   std::uniform_int_distribution<int> small(0, 15);
-  std::vector<int> P(64 * 64), V(64 * 128);
+  std::vector<int> P(64 * keys), V(keys * 128);
   for (int& x : P) x = small(rng);
   static std::vector<int> v_values;
-  v_values.resize(V.size());
-  for (size_t i = 0; i < V.size(); ++i) v_values[i] = V[i] = small(rng);
-  const std::vector<uint8_t> vt =
-      simulate_v_transpose([](int key, int c) { return v_values[key * 128 + c]; });
+  v_values.resize(64 * 128);
+  for (int& x : V) x = small(rng);
+  std::vector<uint8_t> vt(keys / 64 * cuda::kFp8VtBytes);
+  for (int h = 0; h < keys / 64; ++h) {
+    std::copy(V.begin() + h * 64 * 128, V.begin() + (h + 1) * 64 * 128, v_values.begin());
+    const std::vector<uint8_t> half =
+        simulate_v_transpose([](int key, int c) { return v_values[key * 128 + c]; });
+    std::copy(half.begin(), half.end(), vt.begin() + h * cuda::kFp8VtBytes);
+  }
   std::vector<long> O(64 * 128, 0);
   for (int warp = 0; warp < 4; ++warp)
     for (int lane = 0; lane < 32; ++lane) {
       const int q = lane % 4, r = 16 * warp + lane / 4;
-      int s[32];  // this thread's S accumulator of the block (m64n64)
-      for (int reg = 0; reg < 32; ++reg) {
+      std::vector<int> s(keys / 2);  // this thread's S accumulator of the block (m64nKEYS)
+      for (int reg = 0; reg < keys / 2; ++reg) {
         const Cell c = accumulator_cell(reg, q);
-        s[reg] = P[(r + 8 * c.half) * 64 + c.col];
+        s[reg] = P[(r + 8 * c.half) * keys + c.col];
       }
-      for (int t = 0; t < 2; ++t)  // the two k32 steps
+      for (int t = 0; t < keys / 32; ++t) {  // the k32 steps
+        const int start = cuda::vt_k32_offset(t);
+        // The descriptor starts at position 32 (t % 2) of row 0 of tile t / 2.
+        ASSERT_EQ(start, t / 2 * cuda::kFp8VtBytes + cuda::vt_offset(0, 32 * (t % 2))) << t;
+        const int tile = t / 2 * cuda::kFp8VtBytes;
         for (int a = 0; a < 4; ++a)
           for (int b = 0; b < 4; ++b) {
             const Cell at = a_fragment_cell(a, b, q);
-            const int row = r + 8 * at.half, k = 32 * t + at.col;
+            const int row = r + 8 * at.half, k = 32 * (t % 2) + at.col;
             const int weight = s[16 * t + cuda::pv_fragment_index(a, b)];
             for (int n = 0; n < 128; ++n)
-              O[row * 128 + n] += long{weight} * vt[cuda::vt_offset(n, k)];
+              O[row * 128 + n] += long{weight} * vt[tile + cuda::vt_offset(n, k)];
           }
+      }
     }
   for (int row = 0; row < 64; ++row)
     for (int n = 0; n < 128; ++n) {
       long want = 0;
-      for (int key = 0; key < 64; ++key) want += long{P[row * 64 + key]} * V[key * 128 + n];
-      ASSERT_EQ(O[row * 128 + n], want) << "row " << row << " column " << n;
+      for (int key = 0; key < keys; ++key) want += long{P[row * keys + key]} * V[key * 128 + n];
+      ASSERT_EQ(O[row * 128 + n], want) << keys << " keys, row " << row << " column " << n;
     }
+}
+
+TEST(Fp8PrefillLayout, PackedWeightsTimesTransposedVIsPTimesV) {
+  check_packed_pv(64, 20);  // the one-warpgroup CTA's tile
+}
+
+TEST(Fp8PrefillLayout, TwoTransposedHalvesServeA128KeyTile) {
+  check_packed_pv(128, 21);  // the warp-specialised CTA's tile: four k32 steps over two halves
+}
+
+TEST(Fp8PrefillLayout, InPlaceQQuantisationStaysInEachConsumersOwnBytes) {
+  // The warp-specialised CTA's in-place Q conversion run on the host, over the kernel's own
+  // thread indices: consumer thread ct (0 .. 255, as the kernel numbers them) reads in pass n the
+  // 16-bit chunk q_convert_chunk(ct, n) of the copied Q tile (q16_offset, 16 bytes) and writes
+  // its e4m3 bytes (q8_offset, 8) in place. Each consumer reads only its own rows 64c .. 64c + 63,
+  // every chunk of them once; every byte it writes is one it read (so only its own barrier orders
+  // the two) and none is a byte the other consumer reads or writes; nothing lies outside the
+  // 32 KiB Q tile; the e4m3 tile is whole (each of its 16 KiB written once). Before the fix the
+  // second consumer's threads, 128 .. 255, took rows 72 .. 135: rows 64 .. 71 kept their 16-bit
+  // bytes (NaN as e4m3) and rows 128 .. 135 reached the other consumer's bytes and the ring.
+  constexpr int kRows = 128, kQBytes = kRows * 128 * 2;
+  std::vector<int> reader(kQBytes, -1), writer(kRows * 128, -1);
+  for (int ct = 0; ct < 256; ++ct)
+    for (int n = 0; n < cuda::kQConvertPasses; ++n) {
+      const int c = ct / 128;
+      const cuda::QChunk q = cuda::q_convert_chunk(ct, n);
+      ASSERT_GE(q.r, 64 * c) << "thread " << ct << " pass " << n;
+      ASSERT_LT(q.r, 64 * c + 64) << "thread " << ct << " pass " << n;
+      ASSERT_GE(q.c, 0);
+      ASSERT_LT(q.c, 16);
+      for (int b = 0; b < 16; ++b) {
+        const int off = cuda::q16_offset(kRows, q.r, q.c) + b;
+        ASSERT_LT(off, kQBytes);
+        ASSERT_EQ(reader[off], -1) << "16-bit byte read twice: row " << q.r << " chunk " << q.c;
+        reader[off] = c;
+      }
+      for (int b = 0; b < 8; ++b) {
+        const int off = cuda::q8_offset(q.r, q.c) + b;
+        ASSERT_EQ(writer[off], -1) << "e4m3 byte written twice: row " << q.r << " chunk " << q.c;
+        writer[off] = c;
+      }
+    }
+  for (int off = 0; off < kQBytes; ++off)
+    ASSERT_NE(reader[off], -1) << "16-bit byte " << off << " unread";
+  for (int off = 0; off < kRows * 128; ++off) {
+    ASSERT_NE(writer[off], -1) << "e4m3 byte " << off << " unwritten";
+    EXPECT_EQ(reader[off], writer[off]) << "byte " << off;
+  }
+  // The e4m3 rows are the S MMAs' K-major rows: row r's 16-byte chunk k at k ^ (r % 8); consumer
+  // c's descriptor starts at row 64c (a whole number of 1024-byte swizzle atoms).
+  for (int r = 0; r < kRows; ++r)
+    for (int ch = 0; ch < 16; ++ch)
+      EXPECT_EQ(cuda::q8_offset(r, ch), r * 128 + (((ch / 2) ^ (r % 8)) * 16) + (ch % 2) * 8);
+  EXPECT_EQ(cuda::q8_offset(64, 0) % 1024, 0);
+  // The row maximum: lane 0 of each warp of a consumer writes one of that consumer's 4 slots,
+  // each once, and the consumer reads all 4.
+  for (int c = 0; c < 2; ++c) {
+    std::set<int> slots;
+    for (int ct = 128 * c; ct < 128 * c + 128; ct += 32) {
+      const int slot = cuda::q_amax_slot(ct);
+      ASSERT_GE(slot, 0);
+      ASSERT_LT(slot, 4);
+      slots.insert(slot);
+    }
+    EXPECT_EQ(slots.size(), 4u) << "consumer " << c;
+  }
 }
 
 // The table (host code): the fp8 CTA takes prefill items over e4m3 at head dim 128 when asked
@@ -290,8 +371,9 @@ void check_fp8(const PrefillCase& c, const testing::Message& what = testing::Mes
 }
 
 // Host only: `attnrt info --explain` names the fp8 CTA for the extend phase when the option is on
-// over e4m3, and the mma.sync CTA without it.
-TEST(Fp8PrefillDispatch, ExplainNamesTheFp8CtaForExtend) {
+// over e4m3 (the one-warpgroup CTA, or with the switch the warp-specialised one), and the mma.sync
+// CTA without it.
+TEST(Fp8PrefillDispatch, ExplainNamesWhichFp8CtaRunsExtend) {
   ModelSpec m;
   m.name = "fp8-prefill-explain";
   m.layers = {test::attention_layer(0, 32, 8, 128)};
@@ -301,19 +383,40 @@ TEST(Fp8PrefillDispatch, ExplainNamesTheFp8CtaForExtend) {
       if (line.find("  extend") == 0) return line;
     return std::string();
   };
+  const bool saved = cuda::prefill_fp8_ws_enabled();
+  cuda::set_prefill_fp8_ws(false);
   EXPECT_NE(extend_line(DType::e4m3).find("mma.sync CTA"), std::string::npos);
   o.fp8_prefill_attention = true;
   const std::string on = extend_line(DType::e4m3);
   EXPECT_NE(on.find("fp8 prefill CTA (prefill_fp8.cuh)"), std::string::npos) << on;
   EXPECT_NE(on.find("--fp8-prefill-attention"), std::string::npos) << on;
+  cuda::set_prefill_fp8_ws(true);
+  const std::string ws = extend_line(DType::e4m3);
+  EXPECT_NE(ws.find("warp-specialised fp8 prefill CTA (prefill_fp8_ws.cuh)"), std::string::npos)
+      << ws;
+  EXPECT_NE(ws.find("ATTNRT_PREFILL_FP8_WS=0: the one-warpgroup one"), std::string::npos) << ws;
+  o.fp8_prefill_attention = false;
+  EXPECT_NE(extend_line(DType::e4m3).find("mma.sync CTA"), std::string::npos)
+      << "the switch alone changes nothing";
+  cuda::set_prefill_fp8_ws(saved);
 }
 
-class CudaFp8PrefillTest : public ::testing::Test {
+// Every GPU case runs on both fp8 CTAs: OneWarpgroup (prefill_fp8.cuh) and WarpSpecialised
+// (prefill_fp8_ws.cuh, ATTNRT_PREFILL_FP8_WS=1); the switch is restored after each test.
+class CudaFp8PrefillTest : public ::testing::TestWithParam<bool> {
  protected:
-  void SetUp() override { SKIP_WITHOUT_GPU(); }
+  void SetUp() override {
+    saved_ = cuda::prefill_fp8_ws_enabled();
+    cuda::set_prefill_fp8_ws(GetParam());
+    SKIP_WITHOUT_GPU();
+  }
+  void TearDown() override { cuda::set_prefill_fp8_ws(saved_); }
+
+ private:
+  bool saved_ = false;
 };
 
-TEST_F(CudaFp8PrefillTest, RaggedCausalExtendOverPageEdges) {
+TEST_P(CudaFp8PrefillTest, RaggedCausalExtendOverPageEdges) {
   // Prefixes on a page boundary (0, 32, 256), one key past one (17) and mid-page (301); query runs
   // shorter than a tile, one token, and several tiles long.
   for (int page : {1, 16, 64}) {
@@ -324,7 +427,7 @@ TEST_F(CudaFp8PrefillTest, RaggedCausalExtendOverPageEdges) {
   }
 }
 
-TEST_F(CudaFp8PrefillTest, GqaGroups) {
+TEST_P(CudaFp8PrefillTest, GqaGroups) {
   // Group 1, 4 and 8 (and 3: a 128-row tile ends inside a token's heads).
   for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{16, 4}, std::pair{32, 4}, std::pair{12, 4}}) {
     PrefillCase c = fp8_case({48, 0, 5}, {170, 97, 64}, static_cast<uint32_t>(hq * 10 + hkv));
@@ -334,7 +437,7 @@ TEST_F(CudaFp8PrefillTest, GqaGroups) {
   }
 }
 
-TEST_F(CudaFp8PrefillTest, NonCausalAndLongRuns) {
+TEST_P(CudaFp8PrefillTest, NonCausalAndLongRuns) {
   PrefillCase c = fp8_case({0, 80}, {260, 150}, 7);
   c.causal = false;
   check_fp8(c);
@@ -342,7 +445,7 @@ TEST_F(CudaFp8PrefillTest, NonCausalAndLongRuns) {
   check_fp8(l);
 }
 
-TEST_F(CudaFp8PrefillTest, WindowSoftcapAndSinks) {
+TEST_P(CudaFp8PrefillTest, WindowSoftcapAndSinks) {
   PrefillCase c = fp8_case({500, 0, 64}, {300, 260, 150}, 11);
   c.window = 100;
   c.cap = 20.f;
@@ -362,7 +465,7 @@ TEST_F(CudaFp8PrefillTest, WindowSoftcapAndSinks) {
   check_fp8(s, testing::Message() << "window 1001, split keys");
 }
 
-TEST_F(CudaFp8PrefillTest, SplitKeysMergeWithLse) {
+TEST_P(CudaFp8PrefillTest, SplitKeysMergeWithLse) {
   PrefillCase c = fp8_case({3000}, {129}, 15);
   check_fp8(c);
   c.causal = false;
@@ -370,7 +473,7 @@ TEST_F(CudaFp8PrefillTest, SplitKeysMergeWithLse) {
   check_fp8(c);
 }
 
-TEST_F(CudaFp8PrefillTest, ScalesAndQMagnitudes) {
+TEST_P(CudaFp8PrefillTest, ScalesAndQMagnitudes) {
   // Other per-layer scales (the power-of-two q scale is the CTA's own), and fp16 activations.
   PrefillCase c = fp8_case({33, 0}, {220, 140}, 17);
   c.k_scale = 0.05f;
@@ -383,7 +486,7 @@ TEST_F(CudaFp8PrefillTest, ScalesAndQMagnitudes) {
   check_fp8(c, testing::Message() << "fp16, k_scale 2, v_scale 0.25");
 }
 
-TEST_F(CudaFp8PrefillTest, MixedAndDraftExtendSteps) {
+TEST_P(CudaFp8PrefillTest, MixedAndDraftExtendSteps) {
   PrefillCase m = fp8_case({100, 40, 41, 700}, {150, 1, 1, 1}, 19);
   m.mode = ForwardMode::MIXED;
   check_fp8(m, testing::Message() << "MIXED");
@@ -394,20 +497,49 @@ TEST_F(CudaFp8PrefillTest, MixedAndDraftExtendSteps) {
   check_fp8(d, testing::Message() << "DRAFT_EXTEND");
 }
 
-TEST_F(CudaFp8PrefillTest, SmallStepForTheSanitizers) {
+TEST_P(CudaFp8PrefillTest, SmallStepForTheSanitizers) {
   // Two row tiles over three key tiles, the last one partial, a prefix off a page edge: every
   // path of the CTA (Q quantisation, ring, transpose, masked diagonal, epilogue) at a size
   // compute-sanitizer's racecheck runs in seconds.
   check_fp8(fp8_case({17}, {150}, 30));
 }
 
-TEST_F(CudaFp8PrefillTest, OffTheOptionTheMmaSyncCtaRunsTheSameCases) {
+TEST_P(CudaFp8PrefillTest, RingWrapForTheSanitizers) {
+  // The warp-specialised CTA's ring at a sanitizer's size: a unit of 7 key tiles (every stage and
+  // both staging tiles reused, the barrier phases flipping), a 40-token request whose second row
+  // tile leaves a consumer idle, and a one-tile unit.
+  PrefillCase c = fp8_case({700, 3}, {150, 40}, 31);
+  c.hq = 8;
+  c.hkv = 2;
+  check_fp8(c);
+}
+
+TEST_P(CudaFp8PrefillTest, MoreWorkItemsThanSms) {
+  // 32 ragged requests x 4 KV heads: ~900 (work item, KV head) units, more than 4 per SM, so the
+  // warp-specialised CTA runs persistent and walks several units each: the K/V ring, the staging
+  // tiles, the Q barriers and the consumers' turns carrying on from one unit to the next.
+  PrefillCase c = fp8_case({}, {}, 29);
+  c.hq = 16;
+  c.hkv = 4;
+  for (int i = 0; i < 32; ++i) {
+    c.prefix.push_back((i * 37) % 300);
+    c.qlen.push_back(150 + (i * 53) % 120);
+  }
+  check_fp8(c);
+}
+
+TEST_P(CudaFp8PrefillTest, OffTheOptionTheMmaSyncCtaRunsTheSameCases) {
   // The same pool without the option: the fp8 KV path of before (mma.sync, K / V dequantised to
   // 16 bits), held to the 16-bit tolerance; a check that the case builder's fp8 pools are right.
   PrefillCase c = fp8_case({0, 17, 301}, {300, 45, 200}, 21);
   c.fp8_prefill = false;
   check_prefill(c);
 }
+
+INSTANTIATE_TEST_SUITE_P(Fp8Ctas, CudaFp8PrefillTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "WarpSpecialised" : "OneWarpgroup";
+                         });
 
 #endif
 

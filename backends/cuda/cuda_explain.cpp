@@ -15,6 +15,7 @@
 #include "backends/cuda/kernels/dispatch.h"
 #include "backends/cuda/kernels/dsa.h"
 #include "backends/cuda/kernels/mla.h"
+#include "backends/cuda/kernels/prefill.h"
 
 namespace attnrt::cuda {
 
@@ -53,11 +54,20 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
           "MMAs - 16-bit KV and {} rows a request",
           rows);
     case AttnCta::fp8_prefill:
-      return fmt::format(
-          "fp8 prefill CTA (prefill_fp8.cuh): 128 rows, q and the softmax weights in e4m3 on fp8 "
-          "warpgroup MMAs against the e4m3 K / V (V transposed in shared memory) - "
-          "--fp8-prefill-attention, {} rows a request",
-          rows);
+      return prefill_fp8_ws_enabled()
+                 ? fmt::format(
+                       "warp-specialised fp8 prefill CTA (prefill_fp8_ws.cuh): 128 rows, a copy "
+                       "producer that also transposes V, two consumer warpgroups with q and the "
+                       "softmax weights in e4m3 on fp8 warpgroup MMAs against the e4m3 K / V - "
+                       "--fp8-prefill-attention (ATTNRT_PREFILL_FP8_WS=0: the one-warpgroup one), {} "
+                       "rows a request",
+                       rows)
+                 : fmt::format(
+                       "fp8 prefill CTA (prefill_fp8.cuh): 128 rows, one warpgroup, q and the "
+                       "softmax weights in e4m3 on fp8 warpgroup MMAs against the e4m3 K / V (V "
+                       "transposed in shared memory) - --fp8-prefill-attention with "
+                       "ATTNRT_PREFILL_FP8_WS=0, {} rows a request",
+                       rows);
     case AttnCta::prefill_verify:
       return fmt::format(
           "64-row warpgroup-MMA CTA (prefill.cuh): the request's {} rows read each K/V tile once - "

@@ -41,6 +41,9 @@ class DcpShadow {
   std::vector<std::string> notes() const;
 
  private:
+  // The stream graph steps run on: declared before the group, so that the group's runtimes
+  // (which synchronise their stream when destroyed) go first, also when a step threw.
+  std::unique_ptr<StreamCapture> capture_;
   std::unique_ptr<DcpAttention> group_;
   int group_id(int layer_id) const;  // the layer's id in the group's model, -1 if not split
   void check(const LayerSite& site, const TensorView& got, const TensorView& want);
@@ -56,7 +59,6 @@ class DcpShadow {
     int group_layer = 0;
     HostBuffer want;
   };
-  std::unique_ptr<StreamCapture> capture_;
   std::unique_ptr<DeviceTensors> tensors_;
   std::map<int, Static> static_;
   std::map<int, int> graphs_;  // rows -> the capture's graph index

@@ -42,6 +42,37 @@ constexpr int vt_offset(int d, int p) {
   return d * 64 + ((((p >> 4) ^ (d >> 1)) & 3) << 4) + (p & 15);
 }
 
+// A tile of more keys (the warp-specialised CTA's 128) is transposed as tiles of 64 keys,
+// kFp8VtBytes apart; k32 step k of O += P V over it reads the descriptor starting at
+// vt_k32_offset(k): position 32 (k % 2) of row 0 of tile k / 2.
+inline constexpr int kFp8VtBytes = 64 * 128;
+constexpr int vt_k32_offset(int k) { return (k >> 1) * kFp8VtBytes + (k & 1) * 32; }
+
+// The Q tiles (128 rows): the 16-bit rows as copied (wgmma.cuh's swz128_offset: 16-byte chunk c,
+// elements 8c .. 8c + 7, of row r in column block c / 8 of `rows` rows) and the e4m3 tile the S
+// MMAs read (128-byte rows, 128-byte swizzle; the 8 bytes of elements 8c .. 8c + 7 of row r).
+constexpr int q16_offset(int rows, int r, int c) {
+  return (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4);
+}
+constexpr int q8_offset(int r, int c) {
+  return r * 128 + ((((c >> 1) ^ r) & 7) << 4) + (c & 1) * 8;
+}
+
+// The warp-specialised CTA's in-place Q conversion: consumer thread ct (0 .. 255, the index the
+// kernel's consumers run on; consumer ct / 128 owns rows 64 (ct / 128) .. 64 (ct / 128) + 63)
+// converts in pass n (of kQConvertPasses) the 16-bit chunk c of row r, the 128 threads of a
+// consumer taking consecutive chunks of its 64 rows x 16; its warp (ct / 32) % 4 of the consumer
+// writes that consumer's row maximum slot q_amax_slot.
+struct QChunk {
+  int r, c;
+};
+inline constexpr int kQConvertPasses = 64 * 16 / 128;
+constexpr QChunk q_convert_chunk(int ct, int n) {
+  const int i = (ct & 127) + 128 * n;
+  return {64 * (ct >> 7) + i / 16, i % 16};
+}
+constexpr int q_amax_slot(int ct) { return (ct >> 5) & 3; }
+
 // The 4 x 4 byte block of the transposed tile that thread `tid` (of 128) writes in pass n (of 4):
 // head-dim rows 4 dq .. 4 dq + 3, key positions 4 pq .. 4 pq + 3. Lanes take pq's low 2 bits,
 // dq's low 2 bits, then pq's bit 2; warps and passes the rest, so that the 32-bit loads from the

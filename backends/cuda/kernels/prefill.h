@@ -26,10 +26,17 @@ inline constexpr int kPrefillVerifyTileRows = 64;
 // ATTNRT_PREFILL_WS in the environment (-1, 0, 1, 2), read once at the first prefill launch unless
 // set_prefill_ws_mode chose first.
 AttnCtaEntry prefill_entry(int head_dim, bool fp16, bool verify);
-// The fp8 prefill CTA (prefill_fp8.cuh): TileShape::prefill items of non-tree steps over an e4m3
-// KV pool, q / out bf16 or fp16, on fp8 tensor cores; head dim 128 (empty for others). Chosen by
-// dispatch.h's table when AttnKernelKey::fp8_prefill is set (Options::fp8_prefill_attention).
+// The fp8 prefill CTA: TileShape::prefill items of non-tree steps over an e4m3 KV pool, q / out
+// bf16 or fp16, on fp8 tensor cores; head dim 128 (empty for others). Chosen by dispatch.h's table
+// when AttnKernelKey::fp8_prefill is set (Options::fp8_prefill_attention). Which of the two CTAs
+// runs is prefill_fp8_ws_enabled() (read when the entry is asked for): off (the default) the
+// one-warpgroup CTA of prefill_fp8.cuh, on the warp-specialised one of prefill_fp8_ws.cuh
+// (prefill_fp8_ws_entry). The switch is ATTNRT_PREFILL_FP8_WS in the environment (0, 1), read once
+// at the first fp8 prefill launch unless set_prefill_fp8_ws chose first.
 AttnCtaEntry prefill_fp8_entry(int head_dim, bool fp16);
+AttnCtaEntry prefill_fp8_ws_entry(bool fp16);
+bool prefill_fp8_ws_enabled();
+void set_prefill_fp8_ws(bool on);
 // prefill_kernel's CTAs per head dim (prefill_d{64,128,256}.cu; no 64-row CTA at 256).
 AttnCtaEntry prefill_kernel_entry_d64(bool fp16, bool verify);
 AttnCtaEntry prefill_kernel_entry_d128(bool fp16, bool verify);

@@ -1,0 +1,283 @@
+// Warp-specialised fp8 prefill CTA (sm_90a): the math of the one-warpgroup fp8 CTA
+// (prefill_fp8.cuh: q quantised to e4m3 at a power-of-two scale, S = Q K^T and O += P V on e4m3
+// wgmma, P offset by 2^8, V transposed in shared memory in fp8_pv_layout.h's key order) in the
+// shape of the 16-bit warp-specialised CTA (prefill_ws.cuh; its protocol as functions in
+// prefill_ws_pipeline.cuh): a producer warpgroup, two consumer warpgroups of 64 rows each in
+// ping-pong, setmaxnreg, persistent CTAs walking the same (work item, KV head) units. It takes the
+// same launches as prefill_fp8.cuh (TileShape::prefill items of non-tree steps over an e4m3 pool,
+// bf16 / fp16 q and out, head dim 128) with the same key ranges, masks (causal, window, softcap,
+// sinks), splits, partials and lse. prefill_fp8_entry chooses it when ATTNRT_PREFILL_FP8_WS=1.
+//
+// Roles (384 threads, one CTA per SM, 128 keys per tile, 4 stages):
+//  - warpgroup 0, the producer (kProducerRegs): copies the unit's 16-bit Q rows (cp.async, as
+//    prefill_ws.cuh), then per tile resolves the keys' pool rows, waits for the tile's stage,
+//    issues 16-byte cp.async copies of the e4m3 K rows into the stage and of the V rows into one
+//    of two staging tiles, and once the copies of the tile before have landed (one tile behind:
+//    its own cp.async group, then the producer's named barrier, since each thread transposes bytes
+//    other threads copied) transposes that tile's V from its staging tile into the stage
+//    (transpose_v64 on each half of 64 keys), fences (its st.shared are read by wgmma) and
+//    arrives on the stage's full barrier (128 arrivals).
+//  - warpgroups 1 and 2, the consumers (kConsumerRegs): consumer c owns rows 64c .. 64c + 63.
+//    On a new unit it waits for Q, quantises its own 64 rows to e4m3 in place (below), then walks
+//    the tiles in ping-pong (ws_consume_tiles): S = Q K^T (m64n128k32 x 4), the mask / softcap /
+//    online softmax of prefill_tile.cuh with P' = 2^8 P, P' packed to e4m3 as the register A
+//    operand, O += P V (m64n128k32 x 4) against the transposed V of the stage.
+//
+// Why the producer transposes V. The transpose costs about 1 000 warp instructions a tile
+// (16 KiB: 32-bit loads, byte permutes, 32-bit stores, their addresses), a quarter of an SMSP's
+// issue slots over the ~1 000 cycles the tile's MMAs take at the fp8 peak. Every warp of the CTA
+// shares the four SMSPs, so whoever runs it takes the same slots; what matters is the consumers'
+// dependency chain. In a consumer the transpose would sit between S and P V of every tile (its
+// result is P V's operand) and would need both consumers to meet on every tile (each reads the
+// whole tile's V, each would write half); in the one-warpgroup CTA it hides under the S MMAs only
+// because that CTA has no other warp to give it to. In the producer it runs while the consumers
+// compute on tiles already full (the ring holds 3 ready tiles ahead), with no barrier between the
+// consumers, and fills the issue slots their wgmma waits leave idle. It costs the producer 16
+// registers (56 instead of the 16-bit CTA's 40; the consumers keep 224, without spills).
+//
+// Q. The producer cannot hold 128 rows of q in 56 registers to find their maximum before
+// converting, so it copies the 16-bit rows as prefill_ws.cuh does, and each consumer quantises its
+// own 64 rows: reads its rows (8 x 16 bytes a thread, fp8_pv_layout.h's q_convert_chunk of the
+// consumers' thread index), reduces their |max| over the warpgroup (consumer named barrier),
+// writes the e4m3 bytes in place (rows r of the 128-byte-row e4m3 tile lie at r * 128, inside the
+// bytes the consumer's own 16-bit rows held: [64c, 64c + 64) x 128 of column block 0; the two
+// consumers never touch each other's bytes), fences and syncs again. The scale is per 64 rows
+// instead of per 128 (at least as accurate; the consumers need not meet).
+// The Q buffer is the 16-bit tile's 32 KiB; the producer overwrites it for the next unit only
+// after both consumers' last S (q empty), as prefill_ws.cuh.
+//
+// Shared memory (~194 KiB): Q 32 KiB, 4 stages of K 16 KiB + transposed V 16 KiB, 2 staging V
+// tiles of 16 KiB, the slots, the barriers. Named barriers: prefill_ws_pipeline.cuh's.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/common/mask.cuh"
+#include "backends/cuda/kernels/dependent_launch.cuh"
+#include "backends/cuda/kernels/paged_kv.cuh"
+#include "backends/cuda/kernels/prefill.h"
+#include "backends/cuda/kernels/prefill_fp8_tile.cuh"
+#include "backends/cuda/kernels/prefill_tile.cuh"
+#include "backends/cuda/kernels/prefill_ws_pipeline.cuh"
+#include "backends/cuda/kernels/primitives.cuh"
+#include "backends/cuda/kernels/wgmma.cuh"
+
+namespace attnrt::cuda {
+
+struct PrefillFp8WsConfig {
+  static constexpr int kHeadDim = kFp8HeadDim;
+  static constexpr int kBN = 128;
+  static constexpr int kStages = 4;
+  static constexpr int kRows = kPrefillTileRows;
+  static constexpr int kConsumers = kRows / 64;
+  static constexpr int kThreads = 128 * (1 + kConsumers);
+  // ptxas -v: no spills at 56 / 224; at 40 / 232 the producer spills (its transpose addresses
+  // and the unit's fields), at 72 / 216 the consumers.
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 224;
+  static constexpr int kChunks = kHeadDim / 16;         // 16-byte chunks of an e4m3 row
+  static constexpr int kQBytes = kRows * kHeadDim * 2;  // the 16-bit Q the producer copies
+  static constexpr int kTileBytes = kBN * kHeadDim;     // K, a staged V, a transposed V
+  static constexpr int kStageBytes = 2 * kTileBytes;    // K, then the transposed V
+  static constexpr int kRingBytes = kStages * kStageBytes;
+  static constexpr int kStagingBytes = 2 * kTileBytes;
+  static constexpr int kSlotBytes = kBN * 4;
+  static constexpr int kBarOffset = kQBytes + kRingBytes + kStagingBytes + kSlotBytes;
+  static constexpr int kSmemBytes = 1024 + kBarOffset + WsPipe<kStages>::kBytes;
+  static_assert(kConsumers == 2 && kBN % 64 == 0 && kTileBytes == kBN / 64 * kFp8VtBytes);
+  // ws_consume_tiles releases a stage one tile late in ping-pong and the producer marks a tile
+  // full one tile late: a stage must come free while the producer waits with two tiles unmarked.
+  static_assert(kStages >= 3);
+  static_assert(kSmemBytes <= 227 * 1024, "the ring must fit one SM's shared memory");
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= kLaunchRegs * kThreads,
+                "setmaxnreg.inc would wait forever");
+};
+
+// The consumers' thread ct (0 .. 255) converts its share of its consumer's 64 rows of the unit's
+// Q (q_convert_chunk): the producer's 16-bit tile at sq (128-byte swizzle, two column blocks of
+// kRows rows) to e4m3 in place at the consumer's power-of-two scale (see the header comment);
+// red: a float per warp of each consumer. Returns the scale's inverse.
+template <typename T>
+__device__ __forceinline__ float quantise_q_rows(unsigned char* sq, int ct, float (&red)[2][4]) {
+  constexpr int ROWS = PrefillFp8WsConfig::kRows;
+  const int cw = ct >> 7;
+  // The consumer's own named barrier (a constant id: with an id in a register ptxas reserves all
+  // 16 barriers).
+  auto consumer_sync = [&] {
+    if (cw == 0)
+      named_bar_sync(kWsConsumerBar, 128);
+    else
+      named_bar_sync(kWsConsumerBar + 1, 128);
+  };
+  uint4 qv[kQConvertPasses];
+  float amax = 0.f;
+#pragma unroll
+  for (int n = 0; n < kQConvertPasses; ++n) {
+    const QChunk q = q_convert_chunk(ct, n);
+    qv[n] = *reinterpret_cast<const uint4*>(sq + q16_offset(ROWS, q.r, q.c));
+    amax = amax8<T>(qv[n], amax);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if ((ct & 31) == 0) red[cw][q_amax_slot(ct)] = amax;
+  // Every thread of the consumer has its chunks in registers and its warp's maximum in red.
+  consumer_sync();
+  amax = fmaxf(fmaxf(red[cw][0], red[cw][1]), fmaxf(red[cw][2], red[cw][3]));
+  const float qs = fp8_q_scale(amax);
+#pragma unroll
+  for (int n = 0; n < kQConvertPasses; ++n) {
+    const QChunk q = q_convert_chunk(ct, n);
+    *reinterpret_cast<uint2*>(sq + q8_offset(q.r, q.c)) = quantise8_e4m3<T>(qv[n], qs);
+  }
+  fence_proxy_async_smem();
+  // Every row is written before any warp's S MMAs read the block (and every thread has read red,
+  // which the next unit rewrites only after this barrier).
+  consumer_sync();
+  return 1.f / qs;
+}
+
+// threadIdx.x, read where it is called (not a value the compiler may keep from an earlier read).
+__device__ __forceinline__ int fresh_thread_index() {
+  int t;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+  return t;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(PrefillFp8WsConfig::kThreads, 1)
+    prefill_fp8_ws_kernel(const AttnParams p, int num_units) {
+  using Cfg = PrefillFp8WsConfig;
+  constexpr int D = Cfg::kHeadDim, BN = Cfg::kBN, ST = Cfg::kStages, ROWS = Cfg::kRows;
+  constexpr int CH = Cfg::kChunks;
+  extern __shared__ unsigned char smem_raw[];
+  __shared__ float red[Cfg::kConsumers][4];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = ((raw + 1023) & ~1023u) - raw;
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t sQ = raw + pad;
+  const uint32_t sRing = sQ + Cfg::kQBytes;
+  unsigned char* ring = smem + Cfg::kQBytes;
+  unsigned char* staging = ring + Cfg::kRingBytes;
+  int32_t* sSlot = reinterpret_cast<int32_t*>(staging + Cfg::kStagingBytes);
+  WsPipe<ST> w(sQ + Cfg::kBarOffset, smem + Cfg::kBarOffset);
+
+  const int tid = threadIdx.x, wg = tid >> 7;
+  w.init(tid, 128, 128, Cfg::kConsumers);
+
+  // A plain launch, as prefill_ws.cuh's.
+  grid_dependency_wait();
+  launch_dependent_grids();
+  if (wg == 0) {
+    setmaxnreg_dec<Cfg::kProducerRegs>();
+    int ticket = blockIdx.x;  // thread 0: the CTA's next unit
+    for (int n = 0;; ++n) {
+      const int unit = ws_publish_unit(w, n, ticket, tid);
+      if (unit >= num_units) break;
+      const WsUnit u = ws_unit<ROWS, BN, false>(p, unit);
+      // ================= producer =================
+      write_back_committed_pages(p, u.req, u.item, u.kvh, tid, 128);
+      ws_take_ticket(p, tid, ticket);
+      ws_load_q<T, D, ROWS>(p, u, smem, w.q_full(), tid);
+      const uint8_t* kbase = static_cast<const uint8_t*>(p.k) + u.kvh * D;
+      const uint8_t* vbase = static_cast<const uint8_t*>(p.v) + u.kvh * D;
+      auto staged = [&](int it) { return staging + ((w.tile_base + it) & 1) * Cfg::kTileBytes; };
+      // Tile it's copies have landed (this thread's by the caller's cp.async wait, every
+      // thread's after the barrier): its V transposed into the stage, the stage full.
+      auto finish = [&](int it) {
+        named_bar_sync(kWsProducerBar, 128);
+        const unsigned char* sv = staged(it);
+        unsigned char* vt = ring + w.stage(it) * Cfg::kStageBytes + Cfg::kTileBytes;
+        // The thread index read afresh: the transpose's 64 addresses derive from it, and ptxas
+        // would otherwise hoist them all out of the unit loop (spilling at kProducerRegs).
+        const int ttid = fresh_thread_index();
+#pragma unroll
+        for (int h = 0; h < BN / 64; ++h)
+          transpose_v64(sv + h * 64 * kFp8HeadDim, vt + h * kFp8VtBytes, ttid);
+        fence_proxy_async_smem();
+        mbar_arrive(w.full(w.stage(it)));
+      };
+      ws_produce_tiles<BN>(p, w, u, sSlot, tid, [&](int it, int stage) {
+        ws_copy_tile<BN, CH>(p, sSlot, kbase, vbase, ring + stage * Cfg::kStageBytes, staged(it),
+                             tid);
+        cp_async_commit();
+        if (it > 0) {
+          cp_async_wait<1>();
+          finish(it - 1);
+        }
+      });
+      if (u.num_tiles > 0) {
+        cp_async_wait<0>();
+        finish(u.num_tiles - 1);
+      }
+      w.tile_base += u.num_tiles;
+    }
+    ws_producer_exit(p, tid);
+  } else {
+    setmaxnreg_inc<Cfg::kConsumerRegs>();
+    const int ct = tid - 128, cw = ct >> 7, lane = ct & 31, wq = (ct >> 5) & 3;
+    const int g = lane >> 2, c4 = lane & 3;
+    ws_turns_begin(cw);
+    for (int n = 0;; ++n) {
+      const int unit = ws_read_unit(w, n);
+      if (unit >= num_units) break;
+      const WsUnit u = ws_unit<ROWS, BN, false>(p, unit);
+      // ================= consumers =================
+      const int G = p.group;
+      const Mask<false> mask{p, u.req};
+      const int wg_row0 = u.item.f0 + cw * 64;
+      const int first_row = wg_row0 + wq * 16;
+      const PrefillRows<1, false> rows(mask, first_row, g, G, u.req.qlen);
+      const bool wg_idle = wg_row0 / G >= u.req.qlen;
+      const int gt_lo = min(wg_row0 / G, u.req.qlen - 1);
+      const int gt_hi = min((wg_row0 + 63) / G, u.req.qlen - 1);
+      const WsRun run = ws_tile_run(u.num_tiles, [&](int it) {
+        return wg_idle || mask.hides(u.lo + it * BN, BN, gt_lo, gt_hi);
+      });
+
+      mbar_wait(w.q_full(), n & 1);
+      const float inv_qs = quantise_q_rows<T>(smem, ct, red);
+      // Logits of the fp8 product are qs times the true ones: the scales take 1 / qs.
+      const SoftCap cap(p.softcap, p.softmax_scale * inv_qs);
+      const float sl = cap.exp_scale(p.scale_log2 * inv_qs);
+
+      float o[1][1][D / 2];
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[0][0][i] = 0.f;
+      float m[1][2] = {{-INFINITY, -INFINITY}}, l[1][2] = {{0.f, 0.f}};
+
+      const uint32_t sQb = sQ + cw * 64 * kFp8HeadDim;
+      auto issue_s = [&](float(&s)[1][BN / 2], int stage) {
+        wgmma_fence();
+        mma_s_e4m3<BN>(s[0], sQb, sRing + stage * Cfg::kStageBytes);
+        wgmma_commit();
+      };
+      auto issue_pv = [&](const uint32_t(&pa)[BN / 32][4], int stage) {
+        wgmma_fence();
+        mma_pv_e4m3<BN>(o[0][0], pa, sRing + stage * Cfg::kStageBytes + Cfg::kTileBytes);
+        wgmma_commit();
+      };
+      auto softmax = [&](float(&s)[1][BN / 2], int it, float(&alpha)[1][2]) -> bool {
+        cap_and_mask<1, BN>(s, cap, mask, rows, u.lo + it * BN, u.hi, c4);
+        return __any_sync(0xffffffff, online_softmax<1, BN, kFp8POffset>(s, m, l, alpha, sl));
+      };
+      auto rescale = [&](const float(&alpha)[1][2]) { rescale_o<1, 1, D>(o, alpha, true); };
+      auto pack = [&](const float(&s)[1][BN / 2], uint32_t(&pa)[BN / 32][4]) {
+        pack_p_e4m3<BN>(s[0], pa);
+      };
+      ws_consume_tiles<float[1][BN / 2], uint32_t[BN / 32][4], float[1][2]>(
+          w, u.num_tiles, run, cw, lane, issue_s, issue_pv, softmax, rescale, pack);
+
+      // ---- Epilogue: the stored maximum is that of P (m - 8), so that lse and the merge see P.
+      store_prefill_rows<T, D, D, kFp8POffset>(p, u.req, u.item, u.kvh, first_row, g, c4, rows, l,
+                                               m, o);
+      w.tile_base += u.num_tiles;
+    }
+    ws_turns_end(cw);
+  }
+}
+
+}  // namespace attnrt::cuda

@@ -1,0 +1,337 @@
+// The producer / consumer pipeline of the warp-specialised fp8 prefill CTA (prefill_fp8_ws.cuh),
+// as functions: the barriers of the K / V ring and of Q, the persistent walk over the step's units
+// (work item x KV head), the producer's 16-bit Q copy and K / V tile walk, the consumers'
+// ping-pong walk over a unit's tiles, and the persistent launch. The protocol is that of the 16-bit
+// warp-specialised CTA (prefill_ws.cuh, whose header comment describes it), and its primitives
+// (mbarrier and named-barrier calls, setmaxnreg), its unit (ws_unit) and kPersistentMinWaves are
+// taken from prefill_ws.cuh as they are.
+//
+// The 16-bit CTA does not call these functions, and this duplication is deliberate. One round
+// shared them with the 16-bit CTA. Its default instantiations then compiled to other SASS and ran
+// 2% slower on the H100 (prefill-1x16384 4 308 -> 4 416 us, prefill-1x8192-d64 733 -> 747 us;
+// docs/BENCHMARKS.md). The default path comes first: prefill_ws.cuh keeps its inline loops, and
+// the few dozen lines of tile walk below repeat their logic for the fp8 CTA.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/dependent_launch.cuh"
+#include "backends/cuda/kernels/paged_kv.cuh"
+#include "backends/cuda/kernels/prefill_ws.cuh"
+#include "backends/cuda/kernels/primitives.cuh"
+#include "backends/cuda/kernels/wgmma.cuh"
+
+namespace attnrt::cuda {
+
+// Named barriers: 0 is __syncthreads; 1 the producer warpgroup's own; 2 and 3 the consumers'
+// ping-pong turns (256 threads); 4 + c consumer c's own (128 threads).
+inline constexpr int kWsProducerBar = 1;
+inline constexpr int kWsTurnBar = 2;
+inline constexpr int kWsConsumerBar = 4;
+
+// The pipeline's barriers in shared memory from `base`: full[ST] and empty[ST] of the K / V ring,
+// q full, q empty, unit; then the two unit slots (kBytes in all). tile_base: the tiles of the
+// CTA's earlier units, so that the ring's stages and phases run on across units (each thread has
+// one role, so one counter serves either loop).
+template <int ST>
+struct WsPipe {
+  static constexpr int kBytes = (2 * ST + 3) * 8 + 8;
+  uint32_t base;
+  volatile int32_t* slot;
+  int tile_base = 0;
+
+  __device__ __forceinline__ WsPipe(uint32_t bars, unsigned char* bars_generic)
+      : base(bars), slot(reinterpret_cast<volatile int32_t*>(bars_generic + (2 * ST + 3) * 8)) {}
+  __device__ __forceinline__ uint32_t full(int s) const { return base + 8 * s; }
+  __device__ __forceinline__ uint32_t empty(int s) const { return base + 8 * (ST + s); }
+  __device__ __forceinline__ uint32_t q_full() const { return base + 8 * 2 * ST; }
+  __device__ __forceinline__ uint32_t q_empty() const { return q_full() + 8; }
+  __device__ __forceinline__ uint32_t unit() const { return q_full() + 16; }
+  // The ring position of tile `it` of the current unit.
+  __device__ __forceinline__ int stage(int it) const { return (tile_base + it) % ST; }
+  __device__ __forceinline__ uint32_t parity(int it) const {
+    return static_cast<uint32_t>((tile_base + it) / ST) & 1u;
+  }
+  // Thread 0 initialises the barriers: `full_count` arrivals complete a stage's copies, one lane
+  // of each consumer warp releases it; the whole CTA syncs.
+  __device__ __forceinline__ void init(int tid, int full_count, int q_count, int consumers) const {
+    if (tid == 0) {
+      for (int s = 0; s < ST; ++s) {
+        mbar_init(full(s), full_count);
+        mbar_init(empty(s), 4 * consumers);
+      }
+      mbar_init(q_full(), q_count);
+      mbar_init(q_empty(), 4 * consumers);
+      mbar_init(unit(), 1);
+    }
+    __syncthreads();
+  }
+};
+
+// ---- The unit walk (prefill_ws.cuh): the CTA's first unit is blockIdx.x, the next ones tickets
+// handed out in list order by an atomic counter (p.sched), fetched by producer thread 0 while the
+// current unit's tiles are issued. Thread 0 publishes the CTA's n-th unit in slot[n & 1] and
+// arrives on the unit barrier (its n-th phase); the consumers read it there. A unit >= num_units
+// ends both loops.
+
+// Producer thread `tid` (of 128): publishes the n-th unit, `ticket`, once the consumers are done
+// reading Q of unit n - 1 (which also means they read its slot); returns it.
+template <int ST>
+__device__ __forceinline__ int ws_publish_unit(const WsPipe<ST>& w, int n, int ticket, int tid) {
+  if (n > 0) mbar_wait(w.q_empty(), (n - 1) & 1);
+  if (tid == 0) {
+    w.slot[n & 1] = ticket;
+    mbar_arrive(w.unit());
+  }
+  named_bar_sync(kWsProducerBar, 128);
+  return w.slot[n & 1];
+}
+// Producer thread 0: the CTA's next unit, in flight while this unit's copies are issued.
+__device__ __forceinline__ void ws_take_ticket(const AttnParams& p, int tid, int& ticket) {
+  if (tid == 0) ticket = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
+}
+// A consumer: the n-th unit of the CTA.
+template <int ST>
+__device__ __forceinline__ int ws_read_unit(const WsPipe<ST>& w, int n) {
+  mbar_wait(w.unit(), n & 1);
+  return w.slot[n & 1];
+}
+// The producer after its last unit.
+__device__ __forceinline__ void ws_producer_exit(const AttnParams& p, int tid) {
+  if (tid == 0) {
+    // This CTA takes no more tickets; the last CTA to get here zeroes the counters for the
+    // next launch (every other CTA's last ticket came before its count).
+    __threadfence();
+    if (atomicAdd(p.sched + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(p.sched, 0);
+      atomicExch(p.sched + 1, 0);
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its issuing thread
+}
+
+// The producer's copy of a unit's Q rows f0 .. f0 + ROWS (16-bit, D columns; rows past the
+// request's tokens zero) into the 128-byte swizzled tile at sq (prefill_ws.cuh's Q copy, two
+// copies per loop step); each thread arrives on q_bar when its copies land.
+template <typename T, int D, int ROWS>
+__device__ __forceinline__ void ws_load_q(const AttnParams& p, const WsUnit& u, unsigned char* sq,
+                                          uint32_t q_bar, int tid) {
+  constexpr int CH = D / 8;
+  const T* q = static_cast<const T*>(p.q);
+  const int G = p.group;
+#pragma unroll 2
+  for (int i = tid; i < ROWS * CH; i += 128) {
+    const int r = i / CH, c = i % CH;
+    const int f = u.item.f0 + r, t = f / G, hg = f - t * G;
+    const bool valid = t < u.req.qlen;
+    const T* src = valid ? q + (u.req.qo_start + t) * p.q_stride_tok +
+                               (u.kvh * G + hg) * p.q_stride_head + c * 8
+                         : q;
+    cp_async_16(sq + swz128_offset(ROWS, r, c), src, valid);
+  }
+  mbar_arrive_cp_async(q_bar);
+}
+
+// The pool row of key j of the unit's request.
+__device__ __forceinline__ int64_t ws_key_slot(const AttnParams& p, const ReqInfo& req, int j) {
+  const int pmask = (1 << p.page_shift) - 1;
+  return p.kv_ragged ? int64_t{req.pt_start} + j
+                     : slot_of_page(p, pmask, page_id(p, req, j >> p.page_shift), j);
+}
+
+// The producer's walk over a unit's tiles (prefill_ws.cuh's cp.async producer): per tile, the
+// wait for its stage to be free, its keys' pool rows (one key per thread, resolved one tile ahead
+// so the lookups are in flight while the previous tile's copies are issued) into sSlot (-1 past
+// hi), then issue(it, stage).
+template <int BN, int ST, typename Issue>
+__device__ __forceinline__ void ws_produce_tiles(const AttnParams& p, const WsPipe<ST>& w,
+                                                 const WsUnit& u, int32_t* sSlot, int tid,
+                                                 Issue&& issue) {
+  static_assert(BN <= 128, "one key per producer thread");
+  auto resolve = [&](int it) -> int32_t {
+    const int j = u.lo + it * BN + tid;
+    if (tid >= BN || it >= u.num_tiles || j >= u.hi) return -1;
+    return static_cast<int32_t>(ws_key_slot(p, u.req, j));
+  };
+  int32_t next_slot = resolve(0);
+  for (int it = 0; it < u.num_tiles; ++it) {
+    const int stage = w.stage(it);
+    if (w.tile_base + it >= ST) mbar_wait(w.empty(stage), w.parity(it) ^ 1u);
+    // Every producer thread is done reading the previous slots.
+    named_bar_sync(kWsProducerBar, 128);
+    if (tid < BN) sSlot[tid] = next_slot;
+    named_bar_sync(kWsProducerBar, 128);
+    next_slot = resolve(it + 1);  // in flight while this tile's copies are issued
+    issue(it, stage);
+  }
+}
+
+// One tile's cp.async copies: keys 0 .. BN - 1 at the pool rows sSlot (zeros for -1), the CH
+// 16-byte chunks of each K and V row (kbase / vbase at the KV head, rows of bytes), into the
+// 128-byte swizzled tiles dk and dv.
+template <int BN, int CH>
+__device__ __forceinline__ void ws_copy_tile(const AttnParams& p, const int32_t* sSlot,
+                                             const uint8_t* kbase, const uint8_t* vbase,
+                                             unsigned char* dk, unsigned char* dv, int tid) {
+  static_assert(BN * CH % 128 == 0);
+#pragma unroll 2
+  for (int i = tid; i < BN * CH; i += 128) {
+    const int key = i / CH, c = i % CH;
+    const int32_t sl = sSlot[key];
+    const bool valid = sl >= 0;
+    const int64_t s = valid ? sl : 0;
+    const uint32_t so = swz128_offset(BN, key, c);
+    cp_async_16(dk + so, kbase + s * p.k_row_stride + c * 16, valid);
+    cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 16, valid);
+  }
+}
+
+// The tiles a consumer's rows can see are one run [begin, end) of the unit's (the window cuts a
+// prefix, the diagonal a suffix); begin = end = num_tiles when none.
+struct WsRun {
+  int begin, end;
+};
+template <typename Skips>
+__device__ __forceinline__ WsRun ws_tile_run(int num_tiles, Skips&& skips) {
+  WsRun r{num_tiles, num_tiles};
+  for (int it = 0; it < num_tiles; ++it) {
+    if (!skips(it)) {
+      if (r.begin == num_tiles) r.begin = it;
+      r.end = it + 1;
+    }
+  }
+  return r;
+}
+
+// A consumer warpgroup's walk over the unit's tiles in ping-pong with the other consumer
+// (prefill_ws.cuh's kPingPong schedule). cw: the consumer (0, 1); the run as ws_tile_run. The math
+// is the caller's: issue_s(s, stage) issues S = Q K^T of the stage's tile as one wgmma group,
+// issue_pv(pa, stage) O += P V, softmax(s, it, alpha) the mask and online softmax of tile it (s
+// becomes the weights; returns whether a row maximum of the warp moved), rescale(alpha) the O
+// rows, pack(s, pa) the weights into the A operand of P V. S, PA, AL: the types of s, pa, alpha.
+// Once the run's last S has completed, Q is read no more: the warp arrives on q empty. Each warp
+// releases a stage (one lane on its empty barrier) once its MMAs on it have completed.
+//
+// The consumers take turns on the tensor cores (named barrier kWsTurnBar + consumer), and within a
+// consumer tile i's S = Q K^T is issued together with the previous tile's O += P V, so the softmax
+// of one consumer overlaps the MMAs of the other; a stage is released one tile late (its V is
+// read in the next tile's turn). Every consumer takes its turn on every tile, with MMAs or not, so
+// the turns stay paired (the first and last hand-overs are outside the unit loop: ws_turns_begin /
+// ws_turns_end). The MMAs of the run are issued on straight-line paths (a conditional wgmma makes
+// ptxas serialise them). (Constant barrier ids: with an id in a register ptxas reserves all 16
+// barriers.)
+template <typename S, typename PA, typename AL, int ST, typename IssueS, typename IssuePv,
+          typename Softmax, typename Rescale, typename Pack>
+__device__ __forceinline__ void ws_consume_tiles(const WsPipe<ST>& w, int num_tiles, WsRun run,
+                                                 int cw, int lane, IssueS&& issue_s,
+                                                 IssuePv&& issue_pv, Softmax&& softmax,
+                                                 Rescale&& rescale, Pack&& pack) {
+  const int it_begin = run.begin, it_end = run.end;
+  auto release = [&](int stage) {
+    if (lane == 0) mbar_arrive(w.empty(stage));
+  };
+  auto q_done = [&] {
+    if (lane == 0) mbar_arrive(w.q_empty());
+  };
+  if (it_begin == it_end) q_done();
+  auto turn_sync = [&] {
+    if (cw == 0)
+      named_bar_sync(kWsTurnBar, 256);
+    else
+      named_bar_sync(kWsTurnBar + 1, 256);
+  };
+  auto turn_pass = [&] {
+    if (cw == 0)
+      named_bar_arrive(kWsTurnBar + 1, 256);
+    else
+      named_bar_arrive(kWsTurnBar, 256);
+  };
+  // A tile outside the run: the turn, then the stage goes back once its copies landed.
+  auto pass_tile = [&](int it) {
+    mbar_wait(w.full(w.stage(it)), w.parity(it));
+    turn_sync();
+    turn_pass();
+    release(w.stage(it));
+  };
+  for (int it = 0; it < it_begin; ++it) pass_tile(it);
+  if (it_begin < it_end) {
+    PA pa;
+    {
+      const int stage = w.stage(it_begin);
+      mbar_wait(w.full(stage), w.parity(it_begin));
+      fence_proxy_async_smem();
+      S s;
+      turn_sync();
+      issue_s(s, stage);
+      turn_pass();
+      wgmma_wait<0>();
+      if (it_begin == it_end - 1) q_done();
+      AL alpha;
+      if (softmax(s, it_begin, alpha)) rescale(alpha);
+      pack(s, pa);
+    }
+    for (int it = it_begin + 1; it < it_end; ++it) {
+      const int stage = w.stage(it), prev = w.stage(it - 1);
+      mbar_wait(w.full(stage), w.parity(it));
+      fence_proxy_async_smem();
+      S s;
+      turn_sync();
+      issue_s(s, stage);
+      issue_pv(pa, prev);
+      turn_pass();
+      wgmma_wait<1>();  // S, the older group, has completed
+      if (it == it_end - 1) q_done();
+      AL alpha;
+      const bool moved = softmax(s, it, alpha);
+      wgmma_wait<0>();
+      release(prev);
+      if (moved) rescale(alpha);
+      pack(s, pa);
+    }
+    const int last = w.stage(it_end - 1);
+    issue_pv(pa, last);
+    wgmma_wait<0>();
+    release(last);
+  }
+  for (int it = it_end; it < num_tiles; ++it) pass_tile(it);
+}
+
+// The ping-pong's turns alternate over all the CTA's units, the first consumer first (the second
+// consumer's hand-over before the first unit) and taking the second's last hand-over after the
+// last unit. Pairing them per unit instead would let the second consumer's hand-over for the next
+// unit land on the same barrier phase as its last one of this unit (both are arrivals of one
+// barrier: 256 threads counted without the first consumer's wait).
+__device__ __forceinline__ void ws_turns_begin(int cw) {
+  if (cw == 1) named_bar_arrive(kWsTurnBar, 256);
+}
+__device__ __forceinline__ void ws_turns_end(int cw) {
+  if (cw == 0) named_bar_sync(kWsTurnBar, 256);
+}
+
+// The launch over num_items x num_kv_heads units (num_items with p.item_heads), as
+// launch_prefill_ws_cfg's: persistent (as many CTAs as are resident at once, taking units from the
+// ticket counter) when there are more than kPersistentMinWaves units per resident CTA; otherwise
+// (or when `persistent` is off) one CTA per unit. p.sched must hold two zeroed words (see
+// AttnParams). Kernel(p, units).
+template <auto Kernel, typename Cfg>
+cudaError_t launch_ws_units(const AttnParams& p, int num_items, bool persistent,
+                            cudaStream_t stream) {
+  if (p.sched == nullptr) return cudaErrorInvalidValue;
+  const cudaError_t attr = allow_dynamic_smem<Kernel>(Cfg::kSmemBytes);
+  if (attr != cudaSuccess) return attr;
+  const int units = p.item_heads ? num_items : num_items * p.num_kv_heads;
+  int ctas = units;
+  if (persistent) {
+    const int sms = sm_count();
+    if (sms <= 0) return cudaErrorInvalidDevice;
+    static const int per_sm = resident_ctas<Kernel>(Cfg::kThreads, Cfg::kSmemBytes);
+    if (units > kPersistentMinWaves * sms * per_sm) ctas = sms * per_sm;
+  }
+  const dim3 grid(static_cast<unsigned>(std::min(units, ctas)));
+  return launch_kernel(Kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, false, p, units);
+}
+
+}  // namespace attnrt::cuda
