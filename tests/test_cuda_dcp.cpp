@@ -27,6 +27,7 @@
 #include "attnrt/runtime/communicator.h"
 #include "attnrt/runtime/dcp.h"
 #include "tests/test_cuda_util.h"
+#include "tests/cuda_dcp_models.h"
 #include "tests/dcp_steps.h"
 #include "tests/test_util.h"
 
@@ -43,38 +44,6 @@ namespace {
 #ifdef ATTNRT_HAS_CUDA
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-// Full attention with GQA and soft-cap, a layer with sinks, and a sliding window on global
-// positions (bf16: the cuda kernels take bf16 / fp16 activations).
-ModelSpec gqa_model() {
-  LayerSpec a = test::attention_layer(0, 8, 2, 128);
-  a.logit_cap = 30.f;
-  LayerSpec b = test::attention_layer(1, 6, 6, 64);
-  b.has_sinks = true;
-  LayerSpec w = test::attention_layer(2, 8, 2, 128);
-  w.kind = LayerKind::swa;
-  w.sliding_window = 9;
-  return test::make_model("cuda-dcp-gqa", DType::bf16, 512, {a, b, w});
-}
-
-// DeepSeek-V3's latent rows (kv_lora_rank 512 + rope 64), 16 heads (a TP shard's).
-ModelSpec mla_model() {
-  LayerSpec l = test::attention_layer(0, 16, 1, 576, 512);
-  l.kind = LayerKind::mla;
-  l.kv_lora_rank = 512;
-  l.qk_rope_head_dim = 64;
-  l.scaling = 0.06f;
-  return test::make_model("cuda-dcp-mla", DType::bf16, 512, {l});
-}
-
-// Full attention only (GQA with soft-cap, a layer with sinks): what cuda ranks run at
-// page_size > 1 (a window's key lists are not row prefixes).
-ModelSpec full_model() {
-  ModelSpec m = gqa_model();
-  m.layers.pop_back();
-  m.name = "cuda-dcp-full";
-  return m;
-}
 
 struct Case {
   int ranks;
@@ -234,7 +203,7 @@ class CudaDcp : public testing::TestWithParam<Case> {
 };
 
 TEST_P(CudaDcp, ExtendOverAPrefixThenDecode) {
-  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+  for (const ModelSpec& model : {test::dcp_gqa_model(), test::dcp_mla_model()}) {
     Harness h(model, GetParam(), seed_);
     const auto rows = h.alloc_requests(h.rand_int(1, 4));
     std::vector<int32_t> prefix = h.fill(rows, 70);
@@ -249,7 +218,7 @@ TEST_P(CudaDcp, ExtendOverAPrefixThenDecode) {
 }
 
 TEST_P(CudaDcp, ChainVerifyThenDecodeAfterAcceptance) {
-  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+  for (const ModelSpec& model : {test::dcp_gqa_model(), test::dcp_mla_model()}) {
     Harness h(model, GetParam(), seed_);
     const auto rows = h.alloc_requests(h.rand_int(1, 4));
     std::vector<int32_t> prefix = h.fill(rows, 70);
@@ -264,7 +233,7 @@ TEST_P(CudaDcp, ChainVerifyThenDecodeAfterAcceptance) {
 }
 
 TEST_P(CudaDcp, TreeVerifyThenDecodeAfterCommit) {
-  for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+  for (const ModelSpec& model : {test::dcp_gqa_model(), test::dcp_mla_model()}) {
     Harness h(model, GetParam(), seed_, /*tree=*/true);
     const auto rows = h.alloc_requests(h.rand_int(1, 4));
     std::vector<int32_t> prefix = h.fill(rows, 70);
@@ -312,7 +281,7 @@ class CudaDcpPaged : public CudaDcp {};
 
 TEST_P(CudaDcpPaged, ExtendOverAPrefixThenDecodes) {
   const int page = GetParam().page, n = GetParam().ranks;
-  for (const ModelSpec& model : {full_model(), mla_model()}) {
+  for (const ModelSpec& model : {test::dcp_full_model(), test::dcp_mla_model()}) {
     Harness h(model, GetParam(), seed_);
     const auto rows = h.alloc_requests(3);
     const std::vector<int32_t> prefix = prefill_near_page_edges(h, rows, n, page);
@@ -329,7 +298,7 @@ TEST_P(CudaDcpPaged, ExtendOverAPrefixThenDecodes) {
 
 TEST_P(CudaDcpPaged, ChainVerifyThenDecodeAfterAcceptance) {
   const int page = GetParam().page, n = GetParam().ranks;
-  for (const ModelSpec& model : {full_model(), mla_model()}) {
+  for (const ModelSpec& model : {test::dcp_full_model(), test::dcp_mla_model()}) {
     Harness h(model, GetParam(), seed_);
     const auto rows = h.alloc_requests(3);
     const std::vector<int32_t> prefix = prefill_near_page_edges(h, rows, n, page);
@@ -358,7 +327,7 @@ TEST(CudaDcpErrors, TreeVerifyWithPagesIsRefused) {
   SKIP_WITHOUT_GPU();
   const uint32_t seed = test::test_seed();
   SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
-  Harness h(full_model(), Case{2, true, 16}, seed, /*tree=*/true);
+  Harness h(test::dcp_full_model(), Case{2, true, 16}, seed, /*tree=*/true);
   const auto rows = h.alloc_requests(2);
   h.run_and_compare(make_extend_batch(rows, {0, 0}, {37, 20}), "prefill");
   SpecInfo spec;
@@ -569,7 +538,7 @@ TEST_F(CudaDcpNccl, OneRankGroupMatchesReference) {
   const std::vector<int> devices = {0};
   std::vector<std::unique_ptr<Communicator>> comms = make_nccl_group(devices);
   ASSERT_EQ(comms.size(), 1u);
-  const ModelSpec model = gqa_model();
+  const ModelSpec model = test::dcp_gqa_model();
   Options ref_opts;
   ref_opts.attention_backend = "reference";
   ref_opts.page_size = 1;
@@ -781,7 +750,7 @@ TEST(CudaDcpStreams, GroupOnANonBlockingStreamGivesTheLegacyStreamsBits) {
   std::mt19937 rng(seed);
   const RuntimeConfig cfg = test::host_config(6, 4096, 256);
   for (const int n : {2, 3}) {
-    for (const ModelSpec& model : {gqa_model(), mla_model()}) {
+    for (const ModelSpec& model : {test::dcp_gqa_model(), test::dcp_mla_model()}) {
       const std::vector<ForwardBatch> steps = stream_steps(rng);
       Stream s;  // outlives the ranks on it
       DcpAttention legacy(model, stream_options(n), cfg), moved(model, stream_options(n), cfg);
@@ -810,7 +779,7 @@ TEST(CudaDcpStreams, RanksOnStreamsOfTheirOwnGiveTheLegacyGroupsBits) {
   SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
   std::mt19937 rng(seed);
   const int n = 3;
-  const ModelSpec model = gqa_model();
+  const ModelSpec model = test::dcp_gqa_model();
   const RuntimeConfig cfg = test::host_config(6, 4096, 256);
   const std::vector<ForwardBatch> steps = stream_steps(rng);
   Stream made, own[n];
@@ -870,7 +839,7 @@ TEST(CudaDcpStreams, RanksOnStreamsOfTheirOwnGiveTheLegacyGroupsBits) {
 TEST_F(CudaDcpNccl, OneRankOnANonBlockingStreamGivesTheLegacyGroupsBits) {
   const uint32_t seed = seed_;
   std::mt19937 rng(seed);
-  const ModelSpec model = gqa_model();
+  const ModelSpec model = test::dcp_gqa_model();
   const RuntimeConfig cfg = test::host_config(6, 4096, 256);
   const std::vector<ForwardBatch> steps = stream_steps(rng);
   const std::vector<int> devices = {0};
@@ -901,10 +870,10 @@ TEST(CudaDcpErrors, PageSizeAndDevices) {
   o.attention_backend = "cuda";
   o.dcp_size = 2;
   o.page_size = 16;
-  test::expect_error([&] { DcpAttention(gqa_model(), o, test::host_config(4, 1024, 64)); },
+  test::expect_error([&] { DcpAttention(test::dcp_gqa_model(), o, test::host_config(4, 1024, 64)); },
                      {"dcp_size = 2", "page_size 16", "layer 2", "sliding window (9)",
                       "page_size 1"});
-  DcpAttention ok(full_model(), o, test::host_config(4, 1024, 64));
+  DcpAttention ok(test::dcp_full_model(), o, test::host_config(4, 1024, 64));
   EXPECT_EQ(ok.size(), 2);
 }
 

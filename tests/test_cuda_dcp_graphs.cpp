@@ -27,6 +27,7 @@
 #include "attnrt/runtime/attention_runtime.h"
 #include "attnrt/runtime/communicator.h"
 #include "attnrt/runtime/dcp.h"
+#include "tests/cuda_dcp_models.h"
 #include "tests/dcp_steps.h"
 #include "tests/test_cuda_util.h"
 #include "tests/test_sim_util.h"
@@ -41,36 +42,6 @@ namespace attnrt {
 namespace {
 
 #ifdef ATTNRT_HAS_CUDA
-
-// GQA with soft-cap, a layer with sinks and a sliding window of 9 on global positions (page 1).
-ModelSpec gqa_model() {
-  LayerSpec a = test::attention_layer(0, 8, 2, 128);
-  a.logit_cap = 30.f;
-  LayerSpec b = test::attention_layer(1, 6, 6, 64);
-  b.has_sinks = true;
-  LayerSpec w = test::attention_layer(2, 8, 2, 128);
-  w.kind = LayerKind::swa;
-  w.sliding_window = 9;
-  return test::make_model("cuda-dcp-graph-gqa", DType::bf16, 512, {a, b, w});
-}
-
-// Full attention only: what cuda ranks run at page_size > 1.
-ModelSpec full_model() {
-  ModelSpec m = gqa_model();
-  m.layers.pop_back();
-  m.name = "cuda-dcp-graph-full";
-  return m;
-}
-
-// DeepSeek-V3's latent rows (kv_lora_rank 512 + rope 64), 16 heads, absorbed.
-ModelSpec mla_model() {
-  LayerSpec l = test::attention_layer(0, 16, 1, 576, 512);
-  l.kind = LayerKind::mla;
-  l.kv_lora_rank = 512;
-  l.qk_rope_head_dim = 64;
-  l.scaling = 0.06f;
-  return test::make_model("cuda-dcp-graph-mla", DType::bf16, 512, {l});
-}
 
 // bf16 partials before the fp32 merge (the tolerance of tests/test_cuda_dcp.cpp).
 constexpr double kOutTol = 2e-2, kLseTol = 1e-2;
@@ -438,7 +409,7 @@ class CudaDcpGraphs : public testing::TestWithParam<Case> {
     trace_.emplace(__FILE__, __LINE__, "ATTNRT_TEST_SEED=" + std::to_string(seed_));
   }
   std::vector<ModelSpec> models() const {
-    return {GetParam().page == 1 ? gqa_model() : full_model(), mla_model()};
+    return {GetParam().page == 1 ? test::dcp_gqa_model() : test::dcp_full_model(), test::dcp_mla_model()};
   }
   uint32_t seed_ = 0;
   std::optional<testing::ScopedTrace> trace_;
@@ -508,7 +479,7 @@ TEST(CudaDcpGraphsModes, OneGraphServesEveryMode) {
   const uint32_t seed = test::test_seed();
   SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
   for (const int ranks : {2, 3}) {
-    Groups gs(gqa_model(), group_options(ranks, 1, /*tree=*/true), 16, seed + ranks);
+    Groups gs(test::dcp_gqa_model(), group_options(ranks, 1, /*tree=*/true), 16, seed + ranks);
     GraphHarness& h = *gs.h;
     const auto rows = h.alloc_requests(4);
     Graph g;
@@ -563,7 +534,7 @@ TEST(CudaDcpGraphErrors, WhatCannotBeCapturedIsRefused) {
   SKIP_WITHOUT_GPU();
   const uint32_t seed = test::test_seed();
   SCOPED_TRACE("ATTNRT_TEST_SEED=" + std::to_string(seed));
-  const ModelSpec model = full_model();
+  const ModelSpec model = test::dcp_full_model();
   const Options o = group_options(2, 1);
   {
     DcpAttention off(model, o, group_config(false));
@@ -656,7 +627,7 @@ TEST(CudaDcpGraphErrors, WhatCannotBeCapturedIsRefused) {
 // barrier (a host wait) inside a capture is refused.
 TEST(CudaDcpGraphErrors, ACapturedExchangeNeedsOneStream) {
   SKIP_WITHOUT_GPU();
-  const ModelSpec model = full_model();
+  const ModelSpec model = test::dcp_full_model();
   Stream s0, s1;
   void* streams[] = {s0.s, s1.s};
   std::unique_ptr<Communicator> comm = make_device_in_process_communicator(2, streams);
@@ -715,7 +686,7 @@ TEST(CudaDcpNcclGraphs, OneRankGraphReplaysDecodes) {
   void* streams[] = {s.s};
   std::vector<std::unique_ptr<Communicator>> eager_comm = make_nccl_group(devices, streams);
   std::vector<std::unique_ptr<Communicator>> graph_comm = make_nccl_group(devices, streams);
-  const ModelSpec model = full_model();
+  const ModelSpec model = test::dcp_full_model();
   const Options o = group_options(1, 16);
   DcpRank eager(0, model, o, group_config(false), *eager_comm[0]);
   DcpRank graphed(0, model, o, group_config(true), *graph_comm[0]);
