@@ -1,9 +1,15 @@
-// The models the cuda DCP tests share (tests/test_cuda_dcp.cpp, tests/test_cuda_dcp_graphs.cpp):
-// bf16 activations, as the cuda kernels take.
+// What the cuda DCP tests share (tests/test_cuda_dcp.cpp, tests/test_cuda_dcp_graphs.cpp): their
+// models (bf16 activations, as the cuda kernels take) and an owned non-blocking stream.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include "attnrt/model/model_spec.h"
 #include "tests/test_util.h"
+
+#ifdef ATTNRT_HAS_CUDA
+#include <cuda_runtime_api.h>
+#endif
 
 namespace attnrt::test {
 
@@ -38,5 +44,16 @@ inline ModelSpec dcp_mla_model() {
   l.scaling = 0.06f;
   return make_model("cuda-dcp-mla", DType::bf16, 512, {l});
 }
+
+#ifdef ATTNRT_HAS_CUDA
+// A non-blocking stream owned by a test (the engine's stream the ranks are moved to).
+struct Stream {
+  cudaStream_t s = nullptr;
+  Stream() { EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess); }
+  ~Stream() { cudaStreamDestroy(s); }
+  Stream(const Stream&) = delete;
+  Stream& operator=(const Stream&) = delete;
+};
+#endif
 
 }  // namespace attnrt::test

@@ -731,13 +731,7 @@ Options stream_options(int ranks) {
   return o;
 }
 
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess); }
-  ~Stream() { cudaStreamDestroy(s); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-};
+using test::Stream;
 
 // A group moved to a non-blocking stream (set_stream: every rank, its kernels and the device
 // exchange there) whose inputs are made on that stream just before each forward gives the bits of

@@ -46,13 +46,7 @@ namespace {
 // bf16 partials before the fp32 merge (the tolerance of tests/test_cuda_dcp.cpp).
 constexpr double kOutTol = 2e-2, kLseTol = 1e-2;
 
-struct Stream {
-  cudaStream_t s = nullptr;
-  Stream() { EXPECT_EQ(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), cudaSuccess); }
-  ~Stream() { cudaStreamDestroy(s); }
-  Stream(const Stream&) = delete;
-  Stream& operator=(const Stream&) = delete;
-};
+using test::Stream;
 
 struct Graph {
   cudaGraphExec_t exec = nullptr;

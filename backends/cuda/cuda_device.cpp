@@ -14,6 +14,23 @@
 
 namespace attnrt::cuda {
 
+cudaGraphExec_t end_capture_and_instantiate(cudaStream_t stream) {
+  cudaGraph_t graph = nullptr;
+  ATTNRT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  ATTNRT_CUDA_CHECK(err);
+  return exec;
+}
+
+void abandon_capture(cudaStream_t stream) {
+  cudaGraph_t broken = nullptr;
+  cudaStreamEndCapture(stream, &broken);
+  if (broken != nullptr) cudaGraphDestroy(broken);
+  cudaGetLastError();
+}
+
 namespace {
 
 CudaDeviceInfo probe_device() {
@@ -156,21 +173,10 @@ class CudaStreamCapture final : public StreamCapture {
     ATTNRT_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeGlobal));
   }
   int end() override {
-    cudaGraph_t graph = nullptr;
-    ATTNRT_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    ATTNRT_CUDA_CHECK(err);
-    graphs_.push_back(exec);
+    graphs_.push_back(end_capture_and_instantiate(stream_));
     return static_cast<int>(graphs_.size()) - 1;
   }
-  void abort() override {
-    cudaGraph_t broken = nullptr;
-    cudaStreamEndCapture(stream_, &broken);
-    if (broken != nullptr) cudaGraphDestroy(broken);
-    cudaGetLastError();
-  }
+  void abort() override { abandon_capture(stream_); }
   void launch(int graph) override {
     ATTNRT_CHECK(graph >= 0 && static_cast<size_t>(graph) < graphs_.size(),
                  "CUDA graphs: graph {}; {} were captured", graph, graphs_.size());

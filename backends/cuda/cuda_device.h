@@ -2,6 +2,8 @@
 // the KV cache's stream, whole-step CUDA graphs, device tensors for the tools.
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <memory>
 #include <vector>
 
@@ -16,5 +18,12 @@ std::unique_ptr<StepGraphRunner> make_cuda_graph_runner(const ModelSpec& model,
                                                         AttentionBackend& backend, KVCache& cache,
                                                         std::vector<int> buckets,
                                                         int verify_tokens);
+
+// Ends the capture on `stream` and instantiates what it recorded (the graph itself is freed);
+// throws the device's error when the capture or the instantiation failed.
+cudaGraphExec_t end_capture_and_instantiate(cudaStream_t stream);
+// Ends a capture that failed (an exception inside it), discards what it recorded and clears the
+// sticky error, so the stream can be used again.
+void abandon_capture(cudaStream_t stream);
 
 }  // namespace attnrt::cuda

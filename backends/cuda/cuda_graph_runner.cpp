@@ -168,19 +168,10 @@ class Runner final : public StepGraphRunner {
         backend_.forward(a, *l, cap);
       }
     } catch (...) {
-      cudaGraph_t broken = nullptr;
-      cudaStreamEndCapture(stream, &broken);
-      if (broken != nullptr) cudaGraphDestroy(broken);
-      cudaGetLastError();
+      abandon_capture(stream);
       throw;
     }
-    cudaGraph_t graph = nullptr;
-    ATTNRT_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    cudaGraphExec_t exec = nullptr;
-    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
-    cudaGraphDestroy(graph);
-    ATTNRT_CUDA_CHECK(err);
-    return exec;
+    return end_capture_and_instantiate(stream);
   }
 
   const ModelSpec& model_;
