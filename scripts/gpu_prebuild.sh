@@ -16,7 +16,9 @@ ninja -C "$build" -j"${JOBS:-$(nproc)}" attnrt_cuda_tests attnrt_cli
 # Carried compressed (the tree that travels is limited to 64 MiB; the fat binaries shrink ~5x).
 rm -rf "$outdir" && mkdir -p "$outdir/tmp"
 cp "$build/attnrt" "$build/attnrt_cuda_tests" "$outdir/tmp/"
-strip "$outdir/tmp/attnrt" "$outdir/tmp/attnrt_cuda_tests"
+strip "$outdir/tmp/attnrt"
+# ATTNRT_KEEP_SYMBOLS=1 keeps the test binary's symbols, for a crash report to symbolise.
+[ "${ATTNRT_KEEP_SYMBOLS:-0}" = 1 ] || strip "$outdir/tmp/attnrt_cuda_tests"
 tar -C "$outdir/tmp" -cf - attnrt attnrt_cuda_tests | xz -T0 -6 >"$outdir/bin.tar.xz"
 rm -rf "$outdir/tmp"
 # The Python extension for the GPU machine's python3 (3.12 there): built with a Python 3.12 that

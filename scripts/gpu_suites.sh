@@ -13,8 +13,9 @@ if [ -z "${ATTNRT_NCCL_LIBRARY:-}" ]; then
   lib=$(python3 -c "import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], 'lib', 'libnccl.so.2'))" 2>/dev/null)
   [ -n "$lib" ] && [ -f "$lib" ] && export ATTNRT_NCCL_LIBRARY=$lib
 fi
-suites=$($B/attnrt_cuda_tests --gtest_list_tests --gtest_filter="$filter" | grep -E '^[^ ]' |
-  sed 's/\.[[:space:]]*\(#.*\)\{0,1\}$//')
+# Suite names: gtest's list has the suites flush left, ending in '.' (not its "Running main()").
+suites=$($B/attnrt_cuda_tests --gtest_list_tests --gtest_filter="$filter" |
+  grep -E '^[A-Za-z][A-Za-z0-9_/]*\.' | sed 's/\..*$//')
 for suite in $suites; do
   log=$O/suite_${suite//\//_}.log
   s=$(date +%s)
