@@ -15,12 +15,16 @@
 #include "attnrt/memory/req_to_token_pool.h"
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/merge_limits.h"
 
 namespace attnrt::cuda {
 
 // Split-KV policy. A request is split when the step's CTAs would not fill the GPU; a split never
 // gets fewer keys than the minimum chunk (the merge costs a partial write and read per split).
-constexpr int kMaxSplits = 64;
+// 128 splits: one request with one KV head (MLA, DSA) fills the 132 SMs of an H100 / H200 at 256
+// keys a split, where 64 left half of them idle (mla-decode-h16-1x32768 at 26% of copy).
+constexpr int kMaxSplits = 128;
+static_assert(kMaxSplits <= kMergeMaxSplits, "the merge kernel must combine every split");
 constexpr int kMinChunkDecode = 256;
 constexpr int kMinChunkPrefill = 1024;
 // Deterministic mode: splits depend on the request's own length only, so a request's output does
@@ -31,6 +35,10 @@ constexpr int kMinChunkPrefill = 1024;
 // where decode-64x4096 lost 3% at 1024.
 constexpr int kDeterministicChunk = 1024;
 constexpr int kDeterministicWideChunk = 8192;
+// Deterministic mode's most splits of a request: requests past 64 x 1024 keys take longer chunks
+// (a batch-invariant graph state reserves partials for this many splits of every request).
+constexpr int kMaxDeterministicSplits = 64;
+static_assert(kMaxDeterministicSplits <= kMaxSplits);
 
 // The tile shapes deterministic mode splits: decode and verify tiles (a prefill-shaped tile, of
 // more than 64 query rows, is never split in that mode).
@@ -40,13 +48,15 @@ constexpr int deterministic_chunk(TileShape shape) {
 }
 
 // Deterministic mode's split count of a decode- or verify-shaped request of kv_len keys: its own
-// length by the shape's chunk, 1 to kMaxSplits (the decode shape's count, the most, by default).
+// length by the shape's chunk, 1 to kMaxDeterministicSplits.
 // Eager and graph steps use the same rule, so a request's output is the same whatever batch it is
 // in and whether it runs captured or not.
 constexpr int32_t deterministic_splits(int64_t kv_len, TileShape shape = TileShape::decode) {
   const int64_t chunk = deterministic_chunk(shape);
   const int64_t s = (kv_len + chunk - 1) / chunk;
-  return static_cast<int32_t>(s < 1 ? 1 : s > kMaxSplits ? kMaxSplits : s);
+  return static_cast<int32_t>(s < 1                         ? 1
+                              : s > kMaxDeterministicSplits ? kMaxDeterministicSplits
+                                                            : s);
 }
 constexpr int kCtasPerSm = 4;
 

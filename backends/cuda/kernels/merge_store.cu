@@ -10,6 +10,7 @@
 #include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/launch.h"
+#include "backends/cuda/kernels/merge_limits.h"
 
 namespace attnrt::cuda {
 
@@ -25,7 +26,6 @@ namespace {
 // first (and in every CTA, those of unsplit requests too, so that the merge's completion implies
 // the attention kernel's).
 constexpr int kMergeThreads = 128;
-constexpr int kMergeMaxSplits = 128;
 
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
