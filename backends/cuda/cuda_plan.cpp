@@ -15,6 +15,10 @@ namespace {
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Four int32 lanes (GCC / Clang vector extension): one 16-byte store of a quarter of a ReqInfo.
+using I32x4 = int32_t __attribute__((vector_size(16)));
+static_assert(sizeof(ReqInfo) == 3 * sizeof(I32x4));
+
 }  // namespace
 
 // The lengths of a graph's replays are unknown at capture, so this is choose_chunk's wave model
@@ -232,8 +236,7 @@ bool HostPlanner::scan_steady_decode(const ForwardBatch& batch) {
   const int32_t* row_of = row_of_.data();
   const int32_t* commit_before = steady_commit_.data();
   int32_t* commits = steady_spare_.data();
-  ReqInfo* info = info_;
-  int32_t* kvs = kv_.data();
+  char* info = reinterpret_cast<char*>(info_);
   int32_t* token_page = token_page_.data();
   const auto max_ctx = static_cast<uint32_t>(pool_->max_context_len());
   const auto pages_per_row = static_cast<uint64_t>(pages_per_row_);
@@ -252,30 +255,28 @@ bool HostPlanner::scan_steady_decode(const ForwardBatch& batch) {
     const int32_t committed = std::max(static_cast<int32_t>(kv >> shift), known);
     const auto pages = static_cast<int32_t>((kv + offset_mask) >> shift);
     commits[i] = committed;
-    info[i] = {i,
-               1,
-               prefix,
-               static_cast<int32_t>(kv),
-               static_cast<int32_t>(pt),
-               1,
-               0,
-               -1,
-               static_cast<int32_t>(static_cast<uint64_t>(row) * pages_per_row),
-               known,
-               committed,
-               0};
-    kvs[i] = static_cast<int32_t>(kv);
+    // The request as three 16-byte stores (twelve scalar ones were most of the pass's time).
+    const I32x4 head = {i, 1, prefix, static_cast<int32_t>(kv)};
+    const I32x4 mid = {static_cast<int32_t>(pt), 1, 0, -1};
+    const I32x4 tail = {static_cast<int32_t>(static_cast<uint64_t>(row) * pages_per_row), known,
+                        committed, 0};
+    char* r = info + static_cast<size_t>(i) * sizeof(ReqInfo);
+    std::memcpy(r, &head, sizeof(head));
+    std::memcpy(r + 16, &mid, sizeof(mid));
+    std::memcpy(r + 32, &tail, sizeof(tail));
     const int64_t slot = loc[i];
     bad_slots |= (static_cast<uint64_t>(slot) ^ static_cast<uint64_t>(prefix)) & slot_bits;
     token_page[i] = static_cast<int32_t>(slot >> shift);
     pt += static_cast<uint32_t>(pages - known);
   }
   if ((moved | bad_len) != 0) return false;
+  // A decode request's keys are its seq_len.
+  std::memcpy(kv_.data(), seq, static_cast<size_t>(n) * sizeof(int32_t));
   Stats st;
   st.tokens = n;
   st.min_q = st.max_q = 1;
   for (int j = 0; j < n; ++j) {
-    const auto kv = static_cast<uint32_t>(kvs[j]);
+    const auto kv = static_cast<uint32_t>(seq[j]);
     st.min_kv = std::min(st.min_kv, kv);
     st.max_kv = std::max(st.max_kv, kv);
     st.sum_kv += kv;
