@@ -155,6 +155,7 @@ void BM_HostPlan(benchmark::State& state) {
   }
   state.counters["bytes"] = static_cast<double>(planner.plan().bytes);
   state.counters["incremental"] = planner.plan().incremental ? 1 : 0;
+  state.counters["steady"] = planner.plan().steady ? 1 : 0;
 }
 // The same plan with cold caches: `evict` MiB are streamed through between two plans (outside the
 // timed region), as when `attnrt bench --backend cuda` starts every plan after a forward and a GPU

@@ -19,6 +19,7 @@
 #include "attnrt/memory/req_to_token_pool.h"
 #include "attnrt/runtime/dcp.h"
 #include "backends/cuda/cuda_plan.h"
+#include "tests/test_cuda_util.h"
 #include "tests/test_util.h"
 
 namespace attnrt {
@@ -640,6 +641,241 @@ TEST(CudaHostPlan, Batch256StepsMatchDirectComputation) {
       }
     }
   }
+}
+
+// The steady-decode pass (a decode step on the last committing DECODE plan's rows, in order,
+// after its kernels ran) against the general pass, byte for byte: two planners, one with the
+// steady pass off, fed the same serving-like sequence. The batch decodes one token per request
+// per step mostly, and between those: requests finish (their rows change hands) or arrive,
+// lengths repeat or go back (a rejected draft decoded again) or jump, verify / extend / capture
+// steps, graph replays padded to a larger size, plans whose kernels never ran, a row elsewhere
+// in the pool rewritten (the generation epoch moves), the last request replaced by a new one on
+// the same row (the same rows, one changed hands), steps that fail their checks, decode
+// slots off their position. Every plan's fields and bytes must match, and the steady pass must
+// have run.
+struct SteadyCase {
+  int page;
+  PlannerConfig cfg;
+};
+
+// prepare() + write() of one step into a buffer pre-filled with a pattern; the plan's bytes, or
+// nothing when a check threw (the message then).
+struct Planned {
+  std::vector<char> bytes;
+  StepPlan plan;
+  std::string error;
+};
+
+Planned plan_step_bytes(HostPlanner& planner, const Step& st, const ReqToTokenPool& pool,
+                        int page) {
+  Planned out;
+  const size_t first = HostPlanner::prepare_bytes(st.batch, st.padded_bs);
+  std::vector<uint64_t> buf(std::max<size_t>(first, 1 << 16) / 8 + 1, 0x5a5a5a5a5a5a5a5aull);
+  try {
+    const StepPlan& plan = planner.prepare(st.batch, &pool, page, st.padded_bs, st.graph,
+                                           st.replay, st.capturing, buf.data());
+    if (plan.bytes > buf.size() * 8) {
+      std::vector<uint64_t> grown(plan.bytes / 8 + 1, 0x5a5a5a5a5a5a5a5aull);
+      planner.write(grown.data());
+      buf.swap(grown);
+    } else {
+      planner.write(buf.data());
+    }
+    out.plan = planner.plan();
+    out.bytes.assign(reinterpret_cast<const char*>(buf.data()),
+                     reinterpret_cast<const char*>(buf.data()) + out.plan.bytes);
+  } catch (const Error& e) {
+    out.error = e.what();
+    return out;
+  }
+  if (st.launch && st.graph == nullptr) planner.launched();
+  return out;
+}
+
+void expect_same_plan(const Planned& a, const Planned& b) {
+  ASSERT_EQ(a.error, b.error);
+  if (!a.error.empty()) return;
+  const StepPlan &p = a.plan, &q = b.plan;
+  ASSERT_EQ(p.valid, q.valid);
+  ASSERT_EQ(p.mode, q.mode);
+  ASSERT_EQ(p.bs, q.bs);
+  ASSERT_EQ(p.num_tokens, q.num_tokens);
+  ASSERT_EQ(p.page_shift, q.page_shift);
+  ASSERT_EQ(p.tree, q.tree);
+  ASSERT_EQ(p.tree_mask_off, q.tree_mask_off);
+  ASSERT_EQ(p.tree_depth_off, q.tree_depth_off);
+  ASSERT_EQ(p.pt_off, q.pt_off);
+  ASSERT_EQ(p.bytes, q.bytes);
+  ASSERT_EQ(p.incremental, q.incremental);
+  ASSERT_EQ(p.classes.size(), q.classes.size());
+  for (size_t c = 0; c < p.classes.size(); ++c) {
+    const ClassPlan &x = p.classes[c], &y = q.classes[c];
+    ASSERT_EQ(x.shape, y.shape);
+    ASSERT_EQ(x.item_rows, y.item_rows);
+    ASSERT_EQ(x.reqs_off, y.reqs_off);
+    ASSERT_EQ(x.work_off, y.work_off);
+    ASSERT_EQ(x.num_items, y.num_items);
+    ASSERT_EQ(x.part_rows, y.part_rows);
+    ASSERT_EQ(x.max_splits, y.max_splits);
+  }
+  ASSERT_EQ(a.bytes.size(), b.bytes.size());
+  for (size_t k = 0; k < a.bytes.size(); k += sizeof(int32_t)) {
+    ASSERT_EQ(0, std::memcmp(a.bytes.data() + k, b.bytes.data() + k,
+                             std::min(sizeof(int32_t), a.bytes.size() - k)))
+        << "byte " << k << " of " << a.bytes.size();
+  }
+}
+
+void run_steady_sequence(const SteadyCase& sc, uint32_t seed, int steps, int max_bs,
+                         int* steady_steps) {
+  std::mt19937 rng(seed);
+  const int rows_n = max_bs + 16;
+  const int max_ctx = 3000;
+  Rows rows(rows_n, max_ctx, sc.page);
+  PlannerConfig general_cfg = sc.cfg;
+  general_cfg.steady_decode = false;
+  HostPlanner steady(sc.cfg), general(general_cfg);
+  const int64_t pages_per_row = cdiv(max_ctx, sc.page);
+  steady.enable_row_table(rows_n, pages_per_row);
+  general.enable_row_table(rows_n, pages_per_row);
+  GraphLayout gl;
+  gl.max_bs = max_bs + 8;
+  gl.reqs_cap = gl.max_bs;
+  gl.work_cap = static_cast<size_t>(gl.max_bs) * 64 * 8;
+  gl.tree_cap = static_cast<size_t>(gl.max_bs) * 16;
+  gl.meta_bytes = size_t{64} << 20;
+  gl.det_splits = sc.cfg.deterministic ? cuda::deterministic_splits(max_ctx) : 0;
+
+  // The running batch: its rows in order; free rows are the others.
+  std::vector<int64_t> batch;
+  std::vector<int> free_rows;
+  for (int r = 0; r < rows_n; ++r) free_rows.push_back(r);
+  std::shuffle(free_rows.begin(), free_rows.end(), rng);
+  auto arrive = [&] {
+    const int row = free_rows.back();
+    free_rows.pop_back();
+    rows.recycle(row);
+    rows.grow(row, 1 + static_cast<int>(rng() % (max_ctx / 2)));
+    batch.push_back(row);
+  };
+  const int start = 1 + static_cast<int>(rng() % max_bs);
+  for (int i = 0; i < start; ++i) arrive();
+
+  for (int step = 0; step < steps; ++step) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed << " step " << step);
+    const int event = static_cast<int>(rng() % 40);
+    if (event == 0 && batch.size() > 1) {  // a request finishes; the others keep their order
+      const size_t k = rng() % batch.size();
+      free_rows.push_back(static_cast<int>(batch[k]));
+      batch.erase(batch.begin() + static_cast<std::ptrdiff_t>(k));
+    } else if (event == 1 && static_cast<int>(batch.size()) < max_bs) {
+      arrive();
+    } else if (event == 2 && !free_rows.empty()) {  // a row outside the batch rewritten
+      const int row = free_rows[rng() % free_rows.size()];
+      rows.recycle(row);
+      rows.grow(row, 1 + static_cast<int>(rng() % 100));
+    } else if (event == 3 || event == 4) {
+      // The last request finishes and the next one takes its row, at the same place in the
+      // batch: the same rows as the last step, one of them a new request's.
+      const int row = static_cast<int>(batch.back());
+      rows.recycle(row);
+      rows.grow(row, 1 + static_cast<int>(rng() % (max_ctx / 2)));
+    }
+    const int bs = static_cast<int>(batch.size());
+    std::vector<int32_t> prefix(bs), qlen(bs);
+    Step st;
+    const int kind = static_cast<int>(rng() % 20);
+    if (kind == 0 || kind == 1) {  // verify (chain / tree) or extend over the same rows
+      const int n = 2 + static_cast<int>(rng() % 7);
+      for (int i = 0; i < bs; ++i) {
+        const int row = static_cast<int>(batch[i]);
+        prefix[i] = std::min(rows.len[row], max_ctx - n);
+        qlen[i] = n;
+        rows.grow(row, prefix[i] + n);
+      }
+      st.batch = kind == 0 ? make_verify_batch(batch, prefix, random_spec(rng, bs, n, rng() % 2))
+                           : make_extend_batch(batch, prefix, qlen);
+    } else {  // DECODE
+      std::vector<int32_t> seq(bs);
+      const int how = static_cast<int>(rng() % 16);
+      for (int i = 0; i < bs; ++i) {
+        const int row = static_cast<int>(batch[i]);
+        int p = rows.len[row];                                                // the next token
+        if (how == 0) p = std::max(0, p - 1);                                 // the same again
+        if (how == 1) p = static_cast<int>(rng() % (rows.len[row] + 1));      // back
+        if (how == 2) p += static_cast<int>(rng() % (3 * sc.page));          // a jump
+        p = std::min(p, max_ctx - 1);
+        rows.grow(row, p + 1);
+        prefix[i] = p;
+        qlen[i] = 1;
+        seq[i] = p + 1;
+      }
+      st.batch = make_decode_batch(batch, seq);
+    }
+    fill_slots(st.batch, rows, prefix, qlen);
+    const bool decode = st.batch.mode == ForwardMode::DECODE;
+    const bool verify = st.batch.mode == ForwardMode::TARGET_VERIFY;
+    const int place = static_cast<int>(rng() % 12);
+    if ((decode || verify) && place <= 2) {  // graph replay (padded) or capture
+      st.graph = &gl;
+      st.padded_bs = std::min(gl.max_bs, bs + static_cast<int>(rng() % 8));
+      st.replay = place != 0;
+    } else if (place == 3) {
+      st.capturing = true;
+    }
+    st.launch = rng() % 8 != 0;
+    // Now and then a step that fails a check, and a decode slot off its position (write() throws
+    // on it; the steady pass must leave that to write()'s pass, as the general pass does).
+    const int fault = static_cast<int>(rng() % 30);
+    if (fault == 0 && bs >= 2) st.batch.req_pool_indices[bs - 1] = st.batch.req_pool_indices[0];
+    if (fault == 1 && decode) st.batch.seq_lens[rng() % bs] = rng() % 2 ? 0 : max_ctx + 1;
+    if (fault == 2 && decode) st.batch.out_cache_loc[rng() % bs] += 1;
+    if (fault == 3) st.batch.out_cache_loc.push_back(0);
+
+    const Planned a = plan_step_bytes(steady, st, rows.pool, sc.page);
+    const Planned b = plan_step_bytes(general, st, rows.pool, sc.page);
+    expect_same_plan(a, b);
+    if (testing::Test::HasFatalFailure()) return;
+    ASSERT_FALSE(b.plan.steady);
+    if (a.error.empty() && a.plan.steady) ++*steady_steps;
+    // Accepted tokens become the rows' held length.
+    if (a.error.empty()) {
+      for (int i = 0; i < bs; ++i) {
+        const int row = static_cast<int>(batch[i]);
+        const int accepted = verify ? static_cast<int>(rng() % (qlen[i] + 1)) : qlen[i];
+        rows.len[row] = std::max(rows.len[row], prefix[i] + std::min(accepted, qlen[i]));
+      }
+    }
+  }
+}
+
+TEST(CudaHostPlan, SteadyDecodePlansEqualTheGeneralPass) {
+  const uint32_t seed = test::test_seed();
+  SCOPED_TRACE(testing::Message() << "ATTNRT_TEST_SEED=" << seed);
+  const std::vector<SteadyCase> cases = {
+      {16, config({4}, {128}, 8, false)},
+      {1, config({4}, {128}, 8, false)},
+      {64, config({1, 8}, {64, 256}, 4, false)},
+      {16, config({4}, {128}, 8, true)},
+      {16, with_kv_chunk(config({4, 8}, {128, 64}, 8, false), 700)},
+      {64, config({128}, {cuda::kMlaHeadDim}, 1, false)},
+  };
+  for (size_t c = 0; c < cases.size(); ++c) {
+    SCOPED_TRACE(testing::Message() << "case " << c << " page " << cases[c].page);
+    int steady_steps = 0;
+    run_steady_sequence(cases[c], seed + static_cast<uint32_t>(c), 400, 24, &steady_steps);
+    if (HasFatalFailure()) return;
+    EXPECT_GT(steady_steps, 40);
+  }
+}
+
+// The same at batch 256 (the benchmark's size), fewer steps.
+TEST(CudaHostPlan, SteadyDecodePlansEqualTheGeneralPassAtBatch256) {
+  const uint32_t seed = test::test_seed();
+  SCOPED_TRACE(testing::Message() << "ATTNRT_TEST_SEED=" << seed);
+  int steady_steps = 0;
+  run_steady_sequence({16, config({4}, {128}, 8, false)}, seed, 200, 256, &steady_steps);
+  EXPECT_GT(steady_steps, 20);
 }
 
 TEST(CudaHostPlan, RejectsRepeatedRowsAndSlotsOffPageStarts) {

@@ -15,6 +15,10 @@ namespace {
 size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Four int32 lanes (GCC / Clang vector extension): one 16-byte store of a quarter of a ReqInfo.
+using I32x4 = int32_t __attribute__((vector_size(16)));
+static_assert(sizeof(ReqInfo) == 3 * sizeof(I32x4));
+
 }  // namespace
 
 // The lengths of a graph's replays are unknown at capture, so this is choose_chunk's wave model
@@ -48,10 +52,25 @@ void HostPlanner::enable_row_table(int rows, int64_t pages_per_row) {
   stamp_ = 0;
   num_commits_ = 0;
   commits_launched_ = false;
+  steady_n_ = 0;
+  steady_ahead_ = false;
 }
 
 void HostPlanner::drop_commits(int n) {
+  release_steady();
   for (int i = 0; i < n; ++i) rows_[row_of_[i]].pending = -1;
+}
+
+void HostPlanner::release_steady() {
+  if (steady_ahead_) {
+    for (int i = 0; i < steady_n_; ++i) {
+      RowState& rs = rows_[row_of_[i]];
+      rs.known = steady_known_[i];
+      rs.pending = steady_commit_[i];
+    }
+  }
+  steady_ahead_ = false;
+  steady_n_ = 0;
 }
 
 // One pass over the requests: lengths (from `derive`), the checks the plan and the kernels rely
@@ -94,6 +113,10 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
   // here; its last key is in its row, not at its slot, so the step takes the row's pages.
   const uint64_t dcp_dummy = batch.dcp_partial ? 1 : 0;
   int32_t* token_page = token_page_.data();
+  // A committing DECODE plan leaves each request's row state in batch order too, for the steady
+  // pass of the next step.
+  int32_t* steady_known = steady_known_.data();
+  int32_t* steady_commit = steady_commit_.data();
   const uint64_t slot_bits = static_cast<uint64_t>(offset_mask) | (uint64_t{1} << 63);
   uint64_t bad_slots = 0;
   Stats st;
@@ -129,6 +152,10 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
       committed = kCommit ? std::max(done, known) : known;
       pt_row = static_cast<int32_t>(row * pages_per_row);
       rs.pending = kCommit ? committed : -1;
+      if constexpr (kDecode && kCommit) {
+        steady_known[i] = rs.known;
+        steady_commit[i] = committed;
+      }
     }
     info[i] = {st.tokens, qlen,  prefix,    static_cast<int32_t>(kv),
                pt,        1,     0,         st.tokens | not_tree,
@@ -184,6 +211,86 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
   }
 }
 
+bool HostPlanner::steady_decode(const ForwardBatch& batch, const ReqToTokenPool* pool, int page,
+                                const GraphLayout* graph, bool graph_replay,
+                                bool capturing) const {
+  return steady_n_ > 0 && steady_n_ == batch.batch_size && batch.mode == ForwardMode::DECODE &&
+         !batch.dcp_partial && commits_launched_ && !capturing &&
+         (graph == nullptr || graph_replay) && pool == steady_pool_ && page == steady_page_ &&
+         pool->generation_epoch() == steady_epoch_;
+}
+
+// scan<true, true, true>() for a steady decode step (steady_decode()): what the row states would
+// give is in steady_commit_ (the last plan's commits, launched, so each request's known pages
+// now); the rows are checked by comparison with the last plan's (which passed the range and
+// repeat checks, in a pool whose rows have not changed hands since), and the lengths by one
+// unsigned compare. The checks are accumulated without branches and looked at once at the end:
+// the pass writes only the plan's scratch and steady_spare_ before it. A request costs a few
+// loads and its stores, on dense arrays only (no row state line per request).
+bool HostPlanner::scan_steady_decode(const ForwardBatch& batch) {
+  const int n = batch.batch_size;
+  const int shift = shift_;
+  const int64_t* rows = batch.req_pool_indices.data();
+  const int32_t* seq = batch.seq_lens.data();
+  const int64_t* loc = batch.out_cache_loc.data();
+  const int32_t* row_of = row_of_.data();
+  const int32_t* commit_before = steady_commit_.data();
+  int32_t* commits = steady_spare_.data();
+  char* info = reinterpret_cast<char*>(info_);
+  int32_t* token_page = token_page_.data();
+  const auto max_ctx = static_cast<uint32_t>(pool_->max_context_len());
+  const auto pages_per_row = static_cast<uint64_t>(pages_per_row_);
+  const uint32_t offset_mask = (uint32_t{1} << shift) - 1;
+  const uint64_t slot_bits = uint64_t{offset_mask} | (uint64_t{1} << 63);
+  uint64_t moved = 0, bad_slots = 0;
+  uint32_t bad_len = 0, pt = 0;
+  for (int i = 0; i < n; ++i) {
+    const int64_t row = rows[i];
+    moved |= static_cast<uint64_t>(row ^ int64_t{row_of[i]});
+    // 1 <= seq_lens <= max_context_len: prefix >= 0 and the keys fit the row.
+    const auto kv = static_cast<uint32_t>(seq[i]);
+    bad_len |= static_cast<uint32_t>(kv - 1 >= max_ctx);
+    const auto prefix = static_cast<int32_t>(kv - 1);
+    const int32_t known = std::min(commit_before[i], prefix >> shift);
+    const int32_t committed = std::max(static_cast<int32_t>(kv >> shift), known);
+    const auto pages = static_cast<int32_t>((kv + offset_mask) >> shift);
+    commits[i] = committed;
+    // The request as three 16-byte stores (twelve scalar ones were most of the pass's time).
+    const I32x4 head = {i, 1, prefix, static_cast<int32_t>(kv)};
+    const I32x4 mid = {static_cast<int32_t>(pt), 1, 0, -1};
+    const I32x4 tail = {static_cast<int32_t>(static_cast<uint64_t>(row) * pages_per_row), known,
+                        committed, 0};
+    char* r = info + static_cast<size_t>(i) * sizeof(ReqInfo);
+    std::memcpy(r, &head, sizeof(head));
+    std::memcpy(r + 16, &mid, sizeof(mid));
+    std::memcpy(r + 32, &tail, sizeof(tail));
+    const int64_t slot = loc[i];
+    bad_slots |= (static_cast<uint64_t>(slot) ^ static_cast<uint64_t>(prefix)) & slot_bits;
+    token_page[i] = static_cast<int32_t>(slot >> shift);
+    pt += static_cast<uint32_t>(pages - known);
+  }
+  if ((moved | bad_len) != 0) return false;
+  // A decode request's keys are its seq_len.
+  std::memcpy(kv_.data(), seq, static_cast<size_t>(n) * sizeof(int32_t));
+  Stats st;
+  st.tokens = n;
+  st.min_q = st.max_q = 1;
+  for (int j = 0; j < n; ++j) {
+    const auto kv = static_cast<uint32_t>(seq[j]);
+    st.min_kv = std::min(st.min_kv, kv);
+    st.max_kv = std::max(st.max_kv, kv);
+    st.sum_kv += kv;
+  }
+  st.pages = static_cast<int32_t>(pt);
+  stats_ = st;
+  token_pages_ = static_cast<int32_t>(pt) == n && bad_slots == 0;
+  // The row states would now hold known = the last commits, pending = this plan's.
+  steady_known_.swap(steady_commit_);
+  steady_commit_.swap(steady_spare_);
+  steady_ahead_ = true;
+  return true;
+}
+
 void HostPlanner::reject_request(const ForwardBatch& batch, int i, int32_t prefix,
                                  int32_t qlen) const {
   const int32_t seq = batch.seq_lens[i];
@@ -214,7 +321,7 @@ void HostPlanner::reject_request(const ForwardBatch& batch, int i, int32_t prefi
 // validation for the modes the serving loop runs every step: the checks are what the plan and
 // the kernels rely on, at O(bs) with no allocation once the scratch has grown. `derive` says
 // whether the mode's own lengths are valid (reject_request() says why not).
-void HostPlanner::derive_requests(const ForwardBatch& batch) {
+void HostPlanner::derive_requests(const ForwardBatch& batch, bool steady) {
   const int bs = batch.batch_size;
   ATTNRT_CHECK(bs >= 0 && batch.req_pool_indices.size() == static_cast<size_t>(bs) &&
                    batch.seq_lens.size() == static_cast<size_t>(bs),
@@ -233,11 +340,20 @@ void HostPlanner::derive_requests(const ForwardBatch& batch) {
                  "cuda backend: {} batch has {} out_cache_loc entries; expected one per query "
                  "token ({})",
                  forward_mode_name(mode), batch.out_cache_loc.size(), bs);
-    scan<true>(batch, [seq](int i, int32_t& prefix, int32_t& qlen) {
-      prefix = seq[i] - 1;
-      qlen = 1;
-      return prefix >= 0;
-    });
+    if (!steady || !scan_steady_decode(batch)) {
+      release_steady();
+      // Sized here, where the batch size has been checked against its rows.
+      if (steady_known_.size() < static_cast<size_t>(bs)) {
+        steady_known_.resize(bs);
+        steady_commit_.resize(bs);
+        steady_spare_.resize(bs);
+      }
+      scan<true>(batch, [seq](int i, int32_t& prefix, int32_t& qlen) {
+        prefix = seq[i] - 1;
+        qlen = 1;
+        return prefix >= 0;
+      });
+    }
   } else if (mode == ForwardMode::TARGET_VERIFY) {
     ATTNRT_CHECK(batch.spec_info.has_value() && batch.spec_info->draft_token_num >= 1,
                  "cuda backend: TARGET_VERIFY batch without spec_info (draft_token_num >= 1)");
@@ -486,6 +602,10 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   __builtin_prefetch(plan_.classes.data(), 1);
   plan_.valid = false;
   batch_ = nullptr;
+  // A steady decode step reads its requests' row states from the steady arrays; any other step
+  // reads the row states, which get the steady state back first.
+  const bool steady = steady_decode(batch, pool, page, graph, graph_replay, capturing);
+  if (!steady) release_steady();
   // Commits of the previous plan become the row table's state once one of its kernels ran (they
   // store the pages back); a plan that never reached a kernel leaves the row table as it was.
   if (!commits_launched_) drop_commits(num_commits_);
@@ -527,7 +647,7 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
     stamp_ = 1;
   }
   try {
-    derive_requests(batch);
+    derive_requests(batch, steady);
   } catch (...) {
     // A step that fails its checks commits nothing: the rows it reached drop their commits.
     if (commit_if_incremental_) {
@@ -662,6 +782,7 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
                  plan.bytes, graph->meta_bytes);
   }
   plan.incremental = incremental;
+  plan.steady = steady_ahead_;
 
   batch_ = &batch;
   raw_bs_ = raw_bs;
@@ -670,6 +791,13 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   if (!commit_) {
     drop_commits(num_commits_);
     num_commits_ = 0;
+  } else if (batch.mode == ForwardMode::DECODE && !batch.dcp_partial && raw_bs > 0 &&
+             config_.steady_decode) {
+    // The scan left the requests' row states in the steady arrays: the next step may be steady.
+    steady_n_ = raw_bs;
+    steady_pool_ = pool;
+    steady_epoch_ = pool->generation_epoch();
+    steady_page_ = page;
   }
   return plan_;
 }

@@ -82,6 +82,7 @@ struct StepPlan {
   size_t tree_mask_off = 0, tree_depth_off = 0, pt_off = 0;
   size_t bytes = 0;           // bytes uploaded this step
   bool incremental = false;   // committed pages read from the persistent row table
+  bool steady = false;        // the requests came from the steady-decode pass
   std::vector<ClassPlan> classes;
 };
 
@@ -97,6 +98,9 @@ struct PlannerConfig {
   // wave model's choice: for measuring the split policy (ATTNRT_KV_CHUNK, read by the backend).
   // Graph steps and the deterministic mode keep their own rules.
   int kv_chunk = 0;
+  // The steady-decode pass (HostPlanner::prepare): off, every step takes the general pass over
+  // its requests (the same bytes; for tests and A/B timing).
+  bool steady_decode = true;
 };
 
 // Fixed offsets of graph steps: the captured kernels were given these buffers.
@@ -192,10 +196,18 @@ class HostPlanner {
   void scan(const ForwardBatch& batch, Derive derive);
   template <bool kDecode, typename Derive>
   void scan(const ForwardBatch& batch, Derive derive);
+  // The steady decode step: the same requests in the same rows as the last plan (see prepare()).
+  bool steady_decode(const ForwardBatch& batch, const ReqToTokenPool* pool, int page,
+                     const GraphLayout* graph, bool graph_replay, bool capturing) const;
+  // Its pass over the requests; false (nothing of the plan's state changed) when a request fails
+  // a check, which the general pass then reports.
+  bool scan_steady_decode(const ForwardBatch& batch);
+  // Writes the steady state back into the row states, which are current again.
+  void release_steady();
   // Throws the error of request i, which failed scan()'s checks.
   [[noreturn, gnu::cold, gnu::noinline]] void reject_request(const ForwardBatch& batch, int i,
                                                              int32_t prefix, int32_t qlen) const;
-  void derive_requests(const ForwardBatch& batch);
+  void derive_requests(const ForwardBatch& batch, bool steady);
   void plan_class(size_t c, int bs);
   uint32_t choose_chunk(size_t c, int bs, int64_t cap, int64_t base);
   void write_work_ragged(size_t c, WorkItem* items) const;
@@ -233,6 +245,19 @@ class HostPlanner {
   std::vector<RowState> rows_;  // [pool rows], also without a row table (the stamps)
   int num_commits_ = 0;         // the last plan's requests with a pending commit: row_of_[0, n)
   bool commits_launched_ = false;
+  // Steady decode. A decode step whose requests are the last committing DECODE plan's, in the
+  // same rows and order, in the same pool generation epoch, after that plan's kernels ran, needs
+  // of the row states only each request's committed page count: kept here per request (batch
+  // order, dense) instead of read from and written to its row's state. steady_known_ /
+  // steady_commit_[i] are what RowState::known / pending of row row_of_[i] hold after the last
+  // plan; steady_n_ > 0: they are current for requests [0, steady_n_). steady_ahead_: a steady
+  // pass changed them and the row states lag until release_steady().
+  std::vector<int32_t> steady_known_, steady_commit_, steady_spare_;
+  int steady_n_ = 0;
+  bool steady_ahead_ = false;
+  const ReqToTokenPool* steady_pool_ = nullptr;
+  uint64_t steady_epoch_ = 0;
+  int steady_page_ = 0;
 };
 
 }  // namespace attnrt::cuda
