@@ -75,6 +75,10 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
   if (const auto v = env_integer("ATTNRT_KV_CHUNK", 0, 1L << 30, "cuda backend",
                                  "a number of keys per split (0 = the plan's own choice)"))
     cfg.kv_chunk = static_cast<int>(*v);
+  if (const auto v = env_integer("ATTNRT_PLAN_STEADY", 0, 1, "cuda backend",
+                                 "0 (every decode step takes the general pass over its requests) "
+                                 "or 1 (the default: the steady-decode pass where it applies)"))
+    cfg.steady_decode = *v != 0;
   if (const auto v = env_integer("ATTNRT_PLAN_COPY_MIN_BYTES", 0, 1L << 24, "cuda backend",
                                  "a number of bytes from 0 to 16777216 (0 = copy the plan's own "
                                  "size)"))
