@@ -67,6 +67,7 @@
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/prefill.h"
 #include "backends/cuda/kernels/prefill_store.cuh"
+#include "backends/cuda/kernels/prefill_ws_sync.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
 
@@ -120,98 +121,6 @@ using PrefillWsCfg =
 // MLA's MHA form: q / k 192 (128 nope + 64 rope), v 128; 80 KiB a stage at 128 keys, 40 at 64.
 template <int BN, int STAGES, bool PP>
 using PrefillWsMlaCfg = PrefillWsConfig<kMlaMhaHeadDim, kMlaMhaVHeadDim, BN, STAGES, PP>;
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile(
-      "{\n.reg .b64 st;\nmbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
-      : "memory");
-}
-// Arrives on `bar` once every cp.async this thread issued so far has landed, without raising the
-// pending count (the barrier's expected count covers these arrivals).
-__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// Waits for the completion of the phase of parity `parity`.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// Raises the phase's expected transaction bytes by `bytes`, then arrives (one of the counted
-// arrivals).
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-               "r"(bytes)
-               : "memory");
-}
-// One box of tensor map `map` at coordinates {c0, c1, c2} into shared memory at `dst`; its bytes
-// complete on `bar`'s transaction count.
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                            int c2, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-__device__ __forceinline__ void named_bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-
-// One unit of the warp-specialised CTA: work item `unit / num_kv_heads` on KV head
-// `unit % num_kv_heads`, and the keys [lo, hi) of its split, as prefill_kernel cuts them.
-struct WsUnit {
-  int kvh;
-  WorkItem item;
-  ReqInfo req;
-  int lo, hi, num_tiles;
-};
-
-// TILED: the window's first key rounded down to a multiple of BN (the TMA producer loads whole
-// pages from a tile's first key on).
-template <int ROWS, int BN, bool TILED>
-__device__ __forceinline__ WsUnit ws_unit(const AttnParams& p, int unit) {
-  WsUnit u;
-  if (p.item_heads) {
-    u.item = p.work[unit];
-    u.kvh = u.item.kvh;
-  } else {
-    u.kvh = unit % p.num_kv_heads;
-    u.item = p.work[unit / p.num_kv_heads];
-  }
-  u.req = p.reqs[u.item.req];
-  const int G = p.group;
-  const int t_first = u.item.f0 / G;
-  const int t_last = min(u.req.qlen - 1, (u.item.f0 + ROWS - 1) / G);
-  KeyRange keys = Mask<false>{p, u.req}.span(t_first, t_last);
-  if constexpr (TILED) keys.lo = keys.lo / BN * BN;
-  const KeyRange k = split_keys(keys, u.req.num_splits, u.item.split, BN);
-  u.lo = k.lo;
-  u.hi = k.hi;
-  u.num_tiles = k.hi > k.lo ? (k.hi - k.lo + BN - 1) / BN : 0;
-  return u;
-}
 
 // The tensor maps of the TMA producer over the layer's K and V pools (see the header comment);
 // unused (zeros) by the cp.async producer.
@@ -703,11 +612,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
 // The launch over num_items x num_kv_heads units: persistent, as many CTAs as are resident at
 // once (one per SM) taking units from the ticket counter, when there are more than
-// kPersistentMinWaves units per resident CTA; otherwise (or when `persistent` is off) one CTA per
-// unit. On the H200 the persistent grid is 3-14% faster from 8 units per SM up (1x4096 at d128:
-// 347 against 324 TFLOP/s) and 6% slower at 1x1024 (512 units, ~4 per SM). p.sched must hold
-// two zeroed words (see AttnParams).
-constexpr int kPersistentMinWaves = 4;
+// kPersistentMinWaves units per resident CTA (prefill_ws_sync.cuh); otherwise (or when
+// `persistent` is off) one CTA per unit. p.sched must hold two zeroed words (see AttnParams).
 
 // TMA: the TMA producer over `maps` (prefill_tma_applies must hold for p).
 template <typename T, typename Cfg, bool TMA>
