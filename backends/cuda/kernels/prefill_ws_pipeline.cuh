@@ -1,15 +1,16 @@
-// The producer / consumer pipeline of the warp-specialised fp8 prefill CTA (prefill_fp8_ws.cuh),
-// as functions: the barriers of the K / V ring and of Q, the persistent walk over the step's units
-// (work item x KV head), the producer's 16-bit Q copy and K / V tile walk, the consumers'
-// ping-pong walk over a unit's tiles, and the persistent launch. The protocol is that of the 16-bit
-// warp-specialised CTA (prefill_ws.cuh, whose header comment describes it) on the primitives of
-// prefill_ws_sync.cuh.
+// The producer / consumer pipeline of the warp-specialised prefill CTAs as functions: the barriers
+// of the K / V ring and of Q, the persistent walk over the step's units (work item x KV head), the
+// producer's 16-bit Q copy and K / V tile walk, the consumers' ping-pong walk over a unit's tiles,
+// and the persistent launch. The fp8 CTA (prefill_fp8_ws.cuh) is built from them; the 16-bit CTA
+// (prefill_ws.cuh) calls only the producer's tile walk and copy, and only in its instantiation over
+// fp8 pages. The protocol is that of the 16-bit CTA (prefill_ws.cuh's header comment describes it)
+// on the primitives of prefill_ws_sync.cuh.
 //
-// The 16-bit CTA does not call these functions, and this duplication is deliberate. One round
-// shared them with the 16-bit CTA. Its default instantiations then compiled to other SASS and ran
-// 2% slower on the H100 (prefill-1x16384 4 308 -> 4 416 us, prefill-1x8192-d64 733 -> 747 us;
-// docs/BENCHMARKS.md). The default path comes first: prefill_ws.cuh keeps its inline loops, and
-// the few dozen lines of tile walk below repeat their logic for the fp8 CTA.
+// The 16-bit CTA's default instantiations do not call these functions, and this duplication is
+// deliberate. One round shared them with the 16-bit CTA. Its default instantiations then compiled
+// to other SASS and ran 2% slower on the H100 (prefill-1x16384 4 308 -> 4 416 us,
+// prefill-1x8192-d64 733 -> 747 us; docs/BENCHMARKS.md). The default path comes first: prefill_ws.cuh
+// keeps its inline loops, and the few dozen lines of tile walk below repeat their logic.
 #pragma once
 
 #include <cuda_runtime.h>
