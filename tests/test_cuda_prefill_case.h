@@ -38,11 +38,16 @@ struct PrefillCase : LayerCase {
   DType act = DType::bf16;
   std::vector<int32_t> prefix, qlen;  // DRAFT_EXTEND: qlen = accepted drafts + 1
   uint32_t seed = 1;
-  // An fp8_e4m3 KV cache with these per-layer scales, and Options::fp8_prefill_attention (the
-  // fp8 prefill CTA, test_cuda_prefill_fp8.cpp).
+  // An fp8 KV cache (fp8_dtype: e4m3 or e5m2) with these per-layer scales, and
+  // Options::fp8_prefill_attention (the fp8 prefill CTA, test_cuda_prefill_fp8.cpp). Without the
+  // option, fp8 pages at head dim 128 run the warp-specialised CTA over fp8 pages
+  // (test_cuda_prefill_kv8.cpp).
   bool fp8_kv = false;
+  DType fp8_dtype = DType::e4m3;
   float k_scale = 0.6f, v_scale = 1.3f;
   bool fp8_prefill = false;
+  // q drawn from [-q_mul, q_mul] instead of [-1, 1] (rounded to the activation dtype).
+  float q_mul = 1.f;
 };
 
 // A case of the default layer with these request lengths.
@@ -54,6 +59,20 @@ inline PrefillCase lengths(std::vector<int32_t> prefix, std::vector<int32_t> qle
   c.seed = seed;
   return c;
 }
+
+// ATTNRT_PREFILL_KV8 (prefill.h) switched for a scope, restored after.
+class ScopedPrefillKv8 {
+ public:
+  explicit ScopedPrefillKv8(bool on) : saved_(cuda::prefill_kv8_enabled()) {
+    cuda::set_prefill_kv8(on);
+  }
+  ~ScopedPrefillKv8() { cuda::set_prefill_kv8(saved_); }
+  ScopedPrefillKv8(const ScopedPrefillKv8&) = delete;
+  ScopedPrefillKv8& operator=(const ScopedPrefillKv8&) = delete;
+
+ private:
+  bool saved_;
+};
 
 // What check_prefill accepts against the reference: relative L2 error of the output, its largest
 // absolute error, the largest lse error. The 16-bit CTAs' defaults (bf16 / fp16 rounding of P).
@@ -88,7 +107,7 @@ inline void check_prefill(const PrefillCase& c, const testing::Message& what = t
   KVCacheConfig cfg;
   cfg.full_slots = (pages + 2) * c.page;
   cfg.page_size = c.page;
-  cfg.dtype = c.fp8_kv ? DType::e4m3 : c.act;
+  cfg.dtype = c.fp8_kv ? c.fp8_dtype : c.act;
   cfg.max_num_tokens = 1 << 15;
   KVStorage host = make_host_kv_storage(model, cfg);
   KVStorage dev = cuda::make_cuda_kv_storage(model, cfg);
@@ -145,7 +164,12 @@ inline void check_prefill(const PrefillCase& c, const testing::Message& what = t
       batch.out_cache_loc.push_back(slots[i][c.prefix[i] + t]);
   const int64_t T = batch.num_tokens();
 
-  const Qkv in = random_qkv(c.act, layer, T, rng);
+  Qkv in = random_qkv(c.act, layer, T, rng);
+  if (c.q_mul != 1.f) {
+    const TensorView qv = in.q.view();
+    for (int64_t i = 0; i < qv.numel(); ++i)
+      store_from_float(qv.data, qv.dtype, i, load_as_float(qv.data, qv.dtype, i) * c.q_mul);
+  }
   const auto& [q, k, v] = in;
   std::vector<float> sinks(c.hq);
   for (float& s : sinks) s = std::uniform_real_distribution<float>(-1.f, 3.f)(rng);
@@ -183,18 +207,30 @@ inline void check_prefill(const PrefillCase& c, const testing::Message& what = t
                    .out = dout.view,
                    .sinks = c.sinks ? static_cast<const float*>(dsinks.ptr) : nullptr,
                    .lse = dlse.view};
-  // The producer the warp-specialised CTA takes for this layer (the launch's own decision, on
-  // the pool the backend reads): the TMA one wherever it applies, unless switched off.
-  // Which CTA the table gives the case's prefill items: the fp8 one exactly when asked for.
+  // Which CTA the table gives the case's prefill items: the fp8 one exactly when asked for; over
+  // fp8 pages without it, at head dim 128, the warp-specialised CTA over fp8 pages unless
+  // switched off (the launch's own choice, effective_attention_cta), else the mma.sync CTA.
+  const cuda::KvKind kv = !c.fp8_kv                    ? cuda::KvKind::same_as_q
+                          : c.fp8_dtype == DType::e5m2 ? cuda::KvKind::e5m2
+                                                       : cuda::KvKind::e4m3;
   const cuda::AttnKernelKey key{.head_dim = c.dim,
                                 .v_head_dim = c.dim,
                                 .fp16 = c.act == DType::f16,
-                                .kv = c.fp8_kv ? cuda::KvKind::e4m3 : cuda::KvKind::same_as_q,
+                                .kv = kv,
                                 .shape = cuda::TileShape::prefill,
                                 .target_verify = false,
                                 .fp8_prefill = c.fp8_prefill};
-  ASSERT_EQ(cuda::attention_cta(key) == cuda::AttnCta::fp8_prefill, c.fp8_prefill && c.fp8_kv)
+  const bool fp8_cta = c.fp8_prefill && kv == cuda::KvKind::e4m3 && c.dim == 128;
+  ASSERT_EQ(cuda::attention_cta(key) == cuda::AttnCta::fp8_prefill, fp8_cta)
       << "the case does not reach the CTA under test";
+  if (c.fp8_kv && !fp8_cta) {
+    ASSERT_EQ(cuda::effective_attention_cta(key), c.dim == 128 && cuda::prefill_kv8_enabled()
+                                                      ? cuda::AttnCta::prefill_kv8
+                                                      : cuda::AttnCta::mma_prefill)
+        << "the case does not reach the CTA under test";
+  }
+  // The producer the warp-specialised CTA takes for this layer (the launch's own decision, on
+  // the pool the backend reads): the TMA one wherever it applies, unless switched off.
   const int ws = cuda::prefill_ws_mode();
   if (ws != 0 && !c.fp8_kv) {
     const KVLayerView dv_layer = dev.cache->layer(0);

@@ -298,7 +298,8 @@ TEST(Fp8PrefillLayout, InPlaceQQuantisationStaysInEachConsumersOwnBytes) {
 }
 
 // The table (host code): the fp8 CTA takes prefill items over e4m3 at head dim 128 when asked
-// for, and nothing else.
+// for, and nothing else (fp8 prefill items it does not take at head dim 128 go to the
+// warp-specialised CTA over fp8 pages, test_cuda_prefill_kv8.cpp).
 TEST(Fp8PrefillDispatch, OnlyAskedForE4m3PrefillItemsAtHeadDim128) {
   using cuda::AttnCta;
   using cuda::AttnKernelKey;
@@ -316,10 +317,10 @@ TEST(Fp8PrefillDispatch, OnlyAskedForE4m3PrefillItemsAtHeadDim128) {
   EXPECT_EQ(cuda::attention_cta(k), AttnCta::fp8_prefill) << "fp16 q / out";
   k = on;
   k.fp8_prefill = false;
-  EXPECT_EQ(cuda::attention_cta(k), AttnCta::mma_prefill) << "off: as before";
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill_kv8) << "off: the default over fp8 pages";
   k = on;
   k.kv = KvKind::e5m2;
-  EXPECT_EQ(cuda::attention_cta(k), AttnCta::mma_prefill) << "e5m2";
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill_kv8) << "e5m2";
   k = on;
   k.kv = KvKind::same_as_q;
   EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill) << "16-bit KV";
@@ -371,8 +372,8 @@ void check_fp8(const PrefillCase& c, const testing::Message& what = testing::Mes
 }
 
 // Host only: `attnrt info --explain` names the fp8 CTA for the extend phase when the option is on
-// over e4m3 (the one-warpgroup CTA, or with the switch the warp-specialised one), and the mma.sync
-// CTA without it.
+// over e4m3 (the one-warpgroup CTA, or with the switch the warp-specialised one), and the
+// warp-specialised CTA over fp8 pages without it.
 TEST(Fp8PrefillDispatch, ExplainNamesWhichFp8CtaRunsExtend) {
   ModelSpec m;
   m.name = "fp8-prefill-explain";
@@ -385,7 +386,9 @@ TEST(Fp8PrefillDispatch, ExplainNamesWhichFp8CtaRunsExtend) {
   };
   const bool saved = cuda::prefill_fp8_ws_enabled();
   cuda::set_prefill_fp8_ws(false);
-  EXPECT_NE(extend_line(DType::e4m3).find("mma.sync CTA"), std::string::npos);
+  const test::ScopedPrefillKv8 kv8_on(true);
+  const std::string kv8 = "warp-specialised prefill CTA over fp8 pages";
+  EXPECT_NE(extend_line(DType::e4m3).find(kv8), std::string::npos);
   o.fp8_prefill_attention = true;
   const std::string on = extend_line(DType::e4m3);
   EXPECT_NE(on.find("fp8 prefill CTA (prefill_fp8.cuh)"), std::string::npos) << on;
@@ -396,7 +399,7 @@ TEST(Fp8PrefillDispatch, ExplainNamesWhichFp8CtaRunsExtend) {
       << ws;
   EXPECT_NE(ws.find("ATTNRT_PREFILL_FP8_WS=0: the one-warpgroup one"), std::string::npos) << ws;
   o.fp8_prefill_attention = false;
-  EXPECT_NE(extend_line(DType::e4m3).find("mma.sync CTA"), std::string::npos)
+  EXPECT_NE(extend_line(DType::e4m3).find(kv8), std::string::npos)
       << "the switch alone changes nothing";
   cuda::set_prefill_fp8_ws(saved);
 }
@@ -529,8 +532,10 @@ TEST_P(CudaFp8PrefillTest, MoreWorkItemsThanSms) {
 }
 
 TEST_P(CudaFp8PrefillTest, OffTheOptionTheMmaSyncCtaRunsTheSameCases) {
-  // The same pool without the option: the fp8 KV path of before (mma.sync, K / V dequantised to
-  // 16 bits), held to the 16-bit tolerance; a check that the case builder's fp8 pools are right.
+  // The same pool without the option and with ATTNRT_PREFILL_KV8=0: the fp8 KV path of before
+  // (mma.sync, K / V dequantised to 16 bits), held to the 16-bit tolerance; a check that the case
+  // builder's fp8 pools are right.
+  const test::ScopedPrefillKv8 off(false);
   PrefillCase c = fp8_case({0, 17, 301}, {300, 45, 200}, 21);
   c.fp8_prefill = false;
   check_prefill(c);

@@ -90,6 +90,7 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
   prefill_ws_mode();
   prefill_tma_enabled();
   prefill_ws_persistent();
+  prefill_kv8_enabled();
   for (const LayerSpec& l : ctx.model->layers) {
     if (!l.uses_kv_cache() || l.num_kv_heads <= 0) continue;
     const int g = l.num_q_heads / l.num_kv_heads;

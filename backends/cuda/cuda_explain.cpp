@@ -14,6 +14,7 @@
 #include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/kernels/dispatch.h"
 #include "backends/cuda/kernels/dsa.h"
+#include "backends/cuda/kernels/launch.h"
 #include "backends/cuda/kernels/mla.h"
 #include "backends/cuda/kernels/prefill.h"
 
@@ -68,6 +69,13 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
                        "transposed in shared memory) - --fp8-prefill-attention with "
                        "ATTNRT_PREFILL_FP8_WS=0, {} rows a request",
                        rows);
+    case AttnCta::prefill_kv8:
+      return fmt::format(
+          "warp-specialised prefill CTA over fp8 pages (prefill_ws.cuh): 128 rows, a copy producer "
+          "that converts the {} K / V tiles to f16 (exact), the 16-bit CTA's consumers on f16 "
+          "warpgroup MMAs (bf16 q scaled into f16 by a power of two) - {} rows a request "
+          "(ATTNRT_PREFILL_KV8=0: the mma.sync CTA)",
+          k.kv == KvKind::e5m2 ? "e5m2" : "e4m3", rows);
     case AttnCta::prefill_verify:
       return fmt::format(
           "64-row warpgroup-MMA CTA (prefill.cuh): the request's {} rows read each K/V tile once - "
@@ -82,9 +90,14 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
     case AttnCta::decode32:
     case AttnCta::verify:
     case AttnCta::mma_prefill:
-      return fmt::format("mma.sync CTA (attention.cuh, {}-row tiles) - {} rows a request{}",
-                         tile_rows(k.shape), rows,
-                         fp8 ? ", fp8 KV (the warpgroup-MMA CTAs take 16-bit KV)" : "");
+      return fmt::format(
+          "mma.sync CTA (attention.cuh, {}-row tiles) - {} rows a request{}", tile_rows(k.shape),
+          rows,
+          attention_cta(k) == AttnCta::prefill_kv8
+              ? ", fp8 KV [ATTNRT_PREFILL_KV8=0: not the warp-specialised CTA over fp8 pages]"
+          : fp8 ? ", fp8 KV (the warpgroup-MMA CTAs take 16-bit KV, and fp8 pages only for prefill "
+                  "tiles at head dim 128)"
+                : "");
   }
   return "?";
 }
@@ -127,11 +140,7 @@ std::vector<std::string> explain_cuda_kernels(const ModelSpec& model, const Opti
                               .rows = std::min(ph.qlen * group, tile_rows(shape)),
                               .target_verify = ph.verify,
                               .fp8_prefill = options.fp8_prefill_attention};
-      AttnCta cta = attention_cta(key);
-      if ((cta == AttnCta::mla || cta == AttnCta::mla_keys_m) && !mla_cta_enabled())
-        cta = AttnCta::generic;
-      else if (cta == AttnCta::mla_keys_m && !mla_keys_m_enabled())
-        cta = AttnCta::mla;
+      const AttnCta cta = effective_attention_cta(key);
       if (l.has_indexer()) {
         const bool mma = dsa_indexer() == DsaIndexer::mma &&
                          dsa_mma_takes(l.indexer.index_n_heads, l.indexer.index_head_dim);

@@ -259,8 +259,8 @@ void add_backend_options(CLI::App& cmd, Options& options) {
               "Prefill / extend tiles of attention layers on fp8 tensor cores: q and the softmax "
               "weights in e4m3 against the fp8 K / V (head dim 128; others run as before). Needs "
               "--kv-cache-dtype fp8_e4m3 and the cuda prefill backend; tolerance in "
-              "docs/backends.md (H100: 1.04-1.12x the bf16 prefill rate, ~7x the default over an "
-              "fp8 cache)");
+              "docs/backends.md (H100: 1.04-1.12x the bf16 prefill rate; without the flag an fp8 "
+              "cache runs prefill at 16-bit precision on the warp-specialised CTA)");
   g->add_flag("--disable-chunked-prefix-cache", options.disable_chunked_prefix_cache,
               "MLA models: EXTEND / MIXED steps with a cached prefix always run MLA absorbed (the "
               "MHA form only without prefixes); see docs/mla.md");

@@ -24,16 +24,8 @@ int mla_cta_mode() {
   return g_mla_cta;
 }
 
-// dispatch.h's CTA, or what ATTNRT_MLA_CTA asks for MLA launches.
-AttnCta effective_cta(const AttnKernelKey& key) {
-  const AttnCta cta = attention_cta(key);
-  if (cta != AttnCta::mla && cta != AttnCta::mla_keys_m) return cta;
-  if (!mla_cta_enabled()) return AttnCta::generic;
-  return cta == AttnCta::mla_keys_m && !mla_keys_m_enabled() ? AttnCta::mla : cta;
-}
-
 AttnCtaEntry attention_entry(const AttnKernelKey& key) {
-  const AttnCta cta = effective_cta(key);
+  const AttnCta cta = effective_attention_cta(key);
   switch (cta) {
     case AttnCta::generic:
       return attention_generic_entry(key.fp16);
@@ -47,6 +39,8 @@ AttnCtaEntry attention_entry(const AttnKernelKey& key) {
       return prefill_entry(key.head_dim, key.fp16, /*verify=*/true);
     case AttnCta::fp8_prefill:
       return prefill_fp8_entry(key.head_dim, key.fp16);
+    case AttnCta::prefill_kv8:
+      return prefill_kv8_entry(key.fp16);
     default:
       break;
   }
@@ -64,6 +58,14 @@ AttnCtaEntry attention_entry(const AttnKernelKey& key) {
 
 }  // namespace
 
+AttnCta effective_attention_cta(const AttnKernelKey& key) {
+  const AttnCta cta = attention_cta(key);
+  if (cta == AttnCta::prefill_kv8) return prefill_kv8_enabled() ? cta : AttnCta::mma_prefill;
+  if (cta != AttnCta::mla && cta != AttnCta::mla_keys_m) return cta;
+  if (!mla_cta_enabled()) return AttnCta::generic;
+  return cta == AttnCta::mla_keys_m && !mla_keys_m_enabled() ? AttnCta::mla : cta;
+}
+
 bool mla_cta_enabled() { return mla_cta_mode() != 0; }
 bool mla_keys_m_enabled() { return mla_cta_mode() == 1; }
 void set_mla_cta(bool on) { g_mla_cta = on ? 1 : 0; }
@@ -74,7 +76,7 @@ cudaError_t launch_attention(const AttnParams& p, const AttnKernelKey& key, int 
   const AttnCtaEntry entry = attention_entry(key);
   if (entry.launch == nullptr) return cudaErrorInvalidValue;
   return entry.launch(p, key, num_items, stream,
-                      dependent && launches_as_dependent(effective_cta(key)));
+                      dependent && launches_as_dependent(effective_attention_cta(key)));
 }
 
 int attention_occupancy(const AttnKernelKey& key) {

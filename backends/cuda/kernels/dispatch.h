@@ -77,6 +77,14 @@ constexpr bool fp8_prefill_takes(const AttnKernelKey& k) {
          k.shape == TileShape::prefill && !k.target_verify;
 }
 
+// Whether the warp-specialised CTA over fp8 pages (prefill_ws.cuh with PrefillWsKv8Config) takes a
+// key's prefill items: e4m3 or e5m2 KV, head dim 128 (its one instantiation), no tree mask. It
+// computes at 16-bit precision (f16 MMAs; K and V are exact in f16).
+constexpr bool prefill_kv8_takes(const AttnKernelKey& k) {
+  return (k.kv == KvKind::e4m3 || k.kv == KvKind::e5m2) && k.head_dim == 128 &&
+         k.v_head_dim == 128 && k.shape == TileShape::prefill && !k.target_verify;
+}
+
 enum class AttnCta : int32_t {
   generic,         // attention_generic.cu: dims without tensor-core kernels
   mla,             // mla_decode.cu: MLA's 576 / 512, bf16 q, bf16 or fp8 latent, 64 rows
@@ -89,25 +97,31 @@ enum class AttnCta : int32_t {
   verify,
   mma_prefill,
   fp8_prefill,  // prefill_fp8.cuh: 128 rows, fp8 warpgroup MMAs over an e4m3 pool (opt-in)
+  prefill_kv8,  // prefill_ws.cuh over fp8 pages: 128 rows, f16 warpgroup MMAs, e4m3 / e5m2 KV
 };
 
 // The table. Prefill tiles: the warpgroup-MMA CTA for 16-bit KV in every mode but TARGET_VERIFY
-// (its 128-row CTA carries no tree mask), else mma.sync. Verify and decode32 tiles: the 64-row
-// warpgroup-MMA CTA for 16-bit KV at head dims 64 and 128 (a decode32 item holds every row, at
-// most 32, of its request from f0 = 0, so the 64-row CTA covers it with its rows past the request
-// idle; H200, 64 x (4096 + 8) chain at group 4: 0.344 ms on decode32, 0.317 ms there), else
-// mma.sync. Decode tiles: the keys-on-M CTA at head dims 64 and 128 when the items hold at most
-// kKeysMRows rows (H200, 64 x 4096 at group 4, per step: bf16 277 -> 266 us, fp8 e4m3 280 -> 181
-// us), else mma.sync. MLA layers (bf16 q; bf16 or fp8 latent) run the keys-on-M MLA CTA on decode
-// items (at most 16 rows: 16 heads or fewer) and the 64-row MLA CTA on the others
-// (choose_shape gives them no prefill items). With fp8_prefill set, prefill items that
-// fp8_prefill_takes run the fp8 CTA (q and P in e4m3: a documented tolerance, hence opt-in).
+// (its 128-row CTA carries no tree mask); for fp8 KV at head dim 128 (prefill_kv8_takes) the same
+// warp-specialised CTA over fp8 pages, converting them to f16 (H100, prefill-1x16384 over an e4m3
+// cache on the mma.sync CTA before it: 83 TFLOP/s, against 516 for the bf16 cache); else
+// mma.sync. Verify and decode32 tiles: the 64-row warpgroup-MMA CTA for 16-bit KV at head dims 64
+// and 128 (a decode32 item holds every row, at most 32, of its request from f0 = 0, so the 64-row
+// CTA covers it with its rows past the request idle; H200, 64 x (4096 + 8) chain at group 4: 0.344
+// ms on decode32, 0.317 ms there), else mma.sync. Decode tiles: the keys-on-M CTA at head dims 64
+// and 128 when the items hold at most kKeysMRows rows (H200, 64 x 4096 at group 4, per step: bf16
+// 277 -> 266 us, fp8 e4m3 280 -> 181 us), else mma.sync. MLA layers (bf16 q; bf16 or fp8 latent)
+// run the keys-on-M MLA CTA on decode items (at most 16 rows: 16 heads or fewer) and the 64-row MLA
+// CTA on the others (choose_shape gives them no prefill items). With fp8_prefill set, prefill
+// items that fp8_prefill_takes run the fp8 CTA (q and P in e4m3: a documented tolerance, hence
+// opt-in). ATTNRT_PREFILL_KV8=0 sends prefill_kv8's items to mma_prefill (attention_dispatch.cu's
+// effective_attention_cta, which the launch and `info --explain` read).
 constexpr AttnCta attention_cta(const AttnKernelKey& k) {
   if (is_mla_dims(k.head_dim, k.v_head_dim) && !k.fp16 && k.shape != TileShape::prefill)
     return k.shape == TileShape::decode ? AttnCta::mla_keys_m : AttnCta::mla;
   if (!has_tensor_core_kernel(k.head_dim, k.v_head_dim)) return AttnCta::generic;
   const bool fp8 = k.kv != KvKind::same_as_q;
   if (fp8_prefill_takes(k)) return AttnCta::fp8_prefill;
+  if (prefill_kv8_takes(k)) return AttnCta::prefill_kv8;
   switch (k.shape) {
     case TileShape::prefill:
       return !fp8 && !k.target_verify ? AttnCta::prefill : AttnCta::mma_prefill;
@@ -125,7 +139,8 @@ constexpr AttnCta attention_cta(const AttnKernelKey& k) {
 // the work list, the requests and q before its wait): the mma.sync, keys-on-M and 64-row
 // warpgroup-MMA CTAs. The 128-row prefill CTAs and the generic CTA are plain launches.
 constexpr bool launches_as_dependent(AttnCta cta) {
-  return cta != AttnCta::generic && cta != AttnCta::prefill && cta != AttnCta::fp8_prefill;
+  return cta != AttnCta::generic && cta != AttnCta::prefill && cta != AttnCta::fp8_prefill &&
+         cta != AttnCta::prefill_kv8;
 }
 
 }  // namespace attnrt::cuda

@@ -73,6 +73,22 @@ constexpr QChunk q_convert_chunk(int ct, int n) {
 }
 constexpr int q_amax_slot(int ct) { return (ct >> 5) & 3; }
 
+// The warp-specialised CTA over fp8 pages (prefill_ws_kv8.cuh) converts each staged e4m3 / e5m2
+// tile of `keys` rows (128 bytes, as ws_copy_tile lands them: 16-byte chunk c of row key at
+// v_stage_offset(key, 16 c)) into the 16-bit tile the consumers' MMAs read (two column blocks of
+// 128-byte rows: q16_offset, the layout of wgmma.cuh's swz128_offset): producer thread tid (of 128)
+// takes in pass n (of keys * 8 / 128) the chunk c of row key, which becomes the 16-bit chunks 2c
+// and 2c + 1 of that row. The 8 lanes of each quarter warp take 8 consecutive rows (every key % 8)
+// at one chunk, so neither the 16-byte loads (chunk c ^ key % 8) nor the 16-byte stores
+// (2c ^ key % 8, then 2c + 1 ^ key % 8) meet a bank conflict.
+struct Kv8Chunk {
+  int key, c;
+};
+constexpr Kv8Chunk kv8_chunk(int tid, int n) {
+  const int i = tid + 128 * n;
+  return {(i & 7) | ((i >> 6) << 3), (i >> 3) & 7};
+}
+
 // The 4 x 4 byte block of the transposed tile that thread `tid` (of 128) writes in pass n (of 4):
 // head-dim rows 4 dq .. 4 dq + 3, key positions 4 pq .. 4 pq + 3. Lanes take pq's low 2 bits,
 // dq's low 2 bits, then pq's bit 2; warps and passes the rest, so that the 32-bit loads from the

@@ -34,6 +34,10 @@ struct AttnCtaEntry {
 // launches_as_dependent) are launched plainly. cudaErrorInvalidValue for keys no CTA takes.
 cudaError_t launch_attention(const AttnParams& p, const AttnKernelKey& key, int num_items,
                              cudaStream_t stream, bool dependent);
+// The CTA that runs `key`'s launches: dispatch.h's table, or what the environment's switches ask
+// for instead (ATTNRT_MLA_CTA for MLA launches, mla.h; ATTNRT_PREFILL_KV8=0 for prefill tiles over
+// fp8 pages, prefill.h). `attnrt info --explain` names this one.
+AttnCta effective_attention_cta(const AttnKernelKey& key);
 // Resident CTAs per SM of `key`'s CTA (occupancy API; at least 1).
 int attention_occupancy(const AttnKernelKey& key);
 

@@ -38,6 +38,7 @@
 #include "backends/cuda/kernels/fp8_pv_layout.h"
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/prefill.h"
+#include "backends/cuda/kernels/prefill_q_scale.cuh"
 #include "backends/cuda/kernels/prefill_tile.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
@@ -66,10 +67,7 @@ struct PrefillFp8Config {
 // The largest e4m3 value, and the power of two q is multiplied by: amax * scale <= 448.
 inline constexpr float kE4m3Max = 448.f;
 __device__ __forceinline__ float fp8_q_scale(float amax) {
-  if (!(amax > 0.f) || !isfinite(amax)) return 1.f;
-  int e;
-  frexpf(kE4m3Max / amax, &e);  // 448 / amax = m * 2^e, m in [0.5, 1)
-  return exp2f(static_cast<float>(min(max(e - 1, -100), 100)));
+  return pow2_scale_below(amax, kE4m3Max, 100);
 }
 
 template <typename T>

@@ -23,15 +23,6 @@ static_assert(kFp8HeadDim == 128 && kFp8VtBytes == 64 * kFp8HeadDim);
 // The weights P' = 2^8 P lie in [0, 256] (online_softmax's OFFSET; e4m3 reaches 448).
 inline constexpr int kFp8POffset = 8;
 
-// max(amax, |x|) over the 8 elements of T in v.
-template <typename T>
-__device__ __forceinline__ float amax8(const uint4& v, float amax) {
-  const T* e = reinterpret_cast<const T*>(&v);
-#pragma unroll
-  for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(to_float(e[k])));
-  return amax;
-}
-
 // The 8 elements of T in v times qs, as 8 e4m3 bytes.
 template <typename T>
 __device__ __forceinline__ uint2 quantise8_e4m3(const uint4& v, float qs) {

@@ -60,6 +60,7 @@
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/prefill.h"
 #include "backends/cuda/kernels/prefill_fp8_tile.cuh"
+#include "backends/cuda/kernels/prefill_q_scale.cuh"
 #include "backends/cuda/kernels/prefill_tile.cuh"
 #include "backends/cuda/kernels/prefill_ws_pipeline.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
@@ -97,54 +98,16 @@ struct PrefillFp8WsConfig {
                 "setmaxnreg.inc would wait forever");
 };
 
-// The consumers' thread ct (0 .. 255) converts its share of its consumer's 64 rows of the unit's
-// Q (q_convert_chunk): the producer's 16-bit tile at sq (128-byte swizzle, two column blocks of
-// kRows rows) to e4m3 in place at the consumer's power-of-two scale (see the header comment);
-// red: a float per warp of each consumer. Returns the scale's inverse.
+// The consumers' thread ct (0 .. 255) quantises its share of its consumer's 64 rows of the unit's
+// Q to e4m3 in place (prefill_q_scale.cuh's scale_q_rows; the e4m3 rows at q8_offset, inside the
+// bytes of the consumer's own 16-bit rows, see the header comment); red: a float per warp of each
+// consumer. Returns the scale's inverse.
 template <typename T>
 __device__ __forceinline__ float quantise_q_rows(unsigned char* sq, int ct, float (&red)[2][4]) {
-  constexpr int ROWS = PrefillFp8WsConfig::kRows;
-  const int cw = ct >> 7;
-  // The consumer's own named barrier (a constant id: with an id in a register ptxas reserves all
-  // 16 barriers).
-  auto consumer_sync = [&] {
-    if (cw == 0)
-      named_bar_sync(kWsConsumerBar, 128);
-    else
-      named_bar_sync(kWsConsumerBar + 1, 128);
-  };
-  uint4 qv[kQConvertPasses];
-  float amax = 0.f;
-#pragma unroll
-  for (int n = 0; n < kQConvertPasses; ++n) {
-    const QChunk q = q_convert_chunk(ct, n);
-    qv[n] = *reinterpret_cast<const uint4*>(sq + q16_offset(ROWS, q.r, q.c));
-    amax = amax8<T>(qv[n], amax);
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  if ((ct & 31) == 0) red[cw][q_amax_slot(ct)] = amax;
-  // Every thread of the consumer has its chunks in registers and its warp's maximum in red.
-  consumer_sync();
-  amax = fmaxf(fmaxf(red[cw][0], red[cw][1]), fmaxf(red[cw][2], red[cw][3]));
-  const float qs = fp8_q_scale(amax);
-#pragma unroll
-  for (int n = 0; n < kQConvertPasses; ++n) {
-    const QChunk q = q_convert_chunk(ct, n);
-    *reinterpret_cast<uint2*>(sq + q8_offset(q.r, q.c)) = quantise8_e4m3<T>(qv[n], qs);
-  }
-  fence_proxy_async_smem();
-  // Every row is written before any warp's S MMAs read the block (and every thread has read red,
-  // which the next unit rewrites only after this barrier).
-  consumer_sync();
-  return 1.f / qs;
-}
-
-// threadIdx.x, read where it is called (not a value the compiler may keep from an earlier read).
-__device__ __forceinline__ int fresh_thread_index() {
-  int t;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
-  return t;
+  return scale_q_rows<T, PrefillFp8WsConfig::kRows>(
+      sq, ct, red, kE4m3Max, 100, [&](const uint4& v, QChunk q, float qs) {
+        *reinterpret_cast<uint2*>(sq + q8_offset(q.r, q.c)) = quantise8_e4m3<T>(v, qs);
+      });
 }
 
 template <typename T>

@@ -4,7 +4,8 @@
 // cp.async), two consumer warpgroups only compute; persistent CTAs walk the step's units. It
 // serves exactly the launches of prefill_kernel (TileShape::prefill work items, 16-bit K/V, head
 // dims 64 / 128 / 256) with the same work list, key ranges, masks, softcap, sinks, splits,
-// partials and lse as prefill_kernel.
+// partials and lse as prefill_kernel; instantiated over fp8 pages (below), the same launches over
+// e4m3 / e5m2 pools at head dim 128.
 //
 // Roles (384 threads, one CTA per SM):
 //  - warpgroup 0, the producer (setmaxnreg down to kProducerRegs): loads Q, then for every tile
@@ -50,6 +51,35 @@
 // on most tiles) and thread 0's arrive.expect_tx of the tile's TMA bytes. A unit's key range must
 // start on a page: ws_unit rounds a window's first key down to a tile (the extra keys are outside
 // the window, the first tile is masked as any window tile), so splits stay tile aligned too.
+//
+// Over fp8 pages (PrefillWsKv8Config; prefill_kv8_ws.cu, dispatch.h's AttnCta::prefill_kv8): the
+// TileShape::prefill items of non-tree steps over an e4m3 or e5m2 pool at head dim 128, bf16 or
+// fp16 q / out, computed at 16-bit precision. Every e4m3 and e5m2 value is an f16 value, so the
+// MMAs run in f16 (fp32 accumulators) whatever q's type, with nothing rounded that the mma.sync
+// CTA before it kept:
+//  - the producer (prefill_ws_kv8.cuh) copies each tile's fp8 K and V rows with cp.async into a
+//    staging tile, and NS - 1 tiles later (each tile its own cp.async group, then the producer's
+//    named barrier) waits for the tile's ring stage, converts the staged bytes to f16 into it
+//    (cvt.rn.f16x2.e4m3x2 per pair; e5m2 is the high byte of an f16) in the 128-byte swizzled
+//    layout above, fences and arrives on the stage's full barrier. V needs no transpose (the P V
+//    MMA reads it MN-major) and keys past hi are zero-filled in staging, hence zero in the stage.
+//    The stage wait comes only at the conversion, so copies run NS - 1 tiles ahead of it.
+//  - the consumers are this kernel's, in ping-pong, with the MMA element type f16 (MT) while q,
+//    the output and the partials keep their own types; P is packed to f16. fp16 q is used as it
+//    is. bf16 q is converted in place: each consumer, after the Q barrier, scales its own 64 rows
+//    by a power of two qs that brings their |max| into (2^13, 2^14] and rounds them to f16
+//    (prefill_q_scale.cuh; exact for every element down to 2^-30 of the largest), and the
+//    logit scales (scale_log2, the softcap's) take 1 / qs. The k scale is in those scales and the
+//    v scale in the epilogue, as for 16-bit KV.
+// Shared memory at BN = 64, 4 stages, 4 staging tiles: Q 32 KiB, stages 4 x 32 KiB (f16 K and V),
+// the slots and barriers, staging 4 x 16 KiB (fp8 K and V): 225 KiB. Why 64-key tiles: at 128
+// keys an f16 stage is 64 KiB and, next to Q, two stages and the staging leave no room for a
+// third; with two, the stage of tile i + 1 comes free only when the second consumer's MMAs of tile
+// i - 1 are done (a stage is released a tile late in ping-pong), about when the first consumer
+// wants tile i + 1, so the conversion would sit on the consumers' path every tile. At 64 keys the
+// ring holds two converted tiles ahead of the two the consumers hold, and the staging three tiles
+// of copies in flight behind the one being converted. The producer takes 56 registers (the
+// consumers 224) so as not to spill.
 #pragma once
 
 #include <cuda.h>
@@ -66,7 +96,11 @@
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/prefill.h"
+#include "backends/cuda/kernels/prefill_q_scale.cuh"
 #include "backends/cuda/kernels/prefill_store.cuh"
+#include "backends/cuda/kernels/prefill_ws_kv8.cuh"
+#include "backends/cuda/kernels/prefill_ws_pipeline.cuh"
+#include "backends/cuda/kernels/prefill_ws_sync.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
 
@@ -77,6 +111,7 @@ namespace attnrt::cuda {
 // tile i's S = Q K^T issued together with tile i - 1's O += P V.
 template <int D, int DV, int BN, int STAGES, bool PP>
 struct PrefillWsConfig {
+  static constexpr bool kKv8 = false;  // K / V in q's 16-bit type (PrefillWsKv8Config: fp8 pages)
   static constexpr bool kPingPong = PP;
   static constexpr int kHeadDim = D;
   static constexpr int kVHeadDim = DV;
@@ -121,97 +156,28 @@ using PrefillWsCfg =
 template <int BN, int STAGES, bool PP>
 using PrefillWsMlaCfg = PrefillWsConfig<kMlaMhaHeadDim, kMlaMhaVHeadDim, BN, STAGES, PP>;
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile(
-      "{\n.reg .b64 st;\nmbarrier.arrive.release.cta.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar)
-      : "memory");
-}
-// Arrives on `bar` once every cp.async this thread issued so far has landed, without raising the
-// pending count (the barrier's expected count covers these arrivals).
-__device__ __forceinline__ void mbar_arrive_cp_async(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-// Waits for the completion of the phase of parity `parity`.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// Raises the phase's expected transaction bytes by `bytes`, then arrives (one of the counted
-// arrivals).
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
-               "r"(bytes)
-               : "memory");
-}
-// One box of tensor map `map` at coordinates {c0, c1, c2} into shared memory at `dst`; its bytes
-// complete on `bar`'s transaction count.
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                            int c2, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-__device__ __forceinline__ void named_bar_sync(int id, int count) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_bar_arrive(int id, int count) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-template <int N>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
-}
-
-// One unit of the warp-specialised CTA: work item `unit / num_kv_heads` on KV head
-// `unit % num_kv_heads`, and the keys [lo, hi) of its split, as prefill_kernel cuts them.
-struct WsUnit {
-  int kvh;
-  WorkItem item;
-  ReqInfo req;
-  int lo, hi, num_tiles;
+// The CTA over fp8 pages (the header comment): head dim 128, BN keys a tile, STAGES f16 stages,
+// STAGING staging tiles of fp8 K + V after the barriers, the consumers in ping-pong on f16 MMAs.
+template <int BN, int STAGES, int STAGING>
+struct PrefillWsKv8Config : PrefillWsConfig<kKv8HeadDim, kKv8HeadDim, BN, STAGES, true> {
+  using Base = PrefillWsConfig<kKv8HeadDim, kKv8HeadDim, BN, STAGES, true>;
+  static constexpr bool kKv8 = true;
+  // ptxas -v: no spills at 56 / 224; at 40 / 232 (the 16-bit CTA's split) the producer spills (its
+  // staging, ring and barrier addresses across the conversion).
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 224;
+  static constexpr int kStaging = STAGING;
+  static constexpr int kStagingTileBytes = 2 * BN * kKv8HeadDim;  // e4m3 / e5m2 K, then V
+  static constexpr int kStagingOffset =
+      (Base::kQBytes + Base::kRingBytes + Base::kSlotBytes + Base::kBarBytes + 127) / 128 * 128;
+  static constexpr int kSmemBytes = 1024 + kStagingOffset + STAGING * kStagingTileBytes;
+  static_assert(STAGING >= 2);
+  static_assert(kSmemBytes <= 227 * 1024, "the ring and staging must fit one SM's shared memory");
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * Base::kConsumers <=
+                    Base::kLaunchRegs * Base::kThreads,
+                "setmaxnreg.inc would wait forever");
 };
-
-// TILED: the window's first key rounded down to a multiple of BN (the TMA producer loads whole
-// pages from a tile's first key on).
-template <int ROWS, int BN, bool TILED>
-__device__ __forceinline__ WsUnit ws_unit(const AttnParams& p, int unit) {
-  WsUnit u;
-  if (p.item_heads) {
-    u.item = p.work[unit];
-    u.kvh = u.item.kvh;
-  } else {
-    u.kvh = unit % p.num_kv_heads;
-    u.item = p.work[unit / p.num_kv_heads];
-  }
-  u.req = p.reqs[u.item.req];
-  const int G = p.group;
-  const int t_first = u.item.f0 / G;
-  const int t_last = min(u.req.qlen - 1, (u.item.f0 + ROWS - 1) / G);
-  KeyRange keys = Mask<false>{p, u.req}.span(t_first, t_last);
-  if constexpr (TILED) keys.lo = keys.lo / BN * BN;
-  const KeyRange k = split_keys(keys, u.req.num_splits, u.item.split, BN);
-  u.lo = k.lo;
-  u.hi = k.hi;
-  u.num_tiles = k.hi > k.lo ? (k.hi - k.lo + BN - 1) / BN : 0;
-  return u;
-}
+using PrefillWsKv8Cfg = PrefillWsKv8Config<64, 4, 4>;
 
 // The tensor maps of the TMA producer over the layer's K and V pools (see the header comment);
 // unused (zeros) by the cp.async producer.
@@ -228,6 +194,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   constexpr int ON = Cfg::kON, NO = DV / ON, ROWS = Cfg::kRows;
   constexpr int kLog2BN = BN == 128 ? 7 : 6;
   static_assert(BN == 1 << kLog2BN);
+  // The MMAs' element type: T, or f16 over fp8 pages (K and V exact; bf16 q converted in place by
+  // the consumers at a power-of-two scale: kScaleQ).
+  constexpr bool KV8 = Cfg::kKv8;
+  using MT = std::conditional_t<KV8, __half, T>;
+  constexpr bool kScaleQ = KV8 && !std::is_same_v<T, __half>;
+  static_assert(!(KV8 && TMA), "the TMA producer loads 16-bit pages");
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = ((raw + 1023) & ~1023u) - raw;
@@ -328,7 +300,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         };
         const T* kbase = static_cast<const T*>(p.k) + kvh * D;
         const T* vbase = static_cast<const T*>(p.v) + kvh * DV;
-        if constexpr (TMA) {
+        if constexpr (KV8) {
+          WsPipe<ST> w(sBar, smem + Cfg::kQBytes + Cfg::kRingBytes + Cfg::kSlotBytes);
+          w.tile_base = tile_base;
+          ws_produce_kv8_tiles<BN, ST, Cfg::kStaging, Cfg::kStageBytes>(
+              p, w, u, smem + Cfg::kQBytes, smem + Cfg::kStagingOffset, sSlot, tid);
+        } else if constexpr (TMA) {
           // Chunks of P rows (a power of two, 8 .. BN: one page or a BN-row piece of one).
           const int pshift = min(p.page_shift, kLog2BN);
           const int P = 1 << pshift;
@@ -464,8 +441,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int gt_lo = min((item.f0 + wg_row0) / G, req.qlen - 1);
         const int gt_hi = min((item.f0 + wg_row0 + 63) / G, req.qlen - 1);
 
-        const SoftCap cap(p.softcap, p.softmax_scale);
-        const float sl = cap.exp_scale(p.scale_log2);
+        // bf16 q over fp8 pages: the consumer converts its rows to f16 at scale qs first, and the
+        // logits of the f16 MMAs are qs times the true ones: the scales take 1 / qs.
+        float inv_qs = 1.f;
+        if constexpr (kScaleQ) {
+          __shared__ float q_amax[Cfg::kConsumers][4];
+          mbar_wait(q_bar, n & 1);
+          inv_qs = scale_q_rows_f16<T, ROWS>(smem, ct, q_amax);
+        }
+        const SoftCap cap(p.softcap, p.softmax_scale * inv_qs);
+        const float sl = cap.exp_scale(p.scale_log2 * inv_qs);
 
         float o[NO][ON / 2];
 #pragma unroll
@@ -474,7 +459,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           for (int i = 0; i < ON / 2; ++i) o[nb][i] = 0.f;
         float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
 
-        mbar_wait(q_bar, n & 1);
+        if constexpr (!kScaleQ) mbar_wait(q_bar, n & 1);
 
         // S = Q K^T (64 rows x BN keys) issued as one wgmma group.
         auto issue_s = [&](float(&s)[BN / 2], uint32_t tK) {
@@ -484,7 +469,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             const uint64_t da =
                 wgmma_desc(sQ + (kk >> 2) * ROWS * 128 + wg_row0 * 128 + (kk & 3) * 32, 16);
             const uint64_t db = wgmma_desc(tK + (kk >> 2) * BN * 128 + (kk & 3) * 32, 16);
-            wgmma_ss<BN, T>(s, da, db, kk > 0 ? 1 : 0);
+            wgmma_ss<BN, MT>(s, da, db, kk > 0 ? 1 : 0);
           }
           wgmma_commit();
         };
@@ -497,7 +482,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             for (int nb = 0; nb < NO; ++nb) {
               const uint64_t db =
                   wgmma_desc(tV + k16 * 16 * 128 + nb * (ON / 64) * BN * 128, BN * 128);
-              wgmma_rs<ON, T>(o[nb], pa[k16], db);
+              wgmma_rs<ON, MT>(o[nb], pa[k16], db);
             }
           wgmma_commit();
         };
@@ -560,10 +545,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         auto pack_p = [&](const float(&s)[BN / 2], uint32_t(&pa)[BN / 16][4]) {
 #pragma unroll
           for (int k16 = 0; k16 < BN / 16; ++k16) {
-            pa[k16][0] = pack2<T>(s[8 * k16], s[8 * k16 + 1]);
-            pa[k16][1] = pack2<T>(s[8 * k16 + 2], s[8 * k16 + 3]);
-            pa[k16][2] = pack2<T>(s[8 * k16 + 4], s[8 * k16 + 5]);
-            pa[k16][3] = pack2<T>(s[8 * k16 + 6], s[8 * k16 + 7]);
+            pa[k16][0] = pack2<MT>(s[8 * k16], s[8 * k16 + 1]);
+            pa[k16][1] = pack2<MT>(s[8 * k16 + 2], s[8 * k16 + 3]);
+            pa[k16][2] = pack2<MT>(s[8 * k16 + 4], s[8 * k16 + 5]);
+            pa[k16][3] = pack2<MT>(s[8 * k16 + 6], s[8 * k16 + 7]);
           }
         };
         // This warp is done with the stage (its MMAs on it have completed).
@@ -703,11 +688,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
 // The launch over num_items x num_kv_heads units: persistent, as many CTAs as are resident at
 // once (one per SM) taking units from the ticket counter, when there are more than
-// kPersistentMinWaves units per resident CTA; otherwise (or when `persistent` is off) one CTA per
-// unit. On the H200 the persistent grid is 3-14% faster from 8 units per SM up (1x4096 at d128:
-// 347 against 324 TFLOP/s) and 6% slower at 1x1024 (512 units, ~4 per SM). p.sched must hold
-// two zeroed words (see AttnParams).
-constexpr int kPersistentMinWaves = 4;
+// kPersistentMinWaves units per resident CTA (prefill_ws_sync.cuh); otherwise (or when
+// `persistent` is off) one CTA per unit. p.sched must hold two zeroed words (see AttnParams).
 
 // TMA: the TMA producer over `maps` (prefill_tma_applies must hold for p).
 template <typename T, typename Cfg, bool TMA>

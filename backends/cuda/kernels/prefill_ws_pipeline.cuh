@@ -1,16 +1,16 @@
-// The producer / consumer pipeline of the warp-specialised fp8 prefill CTA (prefill_fp8_ws.cuh),
-// as functions: the barriers of the K / V ring and of Q, the persistent walk over the step's units
-// (work item x KV head), the producer's 16-bit Q copy and K / V tile walk, the consumers'
-// ping-pong walk over a unit's tiles, and the persistent launch. The protocol is that of the 16-bit
-// warp-specialised CTA (prefill_ws.cuh, whose header comment describes it), and its primitives
-// (mbarrier and named-barrier calls, setmaxnreg), its unit (ws_unit) and kPersistentMinWaves are
-// taken from prefill_ws.cuh as they are.
+// The producer / consumer pipeline of the warp-specialised prefill CTAs as functions: the barriers
+// of the K / V ring and of Q, the persistent walk over the step's units (work item x KV head), the
+// producer's 16-bit Q copy and K / V tile walk, the consumers' ping-pong walk over a unit's tiles,
+// and the persistent launch. The fp8 CTA (prefill_fp8_ws.cuh) is built from them; the 16-bit CTA
+// (prefill_ws.cuh) calls only the producer's tile walk and copy, and only in its instantiation over
+// fp8 pages. The protocol is that of the 16-bit CTA (prefill_ws.cuh's header comment describes it)
+// on the primitives of prefill_ws_sync.cuh.
 //
-// The 16-bit CTA does not call these functions, and this duplication is deliberate. One round
-// shared them with the 16-bit CTA. Its default instantiations then compiled to other SASS and ran
-// 2% slower on the H100 (prefill-1x16384 4 308 -> 4 416 us, prefill-1x8192-d64 733 -> 747 us;
-// docs/BENCHMARKS.md). The default path comes first: prefill_ws.cuh keeps its inline loops, and
-// the few dozen lines of tile walk below repeat their logic for the fp8 CTA.
+// The 16-bit CTA's default instantiations do not call these functions, and this duplication is
+// deliberate. One round shared them with the 16-bit CTA. Its default instantiations then compiled
+// to other SASS and ran 2% slower on the H100 (prefill-1x16384 4 308 -> 4 416 us,
+// prefill-1x8192-d64 733 -> 747 us; docs/BENCHMARKS.md). The default path comes first: prefill_ws.cuh
+// keeps its inline loops, and the few dozen lines of tile walk below repeat their logic.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -20,17 +20,11 @@
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/dependent_launch.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
-#include "backends/cuda/kernels/prefill_ws.cuh"
+#include "backends/cuda/kernels/prefill_ws_sync.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
 
 namespace attnrt::cuda {
-
-// Named barriers: 0 is __syncthreads; 1 the producer warpgroup's own; 2 and 3 the consumers'
-// ping-pong turns (256 threads); 4 + c consumer c's own (128 threads).
-inline constexpr int kWsProducerBar = 1;
-inline constexpr int kWsTurnBar = 2;
-inline constexpr int kWsConsumerBar = 4;
 
 // The pipeline's barriers in shared memory from `base`: full[ST] and empty[ST] of the K / V ring,
 // q full, q empty, unit; then the two unit slots (kBytes in all). tile_base: the tiles of the
@@ -143,10 +137,11 @@ __device__ __forceinline__ int64_t ws_key_slot(const AttnParams& p, const ReqInf
 }
 
 // The producer's walk over a unit's tiles (prefill_ws.cuh's cp.async producer): per tile, the
-// wait for its stage to be free, its keys' pool rows (one key per thread, resolved one tile ahead
+// wait for its stage to be free (STAGE_WAIT; a producer that copies into staging tiles first waits
+// for the stage itself, later), its keys' pool rows (one key per thread, resolved one tile ahead
 // so the lookups are in flight while the previous tile's copies are issued) into sSlot (-1 past
 // hi), then issue(it, stage).
-template <int BN, int ST, typename Issue>
+template <int BN, int ST, bool STAGE_WAIT = true, typename Issue>
 __device__ __forceinline__ void ws_produce_tiles(const AttnParams& p, const WsPipe<ST>& w,
                                                  const WsUnit& u, int32_t* sSlot, int tid,
                                                  Issue&& issue) {
@@ -159,7 +154,7 @@ __device__ __forceinline__ void ws_produce_tiles(const AttnParams& p, const WsPi
   int32_t next_slot = resolve(0);
   for (int it = 0; it < u.num_tiles; ++it) {
     const int stage = w.stage(it);
-    if (w.tile_base + it >= ST) mbar_wait(w.empty(stage), w.parity(it) ^ 1u);
+    if (STAGE_WAIT && w.tile_base + it >= ST) mbar_wait(w.empty(stage), w.parity(it) ^ 1u);
     // Every producer thread is done reading the previous slots.
     named_bar_sync(kWsProducerBar, 128);
     if (tid < BN) sSlot[tid] = next_slot;

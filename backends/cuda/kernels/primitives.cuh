@@ -25,6 +25,20 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+// cp.async.wait_group min(n, MAX) for a run-time n: until at most that many of this thread's
+// groups are pending.
+template <int MAX>
+__device__ __forceinline__ void cp_async_wait_upto(int n) {
+  if constexpr (MAX > 0) {
+    if (n >= MAX) {
+      cp_async_wait<MAX>();
+      return;
+    }
+    cp_async_wait_upto<MAX - 1>(n);
+  } else {
+    cp_async_wait<0>();
+  }
+}
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"

@@ -1,0 +1,369 @@
+// The warp-specialised prefill CTA over fp8 pages (backends/cuda/kernels/prefill_ws.cuh with
+// PrefillWsKv8Config, producer in prefill_ws_kv8.cuh): the default for prefill / extend tiles over
+// an e4m3 or e5m2 KV cache at head dim 128. Its producer converts the fp8 K / V tiles to f16, the
+// 16-bit CTA's consumers run on f16 MMAs, and bf16 q is scaled into f16 by a power of two, so it is
+// held to the tolerance of the 16-bit CTAs over a bf16 cache (PrefillTolerance's defaults): K and
+// V are exact in f16, q too (a power-of-two scale, bf16's 8 significant bits inside f16's 11), and
+// P is rounded to f16 instead of bf16.
+//
+// Without a GPU: the conversion's thread mapping (coverage, placement, bank conflicts), the
+// dispatch table and, in a CUDA build, the switch and `info --explain`. On the GPU, every case on
+// an e4m3 and an e5m2 pool against the reference backend over the same pool bytes (unused rows
+// NaN, outputs poisoned): ragged extend batches with cached prefixes crossing page edges, pages of
+// 1, 16 and 128 slots (a page longer than the CTA's 64-key tile), GQA groups 1, 3, 4 and 8, causal
+// and not, sliding windows, softcap, sinks, split keys merged by lse, MIXED and DRAFT_EXTEND steps,
+// bf16 and fp16 activations, q of large and tiny magnitude, persistent CTAs walking many units.
+// Each case checks that the launch takes this CTA.
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/fp8_pv_layout.h"
+#include "tests/test_cuda_prefill_case.h"
+#include "tests/test_cuda_util.h"
+
+#ifdef ATTNRT_HAS_CUDA
+#include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/kernels/launch.h"
+#include "backends/cuda/kernels/prefill.h"
+#endif
+
+namespace attnrt {
+namespace {
+
+// ---- Host models (no GPU).
+
+// The producer's conversion of one staged fp8 tile of `keys` rows run on the host, over the
+// kernel's thread indices: thread tid reads in pass n the 16-byte chunk kv8_chunk(tid, n) of the
+// staged tile (where ws_copy_tile's cp.async put it: wgmma.cuh's swz128_offset over one 128-byte
+// column block, v_stage_offset here) and writes the 16-bit chunks 2c and 2c + 1 of the same row
+// into the f16 tile (swz128_offset over two column blocks, q16_offset here). Every staged chunk is
+// read once, every f16 chunk written once, nothing outside either tile; each quarter warp's 16-byte
+// loads and stores touch 8 different 16-byte bank groups.
+void check_kv8_conversion(int keys) {
+  constexpr int kRowBytes = 128;  // fp8 row of head dim 128
+  std::vector<int> read(keys * 8, 0), written(keys * 16, 0);
+  const int passes = keys * 8 / 128;
+  for (int warp = 0; warp < 4; ++warp)
+    for (int n = 0; n < passes; ++n)
+      for (int quarter = 0; quarter < 4; ++quarter) {
+        std::set<int> load_groups, store_lo_groups, store_hi_groups;
+        for (int l = 0; l < 8; ++l) {
+          const int tid = 32 * warp + 8 * quarter + l;
+          const cuda::Kv8Chunk k = cuda::kv8_chunk(tid, n);
+          ASSERT_GE(k.key, 0);
+          ASSERT_LT(k.key, keys) << "thread " << tid << " pass " << n;
+          ASSERT_GE(k.c, 0);
+          ASSERT_LT(k.c, 8);
+          const int src = cuda::v_stage_offset(k.key, 16 * k.c);
+          ASSERT_LE(src + 16, keys * kRowBytes);
+          ++read[src / 16];
+          load_groups.insert((src / 16) % 8);
+          const int lo = cuda::q16_offset(keys, k.key, 2 * k.c);
+          const int hi = cuda::q16_offset(keys, k.key, 2 * k.c + 1);
+          ASSERT_LE(hi + 16, keys * 2 * kRowBytes);
+          ASSERT_LE(lo + 16, keys * 2 * kRowBytes);
+          ++written[lo / 16];
+          ++written[hi / 16];
+          store_lo_groups.insert((lo / 16) % 8);
+          store_hi_groups.insert((hi / 16) % 8);
+        }
+        EXPECT_EQ(load_groups.size(), 8u) << "warp " << warp << " pass " << n << " quarter "
+                                          << quarter << ": bank conflict on the loads";
+        EXPECT_EQ(store_lo_groups.size(), 8u) << "warp " << warp << " pass " << n;
+        EXPECT_EQ(store_hi_groups.size(), 8u) << "warp " << warp << " pass " << n;
+      }
+  for (size_t i = 0; i < read.size(); ++i)
+    ASSERT_EQ(read[i], 1) << keys << " keys, staged chunk " << i;
+  for (size_t i = 0; i < written.size(); ++i)
+    ASSERT_EQ(written[i], 1) << keys << " keys, f16 chunk " << i;
+}
+
+TEST(Kv8PrefillLayout, ConversionCoversEveryChunkOnceWithoutBankConflicts) {
+  check_kv8_conversion(64);   // the CTA's tile
+  check_kv8_conversion(128);  // the 16-bit CTA's tile at head dim 128
+}
+
+TEST(Kv8PrefillLayout, ConvertedChunksKeepTheirRowAndColumns) {
+  // Staged chunk c of row key holds fp8 elements 16c .. 16c + 15 of that key; the two f16 chunks
+  // it becomes must be elements 16c .. 16c + 7 and 16c + 8 .. 16c + 15 of the same key in the
+  // 16-bit layout: column block (2c) / 8, row key, chunk 2c % 8 swizzled by key % 8.
+  for (int keys : {64, 128})
+    for (int tid = 0; tid < 128; ++tid)
+      for (int n = 0; n < keys * 8 / 128; ++n) {
+        const cuda::Kv8Chunk k = cuda::kv8_chunk(tid, n);
+        for (int h = 0; h < 2; ++h) {
+          const int chunk = 2 * k.c + h, off = cuda::q16_offset(keys, k.key, chunk);
+          EXPECT_EQ(off / (keys * 128), chunk / 8);
+          EXPECT_EQ(off % (keys * 128) / 128, k.key);
+          EXPECT_EQ((off % 128) / 16, (chunk % 8) ^ (k.key % 8));
+        }
+        // The staged fp8 row: chunk c at c ^ key % 8 of 128-byte rows (the 16-bit tile's first
+        // column block, which ws_copy_tile<BN, 8> writes).
+        EXPECT_EQ(cuda::v_stage_offset(k.key, 16 * k.c), cuda::q16_offset(keys, k.key, k.c));
+      }
+}
+
+// The table (host code): prefill items over e4m3 and e5m2 pools at head dim 128 go to the
+// warp-specialised CTA over fp8 pages, bf16 and fp16, unless the fp8 option takes the e4m3 ones;
+// TARGET_VERIFY, other head dims and other shapes as before.
+TEST(Kv8PrefillDispatch, Fp8PrefillItemsAtHeadDim128) {
+  using cuda::AttnCta;
+  using cuda::AttnKernelKey;
+  using cuda::KvKind;
+  using cuda::TileShape;
+  const AttnKernelKey e4m3{.head_dim = 128,
+                           .v_head_dim = 128,
+                           .kv = KvKind::e4m3,
+                           .shape = TileShape::prefill,
+                           .rows = 128};
+  EXPECT_EQ(cuda::attention_cta(e4m3), AttnCta::prefill_kv8);
+  AttnKernelKey k = e4m3;
+  k.fp16 = true;
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill_kv8) << "fp16 q / out";
+  k = e4m3;
+  k.kv = KvKind::e5m2;
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill_kv8) << "e5m2";
+  k.fp8_prefill = true;
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill_kv8) << "e5m2: the fp8 CTA reads e4m3 only";
+  k = e4m3;
+  k.fp8_prefill = true;
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::fp8_prefill) << "the option keeps the fp8 CTA";
+  k = e4m3;
+  k.kv = KvKind::same_as_q;
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill) << "16-bit KV";
+  k = e4m3;
+  k.target_verify = true;
+  EXPECT_EQ(cuda::attention_cta(k), AttnCta::mma_prefill) << "TARGET_VERIFY (tree masks)";
+  for (int d : {64, 256}) {
+    k = e4m3;
+    k.head_dim = k.v_head_dim = d;
+    EXPECT_EQ(cuda::attention_cta(k), AttnCta::mma_prefill) << "head dim " << d;
+  }
+  for (TileShape sh : {TileShape::decode, TileShape::decode32, TileShape::verify}) {
+    k = e4m3;
+    k.shape = sh;
+    k.rows = cuda::tile_rows(sh);
+    EXPECT_NE(cuda::attention_cta(k), AttnCta::prefill_kv8) << static_cast<int>(sh);
+  }
+  EXPECT_FALSE(cuda::launches_as_dependent(AttnCta::prefill_kv8));
+}
+
+#ifdef ATTNRT_HAS_CUDA
+
+using test::check_prefill;
+using test::lengths;
+using test::PrefillCase;
+using test::ScopedPrefillKv8;
+
+// Host only: ATTNRT_PREFILL_KV8=0 sends the items to the mma.sync CTA, and `info --explain` names
+// whichever runs.
+TEST(Kv8PrefillDispatch, SwitchOffRunsTheMmaSyncCtaAndExplainSaysSo) {
+  const cuda::AttnKernelKey key{.head_dim = 128,
+                                .v_head_dim = 128,
+                                .kv = cuda::KvKind::e5m2,
+                                .shape = cuda::TileShape::prefill,
+                                .rows = 128};
+  ModelSpec m;
+  m.name = "kv8-prefill-explain";
+  m.layers = {test::attention_layer(0, 32, 8, 128)};
+  const Options o;
+  auto extend_line = [&](DType kv) {
+    for (const std::string& line : cuda::explain_cuda_kernels(m, o, kv))
+      if (line.find("  extend") == 0) return line;
+    return std::string();
+  };
+  {
+    const ScopedPrefillKv8 on(true);
+    EXPECT_EQ(cuda::effective_attention_cta(key), cuda::AttnCta::prefill_kv8);
+    for (DType kv : {DType::e4m3, DType::e5m2}) {
+      const std::string line = extend_line(kv);
+      EXPECT_NE(line.find("warp-specialised prefill CTA over fp8 pages"), std::string::npos)
+          << line;
+      EXPECT_NE(line.find(kv == DType::e4m3 ? "e4m3" : "e5m2"), std::string::npos) << line;
+    }
+  }
+  {
+    const ScopedPrefillKv8 off(false);
+    EXPECT_EQ(cuda::effective_attention_cta(key), cuda::AttnCta::mma_prefill);
+    const std::string line = extend_line(DType::e4m3);
+    EXPECT_NE(line.find("mma.sync CTA"), std::string::npos) << line;
+    EXPECT_NE(line.find("ATTNRT_PREFILL_KV8=0"), std::string::npos) << line;
+  }
+}
+
+// Every GPU case on an e4m3 and an e5m2 pool, the CTA switched on (restored after each test).
+class CudaKv8PrefillTest : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override { SKIP_WITHOUT_GPU(); }
+
+  PrefillCase kv8_case(std::vector<int32_t> prefix, std::vector<int32_t> qlen,
+                       uint32_t seed) const {
+    PrefillCase c = lengths(std::move(prefix), std::move(qlen), seed);
+    c.fp8_kv = true;
+    c.fp8_dtype = GetParam();
+    return c;
+  }
+
+ private:
+  ScopedPrefillKv8 on_{true};
+};
+
+TEST_P(CudaKv8PrefillTest, RaggedCausalExtendOverPageEdges) {
+  // Prefixes on a page boundary (0, 32, 256), one key past one (17) and mid-page (301); query runs
+  // shorter than a tile, one token, and several tiles long. Pages of 1 and 16 slots (several pages
+  // a key tile) and of 128 (a page longer than the 64-key tile).
+  for (int page : {1, 16, 128}) {
+    PrefillCase c =
+        kv8_case({0, 17, 256, 32, 301}, {300, 45, 1, 129, 200}, static_cast<uint32_t>(page + 100));
+    c.page = page;
+    check_prefill(c, testing::Message() << "page " << page);
+  }
+}
+
+TEST_P(CudaKv8PrefillTest, Fp16Activations) {
+  // q / out fp16: q used as it is (no scale), the rest as with bf16.
+  for (int page : {1, 16}) {
+    PrefillCase c = kv8_case({0, 17, 301}, {300, 45, 200}, static_cast<uint32_t>(page + 200));
+    c.page = page;
+    c.act = DType::f16;
+    check_prefill(c, testing::Message() << "fp16, page " << page);
+  }
+}
+
+TEST_P(CudaKv8PrefillTest, GqaGroups) {
+  // Group 1, 4 and 8 (and 3: a 128-row tile ends inside a token's heads).
+  for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{16, 4}, std::pair{32, 4}, std::pair{12, 4}}) {
+    PrefillCase c = kv8_case({48, 0, 5}, {170, 97, 64}, static_cast<uint32_t>(hq * 10 + hkv));
+    c.hq = hq;
+    c.hkv = hkv;
+    check_prefill(c, testing::Message() << "hq " << hq << " hkv " << hkv);
+  }
+}
+
+TEST_P(CudaKv8PrefillTest, NonCausalAndLongRuns) {
+  PrefillCase c = kv8_case({0, 80}, {260, 150}, 7);
+  c.causal = false;
+  check_prefill(c, testing::Message() << "non-causal");
+  PrefillCase l = kv8_case({640, 0}, {400, 600}, 8);
+  check_prefill(l, testing::Message() << "long");
+}
+
+TEST_P(CudaKv8PrefillTest, WindowSoftcapAndSinks) {
+  PrefillCase c = kv8_case({500, 0, 64}, {300, 260, 150}, 11);
+  c.window = 100;
+  c.cap = 20.f;
+  c.sinks = true;
+  check_prefill(c, testing::Message() << "window 100, softcap, sinks");
+  c.window = 0;  // each query sees only itself
+  c.cap = 0.f;
+  c.seed = 12;
+  check_prefill(c, testing::Message() << "window 0");
+  c.window = 130;  // a window edge that moves inside one key tile
+  c.sinks = false;
+  c.seed = 13;
+  check_prefill(c, testing::Message() << "window 130");
+  PrefillCase s = kv8_case({2990}, {140}, 14);
+  s.window = 1001;  // the window's first key inside a tile, keys split
+  s.page = 64;
+  check_prefill(s, testing::Message() << "window 1001, split keys");
+}
+
+TEST_P(CudaKv8PrefillTest, SplitKeysMergeWithLse) {
+  PrefillCase c = kv8_case({3000}, {129}, 15);
+  check_prefill(c, testing::Message() << "causal");
+  c.causal = false;
+  c.seed = 16;
+  check_prefill(c, testing::Message() << "non-causal");
+}
+
+TEST_P(CudaKv8PrefillTest, ScalesAndLargeQ) {
+  // Other per-layer scales (the k scale folded into the logit scale, the v scale into the
+  // epilogue), then q far from 1: around 1e4 (bf16 and fp16), and around 1e5 in bf16, past f16's
+  // largest value (65504): the power-of-two scale must bring it into f16's range (k_scale keeps
+  // the logits at a few hundred).
+  PrefillCase c = kv8_case({33, 0}, {220, 140}, 17);
+  c.k_scale = 0.05f;
+  c.v_scale = 4.f;
+  check_prefill(c, testing::Message() << "k_scale 0.05, v_scale 4");
+  c.k_scale = 2.f;
+  c.v_scale = 0.25f;
+  c.seed = 18;
+  c.act = DType::f16;
+  check_prefill(c, testing::Message() << "fp16, k_scale 2, v_scale 0.25");
+  PrefillCase big = kv8_case({300, 64}, {200, 150}, 22);
+  big.q_mul = 1e4f;
+  check_prefill(big, testing::Message() << "bf16 q ~ 1e4");
+  big.act = DType::f16;
+  big.seed = 23;
+  check_prefill(big, testing::Message() << "fp16 q ~ 1e4");
+  big.act = DType::bf16;
+  big.q_mul = 1e5f;
+  big.k_scale = 0.01f;
+  big.seed = 24;
+  check_prefill(big, testing::Message() << "bf16 q ~ 1e5, k_scale 0.01");
+}
+
+TEST_P(CudaKv8PrefillTest, TinyQ) {
+  // bf16 q around 1e-6, below f16's normal range (6.1e-5): unscaled, it would keep only a few
+  // bits in f16; k_scale brings the logits to a few units so that those bits would show.
+  PrefillCase c = kv8_case({500, 64}, {200, 150}, 25);
+  c.q_mul = 1e-6f;
+  c.k_scale = 4e6f;
+  check_prefill(c, testing::Message() << "bf16 q ~ 1e-6, k_scale 4e6");
+}
+
+TEST_P(CudaKv8PrefillTest, MixedAndDraftExtendSteps) {
+  PrefillCase m = kv8_case({100, 40, 41, 700}, {150, 1, 1, 1}, 19);
+  m.mode = ForwardMode::MIXED;
+  check_prefill(m, testing::Message() << "MIXED");
+  PrefillCase d = kv8_case({300, 1000, 64}, {9, 4, 7}, 20);
+  d.mode = ForwardMode::DRAFT_EXTEND;
+  d.hq = 32;
+  d.hkv = 4;  // 9 tokens x group 8 = 72 rows: the prefill shape
+  check_prefill(d, testing::Message() << "DRAFT_EXTEND");
+}
+
+TEST_P(CudaKv8PrefillTest, SmallStepForTheSanitizers) {
+  // Two row tiles over three key tiles, the last one partial, a prefix off a page edge: every
+  // path of the CTA (Q conversion, staging, conversion into the ring, masked diagonal, epilogue)
+  // at a size compute-sanitizer's racecheck runs in seconds.
+  check_prefill(kv8_case({17}, {150}, 30));
+}
+
+TEST_P(CudaKv8PrefillTest, RingWrapForTheSanitizers) {
+  // The ring at a sanitizer's size: a unit of 14 key tiles (every stage and staging tile reused,
+  // the barrier phases flipping), a 40-token request whose second row tile leaves a consumer
+  // idle, and a one-tile unit.
+  PrefillCase c = kv8_case({700, 3}, {150, 40}, 31);
+  c.hq = 8;
+  c.hkv = 2;
+  check_prefill(c);
+}
+
+TEST_P(CudaKv8PrefillTest, MoreWorkItemsThanSms) {
+  // 32 ragged requests x 4 KV heads: ~900 (work item, KV head) units, more than 4 per SM, so the
+  // CTA runs persistent and walks several units each: the ring, the staging tiles, the Q barriers
+  // and the consumers' turns carrying on from one unit to the next.
+  PrefillCase c = kv8_case({}, {}, 29);
+  c.hq = 16;
+  c.hkv = 4;
+  for (int i = 0; i < 32; ++i) {
+    c.prefix.push_back((i * 37) % 300);
+    c.qlen.push_back(150 + (i * 53) % 120);
+  }
+  check_prefill(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fp8Pools, CudaKv8PrefillTest, ::testing::Values(DType::e4m3, DType::e5m2),
+                         [](const ::testing::TestParamInfo<DType>& info) {
+                           return info.param == DType::e4m3 ? "E4m3" : "E5m2";
+                         });
+
+#endif
+
+}  // namespace
+}  // namespace attnrt
