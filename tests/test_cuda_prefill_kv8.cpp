@@ -283,8 +283,9 @@ TEST_P(CudaKv8PrefillTest, SplitKeysMergeWithLse) {
 TEST_P(CudaKv8PrefillTest, ScalesAndLargeQ) {
   // Other per-layer scales (the k scale folded into the logit scale, the v scale into the
   // epilogue), then q far from 1: around 1e4 (bf16 and fp16), and around 1e5 in bf16, past f16's
-  // largest value (65504): the power-of-two scale must bring it into f16's range (k_scale keeps
-  // the logits at a few hundred).
+  // largest value (65504): the power-of-two scale must bring it into f16's range. Its lse lies
+  // near 1e5, where check_prefill compares at float precision (LargeQOnTheOtherCtas: the mma.sync
+  // and 16-bit CTAs differ from the float64 reference by as many float ulps as this one).
   PrefillCase c = kv8_case({33, 0}, {220, 140}, 17);
   c.k_scale = 0.05f;
   c.v_scale = 4.f;
@@ -305,6 +306,22 @@ TEST_P(CudaKv8PrefillTest, ScalesAndLargeQ) {
   big.k_scale = 0.01f;
   big.seed = 24;
   check_prefill(big, testing::Message() << "bf16 q ~ 1e5, k_scale 0.01");
+}
+
+// q around 1e5 (past f16's range, scaled by a power of two into it) on the other CTAs that take
+// the same case: the mma.sync CTA over the same fp8 pages, and the 16-bit CTA over a bf16 pool
+// (no f16 step at all): on the H100 all three differed from the float64 reference's lse (near
+// 1e5) by 3-5 float ulps, the same for each, which check_prefill's relative term allows.
+TEST_P(CudaKv8PrefillTest, LargeQOnTheOtherCtas) {
+  PrefillCase big = kv8_case({300, 64}, {200, 150}, 24);
+  big.q_mul = 1e5f;
+  big.k_scale = 0.001f;
+  {
+    ScopedPrefillKv8 off(false);
+    check_prefill(big, testing::Message() << "mma.sync CTA over fp8 pages, bf16 q ~ 1e5");
+  }
+  big.fp8_kv = false;
+  check_prefill(big, testing::Message() << "16-bit CTA over a bf16 pool, bf16 q ~ 1e5");
 }
 
 TEST_P(CudaKv8PrefillTest, TinyQ) {
