@@ -13,6 +13,7 @@
 #include <limits>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "attnrt/backend/options.h"
@@ -74,6 +75,104 @@ class ScopedPrefillKv8 {
  private:
   bool saved_;
 };
+
+// Scenarios both fp8-pool prefill suites run (test_cuda_prefill_fp8.cpp on the fp8 CTAs,
+// test_cuda_prefill_kv8.cpp on the 16-bit CTA over fp8 pages), each built by the suite's own
+// `make(prefix, qlen, seed)`.
+// MIXED: one extend beside three decodes.
+template <typename Make>
+PrefillCase mixed_step_case(Make make) {
+  PrefillCase m = make({100, 40, 41, 700}, {150, 1, 1, 1}, 19);
+  m.mode = ForwardMode::MIXED;
+  return m;
+}
+// DRAFT_EXTEND: 9 tokens x group 8 = 72 rows, the prefill shape.
+template <typename Make>
+PrefillCase draft_extend_case(Make make) {
+  PrefillCase d = make({300, 1000, 64}, {9, 4, 7}, 20);
+  d.mode = ForwardMode::DRAFT_EXTEND;
+  d.hq = 32;
+  d.hkv = 4;
+  return d;
+}
+// Two row tiles over three key tiles, the last one partial, a prefix off a page edge: every path
+// of a CTA (q conversion, ring, staging, masked diagonal, epilogue) at a size compute-sanitizer's
+// racecheck runs in seconds.
+template <typename Make>
+PrefillCase small_step_case(Make make) {
+  return make({17}, {150}, 30);
+}
+// A ring at a sanitizer's size: a unit of 7 (128-key) or 14 (64-key) tiles, every stage and staging
+// tile reused, the barrier phases flipping; a 40-token request whose second row tile leaves a
+// consumer idle; a one-tile unit.
+template <typename Make>
+PrefillCase ring_wrap_case(Make make) {
+  PrefillCase c = make({700, 3}, {150, 40}, 31);
+  c.hq = 8;
+  c.hkv = 2;
+  return c;
+}
+// 32 ragged requests x 4 KV heads: ~900 (work item, KV head) units, more than 4 per SM, so a
+// warp-specialised CTA runs persistent and walks several units each: the ring, the staging tiles,
+// the Q barriers and the consumers' turns carrying on from one unit to the next.
+template <typename Make>
+PrefillCase many_units_case(Make make) {
+  PrefillCase c = make({}, {}, 29);
+  c.hq = 16;
+  c.hkv = 4;
+  for (int i = 0; i < 32; ++i) {
+    c.prefix.push_back((i * 37) % 300);
+    c.qlen.push_back(150 + (i * 53) % 120);
+  }
+  return c;
+}
+
+// Scenario groups both fp8-pool suites check, through the suite's `check(case, what)`.
+// Group 1, 4 and 8 (and 3: a 128-row tile ends inside a token's heads).
+template <typename Make, typename Check>
+void check_gqa_groups(Make make, Check check) {
+  for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{16, 4}, std::pair{32, 4}, std::pair{12, 4}}) {
+    PrefillCase c = make({48, 0, 5}, {170, 97, 64}, static_cast<uint32_t>(hq * 10 + hkv));
+    c.hq = hq;
+    c.hkv = hkv;
+    check(c, testing::Message() << "hq " << hq << " hkv " << hkv);
+  }
+}
+template <typename Make, typename Check>
+void check_non_causal_and_long(Make make, Check check) {
+  PrefillCase c = make({0, 80}, {260, 150}, 7);
+  c.causal = false;
+  check(c, testing::Message() << "non-causal");
+  check(make({640, 0}, {400, 600}, 8), testing::Message() << "long");
+}
+template <typename Make, typename Check>
+void check_window_softcap_and_sinks(Make make, Check check) {
+  PrefillCase c = make({500, 0, 64}, {300, 260, 150}, 11);
+  c.window = 100;
+  c.cap = 20.f;
+  c.sinks = true;
+  check(c, testing::Message() << "window 100, softcap, sinks");
+  c.window = 0;  // each query sees only itself
+  c.cap = 0.f;
+  c.seed = 12;
+  check(c, testing::Message() << "window 0");
+  c.window = 130;  // a window edge that moves inside one key tile
+  c.sinks = false;
+  c.seed = 13;
+  check(c, testing::Message() << "window 130");
+  PrefillCase s = make({2990}, {140}, 14);
+  s.window = 1001;  // the window's first key inside a tile, keys split
+  s.page = 64;
+  check(s, testing::Message() << "window 1001, split keys");
+}
+template <typename Make, typename Check>
+void check_split_keys(Make make, Check check) {
+  PrefillCase c = make({3000}, {129}, 15);
+  check(c, testing::Message() << "causal");
+  c.causal = false;
+  c.seed = 16;
+  check(c, testing::Message() << "non-causal");
+}
 
 // What check_prefill accepts against the reference: relative L2 error of the output, its largest
 // absolute error, the largest lse error. The 16-bit CTAs' defaults (bf16 / fp16 rounding of P).

@@ -342,10 +342,19 @@ TEST(Fp8PrefillDispatch, OnlyAskedForE4m3PrefillItemsAtHeadDim128) {
 
 #ifdef ATTNRT_HAS_CUDA
 
+using test::check_gqa_groups;
+using test::check_non_causal_and_long;
 using test::check_prefill;
+using test::check_split_keys;
+using test::check_window_softcap_and_sinks;
+using test::draft_extend_case;
 using test::lengths;
+using test::many_units_case;
+using test::mixed_step_case;
 using test::PrefillCase;
 using test::PrefillTolerance;
+using test::ring_wrap_case;
+using test::small_step_case;
 
 // The derivation above, for a case's scales: pool codes and new tokens' k / v lie in [-2, 2]
 // (codes times the layer's scale when read).
@@ -431,49 +440,19 @@ TEST_P(CudaFp8PrefillTest, RaggedCausalExtendOverPageEdges) {
 }
 
 TEST_P(CudaFp8PrefillTest, GqaGroups) {
-  // Group 1, 4 and 8 (and 3: a 128-row tile ends inside a token's heads).
-  for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{16, 4}, std::pair{32, 4}, std::pair{12, 4}}) {
-    PrefillCase c = fp8_case({48, 0, 5}, {170, 97, 64}, static_cast<uint32_t>(hq * 10 + hkv));
-    c.hq = hq;
-    c.hkv = hkv;
-    check_fp8(c, testing::Message() << "hq " << hq << " hkv " << hkv);
-  }
+  check_gqa_groups(fp8_case, check_fp8);
 }
 
 TEST_P(CudaFp8PrefillTest, NonCausalAndLongRuns) {
-  PrefillCase c = fp8_case({0, 80}, {260, 150}, 7);
-  c.causal = false;
-  check_fp8(c);
-  PrefillCase l = fp8_case({640, 0}, {400, 600}, 8);
-  check_fp8(l);
+  check_non_causal_and_long(fp8_case, check_fp8);
 }
 
 TEST_P(CudaFp8PrefillTest, WindowSoftcapAndSinks) {
-  PrefillCase c = fp8_case({500, 0, 64}, {300, 260, 150}, 11);
-  c.window = 100;
-  c.cap = 20.f;
-  c.sinks = true;
-  check_fp8(c, testing::Message() << "window 100, softcap, sinks");
-  c.window = 0;  // each query sees only itself
-  c.cap = 0.f;
-  c.seed = 12;
-  check_fp8(c, testing::Message() << "window 0");
-  c.window = 130;  // a window edge that moves inside one key tile
-  c.sinks = false;
-  c.seed = 13;
-  check_fp8(c, testing::Message() << "window 130");
-  PrefillCase s = fp8_case({2990}, {140}, 14);
-  s.window = 1001;  // the window's first key inside a tile, keys split
-  s.page = 64;
-  check_fp8(s, testing::Message() << "window 1001, split keys");
+  check_window_softcap_and_sinks(fp8_case, check_fp8);
 }
 
 TEST_P(CudaFp8PrefillTest, SplitKeysMergeWithLse) {
-  PrefillCase c = fp8_case({3000}, {129}, 15);
-  check_fp8(c);
-  c.causal = false;
-  c.seed = 16;
-  check_fp8(c);
+  check_split_keys(fp8_case, check_fp8);
 }
 
 TEST_P(CudaFp8PrefillTest, ScalesAndQMagnitudes) {
@@ -490,45 +469,20 @@ TEST_P(CudaFp8PrefillTest, ScalesAndQMagnitudes) {
 }
 
 TEST_P(CudaFp8PrefillTest, MixedAndDraftExtendSteps) {
-  PrefillCase m = fp8_case({100, 40, 41, 700}, {150, 1, 1, 1}, 19);
-  m.mode = ForwardMode::MIXED;
-  check_fp8(m, testing::Message() << "MIXED");
-  PrefillCase d = fp8_case({300, 1000, 64}, {9, 4, 7}, 20);
-  d.mode = ForwardMode::DRAFT_EXTEND;
-  d.hq = 32;
-  d.hkv = 4;  // 9 tokens x group 8 = 72 rows: the prefill shape
-  check_fp8(d, testing::Message() << "DRAFT_EXTEND");
+  check_fp8(mixed_step_case(fp8_case), testing::Message() << "MIXED");
+  check_fp8(draft_extend_case(fp8_case), testing::Message() << "DRAFT_EXTEND");
 }
 
 TEST_P(CudaFp8PrefillTest, SmallStepForTheSanitizers) {
-  // Two row tiles over three key tiles, the last one partial, a prefix off a page edge: every
-  // path of the CTA (Q quantisation, ring, transpose, masked diagonal, epilogue) at a size
-  // compute-sanitizer's racecheck runs in seconds.
-  check_fp8(fp8_case({17}, {150}, 30));
+  check_fp8(small_step_case(fp8_case));
 }
 
 TEST_P(CudaFp8PrefillTest, RingWrapForTheSanitizers) {
-  // The warp-specialised CTA's ring at a sanitizer's size: a unit of 7 key tiles (every stage and
-  // both staging tiles reused, the barrier phases flipping), a 40-token request whose second row
-  // tile leaves a consumer idle, and a one-tile unit.
-  PrefillCase c = fp8_case({700, 3}, {150, 40}, 31);
-  c.hq = 8;
-  c.hkv = 2;
-  check_fp8(c);
+  check_fp8(ring_wrap_case(fp8_case));
 }
 
 TEST_P(CudaFp8PrefillTest, MoreWorkItemsThanSms) {
-  // 32 ragged requests x 4 KV heads: ~900 (work item, KV head) units, more than 4 per SM, so the
-  // warp-specialised CTA runs persistent and walks several units each: the K/V ring, the staging
-  // tiles, the Q barriers and the consumers' turns carrying on from one unit to the next.
-  PrefillCase c = fp8_case({}, {}, 29);
-  c.hq = 16;
-  c.hkv = 4;
-  for (int i = 0; i < 32; ++i) {
-    c.prefix.push_back((i * 37) % 300);
-    c.qlen.push_back(150 + (i * 53) % 120);
-  }
-  check_fp8(c);
+  check_fp8(many_units_case(fp8_case));
 }
 
 TEST_P(CudaFp8PrefillTest, OffTheOptionTheMmaSyncCtaRunsTheSameCases) {

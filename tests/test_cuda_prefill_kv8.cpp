@@ -154,10 +154,19 @@ TEST(Kv8PrefillDispatch, Fp8PrefillItemsAtHeadDim128) {
 
 #ifdef ATTNRT_HAS_CUDA
 
+using test::check_gqa_groups;
+using test::check_non_causal_and_long;
 using test::check_prefill;
+using test::check_split_keys;
+using test::check_window_softcap_and_sinks;
+using test::draft_extend_case;
 using test::lengths;
+using test::many_units_case;
+using test::mixed_step_case;
 using test::PrefillCase;
+using test::ring_wrap_case;
 using test::ScopedPrefillKv8;
+using test::small_step_case;
 
 // Host only: ATTNRT_PREFILL_KV8=0 sends the items to the mma.sync CTA, and `info --explain` names
 // whichever runs.
@@ -207,6 +216,16 @@ class CudaKv8PrefillTest : public ::testing::TestWithParam<DType> {
     c.fp8_dtype = GetParam();
     return c;
   }
+  // check_prefill as the shared scenario groups' `check`.
+  static auto check() {
+    return [](const PrefillCase& c, const testing::Message& what) { check_prefill(c, what); };
+  }
+  // kv8_case as the shared scenarios' `make` (test_cuda_prefill_case.h).
+  auto make() const {
+    return [this](std::vector<int32_t> prefix, std::vector<int32_t> qlen, uint32_t seed) {
+      return kv8_case(std::move(prefix), std::move(qlen), seed);
+    };
+  }
 
  private:
   ScopedPrefillKv8 on_{true};
@@ -235,49 +254,19 @@ TEST_P(CudaKv8PrefillTest, Fp16Activations) {
 }
 
 TEST_P(CudaKv8PrefillTest, GqaGroups) {
-  // Group 1, 4 and 8 (and 3: a 128-row tile ends inside a token's heads).
-  for (auto [hq, hkv] : {std::pair{4, 4}, std::pair{16, 4}, std::pair{32, 4}, std::pair{12, 4}}) {
-    PrefillCase c = kv8_case({48, 0, 5}, {170, 97, 64}, static_cast<uint32_t>(hq * 10 + hkv));
-    c.hq = hq;
-    c.hkv = hkv;
-    check_prefill(c, testing::Message() << "hq " << hq << " hkv " << hkv);
-  }
+  check_gqa_groups(make(), check());
 }
 
 TEST_P(CudaKv8PrefillTest, NonCausalAndLongRuns) {
-  PrefillCase c = kv8_case({0, 80}, {260, 150}, 7);
-  c.causal = false;
-  check_prefill(c, testing::Message() << "non-causal");
-  PrefillCase l = kv8_case({640, 0}, {400, 600}, 8);
-  check_prefill(l, testing::Message() << "long");
+  check_non_causal_and_long(make(), check());
 }
 
 TEST_P(CudaKv8PrefillTest, WindowSoftcapAndSinks) {
-  PrefillCase c = kv8_case({500, 0, 64}, {300, 260, 150}, 11);
-  c.window = 100;
-  c.cap = 20.f;
-  c.sinks = true;
-  check_prefill(c, testing::Message() << "window 100, softcap, sinks");
-  c.window = 0;  // each query sees only itself
-  c.cap = 0.f;
-  c.seed = 12;
-  check_prefill(c, testing::Message() << "window 0");
-  c.window = 130;  // a window edge that moves inside one key tile
-  c.sinks = false;
-  c.seed = 13;
-  check_prefill(c, testing::Message() << "window 130");
-  PrefillCase s = kv8_case({2990}, {140}, 14);
-  s.window = 1001;  // the window's first key inside a tile, keys split
-  s.page = 64;
-  check_prefill(s, testing::Message() << "window 1001, split keys");
+  check_window_softcap_and_sinks(make(), check());
 }
 
 TEST_P(CudaKv8PrefillTest, SplitKeysMergeWithLse) {
-  PrefillCase c = kv8_case({3000}, {129}, 15);
-  check_prefill(c, testing::Message() << "causal");
-  c.causal = false;
-  c.seed = 16;
-  check_prefill(c, testing::Message() << "non-causal");
+  check_split_keys(make(), check());
 }
 
 TEST_P(CudaKv8PrefillTest, ScalesAndLargeQ) {
@@ -334,45 +323,20 @@ TEST_P(CudaKv8PrefillTest, TinyQ) {
 }
 
 TEST_P(CudaKv8PrefillTest, MixedAndDraftExtendSteps) {
-  PrefillCase m = kv8_case({100, 40, 41, 700}, {150, 1, 1, 1}, 19);
-  m.mode = ForwardMode::MIXED;
-  check_prefill(m, testing::Message() << "MIXED");
-  PrefillCase d = kv8_case({300, 1000, 64}, {9, 4, 7}, 20);
-  d.mode = ForwardMode::DRAFT_EXTEND;
-  d.hq = 32;
-  d.hkv = 4;  // 9 tokens x group 8 = 72 rows: the prefill shape
-  check_prefill(d, testing::Message() << "DRAFT_EXTEND");
+  check_prefill(mixed_step_case(make()), testing::Message() << "MIXED");
+  check_prefill(draft_extend_case(make()), testing::Message() << "DRAFT_EXTEND");
 }
 
 TEST_P(CudaKv8PrefillTest, SmallStepForTheSanitizers) {
-  // Two row tiles over three key tiles, the last one partial, a prefix off a page edge: every
-  // path of the CTA (Q conversion, staging, conversion into the ring, masked diagonal, epilogue)
-  // at a size compute-sanitizer's racecheck runs in seconds.
-  check_prefill(kv8_case({17}, {150}, 30));
+  check_prefill(small_step_case(make()));
 }
 
 TEST_P(CudaKv8PrefillTest, RingWrapForTheSanitizers) {
-  // The ring at a sanitizer's size: a unit of 14 key tiles (every stage and staging tile reused,
-  // the barrier phases flipping), a 40-token request whose second row tile leaves a consumer
-  // idle, and a one-tile unit.
-  PrefillCase c = kv8_case({700, 3}, {150, 40}, 31);
-  c.hq = 8;
-  c.hkv = 2;
-  check_prefill(c);
+  check_prefill(ring_wrap_case(make()));
 }
 
 TEST_P(CudaKv8PrefillTest, MoreWorkItemsThanSms) {
-  // 32 ragged requests x 4 KV heads: ~900 (work item, KV head) units, more than 4 per SM, so the
-  // CTA runs persistent and walks several units each: the ring, the staging tiles, the Q barriers
-  // and the consumers' turns carrying on from one unit to the next.
-  PrefillCase c = kv8_case({}, {}, 29);
-  c.hq = 16;
-  c.hkv = 4;
-  for (int i = 0; i < 32; ++i) {
-    c.prefix.push_back((i * 37) % 300);
-    c.qlen.push_back(150 + (i * 53) % 120);
-  }
-  check_prefill(c);
+  check_prefill(many_units_case(make()));
 }
 
 INSTANTIATE_TEST_SUITE_P(Fp8Pools, CudaKv8PrefillTest, ::testing::Values(DType::e4m3, DType::e5m2),
