@@ -70,6 +70,28 @@ __device__ __forceinline__ float fp8_q_scale(float amax) {
   return pow2_scale_below(amax, kE4m3Max, 100);
 }
 
+// The V transpose of 64 keys by the 128 threads of a warpgroup (thread `tid`): the staged tile sv
+// ([64 keys][128 bytes], 128-byte swizzle, as the copies land) into vt (position p of every
+// head-dim row holding key pv_key(p)), this thread's 4 x 4 byte blocks (vt_block) by 32-bit loads,
+// byte permutes and 32-bit stores.
+__device__ __forceinline__ void transpose_v64(const unsigned char* sv, unsigned char* vt, int tid) {
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {
+    const VtBlock blk = vt_block(tid, n);
+    uint32_t in[4], out[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      in[i] = *reinterpret_cast<const uint32_t*>(
+          sv + v_stage_offset(pv_key(4 * blk.pq + i), 4 * blk.dq));
+    transpose4x4_bytes(in, out, [](uint32_t x, uint32_t y, uint32_t s) {
+      return static_cast<uint32_t>(__byte_perm(x, y, s));
+    });
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+      *reinterpret_cast<uint32_t*>(vt + vt_offset(4 * blk.dq + b, 4 * blk.pq)) = out[b];
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(PrefillFp8Config::kThreads, PrefillFp8Config::kMinCtas)
     prefill_fp8_kernel(const AttnParams p) {
@@ -157,25 +179,9 @@ __global__ void __launch_bounds__(PrefillFp8Config::kThreads, PrefillFp8Config::
                                                            vbase, dk, dk + Cfg::kTileBytes);
   };
 
-  // ---- The V transpose: this thread's 4 x 4 byte blocks (fp8_pv_layout.h: vt_block), key
-  // position p of the transposed tile holding key pv_key(p).
+  // ---- The V transpose of a stage's 64 keys (transpose_v64).
   auto transpose_v = [&](int stage) {
-    const unsigned char* sv = smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes + Cfg::kTileBytes;
-#pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const VtBlock blk = vt_block(tid, n);
-      uint32_t in[4], out[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        in[i] = *reinterpret_cast<const uint32_t*>(
-            sv + v_stage_offset(pv_key(4 * blk.pq + i), 4 * blk.dq));
-      transpose4x4_bytes(in, out, [](uint32_t x, uint32_t y, uint32_t s) {
-        return static_cast<uint32_t>(__byte_perm(x, y, s));
-      });
-#pragma unroll
-      for (int b = 0; b < 4; ++b)
-        *reinterpret_cast<uint32_t*>(vt + vt_offset(4 * blk.dq + b, 4 * blk.pq)) = out[b];
-    }
+    transpose_v64(smem + Cfg::kQBytes + stage * 2 * Cfg::kTileBytes + Cfg::kTileBytes, vt, tid);
   };
 
 #pragma unroll

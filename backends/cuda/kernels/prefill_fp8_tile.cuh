@@ -1,10 +1,10 @@
 // The fp8 steps of the warp-specialised fp8 prefill CTA (prefill_fp8_ws.cuh) on an m64 block of
-// rows, head dim 128: q's e4m3 packing, S = Q K^T, the V transpose of 64 keys (fp8_pv_layout.h),
-// the packing of the weights P into the A operand of O += P V, and that MMA. They are the steps
-// of the one-warpgroup fp8 CTA (prefill_fp8.cuh, whose header comment describes the layouts),
-// which keeps them inline: it was verified and measured on the GPU in that form, and the default
-// path is left as measured (the same layout functions of fp8_pv_layout.h serve both, and its
-// q scale, fp8_q_scale, is taken from there).
+// rows, head dim 128: q's e4m3 packing, S = Q K^T, the packing of the weights P into the A operand
+// of O += P V, and that MMA; the V transpose of 64 keys (transpose_v64) is prefill_fp8.cuh's,
+// shared with the one-warpgroup fp8 CTA. They are the steps of that CTA (whose header comment
+// describes the layouts), which keeps its MMAs and packing inline: it was verified and measured on
+// the GPU in that form (the same layout functions of fp8_pv_layout.h serve both, and its q scale,
+// fp8_q_scale, is taken from there).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -64,28 +64,6 @@ __device__ __forceinline__ void mma_pv_e4m3(float (&o)[kFp8HeadDim / 2],
 #pragma unroll
   for (int k32 = 0; k32 < BN / 32; ++k32)
     wgmma_rs_e4m3<kFp8HeadDim>(o, pa[k32], wgmma_desc_sw64(vt + vt_k32_offset(k32)));
-}
-
-// The V transpose of 64 keys by the 128 threads of a warpgroup (thread `tid`): the staged tile sv
-// ([64 keys][128 bytes], 128-byte swizzle, as the copies land) into vt (position p of every
-// head-dim row holding key pv_key(p)), this thread's 4 x 4 byte blocks (vt_block) by 32-bit loads,
-// byte permutes and 32-bit stores.
-__device__ __forceinline__ void transpose_v64(const unsigned char* sv, unsigned char* vt, int tid) {
-#pragma unroll
-  for (int n = 0; n < 4; ++n) {
-    const VtBlock blk = vt_block(tid, n);
-    uint32_t in[4], out[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      in[i] = *reinterpret_cast<const uint32_t*>(
-          sv + v_stage_offset(pv_key(4 * blk.pq + i), 4 * blk.dq));
-    transpose4x4_bytes(in, out, [](uint32_t x, uint32_t y, uint32_t s) {
-      return static_cast<uint32_t>(__byte_perm(x, y, s));
-    });
-#pragma unroll
-    for (int b = 0; b < 4; ++b)
-      *reinterpret_cast<uint32_t*>(vt + vt_offset(4 * blk.dq + b, 4 * blk.pq)) = out[b];
-  }
 }
 
 }  // namespace attnrt::cuda

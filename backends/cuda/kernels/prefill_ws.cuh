@@ -686,30 +686,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   }
 }
 
-// The launch over num_items x num_kv_heads units: persistent, as many CTAs as are resident at
-// once (one per SM) taking units from the ticket counter, when there are more than
-// kPersistentMinWaves units per resident CTA (prefill_ws_sync.cuh); otherwise (or when
-// `persistent` is off) one CTA per unit. p.sched must hold two zeroed words (see AttnParams).
-
-// TMA: the TMA producer over `maps` (prefill_tma_applies must hold for p).
+// The launch over num_items x num_kv_heads units (launch_ws_units: persistent where there are
+// enough units). TMA: the TMA producer over `maps` (prefill_tma_applies must hold for p).
 template <typename T, typename Cfg, bool TMA>
 cudaError_t launch_prefill_ws_cfg(const AttnParams& p, const WsTensorMaps& maps, int num_items,
                                   bool persistent, cudaStream_t stream) {
-  constexpr auto kernel = prefill_ws_kernel<T, Cfg, TMA>;
-  if (p.sched == nullptr) return cudaErrorInvalidValue;
-  const cudaError_t attr = allow_dynamic_smem<kernel>(Cfg::kSmemBytes);
-  if (attr != cudaSuccess) return attr;
-  const int units = p.item_heads ? num_items : num_items * p.num_kv_heads;
-  int ctas = units;
-  if (persistent) {
-    const int sms = sm_count();
-    if (sms <= 0) return cudaErrorInvalidDevice;
-    static const int per_sm = resident_ctas<kernel>(Cfg::kThreads, Cfg::kSmemBytes);
-    if (units > kPersistentMinWaves * sms * per_sm) ctas = sms * per_sm;
-  }
-  const dim3 grid(static_cast<unsigned>(std::min(units, ctas)));
-  return launch_kernel(kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, false, p, units,
-                       maps);
+  return launch_ws_units<prefill_ws_kernel<T, Cfg, TMA>, Cfg>(p, num_items, persistent, stream,
+                                                              maps);
 }
 
 }  // namespace attnrt::cuda

@@ -310,10 +310,10 @@ __device__ __forceinline__ void ws_turns_end(int cw) {
 // launch_prefill_ws_cfg's: persistent (as many CTAs as are resident at once, taking units from the
 // ticket counter) when there are more than kPersistentMinWaves units per resident CTA; otherwise
 // (or when `persistent` is off) one CTA per unit. p.sched must hold two zeroed words (see
-// AttnParams). Kernel(p, units).
-template <auto Kernel, typename Cfg>
+// AttnParams). Kernel(p, units, extra...).
+template <auto Kernel, typename Cfg, typename... Extra>
 cudaError_t launch_ws_units(const AttnParams& p, int num_items, bool persistent,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, const Extra&... extra) {
   if (p.sched == nullptr) return cudaErrorInvalidValue;
   const cudaError_t attr = allow_dynamic_smem<Kernel>(Cfg::kSmemBytes);
   if (attr != cudaSuccess) return attr;
@@ -326,7 +326,8 @@ cudaError_t launch_ws_units(const AttnParams& p, int num_items, bool persistent,
     if (units > kPersistentMinWaves * sms * per_sm) ctas = sms * per_sm;
   }
   const dim3 grid(static_cast<unsigned>(std::min(units, ctas)));
-  return launch_kernel(Kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, false, p, units);
+  return launch_kernel(Kernel, grid, dim3(Cfg::kThreads), Cfg::kSmemBytes, stream, false, p, units,
+                       extra...);
 }
 
 }  // namespace attnrt::cuda
