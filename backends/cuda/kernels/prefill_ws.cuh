@@ -394,16 +394,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       }
       tile_base += num_tiles;
     }
-    if (tid == 0) {
-      // This CTA takes no more tickets; the last CTA to get here zeroes the counters for the
-      // next launch (every other CTA's last ticket came before its count).
-      __threadfence();
-      if (atomicAdd(p.sched + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-        atomicExch(p.sched, 0);
-        atomicExch(p.sched + 1, 0);
-      }
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its issuing thread
+    ws_producer_exit(p, tid);
   } else {
     setmaxnreg_inc<Cfg::kConsumerRegs>();
     // Ping-pong: the turns alternate over all the CTA's units, the first consumer first (the
