@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU call (600 s) for two waiting items: the A/B of patches/merge-slices.patch against main
+# (MLA h16 / h128 rows and the long GQA decode rows, the patch's tests first), with ncu's kernel
+# times of mla-decode-h16-1x32768 under each binary; then racecheck over the linear-layer and DCP
+# tests that did not finish whole suites in earlier calls, one test a slot.
+#   usage: scripts/gpu_merge_race.sh   (carry .gpubin-main, .gpubin-merge, .gpubin = .gpubin-main,
+#          .devdeps; results in $OUT: ab_mla.txt, ab_gqa.txt, ncu_*.txt, logs.tar.gz)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-$PWD/out/merge_race}
+mkdir -p "$out"
+source .devdeps/unpack-debs.sh >/dev/null
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+ROUNDS=2 AB_SUITE=mla AB_DEADLINE=230 OUT=$out/mla \
+  AB_TESTS='CudaBackendTest.*:CudaMla*:Ranks/*:Pages/*:*Split*:*Determin*' \
+  bash scripts/gpu_ab.sh mla-decode-h16-1x32768,mla-decode-h16-1x32768-fp8,mla-decode-h16-1x32768-p1,mla-decode-h16-64x8192,mla-decode-h128-64x4096 \
+  .gpubin-main .gpubin-merge > "$out/ab_mla.txt" 2>&1
+tail -22 "$out/ab_mla.txt"
+ROUNDS=1 AB_DEADLINE=110 OUT=$out/gqa bash scripts/gpu_ab.sh \
+  decode-1x32768,decode-1x131072,decode-4x131072,decode-64x4096 .gpubin-main .gpubin-merge \
+  > "$out/ab_gqa.txt" 2>&1
+tail -12 "$out/ab_gqa.txt"
+for l in main merge; do
+  timeout 45 ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'mla|merge' -c 12 \
+    /tmp/ab-bin/$l/attnrt bench --backend cuda --suite mla --workload mla-decode-h16-1x32768 \
+    --no-reference --repeats 2 --warmup 1 --quiet > "$out/ncu_$l.txt" 2>&1
+  echo "ncu $l:"; grep -E "^  [a-z_]+.*\(|gpu__time_duration" "$out/ncu_$l.txt" | head -16
+done
+tar -C "$out" -czf "$out/ab_runs.tgz" mla gqa && rm -rf "$out/mla" "$out/gqa"
+# racecheck, one test a slot, the timing tests left out.
+TOOLS=racecheck UNIT=test SUITE_SECONDS=70 TOTAL_SECONDS=${RACE_SECONDS:-200} OUT=$out \
+  bash scripts/gpu_sanitize_suites.sh 'CudaLinearChunked.GdnMatches*:CudaLinearChunked.KdaMatches*:CudaLinearChunked.HeadDim128:CudaLinearSsd.SmallDimsChunk64*:CudaLinearSsd.NemotronShapeBf16StateChunk64:Kinds/CudaLinear.DecodeAndMixedStepsMatchReference/gdn_bf16_small:Kinds/CudaLinear.DecodeAndMixedStepsMatchReference/mamba2_bf16_small:Kinds/CudaLinear.DecodeAndMixedStepsMatchReference/kda_bf16_small:Ranks/CudaDcp.ExtendOverAPrefixThenDecode/n2_gpu_tensors:Ranks/CudaDcp.TreeVerifyThenDecodeAfterCommit/n2_gpu_tensors:Pages/CudaDcpPaged.ChainVerifyThenDecodeAfterAcceptance/n2_gpu_tensors_page16'
