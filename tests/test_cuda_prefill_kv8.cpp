@@ -36,36 +36,39 @@ namespace {
 
 // ---- Host models (no GPU).
 
-// The producer's conversion of one staged fp8 tile of `keys` rows run on the host, over the
-// kernel's thread indices: thread tid reads in pass n the 16-byte chunk kv8_chunk(tid, n) of the
-// staged tile (where ws_copy_tile's cp.async put it: wgmma.cuh's swz128_offset over one 128-byte
-// column block, v_stage_offset here) and writes the 16-bit chunks 2c and 2c + 1 of the same row
-// into the f16 tile (swz128_offset over two column blocks, q16_offset here). Every staged chunk is
-// read once, every f16 chunk written once, nothing outside either tile; each quarter warp's 16-byte
-// loads and stores touch 8 different 16-byte bank groups.
+// The producer's conversion of one staged fp8 tile of `keys` rows at head dim D run on the host,
+// over the kernel's thread indices: thread tid reads in pass n the 16-byte chunk
+// kv8_chunk<D / 16>(tid, n) of the staged tile (where ws_copy_tile's cp.async put it: wgmma.cuh's
+// swz128_offset over 128-byte rows, q16_offset here; a 64-wide row fills half of one) and writes
+// the 16-bit chunks 2c and 2c + 1 of the same row into the f16 tile (swz128_offset over D / 64
+// column blocks, q16_offset here). Every staged chunk is read once, every f16 chunk written once,
+// nothing outside either tile; each quarter warp's 16-byte loads and stores touch 8 different
+// 16-byte bank groups.
+template <int D>
 void check_kv8_conversion(int keys) {
-  constexpr int kRowBytes = 128;  // fp8 row of head dim 128
-  std::vector<int> read(keys * 8, 0), written(keys * 16, 0);
-  const int passes = keys * 8 / 128;
+  constexpr int CH8 = D / 16;
+  const int staged_bytes = cuda::kv8_staged_tile_bytes(keys, D);
+  std::vector<int> read(staged_bytes / 16, 0), written(keys * 2 * CH8, 0);
+  const int passes = keys * CH8 / 128;
   for (int warp = 0; warp < 4; ++warp)
     for (int n = 0; n < passes; ++n)
       for (int quarter = 0; quarter < 4; ++quarter) {
         std::set<int> load_groups, store_lo_groups, store_hi_groups;
         for (int l = 0; l < 8; ++l) {
           const int tid = 32 * warp + 8 * quarter + l;
-          const cuda::Kv8Chunk k = cuda::kv8_chunk(tid, n);
+          const cuda::Kv8Chunk k = cuda::kv8_chunk<CH8>(tid, n);
           ASSERT_GE(k.key, 0);
           ASSERT_LT(k.key, keys) << "thread " << tid << " pass " << n;
           ASSERT_GE(k.c, 0);
-          ASSERT_LT(k.c, 8);
-          const int src = cuda::v_stage_offset(k.key, 16 * k.c);
-          ASSERT_LE(src + 16, keys * kRowBytes);
+          ASSERT_LT(k.c, CH8);
+          const int src = cuda::q16_offset(keys, k.key, k.c);
+          ASSERT_LE(src + 16, staged_bytes);
           ++read[src / 16];
           load_groups.insert((src / 16) % 8);
           const int lo = cuda::q16_offset(keys, k.key, 2 * k.c);
           const int hi = cuda::q16_offset(keys, k.key, 2 * k.c + 1);
-          ASSERT_LE(hi + 16, keys * 2 * kRowBytes);
-          ASSERT_LE(lo + 16, keys * 2 * kRowBytes);
+          ASSERT_LE(hi + 16, keys * D * 2);
+          ASSERT_LE(lo + 16, keys * D * 2);
           ++written[lo / 16];
           ++written[hi / 16];
           store_lo_groups.insert((lo / 16) % 8);
@@ -76,35 +79,88 @@ void check_kv8_conversion(int keys) {
         EXPECT_EQ(store_lo_groups.size(), 8u) << "warp " << warp << " pass " << n;
         EXPECT_EQ(store_hi_groups.size(), 8u) << "warp " << warp << " pass " << n;
       }
-  for (size_t i = 0; i < read.size(); ++i)
-    ASSERT_EQ(read[i], 1) << keys << " keys, staged chunk " << i;
+  // Staged chunks a 64-wide row does not fill (the second half of its 128-byte row) are read by
+  // no one; every other one exactly once.
+  for (size_t i = 0; i < read.size(); ++i) {
+    const int row = static_cast<int>(i % (keys * 8)) / 8;
+    const int chunk = 8 * (static_cast<int>(i) / (keys * 8)) + ((static_cast<int>(i) % 8) ^ (row % 8));
+    ASSERT_EQ(read[i], chunk < CH8 ? 1 : 0) << "D " << D << ", " << keys << " keys, staged chunk " << i;
+  }
   for (size_t i = 0; i < written.size(); ++i)
-    ASSERT_EQ(written[i], 1) << keys << " keys, f16 chunk " << i;
+    ASSERT_EQ(written[i], 1) << "D " << D << ", " << keys << " keys, f16 chunk " << i;
 }
 
 TEST(Kv8PrefillLayout, ConversionCoversEveryChunkOnceWithoutBankConflicts) {
-  check_kv8_conversion(64);   // the CTA's tile
-  check_kv8_conversion(128);  // the 16-bit CTA's tile at head dim 128
+  check_kv8_conversion<128>(64);   // the CTA's tile
+  check_kv8_conversion<128>(128);  // the 16-bit CTA's tile at head dim 128
+  check_kv8_conversion<64>(64);
+  check_kv8_conversion<64>(128);
+  check_kv8_conversion<256>(64);
+}
+
+// Staged chunk c of row key holds fp8 elements 16c .. 16c + 15 of that key; the two f16 chunks it
+// becomes must be elements 16c .. 16c + 7 and 16c + 8 .. 16c + 15 of the same key in the 16-bit
+// layout: column block (2c) / 8, row key, chunk 2c % 8 swizzled by key % 8.
+template <int D>
+void check_kv8_placement(int keys) {
+  constexpr int CH8 = D / 16;
+  for (int tid = 0; tid < 128; ++tid)
+    for (int n = 0; n < keys * CH8 / 128; ++n) {
+      const cuda::Kv8Chunk k = cuda::kv8_chunk<CH8>(tid, n);
+      for (int h = 0; h < 2; ++h) {
+        const int chunk = 2 * k.c + h, off = cuda::q16_offset(keys, k.key, chunk);
+        EXPECT_EQ(off / (keys * 128), chunk / 8);
+        EXPECT_EQ(off % (keys * 128) / 128, k.key);
+        EXPECT_EQ((off % 128) / 16, (chunk % 8) ^ (k.key % 8));
+      }
+      // The staged fp8 row: chunk c at c % 8 ^ key % 8 of 128-byte rows in column block c / 8
+      // (what ws_copy_tile<BN, D / 16> writes).
+      const int src = cuda::q16_offset(keys, k.key, k.c);
+      EXPECT_EQ(src / (keys * 128), k.c / 8);
+      EXPECT_EQ((src % 128) / 16, (k.c % 8) ^ (k.key % 8));
+      if (D == 128) EXPECT_EQ(cuda::v_stage_offset(k.key, 16 * k.c), src);
+    }
 }
 
 TEST(Kv8PrefillLayout, ConvertedChunksKeepTheirRowAndColumns) {
-  // Staged chunk c of row key holds fp8 elements 16c .. 16c + 15 of that key; the two f16 chunks
-  // it becomes must be elements 16c .. 16c + 7 and 16c + 8 .. 16c + 15 of the same key in the
-  // 16-bit layout: column block (2c) / 8, row key, chunk 2c % 8 swizzled by key % 8.
-  for (int keys : {64, 128})
-    for (int tid = 0; tid < 128; ++tid)
-      for (int n = 0; n < keys * 8 / 128; ++n) {
-        const cuda::Kv8Chunk k = cuda::kv8_chunk(tid, n);
-        for (int h = 0; h < 2; ++h) {
-          const int chunk = 2 * k.c + h, off = cuda::q16_offset(keys, k.key, chunk);
-          EXPECT_EQ(off / (keys * 128), chunk / 8);
-          EXPECT_EQ(off % (keys * 128) / 128, k.key);
-          EXPECT_EQ((off % 128) / 16, (chunk % 8) ^ (k.key % 8));
-        }
-        // The staged fp8 row: chunk c at c ^ key % 8 of 128-byte rows (the 16-bit tile's first
-        // column block, which ws_copy_tile<BN, 8> writes).
-        EXPECT_EQ(cuda::v_stage_offset(k.key, 16 * k.c), cuda::q16_offset(keys, k.key, k.c));
-      }
+  for (int keys : {64, 128}) {
+    check_kv8_placement<128>(keys);
+    check_kv8_placement<64>(keys);
+  }
+  check_kv8_placement<256>(64);
+}
+
+// bf16 q's in-place conversion to f16 (prefill_q_scale.cuh's scale_q_rows_f16 at head dim D) run
+// on the host over the consumers' thread indices: consumer thread ct reads and rewrites in pass n
+// (of q_convert_passes(D)) the 16-bit chunk q_convert_chunk<D>(ct, n) of the copied Q tile. Each
+// consumer touches only its own rows 64c .. 64c + 63, every chunk of them exactly once, and
+// nothing outside the 128-row tile (D / 64 column blocks of 128-byte rows).
+template <int D>
+void check_q_scale_chunks() {
+  constexpr int kRows = 128, kChunks = D / 8;
+  std::vector<int> owner(kRows * kChunks, -1);
+  for (int ct = 0; ct < 256; ++ct)
+    for (int n = 0; n < cuda::q_convert_passes(D); ++n) {
+      const int c = ct / 128;
+      const cuda::QChunk q = cuda::q_convert_chunk<D>(ct, n);
+      ASSERT_GE(q.r, 64 * c) << "D " << D << " thread " << ct << " pass " << n;
+      ASSERT_LT(q.r, 64 * c + 64) << "D " << D << " thread " << ct << " pass " << n;
+      ASSERT_GE(q.c, 0);
+      ASSERT_LT(q.c, kChunks);
+      const int off = cuda::q16_offset(kRows, q.r, q.c);
+      ASSERT_EQ(off % 16, 0);
+      ASSERT_LT(off, kRows * D * 2);
+      ASSERT_EQ(owner[off / 16], -1) << "D " << D << ": row " << q.r << " chunk " << q.c
+                                     << " converted twice";
+      owner[off / 16] = c;
+    }
+  for (int i = 0; i < kRows * kChunks; ++i) ASSERT_NE(owner[i], -1) << "D " << D << " chunk " << i;
+}
+
+TEST(Kv8PrefillLayout, QScaleCoversEachConsumersOwnRowsOnce) {
+  check_q_scale_chunks<64>();
+  check_q_scale_chunks<128>();
+  check_q_scale_chunks<256>();
 }
 
 // The table (host code): prefill items over e4m3 and e5m2 pools at head dim 128 go to the

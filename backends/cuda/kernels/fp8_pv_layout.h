@@ -60,34 +60,44 @@ constexpr int q8_offset(int r, int c) {
 
 // The warp-specialised CTA's in-place Q conversion: consumer thread ct (0 .. 255, the index the
 // kernel's consumers run on; consumer ct / 128 owns rows 64 (ct / 128) .. 64 (ct / 128) + 63)
-// converts in pass n (of kQConvertPasses) the 16-bit chunk c of row r, the 128 threads of a
-// consumer taking consecutive chunks of its 64 rows x 16; its warp (ct / 32) % 4 of the consumer
-// writes that consumer's row maximum slot q_amax_slot.
+// converts in pass n (of q_convert_passes(D)) the 16-bit chunk c of row r, the 128 threads of a
+// consumer taking consecutive chunks of its 64 rows x D / 8; its warp (ct / 32) % 4 of the
+// consumer writes that consumer's row maximum slot q_amax_slot. D: the head dim (64, 128, 256).
 struct QChunk {
   int r, c;
 };
-inline constexpr int kQConvertPasses = 64 * 16 / 128;
+constexpr int q_convert_passes(int d) { return 64 * (d / 8) / 128; }
+inline constexpr int kQConvertPasses = q_convert_passes(128);
+template <int D = 128>
 constexpr QChunk q_convert_chunk(int ct, int n) {
+  constexpr int kChunks = D / 8;
   const int i = (ct & 127) + 128 * n;
-  return {64 * (ct >> 7) + i / 16, i % 16};
+  return {64 * (ct >> 7) + i / kChunks, i % kChunks};
 }
 constexpr int q_amax_slot(int ct) { return (ct >> 5) & 3; }
 
 // The warp-specialised CTA over fp8 pages (prefill_ws_kv8.cuh) converts each staged e4m3 / e5m2
-// tile of `keys` rows (128 bytes, as ws_copy_tile lands them: 16-byte chunk c of row key at
-// v_stage_offset(key, 16 c)) into the 16-bit tile the consumers' MMAs read (two column blocks of
-// 128-byte rows: q16_offset, the layout of wgmma.cuh's swz128_offset): producer thread tid (of 128)
-// takes in pass n (of keys * 8 / 128) the chunk c of row key, which becomes the 16-bit chunks 2c
-// and 2c + 1 of that row. The 8 lanes of each quarter warp take 8 consecutive rows (every key % 8)
-// at one chunk, so neither the 16-byte loads (chunk c ^ key % 8) nor the 16-byte stores
-// (2c ^ key % 8, then 2c + 1 ^ key % 8) meet a bank conflict.
+// tile of `keys` rows (CH8 = D / 16 16-byte chunks a row at head dim D, as ws_copy_tile lands them:
+// chunk c of row key at swz128_offset(keys, key, c), i.e. 128-byte rows in column blocks of 8
+// chunks, the rows of a 64-wide head half filled) into the 16-bit tile the consumers' MMAs read
+// (D / 64 column blocks of 128-byte rows: q16_offset, the layout of wgmma.cuh's swz128_offset):
+// producer thread tid (of 128) takes in pass n (of keys * CH8 / 128) the chunk c of row key, which
+// becomes the 16-bit chunks 2c and 2c + 1 of that row. The 8 lanes of each quarter warp take 8
+// consecutive rows (every key % 8) at one chunk, so neither the 16-byte loads (chunk c ^ key % 8)
+// nor the 16-byte stores (2c ^ key % 8, then 2c + 1 ^ key % 8) meet a bank conflict.
 struct Kv8Chunk {
   int key, c;
 };
+constexpr int kv8_log2(int x) { return x <= 1 ? 0 : 1 + kv8_log2(x / 2); }
+template <int CH8 = 8>
 constexpr Kv8Chunk kv8_chunk(int tid, int n) {
+  static_assert(CH8 >= 4 && (CH8 & (CH8 - 1)) == 0, "head dims 64, 128, 256, ...");
   const int i = tid + 128 * n;
-  return {(i & 7) | ((i >> 6) << 3), (i >> 3) & 7};
+  return {(i & 7) | ((i >> (3 + kv8_log2(CH8))) << 3), (i >> 3) & (CH8 - 1)};
 }
+// Bytes of one staged fp8 K or V tile of `keys` rows at head dim d (128-byte rows, column blocks
+// of 128 bytes: a 64-wide row fills half of one).
+constexpr int kv8_staged_tile_bytes(int keys, int d) { return keys * 128 * ((d + 127) / 128); }
 
 // The 4 x 4 byte block of the transposed tile that thread `tid` (of 128) writes in pass n (of 4):
 // head-dim rows 4 dq .. 4 dq + 3, key positions 4 pq .. 4 pq + 3. Lanes take pq's low 2 bits,

@@ -104,7 +104,7 @@ struct PrefillFp8WsConfig {
 // consumer. Returns the scale's inverse.
 template <typename T>
 __device__ __forceinline__ float quantise_q_rows(unsigned char* sq, int ct, float (&red)[2][4]) {
-  return scale_q_rows<T, PrefillFp8WsConfig::kRows>(
+  return scale_q_rows<T, PrefillFp8WsConfig::kRows, PrefillFp8WsConfig::kHeadDim>(
       sq, ct, red, kE4m3Max, 100, [&](const uint4& v, QChunk q, float qs) {
         *reinterpret_cast<uint2*>(sq + q8_offset(q.r, q.c)) = quantise8_e4m3<T>(v, qs);
       });

@@ -43,10 +43,11 @@ __device__ __forceinline__ float pow2_scale_below(float amax, float limit, int m
 // then write(v, chunk, qs) puts each chunk back converted at qs = pow2_scale_below(amax, limit,
 // max_exp), inside the bytes of the consumer's own rows (the two consumers never touch each
 // other's). It fences (the S MMAs read Q through the async proxy) and syncs the consumer again.
-// Returns 1 / qs.
-template <typename T, int ROWS, typename Write>
+// Returns 1 / qs. D: the head dim (D / 8 chunks a row).
+template <typename T, int ROWS, int D, typename Write>
 __device__ __forceinline__ float scale_q_rows(const unsigned char* sq, int ct, float (&red)[2][4],
                                               float limit, int max_exp, Write&& write) {
+  constexpr int kPasses = q_convert_passes(D);
   const int cw = ct >> 7;
   // The consumer's own named barrier (a constant id: with an id in a register ptxas reserves all
   // 16 barriers).
@@ -56,11 +57,11 @@ __device__ __forceinline__ float scale_q_rows(const unsigned char* sq, int ct, f
     else
       named_bar_sync(kWsConsumerBar + 1, 128);
   };
-  uint4 qv[kQConvertPasses];
+  uint4 qv[kPasses];
   float amax = 0.f;
 #pragma unroll
-  for (int n = 0; n < kQConvertPasses; ++n) {
-    const QChunk q = q_convert_chunk(ct, n);
+  for (int n = 0; n < kPasses; ++n) {
+    const QChunk q = q_convert_chunk<D>(ct, n);
     qv[n] = *reinterpret_cast<const uint4*>(sq + q16_offset(ROWS, q.r, q.c));
     amax = amax8<T>(qv[n], amax);
   }
@@ -72,7 +73,7 @@ __device__ __forceinline__ float scale_q_rows(const unsigned char* sq, int ct, f
   amax = fmaxf(fmaxf(red[cw][0], red[cw][1]), fmaxf(red[cw][2], red[cw][3]));
   const float qs = pow2_scale_below(amax, limit, max_exp);
 #pragma unroll
-  for (int n = 0; n < kQConvertPasses; ++n) write(qv[n], q_convert_chunk(ct, n), qs);
+  for (int n = 0; n < kPasses; ++n) write(qv[n], q_convert_chunk<D>(ct, n), qs);
   fence_proxy_async_smem();
   // Every row is written before any warp's S MMAs read the block (and every thread has read red,
   // which the next unit rewrites only after this barrier).
@@ -100,9 +101,9 @@ __device__ __forceinline__ uint4 scale8_f16(const uint4& v, float qs) {
 
 // scale_q_rows to f16 in place (each chunk back where it was read: the tile stays the 16-bit
 // layout the S MMAs read). Returns 1 / qs.
-template <typename T, int ROWS>
+template <typename T, int ROWS, int D>
 __device__ __forceinline__ float scale_q_rows_f16(unsigned char* sq, int ct, float (&red)[2][4]) {
-  return scale_q_rows<T, ROWS>(
+  return scale_q_rows<T, ROWS, D>(
       sq, ct, red, kF16QLimit, kF16QMaxExp, [&](const uint4& v, QChunk q, float qs) {
         *reinterpret_cast<uint4*>(sq + q16_offset(ROWS, q.r, q.c)) = scale8_f16<T>(v, qs);
       });

@@ -156,28 +156,28 @@ using PrefillWsCfg =
 template <int BN, int STAGES, bool PP>
 using PrefillWsMlaCfg = PrefillWsConfig<kMlaMhaHeadDim, kMlaMhaVHeadDim, BN, STAGES, PP>;
 
-// The CTA over fp8 pages (the header comment): head dim 128, BN keys a tile, STAGES f16 stages,
+// The CTA over fp8 pages (the header comment): head dim D, BN keys a tile, STAGES f16 stages,
 // STAGING staging tiles of fp8 K + V after the barriers, the consumers in ping-pong on f16 MMAs.
-template <int BN, int STAGES, int STAGING>
-struct PrefillWsKv8Config : PrefillWsConfig<kKv8HeadDim, kKv8HeadDim, BN, STAGES, true> {
-  using Base = PrefillWsConfig<kKv8HeadDim, kKv8HeadDim, BN, STAGES, true>;
+template <int D, int BN, int STAGES, int STAGING>
+struct PrefillWsKv8Config : PrefillWsConfig<D, D, BN, STAGES, true> {
+  using Base = PrefillWsConfig<D, D, BN, STAGES, true>;
   static constexpr bool kKv8 = true;
   // ptxas -v: no spills at 56 / 224; at 40 / 232 (the 16-bit CTA's split) the producer spills (its
   // staging, ring and barrier addresses across the conversion).
   static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 224;
   static constexpr int kStaging = STAGING;
-  static constexpr int kStagingTileBytes = 2 * BN * kKv8HeadDim;  // e4m3 / e5m2 K, then V
+  static constexpr int kStagingTileBytes = 2 * kv8_staged_tile_bytes(BN, D);  // fp8 K, then V
   static constexpr int kStagingOffset =
       (Base::kQBytes + Base::kRingBytes + Base::kSlotBytes + Base::kBarBytes + 127) / 128 * 128;
   static constexpr int kSmemBytes = 1024 + kStagingOffset + STAGING * kStagingTileBytes;
-  static_assert(STAGING >= 2);
+  static_assert(STAGING >= 1);
   static_assert(kSmemBytes <= 227 * 1024, "the ring and staging must fit one SM's shared memory");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * Base::kConsumers <=
                     Base::kLaunchRegs * Base::kThreads,
                 "setmaxnreg.inc would wait forever");
 };
-using PrefillWsKv8Cfg = PrefillWsKv8Config<64, 4, 4>;
+using PrefillWsKv8Cfg = PrefillWsKv8Config<128, 64, 4, 4>;
 
 // The tensor maps of the TMA producer over the layer's K and V pools (see the header comment);
 // unused (zeros) by the cp.async producer.
@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if constexpr (KV8) {
           WsPipe<ST> w(sBar, smem + Cfg::kQBytes + Cfg::kRingBytes + Cfg::kSlotBytes);
           w.tile_base = tile_base;
-          ws_produce_kv8_tiles<BN, ST, Cfg::kStaging, Cfg::kStageBytes>(
+          ws_produce_kv8_tiles<BN, D, ST, Cfg::kStaging, Cfg::kStageBytes>(
               p, w, u, smem + Cfg::kQBytes, smem + Cfg::kStagingOffset, sSlot, tid);
         } else if constexpr (TMA) {
           // Chunks of P rows (a power of two, 8 .. BN: one page or a BN-row piece of one).
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if constexpr (kScaleQ) {
           __shared__ float q_amax[Cfg::kConsumers][4];
           mbar_wait(q_bar, n & 1);
-          inv_qs = scale_q_rows_f16<T, ROWS>(smem, ct, q_amax);
+          inv_qs = scale_q_rows_f16<T, ROWS, D>(smem, ct, q_amax);
         }
         const SoftCap cap(p.softcap, p.softmax_scale * inv_qs);
         const float sl = cap.exp_scale(p.scale_log2 * inv_qs);
