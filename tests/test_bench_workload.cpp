@@ -217,13 +217,17 @@ TEST(BenchWorkload, SelectorsPickRowsAndRejectUnknownNames) {
 // The groups beside the standard set: by name or group, never by "all" or a kind.
 TEST(BenchWorkload, Fp8PrefillAndLongDecodeRowsAreChosenByNameOrGroup) {
   std::vector<Workload> fp8 = select_workloads("fp8-prefill");
-  ASSERT_EQ(fp8.size(), 6u);
+  ASSERT_EQ(fp8.size(), 8u);
   for (const Workload& w : fp8) {
     EXPECT_EQ(w.fp8_prefill, w.name.ends_with("-fp8")) << w.name;
     EXPECT_EQ(w.kv_dtype, DType::e4m3) << w.name;
   }
   EXPECT_EQ(fp8[4].name, "prefill-1x16384-kvfp8");
   EXPECT_EQ(fp8[5].name, "extend-8x2048+512-kvfp8");
+  EXPECT_EQ(fp8[6].name, "prefill-1x8192-d64-kvfp8");
+  EXPECT_EQ(fp8[7].name, "prefill-1x8192-d256-kvfp8");
+  EXPECT_EQ(fp8[6].head_dim, 64);
+  EXPECT_EQ(fp8[7].head_dim, 256);
   std::vector<Workload> long_rows = select_workloads("long-decode");
   ASSERT_EQ(long_rows.size(), 2u);
   EXPECT_EQ(long_rows[0].name, "decode-1x131072");

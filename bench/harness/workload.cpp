@@ -299,7 +299,8 @@ Workload fp8_kv(Workload w) {
 std::vector<Workload> fp8_prefill_workloads() {
   return {fp8_prefill(prefill(1, 4096, 128)), fp8_prefill(prefill(1, 16384, 128)),
           fp8_prefill(prefill(8, 2048, 128)), fp8_prefill(extend(8, 2048, 512)),
-          fp8_kv(prefill(1, 16384, 128)),     fp8_kv(extend(8, 2048, 512))};
+          fp8_kv(prefill(1, 16384, 128)),     fp8_kv(extend(8, 2048, 512)),
+          fp8_kv(prefill(1, 8192, 64)),       fp8_kv(prefill(1, 8192, 256))};
 }
 
 std::vector<Workload> long_decode_workloads() {

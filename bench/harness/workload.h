@@ -101,7 +101,8 @@ std::vector<Workload> mla_workloads();
 // The fp8 variants of the large prefill / extend rows (fp8_prefill, names ending in "-fp8"):
 // prefill-1x4096-fp8, prefill-1x16384-fp8, prefill-8x2048-fp8, extend-8x2048+512-fp8; then
 // prefill-1x16384-kvfp8 and extend-8x2048+512-kvfp8, the same e4m3 cache without the fp8 kernel
-// (what the option is measured against besides the bf16 rows). Beside the
+// (what the option is measured against besides the bf16 rows), and prefill-1x8192-d64-kvfp8 and
+// prefill-1x8192-d256-kvfp8 (the head dims the fp8 kernel does not take). Beside the
 // docs/workloads.md set, selected by name or as "fp8-prefill" (not by "all" or a kind).
 std::vector<Workload> fp8_prefill_workloads();
 // The long-context decode rows (bf16, page 16): decode-1x131072 and decode-4x131072, one or a few
