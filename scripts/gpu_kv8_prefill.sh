@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # The warp-specialised prefill CTA over fp8 pages (kernels/prefill_ws.cuh with PrefillWsKv8Config,
 # the default for prefill tiles over an e4m3 / e5m2 cache; ATTNRT_PREFILL_KV8=0 takes the mma.sync
-# CTA) on the GPU machine, in one call of under 600 s (the stages' timeouts add up to 585 s): its
+# CTA) on the GPU machine, in one call of under 600 s (the stages' timeouts add up to 595 s): its
 # GPU tests (`*Kv8Prefill*`, e4m3 and e5m2 pools at every head dim it has), the existing prefill
 # suites (`*Fp8Prefill*`, `*CudaPrefill*`), compute-sanitizer memcheck and racecheck on its small
 # tests, `info --explain`, `attnrt run` of two llama3-8b layers over an fp8_e4m3 and an fp8_e5m2
 # cache and of two gemma3-12b layers (head dim 256, sliding windows) over fp8_e4m3 (checked
 # against reference), then `attnrt bench --backend cuda` over the bf16 and -kvfp8 prefill /
 # extend rows (head dims 64, 128, 256) with the CTA on, and again with ATTNRT_PREFILL_KV8=0 (the
-# mma.sync CTA), so both rates and the bf16 rows come from one call.
+# mma.sync CTA), so both rates and the bf16 rows come from one call; last, the head-dim-128 rows on
+# 128-key tiles (ATTNRT_PREFILL_KV8_WIDE=1, patches/kv8-d64-d256.patch; ignored without it).
 #   usage: OUT=DIR scripts/gpu_kv8_prefill.sh   (carry .gpubin from scripts/gpu_prebuild.sh and .devdeps)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,12 +17,12 @@ cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
 gpu_call_setup
 s=$(date +%s)
-timeout 180 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='*Kv8Prefill*' \
+timeout 170 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='*Kv8Prefill*' \
   > $O/tests_kv8.log 2>&1
 echo "kv8 tests rc=$? $(( $(date +%s)-s )) s"
 grep -E "FAILED|PASSED|SKIPPED|Failure|tests ran|error|Which is|Expected" $O/tests_kv8.log | head -40
 s=$(date +%s)
-timeout 100 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='*Fp8Prefill*:*CudaPrefill*' \
+timeout 90 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='*Fp8Prefill*:*CudaPrefill*' \
   > $O/tests_prefill.log 2>&1
 echo "prefill / fp8 prefill tests rc=$? $(( $(date +%s)-s )) s"
 grep -E "FAILED|PASSED|SKIPPED|Failure|tests ran|error" $O/tests_prefill.log | head -20
@@ -67,3 +68,10 @@ for kv8 in 1 0; do
   echo "bench (ATTNRT_PREFILL_KV8=$kv8) rc=$? $(( $(date +%s)-s )) s"
   grep -E "^(prefill|extend)|check|notes" $O/bench_kv8_$kv8.txt | head -10
 done
+# Head dim 128 on 128-key tiles in 2 stages against the default 64-key tiles in 4 (above).
+s=$(date +%s)
+ATTNRT_PREFILL_KV8_WIDE=1 timeout 40 $B/attnrt bench --backend cuda \
+  --workload prefill-1x16384-kvfp8,extend-8x2048+512-kvfp8 --no-reference --repeats 10 --warmup 2 \
+  --json $O/bench_kv8_wide.json > $O/bench_kv8_wide.txt 2>&1
+echo "bench (ATTNRT_PREFILL_KV8_WIDE=1) rc=$? $(( $(date +%s)-s )) s"
+grep -E "^(prefill|extend)|check|notes" $O/bench_kv8_wide.txt | head -4
