@@ -263,6 +263,29 @@ TEST(BenchCeilings, ThreadCountFromFlagThenEnvironment) {
   expect_error([] { resolve_threads(-1); }, {"--threads -1"});
 }
 
+// The page-1 gather probe's two ceilings (GPU runs): printed with the others when measured,
+// absent from the text when not (CPU runs), in the JSON either way.
+TEST(BenchReport, GatherCeilingsArePrintedWhenMeasured) {
+  BenchResult r = synthetic_result();
+  r.ceilings.gather_random.unavailable = "GPU only";
+  r.ceilings.gather_ordered.unavailable = "GPU only";
+  std::string text = format_report(r, synthetic_info());
+  EXPECT_EQ(text.find("  gather "), std::string::npos) << text;
+  nlohmann::json j = to_json(r, synthetic_info());
+  EXPECT_EQ(j["ceilings"]["gather_random"]["available"], false);
+  EXPECT_EQ(j["ceilings"]["gather_random"]["reason"], "GPU only");
+
+  r.ceilings.gather_random = {2400.0, "at a random permutation of the slots (80% ...)", ""};
+  r.ceilings.gather_ordered = {3000.0, "in slot order: ...", ""};
+  text = format_report(r, synthetic_info());
+  EXPECT_NE(text.find("  gather     2400.0 GB/s"), std::string::npos) << text;
+  EXPECT_NE(text.find("  ordered    3000.0 GB/s"), std::string::npos) << text;
+  j = to_json(r, synthetic_info());
+  EXPECT_DOUBLE_EQ(j["ceilings"]["gather_random"]["value"].get<double>(), 2400.0);
+  EXPECT_DOUBLE_EQ(j["ceilings"]["gather_ordered"]["value"].get<double>(), 3000.0);
+  EXPECT_EQ(j["ceilings"]["gather_ordered"]["unit"], "GB/s");
+}
+
 TEST(BenchReport, JsonCarriesMachineCommitCeilingsAndRows) {
   BenchResult r = synthetic_result();
   nlohmann::json j = to_json(r, synthetic_info());

@@ -176,6 +176,8 @@ Ceilings measure_ceilings(Device device, const CeilingOptions& options) {
   } else {
     c.bf16.unavailable = why_not;
   }
+  c.gather_random.unavailable = c.gather_ordered.unavailable =
+      "GPU only (the page-1 row gather of docs/workloads.md)";
   return c;
 }
 

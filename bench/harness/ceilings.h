@@ -3,7 +3,9 @@
 //   CPU: multi-threaded streaming read (memory), register-resident FMA loop (fp32 compute) and, when
 //        the CPU has AVX512-BF16, a register-resident bf16 dot loop.
 //   GPU: device copy bandwidth (read + write) and bf16 GEMM rate, measured by cuda_bench.cpp, which
-//        install_builtin_device_probes() installs with register_ceiling_probe(DeviceKind::cuda, ...).
+//        install_builtin_device_probes() installs with register_ceiling_probe(DeviceKind::cuda, ...);
+//        and the read rate of 1152-byte rows (an MLA latent row in bf16) gathered at random slots
+//        and in slot order: what page-1 reads of such rows can reach against page-64 ones.
 #pragma once
 
 #include <cstddef>
@@ -28,6 +30,10 @@ struct Ceilings {
   Ceiling memory;           // the ceiling of memory-bound rows (decode, verify)
   Ceiling fp32;
   Ceiling bf16;
+  // GPU only (informational, no row is judged against them): bytes read per second of
+  // kGatherRowBytes-byte rows at random slots of a >= 1 GiB pool, and of the same rows in order.
+  Ceiling gather_random;
+  Ceiling gather_ordered;
   // The ceiling of compute-bound rows (bf16 attention): the higher of the bf16 dot and fp32 FMA
   // peaks, since a kernel may use either (bf16 dot is the faster one on Zen 4, fp32 FMA on some
   // Xeons that run vdpbf16ps on one port).
@@ -35,6 +41,8 @@ struct Ceilings {
   const Ceiling& compute() const { return bf16_is_compute() ? bf16 : fp32; }
   std::string compute_name() const { return bf16_is_compute() ? "bf16" : "fp32"; }
 };
+
+inline constexpr int kGatherRowBytes = 1152;  // 576 bf16 values: one MLA latent row
 
 struct CeilingOptions {
   int threads = 0;                     // 0 = ATTNRT_NUM_THREADS, else every hardware thread

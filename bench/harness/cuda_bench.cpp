@@ -221,6 +221,39 @@ bench::Ceilings measure_gpu_ceilings(Device device, const bench::CeilingOptions&
         static_cast<double>(bytes) / double(1ull << 30), repeats, flush.describe());
   }
 
+  // Gathers: kGatherRowBytes-byte rows of a pool of min(1 GiB, memory / 8), read once each, at a
+  // random permutation of the slots and in slot order (bytes read).
+  {
+    constexpr int row = bench::kGatherRowBytes;
+    const int64_t n =
+        static_cast<int64_t>(std::min<size_t>(size_t{1} << 30, info.total_memory / 8) / row);
+    DeviceBuffer pool(static_cast<size_t>(n) * row), slots(static_cast<size_t>(n) * 4), sink(4);
+    ATTNRT_CUDA_CHECK(cudaMemsetAsync(pool.data(), 3, pool.bytes(), stream));
+    std::vector<int32_t> order(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+    auto time_gather = [&] {
+      ATTNRT_CUDA_CHECK(cudaMemcpyAsync(slots.data(), order.data(), slots.bytes(),
+                                        cudaMemcpyHostToDevice, stream));
+      ATTNRT_CUDA_CHECK(cudaStreamSynchronize(stream));
+      const double t = median(event_seconds(stream, flush, 2, repeats, [&] {
+        ATTNRT_CUDA_CHECK(gather_rows_by_reading(pool.data(), slots.ptr<int32_t>(), n, row,
+                                                 sink.ptr<uint32_t>(), stream));
+      }));
+      return static_cast<double>(n) * row / t / 1e9;
+    };
+    c.gather_ordered.value = time_gather();
+    std::shuffle(order.begin(), order.end(), std::mt19937_64(17));
+    c.gather_random.value = time_gather();
+    const std::string what = fmt::format(
+        "reads of {} {}-byte rows ({:.2f} GiB), one warp a row, bytes read, median of {}; before "
+        "each, {}",
+        n, row, static_cast<double>(n) * row / double(1ull << 30), repeats, flush.describe());
+    c.gather_random.method =
+        fmt::format("at a random permutation of the slots ({:.0f}% of the same rows in order): {}",
+                    100 * c.gather_random.value / c.gather_ordered.value, what);
+    c.gather_ordered.method = "in slot order: " + what;
+  }
+
   c.fp32.unavailable = "not measured on GPUs: bf16 attention rows are held against the bf16 GEMM";
   Cublas blas;
   if (!blas.error.empty()) {

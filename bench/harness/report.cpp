@@ -219,6 +219,8 @@ json to_json(const BenchResult& r, const RunInfo& info) {
                    {"memory", ceiling_json(r.ceilings.memory, "GB/s")},
                    {"fp32", ceiling_json(r.ceilings.fp32, "GFLOP/s")},
                    {"bf16", ceiling_json(r.ceilings.bf16, "GFLOP/s")},
+                   {"gather_random", ceiling_json(r.ceilings.gather_random, "GB/s")},
+                   {"gather_ordered", ceiling_json(r.ceilings.gather_ordered, "GB/s")},
                    {"compute", r.ceilings.compute_name()}};
   json rows = json::array();
   for (const RowResult& row : r.rows) {
@@ -338,6 +340,9 @@ std::string format_report(const BenchResult& r, const RunInfo& info) {
   ceiling_line("memory", c.memory, "GB/s");
   ceiling_line("fp32", c.fp32, "GFLOP/s");
   ceiling_line("bf16", c.bf16, "GFLOP/s");
+  // The page-1 gather probe (GPU): informational, no row is judged against it.
+  if (c.gather_random.available()) ceiling_line("gather", c.gather_random, "GB/s");
+  if (c.gather_ordered.available()) ceiling_line("ordered", c.gather_ordered, "GB/s");
   const bool mla = std::any_of(r.rows.begin(), r.rows.end(),
                                [](const RowResult& row) { return row.workload.is_mla(); });
   s << fmt::format("  decode/verify rows are judged against memory, prefill/extend{} against {}\n",

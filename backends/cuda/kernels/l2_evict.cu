@@ -1,4 +1,5 @@
-// A read-only sweep over a device buffer, which evicts the L2 without dirtying it.
+// A read-only sweep over a device buffer, which evicts the L2 without dirtying it; and a read-only
+// gather of rows at given slots (the ceiling of page-1 reads).
 #include "backends/cuda/kernels/l2_evict.h"
 
 namespace attnrt::cuda {
@@ -31,7 +32,55 @@ __global__ void __launch_bounds__(kThreads)
   if ((acc | 1u) == impossible) *sink = acc;
 }
 
+// One warp a row: lane c reads chunks c, c + 32, ... of row slots[r]; the next row's slot is loaded
+// one row ahead, so a warp waits on one DRAM round trip per row, not two.
+constexpr int kGatherThreads = 256;
+constexpr int kGatherCtasPerSm = 8;  // 64 warps: every warp slot of an SM
+
+__global__ void __launch_bounds__(kGatherThreads)
+    gather_rows_kernel(const uint4* __restrict__ pool, const int32_t* __restrict__ slots,
+                       int64_t n, int row_chunks, uint32_t impossible, uint32_t* sink) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t{gridDim.x} * (kGatherThreads / 32);
+  int64_t r = int64_t{blockIdx.x} * (kGatherThreads / 32) + (threadIdx.x >> 5);
+  uint32_t acc = 0;
+  int32_t slot = r < n ? __ldcg(slots + r) : 0;
+  for (; r < n; r += warps) {
+    const int32_t next = r + warps < n ? __ldcg(slots + r + warps) : 0;
+    const uint4* row = pool + int64_t{slot} * row_chunks;
+    for (int c = lane; c < row_chunks; c += 32) {
+      const uint4 v = __ldcg(row + c);
+      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    slot = next;
+  }
+  if ((acc | 1u) == impossible) *sink = acc;
+}
+
+int sm_count_or(int fallback) {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return fallback;
+  }
+  return sms;
+}
+
 }  // namespace
+
+cudaError_t gather_rows_by_reading(const void* pool, const int32_t* slots, int64_t n,
+                                   int row_bytes, uint32_t* sink, cudaStream_t s) {
+  if (n == 0) return cudaSuccess;
+  if (reinterpret_cast<uintptr_t>(pool) % 16 != 0 || row_bytes <= 0 || row_bytes % 16 != 0 ||
+      slots == nullptr || sink == nullptr || n < 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int sms = sm_count_or(0);
+  if (sms == 0) return cudaErrorInvalidDevice;
+  gather_rows_kernel<<<kGatherCtasPerSm * sms, kGatherThreads, 0, s>>>(
+      static_cast<const uint4*>(pool), slots, n, row_bytes / 16, 0u, sink);
+  return cudaGetLastError();
+}
 
 cudaError_t evict_l2_by_reading(const void* buf, size_t bytes, uint32_t* sink, cudaStream_t s) {
   if (bytes == 0) return cudaSuccess;
