@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -587,6 +588,49 @@ TEST(CudaBench, CeilingsTimerRowsAndStepCosts) {
   EXPECT_EQ(g.layers, 32);
   EXPECT_GT(g.graph_step.median, 0);
   EXPECT_GT(g.eager_issue.median, 0);
+}
+
+// The page-1 gather probe of the ceilings: reads rows at given slots (a permutation, the last
+// row of the pool included) and writes nothing, neither the pool nor its sink; rejects a misaligned
+// pool or row size; and the GPU ceilings carry both gather figures, the random one at most a little
+// above the ordered one.
+TEST(CudaBench, GatherProbeReadsRowsWithoutWriting) {
+  SKIP_WITHOUT_GPU();
+  constexpr int kRow = 1152;
+  constexpr int64_t kRows = 4099;  // not a multiple of the warps of the grid
+  cuda::DeviceBuffer pool(kRows * kRow), slots(kRows * 4), sink(sizeof(uint32_t));
+  ATTNRT_CUDA_CHECK(cudaMemset(pool.data(), 0x3c, pool.bytes()));
+  ATTNRT_CUDA_CHECK(cudaMemset(sink.data(), 0xa5, sizeof(uint32_t)));
+  std::vector<int32_t> order(kRows);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), std::mt19937(5));
+  ATTNRT_CUDA_CHECK(cudaMemcpy(slots.data(), order.data(), slots.bytes(), cudaMemcpyHostToDevice));
+  ASSERT_EQ(cuda::gather_rows_by_reading(pool.data(), slots.ptr<int32_t>(), kRows, kRow,
+                                         sink.ptr<uint32_t>(), nullptr),
+            cudaSuccess);
+  ATTNRT_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<unsigned char> host(pool.bytes());
+  ATTNRT_CUDA_CHECK(cudaMemcpy(host.data(), pool.data(), host.size(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::count(host.begin(), host.end(), 0x3c), static_cast<ptrdiff_t>(host.size()));
+  uint32_t word = 0;
+  ATTNRT_CUDA_CHECK(cudaMemcpy(&word, sink.data(), sizeof(word), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(word, 0xa5a5a5a5u);
+  EXPECT_EQ(cuda::gather_rows_by_reading(static_cast<char*>(pool.data()) + 8,
+                                         slots.ptr<int32_t>(), 8, kRow, sink.ptr<uint32_t>(),
+                                         nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::gather_rows_by_reading(pool.data(), slots.ptr<int32_t>(), 8, 1000,
+                                         sink.ptr<uint32_t>(), nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::gather_rows_by_reading(pool.data(), slots.ptr<int32_t>(), 0, kRow,
+                                         sink.ptr<uint32_t>(), nullptr),
+            cudaSuccess);
+
+  const bench::Ceilings c = cuda::measure_gpu_ceilings(Device::cuda(0), bench::CeilingOptions{});
+  ASSERT_TRUE(c.gather_random.available()) << c.gather_random.unavailable;
+  ASSERT_TRUE(c.gather_ordered.available()) << c.gather_ordered.unavailable;
+  EXPECT_LT(c.gather_random.value, 1.1 * c.gather_ordered.value);
+  EXPECT_NE(c.gather_random.method.find("random permutation"), std::string::npos);
 }
 
 // ATTNRT_BENCH_FLUSH=clean: the sweep reads the whole buffer and writes nothing (neither the buffer

@@ -1,6 +1,6 @@
 // What `attnrt bench` needs from the GPU: its ceilings (device copy bandwidth counting bytes read
-// and written; bf16 GEMM 8192^3 through cuBLAS, L2 flushed between repetitions) and a timer of
-// CUDA events, installed with bench::register_ceiling_probe / register_device_timer.
+// and written; bf16 GEMM 8192^3 through cuBLAS, L2 flushed between repetitions; the page-1 row
+// gather, at random slots and in order) and a timer of CUDA events, installed with bench::register_ceiling_probe / register_device_timer.
 #pragma once
 
 #include "bench/harness/ceilings.h"
