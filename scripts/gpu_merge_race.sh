@@ -2,7 +2,8 @@
 # One GPU call (600 s) for two waiting items: the A/B of patches/merge-slices.patch against main
 # (MLA h16 / h128 rows and the long GQA decode rows, the patch's tests first), with ncu's kernel
 # times of mla-decode-h16-1x32768 under each binary; then racecheck over the linear-layer and DCP
-# tests that did not finish whole suites in earlier calls, one test a slot.
+# tests that did not finish whole suites in earlier calls, one test a slot. The MLA bench runs
+# print the page-1 gather ceilings (random and in-order 1152-byte rows) beside the p1 rows.
 #   usage: scripts/gpu_merge_race.sh   (carry .gpubin-main, .gpubin-merge, .gpubin = .gpubin-main,
 #          .devdeps; results in $OUT: ab_mla.txt, ab_gqa.txt, ncu_*.txt, logs.tar.gz)
 set -uo pipefail
@@ -12,7 +13,7 @@ mkdir -p "$out"
 source .devdeps/unpack-debs.sh >/dev/null
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 ROUNDS=2 AB_SUITE=mla AB_DEADLINE=230 OUT=$out/mla \
-  AB_TESTS='CudaBackendTest.*:CudaMla*:Ranks/*:Pages/*:*Split*:*Determin*' \
+  AB_TESTS='CudaBackendTest.*:CudaMla*:Ranks/*:Pages/*:*Split*:*Determin*:CudaBench.GatherProbe*' \
   bash scripts/gpu_ab.sh mla-decode-h16-1x32768,mla-decode-h16-1x32768-fp8,mla-decode-h16-1x32768-p1,mla-decode-h16-64x8192,mla-decode-h128-64x4096 \
   .gpubin-main .gpubin-merge > "$out/ab_mla.txt" 2>&1
 tail -22 "$out/ab_mla.txt"
