@@ -60,6 +60,39 @@ LinearWorkload tiny_mamba2(int tokens) {
 
 }  // namespace
 
+// The row shaped as FlashInfer's published GDN prefill figure: chosen by its name or its group,
+// never by "all", a mode or a kind; the served model's GDN layer with 2 key / 8 value heads; and
+// FlashInfer's FLOP count (4 x tokens x value heads x Dk x Dv) for GDN / KDA extend rows only.
+TEST(BenchLinearWorkload, FlashInferComparisonRowIsChosenByNameOrGroup) {
+  const std::vector<LinearWorkload> by_group = select_linear_workloads("flashinfer-gdn");
+  ASSERT_EQ(by_group.size(), 1u);
+  const LinearWorkload& w = by_group[0];
+  EXPECT_EQ(w.name, "gdn-extend-1x65536-h2v8");
+  EXPECT_EQ(w.kind, LayerKind::gdn);
+  EXPECT_EQ(w.mode, LinearMode::extend);
+  EXPECT_EQ(w.batch, 1);
+  EXPECT_EQ(w.new_tokens, 65536);
+  EXPECT_EQ(w.spec.num_k_heads, 2);
+  EXPECT_EQ(w.spec.num_v_heads, 8);
+  EXPECT_EQ(w.spec.head_k_dim, 128);
+  EXPECT_EQ(w.spec.head_v_dim, 128);
+  EXPECT_EQ(select_linear_workloads("gdn-extend-1x65536-h2v8").size(), 1u);
+  EXPECT_TRUE(is_linear_selector("flashinfer-gdn"));
+  for (const char* sel : {"all", "extend", "gdn"}) {
+    for (const LinearWorkload& x : select_linear_workloads(sel))
+      EXPECT_NE(x.name, w.name) << sel;
+  }
+  // FlashInfer's published row: 4 x 65536 x 8 x 128 x 128 FLOPs in 0.399 ms is 86.1 TFLOP/s.
+  EXPECT_DOUBLE_EQ(linear_flashinfer_flops(w), 4.0 * 65536 * 8 * 128 * 128);
+  EXPECT_NEAR(linear_flashinfer_flops(w) / 0.399e-3 / 1e12, kFlashInferGdnH100Tflops, 0.1);
+  const std::vector<LinearWorkload> rows = linear_standard_workloads();
+  EXPECT_DOUBLE_EQ(linear_flashinfer_flops(by_name(rows, "gdn-extend-8x8192")),
+                   4.0 * 65536 * 32 * 128 * 128);
+  EXPECT_GT(linear_flashinfer_flops(by_name(rows, "kda-extend-8x8192")), 0);
+  EXPECT_EQ(linear_flashinfer_flops(by_name(rows, "mamba2-extend-8x8192")), 0);
+  EXPECT_EQ(linear_flashinfer_flops(by_name(rows, "gdn-decode-64")), 0);
+}
+
 TEST(BenchLinearWorkload, StandardRowsAreTheServedModelsLayers) {
   const std::vector<LinearWorkload> rows = linear_standard_workloads();
   const std::vector<std::string> names = {

@@ -313,7 +313,9 @@ void say(const BenchConfig& config, const std::string& line) {
 LinearRowResult run_linear_row(const BenchConfig& config, const LinearWorkload& w,
                                const Ceilings& ceilings) {
   LinearRowResult row;
-  start_row(row, w, linear_standard_workloads(), linear_counted_bytes(w), linear_counted_flops(w));
+  std::vector<LinearWorkload> standard = linear_standard_workloads();
+  for (LinearWorkload& c : linear_comparison_workloads()) standard.push_back(std::move(c));
+  start_row(row, w, standard, linear_counted_bytes(w), linear_counted_flops(w));
   const int threads = resolve_threads(config.threads);
   try {
     say(config, fmt::format("{}: setting up {} {} ({:.1f} MiB moved per call)", w.name,
@@ -353,6 +355,13 @@ LinearRowResult run_linear_row(const BenchConfig& config, const LinearWorkload& 
     rt.end_step();
     row.tokens_per_second = static_cast<double>(w.num_tokens()) / row.time.median;
     set_rate(row, ceilings);
+    if (const double fi = linear_flashinfer_flops(w); fi > 0) {
+      row.notes.push_back(fmt::format(
+          "counted as FlashInfer's GDN prefill benchmark (4 x tokens x value heads x Dk x Dv = "
+          "{:.3g} FLOPs): {:.3g} TFLOP/s; its published H100 figure, 1 x 65536 tokens at 2 key / 8 "
+          "value heads of 128 (gdn-extend-1x65536-h2v8 here), is {:.1f}",
+          fi, fi / row.time.median / 1e12, kFlashInferGdnH100Tflops));
+    }
   } catch (const Error& e) {
     row.status = "error";
     row.error = e.what();

@@ -144,6 +144,20 @@ double linear_counted_flops(const LinearWorkload& w) {
   return w.batch * per_request;
 }
 
+double linear_flashinfer_flops(const LinearWorkload& w) {
+  if (w.kind == LayerKind::mamba2 || w.mode != LinearMode::extend) return 0;
+  return 4.0 * double(w.num_tokens()) * w.spec.num_v_heads * w.spec.head_k_dim *
+         w.spec.head_v_dim;
+}
+
+std::vector<LinearWorkload> linear_comparison_workloads() {
+  LinearWorkload w = row(LayerKind::gdn, LinearMode::extend, 1, 65536);
+  w.spec.num_k_heads = 2;
+  w.spec.num_v_heads = 8;
+  w.name = "gdn-extend-1x65536-h2v8";
+  return {w};
+}
+
 std::vector<LinearWorkload> linear_standard_workloads() {
   return {
       row(LayerKind::gdn, LinearMode::decode, 64, 1),
@@ -164,19 +178,35 @@ bool matches(const LinearWorkload& w, std::string_view item) {
          item == layer_kind_name(w.kind);
 }
 
+constexpr std::string_view kComparisonGroup = "flashinfer-gdn";
+
+// The standard rows, then the comparison rows (matched by their name or group only).
+std::vector<LinearWorkload> all_linear_rows() {
+  std::vector<LinearWorkload> rows = linear_standard_workloads();
+  for (LinearWorkload& w : linear_comparison_workloads()) rows.push_back(std::move(w));
+  return rows;
+}
+
+bool matches_any(const LinearWorkload& w, std::string_view item) {
+  for (const LinearWorkload& c : linear_comparison_workloads()) {
+    if (c.name == w.name) return item == w.name || item == kComparisonGroup;
+  }
+  return matches(w, item);
+}
+
 }  // namespace
 
 bool is_linear_selector(std::string_view item) {
-  for (const LinearWorkload& w : linear_standard_workloads()) {
-    if (matches(w, item)) return true;
+  for (const LinearWorkload& w : all_linear_rows()) {
+    if (matches_any(w, item)) return true;
   }
   return false;
 }
 
 std::vector<LinearWorkload> select_linear_workloads(std::string_view selector) {
-  return select_rows(selector, linear_standard_workloads(), matches, "linear workload",
-                     "all, decode, extend, gdn, kda, mamba2",
-                     "all, a mode, a layer kind or a row name");
+  return select_rows(selector, all_linear_rows(), matches_any, "linear workload",
+                     "all, decode, extend, gdn, kda, mamba2, flashinfer-gdn",
+                     "all, a mode, a layer kind, a row name or flashinfer-gdn");
 }
 
 LinearWorkload scale_linear_workload(const LinearWorkload& w, double factor) {

@@ -74,9 +74,23 @@ double linear_counted_bytes(const LinearWorkload& w);
 // Element-wise work (gates, decays, conv, norms) is not counted. Decode rows are the c = 1 case.
 double linear_counted_flops(const LinearWorkload& w);
 
+// FLOPs of a GDN / KDA extend row as FlashInfer's GDN prefill benchmark counts them
+// (benchmarks/bench_gdn_prefill.py: the k-v outer product and q times the state, 2 GEMMs of
+// Dk x Dv per token and value head: 4·tokens·H_v·Dk·Dv), for comparing with its published rates;
+// 0 for Mamba2 and decode rows.
+double linear_flashinfer_flops(const LinearWorkload& w);
+// FlashInfer's published GDN prefill figure that the comparison row matches: an H100, 1 x 65536
+// tokens, 2 key and 8 value heads of 128 (Qwen3.5-397B's GDN layer under tensor parallelism 8),
+// 0.399 ms, 86.1 TFLOP/s counted as above (flashinfer-ai/flashinfer pull request 3866).
+inline constexpr double kFlashInferGdnH100Tflops = 86.1;
+
 // The rows of docs/bench.md "Linear-attention rows", in a fixed order: decode (gdn, mamba2 at
 // batch 64 and 256), then extend (gdn, kda, mamba2 8 x 8192, mamba2 1 x 8192).
 std::vector<LinearWorkload> linear_standard_workloads();
+// Beside them, chosen by name or as "flashinfer-gdn" only (not by "all", a mode or a kind):
+// gdn-extend-1x65536-h2v8, the GDN layer of qwen3-next-80b with the heads of FlashInfer's
+// published row (2 key, 8 value), one request of 65536 tokens.
+std::vector<LinearWorkload> linear_comparison_workloads();
 
 // Selects rows: "all", a row name, a mode ("decode", "extend"), a layer kind ("gdn", "kda",
 // "mamba2"), or a comma-separated list. Throws attnrt::Error naming the unknown entry and the valid
