@@ -4,8 +4,10 @@
 # times of mla-decode-h16-1x32768 under each binary; then racecheck over the linear-layer and DCP
 # tests that did not finish whole suites in earlier calls, one test a slot. The MLA bench runs
 # print the page-1 gather ceilings (random and in-order 1152-byte rows) beside the p1 rows.
+# Between the two, the linear suite's GDN / KDA extend rows and FlashInfer's comparison row.
 #   usage: scripts/gpu_merge_race.sh   (carry .gpubin-main, .gpubin-merge, .gpubin = .gpubin-main,
-#          .devdeps; results in $OUT: ab_mla.txt, ab_gqa.txt, ncu_*.txt, logs.tar.gz)
+#          .devdeps; results in $OUT: ab_mla.txt, ab_gqa.txt, ncu_*.txt, linear.txt, ab_runs.tgz,
+#          logs.tar.gz)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/out/merge_race}
@@ -27,7 +29,12 @@ for l in main merge; do
     --no-reference --repeats 2 --warmup 1 --quiet > "$out/ncu_$l.txt" 2>&1
   echo "ncu $l:"; grep -E "^  [a-z_]+.*\(|gpu__time_duration" "$out/ncu_$l.txt" | head -16
 done
+# The GDN extend rows against FlashInfer's published figure (the comparison row and its notes).
+timeout 45 /tmp/ab-bin/main/attnrt bench --backend cuda --suite linear \
+  --workload flashinfer-gdn,gdn-extend-8x8192,kda-extend-8x8192 --no-reference --repeats 10 \
+  --quiet > "$out/linear.txt" 2>&1
+grep -E "^(gdn|kda)|FlashInfer" "$out/linear.txt" | head -8
 tar -C "$out" -czf "$out/ab_runs.tgz" mla gqa && rm -rf "$out/mla" "$out/gqa"
 # racecheck, one test a slot, the timing tests left out.
-TOOLS=racecheck UNIT=test SUITE_SECONDS=70 TOTAL_SECONDS=${RACE_SECONDS:-200} OUT=$out \
+TOOLS=racecheck UNIT=test SUITE_SECONDS=70 TOTAL_SECONDS=${RACE_SECONDS:-160} OUT=$out \
   bash scripts/gpu_sanitize_suites.sh 'CudaLinearChunked.GdnMatches*:CudaLinearChunked.KdaMatches*:CudaLinearChunked.HeadDim128:CudaLinearSsd.SmallDimsChunk64*:CudaLinearSsd.NemotronShapeBf16StateChunk64:Kinds/CudaLinear.DecodeAndMixedStepsMatchReference/gdn_bf16_small:Kinds/CudaLinear.DecodeAndMixedStepsMatchReference/mamba2_bf16_small:Kinds/CudaLinear.DecodeAndMixedStepsMatchReference/kda_bf16_small:Ranks/CudaDcp.ExtendOverAPrefixThenDecode/n2_gpu_tensors:Ranks/CudaDcp.TreeVerifyThenDecodeAfterCommit/n2_gpu_tensors:Pages/CudaDcpPaged.ChainVerifyThenDecodeAfterAcceptance/n2_gpu_tensors_page16'
