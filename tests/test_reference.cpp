@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <random>
@@ -461,6 +462,36 @@ TEST(ReferenceBackend, HalfPrecisionActivationsAndKv) {
     s.kv_dtype = s.act_dtype = t;
     check_case(s);
   }
+}
+
+// The reference backend's threads follow the options, then ATTNRT_NUM_THREADS, as the cpu
+// backend's: with --threads 1, `attnrt run`'s sampled checks fork no OpenMP team (two such runs on
+// a 2-core machine each slowed ~13x while their checks' teams spun on the other's core).
+TEST(ReferenceBackend, ThreadCountComesFromOptionsThenEnvironment) {
+  CaseSpec s = base_spec(ForwardMode::EXTEND, {4, 0}, {3, 5}, 131);
+  ConformanceCase c = make_case(s);
+  auto inst = materialize(c);
+  BackendContext ctx = inst->context(Device::cpu());
+  Options o;
+  o.num_threads = 1;
+  ctx.options = &o;
+  EXPECT_EQ(ReferenceBackend(ctx).num_threads(), 1);
+  o.num_threads = 3;
+  EXPECT_EQ(ReferenceBackend(ctx).num_threads(), 3);
+  o.num_threads = 0;
+  const char* saved = std::getenv("ATTNRT_NUM_THREADS");
+  const std::string saved_value = saved ? saved : "";
+  setenv("ATTNRT_NUM_THREADS", "2", 1);
+  EXPECT_EQ(ReferenceBackend(ctx).num_threads(), 2);
+  setenv("ATTNRT_NUM_THREADS", "x", 1);
+  test::expect_error([&] { ReferenceBackend r(ctx); }, {"ATTNRT_NUM_THREADS = 'x'"});
+  if (saved) {
+    setenv("ATTNRT_NUM_THREADS", saved_value.c_str(), 1);
+  } else {
+    unsetenv("ATTNRT_NUM_THREADS");
+  }
+  o.num_threads = -1;
+  test::expect_error([&] { ReferenceBackend r(ctx); }, {"reference backend: num_threads = -1"});
 }
 
 TEST(ReferenceBackend, ReadsStoredKvWhenTheStepKvIsShared) {

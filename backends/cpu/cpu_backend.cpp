@@ -60,25 +60,7 @@ void set_io(cpu::LayerArgs& a, const TensorView& q, const TensorView& out, const
 }  // namespace
 
 int cpu_num_threads(const Options* options) {
-  if (options != nullptr) {
-    ATTNRT_CHECK(options->num_threads >= 0 && options->num_threads <= max_num_threads(),
-                 "cpu backend: num_threads = {}; use a thread count in [1, {}] (four per hardware "
-                 "thread), or 0 for ATTNRT_NUM_THREADS / every core",
-                 options->num_threads, max_num_threads());
-    if (options->num_threads > 0) return options->num_threads;
-  }
-  if (const char* env = std::getenv("ATTNRT_NUM_THREADS"); env != nullptr && *env != '\0') {
-    const std::string text(env);
-    int value = 0;
-    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-    ATTNRT_CHECK(ec == std::errc() && end == text.data() + text.size() && value > 0 &&
-                     value <= max_num_threads(),
-                 "ATTNRT_NUM_THREADS = '{}'; expected an integer in [1, {}] (threads of the cpu "
-                 "backend, four per hardware thread at most), or unset it to use every core",
-                 text, max_num_threads());
-    return value;
-  }
-  return std::max(1, omp_get_num_procs());
+  return host_num_threads(options, "cpu backend", omp_get_num_procs());
 }
 
 int cpu_threads_for(int64_t macs, int max_threads) {

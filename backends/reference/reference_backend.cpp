@@ -1,11 +1,14 @@
 #include "backends/reference/reference_backend.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <memory>
 
 #include "attnrt/backend/dsa.h"
+#include "attnrt/backend/selection.h"
 #include "attnrt/backend/host_attn_checks.h"
 #include "attnrt/backend/host_backend_entry.h"
 #include "attnrt/core/error.h"
@@ -33,7 +36,13 @@ void write_nan_row(const AttnArgs& args, int64_t row, int h, int dv) {
 
 }  // namespace
 
-ReferenceBackend::ReferenceBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {}
+ReferenceBackend::ReferenceBackend(const BackendContext& ctx)
+    : OnePathAttnBackend(ctx),
+      num_threads_(host_num_threads(ctx.options, "reference backend", omp_get_num_procs())) {}
+
+int ReferenceBackend::threads_for(int64_t work) const {
+  return static_cast<int>(std::clamp<int64_t>(work >> 20, 1, num_threads_));
+}
 
 void ReferenceBackend::init_forward_metadata(const ForwardBatch& batch) {
   Plan plan;
@@ -254,7 +263,8 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
 
     kbuf.resize(static_cast<size_t>(nkeys) * hkv * dqk);
     vbuf.resize(static_cast<size_t>(nkeys) * hkv * dv);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) \
+    num_threads(threads_for(int64_t{nkeys} * hkv * (dqk + dv)))
     for (int32_t j = 0; j < nkeys; ++j) {
       const int64_t s = slots[k0 + j];
       for (int g = 0; g < hkv; ++g) {
@@ -271,7 +281,8 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
 
     // DSA: the selection is per query row (not per head), so it is made once per row up front.
     std::vector<std::vector<uint8_t>> selected(dsa ? rows.size() : 0);
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) \
+    num_threads(threads_for(static_cast<int64_t>(selected.size()) * nkeys * 64))
     for (size_t r = 0; r < selected.size(); ++r) {
       visible_keys(rows[r], selected[r]);
       select_keys(l.query_start[i] + rows[r], selected[r]);
@@ -280,7 +291,8 @@ void ReferenceBackend::attend(const AttnArgs& args, const LayerSpec& layer,
     // One task per (row, head): a decode request has a single row.
     const auto nh = static_cast<int64_t>(heads.size());
     const int64_t tasks = static_cast<int64_t>(rows.size()) * nh;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) \
+    num_threads(threads_for(tasks * nkeys * (dqk + dv)))
     for (int64_t task = 0; task < tasks; ++task) {
       const int32_t t = rows[task / nh];
       const int h = heads[task % nh];
@@ -399,7 +411,8 @@ void ReferenceBackend::forward_mla_mha(const MlaMhaArgs& args, const LayerSpec& 
   const int hq = layer.num_q_heads, dv = static_cast<int>(args.v.shape[2]);
   for (int i = 0; i < batch.batch_size; ++i) {
     const int64_t q0 = l.query_start[i];
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) \
+    num_threads(threads_for(int64_t{l.query_lens[i]} * l.query_lens[i] / 2 * hq * (args.q.shape[2] + dv)))
     for (int32_t t = 0; t < l.query_lens[i]; ++t) {
       std::vector<double> o;
       for (int h = 0; h < hq; ++h) {
@@ -428,7 +441,8 @@ void ReferenceBackend::forward_mla_prefix_chunk(int chunk, const MlaChunkArgs& a
   for (int i = 0; i < batch.batch_size; ++i) {
     if (c.lens[i] == 0) continue;
     const int64_t q0 = l.query_start[i];
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) \
+    num_threads(threads_for(int64_t{l.query_lens[i]} * c.lens[i] * hq * (args.q.shape[2] + dv)))
     for (int32_t t = 0; t < l.query_lens[i]; ++t) {
       std::vector<double> o;
       for (int h = 0; h < hq; ++h) {

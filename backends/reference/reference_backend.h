@@ -39,6 +39,11 @@ class ReferenceBackend final : public OnePathAttnBackend {
   // checks a sample of rows this way). An empty list means all rows, or all heads.
   void set_sample(std::vector<int64_t> tokens, std::vector<int> heads);
 
+  // Threads of its parallel loops: Options::num_threads, else ATTNRT_NUM_THREADS, else every core
+  // (host_num_threads); a loop wakes one per 2^20 multiply-adds of its work, so the small calls of
+  // `attnrt run`'s sampled checks stay on the calling thread.
+  int num_threads() const { return num_threads_; }
+
  private:
   struct Plan {
     StepLayout layout;
@@ -52,7 +57,9 @@ class ReferenceBackend final : public OnePathAttnBackend {
 
   void attend(const AttnArgs& args, const LayerSpec& layer, const ForwardBatch& batch) override;
   bool planned_for(const ForwardBatch& batch) const;
+  int threads_for(int64_t work) const;
 
+  int num_threads_;
   Plan plan_;
   HostMlaMhaSteps mha_;
   bool planned_ = false;

@@ -5,6 +5,9 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
+#include <cstdlib>
+#include <string>
 #include <optional>
 #include <string_view>
 #include <thread>
@@ -722,6 +725,29 @@ std::string foreign_backend_note(const std::string& name) {
 
 int max_num_threads() {
   return 4 * std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+int host_num_threads(const Options* options, std::string_view who, int every_core) {
+  if (options != nullptr) {
+    ATTNRT_CHECK(options->num_threads >= 0 && options->num_threads <= max_num_threads(),
+                 "{}: num_threads = {}; use a thread count in [1, {}] (four per hardware "
+                 "thread), or 0 for ATTNRT_NUM_THREADS / every core",
+                 who, options->num_threads, max_num_threads());
+    if (options->num_threads > 0) return options->num_threads;
+  }
+  if (const char* env = std::getenv("ATTNRT_NUM_THREADS"); env != nullptr && *env != '\0') {
+    const std::string text(env);
+    int value = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    ATTNRT_CHECK(ec == std::errc() && end == text.data() + text.size() && value > 0 &&
+                     value <= max_num_threads(),
+                 "ATTNRT_NUM_THREADS = '{}'; expected an integer in [1, {}] (threads of the host "
+                 "backends, cpu and reference; four per hardware thread at most), or unset it to "
+                 "use every core",
+                 text, max_num_threads());
+    return value;
+  }
+  return std::max(1, every_core);
 }
 
 Selection resolve_backends(const Options& options, const ModelSpec& model,

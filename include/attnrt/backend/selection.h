@@ -24,6 +24,12 @@ inline constexpr int kMaxPageSize = 1024;
 // hardware thread of this machine; more only oversubscribe the cores.
 int max_num_threads();
 
+// Threads a host backend (cpu, reference) runs: options->num_threads when > 0, else the
+// environment variable ATTNRT_NUM_THREADS, else `every_core` (the caller's count of the cores it
+// may use, e.g. omp_get_num_procs()). Throws attnrt::Error naming `who` for a count outside
+// [0, max_num_threads()] or a malformed variable.
+int host_num_threads(const Options* options, std::string_view who, int every_core);
+
 struct Selection {
   std::string prefill;  // full-attention backend for EXTEND / MIXED (and verify in prefill mode)
   std::string decode;   // full-attention backend for DECODE / IDLE (and verify in decode mode)
