@@ -1,5 +1,7 @@
 #include "tools/sim/driver.h"
 
+#include <omp.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -15,6 +17,7 @@
 #include "attnrt/backend/hybrid_attn_backend.h"
 #include "attnrt/backend/hybrid_linear_attn_backend.h"
 #include "attnrt/backend/registry.h"
+#include "attnrt/backend/selection.h"
 #include "attnrt/core/error.h"
 #include "attnrt/memory/kv_cache.h"
 #include "attnrt/memory/linear_state_pool.h"
@@ -671,7 +674,10 @@ void StepDriver::run_mla_mha(Step& s, const LayerSpec& layer, double& elapsed) {
   auto w = mla_weights_.find({role, layer.layer_id});
   if (w == mla_weights_.end()) {
     const uint64_t seed = rng_.next() ^ static_cast<uint64_t>(layer.layer_id);
-    w = mla_weights_.emplace(std::pair{role, layer.layer_id}, MlaWeights(layer, seed)).first;
+    // The run's host threads (--threads), as the backends and the checker take them.
+    const int threads = host_num_threads(&options_, "attnrt run", omp_get_num_procs());
+    w = mla_weights_.emplace(std::pair{role, layer.layer_id}, MlaWeights(layer, seed, threads))
+            .first;
   }
   const DType dt = model_.dtype;
   const int64_t T = s.T;

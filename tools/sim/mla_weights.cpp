@@ -1,5 +1,8 @@
 #include "tools/sim/mla_weights.h"
 
+#include <omp.h>
+
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -31,16 +34,21 @@ void check_contiguous(const TensorView& t, const char* what, int64_t d0, int64_t
 
 }  // namespace
 
-MlaWeights::MlaWeights(const LayerSpec& layer, uint64_t seed)
+MlaWeights::MlaWeights(const LayerSpec& layer, uint64_t seed, int threads)
     : heads_(layer.num_q_heads),
       rank_(layer.kv_lora_rank),
       rope_(layer.qk_rope_head_dim),
       nope_(layer.qk_nope_head_dim),
-      v_(layer.mha_v_head_dim) {
+      v_(layer.mha_v_head_dim),
+      threads_(threads > 0 ? threads : std::max(1, omp_get_num_procs())) {
   ATTNRT_CHECK(layer.has_mha_form(), "MlaWeights: layer {} has no MHA form", layer.layer_id);
   std::mt19937_64 rng(seed);
   random_columns(heads_ * nope_, rank_, rng, uk_row_, uk_w_);
   random_columns(heads_ * v_, rank_, rng, uv_row_, uv_w_);
+}
+
+int MlaWeights::threads_for(int64_t work) const {
+  return static_cast<int>(std::clamp<int64_t>(work >> 20, 1, threads_));
 }
 
 void MlaWeights::decompress(const TensorView& latent, const TensorView& k,
@@ -50,7 +58,8 @@ void MlaWeights::decompress(const TensorView& latent, const TensorView& k,
   check_contiguous(k, "k", n, heads_, nope_ + rope_);
   check_contiguous(v, "v", n, heads_, v_);
   const int row_dim = rank_ + rope_, kd = nope_ + rope_;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) \
+    num_threads(threads_for(n * heads_ * (nope_ + v_) * kNonzeros))
   for (int64_t t = 0; t < n; ++t) {
     std::vector<float> c(row_dim);
     for (int r = 0; r < row_dim; ++r) {
@@ -81,7 +90,7 @@ void MlaWeights::absorb_q(const TensorView& q, const TensorView& q_lat) const {
   check_contiguous(q, "q", T, heads_, nope_ + rope_);
   check_contiguous(q_lat, "q_lat", T, heads_, rank_ + rope_);
   const int qd = nope_ + rope_, ld = rank_ + rope_;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads_for(T * heads_ * nope_ * kNonzeros))
   for (int64_t t = 0; t < T; ++t) {
     std::vector<float> acc(ld);
     for (int h = 0; h < heads_; ++h) {
@@ -104,7 +113,7 @@ void MlaWeights::project_out(const TensorView& out_lat, const TensorView& out) c
   const int64_t T = out_lat.ndim == 3 ? out_lat.shape[0] : 0;
   check_contiguous(out_lat, "out_lat", T, heads_, rank_);
   check_contiguous(out, "out", T, heads_, v_);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads_for(T * heads_ * v_ * kNonzeros))
   for (int64_t t = 0; t < T; ++t) {
     for (int h = 0; h < heads_; ++h) {
       const size_t lb = static_cast<size_t>((t * heads_ + h) * rank_);

@@ -19,8 +19,9 @@ class MlaWeights {
  public:
   static constexpr int kNonzeros = 16;
 
-  // Throws attnrt::Error for a layer without an MHA form.
-  MlaWeights(const LayerSpec& layer, uint64_t seed);
+  // Throws attnrt::Error for a layer without an MHA form. `threads`: the most threads the three
+  // products below wake (0: every core); a call wakes one per 2^20 multiply-adds of its work.
+  MlaWeights(const LayerSpec& layer, uint64_t seed, int threads = 0);
 
   // k [n, Hq, qk_nope + qk_rope] = [W_UK^T c | rope] and v [n, Hq, mha_v] = W_UV^T c per head from
   // the latent rows [n, 1, kv_lora_rank + qk_rope] (c: the first kv_lora_rank columns). Contiguous
@@ -34,7 +35,10 @@ class MlaWeights {
  private:
   // Column (h, d) of W_UK: rows uk_row[(h * nope + d) * kNonzeros + i], weights uk_w[...]; W_UV
   // likewise with mha_v columns.
+  int threads_for(int64_t work) const;
+
   int heads_, rank_, rope_, nope_, v_;
+  int threads_;
   std::vector<int32_t> uk_row_, uv_row_;
   std::vector<float> uk_w_, uv_w_;
 };
