@@ -40,8 +40,11 @@ ReferenceBackend::ReferenceBackend(const BackendContext& ctx)
     : OnePathAttnBackend(ctx),
       num_threads_(host_num_threads(ctx.options, "reference backend", omp_get_num_procs())) {}
 
+// At most the calling thread's OpenMP limit too: `attnrt check --jobs N` runs each case on one
+// thread by omp_set_num_threads(1), which an explicit num_threads clause would override.
 int ReferenceBackend::threads_for(int64_t work) const {
-  return static_cast<int>(std::clamp<int64_t>(work >> 20, 1, num_threads_));
+  const int cap = std::min(num_threads_, std::max(1, omp_get_max_threads()));
+  return static_cast<int>(std::clamp<int64_t>(work >> 20, 1, cap));
 }
 
 void ReferenceBackend::init_forward_metadata(const ForwardBatch& batch) {

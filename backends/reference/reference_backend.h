@@ -40,8 +40,9 @@ class ReferenceBackend final : public OnePathAttnBackend {
   void set_sample(std::vector<int64_t> tokens, std::vector<int> heads);
 
   // Threads of its parallel loops: Options::num_threads, else ATTNRT_NUM_THREADS, else every core
-  // (host_num_threads); a loop wakes one per 2^20 multiply-adds of its work, so the small calls of
-  // `attnrt run`'s sampled checks stay on the calling thread.
+  // (host_num_threads); a loop wakes one per 2^20 multiply-adds of its work, never more than the
+  // calling thread's omp_get_max_threads(), so the small calls of `attnrt run`'s sampled checks
+  // stay on the calling thread.
   int num_threads() const { return num_threads_; }
 
  private:

@@ -48,7 +48,8 @@ MlaWeights::MlaWeights(const LayerSpec& layer, uint64_t seed, int threads)
 }
 
 int MlaWeights::threads_for(int64_t work) const {
-  return static_cast<int>(std::clamp<int64_t>(work >> 20, 1, threads_));
+  const int cap = std::min(threads_, std::max(1, omp_get_max_threads()));
+  return static_cast<int>(std::clamp<int64_t>(work >> 20, 1, cap));
 }
 
 void MlaWeights::decompress(const TensorView& latent, const TensorView& k,
