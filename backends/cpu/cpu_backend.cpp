@@ -64,8 +64,7 @@ int cpu_num_threads(const Options* options) {
 }
 
 int cpu_threads_for(int64_t macs, int max_threads) {
-  return static_cast<int>(
-      std::clamp<int64_t>(macs / kMinMacsPerThread, 1, std::max(1, max_threads)));
+  return host_threads_for(macs, kMinMacsPerThread, max_threads);
 }
 
 std::string cpu_simd_target() { return cpu::simd_target_name(); }

@@ -43,8 +43,7 @@ ReferenceBackend::ReferenceBackend(const BackendContext& ctx)
 // At most the calling thread's OpenMP limit too: `attnrt check --jobs N` runs each case on one
 // thread by omp_set_num_threads(1), which an explicit num_threads clause would override.
 int ReferenceBackend::threads_for(int64_t work) const {
-  const int cap = std::min(num_threads_, std::max(1, omp_get_max_threads()));
-  return static_cast<int>(std::clamp<int64_t>(work >> 20, 1, cap));
+  return host_threads_for(work, int64_t{1} << 20, std::min(num_threads_, omp_get_max_threads()));
 }
 
 void ReferenceBackend::init_forward_metadata(const ForwardBatch& batch) {

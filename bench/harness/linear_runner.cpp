@@ -313,9 +313,7 @@ void say(const BenchConfig& config, const std::string& line) {
 LinearRowResult run_linear_row(const BenchConfig& config, const LinearWorkload& w,
                                const Ceilings& ceilings) {
   LinearRowResult row;
-  std::vector<LinearWorkload> standard = linear_standard_workloads();
-  for (LinearWorkload& c : linear_comparison_workloads()) standard.push_back(std::move(c));
-  start_row(row, w, standard, linear_counted_bytes(w), linear_counted_flops(w));
+  start_row(row, w, all_linear_workloads(), linear_counted_bytes(w), linear_counted_flops(w));
   const int threads = resolve_threads(config.threads);
   try {
     say(config, fmt::format("{}: setting up {} {} ({:.1f} MiB moved per call)", w.name,

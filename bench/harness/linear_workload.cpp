@@ -158,6 +158,12 @@ std::vector<LinearWorkload> linear_comparison_workloads() {
   return {w};
 }
 
+std::vector<LinearWorkload> all_linear_workloads() {
+  std::vector<LinearWorkload> rows = linear_standard_workloads();
+  for (LinearWorkload& w : linear_comparison_workloads()) rows.push_back(std::move(w));
+  return rows;
+}
+
 std::vector<LinearWorkload> linear_standard_workloads() {
   return {
       row(LayerKind::gdn, LinearMode::decode, 64, 1),
@@ -180,13 +186,7 @@ bool matches(const LinearWorkload& w, std::string_view item) {
 
 constexpr std::string_view kComparisonGroup = "flashinfer-gdn";
 
-// The standard rows, then the comparison rows (matched by their name or group only).
-std::vector<LinearWorkload> all_linear_rows() {
-  std::vector<LinearWorkload> rows = linear_standard_workloads();
-  for (LinearWorkload& w : linear_comparison_workloads()) rows.push_back(std::move(w));
-  return rows;
-}
-
+// The comparison rows match their name or group only.
 bool matches_any(const LinearWorkload& w, std::string_view item) {
   for (const LinearWorkload& c : linear_comparison_workloads()) {
     if (c.name == w.name) return item == w.name || item == kComparisonGroup;
@@ -197,14 +197,14 @@ bool matches_any(const LinearWorkload& w, std::string_view item) {
 }  // namespace
 
 bool is_linear_selector(std::string_view item) {
-  for (const LinearWorkload& w : all_linear_rows()) {
+  for (const LinearWorkload& w : all_linear_workloads()) {
     if (matches_any(w, item)) return true;
   }
   return false;
 }
 
 std::vector<LinearWorkload> select_linear_workloads(std::string_view selector) {
-  return select_rows(selector, all_linear_rows(), matches_any, "linear workload",
+  return select_rows(selector, all_linear_workloads(), matches_any, "linear workload",
                      "all, decode, extend, gdn, kda, mamba2, flashinfer-gdn",
                      "all, a mode, a layer kind, a row name or flashinfer-gdn");
 }

@@ -91,6 +91,8 @@ std::vector<LinearWorkload> linear_standard_workloads();
 // gdn-extend-1x65536-h2v8, the GDN layer of qwen3-next-80b with the heads of FlashInfer's
 // published row (2 key, 8 value), one request of 65536 tokens.
 std::vector<LinearWorkload> linear_comparison_workloads();
+// The standard rows, then the comparison rows.
+std::vector<LinearWorkload> all_linear_workloads();
 
 // Selects rows: "all", a row name, a mode ("decode", "extend"), a layer kind ("gdn", "kda",
 // "mamba2"), or a comma-separated list. Throws attnrt::Error naming the unknown entry and the valid

@@ -727,6 +727,11 @@ int max_num_threads() {
   return 4 * std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
 }
 
+int host_threads_for(int64_t work, int64_t work_per_thread, int max_threads) {
+  return static_cast<int>(
+      std::clamp<int64_t>(work / work_per_thread, 1, std::max(1, max_threads)));
+}
+
 int host_num_threads(const Options* options, std::string_view who, int every_core) {
   if (options != nullptr) {
     ATTNRT_CHECK(options->num_threads >= 0 && options->num_threads <= max_num_threads(),

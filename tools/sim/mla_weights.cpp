@@ -6,6 +6,7 @@
 #include <cmath>
 #include <random>
 
+#include "attnrt/backend/selection.h"
 #include "attnrt/core/error.h"
 
 namespace attnrt::sim {
@@ -48,8 +49,7 @@ MlaWeights::MlaWeights(const LayerSpec& layer, uint64_t seed, int threads)
 }
 
 int MlaWeights::threads_for(int64_t work) const {
-  const int cap = std::min(threads_, std::max(1, omp_get_max_threads()));
-  return static_cast<int>(std::clamp<int64_t>(work >> 20, 1, cap));
+  return host_threads_for(work, int64_t{1} << 20, std::min(threads_, omp_get_max_threads()));
 }
 
 void MlaWeights::decompress(const TensorView& latent, const TensorView& k,

@@ -57,13 +57,11 @@ __global__ void __launch_bounds__(kGatherThreads)
   if ((acc | 1u) == impossible) *sink = acc;
 }
 
-int sm_count_or(int fallback) {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    return fallback;
-  }
-  return sms;
+// The multiprocessors of the current device, both launchers' grid unit.
+cudaError_t sm_count(int* sms) {
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
 }
 
 }  // namespace
@@ -75,8 +73,8 @@ cudaError_t gather_rows_by_reading(const void* pool, const int32_t* slots, int64
       slots == nullptr || sink == nullptr || n < 0) {
     return cudaErrorInvalidValue;
   }
-  const int sms = sm_count_or(0);
-  if (sms == 0) return cudaErrorInvalidDevice;
+  int sms = 0;
+  if (const cudaError_t err = sm_count(&sms); err != cudaSuccess) return err;
   gather_rows_kernel<<<kGatherCtasPerSm * sms, kGatherThreads, 0, s>>>(
       static_cast<const uint4*>(pool), slots, n, row_bytes / 16, 0u, sink);
   return cudaGetLastError();
@@ -87,12 +85,8 @@ cudaError_t evict_l2_by_reading(const void* buf, size_t bytes, uint32_t* sink, c
   if (reinterpret_cast<uintptr_t>(buf) % 16 != 0 || bytes % 16 != 0 || sink == nullptr) {
     return cudaErrorInvalidValue;
   }
-  int device = 0, sms = 0;
-  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
-  if (const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-      err != cudaSuccess) {
-    return err;
-  }
+  int sms = 0;
+  if (const cudaError_t err = sm_count(&sms); err != cudaSuccess) return err;
   read_all_kernel<<<kCtasPerSm * sms, kThreads, 0, s>>>(static_cast<const uint4*>(buf), bytes / 16,
                                                         0u, sink);
   return cudaGetLastError();

@@ -30,6 +30,11 @@ int max_num_threads();
 // [0, max_num_threads()] or a malformed variable.
 int host_num_threads(const Options* options, std::string_view who, int every_core);
 
+// Threads worth waking for `work` units of one call (multiply-adds, loads): one per
+// `work_per_thread`, at least 1, at most `max_threads`, so a small call stays on the calling
+// thread instead of fanning out over a possibly shared machine.
+int host_threads_for(int64_t work, int64_t work_per_thread, int max_threads);
+
 struct Selection {
   std::string prefill;  // full-attention backend for EXTEND / MIXED (and verify in prefill mode)
   std::string decode;   // full-attention backend for DECODE / IDLE (and verify in decode mode)
