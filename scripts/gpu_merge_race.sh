@@ -50,6 +50,11 @@ timeout 45 /tmp/ab-bin/main/attnrt bench --backend cuda --suite linear \
   --workload flashinfer-gdn,gdn-extend-8x8192,kda-extend-8x8192 --no-reference --repeats 10 \
   --quiet > "$out/linear.txt" 2>&1
 grep -E "^(gdn|kda)|FlashInfer" "$out/linear.txt" | head -8
+# Where gdn-extend-8x8192's time goes, kernel by kernel (conv, gates, chunk table, prep, state pass).
+timeout 40 ncu --clock-control none --metrics gpu__time_duration.sum -c 12 \
+  /tmp/ab-bin/main/attnrt bench --backend cuda --suite linear --workload gdn-extend-8x8192 \
+  --no-reference --repeats 1 --warmup 1 --quiet > "$out/ncu_gdn.txt" 2>&1
+echo "ncu gdn-extend-8x8192:"; grep -E "^  [a-zA-Z_].*\(|gpu__time_duration" "$out/ncu_gdn.txt" | head -24
 # racecheck, one test a slot, the timing tests left out.
 TOOLS=racecheck UNIT=test SUITE_SECONDS=70 TOTAL_SECONDS=${RACE_SECONDS:-420} OUT=$out \
   bash scripts/gpu_sanitize_suites.sh 'CudaLinearChunked.GdnMatches*:CudaLinearChunked.KdaMatches*:CudaLinearChunked.HeadDim128:CudaLinearSsd.SmallDimsChunk64*:CudaLinearSsd.NemotronShapeBf16StateChunk64:Kinds/CudaLinear.DecodeAndMixedStepsMatchReference/gdn_bf16_small:Kinds/CudaLinear.DecodeAndMixedStepsMatchReference/mamba2_bf16_small:Kinds/CudaLinear.DecodeAndMixedStepsMatchReference/kda_bf16_small:Ranks/CudaDcp.ExtendOverAPrefixThenDecode/n2_gpu_tensors:Ranks/CudaDcp.TreeVerifyThenDecodeAfterCommit/n2_gpu_tensors:Pages/CudaDcpPaged.ChainVerifyThenDecodeAfterAcceptance/n2_gpu_tensors_page16'
