@@ -8,7 +8,8 @@
 #        no write-back inside the timed call), which splits the row's time into the kernels'
 #        and the flush's. The MLA runs also print the page-1 gather ceilings.
 #  race: the linear suite's GDN / KDA extend rows and FlashInfer's comparison row
-#        (gdn-extend-1x65536-h2v8, its counting in the notes), then racecheck over the
+#        (gdn-extend-1x65536-h2v8, its counting in the notes), ncu's kernel times of
+#        gdn-extend-8x8192 (conv, gates, prep, state pass), then racecheck over the
 #        linear-layer and DCP tests that did not finish whole suites in earlier calls, one test a
 #        slot.
 #   usage: scripts/gpu_merge_race.sh ab|race   (carry .gpubin-main, .gpubin-merge and, for race,
