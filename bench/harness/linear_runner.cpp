@@ -354,11 +354,17 @@ LinearRowResult run_linear_row(const BenchConfig& config, const LinearWorkload& 
     row.tokens_per_second = static_cast<double>(w.num_tokens()) / row.time.median;
     set_rate(row, ceilings);
     if (const double fi = linear_flashinfer_flops(w); fi > 0) {
-      row.notes.push_back(fmt::format(
+      std::string note = fmt::format(
           "counted as FlashInfer's GDN prefill benchmark (4 x tokens x value heads x Dk x Dv = "
-          "{:.3g} FLOPs): {:.3g} TFLOP/s; its published H100 figure, 1 x 65536 tokens at 2 key / 8 "
-          "value heads of 128 (gdn-extend-1x65536-h2v8 here), is {:.1f}",
-          fi, fi / row.time.median / 1e12, kFlashInferGdnH100Tflops));
+          "{:.3g} FLOPs): {:.3g} TFLOP/s",
+          fi, fi / row.time.median / 1e12);
+      if (const std::optional<FlashInferFigure> f = flashinfer_published(w)) {
+        note += fmt::format(
+            "; FlashInfer publishes {:.3f} ms at this shape on an H100 ({:.1f} TFLOP/s, {}; q, k, "
+            "v after the conv: conv, norms and gates are not in it), {:.2f}x this row's time",
+            f->ms, fi / (f->ms * 1e-3) / 1e12, f->of, f->ms * 1e-3 / row.time.median);
+      }
+      row.notes.push_back(std::move(note));
     }
   } catch (const Error& e) {
     row.status = "error";

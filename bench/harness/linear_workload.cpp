@@ -150,6 +150,19 @@ double linear_flashinfer_flops(const LinearWorkload& w) {
          w.spec.head_v_dim;
 }
 
+std::optional<FlashInferFigure> flashinfer_published(const LinearWorkload& w) {
+  if (w.kind != LayerKind::gdn || w.mode != LinearMode::extend || w.prefix_len != 0 ||
+      w.spec.head_k_dim != 128 || w.spec.head_v_dim != 128)
+    return std::nullopt;
+  const auto shape = [&](int batch, int64_t tokens, int hk, int hv) {
+    return w.batch == batch && w.new_tokens == tokens && w.spec.num_k_heads == hk &&
+           w.spec.num_v_heads == hv;
+  };
+  if (shape(1, 65536, 2, 8)) return FlashInferFigure{0.399, "flashinfer pull request 3866"};
+  if (shape(8, 8192, 16, 32)) return FlashInferFigure{0.820, "flashinfer pull request 3788"};
+  return std::nullopt;
+}
+
 std::vector<LinearWorkload> linear_comparison_workloads() {
   LinearWorkload w = row(LayerKind::gdn, LinearMode::extend, 1, 65536);
   w.spec.num_k_heads = 2;

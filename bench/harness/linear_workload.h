@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -79,10 +80,18 @@ double linear_counted_flops(const LinearWorkload& w);
 // Dk x Dv per token and value head: 4·tokens·H_v·Dk·Dv), for comparing with its published rates;
 // 0 for Mamba2 and decode rows.
 double linear_flashinfer_flops(const LinearWorkload& w);
-// FlashInfer's published GDN prefill figure that the comparison row matches: an H100, 1 x 65536
-// tokens, 2 key and 8 value heads of 128 (Qwen3.5-397B's GDN layer under tensor parallelism 8),
-// 0.399 ms, 86.1 TFLOP/s counted as above (flashinfer-ai/flashinfer pull request 3866).
-inline constexpr double kFlashInferGdnH100Tflops = 86.1;
+// A time FlashInfer publishes for its Hopper GDN prefill kernel (an H100; q, k, v after the conv,
+// so conv, L2 norm and gates are not in it) at the shape of one of these rows.
+struct FlashInferFigure {
+  double ms;            // published time
+  std::string_view of;  // where it is published
+};
+// Its figure at w's shape (requests, tokens, heads, dims), if it publishes one:
+//   gdn-extend-1x65536-h2v8: 0.399 ms, 86.1 TFLOP/s (its context-parallel path for few heads;
+//     flashinfer-ai/flashinfer pull request 3866);
+//   gdn-extend-8x8192 (16 / 32 heads): 0.820 ms, 167.6 TFLOP/s (its fused kernel, one CTA per
+//     request and value head; the "35B / 9B / 4B TP1, 8192x8" row of pull request 3788).
+std::optional<FlashInferFigure> flashinfer_published(const LinearWorkload& w);
 
 // The rows of docs/bench.md "Linear-attention rows", in a fixed order: decode (gdn, mamba2 at
 // batch 64 and 256), then extend (gdn, kda, mamba2 8 x 8192, mamba2 1 x 8192).
