@@ -9,13 +9,14 @@
 # ("VAR=value ..." set for every bench run, e.g. ATTNRT_BENCH_FLUSH=clean); AB_DEADLINE seconds
 # (default 540: a run that would start with less than 45 s left is skipped and says so);
 # AB_TESTS, a gtest filter run with the attnrt_cuda_tests of every binary but the base (the first)
-# before the timing (default none). Files in $OUT (default ./out/ab): LABEL_rN.json per run
-# (LABEL = the DIR's name without a leading ".gpubin-"), tests_LABEL.log, ab.txt (the table, also
-# printed last).
+# before the timing (default none); AB_TEST_SECONDS / AB_RUN_SECONDS bound each test run (200) and
+# each bench run (150), so a kernel that hangs costs one slot, not the call. Files in $OUT (default
+# ./out/ab): LABEL_rN.json per run (LABEL = the DIR's name without a leading ".gpubin-"),
+# tests_LABEL.log, ab.txt (the table, also printed last).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 2 ]; then
-  sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 rows=$1
@@ -37,7 +38,7 @@ nvidia-smi --query-gpu=name,clocks.max.sm,clocks.mem,temperature.gpu,power.draw 
 if [ -n "${AB_TESTS:-}" ]; then
   for label in "${labels[@]:1}"; do
     s=$(date +%s)
-    /tmp/ab-bin/$label/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$AB_TESTS" >"$out/tests_$label.log" 2>&1
+    timeout "${AB_TEST_SECONDS:-200}" /tmp/ab-bin/$label/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$AB_TESTS" >"$out/tests_$label.log" 2>&1
     rc=$?
     echo "tests $label rc=$rc $(($(date +%s) - s)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$out/tests_$label.log" | tr '\n' ' ')"
   done
@@ -50,7 +51,7 @@ for ((r = 1; r <= ${ROUNDS:-2}; ++r)); do
       continue
     fi
     s=$(date +%s)
-    env "${extra_env[@]}" /tmp/ab-bin/$label/attnrt bench --backend cuda --suite "${AB_SUITE:-attention}" \
+    timeout "${AB_RUN_SECONDS:-150}" env "${extra_env[@]}" /tmp/ab-bin/$label/attnrt bench --backend cuda --suite "${AB_SUITE:-attention}" \
       --workload "$rows" --no-reference --quiet --json "$out/${label}_r$r.json" >"$out/${label}_r$r.txt" 2>&1
     echo "$label round $r: rc=$? $(($(date +%s) - s)) s"
   done
