@@ -12,17 +12,21 @@
 #      under each.
 # The full per-patch calls (scripts/gpu_kv8_prefill.sh, scripts/gpu_merge_race.sh linear) do more
 # rounds and rows; this one gives each patch's pass / fail and first numbers.
-#   usage: OUT=DIR scripts/gpu_waiting.sh   (carry .gpubin, .gpubin-y16, .gpubin-pass, .devdeps)
+#   usage: OUT=DIR [WAIT_SECONDS=575] scripts/gpu_waiting.sh   (carry .gpubin, .gpubin-y16,
+#          .gpubin-pass, .devdeps); a stage that would end past WAIT_SECONDS is skipped and says so
+#          (so with less device time left, pass less and the first stages still run whole)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
 gpu_call_setup
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 for l in y16 pass; do gpubin_unpack .gpubin-$l /tmp/bin-$l || exit 1; done
+end=$(( $(date +%s) + ${WAIT_SECONDS:-575} ))
 stage() {  # stage NAME SECONDS COMMAND...: runs COMMAND under a timeout into $O/NAME.log
   local name=$1 t=$2 s rc
   shift 2
   s=$(date +%s)
+  if [ $(( s + t )) -gt $end ]; then echo "$name: not run (WAIT_SECONDS spent)"; return; fi
   timeout "$t" "$@" > "$O/$name.log" 2>&1
   rc=$?
   echo "$name rc=$rc $(( $(date +%s) - s )) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]|ERROR SUMMARY|RACECHECK SUMMARY' "$O/$name.log" | tr '\n' ' ')"
