@@ -239,8 +239,9 @@ void add_bench_command(CLI::App& app) {
          "decode, extend, gdn, kda, mamba2), a row name such as decode-16x4096 or "
          "gdn-decode-64, or a comma-separated list. Outside \"all\" and the kinds, by name "
          "or group: fp8-prefill (prefill / extend over an fp8 KV cache with "
-         "--fp8-prefill-attention: prefill-1x16384-fp8, ...) and long-decode "
-         "(decode-1x131072, decode-4x131072)")
+         "--fp8-prefill-attention: prefill-1x16384-fp8, ...), long-decode "
+         "(decode-1x131072, decode-4x131072) and, with --suite linear, flashinfer-gdn "
+         "(gdn-extend-1x65536-h2v8, the shape of FlashInfer's published GDN prefill figure)")
       ->capture_default_str();
   cmd->add_option("--scale", args->scale,
                   "Multiply every batch and length by this factor in (0, 1] (lengths stay whole "
