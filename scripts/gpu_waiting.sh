@@ -32,26 +32,19 @@ stage() {  # stage NAME SECONDS COMMAND...: runs COMMAND under a timeout into $O
   echo "$name rc=$rc $(( $(date +%s) - s )) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]|ERROR SUMMARY|RACECHECK SUMMARY' "$O/$name.log" | tr '\n' ' ')"
   grep -E "^\[  FAILED  \] [A-Z]|Failure|Which is|Expected|error:" "$O/$name.log" | head -12
 }
-# ---- 1. kv8 at head dims 64 / 128 / 256 ----
+# Stages in the order of what each result decides, so that a short WAIT_SECONDS still lands them:
+# the suites (pass / fail of each patch), the rows (what each moves), then sanitizers, the gemma3
+# run and ncu's split.
 stage kv8_tests 150 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='*Kv8Prefill*'
-CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-stage kv8_memcheck 30 "$CS" --tool memcheck --error-exitcode 9 $B/attnrt_cuda_tests --gtest_brief=1 \
-  --gtest_filter='*CudaKv8PrefillTest.SmallStepForTheSanitizers/*'
-stage kv8_racecheck 30 "$CS" --tool racecheck --error-exitcode 9 $B/attnrt_cuda_tests --gtest_brief=1 \
-  --gtest_filter='*CudaKv8PrefillTest.SmallStepForTheSanitizers/*'
-stage run_gemma3 20 $B/attnrt run --model gemma3-12b --layers 2 --attention-backend cuda \
-  --kv-cache-dtype fp8_e4m3 --page-size 16 --no-progress
-tail -4 "$O/run_gemma3.log"
+for l in y16 pass; do
+  stage linear_tests_$l 55 /tmp/bin-$l/attnrt_cuda_tests --gtest_brief=1 \
+    --gtest_filter='*CudaLinear*:-*CudaLinearTiming*'
+done
 W=prefill-1x8192-d64-kvfp8,prefill-1x8192-d256-kvfp8,prefill-1x16384-kvfp8,prefill-1x8192-d64,prefill-1x8192-d256,prefill-1x16384
 for kv8 in 1 0; do
   stage bench_kv8_$kv8 35 env ATTNRT_PREFILL_KV8=$kv8 $B/attnrt bench --backend cuda --workload "$W" \
     --no-reference --repeats 10 --warmup 2 --json $O/bench_kv8_$kv8.json
   grep -E "^prefill|gemm|copy" "$O/bench_kv8_$kv8.log" | head -9
-done
-# ---- 2. the linear patches ----
-for l in y16 pass; do
-  stage linear_tests_$l 55 /tmp/bin-$l/attnrt_cuda_tests --gtest_brief=1 \
-    --gtest_filter='*CudaLinear*:-*CudaLinearTiming*'
 done
 L=gdn-extend-8x8192,kda-extend-8x8192,mamba2-extend-8x8192,gdn-extend-1x65536-h2v8,gdn-decode-64
 for l in main y16 pass; do
@@ -61,6 +54,14 @@ for l in main y16 pass; do
     --no-reference --repeats 5 --warmup 1 --json $O/linear_$l.json
   grep -E "^(gdn|kda|mamba2)" "$O/linear_bench_$l.log" | head -6
 done
+CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+stage kv8_memcheck 30 "$CS" --tool memcheck --error-exitcode 9 $B/attnrt_cuda_tests --gtest_brief=1 \
+  --gtest_filter='*CudaKv8PrefillTest.SmallStepForTheSanitizers/*'
+stage kv8_racecheck 30 "$CS" --tool racecheck --error-exitcode 9 $B/attnrt_cuda_tests --gtest_brief=1 \
+  --gtest_filter='*CudaKv8PrefillTest.SmallStepForTheSanitizers/*'
+stage run_gemma3 20 $B/attnrt run --model gemma3-12b --layers 2 --attention-backend cuda \
+  --kv-cache-dtype fp8_e4m3 --page-size 16 --no-progress
+tail -4 "$O/run_gemma3.log"
 for l in main y16 pass; do
   bin=/tmp/bin-$l
   [ $l = main ] && bin=$B
