@@ -21,6 +21,7 @@ source scripts/gpubin.sh
 gpu_call_setup
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 for l in y16 pass; do gpubin_unpack .gpubin-$l /tmp/bin-$l || exit 1; done
+ln -sfn $B /tmp/bin-main  # .gpubin's linear code is main's
 end=$(( $(date +%s) + ${WAIT_SECONDS:-575} ))
 stage() {  # stage NAME SECONDS COMMAND...: runs COMMAND under a timeout into $O/NAME.log
   local name=$1 t=$2 s rc
@@ -48,9 +49,7 @@ for kv8 in 1 0; do
 done
 L=gdn-extend-8x8192,kda-extend-8x8192,mamba2-extend-8x8192,gdn-extend-1x65536-h2v8,gdn-decode-64
 for l in main y16 pass; do
-  bin=/tmp/bin-$l
-  [ $l = main ] && bin=$B
-  stage linear_bench_$l 30 $bin/attnrt bench --backend cuda --suite linear --workload "$L" \
+  stage linear_bench_$l 30 /tmp/bin-$l/attnrt bench --backend cuda --suite linear --workload "$L" \
     --no-reference --repeats 5 --warmup 1 --json $O/linear_$l.json
   grep -E "^(gdn|kda|mamba2)" "$O/linear_bench_$l.log" | head -6
 done
@@ -63,10 +62,8 @@ stage run_gemma3 20 $B/attnrt run --model gemma3-12b --layers 2 --attention-back
   --kv-cache-dtype fp8_e4m3 --page-size 16 --no-progress
 tail -4 "$O/run_gemma3.log"
 for l in main y16 pass; do
-  bin=/tmp/bin-$l
-  [ $l = main ] && bin=$B
   stage ncu_gdn_$l 20 ncu --clock-control none --metrics gpu__time_duration.sum -c 12 \
-    $bin/attnrt bench --backend cuda --suite linear --workload gdn-extend-8x8192 --no-reference \
+    /tmp/bin-$l/attnrt bench --backend cuda --suite linear --workload gdn-extend-8x8192 --no-reference \
     --repeats 1 --warmup 1 --quiet
   grep -E "^  [a-zA-Z_].*\(|gpu__time_duration" "$O/ncu_gdn_$l.log" | head -16
 done

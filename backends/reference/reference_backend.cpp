@@ -40,10 +40,8 @@ ReferenceBackend::ReferenceBackend(const BackendContext& ctx)
     : OnePathAttnBackend(ctx),
       num_threads_(host_num_threads(ctx.options, "reference backend", omp_get_num_procs())) {}
 
-// At most the calling thread's OpenMP limit too: `attnrt check --jobs N` runs each case on one
-// thread by omp_set_num_threads(1), which an explicit num_threads clause would override.
 int ReferenceBackend::threads_for(int64_t work) const {
-  return host_threads_for(work, int64_t{1} << 20, std::min(num_threads_, omp_get_max_threads()));
+  return omp_threads_for(work, int64_t{1} << 20, num_threads_);
 }
 
 void ReferenceBackend::init_forward_metadata(const ForwardBatch& batch) {

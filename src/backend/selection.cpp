@@ -1,5 +1,7 @@
 #include "attnrt/backend/selection.h"
 
+#include <omp.h>
+
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -730,6 +732,10 @@ int max_num_threads() {
 int host_threads_for(int64_t work, int64_t work_per_thread, int max_threads) {
   return static_cast<int>(
       std::clamp<int64_t>(work / work_per_thread, 1, std::max(1, max_threads)));
+}
+
+int omp_threads_for(int64_t work, int64_t work_per_thread, int max_threads) {
+  return host_threads_for(work, work_per_thread, std::min(max_threads, omp_get_max_threads()));
 }
 
 int host_num_threads(const Options* options, std::string_view who, int every_core) {

@@ -49,7 +49,7 @@ MlaWeights::MlaWeights(const LayerSpec& layer, uint64_t seed, int threads)
 }
 
 int MlaWeights::threads_for(int64_t work) const {
-  return host_threads_for(work, int64_t{1} << 20, std::min(threads_, omp_get_max_threads()));
+  return omp_threads_for(work, int64_t{1} << 20, threads_);
 }
 
 void MlaWeights::decompress(const TensorView& latent, const TensorView& k,

@@ -33,12 +33,12 @@ class MlaWeights {
   void project_out(const TensorView& out_lat, const TensorView& out) const;
 
  private:
-  // Column (h, d) of W_UK: rows uk_row[(h * nope + d) * kNonzeros + i], weights uk_w[...]; W_UV
-  // likewise with mha_v columns.
   int threads_for(int64_t work) const;
 
   int heads_, rank_, rope_, nope_, v_;
   int threads_;
+  // Column (h, d) of W_UK: rows uk_row[(h * nope + d) * kNonzeros + i], weights uk_w[...]; W_UV
+  // likewise with mha_v columns.
   std::vector<int32_t> uk_row_, uv_row_;
   std::vector<float> uk_w_, uv_w_;
 };

@@ -34,6 +34,10 @@ int host_num_threads(const Options* options, std::string_view who, int every_cor
 // `work_per_thread`, at least 1, at most `max_threads`, so a small call stays on the calling
 // thread instead of fanning out over a possibly shared machine.
 int host_threads_for(int64_t work, int64_t work_per_thread, int max_threads);
+// The same, also within the calling thread's OpenMP limit (omp_get_max_threads()), for a loop that
+// passes it as an explicit num_threads clause: `attnrt check --jobs N` runs each case on one
+// thread by omp_set_num_threads(1), which the clause would otherwise override.
+int omp_threads_for(int64_t work, int64_t work_per_thread, int max_threads);
 
 struct Selection {
   std::string prefill;  // full-attention backend for EXTEND / MIXED (and verify in prefill mode)
