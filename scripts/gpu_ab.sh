@@ -40,7 +40,7 @@ if [ -n "${AB_TESTS:-}" ]; then
     s=$(date +%s)
     timeout "${AB_TEST_SECONDS:-200}" /tmp/ab-bin/$label/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$AB_TESTS" >"$out/tests_$label.log" 2>&1
     rc=$?
-    echo "tests $label rc=$rc $(($(date +%s) - s)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]' "$out/tests_$label.log" | tr '\n' ' ')"
+    echo "tests $label rc=$rc $(($(date +%s) - s)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]' "$out/tests_$label.log" | tr '\n' ' ')"
   done
 fi
 read -r -a extra_env <<<"${AB_ENV:-}"

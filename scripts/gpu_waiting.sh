@@ -22,17 +22,8 @@ gpu_call_setup
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 for l in y16 pass; do gpubin_unpack .gpubin-$l /tmp/bin-$l || exit 1; done
 ln -sfn $B /tmp/bin-main  # .gpubin's linear code is main's
-end=$(( $(date +%s) + ${WAIT_SECONDS:-575} ))
-stage() {  # stage NAME SECONDS COMMAND...: runs COMMAND under a timeout into $O/NAME.log
-  local name=$1 t=$2 s rc
-  shift 2
-  s=$(date +%s)
-  if [ $(( s + t )) -gt $end ]; then echo "$name: not run (WAIT_SECONDS spent)"; return; fi
-  timeout "$t" "$@" > "$O/$name.log" 2>&1
-  rc=$?
-  echo "$name rc=$rc $(( $(date +%s) - s )) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) \]|ERROR SUMMARY|RACECHECK SUMMARY' "$O/$name.log" | tr '\n' ' ')"
-  grep -E "^\[  FAILED  \] [A-Z]|Failure|Which is|Expected|error:" "$O/$name.log" | head -12
-}
+GPU_END=$(( $(date +%s) + ${WAIT_SECONDS:-575} ))
+stage() { gpu_stage "$@"; }
 # Stages in the order of what each result decides, so that a short WAIT_SECONDS still lands them:
 # the suites (pass / fail of each patch), the rows (what each moves), then sanitizers, the gemma3
 # run and ncu's split.

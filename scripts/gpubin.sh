@@ -29,3 +29,20 @@ gpu_call_setup() {
   B=/tmp/bin
   gpubin_unpack .gpubin "$B"
 }
+
+# gpu_stage NAME SECONDS COMMAND...: runs COMMAND under a timeout of SECONDS into $O/NAME.log, then
+# prints its exit code, time, gtest / compute-sanitizer verdicts and first failure lines. A stage
+# that would end past GPU_END (seconds since the epoch; unset: no bound) is skipped and says so.
+gpu_stage() {
+  local name=$1 t=$2 s rc
+  shift 2
+  s=$(date +%s)
+  if [ -n "${GPU_END:-}" ] && [ $((s + t)) -gt "$GPU_END" ]; then
+    echo "$name: not run (the call's time is spent)"
+    return
+  fi
+  timeout "$t" "$@" >"$O/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $(($(date +%s) - s)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]|ERROR SUMMARY|RACECHECK SUMMARY' "$O/$name.log" | tr '\n' ' ')"
+  grep -E "^\[  FAILED  \] [A-Z]|Failure|Which is|Expected|error:" "$O/$name.log" | head -12
+}
