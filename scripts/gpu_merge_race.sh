@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU calls of under 600 s each for the waiting items, PART = ab, linear or race:
+# GPU calls of under 600 s each for the waiting items, PART = ab or race:
 #  ab:   the A/B of patches/merge-slices.patch against main (the patch's tests first, including
 #        the page-1 gather probe's; the MLA h16 / h128 rows, two rounds; the long GQA decode rows,
 #        one round), ncu's kernel times of mla-decode-h16-1x32768 under each binary (ncu writes
@@ -7,23 +7,19 @@
 #        flush leaves), and the h16 rows once more under ATTNRT_BENCH_FLUSH=clean (a read flush:
 #        no write-back inside the timed call), which splits the row's time into the kernels'
 #        and the flush's. The MLA runs also print the page-1 gather ceilings.
-#  linear: patches/linear-y16.patch (.gpubin-y16) and delta-pass-wgmma.patch stacked on it
-#        (.gpubin-pass) against main: the linear suites, the linear rows in two rounds, ncu's
-#        kernel times of gdn-extend-8x8192 under each binary.
 #  race: the linear suite's GDN / KDA extend rows and FlashInfer's comparison row
 #        (gdn-extend-1x65536-h2v8, its counting in the notes), ncu's kernel times of
 #        gdn-extend-8x8192 (conv, gates, prep, state pass), then racecheck over the
 #        linear-layer and DCP tests that did not finish whole suites in earlier calls, one test a
 #        slot.
-#   usage: scripts/gpu_merge_race.sh ab|linear|race   (carry .gpubin-main; .gpubin-merge for ab;
-#          .gpubin-y16 and .gpubin-pass for linear; for race
+#   usage: scripts/gpu_merge_race.sh ab|race   (carry .gpubin-main; .gpubin-merge for ab; for race
 #          .gpubin (a copy of .gpubin-main), and .devdeps; results in $OUT)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-$PWD/out/merge_race}
 mkdir -p "$out"
 source .devdeps/unpack-debs.sh >/dev/null
-part=${1:?usage: scripts/gpu_merge_race.sh ab|linear|race}
+part=${1:?usage: scripts/gpu_merge_race.sh ab|race}
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 if [ "$part" = ab ]; then
 ROUNDS=2 AB_SUITE=mla AB_DEADLINE=230 OUT=$out/mla \
@@ -46,26 +42,6 @@ ATTNRT_BENCH_FLUSH=clean timeout 45 /tmp/ab-bin/main/attnrt bench --backend cuda
   --no-reference --repeats 20 --quiet > "$out/mla_clean_flush.txt" 2>&1
 echo "main, ATTNRT_BENCH_FLUSH=clean:"; grep -E "^mla|gather|ordered|memory" "$out/mla_clean_flush.txt" | head -8
 tar -C "$out" -czf "$out/ab_runs.tgz" mla gqa && rm -rf "$out/mla" "$out/gqa"
-fi
-if [ "$part" = linear ]; then
-# patches/linear-y16.patch (y in bf16 for 16-bit activations) and, stacked on it,
-# patches/delta-pass-wgmma.patch (the warp-specialised wgmma state pass) against main: the linear
-# GPU suites under each patched binary, the linear rows in two rounds, then ncu's kernel times of
-# gdn-extend-8x8192 under each binary (conv, gates, prep, state pass).
-ROUNDS=2 AB_SUITE=linear AB_DEADLINE=420 AB_TEST_SECONDS=100 AB_RUN_SECONDS=90 OUT=$out/linear \
-  AB_TESTS='*CudaLinear*:-*CudaLinearTiming*' \
-  bash scripts/gpu_ab.sh gdn-extend-8x8192,kda-extend-8x8192,mamba2-extend-8x8192,mamba2-extend-1x8192,gdn-decode-64,gdn-decode-256,mamba2-decode-64,gdn-extend-1x65536-h2v8 \
-  .gpubin-main .gpubin-y16 .gpubin-pass > "$out/ab_linear.txt" 2>&1
-grep -E "passed|FAILED|tests ran" "$out"/linear/tests_*.log | head -8
-tail -14 "$out/ab_linear.txt"
-for l in main y16 pass; do
-  timeout 40 ncu --clock-control none --metrics gpu__time_duration.sum -c 12 \
-    /tmp/ab-bin/$l/attnrt bench --backend cuda --suite linear --workload gdn-extend-8x8192 \
-    --no-reference --repeats 1 --warmup 1 --quiet > "$out/ncu_gdn_$l.txt" 2>&1
-  echo "ncu gdn-extend-8x8192 ($l):"
-  grep -E "^  [a-zA-Z_].*\(|gpu__time_duration" "$out/ncu_gdn_$l.txt" | head -24
-done
-tar -C "$out" -czf "$out/linear_runs.tgz" linear && rm -rf "$out/linear"
 fi
 if [ "$part" = race ]; then
 source scripts/gpubin.sh

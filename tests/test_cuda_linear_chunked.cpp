@@ -3,10 +3,11 @@
 // each request's tokens): GDN and KDA, head dims 64 and 128, ragged requests (1 .. 1000 tokens,
 // chunk boundaries on and off, an empty request, rows between requests that no request owns),
 // with and without an initial state, fp32 / bf16 states, fp32 / bf16 / fp16 gates and outputs,
-// strong KDA decays. Device buffers are filled by hand (no backend object). Outputs are poisoned
-// with NaN first, so unwritten elements show; slots no request touches must keep their bytes.
-// One more test prints (never asserts) the kernel time at 8 x 8192 tokens for the Qwen3-Next GDN
-// and Kimi-Linear KDA shapes. Skips (with the reason) where no CUDA device is usable.
+// fp32 / bf16 conv outputs y (the reference reads the bf16-rounded values), strong KDA decays.
+// Device buffers are filled by hand (no backend object). Outputs are poisoned with NaN first, so
+// unwritten elements show; slots no request touches must keep their bytes. One more test prints
+// (never asserts) the kernel time at 8 x 8192 tokens for the Qwen3-Next GDN and Kimi-Linear KDA
+// shapes, with fp32 and with bf16 y. Skips (with the reason) where no CUDA device is usable.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -63,9 +64,11 @@ struct ChunkedCase {
   bool kda = false;
   int hk = 2, hv = 4, dk = 64, dv = 64;
   DType state = DType::f32, gates = DType::f32, out = DType::f32;
+  DType y = DType::f32;                   // the conv outputs (y_dtype): f32 or bf16
   std::vector<int> lens, slots, initial;  // per request
   int gap = 0;                            // rows no request owns, before each request
   int num_slots = 8;
+  int out_pad = 0;  // output rows hv * dv + out_pad elements apart
   float a_lo = -4.1f, a_hi = 1.3f;  // gate inputs: decays about e^-0.01 .. e^-2 per token
 };
 
@@ -126,13 +129,13 @@ struct DeviceCase {
   cl::DeltaParams p{};
   DeviceCase(const ChunkedCase& c, int conv_dim, int a_width, int64_t rows, size_t state_bytes)
       : reqs(sizeof(cl::LinReq) * std::max<size_t>(c.lens.size(), 1)),
-        y(static_cast<size_t>(rows) * conv_dim * 4),
+        y(static_cast<size_t>(rows) * conv_dim * dtype_size(c.y)),
         a(static_cast<size_t>(rows) * a_width * dtype_size(c.gates)),
         b(static_cast<size_t>(rows) * c.hv * dtype_size(c.gates)),
         A_log(static_cast<size_t>(c.hv) * 4),
         dt_bias(static_cast<size_t>(c.kda ? c.hv * c.dk : c.hv) * 4),
         state(state_bytes),
-        out(static_cast<size_t>(rows) * c.hv * c.dv * dtype_size(c.out)) {
+        out(static_cast<size_t>(rows) * (c.hv * c.dv + c.out_pad) * dtype_size(c.out)) {
     p.step.reqs = reqs.as<const cl::LinReq>();
     p.step.num_reqs = static_cast<int32_t>(c.lens.size());
     p.step.max_tokens = c.lens.empty() ? 0 : *std::max_element(c.lens.begin(), c.lens.end());
@@ -145,7 +148,8 @@ struct DeviceCase {
     p.kda = c.kda ? 1 : 0;
     p.key_heads = c.hk;
     p.scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.dk)));
-    p.y = y.as<const float>();
+    p.y = y.ptr;
+    p.y_dtype = static_cast<cl::DTypeCode>(c.y);
     p.a = a.ptr;
     p.a_stride = a_width;
     p.a_dtype = static_cast<cl::DTypeCode>(c.gates);
@@ -155,7 +159,7 @@ struct DeviceCase {
     p.A_log = A_log.as<const float>();
     p.dt_bias = dt_bias.as<const float>();
     p.out = out.ptr;
-    p.out_stride = static_cast<int64_t>(c.hv) * c.dv;
+    p.out_stride = static_cast<int64_t>(c.hv) * c.dv + c.out_pad;
     p.out_dtype = static_cast<cl::DTypeCode>(c.out);
   }
 };
@@ -163,16 +167,17 @@ struct DeviceCase {
 // Runs the chunked kernel on one case and compares with the float64 recurrence.
 void check_chunked(const ChunkedCase& c) {
   const uint32_t seed = std::random_device{}();
-  std::printf("[ seed %u ] %s hk=%d hv=%d dk=%d dv=%d state=%s gates=%s out=%s\n", seed,
+  std::printf("[ seed %u ] %s hk=%d hv=%d dk=%d dv=%d state=%s gates=%s out=%s y=%s\n", seed,
               c.kda ? "kda" : "gdn", c.hk, c.hv, c.dk, c.dv, dtype_name(c.state).data(),
-              dtype_name(c.gates).data(), dtype_name(c.out).data());
+              dtype_name(c.gates).data(), dtype_name(c.out).data(), dtype_name(c.y).data());
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   Inputs in = make_inputs(c, rng);
   const std::vector<uint8_t> a_raw = encode(in.a, c.gates), b_raw = encode(in.b, c.gates);
-  const std::vector<uint8_t> state_raw = encode(in.state, c.state);
+  const std::vector<uint8_t> state_raw = encode(in.state, c.state), y_raw = encode(in.y, c.y);
   const int64_t out_width = static_cast<int64_t>(c.hv) * c.dv;
-  const size_t out_bytes = static_cast<size_t>(in.rows * out_width) * dtype_size(c.out);
+  const int64_t out_stride = out_width + c.out_pad;
+  const size_t out_bytes = static_cast<size_t>(in.rows * out_stride) * dtype_size(c.out);
 
   DeviceCase dev(c, in.conv_dim, in.a_width, in.rows, state_raw.size());
   std::vector<cl::LinReq> reqs(c.lens.size());
@@ -183,7 +188,7 @@ void check_chunked(const ChunkedCase& c) {
     reqs[r].has_initial_state = c.initial[r];
   }
   dev.reqs.upload(reqs.data());
-  dev.y.upload(in.y.data());
+  dev.y.upload(y_raw.data());
   dev.a.upload(a_raw.data());
   dev.b.upload(b_raw.data());
   dev.A_log.upload(in.A_log.data());
@@ -223,7 +228,7 @@ void check_chunked(const ChunkedCase& c) {
       for (int i = 0; i < c.hv; ++i) b_t[i] = in.b[row * c.hv + i];
       linear::recurrent_step(lp, S, y_t.data(), a_t.data(), b_t.data(), o_t.data());
       for (int64_t i = 0; i < out_width; ++i) {
-        const double got = load_as_float(out_raw.data(), c.out, row * out_width + i);
+        const double got = load_as_float(out_raw.data(), c.out, row * out_stride + i);
         const double err = std::isnan(got) ? INFINITY : std::abs(got - o_t[i]);
         if (err > out_err) {
           out_err = err;
@@ -247,11 +252,11 @@ void check_chunked(const ChunkedCase& c) {
   EXPECT_LE(st_err, kTol * st_max);
   int64_t written_unowned = 0;
   for (int64_t row = 0; row < in.rows; ++row) {
-    if (owned[row]) continue;
-    for (int64_t i = 0; i < out_width; ++i)
-      written_unowned += !std::isnan(load_as_float(out_raw.data(), c.out, row * out_width + i));
+    for (int64_t i = owned[row] ? out_width : 0; i < out_stride; ++i)
+      written_unowned += !std::isnan(load_as_float(out_raw.data(), c.out, row * out_stride + i));
   }
-  EXPECT_EQ(written_unowned, 0) << "output elements written outside the requests' rows";
+  EXPECT_EQ(written_unowned, 0)
+      << "output elements written outside the requests' rows or past the heads in a row";
   const size_t slot_bytes = static_cast<size_t>(per_slot) * dtype_size(c.state);
   for (int s = 0; s < c.num_slots; ++s) {
     if (touched[s]) continue;
@@ -288,6 +293,19 @@ TEST_F(CudaLinearChunked, Bf16StateGatesAndOutputs) {
   }
 }
 
+// bf16 y, as the backend stores it for 16-bit activations: bf16 gates and outputs, both head
+// dims, fp32 (GDN) and bf16 (KDA) states.
+TEST_F(CudaLinearChunked, Bf16ConvOutputs) {
+  for (bool kda : {false, true}) {
+    for (int dk : {64, 128}) {
+      ChunkedCase c = ragged(kda, dk);
+      c.y = c.gates = c.out = DType::bf16;
+      c.state = kda ? DType::bf16 : DType::f32;
+      check_chunked(c);
+    }
+  }
+}
+
 TEST_F(CudaLinearChunked, Fp16GatesAndOutputs) {
   ChunkedCase c = ragged(true, 64);
   c.gates = c.out = DType::f16;
@@ -307,6 +325,20 @@ TEST_F(CudaLinearChunked, HeadDim128) {
     c.gap = 1;
     c.state = kda ? DType::f32 : DType::bf16;
     c.out = kda ? DType::f32 : DType::bf16;
+    check_chunked(c);
+  }
+}
+
+// The warp-specialised state pass at head dim 128 on ragged requests (tails, one token, an empty
+// request, a ring of two stages wrapping many times), bf16 states for both kinds; GDN's output
+// rows are an odd number of elements apart (the pass's one-by-one output stores), KDA's aligned
+// (its 4-element vector stores).
+TEST_F(CudaLinearChunked, HeadDim128RaggedBf16StatesAndOddOutputStride) {
+  for (bool kda : {false, true}) {
+    ChunkedCase c = ragged(kda, 128);
+    c.state = DType::bf16;
+    c.out = kda ? DType::bf16 : DType::f16;
+    c.out_pad = kda ? 0 : 3;
     check_chunked(c);
   }
 }
@@ -353,11 +385,11 @@ TEST(CudaLinearChunkedArgs, RejectsWhatItDoesNotSupport) {
       << "conv_dim that does not match the heads";
 }
 
-// 8 requests x 8192 tokens, fp32 conv outputs, bf16 gates and outputs, fp32 state with an
-// initial state. Prints the median of 7 timed runs; FLOPs counted per (chunk, head) as the
+// 8 requests x 8192 tokens, conv outputs of dtype `y_dtype`, bf16 gates and outputs, fp32 state
+// with an initial state. Prints the median of 7 timed runs; FLOPs counted per (chunk, head) as the
 // kernels do them: kk and qk 4 C^2 Dk, the substitution C^2 (Dk + Dv), W S^T, Qd S^T and the
 // state update 6 C Dk Dv, qk u 2 C^2 Dv.
-void time_shape(bool kda, int hk, int hv, int d) {
+void time_shape(bool kda, int hk, int hv, int d, DType y_dtype) {
   constexpr int kReqs = 8, kLen = 8192;
   const int conv_dim = 2 * hk * d + hv * d, a_width = kda ? hv * d : hv;
   const int64_t rows = int64_t{kReqs} * kLen;
@@ -372,6 +404,7 @@ void time_shape(bool kda, int hk, int hv, int d) {
   for (float& v : a_blk) v = ua(rng);
   for (float& v : b_blk) v = normal(rng);
   const std::vector<uint8_t> a_raw = encode(a_blk, DType::bf16), b_raw = encode(b_blk, DType::bf16);
+  const std::vector<uint8_t> y_raw = encode(y_blk, y_dtype);
   std::vector<float> A_log_h(hv), dt_bias_h(kda ? hv * d : hv);
   for (float& v : A_log_h) v = small(rng);
   for (float& v : dt_bias_h) v = small(rng);
@@ -384,12 +417,13 @@ void time_shape(bool kda, int hk, int hv, int d) {
   c.hv = hv;
   c.dk = c.dv = d;
   c.gates = c.out = DType::bf16;
+  c.y = y_dtype;
   c.lens.assign(kReqs, kLen);
   DeviceCase dev(c, conv_dim, a_width, rows, state_bytes);
   dev.p.scale = 1.f / std::sqrt(static_cast<float>(d));
   for (int64_t r0 = 0; r0 < rows; r0 += kBlock) {
-    ASSERT_EQ(cudaMemcpy(dev.y.as<float>() + r0 * conv_dim, y_blk.data(), y_blk.size() * 4,
-                         cudaMemcpyHostToDevice),
+    ASSERT_EQ(cudaMemcpy(dev.y.as<uint8_t>() + r0 * conv_dim * dtype_size(y_dtype), y_raw.data(),
+                         y_raw.size(), cudaMemcpyHostToDevice),
               cudaSuccess);
     ASSERT_EQ(cudaMemcpy(dev.a.as<uint8_t>() + r0 * a_width * 2, a_raw.data(), a_raw.size(),
                          cudaMemcpyHostToDevice),
@@ -432,10 +466,11 @@ void time_shape(bool kda, int hk, int hv, int d) {
   const double C = kChunk, chunk_heads = static_cast<double>(rows) / kChunk * hv;
   const double flops =
       chunk_heads * (4 * C * C * d + C * C * 2 * d + 6 * C * d * d + 2 * C * C * d);
-  std::printf("[ timing ] %s %dx%d hk=%d hv=%d d=%d: median %.3f ms (min %.3f, max %.3f), "
-              "%.1f TFLOP/s, workspace %.2f GiB\n",
-              kda ? "kda" : "gdn", kReqs, kLen, hk, hv, d, med, ms.front(), ms.back(),
-              flops / (med * 1e-3) / 1e12, ws_bytes / double(1 << 30));
+  std::printf(
+      "[ timing ] %s %dx%d hk=%d hv=%d d=%d y=%s: median %.3f ms (min %.3f, max %.3f), "
+      "%.1f TFLOP/s, workspace %.2f GiB\n",
+      kda ? "kda" : "gdn", kReqs, kLen, hk, hv, d, dtype_name(y_dtype).data(), med, ms.front(),
+      ms.back(), flops / (med * 1e-3) / 1e12, ws_bytes / double(1 << 30));
   std::vector<uint16_t> probe(4096);
   ASSERT_EQ(cudaMemcpy(probe.data(), dev.out.ptr, probe.size() * 2, cudaMemcpyDeviceToHost),
             cudaSuccess);
@@ -445,8 +480,10 @@ void time_shape(bool kda, int hk, int hv, int d) {
 }
 
 TEST_F(CudaLinearChunked, TimingAt8x8192) {
-  time_shape(false, 16, 32, 128);  // Qwen3-Next GDN
-  time_shape(true, 32, 32, 128);   // Kimi-Linear KDA
+  for (DType y : {DType::f32, DType::bf16}) {
+    time_shape(false, 16, 32, 128, y);  // Qwen3-Next GDN
+    time_shape(true, 32, 32, 128, y);   // Kimi-Linear KDA
+  }
 }
 
 #else

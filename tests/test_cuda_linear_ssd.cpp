@@ -2,10 +2,12 @@
 // linear_ssd_chunked.cu) against the float64 sequential recurrence (linear::recurrent_step) on
 // the same numbers: ragged requests that end on, before and after chunk boundaries, with and
 // without initial state, several slots, fp32 and bf16 states, dt / out in fp32, bf16 and fp16,
-// small dims and the Nemotron-H ones. Decays per token span exp(-0.001) .. exp(-1). Each run
+// fp32 and bf16 conv outputs y (the reference reads the bf16-rounded values), small dims and the
+// Nemotron-H ones. Decays per token span exp(-0.001) .. exp(-1). Each run
 // draws a fresh seed (printed; ATTNRT_TEST_SEED replays one). Outputs are poisoned with NaN
 // first; slots and output columns the step does not own must come back unchanged. One more test
-// prints (never asserts) the kernel time at the Nemotron-H shape. Skips without a usable GPU.
+// prints (never asserts) the kernel time at the Nemotron-H shape, with fp32 and with bf16 y. Skips
+// without a usable GPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +19,7 @@
 #include <iostream>
 #include <limits>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "attnrt/core/device.h"
@@ -56,6 +59,7 @@ struct SsdCase {
   std::vector<int> has_init;  // per request: 1 = start from the slot's state
   DType ssm = DType::f32, a = DType::f32, out = DType::f32;
   int a_pad = 0, out_pad = 0;  // extra elements per row of a and out
+  DType y = DType::f32;        // the conv outputs (y_dtype): f32 or bf16
 };
 
 double softplus_inverse(double y) { return std::log(std::expm1(y)); }
@@ -78,7 +82,8 @@ struct SsdDevice {
     p.state.rows = c.head_dim;
     p.state.cols = c.d_state;
     p.groups = c.groups;
-    p.y = y.as<const float>();
+    p.y = y.ptr;
+    p.y_dtype = static_cast<cl::DTypeCode>(c.y);
     p.a = a.ptr;
     p.a_stride = a_stride;
     p.a_dtype = static_cast<cl::DTypeCode>(c.a);
@@ -136,6 +141,11 @@ void check_ssd(const SsdCase& c) {
 
   std::vector<float> y(static_cast<size_t>(T * conv_dim));
   for (float& v : y) v = static_cast<float>(uni(-1.0, 1.0));
+  HostArray y_raw(c.y, T * conv_dim);  // as the kernel reads it; the reference takes the same
+  for (int64_t i = 0; i < y_raw.size(); ++i) {
+    y_raw.set(i, y[i]);
+    y[i] = y_raw.get(i);
+  }
   HostArray a(c.a, T * a_stride);
   for (int64_t t = 0; t < T; ++t) {
     for (int64_t k = 0; k < a_stride; ++k) {
@@ -168,13 +178,13 @@ void check_ssd(const SsdCase& c) {
 
   const SsdDevice dev{DeviceMemory(reqs.size() * sizeof(cl::LinReq)),
                       DeviceMemory(ssm.bytes.size()),
-                      DeviceMemory(y.size() * sizeof(float)),
+                      DeviceMemory(y_raw.bytes.size()),
                       DeviceMemory(a.bytes.size()),
                       DeviceMemory(H * sizeof(float)),
                       DeviceMemory(H * sizeof(float)),
                       DeviceMemory(H * sizeof(float)),
                       DeviceMemory(out.bytes.size())};
-  dev.y.upload(y.data());
+  dev.y.upload(y_raw.bytes.data());
   dev.a.upload(a.bytes.data());
   dev.ssm.upload(ssm.bytes.data());
   dev.out.upload(out.bytes.data());
@@ -252,9 +262,9 @@ void check_ssd(const SsdCase& c) {
   const double state_rel = state_err / std::max(state_max, 1e-30);
   std::cout << "[ ssd  ] heads " << H << " groups " << G << " P " << P << " N " << N << " chunk "
             << c.chunk << " state " << dtype_name(c.ssm) << " dt " << dtype_name(c.a) << " out "
-            << dtype_name(c.out) << ": out max|err| " << out_err << " (max|ref| " << out_max << ", "
-            << out_rel << "), state max|err| " << state_err << " (max|ref| " << state_max << ", "
-            << state_rel << ")\n";
+            << dtype_name(c.out) << " y " << dtype_name(c.y) << ": out max|err| " << out_err
+            << " (max|ref| " << out_max << ", " << out_rel << "), state max|err| " << state_err
+            << " (max|ref| " << state_max << ", " << state_rel << ")\n";
   EXPECT_EQ(bad_nan, 0) << "non-finite outputs or states";
   EXPECT_EQ(pad_touched, 0) << "output columns past heads * head_dim were written";
   EXPECT_EQ(slot_touched, 0) << "slots the step does not own changed";
@@ -322,6 +332,22 @@ TEST(CudaLinearSsd, NemotronShapeBf16StateChunk64) {
   check_ssd(c);
 }
 
+// bf16 y (16-bit activations): x, B and C straight from y's rows, no workspace.
+TEST(CudaLinearSsd, NemotronShapeBf16ConvOutputs) {
+  SKIP_WITHOUT_GPU();
+  SsdCase c = ragged_case(128, 8, 128, 128, {1, 0, 1, 1, 0, 1});
+  c.a = c.out = c.y = DType::bf16;
+  check_ssd(c);
+}
+
+TEST(CudaLinearSsd, SmallDimsChunk64Bf16ConvOutputsBf16State) {
+  SKIP_WITHOUT_GPU();
+  SsdCase c = ragged_case(6, 3, 64, 64, {1, 1, 0, 1, 0, 1});
+  c.ssm = c.a = c.out = c.y = DType::bf16;
+  c.out_pad = 3;
+  check_ssd(c);
+}
+
 TEST(CudaLinearSsd, RejectsUnsupportedShapes) {
   SKIP_WITHOUT_GPU();
   cl::SsdParams p{};
@@ -350,8 +376,9 @@ TEST(CudaLinearSsd, RejectsUnsupportedShapes) {
 }
 
 // Kernel time at Nemotron-H-8B's shape (128 heads x head_dim 64, d_state 128, 8 groups, chunk
-// 128): bf16 dt and out, fp32 state, no initial state. Printed only: CUDA events around each
-// launcher call (the B | C conversion and the scan) after 3 warm-ups, median of 10. FLOPs are those
+// 128): bf16 dt and out, fp32 state, no initial state, fp32 and bf16 y. Printed only: CUDA events
+// around each launcher call (fp32 y: the B | C conversion and the scan; bf16 y: the scan) after 3
+// warm-ups, median of 10. FLOPs are those
 // of the dense chunked form per head and chunk (2 Q^2 N for C B^T, 2 Q^2 P for the masked scores
 // times X, 2 Q P N each for the chunk state and for C h^T), as the torch chunked scan computes
 // them.
@@ -359,29 +386,32 @@ TEST(CudaLinearSsd, ThroughputNemotronShape) {
   SKIP_WITHOUT_GPU();
   const int H = 128, P = 64, N = 128, G = 8, Q = 128;
   const int conv_dim = H * P + 2 * G * N;
-  for (const auto& [R, L] : std::vector<std::pair<int, int>>{{1, 8192}, {8, 8192}}) {
+  for (const auto& [R, L, yt] : std::vector<std::tuple<int, int, DType>>{{1, 8192, DType::f32},
+                                                                         {8, 8192, DType::f32},
+                                                                         {1, 8192, DType::bf16},
+                                                                         {8, 8192, DType::bf16}}) {
     const int64_t T = int64_t{R} * L;
-    std::vector<float> y(static_cast<size_t>(L) * conv_dim);
+    HostArray y(yt, int64_t{L} * conv_dim);
     uint32_t x = 12345u;
-    for (float& v : y) {
+    for (int64_t i = 0; i < y.size(); ++i) {
       x ^= x << 13;
       x ^= x >> 17;
       x ^= x << 5;
-      v = static_cast<float>(x >> 8) * (2.f / 16777216.f) - 1.f;
+      y.set(i, static_cast<float>(x >> 8) * (2.f / 16777216.f) - 1.f);
     }
     std::vector<uint16_t> a(static_cast<size_t>(T) * H);
     for (size_t i = 0; i < a.size(); ++i) a[i] = float_to_bf16(-4.f + 3.f * ((i * 37) % 97) / 97.f);
     const SsdDevice dev{DeviceMemory(R * sizeof(cl::LinReq)),
                         DeviceMemory(static_cast<size_t>(R + 1) * H * P * N * 4),
-                        DeviceMemory(static_cast<size_t>(T) * conv_dim * sizeof(float)),
+                        DeviceMemory(static_cast<size_t>(T) * conv_dim * dtype_size(yt)),
                         DeviceMemory(a.size() * 2),
                         DeviceMemory(H * 4),
                         DeviceMemory(H * 4),
                         DeviceMemory(H * 4),
                         DeviceMemory(static_cast<size_t>(T) * H * P * 2)};
     for (int r = 0; r < R; ++r) {
-      ASSERT_EQ(cudaMemcpy(dev.y.as<float>() + int64_t{r} * L * conv_dim, y.data(),
-                           y.size() * sizeof(float), cudaMemcpyHostToDevice),
+      ASSERT_EQ(cudaMemcpy(dev.y.as<unsigned char>() + y.bytes.size() * r, y.bytes.data(),
+                           y.bytes.size(), cudaMemcpyHostToDevice),
                 cudaSuccess);
     }
     dev.a.upload(a.data());
@@ -400,7 +430,8 @@ TEST(CudaLinearSsd, ThroughputNemotronShape) {
                     .d_state = N,
                     .chunk = Q,
                     .a = DType::bf16,
-                    .out = DType::bf16};
+                    .out = DType::bf16,
+                    .y = yt};
     const cl::SsdParams p = dev.params(c, R, L, H, int64_t{H} * P);
     DeviceMemory ws(cl::ssd_chunked_workspace(p, T, Q));
 
@@ -426,10 +457,10 @@ TEST(CudaLinearSsd, ThroughputNemotronShape) {
     const double med = ms[ms.size() / 2];
     const double flops =
         double(T) * H * (2.0 * Q * N + 2.0 * Q * P + 4.0 * P * N);  // per token: one row of each
-    const double bytes = double(T) * (conv_dim * 4.0 + H * 2.0 + H * P * 2.0);
+    const double bytes = double(T) * (conv_dim * double(dtype_size(yt)) + H * 2.0 + H * P * 2.0);
     std::cout << "[ perf ] ssd chunked " << R << " x " << L << " (heads " << H << ", P " << P
-              << ", N " << N << ", groups " << G << ", chunk " << Q << "): median " << med
-              << " ms (min " << ms.front() << ", max " << ms.back() << "), "
+              << ", N " << N << ", groups " << G << ", chunk " << Q << ", y " << dtype_name(yt)
+              << "): median " << med << " ms (min " << ms.front() << ", max " << ms.back() << "), "
               << flops / (med * 1e-3) / 1e12 << " TFLOP/s, " << T / (med * 1e-3) / 1e6
               << " M tokens/s, " << bytes / (med * 1e-3) / 1e12 << " TB/s of y/dt/out\n";
   }

@@ -42,7 +42,7 @@ struct PrefillCase : LayerCase {
   uint32_t seed = 1;
   // An fp8 KV cache (fp8_dtype: e4m3 or e5m2) with these per-layer scales, and
   // Options::fp8_prefill_attention (the fp8 prefill CTA, test_cuda_prefill_fp8.cpp). Without the
-  // option, fp8 pages at head dim 128 run the warp-specialised CTA over fp8 pages
+  // option, fp8 pages at head dims 64, 128 and 256 run the warp-specialised CTA over fp8 pages
   // (test_cuda_prefill_kv8.cpp).
   bool fp8_kv = false;
   DType fp8_dtype = DType::e4m3;
@@ -308,8 +308,8 @@ inline void check_prefill(const PrefillCase& c, const testing::Message& what = t
                    .sinks = c.sinks ? static_cast<const float*>(dsinks.ptr) : nullptr,
                    .lse = dlse.view};
   // Which CTA the table gives the case's prefill items: the fp8 one exactly when asked for; over
-  // fp8 pages without it, at head dim 128, the warp-specialised CTA over fp8 pages unless
-  // switched off (the launch's own choice, effective_attention_cta), else the mma.sync CTA.
+  // fp8 pages without it, at head dims 64, 128 and 256, the warp-specialised CTA over fp8 pages
+  // unless switched off (the launch's own choice, effective_attention_cta), else the mma.sync CTA.
   const cuda::KvKind kv = !c.fp8_kv                    ? cuda::KvKind::same_as_q
                           : c.fp8_dtype == DType::e5m2 ? cuda::KvKind::e5m2
                                                        : cuda::KvKind::e4m3;
@@ -324,7 +324,8 @@ inline void check_prefill(const PrefillCase& c, const testing::Message& what = t
   ASSERT_EQ(cuda::attention_cta(key) == cuda::AttnCta::fp8_prefill, fp8_cta)
       << "the case does not reach the CTA under test";
   if (c.fp8_kv && !fp8_cta) {
-    ASSERT_EQ(cuda::effective_attention_cta(key), c.dim == 128 && cuda::prefill_kv8_enabled()
+    ASSERT_EQ(cuda::effective_attention_cta(key),
+              (c.dim == 64 || c.dim == 128 || c.dim == 256) && cuda::prefill_kv8_enabled()
                                                       ? cuda::AttnCta::prefill_kv8
                                                       : cuda::AttnCta::mma_prefill)
         << "the case does not reach the CTA under test";

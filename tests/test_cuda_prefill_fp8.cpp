@@ -330,7 +330,8 @@ TEST(Fp8PrefillDispatch, OnlyAskedForE4m3PrefillItemsAtHeadDim128) {
   for (int d : {64, 256}) {
     k = on;
     k.head_dim = k.v_head_dim = d;
-    EXPECT_EQ(cuda::attention_cta(k), AttnCta::mma_prefill) << "head dim " << d;
+    EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill_kv8)
+        << "head dim " << d << ": the fp8 CTA's one head dim is 128";
   }
   for (TileShape sh : {TileShape::decode, TileShape::decode32, TileShape::verify}) {
     k = on;

@@ -1,6 +1,6 @@
 // The warp-specialised prefill CTA over fp8 pages (backends/cuda/kernels/prefill_ws.cuh with
 // PrefillWsKv8Config, producer in prefill_ws_kv8.cuh): the default for prefill / extend tiles over
-// an e4m3 or e5m2 KV cache at head dim 128. Its producer converts the fp8 K / V tiles to f16, the
+// an e4m3 or e5m2 KV cache at head dims 64, 128 and 256. Its producer converts the fp8 K / V tiles to f16, the
 // 16-bit CTA's consumers run on f16 MMAs, and bf16 q is scaled into f16 by a power of two, so it is
 // held to the tolerance of the 16-bit CTAs over a bf16 cache (PrefillTolerance's defaults): K and
 // V are exact in f16, q too (a power-of-two scale, bf16's 8 significant bits inside f16's 11), and
@@ -163,10 +163,10 @@ TEST(Kv8PrefillLayout, QScaleCoversEachConsumersOwnRowsOnce) {
   check_q_scale_chunks<256>();
 }
 
-// The table (host code): prefill items over e4m3 and e5m2 pools at head dim 128 go to the
-// warp-specialised CTA over fp8 pages, bf16 and fp16, unless the fp8 option takes the e4m3 ones;
-// TARGET_VERIFY, other head dims and other shapes as before.
-TEST(Kv8PrefillDispatch, Fp8PrefillItemsAtHeadDim128) {
+// The table (host code): prefill items over e4m3 and e5m2 pools at head dims 64, 128 and 256 go
+// to the warp-specialised CTA over fp8 pages, bf16 and fp16, unless the fp8 option takes the e4m3
+// ones (head dim 128); TARGET_VERIFY, other head dims and other shapes as before.
+TEST(Kv8PrefillDispatch, Fp8PrefillItemsAtHeadDims64To256) {
   using cuda::AttnCta;
   using cuda::AttnKernelKey;
   using cuda::KvKind;
@@ -197,8 +197,22 @@ TEST(Kv8PrefillDispatch, Fp8PrefillItemsAtHeadDim128) {
   for (int d : {64, 256}) {
     k = e4m3;
     k.head_dim = k.v_head_dim = d;
-    EXPECT_EQ(cuda::attention_cta(k), AttnCta::mma_prefill) << "head dim " << d;
+    EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill_kv8) << "head dim " << d;
+    k.fp8_prefill = true;
+    EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill_kv8)
+        << "head dim " << d << ": the fp8 CTA has head dim 128 only";
+    k.fp8_prefill = false;
+    k.kv = KvKind::e5m2;
+    EXPECT_EQ(cuda::attention_cta(k), AttnCta::prefill_kv8) << "head dim " << d << ", e5m2";
   }
+  for (int d : {32, 96, 192}) {
+    k = e4m3;
+    k.head_dim = k.v_head_dim = d;
+    EXPECT_NE(cuda::attention_cta(k), AttnCta::prefill_kv8) << "head dim " << d;
+  }
+  k = e4m3;
+  k.v_head_dim = 64;
+  EXPECT_NE(cuda::attention_cta(k), AttnCta::prefill_kv8) << "K 128 wide, V 64";
   for (TileShape sh : {TileShape::decode, TileShape::decode32, TileShape::verify}) {
     k = e4m3;
     k.shape = sh;
@@ -260,8 +274,14 @@ TEST(Kv8PrefillDispatch, SwitchOffRunsTheMmaSyncCtaAndExplainSaysSo) {
   }
 }
 
-// Every GPU case on an e4m3 and an e5m2 pool, the CTA switched on (restored after each test).
-class CudaKv8PrefillTest : public ::testing::TestWithParam<DType> {
+// Every GPU case on an e4m3 and an e5m2 pool at head dims 64, 128 and 256 (each its own
+// configuration of the CTA: tile, stages, staging), the CTA switched on (restored after each test).
+struct Kv8Param {
+  DType dtype;
+  int dim;
+};
+
+class CudaKv8PrefillTest : public ::testing::TestWithParam<Kv8Param> {
  protected:
   void SetUp() override { SKIP_WITHOUT_GPU(); }
 
@@ -269,7 +289,8 @@ class CudaKv8PrefillTest : public ::testing::TestWithParam<DType> {
                        uint32_t seed) const {
     PrefillCase c = lengths(std::move(prefix), std::move(qlen), seed);
     c.fp8_kv = true;
-    c.fp8_dtype = GetParam();
+    c.fp8_dtype = GetParam().dtype;
+    c.dim = GetParam().dim;
     return c;
   }
   // check_prefill as the shared scenario groups' `check`.
@@ -395,9 +416,13 @@ TEST_P(CudaKv8PrefillTest, MoreWorkItemsThanSms) {
   check_prefill(many_units_case(make()));
 }
 
-INSTANTIATE_TEST_SUITE_P(Fp8Pools, CudaKv8PrefillTest, ::testing::Values(DType::e4m3, DType::e5m2),
-                         [](const ::testing::TestParamInfo<DType>& info) {
-                           return info.param == DType::e4m3 ? "E4m3" : "E5m2";
+INSTANTIATE_TEST_SUITE_P(Fp8Pools, CudaKv8PrefillTest,
+                         ::testing::Values(Kv8Param{DType::e4m3, 128}, Kv8Param{DType::e5m2, 128},
+                                           Kv8Param{DType::e4m3, 64}, Kv8Param{DType::e5m2, 64},
+                                           Kv8Param{DType::e4m3, 256}, Kv8Param{DType::e5m2, 256}),
+                         [](const ::testing::TestParamInfo<Kv8Param>& info) {
+                           return std::string(info.param.dtype == DType::e4m3 ? "E4m3" : "E5m2") +
+                                  "D" + std::to_string(info.param.dim);
                          });
 
 #endif

@@ -73,9 +73,9 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
       return fmt::format(
           "warp-specialised prefill CTA over fp8 pages (prefill_ws.cuh): 128 rows, a copy producer "
           "that converts the {} K / V tiles to f16 (exact), the 16-bit CTA's consumers on f16 "
-          "warpgroup MMAs (bf16 q scaled into f16 by a power of two) - {} rows a request "
-          "(ATTNRT_PREFILL_KV8=0: the mma.sync CTA)",
-          k.kv == KvKind::e5m2 ? "e5m2" : "e4m3", rows);
+          "warpgroup MMAs (bf16 q scaled into f16 by a power of two) - {} rows a request, head "
+          "dim {} (ATTNRT_PREFILL_KV8=0: the mma.sync CTA)",
+          k.kv == KvKind::e5m2 ? "e5m2" : "e4m3", rows, k.head_dim);
     case AttnCta::prefill_verify:
       return fmt::format(
           "64-row warpgroup-MMA CTA (prefill.cuh): the request's {} rows read each K/V tile once - "
@@ -96,7 +96,7 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
           attention_cta(k) == AttnCta::prefill_kv8
               ? ", fp8 KV [ATTNRT_PREFILL_KV8=0: not the warp-specialised CTA over fp8 pages]"
           : fp8 ? ", fp8 KV (the warpgroup-MMA CTAs take 16-bit KV, and fp8 pages only for prefill "
-                  "tiles at head dim 128)"
+                  "tiles at head dims 64, 128 and 256)"
                 : "");
   }
   return "?";

@@ -161,7 +161,9 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
     g.offset = io_bytes;
     io_bytes = align_up(io_bytes + g.bytes(), 256);
   }
-  ensure(y_, static_cast<size_t>(T) * sh.conv_dim * sizeof(float));
+  // The conv outputs y: fp32 for fp32 activations, else bf16 (linear.h).
+  const DType y_dtype = args.mixed_qkv.dtype == DType::f32 ? DType::f32 : DType::bf16;
+  ensure(y_, static_cast<size_t>(T) * sh.conv_dim * dtype_size(y_dtype));
   if (io_bytes > 0) ensure(io_, io_bytes);
   // Device address and row stride (elements) of each tensor.
   struct Where {
@@ -223,7 +225,8 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
   cp.weight = static_cast<const float*>(where(args.conv_weight).ptr);
   cp.bias = static_cast<const float*>(where(args.conv_bias).ptr);
   cp.kernel = layer.linear.conv_kernel;
-  cp.y = y_.ptr<float>();
+  cp.y = y_.data();
+  cp.y_dtype = code(y_dtype);
   check_launch(linear::launch_conv(cp, s), "launch_conv", layer);
 
   // DECODE, TARGET_VERIFY and requests of up to one chunk: token by token, right after the conv
@@ -241,7 +244,8 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
     p.step = rec_step;
     p.state = state;
     p.groups = layer.linear.n_groups;
-    p.y = y_.ptr<float>();
+    p.y = y_.data();
+    p.y_dtype = code(y_dtype);
     p.a = a.ptr;
     p.a_stride = a.stride;
     p.a_dtype = code(args.a.dtype);
@@ -266,7 +270,8 @@ void CudaLinearBackend::forward_linear(const LinearArgs& args, const LayerSpec& 
     p.kda = layer.kind == LayerKind::kda ? 1 : 0;
     p.key_heads = layer.linear.num_k_heads;
     p.scale = layer.scaling > 0.f ? layer.scaling : 1.f / std::sqrt(static_cast<float>(sh.cols));
-    p.y = y_.ptr<float>();
+    p.y = y_.data();
+    p.y_dtype = code(y_dtype);
     p.a = a.ptr;
     p.a_stride = a.stride;
     p.a_dtype = code(args.a.dtype);

@@ -59,7 +59,7 @@ class CudaLinearBackend final : public LinearAttnBackend {
   StagingRing staging_;
   DeviceBuffer meta_;       // the step's request tables (see split_), then the verify parents
   DeviceBuffer commit_;     // update_state_after_verify: slots (int64), then last_accepted (int32)
-  DeviceBuffer y_;          // conv outputs, fp32 [T, conv_dim]
+  DeviceBuffer y_;          // conv outputs [T, conv_dim]: fp32, or bf16 for 16-bit activations
   DeviceBuffer io_;         // host tensors of the call, staged
   DeviceBuffer workspace_;  // the chunked launchers' workspace
 };

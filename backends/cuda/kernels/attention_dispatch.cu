@@ -40,7 +40,7 @@ AttnCtaEntry attention_entry(const AttnKernelKey& key) {
     case AttnCta::fp8_prefill:
       return prefill_fp8_entry(key.head_dim, key.fp16);
     case AttnCta::prefill_kv8:
-      return prefill_kv8_entry(key.fp16);
+      return prefill_kv8_entry(key.head_dim, key.fp16);
     default:
       break;
   }

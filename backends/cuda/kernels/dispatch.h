@@ -78,11 +78,12 @@ constexpr bool fp8_prefill_takes(const AttnKernelKey& k) {
 }
 
 // Whether the warp-specialised CTA over fp8 pages (prefill_ws.cuh with PrefillWsKv8Config) takes a
-// key's prefill items: e4m3 or e5m2 KV, head dim 128 (its one instantiation), no tree mask. It
-// computes at 16-bit precision (f16 MMAs; K and V are exact in f16).
+// key's prefill items: e4m3 or e5m2 KV, head dim 64, 128 or 256 (its instantiations, K and V of
+// one width), no tree mask. It computes at 16-bit precision (f16 MMAs; K and V are exact in f16).
 constexpr bool prefill_kv8_takes(const AttnKernelKey& k) {
-  return (k.kv == KvKind::e4m3 || k.kv == KvKind::e5m2) && k.head_dim == 128 &&
-         k.v_head_dim == 128 && k.shape == TileShape::prefill && !k.target_verify;
+  return (k.kv == KvKind::e4m3 || k.kv == KvKind::e5m2) &&
+         (k.head_dim == 64 || k.head_dim == 128 || k.head_dim == 256) &&
+         k.v_head_dim == k.head_dim && k.shape == TileShape::prefill && !k.target_verify;
 }
 
 enum class AttnCta : int32_t {
@@ -101,7 +102,7 @@ enum class AttnCta : int32_t {
 };
 
 // The table. Prefill tiles: the warpgroup-MMA CTA for 16-bit KV in every mode but TARGET_VERIFY
-// (its 128-row CTA carries no tree mask); for fp8 KV at head dim 128 (prefill_kv8_takes) the same
+// (its 128-row CTA carries no tree mask); for fp8 KV at head dims 64, 128, 256 (prefill_kv8_takes) the same
 // warp-specialised CTA over fp8 pages, converting them to f16 (H100, prefill-1x16384 over an e4m3
 // cache on the mma.sync CTA before it: 83 TFLOP/s, against 516 for the bf16 cache); else
 // mma.sync. Verify and decode32 tiles: the 64-row warpgroup-MMA CTA for 16-bit KV at head dims 64

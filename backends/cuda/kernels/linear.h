@@ -4,8 +4,13 @@
 // data only, so that the host glue (g++) fills the parameters and the kernels (nvcc) read them.
 //
 // Data flow of one layer call (backends/cuda/cuda_linear_backend.cpp):
-//   mixed_qkv --launch_conv--> y (fp32 [T, conv_dim], the conv outputs after SiLU)
+//   mixed_qkv --launch_conv--> y ([T, conv_dim], the conv outputs after SiLU)
 //   y, a, b   --launch_delta_* / launch_ssd_*--> out
+// y's element type is `y_dtype` of the parameters (the same buffer and code in all three): fp32
+// when mixed_qkv is fp32, bf16 (rounded to nearest) when it is 16-bit (bf16 or fp16), as serving
+// engines keep the conv output in the activation dtype; it halves y's HBM traffic (written once,
+// read back by the recurrence). The kernels that read it take the type as a template parameter
+// (both instantiated, dispatched once per launch) and compute in fp32 either way.
 // State layouts are those of LinearStatePool (include/attnrt/memory/linear_state_pool.h): per layer
 //   conv        [slots, K - 1, conv_dim]                 oldest input first
 //   ssm         [slots, heads, rows, cols]               delta: [HV, Dv, Dk]; ssd: [nh, P, N]
@@ -69,7 +74,8 @@ struct ConvParams {
   const float* weight;  // [conv_dim, K]; column K - 1 multiplies the newest input
   const float* bias;    // [conv_dim] or null
   int32_t kernel;       // K
-  float* y;             // [T, conv_dim] fp32
+  void* y;              // [T, conv_dim], contiguous rows of y_dtype
+  DTypeCode y_dtype;    // f32 or bf16
 };
 cudaError_t launch_conv(const ConvParams& p, cudaStream_t stream);
 
@@ -84,8 +90,9 @@ struct DeltaParams {
   int32_t kda;     // 1: per-channel decay (kda), 0: one decay per head (gdn)
   int32_t key_heads;
   float scale;
-  const float* y;  // [T, conv_dim]
-  const void* a;   // rows `a_stride` elements apart
+  const void* y;      // [T, conv_dim], contiguous rows of y_dtype
+  DTypeCode y_dtype;  // f32 or bf16
+  const void* a;      // rows `a_stride` elements apart
   int64_t a_stride;
   DTypeCode a_dtype;
   const void* b;
@@ -117,8 +124,9 @@ struct SsdParams {
   LinStep step;
   LinState state;  // rows = P (head_dim), cols = N (d_state)
   int32_t groups;
-  const float* y;  // [T, conv_dim]
-  const void* a;   // dt [T, heads], rows `a_stride` elements apart
+  const void* y;      // [T, conv_dim], contiguous rows of y_dtype
+  DTypeCode y_dtype;  // f32 or bf16
+  const void* a;      // dt [T, heads], rows `a_stride` elements apart
   int64_t a_stride;
   DTypeCode a_dtype;
   const float* A_log;    // [heads]

@@ -3,17 +3,19 @@
 //
 // Conv, non-verify steps (DECODE, EXTEND) when the layout allows (K = 4, conv_dim and the x row
 // stride multiples of V, 16-byte aligned tensors): `conv_vec_kernel`, one thread per (request,
-// V channels, chunk of kConvTokens tokens) with V = 16 / sizeof(state element) (fp32: 4, bf16: 8),
-// so that every window, x, weight and y access is one or two 16-byte vectors. A thread keeps the
-// K - 1 preceding inputs of its channels in registers, prefetches the next token's x, and, when the
-// request fits in one chunk (always for DECODE), writes the slot's new window itself: a one-token
-// step is one kernel that reads the window, x and the weights once and writes y and the window
-// once; one-token steps take `conv_token_kernel`, the same for one token in fewer registers
-// (comment above it). Otherwise (verify, other K, unaligned layouts) the scalar `conv_kernel`: one thread per
-// (request, channel, chunk), channels contiguous so that a warp's accesses are coalesced.
-// Requests longer than one chunk get their window from a second kernel once every chunk has read
-// the old one. Verify: one thread walks the block's tokens, each starting from its parent's
-// checkpoint window (re-read from what the same thread stored). The conv kernels let the
+// V channels, chunk of kConvTokens tokens) with V = 16 / the smaller of the state's and y's element
+// sizes (fp32 window and y: 4; a bf16 window or bf16 y: 8), so that every window, x, weight and y
+// access is one or two 16-byte vectors (bf16 y, the case of 16-bit x: 8 channels, one 16-byte
+// store per token). y is stored as Y (fp32, or bf16 rounded to nearest; linear.h). A thread keeps
+// the K - 1 preceding inputs of its channels in registers, prefetches the next token's x, and, when
+// the request fits in one chunk (always for DECODE), writes the slot's new window itself: a
+// one-token step is one kernel that reads the window, x and the weights once and writes y and the
+// window once; one-token steps take `conv_token_kernel`, the same for one token in fewer registers
+// (comment above it). Otherwise (verify, other K, unaligned layouts) the scalar `conv_kernel`: one
+// thread per (request, channel, chunk), channels contiguous so that a warp's accesses are
+// coalesced. Requests longer than one chunk get their window from a second kernel once every chunk
+// has read the old one. Verify: one thread walks the block's tokens, each starting from its
+// parent's checkpoint window (re-read from what the same thread stored). The conv kernels let the
 // recurrence after them be scheduled at once (dependent_launch.cuh): before its wait it reads only
 // the recurrent state and the request table, which no conv kernel writes.
 #include <cstdint>
@@ -42,7 +44,7 @@ __device__ __forceinline__ void conv_put(void* base, int64_t i, float v) {
   static_cast<C*>(base)[i] = from_float<C>(v);
 }
 
-template <typename C>
+template <typename C, typename Y>
 __global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) {
   launch_dependent_grids();
   const int c = blockIdx.x * kConvThreads + threadIdx.x;
@@ -69,7 +71,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_kernel(const ConvParams p) 
     for (int j = 0; j < kMaxKernel - 1; ++j) {
       if (j < W) acc += w[j] * win[j];
     }
-    p.y[(int64_t{r.token_start} + t) * dim + c] = silu(acc);
+    conv_put<Y>(p.y, (int64_t{r.token_start} + t) * dim + c, silu(acc));
   };
 
   if (p.step.verify) {
@@ -166,10 +168,15 @@ __device__ __forceinline__ void conv_silu(const float (&w)[V][K], const float (&
   }
 }
 
-// Non-verify steps, V = 16 / sizeof(C) channels per thread (see the header comment).
-template <typename C, int K>
+// Channels per thread of the vectorised kernels: 16 bytes of the narrower of the window (C) and
+// y (Y) elements.
+template <typename C, typename Y>
+constexpr int kConvVec = 16 / (sizeof(C) < sizeof(Y) ? sizeof(C) : sizeof(Y));
+
+// Non-verify steps, V = kConvVec<C, Y> channels per thread (see the header comment).
+template <typename C, typename Y, int K>
 __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams p) {
-  constexpr int V = 16 / sizeof(C), W = K - 1;
+  constexpr int V = kConvVec<C, Y>, W = K - 1;
   static_assert((V * K) % 4 == 0, "weights are read as float4");
   launch_dependent_grids();
   const int dim = p.state.conv_dim;
@@ -210,7 +217,7 @@ __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams
     if (t + 1 < t1) load_elems<V>(p.x, p.x_dtype, x0 + int64_t{t + 1} * p.x_stride, xn);
     float y[V];
     conv_silu<V, K>(w, bias, win, xt, y);
-    store_vec<float, V>(p.y + (int64_t{r.token_start} + t) * dim + c, y);
+    store_vec<Y, V>(static_cast<Y*>(p.y) + (int64_t{r.token_start} + t) * dim + c, y);
 #pragma unroll
     for (int j = 0; j < W; ++j) {
 #pragma unroll
@@ -224,19 +231,21 @@ __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams
   }
 }
 
-// Resident CTAs per SM that conv_token_kernel's register count must allow (fp32: at most 48
-// registers, bf16: 128).
-template <typename C>
-constexpr int kConvTokenBlocksPerSm = sizeof(C) == 4 ? 10 : 4;
+// Resident CTAs per SM that conv_token_kernel's register count must allow (4 channels per
+// thread: at most 48 registers, 8: 128).
+template <int V>
+constexpr int kConvTokenBlocksPerSm = V == 4 ? 10 : 4;
 
 // One-token non-verify steps (DECODE) in conv_vec_kernel's layout: its arithmetic for one token,
-// without the token loop and the next token's prefetch, in fewer registers (fp32 windows: 48, 10
-// CTAs per SM), so that a DECODE at batch 64 runs in one wave on 132 SMs (GDN 1024 CTAs, Mamba2
-// 1280), where conv_vec_kernel (72 registers, 7 CTAs per SM) ran a second wave.
-template <typename C, int K>
-__global__ void __launch_bounds__(kConvThreads, kConvTokenBlocksPerSm<C>)
+// without the token loop and the next token's prefetch, in fewer registers (fp32 windows and y:
+// 48, 10 CTAs per SM), so that a DECODE at batch 64 runs in one wave on 132 SMs (GDN 1024 CTAs,
+// Mamba2 1280), where conv_vec_kernel (72 registers, 7 CTAs per SM) ran a second wave. With 8
+// channels per thread (bf16 window or y) the grid is half as large and fits one wave at 4 CTAs
+// per SM.
+template <typename C, typename Y, int K>
+__global__ void __launch_bounds__(kConvThreads, kConvTokenBlocksPerSm<kConvVec<C, Y>>)
     conv_token_kernel(const ConvParams p) {
-  constexpr int V = 16 / sizeof(C), W = K - 1;
+  constexpr int V = kConvVec<C, Y>, W = K - 1;
   static_assert((V * K) % 4 == 0, "weights are read as float4");
   launch_dependent_grids();
   const int dim = p.state.conv_dim;
@@ -265,7 +274,7 @@ __global__ void __launch_bounds__(kConvThreads, kConvTokenBlocksPerSm<C>)
 
   float y[V];
   conv_silu<V, K>(w, bias, win, xt, y);
-  store_vec<float, V>(p.y + int64_t{r.token_start} * dim + c, y);
+  store_vec<Y, V>(static_cast<Y*>(p.y) + int64_t{r.token_start} * dim + c, y);
   // The new window: the last W inputs of window ++ x.
 #pragma unroll
   for (int j = 0; j + 1 < W; ++j) store_vec<C, V>(window + int64_t{j} * dim, win[j + 1]);
@@ -293,35 +302,36 @@ constexpr int kVecKernel = 4;
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-// Whether conv_vec_kernel<C, kVecKernel> takes the step: every vector access aligned.
-template <typename C>
+// Whether conv_vec_kernel<C, Y, kVecKernel> takes the step: every vector access aligned (y rows
+// start at multiples of conv_dim, a multiple of V).
+template <typename C, typename Y>
 bool vec_fits(const ConvParams& p) {
-  constexpr int V = 16 / sizeof(C);
+  constexpr int V = kConvVec<C, Y>;
   return !p.step.verify && p.kernel == kVecKernel && p.state.conv_dim % V == 0 &&
          p.x_stride % V == 0 && aligned16(p.x) && aligned16(p.y) && aligned16(p.weight) &&
          aligned16(p.bias) && aligned16(p.state.conv);
 }
 
-template <typename C>
+template <typename C, typename Y>
 cudaError_t conv_launch(const ConvParams& p, cudaStream_t stream) {
   const unsigned cblocks =
       static_cast<unsigned>((p.state.conv_dim + kConvThreads - 1) / kConvThreads);
   const unsigned chunks =
       p.step.verify ? 1u
                     : static_cast<unsigned>((p.step.max_tokens + kConvTokens - 1) / kConvTokens);
-  if (vec_fits<C>(p)) {
-    constexpr int V = 16 / sizeof(C);
+  if (vec_fits<C, Y>(p)) {
+    constexpr int V = kConvVec<C, Y>;
     const int groups = p.state.conv_dim / V;
     const unsigned vblocks = static_cast<unsigned>((groups + kConvThreads - 1) / kConvThreads);
     if (p.step.max_tokens == 1) {
-      conv_token_kernel<C, kVecKernel>
+      conv_token_kernel<C, Y, kVecKernel>
           <<<dim3(vblocks, p.step.num_reqs), kConvThreads, 0, stream>>>(p);
       return cudaGetLastError();
     }
-    conv_vec_kernel<C, kVecKernel>
+    conv_vec_kernel<C, Y, kVecKernel>
         <<<dim3(vblocks, p.step.num_reqs, chunks), kConvThreads, 0, stream>>>(p);
   } else {
-    conv_kernel<C><<<dim3(cblocks, p.step.num_reqs, chunks), kConvThreads, 0, stream>>>(p);
+    conv_kernel<C, Y><<<dim3(cblocks, p.step.num_reqs, chunks), kConvThreads, 0, stream>>>(p);
   }
   if (!p.step.verify && chunks > 1) {
     conv_window_kernel<C><<<dim3(cblocks, p.step.num_reqs), kConvThreads, 0, stream>>>(p);
@@ -356,9 +366,12 @@ cudaError_t launch_conv(const ConvParams& p, cudaStream_t stream) {
       p.step.num_reqs > 65535) {
     return cudaErrorInvalidValue;
   }
-  if (p.state.conv_dtype == kF32) return conv_launch<float>(p, stream);
-  if (p.state.conv_dtype == kBF16) return conv_launch<__nv_bfloat16>(p, stream);
-  return cudaErrorInvalidValue;
+  return with_f32_or_bf16(p.y_dtype, cudaErrorInvalidValue, [&](auto y) {
+    using Y = typename decltype(y)::type;
+    if (p.state.conv_dtype == kF32) return conv_launch<float, Y>(p, stream);
+    if (p.state.conv_dtype == kBF16) return conv_launch<__nv_bfloat16, Y>(p, stream);
+    return cudaErrorInvalidValue;
+  });
 }
 
 cudaError_t launch_commit(const CommitParams& p, cudaStream_t stream) {

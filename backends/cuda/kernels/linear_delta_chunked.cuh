@@ -17,16 +17,22 @@
 //      loads; two CTAs fit an SM. KDA keeps q / k / G per channel in fp32 and a forward
 //      substitution (fp32, one column of X per thread, 16 rows at a time in registers; ~195 KB,
 //      one CTA per SM);
-//   3. state pass, one CTA per (request, head, 64 value rows of S): S stays in fp32 registers
-//      (as MMA accumulators) across the request's chunks, the chunk operands stream in through a
-//      cp.async double buffer, and the outputs are written there (no per-chunk states stored).
+//   3. state pass, one CTA per (request, value head), warp specialised: a producer warp copies
+//      each chunk's unit (linear_delta_layout.h: the 16-bit operands already in the wgmma
+//      swizzled layout) into a two-stage ring with bulk copies completing on mbarriers; one
+//      consumer warpgroup per 64 value rows keeps its rows of S in fp32 wgmma accumulators across
+//      the request's chunks and runs every product with S or u^T as the register A operand, in
+//      the transposed orientation (value rows as M): u^T = U^T - S W^T, o^T = S Qd^T + u^T Mqk^T,
+//      S = S (.) el + u^T Kl. The outputs go out through a per-warp staging tile (no per-chunk
+//      states stored).
 // KDA's pairwise decay ratios are never formed as e^{G_t} e^{-G_i} over a whole chunk: the
 // off-diagonal 16-token blocks factor through the first token r of the row block
 // (e^{G_t - G_r} and e^{G_r - G_i}, both <= 1), and the diagonal blocks take the ratio per pair.
 //
-// This header holds what the kernels share: the tile sizes, the workspace layout and the MMA
-// fragment access; linear_delta_prep.cu holds the prep kernels, linear_delta_chunked.cu the chunk
-// table, the state pass and the launchers.
+// This header holds what the kernels share: the tile sizes, the workspace layout (the unit's
+// inside: linear_delta_layout.h) and the MMA fragment access of the prep kernels;
+// linear_delta_prep.cu holds the prep kernels, linear_delta_chunked.cu the chunk table, the state
+// pass and the launchers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,21 +42,20 @@
 
 #include "backends/cuda/kernels/common/convert.cuh"
 #include "backends/cuda/kernels/linear.h"
+#include "backends/cuda/kernels/linear_delta_layout.h"
 
 namespace attnrt::cuda::linear::delta {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kChunk = 64;     // tokens per chunk (the only chunk size supported)
-constexpr int kThreads = 256;  // prep and state pass
-constexpr int kVTile = 64;     // value rows of S per state-pass CTA
+constexpr int kThreads = 256;  // prep
 
 // Workspace: the chunk table, then one unit of chunk operands per (chunk slot, value head).
 struct Layout {
   int64_t bound = 0;  // chunk slots: num_tokens / 64 + num_reqs >= sum of ceil(tokens / 64)
   int64_t coff_off = 0, table_off = 0, units_off = 0, total = 0;
-  // Inside a unit (bytes): W, Qd [64, Dk] bf16; KlT [Dk, 64] bf16; Mqk [64, 64] bf16;
-  // U [64, Dv] fp32; el [Dk] fp32.
+  // Inside a unit (bytes, unit_layout): W, Qd [64, Dk] bf16; KlT [Dk, 64] bf16; Mqk [64, 64]
+  // bf16 (all four swizzled); U^T [Dv, 64] fp32 (swizzled); el [Dk] fp32.
   int64_t w_off = 0, qd_off = 0, klt_off = 0, m_off = 0, u_off = 0, el_off = 0, unit_bytes = 0;
 };
 
@@ -62,13 +67,14 @@ inline Layout make_layout(int num_reqs, int64_t num_tokens, int dk, int dv, int 
   L.coff_off = 0;
   L.table_off = align_up(static_cast<int64_t>(num_reqs + 1) * 4, 256);
   L.units_off = align_up(L.table_off + L.bound * 4, 256);
-  L.w_off = 0;
-  L.qd_off = L.w_off + int64_t{kChunk} * dk * 2;
-  L.klt_off = L.qd_off + int64_t{kChunk} * dk * 2;
-  L.m_off = L.klt_off + int64_t{kChunk} * dk * 2;
-  L.u_off = L.m_off + int64_t{kChunk} * kChunk * 2;
-  L.el_off = L.u_off + int64_t{kChunk} * dv * 4;
-  L.unit_bytes = align_up(L.el_off + int64_t{dk} * 4, 128);
+  const UnitLayout u = unit_layout(dk, dv);
+  L.w_off = u.w;
+  L.qd_off = u.qd;
+  L.klt_off = u.klt;
+  L.m_off = u.m;
+  L.u_off = u.u;
+  L.el_off = u.el;
+  L.unit_bytes = u.bytes;
   L.total = L.units_off + L.bound * heads * L.unit_bytes;
   return L;
 }
@@ -104,21 +110,23 @@ __device__ __forceinline__ void store_bf16x2(bf16* dst, float lo, float hi) {
   *reinterpret_cast<uint32_t*>(dst) = pack2<bf16>(lo, hi);
 }
 
-// The chunk of a prep CTA: chunk slot `slot` of the workspace for value head h.
+// The chunk of a prep CTA: chunk slot `slot` of the workspace for value head h. Y: y's element
+// type (float or bf16, linear.h's y_dtype).
+template <typename Y>
 struct PrepChunk {
   // Its request; < 0: the slot is past the step's chunks (nothing else is set).
   int r;
   LinReq req;
-  int n;            // tokens in the chunk (kChunk but at a request's end)
-  int64_t tok0;     // the chunk's first token
-  const float* yq;  // y columns of the head's q and k (its key head's) and of its v
-  const float* yk;
-  const float* yv;
+  int n;         // tokens in the chunk (kChunk but at a request's end)
+  int64_t tok0;  // the chunk's first token
+  const Y* yq;   // y columns of the head's q and k (its key head's) and of its v
+  const Y* yk;
+  const Y* yv;
 };
-template <int DK, int DV>
-__device__ __forceinline__ PrepChunk prep_chunk(const DeltaParams& p, const Layout& L,
-                                                const char* ws, int slot, int h) {
-  PrepChunk c;
+template <int DK, int DV, typename Y>
+__device__ __forceinline__ PrepChunk<Y> prep_chunk(const DeltaParams& p, const Layout& L,
+                                                   const char* ws, int slot, int h) {
+  PrepChunk<Y> c;
   c.r = reinterpret_cast<const int32_t*>(ws + L.table_off)[slot];
   if (c.r < 0) return c;
   c.req = p.step.reqs[c.r];
@@ -127,19 +135,21 @@ __device__ __forceinline__ PrepChunk prep_chunk(const DeltaParams& p, const Layo
   c.tok0 = c.req.token_start + static_cast<int64_t>(j) * kChunk;
   const int hv = p.state.heads, hk = p.key_heads;
   const int kh = h / (hv / hk);
-  c.yq = p.y + static_cast<int64_t>(kh) * DK;
-  c.yk = p.y + static_cast<int64_t>(hk + kh) * DK;
-  c.yv = p.y + static_cast<int64_t>(2 * hk) * DK + static_cast<int64_t>(h) * DV;
+  const Y* y = static_cast<const Y*>(p.y);
+  c.yq = y + static_cast<int64_t>(kh) * DK;
+  c.yk = y + static_cast<int64_t>(hk + kh) * DK;
+  c.yv = y + static_cast<int64_t>(2 * hk) * DK + static_cast<int64_t>(h) * DV;
   return c;
 }
 
-// The operands a prep CTA writes for the state pass: the workspace unit of (slot, h).
+// The operands a prep CTA writes for the state pass: the workspace unit of (slot, h); element
+// (row, col) of each array at wq_elem / klt_elem / mqk_elem / ut_elem (linear_delta_layout.h).
 struct PrepUnit {
   bf16* W;
   bf16* Qd;
   bf16* KlT;
   bf16* Mqk;
-  float* U;
+  float* U;  // U^T
   float* el;
 };
 __device__ __forceinline__ PrepUnit prep_unit(const Layout& L, char* ws, int slot, int hv, int h) {
@@ -149,8 +159,9 @@ __device__ __forceinline__ PrepUnit prep_unit(const Layout& L, char* ws, int slo
           reinterpret_cast<float*>(unit + L.u_off),  reinterpret_cast<float*>(unit + L.el_off)};
 }
 
-// Launches the prep kernel of the step (GDN or KDA by p.kda, Dk = Dv = p.state.cols, 64 or 128)
-// over the chunk slots of layout L in workspace ws, after the chunk table.
+// Launches the prep kernel of the step (GDN or KDA by p.kda, Dk = Dv = p.state.cols, 64 or 128;
+// y as p.y_dtype, f32 or bf16, 16-byte aligned) over the chunk slots of layout L in workspace ws,
+// after the chunk table.
 cudaError_t launch_prep(const DeltaParams& p, const Layout& L, char* ws, cudaStream_t stream);
 
 }  // namespace attnrt::cuda::linear::delta

@@ -16,16 +16,17 @@ namespace {
 
 // ---- 2. prep ----------------------------------------------------------------------------------
 
-// Row `row` of q and k, channels lane + 32 m; zero past the request (valid = false).
-template <int DK>
-__device__ __forceinline__ void load_qk_row(const DeltaParams& p, const float* yq, const float* yk,
+// Row `row` of q and k, channels lane + 32 m; zero past the request (valid = false). Y: y's
+// element type (float or bf16).
+template <int DK, typename Y>
+__device__ __forceinline__ void load_qk_row(const DeltaParams& p, const Y* yq, const Y* yk,
                                             int64_t row, bool valid, float (&qv)[DK / 32],
                                             float (&kv)[DK / 32]) {
   const int64_t base = row * p.state.conv_dim + (threadIdx.x & 31);
 #pragma unroll
   for (int m = 0; m < DK / 32; ++m) {
-    qv[m] = valid ? yq[base + 32 * m] : 0.f;
-    kv[m] = valid ? yk[base + 32 * m] : 0.f;
+    qv[m] = valid ? to_float(yq[base + 32 * m]) : 0.f;
+    kv[m] = valid ? to_float(yk[base + 32 * m]) : 0.f;
   }
 }
 
@@ -70,7 +71,7 @@ struct KdaPrepSmem {
   };
 };
 
-template <int DK, int DV>
+template <int DK, int DV, typename Y>
 __global__ void __launch_bounds__(kThreads, 1)
     kda_prep_kernel(const DeltaParams p, const Layout L, char* __restrict__ ws) {
   using Sm = KdaPrepSmem<DK, DV>;
@@ -78,13 +79,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Sm& s = *reinterpret_cast<Sm*>(smem_raw);
   const int slot = blockIdx.x, h = blockIdx.y;
-  const PrepChunk ch = prep_chunk<DK, DV>(p, L, ws, slot, h);
+  const PrepChunk<Y> ch = prep_chunk<DK, DV, Y>(p, L, ws, slot, h);
   if (ch.r < 0) return;
   const int n = ch.n;
   const int64_t tok0 = ch.tok0;
   const int hv = p.state.heads;
   const int64_t ldy = p.state.conv_dim;
-  const float *yq = ch.yq, *yk = ch.yk, *yv = ch.yv;
+  const Y *yq = ch.yq, *yk = ch.yk, *yv = ch.yv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr int kWarps = kThreads / 32;
   auto G = [&](int t, int c) -> float { return s.g[t * LF + c]; };
@@ -207,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int tl = 0; tl < 16; ++tl) {
           const int t = t0 + tl;
-          x[tl] = t < n ? s.beta[t] * yv[(tok0 + t) * ldy + col - DK] : 0.f;
+          x[tl] = t < n ? s.beta[t] * to_float(yv[(tok0 + t) * ldy + col - DK]) : 0.f;
         }
       }
 #pragma unroll 2
@@ -238,13 +239,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
 #pragma unroll
-      for (int tl = 0; tl < 16; ++tl) {
-        const int t = t0 + tl;
-        s.x[t * LX + col] = x[tl];
-        if (col < DK) {
-          W[t * DK + col] = __float2bfloat16_rn(x[tl]);
-        } else {
-          U[t * DV + col - DK] = x[tl];
+      for (int tl = 0; tl < 16; ++tl) s.x[(t0 + tl) * LX + col] = x[tl];
+      if (col < DK) {
+#pragma unroll
+        for (int tl = 0; tl < 16; ++tl) W[wq_elem(t0 + tl, col)] = __float2bfloat16_rn(x[tl]);
+      } else {
+        // U^T row col - DK: 16 tokens from t0, two 8-token pieces, four float4 stores.
+#pragma unroll
+        for (int q4 = 0; q4 < 4; ++q4) {
+          *reinterpret_cast<float4*>(&U[ut_elem(col - DK, t0 + 4 * q4)]) =
+              make_float4(x[4 * q4], x[4 * q4 + 1], x[4 * q4 + 2], x[4 * q4 + 3]);
         }
       }
     }
@@ -252,18 +256,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   // The state pass's other operands.
   for (int e = threadIdx.x; e < kChunk * DK / 2; e += kThreads) {
     const int t = e / (DK / 2), c = 2 * (e % (DK / 2));
-    store_bf16x2(&Qd[t * DK + c], expf(G(t, c)) * s.q[t * LF + c],
+    store_bf16x2(&Qd[wq_elem(t, c)], expf(G(t, c)) * s.q[t * LF + c],
                  expf(G(t, c + 1)) * s.q[t * LF + c + 1]);
   }
   for (int e = threadIdx.x; e < DK * kChunk / 2; e += kThreads) {
     const int c = e / (kChunk / 2), i = 2 * (e % (kChunk / 2));
     const float gl = G(kChunk - 1, c);
-    store_bf16x2(&KlT[c * kChunk + i], expf(gl - G(i, c)) * s.k[i * LF + c],
+    store_bf16x2(&KlT[klt_elem(DK, c, i)], expf(gl - G(i, c)) * s.k[i * LF + c],
                  expf(gl - G(i + 1, c)) * s.k[(i + 1) * LF + c]);
   }
   for (int e = threadIdx.x; e < kChunk * kChunk / 2; e += kThreads) {
     const int t = e / (kChunk / 2), i = 2 * (e % (kChunk / 2));
-    store_bf16x2(&Mqk[t * kChunk + i], i <= t ? s.qk[t * LQ + i] : 0.f,
+    store_bf16x2(&Mqk[mqk_elem(t, i)], i <= t ? s.qk[t * LQ + i] : 0.f,
                  i + 1 <= t ? s.qk[t * LQ + i + 1] : 0.f);
   }
   for (int c = threadIdx.x; c < DK; c += kThreads) el[c] = expf(G(kChunk - 1, c));
@@ -280,16 +284,21 @@ __global__ void __launch_bounds__(kThreads, 1)
 // beta e^g) is split into bf16 hi + lo, so is V; K is exact in bf16. Each term of the product
 // keeps ~2^-17 of relative accuracy (W is then rounded to bf16, U stays fp32), far below the bf16
 // rounding of u and W S^T in the state pass. V is fetched with cp.async at the start, behind the
-// q / k loads. ~104 KB of shared memory for DK = DV = 128, two CTAs per SM.
-template <int DK, int DV>
+// q / k loads, in y's element type Y: fp32 V is split as above; bf16 V (bf16 y) is exact in bf16,
+// its lo part zero, so its B fragments come straight from shared memory by the transposing
+// ldmatrix and the hi x lo product (zero) is skipped. ~104 KB of shared memory for DK = DV = 128
+// with fp32 y (~88 KB with bf16 y), two CTAs per SM.
+template <int DK, int DV, typename Y>
 struct GdnPrepSmem {
   static constexpr int LB = DK + 8;      // bf16 MMA operand rows
   static constexpr int LA = kChunk + 8;  // fp32 64 x 64 rows: float2 fragment loads conflict-free
-  static constexpr int LV = DV + 4;      // fp32 V rows: B-fragment column reads conflict-free
-  bf16 q[kChunk * LB], k[kChunk * LB];   // normalised (q scaled)
+  // V rows: fp32, B-fragment column reads conflict-free; bf16, 16-byte rows for cp.async and
+  // conflict-free ldmatrix (as LB).
+  static constexpr int LV = sizeof(Y) == 4 ? DV + 4 : DV + 8;
+  bf16 q[kChunk * LB], k[kChunk * LB];  // normalised (q scaled)
   float a[kChunk * LA];     // A[t][i] (zero for i >= t); its blocks below the diagonal become M
   float tinv[kChunk * LA];  // T, its 16x16 blocks on and below the diagonal
-  float v[kChunk * LV];     // the chunk's V rows, zero past the request
+  Y v[kChunk * LV];         // the chunk's V rows, zero past the request
   float g[kChunk];          // cumulative log decay
   float beta[kChunk];
   float beg[kChunk];  // beta_t e^{g_t}
@@ -306,15 +315,16 @@ __device__ __forceinline__ void split_bf16x2(uint32_t& hi, uint32_t& lo, float x
 }
 
 // Two CTAs per SM: 228 KB of shared memory per SM, 1 KB of it reserved per CTA.
-static_assert(sizeof(GdnPrepSmem<128, 128>) <= 113 * 1024, "gdn_prep_kernel: two CTAs per SM");
+static_assert(sizeof(GdnPrepSmem<128, 128, float>) <= 113 * 1024,
+              "gdn_prep_kernel: two CTAs per SM");
 
-template <int DK, int DV>
+template <int DK, int DV, typename Y>
 __global__ void __launch_bounds__(kThreads, 2)
     gdn_prep_kernel(const DeltaParams p, const Layout L, char* __restrict__ ws) {
   static_assert(DK == DV && (DK == 64 || DK == 128) && kThreads == 256 && kChunk == 64,
                 "the block solve maps one thread to one entry of a 16x16 block and 8 warps to "
                 "the columns of W and U");
-  using Sm = GdnPrepSmem<DK, DV>;
+  using Sm = GdnPrepSmem<DK, DV, Y>;
   constexpr int LB = Sm::LB, LA = Sm::LA, LV = Sm::LV;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   Sm& s = *reinterpret_cast<Sm*>(smem_raw);
@@ -323,12 +333,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   // are written in address order.
   const int hv = p.state.heads;
   const int slot = static_cast<int>(blockIdx.x / hv), h = static_cast<int>(blockIdx.x % hv);
-  const PrepChunk ch = prep_chunk<DK, DV>(p, L, ws, slot, h);
+  const PrepChunk<Y> ch = prep_chunk<DK, DV, Y>(p, L, ws, slot, h);
   if (ch.r < 0) return;
   const int n = ch.n;
   const int64_t tok0 = ch.tok0;
   const int64_t ldy = p.state.conv_dim;
-  const float *yq = ch.yq, *yk = ch.yk, *yv = ch.yv;
+  const Y *yq = ch.yq, *yk = ch.yk, *yv = ch.yv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   constexpr int kWarps = kThreads / 32;
 
@@ -345,10 +355,10 @@ __global__ void __launch_bounds__(kThreads, 2)
       gb1 = load_elem(p.b, p.b_dtype, (tok0 + lane + 32) * p.b_stride + h);
     }
   }
-  constexpr int RV = DV / 4;  // 16-byte pieces per V row
+  constexpr int VE = 16 / sizeof(Y), RV = DV / VE;  // elements per 16-byte piece, pieces per row
   for (int e = threadIdx.x; e < kChunk * RV; e += kThreads) {
-    const int t = e / RV, q4 = e % RV;
-    cp_async_16(&s.v[t * LV + 4 * q4], yv + (tok0 + (t < n ? t : 0)) * ldy + 4 * q4, t < n);
+    const int t = e / RV, q = e % RV;
+    cp_async_16(&s.v[t * LV + VE * q], yv + (tok0 + (t < n ? t : 0)) * ldy + VE * q, t < n);
   }
   cp_async_commit();
 
@@ -437,8 +447,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int t = acc_row(m0, 0), i = acc_col(n0 + 8 * nt, 0);
       *reinterpret_cast<float2*>(&s.a[t * LA + i]) = make_float2(av[0], av[1]);
       *reinterpret_cast<float2*>(&s.a[(t + 8) * LA + i]) = make_float2(av[2], av[3]);
-      store_bf16x2(&Mqk[t * kChunk + i], aqk[nt][0] * d[0], aqk[nt][1] * d[1]);
-      store_bf16x2(&Mqk[(t + 8) * kChunk + i], aqk[nt][2] * d[2], aqk[nt][3] * d[3]);
+      store_bf16x2(&Mqk[mqk_elem(t, i)], aqk[nt][0] * d[0], aqk[nt][1] * d[1]);
+      store_bf16x2(&Mqk[mqk_elem(t + 8, i)], aqk[nt][2] * d[2], aqk[nt][3] * d[3]);
     }
   }
   __syncthreads();  // A is in
@@ -498,7 +508,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&in[q]));
         out[q] = pack2<bf16>(s.eg[t] * v.x, s.eg[t] * v.y);
       }
-      *reinterpret_cast<uint4*>(&Qd[t * DK + c]) = make_uint4(out[0], out[1], out[2], out[3]);
+      *reinterpret_cast<uint4*>(&Qd[wq_elem(t, c)]) = make_uint4(out[0], out[1], out[2], out[3]);
     }
     for (int e = tw; e < (DK / 2) * (kChunk / 8); e += kOther) {
       const int c = 2 * (e % (DK / 2)), i0 = 8 * (e / (DK / 2));
@@ -513,8 +523,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         c0[q] = pack2<bf16>(s.egl[i] * k0.x, s.egl[i + 1] * k1.x);
         c1[q] = pack2<bf16>(s.egl[i] * k0.y, s.egl[i + 1] * k1.y);
       }
-      *reinterpret_cast<uint4*>(&KlT[c * kChunk + i0]) = make_uint4(c0[0], c0[1], c0[2], c0[3]);
-      *reinterpret_cast<uint4*>(&KlT[(c + 1) * kChunk + i0]) =
+      *reinterpret_cast<uint4*>(&KlT[klt_elem(DK, c, i0)]) = make_uint4(c0[0], c0[1], c0[2], c0[3]);
+      *reinterpret_cast<uint4*>(&KlT[klt_elem(DK, c + 1, i0)]) =
           make_uint4(c1[0], c1[1], c1[2], c1[3]);
     }
     for (int c = tw; c < DK; c += kOther) el[c] = s.eg[kChunk - 1];
@@ -588,35 +598,63 @@ __global__ void __launch_bounds__(kThreads, 2)
           kb[0][0] = f[0];
           kb[0][1] = f[1];
         }
+        if constexpr (sizeof(Y) == 4) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const float* vc = &s.v[(k0 + cq) * LV + cw + 8 * nt + gr];
-          uint32_t vh0, vl0, vh1, vl1;
-          split_bf16x2(vh0, vl0, vc[0], vc[LV]);
-          split_bf16x2(vh1, vl1, vc[8 * LV], vc[9 * LV]);
-          mma_16816<bf16>(aw[nt], tw_hi, kb[nt][0], kb[nt][1]);
-          mma_16816<bf16>(aw[nt], tw_lo, kb[nt][0], kb[nt][1]);
-          mma_16816<bf16>(au[nt], tu_lo, vh0, vh1);
-          mma_16816<bf16>(au[nt], tu_hi, vl0, vl1);
-          mma_16816<bf16>(au[nt], tu_hi, vh0, vh1);
+          for (int nt = 0; nt < NT; ++nt) {
+            const float* vc = &s.v[(k0 + cq) * LV + cw + 8 * nt + gr];
+            uint32_t vh0, vl0, vh1, vl1;
+            split_bf16x2(vh0, vl0, vc[0], vc[LV]);
+            split_bf16x2(vh1, vl1, vc[8 * LV], vc[9 * LV]);
+            mma_16816<bf16>(aw[nt], tw_hi, kb[nt][0], kb[nt][1]);
+            mma_16816<bf16>(aw[nt], tw_lo, kb[nt][0], kb[nt][1]);
+            mma_16816<bf16>(au[nt], tu_lo, vh0, vh1);
+            mma_16816<bf16>(au[nt], tu_hi, vl0, vl1);
+            mma_16816<bf16>(au[nt], tu_hi, vh0, vh1);
+          }
+        } else {
+          // bf16 V: the B fragments as K's (vl = 0, so tu_hi x vl adds nothing).
+          uint32_t vb[NT][2];
+          if constexpr (NT == 2) {
+            uint32_t f[4];
+            ldmatrix_x4_trans(f, &s.v[(k0 + (lane & 15)) * LV + cw + 8 * (lane >> 4)]);
+            vb[0][0] = f[0];
+            vb[0][1] = f[1];
+            vb[1][0] = f[2];
+            vb[1][1] = f[3];
+          } else {
+            uint32_t f[2];
+            ldmatrix_x2_trans(f, &s.v[(k0 + (lane & 15)) * LV + cw]);
+            vb[0][0] = f[0];
+            vb[0][1] = f[1];
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            mma_16816<bf16>(aw[nt], tw_hi, kb[nt][0], kb[nt][1]);
+            mma_16816<bf16>(aw[nt], tw_lo, kb[nt][0], kb[nt][1]);
+            mma_16816<bf16>(au[nt], tu_lo, vb[nt][0], vb[nt][1]);
+            mma_16816<bf16>(au[nt], tu_hi, vb[nt][0], vb[nt][1]);
+          }
         }
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const int t = acc_row(16 * mt, 0), c = acc_col(cw + 8 * nt, 0);
-        store_bf16x2(&W[t * DK + c], aw[nt][0], aw[nt][1]);
-        store_bf16x2(&W[(t + 8) * DK + c], aw[nt][2], aw[nt][3]);
-        *reinterpret_cast<float2*>(&U[t * DV + c]) = make_float2(au[nt][0], au[nt][1]);
-        *reinterpret_cast<float2*>(&U[(t + 8) * DV + c]) = make_float2(au[nt][2], au[nt][3]);
+        store_bf16x2(&W[wq_elem(t, c)], aw[nt][0], aw[nt][1]);
+        store_bf16x2(&W[wq_elem(t + 8, c)], aw[nt][2], aw[nt][3]);
+        // U^T: per register, the warp's lanes fill 8 tokens (one 32-byte piece) of 4 rows.
+        U[ut_elem(c, t)] = au[nt][0];
+        U[ut_elem(c + 1, t)] = au[nt][1];
+        U[ut_elem(c, t + 8)] = au[nt][2];
+        U[ut_elem(c + 1, t + 8)] = au[nt][3];
       }
     }
   }
 }
 
-template <int DK, int DV, bool KDA>
+template <int DK, int DV, bool KDA, typename Y>
 cudaError_t run_prep(const DeltaParams& p, const Layout& L, char* ws, cudaStream_t stream) {
-  auto prep = KDA ? kda_prep_kernel<DK, DV> : gdn_prep_kernel<DK, DV>;
-  constexpr int prep_smem = KDA ? sizeof(KdaPrepSmem<DK, DV>) : sizeof(GdnPrepSmem<DK, DV>);
+  auto prep = KDA ? kda_prep_kernel<DK, DV, Y> : gdn_prep_kernel<DK, DV, Y>;
+  constexpr int prep_smem = KDA ? sizeof(KdaPrepSmem<DK, DV>) : sizeof(GdnPrepSmem<DK, DV, Y>);
   const cudaError_t err =
       cudaFuncSetAttribute(prep, cudaFuncAttributeMaxDynamicSharedMemorySize, prep_smem);
   if (err != cudaSuccess) return err;
@@ -633,12 +671,15 @@ cudaError_t run_prep(const DeltaParams& p, const Layout& L, char* ws, cudaStream
 }  // namespace
 
 cudaError_t launch_prep(const DeltaParams& p, const Layout& L, char* ws, cudaStream_t stream) {
-  if (p.state.cols == 64) {
-    return p.kda ? run_prep<64, 64, true>(p, L, ws, stream)
-                 : run_prep<64, 64, false>(p, L, ws, stream);
-  }
-  return p.kda ? run_prep<128, 128, true>(p, L, ws, stream)
-               : run_prep<128, 128, false>(p, L, ws, stream);
+  return with_f32_or_bf16(p.y_dtype, cudaErrorInvalidValue, [&](auto y) {
+    using Y = typename decltype(y)::type;
+    if (p.state.cols == 64) {
+      return p.kda ? run_prep<64, 64, true, Y>(p, L, ws, stream)
+                   : run_prep<64, 64, false, Y>(p, L, ws, stream);
+    }
+    return p.kda ? run_prep<128, 128, true, Y>(p, L, ws, stream)
+                 : run_prep<128, 128, false, Y>(p, L, ws, stream);
+  });
 }
 
 }  // namespace attnrt::cuda::linear::delta

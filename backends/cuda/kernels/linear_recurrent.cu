@@ -23,6 +23,8 @@
 //   through a ring of shared-memory stages with bulk copies, the loads of the next items in flight
 //   while the CTA updates and stores the current one (comment above it). recurrent_kernel on the
 //   same steps (one 8 KB CTA per row block) reached 60-75% of a copy of the same bytes.
+// Both read the conv outputs y as Y (float or bf16, linear.h's y_dtype, a template parameter
+// dispatched once per launch) and convert them to fp32 on load.
 #include <algorithm>
 #include <cstdint>
 
@@ -72,26 +74,38 @@ struct TokenIn<E, J, RT, true> {
   float dt_arg, A_log, D;  // dt_arg = a + dt_bias
 };
 
-template <int L, int E, int J, int RT>
-__device__ __forceinline__ void load_token(const DeltaParams& p, int64_t tok,
-                                           const Lanes<J, RT>& w, TokenIn<E, J, RT, false>& in) {
+// Element i of y (float or bf16) as a float. bf16: a 16-bit load widened by a shift (exactly
+// __bfloat162float); with __nv_bfloat16 loads ptxas kept the delta kernels' address arithmetic in
+// uniform registers and spilled some (recurrent_kernel with fp32 state and 8 columns per lane).
+template <typename Y>
+__device__ __forceinline__ float y_at(const Y* y, int64_t i) {
+  if constexpr (sizeof(Y) == 2) {
+    return __uint_as_float(uint32_t{reinterpret_cast<const uint16_t*>(y)[i]} << 16);
+  } else {
+    return y[i];
+  }
+}
+
+template <int L, typename Y, int E, int J, int RT>
+__device__ __forceinline__ void load_token(const DeltaParams& p, int64_t tok, const Lanes<J, RT>& w,
+                                           TokenIn<E, J, RT, false>& in) {
   const int h = w.h, heads = p.state.heads, rows = p.state.rows, cols = p.state.cols;
-  const float* y = p.y + tok * p.state.conv_dim;
+  const Y* y = static_cast<const Y*>(p.y) + tok * p.state.conv_dim;
   const int kh = h / (heads / p.key_heads);
-  const float* qv = y + int64_t{kh} * cols;
-  const float* kv = y + int64_t{p.key_heads} * cols + int64_t{kh} * cols;
-  const float* vv = y + 2 * int64_t{p.key_heads} * cols + int64_t{h} * rows;
+  const Y* qv = y + int64_t{kh} * cols;
+  const Y* kv = y + int64_t{p.key_heads} * cols + int64_t{kh} * cols;
+  const Y* vv = y + 2 * int64_t{p.key_heads} * cols + int64_t{h} * rows;
 #pragma unroll
   for (int j = 0; j < J; ++j) {
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       const int c = (j * L + w.li) * E + e;
-      in.q[j][e] = w.col_ok[j] ? qv[c] : 0.f;
-      in.k[j][e] = w.col_ok[j] ? kv[c] : 0.f;
+      in.q[j][e] = w.col_ok[j] ? y_at(qv, c) : 0.f;
+      in.k[j][e] = w.col_ok[j] ? y_at(kv, c) : 0.f;
     }
   }
 #pragma unroll
-  for (int rr = 0; rr < RT; ++rr) in.v[rr] = w.row_ok[rr] ? vv[w.row0 + rr] : 0.f;
+  for (int rr = 0; rr < RT; ++rr) in.v[rr] = w.row_ok[rr] ? y_at(vv, w.row0 + rr) : 0.f;
   in.b = load_elem(p.b, p.b_dtype, tok * p.b_stride + h);
   in.A_log = p.A_log[h];
   if (p.kda) {
@@ -111,26 +125,27 @@ __device__ __forceinline__ void load_token(const DeltaParams& p, int64_t tok,
   }
 }
 
-template <int L, int E, int J, int RT>
+template <int L, typename Y, int E, int J, int RT>
 __device__ __forceinline__ void load_token(const SsdParams& p, int64_t tok, const Lanes<J, RT>& w,
                                            TokenIn<E, J, RT, true>& in) {
   const int h = w.h, heads = p.state.heads, rows = p.state.rows, cols = p.state.cols;
-  const float* y = p.y + tok * p.state.conv_dim;
+  const Y* y = static_cast<const Y*>(p.y) + tok * p.state.conv_dim;
   // x | B | C; head h reads B and C of group h / (heads / groups).
   const int grp = h / (heads / p.groups);
-  const float* Bv = y + int64_t{heads} * rows + int64_t{grp} * cols;
-  const float* Cv = Bv + int64_t{p.groups} * cols;
+  const Y* Bv = y + int64_t{heads} * rows + int64_t{grp} * cols;
+  const Y* Cv = Bv + int64_t{p.groups} * cols;
 #pragma unroll
   for (int j = 0; j < J; ++j) {
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       const int k = (j * L + w.li) * E + e;
-      in.B[j][e] = w.col_ok[j] ? Bv[k] : 0.f;
-      in.C[j][e] = w.col_ok[j] ? Cv[k] : 0.f;
+      in.B[j][e] = w.col_ok[j] ? y_at(Bv, k) : 0.f;
+      in.C[j][e] = w.col_ok[j] ? y_at(Cv, k) : 0.f;
     }
   }
 #pragma unroll
-  for (int rr = 0; rr < RT; ++rr) in.x[rr] = w.row_ok[rr] ? y[int64_t{h} * rows + w.row0 + rr] : 0.f;
+  for (int rr = 0; rr < RT; ++rr)
+    in.x[rr] = w.row_ok[rr] ? y_at(y, int64_t{h} * rows + w.row0 + rr) : 0.f;
   in.dt_arg = load_elem(p.a, p.a_dtype, tok * p.a_stride + h) + p.dt_bias[h];
   in.A_log = p.A_log[h];
   in.D = p.D[h];
@@ -242,8 +257,8 @@ __device__ __forceinline__ void store_out(const P& p, int64_t tok, int h, int ro
   }
 }
 
-// One (request, head, row block). P is DeltaParams or SsdParams.
-template <typename S, int L, int E, int J, int RT, bool SSD, typename P>
+// One (request, head, row block). P is DeltaParams or SsdParams; Y is y's element type.
+template <typename S, int L, int E, int J, int RT, bool SSD, typename Y, typename P>
 __global__ void __launch_bounds__(kThreads) recurrent_kernel(const P p, int row_blocks) {
   constexpr int kRowsPerCta = Kernel<S, L, E, J, RT, SSD>::kRowsPerCta;
   const int heads = p.state.heads, rows = p.state.rows, cols = p.state.cols;
@@ -314,7 +329,7 @@ __global__ void __launch_bounds__(kThreads) recurrent_kernel(const P p, int row_
     }
     const int64_t tok = int64_t{r.token_start} + t;
     TokenIn<E, J, RT, SSD> in;
-    load_token<L>(p, tok, w, in);
+    load_token<L, Y>(p, tok, w, in);
     float out_val[RT];
     token_update<L>(p, in, s, out_val);
     store_out<RT>(p, tok, h, row0, li, w.row_ok, out_val);
@@ -414,7 +429,7 @@ struct Decode {
   }
 };
 
-template <typename S, int L, int E, int RT, int W, int STAGES, bool SSD, typename P>
+template <typename S, int L, int E, int RT, int W, int STAGES, bool SSD, typename Y, typename P>
 __global__ void __launch_bounds__(W * 32) decode_kernel(const P p, int row_blocks, int64_t items) {
   using D = Decode<S, L, E, RT, W>;
   constexpr int kCols = D::kCols, kRows = D::kRows;
@@ -492,7 +507,7 @@ __global__ void __launch_bounds__(W * 32) decode_kernel(const P p, int row_block
   TokenIn<E, 1, RT, SSD> in;
   if (cur < items) {
     lanes_of(cur, w);
-    load_token<L>(p, p.step.reqs[cur / per_req].token_start, w, in);
+    load_token<L, Y>(p, p.step.reqs[cur / per_req].token_start, w, in);
   }
   for (int k = 0; cur < items; ++k) {
     const int stage = k % STAGES;
@@ -504,7 +519,7 @@ __global__ void __launch_bounds__(W * 32) decode_kernel(const P p, int row_block
     TokenIn<E, 1, RT, SSD> in_c = in;
     if (next < items) {  // the next item's inputs, in flight while this one computes
       lanes_of(next, w);
-      load_token<L>(p, p.step.reqs[next / per_req].token_start, w, in);
+      load_token<L, Y>(p, p.step.reqs[next / per_req].token_start, w, in);
     }
     mbar_wait(&full[stage], (k / STAGES) & 1);
     S* buf = ring + stage * kItemElems;
@@ -541,13 +556,13 @@ __global__ void __launch_bounds__(W * 32) decode_kernel(const P p, int row_block
   if (threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-template <typename S, int L, int E, int J, int RT, bool SSD, typename P>
+template <typename S, int L, int E, int J, int RT, bool SSD, typename Y, typename P>
 cudaError_t launch_variant(const P& p, cudaStream_t stream) {
   constexpr int kRows = Kernel<S, L, E, J, RT, SSD>::kRowsPerCta;
   const int row_blocks = (p.state.rows + kRows - 1) / kRows;
   const int64_t blocks = int64_t{row_blocks} * p.state.heads * p.step.num_reqs;
   if (blocks > INT32_MAX) return cudaErrorInvalidValue;
-  recurrent_kernel<S, L, E, J, RT, SSD, P>
+  recurrent_kernel<S, L, E, J, RT, SSD, Y, P>
       <<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p, row_blocks);
   return cudaGetLastError();
 }
@@ -562,10 +577,10 @@ bool decode_fits(const P& p) {
 }
 
 // The persistent grid: (resident CTAs per SM, at most max_per_sm) x SMs, no more than the items.
-template <typename S, int L, int E, int RT, int W, int STAGES, bool SSD, typename P>
+template <typename S, int L, int E, int RT, int W, int STAGES, bool SSD, typename Y, typename P>
 cudaError_t launch_decode(const P& p, cudaStream_t stream, bool dependent, int max_per_sm) {
   using D = Decode<S, L, E, RT, W>;
-  auto kernel = decode_kernel<S, L, E, RT, W, STAGES, SSD, P>;
+  auto kernel = decode_kernel<S, L, E, RT, W, STAGES, SSD, Y, P>;
   const size_t smem = D::smem_bytes(STAGES);
   struct Fit {
     int sms = 0, per_sm = 0;
@@ -608,30 +623,37 @@ constexpr int kDecodeStages = 3;
 constexpr int kDecodePerSm = 32;
 
 // The variants: 16-byte vectors over 128 columns (the real models' Dk and d_state) for fp32 and
-// bf16 states, and one element per lane for any other width up to 256.
+// bf16 states, and one element per lane for any other width up to 256; each for fp32 and bf16 y.
+template <bool SSD, typename Y, typename P>
+cudaError_t dispatch_state(const P& p, cudaStream_t stream, bool dependent) {
+  const bool wide = p.state.cols > 64 && p.state.cols <= 128 && p.state.cols % 8 == 0;
+  if (p.state.ssm_dtype == kF32) {
+    if (decode_fits<float, 32, 4, 8, kDecodeWarps>(p)) {
+      return launch_decode<float, 32, 4, 8, kDecodeWarps, kDecodeStages, SSD, Y>(
+          p, stream, dependent, kDecodePerSm);
+    }
+    if (wide) return launch_variant<float, 32, 4, 1, 4, SSD, Y>(p, stream);
+    return launch_variant<float, 32, 1, 8, 2, SSD, Y>(p, stream);
+  }
+  if (p.state.ssm_dtype == kBF16) {
+    if (decode_fits<__nv_bfloat16, 16, 8, 4, kDecodeWarps>(p)) {
+      return launch_decode<__nv_bfloat16, 16, 8, 4, kDecodeWarps, kDecodeStages, SSD, Y>(
+          p, stream, dependent, kDecodePerSm);
+    }
+    if (wide) return launch_variant<__nv_bfloat16, 16, 8, 1, 4, SSD, Y>(p, stream);
+    return launch_variant<__nv_bfloat16, 32, 1, 8, 2, SSD, Y>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
 template <bool SSD, typename P>
 cudaError_t dispatch(const P& p, cudaStream_t stream, bool dependent) {
   if (p.step.num_reqs == 0 || p.step.max_tokens == 0) return cudaSuccess;
   const int cols = p.state.cols;
   if (cols < 1 || cols > 256 || p.state.rows < 1 || p.state.heads < 1) return cudaErrorInvalidValue;
-  const bool wide = cols > 64 && cols <= 128 && cols % 8 == 0;
-  if (p.state.ssm_dtype == kF32) {
-    if (decode_fits<float, 32, 4, 8, kDecodeWarps>(p)) {
-      return launch_decode<float, 32, 4, 8, kDecodeWarps, kDecodeStages, SSD>(
-          p, stream, dependent, kDecodePerSm);
-    }
-    if (wide) return launch_variant<float, 32, 4, 1, 4, SSD>(p, stream);
-    return launch_variant<float, 32, 1, 8, 2, SSD>(p, stream);
-  }
-  if (p.state.ssm_dtype == kBF16) {
-    if (decode_fits<__nv_bfloat16, 16, 8, 4, kDecodeWarps>(p)) {
-      return launch_decode<__nv_bfloat16, 16, 8, 4, kDecodeWarps, kDecodeStages, SSD>(
-          p, stream, dependent, kDecodePerSm);
-    }
-    if (wide) return launch_variant<__nv_bfloat16, 16, 8, 1, 4, SSD>(p, stream);
-    return launch_variant<__nv_bfloat16, 32, 1, 8, 2, SSD>(p, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_f32_or_bf16(p.y_dtype, cudaErrorInvalidValue, [&](auto y) {
+    return dispatch_state<SSD, typename decltype(y)::type>(p, stream, dependent);
+  });
 }
 
 }  // namespace

@@ -18,11 +18,14 @@
 // 16 x 16 tile at a time and goes from the accumulators straight into the A operand of the
 // (masked scores) x X MMA, as attention kernels do with probabilities.
 //
-// B and C are shared by the heads of a group, so a first kernel converts them to bf16 once per
-// token (the workspace: [T, 2, groups, N]); the heads' CTAs then fetch them with cp.async, all of a
-// chunk in flight at once, while their own x rows come through registers (converted on the way).
-// Loading fp32 B and C through registers as well, eight 16-byte loads per thread at a time, took
-// 1.43 / 6.13 ms at 1 / 8 x 8192 tokens (Nemotron-H shape, H200) against 1.05 / 4.67 ms now.
+// fp32 y: B and C are shared by the heads of a group, so a first kernel converts them to bf16 once
+// per token (the workspace: [T, 2, groups, N]); the heads' CTAs then fetch them with cp.async, all
+// of a chunk in flight at once, while their own x rows come through registers (converted on the
+// way). Loading fp32 B and C through registers as well, eight 16-byte loads per thread at a time,
+// took 1.43 / 6.13 ms at 1 / 8 x 8192 tokens (Nemotron-H shape, H200) against 1.05 / 4.67 ms then.
+// bf16 y (16-bit activations, linear.h): x, B and C are already the MMA operands, so the CTAs
+// fetch all three with cp.async straight from y's rows; no conversion kernel, no workspace. The
+// element type of y is the kernel's template parameter Y.
 //
 // What bounds it (Nsight Compute at 1 x 8192): one CTA of four warps per SM (two fit, by registers
 // and shared memory), 5.8 cycles between a warp's instructions, 38% of the stalls on global loads
@@ -124,6 +127,29 @@ __device__ __forceinline__ void copy_tile_async(bf16* dst, const bf16* __restric
   }
 }
 
+// bf16 y: rows [0, valid) of a [rows, COLS] block of y (rows `stride` elements apart) into a
+// swizzled tile with cp.async, rows [valid, ROWS) zero-filled; copy_tile_async's layout, but each
+// thread keeps one shared and one global address and steps both (a step of the CTA covers
+// kThreads * 8 elements, kThreads * 8 / COLS whole rows, so the thread's swizzle does not change).
+// Per-copy addresses held across the chunk loop cost the kernel its last free registers.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void copy_rows_async(bf16* dst, const bf16* __restrict__ src,
+                                                int64_t stride, int valid) {
+  constexpr int kRowsPerStep = kThreads * 8 / COLS;
+  static_assert(ROWS % kRowsPerStep == 0);
+  const int r0 = static_cast<int>(threadIdx.x) / (COLS / 8);
+  const int col = (static_cast<int>(threadIdx.x) % (COLS / 8)) * 8;
+  bf16* d = dst + sidx<COLS>(r0, col);
+  const bf16* g = src + r0 * stride + col;
+  const int64_t step = kRowsPerStep * stride;
+#pragma unroll
+  for (int k = 0; k < ROWS / kRowsPerStep; ++k) {
+    const bool ok = r0 + k * kRowsPerStep < valid;
+    cp_async_16(d + k * kRowsPerStep * COLS, ok ? g : src, ok);
+    g += step;
+  }
+}
+
 // y's B | C columns of every token as bf16: bc[t, 0, g, :] = B, bc[t, 1, g, :] = C.
 __global__ void __launch_bounds__(256)
     ssd_convert_bc_kernel(const float* __restrict__ y, int64_t ystride, int64_t offset, int width,
@@ -143,9 +169,11 @@ __global__ void __launch_bounds__(256)
   *reinterpret_cast<uint4*>(bc + t * width + col) = w;
 }
 
-template <int Q, int N>
+// bc: fp32 y's B | C in bf16 (ssd_convert_bc_kernel); unused with bf16 y (Y = bf16).
+template <int Q, int N, typename Y>
 __global__ void __launch_bounds__(kThreads, 2)
     ssd_chunked_kernel(const SsdParams p, const bf16* __restrict__ bc) {
+  constexpr bool kBf16Y = sizeof(Y) == 2;
   constexpr int P = kHeadDim, NT = N / 8, PT = P / 8, RB = Q / 16;
   using Smem = SsdSmem<Q, N>;
   const LinReq req = p.step.reqs[blockIdx.y];
@@ -192,8 +220,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int c0 = 0; c0 < req.tokens; c0 += Q) {
     const int valid = min(Q, req.tokens - c0);
     const int64_t t_first = req.token_start + static_cast<int64_t>(c0);
-    const float* yrow = p.y + t_first * ystride;
-    const bf16* bcrow = bc + t_first * (2 * groups * N);
+    const Y* yrow = static_cast<const Y*>(p.y) + t_first * ystride;
     // Every warp is done with the previous chunk's tiles and state copy.
     __syncthreads();
 #pragma unroll
@@ -203,8 +230,16 @@ __global__ void __launch_bounds__(kThreads, 2)
       *reinterpret_cast<uint32_t*>(Hs + sidx<N>(p0 + g + 8, 8 * j + 2 * c)) =
           pack2<bf16>(hacc[j][2], hacc[j][3]);
     }
-    copy_tile_async<Q, N>(Bs, bcrow + grp * N, 2 * groups * N, valid);
-    copy_tile_async<Q, N>(Cs, bcrow + (groups + grp) * N, 2 * groups * N, valid);
+    if constexpr (kBf16Y) {  // x, B and C from y's rows
+      const bf16* bcrow = yrow + static_cast<int64_t>(heads) * P;
+      copy_rows_async<Q, N>(Bs, bcrow + grp * N, ystride, valid);
+      copy_rows_async<Q, N>(Cs, bcrow + (groups + grp) * N, ystride, valid);
+      copy_rows_async<Q, P>(Xs, yrow + static_cast<int64_t>(h) * P, ystride, valid);
+    } else {
+      const bf16* bcrow = bc + t_first * (2 * groups * N);
+      copy_tile_async<Q, N>(Bs, bcrow + grp * N, 2 * groups * N, valid);
+      copy_tile_async<Q, N>(Cs, bcrow + (groups + grp) * N, 2 * groups * N, valid);
+    }
     cp_async_commit();
     if (warp == 0) {
       // dt and the inclusive cumulative dt * A (log2 units); padded tokens get dt = 0.
@@ -231,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int k = 0; k < kPer; ++k) Ls[lane * kPer + k] = base + part[k];
     }
-    load_tile<Q, P>(Xs, yrow + static_cast<int64_t>(h) * P, ystride, valid);
+    if constexpr (!kBf16Y) load_tile<Q, P>(Xs, yrow + static_cast<int64_t>(h) * P, ystride, valid);
     cp_async_wait<0>();
     __syncthreads();
 
@@ -318,17 +353,23 @@ __global__ void __launch_bounds__(kThreads, 2)
           mma_16816<bf16>(yacc[2 * np + 1], pa, b[2], b[3]);
         }
       }
-      // y = Y_off + Y_diag + D x (x in fp32 from y), rows below `valid` only.
+      // y = Y_off + Y_diag + D x (x in fp32 from y; bf16 y: from the x tile, the same values),
+      // rows below `valid` only.
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int t = t0 + g + 8 * r;
         if (t >= valid) continue;
-        const float* xrow = yrow + t * ystride + static_cast<int64_t>(h) * P;
         const int64_t orow = (t_first + t) * p.out_stride + static_cast<int64_t>(h) * P;
 #pragma unroll
         for (int j = 0; j < PT; ++j) {
           const int col = 8 * j + 2 * c;
-          const float2 xv = __ldg(reinterpret_cast<const float2*>(xrow + col));
+          float2 xv;
+          if constexpr (kBf16Y) {
+            xv = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(Xs + sidx<P>(t, col)));
+          } else {
+            const float* xrow = yrow + t * ystride + static_cast<int64_t>(h) * P;
+            xv = __ldg(reinterpret_cast<const float2*>(xrow + col));
+          }
           const float o0 = yacc[j][2 * r] + Dh * xv.x, o1 = yacc[j][2 * r + 1] + Dh * xv.y;
           if (out_pairs) {
             store_elem2(p.out, p.out_dtype, orow + col, o0, o1);
@@ -392,18 +433,21 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-template <int Q, int N>
+template <int Q, int N, typename Y>
 cudaError_t launch(const SsdParams& p, int64_t num_tokens, bf16* bc, cudaStream_t stream) {
   constexpr int kBytes = SsdSmem<Q, N>::kBytes;
-  const cudaError_t e = cudaFuncSetAttribute(ssd_chunked_kernel<Q, N>,
+  const cudaError_t e = cudaFuncSetAttribute(ssd_chunked_kernel<Q, N, Y>,
                                              cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
   if (e != cudaSuccess) return e;
-  const int width = 2 * p.groups * N;
-  const int64_t items = num_tokens * (width / 8);
-  ssd_convert_bc_kernel<<<static_cast<unsigned>((items + 255) / 256), 256, 0, stream>>>(
-      p.y, p.state.conv_dim, int64_t{p.state.heads} * p.state.rows, width, num_tokens, bc);
+  if constexpr (sizeof(Y) == 4) {
+    const int width = 2 * p.groups * N;
+    const int64_t items = num_tokens * (width / 8);
+    ssd_convert_bc_kernel<<<static_cast<unsigned>((items + 255) / 256), 256, 0, stream>>>(
+        static_cast<const float*>(p.y), p.state.conv_dim, int64_t{p.state.heads} * p.state.rows,
+        width, num_tokens, bc);
+  }
   const dim3 grid(static_cast<unsigned>(p.state.heads), static_cast<unsigned>(p.step.num_reqs));
-  ssd_chunked_kernel<Q, N><<<grid, kThreads, kBytes, stream>>>(p, bc);
+  ssd_chunked_kernel<Q, N, Y><<<grid, kThreads, kBytes, stream>>>(p, bc);
   return cudaGetLastError();
 }
 
@@ -411,8 +455,9 @@ bool is_act_dtype(DTypeCode t) { return t == kF32 || t == kBF16 || t == kF16; }
 
 }  // namespace
 
-// B | C of every token of the step in bf16.
+// fp32 y: B | C of every token of the step in bf16; bf16 y: none (the kernel reads y).
 size_t ssd_chunked_workspace(const SsdParams& p, int64_t num_tokens, int) {
+  if (p.y_dtype == kBF16) return 0;
   return static_cast<size_t>(num_tokens) * 2 * p.groups * p.state.cols * sizeof(bf16);
 }
 
@@ -426,18 +471,24 @@ cudaError_t launch_ssd_chunked(const SsdParams& p, int64_t num_tokens, int chunk
                         p.groups > 0 && s.heads > 0 && s.heads % p.groups == 0 &&
                         s.conv_dim == s.heads * s.rows + 2 * p.groups * s.cols;
   const bool types_ok = is_act_dtype(p.a_dtype) && is_act_dtype(p.out_dtype) &&
-                        (s.ssm_dtype == kF32 || s.ssm_dtype == kBF16);
-  // 16-byte loads of y rows and of the workspace.
+                        (s.ssm_dtype == kF32 || s.ssm_dtype == kBF16) &&
+                        (p.y_dtype == kF32 || p.y_dtype == kBF16);
+  // 16-byte loads of y rows (bf16 y: conv_dim, heads * P and N are multiples of 8 elements) and
+  // of the workspace (fp32 y only).
   const bool aligned = reinterpret_cast<uintptr_t>(p.y) % 16 == 0 &&
-                       reinterpret_cast<uintptr_t>(workspace) % 16 == 0 && workspace != nullptr;
+                       (p.y_dtype == kBF16 ||
+                        (reinterpret_cast<uintptr_t>(workspace) % 16 == 0 && workspace != nullptr));
   if (!shape_ok || !types_ok || !aligned || p.step.num_reqs > 65535) return cudaErrorInvalidValue;
   bf16* bc = static_cast<bf16*>(workspace);
-  if (chunk == 64) {
-    return s.cols == 64 ? launch<64, 64>(p, num_tokens, bc, stream)
-                        : launch<64, 128>(p, num_tokens, bc, stream);
-  }
-  return s.cols == 64 ? launch<128, 64>(p, num_tokens, bc, stream)
-                      : launch<128, 128>(p, num_tokens, bc, stream);
+  return with_f32_or_bf16(p.y_dtype, cudaErrorInvalidValue, [&](auto y) {
+    using Y = typename decltype(y)::type;
+    if (chunk == 64) {
+      return s.cols == 64 ? launch<64, 64, Y>(p, num_tokens, bc, stream)
+                          : launch<64, 128, Y>(p, num_tokens, bc, stream);
+    }
+    return s.cols == 64 ? launch<128, 64, Y>(p, num_tokens, bc, stream)
+                        : launch<128, 128, Y>(p, num_tokens, bc, stream);
+  });
 }
 
 }  // namespace attnrt::cuda::linear

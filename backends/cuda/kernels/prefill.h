@@ -39,12 +39,12 @@ bool prefill_fp8_ws_enabled();
 void set_prefill_fp8_ws(bool on);
 // The warp-specialised CTA over fp8 pages (prefill_kv8_ws.cu; prefill_ws.cuh's header comment):
 // TileShape::prefill items of non-tree steps over an e4m3 or e5m2 KV pool, q / out bf16 or fp16,
-// head dim 128, computed at 16-bit precision (f16 MMAs: K and V exact, bf16 q scaled into f16 by a
+// head dims 64, 128 and 256 (empty for others), computed at 16-bit precision (f16 MMAs: K and V exact, bf16 q scaled into f16 by a
 // power of two). dispatch.h's table chooses it for those items unless Options::fp8_prefill_attention
 // sends e4m3 ones to the fp8 CTA. prefill_kv8_enabled() (ATTNRT_PREFILL_KV8 in the environment, 0
 // or 1, default 1, read once unless set_prefill_kv8 chose first) off: those items run on the
 // mma.sync CTA as before it (attention_dispatch.cu).
-AttnCtaEntry prefill_kv8_entry(bool fp16);
+AttnCtaEntry prefill_kv8_entry(int head_dim, bool fp16);
 bool prefill_kv8_enabled();
 void set_prefill_kv8(bool on);
 // prefill_kernel's CTAs per head dim (prefill_d{64,128,256}.cu; no 64-row CTA at 256).

@@ -1,8 +1,7 @@
-// The warp-specialised prefill CTA over fp8 pages (prefill_ws.cuh with PrefillWsKv8Config): its
-// instantiations (bf16 and fp16 q / out at head dim 128, consumers in ping-pong, cp.async producer
-// with the fp8 -> f16 conversion), its entry and its switch, in one translation unit.
+// The warp-specialised prefill CTA over fp8 pages (prefill_ws.cuh with PrefillWsKv8Cfg): its head
+// dim 128 instantiations, its entry for every head dim and its switches.
 #include "attnrt/core/env.h"
-#include "backends/cuda/kernels/prefill_ws.cuh"
+#include "backends/cuda/kernels/prefill_kv8_ws.cuh"
 
 namespace attnrt::cuda {
 namespace {
@@ -15,18 +14,18 @@ EnvSwitch g_prefill_kv8{"ATTNRT_PREFILL_KV8",
                         "1 (default: prefill tiles over an fp8 KV cache run the warp-specialised "
                         "CTA at 16-bit precision) or 0 (the mma.sync CTA)"};
 
-template <typename T>
-struct Kv8Cta {
-  using Cfg = PrefillWsKv8Cfg;
-  static cudaError_t launch(const AttnParams& p, const AttnKernelKey&, int num_items,
-                            cudaStream_t stream, bool) {
-    return launch_prefill_ws_cfg<T, Cfg, false>(p, WsTensorMaps{}, num_items,
-                                                prefill_ws_persistent(), stream);
-  }
-  static int occupancy(const AttnKernelKey&) {
-    return resident_ctas<prefill_ws_kernel<T, Cfg, false>>(Cfg::kThreads, Cfg::kSmemBytes);
-  }
-};
+// Keys per tile at head dim 128, for A/B (ATTNRT_PREFILL_KV8_WIDE): 64 (0, PrefillWsKv8Cfg<128>:
+// 4 stages, 4 staging tiles) or 128 (1: 2 stages of 64 KiB, 2 staging tiles, 226 KiB; the S MMAs
+// twice as wide, but a stage is held a tile longer in ping-pong).
+using Kv8Cfg128Keys = PrefillWsKv8Config<128, 128, 2, 2>;
+bool kv8_wide_tiles() {
+  static const bool wide =
+      env_integer("ATTNRT_PREFILL_KV8_WIDE", 0, 1, "cuda backend",
+                  "0 (default: 64-key tiles in 4 stages over fp8 pages at head dim 128) or 1 "
+                  "(128-key tiles in 2 stages)")
+          .value_or(0) != 0;
+  return wide;
+}
 
 }  // namespace
 
@@ -34,9 +33,18 @@ bool prefill_kv8_enabled() { return g_prefill_kv8.get() != 0; }
 
 void set_prefill_kv8(bool on) { g_prefill_kv8.set(on ? 1 : 0); }
 
-AttnCtaEntry prefill_kv8_entry(bool fp16) {
-  return fp16 ? AttnCtaEntry{&Kv8Cta<__half>::launch, &Kv8Cta<__half>::occupancy}
-              : AttnCtaEntry{&Kv8Cta<__nv_bfloat16>::launch, &Kv8Cta<__nv_bfloat16>::occupancy};
+AttnCtaEntry prefill_kv8_entry(int head_dim, bool fp16) {
+  switch (head_dim) {
+    case 64:
+      return prefill_kv8_entry_d64(fp16);
+    case 128:
+      return kv8_wide_tiles() ? kv8_entry<Kv8Cfg128Keys>(fp16)
+                                : kv8_entry<PrefillWsKv8Cfg<128>>(fp16);
+    case 256:
+      return prefill_kv8_entry_d256(fp16);
+    default:
+      return {};
+  }
 }
 
 }  // namespace attnrt::cuda

@@ -52,11 +52,11 @@
 // start on a page: ws_unit rounds a window's first key down to a tile (the extra keys are outside
 // the window, the first tile is masked as any window tile), so splits stay tile aligned too.
 //
-// Over fp8 pages (PrefillWsKv8Config; prefill_kv8_ws.cu, dispatch.h's AttnCta::prefill_kv8): the
-// TileShape::prefill items of non-tree steps over an e4m3 or e5m2 pool at head dim 128, bf16 or
-// fp16 q / out, computed at 16-bit precision. Every e4m3 and e5m2 value is an f16 value, so the
-// MMAs run in f16 (fp32 accumulators) whatever q's type, with nothing rounded that the mma.sync
-// CTA before it kept:
+// Over fp8 pages (PrefillWsKv8Config; prefill_kv8_ws*.cu, dispatch.h's AttnCta::prefill_kv8): the
+// TileShape::prefill items of non-tree steps over an e4m3 or e5m2 pool at head dims 64, 128 and
+// 256, bf16 or fp16 q / out, computed at 16-bit precision. Every e4m3 and e5m2 value is an f16
+// value, so the MMAs run in f16 (fp32 accumulators) whatever q's type, with nothing rounded that
+// the mma.sync CTA before it kept:
 //  - the producer (prefill_ws_kv8.cuh) copies each tile's fp8 K and V rows with cp.async into a
 //    staging tile, and NS - 1 tiles later (each tile its own cp.async group, then the producer's
 //    named barrier) waits for the tile's ring stage, converts the staged bytes to f16 into it
@@ -64,22 +64,23 @@
 //    layout above, fences and arrives on the stage's full barrier. V needs no transpose (the P V
 //    MMA reads it MN-major) and keys past hi are zero-filled in staging, hence zero in the stage.
 //    The stage wait comes only at the conversion, so copies run NS - 1 tiles ahead of it.
-//  - the consumers are this kernel's, in ping-pong, with the MMA element type f16 (MT) while q,
-//    the output and the partials keep their own types; P is packed to f16. fp16 q is used as it
-//    is. bf16 q is converted in place: each consumer, after the Q barrier, scales its own 64 rows
-//    by a power of two qs that brings their |max| into (2^13, 2^14] and rounds them to f16
-//    (prefill_q_scale.cuh; exact for every element down to 2^-30 of the largest), and the
-//    logit scales (scale_log2, the softcap's) take 1 / qs. The k scale is in those scales and the
-//    v scale in the epilogue, as for 16-bit KV.
-// Shared memory at BN = 64, 4 stages, 4 staging tiles: Q 32 KiB, stages 4 x 32 KiB (f16 K and V),
-// the slots and barriers, staging 4 x 16 KiB (fp8 K and V): 225 KiB. Why 64-key tiles: at 128
-// keys an f16 stage is 64 KiB and, next to Q, two stages and the staging leave no room for a
-// third; with two, the stage of tile i + 1 comes free only when the second consumer's MMAs of tile
-// i - 1 are done (a stage is released a tile late in ping-pong), about when the first consumer
-// wants tile i + 1, so the conversion would sit on the consumers' path every tile. At 64 keys the
-// ring holds two converted tiles ahead of the two the consumers hold, and the staging three tiles
-// of copies in flight behind the one being converted. The producer takes 56 registers (the
-// consumers 224) so as not to spill.
+//  - the consumers are this kernel's (in ping-pong at head dims 64 and 128, free-running at 256,
+//    as the 16-bit CTA's by default), with the MMA element type f16 (MT) while q, the output and
+//    the partials keep their own types; P is packed to f16. fp16 q is used as it is. bf16 q is
+//    converted in place: each consumer, after the Q barrier, scales its own 64 rows by a power of
+//    two qs that brings their |max| into (2^13, 2^14] and rounds them to f16
+//    (prefill_q_scale.cuh; exact for every element down to 2^-30 of the largest), and the logit
+//    scales (scale_log2, the softcap's) take 1 / qs. The k scale is in those scales and the v
+//    scale in the epilogue, as for 16-bit KV.
+// Shared memory at head dim 128, BN = 64, 4 stages, 4 staging tiles: Q 32 KiB, stages 4 x 32 KiB
+// (f16 K and V), the slots and barriers, staging 4 x 16 KiB (fp8 K and V): 225 KiB. Why 64-key
+// tiles: at 128 keys an f16 stage is 64 KiB and, next to Q, two stages and the staging leave no
+// room for a third; with two, the stage of tile i + 1 comes free only when the second consumer's
+// MMAs of tile i - 1 are done (a stage is released a tile late in ping-pong), about when the first
+// consumer wants tile i + 1, so the conversion would sit on the consumers' path every tile. At 64
+// keys the ring holds two converted tiles ahead of the two the consumers hold, and the staging
+// three tiles of copies in flight behind the one being converted. The other head dims:
+// PrefillWsKv8Cfg.
 #pragma once
 
 #include <cuda.h>
@@ -157,15 +158,19 @@ template <int BN, int STAGES, bool PP>
 using PrefillWsMlaCfg = PrefillWsConfig<kMlaMhaHeadDim, kMlaMhaVHeadDim, BN, STAGES, PP>;
 
 // The CTA over fp8 pages (the header comment): head dim D, BN keys a tile, STAGES f16 stages,
-// STAGING staging tiles of fp8 K + V after the barriers, the consumers in ping-pong on f16 MMAs.
-template <int D, int BN, int STAGES, int STAGING>
-struct PrefillWsKv8Config : PrefillWsConfig<D, D, BN, STAGES, true> {
-  using Base = PrefillWsConfig<D, D, BN, STAGES, true>;
+// STAGING staging tiles of fp8 K + V after the barriers, the consumers on f16 MMAs in ping-pong
+// (PP) or free-running, as the 16-bit CTA of the same head dim by default (prefill.cu).
+template <int D, int BN, int STAGES, int STAGING, bool PP = true>
+struct PrefillWsKv8Config : PrefillWsConfig<D, D, BN, STAGES, PP> {
+  using Base = PrefillWsConfig<D, D, BN, STAGES, PP>;
   static constexpr bool kKv8 = true;
-  // ptxas -v: no spills at 56 / 224; at 40 / 232 (the 16-bit CTA's split) the producer spills (its
-  // staging, ring and barrier addresses across the conversion).
-  static constexpr int kProducerRegs = 56;
-  static constexpr int kConsumerRegs = 224;
+  // Producer / consumer registers by the producer's conversion work a tile (ptxas -v): 56 / 224
+  // at head dim 128 and 64-key tiles (no spills; at 40 / 232, the 16-bit CTA's split, the producer
+  // spills its staging, ring and barrier addresses across the conversion), 64 / 216 at 64 and 128
+  // keys (no spills), 72 / 216 for 16 KiB fp8 tiles (256 x 64 keys, 128 x 128: no spills, 4 bytes
+  // in one of the two q types).
+  static constexpr int kProducerRegs = BN * D >= 16384 ? 72 : D == 64 ? 64 : 56;
+  static constexpr int kConsumerRegs = kProducerRegs == 56 ? 224 : 216;
   static constexpr int kStaging = STAGING;
   static constexpr int kStagingTileBytes = 2 * kv8_staged_tile_bytes(BN, D);  // fp8 K, then V
   static constexpr int kStagingOffset =
@@ -177,7 +182,18 @@ struct PrefillWsKv8Config : PrefillWsConfig<D, D, BN, STAGES, true> {
                     Base::kLaunchRegs * Base::kThreads,
                 "setmaxnreg.inc would wait forever");
 };
-using PrefillWsKv8Cfg = PrefillWsKv8Config<128, 64, 4, 4>;
+// Per head dim. 64: 128-key tiles (the 16-bit CTA's, its S and P V MMAs twice as wide as at 64
+// keys) in 3 f16 stages of 32 KiB behind 3 staging tiles (16 KiB of Q: 209 KiB). 128: 64-key tiles
+// (a 128-key f16 stage is 64 KiB, two of them beside Q and staging leave no third), 4 + 4. 256:
+// 64-key tiles, 2 stages of 64 KiB and one staging tile (Q alone is 64 KiB: 225 KiB), so each
+// tile's copies wait for the previous tile's conversion; the consumers free-running, as the
+// 16-bit CTA's at 256 (in ping-pong a stage is held a tile longer, which two stages cannot
+// spare; and ping-pong's extra live registers spilled there).
+template <int D>
+using PrefillWsKv8Cfg =
+    std::conditional_t<D == 64, PrefillWsKv8Config<64, 128, 3, 3>,
+                       std::conditional_t<D == 128, PrefillWsKv8Config<128, 64, 4, 4>,
+                                          PrefillWsKv8Config<256, 64, 2, 1, false>>>;
 
 // The tensor maps of the TMA producer over the layer's K and V pools (see the header comment);
 // unused (zeros) by the cp.async producer.

@@ -1,6 +1,7 @@
-// Hopper warpgroup MMA (wgmma, sm_90a) helpers for the prefill kernel: shared-memory matrix
-// descriptors for the 128-byte swizzled layout, fences, and m64nNk16 MMAs with fp32 accumulators
-// (A from shared memory or from registers, B from shared memory, K-major or MN-major).
+// Hopper warpgroup MMA (wgmma, sm_90a) helpers for the prefill kernels and the delta rule's state
+// pass: shared-memory matrix descriptors for the 128-byte swizzled layout, fences, and m64nNk16
+// MMAs with fp32 accumulators (A from shared memory or from registers, B from shared memory,
+// K-major or MN-major).
 //
 // Shared-memory tiles use one layout for Q, K and V: a [rows][D] 16-bit tile is stored as D / 64
 // column blocks of [rows][64] (128-byte rows), and inside each 1024-byte group of 8 rows the
@@ -57,6 +58,14 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
+// Pins each register of an accumulator array where it stands: the compiler may not move its reads
+// or writes across this point, nor copy the array into other registers around an MMA in flight
+// (which makes ptxas wait for every MMA before the copy).
+template <int N>
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
 // Orders this thread's generic-proxy shared-memory writes (cp.async, st.shared) before later
 // async-proxy reads (wgmma operands).
 __device__ __forceinline__ void fence_proxy_async_smem() {
@@ -81,6 +90,11 @@ __device__ __forceinline__ void wgmma_ss_tn(float (&d)[N / 2], uint64_t a, uint6
 // rows), B MN-major in shared memory.
 template <int N, typename T>
 __device__ __forceinline__ void wgmma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b);
+// D[64 x N] (+)= A[64 x 16] * B[16 x N]: A in registers (as wgmma_rs), B K-major in shared memory
+// (rows = N, the reduction index contiguous, as wgmma_ss's B); `accumulate` = 0 overwrites D.
+template <int N, typename T>
+__device__ __forceinline__ void wgmma_rs_k(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b,
+                                           int accumulate);
 
 // D[64 x N] (+)= A[64 x 32] * B[32 x N] in fp8 e4m3 (k32: 32 bytes of a row, as a 16-bit k16
 // step): A and B K-major in shared memory. fp8 MMAs read both operands K-major only.
@@ -132,7 +146,8 @@ __device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[N / 2], const uint32_t 
   "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
 
 // N columns, ACC = N / 2 accumulators, T and its PTX type name TY; the operand numbers after the
-// accumulators: ss: a, b, accumulate; rs: a[0..3], b, the scale-d flag (always 1).
+// accumulators: ss: a, b, accumulate; rs: a[0..3], b, the scale-d flag (1 for wgmma_rs,
+// `accumulate` for wgmma_rs_k).
 #define ATTNRT_WGMMA_PAIR(N, ACC, T, TY, SS_A, SS_B, SS_P, RS_A0, RS_A1, RS_A2, RS_A3, RS_B, RS_P) \
   template <>                                                                                      \
   __device__ __forceinline__ void wgmma_ss<N, T>(float(&d)[ACC], uint64_t a, uint64_t b,           \
@@ -170,6 +185,16 @@ __device__ __forceinline__ void wgmma_rs_e4m3(float (&d)[N / 2], const uint32_t 
                  "}, %" #RS_B ", p, 1, 1, 1;\n}\n"                                                 \
                  : ATTNRT_WGMMA_ACC##ACC(d)                                                        \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));                    \
+  }                                                                                                \
+  template <>                                                                                      \
+  __device__ __forceinline__ void wgmma_rs_k<N, T>(float(&d)[ACC], const uint32_t(&a)[4],          \
+                                                   uint64_t b, int accumulate) {                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #RS_P ", 0;\n"                               \
+                 "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY " {"                  \
+                 ATTNRT_WGMMA_REGS##ACC "}, {%" #RS_A0 ", %" #RS_A1 ", %" #RS_A2 ", %" #RS_A3      \
+                 "}, %" #RS_B ", p, 1, 1, 0;\n}\n"                                                 \
+                 : ATTNRT_WGMMA_ACC##ACC(d)                                                        \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));           \
   }
 
 // clang-format on

@@ -22,6 +22,22 @@ inline constexpr int32_t kBF16 = static_cast<int32_t>(DType::bf16);
 inline constexpr int32_t kE4M3 = static_cast<int32_t>(DType::e4m3);
 inline constexpr int32_t kE5M2 = static_cast<int32_t>(DType::e5m2);
 
+// A type as a value, for generic lambdas: `using T = typename decltype(tag)::type;`.
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// f(TypeTag<float>{}) or f(TypeTag<__nv_bfloat16>{}) by the code `t` (kF32 or kBF16: the element
+// types of the linear layers' conv outputs y, linear.h), `other` for any other code. Launchers
+// call it once per launch, so that both kernels are instantiated and none for other codes.
+template <typename R, typename F>
+R with_f32_or_bf16(int32_t t, R other, F&& f) {
+  if (t == kF32) return f(TypeTag<float>{});
+  if (t == kBF16) return f(TypeTag<__nv_bfloat16>{});
+  return other;
+}
+
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
