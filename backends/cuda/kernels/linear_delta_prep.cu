@@ -584,20 +584,25 @@ __global__ void __launch_bounds__(kThreads, 2)
           split_bf16x2(tu_hi[q], tu_lo[q], tv.x * bv.x, tv.y * bv.y);
           split_bf16x2(tw_hi[q], tw_lo[q], tv.x * ev.x, tv.y * ev.y);
         }
+        // B fragments of rows k0 .. k0 + 15 of a [chunk][ld] bf16 tile, columns cw .. cw + 8 NT - 1
+        // (ldmatrix transposed: the MMA's K = the tile's rows).
+        auto b_frags = [&](const bf16* m, int ld, uint32_t(&out)[NT][2]) {
+          if constexpr (NT == 2) {
+            uint32_t f[4];
+            ldmatrix_x4_trans(f, &m[(k0 + (lane & 15)) * ld + cw + 8 * (lane >> 4)]);
+            out[0][0] = f[0];
+            out[0][1] = f[1];
+            out[1][0] = f[2];
+            out[1][1] = f[3];
+          } else {
+            uint32_t f[2];
+            ldmatrix_x2_trans(f, &m[(k0 + (lane & 15)) * ld + cw]);
+            out[0][0] = f[0];
+            out[0][1] = f[1];
+          }
+        };
         uint32_t kb[NT][2];
-        if constexpr (NT == 2) {
-          uint32_t f[4];
-          ldmatrix_x4_trans(f, &s.k[(k0 + (lane & 15)) * LB + cw + 8 * (lane >> 4)]);
-          kb[0][0] = f[0];
-          kb[0][1] = f[1];
-          kb[1][0] = f[2];
-          kb[1][1] = f[3];
-        } else {
-          uint32_t f[2];
-          ldmatrix_x2_trans(f, &s.k[(k0 + (lane & 15)) * LB + cw]);
-          kb[0][0] = f[0];
-          kb[0][1] = f[1];
-        }
+        b_frags(s.k, LB, kb);
         if constexpr (sizeof(Y) == 4) {
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
@@ -614,19 +619,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         } else {
           // bf16 V: the B fragments as K's (vl = 0, so tu_hi x vl adds nothing).
           uint32_t vb[NT][2];
-          if constexpr (NT == 2) {
-            uint32_t f[4];
-            ldmatrix_x4_trans(f, &s.v[(k0 + (lane & 15)) * LV + cw + 8 * (lane >> 4)]);
-            vb[0][0] = f[0];
-            vb[0][1] = f[1];
-            vb[1][0] = f[2];
-            vb[1][1] = f[3];
-          } else {
-            uint32_t f[2];
-            ldmatrix_x2_trans(f, &s.v[(k0 + (lane & 15)) * LV + cw]);
-            vb[0][0] = f[0];
-            vb[0][1] = f[1];
-          }
+          b_frags(s.v, LV, vb);
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
             mma_16816<bf16>(aw[nt], tw_hi, kb[nt][0], kb[nt][1]);
