@@ -52,7 +52,7 @@ timeout 45 /tmp/ab-bin/main/attnrt bench --backend cuda --suite linear \
   --quiet > "$out/linear.txt" 2>&1
 grep -E "^(gdn|kda)|FlashInfer" "$out/linear.txt" | head -8
 # Where gdn-extend-8x8192's time goes, kernel by kernel (conv, gates, chunk table, prep, state pass).
-timeout 40 ncu --clock-control none --metrics gpu__time_duration.sum -c 12 \
+timeout 40 ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'conv|gate|chunk_table|prep|delta|commit' -c 12 \
   /tmp/ab-bin/main/attnrt bench --backend cuda --suite linear --workload gdn-extend-8x8192 \
   --no-reference --repeats 1 --warmup 1 --quiet > "$out/ncu_gdn.txt" 2>&1
 echo "ncu gdn-extend-8x8192:"; grep -E "^  [a-zA-Z_].*\(|gpu__time_duration" "$out/ncu_gdn.txt" | head -24
