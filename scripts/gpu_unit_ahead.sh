@@ -7,7 +7,9 @@
 #   2. compute-sanitizer racecheck and synccheck (the new named barrier) over the persistent case
 #      (MoreWorkItemsThanSms: ~900 units, several per CTA) of the ping-pong and TMA schedules;
 #   3. the prefill / extend rows, main (.gpubin-main) against the patch in two alternating rounds
-#      (scripts/gpu_ab.sh, bench/ab.py's table).
+#      (scripts/gpu_ab.sh, bench/ab.py's table);
+#   4. with what time is left, the patched binary's prefill-8x2048 and extend rows with the work
+#      list in 24 MiB sections of requests (ATTNRT_PREFILL_SECTION_MB) and without, twice.
 # What should move: prefill-8x2048 and extend-8x2048+512 most (units of ~8 tiles, where a unit's
 # start and Q load sat on the consumers' path), 1x4096 less, 1x16384 about nothing.
 #   usage: OUT=DIR [CALL_SECONDS=570] scripts/gpu_unit_ahead.sh
@@ -38,4 +40,11 @@ if [ $left -gt 90 ]; then
 else
   echo "ab: not run ($left s left)"
 fi
+# The prefill work list in L2-sized sections of requests (ATTNRT_PREFILL_SECTION_MB, main's planner
+# switch) against the default order, on the rows whose units spread over many requests.
+for mb in 0 24 0 24; do
+  gpu_stage sections_$mb 30 env ATTNRT_PREFILL_SECTION_MB=$mb $P/attnrt bench --backend cuda \
+    --workload prefill-8x2048,extend-8x2048+512 --no-reference --repeats 10 --warmup 2 --quiet
+  grep -E "^(prefill|extend)-8x2048" "$O/sections_$mb.log" | head -2
+done
 tar -C "$OUTDIR" -czf "$OUTDIR/logs.tar.gz" logs && rm -rf "$O"

@@ -283,15 +283,34 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
       ASSERT_EQ(cp.work_off, off);
       off += items * sizeof(WorkItem);
     }
-    // Work items: heaviest (last) query tiles first, then request, then split.
-    std::vector<std::tuple<int32_t, int32_t, int32_t>> want;
+    // Work items: heaviest (last) query tiles first, then request, then split; a prefill class
+    // with section_keys first by section (consecutive requests of at most that many keys, one
+    // request at least).
+    const int64_t section_keys =
+        shape == TileShape::prefill && c < cfg.section_keys.size() ? cfg.section_keys[c] : 0;
+    std::vector<int> section(bs, 0);
+    if (section_keys > 0) {
+      int64_t keys = 0;
+      for (int i = 0; i < bs; ++i) {
+        const int64_t kv = int64_t{e.prefix[i]} + e.qlen[i];
+        if (i > 0 && keys + kv > section_keys) {
+          section[i] = section[i - 1] + 1;
+          keys = 0;
+        } else if (i > 0) {
+          section[i] = section[i - 1];
+        }
+        keys += kv;
+      }
+    }
+    std::vector<std::tuple<int, int32_t, int32_t, int32_t>> want;
     for (int i = 0; i < bs; ++i)
       for (int32_t k = 0; k < tiles[i]; ++k)
-        for (int32_t s = 0; s < (pad > 0 ? pad : splits[i]); ++s) want.emplace_back(k, i, s);
+        for (int32_t s = 0; s < (pad > 0 ? pad : splits[i]); ++s)
+          want.emplace_back(section[i], k, i, s);
     std::sort(want.begin(), want.end());
     const WorkItem* w = reinterpret_cast<const WorkItem*>(host + cp.work_off);
     for (size_t n = 0; n < want.size(); ++n) {
-      const auto [k, i, s] = want[n];
+      [[maybe_unused]] const auto [sec, k, i, s] = want[n];
       ASSERT_EQ(w[n].req, i) << "class " << c << " item " << n;
       ASSERT_EQ(w[n].f0, (tiles[i] - 1 - k) * cuda::tile_rows(shape)) << "item " << n;
       ASSERT_EQ(w[n].split, s) << "item " << n;
@@ -429,6 +448,11 @@ PlannerConfig config(std::vector<int> groups, std::vector<int> dims, int heads, 
 
 PlannerConfig with_kv_chunk(PlannerConfig c, int kv_chunk) {
   c.kv_chunk = kv_chunk;
+  return c;
+}
+
+PlannerConfig with_sections(PlannerConfig c, std::vector<int64_t> keys) {
+  c.section_keys = std::move(keys);
   return c;
 }
 
@@ -596,6 +620,11 @@ TEST(CudaHostPlan, RandomStepsMatchDirectComputation) {
       // Deterministic graphs whose longest context takes one split: no partials at all (the
       // graph state reserves none; `attnrt run --deterministic` on the demo trace found it).
       {16, config({4}, {128}, 8, true), true, true, 1000},
+      // Prefill work lists in sections of requests: sections of a few requests, of one request
+      // each (every request longer than the budget), and a second class left whole.
+      {16, with_sections(config({4}, {128}, 8, false), {700}), true, false},
+      {1, with_sections(config({4, 8}, {128, 64}, 8, false), {1, 0}), true, true},
+      {64, with_sections(config({2, 4}, {256, 128}, 2, false, 8), {3000, 400}), false, false},
   };
   for (size_t s = 0; s < scenarios.size(); ++s) {
     SCOPED_TRACE(testing::Message() << "scenario " << s << " page " << scenarios[s].page);

@@ -131,6 +131,27 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
       break;
     }
   }
+  // Prefill work lists in L2-sized sections of requests (PlannerConfig::section_keys): off
+  // unless asked for, for measuring the order against the default.
+  if (const auto mb = env_integer("ATTNRT_PREFILL_SECTION_MB", 0, 1 << 20, "cuda backend",
+                                  "MiB of K / V per section of requests in a prefill work list "
+                                  "(0 = one section: the default order)");
+      mb && *mb > 0) {
+    cfg.section_keys.assign(cfg.groups.size(), 0);
+    for (size_t c = 0; c < cfg.groups.size(); ++c) {
+      for (const LayerSpec& l : ctx.model->layers) {
+        if (!l.uses_kv_cache() || l.num_kv_heads <= 0 ||
+            l.num_q_heads / l.num_kv_heads != cfg.groups[c])
+          continue;
+        const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+        const int64_t key_bytes =
+            int64_t{l.num_kv_heads} * (l.head_dim + dv) *
+            static_cast<int64_t>(dtype_size(ctx.kv_cache->layer(l.layer_id).dtype));
+        cfg.section_keys[c] = std::max<int64_t>(1, (*mb << 20) / key_bytes);
+        break;
+      }
+    }
+  }
   // The DSA layers' shape for graph plans (the eager plan takes each call's own).
   const LayerSpec* dsa_first = nullptr;
   for (const LayerSpec& l : ctx.model->layers) {

@@ -802,24 +802,26 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   return plan_;
 }
 
-// Work items of a class whose requests differ in tile or split counts.
-void HostPlanner::write_work_ragged(size_t c, WorkItem* items) const {
+// Work items of requests [i0, i1) of a class whose requests differ in tile or split counts (or
+// of a section of its requests).
+int64_t HostPlanner::write_work_ragged(size_t c, WorkItem* items, int i0, int i1) const {
   const int bs = plan_.bs;
   const ClassWork& w = classes_[c].work;
   const int rows = tile_rows(plan_.classes[c].shape);
   const int32_t* tiles = class_tiles_.data() + c * bs;
   const int32_t* splits = splits_.data() + c * bs;
   int32_t max_tiles = w.tiles;
-  if (w.tiles == 0) max_tiles = bs > 0 ? *std::max_element(tiles, tiles + bs) : 0;
-  int n = 0;
+  if (w.tiles == 0) max_tiles = i1 > i0 ? *std::max_element(tiles + i0, tiles + i1) : 0;
+  int64_t n = 0;
   for (int32_t k = 0; k < max_tiles; ++k) {
-    for (int i = 0; i < bs; ++i) {
+    for (int i = i0; i < i1; ++i) {
       const int32_t t = w.tiles > 0 ? w.tiles : tiles[i];
       if (k >= t) continue;
       const int32_t s_n = w.pad_splits > 0 ? w.pad_splits : w.splits > 0 ? w.splits : splits[i];
       for (int32_t s = 0; s < s_n; ++s) items[n++] = {i, (t - 1 - k) * rows, s, 0};
     }
   }
+  return n;
 }
 
 void HostPlanner::write(void* dst) {
@@ -898,16 +900,29 @@ void HostPlanner::write(void* dst) {
       }
     }
     // Work items, heaviest tiles first (the last query tiles of causal requests see the most
-    // keys), then request, then split.
+    // keys), then request, then split; for a prefill class with section_keys, section by section.
     auto* items = reinterpret_cast<WorkItem*>(host + cp.work_off);
     const int rows = tile_rows(cp.shape);
-    // With one tile and split count for all, the list is written without reading anything
-    // (write_work_ragged's loop also covers this case, but took the warm decode plan at batch
-    // 256 from ~2.0 to ~2.4 us here).
-    // Keeping it across steps and copying it was about as fast warm and slower cold, its copy's
-    // source one more array to miss on (decode at batch 256 here: 0.06 us faster warm, 0.5 us
-    // slower with 64 MiB evicted between plans).
-    if (w.tiles > 0 && w.splits > 0) {
+    const int64_t section = cp.shape == TileShape::prefill && c < config_.section_keys.size()
+                                ? config_.section_keys[c]
+                                : 0;
+    if (section > 0 && bs > 1) {
+      // Sections of consecutive requests of at most `section` keys (PlannerConfig).
+      WorkItem* item = items;
+      for (int i0 = 0; i0 < bs;) {
+        int64_t keys = info[i0].kv_len;
+        int i1 = i0 + 1;
+        while (i1 < bs && keys + info[i1].kv_len <= section) keys += info[i1++].kv_len;
+        item += write_work_ragged(c, item, i0, i1);
+        i0 = i1;
+      }
+    } else if (w.tiles > 0 && w.splits > 0) {
+      // With one tile and split count for all, the list is written without reading anything
+      // (write_work_ragged's loop also covers this case, but took the warm decode plan at batch
+      // 256 from ~2.0 to ~2.4 us here).
+      // Keeping it across steps and copying it was about as fast warm and slower cold, its
+      // copy's source one more array to miss on (decode at batch 256 here: 0.06 us faster warm,
+      // 0.5 us slower with 64 MiB evicted between plans).
       WorkItem* item = items;
       for (int32_t k = 0; k < w.tiles; ++k) {
         const int32_t f0 = (w.tiles - 1 - k) * rows;
@@ -919,7 +934,7 @@ void HostPlanner::write(void* dst) {
         }
       }
     } else {
-      write_work_ragged(c, items);
+      write_work_ragged(c, items, 0, bs);
     }
   }
 

@@ -101,6 +101,13 @@ struct PlannerConfig {
   // The steady-decode pass (HostPlanner::prepare): off, every step takes the general pass over
   // its requests (the same bytes; for tests and A/B timing).
   bool steady_decode = true;
+  // Per class: when > 0, the work list of a prefill-shaped class is written in sections of
+  // consecutive requests whose key counts (kv_len) add up to at most this many (a request longer
+  // than that is a section of its own), each section heaviest tiles first as the whole list is
+  // otherwise. The persistent CTAs take the list in order, so the units running at once then
+  // share the K / V of fewer requests, which an L2-sized section keeps in L2
+  // (ATTNRT_PREFILL_SECTION_MB, read by the backend; 0 or missing: one section).
+  std::vector<int64_t> section_keys;
 };
 
 // Fixed offsets of graph steps: the captured kernels were given these buffers.
@@ -210,7 +217,9 @@ class HostPlanner {
   void derive_requests(const ForwardBatch& batch, bool steady);
   void plan_class(size_t c, int bs);
   uint32_t choose_chunk(size_t c, int bs, int64_t cap, int64_t base);
-  void write_work_ragged(size_t c, WorkItem* items) const;
+  // The work items of requests [i0, i1) of class c, heaviest tiles first, then request, then
+  // split; returns the number written.
+  int64_t write_work_ragged(size_t c, WorkItem* items, int i0, int i1) const;
   // No kernel stores the commits of the rows row_of_[0, n).
   void drop_commits(int n);
 
