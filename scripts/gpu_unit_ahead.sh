@@ -16,11 +16,8 @@
 #          (carry .gpubin-main, .gpubin-unitahead, .devdeps)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUTDIR=${OUT:-/tmp/o}
-O=$OUTDIR/logs
-mkdir -p "$O"
-source .devdeps/unpack-debs.sh >/dev/null
 source scripts/gpubin.sh
+gpu_logs_setup
 GPU_END=$(($(date +%s) + ${CALL_SECONDS:-570}))
 P=/tmp/bin-unitahead
 gpubin_unpack .gpubin-unitahead $P || exit 1
@@ -42,9 +39,9 @@ else
 fi
 # The prefill work list in L2-sized sections of requests (ATTNRT_PREFILL_SECTION_MB, main's planner
 # switch) against the default order, on the rows whose units spread over many requests.
-for mb in 0 24 0 24; do
-  gpu_stage sections_$mb 30 env ATTNRT_PREFILL_SECTION_MB=$mb $P/attnrt bench --backend cuda \
-    --workload prefill-8x2048,extend-8x2048+512 --no-reference --repeats 10 --warmup 2 --quiet
-  grep -E "^(prefill|extend)-8x2048" "$O/sections_$mb.log" | head -2
+for run in 0_r1 24_r1 0_r2 24_r2; do
+  gpu_stage sections_$run 30 env ATTNRT_PREFILL_SECTION_MB=${run%_r*} $P/attnrt bench \
+    --backend cuda --workload prefill-8x2048,extend-8x2048+512 --no-reference --repeats 10 \
+    --warmup 2 --quiet
+  grep -E "^(prefill|extend)-8x2048" "$O/sections_$run.log" | head -2
 done
-tar -C "$OUTDIR" -czf "$OUTDIR/logs.tar.gz" logs && rm -rf "$O"

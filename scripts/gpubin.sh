@@ -17,15 +17,20 @@ gpubin_unpack() {
   fi
 }
 
-# gpu_call_setup: the start of a one-call GPU script run from the repository root. Logs go under
+# gpu_logs_setup: the start of a one-call GPU script run from the repository root. Logs go under
 # O=$OUT/logs and are packed into $OUT/logs.tar.gz at exit (at most 8 files come back from a call);
-# the .devdeps libraries are unpacked and the prebuilt binaries of .gpubin go to B=/tmp/bin.
-gpu_call_setup() {
+# the .devdeps libraries are unpacked.
+gpu_logs_setup() {
   OUTDIR=${OUT:-/tmp/o}
   O=$OUTDIR/logs
   mkdir -p "$O"
   trap 'tar -C "$OUTDIR" -czf "$OUTDIR/logs.tar.gz" logs && rm -rf "$O"' EXIT
   source .devdeps/unpack-debs.sh >/dev/null
+}
+
+# gpu_call_setup: gpu_logs_setup, and the prebuilt binaries of .gpubin go to B=/tmp/bin.
+gpu_call_setup() {
+  gpu_logs_setup
   B=/tmp/bin
   gpubin_unpack .gpubin "$B"
 }

@@ -104,23 +104,38 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
     mha_served_ = mha_served_ || l.has_mha_form();
   }
   if (cfg.groups.empty()) cfg.groups.push_back(1);
-  // Per class: the head dim and the resident CTAs per SM of each shape (for the split choice).
+  // Per class: the head dim, the resident CTAs per SM of each shape (for the split choice) and,
+  // when asked for, the keys of a prefill work list's sections of requests
+  // (PlannerConfig::section_keys; off by default, for measuring the order against the default).
   const bool fp16 = ctx.model->dtype == DType::f16;
+  const int64_t section_mb =
+      env_integer("ATTNRT_PREFILL_SECTION_MB", 0, 1 << 20, "cuda backend",
+                  "MiB of K / V per section of requests in a prefill work list (0 = one section: "
+                  "the default order)")
+          .value_or(0);
   cfg.head_dims.assign(cfg.groups.size(), 128);
   cfg.occupancy.assign(cfg.groups.size(), {1, 1, 1, 1});
+  if (section_mb > 0) cfg.section_keys.assign(cfg.groups.size(), 0);
   for (size_t c = 0; c < cfg.groups.size(); ++c) {
     for (const LayerSpec& l : ctx.model->layers) {
       if (!l.uses_kv_cache() || l.num_kv_heads <= 0 ||
           l.num_q_heads / l.num_kv_heads != cfg.groups[c])
         continue;
       cfg.head_dims[c] = l.head_dim;
+      const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
+      const DType kv_dtype = ctx.kv_cache->layer(l.layer_id).dtype;
+      if (section_mb > 0) {
+        const int64_t key_bytes = int64_t{l.num_kv_heads} * (l.head_dim + dv) *
+                                  static_cast<int64_t>(dtype_size(kv_dtype));
+        cfg.section_keys[c] = std::max<int64_t>(1, (section_mb << 20) / key_bytes);
+      }
       // Resident CTAs per SM of the CTA that runs each shape (dispatch.h), for the split choice;
       // a decode item holds one token's `group` rows. The prefill shape's entry is read by graph
       // steps only (DECODE and TARGET_VERIFY): it is that of the TARGET_VERIFY CTA.
       AttnKernelKey key{.head_dim = l.head_dim,
-                        .v_head_dim = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim,
+                        .v_head_dim = dv,
                         .fp16 = fp16,
-                        .kv = kv_kind_of(ctx.kv_cache->layer(l.layer_id).dtype),
+                        .kv = kv_kind_of(kv_dtype),
                         .rows = cfg.groups[c]};
       for (TileShape sh :
            {TileShape::decode, TileShape::prefill, TileShape::verify, TileShape::decode32}) {
@@ -129,27 +144,6 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
         cfg.occupancy[c][static_cast<int>(sh)] = attention_occupancy(key);
       }
       break;
-    }
-  }
-  // Prefill work lists in L2-sized sections of requests (PlannerConfig::section_keys): off
-  // unless asked for, for measuring the order against the default.
-  if (const auto mb = env_integer("ATTNRT_PREFILL_SECTION_MB", 0, 1 << 20, "cuda backend",
-                                  "MiB of K / V per section of requests in a prefill work list "
-                                  "(0 = one section: the default order)");
-      mb && *mb > 0) {
-    cfg.section_keys.assign(cfg.groups.size(), 0);
-    for (size_t c = 0; c < cfg.groups.size(); ++c) {
-      for (const LayerSpec& l : ctx.model->layers) {
-        if (!l.uses_kv_cache() || l.num_kv_heads <= 0 ||
-            l.num_q_heads / l.num_kv_heads != cfg.groups[c])
-          continue;
-        const int dv = l.v_head_dim > 0 ? l.v_head_dim : l.head_dim;
-        const int64_t key_bytes =
-            int64_t{l.num_kv_heads} * (l.head_dim + dv) *
-            static_cast<int64_t>(dtype_size(ctx.kv_cache->layer(l.layer_id).dtype));
-        cfg.section_keys[c] = std::max<int64_t>(1, (*mb << 20) / key_bytes);
-        break;
-      }
     }
   }
   // The DSA layers' shape for graph plans (the eager plan takes each call's own).
