@@ -8,13 +8,14 @@
 // e4m3 / e5m2 pools at head dim 128.
 //
 // Roles (384 threads, one CTA per SM):
-//  - warpgroup 0, the producer (setmaxnreg down to kProducerRegs): loads Q, then for every tile
-//    of the CTA's key range resolves the tile's pool slots (one key per thread, through the
-//    paged_kv.cuh page-table helpers, the next tile's lookups in flight while the current tile's
-//    copies are issued), waits until the tile's ring stage is free ("empty" mbarrier) and issues
-//    16-byte cp.async copies of K and V into the stage in the 128-byte swizzled layout of
-//    wgmma.cuh; each thread's copies arrive on the stage's "full" mbarrier when they land
-//    (cp.async.mbarrier.arrive.noinc: 128 arrivals complete the phase).
+//  - warpgroup 0, the producer (setmaxnreg down to kProducerRegs): for every tile of a unit's
+//    key range (and Q after the first tile; see the unit walk in the kernel) resolves the tile's
+//    pool slots (one key per thread, through the paged_kv.cuh page-table helpers, the next tile's
+//    lookups in flight while the current tile's copies are issued), waits until the tile's ring
+//    stage is free ("empty" mbarrier) and issues 16-byte cp.async copies of K and V into the stage
+//    in the 128-byte swizzled layout of wgmma.cuh; each thread's copies arrive on the stage's
+//    "full" mbarrier when they land (cp.async.mbarrier.arrive.noinc: 128 arrivals complete the
+//    phase).
 //    With the TMA producer (template flag TMA, see below) the whole pages of a tile come in by
 //    cp.async.bulk.tensor instead, a handful of copies per tile in place of 2 x BN x D / 8.
 //  - warpgroups 1 and 2, the consumers (setmaxnreg up to kConsumerRegs): consumer c owns rows
@@ -134,8 +135,9 @@ struct PrefillWsConfig {
   static constexpr int kStageBytes = kTileBytes + kVTileBytes;
   static constexpr int kRingBytes = STAGES * kStageBytes;
   static constexpr int kSlotBytes = BN * 4;
-  // full[STAGES], empty[STAGES], q full, q empty, unit; then the two unit slots
-  static constexpr int kBarBytes = (2 * STAGES + 3) * 8 + 8;
+  // full[STAGES], empty[STAGES], q full, q empty, unit, 8 bytes that align the two unit slots
+  // after them
+  static constexpr int kBarBytes = (2 * STAGES + 4) * 8 + 2 * int{sizeof(WsUnitSlot)};
   static constexpr int kSmemBytes = 1024 + kQBytes + kRingBytes + kSlotBytes + kBarBytes;
   static_assert(kConsumers == 2 && D % 64 == 0 && DV % 64 == 0 && DV <= D && BN % 64 == 0 &&
                 BN <= 128 && STAGES >= 2);
@@ -229,8 +231,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const uint32_t q_bar = sBar + 8 * 2 * ST;
   const uint32_t q_empty = q_bar + 8;
   const uint32_t unit_bar = q_bar + 16;
-  volatile int32_t* unit_slot = reinterpret_cast<volatile int32_t*>(
-      smem + Cfg::kQBytes + Cfg::kRingBytes + Cfg::kSlotBytes + (2 * ST + 3) * 8);
+  WsUnitSlot* unit_slot = reinterpret_cast<WsUnitSlot*>(
+      smem + Cfg::kQBytes + Cfg::kRingBytes + Cfg::kSlotBytes + (2 * ST + 4) * 8);
 
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
@@ -251,13 +253,18 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   // The CTA's units (work item, KV head): first unit blockIdx.x, then tickets handed out in list
   // order (heaviest items first) by an atomic counter (p.sched), fetched by producer thread 0
   // while the current unit's tiles are issued. Thread 0 publishes the n-th unit of the CTA in
-  // unit_slot[n & 1] and arrives on the unit barrier (its n-th phase); the consumers read it
-  // there. A unit >= num_units ends both loops. The K/V ring's stages and phases run on across
-  // units (tile_base: the tiles of the CTA's earlier units), and so do the phases of the Q
-  // barriers (q full: its n-th completion; q empty: the consumers are done reading Q of unit n,
-  // which also means they read unit n's slot, so the producer, one unit ahead at most, never
-  // overwrites a slot still to be read). Each role walks the units in its own loop, after its
-  // setmaxnreg, so that ptxas allocates each loop under its own register count.
+  // unit_slot[n & 1] (the ticket and the unit's ws_unit, so the consumers need no global load to
+  // start it) and arrives on the unit barrier (its n-th phase); the consumers read it there and
+  // arrive on the "unit taken" named barrier, which the producer waits on. A unit >= num_units
+  // ends both loops. The producer publishes unit n once unit n - 1 is taken, so it runs one unit
+  // ahead at most: it never overwrites a slot still to be read, and the consumers never see the
+  // unit barrier two phases on. It loads Q of unit n only once the consumers are done reading Q of
+  // unit n - 1 ("q empty"), after unit n's first K / V tile: so that tile's copies, and the
+  // unit's lookups, run while the consumers finish unit n - 1 (FlashAttention-3's producer orders
+  // its loads so, too). The K/V ring's stages and phases run on across units (tile_base: the tiles
+  // of the CTA's earlier units), and so do the phases of the Q barriers (q full: its n-th
+  // completion; q empty: the n-th unit's Q is read no more). Each role walks the units in its own
+  // loop, after its setmaxnreg, so that ptxas allocates each loop under its own register count.
   const int G = p.group;
   // The mask's flags, read once (the scalar rule of common/mask.cuh; chain rows only here).
   const bool causal = p.causal != 0;
@@ -277,15 +284,23 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     int ticket = blockIdx.x;  // thread 0: the CTA's next unit
     for (int n = 0;; ++n) {
-      if (n > 0) mbar_wait(q_empty, (n - 1) & 1);  // Q of the previous unit is no longer read
+      // The consumers have taken the previous unit from its slot (and every earlier one, so this
+      // slot's last unit too) and so waited for its phase of the unit barrier: this unit's phase
+      // completes no earlier than the one they wait for next.
+      if (n > 0) named_bar_sync(kWsUnitTakenBar, Cfg::kThreads);
+      WsUnitSlot& pub = unit_slot[n & 1];
+      if (tid == 0) pub.unit = ticket;
+      named_bar_sync(1, 128);
+      const int unit = pub.unit;
+      if (unit >= num_units) {
+        if (tid == 0) mbar_arrive(unit_bar);
+        break;
+      }
+      const WsUnit u = ws_unit<ROWS, BN, TMA>(p, unit);
       if (tid == 0) {
-        unit_slot[n & 1] = ticket;
+        pub.u = u;
         mbar_arrive(unit_bar);
       }
-      named_bar_sync(1, 128);
-      const int unit = unit_slot[n & 1];
-      if (unit >= num_units) break;
-      const WsUnit u = ws_unit<ROWS, BN, TMA>(p, unit);
       const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
       const WorkItem item = u.item;
       const ReqInfo req = u.req;
@@ -294,20 +309,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         write_back_committed_pages(p, req, item, kvh, tid, 128);
         // The next ticket, in flight while this unit's copies are issued.
         if (tid == 0) ticket = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
-        {
+        // Q of this unit, once the consumers' last S = Q K^T of the previous one has completed.
+        // The 16-bit producers call it after the unit's first K / V tile: that tile's copies
+        // then overlap the previous unit's last tile, its epilogue and the wait for Q.
+        auto load_q = [&] {
+          if (n > 0) mbar_wait(q_empty, (n - 1) & 1);
+          const int f0 = item.f0, qlen = req.qlen, qo_start = req.qo_start, q_head0 = kvh * G;
           const T* q = static_cast<const T*>(p.q);
+          // The thread index read here: its swizzled Q addresses, computed once at the kernel's
+          // start, would be held (spilled) across the whole unit loop.
 #pragma unroll 4
-          for (int i = tid; i < ROWS * CH; i += 128) {
+          for (int i = fresh_thread_index(); i < ROWS * CH; i += 128) {
             const int r = i / CH, c = i % CH;
-            const int f = item.f0 + r, t = f / G, hg = f - t * G;
-            const bool valid = t < req.qlen;
-            const T* src = valid ? q + (req.qo_start + t) * p.q_stride_tok +
-                                       (kvh * G + hg) * p.q_stride_head + c * 8
+            const int f = f0 + r, t = f / G, hg = f - t * G;
+            const bool valid = t < qlen;
+            const T* src = valid ? q + (qo_start + t) * p.q_stride_tok +
+                                       (q_head0 + hg) * p.q_stride_head + c * 8
                                  : q;
             cp_async_16(smem + swz128_offset(ROWS, r, c), src, valid);
           }
           mbar_arrive_cp_async(q_bar);
-        }
+        };
         const int pmask = (1 << p.page_shift) - 1;
         // The row of key j of the unit's request.
         auto key_slot = [&](int j) -> int64_t {
@@ -317,6 +339,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const T* kbase = static_cast<const T*>(p.k) + kvh * D;
         const T* vbase = static_cast<const T*>(p.v) + kvh * DV;
         if constexpr (KV8) {
+          load_q();
           WsPipe<ST> w(sBar, smem + Cfg::kQBytes + Cfg::kRingBytes + Cfg::kSlotBytes);
           w.tile_base = tile_base;
           ws_produce_kv8_tiles<BN, D, ST, Cfg::kStaging, Cfg::kStageBytes>(
@@ -377,7 +400,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               }
             }
             mbar_arrive_cp_async(full_bar(stage));
+            if (it == 0) load_q();
           }
+          if (num_tiles == 0) load_q();
         } else {
           auto resolve = [&](int it) -> int32_t {
             const int j = lo + it * BN + tid;
@@ -405,7 +430,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               if (CHV == CH || c < CHV) cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 8, valid);
             }
             mbar_arrive_cp_async(full_bar(stage));
+            if (it == 0) load_q();
           }
+          if (num_tiles == 0) load_q();
         }
       }
       tile_base += num_tiles;
@@ -424,29 +451,35 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     for (int n = 0;; ++n) {
       mbar_wait(unit_bar, n & 1);
-      const int unit = unit_slot[n & 1];
-      if (unit >= num_units) break;
-      const WsUnit u = ws_unit<ROWS, BN, TMA>(p, unit);
-      const int kvh = u.kvh, lo = u.lo, hi = u.hi, num_tiles = u.num_tiles;
-      const WorkItem item = u.item;
-      const ReqInfo req = u.req;
+      const WsUnitSlot& slot = unit_slot[n & 1];
+      if (slot.unit >= num_units) break;
+      // Every field of the unit this warp uses is read before it arrives on "unit taken" (a warp
+      // arrives whole, so every lane has read them): the producer may then overwrite the slot two
+      // units later, and compute-sanitizer's racecheck (which flagged reads of the slot in the
+      // epilogue, ordered only through the next unit's arrival) finds no hazard. The whole request
+      // held in registers made the consumers spill; only the fields used are kept.
+      const int kvh = slot.u.kvh, lo = slot.u.lo, hi = slot.u.hi, num_tiles = slot.u.num_tiles;
+      const int f0 = slot.u.item.f0, prefix = slot.u.req.prefix, qlen = slot.u.req.qlen;
+      const ReqInfo req = slot.u.req;
+      const int split = slot.u.item.split;
+      named_bar_arrive(kWsUnitTakenBar, Cfg::kThreads);
       {
         // ================= consumers =================
         const int ct = tid - 128, lane = ct & 31, wq = (ct >> 5) & 3, cw = ct >> 7;
         const int g = lane >> 2, c4 = lane & 3;
         const int wg_row0 = cw * 64;
-        const int r0 = item.f0 + wg_row0 + wq * 16;
+        const int r0 = f0 + wg_row0 + wq * 16;
         int row_t[2], row_q[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           row_t[h] = (r0 + g + 8 * h) / G;
-          row_q[h] = req.prefix + row_t[h];
+          row_q[h] = prefix + row_t[h];
         }
-        const int wt_lo = min(r0 / G, req.qlen - 1);
-        const int wt_hi = min((r0 + 15) / G, req.qlen - 1);
-        const bool wg_idle = (item.f0 + wg_row0) / G >= req.qlen;
-        const int gt_lo = min((item.f0 + wg_row0) / G, req.qlen - 1);
-        const int gt_hi = min((item.f0 + wg_row0 + 63) / G, req.qlen - 1);
+        const int wt_lo = min(r0 / G, qlen - 1);
+        const int wt_hi = min((r0 + 15) / G, qlen - 1);
+        const bool wg_idle = (f0 + wg_row0) / G >= qlen;
+        const int gt_lo = min((f0 + wg_row0) / G, qlen - 1);
+        const int gt_hi = min((f0 + wg_row0 + 63) / G, qlen - 1);
 
         // bf16 q over fp8 pages: the consumer converts its rows to f16 at scale qs first, and the
         // logits of the f16 MMAs are qs times the true ones: the scales take 1 / qs.
@@ -501,7 +534,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
             for (int i = 0; i < BN / 2; ++i) s[i] = cap(s[i]);
           }
-          if (tile_needs_mask(causal, windowed, p.window, req.prefix, kb, BN, hi, wt_lo, wt_hi)) {
+          if (tile_needs_mask(causal, windowed, p.window, prefix, kb, BN, hi, wt_lo, wt_hi)) {
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
@@ -564,7 +597,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         };
         auto skips = [&](int kb) {
           return wg_idle ||
-                 tile_hidden(causal, windowed, p.window, req.prefix, kb, BN, gt_lo, gt_hi);
+                 tile_hidden(causal, windowed, p.window, prefix, kb, BN, gt_lo, gt_hi);
         };
         auto tile_k = [&](int stage) { return sKV + stage * Cfg::kStageBytes; };
         // The tiles this consumer's rows can see are one run [it_begin, it_end) (the window cuts a
@@ -681,8 +714,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           ll += __shfl_xor_sync(0xffffffff, ll, 2);
           const int f = r0 + g + 8 * h;
           const int t = row_t[h], hg = f - t * G;
-          if (t >= req.qlen) continue;
-          store_prefill_row<T, DV, ON>(p, req, item.split, t, kvh * G + hg, c4, h, ll, m[h], o);
+          if (t >= qlen) continue;
+          store_prefill_row<T, DV, ON>(p, req, split, t, kvh * G + hg, c4, h, ll, m[h], o);
         }
       }
       tile_base += num_tiles;

@@ -15,10 +15,12 @@
 namespace attnrt::cuda {
 
 // Named barriers: 0 is __syncthreads; 1 the producer warpgroup's own; 2 and 3 the consumers'
-// ping-pong turns (256 threads); 4 + c consumer c's own (128 threads).
+// ping-pong turns (256 threads); 4 + c consumer c's own (128 threads); 6 "unit taken" of the 16-bit
+// CTA (prefill_ws.cuh: the consumers arrive, the producer waits; the whole CTA).
 inline constexpr int kWsProducerBar = 1;
 inline constexpr int kWsTurnBar = 2;
 inline constexpr int kWsConsumerBar = 4;
+inline constexpr int kWsUnitTakenBar = 6;
 
 // The persistent launches: one CTA per resident slot walking the units once a step has more than
 // this many units per resident CTA. On the H200 the persistent grid is 3-14% faster from 8 units
@@ -100,6 +102,16 @@ struct WsUnit {
   WorkItem item;
   ReqInfo req;
   int lo, hi, num_tiles;
+};
+
+// A unit as the producer publishes it to the consumers (prefill_ws.cuh): the ticket (a value >=
+// the step's unit count ends the walk) and, below it, the producer's ws_unit of that ticket, so
+// that the consumers start a unit on a shared-memory read instead of the work item's and the
+// request's global loads.
+struct alignas(16) WsUnitSlot {
+  int32_t unit;
+  int32_t pad[3];
+  WsUnit u;
 };
 
 // TILED: the window's first key rounded down to a multiple of BN (the TMA producer loads whole
