@@ -284,10 +284,12 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
       off += items * sizeof(WorkItem);
     }
     // Work items: heaviest (last) query tiles first, then request, then split; a prefill class
-    // with section_keys first by section (consecutive requests of at most that many keys, one
-    // request at least).
-    const int64_t section_keys =
-        shape == TileShape::prefill && c < cfg.section_keys.size() ? cfg.section_keys[c] : 0;
+    // with section_keys, whose requests span more than one query tile, first by section
+    // (consecutive requests of at most that many keys, one request at least).
+    const int64_t section_keys = shape == TileShape::prefill && c < cfg.section_keys.size() &&
+                                         rows_per_req > cuda::tile_rows(shape)
+                                     ? cfg.section_keys[c]
+                                     : 0;
     std::vector<int> section(bs, 0);
     if (section_keys > 0) {
       int64_t keys = 0;

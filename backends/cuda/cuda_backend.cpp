@@ -104,15 +104,16 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
     mha_served_ = mha_served_ || l.has_mha_form();
   }
   if (cfg.groups.empty()) cfg.groups.push_back(1);
-  // Per class: the head dim, the resident CTAs per SM of each shape (for the split choice) and,
-  // when asked for, the keys of a prefill work list's sections of requests
-  // (PlannerConfig::section_keys; off by default, for measuring the order against the default).
+  // Per class: the head dim, the resident CTAs per SM of each shape (for the split choice) and
+  // the keys of a prefill work list's sections of requests (PlannerConfig::section_keys): 24 MiB
+  // of K / V a section, or half the L2 where that is less, so that the units running at once
+  // read K / V the L2 holds (H100: prefill-8x2048 1.04x, extend-8x2048+512 1.055x against one
+  // section, docs/BENCHMARKS.md).
   const bool fp16 = ctx.model->dtype == DType::f16;
   const int64_t section_mb =
       env_integer("ATTNRT_PREFILL_SECTION_MB", 0, 1 << 20, "cuda backend",
-                  "MiB of K / V per section of requests in a prefill work list (0 = one section: "
-                  "the default order)")
-          .value_or(0);
+                  "MiB of K / V per section of requests in a prefill work list (0 = one section)")
+          .value_or(std::min<int64_t>(24, static_cast<int64_t>(info.l2_bytes >> 21)));
   cfg.head_dims.assign(cfg.groups.size(), 128);
   cfg.occupancy.assign(cfg.groups.size(), {1, 1, 1, 1});
   if (section_mb > 0) cfg.section_keys.assign(cfg.groups.size(), 0);

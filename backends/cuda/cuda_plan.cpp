@@ -900,10 +900,13 @@ void HostPlanner::write(void* dst) {
       }
     }
     // Work items, heaviest tiles first (the last query tiles of causal requests see the most
-    // keys), then request, then split; for a prefill class with section_keys, section by section.
+    // keys), then request, then split; for a prefill class with section_keys whose requests span
+    // more than one query tile, section by section (with one tile a request, no two units share
+    // a request's K / V, and the order does not matter to the L2).
     auto* items = reinterpret_cast<WorkItem*>(host + cp.work_off);
     const int rows = tile_rows(cp.shape);
-    const int64_t section = cp.shape == TileShape::prefill && c < config_.section_keys.size()
+    const int64_t section = cp.shape == TileShape::prefill && c < config_.section_keys.size() &&
+                                    int64_t{stats_.max_q} * cp.group > rows
                                 ? config_.section_keys[c]
                                 : 0;
     if (section > 0 && bs > 1) {

@@ -184,7 +184,10 @@ __global__ void __launch_bounds__(PassConfig<DK, DV>::kThreads, 1)
   if (tid == 0) {
     for (int s = 0; s < ST; ++s) {
       mbar_init(full_bar(s), 1);
-      mbar_init(empty_bar(s), 4 * Cfg::kConsumers);
+      // Every consumer thread arrives: each reads u and el of the stage with plain loads, and an
+      // arrival per thread orders its own reads before the producer's next bulk copy into the
+      // stage (one arrival a warp after __syncwarp is ordered too, but racecheck flags it).
+      mbar_init(empty_bar(s), 128 * Cfg::kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -334,8 +337,7 @@ __global__ void __launch_bounds__(PassConfig<DK, DV>::kThreads, 1)
     pack_a<DK>(s, sa);
     wgmma_wait<0>();  // o^T is complete; the stage is read no more
     wgmma_fence_operand(ot);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty_bar(st));
+    mbar_arrive(empty_bar(st));
 #pragma unroll
     for (int j = 0; j < 32; ++j) stg[out_stage_elem(col(j), vrow(j))] = ot[j];
     __syncwarp();
