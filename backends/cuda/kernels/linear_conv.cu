@@ -168,6 +168,52 @@ __device__ __forceinline__ void conv_silu(const float (&w)[V][K], const float (&
   }
 }
 
+// Tokens of x a conv_vec_kernel thread keeps in flight. One (a load of the next token, converted
+// to float right away) had each thread wait out a whole memory latency every token: the
+// conversion right after the load stalled on it (SASS), and at 112 registers (4 CTAs per SM) the
+// GDN row's conv ran at about half the copy rate.
+constexpr int kConvAhead = 4;
+
+// V elements of dtype t at base + i (aligned to V elements), as raw bits with no conversion, so
+// that the load stays in flight until raw_to_float reads it: 2 V bytes in r[0] for 16-bit types,
+// 4 V bytes in r[0] (and r[1] for V = 8) for fp32.
+template <int V>
+__device__ __forceinline__ void load_raw(const void* base, int32_t t, int64_t i, uint4 (&r)[2]) {
+  static_assert(V == 4 || V == 8);
+  if (t == kBF16 || t == kF16) {
+    const uint16_t* h = static_cast<const uint16_t*>(base) + i;
+    if constexpr (V == 8) {
+      r[0] = *reinterpret_cast<const uint4*>(h);
+    } else {
+      const uint2 u = *reinterpret_cast<const uint2*>(h);
+      r[0].x = u.x;
+      r[0].y = u.y;
+    }
+  } else {
+    const uint4* f = reinterpret_cast<const uint4*>(static_cast<const float*>(base) + i);
+    r[0] = f[0];
+    if constexpr (V == 8) r[1] = f[1];
+  }
+}
+
+// The V floats of load_raw's bits (exact, as load_elems converts them).
+template <int V>
+__device__ __forceinline__ void raw_to_float(int32_t t, const uint4 (&r)[2], float (&out)[V]) {
+  const uint32_t u[8] = {r[0].x, r[0].y, r[0].z, r[0].w, r[1].x, r[1].y, r[1].z, r[1].w};
+  if (t == kBF16) {
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      out[e] = __uint_as_float(e % 2 == 0 ? u[e / 2] << 16 : u[e / 2] & 0xffff0000u);
+  } else if (t == kF16) {
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      out[e] = __half2float(__ushort_as_half(static_cast<unsigned short>(u[e / 2] >> (16 * (e % 2)))));
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) out[e] = __uint_as_float(u[e]);
+  }
+}
+
 // Channels per thread of the vectorised kernels: 16 bytes of the narrower of the window (C) and
 // y (Y) elements.
 template <typename C, typename Y>
@@ -190,9 +236,15 @@ __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams
   const int64_t x0 = int64_t{r.token_start} * p.x_stride + c;
   const int t1 = min(r.tokens, t0 + kConvTokens);
 
-  // Every independent load first: the next x, the window, the weights and the bias.
-  float xn[V];
-  load_elems<V>(p.x, p.x_dtype, x0 + int64_t{t0} * p.x_stride, xn);
+  // Every independent load first: the chunk's first kConvAhead tokens of x (raw, converted at
+  // use), the window, the weights and the bias.
+  constexpr int P = kConvAhead;
+  const int32_t xt_dtype = p.x_dtype;
+  uint4 xq[P][2];
+#pragma unroll
+  for (int k = 0; k < P; ++k) {
+    if (t0 + k < t1) load_raw<V>(p.x, xt_dtype, x0 + int64_t{t0 + k} * p.x_stride, xq[k]);
+  }
   float win[W][V];  // win[j]: the inputs before the current token, oldest first
 #pragma unroll
   for (int j = 0; j < W; ++j) {
@@ -210,18 +262,25 @@ __global__ void __launch_bounds__(kConvThreads) conv_vec_kernel(const ConvParams
   float bias[V];
   load_taps<V, K>(p, c, w, bias);
 
-  for (int t = t0; t < t1; ++t) {
-    float xt[V];
+  // Token t's x sits in xq[t % P] (the loop unrolled by P so that every index is static); its
+  // slot is refilled with token t + P's as soon as it is converted, so P loads stay in flight.
+  for (int tb = t0; tb < t1; tb += P) {
 #pragma unroll
-    for (int e = 0; e < V; ++e) xt[e] = xn[e];
-    if (t + 1 < t1) load_elems<V>(p.x, p.x_dtype, x0 + int64_t{t + 1} * p.x_stride, xn);
-    float y[V];
-    conv_silu<V, K>(w, bias, win, xt, y);
-    store_vec<Y, V>(static_cast<Y*>(p.y) + (int64_t{r.token_start} + t) * dim + c, y);
+    for (int k = 0; k < P; ++k) {
+      const int t = tb + k;
+      if (t < t1) {
+        float xt[V];
+        raw_to_float<V>(xt_dtype, xq[k], xt);
+        if (t + P < t1) load_raw<V>(p.x, xt_dtype, x0 + int64_t{t + P} * p.x_stride, xq[k]);
+        float y[V];
+        conv_silu<V, K>(w, bias, win, xt, y);
+        store_vec<Y, V>(static_cast<Y*>(p.y) + (int64_t{r.token_start} + t) * dim + c, y);
 #pragma unroll
-    for (int j = 0; j < W; ++j) {
+        for (int j = 0; j < W; ++j) {
 #pragma unroll
-      for (int e = 0; e < V; ++e) win[j][e] = j + 1 < W ? win[j + 1][e] : xt[e];
+          for (int e = 0; e < V; ++e) win[j][e] = j + 1 < W ? win[j + 1][e] : xt[e];
+        }
+      }
     }
   }
   if (r.tokens <= kConvTokens) {
