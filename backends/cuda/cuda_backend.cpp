@@ -614,12 +614,12 @@ void CudaBackend::launch_step(const AttnParams& p, const AttnArgs& args, const S
   ATTNRT_CUDA_CHECK(launch_attention(p, key, cls.num_items, stream_, after_stores));
   planner_->launched();
   if (cls.max_splits > 1) {
-    merge_partials(p, c, io, plan.bs, fp16, /*dependent=*/cls.num_items > 0);
+    merge_partials(p, c, io, plan.bs, cls.max_splits, fp16, /*dependent=*/cls.num_items > 0);
   }
 }
 
 void CudaBackend::merge_partials(const AttnParams& p, const CallDims& c, const DeviceIo& io,
-                                 int num_reqs, bool fp16, bool dependent) {
+                                 int num_reqs, int max_splits, bool fp16, bool dependent) {
   const MergeParams mp{.reqs = p.reqs,
                        .num_reqs = num_reqs,
                        .part_o = p.part_o,
@@ -632,7 +632,8 @@ void CudaBackend::merge_partials(const AttnParams& p, const CallDims& c, const D
                        .num_q_heads = c.hq,
                        .head_dim = c.dv,
                        .v_scale = p.v_scale,
-                       .sinks = io.sinks};
+                       .sinks = io.sinks,
+                       .max_splits = max_splits};
   ATTNRT_CUDA_CHECK(launch_merge(mp, fp16, stream_, dependent));
 }
 

@@ -127,9 +127,10 @@ class CudaBackend final : public OnePathAttnBackend {
                          const CallDims& c, const LayerKv& kv, const DeviceIo& io) const;
   void launch_step(const AttnParams& p, const AttnArgs& args, const StepPlan& plan,
                    const ClassPlan& cls, const CallDims& c, const LayerKv& kv, const DeviceIo& io);
-  // The merge of the split-KV partials of `num_reqs` requests (p.reqs) into the call's output.
+  // The merge of the split-KV partials of `num_reqs` requests (p.reqs, at most `max_splits` splits
+  // each) into the call's output.
   void merge_partials(const AttnParams& p, const CallDims& c, const DeviceIo& io, int num_reqs,
-                      bool fp16, bool dependent);
+                      int max_splits, bool fp16, bool dependent);
   void finish_call(const AttnArgs& args, const CallDims& c, const DeviceIo& io, const LayerKv& kv);
   void ensure(DeviceBuffer& buf, size_t bytes, const char* what);
 

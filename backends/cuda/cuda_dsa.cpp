@@ -403,7 +403,7 @@ void CudaBackend::attend_dsa(const AttnArgs& args, const LayerSpec& layer,
                                        stream_, /*dependent=*/false));
   }
   if (dp.max_splits > 1) {
-    merge_partials(p, c, io, static_cast<int>(T), fp16, /*dependent=*/true);
+    merge_partials(p, c, io, static_cast<int>(T), dp.max_splits, fp16, /*dependent=*/true);
   }
   if (!c.on_device && !topk.empty()) {
     std::vector<int32_t>& sel = dsa_host_topk_;
