@@ -54,9 +54,11 @@ BF16_SLACK = 0.01
 # DeepSeek-V3 runs MLA in the absorbed form on attnrt's latent cache: q is multiplied into the
 # latent space and the output back out of it in bfloat16, two roundings per layer that eager's
 # (non-absorbed) attention does not make. Over 25 seeds its error reached 1.73 times eager's (after
-# the slack), so its factor is 2.5: the bound then stays at 11-31% of the largest logit on the
-# seeds that needed it, below the 58-120% a wrong window or soft-cap gives.
-BF16_VS_EAGER_BY_MODEL = {"deepseek-v3": 2.5}
+# the slack); 60 more seeds (100-159) and one CI run's seed gave 2.91 (seed 115: 1.72 of a largest
+# logit 7.16, one request at one step; eager 0.57) and 2.78 (seed 417635482), the rest <= 2.0, so
+# its factor is 3.5: the bound then stays at 13-35% of the largest logit, below the 58-120% a wrong
+# window or soft-cap gives (float32 runs of the same seeds match eager to rounding).
+BF16_VS_EAGER_BY_MODEL = {"deepseek-v3": 3.5}
 # Where no bfloat16 eager run is at hand (greedy ties and verify on a GPU): this share of the
 # largest logit, about what eager's own bfloat16 error reaches.
 BF16_REL = 0.10
