@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next GPU call (under 600 s), four parts:
+# The next GPU call (under 600 s), two parts (scripts/gpu_next2.sh is the call after it):
 #   0. patches/prefill-defer-wait.patch (.gpubin-defer) against main: the ping-pong prefill loop
 #      waits for the previous P V MMA at the top of the next iteration instead of after the
 #      softmax, where ptxas had hoisted that wait ahead of the softmax (SASS) and so serialised
@@ -14,10 +14,6 @@
 #      2864 instructions). Its linear tests, then the linear extend and decode rows, two rounds.
 #      What should move: the conv of the extend rows (ncu 1.06 ms at gdn-extend-8x8192, 67% of
 #      copy) toward the copy rate; the decode rows' conv_token_kernel a little.
-#   2. ncu kernel times of kda-extend-8x8192 and mamba2-extend-8x8192 under main: which kernel
-#      holds KDA's 20.5 ms (4.4x GDN's row) and Mamba2's 4.4 ms.
-#   3. ncu of the 16-bit prefill CTA on prefill-1x16384 (SpeedOfLight, WarpStateStats,
-#      SourceCounters): where the consumers stall (issue 20: 63% of the GEMM rate, cuDNN 82%).
 #   usage: OUT=DIR [CALL_SECONDS=560] scripts/gpu_next.sh
 #          (carry .gpubin-main, .gpubin-defer, .gpubin-silu, .devdeps)
 set -uo pipefail
@@ -43,16 +39,3 @@ gpu_stage silu_tests 90 /tmp/bin-silu/attnrt_cuda_tests --gtest_brief=1 --gtest_
 OUT=$OUTDIR/silu AB_SUITE=linear AB_DEADLINE=100 ROUNDS=2 AB_RUN_SECONDS=60 scripts/gpu_ab.sh \
   gdn-extend-8x8192,kda-extend-8x8192,mamba2-extend-8x8192,gdn-extend-1x65536-h2v8,gdn-decode-64,mamba2-decode-64 \
   .gpubin-main .gpubin-silu | tail -8
-for row in kda-extend-8x8192 mamba2-extend-8x8192; do
-  gpu_stage ncu_$row 45 ncu --clock-control none --metrics gpu__time_duration.sum -c 16 \
-    /tmp/bin-main/attnrt bench --backend cuda --suite linear --workload $row --no-reference \
-    --repeats 1 --warmup 1 --quiet
-  echo "ncu $row:"; grep -E "^  [a-zA-Z_].*\(|gpu__time_duration" "$O/ncu_$row.log" | head -24
-done
-left=$((GPU_END - $(date +%s)))
-if [ $left -gt 90 ]; then
-  OUT=$OUTDIR/ncu_prefill NCU_SECTIONS="SpeedOfLight WarpStateStats SourceCounters" \
-    timeout $((left - 10)) scripts/gpu_ncu_ab.sh prefill-1x16384 prefill_ws .gpubin-main | tail -40
-else
-  echo "prefill ncu: not run ($left s left)"
-fi

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU call after scripts/gpu_next.sh (under 600 s), three parts:
+#   1. patches/merge-walk.patch (.gpubin-walk) against main: the split-KV merge sliced so that no
+#      thread walks more than 8 splits (128 splits: 16 threads a 4-dim vector, slices of 32 dims;
+#      d128 now in 4 slices where it had one), the walk's loads unrolled by 8, the weights' sum
+#      reduced across the block instead of by one thread. Its tests (backend, MLA, split, DSA,
+#      graphs), then the decode rows that split (decode-1x32768: 68 µs against cuDNN's 63; the
+#      merge's per-thread walk of 32 splits in rounds of 4 loads is ~5 µs of it by estimate) and
+#      the MLA h16 rows, two rounds. What should move: decode-1x32768 / 1x131072 and
+#      mla-decode-h16-1x32768 by a few µs; rows of few splits (64x4096, h16-64x8192) not at all.
+#   2. ncu kernel times of kda-extend-8x8192 and mamba2-extend-8x8192 under main: which kernel
+#      holds KDA's 20.5 ms (4.4x GDN's row) and Mamba2's 4.4 ms.
+#   3. ncu of the 16-bit prefill CTA on prefill-1x16384 (SpeedOfLight, WarpStateStats,
+#      SourceCounters): where the consumers stall (issue 20: 63% of the GEMM rate, cuDNN 82%).
+#   usage: OUT=DIR [CALL_SECONDS=560] scripts/gpu_next2.sh
+#          (carry .gpubin-main, .gpubin-walk, .devdeps)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpubin.sh
+gpu_logs_setup
+GPU_END=$(($(date +%s) + ${CALL_SECONDS:-560}))
+gpubin_unpack .gpubin-walk /tmp/bin-walk || exit 1
+gpubin_unpack .gpubin-main /tmp/bin-main || exit 1
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+gpu_stage walk_tests 120 /tmp/bin-walk/attnrt_cuda_tests --gtest_brief=1 \
+  --gtest_filter='CudaBackendTest.*:CudaMla*:*Split*:CudaBench.GatherProbe*:CudaDsa.*:CudaGraphRuntime.*'
+OUT=$OUTDIR/walk AB_SUITE=all AB_DEADLINE=150 ROUNDS=2 AB_RUN_SECONDS=40 scripts/gpu_ab.sh \
+  decode-1x32768,decode-1x131072,decode-16x4096,decode-64x4096,mla-decode-h16-1x32768,mla-decode-h16-64x8192 \
+  .gpubin-main .gpubin-walk | tail -8
+for row in kda-extend-8x8192 mamba2-extend-8x8192; do
+  gpu_stage ncu_$row 45 ncu --clock-control none --metrics gpu__time_duration.sum -c 16 \
+    /tmp/bin-main/attnrt bench --backend cuda --suite linear --workload $row --no-reference \
+    --repeats 1 --warmup 1 --quiet
+  echo "ncu $row:"; grep -E "^  [a-zA-Z_].*\(|gpu__time_duration" "$O/ncu_$row.log" | head -24
+done
+left=$((GPU_END - $(date +%s)))
+if [ $left -gt 90 ]; then
+  OUT=$OUTDIR/ncu_prefill NCU_SECTIONS="SpeedOfLight WarpStateStats SourceCounters" \
+    timeout $((left - 10)) scripts/gpu_ncu_ab.sh prefill-1x16384 prefill_ws .gpubin-main | tail -40
+else
+  echo "prefill ncu: not run ($left s left)"
+fi
