@@ -19,11 +19,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_logs_setup
-GPU_END=$(($(date +%s) + ${CALL_SECONDS:-560}))
+gpu_call_begin 560
 gpubin_unpack .gpubin-silu /tmp/bin-silu || exit 1
 gpubin_unpack .gpubin-main /tmp/bin-main || exit 1
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 gpubin_unpack .gpubin-defer /tmp/bin-defer || exit 1
 gpu_stage defer_tests 120 /tmp/bin-defer/attnrt_cuda_tests --gtest_brief=1 \
   --gtest_filter='*CudaPrefill*:*Kv8Prefill*:*CudaMlaMha*:*CudaSwa*:*Fp8Prefill*:*PrefillFp8*'

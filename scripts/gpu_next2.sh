@@ -17,11 +17,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_logs_setup
-GPU_END=$(($(date +%s) + ${CALL_SECONDS:-560}))
+gpu_call_begin 560
 gpubin_unpack .gpubin-walk /tmp/bin-walk || exit 1
 gpubin_unpack .gpubin-main /tmp/bin-main || exit 1
-nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 gpu_stage walk_tests 120 /tmp/bin-walk/attnrt_cuda_tests --gtest_brief=1 \
   --gtest_filter='CudaBackendTest.*:CudaMla*:*Split*:CudaBench.GatherProbe*:CudaDsa.*:CudaGraphRuntime.*'
 OUT=$OUTDIR/walk AB_SUITE=all AB_DEADLINE=150 ROUNDS=2 AB_RUN_SECONDS=40 scripts/gpu_ab.sh \

@@ -28,6 +28,14 @@ gpu_logs_setup() {
   source .devdeps/unpack-debs.sh >/dev/null
 }
 
+# gpu_call_begin SECONDS: gpu_logs_setup, the call's end GPU_END (now + CALL_SECONDS, else
+# SECONDS; gpu_stage skips what would pass it) and the card's name and clock, first in the output.
+gpu_call_begin() {
+  gpu_logs_setup
+  GPU_END=$(($(date +%s) + ${CALL_SECONDS:-$1}))
+  nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+}
+
 # gpu_call_setup: gpu_logs_setup, and the prebuilt binaries of .gpubin go to B=/tmp/bin.
 gpu_call_setup() {
   gpu_logs_setup
