@@ -207,7 +207,8 @@ __device__ __forceinline__ void raw_to_float(int32_t t, const uint4 (&r)[2], flo
   } else if (t == kF16) {
 #pragma unroll
     for (int e = 0; e < V; ++e)
-      out[e] = __half2float(__ushort_as_half(static_cast<unsigned short>(u[e / 2] >> (16 * (e % 2)))));
+      out[e] =
+          __half2float(__ushort_as_half(static_cast<unsigned short>(u[e / 2] >> (16 * (e % 2)))));
   } else {
 #pragma unroll
     for (int e = 0; e < V; ++e) out[e] = __uint_as_float(u[e]);

@@ -25,10 +25,10 @@ namespace {
 // in flight per thread where a request has many splits: with one block over MLA's 512 dims, each
 // thread walked all of a request's splits one 16-byte load after another (one request of 16
 // heads: 16 blocks on 132 SMs).
-// Splits whose lse is -inf (no visible key) get weight 0. Launched as the dependent of the attention
-// kernel, everything it reads is that kernel's output: only the launch overlaps, the wait comes
-// first (and in every CTA, those of unsplit requests too, so that the merge's completion implies
-// the attention kernel's).
+// Splits whose lse is -inf (no visible key) get weight 0. Launched as the dependent of the
+// attention kernel, everything it reads is that kernel's output: only the launch overlaps, the wait
+// comes first (and in every CTA, those of unsplit requests too, so that the merge's completion
+// implies the attention kernel's).
 constexpr int kMergeThreads = 128;
 // Slices of kMergeSliceDims dims where the most splits of a request reach kMergeSliceSplits; one
 // slice below (H100: 128 splits at MLA's 512 dims 1.15-1.17x faster in 4 slices; 64 requests of

@@ -231,8 +231,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const uint32_t q_bar = sBar + 8 * 2 * ST;
   const uint32_t q_empty = q_bar + 8;
   const uint32_t unit_bar = q_bar + 16;
-  WsUnitSlot* unit_slot = reinterpret_cast<WsUnitSlot*>(
-      smem + Cfg::kQBytes + Cfg::kRingBytes + Cfg::kSlotBytes + (2 * ST + 4) * 8);
+  WsUnitSlot* unit_slot = reinterpret_cast<WsUnitSlot*>(smem + Cfg::kQBytes + Cfg::kRingBytes +
+                                                        Cfg::kSlotBytes + (2 * ST + 4) * 8);
 
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
@@ -596,8 +596,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           if (lane == 0) mbar_arrive(empty_bar(stage));
         };
         auto skips = [&](int kb) {
-          return wg_idle ||
-                 tile_hidden(causal, windowed, p.window, prefix, kb, BN, gt_lo, gt_hi);
+          return wg_idle || tile_hidden(causal, windowed, p.window, prefix, kb, BN, gt_lo, gt_hi);
         };
         auto tile_k = [&](int stage) { return sKV + stage * Cfg::kStageBytes; };
         // The tiles this consumer's rows can see are one run [it_begin, it_end) (the window cuts a
