@@ -32,8 +32,11 @@ namespace {
 // kDecodeRagged: decode with lengths drawn from [256, 2048] (serving batches are not uniform).
 // kDecodeScattered: the decode batch on 256 rows drawn at random from a pool of 2048 (a serving
 // pool holds more rows than one batch, so a batch's row states are not adjacent).
-enum Kind { kDecode = 0, kVerify = 1, kExtend = 2, kDecodeRagged = 3, kDecodeScattered = 4 };
+// kPrefill: a prefill of 8 requests x 2048 tokens from empty rows (prefill-8x2048's shape), whose
+// work list the plan writes in L2-sized sections of requests by default (PlannerConfig::section_keys).
+enum Kind { kDecode = 0, kVerify = 1, kExtend = 2, kDecodeRagged = 3, kDecodeScattered = 4, kPrefill = 5 };
 constexpr int kScatteredPoolRows = 2048;
+constexpr int kPrefillBatch = 8;
 
 constexpr int kBatch = 256;
 constexpr int kPage = 16;
@@ -47,27 +50,28 @@ struct Workload {
   explicit Workload(Kind kind, int page = kPage)
       : pool(kind == kDecodeScattered ? kScatteredPoolRows : kBatch, 2048 + 16) {
     const bool decode = kind == kDecode || kind == kDecodeRagged || kind == kDecodeScattered;
-    const int prefix = decode ? 2047 : 2048;
-    const int q = decode ? 1 : kind == kVerify ? 8 : 16;
+    const int n_req = kind == kPrefill ? kPrefillBatch : kBatch;
+    const int prefix = decode ? 2047 : kind == kPrefill ? 0 : 2048;
+    const int q = decode ? 1 : kind == kVerify ? 8 : kind == kPrefill ? 2048 : 16;
     const int kv = prefix + q;
     const int per_req = (kv + page - 1) / page;
-    std::vector<int64_t> order(static_cast<size_t>(kBatch) * per_req);
+    std::vector<int64_t> order(static_cast<size_t>(n_req) * per_req);
     std::iota(order.begin(), order.end(), int64_t{1});
     std::shuffle(order.begin(), order.end(), std::mt19937_64(42));
-    std::vector<int64_t> rows(kBatch), slots(kv);
+    std::vector<int64_t> rows(n_req), slots(kv);
     if (kind == kDecodeScattered) {
       std::vector<int64_t> all(pool.size());
       for (int64_t& row : all) row = pool.alloc();
       std::shuffle(all.begin(), all.end(), std::mt19937_64(5));
-      std::copy_n(all.begin(), kBatch, rows.begin());
+      std::copy_n(all.begin(), n_req, rows.begin());
     }
-    for (int r = 0; r < kBatch; ++r) {
+    for (int r = 0; r < n_req; ++r) {
       if (kind != kDecodeScattered) rows[r] = pool.alloc();
       for (int j = 0; j < kv; ++j)
         slots[j] = order[static_cast<size_t>(r) * per_req + j / page] * page + j % page;
       pool.write(static_cast<int>(rows[r]), 0, slots);
     }
-    std::vector<int32_t> lens(kBatch, kv);
+    std::vector<int32_t> lens(n_req, kv);
     if (kind == kDecodeRagged) {
       std::mt19937 rng(7);
       for (int32_t& l : lens) l = 256 + static_cast<int32_t>(rng() % (kv - 255));
@@ -75,13 +79,13 @@ struct Workload {
     if (decode) {
       batch = make_decode_batch(rows, lens);
     } else if (kind == kVerify) {
-      batch = make_verify_batch(rows, std::vector<int32_t>(kBatch, prefix),
-                                SpecInfo::chain(kBatch, q));
+      batch = make_verify_batch(rows, std::vector<int32_t>(n_req, prefix),
+                                SpecInfo::chain(n_req, q));
     } else {
-      batch = make_extend_batch(rows, std::vector<int32_t>(kBatch, prefix),
-                                std::vector<int32_t>(kBatch, q));
+      batch = make_extend_batch(rows, std::vector<int32_t>(n_req, prefix),
+                                std::vector<int32_t>(n_req, q));
     }
-    for (int r = 0; r < kBatch; ++r)
+    for (int r = 0; r < n_req; ++r)
       for (int t = 0; t < q; ++t)
         batch.out_cache_loc.push_back(
             pool.get(static_cast<int>(rows[r]), lens[r] - q + t));
@@ -144,7 +148,11 @@ void BM_HostPlan(benchmark::State& state) {
   const auto kind = static_cast<Kind>(state.range(0));
   const int page = static_cast<int>(state.range(1));
   Workload w(kind, page);
-  cuda::HostPlanner planner(planner_config(state.range(2) != 0));
+  cuda::PlannerConfig cfg = planner_config(state.range(2) != 0);
+  // Sections of `sections` MiB of K / V (the cuda backend's default is 24 on an H100 / H200).
+  if (state.range(3) > 0)
+    cfg.section_keys = {(state.range(3) << 20) / (kKvHeads * 2 * kHeadDim * 2)};
+  cuda::HostPlanner planner(cfg);
   planner.enable_row_table(w.pool.size(), (w.pool.max_context_len() + page - 1) / page);
   Staging staging;
   // Committed pages in the row table.
@@ -204,15 +212,17 @@ BENCHMARK(BM_HostPlanColdCaches)
     ->Iterations(300);
 
 BENCHMARK(BM_HostPlan)
-    ->ArgNames({"kind", "page", "mla"})
-    ->Args({kDecode, 16, 0})
-    ->Args({kVerify, 16, 0})
-    ->Args({kExtend, 16, 0})
-    ->Args({kDecodeRagged, 16, 0})
-    ->Args({kDecodeScattered, 16, 0})
-    ->Args({kDecode, 1, 0})
-    ->Args({kDecode, 64, 1})
-    ->Args({kVerify, 64, 1});
+    ->ArgNames({"kind", "page", "mla", "sections"})
+    ->Args({kDecode, 16, 0, 0})
+    ->Args({kVerify, 16, 0, 0})
+    ->Args({kExtend, 16, 0, 0})
+    ->Args({kDecodeRagged, 16, 0, 0})
+    ->Args({kDecodeScattered, 16, 0, 0})
+    ->Args({kDecode, 1, 0, 0})
+    ->Args({kDecode, 64, 1, 0})
+    ->Args({kVerify, 64, 1, 0})
+    ->Args({kPrefill, 16, 0, 0})
+    ->Args({kPrefill, 16, 0, 24});
 
 void BM_MakeStepLayout(benchmark::State& state) {
   Workload w(static_cast<Kind>(state.range(0)));
