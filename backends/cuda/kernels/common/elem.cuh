@@ -91,4 +91,46 @@ __device__ __forceinline__ void load_elems(const void* base, int32_t t, int64_t 
   }
 }
 
+// load_elems in two halves, for loads issued ahead of their use: V elements of dtype t at base + i
+// (aligned to V elements) as raw bits with no conversion, so that the load stays in flight until
+// raw_to_float reads it (a conversion right after the load waits for it there): 2 V bytes in r[0]
+// for 16-bit types, 4 V bytes in r[0] (and r[1] for V = 8) for fp32.
+template <int V>
+__device__ __forceinline__ void load_raw(const void* base, int32_t t, int64_t i, uint4 (&r)[2]) {
+  static_assert(V == 4 || V == 8);
+  if (t == kBF16 || t == kF16) {
+    const uint16_t* h = static_cast<const uint16_t*>(base) + i;
+    if constexpr (V == 8) {
+      r[0] = *reinterpret_cast<const uint4*>(h);
+    } else {
+      const uint2 u = *reinterpret_cast<const uint2*>(h);
+      r[0].x = u.x;
+      r[0].y = u.y;
+    }
+  } else {
+    const uint4* f = reinterpret_cast<const uint4*>(static_cast<const float*>(base) + i);
+    r[0] = f[0];
+    if constexpr (V == 8) r[1] = f[1];
+  }
+}
+
+// The V floats of load_raw's bits (exact, as load_elems converts them).
+template <int V>
+__device__ __forceinline__ void raw_to_float(int32_t t, const uint4 (&r)[2], float (&out)[V]) {
+  const uint32_t u[8] = {r[0].x, r[0].y, r[0].z, r[0].w, r[1].x, r[1].y, r[1].z, r[1].w};
+  if (t == kBF16) {
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      out[e] = __uint_as_float(e % 2 == 0 ? u[e / 2] << 16 : u[e / 2] & 0xffff0000u);
+  } else if (t == kF16) {
+#pragma unroll
+    for (int e = 0; e < V; ++e)
+      out[e] =
+          __half2float(__ushort_as_half(static_cast<unsigned short>(u[e / 2] >> (16 * (e % 2)))));
+  } else {
+#pragma unroll
+    for (int e = 0; e < V; ++e) out[e] = __uint_as_float(u[e]);
+  }
+}
+
 }  // namespace attnrt::cuda
