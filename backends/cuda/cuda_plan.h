@@ -101,12 +101,13 @@ struct PlannerConfig {
   // The steady-decode pass (HostPlanner::prepare): off, every step takes the general pass over
   // its requests (the same bytes; for tests and A/B timing).
   bool steady_decode = true;
-  // Per class: when > 0, the work list of a prefill-shaped class is written in sections of
-  // consecutive requests whose key counts (kv_len) add up to at most this many (a request longer
-  // than that is a section of its own), each section heaviest tiles first as the whole list is
-  // otherwise. The persistent CTAs take the list in order, so the units running at once then
-  // share the K / V of fewer requests, which an L2-sized section keeps in L2
-  // (ATTNRT_PREFILL_SECTION_MB, read by the backend; 0 or missing: one section).
+  // Per class: when > 0, the work list of a prefill-shaped class whose requests span more than
+  // one query tile is written in sections of consecutive requests whose key counts (kv_len) add
+  // up to at most this many (a request longer than that is a section of its own), each section
+  // heaviest tiles first as the whole list is otherwise. The persistent CTAs take the list in
+  // order, so the units running at once then share the K / V of fewer requests, which an
+  // L2-sized section keeps in L2 (the backend sets 24 MiB of K / V, or half the L2 where less;
+  // ATTNRT_PREFILL_SECTION_MB overrides it; 0 or missing: one section).
   std::vector<int64_t> section_keys;
 };
 
