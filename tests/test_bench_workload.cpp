@@ -174,6 +174,25 @@ TEST(BenchWorkload, ScalingShrinksBatchAndLengthsOnly) {
   expect_error([&] { scale_workload(w, 1.5); }, {"--scale 1.5"});
 }
 
+TEST(BenchWorkload, PageSizeChangesThePoolOnlyAndSaysSo) {
+  const Workload w = by_name(standard_workloads(), "prefill-1x4096");
+  const Workload p = with_page_size(w, 128);
+  EXPECT_EQ(p.page_size, 128);
+  EXPECT_EQ(p.name, w.name);
+  EXPECT_EQ(p.new_tokens, w.new_tokens);
+  EXPECT_EQ(counted_flops(p), counted_flops(w));
+  EXPECT_EQ(p.scale_note, "page 128 instead of 16");
+  EXPECT_NE(p.shape().find("page 128"), std::string::npos) << p.shape();
+  EXPECT_EQ(with_page_size(w, 16), w) << "the row's own page size changes nothing";
+  const Workload s = with_page_size(scale_workload(w, 0.5), 1);
+  EXPECT_NE(s.scale_note.find("scaled"), std::string::npos) << s.scale_note;
+  EXPECT_NE(s.scale_note.find("; page 1 instead of 16"), std::string::npos) << s.scale_note;
+  const Workload mla = with_page_size(by_name(mla_workloads(), "mla-decode-h16-1x32768"), 1);
+  EXPECT_EQ(mla.scale_note, "page 1 instead of 64");
+  expect_error([&] { with_page_size(w, 0); }, {"page size 0", "1 to 4096"});
+  expect_error([&] { with_page_size(w, 8192); }, {"page size 8192"});
+}
+
 TEST(BenchWorkload, FitHalvesBatchBeforeLength) {
   const Workload w = by_name(standard_workloads(), "decode-128x8192");
   Workload f = fit_workload(w, counted_bytes(w) / 8, 1e30, "test");

@@ -201,6 +201,34 @@ TEST_F(Cli, BenchLinearSuiteRunsOnCpuAtSmallSizeAndWritesJson) {
   EXPECT_NE(bad.err.find("--suite"), std::string::npos) << bad.err;
 }
 
+// --page-size reruns attention rows over another page size: the row keeps its name, its shape and
+// note say the page, the JSON records it; suites without a paged cache are told so.
+TEST_F(Cli, BenchPageSizeRunsTheRowOverThatPageSize) {
+  const fs::path json = dir_ / "page.json";
+  const Result r = run(fmt::format(
+      "bench --backend cpu --workload prefill-1x1024 --scale 0.0625 --page-size 32 --repeats 1 "
+      "--warmup 0 --threads 2 --no-reference --quiet --json '{}'",
+      json.string()));
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  for (const char* part : {"prefill-1x1024*", "page 32", "page 32 instead of 16"}) {
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
+  }
+  const nlohmann::json j = nlohmann::json::parse(read_text(json));
+  EXPECT_NE(j["command"].get<std::string>().find("--page-size 32"), std::string::npos);
+  ASSERT_EQ(j["rows"].size(), 1u);
+  EXPECT_EQ(j["rows"][0]["status"], "ok");
+  EXPECT_TRUE(j["rows"][0]["check"]["passed"].get<bool>());
+  EXPECT_EQ(j["rows"][0]["shape"]["page_size"], 32);
+  EXPECT_EQ(j["rows"][0]["standard"]["page_size"], 16);
+
+  Result bad = run("bench --backend cpu --suite linear --page-size 64");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("only the attention and MLA rows"), std::string::npos) << bad.err;
+  bad = run("bench --backend cpu --page-size 0");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("--page-size"), std::string::npos) << bad.err;
+}
+
 // `attnrt run --dump-step` of a DSA model (the deepseek-v3.2 config with index_topk 8, so the
 // selection is real) writes the indexer's part of the case, and `attnrt replay` runs it on cpu and
 // reference and compares selections and outputs.

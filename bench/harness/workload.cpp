@@ -381,6 +381,18 @@ Workload scale_workload(const Workload& w, double factor) {
   });
 }
 
+Workload with_page_size(const Workload& w, int page_size) {
+  ATTNRT_CHECK(page_size >= 1 && page_size <= 4096,
+               "page size {}: give 1 to 4096 slots a page (engines use 1, 16, 32, 64 or 128)",
+               page_size);
+  if (page_size == w.page_size) return w;
+  Workload s = w;
+  s.page_size = page_size;
+  const std::string note = fmt::format("page {} instead of {}", page_size, w.page_size);
+  s.scale_note = w.scale_note.empty() ? note : w.scale_note + "; " + note;
+  return s;
+}
+
 Workload fit_workload(const Workload& w, double max_bytes, double max_work, std::string_view why) {
   auto fits = [&](const Workload& x) {
     return counted_bytes(x) <= max_bytes && attention_work(x) <= max_work;

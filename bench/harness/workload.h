@@ -128,6 +128,10 @@ std::vector<Workload> select_mla_workloads(std::string_view selector);
 // Multiplies batch and lengths by `factor` in (0, 1] (batch >= 1; lengths rounded to whole pages,
 // at least one page; draft tokens, heads and dims never change). Records the change in scale_note.
 Workload scale_workload(const Workload& w, double factor);
+// The row over a KV pool of `page_size` slots a page instead of its own (attnrt bench
+// --page-size): names unchanged, the change in scale_note ("page 128 instead of 16"); w itself
+// when it already has that page size. Throws attnrt::Error for a page size outside [1, 4096].
+Workload with_page_size(const Workload& w, int page_size);
 // Halves the batch, then the lengths, until counted_bytes <= max_bytes and attention_work <=
 // max_work; returns w unchanged when it already fits. `why` goes into scale_note.
 Workload fit_workload(const Workload& w, double max_bytes, double max_work, std::string_view why);

@@ -41,6 +41,7 @@ struct BenchArgs {
   std::string workload = "all";
   double scale = 1.0;
   std::string preset;
+  int page_size = 0;  // 0: each row's own
   int repeats = 10;
   int warmup = 2;
   int threads = 0;
@@ -75,6 +76,7 @@ std::string command_line(const BenchArgs& a, const std::string& backend) {
   s += " --workload " + a.workload;
   if (!a.preset.empty()) s += " --preset " + a.preset;
   if (a.scale != 1.0) s += fmt::format(" --scale {:g}", a.scale);
+  if (a.page_size > 0) s += fmt::format(" --page-size {}", a.page_size);
   s += fmt::format(" --repeats {} --warmup {}", a.repeats, a.warmup);
   if (a.threads > 0) s += fmt::format(" --threads {}", a.threads);
   if (a.no_reference) s += " --no-reference";
@@ -149,6 +151,14 @@ void run_bench_command(const BenchArgs& a) {
     for (bench::Workload& w : rows) w = bench::scale_workload(w, a.scale);
     for (bench::LinearWorkload& w : linear) w = bench::scale_linear_workload(w, a.scale);
     for (bench::DsaWorkload& w : dsa) w = bench::scale_dsa_workload(w, a.scale);
+  }
+  if (a.page_size > 0) {
+    ATTNRT_CHECK(!rows.empty(),
+                 "--page-size {}: only the attention and MLA rows have a paged KV cache (the "
+                 "linear rows keep state slots, the DSA rows DeepSeek's 64-slot pages); give "
+                 "--suite attention, mla or all",
+                 a.page_size);
+    for (bench::Workload& w : rows) w = bench::with_page_size(w, a.page_size);
   }
 
   bench::BenchConfig config;
@@ -253,6 +263,11 @@ void add_bench_command(CLI::App& app) {
                   "box: KV <= 1.25 GiB and <= 6e11 FLOPs per attention row; linear rows <= 1.25 "
                   "GiB moved and <= 5e10 FLOPs; dsa rows: the dense companion <= 2e10 FLOPs, "
                   "index_topk scaled with the lengths)");
+  cmd->add_option("--page-size", args->page_size,
+                  "Slots a page of every attention and MLA row's KV cache instead of the row's "
+                  "own (16; 64 for MLA; 1 for the -p1 rows): compares a row across the page "
+                  "sizes engines use (1, 16, 32, 64, 128); the output marks the changed rows")
+      ->check(int_in(1, 4096));
   cmd->add_option("--repeats", args->repeats, "Timed repetitions per row (median reported)")
       ->check(int_in(1, 100000))
       ->capture_default_str();
