@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU call after scripts/gpu_next.sh (under 600 s), four parts:
+# The GPU call after scripts/gpu_next.sh (under 600 s), five parts:
 #   1. patches/merge-walk.patch (.gpubin-walk) against main: the split-KV merge sliced so that no
 #      thread walks more than 8 splits (128 splits: 16 threads a 4-dim vector, slices of 32 dims;
 #      d128 now in 4 slices where it had one), the walk's loads unrolled by 8, the weights' sum
@@ -15,6 +15,7 @@
 #      holds KDA's 20.5 ms (4.4x GDN's row) and Mamba2's 4.4 ms.
 #   4. ncu of the 16-bit prefill CTA on prefill-1x16384 (SpeedOfLight, WarpStateStats,
 #      SourceCounters): where the consumers stall (issue 20: 63% of the GEMM rate, cuDNN 82%).
+#   5. the prefill rows at pages 16, 64 and 128 (attnrt bench --page-size).
 #   usage: OUT=DIR [CALL_SECONDS=560] scripts/gpu_next2.sh
 #          (carry .gpubin-main, .gpubin-walk, .gpubin-silu, .devdeps)
 set -uo pipefail
@@ -40,6 +41,12 @@ gpu_stage ncu_prefill 150 ncu --clock-control none --kernel-name regex:prefill_w
   --workload prefill-1x16384 --repeats 2 --warmup 1 --no-reference --quiet
 ncu -i "$O/prefill.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUTDIR/prefill_sass.csv.gz"
 ncu -i "$O/prefill.ncu-rep" --page details 2>&1 | grep -E "Duration|Stall|Warp Cycles|Issued|Eligible|Throughput" | head -30
+# Page size against the prefill rate (cuDNN reads contiguous K / V; the rows page by 16).
+for page in 16 64 128; do
+  gpu_stage page$page 60 /tmp/bin-main/attnrt bench --backend cuda --no-reference --quiet --repeats 10 \
+    --workload prefill-1x16384,prefill-8x2048,extend-8x2048+512 --page-size $page
+  grep -E "^(prefill|extend)" "$O/page$page.log" | sed "s/^/page $page: /"
+done
 for row in kda-extend-8x8192 mamba2-extend-8x8192; do
   gpu_stage ncu_$row 45 ncu --clock-control none --metrics gpu__time_duration.sum -c 16 \
     /tmp/bin-main/attnrt bench --backend cuda --suite linear --workload $row --no-reference \
