@@ -2,6 +2,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -30,11 +31,11 @@ namespace {
 // comes first (and in every CTA, those of unsplit requests too, so that the merge's completion
 // implies the attention kernel's).
 constexpr int kMergeThreads = 128;
-// Slices of kMergeSliceDims dims where the most splits of a request reach kMergeSliceSplits; one
-// slice below (H100: 128 splits at MLA's 512 dims 1.15-1.17x faster in 4 slices; 64 requests of
-// a few splits 3% slower, so they keep one).
-constexpr int kMergeSliceDims = 128;
-constexpr int kMergeSliceSplits = 16;
+// The most splits a thread walks: launch_merge slices the head dims so that enough groups share
+// each 4-dim vector (H100: 128 splits at MLA's 512 dims 1.15-1.17x faster in 4 slices, each
+// thread then walking 32 splits; 64 requests of a few splits 3% slower in slices, so requests of
+// at most kMergeWalk splits keep one). The walk's loads are unrolled by as many.
+constexpr int kMergeWalk = 8;
 
 template <typename T>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
@@ -72,11 +73,17 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
     }
     __syncthreads();
     const float m_use = stat[0];
-    if (threadIdx.x < S) w_s[threadIdx.x] = lse == -INFINITY ? 0.f : exp2f(lse - m_use);
+    // The weights, and their sum over the block's warps (red is free again: thread 0 read the
+    // maxima before the barrier above), instead of thread 0 adding up to 128 of them in turn.
+    const float wgt = lse == -INFINITY ? 0.f : exp2f(lse - m_use);
+    if (threadIdx.x < S) w_s[threadIdx.x] = wgt;
+    float wsum = threadIdx.x < S ? wgt : 0.f;
+    for (int o = 16; o > 0; o >>= 1) wsum += __shfl_xor_sync(0xffffffff, wsum, o);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = wsum;
     __syncthreads();
     if (threadIdx.x == 0) {
       float den = 0.f;
-      for (int s = 0; s < S; ++s) den += w_s[s];
+      for (int i = 0; i < kMergeThreads / 32; ++i) den += red[i];
       if (p.sinks) den += exp2f(p.sinks[h] * kLog2e - m_use);
       stat[1] = den;
     }
@@ -85,7 +92,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
       const int vv = v0 + vi;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       if (grp < groups && vv < all_vecs) {
-#pragma unroll 4
+#pragma unroll kMergeWalk
         for (int s = grp; s < S; s += groups) {
           const float w = w_s[s];
           const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
@@ -222,8 +229,14 @@ bool store_vec_fits(const StoreParams& p) {
 cudaError_t launch_merge(const MergeParams& p, bool fp16, cudaStream_t stream, bool dependent) {
   if (p.num_reqs == 0) return cudaSuccess;
   if (p.head_dim <= 0 || p.head_dim % 4 != 0) return cudaErrorInvalidValue;
-  const int slices =
-      p.max_splits >= kMergeSliceSplits ? (p.head_dim + kMergeSliceDims - 1) / kMergeSliceDims : 1;
+  // groups threads a 4-dim vector, so that each walks at most kMergeWalk splits; a slice is then
+  // the vectors of kMergeThreads / groups threads (128 splits: 16 groups, slices of 32 dims).
+  int slices = 1;
+  if (p.max_splits > kMergeWalk) {
+    const int groups = std::min((p.max_splits + kMergeWalk - 1) / kMergeWalk, kMergeThreads);
+    const int slice_vecs = kMergeThreads / groups;
+    slices = (p.head_dim / 4 + slice_vecs - 1) / slice_vecs;
+  }
   const dim3 grid(p.num_reqs, p.num_q_heads, slices);
   return fp16 ? launch_kernel(merge_kernel<__half>, grid, dim3(kMergeThreads), 0, stream, dependent,
                               p)
