@@ -43,8 +43,10 @@
 // pools are 3-D tensor maps {D, kv heads, slots} with a box of {64, 1, P} (P = min(page size, BN)
 // rows, always inside one page) and the 128-byte swizzle, which writes exactly the layout of
 // swz128_offset when a box lands at column block cb, rows r0 .. r0 + P - 1 of a tile (r0 a multiple
-// of 8). Per tile, lanes q < BN / P of warp 0 each resolve the page of rows qP .. qP + P - 1 (one
-// tile ahead, as the slots are) and issue that chunk's D / 64 boxes of K and of V. Only chunks
+// of 8). Per tile, chunk q < BN / P (rows qP .. qP + P - 1) belongs to lane q / 4 of producer warp
+// q % 4, which resolves its page one tile ahead (as the slots are) and issues its D / 64 boxes of
+// K and of V: the four warps issue side by side (one warp took 8 rounds a tile at 16-slot pages,
+// the boxes' coordinates differing by lane; 1.03-1.12x on the prefill rows). Only chunks
 // wholly below hi are loaded so: the rows of a partial last page and every row past it are loaded
 // (or zero-filled) by all 128 producer threads with cp.async, since keys past hi must be zero in
 // shared memory (a zero probability times a NaN is NaN) and pages wholly past hi may not exist.
@@ -348,11 +350,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           // Chunks of P rows (a power of two, 8 .. BN: one page or a BN-row piece of one).
           const int pshift = min(p.page_shift, kLog2BN);
           const int P = 1 << pshift;
-          // The first slot of chunk `tid` (lanes of warp 0) of tile `it`; -1 where the chunk is
-          // not loaded by TMA (past the tile's chunks, past the range, or not wholly below hi).
+          // Chunk c of a tile is issued by lane c / 4 of producer warp c % 4: the four warps issue
+          // their boxes side by side. A box's tensor coordinates must be uniform, so a warp whose
+          // lanes hold different pages issues them one lane after another (ptxas' ELECT /
+          // BRA.U.ANY loop); at 16-slot pages a 128-key tile is 8 chunks, 32 boxes, which one warp
+          // took 8 rounds at each of its four issue points to issue.
+          const int chunk = (tid >> 5) + 4 * (tid & 31);
+          // The first slot of this thread's chunk of tile `it`; -1 where the chunk is not loaded
+          // by TMA (past the tile's chunks, past the range, or not wholly below hi).
           auto resolve_chunk = [&](int it) -> int32_t {
-            const int j0 = lo + it * BN + (tid << pshift);
-            if (tid >= (BN >> pshift) || it >= num_tiles || j0 + P > hi) return -1;
+            const int j0 = lo + it * BN + (chunk << pshift);
+            if (chunk >= (BN >> pshift) || it >= num_tiles || j0 + P > hi) return -1;
             return static_cast<int32_t>(key_slot(j0));
           };
           int32_t next_slot = resolve_chunk(0);
@@ -371,11 +379,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             const int32_t slot = next_slot;
             next_slot = resolve_chunk(it + 1);  // in flight while this tile's copies are issued
             const uint32_t dk = sKV + stage * Cfg::kStageBytes, dv = dk + Cfg::kTileBytes;
-            // The tile's TMA bytes are expected before any of its boxes is issued.
+            // The tile's TMA bytes: thread 0's arrival holds the phase open, so boxes of other
+            // warps may land before it (the transaction count may dip below zero meanwhile).
             if (tid == 0) mbar_arrive_expect_tx(full_bar(stage), tma_rows * (D + DV) * 2);
-            __syncwarp();
-            if ((tid << pshift) < tma_rows) {
-              const uint32_t r0 = (tid << pshift) * 128;
+            if (chunk < (BN >> pshift) && (chunk << pshift) < tma_rows) {
+              const uint32_t r0 = (chunk << pshift) * 128;
 #pragma unroll
               for (int cb = 0; cb < D / 64; ++cb) {
                 tma_load_3d(dk + cb * BN * 128 + r0, &maps.k, cb * 64, kvh, slot, full_bar(stage));
