@@ -36,6 +36,15 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t lbo) {
   return d;
 }
 
+// Descriptor d moved `bytes` further into shared memory (a multiple of 16): the start-address
+// field (bits 0-13, address / 16) grows by bytes / 16, the rest stays. Exact while the address
+// stays below 256 KiB, as every shared-memory address does. One 32-bit add where encoding the
+// moved address anew takes four dependent instructions (add, mask, shift, or) per MMA.
+__device__ __forceinline__ uint64_t wgmma_desc_add(uint64_t d, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(d) + (bytes >> 4);
+  return (d & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // The same for a K-major operand in the 64-byte swizzled layout (rows of 64 bytes; inside each
 // 512-byte group of 8 rows the 16-byte chunk c of row r sits at c ^ ((r >> 1) & 3)); stride
 // between 8-row groups 512 bytes. Layout type 2 = 64-byte swizzle.
