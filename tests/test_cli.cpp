@@ -25,6 +25,12 @@ class Cli : public attnrt::test::CliTest {
     std::ofstream(p) << text;
     return p;
   }
+  // `attnrt ARGS` is refused as a usage error (status 2) whose message contains `says`.
+  void expect_refused(const std::string& args, const std::string& says) {
+    const Result r = run(args);
+    EXPECT_EQ(r.status, 2) << args;
+    EXPECT_NE(r.err.find(says), std::string::npos) << args << ": " << r.err;
+  }
 };
 
 constexpr const char* kTinyTrace =
@@ -193,12 +199,8 @@ TEST_F(Cli, BenchLinearSuiteRunsOnCpuAtSmallSizeAndWritesJson) {
   EXPECT_EQ(j["rows"][0]["standard"]["batch"], 64);
   EXPECT_EQ(j["rows"][0]["shape"]["batch"], 1);
 
-  Result bad = run("bench --backend cpu --suite linear --workload prefill");
-  EXPECT_EQ(bad.status, 2);
-  EXPECT_NE(bad.err.find("unknown linear workload 'prefill'"), std::string::npos) << bad.err;
-  bad = run("bench --backend cpu --suite sideways");
-  EXPECT_EQ(bad.status, 2);
-  EXPECT_NE(bad.err.find("--suite"), std::string::npos) << bad.err;
+  expect_refused("bench --backend cpu --suite linear --workload prefill", "unknown linear workload 'prefill'");
+  expect_refused("bench --backend cpu --suite sideways", "--suite");
 }
 
 // --page-size reruns attention rows over another page size: the row keeps its name, its shape and
@@ -221,12 +223,8 @@ TEST_F(Cli, BenchPageSizeRunsTheRowOverThatPageSize) {
   EXPECT_EQ(j["rows"][0]["shape"]["page_size"], 32);
   EXPECT_EQ(j["rows"][0]["standard"]["page_size"], 16);
 
-  Result bad = run("bench --backend cpu --suite linear --page-size 64");
-  EXPECT_EQ(bad.status, 2);
-  EXPECT_NE(bad.err.find("only the attention and MLA rows"), std::string::npos) << bad.err;
-  bad = run("bench --backend cpu --page-size 0");
-  EXPECT_EQ(bad.status, 2);
-  EXPECT_NE(bad.err.find("--page-size"), std::string::npos) << bad.err;
+  expect_refused("bench --backend cpu --suite linear --page-size 64", "only the attention and MLA rows");
+  expect_refused("bench --backend cpu --page-size 0", "--page-size");
 }
 
 // `attnrt run --dump-step` of a DSA model (the deepseek-v3.2 config with index_topk 8, so the
@@ -269,9 +267,7 @@ TEST_F(Cli, DsaStepCaseIsDumpedAndReplayedWithItsSelection) {
 
   // A DSA case without its index-key files cannot be replayed, and says which file is missing.
   fs::remove(dir / "index_key_codes.npy");
-  const Result bad = run(fmt::format("replay '{}'", dir.string()));
-  EXPECT_EQ(bad.status, 2);
-  EXPECT_NE(bad.err.find("index_key_codes.npy"), std::string::npos) << bad.err;
+  expect_refused(fmt::format("replay '{}'", dir.string()), "index_key_codes.npy");
 }
 
 TEST_F(Cli, BenchDsaSuiteRunsOnCpuAtCpuSmallAndWritesJson) {
@@ -322,9 +318,7 @@ TEST_F(Cli, BenchDsaSuiteRunsOnCpuAtCpuSmallAndWritesJson) {
   EXPECT_EQ(j["rows"][0]["standard"]["batch"], 64);
   EXPECT_EQ(j["rows"][0]["standard"]["index_topk"], 2048);
 
-  Result bad = run("bench --backend cpu --suite dsa --workload dsa-verify");
-  EXPECT_EQ(bad.status, 2);
-  EXPECT_NE(bad.err.find("unknown workload 'dsa-verify'"), std::string::npos) << bad.err;
+  expect_refused("bench --backend cpu --suite dsa --workload dsa-verify", "unknown workload 'dsa-verify'");
 }
 
 // The cuda backend serves DSA, and the DSA rows mirror their pools on the GPU; where no GPU is
