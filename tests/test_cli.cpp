@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -24,6 +25,16 @@ class Cli : public attnrt::test::CliTest {
     const fs::path p = dir_ / name;
     std::ofstream(p) << text;
     return p;
+  }
+  // `attnrt bench ARGS --json FILE` succeeds and prints each of `parts`; returns the JSON.
+  nlohmann::json bench_json(const std::string& args, std::initializer_list<const char*> parts) {
+    const fs::path json = dir_ / "bench.json";
+    const Result r = run(fmt::format("bench {} --json '{}'", args, json.string()));
+    EXPECT_EQ(r.status, 0) << r.out << r.err;
+    for (const char* part : parts) {
+      EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
+    }
+    return nlohmann::json::parse(read_text(json));
   }
   // `attnrt ARGS` is refused as a usage error (status 2) whose message contains `says`.
   void expect_refused(const std::string& args, const std::string& says) {
@@ -175,17 +186,11 @@ TEST_F(Cli, CheckReportsEveryRequestedFeature) {
 }
 
 TEST_F(Cli, BenchLinearSuiteRunsOnCpuAtSmallSizeAndWritesJson) {
-  const fs::path json = dir_ / "linear.json";
-  const Result r = run(fmt::format(
-      "bench --backend cpu --suite linear --scale 0.01 --repeats 1 --warmup 0 --threads 2 "
-      "--no-reference --quiet --json '{}'",
-      json.string()));
-  ASSERT_EQ(r.status, 0) << r.out << r.err;
-  for (const char* part : {"linear row", "gdn-decode-64*", "kda-extend-8x8192*", "GB/s", "TFLOP/s",
-                           "SCALED RUN (--scale 0.01)"}) {
-    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
-  }
-  const nlohmann::json j = nlohmann::json::parse(read_text(json));
+  const nlohmann::json j = bench_json(
+      "--backend cpu --suite linear --scale 0.01 --repeats 1 --warmup 0 --threads 2 "
+      "--no-reference --quiet",
+      {"linear row", "gdn-decode-64*", "kda-extend-8x8192*", "GB/s", "TFLOP/s",
+       "SCALED RUN (--scale 0.01)"});
   EXPECT_NE(j["command"].get<std::string>().find("--suite linear"), std::string::npos);
   ASSERT_EQ(j["rows"].size(), 8u);
   for (const auto& row : j["rows"]) {
@@ -199,23 +204,18 @@ TEST_F(Cli, BenchLinearSuiteRunsOnCpuAtSmallSizeAndWritesJson) {
   EXPECT_EQ(j["rows"][0]["standard"]["batch"], 64);
   EXPECT_EQ(j["rows"][0]["shape"]["batch"], 1);
 
-  expect_refused("bench --backend cpu --suite linear --workload prefill", "unknown linear workload 'prefill'");
+  expect_refused("bench --backend cpu --suite linear --workload prefill",
+                 "unknown linear workload 'prefill'");
   expect_refused("bench --backend cpu --suite sideways", "--suite");
 }
 
 // --page-size reruns attention rows over another page size: the row keeps its name, its shape and
 // note say the page, the JSON records it; suites without a paged cache are told so.
 TEST_F(Cli, BenchPageSizeRunsTheRowOverThatPageSize) {
-  const fs::path json = dir_ / "page.json";
-  const Result r = run(fmt::format(
-      "bench --backend cpu --workload prefill-1x1024 --scale 0.0625 --page-size 32 --repeats 1 "
-      "--warmup 0 --threads 2 --no-reference --quiet --json '{}'",
-      json.string()));
-  ASSERT_EQ(r.status, 0) << r.out << r.err;
-  for (const char* part : {"prefill-1x1024*", "page 32", "page 32 instead of 16"}) {
-    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
-  }
-  const nlohmann::json j = nlohmann::json::parse(read_text(json));
+  const nlohmann::json j = bench_json(
+      "--backend cpu --workload prefill-1x1024 --scale 0.0625 --page-size 32 --repeats 1 "
+      "--warmup 0 --threads 2 --no-reference --quiet",
+      {"prefill-1x1024*", "page 32", "page 32 instead of 16"});
   EXPECT_NE(j["command"].get<std::string>().find("--page-size 32"), std::string::npos);
   ASSERT_EQ(j["rows"].size(), 1u);
   EXPECT_EQ(j["rows"][0]["status"], "ok");
@@ -223,7 +223,8 @@ TEST_F(Cli, BenchPageSizeRunsTheRowOverThatPageSize) {
   EXPECT_EQ(j["rows"][0]["shape"]["page_size"], 32);
   EXPECT_EQ(j["rows"][0]["standard"]["page_size"], 16);
 
-  expect_refused("bench --backend cpu --suite linear --page-size 64", "only the attention and MLA rows");
+  expect_refused("bench --backend cpu --suite linear --page-size 64",
+                 "only the attention and MLA rows");
   expect_refused("bench --backend cpu --page-size 0", "--page-size");
 }
 
@@ -271,20 +272,12 @@ TEST_F(Cli, DsaStepCaseIsDumpedAndReplayedWithItsSelection) {
 }
 
 TEST_F(Cli, BenchDsaSuiteRunsOnCpuAtCpuSmallAndWritesJson) {
-  const fs::path json = dir_ / "dsa.json";
-  const Result r = run(fmt::format(
-      "bench --backend cpu --suite dsa --preset cpu-small --repeats 1 --warmup 0 --threads 2 "
-      "--quiet --json '{}'",
-      json.string()));
-  ASSERT_EQ(r.status, 0) << r.out << r.err;
-  for (const char* part :
-       {"dsa row", "dsa-decode-64x32768*", "dsa-index-64x32768*", "dsa-sparse-64x32768*",
-        "dsa-decode-16x131072*", "dsa-index-16x131072*", "dsa-sparse-16x131072*",
-        "dsa-prefill-1x32768*", "dense = mla-decode-h128-", "dense = mla-prefill-",
-        "SCALED RUN (--preset cpu-small)"}) {
-    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
-  }
-  const nlohmann::json j = nlohmann::json::parse(read_text(json));
+  const nlohmann::json j = bench_json(
+      "--backend cpu --suite dsa --preset cpu-small --repeats 1 --warmup 0 --threads 2 --quiet",
+      {"dsa row", "dsa-decode-64x32768*", "dsa-index-64x32768*", "dsa-sparse-64x32768*",
+       "dsa-decode-16x131072*", "dsa-index-16x131072*", "dsa-sparse-16x131072*",
+       "dsa-prefill-1x32768*", "dense = mla-decode-h128-", "dense = mla-prefill-",
+       "SCALED RUN (--preset cpu-small)"});
   EXPECT_NE(j["command"].get<std::string>().find("--suite dsa"), std::string::npos);
   ASSERT_EQ(j["rows"].size(), 7u);
   for (const auto& row : j["rows"]) {
@@ -318,7 +311,8 @@ TEST_F(Cli, BenchDsaSuiteRunsOnCpuAtCpuSmallAndWritesJson) {
   EXPECT_EQ(j["rows"][0]["standard"]["batch"], 64);
   EXPECT_EQ(j["rows"][0]["standard"]["index_topk"], 2048);
 
-  expect_refused("bench --backend cpu --suite dsa --workload dsa-verify", "unknown workload 'dsa-verify'");
+  expect_refused("bench --backend cpu --suite dsa --workload dsa-verify",
+                 "unknown workload 'dsa-verify'");
 }
 
 // The cuda backend serves DSA, and the DSA rows mirror their pools on the GPU; where no GPU is
