@@ -4,10 +4,11 @@
 #   0. patches/prefill-rescale-slack.patch (.gpubin-slack): the 16-bit prefill consumers move a
 #      row's softmax reference only when the tile's maximum passes it by more than 8 (log2 units),
 #      so O and l are rescaled on a few tiles of a row instead of on most of its first ones (a
-#      warp's 16 rows: P(some row's maximum moves at tile i) ~ 16 / i; ~38 of 64 tiles rescale on
-#      a 64-tile row, 64 FMULs a warp each). Its prefill tests, racecheck / synccheck, then the
-#      prefill rows against main, two rounds. What should move: the long rows most (1x16384,
-#      d256, extend), 8x2048 least (short rows: the first tiles rescale either way). The rule is
+#      warp's 16 rows: P(some row's maximum moves at tile i) = 1 - (1 - 1/i)^16 for random logits;
+#      summed, 31 of a 64-tile row's tiles and 7.7 of an 8-tile row's rescale today, 64 FMULs a
+#      thread each). Its prefill tests, racecheck / synccheck, then the prefill rows against main,
+#      two rounds. What should move: every ping-pong row; 8x2048 (8-tile rows: 96% of its tiles
+#      rescale today, one a row with the slack) more than 1x16384 (48%). The rule is
 #      MLA decode's (kLazy), now one helper for the three kernels; MLA decode's SASS was
 #      rescheduled by it, so its tests and two MLA decode rows run too.
 #   1. Kernel times (ncu gpu__time_duration) of the split decode rows that miss their targets:
