@@ -130,7 +130,8 @@ struct MergeParams {
   int32_t num_q_heads, head_dim;
   float v_scale;
   const float* sinks;
-  // The most splits of any request (launch_merge slices the head dims from kMergeSliceSplits up).
+  // The most splits of any request (launch_merge slices the head dims so that no thread walks more
+  // than kMergeWalk of them).
   int32_t max_splits;
 };
 
