@@ -227,22 +227,14 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
 #pragma unroll
     for (int h = 0; h < 2; ++h) mx[h] = fmaxf(mx[h], x_rows[(wg ^ 1) * ROWS + wq * 16 + g + 8 * h]);
 
-    // The running maximum moves only when a row's logits pass it by more than kLazy (log2
-    // units): below that the probabilities stay under 2^kLazy, and the output is rescaled a few
-    // times a row instead of at every new maximum. Both warpgroups see the same maxima, so they
-    // decide alike.
-    constexpr float kLazy = 8.f;
+    // Lazy rescaling (common/math.cuh). Both warpgroups see the same maxima, so they decide alike.
     bool moved = false;
     float alpha[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float cand = mx[h] * sl;
-      const bool move = cand > m[h] + kLazy || (m[h] == -INFINITY && cand != -INFINITY);
-      const float m_new = move ? cand : m[h];
-      const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[h] = move ? fast_exp2(m[h] - m_use) : 1.f;
+      float m_use;
+      const bool move = lazy_max(m[h], mx[h] * sl, m_use, alpha[h]);
       moved = moved || move;
-      m[h] = m_new;
       float sum = 0.f;
 #pragma unroll
       for (int nb = 0; nb < HALF / 8; ++nb) {

@@ -207,14 +207,9 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
         const int col = nb * 8 + 2 * c4 + e;
         float v = fmaxf(fmaxf(x_cols[col], x_cols[NC + col]),
                         fmaxf(x_cols[2 * NC + col], x_cols[3 * NC + col]));
-        const float cand = v * sl;
-        const bool move =
-            cand > m[nb][e] + 8.f || (m[nb][e] == -INFINITY && cand != -INFINITY);
-        const float m_new = move ? cand : m[nb][e];
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        alpha[nb][e] = move ? fast_exp2(m[nb][e] - m_use) : 1.f;
+        float m_use;
+        const bool move = lazy_max(m[nb][e], v * sl, m_use, alpha[nb][e]);
         moved = moved || move;
-        m[nb][e] = m_new;
         float sum = 0.f;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {

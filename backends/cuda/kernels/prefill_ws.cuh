@@ -571,11 +571,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               mx = fmaxf(mx, fmaxf(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 2));
-            const float m_new = fmaxf(m[h], mx * sl);
-            const float m_use = m_new == -INFINITY ? 0.f : m_new;
-            alpha[h] = fast_exp2(m[h] - m_use);
-            moved = moved || m_new != m[h];
-            m[h] = m_new;
+            // Lazy rescaling (common/math.cuh): O and l move on a few tiles of a row.
+            float m_use;
+            const bool move = lazy_max(m[h], mx * sl, m_use, alpha[h]);
+            moved = moved || move;
             float sum = 0.f;
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb) {

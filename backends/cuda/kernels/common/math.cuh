@@ -17,6 +17,23 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// Lazy rescaling of an online softmax, in log2 units: a row's reference maximum m moves only where
+// a candidate (the row's maximum over a new tile) passes it by more than kLazyRescale, or where m
+// is still -inf, so O and the row sum are rescaled a few times a row rather than at each new
+// maximum. Probabilities then stay below 2^kLazyRescale (exact in fp32 sums and, as relative
+// precision, in 16-bit P), and the output divides by a sum taken against the same m. On return m
+// is the new reference, m_use what the logits subtract (0 while nothing is visible), alpha the
+// running sums' factor (1 where m stayed); the result says whether m moved.
+constexpr float kLazyRescale = 8.f;
+__device__ __forceinline__ bool lazy_max(float& m, float cand, float& m_use, float& alpha) {
+  const bool move = cand > m + kLazyRescale || (m == -INFINITY && cand != -INFINITY);
+  const float m_new = move ? cand : m;
+  m_use = m_new == -INFINITY ? 0.f : m_new;
+  alpha = move ? fast_exp2(m - m_use) : 1.f;
+  m = m_new;
+  return move;
+}
+
 __device__ __forceinline__ float softplus(float x) { return x > 20.f ? x : log1pf(expf(x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 // SiLU through the approximate exp and division (MUFU.EX2, MUFU.RCP and a few FMAs; about 1e-6
