@@ -27,9 +27,11 @@ namespace {
 // thread walked all of a request's splits one 16-byte load after another (one request of 16
 // heads: 16 blocks on 132 SMs).
 // Splits whose lse is -inf (no visible key) get weight 0. Launched as the dependent of the
-// attention kernel, everything it reads is that kernel's output: only the launch overlaps, the wait
-// comes first (and in every CTA, those of unsplit requests too, so that the merge's completion
-// implies the attention kernel's).
+// attention kernel, it reads the request before its wait (plan data, complete before the step's
+// first kernel), everything else after it (the attention kernel's output); every CTA waits, those
+// of unsplit requests too, so that the merge's completion implies the attention kernel's. After
+// the wait a thread issues its partial rows' loads together with the lse loads, so the two sit in
+// one memory round trip instead of two (the weights need the block's maximum first).
 constexpr int kMergeThreads = 128;
 // The most splits a thread walks: launch_merge slices the head dims so that enough groups share
 // each 4-dim vector (H100: 128 splits at MLA's 512 dims 1.15-1.17x faster in 4 slices, each
@@ -44,8 +46,8 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   const int v_begin = blockIdx.z * slice_vecs;
   const int all_vecs = min(p.head_dim / 4, v_begin + slice_vecs);
   const int vecs = min(all_vecs - v_begin, kMergeThreads);
-  grid_dependency_wait();
   const ReqInfo r = p.reqs[blockIdx.x];
+  grid_dependency_wait();
   if (r.num_splits <= 1) return;
   const int h = blockIdx.y;
   const int S = min(r.num_splits, kMergeMaxSplits);
@@ -56,7 +58,22 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   if (vecs <= 0) return;
   const int groups = kMergeThreads / vecs;
   const int grp = threadIdx.x / vecs, vi = threadIdx.x % vecs;
+  // Partial row s of token t, this thread's 4 dims vv * 4 of head h.
+  auto part_at = [&](int s, int t, int vv) {
+    const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
+    return *reinterpret_cast<const float4*>(p.part_o + (prow * p.num_q_heads + h) * p.head_dim +
+                                            vv * 4);
+  };
+  const bool walks = grp < groups && v_begin + vi < all_vecs;
   for (int t = 0; t < r.qlen; ++t) {
+    // The first pass's first kMergeWalk partials of this thread (every one where launch_merge
+    // sliced the dims), loaded beside the lse.
+    float4 ahead[kMergeWalk];
+#pragma unroll
+    for (int k = 0; k < kMergeWalk; ++k) {
+      const int s = grp + k * groups;
+      ahead[k] = walks && s < S ? part_at(s, t, v_begin + vi) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
     float lse = -INFINITY;
     if (threadIdx.x < S) {
       const int64_t prow = r.part_start + static_cast<int64_t>(threadIdx.x) * r.qlen + t;
@@ -92,12 +109,25 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
       const int vv = v0 + vi;
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       if (grp < groups && vv < all_vecs) {
+        // The same sum, in the same order, as one walk over s = grp, grp + groups, ..
+        const bool first = v0 == v_begin;
+        int s = grp;
+        if (first) {
+#pragma unroll
+          for (int k = 0; k < kMergeWalk; ++k, s += groups) {
+            if (s < S) {
+              const float w = w_s[s];
+              acc.x += w * ahead[k].x;
+              acc.y += w * ahead[k].y;
+              acc.z += w * ahead[k].z;
+              acc.w += w * ahead[k].w;
+            }
+          }
+        }
 #pragma unroll kMergeWalk
-        for (int s = grp; s < S; s += groups) {
+        for (; s < S; s += groups) {
           const float w = w_s[s];
-          const int64_t prow = r.part_start + static_cast<int64_t>(s) * r.qlen + t;
-          const float4 o = *reinterpret_cast<const float4*>(
-              p.part_o + (prow * p.num_q_heads + h) * p.head_dim + vv * 4);
+          const float4 o = part_at(s, t, vv);
           acc.x += w * o.x;
           acc.y += w * o.y;
           acc.z += w * o.z;
