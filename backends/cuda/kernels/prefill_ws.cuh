@@ -90,6 +90,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <type_traits>
 
@@ -320,15 +321,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           const T* q = static_cast<const T*>(p.q);
           // The thread index read here: its swizzled Q addresses, computed once at the kernel's
           // start, would be held (spilled) across the whole unit loop.
+          if constexpr (128 % CH == 0) {
+            // A thread copies chunk c of rows r0, r0 + RS, ..: the (token, head) of row f0 + r
+            // steps by a constant, so one division a unit instead of one a copy (the divisions
+            // were most of the producer's ~1,000 instructions a warp for Q, and the consumers
+            // waited for Q at most unit starts of the short causal rows).
+            constexpr int RS = 128 / CH;
+            const int i0 = fresh_thread_index();
+            const int r0 = i0 / CH, c = i0 % CH;
+            const int dt = RS / G, dh = RS - dt * G;
+            int t = (f0 + r0) / G;
+            int hg = f0 + r0 - t * G;
 #pragma unroll 4
-          for (int i = fresh_thread_index(); i < ROWS * CH; i += 128) {
-            const int r = i / CH, c = i % CH;
-            const int f = f0 + r, t = f / G, hg = f - t * G;
-            const bool valid = t < qlen;
-            const T* src = valid ? q + (qo_start + t) * p.q_stride_tok +
-                                       (q_head0 + hg) * p.q_stride_head + c * 8
-                                 : q;
-            cp_async_16(smem + swz128_offset(ROWS, r, c), src, valid);
+            for (int r = r0; r < ROWS; r += RS) {
+              const bool valid = t < qlen;
+              const T* src = valid ? q + (qo_start + t) * p.q_stride_tok +
+                                         (q_head0 + hg) * p.q_stride_head + c * 8
+                                   : q;
+              cp_async_16(smem + swz128_offset(ROWS, r, c), src, valid);
+              t += dt;
+              hg += dh;
+              if (hg >= G) {
+                hg -= G;
+                ++t;
+              }
+            }
+          } else {
+#pragma unroll 4
+            for (int i = fresh_thread_index(); i < ROWS * CH; i += 128) {
+              const int r = i / CH, c = i % CH;
+              const int f = f0 + r, t = f / G, hg = f - t * G;
+              const bool valid = t < qlen;
+              const T* src = valid ? q + (qo_start + t) * p.q_stride_tok +
+                                         (q_head0 + hg) * p.q_stride_head + c * 8
+                                   : q;
+              cp_async_16(smem + swz128_offset(ROWS, r, c), src, valid);
+            }
           }
           mbar_arrive_cp_async(q_bar);
         };
@@ -553,13 +581,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             for (int i = 0; i < BN / 2; ++i) s[i] = cap(s[i]);
           }
           if (tile_needs_mask(causal, windowed, p.window, prefix, kb, BN, hi, wt_lo, wt_hi)) {
+            // chain_visible as one key range a row, relative to this thread's first column
+            // (key kb + 2 c4): key kb + 2 c4 + rel is visible iff lb[h] <= rel <= ub[h] (half the
+            // instructions of testing each key against the causal, window and split bounds).
+            const int base = kb + 2 * c4;
+            int lb[2], ub[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const int q = row_q[h];
+              ub[h] = (causal ? min(hi - 1, q) : hi - 1) - base;
+              // q - window - base without overflow (a window past every key bounds nothing).
+              lb[h] = windowed ? q - base - min(p.window, 1 << 30) : INT_MIN;
+            }
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
-                const int j = kb + nb * 8 + 2 * c4 + (e & 1);
-                if (!chain_visible(causal, windowed, p.window, row_q[e >> 1], j, hi))
-                  s[nb * 4 + e] = -INFINITY;
+                const int rel = nb * 8 + (e & 1);
+                if (rel > ub[e >> 1] || rel < lb[e >> 1]) s[nb * 4 + e] = -INFINITY;
               }
           }
           bool moved = false;
@@ -709,9 +748,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               if (it == it_end - 1) q_done();
               float alpha[2];
               const bool moved = softmax_tile(s, lo + it * BN, alpha);
-              wgmma_wait<0>();
-              release(prev);
-              if (moved) rescale_o(alpha);
+              // The own P V's wait in both branches: written once before the branch, ptxas hoists
+              // it above the softmax (right after the first row maximum); in the branches it stays
+              // after every MUFU. Measured (H100) with the range mask: 0.98-1.015x, so the wait
+              // was not what bounds the loop (the other consumer's MMAs fill the tensor cores
+              // either way); kept with the Q stepping below, measured together (1.00-1.024x).
+              if (moved) {
+                wgmma_wait<0>();
+                release(prev);
+                rescale_o(alpha);
+              } else {
+                wgmma_wait<0>();
+                release(prev);
+              }
               pack_p(s, pa);
             }
             const int last = stage_of(it_end - 1);
