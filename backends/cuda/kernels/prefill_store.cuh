@@ -18,8 +18,10 @@ namespace attnrt::cuda {
 // threads). A split writes its fp32 partial and lse (log2); otherwise the row is normalised
 // (sinks in the denominator, v_scale folded in) and written in T, with the natural-log lse when
 // asked for; with p.merge_out merged into the row and lse already there (the four threads of the
-// row read the running lse before its first thread writes the merged one).
-template <typename T, int D, int ON>
+// row read the running lse before its first thread writes the merged one). FAST: 1 / l through
+// MUFU.RCP (no IEEE slow path) and the lse only where one is stored (prefill_ws.cuh at head dims
+// >= 128, where it was measured; the other CTAs keep the exact division).
+template <typename T, int D, int ON, bool FAST = false>
 __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const ReqInfo& req,
                                                   int split_index, int t, int head, int c4, int h,
                                                   float ll, float mm,
@@ -27,7 +29,12 @@ __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const Req
   constexpr int NO = D / ON;
   if (req.num_splits > 1) {
     const int64_t prow = req.part_start + static_cast<int64_t>(split_index) * req.qlen + t;
-    const float inv = ll > 0.f ? 1.f / ll : 0.f;
+    float inv;
+    if constexpr (FAST) {
+      inv = ll > 0.f ? __fdividef(1.f, ll) : 0.f;
+    } else {
+      inv = ll > 0.f ? 1.f / ll : 0.f;
+    }
     float* dst = p.part_o + (prow * p.num_q_heads + head) * D + 2 * c4;
 #pragma unroll
     for (int nb = 0; nb < NO; ++nb)
@@ -40,13 +47,20 @@ __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const Req
     const float m_use = mm == -INFINITY ? 0.f : mm;
     float den = ll;
     if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
-    float inv = den > 0.f ? p.v_scale / den : 0.f;
+    float inv;
+    if constexpr (FAST) {
+      inv = den > 0.f ? __fdividef(p.v_scale, den) : 0.f;
+    } else {
+      inv = den > 0.f ? p.v_scale / den : 0.f;
+    }
     T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok + head * p.o_stride_head +
              2 * c4;
-    float lse = (m_use + log2f(den)) * kLn2;  // -inf without keys
+    // -inf without keys; with FAST computed only where it is used (a log2 is ~25 instructions).
+    float lse = FAST ? 0.f : (m_use + log2f(den)) * kLn2;
     float* lse_dst =
         p.lse_out != nullptr ? p.lse_out + (req.qo_start + t) * p.lse_stride_tok + head : nullptr;
     if (p.merge_out) {
+      if constexpr (FAST) lse = (m_use + log2f(den)) * kLn2;
       // (o, lse) <- merge((o_running, lse_running), (this row, lse)).
       const float la = *lse_dst;
       const float m = fmaxf(la, lse);
@@ -67,6 +81,9 @@ __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const Req
       lse = sum > 0.f ? m + __logf(sum) : la;
       // Every thread of the row has read the running lse before the first one writes.
       __syncwarp(0xfu << (threadIdx.x & 28));
+      if constexpr (FAST) {
+        if (lse_dst != nullptr && c4 == 0) *lse_dst = lse;
+      }
     } else {
 #pragma unroll
       for (int nb = 0; nb < NO; ++nb)
@@ -74,8 +91,13 @@ __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const Req
         for (int i = 0; i < ON / 8; ++i)
           *reinterpret_cast<uint32_t*>(dst + nb * ON + i * 8) =
               pack2<T>(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
+      if constexpr (FAST) {
+        if (lse_dst != nullptr && c4 == 0) *lse_dst = (m_use + log2f(den)) * kLn2;
+      }
     }
-    if (lse_dst != nullptr && c4 == 0) *lse_dst = lse;
+    if constexpr (!FAST) {
+      if (lse_dst != nullptr && c4 == 0) *lse_dst = lse;
+    }
   }
 }
 
