@@ -661,9 +661,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // unit's last P V and epilogue run.
         // At head dims >= 128 the run is found from its two ends (a hidden tile is left of the
         // window or right of the diagonal, a few at either end) instead of by testing every tile
-        // (~1,000 instructions a warp a unit at 64 tiles); measured with the stepped stages and
-        // the epilogue's kFastEpilogue (H100): 1.02-1.03x on the d128 rows, 0.975x at d64, which
-        // therefore keeps all three as they were.
+        // (~1,000 instructions a warp a unit at 64 tiles); measured with the stepped stages below
+        // and store_prefill_row's FAST epilogue (H100): 1.02-1.03x on the d128 rows, 0.975x at
+        // d64, which therefore keeps all three as they were.
         constexpr bool kTrim = D >= 128;
         int it_begin = num_tiles, it_end = num_tiles;
         if constexpr (kTrim) {
