@@ -7,6 +7,7 @@
 #      whether the epilogue's 4-byte stores or the wait for the next unit's Q lead it. That
 #      decides between 16-byte epilogue stores (quad transpose) and Q by TMA, or the next unit's
 #      first S = Q K^T issued before this unit's epilogue (needs Q earlier: one Q buffer today).
+#   3. the split size of the one-request MLA decode rows (ATTNRT_KV_CHUNK 256 .. 1024).
 #   usage: OUT=DIR [CALL_SECONDS=560] scripts/gpu_next.sh   (carry .gpubin-main, .devdeps)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,4 +25,12 @@ for row in prefill-8x2048 prefill-1x16384; do
     --warmup 1 --no-reference --quiet
   ncu -i "$O/src_$row.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUTDIR/sass_$row.csv.gz"
   ncu -i "$O/src_$row.ncu-rep" --page details 2>&1 | grep -E "Duration|Warp Cycles" | head -3
+done
+# 3. The split size of the one-request MLA rows (the wave model picks 128 splits of 256 keys; with
+#    the merge 1.3x faster since 64 splits were last compared, eager): bf16, fp8 and page 1.
+for chunk in 256 512 1024; do
+  gpu_stage mla_chunk_$chunk 40 env ATTNRT_KV_CHUNK=$chunk $B bench --backend cuda --suite mla \
+    --workload mla-decode-h16-1x32768,mla-decode-h16-1x32768-fp8,mla-decode-h16-1x32768-p1 \
+    --no-reference --repeats 20 --quiet
+  grep -E "^mla-decode" "$O/mla_chunk_$chunk.log" | sed "s/^/KV_CHUNK $chunk: /"
 done
