@@ -8,7 +8,7 @@
 #      decides between 16-byte epilogue stores (quad transpose) and Q by TMA, or the next unit's
 #      first S = Q K^T issued before this unit's epilogue (needs Q earlier: one Q buffer today).
 #   3. the split size of the one-request MLA decode rows (ATTNRT_KV_CHUNK 256 .. 1024).
-#   4. the prefill rows on the landed tree (d256 was not in the trims' A/B).
+#   4. the prefill rows on the landed tree.
 #   usage: OUT=DIR [CALL_SECONDS=560] scripts/gpu_next.sh   (carry .gpubin-main, .devdeps)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,9 +35,8 @@ for chunk in 256 512 1024; do
     --no-reference --repeats 20 --quiet
   grep -E "^mla-decode" "$O/mla_chunk_$chunk.log" | sed "s/^/KV_CHUNK $chunk: /"
 done
-# 4. The prefill rows once more on the landed tree: prefill-1x8192-d256's free-running instance
-#    changed with the trims (the run scan, the FAST epilogue) but was not in their A/B (it read
-#    1837.8 µs on main before them, a spread of 1773-1903 µs); the others against their A/B.
+# 4. The prefill rows once more on the landed tree, against their A/Bs (d64 and d256 keep the code
+#    they had before the trims).
 gpu_stage prefill_rows 60 $B bench --backend cuda --no-reference --quiet --workload \
   prefill-1x16384,prefill-1x4096,prefill-8x2048,prefill-1x8192-d64,prefill-1x8192-d256,extend-8x2048+512
 grep -E "^(prefill|extend)" "$O/prefill_rows.log"

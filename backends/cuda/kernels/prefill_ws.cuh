@@ -662,9 +662,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // At head dims >= 128 the run is found from its two ends (a hidden tile is left of the
         // window or right of the diagonal, a few at either end) instead of by testing every tile
         // (~1,000 instructions a warp a unit at 64 tiles); measured with the stepped stages below
-        // and store_prefill_row's FAST epilogue (H100): 1.02-1.03x on the d128 rows, 0.975x at
-        // d64, which therefore keeps all three as they were.
-        constexpr bool kTrim = D >= 128;
+        // and store_prefill_row's FAST epilogue (H100): 1.02-1.03x on the d128 rows and MLA's
+        // d192, 0.975x at d64, which therefore keeps all three as they were, as does d256 (not
+        // measured with them).
+        constexpr bool kTrim = D == 128 || D == 192;
         int it_begin = num_tiles, it_end = num_tiles;
         if constexpr (kTrim) {
           it_begin = 0;
@@ -748,7 +749,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               if (softmax_tile(s, lo + it_begin * BN, alpha)) rescale_o(alpha);
               pack_p(s, pa);
             }
-            // The stage and phase of tile it: stepped along at head dims >= 128 (kTrim), else
+            // The stage and phase of tile it: stepped along where kTrim, else
             // stage_of / parity_of (a division by ST each).
             int stage = stage_of(it_begin);
             uint32_t parity = parity_of(it_begin);
