@@ -13,10 +13,9 @@
 // (TREE): the 128-row prefill CTAs do not, and their mask code has no tree branch.
 #pragma once
 
-#include <climits>
-
 #include <cuda_runtime.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "backends/cuda/kernels/attention_params.h"
