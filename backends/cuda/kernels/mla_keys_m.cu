@@ -10,8 +10,17 @@
 //    64 keys meet across the four warps in shared memory; the running maximum moves lazily (2^8).
 //  - P^T (bf16, [16 columns][64 keys]) goes to shared memory, and O^T = V^T P^T: eight m64n16k16
 //    per 16 keys, A = the tile read M-major (the head dim as M), 64 fp32 accumulators a thread.
-// One warpgroup; Q 18 KB, two 72 KB latent tiles (or a bf16 tile and two 36 KB raw fp8 stages,
-// converted as in mla_decode.cu), P^T 2 KB: one CTA per SM.
+// One warpgroup; Q 18 KB, two 72 KB latent tiles, P^T 2 KB: one CTA per SM.
+//
+// An fp8 cache adds a second warpgroup, the producer: it copies the raw rows in stages of 32 keys
+// (three 18 KB stages, two in flight while it converts one) and converts each thread's own chunks
+// into the bf16 tile of their tile (it & 1, exactly, in units of 2^-112 as in mla_decode.cu), so
+// the conversion of tile it + 1 runs while the consumer's MMAs and softmax run on tile it. With
+// one warpgroup doing both, a tile paid the conversion, then the MMAs, with nothing overlapping
+// either (fp8 ran at 0.6-0.8x the bf16 speed with half its bytes). Named barriers hand the two
+// bf16 tiles over: "full" (2 + b: the producer arrives once tile b's rows are converted and
+// fenced for the async proxy, the consumer waits) and "free" (4 + b: the consumer arrives at the
+// start of the tile after the one it read, the producer waits before converting into it again).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -27,6 +36,7 @@
 #include "backends/cuda/kernels/mla.h"
 #include "backends/cuda/kernels/mla_tile.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
+#include "backends/cuda/kernels/prefill_ws_sync.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
 
@@ -39,19 +49,67 @@ struct KeysMCfg {
   static constexpr int kD = kMlaHeadDim;
   static constexpr int kCols = 16;  // (token, head) rows of an item: the MMA's N
   static constexpr int kBN = 64;    // keys a tile: the MMA's M
-  static constexpr int kThreads = 128;
+  // fp8: the producer warpgroup (threads 128 ..) after the consumer.
+  static constexpr int kThreads = FP8 ? 256 : 128;
   static constexpr int kQBytes = kCols * kD * 2;
-  static constexpr int kTileBytes = kMlaTileBytes;  // fp8: a bf16 tile and two raw stages
+  static constexpr int kTileBytes = kMlaTileBytes;
+  static constexpr int kRawKeys = 32, kRawStages = 3;  // fp8 stages
+  static constexpr int kRawBytes = FP8 ? kRawStages * kRawKeys * kD : 0;
   static constexpr int kPBytes = kCols * kBN * 2;
   static constexpr int kXBytes = 4 * kCols * 4;  // [warp][column] maxima or sums
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kTileBytes + kPBytes + kXBytes;
-  static_assert(kQBytes % 1024 == 0 && kBN == kMlaTileKeys);
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kTileBytes + kRawBytes + kPBytes + kXBytes;
+  static_assert(kQBytes % 1024 == 0 && kBN == kMlaTileKeys && kRawKeys % 16 == 0);
 };
 
+// The consumer warpgroup's own barrier, and the fp8 hand-over of bf16 tile b (see above).
 __device__ __forceinline__ void wg_bar() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
+constexpr int kTileFullBar = 2, kTileFreeBar = 4;
+// The consumer's barrier where the whole CTA is the consumer (16-bit caches) or not.
+template <bool FP8>
+__device__ __forceinline__ void consumer_bar() {
+  if constexpr (FP8) {
+    wg_bar();
+  } else {
+    __syncthreads();
+  }
+}
+
+// The fp8 producer warpgroup's loop: UNIT-key loads into the three raw stages (two ahead of the
+// one it converts), the thread's own chunks of each converted into bf16 tile (load / parts) & 1 at
+// its key offset once the consumer has released that tile (after the tile two before it).
+template <class Copier>
+__device__ __forceinline__ void produce_fp8_tiles(Copier& copier, unsigned char* tiles,
+                                                  int num_tiles) {
+  constexpr int kParts = kMlaTileKeys / Copier::kUnit;
+  const int loads = num_tiles * kParts;
+  copier.prefetch_slots(0);
+  if (loads > 0) copier.load_into(0);
+  cp_async_commit();
+  copier.prefetch_slots(1);
+  if (loads > 1) copier.load_into(1);
+  cp_async_commit();
+  copier.prefetch_slots(2);
+  for (int u = 0, stage = 0; u < loads; ++u) {
+    cp_async_wait<1>();  // load u landed (u + 1 may be in flight)
+    const int t = u / kParts, part = u - t * kParts, b = t & 1;
+    if (part == 0 && t >= 2) named_bar_sync(kTileFreeBar + b, 256);
+    copier.convert(stage, tiles + b * kMlaTileBytes, part * Copier::kUnit);
+    const int ahead = stage == 0 ? 2 : stage - 1;  // (u + 2) % 3: load u - 1's, converted
+    if (u + 2 < loads) copier.load_into(ahead);
+    cp_async_commit();
+    copier.prefetch_slots(u + 3);
+    if (part == kParts - 1) {
+      fence_proxy_async_smem();
+      named_bar_arrive(kTileFullBar + b, 256);
+    }
+    stage = stage == 2 ? 0 : stage + 1;
+  }
+  cp_async_wait<0>();
+}
 
 template <typename T, bool FP8, bool E5M2>
-__global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, 1)
+    mla_keys_m_kernel(const AttnParams p) {
   using C = KeysMCfg<FP8>;
   constexpr int D = C::kD, BN = C::kBN, NC = C::kCols;
   extern __shared__ unsigned char smem_raw[];
@@ -60,8 +118,8 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
   unsigned char* smem = smem_raw + pad;
   const uint32_t sQ = raw + pad;
   const uint32_t sKV = sQ + C::kQBytes;
-  const uint32_t sP = sKV + 2 * C::kTileBytes;
-  unsigned char* p_tile = smem + C::kQBytes + 2 * C::kTileBytes;
+  const uint32_t sP = sKV + 2 * C::kTileBytes + C::kRawBytes;
+  unsigned char* p_tile = smem + C::kQBytes + 2 * C::kTileBytes + C::kRawBytes;
   float* x_cols = reinterpret_cast<float*>(p_tile + C::kPBytes);  // [4 warps][NC]
 
   const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 5;
@@ -77,10 +135,11 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
   const Mask<true> mask{p, req};
 
   // Copies: eight threads a row, thread ld_c taking chunk ld_c of every 64-column block: Q's 16
-  // rows once, then four key rows a tile (ld_row + 16 r).
-  const int ld_row = tid >> 3, ld_c = tid & 7;
+  // rows once (by the consumer), then four key rows a tile (ld_row + 16 r; fp8: two of each
+  // 32-key load, by the producer).
+  const int ld_row = (FP8 ? tid & 127 : tid) >> 3, ld_c = tid & 7;
   const uint32_t ld_swz = ld_row * 128 + ((ld_c ^ (ld_row & 7)) << 4);
-  {
+  if (!FP8 || tid < 128) {
     const int f = item.f0 + ld_row, t = f / G, hg = f - t * G;
     const bool valid = t < req.qlen;
     const T* src = static_cast<const T*>(p.q);
@@ -93,17 +152,28 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
   launch_dependent_grids();
   write_back_committed_pages(p, req, item, kvh, tid, C::kThreads);
 
-  MlaTileCopier<T, FP8, E5M2, 4> copier{p, req, smem + C::kQBytes, lo, hi, num_tiles, kvh, ld_row,
-                                        ld_c, ld_swz, 16};
-  copier.prefetch_slots(0);
-  if (num_tiles > 0) copier.load(0);
-  cp_async_commit();  // Q and tile 0
-  copier.prefetch_slots(1);
+  MlaTileCopier<T, FP8, E5M2, 4> copier{
+      p, req, smem + C::kQBytes, lo, hi, num_tiles, kvh, ld_row, ld_c, ld_swz, 16};
   if constexpr (FP8) {
-    // Q times 2^64 (this thread's own chunks, once they landed; the loop's barriers publish it).
+    if (tid >= 128) {
+      MlaTileCopier<T, true, E5M2, C::kRawKeys / 16, C::kRawKeys, 2 * C::kTileBytes> raw{
+          p,      req, smem + C::kQBytes, lo, hi, num_tiles * (BN / C::kRawKeys), kvh, ld_row, ld_c,
+          ld_swz, 16};
+      produce_fp8_tiles(raw, smem + C::kQBytes, num_tiles);
+      return;
+    }
+    // Q times 2^64 (this thread's own chunks, once they landed), published to the async proxy.
+    cp_async_commit();
     cp_async_wait<0>();
 #pragma unroll
     for (int i = 0; i < D / 64; ++i) scale_q_chunk(smem + ld_swz + i * NC * 128);
+    fence_proxy_async_smem();
+    wg_bar();
+  } else {
+    copier.prefetch_slots(0);
+    if (num_tiles > 0) copier.load(0);
+    cp_async_commit();  // Q and tile 0
+    copier.prefetch_slots(1);
   }
   constexpr float kUnit = FP8 ? kMlaFp8Unit : 1.f;  // of S and O
   constexpr float kPScale = FP8 ? kMlaFp8PScale : 1.f;
@@ -134,20 +204,22 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
   const uint64_t dq = wgmma_desc(sQ, 16);
   const uint64_t dp = wgmma_desc(sP, 16);
   for (int it = 0; it < num_tiles; ++it) {
-    cp_async_wait<0>();
-    if constexpr (!FP8) fence_proxy_async_smem();
-    __syncthreads();  // tile it landed; every warp is done with tile it - 1
-    if (it + 1 < num_tiles) copier.load(it + 1);
-    cp_async_commit();
-    copier.prefetch_slots(it + 2);
     if constexpr (FP8) {
-      copier.convert(it & 1);
+      // Tile it - 1 is read (its P V waited for); the producer waits for it after the next tile
+      // only (tiles num_tiles - 2 and - 1 are not reused).
+      if (it >= 1 && it + 1 < num_tiles) named_bar_arrive(kTileFreeBar + ((it - 1) & 1), 256);
+      named_bar_sync(kTileFullBar + (it & 1), 256);
+    } else {
+      cp_async_wait<0>();
       fence_proxy_async_smem();
-      __syncthreads();
+      __syncthreads();  // tile it landed; every warp is done with tile it - 1
+      if (it + 1 < num_tiles) copier.load(it + 1);
+      cp_async_commit();
+      copier.prefetch_slots(it + 2);
     }
     const int kb = lo + it * BN;
     if (mask.hides(kb, BN, t_first, t_last)) continue;
-    const uint32_t tK = sKV + (FP8 ? 0 : (it & 1) * C::kTileBytes);
+    const uint32_t tK = sKV + (it & 1) * C::kTileBytes;
     const uint64_t dk = wgmma_desc(tK, 16);
     const uint64_t dv = wgmma_desc(tK, BN * 128);
 
@@ -262,7 +334,7 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
 
   // ---- Epilogue: column sums over the keys (lanes of one c4, then the warps), then each thread
   // writes its 64 (dim, column) values.
-  __syncthreads();  // x_cols is reused
+  consumer_bar<FP8>();  // x_cols is reused
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
@@ -273,7 +345,7 @@ __global__ void __launch_bounds__(128, 1) mla_keys_m_kernel(const AttnParams p) 
       v += __shfl_xor_sync(0xffffffff, v, 16);
       if (g == 0) x_cols[wq * NC + nb * 8 + 2 * c4 + e] = v;
     }
-  __syncthreads();
+  consumer_bar<FP8>();
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
 #pragma unroll

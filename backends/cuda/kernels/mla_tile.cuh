@@ -3,9 +3,9 @@
 // thread copies chunk ld_c of every 64-column block of RPT key rows (ld_row + step r, step a
 // multiple of 8 so the rows share one swizzle): every chunk sits at one base offset plus
 // constants. The pool slots of a thread's rows are looked up a tile ahead (prefetch_slots), so a
-// page of one token adds no latency to the copies. An fp8 cache is copied raw into two 36 KB
-// stages in the second bf16 tile's space and converted (through f16, exactly, in units of 2^-112)
-// into one bf16 tile.
+// page of one token adds no latency to the copies. An fp8 cache is copied raw into stages of UNIT
+// keys (two 36 KB stages in the second bf16 tile's space unless the CTA places them) and converted
+// (through f16, exactly, in units of 2^-112) into a bf16 tile.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -26,7 +26,6 @@ namespace attnrt::cuda {
 
 inline constexpr int kMlaTileKeys = 64;
 inline constexpr int kMlaTileBytes = kMlaTileKeys * kMlaHeadDim * 2;
-inline constexpr int kMlaRawBytes = kMlaTileKeys * kMlaHeadDim;
 
 // An fp8 tile is converted to bf16 values times 2^-112 (convert.cuh's fp8x4_to: the exact f16 bits
 // moved into bf16 position, a shift instead of two more conversions a pair), so a CTA reading it
@@ -125,17 +124,24 @@ struct MlaRowOut {
   }
 };
 
-// T: the activations (bf16); FP8 / E5M2: the cache's storage; RPT: key rows a thread copies.
-template <typename T, bool FP8, bool E5M2, int RPT>
+// T: the activations (bf16); FP8 / E5M2: the cache's storage; RPT: key rows a thread copies;
+// UNIT: keys a load covers (a whole tile, or for fp8 a part of one: load t copies keys
+// lo + t * UNIT ..); RAW_AT: the fp8 stages' offset from `tiles` (the second bf16 tile's space
+// unless the CTA places them elsewhere).
+template <typename T, bool FP8, bool E5M2, int RPT, int UNIT = kMlaTileKeys,
+          int RAW_AT = kMlaTileBytes>
 struct MlaTileCopier {
   static constexpr int kD = kMlaHeadDim, kBN = kMlaTileKeys;
   static constexpr int kElem = FP8 ? 1 : 2;
   static constexpr int kRowChunks = kD * kElem / 16;  // 16-byte chunks of a stored row
+  static constexpr int kUnit = UNIT;
+  static constexpr int kRawBytes = UNIT * kD;  // an fp8 stage
+  static_assert(kBN % UNIT == 0 && (FP8 || UNIT == kBN));
 
   const AttnParams& p;
   const ReqInfo& req;
   unsigned char* tiles;  // the two bf16 tiles (or the bf16 tile and the two raw stages)
-  int lo, hi, num_tiles;
+  int lo, hi, num_tiles;  // num_tiles: loads of UNIT keys
   const unsigned char* kbytes;
   int ld_row, ld_c, step;
   uint32_t ld_swz;
@@ -159,20 +165,20 @@ struct MlaTileCopier {
         ld_swz(ld_swz_),
         page_mask((1 << p_.page_shift) - 1) {}
 
-  // The slots of this thread's rows of tile t (-1: past the keys; the row is zero-filled).
+  // The slots of this thread's rows of load t (-1: past the keys; the row is zero-filled).
   __device__ __forceinline__ void prefetch_slots(int t) {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
-      const int j = lo + t * kBN + ld_row + step * r;
+      const int j = lo + t * UNIT + ld_row + step * r;
       slot[r] = t < num_tiles && j < hi
                     ? slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j)
                     : -1;
     }
   }
 
-  // Issues the copies of tile t (its slots prefetched) into stage t & 1.
-  __device__ __forceinline__ void load(int t) {
-    const int stage = t & 1;
+  // Issues the copies of load t (its slots prefetched) into stage t & 1, or `stage`.
+  __device__ __forceinline__ void load(int t) { load_into(t & 1); }
+  __device__ __forceinline__ void load_into(int stage) {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const bool valid = slot[r] >= 0;
@@ -183,8 +189,8 @@ struct MlaTileCopier {
         for (int i = 0; i < kD / 64; ++i)
           cp_async_16(dk + i * kBN * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
       } else {
-        unsigned char* dk = tiles + kMlaTileBytes + stage * kMlaRawBytes +
-                            (ld_row + step * r) * kD + ld_c * 16;
+        unsigned char* dk =
+            tiles + RAW_AT + stage * kRawBytes + (ld_row + step * r) * kD + ld_c * 16;
 #pragma unroll
         for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
           if (ld_c + 8 * i < kRowChunks)
@@ -194,16 +200,17 @@ struct MlaTileCopier {
     }
   }
 
-  // fp8: this thread's own raw chunks of stage `stage` into the bf16 tile (no barrier needed
-  // before: a thread reads only what its own copies wrote). Raw chunk c holds columns 16c ..
-  // 16c + 15: bf16 chunks 2c and 2c + 1.
-  __device__ __forceinline__ void convert(int stage) const {
+  // fp8: this thread's own raw chunks of stage `stage` into the bf16 tile at `dst` (the first
+  // one unless given), as its keys key0 .. key0 + UNIT - 1 (no barrier needed before: a thread
+  // reads only what its own copies wrote). Raw chunk c holds columns 16c .. 16c + 15: bf16 chunks
+  // 2c and 2c + 1.
+  __device__ __forceinline__ void convert(int stage) const { convert(stage, tiles, 0); }
+  __device__ __forceinline__ void convert(int stage, unsigned char* dst, int key0) const {
     if constexpr (FP8) {
 #pragma unroll
       for (int r = 0; r < RPT; ++r) {
         const int key = ld_row + step * r;
-        const unsigned char* src =
-            tiles + kMlaTileBytes + stage * kMlaRawBytes + key * kD + ld_c * 16;
+        const unsigned char* src = tiles + RAW_AT + stage * kRawBytes + key * kD + ld_c * 16;
 #pragma unroll
         for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
           const int c = ld_c + 8 * i;
@@ -215,10 +222,10 @@ struct MlaTileCopier {
             // warp covers all 32 banks once (the even-first order measured 11.9M bank conflicts
             // on mla-decode-h16-64x8192-fp8 and made fp8 slower than bf16).
             const bool odd_first = ld_c & 4;
-            const uint32_t even = swz128_offset(kBN, key, 2 * c);
-            const uint32_t odd = swz128_offset(kBN, key, 2 * c + 1);
-            *reinterpret_cast<uint4*>(tiles + (odd_first ? odd : even)) = odd_first ? hi16 : lo16;
-            *reinterpret_cast<uint4*>(tiles + (odd_first ? even : odd)) = odd_first ? lo16 : hi16;
+            const uint32_t even = swz128_offset(kBN, key0 + key, 2 * c);
+            const uint32_t odd = swz128_offset(kBN, key0 + key, 2 * c + 1);
+            *reinterpret_cast<uint4*>(dst + (odd_first ? odd : even)) = odd_first ? hi16 : lo16;
+            *reinterpret_cast<uint4*>(dst + (odd_first ? even : odd)) = odd_first ? lo16 : hi16;
           }
         }
       }
