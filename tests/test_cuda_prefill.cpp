@@ -229,6 +229,22 @@ PREFILL_CASE(MixedAndDraftExtendSteps) {
   check_prefill(d);
 }
 
+PREFILL_CASE(RowMaximaJumpingFromTileToTile) {
+  // Keys growing along each request (by k_growth per 128 keys): from tile to tile the rows' maxima
+  // pass their lazy reference by a few units, then by tens (at 1.6x a tile), or by far more (16x a
+  // tile). The softmax has to move its reference, rescale O and l, and keep no probability of an
+  // old reference that overflowed; fp16 P too (at 1.6x: 16x a tile overflows fp16 keys).
+  for (float growth : {1.6f, 16.f}) {
+    for (DType act : {DType::bf16, DType::f16}) {
+      if (act == DType::f16 && growth > 2.f) continue;
+      PrefillCase c = lengths({0, 0}, {900, 640}, static_cast<uint32_t>(growth * 10));
+      c.k_growth = growth;
+      c.act = act;
+      check_prefill(c, testing::Message() << "growth " << growth << " " << dtype_name(act));
+    }
+  }
+}
+
 PREFILL_CASE(Fp16Activations) {
   PrefillCase c = lengths({33, 0}, {220, 140});
   c.act = DType::f16;

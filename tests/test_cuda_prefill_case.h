@@ -50,6 +50,9 @@ struct PrefillCase : LayerCase {
   bool fp8_prefill = false;
   // q drawn from [-q_mul, q_mul] instead of [-1, 1] (rounded to the activation dtype).
   float q_mul = 1.f;
+  // The step's key of token t of a request times k_growth^(t / 128): rows whose maxima grow from
+  // one 128-key tile to the next.
+  float k_growth = 1.f;
 };
 
 // A case of the default layer with these request lengths.
@@ -269,6 +272,17 @@ inline void check_prefill(const PrefillCase& c, const testing::Message& what = t
     const TensorView qv = in.q.view();
     for (int64_t i = 0; i < qv.numel(); ++i)
       store_from_float(qv.data, qv.dtype, i, load_as_float(qv.data, qv.dtype, i) * c.q_mul);
+  }
+  if (c.k_growth != 1.f) {
+    const TensorView kv = in.k.view();
+    const int64_t row = kv.numel() / T;
+    int64_t tok = 0;
+    for (int i = 0; i < bs; ++i)
+      for (int32_t t = 0; t < c.qlen[i]; ++t, ++tok) {
+        const float f = std::pow(c.k_growth, static_cast<float>(t) / 128.f);
+        for (int64_t e = tok * row; e < (tok + 1) * row; ++e)
+          store_from_float(kv.data, kv.dtype, e, load_as_float(kv.data, kv.dtype, e) * f);
+      }
   }
   const auto& [q, k, v] = in;
   std::vector<float> sinks(c.hq);
