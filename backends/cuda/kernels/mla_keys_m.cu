@@ -156,9 +156,11 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, 1)
       p, req, smem + C::kQBytes, lo, hi, num_tiles, kvh, ld_row, ld_c, ld_swz, 16};
   if constexpr (FP8) {
     if (tid >= 128) {
-      MlaTileCopier<T, true, E5M2, C::kRawKeys / 16, C::kRawKeys, 2 * C::kTileBytes> raw{
-          p,      req, smem + C::kQBytes, lo, hi, num_tiles * (BN / C::kRawKeys), kvh, ld_row, ld_c,
-          ld_swz, 16};
+      // Loads of kRawKeys keys, two rows of each a thread, into the stages after the two tiles.
+      using RawCopier =
+          MlaTileCopier<T, true, E5M2, C::kRawKeys / 16, C::kRawKeys, 2 * C::kTileBytes>;
+      const int loads = num_tiles * (BN / C::kRawKeys);
+      RawCopier raw{p, req, smem + C::kQBytes, lo, hi, loads, kvh, ld_row, ld_c, ld_swz, 16};
       produce_fp8_tiles(raw, smem + C::kQBytes, num_tiles);
       return;
     }

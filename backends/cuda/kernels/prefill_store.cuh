@@ -27,14 +27,16 @@ __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const Req
                                                   float ll, float mm,
                                                   const float (&o)[D / ON][ON / 2]) {
   constexpr int NO = D / ON;
+  const auto div = [](float a, float b) {
+    if constexpr (FAST) {
+      return __fdividef(a, b);
+    } else {
+      return a / b;
+    }
+  };
   if (req.num_splits > 1) {
     const int64_t prow = req.part_start + static_cast<int64_t>(split_index) * req.qlen + t;
-    float inv;
-    if constexpr (FAST) {
-      inv = ll > 0.f ? __fdividef(1.f, ll) : 0.f;
-    } else {
-      inv = ll > 0.f ? 1.f / ll : 0.f;
-    }
+    const float inv = ll > 0.f ? div(1.f, ll) : 0.f;
     float* dst = p.part_o + (prow * p.num_q_heads + head) * D + 2 * c4;
 #pragma unroll
     for (int nb = 0; nb < NO; ++nb)
@@ -47,20 +49,16 @@ __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const Req
     const float m_use = mm == -INFINITY ? 0.f : mm;
     float den = ll;
     if (p.sinks != nullptr) den += fast_exp2(p.sinks[head] * kLog2e - m_use);
-    float inv;
-    if constexpr (FAST) {
-      inv = den > 0.f ? __fdividef(p.v_scale, den) : 0.f;
-    } else {
-      inv = den > 0.f ? p.v_scale / den : 0.f;
-    }
+    float inv = den > 0.f ? div(p.v_scale, den) : 0.f;
     T* dst = static_cast<T*>(p.out) + (req.qo_start + t) * p.o_stride_tok + head * p.o_stride_head +
              2 * c4;
-    // -inf without keys; with FAST computed only where it is used (a log2 is ~25 instructions).
-    float lse = FAST ? 0.f : (m_use + log2f(den)) * kLn2;
+    // -inf without keys; with FAST taken only where it is used (a log2 is ~25 instructions).
+    const auto row_lse = [&] { return (m_use + log2f(den)) * kLn2; };
+    float lse = FAST ? 0.f : row_lse();
     float* lse_dst =
         p.lse_out != nullptr ? p.lse_out + (req.qo_start + t) * p.lse_stride_tok + head : nullptr;
     if (p.merge_out) {
-      if constexpr (FAST) lse = (m_use + log2f(den)) * kLn2;
+      if constexpr (FAST) lse = row_lse();
       // (o, lse) <- merge((o_running, lse_running), (this row, lse)).
       const float la = *lse_dst;
       const float m = fmaxf(la, lse);
@@ -91,8 +89,9 @@ __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const Req
         for (int i = 0; i < ON / 8; ++i)
           *reinterpret_cast<uint32_t*>(dst + nb * ON + i * 8) =
               pack2<T>(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
+      // FAST: the lse after the row's stores.
       if constexpr (FAST) {
-        if (lse_dst != nullptr && c4 == 0) *lse_dst = (m_use + log2f(den)) * kLn2;
+        if (lse_dst != nullptr && c4 == 0) *lse_dst = row_lse();
       }
     }
     if constexpr (!FAST) {
