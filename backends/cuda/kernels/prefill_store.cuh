@@ -82,6 +82,27 @@ __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const Req
       if constexpr (FAST) {
         if (lse_dst != nullptr && c4 == 0) *lse_dst = lse;
       }
+    } else if (FAST && ON % 16 == 0 && (reinterpret_cast<uintptr_t>(dst - 2 * c4) & 7) == 0) {
+      // 8-byte stores: lanes c4 and c4 ^ 1 of the row's quad swap one column pair of each two
+      // groups of 8 columns, so the even lane holds 4 adjacent columns of group i and the odd
+      // one 4 of group i + 1. A warp's store then writes 32 whole bytes of each of its 8 rows
+      // (16 with 4-byte stores), and a thread half as many stores. (The quad's lanes share the
+      // row, so they take this branch together.)
+      const bool odd = (c4 & 1) != 0;
+      const unsigned quad = 0xfu << (threadIdx.x & 28);
+      T* row = dst - 2 * c4 + 2 * (c4 & 2);
+#pragma unroll
+      for (int nb = 0; nb < NO; ++nb)
+#pragma unroll
+        for (int i = 0; i < ON / 8; i += 2) {
+          const uint32_t a = pack2<T>(o[nb][4 * i + 2 * h] * inv, o[nb][4 * i + 2 * h + 1] * inv);
+          const uint32_t b =
+              pack2<T>(o[nb][4 * i + 4 + 2 * h] * inv, o[nb][4 * i + 4 + 2 * h + 1] * inv);
+          const uint32_t r = __shfl_xor_sync(quad, odd ? a : b, 1);
+          *reinterpret_cast<uint2*>(row + nb * ON + (i + (odd ? 1 : 0)) * 8) =
+              make_uint2(odd ? r : a, odd ? b : r);
+        }
+      if (lse_dst != nullptr && c4 == 0) *lse_dst = row_lse();
     } else {
 #pragma unroll
       for (int nb = 0; nb < NO; ++nb)
