@@ -23,15 +23,15 @@ gpu_stage tests 170 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$tests"
 pers='CudaPrefillWsPingPongTest.MoreWorkItemsThanSms:CudaPrefillWsTmaTest.MoreWorkItemsThanSms'
 for tool in racecheck synccheck; do
   extra=(); [ $tool = racecheck ] && extra=(--racecheck-report hazard)
-  gpu_stage $tool 45 compute-sanitizer --tool $tool "${extra[@]}" --error-exitcode 9 \
+  gpu_stage $tool 40 compute-sanitizer --tool $tool "${extra[@]}" --error-exitcode 9 \
     $B/attnrt_cuda_tests --gtest_filter="$pers"
 done
 rows=decode-1x32768,decode-16x4096,decode-64x4096,prefill-1x16384,prefill-1x4096,prefill-8x2048
 rows=$rows,prefill-1x8192-d64,prefill-1x8192-d256,extend-8x2048+512
-gpu_stage bench 60 $B/attnrt bench --backend cuda --workload $rows --no-reference --repeats 10 \
+gpu_stage bench 45 $B/attnrt bench --backend cuda --workload $rows --no-reference --repeats 10 \
   --warmup 2 --json $O/attn.json
 grep -E "^(prefill|extend|decode)|plan|ceiling" $O/bench.log | head -16
-gpu_stage torch_sdpa 60 python3 bench/torch_sdpa.py --device cuda --kernels flash,cudnn --from \
+gpu_stage torch_sdpa 45 python3 bench/torch_sdpa.py --device cuda --kernels flash,cudnn --from \
   $O/attn.json --json $O/attn_torch.json
 python3 bench/compare.py $O/attn.json $O/attn_torch.json 2>&1 | tail -11
 mla=mla-decode-h16-1x32768,mla-decode-h16-64x8192,mla-decode-h128-64x4096,mla-decode-h16-64x8192-fp8
