@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The call that measures the waiting patches (patches/README.md) and tests what would land, on one
-# warm GPU, within CALL_SECONDS (default 590). Binaries (each DIR/bin.tar.xz from
-# scripts/gpu_prebuild.sh):
+# warm GPU, within CALL_SECONDS (default 590). As run on 2026-12-06 (its patches have since been
+# landed or deleted: patches/README.md; the form serves the next waiting call). Binaries (each
+# DIR/bin.tar.xz from scripts/gpu_prebuild.sh):
 #   .gpubin-main  main
 #   .gpubin-both  main + mla-s-chains + prefill-mask-per-unit
 #   .gpubin-spec  main + prefill-spec-softmax (conflicts with the mask patch)
