@@ -19,8 +19,9 @@ namespace attnrt::cuda {
 // (sinks in the denominator, v_scale folded in) and written in T, with the natural-log lse when
 // asked for; with p.merge_out merged into the row and lse already there (the four threads of the
 // row read the running lse before its first thread writes the merged one). FAST: 1 / l through
-// MUFU.RCP (no IEEE slow path) and the lse only where one is stored (prefill_ws.cuh at head dims
-// 128 and 192, where it was measured; the other CTAs keep the exact division).
+// MUFU.RCP (no IEEE slow path), the lse only where one is stored, and the normalised row in
+// 8-byte stores where it is 8-byte aligned (prefill_ws.cuh at head dims 128 and 192, where it was
+// measured; the other CTAs keep the exact division and 4-byte stores).
 template <typename T, int D, int ON, bool FAST = false>
 __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const ReqInfo& req,
                                                   int split_index, int t, int head, int c4, int h,
