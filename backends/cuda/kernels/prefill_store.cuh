@@ -83,34 +83,6 @@ __device__ __forceinline__ void store_prefill_row(const AttnParams& p, const Req
       if constexpr (FAST) {
         if (lse_dst != nullptr && c4 == 0) *lse_dst = lse;
       }
-    } else if (FAST && ON % 32 == 0 && (reinterpret_cast<uintptr_t>(dst - 2 * c4) & 15) == 0) {
-      // 16-byte stores: the pairs' swap below, then lanes c4 and c4 ^ 2 swap 4-column halves, so
-      // lane c4 holds all 8 columns of group i + c4 of each four. A warp's store writes 64 whole
-      // bytes of each of its 8 rows.
-      const bool odd = (c4 & 1) != 0, upper = (c4 & 2) != 0;
-      const unsigned quad = 0xfu << (threadIdx.x & 28);
-      T* row = dst - 2 * c4;
-#pragma unroll
-      for (int nb = 0; nb < NO; ++nb)
-#pragma unroll
-        for (int i = 0; i < ON / 8; i += 4) {
-          uint32_t a[4];
-#pragma unroll
-          for (int k = 0; k < 4; ++k)
-            a[k] = pack2<T>(o[nb][4 * (i + k) + 2 * h] * inv, o[nb][4 * (i + k) + 2 * h + 1] * inv);
-          const uint32_t r01 = __shfl_xor_sync(quad, odd ? a[0] : a[1], 1);
-          const uint32_t r23 = __shfl_xor_sync(quad, odd ? a[2] : a[3], 1);
-          // Columns 4 * (c4 >> 1) .. + 3 of groups i + odd (lo) and i + 2 + odd (hi).
-          const uint2 lo = odd ? make_uint2(r01, a[1]) : make_uint2(a[0], r01);
-          const uint2 hi = odd ? make_uint2(r23, a[3]) : make_uint2(a[2], r23);
-          const uint2 keep = upper ? hi : lo, send = upper ? lo : hi;
-          const uint2 got = make_uint2(__shfl_xor_sync(quad, send.x, 2),
-                                       __shfl_xor_sync(quad, send.y, 2));
-          const uint2 first = upper ? got : keep, second = upper ? keep : got;
-          *reinterpret_cast<uint4*>(row + nb * ON + (i + c4) * 8) =
-              make_uint4(first.x, first.y, second.x, second.y);
-        }
-      if (lse_dst != nullptr && c4 == 0) *lse_dst = row_lse();
     } else if (FAST && ON % 16 == 0 && (reinterpret_cast<uintptr_t>(dst - 2 * c4) & 7) == 0) {
       // 8-byte stores: lanes c4 and c4 ^ 1 of the row's quad swap one column pair of each two
       // groups of 8 columns, so the even lane holds 4 adjacent columns of group i and the odd
