@@ -3,14 +3,15 @@
 # (scripts/gpu_prebuild.sh DIR/bin.tar.xz each, carried with .devdeps): where an A/B shows a kernel
 # slower, this says whether it executes more instructions or stalls more.
 #   usage: scripts/gpu_ncu_ab.sh ROW KERNEL_REGEX DIR [DIR...]
-# Environment: NCU_SECTIONS (default "SpeedOfLight WarpStateStats InstructionStats"), NCU_SKIP
+# Environment: NCU_SUITE (attnrt bench --suite: attention, mla, linear; default attention),
+# NCU_SECTIONS (default "SpeedOfLight WarpStateStats InstructionStats"), NCU_SKIP
 # (launches of the kernel to skip first, default 2), NCU_METRICS (more metrics, comma-separated;
 # instanced ones such as sass__inst_executed_per_opcode print their values per instance). Files in $OUT (default ./out/ncu):
 # LABEL.txt per binary; the lines that compare are printed side by side at the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ $# -lt 3 ]; then
-  sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
   exit 2
 fi
 row=$1 kernel=$2
@@ -29,7 +30,7 @@ for dir in "$@"; do
   ncu --clock-control none --kernel-name "regex:$kernel" --launch-skip "${NCU_SKIP:-2}" --launch-count 1 \
     "${sections[@]}" --metrics "gpu__time_duration.sum,smsp__inst_executed.sum${NCU_METRICS:+,$NCU_METRICS}" \
     --print-metric-instances values \
-    "$bin/attnrt" bench --backend cuda --workload "$row" --repeats 2 --warmup 1 --no-reference --quiet \
+    "$bin/attnrt" bench --backend cuda --suite "${NCU_SUITE:-attention}" --workload "$row" --repeats 2 --warmup 1 --no-reference --quiet \
     >"$out/$label.txt" 2>&1
   echo "$label: rc=$?"
   labels+=("$label")
