@@ -85,7 +85,11 @@ def main():
     rows, order = gather(reports)
     med = {n: {l: statistics.median(t for t, _ in v) for l, v in by.items()} for n, by in rows.items()}
 
-    head = ["row"] + [f"{l} µs (spread, %ceil, {base}/{l})" for l in labels]
+    # Each label's commit(s) in its column's head: a base folder left from an older build shows in
+    # the table itself, not only in the copy lines above it.
+    commits = {l: ",".join(dict.fromkeys(str(j.get("commit", "?")) for lb, _, j in reports if lb == l))
+               for l in labels}
+    head = ["row"] + [f"{l} @{commits[l]} µs (spread, %ceil, {base}/{l})" for l in labels]
     if any(n.endswith("-fp8") for n in order):
         head.append("bf16/fp8 time per label")
     lines = []

@@ -56,4 +56,4 @@ for ((r = 1; r <= ${ROUNDS:-2}; ++r)); do
     echo "$label round $r: rc=$? $(($(date +%s) - s)) s"
   done
 done
-python3 bench/ab.py "$out" | tee "$out/ab.txt"
+python3 bench/ab.py --base "${labels[0]}" "$out" | tee "$out/ab.txt"

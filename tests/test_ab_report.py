@@ -32,6 +32,8 @@ def main():
         assert r.returncode == 0, r.stderr
         out = r.stdout
         assert "commit aaa" in out and "commit bbb" in out, out
+        # The commits head their columns too (a stale base shows in the table).
+        assert "base @aaa µs" in out and "new @bbb µs" in out, out
         assert "110.0 (100.0-120.0, 85.0%, 1.000x)" in out, out
         assert "100.0 (1 run, 95.0%, 1.100x)" in out, out
         # bf16 / fp8 per label: base 110 / 55 = 2.0x, new 100 / 40 = 2.5x.
