@@ -2,7 +2,7 @@
 # The call for the prepared prefill patches (patches/README.md): tests of each patched build, then
 # the prefill rows (main against poly-exp at every 4th / 2nd pair and Q by TMA with the producer's
 # registers) and the fp8 rows (main against poly-exp with the fp8 CTA), alternating rounds.
-#   usage: OUT=DIR bash scripts/gpu_poly_exp.sh
+#   usage: OUT=DIR bash scripts/gpu_prepared.sh
 #          (carry .gpubin-main, .gpubin-pe4, .gpubin-pe2, .gpubin-pe4f, .gpubin-qtmar, .devdeps)
 export OUT; source .devdeps/unpack-debs.sh >/dev/null
 for b in pe4f pe2 qtmar; do mkdir -p /tmp/$b && tar -C /tmp/$b -xJf .gpubin-$b/bin.tar.xz; done
