@@ -300,6 +300,41 @@ TEST(CudaPrefillTma, AppliesToPlainPoolsWithPagesOfEightOrMore) {
   EXPECT_FALSE(cuda::prefill_tma_applies(q, 128, true)) << "V rows not 16-byte aligned";
 }
 
+// Which of those launches take Q by TMA too: host checks only.
+TEST(CudaPrefillTma, QByTmaWhereATileIsWholeTokensOfOneGroup) {
+  alignas(16) static uint16_t act[4096];
+  cuda::AttnParams p{};
+  p.q = act;
+  p.q_rows = 7;
+  p.num_kv_heads = 2;
+  p.q_stride_head = 128;
+  for (int g : {1, 2, 4, 8, 16, 64, 128}) {
+    p.group = g;
+    p.num_q_heads = 2 * g;
+    p.q_stride_tok = int64_t{p.num_q_heads} * 128;
+    EXPECT_TRUE(cuda::prefill_q_tma_applies(p)) << "group " << g;
+  }
+  cuda::AttnParams q = p;
+  for (int g : {3, 5, 6, 7, 12, 256}) {
+    q.group = g;
+    q.num_q_heads = 2 * g;
+    EXPECT_FALSE(cuda::prefill_q_tma_applies(q)) << "group " << g;
+  }
+  q = p;
+  q.q_rows = 0;
+  EXPECT_FALSE(cuda::prefill_q_tma_applies(q)) << "rows unknown (the MHA form)";
+  q = p;
+  q.q = act + 4;
+  EXPECT_FALSE(cuda::prefill_q_tma_applies(q)) << "q not 16-byte aligned";
+  q = p;
+  q.q_stride_tok += 4;
+  EXPECT_FALSE(cuda::prefill_q_tma_applies(q)) << "tokens not 16 bytes apart";
+  q = p;
+  q.q_stride_head = 132;
+  EXPECT_TRUE(cuda::prefill_q_tma_applies(p));
+  EXPECT_FALSE(cuda::prefill_q_tma_applies(q)) << "heads not 16 bytes apart";
+}
+
 #else
 
 TEST(CudaPrefillTest, SkippedWithoutCuda) {

@@ -358,11 +358,21 @@ inline void check_prefill(const PrefillCase& c, const testing::Message& what = t
     p.kv_kind = cuda::KvKind::same_as_q;
     p.page_shift = std::countr_zero(static_cast<unsigned>(c.page));
     p.num_kv_heads = c.hkv;
+    p.num_q_heads = c.hq;
+    p.group = c.hq / c.hkv;
+    p.q = a.q.data;
+    p.q_rows = T;
+    p.q_stride_tok = a.q.strides[0];
+    p.q_stride_head = a.q.strides[1];
     const bool ping_pong = ws == 2 || (ws == cuda::kWsAuto && c.dim <= 128);
     const bool tma = cuda::prefill_ws_uses_tma(p, c.dim, c.act == DType::f16, ping_pong);
     const bool want = cuda::prefill_tma_enabled() && c.page >= 8 &&
                       ping_pong == (c.dim <= 128);  // the TMA instantiations: the default's CTAs
     EXPECT_EQ(tma, want) << "page " << c.page << ", dim " << c.dim << ", ws mode " << ws;
+    // And Q by TMA where a tile is whole tokens of one group.
+    const bool q_tma = cuda::prefill_ws_q_by_tma(p, c.dim, c.act == DType::f16, ping_pong);
+    EXPECT_EQ(q_tma, want && std::has_single_bit(static_cast<unsigned>(p.group)))
+        << "group " << p.group << ", page " << c.page << ", dim " << c.dim;
   }
   be.forward(a, layer, batch);
   ASSERT_EQ(cudaStreamSynchronize(be.stream()), cudaSuccess);

@@ -567,6 +567,9 @@ AttnParams CudaBackend::attn_params(const LayerSpec& layer, const StepPlan& plan
   p.page_shift = plan.page_shift;
   p.slot_map = kv.slot_map;
   p.kv_rows = v.num_rows;
+  // q on the GPU has dev_tokens rows (a graph step's: the graph's, whatever this replay's batch);
+  // a host q is staged as the batch's tokens.
+  p.q_rows = c.on_device ? c.dev_tokens : c.tokens;
   p.reqs = reinterpret_cast<const ReqInfo*>(meta + cls.reqs_off);
   p.page_table = reinterpret_cast<const int32_t*>(meta + plan.pt_off);
   p.row_table = row_table_ready_ ? row_table_.ptr<int32_t>() : nullptr;

@@ -116,6 +116,9 @@ struct AttnParams {
   // result that this launch's rows are merged into by log-sum-exp (the MHA form's prefix chunks);
   // a row without keys leaves it as it was.
   int32_t merge_out;
+  // Rows of the q tensor (the extent of the warp-specialised prefill CTA's Q tensor map, whose
+  // boxes read zeros past it); 0 = not known (Q comes by cp.async).
+  int64_t q_rows;
 };
 
 struct MergeParams {

@@ -85,5 +85,12 @@ bool prefill_tma_applies(const AttnParams& p, int head_dim, bool ping_pong);
 // switched on, applies, and the driver encoded the tensor maps (encoded once per pool and box, then
 // reused).
 bool prefill_ws_uses_tma(const AttnParams& p, int head_dim, bool fp16, bool ping_pong);
+// Host checks of Q by TMA in that producer (no driver call): the rows of p.q known, the GQA group a
+// power of two up to the 128-row tile (so a tile is whole tokens of one group), q and its strides
+// 16-byte aligned.
+bool prefill_q_tma_applies(const AttnParams& p);
+// Whether that launch takes the TMA producer with Q by TMA too (prefill_ws_uses_tma, Q's checks,
+// and the driver encoded q's map).
+bool prefill_ws_q_by_tma(const AttnParams& p, int head_dim, bool fp16, bool ping_pong);
 
 }  // namespace attnrt::cuda

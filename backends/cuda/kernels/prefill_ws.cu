@@ -46,12 +46,14 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// Everything one tensor map of the TMA producer encodes: a pool (K or V of one layer) as
-// {dim, heads, rows} 16-bit elements, rows row_stride elements apart, boxes of {64, 1, box_rows}.
+// Everything one tensor map of the TMA producer encodes: a tensor of {dim, heads, rows} 16-bit
+// elements (heads head_stride, rows row_stride elements apart), boxes of {64, box_heads,
+// box_rows}. K and V: a pool, heads adjacent inside a row, one head a box. Q: the step's q, a
+// GQA group of heads a box.
 struct TensorMapKey {
   const void* base;
-  int64_t rows, row_stride;
-  int32_t heads, dim, box_rows;
+  int64_t rows, row_stride, head_stride;
+  int32_t heads, dim, box_heads, box_rows;
   bool fp16;
   auto operator<=>(const TensorMapKey&) const = default;
 };
@@ -59,7 +61,8 @@ struct TensorMapKey {
 // The encoded map of `key`, encoded once (a step's launches find their layer's maps here: a
 // lookup instead of a driver call per launch); nullopt where the driver cannot encode it.
 std::optional<CUtensorMap> tensor_map(const TensorMapKey& key) {
-  constexpr size_t kMaxMaps = 4096;  // two per layer and pool; cleared when a process exceeds it
+  // Two per layer and pool, one per q tensor; cleared when a process exceeds it.
+  constexpr size_t kMaxMaps = 4096;
   static std::mutex mu;
   static std::map<TensorMapKey, CUtensorMap> maps;
   {
@@ -72,9 +75,10 @@ std::optional<CUtensorMap> tensor_map(const TensorMapKey& key) {
   CUtensorMap map;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(key.dim), static_cast<cuuint64_t>(key.heads),
                               static_cast<cuuint64_t>(key.rows)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(key.dim) * 2,
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(key.head_stride) * 2,
                                  static_cast<cuuint64_t>(key.row_stride) * 2};  // bytes
-  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(key.box_rows)};
+  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(key.box_heads),
+                             static_cast<cuuint32_t>(key.box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
   const CUresult r =
       encode(&map, key.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
@@ -89,18 +93,31 @@ std::optional<CUtensorMap> tensor_map(const TensorMapKey& key) {
 }
 
 // The K and V maps of a launch whose tiles hold `bn` keys (K rows of head_dim, V rows of
-// v_head_dim per head).
+// v_head_dim per head), and its Q map where Q can come by TMA (q_tma): a unit's ROWS rows are
+// whole tokens of one GQA group (group a power of two dividing ROWS; the items' f0 are multiples
+// of ROWS), p.q_rows known, q and its strides 16-byte aligned. A box then holds ROWS / group
+// tokens x group heads x 64 columns, in the rows' order (token major) and the tile's 128-byte
+// swizzle; its tokens past the request are the next request's (rows the kernel computes but never
+// stores; no 16-bit value makes them touch a stored row) and past q_rows zeros.
 std::optional<WsTensorMaps> ws_tensor_maps(const AttnParams& p, int head_dim, int v_head_dim,
                                            int bn, bool fp16) {
   const int box_rows = std::min(1 << p.page_shift, bn);
-  const auto k =
-      tensor_map({p.k, p.kv_rows, p.k_row_stride, p.num_kv_heads, head_dim, box_rows, fp16});
-  const auto v =
-      tensor_map({p.v, p.kv_rows, p.v_row_stride, p.num_kv_heads, v_head_dim, box_rows, fp16});
+  const auto k = tensor_map({p.k, p.kv_rows, p.k_row_stride, head_dim, p.num_kv_heads, head_dim,
+                             1, box_rows, fp16});
+  const auto v = tensor_map({p.v, p.kv_rows, p.v_row_stride, v_head_dim, p.num_kv_heads,
+                             v_head_dim, 1, box_rows, fp16});
   if (!k || !v) return std::nullopt;
-  WsTensorMaps maps;
+  WsTensorMaps maps{};
   maps.k = *k;
   maps.v = *v;
+  if (prefill_q_tma_applies(p)) {
+    const int g = p.group;
+    if (const auto q = tensor_map({p.q, p.q_rows, p.q_stride_tok, p.q_stride_head,
+                                   p.num_q_heads, head_dim, g, kPrefillTileRows / g, fp16})) {
+      maps.q = *q;
+      maps.q_tma = 1;
+    }
+  }
   return maps;
 }
 
@@ -122,9 +139,13 @@ struct WsCta {
                             cudaStream_t stream, bool) {
     constexpr bool fp16 = std::is_same_v<T, __half>;
     if constexpr (has_tma_variant(D, PP)) {
-      if (const auto maps = tma_maps(p, D, fp16, PP))
+      if (const auto maps = tma_maps(p, D, fp16, PP)) {
+        if (maps->q_tma)
+          return launch_prefill_ws_cfg<T, Cfg, true, true>(p, *maps, num_items,
+                                                           prefill_ws_persistent(), stream);
         return launch_prefill_ws_cfg<T, Cfg, true>(p, *maps, num_items, prefill_ws_persistent(),
                                                    stream);
+      }
     }
     return launch_prefill_ws_cfg<T, Cfg, false>(p, WsTensorMaps{}, num_items,
                                                 prefill_ws_persistent(), stream);
@@ -254,6 +275,19 @@ bool prefill_tma_applies(const AttnParams& p, int head_dim, bool ping_pong) {
          p.k_row_stride % 8 == 0 && p.v_row_stride % 8 == 0 &&
          p.k_row_stride >= int64_t{p.num_kv_heads} * head_dim &&
          p.v_row_stride >= int64_t{p.num_kv_heads} * head_dim;
+}
+
+bool prefill_q_tma_applies(const AttnParams& p) {
+  const int g = p.group;
+  return p.q_rows > 0 && p.q_rows <= INT_MAX && g > 0 && (g & (g - 1)) == 0 &&
+         g <= kPrefillTileRows && g * int64_t{p.num_kv_heads} == p.num_q_heads &&
+         reinterpret_cast<uintptr_t>(p.q) % 16 == 0 && p.q_stride_tok % 8 == 0 &&
+         p.q_stride_head % 8 == 0;
+}
+
+bool prefill_ws_q_by_tma(const AttnParams& p, int head_dim, bool fp16, bool ping_pong) {
+  const auto maps = tma_maps(p, head_dim, fp16, ping_pong);
+  return maps && maps->q_tma != 0;
 }
 
 bool prefill_ws_uses_tma(const AttnParams& p, int head_dim, bool fp16, bool ping_pong) {

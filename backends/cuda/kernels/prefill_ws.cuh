@@ -54,6 +54,13 @@
 // on most tiles) and thread 0's arrive.expect_tx of the tile's TMA bytes. A unit's key range must
 // start on a page: ws_unit rounds a window's first key down to a tile (the extra keys are outside
 // the window, the first tile is masked as any window tile), so splits stay tile aligned too.
+// Q by TMA too (QTMA; where the group is a power of two and q's map can be encoded: prefill_ws.cu's
+// ws_tensor_maps): q as a tensor map {D, q heads, tokens} with a box of {64, G, ROWS / G}, so a
+// unit's Q tile is D / 64 boxes issued by producer thread 0 (after its wait for q empty), its
+// arrive.expect_tx the only arrival on q full; the cp.async copy it replaces was 16 copies and
+// ~750 instructions a producer warp, and the consumers waited for it at most unit starts of the
+// short causal rows. Rows of a tile past its request hold the next request's tokens (zeros past
+// the tensor) instead of zeros: rows are independent and never stored, so nothing changes.
 //
 // Over fp8 pages (PrefillWsKv8Config; prefill_kv8_ws*.cu, dispatch.h's AttnCta::prefill_kv8): the
 // TileShape::prefill items of non-tree steps over an e4m3 or e5m2 pool at head dims 64, 128 and
@@ -199,16 +206,27 @@ using PrefillWsKv8Cfg =
                        std::conditional_t<D == 128, PrefillWsKv8Config<128, 64, 4, 4>,
                                           PrefillWsKv8Config<256, 64, 2, 1, false>>>;
 
-// The tensor maps of the TMA producer over the layer's K and V pools (see the header comment);
-// unused (zeros) by the cp.async producer.
+// The tensor maps of the TMA producer over the layer's K and V pools (see the header comment) and,
+// where q_tma is 1, over q (prefill_ws.cu's ws_tensor_maps says when); unused (zeros) by the
+// cp.async producer.
 struct WsTensorMaps {
-  CUtensorMap k, v;
+  CUtensorMap k, v, q;
+  int32_t q_tma;
 };
 
-template <typename T, typename Cfg, bool TMA>
+// QTMA (with TMA): Q comes by TMA too, through maps.q; the instance is taken where maps.q_tma.
+
+template <typename T, typename Cfg, bool TMA, bool QTMA = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     prefill_ws_kernel(const AttnParams p, int num_units,
                       const __grid_constant__ WsTensorMaps maps) {
+  // Q by TMA: the producer's 40 registers spilled its box coordinates (24-28 bytes); it takes 56,
+  // the consumers 224 (the split of the MHA form's cp.async producer).
+  constexpr bool kQRegs = QTMA && Cfg::kProducerRegs == 40;
+  constexpr int kProducerRegs = kQRegs ? 56 : Cfg::kProducerRegs;
+  constexpr int kConsumerRegs = kQRegs ? 224 : Cfg::kConsumerRegs;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * Cfg::kConsumers <=
+                Cfg::kLaunchRegs * Cfg::kThreads);
   constexpr int D = Cfg::kHeadDim, DV = Cfg::kVHeadDim, BN = Cfg::kBN, ST = Cfg::kStages;
   constexpr int CH = Cfg::kChunks, CHV = Cfg::kVChunks;
   constexpr int ON = Cfg::kON, NO = DV / ON, ROWS = Cfg::kRows;
@@ -242,7 +260,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       mbar_init(full_bar(s), TMA ? 129 : 128);
       mbar_init(empty_bar(s), 4 * Cfg::kConsumers);
     }
-    mbar_init(q_bar, 128);
+    // Q by TMA: thread 0's arrive.expect_tx alone; else every producer thread's cp.async arrival.
+    mbar_init(q_bar, QTMA ? 1 : 128);
     mbar_init(q_empty, 4 * Cfg::kConsumers);
     mbar_init(unit_bar, 1);
   }
@@ -277,11 +296,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto stage_of = [&](int it) { return (tile_base + it) % ST; };
   auto parity_of = [&](int it) { return static_cast<uint32_t>((tile_base + it) / ST) & 1u; };
   if (wg == 0) {
-    setmaxnreg_dec<Cfg::kProducerRegs>();
+    setmaxnreg_dec<kProducerRegs>();
     if constexpr (TMA) {
       if (tid == 0) {
         prefetch_tensor_map(&maps.k);
         prefetch_tensor_map(&maps.v);
+        if constexpr (QTMA) prefetch_tensor_map(&maps.q);
       }
     }
     int ticket = blockIdx.x;  // thread 0: the CTA's next unit
@@ -315,6 +335,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // The 16-bit producers call it after the unit's first K / V tile: that tile's copies
         // then overlap the previous unit's last tile, its epilogue and the wait for Q.
         auto load_q = [&] {
+          if constexpr (QTMA) {
+            // ROWS / G whole tokens x the G heads of kvh, one box per 64 columns (D / 64
+            // instructions of one thread in place of the 128 threads' ROWS * D / 1024 copies).
+            if (tid == 0) {
+              if (n > 0) mbar_wait(q_empty, (n - 1) & 1);
+              mbar_arrive_expect_tx(q_bar, ROWS * D * 2);
+              // The box's first head and token from the unit's slot: values held in registers
+              // across the tile loop for this one use made the 40-register producer spill.
+              const WsUnit& su = unit_slot[n & 1].u;
+              const int q_h0 = su.kvh * G, q_t0 = su.req.qo_start + su.item.f0 / G;
+#pragma unroll
+              for (int cb = 0; cb < D / 64; ++cb)
+                tma_load_3d(sQ + cb * ROWS * 128, &maps.q, cb * 64, q_h0, q_t0, q_bar);
+            }
+            return;
+          }
           if (n > 0) mbar_wait(q_empty, (n - 1) & 1);
           const int f0 = item.f0, qlen = req.qlen, qo_start = req.qo_start, q_head0 = kvh * G;
           const T* q = static_cast<const T*>(p.q);
@@ -391,6 +427,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             return static_cast<int32_t>(key_slot(j0));
           };
           int32_t next_slot = resolve_chunk(0);
+#pragma unroll 1
           for (int it = 0; it < num_tiles; ++it) {
             const int stage = stage_of(it);
             const int kb = lo + it * BN;
@@ -474,7 +511,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     ws_producer_exit(p, tid);
   } else {
-    setmaxnreg_inc<Cfg::kConsumerRegs>();
+    setmaxnreg_inc<kConsumerRegs>();
     // Ping-pong: the turns alternate over all the CTA's units, the first consumer first (the
     // second consumer's hand-over here) and taking the second's last hand-over after the last
     // unit. Pairing them per unit instead would let the second consumer's hand-over for the next
@@ -814,11 +851,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
 // The launch over num_items x num_kv_heads units (launch_ws_units: persistent where there are
 // enough units). TMA: the TMA producer over `maps` (prefill_tma_applies must hold for p).
-template <typename T, typename Cfg, bool TMA>
+template <typename T, typename Cfg, bool TMA, bool QTMA = false>
 cudaError_t launch_prefill_ws_cfg(const AttnParams& p, const WsTensorMaps& maps, int num_items,
                                   bool persistent, cudaStream_t stream) {
-  return launch_ws_units<prefill_ws_kernel<T, Cfg, TMA>, Cfg>(p, num_items, persistent, stream,
-                                                              maps);
+  static_assert(TMA || !QTMA);
+  return launch_ws_units<prefill_ws_kernel<T, Cfg, TMA, QTMA>, Cfg>(p, num_items, persistent,
+                                                                    stream, maps);
 }
 
 }  // namespace attnrt::cuda
