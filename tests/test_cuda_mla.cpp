@@ -2,8 +2,8 @@
 // latent rows (576 / 512; bf16, e4m3 and e5m2) at the tensor-parallel head counts 16, 32, 64 and
 // 128, every mode (decode with split-KV, chain and tree verify, draft extend, absorbed-form extend
 // and mixed), the native page sizes 1, 16, 32, 64 and 128 with lengths across page edges, soft-cap,
-// and the dispatch that sends these launches to it. Fresh random inputs every run (ATTNRT_TEST_SEED replays one); the
-// GPU cases skip, with the reason, where no CUDA device is usable.
+// and the dispatch that sends these launches to it. Fresh random inputs every run (ATTNRT_TEST_SEED
+// replays one); the GPU cases skip, with the reason, where no CUDA device is usable.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -46,8 +46,7 @@ TEST(CudaMlaCta, DispatchSendsBf16LatentLaunchesToIt) {
       EXPECT_NE(shape, TileShape::prefill) << heads << " heads, " << qlen << " tokens";
       const AttnKernelKey key{.head_dim = 576, .v_head_dim = 512, .shape = shape};
       // Items of at most 16 rows (one token at 16 heads or fewer) take the keys-on-M CTA.
-      EXPECT_EQ(cuda::attention_cta(key),
-                qlen * heads <= 16 ? AttnCta::mla_keys_m : AttnCta::mla);
+      EXPECT_EQ(cuda::attention_cta(key), qlen * heads <= 16 ? AttnCta::mla_keys_m : AttnCta::mla);
     }
   }
   for (KvKind kv : {KvKind::e4m3, KvKind::e5m2}) {
@@ -76,7 +75,8 @@ TEST(CudaMlaCta, ExplainNamesTheCtaOfEachPhase) {
   };
   const std::vector<std::string> bf16 = cuda::explain_cuda_kernels(m, o, DType::bf16);
   ASSERT_EQ(bf16.size(), 5u) << ::testing::PrintToString(bf16);
-  for (size_t i = 1; i <= 3; ++i) EXPECT_NE(bf16[i].find("MLA CTA (mla_decode.cu)"), std::string::npos) << bf16[i];
+  for (size_t i = 1; i <= 3; ++i)
+    EXPECT_NE(bf16[i].find("MLA CTA (mla_decode.cu)"), std::string::npos) << bf16[i];
   EXPECT_TRUE(has(bf16, "decode ")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(bf16, "verify ")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(bf16, "MHA form (EXTEND / MIXED")) << ::testing::PrintToString(bf16);
@@ -127,13 +127,20 @@ TEST(CudaMlaCta, NativePageSizesWithRaggedLengths) {
   std::mt19937_64 rng(seed);
   for (int page : {1, 16, 32, 64, 128}) {
     for (int heads : {16, 128}) {
-      std::vector<CaseSpec> cases = every_mode({mla(heads)}, DType::bf16, seed + page + heads);
-      for (CaseSpec& s : cases) {
-        if (s.mode == ForwardMode::EXTEND || s.mode == ForwardMode::MIXED) continue;
-        s.page_size = page;
-        for (int32_t& p : s.prefix_lens) p = static_cast<int32_t>(rng() % 700) + (p > 0 ? 1 : 0);
-        s.label += " page " + std::to_string(page) + " h" + std::to_string(heads);
-        expect_matches_reference(s);
+      // The fp8 keys-on-M CTA copies its own rows: e4m3 at 16 heads on every page size too.
+      const std::vector<DType> kvs =
+          heads == 16 ? std::vector{DType::bf16, DType::e4m3} : std::vector{DType::bf16};
+      for (DType kv : kvs) {
+        std::vector<CaseSpec> cases = every_mode({mla(heads)}, kv, seed + page + heads);
+        for (CaseSpec& s : cases) {
+          if (s.mode == ForwardMode::EXTEND || s.mode == ForwardMode::MIXED) continue;
+          s.page_size = page;
+          for (int32_t& p : s.prefix_lens) p = static_cast<int32_t>(rng() % 700) + (p > 0 ? 1 : 0);
+          s.label +=
+              " page " + std::to_string(page) + " h" + std::to_string(heads) + " " +
+                     std::string(dtype_name(kv));
+          expect_matches_reference(s);
+        }
       }
     }
   }

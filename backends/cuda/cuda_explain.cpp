@@ -48,7 +48,8 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
           "keys-on-M MLA CTA (mla_keys_m.cu): 64 latent keys as the MMA's rows against the "
           "request's {} (token, head) rows{} - MLA items of at most 16 rows, so no MMA row is "
           "padding",
-          rows, fp8 ? ", fp8 converted to bf16 by a producer warpgroup while the MMAs run" : "");
+          rows,
+          fp8 ? ", fp8 rows converted to f16 in registers (ldmatrix) as the MMAs' A operand" : "");
     case AttnCta::prefill:
       return fmt::format(
           "warp-specialised prefill CTA (prefill_ws.cuh): 128 rows, a copy producer and warpgroup "

@@ -10,21 +10,28 @@
 //    64 keys meet across the four warps in shared memory; the running maximum moves lazily (2^8).
 //  - P^T (bf16, [16 columns][64 keys]) goes to shared memory, and O^T = V^T P^T: eight m64n16k16
 //    per 16 keys, A = the tile read M-major (the head dim as M), 64 fp32 accumulators a thread.
-// One warpgroup; Q 18 KB, two 72 KB latent tiles, P^T 2 KB: one CTA per SM.
+// One warpgroup; Q 18 KB, two 72 KB latent tiles, P^T 2 KB: one CTA per SM (16-bit caches).
 //
-// An fp8 cache adds a second warpgroup, the producer: it copies the raw rows in stages of 32 keys
-// (three 18 KB stages, two in flight while it converts one) and converts each thread's own chunks
-// into the bf16 tile of their tile (it & 1, exactly, in units of 2^-112 as in mla_decode.cu), so
-// the conversion of tile it + 1 runs while the consumer's MMAs and softmax run on tile it. With
-// one warpgroup doing both, a tile paid the conversion, then the MMAs, with nothing overlapping
-// either (fp8 ran at 0.6-0.8x the bf16 speed with half its bytes). Named barriers hand the two
-// bf16 tiles over: "full" (2 + b: the producer arrives once tile b's rows are converted and
-// fenced for the async proxy, the consumer waits) and "free" (4 + b: the consumer arrives at the
-// start of the tile after the one it read, the producer waits before converting into it again).
+// An fp8 cache is read without a bf16 copy of the tile: the raw rows land in stages of 64 keys
+// (mla_raw_offset's layout) and each warp loads its MMA operands from them with ldmatrix and
+// converts them in registers to f16 (e4m3: one conversion a pair, exact; e5m2: the upper byte of
+// an f16, moved), the A operand of register-sourced MMAs (wgmma_rs_k):
+//  - S^T: ldmatrix gives thread (g, c4) bytes 4 c4 .. 4 c4 + 3 of a key row's 16-byte chunk, so
+//    the MMA's k order inside each 16 columns is a fixed permutation of the columns (k = 2 c4 + e
+//    is column 4 c4 + e, k = 2 c4 + 8 + e is column 4 c4 + 2 + e); Q is stored in that order.
+//  - O^T: ldmatrix.trans gives thread (g, c4) columns 2 g and 2 g + 1 of keys 2 c4 and 2 c4 + 1;
+//    one byte permute makes row g of the MMA column 2 g and row g + 8 column 2 g + 1, so output
+//    row g + 8 h of a warp's 16 is dimension 2 g + h of its 16 (adjacent: stored in pairs).
+// Q and P are f16 then: Q times a power of two that brings the item's largest |q| to [2^13, 2^14)
+// (no overflow, the scale undone on S), P as computed (at most 2^8 with the lazy maximum). With
+// no producer warpgroup and no conversion pass through shared memory, two stages (95 KB) let two
+// CTAs share an SM. (The producer-warpgroup form before it converted each tile into a bf16 copy
+// in shared memory: 3.7 us a tile, slower than the bf16 cache with half the bytes.)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/common/convert.cuh"
@@ -36,7 +43,6 @@
 #include "backends/cuda/kernels/mla.h"
 #include "backends/cuda/kernels/mla_tile.cuh"
 #include "backends/cuda/kernels/paged_kv.cuh"
-#include "backends/cuda/kernels/prefill_ws_sync.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
 
@@ -49,78 +55,97 @@ struct KeysMCfg {
   static constexpr int kD = kMlaHeadDim;
   static constexpr int kCols = 16;  // (token, head) rows of an item: the MMA's N
   static constexpr int kBN = 64;    // keys a tile: the MMA's M
-  // fp8: the producer warpgroup (threads 128 ..) after the consumer.
-  static constexpr int kThreads = FP8 ? 256 : 128;
+  static constexpr int kThreads = 128;
   static constexpr int kQBytes = kCols * kD * 2;
-  static constexpr int kTileBytes = kMlaTileBytes;
-  static constexpr int kRawKeys = 32, kRawStages = 3;  // fp8 stages
-  static constexpr int kRawBytes = FP8 ? kRawStages * kRawKeys * kD : 0;
+  // 16-bit: two tiles in the wgmma layout; fp8: kRawStages raw tiles (mla_raw_offset).
+#ifdef ATTNRT_MLA_FP8_STAGES
+  static constexpr int kRawStages = ATTNRT_MLA_FP8_STAGES;
+#else
+  static constexpr int kRawStages = 2;
+#endif
+  static constexpr int kStages = FP8 ? kRawStages : 2;
+  static constexpr int kStageBytes = FP8 ? kMlaRawTileBytes : kMlaTileBytes;
   static constexpr int kPBytes = kCols * kBN * 2;
   static constexpr int kXBytes = 4 * kCols * 4;  // [warp][column] maxima or sums
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kTileBytes + kRawBytes + kPBytes + kXBytes;
-  static_assert(kQBytes % 1024 == 0 && kBN == kMlaTileKeys && kRawKeys % 16 == 0);
+  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * kStageBytes + kPBytes + kXBytes;
+  static constexpr int kMinBlocks = FP8 && kSmemBytes * 2 <= 227 * 1024 ? 2 : 1;
+  static_assert(kQBytes % 1024 == 0 && kBN == kMlaTileKeys && kStages >= 2);
 };
 
-// The consumer warpgroup's own barrier, and the fp8 hand-over of bf16 tile b (see above).
 __device__ __forceinline__ void wg_bar() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
-constexpr int kTileFullBar = 2, kTileFreeBar = 4;
-constexpr int kSChains = 4;
-// The consumer's barrier where the whole CTA is the consumer (16-bit caches) or not.
-template <bool FP8>
-__device__ __forceinline__ void consumer_bar() {
-  if constexpr (FP8) {
-    wg_bar();
-  } else {
-    __syncthreads();
-  }
-}
+// Register-sourced MMA groups in flight while the next operands are loaded and converted.
+constexpr int kFp8Sets = 3;
 
-// The fp8 producer warpgroup's loop: UNIT-key loads into the three raw stages (two ahead of the
-// one it converts), the thread's own chunks of each converted into bf16 tile (load / parts) & 1 at
-// its key offset once the consumer has released that tile (after the tile two before it).
-template <class Copier>
-__device__ __forceinline__ void produce_fp8_tiles(Copier& copier, unsigned char* tiles,
-                                                  int num_tiles) {
-  constexpr int kParts = kMlaTileKeys / Copier::kUnit;
-  const int loads = num_tiles * kParts;
-  copier.prefetch_slots(0);
-  if (loads > 0) copier.load_into(0);
-  cp_async_commit();
-  copier.prefetch_slots(1);
-  if (loads > 1) copier.load_into(1);
-  cp_async_commit();
-  copier.prefetch_slots(2);
-  for (int u = 0, stage = 0; u < loads; ++u) {
-    cp_async_wait<1>();  // load u landed (u + 1 may be in flight)
-    const int t = u / kParts, part = u - t * kParts, b = t & 1;
-    if (part == 0 && t >= 2) named_bar_sync(kTileFreeBar + b, 256);
-    copier.convert(stage, tiles + b * kMlaTileBytes, part * Copier::kUnit);
-    const int ahead = stage == 0 ? 2 : stage - 1;  // (u + 2) % 3: load u - 1's, converted
-    if (u + 2 < loads) copier.load_into(ahead);
-    cp_async_commit();
-    copier.prefetch_slots(u + 3);
-    if (part == kParts - 1) {
-      fence_proxy_async_smem();
-      named_bar_arrive(kTileFullBar + b, 256);
+// The fp8 path's Q: the item's 16 bf16 rows (landed, in the wgmma layout, read by every thread
+// after a barrier) times a power of two, as f16 in the permuted k order of the header, in place.
+// Returns the scale's inverse. red: a float per warp.
+__device__ __forceinline__ float q_to_f16(unsigned char* sq, int tid, float* red) {
+  constexpr int NC = 16, kGroups = NC * kMlaHeadDim / 16;
+  constexpr int kPer = (kGroups + 127) / 128;
+  uint4 v[kPer][2];
+  uint32_t off[kPer];
+  float mx = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int gidx = tid + 128 * i;
+    const int n = min(gidx, kGroups - 1) / (kMlaHeadDim / 16), gi = min(gidx, kGroups - 1) % 36;
+    off[i] = (gi >> 2) * NC * 128 + n * 128;
+    const int c0 = (2 * (gi & 3)) ^ (n & 7), c1 = (2 * (gi & 3) + 1) ^ (n & 7);
+    v[i][0] = *reinterpret_cast<const uint4*>(sq + off[i] + (c0 << 4));
+    v[i][1] = *reinterpret_cast<const uint4*>(sq + off[i] + (c1 << 4));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[i][0]);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float2 f = __bfloat1622float2(h[k]);
+      mx = fmaxf(mx, fmaxf(fabsf(f.x), fabsf(f.y)));
     }
-    stage = stage == 2 ? 0 : stage + 1;
   }
-  cp_async_wait<0>();
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, o));
+  if ((tid & 31) == 0) red[tid >> 5] = mx;
+  __syncthreads();
+  mx = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
+  int e = 0;
+  if (mx > 0.f && mx <= 3.0e38f) frexpf(mx, &e);  // mx < 2^e
+  const int sh = min(max(14 - e, -120), 120);
+  const float scale = ldexpf(1.f, sh);
+  __syncthreads();  // red is reused
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    if (tid + 128 * i >= kGroups) continue;
+    const int gidx = tid + 128 * i, n = gidx / 36, gi = gidx % 36;
+    const int c0 = (2 * (gi & 3)) ^ (n & 7), c1 = (2 * (gi & 3) + 1) ^ (n & 7);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v[i][0]);
+    uint32_t w[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float2 f = __bfloat1622float2(h[k]);
+      const __half2 q = __floats2half2_rn(f.x * scale, f.y * scale);
+      // Pair k (columns 2k, 2k + 1) is word k / 2 (k even) or 4 + k / 2 (k odd) of the 16.
+      w[(k & 1) * 4 + (k >> 1)] = *reinterpret_cast<const uint32_t*>(&q);
+    }
+    *reinterpret_cast<uint4*>(sq + off[i] + (c0 << 4)) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(sq + off[i] + (c1 << 4)) = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+  return ldexpf(1.f, -sh);
 }
 
 template <typename T, bool FP8, bool E5M2>
-__global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, 1)
+__global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, KeysMCfg<FP8>::kMinBlocks)
     mla_keys_m_kernel(const AttnParams p) {
   using C = KeysMCfg<FP8>;
-  constexpr int D = C::kD, BN = C::kBN, NC = C::kCols;
+  // The 16-bit type of Q and P in shared memory and of the MMAs.
+  using PT = std::conditional_t<FP8, __half, T>;
+  constexpr int D = C::kD, BN = C::kBN, NC = C::kCols, ST = C::kStages;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = ((raw + 1023) & ~1023u) - raw;
   unsigned char* smem = smem_raw + pad;
   const uint32_t sQ = raw + pad;
   const uint32_t sKV = sQ + C::kQBytes;
-  const uint32_t sP = sKV + 2 * C::kTileBytes + C::kRawBytes;
-  unsigned char* p_tile = smem + C::kQBytes + 2 * C::kTileBytes + C::kRawBytes;
+  unsigned char* stages = smem + C::kQBytes;
+  const uint32_t sP = sKV + ST * C::kStageBytes;
+  unsigned char* p_tile = stages + ST * C::kStageBytes;
   float* x_cols = reinterpret_cast<float*>(p_tile + C::kPBytes);  // [4 warps][NC]
 
   const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 5;
@@ -136,11 +161,10 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, 1)
   const Mask<true> mask{p, req};
 
   // Copies: eight threads a row, thread ld_c taking chunk ld_c of every 64-column block: Q's 16
-  // rows once (by the consumer), then four key rows a tile (ld_row + 16 r; fp8: two of each
-  // 32-key load, by the producer).
-  const int ld_row = (FP8 ? tid & 127 : tid) >> 3, ld_c = tid & 7;
+  // rows once, then four key rows a tile (ld_row + 16 r).
+  const int ld_row = tid >> 3, ld_c = tid & 7;
   const uint32_t ld_swz = ld_row * 128 + ((ld_c ^ (ld_row & 7)) << 4);
-  if (!FP8 || tid < 128) {
+  {
     const int f = item.f0 + ld_row, t = f / G, hg = f - t * G;
     const bool valid = t < req.qlen;
     const T* src = static_cast<const T*>(p.q);
@@ -153,33 +177,31 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, 1)
   launch_dependent_grids();
   write_back_committed_pages(p, req, item, kvh, tid, C::kThreads);
 
-  MlaTileCopier<T, FP8, E5M2, 4> copier{
-      p, req, smem + C::kQBytes, lo, hi, num_tiles, kvh, ld_row, ld_c, ld_swz, 16};
-  if constexpr (FP8) {
-    if (tid >= 128) {
-      // Loads of kRawKeys keys, two rows of each a thread, into the stages after the two tiles.
-      using RawCopier =
-          MlaTileCopier<T, true, E5M2, C::kRawKeys / 16, C::kRawKeys, 2 * C::kTileBytes>;
-      const int loads = num_tiles * (BN / C::kRawKeys);
-      RawCopier raw{p, req, smem + C::kQBytes, lo, hi, loads, kvh, ld_row, ld_c, ld_swz, 16};
-      produce_fp8_tiles(raw, smem + C::kQBytes, num_tiles);
-      return;
+  MlaTileCopier<T, FP8, E5M2, 4> copier{p,   req,    stages, lo,     hi, num_tiles,
+                                        kvh, ld_row, ld_c,   ld_swz, 16};
+  auto load = [&](int t) {
+    if constexpr (FP8) {
+      copier.load_raw_swizzled(stages + static_cast<unsigned>(t) % ST * C::kStageBytes);
+    } else {
+      copier.load(t);
     }
-    // Q times 2^64 (this thread's own chunks, once they landed), published to the async proxy.
-    cp_async_commit();
-    cp_async_wait<0>();
+  };
+  // Tiles 0 .. ST - 2 ahead, each its own group after Q's.
+  if constexpr (FP8) cp_async_commit();
 #pragma unroll
-    for (int i = 0; i < D / 64; ++i) scale_q_chunk(smem + ld_swz + i * NC * 128);
-    fence_proxy_async_smem();
-    wg_bar();
-  } else {
-    copier.prefetch_slots(0);
-    if (num_tiles > 0) copier.load(0);
-    cp_async_commit();  // Q and tile 0
-    copier.prefetch_slots(1);
+  for (int t = 0; t < ST - 1; ++t) {
+    copier.prefetch_slots(t);
+    if (t < num_tiles) load(t);
+    cp_async_commit();
   }
-  constexpr float kUnit = FP8 ? kMlaFp8Unit : 1.f;  // of S and O
-  constexpr float kPScale = FP8 ? kMlaFp8PScale : 1.f;
+  copier.prefetch_slots(ST - 1);
+  float inv_qs = 1.f;  // of S (fp8: Q's scale undone)
+  if constexpr (FP8) {
+    cp_async_wait<ST - 1>();  // Q
+    __syncthreads();
+    inv_qs = q_to_f16(smem, tid, x_cols);
+    fence_proxy_async_smem();  // published by the first tile's barrier
+  }
 
   // This thread's columns: nb * 8 + 2 c4 + e (nb, e in {0, 1}), i.e. (token, head) rows f0 + col.
   MaskRow col_row[2][2];
@@ -191,8 +213,8 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, 1)
   const SoftCap cap(p.softcap, p.softmax_scale);
   const float sl = cap.exp_scale(p.scale_log2);
 
-  // O^T: dims mb * 64 + wq * 16 + g + 8 h (h = 0, 1), columns nb * 8 + 2 c4 + e:
-  // o[mb][nb * 4 + 2 h + e].
+  // O^T: 16-bit, dims mb * 64 + wq * 16 + g + 8 h (h = 0, 1); fp8, dims mb * 64 + wq * 16 + 2 g +
+  // h; columns nb * 8 + 2 c4 + e: o[mb][nb * 4 + 2 h + e].
   float o[8][8];
 #pragma unroll
   for (int mb = 0; mb < 8; ++mb)
@@ -206,51 +228,71 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, 1)
 
   const uint64_t dq = wgmma_desc(sQ, 16);
   const uint64_t dp = wgmma_desc(sP, 16);
+  // B of k step kk (16 columns) of S^T.
+  auto q_desc = [&](int kk) { return dq + (((kk >> 2) * NC * 128 + (kk & 3) * 32) >> 4); };
+  // fp8 ldmatrix addresses (mla_raw_offset): S^T's pair j of k steps: matrix lane >> 3 = keys
+  // 16 wq + 8 (bit 0) of chunk 2 j + (bit 1); O^T's k steps 2 q, 2 q + 1 of dims block mb: matrix
+  // lane >> 3 = keys 32 q + 8 (lane >> 3), chunk 4 mb + wq.
+  const int lr = lane & 7, lm = lane >> 3;
+  const uint32_t s_key = wq * 16 + lr + 8 * (lm & 1);
+  const uint32_t s_base = s_key * 128 + (((lm >> 1) ^ lr) << 4);
+  const uint32_t s_rope = 4 * BN * 128 + s_key * 64 + (((lm >> 1) ^ (lr >> 1)) << 4);
+  const uint32_t v_base = (8 * lm + lr) * 128 + ((wq ^ lr) << 4);
   for (int it = 0; it < num_tiles; ++it) {
-    if constexpr (FP8) {
-      // Tile it - 1 is read (its P V waited for); the producer waits for it after the next tile
-      // only (tiles num_tiles - 2 and - 1 are not reused).
-      if (it >= 1 && it + 1 < num_tiles) named_bar_arrive(kTileFreeBar + ((it - 1) & 1), 256);
-      named_bar_sync(kTileFullBar + (it & 1), 256);
-    } else {
-      cp_async_wait<0>();
-      fence_proxy_async_smem();
-      __syncthreads();  // tile it landed; every warp is done with tile it - 1
-      if (it + 1 < num_tiles) copier.load(it + 1);
-      cp_async_commit();
-      copier.prefetch_slots(it + 2);
-    }
+    cp_async_wait<ST - 2>();
+    if constexpr (!FP8) fence_proxy_async_smem();
+    __syncthreads();  // tile it landed; every warp is done with tile it - 1
+    if (it + ST - 1 < num_tiles) load(it + ST - 1);
+    cp_async_commit();
+    copier.prefetch_slots(it + ST);
     const int kb = lo + it * BN;
     if (mask.hides(kb, BN, t_first, t_last)) continue;
-    const uint32_t tK = sKV + (it & 1) * C::kTileBytes;
-    const uint64_t dk = wgmma_desc(tK, 16);
-    const uint64_t dv = wgmma_desc(tK, BN * 128);
+    const uint32_t stage = static_cast<unsigned>(it) % ST;
+    const uint32_t tK = sKV + stage * C::kStageBytes;
+    const unsigned char* stg = stages + stage * C::kStageBytes;
 
-    // ---- S^T = K Q^T: 64 keys x 16 columns.
-    // Four accumulator chains (kk mod 4), added after, instead of one chain of 36 dependent
-    // m64n16k16 (H100: the fp8 h16 rows 1.004-1.007x, the rest unchanged; so the chain's
-    // latency is not what bounds the fp8 CTA's consumer).
-    float s[8], s_part[kSChains][8];
-    wgmma_fence();
+    // ---- S^T = K Q^T: 64 keys x 16 columns, in kChains accumulator chains (16-bit: four, added
+    // after, instead of one chain of 36 dependent m64n16k16; H100: the chain's latency was not
+    // what bounded the fp8 rows of the producer form, the rest unchanged).
+    constexpr int kChains = FP8 ? 2 : 4;
+    float s[8], s_part[kChains][8];
+    if constexpr (FP8) {
+      uint32_t a[kFp8Sets][2][4];
 #pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint64_t da = dk + (((kk >> 2) * BN * 128 + (kk & 3) * 32) >> 4);
-      const uint64_t db = dq + (((kk >> 2) * NC * 128 + (kk & 3) * 32) >> 4);
-      wgmma_ss<NC, T>(s_part[kk % kSChains], da, db, kk >= kSChains ? 1 : 0);
+      for (int j = 0; j < D / 32; ++j) {
+        const int set = j % kFp8Sets;
+        if (j >= kFp8Sets) wgmma_wait<kFp8Sets - 1>();  // the MMAs that read a[set] are done
+        uint32_t x[4];
+        ldmatrix_x4(x, stg + (j < 16 ? (j >> 2) * BN * 128 + (s_base ^ ((2 * j & 7) << 4))
+                                     : (s_rope ^ ((2 * (j - 16)) << 4))));
+        fp8x4_to_f16<E5M2>(x[0], a[set][0][0], a[set][0][2]);
+        fp8x4_to_f16<E5M2>(x[1], a[set][0][1], a[set][0][3]);
+        fp8x4_to_f16<E5M2>(x[2], a[set][1][0], a[set][1][2]);
+        fp8x4_to_f16<E5M2>(x[3], a[set][1][1], a[set][1][3]);
+        wgmma_fence();
+        wgmma_rs_k<NC, PT>(s_part[0], a[set][0], q_desc(2 * j), j > 0 ? 1 : 0);
+        wgmma_rs_k<NC, PT>(s_part[1], a[set][1], q_desc(2 * j + 1), j > 0 ? 1 : 0);
+        wgmma_commit();
+      }
+    } else {
+      const uint64_t dk = wgmma_desc(tK, 16);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint64_t da = dk + (((kk >> 2) * BN * 128 + (kk & 3) * 32) >> 4);
+        wgmma_ss<NC, T>(s_part[kk % kChains], da, q_desc(kk), kk >= kChains ? 1 : 0);
+      }
+      wgmma_commit();
     }
-    wgmma_commit();
     wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       s[i] = s_part[0][i];
 #pragma unroll
-      for (int c = 1; c < kSChains; ++c) s[i] += s_part[c][i];
+      for (int c = 1; c < kChains; ++c) s[i] += s_part[c][i];
+      if constexpr (FP8) s[i] *= inv_qs;
     }
 
-    if constexpr (FP8) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s[i] *= kUnit;
-    }
     if (cap.on) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) s[i] = cap(s[i]);
@@ -323,30 +365,53 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, 1)
         for (int e = 0; e < 2; ++e) {
           const int col = nb * 8 + 2 * c4 + e, key = wq * 16 + g + 8 * h;
           const uint32_t off = col * 128 + (((key >> 3) ^ (col & 7)) << 4) + (key & 7) * 2;
-          *reinterpret_cast<T*>(p_tile + off) = from_float<T>(s[nb * 4 + 2 * h + e] * kPScale);
+          *reinterpret_cast<PT*>(p_tile + off) = from_float<PT>(s[nb * 4 + 2 * h + e]);
         }
     fence_proxy_async_smem();
     wg_bar();
 
     // ---- O^T += V^T P^T: dims as M (eight blocks of 64), 16 keys a step.
-    wgmma_fence();
+    if constexpr (FP8) {
+      uint32_t a[kFp8Sets][2][4];
 #pragma unroll
-    for (int k16 = 0; k16 < BN / 16; ++k16) {
-      const uint64_t db = dp + ((k16 * 32) >> 4);
+      for (int n = 0; n < 2 * 8; ++n) {
+        const int q = n >> 3, mb = n & 7, set = n % kFp8Sets;
+        if (n >= kFp8Sets) wgmma_wait<kFp8Sets - 1>();
+        uint32_t x[4];
+        ldmatrix_x4_trans(x,
+                          stg + (mb >> 1) * BN * 128 + q * 32 * 128 + (v_base ^ ((mb & 1) << 6)));
+        // Bytes (key 2 c4: dims 2 g, 2 g + 1; key 2 c4 + 1: the same) -> rows g (dim 2 g) and
+        // g + 8 (dim 2 g + 1), keys 2 c4, 2 c4 + 1 in each.
 #pragma unroll
-      for (int mb = 0; mb < 8; ++mb) {
-        const uint64_t da = dv + ((k16 * 16 * 128 + mb * BN * 128) >> 4);
-        wgmma_ss_tn<NC, T>(o[mb], da, db, 1);
+        for (int i = 0; i < 4; ++i)
+          fp8x4_to_f16<E5M2>(__byte_perm(x[i], 0u, 0x3120), a[set][i >> 1][(i & 1) * 2],
+                             a[set][i >> 1][(i & 1) * 2 + 1]);
+        wgmma_fence();
+        wgmma_rs_k<NC, PT>(o[mb], a[set][0], dp + ((2 * q * 32) >> 4), 1);
+        wgmma_rs_k<NC, PT>(o[mb], a[set][1], dp + (((2 * q + 1) * 32) >> 4), 1);
+        wgmma_commit();
       }
+    } else {
+      const uint64_t dv = wgmma_desc(tK, BN * 128);
+      wgmma_fence();
+#pragma unroll
+      for (int k16 = 0; k16 < BN / 16; ++k16) {
+        const uint64_t db = dp + ((k16 * 32) >> 4);
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) {
+          const uint64_t da = dv + ((k16 * 16 * 128 + mb * BN * 128) >> 4);
+          wgmma_ss_tn<NC, T>(o[mb], da, db, 1);
+        }
+      }
+      wgmma_commit();
     }
-    wgmma_commit();
     wgmma_wait<0>();
   }
   cp_async_wait<0>();
 
   // ---- Epilogue: column sums over the keys (lanes of one c4, then the warps), then each thread
   // writes its 64 (dim, column) values.
-  consumer_bar<FP8>();  // x_cols is reused
+  __syncthreads();  // x_cols is reused
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
@@ -357,7 +422,7 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, 1)
       v += __shfl_xor_sync(0xffffffff, v, 16);
       if (g == 0) x_cols[wq * NC + nb * 8 + 2 * c4 + e] = v;
     }
-  consumer_bar<FP8>();
+  __syncthreads();
 #pragma unroll
   for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
@@ -367,12 +432,18 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, 1)
       const int f = item.f0 + col, t = f / G, hg = f - t * G;
       if (t >= req.qlen) continue;
       // Warp 0's lanes g = 0 write the column's lse.
-      const MlaRowOut<T> row(p, req, item.split, t, kvh * G + hg, ll, m[nb][e], kUnit,
+      const MlaRowOut<T> row(p, req, item.split, t, kvh * G + hg, ll, m[nb][e], 1.f,
                              wq == 0 && g == 0);
 #pragma unroll
-      for (int mb = 0; mb < 8; ++mb)
+      for (int mb = 0; mb < 8; ++mb) {
+        if constexpr (FP8) {
+          row.put2(mb * 64 + wq * 16 + 2 * g, o[mb][nb * 4 + e], o[mb][nb * 4 + 2 + e]);
+        } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) row.put(mb * 64 + wq * 16 + g + 8 * h, o[mb][nb * 4 + 2 * h + e]);
+          for (int h = 0; h < 2; ++h)
+            row.put(mb * 64 + wq * 16 + g + 8 * h, o[mb][nb * 4 + 2 * h + e]);
+        }
+      }
     }
 }
 

@@ -35,6 +35,17 @@ inline constexpr float kMlaFp8QScale = 0x1p64f;
 inline constexpr float kMlaFp8PScale = 0x1p64f;
 inline constexpr float kMlaFp8Unit = 0x1p48f;
 
+// The fp8 latent tile that the keys-on-M CTA (mla_keys_m.cu) reads with ldmatrix: the 64 keys'
+// raw 576-byte rows as four 8 KB blocks of 128 columns ([key][128 bytes], 16-byte chunk c of a row
+// at c ^ (key & 7)) and one 4 KB block of the 64 rope columns ([key][64 bytes], chunk c at
+// c ^ ((key >> 1) & 3)), so that the eight rows of an 8 x 16-byte ldmatrix (eight keys, one chunk)
+// and the eight chunks of a row's copies each fall on all 32 banks.
+inline constexpr int kMlaRawTileBytes = kMlaTileKeys * kMlaHeadDim;
+__device__ __forceinline__ uint32_t mla_raw_offset(int key, int c) {
+  return c < 32 ? (c >> 3) * kMlaTileKeys * 128 + key * 128 + (((c & 7) ^ (key & 7)) << 4)
+                : 4 * kMlaTileKeys * 128 + key * 64 + (((c - 32) ^ ((key >> 1) & 3)) << 4);
+}
+
 // 16 fp8 bytes (E5M2 or e4m3) -> 16 bf16 values times 2^-112, in two 16-byte chunks.
 template <bool E5M2>
 __device__ __forceinline__ void fp8x16_to_bf16(const uint4& w, uint4& lo, uint4& hi) {
@@ -196,6 +207,24 @@ struct MlaTileCopier {
           if (ld_c + 8 * i < kRowChunks)
             cp_async_16(dk + i * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
         }
+      }
+    }
+  }
+
+  // fp8, whole tiles: the rows of load t (its slots prefetched) into `stage` in the layout of
+  // mla_raw_offset.
+  __device__ __forceinline__ void load_raw_swizzled(unsigned char* stage) {
+    static_assert(FP8 && UNIT == kBN);
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      const int key = ld_row + step * r;
+      const bool valid = slot[r] >= 0;
+      const unsigned char* src = kbytes + (valid ? slot[r] * p.k_row_stride : 0);
+#pragma unroll
+      for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
+        const int c = ld_c + 8 * i;
+        if (c < kRowChunks)
+          cp_async_16(stage + mla_raw_offset(key, c), src + (valid ? c * 16 : 0), valid);
       }
     }
   }
