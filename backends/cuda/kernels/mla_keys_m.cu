@@ -58,11 +58,9 @@ struct KeysMCfg {
   static constexpr int kThreads = 128;
   static constexpr int kQBytes = kCols * kD * 2;
   // 16-bit: two tiles in the wgmma layout; fp8: kRawStages raw tiles (mla_raw_offset).
-#ifdef ATTNRT_MLA_FP8_STAGES
-  static constexpr int kRawStages = ATTNRT_MLA_FP8_STAGES;
-#else
+  // fp8: two stages, so that two CTAs share an SM (H100, h16-64x8192-fp8: 148 us; four stages at
+  // one CTA an SM, twice the bytes in flight: 217 us; the consumer's chain is latency-bound).
   static constexpr int kRawStages = 2;
-#endif
   static constexpr int kStages = FP8 ? kRawStages : 2;
   static constexpr int kStageBytes = FP8 ? kMlaRawTileBytes : kMlaTileBytes;
   static constexpr int kPBytes = kCols * kBN * 2;
@@ -73,8 +71,12 @@ struct KeysMCfg {
 };
 
 __device__ __forceinline__ void wg_bar() { asm volatile("bar.sync 1, 128;\n" ::: "memory"); }
-// Register-sourced MMA groups in flight while the next operands are loaded and converted.
+// Register-sourced MMA groups (two k steps each) in flight while the next operands are loaded and
+// converted, and how many groups ahead their ldmatrix is issued. H100, h16-64x8192-fp8: three sets
+// with the ldmatrix one group ahead 128.6 us; none ahead 146.1; groups of four k steps with the
+// ldmatrix two units ahead 130.6.
 constexpr int kFp8Sets = 3;
+constexpr int kFp8Ahead = 1;
 
 // The fp8 path's Q: the item's 16 bf16 rows (landed, in the wgmma layout, read by every thread
 // after a barrier) times a power of two, as f16 in the permuted k order of the header, in place.
@@ -257,18 +259,26 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, KeysMCfg<FP8>::kMinBl
     constexpr int kChains = FP8 ? 2 : 4;
     float s[8], s_part[kChains][8];
     if constexpr (FP8) {
-      uint32_t a[kFp8Sets][2][4];
-#pragma unroll
-      for (int j = 0; j < D / 32; ++j) {
-        const int set = j % kFp8Sets;
-        if (j >= kFp8Sets) wgmma_wait<kFp8Sets - 1>();  // the MMAs that read a[set] are done
-        uint32_t x[4];
+      // Pair j of k steps: matrix lane >> 3 = keys 16 wq + 8 (bit 0) of chunk 2 j + (bit 1). Each
+      // pair's ldmatrix is issued kFp8Ahead pairs early, so its latency hides under the
+      // conversions and MMAs of the pairs before it.
+      auto load_s = [&](uint32_t(&x)[4], int j) {
         ldmatrix_x4(x, stg + (j < 16 ? (j >> 2) * BN * 128 + (s_base ^ ((2 * j & 7) << 4))
                                      : (s_rope ^ ((2 * (j - 16)) << 4))));
-        fp8x4_to_f16<E5M2>(x[0], a[set][0][0], a[set][0][2]);
-        fp8x4_to_f16<E5M2>(x[1], a[set][0][1], a[set][0][3]);
-        fp8x4_to_f16<E5M2>(x[2], a[set][1][0], a[set][1][2]);
-        fp8x4_to_f16<E5M2>(x[3], a[set][1][1], a[set][1][3]);
+      };
+      constexpr int kPairs = D / 32;
+      uint32_t a[kFp8Sets][2][4], x[kFp8Ahead + 1][4];
+#pragma unroll
+      for (int j = 0; j < kFp8Ahead; ++j) load_s(x[j], j);
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        const int set = j % kFp8Sets, xi = j % (kFp8Ahead + 1);
+        if (j + kFp8Ahead < kPairs) load_s(x[(j + kFp8Ahead) % (kFp8Ahead + 1)], j + kFp8Ahead);
+        if (j >= kFp8Sets) wgmma_wait<kFp8Sets - 1>();  // the MMAs that read a[set] are done
+        fp8x4_to_f16<E5M2>(x[xi][0], a[set][0][0], a[set][0][2]);
+        fp8x4_to_f16<E5M2>(x[xi][1], a[set][0][1], a[set][0][3]);
+        fp8x4_to_f16<E5M2>(x[xi][2], a[set][1][0], a[set][1][2]);
+        fp8x4_to_f16<E5M2>(x[xi][3], a[set][1][1], a[set][1][3]);
         wgmma_fence();
         wgmma_rs_k<NC, PT>(s_part[0], a[set][0], q_desc(2 * j), j > 0 ? 1 : 0);
         wgmma_rs_k<NC, PT>(s_part[1], a[set][1], q_desc(2 * j + 1), j > 0 ? 1 : 0);
@@ -372,19 +382,27 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, KeysMCfg<FP8>::kMinBl
 
     // ---- O^T += V^T P^T: dims as M (eight blocks of 64), 16 keys a step.
     if constexpr (FP8) {
-      uint32_t a[kFp8Sets][2][4];
-#pragma unroll
-      for (int n = 0; n < 2 * 8; ++n) {
-        const int q = n >> 3, mb = n & 7, set = n % kFp8Sets;
-        if (n >= kFp8Sets) wgmma_wait<kFp8Sets - 1>();
-        uint32_t x[4];
+      // Group n: k steps 2 q, 2 q + 1 of dims block mb (q = n / 8, mb = n % 8); matrix lane >> 3 =
+      // keys 32 q + 8 (lane >> 3) of chunk 4 mb + wq. Loaded kFp8Ahead groups early, as S's.
+      auto load_v = [&](uint32_t(&x)[4], int n) {
+        const int q = n >> 3, mb = n & 7;
         ldmatrix_x4_trans(x,
                           stg + (mb >> 1) * BN * 128 + q * 32 * 128 + (v_base ^ ((mb & 1) << 6)));
+      };
+      constexpr int kGroups = 2 * 8;
+      uint32_t a[kFp8Sets][2][4], x[kFp8Ahead + 1][4];
+#pragma unroll
+      for (int n = 0; n < kFp8Ahead; ++n) load_v(x[n], n);
+#pragma unroll
+      for (int n = 0; n < kGroups; ++n) {
+        const int q = n >> 3, mb = n & 7, set = n % kFp8Sets, xi = n % (kFp8Ahead + 1);
+        if (n + kFp8Ahead < kGroups) load_v(x[(n + kFp8Ahead) % (kFp8Ahead + 1)], n + kFp8Ahead);
+        if (n >= kFp8Sets) wgmma_wait<kFp8Sets - 1>();
         // Bytes (key 2 c4: dims 2 g, 2 g + 1; key 2 c4 + 1: the same) -> rows g (dim 2 g) and
         // g + 8 (dim 2 g + 1), keys 2 c4, 2 c4 + 1 in each.
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          fp8x4_to_f16<E5M2>(__byte_perm(x[i], 0u, 0x3120), a[set][i >> 1][(i & 1) * 2],
+          fp8x4_to_f16<E5M2>(__byte_perm(x[xi][i], 0u, 0x3120), a[set][i >> 1][(i & 1) * 2],
                              a[set][i >> 1][(i & 1) * 2 + 1]);
         wgmma_fence();
         wgmma_rs_k<NC, PT>(o[mb], a[set][0], dp + ((2 * q * 32) >> 4), 1);
