@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <random>
 #include <tuple>
@@ -856,12 +857,19 @@ void run_steady_sequence(const SteadyCase& sc, uint32_t seed, int steps, int max
     }
     st.launch = rng() % 8 != 0;
     // Now and then a step that fails a check, and a decode slot off its position (write() throws
-    // on it; the steady pass must leave that to write()'s pass, as the general pass does).
+    // on it; the steady pass must leave that to write()'s pass, as the general pass does). The
+    // steady pass reads rows and slots as 32-bit halves, four requests at a time: a row or a slot
+    // that differs from a valid one in its high half only must come out as the general pass's
+    // (a row out of range; a slot whose page id has bits from both halves; a slot whose sign bit
+    // alone is wrong, refused).
     const int fault = static_cast<int>(rng() % 30);
     if (fault == 0 && bs >= 2) st.batch.req_pool_indices[bs - 1] = st.batch.req_pool_indices[0];
     if (fault == 1 && decode) st.batch.seq_lens[rng() % bs] = rng() % 2 ? 0 : max_ctx + 1;
     if (fault == 2 && decode) st.batch.out_cache_loc[rng() % bs] += 1;
     if (fault == 3) st.batch.out_cache_loc.push_back(0);
+    if (fault == 4 && decode) st.batch.req_pool_indices[rng() % bs] += int64_t{1} << 32;
+    if (fault == 5 && decode) st.batch.out_cache_loc[rng() % bs] += int64_t{1} << 32;
+    if (fault == 6 && decode) st.batch.out_cache_loc[rng() % bs] |= INT64_MIN;
 
     const Planned a = plan_step_bytes(steady, st, rows.pool, sc.page);
     const Planned b = plan_step_bytes(general, st, rows.pool, sc.page);
@@ -886,6 +894,8 @@ TEST(CudaHostPlan, SteadyDecodePlansEqualTheGeneralPass) {
   const std::vector<SteadyCase> cases = {
       {16, config({4}, {128}, 8, false)},
       {1, config({4}, {128}, 8, false)},
+      {8, config({4}, {128}, 8, false)},
+      {128, config({4}, {128}, 8, false)},
       {64, config({1, 8}, {64, 256}, 4, false)},
       {16, config({4}, {128}, 8, true)},
       {16, with_kv_chunk(config({4, 8}, {128, 64}, 8, false), 700)},
