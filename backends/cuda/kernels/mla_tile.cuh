@@ -3,9 +3,9 @@
 // thread copies chunk ld_c of every 64-column block of RPT key rows (ld_row + step r, step a
 // multiple of 8 so the rows share one swizzle): every chunk sits at one base offset plus
 // constants. The pool slots of a thread's rows are looked up a tile ahead (prefetch_slots), so a
-// page of one token adds no latency to the copies. An fp8 cache is copied raw into stages of UNIT
-// keys (two 36 KB stages in the second bf16 tile's space unless the CTA places them) and converted
-// (through f16, exactly, in units of 2^-112) into a bf16 tile.
+// page of one token adds no latency to the copies. An fp8 cache is copied raw: by mla_decode.cu
+// into two 36 KB stages in the second bf16 tile's space, converted (through f16, exactly, in units
+// of 2^-112) into a bf16 tile; by mla_keys_m.cu into its own stages (load_raw_swizzled).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -135,24 +135,20 @@ struct MlaRowOut {
   }
 };
 
-// T: the activations (bf16); FP8 / E5M2: the cache's storage; RPT: key rows a thread copies;
-// UNIT: keys a load covers (a whole tile, or for fp8 a part of one: load t copies keys
-// lo + t * UNIT ..); RAW_AT: the fp8 stages' offset from `tiles` (the second bf16 tile's space
-// unless the CTA places them elsewhere).
-template <typename T, bool FP8, bool E5M2, int RPT, int UNIT = kMlaTileKeys,
-          int RAW_AT = kMlaTileBytes>
+// T: the activations (bf16); FP8 / E5M2: the cache's storage; RPT: key rows a thread copies.
+// mla_decode.cu's fp8 stages lie in the second bf16 tile's space (kRawAt).
+template <typename T, bool FP8, bool E5M2, int RPT>
 struct MlaTileCopier {
   static constexpr int kD = kMlaHeadDim, kBN = kMlaTileKeys;
   static constexpr int kElem = FP8 ? 1 : 2;
   static constexpr int kRowChunks = kD * kElem / 16;  // 16-byte chunks of a stored row
-  static constexpr int kUnit = UNIT;
-  static constexpr int kRawBytes = UNIT * kD;  // an fp8 stage
-  static_assert(kBN % UNIT == 0 && (FP8 || UNIT == kBN));
+  static constexpr int kRawBytes = kBN * kD;  // an fp8 stage
+  static constexpr int kRawAt = kMlaTileBytes;
 
   const AttnParams& p;
   const ReqInfo& req;
   unsigned char* tiles;  // the two bf16 tiles (or the bf16 tile and the two raw stages)
-  int lo, hi, num_tiles;  // num_tiles: loads of UNIT keys
+  int lo, hi, num_tiles;
   const unsigned char* kbytes;
   int ld_row, ld_c, step;
   uint32_t ld_swz;
@@ -180,7 +176,7 @@ struct MlaTileCopier {
   __device__ __forceinline__ void prefetch_slots(int t) {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
-      const int j = lo + t * UNIT + ld_row + step * r;
+      const int j = lo + t * kBN + ld_row + step * r;
       slot[r] = t < num_tiles && j < hi
                     ? slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j)
                     : -1;
@@ -201,7 +197,7 @@ struct MlaTileCopier {
           cp_async_16(dk + i * kBN * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
       } else {
         unsigned char* dk =
-            tiles + RAW_AT + stage * kRawBytes + (ld_row + step * r) * kD + ld_c * 16;
+            tiles + kRawAt + stage * kRawBytes + (ld_row + step * r) * kD + ld_c * 16;
 #pragma unroll
         for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
           if (ld_c + 8 * i < kRowChunks)
@@ -214,7 +210,7 @@ struct MlaTileCopier {
   // fp8, whole tiles: the rows of load t (its slots prefetched) into `stage` in the layout of
   // mla_raw_offset.
   __device__ __forceinline__ void load_raw_swizzled(unsigned char* stage) {
-    static_assert(FP8 && UNIT == kBN);
+    static_assert(FP8);
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const int key = ld_row + step * r;
@@ -229,17 +225,15 @@ struct MlaTileCopier {
     }
   }
 
-  // fp8: this thread's own raw chunks of stage `stage` into the bf16 tile at `dst` (the first
-  // one unless given), as its keys key0 .. key0 + UNIT - 1 (no barrier needed before: a thread
-  // reads only what its own copies wrote). Raw chunk c holds columns 16c .. 16c + 15: bf16 chunks
-  // 2c and 2c + 1.
-  __device__ __forceinline__ void convert(int stage) const { convert(stage, tiles, 0); }
-  __device__ __forceinline__ void convert(int stage, unsigned char* dst, int key0) const {
+  // fp8: this thread's own raw chunks of stage `stage` into the first bf16 tile (no barrier
+  // needed before: a thread reads only what its own copies wrote). Raw chunk c holds columns
+  // 16c .. 16c + 15: bf16 chunks 2c and 2c + 1.
+  __device__ __forceinline__ void convert(int stage) const {
     if constexpr (FP8) {
 #pragma unroll
       for (int r = 0; r < RPT; ++r) {
         const int key = ld_row + step * r;
-        const unsigned char* src = tiles + RAW_AT + stage * kRawBytes + key * kD + ld_c * 16;
+        const unsigned char* src = tiles + kRawAt + stage * kRawBytes + key * kD + ld_c * 16;
 #pragma unroll
         for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
           const int c = ld_c + 8 * i;
@@ -251,10 +245,10 @@ struct MlaTileCopier {
             // warp covers all 32 banks once (the even-first order measured 11.9M bank conflicts
             // on mla-decode-h16-64x8192-fp8 and made fp8 slower than bf16).
             const bool odd_first = ld_c & 4;
-            const uint32_t even = swz128_offset(kBN, key0 + key, 2 * c);
-            const uint32_t odd = swz128_offset(kBN, key0 + key, 2 * c + 1);
-            *reinterpret_cast<uint4*>(dst + (odd_first ? odd : even)) = odd_first ? hi16 : lo16;
-            *reinterpret_cast<uint4*>(dst + (odd_first ? even : odd)) = odd_first ? lo16 : hi16;
+            const uint32_t even = swz128_offset(kBN, key, 2 * c);
+            const uint32_t odd = swz128_offset(kBN, key, 2 * c + 1);
+            *reinterpret_cast<uint4*>(tiles + (odd_first ? odd : even)) = odd_first ? hi16 : lo16;
+            *reinterpret_cast<uint4*>(tiles + (odd_first ? even : odd)) = odd_first ? lo16 : hi16;
           }
         }
       }
