@@ -675,6 +675,64 @@ TEST(CudaHostPlan, Batch256StepsMatchDirectComputation) {
   }
 }
 
+// Ragged decode at batch 256 (the benchmark's kDecodeRagged): lengths across [256, 2048], a quarter
+// of them on either side of a page edge, growing by one each step, so that requests of one, two
+// and more splits share a step and some cross a split boundary on the way; a request leaving and
+// one joining between steps. The split counts (taken by compares at this batch size), the work
+// list and the partial offsets against the direct computation, on the steady pass and off it.
+TEST(CudaHostPlan, RaggedDecodeBatch256StepsMatchDirectComputation) {
+  for (int page : {1, 16, 64}) {
+    SCOPED_TRACE(testing::Message() << "page " << page);
+    constexpr int kRowsN = 260, kMaxCtx = 2200;
+    Rows rows(kRowsN, kMaxCtx, page);
+    HostPlanner planner(config({4}, {128}, 8, false));
+    DeviceModel dev;
+    dev.pages_per_row = cdiv(kMaxCtx, page);
+    dev.table.assign(kRowsN * dev.pages_per_row, 0);
+    dev.gen.assign(kRowsN, ~uint64_t{0});
+    dev.known.assign(kRowsN, 0);
+    planner.enable_row_table(kRowsN, dev.pages_per_row);
+    std::mt19937 rng(91 + page);
+    std::vector<int64_t> req(256);
+    std::vector<int32_t> seq(256);
+    for (int r = 0; r < 256; ++r) {
+      req[r] = r;
+      seq[r] = 256 + static_cast<int32_t>(rng() % 1793);
+      if (r % 8 == 0) seq[r] = seq[r] / 64 * 64;      // on a page edge (every page size here)
+      if (r % 8 == 1) seq[r] = seq[r] / 64 * 64 + 1;  // just past one
+    }
+    int steady_steps = 0;
+    for (int step = 0; step < 12; ++step) {
+      SCOPED_TRACE(testing::Message() << "step " << step);
+      if (step == 5) {  // a request leaves
+        req.erase(req.begin() + 17);
+        seq.erase(seq.begin() + 17);
+      }
+      if (step == 8) {  // one joins
+        req.push_back(256);
+        seq.push_back(300);
+      }
+      const int bs = static_cast<int>(req.size());
+      std::vector<int32_t> prefix(bs), qlen(bs, 1);
+      for (int i = 0; i < bs; ++i) {
+        rows.grow(static_cast<int>(req[i]), seq[i]);
+        prefix[i] = seq[i] - 1;
+      }
+      Step st;
+      st.batch = make_decode_batch(req, seq);
+      fill_slots(st.batch, rows, prefix, qlen);
+      plan_and_check(planner, rows, dev, st);
+      if (HasFatalFailure()) return;
+      const ClassPlan& cp = planner.plan().classes[0];
+      EXPECT_GT(cp.max_splits, 1);
+      EXPECT_LT(cp.num_items, int64_t{bs} * cp.max_splits);  // not every request splits alike
+      if (planner.plan().steady) ++steady_steps;
+      for (int32_t& s : seq) ++s;
+    }
+    EXPECT_GE(steady_steps, 8);
+  }
+}
+
 // The steady-decode pass (a decode step on the last committing DECODE plan's rows, in order,
 // after its kernels ran) against the general pass, byte for byte: two planners, one with the
 // steady pass off, fed the same serving-like sequence. The batch decodes one token per request
@@ -917,6 +975,161 @@ TEST(CudaHostPlan, SteadyDecodePlansEqualTheGeneralPassAtBatch256) {
   int steady_steps = 0;
   run_steady_sequence({16, config({4}, {128}, 8, false)}, seed, 200, 256, &steady_steps);
   EXPECT_GT(steady_steps, 20);
+}
+
+// Each way out of the steady-decode pass, one at a time, against the general pass byte for
+// byte: which steps take the steady pass (plan.steady) is pinned down as well. The steady pass
+// keeps each request's committed pages as the last plan's key length over the page size, so the
+// cases where that state has to go back into the row states are the ones listed: a request
+// finishing, one joining, another row in the last place (the pass starts and gives up), a
+// different page size, a padded graph replay, a capture, a plan whose kernels never ran (once,
+// and twice in a row), a step that fails its checks, lengths that repeat, go back or jump, and
+// page boundaries crossed on the way (five requests: the last one goes through the pass's
+// partial group of four).
+TEST(CudaHostPlan, SteadyDecodeFallsBackOnEachTrigger) {
+  constexpr int kRows = 16, kMaxCtx = 512;
+  Rows rows(kRows, kMaxCtx, 16);
+  PlannerConfig steady_cfg = config({4}, {128}, 8, false);
+  PlannerConfig general_cfg = steady_cfg;
+  general_cfg.steady_decode = false;
+  HostPlanner steady(steady_cfg), general(general_cfg);
+  steady.enable_row_table(kRows, cdiv(kMaxCtx, 16));
+  general.enable_row_table(kRows, cdiv(kMaxCtx, 16));
+  GraphLayout gl;
+  gl.max_bs = 12;
+  gl.reqs_cap = gl.max_bs;
+  gl.work_cap = static_cast<size_t>(gl.max_bs) * 64 * 8;
+  gl.tree_cap = static_cast<size_t>(gl.max_bs) * 16;
+  gl.meta_bytes = size_t{1} << 20;
+
+  std::vector<int64_t> batch = {3, 7, 1, 9, 12};
+  std::vector<int32_t> seq = {13, 30, 47, 64, 100};
+  struct How {
+    int page = 16;
+    int padded_bs = 0;
+    bool replay = false, capturing = false, launch = true;
+    int zero_len_at = -1;  // a request whose seq_len is 0 (the step fails its checks)
+  };
+  int step = 0;
+  // One decode step of `batch` at `seq` through both planners; whether the steady one took the
+  // steady pass (false when the step failed its checks, which must fail alike).
+  auto plan = [&](How how = {}) {
+    SCOPED_TRACE(testing::Message() << "step " << step++);
+    Step st;
+    std::vector<int32_t> prefix(batch.size()), qlen(batch.size(), 1);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      rows.grow(static_cast<int>(batch[i]), seq[i]);
+      prefix[i] = seq[i] - 1;
+    }
+    st.batch = make_decode_batch(batch, seq);
+    fill_slots(st.batch, rows, prefix, qlen);
+    if (how.zero_len_at >= 0) st.batch.seq_lens[how.zero_len_at] = 0;
+    if (how.padded_bs > 0) {
+      st.graph = &gl;
+      st.padded_bs = how.padded_bs;
+      st.replay = how.replay;
+    }
+    st.capturing = how.capturing;
+    st.launch = how.launch;
+    const Planned a = plan_step_bytes(steady, st, rows.pool, how.page);
+    const Planned b = plan_step_bytes(general, st, rows.pool, how.page);
+    expect_same_plan(a, b);
+    EXPECT_FALSE(b.plan.steady);
+    return a.error.empty() && a.plan.steady;
+  };
+  auto grow = [&](int n = 1) {
+    for (int32_t& s : seq) s += n;
+  };
+
+  EXPECT_FALSE(plan());           // the first step commits; the next ones may be steady
+  for (int k = 0; k < 20; ++k) {  // every request crosses at least one page boundary
+    grow();
+    EXPECT_TRUE(plan());
+  }
+  ASSERT_FALSE(HasFailure());
+
+  batch.erase(batch.begin() + 2);  // a request finishes
+  seq.erase(seq.begin() + 2);
+  grow();
+  EXPECT_FALSE(plan());
+  grow();
+  EXPECT_TRUE(plan());
+
+  rows.recycle(5);  // one joins
+  batch.push_back(5);
+  seq.push_back(40);
+  grow();
+  EXPECT_FALSE(plan());
+  grow();
+  EXPECT_TRUE(plan());
+
+  rows.recycle(14);  // the last request's place goes to another row (the same batch size)
+  batch.back() = 14;
+  seq.back() = 20;
+  grow();
+  EXPECT_FALSE(plan());
+  grow();
+  EXPECT_TRUE(plan());
+
+  grow();  // another page size (pages of 8 hold the slots of pages of 16)
+  EXPECT_FALSE(plan({.page = 8}));
+  grow();
+  EXPECT_TRUE(plan({.page = 8}));
+  grow();
+  EXPECT_FALSE(plan());
+  grow();
+  EXPECT_TRUE(plan());
+
+  grow();  // a padded graph replay takes the steady pass, and so does the eager step after it
+  EXPECT_TRUE(plan({.padded_bs = 9, .replay = true}));
+  grow();
+  EXPECT_TRUE(plan());
+  grow();  // a capture commits nothing
+  EXPECT_FALSE(plan({.padded_bs = 9, .replay = false}));
+  grow();
+  EXPECT_FALSE(plan());
+  grow();
+  EXPECT_TRUE(plan());
+  grow();  // the stream captures an eager step
+  EXPECT_FALSE(plan({.capturing = true}));
+  grow();
+  EXPECT_FALSE(plan());
+  grow();
+  EXPECT_TRUE(plan());
+
+  // Kernels that never ran: the next step knows the commits of the plan before. Those differ
+  // from the dropped plan's where its token completed a page: three steps a round, 16 rounds,
+  // so that every request's dropped plan ends on a page boundary in one of them.
+  for (int k = 0; k < 16; ++k) {
+    grow();
+    EXPECT_TRUE(plan({.launch = false}));
+    grow();
+    EXPECT_FALSE(plan());
+    grow();
+    EXPECT_TRUE(plan());
+  }
+  grow();
+  EXPECT_TRUE(plan({.launch = false}));
+  EXPECT_FALSE(plan({.launch = false}));  // the same step again, twice not run
+  EXPECT_FALSE(plan());
+  grow();
+  EXPECT_TRUE(plan());
+
+  grow();  // a step that fails its checks (after the steady pass began)
+  EXPECT_FALSE(plan({.zero_len_at = 1}));
+  EXPECT_FALSE(plan());
+  grow();
+  EXPECT_TRUE(plan());
+
+  EXPECT_TRUE(plan());  // the same lengths again
+  grow(-20);            // back over a page boundary (rejected drafts decoded again)
+  EXPECT_TRUE(plan());
+  grow(40);  // a jump: several pages missing
+  EXPECT_TRUE(plan());
+  for (int k = 0; k < 18; ++k) {
+    grow();
+    EXPECT_TRUE(plan());
+  }
 }
 
 TEST(CudaHostPlan, RejectsRepeatedRowsAndSlotsOffPageStarts) {

@@ -68,6 +68,29 @@ void store_transposed(char* dst, I32x4 a, I32x4 b, I32x4 c, I32x4 d) {
   store4(dst + 3 * sizeof(ReqInfo), __builtin_shufflevector(ab23, cd23, 2, 3, 6, 7));
 }
 
+// Split counts up to this many are taken by compares: a length kv <= s * chunk has
+// ceil(kv / chunk) = #{k in [0, s): kv > k * chunk} splits, so the split counts of a batch, or
+// their sum, are counts of lengths above a few thresholds, four lengths at a time, where a
+// division a request (a multiply by 1 / chunk in double) took a dependent convert, multiply and
+// convert back per request and candidate.
+constexpr int kCompareSplits = 8;
+
+// k * chunk as a compare threshold for int32 lengths (none exceeds INT32_MAX).
+int32_t threshold(int64_t k, uint32_t chunk) {
+  return static_cast<int32_t>(std::min<int64_t>(k * chunk, INT32_MAX));
+}
+
+// How many of the n lengths at kv exceed `above`.
+int64_t count_above(const int32_t* kv, int n, int32_t above) {
+  const I32x4 t = {above, above, above, above};
+  I32x4 acc = {0, 0, 0, 0};
+  int i = 0;
+  for (; i + 4 <= n; i += 4) acc -= load4<I32x4>(kv + i) > t;
+  int64_t count = int64_t{acc[0]} + acc[1] + acc[2] + acc[3];
+  for (; i < n; ++i) count += kv[i] > above ? 1 : 0;
+  return count;
+}
+
 }  // namespace
 
 // The lengths of a graph's replays are unknown at capture, so this is choose_chunk's wave model
@@ -106,16 +129,18 @@ void HostPlanner::enable_row_table(int rows, int64_t pages_per_row) {
 }
 
 void HostPlanner::drop_commits(int n) {
-  release_steady();
+  release_steady(false);
   for (int i = 0; i < n; ++i) rows_[row_of_[i]].pending = -1;
 }
 
-void HostPlanner::release_steady() {
+void HostPlanner::release_steady(bool launched) {
   if (steady_ahead_) {
+    const int shift = std::countr_zero(static_cast<unsigned>(steady_page_));
+    const int32_t* known = launched ? kv_.data() : kv_last_.data();
     for (int i = 0; i < steady_n_; ++i) {
       RowState& rs = rows_[row_of_[i]];
-      rs.known = steady_known_[i];
-      rs.pending = steady_commit_[i];
+      rs.known = known[i] >> shift;
+      rs.pending = kv_[i] >> shift;
     }
   }
   steady_ahead_ = false;
@@ -154,18 +179,12 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
   ReqInfo* info = info_;
   int32_t* row_of = row_of_.data();
   int32_t* kvs = kv_.data();
-  // DECODE: the page of each request's token, from its write slot (see write()), and the bits of
-  // the slots that break write()'s check (the sign, and an offset in the page other than the
-  // token's position's).
+  // DECODE: the bits of the write slots that break write()'s check (the sign, and an offset in the
+  // page other than the token's position's); write() takes the token's page from the slot.
   const int64_t* loc = batch.out_cache_loc.data();
   // A DCP rank's batch (docs/dcp.md): a row whose slot is the dummy 0 is a query that is no key
   // here; its last key is in its row, not at its slot, so the step takes the row's pages.
   const uint64_t dcp_dummy = batch.dcp_partial ? 1 : 0;
-  int32_t* token_page = token_page_.data();
-  // A committing DECODE plan leaves each request's row state in batch order too, for the steady
-  // pass of the next step.
-  int32_t* steady_known = steady_known_.data();
-  int32_t* steady_commit = steady_commit_.data();
   const uint64_t slot_bits = static_cast<uint64_t>(offset_mask) | (uint64_t{1} << 63);
   uint64_t bad_slots = 0;
   Stats st;
@@ -201,10 +220,6 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
       committed = kCommit ? std::max(done, known) : known;
       pt_row = static_cast<int32_t>(row * pages_per_row);
       rs.pending = kCommit ? committed : -1;
-      if constexpr (kDecode && kCommit) {
-        steady_known[i] = rs.known;
-        steady_commit[i] = committed;
-      }
     }
     info[i] = {st.tokens, qlen,  prefix,    static_cast<int32_t>(kv),
                pt,        1,     0,         st.tokens | not_tree,
@@ -215,7 +230,6 @@ void HostPlanner::scan(const ForwardBatch& batch, Derive derive) {
       const int64_t slot = loc[i];
       bad_slots |= (static_cast<uint64_t>(slot) ^ static_cast<uint64_t>(prefix)) & slot_bits;
       bad_slots |= dcp_dummy & static_cast<uint64_t>(slot == 0);
-      token_page[i] = static_cast<int32_t>(slot >> shift);
     }
     st.tokens += qlen;
     pt += pages - known;
@@ -270,12 +284,17 @@ bool HostPlanner::steady_decode(const ForwardBatch& batch, const ReqToTokenPool*
 }
 
 // scan<true, true, true>() for a steady decode step (steady_decode()): what the row states would
-// give is in steady_commit_ (the last plan's commits, launched, so each request's known pages
-// now); the rows are checked by comparison with the last plan's (which passed the range and
-// repeat checks, in a pool whose rows have not changed hands since), and the lengths by one
-// unsigned compare. The checks are accumulated without branches and looked at once at the end:
-// the pass writes only the plan's scratch and steady_spare_ before it. A request costs a few
-// loads and its stores, on dense arrays only (no row state line per request).
+// give comes from the last plan's key lengths (its commits, launched, so each request's known
+// pages now: kv_last_ >> shift once kv_ and kv_last_ have swapped); the rows are checked by
+// comparison with the last plan's (which passed the range and repeat checks, in a pool whose rows
+// have not changed hands since), and the lengths by one unsigned compare. The checks are
+// accumulated without branches and looked at once at the end: the pass writes only the plan's
+// scratch (kv_) and the requests before it. A request costs a few loads and its stores, on dense
+// arrays only (no row state line per request): per request it reads its row, length and slot
+// (20 bytes of the batch) and 8 bytes of scratch (its last row and length) and writes its
+// ReqInfo and 4 bytes of scratch (its length). (It kept the commits and the token's page in
+// three more scratch arrays before: 12 more bytes a request, 48 more cache lines at batch 256,
+// each a miss when the plan starts cold.)
 // Four requests at a time, each field in the lanes of one vector: the requests in the kernels'
 // layout (ReqInfo) are then transposes of those vectors, and the page offsets a prefix sum over
 // the lanes. (One request at a time, building each request's three 16-byte stores from scalars
@@ -300,6 +319,8 @@ bool HostPlanner::scan_steady_decode(const ForwardBatch& batch) {
   I32x4 min_kv = {INT32_MAX, INT32_MAX, INT32_MAX, INT32_MAX}, max_kv = {0, 0, 0, 0};
   U64x2 sum_kv = {0, 0};
   char* info = reinterpret_cast<char*>(info_);
+  // The last plan's lengths become kv_last_; this plan's go into the buffer of the one before.
+  kv_.swap(kv_last_);
   // Requests [i, i + 4), a lane each: their inputs and the plan's scratch at those offsets. The
   // last one to three requests go through four-lane copies, zeros past the batch (but for the
   // lengths, copies of the first of them, which leave the minimum and maximum as they are), and
@@ -309,15 +330,13 @@ bool HostPlanner::scan_steady_decode(const ForwardBatch& batch) {
     const int32_t* seq;
     const int64_t* loc;
     const int32_t* row_of;
-    const int32_t* commit_before;
-    int32_t* commits;
-    int32_t* token_page;
+    const int32_t* kv_last;
     int32_t* kv;
     char* info;
   };
   struct Staged {
     int64_t rows[4], loc[4];
-    int32_t seq[4], row_of[4], commit_before[4], commits[4], token_page[4], kv[4];
+    int32_t seq[4], row_of[4], kv_last[4], kv[4];
     char info[4 * sizeof(ReqInfo)];
   } staged;
   for (int i = 0; i < n; i += 4) {
@@ -326,9 +345,7 @@ bool HostPlanner::scan_steady_decode(const ForwardBatch& batch) {
               seq + i,
               loc + i,
               row_of_.data() + i,
-              steady_commit_.data() + i,
-              steady_spare_.data() + i,
-              token_page_.data() + i,
+              kv_last_.data() + i,
               kv_.data() + i,
               info + static_cast<size_t>(i) * sizeof(ReqInfo)};
     if (m < 4) [[unlikely]] {
@@ -338,9 +355,9 @@ bool HostPlanner::scan_steady_decode(const ForwardBatch& batch) {
       std::copy_n(f.seq, m, staged.seq);
       std::copy_n(f.loc, m, staged.loc);
       std::copy_n(f.row_of, m, staged.row_of);
-      std::copy_n(f.commit_before, m, staged.commit_before);
-      f = {staged.rows,    staged.seq,        staged.loc, staged.row_of, staged.commit_before,
-           staged.commits, staged.token_page, staged.kv,  staged.info};
+      std::copy_n(f.kv_last, m, staged.kv_last);
+      f = {staged.rows,    staged.seq, staged.loc, staged.row_of,
+           staged.kv_last, staged.kv,  staged.info};
     }
     const I32x4 live = I32x4{0, 1, 2, 3} < m;
     const Halves row = halves4(f.rows);
@@ -360,24 +377,23 @@ bool HostPlanner::scan_steady_decode(const ForwardBatch& batch) {
     sum_kv += std::bit_cast<U64x2>(__builtin_shufflevector(counted, zero, 0, 4, 1, 5)) +
               std::bit_cast<U64x2>(__builtin_shufflevector(counted, zero, 2, 6, 3, 7));
     const auto prefix = std::bit_cast<I32x4>(kv - 1);
-    const I32x4 known = min4(load4<I32x4>(f.commit_before), prefix >> shift);
-    const I32x4 committed = max4(std::bit_cast<I32x4>(kv >> shift), known);
+    // The last plan committed kv_last >> shift pages; this one commits kv >> shift (at least the
+    // pages it knows, which lie before its prefix).
+    const I32x4 known = min4(load4<I32x4>(f.kv_last) >> shift, prefix >> shift);
+    const auto committed = std::bit_cast<I32x4>(kv >> shift);
     const U32x4 pages = (kv + offset_mask) >> shift;
-    store4(f.commits, committed);
     // Each request's first page id: the pages before it, a prefix sum over the lanes.
     const U32x4 missing = (pages - std::bit_cast<U32x4>(known)) & std::bit_cast<U32x4>(live);
     U32x4 through = missing + __builtin_shufflevector(zero, missing, 0, 4, 5, 6);
     through += __builtin_shufflevector(zero, through, 0, 1, 4, 5);
     const auto pt_start = std::bit_cast<I32x4>(pt + through - missing);
     pt += __builtin_shufflevector(through, through, 3, 3, 3, 3);
-    // The token's page from its slot, and the slot's checks (see scan()): bits shift.. of the
-    // 64-bit slot, and the sign bit of the slot against that of the sign-extended prefix. (The
-    // high half moves up in two steps: a shift by 32 is not defined at page size 1.)
+    // The slot's checks (see scan(); write() takes the token's page from it): its offset in the
+    // page, and the sign bit of the slot against that of the sign-extended prefix.
     const Halves slot = halves4(f.loc);
     bad_slots |= std::bit_cast<I32x4>(((slot.lo ^ std::bit_cast<U32x4>(prefix)) & offset_mask) |
                                       ((slot.hi ^ std::bit_cast<U32x4>(prefix)) & 0x80000000u)) &
                  live;
-    store4(f.token_page, (slot.lo >> shift) | ((slot.hi << (31 - shift)) << 1));
     // The requests in the kernels' layout, three 16-byte stores each:
     // {qo_start, qlen 1, prefix, kv_len}, {pt_start, 1 split, part_start 0, no tree},
     // {pt_row, known, committed, 0}.
@@ -392,8 +408,6 @@ bool HostPlanner::scan_steady_decode(const ForwardBatch& batch) {
     store4(f.info + 16 + 2 * sizeof(ReqInfo), __builtin_shufflevector(pt_start, mid, 2, 5, 6, 7));
     store4(f.info + 16 + 3 * sizeof(ReqInfo), __builtin_shufflevector(pt_start, mid, 3, 5, 6, 7));
     if (m < 4) [[unlikely]] {
-      std::copy_n(staged.commits, m, steady_spare_.data() + i);
-      std::copy_n(staged.token_page, m, token_page_.data() + i);
       std::copy_n(staged.kv, m, kv_.data() + i);
       std::memcpy(info + static_cast<size_t>(i) * sizeof(ReqInfo), staged.info,
                   m * sizeof(ReqInfo));
@@ -401,7 +415,10 @@ bool HostPlanner::scan_steady_decode(const ForwardBatch& batch) {
   }
   bool any = false;
   for (int k = 0; k < 4; ++k) any = any || moved[k] != 0 || bad_len[k] != 0;
-  if (any) return false;
+  if (any) {
+    kv_.swap(kv_last_);
+    return false;
+  }
   // The lanes' statistics together (every lane holds a request's length: n >= 1 here).
   Stats st;
   st.tokens = n;
@@ -418,8 +435,6 @@ bool HostPlanner::scan_steady_decode(const ForwardBatch& batch) {
   stats_ = st;
   token_pages_ = pages == n && slots_off == 0;
   // The row states would now hold known = the last commits, pending = this plan's.
-  steady_known_.swap(steady_commit_);
-  steady_commit_.swap(steady_spare_);
   steady_ahead_ = true;
   return true;
 }
@@ -474,13 +489,8 @@ void HostPlanner::derive_requests(const ForwardBatch& batch, bool steady) {
                  "token ({})",
                  forward_mode_name(mode), batch.out_cache_loc.size(), bs);
     if (!steady || !scan_steady_decode(batch)) {
-      release_steady();
-      // Sized here, where the batch size has been checked against its rows.
-      if (steady_known_.size() < static_cast<size_t>(bs)) {
-        steady_known_.resize(bs);
-        steady_commit_.resize(bs);
-        steady_spare_.resize(bs);
-      }
+      // A steady pass is tried only after the last plan's kernels ran.
+      release_steady(true);
       scan<true>(batch, [seq](int i, int32_t& prefix, int32_t& qlen) {
         prefix = seq[i] - 1;
         qlen = 1;
@@ -570,15 +580,26 @@ uint32_t HostPlanner::choose_chunk(size_t c, int bs, int64_t cap, int64_t base) 
     const uint32_t per_split = (max_len + static_cast<uint32_t>(s) - 1) / static_cast<uint32_t>(s);
     chunks[s - 1] = (per_split + bn - 1) & ~static_cast<uint32_t>(bn - 1);
   }
+  const int32_t* kv = kv_.data();
   if (stats_.min_kv == max_len) {
     for (int s = 0; s < s_max; ++s) ctas[s] = base * ((max_len + chunks[s] - 1) / chunks[s]);
+  } else if (w.tiles > 0 && s_max <= kCompareSplits) {
+    // Candidate s + 1 splits no length into more than s + 1 (its chunk is at least
+    // max_len / (s + 1)): by compares (kCompareSplits). Large batches, whose lengths differ in
+    // serving, take this way (s_max 4): the divisions took 29% of the ragged decode plan at
+    // batch 256 here.
+    const int64_t some = count_above(kv, bs, 0);
+    for (int s = 0; s < s_max; ++s) {
+      int64_t splits = some;
+      for (int k = 1; k <= s; ++k) splits += count_above(kv, bs, threshold(k, chunks[s]));
+      ctas[s] = w.tiles * splits;
+    }
   } else {
     std::array<CeilDiv, kMaxSplits> div;
     for (int s = 0; s < s_max; ++s) {
       div[s] = CeilDiv(chunks[s]);
       ctas[s] = 0;
     }
-    const int32_t* kv = kv_.data();
     const int32_t* tiles = class_tiles_.data() + c * bs;
     for (int i = 0; i < bs; ++i) {
       const int64_t t = w.tiles > 0 ? w.tiles : tiles[i];
@@ -686,8 +707,46 @@ void HostPlanner::plan_class(size_t c, int bs) {
   }
   // Ragged lengths: a split count per request.
   w.splits = 0;
-  const CeilDiv div(chunk);
   const int32_t* kv = kv_.data();
+  const int64_t most = ceil_div(stats_.max_kv, chunk);
+  if (w.tiles > 0 && pad == 0 && most <= kCompareSplits) {
+    // By compares (kCompareSplits), four requests at a time. The query lengths are equal (one
+    // tile count), so the partial rows are the split requests' splits times that length.
+    std::array<int32_t, kCompareSplits> above;
+    for (int k = 0; k < most; ++k) above[k] = threshold(k, chunk);
+    const auto split_of = [&](int32_t len) {
+      int32_t s = 0;
+      for (int k = 0; k < most; ++k) s += len > above[k] ? 1 : 0;
+      return std::max(s, 1);
+    };
+    const I32x4 one = {1, 1, 1, 1};
+    I32x4 sum = {0, 0, 0, 0}, split_sum = sum, max_s = one;
+    int i = 0;
+    for (; i + 4 <= bs; i += 4) {
+      const I32x4 len = load4<I32x4>(kv + i);
+      I32x4 s = {0, 0, 0, 0};
+      for (int k = 0; k < most; ++k) s -= len > I32x4{above[k], above[k], above[k], above[k]};
+      s = max4(s, one);
+      store4(splits + i, s);
+      sum += s;
+      split_sum += s & (s > one);
+      max_s = max4(max_s, s);
+    }
+    int64_t all = int64_t{sum[0]} + sum[1] + sum[2] + sum[3];
+    int64_t split = int64_t{split_sum[0]} + split_sum[1] + split_sum[2] + split_sum[3];
+    int32_t max_splits = std::max(std::max(max_s[0], max_s[1]), std::max(max_s[2], max_s[3]));
+    for (; i < bs; ++i) {
+      const int32_t s = splits[i] = split_of(kv[i]);
+      all += s;
+      split += s > 1 ? s : 0;
+      max_splits = std::max(max_splits, s);
+    }
+    cp.num_items = static_cast<int>(all * w.tiles);
+    cp.part_rows = split * stats_.max_q;
+    cp.max_splits = max_splits;
+    return;
+  }
+  const CeilDiv div(chunk);
   int64_t items = 0, part_rows = 0;
   int32_t max_splits = 1;
   for (int i = 0; i < bs; ++i) {
@@ -733,7 +792,7 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   __builtin_prefetch(batch.out_cache_loc.data());
   __builtin_prefetch(row_of_.data(), 1);
   __builtin_prefetch(kv_.data(), 1);
-  __builtin_prefetch(token_page_.data(), 1);
+  __builtin_prefetch(kv_last_.data());
   __builtin_prefetch(dst, 1);
   __builtin_prefetch(classes_.data(), 1);
   __builtin_prefetch(plan_.classes.data(), 1);
@@ -742,7 +801,7 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   // A steady decode step reads its requests' row states from the steady arrays; any other step
   // reads the row states, which get the steady state back first.
   const bool steady = steady_decode(batch, pool, page, graph, graph_replay, capturing);
-  if (!steady) release_steady();
+  if (!steady) release_steady(commits_launched_);
   // Commits of the previous plan become the row table's state once one of its kernels ran (they
   // store the pages back); a plan that never reached a kernel leaves the row table as it was.
   if (!commits_launched_) drop_commits(num_commits_);
@@ -775,7 +834,7 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   if (row_of_.size() < static_cast<size_t>(bs)) {
     row_of_.resize(bs);
     kv_.resize(bs);
-    token_page_.resize(bs);
+    kv_last_.resize(bs);
   }
   if (pool != nullptr && rows_.size() < static_cast<size_t>(pool->size()))
     rows_.resize(pool->size(), kUnknownRow);
@@ -941,18 +1000,48 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
 
 // Work items of requests [i0, i1) of a class whose requests differ in tile or split counts (or
 // of a section of its requests).
-int64_t HostPlanner::write_work_ragged(size_t c, WorkItem* items, int i0, int i1) const {
+int64_t HostPlanner::write_work_ragged(size_t c, WorkItem* items, const WorkItem* end, int i0,
+                                       int i1) const {
   const int bs = plan_.bs;
   const ClassWork& w = classes_[c].work;
   const int rows = tile_rows(plan_.classes[c].shape);
   const int32_t* tiles = class_tiles_.data() + c * bs;
   const int32_t* splits = splits_.data() + c * bs;
-  int32_t max_tiles = w.tiles;
-  if (w.tiles == 0) max_tiles = i1 > i0 ? *std::max_element(tiles + i0, tiles + i1) : 0;
+  if (w.tiles > 0) {
+    // One tile count: a request's items four at a time, as many stores as its splits round up
+    // to, the next request's items starting after its own (they overwrite the rest), while the
+    // stores stay inside the list. With ragged lengths the split count is as good as random, and
+    // a loop of one store an item mispredicted its exit every other request.
+    const int32_t num_tiles = w.tiles, pad = w.pad_splits;
+    WorkItem* item = items;
+    for (int32_t k = 0; k < num_tiles; ++k) {
+      const int32_t f0 = (num_tiles - 1 - k) * rows;
+      I32x4 first = {i0, f0, 0, 0};
+      for (int i = i0; i < i1; ++i) {
+        const int32_t s_n = pad > 0 ? pad : splits[i];
+        if (end - item >= s_n + 3) {
+          I32x4 next = first;
+          for (int32_t s = 0; s < s_n; s += 4) {
+            store4(item + s, next);
+            store4(item + s + 1, next + I32x4{0, 0, 1, 0});
+            store4(item + s + 2, next + I32x4{0, 0, 2, 0});
+            store4(item + s + 3, next + I32x4{0, 0, 3, 0});
+            next += I32x4{0, 0, 4, 0};
+          }
+        } else {
+          for (int32_t s = 0; s < s_n; ++s) item[s] = {i, f0, s, 0};
+        }
+        item += s_n;
+        first += I32x4{1, 0, 0, 0};
+      }
+    }
+    return item - items;
+  }
+  const int32_t max_tiles = i1 > i0 ? *std::max_element(tiles + i0, tiles + i1) : 0;
   int64_t n = 0;
   for (int32_t k = 0; k < max_tiles; ++k) {
     for (int i = i0; i < i1; ++i) {
-      const int32_t t = w.tiles > 0 ? w.tiles : tiles[i];
+      const int32_t t = tiles[i];
       if (k >= t) continue;
       const int32_t s_n = w.pad_splits > 0 ? w.pad_splits : w.splits > 0 ? w.splits : splits[i];
       for (int32_t s = 0; s < s_n; ++s) items[n++] = {i, (t - 1 - k) * rows, s, 0};
@@ -987,7 +1076,14 @@ void HostPlanner::write(void* dst) {
   // A steady decode: the scan found every request's page there (its checks passed).
   int first = 0;
   if (token_pages_) {
-    std::memcpy(pt, token_page_.data(), raw_bs * sizeof(int32_t));
+    // Bits shift.. of each slot, four at a time from their 32-bit halves (the high half moves up
+    // in two steps: a shift by 32 is not defined at page size 1).
+    int i = 0;
+    for (; i + 4 <= raw_bs; i += 4) {
+      const Halves slot = halves4(loc + i);
+      store4(pt + i, (slot.lo >> shift) | ((slot.hi << (31 - shift)) << 1));
+    }
+    for (; i < raw_bs; ++i) pt[i] = static_cast<int32_t>(loc[i] >> shift);
     first = raw_bs;
   }
   for (int i = first; i < bs; ++i) {
@@ -1024,16 +1120,17 @@ void HostPlanner::write(void* dst) {
     const ClassWork& w = classes_[c].work;
     const int32_t* splits = splits_.data() + c * bs;
     auto* ri = reinterpret_cast<ReqInfo*>(host + cp.reqs_off);
-    if (w.splits == 1) {
-      if (ri != info) std::memcpy(ri, info, bs * sizeof(ReqInfo));
-    } else {
+    if (ri != info) std::memcpy(ri, info, bs * sizeof(ReqInfo));
+    if (w.splits != 1) {
+      // Without branches: with ragged lengths whether a request is split is as good as random
+      // (one mispredicted branch every other request took ~0.3 us of the ragged decode plan).
       int32_t part = 0;
       for (int i = 0; i < bs; ++i) {
         const int32_t s = w.splits > 0 ? w.splits : splits[i];
-        ri[i] = info[i];
+        const int32_t split = s > 1 ? -1 : 0;
         ri[i].num_splits = s;
-        ri[i].part_start = s > 1 ? part : 0;
-        if (s > 1) part += s * info[i].qlen;
+        ri[i].part_start = part & split;
+        part += (s * info[i].qlen) & split;
       }
     }
     // Work items, heaviest tiles first (the last query tiles of causal requests see the most
@@ -1053,8 +1150,9 @@ void HostPlanner::write(void* dst) {
     // copy's source one more array to miss on (decode at batch 256 here: 0.06 us faster warm,
     // 0.5 us slower with 64 MiB evicted between plans).
     const bool uniform = w.tiles > 0 && w.splits > 0;
+    const WorkItem* end = items + cp.num_items;
     auto write_range = [&](WorkItem* item, int i0, int i1) -> WorkItem* {
-      if (!uniform) return item + write_work_ragged(c, item, i0, i1);
+      if (!uniform) return item + write_work_ragged(c, item, end, i0, i1);
       for (int32_t k = 0; k < w.tiles; ++k) {
         const int32_t f0 = (w.tiles - 1 - k) * rows;
         if (w.splits == 1) {

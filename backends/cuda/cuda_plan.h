@@ -207,11 +207,14 @@ class HostPlanner {
   // The steady decode step: the same requests in the same rows as the last plan (see prepare()).
   bool steady_decode(const ForwardBatch& batch, const ReqToTokenPool* pool, int page,
                      const GraphLayout* graph, bool graph_replay, bool capturing) const;
-  // Its pass over the requests; false (nothing of the plan's state changed) when a request fails
-  // a check, which the general pass then reports.
+  // Its pass over the requests; false (nothing of the plan's state changed but kv_last_, which is
+  // not read before the next steady pass fills it) when a request fails a check, which the
+  // general pass then reports.
   bool scan_steady_decode(const ForwardBatch& batch);
-  // Writes the steady state back into the row states, which are current again.
-  void release_steady();
+  // Writes the steady state back into the row states, which are current again. `launched`: the
+  // last plan's kernels ran, so its commits are its rows' known pages (else the commits of the
+  // plan before it are).
+  void release_steady(bool launched);
   // Throws the error of request i, which failed scan()'s checks.
   [[noreturn, gnu::cold, gnu::noinline]] void reject_request(const ForwardBatch& batch, int i,
                                                              int32_t prefix, int32_t qlen) const;
@@ -219,8 +222,9 @@ class HostPlanner {
   void plan_class(size_t c, int bs);
   uint32_t choose_chunk(size_t c, int bs, int64_t cap, int64_t base);
   // The work items of requests [i0, i1) of class c, heaviest tiles first, then request, then
-  // split; returns the number written.
-  int64_t write_work_ragged(size_t c, WorkItem* items, int i0, int i1) const;
+  // split; returns the number written. It may store past them up to `end` (the end of the
+  // class's list), where later items go.
+  int64_t write_work_ragged(size_t c, WorkItem* items, const WorkItem* end, int i0, int i1) const;
   // No kernel stores the commits of the rows row_of_[0, n).
   void drop_commits(int n);
 
@@ -242,10 +246,12 @@ class HostPlanner {
   // The step's requests in the kernels' layout at prepare's `dst`, as if the step were
   // incremental (the rare step that is not gets its page fields redone), with one split each.
   ReqInfo* info_ = nullptr;
-  // Scratch reused every step (no allocation once grown): the requests' pool rows and lengths,
-  // and in DECODE the page of each request's token (taken from out_cache_loc while scanning).
-  std::vector<int32_t> row_of_, kv_, token_page_;
-  bool token_pages_ = false;  // every request of the step misses only its token's page
+  // Scratch reused every step (no allocation once grown): the requests' pool rows and key lengths.
+  // kv_last_: the key lengths of the plan before (kept for the steady pass, see below).
+  std::vector<int32_t> row_of_, kv_, kv_last_;
+  // Every request of the DECODE step misses only its token's page, whose id write() takes from
+  // out_cache_loc (the scan checked each slot's offset in its page).
+  bool token_pages_ = false;
   std::vector<ClassState> classes_;
   std::vector<int32_t> splits_, class_tiles_;  // [class][request] where not uniform
   uint32_t stamp_ = 0;  // duplicate-row check (RowState::stamp)
@@ -257,12 +263,13 @@ class HostPlanner {
   bool commits_launched_ = false;
   // Steady decode. A decode step whose requests are the last committing DECODE plan's, in the
   // same rows and order, in the same pool generation epoch, after that plan's kernels ran, needs
-  // of the row states only each request's committed page count: kept here per request (batch
-  // order, dense) instead of read from and written to its row's state. steady_known_ /
-  // steady_commit_[i] are what RowState::known / pending of row row_of_[i] hold after the last
-  // plan; steady_n_ > 0: they are current for requests [0, steady_n_). steady_ahead_: a steady
-  // pass changed them and the row states lag until release_steady().
-  std::vector<int32_t> steady_known_, steady_commit_, steady_spare_;
+  // of the row states only each request's committed page count, which is its key length in that
+  // plan over the page size: a DECODE plan commits kv_len >> page_shift pages of every request
+  // (the pages before its prefix it already knew, and the page its token completes). So kv_
+  // (the last plan's lengths) stands in for RowState::pending of row row_of_[i], and after a
+  // steady pass kv_last_ for RowState::known, for requests [0, steady_n_) (steady_n_ > 0: they
+  // are current). steady_ahead_: a steady pass left the row states behind until
+  // release_steady().
   int steady_n_ = 0;
   bool steady_ahead_ = false;
   const ReqToTokenPool* steady_pool_ = nullptr;
