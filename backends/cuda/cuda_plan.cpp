@@ -82,10 +82,9 @@ int32_t threshold(int64_t k, uint32_t chunk) {
 
 // How many of the n lengths at kv exceed `above`.
 int64_t count_above(const int32_t* kv, int n, int32_t above) {
-  const I32x4 t = {above, above, above, above};
   I32x4 acc = {0, 0, 0, 0};
   int i = 0;
-  for (; i + 4 <= n; i += 4) acc -= load4<I32x4>(kv + i) > t;
+  for (; i + 4 <= n; i += 4) acc -= load4<I32x4>(kv + i) > above;
   int64_t count = int64_t{acc[0]} + acc[1] + acc[2] + acc[3];
   for (; i < n; ++i) count += kv[i] > above ? 1 : 0;
   return count;
@@ -725,7 +724,7 @@ void HostPlanner::plan_class(size_t c, int bs) {
     for (; i + 4 <= bs; i += 4) {
       const I32x4 len = load4<I32x4>(kv + i);
       I32x4 s = {0, 0, 0, 0};
-      for (int k = 0; k < most; ++k) s -= len > I32x4{above[k], above[k], above[k], above[k]};
+      for (int k = 0; k < most; ++k) s -= len > above[k];
       s = max4(s, one);
       store4(splits + i, s);
       sum += s;
