@@ -346,8 +346,7 @@ inline void check_prefill(const PrefillCase& c, const testing::Message& what = t
   }
   // The producer the warp-specialised CTA takes for this layer (the launch's own decision, on
   // the pool the backend reads): the TMA one wherever it applies, unless switched off.
-  const int ws = cuda::prefill_ws_mode();
-  if (ws != 0 && !c.fp8_kv) {
+  const auto pool_params = [&] {
     const KVLayerView dv_layer = dev.cache->layer(0);
     cuda::AttnParams p{};
     p.k = dv_layer.k;
@@ -355,7 +354,7 @@ inline void check_prefill(const PrefillCase& c, const testing::Message& what = t
     p.k_row_stride = dv_layer.k_row_stride;
     p.v_row_stride = dv_layer.v_row_stride;
     p.kv_rows = dv_layer.num_rows;
-    p.kv_kind = cuda::KvKind::same_as_q;
+    p.kv_kind = kv;
     p.page_shift = std::countr_zero(static_cast<unsigned>(c.page));
     p.num_kv_heads = c.hkv;
     p.num_q_heads = c.hq;
@@ -364,6 +363,11 @@ inline void check_prefill(const PrefillCase& c, const testing::Message& what = t
     p.q_rows = T;
     p.q_stride_tok = a.q.strides[0];
     p.q_stride_head = a.q.strides[1];
+    return p;
+  };
+  const int ws = cuda::prefill_ws_mode();
+  if (ws != 0 && !c.fp8_kv) {
+    const cuda::AttnParams p = pool_params();
     const bool ping_pong = ws == 2 || (ws == cuda::kWsAuto && c.dim <= 128);
     const bool tma = cuda::prefill_ws_uses_tma(p, c.dim, c.act == DType::f16, ping_pong);
     const bool want = cuda::prefill_tma_enabled() && c.page >= 8 &&
@@ -373,6 +377,17 @@ inline void check_prefill(const PrefillCase& c, const testing::Message& what = t
     const bool q_tma = cuda::prefill_ws_q_by_tma(p, c.dim, c.act == DType::f16, ping_pong);
     EXPECT_EQ(q_tma, want && std::has_single_bit(static_cast<unsigned>(p.group)))
         << "group " << p.group << ", page " << c.page << ", dim " << c.dim;
+  }
+  // The warp-specialised fp8 CTA's producer likewise: TMA on pages of 8 or more unless switched
+  // off (the test pools' rows are aligned), Q by TMA with it where the group is a power of two.
+  if (fp8_cta && cuda::prefill_fp8_ws_enabled()) {
+    const cuda::AttnParams p = pool_params();
+    const bool fp16 = c.act == DType::f16;
+    const bool want = cuda::prefill_tma_enabled() && c.page >= 8;
+    EXPECT_EQ(cuda::prefill_fp8_ws_uses_tma(p, fp16), want) << "fp8 CTA, page " << c.page;
+    EXPECT_EQ(cuda::prefill_fp8_ws_q_by_tma(p, fp16),
+              want && std::has_single_bit(static_cast<unsigned>(p.group)))
+        << "fp8 CTA, group " << p.group << ", page " << c.page;
   }
   be.forward(a, layer, batch);
   ASSERT_EQ(cudaStreamSynchronize(be.stream()), cudaSuccess);

@@ -1,7 +1,9 @@
 // The fp8 prefill CTAs (backends/cuda/kernels/prefill_fp8.cuh, one warpgroup, and
 // prefill_fp8_ws.cuh, warp-specialised with ATTNRT_PREFILL_FP8_WS=1; --fp8-prefill-attention)
-// against the reference backend over the same e4m3 pool bytes, every case on both CTAs: ragged
-// extend batches with cached prefixes crossing page edges, pages of 1, 16 and 64 slots, GQA groups
+// against the reference backend over the same e4m3 pool bytes, every case on both CTAs (the
+// warp-specialised one with its TMA producer where it applies and with its cp.async producer
+// everywhere): ragged extend batches with cached prefixes crossing page edges, pages of 1 to 256
+// slots (TMA boxes of 8 to 128 rows, the partial page at a range's end), GQA groups
 // 1, 4 and 8, causal and not, sliding windows, softcap, sinks, split keys merged by lse, MIXED and
 // DRAFT_EXTEND steps, fp16, more units than the persistent grid has CTAs. Every case checks that
 // the table sends its prefill items to the fp8 CTA. Without a GPU the host-side models run: the
@@ -32,6 +34,7 @@
 #include <cstdint>
 #include <random>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "backends/cuda/kernels/dispatch.h"
@@ -414,19 +417,82 @@ TEST(Fp8PrefillDispatch, ExplainNamesWhichFp8CtaRunsExtend) {
   cuda::set_prefill_fp8_ws(saved);
 }
 
-// Every GPU case runs on both fp8 CTAs: OneWarpgroup (prefill_fp8.cuh) and WarpSpecialised
-// (prefill_fp8_ws.cuh, ATTNRT_PREFILL_FP8_WS=1); the switch is restored after each test.
-class CudaFp8PrefillTest : public ::testing::TestWithParam<bool> {
+// Which launches of the warp-specialised fp8 CTA take its TMA producer: host checks only (no
+// driver call), so this runs without a GPU. Elsewhere its cp.async producer runs.
+TEST(Fp8PrefillTma, AppliesToE4m3PoolsWithPagesOfEightOrMore) {
+  alignas(16) static uint8_t pool[1024];
+  cuda::AttnParams p{};
+  p.k = pool;
+  p.v = pool + 512;
+  p.k_row_stride = p.v_row_stride = 2 * 128;  // bytes: two KV heads of 128 e4m3 values a slot
+  p.kv_rows = 1 << 20;
+  p.kv_kind = cuda::KvKind::e4m3;
+  p.page_shift = 4;
+  p.num_kv_heads = 2;
+  EXPECT_TRUE(cuda::prefill_fp8_tma_applies(p));
+  cuda::AttnParams q = p;
+  q.page_shift = 3;
+  EXPECT_TRUE(cuda::prefill_fp8_tma_applies(q)) << "pages of 8";
+  q.page_shift = 8;
+  EXPECT_TRUE(cuda::prefill_fp8_tma_applies(q)) << "pages of 256: boxes of 128 slots";
+  q.page_shift = 2;
+  EXPECT_FALSE(cuda::prefill_fp8_tma_applies(q)) << "pages of 4";
+  q.page_shift = 0;
+  EXPECT_FALSE(cuda::prefill_fp8_tma_applies(q)) << "pages of 1";
+  q = p;
+  const int64_t map[2] = {0, -1};
+  q.slot_map = map;
+  EXPECT_FALSE(cuda::prefill_fp8_tma_applies(q)) << "SWA pool: slots remapped";
+  for (cuda::KvKind kind : {cuda::KvKind::same_as_q, cuda::KvKind::e5m2}) {
+    q = p;
+    q.kv_kind = kind;
+    EXPECT_FALSE(cuda::prefill_fp8_tma_applies(q)) << "not e4m3: " << static_cast<int>(kind);
+  }
+  q = p;
+  q.tree = 1;
+  EXPECT_FALSE(cuda::prefill_fp8_tma_applies(q)) << "tree mask";
+  q = p;
+  q.kv_rows = 0;
+  EXPECT_FALSE(cuda::prefill_fp8_tma_applies(q)) << "pool rows unknown";
+  q = p;
+  q.k = pool + 8;
+  EXPECT_FALSE(cuda::prefill_fp8_tma_applies(q)) << "K base not 16-byte aligned";
+  q = p;
+  q.v_row_stride = 2 * 128 + 8;
+  EXPECT_FALSE(cuda::prefill_fp8_tma_applies(q)) << "V rows not 16-byte aligned";
+  q = p;
+  q.k_row_stride = 128;
+  EXPECT_FALSE(cuda::prefill_fp8_tma_applies(q)) << "K rows shorter than their heads";
+  // The pool with rows 8 bytes off 16 (a map the driver could not encode): no maps, so the
+  // launch takes the cp.async producer.
+  q = p;
+  q.k_row_stride = q.v_row_stride = 2 * 128 + 8;
+  EXPECT_FALSE(cuda::prefill_fp8_ws_uses_tma(q, false));
+}
+
+// Every GPU case runs on both fp8 CTAs: OneWarpgroup (prefill_fp8.cuh) and the warp-specialised
+// one (prefill_fp8_ws.cuh, ATTNRT_PREFILL_FP8_WS=1) with its TMA producer where it applies
+// (WarpSpecialised; the cp.async one on pages below 8 slots) and with the cp.async producer
+// everywhere (WarpSpecialisedCpAsync, ATTNRT_PREFILL_TMA=0); the switches are restored after each
+// test.
+enum class Fp8Cta { one_warpgroup, warp_specialised, warp_specialised_cp_async };
+
+class CudaFp8PrefillTest : public ::testing::TestWithParam<Fp8Cta> {
  protected:
   void SetUp() override {
     saved_ = cuda::prefill_fp8_ws_enabled();
-    cuda::set_prefill_fp8_ws(GetParam());
+    saved_tma_ = cuda::prefill_tma_enabled();
+    cuda::set_prefill_fp8_ws(GetParam() != Fp8Cta::one_warpgroup);
+    cuda::set_prefill_tma(GetParam() != Fp8Cta::warp_specialised_cp_async);
     SKIP_WITHOUT_GPU();
   }
-  void TearDown() override { cuda::set_prefill_fp8_ws(saved_); }
+  void TearDown() override {
+    cuda::set_prefill_fp8_ws(saved_);
+    cuda::set_prefill_tma(saved_tma_);
+  }
 
  private:
-  bool saved_ = false;
+  bool saved_ = false, saved_tma_ = true;
 };
 
 TEST_P(CudaFp8PrefillTest, RaggedCausalExtendOverPageEdges) {
@@ -438,6 +504,23 @@ TEST_P(CudaFp8PrefillTest, RaggedCausalExtendOverPageEdges) {
     c.page = page;
     check_fp8(c, testing::Message() << "page " << page);
   }
+}
+
+TEST_P(CudaFp8PrefillTest, TmaBoxesOfEveryPageSize) {
+  // Pages of 8 to 256 slots (boxes of min(page, 128) rows): prefixes and ends off page edges (the
+  // partial page at hi and the keys past it by cp.async), a one-token request, a unit whose last
+  // tile holds only cached keys; then a window whose first key lies inside a tile (the TMA
+  // producer's range starts on that tile's first key).
+  for (int page : {8, 32, 128, 256}) {
+    PrefillCase c =
+        fp8_case({0, 9, 250, 130}, {200, 37, 300, 1}, static_cast<uint32_t>(page + 200));
+    c.page = page;
+    check_fp8(c, testing::Message() << "page " << page);
+  }
+  PrefillCase w = fp8_case({700, 33}, {260, 190}, 41);
+  w.page = 32;
+  w.window = 150;
+  check_fp8(w, testing::Message() << "window 150, page 32");
 }
 
 TEST_P(CudaFp8PrefillTest, GqaGroups) {
@@ -496,9 +579,18 @@ TEST_P(CudaFp8PrefillTest, OffTheOptionTheMmaSyncCtaRunsTheSameCases) {
   check_prefill(c);
 }
 
-INSTANTIATE_TEST_SUITE_P(Fp8Ctas, CudaFp8PrefillTest, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return info.param ? "WarpSpecialised" : "OneWarpgroup";
+INSTANTIATE_TEST_SUITE_P(Fp8Ctas, CudaFp8PrefillTest,
+                         ::testing::Values(Fp8Cta::one_warpgroup, Fp8Cta::warp_specialised,
+                                           Fp8Cta::warp_specialised_cp_async),
+                         [](const ::testing::TestParamInfo<Fp8Cta>& info) -> std::string {
+                           switch (info.param) {
+                             case Fp8Cta::one_warpgroup:
+                               return "OneWarpgroup";
+                             case Fp8Cta::warp_specialised:
+                               return "WarpSpecialised";
+                             default:
+                               return "WarpSpecialisedCpAsync";
+                           }
                          });
 
 #endif

@@ -93,4 +93,20 @@ bool prefill_q_tma_applies(const AttnParams& p);
 // and the driver encoded q's map).
 bool prefill_ws_q_by_tma(const AttnParams& p, int head_dim, bool fp16, bool ping_pong);
 
+// The warp-specialised fp8 CTA's TMA producer (prefill_fp8_ws.cuh), taken by prefill_fp8_ws_entry's
+// launch where prefill_tma_enabled, prefill_fp8_tma_applies and the driver encodes the maps (else
+// its cp.async producer). Host checks (no driver call): an e4m3 pool without an SWA slot map, pages
+// of at least 8 slots, p.kv_rows known and below 2^31, K / V base and row strides 16-byte aligned
+// (rows of bytes), head dim 128.
+inline constexpr int kFp8TmaHeadDim = 128;
+struct WsTensorMaps;
+bool prefill_fp8_tma_applies(const AttnParams& p);
+// The tensor maps of that launch (prefill_ws_sync.cuh): the K and V pools as bytes {128, kv heads,
+// slots}, boxes of min(page, 128) slots, and q's 16-bit map where prefill_q_tma_applies
+// (maps->q_tma); false (the cp.async producer) where it does not take the TMA producer.
+bool prefill_fp8_tma_maps(const AttnParams& p, bool fp16, WsTensorMaps* maps);
+// Whether that launch takes the TMA producer, and Q by TMA with it.
+bool prefill_fp8_ws_uses_tma(const AttnParams& p, bool fp16);
+bool prefill_fp8_ws_q_by_tma(const AttnParams& p, bool fp16);
+
 }  // namespace attnrt::cuda

@@ -43,10 +43,13 @@ __device__ __forceinline__ float pow2_scale_below(float amax, float limit, int m
 // then write(v, chunk, qs) puts each chunk back converted at qs = pow2_scale_below(amax, limit,
 // max_exp), inside the bytes of the consumer's own rows (the two consumers never touch each
 // other's). It fences (the S MMAs read Q through the async proxy) and syncs the consumer again.
-// Returns 1 / qs. D: the head dim (D / 8 chunks a row).
-template <typename T, int ROWS, int D, typename Write>
+// Returns 1 / qs. D: the head dim (D / 8 chunks a row). ROW_LIMIT: only rows below valid_rows
+// count towards the |max| (a Q tile by TMA holds the next request's tokens past its own; they are
+// converted too, saturating, but never stored).
+template <typename T, int ROWS, int D, bool ROW_LIMIT = false, typename Write>
 __device__ __forceinline__ float scale_q_rows(const unsigned char* sq, int ct, float (&red)[2][4],
-                                              float limit, int max_exp, Write&& write) {
+                                              float limit, int max_exp, Write&& write,
+                                              int valid_rows = ROWS) {
   constexpr int kPasses = q_convert_passes(D);
   const int cw = ct >> 7;
   // The consumer's own named barrier (a constant id: with an id in a register ptxas reserves all
@@ -63,7 +66,7 @@ __device__ __forceinline__ float scale_q_rows(const unsigned char* sq, int ct, f
   for (int n = 0; n < kPasses; ++n) {
     const QChunk q = q_convert_chunk<D>(ct, n);
     qv[n] = *reinterpret_cast<const uint4*>(sq + q16_offset(ROWS, q.r, q.c));
-    amax = amax8<T>(qv[n], amax);
+    if (!ROW_LIMIT || q.r < valid_rows) amax = amax8<T>(qv[n], amax);
   }
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));

@@ -46,17 +46,22 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return encode;
 }
 
-// Everything one tensor map of the TMA producer encodes: a tensor of {dim, heads, rows} 16-bit
-// elements (heads head_stride, rows row_stride elements apart), boxes of {64, box_heads,
-// box_rows}. K and V: a pool, heads adjacent inside a row, one head a box. Q: the step's q, a
-// GQA group of heads a box.
+// Everything one tensor map of a TMA producer encodes: a tensor of {dim, heads, rows} elements of
+// `dtype` (16-bit, or UINT8 for the fp8 CTA's e4m3 pools; heads head_stride, rows row_stride
+// elements apart), boxes of {128 bytes of elements (64 16-bit, 128 8-bit: one row of the 128-byte
+// swizzle), box_heads, box_rows}. K and V: a pool, heads adjacent inside a row, one head a box.
+// Q: the step's q, a GQA group of heads a box.
 struct TensorMapKey {
   const void* base;
   int64_t rows, row_stride, head_stride;
   int32_t heads, dim, box_heads, box_rows;
-  bool fp16;
+  CUtensorMapDataType dtype;
   auto operator<=>(const TensorMapKey&) const = default;
 };
+
+CUtensorMapDataType map_dtype_16(bool fp16) {
+  return fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+}
 
 // The encoded map of `key`, encoded once (a step's launches find their layer's maps here: a
 // lookup instead of a driver call per launch); nullopt where the driver cannot encode it.
@@ -73,18 +78,18 @@ std::optional<CUtensorMap> tensor_map(const TensorMapKey& key) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return std::nullopt;
   CUtensorMap map;
+  const int64_t elem_bytes = key.dtype == CU_TENSOR_MAP_DATA_TYPE_UINT8 ? 1 : 2;
   const cuuint64_t dims[3] = {static_cast<cuuint64_t>(key.dim), static_cast<cuuint64_t>(key.heads),
                               static_cast<cuuint64_t>(key.rows)};
-  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(key.head_stride) * 2,
-                                 static_cast<cuuint64_t>(key.row_stride) * 2};  // bytes
-  const cuuint32_t box[3] = {64, static_cast<cuuint32_t>(key.box_heads),
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(key.head_stride * elem_bytes),
+                                 static_cast<cuuint64_t>(key.row_stride * elem_bytes)};  // bytes
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(128 / elem_bytes),
+                             static_cast<cuuint32_t>(key.box_heads),
                              static_cast<cuuint32_t>(key.box_rows)};
   const cuuint32_t elem_strides[3] = {1, 1, 1};
-  const CUresult r =
-      encode(&map, key.fp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
-             const_cast<void*>(key.base), dims, strides, box, elem_strides,
-             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult r = encode(&map, key.dtype, 3, const_cast<void*>(key.base), dims, strides, box,
+                            elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) return std::nullopt;
   const std::lock_guard lock(mu);
   if (maps.size() >= kMaxMaps) maps.clear();
@@ -93,27 +98,30 @@ std::optional<CUtensorMap> tensor_map(const TensorMapKey& key) {
 }
 
 // The K and V maps of a launch whose tiles hold `bn` keys (K rows of head_dim, V rows of
-// v_head_dim per head), and its Q map where Q can come by TMA (q_tma): a unit's ROWS rows are
+// v_head_dim per head; elements of kv, q's 16-bit type or UINT8 over an e4m3 pool), and its Q map
+// where Q can come by TMA (q_tma): a unit's ROWS rows are
 // whole tokens of one GQA group (group a power of two dividing ROWS; the items' f0 are multiples
 // of ROWS), p.q_rows known, q and its strides 16-byte aligned. A box then holds ROWS / group
 // tokens x group heads x 64 columns, in the rows' order (token major) and the tile's 128-byte
 // swizzle; its tokens past the request are the next request's (rows the kernel computes but never
 // stores; no 16-bit value makes them touch a stored row) and past q_rows zeros.
 std::optional<WsTensorMaps> ws_tensor_maps(const AttnParams& p, int head_dim, int v_head_dim,
-                                           int bn, bool fp16) {
+                                           int bn, bool fp16,
+                                           std::optional<CUtensorMapDataType> kv = std::nullopt) {
   const int box_rows = std::min(1 << p.page_shift, bn);
-  const auto k = tensor_map({p.k, p.kv_rows, p.k_row_stride, head_dim, p.num_kv_heads, head_dim,
-                             1, box_rows, fp16});
-  const auto v = tensor_map({p.v, p.kv_rows, p.v_row_stride, v_head_dim, p.num_kv_heads,
-                             v_head_dim, 1, box_rows, fp16});
+  const CUtensorMapDataType kv_type = kv.value_or(map_dtype_16(fp16));
+  const auto k = tensor_map(
+      {p.k, p.kv_rows, p.k_row_stride, head_dim, p.num_kv_heads, head_dim, 1, box_rows, kv_type});
+  const auto v = tensor_map({p.v, p.kv_rows, p.v_row_stride, v_head_dim, p.num_kv_heads, v_head_dim,
+                             1, box_rows, kv_type});
   if (!k || !v) return std::nullopt;
   WsTensorMaps maps{};
   maps.k = *k;
   maps.v = *v;
   if (prefill_q_tma_applies(p)) {
     const int g = p.group;
-    if (const auto q = tensor_map({p.q, p.q_rows, p.q_stride_tok, p.q_stride_head,
-                                   p.num_q_heads, head_dim, g, kPrefillTileRows / g, fp16})) {
+    if (const auto q = tensor_map({p.q, p.q_rows, p.q_stride_tok, p.q_stride_head, p.num_q_heads,
+                                   head_dim, g, kPrefillTileRows / g, map_dtype_16(fp16)})) {
       maps.q = *q;
       maps.q_tma = 1;
     }
@@ -292,6 +300,38 @@ bool prefill_ws_q_by_tma(const AttnParams& p, int head_dim, bool fp16, bool ping
 
 bool prefill_ws_uses_tma(const AttnParams& p, int head_dim, bool fp16, bool ping_pong) {
   return tma_maps(p, head_dim, fp16, ping_pong).has_value();
+}
+
+bool prefill_fp8_tma_applies(const AttnParams& p) {
+  constexpr int D = kFp8TmaHeadDim;
+  const auto aligned = [](const void* ptr) {
+    return ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+  };
+  return p.kv_kind == KvKind::e4m3 && p.slot_map == nullptr && p.tree == 0 && p.page_shift >= 3 &&
+         p.kv_rows > 0 && p.kv_rows <= INT_MAX && p.num_kv_heads > 0 && aligned(p.k) &&
+         aligned(p.v) && p.k_row_stride % 16 == 0 && p.v_row_stride % 16 == 0 &&
+         p.k_row_stride >= int64_t{p.num_kv_heads} * D &&
+         p.v_row_stride >= int64_t{p.num_kv_heads} * D;
+}
+
+bool prefill_fp8_tma_maps(const AttnParams& p, bool fp16, WsTensorMaps* maps) {
+  if (!prefill_tma_enabled() || !prefill_fp8_tma_applies(p)) return false;
+  // The fp8 CTA's tiles: 128 keys (PrefillFp8WsConfig::kBN, not visible from this unit).
+  const auto m =
+      ws_tensor_maps(p, kFp8TmaHeadDim, kFp8TmaHeadDim, 128, fp16, CU_TENSOR_MAP_DATA_TYPE_UINT8);
+  if (!m) return false;
+  *maps = *m;
+  return true;
+}
+
+bool prefill_fp8_ws_uses_tma(const AttnParams& p, bool fp16) {
+  WsTensorMaps maps;
+  return prefill_fp8_tma_maps(p, fp16, &maps);
+}
+
+bool prefill_fp8_ws_q_by_tma(const AttnParams& p, bool fp16) {
+  WsTensorMaps maps;
+  return prefill_fp8_tma_maps(p, fp16, &maps) && maps.q_tma != 0;
 }
 
 AttnCtaEntry prefill_ws_entry(int head_dim, bool fp16, bool ping_pong) {

@@ -206,14 +206,6 @@ using PrefillWsKv8Cfg =
                        std::conditional_t<D == 128, PrefillWsKv8Config<128, 64, 4, 4>,
                                           PrefillWsKv8Config<256, 64, 2, 1, false>>>;
 
-// The tensor maps of the TMA producer over the layer's K and V pools (see the header comment) and,
-// where q_tma is 1, over q (prefill_ws.cu's ws_tensor_maps says when); unused (zeros) by the
-// cp.async producer.
-struct WsTensorMaps {
-  CUtensorMap k, v, q;
-  int32_t q_tma;
-};
-
 // QTMA (with TMA): Q comes by TMA too, through maps.q; the instance is taken where maps.q_tma.
 
 template <typename T, typename Cfg, bool TMA, bool QTMA = false>

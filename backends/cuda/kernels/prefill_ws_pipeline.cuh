@@ -68,30 +68,44 @@ struct WsPipe {
 // ---- The unit walk (prefill_ws.cuh): the CTA's first unit is blockIdx.x, the next ones tickets
 // handed out in list order by an atomic counter (p.sched), fetched by producer thread 0 while the
 // current unit's tiles are issued. Thread 0 publishes the CTA's n-th unit in slot[n & 1] and
-// arrives on the unit barrier (its n-th phase); the consumers read it there. A unit >= num_units
-// ends both loops.
+// arrives on the unit barrier (its n-th phase); the consumers read it there and arrive on the
+// "unit taken" named barrier (kWsUnitTakenBar, the whole CTA), which the producer waits on before
+// it publishes the next unit. So the producer runs one unit ahead at most: it never overwrites a
+// slot still to be read, the consumers never see the unit barrier two phases on, and the next
+// unit's first tiles are issued while the consumers finish this one (its Q waits for "q empty"
+// apart). A unit >= num_units ends both loops.
 
-// Producer thread `tid` (of 128): publishes the n-th unit, `ticket`, once the consumers are done
-// reading Q of unit n - 1 (which also means they read its slot); returns it.
+// Producer thread `tid` (of 128): publishes the n-th unit (blockIdx.x, then the ticket
+// ws_take_ticket put in its slot during unit n - 1) once the consumers have taken unit n - 1
+// (`threads`: the CTA's); returns it.
 template <int ST>
-__device__ __forceinline__ int ws_publish_unit(const WsPipe<ST>& w, int n, int ticket, int tid) {
-  if (n > 0) mbar_wait(w.q_empty(), (n - 1) & 1);
+__device__ __forceinline__ int ws_publish_unit(const WsPipe<ST>& w, int n, int tid, int threads) {
+  if (n > 0) named_bar_sync(kWsUnitTakenBar, threads);
   if (tid == 0) {
-    w.slot[n & 1] = ticket;
+    if (n == 0) w.slot[0] = static_cast<int>(blockIdx.x);
     mbar_arrive(w.unit());
   }
   named_bar_sync(kWsProducerBar, 128);
   return w.slot[n & 1];
 }
-// Producer thread 0: the CTA's next unit, in flight while this unit's copies are issued.
-__device__ __forceinline__ void ws_take_ticket(const AttnParams& p, int tid, int& ticket) {
-  if (tid == 0) ticket = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
+// Producer thread 0, during unit n (after its publication): the CTA's next unit into slot
+// (n + 1) & 1, whose last unit (n - 1) the consumers and the producer have read (the consumers took
+// it before unit n was published).
+template <int ST>
+__device__ __forceinline__ void ws_take_ticket(const AttnParams& p, const WsPipe<ST>& w, int n,
+                                               int tid) {
+  if (tid == 0) w.slot[(n + 1) & 1] = static_cast<int>(gridDim.x) + atomicAdd(p.sched, 1);
 }
 // A consumer: the n-th unit of the CTA.
 template <int ST>
 __device__ __forceinline__ int ws_read_unit(const WsPipe<ST>& w, int n) {
   mbar_wait(w.unit(), n & 1);
   return w.slot[n & 1];
+}
+// A consumer warp that read a unit below num_units from its slot (every lane: a warp arrives
+// whole, its reads performed): the producer may publish the next one.
+__device__ __forceinline__ void ws_unit_taken(int threads) {
+  named_bar_arrive(kWsUnitTakenBar, threads);
 }
 // The producer after its last unit.
 __device__ __forceinline__ void ws_producer_exit(const AttnParams& p, int tid) {
@@ -127,6 +141,28 @@ __device__ __forceinline__ void ws_load_q(const AttnParams& p, const WsUnit& u, 
     cp_async_16(sq + swz128_offset(ROWS, r, c), src, valid);
   }
   mbar_arrive_cp_async(q_bar);
+}
+
+// Producer thread 0's copy of a unit's Q rows by TMA (prefill_ws.cuh's QTMA; the launch checked
+// prefill_q_tma_applies): q's map `map` {D, q heads, tokens} in boxes of {64, G, ROWS / G}, the
+// ROWS / G whole tokens from t0 on x G heads from h0 on (ws_q_box of the unit), one box per
+// 128-byte column block of the tile at sq (the layout ws_load_q writes); its arrive.expect_tx the
+// only arrival on q_bar. Rows past the request hold the next request's tokens (zeros past the
+// tensor) instead of zeros.
+struct WsQBox {
+  int h0, t0;
+};
+__device__ __forceinline__ WsQBox ws_q_box(const WsUnit& u, int G) {
+  return {u.kvh * G, u.req.qo_start + u.item.f0 / G};
+}
+template <int D, int ROWS>
+__device__ __forceinline__ void ws_load_q_tma(const CUtensorMap* map, WsQBox box, uint32_t sq,
+                                              uint32_t q_bar) {
+  mbar_arrive_expect_tx(q_bar, ROWS * D * 2);
+  const int h0 = box.h0, t0 = box.t0;
+#pragma unroll
+  for (int cb = 0; cb < D / 64; ++cb)
+    tma_load_3d(sq + cb * ROWS * 128, map, cb * 64, h0, t0, q_bar);
 }
 
 // The pool row of key j of the unit's request.
@@ -178,6 +214,73 @@ __device__ __forceinline__ void ws_copy_tile(const AttnParams& p, const int32_t*
     const int32_t sl = sSlot[key];
     const bool valid = sl >= 0;
     const int64_t s = valid ? sl : 0;
+    const uint32_t so = swz128_offset(BN, key, c);
+    cp_async_16(dk + so, kbase + s * p.k_row_stride + c * 16, valid);
+    cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 16, valid);
+  }
+}
+
+// The TMA producer's walk over a unit's tiles (prefill_ws.cuh's TMA producer, for byte rows: the
+// launch checked its conditions, and ws_unit<.., TILED = true> started the range on a tile): chunks
+// of P = min(page, BN) keys, chunk c of a tile the job of lane c / 4 of producer warp c % 4 (the
+// four warps issue side by side), its first pool slot resolved one tile ahead (-1 where the chunk
+// is not loaded by TMA: past the tile's chunks, past the range, or not wholly below hi). Per tile:
+// the wait for its stage, a producer barrier (every thread is done with the previous tiles; the
+// caller may overwrite what they read two tiles ago), then
+//   issue(it, stage, slot, row0, tma_rows, tail_slot):
+// rows 0 .. tma_rows - 1 (whole chunks below hi) come by TMA, this thread's chunk (rows row0 ..
+// row0 + P - 1) from pool slot `slot` if slot >= 0; rows tma_rows .. BN - 1 are the partial page
+// at hi (keys from kb + tma_rows on, pool slots from tail_slot on) and zeros past hi, for
+// ws_copy_tail.
+template <int BN, int ST, typename Issue>
+__device__ __forceinline__ void ws_produce_tma_tiles(const AttnParams& p, const WsPipe<ST>& w,
+                                                     const WsUnit& u, int tid, Issue&& issue) {
+  constexpr int kLog2BN = BN == 128 ? 7 : 6;
+  static_assert(BN == 1 << kLog2BN && BN <= 128);
+  const int pshift = min(p.page_shift, kLog2BN);
+  const int P = 1 << pshift;
+  // This thread's chunk from the thread index read where it is used: held across the tile loop,
+  // it and its first row spilled the fp8 producer with Q by TMA (56 registers).
+  auto chunk_of = [] {
+    const int t = fresh_thread_index();
+    return (t >> 5) + 4 * (t & 31);
+  };
+  auto resolve_chunk = [&](int it) -> int32_t {
+    const int chunk = chunk_of();
+    const int j0 = u.lo + it * BN + (chunk << pshift);
+    if (chunk >= (BN >> pshift) || it >= u.num_tiles || j0 + P > u.hi) return -1;
+    return static_cast<int32_t>(ws_key_slot(p, u.req, j0));
+  };
+  int32_t next_slot = resolve_chunk(0);
+#pragma unroll 1
+  for (int it = 0; it < u.num_tiles; ++it) {
+    const int stage = w.stage(it);
+    const int kb = u.lo + it * BN;
+    const int tma_rows = min(BN, u.hi - kb) & ~(P - 1);
+    // The partial page's first slot, looked up while the stage drains.
+    const int j_tail = kb + tma_rows;
+    const int64_t tail_slot = tma_rows < BN && j_tail < u.hi ? ws_key_slot(p, u.req, j_tail) : 0;
+    if (w.tile_base + it >= ST) mbar_wait(w.empty(stage), w.parity(it) ^ 1u);
+    named_bar_sync(kWsProducerBar, 128);
+    const int32_t slot = next_slot;
+    next_slot = resolve_chunk(it + 1);  // in flight while this tile's copies are issued
+    issue(it, stage, slot, chunk_of() << pshift, tma_rows, tail_slot);
+  }
+}
+
+// The rows tma_rows .. BN - 1 of a tile whose first key is kb (ws_produce_tma_tiles' tail: keys
+// below hi from pool slot tail_slot on, zeros from hi) by cp.async: the CH 16-byte chunks of each K
+// and V row (kbase / vbase at the KV head, rows of bytes) into the 128-byte swizzled tiles dk, dv.
+template <int BN, int CH>
+__device__ __forceinline__ void ws_copy_tail(const AttnParams& p, int kb, int hi, int tma_rows,
+                                             int64_t tail_slot, const uint8_t* kbase,
+                                             const uint8_t* vbase, unsigned char* dk,
+                                             unsigned char* dv, int tid) {
+#pragma unroll 1
+  for (int i = tid; i < (BN - tma_rows) * CH; i += 128) {
+    const int key = tma_rows + i / CH, c = i % CH;
+    const bool valid = kb + key < hi;
+    const int64_t s = valid ? tail_slot + (key - tma_rows) : 0;
     const uint32_t so = swz128_offset(BN, key, c);
     cp_async_16(dk + so, kbase + s * p.k_row_stride + c * 16, valid);
     cp_async_16(dv + so, vbase + s * p.v_row_stride + c * 16, valid);

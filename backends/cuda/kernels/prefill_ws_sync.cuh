@@ -22,6 +22,14 @@ inline constexpr int kWsTurnBar = 2;
 inline constexpr int kWsConsumerBar = 4;
 inline constexpr int kWsUnitTakenBar = 6;
 
+// The tensor maps of a TMA producer over the layer's K and V pools and, where q_tma is 1, over q
+// (prefill_ws.cuh's header comment; prefill_ws.cu's ws_tensor_maps says when, and for the fp8 CTA
+// prefill_fp8_tma_maps); unused (zeros) by the cp.async producers.
+struct WsTensorMaps {
+  CUtensorMap k, v, q;
+  int32_t q_tma;
+};
+
 // The persistent launches: one CTA per resident slot walking the units once a step has more than
 // this many units per resident CTA. On the H200 the persistent grid is 3-14% faster from 8 units
 // per SM up (1x4096 at d128: 347 against 324 TFLOP/s) and 6% slower at 1x1024 (512 units, ~4 per
