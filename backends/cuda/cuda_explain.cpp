@@ -59,7 +59,9 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
       return prefill_fp8_ws_enabled()
                  ? fmt::format(
                        "warp-specialised fp8 prefill CTA (prefill_fp8_ws.cuh): 128 rows, a copy "
-                       "producer that also transposes V, two consumer warpgroups with q and the "
+                       "producer (TMA boxes of whole pages where the pool allows: "
+                       "ATTNRT_PREFILL_TMA) that also transposes V, two consumer warpgroups with "
+                       "q and the "
                        "softmax weights in e4m3 on fp8 warpgroup MMAs against the e4m3 K / V - "
                        "--fp8-prefill-attention (ATTNRT_PREFILL_FP8_WS=0: the one-warpgroup one), {} "
                        "rows a request",
