@@ -273,16 +273,27 @@ bool prefill_tma_enabled() {
 
 void set_prefill_tma(bool on) { g_prefill_tma.store(on ? 1 : 0); }
 
-bool prefill_tma_applies(const AttnParams& p, int head_dim, bool ping_pong) {
+namespace {
+
+// The pool conditions of both TMA producers: K / V rows of `dim` elements a head, 16 bytes being
+// `chunk` elements (8 16-bit, 16 e4m3), no SWA slot map or tree mask, pages of 8 slots or more,
+// the pool's rows known and below 2^31, the bases and row strides 16-byte aligned.
+bool pool_tma_applies(const AttnParams& p, int dim, int chunk) {
   const auto aligned = [](const void* ptr) {
     return ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
   };
-  return has_tma_variant(head_dim, ping_pong) && p.kv_kind == KvKind::same_as_q &&
-         p.slot_map == nullptr && p.tree == 0 && p.page_shift >= 3 && p.kv_rows > 0 &&
+  return p.slot_map == nullptr && p.tree == 0 && p.page_shift >= 3 && p.kv_rows > 0 &&
          p.kv_rows <= INT_MAX && p.num_kv_heads > 0 && aligned(p.k) && aligned(p.v) &&
-         p.k_row_stride % 8 == 0 && p.v_row_stride % 8 == 0 &&
-         p.k_row_stride >= int64_t{p.num_kv_heads} * head_dim &&
-         p.v_row_stride >= int64_t{p.num_kv_heads} * head_dim;
+         p.k_row_stride % chunk == 0 && p.v_row_stride % chunk == 0 &&
+         p.k_row_stride >= int64_t{p.num_kv_heads} * dim &&
+         p.v_row_stride >= int64_t{p.num_kv_heads} * dim;
+}
+
+}  // namespace
+
+bool prefill_tma_applies(const AttnParams& p, int head_dim, bool ping_pong) {
+  return has_tma_variant(head_dim, ping_pong) && p.kv_kind == KvKind::same_as_q &&
+         pool_tma_applies(p, head_dim, 8);
 }
 
 bool prefill_q_tma_applies(const AttnParams& p) {
@@ -303,15 +314,7 @@ bool prefill_ws_uses_tma(const AttnParams& p, int head_dim, bool fp16, bool ping
 }
 
 bool prefill_fp8_tma_applies(const AttnParams& p) {
-  constexpr int D = kFp8TmaHeadDim;
-  const auto aligned = [](const void* ptr) {
-    return ptr != nullptr && reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
-  };
-  return p.kv_kind == KvKind::e4m3 && p.slot_map == nullptr && p.tree == 0 && p.page_shift >= 3 &&
-         p.kv_rows > 0 && p.kv_rows <= INT_MAX && p.num_kv_heads > 0 && aligned(p.k) &&
-         aligned(p.v) && p.k_row_stride % 16 == 0 && p.v_row_stride % 16 == 0 &&
-         p.k_row_stride >= int64_t{p.num_kv_heads} * D &&
-         p.v_row_stride >= int64_t{p.num_kv_heads} * D;
+  return p.kv_kind == KvKind::e4m3 && pool_tma_applies(p, kFp8TmaHeadDim, 16);
 }
 
 bool prefill_fp8_tma_maps(const AttnParams& p, bool fp16, WsTensorMaps* maps) {
