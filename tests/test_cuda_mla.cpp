@@ -18,6 +18,7 @@
 #ifdef ATTNRT_HAS_CUDA
 #include "attnrt/backend/options.h"
 #include "backends/cuda/cuda_backend.h"
+#include "backends/cuda/kernels/mla.h"
 #endif
 
 namespace attnrt {
@@ -76,11 +77,12 @@ TEST(CudaMlaCta, ExplainNamesTheCtaOfEachPhase) {
   const std::vector<std::string> bf16 = cuda::explain_cuda_kernels(m, o, DType::bf16);
   ASSERT_EQ(bf16.size(), 5u) << ::testing::PrintToString(bf16);
   for (size_t i = 1; i <= 3; ++i)
-    EXPECT_NE(bf16[i].find("MLA CTA (mla_decode.cu)"), std::string::npos) << bf16[i];
+    EXPECT_NE(bf16[i].find("paired-tile MLA CTA (mla_pairs.cu)"), std::string::npos) << bf16[i];
   EXPECT_TRUE(has(bf16, "decode ")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(bf16, "verify ")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(bf16, "MHA form (EXTEND / MIXED")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(bf16, "q / k 192, v 128")) << ::testing::PrintToString(bf16);
+  EXPECT_TRUE(has(cuda::explain_cuda_kernels(m, o, DType::e4m3), "MLA CTA (mla_decode.cu)"));
   EXPECT_TRUE(has(cuda::explain_cuda_kernels(m, o, DType::e4m3), "converted from fp8"));
   const std::vector<std::string> tp8 =
       cuda::explain_cuda_kernels(apply_tensor_parallel(m, 8), o, DType::bf16);
@@ -161,6 +163,32 @@ TEST(CudaMlaCta, KeysOnMItemsOfSeveralTokens) {
     }
   }
 }
+
+#ifdef ATTNRT_HAS_CUDA
+// The 64-row items on both bf16 CTAs: the paired-tile CTA (the default) and mla_decode.cu's, which
+// ATTNRT_MLA_PAIRS=0 selects (and which serves fp8 latents): every mode at 64 and 128 heads, odd
+// and even tile counts, page sizes 1 and 64.
+TEST(CudaMlaCta, PairedTileCtaAndTheSplitCtaInEveryMode) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  for (bool pairs : {true, false}) {
+    cuda::set_mla_pairs(pairs);
+    for (int heads : {64, 128}) {
+      for (int page : {1, 64}) {
+        for (CaseSpec& s : every_mode({mla(heads)}, DType::bf16, seed++)) {
+          s.page_size = page;
+          for (int32_t& p : s.prefix_lens) p = static_cast<int32_t>(rng() % 900) + (p > 0 ? 1 : 0);
+          s.label += std::string(pairs ? " pairs" : " split") + " h" + std::to_string(heads) +
+                     " page " + std::to_string(page);
+          expect_matches_reference(s);
+        }
+      }
+    }
+  }
+  cuda::set_mla_pairs(true);
+}
+#endif
 
 // One long request (many splits and their merge) beside short ones, soft-cap on, large logits.
 TEST(CudaMlaCta, SoftcapAndManySplits) {

@@ -37,6 +37,14 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
           k.head_dim, k.v_head_dim,
           is_mla_dims(k.head_dim, k.v_head_dim) ? " with fp16 activations" : "");
     case AttnCta::mla:
+      if (!fp8 && mla_cta_enabled() && mla_pairs_enabled())
+        return fmt::format(
+            "paired-tile MLA CTA (mla_pairs.cu): 64-key tiles of the latent cache in pairs, each "
+            "warpgroup scoring a whole tile and holding half of the 512 output columns, so one "
+            "warpgroup's softmax runs under the other's MMAs; 64 (token, head) rows a CTA ({} rows "
+            "a request), split-KV when the batch leaves SMs idle - MLA's 576 / 512 dims with bf16 "
+            "q and latent [ATTNRT_MLA_PAIRS=0: mla_decode.cu's CTA instead]",
+            rows);
       return fmt::format(
           "MLA CTA (mla_decode.cu): warpgroup MMAs over 64-key tiles of the latent cache{}, 64 "
           "(token, head) rows a CTA ({} rows a request), split-KV when the batch leaves SMs idle "

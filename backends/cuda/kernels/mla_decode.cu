@@ -102,18 +102,7 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
   const uint32_t ld_swz = ld_row * 128 + ((ld_c ^ (ld_row & 7)) << 4);
   constexpr int kBlocks = D / 64;  // 64-column blocks of a row
 
-  // ---- Q rows f0 .. f0 + 63 (rows past the request's tokens are zero: finite, never stored).
-#pragma unroll
-  for (int r2 = 0; r2 < 2; ++r2) {
-    const int f = item.f0 + ld_row + 32 * r2, t = f / G, hg = f - t * G;
-    const bool valid = t < req.qlen;
-    const T* src = static_cast<const T*>(p.q);
-    if (valid) src += (req.qo_start + t) * p.q_stride_tok + (kvh * G + hg) * p.q_stride_head;
-#pragma unroll
-    for (int i = 0; i < kBlocks; ++i)
-      cp_async_16(smem + ld_swz + r2 * 32 * 128 + i * ROWS * 128, src + (valid ? ld_c * 8 + i * 64 : 0),
-                  valid);
-  }
+  mla_load_q64<T>(p, req, item, kvh, smem, ld_row, ld_c, ld_swz);
   // Dependent launch: so far only the work item, the request and q were read.
   grid_dependency_wait();
   launch_dependent_grids();
@@ -290,29 +279,7 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
 
   // ---- Epilogue: the two halves' row sums meet, then output (or this split's partial).
   __syncthreads();  // x_rows is reused
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float ll = l[h];
-    ll += __shfl_xor_sync(0xffffffff, ll, 1);
-    ll += __shfl_xor_sync(0xffffffff, ll, 2);
-    l[h] = ll;
-    if (c4 == 0) x_rows[wg * ROWS + wq * 16 + g + 8 * h] = ll;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = wq * 16 + g + 8 * h;
-    const float ll = l[h] + x_rows[(wg ^ 1) * ROWS + r];
-    const int f = item.f0 + r, t = row_t[h], hg = f - t * G;
-    if (t >= req.qlen) continue;
-    const MlaRowOut<T> row(p, req, item.split, t, kvh * G + hg, ll, m[h], kUnit,
-                           wg == 0 && c4 == 0);
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-      for (int i = 0; i < 16; ++i)
-        row.put2(wg * ON + nb * 128 + i * 8 + 2 * c4, o[nb][4 * i + 2 * h], o[nb][4 * i + 2 * h + 1]);
-  }
+  mla_store_rows64<T>(p, req, item, kvh, wg, wq, g, c4, l, m, row_t, o, kUnit, x_rows);
 }
 
 }  // namespace
@@ -322,6 +289,7 @@ AttnCtaEntry mla_attention_entry(const AttnKernelKey& key) {
   using B = __nv_bfloat16;
   switch (key.kv) {
     case KvKind::same_as_q:
+      if (mla_pairs_enabled()) return mla_pairs_entry(key);
       return GridCta<mla_attention_kernel<B, false, false>, MlaCfg<false>>::entry();
     case KvKind::e4m3:
       return GridCta<mla_attention_kernel<B, true, false>, MlaCfg<true>>::entry();

@@ -135,6 +135,68 @@ struct MlaRowOut {
   }
 };
 
+// The Q rows f0 .. f0 + 63 of a 64-row MLA CTA's item into the swizzled [9 blocks][64 rows] tile at
+// `sq`, by 256 threads: eight a row, two rows each (ld_row and ld_row + 32, ld_row = tid / 8), thread
+// ld_c = tid % 8 taking 16-byte chunk ld_c of each 64-column block at ld_swz plus constants. Rows
+// past the request's tokens are zero (finite, never stored).
+template <typename T>
+__device__ __forceinline__ void mla_load_q64(const AttnParams& p, const ReqInfo& req,
+                                             const WorkItem& item, int kvh, unsigned char* sq,
+                                             int ld_row, int ld_c, uint32_t ld_swz) {
+  constexpr int kRows = 64;
+#pragma unroll
+  for (int r2 = 0; r2 < 2; ++r2) {
+    const int G = p.group;
+    const int f = item.f0 + ld_row + 32 * r2, t = f / G, hg = f - t * G;
+    const bool valid = t < req.qlen;
+    const T* src = static_cast<const T*>(p.q);
+    if (valid) src += (req.qo_start + t) * p.q_stride_tok + (kvh * G + hg) * p.q_stride_head;
+#pragma unroll
+    for (int i = 0; i < kMlaHeadDim / 64; ++i)
+      cp_async_16(sq + ld_swz + r2 * 32 * 128 + i * kRows * 128,
+                  src + (valid ? ld_c * 8 + i * 64 : 0), valid);
+  }
+}
+
+// The epilogue of a 64-row MLA CTA whose warpgroup wg holds output columns 256 wg .. 256 wg + 255
+// of all 64 rows (o[nb][4 i + 2 h (+1)]: columns 128 nb + 8 i + 2 c4 (+1) of rows g + 8 h of warp
+// wq's 16) and this thread's part of the rows' sums l: the quads' sums, then the two warpgroups'
+// meet in `xl` (2 x 64 floats, free for reuse: the caller's __syncthreads comes first; l becomes
+// the quads' sums), then each row is written (MlaRowOut: this split's partial or the output).
+template <typename T>
+__device__ __forceinline__ void mla_store_rows64(const AttnParams& p, const ReqInfo& req,
+                                                 const WorkItem& item, int kvh, int wg, int wq,
+                                                 int g, int c4, float (&l)[2],
+                                                 const float (&m)[2], const int (&row_t)[2],
+                                                 const float (&o)[2][64], float unit, float* xl) {
+  constexpr int kRows = 64, kON = kMlaVHeadDim / 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float ll = l[h];
+    ll += __shfl_xor_sync(0xffffffff, ll, 1);
+    ll += __shfl_xor_sync(0xffffffff, ll, 2);
+    l[h] = ll;
+    if (c4 == 0) xl[wg * kRows + wq * 16 + g + 8 * h] = ll;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = wq * 16 + g + 8 * h;
+    const float ll = l[h] + xl[(wg ^ 1) * kRows + r];
+    const int G = p.group;
+    const int f = item.f0 + r, t = row_t[h], hg = f - t * G;
+    if (t >= req.qlen) continue;
+    const MlaRowOut<T> row(p, req, item.split, t, kvh * G + hg, ll, m[h], unit,
+                           wg == 0 && c4 == 0);
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+        row.put2(wg * kON + nb * 128 + i * 8 + 2 * c4, o[nb][4 * i + 2 * h],
+                 o[nb][4 * i + 2 * h + 1]);
+  }
+}
+
 // T: the activations (bf16); FP8 / E5M2: the cache's storage; RPT: key rows a thread copies.
 // mla_decode.cu's fp8 stages lie in the second bf16 tile's space (kRawAt).
 template <typename T, bool FP8, bool E5M2, int RPT>
@@ -191,10 +253,7 @@ struct MlaTileCopier {
       const bool valid = slot[r] >= 0;
       const unsigned char* src = kbytes + (valid ? slot[r] * p.k_row_stride * kElem : 0);
       if constexpr (!FP8) {
-        unsigned char* dk = tiles + stage * kMlaTileBytes + ld_swz + r * step * 128;
-#pragma unroll
-        for (int i = 0; i < kD / 64; ++i)
-          cp_async_16(dk + i * kBN * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
+        copy_blocks<0, kD / 64>(stage, r, src, valid);
       } else {
         unsigned char* dk =
             tiles + kRawAt + stage * kRawBytes + (ld_row + step * r) * kD + ld_c * 16;
@@ -205,6 +264,26 @@ struct MlaTileCopier {
         }
       }
     }
+  }
+
+  // bf16: column blocks [B0, B1) of this thread's rows of the load whose slots were prefetched,
+  // into `stage` (the paired-tile CTA's warpgroups each copy their own blocks of a tile).
+  template <int B0, int B1>
+  __device__ __forceinline__ void load_blocks(int stage) {
+    static_assert(!FP8);
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      const bool valid = slot[r] >= 0;
+      copy_blocks<B0, B1>(stage, r, kbytes + (valid ? slot[r] * p.k_row_stride * kElem : 0), valid);
+    }
+  }
+  template <int B0, int B1>
+  __device__ __forceinline__ void copy_blocks(int stage, int r, const unsigned char* src,
+                                              bool valid) {
+    unsigned char* dk = tiles + stage * kMlaTileBytes + ld_swz + r * step * 128;
+#pragma unroll
+    for (int i = B0; i < B1; ++i)
+      cp_async_16(dk + i * kBN * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
   }
 
   // fp8, whole tiles: the rows of load t (its slots prefetched) into `stage` in the layout of

@@ -798,19 +798,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
               if (it == it_end - 1) q_done();
               float alpha[2];
               const bool moved = softmax_tile(s, lo + it * BN, alpha);
-              // The own P V's wait in both branches: written once before the branch, ptxas hoists
-              // it above the softmax (right after the first row maximum); in the branches it stays
-              // after every MUFU. Measured (H100) with the range mask: 0.98-1.015x, so the wait
-              // was not what bounds the loop (the other consumer's MMAs fill the tensor cores
-              // either way); kept with the Q stepping below, measured together (1.00-1.024x).
-              if (moved) {
-                wgmma_wait<0>();
-                release(prev);
-                rescale_o(alpha);
-              } else {
-                wgmma_wait<0>();
-                release(prev);
-              }
+              // The own P V's wait, once for the whole warpgroup: `moved` is a warp's vote, so a
+              // wait in each branch (which kept ptxas from hoisting it above the softmax) had the
+              // warps of one warpgroup at different wgmma.wait_group instructions, which PTX
+              // leaves undefined (compute-sanitizer's synccheck: "mismatching warpgroup
+              // instruction pc"). The placement measured 0.98-1.015x before (H100): the other
+              // consumer's MMAs fill the tensor cores either way.
+              wgmma_wait<0>();
+              release(prev);
+              if (moved) rescale_o(alpha);
               pack_p(s, pa);
             }
             const int last = stage_of(it_end - 1);

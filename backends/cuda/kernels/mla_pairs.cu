@@ -1,0 +1,480 @@
+// The paired-tile MLA CTA (sm_90a): the absorbed form over a bf16 latent cache for the items of
+// 64 (token, head) rows that mla_decode.cu's CTA serves (128-head decode, verify chains and
+// trees, draft extends, absorbed extends, split-KV included), with the tensor cores kept busy
+// while the softmax runs.
+//
+// mla_decode.cu's CTA splits every 64-key tile between its two warpgroups by keys for S = Q K^T
+// (m64n32 MMAs, both operands in shared memory: 24 cycles of operand reads a k-step against 16 of
+// math) and by output columns for P V, so each tile crosses three CTA barriers and nothing
+// overlaps the softmax: 360 TFLOP/s on mla-decode-h128-64x4096 against 805 of the GEMM.
+// Here the tiles go in pairs (a = 2j in stage 0, b = 2j + 1 in stage 1) and each warpgroup scores
+// a whole tile (m64n64: the operand bytes per FLOP halve):
+//  - warpgroup 0 holds output columns 0 .. 255 (O_L), warpgroup 1 columns 256 .. 511 (O_R);
+//  - 0: S_a = Q K_a^T, the softmax of a against the running maximum m (m_a, factor alpha_a);
+//    then O_L = alpha_a O_L + P_a V_aL with P_a from registers;
+//  - 1: S_b = Q K_b^T, the softmax of b against m_a (m_b, alpha_b); O_R = alpha_a alpha_b O_R +
+//    P_b V_bR with P_b from registers, P_b to shared memory;
+//  - 0: P_a times alpha_b to shared memory, then O_L = alpha_b O_L + P_b V_bL;
+//  - 1: O_R += (alpha_b P_a) V_aR.
+// Both O halves and both row sums (l_0 over the a tiles, l_1 over the b tiles) then stand against
+// m_b, the same running maximum (lazy, common/math.cuh's lazy_max), and the epilogue adds the two
+// row sums. The four hand-overs (0 -> 1: m_a and alpha_a; 1 -> 0: m_b and alpha_b, each through
+// its own row arrays and an mbarrier; P_a ready and P_b ready, named barriers) let one
+// warpgroup's softmax run while the other's MMAs do.
+//
+// Shared memory: Q 72 KB, two 72 KB stages, four 64-float row arrays, six mbarriers: 218 KB.
+// P of a tile goes into its own stage's rope block (columns 512 .. 575, read by the tile's S
+// only), so it needs no space of its own. Each warpgroup copies its own column blocks of each tile
+// with cp.async (any page size, rows past the split's end zero-filled), each stage's two parts
+// completing on their own mbarrier, as soon as its own MMAs on them are done:
+//  - stage 0: blocks 0 .. 3 by warpgroup 0 (after P_a V_aL), 4 .. 8 by 1 (after P_a V_aR);
+//  - stage 1: blocks 4 .. 7 by 1 (after P_b V_bR), 0 .. 3 and 8 by 0 (after P_b V_bL);
+// and S of the next tile takes the part copied first before the second (0: blocks 0 .. 3 first;
+// 1: blocks 4 .. 7 first), so the later part's latency overlaps MMAs. An odd last tile pairs with
+// an all-zero tile past the split (its keys masked: P = 0).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdlib>
+
+#include "backends/cuda/kernels/attention_params.h"
+#include "backends/cuda/kernels/common/convert.cuh"
+#include "backends/cuda/kernels/common/mask.cuh"
+#include "backends/cuda/kernels/common/math.cuh"
+#include "backends/cuda/kernels/cta_entry.cuh"
+#include "backends/cuda/kernels/dependent_launch.cuh"
+#include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/mla.h"
+#include "backends/cuda/kernels/mla_tile.cuh"
+#include "backends/cuda/kernels/paged_kv.cuh"
+#include "backends/cuda/kernels/prefill_ws_sync.cuh"
+#include "backends/cuda/kernels/primitives.cuh"
+#include "backends/cuda/kernels/wgmma.cuh"
+
+namespace attnrt::cuda {
+
+namespace {
+
+struct MlaPairsCfg {
+  static constexpr int kD = kMlaHeadDim;      // 576: qk columns (9 blocks of 64)
+  static constexpr int kDv = kMlaVHeadDim;    // 512: the first kDv columns are V
+  static constexpr int kRows = kMlaTileRows;  // 64 query rows
+  static constexpr int kBN = kMlaTileKeys;    // 64 keys a tile
+  static constexpr int kON = kDv / 2;         // output columns of one warpgroup
+  static constexpr int kThreads = 256;
+  static constexpr int kQBytes = kRows * kD * 2;
+  static constexpr int kTileBytes = kMlaTileBytes;
+  static constexpr int kPAt = 8 * kBN * 128;  // P of a tile: its stage's rope block
+  // m_a, alpha_a (warpgroup 0 -> 1), m_b, alpha_b (1 -> 0); the row sums at the end.
+  static constexpr int kRowFloats = 4 * kRows;
+  static constexpr int kBars = 6;  // full(stage, part) x 4, "m_a published", "m_b published"
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kTileBytes + kRowFloats * 4 + kBars * 8;
+  static_assert(kSmemBytes <= 227 * 1024);
+  static_assert(kRows * kBN * 2 == kBN * 128);  // a P tile fills the rope block exactly
+};
+
+// Named barriers (0 is __syncthreads), each one warpgroup's arrival and the other's wait, for the
+// P tiles (read by the other warpgroup's MMAs through the async proxy). The row maxima and factors
+// go through mbarriers: each warp's lanes meet at __syncwarp, its lane 0 arrives (a release), the
+// other warpgroup waits (an acquire), which orders the rows' reads and writes across warpgroups
+// under PTX's memory model. compute-sanitizer's racecheck does not follow that chain through
+// __syncwarp and reports the reads of one pair against the next pair's writes (a named-barrier
+// hand-over showed the same); patches/mla-pairs-arrive-all.patch makes every thread arrive.
+constexpr int kBarPa = 1;  // alpha_b P_a in stage 0's rope block (0 -> 1)
+constexpr int kBarPb = 2;  // P_b in stage 1's rope block (1 -> 0)
+
+// S (+)= Q K^T over the k16 steps of column blocks [B0, B1); FIRST: the first step overwrites S.
+template <typename T, int B0, int B1, bool FIRST>
+__device__ __forceinline__ void mla_pairs_s(float (&s)[MlaPairsCfg::kBN / 2], uint64_t dq,
+                                            uint64_t dk) {
+  constexpr int ROWS = MlaPairsCfg::kRows, BN = MlaPairsCfg::kBN;
+#pragma unroll
+  for (int kk = 4 * B0; kk < 4 * B1; ++kk) {
+    const uint64_t da = dq + (((kk >> 2) * ROWS * 128 + (kk & 3) * 32) >> 4);
+    const uint64_t db = dk + (((kk >> 2) * BN * 128 + (kk & 3) * 32) >> 4);
+    wgmma_ss<BN, T>(s, da, db, FIRST && kk == 4 * B0 ? 0 : 1);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(const AttnParams p) {
+  using C = MlaPairsCfg;
+  constexpr int BN = C::kBN, ROWS = C::kRows;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t pad = ((raw + 1023) & ~1023u) - raw;
+  unsigned char* smem = smem_raw + pad;
+  const uint32_t sQ = raw + pad;
+  const uint32_t sKV = sQ + C::kQBytes;
+  float* row_ma = reinterpret_cast<float*>(smem + C::kQBytes + 2 * C::kTileBytes);
+  float* row_alpha_a = row_ma + ROWS;
+  float* row_mb = row_alpha_a + ROWS;
+  float* row_alpha_b = row_mb + ROWS;
+  const uint32_t bars = sKV + 2 * C::kTileBytes + C::kRowFloats * 4;
+  // full(stage, part): part 0 is warpgroup 0's blocks of the stage, part 1 warpgroup 1's.
+  auto full = [bars](int stage, int part) { return bars + (2 * stage + part) * 8; };
+  const uint32_t ma_bar = bars + 4 * 8, mb_bar = bars + 5 * 8;
+
+  // wg through a shuffle: ptxas then knows it is the same in a whole warp, and the MMAs inside
+  // `if (wg == 0)` are not serialised as divergent code (C7520).
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wq = warp & 3;
+  const int wg = __shfl_sync(0xffffffff, tid >> 7, 0);
+  const int g = lane >> 2, c4 = lane & 3;
+  const int kvh = blockIdx.x;
+  const MlaItem w(p, ROWS);
+  // A padded item of a batch-invariant graph step (GraphLayout::det_splits): nothing to do.
+  if (w.item.split >= w.req.num_splits) return;
+  const WorkItem& item = w.item;
+  const ReqInfo& req = w.req;
+  const int lo = w.lo, hi = w.hi, num_tiles = w.num_tiles;
+  const int num_pairs = (num_tiles + 1) / 2, loads = 2 * num_pairs;
+  const Mask<true> mask{p, req};
+
+  if (tid < 4) mbar_init(full(tid >> 1, tid & 1), 128);
+  if (tid == 4) mbar_init(ma_bar, 4);
+  if (tid == 5) mbar_init(mb_bar, 4);
+
+  // ---- Q rows f0 .. f0 + 63 by all 256 threads, eight a row.
+  mla_load_q64<T>(p, req, item, kvh, smem, tid >> 3, tid & 7,
+                  (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4));
+  cp_async_commit();
+  __syncthreads();  // the mbarriers are initialised
+  // Dependent launch: so far only the work item, the request and q were read.
+  grid_dependency_wait();
+  launch_dependent_grids();
+  write_back_committed_pages(p, req, item, kvh, tid, C::kThreads);
+
+  // Each warpgroup's copies: eight threads a row, rows ld_row + 16 r (r < 4) of a tile.
+  const int wt = tid & 127, ld_row = wt >> 3, ld_c = wt & 7;
+  const uint32_t ld_swz = ld_row * 128 + ((ld_c ^ (ld_row & 7)) << 4);
+  MlaTileCopier<T, false, false, 4> copier{
+      p, req, smem + C::kQBytes, lo, hi, num_tiles, kvh, ld_row, ld_c, ld_swz, 16};
+  // Both tiles of the first pair.
+  if (num_pairs > 0) {
+    copier.prefetch_slots(0);
+    if (wg == 0) {
+      copier.load_blocks<0, 4>(0);
+      mbar_arrive_cp_async(full(0, 0));
+    } else {
+      copier.load_blocks<4, 9>(0);
+      mbar_arrive_cp_async(full(0, 1));
+    }
+    copier.prefetch_slots(1);
+    if (wg == 0) {
+      copier.load_blocks<0, 4>(1);
+      copier.load_blocks<8, 9>(1);
+      mbar_arrive_cp_async(full(1, 0));
+    } else {
+      copier.load_blocks<4, 8>(1);
+      mbar_arrive_cp_async(full(1, 1));
+    }
+    cp_async_commit();
+  }
+  cp_async_wait<1>();  // this thread's Q copies landed
+  fence_proxy_async_smem();
+  __syncthreads();  // every thread's
+
+  // This thread's rows (the same in both warpgroups): g and g + 8 of warp wq's 16.
+  int row_t[2];
+  MaskRow rows[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_t[h] = (item.f0 + wq * 16 + g + 8 * h) / p.group;
+    rows[h] = mask.row(row_t[h]);
+  }
+  const int rt_lo = w.t_first, rt_hi = w.t_last;
+  const SoftCap cap(p.softcap, p.softmax_scale);
+  const float sl = cap.exp_scale(p.scale_log2);
+  const uint64_t dq = wgmma_desc(sQ, 16);
+
+  // Output columns 256 wg + 128 nb + 8 i + 2 c4 (+1) of rows g, g + 8: o[nb][4 i + 2 h (+1)].
+  float o[2][64];
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[nb][i] = 0.f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+
+  // Softcap and mask of tile kb's logits, then each row's maximum (scaled to log2 units).
+  auto row_max = [&](float(&s)[BN / 2], int kb, float(&mx)[2]) {
+    if (cap.on) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) s[i] = cap(s[i]);
+    }
+    if (mask.needs_mask(kb, BN, hi, rt_lo, rt_hi)) {
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = kb + nb * 8 + 2 * c4 + (e & 1);
+          if (!mask.visible(rows[e >> 1], j, hi)) s[nb * 4 + e] = -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v = -INFINITY;
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb)
+        v = fmaxf(v, fmaxf(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]));
+      v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
+      v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
+      mx[h] = v * sl;
+    }
+  };
+  // s becomes exp2(s sl - m_use) row by row; returns the rows' sums of this thread's columns.
+  auto exps = [&](float(&s)[BN / 2], const float(&m_use)[2], float(&sum)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      sum[h] = 0.f;
+#pragma unroll
+      for (int nb = 0; nb < BN / 8; ++nb) {
+        float& x0 = s[nb * 4 + 2 * h];
+        float& x1 = s[nb * 4 + 2 * h + 1];
+        x0 = fast_exp2(fmaf(x0, sl, -m_use[h]));
+        x1 = fast_exp2(fmaf(x1, sl, -m_use[h]));
+        sum[h] += x0 + x1;
+      }
+    }
+  };
+  auto rescale_o = [&](const float(&f)[2]) {
+#pragma unroll
+    for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        o[nb][4 * i] *= f[0];
+        o[nb][4 * i + 1] *= f[0];
+        o[nb][4 * i + 2] *= f[1];
+        o[nb][4 * i + 3] *= f[1];
+      }
+  };
+  auto pack_p = [&](const float(&s)[BN / 2], uint32_t(&pa)[BN / 16][4]) {
+#pragma unroll
+    for (int k16 = 0; k16 < BN / 16; ++k16) {
+      pa[k16][0] = pack2<T>(s[8 * k16], s[8 * k16 + 1]);
+      pa[k16][1] = pack2<T>(s[8 * k16 + 2], s[8 * k16 + 3]);
+      pa[k16][2] = pack2<T>(s[8 * k16 + 4], s[8 * k16 + 5]);
+      pa[k16][3] = pack2<T>(s[8 * k16 + 6], s[8 * k16 + 7]);
+    }
+  };
+  // P times f (per row) to the rope block of `stage`: [64 rows][64 keys] bf16, one swizzled
+  // 128-byte row per query row (the K-major A operand of the other warpgroup's MMA).
+  auto store_p = [&](const float(&s)[BN / 2], int stage, const float(&f)[2]) {
+    unsigned char* dst = smem + C::kQBytes + stage * C::kTileBytes + C::kPAt;
+#pragma unroll
+    for (int nb = 0; nb < BN / 8; ++nb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = wq * 16 + g + 8 * h;
+        const int key = nb * 8 + 2 * c4;
+        const uint32_t off = r * 128 + (((key >> 3) ^ (r & 7)) << 4) + (key & 7) * 2;
+        *reinterpret_cast<uint32_t*>(dst + off) =
+            pack2<T>(s[nb * 4 + 2 * h] * f[h], s[nb * 4 + 2 * h + 1] * f[h]);
+      }
+  };
+  // O += P V over this warpgroup's 256 columns of stage `stage`: P from registers ...
+  auto pv_regs = [&](const uint32_t(&pa)[BN / 16][4], int stage) {
+    const uint64_t dv = wgmma_desc(sKV + stage * C::kTileBytes + wg * 4 * BN * 128, BN * 128);
+    wgmma_fence();
+#pragma unroll
+    for (int k16 = 0; k16 < BN / 16; ++k16)
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+        wgmma_rs<128, T>(o[nb], pa[k16], dv + ((k16 * 16 * 128 + nb * 2 * BN * 128) >> 4));
+    wgmma_commit();
+  };
+  // ... or from the stage's rope block (the other warpgroup's P).
+  auto pv_smem = [&](int stage) {
+    const uint32_t tile = sKV + stage * C::kTileBytes;
+    const uint64_t dp = wgmma_desc(tile + C::kPAt, 16);
+    const uint64_t dv = wgmma_desc(tile + wg * 4 * BN * 128, BN * 128);
+    wgmma_fence();
+#pragma unroll
+    for (int k16 = 0; k16 < BN / 16; ++k16)
+#pragma unroll
+      for (int nb = 0; nb < 2; ++nb)
+        wgmma_ss_mn<128, T>(o[nb], dp + ((k16 * 32) >> 4),
+                            dv + ((k16 * 16 * 128 + nb * 2 * BN * 128) >> 4), 1);
+    wgmma_commit();
+  };
+
+  if (wg == 0) {
+    // ================= warpgroup 0: tiles a, O_L =================
+    const uint64_t dk = wgmma_desc(sKV, 16);
+    copier.prefetch_slots(2);
+    for (int j = 0; j < num_pairs; ++j) {
+      const uint32_t parity = j & 1;
+      const int ta = 2 * j;
+      float s[BN / 2];
+      mbar_wait(full(0, 0), parity);
+      fence_proxy_async_smem();
+      wgmma_fence();
+      mla_pairs_s<T, 0, 4, true>(s, dq, dk);
+      mbar_wait(full(0, 1), parity);
+      fence_proxy_async_smem();
+      wgmma_fence();  // the wait's loop between the MMAs of one group
+      mla_pairs_s<T, 4, 9, false>(s, dq, dk);
+      wgmma_commit();
+      wgmma_wait<0>();
+
+      float mx[2], m_use[2], alpha_a[2], sum[2];
+      row_max(s, lo + ta * BN, mx);
+      bool moved = false;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) moved |= lazy_max(m[h], mx[h], m_use[h], alpha_a[h]);
+      exps(s, m_use, sum);
+      if (c4 == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          row_ma[wq * 16 + g + 8 * h] = m[h];
+          row_alpha_a[wq * 16 + g + 8 * h] = alpha_a[h];
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(ma_bar);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha_a[h] + sum[h];
+      if (__any_sync(0xffffffff, moved)) rescale_o(alpha_a);
+      uint32_t pa[BN / 16][4];
+      pack_p(s, pa);
+      pv_regs(pa, 0);
+
+      // Warpgroup 1's tile b moved the maximum to m_b by alpha_b: P_a joins O_R at that scale.
+      mbar_wait(mb_bar, parity);
+      float alpha_b[2];
+      bool moved_b = false;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        alpha_b[h] = row_alpha_b[wq * 16 + g + 8 * h];
+        m[h] = row_mb[wq * 16 + g + 8 * h];
+        l[h] *= alpha_b[h];
+        moved_b |= alpha_b[h] != 1.f;
+      }
+      store_p(s, 0, alpha_b);
+      fence_proxy_async_smem();
+      named_bar_arrive(kBarPa, 256);
+
+      wgmma_wait<0>();  // P_a V_aL done: blocks 0 .. 3 of stage 0 are free
+      if (ta + 2 < loads) {
+        copier.load_blocks<0, 4>(0);
+        mbar_arrive_cp_async(full(0, 0));
+        cp_async_commit();
+      }
+      copier.prefetch_slots(ta + 3);
+      if (__any_sync(0xffffffff, moved_b)) rescale_o(alpha_b);
+      named_bar_sync(kBarPb, 256);
+      pv_smem(1);
+      wgmma_wait<0>();  // P_b V_bL done: blocks 0 .. 3 and the rope block of stage 1 are free
+      if (ta + 3 < loads) {
+        copier.load_blocks<0, 4>(1);
+        copier.load_blocks<8, 9>(1);
+        mbar_arrive_cp_async(full(1, 0));
+        cp_async_commit();
+      }
+      copier.prefetch_slots(ta + 4);
+    }
+  } else {
+    // ================= warpgroup 1: tiles b, O_R =================
+    const uint64_t dk = wgmma_desc(sKV + C::kTileBytes, 16);
+    copier.prefetch_slots(3);
+    for (int j = 0; j < num_pairs; ++j) {
+      const uint32_t parity = j & 1;
+      const int tb = 2 * j + 1;
+      float s[BN / 2];
+      mbar_wait(full(1, 1), parity);
+      fence_proxy_async_smem();
+      wgmma_fence();
+      mla_pairs_s<T, 4, 8, true>(s, dq, dk);
+      mbar_wait(full(1, 0), parity);
+      fence_proxy_async_smem();
+      wgmma_fence();
+      mla_pairs_s<T, 0, 4, false>(s, dq, dk);
+      mla_pairs_s<T, 8, 9, false>(s, dq, dk);
+      wgmma_commit();
+      wgmma_wait<0>();
+
+      float mx[2], m_use[2], alpha_a[2], alpha_b[2], sum[2];
+      row_max(s, lo + tb * BN, mx);
+      mbar_wait(ma_bar, parity);
+      bool moved = false;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        alpha_a[h] = row_alpha_a[wq * 16 + g + 8 * h];
+        m[h] = row_ma[wq * 16 + g + 8 * h];
+        lazy_max(m[h], mx[h], m_use[h], alpha_b[h]);
+        alpha_a[h] *= alpha_b[h];
+        moved |= alpha_a[h] != 1.f;
+      }
+      exps(s, m_use, sum);
+      if (c4 == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          row_mb[wq * 16 + g + 8 * h] = m[h];
+          row_alpha_b[wq * 16 + g + 8 * h] = alpha_b[h];
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(mb_bar);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha_a[h] + sum[h];
+      if (__any_sync(0xffffffff, moved)) rescale_o(alpha_a);
+      uint32_t pa[BN / 16][4];
+      pack_p(s, pa);
+      pv_regs(pa, 1);
+      const float one[2] = {1.f, 1.f};
+      store_p(s, 1, one);
+      fence_proxy_async_smem();
+      named_bar_arrive(kBarPb, 256);
+
+      named_bar_sync(kBarPa, 256);
+      pv_smem(0);
+      wgmma_wait<1>();  // P_b V_bR done: blocks 4 .. 7 of stage 1 are free
+      if (tb + 2 < loads) {
+        copier.load_blocks<4, 8>(1);
+        mbar_arrive_cp_async(full(1, 1));
+        cp_async_commit();
+      }
+      copier.prefetch_slots(tb + 1);
+      wgmma_wait<0>();  // P_a V_aR done: blocks 4 .. 8 of stage 0 are free
+      if (tb + 1 < loads) {
+        copier.load_blocks<4, 9>(0);
+        mbar_arrive_cp_async(full(0, 1));
+        cp_async_commit();
+      }
+      copier.prefetch_slots(tb + 4);
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- Epilogue: both warpgroups' row sums stand against the same maximum; add them, then
+  // output (or this split's partial).
+  __syncthreads();  // the row arrays are reused
+  mla_store_rows64<T>(p, req, item, kvh, wg, wq, g, c4, l, m, row_t, o, 1.f, row_ma);
+}
+
+bool g_pairs_read = false, g_pairs_on = true;
+
+}  // namespace
+
+void set_mla_pairs(bool on) {
+  g_pairs_on = on;
+  g_pairs_read = true;
+}
+
+bool mla_pairs_enabled() {
+  if (!g_pairs_read) {
+    const char* v = std::getenv("ATTNRT_MLA_PAIRS");
+    g_pairs_on = v == nullptr || v[0] != '0';
+    g_pairs_read = true;
+  }
+  return g_pairs_on;
+}
+
+AttnCtaEntry mla_pairs_entry(const AttnKernelKey& key) {
+  if (key.head_dim != kMlaHeadDim || key.v_head_dim != kMlaVHeadDim || key.fp16 ||
+      key.kv != KvKind::same_as_q)
+    return {};
+  return GridCta<mla_pairs_kernel<__nv_bfloat16>, MlaPairsCfg>::entry();
+}
+
+}  // namespace attnrt::cuda
