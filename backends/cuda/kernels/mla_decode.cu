@@ -189,26 +189,13 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
       for (int i = 0; i < HALF / 2; ++i) s[i] = cap(s[i]);
     }
     const int k0 = kb + wg * HALF;
-    if (mask.needs_mask(kb, BN, hi, rt_lo, rt_hi)) {
-#pragma unroll
-      for (int nb = 0; nb < HALF / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = k0 + nb * 8 + 2 * c4 + (e & 1);
-          if (!mask.visible(rows[e >> 1], j, hi)) s[nb * 4 + e] = -INFINITY;
-        }
-    }
+    if (mask.needs_mask(kb, BN, hi, rt_lo, rt_hi)) mla_mask_keys<HALF>(mask, rows, s, k0, hi, c4);
 
     // ---- Row maxima of both halves, then the online softmax (log2 units).
     float mx[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float v = -INFINITY;
-#pragma unroll
-      for (int nb = 0; nb < HALF / 8; ++nb)
-        v = fmaxf(v, fmaxf(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]));
-      v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
-      v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
+      const float v = mla_row_max<HALF>(s, h);
       mx[h] = v;
       if (c4 == 0) x_rows[wg * ROWS + wq * 16 + g + 8 * h] = v;
     }

@@ -202,25 +202,9 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) s[i] = cap(s[i]);
     }
-    if (mask.needs_mask(kb, BN, hi, rt_lo, rt_hi)) {
+    if (mask.needs_mask(kb, BN, hi, rt_lo, rt_hi)) mla_mask_keys<BN>(mask, rows, s, kb, hi, c4);
 #pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = kb + nb * 8 + 2 * c4 + (e & 1);
-          if (!mask.visible(rows[e >> 1], j, hi)) s[nb * 4 + e] = -INFINITY;
-        }
-    }
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float v = -INFINITY;
-#pragma unroll
-      for (int nb = 0; nb < BN / 8; ++nb)
-        v = fmaxf(v, fmaxf(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]));
-      v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
-      v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
-      mx[h] = v * sl;
-    }
+    for (int h = 0; h < 2; ++h) mx[h] = mla_row_max<BN>(s, h) * sl;
   };
   // s becomes exp2(s sl - m_use) row by row; returns the rows' sums of this thread's columns.
   auto exps = [&](float(&s)[BN / 2], const float(&m_use)[2], float(&sum)[2]) {

@@ -158,6 +158,30 @@ __device__ __forceinline__ void mla_load_q64(const AttnParams& p, const ReqInfo&
   }
 }
 
+// An m64nN accumulator's logits (this thread's: key k0 + 8 nb + 2 c4 (+1) of its rows g, g + 8,
+// s[4 nb + 2 h (+1)]) that the rows do not see set to -inf.
+template <int N>
+__device__ __forceinline__ void mla_mask_keys(const Mask<true>& mask, const MaskRow (&rows)[2],
+                                              float (&s)[N / 2], int k0, int hi, int c4) {
+#pragma unroll
+  for (int nb = 0; nb < N / 8; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int j = k0 + nb * 8 + 2 * c4 + (e & 1);
+      if (!mask.visible(rows[e >> 1], j, hi)) s[nb * 4 + e] = -INFINITY;
+    }
+}
+
+// The maximum of row g + 8 h of an m64nN accumulator over its N columns (the row's quad of lanes).
+template <int N>
+__device__ __forceinline__ float mla_row_max(const float (&s)[N / 2], int h) {
+  float v = -INFINITY;
+#pragma unroll
+  for (int nb = 0; nb < N / 8; ++nb) v = fmaxf(v, fmaxf(s[nb * 4 + 2 * h], s[nb * 4 + 2 * h + 1]));
+  v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
+}
+
 // The epilogue of a 64-row MLA CTA whose warpgroup wg holds output columns 256 wg .. 256 wg + 255
 // of all 64 rows (o[nb][4 i + 2 h (+1)]: columns 128 nb + 8 i + 2 c4 (+1) of rows g + 8 h of warp
 // wq's 16) and this thread's part of the rows' sums l: the quads' sums, then the two warpgroups'
