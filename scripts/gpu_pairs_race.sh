@@ -4,9 +4,10 @@
 #    hand-over mbarriers): its MLA CTA tests and compute-sanitizer racecheck of its every-mode test;
 #  - plan-request-major.patch (the items of MLA's multi-tile requests request by request): its MLA
 #    and plan tests;
-# then the h128 MLA rows of the landed binary and both patched ones (two rounds), and the
-# 128-request row with the paired-tile CTA on and off (ATTNRT_MLA_PAIRS=1 / 0, one binary).
-# About 5 minutes.
+# then the h128 MLA rows of the landed binary and both patched ones (two rounds), the
+# 128-request row with the paired-tile CTA on and off (ATTNRT_MLA_PAIRS=1 / 0, one binary), and
+# Nsight Compute over the paired-tile CTA on mla-decode-h128-64x4096 (speed of light, warp states,
+# memory: what holds it at 2.83 us a tile against 1.1 us of MMAs). About 6 minutes.
 #   usage: OUT=$OUT scripts/gpu_pairs_race.sh   (run: carry .gpubin-landed = the landed tree,
 #          .gpubin-pairs-all = landed + arrive-all, .gpubin-order = landed + request-major, .devdeps)
 set -uo pipefail
@@ -27,3 +28,10 @@ AB_TESTS='CudaMla*:*Mla*:CudaHostPlan*:*Split*' AB_TEST_SECONDS=100 ROUNDS=2 AB_
   OUT=${OUT:-$PWD/out/pairs_race}/ab AB_DEADLINE=240 scripts/gpu_ab.sh \
   mla-decode-h128-64x4096,mla-decode-h128-128x8192,mla-verify-chain-64x4096+4,mla-verify-tree-64x4096+16-topk4 \
   .gpubin-landed .gpubin-pairs-all .gpubin-order 2>&1 | grep -v ^copy | tail -8
+out=${OUT:-$PWD/out/pairs_race}
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+timeout 90 $NCU --clock-control none --kernel-name regex:mla_pairs_kernel --launch-skip 2 --launch-count 1 \
+  --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis --section SchedulerStats \
+  -f -o "$out/pairs_h128" /tmp/ab-bin/landed/attnrt bench --backend cuda --suite mla \
+  --workload mla-decode-h128-64x4096 --repeats 2 --warmup 1 --no-reference --quiet >/dev/null 2>&1
+$NCU -i "$out/pairs_h128.ncu-rep" --page details 2>&1 | grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|Hit Rate|Issued" | head -30
