@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The call that measures the two waiting patches of patches/README.md:
+# The call that measures the three waiting patches of patches/README.md:
 #  - mla-pairs-arrive-all.patch (every thread of the paired-tile MLA CTA arrives on the row
 #    hand-over mbarriers): its MLA CTA tests and compute-sanitizer racecheck of its every-mode test;
 #  - plan-request-major.patch (the items of MLA's multi-tile requests request by request): its MLA
 #    and plan tests;
-# then the h128 MLA rows of the landed binary and both patched ones (two rounds), the
+#  - mla-pairs-tma.patch (the paired-tile CTA's whole tiles by TMA boxes at pages >= 16): its MLA
+#    tests;
+# then the h128 MLA rows of the landed binary and the patched ones (two rounds), the
 # 128-request row with the paired-tile CTA on and off (ATTNRT_MLA_PAIRS=1 / 0, one binary), and
 # Nsight Compute over the paired-tile CTA on mla-decode-h128-64x4096 (speed of light, warp states,
-# memory: what holds it at 2.83 us a tile against 1.1 us of MMAs). About 6 minutes.
+# memory: what holds it at 2.83 us a tile against 1.1 us of MMAs). About 7 minutes.
 #   usage: OUT=$OUT scripts/gpu_pairs_race.sh   (run: carry .gpubin-landed = the landed tree,
-#          .gpubin-pairs-all = landed + arrive-all, .gpubin-order = landed + request-major, .devdeps)
+#          .gpubin-pairs-all = landed + arrive-all, .gpubin-order = landed + request-major,
+#          .gpubin-pairs-tma = landed + TMA, .devdeps)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source .devdeps/unpack-debs.sh >/dev/null
@@ -24,10 +27,10 @@ for v in 1 0 1; do
   ATTNRT_MLA_PAIRS=$v timeout 30 $B/attnrt bench --backend cuda --suite mla --no-reference --quiet \
     --workload mla-decode-h128-64x4096,mla-decode-h128-128x8192 2>&1 | grep -E "^mla-" | cut -c1-110
 done
-AB_TESTS='CudaMla*:*Mla*:CudaHostPlan*:*Split*' AB_TEST_SECONDS=100 ROUNDS=2 AB_SUITE=mla \
-  OUT=${OUT:-$PWD/out/pairs_race}/ab AB_DEADLINE=240 scripts/gpu_ab.sh \
+AB_TESTS='CudaMlaCta.*:CudaHostPlan*' AB_TEST_SECONDS=80 ROUNDS=2 AB_SUITE=mla \
+  OUT=${OUT:-$PWD/out/pairs_race}/ab AB_DEADLINE=320 scripts/gpu_ab.sh \
   mla-decode-h128-64x4096,mla-decode-h128-128x8192,mla-verify-chain-64x4096+4,mla-verify-tree-64x4096+16-topk4 \
-  .gpubin-landed .gpubin-pairs-all .gpubin-order 2>&1 | grep -v ^copy | tail -8
+  .gpubin-landed .gpubin-pairs-all .gpubin-order .gpubin-pairs-tma 2>&1 | grep -v ^copy | tail -10
 out=${OUT:-$PWD/out/pairs_race}
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 timeout 90 $NCU --clock-control none --kernel-name regex:mla_pairs_kernel --launch-skip 2 --launch-count 1 \
