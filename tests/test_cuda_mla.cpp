@@ -172,6 +172,7 @@ TEST(CudaMlaCta, PairedTileCtaAndTheSplitCtaInEveryMode) {
   SKIP_WITHOUT_GPU();
   uint64_t seed = test::test_seed();
   std::mt19937_64 rng(seed);
+  const bool before = cuda::mla_pairs_enabled();
   for (bool pairs : {true, false}) {
     cuda::set_mla_pairs(pairs);
     for (int heads : {64, 128}) {
@@ -186,7 +187,7 @@ TEST(CudaMlaCta, PairedTileCtaAndTheSplitCtaInEveryMode) {
       }
     }
   }
-  cuda::set_mla_pairs(true);
+  cuda::set_mla_pairs(before);
 }
 #endif
 
