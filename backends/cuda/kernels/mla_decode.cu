@@ -222,29 +222,11 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
       }
       l[h] = l[h] * alpha[h] + sum;
     }
-    if (__any_sync(0xffffffff, moved)) {
-#pragma unroll
-      for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          o[nb][4 * i] *= alpha[0];
-          o[nb][4 * i + 1] *= alpha[0];
-          o[nb][4 * i + 2] *= alpha[1];
-          o[nb][4 * i + 3] *= alpha[1];
-        }
-    }
+    if (__any_sync(0xffffffff, moved)) mla_scale_rows(o, alpha);
 
     // ---- P to shared memory: [64 rows][64 keys] bf16, one swizzled 128-byte row per query row.
-#pragma unroll
-    for (int nb = 0; nb < HALF / 8; ++nb)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = wq * 16 + g + 8 * h;
-        const int key = wg * HALF + nb * 8 + 2 * c4;
-        const uint32_t off = r * 128 + (((key >> 3) ^ (r & 7)) << 4) + (key & 7) * 2;
-        *reinterpret_cast<uint32_t*>(p_tile + off) =
-            pack2<T>(s[nb * 4 + 2 * h] * kPScale, s[nb * 4 + 2 * h + 1] * kPScale);
-      }
+    const float p_scale[2] = {kPScale, kPScale};
+    mla_store_p<T, HALF>(p_tile, s, wg * HALF, p_scale, wq, g, c4);
     fence_proxy_async_smem();
     cta_bar(2);
 

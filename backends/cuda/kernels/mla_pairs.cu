@@ -221,17 +221,6 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
       }
     }
   };
-  auto rescale_o = [&](const float(&f)[2]) {
-#pragma unroll
-    for (int nb = 0; nb < 2; ++nb)
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        o[nb][4 * i] *= f[0];
-        o[nb][4 * i + 1] *= f[0];
-        o[nb][4 * i + 2] *= f[1];
-        o[nb][4 * i + 3] *= f[1];
-      }
-  };
   auto pack_p = [&](const float(&s)[BN / 2], uint32_t(&pa)[BN / 16][4]) {
 #pragma unroll
     for (int k16 = 0; k16 < BN / 16; ++k16) {
@@ -241,20 +230,9 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
       pa[k16][3] = pack2<T>(s[8 * k16 + 6], s[8 * k16 + 7]);
     }
   };
-  // P times f (per row) to the rope block of `stage`: [64 rows][64 keys] bf16, one swizzled
-  // 128-byte row per query row (the K-major A operand of the other warpgroup's MMA).
+  // P times f (per row) to the rope block of `stage`, the other warpgroup's A operand.
   auto store_p = [&](const float(&s)[BN / 2], int stage, const float(&f)[2]) {
-    unsigned char* dst = smem + C::kQBytes + stage * C::kTileBytes + C::kPAt;
-#pragma unroll
-    for (int nb = 0; nb < BN / 8; ++nb)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = wq * 16 + g + 8 * h;
-        const int key = nb * 8 + 2 * c4;
-        const uint32_t off = r * 128 + (((key >> 3) ^ (r & 7)) << 4) + (key & 7) * 2;
-        *reinterpret_cast<uint32_t*>(dst + off) =
-            pack2<T>(s[nb * 4 + 2 * h] * f[h], s[nb * 4 + 2 * h + 1] * f[h]);
-      }
+    mla_store_p<T, BN>(smem + C::kQBytes + stage * C::kTileBytes + C::kPAt, s, 0, f, wq, g, c4);
   };
   // O += P V over this warpgroup's 256 columns of stage `stage`: P from registers ...
   auto pv_regs = [&](const uint32_t(&pa)[BN / 16][4], int stage) {
@@ -318,7 +296,7 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
       if (lane == 0) mbar_arrive(ma_bar);
 #pragma unroll
       for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha_a[h] + sum[h];
-      if (__any_sync(0xffffffff, moved)) rescale_o(alpha_a);
+      if (__any_sync(0xffffffff, moved)) mla_scale_rows(o, alpha_a);
       uint32_t pa[BN / 16][4];
       pack_p(s, pa);
       pv_regs(pa, 0);
@@ -345,7 +323,7 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
         cp_async_commit();
       }
       copier.prefetch_slots(ta + 3);
-      if (__any_sync(0xffffffff, moved_b)) rescale_o(alpha_b);
+      if (__any_sync(0xffffffff, moved_b)) mla_scale_rows(o, alpha_b);
       named_bar_sync(kBarPb, 256);
       pv_smem(1);
       wgmma_wait<0>();  // P_b V_bL done: blocks 0 .. 3 and the rope block of stage 1 are free
@@ -401,7 +379,7 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
       if (lane == 0) mbar_arrive(mb_bar);
 #pragma unroll
       for (int h = 0; h < 2; ++h) l[h] = l[h] * alpha_a[h] + sum[h];
-      if (__any_sync(0xffffffff, moved)) rescale_o(alpha_a);
+      if (__any_sync(0xffffffff, moved)) mla_scale_rows(o, alpha_a);
       uint32_t pa[BN / 16][4];
       pack_p(s, pa);
       pv_regs(pa, 1);

@@ -182,6 +182,37 @@ __device__ __forceinline__ float mla_row_max(const float (&s)[N / 2], int h) {
   return fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
 }
 
+// A warpgroup's 256 output columns of its rows g and g + 8 (o[nb][4 i + 2 h (+1)]) times f[h].
+__device__ __forceinline__ void mla_scale_rows(float (&o)[2][64], const float (&f)[2]) {
+#pragma unroll
+  for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      o[nb][4 * i] *= f[0];
+      o[nb][4 * i + 1] *= f[0];
+      o[nb][4 * i + 2] *= f[1];
+      o[nb][4 * i + 3] *= f[1];
+    }
+}
+
+// An m64nN accumulator's probabilities times f[h] (row g + 8 h) as T into a [64 rows][64 keys]
+// P tile at `tile` (one 128-byte swizzled row per query row, the K-major A operand of P V), keys
+// key0 .. key0 + N - 1.
+template <typename T, int N>
+__device__ __forceinline__ void mla_store_p(unsigned char* tile, const float (&s)[N / 2], int key0,
+                                            const float (&f)[2], int wq, int g, int c4) {
+#pragma unroll
+  for (int nb = 0; nb < N / 8; ++nb)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = wq * 16 + g + 8 * h;
+      const int key = key0 + nb * 8 + 2 * c4;
+      const uint32_t off = r * 128 + (((key >> 3) ^ (r & 7)) << 4) + (key & 7) * 2;
+      *reinterpret_cast<uint32_t*>(tile + off) =
+          pack2<T>(s[nb * 4 + 2 * h] * f[h], s[nb * 4 + 2 * h + 1] * f[h]);
+    }
+}
+
 // The epilogue of a 64-row MLA CTA whose warpgroup wg holds output columns 256 wg .. 256 wg + 255
 // of all 64 rows (o[nb][4 i + 2 h (+1)]: columns 128 nb + 8 i + 2 c4 (+1) of rows g + 8 h of warp
 // wq's 16) and this thread's part of the rows' sums l: the quads' sums, then the two warpgroups'
