@@ -240,10 +240,12 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
   for (size_t c = 0; c < nc; ++c) {
     const ClassPlan& cp = plan.classes[c];
     const int64_t rows_per_req = int64_t{max_q} * cfg.groups[c];
+    // MLA's 576-column layers never take the prefill shape (their CTAs hold 64 rows).
     const TileShape shape = rows_per_req <= 16   ? TileShape::decode
                             : rows_per_req <= 32 ? TileShape::decode32
-                            : rows_per_req <= 64 ? TileShape::verify
-                                                 : TileShape::prefill;
+                            : rows_per_req <= 64 || cfg.head_dims[c] == cuda::kMlaHeadDim
+                                ? TileShape::verify
+                                : TileShape::prefill;
     any_prefill = any_prefill || shape == TileShape::prefill;
     ASSERT_EQ(cp.shape, shape) << "class " << c;
     ASSERT_EQ(cp.group, cfg.groups[c]);
@@ -286,7 +288,10 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
     }
     // Work items: heaviest (last) query tiles first, then request, then split; a prefill class
     // with section_keys, whose requests span more than one query tile, first by section
-    // (consecutive requests of at most that many keys, one request at least).
+    // (consecutive requests of at most that many keys, one request at least). Other shapes with
+    // more than one tile a request: by request, then split, then tile (the CTAs reading the same
+    // keys side by side).
+    const bool request_major = shape != TileShape::prefill && rows_per_req > cuda::tile_rows(shape);
     const int64_t section_keys = shape == TileShape::prefill && c < cfg.section_keys.size() &&
                                          rows_per_req > cuda::tile_rows(shape)
                                      ? cfg.section_keys[c]
@@ -311,6 +316,12 @@ void plan_and_check(HostPlanner& planner, Rows& rows, DeviceModel& dev, const St
         for (int32_t s = 0; s < (pad > 0 ? pad : splits[i]); ++s)
           want.emplace_back(section[i], k, i, s);
     std::sort(want.begin(), want.end());
+    if (request_major) {
+      std::sort(want.begin(), want.end(), [](const auto& x, const auto& y) {
+        return std::tuple(std::get<2>(x), std::get<3>(x), std::get<1>(x)) <
+               std::tuple(std::get<2>(y), std::get<3>(y), std::get<1>(y));
+      });
+    }
     const WorkItem* w = reinterpret_cast<const WorkItem*>(host + cp.work_off);
     for (size_t n = 0; n < want.size(); ++n) {
       [[maybe_unused]] const auto [sec, k, i, s] = want[n];
@@ -628,6 +639,12 @@ TEST(CudaHostPlan, RandomStepsMatchDirectComputation) {
       {16, with_sections(config({4}, {128}, 8, false), {700}), true, false},
       {1, with_sections(config({4, 8}, {128, 64}, 8, false), {1, 0}), true, true},
       {64, with_sections(config({2, 4}, {256, 128}, 2, false, 8), {3000, 400}), false, false},
+      // MLA at 128 heads (one latent KV head): every step's requests span several 64-row items,
+      // written request by request (the items of one split side by side), with graphs and
+      // deterministic splits too.
+      {64, config({128}, {cuda::kMlaHeadDim}, 1, false), true, false},
+      {16, config({128}, {cuda::kMlaHeadDim}, 1, true), true, true},
+      {1, config({128}, {cuda::kMlaHeadDim}, 1, false), true, true},
   };
   for (size_t s = 0; s < scenarios.size(); ++s) {
     SCOPED_TRACE(testing::Message() << "scenario " << s << " page " << scenarios[s].page);

@@ -1135,9 +1135,27 @@ void HostPlanner::write(void* dst) {
     // Work items, heaviest tiles first (the last query tiles of causal requests see the most
     // keys), then request, then split; for a prefill class with section_keys whose requests span
     // more than one query tile, section by section (with one tile a request, no two units share
-    // a request's K / V, and the order does not matter to the L2).
+    // a request's K / V, and the order does not matter to the L2). Other shapes with several
+    // row tiles a request (MLA at 128 heads: two 64-row items a decode token; verify blocks) go
+    // request by request, split by split, the tiles of one split side by side: those CTAs read
+    // the same keys and, launched together, share them through the L2 (tile-major, the two
+    // CTAs of an MLA token ran a wave apart at batch 128, and each read the latent from DRAM).
     auto* items = reinterpret_cast<WorkItem*>(host + cp.work_off);
     const int rows = tile_rows(cp.shape);
+    if (cp.shape != TileShape::prefill && int64_t{stats_.max_q} * cp.group > rows) {
+      const int32_t* tiles = class_tiles_.data() + c * bs;
+      WorkItem* item = items;
+      for (int i = 0; i < bs; ++i) {
+        const int32_t t = w.tiles > 0 ? w.tiles : tiles[i];
+        const int32_t s_n = w.pad_splits > 0 ? w.pad_splits : w.splits > 0 ? w.splits : splits[i];
+        for (int32_t s = 0; s < s_n; ++s)
+          for (int32_t k = 0; k < t; ++k) *item++ = {i, (t - 1 - k) * rows, s, 0};
+      }
+      ATTNRT_CHECK(item - items == cp.num_items,
+                   "cuda plan: {} work items written for a class planned with {}", item - items,
+                   cp.num_items);
+      continue;
+    }
     const int64_t section = cp.shape == TileShape::prefill && c < config_.section_keys.size() &&
                                     int64_t{stats_.max_q} * cp.group > rows
                                 ? config_.section_keys[c]
