@@ -22,7 +22,8 @@
 // its own row arrays and an mbarrier; P_a ready and P_b ready, named barriers) let one
 // warpgroup's softmax run while the other's MMAs do.
 //
-// Shared memory: Q 72 KB, two 72 KB stages, four 64-float row arrays, six mbarriers: 218 KB.
+// Shared memory: Q 72 KB, two 72 KB stages, four 64-float row arrays, six mbarriers, the page-id
+// ring (8 KB): 226 KB.
 // P of a tile goes into its own stage's rope block (columns 512 .. 575, read by the tile's S
 // only), so it needs no space of its own. Each warpgroup copies its own column blocks of each tile
 // with cp.async (any page size, rows past the split's end zero-filled), each stage's two parts
@@ -69,7 +70,10 @@ struct MlaPairsCfg {
   // m_a, alpha_a (warpgroup 0 -> 1), m_b, alpha_b (1 -> 0); the row sums at the end.
   static constexpr int kRowFloats = 4 * kRows;
   static constexpr int kBars = 6;  // full(stage, part) x 4, "m_a published", "m_b published"
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kTileBytes + kRowFloats * 4 + kBars * 8;
+  // The copiers' page ids: two loads' (a ring) x 4 rows x 256 threads, 4 bytes each.
+  static constexpr int kIdsBytes = 2 * 4 * kThreads * 4;
+  static constexpr int kSmemBytes =
+      1024 + kQBytes + 2 * kTileBytes + kRowFloats * 4 + kBars * 8 + kIdsBytes;
   static_assert(kSmemBytes <= 227 * 1024);
   static_assert(kRows * kBN * 2 == kBN * 128);  // a P tile fills the rope block exactly
 };
@@ -96,7 +100,8 @@ __device__ __forceinline__ void mla_pairs_s(float (&s)[MlaPairsCfg::kBN / 2], ui
   }
 }
 
-template <typename T>
+// IDS: the copiers' page ids through shared memory (pages of up to 16 slots), else in registers.
+template <typename T, bool IDS>
 __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(const AttnParams p) {
   using C = MlaPairsCfg;
   constexpr int BN = C::kBN, ROWS = C::kRows;
@@ -114,6 +119,7 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
   // full(stage, part): part 0 is warpgroup 0's blocks of the stage, part 1 warpgroup 1's.
   auto full = [bars](int stage, int part) { return bars + (2 * stage + part) * 8; };
   const uint32_t ma_bar = bars + 4 * 8, mb_bar = bars + 5 * 8;
+  const uint32_t ids = bars + C::kBars * 8;
 
   // wg through a shuffle: ptxas then knows it is the same in a whole warp, and the MMAs inside
   // `if (wg == 0)` are not serialised as divergent code (C7520).
@@ -149,28 +155,68 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
   const uint32_t ld_swz = ld_row * 128 + ((ld_c ^ (ld_row & 7)) << 4);
   MlaTileCopier<T, false, false, 4> copier{
       p, req, smem + C::kQBytes, lo, hi, num_tiles, kvh, ld_row, ld_c, ld_swz, 16};
+  // Page ids. IDS (pages of up to 16 slots, where a thread's four rows of a tile lie on four
+  // pages): by cp.async into shared memory, the next load's ids issued before each load's copies
+  // (their own group), and cp.async.wait_group 2 before those copies finds this load's ids
+  // landed with the previous load's copies and the next ids still in flight. A thread's loads go
+  // in the order 0, 1, 2, 3, ... (warpgroup 0) or 0, 1, 3, 2, 5, 4, ... (warpgroup 1); the ring
+  // slot is the parity of a load's place in that order. Loaded into registers instead
+  // (prefetch_slots, one load ahead), ptxas puts each row's address arithmetic right after the
+  // page-table load and the warp waits there: mla-decode-h128-64x4096-p1 1.35x through shared
+  // memory, page 16 1.015x, but page 32 0.93x and page 64 (one page id a tile) 0.91x, so those
+  // keep the registers (not explained: the ids' 4-byte copies go through the L1 with the tiles'
+  // 16-byte ones, and a tile's mbarrier then also waits for the next load's ids).
+  constexpr int kIdsStep = C::kThreads * 4;
+  auto ids_at = [&](int t) {
+    const int ring = (t & 1) ^ (wg == 1 && t >= 2 ? 1 : 0);
+    return ids + (ring * 4 * C::kThreads + tid) * 4;
+  };
+  // Around the copies of a load whose successor in this thread's order is `next`.
+  auto ids_ahead = [&](int next) {
+    if constexpr (IDS) {
+      copier.issue_ids(next, ids_at(next), kIdsStep);
+      cp_async_wait<2>();
+    }
+  };
+  auto ids_behind = [&](int next) {
+    if constexpr (!IDS) copier.prefetch_slots(next);
+  };
   // Both tiles of the first pair.
   if (num_pairs > 0) {
-    copier.prefetch_slots(0);
+    if constexpr (IDS) {
+      copier.issue_ids(0, ids_at(0), kIdsStep);
+      copier.issue_ids(1, ids_at(1), kIdsStep);
+      cp_async_wait<1>();  // Q and tile 0's ids
+    } else {
+      copier.prefetch_slots(0);
+    }
     if (wg == 0) {
-      copier.load_blocks<0, 4>(0);
+      copier.load_part<IDS, 0, 4>(0, 0, ids_at(0), kIdsStep);
       mbar_arrive_cp_async(full(0, 0));
     } else {
-      copier.load_blocks<4, 9>(0);
+      copier.load_part<IDS, 4, 9>(0, 0, ids_at(0), kIdsStep);
       mbar_arrive_cp_async(full(0, 1));
     }
-    copier.prefetch_slots(1);
+    if constexpr (IDS) {
+      cp_async_commit();
+      ids_ahead(wg == 0 ? 2 : 3);  // tile 1's ids landed
+    } else {
+      copier.prefetch_slots(1);
+    }
     if (wg == 0) {
-      copier.load_blocks<0, 4>(1);
-      copier.load_blocks<8, 9>(1);
+      copier.load_part<IDS, 0, 4, 8, 9>(1, 1, ids_at(1), kIdsStep);
       mbar_arrive_cp_async(full(1, 0));
     } else {
-      copier.load_blocks<4, 8>(1);
+      copier.load_part<IDS, 4, 8>(1, 1, ids_at(1), kIdsStep);
       mbar_arrive_cp_async(full(1, 1));
     }
     cp_async_commit();
   }
-  cp_async_wait<1>();  // this thread's Q copies landed
+  if constexpr (IDS) {
+    if (num_pairs == 0) cp_async_wait<0>();  // else Q landed with tile 0's ids
+  } else {
+    cp_async_wait<1>();  // this thread's Q copies landed
+  }
   fence_proxy_async_smem();
   __syncthreads();  // every thread's
 
@@ -262,7 +308,7 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
   if (wg == 0) {
     // ================= warpgroup 0: tiles a, O_L =================
     const uint64_t dk = wgmma_desc(sKV, 16);
-    copier.prefetch_slots(2);
+    ids_behind(2);
     for (int j = 0; j < num_pairs; ++j) {
       const uint32_t parity = j & 1;
       const int ta = 2 * j;
@@ -315,28 +361,29 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
       named_bar_arrive(kBarPa, 256);
 
       wgmma_wait<0>();  // P_a V_aL done: blocks 0 .. 3 of stage 0 are free
+      ids_ahead(ta + 3);
       if (ta + 2 < loads) {
-        copier.load_blocks<0, 4>(0);
+        copier.load_part<IDS, 0, 4>(ta + 2, 0, ids_at(ta + 2), kIdsStep);
         mbar_arrive_cp_async(full(0, 0));
         cp_async_commit();
       }
-      copier.prefetch_slots(ta + 3);
+      ids_behind(ta + 3);
       if (__any_sync(0xffffffff, moved_b)) mla_scale_rows(o, alpha_b);
       named_bar_sync(kBarPb, 256);
       pv_smem(1);
       wgmma_wait<0>();  // P_b V_bL done: blocks 0 .. 3 and the rope block of stage 1 are free
+      ids_ahead(ta + 4);
       if (ta + 3 < loads) {
-        copier.load_blocks<0, 4>(1);
-        copier.load_blocks<8, 9>(1);
+        copier.load_part<IDS, 0, 4, 8, 9>(ta + 3, 1, ids_at(ta + 3), kIdsStep);
         mbar_arrive_cp_async(full(1, 0));
         cp_async_commit();
       }
-      copier.prefetch_slots(ta + 4);
+      ids_behind(ta + 4);
     }
   } else {
     // ================= warpgroup 1: tiles b, O_R =================
     const uint64_t dk = wgmma_desc(sKV + C::kTileBytes, 16);
-    copier.prefetch_slots(3);
+    ids_behind(3);
     for (int j = 0; j < num_pairs; ++j) {
       const uint32_t parity = j & 1;
       const int tb = 2 * j + 1;
@@ -388,19 +435,21 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
       named_bar_sync(kBarPa, 256);
       pv_smem(0);
       wgmma_wait<1>();  // P_b V_bR done: blocks 4 .. 7 of stage 1 are free
+      ids_ahead(tb + 1);
       if (tb + 2 < loads) {
-        copier.load_blocks<4, 8>(1);
+        copier.load_part<IDS, 4, 8>(tb + 2, 1, ids_at(tb + 2), kIdsStep);
         mbar_arrive_cp_async(full(1, 1));
         cp_async_commit();
       }
-      copier.prefetch_slots(tb + 1);
+      ids_behind(tb + 1);
       wgmma_wait<0>();  // P_a V_aR done: blocks 4 .. 8 of stage 0 are free
+      ids_ahead(tb + 4);
       if (tb + 1 < loads) {
-        copier.load_blocks<4, 9>(0);
+        copier.load_part<IDS, 4, 9>(tb + 1, 0, ids_at(tb + 1), kIdsStep);
         mbar_arrive_cp_async(full(0, 1));
         cp_async_commit();
       }
-      copier.prefetch_slots(tb + 4);
+      ids_behind(tb + 4);
     }
   }
   cp_async_wait<0>();
@@ -412,6 +461,22 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
 }
 
 bool g_pairs_read = false, g_pairs_on = true;
+
+// The launch: page ids through shared memory at pages of up to 16 slots, in registers above
+// (H100, h128-64x4096: page 1 1.35x, 16 1.015x, 32 0.93x, 64 0.98x with the shared-memory ids).
+struct MlaPairsCta {
+  static cudaError_t launch(const AttnParams& p, const AttnKernelKey& key, int num_items,
+                            cudaStream_t stream, bool dependent) {
+    return p.page_shift <= 4
+               ? GridCta<mla_pairs_kernel<__nv_bfloat16, true>, MlaPairsCfg>::launch(
+                     p, key, num_items, stream, dependent)
+               : GridCta<mla_pairs_kernel<__nv_bfloat16, false>, MlaPairsCfg>::launch(
+                     p, key, num_items, stream, dependent);
+  }
+  static int occupancy(const AttnKernelKey& key) {
+    return GridCta<mla_pairs_kernel<__nv_bfloat16, false>, MlaPairsCfg>::occupancy(key);
+  }
+};
 
 }  // namespace
 
@@ -433,7 +498,7 @@ AttnCtaEntry mla_pairs_entry(const AttnKernelKey& key) {
   if (key.head_dim != kMlaHeadDim || key.v_head_dim != kMlaVHeadDim || key.fp16 ||
       key.kv != KvKind::same_as_q)
     return {};
-  return GridCta<mla_pairs_kernel<__nv_bfloat16>, MlaPairsCfg>::entry();
+  return {&MlaPairsCta::launch, &MlaPairsCta::occupancy};
 }
 
 }  // namespace attnrt::cuda

@@ -341,6 +341,63 @@ struct MlaTileCopier {
       cp_async_16(dk + i * kBN * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
   }
 
+  // The paired-tile CTA's form: the page ids of load t come by cp.async (4 bytes a row) into
+  // this thread's shared words ids + r * ids_step, one load ahead, and load_blocks_ids(t) reads
+  // them after a cp.async.wait_group. Loaded into registers (prefetch_slots), ptxas computes each
+  // row's address right after the load anyway, and every warp waits there for the page table
+  // (mla_pairs.cu takes this form at pages of up to 16 slots: page 1 1.35x). Commits one group.
+  // Through an SWA slot map the mapped slot is looked up here and stored.
+  __device__ __forceinline__ void issue_ids(int t, uint32_t ids, int ids_step) const {
+    if (p.slot_map == nullptr) {
+#pragma unroll
+      for (int r = 0; r < RPT; ++r) {
+        const int j = lo + t * kBN + ld_row + step * r;
+        if (t < num_tiles && j < hi)
+          cp_async_4(ids + r * ids_step, page_id_at(p, req, j >> p.page_shift));
+      }
+    } else {
+#pragma unroll 1
+      for (int r = 0; r < RPT; ++r) {
+        const int j = lo + t * kBN + ld_row + step * r;
+        if (t < num_tiles && j < hi)
+          st_shared_u32(ids + r * ids_step,
+                        static_cast<uint32_t>(
+                            slot_of_page(p, page_mask, *page_id_at(p, req, j >> p.page_shift), j)));
+      }
+    }
+    cp_async_commit();
+  }
+  // Column blocks [B0, B1) and [C0, C1) of load t into `stage`.
+  template <int B0, int B1, int C0 = 0, int C1 = 0>
+  __device__ __forceinline__ void load_blocks_ids(int t, int stage, uint32_t ids, int ids_step) {
+    static_assert(!FP8);
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      const int j = lo + t * kBN + ld_row + step * r;
+      const bool valid = t < num_tiles && j < hi;
+      int64_t row = 0;
+      if (valid) {
+        const int32_t v = static_cast<int32_t>(ld_shared_u32(ids + r * ids_step));
+        row = p.slot_map ? int64_t{v} : (int64_t{v} << p.page_shift) | (j & page_mask);
+      }
+      const unsigned char* src = kbytes + row * p.k_row_stride * kElem;
+      copy_blocks<B0, B1>(stage, r, src, valid);
+      if constexpr (C1 > C0) copy_blocks<C0, C1>(stage, r, src, valid);
+    }
+  }
+
+  // Column blocks [B0, B1) and [C0, C1) of load t into `stage`: page ids through shared memory
+  // (IDS: load_blocks_ids) or prefetched into registers (load_blocks).
+  template <bool IDS, int B0, int B1, int C0 = 0, int C1 = 0>
+  __device__ __forceinline__ void load_part(int t, int stage, uint32_t ids, int ids_step) {
+    if constexpr (IDS) {
+      load_blocks_ids<B0, B1, C0, C1>(t, stage, ids, ids_step);
+    } else {
+      load_blocks<B0, B1>(stage);
+      if constexpr (C1 > C0) load_blocks<C0, C1>(stage);
+    }
+  }
+
   // fp8, whole tiles: the rows of load t (its slots prefetched) into `stage` in the layout of
   // mla_raw_offset.
   __device__ __forceinline__ void load_raw_swizzled(unsigned char* stage) {

@@ -14,7 +14,10 @@
 
 namespace attnrt::cuda {
 
-// Page id of page `j` of request `r` (incremental page tables, see ReqInfo).
+// Where the page id of page `j` of request `r` lies (incremental page tables, see ReqInfo).
+__device__ __forceinline__ const int32_t* page_id_at(const AttnParams& p, const ReqInfo& r, int j) {
+  return j < r.pt_known ? p.row_table + r.pt_row + j : p.page_table + r.pt_start + j - r.pt_known;
+}
 __device__ __forceinline__ int32_t page_id(const AttnParams& p, const ReqInfo& r, int j) {
   return j < r.pt_known ? p.row_table[r.pt_row + j] : p.page_table[r.pt_start + j - r.pt_known];
 }

@@ -20,6 +20,20 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)),
                "l"(gmem), "r"(src_bytes));
 }
+// 32-bit shared-memory access by address, volatile: kept in order with the cp.async waits
+// around them (which carry no memory clobber).
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t smem) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(smem));
+  return v;
+}
+__device__ __forceinline__ void st_shared_u32(uint32_t smem, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem), "r"(v));
+}
+// 4-byte global -> shared copy (through the L1: .cg takes 16 bytes only).
+__device__ __forceinline__ void cp_async_4(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem), "l"(gmem));
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {

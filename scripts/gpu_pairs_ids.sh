@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The call that measures the paired-tile MLA CTA with its page ids by cp.async through shared
+# memory below 64 slots a page (patches/mla-pairs-ids.patch; .gpubin-ids2) against main
+# (.gpubin-head):
+#  1. the patched binary's paired-tile tests, then compute-sanitizer racecheck and synccheck of
+#     the test that runs both 64-row CTAs in every mode at pages 1 and 64;
+#  2. both binaries, alternating twice, one bench process each on the h128 rows at their own
+#     pages (64, and 1 for -p1), then at --page-size 16 and 32 (TFLOP/s).
+#   usage: OUT=$OUT scripts/gpu_pairs_ids.sh  (carry .gpubin-head, .gpubin-ids2, .devdeps)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpubin.sh
+gpu_call_begin 260
+for v in head ids2; do gpubin_unpack .gpubin-$v /tmp/ab-bin/$v >/dev/null || exit 1; done
+B=/tmp/ab-bin/ids2
+echo "== tests"
+timeout 60 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMlaCta.*' > $O/tests_ids.log 2>&1
+echo "rc=$?"; grep -E "FAILED|tests? from .* ran|PASSED" $O/tests_ids.log | tail -6
+for tool in racecheck synccheck; do
+  extra=""; [ $tool = synccheck ] && extra="--num-cuda-barriers 65536"
+  timeout 50 compute-sanitizer --tool $tool $extra --print-limit 3 --error-exitcode 9 $B/attnrt_cuda_tests \
+    --gtest_brief=1 --gtest_filter='CudaMlaCta.PairedTileCtaAndTheSplitCtaInEveryMode' 2>&1 \
+    | grep -E "SUMMARY|PASSED|FAILED|ERROR" | head -4
+done
+echo "== rows (TFLOP/s)"
+rate() { awk -v t="$1" '{for (i = 1; i <= NF; i++) if ($i == "GFLOP/s" && $1 ~ /^mla/) printf "%s %s %.1f\n", t, $1, $(i - 1) / 1000}'; }
+for r in 1 2; do
+  for v in head ids2; do
+    [ $(date +%s) -gt $((GPU_END - 15)) ] && { echo "out of time"; break 2; }
+    bin=/tmp/ab-bin/$v/attnrt
+    timeout 25 $bin bench --backend cuda --suite mla --no-reference --quiet \
+      --workload mla-decode-h128-64x4096,mla-decode-h128-64x4096-p1,mla-verify-chain-64x4096+4 2>&1 | rate "$v r$r"
+    for pg in 16 32; do
+      timeout 20 $bin bench --backend cuda --suite mla --no-reference --quiet --page-size $pg \
+        --workload mla-decode-h128-64x4096 2>&1 | rate "$v r$r page$pg"
+    done
+  done
+done
