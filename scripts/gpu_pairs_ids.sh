@@ -13,15 +13,12 @@ source scripts/gpubin.sh
 gpu_call_begin 260
 for v in head ids2; do gpubin_unpack .gpubin-$v /tmp/ab-bin/$v >/dev/null || exit 1; done
 B=/tmp/ab-bin/ids2
-echo "== tests"
-timeout 60 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMlaCta.*' > $O/tests_ids.log 2>&1
-echo "rc=$?"; grep -E "FAILED|tests? from .* ran|PASSED" $O/tests_ids.log | tail -6
-for tool in racecheck synccheck; do
-  extra=""; [ $tool = synccheck ] && extra="--num-cuda-barriers 65536"
-  timeout 50 compute-sanitizer --tool $tool $extra --print-limit 3 --error-exitcode 9 $B/attnrt_cuda_tests \
-    --gtest_brief=1 --gtest_filter='CudaMlaCta.PairedTileCtaAndTheSplitCtaInEveryMode' 2>&1 \
-    | grep -E "SUMMARY|PASSED|FAILED|ERROR" | head -4
-done
+F='CudaMlaCta.PairedTileCtaAndTheSplitCtaInEveryMode'
+gpu_stage tests_ids 60 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMlaCta.*'
+gpu_stage race_ids 50 compute-sanitizer --tool racecheck --print-limit 3 $B/attnrt_cuda_tests \
+  --gtest_brief=1 --gtest_filter=$F
+gpu_stage sync_ids 50 compute-sanitizer --tool synccheck --num-cuda-barriers 65536 --print-limit 3 \
+  $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$F
 echo "== rows (TFLOP/s)"
 rate() { awk -v t="$1" '{for (i = 1; i <= NF; i++) if ($i == "GFLOP/s" && $1 ~ /^mla/) printf "%s %s %.1f\n", t, $1, $(i - 1) / 1000}'; }
 for r in 1 2; do
