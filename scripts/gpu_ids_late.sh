@@ -8,13 +8,15 @@
 # 1. each patched binary's MLA tests, then racecheck and synccheck of the test over the native page
 #    sizes 1 .. 128 (both 64-row CTAs and the keys-on-M CTA, every page-id form);
 # 2. one bench process a binary, alternating twice: the h16 rows at pages 64 and 1 (head2, kmids;
-#    GB/s), the h128 rows at page 64 and at --page-size 32 (head2, late; TFLOP/s).
+#    GB/s), the h128 rows at page 64 and at --page-size 32 (head2, late; TFLOP/s);
+# 3. in the time left, Nsight Compute's stall samples of the late binary's paired-tile CTA
+#    (bench/ncu_stalls.py: the page-table loads should be gone from "loads used at once").
 #   usage: OUT=$OUT scripts/gpu_ids_late.sh  (carry .gpubin-head2, .gpubin-kmids, .gpubin-late,
-#          .devdeps; about 6 minutes)
+#          .devdeps; about 8 minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_call_begin 420
+gpu_call_begin 480
 for v in head2 kmids late; do gpubin_unpack .gpubin-$v /tmp/ab-bin/$v >/dev/null || exit 1; done
 F='CudaMlaCta.NativePageSizesWithRaggedLengths'
 for v in kmids late; do
@@ -40,3 +42,14 @@ for r in 1 2; do
     bench $v "r$r page32" --page-size 32 --workload mla-decode-h128-64x4096
   done
 done
+left=$((GPU_END - $(date +%s)))
+if [ $left -gt 60 ]; then
+  echo "== ncu: the late binary's paired-tile CTA on mla-decode-h128-64x4096 (page 64)"
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  timeout $((left - 10)) $NCU --clock-control none --kernel-name regex:mla_pairs_kernel --launch-skip 2 \
+    --launch-count 1 --section WarpStateStats --section SourceCounters -f -o "$O/late_h128" \
+    /tmp/ab-bin/late/attnrt bench --backend cuda --suite mla --workload mla-decode-h128-64x4096 \
+    --repeats 2 --warmup 1 --no-reference --quiet >/dev/null 2>&1
+  $NCU -i "$O/late_h128.ncu-rep" --page source --csv --print-source sass > $O/late_sass.csv 2>/dev/null
+  python3 bench/ncu_stalls.py $O/late_sass.csv --top 8 --context 1 | head -40
+fi

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""Where a kernel's warps wait, instruction by instruction, from Nsight Compute's source page.
+
+    ncu --section WarpStateStats --section SourceCounters -o rep ...   (on the GPU machine)
+    ncu -i rep.ncu-rep --page source --csv --print-source sass > sass.csv
+    python3 bench/ncu_stalls.py sass.csv [--top 25] [--context 4] [--kernel NAME]
+
+Prints, per kernel in the export: the stall samples by reason (share of all samples), the top
+instructions by samples with their two main reasons and the lines before each (what the warp
+waits for is usually a few instructions up: the load a scoreboard names, the barrier or MMA
+wait), and "loads used at once": global loads (LDG) whose result the next few instructions
+already read, which ptxas placed there and which make the warp wait a memory latency on the
+spot (how the paired-tile MLA CTA's page-table wait showed). Exit status 0 whatever it finds;
+1 on a file that is not such an export.
+"""
+
+import argparse
+import csv
+import re
+import sys
+
+_LOAD = re.compile(r"^\s*(@!?U?P\w+\s+)?LDG\S*\s+(R\d+),")
+
+
+def kernels(path):
+    """(kernel name, header, rows) for each kernel section of the export."""
+    out = []
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    i = 0
+    while i < len(rows):
+        row = rows[i]
+        if row and row[0] == "Kernel Name":
+            name = row[1] if len(row) > 1 else "?"
+            header = rows[i + 1] if i + 1 < len(rows) else []
+            j = i + 2
+            while j < len(rows) and not (rows[j] and rows[j][0] == "Kernel Name"):
+                j += 1
+            out.append((name, header, [r for r in rows[i + 2:j] if len(r) == len(header)]))
+            i = j
+        else:
+            i += 1
+    return out
+
+
+def as_int(s):
+    try:
+        return int(float(s.replace(",", "")))
+    except ValueError:
+        return 0
+
+
+def report(name, header, rows, top, context, near):
+    if "Source" not in header or "Warp Stall Sampling (All Samples)" not in header:
+        print(f"{name}: no SASS stall columns (export with --print-source sass and SourceCounters)")
+        return
+    src = header.index("Source")
+    total_col = header.index("Warp Stall Sampling (All Samples)")
+    execd = header.index("Instructions Executed") if "Instructions Executed" in header else None
+    reasons = [(c, k) for k, c in enumerate(header)
+               if c.startswith("stall_") and "Not Issued" not in c]
+    samples = [as_int(r[total_col]) for r in rows]
+    total = sum(samples) or 1
+    print(f"== {name}")
+    print(f"{len(rows)} SASS instructions, {sum(samples)} stall samples")
+    by = sorted(((sum(as_int(r[k]) for r in rows), c) for c, k in reasons), reverse=True)
+    print("by reason: " + ", ".join(f"{c[6:]} {100.0 * n / total:.1f}%" for n, c in by if n))
+    print(f"top {top} instructions (index, samples, % of all, executions, reasons):")
+    order = sorted(range(len(rows)), key=lambda i: -samples[i])[:top]
+    for i in order:
+        if not samples[i]:
+            break
+        main = sorted(((as_int(rows[i][k]), c[6:]) for c, k in reasons), reverse=True)[:2]
+        why = ", ".join(f"{c} {n}" for n, c in main if n)
+        ex = rows[i][execd] if execd is not None else "-"
+        print(f"  {i:6d} {samples[i]:6d} {100.0 * samples[i] / total:5.1f}% {ex:>9s}  "
+              f"{rows[i][src].strip()[:70]}  [{why}]")
+        for k in range(max(0, i - context), i):
+            print(f"  {k:6d} {samples[k]:6d}                    {rows[k][src].strip()[:70]}")
+    used = []
+    for i, r in enumerate(rows):
+        m = _LOAD.match(r[src])
+        if not m:
+            continue
+        reg = re.compile(r"\b" + m.group(2) + r"\b")
+        for k in range(i + 1, min(i + 1 + near, len(rows))):
+            text = rows[k][src].strip()
+            operands = text.split(None, 1)[1] if " " in text else ""
+            if reg.search(operands.split(",", 1)[1] if "," in operands else ""):
+                used.append((sum(samples[i:k + 1]), i, k))
+                break
+    used.sort(reverse=True)
+    print(f"loads used within {near} instructions (samples from the load to the use):")
+    for n, i, k in used[:top]:
+        if not n:
+            break
+        print(f"  {i:6d} -> {k:6d} {n:6d}  {rows[i][src].strip()[:60]}  |  {rows[k][src].strip()[:50]}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("csv", help="ncu -i REP --page source --csv --print-source sass > FILE")
+    ap.add_argument("--top", type=int, default=25, help="instructions listed (25)")
+    ap.add_argument("--context", type=int, default=3, help="lines shown before each (3)")
+    ap.add_argument("--near", type=int, default=12,
+                    help="a load whose register is read within this many instructions counts as "
+                         "used at once (12)")
+    ap.add_argument("--kernel", default="", help="only kernels whose name contains this")
+    a = ap.parse_args()
+    found = [k for k in kernels(a.csv) if a.kernel in k[0]]
+    if not found:
+        sys.exit(f"{a.csv}: no kernel in it (expected `ncu -i REP --page source --csv "
+                 f"--print-source sass` output" + (f" with a kernel named *{a.kernel}*)" if a.kernel
+                                                   else ")"))
+    for name, header, rows in found:
+        report(name, header, rows, a.top, a.context, a.near)
+
+
+if __name__ == "__main__":
+    main()
