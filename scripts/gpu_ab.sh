@@ -51,8 +51,12 @@ for ((r = 1; r <= ${ROUNDS:-2}; ++r)); do
       continue
     fi
     s=$(date +%s)
+    # The step costs after the rows (plan at batch 256, graph replay) are not what an A/B times;
+    # binaries built before --no-step-costs measure them anyway.
+    quick=()
+    /tmp/ab-bin/$label/attnrt bench --help 2>/dev/null | grep -q -- --no-step-costs && quick=(--no-step-costs)
     timeout "${AB_RUN_SECONDS:-150}" env "${extra_env[@]}" /tmp/ab-bin/$label/attnrt bench --backend cuda --suite "${AB_SUITE:-attention}" \
-      --workload "$rows" --no-reference --quiet --json "$out/${label}_r$r.json" >"$out/${label}_r$r.txt" 2>&1
+      --workload "$rows" --no-reference --quiet "${quick[@]}" --json "$out/${label}_r$r.json" >"$out/${label}_r$r.txt" 2>&1
     echo "$label round $r: rc=$? $(($(date +%s) - s)) s"
   done
 done

@@ -210,13 +210,15 @@ TEST_F(Cli, BenchLinearSuiteRunsOnCpuAtSmallSizeAndWritesJson) {
 }
 
 // --page-size reruns attention rows over another page size: the row keeps its name, its shape and
-// note say the page, the JSON records it; suites without a paged cache are told so.
+// note say the page, the JSON records it; suites without a paged cache are told so. (With
+// --no-step-costs, taken and recorded: on a CPU there are no GPU step costs to skip.)
 TEST_F(Cli, BenchPageSizeRunsTheRowOverThatPageSize) {
   const nlohmann::json j = bench_json(
       "--backend cpu --workload prefill-1x1024 --scale 0.0625 --page-size 32 --repeats 1 "
-      "--warmup 0 --threads 2 --no-reference --quiet",
+      "--warmup 0 --threads 2 --no-reference --quiet --no-step-costs",
       {"prefill-1x1024*", "page 32", "page 32 instead of 16"});
   EXPECT_NE(j["command"].get<std::string>().find("--page-size 32"), std::string::npos);
+  EXPECT_NE(j["command"].get<std::string>().find("--no-step-costs"), std::string::npos);
   ASSERT_EQ(j["rows"].size(), 1u);
   EXPECT_EQ(j["rows"][0]["status"], "ok");
   EXPECT_TRUE(j["rows"][0]["check"]["passed"].get<bool>());

@@ -50,6 +50,7 @@ struct BenchArgs {
   bool no_reference = false;
   bool deterministic = false;
   bool quiet = false;
+  bool no_step_costs = false;
   int dcp_size = 1;
 };
 
@@ -81,6 +82,7 @@ std::string command_line(const BenchArgs& a, const std::string& backend) {
   if (a.threads > 0) s += fmt::format(" --threads {}", a.threads);
   if (a.no_reference) s += " --no-reference";
   if (a.deterministic) s += " --deterministic";
+  if (a.no_step_costs) s += " --no-step-costs";
   if (!a.json.empty()) s += " --json " + a.json;
   if (!a.plot.empty()) s += " --plot " + a.plot;
   return s;
@@ -174,6 +176,7 @@ void run_bench_command(const BenchArgs& a) {
   config.threads = a.threads;
   config.compare_reference = !a.no_reference && config.backend != "reference";
   config.deterministic = a.deterministic;
+  config.gpu_step_costs = !a.no_step_costs;
   // A backend that runs only on GPUs is measured there: device pools, CUDA-event timing, GPU
   // ceilings.
   const std::vector<DeviceKind>& devices = Registry::global().get(config.backend).caps.devices;
@@ -293,6 +296,10 @@ void add_bench_command(CLI::App& app) {
                 "request's own length, as `attnrt run --deterministic`), to measure what batch "
                 "invariance costs against the default");
   cmd->add_flag("--quiet", args->quiet, "No progress lines on stderr");
+  cmd->add_flag("--no-step-costs", args->no_step_costs,
+                "On a GPU, skip what is measured after the rows (the host plan at batch 256 and "
+                "a 32-layer decode step eager and as a CUDA graph): for A/B loops that time the "
+                "same rows over and over");
   cmd->add_option("--dcp-size", args->dcp_size,
                   "Decode context parallelism (docs/dcp.md \"Benchmark\"): instead of the suite, "
                   "the DCP decode rows (dcp-decode-1x131072, -8x131072, -64x8192, or --workload "
