@@ -42,8 +42,9 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
             "paired-tile MLA CTA (mla_pairs.cu): 64-key tiles of the latent cache in pairs, each "
             "warpgroup scoring a whole tile and holding half of the 512 output columns, so one "
             "warpgroup's softmax runs under the other's MMAs; 64 (token, head) rows a CTA ({} rows "
-            "a request), split-KV when the batch leaves SMs idle - MLA's 576 / 512 dims with bf16 "
-            "q and latent [ATTNRT_MLA_PAIRS=0: mla_decode.cu's CTA instead]",
+            "a request), split-KV when the batch leaves SMs idle, the next tile's page ids through "
+            "shared memory at pages of up to 16 slots - MLA's 576 / 512 dims with bf16 q and latent "
+            "[ATTNRT_MLA_PAIRS=0: mla_decode.cu's CTA instead]",
             rows);
       return fmt::format(
           "MLA CTA (mla_decode.cu): warpgroup MMAs over 64-key tiles of the latent cache{}, 64 "
