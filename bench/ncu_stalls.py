@@ -12,6 +12,11 @@ wait), and "loads used at once": global loads (LDG) whose result the next few in
 already read, which ptxas placed there and which make the warp wait a memory latency on the
 spot (how the paired-tile MLA CTA's page-table wait showed). Exit status 0 whatever it finds;
 1 on a file that is not such an export.
+
+    cuobjdump -sass OBJECT > k.sass; python3 bench/ncu_stalls.py --sass k.sass
+
+reads a SASS listing instead (no GPU, no samples): per function, its instruction count and the
+loads used at once, so a change can be checked for them before it reaches the GPU.
 """
 
 import argparse
@@ -77,19 +82,7 @@ def report(name, header, rows, top, context, near):
               f"{rows[i][src].strip()[:70]}  [{why}]")
         for k in range(max(0, i - context), i):
             print(f"  {k:6d} {samples[k]:6d}                    {rows[k][src].strip()[:70]}")
-    used = []
-    for i, r in enumerate(rows):
-        m = _LOAD.match(r[src])
-        if not m:
-            continue
-        reg = re.compile(r"\b" + m.group(2) + r"\b")
-        for k in range(i + 1, min(i + 1 + near, len(rows))):
-            text = rows[k][src].strip()
-            operands = text.split(None, 1)[1] if " " in text else ""
-            if reg.search(operands.split(",", 1)[1] if "," in operands else ""):
-                used.append((sum(samples[i:k + 1]), i, k))
-                break
-    used.sort(reverse=True)
+    used = loads_used_at_once([r[src] for r in rows], near, samples)
     print(f"loads used within {near} instructions (samples from the load to the use):")
     for n, i, k in used[:top]:
         if not n:
@@ -97,9 +90,53 @@ def report(name, header, rows, top, context, near):
         print(f"  {i:6d} -> {k:6d} {n:6d}  {rows[i][src].strip()[:60]}  |  {rows[k][src].strip()[:50]}")
 
 
+def loads_used_at_once(code, near, samples=None):
+    """(samples from the load to its use, load index, use index) of every global load whose
+    destination register a later instruction within `near` reads, most samples first."""
+    used = []
+    for i, text in enumerate(code):
+        m = _LOAD.match(text)
+        if not m:
+            continue
+        reg = re.compile(r"\b" + m.group(2) + r"\b")
+        for k in range(i + 1, min(i + 1 + near, len(code))):
+            t = code[k].strip()
+            operands = t.split(None, 1)[1] if " " in t else ""
+            if reg.search(operands.split(",", 1)[1] if "," in operands else ""):
+                used.append((sum(samples[i:k + 1]) if samples else 0, i, k))
+                break
+    used.sort(key=lambda u: (-u[0], u[1]))
+    return used
+
+
+def sass_functions(path):
+    """(name, [instruction text]) of each function of a cuobjdump -sass listing."""
+    funcs = []
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"\s*Function : (\S+)", line)
+            if m:
+                funcs.append((m.group(1), []))
+                continue
+            m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+            if m and funcs:
+                funcs[-1][1].append(m.group(1))
+    return funcs
+
+
+def report_sass(name, code, near, top):
+    used = loads_used_at_once(code, near)
+    print(f"== {name}")
+    print(f"{len(code)} SASS instructions, {len(used)} global loads used within {near}")
+    for _, i, k in used[:top]:
+        print(f"  {i:6d} -> {k:6d}  {code[i][:60]}  |  {code[k][:50]}")
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("csv", help="ncu -i REP --page source --csv --print-source sass > FILE")
+    ap.add_argument("csv", help="ncu -i REP --page source --csv --print-source sass > FILE "
+                                "(with --sass: cuobjdump -sass OBJECT > FILE)")
+    ap.add_argument("--sass", action="store_true",
+                    help="the file is a cuobjdump -sass listing: loads used at once only")
     ap.add_argument("--top", type=int, default=25, help="instructions listed (25)")
     ap.add_argument("--context", type=int, default=3, help="lines shown before each (3)")
     ap.add_argument("--near", type=int, default=12,
@@ -107,6 +144,13 @@ def main():
                          "used at once (12)")
     ap.add_argument("--kernel", default="", help="only kernels whose name contains this")
     a = ap.parse_args()
+    if a.sass:
+        funcs = [f for f in sass_functions(a.csv) if a.kernel in f[0]]
+        if not funcs:
+            sys.exit(f"{a.csv}: no function in it (expected `cuobjdump -sass` output)")
+        for name, code in funcs:
+            report_sass(name, code, a.near, a.top)
+        return
     found = [k for k in kernels(a.csv) if a.kernel in k[0]]
     if not found:
         sys.exit(f"{a.csv}: no kernel in it (expected `ncu -i REP --page source --csv "

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """bench/ncu_stalls.py on a synthetic Nsight Compute source export: the reasons' shares, the top
 instruction with the lines before it, a load whose result is read at once, and a clear exit on a
-file that is not such an export."""
+file that is not such an export; and on a cuobjdump -sass listing (--sass)."""
 
 import csv
 import os
@@ -61,6 +61,19 @@ def main():
             f.write("a,b\n1,2\n")
         r = run(bad)
         assert r.returncode != 0 and "no kernel in it" in r.stderr, r.stderr
+        # A cuobjdump -sass listing: the function, its count, the load read at once.
+        listing = os.path.join(d, "k.sass")
+        with open(listing, "w") as f:
+            f.write("\tcode for sm_90a\n\t\tFunction : _Z1kv\n")
+            for i, text in enumerate(["LDG.E R4, desc[UR4][R2.64]", "IADD3 R6, R0, 0x1, RZ",
+                                      "SHF.R.S32.HI R5, RZ, 0x1f, R4", "EXIT", "BRA 0x40"]):
+                f.write(f"        /*{16 * i:04x}*/                   {text} ;   /* 0x0 */\n")
+        r = run("--sass", listing)
+        assert r.returncode == 0, r.stderr
+        assert "5 SASS instructions, 1 global loads used within 12" in r.stdout, r.stdout
+        assert "0 ->      2  LDG.E R4" in r.stdout, r.stdout
+        r = run("--sass", path)
+        assert r.returncode != 0 and "no function in it" in r.stderr, r.stderr
     print("ncu_stalls.py checks passed")
 
 
