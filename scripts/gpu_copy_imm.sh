@@ -15,18 +15,17 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
 gpu_call_begin 320
-for v in head2 imm; do gpubin_unpack .gpubin-$v /tmp/ab-bin/$v >/dev/null || exit 1; done
+gpubin_unpack_labels head2 imm
 B=/tmp/ab-bin/imm
 gpu_stage tests_imm 120 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMla*:CudaDsa*'
 gpu_stage race_imm 60 compute-sanitizer --tool racecheck --print-limit 3 $B/attnrt_cuda_tests \
   --gtest_brief=1 --gtest_filter='CudaMlaCta.NativePageSizesWithRaggedLengths'
 echo "== rows"
-rate() { awk -v t="$1" '{for (i = 1; i <= NF; i++) if (($i == "GB/s" || $i == "GFLOP/s") && $1 ~ /^mla/) printf "%s %s %s %s\n", t, $1, $(i - 1), $i}'; }
 for r in 1 2; do
   for v in head2 imm; do
     [ $(date +%s) -gt $((GPU_END - 30)) ] && { echo "out of time"; break 2; }
     timeout 40 /tmp/ab-bin/$v/attnrt bench --backend cuda --suite mla --no-reference --quiet \
       --workload mla-decode-h128-64x4096,mla-decode-h128-128x8192,mla-verify-chain-64x4096+4,mla-decode-h128-64x4096-p1,mla-decode-h16-64x8192,mla-decode-h16-64x8192-p1,mla-decode-h16-64x8192-fp8,mla-decode-h128-64x4096-fp8 \
-      2>&1 | rate "$v r$r"
+      2>&1 | bench_rates "$v r$r"
   done
 done

@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
 gpu_call_begin 480
-for v in head2 kmids late; do gpubin_unpack .gpubin-$v /tmp/ab-bin/$v >/dev/null || exit 1; done
+gpubin_unpack_labels head2 kmids late
 F='CudaMlaCta.NativePageSizesWithRaggedLengths'
 for v in kmids late; do
   B=/tmp/ab-bin/$v
@@ -28,8 +28,7 @@ for v in kmids late; do
     $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$F
 done
 echo "== rows"
-rate() { awk -v t="$1" '{for (i = 1; i <= NF; i++) if (($i == "GB/s" || $i == "GFLOP/s") && $1 ~ /^mla/) printf "%s %s %s %s\n", t, $1, $(i - 1), $i}'; }
-bench() { timeout 30 /tmp/ab-bin/$1/attnrt bench --backend cuda --suite mla --no-reference --quiet "${@:3}" 2>&1 | rate "$1 $2"; }
+bench() { timeout 30 /tmp/ab-bin/$1/attnrt bench --backend cuda --suite mla --no-reference --quiet "${@:3}" 2>&1 | bench_rates "$1 $2"; }
 for r in 1 2; do
   for v in head2 kmids; do
     [ $(date +%s) -gt $((GPU_END - 20)) ] && { echo "out of time"; break 2; }

@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
 gpu_call_begin 260
-for v in head ids2; do gpubin_unpack .gpubin-$v /tmp/ab-bin/$v >/dev/null || exit 1; done
+gpubin_unpack_labels head ids2
 B=/tmp/ab-bin/ids2
 F='CudaMlaCta.PairedTileCtaAndTheSplitCtaInEveryMode'
 gpu_stage tests_ids 60 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMlaCta.*'
@@ -20,16 +20,15 @@ gpu_stage race_ids 50 compute-sanitizer --tool racecheck --print-limit 3 $B/attn
 gpu_stage sync_ids 50 compute-sanitizer --tool synccheck --num-cuda-barriers 65536 --print-limit 3 \
   $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$F
 echo "== rows (TFLOP/s)"
-rate() { awk -v t="$1" '{for (i = 1; i <= NF; i++) if ($i == "GFLOP/s" && $1 ~ /^mla/) printf "%s %s %.1f\n", t, $1, $(i - 1) / 1000}'; }
 for r in 1 2; do
   for v in head ids2; do
     [ $(date +%s) -gt $((GPU_END - 15)) ] && { echo "out of time"; break 2; }
     bin=/tmp/ab-bin/$v/attnrt
     timeout 25 $bin bench --backend cuda --suite mla --no-reference --quiet \
-      --workload mla-decode-h128-64x4096,mla-decode-h128-64x4096-p1,mla-verify-chain-64x4096+4 2>&1 | rate "$v r$r"
+      --workload mla-decode-h128-64x4096,mla-decode-h128-64x4096-p1,mla-verify-chain-64x4096+4 2>&1 | bench_rates "$v r$r"
     for pg in 16 32; do
       timeout 20 $bin bench --backend cuda --suite mla --no-reference --quiet --page-size $pg \
-        --workload mla-decode-h128-64x4096 2>&1 | rate "$v r$r page$pg"
+        --workload mla-decode-h128-64x4096 2>&1 | bench_rates "$v r$r page$pg"
     done
   done
 done

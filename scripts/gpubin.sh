@@ -59,3 +59,15 @@ gpu_stage() {
   echo "$name rc=$rc $(($(date +%s) - s)) s: $(grep -E '^\[  (PASSED|FAILED|SKIPPED) *\]|ERROR SUMMARY|RACECHECK SUMMARY' "$O/$name.log" | tr '\n' ' ')"
   grep -E "^\[  FAILED  \] [A-Z]|Failure|Which is|Expected|error:" "$O/$name.log" | head -12
 }
+
+# gpubin_unpack_labels LABEL...: .gpubin-LABEL of each into /tmp/ab-bin/LABEL (exits on a bad one).
+gpubin_unpack_labels() {
+  local v
+  for v in "$@"; do gpubin_unpack ".gpubin-$v" "/tmp/ab-bin/$v" >/dev/null || exit 1; done
+}
+
+# bench_rates TAG: `attnrt bench` output on stdin -> "TAG ROW RATE UNIT" a row (GB/s or GFLOP/s),
+# for the one-process-a-binary A/B loops of the call scripts.
+bench_rates() {
+  awk -v t="$1" '{for (i = 1; i <= NF; i++) if (($i == "GB/s" || $i == "GFLOP/s") && $1 !~ /^(memory|bf16|fp32|gather|ordered)$/) printf "%s %s %s %s\n", t, $1, $(i - 1), $i}'
+}
