@@ -22,6 +22,7 @@ loads used at once, so a change can be checked for them before it reaches the GP
 import argparse
 import csv
 import re
+import signal
 import sys
 
 _LOAD = re.compile(r"^\s*(@!?U?P\w+\s+)?LDG\S*\s+(R\d+),")
@@ -132,6 +133,7 @@ def report_sass(name, code, near, top):
         print(f"  {i:6d} -> {k:6d}  {code[i][:60]}  |  {code[k][:50]}")
 
 def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `| head` ends the output, not in a traceback
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("csv", help="ncu -i REP --page source --csv --print-source sass > FILE "
                                 "(with --sass: cuobjdump -sass OBJECT > FILE)")
