@@ -225,6 +225,9 @@ class HostPlanner {
   // split; returns the number written. It may store past them up to `end` (the end of the
   // class's list), where later items go.
   int64_t write_work_ragged(size_t c, WorkItem* items, const WorkItem* end, int i0, int i1) const;
+  // The work items of class c request by request, split by split, the tiles of a split side by
+  // side (heaviest first); returns the number written (it may store past them up to `end`).
+  int64_t write_work_request_major(size_t c, WorkItem* items, const WorkItem* end) const;
   // No kernel stores the commits of the rows row_of_[0, n).
   void drop_commits(int n);
 
