@@ -14,8 +14,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_call_begin 320
-gpubin_unpack_labels head2 imm
+gpu_call_labels 320 head2 imm
 B=/tmp/ab-bin/imm
 gpu_stage tests_imm 120 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMla*:CudaDsa*'
 gpu_stage race_imm 60 compute-sanitizer --tool racecheck --print-limit 3 $B/attnrt_cuda_tests \

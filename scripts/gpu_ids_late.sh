@@ -16,8 +16,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_call_begin 480
-gpubin_unpack_labels head2 kmids late
+gpu_call_labels 480 head2 kmids late
 F='CudaMlaCta.NativePageSizesWithRaggedLengths'
 for v in kmids late; do
   B=/tmp/ab-bin/$v

@@ -13,8 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_call_begin 330
-gpubin_unpack_labels head2 mc
+gpu_call_labels 330 head2 mc
 B=/tmp/ab-bin/mc
 F='CudaMlaCta.PairedTileCtaAndTheSplitCtaInEveryMode'
 gpu_stage tests_mc 100 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMlaCta.*'

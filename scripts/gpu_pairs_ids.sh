@@ -10,8 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_call_begin 260
-gpubin_unpack_labels head ids2
+gpu_call_labels 260 head ids2
 B=/tmp/ab-bin/ids2
 F='CudaMlaCta.PairedTileCtaAndTheSplitCtaInEveryMode'
 gpu_stage tests_ids 60 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMlaCta.*'

@@ -71,3 +71,10 @@ gpubin_unpack_labels() {
 bench_rates() {
   awk -v t="$1" '{for (i = 1; i <= NF; i++) if (($i == "GB/s" || $i == "GFLOP/s") && $1 !~ /^(memory|bf16|fp32|gather|ordered)$/) printf "%s %s %s %s\n", t, $1, $(i - 1), $i}'
 }
+
+# gpu_call_labels SECONDS LABEL...: gpu_call_begin SECONDS, then gpubin_unpack_labels LABEL...
+gpu_call_labels() {
+  gpu_call_begin "$1"
+  shift
+  gpubin_unpack_labels "$@"
+}
