@@ -314,8 +314,7 @@ struct MlaTileCopier {
             tiles + kRawAt + stage * kRawBytes + (ld_row + step * r) * kD + ld_c * 16;
 #pragma unroll
         for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
-          if (ld_c + 8 * i < kRowChunks)
-            cp_async_16(dk + i * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
+          if (ld_c + 8 * i < kRowChunks) cp_async_16(dk + i * 128, src + ld_c * 16 + i * 128, valid);
         }
       }
     }
@@ -336,9 +335,11 @@ struct MlaTileCopier {
   __device__ __forceinline__ void copy_blocks(int stage, int r, const unsigned char* src,
                                               bool valid) {
     unsigned char* dk = tiles + stage * kMlaTileBytes + ld_swz + r * step * 128;
+    // One base a row, the blocks at immediate offsets from it: a row past the keys copies nothing
+    // (source size 0) from its in-pool address, so no select a block.
+    const unsigned char* s = src + ld_c * 16;
 #pragma unroll
-    for (int i = B0; i < B1; ++i)
-      cp_async_16(dk + i * kBN * 128, src + (valid ? ld_c * 16 + i * 128 : 0), valid);
+    for (int i = B0; i < B1; ++i) cp_async_16(dk + i * kBN * 128, s + i * 128, valid);
   }
 
   // The paired-tile CTA's form: the page ids of load t come by cp.async (4 bytes a row) into
@@ -411,7 +412,7 @@ struct MlaTileCopier {
       for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
         const int c = ld_c + 8 * i;
         if (c < kRowChunks)
-          cp_async_16(stage + mla_raw_offset(key, c), src + (valid ? c * 16 : 0), valid);
+          cp_async_16(stage + mla_raw_offset(key, c), src + c * 16, valid);
       }
     }
   }
