@@ -65,7 +65,10 @@ struct KeysMCfg {
   static constexpr int kStageBytes = FP8 ? kMlaRawTileBytes : kMlaTileBytes;
   static constexpr int kPBytes = kCols * kBN * 2;
   static constexpr int kXBytes = 4 * kCols * 4;  // [warp][column] maxima or sums
-  static constexpr int kSmemBytes = 1024 + kQBytes + kStages * kStageBytes + kPBytes + kXBytes;
+  // The page ids of two loads (16-bit IDS instance): 4 rows x 128 threads, 4 bytes each.
+  static constexpr int kIdsBytes = FP8 ? 0 : 2 * 4 * kThreads * 4;
+  static constexpr int kSmemBytes =
+      1024 + kQBytes + kStages * kStageBytes + kPBytes + kXBytes + kIdsBytes;
   static constexpr int kMinBlocks = FP8 && kSmemBytes * 2 <= 227 * 1024 ? 2 : 1;
   static_assert(kQBytes % 1024 == 0 && kBN == kMlaTileKeys && kStages >= 2);
 };
@@ -132,7 +135,9 @@ __device__ __forceinline__ float q_to_f16(unsigned char* sq, int tid, float* red
   return ldexpf(1.f, -sh);
 }
 
-template <typename T, bool FP8, bool E5M2>
+// IDS: the copier's page ids by cp.async through shared memory (pages of up to 16 slots), else
+// loaded into registers a tile ahead.
+template <typename T, bool FP8, bool E5M2, bool IDS>
 __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, KeysMCfg<FP8>::kMinBlocks)
     mla_keys_m_kernel(const AttnParams p) {
   using C = KeysMCfg<FP8>;
@@ -149,6 +154,7 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, KeysMCfg<FP8>::kMinBl
   const uint32_t sP = sKV + ST * C::kStageBytes;
   unsigned char* p_tile = stages + ST * C::kStageBytes;
   float* x_cols = reinterpret_cast<float*>(p_tile + C::kPBytes);  // [4 warps][NC]
+  const uint32_t sIds = sP + C::kPBytes + C::kXBytes;
 
   const int tid = threadIdx.x, lane = tid & 31, wq = tid >> 5;
   const int g = lane >> 2, c4 = lane & 3;
@@ -188,6 +194,14 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, KeysMCfg<FP8>::kMinBl
       copier.load(t);
     }
   };
+  // The page ids of a thread's rows. Loaded into registers a tile ahead (prefetch_slots), ptxas
+  // computes each row's address right after the load, and the warp waits there for the page
+  // table before the tile's MMAs, which then issue the next copies later (the paired-tile CTA's
+  // page-1 rows: 1.35x through shared memory). IDS: by cp.async into this thread's shared words
+  // (ring slot t & 1), landed with the tile before them (cp.async.wait_group 0 at the top of
+  // each tile).
+  auto ids_at = [&](int t) { return sIds + ((t & 1) * 4 * C::kThreads + tid) * 4; };
+  constexpr int kIdsStep = C::kThreads * 4;
   // Tiles 0 .. ST - 2 ahead, each its own group after Q's.
   if constexpr (FP8) cp_async_commit();
 #pragma unroll
@@ -196,10 +210,14 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, KeysMCfg<FP8>::kMinBl
     if (t < num_tiles) load(t);
     cp_async_commit();
   }
-  copier.prefetch_slots(ST - 1);
+  if constexpr (IDS) {
+    copier.issue_ids(ST - 1, ids_at(ST - 1), kIdsStep);  // one more group
+  } else {
+    copier.prefetch_slots(ST - 1);
+  }
   float inv_qs = 1.f;  // of S (fp8: Q's scale undone)
   if constexpr (FP8) {
-    cp_async_wait<ST - 1>();  // Q
+    cp_async_wait<IDS ? ST : ST - 1>();  // Q
     __syncthreads();
     inv_qs = q_to_f16(smem, tid, x_cols);
     fence_proxy_async_smem();  // published by the first tile's barrier
@@ -244,9 +262,14 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, KeysMCfg<FP8>::kMinBl
     cp_async_wait<ST - 2>();
     if constexpr (!FP8) fence_proxy_async_smem();
     __syncthreads();  // tile it landed; every warp is done with tile it - 1
+    if constexpr (IDS) copier.slots_from_ids(it + ST - 1, ids_at(it + ST - 1), kIdsStep);
     if (it + ST - 1 < num_tiles) load(it + ST - 1);
     cp_async_commit();
-    copier.prefetch_slots(it + ST);
+    if constexpr (IDS) {
+      copier.issue_ids(it + ST, ids_at(it + ST), kIdsStep);
+    } else {
+      copier.prefetch_slots(it + ST);
+    }
     const int kb = lo + it * BN;
     if (mask.hides(kb, BN, t_first, t_last)) continue;
     const uint32_t stage = static_cast<unsigned>(it) % ST;
@@ -465,6 +488,22 @@ __global__ void __launch_bounds__(KeysMCfg<FP8>::kThreads, KeysMCfg<FP8>::kMinBl
     }
 }
 
+// The 16-bit cache's launch: page ids through shared memory at pages of up to 16 slots.
+struct KeysM16 {
+  using B = __nv_bfloat16;
+  static cudaError_t launch(const AttnParams& p, const AttnKernelKey& key, int num_items,
+                            cudaStream_t stream, bool dependent) {
+    return p.page_shift <= 4
+               ? GridCta<mla_keys_m_kernel<B, false, false, true>, KeysMCfg<false>>::launch(
+                     p, key, num_items, stream, dependent)
+               : GridCta<mla_keys_m_kernel<B, false, false, false>, KeysMCfg<false>>::launch(
+                     p, key, num_items, stream, dependent);
+  }
+  static int occupancy(const AttnKernelKey& key) {
+    return GridCta<mla_keys_m_kernel<B, false, false, false>, KeysMCfg<false>>::occupancy(key);
+  }
+};
+
 }  // namespace
 
 AttnCtaEntry mla_keys_m_entry(const AttnKernelKey& key) {
@@ -472,11 +511,11 @@ AttnCtaEntry mla_keys_m_entry(const AttnKernelKey& key) {
   using B = __nv_bfloat16;
   switch (key.kv) {
     case KvKind::same_as_q:
-      return GridCta<mla_keys_m_kernel<B, false, false>, KeysMCfg<false>>::entry();
+      return {&KeysM16::launch, &KeysM16::occupancy};
     case KvKind::e4m3:
-      return GridCta<mla_keys_m_kernel<B, true, false>, KeysMCfg<true>>::entry();
+      return GridCta<mla_keys_m_kernel<B, true, false, false>, KeysMCfg<true>>::entry();
     case KvKind::e5m2:
-      return GridCta<mla_keys_m_kernel<B, true, true>, KeysMCfg<true>>::entry();
+      return GridCta<mla_keys_m_kernel<B, true, true, false>, KeysMCfg<true>>::entry();
   }
   return {};
 }

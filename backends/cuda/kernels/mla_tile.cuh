@@ -387,6 +387,19 @@ struct MlaTileCopier {
     }
   }
 
+  // The slots of load t from the page ids issue_ids put in shared memory (landed), for load().
+  __device__ __forceinline__ void slots_from_ids(int t, uint32_t ids, int ids_step) {
+#pragma unroll
+    for (int r = 0; r < RPT; ++r) {
+      const int j = lo + t * kBN + ld_row + step * r;
+      slot[r] = -1;
+      if (t < num_tiles && j < hi) {
+        const int32_t v = static_cast<int32_t>(ld_shared_u32(ids + r * ids_step));
+        slot[r] = p.slot_map ? int64_t{v} : (int64_t{v} << p.page_shift) | (j & page_mask);
+      }
+    }
+  }
+
   // Column blocks [B0, B1) and [C0, C1) of load t into `stage`: page ids through shared memory
   // (IDS: load_blocks_ids) or prefetched into registers (load_blocks).
   template <bool IDS, int B0, int B1, int C0 = 0, int C1 = 0>
