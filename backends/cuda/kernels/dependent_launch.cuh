@@ -121,4 +121,36 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   return err;
 }
 
+// launch_kernel in clusters of `cluster` CTAs (the grid a multiple of it in every dimension).
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel_clusters(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                   cudaStream_t stream, bool dependent, dim3 cluster,
+                                   const Args&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[2] = {};
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = cluster.x;
+  attrs[0].val.clusterDim.y = cluster.y;
+  attrs[0].val.clusterDim.z = cluster.z;
+  cfg.attrs = attrs;
+  cfg.numAttrs = 1;
+  if (!(detail::compiled_with_griddepcontrol() && dependent && dependent_launch_enabled() &&
+        detail::dependent_launch_usable())) {
+    return cudaLaunchKernelEx(&cfg, kernel, args...);
+  }
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  cfg.numAttrs = 2;
+  if (cudaLaunchKernelEx(&cfg, kernel, args...) == cudaSuccess) return cudaSuccess;
+  cudaGetLastError();
+  cfg.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, args...);
+  if (err == cudaSuccess) detail::dependent_launch_failed();
+  return err;
+}
+
 }  // namespace attnrt::cuda

@@ -1,6 +1,10 @@
 // The absorbed-form MLA CTA (mla_decode.cu): DeepSeek-V3's latent cache on warpgroup MMAs.
 #pragma once
 
+#include <cuda.h>
+
+#include <optional>
+
 #include "backends/cuda/kernels/dispatch.h"
 #include "backends/cuda/kernels/launch.h"
 
@@ -15,6 +19,13 @@ AttnCtaEntry mla_attention_entry(const AttnKernelKey& key);
 AttnCtaEntry mla_pairs_entry(const AttnKernelKey& key);
 bool mla_pairs_enabled();
 void set_mla_pairs(bool on);
+// The tensor map of a bf16 latent pool ({576, kv heads, slots}, boxes of 64 columns x box_rows
+// slots, 128-byte swizzle; prefill_ws.cu encodes it): no slot map, 16-byte aligned rows, pages a
+// multiple of box_rows. nullopt elsewhere, or where the driver cannot encode it.
+std::optional<CUtensorMap> mla_latent_tensor_map(const AttnParams& p, int box_rows);
+// The paired-tile CTA's two-CTA clusters at 128 heads (mla_pairs_mc_kernel): ATTNRT_MLA_MC=0
+// turns them off (read once).
+bool mla_pairs_mc_enabled();
 // The keys-on-M MLA CTA (mla_keys_m.cu) for items of at most 16 rows (the decode tile shape);
 // empty for keys it does not take.
 AttnCtaEntry mla_keys_m_entry(const AttnKernelKey& key);

@@ -72,8 +72,10 @@ struct MlaPairsCfg {
   static constexpr int kBars = 6;  // full(stage, part) x 4, "m_a published", "m_b published"
   // The copiers' page ids: two loads' (a ring) x 4 rows x 256 threads, 4 bytes each.
   static constexpr int kIdsBytes = 2 * 4 * kThreads * 4;
+  // MC: free(stage, part), the two CTAs' release of a part to the next tile's multicast.
+  static constexpr int kFreeBytes = 4 * 8;
   static constexpr int kSmemBytes =
-      1024 + kQBytes + 2 * kTileBytes + kRowFloats * 4 + kBars * 8 + kIdsBytes;
+      1024 + kQBytes + 2 * kTileBytes + kRowFloats * 4 + kBars * 8 + kIdsBytes + kFreeBytes;
   static_assert(kSmemBytes <= 227 * 1024);
   static_assert(kRows * kBN * 2 == kBN * 128);  // a P tile fills the rope block exactly
 };
@@ -101,8 +103,10 @@ __device__ __forceinline__ void mla_pairs_s(float (&s)[MlaPairsCfg::kBN / 2], ui
 }
 
 // IDS: the copiers' page ids through shared memory (pages of up to 16 slots), else in registers.
-template <typename T, bool IDS>
-__global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(const AttnParams p) {
+// MC (registers, with kmap): the two CTAs of a cluster, the two 64-row items of one token, copy
+// the whole tiles half each and multicast them (see mla_pairs_mc_kernel).
+template <typename T, bool IDS, bool MC>
+__device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtensorMap* kmap) {
   using C = MlaPairsCfg;
   constexpr int BN = C::kBN, ROWS = C::kRows;
   extern __shared__ unsigned char smem_raw[];
@@ -120,6 +124,7 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
   auto full = [bars](int stage, int part) { return bars + (2 * stage + part) * 8; };
   const uint32_t ma_bar = bars + 4 * 8, mb_bar = bars + 5 * 8;
   const uint32_t ids = bars + C::kBars * 8;
+  auto free_bar = [ids](int stage, int part) { return ids + C::kIdsBytes + (2 * stage + part) * 8; };
 
   // wg through a shuffle: ptxas then knows it is the same in a whole warp, and the MMAs inside
   // `if (wg == 0)` are not serialised as divergent code (C7520).
@@ -136,15 +141,26 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
   const int num_pairs = (num_tiles + 1) / 2, loads = 2 * num_pairs;
   const Mask<true> mask{p, req};
 
-  if (tid < 4) mbar_init(full(tid >> 1, tid & 1), 128);
+  // MC: a part's 128 cp.async arrivals (none pending on a multicast tile) and thread 0's, with the
+  // part's bytes from both CTAs' boxes on a multicast tile.
+  if (tid < 4) mbar_init(full(tid >> 1, tid & 1), MC ? 129 : 128);
   if (tid == 4) mbar_init(ma_bar, 128);
   if (tid == 5) mbar_init(mb_bar, 128);
+  if constexpr (MC) {
+    if (tid >= 6 && tid < 10) mbar_init(free_bar((tid - 6) >> 1, tid & 1), 2);
+    fence_mbarrier_init_cluster();
+  }
 
   // ---- Q rows f0 .. f0 + 63 by all 256 threads, eight a row.
   mla_load_q64<T>(p, req, item, kvh, smem, tid >> 3, tid & 7,
                   (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4));
   cp_async_commit();
-  __syncthreads();  // the mbarriers are initialised
+  // The mbarriers are initialised (MC: in both CTAs, before any box or arrival of the peer).
+  if constexpr (MC) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
   // Dependent launch: so far only the work item, the request and q were read.
   grid_dependency_wait();
   launch_dependent_grids();
@@ -181,6 +197,45 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
   auto ids_behind = [&](int next) {
     if constexpr (!IDS) copier.prefetch_slots(next);
   };
+  // This warpgroup's part of tile t into `stage` (local_copy: its cp.async copies), completing on
+  // full(stage, wg). MC: first its release of the part's previous tile (t - 2) to both CTAs; a
+  // whole tile whose first key is a multiple of 32 slots then comes as two 32-slot boxes a block,
+  // one from each CTA (this one's rows 32 cr .. 32 cr + 31), each multicast to both, issued once
+  // the peer released the part too.
+  const uint32_t cr = MC ? cluster_ctarank() : 0;
+  auto part_copy = [&](int t, int stage, auto&& local_copy) {
+    const uint32_t bar = full(stage, wg);
+    if constexpr (MC) {
+      if (t >= 2 && wt == 0) {
+        mbar_arrive(free_bar(stage, wg));
+        mbar_arrive_cluster(free_bar(stage, wg), cr ^ 1);
+      }
+      const int kb = lo + t * BN;
+      if (t < num_tiles && kb + BN <= hi && (kb & 31) == 0) {
+        if (wt == 0) {
+          if (t >= 2) mbar_wait(free_bar(stage, wg), ((t >> 1) - 1) & 1);
+          // Blocks 0 .. 3 (warpgroup 0), 4 .. 7 (1), and 8 (stage 0: warpgroup 1's; 1: 0's).
+          const int b0 = wg == 0 ? 0 : 4;
+          const bool rope = (stage == 0) == (wg == 1);
+          mbar_arrive_expect_tx(bar, (rope ? 5 : 4) * BN * 128);
+          const int row = static_cast<int>(cr == 0 ? copier.slot[0] : copier.slot[2]);
+          const uint32_t dst = sKV + stage * C::kTileBytes + 32 * cr * 128;
+          for (int i = 0; i < (rope ? 5 : 4); ++i) {
+            const int blk = i < 4 ? b0 + i : 8;
+            tma_load_3d_multicast(dst + blk * BN * 128, kmap, 64 * blk, kvh, row, bar, 0x3);
+          }
+        }
+        mbar_arrive_cp_async(bar);
+        return;
+      }
+      local_copy();
+      mbar_arrive_cp_async(bar);
+      if (wt == 0) mbar_arrive(bar);
+    } else {
+      local_copy();
+      mbar_arrive_cp_async(bar);
+    }
+  };
   // Both tiles of the first pair.
   if (num_pairs > 0) {
     if constexpr (IDS) {
@@ -191,11 +246,9 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
       copier.prefetch_slots(0);
     }
     if (wg == 0) {
-      copier.load_part<IDS, 0, 4>(0, 0, ids_at(0), kIdsStep);
-      mbar_arrive_cp_async(full(0, 0));
+      part_copy(0, 0, [&] { copier.template load_part<IDS, 0, 4>(0, 0, ids_at(0), kIdsStep); });
     } else {
-      copier.load_part<IDS, 4, 9>(0, 0, ids_at(0), kIdsStep);
-      mbar_arrive_cp_async(full(0, 1));
+      part_copy(0, 0, [&] { copier.template load_part<IDS, 4, 9>(0, 0, ids_at(0), kIdsStep); });
     }
     if constexpr (IDS) {
       cp_async_commit();
@@ -204,11 +257,9 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
       copier.prefetch_slots(1);
     }
     if (wg == 0) {
-      copier.load_part<IDS, 0, 4, 8, 9>(1, 1, ids_at(1), kIdsStep);
-      mbar_arrive_cp_async(full(1, 0));
+      part_copy(1, 1, [&] { copier.template load_part<IDS, 0, 4, 8, 9>(1, 1, ids_at(1), kIdsStep); });
     } else {
-      copier.load_part<IDS, 4, 8>(1, 1, ids_at(1), kIdsStep);
-      mbar_arrive_cp_async(full(1, 1));
+      part_copy(1, 1, [&] { copier.template load_part<IDS, 4, 8>(1, 1, ids_at(1), kIdsStep); });
     }
     cp_async_commit();
   }
@@ -363,8 +414,9 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
       wgmma_wait<0>();  // P_a V_aL done: blocks 0 .. 3 of stage 0 are free
       ids_ahead(ta + 3);
       if (ta + 2 < loads) {
-        copier.load_part<IDS, 0, 4>(ta + 2, 0, ids_at(ta + 2), kIdsStep);
-        mbar_arrive_cp_async(full(0, 0));
+        part_copy(ta + 2, 0, [&] {
+          copier.template load_part<IDS, 0, 4>(ta + 2, 0, ids_at(ta + 2), kIdsStep);
+        });
         cp_async_commit();
       }
       ids_behind(ta + 3);
@@ -374,8 +426,9 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
       wgmma_wait<0>();  // P_b V_bL done: blocks 0 .. 3 and the rope block of stage 1 are free
       ids_ahead(ta + 4);
       if (ta + 3 < loads) {
-        copier.load_part<IDS, 0, 4, 8, 9>(ta + 3, 1, ids_at(ta + 3), kIdsStep);
-        mbar_arrive_cp_async(full(1, 0));
+        part_copy(ta + 3, 1, [&] {
+          copier.template load_part<IDS, 0, 4, 8, 9>(ta + 3, 1, ids_at(ta + 3), kIdsStep);
+        });
         cp_async_commit();
       }
       ids_behind(ta + 4);
@@ -437,16 +490,18 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
       wgmma_wait<1>();  // P_b V_bR done: blocks 4 .. 7 of stage 1 are free
       ids_ahead(tb + 1);
       if (tb + 2 < loads) {
-        copier.load_part<IDS, 4, 8>(tb + 2, 1, ids_at(tb + 2), kIdsStep);
-        mbar_arrive_cp_async(full(1, 1));
+        part_copy(tb + 2, 1, [&] {
+          copier.template load_part<IDS, 4, 8>(tb + 2, 1, ids_at(tb + 2), kIdsStep);
+        });
         cp_async_commit();
       }
       ids_behind(tb + 1);
       wgmma_wait<0>();  // P_a V_aR done: blocks 4 .. 8 of stage 0 are free
       ids_ahead(tb + 4);
       if (tb + 1 < loads) {
-        copier.load_part<IDS, 4, 9>(tb + 1, 0, ids_at(tb + 1), kIdsStep);
-        mbar_arrive_cp_async(full(0, 1));
+        part_copy(tb + 1, 0, [&] {
+          copier.template load_part<IDS, 4, 9>(tb + 1, 0, ids_at(tb + 1), kIdsStep);
+        });
         cp_async_commit();
       }
       ids_behind(tb + 4);
@@ -458,15 +513,53 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(con
   // output (or this split's partial).
   __syncthreads();  // the row arrays are reused
   mla_store_rows64<T>(p, req, item, kvh, wg, wq, g, c4, l, m, row_t, o, 1.f, row_ma);
+  // MC: no CTA leaves while its peer may still arrive on its barriers.
+  if constexpr (MC) cluster_sync();
+}
+
+template <typename T, bool IDS>
+__global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(const AttnParams p) {
+  mla_pairs_body<T, IDS, false>(p, nullptr);
+}
+
+// At 128 heads a token's rows are two 64-row items, adjacent in the plan's request-major order and
+// reading the same keys: launched as clusters of two CTAs, each copies half of every whole tile
+// (32 of its 64 slots, by TMA at pages of 32 slots or more) and multicasts it to both, so the L2
+// sends each latent tile to the two SMs once instead of twice (on mla-decode-h128-64x4096 the
+// L2 -> SM stream was 3.3 TB/s and the L2 72% busy at 400 TFLOP/s).
+template <typename T>
+__global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1)
+    mla_pairs_mc_kernel(const AttnParams p, const __grid_constant__ CUtensorMap kmap) {
+  mla_pairs_body<T, false, true>(p, &kmap);
 }
 
 bool g_pairs_read = false, g_pairs_on = true;
+
+bool mc_on() {
+  static const bool on = [] {
+    const char* v = std::getenv("ATTNRT_MLA_MC");
+    return v == nullptr || v[0] != '0';
+  }();
+  return on;
+}
 
 // The launch: page ids through shared memory at pages of up to 16 slots, in registers above
 // (H100, h128-64x4096: page 1 1.35x, 16 1.015x, 32 0.93x, 64 0.98x with the shared-memory ids).
 struct MlaPairsCta {
   static cudaError_t launch(const AttnParams& p, const AttnKernelKey& key, int num_items,
                             cudaStream_t stream, bool dependent) {
+    if (p.page_shift >= 5 && p.group == 128 && num_items % 2 == 0 && mc_on()) {
+      if (const std::optional<CUtensorMap> map = mla_latent_tensor_map(p, 32)) {
+        constexpr auto kernel = mla_pairs_mc_kernel<__nv_bfloat16>;
+        const cudaError_t attr = allow_dynamic_smem<kernel>(MlaPairsCfg::kSmemBytes);
+        if (attr != cudaSuccess) return attr;
+        const cudaError_t err = launch_kernel_clusters(
+            kernel, dim3(p.num_kv_heads, num_items), dim3(MlaPairsCfg::kThreads),
+            MlaPairsCfg::kSmemBytes, stream, dependent, dim3(1, 2, 1), p, *map);
+        if (err == cudaSuccess) return err;
+        cudaGetLastError();  // a device that cannot place the clusters: one CTA an item below
+      }
+    }
     return p.page_shift <= 4
                ? GridCta<mla_pairs_kernel<__nv_bfloat16, true>, MlaPairsCfg>::launch(
                      p, key, num_items, stream, dependent)
@@ -493,6 +586,8 @@ bool mla_pairs_enabled() {
   }
   return g_pairs_on;
 }
+
+bool mla_pairs_mc_enabled() { return mc_on(); }
 
 AttnCtaEntry mla_pairs_entry(const AttnKernelKey& key) {
   if (key.head_dim != kMlaHeadDim || key.v_head_dim != kMlaVHeadDim || key.fp16 ||

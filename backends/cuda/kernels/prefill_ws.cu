@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "attnrt/core/env.h"
+#include "backends/cuda/kernels/mla.h"
 #include "backends/cuda/kernels/prefill_ws.cuh"
 
 namespace attnrt::cuda {
@@ -290,6 +291,18 @@ bool pool_tma_applies(const AttnParams& p, int dim, int chunk) {
 }
 
 }  // namespace
+
+std::optional<CUtensorMap> mla_latent_tensor_map(const AttnParams& p, int box_rows) {
+  const int page = 1 << p.page_shift;
+  const bool applies = p.slot_map == nullptr && p.kv_kind == KvKind::same_as_q && box_rows > 0 &&
+                       box_rows <= 256 && page % box_rows == 0 && p.kv_rows > 0 &&
+                       p.kv_rows <= INT_MAX && p.num_kv_heads > 0 && p.k != nullptr &&
+                       reinterpret_cast<uintptr_t>(p.k) % 16 == 0 && p.k_row_stride % 8 == 0 &&
+                       p.k_row_stride >= int64_t{p.num_kv_heads} * kMlaHeadDim;
+  if (!applies) return std::nullopt;
+  return tensor_map({p.k, p.kv_rows, p.k_row_stride, kMlaHeadDim, p.num_kv_heads, kMlaHeadDim, 1,
+                     box_rows, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16});
+}
 
 bool prefill_tma_applies(const AttnParams& p, int head_dim, bool ping_pong) {
   return has_tma_variant(head_dim, ping_pong) && p.kv_kind == KvKind::same_as_q &&
