@@ -82,8 +82,17 @@ TEST(CudaMlaCta, ExplainNamesTheCtaOfEachPhase) {
   EXPECT_TRUE(has(bf16, "verify ")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(bf16, "MHA form (EXTEND / MIXED")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(bf16, "q / k 192, v 128")) << ::testing::PrintToString(bf16);
-  EXPECT_TRUE(has(cuda::explain_cuda_kernels(m, o, DType::e4m3), "MLA CTA (mla_decode.cu)"));
-  EXPECT_TRUE(has(cuda::explain_cuda_kernels(m, o, DType::e4m3), "converted from fp8"));
+  // fp8: mla_decode.cu's CTA, the paired-tile CTA at page size 1 (ATTNRT_MLA_PAIRS=0: never).
+  const std::vector<std::string> e4m3 = cuda::explain_cuda_kernels(m, o, DType::e4m3);
+  EXPECT_TRUE(has(e4m3, "MLA CTA (mla_decode.cu)")) << ::testing::PrintToString(e4m3);
+  EXPECT_TRUE(has(e4m3, "converted from fp8")) << ::testing::PrintToString(e4m3);
+  EXPECT_TRUE(has(e4m3, "at page size 1 the paired-tile MLA CTA (mla_pairs.cu)"))
+      << ::testing::PrintToString(e4m3);
+  const bool pairs = cuda::mla_pairs_enabled();
+  cuda::set_mla_pairs(false);
+  const std::vector<std::string> split = cuda::explain_cuda_kernels(m, o, DType::e4m3);
+  cuda::set_mla_pairs(pairs);
+  EXPECT_FALSE(has(split, "paired-tile")) << ::testing::PrintToString(split);
   const std::vector<std::string> tp8 =
       cuda::explain_cuda_kernels(apply_tensor_parallel(m, 8), o, DType::bf16);
   ASSERT_EQ(tp8.size(), 5u);
@@ -129,17 +138,16 @@ TEST(CudaMlaCta, NativePageSizesWithRaggedLengths) {
   std::mt19937_64 rng(seed);
   for (int page : {1, 16, 32, 64, 128}) {
     for (int heads : {16, 128}) {
-      // The fp8 keys-on-M CTA copies its own rows: e4m3 at 16 heads on every page size too.
-      const std::vector<DType> kvs =
-          heads == 16 ? std::vector{DType::bf16, DType::e4m3} : std::vector{DType::bf16};
-      for (DType kv : kvs) {
+      // Every fp8 CTA copies its own rows (the keys-on-M CTA at 16 heads; at 128 the paired-tile
+      // CTA's raw chunks in place at page 1, mla_decode.cu's raw stages above): e4m3 on every
+      // page size too.
+      for (DType kv : {DType::bf16, DType::e4m3}) {
         std::vector<CaseSpec> cases = every_mode({mla(heads)}, kv, seed + page + heads);
         for (CaseSpec& s : cases) {
           if (s.mode == ForwardMode::EXTEND || s.mode == ForwardMode::MIXED) continue;
           s.page_size = page;
           for (int32_t& p : s.prefix_lens) p = static_cast<int32_t>(rng() % 700) + (p > 0 ? 1 : 0);
-          s.label +=
-              " page " + std::to_string(page) + " h" + std::to_string(heads) + " " +
+          s.label += " page " + std::to_string(page) + " h" + std::to_string(heads) + " " +
                      std::string(dtype_name(kv));
           expect_matches_reference(s);
         }
@@ -165,9 +173,10 @@ TEST(CudaMlaCta, KeysOnMItemsOfSeveralTokens) {
 }
 
 #ifdef ATTNRT_HAS_CUDA
-// The 64-row items on both bf16 CTAs: the paired-tile CTA (the default) and mla_decode.cu's, which
-// ATTNRT_MLA_PAIRS=0 selects (and which serves fp8 latents): every mode at 64 and 128 heads, odd
-// and even tile counts, page sizes 1 and 64.
+// The 64-row items on both CTAs: the paired-tile CTA (the default; over an fp8 latent at page 1)
+// and mla_decode.cu's, which ATTNRT_MLA_PAIRS=0 selects: every mode at 64 and 128 heads, odd and
+// even tile counts, page sizes 1 and 64 (bf16 at 64 and 128 heads: the two-CTA clusters), bf16
+// and both fp8 latents.
 TEST(CudaMlaCta, PairedTileCtaAndTheSplitCtaInEveryMode) {
   SKIP_WITHOUT_GPU();
   uint64_t seed = test::test_seed();
@@ -175,14 +184,17 @@ TEST(CudaMlaCta, PairedTileCtaAndTheSplitCtaInEveryMode) {
   const bool before = cuda::mla_pairs_enabled();
   for (bool pairs : {true, false}) {
     cuda::set_mla_pairs(pairs);
-    for (int heads : {64, 128}) {
-      for (int page : {1, 64}) {
-        for (CaseSpec& s : every_mode({mla(heads)}, DType::bf16, seed++)) {
-          s.page_size = page;
-          for (int32_t& p : s.prefix_lens) p = static_cast<int32_t>(rng() % 900) + (p > 0 ? 1 : 0);
-          s.label += std::string(pairs ? " pairs" : " split") + " h" + std::to_string(heads) +
-                     " page " + std::to_string(page);
-          expect_matches_reference(s);
+    for (DType kv : {DType::bf16, DType::e4m3, DType::e5m2}) {
+      for (int heads : {64, 128}) {
+        for (int page : {1, 64}) {
+          for (CaseSpec& s : every_mode({mla(heads)}, kv, seed++)) {
+            s.page_size = page;
+            for (int32_t& p : s.prefix_lens)
+              p = static_cast<int32_t>(rng() % 900) + (p > 0 ? 1 : 0);
+            s.label += std::string(pairs ? " pairs" : " split") + " h" + std::to_string(heads) +
+                       " page " + std::to_string(page) + " " + std::string(dtype_name(kv));
+            expect_matches_reference(s);
+          }
         }
       }
     }

@@ -43,14 +43,20 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
             "warpgroup scoring a whole tile and holding half of the 512 output columns, so one "
             "warpgroup's softmax runs under the other's MMAs; 64 (token, head) rows a CTA ({} rows "
             "a request), split-KV when the batch leaves SMs idle, the next tile's page ids through "
-            "shared memory at pages of up to 16 slots - MLA's 576 / 512 dims with bf16 q and latent "
+            "shared memory at pages of up to 16 slots, and at 128 heads and pages of 32 slots or "
+            "more a token's two CTAs in a cluster, each tile's TMA boxes multicast to both "
+            "(ATTNRT_MLA_MC=0: one CTA an item) - MLA's 576 / 512 dims with bf16 q and latent "
             "[ATTNRT_MLA_PAIRS=0: mla_decode.cu's CTA instead]",
             rows);
       return fmt::format(
           "MLA CTA (mla_decode.cu): warpgroup MMAs over 64-key tiles of the latent cache{}, 64 "
           "(token, head) rows a CTA ({} rows a request), split-KV when the batch leaves SMs idle "
-          "- MLA's 576 / 512 dims with bf16 q{}",
+          "- MLA's 576 / 512 dims with bf16 q{}{}",
           fp8 ? " converted from fp8 in shared memory" : "", rows,
+          fp8 && mla_cta_enabled() && mla_pairs_enabled()
+              ? "; at page size 1 the paired-tile MLA CTA (mla_pairs.cu) instead, the raw fp8 "
+                "rows converted in place by the warpgroup that scores a tile"
+              : "",
           mla_cta_enabled() ? "" : " [ATTNRT_MLA_CTA=0: the generic kernel runs instead]");
     case AttnCta::mla_keys_m:
       return fmt::format(

@@ -14,8 +14,9 @@ namespace attnrt::cuda {
 // 576 / 512;
 // every tile shape the plan gives MLA layers: decode, decode32, verify); empty for other keys.
 AttnCtaEntry mla_attention_entry(const AttnKernelKey& key);
-// The paired-tile MLA CTA (mla_pairs.cu) over a bf16 latent for the items mla_attention_entry
-// takes; empty for other keys. mla_attention_entry returns it unless ATTNRT_MLA_PAIRS=0 (read once).
+// The paired-tile MLA CTA (mla_pairs.cu) over a bf16 or fp8 latent for the items
+// mla_attention_entry takes; empty for other keys. mla_attention_entry returns it unless
+// ATTNRT_MLA_PAIRS=0 (read once).
 AttnCtaEntry mla_pairs_entry(const AttnKernelKey& key);
 bool mla_pairs_enabled();
 void set_mla_pairs(bool on);

@@ -17,9 +17,9 @@
 // Shared memory: Q 72 KB, two 72 KB latent tiles, P 8 KB: one CTA per SM. The pool slot of each
 // tile's rows is looked up a tile ahead, so page size 1 costs no extra latency. An fp8 latent cache
 // (e4m3 / e5m2, one scale per layer as the pool stores it) is copied raw into two 36 KB stages in
-// the second tile's space and converted exactly (through f16) into one bf16 tile per iteration. Masks (causal, tree,
-// window) and softcap as every other CTA (common/mask.cuh); the row sums of the two halves are
-// added at the end.
+// the second tile's space and converted exactly (through f16) into one bf16 tile per iteration.
+// Masks (causal, tree, window) and softcap as every other CTA (common/mask.cuh); the row sums of
+// the two halves are added at the end.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -44,12 +44,12 @@ namespace {
 
 template <bool FP8>
 struct MlaCfg {
-  static constexpr int kD = kMlaHeadDim;     // 576: qk columns
-  static constexpr int kDv = kMlaVHeadDim;   // 512: the first kDv columns are V
+  static constexpr int kD = kMlaHeadDim;      // 576: qk columns
+  static constexpr int kDv = kMlaVHeadDim;    // 512: the first kDv columns are V
   static constexpr int kRows = kMlaTileRows;  // 64 query rows
-  static constexpr int kBN = 64;             // keys per tile
-  static constexpr int kHalf = kBN / 2;      // keys scored by one warpgroup
-  static constexpr int kON = kDv / 2;        // output columns of one warpgroup
+  static constexpr int kBN = 64;              // keys per tile
+  static constexpr int kHalf = kBN / 2;       // keys scored by one warpgroup
+  static constexpr int kON = kDv / 2;         // output columns of one warpgroup
   static constexpr int kThreads = 256;
   static constexpr int kQBytes = kRows * kD * 2;
   static constexpr int kTileBytes = kMlaTileBytes;  // fp8: a bf16 tile and two raw stages
@@ -70,7 +70,8 @@ __device__ __forceinline__ void cta_bar(int id) {
 // T: q / out (bf16); FP8: the latent cache holds fp8 bytes (E5M2 or e4m3), converted to bf16 in
 // shared memory once per tile.
 template <typename T, bool FP8, bool E5M2>
-__global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1)
+    mla_attention_kernel(const AttnParams p) {
   using C = MlaCfg<FP8>;
   constexpr int D = C::kD, BN = C::kBN, ROWS = C::kRows, ON = C::kON, HALF = C::kHalf;
   extern __shared__ unsigned char smem_raw[];
@@ -108,8 +109,8 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
   launch_dependent_grids();
   write_back_committed_pages(p, req, item, kvh, tid, C::kThreads);
 
-  MlaTileCopier<T, FP8, E5M2, 2> copier{p,      req,    smem + C::kQBytes, lo, hi, num_tiles,
-                                        kvh,    ld_row, ld_c,              ld_swz, 32};
+  MlaTileCopier<T, FP8, E5M2, 2> copier{
+      p, req, smem + C::kQBytes, lo, hi, num_tiles, kvh, ld_row, ld_c, ld_swz, 32};
   copier.prefetch_slots(0);
   if (num_tiles > 0) copier.load(0);
   cp_async_commit();  // Q and tile 0
@@ -120,9 +121,10 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
 #pragma unroll
     for (int r2 = 0; r2 < 2; ++r2)
 #pragma unroll
-      for (int i = 0; i < kBlocks; ++i) scale_q_chunk(smem + ld_swz + r2 * 32 * 128 + i * ROWS * 128);
+      for (int i = 0; i < kBlocks; ++i)
+        scale_q_chunk(smem + ld_swz + r2 * 32 * 128 + i * ROWS * 128);
   }
-  constexpr float kUnit = FP8 ? kMlaFp8Unit : 1.f;   // of S and O
+  constexpr float kUnit = FP8 ? kMlaFp8Unit : 1.f;  // of S and O
   constexpr float kPScale = FP8 ? kMlaFp8PScale : 1.f;
 
   // This thread's rows (the same in both warpgroups): g and g + 8 of warp wq's 16.
@@ -251,6 +253,21 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1) mla_attention_kernel
   mla_store_rows64<T>(p, req, item, kvh, wg, wq, g, c4, l, m, row_t, o, kUnit, x_rows);
 }
 
+// An fp8 latent: the paired-tile CTA (mla_pairs.cu, converting in place) at page size 1, this
+// file's CTA at larger pages. H100, mla-decode-h128-64x4096-fp8: the paired-tile CTA 1.14x this
+// one at page 1 (263 against 230 TFLOP/s), 0.975x at page 64 (257 against 264).
+template <bool E5M2>
+struct MlaFp8Cta {
+  using Split = GridCta<mla_attention_kernel<__nv_bfloat16, true, E5M2>, MlaCfg<true>>;
+  static cudaError_t launch(const AttnParams& p, const AttnKernelKey& key, int num_items,
+                            cudaStream_t stream, bool dependent) {
+    if (p.page_shift == 0 && mla_pairs_enabled())
+      return mla_pairs_entry(key).launch(p, key, num_items, stream, dependent);
+    return Split::launch(p, key, num_items, stream, dependent);
+  }
+  static int occupancy(const AttnKernelKey& key) { return Split::occupancy(key); }
+};
+
 }  // namespace
 
 AttnCtaEntry mla_attention_entry(const AttnKernelKey& key) {
@@ -261,9 +278,9 @@ AttnCtaEntry mla_attention_entry(const AttnKernelKey& key) {
       if (mla_pairs_enabled()) return mla_pairs_entry(key);
       return GridCta<mla_attention_kernel<B, false, false>, MlaCfg<false>>::entry();
     case KvKind::e4m3:
-      return GridCta<mla_attention_kernel<B, true, false>, MlaCfg<true>>::entry();
+      return {&MlaFp8Cta<false>::launch, &MlaFp8Cta<false>::occupancy};
     case KvKind::e5m2:
-      return GridCta<mla_attention_kernel<B, true, true>, MlaCfg<true>>::entry();
+      return {&MlaFp8Cta<true>::launch, &MlaFp8Cta<true>::occupancy};
   }
   return {};
 }

@@ -1,5 +1,5 @@
-// The paired-tile MLA CTA (sm_90a): the absorbed form over a bf16 latent cache for the items of
-// 64 (token, head) rows that mla_decode.cu's CTA serves (128-head decode, verify chains and
+// The paired-tile MLA CTA (sm_90a): the absorbed form over a bf16 or fp8 latent cache for the items
+// of 64 (token, head) rows that mla_decode.cu's CTA serves (128-head decode, verify chains and
 // trees, draft extends, absorbed extends, split-KV included), with the tensor cores kept busy
 // while the softmax runs.
 //
@@ -33,6 +33,15 @@
 // and S of the next tile takes the part copied first before the second (0: blocks 0 .. 3 first;
 // 1: blocks 4 .. 7 first), so the later part's latency overlaps MMAs. An odd last tile pairs with
 // an all-zero tile past the split (its keys masked: P = 0).
+// An fp8 latent (e4m3 / e5m2, the pool's one scale a layer) needs no space of its own: each raw
+// 16-column chunk of a row lands where the first half of its bf16 values goes
+// (mla_raw_in_place), in the same parts and at the same points as the bf16 copies, and the
+// warpgroup that scores the tile converts both parts in place (mla_convert_in_place: a thread
+// reads one chunk and writes the two that cover it, so no barrier inside), its own part first and
+// the other warpgroup's while the first part's MMAs run. The other warpgroup reads its V columns
+// after the hand-overs that follow the conversion. The conversion lies on both warpgroups' chains
+// (H100, mla-decode-h128-64x4096-fp8: 257 TFLOP/s at page 64, 263 at page 1, against bf16's 407),
+// so mla_decode.cu's CTA keeps the fp8 latent at pages above 1 (264 at page 64, 230 at page 1).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -102,11 +111,20 @@ __device__ __forceinline__ void mla_pairs_s(float (&s)[MlaPairsCfg::kBN / 2], ui
   }
 }
 
+// A warpgroup's named barrier over its own 128 threads (fp8: the converted tile published).
+constexpr int kBarCvt = 3;  // + wg
+
 // IDS: the copiers' page ids through shared memory (pages of up to 16 slots), else in registers.
 // MC (registers, with kmap): the two CTAs of a cluster, the two 64-row items of one token, copy
 // the whole tiles half each and multicast them (see mla_pairs_mc_kernel).
-template <typename T, bool IDS, bool MC>
+// FP8 / E5M2: the latent cache holds fp8 bytes (e4m3 or e5m2): each tile lands raw in the bf16
+// stage (mla_raw_in_place) and the warpgroup that scores it converts it in place, part by part,
+// its own part while the other warpgroup's copies are in flight, the other part while the first
+// part's MMAs run; values times 2^-112, so Q is scaled by 2^64 once, P by 2^64 (in the exponent)
+// and S and O by kMlaFp8Unit after their MMAs (mla_tile.cuh).
+template <typename T, bool IDS, bool MC, bool FP8 = false, bool E5M2 = false>
 __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtensorMap* kmap) {
+  static_assert(!(MC && FP8));
   using C = MlaPairsCfg;
   constexpr int BN = C::kBN, ROWS = C::kRows;
   extern __shared__ unsigned char smem_raw[];
@@ -124,7 +142,9 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
   auto full = [bars](int stage, int part) { return bars + (2 * stage + part) * 8; };
   const uint32_t ma_bar = bars + 4 * 8, mb_bar = bars + 5 * 8;
   const uint32_t ids = bars + C::kBars * 8;
-  auto free_bar = [ids](int stage, int part) { return ids + C::kIdsBytes + (2 * stage + part) * 8; };
+  auto free_bar = [ids](int stage, int part) {
+    return ids + C::kIdsBytes + (2 * stage + part) * 8;
+  };
 
   // wg through a shuffle: ptxas then knows it is the same in a whole warp, and the MMAs inside
   // `if (wg == 0)` are not serialised as divergent code (C7520).
@@ -152,8 +172,8 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
   }
 
   // ---- Q rows f0 .. f0 + 63 by all 256 threads, eight a row.
-  mla_load_q64<T>(p, req, item, kvh, smem, tid >> 3, tid & 7,
-                  (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4));
+  const uint32_t q_swz = (tid >> 3) * 128 + (((tid & 7) ^ ((tid >> 3) & 7)) << 4);
+  mla_load_q64<T>(p, req, item, kvh, smem, tid >> 3, tid & 7, q_swz);
   cp_async_commit();
   // The mbarriers are initialised (MC: in both CTAs, before any box or arrival of the peer).
   if constexpr (MC) {
@@ -168,8 +188,9 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
 
   // Each warpgroup's copies: eight threads a row, rows ld_row + 16 r (r < 4) of a tile.
   const int wt = tid & 127, ld_row = wt >> 3, ld_c = wt & 7;
-  const uint32_t ld_swz = ld_row * 128 + ((ld_c ^ (ld_row & 7)) << 4);
-  MlaTileCopier<T, false, false, 4> copier{
+  const uint32_t ld_swz =
+      FP8 ? mla_raw_in_place(ld_row, ld_c) : ld_row * 128 + ((ld_c ^ (ld_row & 7)) << 4);
+  MlaTileCopier<T, FP8, E5M2, 4> copier{
       p, req, smem + C::kQBytes, lo, hi, num_tiles, kvh, ld_row, ld_c, ld_swz, 16};
   // Page ids. IDS (pages of up to 16 slots, where a thread's four rows of a tile lie on four
   // pages): by cp.async into shared memory, the next load's ids issued before each load's copies
@@ -257,7 +278,8 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
       copier.prefetch_slots(1);
     }
     if (wg == 0) {
-      part_copy(1, 1, [&] { copier.template load_part<IDS, 0, 4, 8, 9>(1, 1, ids_at(1), kIdsStep); });
+      part_copy(1, 1,
+                [&] { copier.template load_part<IDS, 0, 4, 8, 9>(1, 1, ids_at(1), kIdsStep); });
     } else {
       part_copy(1, 1, [&] { copier.template load_part<IDS, 4, 8>(1, 1, ids_at(1), kIdsStep); });
     }
@@ -267,6 +289,14 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
     if (num_pairs == 0) cp_async_wait<0>();  // else Q landed with tile 0's ids
   } else {
     cp_async_wait<1>();  // this thread's Q copies landed
+  }
+  if constexpr (FP8) {
+    // Q times 2^64: this thread's own chunks (the barrier below publishes them).
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2)
+#pragma unroll
+      for (int i = 0; i < C::kD / 64; ++i)
+        scale_q_chunk(smem + q_swz + r2 * 32 * 128 + i * ROWS * 128);
   }
   fence_proxy_async_smem();
   __syncthreads();  // every thread's
@@ -281,7 +311,11 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
   }
   const int rt_lo = w.t_first, rt_hi = w.t_last;
   const SoftCap cap(p.softcap, p.softmax_scale);
-  const float sl = cap.exp_scale(p.scale_log2);
+  // fp8: S comes out in units of 2^-48 (kMlaFp8Unit); without a softcap the unit goes into the
+  // exponent's scale, with one S is scaled before the cap.
+  const float sl = cap.exp_scale(p.scale_log2) * (FP8 && !cap.on ? kMlaFp8Unit : 1.f);
+  // fp8: P enters the P V MMAs times 2^64 (its exponent raised by 64; the row sums undo it).
+  constexpr float kPShift = FP8 ? 64.f : 0.f;
   const uint64_t dq = wgmma_desc(sQ, 16);
 
   // Output columns 256 wg + 128 nb + 8 i + 2 c4 (+1) of rows g, g + 8: o[nb][4 i + 2 h (+1)].
@@ -296,25 +330,39 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
   auto row_max = [&](float(&s)[BN / 2], int kb, float(&mx)[2]) {
     if (cap.on) {
 #pragma unroll
-      for (int i = 0; i < BN / 2; ++i) s[i] = cap(s[i]);
+      for (int i = 0; i < BN / 2; ++i) s[i] = cap(FP8 ? s[i] * kMlaFp8Unit : s[i]);
     }
     if (mask.needs_mask(kb, BN, hi, rt_lo, rt_hi)) mla_mask_keys<BN>(mask, rows, s, kb, hi, c4);
 #pragma unroll
     for (int h = 0; h < 2; ++h) mx[h] = mla_row_max<BN>(s, h) * sl;
   };
-  // s becomes exp2(s sl - m_use) row by row; returns the rows' sums of this thread's columns.
+  // s becomes exp2(s sl - m_use) row by row (fp8: times 2^64); returns the rows' sums of this
+  // thread's columns (without the 2^64).
   auto exps = [&](float(&s)[BN / 2], const float(&m_use)[2], float(&sum)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       sum[h] = 0.f;
+      const float mu = FP8 ? kPShift - m_use[h] : -m_use[h];
 #pragma unroll
       for (int nb = 0; nb < BN / 8; ++nb) {
         float& x0 = s[nb * 4 + 2 * h];
         float& x1 = s[nb * 4 + 2 * h + 1];
-        x0 = fast_exp2(fmaf(x0, sl, -m_use[h]));
-        x1 = fast_exp2(fmaf(x1, sl, -m_use[h]));
+        x0 = fast_exp2(fmaf(x0, sl, mu));
+        x1 = fast_exp2(fmaf(x1, sl, mu));
         sum[h] += x0 + x1;
       }
+      if constexpr (FP8) sum[h] *= 0x1p-64f;
+    }
+  };
+  // fp8: column blocks [B0, B1) (and [C0, C1)) of `stage`'s tile, landed raw, converted by this
+  // warpgroup and published to its MMAs.
+  auto convert = [&]<int B0, int B1, int C0 = 0, int C1 = 0>(int stage) {
+    if constexpr (FP8) {
+      unsigned char* tile = smem + C::kQBytes + stage * C::kTileBytes;
+      mla_convert_in_place<E5M2, B0, B1>(tile, wt);
+      if constexpr (C1 > C0) mla_convert_in_place<E5M2, C0, C1>(tile, wt);
+      fence_proxy_async_smem();
+      named_bar_sync(kBarCvt + wg, 128);
     }
   };
   auto pack_p = [&](const float(&s)[BN / 2], uint32_t(&pa)[BN / 16][4]) {
@@ -366,10 +414,12 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
       float s[BN / 2];
       mbar_wait(full(0, 0), parity);
       fence_proxy_async_smem();
+      convert.template operator()<0, 4>(0);
       wgmma_fence();
       mla_pairs_s<T, 0, 4, true>(s, dq, dk);
       mbar_wait(full(0, 1), parity);
       fence_proxy_async_smem();
+      convert.template operator()<4, 9>(0);
       wgmma_fence();  // the wait's loop between the MMAs of one group
       mla_pairs_s<T, 4, 9, false>(s, dq, dk);
       wgmma_commit();
@@ -443,10 +493,12 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
       float s[BN / 2];
       mbar_wait(full(1, 1), parity);
       fence_proxy_async_smem();
+      convert.template operator()<4, 8>(1);
       wgmma_fence();
       mla_pairs_s<T, 4, 8, true>(s, dq, dk);
       mbar_wait(full(1, 0), parity);
       fence_proxy_async_smem();
+      convert.template operator()<0, 4, 8, 9>(1);
       wgmma_fence();
       mla_pairs_s<T, 0, 4, false>(s, dq, dk);
       mla_pairs_s<T, 8, 9, false>(s, dq, dk);
@@ -512,14 +564,15 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
   // ---- Epilogue: both warpgroups' row sums stand against the same maximum; add them, then
   // output (or this split's partial).
   __syncthreads();  // the row arrays are reused
-  mla_store_rows64<T>(p, req, item, kvh, wg, wq, g, c4, l, m, row_t, o, 1.f, row_ma);
+  mla_store_rows64<T>(p, req, item, kvh, wg, wq, g, c4, l, m, row_t, o, FP8 ? kMlaFp8Unit : 1.f,
+                      row_ma);
   // MC: no CTA leaves while its peer may still arrive on its barriers.
   if constexpr (MC) cluster_sync();
 }
 
-template <typename T, bool IDS>
+template <typename T, bool IDS, bool FP8, bool E5M2>
 __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1) mla_pairs_kernel(const AttnParams p) {
-  mla_pairs_body<T, IDS, false>(p, nullptr);
+  mla_pairs_body<T, IDS, false, FP8, E5M2>(p, nullptr);
 }
 
 // At 128 heads a token's rows are two 64-row items, adjacent in the plan's request-major order and
@@ -545,30 +598,32 @@ bool mc_on() {
 
 // The launch: page ids through shared memory at pages of up to 16 slots, in registers above
 // (H100, h128-64x4096: page 1 1.35x, 16 1.015x, 32 0.93x, 64 0.98x with the shared-memory ids).
+template <bool FP8, bool E5M2>
 struct MlaPairsCta {
+  template <bool IDS>
+  using Cta = GridCta<mla_pairs_kernel<__nv_bfloat16, IDS, FP8, E5M2>, MlaPairsCfg>;
   static cudaError_t launch(const AttnParams& p, const AttnKernelKey& key, int num_items,
                             cudaStream_t stream, bool dependent) {
-    if (p.page_shift >= 5 && p.group == 128 && num_items % 2 == 0 && mc_on()) {
-      if (const std::optional<CUtensorMap> map = mla_latent_tensor_map(p, 32)) {
-        constexpr auto kernel = mla_pairs_mc_kernel<__nv_bfloat16>;
-        const cudaError_t attr = allow_dynamic_smem<kernel>(MlaPairsCfg::kSmemBytes);
-        if (attr != cudaSuccess) return attr;
-        const cudaError_t err = launch_kernel_clusters(
-            kernel, dim3(p.num_kv_heads, num_items), dim3(MlaPairsCfg::kThreads),
-            MlaPairsCfg::kSmemBytes, stream, dependent, dim3(1, 2, 1), p, *map);
-        if (err == cudaSuccess) return err;
-        cudaGetLastError();  // a device that cannot place the clusters: one CTA an item below
+    if constexpr (FP8) {
+      return Cta<true>::launch(p, key, num_items, stream, dependent);
+    } else {
+      if (p.page_shift >= 5 && p.group == 128 && num_items % 2 == 0 && mc_on()) {
+        if (const std::optional<CUtensorMap> map = mla_latent_tensor_map(p, 32)) {
+          constexpr auto kernel = mla_pairs_mc_kernel<__nv_bfloat16>;
+          const cudaError_t attr = allow_dynamic_smem<kernel>(MlaPairsCfg::kSmemBytes);
+          if (attr != cudaSuccess) return attr;
+          const cudaError_t err = launch_kernel_clusters(
+              kernel, dim3(p.num_kv_heads, num_items), dim3(MlaPairsCfg::kThreads),
+              MlaPairsCfg::kSmemBytes, stream, dependent, dim3(1, 2, 1), p, *map);
+          if (err == cudaSuccess) return err;
+          cudaGetLastError();  // a device that cannot place the clusters: one CTA an item below
+        }
       }
+      return p.page_shift <= 4 ? Cta<true>::launch(p, key, num_items, stream, dependent)
+                               : Cta<false>::launch(p, key, num_items, stream, dependent);
     }
-    return p.page_shift <= 4
-               ? GridCta<mla_pairs_kernel<__nv_bfloat16, true>, MlaPairsCfg>::launch(
-                     p, key, num_items, stream, dependent)
-               : GridCta<mla_pairs_kernel<__nv_bfloat16, false>, MlaPairsCfg>::launch(
-                     p, key, num_items, stream, dependent);
   }
-  static int occupancy(const AttnKernelKey& key) {
-    return GridCta<mla_pairs_kernel<__nv_bfloat16, false>, MlaPairsCfg>::occupancy(key);
-  }
+  static int occupancy(const AttnKernelKey& key) { return Cta<FP8>::occupancy(key); }
 };
 
 }  // namespace
@@ -590,10 +645,16 @@ bool mla_pairs_enabled() {
 bool mla_pairs_mc_enabled() { return mc_on(); }
 
 AttnCtaEntry mla_pairs_entry(const AttnKernelKey& key) {
-  if (key.head_dim != kMlaHeadDim || key.v_head_dim != kMlaVHeadDim || key.fp16 ||
-      key.kv != KvKind::same_as_q)
-    return {};
-  return {&MlaPairsCta::launch, &MlaPairsCta::occupancy};
+  if (key.head_dim != kMlaHeadDim || key.v_head_dim != kMlaVHeadDim || key.fp16) return {};
+  switch (key.kv) {
+    case KvKind::same_as_q:
+      return {&MlaPairsCta<false, false>::launch, &MlaPairsCta<false, false>::occupancy};
+    case KvKind::e4m3:
+      return {&MlaPairsCta<true, false>::launch, &MlaPairsCta<true, false>::occupancy};
+    case KvKind::e5m2:
+      return {&MlaPairsCta<true, true>::launch, &MlaPairsCta<true, true>::occupancy};
+  }
+  return {};
 }
 
 }  // namespace attnrt::cuda

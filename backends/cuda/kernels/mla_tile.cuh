@@ -58,6 +58,35 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4& w, uint4& lo, uint4&
   hi = make_uint4(b[4], b[5], b[6], b[7]);
 }
 
+// The paired-tile CTA's fp8 tiles, converted in place. A copying thread (eight a row: row ld_row,
+// thread ld_c) puts raw chunk ld_c & 3 of the blocks 2 i + (ld_c >> 2) of its rows at this
+// offset (rows 8 apart share it) plus the block's and the row's constants (copy_blocks).
+__device__ __forceinline__ uint32_t mla_raw_in_place(int ld_row, int ld_c) {
+  return (ld_c >> 2) * kMlaTileKeys * 128 + ld_row * 128 + (((2 * (ld_c & 3)) ^ (ld_row & 7)) << 4);
+}
+
+// Converts column blocks [B0, B1) of a tile whose raw chunks mla_raw_in_place put in place, by the
+// 128 threads of a warpgroup (wt: 0 .. 127): thread wt takes raw chunk wt & 3 of rows wt >> 2 and
+// 32 + (wt >> 2) of every block, reads its 16 bytes and writes the 32 bytes of bf16 values that
+// cover them (chunks 2 ch and 2 ch + 1 of the row: the first holds the raw bytes, the second sits
+// beside it at offset ^ 16). A quarter warp's two rows x four chunks fall on all 32 banks once in
+// each of the three accesses. Values come out times 2^-112 (fp8x16_to_bf16).
+template <bool E5M2, int B0, int B1>
+__device__ __forceinline__ void mla_convert_in_place(unsigned char* tile, int wt) {
+  const int row = wt >> 2, ch = wt & 3;
+  const uint32_t a = row * 128 + (((2 * ch) ^ (row & 7)) << 4), b = a ^ 16u;
+#pragma unroll
+  for (int k = B0; k < B1; ++k)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      unsigned char* blk = tile + k * kMlaTileKeys * 128 + j * 32 * 128;
+      uint4 lo, hi;
+      fp8x16_to_bf16<E5M2>(*reinterpret_cast<const uint4*>(blk + a), lo, hi);
+      *reinterpret_cast<uint4*>(blk + a) = lo;
+      *reinterpret_cast<uint4*>(blk + b) = hi;
+    }
+}
+
 // Eight bf16 values at `p` (shared memory) times 2^64, exactly (an exponent step; q is far below
 // 2^63).
 __device__ __forceinline__ void scale_q_chunk(unsigned char* p) {
@@ -82,9 +111,8 @@ struct MlaItem {
       : item(p.work[blockIdx.y]), req(p.reqs[item.req]) {
     t_first = item.f0 / p.group;
     t_last = min(req.qlen - 1, (item.f0 + rows - 1) / p.group);
-    const KeyRange kr =
-        split_keys(Mask<true>{p, req}.span(t_first, t_last), req.num_splits, item.split,
-                   kMlaTileKeys);
+    const KeyRange kr = split_keys(Mask<true>{p, req}.span(t_first, t_last), req.num_splits,
+                                   item.split, kMlaTileKeys);
     lo = kr.lo;
     hi = kr.hi;
     num_tiles = hi > lo ? (hi - lo + kMlaTileKeys - 1) / kMlaTileKeys : 0;
@@ -136,9 +164,9 @@ struct MlaRowOut {
 };
 
 // The Q rows f0 .. f0 + 63 of a 64-row MLA CTA's item into the swizzled [9 blocks][64 rows] tile at
-// `sq`, by 256 threads: eight a row, two rows each (ld_row and ld_row + 32, ld_row = tid / 8), thread
-// ld_c = tid % 8 taking 16-byte chunk ld_c of each 64-column block at ld_swz plus constants. Rows
-// past the request's tokens are zero (finite, never stored).
+// `sq`, by 256 threads: eight a row, two rows each (ld_row and ld_row + 32, ld_row = tid / 8),
+// thread ld_c = tid % 8 taking 16-byte chunk ld_c of each 64-column block at ld_swz plus constants.
+// Rows past the request's tokens are zero (finite, never stored).
 template <typename T>
 __device__ __forceinline__ void mla_load_q64(const AttnParams& p, const ReqInfo& req,
                                              const WorkItem& item, int kvh, unsigned char* sq,
@@ -221,9 +249,9 @@ __device__ __forceinline__ void mla_store_p(unsigned char* tile, const float (&s
 template <typename T>
 __device__ __forceinline__ void mla_store_rows64(const AttnParams& p, const ReqInfo& req,
                                                  const WorkItem& item, int kvh, int wg, int wq,
-                                                 int g, int c4, float (&l)[2],
-                                                 const float (&m)[2], const int (&row_t)[2],
-                                                 const float (&o)[2][64], float unit, float* xl) {
+                                                 int g, int c4, float (&l)[2], const float (&m)[2],
+                                                 const int (&row_t)[2], const float (&o)[2][64],
+                                                 float unit, float* xl) {
   constexpr int kRows = 64, kON = kMlaVHeadDim / 2;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -241,8 +269,7 @@ __device__ __forceinline__ void mla_store_rows64(const AttnParams& p, const ReqI
     const int G = p.group;
     const int f = item.f0 + r, t = row_t[h], hg = f - t * G;
     if (t >= req.qlen) continue;
-    const MlaRowOut<T> row(p, req, item.split, t, kvh * G + hg, ll, m[h], unit,
-                           wg == 0 && c4 == 0);
+    const MlaRowOut<T> row(p, req, item.split, t, kvh * G + hg, ll, m[h], unit, wg == 0 && c4 == 0);
 #pragma unroll
     for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
@@ -259,7 +286,7 @@ struct MlaTileCopier {
   static constexpr int kD = kMlaHeadDim, kBN = kMlaTileKeys;
   static constexpr int kElem = FP8 ? 1 : 2;
   static constexpr int kRowChunks = kD * kElem / 16;  // 16-byte chunks of a stored row
-  static constexpr int kRawBytes = kBN * kD;  // an fp8 stage
+  static constexpr int kRawBytes = kBN * kD;          // an fp8 stage
   static constexpr int kRawAt = kMlaTileBytes;
 
   const AttnParams& p;
@@ -314,7 +341,8 @@ struct MlaTileCopier {
             tiles + kRawAt + stage * kRawBytes + (ld_row + step * r) * kD + ld_c * 16;
 #pragma unroll
         for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
-          if (ld_c + 8 * i < kRowChunks) cp_async_16(dk + i * 128, src + ld_c * 16 + i * 128, valid);
+          if (ld_c + 8 * i < kRowChunks)
+            cp_async_16(dk + i * 128, src + ld_c * 16 + i * 128, valid);
         }
       }
     }
@@ -324,13 +352,16 @@ struct MlaTileCopier {
   // into `stage` (the paired-tile CTA's warpgroups each copy their own blocks of a tile).
   template <int B0, int B1>
   __device__ __forceinline__ void load_blocks(int stage) {
-    static_assert(!FP8);
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const bool valid = slot[r] >= 0;
       copy_blocks<B0, B1>(stage, r, kbytes + (valid ? slot[r] * p.k_row_stride * kElem : 0), valid);
     }
   }
+  // fp8 (the paired-tile CTA, ld_swz from mla_raw_in_place): the row's raw 16-column chunk ch of
+  // block k lands where the first half of its bf16 values goes (bf16 chunk 2 ch of the row), so
+  // convert_in_place needs no barrier: a thread reads a chunk and writes only its two halves.
+  // Eight threads a row take the part's 4 (B1 - B0) raw chunks of the row eight at a time.
   template <int B0, int B1>
   __device__ __forceinline__ void copy_blocks(int stage, int r, const unsigned char* src,
                                               bool valid) {
@@ -338,8 +369,17 @@ struct MlaTileCopier {
     // One base a row, the blocks at immediate offsets from it: a row past the keys copies nothing
     // (source size 0) from its in-pool address, so no select a block.
     const unsigned char* s = src + ld_c * 16;
+    if constexpr (!FP8) {
 #pragma unroll
-    for (int i = B0; i < B1; ++i) cp_async_16(dk + i * kBN * 128, s + i * 128, valid);
+      for (int i = B0; i < B1; ++i) cp_async_16(dk + i * kBN * 128, s + i * 128, valid);
+    } else {
+      constexpr int kChunks = 4 * (B1 - B0);
+#pragma unroll
+      for (int i = 0; i < kChunks; i += 8) {
+        if (i + 8 <= kChunks || ld_c < 4)
+          cp_async_16(dk + (B0 + i / 4) * kBN * 128, s + (4 * B0 + i) * 16, valid);
+      }
+    }
   }
 
   // The paired-tile CTA's form: the page ids of load t come by cp.async (4 bytes a row) into
@@ -371,7 +411,6 @@ struct MlaTileCopier {
   // Column blocks [B0, B1) and [C0, C1) of load t into `stage`.
   template <int B0, int B1, int C0 = 0, int C1 = 0>
   __device__ __forceinline__ void load_blocks_ids(int t, int stage, uint32_t ids, int ids_step) {
-    static_assert(!FP8);
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const int j = lo + t * kBN + ld_row + step * r;
@@ -424,8 +463,7 @@ struct MlaTileCopier {
 #pragma unroll
       for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
         const int c = ld_c + 8 * i;
-        if (c < kRowChunks)
-          cp_async_16(stage + mla_raw_offset(key, c), src + c * 16, valid);
+        if (c < kRowChunks) cp_async_16(stage + mla_raw_offset(key, c), src + c * 16, valid);
       }
     }
   }
