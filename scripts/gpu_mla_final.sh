@@ -5,7 +5,8 @@
 #  1. the MLA CTA tests, then racecheck and synccheck of the page-size test (clusters at pages
 #     >= 32, the fp8 paired-tile CTA at page 1, both page-id forms of both 16-bit CTAs);
 #  2. one bench process a binary, alternating twice: the decode and verify rows of --suite mla
-#     (bf16, fp8, page 1) and the h128 fp8 row at page 1.
+#     (bf16, fp8, page 1), the h128 fp8 row at page 1, and the h128 fp8 rows at page 64 on the
+#     paired-tile CTA (ATTNRT_MLA_FP8_PAIRS_MAX_PAGE=128).
 #   usage: OUT=$OUT scripts/gpu_mla_final.sh  (carry .gpubin-head2, .gpubin-final, .devdeps; ~6 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -28,9 +29,16 @@ for r in 1 2; do
   for v in head2 final; do
     [ $(date +%s) -gt $((GPU_END - 30)) ] && { echo "out of time"; break 2; }
     bin=/tmp/ab-bin/$v/attnrt
-    timeout 60 $bin bench --backend cuda --suite mla --no-reference --quiet --workload $rows 2>&1 |
-      bench_rates "$v r$r"
+    timeout 60 $bin bench --backend cuda --suite mla --no-reference --quiet --workload $rows \
+      >"$O/bench_${v}_r$r.log" 2>&1
+    bench_rates "$v r$r" <"$O/bench_${v}_r$r.log"
+    awk -v t="$v r$r ceiling" '$1 ~ /^(memory|bf16)$/ {print t, $0}' "$O/bench_${v}_r$r.log"
     timeout 20 $bin bench --backend cuda --suite mla --no-reference --quiet --page-size 1 \
       --workload mla-decode-h128-64x4096-fp8 2>&1 | bench_rates "$v r$r page1"
+    # The paired-tile CTA over fp8 at every page size (its default is page 1 only).
+    [ $v = final ] && ATTNRT_MLA_FP8_PAIRS_MAX_PAGE=128 timeout 25 $bin bench --backend cuda \
+      --suite mla --no-reference --quiet \
+      --workload mla-decode-h128-64x4096-fp8,mla-decode-h128-128x8192-fp8 2>&1 |
+      bench_rates "$v r$r fp8pairs"
   done
 done

@@ -86,7 +86,7 @@ TEST(CudaMlaCta, ExplainNamesTheCtaOfEachPhase) {
   const std::vector<std::string> e4m3 = cuda::explain_cuda_kernels(m, o, DType::e4m3);
   EXPECT_TRUE(has(e4m3, "MLA CTA (mla_decode.cu)")) << ::testing::PrintToString(e4m3);
   EXPECT_TRUE(has(e4m3, "converted from fp8")) << ::testing::PrintToString(e4m3);
-  EXPECT_TRUE(has(e4m3, "at page size 1 the paired-tile MLA CTA (mla_pairs.cu)"))
+  EXPECT_TRUE(has(e4m3, "slot(s) the paired-tile MLA CTA (mla_pairs.cu)"))
       << ::testing::PrintToString(e4m3);
   const bool pairs = cuda::mla_pairs_enabled();
   cuda::set_mla_pairs(false);

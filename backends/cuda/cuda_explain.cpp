@@ -54,9 +54,12 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
           "- MLA's 576 / 512 dims with bf16 q{}{}",
           fp8 ? " converted from fp8 in shared memory" : "", rows,
           fp8 && mla_cta_enabled() && mla_pairs_enabled()
-              ? "; at page size 1 the paired-tile MLA CTA (mla_pairs.cu) instead, the raw fp8 "
-                "rows converted in place by the warpgroup that scores a tile"
-              : "",
+              ? fmt::format(
+                    "; at pages of up to {} slot(s) the paired-tile MLA CTA (mla_pairs.cu) "
+                    "instead, the raw fp8 rows converted in place by the warpgroup that scores a "
+                    "tile [ATTNRT_MLA_FP8_PAIRS_MAX_PAGE]",
+                    mla_pairs_fp8_max_page())
+              : std::string(),
           mla_cta_enabled() ? "" : " [ATTNRT_MLA_CTA=0: the generic kernel runs instead]");
     case AttnCta::mla_keys_m:
       return fmt::format(

@@ -27,6 +27,9 @@ std::optional<CUtensorMap> mla_latent_tensor_map(const AttnParams& p, int box_ro
 // The paired-tile CTA's two-CTA clusters at 128 heads (mla_pairs_mc_kernel): ATTNRT_MLA_MC=0
 // turns them off (read once).
 bool mla_pairs_mc_enabled();
+// The largest page size at which an fp8 latent takes the paired-tile CTA (mla_decode.cu's CTA
+// above): ATTNRT_MLA_FP8_PAIRS_MAX_PAGE, 1 unless set (read once).
+int mla_pairs_fp8_max_page();
 // The keys-on-M MLA CTA (mla_keys_m.cu) for items of at most 16 rows (the decode tile shape);
 // empty for keys it does not take.
 AttnCtaEntry mla_keys_m_entry(const AttnKernelKey& key);

@@ -253,15 +253,17 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1)
   mla_store_rows64<T>(p, req, item, kvh, wg, wq, g, c4, l, m, row_t, o, kUnit, x_rows);
 }
 
-// An fp8 latent: the paired-tile CTA (mla_pairs.cu, converting in place) at page size 1, this
-// file's CTA at larger pages. H100, mla-decode-h128-64x4096-fp8: the paired-tile CTA 1.14x this
-// one at page 1 (263 against 230 TFLOP/s), 0.975x at page 64 (257 against 264).
+// An fp8 latent: the paired-tile CTA (mla_pairs.cu, converting in place) at pages of up to
+// mla_pairs_fp8_max_page() slots (1 by default), this file's CTA at larger pages. H100,
+// mla-decode-h128-64x4096-fp8: the paired-tile CTA 1.14x this one at page 1 (263 against 230
+// TFLOP/s), 0.975x at page 64 (257 against 264), both before their e4m3 conversions' 16-byte
+// loads and the paired-tile CTA's conflict-free raw copies.
 template <bool E5M2>
 struct MlaFp8Cta {
   using Split = GridCta<mla_attention_kernel<__nv_bfloat16, true, E5M2>, MlaCfg<true>>;
   static cudaError_t launch(const AttnParams& p, const AttnKernelKey& key, int num_items,
                             cudaStream_t stream, bool dependent) {
-    if (p.page_shift == 0 && mla_pairs_enabled())
+    if (mla_pairs_enabled() && (1 << p.page_shift) <= mla_pairs_fp8_max_page())
       return mla_pairs_entry(key).launch(p, key, num_items, stream, dependent);
     return Split::launch(p, key, num_items, stream, dependent);
   }

@@ -358,7 +358,7 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
   // warpgroup and published to its MMAs.
   auto convert = [&]<int B0, int B1, int C0 = 0, int C1 = 0>(int stage) {
     if constexpr (FP8) {
-      unsigned char* tile = smem + C::kQBytes + stage * C::kTileBytes;
+      const uint32_t tile = sKV + stage * C::kTileBytes;
       mla_convert_in_place<E5M2, B0, B1>(tile, wt);
       if constexpr (C1 > C0) mla_convert_in_place<E5M2, C0, C1>(tile, wt);
       fence_proxy_async_smem();
@@ -605,7 +605,8 @@ struct MlaPairsCta {
   static cudaError_t launch(const AttnParams& p, const AttnKernelKey& key, int num_items,
                             cudaStream_t stream, bool dependent) {
     if constexpr (FP8) {
-      return Cta<true>::launch(p, key, num_items, stream, dependent);
+      return p.page_shift <= 4 ? Cta<true>::launch(p, key, num_items, stream, dependent)
+                               : Cta<false>::launch(p, key, num_items, stream, dependent);
     } else {
       if (p.page_shift >= 5 && p.group == 128 && num_items % 2 == 0 && mc_on()) {
         if (const std::optional<CUtensorMap> map = mla_latent_tensor_map(p, 32)) {
@@ -623,7 +624,7 @@ struct MlaPairsCta {
                                : Cta<false>::launch(p, key, num_items, stream, dependent);
     }
   }
-  static int occupancy(const AttnKernelKey& key) { return Cta<FP8>::occupancy(key); }
+  static int occupancy(const AttnKernelKey& key) { return Cta<false>::occupancy(key); }
 };
 
 }  // namespace
@@ -643,6 +644,14 @@ bool mla_pairs_enabled() {
 }
 
 bool mla_pairs_mc_enabled() { return mc_on(); }
+
+int mla_pairs_fp8_max_page() {
+  static const int page = [] {
+    const char* v = std::getenv("ATTNRT_MLA_FP8_PAIRS_MAX_PAGE");
+    return v != nullptr && v[0] != '\0' ? std::atoi(v) : 1;
+  }();
+  return page;
+}
 
 AttnCtaEntry mla_pairs_entry(const AttnKernelKey& key) {
   if (key.head_dim != kMlaHeadDim || key.v_head_dim != kMlaVHeadDim || key.fp16) return {};

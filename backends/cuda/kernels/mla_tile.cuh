@@ -60,30 +60,36 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4& w, uint4& lo, uint4&
 
 // The paired-tile CTA's fp8 tiles, converted in place. A copying thread (eight a row: row ld_row,
 // thread ld_c) puts raw chunk ld_c & 3 of the blocks 2 i + (ld_c >> 2) of its rows at this
-// offset (rows 8 apart share it) plus the block's and the row's constants (copy_blocks).
+// offset (rows 8 apart share it) plus the block's and the row's constants (copy_blocks): over
+// bf16 chunk 2 ch of the row in an even block, 2 ch + 1 in an odd one, so the eight threads of a
+// row (a quarter warp) write eight different chunks of the 128-byte row (both blocks on chunk
+// 2 ch: a bank conflict a copy, 5x the ideal shared-memory wavefronts measured).
 __device__ __forceinline__ uint32_t mla_raw_in_place(int ld_row, int ld_c) {
-  return (ld_c >> 2) * kMlaTileKeys * 128 + ld_row * 128 + (((2 * (ld_c & 3)) ^ (ld_row & 7)) << 4);
+  return (ld_c >> 2) * kMlaTileKeys * 128 + ld_row * 128 +
+         (((2 * (ld_c & 3) + (ld_c >> 2)) ^ (ld_row & 7)) << 4);
 }
 
 // Converts column blocks [B0, B1) of a tile whose raw chunks mla_raw_in_place put in place, by the
-// 128 threads of a warpgroup (wt: 0 .. 127): thread wt takes raw chunk wt & 3 of rows wt >> 2 and
-// 32 + (wt >> 2) of every block, reads its 16 bytes and writes the 32 bytes of bf16 values that
-// cover them (chunks 2 ch and 2 ch + 1 of the row: the first holds the raw bytes, the second sits
-// beside it at offset ^ 16). A quarter warp's two rows x four chunks fall on all 32 banks once in
-// each of the three accesses. Values come out times 2^-112 (fp8x16_to_bf16).
+// 128 threads of a warpgroup (wt: 0 .. 127; tile: its shared-memory address): thread wt takes raw
+// chunk ch = wt & 3 of rows wt >> 2 and 32 + (wt >> 2) of every block, reads its 16 bytes and
+// writes the 32 bytes of bf16 values that cover them (chunks 2 ch and 2 ch + 1 of the row, one of
+// which holds the raw bytes), so no thread writes where another reads. A quarter warp's two rows x
+// four chunks fall on all 32 banks once in each of the three accesses. 16-byte accesses by
+// ld_shared_v4 / st_shared_v4 (through a uint4 pointer nvcc split the e4m3 loads into four 32-bit
+// ones: 3.8x the ideal wavefronts measured). Values come out times 2^-112 (fp8x16_to_bf16).
 template <bool E5M2, int B0, int B1>
-__device__ __forceinline__ void mla_convert_in_place(unsigned char* tile, int wt) {
+__device__ __forceinline__ void mla_convert_in_place(uint32_t tile, int wt) {
   const int row = wt >> 2, ch = wt & 3;
-  const uint32_t a = row * 128 + (((2 * ch) ^ (row & 7)) << 4), b = a ^ 16u;
+  const uint32_t a = tile + row * 128 + (((2 * ch) ^ (row & 7)) << 4), b = a ^ 16u;
 #pragma unroll
   for (int k = B0; k < B1; ++k)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      unsigned char* blk = tile + k * kMlaTileKeys * 128 + j * 32 * 128;
+      const uint32_t at = k * kMlaTileKeys * 128 + j * 32 * 128;
       uint4 lo, hi;
-      fp8x16_to_bf16<E5M2>(*reinterpret_cast<const uint4*>(blk + a), lo, hi);
-      *reinterpret_cast<uint4*>(blk + a) = lo;
-      *reinterpret_cast<uint4*>(blk + b) = hi;
+      fp8x16_to_bf16<E5M2>(ld_shared_v4(((k & 1) ? b : a) + at), lo, hi);
+      st_shared_v4(a + at, lo);
+      st_shared_v4(b + at, hi);
     }
 }
 
@@ -482,7 +488,7 @@ struct MlaTileCopier {
           const int c = ld_c + 8 * i;
           if (c < kRowChunks) {
             uint4 lo16, hi16;
-            fp8x16_to_bf16<E5M2>(*reinterpret_cast<const uint4*>(src + i * 128), lo16, hi16);
+            fp8x16_to_bf16<E5M2>(ld_shared_v4(smem_addr(src + i * 128)), lo16, hi16);
             // Threads ld_c < 4 and >= 4 write the same slots of two column blocks (the same
             // banks): the second four store their odd chunk first, so each store of a quarter
             // warp covers all 32 banks once (the even-first order measured 11.9M bank conflicts

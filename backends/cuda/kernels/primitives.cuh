@@ -30,6 +30,20 @@ __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t smem) {
 __device__ __forceinline__ void st_shared_u32(uint32_t smem, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(smem), "r"(v));
 }
+// 16-byte shared-memory access by address, volatile. Through a uint4 pointer nvcc may split a
+// load whose words are used apart into four 32-bit loads (the e4m3 conversions of the MLA CTAs:
+// four threads of a quarter warp on one bank).
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t smem) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem));
+  return v;
+}
+__device__ __forceinline__ void st_shared_v4(uint32_t smem, const uint4& v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(smem), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w));
+}
 // 4-byte global -> shared copy (through the L1: .cg takes 16 bytes only).
 __device__ __forceinline__ void cp_async_4(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem), "l"(gmem));
