@@ -7,10 +7,12 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <set>
 #include <vector>
 
 #include "attnrt/core/device.h"
 #include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/mla_fp8_layout.h"
 #include "tests/conformance/conformance.h"
 #include "tests/test_cuda_cases.h"
 #include "tests/test_cuda_util.h"
@@ -61,6 +63,81 @@ TEST(CudaMlaCta, DispatchSendsBf16LatentLaunchesToIt) {
   EXPECT_EQ(cuda::attention_cta(fp16), AttnCta::generic);
   // Other dims keep their shapes: 128 rows of a head-dim-128 layer are a prefill tile.
   EXPECT_EQ(cuda::choose_shape(32, 4, 128), TileShape::prefill);
+}
+
+// Host model of the paired-tile CTA's fp8 tiles (mla_fp8_layout.h), over the kernel's thread
+// indices and the four parts its warpgroups copy ([0, 4), [4, 9), [4, 8), [0, 4) + [8, 9)): every
+// raw chunk of a part is copied once, to where the converting thread reads it; the conversion
+// writes every bf16 chunk of the part once, at the 128-byte swizzled place the MMAs read, and only
+// the two chunks that hold its own raw chunk; each quarter warp's copies, loads and stores touch 8
+// different 16-byte bank groups.
+TEST(CudaMlaCta, Fp8InPlaceLayoutOfThePairedTileCta) {
+  using cuda::mla_bf16_chunk;
+  using cuda::mla_raw_chunk;
+  constexpr int kBlock = 64 * 128;
+  auto group = [](uint32_t offset) { return (offset >> 4) & 7; };
+  const std::vector<std::vector<std::pair<int, int>>> parts = {
+      {{0, 4}}, {{4, 9}}, {{4, 8}}, {{0, 4}, {8, 9}}};
+  for (const auto& part : parts) {
+    std::set<uint32_t> raw;
+    int part_chunks = 0;
+    // The copies: thread wt (row ld_row = wt / 8, ld_c = wt % 8), rows ld_row + 16 r, chunks
+    // i + ld_c of each range's 4 (B1 - B0) (copy_blocks), one quarter warp = one row.
+    for (auto [b0, b1] : part) {
+      const int chunks = 4 * (b1 - b0);
+      part_chunks += chunks * 64;
+      for (int r = 0; r < 4; ++r)
+        for (int i = 0; i < chunks; i += 8)
+          for (int quarter = 0; quarter < 16; ++quarter) {
+            std::set<int> groups;
+            for (int l = 0; l < 8; ++l) {
+              const int wt = 8 * quarter + l, ld_row = wt >> 3, ld_c = wt & 7;
+              if (!(i + 8 <= chunks || ld_c < 4)) continue;
+              const uint32_t at =
+                  cuda::mla_raw_in_place(ld_row, ld_c) + r * 16 * 128 + (b0 + i / 4) * kBlock;
+              const int k = b0 + i / 4 + ld_c / 4, row = ld_row + 16 * r, ch = ld_c % 4;
+              EXPECT_EQ(at, mla_raw_chunk(k, row, ch)) << k << " " << row << " " << ch;
+              EXPECT_TRUE(raw.insert(at).second) << "copied twice: " << at;
+              groups.insert(group(at));
+            }
+            if (i + 8 <= chunks) EXPECT_EQ(groups.size(), 8u) << "copies, quarter " << quarter;
+          }
+    }
+    EXPECT_EQ(static_cast<int>(raw.size()), part_chunks);
+    // The conversion: thread wt, rows wt / 4 + 32 j, chunk wt % 4, every block of the part.
+    std::set<uint32_t> written;
+    for (auto [b0, b1] : part)
+      for (int k = b0; k < b1; ++k)
+        for (int j = 0; j < 2; ++j)
+          for (int quarter = 0; quarter < 16; ++quarter) {
+            std::set<int> loads, lo_stores, hi_stores;
+            for (int l = 0; l < 8; ++l) {
+              const int wt = 8 * quarter + l, row = (wt >> 2) + 32 * j, ch = wt & 3;
+              const uint32_t a = cuda::mla_convert_lo(wt) + k * kBlock + j * 32 * 128, b = a ^ 16u,
+                             read = (k & 1) ? b : a;
+              EXPECT_EQ(read, mla_raw_chunk(k, row, ch));
+              EXPECT_EQ(raw.count(read), 1u);
+              EXPECT_EQ(a, mla_bf16_chunk(k, row, 2 * ch));
+              EXPECT_EQ(b, mla_bf16_chunk(k, row, 2 * ch + 1));
+              EXPECT_TRUE(written.insert(a).second);
+              EXPECT_TRUE(written.insert(b).second);
+              loads.insert(group(read));
+              lo_stores.insert(group(a));
+              hi_stores.insert(group(b));
+            }
+            EXPECT_EQ(loads.size(), 8u);
+            EXPECT_EQ(lo_stores.size(), 8u);
+            EXPECT_EQ(hi_stores.size(), 8u);
+          }
+    // Every bf16 chunk of the part, nothing outside it.
+    EXPECT_EQ(static_cast<int>(written.size()), 2 * part_chunks);
+    for (uint32_t at : written) {
+      const int k = static_cast<int>(at / kBlock);
+      bool inside = false;
+      for (auto [b0, b1] : part) inside |= k >= b0 && k < b1;
+      EXPECT_TRUE(inside) << at;
+    }
+  }
 }
 
 #ifdef ATTNRT_HAS_CUDA

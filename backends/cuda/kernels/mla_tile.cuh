@@ -18,6 +18,7 @@
 #include "backends/cuda/kernels/common/mask.cuh"
 #include "backends/cuda/kernels/common/math.cuh"
 #include "backends/cuda/kernels/dispatch.h"
+#include "backends/cuda/kernels/mla_fp8_layout.h"
 #include "backends/cuda/kernels/paged_kv.cuh"
 #include "backends/cuda/kernels/primitives.cuh"
 #include "backends/cuda/kernels/wgmma.cuh"
@@ -58,29 +59,18 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4& w, uint4& lo, uint4&
   hi = make_uint4(b[4], b[5], b[6], b[7]);
 }
 
-// The paired-tile CTA's fp8 tiles, converted in place. A copying thread (eight a row: row ld_row,
-// thread ld_c) puts raw chunk ld_c & 3 of the blocks 2 i + (ld_c >> 2) of its rows at this
-// offset (rows 8 apart share it) plus the block's and the row's constants (copy_blocks): over
-// bf16 chunk 2 ch of the row in an even block, 2 ch + 1 in an odd one, so the eight threads of a
-// row (a quarter warp) write eight different chunks of the 128-byte row (both blocks on chunk
-// 2 ch: a bank conflict a copy, 5x the ideal shared-memory wavefronts measured).
-__device__ __forceinline__ uint32_t mla_raw_in_place(int ld_row, int ld_c) {
-  return (ld_c >> 2) * kMlaTileKeys * 128 + ld_row * 128 +
-         (((2 * (ld_c & 3) + (ld_c >> 2)) ^ (ld_row & 7)) << 4);
-}
-
-// Converts column blocks [B0, B1) of a tile whose raw chunks mla_raw_in_place put in place, by the
-// 128 threads of a warpgroup (wt: 0 .. 127; tile: its shared-memory address): thread wt takes raw
-// chunk ch = wt & 3 of rows wt >> 2 and 32 + (wt >> 2) of every block, reads its 16 bytes and
-// writes the 32 bytes of bf16 values that cover them (chunks 2 ch and 2 ch + 1 of the row, one of
-// which holds the raw bytes), so no thread writes where another reads. A quarter warp's two rows x
-// four chunks fall on all 32 banks once in each of the three accesses. 16-byte accesses by
-// ld_shared_v4 / st_shared_v4 (through a uint4 pointer nvcc split the e4m3 loads into four 32-bit
-// ones: 3.8x the ideal wavefronts measured). Values come out times 2^-112 (fp8x16_to_bf16).
+// Converts column blocks [B0, B1) of a tile whose raw chunks landed in place (mla_fp8_layout.h),
+// by the 128 threads of a warpgroup (wt: 0 .. 127; tile: its shared-memory address): thread wt
+// takes raw chunk ch = wt & 3 of rows wt >> 2 and 32 + (wt >> 2) of every block, reads its 16
+// bytes and writes the 32 bytes of bf16 values that cover them (chunks 2 ch and 2 ch + 1 of the
+// row, one of which holds the raw bytes), so no thread writes where another reads. A quarter
+// warp's two rows x four chunks fall on all 32 banks once in each of the three accesses. 16-byte
+// accesses by ld_shared_v4 / st_shared_v4 (through a uint4 pointer nvcc split the e4m3 loads into
+// four 32-bit ones: 3.8x the ideal wavefronts measured). Values come out times 2^-112
+// (fp8x16_to_bf16).
 template <bool E5M2, int B0, int B1>
 __device__ __forceinline__ void mla_convert_in_place(uint32_t tile, int wt) {
-  const int row = wt >> 2, ch = wt & 3;
-  const uint32_t a = tile + row * 128 + (((2 * ch) ^ (row & 7)) << 4), b = a ^ 16u;
+  const uint32_t a = tile + mla_convert_lo(wt), b = a ^ 16u;
 #pragma unroll
   for (int k = B0; k < B1; ++k)
 #pragma unroll
@@ -365,8 +355,8 @@ struct MlaTileCopier {
     }
   }
   // fp8 (the paired-tile CTA, ld_swz from mla_raw_in_place): the row's raw 16-column chunk ch of
-  // block k lands where the first half of its bf16 values goes (bf16 chunk 2 ch of the row), so
-  // convert_in_place needs no barrier: a thread reads a chunk and writes only its two halves.
+  // block k lands over one of the two bf16 chunks its values fill (mla_fp8_layout.h), so
+  // mla_convert_in_place needs no barrier: a thread reads a chunk and writes only those two.
   // Eight threads a row take the part's 4 (B1 - B0) raw chunks of the row eight at a time.
   template <int B0, int B1>
   __device__ __forceinline__ void copy_blocks(int stage, int r, const unsigned char* src,
