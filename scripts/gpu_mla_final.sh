@@ -7,11 +7,15 @@
 #  2. one bench process a binary, alternating twice: the decode and verify rows of --suite mla
 #     (bf16, fp8, page 1), the h128 fp8 row at page 1, and the h128 fp8 rows at page 64 on the
 #     paired-tile CTA (ATTNRT_MLA_FP8_PAIRS_MAX_PAGE=128).
-#   usage: OUT=$OUT scripts/gpu_mla_final.sh  (carry .gpubin-head2, .gpubin-final, .devdeps; ~6 min)
+#  3. patches/mla-copy-slot32.patch (.gpubin-slot32, against .gpubin-final): the MLA copiers' pool
+#     rows in 32 bits (one wide multiply-add a row address): its MLA tests, and its rows beside
+#     the other two binaries' in the same rounds.
+#   usage: OUT=$OUT scripts/gpu_mla_final.sh  (carry .gpubin-head2, .gpubin-final, .gpubin-slot32,
+#          .devdeps; ~9 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_call_labels 360 head2 final
+gpu_call_labels 560 head2 final slot32
 B=/tmp/ab-bin/final
 F='CudaMlaCta.NativePageSizesWithRaggedLengths'
 gpu_stage tests_final 130 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMla*'
@@ -19,6 +23,8 @@ gpu_stage race_final 60 compute-sanitizer --tool racecheck --print-limit 3 $B/at
   --gtest_brief=1 --gtest_filter=$F
 gpu_stage sync_final 25 compute-sanitizer --tool synccheck --num-cuda-barriers 65536 --print-limit 3 \
   $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$F
+gpu_stage tests_slot32 100 /tmp/ab-bin/slot32/attnrt_cuda_tests --gtest_brief=1 \
+  --gtest_filter='CudaMlaCta.*'
 echo "== rows"
 rows=mla-decode-h16-1x32768,mla-decode-h16-64x8192,mla-decode-h128-64x4096,mla-decode-h128-128x8192
 rows=$rows,mla-decode-h16-1x32768-fp8,mla-decode-h16-64x8192-fp8,mla-decode-h128-64x4096-fp8
@@ -26,7 +32,7 @@ rows=$rows,mla-decode-h128-128x8192-fp8,mla-decode-h16-1x32768-p1,mla-decode-h16
 rows=$rows,mla-decode-h128-64x4096-p1,mla-decode-h128-128x8192-p1,mla-verify-chain-64x4096+4
 rows=$rows,mla-verify-tree-64x4096+16-topk4
 for r in 1 2; do
-  for v in head2 final; do
+  for v in head2 final slot32; do
     [ $(date +%s) -gt $((GPU_END - 30)) ] && { echo "out of time"; break 2; }
     bin=/tmp/ab-bin/$v/attnrt
     timeout 60 $bin bench --backend cuda --suite mla --no-reference --quiet --workload $rows \
