@@ -18,6 +18,7 @@
 #include "backends/cuda/kernels/attention_generic.h"
 #include "backends/cuda/kernels/dispatch.h"
 #include "backends/cuda/kernels/launch.h"
+#include "backends/cuda/kernels/mla.h"
 #include "backends/cuda/kernels/prefill.h"
 
 namespace attnrt::cuda {
@@ -91,6 +92,9 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
   prefill_tma_enabled();
   prefill_ws_persistent();
   prefill_kv8_enabled();
+  mla_pairs_enabled();
+  mla_pairs_mc_enabled();
+  mla_pairs_fp8_max_page();
   for (const LayerSpec& l : ctx.model->layers) {
     if (!l.uses_kv_cache() || l.num_kv_heads <= 0) continue;
     const int g = l.num_q_heads / l.num_kv_heads;

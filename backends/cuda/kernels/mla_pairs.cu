@@ -46,8 +46,8 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <cstdlib>
 
+#include "attnrt/core/env.h"
 #include "backends/cuda/kernels/attention_params.h"
 #include "backends/cuda/kernels/common/convert.cuh"
 #include "backends/cuda/kernels/common/mask.cuh"
@@ -586,15 +586,18 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1)
   mla_pairs_body<T, false, true>(p, &kmap);
 }
 
-bool g_pairs_read = false, g_pairs_on = true;
+// The switches (docs/backends.md), validated: a bad value is an error naming what is allowed.
+EnvSwitch g_pairs("ATTNRT_MLA_PAIRS", 0, 1, 1, "cuda backend",
+                  "1 (the paired-tile CTA for 64-row MLA items, the default) or 0 (mla_decode.cu's "
+                  "CTA)");
+EnvSwitch g_mc("ATTNRT_MLA_MC", 0, 1, 1, "cuda backend",
+               "1 (two-CTA multicast clusters at 128 heads and pages >= 32, the default) or 0 (one "
+               "CTA an item)");
+EnvSwitch g_fp8_max_page("ATTNRT_MLA_FP8_PAIRS_MAX_PAGE", 0, 128, 1, "cuda backend",
+                         "the largest page size (0 .. 128) at which an fp8 latent takes the "
+                         "paired-tile CTA; 0 never, 1 the default");
 
-bool mc_on() {
-  static const bool on = [] {
-    const char* v = std::getenv("ATTNRT_MLA_MC");
-    return v == nullptr || v[0] != '0';
-  }();
-  return on;
-}
+bool mc_on() { return g_mc.get() != 0; }
 
 // The launch: page ids through shared memory at pages of up to 16 slots, in registers above
 // (H100, h128-64x4096: page 1 1.35x, 16 1.015x, 32 0.93x, 64 0.98x with the shared-memory ids).
@@ -629,29 +632,13 @@ struct MlaPairsCta {
 
 }  // namespace
 
-void set_mla_pairs(bool on) {
-  g_pairs_on = on;
-  g_pairs_read = true;
-}
+void set_mla_pairs(bool on) { g_pairs.set(on ? 1 : 0); }
 
-bool mla_pairs_enabled() {
-  if (!g_pairs_read) {
-    const char* v = std::getenv("ATTNRT_MLA_PAIRS");
-    g_pairs_on = v == nullptr || v[0] != '0';
-    g_pairs_read = true;
-  }
-  return g_pairs_on;
-}
+bool mla_pairs_enabled() { return g_pairs.get() != 0; }
 
 bool mla_pairs_mc_enabled() { return mc_on(); }
 
-int mla_pairs_fp8_max_page() {
-  static const int page = [] {
-    const char* v = std::getenv("ATTNRT_MLA_FP8_PAIRS_MAX_PAGE");
-    return v != nullptr && v[0] != '\0' ? std::atoi(v) : 1;
-  }();
-  return page;
-}
+int mla_pairs_fp8_max_page() { return static_cast<int>(g_fp8_max_page.get()); }
 
 AttnCtaEntry mla_pairs_entry(const AttnKernelKey& key) {
   if (key.head_dim != kMlaHeadDim || key.v_head_dim != kMlaVHeadDim || key.fp16) return {};
