@@ -369,6 +369,8 @@ struct MlaTileCopier {
 #pragma unroll
       for (int i = B0; i < B1; ++i) cp_async_16(dk + i * kBN * 128, s + i * 128, valid);
     } else {
+      // ld_swz holds the block's parity (ld_c >> 2): the part starts on an even block.
+      static_assert(B0 % 2 == 0);
       constexpr int kChunks = 4 * (B1 - B0);
 #pragma unroll
       for (int i = 0; i < kChunks; i += 8) {
