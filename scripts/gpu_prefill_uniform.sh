@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The call that measures patches/prefill-desc-uniform.patch (.gpubin-pdu) against the landed tree
-# (.gpubin-final, the kernels of ab90fb8): the prefill CTAs' tile addresses through a warp shuffle,
+# (.gpubin-final, the kernels of 05d9239): the prefill CTAs' tile addresses through a warp shuffle,
 # so that ptxas builds the MMA descriptors in uniform registers instead of moving them there before
 # every MMA (R2UR was 9.9% of the d128 CTA's executed instructions).
 #  1. the patched binary's prefill / MLA MHA / fp8 prefill tests (bounded), then synccheck of the
