@@ -15,7 +15,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_call_labels 560 head2 final slot32
+gpu_call_labels 570 head2 final slot32
 B=/tmp/ab-bin/final
 F='CudaMlaCta.NativePageSizesWithRaggedLengths'
 gpu_stage tests_final 130 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMla*'
@@ -23,8 +23,8 @@ gpu_stage race_final 60 compute-sanitizer --tool racecheck --print-limit 3 $B/at
   --gtest_brief=1 --gtest_filter=$F
 gpu_stage sync_final 25 compute-sanitizer --tool synccheck --num-cuda-barriers 65536 --print-limit 3 \
   $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$F
-gpu_stage tests_slot32 100 /tmp/ab-bin/slot32/attnrt_cuda_tests --gtest_brief=1 \
-  --gtest_filter='CudaMlaCta.*'
+gpu_stage tests_slot32 70 /tmp/ab-bin/slot32/attnrt_cuda_tests --gtest_brief=1 \
+  --gtest_filter='CudaMlaCta.PairedTile*:CudaMlaCta.NativePage*:CudaMlaCta.Keys*'
 echo "== rows"
 rows=mla-decode-h16-1x32768,mla-decode-h16-64x8192,mla-decode-h128-64x4096,mla-decode-h128-128x8192
 rows=$rows,mla-decode-h16-1x32768-fp8,mla-decode-h16-64x8192-fp8,mla-decode-h128-64x4096-fp8
