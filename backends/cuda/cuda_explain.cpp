@@ -53,7 +53,7 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
           "(token, head) rows a CTA ({} rows a request), split-KV when the batch leaves SMs idle "
           "- MLA's 576 / 512 dims with bf16 q{}{}",
           fp8 ? " converted from fp8 in shared memory" : "", rows,
-          fp8 && mla_cta_enabled() && mla_pairs_enabled()
+          fp8 && mla_cta_enabled() && mla_pairs_enabled() && mla_pairs_fp8_max_page() > 0
               ? fmt::format(
                     "; at pages of up to {} slot(s) the paired-tile MLA CTA (mla_pairs.cu) "
                     "instead, the raw fp8 rows converted in place by the warpgroup that scores a "
