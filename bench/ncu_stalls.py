@@ -10,8 +10,9 @@ instructions by samples with their two main reasons and the lines before each (w
 waits for is usually a few instructions up: the load a scoreboard names, the barrier or MMA
 wait), and "loads used at once": global loads (LDG) whose result the next few instructions
 already read, which ptxas placed there and which make the warp wait a memory latency on the
-spot (how the paired-tile MLA CTA's page-table wait showed). Exit status 0 whatever it finds;
-1 on a file that is not such an export.
+spot (how the paired-tile MLA CTA's page-table wait showed), and the shared-memory wavefronts by
+opcode against their ideal where the export has them (bank conflicts). Exit status 0 whatever it
+finds; 1 on a file that is not such an export.
 
     cuobjdump -sass OBJECT > k.sass; python3 bench/ncu_stalls.py --sass k.sass
 
@@ -89,6 +90,40 @@ def report(name, header, rows, top, context, near):
         if not n:
             break
         print(f"  {i:6d} -> {k:6d} {n:6d}  {rows[i][src].strip()[:60]}  |  {rows[k][src].strip()[:50]}")
+    shared_wavefronts(header, rows, src)
+
+
+def opcode(text):
+    """The instruction's opcode without its modifiers and predicate: LDGSTS, HGMMA, LDS, ..."""
+    parts = text.split()
+    if parts and parts[0].startswith("@"):
+        parts = parts[1:]
+    return parts[0].split(".")[0] if parts else ""
+
+
+def shared_wavefronts(header, rows, src):
+    """Shared-memory wavefronts by opcode, actual against ideal (SourceCounters' "L1 Wavefronts
+    Shared" and "... Ideal"): bank conflicts show as actual / ideal above 1 (how the fp8 paired-tile
+    MLA CTA's raw copies and split conversion loads showed)."""
+    if "L1 Wavefronts Shared" not in header or "L1 Wavefronts Shared Ideal" not in header:
+        return
+    actual_col = header.index("L1 Wavefronts Shared")
+    ideal_col = header.index("L1 Wavefronts Shared Ideal")
+    by = {}
+    for r in rows:
+        a, i = as_int(r[actual_col]), as_int(r[ideal_col])
+        if a or i:
+            t = by.setdefault(opcode(r[src]), [0, 0])
+            t[0] += a
+            t[1] += i
+    if not by:
+        return
+    total_a = sum(t[0] for t in by.values())
+    total_i = sum(t[1] for t in by.values())
+    print(f"shared-memory wavefronts: {total_a} ({total_a / max(total_i, 1):.2f}x the ideal "
+          f"{total_i}); by opcode, actual / ideal:")
+    for op, (a, i) in sorted(by.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {op:10s} {a:12d} / {i:12d}  {a / max(i, 1):5.2f}x")
 
 
 def loads_used_at_once(code, near, samples=None):

@@ -34,5 +34,5 @@ for spec in "$@"; do
     echo "no profile (no launch of a kernel matching $kernel?)"; tail -3 "$O/$name.bench.log"; continue
   fi
   $NCU -i "$O/$name.ncu-rep" --page source --csv --print-source sass >"$O/$name.csv" 2>/dev/null
-  python3 bench/ncu_stalls.py "$O/$name.csv" --top 12 --context 2 | head -70
+  python3 bench/ncu_stalls.py "$O/$name.csv" --top 12 --context 2 | head -90
 done

@@ -54,6 +54,23 @@ def main():
         # it is not listed.
         assert "1 ->      3     62  LDG.E R4" in out, out
         assert "LDG.E R8" not in out.split("loads used within")[1], out
+        assert "shared-memory wavefronts" not in out, out  # no wavefront columns in this export
+        # With SourceCounters' shared-memory wavefront columns: totals by opcode against the ideal.
+        wpath = os.path.join(d, "waves.csv")
+        with open(wpath, "w", newline="") as f:
+            w = csv.writer(f, quoting=csv.QUOTE_ALL)
+            w.writerow(["Kernel Name", "void k<float>(Params)"])
+            w.writerow(HEADER + ["L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal"])
+            w.writerow(row(0, "LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64], P0", wait=1) +
+                       ["500", "100"])
+            w.writerow(row(1, "@P1 LDS.128 R4, [R6]", wait=1) + ["40", "40"])
+            w.writerow(row(2, "LDGSTS.E.BYPASS.128 [R1+0x80], desc[UR4][R2.64+0x10], P0") +
+                       ["500", "100"])
+        r = run(wpath)
+        assert r.returncode == 0, r.stderr
+        assert "shared-memory wavefronts: 1040 (4.33x the ideal 240)" in r.stdout, r.stdout
+        assert "LDGSTS             1000 /          200   5.00x" in r.stdout, r.stdout
+        assert "LDS                  40 /           40   1.00x" in r.stdout, r.stdout
         r = run(path, "--kernel", "nope")
         assert r.returncode != 0 and "no kernel in it" in r.stderr, r.stderr
         bad = os.path.join(d, "x.csv")
