@@ -997,8 +997,6 @@ const StepPlan& HostPlanner::prepare(const ForwardBatch& batch, const ReqToToken
   return plan_;
 }
 
-// Work items of requests [i0, i1) of a class whose requests differ in tile or split counts (or
-// of a section of its requests).
 int64_t HostPlanner::write_work_request_major(size_t c, WorkItem* items,
                                               const WorkItem* end) const {
   const int bs = plan_.bs;
@@ -1070,6 +1068,8 @@ int64_t HostPlanner::write_work_request_major(size_t c, WorkItem* items,
   return item - items;
 }
 
+// Work items of requests [i0, i1) of a class whose requests differ in tile or split counts (or
+// of a section of its requests).
 int64_t HostPlanner::write_work_ragged(size_t c, WorkItem* items, const WorkItem* end, int i0,
                                        int i1) const {
   const int bs = plan_.bs;

@@ -34,14 +34,15 @@
 // 1: blocks 4 .. 7 first), so the later part's latency overlaps MMAs. An odd last tile pairs with
 // an all-zero tile past the split (its keys masked: P = 0).
 // An fp8 latent (e4m3 / e5m2, the pool's one scale a layer) needs no space of its own: each raw
-// 16-column chunk of a row lands where the first half of its bf16 values goes
-// (mla_raw_in_place), in the same parts and at the same points as the bf16 copies, and the
+// 16-column chunk of a row lands over one of the two bf16 chunks its values fill
+// (mla_fp8_layout.h), in the same parts and at the same points as the bf16 copies, and the
 // warpgroup that scores the tile converts both parts in place (mla_convert_in_place: a thread
 // reads one chunk and writes the two that cover it, so no barrier inside), its own part first and
 // the other warpgroup's while the first part's MMAs run. The other warpgroup reads its V columns
 // after the hand-overs that follow the conversion. The conversion lies on both warpgroups' chains
 // (H100, mla-decode-h128-64x4096-fp8: 257 TFLOP/s at page 64, 263 at page 1, against bf16's 407),
-// so mla_decode.cu's CTA keeps the fp8 latent at pages above 1 (264 at page 64, 230 at page 1).
+// so mla_decode.cu's CTA keeps the fp8 latent at pages above ATTNRT_MLA_FP8_PAIRS_MAX_PAGE (1 by
+// default; 264 at page 64, 230 at page 1), measured before the bank conflicts were fixed.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -118,7 +119,7 @@ constexpr int kBarCvt = 3;  // + wg
 // MC (registers, with kmap): the two CTAs of a cluster, the two 64-row items of one token, copy
 // the whole tiles half each and multicast them (see mla_pairs_mc_kernel).
 // FP8 / E5M2: the latent cache holds fp8 bytes (e4m3 or e5m2): each tile lands raw in the bf16
-// stage (mla_raw_in_place) and the warpgroup that scores it converts it in place, part by part,
+// stage (mla_fp8_layout.h) and the warpgroup that scores it converts it in place, part by part,
 // its own part while the other warpgroup's copies are in flight, the other part while the first
 // part's MMAs run; values times 2^-112, so Q is scaled by 2^64 once, P by 2^64 (in the exponent)
 // and S and O by kMlaFp8Unit after their MMAs (mla_tile.cuh).
@@ -597,8 +598,6 @@ EnvSwitch g_fp8_max_page("ATTNRT_MLA_FP8_PAIRS_MAX_PAGE", 0, 128, 1, "cuda backe
                          "the largest page size (0 .. 128) at which an fp8 latent takes the "
                          "paired-tile CTA; 0 never, 1 the default");
 
-bool mc_on() { return g_mc.get() != 0; }
-
 // The launch: page ids through shared memory at pages of up to 16 slots, in registers above
 // (H100, h128-64x4096: page 1 1.35x, 16 1.015x, 32 0.93x, 64 0.98x with the shared-memory ids).
 template <bool FP8, bool E5M2>
@@ -607,25 +606,21 @@ struct MlaPairsCta {
   using Cta = GridCta<mla_pairs_kernel<__nv_bfloat16, IDS, FP8, E5M2>, MlaPairsCfg>;
   static cudaError_t launch(const AttnParams& p, const AttnKernelKey& key, int num_items,
                             cudaStream_t stream, bool dependent) {
-    if constexpr (FP8) {
-      return p.page_shift <= 4 ? Cta<true>::launch(p, key, num_items, stream, dependent)
-                               : Cta<false>::launch(p, key, num_items, stream, dependent);
-    } else {
-      if (p.page_shift >= 5 && p.group == 128 && num_items % 2 == 0 && mc_on()) {
-        if (const std::optional<CUtensorMap> map = mla_latent_tensor_map(p, 32)) {
-          constexpr auto kernel = mla_pairs_mc_kernel<__nv_bfloat16>;
-          const cudaError_t attr = allow_dynamic_smem<kernel>(MlaPairsCfg::kSmemBytes);
-          if (attr != cudaSuccess) return attr;
-          const cudaError_t err = launch_kernel_clusters(
-              kernel, dim3(p.num_kv_heads, num_items), dim3(MlaPairsCfg::kThreads),
-              MlaPairsCfg::kSmemBytes, stream, dependent, dim3(1, 2, 1), p, *map);
-          if (err == cudaSuccess) return err;
-          cudaGetLastError();  // a device that cannot place the clusters: one CTA an item below
-        }
+    // The clusters take a 16-bit latent only (their boxes are whole bf16 tiles).
+    if (!FP8 && p.page_shift >= 5 && p.group == 128 && num_items % 2 == 0 && g_mc.get() != 0) {
+      if (const std::optional<CUtensorMap> map = mla_latent_tensor_map(p, 32)) {
+        constexpr auto kernel = mla_pairs_mc_kernel<__nv_bfloat16>;
+        const cudaError_t attr = allow_dynamic_smem<kernel>(MlaPairsCfg::kSmemBytes);
+        if (attr != cudaSuccess) return attr;
+        const cudaError_t err = launch_kernel_clusters(
+            kernel, dim3(p.num_kv_heads, num_items), dim3(MlaPairsCfg::kThreads),
+            MlaPairsCfg::kSmemBytes, stream, dependent, dim3(1, 2, 1), p, *map);
+        if (err == cudaSuccess) return err;
+        cudaGetLastError();  // a device that cannot place the clusters: one CTA an item below
       }
-      return p.page_shift <= 4 ? Cta<true>::launch(p, key, num_items, stream, dependent)
-                               : Cta<false>::launch(p, key, num_items, stream, dependent);
     }
+    return p.page_shift <= 4 ? Cta<true>::launch(p, key, num_items, stream, dependent)
+                             : Cta<false>::launch(p, key, num_items, stream, dependent);
   }
   static int occupancy(const AttnKernelKey& key) { return Cta<false>::occupancy(key); }
 };
@@ -636,7 +631,7 @@ void set_mla_pairs(bool on) { g_pairs.set(on ? 1 : 0); }
 
 bool mla_pairs_enabled() { return g_pairs.get() != 0; }
 
-bool mla_pairs_mc_enabled() { return mc_on(); }
+bool mla_pairs_mc_enabled() { return g_mc.get() != 0; }
 
 int mla_pairs_fp8_max_page() { return static_cast<int>(g_fp8_max_page.get()); }
 
