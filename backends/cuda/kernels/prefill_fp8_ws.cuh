@@ -332,14 +332,20 @@ __global__ void __launch_bounds__(PrefillFp8WsConfig::kThreads, 1)
       float m[1][2] = {{-INFINITY, -INFINITY}}, l[1][2] = {{0.f, 0.f}};
 
       const uint32_t sQb = sQ + cw * 64 * kFp8HeadDim;
+      // The tiles' addresses through a warp shuffle from lane 0, so that ptxas builds the MMA
+      // descriptors in uniform registers (prefill_ws.cuh's issue_s says why).
       auto issue_s = [&](float(&s)[1][BN / 2], int stage) {
+        const uint32_t tq = __shfl_sync(0xffffffffu, sQb, 0);
+        const uint32_t tk = __shfl_sync(0xffffffffu, sRing + stage * Cfg::kStageBytes, 0);
         wgmma_fence();
-        mma_s_e4m3<BN>(s[0], sQb, sRing + stage * Cfg::kStageBytes);
+        mma_s_e4m3<BN>(s[0], tq, tk);
         wgmma_commit();
       };
       auto issue_pv = [&](const uint32_t(&pa)[BN / 32][4], int stage) {
+        const uint32_t tv =
+            __shfl_sync(0xffffffffu, sRing + stage * Cfg::kStageBytes + Cfg::kTileBytes, 0);
         wgmma_fence();
-        mma_pv_e4m3<BN>(o[0][0], pa, sRing + stage * Cfg::kStageBytes + Cfg::kTileBytes);
+        mma_pv_e4m3<BN>(o[0][0], pa, tv);
         wgmma_commit();
       };
       auto softmax = [&](float(&s)[1][BN / 2], int it, float(&alpha)[1][2]) -> bool {
