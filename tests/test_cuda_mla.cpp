@@ -159,17 +159,21 @@ TEST(CudaMlaCta, ExplainNamesTheCtaOfEachPhase) {
   EXPECT_TRUE(has(bf16, "verify ")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(bf16, "MHA form (EXTEND / MIXED")) << ::testing::PrintToString(bf16);
   EXPECT_TRUE(has(bf16, "q / k 192, v 128")) << ::testing::PrintToString(bf16);
-  // fp8: mla_decode.cu's CTA, the paired-tile CTA at page size 1 (ATTNRT_MLA_PAIRS=0: never).
+  // fp8: the paired-tile CTA at every page size unless ATTNRT_MLA_FP8_PAIRS_MAX_PAGE lowers it;
+  // ATTNRT_MLA_PAIRS=0: mla_decode.cu's CTA.
   const std::vector<std::string> e4m3 = cuda::explain_cuda_kernels(m, o, DType::e4m3);
-  EXPECT_TRUE(has(e4m3, "MLA CTA (mla_decode.cu)")) << ::testing::PrintToString(e4m3);
-  EXPECT_TRUE(has(e4m3, "converted from fp8")) << ::testing::PrintToString(e4m3);
-  EXPECT_TRUE(has(e4m3, "slot(s) the paired-tile MLA CTA (mla_pairs.cu)"))
-      << ::testing::PrintToString(e4m3);
+  if (cuda::mla_pairs_enabled() && cuda::mla_pairs_fp8_max_page() >= 128) {
+    EXPECT_TRUE(has(e4m3, "paired-tile MLA CTA (mla_pairs.cu)")) << ::testing::PrintToString(e4m3);
+    EXPECT_TRUE(has(e4m3, "raw rows converted in place")) << ::testing::PrintToString(e4m3);
+    EXPECT_FALSE(has(e4m3, "MLA CTA (mla_decode.cu):")) << ::testing::PrintToString(e4m3);
+  }
   const bool pairs = cuda::mla_pairs_enabled();
   cuda::set_mla_pairs(false);
   const std::vector<std::string> split = cuda::explain_cuda_kernels(m, o, DType::e4m3);
   cuda::set_mla_pairs(pairs);
   EXPECT_FALSE(has(split, "paired-tile")) << ::testing::PrintToString(split);
+  EXPECT_TRUE(has(split, "MLA CTA (mla_decode.cu)")) << ::testing::PrintToString(split);
+  EXPECT_TRUE(has(split, "converted from fp8")) << ::testing::PrintToString(split);
   const std::vector<std::string> tp8 =
       cuda::explain_cuda_kernels(apply_tensor_parallel(m, 8), o, DType::bf16);
   ASSERT_EQ(tp8.size(), 5u);
@@ -216,8 +220,7 @@ TEST(CudaMlaCta, NativePageSizesWithRaggedLengths) {
   for (int page : {1, 16, 32, 64, 128}) {
     for (int heads : {16, 128}) {
       // Every fp8 CTA copies its own rows (the keys-on-M CTA at 16 heads; at 128 the paired-tile
-      // CTA's raw chunks in place at page 1, mla_decode.cu's raw stages above): e4m3 on every
-      // page size too.
+      // CTA's raw chunks in place): e4m3 on every page size too.
       for (DType kv : {DType::bf16, DType::e4m3}) {
         std::vector<CaseSpec> cases = every_mode({mla(heads)}, kv, seed + page + heads);
         for (CaseSpec& s : cases) {
@@ -250,32 +253,36 @@ TEST(CudaMlaCta, KeysOnMItemsOfSeveralTokens) {
 }
 
 #ifdef ATTNRT_HAS_CUDA
-// The 64-row items on both CTAs: the paired-tile CTA (the default; over an fp8 latent at page 1)
-// and mla_decode.cu's, which ATTNRT_MLA_PAIRS=0 selects: every mode at 64 and 128 heads, odd and
-// even tile counts, page sizes 1 and 64 (bf16 at 64 and 128 heads: the two-CTA clusters), bf16
-// and both fp8 latents.
+// The 64-row items on both CTAs: the paired-tile CTA (the default) and mla_decode.cu's, which
+// ATTNRT_MLA_PAIRS=0 selects: every mode at 64 and 128 heads, odd and even tile counts, page sizes
+// 1 and 64, bf16 and both fp8 latents; then the paired-tile CTA's two-CTA clusters
+// (ATTNRT_MLA_MC=1, off by default) on the bf16 latent at 128 heads and pages 32 and 64.
 TEST(CudaMlaCta, PairedTileCtaAndTheSplitCtaInEveryMode) {
   SKIP_WITHOUT_GPU();
   uint64_t seed = test::test_seed();
   std::mt19937_64 rng(seed);
+  auto run = [&](DType kv, int heads, int page, const std::string& label) {
+    for (CaseSpec& s : every_mode({mla(heads)}, kv, seed++)) {
+      s.page_size = page;
+      for (int32_t& p : s.prefix_lens) p = static_cast<int32_t>(rng() % 900) + (p > 0 ? 1 : 0);
+      s.label += label + " h" + std::to_string(heads) + " page " + std::to_string(page) + " " +
+                 std::string(dtype_name(kv));
+      expect_matches_reference(s);
+    }
+  };
   const bool before = cuda::mla_pairs_enabled();
+  const bool mc_before = cuda::mla_pairs_mc_enabled();
+  cuda::set_mla_pairs_mc(false);
   for (bool pairs : {true, false}) {
     cuda::set_mla_pairs(pairs);
-    for (DType kv : {DType::bf16, DType::e4m3, DType::e5m2}) {
-      for (int heads : {64, 128}) {
-        for (int page : {1, 64}) {
-          for (CaseSpec& s : every_mode({mla(heads)}, kv, seed++)) {
-            s.page_size = page;
-            for (int32_t& p : s.prefix_lens)
-              p = static_cast<int32_t>(rng() % 900) + (p > 0 ? 1 : 0);
-            s.label += std::string(pairs ? " pairs" : " split") + " h" + std::to_string(heads) +
-                       " page " + std::to_string(page) + " " + std::string(dtype_name(kv));
-            expect_matches_reference(s);
-          }
-        }
-      }
-    }
+    for (DType kv : {DType::bf16, DType::e4m3, DType::e5m2})
+      for (int heads : {64, 128})
+        for (int page : {1, 64}) run(kv, heads, page, pairs ? " pairs" : " split");
   }
+  cuda::set_mla_pairs(true);
+  cuda::set_mla_pairs_mc(true);
+  for (int page : {32, 64}) run(DType::bf16, 128, page, " clusters");
+  cuda::set_mla_pairs_mc(mc_before);
   cuda::set_mla_pairs(before);
 }
 #endif

@@ -36,31 +36,40 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
           "v_head_dim {}{}",
           k.head_dim, k.v_head_dim,
           is_mla_dims(k.head_dim, k.v_head_dim) ? " with fp16 activations" : "");
-    case AttnCta::mla:
-      if (!fp8 && mla_cta_enabled() && mla_pairs_enabled())
+    case AttnCta::mla: {
+      const bool pairs = mla_cta_enabled() && mla_pairs_enabled();
+      const int fp8_max_page = mla_pairs_fp8_max_page();
+      if (pairs && (!fp8 || fp8_max_page >= 128))
         return fmt::format(
             "paired-tile MLA CTA (mla_pairs.cu): 64-key tiles of the latent cache in pairs, each "
             "warpgroup scoring a whole tile and holding half of the 512 output columns, so one "
             "warpgroup's softmax runs under the other's MMAs; 64 (token, head) rows a CTA ({} rows "
             "a request), split-KV when the batch leaves SMs idle, the next tile's page ids through "
-            "shared memory at pages of up to 16 slots, and at 128 heads and pages of 32 slots or "
-            "more a token's two CTAs in a cluster, each tile's TMA boxes multicast to both "
-            "(ATTNRT_MLA_MC=0: one CTA an item) - MLA's 576 / 512 dims with bf16 q and latent "
+            "shared memory at pages of up to 16 slots{} - MLA's 576 / 512 dims with bf16 q{} "
             "[ATTNRT_MLA_PAIRS=0: mla_decode.cu's CTA instead]",
-            rows);
+            rows,
+            fp8 ? ""
+            : mla_pairs_mc_enabled()
+                ? ", and at 128 heads and pages of 32 slots or more a token's two CTAs in a "
+                  "cluster, each tile's TMA boxes multicast to both [ATTNRT_MLA_MC=1]"
+                : "",
+            fp8 ? ", the fp8 latent's raw rows converted in place by the warpgroup that scores a "
+                  "tile [ATTNRT_MLA_FP8_PAIRS_MAX_PAGE]"
+                : " and latent");
       return fmt::format(
           "MLA CTA (mla_decode.cu): warpgroup MMAs over 64-key tiles of the latent cache{}, 64 "
           "(token, head) rows a CTA ({} rows a request), split-KV when the batch leaves SMs idle "
           "- MLA's 576 / 512 dims with bf16 q{}{}",
           fp8 ? " converted from fp8 in shared memory" : "", rows,
-          fp8 && mla_cta_enabled() && mla_pairs_enabled() && mla_pairs_fp8_max_page() > 0
+          fp8 && pairs && fp8_max_page > 0
               ? fmt::format(
                     "; at pages of up to {} slot(s) the paired-tile MLA CTA (mla_pairs.cu) "
                     "instead, the raw fp8 rows converted in place by the warpgroup that scores a "
                     "tile [ATTNRT_MLA_FP8_PAIRS_MAX_PAGE]",
-                    mla_pairs_fp8_max_page())
+                    fp8_max_page)
               : std::string(),
           mla_cta_enabled() ? "" : " [ATTNRT_MLA_CTA=0: the generic kernel runs instead]");
+    }
     case AttnCta::mla_keys_m:
       return fmt::format(
           "keys-on-M MLA CTA (mla_keys_m.cu): 64 latent keys as the MMA's rows against the "

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 #include "attnrt/batch/forward_batch.h"
@@ -25,6 +26,11 @@ CudaKVCache::CudaKVCache(const ModelSpec& model, const KVCacheConfig& config, in
                dtype_name(dtype_));
   ATTNRT_CHECK(max_num_tokens_ > 0, "CUDA KV cache: max_num_tokens = {}; it must be > 0",
                max_num_tokens_);
+  // The MLA CTAs' copies index pool rows in 32 bits (mla_tile.cuh: one wide multiply a row).
+  ATTNRT_CHECK(rows_ <= INT32_MAX && swa_rows <= INT32_MAX,
+               "CUDA KV cache: {} rows ({} SWA rows); the cuda kernels take at most 2^31 - 1; "
+               "use fewer tokens (max_num_tokens) per pool",
+               rows_, swa_rows);
   ATTNRT_CHECK(map_ == nullptr || (swa_rows > 0 && static_cast<int64_t>(map_->size()) == rows + 1),
                "CUDA KV cache: the full->SWA map has {} entries and the SWA pool {} rows; an "
                "SWA-hybrid cache needs {} entries (full rows + 1) and at least one SWA row",

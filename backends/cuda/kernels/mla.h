@@ -24,11 +24,13 @@ void set_mla_pairs(bool on);
 // slots, 128-byte swizzle; prefill_ws.cu encodes it): no slot map, 16-byte aligned rows, pages a
 // multiple of box_rows. nullopt elsewhere, or where the driver cannot encode it.
 std::optional<CUtensorMap> mla_latent_tensor_map(const AttnParams& p, int box_rows);
-// The paired-tile CTA's two-CTA clusters at 128 heads (mla_pairs_mc_kernel): ATTNRT_MLA_MC=0
-// turns them off (read once).
+// The paired-tile CTA's two-CTA clusters at 128 heads (mla_pairs_mc_kernel): off unless
+// ATTNRT_MLA_MC=1 (read once) or set_mla_pairs_mc (tests).
 bool mla_pairs_mc_enabled();
+void set_mla_pairs_mc(bool on);
 // The largest page size at which an fp8 latent takes the paired-tile CTA (mla_decode.cu's CTA
-// above): ATTNRT_MLA_FP8_PAIRS_MAX_PAGE, 1 unless set (read once).
+// above): ATTNRT_MLA_FP8_PAIRS_MAX_PAGE, 128 (every page size) unless set
+// (read once).
 int mla_pairs_fp8_max_page();
 // The keys-on-M MLA CTA (mla_keys_m.cu) for items of at most 16 rows (the decode tile shape);
 // empty for keys it does not take.

@@ -84,7 +84,11 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1)
   unsigned char* p_tile = smem + C::kQBytes + 2 * C::kTileBytes;
   float* x_rows = reinterpret_cast<float*>(p_tile + C::kPBytes);  // [2][ROWS]
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wg = warp >> 2, wq = warp & 3;
+  // wg through a shuffle: ptxas then knows it is the same in a whole warp and keeps the MMA
+  // descriptors built from it in uniform registers (from tid it moved each one over before every
+  // MMA: two R2UR an MMA).
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wq = warp & 3;
+  const int wg = __shfl_sync(0xffffffff, warp >> 2, 0);
   const int g = lane >> 2, c4 = lane & 3;
   const int kvh = blockIdx.x;
   const MlaItem w(p, ROWS);
@@ -254,10 +258,9 @@ __global__ void __launch_bounds__(MlaCfg<FP8>::kThreads, 1)
 }
 
 // An fp8 latent: the paired-tile CTA (mla_pairs.cu, converting in place) at pages of up to
-// mla_pairs_fp8_max_page() slots (1 by default), this file's CTA at larger pages. H100,
-// mla-decode-h128-64x4096-fp8: the paired-tile CTA 1.14x this one at page 1 (263 against 230
-// TFLOP/s), 0.975x at page 64 (257 against 264), both before their e4m3 conversions' 16-byte
-// loads and the paired-tile CTA's conflict-free raw copies.
+// mla_pairs_fp8_max_page() slots (every page size by default), this file's CTA above that or with
+// ATTNRT_MLA_PAIRS=0. H100, mla-decode-h128-64x4096-fp8: the paired-tile CTA 1.20x this one at
+// page 1 (272 against 227 TFLOP/s), 1.03x at page 64 (273 against 266).
 template <bool E5M2>
 struct MlaFp8Cta {
   using Split = GridCta<mla_attention_kernel<__nv_bfloat16, true, E5M2>, MlaCfg<true>>;

@@ -40,9 +40,10 @@
 // reads one chunk and writes the two that cover it, so no barrier inside), its own part first and
 // the other warpgroup's while the first part's MMAs run. The other warpgroup reads its V columns
 // after the hand-overs that follow the conversion. The conversion lies on both warpgroups' chains
-// (H100, mla-decode-h128-64x4096-fp8: 257 TFLOP/s at page 64, 263 at page 1, against bf16's 407),
-// so mla_decode.cu's CTA keeps the fp8 latent at pages above ATTNRT_MLA_FP8_PAIRS_MAX_PAGE (1 by
-// default; 264 at page 64, 230 at page 1), measured before the bank conflicts were fixed.
+// (H100, mla-decode-h128-64x4096-fp8: 273 TFLOP/s at page 64 and 272 at page 1 against
+// mla_decode.cu's CTA's 266 and 227; 128x8192-fp8 299 against 288), so it takes fp8 latents at
+// every page size (ATTNRT_MLA_FP8_PAIRS_MAX_PAGE lowers the limit). Its raw copies still write
+// 4.5x the ideal shared-memory wavefronts (docs/BENCHMARKS.md), the next thing to remove.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -591,12 +592,14 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1)
 EnvSwitch g_pairs("ATTNRT_MLA_PAIRS", 0, 1, 1, "cuda backend",
                   "1 (the paired-tile CTA for 64-row MLA items, the default) or 0 (mla_decode.cu's "
                   "CTA)");
-EnvSwitch g_mc("ATTNRT_MLA_MC", 0, 1, 1, "cuda backend",
-               "1 (two-CTA multicast clusters at 128 heads and pages >= 32, the default) or 0 (one "
-               "CTA an item)");
-EnvSwitch g_fp8_max_page("ATTNRT_MLA_FP8_PAIRS_MAX_PAGE", 0, 128, 1, "cuda backend",
+// The clusters measured 1.01-1.03x when they landed, 0.95x once the fp8 paired-tile CTA shared
+// their kernel's code (H100, two rounds: h128-64x4096 409 against 430 TFLOP/s), so they are off.
+EnvSwitch g_mc("ATTNRT_MLA_MC", 0, 1, 0, "cuda backend",
+               "1 (two-CTA multicast clusters at 128 heads and pages >= 32) or 0 (one CTA an "
+               "item, the default)");
+EnvSwitch g_fp8_max_page("ATTNRT_MLA_FP8_PAIRS_MAX_PAGE", 0, 128, 128, "cuda backend",
                          "the largest page size (0 .. 128) at which an fp8 latent takes the "
-                         "paired-tile CTA; 0 never, 1 the default");
+                         "paired-tile CTA; 0 never, 128 (every page size) the default");
 
 // The launch: page ids through shared memory at pages of up to 16 slots, in registers above
 // (H100, h128-64x4096: page 1 1.35x, 16 1.015x, 32 0.93x, 64 0.98x with the shared-memory ids).
@@ -632,6 +635,8 @@ void set_mla_pairs(bool on) { g_pairs.set(on ? 1 : 0); }
 bool mla_pairs_enabled() { return g_pairs.get() != 0; }
 
 bool mla_pairs_mc_enabled() { return g_mc.get() != 0; }
+
+void set_mla_pairs_mc(bool on) { g_mc.set(on ? 1 : 0); }
 
 int mla_pairs_fp8_max_page() { return static_cast<int>(g_fp8_max_page.get()); }
 

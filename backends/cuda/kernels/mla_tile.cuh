@@ -293,7 +293,11 @@ struct MlaTileCopier {
   int ld_row, ld_c, step;
   uint32_t ld_swz;
   int page_mask;
-  int64_t slot[RPT];  // of the tile load() copies next
+  // A pool row's stride in bytes and the slots of the tile load() copies next (-1: past the keys):
+  // 32 bits (the pool holds fewer than 2^31 rows, CudaKVCache checks), so a row's address is one
+  // wide multiply-add (row_src).
+  int32_t row_bytes;
+  int32_t slot[RPT];
 
   __device__ __forceinline__ MlaTileCopier(const AttnParams& p_, const ReqInfo& req_,
                                            unsigned char* tiles_, int lo_, int hi_, int num_tiles_,
@@ -310,16 +314,23 @@ struct MlaTileCopier {
         ld_c(ld_c_),
         step(step_),
         ld_swz(ld_swz_),
-        page_mask((1 << p_.page_shift) - 1) {}
+        page_mask((1 << p_.page_shift) - 1),
+        row_bytes(static_cast<int32_t>(p_.k_row_stride * kElem)) {}
+
+  // The pool address of slot s (a slot of -1, past the keys, gives the pool's first row: its
+  // copies read nothing, source size 0).
+  __device__ __forceinline__ const unsigned char* row_src(int32_t s) const {
+    return kbytes + static_cast<int64_t>(max(s, 0)) * row_bytes;
+  }
 
   // The slots of this thread's rows of load t (-1: past the keys; the row is zero-filled).
   __device__ __forceinline__ void prefetch_slots(int t) {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const int j = lo + t * kBN + ld_row + step * r;
-      slot[r] = t < num_tiles && j < hi
-                    ? slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j)
-                    : -1;
+      slot[r] = t < num_tiles && j < hi ? static_cast<int32_t>(slot_of_page(
+                                              p, page_mask, page_id(p, req, j >> p.page_shift), j))
+                                        : -1;
     }
   }
 
@@ -329,7 +340,7 @@ struct MlaTileCopier {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const bool valid = slot[r] >= 0;
-      const unsigned char* src = kbytes + (valid ? slot[r] * p.k_row_stride * kElem : 0);
+      const unsigned char* src = row_src(slot[r]);
       if constexpr (!FP8) {
         copy_blocks<0, kD / 64>(stage, r, src, valid);
       } else {
@@ -350,8 +361,7 @@ struct MlaTileCopier {
   __device__ __forceinline__ void load_blocks(int stage) {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
-      const bool valid = slot[r] >= 0;
-      copy_blocks<B0, B1>(stage, r, kbytes + (valid ? slot[r] * p.k_row_stride * kElem : 0), valid);
+      copy_blocks<B0, B1>(stage, r, row_src(slot[r]), slot[r] >= 0);
     }
   }
   // fp8 (the paired-tile CTA, ld_swz from mla_raw_in_place): the row's raw 16-column chunk ch of
@@ -413,12 +423,12 @@ struct MlaTileCopier {
     for (int r = 0; r < RPT; ++r) {
       const int j = lo + t * kBN + ld_row + step * r;
       const bool valid = t < num_tiles && j < hi;
-      int64_t row = 0;
+      int32_t row = 0;
       if (valid) {
         const int32_t v = static_cast<int32_t>(ld_shared_u32(ids + r * ids_step));
-        row = p.slot_map ? int64_t{v} : (int64_t{v} << p.page_shift) | (j & page_mask);
+        row = p.slot_map ? v : (v << p.page_shift) | (j & page_mask);
       }
-      const unsigned char* src = kbytes + row * p.k_row_stride * kElem;
+      const unsigned char* src = row_src(row);
       copy_blocks<B0, B1>(stage, r, src, valid);
       if constexpr (C1 > C0) copy_blocks<C0, C1>(stage, r, src, valid);
     }
@@ -432,7 +442,7 @@ struct MlaTileCopier {
       slot[r] = -1;
       if (t < num_tiles && j < hi) {
         const int32_t v = static_cast<int32_t>(ld_shared_u32(ids + r * ids_step));
-        slot[r] = p.slot_map ? int64_t{v} : (int64_t{v} << p.page_shift) | (j & page_mask);
+        slot[r] = p.slot_map ? v : (v << p.page_shift) | (j & page_mask);
       }
     }
   }
@@ -457,7 +467,7 @@ struct MlaTileCopier {
     for (int r = 0; r < RPT; ++r) {
       const int key = ld_row + step * r;
       const bool valid = slot[r] >= 0;
-      const unsigned char* src = kbytes + (valid ? slot[r] * p.k_row_stride : 0);
+      const unsigned char* src = row_src(slot[r]);
 #pragma unroll
       for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
         const int c = ld_c + 8 * i;
