@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The call that measures the fp8 paired-tile CTA's pair rows (a pair of blocks' raw chunks in the
+# even block's 128-byte rows, so a quarter warp's LDGSTS write one shared-memory row; .gpubin-pl)
+# against the landed tree (.gpubin-land), then verifies the candidate tree whole:
+#  1. pl's fp8 MLA tests, racecheck and synccheck of the page-size test (fp8 at 128 heads on
+#     pages 1 .. 128 through the paired-tile CTA);
+#  2. one bench process a binary, alternating twice: every decode / verify row of --suite mla and
+#     the h128 fp8 row at page 1;
+#  3. Nsight Compute of pl's fp8 paired-tile CTA (shared-memory wavefronts by opcode: LDGSTS was
+#     4.50x its ideal);
+#  4. pl's whole GPU suite (bounded by the call's time).
+#   usage: OUT=$OUT scripts/gpu_fp8_rows.sh  (carry .gpubin-land, .gpubin-pl, .devdeps; ~9 min)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/gpubin.sh
+gpu_call_labels 585 land pl
+B=/tmp/ab-bin/pl
+F='CudaMlaCta.NativePageSizesWithRaggedLengths'
+gpu_stage tests_pl 90 $B/attnrt_cuda_tests --gtest_brief=1 \
+  --gtest_filter='CudaMlaCta.Fp8*:CudaMlaCta.PairedTile*'
+gpu_stage race_pl 60 compute-sanitizer --tool racecheck --print-limit 3 $B/attnrt_cuda_tests \
+  --gtest_brief=1 --gtest_filter=$F
+gpu_stage sync_pl 25 compute-sanitizer --tool synccheck --num-cuda-barriers 65536 --print-limit 3 \
+  $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$F
+echo "== rows"
+rows=mla-decode-h16-1x32768,mla-decode-h16-64x8192,mla-decode-h128-64x4096,mla-decode-h128-128x8192
+rows=$rows,mla-decode-h16-1x32768-fp8,mla-decode-h16-64x8192-fp8,mla-decode-h128-64x4096-fp8
+rows=$rows,mla-decode-h128-128x8192-fp8,mla-decode-h16-1x32768-p1,mla-decode-h16-64x8192-p1
+rows=$rows,mla-decode-h128-64x4096-p1,mla-decode-h128-128x8192-p1,mla-verify-chain-64x4096+4
+rows=$rows,mla-verify-tree-64x4096+16-topk4
+for r in 1 2; do
+  for v in land pl; do
+    [ $(date +%s) -gt $((GPU_END - 300)) ] && { echo "rows: out of time"; break 2; }
+    bin=/tmp/ab-bin/$v/attnrt
+    timeout 60 $bin bench --backend cuda --suite mla --no-reference --quiet --workload $rows \
+      >"$O/bench_${v}_r$r.log" 2>&1
+    bench_rates "$v r$r" <"$O/bench_${v}_r$r.log"
+    awk -v t="$v r$r ceiling" '$1 ~ /^(memory|bf16)$/ {print t, $0}' "$O/bench_${v}_r$r.log"
+    timeout 20 $bin bench --backend cuda --suite mla --no-reference --quiet --page-size 1 \
+      --workload mla-decode-h128-64x4096-fp8 2>&1 | bench_rates "$v r$r page1"
+  done
+done
+NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+name=pl_fp8_pairs
+gpu_stage ncu_pl 60 $NCU --clock-control none --kernel-name regex:mla_pairs_kernel --launch-skip 2 \
+  --launch-count 1 --section WarpStateStats --section SourceCounters -f -o "$O/$name" \
+  $B/attnrt bench --backend cuda --suite mla --workload mla-decode-h128-64x4096-fp8 --repeats 2 \
+  --warmup 1 --no-reference --quiet
+if [ -f "$O/$name.ncu-rep" ]; then
+  $NCU -i "$O/$name.ncu-rep" --page source --csv --print-source sass >"$O/$name.csv" 2>/dev/null
+  python3 bench/ncu_stalls.py "$O/$name.csv" --top 4 --context 1 | grep -A8 "by reason\|wavefronts"
+fi
+left=$((GPU_END - $(date +%s) - 5))
+[ $left -gt 60 ] && gpu_stage suite_pl $left $B/attnrt_cuda_tests --gtest_brief=1
