@@ -8,7 +8,7 @@
 #     the h128 fp8 row at page 1;
 #  3. Nsight Compute of pl's fp8 paired-tile CTA (shared-memory wavefronts by opcode: LDGSTS was
 #     4.50x its ideal);
-#  4. pl's whole GPU suite (bounded by the call's time).
+#  4. the host plan at batch 256 (decode), and pl's whole GPU suite (bounded by the call's time).
 #   usage: OUT=$OUT scripts/gpu_fp8_rows.sh  (carry .gpubin-land, .gpubin-pl, .devdeps; ~9 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +40,9 @@ for r in 1 2; do
       --workload mla-decode-h128-64x4096-fp8 2>&1 | bench_rates "$v r$r page1"
   done
 done
+# The host plan at batch 256 on this host (issue 20: decode <= 5 µs), after the rows.
+gpu_stage plan 40 $B/attnrt bench --backend cuda --workload decode-64x4096 --no-reference --quiet
+grep -A9 "host plan per step" $O/plan.log | head -12
 NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 name=pl_fp8_pairs
 gpu_stage ncu_pl 60 $NCU --clock-control none --kernel-name regex:mla_pairs_kernel --launch-skip 2 \
