@@ -23,21 +23,10 @@ gpu_stage race_pl 60 compute-sanitizer --tool racecheck --print-limit 3 $B/attnr
 gpu_stage sync_pl 25 compute-sanitizer --tool synccheck --num-cuda-barriers 65536 --print-limit 3 \
   $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$F
 echo "== rows"
-rows=mla-decode-h16-1x32768,mla-decode-h16-64x8192,mla-decode-h128-64x4096,mla-decode-h128-128x8192
-rows=$rows,mla-decode-h16-1x32768-fp8,mla-decode-h16-64x8192-fp8,mla-decode-h128-64x4096-fp8
-rows=$rows,mla-decode-h128-128x8192-fp8,mla-decode-h16-1x32768-p1,mla-decode-h16-64x8192-p1
-rows=$rows,mla-decode-h128-64x4096-p1,mla-decode-h128-128x8192-p1,mla-verify-chain-64x4096+4
-rows=$rows,mla-verify-tree-64x4096+16-topk4
 for r in 1 2; do
   for v in land pl; do
     [ $(date +%s) -gt $((GPU_END - 300)) ] && { echo "rows: out of time"; break 2; }
-    bin=/tmp/ab-bin/$v/attnrt
-    timeout 60 $bin bench --backend cuda --suite mla --no-reference --quiet --workload $rows \
-      >"$O/bench_${v}_r$r.log" 2>&1
-    bench_rates "$v r$r" <"$O/bench_${v}_r$r.log"
-    awk -v t="$v r$r ceiling" '$1 ~ /^(memory|bf16)$/ {print t, $0}' "$O/bench_${v}_r$r.log"
-    timeout 20 $bin bench --backend cuda --suite mla --no-reference --quiet --page-size 1 \
-      --workload mla-decode-h128-64x4096-fp8 2>&1 | bench_rates "$v r$r page1"
+    mla_ab_round $v $r
   done
 done
 # The host plan at batch 256 on this host (issue 20: decode <= 5 µs), after the rows.

@@ -26,24 +26,13 @@ gpu_stage sync_final 25 compute-sanitizer --tool synccheck --num-cuda-barriers 6
 gpu_stage tests_slot32 70 /tmp/ab-bin/slot32/attnrt_cuda_tests --gtest_brief=1 \
   --gtest_filter='CudaMlaCta.PairedTile*:CudaMlaCta.NativePage*:CudaMlaCta.Keys*'
 echo "== rows"
-rows=mla-decode-h16-1x32768,mla-decode-h16-64x8192,mla-decode-h128-64x4096,mla-decode-h128-128x8192
-rows=$rows,mla-decode-h16-1x32768-fp8,mla-decode-h16-64x8192-fp8,mla-decode-h128-64x4096-fp8
-rows=$rows,mla-decode-h128-128x8192-fp8,mla-decode-h16-1x32768-p1,mla-decode-h16-64x8192-p1
-rows=$rows,mla-decode-h128-64x4096-p1,mla-decode-h128-128x8192-p1,mla-verify-chain-64x4096+4
-rows=$rows,mla-verify-tree-64x4096+16-topk4
 for r in 1 2; do
   for v in head2 final slot32; do
-    [ $(date +%s) -gt $((GPU_END - 30)) ] && { echo "out of time"; break 2; }
-    bin=/tmp/ab-bin/$v/attnrt
-    timeout 60 $bin bench --backend cuda --suite mla --no-reference --quiet --workload $rows \
-      >"$O/bench_${v}_r$r.log" 2>&1
-    bench_rates "$v r$r" <"$O/bench_${v}_r$r.log"
-    awk -v t="$v r$r ceiling" '$1 ~ /^(memory|bf16)$/ {print t, $0}' "$O/bench_${v}_r$r.log"
-    timeout 20 $bin bench --backend cuda --suite mla --no-reference --quiet --page-size 1 \
-      --workload mla-decode-h128-64x4096-fp8 2>&1 | bench_rates "$v r$r page1"
-    # The paired-tile CTA over fp8 at every page size (its default is page 1 only).
-    [ $v = final ] && ATTNRT_MLA_FP8_PAIRS_MAX_PAGE=128 timeout 25 $bin bench --backend cuda \
-      --suite mla --no-reference --quiet \
+    [ $(date +%s) -gt $((GPU_END - 30)) ] && { echo "rows: out of time"; break 2; }
+    mla_ab_round $v $r
+    # The paired-tile CTA over fp8 at every page size (its default was page 1 only).
+    [ $v = final ] && ATTNRT_MLA_FP8_PAIRS_MAX_PAGE=128 timeout 25 /tmp/ab-bin/$v/attnrt bench \
+      --backend cuda --suite mla --no-reference --quiet \
       --workload mla-decode-h128-64x4096-fp8,mla-decode-h128-128x8192-fp8 2>&1 |
       bench_rates "$v r$r fp8pairs"
   done

@@ -78,3 +78,25 @@ gpu_call_labels() {
   shift
   gpubin_unpack_labels "$@"
 }
+
+# The decode / verify rows of `attnrt bench --suite mla` that the MLA A/B calls alternate over.
+MLA_AB_ROWS=mla-decode-h16-1x32768,mla-decode-h16-64x8192,mla-decode-h128-64x4096
+MLA_AB_ROWS=$MLA_AB_ROWS,mla-decode-h128-128x8192,mla-decode-h16-1x32768-fp8
+MLA_AB_ROWS=$MLA_AB_ROWS,mla-decode-h16-64x8192-fp8,mla-decode-h128-64x4096-fp8
+MLA_AB_ROWS=$MLA_AB_ROWS,mla-decode-h128-128x8192-fp8,mla-decode-h16-1x32768-p1
+MLA_AB_ROWS=$MLA_AB_ROWS,mla-decode-h16-64x8192-p1,mla-decode-h128-64x4096-p1
+MLA_AB_ROWS=$MLA_AB_ROWS,mla-decode-h128-128x8192-p1,mla-verify-chain-64x4096+4
+MLA_AB_ROWS=$MLA_AB_ROWS,mla-verify-tree-64x4096+16-topk4
+
+# mla_ab_round LABEL ROUND: one bench process of /tmp/ab-bin/LABEL over MLA_AB_ROWS (rates and
+# ceilings printed as "LABEL rROUND ..."; the log in $O/bench_LABEL_rROUND.log), then the h128 fp8
+# row at page 1.
+mla_ab_round() {
+  local bin=/tmp/ab-bin/$1/attnrt log=$O/bench_$1_r$2.log
+  timeout 60 $bin bench --backend cuda --suite mla --no-reference --quiet --workload $MLA_AB_ROWS \
+    >"$log" 2>&1
+  bench_rates "$1 r$2" <"$log"
+  awk -v t="$1 r$2 ceiling" '$1 ~ /^(memory|bf16)$/ {print t, $0}' "$log"
+  timeout 20 $bin bench --backend cuda --suite mla --no-reference --quiet --page-size 1 \
+    --workload mla-decode-h128-64x4096-fp8 2>&1 | bench_rates "$1 r$2 page1"
+}
