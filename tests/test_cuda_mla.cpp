@@ -68,9 +68,10 @@ TEST(CudaMlaCta, DispatchSendsBf16LatentLaunchesToIt) {
 // Host model of the paired-tile CTA's fp8 tiles (mla_fp8_layout.h), over the kernel's thread
 // indices and the four parts its warpgroups copy ([0, 4), [4, 9), [4, 8), [0, 4) + [8, 9)): every
 // raw chunk of a part is copied once, to where the converting thread reads it; the conversion
-// writes every bf16 chunk of the part once, at the 128-byte swizzled place the MMAs read, and only
-// the two chunks that hold its own raw chunk; each quarter warp's copies, loads and stores touch 8
-// different 16-byte bank groups.
+// writes every bf16 chunk of the part once, at the 128-byte swizzled place the MMAs read, and
+// over no raw chunk but its own; each quarter warp's copies, loads and stores touch 8 different
+// 16-byte bank groups, and a quarter warp's copies (a row's 128 contiguous raw bytes) one
+// 128-byte row of shared memory.
 TEST(CudaMlaCta, Fp8InPlaceLayoutOfThePairedTileCta) {
   using cuda::mla_bf16_chunk;
   using cuda::mla_raw_chunk;
@@ -90,6 +91,7 @@ TEST(CudaMlaCta, Fp8InPlaceLayoutOfThePairedTileCta) {
         for (int i = 0; i < chunks; i += 8)
           for (int quarter = 0; quarter < 16; ++quarter) {
             std::set<int> groups;
+            std::set<uint32_t> lines;
             for (int l = 0; l < 8; ++l) {
               const int wt = 8 * quarter + l, ld_row = wt >> 3, ld_c = wt & 7;
               if (!(i + 8 <= chunks || ld_c < 4)) continue;
@@ -99,35 +101,56 @@ TEST(CudaMlaCta, Fp8InPlaceLayoutOfThePairedTileCta) {
               EXPECT_EQ(at, mla_raw_chunk(k, row, ch)) << k << " " << row << " " << ch;
               EXPECT_TRUE(raw.insert(at).second) << "copied twice: " << at;
               groups.insert(group(at));
+              lines.insert(at >> 7);
             }
             if (i + 8 <= chunks) EXPECT_EQ(groups.size(), 8u) << "copies, quarter " << quarter;
+            EXPECT_EQ(lines.size(), 1u) << "copies, quarter " << quarter;
           }
     }
     EXPECT_EQ(static_cast<int>(raw.size()), part_chunks);
-    // The conversion: thread wt, rows wt / 4 + 32 j, chunk wt % 4, every block of the part.
+    // The conversion (mla_convert_in_place): thread wt, rows wt / 4 + 32 j, chunk wt % 4, the
+    // part's blocks in pairs (k, k + 1) from an even k, block 8 alone.
     std::set<uint32_t> written;
     for (auto [b0, b1] : part)
-      for (int k = b0; k < b1; ++k)
+      for (int k = b0; k < b1; k += 2)
         for (int j = 0; j < 2; ++j)
           for (int quarter = 0; quarter < 16; ++quarter) {
-            std::set<int> loads, lo_stores, hi_stores;
+            std::set<int> loads_a, loads_b, stores[4];
             for (int l = 0; l < 8; ++l) {
               const int wt = 8 * quarter + l, row = (wt >> 2) + 32 * j, ch = wt & 3;
-              const uint32_t a = cuda::mla_convert_lo(wt) + k * kBlock + j * 32 * 128, b = a ^ 16u,
-                             read = (k & 1) ? b : a;
-              EXPECT_EQ(read, mla_raw_chunk(k, row, ch));
-              EXPECT_EQ(raw.count(read), 1u);
+              const bool pair = k + 1 < b1;
+              const uint32_t a = cuda::mla_convert_lo(wt) + k * kBlock + j * 32 * 128, b = a ^ 16u;
+              // Reads: the even block's chunks a (raw of block k) and b (raw of block k + 1).
+              EXPECT_EQ(a, mla_raw_chunk(k, row, ch));
+              EXPECT_EQ(raw.count(a), 1u);
+              loads_a.insert(group(a));
+              if (pair) {
+                EXPECT_EQ(b, mla_raw_chunk(k + 1, row, ch));
+                EXPECT_EQ(raw.count(b), 1u);
+                loads_b.insert(group(b));
+              } else {
+                EXPECT_EQ(raw.count(b), 0u) << "block " << k << " alone: b holds no raw chunk";
+              }
+              // Writes: chunks 2 ch and 2 ch + 1 of block k at a and b, and of block k + 1.
               EXPECT_EQ(a, mla_bf16_chunk(k, row, 2 * ch));
               EXPECT_EQ(b, mla_bf16_chunk(k, row, 2 * ch + 1));
-              EXPECT_TRUE(written.insert(a).second);
-              EXPECT_TRUE(written.insert(b).second);
-              loads.insert(group(read));
-              lo_stores.insert(group(a));
-              hi_stores.insert(group(b));
+              std::vector<uint32_t> w = {a, b};
+              if (pair) {
+                EXPECT_EQ(a + kBlock, mla_bf16_chunk(k + 1, row, 2 * ch));
+                EXPECT_EQ(b + kBlock, mla_bf16_chunk(k + 1, row, 2 * ch + 1));
+                w.push_back(a + kBlock);
+                w.push_back(b + kBlock);
+                // The odd block's row holds no raw chunk: written before the even one's.
+                EXPECT_EQ(raw.count(a + kBlock) + raw.count(b + kBlock), 0u);
+              }
+              for (size_t x = 0; x < w.size(); ++x) {
+                EXPECT_TRUE(written.insert(w[x]).second);
+                stores[x].insert(group(w[x]));
+              }
             }
-            EXPECT_EQ(loads.size(), 8u);
-            EXPECT_EQ(lo_stores.size(), 8u);
-            EXPECT_EQ(hi_stores.size(), 8u);
+            EXPECT_EQ(loads_a.size(), 8u);
+            if (k + 1 < b1) EXPECT_EQ(loads_b.size(), 8u);
+            for (int x = 0; x < (k + 1 < b1 ? 4 : 2); ++x) EXPECT_EQ(stores[x].size(), 8u);
           }
     // Every bf16 chunk of the part, nothing outside it.
     EXPECT_EQ(static_cast<int>(written.size()), 2 * part_chunks);

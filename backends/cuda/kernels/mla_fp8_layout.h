@@ -7,12 +7,16 @@
 // k * 64 * 128 bytes; row `row` of a block is 128 bytes, its 16-byte chunk c (columns 8c .. 8c + 7
 // of the block) at chunk c ^ (row % 8) (wgmma.cuh's 128-byte swizzle). The raw row of a key is
 // 576 fp8 bytes; its 16-byte chunk ch of block k (columns 16 ch .. 16 ch + 15 of the block) turns
-// into the bf16 chunks 2 ch and 2 ch + 1 of the same row, and lands raw over the first of them in
-// an even block and over the second in an odd one: a conversion then reads one chunk and writes the
-// two that hold it, so no thread writes where another reads, and the eight threads that copy a
-// row's chunks of two adjacent blocks (a quarter warp) write eight different chunks of the
-// 128-byte row (the same one in both blocks: a bank conflict a copy, 5x the ideal wavefronts
-// measured).
+// into the bf16 chunks 2 ch and 2 ch + 1 of the same row. Blocks go in pairs (0, 1), (2, 3),
+// (4, 5), (6, 7) and block 8 alone: both raw chunks ch of a pair land in the even block's row, at
+// its bf16 chunks 2 ch (block k) and 2 ch + 1 (block k + 1); block 8's at chunk 2 ch. A conversion
+// then reads the two chunks it writes first and writes the odd block's two after, so no thread
+// writes where another reads, and the eight threads that copy a row's 128 contiguous raw bytes (a
+// quarter warp: chunks 0 .. 3 of two adjacent blocks) write the eight chunks of one 128-byte row.
+// The form before (block k + 1's raw chunks in block k + 1's own row, a quarter warp's copies
+// over two rows 8 KB apart, bank-conflict free) wrote 4.5x the ideal shared-memory wavefronts
+// with its LDGSTS (Nsight Compute, H100): one global 128-byte line is one shared-memory row here,
+// as in the bf16 tiles' copies (1.00x).
 #pragma once
 
 #include <cstdint>
@@ -28,12 +32,12 @@ constexpr uint32_t mla_bf16_chunk(int k, int row, int c) {
 
 // Where raw chunk ch (0 .. 3) of row `row` of column block k lands.
 constexpr uint32_t mla_raw_chunk(int k, int row, int ch) {
-  return mla_bf16_chunk(k, row, 2 * ch + (k & 1));
+  return mla_bf16_chunk(k & ~1, row, 2 * ch + (k & 1));
 }
 
 // A copying thread's base offset: eight threads a row (row ld_row, thread ld_c), each copying raw
 // chunk ld_c % 4 of the blocks 2 i + ld_c / 4 of its rows (rows 8 apart share the offset; the
-// row's and the block's constants are added per copy): mla_raw_chunk(B0 + 2 i + ld_c / 4,
+// row's and the even block's constants are added per copy): mla_raw_chunk(B0 + 2 i + ld_c / 4,
 // ld_row + 16 r, ld_c % 4) = this + 16 r * 128 + (B0 + 2 i) * 64 * 128 for an even B0.
 constexpr uint32_t mla_raw_in_place(int ld_row, int ld_c) {
   return mla_raw_chunk(ld_c >> 2, ld_row, ld_c & 3);
@@ -41,8 +45,8 @@ constexpr uint32_t mla_raw_in_place(int ld_row, int ld_c) {
 
 // A converting thread wt (0 .. 127 of a warpgroup) takes raw chunk wt % 4 of rows wt / 4 and
 // 32 + wt / 4 of every block: the offset of its bf16 chunk 2 ch in block 0, row wt / 4 (row + 32
-// adds 32 * 128, block k adds k * 64 * 128). Chunk 2 ch + 1 is at this ^ 16, and the raw chunk at
-// this in an even block, at this ^ 16 in an odd one.
+// adds 32 * 128, block k adds k * 64 * 128). Chunk 2 ch + 1 is at this ^ 16; in an even block k the
+// two hold the raw chunks of blocks k and k + 1.
 constexpr uint32_t mla_convert_lo(int wt) { return mla_bf16_chunk(0, wt >> 2, 2 * (wt & 3)); }
 
 }  // namespace attnrt::cuda

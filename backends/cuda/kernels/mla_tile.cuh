@@ -59,25 +59,36 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4& w, uint4& lo, uint4&
   hi = make_uint4(b[4], b[5], b[6], b[7]);
 }
 
-// Converts column blocks [B0, B1) of a tile whose raw chunks landed in place (mla_fp8_layout.h),
-// by the 128 threads of a warpgroup (wt: 0 .. 127; tile: its shared-memory address): thread wt
-// takes raw chunk ch = wt & 3 of rows wt >> 2 and 32 + (wt >> 2) of every block, reads its 16
-// bytes and writes the 32 bytes of bf16 values that cover them (chunks 2 ch and 2 ch + 1 of the
-// row, one of which holds the raw bytes), so no thread writes where another reads. A quarter
-// warp's two rows x four chunks fall on all 32 banks once in each of the three accesses. 16-byte
-// accesses by ld_shared_v4 / st_shared_v4 (through a uint4 pointer nvcc split the e4m3 loads into
-// four 32-bit ones: 3.8x the ideal wavefronts measured). Values come out times 2^-112
-// (fp8x16_to_bf16).
+// Converts column blocks [B0, B1) (B0 even) of a tile whose raw chunks landed in place
+// (mla_fp8_layout.h), by the 128 threads of a warpgroup (wt: 0 .. 127; tile: its shared-memory
+// address): thread wt takes raw chunk ch = wt & 3 of rows wt >> 2 and 32 + (wt >> 2) of every
+// block. In a pair of blocks (k, k + 1) it reads the two raw chunks at the even block's chunks
+// 2 ch and 2 ch + 1 and writes the 64 bytes of bf16 values that cover them, the even block's over
+// the same two chunks and the odd block's at its own; block 8 alone, one chunk read and two
+// written. So no thread writes where another reads. A quarter warp's two rows x four chunks fall
+// on all 32 banks once in each access. 16-byte accesses by ld_shared_v4 / st_shared_v4 (through a
+// uint4 pointer nvcc split the e4m3 loads into four 32-bit ones: 3.8x the ideal wavefronts
+// measured). Values come out times 2^-112 (fp8x16_to_bf16).
 template <bool E5M2, int B0, int B1>
 __device__ __forceinline__ void mla_convert_in_place(uint32_t tile, int wt) {
+  static_assert(B0 % 2 == 0);
+  constexpr uint32_t kBlock = kMlaTileKeys * 128;
   const uint32_t a = tile + mla_convert_lo(wt), b = a ^ 16u;
 #pragma unroll
-  for (int k = B0; k < B1; ++k)
+  for (int k = B0; k < B1; k += 2)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const uint32_t at = k * kMlaTileKeys * 128 + j * 32 * 128;
+      const uint32_t at = k * kBlock + j * 32 * 128;
       uint4 lo, hi;
-      fp8x16_to_bf16<E5M2>(ld_shared_v4(((k & 1) ? b : a) + at), lo, hi);
+      if (k + 1 < B1) {
+        const uint4 ra = ld_shared_v4(a + at), rb = ld_shared_v4(b + at);
+        fp8x16_to_bf16<E5M2>(rb, lo, hi);
+        st_shared_v4(a + at + kBlock, lo);
+        st_shared_v4(b + at + kBlock, hi);
+        fp8x16_to_bf16<E5M2>(ra, lo, hi);
+      } else {
+        fp8x16_to_bf16<E5M2>(ld_shared_v4(a + at), lo, hi);
+      }
       st_shared_v4(a + at, lo);
       st_shared_v4(b + at, hi);
     }
@@ -379,7 +390,8 @@ struct MlaTileCopier {
 #pragma unroll
       for (int i = B0; i < B1; ++i) cp_async_16(dk + i * kBN * 128, s + i * 128, valid);
     } else {
-      // ld_swz holds the block's parity (ld_c >> 2): the part starts on an even block.
+      // ld_swz holds the chunk of the pair's row (mla_raw_in_place): the part starts on an even
+      // block, and a pair's two blocks land in the even one's rows.
       static_assert(B0 % 2 == 0);
       constexpr int kChunks = 4 * (B1 - B0);
 #pragma unroll
