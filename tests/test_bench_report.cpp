@@ -355,6 +355,39 @@ TEST(BenchReport, TableNamesEveryRowAndMarksScaledOnes) {
             std::string::npos);
 }
 
+// An fp8 row and the 16-bit row of its shape in one run: the report gives their time ratio (the
+// tokens/s ratio; their GB/s count different bytes). An fp8 row without its 16-bit row, and an
+// untimed one, get no line.
+TEST(BenchReport, Fp8RowsAreComparedWithTheir16BitRowInTime) {
+  BenchResult r = synthetic_result();
+  static const std::vector<Workload> mla = mla_workloads();
+  auto row_of = [](const std::string& name, double seconds) {
+    RowResult row;
+    row.standard = row.workload = attnrt::test::by_name(mla, name);
+    row.check = {"float64", 8, 1e-3, 2e-2, true};
+    row.bytes = counted_bytes(row.workload);
+    set_timing(row, seconds, 1e-6, row.bytes, 20.0);
+    return row;
+  };
+  r.rows.push_back(row_of("mla-decode-h16-64x8192", 2.229e-4));
+  r.rows.push_back(row_of("mla-decode-h16-64x8192-fp8", 1.294e-4));
+  r.rows.push_back(row_of("mla-decode-h16-1x32768-fp8", 2.53e-5));
+  const std::string table = format_report(r, synthetic_info());
+  EXPECT_NE(table.find("fp8 KV rows against the 16-bit row of the same shape"), std::string::npos)
+      << table;
+  EXPECT_NE(table.find("mla-decode-h16-64x8192-fp8           1.72x mla-decode-h16-64x8192"),
+            std::string::npos)
+      << table;
+  EXPECT_EQ(table.find("mla-decode-h16-1x32768-fp8 "), table.rfind("mla-decode-h16-1x32768-fp8 "))
+      << "one line, the row's own: no 16-bit row of its shape ran\n"
+      << table;
+  // decode-16x4096-fp8 failed in synthetic_result and decode-16x4096 ran scaled: no line.
+  EXPECT_EQ(table.find("x decode-16x4096"), std::string::npos) << table;
+  // Without an fp8 row beside its 16-bit one, no section.
+  EXPECT_EQ(format_report(synthetic_result(), synthetic_info()).find("fp8 KV rows against"),
+            std::string::npos);
+}
+
 TEST(BenchReport, PlanRowsCarryTheirPhasesWhenTimed) {
   BenchResult r = synthetic_result();
   r.host_sync = "spin";
