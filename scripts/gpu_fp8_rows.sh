@@ -15,13 +15,7 @@ cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
 gpu_call_labels 585 land pl
 B=/tmp/ab-bin/pl
-F='CudaMlaCta.NativePageSizesWithRaggedLengths'
-gpu_stage tests_pl 90 $B/attnrt_cuda_tests --gtest_brief=1 \
-  --gtest_filter='CudaMlaCta.Fp8*:CudaMlaCta.PairedTile*'
-gpu_stage race_pl 60 compute-sanitizer --tool racecheck --print-limit 3 $B/attnrt_cuda_tests \
-  --gtest_brief=1 --gtest_filter=$F
-gpu_stage sync_pl 25 compute-sanitizer --tool synccheck --num-cuda-barriers 65536 --print-limit 3 \
-  $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$F
+mla_checked pl 90 'CudaMlaCta.Fp8*:CudaMlaCta.PairedTile*'
 echo "== rows"
 for r in 1 2; do
   for v in land pl; do
@@ -32,15 +26,7 @@ done
 # The host plan at batch 256 on this host (issue 20: decode <= 5 µs), after the rows.
 gpu_stage plan 40 $B/attnrt bench --backend cuda --workload decode-64x4096 --no-reference --quiet
 grep -A9 "host plan per step" $O/plan.log | head -12
-NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-name=pl_fp8_pairs
-gpu_stage ncu_pl 60 $NCU --clock-control none --kernel-name regex:mla_pairs_kernel --launch-skip 2 \
-  --launch-count 1 --section WarpStateStats --section SourceCounters -f -o "$O/$name" \
-  $B/attnrt bench --backend cuda --suite mla --workload mla-decode-h128-64x4096-fp8 --repeats 2 \
-  --warmup 1 --no-reference --quiet
-if [ -f "$O/$name.ncu-rep" ]; then
-  $NCU -i "$O/$name.ncu-rep" --page source --csv --print-source sass >"$O/$name.csv" 2>/dev/null
-  python3 bench/ncu_stalls.py "$O/$name.csv" --top 4 --context 1 | grep -A8 "by reason\|wavefronts"
-fi
+NCU_STALLS_ARGS="--top 4 --context 1" gpu_ncu_profile pl_fp8_pairs 60 $B mla \
+  mla-decode-h128-64x4096-fp8 mla_pairs_kernel
 left=$((GPU_END - $(date +%s) - 5))
 [ $left -gt 60 ] && gpu_stage suite_pl $left $B/attnrt_cuda_tests --gtest_brief=1

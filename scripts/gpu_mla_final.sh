@@ -16,13 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
 gpu_call_labels 570 head2 final slot32
-B=/tmp/ab-bin/final
-F='CudaMlaCta.NativePageSizesWithRaggedLengths'
-gpu_stage tests_final 130 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter='CudaMla*'
-gpu_stage race_final 60 compute-sanitizer --tool racecheck --print-limit 3 $B/attnrt_cuda_tests \
-  --gtest_brief=1 --gtest_filter=$F
-gpu_stage sync_final 25 compute-sanitizer --tool synccheck --num-cuda-barriers 65536 --print-limit 3 \
-  $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$F
+mla_checked final 130 'CudaMla*'
 gpu_stage tests_slot32 70 /tmp/ab-bin/slot32/attnrt_cuda_tests --gtest_brief=1 \
   --gtest_filter='CudaMlaCta.PairedTile*:CudaMlaCta.NativePage*:CudaMlaCta.Keys*'
 echo "== rows"

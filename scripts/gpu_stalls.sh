@@ -18,21 +18,11 @@ gpu_call_begin "${CALL_SECONDS:-500}"
 bin=/tmp/stalls-bin
 gpubin_unpack "$1" $bin >/dev/null || exit 1
 shift
-NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 for spec in "$@"; do
   IFS=: read -r suite row kernel <<<"$spec"
   name=$(echo "${row}_${kernel}" | tr -c 'A-Za-z0-9_.+-' '_')
   left=$((GPU_END - $(date +%s)))
   [ $left -lt 45 ] && { echo "$spec: not run (the call's time is spent)"; continue; }
   echo "== $spec"
-  # shellcheck disable=SC2086
-  timeout $((left - 5)) $NCU --clock-control none --kernel-name "regex:$kernel" --launch-skip 2 \
-    --launch-count 1 --section WarpStateStats --section SourceCounters -f -o "$O/$name" \
-    $bin/attnrt bench --backend cuda --suite "$suite" --workload "$row" --repeats 2 --warmup 1 \
-    --no-reference --quiet ${STALLS_BENCH_ARGS:-} >"$O/$name.bench.log" 2>&1
-  if [ ! -f "$O/$name.ncu-rep" ]; then
-    echo "no profile (no launch of a kernel matching $kernel?)"; tail -3 "$O/$name.bench.log"; continue
-  fi
-  $NCU -i "$O/$name.ncu-rep" --page source --csv --print-source sass >"$O/$name.csv" 2>/dev/null
-  python3 bench/ncu_stalls.py "$O/$name.csv" --top 12 --context 2 | head -90
+  gpu_ncu_profile "$name" $((left - 5)) $bin "$suite" "$row" "$kernel"
 done

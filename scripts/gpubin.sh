@@ -100,3 +100,35 @@ mla_ab_round() {
   timeout 20 $bin bench --backend cuda --suite mla --no-reference --quiet --page-size 1 \
     --workload mla-decode-h128-64x4096-fp8 2>&1 | bench_rates "$1 r$2 page1"
 }
+
+# gpu_ncu_profile NAME SECONDS BIN SUITE ROW KERNEL_REGEX: Nsight Compute's stall samples and source
+# counters of one launch of KERNEL_REGEX (the third) on a bench row of BIN/attnrt, as a gpu_stage:
+# $O/NAME.ncu-rep and NAME.csv, then bench/ncu_stalls.py's reasons, top instructions and
+# shared-memory wavefronts by opcode (NCU_STALLS_ARGS, default "--top 12 --context 2").
+gpu_ncu_profile() {
+  local name=$1 t=$2 bin=$3 suite=$4 row=$5 kernel=$6 ncu
+  ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  gpu_stage "$name" "$t" "$ncu" --clock-control none --kernel-name "regex:$kernel" --launch-skip 2 \
+    --launch-count 1 --section WarpStateStats --section SourceCounters -f -o "$O/$name" \
+    "$bin/attnrt" bench --backend cuda --suite "$suite" --workload "$row" --repeats 2 --warmup 1 \
+    --no-reference --quiet ${STALLS_BENCH_ARGS:-}
+  if [ ! -f "$O/$name.ncu-rep" ]; then
+    echo "$name: no profile (no launch of a kernel matching $kernel?)"
+    return
+  fi
+  "$ncu" -i "$O/$name.ncu-rep" --page source --csv --print-source sass >"$O/$name.csv" 2>/dev/null
+  # shellcheck disable=SC2086
+  python3 bench/ncu_stalls.py "$O/$name.csv" ${NCU_STALLS_ARGS:---top 12 --context 2} | head -90
+}
+
+# mla_checked LABEL TEST_SECONDS FILTER: /tmp/ab-bin/LABEL's MLA tests of FILTER, then racecheck and
+# synccheck of the page-size test (every MLA CTA on pages 1 .. 128, bf16 and e4m3), as gpu_stages
+# tests_LABEL, race_LABEL and sync_LABEL.
+mla_checked() {
+  local b=/tmp/ab-bin/$1/attnrt_cuda_tests f='CudaMlaCta.NativePageSizesWithRaggedLengths'
+  gpu_stage "tests_$1" "$2" "$b" --gtest_brief=1 --gtest_filter="$3"
+  gpu_stage "race_$1" 60 compute-sanitizer --tool racecheck --print-limit 3 "$b" --gtest_brief=1 \
+    --gtest_filter=$f
+  gpu_stage "sync_$1" 25 compute-sanitizer --tool synccheck --num-cuda-barriers 65536 \
+    --print-limit 3 "$b" --gtest_brief=1 --gtest_filter=$f
+}
