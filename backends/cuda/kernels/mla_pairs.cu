@@ -33,17 +33,18 @@
 // and S of the next tile takes the part copied first before the second (0: blocks 0 .. 3 first;
 // 1: blocks 4 .. 7 first), so the later part's latency overlaps MMAs. An odd last tile pairs with
 // an all-zero tile past the split (its keys masked: P = 0).
-// An fp8 latent (e4m3 / e5m2, the pool's one scale a layer) needs no space of its own: each raw
-// 16-column chunk of a row lands over one of the two bf16 chunks its values fill
-// (mla_fp8_layout.h), in the same parts and at the same points as the bf16 copies, and the
-// warpgroup that scores the tile converts both parts in place (mla_convert_in_place: a thread
-// reads one chunk and writes the two that cover it, so no barrier inside), its own part first and
-// the other warpgroup's while the first part's MMAs run. The other warpgroup reads its V columns
-// after the hand-overs that follow the conversion. The conversion lies on both warpgroups' chains
-// (H100, mla-decode-h128-64x4096-fp8: 273 TFLOP/s at page 64 and 272 at page 1 against
-// mla_decode.cu's CTA's 266 and 227; 128x8192-fp8 299 against 288), so it takes fp8 latents at
-// every page size (ATTNRT_MLA_FP8_PAIRS_MAX_PAGE lowers the limit). Its raw copies still write
-// 4.5x the ideal shared-memory wavefronts (docs/BENCHMARKS.md), the next thing to remove.
+// An fp8 latent (e4m3 / e5m2, the pool's one scale a layer) needs no space of its own: a pair of
+// column blocks' raw 16-column chunks of a row land in the even block's row, over the two bf16
+// chunks that block k's values will fill (mla_fp8_layout.h), in the same parts and at the same
+// points as the bf16 copies, and the warpgroup that scores the tile converts both parts in place
+// (mla_convert_in_place: a thread reads the two chunks it then overwrites and writes the odd
+// block's two after, so no barrier inside), its own part first and the other warpgroup's while the
+// first part's MMAs run. The other warpgroup reads its V columns after the hand-overs that follow
+// the conversion. The conversion lies on both warpgroups' chains (H100,
+// mla-decode-h128-64x4096-fp8: 279 TFLOP/s at page 64 and 273 at page 1 against mla_decode.cu's
+// CTA's 266 and 227), so it takes fp8 latents at every page size (ATTNRT_MLA_FP8_PAIRS_MAX_PAGE
+// lowers the limit). Its raw copies' LDGSTS still take a shared-memory wavefront a thread (the two
+// threads of a global sector write chunks 32 bytes apart; docs/BENCHMARKS.md).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -592,8 +593,9 @@ __global__ void __launch_bounds__(MlaPairsCfg::kThreads, 1)
 EnvSwitch g_pairs("ATTNRT_MLA_PAIRS", 0, 1, 1, "cuda backend",
                   "1 (the paired-tile CTA for 64-row MLA items, the default) or 0 (mla_decode.cu's "
                   "CTA)");
-// The clusters measured 1.01-1.03x when they landed, 0.95x once the fp8 paired-tile CTA shared
-// their kernel's code (H100, two rounds: h128-64x4096 409 against 430 TFLOP/s), so they are off.
+// The clusters measured 1.01-1.03x when they landed and 0.95x one CTA an item on a later tree and
+// another H100 host (two rounds: h128-64x4096 409 against 430 TFLOP/s; not explained yet), so they
+// are off.
 EnvSwitch g_mc("ATTNRT_MLA_MC", 0, 1, 0, "cuda backend",
                "1 (two-CTA multicast clusters at 128 heads and pages >= 32) or 0 (one CTA an "
                "item, the default)");
