@@ -48,8 +48,7 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
             "shared memory at pages of up to 16 slots{} - MLA's 576 / 512 dims with bf16 q{} "
             "[ATTNRT_MLA_PAIRS=0: mla_decode.cu's CTA instead]",
             rows,
-            fp8 ? ""
-            : mla_pairs_mc_enabled()
+            !fp8 && mla_pairs_mc_enabled()
                 ? ", and at 128 heads and pages of 32 slots or more a token's two CTAs in a "
                   "cluster, each tile's TMA boxes multicast to both [ATTNRT_MLA_MC=1]"
                 : "",

@@ -29,8 +29,7 @@ std::optional<CUtensorMap> mla_latent_tensor_map(const AttnParams& p, int box_ro
 bool mla_pairs_mc_enabled();
 void set_mla_pairs_mc(bool on);
 // The largest page size at which an fp8 latent takes the paired-tile CTA (mla_decode.cu's CTA
-// above): ATTNRT_MLA_FP8_PAIRS_MAX_PAGE, 128 (every page size) unless set
-// (read once).
+// above): ATTNRT_MLA_FP8_PAIRS_MAX_PAGE, 128 (every page size) unless set (read once).
 int mla_pairs_fp8_max_page();
 // The keys-on-M MLA CTA (mla_keys_m.cu) for items of at most 16 rows (the decode tile shape);
 // empty for keys it does not take.

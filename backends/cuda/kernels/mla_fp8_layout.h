@@ -13,10 +13,10 @@
 // then reads the two chunks it writes first and writes the odd block's two after, so no thread
 // writes where another reads, and the eight threads that copy a row's 128 contiguous raw bytes (a
 // quarter warp: chunks 0 .. 3 of two adjacent blocks) write the eight chunks of one 128-byte row.
-// The form before (block k + 1's raw chunks in block k + 1's own row, a quarter warp's copies
-// over two rows 8 KB apart, bank-conflict free) wrote 4.5x the ideal shared-memory wavefronts
-// with its LDGSTS (Nsight Compute, H100): one global 128-byte line is one shared-memory row here,
-// as in the bf16 tiles' copies (1.00x).
+// LDGSTS still take a shared-memory wavefront a thread here (7.76x the ideal, Nsight Compute,
+// H100; the form before, block k + 1's chunks in its own row, 4.50x on its own ideal), where the
+// bf16 copies are at 1.00x: the two threads of a 32-byte global sector write chunks 32 bytes
+// apart (2 ch, 2 ch + 2), not a 32-byte pair (patches/mla-fp8-sector-pairs.patch changes that).
 #pragma once
 
 #include <cstdint>

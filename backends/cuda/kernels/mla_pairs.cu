@@ -612,7 +612,8 @@ struct MlaPairsCta {
   static cudaError_t launch(const AttnParams& p, const AttnKernelKey& key, int num_items,
                             cudaStream_t stream, bool dependent) {
     // The clusters take a 16-bit latent only (their boxes are whole bf16 tiles).
-    if (!FP8 && p.page_shift >= 5 && p.group == 128 && num_items % 2 == 0 && g_mc.get() != 0) {
+    if (!FP8 && p.page_shift >= 5 && p.group == 128 && num_items % 2 == 0 &&
+        mla_pairs_mc_enabled()) {
       if (const std::optional<CUtensorMap> map = mla_latent_tensor_map(p, 32)) {
         constexpr auto kernel = mla_pairs_mc_kernel<__nv_bfloat16>;
         const cudaError_t attr = allow_dynamic_smem<kernel>(MlaPairsCfg::kSmemBytes);
