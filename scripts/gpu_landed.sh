@@ -10,7 +10,8 @@
 #      torch's flash and cuDNN on the same shapes (bench/torch_sdpa.py --from) and the ratios;
 #   4. the MLA rows, torch's forms of them (bench/torch_mla.py --from) and the ratios;
 #   5. gdn-decode-64 (linear suite; % of copy).
-#   usage: OUT=DIR [CALL_SECONDS=590] [TESTS=filter] scripts/gpu_landed.sh   (carry .gpubin, .devdeps)
+#   usage: OUT=DIR [CALL_SECONDS=590] [TESTS=filter] [TESTS_SECONDS=170] scripts/gpu_landed.sh
+#          (carry .gpubin, .devdeps; the whole suite, TESTS='*', takes ~215 s on an H100)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
@@ -19,7 +20,7 @@ gpubin_unpack .gpubin /tmp/bin || exit 1
 B=/tmp/bin
 $B/attnrt info 2>&1 | sed -n 3p
 tests=${TESTS:-'*Prefill*:*Mla*:*Swa*:*Kv8*:CudaBackendTest.*:*Split*:*Graph*'}
-gpu_stage tests 170 $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$tests"
+gpu_stage tests "${TESTS_SECONDS:-170}" $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$tests"
 pers='CudaPrefillWsPingPongTest.MoreWorkItemsThanSms:CudaPrefillWsTmaTest.MoreWorkItemsThanSms'
 for tool in racecheck synccheck; do
   extra=(); [ $tool = racecheck ] && extra=(--racecheck-report hazard)
