@@ -10,7 +10,8 @@
 #      torch's flash and cuDNN on the same shapes (bench/torch_sdpa.py --from) and the ratios;
 #   4. the MLA rows, torch's forms of them (bench/torch_mla.py --from) and the ratios;
 #   5. gdn-decode-64 (linear suite; % of copy).
-#   usage: OUT=DIR [CALL_SECONDS=590] [TESTS=filter] [TESTS_SECONDS=170] scripts/gpu_landed.sh
+#   usage: OUT=DIR [CALL_SECONDS=590] [TESTS=filter] [TESTS_SECONDS=170] [SANITIZE=0]
+#          scripts/gpu_landed.sh
 #          (carry .gpubin, .devdeps; the whole suite, TESTS='*', takes ~215 s on an H100)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,7 @@ tests=${TESTS:-'*Prefill*:*Mla*:*Swa*:*Kv8*:CudaBackendTest.*:*Split*:*Graph*'}
 gpu_stage tests "${TESTS_SECONDS:-170}" $B/attnrt_cuda_tests --gtest_brief=1 --gtest_filter="$tests"
 pers='CudaPrefillWsPingPongTest.MoreWorkItemsThanSms:CudaPrefillWsTmaTest.MoreWorkItemsThanSms'
 for tool in racecheck synccheck; do
+  [ "${SANITIZE:-1}" = 1 ] || break
   extra=(); [ $tool = racecheck ] && extra=(--racecheck-report hazard)
   gpu_stage $tool 40 compute-sanitizer --tool $tool "${extra[@]}" --error-exitcode 9 \
     $B/attnrt_cuda_tests --gtest_filter="$pers"
