@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <random>
+#include <map>
 #include <set>
 #include <vector>
 
@@ -67,11 +68,13 @@ TEST(CudaMlaCta, DispatchSendsBf16LatentLaunchesToIt) {
 
 // Host model of the paired-tile CTA's fp8 tiles (mla_fp8_layout.h), over the kernel's thread
 // indices and the four parts its warpgroups copy ([0, 4), [4, 9), [4, 8), [0, 4) + [8, 9)): every
-// raw chunk of a part is copied once, to where the converting thread reads it; the conversion
-// writes every bf16 chunk of the part once, at the 128-byte swizzled place the MMAs read, and
-// over no raw chunk but its own; each quarter warp's copies, loads and stores touch 8 different
-// 16-byte bank groups, and a quarter warp's copies (a row's 128 contiguous raw bytes) one
-// 128-byte row of shared memory.
+// raw chunk of a part is copied once, to where the converting thread reads it; a quarter warp's
+// copies (a row's 128 contiguous raw bytes) write one 128-byte row of shared memory, each 32-byte
+// global sector to a 32-byte pair of it (what LDGSTS needs to write a sector at once), on 8
+// different 16-byte bank groups. The conversion reads every raw chunk once and writes every bf16
+// chunk of the part once, at the 128-byte swizzled place the MMAs read; a row's raw chunks are
+// read and overwritten by one quarter warp only (its __syncwarp orders them), and a quarter warp's
+// load and each of its two stores touch 8 different bank groups.
 TEST(CudaMlaCta, Fp8InPlaceLayoutOfThePairedTileCta) {
   using cuda::mla_bf16_chunk;
   using cuda::mla_raw_chunk;
@@ -80,7 +83,7 @@ TEST(CudaMlaCta, Fp8InPlaceLayoutOfThePairedTileCta) {
   const std::vector<std::vector<std::pair<int, int>>> parts = {
       {{0, 4}}, {{4, 9}}, {{4, 8}}, {{0, 4}, {8, 9}}};
   for (const auto& part : parts) {
-    std::set<uint32_t> raw;
+    std::map<uint32_t, int> raw;  // raw chunk -> its (block, row, chunk) as one number
     int part_chunks = 0;
     // The copies: thread wt (row ld_row = wt / 8, ld_c = wt % 8), rows ld_row + 16 r, chunks
     // i + ld_c of each range's 4 (B1 - B0) (copy_blocks), one quarter warp = one row.
@@ -92,6 +95,7 @@ TEST(CudaMlaCta, Fp8InPlaceLayoutOfThePairedTileCta) {
           for (int quarter = 0; quarter < 16; ++quarter) {
             std::set<int> groups;
             std::set<uint32_t> lines;
+            uint32_t at_of[8] = {};
             for (int l = 0; l < 8; ++l) {
               const int wt = 8 * quarter + l, ld_row = wt >> 3, ld_c = wt & 7;
               if (!(i + 8 <= chunks || ld_c < 4)) continue;
@@ -99,59 +103,75 @@ TEST(CudaMlaCta, Fp8InPlaceLayoutOfThePairedTileCta) {
                   cuda::mla_raw_in_place(ld_row, ld_c) + r * 16 * 128 + (b0 + i / 4) * kBlock;
               const int k = b0 + i / 4 + ld_c / 4, row = ld_row + 16 * r, ch = ld_c % 4;
               EXPECT_EQ(at, mla_raw_chunk(k, row, ch)) << k << " " << row << " " << ch;
-              EXPECT_TRUE(raw.insert(at).second) << "copied twice: " << at;
+              EXPECT_TRUE(raw.emplace(at, (k * 64 + row) * 4 + ch).second) << "copied twice";
               groups.insert(group(at));
               lines.insert(at >> 7);
+              at_of[l] = at;
             }
-            if (i + 8 <= chunks) EXPECT_EQ(groups.size(), 8u) << "copies, quarter " << quarter;
+            const int lanes = i + 8 <= chunks ? 8 : 4;
+            EXPECT_EQ(static_cast<int>(groups.size()), lanes) << "copies, quarter " << quarter;
             EXPECT_EQ(lines.size(), 1u) << "copies, quarter " << quarter;
+            // Lanes 2m and 2m + 1 read one 32-byte sector: they write one 32-byte pair.
+            for (int l = 0; l < lanes; l += 2) EXPECT_EQ(at_of[l] >> 5, at_of[l + 1] >> 5) << l;
           }
     }
     EXPECT_EQ(static_cast<int>(raw.size()), part_chunks);
-    // The conversion (mla_convert_in_place): thread wt, rows wt / 4 + 32 j, chunk wt % 4, the
-    // part's blocks in pairs (k, k + 1) from an even k, block 8 alone.
-    std::set<uint32_t> written;
+    // The conversion (mla_convert_in_place): thread wt, x = wt % 8; a pair of blocks from an even
+    // k, four rows a thread; block 8 alone, two.
+    std::set<uint32_t> written, read;
     for (auto [b0, b1] : part)
-      for (int k = b0; k < b1; k += 2)
-        for (int j = 0; j < 2; ++j)
+      for (int k = b0; k < b1; k += 2) {
+        const bool single = k + 1 == b1;
+        const int items = single ? 2 : 4;
+        const int row_step = single ? 32 : 16;
+        std::map<uint32_t, int> reader;  // raw chunk -> the warp that reads it in this call
+        for (int r = 0; r < items; ++r)
+          for (int wt = 0; wt < 128; ++wt)
+            reader[cuda::mla_convert_src(wt, r, single) + k * kBlock] = wt >> 5;
+        for (int r = 0; r < items; ++r)
           for (int quarter = 0; quarter < 16; ++quarter) {
-            std::set<int> loads_a, loads_b, stores[4];
+            std::set<int> loads, first, second;
             for (int l = 0; l < 8; ++l) {
-              const int wt = 8 * quarter + l, row = (wt >> 2) + 32 * j, ch = wt & 3;
-              const bool pair = k + 1 < b1;
-              const uint32_t a = cuda::mla_convert_lo(wt) + k * kBlock + j * 32 * 128, b = a ^ 16u;
-              // Reads: the even block's chunks a (raw of block k) and b (raw of block k + 1).
-              EXPECT_EQ(a, mla_raw_chunk(k, row, ch));
-              EXPECT_EQ(raw.count(a), 1u);
-              loads_a.insert(group(a));
-              if (pair) {
-                EXPECT_EQ(b, mla_raw_chunk(k + 1, row, ch));
-                EXPECT_EQ(raw.count(b), 1u);
-                loads_b.insert(group(b));
-              } else {
-                EXPECT_EQ(raw.count(b), 0u) << "block " << k << " alone: b holds no raw chunk";
-              }
-              // Writes: chunks 2 ch and 2 ch + 1 of block k at a and b, and of block k + 1.
-              EXPECT_EQ(a, mla_bf16_chunk(k, row, 2 * ch));
-              EXPECT_EQ(b, mla_bf16_chunk(k, row, 2 * ch + 1));
-              std::vector<uint32_t> w = {a, b};
-              if (pair) {
-                EXPECT_EQ(a + kBlock, mla_bf16_chunk(k + 1, row, 2 * ch));
-                EXPECT_EQ(b + kBlock, mla_bf16_chunk(k + 1, row, 2 * ch + 1));
-                w.push_back(a + kBlock);
-                w.push_back(b + kBlock);
-                // The odd block's row holds no raw chunk: written before the even one's.
-                EXPECT_EQ(raw.count(a + kBlock) + raw.count(b + kBlock), 0u);
-              }
-              for (size_t x = 0; x < w.size(); ++x) {
-                EXPECT_TRUE(written.insert(w[x]).second);
-                stores[x].insert(group(w[x]));
-              }
+              const int wt = 8 * quarter + l, x = wt & 7;
+              if (single && r > 0)
+                EXPECT_EQ(cuda::mla_convert_row(wt, r, true),
+                          cuda::mla_convert_row(wt, 0, true) + row_step * r);
+              const int row = cuda::mla_convert_row(wt, r, single);
+              const uint32_t src = cuda::mla_convert_src(wt, 0, single) + k * kBlock +
+                                   r * row_step * 128,
+                             dst = cuda::mla_convert_dst(wt, 0, single) + k * kBlock +
+                                   r * row_step * 128;
+              EXPECT_EQ(src, cuda::mla_convert_src(wt, r, single) + k * kBlock);
+              const int kb = single ? k : k + x / 4, ch = single ? x & 3 : x % 4;
+              // It reads its raw chunk ...
+              ASSERT_EQ(raw.count(src), 1u) << "k " << k << " row " << row << " x " << x;
+              EXPECT_EQ(raw[src], (kb * 64 + row) * 4 + ch);
+              EXPECT_TRUE(read.insert(src).second);
+              // ... and writes the bf16 chunks 2 ch, 2 ch + 1 of its block (the odd one first
+              // where x >= 4).
+              const uint32_t lo = mla_bf16_chunk(kb, row, 2 * ch),
+                             hi = mla_bf16_chunk(kb, row, 2 * ch + 1);
+              EXPECT_EQ(dst, x >= 4 ? hi : lo);
+              EXPECT_EQ(dst ^ 16u, x >= 4 ? lo : hi);
+              EXPECT_TRUE(written.insert(lo).second);
+              EXPECT_TRUE(written.insert(hi).second);
+              // A raw chunk it overwrites is read in this call, by its own warp (before the
+              // __syncwarp that precedes every store of the call).
+              for (uint32_t w : {lo, hi})
+                if (raw.count(w)) {
+                  ASSERT_EQ(reader.count(w), 1u) << "overwritten before its conversion: " << w;
+                  EXPECT_EQ(reader[w], wt >> 5);
+                }
+              loads.insert(group(src));
+              first.insert(group(dst));
+              second.insert(group(dst ^ 16u));
             }
-            EXPECT_EQ(loads_a.size(), 8u);
-            if (k + 1 < b1) EXPECT_EQ(loads_b.size(), 8u);
-            for (int x = 0; x < (k + 1 < b1 ? 4 : 2); ++x) EXPECT_EQ(stores[x].size(), 8u);
+            EXPECT_EQ(loads.size(), 8u) << "k " << k << " r " << r << " quarter " << quarter;
+            EXPECT_EQ(first.size(), 8u);
+            EXPECT_EQ(second.size(), 8u);
           }
+      }
+    EXPECT_EQ(read.size(), raw.size());
     // Every bf16 chunk of the part, nothing outside it.
     EXPECT_EQ(static_cast<int>(written.size()), 2 * part_chunks);
     for (uint32_t at : written) {

@@ -34,17 +34,17 @@
 // 1: blocks 4 .. 7 first), so the later part's latency overlaps MMAs. An odd last tile pairs with
 // an all-zero tile past the split (its keys masked: P = 0).
 // An fp8 latent (e4m3 / e5m2, the pool's one scale a layer) needs no space of its own: a pair of
-// column blocks' raw 16-column chunks of a row land in the even block's row, over the two bf16
-// chunks that block k's values will fill (mla_fp8_layout.h), in the same parts and at the same
-// points as the bf16 copies, and the warpgroup that scores the tile converts both parts in place
-// (mla_convert_in_place: a thread reads the two chunks it then overwrites and writes the odd
-// block's two after, so no barrier inside), its own part first and the other warpgroup's while the
-// first part's MMAs run. The other warpgroup reads its V columns after the hand-overs that follow
+// column blocks' raw 16-column chunks of a row land in the even block's row in their global order
+// (mla_fp8_layout.h: each 32-byte global sector of a copy as a 32-byte pair), in the same parts and
+// at the same points as the bf16 copies, and the warpgroup that scores the tile converts both parts
+// in place (mla_convert_in_place: a quarter warp reads a row's raw chunks, meets at a __syncwarp,
+// and writes the row's bf16 chunks of both blocks), its own part first and the other warpgroup's
+// while the first part's MMAs run. The other warpgroup reads its V columns after the hand-overs that follow
 // the conversion. The conversion lies on both warpgroups' chains (H100,
 // mla-decode-h128-64x4096-fp8: 279 TFLOP/s at page 64 and 273 at page 1 against mla_decode.cu's
 // CTA's 266 and 227), so it takes fp8 latents at every page size (ATTNRT_MLA_FP8_PAIRS_MAX_PAGE
-// lowers the limit). Its raw copies' LDGSTS still take a shared-memory wavefront a thread (the two
-// threads of a global sector write chunks 32 bytes apart; docs/BENCHMARKS.md).
+// lowers the limit). With a sector's two chunks 32 bytes apart (the layout before) its raw copies'
+// LDGSTS took a shared-memory wavefront a thread (docs/BENCHMARKS.md).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 

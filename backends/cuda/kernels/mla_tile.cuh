@@ -61,37 +61,46 @@ __device__ __forceinline__ void fp8x16_to_bf16(const uint4& w, uint4& lo, uint4&
 
 // Converts column blocks [B0, B1) (B0 even) of a tile whose raw chunks landed in place
 // (mla_fp8_layout.h), by the 128 threads of a warpgroup (wt: 0 .. 127; tile: its shared-memory
-// address): thread wt takes raw chunk ch = wt & 3 of rows wt >> 2 and 32 + (wt >> 2) of every
-// block. In a pair of blocks (k, k + 1) it reads the two raw chunks at the even block's chunks
-// 2 ch and 2 ch + 1 and writes the 64 bytes of bf16 values that cover them, the even block's over
-// the same two chunks and the odd block's at its own; block 8 alone, one chunk read and two
-// written. So no thread writes where another reads. A quarter warp's two rows x four chunks fall
-// on all 32 banks once in each access. 16-byte accesses by ld_shared_v4 / st_shared_v4 (through a
-// uint4 pointer nvcc split the e4m3 loads into four 32-bit ones: 3.8x the ideal wavefronts
-// measured). Values come out times 2^-112 (fp8x16_to_bf16).
+// address). A pair of blocks (k, k + 1): the eight threads of a quarter warp read the eight raw
+// chunks of a row (four rows each), meet at a __syncwarp (a row's bf16 chunks of block k overwrite
+// raw chunks of all eight), then each writes the 32 bytes that cover its chunk, in block k or
+// k + 1; block 8 alone, two rows a thread. mla_convert_src / mla_convert_dst give the offsets, and
+// make a quarter warp's load and each of its two stores fall on the 32 banks once. 16-byte
+// accesses by ld_shared_v4 / st_shared_v4 (through a uint4 pointer nvcc split the e4m3 loads into
+// four 32-bit ones: 3.8x the ideal wavefronts measured). Values come out times 2^-112
+// (fp8x16_to_bf16).
+template <bool E5M2, int RPT>
+__device__ __forceinline__ void mla_convert_rows(uint32_t src, uint32_t dst, uint32_t row_step,
+                                                 bool odd_first) {
+  uint4 w[RPT];
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) w[r] = ld_shared_v4(src + r * row_step);
+  __syncwarp();
+#pragma unroll
+  for (int r = 0; r < RPT; ++r) {
+    uint4 v = w[r];
+    if (odd_first) v = make_uint4(v.z, v.w, v.x, v.y);  // the odd chunk's bytes first
+    uint4 first, second;
+    fp8x16_to_bf16<E5M2>(v, first, second);
+    st_shared_v4(dst + r * row_step, first);
+    st_shared_v4((dst + r * row_step) ^ 16u, second);
+  }
+}
+
 template <bool E5M2, int B0, int B1>
 __device__ __forceinline__ void mla_convert_in_place(uint32_t tile, int wt) {
   static_assert(B0 % 2 == 0);
   constexpr uint32_t kBlock = kMlaTileKeys * 128;
-  const uint32_t a = tile + mla_convert_lo(wt), b = a ^ 16u;
+  const bool odd_first = (wt & 4) != 0;
+  const uint32_t src = tile + mla_convert_src(wt, 0, false),
+                 dst = tile + mla_convert_dst(wt, 0, false);
 #pragma unroll
-  for (int k = B0; k < B1; k += 2)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const uint32_t at = k * kBlock + j * 32 * 128;
-      uint4 lo, hi;
-      if (k + 1 < B1) {
-        const uint4 ra = ld_shared_v4(a + at), rb = ld_shared_v4(b + at);
-        fp8x16_to_bf16<E5M2>(rb, lo, hi);
-        st_shared_v4(a + at + kBlock, lo);
-        st_shared_v4(b + at + kBlock, hi);
-        fp8x16_to_bf16<E5M2>(ra, lo, hi);
-      } else {
-        fp8x16_to_bf16<E5M2>(ld_shared_v4(a + at), lo, hi);
-      }
-      st_shared_v4(a + at, lo);
-      st_shared_v4(b + at, hi);
-    }
+  for (int k = B0; k + 1 < B1; k += 2)
+    mla_convert_rows<E5M2, 4>(src + k * kBlock, dst + k * kBlock, 16 * 128, odd_first);
+  if constexpr ((B1 - B0) % 2 == 1)
+    mla_convert_rows<E5M2, 2>(tile + mla_convert_src(wt, 0, true) + (B1 - 1) * kBlock,
+                              tile + mla_convert_dst(wt, 0, true) + (B1 - 1) * kBlock, 32 * 128,
+                              odd_first);
 }
 
 // Eight bf16 values at `p` (shared memory) times 2^64, exactly (an exponent step; q is far below
@@ -375,10 +384,10 @@ struct MlaTileCopier {
       copy_blocks<B0, B1>(stage, r, row_src(slot[r]), slot[r] >= 0);
     }
   }
-  // fp8 (the paired-tile CTA, ld_swz from mla_raw_in_place): the row's raw 16-column chunk ch of
-  // block k lands over one of the two bf16 chunks its values fill (mla_fp8_layout.h), so
-  // mla_convert_in_place needs no barrier: a thread reads a chunk and writes only those two.
-  // Eight threads a row take the part's 4 (B1 - B0) raw chunks of the row eight at a time.
+  // fp8 (the paired-tile CTA, ld_swz from mla_raw_in_place): a pair of blocks' raw chunks of a
+  // row land in the even block's row in their global order (mla_fp8_layout.h), where
+  // mla_convert_in_place turns them into bf16 in place. Eight threads a row take the part's
+  // 4 (B1 - B0) raw chunks of the row eight at a time.
   template <int B0, int B1>
   __device__ __forceinline__ void copy_blocks(int stage, int r, const unsigned char* src,
                                               bool valid) {
