@@ -20,3 +20,4 @@ for r in 1 2; do
     mla_ab_round $v $r
   done
 done
+ab_table pl2

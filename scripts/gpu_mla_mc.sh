@@ -16,8 +16,9 @@ rows=mla-decode-h128-64x4096,mla-decode-h128-128x8192,mla-verify-chain-64x4096+4
 for r in 1 2; do
   for mc in 0 1; do
     ATTNRT_MLA_MC=$mc timeout 30 $B/attnrt bench --backend cuda --suite mla --no-reference --quiet \
-      --workload $rows 2>&1 | bench_rates "mc=$mc r$r"
+      --workload $rows --json "$O/mc${mc}_r${r}.json" 2>&1 | bench_rates "mc=$mc r$r"
   done
 done
 ATTNRT_MLA_MC=0 gpu_ncu_profile one_cta 60 $B mla mla-decode-h128-64x4096 mla_pairs_kernel
 ATTNRT_MLA_MC=1 gpu_ncu_profile clusters 60 $B mla mla-decode-h128-64x4096 mla_pairs_mc_kernel
+ab_table mc0

@@ -94,11 +94,18 @@ MLA_AB_ROWS=$MLA_AB_ROWS,mla-verify-tree-64x4096+16-topk4
 mla_ab_round() {
   local bin=/tmp/ab-bin/$1/attnrt log=$O/bench_$1_r$2.log
   timeout 60 $bin bench --backend cuda --suite mla --no-reference --quiet --workload $MLA_AB_ROWS \
-    >"$log" 2>&1
+    --json "$O/$1_r$2.json" >"$log" 2>&1
   bench_rates "$1 r$2" <"$log"
   awk -v t="$1 r$2 ceiling" '$1 ~ /^(memory|bf16)$/ {print t, $0}' "$log"
   timeout 20 $bin bench --backend cuda --suite mla --no-reference --quiet --page-size 1 \
-    --workload mla-decode-h128-64x4096-fp8 2>&1 | bench_rates "$1 r$2 page1"
+    --workload mla-decode-h128-64x4096-fp8 --json "$O/$1-p1_r$2.json" 2>&1 |
+    bench_rates "$1 r$2 page1"
+}
+
+# ab_table BASE: bench/ab.py's table of every --json report under $O (mla_ab_round's), against the
+# label BASE; printed last by the call scripts so that a `tail` of the call's output keeps it.
+ab_table() {
+  python3 bench/ab.py "$O"/*.json --base "$1" 2>&1 | tail -n 40
 }
 
 # gpu_ncu_profile NAME SECONDS BIN SUITE ROW KERNEL_REGEX: Nsight Compute's stall samples and source
