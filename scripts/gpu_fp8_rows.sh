@@ -17,12 +17,7 @@ gpu_call_labels 585 land pl
 B=/tmp/ab-bin/pl
 mla_checked pl 90 'CudaMlaCta.Fp8*:CudaMlaCta.PairedTile*'
 echo "== rows"
-for r in 1 2; do
-  for v in land pl; do
-    [ $(date +%s) -gt $((GPU_END - 300)) ] && { echo "rows: out of time"; break 2; }
-    mla_ab_round $v $r
-  done
-done
+mla_ab_rounds 300 land pl
 # The host plan at batch 256 on this host (issue 20: decode <= 5 µs), after the rows.
 gpu_stage plan 40 $B/attnrt bench --backend cuda --workload decode-64x4096 --no-reference --quiet
 grep -A9 "host plan per step" $O/plan.log | head -12

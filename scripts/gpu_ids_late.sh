@@ -14,10 +14,5 @@ tail -n 3 "$O/tests_ids.log"
 MLA_AB_ROWS=mla-decode-h128-64x4096,mla-decode-h128-128x8192,mla-decode-h16-64x8192
 MLA_AB_ROWS=$MLA_AB_ROWS,mla-decode-h16-1x32768,mla-decode-h128-64x4096-p1
 MLA_AB_ROWS=$MLA_AB_ROWS,mla-decode-h128-64x4096-fp8,mla-verify-chain-64x4096+4
-for r in 1 2; do
-  for v in pl2 ids; do
-    [ $(date +%s) -gt $((GPU_END - 20)) ] && { echo "rows: out of time"; break 2; }
-    mla_ab_round $v $r
-  done
-done
+mla_ab_rounds 20 pl2 ids
 ab_table pl2

@@ -102,6 +102,19 @@ mla_ab_round() {
     bench_rates "$1 r$2 page1"
 }
 
+# mla_ab_rounds RESERVE LABEL...: two rounds of mla_ab_round over the LABELs in turn, stopping
+# where fewer than RESERVE seconds are left before GPU_END (the stages after the rows).
+mla_ab_rounds() {
+  local reserve=$1 r v
+  shift
+  for r in 1 2; do
+    for v in "$@"; do
+      [ "$(date +%s)" -gt $((GPU_END - reserve)) ] && { echo "rows: out of time"; return; }
+      mla_ab_round "$v" "$r"
+    done
+  done
+}
+
 # ab_table BASE: bench/ab.py's table of every --json report under $O (mla_ab_round's), against the
 # label BASE; printed last by the call scripts so that a `tail` of the call's output keeps it.
 ab_table() {
