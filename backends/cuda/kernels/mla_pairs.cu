@@ -594,8 +594,9 @@ EnvSwitch g_pairs("ATTNRT_MLA_PAIRS", 0, 1, 1, "cuda backend",
                   "1 (the paired-tile CTA for 64-row MLA items, the default) or 0 (mla_decode.cu's "
                   "CTA)");
 // The clusters measured 1.01-1.03x when they landed and 0.95x one CTA an item on a later tree and
-// another H100 host (two rounds: h128-64x4096 409 against 430 TFLOP/s; not explained yet), so they
-// are off.
+// another H100 host (two rounds: h128-64x4096 409 against 430 TFLOP/s), so they are off: their
+// profile trades the L2 waits they remove for instruction fetch, HGMMA waits and the cluster
+// barriers (docs/mla.md).
 EnvSwitch g_mc("ATTNRT_MLA_MC", 0, 1, 0, "cuda backend",
                "1 (two-CTA multicast clusters at 128 heads and pages >= 32) or 0 (one CTA an "
                "item, the default)");
