@@ -39,8 +39,8 @@
 // at the same points as the bf16 copies, and the warpgroup that scores the tile converts both parts
 // in place (mla_convert_in_place: a quarter warp reads a row's raw chunks, meets at a __syncwarp,
 // and writes the row's bf16 chunks of both blocks), its own part first and the other warpgroup's
-// while the first part's MMAs run. The other warpgroup reads its V columns after the hand-overs that follow
-// the conversion. The conversion lies on both warpgroups' chains (H100,
+// while the first part's MMAs run. The other warpgroup reads its V columns after the hand-overs
+// that follow the conversion. The conversion lies on both warpgroups' chains (H100,
 // mla-decode-h128-64x4096-fp8: 279 TFLOP/s at page 64 and 273 at page 1 against mla_decode.cu's
 // CTA's 266 and 227), so it takes fp8 latents at every page size (ATTNRT_MLA_FP8_PAIRS_MAX_PAGE
 // lowers the limit). With a sector's two chunks 32 bytes apart (the layout before) its raw copies'
