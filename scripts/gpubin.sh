@@ -115,10 +115,18 @@ mla_ab_rounds() {
   done
 }
 
-# ab_table BASE: bench/ab.py's table of every --json report under $O (mla_ab_round's), against the
-# label BASE; printed last by the call scripts so that a `tail` of the call's output keeps it.
+# ab_table BASE: bench/ab.py's tables of the --json reports under $O (mla_ab_round's), against the
+# label BASE: the rows at the suite's page size, then mla_ab_round's page-1 row (labels LABEL-p1,
+# so that its row is held against BASE's page-1 run, not BASE's row of the same name at page 64).
+# Printed last by the call scripts, so that a `tail` of the call's output keeps them.
 ab_table() {
-  python3 bench/ab.py "$O"/*.json --base "$1" 2>&1 | tail -n 40
+  local main=() p1=() f
+  for f in "$O"/*.json; do
+    case $f in *-p1_r*.json) p1+=("$f") ;; *) main+=("$f") ;; esac
+  done
+  [ ${#main[@]} -gt 0 ] && python3 bench/ab.py "${main[@]}" --base "$1" 2>&1 | tail -n 40
+  [ ${#p1[@]} -gt 0 ] && python3 bench/ab.py "${p1[@]}" --base "$1-p1" 2>&1 | tail -n 6
+  return 0
 }
 
 # gpu_ncu_profile NAME SECONDS BIN SUITE ROW KERNEL_REGEX: Nsight Compute's stall samples and source
