@@ -58,22 +58,29 @@ class CudaPrefillTest : public ::testing::Test {
     if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason;
     saved_ = cuda::prefill_ws_mode();
     saved_tma_ = cuda::prefill_tma_enabled();
+    saved_ahead_ = cuda::prefill_ahead_mode();
     cuda::set_prefill_ws_mode(ws_mode());
     cuda::set_prefill_tma(tma());
+    cuda::set_prefill_ahead(ahead());
     ASSERT_EQ(cuda::prefill_ws_mode(), ws_mode());
     ASSERT_EQ(cuda::prefill_tma_enabled(), tma());
+    ASSERT_EQ(cuda::prefill_ahead_mode(), ahead());
   }
   void TearDown() override {
     if (!query_cuda().usable) return;
     cuda::set_prefill_ws_mode(saved_);
     cuda::set_prefill_tma(saved_tma_);
+    cuda::set_prefill_ahead(saved_ahead_);
   }
   virtual int ws_mode() const { return 0; }
   virtual bool tma() const { return false; }
+  // The d128 ping-pong CTA's S one tile ahead (taken with Q by TMA): 0 off, else its V stages.
+  virtual int ahead() const { return 0; }
 
  private:
   int saved_ = 0;
   bool saved_tma_ = true;
+  int saved_ahead_ = 0;
 };
 
 class CudaPrefillWsTest : public CudaPrefillTest {
@@ -92,6 +99,17 @@ class CudaPrefillWsTmaTest : public CudaPrefillTest {
   bool tma() const override { return true; }
 };
 
+// The default with the d128 CTA's S one tile ahead: 3 K and 2 V stages, 2 and 2.
+class CudaPrefillWsAheadTest : public CudaPrefillWsTmaTest {
+ protected:
+  int ahead() const override { return 32; }
+};
+
+class CudaPrefillWsAhead2Test : public CudaPrefillWsTmaTest {
+ protected:
+  int ahead() const override { return 22; }
+};
+
 // A case of the four suites.
 #define PREFILL_CASE(name)                                  \
   void name##Case();                                        \
@@ -99,6 +117,8 @@ class CudaPrefillWsTmaTest : public CudaPrefillTest {
   TEST_F(CudaPrefillWsTest, name) { name##Case(); }         \
   TEST_F(CudaPrefillWsPingPongTest, name) { name##Case(); } \
   TEST_F(CudaPrefillWsTmaTest, name) { name##Case(); }      \
+  TEST_F(CudaPrefillWsAheadTest, name) { name##Case(); }    \
+  TEST_F(CudaPrefillWsAhead2Test, name) { name##Case(); }   \
   void name##Case()
 
 // The prefill kernel walks the plan's prefill and verify work items: its CTAs must cover the same

@@ -24,6 +24,8 @@ constexpr int kWsUnread = -2;
 std::atomic<int> g_prefill_ws{kWsUnread};
 // -1 until the first read; then 0 or 1.
 std::atomic<int> g_prefill_tma{-1};
+// -1 until the first read; then 0, 2 or 3.
+std::atomic<int> g_prefill_ahead{-1};
 
 // The CTAs with a TMA-producer instantiation.
 constexpr bool has_tma_variant(int head_dim, bool ping_pong) {
@@ -149,6 +151,20 @@ struct WsCta {
     constexpr bool fp16 = std::is_same_v<T, __half>;
     if constexpr (has_tma_variant(D, PP)) {
       if (const auto maps = tma_maps(p, D, fp16, PP)) {
+        if constexpr (D == 128 && PP) {
+          if (maps->q_tma) {
+            const int ahead = prefill_ahead_mode();
+            if (ahead == 32)
+              return launch_prefill_ws_cfg<T, PrefillWsAheadCfg<32>, true, true>(
+                  p, *maps, num_items, prefill_ws_persistent(), stream);
+            if (ahead == 22)
+              return launch_prefill_ws_cfg<T, PrefillWsAheadCfg<22>, true, true>(
+                  p, *maps, num_items, prefill_ws_persistent(), stream);
+            if (ahead == 23)
+              return launch_prefill_ws_cfg<T, PrefillWsAheadCfg<23>, true, true>(
+                  p, *maps, num_items, prefill_ws_persistent(), stream);
+          }
+        }
         if (maps->q_tma)
           return launch_prefill_ws_cfg<T, Cfg, true, true>(p, *maps, num_items,
                                                            prefill_ws_persistent(), stream);
@@ -273,6 +289,23 @@ bool prefill_tma_enabled() {
 }
 
 void set_prefill_tma(bool on) { g_prefill_tma.store(on ? 1 : 0); }
+int prefill_ahead_mode() {
+  int v = g_prefill_ahead.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const auto env = env_integer("ATTNRT_PREFILL_AHEAD", 0, 32, "cuda backend",
+                                 "0 (the d128 prefill CTA's ping-pong loop) or its S one tile "
+                                 "ahead with K / V stages 32, 22 or 23 (10 K + V)");
+    v = env ? static_cast<int>(*env) : 0;
+    if (v != 22 && v != 23) v = v == 0 ? 0 : 32;
+    int expected = -1;
+    // A concurrent set_prefill_ahead wins over the environment.
+    if (!g_prefill_ahead.compare_exchange_strong(expected, v)) v = expected;
+  }
+  return v;
+}
+void set_prefill_ahead(int mode) {
+  g_prefill_ahead.store(mode == 22 || mode == 23 || mode == 32 ? mode : 0);
+}
 
 namespace {
 
