@@ -94,7 +94,7 @@ bool prefill_q_tma_applies(const AttnParams& p);
 bool prefill_ws_q_by_tma(const AttnParams& p, int head_dim, bool fp16, bool ping_pong);
 // S one tile ahead (prefill_ws.cuh's PrefillWsAheadConfig) in the d128 ping-pong CTA where it
 // takes Q by TMA: ATTNRT_PREFILL_AHEAD 0 (off: the ping-pong loop) or its K and V ring stages as
-// 10 K + V (32, 22 or 23; off by default until measured); read once at the first prefill launch unless
+// 10 K + V (32 or 22; off by default until measured); read once at the first prefill launch unless
 // set_prefill_ahead chose first.
 int prefill_ahead_mode();
 void set_prefill_ahead(int mode);

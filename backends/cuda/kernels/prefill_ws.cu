@@ -151,17 +151,14 @@ struct WsCta {
     constexpr bool fp16 = std::is_same_v<T, __half>;
     if constexpr (has_tma_variant(D, PP)) {
       if (const auto maps = tma_maps(p, D, fp16, PP)) {
-        if constexpr (D == 128 && PP) {
+        if constexpr ((D == 64 || D == 128) && PP) {
           if (maps->q_tma) {
             const int ahead = prefill_ahead_mode();
             if (ahead == 32)
-              return launch_prefill_ws_cfg<T, PrefillWsAheadCfg<32>, true, true>(
+              return launch_prefill_ws_cfg<T, PrefillWsAheadCfg<D, 32>, true, true>(
                   p, *maps, num_items, prefill_ws_persistent(), stream);
             if (ahead == 22)
-              return launch_prefill_ws_cfg<T, PrefillWsAheadCfg<22>, true, true>(
-                  p, *maps, num_items, prefill_ws_persistent(), stream);
-            if (ahead == 23)
-              return launch_prefill_ws_cfg<T, PrefillWsAheadCfg<23>, true, true>(
+              return launch_prefill_ws_cfg<T, PrefillWsAheadCfg<D, 22>, true, true>(
                   p, *maps, num_items, prefill_ws_persistent(), stream);
           }
         }
@@ -294,9 +291,10 @@ int prefill_ahead_mode() {
   if (v < 0) {
     const auto env = env_integer("ATTNRT_PREFILL_AHEAD", 0, 32, "cuda backend",
                                  "0 (the d128 prefill CTA's ping-pong loop) or its S one tile "
-                                 "ahead with K / V stages 32, 22 or 23 (10 K + V)");
+                                 "ahead with 3 or 2 K stages and 2 V stages (32 or 22: 10 K + "
+                                 "V)");
     v = env ? static_cast<int>(*env) : 0;
-    if (v != 22 && v != 23) v = v == 0 ? 0 : 32;
+    if (v != 22) v = v == 0 ? 0 : 32;
     int expected = -1;
     // A concurrent set_prefill_ahead wins over the environment.
     if (!g_prefill_ahead.compare_exchange_strong(expected, v)) v = expected;
@@ -304,7 +302,7 @@ int prefill_ahead_mode() {
   return v;
 }
 void set_prefill_ahead(int mode) {
-  g_prefill_ahead.store(mode == 22 || mode == 23 || mode == 32 ? mode : 0);
+  g_prefill_ahead.store(mode == 22 || mode == 32 ? mode : 0);
 }
 
 namespace {

@@ -37,6 +37,10 @@
 //    consumer issues tile i's S together with tile i - 1's P V, then runs tile i's softmax while
 //    the other consumer's MMAs run; a stage is then released one tile later (its V is read in the
 //    next tile's turn).
+//  - S one tile ahead (PrefillWsAheadConfig; head dim 128 with the TMA producer and Q by TMA,
+//    ATTNRT_PREFILL_AHEAD): the ping-pong turns, but a turn issues tile i - 1's P V and tile
+//    i + 1's S, and the softmax of tile i reads an S that completed during the turn before; P
+//    goes through shared memory and K / V through rings of their own (the config's comment).
 //
 // The TMA producer (TMA = true; prefill_ws.cu takes it where prefill_tma_applies: 16-bit KV
 // without an SWA slot map, pages of 8 slots or more, 16-byte aligned pool and rows): the K and V
@@ -172,7 +176,7 @@ using PrefillWsCfg =
 template <int BN, int STAGES, bool PP>
 using PrefillWsMlaCfg = PrefillWsConfig<kMlaMhaHeadDim, kMlaMhaVHeadDim, BN, STAGES, PP>;
 
-// S one tile ahead: the d128 ping-pong CTA with the TMA producer and Q by TMA, where a consumer
+// S one tile ahead: the d64 / d128 ping-pong CTA with the TMA producer and Q by TMA: a consumer
 // issues tile i + 1's S = Q K^T together with tile i - 1's O += P V and then runs tile i's softmax,
 // whose S completed during the previous turn: the S latency leaves the consumer's chain (a tile
 // took the S latency, 774 cycles, plus 2,043 of softmax and hand-over against 2,048 of tensor
@@ -205,8 +209,8 @@ struct PrefillWsAheadConfig : PrefillWsConfig<D, D, 128, NK, true> {
                 "setmaxnreg.inc would wait forever");
 };
 // ATTNRT_PREFILL_AHEAD's modes: 10 NK + NV.
-template <int MODE>
-using PrefillWsAheadCfg = PrefillWsAheadConfig<128, MODE / 10, MODE % 10>;
+template <int D, int MODE>
+using PrefillWsAheadCfg = PrefillWsAheadConfig<D, MODE / 10, MODE % 10>;
 
 // The CTA over fp8 pages (the header comment): head dim D, BN keys a tile, STAGES f16 stages,
 // STAGING staging tiles of fp8 K + V after the barriers, the consumers on f16 MMAs in ping-pong
