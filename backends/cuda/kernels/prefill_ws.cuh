@@ -37,8 +37,8 @@
 //    consumer issues tile i's S together with tile i - 1's P V, then runs tile i's softmax while
 //    the other consumer's MMAs run; a stage is then released one tile later (its V is read in the
 //    next tile's turn).
-//  - S one tile ahead (PrefillWsAheadConfig; head dim 128 with the TMA producer and Q by TMA,
-//    ATTNRT_PREFILL_AHEAD): the ping-pong turns, but a turn issues tile i - 1's P V and tile
+//  - S one tile ahead (PrefillWsAheadConfig; head dims 64 and 128 with the TMA producer and Q by
+//    TMA, ATTNRT_PREFILL_AHEAD): the ping-pong turns, but a turn issues tile i - 1's P V and tile
 //    i + 1's S, and the softmax of tile i reads an S that completed during the turn before; P
 //    goes through shared memory and K / V through rings of their own (the config's comment).
 //
@@ -185,7 +185,7 @@ using PrefillWsMlaCfg = PrefillWsConfig<kMlaMhaHeadDim, kMlaMhaVHeadDim, BN, STA
 // SS P V. K and V run in rings of their own (FlashAttention-3's split pipelines): K(i + 1) is
 // read by the S issued at tile i's turn and released when it completes, V(i - 1) by the P V
 // issued there; with one ring of K + V stages a softmax would hold three stages at once. NK K
-// stages, NV V stages of BN keys; the producer issues K one tile ahead of V.
+// stages, NV V stages of BN keys; the producer issues K NK - 1 tiles ahead of V.
 template <int D, int NK, int NV>
 struct PrefillWsAheadConfig : PrefillWsConfig<D, D, 128, NK, true> {
   using Base = PrefillWsConfig<D, D, 128, NK, true>;
