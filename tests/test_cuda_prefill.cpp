@@ -7,7 +7,8 @@
 // reason) where no CUDA device is usable. Every case runs on the earlier prefill CTA (prefill.cuh),
 // on the warp-specialised one (prefill_ws.cuh) with its cp.async producer without and with its
 // ping-pong, and on the default (the warp-specialised CTA with its TMA producer where it applies:
-// pages of 8 slots or more; each case checks that it does). Pool rows no request uses hold NaN,
+// pages of 8 slots or more; each case checks that it does), there with and without the d64 / d128
+// ping-pong consumers' S one tile ahead (ATTNRT_PREFILL_AHEAD). Pool rows no request uses hold NaN,
 // so a kernel that lets a key past a request's last one into its sums fails.
 #include <gtest/gtest.h>
 
@@ -51,7 +52,8 @@ using test::PrefillCase;
 // CudaPrefillTest runs every case on the earlier prefill CTA (prefill.cuh), CudaPrefillWsTest and
 // CudaPrefillWsPingPongTest on the warp-specialised one (prefill_ws.cuh, ATTNRT_PREFILL_WS=1 and
 // 2) with the cp.async producer (ATTNRT_PREFILL_TMA=0), CudaPrefillWsTmaTest on the default
-// (ATTNRT_PREFILL_WS=-1, ATTNRT_PREFILL_TMA=1); each restores the switches after.
+// (ATTNRT_PREFILL_WS=-1, ATTNRT_PREFILL_TMA=1, ATTNRT_PREFILL_AHEAD=0), CudaPrefillWsAheadTest and
+// CudaPrefillWsAhead2Test on it with ATTNRT_PREFILL_AHEAD=32 and 22; each restores the switches.
 class CudaPrefillTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -74,7 +76,8 @@ class CudaPrefillTest : public ::testing::Test {
   }
   virtual int ws_mode() const { return 0; }
   virtual bool tma() const { return false; }
-  // The d128 ping-pong CTA's S one tile ahead (taken with Q by TMA): 0 off, else its V stages.
+  // The d64 / d128 ping-pong CTA's S one tile ahead (taken with Q by TMA): 0 off, else its ring
+  // mode (10 K + V stages).
   virtual int ahead() const { return 0; }
 
  private:
@@ -99,7 +102,7 @@ class CudaPrefillWsTmaTest : public CudaPrefillTest {
   bool tma() const override { return true; }
 };
 
-// The default with the d128 CTA's S one tile ahead: 3 K and 2 V stages, 2 and 2.
+// The default with the d64 / d128 CTA's S one tile ahead: 3 K and 2 V stages, 2 and 2.
 class CudaPrefillWsAheadTest : public CudaPrefillWsTmaTest {
  protected:
   int ahead() const override { return 32; }
@@ -110,7 +113,7 @@ class CudaPrefillWsAhead2Test : public CudaPrefillWsTmaTest {
   int ahead() const override { return 22; }
 };
 
-// A case of the four suites.
+// A case of the six suites.
 #define PREFILL_CASE(name)                                  \
   void name##Case();                                        \
   TEST_F(CudaPrefillTest, name) { name##Case(); }           \

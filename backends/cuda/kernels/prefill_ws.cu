@@ -24,7 +24,7 @@ constexpr int kWsUnread = -2;
 std::atomic<int> g_prefill_ws{kWsUnread};
 // -1 until the first read; then 0 or 1.
 std::atomic<int> g_prefill_tma{-1};
-// -1 until the first read; then 0, 2 or 3.
+// -1 until the first read; then 0, 22 or 32.
 std::atomic<int> g_prefill_ahead{-1};
 
 // The CTAs with a TMA-producer instantiation.
@@ -289,12 +289,10 @@ void set_prefill_tma(bool on) { g_prefill_tma.store(on ? 1 : 0); }
 int prefill_ahead_mode() {
   int v = g_prefill_ahead.load(std::memory_order_relaxed);
   if (v < 0) {
-    const auto env = env_integer("ATTNRT_PREFILL_AHEAD", 0, 32, "cuda backend",
-                                 "0 (the d128 prefill CTA's ping-pong loop) or its S one tile "
-                                 "ahead with 3 or 2 K stages and 2 V stages (32 or 22: 10 K + "
-                                 "V)");
-    v = env ? static_cast<int>(*env) : 0;
-    if (v != 22) v = v == 0 ? 0 : 32;
+    // 0: the d64 / d128 ping-pong loop; 32 / 22: its S one tile ahead with 3 / 2 K stages and 2
+    // V stages (10 K + V). Anything else is an error that lists these.
+    const auto env = env_choice("ATTNRT_PREFILL_AHEAD", {"0", "32", "22"}, "cuda backend");
+    v = !env || *env == "0" ? 0 : *env == "22" ? 22 : 32;
     int expected = -1;
     // A concurrent set_prefill_ahead wins over the environment.
     if (!g_prefill_ahead.compare_exchange_strong(expected, v)) v = expected;
