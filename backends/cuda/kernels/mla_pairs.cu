@@ -242,7 +242,7 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
           const int b0 = wg == 0 ? 0 : 4;
           const bool rope = (stage == 0) == (wg == 1);
           mbar_arrive_expect_tx(bar, (rope ? 5 : 4) * BN * 128);
-          const int row = static_cast<int>(cr == 0 ? copier.slot[0] : copier.slot[2]);
+          const int row = static_cast<int>(cr == 0 ? copier.slot_at(0) : copier.slot_at(2));
           const uint32_t dst = sKV + stage * C::kTileBytes + 32 * cr * 128;
           for (int i = 0; i < (rope ? 5 : 4); ++i) {
             const int blk = i < 4 ? b0 + i : 8;

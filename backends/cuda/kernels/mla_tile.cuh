@@ -313,11 +313,13 @@ struct MlaTileCopier {
   int ld_row, ld_c, step;
   uint32_t ld_swz;
   int page_mask;
-  // A pool row's stride in bytes and the slots of the tile load() copies next (-1: past the keys):
-  // 32 bits (the pool holds fewer than 2^31 rows, CudaKVCache checks), so a row's address is one
-  // wide multiply-add (row_src).
+  // A pool row's stride in bytes; the rows of the tile load() copies next as page[r], off[r]
+  // (slot_at): the page id as loaded from the page table (the mapped slot through an SWA slot
+  // map) and the key's place in its page (-1: past the keys). 32 bits (the pool holds fewer than
+  // 2^31 rows, CudaKVCache checks), so a row's address is one wide multiply-add (row_src).
   int32_t row_bytes;
-  int32_t slot[RPT];
+  int32_t page[RPT] = {};
+  int32_t off[RPT];
 
   __device__ __forceinline__ MlaTileCopier(const AttnParams& p_, const ReqInfo& req_,
                                            unsigned char* tiles_, int lo_, int hi_, int num_tiles_,
@@ -343,14 +345,40 @@ struct MlaTileCopier {
     return kbytes + static_cast<int64_t>(max(s, 0)) * row_bytes;
   }
 
-  // The slots of this thread's rows of load t (-1: past the keys; the row is zero-filled).
+  // The pool slot of this thread's row r of the prefetched load (-1: past the keys; the row is
+  // zero-filled): computed where a copy needs it, not where its page id is loaded.
+  __device__ __forceinline__ int32_t slot_at(int r) const {
+    return off[r] < 0 ? -1 : p.slot_map ? page[r] : (page[r] << p.page_shift) | off[r];
+  }
+
+  // The page ids of this thread's rows of load t. Without a slot map every row's page-table load
+  // is issued unconditionally (a row past the keys reads the page of key lo) and nothing
+  // consumes its value before the copies (slot_at): with the load under `if (row valid)` and
+  // the slot computed inside it, ptxas had to consume the value inside that block, and every
+  // warp waited there for the page table (7% of the paired-tile CTA's stall samples at page 64,
+  // Nsight Compute, H200).
   __device__ __forceinline__ void prefetch_slots(int t) {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const int j = lo + t * kBN + ld_row + step * r;
-      slot[r] = t < num_tiles && j < hi ? static_cast<int32_t>(slot_of_page(
-                                              p, page_mask, page_id(p, req, j >> p.page_shift), j))
-                                        : -1;
+      off[r] = t < num_tiles && j < hi ? j & page_mask : -1;
+    }
+    if (p.slot_map == nullptr) {
+      if (num_tiles > 0) {
+#pragma unroll
+        for (int r = 0; r < RPT; ++r) {
+          const int j = off[r] >= 0 ? lo + t * kBN + ld_row + step * r : lo;
+          page[r] = page_id(p, req, j >> p.page_shift);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < RPT; ++r) {
+        const int j = lo + t * kBN + ld_row + step * r;
+        if (off[r] >= 0)
+          page[r] = static_cast<int32_t>(
+              slot_of_page(p, page_mask, page_id(p, req, j >> p.page_shift), j));
+      }
     }
   }
 
@@ -359,8 +387,9 @@ struct MlaTileCopier {
   __device__ __forceinline__ void load_into(int stage) {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
-      const bool valid = slot[r] >= 0;
-      const unsigned char* src = row_src(slot[r]);
+      const int32_t slot = slot_at(r);
+      const bool valid = slot >= 0;
+      const unsigned char* src = row_src(slot);
       if constexpr (!FP8) {
         copy_blocks<0, kD / 64>(stage, r, src, valid);
       } else {
@@ -381,7 +410,8 @@ struct MlaTileCopier {
   __device__ __forceinline__ void load_blocks(int stage) {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
-      copy_blocks<B0, B1>(stage, r, row_src(slot[r]), slot[r] >= 0);
+      const int32_t slot = slot_at(r);
+      copy_blocks<B0, B1>(stage, r, row_src(slot), slot >= 0);
     }
   }
   // fp8 (the paired-tile CTA, ld_swz from mla_raw_in_place): a pair of blocks' raw chunks of a
@@ -460,10 +490,10 @@ struct MlaTileCopier {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const int j = lo + t * kBN + ld_row + step * r;
-      slot[r] = -1;
+      off[r] = -1;
       if (t < num_tiles && j < hi) {
-        const int32_t v = static_cast<int32_t>(ld_shared_u32(ids + r * ids_step));
-        slot[r] = p.slot_map ? v : (v << p.page_shift) | (j & page_mask);
+        page[r] = static_cast<int32_t>(ld_shared_u32(ids + r * ids_step));
+        off[r] = j & page_mask;
       }
     }
   }
@@ -487,8 +517,9 @@ struct MlaTileCopier {
 #pragma unroll
     for (int r = 0; r < RPT; ++r) {
       const int key = ld_row + step * r;
-      const bool valid = slot[r] >= 0;
-      const unsigned char* src = row_src(slot[r]);
+      const int32_t slot = slot_at(r);
+      const bool valid = slot >= 0;
+      const unsigned char* src = row_src(slot);
 #pragma unroll
       for (int i = 0; i < (kRowChunks + 7) / 8; ++i) {
         const int c = ld_c + 8 * i;
