@@ -7,8 +7,7 @@
 // reason) where no CUDA device is usable. Every case runs on the earlier prefill CTA (prefill.cuh),
 // on the warp-specialised one (prefill_ws.cuh) with its cp.async producer without and with its
 // ping-pong, and on the default (the warp-specialised CTA with its TMA producer where it applies:
-// pages of 8 slots or more; each case checks that it does), there with and without the d64 / d128
-// ping-pong consumers' S one tile ahead (ATTNRT_PREFILL_AHEAD). Pool rows no request uses hold NaN,
+// pages of 8 slots or more; each case checks that it does). Pool rows no request uses hold NaN,
 // so a kernel that lets a key past a request's last one into its sums fails.
 #include <gtest/gtest.h>
 
@@ -52,38 +51,29 @@ using test::PrefillCase;
 // CudaPrefillTest runs every case on the earlier prefill CTA (prefill.cuh), CudaPrefillWsTest and
 // CudaPrefillWsPingPongTest on the warp-specialised one (prefill_ws.cuh, ATTNRT_PREFILL_WS=1 and
 // 2) with the cp.async producer (ATTNRT_PREFILL_TMA=0), CudaPrefillWsTmaTest on the default
-// (ATTNRT_PREFILL_WS=-1, ATTNRT_PREFILL_TMA=1, ATTNRT_PREFILL_AHEAD=0), CudaPrefillWsAheadTest and
-// CudaPrefillWsAhead2Test on it with ATTNRT_PREFILL_AHEAD=32 and 22; each restores the switches.
+// (ATTNRT_PREFILL_WS=-1, ATTNRT_PREFILL_TMA=1); each restores the switches after.
 class CudaPrefillTest : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!query_cuda().usable) GTEST_SKIP() << "no usable CUDA device: " << query_cuda().reason;
     saved_ = cuda::prefill_ws_mode();
     saved_tma_ = cuda::prefill_tma_enabled();
-    saved_ahead_ = cuda::prefill_ahead_mode();
     cuda::set_prefill_ws_mode(ws_mode());
     cuda::set_prefill_tma(tma());
-    cuda::set_prefill_ahead(ahead());
     ASSERT_EQ(cuda::prefill_ws_mode(), ws_mode());
     ASSERT_EQ(cuda::prefill_tma_enabled(), tma());
-    ASSERT_EQ(cuda::prefill_ahead_mode(), ahead());
   }
   void TearDown() override {
     if (!query_cuda().usable) return;
     cuda::set_prefill_ws_mode(saved_);
     cuda::set_prefill_tma(saved_tma_);
-    cuda::set_prefill_ahead(saved_ahead_);
   }
   virtual int ws_mode() const { return 0; }
   virtual bool tma() const { return false; }
-  // The d64 / d128 ping-pong CTA's S one tile ahead (taken with Q by TMA): 0 off, else its ring
-  // mode (10 K + V stages).
-  virtual int ahead() const { return 0; }
 
  private:
   int saved_ = 0;
   bool saved_tma_ = true;
-  int saved_ahead_ = 0;
 };
 
 class CudaPrefillWsTest : public CudaPrefillTest {
@@ -102,26 +92,13 @@ class CudaPrefillWsTmaTest : public CudaPrefillTest {
   bool tma() const override { return true; }
 };
 
-// The default with the d64 / d128 CTA's S one tile ahead: 3 K and 2 V stages, 2 and 2.
-class CudaPrefillWsAheadTest : public CudaPrefillWsTmaTest {
- protected:
-  int ahead() const override { return 32; }
-};
-
-class CudaPrefillWsAhead2Test : public CudaPrefillWsTmaTest {
- protected:
-  int ahead() const override { return 22; }
-};
-
-// A case of the six suites.
+// A case of the four suites.
 #define PREFILL_CASE(name)                                  \
   void name##Case();                                        \
   TEST_F(CudaPrefillTest, name) { name##Case(); }           \
   TEST_F(CudaPrefillWsTest, name) { name##Case(); }         \
   TEST_F(CudaPrefillWsPingPongTest, name) { name##Case(); } \
   TEST_F(CudaPrefillWsTmaTest, name) { name##Case(); }      \
-  TEST_F(CudaPrefillWsAheadTest, name) { name##Case(); }    \
-  TEST_F(CudaPrefillWsAhead2Test, name) { name##Case(); }   \
   void name##Case()
 
 // The prefill kernel walks the plan's prefill and verify work items: its CTAs must cover the same

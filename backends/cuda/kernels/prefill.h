@@ -92,12 +92,6 @@ bool prefill_q_tma_applies(const AttnParams& p);
 // Whether that launch takes the TMA producer with Q by TMA too (prefill_ws_uses_tma, Q's checks,
 // and the driver encoded q's map).
 bool prefill_ws_q_by_tma(const AttnParams& p, int head_dim, bool fp16, bool ping_pong);
-// S one tile ahead (prefill_ws.cuh's PrefillWsAheadConfig) in the d128 ping-pong CTA where it
-// takes Q by TMA: ATTNRT_PREFILL_AHEAD 0 (off: the ping-pong loop) or its K and V ring stages as
-// 10 K + V (32 or 22; off by default until measured); read once at the first prefill launch unless
-// set_prefill_ahead chose first.
-int prefill_ahead_mode();
-void set_prefill_ahead(int mode);
 
 // The warp-specialised fp8 CTA's TMA producer (prefill_fp8_ws.cuh), taken by prefill_fp8_ws_entry's
 // launch where prefill_tma_enabled, prefill_fp8_tma_applies and the driver encodes the maps (else

@@ -24,8 +24,6 @@ constexpr int kWsUnread = -2;
 std::atomic<int> g_prefill_ws{kWsUnread};
 // -1 until the first read; then 0 or 1.
 std::atomic<int> g_prefill_tma{-1};
-// -1 until the first read; then 0, 22 or 32.
-std::atomic<int> g_prefill_ahead{-1};
 
 // The CTAs with a TMA-producer instantiation.
 constexpr bool has_tma_variant(int head_dim, bool ping_pong) {
@@ -151,17 +149,6 @@ struct WsCta {
     constexpr bool fp16 = std::is_same_v<T, __half>;
     if constexpr (has_tma_variant(D, PP)) {
       if (const auto maps = tma_maps(p, D, fp16, PP)) {
-        if constexpr ((D == 64 || D == 128) && PP) {
-          if (maps->q_tma) {
-            const int ahead = prefill_ahead_mode();
-            if (ahead == 32)
-              return launch_prefill_ws_cfg<T, PrefillWsAheadCfg<D, 32>, true, true>(
-                  p, *maps, num_items, prefill_ws_persistent(), stream);
-            if (ahead == 22)
-              return launch_prefill_ws_cfg<T, PrefillWsAheadCfg<D, 22>, true, true>(
-                  p, *maps, num_items, prefill_ws_persistent(), stream);
-          }
-        }
         if (maps->q_tma)
           return launch_prefill_ws_cfg<T, Cfg, true, true>(p, *maps, num_items,
                                                            prefill_ws_persistent(), stream);
@@ -286,22 +273,6 @@ bool prefill_tma_enabled() {
 }
 
 void set_prefill_tma(bool on) { g_prefill_tma.store(on ? 1 : 0); }
-int prefill_ahead_mode() {
-  int v = g_prefill_ahead.load(std::memory_order_relaxed);
-  if (v < 0) {
-    // 0: the d64 / d128 ping-pong loop; 32 / 22: its S one tile ahead with 3 / 2 K stages and 2
-    // V stages (10 K + V). Anything else is an error that lists these.
-    const auto env = env_choice("ATTNRT_PREFILL_AHEAD", {"0", "32", "22"}, "cuda backend");
-    v = !env || *env == "0" ? 0 : *env == "22" ? 22 : 32;
-    int expected = -1;
-    // A concurrent set_prefill_ahead wins over the environment.
-    if (!g_prefill_ahead.compare_exchange_strong(expected, v)) v = expected;
-  }
-  return v;
-}
-void set_prefill_ahead(int mode) {
-  g_prefill_ahead.store(mode == 22 || mode == 32 ? mode : 0);
-}
 
 namespace {
 

@@ -37,10 +37,6 @@
 //    consumer issues tile i's S together with tile i - 1's P V, then runs tile i's softmax while
 //    the other consumer's MMAs run; a stage is then released one tile later (its V is read in the
 //    next tile's turn).
-//  - S one tile ahead (PrefillWsAheadConfig; head dims 64 and 128 with the TMA producer and Q by
-//    TMA, ATTNRT_PREFILL_AHEAD): the ping-pong turns, but a turn issues tile i - 1's P V and tile
-//    i + 1's S, and the softmax of tile i reads an S that completed during the turn before; P
-//    goes through shared memory and K / V through rings of their own (the config's comment).
 //
 // The TMA producer (TMA = true; prefill_ws.cu takes it where prefill_tma_applies: 16-bit KV
 // without an SWA slot map, pages of 8 slots or more, 16-byte aligned pool and rows): the K and V
@@ -127,14 +123,11 @@ namespace attnrt::cuda {
 template <int D, int DV, int BN, int STAGES, bool PP>
 struct PrefillWsConfig {
   static constexpr bool kKv8 = false;  // K / V in q's 16-bit type (PrefillWsKv8Config: fp8 pages)
-  static constexpr bool kAhead = false;  // S one tile ahead (PrefillWsAheadConfig)
   static constexpr bool kPingPong = PP;
   static constexpr int kHeadDim = D;
   static constexpr int kVHeadDim = DV;
   static constexpr int kBN = BN;
   static constexpr int kStages = STAGES;
-  static constexpr int kKStages = STAGES;  // K and V rings (the same stages but S one ahead)
-  static constexpr int kVStages = STAGES;
   static constexpr int kRows = kPrefillTileRows;
   static constexpr int kConsumers = kRows / 64;  // consumer warpgroups, one m64 block each
   static constexpr int kThreads = 128 * (1 + kConsumers);
@@ -153,8 +146,7 @@ struct PrefillWsConfig {
   static constexpr int kSlotBytes = BN * 4;
   // full[STAGES], empty[STAGES], q full, q empty, unit, 8 bytes that align the two unit slots
   // after them
-  static constexpr int kRingBars = 2 * STAGES;
-  static constexpr int kBarBytes = (kRingBars + 4) * 8 + 2 * int{sizeof(WsUnitSlot)};
+  static constexpr int kBarBytes = (2 * STAGES + 4) * 8 + 2 * int{sizeof(WsUnitSlot)};
   static constexpr int kSmemBytes = 1024 + kQBytes + kRingBytes + kSlotBytes + kBarBytes;
   static_assert(kConsumers == 2 && D % 64 == 0 && DV % 64 == 0 && DV <= D && BN % 64 == 0 &&
                 BN <= 128 && STAGES >= 2);
@@ -175,42 +167,6 @@ using PrefillWsCfg =
 // MLA's MHA form: q / k 192 (128 nope + 64 rope), v 128; 80 KiB a stage at 128 keys, 40 at 64.
 template <int BN, int STAGES, bool PP>
 using PrefillWsMlaCfg = PrefillWsConfig<kMlaMhaHeadDim, kMlaMhaVHeadDim, BN, STAGES, PP>;
-
-// S one tile ahead: the d64 / d128 ping-pong CTA with the TMA producer and Q by TMA: a consumer
-// issues tile i + 1's S = Q K^T together with tile i - 1's O += P V and then runs tile i's softmax,
-// whose S completed during the previous turn: the S latency leaves the consumer's chain (a tile
-// took the S latency, 774 cycles, plus 2,043 of softmax and hand-over against 2,048 of tensor
-// work for both consumers). Two S accumulators are live through a softmax, so P leaves the
-// registers: each consumer stores its P (stmatrix) into a 64 x BN tile of its own, read by an
-// SS P V. K and V run in rings of their own (FlashAttention-3's split pipelines): K(i + 1) is
-// read by the S issued at tile i's turn and released when it completes, V(i - 1) by the P V
-// issued there; with one ring of K + V stages a softmax would hold three stages at once. NK K
-// stages, NV V stages of BN keys; the producer issues K NK - 1 tiles ahead of V.
-template <int D, int NK, int NV>
-struct PrefillWsAheadConfig : PrefillWsConfig<D, D, 128, NK, true> {
-  using Base = PrefillWsConfig<D, D, 128, NK, true>;
-  static constexpr bool kAhead = true;
-  static constexpr int kVStages = NV;
-  static constexpr int kPBytes = Base::kConsumers * 64 * Base::kBN * 2;
-  // K ring, V ring, then the consumers' P tiles
-  static constexpr int kRingBytes = NK * Base::kTileBytes + NV * Base::kVTileBytes + kPBytes;
-  // K full[NK], K empty[NK], V full[NV], V empty[NV]
-  static constexpr int kRingBars = 2 * (NK + NV);
-  static constexpr int kBarBytes = (kRingBars + 4) * 8 + 2 * int{sizeof(WsUnitSlot)};
-  static constexpr int kSmemBytes =
-      1024 + Base::kQBytes + kRingBytes + Base::kSlotBytes + kBarBytes;
-  // O, two S accumulators and the softmax state: the consumers take what setmaxnreg can give.
-  static constexpr int kProducerRegs = 24;
-  static constexpr int kConsumerRegs = 240;
-  static_assert(NK >= 2 && NV >= 2);
-  static_assert(kSmemBytes <= 227 * 1024, "the rings and P must fit one SM's shared memory");
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * Base::kConsumers <=
-                    Base::kLaunchRegs * Base::kThreads,
-                "setmaxnreg.inc would wait forever");
-};
-// ATTNRT_PREFILL_AHEAD's modes: 10 NK + NV.
-template <int D, int MODE>
-using PrefillWsAheadCfg = PrefillWsAheadConfig<D, MODE / 10, MODE % 10>;
 
 // The CTA over fp8 pages (the header comment): head dim D, BN keys a tile, STAGES f16 stages,
 // STAGING staging tiles of fp8 K + V after the barriers, the consumers on f16 MMAs in ping-pong
@@ -274,43 +230,27 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using MT = std::conditional_t<KV8, __half, T>;
   constexpr bool kScaleQ = KV8 && !std::is_same_v<T, __half>;
   static_assert(!(KV8 && TMA), "the TMA producer loads 16-bit pages");
-  constexpr bool AHEAD = Cfg::kAhead;
-  static_assert(!AHEAD || (TMA && QTMA && Cfg::kPingPong), "S one ahead: TMA producer, Q by TMA");
-  // Ring stages: K and V together (NK = ST), or K and V apart (S one ahead).
-  constexpr int NK = Cfg::kKStages, NV = Cfg::kVStages;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = ((raw + 1023) & ~1023u) - raw;
   unsigned char* smem = smem_raw + pad;
   const uint32_t sQ = raw + pad;
   const uint32_t sKV = sQ + Cfg::kQBytes;
-  // S one ahead: the V ring after the K ring, then the consumers' P tiles.
-  const uint32_t sV = sKV + NK * Cfg::kTileBytes;
-  const uint32_t sP = sV + NV * Cfg::kVTileBytes;
   int32_t* sSlot = reinterpret_cast<int32_t*>(smem + Cfg::kQBytes + Cfg::kRingBytes);
   const uint32_t sBar = sKV + Cfg::kRingBytes + Cfg::kSlotBytes;
-  // Stage s's barriers (the K ring's where K and V are apart), then the V ring's.
   auto full_bar = [&](int s) { return sBar + 8 * s; };
-  auto empty_bar = [&](int s) { return sBar + 8 * (NK + s); };
-  auto v_full_bar = [&](int s) { return sBar + 8 * (2 * NK + s); };
-  auto v_empty_bar = [&](int s) { return sBar + 8 * (2 * NK + NV + s); };
-  const uint32_t q_bar = sBar + 8 * Cfg::kRingBars;
+  auto empty_bar = [&](int s) { return sBar + 8 * (ST + s); };
+  const uint32_t q_bar = sBar + 8 * 2 * ST;
   const uint32_t q_empty = q_bar + 8;
   const uint32_t unit_bar = q_bar + 16;
   WsUnitSlot* unit_slot = reinterpret_cast<WsUnitSlot*>(smem + Cfg::kQBytes + Cfg::kRingBytes +
-                                                        Cfg::kSlotBytes + (Cfg::kRingBars + 4) * 8);
+                                                        Cfg::kSlotBytes + (2 * ST + 4) * 8);
 
   const int tid = threadIdx.x, wg = tid >> 7;
   if (tid == 0) {
-    for (int s = 0; s < NK; ++s) {
+    for (int s = 0; s < ST; ++s) {
       mbar_init(full_bar(s), TMA ? 129 : 128);
       mbar_init(empty_bar(s), 4 * Cfg::kConsumers);
-    }
-    if constexpr (AHEAD) {
-      for (int s = 0; s < NV; ++s) {
-        mbar_init(v_full_bar(s), 129);
-        mbar_init(v_empty_bar(s), 4 * Cfg::kConsumers);
-      }
     }
     // Q by TMA: thread 0's arrive.expect_tx alone; else every producer thread's cp.async arrival.
     mbar_init(q_bar, QTMA ? 1 : 128);
@@ -478,65 +418,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             if (chunk >= (BN >> pshift) || it >= num_tiles || j0 + P > hi) return -1;
             return static_cast<int32_t>(key_slot(j0));
           };
-          if constexpr (AHEAD) {
-            // K or V (IS_V) of tile `it` into its own ring, `slot` this thread's chunk's first
-            // slot (resolve_chunk): the boxes, the partial page at hi and the zeros past it by
-            // cp.async, as the shared ring below does for both.
-            auto issue = [&](auto is_v, int it, int32_t slot) {
-              constexpr bool IS_V = decltype(is_v)::value;
-              constexpr int S = IS_V ? NV : NK, DX = IS_V ? DV : D, CHX = IS_V ? CHV : CH;
-              const int n = tile_base + it, stage = n % S;
-              const uint32_t fb = IS_V ? v_full_bar(stage) : full_bar(stage);
-              const int kb = lo + it * BN;
-              const int tma_rows = min(BN, hi - kb) & ~(P - 1);
-              const int j_tail = kb + tma_rows;
-              const int64_t tail_slot = tma_rows < BN && j_tail < hi ? key_slot(j_tail) : 0;
-              if (n >= S)
-                mbar_wait(IS_V ? v_empty_bar(stage) : empty_bar(stage),
-                          static_cast<uint32_t>((n / S) & 1) ^ 1u);
-              const uint32_t dst = IS_V ? sV + stage * Cfg::kVTileBytes
-                                        : sKV + stage * Cfg::kTileBytes;
-              if (tid == 0) mbar_arrive_expect_tx(fb, tma_rows * DX * 2);
-              if (chunk < (BN >> pshift) && (chunk << pshift) < tma_rows) {
-                const uint32_t r0 = (chunk << pshift) * 128;
-#pragma unroll
-                for (int cb = 0; cb < DX / 64; ++cb)
-                  tma_load_3d(dst + cb * BN * 128 + r0, IS_V ? &maps.v : &maps.k, cb * 64, kvh,
-                              slot, fb);
-              }
-              if (tma_rows < BN) {
-                unsigned char* c0 = smem + (dst - sQ);
-                const T* base = IS_V ? vbase : kbase;
-                const int64_t stride = IS_V ? p.v_row_stride : p.k_row_stride;
-#pragma unroll 1
-                for (int i = tid; i < (BN - tma_rows) * CHX; i += 128) {
-                  const int key = tma_rows + i / CHX, c = i % CHX;
-                  const bool valid = kb + key < hi;
-                  const int64_t s = valid ? tail_slot + (key - tma_rows) : 0;
-                  cp_async_16(c0 + swz128_offset(BN, key, c), base + s * stride + c * 8, valid);
-                }
-              }
-              mbar_arrive_cp_async(fb);
-            };
-            // K runs NK - 1 tiles ahead of V: K(it + 1) is read at tile it's turn, V(it) one
-            // turn later, and K's stages come free earlier than V's. Each ring's next page id
-            // is in flight while its current copies are issued.
-            constexpr int kLead = NK - 1;
-            int32_t k_slot = resolve_chunk(0), v_slot = k_slot;
-            int tk = 0;  // the next K tile
-#pragma unroll 1
-            for (int it = 0; it < num_tiles; ++it) {
-#pragma unroll 1
-              for (; tk <= it + kLead && tk < num_tiles; ++tk) {
-                issue(std::false_type{}, tk, k_slot);
-                k_slot = resolve_chunk(tk + 1);
-              }
-              issue(std::true_type{}, it, v_slot);
-              v_slot = resolve_chunk(it + 1);
-              if (it == 0) load_q();
-            }
-            if (num_tiles == 0) load_q();
-          } else {
           int32_t next_slot = resolve_chunk(0);
 #pragma unroll 1
           for (int it = 0; it < num_tiles; ++it) {
@@ -586,7 +467,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             if (it == 0) load_q();
           }
           if (num_tiles == 0) load_q();
-          }
         } else {
           auto resolve = [&](int it) -> int32_t {
             const int j = lo + it * BN + tid;
@@ -881,164 +761,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             turn_pass();
             release(stage_of(it));
           };
-          if constexpr (AHEAD) {
-            // S one tile ahead (PrefillWsAheadConfig). Tile i's turn issues tile i - 1's P V
-            // (from this consumer's P tile in shared memory) and tile i + 1's S; the softmax of
-            // tile i then reads an S that completed during the previous turn. The run's first
-            // turn issues its first two S, its last turn no S; the last P V follows outside the
-            // turns, so every consumer still takes num_tiles turns a unit.
-            auto k_wait = [&](int it) {
-              const int n = tile_base + it;
-              mbar_wait(full_bar(n % NK), static_cast<uint32_t>((n / NK) & 1));
-            };
-            auto v_wait = [&](int it) {
-              const int n = tile_base + it;
-              mbar_wait(v_full_bar(n % NV), static_cast<uint32_t>((n / NV) & 1));
-            };
-            auto k_release = [&](int it) {
-              if (lane == 0) mbar_arrive(empty_bar((tile_base + it) % NK));
-            };
-            auto v_release = [&](int it) {
-              if (lane == 0) mbar_arrive(v_empty_bar((tile_base + it) % NV));
-            };
-            auto k_at = [&](int it) { return sKV + ((tile_base + it) % NK) * Cfg::kTileBytes; };
-            auto v_at = [&](int it) { return sV + ((tile_base + it) % NV) * Cfg::kVTileBytes; };
-            const uint32_t tP = sP + cw * 64 * BN * 2;  // this consumer's 64 x BN P, swizzled
-            // O += P V with P from the consumer's tile, issued as one wgmma group.
-            auto issue_pv_smem = [&](uint32_t tV) {
-              tV = __shfl_sync(0xffffffffu, tV, 0);
-              const uint32_t tp = __shfl_sync(0xffffffffu, tP, 0);
-              const uint64_t p_desc = wgmma_desc(tp, 16), v_desc = wgmma_desc(tV, BN * 128);
-              wgmma_fence();
-#pragma unroll
-              for (int k16 = 0; k16 < BN / 16; ++k16)
-#pragma unroll
-                for (int nb = 0; nb < NO; ++nb) {
-                  const uint64_t da =
-                      desc_at(tp, p_desc, (k16 >> 2) * 64 * 128 + (k16 & 3) * 32, 16);
-                  const uint64_t db = desc_at(tV, v_desc,
-                                              k16 * 16 * 128 + nb * (ON / 64) * BN * 128, BN * 128);
-                  wgmma_ss_mn<ON, MT>(o[nb], da, db, 1);
-                }
-              wgmma_commit();
-            };
-            // The softmax's probabilities into the P tile: the pairs of pack_p are stmatrix's
-            // 8 x 8 fragments (matrix j of a k16 block: rows 8 (j & 1) .., columns 8 (j >> 1) ..
-            // of this warp's 16 rows), lane l addressing row l % 8 of matrix l / 8. The previous
-            // P V, which read the tile, has completed; the async proxy reads it next.
-            // The tile is 1024-byte aligned, so a row's 16-byte chunk c sits at the row's start
-            // with address bits 4-6 XORed by c & 7 (swz128_offset): one XOR with a constant a
-            // store from `st_row`, which holds lane / 16's chunk of k16 = 0 already.
-            const uint32_t st_row =
-                (tP + (wq * 16 + ((lane >> 3) & 1) * 8 + (lane & 7)) * 128) |
-                ((((lane >> 4) ^ lane) & 7) << 4);
-            auto store_p = [&](const float(&s)[BN / 2]) {
-#pragma unroll
-              for (int k16 = 0; k16 < BN / 16; ++k16) {
-                uint32_t r[4];
-                r[0] = pack2<MT>(s[8 * k16], s[8 * k16 + 1]);
-                r[1] = pack2<MT>(s[8 * k16 + 2], s[8 * k16 + 3]);
-                r[2] = pack2<MT>(s[8 * k16 + 4], s[8 * k16 + 5]);
-                r[3] = pack2<MT>(s[8 * k16 + 6], s[8 * k16 + 7]);
-                stmatrix_x4((st_row ^ ((2 * (k16 & 3)) << 4)) + (k16 >> 2) * 64 * 128, r);
-              }
-              fence_proxy_async_smem();
-            };
-            auto pass_tile_kv = [&](int it) {
-              k_wait(it);
-              v_wait(it);
-              turn_sync();
-              turn_pass();
-              k_release(it);
-              v_release(it);
-            };
-            for (int it = 0; it < it_begin; ++it) pass_tile_kv(it);
-            const int b = it_begin, e = it_end;
-            if (b < e) {
-              // A tile's S is complete, and its K stage released, by the end of the step before
-              // its softmax (the S was issued at that step's turn), so that K(i + NK) can load a
-              // whole step before its turn.
-              float sa[BN / 2], sb[BN / 2];
-              float alpha[2];
-              if (e - b == 1) {
-                k_wait(b);
-                fence_proxy_async_smem();
-                turn_sync();
-                issue_s(sa, k_at(b));
-                turn_pass();
-                wgmma_wait<0>();
-                k_release(b);
-                q_done();
-                softmax_tile(sa, lo + b * BN, alpha);  // O is zero: nothing to rescale
-                store_p(sa);
-              } else {
-                k_wait(b);
-                k_wait(b + 1);
-                fence_proxy_async_smem();
-                turn_sync();
-                issue_s(sa, k_at(b));
-                issue_s(sb, k_at(b + 1));
-                turn_pass();
-                wgmma_wait<1>();  // S(b)
-                k_release(b);
-                softmax_tile(sa, lo + b * BN, alpha);
-                store_p(sa);
-                wgmma_wait<0>();  // S(b + 1)
-                k_release(b + 1);
-                // Tile i with its S in `cur` (complete), tile i + 1's issued into `nxt`.
-                auto step = [&](int i, float(&cur)[BN / 2], float(&nxt)[BN / 2]) {
-                  v_wait(i - 1);
-                  k_wait(i + 1);
-                  fence_proxy_async_smem();
-                  turn_sync();
-                  issue_pv_smem(v_at(i - 1));
-                  issue_s(nxt, k_at(i + 1));
-                  turn_pass();
-                  const bool moved = softmax_tile(cur, lo + i * BN, alpha);
-                  wgmma_wait<1>();  // P V (i - 1): O and the P tile are free
-                  v_release(i - 1);
-                  if (moved) rescale_o(alpha);
-                  store_p(cur);
-                  wgmma_wait<0>();  // S(i + 1)
-                  k_release(i + 1);
-                };
-                // The run's last tile: no S to issue; its S was Q's last read.
-                auto last = [&](int i, float(&cur)[BN / 2]) {
-                  q_done();
-                  v_wait(i - 1);
-                  fence_proxy_async_smem();
-                  turn_sync();
-                  issue_pv_smem(v_at(i - 1));
-                  turn_pass();
-                  const bool moved = softmax_tile(cur, lo + i * BN, alpha);
-                  wgmma_wait<0>();
-                  v_release(i - 1);
-                  if (moved) rescale_o(alpha);
-                  store_p(cur);
-                };
-                // Unrolled by two, the S buffers alternating (a copy between them at the loop's
-                // end would make ptxas serialise the MMAs).
-                int i = b + 1;
-                for (; i + 2 < e; i += 2) {
-                  step(i, sb, sa);
-                  step(i + 1, sa, sb);
-                }
-                if (i + 1 < e) {
-                  step(i, sb, sa);
-                  last(i + 1, sa);
-                } else {
-                  last(i, sb);
-                }
-              }
-              // The last P V, outside the turns: every warp of this consumer has stored its rows.
-              v_wait(e - 1);
-              named_bar_sync(kWsConsumerBar + cw, 128);
-              issue_pv_smem(v_at(e - 1));
-              wgmma_wait<0>();
-              v_release(e - 1);
-            }
-            for (int it = it_end; it < num_tiles; ++it) pass_tile_kv(it);
-          } else {
           for (int it = 0; it < it_begin; ++it) pass_tile(it);
           if (it_begin < it_end) {
             uint32_t pa[BN / 16][4];
@@ -1100,7 +822,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             release(last);
           }
           for (int it = it_end; it < num_tiles; ++it) pass_tile(it);
-          }
         }
 
         // ---- Epilogue, as prefill_kernel's for one m64 block.

@@ -84,14 +84,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(smem_addr(smem)));
 }
 
-// Stores four 8 x 8 16-bit matrices: lane l gives the shared address of row l % 8 of matrix l / 8,
-// and r[j] holds this lane's pair (row l / 4, columns 2 (l % 4), + 1) of matrix j.
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
-               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-               : "memory");
-}
-
 // D = A * B + D, A 16x16 (row), B 16x8 (col), fp32 accumulators.
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
