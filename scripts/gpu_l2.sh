@@ -6,22 +6,27 @@
 #  2. the l2 binary's decode / MLA tests, then two rounds of the GQA decode rows under the bench's
 #     write flush (where the patch should gain) and under the clean flush (where it should not);
 #  3. two rounds of the h16 MLA rows, with mla-decode-h128-64x4096 as a control (the paired-tile
-#     CTA does not take the policy).
-#   usage: OUT=$OUT scripts/gpu_l2.sh  (carry .gpubin-main, .gpubin-l2, .devdeps; ~4 min)
+#     CTA does not take the policy);
+#  4. the linear layers' decode kernel (its state's bulk copies under the same policy): the
+#     CudaLinear tests, then two rounds of the gdn / mamba2 decode rows.
+#   usage: OUT=$OUT scripts/gpu_l2.sh  (carry .gpubin-main, .gpubin-l2, .devdeps; ~5 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_call_labels "${CALL_SECONDS:-300}" main l2
+gpu_call_labels "${CALL_SECONDS:-360}" main l2
 f=CudaMlaCta.NativePageSizesWithRaggedLengths
 gpu_stage race_main 60 compute-sanitizer --tool racecheck --print-limit 3 \
   /tmp/ab-bin/main/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$f
 gpu_stage sync_main 30 compute-sanitizer --tool synccheck --num-cuda-barriers 65536 \
   --print-limit 3 /tmp/ab-bin/main/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$f
 rows=decode-1x32768,decode-16x4096,decode-64x4096,decode-64x4096-fp8
-OUT=$O/ab AB_DEADLINE=150 AB_TESTS='CudaBackendTest.*:CudaMlaCta.*:*Split*:*Graph*' \
+OUT=$O/ab AB_DEADLINE=150 AB_TESTS='CudaBackendTest.*:CudaMlaCta.*:*Split*:*Graph*:CudaLinear*' \
   AB_TEST_SECONDS=90 scripts/gpu_ab.sh $rows .gpubin-main .gpubin-l2 2>&1 | tail -n 9 | cut -c1-600
 OUT=$O/clean AB_ENV=ATTNRT_BENCH_FLUSH=clean AB_DEADLINE=60 scripts/gpu_ab.sh $rows .gpubin-main \
   .gpubin-l2 2>&1 | tail -n 5
 mla=mla-decode-h16-1x32768,mla-decode-h16-64x8192,mla-decode-h16-64x8192-fp8
 mla=$mla,mla-decode-h16-64x8192-p1,mla-decode-h128-64x4096
 OUT=$O/mla AB_SUITE=mla AB_DEADLINE=60 scripts/gpu_ab.sh $mla .gpubin-main .gpubin-l2 2>&1 | tail -n 6
+lin=gdn-decode-64,gdn-decode-256,mamba2-decode-64,mamba2-decode-256
+OUT=$O/linear AB_SUITE=linear AB_DEADLINE=60 scripts/gpu_ab.sh $lin .gpubin-main .gpubin-l2 2>&1 |
+  tail -n 6
