@@ -8,12 +8,15 @@
 #  3. two rounds of the h16 MLA rows, with mla-decode-h128-64x4096 as a control (the paired-tile
 #     CTA does not take the policy);
 #  4. the linear layers' decode kernel (its state's bulk copies under the same policy): the
-#     CudaLinear tests, then two rounds of the gdn / mamba2 decode rows.
-#   usage: OUT=$OUT scripts/gpu_l2.sh  (carry .gpubin-main, .gpubin-l2, .devdeps; ~5 min)
+#     CudaLinear tests, then two rounds of the gdn / mamba2 decode rows;
+#  5. on main's binary, the paired-tile CTA's page ids in shared memory (the default at pages up
+#     to 16) against registers (ATTNRT_MLA_PAIRS_IDS_MAX_PAGE=0) on the h128 rows at pages 1 and
+#     16, two rounds alternating.
+#   usage: OUT=$OUT scripts/gpu_l2.sh  (carry .gpubin-main, .gpubin-l2, .devdeps; ~6 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_call_labels "${CALL_SECONDS:-360}" main l2
+gpu_call_labels "${CALL_SECONDS:-420}" main l2
 f=CudaMlaCta.NativePageSizesWithRaggedLengths
 gpu_stage race_main 60 compute-sanitizer --tool racecheck --print-limit 3 \
   /tmp/ab-bin/main/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$f
@@ -30,3 +33,14 @@ OUT=$O/mla AB_SUITE=mla AB_DEADLINE=60 scripts/gpu_ab.sh $mla .gpubin-main .gpub
 lin=gdn-decode-64,gdn-decode-256,mamba2-decode-64,mamba2-decode-256
 OUT=$O/linear AB_SUITE=linear AB_DEADLINE=60 scripts/gpu_ab.sh $lin .gpubin-main .gpubin-l2 2>&1 |
   tail -n 6
+h128=mla-decode-h128-64x4096,mla-decode-h128-64x4096-fp8
+for r in 1 2; do
+  for ids in 16 0; do
+    for page in 1 16; do
+      [ "$(date +%s)" -gt $((GPU_END - 20)) ] && break 3
+      ATTNRT_MLA_PAIRS_IDS_MAX_PAGE=$ids timeout 60 /tmp/ab-bin/main/attnrt bench --backend cuda \
+        --suite mla --no-reference --quiet --page-size $page --workload $h128 2>&1 |
+        bench_rates "ids<=$ids page$page r$r"
+    done
+  done
+done

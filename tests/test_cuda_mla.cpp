@@ -328,6 +328,38 @@ TEST(CudaMlaCta, PairedTileCtaAndTheSplitCtaInEveryMode) {
   cuda::set_mla_pairs_mc(mc_before);
   cuda::set_mla_pairs(before);
 }
+
+// The paired-tile CTA's two page-id instances (ATTNRT_MLA_PAIRS_IDS_MAX_PAGE): the ids through
+// shared memory at every page size (limit 128), then in registers at every page size (limit 0),
+// bf16 and e4m3 latents at 128 heads, decode / verify / draft-extend steps with ragged lengths.
+TEST(CudaMlaCta, PairedTileCtaPageIdsBothWaysAtEveryPageSize) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = test::test_seed();
+  std::mt19937_64 rng(seed);
+  const bool pairs_before = cuda::mla_pairs_enabled();
+  const bool mc_before = cuda::mla_pairs_mc_enabled();
+  const int ids_before = cuda::mla_pairs_ids_max_page();
+  cuda::set_mla_pairs(true);
+  cuda::set_mla_pairs_mc(false);
+  for (int limit : {128, 0}) {
+    cuda::set_mla_pairs_ids_max_page(limit);
+    for (int page : {1, 16, 32, 64}) {
+      for (DType kv : {DType::bf16, DType::e4m3}) {
+        for (CaseSpec& s : every_mode({mla(128)}, kv, seed++)) {
+          if (s.mode == ForwardMode::EXTEND || s.mode == ForwardMode::MIXED) continue;
+          s.page_size = page;
+          for (int32_t& p : s.prefix_lens) p = static_cast<int32_t>(rng() % 700) + (p > 0 ? 1 : 0);
+          s.label += std::string(limit > 0 ? " ids in shared memory" : " ids in registers") +
+                     " page " + std::to_string(page) + " " + std::string(dtype_name(kv));
+          expect_matches_reference(s);
+        }
+      }
+    }
+  }
+  cuda::set_mla_pairs_ids_max_page(ids_before);
+  cuda::set_mla_pairs_mc(mc_before);
+  cuda::set_mla_pairs(pairs_before);
+}
 #endif
 
 // One long request (many splits and their merge) beside short ones, soft-cap on, large logits.

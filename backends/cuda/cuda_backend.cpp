@@ -95,6 +95,7 @@ CudaBackend::CudaBackend(const BackendContext& ctx) : OnePathAttnBackend(ctx) {
   mla_pairs_enabled();
   mla_pairs_mc_enabled();
   mla_pairs_fp8_max_page();
+  mla_pairs_ids_max_page();
   for (const LayerSpec& l : ctx.model->layers) {
     if (!l.uses_kv_cache() || l.num_kv_heads <= 0) continue;
     const int g = l.num_q_heads / l.num_kv_heads;

@@ -45,9 +45,9 @@ std::string describe(AttnCta cta, const AttnKernelKey& k, int rows) {
             "warpgroup scoring a whole tile and holding half of the 512 output columns, so one "
             "warpgroup's softmax runs under the other's MMAs; 64 (token, head) rows a CTA ({} rows "
             "a request), split-KV when the batch leaves SMs idle, the next tile's page ids through "
-            "shared memory at pages of up to 16 slots{} - MLA's 576 / 512 dims with bf16 q{} "
-            "[ATTNRT_MLA_PAIRS=0: mla_decode.cu's CTA instead]",
-            rows,
+            "shared memory at pages of up to {} slots [ATTNRT_MLA_PAIRS_IDS_MAX_PAGE]{} - MLA's "
+            "576 / 512 dims with bf16 q{} [ATTNRT_MLA_PAIRS=0: mla_decode.cu's CTA instead]",
+            rows, mla_pairs_ids_max_page(),
             !fp8 && mla_pairs_mc_enabled()
                 ? ", and at 128 heads and pages of 32 slots or more a token's two CTAs in a "
                   "cluster, each tile's TMA boxes multicast to both [ATTNRT_MLA_MC=1]"

@@ -31,6 +31,11 @@ void set_mla_pairs_mc(bool on);
 // The largest page size at which an fp8 latent takes the paired-tile CTA (mla_decode.cu's CTA
 // above): ATTNRT_MLA_FP8_PAIRS_MAX_PAGE, 128 (every page size) unless set (read once).
 int mla_pairs_fp8_max_page();
+// The largest page size at which the paired-tile CTA takes its page ids through shared memory
+// (above it, in registers): ATTNRT_MLA_PAIRS_IDS_MAX_PAGE, 16 unless set (read once), or
+// set_mla_pairs_ids_max_page (tests).
+int mla_pairs_ids_max_page();
+void set_mla_pairs_ids_max_page(int slots);
 // The keys-on-M MLA CTA (mla_keys_m.cu) for items of at most 16 rows (the decode tile shape);
 // empty for keys it does not take.
 AttnCtaEntry mla_keys_m_entry(const AttnKernelKey& key);

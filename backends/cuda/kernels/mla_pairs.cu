@@ -603,9 +603,17 @@ EnvSwitch g_mc("ATTNRT_MLA_MC", 0, 1, 0, "cuda backend",
 EnvSwitch g_fp8_max_page("ATTNRT_MLA_FP8_PAIRS_MAX_PAGE", 0, 128, 128, "cuda backend",
                          "the largest page size (0 .. 128) at which an fp8 latent takes the "
                          "paired-tile CTA; 0 never, 128 (every page size) the default");
+// Where the page ids go through shared memory (the IDS instance) rather than registers: chosen at
+// 16 slots when the registers instance still consumed each page id in the block that loaded it
+// (page 1 1.35x, 32 0.93x, 64 0.91x with the shared-memory ids); the registers instance has
+// since taken its ids late (1.055x at page 64), so the limit is a switch for the A/B at 1 .. 16.
+EnvSwitch g_ids_max_page("ATTNRT_MLA_PAIRS_IDS_MAX_PAGE", 0, 128, 16, "cuda backend",
+                         "the largest page size (0 .. 128) at which the paired-tile CTA takes its "
+                         "page ids through shared memory; 16 the default, 0 never");
 
-// The launch: page ids through shared memory at pages of up to 16 slots, in registers above
-// (H100, h128-64x4096: page 1 1.35x, 16 1.015x, 32 0.93x, 64 0.98x with the shared-memory ids).
+// The launch: page ids through shared memory at pages of up to ATTNRT_MLA_PAIRS_IDS_MAX_PAGE
+// slots (16), in registers above (H100, h128-64x4096, before the late ids of the registers
+// instance: page 1 1.35x, 16 1.015x, 32 0.93x, 64 0.98x with the shared-memory ids).
 template <bool FP8, bool E5M2>
 struct MlaPairsCta {
   template <bool IDS>
@@ -626,8 +634,9 @@ struct MlaPairsCta {
         cudaGetLastError();  // a device that cannot place the clusters: one CTA an item below
       }
     }
-    return p.page_shift <= 4 ? Cta<true>::launch(p, key, num_items, stream, dependent)
-                             : Cta<false>::launch(p, key, num_items, stream, dependent);
+    return (1L << p.page_shift) <= g_ids_max_page.get()
+               ? Cta<true>::launch(p, key, num_items, stream, dependent)
+               : Cta<false>::launch(p, key, num_items, stream, dependent);
   }
   static int occupancy(const AttnKernelKey& key) { return Cta<false>::occupancy(key); }
 };
@@ -643,6 +652,10 @@ bool mla_pairs_mc_enabled() { return g_mc.get() != 0; }
 void set_mla_pairs_mc(bool on) { g_mc.set(on ? 1 : 0); }
 
 int mla_pairs_fp8_max_page() { return static_cast<int>(g_fp8_max_page.get()); }
+
+int mla_pairs_ids_max_page() { return static_cast<int>(g_ids_max_page.get()); }
+
+void set_mla_pairs_ids_max_page(int slots) { g_ids_max_page.set(slots); }
 
 AttnCtaEntry mla_pairs_entry(const AttnKernelKey& key) {
   if (key.head_dim != kMlaHeadDim || key.v_head_dim != kMlaVHeadDim || key.fp16) return {};
