@@ -12,19 +12,19 @@
 #  5. on main's binary, the paired-tile CTA's page ids in shared memory (the default at pages up
 #     to 16) against registers (ATTNRT_MLA_PAIRS_IDS_MAX_PAGE=0) on the h128 rows at pages 1 and
 #     16, two rounds alternating.
-#   usage: OUT=$OUT scripts/gpu_l2.sh  (carry .gpubin-main, .gpubin-l2, .devdeps; ~6 min)
+#   usage: OUT=$OUT scripts/gpu_l2.sh  (carry .gpubin-main, .gpubin-l2, .devdeps; ~7 min)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpubin.sh
-gpu_call_labels "${CALL_SECONDS:-420}" main l2
+gpu_call_labels "${CALL_SECONDS:-480}" main l2
 f=CudaMlaCta.NativePageSizesWithRaggedLengths
 gpu_stage race_main 60 compute-sanitizer --tool racecheck --print-limit 3 \
   /tmp/ab-bin/main/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$f
 gpu_stage sync_main 30 compute-sanitizer --tool synccheck --num-cuda-barriers 65536 \
   --print-limit 3 /tmp/ab-bin/main/attnrt_cuda_tests --gtest_brief=1 --gtest_filter=$f
 rows=decode-1x32768,decode-16x4096,decode-64x4096,decode-64x4096-fp8
-OUT=$O/ab AB_DEADLINE=150 AB_TESTS='CudaBackendTest.*:CudaMlaCta.*:*Split*:*Graph*:CudaLinear*' \
-  AB_TEST_SECONDS=90 scripts/gpu_ab.sh $rows .gpubin-main .gpubin-l2 2>&1 | tail -n 9 | cut -c1-600
+OUT=$O/ab AB_DEADLINE=240 AB_TESTS='CudaBackendTest.*:CudaMlaCta.*:*Split*:*Graph*:CudaLinear*' \
+  AB_TEST_SECONDS=150 scripts/gpu_ab.sh $rows .gpubin-main .gpubin-l2 2>&1 | tail -n 9 | cut -c1-600
 OUT=$O/clean AB_ENV=ATTNRT_BENCH_FLUSH=clean AB_DEADLINE=60 scripts/gpu_ab.sh $rows .gpubin-main \
   .gpubin-l2 2>&1 | tail -n 5
 mla=mla-decode-h16-1x32768,mla-decode-h16-64x8192,mla-decode-h16-64x8192-fp8
