@@ -117,7 +117,8 @@ __device__ __forceinline__ void mla_pairs_s(float (&s)[MlaPairsCfg::kBN / 2], ui
 // A warpgroup's named barrier over its own 128 threads (fp8: the converted tile published).
 constexpr int kBarCvt = 3;  // + wg
 
-// IDS: the copiers' page ids through shared memory (pages of up to 16 slots), else in registers.
+// IDS: the copiers' page ids through shared memory (the launch takes it at pages of up to
+// ATTNRT_MLA_PAIRS_IDS_MAX_PAGE slots, 16), else in registers.
 // MC (registers, with kmap): the two CTAs of a cluster, the two 64-row items of one token, copy
 // the whole tiles half each and multicast them (see mla_pairs_mc_kernel).
 // FP8 / E5M2: the latent cache holds fp8 bytes (e4m3 or e5m2): each tile lands raw in the bf16
@@ -195,8 +196,8 @@ __device__ __forceinline__ void mla_pairs_body(const AttnParams& p, const CUtens
       FP8 ? mla_raw_in_place(ld_row, ld_c) : ld_row * 128 + ((ld_c ^ (ld_row & 7)) << 4);
   MlaTileCopier<T, FP8, E5M2, 4> copier{
       p, req, smem + C::kQBytes, lo, hi, num_tiles, kvh, ld_row, ld_c, ld_swz, 16};
-  // Page ids. IDS (pages of up to 16 slots, where a thread's four rows of a tile lie on four
-  // pages): by cp.async into shared memory, the next load's ids issued before each load's copies
+  // Page ids. IDS (by default pages of up to 16 slots, where a thread's four rows of a tile lie
+  // on four pages): by cp.async into shared memory, the next load's ids issued before each load's copies
   // (their own group), and cp.async.wait_group 2 before those copies finds this load's ids
   // landed with the previous load's copies and the next ids still in flight. A thread's loads go
   // in the order 0, 1, 2, 3, ... (warpgroup 0) or 0, 1, 3, 2, 5, 4, ... (warpgroup 1); the ring
@@ -612,8 +613,7 @@ EnvSwitch g_ids_max_page("ATTNRT_MLA_PAIRS_IDS_MAX_PAGE", 0, 128, 16, "cuda back
                          "page ids through shared memory; 16 the default, 0 never");
 
 // The launch: page ids through shared memory at pages of up to ATTNRT_MLA_PAIRS_IDS_MAX_PAGE
-// slots (16), in registers above (H100, h128-64x4096, before the late ids of the registers
-// instance: page 1 1.35x, 16 1.015x, 32 0.93x, 64 0.98x with the shared-memory ids).
+// slots, in registers above (g_ids_max_page says why).
 template <bool FP8, bool E5M2>
 struct MlaPairsCta {
   template <bool IDS>
